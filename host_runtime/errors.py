@@ -1,0 +1,100 @@
+"""The one exception hierarchy of the host runtime.
+
+Classes are chosen by *cause*, the way trio does it:
+
+- ``BadRequestError``: the caller gave wrong input (names, shapes, dtypes,
+  sizes, replica ids, options). Nothing was sent to a device; the object that
+  raised it is still usable.
+- ``PopefError``: a model file is damaged, truncated or inconsistent.
+- ``InvalidStateError``: the call does not fit the object's state (closed,
+  stopped, not bound to a device).
+- ``DeviceUnavailableError``: no device matching the request could be attached.
+- ``DeviceLostError``: the emulated IPU process died or stopped answering.
+- ``DeviceTimeoutError``: a wait on a device (or on input data) timed out.
+- ``DeviceExecutionError``: the program failed on the device; ``__cause__``
+  carries the device-side traceback as a ``RemoteTraceback``.
+- ``PackageHashMismatchError``: the executable was compiled by another
+  emulator version.
+
+Wire-level errors from ``shm`` are translated into these at the boundary.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ModelRuntimeError",
+    "BadRequestError",
+    "PopefError",
+    "InvalidStateError",
+    "DeviceUnavailableError",
+    "DeviceLostError",
+    "DeviceTimeoutError",
+    "DeviceExecutionError",
+    "PackageHashMismatchError",
+    "RemoteTraceback",
+]
+
+
+class ModelRuntimeError(Exception):
+    """Base class of every error the host runtime raises on purpose."""
+
+
+class BadRequestError(ModelRuntimeError, ValueError):
+    """The caller's input is wrong; the message says what was expected and what was given."""
+
+
+class PopefError(ModelRuntimeError, ValueError):
+    """A PopEF file is damaged, truncated, inconsistent or unsupported.
+
+    The message names the file, the blob and the byte offset where known.
+    """
+
+    def __init__(self, message: str, *, path: str | None = None, blob: str | None = None,
+                 offset: int | None = None) -> None:
+        parts = []
+        if path is not None:
+            parts.append(f"file {path!r}")
+        if blob is not None:
+            parts.append(f"blob {blob}")
+        if offset is not None:
+            parts.append(f"offset {offset}")
+        where = (" [" + ", ".join(parts) + "]") if parts else ""
+        super().__init__(message + where)
+        self.path = path
+        self.blob = blob
+        self.offset = offset
+
+
+class InvalidStateError(ModelRuntimeError, RuntimeError):
+    """The object is closed, stopped or not bound; the call cannot proceed."""
+
+
+class DeviceUnavailableError(ModelRuntimeError, RuntimeError):
+    """No device matching the request could be attached."""
+
+
+class DeviceLostError(ModelRuntimeError, RuntimeError):
+    """An emulated IPU process died or stopped answering."""
+
+
+class DeviceTimeoutError(ModelRuntimeError, TimeoutError):
+    """A wait on a device, or on data the device needs, timed out."""
+
+
+class DeviceExecutionError(ModelRuntimeError, RuntimeError):
+    """A program failed on the device. ``__cause__`` is a RemoteTraceback."""
+
+
+class PackageHashMismatchError(ModelRuntimeError, RuntimeError):
+    """The executable's package hash differs from the runtime's."""
+
+
+class RemoteTraceback(Exception):
+    """Carries the text of a traceback from another process (as concurrent.futures does)."""
+
+    def __init__(self, tb: str) -> None:
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self) -> str:
+        return self.tb

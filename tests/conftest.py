@@ -1,0 +1,68 @@
+"""Test-wide fixtures.
+
+- Each test process gets its own shared-memory tag and its own emulated
+  machine (IPU_EMULATOR_HOME), so xdist workers never contend for the same
+  emulated IPUs or see each other's /dev/shm objects.
+- ``shm_leak_probe`` (autouse) fails any test that leaves objects of this
+  process's tag in /dev/shm.
+- A deadlock guard dumps every thread's traceback if a test hangs.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import secrets
+import sys
+import tempfile
+
+import pytest
+
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "main")
+_TAG = "t" + secrets.token_hex(4)
+os.environ["IPU_EMULATOR_SHM_TAG"] = _TAG
+_HOME = tempfile.mkdtemp(prefix=f"ipuemu-home-{_WORKER}-")
+os.environ.setdefault("IPU_EMULATOR_HOME", _HOME)
+
+# Deadlock guard: a test that hangs for this long dumps all stacks and exits.
+_HANG_SECONDS = float(os.environ.get("IPU_EMULATOR_TEST_HANG_SECONDS", "240"))
+
+
+def _ours() -> set[str]:
+    try:
+        names = os.listdir("/dev/shm")
+    except FileNotFoundError:
+        return set()
+    marker = f"ipuemu_{_TAG}_"
+    return {n for n in names if marker in n}
+
+
+@pytest.fixture(autouse=True)
+def shm_leak_probe(request):
+    before = _ours()
+    faulthandler.dump_traceback_later(_HANG_SECONDS, exit=True, file=sys.stderr)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    leaked = _ours() - before
+    if leaked and not request.node.get_closest_marker("allow_shm_leak"):
+        # Clean up so one leak does not fail every later test, then fail.
+        _remove(leaked)
+        pytest.fail(f"test left shared-memory objects in /dev/shm: {sorted(leaked)}")
+
+
+def _remove(names: set[str]) -> None:
+    for n in names:
+        try:
+            os.unlink(os.path.join("/dev/shm", n))
+        except OSError:
+            pass
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "allow_shm_leak: the test checks leaks itself")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _remove(_ours())
