@@ -1,0 +1,39 @@
+"""PopEF: the model file format (data model, reader, writer, model builder).
+
+Spelled as the seeds' Python listings use it::
+
+    from host_runtime import popef
+    reader = popef.Reader()
+    reader.parseFile(path)
+    model = popef.ModelBuilder(reader).createModel()
+    for anchor in model.metadata.anchors(): ...
+"""
+
+from host_runtime.popef._format import BlobType
+from host_runtime.popef.builder import ModelBuilder, load_model
+from host_runtime.popef.model import (Anchor, DataType, ExecutableBlob, FeedData, Metadata,
+                                      Model, Opaque, ProgramFlow, TensorData, TensorInfo,
+                                      TensorType)
+from host_runtime.popef.reader import BlobInfo, Reader
+from host_runtime.popef.writer import Writer, save_model
+
+__all__ = [
+    "Anchor",
+    "BlobInfo",
+    "BlobType",
+    "DataType",
+    "ExecutableBlob",
+    "FeedData",
+    "Metadata",
+    "Model",
+    "ModelBuilder",
+    "Opaque",
+    "ProgramFlow",
+    "Reader",
+    "TensorData",
+    "TensorInfo",
+    "TensorType",
+    "Writer",
+    "load_model",
+    "save_model",
+]

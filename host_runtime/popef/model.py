@@ -9,12 +9,13 @@ tests rely on.
 from __future__ import annotations
 
 import enum
+import zlib
 from dataclasses import dataclass, field
 from typing import Iterable
 
 import numpy as np
 
-from host_runtime.errors import BadRequestError
+from host_runtime.errors import BadRequestError, PopefError
 
 __all__ = [
     "DataType",
@@ -332,8 +333,11 @@ class ExecutableBlob:
         """The executable bytes, decompressed."""
         if not self.compressed:
             return self.data
-        import zlib
-        return zlib.decompress(self.data)
+        try:
+            return zlib.decompress(self.data)
+        except zlib.error as exc:
+            raise PopefError(f"compressed executable {self.exec_name!r} is damaged: {exc}",
+                             blob=f"executable {self.exec_name!r}") from None
 
 
 @dataclass

@@ -1,0 +1,314 @@
+"""``Reader``: parse PopEF files into blobs, checking every byte it trusts.
+
+A reader accumulates the blobs of every file it parses (the seeds call
+``parseFile`` once per path, then hand the reader to ``ModelBuilder``).
+Each blob remembers where it came from (``BlobInfo``) so that later
+consistency errors can name the file, the blob and the offset.
+
+Any damage raises ``PopefError``; no struct, json, zlib, numpy or Unicode
+error escapes, and no length read from the file is used before it has been
+checked against the bytes the file still holds.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import zlib
+from dataclasses import dataclass
+from typing import BinaryIO, Union
+
+from host_runtime.errors import PopefError
+from host_runtime.popef import _format as fmt
+from host_runtime.popef._schema import SchemaError, decode_metadata
+from host_runtime.popef.model import (ExecutableBlob, FeedData, Metadata, Opaque, TensorData)
+
+__all__ = ["Reader", "BlobInfo"]
+
+_log = logging.getLogger(__name__)
+
+BytesLike = Union[bytes, bytearray, memoryview]
+
+
+@dataclass(frozen=True)
+class BlobInfo:
+    """Where one blob was found and what its header said."""
+
+    type: fmt.BlobType
+    name: str
+    path: str
+    offset: int          # of the blob header, from the start of the file
+    size: int            # total bytes: header + name + payload
+    payload_size: int    # bytes stored (compressed size for compressed executables)
+    checksum: int        # crc32 of the stored payload (verified)
+    compressed: bool
+    aux: int             # feed data: transfers; compressed executable: decompressed size
+
+    @property
+    def label(self) -> str:
+        """``tensor data 'weights'``: how error messages name this blob."""
+        return f"{self.type.label} {self.name!r}"
+
+
+Blob = Union[Metadata, ExecutableBlob, TensorData, FeedData, Opaque]
+
+
+class Reader:
+    """Parses one or more PopEF files; the blobs of all of them are kept."""
+
+    def __init__(self) -> None:
+        self._entries: list[tuple[BlobInfo, Blob]] = []
+        self._paths: list[str] = []
+
+    # -- parsing ------------------------------------------------------------
+
+    def parseFile(self, path: str | os.PathLike[str]) -> None:
+        """Parse every blob of the file at ``path``."""
+        spath = os.fspath(path)
+        try:
+            f = open(spath, "rb")
+        except OSError as exc:
+            raise PopefError(f"cannot open PopEF file: {exc.strerror or exc}",
+                             path=spath) from None
+        with f:
+            try:
+                size = os.fstat(f.fileno()).st_size
+            except OSError as exc:  # pragma: no cover - fstat on an open file
+                raise PopefError(f"cannot stat PopEF file: {exc}", path=spath) from None
+            self._parse(f, size, spath)
+
+    def parseStream(self, stream: BinaryIO | BytesLike, name: str = "<bytes>") -> None:
+        """Parse a PopEF image from bytes or a binary stream (read to its end)."""
+        if isinstance(stream, (bytes, bytearray, memoryview)):
+            data = bytes(stream)
+            self._parse(io.BytesIO(data), len(data), name)
+            return
+        try:
+            if stream.seekable():
+                start = stream.tell()
+                end = stream.seek(0, io.SEEK_END)
+                stream.seek(start)
+                self._parse(_Window(stream, start), end - start, name)
+                return
+            data = stream.read()
+        except OSError as exc:
+            raise PopefError(f"cannot read PopEF stream: {exc}", path=name) from None
+        if not isinstance(data, (bytes, bytearray)):
+            raise PopefError(f"stream returned {type(data).__name__}, expected bytes "
+                             "(open it in binary mode)", path=name)
+        self._parse(io.BytesIO(bytes(data)), len(data), name)
+
+    # -- what was read ---------------------------------------------------------
+
+    def metadata(self) -> list[Metadata]:
+        return [b for _, b in self._entries if isinstance(b, Metadata)]
+
+    def executables(self) -> list[ExecutableBlob]:
+        return [b for _, b in self._entries if isinstance(b, ExecutableBlob)]
+
+    def tensors(self) -> list[TensorData]:
+        return [b for _, b in self._entries if isinstance(b, TensorData)]
+
+    def feeds(self) -> list[FeedData]:
+        return [b for _, b in self._entries if isinstance(b, FeedData)]
+
+    def opaqueBlobs(self) -> list[Opaque]:
+        return [b for _, b in self._entries if isinstance(b, Opaque)]
+
+    def blobs(self) -> list[BlobInfo]:
+        """Every blob parsed so far, in file order."""
+        return [info for info, _ in self._entries]
+
+    def entries(self) -> list[tuple[BlobInfo, Blob]]:
+        """Every blob with where it came from (used by ``ModelBuilder``)."""
+        return list(self._entries)
+
+    def paths(self) -> list[str]:
+        return list(self._paths)
+
+    # -- the parser --------------------------------------------------------------
+
+    def _parse(self, f: BinaryIO, size: int, path: str) -> None:
+        parsed = _FileParser(f, size, path).parse()
+        # All or nothing: a damaged file adds no blobs.
+        self._entries.extend(parsed)
+        self._paths.append(path)
+        _log.debug("parsed %d blobs from %s", len(parsed), path)
+
+
+class _Window:
+    """A seekable stream seen from ``start`` (so offsets are relative to it)."""
+
+    def __init__(self, stream: BinaryIO, start: int) -> None:
+        self._s = stream
+        self._start = start
+
+    def read(self, n: int) -> bytes:
+        return self._s.read(n)
+
+    def seek(self, pos: int) -> int:
+        return self._s.seek(self._start + pos) - self._start
+
+
+class _FileParser:
+    def __init__(self, f: BinaryIO, size: int, path: str) -> None:
+        self.f = f
+        self.size = size
+        self.path = path
+
+    def error(self, msg: str, offset: int, blob: str | None = None) -> PopefError:
+        return PopefError(msg, path=self.path, blob=blob, offset=offset)
+
+    def read_exact(self, offset: int, n: int, what: str, blob: str | None = None) -> bytes:
+        # Callers have already checked offset + n <= size; a short read means
+        # the file shrank while we read it.
+        try:
+            self.f.seek(offset)
+            data = self.f.read(n)
+        except (OSError, ValueError) as exc:
+            raise self.error(f"cannot read {what}: {exc}", offset, blob) from None
+        if not isinstance(data, (bytes, bytearray)) or len(data) != n:
+            got = len(data) if isinstance(data, (bytes, bytearray)) else 0
+            raise self.error(f"file is truncated: {what} needs {n} bytes, got {got}",
+                             offset, blob)
+        return bytes(data)
+
+    def parse(self) -> list[tuple[BlobInfo, Blob]]:
+        if self.size < fmt.FILE_HEADER_SIZE:
+            raise self.error(f"file is truncated: {self.size} bytes is shorter than the "
+                             f"{fmt.FILE_HEADER_SIZE}-byte PopEF file header", 0)
+        magic, version, reserved = fmt.unpack_file_header(
+            self.read_exact(0, fmt.FILE_HEADER_SIZE, "the file header"))
+        if magic != fmt.FILE_MAGIC:
+            raise self.error(f"not a PopEF file: magic is {magic!r}, expected "
+                             f"{fmt.FILE_MAGIC!r}", 0)
+        if version != fmt.FILE_FORMAT_VERSION:
+            raise self.error(f"unsupported PopEF file format version {version}; this "
+                             f"reader supports version {fmt.FILE_FORMAT_VERSION}", 8)
+        if reserved != 0:
+            raise self.error(f"file header reserved field is {reserved}, expected 0", 12)
+        out: list[tuple[BlobInfo, Blob]] = []
+        offset = fmt.FILE_HEADER_SIZE
+        index = 0
+        while offset < self.size:
+            info, blob = self.parse_blob(offset, index)
+            out.append((info, blob))
+            offset += info.size
+            index += 1
+        return out
+
+    def parse_blob(self, offset: int, index: int) -> tuple[BlobInfo, Blob]:
+        where = f"#{index}"
+        remaining = self.size - offset
+        if remaining < fmt.BLOB_HEADER_SIZE:
+            raise self.error(f"file is truncated: {remaining} bytes left, a blob header "
+                             f"needs {fmt.BLOB_HEADER_SIZE}", offset, where)
+        raw = self.read_exact(offset, fmt.BLOB_HEADER_SIZE, "a blob header", where)
+        h = fmt.unpack_blob_header(raw)
+        if h.magic != fmt.BLOB_MAGIC:
+            raise self.error(f"blob header magic is {h.magic!r}, expected {fmt.BLOB_MAGIC!r} "
+                             "(damaged file or a wrong blob size before it)", offset, where)
+        if h.name_len > fmt.MAX_NAME_BYTES:
+            raise self.error(f"blob name length {h.name_len} exceeds the limit of "
+                             f"{fmt.MAX_NAME_BYTES} bytes", offset + 16, where)
+        if h.total_size > remaining:
+            raise self.error(f"blob size {h.total_size} is larger than the {remaining} "
+                             "bytes left in the file (truncated or damaged)", offset + 8, where)
+        if h.total_size != fmt.BLOB_HEADER_SIZE + h.name_len + h.payload_len:
+            raise self.error(f"blob size {h.total_size} disagrees with header "
+                             f"({fmt.BLOB_HEADER_SIZE}) + name ({h.name_len}) + payload "
+                             f"({h.payload_len}) bytes", offset + 8, where)
+        name_raw = self.read_exact(offset + fmt.BLOB_HEADER_SIZE, h.name_len, "a blob name",
+                                   where)
+        if fmt.header_crc(raw, name_raw) != h.header_crc:
+            raise self.error("blob header checksum mismatch (the header or the name is "
+                             "damaged)", offset, where)
+        try:
+            name = name_raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise self.error("blob name is not valid UTF-8", offset + fmt.BLOB_HEADER_SIZE,
+                             where) from None
+        try:
+            btype = fmt.BlobType(h.blob_type)
+        except ValueError:
+            raise self.error(f"unknown blob type {h.blob_type}; expected one of "
+                             + ", ".join(f"{t.value} ({t.label})" for t in fmt.BlobType),
+                             offset + 4, f"{where} {name!r}") from None
+        label = f"{where} {btype.label} {name!r}"
+        if h.version != fmt.BLOB_FORMAT_VERSION:
+            raise self.error(f"unsupported blob format version {h.version}; this reader "
+                             f"supports version {fmt.BLOB_FORMAT_VERSION}", offset + 6, label)
+        if h.flags & ~fmt.KNOWN_FLAGS:
+            raise self.error(f"unknown blob flags 0x{h.flags:x}", offset + 20, label)
+        compressed = bool(h.flags & fmt.FLAG_COMPRESSED)
+        if compressed and btype is not fmt.BlobType.EXECUTABLE:
+            raise self.error("only executable blobs may be compressed", offset + 20, label)
+        payload_off = offset + fmt.BLOB_HEADER_SIZE + h.name_len
+        if btype is fmt.BlobType.METADATA and h.payload_len > fmt.MAX_METADATA_BYTES:
+            raise self.error(f"metadata of {h.payload_len} bytes exceeds the limit of "
+                             f"{fmt.MAX_METADATA_BYTES}", offset + 24, label)
+        payload = self.read_exact(payload_off, h.payload_len, "a blob payload", label)
+        if zlib.crc32(payload) != h.payload_crc:
+            raise self.error(f"payload checksum mismatch: stored 0x{h.payload_crc:08x}, "
+                             f"computed 0x{zlib.crc32(payload):08x}", payload_off, label)
+        info = BlobInfo(btype, name, self.path, offset, h.total_size, h.payload_len,
+                        h.payload_crc, compressed, h.aux)
+        blob = self.decode(btype, name, payload, h.aux, compressed, payload_off, label)
+        return info, blob
+
+    def decode(self, btype: fmt.BlobType, name: str, payload: bytes, aux: int,
+               compressed: bool, payload_off: int, label: str) -> Blob:
+        if btype is not fmt.BlobType.FEED_DATA and not (
+                btype is fmt.BlobType.EXECUTABLE and compressed) and aux != 0:
+            raise self.error(f"header field aux is {aux}, expected 0 for this blob type",
+                             payload_off, label)
+        if btype is fmt.BlobType.METADATA:
+            try:
+                md = decode_metadata(payload)
+            except SchemaError as exc:
+                raise self.error(f"metadata does not match its schema: {exc}", payload_off,
+                                 label) from None
+            if md.executable() != name:
+                raise self.error(f"metadata blob is named {name!r} but its metadata names "
+                                 f"executable {md.executable()!r}", payload_off, label)
+            return md
+        if btype is fmt.BlobType.EXECUTABLE:
+            if compressed:
+                check_decompress(payload, aux, self.path, label, payload_off)
+            return ExecutableBlob(name, payload, compressed)
+        if not name:
+            raise self.error(f"{btype.label} blob has an empty name", payload_off, label)
+        if btype is fmt.BlobType.TENSOR_DATA:
+            return TensorData(name, payload)
+        if btype is fmt.BlobType.FEED_DATA:
+            if not 1 <= aux <= fmt.MAX_FEED_TRANSFERS:
+                raise self.error(f"feed data has {aux} transfers, expected 1.."
+                                 f"{fmt.MAX_FEED_TRANSFERS}", payload_off, label)
+            if len(payload) % aux:
+                raise self.error(f"feed data of {len(payload)} bytes is not a whole number "
+                                 f"of {aux} transfers", payload_off, label)
+            return FeedData(name, payload, aux)
+        return Opaque(name, payload)
+
+
+def check_decompress(payload: bytes, expected: int, path: str | None, label: str | None,
+                     offset: int | None) -> bytes:
+    """Decompress a compressed executable, never producing more than ``expected`` bytes."""
+    limit = min(fmt.MAX_DECOMPRESSED_BYTES, max(len(payload), 1) * fmt.MAX_COMPRESSION_RATIO)
+    if expected > limit:
+        raise PopefError(f"compressed executable claims {expected} bytes from "
+                         f"{len(payload)} compressed bytes, more than zlib can produce",
+                         path=path, blob=label, offset=offset)
+    d = zlib.decompressobj()
+    try:
+        # max_length bounds the allocation; eof is only set once the stream
+        # has ended and every byte of output has been returned.
+        out = d.decompress(payload, expected + 1)
+    except zlib.error as exc:
+        raise PopefError(f"compressed executable is damaged: {exc}", path=path, blob=label,
+                         offset=offset) from None
+    if len(out) != expected or not d.eof or d.unused_data:
+        raise PopefError(f"compressed executable does not decompress to the {expected} "
+                         "bytes its header states", path=path, blob=label, offset=offset)
+    return out

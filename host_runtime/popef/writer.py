@@ -1,0 +1,189 @@
+"""``Writer``: write blobs to a PopEF file (layout in ``_format``).
+
+::
+
+    with popef.Writer("model.popef") as w:
+        w.writeMetadata(metadata)
+        w.writeExecutable(metadata.executable(), exe_bytes, compress=True)
+        w.writeTensorData("weights", weights_array)
+
+Inputs are checked before anything is written (metadata against the same
+schema the reader enforces), so a Writer never produces a file the Reader
+refuses. Wrong input raises ``BadRequestError``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import zlib
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from host_runtime.errors import BadRequestError, InvalidStateError
+from host_runtime.popef import _format as fmt
+from host_runtime.popef._schema import SchemaError, encode_metadata
+from host_runtime.popef.model import ExecutableBlob, Metadata, Model
+
+__all__ = ["Writer", "save_model"]
+
+_log = logging.getLogger(__name__)
+
+
+class Writer:
+    """Writes a PopEF file to a path or to a binary stream it does not own."""
+
+    def __init__(self, path_or_stream: str | os.PathLike[str] | BinaryIO) -> None:
+        self._owns = isinstance(path_or_stream, (str, os.PathLike))
+        if self._owns:
+            self._name = os.fspath(path_or_stream)  # type: ignore[arg-type]
+            try:
+                self._f: BinaryIO | None = open(self._name, "wb")
+            except OSError as exc:
+                raise BadRequestError(f"cannot create PopEF file {self._name!r}: "
+                                      f"{exc.strerror or exc}") from None
+        else:
+            self._name = getattr(path_or_stream, "name", "<stream>")
+            self._f = path_or_stream  # type: ignore[assignment]
+        self._offset = 0
+        self._write(fmt.pack_file_header())
+
+    # -- blobs ------------------------------------------------------------------
+
+    def writeMetadata(self, metadata: Metadata) -> None:
+        if not isinstance(metadata, Metadata):
+            raise BadRequestError(f"writeMetadata expects a popef.Metadata, got "
+                                  f"{type(metadata).__name__}")
+        try:
+            payload = encode_metadata(metadata)
+        except SchemaError as exc:
+            raise BadRequestError(f"metadata cannot be written: {exc}") from None
+        self._blob(fmt.BlobType.METADATA, metadata.executable(), payload)
+
+    def writeExecutable(self, name: str, data: Any, compress: bool = False) -> None:
+        raw = _as_bytes(data, "executable")
+        if compress:
+            self._blob(fmt.BlobType.EXECUTABLE, name, zlib.compress(raw, 6),
+                       flags=fmt.FLAG_COMPRESSED, aux=len(raw))
+        else:
+            self._blob(fmt.BlobType.EXECUTABLE, name, raw)
+
+    def writeExecutableBlob(self, blob: ExecutableBlob) -> None:
+        """Write an executable blob as it is (already compressed or not)."""
+        if blob.compressed:
+            raw = blob.payload()
+            self._blob(fmt.BlobType.EXECUTABLE, blob.name(), bytes(blob.data),
+                       flags=fmt.FLAG_COMPRESSED, aux=len(raw))
+        else:
+            self._blob(fmt.BlobType.EXECUTABLE, blob.name(), _as_bytes(blob.data, "executable"))
+
+    def writeTensorData(self, anchor_name: str, data: Any) -> None:
+        self._nonempty(anchor_name, "tensor data")
+        self._blob(fmt.BlobType.TENSOR_DATA, anchor_name, _as_bytes(data, "tensor data"))
+
+    def writeFeedData(self, anchor_name: str, data: Any, num_transfers: int = 1) -> None:
+        self._nonempty(anchor_name, "feed data")
+        raw = _as_bytes(data, "feed data")
+        n = int(num_transfers)
+        if not 1 <= n <= fmt.MAX_FEED_TRANSFERS:
+            raise BadRequestError(f"feed data for {anchor_name!r}: num_transfers must be in "
+                                  f"[1, {fmt.MAX_FEED_TRANSFERS}], got {num_transfers}")
+        if len(raw) % n:
+            raise BadRequestError(f"feed data for {anchor_name!r}: {len(raw)} bytes is not a "
+                                  f"whole number of {n} transfers")
+        self._blob(fmt.BlobType.FEED_DATA, anchor_name, raw, aux=n)
+
+    def writeOpaque(self, name: str, data: Any) -> None:
+        self._nonempty(name, "opaque")
+        self._blob(fmt.BlobType.OPAQUE, name, _as_bytes(data, "opaque"))
+
+    def writeModel(self, model: Model) -> None:
+        """Write every blob of ``model``."""
+        self.writeMetadata(model.metadata)
+        self.writeExecutableBlob(model.executable)
+        for t in model.tensors:
+            self.writeTensorData(t.anchor, t.data)
+        for fd in model.feeds:
+            self.writeFeedData(fd.anchor, fd.data, fd.num_transfers)
+        for o in model.opaques:
+            self.writeOpaque(o.opaque_name, o.data)
+
+    # -- lifetime ---------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._f is None
+
+    def close(self) -> None:
+        """Flush; close the file if the Writer opened it. Idempotent."""
+        f, self._f = self._f, None
+        if f is None:
+            return
+        try:
+            f.flush()
+        finally:
+            if self._owns:
+                f.close()
+
+    def __enter__(self) -> "Writer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_owns", False) and getattr(self, "_f", None) is not None:
+            self.close()
+
+    # -- internals --------------------------------------------------------------
+
+    @staticmethod
+    def _nonempty(name: str, what: str) -> None:
+        if not isinstance(name, str) or not name:
+            raise BadRequestError(f"{what} blob needs a non-empty anchor/blob name, got {name!r}")
+
+    def _blob(self, btype: fmt.BlobType, name: str, payload: bytes, flags: int = 0,
+              aux: int = 0) -> None:
+        if not isinstance(name, str):
+            raise BadRequestError(f"blob name must be a str, got {type(name).__name__}")
+        try:
+            name_raw = name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise BadRequestError(f"blob name {name!r} cannot be encoded as UTF-8") from None
+        if len(name_raw) > fmt.MAX_NAME_BYTES:
+            raise BadRequestError(f"blob name of {len(name_raw)} bytes exceeds the limit of "
+                                  f"{fmt.MAX_NAME_BYTES}")
+        if btype is fmt.BlobType.METADATA and len(payload) > fmt.MAX_METADATA_BYTES:
+            raise BadRequestError(f"metadata of {len(payload)} bytes exceeds the limit of "
+                                  f"{fmt.MAX_METADATA_BYTES}")
+        header = fmt.pack_blob_header(btype, name_raw, len(payload), zlib.crc32(payload),
+                                      flags, aux)
+        self._write(header + name_raw)
+        self._write(payload)
+        _log.debug("wrote %s %r (%d bytes) to %s", btype.label, name, len(payload), self._name)
+
+    def _write(self, data: bytes) -> None:
+        if self._f is None:
+            raise InvalidStateError(f"PopEF writer for {self._name!r} is closed")
+        self._f.write(data)
+        self._offset += len(data)
+
+
+def _as_bytes(data: Any, what: str) -> bytes:
+    if isinstance(data, bytes):
+        return data
+    if isinstance(data, np.ndarray):
+        return np.ascontiguousarray(data).tobytes()
+    try:
+        return memoryview(data).tobytes()
+    except TypeError:
+        raise BadRequestError(f"{what} must be bytes-like or a numpy array, got "
+                              f"{type(data).__name__}") from None
+
+
+def save_model(model: Model, path: str | os.PathLike[str]) -> None:
+    """Write ``model`` to one PopEF file."""
+    with Writer(path) as w:
+        w.writeModel(model)
+
