@@ -1,0 +1,30 @@
+"""The wire: named shared-memory regions and SPSC rings between processes.
+
+``shm`` imports nothing else of this project.
+"""
+
+from __future__ import annotations
+
+from . import naming
+from .cleanup import remove_dead
+from .errors import (PeerDiedError, RingInvalidatedError, RingTimeoutError, ShmClosedError,
+                     ShmError, WouldBlock)
+from .liveness import PeerWatch, pid_alive
+from .region import Region
+from .ring import WAIT_SLICE, Ring
+
+__all__ = [
+    "PeerDiedError",
+    "PeerWatch",
+    "Region",
+    "Ring",
+    "RingInvalidatedError",
+    "RingTimeoutError",
+    "ShmClosedError",
+    "ShmError",
+    "WAIT_SLICE",
+    "WouldBlock",
+    "naming",
+    "pid_alive",
+    "remove_dead",
+]

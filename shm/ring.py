@@ -1,0 +1,600 @@
+"""SPSC rings of fixed-size slots in shared memory, between two processes.
+
+Layout of the ring's region (all words little-endian int64, ``q``)::
+
+    offset  word  field        written by     meaning
+    ------  ----  -----------  -------------  ------------------------------------
+       0      0   magic        creator        b"IPUEMURG"
+       8      1   version      creator        layout version (1)
+      16      2   slot_size    creator        payload bytes per slot
+      24      3   num_slots    creator        ring depth
+      32      4   slot_stride  creator        bytes from one slot to the next
+      40      5   invalid      anyone         0 = valid; else pid that invalidated
+      48      6   generation   reset()        bumped by every reset
+      56      7   creator_pid  creator
+    ---- producer cache line -----------------------------------------------------
+      64      8   published    producer       messages published so far
+      72      9   held         producer       1 while a slot is acquired, unpublished
+      80     10   producer_pid producer       last process that acquired for writing
+    ---- consumer cache line -----------------------------------------------------
+     128     16   acquired     consumer       messages acquired for reading so far
+     136     17   released     consumer       messages released so far
+     144     18   consumer_pid consumer       last process that acquired for reading
+     192..255     reserved
+    ---- slots: slot i at HEADER_SIZE + i * slot_stride ------------------------
+      +0          seq          producer       message number (published + 1)
+      +8          nbytes       producer       bytes of payload that are valid
+     +16          tag          producer       the caller's int64 tag
+     +24..63      reserved
+     +64          payload      producer       slot_size bytes (stride is 64-aligned)
+
+Message k (counting from 0) lives in slot ``k % num_slots``. Two named POSIX
+semaphores do all the blocking: ``<name>.free`` counts slots the producer may
+fill (starts at ``num_slots``), ``<name>.full`` counts published slots the
+consumer may read (starts at 0).
+
+Why the ordering of stores is safe between processes. The producer writes the
+payload, then the slot header (seq, nbytes, tag), then ``published``, and only
+then posts ``full``; the consumer waits on ``full`` before it reads the slot
+header and the payload. ``sem_post`` and ``sem_wait`` are atomic
+read-modify-writes on the semaphore word (full memory barriers on x86 and
+release/acquire in glibc everywhere), so every store the producer made before
+its post is visible to the consumer after its wait. The same holds in the
+other direction for ``release()`` (consumer done with the slot, posts
+``free``) and the producer's next write into it. A producer killed mid-write
+never posts, so its half-written slot is never read; the consumer also checks
+that the slot's ``seq`` is the one it expects, which catches any protocol
+violation (two producers, a reset under a live peer) instead of returning
+stale bytes.
+
+``invalidate()`` stores ``invalid`` and then posts both semaphores once, so a
+waiter on either side wakes at once, sees the flag and raises
+:class:`RingInvalidatedError`; every later call raises it too until
+``reset()``. Waits are cut into slices of ``WAIT_SLICE`` seconds; between
+slices the waiter re-checks the flag, its own ``close()``, the deadline and
+(after ``set_peer``) that the peer process is alive.
+
+Spinning: a waiter does not spin. ``python -m tools.bench ring`` measured on a
+2-core machine that the semaphore wait is already at the floor of a blocking
+design, and a spinning waiter steals the core its peer needs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import threading
+import time
+from typing import Any
+
+import posix_ipc
+
+from .errors import (PeerDiedError, RingInvalidatedError, RingTimeoutError, ShmClosedError,
+                     ShmError, WouldBlock)
+from .liveness import PeerWatch
+from .region import Region
+from . import _registry
+
+__all__ = ["Ring", "WAIT_SLICE"]
+
+_log = logging.getLogger(__name__)
+
+# -- layout -------------------------------------------------------------------
+
+MAGIC = int.from_bytes(b"IPUEMURG", "little", signed=True)
+VERSION = 1
+HEADER_SIZE = 256
+SLOT_HEADER_SIZE = 64
+_ALIGN = 64
+
+# Header: 32 int64 words (see the drawing above).
+HEADER = struct.Struct("<8q 8q 8q 8q")
+SLOT_HEADER = struct.Struct("<3q 5q")
+assert HEADER.size == HEADER_SIZE and SLOT_HEADER.size == SLOT_HEADER_SIZE
+
+# Word indices in the region viewed as int64.
+_MAGIC, _VERSION, _SLOT_SIZE, _NUM_SLOTS, _STRIDE, _INVALID, _GEN, _CREATOR = range(8)
+_PUBLISHED, _HELD, _PRODUCER_PID = 8, 9, 10
+_ACQUIRED, _RELEASED, _CONSUMER_PID = 16, 17, 18
+# Within a slot header, relative to the slot's first word.
+_SEQ, _NBYTES, _TAG = 0, 1, 2
+
+WAIT_SLICE = 0.05
+"""Seconds between liveness / invalidation / close re-checks of a blocked wait."""
+
+_MAX_SLOTS = 1 << 20
+_FREE_SUFFIX = ".free"
+_FULL_SUFFIX = ".full"
+
+
+class _ClosedWords:
+    """Stands in for the header view after close(): any access raises ShmClosedError."""
+
+    __slots__ = ("_name",)
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getitem__(self, index: int) -> int:
+        raise ShmClosedError(f"ring {self._name} is closed in this process")
+
+    def __setitem__(self, index: int, value: int) -> None:
+        raise ShmClosedError(f"ring {self._name} is closed in this process")
+
+
+def _stride(slot_size: int) -> int:
+    return SLOT_HEADER_SIZE + (slot_size + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class Ring:
+    """One producer process, one consumer process, ``num_slots`` slots of ``slot_size`` bytes.
+
+    Use :meth:`create` (owner) or :meth:`attach`. Either end may be the owner.
+    A process uses a ring as producer or as consumer (or both, in tests).
+    """
+
+    def __init__(self, region: Region, free: posix_ipc.Semaphore, full: posix_ipc.Semaphore,
+                 owner: bool) -> None:
+        self._region = region
+        self._name = region.name
+        self._free = free
+        self._full = full
+        self._owner = owner
+        self._words = region.buf.cast("q")
+        self._w: Any = self._words
+        w = self._words
+        self._slot_size = w[_SLOT_SIZE]
+        self._num_slots = w[_NUM_SLOTS]
+        stride = w[_STRIDE]
+        self._stride = stride
+        buf = region.buf
+        # Precomputed per slot: first int64 word of its header, its payload view.
+        self._slot_word = [(HEADER_SIZE + i * stride) // 8 for i in range(self._num_slots)]
+        self._payload = [buf[HEADER_SIZE + i * stride + SLOT_HEADER_SIZE:
+                             HEADER_SIZE + i * stride + SLOT_HEADER_SIZE + self._slot_size]
+                         for i in range(self._num_slots)]
+        self._peer: PeerWatch | None = None
+        self._pid = os.getpid()
+        self._is_producer = False
+        self._is_consumer = False
+        # Threads of this process inside a semaphore wait (list ops are atomic
+        # under the GIL); close() defers unmapping the semaphores until none is.
+        self._inflight: list[int] = []
+        self._closing = False
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self._unlinked = False
+
+    # -- construction -------------------------------------------------------
+
+    @classmethod
+    def create(cls, slot_size: int, num_slots: int, kind: str = "ring",
+               prefault: bool = True) -> "Ring":
+        """Create a ring (region + two semaphores), owned by this process."""
+        if not isinstance(slot_size, int) or isinstance(slot_size, bool) or slot_size <= 0:
+            raise ValueError(f"slot_size must be a positive int of bytes, got {slot_size!r}")
+        if (not isinstance(num_slots, int) or isinstance(num_slots, bool)
+                or not 1 <= num_slots <= _MAX_SLOTS):
+            raise ValueError(f"num_slots must be an int in 1..{_MAX_SLOTS}, got {num_slots!r}")
+        stride = _stride(slot_size)
+        region = Region.create(HEADER_SIZE + num_slots * stride, kind=kind, prefault=prefault)
+        name = region.name
+        made: list[str] = []
+        try:
+            w = region.buf.cast("q")
+            w[_MAGIC], w[_VERSION] = MAGIC, VERSION
+            w[_SLOT_SIZE], w[_NUM_SLOTS], w[_STRIDE] = slot_size, num_slots, stride
+            w[_CREATOR] = os.getpid()
+            w.release()
+            free = posix_ipc.Semaphore(name + _FREE_SUFFIX, posix_ipc.O_CREX, mode=0o600,
+                                       initial_value=num_slots)
+            _registry.register(name + _FREE_SUFFIX, "sem")
+            made.append(name + _FREE_SUFFIX)
+            full = posix_ipc.Semaphore(name + _FULL_SUFFIX, posix_ipc.O_CREX, mode=0o600,
+                                       initial_value=0)
+            _registry.register(name + _FULL_SUFFIX, "sem")
+            made.append(name + _FULL_SUFFIX)
+        except BaseException:
+            for sem_name in made:
+                _registry.unlink_name(sem_name, "sem")
+            region.close()
+            region.unlink()
+            raise
+        _log.debug("created ring %s: %d slots x %d bytes", name, num_slots, slot_size)
+        return cls(region, free, full, owner=True)
+
+    @classmethod
+    def attach(cls, name: str, prefault: bool = True) -> "Ring":
+        """Open the ring ``name`` made by another process (or this one)."""
+        region = Region.attach(name, prefault=prefault)
+        try:
+            w = region.buf.cast("q")
+            try:
+                magic, version = w[_MAGIC], w[_VERSION]
+                slot_size, num_slots, stride = w[_SLOT_SIZE], w[_NUM_SLOTS], w[_STRIDE]
+            finally:
+                w.release()
+            if magic != MAGIC or version != VERSION:
+                raise ShmError(f"{name} is not a ring of layout version {VERSION}: "
+                               f"magic {magic:#x} version {version}")
+            need = HEADER_SIZE + num_slots * stride
+            if (slot_size <= 0 or not 1 <= num_slots <= _MAX_SLOTS
+                    or stride != _stride(slot_size) or need > region.size):
+                raise ShmError(f"ring {name} has an inconsistent header: slot_size {slot_size}, "
+                               f"num_slots {num_slots}, stride {stride}, region {region.size} B")
+            try:
+                free = posix_ipc.Semaphore(name + _FREE_SUFFIX)
+                full = posix_ipc.Semaphore(name + _FULL_SUFFIX)
+            except posix_ipc.ExistentialError as exc:
+                raise ShmError(f"ring {name}: its semaphores are gone ({exc})") from exc
+        except BaseException:
+            region.close()
+            raise
+        return cls(region, free, full, owner=False)
+
+    # -- properties ---------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def slot_size(self) -> int:
+        return self._slot_size
+
+    @property
+    def num_slots(self) -> int:
+        return self._num_slots
+
+    @property
+    def owner(self) -> bool:
+        return self._owner
+
+    @property
+    def closed(self) -> bool:
+        return self._closing
+
+    @property
+    def peer_pid(self) -> int | None:
+        return None if self._peer is None else self._peer.pid
+
+    def set_peer(self, pid: int | None) -> None:
+        """Waits fail with PeerDiedError once process ``pid`` is gone (None: stop watching)."""
+        self._peer = None if pid is None else PeerWatch(pid)
+
+    # -- waiting ------------------------------------------------------------
+
+    def _raise_if_unusable(self) -> None:
+        if self._closing:
+            raise ShmClosedError(f"ring {self._name} is closed in this process")
+        who = self._w[_INVALID]
+        if who:
+            raise RingInvalidatedError(
+                f"ring {self._name} was invalidated by process {who}; reset() it to reuse")
+
+    def _check_peer(self, what: str) -> None:
+        peer = self._peer
+        if peer is not None:
+            reason = peer.dead_reason()
+            if reason is not None:
+                raise PeerDiedError(
+                    f"ring {self._name}: peer process {peer.pid} {reason} "
+                    f"while this process waited for {what}", peer.pid)
+
+    def _wait(self, sem: posix_ipc.Semaphore, timeout: float | None, what: str) -> None:
+        """Take one token of ``sem``; raise on invalidation, close, peer death or timeout."""
+        if self._closing or self._w[_INVALID]:
+            self._raise_if_unusable()
+        inflight = self._inflight
+        inflight.append(1)
+        try:
+            if timeout is None:
+                while True:
+                    try:
+                        sem.acquire(WAIT_SLICE)
+                        break
+                    except (posix_ipc.BusyError, posix_ipc.SignalError):
+                        self._raise_if_unusable()
+                        self._check_peer(what)
+            else:
+                start = time.monotonic()
+                remaining = timeout if timeout > 0 else 0
+                while True:
+                    try:
+                        sem.acquire(WAIT_SLICE if remaining > WAIT_SLICE else remaining)
+                        break
+                    except (posix_ipc.BusyError, posix_ipc.SignalError):
+                        self._raise_if_unusable()
+                        self._check_peer(what)
+                        remaining = start + timeout - time.monotonic()
+                        if remaining <= 0:
+                            raise RingTimeoutError(
+                                f"ring {self._name}: no {what} within {timeout:g} s "
+                                f"({self._occupancy()})") from None
+        finally:
+            inflight.pop()
+            if self._closing and not inflight:
+                self._finish_close()
+        if self._closing or self._w[_INVALID]:
+            self._raise_if_unusable()
+
+    def _try(self, sem: posix_ipc.Semaphore, what: str) -> None:
+        if self._closing or self._w[_INVALID]:
+            self._raise_if_unusable()
+        inflight = self._inflight
+        inflight.append(1)
+        try:
+            sem.acquire(0)
+        except posix_ipc.BusyError:
+            raise WouldBlock(f"ring {self._name}: no {what} ({self._occupancy()})") from None
+        finally:
+            inflight.pop()
+            if self._closing and not inflight:
+                self._finish_close()
+        if self._w[_INVALID]:
+            self._raise_if_unusable()
+
+    def _occupancy(self) -> str:
+        w = self._w
+        return (f"{w[_PUBLISHED] - w[_RELEASED]}/{self._num_slots} slots in use, "
+                f"{w[_PUBLISHED] - w[_ACQUIRED]} readable")
+
+    # -- producer -----------------------------------------------------------
+
+    def acquire_write(self, timeout: float | None = None) -> memoryview:
+        """Wait for a free slot and return its payload view (``slot_size`` bytes).
+
+        Calling it again before :meth:`publish` returns the same slot.
+        """
+        w = self._w
+        if w[_HELD]:
+            if self._closing or w[_INVALID]:
+                self._raise_if_unusable()
+            return self._payload[w[_PUBLISHED] % self._num_slots]
+        self._wait(self._free, timeout, "free slot")
+        return self._took_write()
+
+    def try_acquire_write(self) -> memoryview:
+        """Like :meth:`acquire_write` but raise :class:`WouldBlock` if the ring is full."""
+        w = self._w
+        if w[_HELD]:
+            if self._closing or w[_INVALID]:
+                self._raise_if_unusable()
+            return self._payload[w[_PUBLISHED] % self._num_slots]
+        self._try(self._free, "free slot")
+        return self._took_write()
+
+    def _took_write(self) -> memoryview:
+        w = self._w
+        w[_HELD] = 1
+        if not self._is_producer:
+            self._is_producer = True
+            w[_PRODUCER_PID] = self._pid
+        return self._payload[w[_PUBLISHED] % self._num_slots]
+
+    def publish(self, nbytes: int, tag: int = 0) -> None:
+        """Make the acquired slot's first ``nbytes`` bytes visible to the consumer."""
+        w = self._w
+        if not w[_HELD]:
+            self._raise_if_unusable()
+            raise ShmError(f"ring {self._name}: publish() without a slot from acquire_write()")
+        if not 0 <= nbytes <= self._slot_size:
+            raise ValueError(f"ring {self._name}: publish of {nbytes} bytes; expected "
+                             f"0..{self._slot_size} (the slot size)")
+        k = w[_PUBLISHED]
+        base = self._slot_word[k % self._num_slots]
+        w[base] = k + 1
+        w[base + 1] = nbytes
+        w[base + 2] = tag
+        w[_PUBLISHED] = k + 1
+        w[_HELD] = 0
+        self._full.release()
+
+    def write(self, data: Any, tag: int = 0, timeout: float | None = None) -> None:
+        """Acquire a slot, copy ``data`` (bytes-like, C-contiguous) into it, publish it."""
+        src = data if type(data) is bytes else memoryview(data).cast("B")
+        n = len(src)
+        if n > self._slot_size:
+            raise ValueError(f"ring {self._name}: message of {n} bytes does not fit a slot "
+                             f"of {self._slot_size} bytes")
+        dst = self.acquire_write(timeout)
+        dst[:n] = src
+        self.publish(n, tag)
+
+    # -- consumer -----------------------------------------------------------
+
+    def acquire_read(self, timeout: float | None = None) -> tuple[memoryview, int]:
+        """Wait for the next published slot; return (view of its nbytes, tag).
+
+        The view stays valid until the matching :meth:`release`; several
+        slots may be acquired before releasing them (oldest first).
+        """
+        self._wait(self._full, timeout, "published slot")
+        return self._took_read()
+
+    def try_acquire_read(self) -> tuple[memoryview, int]:
+        """Like :meth:`acquire_read` but raise :class:`WouldBlock` if nothing is published."""
+        self._try(self._full, "published slot")
+        return self._took_read()
+
+    def _took_read(self) -> tuple[memoryview, int]:
+        w = self._w
+        k = w[_ACQUIRED]
+        i = k % self._num_slots
+        base = self._slot_word[i]
+        seq = w[base]
+        if seq != k + 1:
+            raise ShmError(f"ring {self._name}: slot {i} holds message {seq}, expected {k + 1} "
+                           "(two producers, or a reset under a live peer?)")
+        nbytes = w[base + 1]
+        tag = w[base + 2]
+        w[_ACQUIRED] = k + 1
+        if not self._is_consumer:
+            self._is_consumer = True
+            w[_CONSUMER_PID] = self._pid
+        view = self._payload[i]
+        if nbytes != self._slot_size:
+            if not 0 <= nbytes < self._slot_size:
+                raise ShmError(f"ring {self._name}: slot {i} claims {nbytes} bytes; "
+                               f"slot size is {self._slot_size}")
+            view = view[:nbytes]
+        return view, tag
+
+    def release(self) -> None:
+        """Give the oldest acquired read slot back to the producer."""
+        w = self._w
+        k = w[_RELEASED]
+        if k >= w[_ACQUIRED]:
+            self._raise_if_unusable()
+            raise ShmError(f"ring {self._name}: release() without a slot from acquire_read()")
+        w[_RELEASED] = k + 1
+        self._free.release()
+
+    def read(self, timeout: float | None = None) -> tuple[bytes, int]:
+        """Acquire the next message, copy it out, release the slot."""
+        view, tag = self.acquire_read(timeout)
+        data = view.tobytes()
+        self.release()
+        return data, tag
+
+    def readable(self) -> int:
+        """Slots published and not yet acquired by the consumer."""
+        w = self._w
+        return w[_PUBLISHED] - w[_ACQUIRED]
+
+    def writable(self) -> int:
+        """Slots the producer could acquire now."""
+        w = self._w
+        return self._num_slots - (w[_PUBLISHED] - w[_RELEASED]) - w[_HELD]
+
+    # -- control ------------------------------------------------------------
+
+    def invalidate(self) -> None:
+        """Mark the ring unusable and wake a blocked waiter on either side at once."""
+        if self._closing:
+            raise ShmClosedError(f"ring {self._name} is closed in this process")
+        w = self._w
+        if not w[_INVALID]:
+            w[_INVALID] = self._pid
+        self._full.release()
+        self._free.release()
+
+    def is_valid(self) -> bool:
+        return not self._closing and not self._w[_INVALID]
+
+    def reset(self) -> None:
+        """Empty the ring and make it valid again.
+
+        Both ends must be quiescent (no thread of either process inside a
+        call on this ring); the peer's next call sees the fresh state.
+        """
+        if self._closing:
+            raise ShmClosedError(f"ring {self._name} is closed in this process")
+        for sem in (self._full, self._free):
+            while True:
+                try:
+                    sem.acquire(0)
+                except posix_ipc.BusyError:
+                    break
+        w = self._w
+        for i in (_PUBLISHED, _HELD, _ACQUIRED, _RELEASED):
+            w[i] = 0
+        for base in self._slot_word:
+            w[base] = w[base + 1] = w[base + 2] = 0
+        w[_GEN] = w[_GEN] + 1
+        w[_INVALID] = 0
+        for _ in range(self._num_slots):
+            self._free.release()
+
+    def counters(self) -> dict[str, int]:
+        """The header's fields and the semaphores' values, as numbers."""
+        if self._closed:
+            raise ShmClosedError(f"ring {self._name} is closed in this process")
+        w = self._w
+        return {
+            "slot_size": self._slot_size, "num_slots": self._num_slots,
+            "invalid_by": w[_INVALID], "generation": w[_GEN], "creator_pid": w[_CREATOR],
+            "published": w[_PUBLISHED], "held": w[_HELD], "producer_pid": w[_PRODUCER_PID],
+            "acquired": w[_ACQUIRED], "released": w[_RELEASED],
+            "consumer_pid": w[_CONSUMER_PID],
+            "sem_full": self._full.value, "sem_free": self._free.value,
+        }
+
+    def state(self) -> str:
+        """A readable dump of the ring's shared state (for logs and bug reports)."""
+        if self._closed:
+            return f"ring {self._name}: closed in this process"
+        c = self.counters()
+        valid = "VALID" if not c["invalid_by"] else f"INVALIDATED by pid {c['invalid_by']}"
+        peer = "none" if self._peer is None else str(self._peer.pid)
+        return "\n".join([
+            f"ring {self._name}: {c['num_slots']} slots x {c['slot_size']} B "
+            f"(stride {self._stride}), {valid}, generation {c['generation']}, "
+            f"creator pid {c['creator_pid']}",
+            f"  producer pid {c['producer_pid'] or '-'}: published {c['published']}, "
+            f"holding a slot: {'yes' if c['held'] else 'no'}",
+            f"  consumer pid {c['consumer_pid'] or '-'}: acquired {c['acquired']}, "
+            f"released {c['released']}",
+            f"  readable {c['published'] - c['acquired']}, "
+            f"in use {c['published'] - c['released']}/{c['num_slots']}; "
+            f"semaphores: full={c['sem_full']} free={c['sem_free']}",
+            f"  this process {self._pid}: owner={self._owner} watching peer {peer}",
+        ])
+
+    # -- lifetime -----------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop using the ring in this process (idempotent).
+
+        A thread of this process blocked in a wait wakes within WAIT_SLICE
+        and raises ShmClosedError; the semaphores are closed after it left.
+        Use invalidate() first to wake the peer process too.
+        """
+        if self._closing:
+            return
+        self._closing = True
+        self._w = _ClosedWords(self._name)
+        if not self._inflight:
+            self._finish_close()
+
+    def _finish_close(self) -> None:
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        for sem in (self._free, self._full):
+            try:
+                sem.close()
+            except posix_ipc.Error:  # pragma: no cover - already closed
+                pass
+        # Payload views were handed out (and numpy arrays over them hold no
+        # export), so they are dropped, never released: the mapping stays
+        # until the last of them dies.
+        self._payload = []
+        try:
+            self._words.release()
+        except BufferError:  # pragma: no cover - never exported
+            pass
+        self._region.close()
+
+    def unlink(self) -> None:
+        """Destroy the ring's names (idempotent); open mappings stay usable."""
+        if self._unlinked:
+            return
+        self._unlinked = True
+        self._region.unlink()
+        _registry.unlink_name(self._name + _FREE_SUFFIX, "sem")
+        _registry.unlink_name(self._name + _FULL_SUFFIX, "sem")
+
+    def __enter__(self) -> "Ring":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+        if self._owner:
+            self.unlink()
+
+    def __repr__(self) -> str:
+        return (f"Ring({self._name!r}, slot_size={self._slot_size}, "
+                f"num_slots={self._num_slots}, owner={self._owner})")

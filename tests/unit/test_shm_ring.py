@@ -1,0 +1,243 @@
+"""Unit tests of shm.Ring within one process (threads stand in for the peer)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+from shm import (PeerDiedError, Ring, RingInvalidatedError, RingTimeoutError, ShmClosedError,
+                 ShmError, WouldBlock)
+
+
+@pytest.fixture
+def pair():
+    producer = Ring.create(64, 4)
+    consumer = Ring.attach(producer.name)
+    yield producer, consumer
+    consumer.close()
+    producer.close()
+    producer.unlink()
+
+
+def _in_thread(fn):
+    """Run fn in a thread; return (thread, box) where box gets its result or exception."""
+    box: dict = {}
+    started = threading.Event()
+
+    def run():
+        started.set()
+        try:
+            box["result"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    started.wait()
+    return thread, box
+
+
+def test_messages_arrive_in_order_with_tags_across_wraparound(pair) -> None:
+    producer, consumer = pair
+    for k in range(4 * 5 + 3):
+        payload = bytes([k % 256]) * (k % 65)
+        producer.write(payload, tag=k - 7)
+        data, tag = consumer.read()
+        assert (data, tag) == (payload, k - 7)
+    assert consumer.readable() == 0 and producer.writable() == 4
+
+
+def test_zero_copy_acquire_publish_release_with_numpy(pair) -> None:
+    producer, consumer = pair
+    slot = producer.acquire_write()
+    assert len(slot) == 64
+    assert producer.acquire_write() is slot  # held slot is returned again
+    np.copyto(np.frombuffer(slot, np.float32), np.arange(16, dtype=np.float32))
+    producer.publish(64, tag=3)
+    view, tag = consumer.acquire_read()
+    assert tag == 3
+    np.testing.assert_array_equal(np.frombuffer(view, np.float32), np.arange(16))
+    consumer.release()
+    producer.write(np.arange(3, dtype=np.int16))
+    data, _ = consumer.read()
+    assert np.frombuffer(data, np.int16).tolist() == [0, 1, 2]
+
+
+def test_several_reads_outstanding_release_oldest_first(pair) -> None:
+    producer, consumer = pair
+    for k in range(4):
+        producer.write(bytes([k]) * 8, tag=k)
+    with pytest.raises(WouldBlock, match=r"no free slot \(4/4 slots in use, 4 readable\)"):
+        producer.try_acquire_write()
+    views = [consumer.acquire_read() for _ in range(3)]
+    assert [(bytes(v), t) for v, t in views] == [(bytes([k]) * 8, k) for k in range(3)]
+    consumer.release()
+    slot = producer.try_acquire_write()  # the released slot is the oldest: slot 0
+    slot[:1] = b"\xff"
+    producer.publish(1, tag=9)
+    assert bytes(views[1][0]) == bytes([1]) * 8  # still untouched
+    consumer.release()
+    consumer.release()
+    assert consumer.read() == (bytes([3]) * 8, 3)
+    assert consumer.read() == (b"\xff", 9)
+    with pytest.raises(WouldBlock, match="no published slot"):
+        consumer.try_acquire_read()
+
+
+def test_timeouts_name_the_ring_and_what_was_awaited(pair) -> None:
+    producer, consumer = pair
+    with pytest.raises(RingTimeoutError, match=rf"ring {producer.name}: no published slot "
+                                               r"within 0.02 s") as info:
+        consumer.acquire_read(timeout=0.02)
+    assert isinstance(info.value, TimeoutError)
+    for _ in range(4):
+        producer.write(b"x", timeout=0)
+    with pytest.raises(RingTimeoutError, match=r"no free slot within 0.07 s \(4/4 slots in use"):
+        producer.acquire_write(timeout=0.07)
+    with pytest.raises(RingTimeoutError):
+        producer.write(b"y", timeout=0)
+
+
+def test_misuse_errors(pair) -> None:
+    producer, consumer = pair
+    with pytest.raises(ShmError, match=r"publish\(\) without a slot from acquire_write"):
+        producer.publish(1)
+    with pytest.raises(ShmError, match=r"release\(\) without a slot from acquire_read"):
+        consumer.release()
+    producer.acquire_write()
+    with pytest.raises(ValueError, match="publish of 65 bytes; expected 0..64"):
+        producer.publish(65)
+    with pytest.raises(ValueError, match="message of 65 bytes does not fit a slot of 64 bytes"):
+        producer.write(b"z" * 65)
+    with pytest.raises(ValueError, match="num_slots must be an int in 1.."):
+        Ring.create(8, 0)
+    with pytest.raises(ValueError, match="slot_size must be a positive int"):
+        Ring.create(0, 2)
+
+
+def test_invalidate_wakes_a_blocked_reader_and_a_blocked_writer(pair) -> None:
+    producer, consumer = pair
+    reader, rbox = _in_thread(lambda: consumer.acquire_read())  # blocks: ring empty
+    for _ in range(4):
+        producer.write(b"q")
+    writer_side = Ring.attach(producer.name)
+    try:
+        writer, wbox = _in_thread(lambda: writer_side.acquire_write())  # blocks: ring full
+        consumer.invalidate()  # the reader's own ring object: it is blocked in another thread
+        reader.join(10)
+        writer.join(10)
+        assert not reader.is_alive() and not writer.is_alive()
+        # The reader may legitimately have taken the first message before the
+        # invalidation; a second wait must then fail.
+        if "result" in rbox:
+            with pytest.raises(RingInvalidatedError):
+                consumer.acquire_read()
+        else:
+            assert isinstance(rbox["error"], RingInvalidatedError)
+        assert isinstance(wbox["error"], RingInvalidatedError)
+        assert f"invalidated by process {os.getpid()}; reset() it to reuse" in str(wbox["error"])
+        assert not producer.is_valid() and not writer_side.is_valid()
+        with pytest.raises(RingInvalidatedError):
+            consumer.try_acquire_read()
+        with pytest.raises(RingInvalidatedError):
+            producer.write(b"r", timeout=0)
+    finally:
+        writer_side.close()
+
+
+def test_reset_empties_and_revalidates(pair) -> None:
+    producer, consumer = pair
+    producer.write(b"a")
+    producer.write(b"b")
+    consumer.acquire_read()
+    producer.acquire_write()
+    producer.invalidate()
+    producer.reset()
+    assert producer.is_valid() and consumer.is_valid()
+    counters = consumer.counters()
+    assert counters["generation"] == 1
+    assert {k: counters[k] for k in ("published", "held", "acquired", "released",
+                                     "sem_full", "sem_free")} == {
+        "published": 0, "held": 0, "acquired": 0, "released": 0, "sem_full": 0, "sem_free": 4}
+    for k in range(6):
+        producer.write(bytes([k]), tag=k)
+        assert consumer.read() == (bytes([k]), k)
+
+
+def test_state_dump_is_readable(pair) -> None:
+    producer, consumer = pair
+    producer.write(b"abc", tag=1)
+    producer.write(b"def", tag=2)
+    consumer.acquire_read()
+    consumer.set_peer(os.getpid())
+    text = consumer.state()
+    pid = os.getpid()
+    assert text.splitlines() == [
+        f"ring {producer.name}: 4 slots x 64 B (stride 128), VALID, generation 0, "
+        f"creator pid {pid}",
+        f"  producer pid {pid}: published 2, holding a slot: no",
+        f"  consumer pid {pid}: acquired 1, released 0",
+        "  readable 1, in use 2/4; semaphores: full=1 free=2",
+        f"  this process {pid}: owner=False watching peer {pid}",
+    ]
+    consumer.invalidate()
+    assert f"INVALIDATED by pid {pid}" in producer.state()
+    consumer.close()
+    assert consumer.state() == f"ring {producer.name}: closed in this process"
+
+
+def test_close_wakes_own_blocked_thread_and_is_idempotent(pair) -> None:
+    producer, consumer = pair
+    reader, box = _in_thread(lambda: consumer.acquire_read())
+    consumer.close()
+    reader.join(10)
+    assert not reader.is_alive()
+    assert isinstance(box["error"], ShmClosedError), box
+    consumer.close()
+    for call in (consumer.try_acquire_read, consumer.release, consumer.readable,
+                 lambda: consumer.read(timeout=0)):
+        with pytest.raises(ShmClosedError, match="is closed in this process"):
+            call()
+    producer.write(b"still fine")  # the other end is unaffected
+
+
+def test_slot_view_outlives_close(pair) -> None:
+    producer, consumer = pair
+    producer.write(b"keep me")
+    view, _ = consumer.acquire_read()
+    arr = np.frombuffer(view, np.uint8)
+    consumer.close()
+    producer.close()
+    assert bytes(view) == b"keep me" and arr.tobytes() == b"keep me"
+
+
+def test_peer_that_exited_fails_waits_with_its_pid(pair) -> None:
+    producer, consumer = pair
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    consumer.set_peer(child.pid)
+    child.wait()
+    with pytest.raises(PeerDiedError, match=rf"peer process {child.pid} exited while this "
+                                            r"process waited for published slot") as info:
+        consumer.acquire_read()
+    assert info.value.pid == child.pid
+    # Data published before the death is still delivered.
+    producer.write(b"last words")
+    assert consumer.read(timeout=1) == (b"last words", 0)
+
+
+def test_zombie_peer_counts_as_dead(pair) -> None:
+    producer, consumer = pair
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        producer.set_peer(child.pid)
+        for _ in range(4):
+            producer.write(b"f")
+        with pytest.raises(PeerDiedError, match=rf"peer process {child.pid} exited"):
+            producer.acquire_write(timeout=60)
+    finally:
+        child.wait()
