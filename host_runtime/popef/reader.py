@@ -214,7 +214,8 @@ class _FileParser:
                              f"{fmt.MAX_NAME_BYTES} bytes", offset + 16, where)
         if h.total_size > remaining:
             raise self.error(f"blob size {h.total_size} is larger than the {remaining} "
-                             "bytes left in the file (truncated or damaged)", offset + 8, where)
+                             "bytes left in the file (truncated or damaged)", offset + 8,
+                             self.guess_label(h, offset, remaining, where))
         if h.total_size != fmt.BLOB_HEADER_SIZE + h.name_len + h.payload_len:
             raise self.error(f"blob size {h.total_size} disagrees with header "
                              f"({fmt.BLOB_HEADER_SIZE}) + name ({h.name_len}) + payload "
@@ -256,6 +257,21 @@ class _FileParser:
                         h.payload_crc, compressed, h.aux)
         blob = self.decode(btype, name, payload, h.aux, compressed, payload_off, label)
         return info, blob
+
+    def guess_label(self, h: fmt.BlobHeader, offset: int, remaining: int, where: str) -> str:
+        """Best-effort ``#4 opaque 'name'`` for a blob whose sizes are already wrong."""
+        try:
+            kind = fmt.BlobType(h.blob_type).label
+        except ValueError:
+            return where
+        if fmt.BLOB_HEADER_SIZE + h.name_len > remaining:
+            return f"{where} {kind}"
+        try:
+            name = self.read_exact(offset + fmt.BLOB_HEADER_SIZE, h.name_len, "a blob name",
+                                   where).decode("utf-8")
+        except (PopefError, UnicodeDecodeError):
+            return f"{where} {kind}"
+        return f"{where} {kind} {name!r}"
 
     def decode(self, btype: fmt.BlobType, name: str, payload: bytes, aux: int,
                compressed: bool, payload_off: int, label: str) -> Blob:
