@@ -1,0 +1,116 @@
+"""Per-replica request tracepoints and the statistics ModelRunner reports.
+
+Every request records four instants (``time.perf_counter_ns``)::
+
+    received --read preparation--> prepared --read queue--> started --computation--> completed
+    |<------------------------------- request ------------------------------------->|
+
+- *read preparation*: validating the request and writing its inputs into the
+  device's input slots;
+- *read queue*: waiting behind earlier requests until the device takes it
+  (``started`` = the later of ``prepared`` and the completion of the request
+  before it on the same replica: the device runs one request at a time);
+- *computation*: from then until its outputs are back on the host.
+
+The last ``request_tracepoints_buffer_size`` traces are kept (0 = all);
+means and percentiles are over those, counts are over every request. Key
+names are the seeds' (seed 001 section 3.8, seed 002 10.1.3).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import Optional
+
+import numpy as np
+
+from host_runtime.errors import BadRequestError
+
+__all__ = ["RequestMonitor", "PHASES"]
+
+PHASES = ("request", "read_preparation", "read_queue", "computation")
+
+
+class RequestMonitor:
+    """Tracepoints of one replica's requests, bounded by ``buffer_size`` (0 = unbounded)."""
+
+    def __init__(self, buffer_size: int = 1000) -> None:
+        if int(buffer_size) < 0:
+            raise BadRequestError(
+                f"request_tracepoints_buffer_size must be >= 0, got {buffer_size}")
+        maxlen: Optional[int] = int(buffer_size) or None
+        self._traces: deque[tuple[float, float, float, float]] = deque(maxlen=maxlen)
+        self._count = 0
+        self._last_completed = 0
+        self._lock = threading.Lock()
+
+    def record(self, received_ns: int, prepared_ns: int, completed_ns: int) -> None:
+        """Record one finished request; its start is inferred (see module docstring)."""
+        with self._lock:
+            started = max(prepared_ns, min(self._last_completed, completed_ns))
+            self._last_completed = max(self._last_completed, completed_ns)
+            self._traces.append((
+                (completed_ns - received_ns) / 1e3,
+                (prepared_ns - received_ns) / 1e3,
+                (started - prepared_ns) / 1e3,
+                (completed_ns - started) / 1e3,
+            ))
+            self._count += 1
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    def __len__(self) -> int:
+        return len(self._traces)
+
+    def time_trace(self, info: dict, cur: int = -1) -> dict:  # type: ignore[type-arg]
+        """Durations of one request: the last one by default (``cur`` indexes the buffer)."""
+        with self._lock:
+            if not self._traces:
+                trace: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)
+            else:
+                try:
+                    trace = self._traces[cur]
+                except IndexError:
+                    raise BadRequestError(
+                        f"getTimeTrace: cur={cur} is out of range; the buffer holds "
+                        f"{len(self._traces)} requests (use -1 for the last)") from None
+        for phase, value in zip(PHASES, trace):
+            info[f"{phase}_duration_us"] = float(value)
+        return info
+
+    def _matrix(self) -> np.ndarray:
+        with self._lock:
+            if not self._traces:
+                return np.zeros((0, 4))
+            return np.array(self._traces, dtype=np.float64)
+
+    def percentile(self, info: dict, quantile: float = 0.9) -> dict:  # type: ignore[type-arg]
+        q = float(quantile)
+        if not 0.0 <= q <= 1.0:
+            raise BadRequestError(
+                f"getMonitoringStatisticsPercentile: quantile must be in [0, 1], got {quantile}")
+        m = self._matrix()
+        values = np.quantile(m, q, axis=0) if len(m) else np.zeros(4)
+        for phase, value in zip(PHASES, values):
+            info[f"{phase}_monitoring_statistics_percentile_us"] = float(value)
+        return info
+
+    def mean(self, info: dict) -> dict:  # type: ignore[type-arg]
+        m = self._matrix()
+        values = m.mean(axis=0) if len(m) else np.zeros(4)
+        for phase, value in zip(PHASES, values):
+            info[f"{phase}_monitoring_statistics_mean_us"] = float(value)
+        return info
+
+    def total_count(self, info: dict) -> dict:  # type: ignore[type-arg]
+        for phase in PHASES:
+            info[f"{phase}_monitoring_statistics_count"] = float(self._count)
+        return info
+
+    def reset_chain(self) -> None:
+        """Forget the last completion instant (after the device was restarted)."""
+        with self._lock:
+            self._last_completed = 0

@@ -1,0 +1,666 @@
+"""Queues of user memory between an application and a session's streams.
+
+Seed 002 sections 10.2.2-10.2.3. The picture, for one input anchor::
+
+    application thread                      stream servicing (session)
+    ------------------                      --------------------------
+    InputQueue.enqueue(ptr, n)  --write-->  SpscRingBuffer[InputData]  --readLock-->
+                                                      InputQueue.fill(slot)
+                                            packs/splits items into whole
+                                            transfers of the anchor's size
+                                            and copies them into the slot
+
+and the mirror image for outputs (``OutputQueue.drain(slot)`` splits one
+transfer produced by the device across the ``OutputData`` items the
+application enqueued). Queues hold *references* to user memory (the seed's
+pointers): the data is copied once, straight between user memory and the
+stream slot.
+
+``flush()`` enqueues a marker. When ``fill`` reaches it, it pads the
+transfer being built with zeros, or produces a whole dummy transfer if none
+is being built; when ``drain`` reaches the matching output marker it discards
+the rest of the transfer (or a whole dummy transfer). Enqueue flushes on the
+input and output queues in the same order and the two stay in step.
+
+``SpscRingBuffer`` is an in-process ring of fixed slots with one producer and
+one consumer thread; blocking calls return early once it is invalidated, so
+always check ``isValid()`` after ``writeLock()``/``readLock()``.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generic, Iterable, Optional, TypeVar
+
+import numpy as np
+
+from host_runtime.errors import BadRequestError, InvalidStateError
+from host_runtime.popef.model import Anchor, Model, TensorInfo, TensorType
+
+__all__ = [
+    "SpscRingBuffer",
+    "InputRingBuffer",
+    "OutputRingBuffer",
+    "InputData",
+    "OutputData",
+    "IQueue",
+    "InputQueue",
+    "OutputQueue",
+    "QueueManager",
+    "IMemoryPool",
+    "RingMemoryPool",
+    "allocateQueueStorage",
+    "ring_size_multiplier_factory",
+    "RingSizeMultiplierProdType",
+]
+
+_log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+ReadStartCallback = Callable[[], None]
+ReadCompleteCallback = Callable[[], None]
+WriteCompleteCallback = Callable[[], None]
+RingSizeMultiplierProdType = Callable[[Anchor], int]
+_U8 = np.dtype(np.uint8)
+
+
+# --------------------------------------------------------------------------- ring
+class SpscRingBuffer(Generic[T]):
+    """A fixed-size, single-producer, single-consumer ring of slots.
+
+    ``factory`` builds the slot objects (``writeLock()`` returns one to be
+    filled in place); without it, slots hold whatever ``write(obj)`` stored.
+    The read-timeout callback is called with the ring every ``timeout_ns``
+    while ``readLock()`` waits, until a buffer becomes readable.
+    """
+
+    def __init__(self, num_buffers: int, label: str,
+                 timeout_cb: Optional[Callable[["SpscRingBuffer[T]"], None]] = None,
+                 timeout_ns: int = 0, factory: Optional[Callable[[], T]] = None) -> None:
+        n = int(num_buffers)
+        if n < 1:
+            raise BadRequestError(f"SpscRingBuffer {label!r}: num_buffers must be >= 1, got {n}")
+        if int(timeout_ns) < 0:
+            raise BadRequestError(f"SpscRingBuffer {label!r}: timeout_ns must be >= 0, got {timeout_ns}")
+        self._n = n
+        self._label = str(label)
+        self._factory = factory
+        self._slots: list[Any] = [factory() if factory else None for _ in range(n)]
+        self._timeout_cb = timeout_cb
+        self._timeout_s = int(timeout_ns) / 1e9
+        self._cond = threading.Condition(threading.Lock())
+        self._written = 0     # slots published by writeComplete()
+        self._locked = 0      # slots handed out by readLock() (next read = this index)
+        self._released = 0    # slots freed by readComplete() (oldest read-locked)
+        self._write_locked = False
+        self._valid = True
+
+    # ------------------------------------------------------------- producer
+    def write(self, obj: T) -> None:
+        """Lock a slot, store ``obj`` in it and publish it."""
+        self.writeLock()
+        if not self._valid:
+            return
+        with self._cond:
+            self._slots[self._written % self._n] = obj
+        self.writeComplete()
+
+    def writeLock(self) -> T:
+        """Block until a slot is free (or the ring is invalidated) and return it."""
+        with self._cond:
+            while self._valid and not self._write_locked and self._written - self._released >= self._n:
+                self._cond.wait()
+            if self._valid:
+                self._write_locked = True
+            return self._slots[self._written % self._n]  # type: ignore[no-any-return]
+
+    def writeComplete(self) -> None:
+        with self._cond:
+            if not self._valid:
+                return
+            if not self._write_locked:
+                raise InvalidStateError(
+                    f"SpscRingBuffer {self._label!r}: writeComplete() without writeLock()")
+            self._write_locked = False
+            self._written += 1
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------- consumer
+    def readLock(self) -> T:
+        """Block until a slot is readable (or the ring is invalidated) and lock it."""
+        with self._cond:
+            deadline = None
+            if self._timeout_cb is not None and self._timeout_s > 0:
+                deadline = time.monotonic() + self._timeout_s
+            while self._valid and self._locked >= self._written:
+                if deadline is None:
+                    self._cond.wait()
+                    continue
+                left = deadline - time.monotonic()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+                cb = self._timeout_cb
+                self._cond.release()
+                try:
+                    if cb is not None:
+                        cb(self)
+                finally:
+                    self._cond.acquire()
+                deadline = time.monotonic() + self._timeout_s
+            if not self._valid:
+                return self._slots[self._locked % self._n]  # type: ignore[no-any-return]
+            slot = self._slots[self._locked % self._n]
+            self._locked += 1
+            return slot  # type: ignore[no-any-return]
+
+    def readComplete(self) -> None:
+        """Free the oldest read-locked slot."""
+        with self._cond:
+            if not self._valid:
+                return
+            if self._released >= self._locked:
+                raise InvalidStateError(
+                    f"SpscRingBuffer {self._label!r}: readComplete() without readLock()")
+            self._released += 1
+            self._cond.notify_all()
+
+    def readReset(self) -> None:
+        """Put every read-locked slot back at the front of the reading queue."""
+        with self._cond:
+            self._locked = self._released
+            self._cond.notify_all()
+
+    def readAvailable(self) -> bool:
+        with self._cond:
+            return self._locked < self._written
+
+    # ------------------------------------------------------------- state
+    def invalidate(self) -> None:
+        """Make every blocking call return at once; what they return is invalid."""
+        with self._cond:
+            self._valid = False
+            self._cond.notify_all()
+
+    def reset(self) -> None:
+        """Back to the initial state: empty, valid, nothing locked."""
+        with self._cond:
+            self._written = self._locked = self._released = 0
+            self._write_locked = False
+            self._valid = True
+            if self._factory is not None:
+                self._slots = [self._factory() for _ in range(self._n)]
+            else:
+                self._slots = [None] * self._n
+            self._cond.notify_all()
+
+    def isValid(self) -> bool:
+        return self._valid
+
+    def getState(self, prefix: str = "") -> str:
+        with self._cond:
+            return (f"{prefix}{self._label}: valid={self._valid} buffers={self._n} "
+                    f"written={self._written} read_locked={self._locked - self._released} "
+                    f"readable={self._written - self._locked} "
+                    f"free={self._n - (self._written - self._released)} "
+                    f"write_locked={self._write_locked}")
+
+    def numBuffers(self) -> int:
+        return self._n
+
+    def label(self) -> str:
+        return self._label
+
+    def __repr__(self) -> str:
+        return f"<SpscRingBuffer {self.getState()}>"
+
+
+# --------------------------------------------------------------------------- items
+class _FlushMarker:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<flush>"
+
+
+_FLUSH: Any = _FlushMarker()
+
+
+@dataclass
+class InputData:
+    """One item of an input queue: a reference to user bytes plus callbacks."""
+
+    data: Any = None
+    data_size: int = 0
+    readStartCallback: Optional[ReadStartCallback] = None
+    readCompleteCallback: Optional[ReadCompleteCallback] = None
+
+
+@dataclass
+class OutputData:
+    """One item of an output queue: where to write, how much, and a callback."""
+
+    data: Any = None
+    data_size: int = 0
+    writeCompleteCallback: Optional[WriteCompleteCallback] = None
+
+
+class InputRingBuffer(SpscRingBuffer[InputData]):
+    def __init__(self, num_buffers: int, label: str,
+                 timeout_cb: Optional[Callable[[SpscRingBuffer[InputData]], None]] = None,
+                 timeout_ns: int = 0) -> None:
+        super().__init__(num_buffers, label, timeout_cb, timeout_ns, factory=InputData)
+
+
+class OutputRingBuffer(SpscRingBuffer[OutputData]):
+    def __init__(self, num_buffers: int, label: str,
+                 timeout_cb: Optional[Callable[[SpscRingBuffer[OutputData]], None]] = None,
+                 timeout_ns: int = 0) -> None:
+        super().__init__(num_buffers, label, timeout_cb, timeout_ns, factory=OutputData)
+
+
+def _bytes_of(data: Any, size: int, writable: bool, what: str) -> np.ndarray:
+    """A flat uint8 numpy view of the first ``size`` bytes of ``data`` (no copy)."""
+    if isinstance(data, np.ndarray):
+        if not data.flags.c_contiguous:
+            raise BadRequestError(f"{what}: memory must be C-contiguous")
+        flat = data.reshape(-1).view(_U8)
+    else:
+        try:
+            mv = memoryview(data)
+        except TypeError:
+            raise BadRequestError(
+                f"{what}: expected a numpy array or a bytes-like object, "
+                f"got {type(data).__name__}") from None
+        flat = np.frombuffer(mv.cast("B") if (mv.format != "B" or mv.ndim != 1) else mv, _U8)
+    if writable and not flat.flags.writeable:
+        raise BadRequestError(f"{what}: expected writable memory, got read-only memory")
+    if size > flat.nbytes:
+        raise BadRequestError(
+            f"{what}: data_size {size} bytes exceeds the buffer's {flat.nbytes} bytes")
+    return flat[:size]
+
+
+def _nbytes(data: Any) -> int:
+    if isinstance(data, np.ndarray):
+        return int(data.nbytes)
+    try:
+        return memoryview(data).nbytes
+    except TypeError:
+        raise BadRequestError(
+            f"expected a numpy array or a bytes-like object, got {type(data).__name__}") from None
+
+
+# --------------------------------------------------------------------------- queues
+class IQueue(abc.ABC):
+    """What every queue offers: its tensor, its capacity, and disconnection."""
+
+    @abc.abstractmethod
+    def tensorInfo(self) -> TensorInfo: ...
+
+    @abc.abstractmethod
+    def numBuffers(self) -> int: ...
+
+    @abc.abstractmethod
+    def disconnect(self) -> None: ...
+
+
+def _sample_size(info: TensorInfo) -> int:
+    shape = info.shape()
+    total = info.sizeInBytes()
+    if shape and shape[0] > 0:
+        return total // shape[0]
+    return total
+
+
+class _QueueBase(IQueue):
+    def __init__(self, buffer: SpscRingBuffer[Any], info: TensorInfo, name: str) -> None:
+        self._rb = buffer
+        self._info = info
+        self._name = name
+        self._transfer = info.sizeInBytes()
+        self._sample = max(1, _sample_size(info))
+        self._current: Any = None   # the item being consumed across transfers
+        self._pos = 0               # bytes of it already consumed
+        self._state_lock = threading.Lock()
+
+    def tensorInfo(self) -> TensorInfo:
+        return self._info
+
+    def numBuffers(self) -> int:
+        return self._rb.numBuffers()
+
+    def name(self) -> str:
+        return self._name
+
+    def ringBuffer(self) -> SpscRingBuffer[Any]:
+        return self._rb
+
+    def disconnect(self) -> None:
+        self._rb.invalidate()
+
+    def reset(self) -> None:
+        """Empty the queue and make it valid again (after the session stopped)."""
+        self._rb.reset()
+        self._current = None
+        self._pos = 0
+
+    def flush(self) -> None:
+        item = self._rb.writeLock()
+        if not self._rb.isValid():
+            return
+        item.data = _FLUSH
+        item.data_size = 0
+        for cb in ("readStartCallback", "readCompleteCallback", "writeCompleteCallback"):
+            if hasattr(item, cb):
+                setattr(item, cb, None)
+        self._rb.writeComplete()
+
+    def _check_size(self, size: int) -> None:
+        if size <= 0 or size % self._sample:
+            raise BadRequestError(
+                f"queue {self._name!r}: data_size must be a positive multiple of one sample "
+                f"({self._sample} bytes of {self._info!r}), got {size}")
+
+
+class InputQueue(_QueueBase):
+    """Packs or splits what the application enqueues into whole transfers."""
+
+    def enqueueLock(self) -> InputData:
+        """Lock an item for writing (blocking); fill it and call enqueueComplete()."""
+        return self._rb.writeLock()  # type: ignore[no-any-return]
+
+    def enqueueComplete(self) -> None:
+        if self._rb.isValid():
+            item = self._rb._slots[self._rb._written % self._rb._n]
+            if item.data is not _FLUSH:
+                try:
+                    self._check_size(int(item.data_size))
+                    item.data = _bytes_of(item.data, int(item.data_size), False,
+                                          f"input queue {self._name!r}")
+                except BadRequestError:
+                    with self._rb._cond:
+                        self._rb._write_locked = False
+                    raise
+        self._rb.writeComplete()
+
+    def enqueue(self, input: Any, data_size: int | None = None,
+                read_start_callback: Optional[ReadStartCallback] = None,
+                read_complete_callback: Optional[ReadCompleteCallback] = None) -> None:
+        """Queue a reference to ``data_size`` bytes of ``input`` (not copied)."""
+        size = _nbytes(input) if data_size is None else int(data_size)
+        self._check_size(size)
+        flat = _bytes_of(input, size, False, f"input queue {self._name!r}")
+        self._rb.write(InputData(flat, size, read_start_callback, read_complete_callback))
+
+    # -- consumer side: the stream callback -----------------------------------
+    def fill(self, dest: Any) -> bool:
+        """Fill one transfer into ``dest`` (a writable buffer of the anchor's size).
+
+        Blocks until enough data (or a flush marker) is queued. Returns False,
+        leaving ``dest`` zeroed, if the queue was disconnected meanwhile.
+        """
+        out = _bytes_of(dest, self._transfer, True, f"stream slot of {self._name!r}")
+        off = 0
+        T = self._transfer
+        rb = self._rb
+        while off < T:
+            item = self._current
+            if item is None:
+                item = rb.readLock()
+                if not rb.isValid():
+                    out[off:] = 0
+                    return False
+                if item.data is _FLUSH:
+                    out[off:] = 0
+                    rb.readComplete()
+                    return True
+                self._current = item
+                self._pos = 0
+                if item.readStartCallback is not None:
+                    item.readStartCallback()
+            n = min(T - off, item.data_size - self._pos)
+            out[off:off + n] = item.data[self._pos:self._pos + n]
+            off += n
+            self._pos += n
+            if self._pos >= item.data_size:
+                self._current = None
+                self._pos = 0
+                if item.readCompleteCallback is not None:
+                    item.readCompleteCallback()
+                rb.readComplete()
+        return True
+
+    __call__ = fill
+
+
+class OutputQueue(_QueueBase):
+    """Splits each transfer the device produces across the application's buffers."""
+
+    def enqueueLock(self) -> OutputData:
+        return self._rb.writeLock()  # type: ignore[no-any-return]
+
+    def enqueueComplete(self) -> None:
+        if self._rb.isValid():
+            item = self._rb._slots[self._rb._written % self._rb._n]
+            if item.data is not _FLUSH:
+                try:
+                    self._check_size(int(item.data_size))
+                    item.data = _bytes_of(item.data, int(item.data_size), True,
+                                          f"output queue {self._name!r}")
+                except BadRequestError:
+                    with self._rb._cond:
+                        self._rb._write_locked = False
+                    raise
+        self._rb.writeComplete()
+
+    def enqueue(self, output: Any, data_size: int | None = None,
+                write_complete_callback: Optional[WriteCompleteCallback] = None) -> None:
+        """Queue a reference to where the next ``data_size`` output bytes go."""
+        size = _nbytes(output) if data_size is None else int(data_size)
+        self._check_size(size)
+        flat = _bytes_of(output, size, True, f"output queue {self._name!r}")
+        self._rb.write(OutputData(flat, size, write_complete_callback))
+
+    def drain(self, src: Any) -> bool:
+        """Distribute one transfer from ``src`` to the queued output buffers.
+
+        Blocks until enough buffers (or a flush marker) are queued. Returns
+        False if the queue was disconnected meanwhile (the data is dropped).
+        """
+        data = _bytes_of(src, self._transfer, False, f"stream slot of {self._name!r}")
+        off = 0
+        T = self._transfer
+        rb = self._rb
+        while off < T:
+            item = self._current
+            if item is None:
+                item = rb.readLock()
+                if not rb.isValid():
+                    return False
+                if item.data is _FLUSH:
+                    rb.readComplete()
+                    return True
+                self._current = item
+                self._pos = 0
+            n = min(T - off, item.data_size - self._pos)
+            item.data[self._pos:self._pos + n] = data[off:off + n]
+            off += n
+            self._pos += n
+            if self._pos >= item.data_size:
+                self._current = None
+                self._pos = 0
+                if item.writeCompleteCallback is not None:
+                    item.writeCompleteCallback()
+                rb.readComplete()
+        return True
+
+    __call__ = drain
+
+
+# --------------------------------------------------------------------------- pools
+class IMemoryPool(abc.ABC):
+    """A common interface for memory allocators that back queues."""
+
+    @abc.abstractmethod
+    def blobSize(self) -> int: ...
+
+    @abc.abstractmethod
+    def getMemoryBlob(self) -> np.ndarray: ...
+
+
+class RingMemoryPool(IMemoryPool):
+    """``num_blobs`` blobs of ``blob_size`` bytes, handed out round-robin."""
+
+    def __init__(self, blob_size: int, num_blobs: int) -> None:
+        if int(blob_size) < 0 or int(num_blobs) < 1:
+            raise BadRequestError(
+                f"RingMemoryPool: expected blob_size >= 0 and num_blobs >= 1, "
+                f"got blob_size={blob_size}, num_blobs={num_blobs}")
+        self._blob = int(blob_size)
+        self._num = int(num_blobs)
+        self._memory = np.zeros(self._blob * self._num, dtype=_U8)
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def numBlobs(self) -> int:
+        return self._num
+
+    def blobSize(self) -> int:
+        return self._blob
+
+    def getMemoryBlob(self) -> np.ndarray:
+        """The next blob (a writable uint8 array); wraps round at the end."""
+        with self._lock:
+            i = self._next
+            self._next = (i + 1) % self._num
+        return self._memory[i * self._blob:(i + 1) * self._blob]
+
+
+def allocateQueueStorage(queue: IQueue, extra_buffers: int = 0) -> RingMemoryPool:
+    """A memory pool large enough to back ``queue`` (plus ``extra_buffers``)."""
+    return RingMemoryPool(queue.tensorInfo().sizeInBytes(), queue.numBuffers() + int(extra_buffers))
+
+
+class ring_size_multiplier_factory:
+    """Factories of ``RingSizeMultiplierProdType`` functions (anchor -> multiplier)."""
+
+    @staticmethod
+    def ringSizeMultForProgs(programs: Iterable[int], selected_ring_size_multiplier: int,
+                             others_ring_size_multiplier: int = 1) -> RingSizeMultiplierProdType:
+        progs = frozenset(int(p) for p in programs)
+        sel = int(selected_ring_size_multiplier)
+        oth = int(others_ring_size_multiplier)
+
+        def multiplier(anchor: Anchor) -> int:
+            return sel if progs.intersection(anchor.programs()) else oth
+        return multiplier
+
+    @staticmethod
+    def ringSizeMultForMainProgs(model: Model, main_ring_size_multiplier: int,
+                                 load_save_ring_size_multiplier: int = 1) -> RingSizeMultiplierProdType:
+        return ring_size_multiplier_factory.ringSizeMultForProgs(
+            model.metadata.programFlow().main(), main_ring_size_multiplier,
+            load_save_ring_size_multiplier)
+
+
+# --------------------------------------------------------------------------- manager
+class QueueManager:
+    """Creates an input or output queue per user anchor of a session and binds it.
+
+    ``QueueManager(session, ring_size_multiplier=2, timeout_ns=0,
+    timeout_callback=None)``: the ring of each queue holds
+    ``multiplier(anchor) * batch`` items (``batch`` = the anchor's first
+    dimension), so it can hold that many transfers' worth of single samples.
+    ``timeout_callback(queue, ring)`` is called every ``timeout_ns`` while
+    the device waits on an empty input queue. Normally created through
+    ``Session.createQueueManager(...)``.
+    """
+
+    def __init__(self, session: Any, ring_size_multiplier: int | RingSizeMultiplierProdType = 2,
+                 timeout_ns: int = 0,
+                 timeout_callback: Optional[Callable[["InputQueue", SpscRingBuffer[InputData]], None]] = None
+                 ) -> None:
+        self.inputs: dict[str, InputQueue] = {}
+        self.outputs: dict[str, OutputQueue] = {}
+        self._session = session
+        self._by_handle: dict[str, str] = {}
+        mult: RingSizeMultiplierProdType
+        if callable(ring_size_multiplier):
+            mult = ring_size_multiplier
+        else:
+            k = int(ring_size_multiplier)
+            mult = lambda anchor: k  # noqa: E731
+        for anchor in _user_anchors(session):
+            info = anchor.tensorInfo()
+            shape = info.shape()
+            batch = shape[0] if shape and shape[0] > 0 else 1
+            n = max(1, int(mult(anchor))) * batch
+            name = anchor.name()
+            self._by_handle[anchor.handle()] = name
+            if anchor.type() == TensorType.INPUT:
+                cb = None
+                if timeout_callback is not None and timeout_ns:
+                    def cb(rb: SpscRingBuffer[InputData], _n: str = name) -> None:
+                        timeout_callback(self.inputs[_n], rb)
+                rb_in = InputRingBuffer(n, name, cb, int(timeout_ns))
+                q_in = InputQueue(rb_in, info, name)
+                self.inputs[name] = q_in
+                session.setCallbackForAnchor(anchor.handle(), q_in.fill)
+            else:
+                rb_out = OutputRingBuffer(n, name)
+                q_out = OutputQueue(rb_out, info, name)
+                self.outputs[name] = q_out
+                session.setCallbackForAnchor(anchor.handle(), q_out.drain)
+
+    def _resolve(self, name: str, table: dict[str, Any], kind: str) -> Any:
+        key = name if name in table else self._by_handle.get(name, name)
+        try:
+            return table[key]
+        except KeyError:
+            raise BadRequestError(
+                f"no {kind} queue for tensor {name!r}; expected one of "
+                + (", ".join(sorted(table)) or "(none)")) from None
+
+    def inputQueue(self, name: str) -> InputQueue:
+        return self._resolve(name, self.inputs, "input")  # type: ignore[no-any-return]
+
+    def outputQueue(self, name: str) -> OutputQueue:
+        return self._resolve(name, self.outputs, "output")  # type: ignore[no-any-return]
+
+    def _all(self) -> list[_QueueBase]:
+        return [*self.inputs.values(), *self.outputs.values()]
+
+    def flushAll(self) -> None:
+        for q in self._all():
+            q.flush()
+
+    def disconnectAll(self) -> None:
+        for q in self._all():
+            q.disconnect()
+
+    def resetAll(self) -> None:
+        for q in self._all():
+            q.reset()
+
+
+def _user_anchors(session: Any) -> list[Anchor]:
+    """The anchors of ``session`` that take user data (no PopEF data bound)."""
+    if hasattr(session, "userAnchors"):
+        return list(session.userAnchors())
+    model = session.model() if callable(getattr(session, "model", None)) else session.model
+    bound = {t.anchor for t in getattr(model, "tensors", [])}
+    bound |= {f.anchor for f in getattr(model, "feeds", [])}
+    main = set(model.metadata.programFlow().main())
+    out = []
+    for a in model.metadata.anchors():
+        if a.type() == TensorType.UNKNOWN or a.name() in bound:
+            continue
+        if main and not main.intersection(a.programs()):
+            continue
+        out.append(a)
+    return out
