@@ -74,7 +74,7 @@ def encode_metadata(md: Metadata) -> bytes:
     }
     # The writer must never produce a file the reader refuses.
     _check_document(doc)
-    return json.dumps(doc, indent=1, sort_keys=False, ensure_ascii=True).encode("ascii")
+    return json.dumps(doc, separators=(",", ":"), ensure_ascii=True).encode("ascii")
 
 
 def _encode_anchor(a: Anchor) -> dict[str, Any]:
