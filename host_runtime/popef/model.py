@@ -355,3 +355,15 @@ class Model:
             if t.anchor == anchor_name:
                 return t
         return None
+
+    def feedData(self, anchor_name: str) -> FeedData | None:
+        for f in self.feeds:
+            if f.anchor == anchor_name:
+                return f
+        return None
+
+    def opaque(self, name: str) -> Opaque | None:
+        for o in self.opaques:
+            if o.opaque_name == name:
+                return o
+        return None

@@ -17,7 +17,7 @@ import logging
 import os
 import zlib
 from dataclasses import dataclass
-from typing import BinaryIO, Union
+from typing import BinaryIO, Protocol, Union
 
 from host_runtime.errors import PopefError
 from host_runtime.popef import _format as fmt
@@ -52,6 +52,12 @@ class BlobInfo:
 
 
 Blob = Union[Metadata, ExecutableBlob, TensorData, FeedData, Opaque]
+
+
+class _Seekable(Protocol):
+    def read(self, n: int, /) -> bytes: ...
+
+    def seek(self, pos: int, /) -> int: ...
 
 
 class Reader:
@@ -129,7 +135,7 @@ class Reader:
 
     # -- the parser --------------------------------------------------------------
 
-    def _parse(self, f: BinaryIO, size: int, path: str) -> None:
+    def _parse(self, f: _Seekable, size: int, path: str) -> None:
         parsed = _FileParser(f, size, path).parse()
         # All or nothing: a damaged file adds no blobs.
         self._entries.extend(parsed)
@@ -152,7 +158,7 @@ class _Window:
 
 
 class _FileParser:
-    def __init__(self, f: BinaryIO, size: int, path: str) -> None:
+    def __init__(self, f: _Seekable, size: int, path: str) -> None:
         self.f = f
         self.size = size
         self.path = path
