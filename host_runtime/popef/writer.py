@@ -143,7 +143,7 @@ class Writer:
         if not isinstance(name, str) or not name:
             raise BadRequestError(f"{what} blob needs a non-empty anchor/blob name, got {name!r}")
 
-    def _blob(self, btype: fmt.BlobType, name: str, payload: bytes, flags: int = 0,
+    def _blob(self, btype: fmt.BlobType, name: str, payload: bytes | memoryview, flags: int = 0,
               aux: int = 0) -> None:
         if not isinstance(name, str):
             raise BadRequestError(f"blob name must be a str, got {type(name).__name__}")
@@ -170,16 +170,27 @@ class Writer:
         self._offset += len(data)
 
 
-def _as_bytes(data: Any, what: str) -> bytes:
+def _as_bytes(data: Any, what: str) -> bytes | memoryview:
+    """A flat byte view of ``data`` (no copy for bytes and contiguous buffers)."""
     if isinstance(data, bytes):
         return data
     if isinstance(data, np.ndarray):
-        return np.ascontiguousarray(data).tobytes()
+        data = np.ascontiguousarray(data)
+        if data.dtype.hasobject:
+            raise BadRequestError(f"{what} cannot hold numpy objects (dtype {data.dtype})")
     try:
-        return memoryview(data).tobytes()
+        view = memoryview(data)
     except TypeError:
         raise BadRequestError(f"{what} must be bytes-like or a numpy array, got "
                               f"{type(data).__name__}") from None
+    if view.ndim == 1 and view.format == "B":
+        return view
+    if not view.c_contiguous or view.ndim == 0 or view.nbytes == 0:
+        return view.tobytes()
+    try:
+        return view.cast("B")
+    except TypeError:  # formats memoryview cannot cast
+        return view.tobytes()
 
 
 def save_model(model: Model, path: str | os.PathLike[str]) -> None:

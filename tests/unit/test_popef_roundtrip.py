@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from host_runtime import popef
 from host_runtime.errors import BadRequestError, InvalidStateError, PopefError
@@ -213,3 +215,65 @@ def test_public_surface() -> None:
         "TensorInfo", "TensorType", "Writer", "load_model", "save_model"])
     for name in popef.__all__:
         assert getattr(popef, name) is not None
+
+
+def test_writer_accepts_buffers_and_non_contiguous_arrays() -> None:
+    arr = np.arange(12, dtype=np.float64).reshape(3, 4)[:, ::2]
+    buf = io.BytesIO()
+    with popef.Writer(buf) as w:
+        w.writeOpaque("strided", arr)
+        w.writeOpaque("scalar", np.float32(3))
+        w.writeOpaque("empty", np.zeros((0, 3), np.int16))
+        w.writeOpaque("bytearray", bytearray(b"xy"))
+        w.writeOpaque("bools", np.array([True, False]))
+        w.writeOpaque("f16", np.array([[1.5, 2.0]], np.float16))
+    r = popef.Reader()
+    r.parseStream(buf.getvalue())
+    got = {o.name(): o.data for o in r.opaqueBlobs()}
+    assert got == {"strided": arr.tobytes(), "scalar": np.float32(3).tobytes(), "empty": b"",
+                   "bytearray": b"xy", "bools": b"\x01\x00",
+                   "f16": np.array([[1.5, 2.0]], np.float16).tobytes()}
+    with pytest.raises(BadRequestError, match="numpy objects"):
+        popef.Writer(io.BytesIO()).writeOpaque("o", np.array([object()]))
+
+
+_names = st.text(st.characters(min_codepoint=33, max_codepoint=0x2FFF), min_size=1,
+                 max_size=12)
+_supported = [d for d in popef.DataType if d not in (popef.DataType.F8143,
+                                                     popef.DataType.F8152)]
+
+
+@st.composite
+def _metadata(draw: st.DrawFn) -> popef.Metadata:
+    names = draw(st.lists(_names, min_size=0, max_size=6, unique=True))
+    progs = st.lists(st.integers(0, 9), max_size=3)
+    anchors = [popef.Anchor(n, f"h/{n}",
+                            popef.TensorInfo(draw(st.sampled_from(_supported)),
+                                             draw(st.lists(st.integers(0, 7), max_size=4))),
+                            draw(st.booleans()), draw(st.sampled_from(list(popef.TensorType))),
+                            draw(progs)) for n in names]
+    subgraphs = {}
+    if names and draw(st.booleans()):
+        subgraphs = {"graph0": names[: len(names) // 2], "graph1": names[len(names) // 2:]}
+    return popef.Metadata(
+        anchors=anchors, program_flow=popef.ProgramFlow(draw(progs), draw(progs), draw(progs)),
+        replication_factor=draw(st.integers(1, 64)), num_ipus=draw(st.integers(1, 64)),
+        ipu_version=draw(st.sampled_from([2, 21])), executable=draw(_names),
+        is_inference=draw(st.booleans()), device_iterations=draw(st.integers(1, 10**6)),
+        engine_options=draw(st.dictionaries(_names, st.text(max_size=8), max_size=3)),
+        device_options=draw(st.dictionaries(_names, st.text(max_size=8), max_size=3)),
+        subgraphs=subgraphs)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_metadata(), st.binary(max_size=300), st.booleans())
+def test_hypothesis_metadata_round_trip(md: popef.Metadata, exe: bytes, compress: bool) -> None:
+    buf = io.BytesIO()
+    with popef.Writer(buf) as w:
+        w.writeMetadata(md)
+        w.writeExecutable(md.executable(), exe, compress=compress)
+    r = popef.Reader()
+    r.parseStream(buf.getvalue())
+    model = popef.ModelBuilder(r).createModel()
+    assert model.metadata == md
+    assert model.executable.payload() == exe and model.executable.compressed == compress
