@@ -163,7 +163,7 @@ class Writer:
         self._write(payload)
         _log.debug("wrote %s %r (%d bytes) to %s", btype.label, name, len(payload), self._name)
 
-    def _write(self, data: bytes) -> None:
+    def _write(self, data: bytes | memoryview) -> None:
         if self._f is None:
             raise InvalidStateError(f"PopEF writer for {self._name!r} is closed")
         self._f.write(data)
