@@ -167,3 +167,31 @@ def test_files_that_disagree_exit_1(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert rc == 1
     assert "Model check: FAILED: two tensor data blobs named 'weights' disagree" in out
     assert "two tensor data blobs named 'weights' disagree" in err
+
+
+def test_dump_of_the_seeds_example_model(tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    gen = pytest.importorskip("tools.generate_simple_popef",
+                              reason="the compiler part's example generator is not there yet")
+    path = tmp_path / "simple.popef"
+    gen.write_simple_popef(path)
+    rc, out, err = _run(capsys, str(path))
+    assert rc == 0 and err == ""
+    for name, kind in (("tensor_A", "INPUT"), ("tensor_B", "INPUT"), ("weights", "INPUT"),
+                       ("tensor_C", "OUTPUT")):
+        row = _row(out, name)
+        assert row[2] == kind and row[3:6] == ["[1,", "4]", "F32"] and row[6] == "16", row
+    assert _row(out, "weights")[-1] == "yes"
+    assert _row(out, "tensor_A")[-1] == "no"
+    assert re.search(r"\d+\s+tensor data\s+weights\s+\d+\s+\d+\s+16\s", out)
+    rc, out, _ = _run(capsys, str(path), "--json")
+    d = json.loads(out)
+    flow = d["programFlow"]
+    assert flow["load"] and flow["main"]
+    w = next(a for a in d["anchors"] if a["name"] == "weights")
+    assert w["tensorData"] and set(w["programs"]) <= set(flow["load"])
+    c = next(a for a in d["anchors"] if a["name"] == "tensor_C")
+    assert set(c["programs"]) <= set(flow["main"])
+    model = popef.load_model(path)
+    td = model.tensorData("weights")
+    assert td is not None and len(td.data) == 16
