@@ -81,8 +81,17 @@ def describe(reader: popef.Reader) -> dict[str, Any]:
     return out
 
 
+def _clean(value: object) -> str:
+    """Text safe for a terminal table: control characters and newlines escaped."""
+    text = str(value)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+                   for c in text)
+
+
 def _table(headers: Sequence[str], rows: Sequence[Sequence[object]], indent: str = "  ") -> str:
-    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
+    cells = [[_clean(h) for h in headers]] + [[_clean(c) for c in r] for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     # Numbers are right-aligned, everything else left-aligned.
     numeric = [bool(rows) and all(isinstance(r[i], int) and not isinstance(r[i], bool)
@@ -114,7 +123,7 @@ def render(d: dict[str, Any]) -> str:
     out: list[str] = []
     for f in d["files"]:
         size = "?" if f["size"] is None else f"{f['size']} bytes"
-        out.append(f"PopEF file {f['path']} ({size}, {f['blobs']} blobs)")
+        out.append(f"PopEF file {_clean(f['path'])} ({size}, {f['blobs']} blobs)")
     out.append("")
     out.append("Blobs")
     several = len(d["files"]) > 1
@@ -177,7 +186,7 @@ def render(d: dict[str, Any]) -> str:
         ]))
     out.append("")
     check = d["model_check"]
-    out.append("Model check: " + ("ok" if check["ok"] else f"FAILED: {check['error']}"))
+    out.append("Model check: " + ("ok" if check["ok"] else f"FAILED: {_clean(check['error'])}"))
     return "\n".join(out) + "\n"
 
 
@@ -196,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"popef_dump: error: {exc}", file=sys.stderr)
         return 2
     d = describe(reader)
+    reconfigure = getattr(sys.stdout, "reconfigure", None)
+    if reconfigure is not None:
+        reconfigure(errors="backslashreplace")  # odd names never crash the dump
     try:
         if args.json:
             sys.stdout.write(json.dumps(d, indent=2) + "\n")

@@ -32,7 +32,7 @@ from host_runtime.popef.model import (Anchor, DataType, Metadata, ProgramFlow, T
 
 SCHEMA_ID = "ipu-emulator/popef-metadata/1"
 
-MAX_STRING = 4096
+MAX_STRING = 1024  # characters; at most 4096 UTF-8 bytes, the blob-name limit
 MAX_LIST = 1_000_000
 MAX_RANK = 32
 MAX_DIM = 1 << 40
@@ -233,6 +233,11 @@ def _string(v: Any, where: str, allow_empty: bool = True) -> None:
         raise SchemaError(f"{where}: expected a non-empty string")
     if len(v) > MAX_STRING:
         raise SchemaError(f"{where}: string of {len(v)} characters exceeds {MAX_STRING}")
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        raise SchemaError(f"{where}: string {_show(v)} is not valid Unicode "
+                          "(lone surrogate)") from None
 
 
 def _list(v: Any, where: str, check: Callable[[Any, str], None]) -> None:

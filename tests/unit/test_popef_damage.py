@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import random
+import re
 import struct
 import tracemalloc
 import zlib
@@ -207,6 +208,7 @@ def test_bad_name_utf8() -> None:
     (lambda d: d["anchors"][0].pop("programs"), r"missing \['programs'\]"),
     (lambda d: d.update(anchors={}), r"metadata.anchors: expected a list"),
     (lambda d: d.update(subgraphs={"graph0": ["ghost"]}), r"names anchor 'ghost'"),
+    (lambda d: d.update(engineOptions={"k": "\ud800"}), r"\['k'\]: string .*\(lone surrogate\)"),
 ])
 def test_metadata_schema_violations(mutate, message) -> None:
     doc = _valid_doc()
@@ -214,7 +216,6 @@ def test_metadata_schema_violations(mutate, message) -> None:
     err = _error(_metadata_blob(doc))
     assert "metadata does not match its schema" in str(err)
     assert err.blob == "#0 metadata 'simple_exe'" and err.offset == 16 + 48 + 10
-    import re
     assert re.search(message, str(err)), str(err)
 
 

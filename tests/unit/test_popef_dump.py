@@ -195,3 +195,27 @@ def test_dump_of_the_seeds_example_model(tmp_path: Path,
     model = popef.load_model(path)
     td = model.tensorData("weights")
     assert td is not None and len(td.data) == 16
+
+
+def test_control_characters_in_names_are_escaped(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    info = popef.TensorInfo(popef.DataType.U8, [3])
+    md = popef.Metadata(anchors=[
+        popef.Anchor("evil\n\x1b[2Jname", "h1", info, False, popef.TensorType.INPUT, [0]),
+        popef.Anchor("naïve", "h2", info, False, popef.TensorType.OUTPUT, [0])],
+        program_flow=popef.ProgramFlow([], [0], []), executable="e")
+    path = tmp_path / "odd.popef"
+    with popef.Writer(path) as w:
+        w.writeMetadata(md)
+        w.writeExecutable("e", b"")
+    rc, out, _ = _run(capsys, str(path))
+    assert rc == 0
+    assert "\x1b" not in out
+    assert _row(out, "evil\\n\\x1b[2Jname")[:3] == ["evil\\n\\x1b[2Jname", "h1", "INPUT"]
+    assert _row(out, "naïve")[:3] == ["naïve", "h2", "OUTPUT"]
+    assert json.loads(main_json(capsys, path))["anchors"][0]["name"] == "evil\n\x1b[2Jname"
+
+
+def main_json(capsys: pytest.CaptureFixture[str], path: Path) -> str:
+    assert main([str(path), "--json"]) == 0
+    return capsys.readouterr().out
