@@ -90,8 +90,12 @@ class Reader:
             data = bytes(stream)
             self._parse(io.BytesIO(data), len(data), name)
             return
+        if not callable(getattr(stream, "read", None)):
+            raise PopefError(f"parseStream expects bytes or a binary stream, got "
+                             f"{type(stream).__name__}", path=name)
         try:
-            if stream.seekable():
+            seekable = getattr(stream, "seekable", None)
+            if seekable is not None and seekable():
                 start = stream.tell()
                 end = stream.seek(0, io.SEEK_END)
                 stream.seek(start)
@@ -174,8 +178,11 @@ class _FileParser:
             data = self.f.read(n)
         except (OSError, ValueError) as exc:
             raise self.error(f"cannot read {what}: {exc}", offset, blob) from None
-        if not isinstance(data, (bytes, bytearray)) or len(data) != n:
-            got = len(data) if isinstance(data, (bytes, bytearray)) else 0
+        if not isinstance(data, (bytes, bytearray)):
+            raise self.error(f"stream returned {type(data).__name__}, expected bytes (open "
+                             "it in binary mode)", offset, blob)
+        if len(data) != n:
+            got = len(data)
             raise self.error(f"file is truncated: {what} needs {n} bytes, got {got}",
                              offset, blob)
         return bytes(data)

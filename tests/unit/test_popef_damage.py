@@ -358,3 +358,21 @@ def test_truncated_real_file(tmp_path) -> None:
     with pytest.raises(PopefError, match=r"larger than the .* bytes left in the file") as info:
         popef.Reader().parseFile(path)
     assert info.value.path == str(path) and "opaque 'app/notes'" in str(info.value)
+
+
+def test_wrong_kinds_of_stream(tmp_path) -> None:
+    with pytest.raises(PopefError, match="expects bytes or a binary stream, got int"):
+        popef.Reader().parseStream(5)  # type: ignore[arg-type]
+    path = tmp_path / "m.popef"
+    path.write_bytes(VALID)
+    with open(path, encoding="latin-1") as text:
+        with pytest.raises(PopefError, match="open it in binary mode"):
+            popef.Reader().parseStream(text)  # type: ignore[arg-type]
+
+    class Pipe:
+        def read(self) -> bytes:
+            return VALID
+
+    r = popef.Reader()
+    r.parseStream(Pipe(), name="pipe")  # type: ignore[arg-type]
+    assert len(r.blobs()) == 5 and r.paths() == ["pipe"]
