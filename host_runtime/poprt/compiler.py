@@ -1,0 +1,253 @@
+"""The PopRT compiler front end: ONNX models -> PopEF (what the ``poprt`` command does).
+
+``compile()`` runs the emulator's compiler back end
+(``ipu_emulator.compiler.compile_onnx``) and writes its result with the PopEF
+``Writer``: the metadata (anchors, program flow, sub-graphs of fused models),
+the executable (zlib-compressed with ``compress=True``) and one tensor-data
+blob per weight when weights are exported as tensor data. It also writes the
+transformed ONNX model (``output_model``).
+
+``load_config_yaml()`` reads seed 004's model fusion configuration: global
+keys apply to every model of ``model_fusion``, per-model keys override them,
+and relative paths resolve against the YAML file's folder.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, BinaryIO, Sequence
+
+from host_runtime.errors import BadRequestError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import onnx
+
+    from host_runtime.popef import Metadata
+    from ipu_emulator.compiler import CompileResult, ModelSpec
+
+__all__ = [
+    "compile",
+    "CompileOutput",
+    "FusionConfig",
+    "load_config_yaml",
+    "parse_input_shape",
+    "metadata_for",
+    "write_popef",
+    "POPEF_NAME",
+]
+
+_log = logging.getLogger(__name__)
+
+POPEF_NAME = "executable.popef"
+_MAX_YAML = 1 << 20
+
+
+@dataclass
+class CompileOutput:
+    """What ``compile`` produced: the back end's result and the files written."""
+
+    result: "CompileResult"
+    popef_path: pathlib.Path | None = None
+    output_model_path: pathlib.Path | None = None
+
+
+def parse_input_shape(text: str) -> tuple[str, list[int]]:
+    """``"X=1,3,224,224"`` -> ``("X", [1, 3, 224, 224])``; ``"X="`` is a scalar."""
+    name, sep, dims = str(text).rpartition("=")
+    if not sep or not name:
+        raise BadRequestError(f"input shape {text!r} must look like NAME=d0,d1,... "
+                              "(for example X=1,3,224,224)")
+    try:
+        shape = [int(d) for d in dims.replace(" ", "").split(",") if d != ""]
+    except ValueError:
+        raise BadRequestError(f"input shape {text!r}: dims must be integers") from None
+    if any(d < 0 for d in shape):
+        raise BadRequestError(f"input shape {text!r}: dims must be non-negative")
+    return name, shape
+
+
+def _shapes(items: Any, where: str) -> dict[str, list[int]]:
+    if items is None:
+        return {}
+    if isinstance(items, str):
+        items = [items]
+    if not isinstance(items, (list, tuple)):
+        raise BadRequestError(f"{where}: input_shape must be a list of 'NAME=d0,d1,...' strings, "
+                              f"got {type(items).__name__}")
+    out: dict[str, list[int]] = {}
+    for it in items:
+        name, dims = parse_input_shape(it)
+        out[name] = dims
+    return out
+
+
+def compile(models: "ModelSpec | Sequence[ModelSpec] | str | os.PathLike[str] | onnx.ModelProto",
+            output_dir: str | os.PathLike[str] | None = None, *,
+            export_popef: bool = True, popef_name: str = POPEF_NAME,
+            output_model: str | os.PathLike[str] | None = None,
+            ipu_version: str = "ipu21", batches_per_step: int = 1,
+            weights_as_tensor_data: bool = False, save_weights: bool = False,
+            max_tensor_size: int = -1, compress: bool = False,
+            name: str = "executable", fuse: bool | None = None,
+            input_shapes: dict[str, list[int]] | None = None,
+            precision: str | None = None) -> CompileOutput:
+    """Compile one model (or fuse several ``ModelSpec``) and write the outputs.
+
+    ``export_popef`` writes ``<output_dir>/<popef_name>``; ``output_model``
+    (relative to ``output_dir``) receives the transformed ONNX model.
+    ``input_shapes``/``precision`` apply when ``models`` is a path or a ModelProto.
+    Raises ``ipu_emulator.errors.CompileError`` when the model is refused.
+    """
+    from ipu_emulator.compiler import CompileOptions, ModelSpec, compile_onnx
+
+    if isinstance(models, ModelSpec):
+        specs = [models]
+    elif isinstance(models, (list, tuple)):
+        specs = list(models)
+    else:
+        specs = [ModelSpec(models, dict(input_shapes or {}), precision or "fp32")]  # type: ignore[arg-type]
+    opts = CompileOptions(name=name, ipu_version=ipu_version,
+                          device_iterations=int(batches_per_step),
+                          weights_as_tensor_data=weights_as_tensor_data,
+                          save_weights=save_weights, max_tensor_size=int(max_tensor_size),
+                          fuse=fuse)
+    result = compile_onnx(specs, opts)
+    out_dir = pathlib.Path(output_dir) if output_dir is not None else pathlib.Path.cwd()
+    output = CompileOutput(result)
+    if export_popef or output_model is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    if output_model is not None:
+        import onnx
+
+        path = out_dir / output_model
+        path.parent.mkdir(parents=True, exist_ok=True)
+        onnx.save(result.output_model, str(path))
+        output.output_model_path = path
+        _log.info("wrote the transformed ONNX model to %s", path)
+    if export_popef:
+        path = out_dir / popef_name
+        write_popef(result, path, compress=compress)
+        output.popef_path = path
+        _log.info("wrote %s", path)
+    return output
+
+
+def metadata_for(result: "CompileResult") -> "Metadata":
+    """The PopEF metadata describing a compiled executable."""
+    from host_runtime.popef import Anchor, DataType, Metadata, ProgramFlow, TensorInfo, TensorType
+
+    exe = result.executable
+    anchors = [Anchor(a.name, a.handle, TensorInfo(DataType(a.dtype), a.shape),
+                      is_per_replica=False,
+                      type=TensorType.INPUT if a.direction == "in" else TensorType.OUTPUT,
+                      programs=a.programs)
+               for a in result.anchors]
+    flow = ProgramFlow(result.program_flow["load"], result.program_flow["main"],
+                       result.program_flow["save"])
+    return Metadata(anchors, flow, replication_factor=1, num_ipus=exe.num_ipus,
+                    ipu_version=exe.ipu_version, executable=exe.name, is_inference=True,
+                    device_iterations=exe.device_iterations, subgraphs=result.subgraphs)
+
+
+def write_popef(result: "CompileResult", dest: str | os.PathLike[str] | BinaryIO, *,
+                compress: bool = False) -> None:
+    """Write metadata, executable and weights' tensor data to a PopEF file or stream."""
+    from host_runtime.popef import Writer
+
+    exe = result.executable
+    with Writer(dest) as w:
+        w.writeMetadata(metadata_for(result))
+        w.writeExecutable(exe.name, exe.to_bytes(), compress=compress)
+        for a in result.anchors:
+            if a.data is not None:
+                w.writeTensorData(a.name, a.data)
+
+
+# -- model fusion configuration (seed 004) -----------------------------------------
+
+_GLOBAL_KEYS = {"output_dir", "output_model", "export_popef", "max_tensor_size", "ipu_version",
+                "model_fusion", "precision", "input_shape", "batches_per_step",
+                "weights_as_tensor_data", "save_weights", "compress", "popef_name", "name"}
+_MODEL_KEYS = {"input_model", "input_shape", "precision"}
+
+
+@dataclass
+class FusionConfig:
+    """A decoded config YAML: the models to fuse and the keyword arguments of ``compile``."""
+
+    models: list["ModelSpec"]
+    output_dir: pathlib.Path
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+def load_config_yaml(path: str | os.PathLike[str],
+                     overrides: dict[str, Any] | None = None) -> FusionConfig:
+    """Read a model fusion YAML; ``overrides`` (from the command line) win over its globals."""
+    import yaml
+
+    from ipu_emulator.compiler import ModelSpec
+
+    p = pathlib.Path(path)
+    try:
+        size = p.stat().st_size
+        if size > _MAX_YAML:
+            raise BadRequestError(f"config {str(p)!r} is {size} bytes; the limit is {_MAX_YAML}")
+        doc = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise BadRequestError(f"cannot read config {str(p)!r}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise BadRequestError(f"config {str(p)!r} is not valid YAML: {exc}") from None
+    if not isinstance(doc, dict):
+        raise BadRequestError(f"config {str(p)!r} must be a mapping of keys, got "
+                              f"{type(doc).__name__}")
+    unknown = sorted(set(doc) - _GLOBAL_KEYS)
+    if unknown:
+        raise BadRequestError(f"config {str(p)!r}: unknown keys {unknown}; expected some of "
+                              f"{sorted(_GLOBAL_KEYS)}")
+    doc.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    base = p.resolve().parent
+    entries = doc.get("model_fusion")
+    if not isinstance(entries, list) or not entries:
+        raise BadRequestError(f"config {str(p)!r}: model_fusion must be a non-empty list of "
+                              "models (input_model, input_shape, precision)")
+    global_shapes = _shapes(doc.get("input_shape"), f"config {str(p)!r}")
+    global_precision = str(doc.get("precision", "fp32"))
+    specs: list[ModelSpec] = []
+    for k, e in enumerate(entries):
+        where = f"config {str(p)!r}: model_fusion[{k}]"
+        if not isinstance(e, dict):
+            raise BadRequestError(f"{where} must be a mapping, got {type(e).__name__}")
+        bad = sorted(set(e) - _MODEL_KEYS)
+        if bad:
+            raise BadRequestError(f"{where}: unknown keys {bad}; expected some of "
+                                  f"{sorted(_MODEL_KEYS)}")
+        if not isinstance(e.get("input_model"), str):
+            raise BadRequestError(f"{where}: input_model (a path) is required")
+        shapes = dict(global_shapes)
+        shapes.update(_shapes(e.get("input_shape"), where))
+        specs.append(ModelSpec(base / e["input_model"], shapes,
+                               str(e.get("precision", global_precision))))
+    out_dir = base / str(doc.get("output_dir", "./"))
+    options: dict[str, Any] = {
+        "export_popef": bool(doc.get("export_popef", True)),
+        "output_model": doc.get("output_model"),
+        "ipu_version": str(doc.get("ipu_version", "ipu21")),
+        "max_tensor_size": _int(doc.get("max_tensor_size", -1), "max_tensor_size", p),
+        "batches_per_step": _int(doc.get("batches_per_step", 1), "batches_per_step", p),
+        "weights_as_tensor_data": bool(doc.get("weights_as_tensor_data", False)),
+        "save_weights": bool(doc.get("save_weights", False)),
+        "compress": bool(doc.get("compress", False)),
+        "popef_name": str(doc.get("popef_name", POPEF_NAME)),
+        "name": str(doc.get("name", "executable")),
+        "fuse": True,
+    }
+    return FusionConfig(specs, out_dir, options)
+
+
+def _int(v: Any, key: str, p: pathlib.Path) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise BadRequestError(f"config {str(p)!r}: {key} must be an integer, got {v!r}")
+    return v

@@ -1,0 +1,28 @@
+"""The compiler back end: ONNX models -> an executable for the emulated IPU.
+
+``compile_onnx(ModelSpec(...), CompileOptions(...)) -> CompileResult`` gives the
+``Executable`` plus the anchor descriptions a front end needs to write PopEF
+(``host_runtime.poprt.compiler`` does that, and the ``poprt`` command).
+"""
+
+from __future__ import annotations
+
+from ipu_emulator.compiler._backend import (
+    INDEX_NAME, LOAD_PROGRAM, MAIN_PROGRAM, SAVE_PROGRAM, TARGETS, AnchorDesc, CompileOptions,
+    CompileResult, ModelSpec, Target, compile_onnx)
+from ipu_emulator.errors import CompileError
+
+__all__ = [
+    "compile_onnx",
+    "ModelSpec",
+    "CompileOptions",
+    "CompileResult",
+    "AnchorDesc",
+    "Target",
+    "TARGETS",
+    "CompileError",
+    "INDEX_NAME",
+    "LOAD_PROGRAM",
+    "MAIN_PROGRAM",
+    "SAVE_PROGRAM",
+]

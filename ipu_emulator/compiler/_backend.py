@@ -1,0 +1,313 @@
+"""The compiler back end: prepared ONNX graphs -> an ``Executable`` and its anchors.
+
+Program layout (PopEF program flow load=[0], main=[1], save=[2])::
+
+    0 load   StreamIn(w, w) for every weight exported as tensor data
+    1 main   Repeat(device_iterations,
+                 [StreamIn inputs..., Execute(graph), StreamOut outputs...])      one model
+             Repeat(device_iterations,
+                 [StreamIn(index), Switch(index, [branch graph0, branch graph1, ...])])  fused
+    2 save   StreamOut(w, w + "_saved") for every weight when ``save_weights``
+
+A fused executable names its tensors and anchors ``graph<i>/<onnx name>`` and
+selects a sub-graph by the ``index`` input: S32, shape [1], one value per
+device iteration. Only the chosen branch's streams are read and written.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import onnx
+
+import ipu_emulator
+from ipu_emulator.compiler._onnx import DTYPE_TO_ONNX, dtype_of, load_model
+from ipu_emulator.compiler._prepare import Prepared, prepare
+from ipu_emulator.errors import CompileError
+from ipu_emulator.executable import (
+    Execute, Executable, Graph, Instruction, Program, Repeat, StreamIn, StreamOut, StreamSpec,
+    Switch, TensorSig, numpy_dtype, plan_memory)
+
+__all__ = [
+    "Target",
+    "TARGETS",
+    "ModelSpec",
+    "CompileOptions",
+    "AnchorDesc",
+    "CompileResult",
+    "compile_onnx",
+    "LOAD_PROGRAM",
+    "MAIN_PROGRAM",
+    "SAVE_PROGRAM",
+    "INDEX_NAME",
+]
+
+_log = logging.getLogger(__name__)
+
+LOAD_PROGRAM, MAIN_PROGRAM, SAVE_PROGRAM = 0, 1, 2
+INDEX_NAME = "index"
+INDEX_DTYPE = "S32"
+INDEX_SHAPE = (1,)
+
+
+@dataclass(frozen=True)
+class Target:
+    """An IPU generation: ``tiles`` x ``bytes_per_tile`` of memory per IPU."""
+
+    name: str
+    version: int
+    tiles: int = 1472
+    bytes_per_tile: int = 624 * 1024
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.tiles * self.bytes_per_tile
+
+
+TARGETS: dict[str, Target] = {"ipu2": Target("ipu2", 2), "ipu21": Target("ipu21", 21)}
+
+
+@dataclass
+class ModelSpec:
+    """One ONNX model to compile: a path, bytes or a ModelProto, and its per-model options.
+
+    ``input_shapes`` fixes dynamic dims (``{"X": [1, 2]}``); ``precision`` is
+    ``"fp32"`` or ``"fp16"``. External data is read from ``base_dir`` (default:
+    the model file's folder) and never from outside it.
+    """
+
+    source: "str | os.PathLike[str] | bytes | onnx.ModelProto"
+    input_shapes: dict[str, list[int]] = field(default_factory=dict)
+    precision: str = "fp32"
+    base_dir: "str | os.PathLike[str] | None" = None
+
+
+@dataclass
+class CompileOptions:
+    """Options that apply to the whole executable."""
+
+    name: str = "executable"
+    ipu_version: str = "ipu21"
+    device_iterations: int = 1            # --batches_per_step
+    weights_as_tensor_data: bool = False  # float initializers -> tensor-data anchors (Load)
+    save_weights: bool = False            # Save program streams weights to "<w>_saved"
+    max_tensor_size: int = -1             # bytes; -1: no limit
+    num_ipus: int = 1
+    fuse: bool | None = None              # None: fuse when several models are given
+
+
+@dataclass(frozen=True)
+class AnchorDesc:
+    """What the front end needs to write one PopEF anchor (and its tensor data)."""
+
+    name: str
+    handle: str
+    direction: str                  # "in" (host -> device) or "out"
+    dtype: str                      # PopEF data type name: "F32", "S32"...
+    shape: tuple[int, ...]
+    programs: tuple[int, ...]
+    kind: str                       # "input", "output", "weight", "saved", "index"
+    subgraph: str | None = None     # "graph0"... for fused models
+    data: bytes | None = field(default=None, repr=False)   # tensor data (weights)
+
+    @property
+    def nbytes(self) -> int:
+        n = numpy_dtype(self.dtype).itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass
+class CompileResult:
+    executable: Executable
+    anchors: list[AnchorDesc]
+    program_flow: dict[str, list[int]]      # {"load": [0], "main": [1], "save": [2]}
+    output_model: onnx.ModelProto           # the transformed (or fused) ONNX model
+    models: list[onnx.ModelProto]           # each model after transformation
+    subgraphs: dict[str, list[str]]         # fused: "graph0" -> its anchor names
+    fused: bool
+
+
+def compile_onnx(models: "ModelSpec | Sequence[ModelSpec]",
+                 options: CompileOptions | None = None) -> CompileResult:
+    """Compile one model (or fuse several) into an executable for the emulated IPU."""
+    opts = options or CompileOptions()
+    specs = [models] if isinstance(models, ModelSpec) else list(models)
+    if not specs:
+        raise CompileError("no model to compile")
+    target = TARGETS.get(opts.ipu_version)
+    if target is None:
+        raise CompileError(f"ipu_version {opts.ipu_version!r} is not supported; expected one of "
+                           f"{', '.join(TARGETS)}")
+    if not 1 <= int(opts.device_iterations) <= (1 << 31) - 1:
+        raise CompileError(f"batches_per_step must be a positive integer, got "
+                           f"{opts.device_iterations}")
+    if not 1 <= int(opts.num_ipus) <= 64:
+        raise CompileError(f"num_ipus must be in [1, 64], got {opts.num_ipus}")
+    if not opts.name or len(opts.name.encode()) > 128:
+        raise CompileError(f"executable name must be 1..128 bytes, got {opts.name!r:.200}")
+    fused = opts.fuse if opts.fuse is not None else len(specs) > 1
+    if not fused and len(specs) > 1:
+        raise CompileError(f"{len(specs)} models given without fusion; compile one model or fuse")
+
+    prepared: list[Prepared] = []
+    for spec in specs:
+        model, _folder, label = load_model(spec.source, spec.base_dir)
+        shapes = {k: [int(d) for d in v] for k, v in (spec.input_shapes or {}).items()}
+        prepared.append(prepare(model, label, shapes, spec.precision,
+                                opts.weights_as_tensor_data))
+    return _assemble(prepared, opts, target, fused)
+
+
+def _assemble(prepared: list[Prepared], opts: CompileOptions, target: Target,
+              fused: bool) -> CompileResult:
+    tensor_specs: list[tuple[str, str, tuple[int, ...]]] = []
+    streams: dict[str, StreamSpec] = {}
+    anchors: list[AnchorDesc] = []
+    graphs: list[Graph] = []
+    load: list[Instruction] = []
+    save: list[Instruction] = []
+    branches: list[tuple[Instruction, ...]] = []
+    subgraphs: dict[str, list[str]] = {}
+
+    def add_stream(handle: str, direction: str, dtype: str, shape: tuple[int, ...]) -> None:
+        if handle in streams:
+            raise CompileError(f"anchor name {handle!r} is used twice; rename the tensor")
+        streams[handle] = StreamSpec(direction, dtype, list(shape),
+                                     numpy_dtype(dtype).itemsize * _count(shape))
+
+    if fused:
+        tensor_specs.append((INDEX_NAME, INDEX_DTYPE, INDEX_SHAPE))
+        add_stream(INDEX_NAME, "in", INDEX_DTYPE, INDEX_SHAPE)
+        anchors.append(AnchorDesc(INDEX_NAME, INDEX_NAME, "in", INDEX_DTYPE, INDEX_SHAPE,
+                                  (MAIN_PROGRAM,), "index"))
+    for gi, p in enumerate(prepared):
+        prefix = f"graph{gi}/" if fused else ""
+        sub = f"graph{gi}" if fused else None
+        members: list[str] = []
+        in_pairs: list[tuple[str, str]] = []
+        out_pairs: list[tuple[str, str]] = []
+        body: list[Instruction] = []
+        for w, data in p.weights:
+            name = prefix + w.name
+            tensor_specs.append((name, w.dtype, w.shape))
+            add_stream(name, "in", w.dtype, w.shape)
+            load.append(StreamIn(name, name))
+            in_pairs.append((w.name, name))
+            anchors.append(AnchorDesc(name, name, "in", w.dtype, w.shape, (LOAD_PROGRAM,),
+                                      "weight", sub, data))
+            members.append(name)
+            if opts.save_weights:
+                handle = name + "_saved"
+                add_stream(handle, "out", w.dtype, w.shape)
+                save.append(StreamOut(name, handle))
+                anchors.append(AnchorDesc(handle, handle, "out", w.dtype, w.shape,
+                                          (SAVE_PROGRAM,), "saved", sub))
+                members.append(handle)
+        for v in p.inputs:
+            name = prefix + v.name
+            tensor_specs.append((name, v.dtype, v.shape))
+            add_stream(name, "in", v.dtype, v.shape)
+            body.append(StreamIn(name, name))
+            in_pairs.append((v.name, name))
+            anchors.append(AnchorDesc(name, name, "in", v.dtype, v.shape, (MAIN_PROGRAM,),
+                                      "input", sub))
+            members.append(name)
+        outs: list[Instruction] = []
+        for v in p.outputs:
+            name = prefix + v.name
+            tensor_specs.append((name, v.dtype, v.shape))
+            add_stream(name, "out", v.dtype, v.shape)
+            outs.append(StreamOut(name, name))
+            out_pairs.append((v.name, name))
+            anchors.append(AnchorDesc(name, name, "out", v.dtype, v.shape, (MAIN_PROGRAM,),
+                                      "output", sub))
+            members.append(name)
+        body.append(Execute(gi, tuple(in_pairs), tuple(out_pairs)))
+        body.extend(outs)
+        branches.append(tuple(body))
+        graphs.append(_graph(p))
+        if sub is not None:
+            subgraphs[sub] = members
+
+    order = {"index": 0, "input": 1, "output": 2, "weight": 3, "saved": 4}
+    anchors.sort(key=lambda a: order[a.kind])
+    tensors, memory_bytes = plan_memory(tensor_specs)
+    constants = sum(p.constant_bytes for p in prepared)
+    activations = max(p.peak_activation_bytes for p in prepared)
+    required = memory_bytes + constants + activations
+    _check_fit(prepared, opts, target, memory_bytes, constants, activations, required)
+
+    if fused:
+        main: tuple[Instruction, ...] = (Repeat(opts.device_iterations, (
+            StreamIn(INDEX_NAME, INDEX_NAME), Switch(INDEX_NAME, tuple(branches)))),)
+    else:
+        main = (Repeat(opts.device_iterations, branches[0]),)
+    exe = Executable(
+        name=opts.name,
+        programs=[Program("load", tuple(load)), Program("main", main), Program("save", tuple(save))],
+        graphs=graphs, tensors=tensors, streams=streams, memory_bytes=memory_bytes,
+        required_bytes=required, ipu_version=target.version, num_ipus=opts.num_ipus,
+        device_iterations=opts.device_iterations, package_hash=ipu_emulator.package_hash(),
+        attributes={"models": ",".join(p.label for p in prepared),
+                    "fused": "1" if fused else "0",
+                    "constant_bytes": str(constants), "activation_bytes": str(activations)})
+    exe.validate()
+    from ipu_emulator.compiler._fusion import fuse_models
+    output_model = fuse_models([p.model for p in prepared], INDEX_NAME,
+                               DTYPE_TO_ONNX[INDEX_DTYPE], list(INDEX_SHAPE)) if fused \
+        else prepared[0].model
+    return CompileResult(
+        executable=exe, anchors=anchors,
+        program_flow={"load": [LOAD_PROGRAM], "main": [MAIN_PROGRAM], "save": [SAVE_PROGRAM]},
+        output_model=output_model, models=[p.model for p in prepared], subgraphs=subgraphs,
+        fused=fused)
+
+
+def _graph(p: Prepared) -> Graph:
+    def sig(vi: onnx.ValueInfoProto) -> TensorSig:
+        tt = vi.type.tensor_type
+        return TensorSig(vi.name, dtype_of(tt.elem_type, f"model {p.label!r}: {vi.name!r}"),
+                         tuple(int(d.dim_value) for d in tt.shape.dim))
+    g = p.device_model.graph
+    return Graph(tuple(sig(vi) for vi in g.input), tuple(sig(vi) for vi in g.output),
+                 p.device_model.SerializeToString())
+
+
+def _count(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _check_fit(prepared: list[Prepared], opts: CompileOptions, target: Target,
+               memory_bytes: int, constants: int, activations: int, required: int) -> None:
+    per_ipu = target.memory_bytes
+    total = per_ipu * opts.num_ipus
+    largest: tuple[int, str, str] = (0, "", "")
+    for p in prepared:
+        for name, (dtype, shape, nbytes) in p.sizes.items():
+            desc = f"{dtype}{list(shape)}"
+            if opts.max_tensor_size != -1 and nbytes > opts.max_tensor_size:
+                raise CompileError(
+                    f"model {p.label!r}: tensor {name!r} ({desc}) is {nbytes} bytes, more than "
+                    f"max_tensor_size of {opts.max_tensor_size} bytes")
+            if nbytes > per_ipu:
+                raise CompileError(
+                    f"model {p.label!r}: tensor {name!r} ({desc}) is {nbytes} bytes, more than "
+                    f"the {per_ipu} bytes of one {target.name} IPU ({target.tiles} tiles x "
+                    f"{target.bytes_per_tile} bytes per tile)")
+            if nbytes > largest[0]:
+                largest = (nbytes, name, desc)
+    if required > total:
+        raise CompileError(
+            f"the model does not fit the device memory of {opts.num_ipus} {target.name} IPU(s): "
+            f"it needs {required} bytes (device tensors {memory_bytes}, constants {constants}, "
+            f"peak activations {activations}) but the device has {total} bytes "
+            f"({target.tiles} tiles x {target.bytes_per_tile} bytes per tile per IPU); the "
+            f"largest tensor is {largest[1]!r} ({largest[2]}) with {largest[0]} bytes")

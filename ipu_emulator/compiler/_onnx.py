@@ -1,0 +1,183 @@
+"""ONNX helpers of the compiler: loading with safe external data, types, onnxruntime probes."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import pathlib
+import re
+from typing import Iterator
+
+import onnx
+from onnx import TensorProto
+
+from ipu_emulator.errors import CompileError
+
+_log = logging.getLogger(__name__)
+
+ONNX_TO_DTYPE: dict[int, str] = {
+    TensorProto.FLOAT: "F32",
+    TensorProto.FLOAT16: "F16",
+    TensorProto.DOUBLE: "F64",
+    TensorProto.INT8: "S8",
+    TensorProto.UINT8: "U8",
+    TensorProto.INT16: "S16",
+    TensorProto.UINT16: "U16",
+    TensorProto.INT32: "S32",
+    TensorProto.UINT32: "U32",
+    TensorProto.INT64: "S64",
+    TensorProto.UINT64: "U64",
+    TensorProto.BOOL: "BOOL",
+}
+DTYPE_TO_ONNX = {v: k for k, v in ONNX_TO_DTYPE.items()}
+
+
+def dtype_of(elem_type: int, what: str) -> str:
+    try:
+        return ONNX_TO_DTYPE[elem_type]
+    except KeyError:
+        name = TensorProto.DataType.Name(elem_type) if elem_type in TensorProto.DataType.values() \
+            else str(elem_type)
+        raise CompileError(
+            f"{what} has element type {name}, which the IPU emulator does not support; "
+            f"supported: {', '.join(TensorProto.DataType.Name(t) for t in ONNX_TO_DTYPE)}") from None
+
+
+def load_model(source: "str | os.PathLike[str] | bytes | onnx.ModelProto",
+               base_dir: "str | os.PathLike[str] | None" = None
+               ) -> tuple[onnx.ModelProto, pathlib.Path | None, str]:
+    """Load a model and its external data (only from inside its own folder).
+
+    Returns ``(model, folder, label)``; ``label`` names the model in messages.
+    """
+    if isinstance(source, onnx.ModelProto):
+        model = onnx.ModelProto()
+        model.CopyFrom(source)
+        label = model.graph.name or "<model>"
+        folder = pathlib.Path(base_dir) if base_dir is not None else None
+    elif isinstance(source, (bytes, bytearray, memoryview)):
+        try:
+            model = onnx.load_model_from_string(bytes(source))
+        except Exception as exc:
+            raise CompileError(f"model bytes are not a valid ONNX model: {exc}") from None
+        label = model.graph.name or "<bytes>"
+        folder = pathlib.Path(base_dir) if base_dir is not None else None
+    else:
+        path = pathlib.Path(source)
+        label = str(path)
+        if not path.is_file():
+            raise CompileError(f"input model {str(path)!r} does not exist or is not a file")
+        try:
+            model = onnx.load(str(path), load_external_data=False)
+        except Exception as exc:
+            raise CompileError(f"input model {str(path)!r} is not a valid ONNX model: {exc}") from None
+        folder = path.resolve().parent if base_dir is None else pathlib.Path(base_dir)
+    _load_external(model, folder, label)
+    return model, folder, label
+
+
+def iter_tensors(graph: onnx.GraphProto) -> Iterator[TensorProto]:
+    """Every TensorProto of a graph: initializers, node attributes, sub-graphs."""
+    yield from graph.initializer
+    for sp in graph.sparse_initializer:
+        yield sp.values
+        yield sp.indices
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            if attr.HasField("g"):
+                yield from iter_tensors(attr.g)
+            for g in attr.graphs:
+                yield from iter_tensors(g)
+
+
+def _load_external(model: onnx.ModelProto, folder: pathlib.Path | None, label: str) -> None:
+    from onnx.external_data_helper import load_external_data_for_tensor
+
+    for tensor in iter_tensors(model.graph):
+        if tensor.data_location != TensorProto.EXTERNAL:
+            continue
+        info = {e.key: e.value for e in tensor.external_data}
+        location = info.get("location", "")
+        if folder is None:
+            raise CompileError(
+                f"model {label!r}: initializer {tensor.name!r} refers to external data "
+                f"{location!r} but the model was not loaded from a folder")
+        if not location or os.path.isabs(location) or location.startswith(("/", "\\")):
+            raise CompileError(
+                f"model {label!r}: initializer {tensor.name!r} refers to external data "
+                f"{location!r} outside the model's folder {str(folder)!r}; refused")
+        root = os.path.realpath(folder)
+        target = os.path.realpath(os.path.join(root, location))
+        if os.path.commonpath([root, target]) != root:
+            raise CompileError(
+                f"model {label!r}: initializer {tensor.name!r} refers to external data "
+                f"{location!r} outside the model's folder {root!r}; refused")
+        if not os.path.isfile(target):
+            raise CompileError(f"model {label!r}: external data file {location!r} of initializer "
+                               f"{tensor.name!r} does not exist in {root!r}")
+        size = os.path.getsize(target)
+        try:
+            offset = int(info.get("offset", "0"))
+            length = int(info["length"]) if "length" in info else size - offset
+        except ValueError:
+            raise CompileError(f"model {label!r}: initializer {tensor.name!r} has a non-integer "
+                               "external data offset or length") from None
+        if offset < 0 or length < 0 or offset + length > size:
+            raise CompileError(
+                f"model {label!r}: initializer {tensor.name!r} wants bytes [{offset}, "
+                f"{offset + length}) of {location!r}, which has {size} bytes")
+        try:
+            load_external_data_for_tensor(tensor, root)
+        except Exception as exc:
+            raise CompileError(f"model {label!r}: cannot load external data of initializer "
+                               f"{tensor.name!r}: {exc}") from None
+        tensor.data_location = TensorProto.DEFAULT
+        del tensor.external_data[:]
+
+
+@functools.lru_cache(maxsize=1)
+def ort_max_ir_version() -> int:
+    """The highest ONNX IR version the installed onnxruntime loads."""
+    import onnxruntime as ort
+    from onnx import helper
+
+    g = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "probe",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    m.ir_version = onnx.IR_VERSION
+    so = ort.SessionOptions()
+    so.log_severity_level = 4
+    try:
+        ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        return onnx.IR_VERSION
+    except Exception as exc:
+        found = re.search(r"max supported IR version: (\d+)", str(exc))
+        return int(found.group(1)) if found else 8
+
+
+def ort_session(model: onnx.ModelProto, optimize: bool = False) -> object:
+    """An onnxruntime session for a model (raises onnxruntime's exception)."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 4
+    so.intra_op_num_threads = 1
+    so.inter_op_num_threads = 1
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if not optimize:
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+_MISSING_KERNEL = re.compile(r"Could not find an implementation for (\w+)\((\d+)\) node with name '([^']*)'")
+
+
+def missing_kernel(exc: BaseException) -> str | None:
+    """The op type onnxruntime has no kernel for, if that is what ``exc`` says."""
+    found = _MISSING_KERNEL.search(str(exc))
+    return found.group(1) if found else None

@@ -1,0 +1,139 @@
+"""``--precision fp16``: convert a model's float tensors to half precision.
+
+Converted: initializers, graph inputs/outputs and value_info, ``Cast``/
+``CastLike`` targets, ``Constant``/``ConstantOfShape`` values and the ``dtype``
+of random and ``EyeLike`` ops, in sub-graphs too. Inputs that the ONNX
+standard requires to stay float32 (``Resize`` roi/scales, ``Upsample``
+scales) are kept float32: initializers feeding them are left alone, computed
+values get a ``Cast`` to float32.
+
+The host CPU lacks half-precision kernels for some ops (onnxruntime's CPU
+provider has no fp16 ``Conv``, for one). The IPU computes those in fp16; the
+emulator computes them in fp32 between casts (``wrap_in_fp32``), which keeps
+the fp16 interface and fp16 rounding of every intermediate tensor.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+__all__ = ["convert_to_fp16", "wrap_in_fp32"]
+
+_F32, _F16 = TensorProto.FLOAT, TensorProto.FLOAT16
+_KEEP_FP32_INPUTS = {"Resize": (1, 2), "Upsample": (1,)}
+_DTYPE_ATTR_OPS = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike",
+                   "EyeLike", "Multinomial", "Bernoulli"}
+
+
+def convert_to_fp16(model: onnx.ModelProto) -> None:
+    """Convert ``model`` (in place) to fp16; see the module docstring."""
+    _convert_graph(model.graph)
+
+
+def _tensor_to_fp16(t: TensorProto) -> None:
+    if t.data_type != _F32:
+        return
+    arr = numpy_helper.to_array(t).astype(np.float16)
+    new = numpy_helper.from_array(arr, t.name)
+    t.CopyFrom(new)
+
+
+def _convert_type(tp: onnx.TypeProto) -> None:
+    which = tp.WhichOneof("value")
+    if which == "tensor_type" and tp.tensor_type.elem_type == _F32:
+        tp.tensor_type.elem_type = _F16
+    elif which == "sequence_type":
+        _convert_type(tp.sequence_type.elem_type)
+    elif which == "optional_type":
+        _convert_type(tp.optional_type.elem_type)
+
+
+def _convert_graph(graph: onnx.GraphProto) -> None:
+    keep: set[str] = set()
+    init_names = {t.name for t in graph.initializer}
+    new_nodes: list[onnx.NodeProto] = []
+    for node in graph.node:
+        for idx in _KEEP_FP32_INPUTS.get(node.op_type, ()):
+            if idx < len(node.input) and node.input[idx]:
+                name = node.input[idx]
+                if name in init_names:
+                    keep.add(name)
+                else:
+                    cast_out = f"{name}__fp32_for_{node.name or node.op_type}_{idx}"
+                    new_nodes.append(helper.make_node("Cast", [name], [cast_out], to=_F32,
+                                                      name=cast_out))
+                    node.input[idx] = cast_out
+        _convert_node(node)
+        new_nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(new_nodes)
+    for t in graph.initializer:
+        if t.name not in keep:
+            _tensor_to_fp16(t)
+    for vi in list(graph.input) + list(graph.output) + list(graph.value_info):
+        if vi.name not in keep:
+            _convert_type(vi.type)
+
+
+def _convert_node(node: onnx.NodeProto) -> None:
+    for attr in node.attribute:
+        if node.op_type in ("Cast",) and attr.name == "to" and attr.i == _F32:
+            attr.i = _F16
+        elif node.op_type in _DTYPE_ATTR_OPS and attr.name == "dtype" and attr.i == _F32:
+            attr.i = _F16
+        if attr.HasField("t"):
+            _tensor_to_fp16(attr.t)
+        for t in attr.tensors:
+            _tensor_to_fp16(t)
+        if attr.HasField("g"):
+            _convert_graph(attr.g)
+        for g in attr.graphs:
+            _convert_graph(g)
+    if node.op_type == "Constant":
+        for k, attr in enumerate(node.attribute):
+            if attr.name in ("value_float", "value_floats"):
+                vals = [attr.f] if attr.name == "value_float" else list(attr.floats)
+                arr = np.asarray(vals, dtype=np.float16)
+                if attr.name == "value_float":
+                    arr = arr.reshape(())
+                new = helper.make_attribute("value", numpy_helper.from_array(arr))
+                node.attribute[k].CopyFrom(new)
+
+
+def wrap_in_fp32(model: onnx.ModelProto, op_type: str, types: dict[str, int]) -> int:
+    """Compute every ``op_type`` node of the main graph in fp32 between casts.
+
+    ``types`` maps value names to ONNX element types (from shape inference).
+    Returns the number of nodes wrapped.
+    """
+    graph = model.graph
+    out: list[onnx.NodeProto] = []
+    count = 0
+    for n, node in enumerate(graph.node):
+        if node.op_type != op_type:
+            out.append(node)
+            continue
+        tag = node.name or f"{op_type}_{n}"
+        after: list[onnx.NodeProto] = []
+        wrapped = False
+        for k, name in enumerate(node.input):
+            if name and types.get(name) == _F16:
+                cast = f"{tag}__in{k}_fp32"
+                out.append(helper.make_node("Cast", [name], [cast], to=_F32, name=cast))
+                node.input[k] = cast
+                wrapped = True
+        for k, name in enumerate(node.output):
+            if name and types.get(name) == _F16:
+                inner = f"{tag}__out{k}_fp32"
+                node.output[k] = inner
+                after.append(helper.make_node("Cast", [inner], [name], to=_F16,
+                                              name=f"{tag}__out{k}_fp16"))
+                wrapped = True
+        out.append(node)
+        out.extend(after)
+        count += wrapped
+    del graph.node[:]
+    graph.node.extend(out)
+    return count

@@ -1,0 +1,287 @@
+"""Turning one ONNX model into a static, typed, device-runnable graph.
+
+Steps: fix input shapes (``--input_shape``), convert precision, infer shapes
+(onnx, falling back to one onnxruntime run for outputs onnx cannot infer),
+refuse what is still dynamic, check onnxruntime can load it (wrapping ops that
+lack fp16 CPU kernels), and split float initializers out as weights when they
+are exported as tensor data.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import TensorProto, numpy_helper
+
+from ipu_emulator.compiler._onnx import (
+    dtype_of, missing_kernel, ort_max_ir_version, ort_session)
+from ipu_emulator.compiler._precision import convert_to_fp16, wrap_in_fp32
+from ipu_emulator.errors import CompileError
+from ipu_emulator.executable import numpy_dtype
+
+_log = logging.getLogger(__name__)
+
+_FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE)
+PRECISIONS = ("fp32", "fp16")
+
+
+@dataclass
+class Value:
+    """A typed, statically shaped tensor of the graph interface."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * numpy_dtype(self.dtype).itemsize
+
+
+@dataclass
+class Prepared:
+    """One model ready for the back end."""
+
+    label: str
+    model: onnx.ModelProto                 # transformed model, weights still initializers
+    device_model: onnx.ModelProto          # what the device runs (weights may be inputs)
+    inputs: list[Value]                    # stream inputs
+    outputs: list[Value]
+    weights: list[tuple[Value, bytes]] = field(default_factory=list)   # tensor-data weights
+    constant_bytes: int = 0                # initializer bytes compiled into the graph
+    peak_activation_bytes: int = 0
+    sizes: dict[str, tuple[str, tuple[int, ...], int]] = field(default_factory=dict)
+
+
+def prepare(model: onnx.ModelProto, label: str, input_shapes: dict[str, list[int]],
+            precision: str, weights_as_tensor_data: bool) -> Prepared:
+    if precision not in PRECISIONS:
+        raise CompileError(f"precision {precision!r} is not supported; expected one of "
+                           f"{', '.join(PRECISIONS)}")
+    model.ir_version = min(model.ir_version or 8, ort_max_ir_version())
+    init_names = {t.name for t in model.graph.initializer}
+    _fix_input_shapes(model, label, input_shapes, init_names)
+    if precision == "fp16":
+        convert_to_fp16(model)
+    model = _infer(model, label)
+    model = _make_loadable(model, label, precision)
+    inputs = [_value(vi, label, "input") for vi in model.graph.input if vi.name not in init_names]
+    _require_static(inputs, label, "input")
+    outputs = _outputs(model, label, inputs)
+    in_names = {v.name for v in inputs}
+    for v in outputs:
+        if v.name in in_names:
+            raise CompileError(f"model {label!r}: output {v.name!r} is also a graph input; add an "
+                               "Identity node so the output has its own name")
+    sizes = _sizes(model)
+    prepared = Prepared(label, model, model, inputs, outputs, sizes=sizes)
+    prepared.peak_activation_bytes = _peak_activations(model, sizes)
+    device = onnx.ModelProto()
+    device.CopyFrom(model)
+    if weights_as_tensor_data:
+        kept = []
+        for t in device.graph.initializer:
+            if t.data_type in _FLOATS:
+                arr = numpy_helper.to_array(t)
+                v = Value(t.name, dtype_of(t.data_type, f"initializer {t.name!r}"), tuple(arr.shape))
+                prepared.weights.append((v, np.ascontiguousarray(arr).tobytes()))
+                device.graph.input.append(onnx.helper.make_tensor_value_info(
+                    t.name, t.data_type, list(arr.shape)))
+            else:
+                kept.append(t)
+        del device.graph.initializer[:]
+        device.graph.initializer.extend(kept)
+        # Old-style models list initializers among the inputs too: keep one entry each.
+        seen: set[str] = {t.name for t in kept}
+        uniq = []
+        for vi in device.graph.input:
+            if vi.name not in seen:
+                seen.add(vi.name)
+                uniq.append(vi)
+        del device.graph.input[:]
+        device.graph.input.extend(uniq)
+    else:
+        # Drop initializers from the input list so every graph input is a stream.
+        keep = [vi for vi in device.graph.input if vi.name not in init_names]
+        del device.graph.input[:]
+        device.graph.input.extend(keep)
+    prepared.device_model = device
+    prepared.constant_bytes = sum(sizes[t.name][2] for t in device.graph.initializer
+                                  if t.name in sizes)
+    return prepared
+
+
+def _dims(vi: onnx.ValueInfoProto) -> list[int | str | None]:
+    tt = vi.type.tensor_type
+    if not tt.HasField("shape"):
+        return [None]
+    out: list[int | str | None] = []
+    for d in tt.shape.dim:
+        if d.HasField("dim_value") and d.dim_value >= 0:
+            out.append(int(d.dim_value))
+        elif d.HasField("dim_param"):
+            out.append(d.dim_param)
+        else:
+            out.append(None)
+    return out
+
+
+def _value(vi: onnx.ValueInfoProto, label: str, kind: str) -> Value:
+    if vi.type.WhichOneof("value") != "tensor_type":
+        raise CompileError(f"model {label!r}: {kind} {vi.name!r} is not a tensor")
+    dtype = dtype_of(vi.type.tensor_type.elem_type, f"model {label!r}: {kind} {vi.name!r}")
+    dims = _dims(vi)
+    return Value(vi.name, dtype, tuple(d if isinstance(d, int) else -1 for d in dims)
+                 if dims != [None] else (-2,))
+
+
+def _require_static(values: list[Value], label: str, kind: str) -> None:
+    for v in values:
+        if v.shape == (-2,) or any(d < 0 for d in v.shape):
+            shown = "unknown rank" if v.shape == (-2,) else str(
+                ["?" if d < 0 else d for d in v.shape])
+            raise CompileError(
+                f"model {label!r}: {kind} {v.name!r} has an unresolved dynamic shape ({shown}); "
+                f"fix it with --input_shape NAME=d0,d1,... (for example --input_shape "
+                f"{v.name}=1,...)" if kind == "input" else
+                f"model {label!r}: {kind} {v.name!r} has an unresolved shape ({shown}) after "
+                "shape inference; fix the inputs' dynamic dims with --input_shape")
+
+
+def _fix_input_shapes(model: onnx.ModelProto, label: str, shapes: dict[str, list[int]],
+                      init_names: set[str]) -> None:
+    by_name = {vi.name: vi for vi in model.graph.input if vi.name not in init_names}
+    for name, dims in shapes.items():
+        vi = by_name.get(name)
+        if vi is None:
+            raise CompileError(f"model {label!r}: --input_shape names {name!r}, which is not an "
+                               f"input; the inputs are {sorted(by_name)}")
+        if any(not isinstance(d, (int, np.integer)) or d < 0 for d in dims):
+            raise CompileError(f"model {label!r}: --input_shape {name}={dims} must be "
+                               "non-negative integers")
+        old = _dims(vi)
+        if old != [None] and len(old) != len(dims):
+            raise CompileError(f"model {label!r}: --input_shape {name} has {len(dims)} dims "
+                               f"{list(dims)} but the input has rank {len(old)} {old}")
+        shape = vi.type.tensor_type.shape
+        del shape.dim[:]
+        for d in dims:
+            shape.dim.add().dim_value = int(d)
+    if shapes:
+        # Stale intermediate shapes would conflict with the new ones: infer afresh.
+        del model.graph.value_info[:]
+        for vi in model.graph.output:
+            if vi.type.tensor_type.HasField("shape"):
+                vi.type.tensor_type.ClearField("shape")
+
+
+def _infer(model: onnx.ModelProto, label: str) -> onnx.ModelProto:
+    try:
+        return onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True,
+                                                 data_prop=True)
+    except Exception as exc:
+        raise CompileError(f"model {label!r}: shape inference failed: {exc}") from None
+
+
+def _types(model: onnx.ModelProto) -> dict[str, int]:
+    g = model.graph
+    out = {vi.name: vi.type.tensor_type.elem_type
+           for vi in list(g.input) + list(g.output) + list(g.value_info)
+           if vi.type.WhichOneof("value") == "tensor_type"}
+    out.update({t.name: t.data_type for t in g.initializer})
+    return out
+
+
+def _make_loadable(model: onnx.ModelProto, label: str, precision: str) -> onnx.ModelProto:
+    wrapped: set[str] = set()
+    while True:
+        try:
+            ort_session(model)
+            return model
+        except Exception as exc:
+            op = missing_kernel(exc)
+            if precision != "fp16" or op is None or op in wrapped:
+                raise CompileError(f"model {label!r} cannot run on the IPU emulator "
+                                   f"(onnxruntime refused it): {exc}") from None
+            wrapped.add(op)
+            n = wrap_in_fp32(model, op, _types(model))
+            _log.info("model %s: %d %s node(s) computed in fp32 between fp16 casts", label, n, op)
+            model = _infer(model, label)
+
+
+def _outputs(model: onnx.ModelProto, label: str, inputs: list[Value]) -> list[Value]:
+    outputs = [_value(vi, label, "output") for vi in model.graph.output]
+    unresolved = [v for v in outputs if v.shape == (-2,) or any(d < 0 for d in v.shape)]
+    if unresolved:
+        # onnx could not infer them (data-dependent shapes): run once on zeros.
+        sess = ort_session(model)
+        feeds = {v.name: np.zeros(v.shape, numpy_dtype(v.dtype)) for v in inputs}
+        try:
+            results = sess.run(None, feeds)  # type: ignore[attr-defined]
+        except Exception as exc:
+            raise CompileError(f"model {label!r}: cannot determine output shapes: {exc}") from None
+        for k, (v, r) in enumerate(zip(outputs, results)):
+            if v in unresolved:
+                outputs[k] = Value(v.name, v.dtype, tuple(int(d) for d in np.shape(r)))
+                vi = model.graph.output[k]
+                vi.type.tensor_type.ClearField("shape")
+                for d in np.shape(r):
+                    vi.type.tensor_type.shape.dim.add().dim_value = int(d)
+    _require_static(outputs, label, "output")
+    return outputs
+
+
+def _sizes(model: onnx.ModelProto) -> dict[str, tuple[str, tuple[int, ...], int]]:
+    """name -> (dtype, shape, bytes) for every statically known tensor."""
+    out: dict[str, tuple[str, tuple[int, ...], int]] = {}
+    g = model.graph
+    for vi in list(g.input) + list(g.output) + list(g.value_info):
+        if vi.type.WhichOneof("value") != "tensor_type":
+            continue
+        dtype = _maybe_dtype(vi.type.tensor_type.elem_type)
+        dims = _dims(vi)
+        if dtype is None or dims == [None] or not all(isinstance(d, int) for d in dims):
+            continue
+        shape = tuple(int(d) for d in dims)  # type: ignore[arg-type]
+        out[vi.name] = (dtype, shape, int(np.prod(shape, dtype=np.int64)) *
+                        numpy_dtype(dtype).itemsize)
+    for t in g.initializer:
+        dtype = _maybe_dtype(t.data_type)
+        if dtype is not None:
+            shape = tuple(int(d) for d in t.dims)
+            out[t.name] = (dtype, shape, int(np.prod(shape, dtype=np.int64)) *
+                           numpy_dtype(dtype).itemsize)
+    return out
+
+
+def _maybe_dtype(elem: int) -> str | None:
+    from ipu_emulator.compiler._onnx import ONNX_TO_DTYPE
+    return ONNX_TO_DTYPE.get(elem)
+
+
+def _peak_activations(model: onnx.ModelProto, sizes: dict[str, tuple[str, tuple[int, ...], int]]
+                      ) -> int:
+    """Peak bytes of live intermediate tensors, walking the nodes in order."""
+    g = model.graph
+    external = {vi.name for vi in g.input} | {vi.name for vi in g.output} | \
+        {t.name for t in g.initializer}
+    last_use: dict[str, int] = {}
+    for k, node in enumerate(g.node):
+        for name in node.input:
+            last_use[name] = k
+    live = peak = 0
+    for k, node in enumerate(g.node):
+        for name in node.output:
+            if name and name not in external and name in sizes:
+                live += sizes[name][2]
+        peak = max(peak, live)
+        for name in set(node.input):
+            if name and name not in external and last_use.get(name) == k and name in sizes:
+                live -= sizes[name][2]
+        for name in node.output:   # produced but never used
+            if name and name not in external and name not in last_use and name in sizes:
+                live -= sizes[name][2]
+    return peak

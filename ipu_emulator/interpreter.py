@@ -1,0 +1,253 @@
+"""Runs an executable's programs over device memory with onnxruntime.
+
+Construction is "loading onto the device": device tensors are mapped as numpy
+views over the device memory buffer, one onnxruntime session is created per
+graph, and every ``Execute`` gets an IO binding whose inputs and outputs point
+straight at device memory. Programs are then compiled into flat lists of
+closures, so ``run_program`` does no lookups and no allocation::
+
+    StreamIO.read_input(handle, view)  ->  device tensor  --Execute(ORT, bound)-->  device tensor
+                                                                                      |
+    StreamIO.write_output(handle, view) <------------------------------------------+
+
+The interpreter knows nothing of rings: the IPU process wires ``StreamIO`` to
+shared-memory rings, tests wire it to Python callables. Exceptions raised by
+``StreamIO`` propagate unchanged; onnxruntime failures and bad switch indices
+raise ``DeviceProgramError``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Protocol
+
+import numpy as np
+
+from ipu_emulator.errors import DeviceProgramError, ExecutableError
+from ipu_emulator.executable import (
+    Copy, Execute, Executable, Graph, Instruction, Repeat, StreamIn, StreamOut, Switch,
+    numpy_dtype)
+
+__all__ = ["Interpreter", "StreamIO", "CallableStreamIO"]
+
+_log = logging.getLogger(__name__)
+
+_Step = Callable[["StreamIO"], None]
+
+
+class StreamIO(Protocol):
+    """Where the device's streams come from and go to."""
+
+    def read_input(self, handle: str, dest: memoryview) -> None:
+        """Fill ``dest`` (exactly one transfer, ``len(dest)`` bytes) from stream ``handle``."""
+
+    def write_output(self, handle: str, src: memoryview) -> None:
+        """Consume one transfer of stream ``handle`` from ``src`` (valid during the call)."""
+
+
+class CallableStreamIO:
+    """A ``StreamIO`` over dicts of per-handle callables (tests, in-process stand-ins).
+
+    ``inputs[handle](dest)`` fills ``dest``; ``outputs[handle](src)`` consumes ``src``.
+    """
+
+    def __init__(self, inputs: dict[str, Callable[[memoryview], None]] | None = None,
+                 outputs: dict[str, Callable[[memoryview], None]] | None = None) -> None:
+        self.inputs = dict(inputs or {})
+        self.outputs = dict(outputs or {})
+
+    def read_input(self, handle: str, dest: memoryview) -> None:
+        try:
+            fn = self.inputs[handle]
+        except KeyError:
+            raise KeyError(f"no input callable for stream {handle!r}; have "
+                           f"{sorted(self.inputs)}") from None
+        fn(dest)
+
+    def write_output(self, handle: str, src: memoryview) -> None:
+        try:
+            fn = self.outputs[handle]
+        except KeyError:
+            raise KeyError(f"no output callable for stream {handle!r}; have "
+                           f"{sorted(self.outputs)}") from None
+        fn(src)
+
+
+class Interpreter:
+    """Loads ``exe`` onto a device memory buffer and runs its programs.
+
+    ``device_memory`` must be a writable buffer of at least ``exe.memory_bytes``
+    bytes (e.g. a shared-memory region's ``buf``); without it the interpreter
+    allocates its own. ``num_threads`` is onnxruntime's intra-op thread count.
+    """
+
+    def __init__(self, exe: Executable, device_memory: memoryview | bytearray | None = None,
+                 num_threads: int = 1) -> None:
+        import onnxruntime as ort  # deferred: importing it costs ~0.2 s
+
+        self.executable = exe
+        if device_memory is None:
+            device_memory = bytearray(max(exe.memory_bytes, 1))
+        mem = memoryview(device_memory)
+        if mem.readonly:
+            raise ValueError("device memory must be writable")
+        if mem.ndim != 1 or mem.itemsize != 1:
+            mem = mem.cast("B")
+        if len(mem) < exe.memory_bytes:
+            raise ValueError(f"device memory of {len(mem)} bytes is smaller than the "
+                             f"{exe.memory_bytes} bytes executable {exe.name!r} needs")
+        self._memory = mem
+        raw = np.frombuffer(mem, dtype=np.uint8)
+        self.arrays: dict[str, np.ndarray] = {}
+        self._views: dict[str, memoryview] = {}
+        for name, t in exe.tensors.items():
+            dt = numpy_dtype(t.dtype)
+            arr = raw[t.offset:t.offset + t.nbytes].view(dt).reshape(t.shape)
+            self.arrays[name] = arr
+            self._views[name] = mem[t.offset:t.offset + t.nbytes]
+
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = max(1, int(num_threads))
+        so.inter_op_num_threads = 1
+        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        so.log_severity_level = 3
+        # A spinning ORT worker steals the core another device process needs.
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        so.add_session_config_entry("session.inter_op.allow_spinning", "0")
+        self._ort = ort
+        self._sessions: list[object] = []
+        for k, g in enumerate(exe.graphs):
+            try:
+                sess = ort.InferenceSession(g.model, so, providers=["CPUExecutionProvider"])
+            except Exception as exc:
+                raise DeviceProgramError(
+                    f"executable {exe.name!r}: graph {k} cannot be loaded by onnxruntime: "
+                    f"{exc}") from exc
+            self._sessions.append(sess)
+        self._programs: list[list[_Step]] = [self._compile(p.body) for p in exe.programs]
+        self._closed = False
+
+    # -- public -----------------------------------------------------------------
+
+    @property
+    def memory(self) -> memoryview:
+        return self._memory
+
+    def num_programs(self) -> int:
+        return len(self._programs)
+
+    def run_program(self, index: int, io: StreamIO) -> None:
+        """Run program ``index`` once (a Main program repeats its device iterations)."""
+        if self._closed:
+            raise DeviceProgramError(f"interpreter of {self.executable.name!r} is closed")
+        if not 0 <= index < len(self._programs):
+            raise DeviceProgramError(
+                f"program {index} does not exist; executable {self.executable.name!r} has "
+                f"programs 0..{len(self._programs) - 1}")
+        for step in self._programs[index]:
+            step(io)
+
+    def tensor(self, name: str) -> np.ndarray:
+        """The numpy view of a device tensor (for tests and diagnostics)."""
+        try:
+            return self.arrays[name]
+        except KeyError:
+            raise KeyError(f"no device tensor {name!r}; have {sorted(self.arrays)}") from None
+
+    def close(self) -> None:
+        """Drop the sessions and the views of device memory (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._programs = []
+        self._sessions = []
+        self.arrays = {}
+        self._views = {}
+
+    def __enter__(self) -> "Interpreter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- compiling programs into closures -----------------------------------------
+
+    def _compile(self, body: tuple[Instruction, ...]) -> list[_Step]:
+        return [self._step(i) for i in body]
+
+    def _step(self, i: Instruction) -> _Step:
+        if isinstance(i, StreamIn):
+            handle, view = i.handle, self._views[i.tensor]
+
+            def stream_in(io: StreamIO) -> None:
+                io.read_input(handle, view)
+            return stream_in
+        if isinstance(i, StreamOut):
+            handle, view = i.handle, self._views[i.tensor]
+            readonly = view.toreadonly()
+
+            def stream_out(io: StreamIO) -> None:
+                io.write_output(handle, readonly)
+            return stream_out
+        if isinstance(i, Execute):
+            return self._execute(i)
+        if isinstance(i, Repeat):
+            steps, count = self._compile(i.body), i.count
+
+            def repeat(io: StreamIO) -> None:
+                for _ in range(count):
+                    for step in steps:
+                        step(io)
+            return repeat
+        if isinstance(i, Switch):
+            branches = [self._compile(b) for b in i.branches]
+            index_arr = self.arrays[i.index].reshape(-1)
+            name = i.index
+
+            def switch(io: StreamIO) -> None:
+                k = int(index_arr[0])
+                if not 0 <= k < len(branches):
+                    raise DeviceProgramError(
+                        f"switch index {name!r} is {k}; expected 0..{len(branches) - 1}")
+                for step in branches[k]:
+                    step(io)
+            return switch
+        if isinstance(i, Copy):
+            src = self.arrays[i.src].reshape(-1).view(np.uint8)
+            dst = self.arrays[i.dst].reshape(-1).view(np.uint8)
+
+            def copy(io: StreamIO) -> None:
+                np.copyto(dst, src)
+            return copy
+        raise ExecutableError(f"not an instruction: {i!r:.80}")
+
+    def _execute(self, i: Execute) -> _Step:
+        sess = self._sessions[i.graph]
+        graph: Graph = self.executable.graphs[i.graph]
+        binding = sess.io_binding()  # type: ignore[attr-defined]
+        input_names = {s.name for s in graph.inputs}
+        for onnx_name, tname in i.inputs:
+            arr = self.arrays[tname]
+            binding.bind_input(onnx_name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
+        # onnxruntime does not write a graph input that is also a graph output into
+        # a bound buffer: copy those after the run instead of binding them.
+        passthrough: list[tuple[np.ndarray, np.ndarray]] = []
+        bound_inputs = dict(i.inputs)
+        for onnx_name, tname in i.outputs:
+            arr = self.arrays[tname]
+            if onnx_name in input_names:
+                passthrough.append((self.arrays[bound_inputs[onnx_name]], arr))
+                continue
+            binding.bind_output(onnx_name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
+        run = sess.run_with_iobinding  # type: ignore[attr-defined]
+        gid, exe_name = i.graph, self.executable.name
+
+        def execute(io: StreamIO) -> None:
+            try:
+                run(binding)
+            except Exception as exc:
+                raise DeviceProgramError(
+                    f"executable {exe_name!r}: graph {gid} failed in onnxruntime: {exc}") from exc
+            for src, dst in passthrough:
+                np.copyto(dst, src)
+        return execute
