@@ -1,0 +1,152 @@
+"""One inference request in flight, and the future ``executeAsync`` returns.
+
+A request holds typed views of the user's inputs (borrowed, not copied), the
+typed destinations of its outputs (user memory or memory the runner
+allocated), how many of its samples are still on the device, and its
+tracepoints. It is completed by whichever thread drains the replica's output
+rings (see ``_replica``): waiting on a future *drives* the replica instead
+of handing work to another thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Iterator, Optional, Protocol
+
+import numpy as np
+
+from host_runtime.errors import DeviceTimeoutError
+
+__all__ = ["Request", "OutputFuture", "Driver"]
+
+
+class Driver(Protocol):
+    """The replica engine a request runs on."""
+
+    def wait_for(self, request: "Request", timeout: float | None) -> bool: ...
+
+
+class Request:
+    __slots__ = ("driver", "replica", "samples", "inputs", "dests", "results", "remaining",
+                 "error", "_event", "t_received", "t_prepared", "t_completed", "outputs",
+                 "index", "internal", "description", "__weakref__")
+
+    def __init__(self, driver: Driver, replica: int, samples: int,
+                 inputs: dict[str, np.ndarray], dests: dict[str, Optional[np.ndarray]],
+                 results: dict[str, Any], outputs: tuple[str, ...], index: int | None,
+                 t_received: int, internal: bool = False) -> None:
+        self.driver = driver
+        self.replica = replica
+        self.samples = samples
+        self.inputs = inputs          # name -> typed view, shape_for(samples)
+        self.dests = dests            # output name -> typed destination, or None to discard
+        self.results = results        # output name -> what the user gets back
+        self.outputs = outputs        # output anchors the device will produce for it
+        self.index = index            # fused models: the sub-graph the request selects
+        self.remaining = 0            # transfers of this request still on the device
+        self.error: BaseException | None = None
+        self._event = threading.Event()
+        self.t_received = t_received
+        self.t_prepared = t_received
+        self.t_completed = 0
+        self.internal = internal      # a flush or dummy request (no user, no statistics)
+        self.description = ""
+
+    # called by the replica engine, with its lock held
+    def finish(self) -> None:
+        self.t_completed = time.perf_counter_ns()
+        self._event.set()
+
+    def fail(self, error: BaseException) -> None:
+        if self._event.is_set():
+            return
+        self.error = error
+        self.t_completed = time.perf_counter_ns()
+        self._event.set()
+
+    def is_done(self) -> bool:
+        return self._event.is_set()
+
+    def wait_event(self, timeout: float | None) -> bool:
+        return self._event.wait(timeout)
+
+
+class OutputFuture:
+    """The future result of ``executeAsync``: ``wait()``, then ``future[name]``.
+
+    Like the C++ map of shared futures: iterating yields the output names;
+    ``future[name]`` waits and returns that output (``TensorMemory`` for
+    runner-allocated outputs, ``TensorMemoryView`` over the user's memory
+    otherwise) or raises the request's error.
+    """
+
+    __slots__ = ("_request",)
+
+    def __init__(self, request: Request) -> None:
+        self._request = request
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the result (or an error) is available; False if ``timeout`` passed."""
+        r = self._request
+        if r.is_done():
+            return True
+        return r.driver.wait_for(r, timeout)
+
+    def done(self) -> bool:
+        r = self._request
+        if r.is_done():
+            return True
+        return r.driver.wait_for(r, 0.0)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._wait_or_raise(timeout)
+        return self._request.error
+
+    def result(self, timeout: float | None = None) -> dict[str, Any]:
+        """All outputs as a dict; raises the request's error."""
+        self._wait_or_raise(timeout)
+        r = self._request
+        if r.error is not None:
+            raise r.error
+        return dict(r.results)
+
+    def _wait_or_raise(self, timeout: float | None) -> None:
+        if not self.wait(timeout):
+            raise DeviceTimeoutError(
+                f"the result of {self._request.description or 'the request'} was not "
+                f"available within {timeout:g} s")
+
+    def __getitem__(self, name: str) -> Any:
+        results = self.result()
+        try:
+            return results[name]
+        except KeyError:
+            raise KeyError(f"the request has no output {name!r}; it has "
+                           + ", ".join(sorted(results))) from None
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.result().get(name, default)
+
+    def keys(self) -> list[str]:
+        return list(self._request.results)
+
+    def values(self) -> list[Any]:
+        return list(self.result().values())
+
+    def items(self) -> list[tuple[str, Any]]:
+        return list(self.result().items())
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._request.results))
+
+    def __len__(self) -> int:
+        return len(self._request.results)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._request.results
+
+    def __repr__(self) -> str:
+        r = self._request
+        state = "pending" if not r.is_done() else ("failed" if r.error else "done")
+        return f"<OutputFuture {state} outputs={list(r.results)} replica={r.replica}>"
