@@ -1,0 +1,299 @@
+"""The host end of one device's control and event rings.
+
+One ``DeviceLink`` per attached device. Requests go out on the control ring
+from the caller's thread; one service thread per device reads the event ring
+and
+
+- resolves the request futures (DONE / ERROR / STOPPED, matched by ``seq``),
+- hands NEED / OUT events to the active session's stream servicer (which
+  calls the user's callbacks, on this thread),
+- notices a dead IPU process (peer watch on the ring, plus a poll of every
+  process of the device each ``_POLL`` seconds) and fails every pending
+  request at once with one ``DeviceLostError`` naming the device and how it
+  died.
+
+So a request made through callbacks touches two threads (the caller's and
+this one); the fast path of ``QueueManager`` touches only the caller's.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import itertools
+import logging
+import threading
+from typing import Any, Callable, Protocol
+
+from shm import PeerDiedError, RingTimeoutError, ShmError
+
+from host_runtime.errors import (BadRequestError, DeviceExecutionError, DeviceLostError,
+                                 InvalidStateError, ModelRuntimeError, PackageHashMismatchError,
+                                 PopefError, RemoteTraceback)
+from ipu_emulator import protocol
+from ipu_emulator.launcher import IpuProcess, IpuProcessError
+from ipu_emulator.protocol import ErrorKind, Message, Op
+
+__all__ = ["DeviceLink", "StreamServicer", "error_from_body"]
+
+_log = logging.getLogger(__name__)
+
+_POLL = 0.25
+
+
+class StreamServicer(Protocol):
+    """What the active session gives the link to service stream events."""
+
+    def _on_need(self, index: int) -> None: ...
+
+    def _on_out(self, index: int) -> None: ...
+
+    def _on_device_lost(self, error: DeviceLostError) -> None: ...
+
+
+def error_from_body(body: Any, device: str) -> ModelRuntimeError:
+    """The host exception for an ERROR event's body."""
+    body = body if isinstance(body, dict) else {}
+    kind = body.get("kind", ErrorKind.PROTOCOL.value)
+    message = str(body.get("message", "unknown device error"))
+    tb = str(body.get("traceback", ""))
+    exc: ModelRuntimeError
+    if kind == ErrorKind.PACKAGE_HASH.value:
+        exc = PackageHashMismatchError(message)
+    elif kind == ErrorKind.MEMORY.value:
+        exc = BadRequestError(message)
+    elif kind == ErrorKind.EXECUTABLE.value:
+        exc = PopefError(f"the executable is damaged: {message}")
+    elif kind == ErrorKind.STATE.value:
+        exc = InvalidStateError(message)
+    else:
+        exc = DeviceExecutionError(f"{device}: {message}")
+    if tb:
+        exc.__cause__ = RemoteTraceback(tb)
+    return exc
+
+
+class DeviceLink:
+    """Requests to, and events from, one device (its primary IPU process)."""
+
+    def __init__(self, description: str, processes: list[IpuProcess]) -> None:
+        if not processes:
+            raise ValueError("a device needs at least one IPU process")
+        self.description = description
+        self._procs = processes
+        self._primary = processes[0]
+        self._seq = itertools.count(1)
+        self._pending: dict[int, tuple[cf.Future[None], Op]] = {}
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._servicer: StreamServicer | None = None
+        self._lost: DeviceLostError | None = None
+        self._thread: threading.Thread | None = None
+        self._closing = False
+        self._started = False
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    def start(self) -> None:
+        """Wait until every IPU process is ready; start the service thread (idempotent)."""
+        if self._started:
+            return
+        try:
+            for proc in self._procs:
+                proc.wait_ready()
+        except IpuProcessError as exc:
+            raise DeviceLostError(f"{self.description}: {exc}") from exc
+        self._started = True
+        self._thread = threading.Thread(target=self._serve, daemon=True,
+                                        name=f"ipu-events-{self._primary.pid}")
+        self._thread.start()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop serving; fail what is pending (idempotent). Processes are shut down by the owner."""
+        self._closing = True
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout)
+        self._fail_all(InvalidStateError(f"{self.description} was detached"))
+
+    @property
+    def lost(self) -> DeviceLostError | None:
+        return self._lost
+
+    @property
+    def pid(self) -> int:
+        return self._primary.pid
+
+    def set_servicer(self, servicer: StreamServicer | None) -> None:
+        self._servicer = servicer
+
+    # -- requests -------------------------------------------------------------------
+
+    def request(self, op: Op, body: Any = None) -> "cf.Future[None]":
+        """Send a request; the future resolves on its DONE (or fails on ERROR / loss)."""
+        fut: cf.Future[None] = cf.Future()
+        if self._lost is not None:
+            fut.set_exception(self._lost)
+            return fut
+        if not self._started:
+            self.start()
+        seq = next(self._seq) & 0x7FFFFFFF
+        with self._lock:
+            self._pending[seq] = (fut, op)
+        try:
+            self._send(Message(op, seq=seq, body=body))
+        except BaseException as exc:
+            with self._lock:
+                self._pending.pop(seq, None)
+            fut.set_exception(self._translate(exc))
+        return fut
+
+    def call(self, op: Op, body: Any = None, timeout: float | None = None) -> None:
+        """Send a request and wait for its completion (raising its error)."""
+        wait(self.request(op, body), timeout, f"{op.name} on {self.description}")
+
+    def notify(self, op: Op, body: Any = None) -> None:
+        """Send a message that is not answered (MODES)."""
+        if self._lost is not None:
+            raise self._lost
+        if not self._started:
+            self.start()
+        try:
+            self._send(Message(op, body=body))
+        except BaseException as exc:
+            raise self._translate(exc) from exc
+
+    def _send(self, msg: Message) -> None:
+        with self._send_lock:
+            protocol.send(self._primary.control, msg)
+
+    def _translate(self, exc: BaseException) -> BaseException:
+        if isinstance(exc, PeerDiedError):
+            return self._mark_lost()
+        if isinstance(exc, ShmError):
+            return InvalidStateError(f"{self.description}: {exc}")
+        return exc
+
+    # -- events -----------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        events = self._primary.events
+        while not self._closing:
+            try:
+                msg = protocol.receive(events, timeout=_POLL)
+            except RingTimeoutError:
+                if self._dead_process() is not None:
+                    self._mark_lost()
+                    return
+                continue
+            except PeerDiedError:
+                self._mark_lost()
+                return
+            except ShmError as exc:
+                if not self._closing:
+                    _log.warning("%s: event ring failed: %s", self.description, exc)
+                    self._mark_lost()
+                return
+            except protocol.ProtocolError as exc:
+                _log.error("%s: bad event: %s", self.description, exc)
+                continue
+            try:
+                self._dispatch(msg)
+            except Exception:  # never let a bug kill the service thread
+                _log.exception("%s: while handling %s", self.description, msg.op.name)
+            if msg.op is Op.BYE:
+                return
+
+    def _dispatch(self, msg: Message) -> None:
+        op = msg.op
+        if op is Op.NEED or op is Op.OUT:
+            servicer = self._servicer
+            if servicer is None:
+                _log.warning("%s: %s for stream %d with no session bound", self.description,
+                             op.name, msg.index)
+                return
+            if op is Op.NEED:
+                servicer._on_need(msg.index)
+            else:
+                servicer._on_out(msg.index)
+            return
+        if op in (Op.DONE, Op.ERROR, Op.STOPPED):
+            with self._lock:
+                entry = self._pending.pop(msg.seq, None)
+            if entry is None:
+                _log.debug("%s: %s for unknown request %d", self.description, op.name, msg.seq)
+                return
+            fut, req = entry
+            if op is Op.DONE:
+                fut.set_result(None)
+            elif op is Op.STOPPED:
+                if req is Op.LOOP:
+                    fut.set_result(None)
+                else:
+                    fut.set_exception(InvalidStateError(
+                        f"{self.description}: stop() interrupted the running programs"))
+            else:
+                fut.set_exception(error_from_body(msg.body, self.description))
+            return
+        if op is Op.BYE:
+            self._fail_all(InvalidStateError(f"{self.description} was shut down"))
+            return
+        _log.debug("%s: ignoring event %s", self.description, op.name)
+
+    # -- failure ----------------------------------------------------------------------
+
+    def _dead_process(self) -> IpuProcess | None:
+        for proc in self._procs:
+            if not proc.alive():
+                return proc
+        return None
+
+    def _mark_lost(self) -> DeviceLostError:
+        if self._lost is not None:
+            return self._lost
+        proc = self._dead_process()
+        if proc is None:
+            # the ring saw the peer die before poll() reaped it
+            proc = self._primary
+            proc.wait_exit(2.0)
+        err = DeviceLostError(f"{self.description}: {proc.describe_exit()}")
+        tail = proc.log_tail()
+        if tail:
+            err.__cause__ = RemoteTraceback(tail)
+        self._lost = err
+        _log.warning("%s", err)
+        self._fail_all(err)
+        servicer = self._servicer
+        if servicer is not None:
+            try:
+                servicer._on_device_lost(err)
+            except Exception:
+                _log.exception("%s: device-lost handler failed", self.description)
+        return err
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for fut, _ in pending.values():
+            if not fut.done():
+                fut.set_exception(error)
+
+
+def wait(fut: "cf.Future[Any]", timeout: float | None, what: str,
+         on_timeout: Callable[[], BaseException] | None = None) -> Any:
+    """``fut.result()`` in slices (stays interruptible); DeviceTimeoutError after ``timeout``."""
+    import time
+
+    from host_runtime.errors import DeviceTimeoutError
+
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        try:
+            return fut.result(timeout=0.5)
+        except cf.TimeoutError:
+            if deadline is not None and time.monotonic() > deadline:
+                if on_timeout is not None:
+                    raise on_timeout()
+                raise DeviceTimeoutError(f"{what} did not complete within {timeout:g} s") from None
+
+
+__all__.append("wait")

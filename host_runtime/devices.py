@@ -1,0 +1,514 @@
+"""Device management (seed 002, section 10.1.1): wait strategies, Device, DeviceManager.
+
+The machine's emulated IPUs are configured by :mod:`ipu_emulator.system`.
+``DeviceManager.getDevice`` takes IPUs exclusively (OS file locks the kernel
+drops when a holder dies) and, in embedded mode, starts one IPU process per
+attached IPU. ``Device.close()`` (or leaving its ``with`` block) shuts the
+processes down and releases the IPUs.
+
+IPU model devices (``createIpuModelDevice``, ``createSmallIpuModelDevice``)
+are private to the caller: they take no machine lock; the small one has 4
+tiles per IPU, so only small executables fit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import enum
+import logging
+import threading
+import time
+import weakref
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from host_runtime.errors import BadRequestError, DeviceUnavailableError, InvalidStateError
+from host_runtime.popef.model import Model
+from ipu_emulator.launcher import IpuProcess, IpuSpec, launch_ipu
+from ipu_emulator.system import (IpuLocks, SystemConfig, SystemConfigError, device_groups,
+                                 load_system_config)
+
+if TYPE_CHECKING:
+    from host_runtime._device_link import DeviceLink
+    from host_runtime.session import Session
+
+__all__ = [
+    "DeviceWaitStrategy",
+    "DeviceWaitConfig",
+    "DeviceConstraints",
+    "Device",
+    "DeviceManager",
+]
+
+_log = logging.getLogger(__name__)
+
+_SMALL_MODEL_TILES = 4
+
+
+class DeviceWaitStrategy(enum.Enum):
+    """How to wait for a device to become available."""
+
+    NO_WAIT = 0
+    """Fail at once if no device is free."""
+    WAIT_WITH_TIMEOUT = 1
+    """Retry every ``sleepTime`` until ``timeout`` has passed."""
+    WAIT_FOREVER = 2
+    """Retry every ``sleepTime`` until a device is free."""
+
+
+def _as_timedelta(value: Any, what: str) -> timedelta:
+    if isinstance(value, timedelta):
+        td = value
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        td = timedelta(seconds=value)
+    else:
+        raise BadRequestError(f"{what} must be a datetime.timedelta (or seconds), got {value!r}")
+    if td < timedelta(0):
+        raise BadRequestError(f"{what} must not be negative, got {td}")
+    return td
+
+
+class DeviceWaitConfig:
+    """How ``DeviceManager`` waits for a device. Defaults: NO_WAIT, 0 s, 15 s.
+
+    ``DeviceWaitConfig(strategy, timeout=timedelta(...), sleepTime=timedelta(...))``, or
+    ``DeviceWaitConfig(timeout, sleepTime=...)`` meaning WAIT_WITH_TIMEOUT.
+    """
+
+    __slots__ = ("strategy", "timeout", "sleepTime")
+
+    def __init__(self, strategy: Any = DeviceWaitStrategy.NO_WAIT, *args: Any, **kwargs: Any) -> None:
+        if isinstance(strategy, (timedelta, int, float)) and not isinstance(strategy, bool):
+            # DeviceWaitConfig(timeout, sleepTime=15 s)
+            if len(args) > 1 or set(kwargs) - {"sleepTime"}:
+                raise BadRequestError("DeviceWaitConfig(timeout, sleepTime) takes at most two "
+                                      f"arguments, got {args!r} {kwargs!r}")
+            timeout = strategy
+            sleep = args[0] if args else kwargs.get("sleepTime", timedelta(seconds=15))
+            strategy = DeviceWaitStrategy.WAIT_WITH_TIMEOUT
+        else:
+            names = ("timeout", "sleepTime")
+            if len(args) > 2 or set(kwargs) - set(names):
+                raise BadRequestError(
+                    "DeviceWaitConfig(strategy, timeout=..., sleepTime=...): unexpected "
+                    f"arguments {args!r} {kwargs!r}")
+            values = dict(zip(names, args))
+            for k, v in kwargs.items():
+                if k in values:
+                    raise BadRequestError(f"DeviceWaitConfig got {k} twice")
+                values[k] = v
+            timeout = values.get("timeout", timedelta(0))
+            sleep = values.get("sleepTime", timedelta(seconds=15))
+            if not isinstance(strategy, DeviceWaitStrategy):
+                raise BadRequestError(
+                    f"strategy must be a DeviceWaitStrategy, got {strategy!r}")
+        self.strategy: DeviceWaitStrategy = strategy
+        self.timeout: timedelta = _as_timedelta(timeout, "timeout")
+        self.sleepTime: timedelta = _as_timedelta(sleep, "sleepTime")
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, DeviceWaitConfig) and self.strategy == other.strategy
+                and self.timeout == other.timeout and self.sleepTime == other.sleepTime)
+
+    def __repr__(self) -> str:
+        return (f"DeviceWaitConfig({self.strategy.name}, timeout={self.timeout!r}, "
+                f"sleepTime={self.sleepTime!r})")
+
+
+class DeviceConstraints:
+    """Requirements the device must meet (remote buffers: every emulated IPU has them)."""
+
+    __slots__ = ("requiresRemoteBuffersSupport",)
+
+    def __init__(self, requiresRemoteBuffersSupport: bool = False) -> None:
+        self.requiresRemoteBuffersSupport = bool(requiresRemoteBuffersSupport)
+
+    def __bool__(self) -> bool:
+        return self.requiresRemoteBuffersSupport
+
+    def __repr__(self) -> str:
+        return f"DeviceConstraints(requiresRemoteBuffersSupport={self.requiresRemoteBuffersSupport})"
+
+
+_live_devices: "weakref.WeakSet[Device]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_devices() -> None:
+    for dev in list(_live_devices):
+        try:
+            dev.close()
+        except Exception:  # pragma: no cover - best effort at exit
+            _log.exception("closing %s at exit", dev)
+
+
+class Device:
+    """One or more attached emulated IPUs and their IPU processes.
+
+    Made by :class:`DeviceManager`. ``close()`` (alias ``detach()``) unbinds
+    its sessions, stops the IPU processes and releases the IPUs; it is
+    idempotent and the device is a context manager.
+    """
+
+    def __init__(self, *, device_id: int, ipus: tuple[int, ...], ipu_version: int,
+                 tiles_per_ipu: int, memory_per_tile: int, processes: list[IpuProcess],
+                 locks: IpuLocks | None, is_ipu_model: bool = False) -> None:
+        from host_runtime._device_link import DeviceLink
+
+        self._id = device_id
+        self._ipus = ipus
+        self._ipu_version = ipu_version
+        self._tiles = tiles_per_ipu
+        self._memory_per_tile = memory_per_tile
+        self._processes = processes
+        self._locks = locks
+        self._is_model = is_ipu_model
+        self._closed = False
+        self._lock = threading.RLock()
+        self._active: "Session | None" = None
+        self._sessions: "weakref.WeakSet[Session]" = weakref.WeakSet()
+        self._link: DeviceLink = DeviceLink(self.describe(), processes)
+        _live_devices.add(self)
+
+    # -- the seed's API -----------------------------------------------------------------
+
+    def ipuVersion(self) -> int:
+        """The architecture version of the device's IPUs (2 or 21)."""
+        return self._ipu_version
+
+    # -- Python conveniences --------------------------------------------------------------
+
+    @property
+    def id(self) -> int:
+        """Device id (-1 for IPU models)."""
+        return self._id
+
+    def getId(self) -> int:
+        return self._id
+
+    def numIpus(self) -> int:
+        return len(self._processes)
+
+    def ipus(self) -> list[int]:
+        """Machine IPU numbers this device holds (empty for IPU models)."""
+        return list(self._ipus)
+
+    def tilesPerIpu(self) -> int:
+        return self._tiles
+
+    def memoryPerTile(self) -> int:
+        return self._memory_per_tile
+
+    def memoryBytes(self) -> int:
+        """Device memory: IPUs x tiles x memory per tile."""
+        return self.numIpus() * self._tiles * self._memory_per_tile
+
+    def isIpuModel(self) -> bool:
+        return self._is_model
+
+    def isAttached(self) -> bool:
+        return not self._closed
+
+    def pids(self) -> list[int]:
+        """The pids of this device's IPU processes (primary first)."""
+        return [p.pid for p in self._processes]
+
+    def describe(self) -> str:
+        if self._is_model:
+            return f"IPU model device ({self.numIpus()} x ipu{self._ipu_version}, {self._tiles} tiles)"
+        ipus = ",".join(map(str, self._ipus))
+        return f"device {self._id} (ipu {ipus})"
+
+    # -- lifetime -----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Unbind sessions, stop the IPU processes, release the IPUs (idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            sessions = list(self._sessions)
+            self._active = None
+        for s in sessions:
+            try:
+                s._device_detached(self)
+            except Exception:  # pragma: no cover - best effort
+                _log.exception("detaching %s from %s", s, self.describe())
+        self._link.close(timeout=0.0)
+        try:
+            for proc in self._processes:
+                proc.close()
+        finally:
+            self._link.close()
+            if self._locks is not None:
+                self._locks.release()
+            _live_devices.discard(self)
+
+    detach = close
+
+    def __enter__(self) -> "Device":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "attached" if not self._closed else "detached"
+        return f"<Device {self.describe()} {state} pids={self.pids()}>"
+
+    # -- for Session (seed: protected isActiveSession / bindToSession / unbindSession) ----
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidStateError(f"{self.describe()} is detached")
+        lost = self._link.lost
+        if lost is not None:
+            raise lost
+
+    def isActiveSession(self, session: "Session") -> bool:
+        return self._active is session
+
+    def _bind_session(self, session: "Session") -> None:
+        """Make ``session`` the active one; the previous one runs its save programs first."""
+        with self._lock:
+            self._check_open()
+            self._sessions.add(session)
+            previous = self._active
+            if previous is session:
+                return
+            if previous is not None:
+                previous._deactivate(implicit_save=True)
+            self._active = session
+            self._link.set_servicer(session)
+
+    def _unbind_session(self, session: "Session") -> None:
+        with self._lock:
+            if self._active is session:
+                self._active = None
+                self._link.set_servicer(None)
+
+    def _forget_session(self, session: "Session") -> None:
+        with self._lock:
+            self._unbind_session(session)
+            self._sessions.discard(session)
+
+    @property
+    def _device_lock(self) -> threading.RLock:
+        return self._lock
+
+
+def _model_needs(model: Model) -> tuple[int, int]:
+    md = model.metadata
+    return md.numIpus(), md.ipuVersion()
+
+
+class DeviceManager:
+    """Selects and attaches devices of the emulated machine."""
+
+    def __init__(self, system: SystemConfig | None = None) -> None:
+        try:
+            self._system = system if system is not None else load_system_config()
+        except SystemConfigError as exc:
+            raise BadRequestError(str(exc)) from exc
+
+    @property
+    def system(self) -> SystemConfig:
+        return self._system
+
+    def ipuHardwareVersion(self) -> int:
+        """2 or 21 for the machine's IPUs; 0 if it has none."""
+        return self._system.ipu_version_number if self._system.num_ipus > 0 else 0
+
+    # -- machine devices --------------------------------------------------------------------
+
+    def getDevice(self, model_or_num_ipus: Model | int, *args: Any, **kwargs: Any) -> Device:
+        """``getDevice(model, wait_config=...)`` or ``getDevice(num_ipus, device_options={},
+        wait_config=..., constrains=...)``; raises DeviceUnavailableError."""
+        num_ipus, version, wait_config = self._parse_get(model_or_num_ipus, args, kwargs)
+        return self._acquire(self._candidates(num_ipus, version), wait_config,
+                             f"a device of {num_ipus} IPU(s)")
+
+    def tryGetDevice(self, model_or_num_ipus: Model | int, *args: Any, **kwargs: Any
+                     ) -> Device | None:
+        """Like :meth:`getDevice` but returns None when no device is available."""
+        try:
+            return self.getDevice(model_or_num_ipus, *args, **kwargs)
+        except DeviceUnavailableError:
+            return None
+
+    def getSpecificDevice(self, device_id: int, *args: Any, **kwargs: Any) -> Device:
+        """``getSpecificDevice(device_id, model_or_device_options=None, wait_config=...)``."""
+        if not isinstance(device_id, int) or isinstance(device_id, bool):
+            raise BadRequestError(f"device_id must be an int, got {device_id!r}")
+        groups = device_groups(self._system.num_ipus)
+        if not 0 <= device_id < len(groups):
+            raise DeviceUnavailableError(
+                f"device id {device_id} does not exist; this machine has {self._system.num_ipus} "
+                f"IPU(s) and device ids 0..{len(groups) - 1}")
+        wait_config = self._wait_config(args[1:] if args else (), kwargs)
+        first = args[0] if args else kwargs.get("model", kwargs.get("device_options"))
+        if isinstance(first, Model):
+            _, version = _model_needs(first)
+            self._check_version(version)
+        return self._acquire([(device_id, groups[device_id])], wait_config,
+                             f"device {device_id}")
+
+    def tryGetSpecificDevice(self, device_id: int, *args: Any, **kwargs: Any) -> Device | None:
+        try:
+            return self.getSpecificDevice(device_id, *args, **kwargs)
+        except DeviceUnavailableError:
+            return None
+
+    # -- IPU models ---------------------------------------------------------------------------
+
+    def createIpuModelDevice(self, model_or_num_ipus: Model | int, ipu_version: int = 2,
+                             tiles_per_ipu: int = 0) -> Device:
+        """A private IPU model (no machine lock). ``tiles_per_ipu`` 0 means the full 1472."""
+        if isinstance(model_or_num_ipus, Model):
+            num_ipus, ipu_version = _model_needs(model_or_num_ipus)
+        else:
+            num_ipus = model_or_num_ipus
+        tiles = tiles_per_ipu or self._system.tiles_per_ipu
+        return self._model_device(num_ipus, ipu_version, tiles)
+
+    def createSmallIpuModelDevice(self, model_or_num_ipus: Model | int,
+                                  ipu_version: int = 2) -> Device:
+        """A private IPU model with 4 tiles per IPU: only small programs fit."""
+        if isinstance(model_or_num_ipus, Model):
+            num_ipus, ipu_version = _model_needs(model_or_num_ipus)
+        else:
+            num_ipus = model_or_num_ipus
+        return self._model_device(num_ipus, ipu_version, _SMALL_MODEL_TILES)
+
+    def _model_device(self, num_ipus: Any, ipu_version: Any, tiles: Any) -> Device:
+        if not isinstance(num_ipus, int) or isinstance(num_ipus, bool) or not 1 <= num_ipus <= 64:
+            raise BadRequestError(f"num_ipus must be an int in 1..64, got {num_ipus!r}")
+        if ipu_version not in (2, 21):
+            raise BadRequestError(f"ipu_version must be 2 or 21, got {ipu_version!r}")
+        if not isinstance(tiles, int) or tiles <= 0:
+            raise BadRequestError(f"tiles_per_ipu must be a positive int, got {tiles!r}")
+        sysc = self._system
+        specs = [IpuSpec(ipu_id=-1, ipu_version=ipu_version, tiles_per_ipu=tiles,
+                         memory_per_tile=sysc.memory_per_tile,
+                         num_ipus=num_ipus if k == 0 else 1,
+                         compute_threads=sysc.compute_threads,
+                         label=f"IPU model {k}" if num_ipus > 1 else "IPU model")
+                 for k in range(num_ipus)]
+        procs = self._launch(specs)
+        return Device(device_id=-1, ipus=(), ipu_version=ipu_version, tiles_per_ipu=tiles,
+                      memory_per_tile=sysc.memory_per_tile, processes=procs, locks=None,
+                      is_ipu_model=True)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _wait_config(self, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> "DeviceWaitConfig":
+        wc = kwargs.get("wait_config", rest[0] if rest else None)
+        if wc is None:
+            return DeviceWaitConfig()
+        if not isinstance(wc, DeviceWaitConfig):
+            raise BadRequestError(f"wait_config must be a DeviceWaitConfig, got {wc!r}")
+        return wc
+
+    def _parse_get(self, first: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+                   ) -> tuple[int, int, DeviceWaitConfig]:
+        allowed = {"wait_config", "device_options", "constrains", "constraints", "model",
+                   "num_ipus"}
+        unknown = set(kwargs) - allowed
+        if unknown:
+            raise BadRequestError(f"getDevice got unexpected arguments {sorted(unknown)}")
+        if isinstance(first, Model):
+            num_ipus, version = _model_needs(first)
+            wait_config = self._wait_config(args, kwargs)
+            self._check_version(version)
+        elif isinstance(first, int) and not isinstance(first, bool):
+            num_ipus, version = first, self._system.ipu_version_number
+            # getDevice(num_ipus, device_options, wait_config, constrains)
+            wait_config = self._wait_config(args[1:], kwargs)
+            options = args[0] if args else kwargs.get("device_options")
+            if options is not None and not isinstance(options, dict):
+                raise BadRequestError(f"device_options must be a dict, got {options!r}")
+        else:
+            raise BadRequestError(
+                f"getDevice expects a popef.Model or a number of IPUs, got {first!r}")
+        return num_ipus, version, wait_config
+
+    def _check_version(self, version: int) -> None:
+        have = self._system.ipu_version_number
+        if version != have:
+            raise DeviceUnavailableError(
+                f"the model needs ipu{version} IPUs, but this machine's IPUs are ipu{have} "
+                f"(IPU_EMULATOR_IPU_VERSION / config file)")
+
+    def _candidates(self, num_ipus: Any, version: int) -> list[tuple[int, tuple[int, ...]]]:
+        n = self._system.num_ipus
+        if not isinstance(num_ipus, int) or num_ipus < 1:
+            raise BadRequestError(f"num_ipus must be a positive int, got {num_ipus!r}")
+        if num_ipus & (num_ipus - 1):
+            raise DeviceUnavailableError(
+                f"asked for a device of {num_ipus} IPUs; devices have a power of two IPUs "
+                "(1, 2, 4, ...)")
+        if num_ipus > n:
+            raise DeviceUnavailableError(
+                f"asked for a device of {num_ipus} IPU(s), but this machine has {n} IPU(s)")
+        return [(i, g) for i, g in enumerate(device_groups(n)) if len(g) == num_ipus]
+
+    def _acquire(self, candidates: list[tuple[int, tuple[int, ...]]],
+                 wait_config: DeviceWaitConfig, what: str) -> Device:
+        strategy = wait_config.strategy
+        sleep = max(wait_config.sleepTime.total_seconds(), 0.001)
+        start = time.monotonic()
+        deadline = (start + wait_config.timeout.total_seconds()
+                    if strategy is DeviceWaitStrategy.WAIT_WITH_TIMEOUT else None)
+        lock_dir = self._system.lock_dir
+        attempts = 0
+        while True:
+            attempts += 1
+            busy: dict[int, int | None] = {}
+            for device_id, ipus in candidates:
+                got = IpuLocks.try_acquire(lock_dir, ipus)
+                if isinstance(got, IpuLocks):
+                    try:
+                        return self._machine_device(device_id, ipus, got)
+                    except BaseException:
+                        got.release()
+                        raise
+                busy.update(got)
+            if strategy is DeviceWaitStrategy.NO_WAIT:
+                break
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                break
+            pause = sleep if deadline is None else min(sleep, deadline - now)
+            time.sleep(max(pause, 0.0))
+        held = ", ".join(f"ipu {i} by pid {pid}" if pid else f"ipu {i} (holder unknown)"
+                         for i, pid in sorted(busy.items()))
+        waited = time.monotonic() - start
+        raise DeviceUnavailableError(
+            f"no device available: asked for {what} with {strategy.name}"
+            + (f" (waited {waited:.1f} s, {attempts} attempts)" if attempts > 1 else "")
+            + f"; busy: {held}")
+
+    def _machine_device(self, device_id: int, ipus: tuple[int, ...], locks: IpuLocks) -> Device:
+        sysc = self._system
+        specs = [IpuSpec(ipu_id=i, ipu_version=sysc.ipu_version_number,
+                         tiles_per_ipu=sysc.tiles_per_ipu, memory_per_tile=sysc.memory_per_tile,
+                         num_ipus=len(ipus) if k == 0 else 1,
+                         compute_threads=sysc.compute_threads,
+                         label=f"device {device_id} (ipu {i})")
+                 for k, i in enumerate(ipus)]
+        procs = self._launch(specs)
+        return Device(device_id=device_id, ipus=ipus, ipu_version=sysc.ipu_version_number,
+                      tiles_per_ipu=sysc.tiles_per_ipu, memory_per_tile=sysc.memory_per_tile,
+                      processes=procs, locks=locks)
+
+    def _launch(self, specs: list[IpuSpec]) -> list[IpuProcess]:
+        procs: list[IpuProcess] = []
+        try:
+            for spec in specs:
+                procs.append(launch_ipu(spec, log_dir=self._system.log_dir))
+        except BaseException:
+            for p in procs:
+                p.kill()
+                p.close()
+            raise
+        return procs

@@ -1,0 +1,286 @@
+"""Start and stop IPU processes; tell whether one is alive and how it died.
+
+``launch_ipu(spec)`` creates the process's control ring (host produces) and
+event ring (host consumes), starts ``python -m ipu_emulator`` with
+``subprocess`` (never ``fork`` from a threaded host), and returns an
+:class:`IpuProcess` handle. The host talks to the device only through the two
+rings; the handle adds liveness (``alive()``, ``describe_exit()``) and a
+polite-then-forceful ``shutdown()``.
+
+The rest of the host depends only on what :class:`IpuConnection` lists, so a
+daemon that keeps IPU processes warm can later hand out connections to
+processes it started, with the same interface.
+
+The process writes its log (stderr) to ``<log_dir>/ipu<N>.log``; the tail of
+it is included when the process dies unexpectedly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from shm import Ring, RingTimeoutError, naming
+
+from ipu_emulator import protocol
+from ipu_emulator.protocol import Message, Op
+
+__all__ = ["IpuSpec", "IpuProcess", "IpuConnection", "IpuProcessError", "launch_ipu",
+           "describe_returncode", "START_TIMEOUT"]
+
+_log = logging.getLogger(__name__)
+
+START_TIMEOUT = float(os.environ.get("IPU_EMULATOR_START_TIMEOUT", "120"))
+"""Seconds an IPU process may take to start (python + onnxruntime import)."""
+
+
+class IpuProcessError(RuntimeError):
+    """An IPU process failed to start, or died; the message names it and how."""
+
+    def __init__(self, message: str, *, pid: int | None = None,
+                 returncode: int | None = None) -> None:
+        super().__init__(message)
+        self.pid = pid
+        self.returncode = returncode
+
+
+@dataclass(frozen=True)
+class IpuSpec:
+    """What one IPU process emulates.
+
+    ``ipu_id`` is the machine's IPU number (-1 for a private IPU model);
+    ``num_ipus`` is how many IPUs the device this process runs programs for has
+    (its memory capacity is ``num_ipus * tiles_per_ipu * memory_per_tile``).
+    """
+
+    ipu_id: int
+    ipu_version: int = 21
+    tiles_per_ipu: int = 1472
+    memory_per_tile: int = 624 * 1024
+    num_ipus: int = 1
+    compute_threads: int = 1
+    label: str = ""
+
+    @property
+    def capacity(self) -> int:
+        return self.num_ipus * self.tiles_per_ipu * self.memory_per_tile
+
+    def describe(self) -> str:
+        return self.label or (f"ipu {self.ipu_id}" if self.ipu_id >= 0 else "IPU model")
+
+
+class IpuConnection(Protocol):
+    """What the host needs from a running IPU process, however it was started."""
+
+    spec: IpuSpec
+    control: Ring
+    events: Ring
+
+    @property
+    def pid(self) -> int: ...
+
+    def alive(self) -> bool: ...
+
+    def describe_exit(self) -> str: ...
+
+    def wait_ready(self, timeout: float = START_TIMEOUT) -> dict[str, Any]: ...
+
+    def shutdown(self, timeout: float = 5.0) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def describe_returncode(rc: int | None) -> str:
+    """"is running", "exited with code 3", "was killed by signal SIGKILL (9)"."""
+    if rc is None:
+        return "is running"
+    if rc < 0:
+        try:
+            name = signal.Signals(-rc).name
+        except ValueError:
+            name = "?"
+        return f"was killed by signal {name} ({-rc})"
+    return f"exited with code {rc}"
+
+
+class IpuProcess:
+    """Host-side handle of one IPU process started by this host (embedded mode)."""
+
+    def __init__(self, spec: IpuSpec, popen: "subprocess.Popen[bytes]", control: Ring,
+                 events: Ring, log_path: str | None) -> None:
+        self.spec = spec
+        self.control = control
+        self.events = events
+        self.log_path = log_path
+        self._popen = popen
+        self._ready: dict[str, Any] | None = None
+        self._closed = False
+
+    @property
+    def pid(self) -> int:
+        return self._popen.pid
+
+    def returncode(self) -> int | None:
+        """The exit status once the process ended (reaps it), else None."""
+        return self._popen.poll()
+
+    def alive(self) -> bool:
+        return self._popen.poll() is None
+
+    def describe_exit(self) -> str:
+        rc = self._popen.poll()
+        text = f"{self.spec.describe()} (IPU process pid {self.pid}) {describe_returncode(rc)}"
+        return text
+
+    def wait_exit(self, timeout: float) -> int | None:
+        """Wait up to ``timeout`` s for the process to end; its return code or None."""
+        try:
+            return self._popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def log_tail(self, nbytes: int = 2000) -> str:
+        if not self.log_path:
+            return ""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                size = f.tell()
+                f.seek(max(0, size - nbytes))
+                text = f.read().decode("utf-8", "replace")
+        except OSError:
+            return ""
+        mine = [ln for ln in text.splitlines() if f"[{self.pid}]" in ln]
+        return "\n".join(mine[-20:])
+
+    def wait_ready(self, timeout: float = START_TIMEOUT) -> dict[str, Any]:
+        """Block until the process posts READY; raises IpuProcessError if it dies or is late."""
+        if self._ready is not None:
+            return self._ready
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                msg = protocol.receive(self.events, timeout=0.1)
+            except RingTimeoutError:
+                msg = None
+            except Exception as exc:  # PeerDiedError and friends
+                self._popen.poll()
+                raise self._died("while starting") from exc
+            if msg is not None:
+                if msg.op is Op.READY:
+                    self._ready = dict(msg.body or {})
+                    return self._ready
+                _log.warning("%s: unexpected %s before READY", self.describe_exit(), msg.op.name)
+                continue
+            if self._popen.poll() is not None:
+                raise self._died("while starting")
+            if time.monotonic() > deadline:
+                raise IpuProcessError(
+                    f"{self.spec.describe()} (IPU process pid {self.pid}) did not become ready "
+                    f"within {timeout:g} s", pid=self.pid)
+
+    def _died(self, when: str) -> IpuProcessError:
+        rc = self._popen.poll()
+        if rc is None:
+            rc = self.wait_exit(2.0)
+        tail = self.log_tail()
+        msg = f"{self.describe_exit()} {when}"
+        if tail:
+            msg += f"; its log ends with:\n{tail}"
+        return IpuProcessError(msg, pid=self.pid, returncode=rc)
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Ask the process to exit; escalate to SIGTERM then SIGKILL (with a warning)."""
+        if self._popen.poll() is None:
+            try:
+                protocol.send(self.control, Message(Op.SHUTDOWN), timeout=min(timeout, 1.0))
+            except Exception as exc:  # full ring, dead peer, closed: escalate below
+                _log.debug("could not send SHUTDOWN to %s: %s", self.describe_exit(), exc)
+            if self.wait_exit(timeout) is None:
+                _log.warning("%s ignored SHUTDOWN for %g s; terminating it",
+                             self.describe_exit(), timeout)
+                self._popen.terminate()
+                if self.wait_exit(2.0) is None:
+                    _log.warning("%s ignored SIGTERM; killing it", self.describe_exit())
+                    self._popen.kill()
+                    self.wait_exit(5.0)
+
+    def kill(self) -> None:
+        """SIGKILL the process (tests, and a host giving up on a hung device)."""
+        if self._popen.poll() is None:
+            self._popen.kill()
+            self.wait_exit(5.0)
+
+    def close(self) -> None:
+        """Shut the process down and destroy its rings (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.shutdown()
+        finally:
+            for ring in (self.control, self.events):
+                ring.close()
+                ring.unlink()
+
+    def __enter__(self) -> "IpuProcess":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"IpuProcess({self.spec.describe()}, pid={self.pid})"
+
+
+def launch_ipu(spec: IpuSpec, *, log_dir: str | None = None,
+               extra_env: dict[str, str] | None = None) -> IpuProcess:
+    """Create the rings and start one IPU process; does not wait for it to be ready."""
+    control = Ring.create(protocol.CONTROL_SLOT_SIZE, protocol.CONTROL_SLOTS, kind="ctl")
+    try:
+        events = Ring.create(protocol.EVENT_SLOT_SIZE, protocol.EVENT_SLOTS, kind="evt",
+                             prefault=False)
+    except BaseException:
+        control.close()
+        control.unlink()
+        raise
+    log_path = None
+    log_file: Any = subprocess.DEVNULL
+    try:
+        if log_dir:
+            os.makedirs(log_dir, mode=0o700, exist_ok=True)
+            name = f"ipu{spec.ipu_id}.log" if spec.ipu_id >= 0 else "ipumodel.log"
+            log_path = os.path.join(log_dir, name)
+            log_file = open(log_path, "ab")
+        env = dict(os.environ)
+        env.setdefault("IPU_EMULATOR_SHM_TAG", naming.current_tag())
+        if extra_env:
+            env.update(extra_env)
+        argv = [sys.executable, "-m", "ipu_emulator",
+                "--ipu-id", str(spec.ipu_id), "--ipu-version", str(spec.ipu_version),
+                "--tiles", str(spec.tiles_per_ipu), "--memory-per-tile", str(spec.memory_per_tile),
+                "--num-ipus", str(spec.num_ipus), "--threads", str(spec.compute_threads),
+                "--control", control.name, "--events", events.name,
+                "--host-pid", str(os.getpid())]
+        if spec.label:
+            argv += ["--label", spec.label]
+        popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file,
+                                 stderr=log_file, env=env, close_fds=True)
+    except BaseException:
+        for ring in (control, events):
+            ring.close()
+            ring.unlink()
+        raise
+    finally:
+        if log_file is not subprocess.DEVNULL:
+            log_file.close()
+    control.set_peer(popen.pid)
+    events.set_peer(popen.pid)
+    _log.debug("started %s as pid %d", spec.describe(), popen.pid)
+    return IpuProcess(spec, popen, control, events, log_path)

@@ -1,0 +1,583 @@
+"""The IPU process: one OS process per emulated IPU, serving its control ring.
+
+::
+
+    host process                          this process
+    ------------                          ------------
+    control ring  --LOAD/RUN/LOOP/STOP-->  serve(): one request at a time
+                                              |
+                                              v
+                                           Interpreter.run_program(i, io)
+                                              |  io.read_input(handle)
+    stream ring (in)  ----transfers----->     |    empty + MODE_EVENT: post NEED, wait
+                                              |  io.write_output(handle)
+    stream ring (out) <---transfers------     |    then MODE_EVENT: post OUT
+                                              v
+    event ring    <--DONE/ERROR/NEED/OUT--  results, device-side tracebacks
+
+While a program waits on a stream it re-checks the control ring every
+``_SLICE`` seconds, so STOP interrupts a program blocked on data. Every ring
+watches the host's pid: when the host dies, the wait raises PeerDiedError,
+and this process unlinks every shared-memory object it knows of plus every
+object of this tag whose name carries the host's pid, then exits. A
+SIGKILLed host therefore leaves nothing in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import signal
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import posix_ipc
+
+from shm import (PeerDiedError, Region, Ring, RingInvalidatedError, RingTimeoutError, ShmError,
+                 WouldBlock, naming)
+from shm.cleanup import list_objects
+
+from ipu_emulator import package_hash, protocol
+from ipu_emulator.errors import ExecutableError
+from ipu_emulator.protocol import (ErrorKind, Message, Op, MODE_DIRECT_NOTIFY, MODE_EVENT,
+                                   MODE_NULL, TAG_ABORT, error_body)
+
+__all__ = ["DeviceOptions", "DeviceProcess"]
+
+_log = logging.getLogger("ipu_emulator.process")
+
+_SLICE = 0.1      # seconds between STOP checks while a program waits on a stream
+_CACHE = 4        # loaded executables kept per device (sessions sharing it)
+
+
+@dataclass(frozen=True)
+class DeviceOptions:
+    control: str
+    events: str
+    host_pid: int
+    ipu_id: int = 0
+    ipu_version: int = 21
+    tiles_per_ipu: int = 1472
+    memory_per_tile: int = 624 * 1024
+    num_ipus: int = 1
+    threads: int = 1
+    label: str = ""
+
+    @property
+    def capacity(self) -> int:
+        return self.num_ipus * self.tiles_per_ipu * self.memory_per_tile
+
+
+class _Stopped(Exception):
+    """STOP arrived while a program ran."""
+
+
+class _Shutdown(Exception):
+    """SHUTDOWN arrived while a program ran."""
+
+
+class _HostGone(Exception):
+    """The host process died."""
+
+
+class _RequestError(Exception):
+    def __init__(self, kind: ErrorKind, message: str, tb: str = "") -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.tb = tb
+
+
+@dataclass
+class _Stream:
+    index: int
+    handle: str
+    direction: str
+    nbytes: int
+    ring: Ring | None
+    mode: int
+
+
+class _Loaded:
+    """One session's executable on this device, with its streams."""
+
+    def __init__(self, key: str, interp: Any, regions: list[Region]) -> None:
+        self.key = key
+        self.interp = interp
+        self.regions = regions
+        self.streams: list[_Stream] = []
+        self.by_handle: dict[str, _Stream] = {}
+        self.stopped = False
+
+    def close_streams(self) -> None:
+        for s in self.streams:
+            if s.ring is not None:
+                s.ring.close()
+        self.streams, self.by_handle = [], {}
+
+    def close(self) -> None:
+        self.close_streams()
+        if self.interp is not None:
+            self.interp.close()
+            self.interp = None
+        for r in self.regions:
+            r.close()
+        self.regions = []
+
+
+class _RingIO:
+    """StreamIO of the interpreter over the active session's stream rings."""
+
+    def __init__(self, dev: "DeviceProcess", loaded: _Loaded) -> None:
+        self._dev = dev
+        self._loaded = loaded
+
+    def _stream(self, handle: str) -> _Stream:
+        try:
+            return self._loaded.by_handle[handle]
+        except KeyError:
+            raise _RequestError(ErrorKind.PROTOCOL,
+                                f"stream {handle!r} has no ring in the load spec") from None
+
+    def read_input(self, handle: str, dest: memoryview) -> None:
+        s = self._stream(handle)
+        out = memoryview(dest).cast("B")
+        ring = s.ring
+        if s.mode == MODE_NULL or ring is None:
+            out[:] = bytes(len(out))
+            return
+        dev = self._dev
+        try:
+            try:
+                view, tag = ring.try_acquire_read()
+            except WouldBlock:
+                if s.mode == MODE_EVENT or s.mode == MODE_DIRECT_NOTIFY:
+                    dev.post(Message(Op.NEED, index=s.index))
+                view, tag = dev.wait_on(ring.acquire_read)
+        except RingInvalidatedError:  # disconnected: feed dummy data until the run returns
+            out[:] = bytes(len(out))
+            return
+        try:
+            if tag == TAG_ABORT:
+                raise _RequestError(ErrorKind.CALLBACK,
+                                    f"the host could not produce input {handle!r}")
+            if len(view) != len(out):
+                raise _RequestError(
+                    ErrorKind.PROGRAM, f"input stream {handle!r}: the host wrote {len(view)} "
+                    f"bytes, one transfer is {len(out)} bytes")
+            out[:] = view
+        finally:
+            ring.release()
+
+    def write_output(self, handle: str, src: memoryview) -> None:
+        s = self._stream(handle)
+        ring = s.ring
+        if s.mode == MODE_NULL or ring is None:
+            return
+        data = memoryview(src).cast("B")
+        dev = self._dev
+        try:
+            view = dev.wait_on(ring.acquire_write)
+        except RingInvalidatedError:
+            return
+        view[:len(data)] = data
+        ring.publish(len(data))
+        if s.mode == MODE_EVENT:
+            dev.post(Message(Op.OUT, index=s.index))
+
+
+class DeviceProcess:
+    """The main loop of one IPU process. ``serve()`` returns the exit code."""
+
+    def __init__(self, opts: DeviceOptions) -> None:
+        self.opts = opts
+        self.control = Ring.attach(opts.control)
+        self.events = Ring.attach(opts.events, prefault=False)
+        self.control.set_peer(opts.host_pid)
+        self.events.set_peer(opts.host_pid)
+        self._known: set[str] = {opts.control, opts.events}
+        self._pending: collections.deque[Message] = collections.deque()
+        self._cache: collections.OrderedDict[str, _Loaded] = collections.OrderedDict()
+        self._active: _Loaded | None = None
+        self._stop_seq: int | None = None
+        self._interpreter_cls: Any = None
+
+    # -- wire -----------------------------------------------------------------
+
+    def post(self, msg: Message) -> None:
+        protocol.send(self.events, msg)
+
+    def wait_on(self, fn: Any) -> Any:
+        """Call a blocking ring operation in slices, checking the control ring between them."""
+        while True:
+            try:
+                return fn(_SLICE)
+            except RingTimeoutError:
+                pass
+            self.poll_control()
+
+    def poll_control(self) -> None:
+        """Take control messages that arrived; raise _Stopped/_Shutdown for STOP/SHUTDOWN."""
+        while True:
+            try:
+                view, tag = self.control.try_acquire_read()
+            except WouldBlock:
+                return
+            try:
+                msg = protocol.decode(view, tag)
+            finally:
+                self.control.release()
+            if msg.op is Op.STOP:
+                self._stop_seq = msg.seq
+                raise _Stopped()
+            if msg.op is Op.SHUTDOWN:
+                raise _Shutdown()
+            if msg.op is Op.MODES:
+                self._apply_modes(msg)
+            else:
+                self._pending.append(msg)
+
+    def _next(self) -> Message:
+        if self._pending:
+            return self._pending.popleft()
+        return protocol.receive(self.control)
+
+    # -- main loop --------------------------------------------------------------
+
+    def serve(self) -> int:
+        try:
+            self._interpreter_cls = _import_interpreter()
+            self.post(Message(Op.READY, body={
+                "pid": os.getpid(), "package_hash": package_hash(),
+                "ipu_id": self.opts.ipu_id, "ipu_version": self.opts.ipu_version,
+                "capacity": self.opts.capacity}))
+            while True:
+                msg = self._next()
+                if msg.op is Op.SHUTDOWN:
+                    break
+                self._dispatch(msg)
+        except _Shutdown:
+            pass
+        except (_HostGone, PeerDiedError):
+            _log.info("host process %d is gone; cleaning up and exiting", self.opts.host_pid)
+            self._cleanup_host_objects()
+            return 0
+        self._say_bye()
+        self._close_all()
+        return 0
+
+    def _say_bye(self) -> None:
+        try:
+            protocol.send(self.events, Message(Op.BYE), timeout=0.5)
+        except ShmError:
+            pass
+
+    def _dispatch(self, msg: Message) -> None:
+        op = msg.op
+        try:
+            if op is Op.LOAD:
+                self._load(msg)
+            elif op is Op.MODES:
+                self._apply_modes(msg)
+                return
+            elif op is Op.RUN or op is Op.LOOP:
+                if self._run(msg):
+                    return  # STOPPED already posted
+            elif op is Op.STOP:
+                if self._active is not None:
+                    self._active.stopped = True
+            elif op is Op.UNLOAD:
+                self._unload(str((msg.body or {}).get("key", "")))
+            elif op is Op.RESET:
+                for key in list(self._cache):
+                    self._unload(key)
+            elif op is Op.PING:
+                pass
+            else:
+                raise _RequestError(ErrorKind.PROTOCOL, f"unexpected control message {op.name}")
+        except _RequestError as exc:
+            self.post(Message(Op.ERROR, seq=msg.seq,
+                              body=error_body(exc.kind, str(exc), exc.tb)))
+            return
+        self.post(Message(Op.DONE, seq=msg.seq))
+
+    # -- requests ----------------------------------------------------------------
+
+    def _load(self, msg: Message) -> None:
+        body = msg.body or {}
+        name = body.get("spec_region")
+        if not isinstance(name, str):
+            raise _RequestError(ErrorKind.PROTOCOL, "LOAD needs a 'spec_region' name")
+        self._known.add(name)
+        try:
+            region = Region.attach(name, prefault=False)
+        except (ShmError, OSError, posix_ipc.Error) as exc:
+            raise _RequestError(ErrorKind.PROTOCOL, f"cannot open load spec {name}: {exc}") from None
+        try:
+            spec = protocol.decode_load_spec(region.buf)
+        except protocol.ProtocolError as exc:
+            region.close()
+            raise _RequestError(ErrorKind.PROTOCOL, str(exc)) from None
+        key = spec["key"]
+        loaded = self._cache.pop(key, None)
+        if loaded is not None and (spec["fresh"] or not loaded.regions
+                                   or loaded.regions[0].name != name):
+            loaded.close()
+            loaded = None
+        if loaded is None:
+            try:
+                loaded = self._build(spec, region)
+            except BaseException:
+                region.close()
+                raise
+        else:
+            region.close()
+            loaded.close_streams()
+        try:
+            self._attach_streams(loaded, spec["streams"])
+        except BaseException:
+            loaded.close()
+            raise
+        loaded.stopped = False
+        self._cache[key] = loaded
+        self._active = loaded
+        while len(self._cache) > _CACHE:
+            _, old = self._cache.popitem(last=False)
+            old.close()
+
+    def _build(self, spec: dict[str, Any], region: Region) -> _Loaded:
+        from ipu_emulator.executable import Executable, read_header
+
+        off, size = spec["executable_offset"], spec["executable_size"]
+        data = bytes(region.buf[off:off + size])
+        try:
+            header = read_header(data)
+        except ExecutableError as exc:
+            raise _RequestError(ErrorKind.EXECUTABLE, str(exc)) from None
+        runtime_hash = package_hash()
+        if spec["check_package_hash"] and header["package_hash"] != runtime_hash:
+            raise _RequestError(ErrorKind.PACKAGE_HASH,
+                                f"package hash {header['package_hash']} differs from runtime "
+                                f"hash {runtime_hash}")
+        o = self.opts
+        need = max(header["memory_bytes"], header["required_bytes"])
+        if need > o.capacity:
+            raise _RequestError(
+                ErrorKind.MEMORY,
+                f"executable {header['name']!r} needs {need} bytes of device memory, but "
+                f"{self._describe()} has {o.num_ipus} IPU(s) x {o.tiles_per_ipu} tiles x "
+                f"{o.memory_per_tile} bytes per tile = {o.capacity} bytes")
+        if header["ipu_version"] != o.ipu_version:
+            raise _RequestError(
+                ErrorKind.STATE, f"executable {header['name']!r} was compiled for "
+                f"ipu{header['ipu_version']}, but {self._describe()} is ipu{o.ipu_version}")
+        if header["num_ipus"] > o.num_ipus:
+            raise _RequestError(
+                ErrorKind.STATE, f"executable {header['name']!r} needs {header['num_ipus']} "
+                f"IPUs, but {self._describe()} has {o.num_ipus}")
+        try:
+            exe = Executable.from_bytes(data)
+        except ExecutableError as exc:
+            raise _RequestError(ErrorKind.EXECUTABLE, str(exc)) from None
+        regions = [region]
+        memory = None
+        mem_name = spec["memory_region"]
+        if mem_name:
+            self._known.add(mem_name)
+            try:
+                mem_region = Region.attach(mem_name, prefault=False)
+            except (ShmError, OSError, posix_ipc.Error) as exc:
+                raise _RequestError(ErrorKind.PROTOCOL,
+                                    f"cannot open device memory {mem_name}: {exc}") from None
+            regions.append(mem_region)
+            memory = mem_region.buf[:exe.memory_bytes]
+        try:
+            interp = self._interpreter_cls(exe, device_memory=memory, num_threads=o.threads)
+        except Exception as exc:
+            for r in regions[1:]:
+                r.close()
+            raise _RequestError(ErrorKind.PROGRAM, f"cannot prepare the executable: {exc}",
+                                traceback.format_exc()) from None
+        return _Loaded(spec["key"], interp, regions)
+
+    def _attach_streams(self, loaded: _Loaded, streams: list[dict[str, Any]]) -> None:
+        exe_streams = loaded.interp.executable.streams
+        for i, s in enumerate(streams):
+            self._known.add(s["ring"])
+            try:
+                ring = Ring.attach(s["ring"])
+            except (ShmError, OSError, posix_ipc.Error) as exc:
+                raise _RequestError(ErrorKind.PROTOCOL,
+                                    f"cannot open the ring of stream {s['handle']!r}: {exc}") from None
+            ring.set_peer(self.opts.host_pid)
+            if s["handle"] in exe_streams:
+                want = exe_streams[s["handle"]]
+                if want.direction != s["direction"] or want.nbytes != s["nbytes"]:
+                    ring.close()
+                    raise _RequestError(
+                        ErrorKind.PROTOCOL, f"stream {s['handle']!r}: the host offers "
+                        f"{s['direction']} x {s['nbytes']} bytes, the executable has "
+                        f"{want.direction} x {want.nbytes} bytes")
+            if ring.slot_size < s["nbytes"]:
+                ring.close()
+                raise _RequestError(ErrorKind.PROTOCOL, f"stream {s['handle']!r}: ring slots of "
+                                    f"{ring.slot_size} bytes, transfers of {s['nbytes']}")
+            st = _Stream(i, s["handle"], s["direction"], s["nbytes"], ring, s["mode"])
+            loaded.streams.append(st)
+            loaded.by_handle[st.handle] = st
+
+    def _apply_modes(self, msg: Message) -> None:
+        loaded = self._active
+        modes = msg.body
+        if loaded is None or not isinstance(modes, list):
+            return
+        for st, mode in zip(loaded.streams, modes):
+            if mode in protocol.MODES:
+                st.mode = mode
+
+    def _run(self, msg: Message) -> bool:
+        """Run RUN/LOOP; True if a STOP ended it (STOPPED and the STOP's DONE were posted)."""
+        loaded = self._active
+        if loaded is None or loaded.interp is None:
+            raise _RequestError(ErrorKind.STATE, f"{self._describe()} has no executable loaded")
+        if loaded.stopped:
+            raise _RequestError(ErrorKind.STATE,
+                                f"{self._describe()} was stopped; reload the executable first")
+        programs = msg.body
+        n = loaded.interp.num_programs()
+        if not isinstance(programs, list) or not all(isinstance(p, int) for p in programs):
+            raise _RequestError(ErrorKind.PROTOCOL, "RUN needs a list of program indices")
+        bad = [p for p in programs if not 0 <= p < n]
+        if bad:
+            raise _RequestError(ErrorKind.STATE, f"program indices {bad} do not exist; "
+                                f"the executable has programs 0..{n - 1}")
+        io = _RingIO(self, loaded)
+        loop = msg.op is Op.LOOP
+        try:
+            while True:
+                for p in programs:
+                    self._run_one(loaded, p, io)
+                if not loop:
+                    return False
+                self.poll_control()
+        except _Stopped:
+            loaded.stopped = True
+            self.post(Message(Op.STOPPED, seq=msg.seq))
+            self.post(Message(Op.DONE, seq=self._stop_seq or 0))
+            self._stop_seq = None
+            return True
+
+    def _run_one(self, loaded: _Loaded, index: int, io: _RingIO) -> None:
+        try:
+            loaded.interp.run_program(index, io)
+        except (_Stopped, _Shutdown, _HostGone, PeerDiedError, _RequestError):
+            raise
+        except Exception as exc:
+            inner = _unwrap(exc)
+            if isinstance(inner, (_Stopped, _Shutdown, _HostGone, PeerDiedError, _RequestError)):
+                raise inner from None
+            raise _RequestError(ErrorKind.PROGRAM,
+                                f"program {index} failed: {type(exc).__name__}: {exc}",
+                                traceback.format_exc()) from None
+
+    def _unload(self, key: str) -> None:
+        loaded = self._cache.pop(key, None)
+        if loaded is not None:
+            if self._active is loaded:
+                self._active = None
+            loaded.close()
+
+    def _describe(self) -> str:
+        o = self.opts
+        return o.label or (f"ipu {o.ipu_id}" if o.ipu_id >= 0 else "IPU model")
+
+    # -- exit ------------------------------------------------------------------
+
+    def _close_all(self) -> None:
+        for loaded in self._cache.values():
+            loaded.close()
+        self._cache.clear()
+        self._active = None
+        self.control.close()
+        self.events.close()
+
+    def _cleanup_host_objects(self) -> None:
+        """The host died: unlink everything it (and this process) created."""
+        try:
+            self._close_all()
+        except Exception:  # pragma: no cover - best effort
+            _log.exception("closing mappings")
+        host = self.opts.host_pid
+        me = os.getpid()
+        removed = 0
+        for name in self._known:
+            removed += _unlink_ring_or_region(name)
+        for obj in list_objects(naming.current_tag()):
+            if obj.pid in (host, me):
+                removed += _unlink(obj.name, obj.is_semaphore)
+        _log.info("removed %d shared-memory objects of dead host %d", removed, host)
+
+
+def _unlink(name: str, is_semaphore: bool) -> int:
+    try:
+        if is_semaphore:
+            posix_ipc.unlink_semaphore(name)
+        else:
+            posix_ipc.unlink_shared_memory(name)
+        return 1
+    except (posix_ipc.ExistentialError, OSError):
+        return 0
+
+
+def _unlink_ring_or_region(name: str) -> int:
+    return (_unlink(name, False) + _unlink(name + ".free", True) + _unlink(name + ".full", True))
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    seen = 0
+    while exc.__cause__ is not None and seen < 8:
+        exc = exc.__cause__
+        seen += 1
+    return exc
+
+
+def _import_interpreter() -> Any:
+    from ipu_emulator.interpreter import Interpreter
+    return Interpreter
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m ipu_emulator --control NAME --events NAME --host-pid PID ...``"""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m ipu_emulator",
+                                     description="one emulated IPU process")
+    parser.add_argument("--control", required=True)
+    parser.add_argument("--events", required=True)
+    parser.add_argument("--host-pid", type=int, required=True)
+    parser.add_argument("--ipu-id", type=int, default=0)
+    parser.add_argument("--ipu-version", type=int, choices=(2, 21), default=21)
+    parser.add_argument("--tiles", type=int, default=1472)
+    parser.add_argument("--memory-per-tile", type=int, default=624 * 1024)
+    parser.add_argument("--num-ipus", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--label", default="")
+    a = parser.parse_args(argv)
+    logging.basicConfig(
+        level=os.environ.get("IPU_EMULATOR_DEVICE_LOG_LEVEL", "WARNING").upper(),
+        format=f"%(asctime)s ipu{a.ipu_id}[{os.getpid()}] %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the host decides when we stop
+    opts = DeviceOptions(control=a.control, events=a.events, host_pid=a.host_pid,
+                         ipu_id=a.ipu_id, ipu_version=a.ipu_version, tiles_per_ipu=a.tiles,
+                         memory_per_tile=a.memory_per_tile, num_ipus=a.num_ipus,
+                         threads=a.threads, label=a.label)
+    try:
+        dev = DeviceProcess(opts)
+    except PeerDiedError:
+        return 0
+    try:
+        return dev.serve()
+    except Exception:
+        _log.exception("IPU process failed")
+        return 70

@@ -1,0 +1,283 @@
+"""Control and event messages between a host and an IPU process.
+
+Every message is one ring slot. The ring tag is the opcode; the payload is a
+fixed 16-byte header ``<iiq`` (seq, index, value) optionally followed by a
+UTF-8 JSON body (strict JSON, no pickle: nothing executable crosses the wire)::
+
+    control ring (host -> device)          event ring (device -> host)
+    ---------------------------------      -------------------------------------
+    LOAD     body {"spec_region": name}    READY    body {"pid", "package_hash", ...}
+    MODES    body [mode per stream]        DONE     seq of the finished request
+    RUN      body [program indices]        ERROR    seq; body {"kind", "message", "traceback"}
+    LOOP     body [program indices]        NEED     index = stream about to be read, empty
+    STOP                                   OUT      index = stream just written
+    UNLOAD   body {"key": load key}        STOPPED  seq of the LOOP/RUN that stop ended
+    RESET                                  BYE      the process is exiting
+    SHUTDOWN
+    PING
+
+Every request carries a host-chosen ``seq``; the device answers each with one
+DONE or ERROR of the same ``seq`` (a LOOP only when it ends: DONE after STOP,
+ERROR on failure). MODES is not answered.
+
+A LOAD names a *spec region* the host created: ``<Q spec length><spec JSON>``
+then, at ``executable_offset``, the executable bytes. The spec says which
+ring serves which stream (see :func:`encode_load_spec`).
+
+Stream modes (per anchor, set by LOAD and MODES):
+
+- ``MODE_EVENT``: callback-serviced. Before reading an empty input ring the
+  device posts NEED(index); after writing an output it posts OUT(index).
+- ``MODE_DIRECT``: the host reads/writes the ring itself; no events.
+- ``MODE_DIRECT_NOTIFY``: direct, but NEED is posted for an empty input
+  (lets the host start input timeouts and flushes).
+- ``MODE_NULL``: an empty callback: inputs read as zeros, outputs discarded;
+  the ring is not touched.
+
+Input slots published with ``TAG_ABORT`` tell the device that the host could
+not produce the transfer (its callback failed): the program fails.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "Op",
+    "Message",
+    "encode",
+    "decode",
+    "send",
+    "to_bytes",
+    "receive",
+    "MODE_EVENT",
+    "MODE_DIRECT",
+    "MODE_DIRECT_NOTIFY",
+    "MODE_NULL",
+    "MODES",
+    "TAG_DATA",
+    "TAG_ABORT",
+    "ErrorKind",
+    "encode_load_spec",
+    "decode_load_spec",
+    "CONTROL_SLOT_SIZE",
+    "CONTROL_SLOTS",
+    "EVENT_SLOT_SIZE",
+    "EVENT_SLOTS",
+    "ProtocolError",
+]
+
+
+class ProtocolError(ValueError):
+    """A message or load spec does not follow this protocol."""
+
+
+class Op(enum.IntEnum):
+    # control: host -> device
+    LOAD = 1
+    MODES = 2
+    RUN = 3
+    LOOP = 4
+    STOP = 5
+    UNLOAD = 6
+    RESET = 7
+    SHUTDOWN = 8
+    PING = 9
+    # events: device -> host
+    READY = 101
+    DONE = 102
+    ERROR = 103
+    NEED = 104
+    OUT = 105
+    STOPPED = 106
+    BYE = 107
+
+
+class ErrorKind(str, enum.Enum):
+    """What went wrong, so the host can choose the exception class."""
+
+    PROGRAM = "program"            # the interpreter / onnxruntime failed
+    PACKAGE_HASH = "package_hash"  # executable from another emulator build
+    MEMORY = "memory"              # executable does not fit the device
+    EXECUTABLE = "executable"      # damaged executable bytes
+    CALLBACK = "callback"          # the host aborted a transfer
+    STATE = "state"                # request does not fit the device state
+    PROTOCOL = "protocol"          # malformed request
+
+
+MODE_EVENT = 0
+MODE_DIRECT = 1
+MODE_DIRECT_NOTIFY = 2
+MODE_NULL = 3
+MODES = (MODE_EVENT, MODE_DIRECT, MODE_DIRECT_NOTIFY, MODE_NULL)
+
+TAG_DATA = 0
+TAG_ABORT = 1
+
+CONTROL_SLOT_SIZE = 4096
+CONTROL_SLOTS = 16
+EVENT_SLOT_SIZE = 16384
+EVENT_SLOTS = 128
+
+_HEAD = struct.Struct("<iiq")
+_MAX_TRACEBACK = EVENT_SLOT_SIZE - 2048
+
+
+@dataclass(frozen=True)
+class Message:
+    op: Op
+    seq: int = 0
+    index: int = 0
+    value: int = 0
+    body: Any = None
+
+
+def encode(msg: Message, dest: memoryview) -> int:
+    """Write ``msg`` into ``dest``; return the bytes used."""
+    _HEAD.pack_into(dest, 0, msg.seq, msg.index, msg.value)
+    n = _HEAD.size
+    if msg.body is not None:
+        raw = json.dumps(msg.body, separators=(",", ":")).encode()
+        if n + len(raw) > len(dest):
+            raise ProtocolError(
+                f"{msg.op.name} message body of {len(raw)} bytes does not fit a "
+                f"{len(dest)}-byte slot")
+        dest[n:n + len(raw)] = raw
+        n += len(raw)
+    return n
+
+
+def decode(view: memoryview, tag: int) -> Message:
+    """Parse one slot (``view`` holds exactly the published bytes)."""
+    try:
+        op = Op(tag)
+    except ValueError:
+        raise ProtocolError(f"unknown opcode {tag}") from None
+    if len(view) < _HEAD.size:
+        raise ProtocolError(f"{op.name} message of {len(view)} bytes is shorter than "
+                            f"its {_HEAD.size}-byte header")
+    seq, index, value = _HEAD.unpack_from(view, 0)
+    body = None
+    if len(view) > _HEAD.size:
+        try:
+            body = json.loads(bytes(view[_HEAD.size:]).decode())
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise ProtocolError(f"{op.name} message body is not valid JSON: {exc}") from None
+    return Message(op, seq, index, value, body)
+
+
+def to_bytes(msg: Message, limit: int) -> bytes:
+    """``msg`` encoded; raises ProtocolError if longer than ``limit`` bytes."""
+    head = _HEAD.pack(msg.seq, msg.index, msg.value)
+    if msg.body is None:
+        return head
+    raw = json.dumps(msg.body, separators=(",", ":")).encode()
+    if len(head) + len(raw) > limit:
+        raise ProtocolError(
+            f"{msg.op.name} message body of {len(raw)} bytes does not fit a {limit}-byte slot")
+    return head + raw
+
+
+def send(ring: Any, msg: Message, timeout: float | None = None) -> None:
+    """Encode ``msg`` and write it as one slot of ``ring`` (its tag is the opcode)."""
+    ring.write(to_bytes(msg, ring.slot_size), tag=int(msg.op), timeout=timeout)
+
+
+def receive(ring: Any, timeout: float | None = None) -> Message:
+    """Wait for the next message of ``ring`` and decode it."""
+    view, tag = ring.acquire_read(timeout)
+    try:
+        return decode(view, tag)
+    finally:
+        ring.release()
+
+
+def error_body(kind: ErrorKind, message: str, traceback: str = "", **extra: Any) -> dict[str, Any]:
+    """The body of an ERROR event; keeps the end of an over-long traceback."""
+    if len(traceback) > _MAX_TRACEBACK:
+        traceback = "...(truncated)...\n" + traceback[-_MAX_TRACEBACK:]
+    if len(message) > 2048:
+        message = message[:2048] + "...(truncated)"
+    body = {"kind": kind.value, "message": message, "traceback": traceback}
+    body.update(extra)
+    return body
+
+
+__all__.append("error_body")
+
+# -- load spec ----------------------------------------------------------------------
+
+_SPEC_LEN = struct.Struct("<Q")
+_SPEC_KEYS = {"key", "executable_offset", "executable_size", "memory_region",
+              "check_package_hash", "streams", "fresh"}
+_STREAM_KEYS = {"handle", "ring", "direction", "nbytes", "mode"}
+
+
+def encode_load_spec(spec: dict[str, Any]) -> bytes:
+    """The spec region's prefix: length + JSON, padded to 64 bytes.
+
+    ``spec`` keys: ``key`` (str: identifies the loaded session), ``fresh``
+    (bool: drop any cached copy), ``executable_offset``/``executable_size``
+    (where the executable is in the region; the offset must equal the length
+    of the returned prefix), ``memory_region`` (name or None),
+    ``check_package_hash`` (bool), ``streams``: list of ``{"handle", "ring",
+    "direction" ("in"/"out"), "nbytes", "mode"}``.
+    """
+    raw = json.dumps(spec, separators=(",", ":")).encode()
+    n = _SPEC_LEN.size + len(raw)
+    pad = -n % 64
+    return _SPEC_LEN.pack(len(raw)) + raw + b"\0" * pad
+
+
+def spec_prefix_size(spec: dict[str, Any]) -> int:
+    """Length of :func:`encode_load_spec`'s output, given a spec whose offset is not yet set."""
+    probe = dict(spec, executable_offset=0)
+    # The offset's digits change the JSON length; iterate to a fixed point.
+    size = len(encode_load_spec(probe))
+    for _ in range(4):
+        probe["executable_offset"] = size
+        new = len(encode_load_spec(probe))
+        if new == size:
+            break
+        size = new
+    return size
+
+
+__all__.append("spec_prefix_size")
+
+
+def decode_load_spec(buf: memoryview) -> dict[str, Any]:
+    """Parse and check the spec at the start of a spec region."""
+    if len(buf) < _SPEC_LEN.size:
+        raise ProtocolError("load spec region is shorter than its length field")
+    (n,) = _SPEC_LEN.unpack_from(buf, 0)
+    if n > len(buf) - _SPEC_LEN.size:
+        raise ProtocolError(f"load spec of {n} bytes overruns its {len(buf)}-byte region")
+    try:
+        spec = json.loads(bytes(buf[_SPEC_LEN.size:_SPEC_LEN.size + n]).decode())
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ProtocolError(f"load spec is not valid JSON: {exc}") from None
+    if not isinstance(spec, dict) or set(spec) != _SPEC_KEYS:
+        got = sorted(spec) if isinstance(spec, dict) else type(spec).__name__
+        raise ProtocolError(f"load spec must have keys {sorted(_SPEC_KEYS)}, got {got}")
+    off, size = spec["executable_offset"], spec["executable_size"]
+    if not (isinstance(off, int) and isinstance(size, int) and 0 <= off and 0 < size
+            and off + size <= len(buf)):
+        raise ProtocolError(f"executable at [{off}, +{size}) does not fit the "
+                            f"{len(buf)}-byte spec region")
+    streams = spec["streams"]
+    if not isinstance(streams, list):
+        raise ProtocolError("load spec 'streams' must be a list")
+    for i, s in enumerate(streams):
+        if not isinstance(s, dict) or set(s) != _STREAM_KEYS:
+            raise ProtocolError(f"load spec stream {i} must have keys {sorted(_STREAM_KEYS)}")
+        if s["direction"] not in ("in", "out") or s["mode"] not in MODES:
+            raise ProtocolError(f"load spec stream {i} ({s.get('handle')!r}) has direction "
+                                f"{s['direction']!r} / mode {s['mode']!r}")
+        if not isinstance(s["nbytes"], int) or s["nbytes"] < 0:
+            raise ProtocolError(f"load spec stream {i} has nbytes {s['nbytes']!r}")
+    return spec

@@ -1,0 +1,257 @@
+"""The emulated machine: its IPUs, their version, tiles and memory, and who holds them.
+
+Like ``/dev/ipu*`` on a real host, the set of emulated IPUs is machine-wide:
+every process of the machine (with the same ``IPU_EMULATOR_HOME``) sees the
+same IPUs, and attaching one is exclusive across all of them.
+
+Configuration, later sources overriding earlier ones:
+
+1. defaults: 4 IPUs of ``ipu21``, 1472 tiles, 624 KiB per tile;
+2. the YAML (or JSON) file named by ``$IPU_EMULATOR_CONFIG``, with keys
+   ``num_ipus``, ``ipu_version``, ``tiles_per_ipu``, ``memory_per_tile``,
+   ``compute_threads``;
+3. environment variables ``IPU_EMULATOR_NUM_IPUS``, ``IPU_EMULATOR_IPU_VERSION``,
+   ``IPU_EMULATOR_TILES_PER_IPU``, ``IPU_EMULATOR_MEMORY_PER_TILE``,
+   ``IPU_EMULATOR_COMPUTE_THREADS``.
+
+Exclusive attach uses one lock file per IPU in ``<home>/locks`` with
+``fcntl.flock``: the kernel drops the lock when its holder dies, so a crashed
+host never leaves an IPU taken. The holder writes its pid into the file so
+that "busy" errors can say who holds it. Locks belong to the open file
+description: a forked child shares them, a second attach in the same process
+does not (it conflicts, as it must).
+
+Device ids follow Poplar's numbering: ids ``0..n-1`` are the single IPUs, then
+come the aligned pairs, then the aligned groups of four, and so on.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+__all__ = [
+    "SystemConfig",
+    "SystemConfigError",
+    "IpuLocks",
+    "load_system_config",
+    "emulator_home",
+    "device_groups",
+    "IPU_VERSIONS",
+]
+
+IPU_VERSIONS: dict[str, int] = {"ipu2": 2, "ipu21": 21}
+_DEFAULT_TILES = 1472
+_DEFAULT_MEMORY_PER_TILE = 624 * 1024
+_MAX_IPUS = 64
+
+
+class SystemConfigError(ValueError):
+    """The emulated system configuration is invalid; the message names the setting."""
+
+
+@dataclass(frozen=True)
+class SystemConfig:
+    """The emulated machine."""
+
+    num_ipus: int = 4
+    ipu_version: str = "ipu21"
+    tiles_per_ipu: int = _DEFAULT_TILES
+    memory_per_tile: int = _DEFAULT_MEMORY_PER_TILE
+    compute_threads: int = 1
+    home: str = ""
+
+    def __post_init__(self) -> None:
+        if self.ipu_version not in IPU_VERSIONS:
+            raise SystemConfigError(
+                f"ipu_version must be one of {sorted(IPU_VERSIONS)}, got {self.ipu_version!r}")
+        for name, lo, hi in (("num_ipus", 0, _MAX_IPUS), ("tiles_per_ipu", 1, 1 << 20),
+                             ("memory_per_tile", 1, 1 << 32), ("compute_threads", 1, 256)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+                raise SystemConfigError(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
+
+    @property
+    def ipu_version_number(self) -> int:
+        """2 for ``ipu2``, 21 for ``ipu21`` (what ``ipuHardwareVersion()`` returns)."""
+        return IPU_VERSIONS[self.ipu_version]
+
+    @property
+    def memory_per_ipu(self) -> int:
+        return self.tiles_per_ipu * self.memory_per_tile
+
+    @property
+    def lock_dir(self) -> str:
+        return os.path.join(self.home, "locks")
+
+    @property
+    def log_dir(self) -> str:
+        return os.path.join(self.home, "logs")
+
+
+def emulator_home(environ: Mapping[str, str] | None = None) -> str:
+    """``$IPU_EMULATOR_HOME``, else ``~/.ipu_emulator`` if usable, else ``/tmp/ipu_emulator-<uid>``."""
+    env = os.environ if environ is None else environ
+    home = env.get("IPU_EMULATOR_HOME")
+    if home:
+        return os.path.abspath(home)
+    user_home = os.path.expanduser("~")
+    if user_home and user_home != "~" and os.access(user_home, os.W_OK):
+        return os.path.join(user_home, ".ipu_emulator")
+    return f"/tmp/ipu_emulator-{os.getuid()}"
+
+
+def _parse_int(name: str, text: object) -> int:
+    if isinstance(text, bool):
+        raise SystemConfigError(f"{name} must be an integer, got {text!r}")
+    if isinstance(text, int):
+        return text
+    s = str(text).strip()
+    units = {"kib": 1024, "k": 1024, "mib": 1024 ** 2, "m": 1024 ** 2}
+    low = s.lower()
+    for suffix, factor in units.items():
+        if low.endswith(suffix) and low[: -len(suffix)].strip().isdigit():
+            return int(low[: -len(suffix)]) * factor
+    try:
+        return int(s)
+    except ValueError:
+        raise SystemConfigError(f"{name} must be an integer, got {text!r}") from None
+
+
+_KEYS = ("num_ipus", "ipu_version", "tiles_per_ipu", "memory_per_tile", "compute_threads")
+
+
+def load_system_config(environ: Mapping[str, str] | None = None) -> SystemConfig:
+    """The machine as configured by ``$IPU_EMULATOR_CONFIG`` and ``IPU_EMULATOR_*`` variables."""
+    env = os.environ if environ is None else environ
+    values: dict[str, object] = {}
+    path = env.get("IPU_EMULATOR_CONFIG")
+    if path:
+        values.update(_read_config_file(path))
+    for key in _KEYS:
+        var = "IPU_EMULATOR_" + key.upper()
+        if env.get(var):
+            values[key] = env[var]
+    kwargs: dict[str, object] = {}
+    for key, value in values.items():
+        if key == "ipu_version":
+            v = str(value).strip().lower()
+            kwargs[key] = {"2": "ipu2", "21": "ipu21"}.get(v, v)
+        else:
+            kwargs[key] = _parse_int(key, value)
+    return SystemConfig(home=emulator_home(env), **kwargs)  # type: ignore[arg-type]
+
+
+def _read_config_file(path: str) -> dict[str, object]:
+    try:
+        with open(path, "r", encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        raise SystemConfigError(f"cannot read IPU_EMULATOR_CONFIG file {path!r}: {exc}") from None
+    import yaml  # safe_load also reads JSON
+
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise SystemConfigError(f"IPU_EMULATOR_CONFIG file {path!r} is not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise SystemConfigError(
+            f"IPU_EMULATOR_CONFIG file {path!r} must hold a mapping, got {type(data).__name__}")
+    unknown = sorted(set(map(str, data)) - set(_KEYS))
+    if unknown:
+        raise SystemConfigError(
+            f"IPU_EMULATOR_CONFIG file {path!r} has unknown keys {unknown}; expected some of {list(_KEYS)}")
+    return {str(k): v for k, v in data.items()}
+
+
+def device_groups(num_ipus: int) -> list[tuple[int, ...]]:
+    """IPU sets by device id: singles, then aligned pairs, fours, ... (Poplar's numbering)."""
+    groups: list[tuple[int, ...]] = []
+    size = 1
+    while size <= num_ipus:
+        for start in range(0, num_ipus - size + 1, size):
+            groups.append(tuple(range(start, start + size)))
+        size *= 2
+    return groups
+
+
+def _lock_path(lock_dir: str, ipu: int) -> str:
+    return os.path.join(lock_dir, f"ipu{ipu}.lock")
+
+
+def _read_holder(path: str) -> int | None:
+    try:
+        with open(path, "r", encoding="ascii") as f:
+            text = f.read(32).strip()
+        return int(text) if text.isdigit() else None
+    except OSError:
+        return None
+
+
+class IpuLocks:
+    """Exclusive hold on a set of IPUs (all or none). ``release()`` is idempotent."""
+
+    def __init__(self, ipus: tuple[int, ...], fds: list[int], lock_dir: str) -> None:
+        self.ipus = ipus
+        self.lock_dir = lock_dir
+        self._fds = fds
+
+    @classmethod
+    def try_acquire(cls, lock_dir: str, ipus: tuple[int, ...]) -> "IpuLocks | dict[int, int | None]":
+        """The locks, or if any IPU is held: ``{ipu: holder pid or None}`` of the busy ones."""
+        os.makedirs(lock_dir, mode=0o700, exist_ok=True)
+        fds: list[int] = []
+        busy: dict[int, int | None] = {}
+        for ipu in ipus:
+            path = _lock_path(lock_dir, ipu)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                os.close(fd)
+                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    for held in fds:
+                        os.close(held)
+                    raise
+                busy[ipu] = _read_holder(path)
+                continue
+            fds.append(fd)
+        if busy:
+            for fd in fds:  # all or none: closing drops the locks we did get
+                os.close(fd)
+            return busy
+        pid = f"{os.getpid()}\n".encode()
+        for fd in fds:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, pid, 0)
+        return cls(ipus, fds, lock_dir)
+
+    def release(self) -> None:
+        fds, self._fds = self._fds, []
+        for fd in fds:
+            try:
+                os.ftruncate(fd, 0)
+            except OSError:
+                pass
+            os.close(fd)
+
+    @property
+    def held(self) -> bool:
+        return bool(self._fds)
+
+    def __enter__(self) -> "IpuLocks":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        try:
+            self.release()
+        except Exception:
+            pass
