@@ -103,6 +103,10 @@ _SEQ, _NBYTES, _TAG = 0, 1, 2
 WAIT_SLICE = 0.05
 """Seconds between liveness / invalidation / close re-checks of a blocked wait."""
 
+_SPIN_MAX_NS = int(float(os.environ.get("IPU_EMULATOR_RING_SPIN_US", "0")) * 1000)
+"""Longest spin before blocking (0 disables spinning); see Ring._spin."""
+_SPIN_MIN_NS = min(2000, _SPIN_MAX_NS)
+
 _MAX_SLOTS = 1 << 20
 _FREE_SUFFIX = ".free"
 _FULL_SUFFIX = ".full"
@@ -154,6 +158,7 @@ class Ring:
         self._payload = [buf[HEADER_SIZE + i * stride + SLOT_HEADER_SIZE:
                              HEADER_SIZE + i * stride + SLOT_HEADER_SIZE + self._slot_size]
                          for i in range(self._num_slots)]
+        self._spin_ns = _SPIN_MAX_NS
         self._peer: PeerWatch | None = None
         self._pid = os.getpid()
         self._is_producer = False
@@ -264,6 +269,14 @@ class Ring:
         self._peer = None if pid is None else PeerWatch(pid)
 
     # -- waiting ------------------------------------------------------------
+    #
+    # The hot paths below are written out in full (no helper calls when a
+    # token is there at once): every Python call costs ~60 ns and a round
+    # trip through two rings makes a dozen of them. The pattern of each wait:
+    #   check the invalid word (after close() it is a stand-in that raises
+    #   ShmClosedError); count this thread in _inflight; one sem_timedwait of
+    #   up to WAIT_SLICE; on time-out, _wait_slow() loops re-checking close,
+    #   invalidation, the peer and the deadline; uncount; check again.
 
     def _raise_if_unusable(self) -> None:
         if self._closing:
@@ -282,45 +295,80 @@ class Ring:
                     f"ring {self._name}: peer process {peer.pid} {reason} "
                     f"while this process waited for {what}", peer.pid)
 
+    def _spin(self, sem: posix_ipc.Semaphore) -> None:
+        """Poll ``sem`` for up to the current spin budget; adapt the budget.
+
+        A token that arrives while spinning saves the poster a futex wake
+        (a system call and, in a VM, an inter-processor interrupt that costs
+        several microseconds) and this process a sleep and wake-up. A spin
+        that runs out wasted its budget: halve it, down to nothing, and probe
+        it, down to a floor of _SPIN_MIN_NS (cheap next to a wake-up, and
+        enough to notice when spinning starts to pay again).
+        """
+        budget = self._spin_ns
+        clock = time.perf_counter_ns
+        deadline = clock() + budget
+        while True:
+            for _ in range(16):
+                if sem.value:
+                    if budget < _SPIN_MAX_NS:
+                        self._spin_ns = min(budget * 2, _SPIN_MAX_NS)
+                    return
+            if clock() > deadline:
+                break
+        self._spin_ns = max(budget // 2, _SPIN_MIN_NS)
+
+    def _wait_slow(self, sem: posix_ipc.Semaphore, timeout: float | None, what: str,
+                   waited: float) -> None:
+        """Go on waiting for a token after a first wait of ``waited`` seconds came back empty."""
+        try:
+            start = time.monotonic() - waited
+            while True:
+                self._raise_if_unusable()
+                self._check_peer(what)
+                if timeout is None:
+                    wait = WAIT_SLICE
+                else:
+                    remaining = start + timeout - time.monotonic()
+                    if remaining <= 0:
+                        raise RingTimeoutError(f"ring {self._name}: no {what} within "
+                                               f"{timeout:g} s ({self._occupancy()})")
+                    wait = WAIT_SLICE if remaining > WAIT_SLICE else remaining
+                try:
+                    sem.acquire(wait)
+                    return
+                except (posix_ipc.BusyError, posix_ipc.SignalError):
+                    pass
+        except ShmError as exc:  # called from an except clause: hide the BusyError
+            exc.__suppress_context__ = True
+            raise
+
     def _wait(self, sem: posix_ipc.Semaphore, timeout: float | None, what: str) -> None:
-        """Take one token of ``sem``; raise on invalidation, close, peer death or timeout."""
-        if self._closing or self._w[_INVALID]:
+        """Take one token of ``sem`` (the general path; hot paths write it out)."""
+        if self._w[_INVALID]:
             self._raise_if_unusable()
+        first = (WAIT_SLICE if timeout is None or timeout >= WAIT_SLICE
+                 else timeout if timeout > 0 else 0)
         inflight = self._inflight
         inflight.append(1)
         try:
-            if timeout is None:
-                while True:
-                    try:
-                        sem.acquire(WAIT_SLICE)
-                        break
-                    except (posix_ipc.BusyError, posix_ipc.SignalError):
-                        self._raise_if_unusable()
-                        self._check_peer(what)
-            else:
-                start = time.monotonic()
-                remaining = timeout if timeout > 0 else 0
-                while True:
-                    try:
-                        sem.acquire(WAIT_SLICE if remaining > WAIT_SLICE else remaining)
-                        break
-                    except (posix_ipc.BusyError, posix_ipc.SignalError):
-                        self._raise_if_unusable()
-                        self._check_peer(what)
-                        remaining = start + timeout - time.monotonic()
-                        if remaining <= 0:
-                            raise RingTimeoutError(
-                                f"ring {self._name}: no {what} within {timeout:g} s "
-                                f"({self._occupancy()})") from None
+            if self._spin_ns and not sem.value:
+                self._spin(sem)
+            try:
+                sem.acquire(first)
+            except posix_ipc.BusyError:
+                self._wait_slow(sem, timeout, what, first)
+            except posix_ipc.SignalError:
+                self._wait_slow(sem, timeout, what, 0.0)
         finally:
             inflight.pop()
             if self._closing and not inflight:
                 self._finish_close()
-        if self._closing or self._w[_INVALID]:
+        if self._w[_INVALID]:
             self._raise_if_unusable()
 
     def _try(self, sem: posix_ipc.Semaphore, what: str) -> None:
-        if self._closing or self._w[_INVALID]:
+        if self._w[_INVALID]:
             self._raise_if_unusable()
         inflight = self._inflight
         inflight.append(1)
@@ -348,30 +396,58 @@ class Ring:
         Calling it again before :meth:`publish` returns the same slot.
         """
         w = self._w
-        if w[_HELD]:
-            if self._closing or w[_INVALID]:
-                self._raise_if_unusable()
-            return self._payload[w[_PUBLISHED] % self._num_slots]
-        self._wait(self._free, timeout, "free slot")
-        return self._took_write()
+        if w[_HELD] or w[_INVALID] or not self._is_producer:
+            return self._acquire_write_general(timeout)
+        # _wait(self._free, ...) written out
+        first = (WAIT_SLICE if timeout is None or timeout >= WAIT_SLICE
+                 else timeout if timeout > 0 else 0)
+        sem = self._free
+        inflight = self._inflight
+        inflight.append(1)
+        try:
+            if self._spin_ns and not sem.value:
+                self._spin(sem)
+            try:
+                sem.acquire(first)
+            except posix_ipc.BusyError:
+                self._wait_slow(sem, timeout, "free slot", first)
+            except posix_ipc.SignalError:
+                self._wait_slow(sem, timeout, "free slot", 0.0)
+        finally:
+            inflight.pop()
+            if self._closing and not inflight:
+                self._finish_close()
+        w = self._w
+        if w[_INVALID]:
+            self._raise_if_unusable()
+        w[_HELD] = 1
+        return self._payload[w[_PUBLISHED] % self._num_slots]
+
+    def _acquire_write_general(self, timeout: float | None) -> memoryview:
+        w = self._w
+        if w[_INVALID]:
+            self._raise_if_unusable()
+        if not w[_HELD]:
+            self._wait(self._free, timeout, "free slot")
+            self._took_write()
+        return self._payload[w[_PUBLISHED] % self._num_slots]
 
     def try_acquire_write(self) -> memoryview:
         """Like :meth:`acquire_write` but raise :class:`WouldBlock` if the ring is full."""
         w = self._w
-        if w[_HELD]:
-            if self._closing or w[_INVALID]:
-                self._raise_if_unusable()
-            return self._payload[w[_PUBLISHED] % self._num_slots]
-        self._try(self._free, "free slot")
-        return self._took_write()
+        if w[_INVALID]:
+            self._raise_if_unusable()
+        if not w[_HELD]:
+            self._try(self._free, "free slot")
+            self._took_write()
+        return self._payload[w[_PUBLISHED] % self._num_slots]
 
-    def _took_write(self) -> memoryview:
+    def _took_write(self) -> None:
         w = self._w
         w[_HELD] = 1
         if not self._is_producer:
             self._is_producer = True
             w[_PRODUCER_PID] = self._pid
-        return self._payload[w[_PUBLISHED] % self._num_slots]
 
     def publish(self, nbytes: int, tag: int = 0) -> None:
         """Make the acquired slot's first ``nbytes`` bytes visible to the consumer."""
@@ -398,9 +474,43 @@ class Ring:
         if n > self._slot_size:
             raise ValueError(f"ring {self._name}: message of {n} bytes does not fit a slot "
                              f"of {self._slot_size} bytes")
-        dst = self.acquire_write(timeout)
-        dst[:n] = src
-        self.publish(n, tag)
+        w = self._w
+        if w[_HELD] or w[_INVALID] or not self._is_producer:
+            self._acquire_write_general(timeout)
+        else:
+            # _wait(self._free, ...) written out
+            first = (WAIT_SLICE if timeout is None or timeout >= WAIT_SLICE
+                     else timeout if timeout > 0 else 0)
+            sem = self._free
+            inflight = self._inflight
+            inflight.append(1)
+            try:
+                if self._spin_ns and not sem.value:
+                    self._spin(sem)
+                try:
+                    sem.acquire(first)
+                except posix_ipc.BusyError:
+                    self._wait_slow(sem, timeout, "free slot", first)
+                except posix_ipc.SignalError:
+                    self._wait_slow(sem, timeout, "free slot", 0.0)
+            finally:
+                inflight.pop()
+                if self._closing and not inflight:
+                    self._finish_close()
+            w = self._w
+            if w[_INVALID]:
+                self._raise_if_unusable()
+        # copy, then publish() written out
+        k = w[_PUBLISHED]
+        i = k % self._num_slots
+        self._payload[i][:n] = src
+        base = self._slot_word[i]
+        w[base] = k + 1
+        w[base + 1] = n
+        w[base + 2] = tag
+        w[_PUBLISHED] = k + 1
+        w[_HELD] = 0
+        self._full.release()
 
     # -- consumer -----------------------------------------------------------
 
@@ -410,36 +520,69 @@ class Ring:
         The view stays valid until the matching :meth:`release`; several
         slots may be acquired before releasing them (oldest first).
         """
-        self._wait(self._full, timeout, "published slot")
-        return self._took_read()
+        w = self._w
+        if w[_INVALID]:
+            self._raise_if_unusable()
+        # _wait(self._full, ...) written out
+        first = (WAIT_SLICE if timeout is None or timeout >= WAIT_SLICE
+                 else timeout if timeout > 0 else 0)
+        sem = self._full
+        inflight = self._inflight
+        inflight.append(1)
+        try:
+            if self._spin_ns and not sem.value:
+                self._spin(sem)
+            try:
+                sem.acquire(first)
+            except posix_ipc.BusyError:
+                self._wait_slow(sem, timeout, "published slot", first)
+            except posix_ipc.SignalError:
+                self._wait_slow(sem, timeout, "published slot", 0.0)
+        finally:
+            inflight.pop()
+            if self._closing and not inflight:
+                self._finish_close()
+        w = self._w
+        if w[_INVALID]:
+            self._raise_if_unusable()
+        # _took_read() written out
+        k = w[_ACQUIRED]
+        i = k % self._num_slots
+        base = self._slot_word[i]
+        if w[base] != k + 1 or not self._is_consumer:
+            return self._took_read_general(k, i, base)
+        nbytes = w[base + 1]
+        w[_ACQUIRED] = k + 1
+        if nbytes == self._slot_size:
+            return self._payload[i], w[base + 2]
+        if not 0 <= nbytes < self._slot_size:
+            raise ShmError(f"ring {self._name}: slot {i} claims {nbytes} bytes; "
+                           f"slot size is {self._slot_size}")
+        return self._payload[i][:nbytes], w[base + 2]
 
     def try_acquire_read(self) -> tuple[memoryview, int]:
         """Like :meth:`acquire_read` but raise :class:`WouldBlock` if nothing is published."""
         self._try(self._full, "published slot")
-        return self._took_read()
-
-    def _took_read(self) -> tuple[memoryview, int]:
         w = self._w
         k = w[_ACQUIRED]
         i = k % self._num_slots
-        base = self._slot_word[i]
-        seq = w[base]
-        if seq != k + 1:
-            raise ShmError(f"ring {self._name}: slot {i} holds message {seq}, expected {k + 1} "
-                           "(two producers, or a reset under a live peer?)")
-        nbytes = w[base + 1]
-        tag = w[base + 2]
-        w[_ACQUIRED] = k + 1
+        return self._took_read_general(k, i, self._slot_word[i])
+
+    def _took_read_general(self, k: int, i: int, base: int) -> tuple[memoryview, int]:
+        w = self._w
+        if w[base] != k + 1:
+            raise ShmError(f"ring {self._name}: slot {i} holds message {w[base]}, expected "
+                           f"{k + 1} (two producers, or a reset under a live peer?)")
         if not self._is_consumer:
             self._is_consumer = True
             w[_CONSUMER_PID] = self._pid
+        nbytes = w[base + 1]
+        if not 0 <= nbytes <= self._slot_size:
+            raise ShmError(f"ring {self._name}: slot {i} claims {nbytes} bytes; "
+                           f"slot size is {self._slot_size}")
+        w[_ACQUIRED] = k + 1
         view = self._payload[i]
-        if nbytes != self._slot_size:
-            if not 0 <= nbytes < self._slot_size:
-                raise ShmError(f"ring {self._name}: slot {i} claims {nbytes} bytes; "
-                               f"slot size is {self._slot_size}")
-            view = view[:nbytes]
-        return view, tag
+        return (view if nbytes == self._slot_size else view[:nbytes]), w[base + 2]
 
     def release(self) -> None:
         """Give the oldest acquired read slot back to the producer."""
@@ -452,10 +595,21 @@ class Ring:
         self._free.release()
 
     def read(self, timeout: float | None = None) -> tuple[bytes, int]:
-        """Acquire the next message, copy it out, release the slot."""
+        """Acquire the next message, copy it out, release its slot.
+
+        Refused while slots from :meth:`acquire_read` are still unreleased
+        (releasing is oldest-first, so it would free one of those instead).
+        """
+        w = self._w
+        k = w[_RELEASED]
+        if k != w[_ACQUIRED]:
+            raise ShmError(f"ring {self._name}: read() while {w[_ACQUIRED] - k} slot(s) from "
+                           "acquire_read() are not released; release() them first")
         view, tag = self.acquire_read(timeout)
         data = view.tobytes()
-        self.release()
+        w = self._w
+        w[_RELEASED] = k + 1
+        self._free.release()
         return data, tag
 
     def readable(self) -> int:

@@ -1,0 +1,88 @@
+"""Unit tests of shm.cleanup and the ``ipu-emulator cleanup`` command."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+
+import posix_ipc
+import pytest
+
+from shm import Region, Ring, naming, remove_dead
+from shm.cleanup import list_objects
+from tools.cli import main as cli_main
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def _leave_orphans(tag: str, pid: int) -> tuple[str, str]:
+    """A segment and a semaphore named as if made by ``pid``; return their /dev/shm entries."""
+    token = secrets.token_hex(6)
+    seg = f"/{naming.PREFIX}_{tag}_{pid}_{token}_region"
+    sem = f"/{naming.PREFIX}_{tag}_{pid}_{token}_ring.full"
+    posix_ipc.SharedMemory(seg, posix_ipc.O_CREX, mode=0o600, size=4096).close_fd()
+    posix_ipc.Semaphore(sem, posix_ipc.O_CREX, mode=0o600).close()
+    return seg[1:], "sem." + sem[1:]
+
+
+def _exists(entry: str) -> bool:
+    return os.path.exists(os.path.join("/dev/shm", entry))
+
+
+def test_cleanup_command_removes_dead_keeps_live_and_reports(capsys) -> None:
+    pid = _dead_pid()
+    seg, sem = _leave_orphans(naming.current_tag(), pid)
+    with Ring.create(16, 2) as live:
+        assert cli_main(["cleanup", "--dry-run"]) == 0
+        out = capsys.readouterr().out.splitlines()
+        assert f"would remove segment /dev/shm/{seg} (creator pid {pid} is dead)" in out
+        assert f"would remove semaphore /dev/shm/{sem} (creator pid {pid} is dead)" in out
+        assert _exists(seg) and _exists(sem)
+
+        assert cli_main(["cleanup"]) == 0
+        out = capsys.readouterr().out.splitlines()
+        assert sorted(out[:-1]) == sorted([
+            f"removed segment /dev/shm/{seg} (creator pid {pid} is dead)",
+            f"removed semaphore /dev/shm/{sem} (creator pid {pid} is dead)"])
+        assert out[-1] == (f"removed 2 object(s) of tag {naming.current_tag()!r}; "
+                           "kept 3 whose creator is alive")
+        assert not _exists(seg) and not _exists(sem)
+        live_entries = {o.entry for o in list_objects()}
+        assert live.name[1:] in live_entries
+        assert f"sem.{live.name[1:]}.free" in live_entries
+        live.write(b"alive and well")
+
+
+def test_remove_dead_by_tag_and_all_tags_dry_run(capsys) -> None:
+    pid = _dead_pid()
+    other_tag = "x" + secrets.token_hex(4)
+    seg, sem = _leave_orphans(other_tag, pid)
+    try:
+        assert remove_dead() == []  # not our tag: untouched
+        assert cli_main(["cleanup", "--all-tags", "--dry-run"]) == 0
+        out = capsys.readouterr().out
+        assert f"would remove segment /dev/shm/{seg}" in out
+        assert "object(s) of all tags" in out
+        assert sorted(remove_dead(other_tag)) == sorted([seg, sem])
+        assert not _exists(seg) and not _exists(sem)
+    finally:
+        remove_dead(other_tag)
+
+
+def test_objects_of_this_live_process_are_never_removed() -> None:
+    with Region.create(4096) as region:
+        assert remove_dead() == []
+        assert _exists(region.name[1:])
+
+
+def test_cleanup_help_and_bad_option(capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli_main(["cleanup", "--nope"])
+    assert info.value.code == 2
+    assert "unrecognized arguments: --nope" in capsys.readouterr().err
