@@ -30,7 +30,7 @@ from host_runtime.errors import (BadRequestError, DeviceExecutionError, DeviceLo
                                  InvalidStateError, ModelRuntimeError, PackageHashMismatchError,
                                  PopefError, RemoteTraceback)
 from ipu_emulator import protocol
-from ipu_emulator.launcher import IpuProcess, IpuProcessError
+from ipu_emulator.launcher import IpuProcess, IpuProcessError, describe_returncode
 from ipu_emulator.protocol import ErrorKind, Message, Op
 
 __all__ = ["DeviceLink", "StreamServicer", "error_from_body"]
@@ -255,7 +255,8 @@ class DeviceLink:
             # the ring saw the peer die before poll() reaped it
             proc = self._primary
             proc.wait_exit(2.0)
-        err = DeviceLostError(f"{self.description}: {proc.describe_exit()}")
+        err = DeviceLostError(f"{self.description}: IPU process {proc.pid} "
+                              f"{describe_returncode(proc.returncode())}")
         tail = proc.log_tail()
         if tail:
             err.__cause__ = RemoteTraceback(tail)

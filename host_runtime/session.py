@@ -671,7 +671,10 @@ class Session:
         try:
             wait(fut, None, f"{what} on {dev.describe()}")
         except DeviceExecutionError as exc:
-            raise self._with_callback_error(exc, what) from exc.__cause__
+            new = self._with_callback_error(exc, what)
+            if new is exc:
+                raise
+            raise new from new.__cause__
         if self._callback_errors:
             handle, cb_exc = self._callback_errors[0]
             self._callback_errors.clear()
