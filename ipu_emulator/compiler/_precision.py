@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-__all__ = ["convert_to_fp16", "wrap_in_fp32"]
+__all__ = ["convert_to_fp16", "wrap_in_fp32", "fp32_only_ops"]
 
 _F32, _F16 = TensorProto.FLOAT, TensorProto.FLOAT16
 _KEEP_FP32_INPUTS = {"Resize": (1, 2), "Upsample": (1,)}
@@ -100,6 +100,27 @@ def _convert_node(node: onnx.NodeProto) -> None:
                     arr = arr.reshape(())
                 new = helper.make_attribute("value", numpy_helper.from_array(arr))
                 node.attribute[k].CopyFrom(new)
+
+
+def fp32_only_ops(model: onnx.ModelProto) -> set[str]:
+    """Op types of the main graph whose ONNX schema allows float32 but not float16."""
+    opsets = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in model.opset_import}
+    out: set[str] = set()
+    for node in model.graph.node:
+        domain = "" if node.domain == "ai.onnx" else node.domain
+        if node.op_type in out or domain not in opsets:
+            continue
+        try:
+            schema = onnx.defs.get_schema(node.op_type, opsets[domain], domain)
+        except Exception:   # unknown op: onnxruntime will say
+            continue
+        allowed = {c.type_param_str: set(c.allowed_type_strs) for c in schema.type_constraints}
+        for formal in list(schema.inputs) + list(schema.outputs):
+            types = allowed.get(formal.type_str, {formal.type_str})
+            if "tensor(float)" in types and "tensor(float16)" not in types:
+                out.add(node.op_type)
+                break
+    return out
 
 
 def wrap_in_fp32(model: onnx.ModelProto, op_type: str, types: dict[str, int]) -> int:

@@ -18,7 +18,7 @@ from onnx import TensorProto, numpy_helper
 
 from ipu_emulator.compiler._onnx import (
     dtype_of, missing_kernel, ort_max_ir_version, ort_session)
-from ipu_emulator.compiler._precision import convert_to_fp16, wrap_in_fp32
+from ipu_emulator.compiler._precision import convert_to_fp16, fp32_only_ops, wrap_in_fp32
 from ipu_emulator.errors import CompileError
 from ipu_emulator.executable import numpy_dtype
 
@@ -65,7 +65,17 @@ def prepare(model: onnx.ModelProto, label: str, input_shapes: dict[str, list[int
     init_names = {t.name for t in model.graph.initializer}
     _fix_input_shapes(model, label, input_shapes, init_names)
     if precision == "fp16":
+        # Types before conversion tell which values become fp16; ops whose schema
+        # has no fp16 are computed in fp32 between casts.
+        before = _types(_infer(model, label))
+        fp32_ops = fp32_only_ops(model)
         convert_to_fp16(model)
+        after = {k: (TensorProto.FLOAT16 if v == TensorProto.FLOAT else v)
+                 for k, v in before.items()}
+        for op in sorted(fp32_ops):
+            n = wrap_in_fp32(model, op, after)
+            _log.info("model %s: %d %s node(s) computed in fp32 (no fp16 in its schema)",
+                      label, n, op)
     model = _infer(model, label)
     model = _make_loadable(model, label, precision)
     inputs = [_value(vi, label, "input") for vi in model.graph.input if vi.name not in init_names]
@@ -216,20 +226,31 @@ def _outputs(model: onnx.ModelProto, label: str, inputs: list[Value]) -> list[Va
     outputs = [_value(vi, label, "output") for vi in model.graph.output]
     unresolved = [v for v in outputs if v.shape == (-2,) or any(d < 0 for d in v.shape)]
     if unresolved:
-        # onnx could not infer them (data-dependent shapes): run once on zeros.
+        # onnx could not infer them: run twice on different data; a shape that
+        # changes with the data cannot be compiled to a static stream.
         sess = ort_session(model)
-        feeds = {v.name: np.zeros(v.shape, numpy_dtype(v.dtype)) for v in inputs}
-        try:
-            results = sess.run(None, feeds)  # type: ignore[attr-defined]
-        except Exception as exc:
-            raise CompileError(f"model {label!r}: cannot determine output shapes: {exc}") from None
-        for k, (v, r) in enumerate(zip(outputs, results)):
-            if v in unresolved:
-                outputs[k] = Value(v.name, v.dtype, tuple(int(d) for d in np.shape(r)))
-                vi = model.graph.output[k]
-                vi.type.tensor_type.ClearField("shape")
-                for d in np.shape(r):
-                    vi.type.tensor_type.shape.dim.add().dim_value = int(d)
+        rng = np.random.default_rng(0)
+        runs = []
+        for fill in (np.zeros, lambda s, d: (rng.random(s) * 4 + 1).astype(d)):
+            feeds = {v.name: fill(v.shape, numpy_dtype(v.dtype)) for v in inputs}
+            try:
+                runs.append(sess.run(None, feeds))  # type: ignore[attr-defined]
+            except Exception as exc:
+                raise CompileError(f"model {label!r}: cannot determine output shapes: "
+                                   f"{exc}") from None
+        for k, (v, r0, r1) in enumerate(zip(outputs, runs[0], runs[1])):
+            if v not in unresolved:
+                continue
+            if np.shape(r0) != np.shape(r1):
+                raise CompileError(
+                    f"model {label!r}: output {v.name!r} has a shape that depends on the input "
+                    f"data ({list(np.shape(r0))} and {list(np.shape(r1))}); the IPU needs "
+                    "static shapes")
+            outputs[k] = Value(v.name, v.dtype, tuple(int(d) for d in np.shape(r0)))
+            vi = model.graph.output[k]
+            vi.type.tensor_type.ClearField("shape")
+            for d in np.shape(r0):
+                vi.type.tensor_type.shape.dim.add().dim_value = int(d)
     _require_static(outputs, label, "output")
     return outputs
 

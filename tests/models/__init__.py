@@ -3,7 +3,7 @@
 - ``simple_model``: the seeds' example (tensor_C = tensor_A * weights + tensor_B)
 - ``seed_model0`` / ``seed_model1``: seed 004's compile.py models (Add+Reshape fp32,
   Concat fp16 with a constant)
-- ``resnet_like``: a ResNet-style network (conv/BN/ReLU basic blocks, [3, 4, 6, 3])
+- ``resnet_like``: a ResNet-50-style network (conv/BN/ReLU bottleneck blocks, [3, 4, 6, 3])
 - ``mobilenet_like``: MobileNetV2-style inverted residual blocks (depthwise convs, Clip)
 - ``mixed_types_model``: several inputs and outputs with int64, int32 and bool tensors
 - ``dynamic_model``: an MLP with a symbolic batch dimension
@@ -137,27 +137,33 @@ class _Builder:
 
     def model(self, name: str, inputs: list[onnx.ValueInfoProto], out: str, out_name: str,
               out_shape: list[int | str]) -> onnx.ModelProto:
+        self.nodes.append(helper.make_node("Identity", [out], ["logits"], name="logits"))
         self.nodes.append(helper.make_node("Softmax", [out], [out_name], axis=1, name="softmax"))
         g = helper.make_graph(self.nodes, name, inputs,
-                              [helper.make_tensor_value_info(out_name, TensorProto.FLOAT,
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT,
+                                                             out_shape),
+                               helper.make_tensor_value_info(out_name, TensorProto.FLOAT,
                                                              out_shape)],
                               initializer=self.inits)
         return make_model(g)
 
 
-def resnet_like(batch: int | str = 1, size: int = 32, width: int = 8,
+def resnet_like(batch: int | str = 1, size: int = 32, width: int = 4,
                 blocks: tuple[int, ...] = (3, 4, 6, 3), classes: int = 10,
                 seed: int = 0) -> onnx.ModelProto:
-    """ResNet-34 layout (basic blocks) at small width: ~230 nodes."""
+    """ResNet-50 layout (bottleneck blocks, [3, 4, 6, 3]) at small width: ~180 nodes."""
     b = _Builder(seed)
-    x = b.conv_bn("image", 3, width, 3)
-    cin = width
+    x = b.conv_bn("image", 3, width * 4, 3)
+    x = b.node("MaxPool", [x], kernel_shape=[2, 2], strides=[2, 2])
+    cin = width * 4
     for stage, n in enumerate(blocks):
-        cout = width * (2 ** stage)
+        mid = width * (2 ** stage)
+        cout = mid * 4
         for i in range(n):
             stride = 2 if i == 0 and stage > 0 else 1
-            y = b.conv_bn(x, cin, cout, 3, stride)
-            y = b.conv_bn(y, cout, cout, 3, 1, act=None)
+            y = b.conv_bn(x, cin, mid, 1)
+            y = b.conv_bn(y, mid, mid, 3, stride)
+            y = b.conv_bn(y, mid, cout, 1, act=None)
             short = x if stride == 1 and cin == cout else b.conv_bn(x, cin, cout, 1, stride,
                                                                      act=None)
             x = b.node("Relu", [b.node("Add", [y, short])])

@@ -1,0 +1,118 @@
+"""``poprt``: compile ONNX models for the emulated IPU (seed 004's compiler command).
+
+    poprt --input_model model.onnx --input_shape X=1,3,224,224 --precision fp16 \\
+          --export_popef --output_dir out --ipu_version ipu21 --batches_per_step 4
+    poprt --config_yaml config.yaml          # model fusion (seed 004, section 5.7)
+
+Exit status: 0 on success, 1 when the model is refused (the message says why),
+2 on bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import pathlib
+import sys
+from typing import Any
+
+__all__ = ["main", "build_parser"]
+
+
+def _bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="poprt", description="Compile ONNX models into a PopEF file for the IPU emulator.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--input_model", help="the ONNX model to compile")
+    src.add_argument("--config_yaml", help="a YAML configuration (model fusion)")
+    p.add_argument("--input_shape", action="append", metavar="NAME=d0,d1,...", default=None,
+                   help="fix an input's shape (repeatable); the first dim is the batch")
+    p.add_argument("--precision", choices=["fp32", "fp16"], default=None,
+                   help="fp16 converts the model's float tensors to half precision")
+    p.add_argument("--output_dir", default=None, help="where outputs are written (default ./)")
+    p.add_argument("--output_model", default=None,
+                   help="file name (in --output_dir) of the transformed ONNX model")
+    p.add_argument("--export_popef", nargs="?", const=True, default=None, type=_bool,
+                   help="write executable.popef in --output_dir")
+    p.add_argument("--ipu_version", choices=["ipu2", "ipu21"], default=None)
+    p.add_argument("--batches_per_step", type=int, default=None,
+                   help="device iterations per Main program run (default 1)")
+    p.add_argument("--max_tensor_size", type=int, default=None,
+                   help="refuse tensors larger than this many bytes (-1: no limit)")
+    p.add_argument("--weights_as_tensor_data", nargs="?", const=True, default=None, type=_bool,
+                   help="export float initializers as PopEF tensor data fed by the Load "
+                        "program instead of compiling them into the executable")
+    p.add_argument("--save_weights", nargs="?", const=True, default=None, type=_bool,
+                   help="with --weights_as_tensor_data: a Save program streams each weight "
+                        "back through an output anchor '<name>_saved'")
+    p.add_argument("--compress", nargs="?", const=True, default=None, type=_bool,
+                   help="zlib-compress the executable blob")
+    p.add_argument("--popef_name", default=None, help="PopEF file name (default executable.popef)")
+    p.add_argument("-v", "--verbose", action="store_true", help="log what the compiler does")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="poprt: %(message)s")
+    from host_runtime.errors import BadRequestError
+    from host_runtime.poprt.compiler import compile, load_config_yaml, parse_input_shape
+    from ipu_emulator.errors import CompileError
+
+    try:
+        if args.config_yaml:
+            overrides: dict[str, Any] = {
+                "output_dir": args.output_dir, "output_model": args.output_model,
+                "export_popef": args.export_popef, "ipu_version": args.ipu_version,
+                "batches_per_step": args.batches_per_step,
+                "max_tensor_size": args.max_tensor_size,
+                "weights_as_tensor_data": args.weights_as_tensor_data,
+                "save_weights": args.save_weights, "compress": args.compress,
+                "popef_name": args.popef_name, "precision": args.precision,
+                "input_shape": args.input_shape}
+            cfg = load_config_yaml(args.config_yaml, overrides)
+            if args.output_dir is not None:
+                cfg.output_dir = pathlib.Path(args.output_dir)
+            out = compile(cfg.models, cfg.output_dir, **cfg.options)
+        else:
+            shapes = dict(parse_input_shape(s) for s in (args.input_shape or []))
+            precision = args.precision or "fp32"
+            output_model = args.output_model
+            if output_model is None:
+                output_model = f"{pathlib.Path(args.input_model).stem}.{precision}.onnx"
+            out = compile(
+                args.input_model, args.output_dir or ".",
+                export_popef=bool(args.export_popef), popef_name=args.popef_name or
+                "executable.popef", output_model=output_model,
+                ipu_version=args.ipu_version or "ipu21",
+                batches_per_step=args.batches_per_step if args.batches_per_step is not None else 1,
+                weights_as_tensor_data=bool(args.weights_as_tensor_data),
+                save_weights=bool(args.save_weights),
+                max_tensor_size=args.max_tensor_size if args.max_tensor_size is not None else -1,
+                compress=bool(args.compress), input_shapes=shapes, precision=precision)
+    except (CompileError, BadRequestError) as exc:
+        print(f"poprt: error: {exc}", file=sys.stderr)
+        return 1
+    exe = out.result.executable
+    print(f"poprt: compiled {exe.attributes.get('models', '')} for {args.ipu_version or 'ipu21'}"
+          f" ({len(out.result.anchors)} anchors, device memory {exe.required_bytes} bytes)")
+    if out.output_model_path is not None:
+        print(f"poprt: wrote {out.output_model_path}")
+    if out.popef_path is not None:
+        print(f"poprt: wrote {out.popef_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
