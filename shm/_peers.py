@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 import posix_ipc
 
-from .errors import WouldBlock
+from .errors import RingInvalidatedError, WouldBlock
+from .region import Region
 from .ring import Ring
 
 STOP = -1
@@ -153,3 +154,22 @@ def pipe_echo(conn: Any) -> None:
         send(data)
         if not data:
             return
+
+
+def expect_invalidated(name: str, ready: Any, parent: int) -> None:
+    """Block on an empty ring until it is invalidated; fail on anything else."""
+    with Ring.attach(name) as ring:
+        ring.set_peer(parent)
+        ready.set()
+        try:
+            ring.acquire_read(timeout=60)
+        except RingInvalidatedError:
+            return
+        raise AssertionError("acquire_read returned on a ring that was only invalidated")
+
+
+def create_and_exit(names: Any) -> None:
+    """Create a ring and a region, report their names, exit without unlinking."""
+    ring = Ring.create(64, 2)
+    region = Region.create(4096)
+    names.put([ring.name, region.name])
