@@ -85,6 +85,7 @@ class Interpreter:
                  num_threads: int = 1) -> None:
         import onnxruntime as ort  # deferred: importing it costs ~0.2 s
 
+        exe.validate()
         self.executable = exe
         if device_memory is None:
             device_memory = bytearray(max(exe.memory_bytes, 1))
@@ -159,10 +160,12 @@ class Interpreter:
         if self._closed:
             return
         self._closed = True
+        # Drop every reference into device memory so its owner can unmap it.
         self._programs = []
         self._sessions = []
         self.arrays = {}
         self._views = {}
+        self._memory = memoryview(b"")
 
     def __enter__(self) -> "Interpreter":
         return self

@@ -13,13 +13,18 @@ import argparse
 import os
 import sys
 
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:  # pragma: no cover
+    import onnx
 
 __all__ = ["build_simple_model", "write_simple_popef", "main"]
 
 
 def build_simple_model(shape: tuple[int, ...] = (1, 4), dtype: str = "float32",
-                       seed: int = 0) -> "onnx.ModelProto":  # noqa: F821
+                       seed: int = 0) -> "onnx.ModelProto":
     """The example's ONNX graph with random weights drawn from ``seed``."""
     import onnx
     from onnx import helper, numpy_helper

@@ -253,7 +253,7 @@ def _assemble(prepared: list[Prepared], opts: CompileOptions, target: Target,
         graphs=graphs, tensors=tensors, streams=streams, memory_bytes=memory_bytes,
         required_bytes=required, ipu_version=target.version, num_ipus=opts.num_ipus,
         device_iterations=opts.device_iterations, package_hash=ipu_emulator.package_hash(),
-        attributes={"models": ",".join(p.label for p in prepared),
+        attributes={"models": ",".join(os.path.basename(p.label) for p in prepared),
                     "fused": "1" if fused else "0",
                     "constant_bytes": str(constants), "activation_bytes": str(activations)})
     exe.validate()

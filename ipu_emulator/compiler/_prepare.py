@@ -231,8 +231,10 @@ def _outputs(model: onnx.ModelProto, label: str, inputs: list[Value]) -> list[Va
         sess = ort_session(model)
         rng = np.random.default_rng(0)
         runs = []
-        for fill in (np.zeros, lambda s, d: (rng.random(s) * 4 + 1).astype(d)):
-            feeds = {v.name: fill(v.shape, numpy_dtype(v.dtype)) for v in inputs}
+        for fill in (0.0, None):
+            feeds = {v.name: (np.zeros(v.shape) if fill is not None else
+                              rng.random(v.shape) * 4 + 1).astype(numpy_dtype(v.dtype))
+                     for v in inputs}
             try:
                 runs.append(sess.run(None, feeds))  # type: ignore[attr-defined]
             except Exception as exc:

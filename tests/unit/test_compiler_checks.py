@@ -216,3 +216,27 @@ def test_ir_version_is_lowered_for_onnxruntime() -> None:
     result = compile_onnx(ModelSpec(model))
     assert result.output_model.ir_version <= ort_max_ir_version()
     Interpreter(result.executable)
+
+
+@pytest.mark.parametrize("weights_as_tensor_data", [False, True])
+def test_initializers_listed_among_inputs_are_not_streams(weights_as_tensor_data: bool) -> None:
+    """Old exporters list initializers in graph.input too; they stay weights."""
+    model = simple_model((1, 4), seed=1)
+    model.graph.input.append(helper.make_tensor_value_info("weights", TensorProto.FLOAT, [1, 4]))
+    result = compile_onnx(ModelSpec(model), CompileOptions(
+        weights_as_tensor_data=weights_as_tensor_data))
+    kinds = {a.name: a.kind for a in result.anchors}
+    expected = {"tensor_A": "input", "tensor_B": "input", "tensor_C": "output"}
+    if weights_as_tensor_data:
+        expected["weights"] = "weight"
+    assert kinds == expected
+    a, b = np.ones((1, 4), np.float32) * 2, np.ones((1, 4), np.float32)
+    feeds = {"tensor_A": [a], "tensor_B": [b]}
+    w = numpy_helper.to_array(model.graph.initializer[0])
+    if weights_as_tensor_data:
+        feeds["weights"] = [w]
+    io = ArrayIO(feeds, {"tensor_C": (np.dtype(np.float32), (1, 4))})
+    interp = Interpreter(result.executable)
+    interp.run_program(0, io)
+    interp.run_program(1, io)
+    np.testing.assert_allclose(io.outputs["tensor_C"][0], a * w + b, rtol=1e-6)

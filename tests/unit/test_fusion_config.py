@@ -120,6 +120,7 @@ model_fusion:
     anchors = {a.name(): a for a in model.metadata.anchors()}
     assert anchors["graph0/X"].tensorInfo().dataType() == popef.DataType.F32
     assert anchors["graph1/C"].programs() == [0]          # fp16 constant as tensor data
+    assert "graph0/C" not in anchors                       # int64 shape stays compiled in
     assert model.metadata.subgraphs()["graph1"] == ["graph1/C", "graph1/X", "graph1/O"]
     assert model.metadata.deviceIterations() == 2
     c = model.tensorData("graph1/C").data
