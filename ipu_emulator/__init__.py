@@ -27,9 +27,14 @@ _ROOT = pathlib.Path(__file__).resolve().parent
 @functools.lru_cache(maxsize=1)
 def package_hash() -> str:
     """Hex SHA-256 of this package's ``*.py`` sources; stable across processes and machines."""
+    return _hash_tree(_ROOT)
+
+
+def _hash_tree(root: pathlib.Path) -> str:
     h = hashlib.sha256()
-    for path in sorted(p for p in _ROOT.rglob("*.py") if "__pycache__" not in p.parts):
-        rel = path.relative_to(_ROOT).as_posix().encode()
+    for path in sorted(p for p in root.rglob("*.py")
+                       if "__pycache__" not in p.relative_to(root).parts):
+        rel = path.relative_to(root).as_posix().encode()
         data = path.read_bytes()
         h.update(len(rel).to_bytes(4, "little"))
         h.update(rel)
