@@ -117,3 +117,39 @@ def test_int_and_bool_tensors() -> None:
     assert outs["count"][0] == int(feeds["mask"].sum())
     assert outs["both"][0].dtype == np.bool_
     np.testing.assert_array_equal(outs["both"][0], ref["both"])
+
+
+def test_control_flow_and_resize_in_fp32_and_fp16() -> None:
+    """If with sub-graphs reading outer values, and Resize whose scales must stay float32."""
+    from onnx import TensorProto as T
+    from onnx import helper, numpy_helper
+
+    from tests.models import make_model
+
+    then_g = helper.make_graph([helper.make_node("Mul", ["r", "two"], ["o1"])], "then", [],
+                               [helper.make_tensor_value_info("o1", T.FLOAT, [1, 1, 4, 4])])
+    else_g = helper.make_graph([helper.make_node("Neg", ["r"], ["o2"])], "else", [],
+                               [helper.make_tensor_value_info("o2", T.FLOAT, [1, 1, 4, 4])])
+    g = helper.make_graph(
+        [helper.make_node("Resize", ["x", "", "scales"], ["r"], mode="nearest"),
+         helper.make_node("ReduceSum", ["x"], ["s"], keepdims=0),
+         helper.make_node("Greater", ["s", "zero"], ["c"]),
+         helper.make_node("If", ["c"], ["y"], then_branch=then_g, else_branch=else_g)],
+        "g", [helper.make_tensor_value_info("x", T.FLOAT, [1, 1, 2, 2])],
+        [helper.make_tensor_value_info("y", T.FLOAT, [1, 1, 4, 4])],
+        initializer=[numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scales"),
+                     numpy_helper.from_array(np.array(0, np.float32), "zero"),
+                     numpy_helper.from_array(np.array(2, np.float32), "two")])
+    model = make_model(g)
+    for precision, dt in (("fp32", np.float32), ("fp16", np.float16)):
+        result = compile_onnx(ModelSpec(model, {}, precision))
+        if precision == "fp16":
+            scales = next(t for t in result.output_model.graph.initializer if t.name == "scales")
+            assert scales.data_type == T.FLOAT
+        interp = Interpreter(result.executable)
+        for sign in (1, -1):
+            x = sign * np.arange(1, 5, dtype=np.float32).reshape(1, 1, 2, 2)
+            io = ArrayIO({"x": [x.astype(dt)]}, {"y": (np.dtype(dt), (1, 1, 4, 4))})
+            interp.run_program(1, io)
+            np.testing.assert_array_equal(io.outputs["y"][0].astype(np.float32),
+                                          run_reference(model, {"x": x})["y"])
