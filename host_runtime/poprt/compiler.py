@@ -232,7 +232,8 @@ def load_config_yaml(path: str | os.PathLike[str],
                                str(e.get("precision", global_precision))))
     out_dir = base / str(doc.get("output_dir", "./"))
     options: dict[str, Any] = {
-        "export_popef": bool(doc.get("export_popef", True)),
+        # As in seed 004: the PopEF file is written only when export_popef is true.
+        "export_popef": bool(doc.get("export_popef", False)),
         "output_model": doc.get("output_model"),
         "ipu_version": str(doc.get("ipu_version", "ipu21")),
         "max_tensor_size": _int(doc.get("max_tensor_size", -1), "max_tensor_size", p),

@@ -99,6 +99,7 @@ def test_fused_onnx_model_holds_both_graphs(tmp_path) -> None:
 def test_globals_apply_and_per_model_keys_override(tmp_path) -> None:
     config = """\
 precision: fp16
+export_popef: true
 batches_per_step: 2
 weights_as_tensor_data: true
 output_dir: out
@@ -164,3 +165,13 @@ def test_cli_reports_refused_fusion(tmp_path, capsys) -> None:
     err = capsys.readouterr().err
     assert "poprt: error:" in err and "--input_shape names 'Q', which is not an input" in err
     assert not (d / "executable.popef").exists()
+
+
+def test_without_export_popef_only_the_onnx_model_is_written(tmp_path) -> None:
+    d = _seed_dir(tmp_path, SEED_CONFIG.replace("export_popef: True", "export_popef: False"))
+    assert poprt(["--config_yaml", str(d / "config.yaml")]) == 0
+    assert (d / "model_fusion.onnx").is_file()
+    assert not (d / "executable.popef").exists()
+    assert poprt(["--config_yaml", str(d / "config.yaml"), "--export_popef",
+                  "--output_dir", str(tmp_path / "cli")]) == 0
+    assert (tmp_path / "cli" / "executable.popef").is_file()
