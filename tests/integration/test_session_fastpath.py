@@ -1,0 +1,157 @@
+"""The Session's internal fast path (CONTRACTS.md section 5) and device-side program errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from host_runtime import popef
+from host_runtime.devices import DeviceManager
+from host_runtime.errors import (BadRequestError, DeviceExecutionError, InvalidStateError,
+                                 RemoteTraceback)
+from host_runtime.session import Session
+from tools.generate_simple_popef import write_simple_popef
+
+SHAPE = (2, 3)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("fast") / "simple.popef"
+    write_simple_popef(path, shape=SHAPE)
+    return popef.load_model([str(path)])
+
+
+@pytest.fixture(scope="module")
+def gather_model(tmp_path_factory):
+    """out = data[idx]: an out-of-range idx makes onnxruntime fail on the device."""
+    from host_runtime.poprt.compiler import write_popef
+    from ipu_emulator.compiler import CompileOptions, ModelSpec, compile_onnx
+
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["data", "idx"], ["out"], axis=0)], "gather",
+        [helper.make_tensor_value_info("idx", TensorProto.INT64, [1])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1])],
+        initializer=[numpy_helper.from_array(np.arange(4, dtype=np.float32) * 10, "data")])
+    onnx_model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    path = tmp_path_factory.mktemp("gather") / "gather.popef"
+    write_popef(compile_onnx(ModelSpec(onnx_model), CompileOptions(name="gather")), path)
+    return popef.load_model([str(path)])
+
+
+@pytest.fixture(scope="module")
+def device():
+    dev = DeviceManager().getDevice(1)
+    yield dev
+    dev.close()
+
+
+def weights_of(model):
+    return np.frombuffer(model.tensorData("weights").data, np.float32).reshape(SHAPE)
+
+
+def test_direct_rings_and_main_loop_until_stop(model, device):
+    w = weights_of(model)
+    with Session(model) as s:
+        s.bindToDevice(device)
+        needs: list[str] = []
+        s._set_need_observer(needs.append)
+        for h in ("tensor_A", "tensor_B", "tensor_C"):
+            s._claim_direct(h)
+        ra, rb, rc = s._input_ring("tensor_A"), s._input_ring("tensor_B"), s._output_ring("tensor_C")
+        assert ra.slot_size == rb.slot_size == rc.slot_size == 2 * 3 * 4
+        with pytest.raises(BadRequestError, match="'tensor_C' is an output anchor, not an input"):
+            s._input_ring("tensor_C")
+        loop = s._start_main_loop()
+        assert s._main_loop() is loop and not loop.done()
+        with pytest.raises(InvalidStateError, match="main loop is running"):
+            s.runMainPrograms()
+        rng = np.random.default_rng(0)
+        for _ in range(50):
+            a = rng.standard_normal(SHAPE).astype(np.float32)
+            b = rng.standard_normal(SHAPE).astype(np.float32)
+            ra.write(a.tobytes())
+            rb.write(b.tobytes())
+            data, _ = rc.read(timeout=30)
+            np.testing.assert_allclose(np.frombuffer(data, np.float32).reshape(SHAPE),
+                                       a * w + b, rtol=1e-6)
+        # the device waited on an empty direct input at least once (it starts before we write)
+        assert needs and set(needs) <= {"tensor_A", "tensor_B"}
+        stopped: list[bool] = []
+        s._add_stop_listener(lambda: stopped.append(True))
+        s.stop()
+        assert loop.result(timeout=30) is None and stopped == [True] and s.isStopped()
+        # back to callbacks after reload
+        s.reload()
+        for h in ("tensor_A", "tensor_B", "tensor_C"):
+            s._release_direct(h)
+        out: list[np.ndarray] = []
+        s.setCallbackForAnchor("tensor_A", lambda v: v.__setitem__(slice(None), np.ones(SHAPE, np.float32).tobytes()))
+        s.setCallbackForAnchor("tensor_B", lambda v: v.__setitem__(slice(None), bytes(len(v))))
+        s.setCallbackForAnchor("tensor_C", lambda v: out.append(np.frombuffer(v, np.float32).copy()))
+        s.runMainPrograms()
+        np.testing.assert_allclose(out[-1].reshape(SHAPE), w, rtol=1e-6)
+
+
+def test_loop_with_callback_serviced_anchors(model, device):
+    w = weights_of(model)
+    with Session(model) as s:
+        s.bindToDevice(device)
+        s._claim_direct("tensor_A")
+        s.setCallbackForAnchor("tensor_B", lambda v: v.__setitem__(slice(None), np.ones(SHAPE, np.float32).tobytes()))
+        s._claim_direct("tensor_C")
+        ra, rc = s._input_ring("tensor_A"), s._output_ring("tensor_C")
+        loop = s._start_main_loop()
+        for k in range(3):
+            ra.write(np.full(SHAPE, k, np.float32).tobytes())
+            data, _ = rc.read(timeout=30)
+            np.testing.assert_allclose(np.frombuffer(data, np.float32).reshape(SHAPE), k * w + 1,
+                                       rtol=1e-6)
+        s.stop()
+        assert loop.result(timeout=30) is None
+
+
+def test_onnxruntime_error_comes_back_with_the_device_traceback(gather_model, device):
+    idx = [2]
+    out: list[float] = []
+    with Session(gather_model) as s:
+        s.bindToDevice(device)
+        s.setCallbackForAnchor("idx", lambda v: v.__setitem__(slice(None), np.array(idx, np.int64).tobytes()))
+        s.setCallbackForAnchor("out", lambda v: out.append(float(np.frombuffer(v, np.float32)[0])))
+        s.runMainPrograms()
+        assert out == [20.0]
+        idx[0] = 99
+        with pytest.raises(DeviceExecutionError) as info:
+            s.runMainPrograms()
+        msg = str(info.value)
+        assert msg.startswith("device ") and "program 1 failed" in msg
+        assert "indices element out of data bounds" in msg
+        cause = info.value.__cause__
+        assert isinstance(cause, RemoteTraceback)
+        assert "Traceback (most recent call last)" in cause.tb and "DeviceProgramError" in cause.tb
+        assert out == [20.0]
+        idx[0] = 3
+        s.runMainPrograms()   # the session stays usable
+        assert out == [20.0, 30.0]
+
+
+def test_error_in_the_main_loop_fails_its_future_and_a_new_loop_can_start(gather_model, device):
+    with Session(gather_model) as s:
+        s.bindToDevice(device)
+        s._claim_direct("idx")
+        s._claim_direct("out")
+        ri, ro = s._input_ring("idx"), s._output_ring("out")
+        loop = s._start_main_loop()
+        ri.write(np.array([1], np.int64).tobytes())
+        assert np.frombuffer(ro.read(timeout=30)[0], np.float32)[0] == 10.0
+        ri.write(np.array([-99], np.int64).tobytes())
+        with pytest.raises(DeviceExecutionError, match="out of data bounds") as info:
+            loop.result(timeout=60)
+        assert isinstance(info.value.__cause__, RemoteTraceback)
+        loop = s._start_main_loop()
+        ri.write(np.array([0], np.int64).tobytes())
+        assert np.frombuffer(ro.read(timeout=30)[0], np.float32)[0] == 0.0
+        s.stop()
+        assert loop.result(timeout=30) is None
