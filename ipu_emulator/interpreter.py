@@ -111,7 +111,7 @@ class Interpreter:
         so.intra_op_num_threads = max(1, int(num_threads))
         so.inter_op_num_threads = 1
         so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        so.log_severity_level = 3
+        so.log_severity_level = 4   # failures surface as exceptions, not log lines
         # A spinning ORT worker steals the core another device process needs.
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         so.add_session_config_entry("session.inter_op.allow_spinning", "0")
@@ -124,6 +124,7 @@ class Interpreter:
                 raise DeviceProgramError(
                     f"executable {exe.name!r}: graph {k} cannot be loaded by onnxruntime: "
                     f"{exc}") from exc
+            _check_interface(exe.name, k, g, sess)
             self._sessions.append(sess)
         self._programs: list[list[_Step]] = [self._compile(p.body) for p in exe.programs]
         self._closed = False
@@ -254,3 +255,31 @@ class Interpreter:
             for src, dst in passthrough:
                 np.copyto(dst, src)
         return execute
+
+
+_ORT_TYPES = {
+    "tensor(bool)": "BOOL", "tensor(float16)": "F16", "tensor(float)": "F32",
+    "tensor(double)": "F64", "tensor(int8)": "S8", "tensor(uint8)": "U8", "tensor(int16)": "S16",
+    "tensor(uint16)": "U16", "tensor(int32)": "S32", "tensor(uint32)": "U32",
+    "tensor(int64)": "S64", "tensor(uint64)": "U64",
+}
+
+
+def _check_interface(exe_name: str, k: int, graph: Graph, sess: object) -> None:
+    """The ONNX model must have exactly the interface the executable declares."""
+    for kind, declared, actual in (("input", graph.inputs, sess.get_inputs()),  # type: ignore[attr-defined]
+                                   ("output", graph.outputs, sess.get_outputs())):  # type: ignore[attr-defined]
+        want = {s.name: s for s in declared}
+        have = {a.name: a for a in actual}
+        if set(want) != set(have):
+            raise ExecutableError(
+                f"executable {exe_name!r}: graph {k} declares {kind}s {sorted(want)} but its "
+                f"ONNX model has {sorted(have)}")
+        for name, sig in want.items():
+            a = have[name]
+            dims_ok = len(a.shape) == len(sig.shape) and all(
+                not isinstance(d, int) or d == e for d, e in zip(a.shape, sig.shape))
+            if _ORT_TYPES.get(a.type) != sig.dtype or not dims_ok:
+                raise ExecutableError(
+                    f"executable {exe_name!r}: graph {k} {kind} {name!r} is declared "
+                    f"{sig.dtype}{list(sig.shape)} but the ONNX model has {a.type}{a.shape}")

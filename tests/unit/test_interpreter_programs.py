@@ -8,7 +8,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from ipu_emulator.compiler import CompileOptions, ModelSpec, compile_onnx
-from ipu_emulator.errors import DeviceProgramError
+from ipu_emulator.errors import DeviceProgramError, ExecutableError
 from ipu_emulator.executable import (
     Copy, Execute, Executable, Graph, Program, Repeat, StreamIn, StreamOut, StreamSpec, Switch,
     TensorSig, plan_memory)
@@ -204,3 +204,23 @@ def test_nested_repeat_and_switch_by_hand() -> None:
     io = ArrayIO({"sel": sel}, {"acc": (np.dtype(np.int32), (1,))})
     interp.run_program(0, io)
     assert io.outputs["acc"][0].tolist() == [4]
+
+
+def test_graph_interface_must_match_its_onnx_model() -> None:
+    g = helper.make_graph([helper.make_node("Neg", ["x"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])])
+    m = make_model(g)
+    ok = _hand_built(m, [TensorSig("x", "F32", (4,))], [TensorSig("y", "F32", (4,))])
+    Interpreter(ok).close()
+    lying = _hand_built(m, [TensorSig("x", "F32", (2,))], [TensorSig("y", "F32", (4,))])
+    with pytest.raises(ExecutableError, match=r"graph 0 input 'x' is declared F32\[2\] but the "
+                                              r"ONNX model has tensor\(float\)\[4\]"):
+        Interpreter(lying)
+    renamed = _hand_built(m, [TensorSig("x", "F32", (4,))], [TensorSig("z", "F32", (4,))])
+    with pytest.raises(ExecutableError, match=r"declares outputs \['z'\] but its ONNX model "
+                                              r"has \['y'\]"):
+        Interpreter(renamed)
+    garbage = Executable("bad", [], [Graph((), (), b"not onnx")], {}, {}, 0)
+    with pytest.raises(DeviceProgramError, match="graph 0 cannot be loaded by onnxruntime"):
+        Interpreter(garbage)
