@@ -313,7 +313,8 @@ class Executable:
                 f"body checksum mismatch: computed {crc:#010x}, header says "
                 f"{hdr['body_crc32']:#010x} (damaged)", offset=HEADER_SIZE)
         try:
-            doc = json.loads(bytes(view[p_off:p_off + p_len]).decode("utf-8"))
+            doc = json.loads(bytes(view[p_off:p_off + p_len]).decode("utf-8"),
+                             object_pairs_hook=_no_duplicate_keys)
         except (UnicodeDecodeError, ValueError, RecursionError) as exc:
             raise ExecutableError(f"program section is not valid JSON: {exc}",
                                   offset=p_off) from None
@@ -382,6 +383,15 @@ def read_header(data: bytes | bytearray | memoryview) -> dict[str, Any]:
         "graphs_length": g_len,
         "body_crc32": body_crc,
     }
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r:.40}")
+        out[k] = v
+    return out
 
 
 # -- JSON encoding of instructions ------------------------------------------------
@@ -597,8 +607,9 @@ class _Validator:
 
     def run(self) -> None:
         exe = self.exe
-        if not isinstance(exe.name, str) or not exe.name or len(exe.name.encode()) > _MAX_NAME_BYTES:
-            raise self.fail(f"name must be 1..{_MAX_NAME_BYTES} UTF-8 bytes")
+        if not isinstance(exe.name, str) or not exe.name or "\0" in exe.name or \
+                len(exe.name.encode()) > _MAX_NAME_BYTES:
+            raise self.fail(f"name must be 1..{_MAX_NAME_BYTES} UTF-8 bytes without NUL")
         if len(exe.package_hash) > 64 or not exe.package_hash.isascii():
             raise self.fail(f"package hash {exe.package_hash!r:.80} is not <= 64 ASCII characters")
         if exe.ipu_version not in _IPU_VERSIONS:

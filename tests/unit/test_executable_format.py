@@ -241,3 +241,15 @@ def test_validate_refuses_inconsistent_objects(simple_exe: Executable) -> None:
         memory_bytes=simple_exe.memory_bytes)
     with pytest.raises(ExecutableError, match="writes a device tensor twice or writes one of"):
         wrong.validate()
+
+
+def test_duplicate_json_keys_and_bad_names_are_refused(simple_exe: Executable) -> None:
+    data = simple_exe.to_bytes()
+    prog = json.dumps(_doc(data)).replace('"format": 1', '"format": 1, "format": 1', 1)
+    with pytest.raises(ExecutableError, match="duplicate key 'format'"):
+        Executable.from_bytes(_repack(data, program=prog.encode()))
+    for name in ("", "a\0b", "x" * 129):
+        bad = Executable(name=name, programs=[], graphs=[], tensors={}, streams={},
+                         memory_bytes=0)
+        with pytest.raises(ExecutableError, match="name must be 1..128 UTF-8 bytes"):
+            bad.to_bytes()
