@@ -207,6 +207,7 @@ class Session:
         self._device: Device | None = None
         self._owns_device = False
         self._rings: dict[str, Ring] = {}
+        self._rings_device: Device | None = None
         self._spec_region: Region | None = None
         self._memory_region: Region | None = None
         self._loaded = False             # our executable is loaded and we are the active session
@@ -563,8 +564,13 @@ class Session:
         if self._memory_region is None:
             size = max(64, int(self._header["memory_bytes"]))
             self._memory_region = Region.create(size, kind="mem", prefault=False)
-        for ring in self._rings.values():
-            ring.set_peer(dev._link.pid)
+        if self._rings_device is not dev:
+            # New device: whatever the old one left in the rings (it may have died
+            # mid-transfer) is stale. It is unbound, so the rings are quiescent.
+            for ring in self._rings.values():
+                ring.reset()
+                ring.set_peer(dev._link.pid)
+            self._rings_device = dev
 
     def _ring_depth(self, anchor: popef.Anchor) -> int:
         main = set(self._flow.main())

@@ -1,0 +1,161 @@
+"""Faults: a killed IPU process, a killed host. /dev/shm is compared before and after."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+import numpy as np
+import psutil
+import pytest
+
+from host_runtime import popef
+from host_runtime.devices import DeviceManager
+from host_runtime.errors import DeviceLostError
+from host_runtime.session import Session
+from shm import PeerDiedError, naming
+from shm.cleanup import list_objects
+from tools.generate_simple_popef import write_simple_popef
+
+SHAPE = (1, 4)
+
+
+@pytest.fixture(scope="module")
+def popef_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("faults") / "simple.popef"
+    write_simple_popef(path, shape=SHAPE)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def model(popef_path):
+    return popef.load_model([popef_path])
+
+
+def ours() -> set[str]:
+    return {o.entry for o in list_objects(naming.current_tag())}
+
+
+def ones(view: memoryview) -> None:
+    view[:] = np.ones(SHAPE, np.float32).tobytes()
+
+
+def test_killed_ipu_process_fails_a_running_program_and_every_later_call(model):
+    before = ours()
+    dm = DeviceManager()
+    dev = dm.getDevice(1)
+    pid = dev.pids()[0]
+    s = Session(model)
+    s.bindToDevice(dev)
+
+    def kill_device(view: memoryview) -> None:   # the device is waiting for this input
+        os.kill(pid, signal.SIGKILL)
+        view[:] = bytes(len(view))
+    s.setCallbackForAnchor("tensor_A", ones)
+    s.setCallbackForAnchor("tensor_B", kill_device)
+    s.setCallbackForAnchor("tensor_C", lambda v: None)
+    with pytest.raises(DeviceLostError) as info:
+        s.runMainPrograms()
+    msg = str(info.value)
+    assert f"device {dev.id} (ipu {dev.ipus()[0]})" in msg
+    assert f"IPU process {pid} was killed by signal SIGKILL (9)" in msg
+    with pytest.raises(DeviceLostError, match="SIGKILL"):
+        s.runMainPrograms()
+    assert s._failure() is not None
+    # the session recovers on a new device (what auto_reset builds on)
+    dev.close()
+    with dm.getDevice(1) as fresh:
+        s.bindToDevice(fresh)
+        out: list[np.ndarray] = []
+        s.setCallbackForAnchor("tensor_B", ones)
+        s.setCallbackForAnchor("tensor_C", lambda v: out.append(np.frombuffer(v, np.float32).copy()))
+        s.runMainPrograms()
+        w = np.frombuffer(model.tensorData("weights").data, np.float32)
+        np.testing.assert_allclose(out[-1], w + 1, rtol=1e-6)
+        s.close()
+    assert ours() == before
+
+
+def test_killed_ipu_process_fails_direct_waiters_and_the_main_loop(model):
+    before = ours()
+    with DeviceManager().getDevice(1) as dev, Session(model) as s:
+        s.bindToDevice(dev)
+        for h in ("tensor_A", "tensor_B", "tensor_C"):
+            s._claim_direct(h)
+        rc = s._output_ring("tensor_C")
+        loop = s._start_main_loop()
+        errors: list[BaseException] = []
+
+        def reader() -> None:
+            try:
+                rc.read(timeout=120)   # the device never produces: it waits for inputs
+            except BaseException as exc:
+                errors.append(exc)
+        t = threading.Thread(target=reader)
+        t.start()
+        os.kill(dev.pids()[0], signal.SIGTERM)
+        t.join(60)
+        assert not t.is_alive()
+        assert len(errors) == 1 and isinstance(errors[0], PeerDiedError), errors
+        lost = s._translate(errors[0])
+        assert isinstance(lost, DeviceLostError) and "SIGTERM (15)" in str(lost)
+        with pytest.raises(DeviceLostError, match="was killed by signal SIGTERM"):
+            loop.result(timeout=60)
+    assert ours() == before
+
+
+def test_ipu_process_killed_before_load(model):
+    before = ours()
+    with DeviceManager().getDevice(1) as dev, Session(model) as s:
+        os.kill(dev.pids()[0], signal.SIGKILL)
+        with pytest.raises(DeviceLostError, match="SIGKILL"):
+            s.bindToDevice(dev)
+    assert ours() == before
+
+
+HOST = textwrap.dedent("""
+    import sys
+    import numpy as np
+    from host_runtime import popef
+    from host_runtime.session import Session
+    s = Session([sys.argv[1]])
+    s.setCallbackForAnchor("tensor_A", lambda v: v.__setitem__(slice(None), bytes(len(v))))
+    s.setCallbackForAnchor("tensor_B", lambda v: v.__setitem__(slice(None), bytes(len(v))))
+    s.setCallbackForAnchor("tensor_C", lambda v: None)
+    s.runMainPrograms()                 # acquires a device, loads, runs
+    for h in ("tensor_A", "tensor_B", "tensor_C"):
+        s._claim_direct(h)
+    s._start_main_loop()                # the device now waits on an input ring
+    print(",".join(map(str, s.device().pids())), flush=True)
+    sys.stdin.readline()
+""")
+
+
+@pytest.mark.allow_shm_leak   # checked here, after the IPU process had its chance to clean up
+def test_sigkilled_host_leaves_no_ipu_process_and_nothing_in_dev_shm(popef_path):
+    before = ours()
+    child = subprocess.Popen([sys.executable, "-c", HOST, popef_path], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        line = child.stdout.readline().strip()
+        assert line, "host child did not start"
+        ipu_pids = [int(p) for p in line.split(",")]
+        during = ours() - before
+        assert any(f"_{child.pid}_" in e for e in during)   # the host's rings and regions exist
+        child.kill()
+        child.wait(30)
+        gone, alive = psutil.wait_procs([psutil.Process(p) for p in ipu_pids
+                                         if psutil.pid_exists(p)], timeout=60)
+        assert not alive, f"IPU processes still running: {alive}"
+        assert ours() - before == set()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    # and the device is free again
+    with DeviceManager().getDevice(1):
+        pass
