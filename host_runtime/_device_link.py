@@ -128,7 +128,7 @@ class DeviceLink:
 
     # -- requests -------------------------------------------------------------------
 
-    def request(self, op: Op, body: Any = None) -> "cf.Future[None]":
+    def request(self, op: Op, body: Any = None, value: int = 0) -> "cf.Future[None]":
         """Send a request; the future resolves on its DONE (or fails on ERROR / loss)."""
         fut: cf.Future[None] = cf.Future()
         if self._lost is not None:
@@ -140,7 +140,7 @@ class DeviceLink:
         with self._lock:
             self._pending[seq] = (fut, op)
         try:
-            self._send(Message(op, seq=seq, body=body))
+            self._send(Message(op, seq=seq, value=value, body=body))
         except BaseException as exc:
             with self._lock:
                 self._pending.pop(seq, None)

@@ -863,6 +863,19 @@ class Session:
             self._loop = outer
             return outer
 
+    def _stop_main_loop(self, timeout: float = _STOP_TIMEOUT) -> None:
+        """End a running main loop but stay runnable (unlike stop()): e.g. to run the save
+        programs next. An iteration waiting for input is abandoned; device memory is kept."""
+        loop, dev = self._loop, self._device
+        if loop is None or loop.done() or dev is None or dev._link.lost is not None:
+            return
+        wait(dev._link.request(Op.STOP, value=1), timeout, f"ending the main loop on "
+             f"{dev.describe()}")
+        try:
+            wait(loop, timeout, "the main loop to end")
+        except ModelRuntimeError:
+            pass  # its failure is reported through the loop future
+
     def _main_loop(self) -> "cf.Future[None] | None":
         return self._loop
 

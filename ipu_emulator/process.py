@@ -201,6 +201,7 @@ class DeviceProcess:
         self._cache: collections.OrderedDict[str, _Loaded] = collections.OrderedDict()
         self._active: _Loaded | None = None
         self._stop_seq: int | None = None
+        self._stop_soft = False   # STOP with value 1: end the running loop, stay runnable
         self._interpreter_cls: Any = None
 
     # -- wire -----------------------------------------------------------------
@@ -230,6 +231,7 @@ class DeviceProcess:
                 self.control.release()
             if msg.op is Op.STOP:
                 self._stop_seq = msg.seq
+                self._stop_soft = bool(msg.value)
                 raise _Stopped()
             if msg.op is Op.SHUTDOWN:
                 raise _Shutdown()
@@ -285,7 +287,7 @@ class DeviceProcess:
                 if self._run(msg):
                     return  # STOPPED already posted
             elif op is Op.STOP:
-                if self._active is not None:
+                if self._active is not None and not msg.value:
                     self._active.stopped = True
             elif op is Op.UNLOAD:
                 self._unload(str((msg.body or {}).get("key", "")))
@@ -462,7 +464,7 @@ class DeviceProcess:
                     return False
                 self.poll_control()
         except _Stopped:
-            loaded.stopped = True
+            loaded.stopped = not self._stop_soft
             self.post(Message(Op.STOPPED, seq=msg.seq))
             self.post(Message(Op.DONE, seq=self._stop_seq or 0))
             self._stop_seq = None

@@ -10,7 +10,7 @@ UTF-8 JSON body (strict JSON, no pickle: nothing executable crosses the wire)::
     MODES    body [mode per stream]        DONE     seq of the finished request
     RUN      body [program indices]        ERROR    seq; body {"kind", "message", "traceback"}
     LOOP     body [program indices]        NEED     index = stream about to be read, empty
-    STOP                                   OUT      index = stream just written
+    STOP     value 1: end a loop only      OUT      index = stream just written
     UNLOAD   body {"key": load key}        STOPPED  seq of the LOOP/RUN that stop ended
     RESET                                  BYE      the process is exiting
     SHUTDOWN

@@ -155,3 +155,25 @@ def test_error_in_the_main_loop_fails_its_future_and_a_new_loop_can_start(gather
         assert np.frombuffer(ro.read(timeout=30)[0], np.float32)[0] == 0.0
         s.stop()
         assert loop.result(timeout=30) is None
+
+
+def test_stop_main_loop_keeps_the_session_runnable_for_save(model, device):
+    w = weights_of(model)
+    with Session(model) as s:
+        s.bindToDevice(device)
+        for h in ("tensor_A", "tensor_B", "tensor_C"):
+            s._claim_direct(h)
+        ra, rb, rc = s._input_ring("tensor_A"), s._input_ring("tensor_B"), s._output_ring("tensor_C")
+        loop = s._start_main_loop()
+        ra.write(np.ones(SHAPE, np.float32).tobytes())
+        rb.write(np.zeros(SHAPE, np.float32).tobytes())
+        np.testing.assert_allclose(np.frombuffer(rc.read(timeout=30)[0], np.float32).reshape(SHAPE),
+                                   w, rtol=1e-6)
+        s._stop_main_loop()          # the device now waits in the next iteration: abandoned
+        assert loop.result(timeout=30) is None and not s.isStopped()
+        saved: list[np.ndarray] = []
+        s.setCallbackForAnchor("weights_saved",
+                               lambda v: saved.append(np.frombuffer(v, np.float32).copy()))
+        s.runSavePrograms()
+        np.testing.assert_array_equal(saved[-1].reshape(SHAPE), w)
+        s._stop_main_loop()          # no loop: nothing to do
