@@ -30,7 +30,7 @@ from host_runtime.errors import (BadRequestError, DeviceExecutionError, DeviceLo
                                  InvalidStateError, ModelRuntimeError, PackageHashMismatchError,
                                  PopefError, RemoteTraceback)
 from ipu_emulator import protocol
-from ipu_emulator.launcher import IpuProcess, IpuProcessError, describe_returncode
+from ipu_emulator.launcher import IpuConnection, IpuProcessError, describe_returncode
 from ipu_emulator.protocol import ErrorKind, Message, Op
 
 __all__ = ["DeviceLink", "StreamServicer", "error_from_body"]
@@ -75,7 +75,7 @@ def error_from_body(body: Any, device: str) -> ModelRuntimeError:
 class DeviceLink:
     """Requests to, and events from, one device (its primary IPU process)."""
 
-    def __init__(self, description: str, processes: list[IpuProcess]) -> None:
+    def __init__(self, description: str, processes: list[IpuConnection]) -> None:
         if not processes:
             raise ValueError("a device needs at least one IPU process")
         self.description = description
@@ -241,7 +241,7 @@ class DeviceLink:
 
     # -- failure ----------------------------------------------------------------------
 
-    def _dead_process(self) -> IpuProcess | None:
+    def _dead_process(self) -> IpuConnection | None:
         for proc in self._procs:
             if not proc.alive():
                 return proc

@@ -94,7 +94,7 @@ class ProgramsWithPolicy(Generic[P]):
         object.__setattr__(self, "programsIndexes", tuple(int(p) for p in self.programsIndexes))
 
 
-def _check_policy(value: Any, policy_type: type, what: str) -> Any:
+def _check_policy(value: Any, policy_type: type[enum.IntEnum], what: str) -> Any:
     try:
         return policy_type(value)
     except (ValueError, TypeError):
@@ -103,7 +103,7 @@ def _check_policy(value: Any, policy_type: type, what: str) -> Any:
             + ", ".join(m.name for m in policy_type) + f"), got {value!r}") from None
 
 
-def _make(name: str, policy_type: type, accept_default: Any, reject_default: Any,
+def _make(name: str, policy_type: type[enum.IntEnum], accept_default: Any, reject_default: Any,
           with_non_scalar: bool) -> types.ModuleType:
     ns = types.ModuleType(f"{__name__}.predicate_factory.{name}")
     ns.__doc__ = (f"Predicates returning {policy_type.__name__}; defaults: accept "

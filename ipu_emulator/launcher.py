@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -35,6 +36,8 @@ __all__ = ["IpuSpec", "IpuProcess", "IpuConnection", "IpuProcessError", "launch_
            "describe_returncode", "START_TIMEOUT"]
 
 _log = logging.getLogger(__name__)
+
+_LOG_TAG = re.compile(r" ipu-?\d+\[(\d+)\] ")
 
 START_TIMEOUT = float(os.environ.get("IPU_EMULATOR_START_TIMEOUT", "120"))
 """Seconds an IPU process may take to start (python + onnxruntime import)."""
@@ -87,7 +90,15 @@ class IpuConnection(Protocol):
 
     def alive(self) -> bool: ...
 
+    def returncode(self) -> int | None: ...
+
+    def wait_exit(self, timeout: float) -> int | None: ...
+
     def describe_exit(self) -> str: ...
+
+    def log_tail(self, nbytes: int = 2000) -> str: ...
+
+    def kill(self) -> None: ...
 
     def wait_ready(self, timeout: float = START_TIMEOUT) -> dict[str, Any]: ...
 
@@ -156,7 +167,16 @@ class IpuProcess:
                 text = f.read().decode("utf-8", "replace")
         except OSError:
             return ""
-        mine = [ln for ln in text.splitlines() if f"[{self.pid}]" in ln]
+        # Lines of this process: those tagged "ipuN[pid]" and their continuation
+        # lines (tracebacks), up to the next line tagged by another process.
+        mine: list[str] = []
+        keep = False
+        for ln in text.splitlines():
+            tagged = _LOG_TAG.search(ln)
+            if tagged:
+                keep = int(tagged.group(1)) == self.pid
+            if keep:
+                mine.append(ln)
         return "\n".join(mine[-20:])
 
     def wait_ready(self, timeout: float = START_TIMEOUT) -> dict[str, Any]:
