@@ -55,9 +55,16 @@ __all__ = [
     "Session",
     "SessionConfig",
     "LaunchPolicy",
+    "CallbackInfo",
+    "CallbackHandle",
+    "CallbackFactory",
     "predicate_factory",
     "PopefDataUsagePolicy",
     "AnchorCallbackPolicy",
+    "AnchorWithPolicy",
+    "ProgramsWithPolicy",
+    "null_anchor_callback_predicate",
+    "null_popef_data_usage_predicate",
     # queues (low-level API)
     "QueueManager",
     "InputQueue",
@@ -108,7 +115,14 @@ _LAZY: dict[str, str] = {
     "Session": "host_runtime.session",
     "SessionConfig": "host_runtime.session",
     "LaunchPolicy": "host_runtime.session",
+    "CallbackInfo": "host_runtime.session",
+    "CallbackHandle": "host_runtime.session",
+    "CallbackFactory": "host_runtime.session",
     "predicate_factory": "host_runtime.predicates",
+    "AnchorWithPolicy": "host_runtime.predicates",
+    "ProgramsWithPolicy": "host_runtime.predicates",
+    "null_anchor_callback_predicate": "host_runtime.predicates",
+    "null_popef_data_usage_predicate": "host_runtime.predicates",
     "PopefDataUsagePolicy": "host_runtime.predicates",
     "AnchorCallbackPolicy": "host_runtime.predicates",
     "QueueManager": "host_runtime.queues",
@@ -153,10 +167,13 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
                                      OutputMemoryView, PopefPaths, TensorMemory,
                                      TensorMemoryView)
     from host_runtime.model_runner import ModelRunner, OutputFuture
-    from host_runtime.predicates import (AnchorCallbackPolicy, PopefDataUsagePolicy,
-                                         predicate_factory)
+    from host_runtime.predicates import (AnchorCallbackPolicy, AnchorWithPolicy,
+                                         PopefDataUsagePolicy, ProgramsWithPolicy,
+                                         null_anchor_callback_predicate,
+                                         null_popef_data_usage_predicate, predicate_factory)
     from host_runtime.queues import (IMemoryPool, InputData, InputQueue, InputRingBuffer,
                                      IQueue, OutputData, OutputQueue, OutputRingBuffer,
                                      QueueManager, RingMemoryPool, SpscRingBuffer,
                                      allocateQueueStorage, ring_size_multiplier_factory)
-    from host_runtime.session import LaunchPolicy, Session, SessionConfig
+    from host_runtime.session import (CallbackFactory, CallbackHandle, CallbackInfo,
+                                      LaunchPolicy, Session, SessionConfig)

@@ -28,23 +28,25 @@ class Driver(Protocol):
 
 
 class Request:
-    __slots__ = ("driver", "replica", "samples", "inputs", "dests", "results", "remaining",
-                 "error", "_event", "t_received", "t_prepared", "t_completed", "outputs",
-                 "index", "internal", "description", "__weakref__")
+    __slots__ = ("driver", "replica", "samples", "inputs", "given", "dests", "results",
+                 "remaining", "error", "_event", "t_received", "t_prepared", "t_completed",
+                 "outputs_per_transfer", "internal", "description", "__weakref__")
 
     def __init__(self, driver: Driver, replica: int, samples: int,
                  inputs: dict[str, np.ndarray], dests: dict[str, Optional[np.ndarray]],
-                 results: dict[str, Any], outputs: tuple[str, ...], index: int | None,
-                 t_received: int, internal: bool = False) -> None:
+                 results: dict[str, Any], outputs_per_transfer: list[tuple[Any, ...]],
+                 t_received: int, internal: bool = False,
+                 given: Optional[dict[str, np.ndarray]] = None) -> None:
         self.driver = driver
         self.replica = replica
         self.samples = samples
-        self.inputs = inputs          # name -> typed view, shape_for(samples)
-        self.dests = dests            # output name -> typed destination, or None to discard
+        self.inputs = inputs          # name -> typed view the device reads, shape_for(samples)
+        self.given = given if given is not None else inputs   # every input the caller gave
+        self.dests = dests            # output name -> typed destination (absent: discard)
         self.results = results        # output name -> what the user gets back
-        self.outputs = outputs        # output anchors the device will produce for it
-        self.index = index            # fused models: the sub-graph the request selects
-        self.remaining = 0            # transfers of this request still on the device
+        # for each transfer, the output TensorSpecs the device writes (fused: per sub-graph)
+        self.outputs_per_transfer = outputs_per_transfer
+        self.remaining = 0            # segments of this request still on the device
         self.error: BaseException | None = None
         self._event = threading.Event()
         self.t_received = t_received

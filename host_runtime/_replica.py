@@ -1,0 +1,625 @@
+"""One replica of a ModelRunner: a Session whose Main runs in a device-side loop.
+
+::
+
+    caller thread (execute / executeAsync)          IPU process (Main in a loop)
+    --------------------------------------          ----------------------------
+    submit: under the submit lock, write each  ---> input rings ---> read inputs
+            input straight into its ring slot                         run the graph
+            (whole transfers; dynamic batches                         write outputs
+            are packed across requests)                                    |
+    wait:   whoever waits *drives*: it takes   <--- output rings <---------+
+            the drain role, reads the oldest
+            transfer's outputs into the
+            requests' memory and completes them
+
+There are no runner threads: a request touches only its caller's thread (and
+the IPU process). A waiter that finds another thread draining sleeps on a
+condition the drainer notifies after each transfer. A submitter that finds an
+input ring full drains (or waits for the drainer) instead of blocking, so
+unwaited futures cannot deadlock the replica.
+
+Timers (partial dynamic batches, requests that cannot run because inputs are
+missing with ``validate_io_params`` off) are driven by waiting threads, or by
+a small watchdog thread when ``flush_on_waiting_outputs`` is off.
+
+Failure: the main-loop future failing (device lost, device program error)
+invalidates this replica's rings, which wakes every waiter at once; all
+requests in flight fail with that error. The next request restarts the
+replica when ``auto_reset`` is on, else it raises ``DeviceLostError``.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from shm import Ring, RingInvalidatedError, RingTimeoutError, ShmError, WouldBlock
+
+from host_runtime._batching import TensorSpec
+from host_runtime._requests import Request
+from host_runtime.errors import (DeviceLostError, DeviceTimeoutError, InvalidStateError,
+                                 ModelRuntimeError)
+from host_runtime.monitoring import RequestMonitor
+
+__all__ = ["Replica", "Transfer", "ReplicaSetup"]
+
+_log = logging.getLogger(__name__)
+
+_SLICE = 0.25          # seconds between re-checks of a blocked drain
+_U8 = np.dtype(np.uint8)
+
+
+@dataclass
+class Transfer:
+    """One Main iteration on the device: a slot of every input it reads."""
+
+    segments: list[tuple[Request, int, int, int]]   # (request, request unit, units, slot unit)
+    outputs: tuple[TensorSpec, ...]                  # outputs the device writes for it
+    published: bool = False
+    next_output: int = 0
+    t_open: float = 0.0                              # monotonic time the partial was opened
+    samples: int = 0                                 # dynamic batching: samples filled
+    slots: dict[str, np.ndarray] = field(default_factory=dict)   # open partial's slots
+
+
+@dataclass
+class Phantom:
+    """A request the device cannot run (inputs missing): it times out on the host."""
+
+    request: Request
+    tensor_id: str
+    deadline: float
+    callback_called: bool = False
+
+
+@dataclass
+class ReplicaSetup:
+    """What the runner tells each replica (built once per ModelRunner)."""
+
+    replica_id: int
+    inputs: dict[str, TensorSpec]           # direct Main inputs the runner writes (incl. frozen)
+    outputs: dict[str, TensorSpec]          # Main outputs
+    frozen_main: dict[str, np.ndarray]      # frozen Main inputs, typed, model shape
+    dynamic: bool
+    batch: int                              # dynamic: samples per transfer
+    timeout_ns: int
+    partial_flush_ns: Optional[int]         # None: never flush a partial batch on a timer
+    flush_callback: Optional[Callable[..., Any]]
+    auto_reset: bool
+    monitor: RequestMonitor
+    open_session: Callable[[], Any]         # returns a bound Session with direct anchors claimed
+    watchdog: bool                          # flush partials even when nobody waits
+    make_flush_request: Callable[[Any, Any], Optional[Request]]  # flush_callback result -> request
+    merge_phantom: Callable[[Request, Request], Optional[int]]   # -> transfers once complete
+
+
+class Replica:
+    """The engine of one replica; see the module docstring."""
+
+    def __init__(self, setup: ReplicaSetup) -> None:
+        self.setup = setup
+        self.rid = setup.replica_id
+        self._submit_lock = threading.Lock()
+        self._cv = threading.Condition(threading.Lock())
+        self._inflight: collections.deque[Transfer] = collections.deque()
+        self._partial: Transfer | None = None
+        self._phantoms: list[Phantom] = []
+        self._draining = False
+        self._error: ModelRuntimeError | None = None
+        self._closed = False
+        self._session: Any = None
+        self._in_rings: dict[str, Ring] = {}
+        self._out_rings: dict[str, Ring] = {}
+        self._loop: Any = None
+        self._watchdog: threading.Thread | None = None
+        self._watch_wake = threading.Condition(threading.Lock())
+        self._publish_order = list(reversed(list(setup.inputs.items())))
+        self._frozen_bytes = {n: memoryview(np.ascontiguousarray(a)).cast("B")
+                              for n, a in setup.frozen_main.items()}
+        self._open()
+
+    # ------------------------------------------------------------------ lifecycle
+    def _open(self) -> None:
+        s = self.setup.open_session()
+        try:
+            self._in_rings = {n: s._input_ring(spec.handle) for n, spec in self.setup.inputs.items()}
+            self._out_rings = {n: s._output_ring(spec.handle)
+                               for n, spec in self.setup.outputs.items()}
+            loop = s._start_main_loop()
+        except BaseException:
+            s.close()
+            raise
+        self._session = s
+        self._loop = loop
+        self._error = None
+        loop.add_done_callback(self._on_loop_end)
+
+    @property
+    def session(self) -> Any:
+        return self._session
+
+    def _on_loop_end(self, fut: Any) -> None:
+        """The device's main loop ended: stop() (normal) or a failure."""
+        if fut is not self._loop:
+            return
+        exc = fut.exception()
+        if exc is None:
+            return
+        err = exc if isinstance(exc, ModelRuntimeError) else DeviceLostError(str(exc))
+        self._fail_everything(err)
+
+    def _fail_everything(self, err: ModelRuntimeError) -> None:
+        with self._cv:
+            if self._error is None:
+                self._error = err
+            pending = list(self._inflight)
+            phantoms = list(self._phantoms)
+            self._phantoms.clear()
+        # Wake every thread blocked on one of our rings.
+        for ring in [*self._in_rings.values(), *self._out_rings.values()]:
+            try:
+                ring.invalidate()
+            except ShmError:
+                pass
+        for tr in pending:
+            for seg in tr.segments:
+                seg[0].fail(err)
+        for ph in phantoms:
+            ph.request.fail(err)
+        with self._cv:
+            self._cv.notify_all()
+
+    def close(self, save: Callable[[Any], None] | None = None) -> None:
+        """Stop the loop, optionally run the save programs, close the session (idempotent)."""
+        with self._cv:
+            if self._closed:
+                return
+            self._closed = True
+        closed = InvalidStateError(f"replica {self.rid}: the ModelRunner was closed")
+        with self._cv:
+            pending = list(self._inflight)
+            phantoms = list(self._phantoms)
+            self._inflight.clear()
+            self._phantoms.clear()
+            self._partial = None
+            self._cv.notify_all()
+        for tr in pending:
+            for seg in tr.segments:
+                seg[0].fail(closed)
+        for ph in phantoms:
+            ph.request.fail(closed)
+        with self._watch_wake:
+            self._watch_wake.notify_all()
+        s = self._session
+        if s is None:
+            return
+        try:
+            healthy = self._error is None and s._failure() is None
+            s.stop()
+            if save is not None and healthy:
+                try:
+                    save(s)
+                except ModelRuntimeError as exc:
+                    _log.warning("replica %d: save programs failed: %s", self.rid, exc)
+        finally:
+            s.close()
+            self._session = None
+
+    # ------------------------------------------------------------------ submit
+    def _ensure_usable(self) -> None:
+        if self._closed:
+            raise InvalidStateError(f"replica {self.rid}: the ModelRunner is closed")
+        err = self._error
+        if err is None:
+            return
+        if not self.setup.auto_reset:
+            raise DeviceLostError(
+                f"replica {self.rid} is unusable after an earlier failure ({err}); set "
+                "ModelRunnerConfig.auto_reset = True to restart the device automatically") from err
+        self._reset()
+
+    def _reset(self) -> None:
+        """auto_reset: restart the device (a new session on a fresh device) and reload."""
+        _log.warning("replica %d: auto_reset after %s", self.rid, self._error)
+        old = self._session
+        self._session = None
+        if old is not None:
+            try:
+                old.stop()
+            except ModelRuntimeError:
+                pass
+            finally:
+                old.close()
+        with self._cv:
+            self._inflight.clear()
+            self._partial = None
+        self.setup.monitor.reset_chain()
+        self._open()
+
+    def submit(self, req: Request, transfers: int, phantom: str | None = None) -> None:
+        """Send ``req`` to the device (or park it as a phantom that will time out)."""
+        with self._submit_lock:
+            self._ensure_usable()
+            try:
+                if phantom is not None:
+                    self._add_phantom(req, phantom)
+                elif self.setup.dynamic:
+                    self._pack(req)
+                else:
+                    self._write_whole(req, transfers)
+            except (ShmError, OSError) as exc:
+                err = self._translate(exc)
+                req.fail(err)
+                if isinstance(err, DeviceLostError):
+                    self._fail_everything(err)
+                raise err from None
+            req.t_prepared = time.perf_counter_ns()
+
+    def _translate(self, exc: BaseException) -> ModelRuntimeError:
+        if self._error is not None:
+            return self._error
+        s = self._session
+        err = s._translate(exc) if s is not None else exc
+        if isinstance(err, ModelRuntimeError):
+            return err
+        return DeviceLostError(f"replica {self.rid}: {exc}")
+
+    def _acquire(self, ring: Ring) -> memoryview:
+        """A free slot of ``ring``; drains (or waits for the drainer) while it is full."""
+        while True:
+            try:
+                return ring.try_acquire_write()
+            except WouldBlock:
+                pass
+            if self._try_drive(time.monotonic() + 0.05):
+                continue
+            try:
+                return ring.acquire_write(timeout=0.05)
+            except RingTimeoutError:
+                continue
+
+    def _register(self, tr: Transfer) -> None:
+        with self._cv:
+            self._inflight.append(tr)
+
+    def _published(self, tr: Transfer) -> None:
+        with self._cv:
+            tr.published = True
+            self._cv.notify_all()
+
+    def _write_whole(self, req: Request, transfers: int) -> None:
+        outputs = req.outputs_per_transfer
+        for t in range(transfers):
+            tr = Transfer([(req, t, 1, 0)], outputs[t])
+            req.remaining += 1
+            self._register(tr)
+            # Last-read first: the device wakes once, on the first stream Main reads.
+            for name, spec in self._publish_order:
+                src = req.inputs.get(name)
+                ring = self._in_rings[name]
+                if src is None:
+                    fb = self._frozen_bytes.get(name)
+                    if fb is None:
+                        continue      # validate_io_params off: the device will not read it
+                    view = self._acquire(ring)
+                    view[:spec.nbytes] = fb
+                    ring.publish(spec.nbytes)
+                    continue
+                view = self._acquire(ring)
+                if transfers == 1 and src.flags.c_contiguous:
+                    view[:spec.nbytes] = memoryview(src).cast("B")
+                else:
+                    slot = np.frombuffer(view, spec.dtype, spec.nbytes // spec.dtype.itemsize
+                                         ).reshape(spec.shape)
+                    b = spec.batch
+                    slot[...] = src[spec.index(t * b, (t + 1) * b)] if spec.batch_dim is not None \
+                        else src
+                    del slot
+                ring.publish(spec.nbytes)
+            self._published(tr)
+
+    # -- dynamic batching ------------------------------------------------------------
+    def _open_partial(self) -> Transfer:
+        tr = Transfer([], tuple(self.setup.outputs.values()), t_open=time.monotonic())
+        for name, spec in self.setup.inputs.items():
+            view = self._acquire(self._in_rings[name])
+            slot = np.frombuffer(view, spec.dtype, spec.nbytes // spec.dtype.itemsize
+                                 ).reshape(spec.shape)
+            fz = self.setup.frozen_main.get(name)
+            if fz is not None:
+                slot[...] = fz
+            tr.slots[name] = slot
+        self._register(tr)
+        self._partial = tr
+        return tr
+
+    def _pack(self, req: Request) -> None:
+        B = self.setup.batch
+        s = 0
+        n = req.samples
+        while s < n:
+            tr = self._partial if self._partial is not None else self._open_partial()
+            k = min(B - tr.samples, n - s)
+            for name, src in req.inputs.items():
+                spec = self.setup.inputs[name]
+                tr.slots[name][spec.index(tr.samples, tr.samples + k)] = src[spec.index(s, s + k)]
+            tr.segments.append((req, s, k, tr.samples))
+            req.remaining += 1
+            tr.samples += k
+            s += k
+            if tr.samples == B:
+                self._publish_partial(tr)
+        if self._partial is not None:
+            self._kick_watchdog()
+
+    def _publish_partial(self, tr: Transfer, pad: bool = False) -> None:
+        for name, slot in tr.slots.items():
+            spec = self.setup.inputs[name]
+            if pad and tr.samples < self.setup.batch and name not in self.setup.frozen_main:
+                slot[spec.index(tr.samples, self.setup.batch)] = 0
+            self._in_rings[name].publish(spec.nbytes)
+        tr.slots = {}
+        self._partial = None
+        self._published(tr)
+
+    # -- phantoms (validate_io_params off, inputs missing) -----------------------------
+    def _add_phantom(self, req: Request, tensor_id: str) -> None:
+        ns = self.setup.timeout_ns
+        deadline = float("inf") if ns == 0 else time.monotonic() + ns / 1e9
+        with self._cv:
+            self._phantoms.append(Phantom(req, tensor_id, deadline))
+        self._kick_watchdog()
+
+    # ------------------------------------------------------------------ drive
+    def wait_for(self, req: Request, timeout: float | None) -> bool:
+        """Drive this replica until ``req`` is done or ``timeout`` seconds pass."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while not req.is_done():
+            with self._cv:
+                if req.is_done():
+                    break
+                if self._draining:
+                    wait = _SLICE
+                    if end is not None:
+                        wait = min(wait, end - time.monotonic())
+                        if wait <= 0:
+                            return False
+                    self._cv.wait(wait)
+                    continue
+                self._draining = True
+            try:
+                self._drive_step(end)
+            finally:
+                with self._cv:
+                    self._draining = False
+                    self._cv.notify_all()
+            if end is not None and time.monotonic() >= end and not req.is_done():
+                return False
+        return True
+
+    def _try_drive(self, end: float) -> bool:
+        """One drive step if nobody else drives; False if another thread holds the role."""
+        with self._cv:
+            if self._draining:
+                return False
+            self._draining = True
+        try:
+            self._drive_step(end)
+        finally:
+            with self._cv:
+                self._draining = False
+                self._cv.notify_all()
+        return True
+
+    def _next_deadline(self) -> float:
+        d = float("inf")
+        tr = self._partial
+        flush = self.setup.partial_flush_ns
+        if tr is not None and flush is not None:
+            d = tr.t_open + flush / 1e9
+        for ph in self._phantoms:
+            d = min(d, ph.deadline)
+        return d
+
+    def _drive_step(self, end: float | None) -> None:
+        """Caller holds the drain role: fire due timers, then drain (or wait for) one transfer."""
+        now = time.monotonic()
+        if self._next_deadline() <= now:
+            self._fire_timers(now)
+        with self._cv:
+            head = self._inflight[0] if self._inflight else None
+            if head is None or not head.published:
+                if self._error is not None and head is not None:
+                    self._inflight.popleft()
+                    return
+                wait = min(self._next_deadline(), end if end is not None else float("inf"))
+                wait = min(_SLICE, max(0.0, wait - now))
+                if wait > 0:
+                    self._cv.wait(wait)
+                return
+        limit = min(self._next_deadline(), end if end is not None else float("inf"))
+        timeout = min(_SLICE * 4, max(0.0, limit - now))
+        try:
+            self._drain(head, timeout)
+        except RingTimeoutError:
+            return
+        except (RingInvalidatedError, ShmError, OSError) as exc:
+            err = self._translate(exc)
+            self._fail_everything(err)
+
+    def _drain(self, tr: Transfer, timeout: float) -> None:
+        """Read ``tr``'s outputs into its requests' memory and complete what finished."""
+        dynamic = self.setup.dynamic
+        while tr.next_output < len(tr.outputs):
+            spec = tr.outputs[tr.next_output]
+            ring = self._out_rings[spec.name]
+            view, _tag = ring.acquire_read(timeout)
+            try:
+                self._copy_out(tr, spec, view, dynamic)
+            finally:
+                ring.release()
+            tr.next_output += 1
+        finished: list[Request] = []
+        with self._cv:
+            if self._inflight and self._inflight[0] is tr:
+                self._inflight.popleft()
+            for req, *_ in tr.segments:
+                req.remaining -= 1
+                if req.remaining == 0 and not req.is_done():
+                    finished.append(req)
+        mon = self.setup.monitor
+        for req in finished:
+            req.finish()
+            if not req.internal:
+                mon.record(req.t_received, req.t_prepared, req.t_completed)
+
+    @staticmethod
+    def _copy_out(tr: Transfer, spec: TensorSpec, view: memoryview, dynamic: bool) -> None:
+        segs = tr.segments
+        if len(segs) == 1 and not dynamic:
+            req, t, _, _ = segs[0]
+            dest = req.dests.get(spec.name)
+            if dest is None:
+                return
+            if dest.nbytes == spec.nbytes and dest.flags.c_contiguous:
+                memoryview(dest).cast("B")[:] = view[:spec.nbytes]
+                return
+        slot = np.frombuffer(view, spec.dtype, spec.nbytes // spec.dtype.itemsize
+                             ).reshape(spec.shape)
+        f = 1 if dynamic else spec.batch
+        for req, rs, cnt, ss in segs:
+            dest = req.dests.get(spec.name)
+            if dest is None:
+                continue
+            if spec.batch_dim is None:
+                dest[...] = slot
+            else:
+                dest[spec.index(rs * f, (rs + cnt) * f)] = slot[spec.index(ss * f, (ss + cnt) * f)]
+
+    # ------------------------------------------------------------------ timers
+    def _fire_timers(self, now: float) -> None:
+        """Flush a partial batch whose time is up; time out phantoms. Never blocks on submit."""
+        tr = self._partial
+        flush = self.setup.partial_flush_ns
+        if tr is not None and flush is not None and tr.t_open + flush / 1e9 <= now:
+            self._flush_partial(tr)
+        due: list[Phantom] = []
+        with self._cv:
+            for ph in list(self._phantoms):
+                if ph.deadline <= now:
+                    due.append(ph)
+        for ph in due:
+            self._expire_phantom(ph)
+
+    def _call_flush_callback(self, tensor_id: str) -> Optional[Request]:
+        cb = self.setup.flush_callback
+        if cb is None:
+            return None
+        try:
+            result = cb(tensor_id, None, None)
+        except Exception:
+            _log.exception("replica %d: flush_callback failed for tensor %r", self.rid, tensor_id)
+            return None
+        if result is None:
+            return None
+        try:
+            inputs, outputs = result
+        except (TypeError, ValueError):
+            _log.error("replica %d: flush_callback must return (inputs, outputs) or None, got %r",
+                       self.rid, result)
+            return None
+        try:
+            return self.setup.make_flush_request(inputs, outputs)
+        except ModelRuntimeError as exc:
+            _log.error("replica %d: flush_callback returned unusable data: %s", self.rid, exc)
+            return None
+
+    def _flush_partial(self, tr: Transfer) -> None:
+        first = next(iter(self.setup.inputs), "")
+        extra = self._call_flush_callback(first)
+        if not self._submit_lock.acquire(blocking=False):
+            return   # a submitter is busy (it will publish or we try again next step)
+        try:
+            if extra is not None and self._partial is tr:
+                self._pack(extra)
+                extra.t_prepared = time.perf_counter_ns()
+            if self._partial is tr:
+                self._publish_partial(tr, pad=True)
+        except (ShmError, OSError) as exc:
+            self._fail_everything(self._translate(exc))
+        finally:
+            self._submit_lock.release()
+
+    def _expire_phantom(self, ph: Phantom) -> None:
+        if not ph.callback_called:
+            ph.callback_called = True
+            extra = self._call_flush_callback(ph.tensor_id)
+            if extra is not None:
+                merged = self.setup.merge_phantom(ph.request, extra)
+                if merged is not None:
+                    with self._cv:
+                        if ph in self._phantoms:
+                            self._phantoms.remove(ph)
+                    if self._submit_lock.acquire(blocking=False):
+                        try:
+                            self._write_whole(ph.request, merged)
+                        except (ShmError, OSError) as exc:
+                            self._fail_everything(self._translate(exc))
+                        finally:
+                            self._submit_lock.release()
+                        return
+                    with self._cv:    # busy submitter: try again on the next step
+                        ph.deadline = time.monotonic()
+                        self._phantoms.append(ph)
+                    return
+        with self._cv:
+            if ph not in self._phantoms:
+                return
+            self._phantoms.remove(ph)
+        ms = self.setup.timeout_ns / 1e6
+        ph.request.fail(DeviceTimeoutError(
+            f"replica {self.rid}: the device timed out after {ms:g} ms waiting for input "
+            f"{ph.tensor_id!r}, which the request does not provide (validate_io_params is off; "
+            "with a fused model, give the inputs of the sub-graph the 'index' selects)"))
+
+    # ------------------------------------------------------------------ watchdog
+    def _kick_watchdog(self) -> None:
+        if not self.setup.watchdog or self._next_deadline() == float("inf"):
+            return
+        if self._watchdog is None or not self._watchdog.is_alive():
+            self._watchdog = threading.Thread(target=self._watch, daemon=True,
+                                              name=f"model-runner-watchdog-{self.rid}")
+            self._watchdog.start()
+        else:
+            with self._watch_wake:
+                self._watch_wake.notify_all()
+
+    def _watch(self) -> None:
+        """Fire timers when nobody waits (flush_on_waiting_outputs off). Exits when idle."""
+        while not self._closed:
+            d = self._next_deadline()
+            if d == float("inf"):
+                return
+            now = time.monotonic()
+            if d > now:
+                with self._watch_wake:
+                    self._watch_wake.wait(min(d - now, 1.0))
+                continue
+            with self._cv:
+                if self._draining:
+                    self._cv.wait(0.01)
+                    continue
+                self._draining = True
+            try:
+                self._fire_timers(time.monotonic())
+            finally:
+                with self._cv:
+                    self._draining = False
+                    self._cv.notify_all()
