@@ -119,14 +119,12 @@ def echo(request: str, response: str, parent: int) -> None:
     resp = Ring.attach(response)
     req.set_peer(parent)
     resp.set_peer(parent)
+    acquire_read, release, write = req.acquire_read, req.release, resp.write
     try:
         while True:
-            view, tag = req.acquire_read()
-            n = len(view)
-            dst = resp.acquire_write()
-            dst[:n] = view
-            req.release()
-            resp.publish(n, tag)
+            view, tag = acquire_read()
+            write(view, tag)
+            release()
             if tag == STOP:
                 return
     finally:
@@ -135,10 +133,14 @@ def echo(request: str, response: str, parent: int) -> None:
 
 
 def sem_echo(ping: str, pong: str, rounds: int) -> None:
-    """The floor of a blocking design: bare semaphore ping-pong."""
+    """The floor of a blocking design: bare semaphore ping-pong (rounds < 0: until killed)."""
     a = posix_ipc.Semaphore(ping)
     b = posix_ipc.Semaphore(pong)
     acquire, release = a.acquire, b.release
+    if rounds < 0:
+        while True:
+            acquire()
+            release()
     for _ in range(rounds):
         acquire()
         release()

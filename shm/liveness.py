@@ -25,7 +25,7 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         pass  # exists, belongs to someone else
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
     except psutil.NoSuchProcess:
         return False
     except psutil.Error:  # pragma: no cover - access denied etc.: it exists

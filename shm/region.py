@@ -24,6 +24,7 @@ tables are per process.
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import os
 from typing import Any
@@ -135,10 +136,11 @@ class Region:
         if mm is None:
             raise ShmClosedError(f"region {self._name} is closed in this process")
         dt = np.dtype(dtype)
-        shp = (shape,) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
+        shp: tuple[int, ...] = ((int(shape),) if isinstance(shape, (int, np.integer))
+                                else tuple(int(s) for s in shape))
         if any(s < 0 for s in shp):
             raise ValueError(f"shape must be non-negative, got {shp}")
-        nbytes = dt.itemsize * int(np.prod(shp, dtype=np.int64))
+        nbytes = dt.itemsize * math.prod(shp)
         if offset < 0 or offset + nbytes > self._size:
             raise ValueError(
                 f"view of {nbytes} bytes ({dt}{list(shp)}) at offset {offset} does not fit "

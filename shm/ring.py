@@ -54,9 +54,19 @@ waiter on either side wakes at once, sees the flag and raises
 slices the waiter re-checks the flag, its own ``close()``, the deadline and
 (after ``set_peer``) that the peer process is alive.
 
-Spinning: a waiter does not spin. ``python -m tools.bench ring`` measured on a
-2-core machine that the semaphore wait is already at the floor of a blocking
-design, and a spinning waiter steals the core its peer needs.
+Closing: ``close()`` stops this process using the ring at once (a thread of
+this process blocked in a wait wakes within ``WAIT_SLICE`` and raises
+:class:`ShmClosedError`). The semaphores are ``sem_close``d only when the Ring
+object is garbage-collected: a thread inside a wait holds a reference to the
+Ring, so a semaphore is never unmapped under a waiter (that would crash), and
+the hot path needs no bookkeeping of who is waiting.
+
+Spinning: by default a waiter does not spin. ``python -m tools.bench ring``
+on this project's 2-core VMs: the two processes of a ping-pong usually share
+one vCPU, and a spin there only delays the peer (64-byte round trip 11.7 us
+with a 20 us adaptive spin against 7.8 us without); when they land on two
+vCPUs a spin wins (4.1 us). ``IPU_EMULATOR_RING_SPIN_US`` sets a spin budget
+that then adapts (doubles on success, halves on failure).
 """
 
 from __future__ import annotations
@@ -64,7 +74,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
-import threading
+import weakref
 import time
 from typing import Any
 
@@ -145,11 +155,11 @@ class Ring:
         self._free = free
         self._full = full
         self._owner = owner
-        self._words = region.buf.cast("q")
-        self._w: Any = self._words
+        self._words: memoryview | None = region.buf.cast("q")
+        self._w: memoryview | _ClosedWords = self._words
         w = self._words
-        self._slot_size = w[_SLOT_SIZE]
-        self._num_slots = w[_NUM_SLOTS]
+        self._slot_size: int = w[_SLOT_SIZE]
+        self._num_slots: int = w[_NUM_SLOTS]
         stride = w[_STRIDE]
         self._stride = stride
         buf = region.buf
@@ -163,13 +173,9 @@ class Ring:
         self._pid = os.getpid()
         self._is_producer = False
         self._is_consumer = False
-        # Threads of this process inside a semaphore wait (list ops are atomic
-        # under the GIL); close() defers unmapping the semaphores until none is.
-        self._inflight: list[int] = []
-        self._closing = False
         self._closed = False
-        self._close_lock = threading.Lock()
         self._unlinked = False
+        weakref.finalize(self, _close_semaphores, free, full)
 
     # -- construction -------------------------------------------------------
 
@@ -258,7 +264,7 @@ class Ring:
 
     @property
     def closed(self) -> bool:
-        return self._closing
+        return self._closed
 
     @property
     def peer_pid(self) -> int | None:
@@ -271,15 +277,16 @@ class Ring:
     # -- waiting ------------------------------------------------------------
     #
     # The hot paths below are written out in full (no helper calls when a
-    # token is there at once): every Python call costs ~60 ns and a round
-    # trip through two rings makes a dozen of them. The pattern of each wait:
+    # token is there at once): every Python call costs ~60 ns, more right
+    # after a context switch, and a round trip through two rings makes a
+    # dozen of them. The pattern of each wait:
     #   check the invalid word (after close() it is a stand-in that raises
-    #   ShmClosedError); count this thread in _inflight; one sem_timedwait of
-    #   up to WAIT_SLICE; on time-out, _wait_slow() loops re-checking close,
-    #   invalidation, the peer and the deadline; uncount; check again.
+    #   ShmClosedError); one sem_timedwait of up to WAIT_SLICE; if that
+    #   times out, _wait_slow() loops re-checking close, invalidation, the
+    #   peer and the deadline; then check the invalid word again.
 
     def _raise_if_unusable(self) -> None:
-        if self._closing:
+        if self._closed:
             raise ShmClosedError(f"ring {self._name} is closed in this process")
         who = self._w[_INVALID]
         if who:
@@ -298,12 +305,10 @@ class Ring:
     def _spin(self, sem: posix_ipc.Semaphore) -> None:
         """Poll ``sem`` for up to the current spin budget; adapt the budget.
 
-        A token that arrives while spinning saves the poster a futex wake
-        (a system call and, in a VM, an inter-processor interrupt that costs
-        several microseconds) and this process a sleep and wake-up. A spin
-        that runs out wasted its budget: halve it, down to nothing, and probe
-        it, down to a floor of _SPIN_MIN_NS (cheap next to a wake-up, and
-        enough to notice when spinning starts to pay again).
+        A token that arrives while spinning saves the poster a futex wake and
+        this process a sleep and a wake-up. A spin that runs out wasted its
+        budget: halve it, down to a floor of _SPIN_MIN_NS (cheap next to a
+        wake-up, and enough to notice when spinning starts to pay again).
         """
         budget = self._spin_ns
         clock = time.perf_counter_ns
@@ -349,37 +354,24 @@ class Ring:
             self._raise_if_unusable()
         first = (WAIT_SLICE if timeout is None or timeout >= WAIT_SLICE
                  else timeout if timeout > 0 else 0)
-        inflight = self._inflight
-        inflight.append(1)
+        if self._spin_ns and not sem.value:
+            self._spin(sem)
         try:
-            if self._spin_ns and not sem.value:
-                self._spin(sem)
-            try:
-                sem.acquire(first)
-            except posix_ipc.BusyError:
-                self._wait_slow(sem, timeout, what, first)
-            except posix_ipc.SignalError:
-                self._wait_slow(sem, timeout, what, 0.0)
-        finally:
-            inflight.pop()
-            if self._closing and not inflight:
-                self._finish_close()
+            sem.acquire(first)
+        except posix_ipc.BusyError:
+            self._wait_slow(sem, timeout, what, first)
+        except posix_ipc.SignalError:
+            self._wait_slow(sem, timeout, what, 0.0)
         if self._w[_INVALID]:
             self._raise_if_unusable()
 
     def _try(self, sem: posix_ipc.Semaphore, what: str) -> None:
         if self._w[_INVALID]:
             self._raise_if_unusable()
-        inflight = self._inflight
-        inflight.append(1)
         try:
             sem.acquire(0)
         except posix_ipc.BusyError:
             raise WouldBlock(f"ring {self._name}: no {what} ({self._occupancy()})") from None
-        finally:
-            inflight.pop()
-            if self._closing and not inflight:
-                self._finish_close()
         if self._w[_INVALID]:
             self._raise_if_unusable()
 
@@ -399,24 +391,17 @@ class Ring:
         if w[_HELD] or w[_INVALID] or not self._is_producer:
             return self._acquire_write_general(timeout)
         # _wait(self._free, ...) written out
-        first = (WAIT_SLICE if timeout is None or timeout >= WAIT_SLICE
-                 else timeout if timeout > 0 else 0)
         sem = self._free
-        inflight = self._inflight
-        inflight.append(1)
+        if self._spin_ns and not sem.value:
+            self._spin(sem)
         try:
-            if self._spin_ns and not sem.value:
-                self._spin(sem)
-            try:
-                sem.acquire(first)
-            except posix_ipc.BusyError:
-                self._wait_slow(sem, timeout, "free slot", first)
-            except posix_ipc.SignalError:
-                self._wait_slow(sem, timeout, "free slot", 0.0)
-        finally:
-            inflight.pop()
-            if self._closing and not inflight:
-                self._finish_close()
+            sem.acquire(WAIT_SLICE if timeout is None or timeout >= WAIT_SLICE
+                        else timeout if timeout > 0 else 0)
+        except posix_ipc.BusyError:
+            self._wait_slow(sem, timeout, "free slot",
+                            WAIT_SLICE if timeout is None else min(max(timeout, 0), WAIT_SLICE))
+        except posix_ipc.SignalError:
+            self._wait_slow(sem, timeout, "free slot", 0.0)
         w = self._w
         if w[_INVALID]:
             self._raise_if_unusable()
@@ -469,8 +454,11 @@ class Ring:
 
     def write(self, data: Any, tag: int = 0, timeout: float | None = None) -> None:
         """Acquire a slot, copy ``data`` (bytes-like, C-contiguous) into it, publish it."""
-        src = data if type(data) is bytes else memoryview(data).cast("B")
-        n = len(src)
+        t = type(data)
+        if t is not bytes and t is not bytearray and (
+                t is not memoryview or data.ndim != 1 or data.format != "B"):
+            data = memoryview(data).cast("B")
+        n = len(data)
         if n > self._slot_size:
             raise ValueError(f"ring {self._name}: message of {n} bytes does not fit a slot "
                              f"of {self._slot_size} bytes")
@@ -479,37 +467,31 @@ class Ring:
             self._acquire_write_general(timeout)
         else:
             # _wait(self._free, ...) written out
-            first = (WAIT_SLICE if timeout is None or timeout >= WAIT_SLICE
-                     else timeout if timeout > 0 else 0)
             sem = self._free
-            inflight = self._inflight
-            inflight.append(1)
+            if self._spin_ns and not sem.value:
+                self._spin(sem)
             try:
-                if self._spin_ns and not sem.value:
-                    self._spin(sem)
-                try:
-                    sem.acquire(first)
-                except posix_ipc.BusyError:
-                    self._wait_slow(sem, timeout, "free slot", first)
-                except posix_ipc.SignalError:
-                    self._wait_slow(sem, timeout, "free slot", 0.0)
-            finally:
-                inflight.pop()
-                if self._closing and not inflight:
-                    self._finish_close()
+                sem.acquire(WAIT_SLICE if timeout is None or timeout >= WAIT_SLICE
+                            else timeout if timeout > 0 else 0)
+            except posix_ipc.BusyError:
+                self._wait_slow(sem, timeout, "free slot", WAIT_SLICE if timeout is None
+                                else min(max(timeout, 0), WAIT_SLICE))
+            except posix_ipc.SignalError:
+                self._wait_slow(sem, timeout, "free slot", 0.0)
             w = self._w
             if w[_INVALID]:
                 self._raise_if_unusable()
-        # copy, then publish() written out
+        # copy, then publish() written out (held is 0 again afterwards)
         k = w[_PUBLISHED]
         i = k % self._num_slots
-        self._payload[i][:n] = src
+        self._payload[i][:n] = data
         base = self._slot_word[i]
         w[base] = k + 1
         w[base + 1] = n
         w[base + 2] = tag
         w[_PUBLISHED] = k + 1
-        w[_HELD] = 0
+        if w[_HELD]:
+            w[_HELD] = 0
         self._full.release()
 
     # -- consumer -----------------------------------------------------------
@@ -524,24 +506,17 @@ class Ring:
         if w[_INVALID]:
             self._raise_if_unusable()
         # _wait(self._full, ...) written out
-        first = (WAIT_SLICE if timeout is None or timeout >= WAIT_SLICE
-                 else timeout if timeout > 0 else 0)
         sem = self._full
-        inflight = self._inflight
-        inflight.append(1)
+        if self._spin_ns and not sem.value:
+            self._spin(sem)
         try:
-            if self._spin_ns and not sem.value:
-                self._spin(sem)
-            try:
-                sem.acquire(first)
-            except posix_ipc.BusyError:
-                self._wait_slow(sem, timeout, "published slot", first)
-            except posix_ipc.SignalError:
-                self._wait_slow(sem, timeout, "published slot", 0.0)
-        finally:
-            inflight.pop()
-            if self._closing and not inflight:
-                self._finish_close()
+            sem.acquire(WAIT_SLICE if timeout is None or timeout >= WAIT_SLICE
+                        else timeout if timeout > 0 else 0)
+        except posix_ipc.BusyError:
+            self._wait_slow(sem, timeout, "published slot",
+                            WAIT_SLICE if timeout is None else min(max(timeout, 0), WAIT_SLICE))
+        except posix_ipc.SignalError:
+            self._wait_slow(sem, timeout, "published slot", 0.0)
         w = self._w
         if w[_INVALID]:
             self._raise_if_unusable()
@@ -602,14 +577,45 @@ class Ring:
         """
         w = self._w
         k = w[_RELEASED]
+        if k != w[_ACQUIRED] or w[_INVALID] or not self._is_consumer:
+            return self._read_general(timeout)
+        # acquire_read() written out
+        sem = self._full
+        if self._spin_ns and not sem.value:
+            self._spin(sem)
+        try:
+            sem.acquire(WAIT_SLICE if timeout is None or timeout >= WAIT_SLICE
+                        else timeout if timeout > 0 else 0)
+        except posix_ipc.BusyError:
+            self._wait_slow(sem, timeout, "published slot",
+                            WAIT_SLICE if timeout is None else min(max(timeout, 0), WAIT_SLICE))
+        except posix_ipc.SignalError:
+            self._wait_slow(sem, timeout, "published slot", 0.0)
+        w = self._w
+        if w[_INVALID]:
+            self._raise_if_unusable()
+        i = k % self._num_slots
+        base = self._slot_word[i]
+        if w[base] != k + 1:
+            self._took_read_general(k, i, base)  # raises the error
+        nbytes = w[base + 1]
+        if not 0 <= nbytes <= self._slot_size:
+            self._took_read_general(k, i, base)  # raises the error
+        data = self._payload[i][:nbytes].tobytes()
+        tag = w[base + 2]
+        w[_ACQUIRED] = w[_RELEASED] = k + 1
+        self._free.release()
+        return data, tag
+
+    def _read_general(self, timeout: float | None) -> tuple[bytes, int]:
+        w = self._w
+        k = w[_RELEASED]
         if k != w[_ACQUIRED]:
             raise ShmError(f"ring {self._name}: read() while {w[_ACQUIRED] - k} slot(s) from "
                            "acquire_read() are not released; release() them first")
         view, tag = self.acquire_read(timeout)
         data = view.tobytes()
-        w = self._w
-        w[_RELEASED] = k + 1
-        self._free.release()
+        self.release()
         return data, tag
 
     def readable(self) -> int:
@@ -626,7 +632,7 @@ class Ring:
 
     def invalidate(self) -> None:
         """Mark the ring unusable and wake a blocked waiter on either side at once."""
-        if self._closing:
+        if self._closed:
             raise ShmClosedError(f"ring {self._name} is closed in this process")
         w = self._w
         if not w[_INVALID]:
@@ -635,7 +641,7 @@ class Ring:
         self._free.release()
 
     def is_valid(self) -> bool:
-        return not self._closing and not self._w[_INVALID]
+        return not self._closed and not self._w[_INVALID]
 
     def reset(self) -> None:
         """Empty the ring and make it valid again.
@@ -643,7 +649,7 @@ class Ring:
         Both ends must be quiescent (no thread of either process inside a
         call on this ring); the peer's next call sees the fresh state.
         """
-        if self._closing:
+        if self._closed:
             raise ShmClosedError(f"ring {self._name} is closed in this process")
         for sem in (self._full, self._free):
             while True:
@@ -701,35 +707,19 @@ class Ring:
     def close(self) -> None:
         """Stop using the ring in this process (idempotent).
 
-        A thread of this process blocked in a wait wakes within WAIT_SLICE
-        and raises ShmClosedError; the semaphores are closed after it left.
-        Use invalidate() first to wake the peer process too.
+        Every later call raises ShmClosedError; a thread of this process
+        blocked in a wait raises it within WAIT_SLICE. Slot views handed out
+        stay valid (the mapping goes when the last of them does). Use
+        invalidate() first to wake the peer process too.
         """
-        if self._closing:
+        if self._closed:
             return
-        self._closing = True
+        self._closed = True
         self._w = _ClosedWords(self._name)
-        if not self._inflight:
-            self._finish_close()
-
-    def _finish_close(self) -> None:
-        with self._close_lock:
-            if self._closed:
-                return
-            self._closed = True
-        for sem in (self._free, self._full):
-            try:
-                sem.close()
-            except posix_ipc.Error:  # pragma: no cover - already closed
-                pass
-        # Payload views were handed out (and numpy arrays over them hold no
-        # export), so they are dropped, never released: the mapping stays
-        # until the last of them dies.
+        # Handed-out views (and numpy arrays over them, which hold no export)
+        # keep the mapping alive: drop ours, never release them.
+        self._words = None
         self._payload = []
-        try:
-            self._words.release()
-        except BufferError:  # pragma: no cover - never exported
-            pass
         self._region.close()
 
     def unlink(self) -> None:
@@ -752,3 +742,12 @@ class Ring:
     def __repr__(self) -> str:
         return (f"Ring({self._name!r}, slot_size={self._slot_size}, "
                 f"num_slots={self._num_slots}, owner={self._owner})")
+
+
+def _close_semaphores(*sems: posix_ipc.Semaphore) -> None:
+    """Finalizer of a Ring: no thread can be inside one of its waits any more."""
+    for sem in sems:
+        try:
+            sem.close()
+        except posix_ipc.Error:  # pragma: no cover - already closed
+            pass

@@ -52,83 +52,130 @@ def _stop(proc: mp.process.BaseProcess) -> None:
         proc.join()
 
 
-def ring_latency(rounds: int, size: int = 64) -> tuple[float, float]:
-    req, resp = Ring.create(size, 4, kind="breq"), Ring.create(size, 4, kind="bresp")
-    try:
-        proc = _spawn(_peers.echo, req.name, resp.name, os.getpid())
-        req.set_peer(proc.pid)
-        resp.set_peer(proc.pid)
-        msg = bytes(range(size % 256)) * (size // 256) + bytes(size % 256)
-        write, read, clock = req.write, resp.read, time.perf_counter_ns
-        for _ in range(200):
-            write(msg)
-            read()
+class _RingPingPong:
+    """Round trips through a request ring and a response ring to an echo process."""
+
+    label = "shm.Ring pair (write + read)"
+
+    def __init__(self, size: int = 64) -> None:
+        self.req = Ring.create(size, 4, kind="breq")
+        self.resp = Ring.create(size, 4, kind="bresp")
+        self.proc = _spawn(_peers.echo, self.req.name, self.resp.name, os.getpid())
+        self.req.set_peer(self.proc.pid)
+        self.resp.set_peer(self.proc.pid)
+        self.msg = bytes(i % 256 for i in range(size))
+
+    def run(self, rounds: int) -> list[int]:
+        write, read, clock, msg = self.req.write, self.resp.read, time.perf_counter_ns, self.msg
         times = []
         for _ in range(rounds):
             t0 = clock()
             write(msg)
             read()
             times.append(clock() - t0)
-        req.write(b"", tag=_peers.STOP)
-        resp.read()
-        _stop(proc)
-    finally:
-        for r in (req, resp):
-            r.close()
-            r.unlink()
-    return _percentiles(times)
+        return times
+
+    def close(self) -> None:
+        self.req.write(b"", tag=_peers.STOP)
+        self.resp.read()
+        _stop(self.proc)
+        for ring in (self.req, self.resp):
+            ring.close()
+            ring.unlink()
 
 
-def pipe_latency(rounds: int, size: int = 64) -> tuple[float, float]:
-    ctx = mp.get_context("spawn")
-    here, there = ctx.Pipe()
-    proc = ctx.Process(target=_peers.pipe_echo, args=(there,), daemon=True)
-    proc.start()
-    msg = b"x" * size
-    send, recv, clock = here.send_bytes, here.recv_bytes, time.perf_counter_ns
-    for _ in range(200):
-        send(msg)
-        recv()
-    times = []
-    for _ in range(rounds):
-        t0 = clock()
-        send(msg)
-        recv()
-        times.append(clock() - t0)
-    send(b"")
-    recv()
-    _stop(proc)
-    return _percentiles(times)
+class _PipePingPong:
+    label = "multiprocessing.Pipe"
+
+    def __init__(self, size: int = 64) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, there = ctx.Pipe()
+        self.proc = ctx.Process(target=_peers.pipe_echo, args=(there,), daemon=True)
+        self.proc.start()
+        self.msg = b"x" * size
+
+    def run(self, rounds: int) -> list[int]:
+        send, recv, clock, msg = (self.conn.send_bytes, self.conn.recv_bytes,
+                                  time.perf_counter_ns, self.msg)
+        times = []
+        for _ in range(rounds):
+            t0 = clock()
+            send(msg)
+            recv()
+            times.append(clock() - t0)
+        return times
+
+    def close(self) -> None:
+        self.conn.send_bytes(b"")
+        self.conn.recv_bytes()
+        _stop(self.proc)
 
 
-def sem_latency(rounds: int) -> tuple[float, float]:
-    ping_name, pong_name = naming.new_name("bping"), naming.new_name("bpong")
-    ping = posix_ipc.Semaphore(ping_name, posix_ipc.O_CREX, mode=0o600)
-    pong = posix_ipc.Semaphore(pong_name, posix_ipc.O_CREX, mode=0o600)
-    try:
-        warm = 200
-        proc = _spawn(_peers.sem_echo, ping_name, pong_name, rounds + warm)
-        post, wait, clock = ping.release, pong.acquire, time.perf_counter_ns
-        for _ in range(warm):
-            post()
-            wait()
+class _SemPingPong:
+    label = "bare posix_ipc semaphore ping-pong"
+
+    def __init__(self) -> None:
+        self.names = naming.new_name("bping"), naming.new_name("bpong")
+        self.ping = posix_ipc.Semaphore(self.names[0], posix_ipc.O_CREX, mode=0o600)
+        self.pong = posix_ipc.Semaphore(self.names[1], posix_ipc.O_CREX, mode=0o600)
+        self.proc = _spawn(_peers.sem_echo, *self.names, -1)
+
+    def run(self, rounds: int) -> list[int]:
+        post, wait, clock = self.ping.release, self.pong.acquire, time.perf_counter_ns
         times = []
         for _ in range(rounds):
             t0 = clock()
             post()
             wait()
             times.append(clock() - t0)
-        _stop(proc)
-    finally:
-        for sem in (ping, pong):
+        return times
+
+    def close(self) -> None:
+        self.proc.kill()
+        _stop(self.proc)
+        for sem in (self.ping, self.pong):
             sem.unlink()
             sem.close()
-    return _percentiles(times)
 
 
-def ring_bandwidth(size: int, rounds: int, copy_out: bool) -> float:
-    """GB/s of payload through one round trip (2 copies, or 3 with ``copy_out``)."""
-    req, resp = Ring.create(size, 2, kind="breq"), Ring.create(size, 2, kind="bresp")
+def latencies(rounds: int, blocks: int = 10) -> dict[str, tuple[float, float, float, float]]:
+    """label -> (median of block medians, p99, min and max of block medians), in us.
+
+    The three ping-pongs run interleaved in ``blocks`` blocks, so that a noisy
+    neighbour or a change of CPU placement hits all of them alike.
+    """
+    pongs: list = []
+    try:
+        pongs = [_SemPingPong(), _RingPingPong(), _PipePingPong()]
+        for p in pongs:
+            p.run(300)  # warm up (and wait for the spawned peers to be ready)
+        per_block: dict[str, list[float]] = {p.label: [] for p in pongs}
+        every: dict[str, list[int]] = {p.label: [] for p in pongs}
+        for _ in range(blocks):
+            for p in pongs:
+                times = p.run(max(1, rounds // blocks))
+                per_block[p.label].append(statistics.median(times) / 1000)
+                every[p.label].extend(times)
+    finally:
+        for p in pongs:
+            p.close()
+    out = {}
+    for label, meds in per_block.items():
+        _, p99 = _percentiles(every[label])
+        out[label] = (statistics.median(meds), p99, min(meds), max(meds))
+    return out
+
+
+def ring_bandwidth(size: int, rounds: int, copy_out: bool, num_slots: int = 1) -> float:
+    """GB/s of payload through one round trip (2 copies, or 3 with ``copy_out``).
+
+    One slot per ring by default: a ping-pong has one message in flight, and
+    deeper rings only grow the working set (at 16 MiB, 2 slots per ring make
+    it 80 MiB instead of 48, which no longer fits this machine's cache: plain
+    numpy copies cycling through as many buffers slow down just as much).
+    """
+    req = Ring.create(size, num_slots, kind="breq")
+    resp = Ring.create(size, num_slots, kind="bresp")
     try:
         proc = _spawn(_peers.echo, req.name, resp.name, os.getpid())
         req.set_peer(proc.pid)
@@ -181,20 +228,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.bench ring", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=20000, help="latency round trips")
+    parser.add_argument("--blocks", type=int, default=10, help="interleaved latency blocks")
     parser.add_argument("--bw-rounds", type=int, default=40, help="bandwidth round trips")
     args = parser.parse_args(argv)
 
-    print(f"latency of a 64-byte round trip ({args.rounds} rounds, {os.cpu_count()} cores)")
-    sem = sem_latency(args.rounds)
-    ring = ring_latency(args.rounds)
-    pipe = pipe_latency(args.rounds)
-    print(f"  {'':34s} {'median us':>10s} {'p99 us':>10s} {'x sem':>7s}")
-    for label, (med, p99) in (("bare posix_ipc semaphore ping-pong", sem),
-                              ("shm.Ring pair (write + read)", ring),
-                              ("multiprocessing.Pipe", pipe)):
-        print(f"  {label:34s} {med:10.1f} {p99:10.1f} {med / sem[0]:7.2f}")
-    print(f"  ring / sem = {ring[0] / sem[0]:.2f} (target <= 1.2); "
-          f"ring / Pipe = {ring[0] / pipe[0]:.2f} (target <= 0.5)")
+    print(f"latency of a 64-byte round trip ({args.rounds} rounds in {args.blocks} interleaved "
+          f"blocks, {os.cpu_count()} cores)")
+    lat = latencies(args.rounds, args.blocks)
+    sem, ring, pipe = (lat[c.label][0] for c in (_SemPingPong, _RingPingPong, _PipePingPong))
+    print(f"  {'':34s} {'median us':>10s} {'p99 us':>10s} {'blocks min..max':>16s} {'x sem':>7s}")
+    for label, (med, p99, lo, hi) in lat.items():
+        print(f"  {label:34s} {med:10.1f} {p99:10.1f} {lo:7.1f}..{hi:<8.1f} {med / sem:7.2f}")
+    print(f"  ring / sem = {ring / sem:.2f} (target <= 1.2); "
+          f"ring / Pipe = {ring / pipe:.2f} (target <= 0.5)")
+    print("  (median: of the block medians; a block whose processes share one vCPU and one\n"
+          "   whose processes sit on two can differ 10x on this VM: see min..max)")
 
     print(f"\nbandwidth of a round trip, GB/s of payload (median of {args.bw_rounds})")
     print(f"  {'size':>8s} {'2 numpy copies':>15s} {'ring (2 copies)':>16s} {'ratio':>6s}"
