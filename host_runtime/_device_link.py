@@ -120,6 +120,10 @@ class DeviceLink:
         return self._lost
 
     @property
+    def started(self) -> bool:
+        return self._started
+
+    @property
     def pid(self) -> int:
         return self._primary.pid
 
@@ -131,6 +135,8 @@ class DeviceLink:
     def request(self, op: Op, body: Any = None, value: int = 0) -> "cf.Future[None]":
         """Send a request; the future resolves on its DONE (or fails on ERROR / loss)."""
         fut: cf.Future[None] = cf.Future()
+        if self._lost is None and self._dead_process() is not None:
+            self._mark_lost()   # e.g. a secondary IPU of the device died since the last poll
         if self._lost is not None:
             fut.set_exception(self._lost)
             return fut

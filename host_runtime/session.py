@@ -522,13 +522,13 @@ class Session:
             return
         try:
             with dev._device_lock:
-                if dev.isActiveSession(self) and dev.isAttached() and dev._link.lost is None:
-                    if run_save:
+                if dev.isAttached() and dev._link.lost is None and dev._link.started:
+                    if run_save and dev.isActiveSession(self):
                         try:
                             self._implicit_save()
                         except ModelRuntimeError as exc:
                             _log.warning("implicit save programs of %r failed: %s", self, exc)
-                    try:
+                    try:  # also when another session is active: the device caches ours
                         dev._link.call(Op.UNLOAD, {"key": self._key}, timeout=_STOP_TIMEOUT)
                     except ModelRuntimeError as exc:
                         _log.debug("unload from %s: %s", dev.describe(), exc)

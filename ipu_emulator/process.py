@@ -50,6 +50,7 @@ _log = logging.getLogger("ipu_emulator.process")
 
 _SLICE = 0.1      # seconds between STOP checks while a program waits on a stream
 _CACHE = 4        # loaded executables kept per device (sessions sharing it)
+_PREFAULT_MAX = 512 * 1024   # pre-fault stream rings with transfers up to this size
 
 
 @dataclass(frozen=True)
@@ -408,7 +409,7 @@ class DeviceProcess:
         for i, s in enumerate(streams):
             self._known.add(s["ring"])
             try:
-                ring = Ring.attach(s["ring"])
+                ring = Ring.attach(s["ring"], prefault=s["nbytes"] <= _PREFAULT_MAX)
             except (ShmError, OSError, posix_ipc.Error) as exc:
                 raise _RequestError(ErrorKind.PROTOCOL,
                                     f"cannot open the ring of stream {s['handle']!r}: {exc}") from None

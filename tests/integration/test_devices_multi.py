@@ -1,0 +1,57 @@
+"""Multi-IPU devices (one process per IPU, all or none) and version matching."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from host_runtime import popef
+from host_runtime.devices import DeviceManager
+from host_runtime.errors import DeviceLostError, DeviceUnavailableError
+from host_runtime.session import Session
+from ipu_emulator.system import SystemConfig, load_system_config
+from tools.generate_simple_popef import write_simple_popef
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("multi") / "simple.popef"
+    write_simple_popef(path)
+    return popef.load_model([str(path)])
+
+
+def test_two_ipu_device_runs_and_fails_when_any_of_its_ipus_dies(model):
+    dm = DeviceManager()
+    with dm.getDevice(2) as dev:
+        assert dev.numIpus() == 2 and len(set(dev.pids())) == 2
+        assert dev.ipus() in ([0, 1], [2, 3]) and dev.id in (4, 5)
+        assert dev.memoryBytes() == 2 * 1472 * 624 * 1024
+        with pytest.raises(DeviceUnavailableError, match=f"ipu {dev.ipus()[0]} by pid {os.getpid()}"):
+            dm.getSpecificDevice(dev.ipus()[0])
+        with Session(model) as s:
+            s.bindToDevice(dev)
+            out: list[np.ndarray] = []
+            s.setCallbackForAnchor("tensor_A", lambda v: v.__setitem__(slice(None), np.ones(4, np.float32).tobytes()))
+            s.setCallbackForAnchor("tensor_B", lambda v: v.__setitem__(slice(None), bytes(16)))
+            s.setCallbackForAnchor("tensor_C", lambda v: out.append(np.frombuffer(v, np.float32).copy()))
+            s.runMainPrograms()
+            np.testing.assert_array_equal(out[-1], np.frombuffer(model.tensorData("weights").data, np.float32))
+            secondary = dev.pids()[1]
+            os.kill(secondary, signal.SIGKILL)
+            assert dev._processes[1].wait_exit(30) == -signal.SIGKILL  # reaped by its Popen
+            with pytest.raises(DeviceLostError, match=f"IPU process {secondary} was killed by signal SIGKILL"):
+                s.runMainPrograms()
+    # all of its IPUs are free again
+    with dm.getDevice(2) as again:
+        assert again.numIpus() == 2
+
+
+def test_model_ipu_version_must_match_the_machine(model):
+    ipu2 = DeviceManager(SystemConfig(ipu_version="ipu2", home=load_system_config().home))
+    with pytest.raises(DeviceUnavailableError, match="the model needs ipu21 IPUs, but this "
+                                                     "machine's IPUs are ipu2"):
+        ipu2.getDevice(model)
+    assert ipu2.tryGetDevice(model) is None
