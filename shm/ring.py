@@ -164,6 +164,8 @@ class Ring:
         self._stride = stride
         buf = region.buf
         # Precomputed per slot: first int64 word of its header, its payload view.
+        # The payload views never leave this object (callers get slices of
+        # them, which they may release() without harm).
         self._slot_word = [(HEADER_SIZE + i * stride) // 8 for i in range(self._num_slots)]
         self._payload = [buf[HEADER_SIZE + i * stride + SLOT_HEADER_SIZE:
                              HEADER_SIZE + i * stride + SLOT_HEADER_SIZE + self._slot_size]
@@ -406,7 +408,7 @@ class Ring:
         if w[_INVALID]:
             self._raise_if_unusable()
         w[_HELD] = 1
-        return self._payload[w[_PUBLISHED] % self._num_slots]
+        return self._payload[w[_PUBLISHED] % self._num_slots][:]
 
     def _acquire_write_general(self, timeout: float | None) -> memoryview:
         w = self._w
@@ -415,7 +417,7 @@ class Ring:
         if not w[_HELD]:
             self._wait(self._free, timeout, "free slot")
             self._took_write()
-        return self._payload[w[_PUBLISHED] % self._num_slots]
+        return self._payload[w[_PUBLISHED] % self._num_slots][:]
 
     def try_acquire_write(self) -> memoryview:
         """Like :meth:`acquire_write` but raise :class:`WouldBlock` if the ring is full."""
@@ -425,7 +427,7 @@ class Ring:
         if not w[_HELD]:
             self._try(self._free, "free slot")
             self._took_write()
-        return self._payload[w[_PUBLISHED] % self._num_slots]
+        return self._payload[w[_PUBLISHED] % self._num_slots][:]
 
     def _took_write(self) -> None:
         w = self._w
@@ -529,7 +531,7 @@ class Ring:
         nbytes = w[base + 1]
         w[_ACQUIRED] = k + 1
         if nbytes == self._slot_size:
-            return self._payload[i], w[base + 2]
+            return self._payload[i][:], w[base + 2]
         if not 0 <= nbytes < self._slot_size:
             raise ShmError(f"ring {self._name}: slot {i} claims {nbytes} bytes; "
                            f"slot size is {self._slot_size}")
@@ -557,7 +559,7 @@ class Ring:
                            f"slot size is {self._slot_size}")
         w[_ACQUIRED] = k + 1
         view = self._payload[i]
-        return (view if nbytes == self._slot_size else view[:nbytes]), w[base + 2]
+        return view[:nbytes], w[base + 2]
 
     def release(self) -> None:
         """Give the oldest acquired read slot back to the producer."""

@@ -56,7 +56,9 @@ def test_zero_copy_acquire_publish_release_with_numpy(pair) -> None:
     producer, consumer = pair
     slot = producer.acquire_write()
     assert len(slot) == 64
-    assert producer.acquire_write() is slot  # held slot is returned again
+    again = producer.acquire_write()  # the held slot is returned again
+    again[:4] = b"held"
+    assert bytes(slot[:4]) == b"held"
     np.copyto(np.frombuffer(slot, np.float32), np.arange(16, dtype=np.float32))
     producer.publish(64, tag=3)
     view, tag = consumer.acquire_read()
@@ -241,3 +243,45 @@ def test_zombie_peer_counts_as_dead(pair) -> None:
             producer.acquire_write(timeout=60)
     finally:
         child.wait()
+
+
+def test_caller_releasing_handed_out_views_does_not_break_the_ring(pair) -> None:
+    producer, consumer = pair
+    for k in range(4 * 3):
+        slot = producer.acquire_write()
+        slot[:8] = k.to_bytes(8, "little")
+        slot.release()
+        producer.publish(64 if k % 2 else 8, tag=k)
+        view, tag = consumer.acquire_read()
+        assert (int.from_bytes(view[:8], "little"), tag, len(view)) == (k, k, 64 if k % 2 else 8)
+        view.release()
+        consumer.release()
+
+
+def test_read_refuses_while_acquired_slots_are_unreleased(pair) -> None:
+    producer, consumer = pair
+    producer.write(b"one")
+    producer.write(b"two")
+    view, _ = consumer.acquire_read()
+    with pytest.raises(ShmError, match=r"read\(\) while 1 slot\(s\) from acquire_read\(\) are not "
+                                       r"released; release\(\) them first"):
+        consumer.read()
+    assert bytes(view) == b"one"
+    consumer.release()
+    assert consumer.read() == (b"two", 0)
+
+
+def test_semaphores_are_closed_when_the_ring_is_collected() -> None:
+    import gc
+
+    import posix_ipc
+
+    ring = Ring.create(8, 2)
+    free = ring._free
+    ring.close()
+    assert free.value == 2  # still open: close() leaves that to the finalizer
+    ring.unlink()
+    del ring
+    gc.collect()
+    with pytest.raises(posix_ipc.ExistentialError):
+        free.value
