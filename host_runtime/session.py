@@ -201,6 +201,7 @@ class Session:
         self._direct: set[str] = set()
         self._need_observer: Callable[[str], None] | None = None
         self._stop_listeners: list[Callable[[], None]] = []
+        self._queue_managers: list[Any] = []
         self._callback_errors: list[tuple[str, BaseException]] = []
         self._state_lock = threading.Lock()
         self._key = secrets.token_hex(8)
@@ -285,6 +286,11 @@ class Session:
         """Send the stop signal: running programs end; nothing runs until reload()."""
         if self._closed:
             return
+        for qm in list(self._queue_managers):
+            try:
+                qm.disconnectAll()
+            except Exception:
+                _log.exception("disconnecting %r failed", qm)
         for listener in list(self._stop_listeners):
             try:
                 listener()
@@ -316,6 +322,16 @@ class Session:
 
     def isStopped(self) -> bool:
         return self._stopped
+
+    def createQueueManager(self, *args: Any, **kwargs: Any) -> Any:
+        """Create a QueueManager for this session (arguments as QueueManager's, after the
+        session). The session owns it: stop() disconnects its queues."""
+        self._check_open()
+        from host_runtime.queues import QueueManager
+
+        qm = QueueManager(self, *args, **kwargs)
+        self._queue_managers.append(qm)
+        return qm
 
     # -- the seed's API: callbacks ------------------------------------------------------------
 
@@ -432,8 +448,19 @@ class Session:
         if self._closed:
             return
         try:
-            if self._loop is not None and not self._loop.done():
-                self.stop()
+            for qm in list(self._queue_managers):
+                try:
+                    qm.disconnectAll()
+                except Exception:
+                    _log.exception("disconnecting %r failed", qm)
+            dev = self._device
+            busy = False
+            if dev is not None:
+                busy = not dev._device_lock.acquire(blocking=False)
+                if not busy:
+                    dev._device_lock.release()
+            if busy or (self._loop is not None and not self._loop.done()):
+                self.stop()   # a program of ours may be running on another thread
             if self._device is not None:
                 self._unbind(run_save=False)
         finally:
