@@ -117,7 +117,7 @@ class ModelRunner:
                 raise BadRequestError(
                     f"ModelRunnerConfig.frozen_inputs: the model has no input {name!r}; expected "
                     "one of " + ", ".join(repr(x.name()) for x in self._inputs_all))
-            spec = self._spec(a, None, False)
+            spec = self._spec(a, None, True)
             arr = as_readable_array(value, name)
             spec.samples_of(arr)   # exact shape / size check
             self._frozen[name] = np.ascontiguousarray(spec.typed(arr, spec.batch))

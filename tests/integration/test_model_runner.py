@@ -1,0 +1,379 @@
+"""ModelRunner over real IPU processes: every execution mode of seeds 000/001, checked with numpy.
+
+One module-scoped runner serves the mode tests (it is healthy after each,
+which the bad-input tests also check); tests that need other options make
+their own runner and close it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import psutil
+import pytest
+
+import host_runtime as model_runtime
+from host_runtime import popef
+from host_runtime.errors import BadRequestError, InvalidStateError
+from tools.generate_simple_popef import write_simple_popef
+
+SHAPE = (4, 3)        # batch of 4 samples of 3 floats
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mr") / "simple.popef"
+    write_simple_popef(path, shape=SHAPE)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def weights(model_path):
+    m = popef.load_model([model_path])
+    return np.frombuffer(m.tensorData("weights").data, np.float32).reshape(SHAPE)
+
+
+@pytest.fixture(scope="module")
+def runner(model_path):
+    r = model_runtime.ModelRunner(model_runtime.PopefPaths([model_path]))
+    yield r
+    r.close()
+
+
+def rand(shape=SHAPE, seed=None):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def pair(shape=SHAPE):
+    return rand(shape), rand(shape)
+
+
+def check_healthy(runner, weights):
+    a, b = pair()
+    out = runner.execute({"tensor_A": a, "tensor_B": b})
+    np.testing.assert_allclose(out["tensor_C"], a * weights + b, rtol=1e-6)
+
+
+# ------------------------------------------------------------------ descriptions
+def test_descriptions(runner):
+    ins = runner.getExecuteInputs()
+    assert [(d.name, d.shape, d.size_in_bytes) for d in ins] == [
+        ("tensor_A", [4, 3], 48), ("tensor_B", [4, 3], 48)]
+    assert all(d.numpy_data_type() == np.float32 for d in ins)
+    assert all(d.data_type == popef.DataType.F32 for d in ins)
+    outs = runner.getExecuteOutputs()
+    assert [(d.name, d.shape) for d in outs] == [("tensor_C", [4, 3])]
+    model_ins = {d.name: d.popef_contains_tensor_data for d in runner.getModelInputs()}
+    assert model_ins == {"tensor_A": False, "tensor_B": False, "weights": True}
+    assert {d.name for d in runner.getModelOutputs()} == {"tensor_C", "weights_saved"}
+    assert runner.config().replication_factor == 1
+
+
+# ------------------------------------------------------------------ execution modes
+def test_sync_input_memory_view_runner_allocated(runner, weights):
+    a, b = pair()
+    view = model_runtime.InputMemoryView()
+    view["tensor_A"] = a
+    view["tensor_B"] = b
+    result = runner.execute(view)
+    assert isinstance(result, model_runtime.OutputMemory)
+    tm = result["tensor_C"]
+    assert isinstance(tm, model_runtime.TensorMemory) and tm.data_size_bytes == 48
+    got = np.frombuffer(result["tensor_C"], dtype=np.float32).reshape(SHAPE)
+    np.testing.assert_allclose(got, a * weights + b, rtol=1e-6)
+
+
+def test_sync_user_allocated_output_view(runner, weights):
+    a, b = pair()
+    out = np.zeros(SHAPE, np.float32)
+    iv = model_runtime.InputMemoryView()
+    iv.update(tensor_A=a, tensor_B=b)
+    ov = model_runtime.OutputMemoryView()
+    ov["tensor_C"] = out
+    assert runner.execute(iv, ov) is None
+    np.testing.assert_allclose(out, a * weights + b, rtol=1e-6)
+
+
+def test_async_runner_allocated(runner, weights):
+    a, b = pair()
+    iv = model_runtime.InputMemoryView()
+    iv.update(tensor_A=a, tensor_B=b)
+    fut = runner.executeAsync(iv)
+    fut.wait()
+    assert fut.done() and list(fut) == ["tensor_C"]
+    got = np.frombuffer(fut["tensor_C"], dtype=np.float32).reshape(SHAPE)
+    np.testing.assert_allclose(got, a * weights + b, rtol=1e-6)
+
+
+def test_async_user_allocated(runner, weights):
+    a, b = pair()
+    out = np.zeros(SHAPE, np.float32)
+    fut = runner.executeAsync({"tensor_A": a, "tensor_B": b}, {"tensor_C": out})
+    fut.wait()
+    np.testing.assert_allclose(out, a * weights + b, rtol=1e-6)
+    assert np.shares_memory(out, fut["tensor_C"].numpy())
+
+
+def test_sync_numpy_dicts(runner, weights):
+    a, b = pair()
+    result = runner.execute({"tensor_A": a, "tensor_B": b})
+    assert type(result["tensor_C"]) is np.ndarray and result["tensor_C"].shape == SHAPE
+    np.testing.assert_allclose(result["tensor_C"], a * weights + b, rtol=1e-6)
+    out = {"tensor_C": np.zeros(SHAPE, np.float32)}
+    runner.execute({"tensor_A": a, "tensor_B": b}, out)
+    np.testing.assert_allclose(out["tensor_C"], a * weights + b, rtol=1e-6)
+
+
+def test_async_numpy_runner_allocated_copy_and_view_semantics(runner, weights):
+    a, b = pair()
+    fut = runner.executeAsync({"tensor_A": a, "tensor_B": b})
+    fut.wait()
+    item = fut["tensor_C"]
+    tensor = item.numpy()
+    copy = np.array(item, copy=True)
+    view = np.array(item, copy=False)
+    assert not np.shares_memory(view, copy)
+    assert not np.shares_memory(tensor, copy)
+    assert not np.shares_memory(tensor, view)
+    assert np.shares_memory(view, item)
+    for x in (tensor, copy, view):
+        np.testing.assert_allclose(x, a * weights + b, rtol=1e-6)
+
+
+def test_async_numpy_user_allocated_shares_memory(runner, weights):
+    a, b = pair()
+    out = {"tensor_C": np.zeros(SHAPE, np.float32)}
+    fut = runner.executeAsync({"tensor_A": a, "tensor_B": b}, out)
+    fut.wait()
+    item = fut["tensor_C"]
+    assert np.shares_memory(out["tensor_C"], item.numpy())
+    assert np.shares_memory(out["tensor_C"], np.array(item, copy=False))
+    assert not np.shares_memory(out["tensor_C"], np.array(item, copy=True))
+    np.testing.assert_allclose(out["tensor_C"], a * weights + b, rtol=1e-6)
+
+
+def test_raw_bytes_inputs_and_outputs(runner, weights):
+    """C++-style (pointer, size) memory: ConstTensorMemoryView / TensorMemoryView over bytes."""
+    a, b = pair()
+    iv = model_runtime.InputMemoryView()
+    iv["tensor_A"] = model_runtime.ConstTensorMemoryView(a.tobytes(), 48)
+    iv["tensor_B"] = bytearray(b.tobytes())
+    out = bytearray(48)
+    ov = model_runtime.OutputMemoryView()
+    ov["tensor_C"] = model_runtime.TensorMemoryView(out)
+    runner.execute(iv, ov)
+    np.testing.assert_allclose(np.frombuffer(out, np.float32).reshape(SHAPE), a * weights + b,
+                               rtol=1e-6)
+
+
+def test_multiple_of_model_batch_is_split_into_transfers(runner, weights):
+    a, b = pair((12, 3))
+    result = runner.execute({"tensor_A": a, "tensor_B": b})
+    assert result["tensor_C"].shape == (12, 3)
+    np.testing.assert_allclose(result["tensor_C"], a * np.tile(weights, (3, 1)) + b, rtol=1e-6)
+
+
+def test_many_requests_in_flight_complete_in_order(runner, weights):
+    reqs = [pair() for _ in range(40)]   # more than the rings hold: submit has to drain
+    futures = [runner.executeAsync({"tensor_A": a, "tensor_B": b}) for a, b in reqs]
+    for (a, b), fut in zip(reversed(reqs), reversed(futures)):   # waited newest first
+        np.testing.assert_allclose(fut["tensor_C"], a * weights + b, rtol=1e-6)
+
+
+# ------------------------------------------------------------------ bad input
+@pytest.mark.parametrize("inputs,outputs,match", [
+    (lambda a, b: {"tensor_A": a, "tensor_X": b}, None,
+     "unknown input tensor 'tensor_X'; the model's execute inputs are 'tensor_A', 'tensor_B'"),
+    (lambda a, b: {"tensor_A": a}, None, "missing input tensor\\(s\\) 'tensor_B'"),
+    (lambda a, b: {"tensor_A": a[:, :2].copy(), "tensor_B": b}, None,
+     r"input 'tensor_A': expected shape \[N\*4, 3\] \(N >= 1\), got shape \[4, 2\]"),
+    (lambda a, b: {"tensor_A": a.astype(np.float64), "tensor_B": b}, None,
+     "input 'tensor_A': expected dtype float32, got float64"),
+    (lambda a, b: {"tensor_A": a.tobytes()[:40], "tensor_B": b}, None,
+     "input 'tensor_A': expected a multiple of 48 bytes \\(one transfer.*got 40 bytes"),
+    (lambda a, b: {"tensor_A": np.zeros((3, 3), np.float32), "tensor_B": np.zeros((3, 3), np.float32)},
+     None, r"expected shape \[N\*4, 3\] \(N >= 1\), got shape \[3, 3\]"),
+    (lambda a, b: {"tensor_A": np.zeros((8, 3), np.float32), "tensor_B": b}, None,
+     "disagree on the batch size.*tensor_A has 2, tensor_B has 1"),
+    (lambda a, b: {"tensor_A": a, "tensor_B": b}, {"tensor_C": bytearray(16)},
+     "output 'tensor_C': the buffer is too small; expected 48 bytes.*got 16 bytes"),
+    (lambda a, b: {"tensor_A": a, "tensor_B": b}, {"tensor_C": np.zeros((2, 3), np.float32)},
+     r"output 'tensor_C': expected shape \[4, 3\] for this request, got shape \[2, 3\]"),
+    (lambda a, b: {"tensor_A": a, "tensor_B": b}, {"nope": np.zeros(SHAPE, np.float32)},
+     "unknown output tensor 'nope'"),
+    (lambda a, b: {"tensor_A": a, "tensor_B": b}, {}, "missing output tensor\\(s\\) 'tensor_C'"),
+])
+def test_bad_requests_are_refused_and_runner_stays_usable(runner, weights, inputs, outputs, match):
+    a, b = pair()
+    with pytest.raises(BadRequestError, match=match):
+        runner.execute(inputs(a, b), outputs)
+    with pytest.raises(BadRequestError, match=match):
+        runner.executeAsync(inputs(a, b), outputs)
+    check_healthy(runner, weights)
+
+
+def test_replica_id_out_of_range(runner, weights):
+    a, b = pair()
+    with pytest.raises(BadRequestError, match="replica_id 1 is out of range; expected 0..0"):
+        runner.execute({"tensor_A": a, "tensor_B": b}, replica_id=1)
+    check_healthy(runner, weights)
+
+
+# ------------------------------------------------------------------ monitoring
+def test_monitoring_grows_with_requests(runner):
+    before = runner.getMonitoringStatisticsTotalCount({})["request_monitoring_statistics_count"]
+    a, b = pair()
+    for _ in range(7):
+        runner.execute({"tensor_A": a, "tensor_B": b})
+    info: dict = {}
+    assert runner.getMonitoringStatisticsTotalCount(info) is info
+    assert set(info) == {"request_monitoring_statistics_count",
+                         "read_preparation_monitoring_statistics_count",
+                         "read_queue_monitoring_statistics_count",
+                         "computation_monitoring_statistics_count"}
+    assert info["request_monitoring_statistics_count"] == before + 7
+    trace = runner.getTimeTrace({})
+    assert trace["request_duration_us"] > 0
+    assert trace["request_duration_us"] == pytest.approx(
+        trace["read_preparation_duration_us"] + trace["read_queue_duration_us"]
+        + trace["computation_duration_us"], rel=1e-6, abs=1e-3)
+    mean = runner.getMonitoringStatisticsMean({})
+    p = runner.getMonitoringStatisticsPercentile({}, 0.999)
+    assert mean["request_monitoring_statistics_mean_us"] > 0
+    assert p["request_monitoring_statistics_percentile_us"] >= mean[
+        "computation_monitoring_statistics_mean_us"]
+
+
+# ------------------------------------------------------------------ other configurations
+def test_replication_two_replicas(model_path, weights):
+    cfg = model_runtime.ModelRunnerConfig()
+    cfg.replication_factor = 2
+    with model_runtime.ModelRunner(model_runtime.PopefPaths([model_path]), config=cfg) as r:
+        pids = [rep.session.device().pids()[0] for rep in r._replicas]
+        assert len(set(pids)) == 2, "each replica runs on its own IPU process"
+        for replica_id in range(2):
+            a, b = pair()
+            iv = model_runtime.InputMemoryView()
+            iv.update(tensor_A=a, tensor_B=b)
+            result = r.execute(iv, replica_id=replica_id)
+            got = np.frombuffer(result["tensor_C"], np.float32).reshape(SHAPE)
+            np.testing.assert_allclose(got, a * weights + b, rtol=1e-6)
+        futs = [(pair(), rid) for rid in (0, 1, 1, 0)]
+        running = [(a, b, r.executeAsync({"tensor_A": a, "tensor_B": b}, replica_id=rid))
+                   for (a, b), rid in futs]
+        for a, b, fut in running:
+            np.testing.assert_allclose(fut["tensor_C"], a * weights + b, rtol=1e-6)
+        counts = [r.getMonitoringStatisticsTotalCount({}, replica_id=i)[
+            "request_monitoring_statistics_count"] for i in range(2)]
+        assert counts == [3.0, 3.0]
+        with pytest.raises(BadRequestError, match="replica_id 2 is out of range; expected 0..1"):
+            r.execute({"tensor_A": a, "tensor_B": b}, replica_id=2)
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                   for p in pids), "close() stops the replicas' IPU processes"
+
+
+def test_multithreading_thread_safe(model_path, weights):
+    cfg = model_runtime.ModelRunnerConfig()
+    cfg.thread_safe = True
+    errors: list[str] = []
+    done = []
+    with model_runtime.ModelRunner(model_path, config=cfg) as r:
+        def worker(wid):
+            rng = np.random.default_rng(wid)
+            try:
+                reqs = [(rng.standard_normal(SHAPE).astype(np.float32),
+                         rng.standard_normal(SHAPE).astype(np.float32)) for _ in range(5)]
+                futs = []
+                for a, b in reqs:
+                    iv = model_runtime.InputMemoryView()
+                    iv.update(tensor_A=a, tensor_B=b)
+                    futs.append(r.executeAsync(iv))
+                for (a, b), f in zip(reqs, futs):
+                    f.wait()
+                    got = np.frombuffer(f["tensor_C"], np.float32).reshape(SHAPE)
+                    np.testing.assert_allclose(got, a * weights + b, rtol=1e-6)
+                    done.append(wid)
+            except Exception as exc:
+                errors.append(f"worker {wid}: {exc!r}")
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        assert len(done) == 20
+        assert r.getMonitoringStatisticsTotalCount({})["request_monitoring_statistics_count"] == 20
+
+
+def test_frozen_inputs_main_and_load(model_path, weights):
+    model = popef.load_model([model_path])
+    frozen_b = rand(seed=5)
+    frozen_w = rand(seed=6)
+    cfg = model_runtime.ModelRunnerConfig()
+    frozen = model_runtime.InputMemoryView()
+    frozen["tensor_B"] = frozen_b
+    cfg.frozen_inputs = frozen
+    with model_runtime.ModelRunner(model, config=cfg) as r:
+        assert [d.name for d in r.getExecuteInputs()] == ["tensor_A"]
+        for seed in range(3):
+            a = rand(seed=seed)
+            result = r.execute({"tensor_A": a})
+            np.testing.assert_allclose(result["tensor_C"], a * weights + frozen_b, rtol=1e-6)
+        with pytest.raises(BadRequestError, match="input 'tensor_B' is frozen"):
+            r.execute({"tensor_A": a, "tensor_B": a})
+    # a frozen PopEF tensor-data anchor overrides the file's weights
+    cfg2 = model_runtime.ModelRunnerConfig(frozen_inputs={"weights": frozen_w})
+    with model_runtime.ModelRunner(model, config=cfg2) as r:
+        a, b = pair()
+        np.testing.assert_allclose(r.execute({"tensor_A": a, "tensor_B": b})["tensor_C"],
+                                   a * frozen_w + b, rtol=1e-6)
+
+
+def test_frozen_inputs_checked(model_path):
+    cfg = model_runtime.ModelRunnerConfig(frozen_inputs={"nope": np.zeros(3)})
+    with pytest.raises(BadRequestError, match="frozen_inputs: the model has no input 'nope'"):
+        model_runtime.ModelRunner(model_path, config=cfg)
+    cfg = model_runtime.ModelRunnerConfig(frozen_inputs={"tensor_B": np.zeros((2, 3), np.float32)})
+    with pytest.raises(BadRequestError, match=r"input 'tensor_B': expected shape \[4, 3\]"):
+        model_runtime.ModelRunner(model_path, config=cfg)
+
+
+def test_save_programs_on_close_fill_outputs(model_path, weights):
+    cfg = model_runtime.ModelRunnerConfig()
+    cfg.run_save_programs = True
+    mine = np.zeros(SHAPE, np.float32)
+    cfg.replica_to_save_programs_outputs = {0: {"weights_saved": mine}}
+    r = model_runtime.ModelRunner(model_path, config=cfg)
+    check_healthy(r, weights)
+    assert not mine.any()
+    r.close()
+    np.testing.assert_array_equal(mine, weights)
+    # without user memory the runner allocates it and fills the config's dict
+    cfg2 = model_runtime.ModelRunnerConfig(run_save_programs=True)
+    with model_runtime.ModelRunner(model_path, config=cfg2):
+        pass
+    np.testing.assert_array_equal(
+        np.asarray(cfg2.replica_to_save_programs_outputs[0]["weights_saved"]), weights)
+
+
+def test_close_is_idempotent_and_releases_the_device(model_path, weights):
+    r = model_runtime.ModelRunner(model_path)
+    pid = r._replicas[0].session.device().pids()[0]
+    check_healthy(r, weights)
+    r.close()
+    r.close()
+    with pytest.raises(InvalidStateError, match="the ModelRunner is closed"):
+        r.execute({"tensor_A": rand(), "tensor_B": rand()})
+    proc = psutil.Process(pid) if psutil.pid_exists(pid) else None
+    assert proc is None or proc.status() == psutil.STATUS_ZOMBIE
+
+
+def test_bad_config_refused(model_path):
+    cfg = model_runtime.ModelRunnerConfig()
+    cfg.replication_factor = 0
+    with pytest.raises(BadRequestError, match="ModelRunnerConfig.replication_factor: expected "
+                                              "an int >= 1, got 0"):
+        model_runtime.ModelRunner(model_path, config=cfg)
+    with pytest.raises(BadRequestError, match="expects a PopEF path"):
+        model_runtime.ModelRunner(42)

@@ -1,0 +1,189 @@
+"""Dynamic batch sizing, partial-batch timeouts and flush_callback (seed 001, 3.6-3.7).
+
+The model's batch is 4 samples of 3 floats. Timeouts are short (tens of ms)
+but nothing here depends on timing beyond "a flush eventually happens":
+every wait has a generous bound so a slow machine cannot turn into a hang.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import numpy as np
+import pytest
+
+import host_runtime as model_runtime
+from host_runtime import popef
+from host_runtime.errors import BadRequestError
+from tools.generate_simple_popef import write_simple_popef
+
+SHAPE = (4, 3)
+WAIT = 60.0     # generous bound for any single wait
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("batch") / "simple.popef"
+    write_simple_popef(path, shape=SHAPE)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def weights(model_path):
+    m = popef.load_model([model_path])
+    return np.frombuffer(m.tensorData("weights").data, np.float32).reshape(SHAPE)
+
+
+def rows(n, seed):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((n, 3)).astype(np.float32),
+            rng.standard_normal((n, 3)).astype(np.float32))
+
+
+@pytest.fixture(scope="module")
+def dyn(model_path):
+    cfg = model_runtime.ModelRunnerConfig()
+    cfg.batching_dim = 0
+    cfg.is_batch_size_timeout_enabled = True
+    cfg.batch_size_timeout_ns = timedelta(milliseconds=20)
+    with model_runtime.ModelRunner(model_path, config=cfg) as r:
+        yield r
+
+
+def packed_expectation(a, b, weights, start_row):
+    """Expected outputs when sample i of the request sits at transfer row (start_row + i) % 4."""
+    idx = (start_row + np.arange(len(a))) % SHAPE[0]
+    return a * weights[idx] + b
+
+
+@pytest.mark.parametrize("n", [1, 4, 7])
+def test_any_batch_size(dyn, weights, n):
+    a, b = rows(n, n)
+    out = dyn.execute({"tensor_A": a, "tensor_B": b})
+    assert out["tensor_C"].shape == (n, 3)
+    np.testing.assert_allclose(out["tensor_C"], packed_expectation(a, b, weights, 0), rtol=1e-6)
+
+
+def test_user_allocated_output_with_dynamic_batch(dyn, weights):
+    a, b = rows(6, 11)
+    out = np.zeros((6, 3), np.float32)
+    dyn.execute({"tensor_A": a, "tensor_B": b}, {"tensor_C": out})
+    np.testing.assert_allclose(out, packed_expectation(a, b, weights, 0), rtol=1e-6)
+    with pytest.raises(BadRequestError, match=r"output 'tensor_C': expected shape \[6, 3\]"):
+        dyn.execute({"tensor_A": a, "tensor_B": b}, {"tensor_C": np.zeros((4, 3), np.float32)})
+
+
+def test_dynamic_shape_errors(dyn, weights):
+    with pytest.raises(BadRequestError, match=r"expected shape \[N, 3\] \(any N >= 1 on dimension 0\)"
+                                              r", got shape \[2, 2\]"):
+        dyn.execute({"tensor_A": np.zeros((2, 2), np.float32), "tensor_B": np.zeros((2, 2), np.float32)})
+    with pytest.raises(BadRequestError, match="disagree on the batch size.*tensor_A has 2, tensor_B has 3"):
+        dyn.execute({"tensor_A": np.zeros((2, 3), np.float32), "tensor_B": np.zeros((3, 3), np.float32)})
+    a, b = rows(2, 1)
+    np.testing.assert_allclose(dyn.execute({"tensor_A": a, "tensor_B": b})["tensor_C"],
+                               packed_expectation(a, b, weights, 0), rtol=1e-6)
+
+
+def test_requests_are_packed_into_one_transfer(model_path, weights):
+    """With no timer at all, a batch-1 request completes only if the next request's samples
+    fill the rest of its transfer: proof that samples of different requests are packed."""
+    cfg = model_runtime.ModelRunnerConfig(batching_dim=0, timeout_ns=0)
+    with model_runtime.ModelRunner(model_path, config=cfg) as r:
+        a1, b1 = rows(1, 1)
+        f1 = r.executeAsync({"tensor_A": a1, "tensor_B": b1})
+        assert f1.wait(0.05) is False          # 1 of 4 samples: waits for more data
+        a3, b3 = rows(3, 2)
+        f3 = r.executeAsync({"tensor_A": a3, "tensor_B": b3})
+        assert f1.wait(WAIT) and f3.wait(WAIT)
+        np.testing.assert_allclose(f1["tensor_C"], packed_expectation(a1, b1, weights, 0), rtol=1e-6)
+        np.testing.assert_allclose(f3["tensor_C"], packed_expectation(a3, b3, weights, 1), rtol=1e-6)
+        # a 6-sample request leaves 2 in a partial transfer that a 2-sample request fills
+        a6, b6 = rows(6, 3)
+        a2, b2 = rows(2, 4)
+        f6 = r.executeAsync({"tensor_A": a6, "tensor_B": b6})
+        f2 = r.executeAsync({"tensor_A": a2, "tensor_B": b2})
+        np.testing.assert_allclose(f6["tensor_C"], packed_expectation(a6, b6, weights, 0), rtol=1e-6)
+        np.testing.assert_allclose(f2["tensor_C"], packed_expectation(a2, b2, weights, 2), rtol=1e-6)
+
+
+def test_batching_on_dimension_1(tmp_path, weights):
+    path = tmp_path / "dim1.popef"
+    write_simple_popef(path, shape=(2, 3))    # batch of 3 along dimension 1
+    w = np.frombuffer(popef.load_model([str(path)]).tensorData("weights").data,
+                      np.float32).reshape(2, 3)
+    cfg = model_runtime.ModelRunnerConfig(batching_dim=1, is_batch_size_timeout_enabled=True,
+                                          batch_size_timeout_ns=timedelta(milliseconds=10))
+    with model_runtime.ModelRunner(str(path), config=cfg) as r:
+        rng = np.random.default_rng(0)
+        a = rng.standard_normal((2, 5)).astype(np.float32)
+        b = rng.standard_normal((2, 5)).astype(np.float32)
+        out = r.execute({"tensor_A": a, "tensor_B": b})["tensor_C"]
+        cols = np.arange(5) % 3
+        np.testing.assert_allclose(out, a * w[:, cols] + b, rtol=1e-6)
+
+
+def test_without_batching_dim_only_multiples(model_path):
+    with model_runtime.ModelRunner(model_path) as r:
+        with pytest.raises(BadRequestError, match=r"expected shape \[N\*4, 3\] \(N >= 1\), got shape \[7, 3\]"):
+            r.execute({"tensor_A": np.zeros((7, 3), np.float32),
+                       "tensor_B": np.zeros((7, 3), np.float32)})
+
+
+def test_batching_dim_out_of_range_refused(model_path):
+    cfg = model_runtime.ModelRunnerConfig(batching_dim=2)
+    with pytest.raises(BadRequestError, match="batching_dim=2: tensor 'tensor_A' has shape \\[4, 3\\], "
+                                              "which has no dimension 2"):
+        model_runtime.ModelRunner(model_path, config=cfg)
+
+
+def test_flush_callback_called_once_on_timeout_then_padded(model_path, weights):
+    calls = []
+
+    def on_flush(tensor_id, inputs, outputs):
+        calls.append((tensor_id, inputs, outputs))
+        return None
+
+    cfg = model_runtime.ModelRunnerConfig(batching_dim=0, timeout_ns=timedelta(milliseconds=30),
+                                          flush_callback=on_flush)
+    with model_runtime.ModelRunner(model_path, config=cfg) as r:
+        a, b = rows(3, 7)
+        out = r.execute({"tensor_A": a, "tensor_B": b})
+        np.testing.assert_allclose(out["tensor_C"], packed_expectation(a, b, weights, 0), rtol=1e-6)
+        assert calls == [("tensor_A", None, None)]
+        a4, b4 = rows(4, 8)              # a whole batch needs no flush
+        r.execute({"tensor_A": a4, "tensor_B": b4})
+        assert len(calls) == 1
+
+
+def test_flush_callback_supplies_the_missing_samples(model_path, weights):
+    extra_a, extra_b = rows(1, 9)
+    extra_out = np.zeros((1, 3), np.float32)
+    calls = []
+
+    def on_flush(tensor_id, inputs, outputs):
+        calls.append(tensor_id)
+        return ({"tensor_A": extra_a, "tensor_B": extra_b}, {"tensor_C": extra_out})
+
+    cfg = model_runtime.ModelRunnerConfig(batching_dim=0, timeout_ns=timedelta(milliseconds=30),
+                                          flush_callback=on_flush, flush_on_waiting_outputs=True)
+    with model_runtime.ModelRunner(model_path, config=cfg) as r:
+        a, b = rows(3, 10)
+        out = r.execute({"tensor_A": a, "tensor_B": b})
+        np.testing.assert_allclose(out["tensor_C"], packed_expectation(a, b, weights, 0), rtol=1e-6)
+        np.testing.assert_allclose(extra_out, packed_expectation(extra_a, extra_b, weights, 3),
+                                   rtol=1e-6)
+        assert calls == ["tensor_A"]
+
+
+def test_partial_flushed_by_watchdog_when_nobody_waits(model_path, weights):
+    """flush_on_waiting_outputs off (default): the flush happens even before anyone waits."""
+    flushed = []
+    cfg = model_runtime.ModelRunnerConfig(
+        batching_dim=0, timeout_ns=timedelta(milliseconds=20),
+        flush_callback=lambda t, i, o: flushed.append(t))
+    with model_runtime.ModelRunner(model_path, config=cfg) as r:
+        a, b = rows(2, 12)
+        fut = r.executeAsync({"tensor_A": a, "tensor_B": b})
+        r._replicas[0]._watchdog.join(WAIT)       # the watchdog exits once nothing is pending
+        assert flushed == ["tensor_A"]
+        np.testing.assert_allclose(fut["tensor_C"], packed_expectation(a, b, weights, 0), rtol=1e-6)
