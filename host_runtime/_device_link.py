@@ -87,6 +87,7 @@ class DeviceLink:
         self._send_lock = threading.Lock()
         self._servicer: StreamServicer | None = None
         self._lost: DeviceLostError | None = None
+        self._lost_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._closing = False
         self._started = False
@@ -136,7 +137,7 @@ class DeviceLink:
         """Send a request; the future resolves on its DONE (or fails on ERROR / loss)."""
         fut: cf.Future[None] = cf.Future()
         if self._lost is None and self._dead_process() is not None:
-            self._mark_lost()   # e.g. a secondary IPU of the device died since the last poll
+            self.mark_lost()   # e.g. a secondary IPU of the device died since the last poll
         if self._lost is not None:
             fut.set_exception(self._lost)
             return fut
@@ -174,7 +175,7 @@ class DeviceLink:
 
     def _translate(self, exc: BaseException) -> BaseException:
         if isinstance(exc, PeerDiedError):
-            return self._mark_lost()
+            return self.mark_lost()
         if isinstance(exc, ShmError):
             return InvalidStateError(f"{self.description}: {exc}")
         return exc
@@ -188,16 +189,16 @@ class DeviceLink:
                 msg = protocol.receive(events, timeout=_POLL)
             except RingTimeoutError:
                 if self._dead_process() is not None:
-                    self._mark_lost()
+                    self.mark_lost()
                     return
                 continue
             except PeerDiedError:
-                self._mark_lost()
+                self.mark_lost()
                 return
             except ShmError as exc:
                 if not self._closing:
                     _log.warning("%s: event ring failed: %s", self.description, exc)
-                    self._mark_lost()
+                    self.mark_lost()
                 return
             except protocol.ProtocolError as exc:
                 _log.error("%s: bad event: %s", self.description, exc)
@@ -253,9 +254,23 @@ class DeviceLink:
                 return proc
         return None
 
-    def _mark_lost(self) -> DeviceLostError:
-        if self._lost is not None:
-            return self._lost
+    def mark_lost(self) -> DeviceLostError:
+        """Declare the device lost (a process of it is dead); fail everything pending."""
+        with self._lost_lock:
+            if self._lost is not None:
+                return self._lost
+            err = self._lost = self._lost_error()
+        _log.warning("%s", err)
+        self._fail_all(err)
+        servicer = self._servicer
+        if servicer is not None:
+            try:
+                servicer._on_device_lost(err)
+            except Exception:
+                _log.exception("%s: device-lost handler failed", self.description)
+        return err
+
+    def _lost_error(self) -> DeviceLostError:
         proc = self._dead_process()
         if proc is None:
             # the ring saw the peer die before poll() reaped it
@@ -266,15 +281,6 @@ class DeviceLink:
         tail = proc.log_tail()
         if tail:
             err.__cause__ = RemoteTraceback(tail)
-        self._lost = err
-        _log.warning("%s", err)
-        self._fail_all(err)
-        servicer = self._servicer
-        if servicer is not None:
-            try:
-                servicer._on_device_lost(err)
-            except Exception:
-                _log.exception("%s: device-lost handler failed", self.description)
         return err
 
     def _fail_all(self, error: BaseException) -> None:

@@ -920,6 +920,8 @@ class Session:
             if lost is not None:
                 return lost
             dev = self._device
+            if dev is not None and exc.pid in dev.pids():
+                return dev._link.mark_lost()   # the ring saw it first; get how it died
             name = dev.describe() if dev is not None else "the device"
             return DeviceLostError(f"{name}: IPU process {exc.pid} died")
         if isinstance(exc, RingInvalidatedError):
