@@ -34,25 +34,22 @@ import enum
 import logging
 import os
 import secrets
-import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
-from shm import (PeerDiedError, Region, Ring, RingInvalidatedError, RingTimeoutError,
-                 ShmClosedError, ShmError)
+from shm import Region
 
 from host_runtime import popef
-from host_runtime._device_link import DeviceLink, wait
+from host_runtime._device_link import wait
+from host_runtime._session_fastpath import FastPath
+from host_runtime._session_streams import StreamTable
 from host_runtime.devices import Device, DeviceManager, DeviceWaitConfig
 from host_runtime.errors import (BadRequestError, DeviceExecutionError, DeviceLostError,
-                                 DeviceTimeoutError, InvalidStateError, ModelRuntimeError,
-                                 PopefError)
-from host_runtime.predicates import (AnchorCallbackPolicy, AnchorCallbackPredicate,
-                                     PopefDataUsagePolicy, PopefDataUsagePredicate)
+                                 InvalidStateError, ModelRuntimeError, PopefError)
+from host_runtime.predicates import AnchorCallbackPredicate, PopefDataUsagePredicate
 from ipu_emulator import protocol
 from ipu_emulator.executable import ExecutableError, read_header
-from ipu_emulator.protocol import (MODE_DIRECT, MODE_DIRECT_NOTIFY, MODE_EVENT, MODE_NULL,
-                                   TAG_ABORT, Op)
+from ipu_emulator.protocol import Op
 
 __all__ = [
     "LaunchPolicy",
@@ -68,9 +65,6 @@ _log = logging.getLogger(__name__)
 CallbackHandle = Callable[[memoryview], None]
 """Called with one transfer: writable for inputs, read-only (valid during the call) for outputs."""
 
-_MAX_RING_BYTES = 64 << 20       # cap on one anchor's ring (slots x transfer size)
-_PREFAULT_BYTES = 4 << 20        # pre-fault rings up to this size
-_UNLIMITED_DEPTH = 8             # ring depth of Main anchors for max_look_ahead "unlimited"
 _STOP_TIMEOUT = float(os.environ.get("IPU_EMULATOR_STOP_TIMEOUT", "30"))
 _LOAD_TIMEOUT = float(os.environ.get("IPU_EMULATOR_LOAD_TIMEOUT", "300"))
 
@@ -130,41 +124,7 @@ class CallbackInfo:
 CallbackFactory = Callable[[CallbackInfo], "CallbackHandle | None"]
 
 
-class _Empty:
-    """The empty (dummy) callback of BIND_EMPTY_CB: inputs read zeros, outputs dropped."""
-
-    def __call__(self, view: memoryview) -> None:
-        return None
-
-    def __repr__(self) -> str:
-        return "<empty callback>"
-
-
-_EMPTY = _Empty()
-
-
-def _popef_input_callback(data: bytes, nbytes: int, transfers: int, what: str) -> CallbackHandle:
-    """A callback feeding PopEF tensor data (one transfer) or feed data (cycled)."""
-    if transfers <= 1:
-        if len(data) != nbytes:
-            raise PopefError(f"{what} has {len(data)} bytes; its anchor transfers {nbytes}")
-        payload = memoryview(data)
-
-        def tensor_cb(view: memoryview) -> None:
-            view[:] = payload
-        return tensor_cb
-    if len(data) != nbytes * transfers:
-        raise PopefError(f"{what} has {len(data)} bytes for {transfers} transfers of {nbytes}")
-    chunks = [memoryview(data)[i * nbytes:(i + 1) * nbytes] for i in range(transfers)]
-    position = [0]
-
-    def feed_cb(view: memoryview) -> None:
-        view[:] = chunks[position[0]]
-        position[0] = (position[0] + 1) % transfers
-    return feed_cb
-
-
-class Session:
+class Session(FastPath):
     """Links a model to a device: loads it, runs its programs, services its streams."""
 
     def __init__(self, model: popef.Model | str | Sequence[str],
@@ -172,7 +132,6 @@ class Session:
         self._config = config if config is not None else SessionConfig()
         if not isinstance(self._config, SessionConfig):
             raise BadRequestError(f"config must be a SessionConfig, got {config!r}")
-        self._look_ahead = self._config.look_ahead()
         if isinstance(model, popef.Model):
             self._model = model
         elif isinstance(model, (str, os.PathLike)):
@@ -187,28 +146,14 @@ class Session:
             self._header = read_header(self._exe)
         except ExecutableError as exc:
             raise PopefError(f"executable {self._model.executable.name()!r}: {exc}") from exc
-        md = self._model.metadata
-        self._flow = md.programFlow()
-        self._anchors = md.anchors()
-        self._streams = [a for a in self._anchors
-                         if a.type() in (popef.TensorType.INPUT, popef.TensorType.OUTPUT)]
-        self._by_handle = {a.handle(): a for a in self._streams}
-        self._index = {a.handle(): i for i, a in enumerate(self._streams)}
-        self._nbytes = {a.handle(): a.tensorInfo().sizeInBytes() for a in self._streams}
-        self._popef_cbs: dict[str, CallbackHandle] = {}
-        self._bind_popef_data()
-        self._user_cbs: dict[str, CallbackHandle] = {}
-        self._direct: set[str] = set()
-        self._need_observer: Callable[[str], None] | None = None
+        self._streams = StreamTable(self._model, self._config.pred_tensor_data,
+                                    self._config.look_ahead())
+        self._flow = self._streams.flow
         self._stop_listeners: list[Callable[[], None]] = []
         self._queue_managers: list[Any] = []
-        self._callback_errors: list[tuple[str, BaseException]] = []
-        self._state_lock = threading.Lock()
         self._key = secrets.token_hex(8)
         self._device: Device | None = None
         self._owns_device = False
-        self._rings: dict[str, Ring] = {}
-        self._rings_device: Device | None = None
         self._spec_region: Region | None = None
         self._memory_region: Region | None = None
         self._loaded = False             # our executable is loaded and we are the active session
@@ -220,28 +165,6 @@ class Session:
         self._closed = False
         if self._config.policy is LaunchPolicy.Immediate:
             self._acquire_device()
-
-    # -- construction helpers ------------------------------------------------------------
-
-    def _bind_popef_data(self) -> None:
-        pred = self._config.pred_tensor_data
-        for a in self._streams:
-            if a.type() is not popef.TensorType.INPUT:
-                continue
-            td = self._model.tensorData(a.name())
-            feed = next((f for f in self._model.feeds if f.anchor == a.name()), None)
-            if td is None and feed is None:
-                continue
-            policy = PopefDataUsagePolicy.USE_POPEF_DATA_IF_ANY if pred is None else pred(a)
-            if PopefDataUsagePolicy(policy) is PopefDataUsagePolicy.USE_USER_DATA:
-                continue
-            n = self._nbytes[a.handle()]
-            if td is not None:
-                self._popef_cbs[a.handle()] = _popef_input_callback(
-                    td.data, n, 1, f"tensor data of {a.name()!r}")
-            elif feed is not None:
-                self._popef_cbs[a.handle()] = _popef_input_callback(
-                    feed.data, n, feed.num_transfers, f"feed data of {a.name()!r}")
 
     # -- the seed's API: device -------------------------------------------------------------
 
@@ -315,8 +238,7 @@ class Session:
             raise InvalidStateError("reload: the main loop is running; stop() the session first")
         with dev._device_lock:
             dev._bind_session(self)
-            for ring in self._rings.values():
-                ring.reset()
+            self._streams.reset_rings()
             self._load(fresh=True)
             self._stopped = False
 
@@ -337,67 +259,25 @@ class Session:
 
     def setCallbackForAnchor(self, anchor_handle: str, callback: CallbackHandle | None) -> None:
         """Set the callback of one anchor (None removes the user's callback)."""
-        anchor = self._anchor(anchor_handle)
-        if anchor.handle() in self._direct:
-            raise InvalidStateError(
-                f"anchor {anchor_handle!r} is serviced directly (by a QueueManager); its "
-                "callback cannot be set")
-        if callback is not None and not callable(callback):
-            raise BadRequestError(f"callback for {anchor_handle!r} must be callable, got {callback!r}")
-        with self._state_lock:
-            if callback is None:
-                self._user_cbs.pop(anchor.handle(), None)
-            else:
-                self._user_cbs[anchor.handle()] = callback
+        self._streams.set_callback(anchor_handle, callback)
 
     def setUserInputHandler(self, factory: CallbackFactory,
                             anchor_callback_predicate: AnchorCallbackPredicate | None = None,
                             skip_connected: bool = False) -> None:
         """Call ``factory`` for each user input anchor; bind what the predicate allows."""
-        self._set_handler(self.getUserInputAnchors(), factory, anchor_callback_predicate,
-                          skip_connected)
+        self._streams.set_handler(self.getUserInputAnchors(), factory, anchor_callback_predicate,
+                                  skip_connected, CallbackInfo)
 
     def setUserOutputHandler(self, factory: CallbackFactory,
                              anchor_callback_predicate: AnchorCallbackPredicate | None = None,
                              skip_connected: bool = False) -> None:
         """Call ``factory`` for each output anchor; bind what the predicate allows."""
-        self._set_handler(self.getUserOutputAnchors(), factory, anchor_callback_predicate,
-                          skip_connected)
-
-    def _set_handler(self, anchors: list[popef.Anchor], factory: CallbackFactory,
-                     predicate: AnchorCallbackPredicate | None, skip_connected: bool) -> None:
-        if not callable(factory):
-            raise BadRequestError(f"factory must be callable, got {factory!r}")
-        for a in anchors:
-            h = a.handle()
-            if h in self._direct or (skip_connected and self._connected(h)):
-                continue
-            policy = (AnchorCallbackPolicy.BIND_USER_CB if predicate is None
-                      else AnchorCallbackPolicy(predicate(a)))
-            if policy is AnchorCallbackPolicy.SKIP_CB:
-                continue
-            if policy is AnchorCallbackPolicy.BIND_EMPTY_CB:
-                with self._state_lock:
-                    self._user_cbs[h] = _EMPTY
-                continue
-            cb = factory(CallbackInfo(a))
-            if cb is None:
-                continue
-            if not callable(cb):
-                raise BadRequestError(f"factory returned {cb!r} for anchor {a.name()!r}; "
-                                      "expected a callable or None")
-            with self._state_lock:
-                self._user_cbs[h] = cb
+        self._streams.set_handler(self.getUserOutputAnchors(), factory,
+                                  anchor_callback_predicate, skip_connected, CallbackInfo)
 
     def anchorsNotConnectedToCallbacks(self, progs: Sequence[int]) -> dict[int, list[popef.Anchor]]:
         """For each program: its anchors that have no callback (nor PopEF data, nor a queue)."""
-        result: dict[int, list[popef.Anchor]] = {}
-        for p in progs:
-            missing = [a for a in self._streams if p in a.programs()
-                       and not self._connected(a.handle())]
-            if missing:
-                result[int(p)] = missing
-        return result
+        return self._streams.not_connected(progs)
 
     def errorIfAnchorsAreNotConnectedToCallbacks(self, progs: Sequence[int]) -> None:
         """Raise InvalidStateError listing each program's unconnected anchors."""
@@ -414,14 +294,14 @@ class Session:
 
     def getInputAnchors(self) -> list[popef.Anchor]:
         """All input anchors (user-fed and PopEF-data-fed)."""
-        return [a for a in self._streams if a.type() is popef.TensorType.INPUT]
+        return self._streams.of_type(popef.TensorType.INPUT)
 
     def getOutputAnchors(self) -> list[popef.Anchor]:
-        return [a for a in self._streams if a.type() is popef.TensorType.OUTPUT]
+        return self._streams.of_type(popef.TensorType.OUTPUT)
 
     def getUserInputAnchors(self) -> list[popef.Anchor]:
         """Inputs the user must feed: those not bound to PopEF tensor or feed data."""
-        return [a for a in self.getInputAnchors() if a.handle() not in self._popef_cbs]
+        return [a for a in self.getInputAnchors() if a.handle() not in self._streams.popef_cbs]
 
     def getUserOutputAnchors(self) -> list[popef.Anchor]:
         """Outputs the user handles (all outputs: PopEF data never feeds an output)."""
@@ -429,7 +309,7 @@ class Session:
 
     def getPopefInputAnchors(self) -> list[popef.Anchor]:
         """Inputs fed automatically from the model's PopEF tensor or feed data."""
-        return [a for a in self.getInputAnchors() if a.handle() in self._popef_cbs]
+        return [a for a in self.getInputAnchors() if a.handle() in self._streams.popef_cbs]
 
     def model(self) -> popef.Model:
         return self._model
@@ -465,10 +345,7 @@ class Session:
                 self._unbind(run_save=False)
         finally:
             self._closed = True
-            for ring in self._rings.values():
-                ring.close()
-                ring.unlink()
-            self._rings = {}
+            self._streams.close()
             for region in (self._spec_region, self._memory_region):
                 if region is not None:
                     region.close()
@@ -538,7 +415,7 @@ class Session:
         if (dev is None or not self._loaded or not self._load_ran or self._stopped or not save
                 or dev._link.lost is not None or (self._loop is not None and not self._loop.done())):
             return
-        if self.anchorsNotConnectedToCallbacks(save):
+        if self._streams.not_connected(save):
             _log.debug("skipping implicit save programs of %r: anchors not connected", self)
             return
         self._request_run(dev, save, "implicit save programs")
@@ -580,45 +457,10 @@ class Session:
             self._load_ran = False
 
     def _ensure_resources(self, dev: Device) -> None:
-        if not self._rings:
-            for a in self._streams:
-                h = a.handle()
-                n = self._nbytes[h]
-                depth = self._ring_depth(a)
-                kind = "in" if a.type() is popef.TensorType.INPUT else "out"
-                self._rings[h] = Ring.create(max(1, n), depth, kind=kind,
-                                             prefault=max(1, n) * depth <= _PREFAULT_BYTES)
+        self._streams.ensure_rings(dev._link.pid)
         if self._memory_region is None:
             size = max(64, int(self._header["memory_bytes"]))
             self._memory_region = Region.create(size, kind="mem", prefault=False)
-        if self._rings_device is not dev:
-            # New device: whatever the old one left in the rings (it may have died
-            # mid-transfer) is stale. It is unbound, so the rings are quiescent.
-            for ring in self._rings.values():
-                ring.reset()
-                ring.set_peer(dev._link.pid)
-            self._rings_device = dev
-
-    def _ring_depth(self, anchor: popef.Anchor) -> int:
-        main = set(self._flow.main())
-        if not any(p in main for p in anchor.programs()):
-            return 2
-        n = max(1, self._nbytes[anchor.handle()])
-        want = _UNLIMITED_DEPTH if self._look_ahead is None else self._look_ahead + 1
-        return max(1, min(want, _MAX_RING_BYTES // n))
-
-    def _modes(self) -> list[int]:
-        modes = []
-        for a in self._streams:
-            h = a.handle()
-            if h in self._direct:
-                notify = self._need_observer is not None and a.type() is popef.TensorType.INPUT
-                modes.append(MODE_DIRECT_NOTIFY if notify else MODE_DIRECT)
-            elif self._callback(h) is _EMPTY:
-                modes.append(MODE_NULL)
-            else:
-                modes.append(MODE_EVENT)
-        return modes
 
     def _load(self, fresh: bool) -> None:
         """Send LOAD (caller holds the device lock and is the active session)."""
@@ -631,16 +473,13 @@ class Session:
                 f"executable {self._header['name']!r} needs {need} bytes of device memory, but "
                 f"{dev.describe()} has {dev.numIpus()} IPU(s) x {dev.tilesPerIpu()} tiles x "
                 f"{dev.memoryPerTile()} bytes per tile = {dev.memoryBytes()} bytes")
-        modes = self._modes()
+        modes = self._streams.modes()
         spec: dict[str, Any] = {
             "key": self._key, "fresh": int(bool(fresh)), "executable_offset": 0,
             "executable_size": len(self._exe),
             "memory_region": self._memory_region.name if self._memory_region else None,
             "check_package_hash": bool(self._config.check_package_hash),
-            "streams": [{"handle": a.handle(), "ring": self._rings[a.handle()].name,
-                         "direction": "in" if a.type() is popef.TensorType.INPUT else "out",
-                         "nbytes": self._nbytes[a.handle()], "mode": m}
-                        for a, m in zip(self._streams, modes)],
+            "streams": self._streams.load_spec(modes),
         }
         if self._spec_region is None:
             spec["executable_offset"] = protocol.spec_prefix_size(spec)
@@ -664,7 +503,7 @@ class Session:
         self._load_ran = False
 
     def _send_modes(self, dev: Device) -> None:
-        modes = self._modes()
+        modes = self._streams.modes()
         if modes != self._modes_sent:
             dev._link.notify(Op.MODES, modes)
             self._modes_sent = modes
@@ -699,7 +538,7 @@ class Session:
 
     def _request_run(self, dev: Device, progs: list[int], what: str) -> None:
         self._send_modes(dev)
-        self._callback_errors.clear()
+        self._streams.clear_callback_errors()
         fut = dev._link.request(Op.RUN, list(progs))
         try:
             wait(fut, None, f"{what} on {dev.describe()}")
@@ -708,246 +547,32 @@ class Session:
             if new is exc:
                 raise
             raise new from new.__cause__
-        if self._callback_errors:
-            handle, cb_exc = self._callback_errors[0]
-            self._callback_errors.clear()
-            raise DeviceExecutionError(
-                f"{what}: the callback of anchor {handle!r} raised "
-                f"{type(cb_exc).__name__}: {cb_exc}") from cb_exc
+        failed = self._streams.take_callback_error()
+        if failed is not None:
+            raise _callback_failure(what, *failed)
 
     def _with_callback_error(self, exc: DeviceExecutionError, what: str) -> BaseException:
-        if not self._callback_errors:
-            return exc
-        handle, cb_exc = self._callback_errors[0]
-        self._callback_errors.clear()
-        new = DeviceExecutionError(f"{what}: the callback of anchor {handle!r} raised "
-                                   f"{type(cb_exc).__name__}: {cb_exc}")
-        new.__cause__ = cb_exc
-        return new
+        failed = self._streams.take_callback_error()
+        return exc if failed is None else _callback_failure(what, *failed)
 
-    # -- stream servicing (called on the device's service thread) ------------------------------------
-
-    def _callback(self, handle: str) -> CallbackHandle | None:
-        cb = self._user_cbs.get(handle)
-        if cb is None:
-            cb = self._popef_cbs.get(handle)
-        return cb
-
-    def _connected(self, handle: str) -> bool:
-        return handle in self._direct or self._callback(handle) is not None
+    # -- stream servicing (the device link calls these on its service thread) --------------
 
     def _on_need(self, index: int) -> None:
-        a = self._streams[index]
-        h = a.handle()
-        if h in self._direct:
-            observer = self._need_observer
-            if observer is not None:
-                try:
-                    observer(h)
-                except Exception:
-                    _log.exception("NEED observer failed for %r", h)
-            return
-        ring = self._rings[h]
-        cb = self._callback(h)
-        try:
-            view = ring.acquire_write(timeout=_STOP_TIMEOUT)
-        except ShmError as exc:
-            _log.warning("input %r: cannot write its ring: %s", a.name(), exc)
-            return
-        n = self._nbytes[h]
-        part = view[:n]
-        try:
-            if cb is None:
-                raise InvalidStateError(f"input anchor {a.name()!r} has no callback")
-            cb(part)
-        except BaseException as exc:
-            self._callback_errors.append((h, exc))
-            ring.publish(0, tag=TAG_ABORT)
-            return
-        finally:
-            _release(part)
-        ring.publish(n)
+        self._streams.on_need(index)
 
     def _on_out(self, index: int) -> None:
-        a = self._streams[index]
-        h = a.handle()
-        ring = self._rings[h]
-        try:
-            view, _ = ring.acquire_read(timeout=_STOP_TIMEOUT)
-        except ShmError as exc:
-            _log.warning("output %r: cannot read its ring: %s", a.name(), exc)
-            return
-        ro = view.toreadonly()
-        try:
-            cb = self._callback(h)
-            if cb is not None:
-                cb(ro)
-        except BaseException as exc:
-            self._callback_errors.append((h, exc))
-        finally:
-            _release(ro)
-            ring.release()
+        self._streams.on_out(index)
 
     def _on_device_lost(self, error: DeviceLostError) -> None:
         self._loaded = False
 
-    # -- the fast path for QueueManager / ModelRunner (CONTRACTS.md section 5) --------------------------
-
-    def _ensure_bound(self) -> Device:
-        dev = self._require_device()
-        with dev._device_lock:
-            self._activate()
-        return dev
-
-    def _ring(self, handle: str, kind: popef.TensorType) -> Ring:
-        a = self._anchor(handle)
-        if a.type() is not kind:
-            raise BadRequestError(f"anchor {handle!r} is an {a.type().value.lower()} anchor, "
-                                  f"not an {kind.value.lower()}")
-        self._ensure_bound()
-        return self._rings[a.handle()]
-
-    def _input_ring(self, handle: str) -> Ring:
-        """The host (producer) end of an input anchor's ring; binds the session if needed."""
-        return self._ring(handle, popef.TensorType.INPUT)
-
-    def _output_ring(self, handle: str) -> Ring:
-        """The host (consumer) end of an output anchor's ring; binds the session if needed."""
-        return self._ring(handle, popef.TensorType.OUTPUT)
-
-    def _claim_direct(self, handle: str) -> None:
-        """The caller services this anchor's ring itself: no callbacks, no events."""
-        a = self._anchor(handle)
-        with self._state_lock:
-            self._direct.add(a.handle())
-        self._push_modes()
-
-    def _release_direct(self, handle: str) -> None:
-        a = self._anchor(handle)
-        with self._state_lock:
-            self._direct.discard(a.handle())
-        self._push_modes()
-
-    def _direct_anchors(self) -> set[str]:
-        return set(self._direct)
-
-    def _set_need_observer(self, observer: Callable[[str], None] | None) -> None:
-        """``observer(handle)`` runs on the service thread when the device waits on an empty
-        directly-serviced input ring (for input timeouts and flush)."""
-        if observer is not None and not callable(observer):
-            raise BadRequestError(f"observer must be callable or None, got {observer!r}")
-        self._need_observer = observer
-        self._push_modes()
-
-    def _add_stop_listener(self, listener: Callable[[], None]) -> None:
-        """``listener()`` runs at the start of stop() (e.g. QueueManager.disconnectAll)."""
-        self._stop_listeners.append(listener)
-
-    def _remove_stop_listener(self, listener: Callable[[], None]) -> None:
-        try:
-            self._stop_listeners.remove(listener)
-        except ValueError:
-            pass
-
-    def _push_modes(self) -> None:
-        dev = self._device
-        if dev is not None and self._loaded and dev.isActiveSession(self) and dev._link.lost is None:
-            self._send_modes(dev)
-
-    def _start_main_loop(self) -> "cf.Future[None]":
-        """Run Main on the device in a loop until stop(); returns at once.
-
-        The load programs run first (synchronously) if this binding has not run
-        them. The future resolves to None when stop() ends the loop, or fails
-        with DeviceExecutionError / DeviceLostError.
-        """
-        dev = self._require_device()
-        with dev._device_lock:
-            self._activate()
-            self._check_runnable()
-            main = self._flow.main()
-            if not main:
-                raise InvalidStateError("the model has no main programs")
-            if self._need_load_programs:
-                self._run_checked(dev, self._flow.load(), "load programs")
-                self._need_load_programs = False
-                self._load_ran = True
-            self.errorIfAnchorsAreNotConnectedToCallbacks(main)
-            self._send_modes(dev)
-            self._callback_errors.clear()
-            inner = dev._link.request(Op.LOOP, list(main))
-            outer: cf.Future[None] = cf.Future()
-
-            def done(f: "cf.Future[None]") -> None:
-                exc = f.exception()
-                if exc is None:
-                    outer.set_result(None)
-                elif isinstance(exc, DeviceExecutionError):
-                    outer.set_exception(self._with_callback_error(exc, "main loop"))
-                else:
-                    outer.set_exception(exc)
-            inner.add_done_callback(done)
-            self._loop = outer
-            return outer
-
-    def _stop_main_loop(self, timeout: float = _STOP_TIMEOUT) -> None:
-        """End a running main loop but stay runnable (unlike stop()): e.g. to run the save
-        programs next. An iteration waiting for input is abandoned; device memory is kept."""
-        loop, dev = self._loop, self._device
-        if loop is None or loop.done() or dev is None or dev._link.lost is not None:
-            return
-        wait(dev._link.request(Op.STOP, value=1), timeout, f"ending the main loop on "
-             f"{dev.describe()}")
-        try:
-            wait(loop, timeout, "the main loop to end")
-        except ModelRuntimeError:
-            pass  # its failure is reported through the loop future
-
-    def _main_loop(self) -> "cf.Future[None] | None":
-        return self._loop
-
-    def _failure(self) -> ModelRuntimeError | None:
-        """The DeviceLostError of the bound device, if it died."""
-        dev = self._device
-        return None if dev is None else dev._link.lost
-
-    def _translate(self, exc: BaseException) -> BaseException:
-        """Map a wire error met on a stream ring to the host's error hierarchy."""
-        if isinstance(exc, ModelRuntimeError):
-            return exc
-        lost = self._failure()
-        if isinstance(exc, PeerDiedError):
-            if lost is not None:
-                return lost
-            dev = self._device
-            if dev is not None and exc.pid in dev.pids():
-                return dev._link.mark_lost()   # the ring saw it first; get how it died
-            name = dev.describe() if dev is not None else "the device"
-            return DeviceLostError(f"{name}: IPU process {exc.pid} died")
-        if isinstance(exc, RingInvalidatedError):
-            return InvalidStateError(f"the stream was disconnected (session stopped): {exc}")
-        if isinstance(exc, RingTimeoutError):
-            return DeviceTimeoutError(str(exc))
-        if isinstance(exc, ShmClosedError):
-            return InvalidStateError(f"the session is closed: {exc}")
-        if isinstance(exc, ShmError):
-            return InvalidStateError(str(exc))
-        return exc
-
     def _anchor(self, handle: str) -> popef.Anchor:
-        a = self._by_handle.get(handle)
-        if a is None:
-            for cand in self._streams:
-                if cand.name() == handle:
-                    return cand
-            raise BadRequestError(
-                f"unknown anchor {handle!r}; expected one of "
-                + ", ".join(repr(h) for h in self._by_handle))
-        return a
+        """The anchor of a handle or name; BadRequestError naming the known handles."""
+        return self._streams.anchor(handle)
 
 
-def _release(view: memoryview) -> None:
-    try:
-        view.release()
-    except BufferError:  # the callback kept an export (e.g. numpy array) alive
-        pass
+def _callback_failure(what: str, handle: str, exc: BaseException) -> DeviceExecutionError:
+    err = DeviceExecutionError(f"{what}: the callback of anchor {handle!r} raised "
+                               f"{type(exc).__name__}: {exc}")
+    err.__cause__ = exc
+    return err

@@ -1,0 +1,324 @@
+"""A session's streams: what feeds or drains each anchor, its ring, and the servicing.
+
+Each input or output anchor of a model is one *stream*, numbered in metadata
+order (the index NEED/OUT events carry). For each, the table knows
+
+- its callback: the user's (``setCallbackForAnchor`` and the handlers), else
+  the PopEF tensor/feed data bound automatically, else none; the empty
+  callback of ``BIND_EMPTY_CB`` is the marker ``EMPTY``;
+- whether it is *direct* (claimed by the fast path: the caller moves the
+  bytes itself);
+- its ring (slot = one transfer of ``sizeInBytes``), created on first bind.
+
+``on_need`` / ``on_out`` run on the device's service thread: they call the
+callback over a slot of the ring and publish or release it. A callback that
+raises is recorded (``take_callback_error``) and, for an input, the slot is
+published with ``TAG_ABORT`` so the device fails the program instead of
+waiting forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable, Sequence
+
+from shm import Ring, ShmError
+
+from host_runtime import popef
+from host_runtime.errors import BadRequestError, InvalidStateError, PopefError
+from host_runtime.predicates import (AnchorCallbackPolicy, AnchorCallbackPredicate,
+                                     PopefDataUsagePolicy, PopefDataUsagePredicate)
+from ipu_emulator.protocol import (MODE_DIRECT, MODE_DIRECT_NOTIFY, MODE_EVENT, MODE_NULL,
+                                   TAG_ABORT)
+
+__all__ = ["StreamTable", "EMPTY", "Callback"]
+
+_log = logging.getLogger("host_runtime.session")
+
+Callback = Callable[[memoryview], None]
+
+_MAX_RING_BYTES = 64 << 20       # cap on one anchor's ring (slots x transfer size)
+_PREFAULT_BYTES = 4 << 20        # pre-fault rings up to this size
+_UNLIMITED_DEPTH = 8             # ring depth of Main anchors for max_look_ahead "unlimited"
+_SERVICE_TIMEOUT = 30.0          # a slot the device announced must be there by then
+
+
+class _Empty:
+    """The empty (dummy) callback of BIND_EMPTY_CB: inputs read zeros, outputs dropped."""
+
+    def __call__(self, view: memoryview) -> None:
+        return None
+
+    def __repr__(self) -> str:
+        return "<empty callback>"
+
+
+EMPTY = _Empty()
+
+
+def _popef_input_callback(data: bytes, nbytes: int, transfers: int, what: str) -> Callback:
+    """A callback feeding PopEF tensor data (one transfer) or feed data (cycled)."""
+    if transfers <= 1:
+        if len(data) != nbytes:
+            raise PopefError(f"{what} has {len(data)} bytes; its anchor transfers {nbytes}")
+        payload = memoryview(data)
+
+        def tensor_cb(view: memoryview) -> None:
+            view[:] = payload
+        return tensor_cb
+    if len(data) != nbytes * transfers:
+        raise PopefError(f"{what} has {len(data)} bytes for {transfers} transfers of {nbytes}")
+    chunks = [memoryview(data)[i * nbytes:(i + 1) * nbytes] for i in range(transfers)]
+    position = [0]
+
+    def feed_cb(view: memoryview) -> None:
+        view[:] = chunks[position[0]]
+        position[0] = (position[0] + 1) % transfers
+    return feed_cb
+
+
+def _release(view: memoryview) -> None:
+    try:
+        view.release()
+    except BufferError:  # the callback kept an export (e.g. numpy array) alive
+        pass
+
+
+class StreamTable:
+    """The streams of one session (see the module docstring)."""
+
+    def __init__(self, model: popef.Model, pred_tensor_data: PopefDataUsagePredicate | None,
+                 look_ahead: int | None) -> None:
+        md = model.metadata
+        self.flow = md.programFlow()
+        self.streams = [a for a in md.anchors()
+                        if a.type() in (popef.TensorType.INPUT, popef.TensorType.OUTPUT)]
+        self._by_handle = {a.handle(): a for a in self.streams}
+        self.nbytes = {a.handle(): a.tensorInfo().sizeInBytes() for a in self.streams}
+        self._look_ahead = look_ahead
+        self.popef_cbs: dict[str, Callback] = {}
+        self.user_cbs: dict[str, Callback] = {}
+        self.direct: set[str] = set()
+        self.need_observer: Callable[[str], None] | None = None
+        self._errors: list[tuple[str, BaseException]] = []
+        self._lock = threading.Lock()
+        self.rings: dict[str, Ring] = {}
+        self._peer: int | None = None
+        self._bind_popef_data(model, pred_tensor_data)
+
+    def _bind_popef_data(self, model: popef.Model, pred: PopefDataUsagePredicate | None) -> None:
+        for a in self.streams:
+            if a.type() is not popef.TensorType.INPUT:
+                continue
+            td = model.tensorData(a.name())
+            feed = next((f for f in model.feeds if f.anchor == a.name()), None)
+            if td is None and feed is None:
+                continue
+            policy = PopefDataUsagePolicy.USE_POPEF_DATA_IF_ANY if pred is None else pred(a)
+            if PopefDataUsagePolicy(policy) is PopefDataUsagePolicy.USE_USER_DATA:
+                continue
+            n = self.nbytes[a.handle()]
+            if td is not None:
+                self.popef_cbs[a.handle()] = _popef_input_callback(
+                    td.data, n, 1, f"tensor data of {a.name()!r}")
+            elif feed is not None:
+                self.popef_cbs[a.handle()] = _popef_input_callback(
+                    feed.data, n, feed.num_transfers, f"feed data of {a.name()!r}")
+
+    # -- lookups ----------------------------------------------------------------------
+
+    def anchor(self, handle: str) -> popef.Anchor:
+        """The anchor of a handle (or name); BadRequestError naming the known ones."""
+        a = self._by_handle.get(handle)
+        if a is not None:
+            return a
+        for cand in self.streams:
+            if cand.name() == handle:
+                return cand
+        raise BadRequestError(f"unknown anchor {handle!r}; expected one of "
+                              + ", ".join(repr(h) for h in self._by_handle))
+
+    def of_type(self, kind: popef.TensorType) -> list[popef.Anchor]:
+        return [a for a in self.streams if a.type() is kind]
+
+    def callback(self, handle: str) -> Callback | None:
+        cb = self.user_cbs.get(handle)
+        return cb if cb is not None else self.popef_cbs.get(handle)
+
+    def connected(self, handle: str) -> bool:
+        return handle in self.direct or self.callback(handle) is not None
+
+    def not_connected(self, progs: Sequence[int]) -> dict[int, list[popef.Anchor]]:
+        result: dict[int, list[popef.Anchor]] = {}
+        for p in progs:
+            missing = [a for a in self.streams
+                       if p in a.programs() and not self.connected(a.handle())]
+            if missing:
+                result[int(p)] = missing
+        return result
+
+    # -- binding callbacks --------------------------------------------------------------
+
+    def set_callback(self, handle: str, callback: Callback | None) -> None:
+        a = self.anchor(handle)
+        if a.handle() in self.direct:
+            raise InvalidStateError(
+                f"anchor {handle!r} is serviced directly (by a QueueManager or ModelRunner); "
+                "its callback cannot be set")
+        if callback is not None and not callable(callback):
+            raise BadRequestError(f"callback for {handle!r} must be callable, got {callback!r}")
+        with self._lock:
+            if callback is None:
+                self.user_cbs.pop(a.handle(), None)
+            else:
+                self.user_cbs[a.handle()] = callback
+
+    def set_handler(self, anchors: list[popef.Anchor], factory: Callable[[Any], Any],
+                    predicate: AnchorCallbackPredicate | None, skip_connected: bool,
+                    info: Callable[[popef.Anchor], Any]) -> None:
+        if not callable(factory):
+            raise BadRequestError(f"factory must be callable, got {factory!r}")
+        for a in anchors:
+            h = a.handle()
+            if h in self.direct or (skip_connected and self.connected(h)):
+                continue
+            policy = (AnchorCallbackPolicy.BIND_USER_CB if predicate is None
+                      else AnchorCallbackPolicy(predicate(a)))
+            if policy is AnchorCallbackPolicy.SKIP_CB:
+                continue
+            if policy is AnchorCallbackPolicy.BIND_EMPTY_CB:
+                with self._lock:
+                    self.user_cbs[h] = EMPTY
+                continue
+            cb = factory(info(a))
+            if cb is None:
+                continue
+            if not callable(cb):
+                raise BadRequestError(f"factory returned {cb!r} for anchor {a.name()!r}; "
+                                      "expected a callable or None")
+            with self._lock:
+                self.user_cbs[h] = cb
+
+    def modes(self) -> list[int]:
+        """The device-side mode of each stream (see ipu_emulator.protocol)."""
+        modes = []
+        for a in self.streams:
+            h = a.handle()
+            if h in self.direct:
+                notify = self.need_observer is not None and a.type() is popef.TensorType.INPUT
+                modes.append(MODE_DIRECT_NOTIFY if notify else MODE_DIRECT)
+            elif self.callback(h) is EMPTY:
+                modes.append(MODE_NULL)
+            else:
+                modes.append(MODE_EVENT)
+        return modes
+
+    # -- rings ----------------------------------------------------------------------------
+
+    def ring_depth(self, anchor: popef.Anchor) -> int:
+        main = set(self.flow.main())
+        if not any(p in main for p in anchor.programs()):
+            return 2
+        n = max(1, self.nbytes[anchor.handle()])
+        want = _UNLIMITED_DEPTH if self._look_ahead is None else self._look_ahead + 1
+        return max(1, min(want, _MAX_RING_BYTES // n))
+
+    def ensure_rings(self, peer_pid: int) -> None:
+        """Create the rings once; when the device (peer) changes, reset them.
+
+        A device that died mid-transfer leaves stale slots; the old device is
+        unbound when this runs, so the rings are quiescent.
+        """
+        if not self.rings:
+            for a in self.streams:
+                n = max(1, self.nbytes[a.handle()])
+                depth = self.ring_depth(a)
+                kind = "in" if a.type() is popef.TensorType.INPUT else "out"
+                self.rings[a.handle()] = Ring.create(n, depth, kind=kind,
+                                                     prefault=n * depth <= _PREFAULT_BYTES)
+        if self._peer != peer_pid:
+            for ring in self.rings.values():
+                ring.reset()
+                ring.set_peer(peer_pid)
+            self._peer = peer_pid
+
+    def reset_rings(self) -> None:
+        for ring in self.rings.values():
+            ring.reset()
+
+    def load_spec(self, modes: list[int]) -> list[dict[str, Any]]:
+        return [{"handle": a.handle(), "ring": self.rings[a.handle()].name,
+                 "direction": "in" if a.type() is popef.TensorType.INPUT else "out",
+                 "nbytes": self.nbytes[a.handle()], "mode": m}
+                for a, m in zip(self.streams, modes)]
+
+    def close(self) -> None:
+        rings, self.rings = self.rings, {}
+        for ring in rings.values():
+            ring.close()
+            ring.unlink()
+
+    # -- servicing (device service thread) ------------------------------------------------------
+
+    def clear_callback_errors(self) -> None:
+        self._errors.clear()
+
+    def take_callback_error(self) -> tuple[str, BaseException] | None:
+        if not self._errors:
+            return None
+        first = self._errors[0]
+        self._errors.clear()
+        return first
+
+    def on_need(self, index: int) -> None:
+        a = self.streams[index]
+        h = a.handle()
+        if h in self.direct:
+            observer = self.need_observer
+            if observer is not None:
+                try:
+                    observer(h)
+                except Exception:
+                    _log.exception("NEED observer failed for %r", h)
+            return
+        ring = self.rings[h]
+        cb = self.callback(h)
+        try:
+            view = ring.acquire_write(timeout=_SERVICE_TIMEOUT)
+        except ShmError as exc:
+            _log.warning("input %r: cannot write its ring: %s", a.name(), exc)
+            return
+        n = self.nbytes[h]
+        part = view[:n]
+        try:
+            if cb is None:
+                raise InvalidStateError(f"input anchor {a.name()!r} has no callback")
+            cb(part)
+        except BaseException as exc:
+            self._errors.append((h, exc))
+            ring.publish(0, tag=TAG_ABORT)
+            return
+        finally:
+            _release(part)
+        ring.publish(n)
+
+    def on_out(self, index: int) -> None:
+        a = self.streams[index]
+        h = a.handle()
+        ring = self.rings[h]
+        try:
+            view, _ = ring.acquire_read(timeout=_SERVICE_TIMEOUT)
+        except ShmError as exc:
+            _log.warning("output %r: cannot read its ring: %s", a.name(), exc)
+            return
+        ro = view.toreadonly()
+        try:
+            cb = self.callback(h)
+            if cb is not None:
+                cb(ro)
+        except BaseException as exc:
+            self._errors.append((h, exc))
+        finally:
+            _release(ro)
+            ring.release()
