@@ -16,13 +16,15 @@ that was handed out is ever released here.)
 
 Pre-faulting: a first touch of a fresh shared page costs a page fault that
 makes a first copy 8-10x slower than a warm one. With ``prefault=True`` (the
-default) the mapping is populated when it is made (``MAP_POPULATE``, falling
-back to touching every page), in the creator and in each attacher, since page
-tables are per process.
+default) the mapping is populated writable when it is made
+(``MADV_POPULATE_WRITE``; on older kernels the creator touches every page and
+an attacher uses ``MAP_POPULATE``), in the creator and in each attacher, since
+page tables are per process.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import mmap
@@ -31,6 +33,7 @@ from typing import Any
 
 import numpy as np
 import posix_ipc
+import psutil
 
 from . import _registry, naming
 from .errors import ShmClosedError, ShmError
@@ -40,16 +43,58 @@ __all__ = ["Region"]
 _log = logging.getLogger(__name__)
 _PAGE = mmap.PAGESIZE
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14; not yet named by Python 3.11's mmap
 
 
-def _map(fd: int, size: int, prefault: bool) -> mmap.mmap:
-    flags = mmap.MAP_SHARED | (_MAP_POPULATE if prefault else 0)
-    mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    if prefault and not _MAP_POPULATE:  # pragma: no cover - non-Linux fallback
+def _map(fd: int, size: int, prefault: bool, fresh: bool, name: str) -> mmap.mmap:
+    """Map ``fd``; with ``prefault``, fault every page in writable now.
+
+    Measured here on 64 MiB: first copy into an unfaulted mapping 1.5 GB/s,
+    after MAP_POPULATE 4.0 GB/s (it maps pages for reading, so writes still
+    fault), after MADV_POPULATE_WRITE 6.3 GB/s (= a warm copy). Populating a
+    mapping never changes its bytes, so attachers may do it too.
+    """
+    prot = mmap.PROT_READ | mmap.PROT_WRITE
+    mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
+    if not prefault:
+        return mm
+    try:
+        mm.madvise(_MADV_POPULATE_WRITE)
+        return mm
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:  # ENOMEM, EFAULT: /dev/shm cannot back it
+            mm.close()
+            raise ShmError(f"cannot fault in {size} bytes of shared memory for {name}: {exc} "
+                           "(is /dev/shm full?)") from exc
+    # An older kernel.
+    if fresh:  # nobody else sees it yet: writing zeros is harmless
         view = np.frombuffer(mm, dtype=np.uint8)
-        view[::_PAGE] = view[::_PAGE]
+        view[::_PAGE] = 0
         del view
-    return mm
+        return mm
+    mm.close()
+    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=prot)
+
+
+def _check_room(size: int, prefault: bool) -> None:
+    """Refuse a region that /dev/shm (or, to fault it in now, memory) cannot hold.
+
+    Otherwise the failure comes later and worse: SIGBUS on first touch of a
+    page tmpfs cannot back, or the OOM killer while pre-faulting.
+    """
+    try:
+        st = os.statvfs(naming.SHM_DIR)
+    except OSError:  # pragma: no cover - no /dev/shm to ask
+        return
+    free = st.f_bavail * st.f_frsize
+    if size > free:
+        raise ShmError(f"cannot create a shared-memory region of {size} bytes: "
+                       f"{naming.SHM_DIR} has {free} bytes free")
+    if prefault:
+        available = psutil.virtual_memory().available
+        if size > available:
+            raise ShmError(f"cannot create a shared-memory region of {size} bytes: "
+                           f"only {available} bytes of memory are available")
 
 
 class Region:
@@ -72,12 +117,13 @@ class Region:
         """Create a new segment of ``size`` bytes (zero-filled), owned by this process."""
         if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
             raise ValueError(f"region size must be a positive int of bytes, got {size!r}")
+        _check_room(size, prefault)
         name = naming.new_name(kind)
         shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)
         _registry.register(name, "shm")
         try:
             os.fchmod(shm.fd, 0o600)  # whatever the umask said
-            mm = _map(shm.fd, size, prefault)
+            mm = _map(shm.fd, size, prefault, fresh=True, name=name)
         except BaseException:
             _registry.unlink_name(name, "shm")
             raise
@@ -98,7 +144,7 @@ class Region:
             if size <= 0:
                 raise ShmError(f"shared-memory region {name!r} has size {size}; "
                                "expected a positive size (not yet sized by its creator?)")
-            mm = _map(shm.fd, size, prefault)
+            mm = _map(shm.fd, size, prefault, fresh=False, name=name)
         finally:
             shm.close_fd()
         return cls(name, mm, size, owner=False)

@@ -114,3 +114,11 @@ def test_prefault_off_still_works() -> None:
         other = Region.attach(region.name, prefault=False)
         assert other.buf[-1] == 7
         other.close()
+
+
+def test_region_larger_than_dev_shm_is_refused_up_front() -> None:
+    st = os.statvfs("/dev/shm")
+    too_big = st.f_bavail * st.f_frsize + (1 << 30)
+    with pytest.raises(ShmError, match=rf"cannot create a shared-memory region of {too_big} "
+                                       r"bytes: /dev/shm has \d+ bytes free"):
+        Region.create(too_big, prefault=False)
