@@ -21,10 +21,11 @@ automatically unless ``SessionConfig.pred_tensor_data`` says USE_USER_DATA.
 Two sessions may share a device: binding the other one runs this one's save
 programs, and this one's load programs run again before its next Main.
 
-The fast path for ``QueueManager`` / ``ModelRunner`` (documented in
-docs/CONTRACTS.md section 5) uses the ``_``-prefixed methods at the end: the
-caller claims anchors as *direct* and reads/writes their rings itself, and
-``_start_main_loop`` keeps Main running on the device until ``stop()``.
+The fast path for ``QueueManager`` / ``ModelRunner`` (docs/CONTRACTS.md
+section 5) is the ``_``-prefixed methods of :mod:`host_runtime._session_fastpath`:
+the caller claims anchors as *direct* and reads/writes their rings itself, and
+``_start_main_loop`` keeps Main running on the device until ``stop()``. The
+per-anchor callbacks, rings and servicing live in :mod:`host_runtime._session_streams`.
 """
 
 from __future__ import annotations

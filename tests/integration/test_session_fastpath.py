@@ -11,7 +11,7 @@ from host_runtime import popef
 from host_runtime.devices import DeviceManager
 from host_runtime.errors import (BadRequestError, DeviceExecutionError, InvalidStateError,
                                  RemoteTraceback)
-from host_runtime.session import Session
+from host_runtime.session import Session, SessionConfig
 from tools.generate_simple_popef import write_simple_popef
 
 SHAPE = (2, 3)
@@ -177,3 +177,16 @@ def test_stop_main_loop_keeps_the_session_runnable_for_save(model, device):
         s.runSavePrograms()
         np.testing.assert_array_equal(saved[-1].reshape(SHAPE), w)
         s._stop_main_loop()          # no loop: nothing to do
+
+
+def test_max_look_ahead_sets_the_depth_of_main_rings(model, device):
+    with pytest.raises(BadRequestError, match='max_look_ahead must be "unlimited" or an '
+                                              "unsigned integer, got 'soon'"):
+        Session(model, SessionConfig(max_look_ahead="soon"))
+    with Session(model, SessionConfig(max_look_ahead="3")) as s:
+        s.bindToDevice(device)
+        assert s._input_ring("tensor_A").num_slots == 4
+        assert s._input_ring("weights").num_slots == 2   # load-only anchor
+    with Session(model) as s:
+        s.bindToDevice(device)
+        assert s._output_ring("tensor_C").num_slots == 8  # "unlimited"
