@@ -406,6 +406,11 @@ class Session(FastPath):
 
     def _deactivate(self, implicit_save: bool) -> None:
         """Another session takes the device (called under its lock)."""
+        if self._loop is not None and not self._loop.done():
+            dev = self._device
+            raise InvalidStateError(
+                f"{dev.describe() if dev else 'the device'} is running the main loop of another "
+                "session; stop() that session (or end its loop) before binding this one")
         if implicit_save:
             self._implicit_save()
         self._loaded = False

@@ -190,3 +190,18 @@ def test_max_look_ahead_sets_the_depth_of_main_rings(model, device):
     with Session(model) as s:
         s.bindToDevice(device)
         assert s._output_ring("tensor_C").num_slots == 8  # "unlimited"
+
+
+def test_a_device_running_another_sessions_loop_refuses_a_new_binding(model, device):
+    with Session(model) as s1, Session(model) as s2:
+        s1.bindToDevice(device)
+        for h in ("tensor_A", "tensor_B", "tensor_C"):
+            s1._claim_direct(h)
+        loop = s1._start_main_loop()
+        with pytest.raises(InvalidStateError, match="running the main loop of another session"):
+            s2.bindToDevice(device)
+        assert device.isActiveSession(s1)
+        s1._stop_main_loop()
+        assert loop.result(timeout=30) is None
+        s2.bindToDevice(device)
+        assert device.isActiveSession(s2)
