@@ -217,6 +217,8 @@ class Replica:
         if self._closed:
             raise InvalidStateError(f"replica {self.rid}: the ModelRunner is closed")
         err = self._error
+        if err is None and self.setup.auto_reset:
+            err = self._check_device()
         if err is None:
             return
         if not self.setup.auto_reset:
@@ -224,6 +226,22 @@ class Replica:
                 f"replica {self.rid} is unusable after an earlier failure ({err}); set "
                 "ModelRunnerConfig.auto_reset = True to restart the device automatically") from err
         self._reset()
+
+    def _check_device(self) -> ModelRuntimeError | None:
+        """With auto_reset: notice a dead IPU process before using it (a waitpid per request)."""
+        s = self._session
+        dev = s.device() if s is not None else None
+        if dev is None:
+            return None
+        lost = s._failure()
+        if lost is None:
+            for proc in getattr(dev, "_processes", ()):
+                if not proc.alive():
+                    lost = DeviceLostError(f"replica {self.rid}: {proc.describe_exit()}")
+                    break
+        if lost is not None:
+            self._fail_everything(lost)
+        return lost
 
     def _reset(self) -> None:
         """auto_reset: restart the device (a new session on a fresh device) and reload."""

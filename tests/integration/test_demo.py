@@ -1,0 +1,36 @@
+"""``ipu-emulator demo`` on a fresh machine: every mode passes and the exit status says so."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+
+def test_demo_runs_every_mode_and_passes(tmp_path):
+    env = dict(os.environ)
+    env["IPU_EMULATOR_HOME"] = str(tmp_path / "home")      # a fresh emulated machine
+    proc = subprocess.run([sys.executable, "-m", "tools.cli", "demo", "--dir", str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    for mode in ("sync, InputMemoryView, output allocated by ModelRunner",
+                 "async, numpy dict, output allocated by the user (shares memory)",
+                 "frozen inputs", "dynamic batch sizes", "replication over 2 IPUs",
+                 "multithreading: 4 threads x 5 async requests", "monitoring statistics",
+                 "Save program run on close"):
+        assert f"PASS  {mode}" in out, out
+    assert "FAIL" not in out
+    assert "request_monitoring_statistics_mean_us" in out
+    assert "15 of 15 modes passed" in out
+
+
+def test_demo_exits_non_zero_when_a_mode_fails(tmp_path, monkeypatch):
+    from tools import demo
+
+    monkeypatch.setenv("IPU_EMULATOR_HOME", str(tmp_path / "home"))
+
+    def broken_check(got, want, what):
+        raise AssertionError(f"{what}: forced mismatch")
+    monkeypatch.setattr(demo, "_check", broken_check)
+    assert demo.main(["--dir", str(tmp_path)]) == 1
