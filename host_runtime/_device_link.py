@@ -59,7 +59,7 @@ def error_from_body(body: Any, device: str) -> ModelRuntimeError:
     exc: ModelRuntimeError
     if kind == ErrorKind.PACKAGE_HASH.value:
         exc = PackageHashMismatchError(message)
-    elif kind == ErrorKind.MEMORY.value:
+    elif kind in (ErrorKind.MEMORY.value, ErrorKind.REQUEST.value):
         exc = BadRequestError(message)
     elif kind == ErrorKind.EXECUTABLE.value:
         exc = PopefError(f"the executable is damaged: {message}")

@@ -473,6 +473,10 @@ class Session(FastPath):
         dev = self._device
         assert dev is not None
         self._ensure_resources(dev)
+        if int(self._header["ipu_version"]) != dev.ipuVersion():
+            raise BadRequestError(
+                f"executable {self._header['name']!r} was compiled for "
+                f"ipu{self._header['ipu_version']}, but {dev.describe()} is ipu{dev.ipuVersion()}")
         need = max(int(self._header["memory_bytes"]), int(self._header["required_bytes"]))
         if need > dev.memoryBytes():
             raise BadRequestError(

@@ -373,11 +373,11 @@ class DeviceProcess:
                 f"{o.memory_per_tile} bytes per tile = {o.capacity} bytes")
         if header["ipu_version"] != o.ipu_version:
             raise _RequestError(
-                ErrorKind.STATE, f"executable {header['name']!r} was compiled for "
+                ErrorKind.REQUEST, f"executable {header['name']!r} was compiled for "
                 f"ipu{header['ipu_version']}, but {self._describe()} is ipu{o.ipu_version}")
         if header["num_ipus"] > o.num_ipus:
             raise _RequestError(
-                ErrorKind.STATE, f"executable {header['name']!r} needs {header['num_ipus']} "
+                ErrorKind.REQUEST, f"executable {header['name']!r} needs {header['num_ipus']} "
                 f"IPUs, but {self._describe()} has {o.num_ipus}")
         try:
             exe = Executable.from_bytes(data)
@@ -453,7 +453,7 @@ class DeviceProcess:
             raise _RequestError(ErrorKind.PROTOCOL, "RUN needs a list of program indices")
         bad = [p for p in programs if not 0 <= p < n]
         if bad:
-            raise _RequestError(ErrorKind.STATE, f"program indices {bad} do not exist; "
+            raise _RequestError(ErrorKind.REQUEST, f"program indices {bad} do not exist; "
                                 f"the executable has programs 0..{n - 1}")
         io = _RingIO(self, loaded)
         loop = msg.op is Op.LOOP

@@ -106,6 +106,7 @@ class ErrorKind(str, enum.Enum):
     EXECUTABLE = "executable"      # damaged executable bytes
     CALLBACK = "callback"          # the host aborted a transfer
     STATE = "state"                # request does not fit the device state
+    REQUEST = "request"            # bad request: unknown program, incompatible executable
     PROTOCOL = "protocol"          # malformed request
 
 

@@ -199,7 +199,8 @@ def test_load_main_and_save_programs_each_observed(model, device):
         assert st.calls == {"weights": 2, "tensor_A": 2, "tensor_B": 2, "tensor_C": 2,
                             "weights_saved": 2}
         np.testing.assert_array_equal(st.outputs["weights_saved"][-1], user_weights * 2)
-        with pytest.raises(InvalidStateError, match=r"program indices \[7\] do not exist"):
+        with pytest.raises(BadRequestError, match=r"program indices \[7\] do not exist; the "
+                                                  r"executable has programs 0..2"):
             s.runPrograms([7])
         s.runMainPrograms()  # still usable
         assert st.calls["tensor_C"] == 3
@@ -315,6 +316,10 @@ def test_small_ipu_model_runs_small_programs_and_refuses_big_ones(model, weights
             st.bind(s, tensor_A=np.ones(SHAPE), tensor_B=np.zeros(SHAPE))
             s.runMainPrograms()
             np.testing.assert_allclose(st.outputs["tensor_C"][-1], weights, rtol=1e-6)
+        with Session(model) as s, DeviceManager().createSmallIpuModelDevice(1, ipu_version=2) as v2:
+            with pytest.raises(BadRequestError, match="compiled for ipu21, but IPU model device "
+                                                      r"\(1 x ipu2, 4 tiles\) is ipu2"):
+                s.bindToDevice(v2)
         with Session(big) as s:
             with pytest.raises(BadRequestError, match=r"needs \d+ bytes of device memory, but "
                                r"IPU model device .* has 1 IPU\(s\) x 4 tiles x 638976 bytes "
