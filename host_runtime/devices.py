@@ -20,11 +20,11 @@ import threading
 import time
 import weakref
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from host_runtime.errors import BadRequestError, DeviceUnavailableError, InvalidStateError
 from host_runtime.popef.model import Model
-from ipu_emulator.launcher import IpuProcess, IpuSpec, launch_ipu
+from ipu_emulator.launcher import IpuConnection, IpuSpec, launch_ipu
 from ipu_emulator.system import (IpuLocks, SystemConfig, SystemConfigError, device_groups,
                                  load_system_config)
 
@@ -151,7 +151,7 @@ class Device:
     """
 
     def __init__(self, *, device_id: int, ipus: tuple[int, ...], ipu_version: int,
-                 tiles_per_ipu: int, memory_per_tile: int, processes: list[IpuProcess],
+                 tiles_per_ipu: int, memory_per_tile: int, processes: list[IpuConnection],
                  locks: IpuLocks | None, is_ipu_model: bool = False) -> None:
         from host_runtime._device_link import DeviceLink
 
@@ -297,6 +297,19 @@ class Device:
         return self._lock
 
 
+def _bind_args(what: str, names: tuple[str, ...], args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> dict[str, Any]:
+    if len(args) > len(names) or set(kwargs) - set(names):
+        raise BadRequestError(f"{what} takes ({', '.join(names)}) after its first argument, "
+                              f"got {args!r} {kwargs!r}")
+    values = dict(zip(names, args))
+    for k, v in kwargs.items():
+        if k in values:
+            raise BadRequestError(f"{what} got {k} twice")
+        values[k] = v
+    return values
+
+
 def _model_needs(model: Model) -> tuple[int, int]:
     md = model.metadata
     return md.numIpus(), md.ipuVersion()
@@ -305,11 +318,15 @@ def _model_needs(model: Model) -> tuple[int, int]:
 class DeviceManager:
     """Selects and attaches devices of the emulated machine."""
 
-    def __init__(self, system: SystemConfig | None = None) -> None:
+    def __init__(self, system: SystemConfig | None = None, *,
+                 launcher: Callable[..., IpuConnection] | None = None) -> None:
+        """``launcher(spec, log_dir=...) -> IpuConnection`` starts (or, for a daemon, hands
+        out) one IPU process; the default starts it here (embedded mode)."""
         try:
             self._system = system if system is not None else load_system_config()
         except SystemConfigError as exc:
             raise BadRequestError(str(exc)) from exc
+        self._launcher = launcher if launcher is not None else launch_ipu
 
     @property
     def system(self) -> SystemConfig:
@@ -361,14 +378,23 @@ class DeviceManager:
 
     # -- IPU models ---------------------------------------------------------------------------
 
-    def createIpuModelDevice(self, model_or_num_ipus: Model | int, ipu_version: int = 2,
-                             tiles_per_ipu: int = 0) -> Device:
-        """A private IPU model (no machine lock). ``tiles_per_ipu`` 0 means the full 1472."""
+    def createIpuModelDevice(self, model_or_num_ipus: Model | int, *args: Any,
+                             **kwargs: Any) -> Device:
+        """A private IPU model (no machine lock), as in the seed's two overloads:
+
+        ``createIpuModelDevice(num_ipus, ipu_version=2, tiles_per_ipu=0)`` or
+        ``createIpuModelDevice(model, tiles_per_ipu=0)``; 0 tiles means 1472.
+        """
+        if isinstance(model_or_num_ipus, Model):
+            names: tuple[str, ...] = ("tiles_per_ipu",)
+        else:
+            names = ("ipu_version", "tiles_per_ipu")
+        values = _bind_args("createIpuModelDevice", names, args, kwargs)
         if isinstance(model_or_num_ipus, Model):
             num_ipus, ipu_version = _model_needs(model_or_num_ipus)
         else:
-            num_ipus = model_or_num_ipus
-        tiles = tiles_per_ipu or self._system.tiles_per_ipu
+            num_ipus, ipu_version = model_or_num_ipus, values.get("ipu_version", 2)
+        tiles = values.get("tiles_per_ipu", 0) or self._system.tiles_per_ipu
         return self._model_device(num_ipus, ipu_version, tiles)
 
     def createSmallIpuModelDevice(self, model_or_num_ipus: Model | int,
@@ -501,11 +527,11 @@ class DeviceManager:
                       tiles_per_ipu=sysc.tiles_per_ipu, memory_per_tile=sysc.memory_per_tile,
                       processes=procs, locks=locks)
 
-    def _launch(self, specs: list[IpuSpec]) -> list[IpuProcess]:
-        procs: list[IpuProcess] = []
+    def _launch(self, specs: list[IpuSpec]) -> list[IpuConnection]:
+        procs: list[IpuConnection] = []
         try:
             for spec in specs:
-                procs.append(launch_ipu(spec, log_dir=self._system.log_dir))
+                procs.append(self._launcher(spec, log_dir=self._system.log_dir))
         except BaseException:
             for p in procs:
                 p.kill()

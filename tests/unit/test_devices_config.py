@@ -202,3 +202,63 @@ def test_impossible_requests_fail_without_waiting(tmp_path):
         dm.createIpuModelDevice(0)
     with pytest.raises(BadRequestError, match="ipu_version must be 2 or 21"):
         dm.createSmallIpuModelDevice(1, ipu_version=3)
+
+
+class _FakeConnection:
+    """Stands in for an IPU process (what a daemon would hand out)."""
+
+    def __init__(self, spec, log_dir=None):
+        self.spec = spec
+        self.log_dir = log_dir
+        self.closed = False
+        self.pid = 10_000 + max(spec.ipu_id, 0)
+
+    def alive(self):
+        return not self.closed
+
+    def close(self):
+        self.closed = True
+
+
+def test_launcher_seam_gets_one_spec_per_ipu_and_close_releases_everything(tmp_path):
+    made: list[_FakeConnection] = []
+
+    def launcher(spec, log_dir=None):
+        made.append(_FakeConnection(spec, log_dir))
+        return made[-1]
+    dm = DeviceManager(SystemConfig(num_ipus=4, home=str(tmp_path), compute_threads=3),
+                       launcher=launcher)
+    dev = dm.getDevice(2)
+    assert (dev.id, dev.ipus(), dev.numIpus(), dev.pids()) == (4, [0, 1], 2, [10000, 10001])
+    assert [(c.spec.ipu_id, c.spec.num_ipus, c.spec.compute_threads, c.spec.label) for c in made] \
+        == [(0, 2, 3, "device 4 (ipu 0)"), (1, 1, 3, "device 4 (ipu 1)")]
+    assert made[0].log_dir == os.path.join(str(tmp_path), "logs")
+    second = dm.getDevice(2)       # the other pair
+    assert second.ipus() == [2, 3]
+    with pytest.raises(DeviceUnavailableError, match="ipu 0 by pid"):
+        dm.getSpecificDevice(0)
+    dev.close()
+    dev.close()                    # idempotent
+    assert made[0].closed and made[1].closed and not dev.isAttached()
+    with dm.getSpecificDevice(0) as again:   # released
+        assert again.ipus() == [0]
+    second.close()
+
+
+def test_ipu_model_overloads(tmp_path):
+    from host_runtime import popef
+
+    made = []
+    dm = DeviceManager(SystemConfig(num_ipus=0, home=str(tmp_path)),
+                       launcher=lambda spec, log_dir=None: made.append(spec) or _FakeConnection(spec))
+    model = popef.Model(popef.Metadata(num_ipus=2, ipu_version=21),
+                        popef.ExecutableBlob("x", b""))
+    with dm.createIpuModelDevice(model, 8) as dev:
+        assert (dev.numIpus(), dev.ipuVersion(), dev.tilesPerIpu(), dev.isIpuModel()) == (2, 21, 8, True)
+    with dm.createIpuModelDevice(1, 21) as dev:
+        assert (dev.ipuVersion(), dev.tilesPerIpu(), dev.id, dev.ipus()) == (21, 1472, -1, [])
+    with dm.createSmallIpuModelDevice(model) as dev:
+        assert (dev.numIpus(), dev.tilesPerIpu(), dev.memoryBytes()) == (2, 4, 2 * 4 * 624 * 1024)
+    assert all(spec.ipu_id == -1 for spec in made)   # IPU models take no machine IPU
+    with pytest.raises(BadRequestError, match="takes \\(tiles_per_ipu\\)"):
+        dm.createIpuModelDevice(model, 8, 2)
