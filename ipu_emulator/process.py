@@ -36,7 +36,7 @@ from typing import Any
 import posix_ipc
 
 from shm import (PeerDiedError, Region, Ring, RingInvalidatedError, RingTimeoutError, ShmError,
-                 WouldBlock, naming)
+                 WouldBlock, naming, pid_alive)
 from shm.cleanup import list_objects
 
 from ipu_emulator import package_hash, protocol
@@ -516,10 +516,17 @@ class DeviceProcess:
         removed = 0
         for name in self._known:
             removed += _unlink_ring_or_region(name)
-        for obj in list_objects(naming.current_tag()):
-            if obj.pid in (host, me):
-                removed += _unlink(obj.name, obj.is_semaphore)
+        removed += _unlink_objects_of((host, me))
         _log.info("removed %d shared-memory objects of dead host %d", removed, host)
+
+
+def _unlink_objects_of(pids: tuple[int, ...]) -> int:
+    """Unlink every object of this tag created by one of ``pids``."""
+    removed = 0
+    for obj in list_objects(naming.current_tag()):
+        if obj.pid in pids:
+            removed += _unlink(obj.name, obj.is_semaphore)
+    return removed
 
 
 def _unlink(name: str, is_semaphore: bool) -> int:
@@ -577,10 +584,17 @@ def main(argv: list[str] | None = None) -> int:
                          threads=a.threads, label=a.label)
     try:
         dev = DeviceProcess(opts)
-    except PeerDiedError:
-        return 0
+    except Exception as exc:
+        if not pid_alive(opts.host_pid):   # the host died before we could attach
+            _log.info("host %d died before this IPU process started", opts.host_pid)
+            _unlink_objects_of((opts.host_pid, os.getpid()))
+            return 0
+        _log.error("cannot attach the control and event rings: %s", exc)
+        return 70
     try:
         return dev.serve()
     except Exception:
         _log.exception("IPU process failed")
+        if not pid_alive(opts.host_pid):
+            dev._cleanup_host_objects()
         return 70

@@ -159,3 +159,27 @@ def test_sigkilled_host_leaves_no_ipu_process_and_nothing_in_dev_shm(popef_path)
     # and the device is free again
     with DeviceManager().getDevice(1):
         pass
+
+
+STARTING_HOST = textwrap.dedent("""
+    import os, signal
+    from host_runtime.devices import DeviceManager
+    dev = DeviceManager().getDevice(1)     # starts the IPU process; does not wait for it
+    print(",".join(map(str, dev.pids())), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+@pytest.mark.allow_shm_leak   # checked here, after the IPU process had its chance to clean up
+def test_host_killed_while_its_ipu_process_starts():
+    before = ours()
+    child = subprocess.Popen([sys.executable, "-c", STARTING_HOST], stdout=subprocess.PIPE,
+                             text=True)
+    line = child.stdout.readline().strip()
+    child.wait(60)
+    assert child.returncode == -signal.SIGKILL and line
+    ipu_pids = [int(p) for p in line.split(",")]
+    gone, alive = psutil.wait_procs([psutil.Process(p) for p in ipu_pids if psutil.pid_exists(p)],
+                                    timeout=60)
+    assert not alive
+    assert ours() - before == set()
