@@ -29,7 +29,7 @@ class Driver(Protocol):
 
 class Request:
     __slots__ = ("driver", "replica", "samples", "inputs", "given", "dests", "results",
-                 "remaining", "error", "_event", "t_received", "t_prepared", "t_completed",
+                 "remaining", "error", "_done", "_gate", "t_received", "t_prepared", "t_completed",
                  "outputs_per_transfer", "internal", "description", "__weakref__")
 
     def __init__(self, driver: Driver, replica: int, samples: int,
@@ -48,7 +48,11 @@ class Request:
         self.outputs_per_transfer = outputs_per_transfer
         self.remaining = 0            # segments of this request still on the device
         self.error: BaseException | None = None
-        self._event = threading.Event()
+        # A held lock is the cheapest one-shot event: finish() releases it, each waiter
+        # acquires and releases it again (threading.Event builds a Condition: ~10x dearer).
+        self._done = False
+        self._gate = threading.Lock()
+        self._gate.acquire()
         self.t_received = t_received
         self.t_prepared = t_received
         self.t_completed = 0
@@ -57,21 +61,35 @@ class Request:
 
     # called by the replica engine, with its lock held
     def finish(self) -> None:
+        if self._done:
+            return
         self.t_completed = time.perf_counter_ns()
-        self._event.set()
+        self._done = True
+        self._open_gate()
+
+    def _open_gate(self) -> None:
+        try:
+            self._gate.release()
+        except RuntimeError:   # finish() and fail() raced; the first one opened it
+            pass
 
     def fail(self, error: BaseException) -> None:
-        if self._event.is_set():
+        if self._done:
             return
         self.error = error
         self.t_completed = time.perf_counter_ns()
-        self._event.set()
+        self._done = True
+        self._open_gate()
 
     def is_done(self) -> bool:
-        return self._event.is_set()
+        return self._done
 
     def wait_event(self, timeout: float | None) -> bool:
-        return self._event.wait(timeout)
+        if self._done:
+            return True
+        if self._gate.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+            self._gate.release()
+        return self._done
 
 
 class OutputFuture:

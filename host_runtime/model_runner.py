@@ -277,7 +277,7 @@ class ModelRunner:
     def _build(self, rep: Replica, inputs: Any, outputs: Any, t0: int, internal: bool = False
                ) -> tuple[Request, int, Optional[str], bool]:
         """Check a request and make it; returns (request, transfers, phantom tensor, view-mode)."""
-        if not isinstance(inputs, Mapping):
+        if type(inputs) is not dict and not isinstance(inputs, Mapping):
             raise BadRequestError(f"inputs must be an InputMemoryView or a dict of name -> array, "
                                   f"got {type(inputs).__name__}")
         view_mode = isinstance(inputs, InputMemoryView)
@@ -333,7 +333,7 @@ class ModelRunner:
                 dests[name] = mem
                 results[name] = mem
         else:
-            if not isinstance(outputs, Mapping):
+            if type(outputs) is not dict and not isinstance(outputs, Mapping):
                 raise BadRequestError(f"outputs must be an OutputMemoryView or a dict of name -> "
                                       f"array, got {type(outputs).__name__}")
             for name, value in outputs.items():

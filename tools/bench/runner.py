@@ -1,0 +1,247 @@
+"""``python -m tools.bench runner``: ModelRunner against the ways people run ONNX today.
+
+For the seeds' example model (``C = A * weights + B``):
+
+- at shape [1, 4]: median latency of one synchronous ``execute`` (one request
+  in flight) vs the same model run in-process by onnxruntime, and vs a
+  ``concurrent.futures.ProcessPoolExecutor`` worker holding an onnxruntime
+  session (the usual way to keep inference off the caller's process);
+- at shape [64, 1024] float32: ``executeAsync`` throughput with 8 requests in
+  flight vs in-process onnxruntime run back to back;
+- a 16 MiB input / 16 MiB output round trip (an Identity model) in bytes per
+  second vs two plain numpy copies of 16 MiB in one process.
+
+Targets: [1,4] execute median <= 1/8 of ProcessPoolExecutor and <= 4x
+in-process onnxruntime; [64,1024] throughput >= 0.8x in-process onnxruntime;
+16 MiB >= 0.5 of two numpy copies. Measurements are interleaved in blocks and
+the median of the block medians is reported (the machine is shared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import statistics
+import sys
+import tempfile
+import time
+from collections import deque
+from typing import Any, Callable
+
+import numpy as np
+
+__all__ = ["main"]
+
+_MiB = 1 << 20
+_WORKER_SESSION: Any = None
+
+
+def _ort_session(model_bytes: bytes) -> Any:
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    so.inter_op_num_threads = 1
+    so.log_severity_level = 3
+    return ort.InferenceSession(model_bytes, so, providers=["CPUExecutionProvider"])
+
+
+def _worker_init(model_bytes: bytes) -> None:
+    global _WORKER_SESSION
+    _WORKER_SESSION = _ort_session(model_bytes)
+
+
+def _worker_run(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return _WORKER_SESSION.run(None, {"tensor_A": a, "tensor_B": b})[0]  # type: ignore[no-any-return]
+
+
+def _onnx_bytes(model: Any) -> bytes:
+    model.ir_version = min(model.ir_version, 8)   # loadable by every supported onnxruntime
+    return model.SerializeToString()  # type: ignore[no-any-return]
+
+
+def _median_of_blocks(fn: Callable[[], None], rounds: int, blocks: int) -> tuple[float, float]:
+    """(median of block medians, spread) of fn's duration in microseconds."""
+    meds = []
+    per = max(1, rounds // blocks)
+    for _ in range(blocks):
+        ts = []
+        for _ in range(per):
+            t = time.perf_counter_ns()
+            fn()
+            ts.append(time.perf_counter_ns() - t)
+        meds.append(statistics.median(ts) / 1e3)
+    return statistics.median(meds), max(meds) - min(meds)
+
+
+def _config() -> Any:
+    import host_runtime as model_runtime
+
+    cfg = model_runtime.ModelRunnerConfig()
+    cfg.check_package_hash = False   # the emulator's sources may change under a long benchmark
+    return cfg
+
+
+def _identity_popef(path: str, n_floats: int) -> Any:
+    import onnx
+    from onnx import TensorProto, helper
+
+    from host_runtime.poprt.compiler import write_popef
+    from ipu_emulator.compiler import CompileOptions, ModelSpec, compile_onnx
+
+    g = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "identity",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [n_floats])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [n_floats])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    onnx.checker.check_model(m)
+    write_popef(compile_onnx(ModelSpec(m), CompileOptions(name="identity")), path)
+    return m
+
+
+def bench_latency(tmp: str, rounds: int, blocks: int) -> dict[str, float]:
+    import host_runtime as model_runtime
+    from tools.generate_simple_popef import build_simple_model, write_simple_popef
+
+    path = f"{tmp}/simple_1x4.popef"
+    write_simple_popef(path, shape=(1, 4))
+    onnx_bytes = _onnx_bytes(build_simple_model((1, 4)))
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((1, 4)).astype(np.float32)
+    b = rng.standard_normal((1, 4)).astype(np.float32)
+    inputs = {"tensor_A": a, "tensor_B": b}
+    sess = _ort_session(onnx_bytes)
+    with model_runtime.ModelRunner(path, config=_config()) as runner, \
+            cf.ProcessPoolExecutor(1, initializer=_worker_init, initargs=(onnx_bytes,)) as pool:
+        for _ in range(300):
+            runner.execute(inputs)
+            sess.run(None, inputs)
+            pool.submit(_worker_run, a, b).result()
+        res: dict[str, list[tuple[float, float]]] = {"runner": [], "ort": [], "pool": []}
+        for _ in range(blocks):
+            res["runner"].append(_median_of_blocks(lambda: runner.execute(inputs), rounds // blocks, 1))
+            res["ort"].append(_median_of_blocks(lambda: sess.run(None, inputs), rounds // blocks, 1))
+            res["pool"].append(_median_of_blocks(
+                lambda: pool.submit(_worker_run, a, b).result(), rounds // blocks, 1))
+        mean = runner.getMonitoringStatisticsMean({})
+    out = {k: statistics.median(m for m, _ in v) for k, v in res.items()}
+    out.update({f"{k}_spread": max(m for m, _ in v) - min(m for m, _ in v) for k, v in res.items()})
+    out["read_preparation_us"] = mean["read_preparation_monitoring_statistics_mean_us"]
+    out["computation_us"] = mean["computation_monitoring_statistics_mean_us"]
+    return out
+
+
+def bench_throughput(tmp: str, seconds: float, in_flight: int) -> dict[str, float]:
+    import host_runtime as model_runtime
+    from tools.generate_simple_popef import build_simple_model, write_simple_popef
+
+    shape = (64, 1024)
+    path = f"{tmp}/simple_64x1024.popef"
+    write_simple_popef(path, shape=shape)
+    sess = _ort_session(_onnx_bytes(build_simple_model(shape)))
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal(shape).astype(np.float32)
+    b = rng.standard_normal(shape).astype(np.float32)
+    inputs = {"tensor_A": a, "tensor_B": b}
+
+    def ort_rate() -> float:
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            sess.run(None, inputs)
+            n += 1
+        return n / (time.perf_counter() - t0)
+
+    with model_runtime.ModelRunner(path, config=_config()) as runner:
+        outs = [{"tensor_C": np.empty(shape, np.float32)} for _ in range(in_flight)]
+
+        def runner_rate() -> float:
+            pending: deque[Any] = deque()
+            n, k, t0 = 0, 0, time.perf_counter()
+            while time.perf_counter() - t0 < seconds:
+                while len(pending) < in_flight:
+                    pending.append(runner.executeAsync(inputs, outs[k % in_flight]))
+                    k += 1
+                pending.popleft().wait()
+                n += 1
+            while pending:
+                pending.popleft().wait()
+            return n / (time.perf_counter() - t0)
+
+        runner_rate()
+        ort_rate()
+        r = [runner_rate() for _ in range(3)]
+        o = [ort_rate() for _ in range(3)]
+    return {"runner": statistics.median(r), "ort": statistics.median(o)}
+
+
+def bench_bandwidth(tmp: str, rounds: int) -> dict[str, float]:
+    import host_runtime as model_runtime
+
+    n = 16 * _MiB // 4
+    path = f"{tmp}/identity_16MiB.popef"
+    _identity_popef(path, n)
+    x = np.random.default_rng(2).standard_normal(n).astype(np.float32)
+    y = np.empty_like(x)
+    mid = np.empty_like(x)
+    with model_runtime.ModelRunner(path, config=_config()) as runner:
+        runner.execute({"x": x}, {"y": y})
+        if not np.array_equal(x, y):
+            raise AssertionError("the identity model did not return its input")
+        rt, cp = [], []
+        for _ in range(rounds):
+            t = time.perf_counter()
+            runner.execute({"x": x}, {"y": y})
+            rt.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            np.copyto(mid, x)
+            np.copyto(y, mid)
+            cp.append(time.perf_counter() - t)
+    size = 16 * _MiB
+    return {"runner": size / statistics.median(rt), "numpy": size / statistics.median(cp)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools.bench runner", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3000, help="latency requests per mode")
+    parser.add_argument("--blocks", type=int, default=5, help="interleaved latency blocks")
+    parser.add_argument("--seconds", type=float, default=1.0, help="per throughput sample")
+    parser.add_argument("--bw-rounds", type=int, default=15, help="16 MiB round trips")
+    args = parser.parse_args(argv)
+    ok = True
+    with tempfile.TemporaryDirectory(prefix="bench-runner-") as tmp:
+        lat = bench_latency(tmp, args.rounds, args.blocks)
+        print(f"[1,4] execute latency, median of {args.blocks} interleaved block medians (us)")
+        print(f"  ModelRunner.execute (one in flight)     {lat['runner']:9.1f}  "
+              f"(spread {lat['runner_spread']:.1f}; host prep {lat['read_preparation_us']:.1f}, "
+              f"device+return {lat['computation_us']:.1f})")
+        print(f"  onnxruntime in-process                  {lat['ort']:9.1f}  "
+              f"(spread {lat['ort_spread']:.1f})")
+        print(f"  ProcessPoolExecutor + onnxruntime       {lat['pool']:9.1f}  "
+              f"(spread {lat['pool_spread']:.1f})")
+        r_pool = lat["runner"] / lat["pool"]
+        r_ort = lat["runner"] / lat["ort"]
+        print(f"  runner / pool = {r_pool:.3f} (target <= 0.125)   "
+              f"runner / ort = {r_ort:.2f} (target <= 4)")
+        ok &= r_pool <= 0.125 and r_ort <= 4
+
+        thr = bench_throughput(tmp, args.seconds, 8)
+        print("\n[64,1024] float32 throughput (requests/s)")
+        print(f"  ModelRunner.executeAsync, 8 in flight   {thr['runner']:9.0f}")
+        print(f"  onnxruntime in-process, back to back    {thr['ort']:9.0f}")
+        r_thr = thr["runner"] / thr["ort"]
+        print(f"  runner / ort = {r_thr:.2f} (target >= 0.8)")
+        ok &= r_thr >= 0.8
+
+        bw = bench_bandwidth(tmp, args.bw_rounds)
+        print("\n16 MiB input + 16 MiB output round trip (GB/s of payload)")
+        print(f"  ModelRunner.execute (Identity model)    {bw['runner'] / 1e9:9.2f}")
+        print(f"  two numpy copies of 16 MiB              {bw['numpy'] / 1e9:9.2f}")
+        r_bw = bw["runner"] / bw["numpy"]
+        print(f"  runner / numpy = {r_bw:.2f} (target >= 0.5)")
+        ok &= r_bw >= 0.5
+    print("\nall targets met" if ok else "\nsome targets missed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
