@@ -650,8 +650,8 @@ class QueueManager:
 
 def _user_anchors(session: Any) -> list[Anchor]:
     """The anchors of ``session`` that take user data (no PopEF data bound)."""
-    if hasattr(session, "userAnchors"):
-        return list(session.userAnchors())
+    if hasattr(session, "getUserInputAnchors") and hasattr(session, "getUserOutputAnchors"):
+        return [*session.getUserInputAnchors(), *session.getUserOutputAnchors()]
     model = session.model() if callable(getattr(session, "model", None)) else session.model
     bound = {t.anchor for t in getattr(model, "tensors", [])}
     bound |= {f.anchor for f in getattr(model, "feeds", [])}

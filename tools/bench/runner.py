@@ -30,7 +30,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["main"]
+__all__ = ["main", "DESCRIPTION"]
+
+DESCRIPTION = "ModelRunner latency, throughput and 16 MiB round trip vs onnxruntime, ProcessPoolExecutor, numpy"
 
 _MiB = 1 << 20
 _WORKER_SESSION: Any = None
