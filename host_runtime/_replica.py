@@ -202,12 +202,13 @@ class Replica:
             return
         try:
             healthy = self._error is None and s._failure() is None
-            s.stop()
             if save is not None and healthy:
                 try:
+                    s._stop_main_loop()      # stays runnable, device memory kept
                     save(s)
                 except ModelRuntimeError as exc:
                     _log.warning("replica %d: save programs failed: %s", self.rid, exc)
+            s.stop()
         finally:
             s.close()
             self._session = None
@@ -587,7 +588,10 @@ class Replica:
                             self._phantoms.remove(ph)
                     if self._submit_lock.acquire(blocking=False):
                         try:
-                            self._write_whole(ph.request, merged)
+                            if self.setup.dynamic:
+                                self._pack(ph.request)
+                            else:
+                                self._write_whole(ph.request, merged)
                         except (ShmError, OSError) as exc:
                             self._fail_everything(self._translate(exc))
                         finally:

@@ -565,7 +565,6 @@ class ModelRunner:
                 def cb(view: memoryview, _flat: np.ndarray = flat) -> None:
                     _flat[:len(view)] = np.frombuffer(view, np.uint8)
                 session.setCallbackForAnchor(a.handle(), cb)
-            session.reload()
             session.runSavePrograms()
         return save
 
