@@ -14,7 +14,9 @@ import psutil
 import pytest
 
 from host_runtime import popef
-from host_runtime.devices import DeviceManager
+from datetime import timedelta
+
+from host_runtime.devices import DeviceManager, DeviceWaitConfig
 from host_runtime.errors import DeviceLostError
 from host_runtime.session import Session
 from shm import PeerDiedError, naming
@@ -22,6 +24,9 @@ from shm.cleanup import list_objects
 from tools.generate_simple_popef import write_simple_popef
 
 SHAPE = (1, 4)
+
+# Other test processes may hold IPUs of the same machine for a while: wait for one.
+PATIENT = DeviceWaitConfig(timedelta(seconds=120), timedelta(seconds=0.05))
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +52,7 @@ def ones(view: memoryview) -> None:
 def test_killed_ipu_process_fails_a_running_program_and_every_later_call(model):
     before = ours()
     dm = DeviceManager()
-    dev = dm.getDevice(1)
+    dev = dm.getDevice(1, wait_config=PATIENT)
     pid = dev.pids()[0]
     s = Session(model)
     s.bindToDevice(dev)
@@ -68,7 +73,7 @@ def test_killed_ipu_process_fails_a_running_program_and_every_later_call(model):
     assert s._failure() is not None
     # the session recovers on a new device (what auto_reset builds on)
     dev.close()
-    with dm.getDevice(1) as fresh:
+    with dm.getDevice(1, wait_config=PATIENT) as fresh:
         s.bindToDevice(fresh)
         out: list[np.ndarray] = []
         s.setCallbackForAnchor("tensor_B", ones)
@@ -82,7 +87,7 @@ def test_killed_ipu_process_fails_a_running_program_and_every_later_call(model):
 
 def test_killed_ipu_process_fails_direct_waiters_and_the_main_loop(model):
     before = ours()
-    with DeviceManager().getDevice(1) as dev, Session(model) as s:
+    with DeviceManager().getDevice(1, wait_config=PATIENT) as dev, Session(model) as s:
         s.bindToDevice(dev)
         for h in ("tensor_A", "tensor_B", "tensor_C"):
             s._claim_direct(h)
@@ -110,7 +115,7 @@ def test_killed_ipu_process_fails_direct_waiters_and_the_main_loop(model):
 
 def test_ipu_process_killed_before_load(model):
     before = ours()
-    with DeviceManager().getDevice(1) as dev, Session(model) as s:
+    with DeviceManager().getDevice(1, wait_config=PATIENT) as dev, Session(model) as s:
         os.kill(dev.pids()[0], signal.SIGKILL)
         with pytest.raises(DeviceLostError, match="SIGKILL"):
             s.bindToDevice(dev)
@@ -121,8 +126,11 @@ HOST = textwrap.dedent("""
     import sys
     import numpy as np
     from host_runtime import popef
-    from host_runtime.session import Session
-    s = Session([sys.argv[1]])
+    from datetime import timedelta
+    from host_runtime.devices import DeviceWaitConfig
+    from host_runtime.session import Session, SessionConfig
+    s = Session([sys.argv[1]], SessionConfig(
+        wait_config=DeviceWaitConfig(timedelta(seconds=120), timedelta(seconds=0.05))))
     s.setCallbackForAnchor("tensor_A", lambda v: v.__setitem__(slice(None), bytes(len(v))))
     s.setCallbackForAnchor("tensor_B", lambda v: v.__setitem__(slice(None), bytes(len(v))))
     s.setCallbackForAnchor("tensor_C", lambda v: None)
@@ -157,14 +165,16 @@ def test_sigkilled_host_leaves_no_ipu_process_and_nothing_in_dev_shm(popef_path)
             child.kill()
             child.wait()
     # and the device is free again
-    with DeviceManager().getDevice(1):
+    with DeviceManager().getDevice(1, wait_config=PATIENT):
         pass
 
 
 STARTING_HOST = textwrap.dedent("""
     import os, signal
-    from host_runtime.devices import DeviceManager
-    dev = DeviceManager().getDevice(1)     # starts the IPU process; does not wait for it
+    from datetime import timedelta
+    from host_runtime.devices import DeviceManager, DeviceWaitConfig
+    dev = DeviceManager().getDevice(1, wait_config=DeviceWaitConfig(
+        timedelta(seconds=120), timedelta(seconds=0.05)))   # starts the IPU process; does not wait for it
     print(",".join(map(str, dev.pids())), flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 """)

@@ -9,11 +9,17 @@ import numpy as np
 import pytest
 
 from host_runtime import popef
-from host_runtime.devices import DeviceManager
+from datetime import timedelta
+
+from host_runtime.devices import DeviceManager, DeviceWaitConfig
 from host_runtime.errors import DeviceLostError, DeviceUnavailableError
 from host_runtime.session import Session
 from ipu_emulator.system import SystemConfig, load_system_config
 from tools.generate_simple_popef import write_simple_popef
+
+
+# Other test processes may hold IPUs of the same machine for a while: wait for one.
+PATIENT = DeviceWaitConfig(timedelta(seconds=120), timedelta(seconds=0.05))
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +31,7 @@ def model(tmp_path_factory):
 
 def test_two_ipu_device_runs_and_fails_when_any_of_its_ipus_dies(model):
     dm = DeviceManager()
-    with dm.getDevice(2) as dev:
+    with dm.getDevice(2, wait_config=PATIENT) as dev:
         assert dev.numIpus() == 2 and len(set(dev.pids())) == 2
         assert dev.ipus() in ([0, 1], [2, 3]) and dev.id in (4, 5)
         assert dev.memoryBytes() == 2 * 1472 * 624 * 1024
@@ -45,7 +51,7 @@ def test_two_ipu_device_runs_and_fails_when_any_of_its_ipus_dies(model):
             with pytest.raises(DeviceLostError, match=f"IPU process {secondary} was killed by signal SIGKILL"):
                 s.runMainPrograms()
     # all of its IPUs are free again
-    with dm.getDevice(2) as again:
+    with dm.getDevice(2, wait_config=PATIENT) as again:
         assert again.numIpus() == 2
 
 

@@ -18,7 +18,7 @@ import pytest
 
 from host_runtime.devices import DeviceManager, DeviceWaitConfig, DeviceWaitStrategy
 from host_runtime.errors import DeviceUnavailableError
-from ipu_emulator.system import SystemConfig, load_system_config
+from ipu_emulator.system import SystemConfig
 
 HOLDER = textwrap.dedent("""
     import sys
@@ -34,13 +34,19 @@ HOLDER = textwrap.dedent("""
 
 
 @pytest.fixture
-def one_ipu():
-    return DeviceManager(SystemConfig(num_ipus=1, home=load_system_config().home))
+def home(tmp_path):
+    """A one-IPU machine of our own (no other test process contends for it)."""
+    return str(tmp_path / "machine")
 
 
 @pytest.fixture
-def holder():
-    env = dict(os.environ, IPU_EMULATOR_NUM_IPUS="1")
+def one_ipu(home):
+    return DeviceManager(SystemConfig(num_ipus=1, home=home))
+
+
+@pytest.fixture
+def holder(home):
+    env = dict(os.environ, IPU_EMULATOR_NUM_IPUS="1", IPU_EMULATOR_HOME=home)
     child = subprocess.Popen([sys.executable, "-c", HOLDER], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True, env=env)
     line = child.stdout.readline().split()

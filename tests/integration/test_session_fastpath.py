@@ -8,13 +8,18 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from host_runtime import popef
-from host_runtime.devices import DeviceManager
+from datetime import timedelta
+
+from host_runtime.devices import DeviceManager, DeviceWaitConfig
 from host_runtime.errors import (BadRequestError, DeviceExecutionError, InvalidStateError,
                                  RemoteTraceback)
 from host_runtime.session import Session, SessionConfig
 from tools.generate_simple_popef import write_simple_popef
 
 SHAPE = (2, 3)
+
+# Other test processes may hold IPUs of the same machine for a while: wait for one.
+PATIENT = DeviceWaitConfig(timedelta(seconds=120), timedelta(seconds=0.05))
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +48,7 @@ def gather_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def device():
-    dev = DeviceManager().getDevice(1)
+    dev = DeviceManager().getDevice(1, wait_config=PATIENT)
     yield dev
     dev.close()
 

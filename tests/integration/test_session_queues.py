@@ -8,12 +8,17 @@ import numpy as np
 import pytest
 
 from host_runtime import popef
-from host_runtime.devices import DeviceManager
+from datetime import timedelta
+
+from host_runtime.devices import DeviceManager, DeviceWaitConfig
 from host_runtime.errors import InvalidStateError
 from host_runtime.session import Session
 from tools.generate_simple_popef import write_simple_popef
 
 SHAPE = (1, 4)
+
+# Other test processes may hold IPUs of the same machine for a while: wait for one.
+PATIENT = DeviceWaitConfig(timedelta(seconds=120), timedelta(seconds=0.05))
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +30,7 @@ def model(tmp_path_factory):
 
 def test_queue_manager_round_trip_and_stop_disconnects(model):
     w = np.frombuffer(model.tensorData("weights").data, np.float32).reshape(SHAPE)
-    with DeviceManager().getDevice(1) as dev, Session(model) as s:
+    with DeviceManager().getDevice(1, wait_config=PATIENT) as dev, Session(model) as s:
         s.bindToDevice(dev)
         qm = s.createQueueManager()
         n = 5

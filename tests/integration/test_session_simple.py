@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 from host_runtime import popef
-from host_runtime.devices import DeviceManager
+from datetime import timedelta
+
+from host_runtime.devices import DeviceManager, DeviceWaitConfig
 from host_runtime.errors import (BadRequestError, DeviceExecutionError, InvalidStateError,
                                  PackageHashMismatchError, RemoteTraceback)
 from host_runtime.predicates import (AnchorCallbackPolicy, AnchorWithPolicy,
@@ -25,6 +27,9 @@ from ipu_emulator.system import IpuLocks, load_system_config
 from tools.generate_simple_popef import write_simple_popef
 
 SHAPE = (1, 4)
+
+# Other test processes may hold IPUs of the same machine for a while: wait for one.
+PATIENT = DeviceWaitConfig(timedelta(seconds=120), timedelta(seconds=0.05))
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +51,7 @@ def weights(model):
 
 @pytest.fixture(scope="module")
 def device():
-    dev = DeviceManager().getDevice(1)
+    dev = DeviceManager().getDevice(1, wait_config=PATIENT)
     yield dev
     dev.close()
 
@@ -162,7 +167,7 @@ def test_user_handlers_get_callback_info_and_follow_predicates(model, weights, d
 def test_frozen_weights_overridden_by_user_data(model):
     user_weights = np.full(SHAPE, 3.0, np.float32)
     cfg = SessionConfig(pred_tensor_data=predicate_factory.popef_data_usage.predAnchorsPolicies(
-        [AnchorWithPolicy("weights", PopefDataUsagePolicy.USE_USER_DATA)]))
+        [AnchorWithPolicy("weights", PopefDataUsagePolicy.USE_USER_DATA)]), wait_config=PATIENT)
     with Session(model, cfg) as s:
         assert "weights" in [a.name() for a in s.getUserInputAnchors()]
         with pytest.raises(InvalidStateError, match="program 0: 'weights'"):
@@ -290,7 +295,7 @@ def test_package_hash_mismatch_is_refused_with_both_hashes(model, weights, devic
 
 
 def test_immediate_policy_acquires_and_releases_its_own_device(model, weights, device):
-    with Session(model, SessionConfig(policy=LaunchPolicy.Immediate)) as s:
+    with Session(model, SessionConfig(policy=LaunchPolicy.Immediate, wait_config=PATIENT)) as s:
         own = s.device()
         assert own is not None and own is not device and own.id != device.id
         assert device.isAttached()
