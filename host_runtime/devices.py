@@ -130,7 +130,9 @@ class DeviceConstraints:
         return f"DeviceConstraints(requiresRemoteBuffersSupport={self.requiresRemoteBuffersSupport})"
 
 
-_live_devices: "weakref.WeakSet[Device]" = weakref.WeakSet()
+# Strong references: an attached device lives (processes running, IPUs held) until it is
+# closed, explicitly or at interpreter exit, never silently by garbage collection.
+_live_devices: "set[Device]" = set()
 
 
 @atexit.register
