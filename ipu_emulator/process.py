@@ -256,7 +256,11 @@ class DeviceProcess:
                 "ipu_id": self.opts.ipu_id, "ipu_version": self.opts.ipu_version,
                 "capacity": self.opts.capacity}))
             while True:
-                msg = self._next()
+                try:
+                    msg = self._next()
+                except protocol.ProtocolError as exc:
+                    _log.error("ignoring a malformed control message: %s", exc)
+                    continue
                 if msg.op is Op.SHUTDOWN:
                     break
                 self._dispatch(msg)
@@ -302,6 +306,14 @@ class DeviceProcess:
         except _RequestError as exc:
             self.post(Message(Op.ERROR, seq=msg.seq,
                               body=error_body(exc.kind, str(exc), exc.tb)))
+            return
+        except (_Stopped, _Shutdown, _HostGone, PeerDiedError):
+            raise
+        except Exception as exc:  # a bug or a broken ring: report it, keep serving
+            _log.exception("%s failed", op.name)
+            self.post(Message(Op.ERROR, seq=msg.seq, body=error_body(
+                ErrorKind.PROTOCOL, f"{op.name} failed on {self._describe()}: "
+                f"{type(exc).__name__}: {exc}", traceback.format_exc())))
             return
         self.post(Message(Op.DONE, seq=msg.seq))
 
