@@ -35,6 +35,7 @@ import collections
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -139,7 +140,15 @@ class Replica:
         self._session = s
         self._loop = loop
         self._error = None
-        loop.add_done_callback(self._on_loop_end)
+        # The device's service thread holds the loop future: refer back weakly, so that a
+        # runner nobody references can be collected (and its __del__ release the IPUs).
+        ref = weakref.ref(self)
+
+        def on_loop_end(fut: Any) -> None:
+            replica = ref()
+            if replica is not None:
+                replica._on_loop_end(fut)
+        loop.add_done_callback(on_loop_end)
 
     @property
     def session(self) -> Any:
@@ -147,7 +156,7 @@ class Replica:
 
     def _on_loop_end(self, fut: Any) -> None:
         """The device's main loop ended: stop() (normal) or a failure."""
-        if fut is not self._loop:
+        if fut is not self._loop or self._closed:
             return
         exc = fut.exception()
         if exc is None:
@@ -166,7 +175,7 @@ class Replica:
         for ring in [*self._in_rings.values(), *self._out_rings.values()]:
             try:
                 ring.invalidate()
-            except ShmError:
+            except Exception:   # already closed with its session: nobody can wait on it
                 pass
         for tr in pending:
             for seg in tr.segments:

@@ -377,3 +377,50 @@ def test_bad_config_refused(model_path):
         model_runtime.ModelRunner(model_path, config=cfg)
     with pytest.raises(BadRequestError, match="expects a PopEF path"):
         model_runtime.ModelRunner(42)
+
+
+def test_check_package_hash(tmp_path, monkeypatch, weights):
+    import ipu_emulator
+
+    monkeypatch.setattr(ipu_emulator, "package_hash", lambda: "0" * 64)
+    path = tmp_path / "other_build.popef"
+    write_simple_popef(path, shape=SHAPE)
+    monkeypatch.undo()
+    with pytest.raises(model_runtime.PackageHashMismatchError,
+                       match="package hash 0{64} differs from runtime hash"):
+        model_runtime.ModelRunner(str(path))
+    cfg = model_runtime.ModelRunnerConfig(check_package_hash=False)
+    with model_runtime.ModelRunner(str(path), config=cfg) as r:
+        check_healthy(r, weights)
+
+
+def test_replica_to_device_uses_the_given_device(model_path, weights):
+    dev = model_runtime.DeviceManager().getDevice(1)
+    try:
+        cfg = model_runtime.ModelRunnerConfig(replica_to_device={0: dev})
+        with model_runtime.ModelRunner(model_path, config=cfg) as r:
+            assert r._replicas[0].session.device() is dev
+            check_healthy(r, weights)
+        assert dev.isAttached(), "the caller's device stays attached after close()"
+    finally:
+        dev.close()
+
+
+def test_no_device_available_fails_cleanly(model_path, monkeypatch, tmp_path):
+    monkeypatch.setenv("IPU_EMULATOR_HOME", str(tmp_path / "machine"))   # a 1-IPU machine
+    monkeypatch.setenv("IPU_EMULATOR_NUM_IPUS", "1")
+    cfg = model_runtime.ModelRunnerConfig(replication_factor=2)
+    with pytest.raises(model_runtime.DeviceUnavailableError):
+        model_runtime.ModelRunner(model_path, config=cfg)
+    with model_runtime.ModelRunner(model_path) as r:   # the first replica's IPU was released
+        assert r.getExecuteInputs()
+
+
+def test_garbage_collection_releases_the_device(model_path):
+    import gc
+
+    r = model_runtime.ModelRunner(model_path)
+    pid = r._replicas[0].session.device().pids()[0]
+    del r
+    gc.collect()
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
