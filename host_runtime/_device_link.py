@@ -108,8 +108,11 @@ class DeviceLink:
                                         name=f"ipu-events-{self._primary.pid}")
         self._thread.start()
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Stop serving; fail what is pending (idempotent). Processes are shut down by the owner."""
+    def close(self, timeout: float = 1.0) -> None:
+        """Stop serving; fail what is pending (idempotent). Processes are shut down by the owner.
+
+        The service thread is a daemon: if a user callback holds it, it is not waited for
+        longer than ``timeout`` (it ends when the callback returns)."""
         self._closing = True
         t = self._thread
         if t is not None and t is not threading.current_thread():

@@ -225,12 +225,18 @@ class Device:
 
     def close(self) -> None:
         """Unbind sessions, stop the IPU processes, release the IPUs (idempotent)."""
-        with self._lock:
+        # A program may be running on another thread (holding the lock, perhaps waiting for
+        # input that never comes): do not wait for it; closing the link fails it.
+        got = self._lock.acquire(timeout=0.5)
+        try:
             if self._closed:
                 return
             self._closed = True
             sessions = list(self._sessions)
             self._active = None
+        finally:
+            if got:
+                self._lock.release()
         for s in sessions:
             try:
                 s._device_detached(self)

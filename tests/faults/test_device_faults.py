@@ -193,3 +193,28 @@ def test_host_killed_while_its_ipu_process_starts():
                                     timeout=60)
     assert not alive
     assert ours() - before == set()
+
+
+def test_closing_a_device_fails_a_program_blocked_on_another_thread(model):
+    before = ours()
+    release = threading.Event()
+    errors: list[BaseException] = []
+    with DeviceManager().getDevice(1, wait_config=PATIENT) as dev, Session(model) as s:
+        s.bindToDevice(dev)
+        s.setCallbackForAnchor("tensor_A", lambda v: release.wait(60))   # never fed in time
+        s.setCallbackForAnchor("tensor_B", ones)
+        s.setCallbackForAnchor("tensor_C", lambda v: None)
+
+        def run() -> None:
+            try:
+                s.runMainPrograms()
+            except BaseException as exc:
+                errors.append(exc)
+        t = threading.Thread(target=run)
+        t.start()
+        dev.close()
+        release.set()
+        t.join(60)
+        assert not t.is_alive()
+        assert len(errors) == 1 and "was detached" in str(errors[0]), errors
+    assert ours() == before
