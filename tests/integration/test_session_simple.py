@@ -330,3 +330,39 @@ def test_small_ipu_model_runs_small_programs_and_refuses_big_ones(model, weights
                                r"IPU model device .* has 1 IPU\(s\) x 4 tiles x 638976 bytes "
                                r"per tile = 2555904 bytes"):
                 s.bindToDevice(small)
+
+
+def test_feed_data_cycles_through_its_transfers(model, weights, device):
+    feeds = np.arange(3 * 4, dtype=np.float32).reshape(3, 1, 4)
+    fed = dataclasses.replace(model, feeds=[popef.FeedData("tensor_B", feeds.tobytes(), 3)])
+    with Session(fed) as s:
+        assert [a.name() for a in s.getPopefInputAnchors()] == ["tensor_B", "weights"]
+        s.bindToDevice(device)
+        st = Streams()
+        s.setCallbackForAnchor("tensor_A", st.feed("tensor_A", np.zeros(SHAPE)))
+        s.setCallbackForAnchor("tensor_C", st.sink("tensor_C"))
+        for _ in range(4):
+            s.runMainPrograms()
+        got = np.stack(st.outputs["tensor_C"])
+        np.testing.assert_array_equal(got, np.concatenate([feeds, feeds[:1]]))
+
+
+def test_device_iterations_repeat_the_streams_within_one_main_run(tmp_path, device):
+    path = tmp_path / "steps.popef"
+    write_simple_popef(path, shape=SHAPE, batches_per_step=3)
+    m = popef.load_model([str(path)])
+    w = np.frombuffer(m.tensorData("weights").data, np.float32).reshape(SHAPE)
+    with Session(m) as s:
+        s.bindToDevice(device)
+        st = Streams()
+        counter = iter(range(100))
+
+        def next_a(view: memoryview) -> None:
+            view[:] = np.full(SHAPE, next(counter), np.float32).tobytes()
+        s.setCallbackForAnchor("tensor_A", next_a)
+        s.setCallbackForAnchor("tensor_B", st.feed("tensor_B", np.ones(SHAPE)))
+        s.setCallbackForAnchor("tensor_C", st.sink("tensor_C"))
+        s.runMainPrograms()
+        assert st.calls == {"tensor_B": 3, "tensor_C": 3}
+        np.testing.assert_allclose(np.stack(st.outputs["tensor_C"]),
+                                   np.stack([k * w + 1 for k in range(3)]), rtol=1e-6)
