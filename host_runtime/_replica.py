@@ -57,7 +57,7 @@ _SLICE = 0.25          # seconds between re-checks of a blocked drain
 _U8 = np.dtype(np.uint8)
 
 
-@dataclass
+@dataclass(slots=True)
 class Transfer:
     """One Main iteration on the device: a slot of every input it reads."""
 
@@ -327,7 +327,6 @@ class Replica:
         for t in range(transfers):
             tr = Transfer([(req, t, 1, 0)], outputs[t])
             req.remaining += 1
-            self._register(tr)
             # Last-read first: the device wakes once, on the first stream Main reads.
             for name, spec in self._publish_order:
                 src = req.inputs.get(name)
@@ -351,7 +350,12 @@ class Replica:
                         else src
                     del slot
                 ring.publish(spec.nbytes)
-            self._published(tr)
+            # Registered once published: submits are serialised, so the order of the
+            # in-flight deque is the order the device sees (its outputs wait in the rings).
+            with self._cv:
+                tr.published = True
+                self._inflight.append(tr)
+                self._cv.notify_all()
 
     # -- dynamic batching ------------------------------------------------------------
     def _open_partial(self) -> Transfer:
