@@ -55,10 +55,10 @@ class TensorSpec:
         for d in self.shape:
             n *= int(d)
         self.nbytes = n
-        d = self.batch_dim
-        if d is not None and (d >= len(self.shape) or self.shape[d] <= 0):
-            self.batch_dim = d = None
-        self.batch = self.shape[d] if d is not None else 1
+        bd = self.batch_dim
+        if bd is not None and (bd >= len(self.shape) or self.shape[bd] <= 0):
+            self.batch_dim = bd = None
+        self.batch = self.shape[bd] if bd is not None else 1
         self.sample_nbytes = self.nbytes // self.batch if self.batch else 0
 
     @property

@@ -57,6 +57,11 @@ _SLICE = 0.25          # seconds between re-checks of a blocked drain
 _U8 = np.dtype(np.uint8)
 
 
+def _bytes_view(arr: np.ndarray) -> memoryview:
+    """A flat byte memoryview of a C-contiguous array (no copy)."""
+    return memoryview(arr).cast("B")  # type: ignore[arg-type]
+
+
 @dataclass(slots=True)
 class Transfer:
     """One Main iteration on the device: a slot of every input it reads."""
@@ -122,7 +127,7 @@ class Replica:
         self._watchdog: threading.Thread | None = None
         self._watch_wake = threading.Condition(threading.Lock())
         self._publish_order = list(reversed(list(setup.inputs.items())))
-        self._frozen_bytes = {n: memoryview(np.ascontiguousarray(a)).cast("B")
+        self._frozen_bytes = {n: _bytes_view(np.ascontiguousarray(a))
                               for n, a in setup.frozen_main.items()}
         self._open()
 
@@ -341,7 +346,7 @@ class Replica:
                     continue
                 view = self._acquire(ring)
                 if transfers == 1 and src.flags.c_contiguous:
-                    view[:spec.nbytes] = memoryview(src).cast("B")
+                    view[:spec.nbytes] = _bytes_view(src)
                 else:
                     slot = np.frombuffer(view, spec.dtype, spec.nbytes // spec.dtype.itemsize
                                          ).reshape(spec.shape)
@@ -521,7 +526,7 @@ class Replica:
             if dest is None:
                 return
             if dest.nbytes == spec.nbytes and dest.flags.c_contiguous:
-                memoryview(dest).cast("B")[:] = view[:spec.nbytes]
+                _bytes_view(dest)[:] = view[:spec.nbytes]
                 return
         slot = np.frombuffer(view, spec.dtype, spec.nbytes // spec.dtype.itemsize
                              ).reshape(spec.shape)

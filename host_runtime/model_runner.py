@@ -247,11 +247,13 @@ class ModelRunner:
         s = Session(self._model, sc)
         try:
             for name, value in frozen_load.items():
-                data = memoryview(value).cast("B")
+                data = memoryview(value).cast("B")  # type: ignore[arg-type]
 
                 def feed(view: memoryview, _d: memoryview = data) -> None:
                     view[:len(_d)] = _d
-                s.setCallbackForAnchor(self._model.metadata.anchor(name).handle(), feed)
+                anchor = self._model.metadata.anchor(name)
+                assert anchor is not None   # checked in _classify
+                s.setCallbackForAnchor(anchor.handle(), feed)
             device = cfg.replica_to_device.get(rid)
             if device is not None and device.isAttached():
                 s.bindToDevice(device)
@@ -337,11 +339,12 @@ class ModelRunner:
                 raise BadRequestError(f"outputs must be an OutputMemoryView or a dict of name -> "
                                       f"array, got {type(outputs).__name__}")
             for name, value in outputs.items():
-                s = self._out_specs.get(name)
-                if s is None:
+                found = self._out_specs.get(name)
+                if found is None:
                     raise BadRequestError(
                         f"unknown output tensor {name!r}; the model's execute outputs are "
                         + ", ".join(repr(n) for n in self._out_specs))
+                s = found
                 arr = as_writable_array(value, name)
                 want = self._out_samples(s, n_units)
                 shape = s.shape_for(want)

@@ -62,7 +62,7 @@ def _onnx_bytes(model: Any) -> bytes:
     return model.SerializeToString()  # type: ignore[no-any-return]
 
 
-def _median_of_blocks(fn: Callable[[], None], rounds: int, blocks: int) -> tuple[float, float]:
+def _median_of_blocks(fn: Callable[[], object], rounds: int, blocks: int) -> tuple[float, float]:
     """(median of block medians, spread) of fn's duration in microseconds."""
     meds = []
     per = max(1, rounds // blocks)
