@@ -29,6 +29,7 @@ import collections
 import logging
 import os
 import signal
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +50,7 @@ __all__ = ["DeviceOptions", "DeviceProcess"]
 _log = logging.getLogger("ipu_emulator.process")
 
 _SLICE = 0.1      # seconds between STOP checks while a program waits on a stream
+_HOST_CHECK = 0.25  # seconds between checks that the host is alive
 _CACHE = 4        # loaded executables kept per device (sessions sharing it)
 _PREFAULT_MAX = 512 * 1024   # pre-fault stream rings with transfers up to this size
 
@@ -195,8 +197,12 @@ class DeviceProcess:
         self.opts = opts
         self.control = Ring.attach(opts.control)
         self.events = Ring.attach(opts.events, prefault=False)
-        self.control.set_peer(opts.host_pid)
+        # The events ring watches the host (a full ring must not block forever on a dead
+        # host). The control and stream rings are waited on in slices instead, with the
+        # cheap host check of _check_host between slices.
         self.events.set_peer(opts.host_pid)
+        self._parent_is_host = os.getppid() == opts.host_pid
+        self._next_host_check = 0.0
         self._known: set[str] = {opts.control, opts.events}
         self._pending: collections.deque[Message] = collections.deque()
         self._cache: collections.OrderedDict[str, _Loaded] = collections.OrderedDict()
@@ -211,13 +217,30 @@ class DeviceProcess:
         protocol.send(self.events, msg)
 
     def wait_on(self, fn: Any) -> Any:
-        """Call a blocking ring operation in slices, checking the control ring between them."""
+        """Call a blocking ring operation in slices, checking the control ring and the host
+        between them."""
         while True:
             try:
                 return fn(_SLICE)
             except RingTimeoutError:
                 pass
+            self._check_host()
             self.poll_control()
+
+    def _check_host(self) -> None:
+        """Raise _HostGone if the host died (at most one real check per _HOST_CHECK s).
+
+        In embedded mode the host is our parent, and its death re-parents us: a getppid()
+        is enough. Otherwise (a daemon started us) ask the OS about the host's pid.
+        """
+        now = time.monotonic()
+        if now < self._next_host_check:
+            return
+        self._next_host_check = now + _HOST_CHECK
+        host = self.opts.host_pid
+        alive = os.getppid() == host if self._parent_is_host else pid_alive(host)
+        if not alive:
+            raise _HostGone()
 
     def poll_control(self) -> None:
         """Take control messages that arrived; raise _Stopped/_Shutdown for STOP/SHUTDOWN."""
@@ -244,7 +267,11 @@ class DeviceProcess:
     def _next(self) -> Message:
         if self._pending:
             return self._pending.popleft()
-        return protocol.receive(self.control)
+        while True:
+            try:
+                return protocol.receive(self.control, timeout=_HOST_CHECK)
+            except RingTimeoutError:
+                self._check_host()
 
     # -- main loop --------------------------------------------------------------
 
@@ -425,7 +452,6 @@ class DeviceProcess:
             except (ShmError, OSError, posix_ipc.Error) as exc:
                 raise _RequestError(ErrorKind.PROTOCOL,
                                     f"cannot open the ring of stream {s['handle']!r}: {exc}") from None
-            ring.set_peer(self.opts.host_pid)
             if s["handle"] in exe_streams:
                 want = exe_streams[s["handle"]]
                 if want.direction != s["direction"] or want.nbytes != s["nbytes"]:
