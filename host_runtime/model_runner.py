@@ -81,7 +81,9 @@ class ModelRunner:
         # The caller reads the save programs' outputs from its own dict after close().
         self._config.replica_to_save_programs_outputs = cfg.replica_to_save_programs_outputs
         self._model = _load_model(model)
-        self._call_lock: Optional[threading.RLock] = threading.RLock() if cfg.thread_safe else None
+        # thread_safe: one mutex per replica, held for each execute/executeAsync call
+        self._call_locks: list[threading.RLock] = (
+            [threading.RLock() for _ in range(cfg.replication_factor)] if cfg.thread_safe else [])
         self._classify()
         self._monitors = [RequestMonitor(cfg.request_tracepoints_buffer_size)
                           for _ in range(cfg.replication_factor)]
@@ -442,11 +444,17 @@ class ModelRunner:
     # ================================================================== the seed's API
     def execute(self, input_data: Any, output_data: Any = None, replica_id: int = 0) -> Any:
         """Run one request synchronously; see the module docstring for what it returns."""
-        lock = self._call_lock
+        lock = self._call_lock(replica_id)
         if lock is not None:
             with lock:
                 return self._execute(input_data, output_data, replica_id)
         return self._execute(input_data, output_data, replica_id)
+
+    def _call_lock(self, replica_id: Any) -> Optional[threading.RLock]:
+        locks = self._call_locks
+        if locks and isinstance(replica_id, int) and 0 <= replica_id < len(locks):
+            return locks[replica_id]
+        return None
 
     def _execute(self, input_data: Any, output_data: Any, replica_id: int) -> Any:
         t0 = time.perf_counter_ns()
@@ -465,7 +473,7 @@ class ModelRunner:
     def executeAsync(self, input_data: Any, output_data: Any = None,
                      replica_id: int = 0) -> OutputFuture:
         """Queue one request; returns an ``OutputFuture``."""
-        lock = self._call_lock
+        lock = self._call_lock(replica_id)
         if lock is not None:
             with lock:
                 return self._execute_async(input_data, output_data, replica_id)
