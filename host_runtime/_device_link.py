@@ -123,6 +123,12 @@ class DeviceLink:
     def lost(self) -> DeviceLostError | None:
         return self._lost
 
+    def check(self) -> DeviceLostError | None:
+        """Like ``lost`` but first polls the processes (does not wait for the service thread)."""
+        if self._lost is None and self._dead_process() is not None:
+            return self.mark_lost()
+        return self._lost
+
     @property
     def started(self) -> bool:
         return self._started

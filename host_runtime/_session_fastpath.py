@@ -171,9 +171,10 @@ class FastPath:
         return self._loop
 
     def _failure(self) -> ModelRuntimeError | None:
-        """The DeviceLostError of the bound device, if it died."""
+        """The DeviceLostError of the bound device if it died, checked now (a waitpid per
+        IPU process: cheap enough to call before every request)."""
         dev = self._device
-        return None if dev is None else dev._link.lost
+        return None if dev is None else dev._link.check()
 
     def _translate(self, exc: BaseException) -> BaseException:
         """Map a wire error met on a stream ring to the host's error hierarchy."""

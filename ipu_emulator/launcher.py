@@ -23,6 +23,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -132,29 +133,39 @@ class IpuProcess:
         self._popen = popen
         self._ready: dict[str, Any] | None = None
         self._closed = False
+        self._poll_lock = threading.Lock()
 
     @property
     def pid(self) -> int:
         return self._popen.pid
 
     def returncode(self) -> int | None:
-        """The exit status once the process ended (reaps it), else None."""
-        return self._popen.poll()
+        """The exit status once the process ended (reaps it), else None.
+
+        Every thread goes through this lock: ``Popen.poll()`` answers "running" when
+        another thread is inside poll()/wait() at the same moment.
+        """
+        with self._poll_lock:
+            return self._popen.poll()
 
     def alive(self) -> bool:
-        return self._popen.poll() is None
+        return self.returncode() is None
 
     def describe_exit(self) -> str:
-        rc = self._popen.poll()
+        rc = self.returncode()
         text = f"{self.spec.describe()} (IPU process pid {self.pid}) {describe_returncode(rc)}"
         return text
 
     def wait_exit(self, timeout: float) -> int | None:
         """Wait up to ``timeout`` s for the process to end; its return code or None."""
-        try:
-            return self._popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            return None
+        deadline = time.monotonic() + timeout
+        delay = 0.001
+        while True:
+            rc = self.returncode()
+            if rc is not None or time.monotonic() >= deadline:
+                return rc
+            time.sleep(delay)   # only on shutdown and death paths
+            delay = min(delay * 2, 0.05)
 
     def log_tail(self, nbytes: int = 2000) -> str:
         if not self.log_path:
@@ -190,7 +201,6 @@ class IpuProcess:
             except RingTimeoutError:
                 msg = None
             except Exception as exc:  # PeerDiedError and friends
-                self._popen.poll()
                 raise self._died("while starting") from exc
             if msg is not None:
                 if msg.op is Op.READY:
@@ -198,7 +208,7 @@ class IpuProcess:
                     return self._ready
                 _log.warning("%s: unexpected %s before READY", self.describe_exit(), msg.op.name)
                 continue
-            if self._popen.poll() is not None:
+            if self.returncode() is not None:
                 raise self._died("while starting")
             if time.monotonic() > deadline:
                 raise IpuProcessError(
@@ -206,9 +216,7 @@ class IpuProcess:
                     f"within {timeout:g} s", pid=self.pid)
 
     def _died(self, when: str) -> IpuProcessError:
-        rc = self._popen.poll()
-        if rc is None:
-            rc = self.wait_exit(2.0)
+        rc = self.wait_exit(2.0)
         tail = self.log_tail()
         msg = f"{self.describe_exit()} {when}"
         if tail:
@@ -217,7 +225,7 @@ class IpuProcess:
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Ask the process to exit; escalate to SIGTERM then SIGKILL (with a warning)."""
-        if self._popen.poll() is None:
+        if self.returncode() is None:
             try:
                 protocol.send(self.control, Message(Op.SHUTDOWN), timeout=min(timeout, 1.0))
             except Exception as exc:  # full ring, dead peer, closed: escalate below
@@ -233,7 +241,7 @@ class IpuProcess:
 
     def kill(self) -> None:
         """SIGKILL the process (tests, and a host giving up on a hung device)."""
-        if self._popen.poll() is None:
+        if self.returncode() is None:
             self._popen.kill()
             self.wait_exit(5.0)
 
