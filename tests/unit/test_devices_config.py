@@ -262,3 +262,19 @@ def test_ipu_model_overloads(tmp_path):
     assert all(spec.ipu_id == -1 for spec in made)   # IPU models take no machine IPU
     with pytest.raises(BadRequestError, match="takes \\(tiles_per_ipu\\)"):
         dm.createIpuModelDevice(model, 8, 2)
+
+
+def test_public_surface_of_devices_and_session():
+    import host_runtime.devices as devices
+    import host_runtime.session as session
+
+    assert devices.__all__ == ["DeviceWaitStrategy", "DeviceWaitConfig", "DeviceConstraints",
+                               "Device", "DeviceManager"]
+    assert session.__all__ == ["LaunchPolicy", "SessionConfig", "CallbackInfo", "CallbackHandle",
+                               "CallbackFactory", "Session"]
+    assert [m.name for m in DeviceWaitStrategy] == ["NO_WAIT", "WAIT_WITH_TIMEOUT", "WAIT_FOREVER"]
+    assert [m.name for m in session.LaunchPolicy] == ["Deferred", "Immediate"]
+    cfg = session.SessionConfig()
+    assert (cfg.policy, cfg.pred_tensor_data, cfg.check_package_hash, cfg.wait_config,
+            cfg.max_look_ahead) == (session.LaunchPolicy.Deferred, None, True, DeviceWaitConfig(),
+                                    "unlimited")

@@ -118,3 +118,14 @@ def test_bad_arguments_name_what_was_expected():
         pdu.predAnchorsPolicies(["weights"])
     with pytest.raises(BadRequestError, match="predicates"):
         ac.orBind(ACP.BIND_USER_CB, ACP.SKIP_CB, 3)
+
+
+def test_public_surface():
+    import host_runtime.predicates as predicates
+
+    assert predicates.__all__ == [
+        "AnchorCallbackPolicy", "PopefDataUsagePolicy", "AnchorCallbackPredicate",
+        "PopefDataUsagePredicate", "AnchorWithPolicy", "ProgramsWithPolicy",
+        "null_anchor_callback_predicate", "null_popef_data_usage_predicate", "predicate_factory"]
+    assert predicates.null_anchor_callback_predicate is None
+    assert predicates.null_popef_data_usage_predicate is None
