@@ -267,6 +267,18 @@ class IpuProcess:
         return f"IpuProcess({self.spec.describe()}, pid={self.pid})"
 
 
+_LOG_LIMIT = 4 << 20
+
+
+def _rotate(path: str) -> None:
+    """Keep one previous log: ``ipuN.log`` becomes ``ipuN.log.1`` past 4 MiB."""
+    try:
+        if os.path.getsize(path) > _LOG_LIMIT:
+            os.replace(path, path + ".1")
+    except OSError:
+        pass
+
+
 def launch_ipu(spec: IpuSpec, *, log_dir: str | None = None,
                extra_env: dict[str, str] | None = None) -> IpuProcess:
     """Create the rings and start one IPU process; does not wait for it to be ready."""
@@ -285,6 +297,7 @@ def launch_ipu(spec: IpuSpec, *, log_dir: str | None = None,
             os.makedirs(log_dir, mode=0o700, exist_ok=True)
             name = f"ipu{spec.ipu_id}.log" if spec.ipu_id >= 0 else "ipumodel.log"
             log_path = os.path.join(log_dir, name)
+            _rotate(log_path)
             log_file = open(log_path, "ab")
         env = dict(os.environ)
         env.setdefault("IPU_EMULATOR_SHM_TAG", naming.current_tag())
