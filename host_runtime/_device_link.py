@@ -192,6 +192,14 @@ class DeviceLink:
     # -- events -----------------------------------------------------------------------
 
     def _serve(self) -> None:
+        try:
+            self._serve_events()
+        except BaseException as exc:  # never leave requests waiting on a dead thread
+            _log.exception("%s: event service failed", self.description)
+            self._fail_all(InvalidStateError(f"{self.description}: event service failed: {exc}"))
+            raise
+
+    def _serve_events(self) -> None:
         events = self._primary.events
         while not self._closing:
             try:
