@@ -152,6 +152,10 @@ class DeviceLink:
             return fut
         if not self._started:
             self.start()
+        if self._thread is None or not self._thread.is_alive():
+            fut.set_exception(InvalidStateError(
+                f"{self.description}: its event service is not running (detached or failed)"))
+            return fut
         seq = next(self._seq) & 0x7FFFFFFF
         with self._lock:
             self._pending[seq] = (fut, op)
