@@ -135,6 +135,7 @@ class _RingIO:
     def __init__(self, dev: "DeviceProcess", loaded: _Loaded) -> None:
         self._dev = dev
         self._loaded = loaded
+        self.disconnected = False   # a stream ring was invalidated (the host disconnected it)
 
     def _stream(self, handle: str) -> _Stream:
         try:
@@ -159,6 +160,7 @@ class _RingIO:
                     dev.post(Message(Op.NEED, index=s.index))
                 view, tag = dev.wait_on(ring.acquire_read)
         except RingInvalidatedError:  # disconnected: feed dummy data until the run returns
+            self.disconnected = True
             out[:] = bytes(len(out))
             return
         try:
@@ -183,6 +185,7 @@ class _RingIO:
         try:
             view = dev.wait_on(ring.acquire_write)
         except RingInvalidatedError:
+            self.disconnected = True
             return
         view[:len(data)] = data
         ring.publish(len(data))
@@ -501,6 +504,12 @@ class DeviceProcess:
                     self._run_one(loaded, p, io)
                 if not loop:
                     return False
+                if io.disconnected:
+                    # Dummy data "until the run returns": a loop never returns, so it ends
+                    # here instead of spinning on disconnected streams.
+                    raise _RequestError(ErrorKind.STATE, "the main loop ended: its streams were "
+                                        "disconnected (invalidated) by the host")
+                self._check_host()
                 self.poll_control()
         except _Stopped:
             loaded.stopped = not self._stop_soft

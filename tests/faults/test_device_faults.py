@@ -218,3 +218,41 @@ def test_closing_a_device_fails_a_program_blocked_on_another_thread(model):
         assert not t.is_alive()
         assert len(errors) == 1 and "was detached" in str(errors[0]), errors
     assert ours() == before
+
+
+SPINNING_HOST = textwrap.dedent("""
+    import sys
+    from datetime import timedelta
+    from host_runtime.devices import DeviceWaitConfig
+    from host_runtime.predicates import AnchorCallbackPolicy
+    from host_runtime.session import Session, SessionConfig
+    s = Session([sys.argv[1]], SessionConfig(
+        wait_config=DeviceWaitConfig(timedelta(seconds=120), timedelta(seconds=0.05))))
+    empty = lambda anchor: AnchorCallbackPolicy.BIND_EMPTY_CB
+    s.setUserInputHandler(lambda info: None, empty)
+    s.setUserOutputHandler(lambda info: None, empty)
+    s._start_main_loop()     # nothing to wait for: the device loops flat out
+    print(",".join(map(str, s.device().pids())), flush=True)
+    sys.stdin.readline()
+""")
+
+
+@pytest.mark.allow_shm_leak   # checked here, after the IPU process had its chance to clean up
+def test_host_killed_while_its_device_loops_without_waiting(popef_path):
+    before = ours()
+    child = subprocess.Popen([sys.executable, "-c", SPINNING_HOST, popef_path],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        line = child.stdout.readline().strip()
+        assert line, "host child did not start"
+        ipu_pids = [int(p) for p in line.split(",")]
+        child.kill()
+        child.wait(30)
+        gone, alive = psutil.wait_procs([psutil.Process(p) for p in ipu_pids
+                                         if psutil.pid_exists(p)], timeout=60)
+        assert not alive, f"IPU processes still running: {alive}"
+        assert ours() - before == set()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()

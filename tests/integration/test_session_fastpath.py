@@ -210,3 +210,25 @@ def test_a_device_running_another_sessions_loop_refuses_a_new_binding(model, dev
         assert loop.result(timeout=30) is None
         s2.bindToDevice(device)
         assert device.isActiveSession(s2)
+
+
+def test_disconnecting_the_streams_ends_the_main_loop(model, device):
+    with Session(model) as s:
+        s.bindToDevice(device)
+        for h in ("tensor_A", "tensor_B", "tensor_C"):
+            s._claim_direct(h)
+        loop = s._start_main_loop()
+        for h in ("tensor_A", "tensor_B"):
+            s._input_ring(h).invalidate()
+        with pytest.raises(InvalidStateError, match="streams were disconnected"):
+            loop.result(timeout=60)
+        assert not s.isStopped()
+        s.reload()                       # resets the rings
+        ra, rb, rc = s._input_ring("tensor_A"), s._input_ring("tensor_B"), s._output_ring("tensor_C")
+        loop = s._start_main_loop()
+        ra.write(np.zeros(SHAPE, np.float32).tobytes())
+        rb.write(np.full(SHAPE, 7, np.float32).tobytes())
+        np.testing.assert_array_equal(
+            np.frombuffer(rc.read(timeout=30)[0], np.float32), np.full(6, 7, np.float32))
+        s.stop()
+        assert loop.result(timeout=30) is None
