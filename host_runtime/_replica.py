@@ -196,13 +196,16 @@ class Replica:
         with self._cv:
             self._cv.notify_all()
 
+    def _closed_error(self) -> InvalidStateError:
+        return InvalidStateError(f"replica {self.rid}: the ModelRunner was closed")
+
     def close(self, save: Callable[[Any], None] | None = None) -> None:
         """Stop the loop, optionally run the save programs, close the session (idempotent)."""
         with self._cv:
             if self._closed:
                 return
             self._closed = True
-        closed = InvalidStateError(f"replica {self.rid}: the ModelRunner was closed")
+        closed = self._closed_error()
         with self._cv:
             pending = list(self._inflight)
             phantoms = list(self._phantoms)
@@ -322,6 +325,9 @@ class Replica:
                 if isinstance(err, DeviceLostError):
                     self._fail_everything(err)
                 raise err from None
+            except InvalidStateError as exc:
+                req.fail(exc)
+                raise
             req.t_prepared = time.perf_counter_ns()
 
     def _translate(self, exc: BaseException) -> ModelRuntimeError:
@@ -340,6 +346,8 @@ class Replica:
                 return ring.try_acquire_write()
             except WouldBlock:
                 pass
+            if self._closed:
+                raise self._closed_error()
             if self._try_drive(time.monotonic() + 0.05):
                 continue
             try:
@@ -448,6 +456,9 @@ class Replica:
         """Drive this replica until ``req`` is done or ``timeout`` seconds pass."""
         end = None if timeout is None else time.monotonic() + timeout
         while not req.is_done():
+            if self._closed:
+                req.fail(self._closed_error())
+                break
             with self._cv:
                 if req.is_done():
                     break

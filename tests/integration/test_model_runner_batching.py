@@ -187,3 +187,37 @@ def test_partial_flushed_by_watchdog_when_nobody_waits(model_path, weights):
         r._replicas[0]._watchdog.join(WAIT)       # the watchdog exits once nothing is pending
         assert flushed == ["tensor_A"]
         np.testing.assert_allclose(fut["tensor_C"], packed_expectation(a, b, weights, 0), rtol=1e-6)
+
+
+def test_close_fails_pending_requests_and_wakes_blocked_callers(model_path):
+    import threading
+
+    from host_runtime.errors import DeviceTimeoutError, InvalidStateError
+
+    cfg = model_runtime.ModelRunnerConfig(batching_dim=0, timeout_ns=0)   # never flush
+    r = model_runtime.ModelRunner(model_path, config=cfg)
+    a, b = rows(1, 1)
+    fut = r.executeAsync({"tensor_A": a, "tensor_B": b})
+    assert not fut.done()
+    with pytest.raises(DeviceTimeoutError, match="not available within 0.01 s"):
+        fut.result(timeout=0.01)
+    caught = []
+    t = threading.Thread(target=lambda: caught.append(_raised(
+        lambda: r.execute({"tensor_A": a, "tensor_B": b}))))
+    t.start()
+    r.close()
+    t.join(WAIT)
+    assert not t.is_alive()
+    assert fut.wait(WAIT)
+    assert isinstance(fut.exception(), InvalidStateError)
+    with pytest.raises(InvalidStateError, match="the ModelRunner was closed"):
+        fut["tensor_C"]
+    assert len(caught) == 1 and isinstance(caught[0], InvalidStateError)
+
+
+def _raised(fn):
+    try:
+        fn()
+    except Exception as exc:
+        return exc
+    return None
