@@ -21,6 +21,21 @@ from tools.generate_simple_popef import write_simple_popef
 SHAPE = (4, 3)        # batch of 4 samples of 3 floats
 
 
+
+@pytest.fixture(scope="module", autouse=True)
+def _wait_for_free_ipus():
+    """xdist workers may share one emulated machine: wait for IPUs as the seeds' examples do."""
+    from datetime import timedelta as _td
+
+    from host_runtime import config as _config
+    from host_runtime.devices import DeviceWaitConfig, DeviceWaitStrategy
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_config, "_default_wait_config", lambda: DeviceWaitConfig(
+            DeviceWaitStrategy.WAIT_WITH_TIMEOUT, timeout=_td(seconds=120),
+            sleepTime=_td(milliseconds=50)))
+        yield
+
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("mr") / "simple.popef"
@@ -409,8 +424,9 @@ def test_replica_to_device_uses_the_given_device(model_path, weights):
 def test_no_device_available_fails_cleanly(model_path, monkeypatch, tmp_path):
     monkeypatch.setenv("IPU_EMULATOR_HOME", str(tmp_path / "machine"))   # a 1-IPU machine
     monkeypatch.setenv("IPU_EMULATOR_NUM_IPUS", "1")
-    cfg = model_runtime.ModelRunnerConfig(replication_factor=2)
-    with pytest.raises(model_runtime.DeviceUnavailableError):
+    cfg = model_runtime.ModelRunnerConfig(replication_factor=2,
+                                          device_wait_config=model_runtime.DeviceWaitConfig())
+    with pytest.raises(model_runtime.DeviceUnavailableError, match="NO_WAIT"):
         model_runtime.ModelRunner(model_path, config=cfg)
     with model_runtime.ModelRunner(model_path) as r:   # the first replica's IPU was released
         assert r.getExecuteInputs()

@@ -34,6 +34,21 @@ model_fusion:
 """
 
 
+
+@pytest.fixture(scope="module", autouse=True)
+def _wait_for_free_ipus():
+    """xdist workers may share one emulated machine: wait for IPUs as the seeds' examples do."""
+    from datetime import timedelta as _td
+
+    from host_runtime import config as _config
+    from host_runtime.devices import DeviceWaitConfig, DeviceWaitStrategy
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_config, "_default_wait_config", lambda: DeviceWaitConfig(
+            DeviceWaitStrategy.WAIT_WITH_TIMEOUT, timeout=_td(seconds=120),
+            sleepTime=_td(milliseconds=50)))
+        yield
+
 @pytest.fixture(scope="module")
 def fused_popef(tmp_path_factory):
     from tools.poprt import main as poprt_main
