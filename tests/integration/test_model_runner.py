@@ -440,3 +440,14 @@ def test_garbage_collection_releases_the_device(model_path):
     del r
     gc.collect()
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_max_look_ahead_zero_still_runs_many_in_flight(model_path, weights):
+    """One slot per stream ring: submitting more requests drains the earlier ones."""
+    cfg = model_runtime.ModelRunnerConfig(max_look_ahead="0")
+    with model_runtime.ModelRunner(model_path, config=cfg) as r:
+        assert r._replicas[0]._in_rings["tensor_A"].num_slots == 1
+        reqs = [pair() for _ in range(6)]
+        futs = [r.executeAsync({"tensor_A": a, "tensor_B": b}) for a, b in reqs]
+        for (a, b), f in zip(reqs, futs):
+            np.testing.assert_allclose(f["tensor_C"], a * weights + b, rtol=1e-6)
