@@ -57,6 +57,8 @@ __all__ = ["Replica", "Transfer", "ReplicaSetup"]
 _log = logging.getLogger(__name__)
 
 _SLICE = 0.25          # seconds between re-checks of a blocked drain
+_SPIN_NS = int(float(os.environ.get("IPU_EMULATOR_RUNNER_SPIN_US", "30")) * 1000)
+"""Longest poll of an output ring before blocking (0: never poll); see Replica._spin."""
 _U8 = np.dtype(np.uint8)
 
 
@@ -130,6 +132,7 @@ class Replica:
         self._watchdog: threading.Thread | None = None
         self._pidfds: list[tuple[int, int]] = []      # (pidfd, pid) of the device's processes
         self._pid_poll: Any = None
+        self._wait_est_ns = 0          # moving estimate of an output wait (see _spin)
         self._watch_wake = threading.Condition(threading.Lock())
         self._publish_order = list(reversed(list(setup.inputs.items())))
         self._frozen_bytes = {n: _bytes_view(np.ascontiguousarray(a))
@@ -537,7 +540,11 @@ class Replica:
         while tr.next_output < len(tr.outputs):
             spec = tr.outputs[tr.next_output]
             ring = self._out_rings[spec.name]
+            t0 = time.perf_counter_ns()
+            if _SPIN_NS and not ring.readable():
+                self._spin(ring)
             view, _tag = ring.acquire_read(timeout)
+            self._wait_est_ns = (7 * self._wait_est_ns + time.perf_counter_ns() - t0) >> 3
             try:
                 self._copy_out(tr, spec, view, dynamic)
             finally:
@@ -556,6 +563,23 @@ class Replica:
             req.finish()
             if not req.internal:
                 mon.record(req.t_received, req.t_prepared, req.t_completed)
+
+    def _spin(self, ring: Ring) -> None:
+        """Poll ``ring`` briefly before blocking on its semaphore.
+
+        Waking a sleeping process from another CPU costs tens of microseconds on a
+        VM (measured: a [1,4] execute takes ~110 us blocking, ~70 us with a 30 us
+        poll). Polling only pays when the answer is near: a moving estimate of
+        how long output waits take (updated by ``_drain``) turns polling off
+        while waits are much longer than the budget (a long device computation).
+        """
+        if self._wait_est_ns > 3 * _SPIN_NS:
+            return
+        stop = time.perf_counter_ns() + _SPIN_NS
+        readable = ring.readable
+        while not readable():
+            if time.perf_counter_ns() >= stop:
+                return
 
     @staticmethod
     def _copy_out(tr: Transfer, spec: TensorSpec, view: memoryview, dynamic: bool) -> None:
