@@ -180,15 +180,10 @@ class ModelRunner:
     def _spec(self, a: popef.Anchor, batch_dim: Optional[int], is_input: bool) -> TensorSpec:
         info = a.tensorInfo()
         bd = batch_dim
-        if a.name() == INDEX_NAME and self._dynamic_index_excluded():
-            bd = None
-        if bd is not None and not info.shape():
-            bd = None
+        if (a.name() == INDEX_NAME and self._config.batching_enabled) or not info.shape():
+            bd = None     # scalars, and a fused model's index under dynamic batching
         return TensorSpec(a.name(), a.handle(), tuple(info.shape()), info.numpyDType(),
                           is_input, bd, self._config.batching_enabled and bd is not None)
-
-    def _dynamic_index_excluded(self) -> bool:
-        return self._config.batching_enabled
 
     def _check_dynamic(self, dim: int) -> int:
         specs = [s for s in (*self._in_specs.values(), *self._out_specs.values())
@@ -318,8 +313,8 @@ class ModelRunner:
             raise BadRequestError(f"the request's tensors disagree on the batch size ({what}): "
                                   f"{detail}")
         n_units = units.pop() if units else 1
-        transfers = 1 if dynamic else n_units
-        samples = n_units if dynamic else n_units
+        transfers = 1 if dynamic else n_units     # dynamic: packed by the replica
+        samples = n_units
 
         # what the device reads and writes, transfer by transfer
         publish, per_transfer, phantom = self._plan(given, transfers)
