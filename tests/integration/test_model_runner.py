@@ -451,3 +451,16 @@ def test_max_look_ahead_zero_still_runs_many_in_flight(model_path, weights):
         futs = [r.executeAsync({"tensor_A": a, "tensor_B": b}) for a, b in reqs]
         for (a, b), f in zip(reqs, futs):
             np.testing.assert_allclose(f["tensor_C"], a * weights + b, rtol=1e-6)
+
+
+def test_device_iterations_are_transparent(tmp_path):
+    """batches_per_step 3: Main reads 3 transfers per run; requests still map 1:1 to transfers."""
+    path = tmp_path / "bps3.popef"
+    write_simple_popef(path, shape=SHAPE, batches_per_step=3)
+    w = np.frombuffer(popef.load_model([str(path)]).tensorData("weights").data,
+                      np.float32).reshape(SHAPE)
+    with model_runtime.ModelRunner(str(path)) as r:
+        for n in (1, 2, 5):
+            a, b = pair((4 * n, 3))
+            out = r.execute({"tensor_A": a, "tensor_B": b})["tensor_C"]
+            np.testing.assert_allclose(out, a * np.tile(w, (n, 1)) + b, rtol=1e-6)
