@@ -19,10 +19,12 @@ Results:
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
 import time
+import weakref
 from typing import Any, Mapping, Optional
 
 import numpy as np
@@ -44,6 +46,28 @@ _log = logging.getLogger(__name__)
 
 INDEX_NAME = "index"
 _MAX = 2**63 - 1
+
+_live_runners: "weakref.WeakSet[ModelRunner]" = weakref.WeakSet()
+_atexit_registered = False
+
+
+def _close_live_runners() -> None:
+    """At exit, close runners the program did not close (the seeds' listings never do),
+    before the device manager's own exit hook stops their devices underneath them."""
+    for runner in list(_live_runners):
+        try:
+            runner.close()
+        except Exception:  # pragma: no cover - best effort at exit
+            _log.exception("closing %r at exit", runner)
+
+
+def _register_exit_hook() -> None:
+    # atexit runs hooks last-registered-first: registering after host_runtime.devices
+    # was imported (by the first session) makes this one run before the devices' hook.
+    global _atexit_registered
+    if not _atexit_registered:
+        _atexit_registered = True
+        atexit.register(_close_live_runners)
 
 
 def _load_model(source: Any) -> popef.Model:
@@ -94,6 +118,8 @@ class ModelRunner:
         except BaseException:
             self.close()
             raise
+        _live_runners.add(self)
+        _register_exit_hook()
 
     # ================================================================== model layout
     def _classify(self) -> None:

@@ -464,3 +464,23 @@ def test_device_iterations_are_transparent(tmp_path):
             a, b = pair((4 * n, 3))
             out = r.execute({"tensor_A": a, "tensor_B": b})["tensor_C"]
             np.testing.assert_allclose(out, a * np.tile(w, (n, 1)) + b, rtol=1e-6)
+
+
+def test_runner_never_closed_exits_cleanly(model_path, tmp_path):
+    """The seeds' listings never close their runner: exiting must still release everything."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "listing.py"
+    script.write_text(
+        "import numpy as np\n"
+        "import host_runtime as model_runtime\n"
+        f"r = model_runtime.ModelRunner(model_runtime.PopefPaths([{model_path!r}]))\n"
+        "x = {d.name: np.ones(d.shape, d.numpy_data_type()) for d in r.getExecuteInputs()}\n"
+        "print('shape', r.execute(x)['tensor_C'].shape)\n")
+    env = dict(os.environ, IPU_EMULATOR_HOME=str(tmp_path / "machine"))
+    proc = subprocess.run([sys.executable, "-X", "faulthandler", str(script)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "shape (4, 3)" in proc.stdout
