@@ -64,6 +64,37 @@ def _check(got: Any, want: np.ndarray, what: str) -> None:
         raise AssertionError(f"{what}: got {arr!r}, expected {want!r}")
 
 
+def _write_fused_model(workdir: str) -> str:
+    """Fuse two small ONNX models into one PopEF (seed 004's model fusion):
+    graph0: O = reshape(X + Y, [2]) in fp32; graph1: O = concat(X, [[1.5, 2.0]]) in fp16."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from host_runtime.poprt.compiler import compile as poprt_compile
+    from ipu_emulator.compiler import ModelSpec
+
+    def model(graph: Any) -> Any:
+        m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 11)])
+        m.ir_version = 8
+        return m
+
+    f32, f16 = TensorProto.FLOAT, TensorProto.FLOAT16
+    m0 = model(helper.make_graph(
+        [helper.make_node("Add", ["X", "Y"], ["Z"]), helper.make_node("Reshape", ["Z", "C"], ["O"])],
+        "sum", [helper.make_tensor_value_info("X", f32, (1, 2)),
+                helper.make_tensor_value_info("Y", f32, (1, 2))],
+        [helper.make_tensor_value_info("O", f32, (2,))],
+        initializer=[numpy_helper.from_array(np.array([2], np.int64), "C")]))
+    m1 = model(helper.make_graph(
+        [helper.make_node("Concat", ["X", "C"], ["O"], axis=1)], "concat",
+        [helper.make_tensor_value_info("X", f16, (1, 1))],
+        [helper.make_tensor_value_info("O", f16, (1, 3))],
+        initializer=[numpy_helper.from_array(np.array([[1.5, 2.0]], np.float16), "C")]))
+    out = poprt_compile([ModelSpec(m0), ModelSpec(m1)], workdir, fuse=True,
+                        popef_name="fused.popef")
+    assert out.popef_path is not None
+    return str(out.popef_path)
+
+
 def run_demo(workdir: str, verbose: bool = False) -> int:
     import host_runtime as model_runtime
     from host_runtime import popef
@@ -268,6 +299,27 @@ def run_demo(workdir: str, verbose: bool = False) -> int:
                 raise AssertionError("; ".join(errors))
 
     demo.mode("multithreading: 4 threads x 5 async requests (thread_safe)", multithreading)
+
+    def conditional_execution() -> None:
+        from host_runtime.poprt import Runner, RuntimeConfig
+
+        fused = _write_fused_model(workdir)
+        config = RuntimeConfig()
+        config.timeout_ns = 0
+        config.validate_io_params = False
+        with Runner(fused, config) as runner:
+            x = demo.rng.standard_normal((1, 2)).astype(np.float32)
+            y = demo.rng.standard_normal((1, 2)).astype(np.float32)
+            out0 = np.zeros(2, np.float32)
+            runner.execute({"graph0/X": x, "graph0/Y": y}, {"graph0/O": out0})
+            _check(out0, (x + y).reshape(2), "graph0/O")
+            x1 = np.array([[0.5]], np.float16)
+            out1 = np.zeros((1, 3), np.float16)
+            runner.execute({"graph1/X": x1}, {"graph1/O": out1})
+            _check(out1, np.array([[0.5, 1.5, 2.0]], np.float16), "graph1/O")
+
+    demo.mode("conditional execution: two fused models, PopRT Runner fills 'index'",
+              conditional_execution)
 
     failed = [name for name, ok, _ in demo.results if not ok]
     print()
