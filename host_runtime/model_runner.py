@@ -434,9 +434,11 @@ class ModelRunner:
             if not 0 <= k < n_sub:
                 raise BadRequestError(f"input {INDEX_NAME!r}: expected a sub-graph number "
                                       f"0..{n_sub - 1}, got {k}")
-        needed = [INDEX_NAME]
-        for k in dict.fromkeys(ks):
-            needed.extend(self._sub_inputs[k])
+        if len(set(ks)) > 1:
+            raise BadRequestError(
+                f"input {INDEX_NAME!r}: every transfer of one request must select the same "
+                f"sub-graph, got {ks}; send one request per sub-graph")
+        needed = [INDEX_NAME, *self._sub_inputs[ks[0]]]
         missing = [n for n in needed if n not in given and n not in self._frozen]
         publish = {n: given[n] for n in needed if n in given}
         return publish, [self._sub_outputs[k] for k in ks], (missing[0] if missing else None)

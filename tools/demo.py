@@ -5,7 +5,8 @@ On a fresh machine, with no daemon: writes the example model
 it on embedded emulated IPUs and runs the execution modes of seeds 000/001
 (sync/async, runner/user-allocated outputs, InputMemoryView or numpy dicts),
 frozen inputs, dynamic batch sizes, replication over 2 IPUs, 4 threads x 5
-requests, the Save program, and prints the monitoring statistics. Every
+requests, the Save program, conditional execution of two fused models through
+the PopRT ``Runner``, and prints the monitoring statistics. Every
 result is compared with numpy; each mode prints PASS or FAIL and the exit
 status is non-zero if any failed.
 """
