@@ -34,7 +34,6 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import select
 import threading
 import time
 import weakref
@@ -47,9 +46,9 @@ from shm import (PeerDiedError, Ring, RingInvalidatedError, RingTimeoutError, Sh
                  WouldBlock)
 
 from host_runtime._batching import TensorSpec
+from host_runtime._replica_timers import Phantom, PidWatch, ReplicaTimers
 from host_runtime._requests import Request
-from host_runtime.errors import (DeviceLostError, DeviceTimeoutError, InvalidStateError,
-                                 ModelRuntimeError)
+from host_runtime.errors import DeviceLostError, InvalidStateError, ModelRuntimeError
 from host_runtime.monitoring import RequestMonitor
 
 __all__ = ["Replica", "Transfer", "ReplicaSetup"]
@@ -81,16 +80,6 @@ class Transfer:
 
 
 @dataclass
-class Phantom:
-    """A request the device cannot run (inputs missing): it times out on the host."""
-
-    request: Request
-    tensor_id: str
-    deadline: float
-    callback_called: bool = False
-
-
-@dataclass
 class ReplicaSetup:
     """What the runner tells each replica (built once per ModelRunner)."""
 
@@ -111,7 +100,7 @@ class ReplicaSetup:
     merge_phantom: Callable[[Request, Request], Optional[int]]   # -> transfers once complete
 
 
-class Replica:
+class Replica(ReplicaTimers):
     """The engine of one replica; see the module docstring."""
 
     def __init__(self, setup: ReplicaSetup) -> None:
@@ -130,8 +119,7 @@ class Replica:
         self._out_rings: dict[str, Ring] = {}
         self._loop: Any = None
         self._watchdog: threading.Thread | None = None
-        self._pidfds: list[tuple[int, int]] = []      # (pidfd, pid) of the device's processes
-        self._pid_poll: Any = None
+        self._pids = PidWatch()
         self._wait_est_ns = 0          # moving estimate of an output wait (see _spin)
         self._watch_wake = threading.Condition(threading.Lock())
         self._publish_order = list(reversed(list(setup.inputs.items())))
@@ -153,7 +141,8 @@ class Replica:
         self._session = s
         self._loop = loop
         self._error = None
-        self._watch_pids(s)
+        dev = s.device()
+        self._pids.watch(dev.pids() if dev is not None else [])
         # The device's service thread holds the loop future: refer back weakly, so that a
         # runner nobody references can be collected (and its __del__ release the IPUs).
         ref = weakref.ref(self)
@@ -238,7 +227,7 @@ class Replica:
         finally:
             s.close()
             self._session = None
-            self._close_pidfds()
+            self._pids.close()
 
     # ------------------------------------------------------------------ submit
     def _ensure_usable(self) -> None:
@@ -255,40 +244,17 @@ class Replica:
                 "ModelRunnerConfig.auto_reset = True to restart the device automatically") from err
         self._reset()
 
-    def _watch_pids(self, session: Any) -> None:
-        """pidfds of the device's IPU processes: polling them costs ~0.3 us per request."""
-        self._close_pidfds()
-        poller = select.poll()
-        dev = session.device()
-        for pid in (dev.pids() if dev is not None else []):
-            try:
-                fd = os.pidfd_open(pid)
-            except (AttributeError, OSError):   # no pidfd support, or already gone and reaped
-                continue
-            self._pidfds.append((fd, pid))
-            poller.register(fd, select.POLLIN)
-        self._pid_poll = poller if self._pidfds else None
-
-    def _close_pidfds(self) -> None:
-        for fd, _ in self._pidfds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self._pidfds = []
-        self._pid_poll = None
-
     def _check_device(self) -> ModelRuntimeError | None:
-        """Notice a dead IPU process before a request is sent to it."""
+        """Notice a dead IPU process before a request is sent to it (~0.3 us)."""
         s = self._session
         if s is None:
             return None
         lost = s._failure()
-        if lost is None and self._pid_poll is not None and self._pid_poll.poll(0):
-            fd = self._pid_poll.poll(0)[0][0]
-            pid = next(p for f, p in self._pidfds if f == fd)
-            err = s._translate(PeerDiedError(f"IPU process {pid} died", pid))
-            lost = err if isinstance(err, ModelRuntimeError) else DeviceLostError(str(err))
+        if lost is None:
+            pid = self._pids.dead_pid()
+            if pid is not None:
+                err = s._translate(PeerDiedError(f"IPU process {pid} died", pid))
+                lost = err if isinstance(err, ModelRuntimeError) else DeviceLostError(str(err))
         if lost is not None:
             self._fail_everything(lost)
         return lost
@@ -446,14 +412,6 @@ class Replica:
         self._partial = None
         self._published(tr)
 
-    # -- phantoms (validate_io_params off, inputs missing) -----------------------------
-    def _add_phantom(self, req: Request, tensor_id: str) -> None:
-        ns = self.setup.timeout_ns
-        deadline = float("inf") if ns == 0 else time.monotonic() + ns / 1e9
-        with self._cv:
-            self._phantoms.append(Phantom(req, tensor_id, deadline))
-        self._kick_watchdog()
-
     # ------------------------------------------------------------------ drive
     def wait_for(self, req: Request, timeout: float | None) -> bool:
         """Drive this replica until ``req`` is done or ``timeout`` seconds pass."""
@@ -497,16 +455,6 @@ class Replica:
                 self._draining = False
                 self._cv.notify_all()
         return True
-
-    def _next_deadline(self) -> float:
-        d = float("inf")
-        tr = self._partial
-        flush = self.setup.partial_flush_ns
-        if tr is not None and flush is not None:
-            d = tr.t_open + flush / 1e9
-        for ph in self._phantoms:
-            d = min(d, ph.deadline)
-        return d
 
     def _drive_step(self, end: float | None) -> None:
         """Caller holds the drain role: fire due timers, then drain (or wait for) one transfer."""
@@ -603,127 +551,3 @@ class Replica:
                 dest[...] = slot
             else:
                 dest[spec.index(rs * f, (rs + cnt) * f)] = slot[spec.index(ss * f, (ss + cnt) * f)]
-
-    # ------------------------------------------------------------------ timers
-    def _fire_timers(self, now: float) -> None:
-        """Flush a partial batch whose time is up; time out phantoms. Never blocks on submit."""
-        tr = self._partial
-        flush = self.setup.partial_flush_ns
-        if tr is not None and flush is not None and tr.t_open + flush / 1e9 <= now:
-            self._flush_partial(tr)
-        due: list[Phantom] = []
-        with self._cv:
-            for ph in list(self._phantoms):
-                if ph.deadline <= now:
-                    due.append(ph)
-        for ph in due:
-            self._expire_phantom(ph)
-
-    def _call_flush_callback(self, tensor_id: str) -> Optional[Request]:
-        cb = self.setup.flush_callback
-        if cb is None:
-            return None
-        try:
-            result = cb(tensor_id, None, None)
-        except Exception:
-            _log.exception("replica %d: flush_callback failed for tensor %r", self.rid, tensor_id)
-            return None
-        if result is None:
-            return None
-        try:
-            inputs, outputs = result
-        except (TypeError, ValueError):
-            _log.error("replica %d: flush_callback must return (inputs, outputs) or None, got %r",
-                       self.rid, result)
-            return None
-        try:
-            return self.setup.make_flush_request(inputs, outputs)
-        except ModelRuntimeError as exc:
-            _log.error("replica %d: flush_callback returned unusable data: %s", self.rid, exc)
-            return None
-
-    def _flush_partial(self, tr: Transfer) -> None:
-        first = next(iter(self.setup.inputs), "")
-        extra = self._call_flush_callback(first)
-        if not self._submit_lock.acquire(blocking=False):
-            return   # a submitter is busy (it will publish or we try again next step)
-        try:
-            if extra is not None and self._partial is tr:
-                self._pack(extra)
-                extra.t_prepared = time.perf_counter_ns()
-            if self._partial is tr:
-                self._publish_partial(tr, pad=True)
-        except (ShmError, OSError) as exc:
-            self._fail_everything(self._translate(exc))
-        finally:
-            self._submit_lock.release()
-
-    def _expire_phantom(self, ph: Phantom) -> None:
-        if not ph.callback_called:
-            ph.callback_called = True
-            extra = self._call_flush_callback(ph.tensor_id)
-            if extra is not None:
-                merged = self.setup.merge_phantom(ph.request, extra)
-                if merged is not None:
-                    with self._cv:
-                        if ph in self._phantoms:
-                            self._phantoms.remove(ph)
-                    if self._submit_lock.acquire(blocking=False):
-                        try:
-                            if self.setup.dynamic:
-                                self._pack(ph.request)
-                            else:
-                                self._write_whole(ph.request, merged)
-                        except (ShmError, OSError) as exc:
-                            self._fail_everything(self._translate(exc))
-                        finally:
-                            self._submit_lock.release()
-                        return
-                    with self._cv:    # busy submitter: try again on the next step
-                        ph.deadline = time.monotonic()
-                        self._phantoms.append(ph)
-                    return
-        with self._cv:
-            if ph not in self._phantoms:
-                return
-            self._phantoms.remove(ph)
-        ms = self.setup.timeout_ns / 1e6
-        ph.request.fail(DeviceTimeoutError(
-            f"replica {self.rid}: the device timed out after {ms:g} ms waiting for input "
-            f"{ph.tensor_id!r}, which the request does not provide (validate_io_params is off; "
-            "with a fused model, give the inputs of the sub-graph the 'index' selects)"))
-
-    # ------------------------------------------------------------------ watchdog
-    def _kick_watchdog(self) -> None:
-        if not self.setup.watchdog or self._next_deadline() == float("inf"):
-            return
-        if self._watchdog is None or not self._watchdog.is_alive():
-            self._watchdog = threading.Thread(target=self._watch, daemon=True,
-                                              name=f"model-runner-watchdog-{self.rid}")
-            self._watchdog.start()
-        else:
-            with self._watch_wake:
-                self._watch_wake.notify_all()
-
-    def _watch(self) -> None:
-        """Fire timers when nobody waits (flush_on_waiting_outputs off). Exits when idle."""
-        while not self._closed:
-            d = self._next_deadline()
-            if d == float("inf"):
-                return
-            now = time.monotonic()
-            if d > now:
-                with self._watch_wake:
-                    self._watch_wake.wait(min(d - now, 1.0))
-                continue
-            with self._cv:
-                if self._draining:
-                    self._cv.wait(0.01)
-                    continue
-                self._draining = True
-            try:
-                self._fire_timers(time.monotonic())
-            finally:
-                with self._cv:
-                    self._draining = False
-                    self._cv.notify_all()
