@@ -335,9 +335,11 @@ class Replica(ReplicaTimers):
 
     def _write_whole(self, req: Request, transfers: int) -> None:
         outputs = req.outputs_per_transfer
+        # Count every transfer before the first is published: another thread may drain
+        # (and count down) the first before this loop writes the next.
+        req.remaining += transfers
         for t in range(transfers):
             tr = Transfer([(req, t, 1, 0)], outputs[t])
-            req.remaining += 1
             # Last-read first: the device wakes once, on the first stream Main reads.
             for name, spec in self._publish_order:
                 src = req.inputs.get(name)
@@ -385,8 +387,17 @@ class Replica(ReplicaTimers):
 
     def _pack(self, req: Request) -> None:
         B = self.setup.batch
-        s = 0
         n = req.samples
+        # Count the segments first (see _write_whole): none is published yet.
+        fill = self._partial.samples if self._partial is not None else 0
+        s = segments = 0
+        while s < n:
+            k = min(B - fill, n - s)
+            segments += 1
+            s += k
+            fill = (fill + k) % B
+        req.remaining += segments
+        s = 0
         while s < n:
             tr = self._partial if self._partial is not None else self._open_partial()
             k = min(B - tr.samples, n - s)
@@ -394,7 +405,6 @@ class Replica(ReplicaTimers):
                 spec = self.setup.inputs[name]
                 tr.slots[name][spec.index(tr.samples, tr.samples + k)] = src[spec.index(s, s + k)]
             tr.segments.append((req, s, k, tr.samples))
-            req.remaining += 1
             tr.samples += k
             s += k
             if tr.samples == B:

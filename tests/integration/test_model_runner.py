@@ -484,3 +484,29 @@ def test_runner_never_closed_exits_cleanly(model_path, tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "shape (4, 3)" in proc.stdout
+
+
+def test_concurrent_multi_transfer_requests(model_path, weights):
+    """Threads draining each other's transfers, requests longer than the rings: every
+    request completes only when all its transfers are back."""
+    errors: list[str] = []
+    with model_runtime.ModelRunner(model_path) as r:
+        def worker(seed):
+            rng = np.random.default_rng(seed)
+            try:
+                for _ in range(20):
+                    n = int(rng.integers(1, 12))   # up to 11 transfers: more than a ring holds
+                    a, b = (rng.standard_normal((4 * n, 3)).astype(np.float32) for _ in range(2))
+                    if rng.random() < 0.5:
+                        out = r.execute({"tensor_A": a, "tensor_B": b})["tensor_C"]
+                    else:
+                        out = r.executeAsync({"tensor_A": a, "tensor_B": b})["tensor_C"].numpy()
+                    np.testing.assert_allclose(out, a * np.tile(weights, (n, 1)) + b, rtol=1e-6)
+            except Exception as exc:
+                errors.append(f"worker {seed}: {exc!r}")
+        threads = [threading.Thread(target=worker, args=(s,)) for s in range(5)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert errors == []
