@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import enum
 import logging
+import os
 import threading
 import time
 import weakref
@@ -137,7 +138,10 @@ _live_devices: "set[Device]" = set()
 
 @atexit.register
 def _close_live_devices() -> None:
+    me = os.getpid()
     for dev in list(_live_devices):
+        if dev._owner_pid != me:   # a forked child: the devices belong to its parent
+            continue
         try:
             dev.close()
         except Exception:  # pragma: no cover - best effort at exit
@@ -165,6 +169,7 @@ class Device:
         self._processes = processes
         self._locks = locks
         self._is_model = is_ipu_model
+        self._owner_pid = os.getpid()
         self._closed = False
         self._lock = threading.RLock()
         self._active: "Session | None" = None
@@ -224,7 +229,12 @@ class Device:
     # -- lifetime -----------------------------------------------------------------------
 
     def close(self) -> None:
-        """Unbind sessions, stop the IPU processes, release the IPUs (idempotent)."""
+        """Unbind sessions, stop the IPU processes, release the IPUs (idempotent).
+
+        In a process forked from the owner this does nothing: the owner still uses them.
+        """
+        if self._owner_pid != os.getpid():
+            return
         # A program may be running on another thread (holding the lock, perhaps waiting for
         # input that never comes): do not wait for it; closing the link fails it.
         got = self._lock.acquire(timeout=0.5)

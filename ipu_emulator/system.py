@@ -200,6 +200,7 @@ class IpuLocks:
         self.ipus = ipus
         self.lock_dir = lock_dir
         self._fds = fds
+        self._pid = os.getpid()
 
     @classmethod
     def try_acquire(cls, lock_dir: str, ipus: tuple[int, ...]) -> "IpuLocks | dict[int, int | None]":
@@ -233,11 +234,13 @@ class IpuLocks:
 
     def release(self) -> None:
         fds, self._fds = self._fds, []
+        mine = os.getpid() == self._pid   # a forked child only drops its copies
         for fd in fds:
-            try:
-                os.ftruncate(fd, 0)
-            except OSError:
-                pass
+            if mine:
+                try:
+                    os.ftruncate(fd, 0)
+                except OSError:
+                    pass
             os.close(fd)
 
     @property

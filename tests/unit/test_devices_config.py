@@ -278,3 +278,23 @@ def test_public_surface_of_devices_and_session():
     assert (cfg.policy, cfg.pred_tensor_data, cfg.check_package_hash, cfg.wait_config,
             cfg.max_look_ahead) == (session.LaunchPolicy.Deferred, None, True, DeviceWaitConfig(),
                                     "unlimited")
+
+
+def test_a_forked_child_does_not_release_its_parents_device(tmp_path):
+    dm = DeviceManager(SystemConfig(num_ipus=1, home=str(tmp_path)),
+                       launcher=lambda spec, log_dir=None: _FakeConnection(spec))
+    dev = dm.getDevice(1)
+    try:
+        pid = os.fork()
+        if pid == 0:   # child: closing (explicitly or at exit) must not touch the parent's IPUs
+            try:
+                dev.close()
+            finally:
+                os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert status == 0
+        assert dev.isAttached()
+        assert IpuLocks.try_acquire(dm.system.lock_dir, (0,)) == {0: os.getpid()}
+    finally:
+        dev.close()
+    assert isinstance(IpuLocks.try_acquire(dm.system.lock_dir, (0,)), IpuLocks)
