@@ -16,11 +16,13 @@
     event ring    <--DONE/ERROR/NEED/OUT--  results, device-side tracebacks
 
 While a program waits on a stream it re-checks the control ring every
-``_SLICE`` seconds, so STOP interrupts a program blocked on data. Every ring
-watches the host's pid: when the host dies, the wait raises PeerDiedError,
-and this process unlinks every shared-memory object it knows of plus every
-object of this tag whose name carries the host's pid, then exits. A
-SIGKILLed host therefore leaves nothing in /dev/shm.
+``_SLICE`` seconds, so STOP interrupts a program blocked on data. The host's
+liveness is checked while idle, between those slices and between main-loop
+iterations (``getppid()`` when the host is our parent, a pid check otherwise;
+the event ring also watches the host's pid). When the host is gone this
+process unlinks every shared-memory object it knows of plus every object of
+this tag whose name carries the host's pid, then exits: a SIGKILLed host
+leaves no IPU process and nothing in /dev/shm.
 """
 
 from __future__ import annotations
