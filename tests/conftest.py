@@ -21,8 +21,11 @@ import pytest
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "main")
 _TAG = "t" + secrets.token_hex(4)
 os.environ["IPU_EMULATOR_SHM_TAG"] = _TAG
+# Assigned unconditionally: the xdist controller imports this file first and
+# its workers inherit its environment, so a setdefault would hand every
+# worker the same emulated machine.
 _HOME = tempfile.mkdtemp(prefix=f"ipuemu-home-{_WORKER}-")
-os.environ.setdefault("IPU_EMULATOR_HOME", _HOME)
+os.environ["IPU_EMULATOR_HOME"] = _HOME
 
 # Deadlock guard: a test that hangs for this long dumps all stacks and exits.
 _HANG_SECONDS = float(os.environ.get("IPU_EMULATOR_TEST_HANG_SECONDS", "240"))
