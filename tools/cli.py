@@ -12,6 +12,7 @@ import sys
 _SUBCOMMANDS = {
     "cleanup": ("tools.cleanup", "remove shared-memory objects whose creating process is dead"),
     "demo": ("tools.demo", "write the seeds' example model and run every execution mode"),
+    "daemon": ("tools.daemon", "serve a shared pool of warm emulated IPUs to host processes"),
 }
 
 
