@@ -23,14 +23,16 @@ SHAPE = (4, 3)        # batch of 4 samples of 3 floats
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _wait_for_free_ipus():
-    """xdist workers may share one emulated machine: wait for IPUs as the seeds' examples do."""
+def _private_machine(tmp_path_factory):
+    """This module's own emulated machine (4 IPUs), so that module-scoped runners of other
+    test processes cannot starve it; and wait for IPUs as the seeds' examples do."""
     from datetime import timedelta as _td
 
     from host_runtime import config as _config
     from host_runtime.devices import DeviceWaitConfig, DeviceWaitStrategy
 
     with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("IPU_EMULATOR_HOME", str(tmp_path_factory.mktemp("machine")))
         mp.setattr(_config, "_default_wait_config", lambda: DeviceWaitConfig(
             DeviceWaitStrategy.WAIT_WITH_TIMEOUT, timeout=_td(seconds=120),
             sleepTime=_td(milliseconds=50)))
