@@ -59,7 +59,10 @@ this process blocked in a wait wakes within ``WAIT_SLICE`` and raises
 :class:`ShmClosedError`). The semaphores are ``sem_close``d only when the Ring
 object is garbage-collected: a thread inside a wait holds a reference to the
 Ring, so a semaphore is never unmapped under a waiter (that would crash), and
-the hot path needs no bookkeeping of who is waiting.
+the hot path needs no bookkeeping of who is waiting. For the same reason the
+finalizer is not run at interpreter exit (``weakref.finalize`` would by
+default, from an exit hook that runs before earlier-registered ones): exit
+hooks and daemon threads may still use the ring, and exit frees the mappings.
 
 Spinning: by default a waiter does not spin. ``python -m tools.bench ring``
 on this project's 2-core VMs: the two processes of a ping-pong usually share
@@ -177,7 +180,11 @@ class Ring:
         self._is_consumer = False
         self._closed = False
         self._unlinked = False
-        weakref.finalize(self, _close_semaphores, free, full)
+        # Never at interpreter exit (weakref.finalize's default): its exit hook runs before
+        # hooks registered earlier (atexit is LIFO), e.g. one that shuts devices down, while
+        # a daemon thread may still wait on these semaphores; sem_close unmaps them and
+        # the waiter segfaults when its wait slice ends. Process exit frees them anyway.
+        weakref.finalize(self, _close_semaphores, free, full).atexit = False
 
     # -- construction -------------------------------------------------------
 
