@@ -20,6 +20,7 @@ waiting forever.
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 from typing import Any, Callable, Sequence
 
@@ -41,6 +42,7 @@ Callback = Callable[[memoryview], None]
 _MAX_RING_BYTES = 64 << 20       # cap on one anchor's ring (slots x transfer size)
 _PREFAULT_BYTES = 4 << 20        # pre-fault rings up to this size
 _UNLIMITED_DEPTH = 8             # ring depth of Main anchors for max_look_ahead "unlimited"
+_MAX_DEPTH = 1024                # cap on a SessionConfig.ring_depth answer
 _SERVICE_TIMEOUT = 30.0          # a slot the device announced must be there by then
 
 
@@ -89,7 +91,8 @@ class StreamTable:
     """The streams of one session (see the module docstring)."""
 
     def __init__(self, model: popef.Model, pred_tensor_data: PopefDataUsagePredicate | None,
-                 look_ahead: int | None) -> None:
+                 look_ahead: int | None,
+                 depth_of: Callable[[popef.Anchor], int] | None = None) -> None:
         md = model.metadata
         self.flow = md.programFlow()
         self.streams = [a for a in md.anchors()
@@ -106,6 +109,7 @@ class StreamTable:
         self.rings: dict[str, Ring] = {}
         self._peer: int | None = None
         self._bind_popef_data(model, pred_tensor_data)
+        self._depths = {a.handle(): self._depth(a, depth_of) for a in self.streams}
 
     def _bind_popef_data(self, model: popef.Model, pred: PopefDataUsagePredicate | None) -> None:
         for a in self.streams:
@@ -217,12 +221,30 @@ class StreamTable:
     # -- rings ----------------------------------------------------------------------------
 
     def ring_depth(self, anchor: popef.Anchor) -> int:
+        """Slots of ``anchor``'s ring (decided when the session was made)."""
+        return self._depths[anchor.handle()]
+
+    def _depth(self, anchor: popef.Anchor,
+               depth_of: Callable[[popef.Anchor], int] | None) -> int:
         main = set(self.flow.main())
-        if not any(p in main for p in anchor.programs()):
-            return 2
+        is_main = any(p in main for p in anchor.programs())
         n = max(1, self.nbytes[anchor.handle()])
-        want = _UNLIMITED_DEPTH if self._look_ahead is None else self._look_ahead + 1
-        return max(1, min(want, _MAX_RING_BYTES // n))
+        if depth_of is None:
+            if not is_main:
+                return 2
+            want = _UNLIMITED_DEPTH if self._look_ahead is None else self._look_ahead + 1
+            return max(1, min(want, _MAX_RING_BYTES // n))
+        given = depth_of(anchor)
+        try:
+            want = -1 if isinstance(given, bool) else operator.index(given)
+        except TypeError:
+            want = -1
+        if want < 1:
+            raise BadRequestError(f"SessionConfig.ring_depth gave {given!r} for anchor "
+                                  f"{anchor.name()!r}; expected an int >= 1 (ring slots)")
+        if is_main and self._look_ahead is not None:
+            want = min(want, self._look_ahead + 1)
+        return max(1, min(want, _MAX_DEPTH, _MAX_RING_BYTES // n))
 
     def ensure_rings(self, peer_pid: int) -> None:
         """Create the rings once; when the device (peer) changes, reset them.

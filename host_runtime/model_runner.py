@@ -266,7 +266,8 @@ class ModelRunner:
         sc = SessionConfig(policy=LaunchPolicy.Deferred, pred_tensor_data=pred,
                            check_package_hash=bool(cfg.check_package_hash),
                            wait_config=cfg.device_wait_config or DeviceWaitConfig(),
-                           max_look_ahead=cfg.max_look_ahead)
+                           max_look_ahead=cfg.max_look_ahead,
+                           ring_depth=self._ring_depths())
         s = Session(self._model, sc)
         try:
             for name, value in frozen_load.items():
@@ -286,6 +287,19 @@ class ModelRunner:
             s.close()
             raise
         return s
+
+    def _ring_depths(self) -> Any:
+        """Slots of the session's stream rings (seed: ring size = multiplier x batch size).
+
+        A request of the model's batch is one transfer of each Main anchor, so a Main ring
+        holds ``ring_buffer_size_multiplier`` requests (at least 2: one being written while
+        the device reads the other); load/save anchors move once per program run: 2. The
+        session caps these at ``max_look_ahead + 1`` when that is a number."""
+        from host_runtime.queues import ring_size_multiplier_factory
+
+        transfers_per_request = 1
+        main = max(2, self._config.ring_buffer_size_multiplier * transfers_per_request)
+        return ring_size_multiplier_factory.ringSizeMultForMainProgs(self._model, main, 2)
 
     def _replica(self, replica_id: Any) -> Replica:
         if self._closed:

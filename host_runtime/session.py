@@ -88,6 +88,12 @@ class SessionConfig:
     check_package_hash: bool = True
     wait_config: DeviceWaitConfig = field(default_factory=DeviceWaitConfig)
     max_look_ahead: str = "unlimited"
+    ring_depth: Callable[[popef.Anchor], int] | None = None
+    """Internal (ModelRunner, QueueManager users): slots of each anchor's stream ring, e.g. a
+    ``host_runtime.queues.ring_size_multiplier_factory`` function. Main anchors are still
+    capped at ``max_look_ahead + 1`` when that is a number; every ring at 64 MiB and 1024
+    slots. None: 8 slots for Main anchors ("unlimited") or ``max_look_ahead + 1``, 2 for
+    load/save-only anchors."""
 
     def look_ahead(self) -> int | None:
         """``max_look_ahead`` as a number (None for "unlimited"); BadRequestError if invalid."""
@@ -148,7 +154,7 @@ class Session(FastPath):
         except ExecutableError as exc:
             raise PopefError(f"executable {self._model.executable.name()!r}: {exc}") from exc
         self._streams = StreamTable(self._model, self._config.pred_tensor_data,
-                                    self._config.look_ahead())
+                                    self._config.look_ahead(), self._config.ring_depth)
         self._flow = self._streams.flow
         self._stop_listeners: list[Callable[[], None]] = []
         self._queue_managers: list[Any] = []

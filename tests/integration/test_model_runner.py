@@ -455,6 +455,32 @@ def test_max_look_ahead_zero_still_runs_many_in_flight(model_path, weights):
             np.testing.assert_allclose(f["tensor_C"], a * weights + b, rtol=1e-6)
 
 
+@pytest.mark.parametrize("multiplier, depth", [(1, 2), (3, 3), (6, 6)])
+def test_ring_buffer_size_multiplier_sets_the_main_ring_depth(model_path, weights,
+                                                               multiplier, depth):
+    """Seed: ring size = ring_buffer_size_multiplier x batch size (one request = one transfer
+    of the model's batch; at least 2 slots); load/save rings keep 2."""
+    cfg = model_runtime.ModelRunnerConfig(ring_buffer_size_multiplier=multiplier)
+    with model_runtime.ModelRunner(model_path, config=cfg) as r:
+        rep = r._replicas[0]
+        assert rep._in_rings["tensor_A"].num_slots == depth
+        assert rep._in_rings["tensor_B"].num_slots == depth
+        s = rep.session
+        assert s._output_ring("tensor_C").num_slots == depth
+        assert s._input_ring("weights").num_slots == 2
+        check_healthy(r, weights)
+        reqs = [pair() for _ in range(3 * depth)]
+        futs = [r.executeAsync({"tensor_A": a, "tensor_B": b}) for a, b in reqs]
+        for (a, b), f in zip(reqs, futs):
+            np.testing.assert_allclose(f["tensor_C"], a * weights + b, rtol=1e-6)
+
+
+def test_max_look_ahead_caps_the_ring_buffer_size_multiplier(model_path):
+    cfg = model_runtime.ModelRunnerConfig(ring_buffer_size_multiplier=6, max_look_ahead="2")
+    with model_runtime.ModelRunner(model_path, config=cfg) as r:
+        assert r._replicas[0]._in_rings["tensor_A"].num_slots == 3
+
+
 def test_device_iterations_are_transparent(tmp_path):
     """batches_per_step 3: Main reads 3 transfers per run; requests still map 1:1 to transfers."""
     path = tmp_path / "bps3.popef"

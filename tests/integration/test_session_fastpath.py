@@ -197,6 +197,43 @@ def test_max_look_ahead_sets_the_depth_of_main_rings(model, device):
         assert s._output_ring("tensor_C").num_slots == 8  # "unlimited"
 
 
+def test_ring_depth_option_sizes_the_rings_and_look_ahead_caps_main_ones(model, device):
+    from host_runtime.queues import ring_size_multiplier_factory
+
+    depth = ring_size_multiplier_factory.ringSizeMultForMainProgs(model, 5, 1)
+    with Session(model, SessionConfig(ring_depth=depth)) as s:
+        s.bindToDevice(device)
+        assert [s._input_ring(h).num_slots for h in ("tensor_A", "tensor_B", "weights")] \
+            == [5, 5, 1]
+        assert [s._output_ring(h).num_slots for h in ("tensor_C", "weights_saved")] == [5, 1]
+        # a main run still works over these rings (the load-only ring has one slot)
+        w = weights_of(model)
+        a = np.full(SHAPE, 2, np.float32)
+        b = np.full(SHAPE, 1, np.float32)
+        out: list[np.ndarray] = []
+        s.setCallbackForAnchor("tensor_A", lambda v: v.cast("B").__setitem__(
+            slice(None), a.tobytes()))
+        s.setCallbackForAnchor("tensor_B", lambda v: v.cast("B").__setitem__(
+            slice(None), b.tobytes()))
+        s.setCallbackForAnchor("tensor_C",
+                               lambda v: out.append(np.frombuffer(v, np.float32).copy()))
+        s.runLoadPrograms()
+        s.runMainPrograms()
+        np.testing.assert_allclose(out[-1].reshape(SHAPE), a * w + b, rtol=1e-6)
+    with Session(model, SessionConfig(ring_depth=depth, max_look_ahead="1")) as s:
+        s.bindToDevice(device)
+        assert s._input_ring("tensor_A").num_slots == 2      # look-ahead 1 caps Main rings
+        assert s._input_ring("weights").num_slots == 1
+    with Session(model, SessionConfig(ring_depth=lambda a: 10 ** 9)) as s:
+        s.bindToDevice(device)
+        assert s._output_ring("tensor_C").num_slots == 1024  # capped
+    for bad in (0, 2.5, True, None):
+        with pytest.raises(BadRequestError, match=(
+                rf"SessionConfig.ring_depth gave {bad!r} for anchor 'tensor_A'; "
+                r"expected an int >= 1 \(ring slots\)")):
+            Session(model, SessionConfig(ring_depth=lambda a, _b=bad: _b))
+
+
 def test_a_device_running_another_sessions_loop_refuses_a_new_binding(model, device):
     with Session(model) as s1, Session(model) as s2:
         s1.bindToDevice(device)
