@@ -6,6 +6,12 @@ drops when a holder dies) and, in embedded mode, starts one IPU process per
 attached IPU. ``Device.close()`` (or leaving its ``with`` block) shuts the
 processes down and releases the IPUs.
 
+Daemon mode: when ``IPU_EMULATOR_DAEMON`` names the socket of an
+``ipu-emulator daemon`` (or ``DeviceManager(daemon=path)``), the machine is
+the daemon's pool, attaching asks the daemon (its attach is the exclusive
+one, not the lock files) and the device gets the daemon's warm IPU processes
+(:mod:`host_runtime._daemon_client`); closing it hands them back.
+
 IPU model devices (``createIpuModelDevice``, ``createSmallIpuModelDevice``)
 are private to the caller: they take no machine lock; the small one has 4
 tiles per IPU, so only small executables fit.
@@ -23,11 +29,12 @@ import weakref
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable
 
+from host_runtime._daemon_client import DaemonAttachment, DaemonClient, daemon_from_env
 from host_runtime.errors import BadRequestError, DeviceUnavailableError, InvalidStateError
 from host_runtime.popef.model import Model
 from ipu_emulator.launcher import IpuConnection, IpuSpec, launch_ipu
 from ipu_emulator.system import (IpuLocks, SystemConfig, SystemConfigError, device_groups,
-                                 load_system_config)
+                                 emulator_home, load_system_config)
 
 if TYPE_CHECKING:
     from host_runtime._device_link import DeviceLink
@@ -158,7 +165,7 @@ class Device:
 
     def __init__(self, *, device_id: int, ipus: tuple[int, ...], ipu_version: int,
                  tiles_per_ipu: int, memory_per_tile: int, processes: list[IpuConnection],
-                 locks: IpuLocks | None, is_ipu_model: bool = False) -> None:
+                 locks: IpuLocks | DaemonAttachment | None, is_ipu_model: bool = False) -> None:
         from host_runtime._device_link import DeviceLink
 
         self._id = device_id
@@ -337,11 +344,25 @@ class DeviceManager:
     """Selects and attaches devices of the emulated machine."""
 
     def __init__(self, system: SystemConfig | None = None, *,
-                 launcher: Callable[..., IpuConnection] | None = None) -> None:
+                 launcher: Callable[..., IpuConnection] | None = None,
+                 daemon: str | None = None) -> None:
         """``launcher(spec, log_dir=...) -> IpuConnection`` starts (or, for a daemon, hands
-        out) one IPU process; the default starts it here (embedded mode)."""
+        out) one IPU process; the default starts it here (embedded mode).
+
+        ``daemon``: the socket of an ``ipu-emulator daemon`` whose IPUs to use (default
+        ``$IPU_EMULATOR_DAEMON`` unless a ``launcher`` is given); its pool is the machine
+        unless ``system`` is given. IPU models stay private to this process.
+        """
+        path = daemon if daemon is not None else (None if launcher is not None
+                                                  else daemon_from_env())
+        self._daemon = DaemonClient(path) if path else None
         try:
-            self._system = system if system is not None else load_system_config()
+            if system is not None:
+                self._system = system
+            elif self._daemon is not None:
+                self._system = self._daemon.system(emulator_home())
+            else:
+                self._system = load_system_config()
         except SystemConfigError as exc:
             raise BadRequestError(str(exc)) from exc
         self._launcher = launcher if launcher is not None else launch_ipu
@@ -349,6 +370,11 @@ class DeviceManager:
     @property
     def system(self) -> SystemConfig:
         return self._system
+
+    @property
+    def daemon(self) -> str | None:
+        """The daemon's socket path in daemon mode, else None (embedded)."""
+        return None if self._daemon is None else self._daemon.path
 
     def ipuHardwareVersion(self) -> int:
         """2 or 21 for the machine's IPUs; 0 if it has none."""
@@ -503,14 +529,13 @@ class DeviceManager:
         start = time.monotonic()
         deadline = (start + wait_config.timeout.total_seconds()
                     if strategy is DeviceWaitStrategy.WAIT_WITH_TIMEOUT else None)
-        lock_dir = self._system.lock_dir
         attempts = 0
         while True:
             attempts += 1
             busy: dict[int, int | None] = {}
             for device_id, ipus in candidates:
-                got = IpuLocks.try_acquire(lock_dir, ipus)
-                if isinstance(got, IpuLocks):
+                got = self._reserve(device_id, ipus)
+                if not isinstance(got, dict):
                     try:
                         return self._machine_device(device_id, ipus, got)
                     except BaseException:
@@ -530,9 +555,18 @@ class DeviceManager:
         raise DeviceUnavailableError(
             f"no device available: asked for {what} with {strategy.name}"
             + (f" (waited {waited:.1f} s, {attempts} attempts)" if attempts > 1 else "")
-            + f"; busy: {held}")
+            + f"; busy: {held}"
+            + (f" (daemon at {self._daemon.path})" if self._daemon is not None else ""))
 
-    def _machine_device(self, device_id: int, ipus: tuple[int, ...], locks: IpuLocks) -> Device:
+    def _reserve(self, device_id: int, ipus: tuple[int, ...]
+                 ) -> IpuLocks | DaemonAttachment | dict[int, int | None]:
+        """Hold ``ipus`` exclusively, or ``{ipu: holder pid or None}`` of the busy ones."""
+        if self._daemon is not None:
+            return self._daemon.try_attach(device_id, ipus)
+        return IpuLocks.try_acquire(self._system.lock_dir, ipus)
+
+    def _machine_device(self, device_id: int, ipus: tuple[int, ...],
+                        locks: IpuLocks | DaemonAttachment) -> Device:
         sysc = self._system
         specs = [IpuSpec(ipu_id=i, ipu_version=sysc.ipu_version_number,
                          tiles_per_ipu=sysc.tiles_per_ipu, memory_per_tile=sysc.memory_per_tile,
@@ -540,19 +574,24 @@ class DeviceManager:
                          compute_threads=sysc.compute_threads,
                          label=f"device {device_id} (ipu {i})")
                  for k, i in enumerate(ipus)]
-        procs = self._launch(specs)
+        procs = self._launch(specs, locks.launcher if isinstance(locks, DaemonAttachment)
+                             else None)
         return Device(device_id=device_id, ipus=ipus, ipu_version=sysc.ipu_version_number,
                       tiles_per_ipu=sysc.tiles_per_ipu, memory_per_tile=sysc.memory_per_tile,
                       processes=procs, locks=locks)
 
-    def _launch(self, specs: list[IpuSpec]) -> list[IpuConnection]:
+    def _launch(self, specs: list[IpuSpec], launcher: Callable[..., IpuConnection] | None = None
+                ) -> list[IpuConnection]:
+        """One connection per spec from ``launcher`` (a daemon attachment's) or our own."""
+        launch = launcher if launcher is not None else self._launcher
         procs: list[IpuConnection] = []
         try:
             for spec in specs:
-                procs.append(self._launcher(spec, log_dir=self._system.log_dir))
+                procs.append(launch(spec, log_dir=self._system.log_dir))
         except BaseException:
             for p in procs:
-                p.kill()
+                if launcher is None:   # a daemon's processes stay warm
+                    p.kill()
                 p.close()
             raise
         return procs

@@ -34,7 +34,7 @@ from ipu_emulator import protocol
 from ipu_emulator.protocol import Message, Op
 
 __all__ = ["IpuSpec", "IpuProcess", "IpuConnection", "IpuProcessError", "launch_ipu",
-           "describe_returncode", "START_TIMEOUT"]
+           "describe_returncode", "read_log_tail", "START_TIMEOUT"]
 
 _log = logging.getLogger(__name__)
 
@@ -121,6 +121,31 @@ def describe_returncode(rc: int | None) -> str:
     return f"exited with code {rc}"
 
 
+def read_log_tail(log_path: str | None, pid: int, nbytes: int = 2000) -> str:
+    """The last lines process ``pid`` wrote to the IPU log ``log_path`` ("" if none)."""
+    if not log_path:
+        return ""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - nbytes))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    # Lines of this process: those tagged "ipuN[pid]" and their continuation
+    # lines (tracebacks), up to the next line tagged by another process.
+    mine: list[str] = []
+    keep = False
+    for ln in text.splitlines():
+        tagged = _LOG_TAG.search(ln)
+        if tagged:
+            keep = int(tagged.group(1)) == pid
+        if keep:
+            mine.append(ln)
+    return "\n".join(mine[-20:])
+
+
 class IpuProcess:
     """Host-side handle of one IPU process started by this host (embedded mode)."""
 
@@ -168,27 +193,7 @@ class IpuProcess:
             delay = min(delay * 2, 0.05)
 
     def log_tail(self, nbytes: int = 2000) -> str:
-        if not self.log_path:
-            return ""
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                size = f.tell()
-                f.seek(max(0, size - nbytes))
-                text = f.read().decode("utf-8", "replace")
-        except OSError:
-            return ""
-        # Lines of this process: those tagged "ipuN[pid]" and their continuation
-        # lines (tracebacks), up to the next line tagged by another process.
-        mine: list[str] = []
-        keep = False
-        for ln in text.splitlines():
-            tagged = _LOG_TAG.search(ln)
-            if tagged:
-                keep = int(tagged.group(1)) == self.pid
-            if keep:
-                mine.append(ln)
-        return "\n".join(mine[-20:])
+        return read_log_tail(self.log_path, self.pid, nbytes)
 
     def wait_ready(self, timeout: float = START_TIMEOUT) -> dict[str, Any]:
         """Block until the process posts READY; raises IpuProcessError if it dies or is late."""
@@ -280,8 +285,11 @@ def _rotate(path: str) -> None:
 
 
 def launch_ipu(spec: IpuSpec, *, log_dir: str | None = None,
-               extra_env: dict[str, str] | None = None) -> IpuProcess:
-    """Create the rings and start one IPU process; does not wait for it to be ready."""
+               extra_env: dict[str, str] | None = None, pool: bool = False) -> IpuProcess:
+    """Create the rings and start one IPU process; does not wait for it to be ready.
+
+    ``pool``: the caller is a daemon that hands the process to hosts (``HOST`` messages).
+    """
     control = Ring.create(protocol.CONTROL_SLOT_SIZE, protocol.CONTROL_SLOTS, kind="ctl")
     try:
         events = Ring.create(protocol.EVENT_SLOT_SIZE, protocol.EVENT_SLOTS, kind="evt",
@@ -311,6 +319,8 @@ def launch_ipu(spec: IpuSpec, *, log_dir: str | None = None,
                 "--host-pid", str(os.getpid())]
         if spec.label:
             argv += ["--label", spec.label]
+        if pool:
+            argv.append("--pool")
         popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file,
                                  stderr=log_file, env=env, close_fds=True)
     except BaseException:

@@ -15,10 +15,17 @@ UTF-8 JSON body (strict JSON, no pickle: nothing executable crosses the wire)::
     RESET                                  BYE      the process is exiting
     SHUTDOWN
     PING
+    HOST     value = host pid (0: none)
 
 Every request carries a host-chosen ``seq``; the device answers each with one
 DONE or ERROR of the same ``seq`` (a LOOP only when it ends: DONE after STOP,
 ERROR on failure). MODES is not answered.
+
+HOST is sent only by a daemon that owns the IPU process (``--pool``), while
+no host uses the rings: the device forgets its previous host (a running
+program ends; cached executables are closed; if that host is dead, every
+object it created is unlinked), resets its control ring, then watches the
+new host (value; 0 = none) and answers DONE.
 
 A LOAD names a *spec region* the host created: ``<Q spec length><spec JSON>``
 then, at ``executable_offset``, the executable bytes. The spec says which
@@ -87,6 +94,7 @@ class Op(enum.IntEnum):
     RESET = 7
     SHUTDOWN = 8
     PING = 9
+    HOST = 10
     # events: device -> host
     READY = 101
     DONE = 102

@@ -1,0 +1,246 @@
+"""The host's side of daemon mode: attach the daemon's warm IPU processes.
+
+``DeviceManager`` uses a :class:`DaemonClient` when ``IPU_EMULATOR_DAEMON``
+names the daemon's socket (or ``DeviceManager(daemon=path)``):
+
+- the machine (IPU count, version, tiles, memory) is the daemon's pool;
+- ``try_attach(device_id, ipus)`` asks the daemon for the IPUs, all or none,
+  on a connection of their own: a :class:`DaemonAttachment` (which replaces
+  the local lock files: the daemon's attach is the exclusive one), or
+  ``{ipu: holder pid}`` when some are held;
+- ``attachment.launcher(spec, log_dir=...)`` is the ``DeviceManager``
+  launcher seam: it hands out a :class:`DaemonIpu`, an ``IpuConnection`` over
+  the process the daemon keeps warm (its rings are attached, not created; its
+  liveness is a pidfd, as it is not our child);
+- ``attachment.release()`` gives the IPUs back and waits until the daemon has
+  reset them. A host that dies releases them too: the daemon sees its
+  connection close (or its pid die).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import signal
+import time
+import weakref
+from typing import Any
+
+from shm import Ring, pid_alive
+
+from host_runtime.errors import DeviceUnavailableError
+from ipu_emulator import daemon_protocol as wire
+from ipu_emulator.launcher import IpuSpec, describe_returncode, read_log_tail
+from ipu_emulator.system import SystemConfig
+
+__all__ = ["DaemonClient", "DaemonAttachment", "DaemonIpu", "daemon_from_env"]
+
+_log = logging.getLogger(__name__)
+
+_TIMEOUT = 60.0   # seconds for an attach or release (the daemon resets IPUs on release)
+
+
+def daemon_from_env() -> str | None:
+    """The daemon's socket path from ``IPU_EMULATOR_DAEMON``, or None (embedded mode)."""
+    return os.environ.get(wire.ENV_VAR) or None
+
+
+class DaemonClient:
+    """Requests to one daemon."""
+
+    def __init__(self, path: str) -> None:
+        self.path = os.path.abspath(path)
+        self._hello: dict[str, Any] | None = None
+
+    def _unreachable(self, exc: BaseException) -> DeviceUnavailableError:
+        return DeviceUnavailableError(
+            f"cannot reach the IPU emulator daemon at {self.path} ({wire.ENV_VAR}): {exc}; "
+            "start it with 'ipu-emulator daemon --socket PATH' or unset the variable")
+
+    def request(self, message: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
+        try:
+            return wire.request(self.path, message, timeout)
+        except (OSError, ValueError) as exc:
+            raise self._unreachable(exc) from exc
+
+    def system(self, home: str) -> SystemConfig:
+        """The daemon's pool as the machine's configuration (``home`` stays this host's)."""
+        if self._hello is None:
+            self._hello = self.request({"op": "hello"})
+        s = self._hello["system"]
+        return SystemConfig(num_ipus=s["num_ipus"], ipu_version=s["ipu_version"],
+                            tiles_per_ipu=s["tiles_per_ipu"],
+                            memory_per_tile=s["memory_per_tile"],
+                            compute_threads=s["compute_threads"], home=home)
+
+    def try_attach(self, device_id: int, ipus: tuple[int, ...]
+                   ) -> "DaemonAttachment | dict[int, int | None]":
+        """The IPUs (all or none), or ``{ipu: holder pid or None}`` of the busy ones."""
+        try:
+            conn = wire.LineConnection(self.path, _TIMEOUT)
+        except OSError as exc:
+            raise self._unreachable(exc) from exc
+        try:
+            reply = conn.call({"op": "attach", "ipus": list(ipus), "device_id": device_id},
+                              _TIMEOUT)
+        except (OSError, ValueError) as exc:
+            conn.close()
+            raise self._unreachable(exc) from exc
+        except BaseException:
+            conn.close()
+            raise
+        if reply.get("ok"):
+            return DaemonAttachment(self, conn, ipus, reply["ipus"])
+        conn.close()
+        if reply.get("error") == "busy":
+            return {int(k): v for k, v in reply.get("busy", {}).items()}
+        raise DeviceUnavailableError(f"the daemon at {self.path} could not attach ipus "
+                                     f"{list(ipus)}: {reply.get('message')}")
+
+    def exit_status(self, pid: int) -> int | None:
+        """How the daemon's IPU process ``pid`` ended (None if unknown or running)."""
+        try:
+            reply = wire.request(self.path, {"op": "exit_status", "pid": pid}, timeout=5.0)
+        except (OSError, ValueError):
+            return None
+        rc = reply.get("returncode") if reply.get("ok") else None
+        return rc if isinstance(rc, int) else None
+
+
+class DaemonAttachment:
+    """IPUs this host holds through the daemon (the connection is the hold)."""
+
+    def __init__(self, client: DaemonClient, conn: wire.LineConnection, ipus: tuple[int, ...],
+                 infos: list[dict[str, Any]]) -> None:
+        self.client = client
+        self.ipus = ipus
+        self._conn: wire.LineConnection | None = conn
+        self._infos = {int(i["ipu"]): i for i in infos}
+        self._pid = os.getpid()
+
+    def launcher(self, spec: IpuSpec, log_dir: str | None = None) -> "DaemonIpu":
+        """The ``DeviceManager`` launcher seam: the warm process of ``spec.ipu_id``."""
+        try:
+            info = self._infos[spec.ipu_id]
+        except KeyError:
+            raise DeviceUnavailableError(f"ipu {spec.ipu_id} is not part of this attachment "
+                                         f"(ipus {list(self.ipus)})") from None
+        return DaemonIpu(spec, info, self.client)
+
+    @property
+    def held(self) -> bool:
+        return self._conn is not None
+
+    def release(self) -> None:
+        """Hand the IPUs back; returns once the daemon has reset them (idempotent).
+
+        In a forked child it only drops its copy of the connection."""
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        try:
+            if os.getpid() == self._pid:
+                reply = conn.call({"op": "release"}, _TIMEOUT)
+                if not reply.get("ok"):
+                    _log.warning("the daemon at %s: release of ipus %s: %s", self.client.path,
+                                 list(self.ipus), reply.get("message"))
+        except (OSError, ValueError) as exc:   # daemon gone: nothing left to release
+            _log.debug("release of ipus %s: %s", list(self.ipus), exc)
+        finally:
+            conn.close()
+
+    def __del__(self) -> None:
+        conn = getattr(self, "_conn", None)
+        if conn is not None:
+            conn.close()   # the daemon releases on EOF
+
+
+class DaemonIpu:
+    """An ``IpuConnection`` over an IPU process the daemon owns."""
+
+    def __init__(self, spec: IpuSpec, info: dict[str, Any], client: DaemonClient) -> None:
+        self.spec = spec
+        self.log_path: str | None = info.get("log")
+        self._pid = int(info["pid"])
+        self._ready = dict(info.get("ready") or {})
+        self._client = client
+        self._rc: int | None = None
+        self._closed = False
+        self._poll: Any = None
+        self._pidfd = -1
+        try:
+            self._pidfd = os.pidfd_open(self._pid)
+            # closed with this object, never under a thread polling it
+            weakref.finalize(self, os.close, self._pidfd)
+            self._poll = select.poll()
+            self._poll.register(self._pidfd, select.POLLIN)
+        except (AttributeError, OSError):   # no pidfd support (or gone): pid checks instead
+            pass
+        self.control = Ring.attach(info["control"])
+        try:
+            self.events = Ring.attach(info["events"], prefault=False)
+        except BaseException:
+            self.control.close()
+            raise
+        self.control.set_peer(self._pid)
+
+    @property
+    def pid(self) -> int:
+        return self._pid
+
+    def alive(self) -> bool:
+        if self._rc is not None:
+            return False
+        poll = self._poll
+        if poll is not None:
+            return not poll.poll(0)
+        return pid_alive(self._pid)
+
+    def returncode(self) -> int | None:
+        """None while running; then how it ended, as its parent (the daemon) saw it."""
+        if self._rc is None and not self.alive():
+            rc = self._client.exit_status(self._pid)
+            # the daemon no longer knows it (restarted): say it was killed, the usual cause
+            self._rc = rc if rc is not None else -int(signal.SIGKILL)
+        return self._rc
+
+    def wait_exit(self, timeout: float) -> int | None:
+        deadline = time.monotonic() + timeout
+        delay = 0.001
+        while self.alive():
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(delay)   # only on death paths
+            delay = min(delay * 2, 0.05)
+        return self.returncode()
+
+    def describe_exit(self) -> str:
+        return (f"{self.spec.describe()} (daemon IPU process pid {self._pid}) "
+                f"{describe_returncode(self.returncode())}")
+
+    def log_tail(self, nbytes: int = 2000) -> str:
+        return read_log_tail(self.log_path, self._pid, nbytes)
+
+    def kill(self) -> None:
+        """SIGKILL the process (tests; the daemon starts a new one once it is released)."""
+        if self.alive():
+            os.kill(self._pid, signal.SIGKILL)
+            self.wait_exit(5.0)
+
+    def wait_ready(self, timeout: float = 0.0) -> dict[str, Any]:
+        return self._ready   # the daemon waited for READY when it started the process
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Nothing to do: the process is the daemon's; releasing the attachment resets it."""
+
+    def close(self) -> None:
+        """Stop using the rings (they are the daemon's: not unlinked). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.control.close()
+        self.events.close()
+
+    def __repr__(self) -> str:
+        return f"DaemonIpu({self.spec.describe()}, pid={self._pid})"

@@ -1,0 +1,172 @@
+"""One IPU of the daemon's pool: its warm process and the blocking steps on it.
+
+The daemon's event loop keeps the state (free, held, ...); the methods here
+block (process start, a HOST round trip, shutdown) and run on its executor,
+one at a time per IPU. While a host holds the IPU only the host touches the
+control and event rings; the daemon uses them only between hosts:
+
+- ``hand_over(host)``: HOST(host) on the control ring, wait for its DONE,
+  then reset the event ring (the process is idle, the daemon its only reader);
+- ``take_back()``: HOST(0): the process ends whatever program the previous
+  host left running, closes its executables and (that host being dead)
+  unlinks the host's objects, resets its control ring and answers DONE;
+  events the previous host never read are skipped, then the event ring is
+  reset: the next host gets clean rings and a warm, empty IPU.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import signal
+import time
+from typing import Any
+
+import posix_ipc
+
+from shm import RingTimeoutError, ShmError
+from shm.cleanup import list_objects
+
+from ipu_emulator import protocol
+from ipu_emulator.launcher import IpuProcess, IpuSpec, launch_ipu
+from ipu_emulator.protocol import Message, Op
+
+__all__ = ["PooledIpu", "PoolError", "remove_objects_of"]
+
+_log = logging.getLogger("ipu_emulator.daemon")
+
+HANDOVER_TIMEOUT = 30.0
+"""Seconds a HOST round trip may take (a program the previous host left must notice)."""
+
+
+class PoolError(RuntimeError):
+    """An IPU of the pool could not be started, handed over or taken back."""
+
+
+class PooledIpu:
+    """The daemon's handle on one IPU and its process."""
+
+    def __init__(self, spec: IpuSpec, log_dir: str) -> None:
+        self.spec = spec
+        self.index = spec.ipu_id
+        self.log_dir = log_dir
+        self.proc: IpuProcess | None = None
+        self.ready: dict[str, Any] = {}
+        self.state = "starting"     # starting, free, attaching, held, resetting, dead, failed
+        self.holder: int | None = None
+        self.hosts_served = 0
+        self._seq = itertools.count(1)
+
+    # -- blocking steps (executor) ------------------------------------------------------
+
+    def start(self) -> None:
+        """Start a fresh process (after closing a dead one) and wait until it is ready."""
+        self.close_process(polite=False)
+        proc = launch_ipu(self.spec, log_dir=self.log_dir, pool=True)
+        try:
+            self.ready = proc.wait_ready()
+        except BaseException:
+            proc.kill()
+            proc.close()
+            raise
+        self.proc = proc
+        _log.info("ipu %d: process %d is ready", self.index, proc.pid)
+
+    def hand_over(self, host: int, num_ipus: int, label: str) -> None:
+        self._host_call(host, {"num_ipus": num_ipus, "label": label})
+
+    def take_back(self) -> None:
+        self._host_call(0, {"num_ipus": 1, "label": self.spec.label})
+
+    def _host_call(self, host: int, body: dict[str, Any]) -> None:
+        proc = self._live_process()
+        seq = next(self._seq) & 0x7FFFFFFF
+        deadline = time.monotonic() + HANDOVER_TIMEOUT
+        try:
+            protocol.send(proc.control, Message(Op.HOST, seq=seq, value=host, body=body),
+                          timeout=HANDOVER_TIMEOUT)
+            skipped = 0
+            while True:
+                try:
+                    msg = protocol.receive(proc.events, timeout=0.2)
+                except RingTimeoutError:
+                    if not proc.alive():
+                        raise PoolError(f"{proc.describe_exit()} during HOST {host}") from None
+                    if time.monotonic() > deadline:
+                        raise PoolError(f"ipu {self.index} (process {proc.pid}) did not answer "
+                                        f"HOST {host} within {HANDOVER_TIMEOUT:g} s") from None
+                    continue
+                if msg.seq == seq and msg.op in (Op.DONE, Op.ERROR):
+                    break
+                skipped += 1   # events the previous host never read
+            if msg.op is Op.ERROR:
+                raise PoolError(f"ipu {self.index} refused HOST {host}: {msg.body}")
+            proc.events.reset()
+        except (ShmError, protocol.ProtocolError) as exc:
+            raise PoolError(f"ipu {self.index} (process {proc.pid}): HOST {host} failed: "
+                            f"{exc}") from exc
+        if skipped:
+            _log.debug("ipu %d: skipped %d stale events", self.index, skipped)
+
+    def _live_process(self) -> IpuProcess:
+        proc = self.proc
+        if proc is None or not proc.alive():
+            raise PoolError(f"ipu {self.index}: " + (proc.describe_exit() if proc is not None
+                                                       else "no process"))
+        return proc
+
+    def close_process(self, polite: bool, timeout: float = 5.0) -> None:
+        """Stop the process and destroy its rings (idempotent).
+
+        ``polite``: no host uses the rings, so ask with SHUTDOWN first; otherwise (a host
+        holds them) SIGTERM. Escalates to SIGKILL with a warning naming the process.
+        """
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        if not polite and proc.returncode() is None:
+            os.kill(proc.pid, signal.SIGTERM)
+            if proc.wait_exit(timeout) is None:
+                _log.warning("%s ignored SIGTERM for %g s; killing it", proc.describe_exit(),
+                             timeout)
+                proc.kill()
+        proc.close()   # SHUTDOWN (escalating, with warnings) if still running; unlinks rings
+
+    # -- state (event loop) ----------------------------------------------------------------
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.alive()
+
+    def info(self) -> dict[str, Any]:
+        """What a host needs to use this IPU (attach reply)."""
+        proc = self.proc
+        assert proc is not None
+        return {"ipu": self.index, "pid": proc.pid, "control": proc.control.name,
+                "events": proc.events.name, "log": proc.log_path, "ready": self.ready}
+
+    def status(self) -> dict[str, Any]:
+        return {"ipu": self.index, "state": self.state, "holder": self.holder, "pid": self.pid,
+                "ipu_version": self.spec.ipu_version, "tiles_per_ipu": self.spec.tiles_per_ipu,
+                "memory_per_tile": self.spec.memory_per_tile, "hosts_served": self.hosts_served}
+
+
+def remove_objects_of(pids: set[int]) -> list[str]:
+    """Unlink every object (any tag) created by one of ``pids``; their /dev/shm entries."""
+    removed = []
+    for obj in list_objects(all_tags=True):
+        if obj.pid not in pids:
+            continue
+        try:
+            if obj.is_semaphore:
+                posix_ipc.unlink_semaphore(obj.name)
+            else:
+                posix_ipc.unlink_shared_memory(obj.name)
+            removed.append(obj.entry)
+        except (posix_ipc.ExistentialError, OSError):
+            pass
+    return removed

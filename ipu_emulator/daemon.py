@@ -1,0 +1,379 @@
+"""``ipu-emulator daemon``: a pool of warm emulated IPUs served to host processes.
+
+The daemon starts one IPU process per IPU of its pool (``--pool`` mode, see
+:mod:`ipu_emulator.process`) and keeps them running. Hosts connect to its
+unix socket (mode 0600, default ``$IPU_EMULATOR_HOME/daemon.sock``) and speak
+:mod:`ipu_emulator.daemon_protocol`:
+
+- ``attach`` takes a set of IPUs exclusively (all or none) for the connection
+  and answers with each IPU's process pid and ring names; a busy IPU is
+  reported with its holder's pid (the kernel's ``SO_PEERCRED``, not a claim);
+- ``release``, closing the connection, or the death of the holder (checked
+  every ``_MONITOR`` seconds, so a forked child keeping the socket open does not
+  matter) hands the IPUs back: each process drops that host's executables and,
+  if the host died, every shared-memory object it created; then it is free;
+- a dead IPU process is restarted once nobody holds it.
+
+Event loop: asyncio on one thread owns every state change; blocking steps on
+IPU processes run on the default executor, at most one at a time per IPU.
+``run()`` returns after SIGTERM/SIGINT, having stopped every IPU process and
+removed the socket and every shared-memory object of the daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import struct
+from typing import Any
+
+from shm import pid_alive
+
+from ipu_emulator import daemon_protocol as wire
+from ipu_emulator._daemon_pool import PoolError, PooledIpu, remove_objects_of
+from ipu_emulator.launcher import IpuSpec
+from ipu_emulator.system import SystemConfig
+
+__all__ = ["Daemon", "DaemonError"]
+
+_log = logging.getLogger("ipu_emulator.daemon")
+
+_MONITOR = 0.2     # seconds between checks of holders and IPU processes
+_RETRY = 5.0       # seconds between restarts of an IPU process that failed to start
+_EXITS_KEPT = 256  # exit statuses of retired IPU processes kept for exit_status
+
+
+class DaemonError(RuntimeError):
+    """The daemon cannot start (socket in use, bad path, IPU processes fail)."""
+
+
+class _Conn:
+    """One client connection: its peer and what it holds."""
+
+    def __init__(self, pid: int, writer: asyncio.StreamWriter) -> None:
+        self.pid = pid
+        self.writer = writer
+        self.holding: list[PooledIpu] = []
+
+
+class Daemon:
+    """The pool and its socket server. ``run()`` blocks until SIGTERM/SIGINT or ``stop()``."""
+
+    def __init__(self, system: SystemConfig, socket_path: str | None = None) -> None:
+        self.system = system
+        self.socket_path = wire.check_socket_path(
+            socket_path or os.path.join(system.home, wire.SOCKET_NAME))
+        self.ipus = [PooledIpu(IpuSpec(ipu_id=i, ipu_version=system.ipu_version_number,
+                                       tiles_per_ipu=system.tiles_per_ipu,
+                                       memory_per_tile=system.memory_per_tile,
+                                       compute_threads=system.compute_threads,
+                                       label=f"ipu {i}"), system.log_dir)
+                     for i in range(system.num_ipus)]
+        self._conns: set[_Conn] = set()
+        self._exits: dict[int, int] = {}
+        self._stop: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._busy: set[int] = set()     # IPUs with a blocking step under way
+        self._retry_at: dict[int, float] = {}
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def run(self) -> int:
+        return asyncio.run(self._main())
+
+    def stop(self) -> None:
+        """Ask ``run()`` to end (thread-safe)."""
+        loop, ev = self._loop, self._stop
+        if loop is not None and ev is not None:
+            loop.call_soon_threadsafe(ev.set)
+
+    async def _main(self) -> int:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._loop.add_signal_handler(sig, self._stop.set)
+        self._claim_socket_path()
+        server = None
+        monitor = None
+        try:
+            await asyncio.gather(*(self._start_ipu(ipu) for ipu in self.ipus))
+            failed = [ipu.index for ipu in self.ipus if ipu.state != "free"]
+            if failed:
+                raise DaemonError(f"IPU processes of ipus {failed} did not start; see "
+                                  f"{self.system.log_dir}")
+            old = os.umask(0o177)
+            try:
+                server = await asyncio.start_unix_server(self._serve_client,
+                                                         path=self.socket_path,
+                                                         limit=wire.MAX_MESSAGE)
+            finally:
+                os.umask(old)
+            os.chmod(self.socket_path, 0o600)
+            monitor = asyncio.create_task(self._monitor())
+            s = self.system
+            _log.info("serving %d x %s (%d tiles, %d bytes per tile) at %s; pids %s",
+                      s.num_ipus, s.ipu_version, s.tiles_per_ipu, s.memory_per_tile,
+                      self.socket_path, [ipu.pid for ipu in self.ipus])
+            await self._stop.wait()
+            _log.info("stopping")
+        finally:
+            if monitor is not None:
+                monitor.cancel()
+            if server is not None:
+                server.close()
+            for conn in list(self._conns):
+                conn.writer.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.socket_path)
+            await self._stop_ipus()
+        return 0
+
+    def _claim_socket_path(self) -> None:
+        path = self.socket_path
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        if os.path.exists(path):
+            try:
+                wire.request(path, {"op": "hello"}, timeout=2.0)
+            except (OSError, ValueError):
+                _log.info("removing the stale socket %s", path)
+                os.unlink(path)
+            else:
+                raise DaemonError(f"another daemon is serving at {path}")
+
+    async def _stop_ipus(self) -> None:
+        loop = asyncio.get_running_loop()
+        pids = {os.getpid()} | {ipu.pid for ipu in self.ipus if ipu.pid is not None}
+
+        def stop(ipu: PooledIpu) -> None:
+            try:
+                ipu.close_process(polite=ipu.state == "free")
+            except Exception:
+                _log.exception("stopping ipu %d", ipu.index)
+        await asyncio.gather(*(loop.run_in_executor(None, stop, ipu) for ipu in self.ipus))
+        removed = remove_objects_of(pids)
+        if removed:
+            _log.info("removed %d leftover shared-memory objects", len(removed))
+
+    async def _start_ipu(self, ipu: PooledIpu) -> None:
+        ipu.state, ipu.holder = "starting", None
+        self._busy.add(ipu.index)
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, ipu.start)
+            ipu.state = "free"
+            self._retry_at.pop(ipu.index, None)
+        except Exception as exc:
+            _log.error("ipu %d: cannot start its process: %s", ipu.index, exc)
+            ipu.state = "failed"
+            self._retry_at[ipu.index] = asyncio.get_running_loop().time() + _RETRY
+        finally:
+            self._busy.discard(ipu.index)
+
+    # -- clients --------------------------------------------------------------------------
+
+    async def _serve_client(self, reader: asyncio.StreamReader,
+                            writer: asyncio.StreamWriter) -> None:
+        sock = writer.get_extra_info("socket")
+        pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                          struct.calcsize("3i")))
+        if uid != os.getuid():
+            _log.warning("refusing a connection of uid %d (pid %d)", uid, pid)
+            writer.close()
+            return
+        conn = _Conn(pid, writer)
+        self._conns.add(conn)
+        try:
+            while True:
+                try:
+                    line = await reader.readline()
+                except (ValueError, asyncio.LimitOverrunError):
+                    await self._reply(conn, _error("protocol", f"message longer than "
+                                                   f"{wire.MAX_MESSAGE} bytes; closing"))
+                    break
+                if not line:
+                    break
+                try:
+                    req = wire.decode(line)
+                except wire.DaemonProtocolError as exc:
+                    await self._reply(conn, _error("protocol", str(exc)))
+                    continue
+                await self._reply(conn, await self._handle(conn, req))
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            self._conns.discard(conn)
+            await self._release(conn, "disconnected")
+            writer.close()
+
+    async def _reply(self, conn: _Conn, reply: dict[str, Any]) -> None:
+        conn.writer.write(wire.encode(reply))
+        await conn.writer.drain()
+
+    async def _handle(self, conn: _Conn, req: dict[str, Any]) -> dict[str, Any]:
+        op = req.get("op")
+        if op == "hello":
+            return {"ok": True, "daemon_pid": os.getpid(), "system": self._system_info()}
+        if op == "status":
+            return {"ok": True, "daemon_pid": os.getpid(), "socket": self.socket_path,
+                    "system": self._system_info(), "ipus": [i.status() for i in self.ipus]}
+        if op == "attach":
+            return await self._attach(conn, req)
+        if op == "release":
+            await self._release(conn, "released")
+            return {"ok": True}
+        if op == "exit_status":
+            return await self._exit_status(req.get("pid"))
+        return _error("protocol", f"unknown op {op!r}; expected hello, status, attach, "
+                      "release or exit_status")
+
+    def _system_info(self) -> dict[str, Any]:
+        s = self.system
+        return {"num_ipus": s.num_ipus, "ipu_version": s.ipu_version,
+                "tiles_per_ipu": s.tiles_per_ipu, "memory_per_tile": s.memory_per_tile,
+                "compute_threads": s.compute_threads}
+
+    async def _attach(self, conn: _Conn, req: dict[str, Any]) -> dict[str, Any]:
+        indices = req.get("ipus")
+        device_id = req.get("device_id", -1)
+        n = len(self.ipus)
+        if (not isinstance(indices, list) or not indices
+                or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n
+                           for i in indices) or len(set(indices)) != len(indices)
+                or not isinstance(device_id, int)):
+            return _error("request", f"attach needs 'ipus': distinct IPU numbers in 0..{n - 1} "
+                          f"and an int 'device_id', got {indices!r}, {device_id!r}")
+        if conn.holding:
+            return _error("request", f"this connection already holds ipus "
+                          f"{[i.index for i in conn.holding]}; one attachment per connection")
+        wanted = [self.ipus[i] for i in indices]
+        busy = {str(i.index): i.holder for i in wanted if i.state != "free"}
+        if busy:
+            text = ", ".join(f"ipu {k} " + (f"held by pid {v}" if v else
+                                            f"{self.ipus[int(k)].state}")
+                             for k, v in busy.items())
+            return {"ok": False, "error": "busy", "busy": busy,
+                    "message": f"ipus {indices} are not all free: {text}"}
+        for ipu in wanted:
+            ipu.state, ipu.holder = "attaching", conn.pid
+        label = (f"device {device_id} (ipu {{}})" if device_id >= 0 else "ipu {}")
+        results = await asyncio.gather(*(
+            self._blocking(ipu, ipu.hand_over, conn.pid, len(wanted) if k == 0 else 1,
+                           label.format(ipu.index)) for k, ipu in enumerate(wanted)),
+            return_exceptions=True)
+        failed = [(ipu, r) for ipu, r in zip(wanted, results) if isinstance(r, BaseException)]
+        if failed:
+            conn.holding = [ipu for ipu in wanted if ipu not in {f[0] for f in failed}]
+            for ipu, _ in failed:
+                ipu.state = "dead"
+            await self._release(conn, "attach failed")
+            return _error("failed", "; ".join(str(r) for _, r in failed))
+        if conn.writer.is_closing() or not pid_alive(conn.pid):
+            conn.holding = wanted
+            await self._release(conn, "gone while attaching")
+            return _error("failed", "the host went away while attaching")
+        for ipu in wanted:
+            ipu.state = "held"
+            ipu.hosts_served += 1
+        conn.holding = wanted
+        _log.info("host %d attached ipus %s (pids %s)", conn.pid, indices,
+                  [ipu.pid for ipu in wanted])
+        return {"ok": True, "ipus": [ipu.info() for ipu in wanted]}
+
+    async def _blocking(self, ipu: PooledIpu, fn: Any, *args: Any) -> Any:
+        self._busy.add(ipu.index)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+        finally:
+            self._busy.discard(ipu.index)
+
+    async def _release(self, conn: _Conn, why: str) -> None:
+        """Take back what ``conn`` holds: reset each IPU (restart a dead one), then free it."""
+        held, conn.holding = conn.holding, []
+        if not held:
+            return
+        dead = not pid_alive(conn.pid)
+        _log.info("host %d %s ipus %s", conn.pid, "died; reclaiming" if dead else why,
+                  [ipu.index for ipu in held])
+        for ipu in held:
+            if ipu.state != "dead":
+                ipu.state = "resetting"
+        results = await asyncio.gather(*(self._take_back(ipu) for ipu in held))
+        if dead:
+            removed = await asyncio.get_running_loop().run_in_executor(
+                None, remove_objects_of, {conn.pid})
+            if removed:
+                _log.info("removed %d shared-memory objects of dead host %d", len(removed),
+                          conn.pid)
+        for ipu, ok in zip(held, results):
+            if ok:
+                ipu.state, ipu.holder = "free", None
+            else:
+                self._note_exit(ipu)
+                await self._start_ipu(ipu)
+
+    async def _take_back(self, ipu: PooledIpu) -> bool:
+        if ipu.state == "dead" or not ipu.alive():
+            return False
+        try:
+            await self._blocking(ipu, ipu.take_back)
+            return True
+        except PoolError as exc:
+            _log.warning("%s; restarting the process", exc)
+            return False
+
+    def _note_exit(self, ipu: PooledIpu) -> None:
+        proc = ipu.proc
+        if proc is not None:
+            rc = proc.returncode()
+            if rc is not None:
+                self._exits[proc.pid] = rc
+                while len(self._exits) > _EXITS_KEPT:
+                    self._exits.pop(next(iter(self._exits)))
+
+    async def _exit_status(self, pid: Any) -> dict[str, Any]:
+        if not isinstance(pid, int):
+            return _error("request", f"exit_status needs an int 'pid', got {pid!r}")
+        if pid in self._exits:
+            return {"ok": True, "returncode": self._exits[pid]}
+        for ipu in self.ipus:
+            proc = ipu.proc
+            if proc is not None and proc.pid == pid:
+                rc = await asyncio.get_running_loop().run_in_executor(None, proc.wait_exit, 2.0)
+                return {"ok": True, "returncode": rc}
+        return _error("unknown", f"process {pid} is not an IPU process of this daemon")
+
+    # -- monitor --------------------------------------------------------------------------
+
+    async def _monitor(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(_MONITOR)
+            for conn in list(self._conns):
+                if conn.holding and not pid_alive(conn.pid):
+                    loop.create_task(self._release(conn, "died"))
+            for ipu in self.ipus:
+                if ipu.index in self._busy:
+                    continue
+                if ipu.state in ("free", "held") and not ipu.alive():
+                    proc = ipu.proc
+                    _log.warning("ipu %d: %s", ipu.index,
+                                 proc.describe_exit() if proc else "no process")
+                    self._note_exit(ipu)
+                    if ipu.state == "free":
+                        self._schedule_start(ipu)
+                    else:
+                        ipu.state = "dead"   # restarted when its holder releases it
+                elif ipu.state == "failed" and loop.time() >= self._retry_at.get(ipu.index, 0):
+                    self._schedule_start(ipu)
+
+    def _schedule_start(self, ipu: PooledIpu) -> None:
+        ipu.state, ipu.holder = "starting", None   # at once: no attach may take it meanwhile
+        self._busy.add(ipu.index)
+        asyncio.get_running_loop().create_task(self._start_ipu(ipu))
+
+
+def _error(kind: str, message: str) -> dict[str, Any]:
+    return {"ok": False, "error": kind, "message": message}

@@ -1,0 +1,129 @@
+"""The daemon's socket protocol: JSON lines over a local (unix) stream socket.
+
+Each message is one line of strict JSON (an object) of at most
+:data:`MAX_MESSAGE` bytes, with ``"v": VERSION``. A client sends requests and
+reads one reply per request, in order::
+
+    {"v":1,"op":"hello"}                       -> {"ok":true,"daemon_pid":..,"system":{..}}
+    {"v":1,"op":"status"}                      -> {"ok":true,..,"ipus":[{"ipu","state","holder","pid",..}]}
+    {"v":1,"op":"attach","ipus":[0,1],"device_id":4}
+        -> {"ok":true,"ipus":[{"ipu","pid","control","events","log","ready"}]}
+        |  {"ok":false,"error":"busy","busy":{"0":1234},"message":".."}
+    {"v":1,"op":"release"}                     -> {"ok":true}   (the IPUs are clean and free)
+    {"v":1,"op":"exit_status","pid":N}         -> {"ok":true,"returncode":rc or null}
+
+Every failure is ``{"ok":false,"error":<kind>,"message":<text>}``. A
+connection holds at most one attachment; closing the connection (or the
+death of the process that opened it) releases it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from typing import Any, Mapping
+
+__all__ = ["VERSION", "MAX_MESSAGE", "ENV_VAR", "SOCKET_NAME", "DaemonProtocolError",
+           "default_socket_path", "encode", "decode", "LineConnection", "request"]
+
+VERSION = 1
+MAX_MESSAGE = 64 * 1024
+ENV_VAR = "IPU_EMULATOR_DAEMON"
+SOCKET_NAME = "daemon.sock"
+_SUN_PATH_MAX = 107
+
+
+class DaemonProtocolError(ValueError):
+    """A message does not follow the daemon protocol (size, JSON, version)."""
+
+
+def default_socket_path(environ: Mapping[str, str] | None = None) -> str:
+    """``$IPU_EMULATOR_HOME/daemon.sock`` (see :func:`ipu_emulator.system.emulator_home`)."""
+    from ipu_emulator.system import emulator_home
+
+    return os.path.join(emulator_home(environ), SOCKET_NAME)
+
+
+def check_socket_path(path: str) -> str:
+    """``path`` made absolute; raises DaemonProtocolError if a unix socket cannot have it."""
+    full = os.path.abspath(path)
+    if len(full.encode()) > _SUN_PATH_MAX:
+        raise DaemonProtocolError(f"socket path {full!r} is {len(full.encode())} bytes long; "
+                                  f"unix sockets allow at most {_SUN_PATH_MAX}")
+    return full
+
+
+__all__.append("check_socket_path")
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    """One line: ``message`` with the version field, as compact JSON plus a newline."""
+    raw = json.dumps(dict(message, v=VERSION), separators=(",", ":")).encode() + b"\n"
+    if len(raw) > MAX_MESSAGE:
+        raise DaemonProtocolError(f"{message.get('op', 'reply')} message of {len(raw)} bytes "
+                                  f"exceeds the {MAX_MESSAGE}-byte limit")
+    return raw
+
+
+def decode(line: bytes) -> dict[str, Any]:
+    """Parse one line; check its size, that it is a JSON object and its version."""
+    if len(line) > MAX_MESSAGE:
+        raise DaemonProtocolError(f"message of {len(line)} bytes exceeds the "
+                                  f"{MAX_MESSAGE}-byte limit")
+    try:
+        obj = json.loads(line.decode())
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise DaemonProtocolError(f"message is not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise DaemonProtocolError(f"message must be a JSON object, got {type(obj).__name__}")
+    if obj.get("v") != VERSION:
+        raise DaemonProtocolError(f"protocol version {obj.get('v')!r} is not supported; "
+                                  f"this side speaks version {VERSION}")
+    return obj
+
+
+class LineConnection:
+    """A blocking client connection: ``call(request) -> reply``; ``close()`` is idempotent."""
+
+    def __init__(self, path: str, timeout: float = 30.0) -> None:
+        self.path = path
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(timeout)
+        try:
+            self._sock.connect(path)
+        except BaseException:
+            self._sock.close()
+            raise
+        self._buf = b""
+
+    def call(self, message: dict[str, Any], timeout: float | None = 30.0) -> dict[str, Any]:
+        self._sock.settimeout(timeout)
+        self._sock.sendall(encode(message))
+        while b"\n" not in self._buf:
+            if len(self._buf) > MAX_MESSAGE:
+                raise DaemonProtocolError(f"reply exceeds the {MAX_MESSAGE}-byte limit")
+            chunk = self._sock.recv(65536)
+            if not chunk:
+                raise ConnectionError(f"the daemon at {self.path} closed the connection")
+            self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        return decode(line)
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def __enter__(self) -> "LineConnection":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def request(path: str, message: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
+    """One request on a fresh connection (hello, status, exit_status)."""
+    with LineConnection(path, timeout) as conn:
+        return conn.call(message, timeout)

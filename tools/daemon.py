@@ -1,0 +1,101 @@
+"""``ipu-emulator daemon``: serve a pool of warm emulated IPUs; ``daemon status``: show it.
+
+::
+
+    ipu-emulator daemon [--socket PATH] [--num-ipus N] [--ipu-version ipu2|ipu21]
+                        [--tiles-per-ipu T] [--memory-per-tile B] [--compute-threads K]
+    ipu-emulator daemon status [--socket PATH] [--json]
+
+The daemon runs in the foreground and logs to stderr; SIGTERM or SIGINT
+stops it (its IPU processes, its socket and its shared-memory objects go).
+Pool settings not given default to the emulated machine's configuration
+(``$IPU_EMULATOR_CONFIG``, ``IPU_EMULATOR_*``). Hosts use it when
+``IPU_EMULATOR_DAEMON`` names its socket.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import sys
+
+from ipu_emulator import daemon_protocol as wire
+from ipu_emulator.system import SystemConfigError, load_system_config
+
+
+def _socket_path(arg: str | None) -> str:
+    return arg or os.environ.get(wire.ENV_VAR) or wire.default_socket_path()
+
+
+def _status(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="ipu-emulator daemon status",
+                                     description="print the daemon's pool: each IPU, its "
+                                     "state and the pid of the host holding it")
+    parser.add_argument("--socket", help="the daemon's socket (default: $IPU_EMULATOR_DAEMON "
+                        "or $IPU_EMULATOR_HOME/daemon.sock)")
+    parser.add_argument("--json", action="store_true", help="print the raw status reply")
+    a = parser.parse_args(argv)
+    path = _socket_path(a.socket)
+    try:
+        reply = wire.request(path, {"op": "status"}, timeout=10.0)
+    except (OSError, ValueError) as exc:
+        print(f"ipu-emulator daemon status: no daemon answers at {path}: {exc}", file=sys.stderr)
+        return 1
+    if a.json:
+        print(json.dumps(reply, indent=2))
+        return 0
+    s = reply["system"]
+    print(f"daemon pid {reply['daemon_pid']} at {reply['socket']}: {s['num_ipus']} x "
+          f"{s['ipu_version']}, {s['tiles_per_ipu']} tiles x {s['memory_per_tile']} bytes")
+    for ipu in reply["ipus"]:
+        holder = f"held by pid {ipu['holder']}" if ipu["holder"] else "-"
+        print(f"ipu {ipu['ipu']:<3} {ipu['state']:<10} process {ipu['pid'] or '-':<8} "
+              f"{holder:<20} hosts served {ipu['hosts_served']}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "status":
+        return _status(args[1:])
+    parser = argparse.ArgumentParser(
+        prog="ipu-emulator daemon",
+        description="serve a pool of warm emulated IPUs to host processes over a unix socket "
+        "(hosts: IPU_EMULATOR_DAEMON=<socket>); 'ipu-emulator daemon status' shows the pool")
+    parser.add_argument("--socket", help="socket path (default $IPU_EMULATOR_HOME/daemon.sock)")
+    parser.add_argument("--num-ipus", type=int)
+    parser.add_argument("--ipu-version", choices=("ipu2", "ipu21"))
+    parser.add_argument("--tiles-per-ipu", type=int)
+    parser.add_argument("--memory-per-tile", type=int)
+    parser.add_argument("--compute-threads", type=int)
+    parser.add_argument("--log-level", default=os.environ.get("IPU_EMULATOR_DAEMON_LOG_LEVEL",
+                                                              "INFO"))
+    a = parser.parse_args(args)
+    logging.basicConfig(level=a.log_level.upper(), stream=sys.stderr,
+                        format=f"%(asctime)s ipu-emulator-daemon[{os.getpid()}] "
+                        "%(levelname)s %(message)s")
+    from ipu_emulator.daemon import Daemon, DaemonError
+
+    try:
+        system = load_system_config()
+        overrides = {k: v for k, v in (("num_ipus", a.num_ipus), ("ipu_version", a.ipu_version),
+                                       ("tiles_per_ipu", a.tiles_per_ipu),
+                                       ("memory_per_tile", a.memory_per_tile),
+                                       ("compute_threads", a.compute_threads)) if v is not None}
+        system = dataclasses.replace(system, **overrides)
+        daemon = Daemon(system, a.socket)
+    except (SystemConfigError, ValueError) as exc:
+        print(f"ipu-emulator daemon: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return daemon.run()
+    except DaemonError as exc:
+        logging.getLogger("ipu_emulator.daemon").error("%s", exc)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
