@@ -311,7 +311,7 @@ class Daemon:
             if ok:
                 ipu.state, ipu.holder = "free", None
             else:
-                self._note_exit(ipu)
+                self._retire(ipu)
                 await self._start_ipu(ipu)
 
     async def _take_back(self, ipu: PooledIpu) -> bool:
@@ -324,10 +324,12 @@ class Daemon:
             _log.warning("%s; restarting the process", exc)
             return False
 
-    def _note_exit(self, ipu: PooledIpu) -> None:
+    def _retire(self, ipu: PooledIpu) -> None:
+        """Log how the IPU's process ended and keep its exit status (for exit_status)."""
         proc = ipu.proc
-        if proc is not None:
+        if proc is not None and proc.pid not in self._exits:
             rc = proc.returncode()
+            _log.warning("ipu %d: %s", ipu.index, proc.describe_exit())
             if rc is not None:
                 self._exits[proc.pid] = rc
                 while len(self._exits) > _EXITS_KEPT:
@@ -358,10 +360,7 @@ class Daemon:
                 if ipu.index in self._busy:
                     continue
                 if ipu.state in ("free", "held") and not ipu.alive():
-                    proc = ipu.proc
-                    _log.warning("ipu %d: %s", ipu.index,
-                                 proc.describe_exit() if proc else "no process")
-                    self._note_exit(ipu)
+                    self._retire(ipu)
                     if ipu.state == "free":
                         self._schedule_start(ipu)
                     else:

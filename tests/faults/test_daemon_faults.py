@@ -1,0 +1,187 @@
+"""Daemon mode under faults: exclusive attach and waiting, SIGKILLed hosts, a killed IPU
+process, and the daemon's own SIGTERM.
+
+Host processes are ``python -c`` children with ``IPU_EMULATOR_DAEMON`` set;
+they print one JSON line per step so the test follows them without sleeping.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from datetime import timedelta
+
+import numpy as np
+import pytest
+
+from host_runtime import popef
+from host_runtime.devices import DeviceManager, DeviceWaitConfig
+from host_runtime.errors import DeviceLostError, DeviceUnavailableError
+from tests.daemon_rig import REPO, DaemonRig, shm_entries
+from tests.integration.test_daemon import SHAPE, rand, run_session
+from tools.generate_simple_popef import write_simple_popef
+
+PATIENT = DeviceWaitConfig(timedelta(seconds=120), timedelta(seconds=0.05))
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    rig = DaemonRig(tmp_path_factory.mktemp("daemon"))
+    try:
+        yield rig
+    finally:
+        rig.stop()
+
+
+@pytest.fixture(scope="module")
+def popef_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("model") / "simple.popef"
+    write_simple_popef(path, shape=SHAPE)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def model(popef_path):
+    return popef.load_model([popef_path])
+
+
+@pytest.fixture(scope="module")
+def weights(model):
+    return np.frombuffer(model.tensorData("weights").data, np.float32).reshape(SHAPE).copy()
+
+
+class Host:
+    """A host child process; ``line()`` reads its next JSON line."""
+
+    def __init__(self, daemon: DaemonRig, code: str, *args: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *args],
+                                     cwd=REPO, env=daemon.host_env(), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.pid = self.proc.pid
+
+    def line(self) -> dict:
+        assert self.proc.stdout is not None
+        text = self.proc.stdout.readline()
+        if not text:
+            self.proc.wait(30)
+            raise AssertionError(f"host {self.pid} exited ({self.proc.returncode}): "
+                                 f"{self.proc.stderr.read() if self.proc.stderr else ''}")
+        return json.loads(text)
+
+    def finish(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.communicate(timeout=60)
+
+
+WAITER = """
+    import json, sys
+    from datetime import timedelta
+    from host_runtime.devices import DeviceManager, DeviceWaitConfig
+    from host_runtime.errors import DeviceUnavailableError
+    dm = DeviceManager()
+    try:
+        dm.getSpecificDevice(0)
+        print(json.dumps({"busy": None}), flush=True)
+    except DeviceUnavailableError as exc:
+        print(json.dumps({"busy": str(exc)}), flush=True)
+    with dm.getSpecificDevice(0, wait_config=DeviceWaitConfig(
+            timedelta(seconds=120), timedelta(seconds=0.05))) as dev:
+        print(json.dumps({"pids": dev.pids()}), flush=True)
+"""
+
+
+def test_no_wait_names_the_holder_and_a_waiting_host_gets_the_ipu_on_release(daemon):
+    dev = DeviceManager(daemon=daemon.socket).getSpecificDevice(0, wait_config=PATIENT)
+    held_pids = dev.pids()
+    waiter = Host(daemon, WAITER)
+    try:
+        busy = waiter.line()["busy"]
+        assert busy == (f"no device available: asked for device 0 with NO_WAIT; busy: ipu 0 by "
+                        f"pid {os.getpid()} (daemon at {daemon.socket})")
+        dev.close()                                   # the waiter (WAIT_WITH_TIMEOUT) gets it
+        assert waiter.line() == {"pids": held_pids}   # the same warm process
+        assert waiter.proc.wait(60) == 0
+    finally:
+        dev.close()
+        waiter.finish()
+
+
+RUNNER_HOST = """
+    import json, sys
+    import numpy as np
+    import host_runtime as model_runtime
+    from host_runtime.devices import DeviceManager
+    dev = DeviceManager().getSpecificDevice(0)
+    cfg = model_runtime.ModelRunnerConfig()
+    cfg.replica_to_device = {0: dev}
+    runner = model_runtime.ModelRunner(model_runtime.PopefPaths([sys.argv[1]]), config=cfg)
+    a = np.ones((1, 4), np.float32)
+    out = runner.execute({"tensor_A": a, "tensor_B": a})   # Main now loops on the device
+    print(json.dumps({"pids": dev.pids(), "c": out["tensor_C"].ravel().tolist()}), flush=True)
+    sys.stdin.readline()
+"""
+
+
+@pytest.mark.allow_shm_leak   # the dead host's objects are checked here, after the reset
+def test_a_sigkilled_host_releases_its_ipu_clean_and_warm(daemon, popef_path, model, weights):
+    host = Host(daemon, RUNNER_HOST, popef_path)
+    try:
+        first = host.line()
+        np.testing.assert_allclose(first["c"], (weights + 1).ravel(), rtol=1e-6)
+        assert shm_entries(pid=host.pid)              # its rings and regions exist
+        dm = DeviceManager(daemon=daemon.socket)
+        with pytest.raises(DeviceUnavailableError, match=f"busy: ipu 0 by pid {host.pid} "):
+            dm.getSpecificDevice(0)
+        got: list = []
+        waiter = threading.Thread(target=lambda: got.append(
+            dm.getSpecificDevice(0, wait_config=PATIENT)))
+        waiter.start()
+        host.proc.kill()                              # SIGKILL while its main loop runs
+        host.proc.wait(30)
+        waiter.join(150)
+        assert got, "the waiting host never got the IPU"
+        with got[0] as dev:
+            assert dev.pids() == first["pids"]        # the same process: still warm
+            assert shm_entries(pid=host.pid) == set() # nothing of the dead host is left
+            for seed in range(2):
+                a, b = rand(seed), rand(seed + 1)
+                np.testing.assert_allclose(run_session(model, dev, a, b), a * weights + b,
+                                           rtol=1e-6)
+    finally:
+        host.finish()
+    assert shm_entries(pid=host.pid) == set()
+
+
+def test_a_killed_ipu_process_is_reported_and_replaced(daemon, model, weights):
+    dm = DeviceManager(daemon=daemon.socket)
+    with dm.getSpecificDevice(1, wait_config=PATIENT) as dev:
+        old = dev.pids()[0]
+        os.kill(old, signal.SIGKILL)
+        with pytest.raises(DeviceLostError, match=f"device 1 \\(ipu 1\\): IPU process {old} "
+                                                  "was killed by signal SIGKILL \\(9\\)"):
+            run_session(model, dev, rand(1), rand(2))
+    with dm.getSpecificDevice(1, wait_config=PATIENT) as dev:   # restarted once released
+        assert dev.pids()[0] != old
+        a, b = rand(3), rand(4)
+        np.testing.assert_allclose(run_session(model, dev, a, b), a * weights + b, rtol=1e-6)
+    assert any(f"{old}" in ln and "killed by signal SIGKILL" in ln for ln in daemon.lines)
+
+
+def test_sigterm_stops_the_daemon_leaving_no_process_and_nothing_in_dev_shm(tmp_path, model):
+    rig = DaemonRig(tmp_path, num_ipus=1)
+    try:
+        dev = DeviceManager(daemon=rig.socket).getDevice(1)
+        run_session(model, dev, rand(1), rand(2))    # held, with a loaded session, at SIGTERM
+        rig.stop()       # exit 0, IPU processes gone, nothing of its tag, no socket
+        with pytest.raises(DeviceLostError, match="IPU process"):
+            run_session(model, dev, rand(1), rand(2))
+        dev.close()      # the daemon is gone: releasing must neither hang nor raise
+        assert any("stopping" in ln for ln in rig.lines)
+    finally:
+        rig.kill()

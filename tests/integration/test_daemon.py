@@ -1,0 +1,200 @@
+"""Daemon mode: hosts use the warm IPU processes of an ``ipu-emulator daemon``.
+
+One daemon (2 IPUs, its own socket and shared-memory tag) serves the module.
+The seeds' example model computes ``tensor_C = tensor_A * weights + tensor_B``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from datetime import timedelta
+
+import numpy as np
+import pytest
+
+import host_runtime as model_runtime
+from host_runtime import popef
+from host_runtime.devices import DeviceManager, DeviceWaitConfig
+from host_runtime.errors import DeviceUnavailableError
+from host_runtime.session import Session
+from ipu_emulator import daemon_protocol as wire
+from tests.daemon_rig import REPO, DaemonRig
+from tools.generate_simple_popef import write_simple_popef
+
+SHAPE = (1, 4)
+PATIENT = DeviceWaitConfig(timedelta(seconds=120), timedelta(seconds=0.05))
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    rig = DaemonRig(tmp_path_factory.mktemp("daemon"))
+    try:
+        yield rig
+    finally:
+        rig.stop()
+
+
+@pytest.fixture(scope="module")
+def popef_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("model") / "simple.popef"
+    write_simple_popef(path, shape=SHAPE)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def model(popef_path):
+    return popef.load_model([popef_path])
+
+
+@pytest.fixture(scope="module")
+def weights(model):
+    return np.frombuffer(model.tensorData("weights").data, np.float32).reshape(SHAPE).copy()
+
+
+def rand(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(SHAPE).astype(np.float32)
+
+
+def run_session(model, dev, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    out: list[np.ndarray] = []
+    with Session(model) as s:
+        s.bindToDevice(dev)
+        s.setCallbackForAnchor("tensor_A", lambda v: np.frombuffer(v, np.float32).__setitem__(
+            slice(None), a.ravel()))
+        s.setCallbackForAnchor("tensor_B", lambda v: np.frombuffer(v, np.float32).__setitem__(
+            slice(None), b.ravel()))
+        s.setCallbackForAnchor("tensor_C", lambda v: out.append(
+            np.frombuffer(v, np.float32).reshape(SHAPE).copy()))
+        s.setCallbackForAnchor("weights_saved", lambda v: None)
+        s.runMainPrograms()
+    assert len(out) == 1
+    return out[0]
+
+
+def holders(daemon: DaemonRig) -> dict[int, tuple[str, int | None]]:
+    return {i["ipu"]: (i["state"], i["holder"]) for i in daemon.status()["ipus"]}
+
+
+def test_session_over_the_daemon_computes_a_times_weights_plus_b(daemon, model, weights):
+    dm = DeviceManager(daemon=daemon.socket)
+    assert dm.daemon == daemon.socket and dm.system.num_ipus == 2
+    with dm.getDevice(1, wait_config=PATIENT) as dev:
+        assert dev.pids()[0] in daemon.pool_pids          # the daemon's warm process
+        assert holders(daemon)[dev.ipus()[0]] == ("held", os.getpid())
+        for seed in range(3):
+            a, b = rand(seed), rand(seed + 10)
+            np.testing.assert_allclose(run_session(model, dev, a, b), a * weights + b, rtol=1e-6)
+        ipu = dev.ipus()[0]
+    assert holders(daemon)[ipu] == ("free", None)          # close() handed it back, reset
+
+
+def test_model_runner_over_the_daemon(daemon, popef_path, weights, monkeypatch):
+    monkeypatch.setenv(wire.ENV_VAR, daemon.socket)
+    runner = model_runtime.ModelRunner(model_runtime.PopefPaths([popef_path]))
+    try:
+        assert ("held", os.getpid()) in holders(daemon).values()
+        for seed in range(4):
+            a, b = rand(seed), rand(seed + 20)
+            out = runner.execute({"tensor_A": a, "tensor_B": b})
+            np.testing.assert_allclose(out["tensor_C"], a * weights + b, rtol=1e-6)
+    finally:
+        runner.close()
+    assert set(holders(daemon).values()) == {("free", None)}
+
+
+HOST = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    from datetime import timedelta
+    from host_runtime import popef
+    from host_runtime.devices import DeviceManager, DeviceWaitConfig
+    from tests.integration.test_daemon import run_session
+    model = popef.load_model([sys.argv[1]])
+    a = np.full((1, 4), 2.0, np.float32); b = np.full((1, 4), 0.5, np.float32)
+    with DeviceManager().getSpecificDevice(0, wait_config=DeviceWaitConfig(
+            timedelta(seconds=120), timedelta(seconds=0.05))) as dev:
+        c = run_session(model, dev, a, b)
+        print(json.dumps({"pids": dev.pids(), "c": c.ravel().tolist()}), flush=True)
+""")
+
+
+def test_the_ipu_process_stays_warm_across_two_hosts(daemon, model, weights, popef_path):
+    with DeviceManager(daemon=daemon.socket).getSpecificDevice(0, wait_config=PATIENT) as dev:
+        first = dev.pids()
+        run_session(model, dev, rand(1), rand(2))
+    out = subprocess.run([sys.executable, "-c", HOST, popef_path], cwd=REPO,
+                         env=daemon.host_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    second = json.loads(out.stdout)
+    assert second["pids"] == first                        # same process: warm
+    np.testing.assert_allclose(second["c"], (2.0 * weights + 0.5).ravel(), rtol=1e-6)
+    assert holders(daemon)[0] == ("free", None)
+
+
+def test_status_command_prints_each_ipu_its_state_and_holder(daemon):
+    with DeviceManager(daemon=daemon.socket).getSpecificDevice(1, wait_config=PATIENT) as dev:
+        out = subprocess.run([sys.executable, "-m", "tools.cli", "daemon", "status", "--socket",
+                              daemon.socket], cwd=REPO, capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr
+        lines = out.stdout.splitlines()
+        assert lines[0].startswith(f"daemon pid {daemon.proc.pid} at {daemon.socket}: 2 x ipu21")
+        ipu0 = next(ln for ln in lines if ln.startswith("ipu 0 "))
+        ipu1 = next(ln for ln in lines if ln.startswith("ipu 1 "))
+        assert ipu0.split()[2] == "free" and f"process {daemon.pool_pids[0]}" in ipu0
+        assert ipu1.split()[2] == "held" and f"held by pid {os.getpid()}" in ipu1
+        assert dev.pids() == [daemon.pool_pids[1]]
+    missing = subprocess.run([sys.executable, "-m", "tools.cli", "daemon", "status", "--socket",
+                              daemon.socket + ".none"], cwd=REPO, capture_output=True, text=True,
+                             timeout=120)
+    assert missing.returncode == 1 and "no daemon answers at" in missing.stderr
+
+
+def test_a_device_of_two_ipus_from_the_daemon(daemon, model, weights):
+    with DeviceManager(daemon=daemon.socket).getDevice(2, wait_config=PATIENT) as dev:
+        assert (dev.id, dev.ipus(), sorted(dev.pids())) == (2, [0, 1], sorted(daemon.pool_pids))
+        a, b = rand(5), rand(6)
+        np.testing.assert_allclose(run_session(model, dev, a, b), a * weights + b, rtol=1e-6)
+
+
+def test_no_daemon_at_the_socket_is_a_clear_error(tmp_path):
+    path = str(tmp_path / "none.sock")
+    with pytest.raises(DeviceUnavailableError,
+                       match=f"cannot reach the IPU emulator daemon at {path} "
+                             f"\\(IPU_EMULATOR_DAEMON\\)"):
+        DeviceManager(daemon=path)
+
+
+def _raw(path: str, data: bytes) -> dict:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(30)
+        s.connect(path)
+        s.sendall(data)
+        buf = b""
+        while not buf.endswith(b"\n"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            buf += chunk
+    return json.loads(buf)
+
+
+def test_the_socket_protocol_refuses_bad_messages(daemon):
+    assert oct(os.stat(daemon.socket).st_mode & 0o777) == "0o600"
+    wrong = _raw(daemon.socket, b'{"v": 2, "op": "status"}\n')
+    assert wrong == {"v": 1, "ok": False, "error": "protocol",
+                     "message": "protocol version 2 is not supported; this side speaks version 1"}
+    assert _raw(daemon.socket, b"[1, 2]\n")["message"] == "message must be a JSON object, got list"
+    assert _raw(daemon.socket, b'{"v": 1, "op": "fly"}\n')["message"].startswith(
+        "unknown op 'fly'; expected hello")
+    bad = _raw(daemon.socket, b'{"v": 1, "op": "attach", "ipus": [0, 7]}\n')
+    assert bad["error"] == "request" and "distinct IPU numbers in 0..1" in bad["message"]
+    huge = _raw(daemon.socket, b'{"v": 1, "op": "status", "pad": "' + b"x" * wire.MAX_MESSAGE
+                + b'"}\n')
+    assert huge["message"] == f"message longer than {wire.MAX_MESSAGE} bytes; closing"
+    assert set(holders(daemon).values()) == {("free", None)}   # still serving
