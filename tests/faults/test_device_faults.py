@@ -13,32 +13,14 @@ import numpy as np
 import psutil
 import pytest
 
-from host_runtime import popef
-from datetime import timedelta
-
-from host_runtime.devices import DeviceManager, DeviceWaitConfig
+from host_runtime.devices import DeviceManager
 from host_runtime.errors import DeviceLostError
 from host_runtime.session import Session
 from shm import PeerDiedError, naming
 from shm.cleanup import list_objects
-from tools.generate_simple_popef import write_simple_popef
+from tests._helpers import PATIENT
 
 SHAPE = (1, 4)
-
-# Other test processes may hold IPUs of the same machine for a while: wait for one.
-PATIENT = DeviceWaitConfig(timedelta(seconds=120), timedelta(seconds=0.05))
-
-
-@pytest.fixture(scope="module")
-def popef_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("faults") / "simple.popef"
-    write_simple_popef(path, shape=SHAPE)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def model(popef_path):
-    return popef.load_model([popef_path])
 
 
 def ours() -> set[str]:
@@ -144,9 +126,9 @@ HOST = textwrap.dedent("""
 
 
 @pytest.mark.allow_shm_leak   # checked here, after the IPU process had its chance to clean up
-def test_sigkilled_host_leaves_no_ipu_process_and_nothing_in_dev_shm(popef_path):
+def test_sigkilled_host_leaves_no_ipu_process_and_nothing_in_dev_shm(model_path):
     before = ours()
-    child = subprocess.Popen([sys.executable, "-c", HOST, popef_path], stdin=subprocess.PIPE,
+    child = subprocess.Popen([sys.executable, "-c", HOST, model_path], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)
     try:
         line = child.stdout.readline().strip()
@@ -238,9 +220,9 @@ SPINNING_HOST = textwrap.dedent("""
 
 
 @pytest.mark.allow_shm_leak   # checked here, after the IPU process had its chance to clean up
-def test_host_killed_while_its_device_loops_without_waiting(popef_path):
+def test_host_killed_while_its_device_loops_without_waiting(model_path):
     before = ours()
-    child = subprocess.Popen([sys.executable, "-c", SPINNING_HOST, popef_path],
+    child = subprocess.Popen([sys.executable, "-c", SPINNING_HOST, model_path],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         line = child.stdout.readline().strip()

@@ -14,62 +14,17 @@ import threading
 
 import numpy as np
 import pytest
-from onnx import TensorProto, helper, numpy_helper
 
 import host_runtime as model_runtime
-from host_runtime import popef
 from host_runtime.errors import DeviceExecutionError, DeviceLostError
-from tools.generate_simple_popef import write_simple_popef
 
 SHAPE = (4, 3)
 WAIT = 60.0
 
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _private_machine(tmp_path_factory):
-    """This module's own emulated machine (4 IPUs), so that module-scoped runners of other
-    test processes cannot starve it; and wait for IPUs as the seeds' examples do."""
-    from datetime import timedelta as _td
-
-    from host_runtime import config as _config
-    from host_runtime.devices import DeviceWaitConfig, DeviceWaitStrategy
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("IPU_EMULATOR_HOME", str(tmp_path_factory.mktemp("machine")))
-        mp.setattr(_config, "_default_wait_config", lambda: DeviceWaitConfig(
-            DeviceWaitStrategy.WAIT_WITH_TIMEOUT, timeout=_td(seconds=120),
-            sleepTime=_td(milliseconds=50)))
-        yield
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("faults") / "simple.popef"
-    write_simple_popef(path, shape=SHAPE)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def weights(model_path):
-    m = popef.load_model([model_path])
-    return np.frombuffer(m.tensorData("weights").data, np.float32).reshape(SHAPE)
-
-
-@pytest.fixture(scope="module")
-def gather_path(tmp_path_factory):
-    """out = data[idx]: an out-of-range idx makes onnxruntime fail on the device."""
-    from host_runtime.poprt.compiler import write_popef
-    from ipu_emulator.compiler import CompileOptions, ModelSpec, compile_onnx
-
-    graph = helper.make_graph(
-        [helper.make_node("Gather", ["data", "idx"], ["out"], axis=0)], "gather",
-        [helper.make_tensor_value_info("idx", TensorProto.INT64, [1])],
-        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1])],
-        initializer=[numpy_helper.from_array(np.arange(4, dtype=np.float32) * 10, "data")])
-    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
-    path = tmp_path_factory.mktemp("gather") / "gather.popef"
-    write_popef(compile_onnx(ModelSpec(m), CompileOptions(name="gather")), path)
-    return str(path)
+# This module's own emulated machine, so that module-scoped runners of other test processes
+# cannot starve it; devices are waited for as the seeds' examples do (tests/_helpers.py).
+pytestmark = pytest.mark.usefixtures("private_machine")
 
 
 def rand(seed):

@@ -10,14 +10,8 @@ import pytest
 
 from shm import PeerDiedError, Ring, _peers, remove_dead
 from shm.cleanup import list_objects
-
-_CTX = mp.get_context("spawn")
-
-
-def _start(target, *args) -> mp.process.BaseProcess:
-    proc = _CTX.Process(target=target, args=args, daemon=True)
-    proc.start()
-    return proc
+from tests._helpers import SPAWN as _CTX
+from tests._helpers import spawn as _start
 
 
 def _kill(proc: mp.process.BaseProcess) -> None:

@@ -8,25 +8,11 @@ import signal
 import numpy as np
 import pytest
 
-from host_runtime import popef
-from datetime import timedelta
-
-from host_runtime.devices import DeviceManager, DeviceWaitConfig
+from host_runtime.devices import DeviceManager
 from host_runtime.errors import DeviceLostError, DeviceUnavailableError
 from host_runtime.session import Session
 from ipu_emulator.system import SystemConfig, load_system_config
-from tools.generate_simple_popef import write_simple_popef
-
-
-# Other test processes may hold IPUs of the same machine for a while: wait for one.
-PATIENT = DeviceWaitConfig(timedelta(seconds=120), timedelta(seconds=0.05))
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("multi") / "simple.popef"
-    write_simple_popef(path)
-    return popef.load_model([str(path)])
+from tests._helpers import PATIENT
 
 
 def test_two_ipu_device_runs_and_fails_when_any_of_its_ipus_dies(model):

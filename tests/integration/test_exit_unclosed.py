@@ -19,7 +19,7 @@ import textwrap
 import psutil
 import pytest
 
-from tools.generate_simple_popef import write_simple_popef
+SHAPE = (1, 4)     # the example model (model_path fixture); the scripts assume it
 
 _PRELUDE = """
 import os, sys, psutil
@@ -105,13 +105,6 @@ CASES = {
     "model_runner": (_RUNNER, "OUT (1, 4)"),
     "ring_blocked_reader": (_RING, "READER GOT IT"),
 }
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("exit") / "simple.popef"
-    write_simple_popef(path, shape=(1, 4))
-    return str(path)
 
 
 def _objects(tag: str) -> list[str]:

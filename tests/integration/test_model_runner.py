@@ -21,34 +21,9 @@ from tools.generate_simple_popef import write_simple_popef
 SHAPE = (4, 3)        # batch of 4 samples of 3 floats
 
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _private_machine(tmp_path_factory):
-    """This module's own emulated machine (4 IPUs), so that module-scoped runners of other
-    test processes cannot starve it; and wait for IPUs as the seeds' examples do."""
-    from datetime import timedelta as _td
-
-    from host_runtime import config as _config
-    from host_runtime.devices import DeviceWaitConfig, DeviceWaitStrategy
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("IPU_EMULATOR_HOME", str(tmp_path_factory.mktemp("machine")))
-        mp.setattr(_config, "_default_wait_config", lambda: DeviceWaitConfig(
-            DeviceWaitStrategy.WAIT_WITH_TIMEOUT, timeout=_td(seconds=120),
-            sleepTime=_td(milliseconds=50)))
-        yield
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("mr") / "simple.popef"
-    write_simple_popef(path, shape=SHAPE)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def weights(model_path):
-    m = popef.load_model([model_path])
-    return np.frombuffer(m.tensorData("weights").data, np.float32).reshape(SHAPE)
+# This module's own emulated machine, so that module-scoped runners of other test processes
+# cannot starve it; devices are waited for as the seeds' examples do (tests/_helpers.py).
+pytestmark = pytest.mark.usefixtures("private_machine")
 
 
 @pytest.fixture(scope="module")

@@ -4,28 +4,15 @@ over a real IPU process (seed 002 10.2.2-10.2.3, seed 003 2.5-2.7)."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 import host_runtime as model_runtime
-from host_runtime import popef
-from tools.generate_simple_popef import write_simple_popef
+from tests._helpers import weights_of
 
 SHAPE = (4, 3)
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qm") / "simple.popef"
-    write_simple_popef(path, shape=SHAPE)
-    return popef.load_model([str(path)])
-
-
-def weights_of(model):
-    return np.frombuffer(model.tensorData("weights").data, np.float32).reshape(SHAPE)
-
-
 def test_queue_manager_feeds_main_programs(model):
-    w = weights_of(model)
+    w = weights_of(model, SHAPE)
     rng = np.random.default_rng(0)
     with model_runtime.Session(model) as s:
         mult = model_runtime.ring_size_multiplier_factory.ringSizeMultForMainProgs(model, 2)
@@ -53,7 +40,7 @@ def test_queue_manager_feeds_main_programs(model):
 
 
 def test_flush_pads_a_partial_batch(model):
-    w = weights_of(model)
+    w = weights_of(model, SHAPE)
     with model_runtime.Session(model) as s:
         qm = s.createQueueManager()
         a = np.ones((3, 3), np.float32)

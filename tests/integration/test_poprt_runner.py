@@ -15,41 +15,14 @@ import pytest
 import host_runtime as model_runtime
 from host_runtime.errors import BadRequestError, DeviceTimeoutError
 from host_runtime.poprt import Runner, RuntimeConfig
+from tests.models import SEED_FUSION_CONFIG as CONFIG_YAML
 from tests.models import seed_model0, seed_model1
 
-CONFIG_YAML = """\
-output_dir: './'
-output_model: 'model_fusion.onnx'
-export_popef: True
-max_tensor_size: -1
-ipu_version: 'ipu21'
-model_fusion:
-  - input_model: 'model0.onnx'
-    input_shape: ['X=1,2', 'Y=1,2']
-    precision: 'fp32'
 
-  - input_model: 'model1.onnx'
-    input_shape: ['X=1,1']
-    precision: 'fp16'
-"""
+# This module's own emulated machine, so that module-scoped runners of other test processes
+# cannot starve it; devices are waited for as the seeds' examples do (tests/_helpers.py).
+pytestmark = pytest.mark.usefixtures("private_machine")
 
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _private_machine(tmp_path_factory):
-    """This module's own emulated machine (4 IPUs), so that module-scoped runners of other
-    test processes cannot starve it; and wait for IPUs as the seeds' examples do."""
-    from datetime import timedelta as _td
-
-    from host_runtime import config as _config
-    from host_runtime.devices import DeviceWaitConfig, DeviceWaitStrategy
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("IPU_EMULATOR_HOME", str(tmp_path_factory.mktemp("machine")))
-        mp.setattr(_config, "_default_wait_config", lambda: DeviceWaitConfig(
-            DeviceWaitStrategy.WAIT_WITH_TIMEOUT, timeout=_td(seconds=120),
-            sleepTime=_td(milliseconds=50)))
-        yield
 
 @pytest.fixture(scope="module")
 def fused_popef(tmp_path_factory):

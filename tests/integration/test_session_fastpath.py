@@ -3,62 +3,18 @@
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
 
-from host_runtime import popef
-from datetime import timedelta
-
-from host_runtime.devices import DeviceManager, DeviceWaitConfig
 from host_runtime.errors import (BadRequestError, DeviceExecutionError, InvalidStateError,
                                  RemoteTraceback)
 from host_runtime.session import Session, SessionConfig
-from tools.generate_simple_popef import write_simple_popef
+from tests._helpers import weights_of
 
 SHAPE = (2, 3)
 
-# Other test processes may hold IPUs of the same machine for a while: wait for one.
-PATIENT = DeviceWaitConfig(timedelta(seconds=120), timedelta(seconds=0.05))
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("fast") / "simple.popef"
-    write_simple_popef(path, shape=SHAPE)
-    return popef.load_model([str(path)])
-
-
-@pytest.fixture(scope="module")
-def gather_model(tmp_path_factory):
-    """out = data[idx]: an out-of-range idx makes onnxruntime fail on the device."""
-    from host_runtime.poprt.compiler import write_popef
-    from ipu_emulator.compiler import CompileOptions, ModelSpec, compile_onnx
-
-    graph = helper.make_graph(
-        [helper.make_node("Gather", ["data", "idx"], ["out"], axis=0)], "gather",
-        [helper.make_tensor_value_info("idx", TensorProto.INT64, [1])],
-        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1])],
-        initializer=[numpy_helper.from_array(np.arange(4, dtype=np.float32) * 10, "data")])
-    onnx_model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
-    path = tmp_path_factory.mktemp("gather") / "gather.popef"
-    write_popef(compile_onnx(ModelSpec(onnx_model), CompileOptions(name="gather")), path)
-    return popef.load_model([str(path)])
-
-
-@pytest.fixture(scope="module")
-def device():
-    dev = DeviceManager().getDevice(1, wait_config=PATIENT)
-    yield dev
-    dev.close()
-
-
-def weights_of(model):
-    return np.frombuffer(model.tensorData("weights").data, np.float32).reshape(SHAPE)
-
 
 def test_direct_rings_and_main_loop_until_stop(model, device):
-    w = weights_of(model)
+    w = weights_of(model, SHAPE)
     with Session(model) as s:
         s.bindToDevice(device)
         needs: list[str] = []
@@ -101,7 +57,7 @@ def test_direct_rings_and_main_loop_until_stop(model, device):
 
 
 def test_loop_with_callback_serviced_anchors(model, device):
-    w = weights_of(model)
+    w = weights_of(model, SHAPE)
     with Session(model) as s:
         s.bindToDevice(device)
         s._claim_direct("tensor_A")
@@ -163,7 +119,7 @@ def test_error_in_the_main_loop_fails_its_future_and_a_new_loop_can_start(gather
 
 
 def test_stop_main_loop_keeps_the_session_runnable_for_save(model, device):
-    w = weights_of(model)
+    w = weights_of(model, SHAPE)
     with Session(model) as s:
         s.bindToDevice(device)
         for h in ("tensor_A", "tensor_B", "tensor_C"):
@@ -207,7 +163,7 @@ def test_ring_depth_option_sizes_the_rings_and_look_ahead_caps_main_ones(model, 
             == [5, 5, 1]
         assert [s._output_ring(h).num_slots for h in ("tensor_C", "weights_saved")] == [5, 1]
         # a main run still works over these rings (the load-only ring has one slot)
-        w = weights_of(model)
+        w = weights_of(model, SHAPE)
         a = np.full(SHAPE, 2, np.float32)
         b = np.full(SHAPE, 1, np.float32)
         out: list[np.ndarray] = []

@@ -5,27 +5,13 @@ from __future__ import annotations
 import threading
 
 import numpy as np
-import pytest
 
-from host_runtime import popef
-from datetime import timedelta
-
-from host_runtime.devices import DeviceManager, DeviceWaitConfig
+from host_runtime.devices import DeviceManager
 from host_runtime.errors import InvalidStateError
 from host_runtime.session import Session
-from tools.generate_simple_popef import write_simple_popef
+from tests._helpers import PATIENT
 
 SHAPE = (1, 4)
-
-# Other test processes may hold IPUs of the same machine for a while: wait for one.
-PATIENT = DeviceWaitConfig(timedelta(seconds=120), timedelta(seconds=0.05))
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("queues") / "simple.popef"
-    write_simple_popef(path, shape=SHAPE)
-    return popef.load_model([str(path)])
 
 
 def test_queue_manager_round_trip_and_stop_disconnects(model):

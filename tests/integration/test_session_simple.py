@@ -13,9 +13,7 @@ import numpy as np
 import pytest
 
 from host_runtime import popef
-from datetime import timedelta
-
-from host_runtime.devices import DeviceManager, DeviceWaitConfig
+from host_runtime.devices import DeviceManager
 from host_runtime.errors import (BadRequestError, DeviceExecutionError, InvalidStateError,
                                  PackageHashMismatchError, RemoteTraceback)
 from host_runtime.predicates import (AnchorCallbackPolicy, AnchorWithPolicy,
@@ -24,36 +22,10 @@ from host_runtime.session import CallbackInfo, LaunchPolicy, Session, SessionCon
 from ipu_emulator import package_hash
 from ipu_emulator.executable import Executable
 from ipu_emulator.system import IpuLocks, load_system_config
+from tests._helpers import PATIENT
 from tools.generate_simple_popef import write_simple_popef
 
 SHAPE = (1, 4)
-
-# Other test processes may hold IPUs of the same machine for a while: wait for one.
-PATIENT = DeviceWaitConfig(timedelta(seconds=120), timedelta(seconds=0.05))
-
-
-@pytest.fixture(scope="module")
-def popef_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("simple") / "simple.popef"
-    write_simple_popef(path, shape=SHAPE)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def model(popef_path):
-    return popef.load_model([popef_path])
-
-
-@pytest.fixture(scope="module")
-def weights(model):
-    return np.frombuffer(model.tensorData("weights").data, np.float32).reshape(SHAPE).copy()
-
-
-@pytest.fixture(scope="module")
-def device():
-    dev = DeviceManager().getDevice(1, wait_config=PATIENT)
-    yield dev
-    dev.close()
 
 
 class Streams:
@@ -105,8 +77,8 @@ def test_callbacks_compute_a_times_weights_plus_b(model, weights, device):
         assert st.calls == {"tensor_A": 5, "tensor_B": 5, "tensor_C": 5}
 
 
-def test_session_from_paths_lists_anchors_and_unconnected_ones(popef_path, model):
-    with Session([popef_path]) as s:
+def test_session_from_paths_lists_anchors_and_unconnected_ones(model_path, model):
+    with Session([model_path]) as s:
         names = lambda anchors: sorted(a.name() for a in anchors)  # noqa: E731
         assert names(s.getInputAnchors()) == ["tensor_A", "tensor_B", "weights"]
         assert names(s.getUserInputAnchors()) == ["tensor_A", "tensor_B"]

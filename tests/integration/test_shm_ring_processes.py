@@ -10,14 +10,8 @@ import pytest
 
 from shm import Ring, _peers, naming
 from shm.cleanup import list_objects
-
-_CTX = mp.get_context("spawn")
-
-
-def _run_peer(target, *args) -> mp.process.BaseProcess:
-    proc = _CTX.Process(target=target, args=args, daemon=True)
-    proc.start()
-    return proc
+from tests._helpers import SPAWN as _CTX
+from tests._helpers import spawn as _run_peer
 
 
 def _finish(proc: mp.process.BaseProcess) -> None:

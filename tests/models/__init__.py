@@ -2,7 +2,7 @@
 
 - ``simple_model``: the seeds' example (tensor_C = tensor_A * weights + tensor_B)
 - ``seed_model0`` / ``seed_model1``: seed 004's compile.py models (Add+Reshape fp32,
-  Concat fp16 with a constant)
+  Concat fp16 with a constant); ``SEED_FUSION_CONFIG``: seed 004's config.yaml fusing them
 - ``resnet_like``: a ResNet-50-style network (conv/BN/ReLU bottleneck blocks, [3, 4, 6, 3])
 - ``mobilenet_like``: MobileNetV2-style inverted residual blocks (depthwise convs, Clip)
 - ``mixed_types_model``: several inputs and outputs with int64, int32 and bool tensors
@@ -21,6 +21,7 @@ __all__ = [
     "simple_model",
     "seed_model0",
     "seed_model1",
+    "SEED_FUSION_CONFIG",
     "resnet_like",
     "mobilenet_like",
     "mixed_types_model",
@@ -73,6 +74,24 @@ def seed_model0(opset: int = 11) -> onnx.ModelProto:
         [helper.make_tensor_value_info("O", TensorProto.FLOAT, (2,))],
         initializer=[numpy_helper.from_array(np.array([2], np.int64), "C")])
     return make_model(g, opset)
+
+
+SEED_FUSION_CONFIG = """\
+output_dir: './'
+output_model: 'model_fusion.onnx'
+export_popef: True
+max_tensor_size: -1
+ipu_version: 'ipu21'
+model_fusion:
+  - input_model: 'model0.onnx'
+    input_shape: ['X=1,2', 'Y=1,2']
+    precision: 'fp32'
+
+  - input_model: 'model1.onnx'
+    input_shape: ['X=1,1']
+    precision: 'fp16'
+"""
+"""Seed 004's ``config.yaml``: fuse model0.onnx (fp32) and model1.onnx (fp16) into a PopEF."""
 
 
 def seed_model1(opset: int = 11) -> onnx.ModelProto:

@@ -13,25 +13,10 @@ from host_runtime.errors import BadRequestError
 from host_runtime.poprt.compiler import load_config_yaml
 from ipu_emulator.executable import Executable
 from ipu_emulator.interpreter import Interpreter
+from tests.models import SEED_FUSION_CONFIG as SEED_CONFIG
 from tests.models import run_reference, seed_model0, seed_model1
 from tests.models.arrayio import ArrayIO
 from tools.poprt import main as poprt
-
-SEED_CONFIG = """\
-output_dir: './'
-output_model: 'model_fusion.onnx'
-export_popef: True
-max_tensor_size: -1
-ipu_version: 'ipu21'
-model_fusion:
-  - input_model: 'model0.onnx'
-    input_shape: ['X=1,2', 'Y=1,2']
-    precision: 'fp32'
-
-  - input_model: 'model1.onnx'
-    input_shape: ['X=1,1']
-    precision: 'fp16'
-"""
 
 
 def _seed_dir(tmp_path: pathlib.Path, config: str = SEED_CONFIG) -> pathlib.Path:

@@ -1,0 +1,130 @@
+"""Fixtures and helpers shared by the integration and fault tests.
+
+The fixtures are re-exported by ``tests/integration/conftest.py`` and
+``tests/faults/conftest.py``; a module that defines a fixture of the same name
+overrides them.
+
+- ``private_machine``: the module's own emulated machine (``IPU_EMULATOR_HOME``
+  in a fresh directory) and a default device wait of up to 120 s, so that
+  module-scoped runners of other test processes cannot starve it. Use it with
+  ``pytestmark = pytest.mark.usefixtures("private_machine")``.
+- ``model_path`` / ``model`` / ``weights``: the seeds' example model
+  (``tensor_C = tensor_A * weights + tensor_B``) written for the module's
+  ``SHAPE`` (module attribute, default ``(1, 4)``), and its weights.
+- ``gather_path`` / ``gather_model``: ``out = data[idx]`` (data 0, 10, 20, 30);
+  an out-of-range ``idx`` makes onnxruntime fail on the device.
+- ``device``: one IPU of the machine for the module, waiting ``PATIENT``ly.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from datetime import timedelta
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+
+from host_runtime import popef
+from host_runtime.devices import Device, DeviceManager, DeviceWaitConfig, DeviceWaitStrategy
+
+__all__ = ["PATIENT", "DEFAULT_SHAPE", "SPAWN", "module_shape", "weights_of", "write_example",
+           "write_gather", "spawn", "private_machine", "model_path", "model", "weights",
+           "gather_path", "gather_model", "device"]
+
+# Other test processes may hold IPUs of the same machine for a while: wait for one.
+PATIENT = DeviceWaitConfig(timedelta(seconds=120), timedelta(seconds=0.05))
+
+DEFAULT_SHAPE = (1, 4)
+
+SPAWN = mp.get_context("spawn")
+"""Peers of the shm tests start with 'spawn' (a fork would copy this process's threads)."""
+
+
+def module_shape(request: pytest.FixtureRequest) -> tuple[int, ...]:
+    """The requesting module's ``SHAPE`` (the example model's tensor shape)."""
+    return tuple(getattr(request.module, "SHAPE", DEFAULT_SHAPE))
+
+
+def write_example(directory: Any, shape: tuple[int, ...], **options: Any) -> str:
+    """Write the seeds' example model as ``directory/simple.popef``; its path."""
+    from tools.generate_simple_popef import write_simple_popef
+
+    path = directory / "simple.popef"
+    write_simple_popef(path, shape=shape, **options)
+    return str(path)
+
+
+def weights_of(model: popef.Model, shape: tuple[int, ...]) -> np.ndarray:
+    """The example model's ``weights`` tensor data, shaped ``shape``."""
+    return np.frombuffer(model.tensorData("weights").data, np.float32).reshape(shape)
+
+
+def write_gather(path: Any) -> str:
+    """Write the gather model (``out = data[idx]``, data = 0, 10, 20, 30) to ``path``."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from host_runtime.poprt.compiler import write_popef
+    from ipu_emulator.compiler import CompileOptions, ModelSpec, compile_onnx
+
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["data", "idx"], ["out"], axis=0)], "gather",
+        [helper.make_tensor_value_info("idx", TensorProto.INT64, [1])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1])],
+        initializer=[numpy_helper.from_array(np.arange(4, dtype=np.float32) * 10, "data")])
+    onnx_model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    write_popef(compile_onnx(ModelSpec(onnx_model), CompileOptions(name="gather")), path)
+    return str(path)
+
+
+def spawn(target: Any, *args: Any) -> mp.process.BaseProcess:
+    """Start ``target(*args)`` in a spawned daemon process."""
+    proc = SPAWN.Process(target=target, args=args, daemon=True)
+    proc.start()
+    return proc
+
+
+# -- fixtures -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def private_machine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    from host_runtime import config as _config
+
+    with pytest.MonkeyPatch.context() as mp_:
+        mp_.setenv("IPU_EMULATOR_HOME", str(tmp_path_factory.mktemp("machine")))
+        mp_.setattr(_config, "_default_wait_config", lambda: DeviceWaitConfig(
+            DeviceWaitStrategy.WAIT_WITH_TIMEOUT, timeout=timedelta(seconds=120),
+            sleepTime=timedelta(milliseconds=50)))
+        yield
+
+
+@pytest.fixture(scope="module")
+def model_path(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+    return write_example(tmp_path_factory.mktemp("example"), module_shape(request))
+
+
+@pytest.fixture(scope="module")
+def model(model_path: str) -> popef.Model:
+    return popef.load_model([model_path])
+
+
+@pytest.fixture(scope="module")
+def weights(request: pytest.FixtureRequest, model: popef.Model) -> np.ndarray:
+    return weights_of(model, module_shape(request))
+
+
+@pytest.fixture(scope="module")
+def gather_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return write_gather(tmp_path_factory.mktemp("gather") / "gather.popef")
+
+
+@pytest.fixture(scope="module")
+def gather_model(gather_path: str) -> popef.Model:
+    return popef.load_model([gather_path])
+
+
+@pytest.fixture(scope="module")
+def device() -> Iterator[Device]:
+    dev = DeviceManager().getDevice(1, wait_config=PATIENT)
+    yield dev
+    dev.close()
