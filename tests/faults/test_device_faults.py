@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -25,6 +26,32 @@ SHAPE = (1, 4)
 
 def ours() -> set[str]:
     return {o.entry for o in list_objects(naming.current_tag())}
+
+
+@contextlib.contextmanager
+def host_child(script: str, model_path: str):
+    """A host process running ``script``; yields it and the IPU pids it prints; killed after."""
+    child = subprocess.Popen([sys.executable, "-c", script, model_path],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        line = child.stdout.readline().strip()
+        assert line, "host child did not start"
+        yield child, [int(p) for p in line.split(",")]
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def kill_host_and_check_cleanup(child: subprocess.Popen, ipu_pids: list[int],
+                                before: set[str]) -> None:
+    """SIGKILL the host: its IPU processes must exit and /dev/shm be as ``before``."""
+    child.kill()
+    child.wait(30)
+    gone, alive = psutil.wait_procs([psutil.Process(p) for p in ipu_pids
+                                     if psutil.pid_exists(p)], timeout=60)
+    assert not alive, f"IPU processes still running: {alive}"
+    assert ours() - before == set()
 
 
 def ones(view: memoryview) -> None:
@@ -128,24 +155,10 @@ HOST = textwrap.dedent("""
 @pytest.mark.allow_shm_leak   # checked here, after the IPU process had its chance to clean up
 def test_sigkilled_host_leaves_no_ipu_process_and_nothing_in_dev_shm(model_path):
     before = ours()
-    child = subprocess.Popen([sys.executable, "-c", HOST, model_path], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
-    try:
-        line = child.stdout.readline().strip()
-        assert line, "host child did not start"
-        ipu_pids = [int(p) for p in line.split(",")]
+    with host_child(HOST, model_path) as (child, ipu_pids):
         during = ours() - before
         assert any(f"_{child.pid}_" in e for e in during)   # the host's rings and regions exist
-        child.kill()
-        child.wait(30)
-        gone, alive = psutil.wait_procs([psutil.Process(p) for p in ipu_pids
-                                         if psutil.pid_exists(p)], timeout=60)
-        assert not alive, f"IPU processes still running: {alive}"
-        assert ours() - before == set()
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
+        kill_host_and_check_cleanup(child, ipu_pids, before)
     # and the device is free again
     with DeviceManager().getDevice(1, wait_config=PATIENT):
         pass
@@ -222,19 +235,5 @@ SPINNING_HOST = textwrap.dedent("""
 @pytest.mark.allow_shm_leak   # checked here, after the IPU process had its chance to clean up
 def test_host_killed_while_its_device_loops_without_waiting(model_path):
     before = ours()
-    child = subprocess.Popen([sys.executable, "-c", SPINNING_HOST, model_path],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        line = child.stdout.readline().strip()
-        assert line, "host child did not start"
-        ipu_pids = [int(p) for p in line.split(",")]
-        child.kill()
-        child.wait(30)
-        gone, alive = psutil.wait_procs([psutil.Process(p) for p in ipu_pids
-                                         if psutil.pid_exists(p)], timeout=60)
-        assert not alive, f"IPU processes still running: {alive}"
-        assert ours() - before == set()
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
+    with host_child(SPINNING_HOST, model_path) as (child, ipu_pids):
+        kill_host_and_check_cleanup(child, ipu_pids, before)
