@@ -17,11 +17,13 @@ import threading
 from datetime import timedelta
 
 import numpy as np
+import psutil
 import pytest
 
 from host_runtime import popef
 from host_runtime.devices import DeviceManager, DeviceWaitConfig
 from host_runtime.errors import DeviceLostError, DeviceUnavailableError
+from host_runtime.session import Session
 from tests.daemon_rig import REPO, DaemonRig, shm_entries
 from tests.integration.test_daemon import SHAPE, rand, run_session
 from tools.generate_simple_popef import write_simple_popef
@@ -185,3 +187,39 @@ def test_sigterm_stops_the_daemon_leaving_no_process_and_nothing_in_dev_shm(tmp_
         assert any("stopping" in ln for ln in rig.lines)
     finally:
         rig.kill()
+
+
+def test_closing_a_device_under_a_running_main_loop_leaves_the_ipu_clean(daemon, model,
+                                                                          weights):
+    dm = DeviceManager(daemon=daemon.socket)
+    dev = dm.getSpecificDevice(0, wait_config=PATIENT)
+    pids = dev.pids()
+    s = Session(model)
+    try:
+        s.bindToDevice(dev)
+        for h in ("tensor_A", "tensor_B", "tensor_C"):
+            s.setCallbackForAnchor(h, lambda v: None)
+            s._claim_direct(h)
+        s.setCallbackForAnchor("weights_saved", lambda v: None)
+        loop = s._start_main_loop()       # the IPU now waits on an empty input ring
+        dev.close()                       # no stop(): the daemon's HOST(0) must end the loop
+        assert loop.exception(timeout=30) is not None
+    finally:
+        s.close()
+    assert {i["ipu"]: i["state"] for i in daemon.status()["ipus"]}[0] == "free"
+    with dm.getSpecificDevice(0, wait_config=PATIENT) as dev:
+        assert dev.pids() == pids
+        a, b = rand(7), rand(8)
+        np.testing.assert_allclose(run_session(model, dev, a, b), a * weights + b, rtol=1e-6)
+
+
+def test_a_sigkilled_daemon_leaves_nothing_in_dev_shm(tmp_path):
+    rig = DaemonRig(tmp_path, num_ipus=1)
+    procs = [psutil.Process(p) for p in rig.pool_pids]
+    assert shm_entries(rig.tag)                      # its control and event rings
+    rig.kill()                                       # SIGKILL: no cleanup of its own
+    _, alive = psutil.wait_procs(procs, timeout=60)  # its IPU processes notice and clean up
+    assert not alive
+    assert shm_entries(rig.tag) == set()
+    again = DaemonRig(tmp_path, num_ipus=1)          # the stale socket is replaced
+    again.stop()
