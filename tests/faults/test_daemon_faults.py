@@ -223,3 +223,17 @@ def test_a_sigkilled_daemon_leaves_nothing_in_dev_shm(tmp_path):
     assert shm_entries(rig.tag) == set()
     again = DaemonRig(tmp_path, num_ipus=1)          # the stale socket is replaced
     again.stop()
+
+
+def test_sigterm_with_a_stubborn_ipu_process_kills_it_and_names_it(tmp_path):
+    rig = DaemonRig(tmp_path, num_ipus=1)
+    try:
+        stubborn = rig.pool_pids[0]
+        os.kill(stubborn, signal.SIGSTOP)   # reads no SHUTDOWN, acts on no SIGTERM
+        rig.stop()                          # still exit 0, nothing left
+        warned = [ln for ln in rig.lines if "WARNING" in ln and f"pid {stubborn})" in ln]
+        assert len(warned) == 2, rig.lines
+        assert "ignored SHUTDOWN for 5 s; terminating it" in warned[0]
+        assert warned[1].endswith("ignored SIGTERM; killing it")
+    finally:
+        rig.kill()
