@@ -535,9 +535,11 @@ class Replica(ReplicaTimers):
             return
         stop = time.perf_counter_ns() + _SPIN_NS
         readable = ring.readable
+        yield_cpu = os.sched_yield
         while not readable():
             if time.perf_counter_ns() >= stop:
                 return
+            yield_cpu()   # let the IPU process run if it shares this vCPU
 
     @staticmethod
     def _copy_out(tr: Transfer, spec: TensorSpec, view: memoryview, dynamic: bool) -> None:

@@ -191,9 +191,11 @@ class _RingIO:
         if _SPIN_NS and self._wait_est_ns <= 2 * _SPIN_NS:
             stop = t0 + _SPIN_NS
             readable = ring.readable
+            yield_cpu = os.sched_yield
             while not readable():
                 if clock() >= stop:
                     break
+                yield_cpu()   # let the host run if it shares this vCPU
             else:
                 try:
                     got = ring.try_acquire_read()

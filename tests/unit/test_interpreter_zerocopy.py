@@ -1,0 +1,215 @@
+"""Zero-copy streams: onnxruntime reads/writes the StreamIO's buffers in place."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+from ipu_emulator._zerocopy import plan_zero_copy
+from ipu_emulator.compiler import CompileOptions, ModelSpec, compile_onnx
+from ipu_emulator.errors import DeviceProgramError
+from ipu_emulator.executable import (
+    Copy, Execute, Executable, Graph, Program, StreamIn, StreamOut, StreamSpec, TensorSig,
+    plan_memory)
+from ipu_emulator.interpreter import Interpreter
+from tests.models import make_model, seed_model0, seed_model1, simple_model
+from tests.models.arrayio import ArrayIO
+
+F32 = np.dtype(np.float32)
+
+
+class LendingIO(ArrayIO):
+    """ArrayIO that also lends buffers (a ZeroCopyStreamIO), recording what happens.
+
+    Lent input buffers are fresh arrays per transfer (like ring slots, their
+    addresses vary); lent output buffers rotate over ``slots`` arrays.
+    """
+
+    def __init__(self, inputs: dict[str, list[np.ndarray]],
+                 outputs: dict[str, tuple[np.dtype, tuple[int, ...]]], slots: int = 3) -> None:
+        super().__init__(inputs, outputs)
+        self.events: list[tuple[str, str]] = []
+        self._out_slots = {h: [np.full(int(np.prod(s)) * np.dtype(d).itemsize, 0xEE, np.uint8)
+                               for _ in range(slots)] for h, (d, s) in outputs.items()}
+        self._next = {h: 0 for h in outputs}
+        self._lent: dict[str, np.ndarray] = {}
+        self.held: set[str] = set()
+
+    def acquire_input(self, handle: str, nbytes: int) -> memoryview:
+        self.events.append(("acquire_input", handle))
+        arr = np.ascontiguousarray(self._inputs[handle].pop(0)).reshape(-1).view(np.uint8).copy()
+        assert arr.nbytes == nbytes
+        self.held.add(handle)
+        return memoryview(arr)
+
+    def release_input(self, handle: str) -> None:
+        self.events.append(("release_input", handle))
+        self.held.remove(handle)
+
+    def acquire_output(self, handle: str, nbytes: int) -> memoryview:
+        self.events.append(("acquire_output", handle))
+        slots = self._out_slots[handle]
+        buf = slots[self._next[handle] % len(slots)]
+        buf[:] = 0xEE
+        self._lent[handle] = buf
+        return memoryview(buf)
+
+    def publish_output(self, handle: str) -> None:
+        self.events.append(("publish_output", handle))
+        self._next[handle] += 1
+        self.write_output(handle, memoryview(self._lent.pop(handle)))
+
+
+def _simple(iterations: int = 1) -> tuple[Executable, np.ndarray]:
+    result = compile_onnx(ModelSpec(simple_model((2, 3), seed=4)), CompileOptions(
+        weights_as_tensor_data=True, save_weights=True, device_iterations=iterations))
+    weights = np.frombuffer(next(a.data for a in result.anchors if a.name == "weights"),
+                            np.float32).reshape(2, 3)
+    return Executable.from_bytes(result.executable.to_bytes()), weights
+
+
+def test_plan_of_the_example_model_skips_load_and_save_streams() -> None:
+    exe, _ = _simple()
+    plan = plan_zero_copy(exe)
+    assert plan.inputs == {"tensor_A": "tensor_A", "tensor_B": "tensor_B"}
+    assert plan.outputs == {"tensor_C": "tensor_C"}   # weights: Load + Save, never zero-copy
+
+
+@pytest.mark.parametrize("iterations", [1, 5])
+def test_zero_copy_main_matches_numpy_and_save_sees_device_memory(iterations: int) -> None:
+    exe, w = _simple(iterations)
+    rng = np.random.default_rng(iterations)
+    a = rng.standard_normal((iterations, 2, 3)).astype(np.float32)
+    b = rng.standard_normal((iterations, 2, 3)).astype(np.float32)
+    io = LendingIO({"weights": [w], "tensor_A": list(a), "tensor_B": list(b)},
+                   {"tensor_C": (F32, (2, 3)), "weights_saved": (F32, (2, 3))})
+    with Interpreter(exe) as interp:
+        interp.run_program(0, io)   # Load: weights through device memory
+        interp.run_program(1, io)
+        interp.run_program(1, LendingIO({"tensor_A": list(a), "tensor_B": list(b)},
+                                        {"tensor_C": (F32, (2, 3))}))   # again, same bindings
+        interp.run_program(2, io)   # Save streams the device's weights back
+        # the zero-copy tensors' device memory was never written
+        assert not interp.tensor("tensor_A").any() and not interp.tensor("tensor_C").any()
+    assert len(io.outputs["tensor_C"]) == iterations
+    for k in range(iterations):
+        np.testing.assert_allclose(io.outputs["tensor_C"][k], a[k] * w + b[k], rtol=1e-6)
+    np.testing.assert_array_equal(io.outputs["weights_saved"][0], w)
+    assert io.reads == ["weights"]   # only the Load stream took the copying path
+    one = [("acquire_input", "tensor_A"), ("acquire_input", "tensor_B"),
+           ("acquire_output", "tensor_C"), ("release_input", "tensor_A"),
+           ("release_input", "tensor_B"), ("publish_output", "tensor_C")]
+    assert io.events == one * iterations
+    assert not io.held
+
+
+def test_plain_stream_io_keeps_the_general_path() -> None:
+    exe, w = _simple(2)
+    a = np.ones((2, 2, 3), np.float32)
+    b = np.full((2, 2, 3), 0.5, np.float32)
+    io = ArrayIO({"weights": [w], "tensor_A": list(a), "tensor_B": list(b)},
+                 {"tensor_C": (F32, (2, 3))})
+    with Interpreter(exe) as interp:
+        interp.run_program(0, io)
+        interp.run_program(1, io)
+        np.testing.assert_array_equal(interp.tensor("tensor_A"), a[1])   # device memory used
+    for k in range(2):
+        np.testing.assert_allclose(io.outputs["tensor_C"][k], a[k] * w + b[k], rtol=1e-6)
+
+
+def test_fused_model_index_is_copied_and_branches_run_zero_copy() -> None:
+    result = compile_onnx([ModelSpec(seed_model0(), {"X": [1, 2], "Y": [1, 2]}, "fp32"),
+                           ModelSpec(seed_model1(), {"X": [1, 1]}, "fp16")],
+                          CompileOptions(ipu_version="ipu21"))
+    exe = Executable.from_bytes(result.executable.to_bytes())
+    plan = plan_zero_copy(exe)
+    assert "index" not in plan.inputs   # read by the Switch
+    assert set(plan.inputs) == {"graph0/X", "graph0/Y", "graph1/X"}
+    assert set(plan.outputs) == {"graph0/O", "graph1/O"}
+    interp = Interpreter(exe)
+    io0 = LendingIO({"index": [np.array([0], np.int32)],
+                     "graph0/X": [np.ones((1, 2), np.float32)],
+                     "graph0/Y": [np.ones((1, 2), np.float32) * 2]},
+                    {"graph0/O": (F32, (2,))})
+    interp.run_program(1, io0)
+    np.testing.assert_array_equal(io0.outputs["graph0/O"][0], np.ones(2, np.float32) * 3)
+    assert io0.reads == ["index"]
+    io1 = LendingIO({"index": [np.array([1], np.int32)], "graph1/X": [np.zeros((1, 1), np.float16)]},
+                    {"graph1/O": (np.dtype(np.float16), (1, 3))})
+    interp.run_program(1, io1)
+    np.testing.assert_array_equal(io1.outputs["graph1/O"][0],
+                                  np.array([[0.0, 1.5, 2.0]], np.float16))
+    assert not io0.held and not io1.held
+
+
+def _neg_graph() -> bytes:
+    g = helper.make_graph([helper.make_node("Neg", ["x"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])])
+    return make_model(g).SerializeToString()
+
+
+def _neg_exe(main: tuple, extra: list[tuple[str, str, tuple[int, ...]]] = (),
+             out_streams: tuple[str, ...] = ("y",)) -> Executable:
+    tensors, mem = plan_memory([("x", "F32", (4,)), ("y", "F32", (4,)), *extra])
+    streams = {"x": StreamSpec("in", "F32", [4], 16)}
+    streams.update({h: StreamSpec("out", "F32", [4], 16) for h in out_streams})
+    sig = (TensorSig("x", "F32", (4,)),), (TensorSig("y", "F32", (4,)),)
+    exe = Executable("neg", [Program("main", main)], [Graph(*sig, _neg_graph())], tensors,
+                     streams, mem)
+    return Executable.from_bytes(exe.to_bytes())
+
+
+def test_tensors_with_other_uses_are_not_zero_copy() -> None:
+    v = np.array([1, -2, 3, -4], np.float32)
+    # x is also copied, y is also read by a Copy: both keep device memory
+    exe = _neg_exe((StreamIn("x", "x"), Copy("x", "x2"), Execute(0, (("x", "x"),), (("y", "y"),)),
+                    Copy("y", "y2"), StreamOut("y", "y"), StreamOut("x2", "x2"),
+                    StreamOut("y2", "y2")),
+                   extra=[("x2", "F32", (4,)), ("y2", "F32", (4,))],
+                   out_streams=("y", "x2", "y2"))
+    plan = plan_zero_copy(exe)
+    assert plan.inputs == {} and plan.outputs == {}
+    io = LendingIO({"x": [v]}, {h: (F32, (4,)) for h in ("y", "x2", "y2")})
+    Interpreter(exe).run_program(0, io)
+    assert io.events == []
+    np.testing.assert_array_equal(io.outputs["y"][0], -v)
+    np.testing.assert_array_equal(io.outputs["x2"][0], v)
+    np.testing.assert_array_equal(io.outputs["y2"][0], -v)
+    # a StreamOut before the Execute that writes it reads the previous value: not zero-copy
+    exe2 = _neg_exe((StreamOut("y", "y"), StreamIn("x", "x"), Execute(0, (("x", "x"),), (("y", "y"),))))
+    assert plan_zero_copy(exe2).outputs == {} and plan_zero_copy(exe2).inputs == {"x": "x"}
+
+
+def test_wrong_buffer_size_fails_and_releases_held_inputs() -> None:
+    exe = _neg_exe((StreamIn("x", "x"), Execute(0, (("x", "x"),), (("y", "y"),)),
+                    StreamOut("y", "y")))
+
+    class ShortOutput(LendingIO):
+        def acquire_output(self, handle: str, nbytes: int) -> memoryview:
+            return super().acquire_output(handle, nbytes)[:nbytes - 4]
+
+    io = ShortOutput({"x": [np.zeros(4, np.float32)]}, {"y": (F32, (4,))})
+    with pytest.raises(DeviceProgramError,
+                       match=r"stream 'y': the stream lent a buffer of 12 bytes; one transfer "
+                             r"is 16 bytes"):
+        Interpreter(exe).run_program(0, io)
+    assert io.events[-1] == ("release_input", "x") and not io.held
+
+
+def test_stream_io_errors_after_an_acquire_release_the_input() -> None:
+    exe = _neg_exe((StreamIn("x", "x"), Execute(0, (("x", "x"),), (("y", "y"),)),
+                    StreamOut("y", "y")))
+
+    class Boom(RuntimeError):
+        pass
+
+    class FailingOutput(LendingIO):
+        def acquire_output(self, handle: str, nbytes: int) -> memoryview:
+            raise Boom("output ring gone")
+
+    io = FailingOutput({"x": [np.zeros(4, np.float32)]}, {"y": (F32, (4,))})
+    with pytest.raises(Boom, match="output ring gone"):
+        Interpreter(exe).run_program(0, io)
+    assert io.events == [("acquire_input", "x"), ("release_input", "x")] and not io.held
