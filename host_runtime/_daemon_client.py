@@ -23,6 +23,7 @@ import logging
 import os
 import select
 import signal
+import threading
 import time
 import weakref
 from typing import Any
@@ -168,6 +169,7 @@ class DaemonIpu:
         self._rc: int | None = None
         self._closed = False
         self._poll: Any = None
+        self._poll_lock = threading.Lock()   # a poll object refuses concurrent poll() calls
         self._pidfd = -1
         try:
             self._pidfd = os.pidfd_open(self._pid)
@@ -194,7 +196,8 @@ class DaemonIpu:
             return False
         poll = self._poll
         if poll is not None:
-            return not poll.poll(0)
+            with self._poll_lock:
+                return not poll.poll(0)
         return pid_alive(self._pid)
 
     def returncode(self) -> int | None:

@@ -198,3 +198,25 @@ def test_the_socket_protocol_refuses_bad_messages(daemon):
                 + b'"}\n')
     assert huge["message"] == f"message longer than {wire.MAX_MESSAGE} bytes; closing"
     assert set(holders(daemon).values()) == {("free", None)}   # still serving
+
+
+def test_liveness_checks_from_many_threads_at_once(daemon):
+    import threading
+
+    errors: list[BaseException] = []
+    with DeviceManager(daemon=daemon.socket).getDevice(1, wait_config=PATIENT) as dev:
+        proc = dev._processes[0]
+
+        def check() -> None:
+            try:
+                for _ in range(3000):
+                    assert proc.alive()
+            except BaseException as exc:   # RuntimeError: concurrent poll() invocation
+                errors.append(exc)
+        threads = [threading.Thread(target=check) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == [] and proc.returncode() is None
+        assert proc.describe_exit().endswith(f"(daemon IPU process pid {proc.pid}) is running")
