@@ -79,6 +79,7 @@ class Daemon:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._busy: set[int] = set()     # IPUs with a blocking step under way
         self._retry_at: dict[int, float] = {}
+        self._stopping = False   # no more attaches, resets or restarts
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -121,6 +122,7 @@ class Daemon:
             await self._stop.wait()
             _log.info("stopping")
         finally:
+            self._stopping = True
             if monitor is not None:
                 monitor.cancel()
             if server is not None:
@@ -147,6 +149,8 @@ class Daemon:
     async def _stop_ipus(self) -> None:
         loop = asyncio.get_running_loop()
         pids = {os.getpid()} | {ipu.pid for ipu in self.ipus if ipu.pid is not None}
+        pids |= {ipu.holder for ipu in self.ipus   # holders that died: nobody else cleans up
+                 if ipu.holder is not None and not pid_alive(ipu.holder)}
 
         def stop(ipu: PooledIpu) -> None:
             try:
@@ -159,6 +163,8 @@ class Daemon:
             _log.info("removed %d leftover shared-memory objects", len(removed))
 
     async def _start_ipu(self, ipu: PooledIpu) -> None:
+        if self._stopping:
+            return
         ipu.state, ipu.holder = "starting", None
         self._busy.add(ipu.index)
         try:
@@ -245,6 +251,8 @@ class Daemon:
                 or not isinstance(device_id, int)):
             return _error("request", f"attach needs 'ipus': distinct IPU numbers in 0..{n - 1} "
                           f"and an int 'device_id', got {indices!r}, {device_id!r}")
+        if self._stopping:
+            return _error("stopping", "the daemon is stopping")
         if conn.holding:
             return _error("request", f"this connection already holds ipus "
                           f"{[i.index for i in conn.holding]}; one attachment per connection")
@@ -292,7 +300,7 @@ class Daemon:
     async def _release(self, conn: _Conn, why: str) -> None:
         """Take back what ``conn`` holds: reset each IPU (restart a dead one), then free it."""
         held, conn.holding = conn.holding, []
-        if not held:
+        if not held or self._stopping:   # stopping: every IPU process is being stopped
             return
         dead = not pid_alive(conn.pid)
         _log.info("host %d %s ipus %s", conn.pid, "died; reclaiming" if dead else why,
