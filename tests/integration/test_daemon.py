@@ -220,3 +220,17 @@ def test_liveness_checks_from_many_threads_at_once(daemon):
             t.join()
         assert errors == [] and proc.returncode() is None
         assert proc.describe_exit().endswith(f"(daemon IPU process pid {proc.pid}) is running")
+
+
+def test_an_embedded_ipu_process_refuses_host_messages(tmp_path):
+    from ipu_emulator import protocol
+    from ipu_emulator.launcher import IpuSpec, launch_ipu
+    from ipu_emulator.protocol import Message, Op
+
+    with launch_ipu(IpuSpec(ipu_id=0), log_dir=str(tmp_path)) as proc:
+        proc.wait_ready()
+        protocol.send(proc.control, Message(Op.HOST, seq=7, value=os.getpid()))
+        reply = protocol.receive(proc.events, timeout=60)
+        assert (reply.op, reply.seq, reply.body["kind"]) == (Op.ERROR, 7, "protocol")
+        assert reply.body["message"] == ("HOST is only for IPU processes a daemon owns "
+                                         "(--pool)")
