@@ -28,6 +28,7 @@ import logging
 import os
 import signal
 import socket
+import stat
 import struct
 from typing import Any
 
@@ -137,7 +138,9 @@ class Daemon:
     def _claim_socket_path(self) -> None:
         path = self.socket_path
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-        if os.path.exists(path):
+        if os.path.lexists(path):
+            if not stat.S_ISSOCK(os.lstat(path).st_mode):
+                raise DaemonError(f"{path} exists and is not a socket; choose another --socket")
             try:
                 wire.request(path, {"op": "hello"}, timeout=2.0)
             except (OSError, ValueError):

@@ -237,3 +237,15 @@ def test_sigterm_with_a_stubborn_ipu_process_kills_it_and_names_it(tmp_path):
         assert warned[1].endswith("ignored SIGTERM; killing it")
     finally:
         rig.kill()
+
+
+def test_the_daemon_refuses_a_socket_path_that_is_a_file_or_served(tmp_path, daemon):
+    path = tmp_path / "f.sock"
+    path.write_text("precious")
+    for sock, text in ((str(path), f"{path} exists and is not a socket"),
+                       (daemon.socket, f"another daemon is serving at {daemon.socket}")):
+        out = subprocess.run([sys.executable, "-m", "tools.cli", "daemon", "--socket", sock,
+                              "--num-ipus", "0"], cwd=REPO, capture_output=True, text=True,
+                             timeout=120, env=dict(daemon.env, IPU_EMULATOR_HOME=str(tmp_path)))
+        assert out.returncode == 1 and text in out.stderr
+    assert path.read_text() == "precious"
