@@ -204,8 +204,9 @@ class DaemonIpu:
         """None while running; then how it ended, as its parent (the daemon) saw it."""
         if self._rc is None and not self.alive():
             rc = self._client.exit_status(self._pid)
-            # the daemon no longer knows it (restarted): say it was killed, the usual cause
-            self._rc = rc if rc is not None else -int(signal.SIGKILL)
+            # None: the daemon is gone. A stopping daemon terminates the processes it owns
+            # (a SIGKILLed one leaves them to exit by themselves): SIGTERM is the best guess.
+            self._rc = rc if rc is not None else -int(signal.SIGTERM)
         return self._rc
 
     def wait_exit(self, timeout: float) -> int | None:

@@ -181,7 +181,8 @@ def test_sigterm_stops_the_daemon_leaving_no_process_and_nothing_in_dev_shm(tmp_
         dev = DeviceManager(daemon=rig.socket).getDevice(1)
         run_session(model, dev, rand(1), rand(2))    # held, with a loaded session, at SIGTERM
         rig.stop()       # exit 0, IPU processes gone, nothing of its tag, no socket
-        with pytest.raises(DeviceLostError, match="IPU process"):
+        with pytest.raises(DeviceLostError, match=f"IPU process {dev.pids()[0]} was killed by "
+                                                  "signal SIGTERM"):
             run_session(model, dev, rand(1), rand(2))
         dev.close()      # the daemon is gone: releasing must neither hang nor raise
         assert any("stopping" in ln for ln in rig.lines)
@@ -249,3 +250,39 @@ def test_the_daemon_refuses_a_socket_path_that_is_a_file_or_served(tmp_path, dae
                              timeout=120, env=dict(daemon.env, IPU_EMULATOR_HOME=str(tmp_path)))
         assert out.returncode == 1 and text in out.stderr
     assert path.read_text() == "precious"
+
+
+RACER = """
+    import json, sys
+    import numpy as np
+    from datetime import timedelta
+    from host_runtime import popef
+    from host_runtime.devices import DeviceManager, DeviceWaitConfig
+    from tests.integration.test_daemon import run_session
+    model = popef.load_model([sys.argv[1]])
+    w = np.frombuffer(model.tensorData("weights").data, np.float32).reshape(1, 4)
+    dm = DeviceManager()
+    rng = np.random.default_rng(int(sys.argv[2]))
+    results = []
+    for _ in range(4):
+        with dm.getSpecificDevice(0, wait_config=DeviceWaitConfig(
+                timedelta(seconds=120), timedelta(seconds=0.01))) as dev:
+            a, b = rng.random((1, 4), np.float32), rng.random((1, 4), np.float32)
+            c = run_session(model, dev, a, b)
+            results.append(bool(np.allclose(c, a * w + b, rtol=1e-6)))
+    print(json.dumps({"ok": results}), flush=True)
+"""
+
+
+def test_hosts_racing_for_one_ipu_each_get_it_exclusively_and_compute_right(daemon,
+                                                                            popef_path):
+    hosts = [Host(daemon, RACER, popef_path, str(seed)) for seed in range(3)]
+    try:
+        for h in hosts:
+            assert h.line() == {"ok": [True] * 4}
+            assert h.proc.wait(60) == 0
+    finally:
+        for h in hosts:
+            h.finish()
+    ipu0 = daemon.status()["ipus"][0]
+    assert (ipu0["state"], ipu0["holder"], ipu0["pid"]) == ("free", None, daemon.pool_pids[0])
