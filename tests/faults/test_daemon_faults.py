@@ -286,3 +286,27 @@ def test_hosts_racing_for_one_ipu_each_get_it_exclusively_and_compute_right(daem
             h.finish()
     ipu0 = daemon.status()["ipus"][0]
     assert (ipu0["state"], ipu0["holder"], ipu0["pid"]) == ("free", None, daemon.pool_pids[0])
+
+
+def test_model_runner_auto_reset_over_the_daemon_after_a_killed_ipu(daemon, popef_path,
+                                                                     weights, monkeypatch):
+    import host_runtime as model_runtime
+
+    monkeypatch.setenv("IPU_EMULATOR_DAEMON", daemon.socket)
+    cfg = model_runtime.ModelRunnerConfig(auto_reset=True)
+    cfg.device_wait_config = PATIENT
+    with model_runtime.ModelRunner(model_runtime.PopefPaths([popef_path]), config=cfg) as r:
+        a, b = rand(1), rand(2)
+        np.testing.assert_allclose(r.execute({"tensor_A": a, "tensor_B": b})["tensor_C"],
+                                   a * weights + b, rtol=1e-6)
+        held = [i for i in daemon.status()["ipus"] if i["holder"] == os.getpid()]
+        assert len(held) == 1
+        ipu_proc = psutil.Process(held[0]["pid"])
+        ipu_proc.kill()
+        psutil.wait_procs([ipu_proc], timeout=30)
+        for seed in range(3):   # the first one restarts the device (a fresh daemon IPU)
+            a, b = rand(seed + 3), rand(seed + 4)
+            np.testing.assert_allclose(r.execute({"tensor_A": a, "tensor_B": b})["tensor_C"],
+                                       a * weights + b, rtol=1e-6)
+        now = [i for i in daemon.status()["ipus"] if i["holder"] == os.getpid()]
+        assert len(now) == 1 and now[0]["pid"] != held[0]["pid"]
