@@ -53,6 +53,7 @@ class PidWatch:
     def __init__(self) -> None:
         self._fds: list[tuple[int, int]] = []
         self._poll: Any = None
+        self._all = False
 
     def watch(self, pids: list[int]) -> None:
         self.close()
@@ -65,6 +66,12 @@ class PidWatch:
             self._fds.append((fd, pid))
             poller.register(fd, select.POLLIN)
         self._poll = poller if self._fds else None
+        self._all = len(self._fds) == len(pids)
+
+    @property
+    def active(self) -> bool:
+        """True if ``dead_pid()`` watches every process it was given a pid of."""
+        return self._poll is not None and self._all
 
     def dead_pid(self) -> int | None:
         """The pid of a process of the device that has exited, if any."""
