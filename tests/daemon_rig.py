@@ -71,13 +71,14 @@ class DaemonRig:
         """The environment of a host process using this daemon (this test's tag)."""
         return dict(os.environ, **{wire.ENV_VAR: self.socket})
 
-    def stop(self) -> None:
-        """SIGTERM; the daemon must exit 0 leaving no IPU process and nothing in /dev/shm."""
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """SIGTERM (or ``sig``); the daemon must exit 0 leaving no IPU process and nothing
+        in /dev/shm."""
         if self.proc.poll() is not None:
             return
         ipu_pids = [p for p in self.pool_pids if psutil.pid_exists(p)]
         procs = [psutil.Process(p) for p in ipu_pids]
-        self.proc.send_signal(signal.SIGTERM)
+        self.proc.send_signal(sig)
         rc = self.proc.wait(60)
         self._reader.join(10)
         assert rc == 0, "\n".join(self.lines)

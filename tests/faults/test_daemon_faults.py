@@ -175,12 +175,14 @@ def test_a_killed_ipu_process_is_reported_and_replaced(daemon, model, weights):
     assert any(f"{old}" in ln and "killed by signal SIGKILL" in ln for ln in daemon.lines)
 
 
-def test_sigterm_stops_the_daemon_leaving_no_process_and_nothing_in_dev_shm(tmp_path, model):
-    rig = DaemonRig(tmp_path, num_ipus=1)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_stops_the_daemon_leaving_no_process_and_nothing_in_dev_shm(tmp_path, model,
+                                                                           sig):
+    rig = DaemonRig(tmp_path, num_ipus=2)
     try:
         dev = DeviceManager(daemon=rig.socket).getDevice(1)
         run_session(model, dev, rand(1), rand(2))    # held, with a loaded session, at SIGTERM
-        rig.stop()       # exit 0, IPU processes gone, nothing of its tag, no socket
+        rig.stop(sig)    # exit 0, IPU processes gone, nothing of its tag, no socket
         with pytest.raises(DeviceLostError, match=f"IPU process {dev.pids()[0]} was killed by "
                                                   "signal SIGTERM"):
             run_session(model, dev, rand(1), rand(2))
