@@ -36,8 +36,9 @@ __all__ = ["PooledIpu", "PoolError", "remove_objects_of"]
 
 _log = logging.getLogger("ipu_emulator.daemon")
 
-HANDOVER_TIMEOUT = 30.0
-"""Seconds a HOST round trip may take (a program the previous host left must notice)."""
+HANDOVER_TIMEOUT = float(os.environ.get("IPU_EMULATOR_DAEMON_HANDOVER_TIMEOUT", "30"))
+"""Seconds a HOST round trip may take (a program the previous host left must notice);
+past it the IPU process is restarted."""
 
 
 class PoolError(RuntimeError):

@@ -276,9 +276,9 @@ class Daemon:
             return_exceptions=True)
         failed = [(ipu, r) for ipu, r in zip(wanted, results) if isinstance(r, BaseException)]
         if failed:
-            conn.holding = [ipu for ipu in wanted if ipu not in {f[0] for f in failed}]
             for ipu, _ in failed:
-                ipu.state = "dead"
+                ipu.state = "dead"   # the release below restarts these, resets the others
+            conn.holding = wanted
             await self._release(conn, "attach failed")
             return _error("failed", "; ".join(str(r) for _, r in failed))
         if conn.writer.is_closing() or not pid_alive(conn.pid):

@@ -312,3 +312,25 @@ def test_model_runner_auto_reset_over_the_daemon_after_a_killed_ipu(daemon, pope
                                        a * weights + b, rtol=1e-6)
         now = [i for i in daemon.status()["ipus"] if i["holder"] == os.getpid()]
         assert len(now) == 1 and now[0]["pid"] != held[0]["pid"]
+
+
+def test_an_ipu_process_that_does_not_answer_the_handover_is_replaced(tmp_path, model,
+                                                                       weights):
+    rig = DaemonRig(tmp_path, num_ipus=1, IPU_EMULATOR_DAEMON_HANDOVER_TIMEOUT="1")
+    try:
+        hung = rig.pool_pids[0]
+        os.kill(hung, signal.SIGSTOP)
+        dm = DeviceManager(daemon=rig.socket)
+        with pytest.raises(DeviceUnavailableError,
+                           match=f"could not attach ipus \\[0\\]: ipu 0 \\(process {hung}\\) "
+                                 "did not answer HOST"):
+            dm.getDevice(1)
+        with dm.getDevice(1, wait_config=PATIENT) as dev:   # a fresh process
+            assert dev.pids()[0] != hung
+            a, b = rand(1), rand(2)
+            np.testing.assert_allclose(run_session(model, dev, a, b), a * weights + b,
+                                       rtol=1e-6)
+        assert not psutil.pid_exists(hung)
+        rig.stop()
+    finally:
+        rig.kill()
