@@ -168,6 +168,7 @@ class Interpreter:
         self._zc_in = self.zero_copy.input_tensors     # tensor -> handle
         self._zc_out = self.zero_copy.output_tensors
         self._zc_views: dict[str, memoryview] = {}     # input handle -> acquired transfer
+        self._zc_deferred: list[str] = []   # inputs whose Execute ran, released after a publish
         self._programs: list[list[_Step]] = [self._compile(p.body) for p in exe.programs]
         self._programs_zc = self._programs
         if _ZERO_COPY and (self._zc_in or self._zc_out):
@@ -199,11 +200,13 @@ class Interpreter:
             for step in self._programs_zc[index]:
                 step(io)
         finally:
-            if self._zc_views:   # a failure between a zero-copy StreamIn and its Execute
+            if self._zc_views:   # a failure between a zero-copy StreamIn and its StreamOut
                 self._release_held(io)  # type: ignore[arg-type]
 
     def _release_held(self, io: ZeroCopyStreamIO) -> None:
-        held, self._zc_views = list(self._zc_views), {}
+        held = list(self._zc_views)
+        self._zc_views.clear()      # the compiled steps hold these two objects
+        self._zc_deferred.clear()
         for h in held:
             try:
                 io.release_input(h)
@@ -225,7 +228,8 @@ class Interpreter:
         # Drop every reference into device memory so its owner can unmap it.
         self._programs = []
         self._programs_zc = []
-        self._zc_views = {}
+        self._zc_views.clear()
+        self._zc_deferred.clear()
         self._sessions = []
         self.arrays = {}
         self._views = {}
@@ -250,10 +254,16 @@ class Interpreter:
                 views[handle] = _checked(io.acquire_input(handle, nbytes), nbytes, handle)
             return stream_in_zc
         if zc and isinstance(i, StreamOut) and i.handle in self.zero_copy.outputs:
-            handle = i.handle
+            handle, views, deferred = i.handle, self._zc_views, self._zc_deferred
 
             def stream_out_zc(io: Any) -> None:
                 io.publish_output(handle)
+                # inputs of the Execute that wrote it: released off the host's critical path
+                if deferred:
+                    for h in deferred:
+                        if views.pop(h, None) is not None:
+                            io.release_input(h)
+                    deferred.clear()
             return stream_out_zc
         if isinstance(i, StreamIn):
             handle, view = i.handle, self._views[i.tensor]
@@ -384,9 +394,13 @@ class Interpreter:
             cache[key] = entry
             return entry
 
-        views = self._zc_views
+        views, deferred = self._zc_views, self._zc_deferred
+        # With zero-copy outputs, the inputs are released after the first of them is
+        # published (the host waits for that publish, not for the releases).
+        defer = bool(in_handles and out_specs)
 
         def execute_zc(io: Any) -> None:
+            ran = False
             try:
                 ptrs = [_address(views[h]) for h in in_handles]
                 for h, n in out_specs:
@@ -400,10 +414,14 @@ class Interpreter:
                 except Exception as exc:
                     raise DeviceProgramError(f"executable {exe_name!r}: graph {gid} failed in "
                                              f"onnxruntime: {exc}") from exc
+                ran = True
             finally:
-                for h in in_handles:
-                    if views.pop(h, None) is not None:
-                        io.release_input(h)
+                if ran and defer:
+                    deferred.extend(in_handles)
+                else:
+                    for h in in_handles:
+                        if views.pop(h, None) is not None:
+                            io.release_input(h)
             for src, dst in passthrough:
                 np.copyto(dst, src)
         return execute_zc

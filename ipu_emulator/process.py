@@ -168,8 +168,8 @@ class _RingIO:
         """The next transfer of input stream ``s`` (acquired; the caller releases it)."""
         if ring.readable():   # cheaper than try_acquire_read's WouldBlock when empty
             try:
-                return ring.try_acquire_read()
-            except WouldBlock:   # published, but the post is not there yet
+                return ring.acquire_read(0)   # its inlined fast path
+            except RingTimeoutError:   # published, but the post is not there yet
                 pass
         if s.mode == MODE_EVENT or s.mode == MODE_DIRECT_NOTIFY:
             self._dev.post(Message(Op.NEED, index=s.index))
@@ -198,10 +198,10 @@ class _RingIO:
                 yield_cpu()   # let the host run if it shares this vCPU
             else:
                 try:
-                    got = ring.try_acquire_read()
+                    got = ring.acquire_read(0)
                     self._wait_est_ns = (7 * self._wait_est_ns + clock() - t0) >> 3
                     return got
-                except WouldBlock:
+                except RingTimeoutError:
                     pass
         got = self._dev.wait_on(ring.acquire_read)
         self._wait_est_ns = (7 * self._wait_est_ns + min(clock() - t0, 4 * _SPIN_NS)) >> 3

@@ -98,8 +98,8 @@ def test_zero_copy_main_matches_numpy_and_save_sees_device_memory(iterations: in
     np.testing.assert_array_equal(io.outputs["weights_saved"][0], w)
     assert io.reads == ["weights"]   # only the Load stream took the copying path
     one = [("acquire_input", "tensor_A"), ("acquire_input", "tensor_B"),
-           ("acquire_output", "tensor_C"), ("release_input", "tensor_A"),
-           ("release_input", "tensor_B"), ("publish_output", "tensor_C")]
+           ("acquire_output", "tensor_C"), ("publish_output", "tensor_C"),
+           ("release_input", "tensor_A"), ("release_input", "tensor_B")]   # after the publish
     assert io.events == one * iterations
     assert not io.held
 
@@ -180,6 +180,13 @@ def test_tensors_with_other_uses_are_not_zero_copy() -> None:
     # a StreamOut before the Execute that writes it reads the previous value: not zero-copy
     exe2 = _neg_exe((StreamOut("y", "y"), StreamIn("x", "x"), Execute(0, (("x", "x"),), (("y", "y"),))))
     assert plan_zero_copy(exe2).outputs == {} and plan_zero_copy(exe2).inputs == {"x": "x"}
+    io2 = LendingIO({"x": [v, -v]}, {"y": (F32, (4,))})
+    interp2 = Interpreter(exe2)
+    interp2.run_program(0, io2)
+    interp2.run_program(0, io2)
+    np.testing.assert_array_equal(io2.outputs["y"][0], np.zeros(4, np.float32))
+    np.testing.assert_array_equal(io2.outputs["y"][1], -v)   # the previous iteration's result
+    assert io2.events == [("acquire_input", "x"), ("release_input", "x")] * 2
 
 
 def test_wrong_buffer_size_fails_and_releases_held_inputs() -> None:
