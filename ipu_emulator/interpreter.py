@@ -251,7 +251,10 @@ class Interpreter:
             handle, nbytes, views = i.handle, self._views[i.tensor].nbytes, self._zc_views
 
             def stream_in_zc(io: Any) -> None:
-                views[handle] = _checked(io.acquire_input(handle, nbytes), nbytes, handle)
+                v = io.acquire_input(handle, nbytes)
+                views[handle] = v   # held from here: released even if the check fails
+                if v.nbytes != nbytes or not v.c_contiguous:
+                    _checked(v, nbytes, handle)
             return stream_in_zc
         if zc and isinstance(i, StreamOut) and i.handle in self.zero_copy.outputs:
             handle, views, deferred = i.handle, self._zc_views, self._zc_deferred

@@ -262,7 +262,7 @@ class _RingIO:
         return memoryview(buf)
 
     def acquire_input(self, handle: str, nbytes: int) -> memoryview:
-        s = self._stream(handle)
+        s = self._loaded.by_handle.get(handle) or self._stream(handle)
         ring = s.ring
         if s.mode == MODE_NULL or ring is None:
             return self._scratch(handle, nbytes)
@@ -271,11 +271,11 @@ class _RingIO:
         except RingInvalidatedError:
             self.disconnected = True
             return self._scratch(handle, nbytes)
-        try:
-            self._check_transfer(handle, view, tag, nbytes)
-        except BaseException:
-            ring.release()
-            raise
+        if tag == TAG_ABORT or len(view) != nbytes:
+            try:
+                self._check_transfer(handle, view, tag, nbytes)
+            finally:
+                ring.release()
         self._held_in[handle] = ring
         return view
 
@@ -285,12 +285,18 @@ class _RingIO:
             ring.release()
 
     def acquire_output(self, handle: str, nbytes: int) -> memoryview:
-        s = self._stream(handle)
+        s = self._loaded.by_handle.get(handle) or self._stream(handle)
         ring = s.ring
         if s.mode == MODE_NULL or ring is None:
             return self._scratch(handle, nbytes)
         try:
-            view = self._dev.wait_on(ring.acquire_write)
+            if ring.writable():
+                try:
+                    view = ring.acquire_write(0)   # its inlined fast path
+                except RingTimeoutError:   # released, but the post is not there yet
+                    view = self._dev.wait_on(ring.acquire_write)
+            else:
+                view = self._dev.wait_on(ring.acquire_write)
         except RingInvalidatedError:
             self.disconnected = True
             return self._scratch(handle, nbytes)
