@@ -14,6 +14,8 @@ overrides them.
 - ``gather_path`` / ``gather_model``: ``out = data[idx]`` (data 0, 10, 20, 30);
   an out-of-range ``idx`` makes onnxruntime fail on the device.
 - ``device``: one IPU of the machine for the module, waiting ``PATIENT``ly.
+- ``daemon``: an ``ipu-emulator daemon`` (2 IPUs, its own socket and
+  shared-memory tag) for the module; see ``tests/daemon_rig.py``.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from host_runtime.devices import Device, DeviceManager, DeviceWaitConfig, Device
 
 __all__ = ["PATIENT", "DEFAULT_SHAPE", "SPAWN", "module_shape", "weights_of", "write_example",
            "write_gather", "spawn", "private_machine", "model_path", "model", "weights",
-           "gather_path", "gather_model", "device"]
+           "gather_path", "gather_model", "device", "daemon"]
 
 # Other test processes may hold IPUs of the same machine for a while: wait for one.
 PATIENT = DeviceWaitConfig(timedelta(seconds=120), timedelta(seconds=0.05))
@@ -128,3 +130,13 @@ def device() -> Iterator[Device]:
     dev = DeviceManager().getDevice(1, wait_config=PATIENT)
     yield dev
     dev.close()
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from tests.daemon_rig import DaemonRig
+    rig = DaemonRig(tmp_path_factory.mktemp("daemon"))
+    try:
+        yield rig
+    finally:
+        rig.stop()

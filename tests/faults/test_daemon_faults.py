@@ -14,47 +14,18 @@ import subprocess
 import sys
 import textwrap
 import threading
-from datetime import timedelta
 
 import numpy as np
 import psutil
 import pytest
 
-from host_runtime import popef
-from host_runtime.devices import DeviceManager, DeviceWaitConfig
+from host_runtime.devices import DeviceManager
 from host_runtime.errors import DeviceLostError, DeviceUnavailableError
 from host_runtime.session import Session
+from tests._helpers import PATIENT
 from tests.daemon_rig import REPO, DaemonRig, shm_entries
-from tests.integration.test_daemon import SHAPE, rand, run_session
-from tools.generate_simple_popef import write_simple_popef
+from tests.integration.test_daemon import rand, run_session
 
-PATIENT = DeviceWaitConfig(timedelta(seconds=120), timedelta(seconds=0.05))
-
-
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
-    rig = DaemonRig(tmp_path_factory.mktemp("daemon"))
-    try:
-        yield rig
-    finally:
-        rig.stop()
-
-
-@pytest.fixture(scope="module")
-def popef_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("model") / "simple.popef"
-    write_simple_popef(path, shape=SHAPE)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def model(popef_path):
-    return popef.load_model([popef_path])
-
-
-@pytest.fixture(scope="module")
-def weights(model):
-    return np.frombuffer(model.tensorData("weights").data, np.float32).reshape(SHAPE).copy()
 
 
 class Host:
@@ -131,8 +102,8 @@ RUNNER_HOST = """
 
 
 @pytest.mark.allow_shm_leak   # the dead host's objects are checked here, after the reset
-def test_a_sigkilled_host_releases_its_ipu_clean_and_warm(daemon, popef_path, model, weights):
-    host = Host(daemon, RUNNER_HOST, popef_path)
+def test_a_sigkilled_host_releases_its_ipu_clean_and_warm(daemon, model_path, model, weights):
+    host = Host(daemon, RUNNER_HOST, model_path)
     try:
         first = host.line()
         np.testing.assert_allclose(first["c"], (weights + 1).ravel(), rtol=1e-6)
@@ -277,8 +248,8 @@ RACER = """
 
 
 def test_hosts_racing_for_one_ipu_each_get_it_exclusively_and_compute_right(daemon,
-                                                                            popef_path):
-    hosts = [Host(daemon, RACER, popef_path, str(seed)) for seed in range(3)]
+                                                                            model_path):
+    hosts = [Host(daemon, RACER, model_path, str(seed)) for seed in range(3)]
     try:
         for h in hosts:
             assert h.line() == {"ok": [True] * 4}
@@ -290,14 +261,14 @@ def test_hosts_racing_for_one_ipu_each_get_it_exclusively_and_compute_right(daem
     assert (ipu0["state"], ipu0["holder"], ipu0["pid"]) == ("free", None, daemon.pool_pids[0])
 
 
-def test_model_runner_auto_reset_over_the_daemon_after_a_killed_ipu(daemon, popef_path,
+def test_model_runner_auto_reset_over_the_daemon_after_a_killed_ipu(daemon, model_path,
                                                                      weights, monkeypatch):
     import host_runtime as model_runtime
 
     monkeypatch.setenv("IPU_EMULATOR_DAEMON", daemon.socket)
     cfg = model_runtime.ModelRunnerConfig(auto_reset=True)
     cfg.device_wait_config = PATIENT
-    with model_runtime.ModelRunner(model_runtime.PopefPaths([popef_path]), config=cfg) as r:
+    with model_runtime.ModelRunner(model_runtime.PopefPaths([model_path]), config=cfg) as r:
         a, b = rand(1), rand(2)
         np.testing.assert_allclose(r.execute({"tensor_A": a, "tensor_B": b})["tensor_C"],
                                    a * weights + b, rtol=1e-6)

@@ -12,48 +12,19 @@ import socket
 import subprocess
 import sys
 import textwrap
-from datetime import timedelta
 
 import numpy as np
 import pytest
 
 import host_runtime as model_runtime
-from host_runtime import popef
-from host_runtime.devices import DeviceManager, DeviceWaitConfig
+from host_runtime.devices import DeviceManager
 from host_runtime.errors import DeviceUnavailableError
 from host_runtime.session import Session
 from ipu_emulator import daemon_protocol as wire
+from tests._helpers import PATIENT
 from tests.daemon_rig import REPO, DaemonRig
-from tools.generate_simple_popef import write_simple_popef
 
 SHAPE = (1, 4)
-PATIENT = DeviceWaitConfig(timedelta(seconds=120), timedelta(seconds=0.05))
-
-
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
-    rig = DaemonRig(tmp_path_factory.mktemp("daemon"))
-    try:
-        yield rig
-    finally:
-        rig.stop()
-
-
-@pytest.fixture(scope="module")
-def popef_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("model") / "simple.popef"
-    write_simple_popef(path, shape=SHAPE)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def model(popef_path):
-    return popef.load_model([popef_path])
-
-
-@pytest.fixture(scope="module")
-def weights(model):
-    return np.frombuffer(model.tensorData("weights").data, np.float32).reshape(SHAPE).copy()
 
 
 def rand(seed: int) -> np.ndarray:
@@ -93,9 +64,9 @@ def test_session_over_the_daemon_computes_a_times_weights_plus_b(daemon, model, 
     assert holders(daemon)[ipu] == ("free", None)          # close() handed it back, reset
 
 
-def test_model_runner_over_the_daemon(daemon, popef_path, weights, monkeypatch):
+def test_model_runner_over_the_daemon(daemon, model_path, weights, monkeypatch):
     monkeypatch.setenv(wire.ENV_VAR, daemon.socket)
-    runner = model_runtime.ModelRunner(model_runtime.PopefPaths([popef_path]))
+    runner = model_runtime.ModelRunner(model_runtime.PopefPaths([model_path]))
     try:
         assert ("held", os.getpid()) in holders(daemon).values()
         for seed in range(4):
@@ -123,11 +94,11 @@ HOST = textwrap.dedent("""
 """)
 
 
-def test_the_ipu_process_stays_warm_across_two_hosts(daemon, model, weights, popef_path):
+def test_the_ipu_process_stays_warm_across_two_hosts(daemon, model, weights, model_path):
     with DeviceManager(daemon=daemon.socket).getSpecificDevice(0, wait_config=PATIENT) as dev:
         first = dev.pids()
         run_session(model, dev, rand(1), rand(2))
-    out = subprocess.run([sys.executable, "-c", HOST, popef_path], cwd=REPO,
+    out = subprocess.run([sys.executable, "-c", HOST, model_path], cwd=REPO,
                          env=daemon.host_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     second = json.loads(out.stdout)
