@@ -13,6 +13,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import secrets
+import shutil
 import sys
 import tempfile
 
@@ -69,3 +70,4 @@ def pytest_configure(config):
 
 def pytest_sessionfinish(session, exitstatus):
     _remove(_ours())
+    shutil.rmtree(_HOME, ignore_errors=True)
