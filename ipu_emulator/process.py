@@ -188,7 +188,7 @@ class _RingIO:
         """
         clock = time.perf_counter_ns
         t0 = clock()
-        if _SPIN_NS and self._wait_est_ns <= 2 * _SPIN_NS:
+        if _SPIN_NS and self._wait_est_ns <= _SPIN_NS:
             stop = t0 + _SPIN_NS
             readable = ring.readable
             yield_cpu = os.sched_yield
