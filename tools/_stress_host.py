@@ -1,0 +1,384 @@
+"""One host process of ``ipu-emulator stress``: ``python -m tools._stress_host SPEC RESULT``.
+
+The orchestrator (``tools.stress``) starts each host as a fresh Python
+(subprocess, never fork) with the run's IPU_EMULATOR_HOME and shm tag. A host
+reads its JSON spec, opens the scenario's runner, prints ``READY`` on stdout,
+runs ``threads`` worker threads until the deadline or its request budget, checks
+every result against numpy, and writes a JSON result file:
+
+``{"ok": n, "expected": n, "wrong": n, "hung": n, "errors": n, "latencies_ms": [...],
+"problems": ["..."], "cycles": n}``
+
+A request still running ``hang_timeout`` seconds after it should have finished
+counts as hung; the host then writes its result and leaves with ``os._exit``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import sys
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+import numpy as np
+
+_log = logging.getLogger("tools.stress.host")
+
+_MAX_PROBLEMS = 20
+
+
+class WrongResult(Exception):
+    """A result differs from numpy's."""
+
+
+class Hung(Exception):
+    """A request did not finish within the hang timeout."""
+
+
+class _Tally:
+    """Counts of one host, shared by its threads."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.ok = self.expected = self.wrong = self.hung = self.errors = self.cycles = 0
+        self.latencies: list[float] = []
+        self.problems: list[str] = []
+        self.inject = 0        # internal hook: the next N checks expect a wrong value
+
+    def problem(self, kind: str, text: str) -> None:
+        with self.lock:
+            setattr(self, kind, getattr(self, kind) + 1)
+            if len(self.problems) < _MAX_PROBLEMS:
+                self.problems.append(f"{kind}: {text}")
+
+    def take_injection(self) -> bool:
+        with self.lock:
+            if self.inject > 0:
+                self.inject -= 1
+                return True
+            return False
+
+    def as_dict(self) -> dict[str, Any]:
+        with self.lock:
+            return {"ok": self.ok, "expected": self.expected, "wrong": self.wrong,
+                    "hung": self.hung, "errors": self.errors, "cycles": self.cycles,
+                    "latencies_ms": [round(x * 1e3, 3) for x in self.latencies],
+                    "problems": list(self.problems)}
+
+
+def _weights(path: str) -> np.ndarray:
+    from host_runtime import popef
+
+    model = popef.load_model([path])
+    td = model.tensorData("weights")
+    if td is None:
+        raise ValueError(f"{path}: the example model has no 'weights' tensor data")
+    shape = tuple(model.metadata.anchor("tensor_A").tensorInfo().shape())
+    return np.frombuffer(td.data, np.float32).reshape(shape).copy()
+
+
+class _Check:
+    """Compares results with numpy; the internal hook shifts the expectation."""
+
+    def __init__(self, tally: _Tally) -> None:
+        self.tally = tally
+
+    def __call__(self, got: Any, want: np.ndarray, what: str) -> None:
+        if self.tally.take_injection():
+            want = want + 1.0
+        arr = np.asarray(got).reshape(want.shape)
+        if not np.allclose(arr, want, rtol=1e-5, atol=1e-5):
+            bad = int(np.sum(~np.isclose(arr, want, rtol=1e-5, atol=1e-5)))
+            raise WrongResult(f"{what}: {bad} of {want.size} values differ from numpy "
+                              f"(first got {arr.ravel()[:3].tolist()}, "
+                              f"want {want.ravel()[:3].tolist()})")
+
+
+def _wait(future: Any, timeout: float, what: str) -> None:
+    if not future.wait(timeout):
+        raise Hung(f"{what}: no result within {timeout:g} s")
+
+
+# ----------------------------------------------------------------------------- workloads
+class _Simple:
+    """The example model through ModelRunner: every execution mode, random replicas."""
+
+    def __init__(self, spec: dict[str, Any], check: _Check, batching: bool = False) -> None:
+        import host_runtime as mr
+
+        self.mr = mr
+        self.spec = spec
+        self.check = check
+        self.batching = batching
+        path = spec["batch_model" if batching else "model"]
+        self.w = _weights(path)
+        cfg = mr.ModelRunnerConfig()
+        cfg.replication_factor = spec["replicas"]
+        cfg.thread_safe = True
+        cfg.auto_reset = spec["scenario"] == "kill-ipu"
+        cfg.device_wait_config = mr.DeviceWaitConfig(timedelta(seconds=120),
+                                                     timedelta(seconds=0.05))
+        if batching:
+            cfg.batching_dim = 0
+            cfg.is_batch_size_timeout_enabled = True
+            cfg.batch_size_timeout_ns = timedelta(milliseconds=2)
+        self.runner = mr.ModelRunner(path, config=cfg)
+
+    def close(self) -> None:
+        self.runner.close()
+
+    def request(self, rng: np.random.Generator, r: random.Random, hang: float) -> Callable[[], None]:
+        """Submit one request (or a small pipeline of async ones); return its checker."""
+        mr, w = self.mr, self.w
+        rows = r.randint(1, 9) if self.batching else w.shape[0]
+        shape = (rows,) + w.shape[1:]
+        a = rng.standard_normal(shape).astype(np.float32)
+        b = rng.standard_normal(shape).astype(np.float32)
+        want = a * (w[0] if self.batching else w) + b
+        rep = r.randrange(self.spec["replicas"])
+        mode = r.randrange(7)
+        what = f"mode {mode} replica {rep} rows {rows}"
+        ins: Any = {"tensor_A": a, "tensor_B": b}
+        if mode in (2, 3, 6):
+            view = mr.InputMemoryView()
+            view["tensor_A"], view["tensor_B"] = a, b
+            ins = view
+        out = np.zeros(shape, np.float32)
+        if mode == 0:
+            res = self.runner.execute(ins, replica_id=rep)
+            return lambda: self.check(res["tensor_C"], want, what)
+        if mode == 1:
+            self.runner.execute(ins, {"tensor_C": out}, replica_id=rep)
+            return lambda: self.check(out, want, what)
+        if mode == 2:
+            mem = self.runner.execute(ins, replica_id=rep)
+            return lambda: self.check(np.frombuffer(mem["tensor_C"], np.float32), want, what)
+        if mode == 3:
+            ov = mr.OutputMemoryView()
+            ov["tensor_C"] = out
+            self.runner.execute(ins, ov, replica_id=rep)
+            return lambda: self.check(out, want, what)
+        if mode == 4:
+            fut = self.runner.executeAsync(ins, replica_id=rep)
+
+            def done4() -> None:
+                _wait(fut, hang, what)
+                self.check(np.asarray(fut["tensor_C"]), want, what)
+            return done4
+        ov = mr.OutputMemoryView() if mode == 6 else {}
+        ov["tensor_C"] = out
+        fut = self.runner.executeAsync(ins, ov, replica_id=rep)
+
+        def done() -> None:
+            _wait(fut, hang, what)
+            fut.result()          # raises the request's error
+            self.check(out, want, what)
+        return done
+
+
+class _Fused:
+    """Two fused models through the PopRT Runner: random branches."""
+
+    def __init__(self, spec: dict[str, Any], check: _Check) -> None:
+        from host_runtime.poprt import Runner, RuntimeConfig
+
+        cfg = RuntimeConfig()
+        cfg.replication_factor = spec["replicas"]
+        cfg.thread_safe = True
+        cfg.timeout_ns = 0
+        cfg.validate_io_params = False
+        import host_runtime as mr
+        cfg.device_wait_config = mr.DeviceWaitConfig(timedelta(seconds=120),
+                                                     timedelta(seconds=0.05))
+        self.runner = Runner(spec["fused_model"], cfg)
+        self.check = check
+
+    def close(self) -> None:
+        self.runner.close()
+
+    def request(self, rng: np.random.Generator, r: random.Random, hang: float) -> Callable[[], None]:
+        branch, use_async = r.randrange(2), r.random() < 0.5
+        what = f"graph{branch} {'execute_async' if use_async else 'execute'}"
+        if branch == 0:
+            x = rng.standard_normal((1, 2)).astype(np.float32)
+            y = rng.standard_normal((1, 2)).astype(np.float32)
+            ins, want = {"graph0/X": x, "graph0/Y": y}, (x + y).reshape(2)
+            out = np.zeros(2, np.float32)
+            outs = {"graph0/O": out}
+        else:
+            x1 = rng.standard_normal((1, 1)).astype(np.float16)
+            ins = {"graph1/X": x1}
+            want = np.concatenate([x1, np.array([[1.5, 2.0]], np.float16)], axis=1)
+            out = np.zeros((1, 3), np.float16)
+            outs = {"graph1/O": out}
+        if not use_async:
+            self.runner.execute(ins, outs)
+            return lambda: self.check(out, want, what)
+        fut = self.runner.execute_async(ins, outs)
+
+        def done() -> None:
+            _wait(fut, hang, what)
+            fut.result()
+            self.check(out, want, what)
+        return done
+
+
+def _open(spec: dict[str, Any], check: _Check) -> Any:
+    scenario = spec["scenario"]
+    if scenario == "fused":
+        return _Fused(spec, check)
+    return _Simple(spec, check, batching=scenario == "batching")
+
+
+# ----------------------------------------------------------------------------- running
+class _Host:
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+        self.tally = _Tally()
+        self.tally.inject = int(spec.get("inject_wrong", 0))
+        self.check = _Check(self.tally)
+        self.deadline = time.time() + float(spec.get("duration") or spec["max_seconds"])
+        self.hang = float(spec["hang_timeout"])
+        budget = spec.get("requests")
+        self.budget = None if budget is None else int(budget)
+        self.issued = 0
+        self.issue_lock = threading.Lock()
+        self.in_flight: dict[int, tuple[float, str]] = {}
+        from host_runtime.errors import DeviceLostError, DeviceTimeoutError
+        self.allowed: tuple[type[BaseException], ...] = (
+            (DeviceLostError, DeviceTimeoutError) if spec["scenario"] == "kill-ipu" else ())
+
+    def _take(self) -> bool:
+        if time.time() >= self.deadline:
+            return False
+        with self.issue_lock:
+            if self.budget is not None and self.issued >= self.budget:
+                return False
+            self.issued += 1
+            return True
+
+    def _one(self, work: Any, rng: np.random.Generator, r: random.Random, tid: int,
+             strict: bool = False) -> bool:
+        """One request; False when the thread must stop (a hang)."""
+        t0 = time.perf_counter()
+        self.in_flight[tid] = (time.time(), "submitting")
+        try:
+            done = work.request(rng, r, self.hang)
+            self.in_flight[tid] = (time.time(), "checking")
+            done()
+        except WrongResult as exc:
+            self.tally.problem("wrong", str(exc))
+        except Hung as exc:
+            self.tally.problem("hung", str(exc))
+            return False
+        except self.allowed as exc:
+            if strict:
+                self.tally.problem("errors", f"request after the faults failed: {exc!r}")
+            else:
+                with self.tally.lock:
+                    self.tally.expected += 1
+        except Exception as exc:   # noqa: BLE001 - every other failure is a finding
+            self.tally.problem("errors", f"{type(exc).__name__}: {exc}")
+        else:
+            with self.tally.lock:
+                self.tally.ok += 1
+                self.tally.latencies.append(time.perf_counter() - t0)
+        finally:
+            self.in_flight.pop(tid, None)
+        return True
+
+    def _worker(self, work: Any, tid: int) -> None:
+        seed = int(self.spec["seed"]) * 1000 + tid
+        rng, r = np.random.default_rng(seed), random.Random(seed)
+        while self._take():
+            if not self._one(work, rng, r, tid):
+                return
+
+    def _daemon_worker(self, tid: int) -> None:
+        """daemon scenario: attach, run a few requests, detach, again."""
+        seed = int(self.spec["seed"]) * 1000 + tid
+        rng, r = np.random.default_rng(seed), random.Random(seed)
+        while time.time() < self.deadline:
+            self.in_flight[tid] = (time.time(), "attaching")
+            try:
+                work = _open(self.spec, self.check)
+            except Exception as exc:  # noqa: BLE001
+                self.tally.problem("errors", f"attach: {type(exc).__name__}: {exc}")
+                return
+            finally:
+                self.in_flight.pop(tid, None)
+            try:
+                for _ in range(r.randint(1, 5)):
+                    if not self._take() or not self._one(work, rng, r, tid):
+                        break
+            finally:
+                work.close()
+            with self.tally.lock:
+                self.tally.cycles += 1
+            if self.budget is not None and self.issued >= self.budget:
+                return
+
+    def run(self) -> bool:
+        """Run the workload; False if a thread hung (the caller must not close the runner)."""
+        threads_n = int(self.spec["threads"])
+        daemon_loop = self.spec["scenario"] == "daemon"
+        work = None if daemon_loop else _open(self.spec, self.check)
+        if self.spec.get("duration") is not None:
+            self.deadline = time.time() + float(self.spec["duration"])
+        print(f"READY {self.deadline}", flush=True)
+        target: Callable[..., None] = self._daemon_worker if daemon_loop else self._worker
+        args = [(tid,) if daemon_loop else (work, tid) for tid in range(threads_n)]
+        threads = [threading.Thread(target=target, args=a, daemon=True, name=f"stress-{a[-1]}")
+                   for a in args]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(max(0.0, self.deadline - time.time()) + self.hang)
+        stuck = [t for t in threads if t.is_alive()]
+        for tid, (since, stage) in list(self.in_flight.items()):
+            self.tally.problem("hung", f"thread {tid} stuck {time.time() - since:.1f} s "
+                               f"while {stage}")
+        if stuck:
+            return False
+        if work is not None and self.spec["scenario"] == "kill-ipu":
+            # Ask the orchestrator to stop the faults; once it has, every request must succeed.
+            print("QUIESCE", flush=True)
+            sys.stdin.readline()      # "GO" (or EOF if the orchestrator is gone)
+            r = random.Random(self.spec["seed"])
+            rng = np.random.default_rng(self.spec["seed"])
+            for _ in range(3 * int(self.spec["replicas"])):
+                self._one(work, rng, r, -1, strict=True)
+        if work is not None:
+            work.close()
+        return True
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    spec_path, result_path = argv
+    with open(spec_path) as f:
+        spec = json.load(f)
+    host = _Host(spec)
+    clean = False
+    try:
+        clean = host.run()
+    except Exception as exc:  # noqa: BLE001 - reported, not raised
+        host.tally.problem("errors", f"host: {type(exc).__name__}: {exc}")
+    tmp = result_path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(host.tally.as_dict(), f)
+    os.replace(tmp, result_path)
+    sys.stdout.flush()
+    if not clean:
+        os._exit(3)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

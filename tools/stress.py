@@ -1,0 +1,352 @@
+"""``ipu-emulator stress``: hammer the runtime with many hosts, threads, batch sizes and faults.
+
+::
+
+    ipu-emulator stress [--duration S] [--requests N] [--hosts N] [--threads N]
+                        [--replicas N] [--scenario NAME ...] [--seed N] [--daemon] [--json]
+
+Each scenario starts ``--hosts`` host processes (``tools._stress_host``, fresh
+Pythons) on a private emulated machine (own IPU_EMULATOR_HOME and shm tag,
+``hosts x replicas`` IPUs) and checks every result against numpy:
+
+- ``mixed``: execute / executeAsync, runner- or user-allocated outputs, dicts of
+  numpy or memory views, random replicas, ``thread_safe`` runners;
+- ``batching``: dynamic batching with random batch sizes on a batch-4 model;
+- ``fused``: the PopRT Runner on a fused model, random branches;
+- ``kill-ipu``: SIGKILL random IPU processes while requests run (``auto_reset``):
+  each request returns the right value or fails with DeviceLostError /
+  DeviceTimeoutError, none hangs, and requests after the faults succeed;
+- ``kill-host``: SIGKILL random host processes (replaced while time remains):
+  their IPU processes exit and /dev/shm holds nothing of theirs, others go on;
+- ``daemon``: hosts attach, run and detach through a private daemon in a loop.
+
+At the end no process the run started may be alive and nothing of its tag may
+be in /dev/shm (a leak is removed and reported as a failure). Exit 0 when every
+scenario passed, 1 otherwise, 2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tools._stress_rig import HostProc, Rig
+
+__all__ = ["SCENARIOS", "ScenarioResult", "main", "run"]
+
+_log = logging.getLogger(__name__)
+
+SCENARIOS = ("mixed", "batching", "fused", "kill-ipu", "kill-host", "daemon")
+_STARTUP_ALLOWANCE = 120.0     # seconds a host may take to import and load its model
+
+
+@dataclass
+class ScenarioResult:
+    """What one scenario found."""
+    name: str
+    hosts: int = 0
+    hosts_killed: int = 0
+    ipus_killed: int = 0
+    ok: int = 0
+    expected: int = 0
+    wrong: int = 0
+    hung: int = 0
+    errors: int = 0
+    cycles: int = 0
+    leaks: int = 0
+    p50_ms: float | None = None
+    p99_ms: float | None = None
+    seconds: float = 0.0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not (self.wrong or self.hung or self.errors or self.leaks or self.problems) \
+            and self.ok > 0
+
+
+class _Scenario:
+    """Runs one scenario's hosts and faults on the rig."""
+
+    def __init__(self, rig: Rig, name: str, opts: argparse.Namespace, rng: random.Random) -> None:
+        self.rig, self.name, self.opts, self.rng = rig, name, opts, rng
+        self.result = ScenarioResult(name)
+        self.hosts: list[HostProc] = []
+        self.latencies: list[float] = []
+        self.use_daemon = bool(rig.daemon_socket) and (opts.daemon or name == "daemon")
+
+    def _spec(self, duration: float | None) -> dict[str, Any]:
+        return {"scenario": self.name, "replicas": self.opts.replicas,
+                "threads": self.opts.threads, "seed": self.rng.randrange(1 << 30),
+                "duration": duration, "max_seconds": self.opts.max_seconds,
+                "requests": self.opts.requests, "hang_timeout": self.opts.hang_timeout,
+                "inject_wrong": self.opts.inject_wrong,
+                "daemon_socket": self.rig.daemon_socket if self.use_daemon else None,
+                **self.rig.models}
+
+    def _start(self, duration: float | None) -> HostProc:
+        host = self.rig.start_host(self._spec(duration))
+        self.hosts.append(host)
+        self.result.hosts += 1
+        return host
+
+    def run(self) -> ScenarioResult:
+        t0 = time.monotonic()
+        duration = self.opts.duration
+        for _ in range(self.opts.hosts):
+            self._start(duration)
+        limit = time.monotonic() + _STARTUP_ALLOWANCE + (duration or self.opts.max_seconds) \
+            + 2 * self.opts.hang_timeout
+        if self.name == "kill-ipu":
+            self._kill_ipus(limit)
+        elif self.name == "kill-host":
+            self._kill_hosts(limit, duration)
+        self._collect(limit)
+        self.result.seconds = round(time.monotonic() - t0, 1)
+        if self.latencies:
+            self.result.p50_ms = round(float(np.percentile(self.latencies, 50)), 2)
+            self.result.p99_ms = round(float(np.percentile(self.latencies, 99)), 2)
+        return self.result
+
+    # ------------------------------------------------------------------ faults
+    def _live(self) -> list[HostProc]:
+        return [h for h in self.hosts if not h.killed and h.proc.poll() is None]
+
+    def _ipu_pids(self, host: HostProc) -> list[int]:
+        if not self.use_daemon:
+            return [p.pid for p in self.rig.ipu_processes_of(host.proc.pid)]
+        from ipu_emulator import daemon_protocol as wire
+
+        try:
+            status = wire.request(self.rig.daemon_socket, {"op": "status"}, timeout=10.0)
+        except (OSError, ValueError):
+            return []
+        return [i["pid"] for i in status["ipus"] if i.get("holder") == host.proc.pid and i["pid"]]
+
+    def _pause(self) -> None:
+        time.sleep(self.rng.uniform(0.3, 1.0))
+
+    def _kill_ipus(self, limit: float) -> None:
+        """SIGKILL a random IPU process of a running host until every host quiesced."""
+        while time.monotonic() < limit:
+            live = self._live()
+            if not live:
+                break
+            for h in live:
+                if h.quiesce.is_set():
+                    h.go()
+            targets = [h for h in live if h.ready.is_set() and not h.quiesce.is_set()
+                       and time.time() < h.deadline - 0.5]
+            if not targets and all(h.quiesce.is_set() for h in live):
+                break
+            if targets:
+                host = self.rng.choice(targets)
+                pids = self._ipu_pids(host)
+                if pids:
+                    pid = self.rng.choice(pids)
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                        self.result.ipus_killed += 1
+                    except OSError:
+                        pass
+            self._pause()
+        for h in self.hosts:
+            h.go()
+
+    def _kill_hosts(self, limit: float, duration: float | None) -> None:
+        """SIGKILL a random ready host, then start another while time remains."""
+        end = time.monotonic() + (duration or self.opts.max_seconds)
+        while time.monotonic() < min(limit, end - 1.0):
+            self._pause()
+            live = [h for h in self._live() if h.ready.is_set()]
+            if not live or time.monotonic() >= end - 1.0:
+                continue
+            host = self.rng.choice(live)
+            self.rig.scan_once()
+            host.ipu_pids = self._ipu_pids(host) if not self.use_daemon else []
+            host.proc.kill()
+            host.proc.wait()
+            host.killed = True
+            self.result.hosts_killed += 1
+            remaining = end - time.monotonic()
+            if remaining > 2.0:
+                self._start(remaining if duration else None)
+
+    # ------------------------------------------------------------------ results
+    def _collect(self, limit: float) -> None:
+        res = self.result
+        for h in self.hosts:
+            if h.killed:
+                continue
+            try:
+                code = h.proc.wait(max(1.0, limit - time.monotonic()))
+            except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired
+                h.proc.kill()
+                code = h.proc.wait()
+                res.hung += 1
+                res.problems.append(f"hung: host {h.index} (pid {h.proc.pid}) did not finish; "
+                                    f"killed")
+            out = h.result()
+            if out is None:
+                res.errors += 1
+                res.problems.append(f"host {h.index} (pid {h.proc.pid}) exited with code "
+                                    f"{code} without a result: {h.stderr_tail()}")
+                continue
+            for k in ("ok", "expected", "wrong", "hung", "errors", "cycles"):
+                setattr(res, k, getattr(res, k) + int(out[k]))
+            self.latencies.extend(out["latencies_ms"])
+            res.problems.extend(f"host {h.index}: {p}" for p in out["problems"])
+            if code not in (0, 3):
+                res.errors += 1
+                res.problems.append(f"host {h.index} exited with code {code}: {h.stderr_tail()}")
+        for h in self.hosts:
+            if h.killed:
+                pids = {h.proc.pid, *h.ipu_pids}
+                live, objs = self.rig.wait_gone(pids, 30.0)
+                for pid in live:
+                    res.leaks += 1
+                    res.problems.append(f"leak: IPU process {pid} of killed host {h.proc.pid} "
+                                        "still alive 30 s after the kill")
+                for entry in objs:
+                    res.leaks += 1
+                    res.problems.append(f"leak: /dev/shm/{entry} of killed host "
+                                        f"{h.proc.pid} still there 30 s after the kill")
+        if not self.use_daemon:
+            # Every host has exited: nothing of the tag may be left (a daemon keeps its own).
+            # An IPU process whose host left abnormally removes the host's objects: wait.
+            end = time.monotonic() + 10.0
+            left = self.rig.shm_objects()
+            while left and time.monotonic() < end:
+                time.sleep(0.05)
+                left = self.rig.shm_objects()
+            for entry in left:
+                res.leaks += 1
+                res.problems.append(f"leak: /dev/shm/{entry} left after every host exited")
+                try:
+                    os.unlink(os.path.join("/dev/shm", entry))
+                except OSError:
+                    pass
+
+
+# ---------------------------------------------------------------------------- report
+_COLUMNS = ("scenario", "hosts", "killed", "ok", "failed as expected", "wrong", "hung",
+            "errors", "p50 ms", "p99 ms", "leaks", "verdict")
+
+
+def _row(r: ScenarioResult) -> list[str]:
+    killed = f"{r.hosts_killed} hosts" if r.name == "kill-host" else \
+        f"{r.ipus_killed} ipus" if r.name == "kill-ipu" else "-"
+    return [r.name, str(r.hosts), killed, str(r.ok), str(r.expected), str(r.wrong), str(r.hung),
+            str(r.errors), "-" if r.p50_ms is None else f"{r.p50_ms:.2f}",
+            "-" if r.p99_ms is None else f"{r.p99_ms:.2f}", str(r.leaks),
+            "PASS" if r.passed else "FAIL"]
+
+
+def format_table(results: list[ScenarioResult]) -> str:
+    rows = [list(_COLUMNS)] + [_row(r) for r in results]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in
+                       enumerate(zip(row, widths))) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    for r in results:
+        for p in r.problems[:10]:
+            lines.append(f"  {r.name}: {p}")
+        if len(r.problems) > 10:
+            lines.append(f"  {r.name}: ... {len(r.problems) - 10} more")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- main
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ipu-emulator stress",
+        description="Hammer the runtime with many hosts, threads, batch sizes and faults on a "
+        "private emulated machine; check every result against numpy, and that nothing hangs "
+        "or leaks.")
+    p.add_argument("--duration", type=float, help="seconds of load per scenario (default 20, "
+                   "or unbounded up to --max-seconds when --requests is given)")
+    p.add_argument("--requests", type=int, help="requests per host per scenario")
+    p.add_argument("--hosts", type=int, default=2, help="host processes (default 2)")
+    p.add_argument("--threads", type=int, default=3, help="threads per host (default 3)")
+    p.add_argument("--replicas", type=int, default=2, help="replicas per runner (default 2)")
+    p.add_argument("--scenario", action="append", choices=SCENARIOS,
+                   help="scenario to run; repeatable (default: mixed)")
+    p.add_argument("--seed", type=int, help="random seed (default: random, printed)")
+    p.add_argument("--daemon", action="store_true",
+                   help="start a private daemon and run every scenario's hosts through it")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--hang-timeout", type=float, default=30.0,
+                   help="seconds after which a request counts as hung (default 30)")
+    p.add_argument("--max-seconds", type=float, default=600.0, help=argparse.SUPPRESS)
+    p.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
+    # Internal hook (tests): the first N checks of each host expect a wrong value.
+    p.add_argument("--inject-wrong", type=int, default=0, help=argparse.SUPPRESS)
+    return p
+
+
+def run(opts: argparse.Namespace) -> tuple[list[ScenarioResult], list[str]]:
+    """Run the scenarios; return their results and the run-wide problems (leaks)."""
+    scenarios = opts.scenario or ["mixed"]
+    rng = random.Random(opts.seed)
+    per_host = opts.replicas * (opts.threads if "daemon" in scenarios else 1)
+    rig = Rig(num_ipus=opts.hosts * opts.replicas, seed=opts.seed % 1000)
+    results: list[ScenarioResult] = []
+    problems: list[str] = []
+    try:
+        if opts.daemon or "daemon" in scenarios:
+            rig.start_daemon(max(per_host, opts.hosts * opts.replicas))
+        for name in scenarios:
+            _log.info("scenario %s", name)
+            results.append(_Scenario(rig, name, opts, rng).run())
+    finally:
+        problems = rig.finish()
+    return results, problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    opts = parser.parse_args(argv)
+    for name in ("hosts", "threads", "replicas"):
+        if getattr(opts, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(opts, name)}")
+    if opts.requests is not None and opts.requests < 1:
+        parser.error(f"--requests must be at least 1, got {opts.requests}")
+    if opts.duration is None and opts.requests is None:
+        opts.duration = 20.0
+    if opts.duration is not None and opts.duration <= 0:
+        parser.error(f"--duration must be positive, got {opts.duration}")
+    if opts.seed is None:
+        opts.seed = random.SystemRandom().randrange(1 << 31)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format="ipu-emulator stress: %(message)s")
+    results, problems = run(opts)
+    passed = all(r.passed for r in results) and not problems
+    verdict = (f"{'PASS' if passed else 'FAIL'}: {len(results)} scenarios, "
+               f"{sum(r.ok for r in results)} requests checked, "
+               f"{sum(r.wrong for r in results)} wrong, {sum(r.hung for r in results)} hung, "
+               f"{sum(r.errors for r in results)} errors, "
+               f"{sum(r.leaks for r in results) + len(problems)} leaks (seed {opts.seed})")
+    if opts.json:
+        print(json.dumps({"passed": passed, "seed": opts.seed, "verdict": verdict,
+                          "scenarios": [dict(asdict(r), passed=r.passed) for r in results],
+                          "problems": problems}, indent=2))
+    else:
+        print(format_table(results))
+        for p in problems:
+            print(f"  run: {p}")
+        print(verdict)
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
