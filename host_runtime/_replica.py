@@ -58,6 +58,8 @@ _log = logging.getLogger(__name__)
 _SLICE = 0.25          # seconds between re-checks of a blocked drain
 _SPIN_NS = int(float(os.environ.get("IPU_EMULATOR_RUNNER_SPIN_US", "30")) * 1000)
 """Longest poll of an output ring before blocking (0: never poll); see Replica._spin."""
+_YIELDED_NS = int(float(os.environ.get("IPU_EMULATOR_YIELDED_US", "5")) * 1000) or 1 << 62
+"""A sched_yield() that took longer (ns) ran another task on this vCPU; see Replica._spin."""
 _U8 = np.dtype(np.uint8)
 
 
@@ -550,13 +552,19 @@ class Replica(ReplicaTimers):
         """
         if self._wait_est_ns > 3 * _SPIN_NS:
             return
-        stop = time.perf_counter_ns() + _SPIN_NS
+        clock = time.perf_counter_ns
+        stop = clock() + _SPIN_NS
         readable = ring.readable
         yield_cpu = os.sched_yield
         while not readable():
-            if time.perf_counter_ns() >= stop:
+            t = clock()
+            if t >= stop:
                 return
             yield_cpu()   # let the IPU process run if it shares this vCPU
+            if clock() - t > _YIELDED_NS:
+                # another task ran on this vCPU (likely the IPU process): block instead, so
+                # that a wake-up lets the scheduler put one of us on an idle vCPU
+                return
 
     @staticmethod
     def _copy_out(tr: Transfer, spec: TensorSpec, view: memoryview, dynamic: bool) -> None:

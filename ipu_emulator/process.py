@@ -64,6 +64,8 @@ _CACHE = 4        # loaded executables kept per device (sessions sharing it)
 _PREFAULT_MAX = 512 * 1024   # pre-fault stream rings with transfers up to this size
 _SPIN_NS = int(float(os.environ.get("IPU_EMULATOR_DEVICE_SPIN_US", "50")) * 1000)
 """Longest poll of an empty input ring before blocking (0: never poll); see _RingIO._wait_read."""
+_YIELDED_NS = int(float(os.environ.get("IPU_EMULATOR_YIELDED_US", "5")) * 1000) or 1 << 62
+"""A sched_yield() that took longer (ns) ran another task on this vCPU."""
 
 
 @dataclass(frozen=True)
@@ -193,9 +195,15 @@ class _RingIO:
             readable = ring.readable
             yield_cpu = os.sched_yield
             while not readable():
-                if clock() >= stop:
+                t = clock()
+                if t >= stop:
                     break
                 yield_cpu()   # let the host run if it shares this vCPU
+                if clock() - t > _YIELDED_NS:
+                    # Another task ran: this vCPU is shared (likely with the host). Block
+                    # instead: the wake-up lets the scheduler move one of us to an idle vCPU
+                    # (two polling processes on one vCPU are never separated).
+                    break
             else:
                 try:
                     got = ring.acquire_read(0)
