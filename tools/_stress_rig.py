@@ -113,6 +113,7 @@ class Rig:
         self.daemon_lines: list[str] = []
         self._seen: dict[int, float] = {}       # pid -> create_time of every descendant
         self._seen_lock = threading.Lock()
+        self._roots: list[subprocess.Popen[str]] = []
         self._stop = threading.Event()
         self._scanner = threading.Thread(target=self._scan, daemon=True, name="stress-scan")
         self._scanner.start()
@@ -120,23 +121,32 @@ class Rig:
 
     # ------------------------------------------------------------------ processes
     def _scan(self) -> None:
-        me = psutil.Process()
         while not self._stop.is_set():
-            self.scan_once(me)
+            self.scan_once()
             self._stop.wait(0.1)
 
-    def scan_once(self, me: psutil.Process | None = None) -> None:
-        me = me or psutil.Process()
-        try:
-            kids = me.children(recursive=True)
-        except psutil.Error:
-            return
+    def adopt(self, proc: subprocess.Popen[str]) -> None:
+        """Track ``proc`` and every process it starts (never other children of ours)."""
         with self._seen_lock:
-            for k in kids:
-                try:
-                    self._seen.setdefault(k.pid, k.create_time())
-                except psutil.Error:
-                    pass
+            self._roots.append(proc)
+        self.scan_once()
+
+    def scan_once(self) -> None:
+        """Record the processes our roots (hosts, daemon) and their descendants run now."""
+        with self._seen_lock:
+            roots = [r for r in self._roots if r.poll() is None]
+        for root in roots:
+            try:
+                p = psutil.Process(root.pid)
+                procs = [p] + p.children(recursive=True)
+            except psutil.Error:
+                continue
+            with self._seen_lock:
+                for k in procs:
+                    try:
+                        self._seen.setdefault(k.pid, k.create_time())
+                    except psutil.Error:
+                        pass
 
     def ipu_processes_of(self, pid: int) -> list[psutil.Process]:
         """IPU processes started by ``pid`` (a host or the daemon)."""
@@ -181,7 +191,7 @@ class Rig:
                 stderr=err, text=True)
         host = HostProc(n, proc, result_path, stderr_path)
         threading.Thread(target=self._read_host, args=(host,), daemon=True).start()
-        self.scan_once()
+        self.adopt(proc)
         return host
 
     @staticmethod
@@ -216,10 +226,10 @@ class Rig:
             ready.set()
 
         threading.Thread(target=read, daemon=True).start()
+        self.adopt(self.daemon)
         if not ready.wait(180) or self.daemon.poll() is not None:
             raise RuntimeError("the stress daemon did not start:\n"
                                + "\n".join(self.daemon_lines[-10:]))
-        self.scan_once()
         self.daemon_socket = sock
         return sock
 
@@ -244,8 +254,12 @@ class Rig:
     def shm_objects(self, pids: set[int] | None = None) -> list[str]:
         from shm.cleanup import list_objects
 
-        return [o.entry for o in list_objects(self.tag)
-                if pids is None or o.pid in pids]
+        if pids is None:     # every entry of the tag, even one whose name does not parse
+            try:
+                return sorted(n for n in os.listdir("/dev/shm") if f"ipuemu_{self.tag}_" in n)
+            except FileNotFoundError:
+                return []
+        return [o.entry for o in list_objects(self.tag) if o.pid in pids]
 
     def wait_gone(self, pids: set[int], timeout: float) -> tuple[list[int], list[str]]:
         """Wait until none of ``pids`` is alive and /dev/shm holds nothing they created."""
@@ -257,15 +271,16 @@ class Rig:
                 return live, objs
             time.sleep(0.05)
 
-    def finish(self) -> list[str]:
-        """Stop everything; return leak problems (processes alive, objects left)."""
+    def finish(self, grace: float = 30.0) -> list[str]:
+        """Stop everything; return leak problems (processes alive, objects left) after
+        waiting up to ``grace`` seconds for our processes to exit."""
+        self.scan_once()
         problems = self.stop_daemon()
         self._stop.set()
         self._scanner.join(5)
-        self.scan_once()
         with self._seen_lock:
             seen = dict(self._seen)
-        live, objs = self.wait_gone(set(seen), 30.0)
+        live, objs = self.wait_gone(set(seen), grace)
         for pid in live:
             problems.append(f"leak: process {pid} started by the run is still alive; killed")
             try:

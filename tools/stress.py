@@ -165,12 +165,14 @@ class _Scenario:
 
     def _kill_hosts(self, limit: float, duration: float | None) -> None:
         """SIGKILL a random ready host, then start another while time remains."""
+        while not any(h.ready.wait(0.1) for h in self.hosts) and time.monotonic() < limit:
+            pass
         end = time.monotonic() + (duration or self.opts.max_seconds)
         while time.monotonic() < min(limit, end - 1.0):
             self._pause()
             live = [h for h in self._live() if h.ready.is_set()]
-            if not live or time.monotonic() >= end - 1.0:
-                continue
+            if len(self._live()) < 2 or not live or time.monotonic() >= end - 1.0:
+                continue       # one host always goes on
             host = self.rng.choice(live)
             self.rig.scan_once()
             host.ipu_pids = self._ipu_pids(host) if not self.use_daemon else []
@@ -239,13 +241,14 @@ class _Scenario:
 
 
 # ---------------------------------------------------------------------------- report
-_COLUMNS = ("scenario", "hosts", "killed", "ok", "failed as expected", "wrong", "hung",
+_COLUMNS = ("scenario", "hosts", "events", "ok", "failed as expected", "wrong", "hung",
             "errors", "p50 ms", "p99 ms", "leaks", "verdict")
 
 
 def _row(r: ScenarioResult) -> list[str]:
-    killed = f"{r.hosts_killed} hosts" if r.name == "kill-host" else \
-        f"{r.ipus_killed} ipus" if r.name == "kill-ipu" else "-"
+    killed = f"{r.hosts_killed} hosts killed" if r.name == "kill-host" else \
+        f"{r.ipus_killed} ipus killed" if r.name == "kill-ipu" else \
+        f"{r.cycles} attaches" if r.name == "daemon" else "-"
     return [r.name, str(r.hosts), killed, str(r.ok), str(r.expected), str(r.wrong), str(r.hung),
             str(r.errors), "-" if r.p50_ms is None else f"{r.p50_ms:.2f}",
             "-" if r.p99_ms is None else f"{r.p99_ms:.2f}", str(r.leaks),
@@ -298,13 +301,17 @@ def run(opts: argparse.Namespace) -> tuple[list[ScenarioResult], list[str]]:
     """Run the scenarios; return their results and the run-wide problems (leaks)."""
     scenarios = opts.scenario or ["mixed"]
     rng = random.Random(opts.seed)
-    per_host = opts.replicas * (opts.threads if "daemon" in scenarios else 1)
+    # daemon scenario: hosts x threads runners of `replicas` IPUs each attach at once. A runner
+    # takes its IPUs one by one and waits for the next while holding the first, so fewer
+    # than n x (r - 1) + 1 IPUs could deadlock; that many makes runners wait without.
+    runners = opts.hosts * opts.threads
+    pool = max(opts.hosts * opts.replicas, runners * (opts.replicas - 1) + 1)
     rig = Rig(num_ipus=opts.hosts * opts.replicas, seed=opts.seed % 1000)
     results: list[ScenarioResult] = []
     problems: list[str] = []
     try:
         if opts.daemon or "daemon" in scenarios:
-            rig.start_daemon(max(per_host, opts.hosts * opts.replicas))
+            rig.start_daemon(pool)
         for name in scenarios:
             _log.info("scenario %s", name)
             results.append(_Scenario(rig, name, opts, rng).run())
@@ -319,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("hosts", "threads", "replicas"):
         if getattr(opts, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(opts, name)}")
+    if "kill-host" in (opts.scenario or ()) and opts.hosts < 2:
+        parser.error(f"kill-host needs --hosts 2 or more (one host always runs), got {opts.hosts}")
     if opts.requests is not None and opts.requests < 1:
         parser.error(f"--requests must be at least 1, got {opts.requests}")
     if opts.duration is None and opts.requests is None:

@@ -1,0 +1,111 @@
+"""``ipu-emulator stress``: a short run of each scenario checks every result and leaks nothing;
+a wrong result, a leaked object and a leaked process make it fail and say what."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import posix_ipc
+import pytest
+
+from tools import stress
+from tools._stress_rig import Rig
+
+# Each scenario runs 3 s of load; the kill windows are counted from the hosts' readiness,
+# so at least one fault lands even on a slow machine.
+_SHORT = ["--duration", "3", "--hosts", "2", "--threads", "2", "--replicas", "2"]
+
+
+def _run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict]:
+    code = stress.main([*args, "--json", "--seed", "11"])
+    out = capsys.readouterr().out
+    return code, json.loads(out)
+
+
+def _own_shm(tag: str) -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if f"ipuemu_{tag}_" in n]
+
+
+@pytest.mark.parametrize("scenario", stress.SCENARIOS)
+def test_each_scenario_checks_every_result_and_passes(capsys, scenario):
+    code, report = _run(capsys, "--scenario", scenario, *_SHORT)
+    [sc] = report["scenarios"]
+    assert (code, report["passed"], report["problems"], sc["problems"]) == (0, True, [], []), report
+    assert sc["name"] == scenario and sc["passed"]
+    assert (sc["wrong"], sc["hung"], sc["errors"], sc["leaks"]) == (0, 0, 0, 0)
+    assert sc["ok"] > 0 and sc["p50_ms"] is not None and sc["p99_ms"] >= sc["p50_ms"]
+    if scenario == "kill-ipu":
+        assert sc["ipus_killed"] >= 1
+    else:
+        assert sc["expected"] == 0        # only killed IPUs may fail a request
+    if scenario == "kill-host":
+        # a killed host is replaced while more than 2 s of load remain
+        assert sc["hosts_killed"] >= 1 and 2 <= sc["hosts"] <= 2 + sc["hosts_killed"]
+    if scenario == "daemon":
+        assert sc["cycles"] >= 1
+    assert report["verdict"].startswith("PASS: 1 scenarios")
+
+
+def test_several_scenarios_through_a_daemon_with_a_request_budget(capsys):
+    code, report = _run(capsys, "--daemon", "--scenario", "mixed", "--scenario", "batching",
+                        "--requests", "40", "--hosts", "2", "--threads", "2")
+    assert code == 0 and report["passed"], report
+    assert [s["name"] for s in report["scenarios"]] == ["mixed", "batching"]
+    assert [s["ok"] for s in report["scenarios"]] == [80, 80]
+
+
+def test_a_wrong_result_fails_the_run_and_is_named(capsys):
+    code = stress.main(["--scenario", "mixed", "--requests", "6", "--hosts", "1",
+                        "--threads", "1", "--inject-wrong", "2", "--seed", "3"])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    lines = out.splitlines()
+    assert lines[-1].startswith("FAIL: 1 scenarios, 4 requests checked, 2 wrong, 0 hung"), out
+    row = next(line for line in lines if line.startswith("mixed "))
+    assert row.split()[-1] == "FAIL"
+    wrong = [line for line in lines if "wrong: mode" in line]
+    assert len(wrong) == 2 and all("differ from numpy" in line for line in wrong), out
+
+
+def test_a_wrong_result_in_json(capsys):
+    code, report = _run(capsys, "--scenario", "fused", "--requests", "3", "--hosts", "1",
+                        "--threads", "1", "--inject-wrong", "1")
+    [sc] = report["scenarios"]
+    assert code == 1 and not report["passed"] and not sc["passed"]
+    assert (sc["ok"], sc["wrong"]) == (2, 1)
+    assert "differ from numpy" in sc["problems"][0] and "graph" in sc["problems"][0]
+
+
+def test_the_rig_reports_and_removes_a_leaked_object_and_a_leaked_process():
+    rig = Rig(num_ipus=1, seed=0)
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                            stdin=subprocess.DEVNULL)
+    rig.adopt(proc)
+    name = f"/ipuemu_{rig.tag}_{os.getpid()}_abcd_region"
+    posix_ipc.SharedMemory(name, posix_ipc.O_CREX, size=16).close_fd()
+    assert _own_shm(rig.tag) == [name[1:]]
+    problems = rig.finish(grace=0.2)
+    proc.wait(30)
+    assert proc.returncode == -9
+    assert any(f"process {proc.pid} started by the run is still alive; killed" in p
+               for p in problems), problems
+    assert f"leak: /dev/shm/{name[1:]} left behind; removed" in problems
+    assert _own_shm(rig.tag) == []
+    assert not rig.workdir.exists()
+
+
+def test_bad_arguments_exit_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        stress.main(["--hosts", "0"])
+    assert exc.value.code == 2
+    assert "--hosts must be at least 1, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        stress.main(["--scenario", "kill-host", "--hosts", "1"])
+    assert "kill-host needs --hosts 2 or more (one host always runs), got 1" \
+        in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        stress.main(["--scenario", "nope"])
+    assert "invalid choice: 'nope'" in capsys.readouterr().err
