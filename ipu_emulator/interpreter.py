@@ -362,8 +362,10 @@ class Interpreter:
         for onnx_name, tname in i.inputs:
             arr = self.arrays[tname]
             h = self._zc_in.get(tname)
-            (fixed_in.append((onnx_name, arr)) if h is None
-             else zc_in.append((onnx_name, h, arr)))
+            if h is None:
+                fixed_in.append((onnx_name, arr))
+            else:
+                zc_in.append((onnx_name, h, arr))
         passthrough: list[tuple[np.ndarray, np.ndarray]] = []
         bound_inputs = dict(i.inputs)
         fixed_out: list[tuple[str, np.ndarray]] = []
@@ -374,8 +376,10 @@ class Interpreter:
                 passthrough.append((self.arrays[bound_inputs[onnx_name]], arr))
                 continue
             h = self._zc_out.get(tname)
-            (fixed_out.append((onnx_name, arr)) if h is None
-             else zc_out.append((onnx_name, h, arr)))
+            if h is None:
+                fixed_out.append((onnx_name, arr))
+            else:
+                zc_out.append((onnx_name, h, arr))
         in_handles = [h for _, h, _ in zc_in]
         out_specs = [(h, arr.nbytes) for _, h, arr in zc_out]
         cache: dict[tuple[int, ...], tuple[Any, Callable[[], None]]] = {}
