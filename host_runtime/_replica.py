@@ -367,6 +367,7 @@ class Replica(ReplicaTimers):
                 except WouldBlock:
                     view = self._acquire(ring)
                 if src is None:
+                    assert fb is not None   # checked above
                     view[:nbytes] = fb
                     ring.publish(nbytes)
                     continue
