@@ -107,7 +107,8 @@ class Rig:
         self.env.pop("IPU_EMULATOR_CONFIG", None)
         self.env["PYTHONPATH"] = os.pathsep.join(
             [str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
-        self.models = write_models(self.workdir, seed)
+        self.seed = seed
+        self.models: dict[str, str] = {}
         self.daemon: subprocess.Popen[str] | None = None
         self.daemon_socket: str | None = None
         self.daemon_lines: list[str] = []
@@ -118,6 +119,15 @@ class Rig:
         self._scanner = threading.Thread(target=self._scan, daemon=True, name="stress-scan")
         self._scanner.start()
         self._host_count = 0
+        self._daemons = 0
+
+    def refresh_models(self, name: str) -> dict[str, str]:
+        """Compile the models afresh (for each scenario: a PopEF file carries the package hash
+        of the sources that compiled it, and a development tree may change under a long run)."""
+        directory = self.workdir / f"models-{name}"
+        directory.mkdir(exist_ok=True)
+        self.models = write_models(directory, self.seed)
+        return self.models
 
     # ------------------------------------------------------------------ processes
     def _scan(self) -> None:
@@ -209,7 +219,10 @@ class Rig:
 
     # ------------------------------------------------------------------ daemon
     def start_daemon(self, num_ipus: int) -> str:
-        sock = str(self.workdir / "daemon.sock")
+        """Start a private daemon of ``num_ipus`` IPUs; return its socket."""
+        self._daemons += 1
+        sock = str(self.workdir / f"daemon{self._daemons}.sock")
+        self.daemon_lines = []
         env = dict(self.env, IPU_EMULATOR_DAEMON_LOG_LEVEL="INFO")
         self.daemon = subprocess.Popen(
             [sys.executable, "-m", "tools.cli", "daemon", "--socket", sock,
@@ -236,6 +249,7 @@ class Rig:
     def stop_daemon(self) -> list[str]:
         """SIGTERM the daemon; problems if it does not exit 0 within 60 s."""
         problems: list[str] = []
+        self.daemon_socket = None
         if self.daemon is None or self.daemon.poll() is not None:
             return problems
         self.daemon.send_signal(signal.SIGTERM)

@@ -83,7 +83,7 @@ class _Scenario:
         self.result = ScenarioResult(name)
         self.hosts: list[HostProc] = []
         self.latencies: list[float] = []
-        self.use_daemon = bool(rig.daemon_socket) and (opts.daemon or name == "daemon")
+        self.use_daemon = opts.daemon or name == "daemon"
 
     def _spec(self, duration: float | None) -> dict[str, Any]:
         return {"scenario": self.name, "replicas": self.opts.replicas,
@@ -100,8 +100,31 @@ class _Scenario:
         self.result.hosts += 1
         return host
 
+    def _pool_size(self) -> int:
+        """IPUs of the scenario's daemon. In the daemon scenario hosts x threads runners of
+        ``replicas`` IPUs attach at once; a runner takes its IPUs one by one, waiting for the
+        next while holding the first, so fewer than n x (r - 1) + 1 IPUs could deadlock, and
+        that many makes runners wait for each other without."""
+        o = self.opts
+        if self.name != "daemon":
+            return o.hosts * o.replicas
+        return max(o.hosts * o.replicas // 2, o.hosts * o.threads * (o.replicas - 1) + 1,
+                   o.replicas)
+
     def run(self) -> ScenarioResult:
         t0 = time.monotonic()
+        self.rig.refresh_models(self.name)
+        if self.use_daemon:
+            self.rig.start_daemon(self._pool_size())
+        try:
+            self._run()
+        finally:
+            self.result.problems.extend(self.rig.stop_daemon())
+        self._check_tag_empty()
+        self.result.seconds = round(time.monotonic() - t0, 1)
+        return self.result
+
+    def _run(self) -> None:
         duration = self.opts.duration
         for _ in range(self.opts.hosts):
             self._start(duration)
@@ -112,11 +135,9 @@ class _Scenario:
         elif self.name == "kill-host":
             self._kill_hosts(limit, duration)
         self._collect(limit)
-        self.result.seconds = round(time.monotonic() - t0, 1)
         if self.latencies:
             self.result.p50_ms = round(float(np.percentile(self.latencies, 50)), 2)
             self.result.p99_ms = round(float(np.percentile(self.latencies, 99)), 2)
-        return self.result
 
     # ------------------------------------------------------------------ faults
     def _live(self) -> list[HostProc]:
@@ -223,21 +244,23 @@ class _Scenario:
                     res.leaks += 1
                     res.problems.append(f"leak: /dev/shm/{entry} of killed host "
                                         f"{h.proc.pid} still there 30 s after the kill")
-        if not self.use_daemon:
-            # Every host has exited: nothing of the tag may be left (a daemon keeps its own).
-            # An IPU process whose host left abnormally removes the host's objects: wait.
-            end = time.monotonic() + 10.0
+
+    def _check_tag_empty(self) -> None:
+        """Every host (and the daemon) has exited: nothing of the tag may be left. An IPU
+        process whose host left abnormally removes the host's objects: give it 10 s."""
+        res = self.result
+        end = time.monotonic() + 10.0
+        left = self.rig.shm_objects()
+        while left and time.monotonic() < end:
+            time.sleep(0.05)
             left = self.rig.shm_objects()
-            while left and time.monotonic() < end:
-                time.sleep(0.05)
-                left = self.rig.shm_objects()
-            for entry in left:
-                res.leaks += 1
-                res.problems.append(f"leak: /dev/shm/{entry} left after every host exited")
-                try:
-                    os.unlink(os.path.join("/dev/shm", entry))
-                except OSError:
-                    pass
+        for entry in left:
+            res.leaks += 1
+            res.problems.append(f"leak: /dev/shm/{entry} left after every process exited")
+            try:
+                os.unlink(os.path.join("/dev/shm", entry))
+            except OSError:
+                pass
 
 
 # ---------------------------------------------------------------------------- report
@@ -301,17 +324,10 @@ def run(opts: argparse.Namespace) -> tuple[list[ScenarioResult], list[str]]:
     """Run the scenarios; return their results and the run-wide problems (leaks)."""
     scenarios = opts.scenario or ["mixed"]
     rng = random.Random(opts.seed)
-    # daemon scenario: hosts x threads runners of `replicas` IPUs each attach at once. A runner
-    # takes its IPUs one by one and waits for the next while holding the first, so fewer
-    # than n x (r - 1) + 1 IPUs could deadlock; that many makes runners wait without.
-    runners = opts.hosts * opts.threads
-    pool = max(opts.hosts * opts.replicas, runners * (opts.replicas - 1) + 1)
     rig = Rig(num_ipus=opts.hosts * opts.replicas, seed=opts.seed % 1000)
     results: list[ScenarioResult] = []
     problems: list[str] = []
     try:
-        if opts.daemon or "daemon" in scenarios:
-            rig.start_daemon(pool)
         for name in scenarios:
             _log.info("scenario %s", name)
             results.append(_Scenario(rig, name, opts, rng).run())
