@@ -262,20 +262,16 @@ class _Host:
             self.issued += 1
             return True
 
-    def _one(self, work: Any, rng: np.random.Generator, r: random.Random, tid: int,
-             strict: bool = False) -> bool:
-        """One request; False when the thread must stop (a hang)."""
-        t0 = time.perf_counter()
-        self.in_flight[tid] = (time.time(), "submitting")
+    def _outcome(self, action: Callable[[], Any], t0: float, strict: bool) -> tuple[bool, Any]:
+        """Run ``action`` (submit or check a request) and count its outcome; return
+        (go on, its value or None). A hang stops the thread."""
         try:
-            done = work.request(rng, r, self.hang)
-            self.in_flight[tid] = (time.time(), "checking")
-            done()
+            value = action()
         except WrongResult as exc:
             self.tally.problem("wrong", str(exc))
         except Hung as exc:
             self.tally.problem("hung", str(exc))
-            return False
+            return False, None
         except self.allowed as exc:
             if strict:
                 self.tally.problem("errors", f"request after the faults failed: {exc!r}")
@@ -285,9 +281,32 @@ class _Host:
         except Exception as exc:   # noqa: BLE001 - every other failure is a finding
             self.tally.problem("errors", f"{type(exc).__name__}: {exc}")
         else:
-            with self.tally.lock:
-                self.tally.ok += 1
-                self.tally.latencies.append(time.perf_counter() - t0)
+            return True, value
+        return True, None
+
+    def _one(self, work: Any, rng: np.random.Generator, r: random.Random, tid: int,
+             strict: bool = False, depth: int = 1) -> bool:
+        """``depth`` requests submitted back to back (async ones stay in flight together),
+        then each checked in order; False when the thread must stop (a hang)."""
+        self.in_flight[tid] = (time.time(), f"submitting {depth} request(s)")
+        pending = []
+        try:
+            for _ in range(depth):
+                t0 = time.perf_counter()
+                go, done = self._outcome(lambda: work.request(rng, r, self.hang), t0, strict)
+                if not go:
+                    return False
+                if done is not None:
+                    pending.append((t0, done))
+            self.in_flight[tid] = (time.time(), f"checking {len(pending)} request(s)")
+            for t0, done in pending:
+                go, _ = self._outcome(lambda: (done(), True)[1], t0, strict)
+                if not go:
+                    return False
+                if _ is not None:
+                    with self.tally.lock:
+                        self.tally.ok += 1
+                        self.tally.latencies.append(time.perf_counter() - t0)
         finally:
             self.in_flight.pop(tid, None)
         return True
@@ -296,7 +315,12 @@ class _Host:
         seed = int(self.spec["seed"]) * 1000 + tid
         rng, r = np.random.default_rng(seed), random.Random(seed)
         while self._take():
-            if not self._one(work, rng, r, tid):
+            depth = 1 if r.random() < 0.6 else r.randint(2, 4)
+            with self.issue_lock:      # the pipeline's extra requests count in the budget too
+                if self.budget is not None:
+                    depth = max(1, min(depth, self.budget - self.issued + 1))
+                self.issued += depth - 1
+            if not self._one(work, rng, r, tid, depth=depth):
                 return
 
     def _daemon_worker(self, tid: int) -> None:
