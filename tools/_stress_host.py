@@ -78,7 +78,10 @@ def _weights(path: str) -> np.ndarray:
     td = model.tensorData("weights")
     if td is None:
         raise ValueError(f"{path}: the example model has no 'weights' tensor data")
-    shape = tuple(model.metadata.anchor("tensor_A").tensorInfo().shape())
+    anchor = model.metadata.anchor("tensor_A")
+    if anchor is None:
+        raise ValueError(f"{path}: the example model has no 'tensor_A' input")
+    shape = tuple(anchor.tensorInfo().shape())
     return np.frombuffer(td.data, np.float32).reshape(shape).copy()
 
 
@@ -126,7 +129,7 @@ class _Simple:
         if batching:
             cfg.batching_dim = 0
             cfg.is_batch_size_timeout_enabled = True
-            cfg.batch_size_timeout_ns = timedelta(milliseconds=2)
+            cfg.batch_size_timeout_ns = 2_000_000     # 2 ms
         self.runner = mr.ModelRunner(path, config=cfg)
 
     def close(self) -> None:
@@ -203,6 +206,8 @@ class _Fused:
 
     def request(self, rng: np.random.Generator, r: random.Random, hang: float) -> Callable[[], None]:
         branch, use_async = r.randrange(2), r.random() < 0.5
+        ins: dict[str, np.ndarray]
+        want: np.ndarray
         what = f"graph{branch} {'execute_async' if use_async else 'execute'}"
         if branch == 0:
             x = rng.standard_normal((1, 2)).astype(np.float32)

@@ -57,6 +57,7 @@ class ScenarioResult:
     hosts: int = 0
     hosts_killed: int = 0
     ipus_killed: int = 0
+    orphans_checked: int = 0     # IPU processes of killed hosts seen to exit (embedded mode)
     ok: int = 0
     expected: int = 0
     wrong: int = 0
@@ -144,7 +145,7 @@ class _Scenario:
         return [h for h in self.hosts if not h.killed and h.proc.poll() is None]
 
     def _ipu_pids(self, host: HostProc) -> list[int]:
-        if not self.use_daemon:
+        if not self.use_daemon or self.rig.daemon_socket is None:
             return [p.pid for p in self.rig.ipu_processes_of(host.proc.pid)]
         from ipu_emulator import daemon_protocol as wire
 
@@ -153,6 +154,23 @@ class _Scenario:
         except (OSError, ValueError):
             return []
         return [i["pid"] for i in status["ipus"] if i.get("holder") == host.proc.pid and i["pid"]]
+
+    def _held_by(self, pid: int, timeout: float) -> list[str]:
+        """IPUs the daemon still lends to ``pid`` after waiting up to ``timeout`` s for none."""
+        if not self.use_daemon or self.rig.daemon_socket is None:
+            return []
+        from ipu_emulator import daemon_protocol as wire
+
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                status = wire.request(self.rig.daemon_socket, {"op": "status"}, timeout=10.0)
+                held = [str(i["ipu"]) for i in status["ipus"] if i.get("holder") == pid]
+            except (OSError, ValueError) as exc:
+                return [f"(status failed: {exc})"]
+            if not held or time.monotonic() > end:
+                return held
+            time.sleep(0.05)
 
     def _pause(self) -> None:
         time.sleep(self.rng.uniform(0.3, 1.0))
@@ -235,11 +253,17 @@ class _Scenario:
         for h in self.hosts:
             if h.killed:
                 pids = {h.proc.pid, *h.ipu_pids}
+                res.orphans_checked += len(h.ipu_pids)
                 live, objs = self.rig.wait_gone(pids, 30.0)
                 for pid in live:
                     res.leaks += 1
                     res.problems.append(f"leak: IPU process {pid} of killed host {h.proc.pid} "
                                         "still alive 30 s after the kill")
+                held = self._held_by(h.proc.pid, 30.0)
+                if held:
+                    res.leaks += 1
+                    res.problems.append(f"leak: the daemon still lends IPU(s) {held} to killed "
+                                        f"host {h.proc.pid} 30 s after the kill")
                 for entry in objs:
                     res.leaks += 1
                     res.problems.append(f"leak: /dev/shm/{entry} of killed host "

@@ -44,6 +44,7 @@ def test_each_scenario_checks_every_result_and_passes(capsys, scenario):
     if scenario == "kill-host":
         # a killed host is replaced while more than 2 s of load remain
         assert sc["hosts_killed"] >= 1 and 2 <= sc["hosts"] <= 2 + sc["hosts_killed"]
+        assert sc["orphans_checked"] >= 2 * sc["hosts_killed"]     # 2 replicas: 2 IPUs each
     if scenario == "daemon":
         assert sc["cycles"] >= 1
     assert report["verdict"].startswith("PASS: 1 scenarios")
