@@ -237,7 +237,7 @@ def _open(spec: dict[str, Any], check: _Check) -> Any:
     scenario = spec["scenario"]
     if scenario == "fused":
         return _Fused(spec, check)
-    return _Simple(spec, check, batching=scenario == "batching")
+    return _Simple(spec, check, batching=bool(spec.get("batching")))
 
 
 # ----------------------------------------------------------------------------- running

@@ -13,7 +13,8 @@ Pythons) on a private emulated machine (own IPU_EMULATOR_HOME and shm tag,
   numpy or memory views, random replicas, ``thread_safe`` runners;
 - ``batching``: dynamic batching with random batch sizes on a batch-4 model;
 - ``fused``: the PopRT Runner on a fused model, random branches;
-- ``kill-ipu``: SIGKILL random IPU processes while requests run (``auto_reset``):
+- ``kill-ipu``: SIGKILL random IPU processes while requests run (``auto_reset``; every
+  other host batches dynamically):
   each request returns the right value or fails with DeviceLostError /
   DeviceTimeoutError, none hangs, and requests after the faults succeed;
 - ``kill-host``: SIGKILL random host processes (replaced while time remains):
@@ -87,7 +88,10 @@ class _Scenario:
         self.use_daemon = opts.daemon or name == "daemon"
 
     def _spec(self, duration: float | None) -> dict[str, Any]:
-        return {"scenario": self.name, "replicas": self.opts.replicas,
+        # The fault scenarios run every other host with dynamic batching.
+        batching = self.name == "batching" or (
+            self.name in ("kill-ipu", "kill-host") and len(self.hosts) % 2 == 1)
+        return {"scenario": self.name, "batching": batching, "replicas": self.opts.replicas,
                 "threads": self.opts.threads, "seed": self.rng.randrange(1 << 30),
                 "duration": duration, "max_seconds": self.opts.max_seconds,
                 "requests": self.opts.requests, "hang_timeout": self.opts.hang_timeout,
