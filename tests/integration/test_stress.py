@@ -110,3 +110,15 @@ def test_bad_arguments_exit_2(capsys):
     with pytest.raises(SystemExit):
         stress.main(["--scenario", "nope"])
     assert "invalid choice: 'nope'" in capsys.readouterr().err
+
+
+def test_a_request_past_the_hang_timeout_counts_as_hung(capsys):
+    # No async result arrives within 1 us (a round trip takes hundreds): each thread reports
+    # its first async request as hung and stops.
+    code, report = _run(capsys, "--scenario", "mixed", "--requests", "200", "--hosts", "1",
+                        "--threads", "2", "--hang-timeout", "0.000001")
+    [sc] = report["scenarios"]
+    assert code == 1 and not sc["passed"], report
+    assert 1 <= sc["hung"] <= 2 and sc["wrong"] == 0
+    assert any("no result within 1e-06 s" in p for p in sc["problems"]), sc["problems"]
+    assert ", 0 wrong, " in report["verdict"] and report["verdict"].startswith("FAIL")
