@@ -217,6 +217,14 @@ class Rig:
         host.ready.set()
         host.quiesce.set()
 
+    def kill_all(self) -> None:
+        """SIGKILL every host still running (an interrupted run); the daemon stops in finish."""
+        with self._seen_lock:
+            roots = [r for r in self._roots if r is not self.daemon and r.poll() is None]
+        for r in roots:
+            r.kill()
+            r.wait()
+
     # ------------------------------------------------------------------ daemon
     def start_daemon(self, num_ipus: int) -> str:
         """Start a private daemon of ``num_ipus`` IPUs; return its socket."""

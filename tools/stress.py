@@ -359,6 +359,9 @@ def run(opts: argparse.Namespace) -> tuple[list[ScenarioResult], list[str]]:
         for name in scenarios:
             _log.info("scenario %s", name)
             results.append(_Scenario(rig, name, opts, rng).run())
+    except BaseException:
+        rig.kill_all()      # e.g. Ctrl-C: do not wait for the hosts' deadlines
+        raise
     finally:
         problems = rig.finish()
     return results, problems
@@ -382,7 +385,11 @@ def main(argv: list[str] | None = None) -> int:
         opts.seed = random.SystemRandom().randrange(1 << 31)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="ipu-emulator stress: %(message)s")
-    results, problems = run(opts)
+    try:
+        results, problems = run(opts)
+    except KeyboardInterrupt:
+        print("ipu-emulator stress: interrupted (hosts killed, leaks cleaned up)", file=sys.stderr)
+        return 130
     passed = all(r.passed for r in results) and not problems
     verdict = (f"{'PASS' if passed else 'FAIL'}: {len(results)} scenarios, "
                f"{sum(r.ok for r in results)} requests checked, "
