@@ -185,12 +185,14 @@ class _RingIO:
         recent waits were short (a host sending requests back to back) the next input
         is likely within _SPIN_NS: poll for it. A moving estimate of the waits (each
         capped at 4 x _SPIN_NS, so that an idle spell is forgotten after a few quick
-        requests) turns polling off while inputs come slower than that, so an idle or
-        slow host does not lose a core to this process.
+        requests) turns polling off while inputs come slower than twice the budget, so an
+        idle or slow host does not lose a core to this process. (Twice: waits that block
+        include the wake-up, so a threshold of one budget could keep polling off for a
+        host that would be within it.)
         """
         clock = time.perf_counter_ns
         t0 = clock()
-        if _SPIN_NS and self._wait_est_ns <= _SPIN_NS:
+        if _SPIN_NS and self._wait_est_ns <= 2 * _SPIN_NS:
             stop = t0 + _SPIN_NS
             readable = ring.readable
             yield_cpu = os.sched_yield
