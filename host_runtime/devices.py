@@ -387,7 +387,7 @@ class DeviceManager:
         wait_config=..., constrains=...)``; raises DeviceUnavailableError."""
         num_ipus, version, wait_config = self._parse_get(model_or_num_ipus, args, kwargs)
         return self._acquire(self._candidates(num_ipus, version), wait_config,
-                             f"a device of {num_ipus} IPU(s)")
+                             f"a device of {num_ipus} IPU(s)")[0]
 
     def tryGetDevice(self, model_or_num_ipus: Model | int, *args: Any, **kwargs: Any
                      ) -> Device | None:
@@ -412,7 +412,7 @@ class DeviceManager:
             _, version = _model_needs(first)
             self._check_version(version)
         return self._acquire([(device_id, groups[device_id])], wait_config,
-                             f"device {device_id}")
+                             f"device {device_id}")[0]
 
     def tryGetSpecificDevice(self, device_id: int, *args: Any, **kwargs: Any) -> Device | None:
         try:
@@ -523,7 +523,12 @@ class DeviceManager:
         return [(i, g) for i, g in enumerate(device_groups(n)) if len(g) == num_ipus]
 
     def _acquire(self, candidates: list[tuple[int, tuple[int, ...]]],
-                 wait_config: DeviceWaitConfig, what: str) -> Device:
+                 wait_config: DeviceWaitConfig, what: str, count: int = 1) -> list[Device]:
+        """``count`` devices from ``candidates``, all or none.
+
+        Each attempt reserves devices until it holds ``count``; short of that it releases
+        what it holds before waiting, so that two callers that each need several devices
+        (a ModelRunner's replicas) can never hold some and wait forever for the others."""
         strategy = wait_config.strategy
         sleep = max(wait_config.sleepTime.total_seconds(), 0.001)
         start = time.monotonic()
@@ -533,15 +538,17 @@ class DeviceManager:
         while True:
             attempts += 1
             busy: dict[int, int | None] = {}
+            held: list[tuple[int, tuple[int, ...], IpuLocks | DaemonAttachment]] = []
             for device_id, ipus in candidates:
                 got = self._reserve(device_id, ipus)
-                if not isinstance(got, dict):
-                    try:
-                        return self._machine_device(device_id, ipus, got)
-                    except BaseException:
-                        got.release()
-                        raise
-                busy.update(got)
+                if isinstance(got, dict):
+                    busy.update(got)
+                    continue
+                held.append((device_id, ipus, got))
+                if len(held) == count:
+                    return self._devices_from(held)
+            for _, _, locks in held:
+                locks.release()
             if strategy is DeviceWaitStrategy.NO_WAIT:
                 break
             now = time.monotonic()
@@ -549,14 +556,51 @@ class DeviceManager:
                 break
             pause = sleep if deadline is None else min(sleep, deadline - now)
             time.sleep(max(pause, 0.0))
-        held = ", ".join(f"ipu {i} by pid {pid}" if pid else f"ipu {i} (holder unknown)"
-                         for i, pid in sorted(busy.items()))
+        held_text = ", ".join(f"ipu {i} by pid {pid}" if pid else f"ipu {i} (holder unknown)"
+                              for i, pid in sorted(busy.items()))
         waited = time.monotonic() - start
         raise DeviceUnavailableError(
             f"no device available: asked for {what} with {strategy.name}"
             + (f" (waited {waited:.1f} s, {attempts} attempts)" if attempts > 1 else "")
-            + f"; busy: {held}"
+            + f"; busy: {held_text or 'none, but too few devices exist'}"
             + (f" (daemon at {self._daemon.path})" if self._daemon is not None else ""))
+
+    def _devices_from(self, held: list[tuple[int, tuple[int, ...], IpuLocks | DaemonAttachment]]
+                      ) -> list[Device]:
+        """Start (or take over) the IPU processes of reserved devices; all or none."""
+        devices: list[Device] = []
+        try:
+            for k, (device_id, ipus, locks) in enumerate(held):
+                try:
+                    devices.append(self._machine_device(device_id, ipus, locks))
+                except BaseException:
+                    for _, _, rest in held[k:]:
+                        rest.release()
+                    raise
+        except BaseException:
+            for dev in devices:
+                dev.close()
+            raise
+        return devices
+
+    def _getDevices(self, model: Model, count: int,
+                    wait_config: "DeviceWaitConfig | None" = None) -> list[Device]:
+        """``count`` devices for ``model``, all or none (ModelRunner's replicas)."""
+        num_ipus, version, wc = self._parse_get(
+            model, (), {"wait_config": wait_config if wait_config is not None
+                        else DeviceWaitConfig()})
+        candidates = self._candidates(num_ipus, version)
+        disjoint: set[int] = set()
+        for _, ipus in candidates:
+            if disjoint.isdisjoint(ipus):
+                disjoint.update(ipus)
+        possible = len(disjoint) // max(num_ipus, 1)
+        if count > possible:
+            raise DeviceUnavailableError(
+                f"no device available: asked for {count} devices of {num_ipus} IPU(s) with "
+                f"{wc.strategy.name}, but this machine has {self._system.num_ipus} IPU(s): "
+                f"at most {possible} such devices")
+        return self._acquire(candidates, wc, f"{count} devices of {num_ipus} IPU(s)", count)
 
     def _reserve(self, device_id: int, ipus: tuple[int, ...]
                  ) -> IpuLocks | DaemonAttachment | dict[int, int | None]:

@@ -112,12 +112,18 @@ class ModelRunner:
         self._monitors = [RequestMonitor(cfg.request_tracepoints_buffer_size)
                           for _ in range(cfg.replication_factor)]
         self._closed = False
+        self._attached: dict[int, Any] = {}
         try:
+            self._attach_devices()
             for r in range(cfg.replication_factor):
                 self._replicas.append(Replica(self._setup(r)))
         except BaseException:
             self.close()
             raise
+        finally:
+            for dev in self._attached.values():   # not taken by a session: ours to release
+                dev.close()
+            self._attached.clear()
         _live_runners.add(self)
         _register_exit_hook()
 
@@ -251,6 +257,24 @@ class ModelRunner:
             make_flush_request=lambda i, o: self._flush_request(rid, i, o),
             merge_phantom=self._merge_phantom)
 
+    def _attach_devices(self) -> None:
+        """Attach the devices of every replica that has none in replica_to_device at once.
+
+        All or none: a runner that held some replicas' IPUs while waiting for the others
+        could deadlock with another runner doing the same. Each replica's session then
+        adopts its device (and releases it on close); a replica restarted by auto_reset
+        attaches a fresh device on its own."""
+        from host_runtime.devices import DeviceManager, DeviceWaitConfig
+
+        cfg = self._config
+        need = [r for r in range(cfg.replication_factor)
+                if cfg.replica_to_device.get(r) is None]
+        if len(need) < 2:
+            return
+        devices = DeviceManager()._getDevices(
+            self._model, len(need), cfg.device_wait_config or DeviceWaitConfig())
+        self._attached = dict(zip(need, devices))
+
     def _open_session(self, rid: int) -> Any:
         from host_runtime.devices import DeviceWaitConfig
         from host_runtime.predicates import PopefDataUsagePolicy
@@ -281,6 +305,13 @@ class ModelRunner:
             device = cfg.replica_to_device.get(rid)
             if device is not None and device.isAttached():
                 s.bindToDevice(device)
+            elif rid in self._attached:
+                dev = self._attached.pop(rid)
+                try:
+                    s._adopt_device(dev)
+                except BaseException:
+                    dev.close()
+                    raise
             for spec in (*self._in_specs.values(), *self._out_specs.values()):
                 s._claim_direct(spec.handle)
         except BaseException:

@@ -394,6 +394,13 @@ class Session(FastPath):
             raise
         return dev
 
+    def _adopt_device(self, device: Device) -> None:
+        """Bind to ``device`` and own it, as if this session had attached it: the session
+        closes it when it unbinds or closes (ModelRunner attaches its replicas' devices
+        all at once, then hands one to each replica's session)."""
+        self.bindToDevice(device)
+        self._owns_device = True
+
     def _require_device(self) -> Device:
         self._check_open()
         if self._device is None:
