@@ -188,6 +188,25 @@ class _QueueBase(IQueue):
     def ringBuffer(self) -> SpscRingBuffer[Any]:
         return self._rb
 
+    # The application's buffers: read by InputQueue, written by OutputQueue.
+    _WRITABLE = False
+    _KIND = "queue"
+
+    def enqueueComplete(self) -> None:
+        """Unlock the item locked by enqueueLock(); its size must be whole samples."""
+        if self._rb.isValid():
+            item = self._rb._slots[self._rb._written % self._rb._n]
+            if item.data is not _FLUSH:
+                try:
+                    self._check_size(int(item.data_size))
+                    item.data = _bytes_of(item.data, int(item.data_size), self._WRITABLE,
+                                          f"{self._KIND} {self._name!r}")
+                except BadRequestError:
+                    with self._rb._cond:
+                        self._rb._write_locked = False
+                    raise
+        self._rb.writeComplete()
+
     def disconnect(self) -> None:
         self._rb.invalidate()
 
@@ -218,23 +237,12 @@ class _QueueBase(IQueue):
 class InputQueue(_QueueBase):
     """Packs or splits what the application enqueues into whole transfers."""
 
+    _WRITABLE = False
+    _KIND = "input queue"
+
     def enqueueLock(self) -> InputData:
         """Lock an item for writing (blocking); fill it and call enqueueComplete()."""
         return self._rb.writeLock()  # type: ignore[no-any-return]
-
-    def enqueueComplete(self) -> None:
-        if self._rb.isValid():
-            item = self._rb._slots[self._rb._written % self._rb._n]
-            if item.data is not _FLUSH:
-                try:
-                    self._check_size(int(item.data_size))
-                    item.data = _bytes_of(item.data, int(item.data_size), False,
-                                          f"input queue {self._name!r}")
-                except BadRequestError:
-                    with self._rb._cond:
-                        self._rb._write_locked = False
-                    raise
-        self._rb.writeComplete()
 
     def enqueue(self, input: Any, data_size: int | None = None,
                 read_start_callback: Optional[ReadStartCallback] = None,
@@ -289,22 +297,11 @@ class InputQueue(_QueueBase):
 class OutputQueue(_QueueBase):
     """Splits each transfer the device produces across the application's buffers."""
 
+    _WRITABLE = True
+    _KIND = "output queue"
+
     def enqueueLock(self) -> OutputData:
         return self._rb.writeLock()  # type: ignore[no-any-return]
-
-    def enqueueComplete(self) -> None:
-        if self._rb.isValid():
-            item = self._rb._slots[self._rb._written % self._rb._n]
-            if item.data is not _FLUSH:
-                try:
-                    self._check_size(int(item.data_size))
-                    item.data = _bytes_of(item.data, int(item.data_size), True,
-                                          f"output queue {self._name!r}")
-                except BadRequestError:
-                    with self._rb._cond:
-                        self._rb._write_locked = False
-                    raise
-        self._rb.writeComplete()
 
     def enqueue(self, output: Any, data_size: int | None = None,
                 write_complete_callback: Optional[WriteCompleteCallback] = None) -> None:
