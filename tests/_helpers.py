@@ -32,7 +32,7 @@ from host_runtime.devices import Device, DeviceManager, DeviceWaitConfig, Device
 
 __all__ = ["PATIENT", "DEFAULT_SHAPE", "SPAWN", "module_shape", "weights_of", "write_example",
            "write_gather", "spawn", "private_machine", "model_path", "model", "weights",
-           "gather_path", "gather_model", "device", "daemon"]
+           "gather_path", "gather_model", "device", "daemon", "run_in_threads"]
 
 # Other test processes may hold IPUs of the same machine for a while: wait for one.
 PATIENT = DeviceWaitConfig(timedelta(seconds=120), timedelta(seconds=0.05))
@@ -40,6 +40,20 @@ PATIENT = DeviceWaitConfig(timedelta(seconds=120), timedelta(seconds=0.05))
 DEFAULT_SHAPE = (1, 4)
 
 SPAWN = mp.get_context("spawn")
+
+
+def run_in_threads(target: Any, args: Any) -> None:
+    """Run ``target(*a)`` for each ``a`` in ``args`` on its own thread, all at once; join all.
+
+    ``target`` records its own results and errors (an exception in a thread is not raised here).
+    """
+    import threading
+    threads = [threading.Thread(target=target, args=tuple(a) if isinstance(a, (tuple, list))
+                                else (a,)) for a in args]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 """Peers of the shm tests start with 'spawn' (a fork would copy this process's threads)."""
 
 

@@ -21,7 +21,7 @@ from host_runtime.devices import DeviceManager
 from host_runtime.errors import DeviceUnavailableError
 from host_runtime.session import Session
 from ipu_emulator import daemon_protocol as wire
-from tests._helpers import PATIENT
+from tests._helpers import PATIENT, run_in_threads
 from tests.daemon_rig import REPO, DaemonRig
 
 SHAPE = (1, 4)
@@ -172,7 +172,6 @@ def test_the_socket_protocol_refuses_bad_messages(daemon):
 
 
 def test_liveness_checks_from_many_threads_at_once(daemon):
-    import threading
 
     errors: list[BaseException] = []
     with DeviceManager(daemon=daemon.socket).getDevice(1, wait_config=PATIENT) as dev:
@@ -184,11 +183,7 @@ def test_liveness_checks_from_many_threads_at_once(daemon):
                     assert proc.alive()
             except BaseException as exc:   # RuntimeError: concurrent poll() invocation
                 errors.append(exc)
-        threads = [threading.Thread(target=check) for _ in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        run_in_threads(lambda _: check(), range(4))
         assert errors == [] and proc.returncode() is None
         assert proc.describe_exit().endswith(f"(daemon IPU process pid {proc.pid}) is running")
 

@@ -17,6 +17,7 @@ import pytest
 import host_runtime as model_runtime
 from host_runtime.devices import DeviceManager, DeviceWaitConfig, DeviceWaitStrategy
 from host_runtime.errors import DeviceUnavailableError
+from tests._helpers import run_in_threads
 
 NO_WAIT = DeviceWaitConfig()
 
@@ -111,11 +112,7 @@ def test_two_runners_racing_for_two_ipus_both_finish(tmp_path, monkeypatch, mode
         except BaseException as exc:   # reported below
             results[k] = exc
 
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_in_threads(run, range(2))
     for k in range(2):
         assert not isinstance(results[k], BaseException), results[k]
         for out in results[k]:  # type: ignore[union-attr]

@@ -7,7 +7,6 @@ their own runner and close it.
 
 from __future__ import annotations
 
-import threading
 
 import numpy as np
 import psutil
@@ -17,6 +16,7 @@ import host_runtime as model_runtime
 from host_runtime import popef
 from host_runtime.errors import BadRequestError, InvalidStateError
 from tools.generate_simple_popef import write_simple_popef
+from tests._helpers import run_in_threads
 
 SHAPE = (4, 3)        # batch of 4 samples of 3 floats
 
@@ -288,11 +288,7 @@ def test_multithreading_thread_safe(model_path, weights):
                     done.append(wid)
             except Exception as exc:
                 errors.append(f"worker {wid}: {exc!r}")
-        threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        run_in_threads(worker, range(4))
         assert errors == []
         assert len(done) == 20
         assert r.getMonitoringStatisticsTotalCount({})["request_monitoring_statistics_count"] == 20
@@ -507,9 +503,5 @@ def test_concurrent_multi_transfer_requests(model_path, weights):
                     np.testing.assert_allclose(out, a * np.tile(weights, (n, 1)) + b, rtol=1e-6)
             except Exception as exc:
                 errors.append(f"worker {seed}: {exc!r}")
-        threads = [threading.Thread(target=worker, args=(s,)) for s in range(5)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        run_in_threads(worker, range(5))
     assert errors == []

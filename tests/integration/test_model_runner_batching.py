@@ -16,6 +16,7 @@ import host_runtime as model_runtime
 from host_runtime import popef
 from host_runtime.errors import BadRequestError
 from tools.generate_simple_popef import write_simple_popef
+from tests._helpers import run_in_threads
 
 SHAPE = (4, 3)
 WAIT = 60.0     # generous bound for any single wait
@@ -219,7 +220,6 @@ def test_concurrent_dynamic_batches(model_path, weights):
     """Several threads, any batch sizes, packed across requests: every sample comes back
     computed with some row of the weights, never left unwritten (regression: a request
     completed when another thread drained its first transfer before the rest was packed)."""
-    import threading
 
     cfg = model_runtime.ModelRunnerConfig(batching_dim=0, is_batch_size_timeout_enabled=True,
                                           batch_size_timeout_ns=timedelta(milliseconds=2))
@@ -238,9 +238,5 @@ def test_concurrent_dynamic_batches(model_path, weights):
                     assert hit.all(), f"batch {n}: rows {np.flatnonzero(~hit)} are wrong"
             except Exception as exc:
                 errors.append(f"worker {seed}: {exc!r}")
-        threads = [threading.Thread(target=worker, args=(s,)) for s in range(5)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        run_in_threads(worker, range(5))
     assert errors == []
