@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+import shm.ring as ring_module
 from shm import Ring, _peers, naming
 from shm.cleanup import list_objects
 from tests._helpers import SPAWN as _CTX
@@ -24,8 +25,15 @@ def _finish(proc: mp.process.BaseProcess) -> None:
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_every_message_arrives_once_in_order_intact(seed: int) -> None:
-    """Random slot sizes, depths, speeds and blocking modes; the child is one end."""
+def test_every_message_arrives_once_in_order_intact(seed: int, monkeypatch) -> None:
+    """Random slot sizes, depths, speeds and blocking modes; the child is one end.
+
+    The seeds also cover each pairing of the C core and the pure-Python path.
+    """
+    if (seed >> 1) & 1:
+        monkeypatch.setattr(ring_module, "_ringcore", None)
+    if (seed >> 2) & 1:
+        monkeypatch.setenv("IPU_EMULATOR_RING_C", "0")
     rng = random.Random(seed)
     slot_size = rng.choice([1, 7, 64, 1000, 4096, 65536])
     num_slots = rng.randint(1, 8)
