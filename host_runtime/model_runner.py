@@ -176,6 +176,11 @@ class ModelRunner:
         self._out_specs = {a.name(): self._spec(a, batch_dim, False) for a in self._main_outputs}
         self._exec_specs = {a.name(): self._in_specs[a.name()] for a in self._exec_inputs}
         self._all_outputs = tuple(self._out_specs.values())
+        # The common request (see _build_plain): whole-batch tensors of the model's
+        # dtype and shape for every execute input, outputs allocated by the runner.
+        self._plain_ok = not self._dynamic and not self._fused
+        self._plain_outputs = [(s.name, s.shape_for(s.batch), s.dtype) for s in self._all_outputs]
+        self._plain_transfers = [self._all_outputs]
         if self._dynamic:
             self._batch = self._check_dynamic(cfg.batching_dim)
         else:
@@ -433,6 +438,33 @@ class ModelRunner:
                       internal=internal, given=given)
         return req, transfers, phantom, view_mode
 
+    def _build_plain(self, rep: Replica, inputs: dict, t0: int, plain_results: bool
+                     ) -> Optional[Request]:
+        """``_build`` for the common request, or None when ``inputs`` is not one.
+
+        The common request: a plain dict holding exactly the model's execute
+        inputs, each an ndarray of the input's dtype and whole shape; outputs
+        allocated by the runner (``plain_results``: as plain ndarrays, for
+        ``execute``; else as TensorMemory, for futures). Anything else takes
+        ``_build``, which checks and reports it.
+        """
+        specs = self._exec_specs
+        if len(inputs) != len(specs):
+            return None
+        for name, value in inputs.items():
+            spec = specs.get(name)
+            if (spec is None or value.__class__ is not np.ndarray or value.dtype is not spec.dtype
+                    or value.shape != spec.shape):
+                return None
+        given = dict(inputs)
+        if plain_results:
+            results = {name: np.empty(shape, dtype) for name, shape, dtype in self._plain_outputs}
+        else:
+            results = {name: TensorMemory.allocate(shape, dtype)
+                       for name, shape, dtype in self._plain_outputs}
+        return Request(rep, rep.rid, 1, given, dict(results), results, self._plain_transfers, t0,
+                       given=given)
+
     def _out_samples(self, s: TensorSpec, n_units: int) -> int:
         if s.batch_dim is None:
             return s.batch
@@ -527,6 +559,13 @@ class ModelRunner:
     def _execute(self, input_data: Any, output_data: Any, replica_id: int) -> Any:
         t0 = time.perf_counter_ns()
         rep = self._replica(replica_id)
+        if (self._plain_ok and output_data is None and input_data.__class__ is dict
+                and (req := self._build_plain(rep, input_data, t0, True)) is not None):
+            rep.submit(req, 1, None)
+            rep.wait_for(req, None)
+            if req.error is not None:
+                raise req.error
+            return req.results
         req, transfers, phantom, view_mode = self._build(rep, input_data, output_data, t0)
         rep.submit(req, transfers, phantom)
         rep.wait_for(req, None)
@@ -550,7 +589,11 @@ class ModelRunner:
     def _execute_async(self, input_data: Any, output_data: Any, replica_id: int) -> OutputFuture:
         t0 = time.perf_counter_ns()
         rep = self._replica(replica_id)
-        req, transfers, phantom, _ = self._build(rep, input_data, output_data, t0)
+        if (self._plain_ok and output_data is None and input_data.__class__ is dict
+                and (req := self._build_plain(rep, input_data, t0, False)) is not None):
+            transfers, phantom = 1, None
+        else:
+            req, transfers, phantom, _ = self._build(rep, input_data, output_data, t0)
         req.description = f"request to replica {replica_id}"
         rep.submit(req, transfers, phantom)
         return OutputFuture(req)

@@ -434,6 +434,11 @@ class Interpreter:
         return execute_zc
 
 
+try:
+    from shm._ringcore import address as _c_address
+except ImportError:   # built without the C extension
+    _c_address = None
+
 _BINDING_CACHE = 256
 """Most fully bound IO bindings kept per zero-copy Execute."""
 
@@ -465,6 +470,8 @@ def _checked(view: memoryview, nbytes: int, handle: str) -> memoryview:
 
 def _address(view: memoryview) -> int:
     """The address of a contiguous buffer's first byte."""
+    if _c_address is not None:
+        return _c_address(view)  # type: ignore[no-any-return]   # ~0.05 us against ~0.35
     try:
         return ctypes.addressof(ctypes.c_char.from_buffer(view))
     except TypeError:   # read-only buffer

@@ -489,9 +489,28 @@ static PyTypeObject CoreType = {
     .tp_methods = Core_methods,
 };
 
+/* address(buffer) -> the address of its first byte (for onnxruntime IO bindings) */
+static PyObject *
+address(PyObject *module, PyObject *obj)
+{
+    Py_buffer b;
+    if (PyObject_GetBuffer(obj, &b, PyBUF_SIMPLE) < 0)
+        return NULL;
+    PyObject *out = PyLong_FromVoidPtr(b.buf);
+    PyBuffer_Release(&b);
+    return out;
+}
+
+static PyMethodDef module_methods[] = {
+    {"address", (PyCFunction)address, METH_O,
+     "address(buffer): the address of a C-contiguous buffer's first byte."},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "shm._ringcore",
-    "C hot paths of shm.Ring (same layout and protocol as the Python path).", -1, NULL,
+    "C hot paths of shm.Ring (same layout and protocol as the Python path).", -1,
+    module_methods,
 };
 
 PyMODINIT_FUNC

@@ -117,6 +117,26 @@ def test_sync_numpy_dicts(runner, weights):
     np.testing.assert_allclose(out["tensor_C"], a * weights + b, rtol=1e-6)
 
 
+def test_inputs_of_the_model_shape_in_any_memory_layout(runner, weights):
+    """The common-request path (exact dtype and shape) copes with strided inputs too."""
+    a, b = pair()
+    wide = rand((SHAPE[0], 2 * SHAPE[1]), seed=3)
+    inputs = {"tensor_A": np.asfortranarray(a), "tensor_B": wide[:, ::2]}
+    assert not inputs["tensor_A"].flags.c_contiguous and not inputs["tensor_B"].flags.c_contiguous
+    expected = a * weights + wide[:, ::2]
+    np.testing.assert_allclose(runner.execute(inputs)["tensor_C"], expected, rtol=1e-6)
+    fut = runner.executeAsync(inputs)
+    assert isinstance(fut["tensor_C"], model_runtime.TensorMemory)
+    np.testing.assert_allclose(fut["tensor_C"].numpy(), expected, rtol=1e-6)
+    # a subclass of ndarray and a mapping that is not a dict take the general path
+    sub = {"tensor_A": a.view(np.recarray).view(np.ndarray), "tensor_B": b}
+    np.testing.assert_allclose(runner.execute(sub)["tensor_C"], a * weights + b, rtol=1e-6)
+    view = model_runtime.InputMemoryView()
+    view["tensor_A"], view["tensor_B"] = a, b
+    np.testing.assert_allclose(np.frombuffer(runner.execute(view)["tensor_C"], np.float32
+                                             ).reshape(SHAPE), a * weights + b, rtol=1e-6)
+
+
 def test_async_numpy_runner_allocated_copy_and_view_semantics(runner, weights):
     a, b = pair()
     fut = runner.executeAsync({"tensor_A": a, "tensor_B": b})
