@@ -46,6 +46,8 @@ __all__ = [
     "TensorMemory",
     "TensorMemoryView",
     "ConstTensorMemoryView",
+    "empty_shared",
+    "is_shared",
     # devices and sessions
     "DeviceManager",
     "Device",
@@ -107,6 +109,8 @@ _LAZY: dict[str, str] = {
     "TensorMemory": "host_runtime.memory",
     "TensorMemoryView": "host_runtime.memory",
     "ConstTensorMemoryView": "host_runtime.memory",
+    "empty_shared": "host_runtime.shared_memory",
+    "is_shared": "host_runtime.shared_memory",
     "DeviceManager": "host_runtime.devices",
     "Device": "host_runtime.devices",
     "DeviceWaitConfig": "host_runtime.devices",
@@ -167,6 +171,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
                                      OutputMemoryView, PopefPaths, TensorMemory,
                                      TensorMemoryView)
     from host_runtime.model_runner import ModelRunner, OutputFuture
+    from host_runtime.shared_memory import empty_shared, is_shared
     from host_runtime.predicates import (AnchorCallbackPolicy, AnchorWithPolicy,
                                          PopefDataUsagePolicy, ProgramsWithPolicy,
                                          null_anchor_callback_predicate,

@@ -50,6 +50,8 @@ from host_runtime._replica_timers import Phantom, PidWatch, ReplicaTimers
 from host_runtime._requests import Request
 from host_runtime.errors import DeviceLostError, InvalidStateError, ModelRuntimeError
 from host_runtime.monitoring import RequestMonitor
+from host_runtime.shared_memory import SHARED_MIN_BYTES, shared_location
+from ipu_emulator.protocol import HOST_MEMORY, TAG_SHARED
 
 __all__ = ["Replica", "Transfer", "ReplicaSetup"]
 
@@ -372,6 +374,14 @@ class Replica(ReplicaTimers):
                     ring.publish(nbytes)
                     continue
                 if transfers == 1 and src.flags.c_contiguous:
+                    if nbytes >= SHARED_MIN_BYTES and (loc := shared_location(src)) is not None:
+                        # in host shared memory: the IPU process reads it in place
+                        name_b = loc[0].encode("ascii")
+                        HOST_MEMORY.pack_into(view, 0, loc[1], nbytes)
+                        end = HOST_MEMORY.size + len(name_b)
+                        view[HOST_MEMORY.size:end] = name_b
+                        ring.publish(end, TAG_SHARED)
+                        continue
                     view[:nbytes] = memoryview(src).cast("B")  # type: ignore[arg-type]
                 else:
                     slot = np.frombuffer(view, spec.dtype, spec.nbytes // spec.dtype.itemsize

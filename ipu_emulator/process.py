@@ -50,9 +50,10 @@ from shm import (PeerDiedError, Region, Ring, RingInvalidatedError, RingTimeoutE
 from shm.cleanup import list_objects
 
 from ipu_emulator import package_hash, protocol
+from ipu_emulator._host_memory import HostMemory, HostMemoryError
 from ipu_emulator.errors import ExecutableError
 from ipu_emulator.protocol import (ErrorKind, Message, Op, MODE_DIRECT_NOTIFY, MODE_EVENT,
-                                   MODE_NULL, TAG_ABORT, error_body)
+                                   MODE_NULL, TAG_ABORT, TAG_SHARED, error_body)
 
 __all__ = ["DeviceOptions", "DeviceProcess"]
 
@@ -240,6 +241,8 @@ class _RingIO:
             out[:] = bytes(len(out))
             return
         try:
+            if tag == TAG_SHARED:
+                view = self._host_view(handle, view, len(out))
             self._check_transfer(handle, view, tag, len(out))
             out[:] = view
         finally:
@@ -281,13 +284,26 @@ class _RingIO:
         except RingInvalidatedError:
             self.disconnected = True
             return self._scratch(handle, nbytes)
-        if tag == TAG_ABORT or len(view) != nbytes:
+        if tag == TAG_SHARED:
+            try:
+                view = self._host_view(handle, view, nbytes)
+            except BaseException:
+                ring.release()
+                raise
+        elif tag == TAG_ABORT or len(view) != nbytes:
             try:
                 self._check_transfer(handle, view, tag, nbytes)
             finally:
                 ring.release()
-        self._held_in[handle] = ring
+        self._held_in[handle] = ring   # the slot (data or descriptor) until release_input
         return view
+
+    def _host_view(self, handle: str, descriptor: memoryview, nbytes: int) -> memoryview:
+        """The transfer a TAG_SHARED slot points to, in the host's shared memory."""
+        try:
+            return self._dev.host_memory.resolve(descriptor, nbytes)
+        except HostMemoryError as exc:
+            raise _RequestError(ErrorKind.PROTOCOL, f"input stream {handle!r}: {exc}") from None
 
     def release_input(self, handle: str) -> None:
         ring = self._held_in.pop(handle, None)
@@ -338,6 +354,7 @@ class DeviceProcess:
         self._known: set[str] = {opts.control, opts.events}
         self._pending: collections.deque[Message] = collections.deque()
         self._cache: collections.OrderedDict[str, _Loaded] = collections.OrderedDict()
+        self.host_memory = HostMemory()   # host arrays read in place (TAG_SHARED inputs)
         self._active: _Loaded | None = None
         self._stop_seq: int | None = None
         self._stop_soft = False   # STOP with value 1: end the running loop, stay runnable
@@ -684,6 +701,7 @@ class DeviceProcess:
             if self._active is loaded:
                 self._active = None
             loaded.close()
+        self.host_memory.sweep()
 
     def _describe(self) -> str:
         o = self.opts
@@ -724,6 +742,7 @@ class DeviceProcess:
         for loaded in self._cache.values():
             loaded.close()
         self._cache.clear()
+        self.host_memory.close()
         self._active = None
         self.events.set_peer(self.opts.host_pid)
         stale = self._known - {self.opts.control, self.opts.events}
@@ -739,6 +758,7 @@ class DeviceProcess:
         for loaded in self._cache.values():
             loaded.close()
         self._cache.clear()
+        self.host_memory.close()
         self._active = None
         self.control.close()
         self.events.close()

@@ -126,6 +126,14 @@ MODES = (MODE_EVENT, MODE_DIRECT, MODE_DIRECT_NOTIFY, MODE_NULL)
 
 TAG_DATA = 0
 TAG_ABORT = 1
+TAG_SHARED = 2
+"""An input transfer that is not in the slot: the slot holds a HOST_MEMORY
+descriptor of where it is in a shared-memory region of the host's (memory from
+``host_runtime.empty_shared``), and the IPU process reads it there."""
+
+HOST_MEMORY = struct.Struct("<qq")
+"""Descriptor of a TAG_SHARED transfer: offset and byte count, then the region's
+name (ASCII) in the rest of the slot."""
 
 CONTROL_SLOT_SIZE = 4096
 CONTROL_SLOTS = 16

@@ -10,7 +10,7 @@ import host_runtime
 EXPECTED = [
     "ModelRunner", "ModelRunnerConfig", "DataDesc", "InputDesc", "OutputDesc", "OutputFuture",
     "PopefPaths", "InputMemoryView", "OutputMemoryView", "OutputMemory", "TensorMemory",
-    "TensorMemoryView", "ConstTensorMemoryView",
+    "TensorMemoryView", "ConstTensorMemoryView", "empty_shared", "is_shared",
     "DeviceManager", "Device", "DeviceWaitConfig", "DeviceWaitStrategy", "DeviceConstraints",
     "Session", "SessionConfig", "LaunchPolicy", "CallbackInfo", "CallbackHandle",
     "CallbackFactory", "predicate_factory", "PopefDataUsagePolicy", "AnchorCallbackPolicy",

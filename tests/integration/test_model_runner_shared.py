@@ -1,0 +1,115 @@
+"""Inputs in host shared memory (``empty_shared``): the IPU process reads them in place."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import numpy as np
+import psutil
+import pytest
+
+import host_runtime as model_runtime
+from host_runtime.shared_memory import SHARED_MIN_BYTES
+from shm import naming
+
+SHAPE = (16, 256)     # 16 KiB per float32 tensor: above SHARED_MIN_BYTES
+
+pytestmark = pytest.mark.usefixtures("private_machine")
+
+
+@pytest.fixture(scope="module")
+def runner(model_path):
+    cfg = model_runtime.ModelRunnerConfig()
+    cfg.ring_buffer_size_multiplier = 4
+    r = model_runtime.ModelRunner(model_path, config=cfg)
+    yield r
+    r.close()
+
+
+def _mapped_by_an_ipu(name: str) -> bool:
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if "ipu_emulator" not in " ".join(proc.cmdline()):
+                continue
+            with open(f"/proc/{proc.pid}/maps") as f:
+                if name.lstrip("/") in f.read():
+                    return True
+        except (psutil.Error, OSError):
+            continue
+    return False
+
+
+def _region_of(arr: np.ndarray) -> str:
+    from host_runtime.shared_memory import shared_location
+
+    loc = shared_location(arr)
+    assert loc is not None
+    return loc[0]
+
+
+def test_shared_inputs_are_read_in_place_and_give_numpy_results(runner, weights):
+    assert SHAPE[0] * SHAPE[1] * 4 >= SHARED_MIN_BYTES
+    rng = np.random.default_rng(5)
+    a = model_runtime.empty_shared(SHAPE, np.float32)
+    b = model_runtime.empty_shared(SHAPE, np.float32)
+    assert model_runtime.is_shared(a) and a.flags.c_contiguous and a.shape == SHAPE
+    for k in range(3):
+        a[...] = rng.standard_normal(SHAPE)
+        b[...] = k
+        out = runner.execute({"tensor_A": a, "tensor_B": b})["tensor_C"]
+        np.testing.assert_allclose(out, a * weights + b, rtol=1e-6)
+    # the IPU process mapped the arrays' regions: it did not get copies
+    assert _mapped_by_an_ipu(_region_of(a)) and _mapped_by_an_ipu(_region_of(b))
+
+
+def test_many_shared_requests_in_flight(runner, weights):
+    ins = [(model_runtime.empty_shared(SHAPE), model_runtime.empty_shared(SHAPE))
+           for _ in range(6)]
+    for k, (a, b) in enumerate(ins):
+        a[...], b[...] = k, -k
+    outs = [np.empty(SHAPE, np.float32) for _ in ins]
+    futures = [runner.executeAsync({"tensor_A": a, "tensor_B": b}, {"tensor_C": o})
+               for (a, b), o in zip(ins, outs)]
+    for f in futures:
+        f.wait()
+    for (a, b), o in zip(ins, outs):
+        np.testing.assert_allclose(o, a * weights + b, rtol=1e-6)
+
+
+def test_mixed_and_ineligible_inputs_are_copied_as_usual(runner, weights):
+    big = model_runtime.empty_shared((SHAPE[0], 2 * SHAPE[1]))
+    big[...] = np.arange(big.size, dtype=np.float32).reshape(big.shape)
+    strided = big[:, ::2]                  # in shared memory, but not contiguous
+    assert not model_runtime.is_shared(strided)
+    b = np.full(SHAPE, 2.0, np.float32)     # private memory
+    out = runner.execute({"tensor_A": strided, "tensor_B": b})["tensor_C"]
+    np.testing.assert_allclose(out, strided * weights + b, rtol=1e-6)
+    rows = big.reshape(-1)[: SHAPE[0] * SHAPE[1]].reshape(SHAPE)   # a contiguous view
+    assert model_runtime.is_shared(rows)
+    out = runner.execute({"tensor_A": rows, "tensor_B": b})["tensor_C"]
+    np.testing.assert_allclose(out, rows * weights + b, rtol=1e-6)
+    assert not model_runtime.is_shared(rows * 2) and not model_runtime.is_shared([1.0])
+
+
+def test_region_is_freed_with_its_last_view():
+    a = model_runtime.empty_shared((1024,), np.int32)
+    name = _region_of(a)
+    path = os.path.join(naming.SHM_DIR, name.lstrip("/"))
+    view = a[10:20]
+    del a
+    gc.collect()
+    assert os.path.exists(path)        # a view still uses it
+    view[...] = 7
+    del view
+    gc.collect()
+    assert not os.path.exists(path)
+
+
+@pytest.mark.parametrize("shape,dtype,match", [
+    ((-1, 4), np.float32, r"shape must be non-negative, got \[-1, 4\]"),
+    ((4,), object, "dtype object holds Python objects"),
+])
+def test_bad_allocations_are_refused(shape, dtype, match):
+    with pytest.raises(ValueError, match=match):
+        model_runtime.empty_shared(shape, dtype)
