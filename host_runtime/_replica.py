@@ -51,7 +51,7 @@ from host_runtime._requests import Request
 from host_runtime.errors import DeviceLostError, InvalidStateError, ModelRuntimeError
 from host_runtime.monitoring import RequestMonitor
 from host_runtime.shared_memory import SHARED_MIN_BYTES, shared_location
-from ipu_emulator.protocol import HOST_MEMORY, TAG_SHARED
+from ipu_emulator.protocol import TAG_SHARED, host_memory_descriptor
 
 __all__ = ["Replica", "Transfer", "ReplicaSetup"]
 
@@ -356,6 +356,8 @@ class Replica(ReplicaTimers):
         # (and count down) the first before this loop writes the next.
         req.remaining += transfers
         inputs = req.inputs
+        # outputs in host shared memory: the IPU writes them there (sent with a shared input)
+        redirects = self._redirects(req, outputs[0]) if transfers == 1 else []
         for t in range(transfers):
             tr = Transfer([(req, t, 1, 0)], outputs[t])
             # Last-read first: the device wakes once, on the first stream Main reads.
@@ -376,12 +378,12 @@ class Replica(ReplicaTimers):
                 if transfers == 1 and src.flags.c_contiguous:
                     if nbytes >= SHARED_MIN_BYTES and (loc := shared_location(src)) is not None:
                         # in host shared memory: the IPU process reads it in place
-                        name_b = loc[0].encode("ascii")
-                        HOST_MEMORY.pack_into(view, 0, loc[1], nbytes)
-                        end = HOST_MEMORY.size + len(name_b)
-                        view[HOST_MEMORY.size:end] = name_b
-                        ring.publish(end, TAG_SHARED)
-                        continue
+                        desc = host_memory_descriptor(loc[0], loc[1], nbytes, redirects)
+                        if len(desc) <= nbytes:
+                            view[:len(desc)] = desc
+                            ring.publish(len(desc), TAG_SHARED)
+                            redirects = []   # sent once per transfer
+                            continue
                     view[:nbytes] = memoryview(src).cast("B")  # type: ignore[arg-type]
                 else:
                     slot = np.frombuffer(view, spec.dtype, spec.nbytes // spec.dtype.itemsize
@@ -397,6 +399,19 @@ class Replica(ReplicaTimers):
                 tr.published = True
                 self._inflight.append(tr)
                 self._notify()
+
+    @staticmethod
+    def _redirects(req: Request, outputs: tuple[TensorSpec, ...]
+                   ) -> list[tuple[str, str, int, int]]:
+        """(handle, region, offset, nbytes) of the outputs whose memory is host shared memory."""
+        found = []
+        for spec in outputs:
+            dest = req.dests.get(spec.name)
+            if dest is not None and dest.nbytes == spec.nbytes and spec.nbytes >= SHARED_MIN_BYTES:
+                loc = shared_location(dest)
+                if loc is not None:
+                    found.append((spec.handle, loc[0], loc[1], spec.nbytes))
+        return found
 
     # -- dynamic batching ------------------------------------------------------------
     def _open_partial(self) -> Transfer:
@@ -529,12 +544,13 @@ class Replica(ReplicaTimers):
             t0 = time.perf_counter_ns()
             if _SPIN_NS and not ring.readable():
                 self._spin(ring)
-            view, _tag = ring.acquire_read(timeout)
+            view, tag = ring.acquire_read(timeout)
             # each sample capped: an idle spell must not turn polling off for long
             self._wait_est_ns = (7 * self._wait_est_ns
                                  + min(time.perf_counter_ns() - t0, 4 * _SPIN_NS)) >> 3
             try:
-                self._copy_out(tr, spec, view, dynamic)
+                if tag != TAG_SHARED:    # else the IPU wrote it into the request's memory
+                    self._copy_out(tr, spec, view, dynamic)
             finally:
                 ring.release()
             tr.next_output += 1

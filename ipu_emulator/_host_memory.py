@@ -21,7 +21,7 @@ import os
 
 from shm import Region, ShmError, naming
 
-from ipu_emulator.protocol import HOST_MEMORY
+from ipu_emulator.protocol import HOST_MEMORY, HOST_OUTPUT
 
 __all__ = ["HostMemory", "HostMemoryError"]
 
@@ -29,6 +29,8 @@ _log = logging.getLogger(__name__)
 
 _MAX = 64
 """Most host regions kept mapped by one IPU process."""
+_MAX_RESOLVED = 1024
+"""Most descriptors remembered (the cache is emptied when full)."""
 
 
 class HostMemoryError(Exception):
@@ -40,23 +42,64 @@ class HostMemory:
 
     def __init__(self) -> None:
         self._regions: collections.OrderedDict[str, Region] = collections.OrderedDict()
+        # descriptor bytes -> the view it resolved to: a host sends the same few arrays
+        # again and again (one look-up instead of ~2 us of parsing and slicing)
+        self._resolved: dict[bytes, memoryview] = {}
 
-    def resolve(self, descriptor: memoryview, nbytes: int) -> memoryview:
-        """The ``nbytes`` of host memory that ``descriptor`` (a slot's payload) points to."""
-        if len(descriptor) <= HOST_MEMORY.size:
-            raise HostMemoryError(f"a shared-memory descriptor of {len(descriptor)} bytes is "
-                                  f"too short (at least {HOST_MEMORY.size + 1} expected)")
-        offset, size = HOST_MEMORY.unpack_from(descriptor)
-        name = bytes(descriptor[HOST_MEMORY.size:]).decode("ascii", "replace")
+    def resolve(self, descriptor: memoryview, nbytes: int
+                ) -> tuple[memoryview, tuple[tuple[str, memoryview], ...]]:
+        """What ``descriptor`` (a slot's payload) points to: the ``nbytes`` of input and
+        the (output handle, view) of each output to write into host memory."""
+        key = descriptor.tobytes()
+        got = self._resolved.get(key)
+        if got is not None and len(got[0]) == nbytes:
+            return got
+        got = self._resolve(key, nbytes)
+        if len(self._resolved) >= _MAX_RESOLVED:
+            self._resolved.clear()
+        self._resolved[key] = got
+        return got
+
+    def _resolve(self, raw: bytes, nbytes: int
+                 ) -> tuple[memoryview, tuple[tuple[str, memoryview], ...]]:
+        if len(raw) < HOST_MEMORY.size:
+            raise HostMemoryError(f"a shared-memory descriptor of {len(raw)} bytes is "
+                                  f"too short (at least {HOST_MEMORY.size} expected)")
+        offset, size, name_len, n_out = HOST_MEMORY.unpack_from(raw)
+        pos = HOST_MEMORY.size
+        if name_len < 0 or pos + name_len > len(raw) or n_out < 0:
+            raise HostMemoryError(f"a shared-memory descriptor of {len(raw)} bytes is "
+                                  f"inconsistent (name of {name_len} bytes, {n_out} outputs)")
+        name = raw[pos:pos + name_len].decode("ascii", "replace")
+        pos += name_len
         if size != nbytes:
             raise HostMemoryError(f"host memory {name}: the host sent {size} bytes, one "
                                   f"transfer is {nbytes} bytes")
+        view = self._view(name, offset, size)
+        outputs = []
+        for _ in range(n_out):
+            if pos + HOST_OUTPUT.size > len(raw):
+                raise HostMemoryError("a shared-memory descriptor ends inside its outputs")
+            o_off, o_size, r_len, h_len = HOST_OUTPUT.unpack_from(raw, pos)
+            pos += HOST_OUTPUT.size
+            if r_len < 0 or h_len < 0 or pos + r_len + h_len > len(raw):
+                raise HostMemoryError("a shared-memory descriptor ends inside its outputs")
+            region = raw[pos:pos + r_len].decode("ascii", "replace")
+            handle = raw[pos + r_len:pos + r_len + h_len].decode("utf-8", "replace")
+            pos += r_len + h_len
+            outputs.append((handle, self._view(region, o_off, o_size)))
+        if pos != len(raw):
+            raise HostMemoryError(f"a shared-memory descriptor of {len(raw)} bytes has "
+                                  f"{len(raw) - pos} bytes after its end")
+        return view, tuple(outputs)
+
+    def _view(self, name: str, offset: int, size: int) -> memoryview:
         region = self._regions.get(name)
         if region is None:
             region = self._attach(name)
         else:
             self._regions.move_to_end(name)
-        if offset < 0 or offset + size > region.size:
+        if offset < 0 or size < 0 or offset + size > region.size:
             raise HostMemoryError(f"host memory {name}: bytes {offset}..{offset + size} are "
                                   f"outside the region of {region.size} bytes")
         return region.buf[offset:offset + size]
@@ -66,6 +109,7 @@ class HostMemory:
         if parsed is None or parsed.kind != "hostmem":
             raise HostMemoryError(f"{name!r} does not name host memory of this emulator")
         self.sweep()
+        self._resolved.clear()   # views of regions that may be evicted below
         try:
             region = Region.attach(name)
         except ShmError as exc:
@@ -81,10 +125,12 @@ class HostMemory:
         """Unmap the regions whose names the host has unlinked."""
         for name in [n for n in self._regions
                      if not os.path.exists(os.path.join(naming.SHM_DIR, n.lstrip("/")))]:
+            self._resolved.clear()
             self._regions.pop(name).close()
             _log.debug("unmapped host memory %s (freed by the host)", name)
 
     def close(self) -> None:
+        self._resolved.clear()
         for region in self._regions.values():
             region.close()
         self._regions.clear()

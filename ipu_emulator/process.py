@@ -159,6 +159,8 @@ class _RingIO:
         self._held_in: dict[str, Ring] = {}        # zero-copy inputs acquired, not released
         self._lent_out: dict[str, _Stream] = {}    # zero-copy outputs acquired, not published
         self._scratch_bufs: dict[str, bytearray] = {}
+        self._redirect: dict[str, memoryview] = {}   # output handle -> host memory (this iteration)
+        self._lent_host: set[str] = set()             # outputs lent as host memory, not published
 
     def _stream(self, handle: str) -> _Stream:
         try:
@@ -254,6 +256,12 @@ class _RingIO:
         if s.mode == MODE_NULL or ring is None:
             return
         data = memoryview(src).cast("B")
+        if self._redirect:
+            host = self._redirected(handle, len(data))
+            if host is not None:
+                host[:] = data
+                self._publish_redirected(s)
+                return
         dev = self._dev
         try:
             view = dev.wait_on(ring.acquire_write)
@@ -299,11 +307,46 @@ class _RingIO:
         return view
 
     def _host_view(self, handle: str, descriptor: memoryview, nbytes: int) -> memoryview:
-        """The transfer a TAG_SHARED slot points to, in the host's shared memory."""
+        """The transfer a TAG_SHARED slot points to, in the host's shared memory.
+
+        Outputs the descriptor redirects are written into host memory by this
+        Main iteration (see acquire_output and write_output).
+        """
         try:
-            return self._dev.host_memory.resolve(descriptor, nbytes)
+            view, outputs = self._dev.host_memory.resolve(descriptor, nbytes)
         except HostMemoryError as exc:
             raise _RequestError(ErrorKind.PROTOCOL, f"input stream {handle!r}: {exc}") from None
+        for out_handle, out_view in outputs:
+            self._redirect[out_handle] = out_view
+        return view
+
+    def has_redirects(self) -> bool:
+        return bool(self._redirect or self._lent_host)
+
+    def forget_redirects(self) -> None:
+        self._redirect.clear()
+        self._lent_host.clear()
+
+    def _redirected(self, handle: str, nbytes: int) -> memoryview | None:
+        """The host memory this iteration's output ``handle`` goes to, if redirected."""
+        view = self._redirect.pop(handle, None)
+        if view is not None and len(view) != nbytes:
+            raise _RequestError(ErrorKind.PROTOCOL, f"output stream {handle!r}: the host "
+                                f"gave {len(view)} bytes of memory, one transfer is {nbytes}")
+        return view
+
+    def _publish_redirected(self, s: _Stream) -> None:
+        """Tell the host that output ``s`` of this iteration is in its memory."""
+        ring = s.ring
+        assert ring is not None
+        try:
+            self._dev.wait_on(ring.acquire_write)
+        except RingInvalidatedError:
+            self.disconnected = True
+            return
+        ring.publish(0, TAG_SHARED)
+        if s.mode == MODE_EVENT:
+            self._dev.post(Message(Op.OUT, index=s.index))
 
     def release_input(self, handle: str) -> None:
         ring = self._held_in.pop(handle, None)
@@ -315,6 +358,12 @@ class _RingIO:
         ring = s.ring
         if s.mode == MODE_NULL or ring is None:
             return self._scratch(handle, nbytes)
+        if self._redirect:
+            host = self._redirected(handle, nbytes)
+            if host is not None:
+                self._lent_out[handle] = s
+                self._lent_host.add(handle)
+                return host
         try:
             if ring.writable():
                 try:
@@ -332,6 +381,10 @@ class _RingIO:
     def publish_output(self, handle: str) -> None:
         s = self._lent_out.pop(handle, None)
         if s is None or s.ring is None:   # null or disconnected: the transfer is dropped
+            return
+        if self._lent_host and handle in self._lent_host:
+            self._lent_host.discard(handle)
+            self._publish_redirected(s)
             return
         s.ring.publish(s.nbytes)
         if s.mode == MODE_EVENT:
@@ -684,7 +737,11 @@ class DeviceProcess:
 
     def _run_one(self, loaded: _Loaded, index: int, io: _RingIO) -> None:
         try:
-            loaded.interp.run_program(index, io)
+            try:
+                loaded.interp.run_program(index, io)
+            finally:
+                if io.has_redirects():   # left by a failed iteration: must not steer the next
+                    io.forget_redirects()
         except (_Stopped, _Shutdown, _HostGone, PeerDiedError, _RequestError):
             raise
         except Exception as exc:

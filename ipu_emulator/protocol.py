@@ -131,9 +131,29 @@ TAG_SHARED = 2
 descriptor of where it is in a shared-memory region of the host's (memory from
 ``host_runtime.empty_shared``), and the IPU process reads it there."""
 
-HOST_MEMORY = struct.Struct("<qq")
-"""Descriptor of a TAG_SHARED transfer: offset and byte count, then the region's
-name (ASCII) in the rest of the slot."""
+HOST_MEMORY = struct.Struct("<qqqq")
+"""Descriptor of a TAG_SHARED input transfer: offset, byte count, length of the
+region's name, number of output redirections; then the name (ASCII), then each
+redirection: a HOST_OUTPUT, the region's name and the output stream's handle.
+
+A redirection asks the IPU process to write that output of the same Main
+iteration straight into the host's shared memory; it then publishes an empty
+slot tagged TAG_SHARED on the output's ring, to say the data is there."""
+
+HOST_OUTPUT = struct.Struct("<qqqq")
+"""offset, byte count, length of the region's name, length of the handle."""
+
+
+def host_memory_descriptor(region: str, offset: int, nbytes: int,
+                           outputs: list[tuple[str, str, int, int]] = []) -> bytes:  # noqa: B006
+    """A TAG_SHARED descriptor; ``outputs``: (handle, region, offset, nbytes) of each
+    output to redirect."""
+    name = region.encode("ascii")
+    parts = [HOST_MEMORY.pack(offset, nbytes, len(name), len(outputs)), name]
+    for handle, out_region, out_offset, out_nbytes in outputs:
+        r, h = out_region.encode("ascii"), handle.encode("utf-8")
+        parts += [HOST_OUTPUT.pack(out_offset, out_nbytes, len(r), len(h)), r, h]
+    return b"".join(parts)
 
 CONTROL_SLOT_SIZE = 4096
 CONTROL_SLOTS = 16

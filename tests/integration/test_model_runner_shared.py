@@ -77,6 +77,28 @@ def test_many_shared_requests_in_flight(runner, weights):
         np.testing.assert_allclose(o, a * weights + b, rtol=1e-6)
 
 
+def test_shared_outputs_are_written_in_place_by_the_ipu(runner, weights):
+    a, b = model_runtime.empty_shared(SHAPE), model_runtime.empty_shared(SHAPE)
+    outs = [model_runtime.empty_shared(SHAPE) for _ in range(3)]
+    private = np.zeros(SHAPE, np.float32)
+    for k, out in enumerate(outs):
+        a[...], b[...] = k + 1, 0.5
+        out[...] = np.nan
+        runner.execute({"tensor_A": a, "tensor_B": b}, {"tensor_C": out})
+        np.testing.assert_allclose(out, a * weights + b, rtol=1e-6)
+    assert all(_mapped_by_an_ipu(_region_of(o)) for o in outs)
+    # private output memory beside shared inputs: copied back as usual
+    runner.execute({"tensor_A": a, "tensor_B": b}, {"tensor_C": private})
+    np.testing.assert_allclose(private, a * weights + b, rtol=1e-6)
+    # a shared output with private inputs: nothing carries the redirection, copied back
+    out = outs[0]
+    out[...] = np.nan
+    runner.execute({"tensor_A": np.array(a), "tensor_B": np.array(b)}, {"tensor_C": out})
+    np.testing.assert_allclose(out, a * weights + b, rtol=1e-6)
+    fut = runner.executeAsync({"tensor_A": a, "tensor_B": b}, {"tensor_C": outs[1]})
+    assert np.shares_memory(np.array(fut["tensor_C"], copy=False), outs[1])
+
+
 def test_mixed_and_ineligible_inputs_are_copied_as_usual(runner, weights):
     big = model_runtime.empty_shared((SHAPE[0], 2 * SHAPE[1]))
     big[...] = np.arange(big.size, dtype=np.float32).reshape(big.shape)

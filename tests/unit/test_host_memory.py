@@ -9,15 +9,12 @@ import pytest
 
 from host_runtime.shared_memory import empty_shared, shared_location
 from ipu_emulator._host_memory import HostMemory, HostMemoryError
-from ipu_emulator.protocol import HOST_MEMORY
+from ipu_emulator.protocol import HOST_MEMORY, host_memory_descriptor
 from shm import naming
 
 
-def _descriptor(name: str, offset: int, nbytes: int) -> memoryview:
-    raw = bytearray(HOST_MEMORY.size + len(name))
-    HOST_MEMORY.pack_into(raw, 0, offset, nbytes)
-    raw[HOST_MEMORY.size:] = name.encode("ascii")
-    return memoryview(raw)
+def _descriptor(name: str, offset: int, nbytes: int, outputs=()) -> memoryview:
+    return memoryview(host_memory_descriptor(name, offset, nbytes, list(outputs)))
 
 
 def test_resolves_to_the_hosts_bytes_and_sweeps_freed_regions():
@@ -26,7 +23,8 @@ def test_resolves_to_the_hosts_bytes_and_sweeps_freed_regions():
     name, offset = shared_location(arr[2:])
     mem = HostMemory()
     try:
-        view = mem.resolve(_descriptor(name, offset, 6 * 8 * 4), 6 * 8 * 4)
+        view, outputs = mem.resolve(_descriptor(name, offset, 6 * 8 * 4), 6 * 8 * 4)
+        assert outputs == ()
         np.testing.assert_array_equal(np.frombuffer(view, np.float32), arr[2:].reshape(-1))
         arr[3, 0] = -1.0                     # the same memory, not a copy
         assert np.frombuffer(view, np.float32)[8] == -1.0
@@ -51,9 +49,31 @@ def test_bad_descriptors_say_what_is_wrong():
         with pytest.raises(HostMemoryError, match="does not name host memory of this emulator"):
             mem.resolve(_descriptor("/etc_passwd", 0, 16), 16)
         with pytest.raises(HostMemoryError, match="too short"):
-            mem.resolve(memoryview(b"\0" * HOST_MEMORY.size), 16)
+            mem.resolve(memoryview(b"\0" * (HOST_MEMORY.size - 1)), 16)
+        with pytest.raises(HostMemoryError, match="ends inside its outputs"):
+            mem.resolve(memoryview(_truncated(name)), 16)
         gone = naming.new_name("hostmem")      # well-formed, never created
         with pytest.raises(HostMemoryError, match=f"host memory {gone} is gone"):
             mem.resolve(_descriptor(gone, 0, 16), 16)
+    finally:
+        mem.close()
+
+
+def _truncated(name: str) -> bytes:
+    """A descriptor announcing one output redirection and stopping before it."""
+    return host_memory_descriptor(name, 0, 16, [("out", name, 0, 16)])[:-20]
+
+
+def test_output_redirections_resolve_to_host_memory():
+    src, dst = empty_shared((4,), np.float32), empty_shared((2, 4), np.float32)
+    (s_name, s_off), (d_name, d_off) = shared_location(src), shared_location(dst[1])
+    mem = HostMemory()
+    try:
+        view, outputs = mem.resolve(_descriptor(s_name, s_off, 16, [("C", d_name, d_off, 16)]), 16)
+        assert [h for h, _ in outputs] == ["C"]
+        np.frombuffer(outputs[0][1], np.float32)[:] = [1, 2, 3, 4]
+        np.testing.assert_array_equal(dst[1], [1, 2, 3, 4])
+        with pytest.raises(HostMemoryError, match="has 3 bytes after its end"):
+            mem.resolve(memoryview(_descriptor(s_name, s_off, 16).tobytes() + b"xyz"), 16)
     finally:
         mem.close()
