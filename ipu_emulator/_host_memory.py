@@ -33,6 +33,10 @@ _MAX_RESOLVED = 1024
 """Most descriptors remembered (the cache is emptied when full)."""
 
 
+_Resolved = tuple[memoryview, tuple[tuple[str, memoryview], ...]]
+"""An input's host memory, and (output handle, host memory) of each redirected output."""
+
+
 class HostMemoryError(Exception):
     """A TAG_SHARED descriptor that cannot be resolved (the message says why)."""
 
@@ -44,10 +48,9 @@ class HostMemory:
         self._regions: collections.OrderedDict[str, Region] = collections.OrderedDict()
         # descriptor bytes -> the view it resolved to: a host sends the same few arrays
         # again and again (one look-up instead of ~2 us of parsing and slicing)
-        self._resolved: dict[bytes, memoryview] = {}
+        self._resolved: dict[bytes, _Resolved] = {}
 
-    def resolve(self, descriptor: memoryview, nbytes: int
-                ) -> tuple[memoryview, tuple[tuple[str, memoryview], ...]]:
+    def resolve(self, descriptor: memoryview, nbytes: int) -> _Resolved:
         """What ``descriptor`` (a slot's payload) points to: the ``nbytes`` of input and
         the (output handle, view) of each output to write into host memory."""
         key = descriptor.tobytes()
@@ -60,8 +63,7 @@ class HostMemory:
         self._resolved[key] = got
         return got
 
-    def _resolve(self, raw: bytes, nbytes: int
-                 ) -> tuple[memoryview, tuple[tuple[str, memoryview], ...]]:
+    def _resolve(self, raw: bytes, nbytes: int) -> _Resolved:
         if len(raw) < HOST_MEMORY.size:
             raise HostMemoryError(f"a shared-memory descriptor of {len(raw)} bytes is "
                                   f"too short (at least {HOST_MEMORY.size} expected)")
