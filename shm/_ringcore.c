@@ -7,14 +7,19 @@
  * to the same pages as posix_ipc's handle), so a process using this module
  * and a process using the pure-Python path interoperate on one ring.
  *
- * Each method does the common case completely, or nothing that the Python
- * path could not finish, and says which by its return value:
+ * A Core's methods have the signatures of the Ring methods of the same names
+ * and are installed on the Ring instance, so a call costs one C call. Each
+ * does the common case completely, or hands over to the Python path by
+ * calling ring._c_<method>(code, first, *arguments) at a point it can finish
+ * from, said by `code`:
  *
  *   GENERAL  (-1)  nothing was done: run the Python path from the start
- *                  (held slot, invalid ring, bad argument, unusual state);
+ *                  (role not taken yet, held slot, invalid or closed ring,
+ *                  bad argument, unusual state);
  *   NO_TOKEN (-2)  nothing was done but a wait of `first` seconds for the
  *                  semaphore came back empty: Python goes on waiting
- *                  (Ring._wait_slow) and then finishes the operation;
+ *                  (Ring._wait_slow) and then finishes the operation (the
+ *                  try_ variants raise WouldBlock);
  *   TOKEN    (-3)  the semaphore token was taken but the rest needs Python
  *                  (invalidated meanwhile, or a slot header to report):
  *                  Python finishes the operation after its wait.
@@ -29,6 +34,8 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
 #include <semaphore.h>
 #include <stdint.h>
 #include <string.h>
@@ -48,6 +55,8 @@
 #define HEADER_SIZE 256
 #define SLOT_HEADER_SIZE 64
 
+#include <structmember.h>
+
 /* Copies at least this big run without the GIL. */
 #define NOGIL_COPY 65536
 
@@ -65,7 +74,12 @@ typedef struct {
     int64_t spin_max_ns;
     int64_t spin_min_ns;
     int64_t spin_ns;
+    double wait_slice;
+    int producer; /* this process has taken the role (set by the Python path) */
+    int consumer;
+    int closed;   /* Ring.close() was called: everything goes to the Python path */
     PyObject *payload; /* list of per-slot payload memoryviews */
+    PyObject *ring;    /* weak reference to the Ring (for the fallbacks) */
 } Core;
 
 static int64_t
@@ -110,6 +124,141 @@ spin(Core *c, sem_t *sem)
     c->spin_ns = budget / 2 > c->spin_min_ns ? budget / 2 : c->spin_min_ns;
 }
 
+/* -- untimed waits and their watchdog ------------------------------------
+ *
+ * A timed futex wait arms and cancels a kernel timer: about 0.25 us on each
+ * side of a round trip (measured here: a bare semaphore ping-pong takes 2.3 us
+ * with sem_wait, 2.8 us with sem_timedwait). So a wait of a whole slice
+ * (WAIT_SLICE: timeout None or >= the slice) blocks in an untimed sem_wait,
+ * and a watchdog thread (plain C, no GIL) interrupts it with WAKE_SIGNAL (a
+ * handler that does nothing, installed without SA_RESTART, so sem_wait returns
+ * EINTR) when its slice is over; the waiter then returns NO_TOKEN and the
+ * Python path re-checks close, invalidation, the peer and the deadline, as
+ * after a timed slice. A signal that lands just before the thread enters
+ * sem_wait is lost: the watchdog signals again every slice until the waiter
+ * leaves. The watchdog sleeps while nobody waits (after one quiet slice).
+ */
+
+#define MAX_WAITERS 256
+
+typedef struct {
+    pthread_t tid;
+    int64_t kick_ns; /* next signal, CLOCK_MONOTONIC */
+    int used;
+} Waiter;
+
+static Waiter waiters[MAX_WAITERS];
+static pthread_mutex_t wlock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t wcond;
+static int watchdog_state; /* 0 not started, 1 running, 2 idle in an untimed wait */
+static uint64_t registrations;
+static int wake_signal;
+
+static void
+on_wake(int sig)
+{
+    (void)sig;
+}
+
+static void *
+watchdog(void *arg)
+{
+    (void)arg;
+    uint64_t seen = 0;
+    pthread_mutex_lock(&wlock);
+    for (;;) {
+        int64_t now = now_ns(), next = INT64_MAX;
+        int n = 0;
+        for (int i = 0; i < MAX_WAITERS; i++) {
+            if (!waiters[i].used)
+                continue;
+            n++;
+            if (waiters[i].kick_ns <= now) {
+                pthread_kill(waiters[i].tid, wake_signal);
+                waiters[i].kick_ns = now + 1000000; /* again in 1 ms if still there */
+            }
+            if (waiters[i].kick_ns < next)
+                next = waiters[i].kick_ns;
+        }
+        if (n == 0 && registrations == seen) {
+            watchdog_state = 2;
+            pthread_cond_wait(&wcond, &wlock);
+            watchdog_state = 1;
+            continue;
+        }
+        seen = registrations;
+        if (next == INT64_MAX)
+            next = now + 50000000; /* linger one slice before going idle */
+        struct timespec ts = {next / 1000000000, next % 1000000000};
+        pthread_cond_timedwait(&wcond, &wlock, &ts);
+    }
+    return NULL;
+}
+
+/* Register this thread for a signal at `kick_ns`; its index, or -1 (use a timed wait). */
+static int
+register_waiter(int64_t kick_ns)
+{
+    int idx = -1;
+    pthread_mutex_lock(&wlock);
+    if (watchdog_state == 0) {
+        pthread_t t;
+        pthread_attr_t attr;
+        sigset_t all, old;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        sigfillset(&all);
+        pthread_sigmask(SIG_BLOCK, &all, &old); /* the watchdog takes no signal */
+        if (pthread_create(&t, &attr, watchdog, NULL) == 0)
+            watchdog_state = 1;
+        pthread_sigmask(SIG_SETMASK, &old, NULL);
+        pthread_attr_destroy(&attr);
+        if (watchdog_state == 0) {
+            pthread_mutex_unlock(&wlock);
+            return -1;
+        }
+    }
+    for (int i = 0; i < MAX_WAITERS; i++) {
+        if (!waiters[i].used) {
+            waiters[i].tid = pthread_self();
+            waiters[i].kick_ns = kick_ns;
+            waiters[i].used = 1;
+            idx = i;
+            break;
+        }
+    }
+    registrations++;
+    if (idx >= 0 && watchdog_state == 2)
+        pthread_cond_signal(&wcond);
+    pthread_mutex_unlock(&wlock);
+    return idx;
+}
+
+static void
+unregister_waiter(int idx)
+{
+    pthread_mutex_lock(&wlock);
+    waiters[idx].used = 0;
+    pthread_mutex_unlock(&wlock);
+}
+
+static int
+setup_waits(void)
+{
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&wcond, &ca);
+    pthread_condattr_destroy(&ca);
+    wake_signal = SIGRTMIN + 6;
+    struct sigaction sa;
+    memset(&sa, 0, sizeof(sa));
+    sa.sa_handler = on_wake;
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = 0; /* no SA_RESTART: sem_wait returns EINTR */
+    return sigaction(wake_signal, &sa, NULL);
+}
+
 /* Take one token of `sem`, waiting up to `first` seconds (<= 0: do not block).
  * Returns 0 (taken), NO_TOKEN, or FAILED (a signal handler raised). */
 static int
@@ -126,28 +275,39 @@ take(Core *c, sem_t *sem, double first)
     if (first <= 0)
         return NO_TOKEN;
     int64_t deadline = now_ns() + (int64_t)(first * 1e9);
+    int untimed = first >= c->wait_slice;
     for (;;) {
         struct timespec ts;
-        int r, err;
+        int r, err, idx = -1;
+        if (untimed)
+            idx = register_waiter(deadline);
+        if (idx >= 0) {
+            Py_BEGIN_ALLOW_THREADS
+            r = sem_wait(sem);
+            err = errno;
+            Py_END_ALLOW_THREADS
+            unregister_waiter(idx);
+        } else {
 #if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 30))
-        ts.tv_sec = deadline / 1000000000;
-        ts.tv_nsec = deadline % 1000000000;
-        Py_BEGIN_ALLOW_THREADS
-        r = sem_clockwait(sem, CLOCK_MONOTONIC, &ts);
-        err = errno;
-        Py_END_ALLOW_THREADS
+            ts.tv_sec = deadline / 1000000000;
+            ts.tv_nsec = deadline % 1000000000;
+            Py_BEGIN_ALLOW_THREADS
+            r = sem_clockwait(sem, CLOCK_MONOTONIC, &ts);
+            err = errno;
+            Py_END_ALLOW_THREADS
 #else
-        struct timespec rt;
-        clock_gettime(CLOCK_REALTIME, &rt);
-        int64_t left = deadline - now_ns();
-        int64_t abs_ns = (int64_t)rt.tv_sec * 1000000000 + rt.tv_nsec + (left > 0 ? left : 0);
-        ts.tv_sec = abs_ns / 1000000000;
-        ts.tv_nsec = abs_ns % 1000000000;
-        Py_BEGIN_ALLOW_THREADS
-        r = sem_timedwait(sem, &ts);
-        err = errno;
-        Py_END_ALLOW_THREADS
+            struct timespec rt;
+            clock_gettime(CLOCK_REALTIME, &rt);
+            int64_t left = deadline - now_ns();
+            int64_t abs_ns = (int64_t)rt.tv_sec * 1000000000 + rt.tv_nsec + (left > 0 ? left : 0);
+            ts.tv_sec = abs_ns / 1000000000;
+            ts.tv_nsec = abs_ns % 1000000000;
+            Py_BEGIN_ALLOW_THREADS
+            r = sem_timedwait(sem, &ts);
+            err = errno;
+            Py_END_ALLOW_THREADS
 #endif
+        }
         if (r == 0)
             return 0;
         if (err == EINTR) {
@@ -172,47 +332,162 @@ copy_in(char *dst, const void *src, Py_ssize_t n)
     }
 }
 
+/* -- arguments and fallbacks ------------------------------------------- */
+
+/* Parse up to `n` arguments given by position or by name (FASTCALL|KEYWORDS);
+ * out[i] stays NULL for an argument not given. */
 static int
-parse_first(PyObject *arg, double *first)
+parse_args(const char *fn, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+           const char *const *names, int n, int required, PyObject **out)
 {
-    *first = PyFloat_AsDouble(arg);
-    return (*first == -1.0 && PyErr_Occurred()) ? -1 : 0;
+    for (int i = 0; i < n; i++)
+        out[i] = NULL;
+    if (nargs > n) {
+        PyErr_Format(PyExc_TypeError, "%s() takes at most %d arguments (%zd given)", fn, n,
+                     nargs);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < nargs; i++)
+        out[i] = args[i];
+    if (kwnames != NULL) {
+        Py_ssize_t nk = PyTuple_GET_SIZE(kwnames);
+        for (Py_ssize_t k = 0; k < nk; k++) {
+            const char *key = PyUnicode_AsUTF8(PyTuple_GET_ITEM(kwnames, k));
+            int found = -1;
+            if (key == NULL)
+                return -1;
+            for (int i = 0; i < n; i++)
+                if (strcmp(key, names[i]) == 0)
+                    found = i;
+            if (found < 0 || out[found] != NULL) {
+                PyErr_Format(PyExc_TypeError, "%s() got %s keyword argument '%s'", fn,
+                             found < 0 ? "an unexpected" : "a repeated", key);
+                return -1;
+            }
+            out[found] = args[nargs + k];
+        }
+    }
+    for (int i = 0; i < required; i++)
+        if (out[i] == NULL) {
+            PyErr_Format(PyExc_TypeError, "%s() missing required argument '%s'", fn, names[i]);
+            return -1;
+        }
+    return 0;
 }
 
-/* -- methods ------------------------------------------------------------ */
-
-/* write(data, tag, first) -> 0 | GENERAL | NO_TOKEN | TOKEN */
-static PyObject *
-Core_write(Core *c, PyObject *const *args, Py_ssize_t nargs)
+/* The first wait of a call with `timeout` (None: wait forever), as in Ring._wait. */
+static int
+first_wait(Core *c, PyObject *timeout, double *first)
 {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "write(data, tag, first)");
+    if (timeout == NULL || timeout == Py_None) {
+        *first = c->wait_slice;
+        return 0;
+    }
+    double t = PyFloat_AsDouble(timeout);
+    if (t == -1.0 && PyErr_Occurred())
+        return -1;
+    *first = t >= c->wait_slice ? c->wait_slice : (t > 0 ? t : 0);
+    return 0;
+}
+
+/* Hand over to the Python path: ring._c_<op>(code, first, *args). */
+static PyObject *
+fallback(Core *c, PyObject *method, int code, double first, PyObject **args, int n)
+{
+    PyObject *ring = PyWeakref_GetObject(c->ring);
+    if (ring == NULL)
+        return NULL;
+    if (ring == Py_None) {
+        PyErr_SetString(PyExc_RuntimeError, "shm._ringcore: the Ring is gone");
         return NULL;
     }
-    volatile int64_t *w = c->w;
-    if (w[W_INVALID] || w[W_HELD])
-        return PyLong_FromLong(GENERAL);
-    int64_t tag = PyLong_AsLongLong(args[1]);
-    double first;
-    if ((tag == -1 && PyErr_Occurred()) || parse_first(args[2], &first) < 0)
+    PyObject *argv[8];
+    argv[0] = ring;
+    argv[1] = PyLong_FromLong(code);
+    argv[2] = PyFloat_FromDouble(first);
+    if (argv[1] == NULL || argv[2] == NULL) {
+        Py_XDECREF(argv[1]);
+        Py_XDECREF(argv[2]);
         return NULL;
-    Py_buffer b;
-    if (PyObject_GetBuffer(args[0], &b, PyBUF_SIMPLE) < 0) {
+    }
+    for (int i = 0; i < n; i++)
+        argv[3 + i] = args[i] != NULL ? args[i] : Py_None;
+    Py_INCREF(ring);
+    PyObject *r = PyObject_VectorcallMethod(method, argv, (size_t)(3 + n), NULL);
+    Py_DECREF(ring);
+    Py_DECREF(argv[1]);
+    Py_DECREF(argv[2]);
+    return r;
+}
+
+static PyObject *s_write, *s_acquire_write, *s_try_acquire_write, *s_publish, *s_acquire_read,
+    *s_try_acquire_read, *s_release, *s_read, *s_readable, *s_writable;
+
+/* payload[i][:stop] */
+static PyObject *
+slot_view(Core *c, int64_t i, int64_t stop)
+{
+    PyObject *n = PyLong_FromLongLong(stop);
+    if (n == NULL)
+        return NULL;
+    PyObject *sl = PySlice_New(NULL, n, NULL);
+    Py_DECREF(n);
+    if (sl == NULL)
+        return NULL;
+    PyObject *view = PyObject_GetItem(PyList_GET_ITEM(c->payload, i), sl);
+    Py_DECREF(sl);
+    return view;
+}
+
+/* -- producer ------------------------------------------------------------ */
+
+static const char *const write_names[] = {"data", "tag", "timeout"};
+
+/* write(data, tag=0, timeout=None) */
+static PyObject *
+Core_write(Core *c, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    PyObject *a[3];
+    double first = 0;
+    int code = GENERAL;
+    if (parse_args("write", args, nargs, kwnames, write_names, 3, 1, a) < 0)
+        return NULL;
+    volatile int64_t *w = c->w;
+    if (c->closed || !c->producer || w[W_INVALID] || w[W_HELD])
+        goto slow;
+    int64_t tag = 0;
+    if (a[1] != NULL) {
+        tag = PyLong_AsLongLong(a[1]);
+        if (tag == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            goto slow;
+        }
+    }
+    if (first_wait(c, a[2], &first) < 0) {
         PyErr_Clear();
-        return PyLong_FromLong(GENERAL);
+        goto slow;
+    }
+    Py_buffer b;
+    if (PyObject_GetBuffer(a[0], &b, PyBUF_SIMPLE) < 0) {
+        PyErr_Clear();
+        goto slow;
     }
     if (b.len > c->slot_size) {
         PyBuffer_Release(&b);
-        return PyLong_FromLong(GENERAL);
+        goto slow;
     }
     int r = take(c, c->free_sem, first);
     if (r != 0) {
         PyBuffer_Release(&b);
-        return r == FAILED ? NULL : PyLong_FromLong(r);
+        if (r == FAILED)
+            return NULL;
+        code = r;
+        goto slow;
     }
     if (w[W_INVALID]) {
         PyBuffer_Release(&b);
-        return PyLong_FromLong(TOKEN);
+        code = TOKEN;
+        goto slow;
     }
     int64_t k = w[W_PUBLISHED];
     int64_t i = k % c->num_slots;
@@ -224,45 +499,78 @@ Core_write(Core *c, PyObject *const *args, Py_ssize_t nargs)
     PyBuffer_Release(&b);
     w[W_PUBLISHED] = k + 1;
     sem_post(c->full_sem);
-    return PyLong_FromLong(0);
+    Py_RETURN_NONE;
+slow:
+    return fallback(c, s_write, code, first, a, 3);
 }
 
-/* acquire_write(first) -> slot index | GENERAL | NO_TOKEN | TOKEN */
+static const char *const timeout_names[] = {"timeout"};
+
 static PyObject *
-Core_acquire_write(Core *c, PyObject *arg)
+acquire_write(Core *c, PyObject *timeout, int blocking)
 {
+    double first = 0;
+    int code = GENERAL;
     volatile int64_t *w = c->w;
-    if (w[W_INVALID] || w[W_HELD])
-        return PyLong_FromLong(GENERAL);
-    double first;
-    if (parse_first(arg, &first) < 0)
-        return NULL;
-    int r = take(c, c->free_sem, first);
-    if (r != 0)
-        return r == FAILED ? NULL : PyLong_FromLong(r);
-    if (w[W_INVALID])
-        return PyLong_FromLong(TOKEN);
-    w[W_HELD] = 1;
-    return PyLong_FromLongLong(w[W_PUBLISHED] % c->num_slots);
-}
-
-/* publish(nbytes, tag) -> 0 | GENERAL */
-static PyObject *
-Core_publish(Core *c, PyObject *const *args, Py_ssize_t nargs)
-{
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "publish(nbytes, tag)");
-        return NULL;
+    PyObject *method = blocking ? s_acquire_write : s_try_acquire_write;
+    if (c->closed || !c->producer || w[W_INVALID] || w[W_HELD])
+        goto slow;
+    if (blocking && first_wait(c, timeout, &first) < 0) {
+        PyErr_Clear();
+        goto slow;
     }
+    int r = take(c, c->free_sem, first);
+    if (r != 0) {
+        if (r == FAILED)
+            return NULL;
+        code = r;
+        goto slow;
+    }
+    if (w[W_INVALID]) {
+        code = TOKEN;
+        goto slow;
+    }
+    w[W_HELD] = 1;
+    return slot_view(c, w[W_PUBLISHED] % c->num_slots, c->slot_size);
+slow:
+    return fallback(c, method, code, first, &timeout, blocking ? 1 : 0);
+}
+
+/* acquire_write(timeout=None) */
+static PyObject *
+Core_acquire_write(Core *c, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    PyObject *a[1];
+    if (parse_args("acquire_write", args, nargs, kwnames, timeout_names, 1, 0, a) < 0)
+        return NULL;
+    return acquire_write(c, a[0], 1);
+}
+
+/* try_acquire_write() */
+static PyObject *
+Core_try_acquire_write(Core *c, PyObject *Py_UNUSED(ignored))
+{
+    return acquire_write(c, NULL, 0);
+}
+
+static const char *const publish_names[] = {"nbytes", "tag"};
+
+/* publish(nbytes, tag=0) */
+static PyObject *
+Core_publish(Core *c, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    PyObject *a[2];
+    if (parse_args("publish", args, nargs, kwnames, publish_names, 2, 1, a) < 0)
+        return NULL;
     volatile int64_t *w = c->w;
-    int64_t nbytes = PyLong_AsLongLong(args[0]);
-    int64_t tag = PyLong_AsLongLong(args[1]);
+    int64_t nbytes = PyLong_AsLongLong(a[0]);
+    int64_t tag = a[1] == NULL ? 0 : PyLong_AsLongLong(a[1]);
     if (PyErr_Occurred()) {
         PyErr_Clear();
-        return PyLong_FromLong(GENERAL);
+        goto slow;
     }
-    if (!w[W_HELD] || nbytes < 0 || nbytes > c->slot_size)
-        return PyLong_FromLong(GENERAL);
+    if (c->closed || !w[W_HELD] || nbytes < 0 || nbytes > c->slot_size)
+        goto slow;
     int64_t k = w[W_PUBLISHED];
     volatile int64_t *s = slot_words(c, k % c->num_slots);
     s[0] = k + 1;
@@ -271,8 +579,12 @@ Core_publish(Core *c, PyObject *const *args, Py_ssize_t nargs)
     w[W_PUBLISHED] = k + 1;
     w[W_HELD] = 0;
     sem_post(c->full_sem);
-    return PyLong_FromLong(0);
+    Py_RETURN_NONE;
+slow:
+    return fallback(c, s_publish, GENERAL, 0, a, 2);
 }
+
+/* -- consumer ------------------------------------------------------------ */
 
 /* The next readable slot after a token was taken: its index and byte count,
  * or -1 if its header is not the expected one (Python reports it). */
@@ -289,83 +601,115 @@ next_readable(Core *c, int64_t k, int64_t *nbytes)
     return i;
 }
 
-/* acquire_read(first) -> (view, tag) | GENERAL | NO_TOKEN | TOKEN */
 static PyObject *
-Core_acquire_read(Core *c, PyObject *arg)
+acquire_read(Core *c, PyObject *timeout, int blocking)
 {
+    double first = 0;
+    int code = GENERAL;
     volatile int64_t *w = c->w;
-    if (w[W_INVALID])
-        return PyLong_FromLong(GENERAL);
-    double first;
-    if (parse_first(arg, &first) < 0)
-        return NULL;
+    PyObject *method = blocking ? s_acquire_read : s_try_acquire_read;
+    if (c->closed || !c->consumer || w[W_INVALID])
+        goto slow;
+    if (blocking && first_wait(c, timeout, &first) < 0) {
+        PyErr_Clear();
+        goto slow;
+    }
     int r = take(c, c->full_sem, first);
-    if (r != 0)
-        return r == FAILED ? NULL : PyLong_FromLong(r);
+    if (r != 0) {
+        if (r == FAILED)
+            return NULL;
+        code = r;
+        goto slow;
+    }
     int64_t nbytes = 0;
     int64_t k = w[W_ACQUIRED];
     int64_t i = w[W_INVALID] ? -1 : next_readable(c, k, &nbytes);
-    if (i < 0)
-        return PyLong_FromLong(TOKEN);
-    PyObject *mv = PyList_GET_ITEM(c->payload, i);
-    PyObject *view;
-    PyObject *stop = PyLong_FromLongLong(nbytes);
-    if (stop == NULL)
-        return NULL;
-    PyObject *sl = PySlice_New(NULL, stop, NULL);
-    Py_DECREF(stop);
-    if (sl == NULL)
-        return NULL;
-    view = PyObject_GetItem(mv, sl);
-    Py_DECREF(sl);
+    if (i < 0) {
+        code = TOKEN;
+        goto slow;
+    }
+    PyObject *view = slot_view(c, i, nbytes);
     if (view == NULL)
         return NULL;
-    int64_t tag = slot_words(c, i)[2];
+    PyObject *t = PyLong_FromLongLong(slot_words(c, i)[2]);
+    if (t == NULL) {
+        Py_DECREF(view);
+        return NULL;
+    }
     w[W_ACQUIRED] = k + 1;
     PyObject *out = PyTuple_New(2);
-    PyObject *t = PyLong_FromLongLong(tag);
-    if (out == NULL || t == NULL) {
-        Py_XDECREF(out);
-        Py_XDECREF(t);
+    if (out == NULL) {
         Py_DECREF(view);
+        Py_DECREF(t);
         return NULL;
     }
     PyTuple_SET_ITEM(out, 0, view);
     PyTuple_SET_ITEM(out, 1, t);
     return out;
+slow:
+    return fallback(c, method, code, first, &timeout, blocking ? 1 : 0);
 }
 
-/* release() -> 0 | GENERAL */
+/* acquire_read(timeout=None) */
+static PyObject *
+Core_acquire_read(Core *c, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    PyObject *a[1];
+    if (parse_args("acquire_read", args, nargs, kwnames, timeout_names, 1, 0, a) < 0)
+        return NULL;
+    return acquire_read(c, a[0], 1);
+}
+
+/* try_acquire_read() */
+static PyObject *
+Core_try_acquire_read(Core *c, PyObject *Py_UNUSED(ignored))
+{
+    return acquire_read(c, NULL, 0);
+}
+
+/* release() */
 static PyObject *
 Core_release(Core *c, PyObject *Py_UNUSED(ignored))
 {
     volatile int64_t *w = c->w;
     int64_t k = w[W_RELEASED];
-    if (k >= w[W_ACQUIRED])
-        return PyLong_FromLong(GENERAL);
+    if (c->closed || k >= w[W_ACQUIRED])
+        return fallback(c, s_release, GENERAL, 0, NULL, 0);
     w[W_RELEASED] = k + 1;
     sem_post(c->free_sem);
-    return PyLong_FromLong(0);
+    Py_RETURN_NONE;
 }
 
-/* read(first) -> (bytes, tag) | GENERAL | NO_TOKEN | TOKEN */
+/* read(timeout=None) */
 static PyObject *
-Core_read(Core *c, PyObject *arg)
+Core_read(Core *c, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
+    PyObject *a[1];
+    double first = 0;
+    int code = GENERAL;
+    if (parse_args("read", args, nargs, kwnames, timeout_names, 1, 0, a) < 0)
+        return NULL;
     volatile int64_t *w = c->w;
     int64_t k = w[W_RELEASED];
-    if (k != w[W_ACQUIRED] || w[W_INVALID])
-        return PyLong_FromLong(GENERAL);
-    double first;
-    if (parse_first(arg, &first) < 0)
-        return NULL;
+    if (c->closed || !c->consumer || k != w[W_ACQUIRED] || w[W_INVALID])
+        goto slow;
+    if (first_wait(c, a[0], &first) < 0) {
+        PyErr_Clear();
+        goto slow;
+    }
     int r = take(c, c->full_sem, first);
-    if (r != 0)
-        return r == FAILED ? NULL : PyLong_FromLong(r);
+    if (r != 0) {
+        if (r == FAILED)
+            return NULL;
+        code = r;
+        goto slow;
+    }
     int64_t nbytes = 0;
     int64_t i = w[W_INVALID] ? -1 : next_readable(c, k, &nbytes);
-    if (i < 0)
-        return PyLong_FromLong(TOKEN);
+    if (i < 0) {
+        code = TOKEN;
+        goto slow;
+    }
     PyObject *data = PyBytes_FromStringAndSize(NULL, nbytes);
     if (data == NULL)
         return NULL;
@@ -391,6 +735,27 @@ Core_read(Core *c, PyObject *arg)
     PyTuple_SET_ITEM(out, 0, data);
     PyTuple_SET_ITEM(out, 1, t);
     return out;
+slow:
+    return fallback(c, s_read, code, first, a, 1);
+}
+
+/* readable(): slots published and not yet acquired */
+static PyObject *
+Core_readable(Core *c, PyObject *Py_UNUSED(ignored))
+{
+    if (c->closed)
+        return fallback(c, s_readable, GENERAL, 0, NULL, 0);
+    return PyLong_FromLongLong(c->w[W_PUBLISHED] - c->w[W_ACQUIRED]);
+}
+
+/* writable(): slots the producer could acquire now */
+static PyObject *
+Core_writable(Core *c, PyObject *Py_UNUSED(ignored))
+{
+    volatile int64_t *w = c->w;
+    if (c->closed)
+        return fallback(c, s_writable, GENERAL, 0, NULL, 0);
+    return PyLong_FromLongLong(c->num_slots - (w[W_PUBLISHED] - w[W_RELEASED]) - w[W_HELD]);
 }
 
 /* -- type --------------------------------------------------------------- */
@@ -398,19 +763,26 @@ Core_read(Core *c, PyObject *arg)
 static int
 Core_init(Core *c, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"buffer", "payload", "free_name", "full_name", "slot_size",
-                             "num_slots", "stride", "spin_max_ns", "spin_min_ns", NULL};
-    PyObject *buffer, *payload;
+    static char *kwlist[] = {"ring", "buffer", "payload", "free_name", "full_name",
+                             "slot_size", "num_slots", "stride", "spin_max_ns", "spin_min_ns",
+                             "wait_slice", NULL};
+    PyObject *ring, *buffer, *payload;
     const char *free_name, *full_name;
     long long slot_size, num_slots, stride, spin_max, spin_min;
+    double wait_slice;
     if (c->has_view) {
         PyErr_SetString(PyExc_RuntimeError, "Core is already initialised");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!ssLLLLL", kwlist, &buffer, &PyList_Type,
-                                     &payload, &free_name, &full_name, &slot_size, &num_slots,
-                                     &stride, &spin_max, &spin_min))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO!ssLLLLLd", kwlist, &ring, &buffer,
+                                     &PyList_Type, &payload, &free_name, &full_name,
+                                     &slot_size, &num_slots, &stride, &spin_max, &spin_min,
+                                     &wait_slice))
         return -1;
+    c->ring = PyWeakref_NewRef(ring, NULL);
+    if (c->ring == NULL)
+        return -1;
+    c->wait_slice = wait_slice;
     if (num_slots <= 0 || slot_size <= 0 || stride < slot_size + SLOT_HEADER_SIZE
         || PyList_GET_SIZE(payload) != num_slots) {
         PyErr_SetString(PyExc_ValueError, "inconsistent ring geometry");
@@ -458,23 +830,34 @@ Core_dealloc(Core *c)
     if (c->has_view)
         PyBuffer_Release(&c->view);
     Py_XDECREF(c->payload);
+    Py_XDECREF(c->ring);
     Py_TYPE(c)->tp_free((PyObject *)c);
 }
 
+#define FASTKW (METH_FASTCALL | METH_KEYWORDS)
 static PyMethodDef Core_methods[] = {
-    {"write", (PyCFunction)(void (*)(void))Core_write, METH_FASTCALL,
-     "write(data, tag, first): copy data into the next slot and publish it."},
-    {"acquire_write", (PyCFunction)Core_acquire_write, METH_O,
-     "acquire_write(first): the index of the slot acquired for writing."},
-    {"publish", (PyCFunction)(void (*)(void))Core_publish, METH_FASTCALL,
-     "publish(nbytes, tag): publish the acquired slot."},
-    {"acquire_read", (PyCFunction)Core_acquire_read, METH_O,
-     "acquire_read(first): (view, tag) of the next published slot."},
-    {"release", (PyCFunction)Core_release, METH_NOARGS,
-     "release(): give the oldest acquired slot back."},
-    {"read", (PyCFunction)Core_read, METH_O,
-     "read(first): (bytes, tag) of the next message, its slot released."},
+    {"write", (PyCFunction)(void (*)(void))Core_write, FASTKW, "Ring.write"},
+    {"acquire_write", (PyCFunction)(void (*)(void))Core_acquire_write, FASTKW,
+     "Ring.acquire_write"},
+    {"try_acquire_write", (PyCFunction)Core_try_acquire_write, METH_NOARGS,
+     "Ring.try_acquire_write"},
+    {"publish", (PyCFunction)(void (*)(void))Core_publish, FASTKW, "Ring.publish"},
+    {"acquire_read", (PyCFunction)(void (*)(void))Core_acquire_read, FASTKW,
+     "Ring.acquire_read"},
+    {"try_acquire_read", (PyCFunction)Core_try_acquire_read, METH_NOARGS,
+     "Ring.try_acquire_read"},
+    {"release", (PyCFunction)Core_release, METH_NOARGS, "Ring.release"},
+    {"read", (PyCFunction)(void (*)(void))Core_read, FASTKW, "Ring.read"},
+    {"readable", (PyCFunction)Core_readable, METH_NOARGS, "Ring.readable"},
+    {"writable", (PyCFunction)Core_writable, METH_NOARGS, "Ring.writable"},
     {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef Core_members[] = {
+    {"producer", T_INT, offsetof(Core, producer), 0, "this process has taken the producer role"},
+    {"consumer", T_INT, offsetof(Core, consumer), 0, "this process has taken the consumer role"},
+    {"closed", T_INT, offsetof(Core, closed), 0, "the Ring is closed in this process"},
+    {NULL, 0, 0, 0, NULL},
 };
 
 static PyTypeObject CoreType = {
@@ -487,6 +870,7 @@ static PyTypeObject CoreType = {
     .tp_init = (initproc)Core_init,
     .tp_dealloc = (destructor)Core_dealloc,
     .tp_methods = Core_methods,
+    .tp_members = Core_members,
 };
 
 /* address(buffer) -> the address of its first byte (for onnxruntime IO bindings) */
@@ -518,6 +902,23 @@ PyInit__ringcore(void)
 {
     if (PyType_Ready(&CoreType) < 0)
         return NULL;
+    if (setup_waits() < 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    struct {
+        PyObject **where;
+        const char *name;
+    } names[] = {
+        {&s_write, "_c_write"}, {&s_acquire_write, "_c_acquire_write"},
+        {&s_try_acquire_write, "_c_try_acquire_write"}, {&s_publish, "_c_publish"},
+        {&s_acquire_read, "_c_acquire_read"}, {&s_try_acquire_read, "_c_try_acquire_read"},
+        {&s_release, "_c_release"}, {&s_read, "_c_read"}, {&s_readable, "_c_readable"},
+        {&s_writable, "_c_writable"},
+    };
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+        *names[i].where = PyUnicode_InternFromString(names[i].name);
+        if (*names[i].where == NULL)
+            return NULL;
+    }
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;

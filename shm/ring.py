@@ -140,6 +140,8 @@ _SPIN_MIN_NS = min(2000, _SPIN_MAX_NS)
 _MAX_SLOTS = 1 << 20
 # Return codes of the C core (see shm/_ringcore.c).
 _GENERAL, _NO_TOKEN, _TOKEN = -1, -2, -3
+_C_METHODS = ("write", "acquire_write", "try_acquire_write", "publish", "acquire_read",
+              "try_acquire_read", "release", "read", "readable", "writable")
 _FREE_SUFFIX = ".free"
 _FULL_SUFFIX = ".full"
 
@@ -193,13 +195,16 @@ class Ring:
                              HEADER_SIZE + i * stride + SLOT_HEADER_SIZE + self._slot_size]
                          for i in range(self._num_slots)]
         self._spin_ns = _SPIN_MAX_NS
-        # The C core does the hot paths once this process has taken a role
-        # (_cw as producer, _cr as consumer); None: the Python path does them.
-        self._core = (None if _ringcore is None else _ringcore.Core(
-            buf, self._payload, self._name + _FREE_SUFFIX, self._name + _FULL_SUFFIX,
-            self._slot_size, self._num_slots, stride, _SPIN_MAX_NS, _SPIN_MIN_NS))
-        self._cw: Any = None
-        self._cr: Any = None
+        # The C core's methods shadow the hot methods on this instance (see the
+        # module docstring); None: the Python path does everything.
+        self._core: Any = None
+        if _ringcore is not None:
+            core = self._core = _ringcore.Core(
+                self, buf, self._payload, self._name + _FREE_SUFFIX, self._name + _FULL_SUFFIX,
+                self._slot_size, self._num_slots, stride, _SPIN_MAX_NS, _SPIN_MIN_NS,
+                WAIT_SLICE)
+            for method in _C_METHODS:
+                setattr(self, method, getattr(core, method))
         self._peer: PeerWatch | None = None
         self._pid = os.getpid()
         self._is_producer = False
@@ -422,17 +427,6 @@ class Ring:
 
         Calling it again before :meth:`publish` returns the same slot.
         """
-        core = self._cw
-        if core is not None:
-            first = (WAIT_SLICE if timeout is None or timeout >= WAIT_SLICE
-                     else timeout if timeout > 0 else 0)
-            r = core.acquire_write(first)
-            if r >= 0:
-                return self._payload[r][:]
-            if r != _GENERAL:
-                if r == _NO_TOKEN:
-                    self._wait_slow(self._free, timeout, "free slot", first)
-                return self._took_free_token()
         w = self._w
         if w[_HELD] or w[_INVALID] or not self._is_producer:
             return self._acquire_write_general(timeout)
@@ -468,13 +462,6 @@ class Ring:
 
     def try_acquire_write(self) -> memoryview:
         """Like :meth:`acquire_write` but raise :class:`WouldBlock` if the ring is full."""
-        core = self._cw
-        if core is not None:
-            r = core.acquire_write(0)
-            if r >= 0:
-                return self._payload[r][:]
-            if r == _TOKEN:
-                return self._took_free_token()
         w = self._w
         if w[_INVALID]:
             self._raise_if_unusable()
@@ -489,13 +476,11 @@ class Ring:
         if not self._is_producer:
             self._is_producer = True
             w[_PRODUCER_PID] = self._pid
-            self._cw = self._core
+            if self._core is not None:
+                self._core.producer = 1
 
     def publish(self, nbytes: int, tag: int = 0) -> None:
         """Make the acquired slot's first ``nbytes`` bytes visible to the consumer."""
-        core = self._cw
-        if core is not None and not core.publish(nbytes, tag):
-            return
         w = self._w
         if not w[_HELD]:
             self._raise_if_unusable()
@@ -514,18 +499,6 @@ class Ring:
 
     def write(self, data: Any, tag: int = 0, timeout: float | None = None) -> None:
         """Acquire a slot, copy ``data`` (bytes-like, C-contiguous) into it, publish it."""
-        core = self._cw
-        if core is not None:
-            first = (WAIT_SLICE if timeout is None or timeout >= WAIT_SLICE
-                     else timeout if timeout > 0 else 0)
-            r = core.write(data, tag, first)
-            if not r:
-                return
-            if r != _GENERAL:
-                if r == _NO_TOKEN:
-                    self._wait_slow(self._free, timeout, "free slot", first)
-                self._finish_write(self._message(data), tag)
-                return
         data = self._message(data)
         w = self._w
         if w[_HELD] or w[_INVALID] or not self._is_producer:
@@ -582,17 +555,6 @@ class Ring:
         The view stays valid until the matching :meth:`release`; several
         slots may be acquired before releasing them (oldest first).
         """
-        core = self._cr
-        if core is not None:
-            first = (WAIT_SLICE if timeout is None or timeout >= WAIT_SLICE
-                     else timeout if timeout > 0 else 0)
-            r = core.acquire_read(first)
-            if r.__class__ is tuple:
-                return r
-            if r != _GENERAL:
-                if r == _NO_TOKEN:
-                    self._wait_slow(self._full, timeout, "published slot", first)
-                return self._took_full_token()
         w = self._w
         if w[_INVALID]:
             self._raise_if_unusable()
@@ -628,13 +590,6 @@ class Ring:
 
     def try_acquire_read(self) -> tuple[memoryview, int]:
         """Like :meth:`acquire_read` but raise :class:`WouldBlock` if nothing is published."""
-        core = self._cr
-        if core is not None:
-            r = core.acquire_read(0)
-            if r.__class__ is tuple:
-                return r
-            if r == _TOKEN:
-                return self._took_full_token()
         self._try(self._full, "published slot")
         return self._took_full_token()
 
@@ -654,7 +609,8 @@ class Ring:
         if not self._is_consumer:
             self._is_consumer = True
             w[_CONSUMER_PID] = self._pid
-            self._cr = self._core
+            if self._core is not None:
+                self._core.consumer = 1
         nbytes = w[base + 1]
         if not 0 <= nbytes <= self._slot_size:
             raise ShmError(f"ring {self._name}: slot {i} claims {nbytes} bytes; "
@@ -665,9 +621,6 @@ class Ring:
 
     def release(self) -> None:
         """Give the oldest acquired read slot back to the producer."""
-        core = self._cr
-        if core is not None and not core.release():
-            return
         w = self._w
         k = w[_RELEASED]
         if k >= w[_ACQUIRED]:
@@ -682,17 +635,6 @@ class Ring:
         Refused while slots from :meth:`acquire_read` are still unreleased
         (releasing is oldest-first, so it would free one of those instead).
         """
-        core = self._cr
-        if core is not None:
-            first = (WAIT_SLICE if timeout is None or timeout >= WAIT_SLICE
-                     else timeout if timeout > 0 else 0)
-            r = core.read(first)
-            if r.__class__ is tuple:
-                return r
-            if r != _GENERAL:
-                if r == _NO_TOKEN:
-                    self._wait_slow(self._full, timeout, "published slot", first)
-                return self._finish_read()
         w = self._w
         k = w[_RELEASED]
         if k != w[_ACQUIRED] or w[_INVALID] or not self._is_consumer:
@@ -750,6 +692,64 @@ class Ring:
         """Slots the producer could acquire now."""
         w = self._w
         return self._num_slots - (w[_PUBLISHED] - w[_RELEASED]) - w[_HELD]
+
+    # -- where the C core hands over (see shm/_ringcore.c) -------------------
+
+    def _c_write(self, code: int, first: float, data: Any, tag: Any, timeout: Any) -> None:
+        tag = 0 if tag is None else tag
+        if code == _GENERAL:
+            return Ring.write(self, data, tag, timeout)
+        if code == _NO_TOKEN:
+            self._wait_slow(self._free, timeout, "free slot", first)
+        self._finish_write(self._message(data), tag)
+        return None
+
+    def _c_acquire_write(self, code: int, first: float, timeout: Any) -> memoryview:
+        if code == _GENERAL:
+            return Ring.acquire_write(self, timeout)
+        if code == _NO_TOKEN:
+            self._wait_slow(self._free, timeout, "free slot", first)
+        return self._took_free_token()
+
+    def _c_try_acquire_write(self, code: int, first: float) -> memoryview:
+        if code == _GENERAL:
+            return Ring.try_acquire_write(self)
+        if code == _NO_TOKEN:
+            raise WouldBlock(f"ring {self._name}: no free slot ({self._occupancy()})")
+        return self._took_free_token()
+
+    def _c_publish(self, code: int, first: float, nbytes: Any, tag: Any) -> None:
+        Ring.publish(self, nbytes, 0 if tag is None else tag)
+
+    def _c_acquire_read(self, code: int, first: float, timeout: Any) -> tuple[memoryview, int]:
+        if code == _GENERAL:
+            return Ring.acquire_read(self, timeout)
+        if code == _NO_TOKEN:
+            self._wait_slow(self._full, timeout, "published slot", first)
+        return self._took_full_token()
+
+    def _c_try_acquire_read(self, code: int, first: float) -> tuple[memoryview, int]:
+        if code == _GENERAL:
+            return Ring.try_acquire_read(self)
+        if code == _NO_TOKEN:
+            raise WouldBlock(f"ring {self._name}: no published slot ({self._occupancy()})")
+        return self._took_full_token()
+
+    def _c_release(self, code: int, first: float) -> None:
+        Ring.release(self)
+
+    def _c_read(self, code: int, first: float, timeout: Any) -> tuple[bytes, int]:
+        if code == _GENERAL:
+            return Ring.read(self, timeout)
+        if code == _NO_TOKEN:
+            self._wait_slow(self._full, timeout, "published slot", first)
+        return self._finish_read()
+
+    def _c_readable(self, code: int, first: float) -> int:
+        return Ring.readable(self)
+
+    def _c_writable(self, code: int, first: float) -> int:
+        return Ring.writable(self)
 
     # -- control ------------------------------------------------------------
 
@@ -839,9 +839,12 @@ class Ring:
             return
         self._closed = True
         self._w = _ClosedWords(self._name)
-        # A thread inside a core call holds the core (and so the mapping and
-        # the semaphores) until it returns; the core is freed after that.
-        self._core = self._cw = self._cr = None
+        # A thread inside a core call, or holding one of its methods, holds the core
+        # (and so the mapping and the semaphores); closed sends it to the Python path.
+        if self._core is not None:
+            self._core.closed = 1
+            for method in _C_METHODS:
+                self.__dict__.pop(method, None)
         # Handed-out views (and numpy arrays over them, which hold no export)
         # keep the mapping alive: drop ours, never release them.
         self._words = None

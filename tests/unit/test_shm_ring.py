@@ -301,7 +301,8 @@ def test_the_c_core_is_built_and_used() -> None:
     with Ring.create(16, 2) as producer, Ring.attach(producer.name) as consumer:
         producer.write(b"first")  # takes the producer role through the Python path
         assert consumer.read() == (b"first", 0)
-        assert producer._cw is not None and consumer._cr is not None
+        assert producer._core.producer and consumer._core.consumer
+        assert "write" in vars(producer) and "acquire_read" in vars(consumer)  # C methods
         producer.write(b"second", tag=7)
         view, tag = consumer.acquire_read()
         assert (bytes(view), tag) == (b"second", 7)
