@@ -739,6 +739,26 @@ slow:
     return fallback(c, s_read, code, first, a, 1);
 }
 
+/* wait_token(full, seconds) -> True if a token of the full (else free) semaphore was
+ * taken within `seconds`. For Ring._wait_slow: unlike posix_ipc's acquire, an
+ * exception raised by a signal handler during the wait propagates. */
+static PyObject *
+Core_wait_token(Core *c, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "wait_token(full, seconds)");
+        return NULL;
+    }
+    int full = PyObject_IsTrue(args[0]);
+    double seconds = PyFloat_AsDouble(args[1]);
+    if (full < 0 || (seconds == -1.0 && PyErr_Occurred()))
+        return NULL;
+    int r = take(c, full ? c->full_sem : c->free_sem, seconds);
+    if (r == FAILED)
+        return NULL;
+    return PyBool_FromLong(r == 0);
+}
+
 /* readable(): slots published and not yet acquired */
 static PyObject *
 Core_readable(Core *c, PyObject *Py_UNUSED(ignored))
@@ -849,6 +869,8 @@ static PyMethodDef Core_methods[] = {
     {"release", (PyCFunction)Core_release, METH_NOARGS, "Ring.release"},
     {"read", (PyCFunction)(void (*)(void))Core_read, FASTKW, "Ring.read"},
     {"readable", (PyCFunction)Core_readable, METH_NOARGS, "Ring.readable"},
+    {"wait_token", (PyCFunction)(void (*)(void))Core_wait_token, METH_FASTCALL,
+     "wait_token(full, seconds): take a semaphore token within seconds"},
     {"writable", (PyCFunction)Core_writable, METH_NOARGS, "Ring.writable"},
     {NULL, NULL, 0, NULL},
 };

@@ -379,6 +379,11 @@ class Ring:
                         raise RingTimeoutError(f"ring {self._name}: no {what} within "
                                                f"{timeout:g} s ({self._occupancy()})")
                     wait = WAIT_SLICE if remaining > WAIT_SLICE else remaining
+                core = self._core
+                if core is not None:   # lets a signal handler's exception through
+                    if core.wait_token(sem is self._full, wait):
+                        return
+                    continue
                 try:
                     sem.acquire(wait)
                     return

@@ -331,3 +331,26 @@ def test_c_and_python_ends_interoperate(monkeypatch) -> None:
         consumer.close()
         producer.close()
         producer.unlink()
+
+
+def test_a_signal_handler_interrupts_a_blocked_wait(pair) -> None:
+    """Python signal handlers run while a thread waits (the C path waits untimed)."""
+    import signal
+
+    class Alarm(Exception):
+        pass
+
+    def handler(signum, frame):
+        raise Alarm()
+
+    _producer, consumer = pair
+    if consumer._core is None:
+        pytest.skip("posix_ipc's acquire() drops exceptions raised by signal handlers")
+    old = signal.signal(signal.SIGALRM, handler)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with pytest.raises(Alarm):
+            consumer.read()          # nothing is ever published
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
