@@ -65,14 +65,17 @@ default, from an exit hook that runs before earlier-registered ones): exit
 hooks and daemon threads may still use the ring, and exit frees the mappings.
 
 Hot paths in C: ``shm/_ringcore.c`` (built by setup.py when a compiler is
-there) does write, read, acquire_write, publish, acquire_read and release in
-one call each, with the same layout, semaphores and ordering as above, once
-the process has taken its role through the Python path. It finishes the
-common case or hands over to the Python path at a point the Python path can
-finish from (see its return codes), so both paths can serve one ring, even
-one end each. ``IPU_EMULATOR_RING_C=0`` turns the core off. The 64-byte round
-trip of ``python -m tools.bench ring`` went from 6.2-6.4 us (2.3-2.7x a bare
-semaphore ping-pong) to 3.2 us (1.14x).
+there) provides write, read, acquire_write, try_acquire_write, publish,
+acquire_read, try_acquire_read, release, readable and writable with the same
+layout, semaphores and ordering as above; they are set on each Ring instance,
+so a call is one C call. They act once the process has taken its role through
+the Python path, and hand over to the Python path (``_c_<method>``) at a point
+it can finish from, so both paths can serve one ring, even one end each. A
+wait of a whole slice is an untimed ``sem_wait`` that a watchdog thread
+interrupts at the end of the slice (a timed futex wait costs ~0.25 us per
+side); see the C file. ``IPU_EMULATOR_RING_C=0`` turns the core off. The
+64-byte round trip of ``python -m tools.bench ring`` went from 6.2-6.4 us
+(2.3-2.7x a bare semaphore ping-pong) to 2.6 us (0.94-1.18x).
 
 Spinning: by default a waiter does not spin. ``python -m tools.bench ring``
 on this project's 2-core VMs: the two processes of a ping-pong usually share

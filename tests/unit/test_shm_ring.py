@@ -214,6 +214,39 @@ def test_close_wakes_own_blocked_thread_and_is_idempotent(pair) -> None:
     producer.write(b"still fine")  # the other end is unaffected
 
 
+def test_many_blocked_waiters_wake_on_data_and_on_close(pair) -> None:
+    """Several threads blocked at once, in both directions, on several rings."""
+    producer, consumer = pair
+    others = [Ring.create(16, 1) for _ in range(3)]
+    try:
+        # fill the one-slot rings so that writers block too
+        ends = [(ring, Ring.attach(ring.name)) for ring in others]
+        for ring, _ in ends:
+            ring.write(b"full")
+        readers = [_in_thread(lambda: consumer.read()) for _ in range(1)]
+        writers = [_in_thread(lambda ring=ring: ring.write(b"more")) for ring, _ in ends]
+        readers += [_in_thread(lambda: ends[0][1].acquire_read())]  # has data: returns
+        producer.write(b"wake", tag=3)
+        readers[0][0].join(10)
+        assert readers[0][1] == {"result": (b"wake", 3)}
+        readers[1][0].join(10)
+        assert bytes(readers[1][1]["result"][0]) == b"full"
+        ends[0][1].release()                     # frees the first writer's slot
+        writers[0][0].join(10)
+        assert writers[0][1] == {"result": None}
+        for ring, _ in ends[1:]:
+            ring.close()                         # wakes the other writers
+        for thread, box in writers[1:]:
+            thread.join(10)
+            assert not thread.is_alive() and isinstance(box["error"], ShmClosedError), box
+    finally:
+        for ring in others:
+            ring.close()
+            ring.unlink()
+        for _, end in ends:
+            end.close()
+
+
 def test_slot_view_outlives_close(pair) -> None:
     producer, consumer = pair
     producer.write(b"keep me")
