@@ -340,7 +340,10 @@ class _RingIO:
         ring = s.ring
         assert ring is not None
         try:
-            self._dev.wait_on(ring.acquire_write)
+            try:
+                ring.try_acquire_write()
+            except WouldBlock:
+                self._dev.wait_on(ring.acquire_write)
         except RingInvalidatedError:
             self.disconnected = True
             return
