@@ -46,6 +46,7 @@ from shm import (PeerDiedError, Ring, RingInvalidatedError, RingTimeoutError, Sh
                  WouldBlock)
 
 from host_runtime._batching import TensorSpec
+from host_runtime._copy import copy_bytes
 from host_runtime._replica_timers import Phantom, PidWatch, ReplicaTimers
 from host_runtime._requests import Request
 from host_runtime.errors import DeviceLostError, InvalidStateError, ModelRuntimeError
@@ -384,7 +385,7 @@ class Replica(ReplicaTimers):
                             ring.publish(len(desc), TAG_SHARED)
                             redirects = []   # sent once per transfer
                             continue
-                    view[:nbytes] = memoryview(src).cast("B")  # type: ignore[arg-type]
+                    copy_bytes(view[:nbytes], memoryview(src).cast("B"))  # type: ignore[arg-type]
                 else:
                     slot = np.frombuffer(view, spec.dtype, spec.nbytes // spec.dtype.itemsize
                                          ).reshape(spec.shape)
@@ -602,7 +603,7 @@ class Replica(ReplicaTimers):
             if dest is None:
                 return
             if dest.nbytes == spec.nbytes and dest.flags.c_contiguous:
-                _bytes_view(dest)[:] = view[:spec.nbytes]
+                copy_bytes(_bytes_view(dest), view[:spec.nbytes])
                 return
         slot = np.frombuffer(view, spec.dtype, spec.nbytes // spec.dtype.itemsize
                              ).reshape(spec.shape)
