@@ -24,3 +24,13 @@ def test_ring_bench_runs_and_prints_every_row(capsys) -> None:
     assert re.search(r"^\s+1 MiB\s+\d+\.\d\d", out, re.M), out
     assert re.search(r"^\s+16 MiB\s+\d+\.\d\d", out, re.M), out
     assert re.search(r"ring / sem = \d+\.\d\d .* ring / Pipe = \d+\.\d\d", out), out
+
+
+def test_runner_bench_runs_and_checks_its_shared_memory_results(capsys, private_machine) -> None:
+    assert bench_main(["runner", "--rounds", "40", "--blocks", "2", "--seconds", "0.05",
+                       "--bw-rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    for label in ("ModelRunner.execute (one in flight)", "onnxruntime in-process",
+                  "ProcessPoolExecutor + onnxruntime", "same, tensors in empty_shared memory",
+                  "ModelRunner.execute (Identity model)"):
+        assert re.search(rf"^\s+{re.escape(label)}\s+\d+", out, re.M), out
