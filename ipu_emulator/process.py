@@ -51,6 +51,7 @@ from shm.cleanup import list_objects
 
 from ipu_emulator import package_hash, protocol
 from ipu_emulator._host_memory import HostMemory, HostMemoryError
+from ipu_emulator._placement import KeepApart
 from ipu_emulator.errors import ExecutableError
 from ipu_emulator.protocol import (ErrorKind, Message, Op, MODE_DIRECT_NOTIFY, MODE_EVENT,
                                    MODE_NULL, TAG_ABORT, TAG_SHARED, error_body)
@@ -204,7 +205,7 @@ class _RingIO:
                 if t >= stop:
                     break
                 yield_cpu()   # let the host run if it shares this vCPU
-                if clock() - t > _YIELDED_NS:
+                if clock() - t > _YIELDED_NS and not self._dev.keeps_apart:
                     # Another task ran: this vCPU is shared (likely with the host). Block
                     # instead: the wake-up lets the scheduler move one of us to an idle vCPU
                     # (two polling processes on one vCPU are never separated).
@@ -411,6 +412,8 @@ class DeviceProcess:
         self._pending: collections.deque[Message] = collections.deque()
         self._cache: collections.OrderedDict[str, _Loaded] = collections.OrderedDict()
         self.host_memory = HostMemory()   # host arrays read in place (TAG_SHARED inputs)
+        self._apart = KeepApart(opts.host_pid)   # off the host's CPU while serving it
+        self.keeps_apart = self._apart.enabled
         self._active: _Loaded | None = None
         self._stop_seq: int | None = None
         self._stop_soft = False   # STOP with value 1: end the running loop, stay runnable
@@ -730,8 +733,10 @@ class DeviceProcess:
                     raise _RequestError(ErrorKind.STATE, "the main loop ended: its streams were "
                                         "disconnected (invalidated) by the host")
                 self._check_host()
+                self._apart.check()
                 self.poll_control()
         except _Stopped:
+            self._apart.release()
             loaded.stopped = not self._stop_soft
             self.post(Message(Op.STOPPED, seq=msg.seq))
             self.post(Message(Op.DONE, seq=self._stop_seq or 0))
@@ -790,6 +795,7 @@ class DeviceProcess:
         self.opts = replace(self.opts, num_ipus=num_ipus, label=label)
         self.control.reset()
         self._client = pid
+        self._apart.host_pid = pid or self.opts.host_pid
         self.events.set_peer(pid or self.opts.host_pid)
         _log.info("%s now serves host %s", self._describe(), pid or "(none)")
 

@@ -1,0 +1,45 @@
+"""The IPU process keeps off its host's CPU (ipu_emulator._placement)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from ipu_emulator import _placement
+from ipu_emulator._placement import KeepApart, _cpu_of
+
+
+def test_cpu_field_is_read_after_the_command_name(tmp_path):
+    stat = tmp_path / "stat"
+    fields = ["S"] + [str(i) for i in range(4, 39)] + ["7"] + ["0"] * 10
+    stat.write_text("1234 (a) b (c) " + " ".join(fields) + "\n")
+    assert _cpu_of(str(stat)) == 7
+    assert _cpu_of("/proc/thread-self/stat") in os.sched_getaffinity(0)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_moves_off_the_hosts_cpu_and_gives_the_affinity_back(monkeypatch):
+    allowed = os.sched_getaffinity(0)
+    monkeypatch.setattr(_placement, "PERIOD", 0.0)
+    apart = KeepApart(os.getpid())     # this thread is its own "host": always shared
+    try:
+        assert apart.enabled
+        cpu = _cpu_of("/proc/thread-self/stat")
+        apart.check()
+        now = os.sched_getaffinity(0)
+        assert cpu not in now and now == allowed - {cpu}
+        apart.release()
+        assert os.sched_getaffinity(0) == allowed
+    finally:
+        os.sched_setaffinity(0, allowed)
+
+
+def test_off_when_asked_or_when_the_host_is_unknown(monkeypatch):
+    monkeypatch.setenv("IPU_EMULATOR_KEEP_APART", "0")
+    assert not KeepApart(os.getpid()).enabled
+    monkeypatch.delenv("IPU_EMULATOR_KEEP_APART")
+    gone = KeepApart(2 ** 22 + 12345)       # no such process: the first look turns it off
+    gone.check()
+    assert not gone.enabled
+    assert not KeepApart(0).enabled
