@@ -409,9 +409,12 @@ class Interpreter:
         def execute_zc(io: Any) -> None:
             ran = False
             try:
-                ptrs = [_address(views[h]) for h in in_handles]
+                ptrs = list(map(_address, map(views.__getitem__, in_handles)))
                 for h, n in out_specs:
-                    ptrs.append(_address(_checked(io.acquire_output(h, n), n, h)))
+                    v = io.acquire_output(h, n)
+                    if v.nbytes != n or not v.c_contiguous:
+                        _checked(v, n, h)
+                    ptrs.append(_address(v))
                 key = tuple(ptrs)
                 entry = cache.get(key)
                 if entry is None:
@@ -468,14 +471,16 @@ def _checked(view: memoryview, nbytes: int, handle: str) -> memoryview:
     return view
 
 
-def _address(view: memoryview) -> int:
+def _address_py(view: memoryview) -> int:
     """The address of a contiguous buffer's first byte."""
-    if _c_address is not None:
-        return _c_address(view)  # type: ignore[no-any-return]   # ~0.05 us against ~0.35
     try:
         return ctypes.addressof(ctypes.c_char.from_buffer(view))
     except TypeError:   # read-only buffer
         return int(np.frombuffer(view, np.uint8).ctypes.data)
+
+
+# the C helper when it is built: ~0.05 us a call against ~0.35
+_address: Callable[[Any], int] = _c_address if _c_address is not None else _address_py
 
 
 _ORT_TYPES = {

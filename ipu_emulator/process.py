@@ -59,6 +59,7 @@ from ipu_emulator.protocol import (ErrorKind, Message, Op, MODE_DIRECT_NOTIFY, M
 __all__ = ["DeviceOptions", "DeviceProcess"]
 
 _log = logging.getLogger("ipu_emulator.process")
+_monotonic = time.monotonic
 
 _SLICE = 0.1      # seconds between STOP checks while a program waits on a stream
 _HOST_CHECK = 0.25  # seconds between checks that the host is alive
@@ -320,9 +321,6 @@ class _RingIO:
         for out_handle, out_view in outputs:
             self._redirect[out_handle] = out_view
         return view
-
-    def has_redirects(self) -> bool:
-        return bool(self._redirect or self._lent_host)
 
     def forget_redirects(self) -> None:
         self._redirect.clear()
@@ -721,6 +719,7 @@ class DeviceProcess:
                                 f"the executable has programs 0..{n - 1}")
         io = _RingIO(self, loaded)
         loop = msg.op is Op.LOOP
+        control_readable = self.control.readable
         try:
             while True:
                 for p in programs:
@@ -732,9 +731,12 @@ class DeviceProcess:
                     # here instead of spinning on disconnected streams.
                     raise _RequestError(ErrorKind.STATE, "the main loop ended: its streams were "
                                         "disconnected (invalidated) by the host")
-                self._check_host()
+                if _monotonic() >= self._next_host_check:
+                    self._check_host()
+                    self.poll_control()     # also notices an invalidated control ring
+                elif control_readable():
+                    self.poll_control()
                 self._apart.check()
-                self.poll_control()
         except _Stopped:
             self._apart.release()
             loaded.stopped = not self._stop_soft
@@ -748,8 +750,8 @@ class DeviceProcess:
             try:
                 loaded.interp.run_program(index, io)
             finally:
-                if io.has_redirects():   # left by a failed iteration: must not steer the next
-                    io.forget_redirects()
+                if io._redirect or io._lent_host:   # left by a failed iteration: must not
+                    io.forget_redirects()           # steer the next one
         except (_Stopped, _Shutdown, _HostGone, PeerDiedError, _RequestError):
             raise
         except Exception as exc:
