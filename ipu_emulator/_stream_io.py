@@ -1,0 +1,319 @@
+"""Stream IO of the IPU process: the interpreter's transfers over the stream rings.
+
+``_RingIO`` is the interpreter's ``StreamIO``/``ZeroCopyStreamIO`` for the
+executable that is running: it reads input transfers from, and writes output
+transfers to, the active session's stream rings, posts NEED/OUT events for
+streams in event mode, resolves inputs sent as host shared memory
+(``TAG_SHARED``) and writes redirected outputs there. While it waits for an
+input it polls briefly, then blocks in slices through ``DeviceProcess.wait_on``
+(which re-checks the control ring and the host between slices).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from shm import Region, Ring, RingInvalidatedError, RingTimeoutError, WouldBlock
+
+from ipu_emulator._host_memory import HostMemoryError
+from ipu_emulator.protocol import (ErrorKind, Message, Op, MODE_DIRECT_NOTIFY, MODE_EVENT,
+                                   MODE_NULL, TAG_ABORT, TAG_SHARED)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ipu_emulator.process import DeviceProcess
+
+__all__ = ["_Loaded", "_RequestError", "_RingIO", "_Stream"]
+
+_SPIN_NS = int(float(os.environ.get("IPU_EMULATOR_DEVICE_SPIN_US", "50")) * 1000)
+"""Longest poll of an empty input ring before blocking (0: never poll); see _RingIO._wait_read."""
+_YIELDED_NS = int(float(os.environ.get("IPU_EMULATOR_YIELDED_US", "5")) * 1000) or 1 << 62
+
+
+class _RequestError(Exception):
+    def __init__(self, kind: ErrorKind, message: str, tb: str = "") -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.tb = tb
+
+
+@dataclass
+class _Stream:
+    index: int
+    handle: str
+    direction: str
+    nbytes: int
+    ring: Ring | None
+    mode: int
+
+
+class _Loaded:
+    """One session's executable on this device, with its streams."""
+
+    def __init__(self, key: str, interp: Any, regions: list[Region]) -> None:
+        self.key = key
+        self.interp = interp
+        self.regions = regions
+        self.streams: list[_Stream] = []
+        self.by_handle: dict[str, _Stream] = {}
+        self.stopped = False
+
+    def close_streams(self) -> None:
+        for s in self.streams:
+            if s.ring is not None:
+                s.ring.close()
+        self.streams, self.by_handle = [], {}
+
+    def close(self) -> None:
+        self.close_streams()
+        if self.interp is not None:
+            self.interp.close()
+            self.interp = None
+        for r in self.regions:
+            r.close()
+        self.regions = []
+
+
+class _RingIO:
+    """StreamIO of the interpreter over the active session's stream rings."""
+
+    def __init__(self, dev: "DeviceProcess", loaded: _Loaded) -> None:
+        self._dev = dev
+        self._loaded = loaded
+        self.disconnected = False   # a stream ring was invalidated (the host disconnected it)
+        self._wait_est_ns = 0       # moving estimate of input waits (see _wait_read)
+        self._held_in: dict[str, Ring] = {}        # zero-copy inputs acquired, not released
+        self._lent_out: dict[str, _Stream] = {}    # zero-copy outputs acquired, not published
+        self._scratch_bufs: dict[str, bytearray] = {}
+        self._redirect: dict[str, memoryview] = {}   # output handle -> host memory (this iteration)
+        self._lent_host: set[str] = set()             # outputs lent as host memory, not published
+
+    def _stream(self, handle: str) -> _Stream:
+        try:
+            return self._loaded.by_handle[handle]
+        except KeyError:
+            raise _RequestError(ErrorKind.PROTOCOL,
+                                f"stream {handle!r} has no ring in the load spec") from None
+
+    def _read(self, s: _Stream, ring: Ring) -> tuple[memoryview, int]:
+        """The next transfer of input stream ``s`` (acquired; the caller releases it)."""
+        if ring.readable():   # cheaper than try_acquire_read's WouldBlock when empty
+            try:
+                return ring.acquire_read(0)   # its inlined fast path
+            except RingTimeoutError:   # published, but the post is not there yet
+                pass
+        if s.mode == MODE_EVENT or s.mode == MODE_DIRECT_NOTIFY:
+            self._dev.post(Message(Op.NEED, index=s.index))
+        return self._wait_read(ring)
+
+    def _wait_read(self, ring: Ring) -> tuple[memoryview, int]:
+        """Wait for an input transfer: poll briefly, then block.
+
+        Waking a process that sleeps on a semaphore costs ~15-25 us on this project's
+        VMs, on both sides (the host's post becomes a futex wake of an idle vCPU). When
+        recent waits were short (a host sending requests back to back) the next input
+        is likely within _SPIN_NS: poll for it. A moving estimate of the waits (each
+        capped at 4 x _SPIN_NS, so that an idle spell is forgotten after a few quick
+        requests) turns polling off while inputs come slower than twice the budget, so an
+        idle or slow host does not lose a core to this process. (Twice: waits that block
+        include the wake-up, so a threshold of one budget could keep polling off for a
+        host that would be within it.)
+        """
+        clock = time.perf_counter_ns
+        t0 = clock()
+        if _SPIN_NS and self._wait_est_ns <= 2 * _SPIN_NS:
+            stop = t0 + _SPIN_NS
+            readable = ring.readable
+            yield_cpu = os.sched_yield
+            while not readable():
+                t = clock()
+                if t >= stop:
+                    break
+                yield_cpu()   # let the host run if it shares this vCPU
+                if clock() - t > _YIELDED_NS and not self._dev.keeps_apart:
+                    # Another task ran: this vCPU is shared (likely with the host). Block
+                    # instead: the wake-up lets the scheduler move one of us to an idle vCPU
+                    # (two polling processes on one vCPU are never separated).
+                    break
+            else:
+                try:
+                    got = ring.acquire_read(0)
+                    self._wait_est_ns = (7 * self._wait_est_ns + clock() - t0) >> 3
+                    return got
+                except RingTimeoutError:
+                    pass
+        got = self._dev.wait_on(ring.acquire_read)
+        self._wait_est_ns = (7 * self._wait_est_ns + min(clock() - t0, 4 * _SPIN_NS)) >> 3
+        return got
+
+    def _check_transfer(self, handle: str, view: memoryview, tag: int, nbytes: int) -> None:
+        if tag == TAG_ABORT:
+            raise _RequestError(ErrorKind.CALLBACK,
+                                f"the host could not produce input {handle!r}")
+        if len(view) != nbytes:
+            raise _RequestError(
+                ErrorKind.PROGRAM, f"input stream {handle!r}: the host wrote {len(view)} "
+                f"bytes, one transfer is {nbytes} bytes")
+
+    def read_input(self, handle: str, dest: memoryview) -> None:
+        s = self._stream(handle)
+        out = memoryview(dest).cast("B")
+        ring = s.ring
+        if s.mode == MODE_NULL or ring is None:
+            out[:] = bytes(len(out))
+            return
+        try:
+            view, tag = self._read(s, ring)
+        except RingInvalidatedError:  # disconnected: feed dummy data until the run returns
+            self.disconnected = True
+            out[:] = bytes(len(out))
+            return
+        try:
+            if tag == TAG_SHARED:
+                view = self._host_view(handle, view, len(out))
+            self._check_transfer(handle, view, tag, len(out))
+            out[:] = view
+        finally:
+            ring.release()
+
+    def write_output(self, handle: str, src: memoryview) -> None:
+        s = self._stream(handle)
+        ring = s.ring
+        if s.mode == MODE_NULL or ring is None:
+            return
+        data = memoryview(src).cast("B")
+        if self._redirect:
+            host = self._redirected(handle, len(data))
+            if host is not None:
+                host[:] = data
+                self._publish_redirected(s)
+                return
+        dev = self._dev
+        try:
+            view = dev.wait_on(ring.acquire_write)
+        except RingInvalidatedError:
+            self.disconnected = True
+            return
+        view[:len(data)] = data
+        ring.publish(len(data))
+        if s.mode == MODE_EVENT:
+            dev.post(Message(Op.OUT, index=s.index))
+
+    # -- zero-copy streams (interpreter.ZeroCopyStreamIO): onnxruntime uses the slots --
+
+    def _scratch(self, handle: str, nbytes: int) -> memoryview:
+        """Zeros for a null or disconnected input; a sink for such an output."""
+        buf = self._scratch_bufs.get(handle)
+        if buf is None or len(buf) != nbytes:
+            buf = self._scratch_bufs[handle] = bytearray(nbytes)
+        return memoryview(buf)
+
+    def acquire_input(self, handle: str, nbytes: int) -> memoryview:
+        s = self._loaded.by_handle.get(handle) or self._stream(handle)
+        ring = s.ring
+        if s.mode == MODE_NULL or ring is None:
+            return self._scratch(handle, nbytes)
+        try:
+            view, tag = self._read(s, ring)
+        except RingInvalidatedError:
+            self.disconnected = True
+            return self._scratch(handle, nbytes)
+        if tag == TAG_SHARED:
+            try:
+                view = self._host_view(handle, view, nbytes)
+            except BaseException:
+                ring.release()
+                raise
+        elif tag == TAG_ABORT or len(view) != nbytes:
+            try:
+                self._check_transfer(handle, view, tag, nbytes)
+            finally:
+                ring.release()
+        self._held_in[handle] = ring   # the slot (data or descriptor) until release_input
+        return view
+
+    def _host_view(self, handle: str, descriptor: memoryview, nbytes: int) -> memoryview:
+        """The transfer a TAG_SHARED slot points to, in the host's shared memory.
+
+        Outputs the descriptor redirects are written into host memory by this
+        Main iteration (see acquire_output and write_output).
+        """
+        try:
+            view, outputs = self._dev.host_memory.resolve(descriptor, nbytes)
+        except HostMemoryError as exc:
+            raise _RequestError(ErrorKind.PROTOCOL, f"input stream {handle!r}: {exc}") from None
+        for out_handle, out_view in outputs:
+            self._redirect[out_handle] = out_view
+        return view
+
+    def forget_redirects(self) -> None:
+        self._redirect.clear()
+        self._lent_host.clear()
+
+    def _redirected(self, handle: str, nbytes: int) -> memoryview | None:
+        """The host memory this iteration's output ``handle`` goes to, if redirected."""
+        view = self._redirect.pop(handle, None)
+        if view is not None and len(view) != nbytes:
+            raise _RequestError(ErrorKind.PROTOCOL, f"output stream {handle!r}: the host "
+                                f"gave {len(view)} bytes of memory, one transfer is {nbytes}")
+        return view
+
+    def _publish_redirected(self, s: _Stream) -> None:
+        """Tell the host that output ``s`` of this iteration is in its memory."""
+        ring = s.ring
+        assert ring is not None
+        try:
+            try:
+                ring.try_acquire_write()
+            except WouldBlock:
+                self._dev.wait_on(ring.acquire_write)
+        except RingInvalidatedError:
+            self.disconnected = True
+            return
+        ring.publish(0, TAG_SHARED)
+        if s.mode == MODE_EVENT:
+            self._dev.post(Message(Op.OUT, index=s.index))
+
+    def release_input(self, handle: str) -> None:
+        ring = self._held_in.pop(handle, None)
+        if ring is not None:
+            ring.release()
+
+    def acquire_output(self, handle: str, nbytes: int) -> memoryview:
+        s = self._loaded.by_handle.get(handle) or self._stream(handle)
+        ring = s.ring
+        if s.mode == MODE_NULL or ring is None:
+            return self._scratch(handle, nbytes)
+        if self._redirect:
+            host = self._redirected(handle, nbytes)
+            if host is not None:
+                self._lent_out[handle] = s
+                self._lent_host.add(handle)
+                return host
+        try:
+            if ring.writable():
+                try:
+                    view = ring.acquire_write(0)   # its inlined fast path
+                except RingTimeoutError:   # released, but the post is not there yet
+                    view = self._dev.wait_on(ring.acquire_write)
+            else:
+                view = self._dev.wait_on(ring.acquire_write)
+        except RingInvalidatedError:
+            self.disconnected = True
+            return self._scratch(handle, nbytes)
+        self._lent_out[handle] = s
+        return view[:nbytes]
+
+    def publish_output(self, handle: str) -> None:
+        s = self._lent_out.pop(handle, None)
+        if s is None or s.ring is None:   # null or disconnected: the transfer is dropped
+            return
+        if self._lent_host and handle in self._lent_host:
+            self._lent_host.discard(handle)
+            self._publish_redirected(s)
+            return
+        s.ring.publish(s.nbytes)
+        if s.mode == MODE_EVENT:
+            self._dev.post(Message(Op.OUT, index=s.index))
