@@ -586,6 +586,24 @@ slow:
 
 /* -- consumer ------------------------------------------------------------ */
 
+/* (obj, tag), stealing the reference to obj (NULL: an exception is set) */
+static PyObject *
+with_tag(PyObject *obj, int64_t tag)
+{
+    if (obj == NULL)
+        return NULL;
+    PyObject *t = PyLong_FromLongLong(tag);
+    PyObject *out = t == NULL ? NULL : PyTuple_New(2);
+    if (out == NULL) {
+        Py_XDECREF(t);
+        Py_DECREF(obj);
+        return NULL;
+    }
+    PyTuple_SET_ITEM(out, 0, obj);
+    PyTuple_SET_ITEM(out, 1, t);
+    return out;
+}
+
 /* The next readable slot after a token was taken: its index and byte count,
  * or -1 if its header is not the expected one (Python reports it). */
 static int64_t
@@ -628,23 +646,9 @@ acquire_read(Core *c, PyObject *timeout, int blocking)
         code = TOKEN;
         goto slow;
     }
-    PyObject *view = slot_view(c, i, nbytes);
-    if (view == NULL)
-        return NULL;
-    PyObject *t = PyLong_FromLongLong(slot_words(c, i)[2]);
-    if (t == NULL) {
-        Py_DECREF(view);
-        return NULL;
-    }
-    w[W_ACQUIRED] = k + 1;
-    PyObject *out = PyTuple_New(2);
-    if (out == NULL) {
-        Py_DECREF(view);
-        Py_DECREF(t);
-        return NULL;
-    }
-    PyTuple_SET_ITEM(out, 0, view);
-    PyTuple_SET_ITEM(out, 1, t);
+    PyObject *out = with_tag(slot_view(c, i, nbytes), slot_words(c, i)[2]);
+    if (out != NULL)
+        w[W_ACQUIRED] = k + 1;
     return out;
 slow:
     return fallback(c, method, code, first, &timeout, blocking ? 1 : 0);
@@ -725,16 +729,7 @@ Core_read(Core *c, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
     w[W_ACQUIRED] = k + 1;
     w[W_RELEASED] = k + 1;
     sem_post(c->free_sem);
-    PyObject *t = PyLong_FromLongLong(tag);
-    PyObject *out = t == NULL ? NULL : PyTuple_New(2);
-    if (out == NULL) {
-        Py_XDECREF(t);
-        Py_DECREF(data);
-        return NULL;
-    }
-    PyTuple_SET_ITEM(out, 0, data);
-    PyTuple_SET_ITEM(out, 1, t);
-    return out;
+    return with_tag(data, tag);
 slow:
     return fallback(c, s_read, code, first, a, 1);
 }
