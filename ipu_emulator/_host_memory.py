@@ -50,6 +50,12 @@ class HostMemory:
         # again and again (one look-up instead of ~2 us of parsing and slicing)
         self._resolved: dict[bytes, _Resolved] = {}
 
+    @property
+    def resolved(self) -> dict[bytes, "_Resolved"]:
+        """The cache behind :meth:`resolve` (the same dict for the life of this object),
+        for callers that look up before calling."""
+        return self._resolved
+
     def resolve(self, descriptor: memoryview, nbytes: int) -> _Resolved:
         """What ``descriptor`` (a slot's payload) points to: the ``nbytes`` of input and
         the (output handle, view) of each output to write into host memory."""

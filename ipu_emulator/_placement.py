@@ -39,18 +39,20 @@ class KeepApart:
     def __init__(self, host_pid: int) -> None:
         self._allowed = frozenset(os.sched_getaffinity(0))
         self._narrowed = False
-        self._next = 0.0
+        self.next_look = 0.0
         self.host_pid = host_pid
         self.enabled = (len(self._allowed) > 1 and host_pid > 0
                         and os.environ.get("IPU_EMULATOR_KEEP_APART", "1") != "0")
+        if not self.enabled:
+            self.next_look = float("inf")   # callers compare before calling check()
 
     def check(self) -> None:
         if not self.enabled:
             return
         now = time.monotonic()
-        if now < self._next:
+        if now < self.next_look:
             return
-        self._next = now + PERIOD
+        self.next_look = now + PERIOD
         try:
             host_cpu = _cpu_of(f"/proc/{self.host_pid}/stat")
             mine = _cpu_of("/proc/thread-self/stat")
@@ -64,6 +66,7 @@ class KeepApart:
                 self._narrowed = False
         except (OSError, ValueError, IndexError):   # host gone, /proc hidden, refused
             self.enabled = False
+            self.next_look = float("inf")
 
     def release(self) -> None:
         """Give the whole affinity back (the IPU process goes idle)."""

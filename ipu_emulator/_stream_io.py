@@ -11,12 +11,13 @@ input it polls briefly, then blocks in slices through ``DeviceProcess.wait_on``
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from shm import Region, Ring, RingInvalidatedError, RingTimeoutError, WouldBlock
+from shm import Region, Ring, RingInvalidatedError, RingTimeoutError
 
 from ipu_emulator._host_memory import HostMemoryError
 from ipu_emulator.protocol import (ErrorKind, Message, Op, MODE_DIRECT_NOTIFY, MODE_EVENT,
@@ -88,6 +89,7 @@ class _RingIO:
         self._lent_out: dict[str, _Stream] = {}    # zero-copy outputs acquired, not published
         self._scratch_bufs: dict[str, bytearray] = {}
         self._redirect: dict[str, memoryview] = {}   # output handle -> host memory (this iteration)
+        self._resolved = dev.host_memory.resolved     # descriptor bytes -> resolved (a cache)
         self._lent_host: set[str] = set()             # outputs lent as host memory, not published
 
     def _stream(self, handle: str) -> _Stream:
@@ -216,16 +218,28 @@ class _RingIO:
         if s.mode == MODE_NULL or ring is None:
             return self._scratch(handle, nbytes)
         try:
-            view, tag = self._read(s, ring)
+            if ring.readable():   # _read's fast path, written out
+                try:
+                    view, tag = ring.acquire_read(0)
+                except RingTimeoutError:   # published, but the post is not there yet
+                    view, tag = self._read(s, ring)
+            else:
+                view, tag = self._read(s, ring)
         except RingInvalidatedError:
             self.disconnected = True
             return self._scratch(handle, nbytes)
         if tag == TAG_SHARED:
-            try:
-                view = self._host_view(handle, view, nbytes)
-            except BaseException:
-                ring.release()
-                raise
+            got = self._resolved.get(view.tobytes())   # HostMemory.resolve's cache, first
+            if got is not None and len(got[0]) == nbytes:
+                view = got[0]
+                for out_handle, out_view in got[1]:
+                    self._redirect[out_handle] = out_view
+            else:
+                try:
+                    view = self._host_view(handle, view, nbytes)
+                except BaseException:
+                    ring.release()
+                    raise
         elif tag == TAG_ABORT or len(view) != nbytes:
             try:
                 self._check_transfer(handle, view, tag, nbytes)
@@ -266,13 +280,12 @@ class _RingIO:
         assert ring is not None
         try:
             try:
-                ring.try_acquire_write()
-            except WouldBlock:
-                self._dev.wait_on(ring.acquire_write)
+                ring.write(b"", TAG_SHARED, 0)
+            except RingTimeoutError:   # the host has not released a slot yet
+                self._dev.wait_on(functools.partial(ring.write, b"", TAG_SHARED))
         except RingInvalidatedError:
             self.disconnected = True
             return
-        ring.publish(0, TAG_SHARED)
         if s.mode == MODE_EVENT:
             self._dev.post(Message(Op.OUT, index=s.index))
 

@@ -430,6 +430,7 @@ class DeviceProcess:
         io = _RingIO(self, loaded)
         loop = msg.op is Op.LOOP
         control_readable = self.control.readable
+        apart = self._apart
         try:
             while True:
                 for p in programs:
@@ -441,12 +442,14 @@ class DeviceProcess:
                     # here instead of spinning on disconnected streams.
                     raise _RequestError(ErrorKind.STATE, "the main loop ended: its streams were "
                                         "disconnected (invalidated) by the host")
-                if _monotonic() >= self._next_host_check:
+                now = _monotonic()
+                if now >= self._next_host_check:
                     self._check_host()
                     self.poll_control()     # also notices an invalidated control ring
                 elif control_readable():
                     self.poll_control()
-                self._apart.check()
+                if now >= apart.next_look:
+                    apart.check()
         except _Stopped:
             self._apart.release()
             loaded.stopped = not self._stop_soft
