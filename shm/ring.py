@@ -103,7 +103,7 @@ from .region import Region
 from . import _registry
 
 try:
-    from . import _ringcore
+    import shm._ringcore as _ringcore
 except ImportError:  # built without the C extension: the pure-Python path does it all
     _ringcore = None  # type: ignore[assignment]
 if os.environ.get("IPU_EMULATOR_RING_C", "1") == "0":
@@ -319,10 +319,8 @@ class Ring:
 
     # -- waiting ------------------------------------------------------------
     #
-    # The hot paths below are written out in full (no helper calls when a
-    # token is there at once): every Python call costs ~60 ns, more right
-    # after a context switch, and a round trip through two rings makes a
-    # dozen of them. The pattern of each wait:
+    # The Python path (the C core's methods shadow it once a role is taken, see
+    # the module docstring). The pattern of each wait (_wait):
     #   check the invalid word (after close() it is a stand-in that raises
     #   ShmClosedError); one sem_timedwait of up to WAIT_SLICE; if that
     #   times out, _wait_slow() loops re-checking close, invalidation, the
@@ -397,7 +395,7 @@ class Ring:
             raise
 
     def _wait(self, sem: posix_ipc.Semaphore, timeout: float | None, what: str) -> None:
-        """Take one token of ``sem`` (the general path; hot paths write it out)."""
+        """Take one token of ``sem`` (the Python path's wait)."""
         if self._w[_INVALID]:
             self._raise_if_unusable()
         first = (WAIT_SLICE if timeout is None or timeout >= WAIT_SLICE
@@ -436,36 +434,18 @@ class Ring:
         Calling it again before :meth:`publish` returns the same slot.
         """
         w = self._w
-        if w[_HELD] or w[_INVALID] or not self._is_producer:
-            return self._acquire_write_general(timeout)
-        # _wait(self._free, ...) written out
-        sem = self._free
-        if self._spin_ns and not sem.value:
-            self._spin(sem)
-        try:
-            sem.acquire(WAIT_SLICE if timeout is None or timeout >= WAIT_SLICE
-                        else timeout if timeout > 0 else 0)
-        except posix_ipc.BusyError:
-            self._wait_slow(sem, timeout, "free slot",
-                            WAIT_SLICE if timeout is None else min(max(timeout, 0), WAIT_SLICE))
-        except posix_ipc.SignalError:
-            self._wait_slow(sem, timeout, "free slot", 0.0)
-        return self._took_free_token()
+        if w[_INVALID]:
+            self._raise_if_unusable()
+        if not w[_HELD]:
+            self._wait(self._free, timeout, "free slot")
+            self._took_write()
+        return self._payload[w[_PUBLISHED] % self._num_slots][:]
 
     def _took_free_token(self) -> memoryview:
         w = self._w
         if w[_INVALID]:
             self._raise_if_unusable()
         w[_HELD] = 1
-        return self._payload[w[_PUBLISHED] % self._num_slots][:]
-
-    def _acquire_write_general(self, timeout: float | None) -> memoryview:
-        w = self._w
-        if w[_INVALID]:
-            self._raise_if_unusable()
-        if not w[_HELD]:
-            self._wait(self._free, timeout, "free slot")
-            self._took_write()
         return self._payload[w[_PUBLISHED] % self._num_slots][:]
 
     def try_acquire_write(self) -> memoryview:
@@ -508,22 +488,7 @@ class Ring:
     def write(self, data: Any, tag: int = 0, timeout: float | None = None) -> None:
         """Acquire a slot, copy ``data`` (bytes-like, C-contiguous) into it, publish it."""
         data = self._message(data)
-        w = self._w
-        if w[_HELD] or w[_INVALID] or not self._is_producer:
-            self._acquire_write_general(timeout)
-        else:
-            # _wait(self._free, ...) written out
-            sem = self._free
-            if self._spin_ns and not sem.value:
-                self._spin(sem)
-            try:
-                sem.acquire(WAIT_SLICE if timeout is None or timeout >= WAIT_SLICE
-                            else timeout if timeout > 0 else 0)
-            except posix_ipc.BusyError:
-                self._wait_slow(sem, timeout, "free slot", WAIT_SLICE if timeout is None
-                                else min(max(timeout, 0), WAIT_SLICE))
-            except posix_ipc.SignalError:
-                self._wait_slow(sem, timeout, "free slot", 0.0)
+        Ring.acquire_write(self, timeout)   # the same slot if one is held already
         self._finish_write(data, tag)
 
     def _message(self, data: Any) -> Any:
@@ -563,38 +528,8 @@ class Ring:
         The view stays valid until the matching :meth:`release`; several
         slots may be acquired before releasing them (oldest first).
         """
-        w = self._w
-        if w[_INVALID]:
-            self._raise_if_unusable()
-        # _wait(self._full, ...) written out
-        sem = self._full
-        if self._spin_ns and not sem.value:
-            self._spin(sem)
-        try:
-            sem.acquire(WAIT_SLICE if timeout is None or timeout >= WAIT_SLICE
-                        else timeout if timeout > 0 else 0)
-        except posix_ipc.BusyError:
-            self._wait_slow(sem, timeout, "published slot",
-                            WAIT_SLICE if timeout is None else min(max(timeout, 0), WAIT_SLICE))
-        except posix_ipc.SignalError:
-            self._wait_slow(sem, timeout, "published slot", 0.0)
-        w = self._w
-        if w[_INVALID]:
-            self._raise_if_unusable()
-        # _took_read() written out
-        k = w[_ACQUIRED]
-        i = k % self._num_slots
-        base = self._slot_word[i]
-        if w[base] != k + 1 or not self._is_consumer:
-            return self._took_read_general(k, i, base)
-        nbytes = w[base + 1]
-        w[_ACQUIRED] = k + 1
-        if nbytes == self._slot_size:
-            return self._payload[i][:], w[base + 2]
-        if not 0 <= nbytes < self._slot_size:
-            raise ShmError(f"ring {self._name}: slot {i} claims {nbytes} bytes; "
-                           f"slot size is {self._slot_size}")
-        return self._payload[i][:nbytes], w[base + 2]
+        self._wait(self._full, timeout, "published slot")
+        return self._took_full_token()
 
     def try_acquire_read(self) -> tuple[memoryview, int]:
         """Like :meth:`acquire_read` but raise :class:`WouldBlock` if nothing is published."""
@@ -609,16 +544,19 @@ class Ring:
         i = k % self._num_slots
         return self._took_read_general(k, i, self._slot_word[i])
 
+    def _take_consumer_role(self) -> None:
+        self._is_consumer = True
+        self._w[_CONSUMER_PID] = self._pid
+        if self._core is not None:
+            self._core.consumer = 1   # from now on the C core serves this end
+
     def _took_read_general(self, k: int, i: int, base: int) -> tuple[memoryview, int]:
         w = self._w
         if w[base] != k + 1:
             raise ShmError(f"ring {self._name}: slot {i} holds message {w[base]}, expected "
                            f"{k + 1} (two producers, or a reset under a live peer?)")
         if not self._is_consumer:
-            self._is_consumer = True
-            w[_CONSUMER_PID] = self._pid
-            if self._core is not None:
-                self._core.consumer = 1
+            self._take_consumer_role()
         nbytes = w[base + 1]
         if not 0 <= nbytes <= self._slot_size:
             raise ShmError(f"ring {self._name}: slot {i} claims {nbytes} bytes; "
@@ -645,20 +583,12 @@ class Ring:
         """
         w = self._w
         k = w[_RELEASED]
-        if k != w[_ACQUIRED] or w[_INVALID] or not self._is_consumer:
-            return self._read_general(timeout)
-        # acquire_read() written out
-        sem = self._full
-        if self._spin_ns and not sem.value:
-            self._spin(sem)
-        try:
-            sem.acquire(WAIT_SLICE if timeout is None or timeout >= WAIT_SLICE
-                        else timeout if timeout > 0 else 0)
-        except posix_ipc.BusyError:
-            self._wait_slow(sem, timeout, "published slot",
-                            WAIT_SLICE if timeout is None else min(max(timeout, 0), WAIT_SLICE))
-        except posix_ipc.SignalError:
-            self._wait_slow(sem, timeout, "published slot", 0.0)
+        if k != w[_ACQUIRED]:
+            raise ShmError(f"ring {self._name}: read() while {w[_ACQUIRED] - k} slot(s) from "
+                           "acquire_read() are not released; release() them first")
+        self._wait(self._full, timeout, "published slot")
+        if not self._is_consumer:
+            self._take_consumer_role()
         return self._finish_read()
 
     def _finish_read(self) -> tuple[bytes, int]:
@@ -678,17 +608,6 @@ class Ring:
         tag = w[base + 2]
         w[_ACQUIRED] = w[_RELEASED] = k + 1
         self._free.release()
-        return data, tag
-
-    def _read_general(self, timeout: float | None) -> tuple[bytes, int]:
-        w = self._w
-        k = w[_RELEASED]
-        if k != w[_ACQUIRED]:
-            raise ShmError(f"ring {self._name}: read() while {w[_ACQUIRED] - k} slot(s) from "
-                           "acquire_read() are not released; release() them first")
-        view, tag = self.acquire_read(timeout)
-        data = view.tobytes()
-        self.release()
         return data, tag
 
     def readable(self) -> int:
