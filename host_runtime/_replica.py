@@ -278,7 +278,9 @@ class Replica(ReplicaTimers):
 
     def _reset(self) -> None:
         """auto_reset: restart the device (a new session on a fresh device) and reload."""
-        _log.warning("replica %d: auto_reset after %s", self.rid, self._error)
+        # formatted now: a record holding the error would keep its traceback (and the
+        # failed requests' memory) alive for as long as a handler keeps the record
+        _log.warning("replica %d: auto_reset after %s", self.rid, str(self._error))
         old = self._session
         self._session = None
         if old is not None:

@@ -135,3 +135,45 @@ def test_region_is_freed_with_its_last_view():
 def test_bad_allocations_are_refused(shape, dtype, match):
     with pytest.raises(ValueError, match=match):
         model_runtime.empty_shared(shape, dtype)
+
+
+def _write_big_gather(path) -> str:
+    """out = x[idx] with x float[4096], idx int64[2048]: every tensor is shareable."""
+    from onnx import TensorProto, helper
+
+    from host_runtime.poprt.compiler import write_popef
+    from ipu_emulator.compiler import CompileOptions, ModelSpec, compile_onnx
+
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["x", "idx"], ["out"], axis=0)], "big_gather",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4096]),
+         helper.make_tensor_value_info("idx", TensorProto.INT64, [2048])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [2048])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    write_popef(compile_onnx(ModelSpec(model), CompileOptions(name="big_gather")), str(path))
+    return str(path)
+
+
+def test_a_failing_iteration_with_shared_memory_then_auto_reset(tmp_path):
+    from host_runtime.errors import DeviceExecutionError
+
+    path = _write_big_gather(tmp_path / "big_gather.popef")
+    x = model_runtime.empty_shared((4096,), np.float32)
+    x[...] = np.arange(4096, dtype=np.float32)
+    idx = model_runtime.empty_shared((2048,), np.int64)
+    out = model_runtime.empty_shared((2048,), np.float32)
+    cfg = model_runtime.ModelRunnerConfig(auto_reset=True)
+    with model_runtime.ModelRunner(path, config=cfg) as runner:
+        idx[...] = np.arange(2048)[::-1]
+        runner.execute({"x": x, "idx": idx}, {"out": out})
+        np.testing.assert_array_equal(out, x[idx])
+        idx[5] = 99999                           # out of bounds: onnxruntime fails
+        out[...] = -1.0
+        with pytest.raises(DeviceExecutionError, match="onnxruntime"):
+            runner.execute({"x": x, "idx": idx}, {"out": out})
+        idx[5] = 5
+        private = np.zeros(2048, np.float32)
+        runner.execute({"x": x, "idx": idx}, {"out": private})   # after the reset
+        np.testing.assert_array_equal(private, x[idx])
+        runner.execute({"x": x, "idx": idx}, {"out": out})
+        np.testing.assert_array_equal(out, x[idx])
