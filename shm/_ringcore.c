@@ -242,6 +242,35 @@ unregister_waiter(int idx)
     pthread_mutex_unlock(&wlock);
 }
 
+/* fork(): the child has no watchdog thread, and wlock must not be left locked by a
+ * thread that does not exist there. Hold it across the fork; the child starts
+ * again with no waiters and no watchdog (the next untimed wait starts one). */
+static void
+before_fork(void)
+{
+    pthread_mutex_lock(&wlock);
+}
+
+static void
+after_fork_parent(void)
+{
+    pthread_mutex_unlock(&wlock);
+}
+
+static void
+after_fork_child(void)
+{
+    memset(waiters, 0, sizeof(waiters));
+    watchdog_state = 0;
+    registrations = 0;
+    pthread_mutex_unlock(&wlock);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&wcond, &ca);
+    pthread_condattr_destroy(&ca);
+}
+
 static int
 setup_waits(void)
 {
@@ -250,6 +279,8 @@ setup_waits(void)
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_cond_init(&wcond, &ca);
     pthread_condattr_destroy(&ca);
+    if (pthread_atfork(before_fork, after_fork_parent, after_fork_child) != 0)
+        return -1;
     wake_signal = SIGRTMIN + 6;
     struct sigaction sa;
     memset(&sa, 0, sizeof(sa));

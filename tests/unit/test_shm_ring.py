@@ -387,3 +387,30 @@ def test_a_signal_handler_interrupts_a_blocked_wait(pair) -> None:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
+
+
+def _wait_in_forked_child(consumer) -> None:
+    try:
+        consumer.read(timeout=0.3)   # an untimed wait that only the watchdog ends
+    except RingTimeoutError:
+        os._exit(0)
+    os._exit(3)
+
+
+def test_untimed_waits_still_end_in_a_forked_child(pair) -> None:
+    """The watchdog thread does not survive fork(): the child must start its own."""
+    import multiprocessing as mp
+
+    producer, consumer = pair
+    if consumer._core is None:
+        pytest.skip("the pure-Python path waits in timed slices")
+    with pytest.raises(RingTimeoutError):
+        consumer.read(timeout=0.2)   # the parent's watchdog is running now
+    child = mp.get_context("fork").Process(target=_wait_in_forked_child, args=(consumer,))
+    child.start()
+    child.join(20)
+    if child.is_alive():
+        child.kill()
+        child.join()
+        pytest.fail("the forked child's wait never ended")
+    assert child.exitcode == 0
