@@ -24,11 +24,16 @@ _pool: Optional[cf.ThreadPoolExecutor] = None
 _ONE = (os.cpu_count() or 1) < 2
 
 
+_pool_pid = 0
+
+
 def _helper() -> cf.ThreadPoolExecutor:
-    global _pool
+    global _pool, _pool_pid
     with _lock:
-        if _pool is None:
+        # a forked child inherits the executor but not its thread: make its own
+        if _pool is None or _pool_pid != os.getpid():
             _pool = cf.ThreadPoolExecutor(1, thread_name_prefix="ipu-emulator-copy")
+            _pool_pid = os.getpid()
         return _pool
 
 

@@ -16,3 +16,28 @@ def test_every_byte_arrives(n):
     copy_bytes(memoryview(dst)[8:8 + n], memoryview(src))
     np.testing.assert_array_equal(dst[8:8 + n], src)
     assert not dst[:8].any() and not dst[8 + n:].any()   # nothing outside the window
+
+
+def _copy_in_child() -> None:
+    import os
+
+    n = PARALLEL_MIN_BYTES + 3
+    src = np.arange(n, dtype=np.uint8)
+    dst = np.zeros(n, np.uint8)
+    copy_bytes(memoryview(dst), memoryview(src))
+    os._exit(0 if np.array_equal(dst, src) else 3)
+
+
+def test_a_forked_child_copies_with_its_own_helper_thread():
+    import multiprocessing as mp
+
+    n = PARALLEL_MIN_BYTES
+    copy_bytes(memoryview(np.zeros(n, np.uint8)), memoryview(np.ones(n, np.uint8)))  # helper up
+    child = mp.get_context("fork").Process(target=_copy_in_child)
+    child.start()
+    child.join(30)
+    if child.is_alive():
+        child.kill()
+        child.join()
+        pytest.fail("the forked child's copy never finished")
+    assert child.exitcode == 0
