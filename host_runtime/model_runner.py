@@ -54,7 +54,10 @@ _atexit_registered = False
 def _close_live_runners() -> None:
     """At exit, close runners the program did not close (the seeds' listings never do),
     before the device manager's own exit hook stops their devices underneath them."""
+    me = os.getpid()
     for runner in list(_live_runners):
+        if runner._owner_pid != me:   # a forked child: the runners belong to its parent
+            continue
         try:
             runner.close()
         except Exception:  # pragma: no cover - best effort at exit
@@ -124,6 +127,7 @@ class ModelRunner:
             for dev in self._attached.values():   # not taken by a session: ours to release
                 dev.close()
             self._attached.clear()
+        self._owner_pid = os.getpid()
         _live_runners.add(self)
         _register_exit_hook()
 

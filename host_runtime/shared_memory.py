@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import os
 import threading
 import weakref
 from typing import Any, Optional
@@ -60,7 +61,7 @@ def empty_shared(shape: Any, dtype: Any = np.float32) -> np.ndarray:
     arr = region.ndarray(dt, shp)
     base = _address(region.buf)
     _add(base, base + region.size, region.name)
-    weakref.finalize(arr, _free, base, region)
+    weakref.finalize(arr, _free, base, region, os.getpid())
     return arr
 
 
@@ -91,11 +92,16 @@ def _add(base: int, end: int, name: str) -> None:
         _table = ([e[0] for e in entries], entries)
 
 
-def _free(base: int, region: Region) -> None:
-    """The array and all its views are gone: forget, unmap and unlink the region."""
+def _free(base: int, region: Region, creator: int) -> None:
+    """The array and all its views are gone: forget, unmap and unlink the region.
+
+    Only the creating process unlinks: a forked child's copies of the array
+    going away must not take the name from its parent (and the IPU processes).
+    """
     global _table
     with _lock:
         entries = [e for e in _table[1] if e[0] != base]
         _table = ([e[0] for e in entries], entries)
     region.close()
-    region.unlink()
+    if os.getpid() == creator:
+        region.unlink()

@@ -177,3 +177,27 @@ def test_a_failing_iteration_with_shared_memory_then_auto_reset(tmp_path):
         np.testing.assert_array_equal(private, x[idx])
         runner.execute({"x": x, "idx": idx}, {"out": out})
         np.testing.assert_array_equal(out, x[idx])
+
+
+def test_a_forked_child_exiting_keeps_the_parents_region_and_runner(runner, weights):
+    """A child of fork() that exits normally runs the exit hooks: the array's finalizer
+    and the runners' and devices' hooks. The parent's region and runner must survive."""
+    a = model_runtime.empty_shared((1024,), np.float32)
+    check = model_runtime.empty_shared(SHAPE), model_runtime.empty_shared(SHAPE)
+    check[0][...], check[1][...] = 2.0, 1.0
+    path = os.path.join(naming.SHM_DIR, _region_of(a).lstrip("/"))
+    pid = os.fork()
+    if pid == 0:   # the child: exit as an interpreter does, through its exit hooks
+        import atexit
+        try:
+            atexit._run_exitfuncs()
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert os.path.exists(path)      # still the parent's
+    out = runner.execute({"tensor_A": check[0], "tensor_B": check[1]})["tensor_C"]
+    np.testing.assert_allclose(out, 2.0 * weights + 1.0, rtol=1e-6)   # still running
+    del a
+    gc.collect()
+    assert not os.path.exists(path)
