@@ -30,6 +30,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable
 
 from host_runtime._daemon_client import DaemonAttachment, DaemonClient, daemon_from_env
+from host_runtime._lifetime import close_owned
 from host_runtime.errors import BadRequestError, DeviceUnavailableError, InvalidStateError
 from host_runtime.popef.model import Model
 from ipu_emulator.launcher import IpuConnection, IpuSpec, launch_ipu
@@ -145,14 +146,7 @@ _live_devices: "set[Device]" = set()
 
 @atexit.register
 def _close_live_devices() -> None:
-    me = os.getpid()
-    for dev in list(_live_devices):
-        if dev._owner_pid != me:   # a forked child: the devices belong to its parent
-            continue
-        try:
-            dev.close()
-        except Exception:  # pragma: no cover - best effort at exit
-            _log.exception("closing %s at exit", dev)
+    close_owned(_live_devices)
 
 
 class Device:

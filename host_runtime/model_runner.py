@@ -31,6 +31,7 @@ import numpy as np
 
 from host_runtime import popef
 from host_runtime._batching import TensorSpec
+from host_runtime._lifetime import close_owned
 from host_runtime._replica import Replica, ReplicaSetup
 from host_runtime._requests import OutputFuture, Request
 from host_runtime.config import DataDesc, ModelRunnerConfig
@@ -54,14 +55,7 @@ _atexit_registered = False
 def _close_live_runners() -> None:
     """At exit, close runners the program did not close (the seeds' listings never do),
     before the device manager's own exit hook stops their devices underneath them."""
-    me = os.getpid()
-    for runner in list(_live_runners):
-        if runner._owner_pid != me:   # a forked child: the runners belong to its parent
-            continue
-        try:
-            runner.close()
-        except Exception:  # pragma: no cover - best effort at exit
-            _log.exception("closing %r at exit", runner)
+    close_owned(_live_runners)
 
 
 def _register_exit_hook() -> None:
