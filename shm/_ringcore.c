@@ -421,10 +421,26 @@ first_wait(Core *c, PyObject *timeout, double *first)
     return 0;
 }
 
-/* Hand over to the Python path: ring._c_<op>(code, first, *args). */
+/* Take a token of `sem` for a call with `timeout` (ignored unless `blocking`: else a
+ * trywait), setting *first to the first wait used. Returns 0 (taken), GENERAL (a
+ * timeout that is not a number: the Python path reports it), NO_TOKEN or FAILED. */
+static int
+take_for(Core *c, sem_t *sem, PyObject *timeout, int blocking, double *first)
+{
+    *first = 0;
+    if (blocking && first_wait(c, timeout, first) < 0) {
+        PyErr_Clear();
+        return GENERAL;
+    }
+    return take(c, sem, *first);
+}
+
+/* Hand over to the Python path: ring._c_<op>(code, first, *args); FAILED: raise. */
 static PyObject *
 fallback(Core *c, PyObject *method, int code, double first, PyObject **args, int n)
 {
+    if (code == FAILED)   /* a signal handler raised during the wait */
+        return NULL;
     PyObject *ring = PyWeakref_GetObject(c->ring);
     if (ring == NULL)
         return NULL;
@@ -494,10 +510,6 @@ Core_write(Core *c, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
             goto slow;
         }
     }
-    if (first_wait(c, a[2], &first) < 0) {
-        PyErr_Clear();
-        goto slow;
-    }
     Py_buffer b;
     if (PyObject_GetBuffer(a[0], &b, PyBUF_SIMPLE) < 0) {
         PyErr_Clear();
@@ -507,12 +519,8 @@ Core_write(Core *c, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
         PyBuffer_Release(&b);
         goto slow;
     }
-    int r = take(c, c->free_sem, first);
-    if (r != 0) {
+    if ((code = take_for(c, c->free_sem, a[2], 1, &first)) != 0) {
         PyBuffer_Release(&b);
-        if (r == FAILED)
-            return NULL;
-        code = r;
         goto slow;
     }
     if (w[W_INVALID]) {
@@ -546,17 +554,8 @@ acquire_write(Core *c, PyObject *timeout, int blocking)
     PyObject *method = blocking ? s_acquire_write : s_try_acquire_write;
     if (c->closed || !c->producer || w[W_INVALID] || w[W_HELD])
         goto slow;
-    if (blocking && first_wait(c, timeout, &first) < 0) {
-        PyErr_Clear();
+    if ((code = take_for(c, c->free_sem, timeout, blocking, &first)) != 0)
         goto slow;
-    }
-    int r = take(c, c->free_sem, first);
-    if (r != 0) {
-        if (r == FAILED)
-            return NULL;
-        code = r;
-        goto slow;
-    }
     if (w[W_INVALID]) {
         code = TOKEN;
         goto slow;
@@ -659,17 +658,8 @@ acquire_read(Core *c, PyObject *timeout, int blocking)
     PyObject *method = blocking ? s_acquire_read : s_try_acquire_read;
     if (c->closed || !c->consumer || w[W_INVALID])
         goto slow;
-    if (blocking && first_wait(c, timeout, &first) < 0) {
-        PyErr_Clear();
+    if ((code = take_for(c, c->full_sem, timeout, blocking, &first)) != 0)
         goto slow;
-    }
-    int r = take(c, c->full_sem, first);
-    if (r != 0) {
-        if (r == FAILED)
-            return NULL;
-        code = r;
-        goto slow;
-    }
     int64_t nbytes = 0;
     int64_t k = w[W_ACQUIRED];
     int64_t i = w[W_INVALID] ? -1 : next_readable(c, k, &nbytes);
@@ -728,17 +718,8 @@ Core_read(Core *c, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
     int64_t k = w[W_RELEASED];
     if (c->closed || !c->consumer || k != w[W_ACQUIRED] || w[W_INVALID])
         goto slow;
-    if (first_wait(c, a[0], &first) < 0) {
-        PyErr_Clear();
+    if ((code = take_for(c, c->full_sem, a[0], 1, &first)) != 0)
         goto slow;
-    }
-    int r = take(c, c->full_sem, first);
-    if (r != 0) {
-        if (r == FAILED)
-            return NULL;
-        code = r;
-        goto slow;
-    }
     int64_t nbytes = 0;
     int64_t i = w[W_INVALID] ? -1 : next_readable(c, k, &nbytes);
     if (i < 0) {
