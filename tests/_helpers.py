@@ -100,6 +100,16 @@ def spawn(target: Any, *args: Any) -> mp.process.BaseProcess:
     return proc
 
 
+def finish(proc: mp.process.BaseProcess, timeout: float = 120) -> None:
+    """Join a child process; fail the test if it hangs or exits non-zero."""
+    proc.join(timeout)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+        pytest.fail(f"child process {proc.pid} did not finish within {timeout:g} s")
+    assert proc.exitcode == 0, f"child process failed with exit code {proc.exitcode} (see stderr)"
+
+
 # -- fixtures -------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import random
 
@@ -12,16 +11,8 @@ import shm.ring as ring_module
 from shm import Ring, _peers, naming
 from shm.cleanup import list_objects
 from tests._helpers import SPAWN as _CTX
+from tests._helpers import finish as _finish
 from tests._helpers import spawn as _run_peer
-
-
-def _finish(proc: mp.process.BaseProcess) -> None:
-    proc.join(120)
-    if proc.is_alive():
-        proc.kill()
-        proc.join()
-        pytest.fail(f"peer process {proc.pid} did not finish")
-    assert proc.exitcode == 0, f"peer process failed with exit code {proc.exitcode} (see stderr)"
 
 
 @pytest.mark.parametrize("seed", range(8))

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from host_runtime._copy import PARALLEL_MIN_BYTES, copy_bytes
+from tests._helpers import finish
 
 
 @pytest.mark.parametrize("n", [0, 1, 4095, PARALLEL_MIN_BYTES - 1, PARALLEL_MIN_BYTES,
@@ -35,9 +36,4 @@ def test_a_forked_child_copies_with_its_own_helper_thread():
     copy_bytes(memoryview(np.zeros(n, np.uint8)), memoryview(np.ones(n, np.uint8)))  # helper up
     child = mp.get_context("fork").Process(target=_copy_in_child)
     child.start()
-    child.join(30)
-    if child.is_alive():
-        child.kill()
-        child.join()
-        pytest.fail("the forked child's copy never finished")
-    assert child.exitcode == 0
+    finish(child, 30)

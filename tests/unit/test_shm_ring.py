@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import shm.ring as ring_module
+from tests._helpers import finish
 from shm import (PeerDiedError, Ring, RingInvalidatedError, RingTimeoutError, ShmClosedError,
                  ShmError, WouldBlock)
 
@@ -408,9 +409,4 @@ def test_untimed_waits_still_end_in_a_forked_child(pair) -> None:
         consumer.read(timeout=0.2)   # the parent's watchdog is running now
     child = mp.get_context("fork").Process(target=_wait_in_forked_child, args=(consumer,))
     child.start()
-    child.join(20)
-    if child.is_alive():
-        child.kill()
-        child.join()
-        pytest.fail("the forked child's wait never ended")
-    assert child.exitcode == 0
+    finish(child, 20)
