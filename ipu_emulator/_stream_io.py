@@ -106,6 +106,10 @@ class _RingIO:
                 return ring.acquire_read(0)   # its inlined fast path
             except RingTimeoutError:   # published, but the post is not there yet
                 pass
+        return self._read_slow(s, ring)
+
+    def _read_slow(self, s: _Stream, ring: Ring) -> tuple[memoryview, int]:
+        """``_read`` once the input is not there at once: tell the host, then wait."""
         if s.mode == MODE_EVENT or s.mode == MODE_DIRECT_NOTIFY:
             self._dev.post(Message(Op.NEED, index=s.index))
         return self._wait_read(ring)
@@ -222,9 +226,9 @@ class _RingIO:
                 try:
                     view, tag = ring.acquire_read(0)
                 except RingTimeoutError:   # published, but the post is not there yet
-                    view, tag = self._read(s, ring)
+                    view, tag = self._read_slow(s, ring)
             else:
-                view, tag = self._read(s, ring)
+                view, tag = self._read_slow(s, ring)
         except RingInvalidatedError:
             self.disconnected = True
             return self._scratch(handle, nbytes)
