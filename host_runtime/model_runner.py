@@ -436,8 +436,8 @@ class ModelRunner:
                       internal=internal, given=given)
         return req, transfers, phantom, view_mode
 
-    def _build_plain(self, rep: Replica, inputs: dict, t0: int, plain_results: bool
-                     ) -> Optional[Request]:
+    def _build_plain(self, rep: Replica, inputs: Any, outputs: Any, t0: int,
+                     plain_results: bool) -> Optional[Request]:
         """``_build`` for the common request, or None when ``inputs`` is not one.
 
         The common request: a plain dict holding exactly the model's execute
@@ -446,6 +446,8 @@ class ModelRunner:
         ``execute``; else as TensorMemory, for futures). Anything else takes
         ``_build``, which checks and reports it.
         """
+        if not self._plain_ok or outputs is not None or inputs.__class__ is not dict:
+            return None
         specs = self._exec_specs
         if len(inputs) != len(specs):
             return None
@@ -557,8 +559,8 @@ class ModelRunner:
     def _execute(self, input_data: Any, output_data: Any, replica_id: int) -> Any:
         t0 = time.perf_counter_ns()
         rep = self._replica(replica_id)
-        if (self._plain_ok and output_data is None and input_data.__class__ is dict
-                and (req := self._build_plain(rep, input_data, t0, True)) is not None):
+        req = self._build_plain(rep, input_data, output_data, t0, True)
+        if req is not None:
             rep.submit(req, 1, None)
             rep.wait_for(req, None)
             if req.error is not None:
@@ -587,8 +589,8 @@ class ModelRunner:
     def _execute_async(self, input_data: Any, output_data: Any, replica_id: int) -> OutputFuture:
         t0 = time.perf_counter_ns()
         rep = self._replica(replica_id)
-        if (self._plain_ok and output_data is None and input_data.__class__ is dict
-                and (req := self._build_plain(rep, input_data, t0, False)) is not None):
+        req = self._build_plain(rep, input_data, output_data, t0, False)
+        if req is not None:
             transfers, phantom = 1, None
         else:
             req, transfers, phantom, _ = self._build(rep, input_data, output_data, t0)
