@@ -17,11 +17,11 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from shm import Region, Ring, RingInvalidatedError, RingTimeoutError
+from shm import Region, Ring, RingInvalidatedError, RingTimeoutError, ring_step
 
 from ipu_emulator._host_memory import HostMemoryError
-from ipu_emulator.protocol import (ErrorKind, Message, Op, MODE_DIRECT_NOTIFY, MODE_EVENT,
-                                   MODE_NULL, TAG_ABORT, TAG_SHARED)
+from ipu_emulator.protocol import (ErrorKind, Message, Op, MODE_DIRECT, MODE_DIRECT_NOTIFY,
+                                   MODE_EVENT, MODE_NULL, TAG_ABORT, TAG_SHARED)
 
 if TYPE_CHECKING:  # pragma: no cover
     from ipu_emulator.process import DeviceProcess
@@ -31,6 +31,13 @@ __all__ = ["_Loaded", "_RequestError", "_RingIO", "_Stream"]
 _SPIN_NS = int(float(os.environ.get("IPU_EMULATOR_DEVICE_SPIN_US", "50")) * 1000)
 """Longest poll of an empty input ring before blocking (0: never poll); see _RingIO._wait_read."""
 _YIELDED_NS = int(float(os.environ.get("IPU_EMULATOR_YIELDED_US", "5")) * 1000) or 1 << 62
+
+
+_NO_STEP = object()
+# Streams a C step may serve: an input in event mode posts NEED only when it has to wait
+# (and a step never waits); an output in event mode posts OUT after each publish.
+_STEP_IN_MODES = (MODE_EVENT, MODE_DIRECT, MODE_DIRECT_NOTIFY)
+_STEP_OUT_MODES = (MODE_DIRECT, MODE_DIRECT_NOTIFY)
 
 
 class _RequestError(Exception):
@@ -60,8 +67,12 @@ class _Loaded:
         self.streams: list[_Stream] = []
         self.by_handle: dict[str, _Stream] = {}
         self.stopped = False
+        # interpreter ZeroCopyGroup -> its C step over these streams (None: the group runs
+        # step by step); emptied whenever the streams or their modes change
+        self.steps: dict[Any, Any] = {}
 
     def close_streams(self) -> None:
+        self.steps.clear()
         for s in self.streams:
             if s.ring is not None:
                 s.ring.close()
@@ -91,6 +102,38 @@ class _RingIO:
         self._redirect: dict[str, memoryview] = {}   # output handle -> host memory (this iteration)
         self._resolved = dev.host_memory.resolved     # descriptor bytes -> resolved (a cache)
         self._lent_host: set[str] = set()             # outputs lent as host memory, not published
+
+    # -- a whole Main iteration's run in one C call (interpreter.ZeroCopyGroup) --
+
+    def run_group(self, group: Any) -> bool:
+        """Do ``group``'s StreamIns, Execute and StreamOuts in one C call, if every
+        transfer is there at once (see shm.ring_step); False: nothing was done."""
+        if self._redirect:   # outputs an earlier input of this iteration sent to the host
+            return False
+        steps = self._loaded.steps
+        step = steps.get(group, _NO_STEP)
+        if step is _NO_STEP:
+            step = steps[group] = self._make_step(group)
+        return step is not None and step.run()  # type: ignore[no-any-return]
+
+    def _make_step(self, group: Any) -> Any:
+        """The C step of ``group`` over this session's streams, or None (the Python path
+        serves it: a stream null, in event mode, without a ring or without the C core)."""
+        by_handle = self._loaded.by_handle
+        ins, outs = [], []
+        for handles, rings, modes in ((group.in_handles, ins, _STEP_IN_MODES),
+                                      (group.out_handles, outs, _STEP_OUT_MODES)):
+            for h in handles:
+                s = by_handle.get(h)
+                if s is None or s.ring is None or s.mode not in modes:
+                    return None
+                rings.append(s.ring)
+        try:
+            return ring_step(tuple(ins), group.in_sizes, tuple(outs), group.out_sizes,
+                             output_names=group.out_handles, descriptors=self._resolved,
+                             descriptor_tag=TAG_SHARED, calls=group.calls)
+        except (TypeError, ValueError):   # e.g. a transfer larger than its slots
+            return None
 
     def _stream(self, handle: str) -> _Stream:
         try:

@@ -25,6 +25,13 @@ input transfers and write output transfers in place, for the streams
 
 Every other stream, and every ``StreamIO`` without those methods, takes the
 general path above; the device memory of a zero-copy tensor is not written.
+
+Where an instruction list has the zero-copy ``StreamIn``s of an ``Execute``
+right before it and its zero-copy ``StreamOut``s right after it (what the
+compiler emits for a Main iteration), the run of them is one step: it first
+offers the ``StreamIO`` its ``ZeroCopyGroup`` (``run_group``, optional), which
+may do the whole run in one call (the IPU process does it in C when every
+transfer is there); else the steps run one by one as above.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 import numpy as np
@@ -42,7 +50,7 @@ from ipu_emulator.executable import (
     numpy_dtype)
 from ipu_emulator._zerocopy import ZeroCopyPlan, plan_zero_copy
 
-__all__ = ["Interpreter", "StreamIO", "CallableStreamIO", "ZeroCopyStreamIO"]
+__all__ = ["Interpreter", "StreamIO", "CallableStreamIO", "ZeroCopyGroup", "ZeroCopyStreamIO"]
 
 _log = logging.getLogger(__name__)
 
@@ -81,6 +89,26 @@ class ZeroCopyStreamIO(StreamIO, Protocol):
 
     def publish_output(self, handle: str) -> None:
         """The buffer of ``acquire_output(handle)`` holds the transfer: send it."""
+
+
+@dataclass(eq=False)
+class ZeroCopyGroup:
+    """The zero-copy ``StreamIn``s, the ``Execute`` and the ``StreamOut``s of one run.
+
+    A ``StreamIO`` may have ``run_group(group) -> bool``: do the whole run at
+    once (acquire one transfer of each input and a buffer of each output, call
+    ``fn(*args)`` for ``calls[(input addresses..., output addresses...)] ==
+    (binding, fn, args)``, publish the outputs, release the inputs) and return
+    True; or do nothing and return False (the steps then run one by one, and
+    they add the missing ``calls`` entry). It raises only what ``fn`` raised.
+    """
+
+    in_handles: tuple[str, ...]
+    in_sizes: tuple[int, ...]
+    out_handles: tuple[str, ...]
+    out_sizes: tuple[int, ...]
+    calls: dict[tuple[int, ...], tuple[Any, Callable[..., Any], tuple[Any, ...]]] = field(
+        default_factory=dict)
 
 
 class CallableStreamIO:
@@ -169,6 +197,7 @@ class Interpreter:
         self._zc_out = self.zero_copy.output_tensors
         self._zc_views: dict[str, memoryview] = {}     # input handle -> acquired transfer
         self._zc_deferred: list[str] = []   # inputs whose Execute ran, released after a publish
+        self._groups: dict[int, ZeroCopyGroup] = {}   # id(Execute) -> its group (see _compile)
         self._programs: list[list[_Step]] = [self._compile(p.body) for p in exe.programs]
         self._programs_zc = self._programs
         if _ZERO_COPY and (self._zc_in or self._zc_out):
@@ -244,7 +273,41 @@ class Interpreter:
     # -- compiling programs into closures -----------------------------------------
 
     def _compile(self, body: tuple[Instruction, ...], zc: bool = False) -> list[_Step]:
-        return [self._step(i, zc) for i in body]
+        steps = [self._step(i, zc) for i in body]
+        if not zc:
+            return steps
+        # Fuse each [zero-copy StreamIns, Execute, zero-copy StreamOuts] run into one step,
+        # from the last so that earlier indices stay valid.
+        for p in reversed(range(len(body))):
+            i = body[p]
+            group = self._groups.get(id(i)) if isinstance(i, Execute) else None
+            if group is None:
+                continue
+            a, b = p - len(group.in_handles), p + 1 + len(group.out_handles)
+            ins, outs = body[max(a, 0):p], body[p + 1:b]
+            if (a >= 0 and b <= len(body)
+                    and all(isinstance(s, StreamIn) for s in ins)
+                    and {s.handle for s in ins} == set(group.in_handles)   # type: ignore[union-attr]
+                    and all(isinstance(s, StreamOut) for s in outs)
+                    and {s.handle for s in outs} == set(group.out_handles)):  # type: ignore[union-attr]
+                steps[a:b] = [self._fused(group, steps[a:b], i)]
+        return steps
+
+    def _fused(self, group: ZeroCopyGroup, steps: list[_Step], i: Execute) -> _Step:
+        gid, exe_name = i.graph, self.executable.name
+
+        def fused(io: Any) -> None:
+            run_group = getattr(io, "run_group", None)
+            if run_group is not None:
+                try:
+                    if run_group(group):
+                        return
+                except Exception as exc:
+                    raise DeviceProgramError(f"executable {exe_name!r}: graph {gid} failed in "
+                                             f"onnxruntime: {exc}") from exc
+            for step in steps:
+                step(io)
+        return fused
 
     def _step(self, i: Instruction, zc: bool = False) -> _Step:
         if zc and isinstance(i, StreamIn) and i.handle in self.zero_copy.inputs:
@@ -334,12 +397,12 @@ class Interpreter:
                 passthrough.append((self.arrays[bound_inputs[onnx_name]], arr))
                 continue
             binding.bind_output(onnx_name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
-        run = _runner(sess, binding)
+        run, run_args = _runner(sess, binding)
         gid, exe_name = i.graph, self.executable.name
 
         def execute(io: StreamIO) -> None:
             try:
-                run()
+                run(*run_args)
             except Exception as exc:
                 raise DeviceProgramError(
                     f"executable {exe_name!r}: graph {gid} failed in onnxruntime: {exc}") from exc
@@ -382,10 +445,14 @@ class Interpreter:
                 zc_out.append((onnx_name, h, arr))
         in_handles = [h for _, h, _ in zc_in]
         out_specs = [(h, arr.nbytes) for _, h, arr in zc_out]
-        cache: dict[tuple[int, ...], tuple[Any, Callable[[], None]]] = {}
+        group = ZeroCopyGroup(tuple(in_handles), tuple(arr.nbytes for _, _, arr in zc_in),
+                              tuple(h for h, _ in out_specs), tuple(n for _, n in out_specs))
+        cache = group.calls
+        if not passthrough:   # a run that copies after the Execute is never one step
+            self._groups[id(i)] = group
         gid, exe_name = i.graph, self.executable.name
 
-        def bind(key: tuple[int, ...]) -> tuple[Any, Callable[[], None]]:
+        def bind(key: tuple[int, ...]) -> tuple[Any, Callable[..., Any], tuple[Any, ...]]:
             if len(cache) >= _BINDING_CACHE:
                 cache.clear()
             b = sess.io_binding()  # type: ignore[attr-defined]
@@ -397,7 +464,7 @@ class Interpreter:
                 b.bind_output(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
             for (name, _, arr), ptr in zip(zc_out, key[len(zc_in):]):
                 b.bind_output(name, "cpu", 0, arr.dtype, list(arr.shape), ptr)
-            entry = (b, _runner(sess, b))
+            entry = (b, *_runner(sess, b))
             cache[key] = entry
             return entry
 
@@ -420,7 +487,7 @@ class Interpreter:
                 if entry is None:
                     entry = bind(key)
                 try:
-                    entry[1]()
+                    entry[1](*entry[2])
                 except Exception as exc:
                     raise DeviceProgramError(f"executable {exe_name!r}: graph {gid} failed in "
                                              f"onnxruntime: {exc}") from exc
@@ -446,8 +513,8 @@ _BINDING_CACHE = 256
 """Most fully bound IO bindings kept per zero-copy Execute."""
 
 
-def _runner(sess: Any, binding: Any) -> Callable[[], None]:
-    """``sess.run_with_iobinding(binding)`` as a call without arguments.
+def _runner(sess: Any, binding: Any) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    """``(fn, args)`` such that ``fn(*args)`` is ``sess.run_with_iobinding(binding)``.
 
     Uses onnxruntime's C-level objects when they are there (the Python wrapper
     adds ~0.5 us of checks per run), else the public method.
@@ -456,9 +523,8 @@ def _runner(sess: Any, binding: Any) -> Callable[[], None]:
     raw_binding = getattr(binding, "_iobinding", None)
     run = getattr(raw_sess, "run_with_iobinding", None)
     if run is not None and raw_binding is not None:
-        return lambda: run(raw_binding, None)
-    public = sess.run_with_iobinding
-    return lambda: public(binding)
+        return run, (raw_binding, None)
+    return sess.run_with_iobinding, (binding,)
 
 
 def _checked(view: memoryview, nbytes: int, handle: str) -> memoryview:

@@ -379,6 +379,7 @@ class DeviceProcess:
 
     def _attach_streams(self, loaded: _Loaded, streams: list[dict[str, Any]]) -> None:
         exe_streams = loaded.interp.executable.streams
+        loaded.steps.clear()
         for i, s in enumerate(streams):
             self._known.add(s["ring"])
             try:
@@ -410,6 +411,7 @@ class DeviceProcess:
         for st, mode in zip(loaded.streams, modes):
             if mode in protocol.MODES:
                 st.mode = mode
+        loaded.steps.clear()   # which streams a C step may serve depends on their modes
 
     def _run(self, msg: Message) -> bool:
         """Run RUN/LOOP; True if a STOP ended it (STOPPED and the STOP's DONE were posted)."""

@@ -11,7 +11,7 @@ from .errors import (PeerDiedError, RingInvalidatedError, RingTimeoutError, ShmC
                      ShmError, WouldBlock)
 from .liveness import PeerWatch, pid_alive
 from .region import Region
-from .ring import WAIT_SLICE, Ring
+from .ring import WAIT_SLICE, Ring, ring_step
 
 __all__ = [
     "PeerDiedError",
@@ -27,4 +27,5 @@ __all__ = [
     "naming",
     "pid_alive",
     "remove_dead",
+    "ring_step",
 ]

@@ -902,6 +902,338 @@ static PyTypeObject CoreType = {
     .tp_members = Core_members,
 };
 
+/* -- Step: one step of a stage between rings ------------------------------
+ *
+ * Step(inputs, input_sizes, outputs, output_sizes, output_names, descriptors,
+ *      descriptor_tag, calls).run() -> bool
+ *
+ * One step of a process that reads one transfer from each input ring (this
+ * end: consumer), computes, and writes one transfer to each output ring (this
+ * end: producer), done in one C call when everything it needs is there at
+ * once:
+ *
+ *   1. take one published transfer from each input ring: a slot of exactly
+ *      input_sizes[i] bytes tagged 0, whose payload is the input; or a slot
+ *      tagged descriptor_tag, whose payload bytes are a key of `descriptors`
+ *      mapping to (input memoryview, ((output name, output memoryview), ...)):
+ *      the input is that memory, and each named output goes to its memory
+ *      instead of its ring;
+ *   2. take a free slot of each output ring: output j is written into its
+ *      payload (output_sizes[j] bytes), or into the memory a descriptor named
+ *      for output_names[j];
+ *   3. look up calls[(input addresses..., output addresses...)] -> (any, fn,
+ *      args) and call fn(*args), which reads the inputs and writes the
+ *      outputs at those addresses;
+ *   4. publish each output (output_sizes[j] bytes tagged 0, or an empty slot
+ *      tagged descriptor_tag for an output written into memory), then release
+ *      the inputs.
+ *
+ * run() returns False and leaves every ring as it was (the semaphore tokens it
+ * took are given back) when anything is not as above: a ring closed, invalid,
+ * not yet used in its role by this process (the Python path takes the role),
+ * holding an acquired slot, empty (inputs) or full (outputs); a slot of
+ * another size or tag; a descriptor or an address key not in the tables; a
+ * descriptor naming another output. The caller then does the step on the
+ * Python path, which waits, reports and fills the tables. If fn raises, the
+ * inputs are consumed (released), the outputs are given back unpublished,
+ * and the exception propagates.
+ *
+ * The tables are the caller's dicts, read at each run (they may change
+ * between runs). A Step holds its Cores (and so the rings' mappings).
+ */
+
+#define STEP_MAX 16
+
+typedef struct {
+    PyObject_HEAD
+    int n_in;
+    int n_out;
+    Core *in[STEP_MAX];
+    int64_t in_size[STEP_MAX];
+    Core *out[STEP_MAX];
+    int64_t out_size[STEP_MAX];
+    PyObject *out_name[STEP_MAX];
+    PyObject *descriptors; /* dict */
+    int64_t descriptor_tag;
+    PyObject *calls; /* dict */
+} Step;
+
+static int
+step_cores(PyObject *seq, PyObject *sizes, const char *what, Core **cores, int64_t *size,
+           int *n)
+{
+    if (!PyTuple_Check(seq) || !PyTuple_Check(sizes)
+        || PyTuple_GET_SIZE(seq) != PyTuple_GET_SIZE(sizes)) {
+        PyErr_Format(PyExc_TypeError, "Step: %s and their sizes must be tuples of one length",
+                     what);
+        return -1;
+    }
+    Py_ssize_t len = PyTuple_GET_SIZE(seq);
+    if (len > STEP_MAX) {
+        PyErr_Format(PyExc_ValueError, "Step: at most %d %s, got %zd", STEP_MAX, what, len);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < len; i++) {
+        PyObject *c = PyTuple_GET_ITEM(seq, i);
+        if (!PyObject_TypeCheck(c, &CoreType)) {
+            PyErr_Format(PyExc_TypeError, "Step: %s must be Cores, got %.80s", what,
+                         Py_TYPE(c)->tp_name);
+            return -1;
+        }
+        long long sz = PyLong_AsLongLong(PyTuple_GET_ITEM(sizes, i));
+        if (sz == -1 && PyErr_Occurred())
+            return -1;
+        if (sz < 0 || sz > ((Core *)c)->slot_size) {
+            PyErr_Format(PyExc_ValueError, "Step: %s %zd: transfers of %lld bytes do not fit "
+                         "slots of %lld bytes", what, i, sz, (long long)((Core *)c)->slot_size);
+            return -1;
+        }
+        for (Py_ssize_t k = 0; k < i; k++)
+            if (cores[k] == (Core *)c) {
+                PyErr_Format(PyExc_ValueError, "Step: %s %zd is also %s %zd", what, i, what, k);
+                return -1;
+            }
+        Py_INCREF(c);
+        cores[i] = (Core *)c;
+        size[i] = sz;
+        *n = (int)(i + 1);
+    }
+    return 0;
+}
+
+static int
+Step_init(Step *st, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"inputs", "input_sizes", "outputs", "output_sizes",
+                             "output_names", "descriptors", "descriptor_tag", "calls", NULL};
+    PyObject *ins, *in_sizes, *outs, *out_sizes, *names, *descriptors, *calls;
+    long long tag;
+    if (st->calls != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "Step is already initialised");
+        return -1;
+    }
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOO!O!LO!", kwlist, &ins, &in_sizes, &outs,
+                                     &out_sizes, &PyTuple_Type, &names, &PyDict_Type,
+                                     &descriptors, &tag, &PyDict_Type, &calls))
+        return -1;
+    if (step_cores(ins, in_sizes, "inputs", st->in, st->in_size, &st->n_in) < 0
+        || step_cores(outs, out_sizes, "outputs", st->out, st->out_size, &st->n_out) < 0)
+        return -1;
+    if (PyTuple_GET_SIZE(names) != st->n_out) {
+        PyErr_Format(PyExc_ValueError, "Step: %d outputs but %zd output names", st->n_out,
+                     PyTuple_GET_SIZE(names));
+        return -1;
+    }
+    if (tag == 0) {
+        PyErr_SetString(PyExc_ValueError, "Step: descriptor_tag 0 is the tag of plain data");
+        return -1;
+    }
+    for (int j = 0; j < st->n_out; j++) {
+        Py_INCREF(PyTuple_GET_ITEM(names, j));
+        st->out_name[j] = PyTuple_GET_ITEM(names, j);
+    }
+    Py_INCREF(descriptors);
+    st->descriptors = descriptors;
+    st->descriptor_tag = tag;
+    Py_INCREF(calls);
+    st->calls = calls;
+    return 0;
+}
+
+static void
+Step_dealloc(Step *st)
+{
+    for (int i = 0; i < st->n_in; i++)
+        Py_DECREF(st->in[i]);
+    for (int j = 0; j < st->n_out; j++) {
+        Py_DECREF(st->out[j]);
+        Py_XDECREF(st->out_name[j]);
+    }
+    Py_XDECREF(st->descriptors);
+    Py_XDECREF(st->calls);
+    Py_TYPE(st)->tp_free((PyObject *)st);
+}
+
+/* The writable C-contiguous memory of a memoryview of exactly `size` bytes, or NULL. */
+static char *
+view_memory(PyObject *v, int64_t size, int writable)
+{
+    if (!PyMemoryView_Check(v))
+        return NULL;
+    Py_buffer *b = PyMemoryView_GET_BUFFER(v);
+    if (b->buf == NULL || b->len != size || (writable && b->readonly)
+        || !PyBuffer_IsContiguous(b, 'C'))
+        return NULL;
+    return (char *)b->buf;
+}
+
+/* Resolve input i's descriptor (a slot of nbytes at p); 0, or -1 (not usable). A Python
+ * exception is set only for a failed allocation. Adds the entry to `held`. */
+static int
+step_descriptor(Step *st, int i, const char *p, int64_t nbytes, char **in_ptr, char **out_ptr,
+                int *redirected, PyObject **held, int *n_held)
+{
+    PyObject *key = PyBytes_FromStringAndSize(p, nbytes);
+    if (key == NULL)
+        return -1;
+    PyObject *got = PyDict_GetItemWithError(st->descriptors, key);
+    Py_DECREF(key);
+    if (got == NULL || !PyTuple_Check(got) || PyTuple_GET_SIZE(got) != 2)
+        return -1;
+    PyObject *outs = PyTuple_GET_ITEM(got, 1);
+    if ((in_ptr[i] = view_memory(PyTuple_GET_ITEM(got, 0), st->in_size[i], 0)) == NULL
+        || !PyTuple_Check(outs))
+        return -1;
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(outs); k++) {
+        PyObject *o = PyTuple_GET_ITEM(outs, k);
+        int j = -1;
+        if (!PyTuple_Check(o) || PyTuple_GET_SIZE(o) != 2)
+            return -1;
+        for (int m = 0; m < st->n_out && j < 0; m++) {
+            int eq = PyObject_RichCompareBool(st->out_name[m], PyTuple_GET_ITEM(o, 0), Py_EQ);
+            if (eq < 0)
+                return -1;
+            if (eq)
+                j = m;
+        }
+        if (j < 0 || redirected[j])
+            return -1;
+        out_ptr[j] = view_memory(PyTuple_GET_ITEM(o, 1), st->out_size[j], 1);
+        if (out_ptr[j] == NULL)
+            return -1;
+        redirected[j] = 1;
+    }
+    Py_INCREF(got);
+    held[(*n_held)++] = got;
+    return 0;
+}
+
+/* Input i's transfer taken (its token and slot), as acquire_read + release. */
+static void
+consume(Core *c)
+{
+    volatile int64_t *w = c->w;
+    int64_t k = w[W_ACQUIRED];
+    w[W_ACQUIRED] = k + 1;
+    w[W_RELEASED] = k + 1;
+    sem_post(c->free_sem);
+}
+
+static PyObject *
+Step_run(Step *st, PyObject *Py_UNUSED(ignored))
+{
+    char *in_ptr[STEP_MAX], *out_ptr[STEP_MAX];
+    int redirected[STEP_MAX] = {0};
+    PyObject *held[STEP_MAX];
+    int n_held = 0, taken_in = 0, taken_out = 0, i, j;
+    PyObject *key = NULL, *result = Py_False;
+
+    for (i = 0; i < st->n_in; i++) {
+        Core *c = st->in[i];
+        volatile int64_t *w = c->w;
+        int64_t nbytes = 0, slot;
+        if (c->closed || !c->consumer || w[W_INVALID] || w[W_RELEASED] != w[W_ACQUIRED]
+            || w[W_PUBLISHED] == w[W_ACQUIRED] || sem_trywait(c->full_sem) != 0)
+            goto undo;
+        taken_in++;
+        if ((slot = next_readable(c, w[W_ACQUIRED], &nbytes)) < 0)
+            goto undo;
+        int64_t tag = slot_words(c, slot)[2];
+        if (tag == 0 && nbytes == st->in_size[i])
+            in_ptr[i] = slot_payload(c, slot);
+        else if (tag != st->descriptor_tag
+                 || step_descriptor(st, i, slot_payload(c, slot), nbytes, in_ptr, out_ptr,
+                                    redirected, held, &n_held) < 0)
+            goto undo;
+    }
+    for (j = 0; j < st->n_out; j++) {
+        Core *c = st->out[j];
+        volatile int64_t *w = c->w;
+        if (c->closed || !c->producer || w[W_INVALID] || w[W_HELD]
+            || sem_trywait(c->free_sem) != 0)
+            goto undo;
+        taken_out++;
+        if (!redirected[j])
+            out_ptr[j] = slot_payload(c, w[W_PUBLISHED] % c->num_slots);
+    }
+    if ((key = PyTuple_New(st->n_in + st->n_out)) == NULL)
+        goto undo;
+    for (i = 0; i < st->n_in + st->n_out; i++) {
+        PyObject *a = PyLong_FromVoidPtr(i < st->n_in ? in_ptr[i] : out_ptr[i - st->n_in]);
+        if (a == NULL)
+            goto undo;
+        PyTuple_SET_ITEM(key, i, a);
+    }
+    PyObject *entry = PyDict_GetItemWithError(st->calls, key);
+    if (entry == NULL || !PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 3
+        || !PyTuple_Check(PyTuple_GET_ITEM(entry, 2)))
+        goto undo;
+    Py_INCREF(entry);
+    PyObject *r = PyObject_Call(PyTuple_GET_ITEM(entry, 1), PyTuple_GET_ITEM(entry, 2), NULL);
+    Py_DECREF(entry);
+    if (r == NULL) {
+        for (i = 0; i < st->n_in; i++)
+            consume(st->in[i]);
+        taken_in = 0;
+        result = NULL;
+        goto undo;
+    }
+    Py_DECREF(r);
+    for (j = 0; j < st->n_out; j++) {
+        Core *c = st->out[j];
+        volatile int64_t *w = c->w;
+        int64_t k = w[W_PUBLISHED];
+        volatile int64_t *s = slot_words(c, k % c->num_slots);
+        s[0] = k + 1;
+        s[1] = redirected[j] ? 0 : st->out_size[j];
+        s[2] = redirected[j] ? st->descriptor_tag : 0;
+        w[W_PUBLISHED] = k + 1;
+        sem_post(c->full_sem);
+    }
+    for (i = 0; i < st->n_in; i++)
+        consume(st->in[i]);
+    Py_DECREF(key);
+    for (i = 0; i < n_held; i++)
+        Py_DECREF(held[i]);
+    Py_RETURN_TRUE;
+undo:
+    /* give back every token taken: the rings are as before the call */
+    for (i = 0; i < taken_in; i++)
+        sem_post(st->in[i]->full_sem);
+    for (j = 0; j < taken_out; j++)
+        sem_post(st->out[j]->free_sem);
+    Py_XDECREF(key);
+    for (i = 0; i < n_held; i++)
+        Py_DECREF(held[i]);
+    if (result == NULL)
+        return NULL;
+    if (PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_MemoryError))
+            PyErr_Clear();   /* e.g. an unhashable or odd table entry: the Python path decides */
+        else
+            return NULL;
+    }
+    Py_RETURN_FALSE;
+}
+
+static PyMethodDef Step_methods[] = {
+    {"run", (PyCFunction)Step_run, METH_NOARGS,
+     "run() -> True if one step was done, False if nothing was done (see the type's doc)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject StepType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "shm._ringcore.Step",
+    .tp_basicsize = sizeof(Step),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "One step of a stage between rings, in one C call (see shm/_ringcore.c).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Step_init,
+    .tp_dealloc = (destructor)Step_dealloc,
+    .tp_methods = Step_methods,
+};
+
 /* address(buffer) -> the address of its first byte (for onnxruntime IO bindings) */
 static PyObject *
 address(PyObject *module, PyObject *obj)
@@ -929,7 +1261,7 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__ringcore(void)
 {
-    if (PyType_Ready(&CoreType) < 0)
+    if (PyType_Ready(&CoreType) < 0 || PyType_Ready(&StepType) < 0)
         return NULL;
     if (setup_waits() < 0)
         return PyErr_SetFromErrno(PyExc_OSError);
@@ -954,6 +1286,12 @@ PyInit__ringcore(void)
     Py_INCREF(&CoreType);
     if (PyModule_AddObject(m, "Core", (PyObject *)&CoreType) < 0) {
         Py_DECREF(&CoreType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&StepType);
+    if (PyModule_AddObject(m, "Step", (PyObject *)&StepType) < 0) {
+        Py_DECREF(&StepType);
         Py_DECREF(m);
         return NULL;
     }

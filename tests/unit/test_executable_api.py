@@ -17,7 +17,7 @@ def test_all_is_pinned() -> None:
     assert ipu_emulator.__all__ == ["package_hash", "IpuEmulatorError", "ExecutableError",
                                     "CompileError", "DeviceProgramError"]
     assert ipu_emulator.interpreter.__all__ == ["Interpreter", "StreamIO", "CallableStreamIO",
-                                                "ZeroCopyStreamIO"]
+                                                "ZeroCopyGroup", "ZeroCopyStreamIO"]
     assert sorted(ipu_emulator.compiler.__all__) == sorted([
         "compile_onnx", "ModelSpec", "CompileOptions", "CompileResult", "AnchorDesc", "Target",
         "TARGETS", "CompileError", "INDEX_NAME", "LOAD_PROGRAM", "MAIN_PROGRAM", "SAVE_PROGRAM"])

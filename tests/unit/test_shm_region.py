@@ -21,7 +21,7 @@ def test_public_surface() -> None:
     assert sorted(shm.__all__) == sorted([
         "PeerDiedError", "PeerWatch", "Region", "Ring", "RingInvalidatedError",
         "RingTimeoutError", "ShmClosedError", "ShmError", "WAIT_SLICE", "WouldBlock",
-        "naming", "pid_alive", "remove_dead"])
+        "naming", "pid_alive", "remove_dead", "ring_step"])
     assert issubclass(shm.RingTimeoutError, TimeoutError)
     for cls in (shm.PeerDiedError, shm.RingInvalidatedError, shm.RingTimeoutError,
                 shm.ShmClosedError, shm.WouldBlock):
