@@ -220,3 +220,94 @@ def test_stream_io_errors_after_an_acquire_release_the_input() -> None:
     with pytest.raises(Boom, match="output ring gone"):
         Interpreter(exe).run_program(0, io)
     assert io.events == [("acquire_input", "x"), ("release_input", "x")] and not io.held
+
+
+class GroupIO(LendingIO):
+    """LendingIO with ``run_group``: a Python model of the IPU process's C step.
+
+    Input transfers are copied into one fixed buffer per handle and outputs use
+    one buffer per handle, so the address keys of the step-by-step path and of
+    run_group are the same.
+    """
+
+    def __init__(self, inputs, outputs) -> None:
+        super().__init__(inputs, outputs, slots=1)
+        self._fixed = {h: np.zeros(np.asarray(v[0]).nbytes, np.uint8) for h, v in inputs.items()}
+        self.groups: list = []
+        self.served = 0
+
+    def acquire_input(self, handle: str, nbytes: int) -> memoryview:
+        buf = self._fixed[handle]
+        buf[:] = np.frombuffer(super().acquire_input(handle, nbytes), np.uint8)
+        return memoryview(buf)
+
+    def run_group(self, group) -> bool:
+        self.groups.append(group)
+        key = (*(self._fixed[h].ctypes.data for h in group.in_handles),
+               *(self._out_slots[h][0].ctypes.data for h in group.out_handles))
+        entry = group.calls.get(key)
+        if entry is None:
+            return False
+        for h, n in zip(group.in_handles, group.in_sizes):
+            src = np.ascontiguousarray(self._inputs[h].pop(0)).reshape(-1).view(np.uint8)
+            assert src.nbytes == n
+            self._fixed[h][:] = src
+        entry[1](*entry[2])
+        for h in group.out_handles:
+            self.write_output(h, memoryview(self._out_slots[h][0]))
+        self.served += 1
+        return True
+
+
+def test_a_main_iteration_is_offered_as_one_group_and_served_from_the_calls_table() -> None:
+    exe, w = _simple(3)
+    rng = np.random.default_rng(9)
+    a = rng.standard_normal((6, 2, 3)).astype(np.float32)
+    b = rng.standard_normal((6, 2, 3)).astype(np.float32)
+    io = GroupIO({"weights": [w], "tensor_A": list(a), "tensor_B": list(b)},
+                 {"tensor_C": (F32, (2, 3))})
+    with Interpreter(exe) as interp:
+        interp.run_program(0, io)
+        interp.run_program(1, io)
+        interp.run_program(1, io)
+    group = io.groups[0]
+    assert all(g is group for g in io.groups)
+    assert (group.in_handles, group.in_sizes) == (("tensor_A", "tensor_B"), (24, 24))
+    assert (group.out_handles, group.out_sizes) == (("tensor_C",), (24,))
+    assert len(group.calls) == 1           # filled by the first, step-by-step iteration
+    assert io.served == 5                  # every later iteration was one group
+    assert io.events.count(("acquire_input", "tensor_A")) == 1
+    for k in range(6):
+        np.testing.assert_allclose(io.outputs["tensor_C"][k], a[k] * w + b[k], rtol=1e-6)
+
+
+def test_a_group_whose_call_fails_raises_device_program_error() -> None:
+    exe, w = _simple()
+    a, b = np.ones((2, 2, 3), np.float32), np.zeros((2, 2, 3), np.float32)
+    io = GroupIO({"weights": [w], "tensor_A": list(a), "tensor_B": list(b)},
+                 {"tensor_C": (F32, (2, 3))})
+    with Interpreter(exe) as interp:
+        interp.run_program(0, io)
+        interp.run_program(1, io)   # step by step: fills the calls table
+
+        def boom(*args) -> None:
+            raise RuntimeError("no memory on the device")
+        group = io.groups[0]
+        group.calls.update({k: (v[0], boom, ()) for k, v in group.calls.items()})
+        with pytest.raises(DeviceProgramError,
+                           match=r"executable 'executable': graph 0 failed in onnxruntime: "
+                                 r"no memory on the device"):
+            interp.run_program(1, io)
+
+
+def test_streams_not_right_around_their_execute_run_step_by_step() -> None:
+    v = np.array([1, -2, 3, -4], np.float32)
+    exe = _neg_exe((StreamIn("x", "x"), Copy("z", "z2"), Execute(0, (("x", "x"),), (("y", "y"),)),
+                    StreamOut("y", "y")), extra=[("z", "F32", (4,)), ("z2", "F32", (4,))])
+    assert plan_zero_copy(exe).inputs == {"x": "x"} and plan_zero_copy(exe).outputs == {"y": "y"}
+    io = GroupIO({"x": [v, -v]}, {"y": (F32, (4,))})
+    interp = Interpreter(exe)
+    interp.run_program(0, io)
+    interp.run_program(0, io)
+    assert io.groups == [] and io.served == 0
+    np.testing.assert_array_equal(np.stack(io.outputs["y"]), np.stack([-v, v]))

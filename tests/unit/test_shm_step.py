@@ -1,0 +1,248 @@
+"""shm.ring_step: one step of a stage between rings in one C call, or nothing at all.
+
+One process plays both sides: it writes the inputs and reads the outputs
+(the far ends) and runs the step (the near ends). "Nothing at all" is checked
+by the rings' counters and by the far ends then seeing exactly what they
+would have seen without the step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import shm.ring as ring_module
+from shm import Ring, ring_step
+
+pytestmark = pytest.mark.skipif(ring_module._ringcore is None,
+                                reason="shm._ringcore is not built (IPU_EMULATOR_RING_C=0)")
+
+N = 16              # floats per transfer
+NBYTES = 4 * N
+DESCRIPTOR_TAG = 2
+
+
+def _address(buf) -> int:
+    return int(np.frombuffer(buf, np.uint8).ctypes.data)
+
+
+class Stage:
+    """Input rings a, b -> output ring c, with out = a * 2 + b over each slot combination."""
+
+    def __init__(self, slots: int = 2) -> None:
+        self.a_far, self.b_far, self.c_near = (Ring.create(NBYTES, slots) for _ in range(3))
+        self.a, self.b, self.c_far = (Ring.attach(r.name) for r in
+                                      (self.a_far, self.b_far, self.c_near))
+        self.descriptors: dict = {}
+        self.calls: dict = {}
+        self.ran: list[tuple[int, ...]] = []
+        self.step = ring_step((self.a, self.b), (NBYTES, NBYTES), (self.c_near,), (NBYTES,),
+                              output_names=("c",), descriptors=self.descriptors,
+                              descriptor_tag=DESCRIPTOR_TAG, calls=self.calls)
+        assert self.step is not None
+
+    def take_roles(self) -> None:
+        """The Python path's first use of each near end (the step needs its role taken)."""
+        for far, near in ((self.a_far, self.a), (self.b_far, self.b)):
+            far.write(np.zeros(N, np.float32))
+            near.read()
+        self.c_near.write(b"")
+        self.c_far.read()
+
+    def add_call(self, a_mem, b_mem, c_mem) -> None:
+        """calls[(addresses)] computing c = a * 2 + b into c_mem."""
+        a, b, c = (np.frombuffer(m, np.float32, N) for m in (a_mem, b_mem, c_mem))
+
+        def compute(key: tuple[int, ...]) -> None:
+            self.ran.append(key)
+            np.add(a * 2, b, out=c)
+        key = (_address(a_mem), _address(b_mem), _address(c_mem))
+        self.calls[key] = (None, compute, (key,))
+
+    def add_slot_calls(self) -> None:
+        for ia in self.a._payload:
+            for ib in self.b._payload:
+                for ic in self.c_near._payload:
+                    self.add_call(ia[:NBYTES], ib[:NBYTES], ic[:NBYTES])
+
+    def send(self, a: np.ndarray, b: np.ndarray) -> None:
+        self.a_far.write(a)
+        self.b_far.write(b)
+
+    def counters(self) -> tuple[int, ...]:
+        return (self.a.readable(), self.b.readable(), self.a_far.writable(),
+                self.b_far.writable(), self.c_near.writable(), self.c_far.readable())
+
+    def close(self) -> None:
+        for r in (self.a, self.b, self.c_far, self.a_far, self.b_far, self.c_near):
+            r.close()
+        for r in (self.a_far, self.b_far, self.c_near):
+            r.unlink()
+
+
+@pytest.fixture
+def stage():
+    s = Stage()
+    s.take_roles()
+    yield s
+    s.close()
+
+
+def _vectors(k: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(k)
+    return (rng.standard_normal(N).astype(np.float32), rng.standard_normal(N).astype(np.float32))
+
+
+def test_steps_compute_publish_and_release_across_wraparound(stage) -> None:
+    stage.add_slot_calls()
+    for k in range(5):   # rings of 2 slots: wraps around twice
+        a, b = _vectors(k)
+        stage.send(a, b)
+        assert stage.step.run() is True
+        data, tag = stage.c_far.read()
+        assert tag == 0
+        np.testing.assert_array_equal(np.frombuffer(data, np.float32), a * 2 + b)
+        assert stage.counters() == (0, 0, 2, 2, 2, 0)
+    assert len(stage.ran) == 5 and len(set(stage.ran)) == 2   # slot pairs alternate
+
+
+def test_nothing_happens_while_an_input_is_missing(stage) -> None:
+    stage.add_slot_calls()
+    a, b = _vectors(1)
+    stage.a_far.write(a)
+    before = stage.counters()
+    assert stage.step.run() is False
+    assert stage.counters() == before and stage.ran == []
+    stage.b_far.write(b)
+    assert stage.step.run() is True   # the token given back on a is taken again
+    np.testing.assert_array_equal(np.frombuffer(stage.c_far.read()[0], np.float32), a * 2 + b)
+
+
+def test_nothing_happens_while_the_output_ring_is_full(stage) -> None:
+    stage.add_slot_calls()
+    stage.c_near.write(b"x")
+    stage.c_near.write(b"y")
+    a, b = _vectors(2)
+    stage.send(a, b)
+    before = stage.counters()
+    assert stage.step.run() is False
+    assert stage.counters() == before and stage.ran == []
+    assert [stage.c_far.read()[0] for _ in range(2)] == [b"x", b"y"]
+    assert stage.step.run() is True
+    np.testing.assert_array_equal(np.frombuffer(stage.c_far.read()[0], np.float32), a * 2 + b)
+
+
+@pytest.mark.parametrize("case", ["short slot", "other tag", "unknown addresses",
+                                  "unknown descriptor", "closed", "invalidated"])
+def test_anything_unusual_leaves_the_rings_to_the_python_path(stage, case) -> None:
+    a, b = _vectors(3)
+    if case != "unknown addresses":
+        stage.add_slot_calls()
+    if case == "short slot":
+        stage.a_far.write(a[:-1])
+    elif case in ("other tag", "unknown descriptor"):
+        stage.a_far.write(a, tag=1 if case == "other tag" else DESCRIPTOR_TAG)
+    else:
+        stage.a_far.write(a)
+    stage.b_far.write(b)
+    if case == "closed":
+        stage.b.close()
+    elif case == "invalidated":
+        stage.c_far.invalidate()
+    before = stage.counters() if case not in ("closed", "invalidated") else None
+    assert stage.step.run() is False
+    assert stage.ran == []
+    if before is not None:
+        assert stage.counters() == before
+        data, tag = stage.a.read()   # the Python path gets the transfer as it was sent
+        assert data == a[:len(data) // 4].tobytes()
+        assert tag == {"other tag": 1, "unknown descriptor": DESCRIPTOR_TAG}.get(case, 0)
+
+
+def test_roles_not_taken_yet_leave_the_first_step_to_the_python_path() -> None:
+    s = Stage()
+    try:
+        s.add_slot_calls()
+        a, b = _vectors(4)
+        s.send(a, b)
+        assert s.step.run() is False
+        assert s.a.readable() == 1 and s.b.readable() == 1
+    finally:
+        s.close()
+
+
+def test_a_descriptor_gives_the_input_and_sends_the_output_to_memory(stage) -> None:
+    a, b = _vectors(5)
+    a_mem = memoryview(bytearray(a.tobytes()))
+    c_mem = memoryview(bytearray(NBYTES))
+    descriptor = b"input a lives elsewhere"
+    stage.descriptors[descriptor] = (a_mem, (("c", c_mem),))
+    for ib in stage.b._payload:
+        stage.add_call(a_mem, ib[:NBYTES], c_mem)
+    stage.a_far.write(descriptor, tag=DESCRIPTOR_TAG)
+    stage.b_far.write(b)
+    assert stage.step.run() is True
+    data, tag = stage.c_far.read()
+    assert (data, tag) == (b"", DESCRIPTOR_TAG)   # "the output is in your memory"
+    np.testing.assert_array_equal(np.frombuffer(c_mem, np.float32), a * 2 + b)
+    assert stage.counters() == (0, 0, 2, 2, 2, 0)
+
+
+@pytest.mark.parametrize("entry", ["other output", "short memory", "read-only output"])
+def test_a_descriptor_the_step_cannot_serve_changes_nothing(stage, entry) -> None:
+    a, b = _vectors(6)
+    a_mem = memoryview(bytearray(a.tobytes()))
+    c_mem = memoryview(bytearray(NBYTES))
+    outputs = {"other output": (("d", c_mem),),
+               "short memory": (("c", c_mem[:-4]),),
+               "read-only output": (("c", c_mem.toreadonly()),)}[entry]
+    stage.descriptors[b"d"] = (a_mem, outputs)
+    for ib in stage.b._payload:
+        stage.add_call(a_mem, ib[:NBYTES], c_mem)
+    stage.a_far.write(b"d", tag=DESCRIPTOR_TAG)
+    stage.b_far.write(b)
+    before = stage.counters()
+    assert stage.step.run() is False
+    assert stage.counters() == before and stage.ran == []
+
+
+def test_a_failing_call_consumes_the_inputs_and_publishes_nothing(stage) -> None:
+    stage.add_slot_calls()
+
+    def boom(*args) -> None:
+        raise RuntimeError("the computation failed")
+    for key in stage.calls:
+        stage.calls[key] = (None, boom, ())
+    stage.send(*_vectors(7))
+    with pytest.raises(RuntimeError, match="the computation failed"):
+        stage.step.run()
+    assert stage.counters() == (0, 0, 2, 2, 2, 0)
+    stage.add_slot_calls()   # the stage goes on with the next transfers
+    a, b = _vectors(8)
+    stage.send(a, b)
+    assert stage.step.run() is True
+    np.testing.assert_array_equal(np.frombuffer(stage.c_far.read()[0], np.float32), a * 2 + b)
+
+
+def test_construction_checks_its_arguments(stage) -> None:
+    def make(**kw):
+        args = dict(inputs=(stage.a,), input_sizes=(NBYTES,), outputs=(stage.c_near,),
+                    output_sizes=(NBYTES,), output_names=("c",), descriptors={},
+                    descriptor_tag=DESCRIPTOR_TAG, calls={})
+        args.update(kw)
+        return ring_step(**args)
+
+    assert make() is not None
+    with pytest.raises(ValueError, match=r"outputs 0: transfers of 65 bytes do not fit "
+                                         r"slots of 64 bytes"):
+        make(output_sizes=(NBYTES + 1,))
+    with pytest.raises(ValueError, match="inputs 1 is also inputs 0"):
+        make(inputs=(stage.a, stage.a), input_sizes=(NBYTES, NBYTES))
+    with pytest.raises(ValueError, match="1 outputs but 2 output names"):
+        make(output_names=("c", "d"))
+    with pytest.raises(ValueError, match="descriptor_tag 0 is the tag of plain data"):
+        make(descriptor_tag=0)
+    with pytest.raises(TypeError, match="inputs and their sizes must be tuples of one length"):
+        make(input_sizes=(NBYTES, NBYTES))
+    with pytest.raises(TypeError):
+        make(calls=[])
