@@ -102,25 +102,41 @@ class _RingIO:
         self._redirect: dict[str, memoryview] = {}   # output handle -> host memory (this iteration)
         self._resolved = dev.host_memory.resolved     # descriptor bytes -> resolved (a cache)
         self._lent_host: set[str] = set()             # outputs lent as host memory, not published
+        control = getattr(dev, "control", None)   # C runs of Main stop when it has a message
+        self._watch = getattr(control, "_core", None)
 
     # -- a whole Main iteration's run in one C call (interpreter.ZeroCopyGroup) --
 
     def run_group(self, group: Any) -> bool:
         """Do ``group``'s StreamIns, Execute and StreamOuts in one C call, if every
         transfer is there at once (see shm.ring_step); False: nothing was done."""
+        step = self._step(group)
+        return step is not None and step.run()  # type: ignore[no-any-return]
+
+    def run_groups(self, group: Any, unit: int, deadline_ns: int) -> int:
+        """``group`` run after run in C while every transfer is there at once, in units of
+        ``unit`` runs, until the monotonic clock reaches ``deadline_ns`` or a control
+        message arrives; the number of runs done (it may end inside a unit)."""
+        step = self._step(group)
+        if step is None:
+            return 0
+        return step.run_many(unit, deadline_ns, self._watch)  # type: ignore[no-any-return]
+
+    def _step(self, group: Any) -> Any:
         if self._redirect:   # outputs an earlier input of this iteration sent to the host
-            return False
+            return None
         steps = self._loaded.steps
         step = steps.get(group, _NO_STEP)
         if step is _NO_STEP:
             step = steps[group] = self._make_step(group)
-        return step is not None and step.run()  # type: ignore[no-any-return]
+        return step
 
     def _make_step(self, group: Any) -> Any:
         """The C step of ``group`` over this session's streams, or None (the Python path
         serves it: a stream null, in event mode, without a ring or without the C core)."""
         by_handle = self._loaded.by_handle
-        ins, outs = [], []
+        ins: list[Ring] = []
+        outs: list[Ring] = []
         for handles, rings, modes in ((group.in_handles, ins, _STEP_IN_MODES),
                                       (group.out_handles, outs, _STEP_OUT_MODES)):
             for h in handles:

@@ -198,10 +198,18 @@ class Interpreter:
         self._zc_views: dict[str, memoryview] = {}     # input handle -> acquired transfer
         self._zc_deferred: list[str] = []   # inputs whose Execute ran, released after a publish
         self._groups: dict[int, ZeroCopyGroup] = {}   # id(Execute) -> its group (see _compile)
+        # program -> (group, count, fused step, error prefix) when it is just that group
+        # (in a Repeat of count): see run_program_many
+        self._loop_plans: dict[int, tuple[ZeroCopyGroup, int, _Step, str]] = {}
+        self._fused_steps: dict[ZeroCopyGroup, tuple[_Step, str]] = {}
         self._programs: list[list[_Step]] = [self._compile(p.body) for p in exe.programs]
         self._programs_zc = self._programs
         if _ZERO_COPY and (self._zc_in or self._zc_out):
             self._programs_zc = [self._compile(p.body, True) for p in exe.programs]
+            for k, p in enumerate(exe.programs):
+                plan = self._loop_plan(p.body)
+                if plan is not None:
+                    self._loop_plans[k] = plan
         self._closed = False
 
     # -- public -----------------------------------------------------------------
@@ -231,6 +239,32 @@ class Interpreter:
         finally:
             if self._zc_views:   # a failure between a zero-copy StreamIn and its StreamOut
                 self._release_held(io)  # type: ignore[arg-type]
+
+    def run_program_many(self, index: int, io: StreamIO, deadline_ns: int) -> int:
+        """Run program ``index`` again and again while its iterations can be done at once.
+
+        For a program that is one ``ZeroCopyGroup`` (in a ``Repeat``) and a ``StreamIO``
+        with ``run_groups`` (the IPU process's: C steps back to back until
+        ``deadline_ns`` of the monotonic clock or a control message). Returns how many
+        whole runs of the program were done: 0 means none (run it with ``run_program``).
+        """
+        plan = self._loop_plans.get(index)
+        run_groups = getattr(io, "run_groups", None)
+        if plan is None or run_groups is None or self._closed:
+            return 0
+        group, count, fused, where = plan
+        try:
+            n = run_groups(group, count, deadline_ns)
+        except Exception as exc:
+            raise DeviceProgramError(f"{where}: {exc}") from exc
+        rest = -n % count   # they stopped inside a run of the program: finish it
+        try:
+            for _ in range(rest):
+                fused(io)
+        finally:
+            if self._zc_views:
+                self._release_held(io)  # type: ignore[arg-type]
+        return (n + rest) // count
 
     def _release_held(self, io: ZeroCopyStreamIO) -> None:
         held = list(self._zc_views)
@@ -280,8 +314,7 @@ class Interpreter:
         # from the last so that earlier indices stay valid.
         for p in reversed(range(len(body))):
             i = body[p]
-            group = self._groups.get(id(i)) if isinstance(i, Execute) else None
-            if group is None:
+            if not isinstance(i, Execute) or (group := self._groups.get(id(i))) is None:
                 continue
             a, b = p - len(group.in_handles), p + 1 + len(group.out_handles)
             ins, outs = body[max(a, 0):p], body[p + 1:b]
@@ -292,6 +325,20 @@ class Interpreter:
                     and {s.handle for s in outs} == set(group.out_handles)):  # type: ignore[union-attr]
                 steps[a:b] = [self._fused(group, steps[a:b], i)]
         return steps
+
+    def _loop_plan(self, body: tuple[Instruction, ...]
+                   ) -> tuple[ZeroCopyGroup, int, _Step, str] | None:
+        """(group, count, fused step, error prefix) if ``body`` is one fused group, or a
+        Repeat of count >= 1 of one."""
+        count = 1
+        if len(body) == 1 and isinstance(body[0], Repeat):
+            count, body = body[0].count, body[0].body
+        execs = [i for i in body if isinstance(i, Execute)]
+        group = self._groups.get(id(execs[0])) if len(execs) == 1 else None
+        if group is None or group not in self._fused_steps or count < 1 \
+                or len(body) != len(group.in_handles) + 1 + len(group.out_handles):
+            return None
+        return (group, count, *self._fused_steps[group])
 
     def _fused(self, group: ZeroCopyGroup, steps: list[_Step], i: Execute) -> _Step:
         gid, exe_name = i.graph, self.executable.name
@@ -307,6 +354,8 @@ class Interpreter:
                                              f"onnxruntime: {exc}") from exc
             for step in steps:
                 step(io)
+        self._fused_steps[group] = (fused, f"executable {exe_name!r}: graph {gid} failed in "
+                                           f"onnxruntime")
         return fused
 
     def _step(self, i: Instruction, zc: bool = False) -> _Step:

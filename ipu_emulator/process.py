@@ -433,10 +433,17 @@ class DeviceProcess:
         loop = msg.op is Op.LOOP
         control_readable = self.control.readable
         apart = self._apart
+        # A loop of one program may run it many times per turn (C steps back to back, until
+        # the next check below is due or a control message arrives).
+        many = loop and len(programs) == 1
         try:
             while True:
-                for p in programs:
-                    self._run_one(loaded, p, io)
+                if many:
+                    due = min(self._next_host_check, apart.next_look, _monotonic() + _HOST_CHECK)
+                    self._run_one(loaded, programs[0], io, int(due * 1e9))
+                else:
+                    for p in programs:
+                        self._run_one(loaded, p, io)
                 if not loop:
                     return False
                 if io.disconnected:
@@ -460,10 +467,15 @@ class DeviceProcess:
             self._stop_seq = None
             return True
 
-    def _run_one(self, loaded: _Loaded, index: int, io: _RingIO) -> None:
+    def _run_one(self, loaded: _Loaded, index: int, io: _RingIO,
+                 deadline_ns: int | None = None) -> None:
+        """Run program ``index`` once; with ``deadline_ns``, as many times as it can be done
+        without waiting before that time of the monotonic clock (at least once)."""
         try:
             try:
-                loaded.interp.run_program(index, io)
+                if deadline_ns is None or not loaded.interp.run_program_many(index, io,
+                                                                              deadline_ns):
+                    loaded.interp.run_program(index, io)
             finally:
                 if io._redirect or io._lent_host:   # left by a failed iteration: must not
                     io.forget_redirects()           # steer the next one

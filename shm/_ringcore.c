@@ -1119,14 +1119,15 @@ consume(Core *c)
     sem_post(c->free_sem);
 }
 
-static PyObject *
-Step_run(Step *st, PyObject *Py_UNUSED(ignored))
+/* One step: 1 (done), 0 (nothing done), -1 (fn raised, or no memory: an exception is set). */
+static int
+step_once(Step *st)
 {
     char *in_ptr[STEP_MAX], *out_ptr[STEP_MAX];
     int redirected[STEP_MAX] = {0};
     PyObject *held[STEP_MAX];
-    int n_held = 0, taken_in = 0, taken_out = 0, i, j;
-    PyObject *key = NULL, *result = Py_False;
+    int n_held = 0, taken_in = 0, taken_out = 0, i, j, result = 0;
+    PyObject *key = NULL;
 
     for (i = 0; i < st->n_in; i++) {
         Core *c = st->in[i];
@@ -1175,7 +1176,7 @@ Step_run(Step *st, PyObject *Py_UNUSED(ignored))
         for (i = 0; i < st->n_in; i++)
             consume(st->in[i]);
         taken_in = 0;
-        result = NULL;
+        result = -1;
         goto undo;
     }
     Py_DECREF(r);
@@ -1195,7 +1196,7 @@ Step_run(Step *st, PyObject *Py_UNUSED(ignored))
     Py_DECREF(key);
     for (i = 0; i < n_held; i++)
         Py_DECREF(held[i]);
-    Py_RETURN_TRUE;
+    return 1;
 undo:
     /* give back every token taken: the rings are as before the call */
     for (i = 0; i < taken_in; i++)
@@ -1205,20 +1206,76 @@ undo:
     Py_XDECREF(key);
     for (i = 0; i < n_held; i++)
         Py_DECREF(held[i]);
-    if (result == NULL)
-        return NULL;
+    if (result < 0)
+        return -1;
     if (PyErr_Occurred()) {
         if (!PyErr_ExceptionMatches(PyExc_MemoryError))
             PyErr_Clear();   /* e.g. an unhashable or odd table entry: the Python path decides */
         else
-            return NULL;
+            return -1;
     }
-    Py_RETURN_FALSE;
+    return 0;
+}
+
+static PyObject *
+Step_run(Step *st, PyObject *Py_UNUSED(ignored))
+{
+    int r = step_once(st);
+    if (r < 0)
+        return NULL;
+    return PyBool_FromLong(r);
+}
+
+static const char *const run_many_names[] = {"unit", "deadline_ns", "watch"};
+
+/* run_many(unit, deadline_ns, watch=None) -> steps done: units of `unit` steps back to
+ * back, while the monotonic clock is before deadline_ns and the ring end `watch` (a Core
+ * this process consumes from) is open, valid and has nothing to read; a step that cannot
+ * be done ends it, even inside a unit (the count then is not a multiple of `unit`). */
+static PyObject *
+Step_run_many(Step *st, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    PyObject *a[3];
+    if (parse_args("run_many", args, nargs, kwnames, run_many_names, 3, 2, a) < 0)
+        return NULL;
+    long long unit = PyLong_AsLongLong(a[0]);
+    long long deadline = PyLong_AsLongLong(a[1]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (unit < 1) {
+        PyErr_Format(PyExc_ValueError, "run_many: unit must be at least 1, got %lld", unit);
+        return NULL;
+    }
+    Core *watch = NULL;
+    if (a[2] != NULL && a[2] != Py_None) {
+        if (!PyObject_TypeCheck(a[2], &CoreType)) {
+            PyErr_Format(PyExc_TypeError, "run_many: watch must be a Core or None, got %.80s",
+                         Py_TYPE(a[2])->tp_name);
+            return NULL;
+        }
+        watch = (Core *)a[2];
+    }
+    long long done = 0;
+    while (now_ns() < deadline
+           && (watch == NULL || (!watch->closed && !watch->w[W_INVALID]
+                                 && watch->w[W_PUBLISHED] == watch->w[W_ACQUIRED]))) {
+        for (long long u = 0; u < unit; u++) {
+            int r = step_once(st);
+            if (r < 0)
+                return NULL;
+            if (r == 0)
+                return PyLong_FromLongLong(done);
+            done++;
+        }
+    }
+    return PyLong_FromLongLong(done);
 }
 
 static PyMethodDef Step_methods[] = {
     {"run", (PyCFunction)Step_run, METH_NOARGS,
      "run() -> True if one step was done, False if nothing was done (see the type's doc)."},
+    {"run_many", (PyCFunction)(void (*)(void))Step_run_many, FASTKW,
+     "run_many(unit, deadline_ns, watch=None) -> steps done back to back (see the C file)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -311,3 +311,62 @@ def test_streams_not_right_around_their_execute_run_step_by_step() -> None:
     interp.run_program(0, io)
     assert io.groups == [] and io.served == 0
     np.testing.assert_array_equal(np.stack(io.outputs["y"]), np.stack([-v, v]))
+
+
+class ManyIO(GroupIO):
+    """GroupIO with ``run_groups``: does up to ``budget`` runs, then stops (even inside a unit)."""
+
+    def __init__(self, inputs, outputs, budget: int) -> None:
+        super().__init__(inputs, outputs)
+        self.budget = budget
+        self.asked: list[tuple[int, int]] = []
+
+    def run_groups(self, group, unit: int, deadline_ns: int) -> int:
+        self.asked.append((unit, deadline_ns))
+        n = 0
+        while n < self.budget and self.run_group(group):
+            n += 1
+        return n
+
+
+def test_run_program_many_finishes_a_run_the_groups_stopped_inside() -> None:
+    exe, w = _simple(3)   # Main: Repeat(3) of one group
+    rng = np.random.default_rng(11)
+    a = rng.standard_normal((12, 2, 3)).astype(np.float32)
+    b = rng.standard_normal((12, 2, 3)).astype(np.float32)
+    io = ManyIO({"weights": [w], "tensor_A": list(a), "tensor_B": list(b)},
+                {"tensor_C": (F32, (2, 3))}, budget=4)
+    with Interpreter(exe) as interp:
+        assert interp.run_program_many(0, io, 123) == 0   # Load is no single group
+        interp.run_program(0, io)
+        assert interp.run_program_many(1, io, 123) == 0   # the calls table is empty yet
+        interp.run_program(1, io)                         # fills it (3 iterations)
+        io.events.clear()
+        io.served = 0
+        # 4 runs of the group in "C", then the 5th and 6th iteration step by step
+        assert interp.run_program_many(1, io, 123) == 2
+        assert io.asked[-1] == (3, 123)
+        assert io.events.count(("acquire_input", "tensor_A")) == 0   # all served as groups
+        assert io.served == 6
+        io.budget = 1
+        assert interp.run_program_many(1, io, 123) == 1
+    for k in range(9):
+        np.testing.assert_allclose(io.outputs["tensor_C"][k], a[k] * w + b[k], rtol=1e-6)
+    assert not io.held
+
+
+def test_run_program_many_wraps_a_failing_call() -> None:
+    exe, w = _simple()
+
+    class Failing(ManyIO):
+        def run_groups(self, group, unit: int, deadline_ns: int) -> int:
+            raise RuntimeError("onnxruntime gave up")
+
+    z = np.zeros((2, 3), np.float32)
+    io = Failing({"weights": [w], "tensor_A": [z], "tensor_B": [z]},
+                 {"tensor_C": (F32, (2, 3))}, budget=1)
+    with Interpreter(exe) as interp:
+        interp.run_program(0, io)
+        with pytest.raises(DeviceProgramError, match=r"executable 'executable': graph 0 failed "
+                                                     r"in onnxruntime: onnxruntime gave up"):
+            interp.run_program_many(1, io, 0)

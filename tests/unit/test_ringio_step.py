@@ -208,3 +208,41 @@ def test_an_output_in_event_mode_keeps_the_step_by_step_path() -> None:
         assert [(m.op, m.index) for m in r.dev.posted] == [(Op.OUT, 3)] * 2 * SLOTS
     finally:
         r.close()
+
+
+def test_main_runs_back_to_back_until_a_control_message_or_the_deadline() -> None:
+    import time
+
+    control_far = Ring.create(64, 4)
+
+    class Controlled(Device):
+        control = Ring.attach(control_far.name)
+
+    control_far.write(b"")
+    Controlled.control.read()   # the IPU process reads its control ring
+    r = Rig()
+    r.dev = Controlled()
+    r.io = _RingIO(r.dev, r.loaded)   # type: ignore[arg-type]
+    try:
+        r.warm()
+        r.no_step_by_step()
+        far = time.monotonic_ns() + 60 * 10**9
+        pairs = [_pair(50 + k) for k in range(SLOTS)]
+        for a, b in pairs:
+            r.send(a, b)
+        assert r.interp.run_program_many(MAIN, r.io, far) == SLOTS   # then no more inputs
+        for a, b in pairs:
+            np.testing.assert_allclose(r.result()[0], a * r.weights + b, rtol=1e-6)
+        r.send(*pairs[0])
+        assert r.interp.run_program_many(MAIN, r.io, time.monotonic_ns() - 1) == 0
+        control_far.write(b"STOP")   # a control message waits: the loop looks at it first
+        assert r.interp.run_program_many(MAIN, r.io, far) == 0
+        Controlled.control.read()
+        assert r.interp.run_program_many(MAIN, r.io, far) == 1
+        np.testing.assert_allclose(r.result()[0], pairs[0][0] * r.weights + pairs[0][1],
+                                   rtol=1e-6)
+    finally:
+        r.close()
+        Controlled.control.close()
+        control_far.close()
+        control_far.unlink()

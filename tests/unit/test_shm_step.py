@@ -246,3 +246,79 @@ def test_construction_checks_its_arguments(stage) -> None:
         make(input_sizes=(NBYTES, NBYTES))
     with pytest.raises(TypeError):
         make(calls=[])
+
+
+FAR_FUTURE = 1 << 62
+
+
+def test_run_many_does_the_steps_that_can_be_done_back_to_back() -> None:
+    s = Stage(slots=4)
+    try:
+        s.take_roles()
+        s.add_slot_calls()
+        pairs = [_vectors(10 + k) for k in range(3)]
+        for a, b in pairs:
+            s.send(a, b)
+        # units of 2: the second unit ends after its first step (no more inputs)
+        assert s.step.run_many(2, FAR_FUTURE) == 3
+        for a, b in pairs:
+            np.testing.assert_array_equal(np.frombuffer(s.c_far.read()[0], np.float32), a * 2 + b)
+        assert s.step.run_many(1, FAR_FUTURE) == 0
+    finally:
+        s.close()
+
+
+def test_run_many_stops_at_its_deadline_and_at_a_message_to_watch(stage) -> None:
+    import time
+
+    stage.add_slot_calls()
+    stage.send(*_vectors(20))
+    before = stage.counters()
+    assert stage.step.run_many(1, time.monotonic_ns() - 1) == 0   # CLOCK_MONOTONIC, both
+    assert stage.counters() == before
+    watch_far = Ring.create(64, 2)
+    watch = Ring.attach(watch_far.name)
+    try:
+        watch_far.write(b"x")
+        watch.read()                       # the role taken: the watched end is empty
+        watch_far.write(b"stop")
+        assert stage.step.run_many(1, FAR_FUTURE, watch._core) == 0
+        assert stage.counters() == before
+        assert watch.read()[0] == b"stop"
+        assert stage.step.run_many(1, FAR_FUTURE, watch._core) == 1
+        watch_far.invalidate()
+        stage.send(*_vectors(21))
+        assert stage.step.run_many(1, FAR_FUTURE, watch._core) == 0   # invalid: look at it
+    finally:
+        watch.close()
+        watch_far.close()
+        watch_far.unlink()
+
+
+def test_run_many_raises_what_a_step_raised_after_the_steps_before_it(stage) -> None:
+    stage.add_slot_calls()
+    keys = list(stage.calls)
+    calls = 0
+
+    def second_fails(key: tuple[int, ...], inner=dict(stage.calls)) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise RuntimeError("the second step failed")
+        inner[key][1](*inner[key][2])
+    for key in keys:
+        stage.calls[key] = (None, second_fails, (key,))
+    a, b = _vectors(22)
+    stage.send(a, b)
+    stage.send(*_vectors(23))
+    with pytest.raises(RuntimeError, match="the second step failed"):
+        stage.step.run_many(1, FAR_FUTURE)
+    np.testing.assert_array_equal(np.frombuffer(stage.c_far.read()[0], np.float32), a * 2 + b)
+    assert stage.counters() == (0, 0, 2, 2, 2, 0)
+
+
+def test_run_many_checks_its_arguments(stage) -> None:
+    with pytest.raises(ValueError, match="run_many: unit must be at least 1, got 0"):
+        stage.step.run_many(0, FAR_FUTURE)
+    with pytest.raises(TypeError, match="run_many: watch must be a Core or None, got Ring"):
+        stage.step.run_many(1, FAR_FUTURE, stage.a)
