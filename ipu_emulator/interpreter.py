@@ -291,6 +291,9 @@ class Interpreter:
         # Drop every reference into device memory so its owner can unmap it.
         self._programs = []
         self._programs_zc = []
+        self._groups.clear()
+        self._loop_plans.clear()
+        self._fused_steps.clear()
         self._zc_views.clear()
         self._zc_deferred.clear()
         self._sessions = []

@@ -370,3 +370,21 @@ def test_run_program_many_wraps_a_failing_call() -> None:
         with pytest.raises(DeviceProgramError, match=r"executable 'executable': graph 0 failed "
                                                      r"in onnxruntime: onnxruntime gave up"):
             interp.run_program_many(1, io, 0)
+
+
+def test_close_lets_go_of_device_memory_after_groups_ran() -> None:
+    import gc
+
+    exe, w = _simple(2)
+    memory = bytearray(exe.memory_bytes)
+    a = np.ones((4, 2, 3), np.float32)
+    io = ManyIO({"weights": [w], "tensor_A": list(a), "tensor_B": list(a)},
+                {"tensor_C": (F32, (2, 3))}, budget=2)
+    interp = Interpreter(exe, memory)
+    interp.run_program(0, io)
+    interp.run_program(1, io)
+    assert interp.run_program_many(1, io, 0) == 1
+    interp.close()
+    del io
+    gc.collect()
+    memory.extend(b"\0")   # BufferError while anything still exports the device memory
