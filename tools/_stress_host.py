@@ -144,9 +144,23 @@ class _Simple:
         b = rng.standard_normal(shape).astype(np.float32)
         want = a * (w[0] if self.batching else w) + b
         rep = r.randrange(self.spec["replicas"])
-        mode = r.randrange(7)
+        mode = r.randrange(9)
         what = f"mode {mode} replica {rep} rows {rows}"
         ins: Any = {"tensor_A": a, "tensor_B": b}
+        if mode in (7, 8):   # inputs and output in shared memory, read and written in place
+            ins = {name: mr.empty_shared(shape, np.float32) for name in ins}
+            ins["tensor_A"][...], ins["tensor_B"][...] = a, b
+            shared_out = mr.empty_shared(shape, np.float32)
+            if mode == 7:
+                self.runner.execute(ins, {"tensor_C": shared_out}, replica_id=rep)
+                return lambda: self.check(shared_out, want, what)
+            fut7 = self.runner.executeAsync(ins, {"tensor_C": shared_out}, replica_id=rep)
+
+            def done8() -> None:
+                _wait(fut7, hang, what)
+                fut7.result()
+                self.check(shared_out, want, what)
+            return done8
         if mode in (2, 3, 6):
             view = mr.InputMemoryView()
             view["tensor_A"], view["tensor_B"] = a, b

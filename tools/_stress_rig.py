@@ -41,7 +41,8 @@ def write_models(directory: Path, seed: int) -> dict[str, str]:
     from tools.generate_simple_popef import build_simple_model, write_simple_popef
 
     model = str(directory / "simple.popef")
-    write_simple_popef(model, shape=(4, 3), seed=seed)
+    # 4 KiB tensors: large enough to travel in place from empty_shared (SHARED_MIN_BYTES)
+    write_simple_popef(model, shape=(4, 256), seed=seed)
     onnx_model = build_simple_model((4, 3), seed=seed + 1)
     init = onnx_model.graph.initializer[0]
     rows = numpy_helper.to_array(init)

@@ -10,7 +10,8 @@ Pythons) on a private emulated machine (own IPU_EMULATOR_HOME and shm tag,
 ``hosts x replicas`` IPUs) and checks every result against numpy:
 
 - ``mixed``: execute / executeAsync, runner- or user-allocated outputs, dicts of
-  numpy or memory views, random replicas, ``thread_safe`` runners;
+  numpy, memory views or fresh ``empty_shared`` arrays (read and written in place
+  by the IPU process), random replicas, ``thread_safe`` runners;
 - ``batching``: dynamic batching with random batch sizes on a batch-4 model;
 - ``fused``: the PopRT Runner on a fused model, random branches;
 - ``kill-ipu``: SIGKILL random IPU processes while requests run (``auto_reset``; every
