@@ -15,7 +15,7 @@ import functools
 import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from shm import Region, Ring, RingInvalidatedError, RingTimeoutError, ring_step
 
@@ -109,27 +109,40 @@ class _RingIO:
 
     def run_group(self, group: Any) -> bool:
         """Do ``group``'s StreamIns, Execute and StreamOuts in one C call, if every
-        transfer is there at once (see shm.ring_step); False: nothing was done."""
-        step = self._step(group)
-        return step is not None and step.run()  # type: ignore[no-any-return]
+        transfer is there at once (see shm.ring_step), or after a short poll for the
+        inputs (see _poll); False: nothing was done."""
+        entry = self._step(group)
+        if entry is None:
+            return False
+        step, inputs_there = entry
+        if step.run():
+            return True
+        if inputs_there is None or inputs_there():
+            return False   # the inputs are there but the step declined: the Python path
+        t0 = time.perf_counter_ns()
+        if not self._poll(inputs_there) or not step.run():
+            return False
+        self._wait_est_ns = (7 * self._wait_est_ns + time.perf_counter_ns() - t0) >> 3
+        return True
 
     def run_groups(self, group: Any, unit: int, deadline_ns: int) -> int:
         """``group`` run after run in C while every transfer is there at once, in units of
         ``unit`` runs, until the monotonic clock reaches ``deadline_ns`` or a control
         message arrives; the number of runs done (it may end inside a unit)."""
-        step = self._step(group)
-        if step is None:
+        entry = self._step(group)
+        if entry is None:
             return 0
-        return step.run_many(unit, deadline_ns, self._watch)  # type: ignore[no-any-return]
+        return entry[0].run_many(unit, deadline_ns, self._watch)  # type: ignore[no-any-return]
 
-    def _step(self, group: Any) -> Any:
+    def _step(self, group: Any) -> tuple[Any, Callable[[], bool] | None] | None:
+        """(C step, inputs-there test or None: do not poll) of ``group``, or None."""
         if self._redirect:   # outputs an earlier input of this iteration sent to the host
             return None
         steps = self._loaded.steps
-        step = steps.get(group, _NO_STEP)
-        if step is _NO_STEP:
-            step = steps[group] = self._make_step(group)
-        return step
+        entry = steps.get(group, _NO_STEP)
+        if entry is _NO_STEP:
+            entry = steps[group] = self._make_step(group)
+        return entry  # type: ignore[no-any-return]
 
     def _make_step(self, group: Any) -> Any:
         """The C step of ``group`` over this session's streams, or None (the Python path
@@ -145,11 +158,21 @@ class _RingIO:
                     return None
                 rings.append(s.ring)
         try:
-            return ring_step(tuple(ins), group.in_sizes, tuple(outs), group.out_sizes,
+            step = ring_step(tuple(ins), group.in_sizes, tuple(outs), group.out_sizes,
                              output_names=group.out_handles, descriptors=self._resolved,
                              descriptor_tag=TAG_SHARED, calls=group.calls)
         except (TypeError, ValueError):   # e.g. a transfer larger than its slots
             return None
+        if step is None:
+            return None
+        # Polling for the inputs before a C step is for streams that need no NEED event
+        # (the Python path posts it before it waits).
+        readable = [r.readable for r in ins]
+        inputs_there = None
+        if ins and all(by_handle[h].mode == MODE_DIRECT for h in group.in_handles):
+            inputs_there = (readable[0] if len(readable) == 1
+                            else lambda: all(f() for f in readable))
+        return step, inputs_there
 
     def _stream(self, handle: str) -> _Stream:
         try:
@@ -188,30 +211,36 @@ class _RingIO:
         """
         clock = time.perf_counter_ns
         t0 = clock()
-        if _SPIN_NS and self._wait_est_ns <= 2 * _SPIN_NS:
-            stop = t0 + _SPIN_NS
-            readable = ring.readable
-            yield_cpu = os.sched_yield
-            while not readable():
-                t = clock()
-                if t >= stop:
-                    break
-                yield_cpu()   # let the host run if it shares this vCPU
-                if clock() - t > _YIELDED_NS and not self._dev.keeps_apart:
-                    # Another task ran: this vCPU is shared (likely with the host). Block
-                    # instead: the wake-up lets the scheduler move one of us to an idle vCPU
-                    # (two polling processes on one vCPU are never separated).
-                    break
-            else:
-                try:
-                    got = ring.acquire_read(0)
-                    self._wait_est_ns = (7 * self._wait_est_ns + clock() - t0) >> 3
-                    return got
-                except RingTimeoutError:
-                    pass
+        if self._poll(ring.readable):
+            try:
+                got = ring.acquire_read(0)
+                self._wait_est_ns = (7 * self._wait_est_ns + clock() - t0) >> 3
+                return got
+            except RingTimeoutError:
+                pass
         got = self._dev.wait_on(ring.acquire_read)
         self._wait_est_ns = (7 * self._wait_est_ns + min(clock() - t0, 4 * _SPIN_NS)) >> 3
         return got
+
+    def _poll(self, ready: Callable[[], Any]) -> bool:
+        """Poll ``ready()`` for up to _SPIN_NS while recent waits were short (see
+        _wait_read); True once it is true, False if this process should block instead."""
+        if not _SPIN_NS or self._wait_est_ns > 2 * _SPIN_NS:
+            return False
+        clock = time.perf_counter_ns
+        stop = clock() + _SPIN_NS
+        yield_cpu = os.sched_yield
+        while not ready():
+            t = clock()
+            if t >= stop:
+                return False
+            yield_cpu()   # let the host run if it shares this vCPU
+            if clock() - t > _YIELDED_NS and not self._dev.keeps_apart:
+                # Another task ran: this vCPU is shared (likely with the host). Block
+                # instead: the wake-up lets the scheduler move one of us to an idle vCPU
+                # (two polling processes on one vCPU are never separated).
+                return False
+        return True
 
     def _check_transfer(self, handle: str, view: memoryview, tag: int, nbytes: int) -> None:
         if tag == TAG_ABORT:

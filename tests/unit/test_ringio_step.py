@@ -56,7 +56,7 @@ class Device:
 
 
 class Rig:
-    def __init__(self, out_mode: int = MODE_DIRECT) -> None:
+    def __init__(self, out_mode: int = MODE_DIRECT, a_mode: int = MODE_DIRECT) -> None:
         result = compile_onnx(ModelSpec(simple_model(SHAPE, seed=2)), CompileOptions(
             weights_as_tensor_data=True, save_weights=True))
         self.weights = np.frombuffer(next(a.data for a in result.anchors if a.name == "weights"),
@@ -68,7 +68,7 @@ class Rig:
                  ("weights_saved", "out")]
         for k, (handle, direction) in enumerate(specs):
             host = self.host[handle] = Ring.create(SLOT_SIZE, SLOTS)
-            mode = out_mode if handle == "tensor_C" else MODE_DIRECT
+            mode = {"tensor_C": out_mode, "tensor_A": a_mode}.get(handle, MODE_DIRECT)
             s = _Stream(k, handle, direction, NBYTES, Ring.attach(host.name), mode)
             self.loaded.streams.append(s)
             self.loaded.by_handle[handle] = s
@@ -246,3 +246,42 @@ def test_main_runs_back_to_back_until_a_control_message_or_the_deadline() -> Non
         Controlled.control.close()
         control_far.close()
         control_far.unlink()
+
+
+def test_an_iteration_polls_for_its_inputs_then_runs_as_one_c_step(rig) -> None:
+    rig.warm()
+    rig.no_step_by_step()
+    a, b = _pair(60)
+    rig.host["tensor_A"].write(a)
+    polled = []
+
+    def poll(ready: Any) -> bool:
+        assert not ready()                  # B is missing: nothing was taken meanwhile
+        assert rig.loaded.by_handle["tensor_A"].ring.readable() == 1
+        rig.host["tensor_B"].write(b)       # it arrives while the IPU process polls
+        polled.append(True)
+        return bool(ready())
+    rig.io._poll = poll   # type: ignore[method-assign]
+    rig.interp.run_program(MAIN, rig.io)
+    assert polled == [True]
+    np.testing.assert_allclose(rig.result()[0], a * rig.weights + b, rtol=1e-6)
+
+
+def test_inputs_in_event_mode_are_not_polled_for_by_the_c_step() -> None:
+    r = Rig(a_mode=MODE_EVENT)
+    try:
+        r.warm()
+        group = next(iter(r.loaded.steps))
+        step, inputs_there = r.loaded.steps[group]
+        assert step is not None and inputs_there is None   # its NEED must be posted first
+
+        def poll(ready: Any) -> bool:
+            raise AssertionError("polled")
+        r.io._poll = poll   # type: ignore[method-assign]
+        assert r.io.run_group(group) is False
+        a, b = _pair(61)
+        r.send(a, b)
+        assert r.io.run_group(group) is True   # with its inputs there, the step serves it
+        np.testing.assert_allclose(r.result()[0], a * r.weights + b, rtol=1e-6)
+    finally:
+        r.close()
