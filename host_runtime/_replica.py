@@ -64,6 +64,7 @@ _SPIN_NS = int(float(os.environ.get("IPU_EMULATOR_RUNNER_SPIN_US", "100")) * 100
 _YIELDED_NS = int(float(os.environ.get("IPU_EMULATOR_YIELDED_US", "5")) * 1000) or 1 << 62
 """A sched_yield() that took longer (ns) ran another task on this vCPU; see Replica._spin."""
 _ONE_CPU = len(os.sched_getaffinity(0)) < 2
+_native_id = threading.get_native_id
 """On one CPU a poll that finds the CPU shared blocks instead. On several the IPU
 process moves off the host's CPU (ipu_emulator._placement), and blocking would only
 let the wake-up put the host back beside it."""
@@ -135,6 +136,7 @@ class Replica(ReplicaTimers):
         self._frozen_bytes = {n: _bytes_view(np.ascontiguousarray(a))
                               for n, a in setup.frozen_main.items()}
         self._in_plan: list[tuple[str, TensorSpec, Ring, memoryview | None]] = []
+        self._hint_tid = 0             # the thread id last written into the input rings
         self._open()
 
     # ------------------------------------------------------------------ lifecycle
@@ -151,6 +153,7 @@ class Replica(ReplicaTimers):
         self._session = s
         self._loop = loop
         self._error = None
+        self._hint_tid = 0   # new rings: the next submit tells the IPU process again
         # what _write_whole needs per input, in publish order (last-read first)
         self._in_plan = [(name, spec, self._in_rings[name], self._frozen_bytes.get(name))
                          for name, spec in self._publish_order]
@@ -301,6 +304,13 @@ class Replica(ReplicaTimers):
         with self._submit_lock:
             self._ensure_usable()
             try:
+                tid = _native_id()
+                if tid != self._hint_tid:
+                    # The IPU process keeps off the CPU of the thread that submits (and,
+                    # most often, waits): ipu_emulator._placement reads it from the rings.
+                    for ring in self._in_rings.values():
+                        ring.set_user_word(tid)
+                    self._hint_tid = tid
                 if phantom is not None:
                     self._add_phantom(req, phantom)
                 elif self.setup.dynamic:

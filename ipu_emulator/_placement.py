@@ -8,9 +8,12 @@ migrated. Measured here with ``perf sched timehist``: a [1,4] request then takes
 33-35 us instead of 17-18 us, for tens of milliseconds at a time.
 
 So while the IPU process serves requests it looks, every ``PERIOD`` seconds,
-at the CPU the host's main thread last ran on (``/proc/<pid>/stat``). If that
-is its own CPU it narrows its affinity to the other CPUs, which moves it at
-once; at the next look where they differ it gets its whole affinity back.
+at the CPU the host's thread that submits requests last ran on
+(``/proc/<pid>/task/<tid>/stat``: the host writes that thread's id into the
+user word of its input rings, read through ``hint``; the main thread's
+``/proc/<pid>/stat`` when there is none). If that is its own CPU it narrows
+its affinity to the other CPUs, which moves it at once; at the next look where
+they differ it gets its whole affinity back.
 ``IPU_EMULATOR_KEEP_APART=0`` turns it off; it is off on one CPU.
 """
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Callable
 
 __all__ = ["KeepApart", "PERIOD"]
 
@@ -41,6 +45,7 @@ class KeepApart:
         self._narrowed = False
         self.next_look = 0.0
         self.host_pid = host_pid
+        self.hint: Callable[[], int] | None = None   # the host thread to keep off, or 0
         self.enabled = (len(self._allowed) > 1 and host_pid > 0
                         and os.environ.get("IPU_EMULATOR_KEEP_APART", "1") != "0")
         if not self.enabled:
@@ -54,7 +59,7 @@ class KeepApart:
             return
         self.next_look = now + PERIOD
         try:
-            host_cpu = _cpu_of(f"/proc/{self.host_pid}/stat")
+            host_cpu = self._host_thread_cpu()
             mine = _cpu_of("/proc/thread-self/stat")
             if host_cpu == mine:
                 others = self._allowed - {host_cpu}
@@ -67,6 +72,21 @@ class KeepApart:
         except (OSError, ValueError, IndexError):   # host gone, /proc hidden, refused
             self.enabled = False
             self.next_look = float("inf")
+
+    def _host_thread_cpu(self) -> int:
+        """The CPU of the host thread ``hint`` names, else of the host's main thread."""
+        tid = 0
+        if self.hint is not None:
+            try:
+                tid = int(self.hint())
+            except Exception:   # the ring is closed (its session went): no hint
+                self.hint = None
+        if tid > 0:
+            try:
+                return _cpu_of(f"/proc/{self.host_pid}/task/{tid}/stat")
+            except (OSError, ValueError, IndexError):   # that thread has exited
+                pass
+        return _cpu_of(f"/proc/{self.host_pid}/stat")
 
     def release(self) -> None:
         """Give the whole affinity back (the IPU process goes idle)."""

@@ -433,6 +433,9 @@ class DeviceProcess:
         loop = msg.op is Op.LOOP
         control_readable = self.control.readable
         apart = self._apart
+        # the host writes the id of its thread that submits into its input rings
+        hinted = [st.ring for st in loaded.streams if st.direction == "in" and st.ring is not None]
+        apart.hint = hinted[0].user_word if hinted else None
         # A loop of one program may run it many times per turn (C steps back to back, until
         # the next check below is due or a control message arrives).
         many = loop and len(programs) == 1

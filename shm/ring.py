@@ -20,7 +20,9 @@ Layout of the ring's region (all words little-endian int64, ``q``)::
      128     16   acquired     consumer       messages acquired for reading so far
      136     17   released     consumer       messages released so far
      144     18   consumer_pid consumer       last process that acquired for reading
-     192..255     reserved
+     192     24   user         either end     a word the ring never reads (a hint
+                                          between the ends: user_word())
+     200..255     reserved
     ---- slots: slot i at HEADER_SIZE + i * slot_stride ------------------------
       +0          seq          producer       message number (published + 1)
       +8          nbytes       producer       bytes of payload that are valid
@@ -135,6 +137,7 @@ assert HEADER.size == HEADER_SIZE and SLOT_HEADER.size == SLOT_HEADER_SIZE
 _MAGIC, _VERSION, _SLOT_SIZE, _NUM_SLOTS, _STRIDE, _INVALID, _GEN, _CREATOR = range(8)
 _PUBLISHED, _HELD, _PRODUCER_PID = 8, 9, 10
 _ACQUIRED, _RELEASED, _CONSUMER_PID = 16, 17, 18
+_USER = 24
 # Within a slot header, relative to the slot's first word.
 _SEQ, _NBYTES, _TAG = 0, 1, 2
 
@@ -721,6 +724,15 @@ class Ring:
         w[_INVALID] = 0
         for _ in range(self._num_slots):
             self._free.release()
+
+    def user_word(self) -> int:
+        """The header's user word (0 until an end sets it; see set_user_word)."""
+        return int(self._w[_USER])
+
+    def set_user_word(self, value: int) -> None:
+        """Store an int64 in the header's user word, which the ring itself never reads:
+        a hint from one end to the other (last store wins; reset() keeps it)."""
+        self._w[_USER] = value
 
     def counters(self) -> dict[str, int]:
         """The header's fields and the semaphores' values, as numbers."""

@@ -62,6 +62,25 @@ def test_descriptions(runner):
     assert runner.config().replication_factor == 1
 
 
+def test_the_submitting_threads_id_is_left_for_the_ipu_process(runner, weights):
+    """The IPU process keeps off the CPU of the host thread that submits requests
+    (ipu_emulator._placement): the replica writes that thread's id into its input rings."""
+    import threading
+
+    rings = list(runner._replicas[0]._in_rings.values())
+    check_healthy(runner, weights)
+    assert {r.user_word() for r in rings} == {threading.get_native_id()}
+    seen = {}
+
+    def other() -> None:
+        check_healthy(runner, weights)
+        seen["tid"] = threading.get_native_id()
+    worker = threading.Thread(target=other)
+    worker.start()
+    worker.join()
+    assert {r.user_word() for r in rings} == {seen["tid"]} != {threading.get_native_id()}
+
+
 # ------------------------------------------------------------------ execution modes
 def test_sync_input_memory_view_runner_allocated(runner, weights):
     a, b = pair()

@@ -43,3 +43,42 @@ def test_off_when_asked_or_when_the_host_is_unknown(monkeypatch):
     gone.check()
     assert not gone.enabled
     assert not KeepApart(0).enabled
+
+
+def test_the_host_thread_named_by_the_hint_is_the_one_looked_at(monkeypatch):
+    import threading
+
+    apart = KeepApart(os.getpid())
+    seen: list[str] = []
+    real = _placement._cpu_of
+
+    def cpu_of(path: str) -> int:
+        seen.append(path)
+        return real(path)
+    monkeypatch.setattr(_placement, "_cpu_of", cpu_of)
+    ready, done = threading.Event(), threading.Event()
+    worker = threading.Thread(target=lambda: (ready.set(), done.wait()))
+    worker.start()
+    ready.wait()
+    try:
+        tid = worker.native_id
+        apart.hint = lambda: tid
+        assert apart._host_thread_cpu() in os.sched_getaffinity(0)
+        assert seen == [f"/proc/{os.getpid()}/task/{tid}/stat"]
+        seen.clear()
+        apart.hint = lambda: 2 ** 22 + 12345      # not a thread of the host: its main thread
+        apart._host_thread_cpu()
+        assert seen[-1] == f"/proc/{os.getpid()}/stat"
+        seen.clear()
+        apart.hint = lambda: 0                    # no hint yet
+        apart._host_thread_cpu()
+        assert seen == [f"/proc/{os.getpid()}/stat"]
+
+        def closed() -> int:
+            raise RuntimeError("ring closed")
+        apart.hint = closed                       # its ring is gone: the hint is dropped
+        apart._host_thread_cpu()
+        assert apart.hint is None and apart.enabled
+    finally:
+        done.set()
+        worker.join()

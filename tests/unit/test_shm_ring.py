@@ -410,3 +410,19 @@ def test_untimed_waits_still_end_in_a_forked_child(pair) -> None:
     child = mp.get_context("fork").Process(target=_wait_in_forked_child, args=(consumer,))
     child.start()
     finish(child, 20)
+
+
+def test_the_user_word_carries_a_hint_between_the_ends(pair) -> None:
+    producer, consumer = pair
+    assert consumer.user_word() == 0 and producer.user_word() == 0
+    producer.set_user_word(4242)
+    assert consumer.user_word() == 4242
+    consumer.set_user_word(-7)          # either end may write it; the last store wins
+    assert producer.user_word() == -7
+    producer.write(b"data")             # the ring itself never touches it
+    assert consumer.read() == (b"data", 0)
+    consumer.reset()
+    assert producer.user_word() == -7   # reset() keeps it
+    consumer.close()
+    with pytest.raises(ShmClosedError):
+        consumer.user_word()
