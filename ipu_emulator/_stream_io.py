@@ -145,8 +145,9 @@ class _RingIO:
         return entry  # type: ignore[no-any-return]
 
     def _make_step(self, group: Any) -> Any:
-        """The C step of ``group`` over this session's streams, or None (the Python path
-        serves it: a stream null, in event mode, without a ring or without the C core)."""
+        """(C step, inputs-there test or None) of ``group`` over this session's streams,
+        or None: the Python path serves it (a stream null, an output in event mode, no
+        ring, a transfer larger than its slots, or no C core)."""
         by_handle = self._loaded.by_handle
         ins: list[Ring] = []
         outs: list[Ring] = []
@@ -167,9 +168,9 @@ class _RingIO:
             return None
         # Polling for the inputs before a C step is for streams that need no NEED event
         # (the Python path posts it before it waits).
-        readable = [r.readable for r in ins]
         inputs_there = None
         if ins and all(by_handle[h].mode == MODE_DIRECT for h in group.in_handles):
+            readable = [r.readable for r in ins]
             inputs_there = (readable[0] if len(readable) == 1
                             else lambda: all(f() for f in readable))
         return step, inputs_there
