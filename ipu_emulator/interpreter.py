@@ -344,7 +344,7 @@ class Interpreter:
         return (group, count, *self._fused_steps[group])
 
     def _fused(self, group: ZeroCopyGroup, steps: list[_Step], i: Execute) -> _Step:
-        gid, exe_name = i.graph, self.executable.name
+        where = f"executable {self.executable.name!r}: graph {i.graph} failed in onnxruntime"
 
         def fused(io: Any) -> None:
             run_group = getattr(io, "run_group", None)
@@ -353,12 +353,10 @@ class Interpreter:
                     if run_group(group):
                         return
                 except Exception as exc:
-                    raise DeviceProgramError(f"executable {exe_name!r}: graph {gid} failed in "
-                                             f"onnxruntime: {exc}") from exc
+                    raise DeviceProgramError(f"{where}: {exc}") from exc
             for step in steps:
                 step(io)
-        self._fused_steps[group] = (fused, f"executable {exe_name!r}: graph {gid} failed in "
-                                           f"onnxruntime")
+        self._fused_steps[group] = (fused, where)
         return fused
 
     def _step(self, i: Instruction, zc: bool = False) -> _Step:

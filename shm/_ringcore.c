@@ -486,6 +486,32 @@ slot_view(Core *c, int64_t i, int64_t stop)
     return view;
 }
 
+/* Publish the next slot (its payload is written): header, count, then the post. */
+static void
+publish_slot(Core *c, int64_t nbytes, int64_t tag)
+{
+    volatile int64_t *w = c->w;
+    int64_t k = w[W_PUBLISHED];
+    volatile int64_t *s = slot_words(c, k % c->num_slots);
+    s[0] = k + 1;
+    s[1] = nbytes;
+    s[2] = tag;
+    w[W_PUBLISHED] = k + 1;
+    w[W_HELD] = 0;
+    sem_post(c->full_sem);
+}
+
+/* The next readable slot is done with (its token was taken): acquire + release. */
+static void
+consume(Core *c)
+{
+    volatile int64_t *w = c->w;
+    int64_t k = w[W_ACQUIRED];
+    w[W_ACQUIRED] = k + 1;
+    w[W_RELEASED] = k + 1;
+    sem_post(c->free_sem);
+}
+
 /* -- producer ------------------------------------------------------------ */
 
 static const char *const write_names[] = {"data", "tag", "timeout"};
@@ -528,16 +554,9 @@ Core_write(Core *c, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
         code = TOKEN;
         goto slow;
     }
-    int64_t k = w[W_PUBLISHED];
-    int64_t i = k % c->num_slots;
-    copy_in(slot_payload(c, i), b.buf, b.len);
-    volatile int64_t *s = slot_words(c, i);
-    s[0] = k + 1;
-    s[1] = b.len;
-    s[2] = tag;
+    copy_in(slot_payload(c, w[W_PUBLISHED] % c->num_slots), b.buf, b.len);
+    publish_slot(c, b.len, tag);
     PyBuffer_Release(&b);
-    w[W_PUBLISHED] = k + 1;
-    sem_post(c->full_sem);
     Py_RETURN_NONE;
 slow:
     return fallback(c, s_write, code, first, a, 3);
@@ -601,14 +620,7 @@ Core_publish(Core *c, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames
     }
     if (c->closed || !w[W_HELD] || nbytes < 0 || nbytes > c->slot_size)
         goto slow;
-    int64_t k = w[W_PUBLISHED];
-    volatile int64_t *s = slot_words(c, k % c->num_slots);
-    s[0] = k + 1;
-    s[1] = nbytes;
-    s[2] = tag;
-    w[W_PUBLISHED] = k + 1;
-    w[W_HELD] = 0;
-    sem_post(c->full_sem);
+    publish_slot(c, nbytes, tag);
     Py_RETURN_NONE;
 slow:
     return fallback(c, s_publish, GENERAL, 0, a, 2);
@@ -738,9 +750,7 @@ Core_read(Core *c, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
         memcpy(dst, slot_payload(c, i), (size_t)nbytes);
     }
     int64_t tag = slot_words(c, i)[2];
-    w[W_ACQUIRED] = k + 1;
-    w[W_RELEASED] = k + 1;
-    sem_post(c->free_sem);
+    consume(c);
     return with_tag(data, tag);
 slow:
     return fallback(c, s_read, code, first, a, 1);
@@ -1108,17 +1118,6 @@ step_descriptor(Step *st, int i, const char *p, int64_t nbytes, char **in_ptr, c
     return 0;
 }
 
-/* Input i's transfer taken (its token and slot), as acquire_read + release. */
-static void
-consume(Core *c)
-{
-    volatile int64_t *w = c->w;
-    int64_t k = w[W_ACQUIRED];
-    w[W_ACQUIRED] = k + 1;
-    w[W_RELEASED] = k + 1;
-    sem_post(c->free_sem);
-}
-
 /* One step: 1 (done), 0 (nothing done), -1 (fn raised, or no memory: an exception is set). */
 static int
 step_once(Step *st)
@@ -1180,17 +1179,9 @@ step_once(Step *st)
         goto undo;
     }
     Py_DECREF(r);
-    for (j = 0; j < st->n_out; j++) {
-        Core *c = st->out[j];
-        volatile int64_t *w = c->w;
-        int64_t k = w[W_PUBLISHED];
-        volatile int64_t *s = slot_words(c, k % c->num_slots);
-        s[0] = k + 1;
-        s[1] = redirected[j] ? 0 : st->out_size[j];
-        s[2] = redirected[j] ? st->descriptor_tag : 0;
-        w[W_PUBLISHED] = k + 1;
-        sem_post(c->full_sem);
-    }
+    for (j = 0; j < st->n_out; j++)
+        publish_slot(st->out[j], redirected[j] ? 0 : st->out_size[j],
+                     redirected[j] ? st->descriptor_tag : 0);
     for (i = 0; i < st->n_in; i++)
         consume(st->in[i]);
     Py_DECREF(key);
