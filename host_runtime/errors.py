@@ -5,7 +5,8 @@ Classes are chosen by *cause*, the way trio does it:
 - ``BadRequestError``: the caller gave wrong input (names, shapes, dtypes,
   sizes, replica ids, options). Nothing was sent to a device; the object that
   raised it is still usable.
-- ``PopefError``: a model file is damaged, truncated or inconsistent.
+- ``PopefError``: a model file is damaged, truncated or inconsistent
+  (``ModelRuleError``: its metadata, anchors and programs break a named rule).
 - ``InvalidStateError``: the call does not fit the object's state (closed,
   stopped, not bound to a device).
 - ``DeviceUnavailableError``: no device matching the request could be attached.
@@ -25,6 +26,7 @@ __all__ = [
     "ModelRuntimeError",
     "BadRequestError",
     "PopefError",
+    "ModelRuleError",
     "InvalidStateError",
     "DeviceUnavailableError",
     "DeviceLostError",
@@ -63,6 +65,16 @@ class PopefError(ModelRuntimeError, ValueError):
         self.path = path
         self.blob = blob
         self.offset = offset
+
+
+class ModelRuleError(PopefError):
+    """A model's files are readable but disagree: metadata, anchors and programs break
+    a rule of ``ipu_emulator.validate`` (named by ``rule``, e.g. ``"stream-count"``)."""
+
+    def __init__(self, message: str, *, rule: str, path: str | None = None,
+                 blob: str | None = None, offset: int | None = None) -> None:
+        super().__init__(message, path=path, blob=blob, offset=offset)
+        self.rule = rule
 
 
 class InvalidStateError(ModelRuntimeError, RuntimeError):

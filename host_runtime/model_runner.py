@@ -40,6 +40,7 @@ from host_runtime.memory import (InputMemoryView, OutputMemory, OutputMemoryView
                                  TensorMemory, TensorMemoryView, as_readable_array,
                                  as_writable_array)
 from host_runtime.monitoring import RequestMonitor
+from host_runtime.popef._check import check_model
 
 __all__ = ["ModelRunner", "OutputFuture"]
 
@@ -69,6 +70,7 @@ def _register_exit_hook() -> None:
 
 def _load_model(source: Any) -> popef.Model:
     if isinstance(source, popef.Model):
+        check_model(source)   # the rules of ipu_emulator.validate (once per Model)
         return source
     if isinstance(source, (str, os.PathLike)):
         paths = [os.fspath(source)]
@@ -80,7 +82,9 @@ def _load_model(source: Any) -> popef.Model:
             f"got {type(source).__name__}")
     if not paths:
         raise BadRequestError("ModelRunner needs at least one PopEF file, got an empty list")
-    return popef.load_model(paths)
+    model = popef.load_model(paths)
+    check_model(model)
+    return model
 
 
 def _desc(a: popef.Anchor, contains: bool = False) -> DataDesc:

@@ -42,6 +42,7 @@ from shm import Region
 
 from host_runtime import popef
 from host_runtime._device_link import wait
+from host_runtime.popef._check import check_model
 from host_runtime._session_fastpath import FastPath
 from host_runtime._session_streams import StreamTable
 from host_runtime.devices import Device, DeviceManager, DeviceWaitConfig
@@ -148,6 +149,7 @@ class Session(FastPath):
         else:
             raise BadRequestError(
                 f"Session needs a popef.Model or a list of PopEF paths, got {model!r}")
+        check_model(self._model)   # the rules of ipu_emulator.validate (once per Model)
         self._exe = self._model.executable.payload()
         try:
             self._header = read_header(self._exe)
