@@ -6,9 +6,12 @@ One place for the rules, used by both sides:
   files (``check_model``: the executable against the metadata's anchors and
   program flow) and turns a ``RuleError`` into a ``PopefError``;
 - the IPU process checks what it can see without the metadata when a host
-  loads an executable and asks it to loop programs (``check_loaded_streams``,
-  ``check_loop``), so that a host that skipped the first check gets an error
-  instead of a device that waits forever.
+  loads an executable and asks it to loop programs (``check_loaded_streams``:
+  every stream the host connected is transferred by some program;
+  ``check_loop``: every iteration of the loop streams an output and no stream
+  twice), so that a host that skipped the first check gets an error instead of
+  a device that waits forever. Both run once per LOAD / LOOP, never per
+  iteration: the C steps of a Main iteration pay nothing for them.
 
 Rules (the ``rule`` of a ``RuleError``)::
 
@@ -21,7 +24,7 @@ Rules (the ``rule`` of a ``RuleError``)::
     anchor-stream   every INPUT/OUTPUT anchor is a stream of the executable of the
                     same direction, dtype, shape and size
     stream-anchor   every stream a program of the flow uses is an anchor
-    anchor-programs an anchor lists exactly the programs that stream it
+    anchor-programs an anchor lists exactly the programs that stream it (at least one)
     role-load       a Load program only streams in
     role-save       a Save program does not stream in
     stream-count    per Main iteration, every Main input is streamed in exactly
@@ -198,8 +201,8 @@ def check_model(exe: Executable, anchors: Sequence[AnchorSpec], flow: FlowSpec,
                                     f"count {r.count}; expected >= 1 (its body would never "
                                     "run)")
 
-    _check_anchor_streams(exe, anchors, flow)
     _check_roles(exe, flow)
+    _check_anchor_streams(exe, anchors, flow)
     by_handle = {a.handle: a for a in anchors if a.direction is not None}
     main = set(flow.main)
     main_anchors = [a for a in by_handle.values() if main.intersection(a.programs)]
@@ -229,6 +232,9 @@ def _check_anchor_streams(exe: Executable, anchors: Sequence[AnchorSpec], flow: 
                             f"({a.nbytes} bytes) but stream {a.handle!r} of the executable is "
                             f"{s.dtype}{list(s.shape)} ({s.nbytes} bytes)")
         streaming = used.get((a.direction, a.handle), set())
+        if not streaming:
+            raise RuleError("anchor-programs", f"{kind} anchor {a.name!r}: no program of "
+                            f"the executable streams {a.handle!r} {a.direction}")
         if set(a.programs) != streaming:
             raise RuleError("anchor-programs", f"anchor {a.name!r} lists programs "
                             f"{sorted(a.programs)} but the programs that stream "
@@ -336,10 +342,12 @@ def check_loaded_streams(exe: Executable, streams: Iterable[tuple[str, str]]) ->
                             f"{handle!r}, which {why}")
 
 
-def check_loop(exe: Executable, programs: Sequence[int]) -> None:
-    """``programs`` run as a main loop: every path of one iteration transfers something,
-    and no stream more than once (else the loop spins, or waits for what the host will
-    not send, forever)."""
+def check_loop(exe: Executable, programs: Sequence[int],
+               connected: Iterable[str] | None = None) -> None:
+    """``programs`` run as a main loop: every path of one iteration streams an output,
+    no stream more than once and none out before the iteration wrote it, and (given the
+    handles the host ``connected``) every stream it uses is connected. Else the loop would
+    spin, wait for what the host will not send, or send stale values."""
     for p in programs:
         for r in _repeats(exe.programs[p].body):
             if r.count < 1:
@@ -347,22 +355,29 @@ def check_loop(exe: Executable, programs: Sequence[int]) -> None:
                                 f"{r.count}; a main loop of it would never transfer")
     body, _count, what = _iteration(exe, programs)
     counts = stream_counts(body)
+    if connected is not None:
+        have = set(connected)
+        missing = sorted({h for (_d, h) in counts} - have)
+        if missing:
+            raise RuleError("stream-anchor", f"{what} streams {missing}, which the host did "
+                            "not connect (no anchor of that handle)")
     for (direction, handle), c in counts.items():
         if max(c) > 1:
             raise RuleError("stream-count", f"{what} streams {handle!r} {direction} "
                             f"{_describe_counts(c)} per iteration; expected at most once")
-    if not _every_path_transfers(body):
-        raise RuleError("main-empty", f"{what} has an iteration that transfers nothing; a "
-                        "main loop of it would spin without end")
+    if not _every_path_streams_out(body):
+        raise RuleError("main-empty", f"{what} has an iteration that streams nothing out; a "
+                        "main loop of it would spin, or the host wait, without end")
+    _walk_iteration(body, set(), what, {k for k in counts if k[0] == "out"}, {})
 
 
-def _every_path_transfers(body: Sequence[Instruction]) -> bool:
+def _every_path_streams_out(body: Sequence[Instruction]) -> bool:
     for i in body:
-        if isinstance(i, (StreamIn, StreamOut)):
+        if isinstance(i, StreamOut):
             return True
-        if isinstance(i, Repeat) and i.count >= 1 and _every_path_transfers(i.body):
+        if isinstance(i, Repeat) and i.count >= 1 and _every_path_streams_out(i.body):
             return True
         if isinstance(i, Switch) and i.branches and all(
-                _every_path_transfers(b) for b in i.branches):
+                _every_path_streams_out(b) for b in i.branches):
             return True
     return False

@@ -1,0 +1,70 @@
+"""The model rules (ipu_emulator/validate.py) on crafted PopEF files: valid checksums,
+broken semantics. Each is refused when the model is built, with the rule, the program or
+anchor and what was found; ``popef_dump`` reports it and exits 1."""
+
+from __future__ import annotations
+
+import pytest
+
+from host_runtime import popef
+from host_runtime.errors import ModelRuleError, PopefError
+from host_runtime.popef._check import check_model
+from tests.crafted import CASES, craft, load_parts
+from tools import popef_dump
+from tools.generate_simple_popef import write_simple_popef
+
+
+@pytest.fixture(scope="module")
+def example(tmp_path_factory):
+    return write_simple_popef(tmp_path_factory.mktemp("rules") / "simple.popef")
+
+
+def test_the_example_keeps_every_rule(example):
+    model = popef.load_model([example])
+    check_model(model)   # strict: the executable must decode and keep the rules
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_crafted_file_is_refused_by_the_builder(case, example, tmp_path):
+    edits, rule, words = CASES[case]
+    path = craft(example, tmp_path / f"{case}.popef", **edits)
+    reader = popef.Reader()
+    reader.parseFile(path)   # the file itself is sound: blobs and checksums
+    with pytest.raises(ModelRuleError) as info:
+        popef.ModelBuilder(reader).createModel()
+    msg = str(info.value)
+    assert info.value.rule == rule, msg
+    assert f"rule {rule}" in msg
+    for w in words:
+        assert w in msg, (w, msg)
+    assert str(path) in msg and "'simple_model'" in msg
+
+
+@pytest.mark.parametrize("case", ["repeat_zero", "no_output_anchor", "main_names_missing_program"])
+def test_popef_dump_reports_the_rule_and_exits_1(case, example, tmp_path, capsys):
+    edits, rule, _ = CASES[case]
+    path = craft(example, tmp_path / f"{case}.popef", **edits)
+    assert popef_dump.main([str(path)]) == 1
+    out, err = capsys.readouterr()
+    assert f"FAILED: model 'simple_model' is inconsistent: rule {rule}" in out
+    assert f"rule {rule}" in err and "Model check: ok" not in out
+
+
+def test_a_model_object_is_checked_strictly(example, tmp_path):
+    """A Model built in memory around a foreign executable is refused by the runtime
+    (ModelBuilder leaves non-emulator executables to it)."""
+    model, _ = load_parts(example)
+    bad = popef.Model(model.metadata, popef.ExecutableBlob("simple_model", b"\0" * 400),
+                      model.tensors)
+    with pytest.raises(PopefError, match="cannot be decoded: bad magic"):
+        check_model(bad)
+
+
+def test_no_metadata_names_the_file_once(tmp_path):
+    path = tmp_path / "weights.popef"
+    with popef.Writer(path) as w:
+        w.writeTensorData("weights", b"\0" * 16)
+    with pytest.raises(PopefError) as info:
+        popef.load_model([path])
+    assert f"no metadata blob in {str(path)!r}" in str(info.value)
+    assert '"' not in str(info.value)
