@@ -27,6 +27,7 @@ from typing import Any, Callable, Sequence
 from shm import Ring, ShmError
 
 from host_runtime import popef
+from host_runtime._shm_space import check_room, ring_bytes, translated
 from host_runtime.errors import BadRequestError, InvalidStateError, PopefError
 from host_runtime.predicates import (AnchorCallbackPolicy, AnchorCallbackPredicate,
                                      PopefDataUsagePolicy, PopefDataUsagePredicate)
@@ -253,12 +254,17 @@ class StreamTable:
         unbound when this runs, so the rings are quiescent.
         """
         if not self.rings:
-            for a in self.streams:
-                n = max(1, self.nbytes[a.handle()])
-                depth = self.ring_depth(a)
+            plan = [(a, max(1, self.nbytes[a.handle()]), self.ring_depth(a))
+                    for a in self.streams]
+            check_room("the stream rings of this model", [
+                (f"ring of anchor {a.name()!r} ({depth} x {n})", ring_bytes(n, depth))
+                for a, n, depth in plan])
+            for a, n, depth in plan:
                 kind = "in" if a.type() is popef.TensorType.INPUT else "out"
-                self.rings[a.handle()] = Ring.create(n, depth, kind=kind,
-                                                     prefault=n * depth <= _PREFAULT_BYTES)
+                with translated(f"the ring of anchor {a.name()!r} ({depth} slots of {n} "
+                                "bytes)", ring_bytes(n, depth)):
+                    self.rings[a.handle()] = Ring.create(n, depth, kind=kind,
+                                                         prefault=n * depth <= _PREFAULT_BYTES)
         if self._peer != peer_pid:
             for ring in self.rings.values():
                 ring.reset()

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from host_runtime._daemon_client import DaemonAttachment, DaemonClient, daemon_from_env
 from host_runtime._lifetime import close_owned
+from host_runtime._shm_space import translated
 from host_runtime.errors import BadRequestError, DeviceUnavailableError, InvalidStateError
 from host_runtime.popef.model import Model
 from ipu_emulator.launcher import IpuConnection, IpuSpec, launch_ipu
@@ -53,6 +54,9 @@ _log = logging.getLogger(__name__)
 
 _SMALL_MODEL_TILES = 4
 
+
+_IPU_RING_BYTES = 2 << 20
+"""About what one IPU process's control and event rings take in /dev/shm (for messages)."""
 
 class DeviceWaitStrategy(enum.Enum):
     """How to wait for a device to become available."""
@@ -625,7 +629,10 @@ class DeviceManager:
         procs: list[IpuConnection] = []
         try:
             for spec in specs:
-                procs.append(launch(spec, log_dir=self._system.log_dir))
+                # the IPU process's control and event rings live in /dev/shm too
+                with translated(f"the control and event rings of IPU {spec.ipu_id}",
+                                _IPU_RING_BYTES):
+                    procs.append(launch(spec, log_dir=self._system.log_dir))
         except BaseException:
             for p in procs:
                 if launcher is None:   # a daemon's processes stay warm

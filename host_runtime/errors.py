@@ -9,6 +9,7 @@ Classes are chosen by *cause*, the way trio does it:
   (``ModelRuleError``: its metadata, anchors and programs break a named rule).
 - ``InvalidStateError``: the call does not fit the object's state (closed,
   stopped, not bound to a device).
+- ``SharedMemoryFullError``: /dev/shm cannot hold a model's rings or regions.
 - ``DeviceUnavailableError``: no device matching the request could be attached.
 - ``DeviceLostError``: the emulated IPU process died or stopped answering.
 - ``DeviceTimeoutError``: a wait on a device (or on input data) timed out.
@@ -28,6 +29,7 @@ __all__ = [
     "PopefError",
     "ModelRuleError",
     "InvalidStateError",
+    "SharedMemoryFullError",
     "DeviceUnavailableError",
     "DeviceLostError",
     "DeviceTimeoutError",
@@ -79,6 +81,11 @@ class ModelRuleError(PopefError):
 
 class InvalidStateError(ModelRuntimeError, RuntimeError):
     """The object is closed, stopped or not bound; the call cannot proceed."""
+
+
+class SharedMemoryFullError(ModelRuntimeError, MemoryError):
+    """/dev/shm cannot hold the rings or regions a model needs; the message says how many
+    bytes were asked for (and for which ring or anchor) and what /dev/shm has."""
 
 
 class DeviceUnavailableError(ModelRuntimeError, RuntimeError):

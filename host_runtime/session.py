@@ -42,6 +42,7 @@ from shm import Region
 
 from host_runtime import popef
 from host_runtime._device_link import wait
+from host_runtime._shm_space import translated
 from host_runtime.popef._check import check_model
 from host_runtime._session_fastpath import FastPath
 from host_runtime._session_streams import StreamTable
@@ -481,7 +482,8 @@ class Session(FastPath):
         self._streams.ensure_rings(dev._link.pid)
         if self._memory_region is None:
             size = max(64, int(self._header["memory_bytes"]))
-            self._memory_region = Region.create(size, kind="mem", prefault=False)
+            with translated("the device memory region", size):
+                self._memory_region = Region.create(size, kind="mem", prefault=False)
 
     def _load(self, fresh: bool) -> None:
         """Send LOAD (caller holds the device lock and is the active session)."""
@@ -509,7 +511,8 @@ class Session(FastPath):
         if self._spec_region is None:
             spec["executable_offset"] = protocol.spec_prefix_size(spec)
             prefix = protocol.encode_load_spec(spec)
-            region = Region.create(len(prefix) + len(self._exe), kind="exe")
+            with translated("the executable region", len(prefix) + len(self._exe)):
+                region = Region.create(len(prefix) + len(self._exe), kind="exe")
             region.buf[:len(prefix)] = prefix
             region.buf[len(prefix):len(prefix) + len(self._exe)] = self._exe
             self._spec_region = region
