@@ -209,7 +209,12 @@ class Daemon:
                 except wire.DaemonProtocolError as exc:
                     await self._reply(conn, _error("protocol", str(exc)))
                     continue
-                await self._reply(conn, await self._handle(conn, req))
+                try:
+                    reply = await self._handle(conn, req)
+                except Exception as exc:   # a bug: the client still gets an answer
+                    _log.exception("%s request of pid %d failed", req.get("op"), conn.pid)
+                    reply = _error("internal", f"{type(exc).__name__}: {exc}")
+                await self._reply(conn, reply)
         except (ConnectionError, OSError):
             pass
         finally:
