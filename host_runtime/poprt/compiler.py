@@ -18,7 +18,7 @@ import logging
 import os
 import pathlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, BinaryIO, Sequence
+from typing import TYPE_CHECKING, Any, BinaryIO, Sequence, cast
 
 from host_runtime.errors import BadRequestError
 
@@ -287,8 +287,8 @@ def load_config_yaml(path: str | os.PathLike[str],
                                   f"{e['precision']!r:.80}")
         shapes = dict(global_shapes)
         shapes.update(_shapes(e.get("input_shape"), where))
-        specs.append(ModelSpec(base / e["input_model"], shapes,
-                               e.get("precision", global_precision)))
+        precision = cast(str, e.get("precision", global_precision))   # both checked above
+        specs.append(ModelSpec(base / e["input_model"], shapes, precision))
     out_dir = base / doc.get("output_dir", "./")
     options: dict[str, Any] = {
         # As in seed 004: the PopEF file is written only when export_popef is true.
