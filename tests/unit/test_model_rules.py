@@ -68,3 +68,45 @@ def test_no_metadata_names_the_file_once(tmp_path):
         popef.load_model([path])
     assert f"no metadata blob in {str(path)!r}" in str(info.value)
     assert '"' not in str(info.value)
+
+
+# -- the IPU process's checks (ipu_emulator.validate.check_loop / check_loaded_streams) --
+
+from ipu_emulator.validate import RuleError, check_loaded_streams, check_loop  # noqa: E402
+
+_CONNECTED = ["tensor_A", "tensor_B", "tensor_C", "weights", "weights_saved"]
+
+
+@pytest.mark.parametrize("case, words", [
+    ("repeat_zero", "rule repeat-count: program 1 has a Repeat of count 0"),
+    ("streams_input_twice", "streams 'tensor_A' in 2 times per iteration"),
+    ("streams_output_twice", "streams 'tensor_C' out 2 times per iteration"),
+    ("streams_out_before_execute", "rule stream-order"),
+    ("empty_main", "rule main-empty"),
+])
+def test_device_refuses_the_main_loop(case, words, example, tmp_path, monkeypatch):
+    monkeypatch.setattr("host_runtime.popef._check._check_rules", lambda *a, **k: None)
+    edits, _, _ = CASES[case]
+    _, exe = load_parts(craft(example, tmp_path / f"{case}.popef", **edits))
+    with pytest.raises(RuleError, match=words.replace("[", r"\[").replace("]", r"\]")):
+        check_loop(exe, [1], _CONNECTED)
+
+
+def test_device_refuses_a_loop_over_unconnected_streams(example):
+    _, exe = load_parts(example)
+    check_loop(exe, [1], _CONNECTED)
+    with pytest.raises(RuleError, match=r"streams \['tensor_C'\], which the host did not "
+                                        "connect"):
+        check_loop(exe, [1], [h for h in _CONNECTED if h != "tensor_C"])
+    with pytest.raises(RuleError, match="streams nothing out"):
+        check_loop(exe, [0], _CONNECTED)   # a Load program as a main loop
+
+
+def test_device_refuses_streams_no_program_transfers(example, tmp_path, monkeypatch):
+    monkeypatch.setattr("host_runtime.popef._check._check_rules", lambda *a, **k: None)
+    _, exe = load_parts(example)
+    check_loaded_streams(exe, [("tensor_A", "in"), ("tensor_C", "out")])
+    with pytest.raises(RuleError, match="out stream 'tensor_A', which is never streamed out"):
+        check_loaded_streams(exe, [("tensor_A", "out")])
+    with pytest.raises(RuleError, match="'nope', which is not a stream of the executable"):
+        check_loaded_streams(exe, [("nope", "in")])
