@@ -110,3 +110,42 @@ def test_device_refuses_streams_no_program_transfers(example, tmp_path, monkeypa
         check_loaded_streams(exe, [("tensor_A", "out")])
     with pytest.raises(RuleError, match="'nope', which is not a stream of the executable"):
         check_loaded_streams(exe, [("nope", "in")])
+
+
+def _fused(tmp_path):
+    import onnx
+
+    from host_runtime.poprt.compiler import compile
+    from ipu_emulator.compiler import ModelSpec
+    from tools.generate_simple_popef import build_simple_model
+    onnx.save(build_simple_model((1, 4)), str(tmp_path / "m0.onnx"))
+    onnx.save(build_simple_model((2, 3), seed=1), str(tmp_path / "m1.onnx"))
+    out = compile([ModelSpec(tmp_path / "m0.onnx"), ModelSpec(tmp_path / "m1.onnx")],
+                  tmp_path / "fused", fuse=True)
+    return out.popef_path
+
+
+def test_a_fused_model_keeps_the_rules(tmp_path):
+    check_model(popef.load_model([_fused(tmp_path)]))
+
+
+def test_fused_branches_must_stream_their_own_subgraph(tmp_path):
+    """Switch branches swapped: each branch streams the other sub-graph's anchors."""
+    import dataclasses
+
+    from ipu_emulator.executable import Program, Repeat, Switch
+    path = _fused(tmp_path)
+
+    def swap(progs):
+        rep = progs[1].body[0]
+        sw = rep.body[1]
+        assert isinstance(rep, Repeat) and isinstance(sw, Switch)
+        new = dataclasses.replace(sw, branches=tuple(reversed(sw.branches)))
+        return [progs[0], Program("main", (Repeat(rep.count, (rep.body[0], new)),)), progs[2]]
+    bad = craft(path, tmp_path / "swapped.popef", programs=swap)
+    with pytest.raises(ModelRuleError) as info:
+        popef.load_model([bad])
+    msg = str(info.value)
+    assert info.value.rule == "stream-count"
+    assert "branch 0 of the switch on 'index' streams ['graph1/" in msg
+    assert "sub-graph graph0 of the metadata has the Main anchors ['graph0/" in msg
