@@ -35,6 +35,8 @@ import stat
 from dataclasses import dataclass
 from typing import Mapping
 
+from ipu_emulator.errors import SystemConfigError
+
 _log = logging.getLogger(__name__)
 
 __all__ = [
@@ -52,10 +54,6 @@ IPU_VERSIONS: dict[str, int] = {"ipu2": 2, "ipu21": 21}
 _DEFAULT_TILES = 1472
 _DEFAULT_MEMORY_PER_TILE = 624 * 1024
 _MAX_IPUS = 64
-
-
-class SystemConfigError(ValueError):
-    """The emulated system configuration is invalid; the message names the setting."""
 
 
 @dataclass(frozen=True)
