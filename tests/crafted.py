@@ -100,6 +100,13 @@ CASES: dict[str, tuple[dict[str, Any], str, list[str]]] = {
                        ["Load program 1", "tensor_C"]),
     "programs_reordered": ({"programs": lambda p: [p[1], p[0], p[2]]}, "role-load",
                            ["Load program 0", "'tensor_C'"]),
+    "anchor_inflated": ({"anchors": lambda anchors: [
+        popef.Anchor(a.name(), a.handle(), popef.TensorInfo(a.tensorInfo().dataType(),
+                                                            [4096, 4096])
+                     if a.name() == "tensor_A" else a.tensorInfo(), a.isPerReplica(),
+                     a.type(), a.programs()) for a in anchors]},
+        "anchor-stream", ["'tensor_A' is F32[4096, 4096] (67108864 bytes)",
+                          "'tensor_A' of the executable is F32[1, 4] (16 bytes)"]),
     "anchor_lists_wrong_program": ({"anchors": lambda anchors: [
         popef.Anchor(a.name(), a.handle(), a.tensorInfo(), a.isPerReplica(), a.type(),
                      [2] if a.name() == "tensor_A" else a.programs()) for a in anchors]},
