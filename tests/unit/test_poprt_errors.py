@@ -38,7 +38,7 @@ def test_output_dir_is_a_file(onnx_path, tmp_path, capsys):
     f = tmp_path / "afile"
     f.write_text("x")
     assert poprt(["--input_model", str(onnx_path), "--export_popef",
-                  "--output_dir", str(f)]) == 1
+                  "--output_dir", str(f)]) == 2
     _one_error_line(capsys, "exists and is not a folder", str(f))
 
 
@@ -47,13 +47,13 @@ def test_output_dir_unwritable(onnx_path, tmp_path, capsys):
     ro = tmp_path / "ro"
     ro.mkdir(mode=0o500)
     assert poprt(["--input_model", str(onnx_path), "--export_popef",
-                  "--output_dir", str(ro / "sub")]) == 1
+                  "--output_dir", str(ro / "sub")]) == 2
     _one_error_line(capsys, "Permission denied")
 
 
 def test_output_dir_unwritable_path(onnx_path, tmp_path, capsys):
     assert poprt(["--input_model", str(onnx_path), "--export_popef",
-                  "--output_dir", "/proc/no/such/dir"]) == 1
+                  "--output_dir", "/proc/no/such/dir"]) == 2
     _one_error_line(capsys, "cannot create output_dir")
 
 
@@ -65,14 +65,14 @@ def test_full_disk(onnx_path, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(writer.Writer, "_write", full)
     out = tmp_path / "out"
     assert poprt(["--input_model", str(onnx_path), "--export_popef",
-                  "--output_dir", str(out)]) == 1
+                  "--output_dir", str(out)]) == 2
     _one_error_line(capsys, "No space left on device", "executable.popef")
     assert not (out / "executable.popef").exists()   # no half-written file left
 
 
 def test_huge_input_shape(onnx_path, capsys):
     assert poprt(["--input_model", str(onnx_path), "--input_shape",
-                  "tensor_A=99999999999999999999,4"]) == 1
+                  "tensor_A=99999999999999999999,4"]) == 2
     _one_error_line(capsys, "99999999999999999999", "exceeds the limit")
 
 
@@ -91,13 +91,13 @@ def _fusion_dir(tmp_path: pathlib.Path, config: str | bytes) -> pathlib.Path:
 
 def test_config_not_utf8(tmp_path, capsys):
     cfg = _fusion_dir(tmp_path, SEED_FUSION_CONFIG.encode() + b"\nname: \xff\xfe\n")
-    assert poprt(["--config_yaml", str(cfg)]) == 1
+    assert poprt(["--config_yaml", str(cfg)]) == 2
     _one_error_line(capsys, "is not UTF-8 text")
 
 
 def test_config_lone_surrogate(tmp_path, capsys):
     cfg = _fusion_dir(tmp_path, SEED_FUSION_CONFIG + '\nname: "x\\udc80y"\n')
-    assert poprt(["--config_yaml", str(cfg)]) == 1
+    assert poprt(["--config_yaml", str(cfg)]) == 2
     _one_error_line(capsys, "lone surrogate")
 
 
@@ -123,6 +123,6 @@ def test_config_values_are_typed_strictly(tmp_path, line, words):
 def test_popef_name_outside_output_dir_from_the_command_line(onnx_path, tmp_path, capsys):
     out = tmp_path / "out"
     assert poprt(["--input_model", str(onnx_path), "--export_popef", "--output_dir", str(out),
-                  "--popef_name", "../escaped.popef"]) == 1
+                  "--popef_name", "../escaped.popef"]) == 2
     _one_error_line(capsys, "must name a file inside")
     assert not (tmp_path / "escaped.popef").exists()
