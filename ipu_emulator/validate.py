@@ -8,8 +8,8 @@ One place for the rules, used by both sides:
 - the IPU process checks what it can see without the metadata when a host
   loads an executable and asks it to loop programs (``check_loaded_streams``:
   every stream the host connected is transferred by some program;
-  ``check_loop``: every iteration of the loop streams an output and no stream
-  twice), so that a host that skipped the first check gets an error instead of
+  ``check_loop``: every iteration of the loop streams an output, no stream
+  twice and none unconnected), so that a host that skipped the first check gets an error instead of
   a device that waits forever. Both run once per LOAD / LOOP, never per
   iteration: the C steps of a Main iteration pay nothing for them.
 
@@ -31,8 +31,8 @@ Rules (the ``rule`` of a ``RuleError``)::
                     once and every Main output streamed out exactly once (a
                     fused model's Switch branch: once in the branches of its
                     sub-graph, never in the others)
-    stream-order    per Main iteration, an output is streamed out only after
-                    the iteration has written its device tensor
+    stream-order    per Main iteration, an output the iteration computes (an
+                    Execute or Copy writes it) is streamed out only after that
 
 An *iteration* is the body of the Repeat that is the whole of a single Main
 program (what the compiler emits), else one run of the Main programs.
@@ -285,19 +285,40 @@ def _check_main_iteration(exe: Executable, main: Sequence[int],
     # every path of an iteration, in order: branches of the sub-graphs, outputs after writes
     members = {k: set(v) for k, v in subgraphs.items()}
     main_handles = {(a.direction, a.handle) for a in main_anchors}
-    _walk_iteration(body, set(), what, main_handles, members)
+    _walk_iteration(body, set(), what, main_handles, members, _computed(body))
+
+
+def _computed(body: Sequence[Instruction]) -> set[str]:
+    """Device tensors an Execute or Copy of ``body`` (any path) writes."""
+    out: set[str] = set()
+    for i in body:
+        if isinstance(i, Execute):
+            out.update(t for _, t in i.outputs)
+        elif isinstance(i, Copy):
+            out.add(i.dst)
+        elif isinstance(i, Repeat):
+            out |= _computed(i.body)
+        elif isinstance(i, Switch):
+            for b in i.branches:
+                out |= _computed(b)
+    return out
 
 
 def _walk_iteration(body: Sequence[Instruction], written: set[str], what: str,
                     main_handles: set[tuple[str | None, str]],
-                    members: Mapping[str, set[str]]) -> set[str]:
-    """Check the order of one path; returns the tensors written after ``body``."""
+                    members: Mapping[str, set[str]], computed: set[str]) -> set[str]:
+    """Check the order of one path; returns the tensors written after ``body``.
+
+    Only tensors the iteration computes (``computed``: Execute/Copy outputs) must be
+    written before they are streamed out; others (a token, a forwarded input, a
+    weight) keep the value they have."""
     written = set(written)
     for i in body:
         if isinstance(i, StreamIn):
             written.add(i.tensor)
         elif isinstance(i, StreamOut):
-            if ("out", i.handle) in main_handles and i.tensor not in written:
+            if (("out", i.handle) in main_handles and i.tensor in computed
+                    and i.tensor not in written):
                 raise RuleError("stream-order", f"{what} streams out {i.handle!r} (device "
                                 f"tensor {i.tensor!r}) before the iteration has written "
                                 "that tensor: the host would receive the previous "
@@ -308,7 +329,8 @@ def _walk_iteration(body: Sequence[Instruction], written: set[str], what: str,
             written.add(i.dst)
         elif isinstance(i, Repeat):
             if i.count >= 1:
-                written = _walk_iteration(i.body, written, what, main_handles, members)
+                written = _walk_iteration(i.body, written, what, main_handles, members,
+                                          computed)
         elif isinstance(i, Switch):
             after: set[str] | None = None
             for k, b in enumerate(i.branches):
@@ -321,7 +343,7 @@ def _walk_iteration(body: Sequence[Instruction], written: set[str], what: str,
                             "stream-count", f"{what}: branch {k} of the switch on "
                             f"{i.index!r} streams {sorted(streamed)}, but sub-graph graph{k} "
                             f"of the metadata has the Main anchors {sorted(expected)}")
-                w = _walk_iteration(b, written, what, main_handles, members)
+                w = _walk_iteration(b, written, what, main_handles, members, computed)
                 after = w if after is None else after & w
             written = after if after is not None else written
     return written
@@ -330,16 +352,17 @@ def _walk_iteration(body: Sequence[Instruction], written: set[str], what: str,
 # -- the device's checks: what it sees without the metadata -------------------------------
 
 def check_loaded_streams(exe: Executable, streams: Iterable[tuple[str, str]]) -> None:
-    """Each ``(handle, direction)`` the host connected is a stream some program of
-    ``exe`` transfers in that direction (else the host would wait on it forever)."""
+    """Each ``(handle, direction)`` the host connected that ``exe`` declares is a stream
+    some program of ``exe`` transfers in that direction (else the host would wait on it
+    forever). Streams ``exe`` does not declare are left alone: one IPU of a multi-IPU
+    device is offered every host stream and uses its own."""
     used = _programs_streaming(exe)
     for handle, direction in streams:
-        if (direction, handle) not in used:
-            s = exe.streams.get(handle)
-            why = ("is not a stream of the executable" if s is None else
-                   f"is never streamed {direction} by any of its {len(exe.programs)} programs")
+        s = exe.streams.get(handle)
+        if s is not None and (direction, handle) not in used:
             raise RuleError("anchor-stream", f"the host connected {direction} stream "
-                            f"{handle!r}, which {why}")
+                            f"{handle!r}, which is never streamed {direction} by any of the "
+                            f"executable's {len(exe.programs)} programs")
 
 
 def check_loop(exe: Executable, programs: Sequence[int],
@@ -368,7 +391,8 @@ def check_loop(exe: Executable, programs: Sequence[int],
     if not _every_path_streams_out(body):
         raise RuleError("main-empty", f"{what} has an iteration that streams nothing out; a "
                         "main loop of it would spin, or the host wait, without end")
-    _walk_iteration(body, set(), what, {k for k in counts if k[0] == "out"}, {})
+    _walk_iteration(body, set(), what, {k for k in counts if k[0] == "out"}, {},
+                    _computed(body))
 
 
 def _every_path_streams_out(body: Sequence[Instruction]) -> bool:
