@@ -119,11 +119,11 @@ def compile(models: "ModelSpec | Sequence[ModelSpec] | str | os.PathLike[str] | 
                           weights_as_tensor_data=weights_as_tensor_data,
                           save_weights=save_weights, max_tensor_size=int(max_tensor_size),
                           fuse=fuse)
+    result = compile_onnx(specs, opts)
     out_dir = pathlib.Path(output_dir) if output_dir is not None else pathlib.Path.cwd()
     model_path = _inside(out_dir, output_model, "output_model") if output_model is not None \
         else None
     popef_path = _inside(out_dir, popef_name, "popef_name") if export_popef else None
-    result = compile_onnx(specs, opts)
     output = CompileOutput(result)
     if export_popef or output_model is not None:
         _make_dir(out_dir, "output_dir")
@@ -290,6 +290,9 @@ def load_config_yaml(path: str | os.PathLike[str],
         precision = cast(str, e.get("precision", global_precision))   # both checked above
         specs.append(ModelSpec(base / e["input_model"], shapes, precision))
     out_dir = base / doc.get("output_dir", "./")
+    for key in ("output_model", "popef_name"):   # checked now: the config's error, not later
+        if doc.get(key) is not None:
+            _inside(out_dir, doc[key], f"config {str(p)!r}: {key}")
     options: dict[str, Any] = {
         # As in seed 004: the PopEF file is written only when export_popef is true.
         "export_popef": doc.get("export_popef", False),
@@ -304,9 +307,6 @@ def load_config_yaml(path: str | os.PathLike[str],
         "name": doc.get("name", "executable"),
         "fuse": True,
     }
-    for key in ("output_model", "popef_name"):   # checked now: the config's error, not later
-        if options[key] is not None:
-            _inside(out_dir, options[key], f"config {str(p)!r}: {key}")
     return FusionConfig(specs, out_dir, options)
 
 
@@ -315,9 +315,17 @@ _TYPES: dict[str, Any] = {
     "ipu_version": str, "precision": str,
     "export_popef": bool, "weights_as_tensor_data": bool, "save_weights": bool,
     "compress": bool, "max_tensor_size": int, "batches_per_step": int,
+    # keys of manual sharding (PopRT), where this version knows them
+    "num_ipus": int, "enable_pipelining": bool, "manual_sharding_config": str,
 }
 """The type of each global key's value: checked strictly (``'false'`` is not false)."""
 _A = {"str": "a str", "bool": "a bool (true or false, unquoted)", "int": "an integer"}
+
+
+def _int(v: Any, key: str, p: pathlib.Path) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise BadRequestError(f"config {str(p)!r}: {key} must be an integer, got {v!r}")
+    return v
 
 
 def _check_text(v: Any, where: str, depth: int = 0) -> None:
