@@ -31,8 +31,11 @@ Rules (the ``rule`` of a ``RuleError``)::
                     once and every Main output streamed out exactly once (a
                     fused model's Switch branch: once in the branches of its
                     sub-graph, never in the others)
-    stream-order    per Main iteration, an output the iteration computes (an
-                    Execute or Copy writes it) is streamed out only after that
+    stream-order    per Main iteration, a Main output is streamed out only after
+                    the iteration has written its device tensor (on the device:
+                    only tensors an Execute or Copy of the iteration writes), and
+                    an Execute or Copy reads a streamed-in tensor only after the
+                    iteration has streamed it in
 
 An *iteration* is the body of the Repeat that is the whole of a single Main
 program (what the compiler emits), else one run of the Main programs.
@@ -285,39 +288,56 @@ def _check_main_iteration(exe: Executable, main: Sequence[int],
     # every path of an iteration, in order: branches of the sub-graphs, outputs after writes
     members = {k: set(v) for k, v in subgraphs.items()}
     main_handles = {(a.direction, a.handle) for a in main_anchors}
-    _walk_iteration(body, set(), what, main_handles, members, _computed(body))
+    # A multi-IPU executable's own programs are the host's view of its parts (never run:
+    # no Execute writes its outputs): their order is checked on each IPU (check_loop).
+    strict = not getattr(exe, "parts", None)
+    _walk_iteration(body, set(), what, main_handles, members,
+                    _computed(body) if strict else set(), strict)
 
 
-def _computed(body: Sequence[Instruction]) -> set[str]:
-    """Device tensors an Execute or Copy of ``body`` (any path) writes."""
+def _computed(body: Sequence[Instruction], fed: bool = False) -> set[str]:
+    """Device tensors an Execute or Copy (``fed``: a StreamIn) of ``body`` writes."""
     out: set[str] = set()
     for i in body:
-        if isinstance(i, Execute):
+        if isinstance(i, StreamIn) and fed:
+            out.add(i.tensor)
+        elif isinstance(i, Execute) and not fed:
             out.update(t for _, t in i.outputs)
-        elif isinstance(i, Copy):
+        elif isinstance(i, Copy) and not fed:
             out.add(i.dst)
         elif isinstance(i, Repeat):
-            out |= _computed(i.body)
+            out |= _computed(i.body, fed)
         elif isinstance(i, Switch):
             for b in i.branches:
-                out |= _computed(b)
+                out |= _computed(b, fed)
     return out
 
 
 def _walk_iteration(body: Sequence[Instruction], written: set[str], what: str,
                     main_handles: set[tuple[str | None, str]],
-                    members: Mapping[str, set[str]], computed: set[str]) -> set[str]:
+                    members: Mapping[str, set[str]], computed: set[str],
+                    strict: bool = False) -> set[str]:
     """Check the order of one path; returns the tensors written after ``body``.
 
-    Only tensors the iteration computes (``computed``: Execute/Copy outputs) must be
-    written before they are streamed out; others (a token, a forwarded input, a
-    weight) keep the value they have."""
+    ``strict`` (the host, for Main output anchors): every output streamed out must have
+    been written earlier in the iteration. Else (the device, which cannot tell an anchor
+    from an IPU-Link token) only tensors the iteration computes (``computed``:
+    Execute/Copy outputs); others (a token, a forwarded input) keep their value."""
     written = set(written)
+    fed = _computed(body, fed=True)
     for i in body:
+        if isinstance(i, (Execute, Copy)):
+            reads = [t for _, t in i.inputs] if isinstance(i, Execute) else [i.src]
+            stale = [t for t in reads if t in fed and t not in written]
+            if stale:
+                op = f"graph {i.graph}" if isinstance(i, Execute) else f"copy to {i.dst!r}"
+                raise RuleError("stream-order", f"{what}: {op} reads {stale} before the "
+                                "iteration streams them in: it would compute with the "
+                                "previous iteration's values")
         if isinstance(i, StreamIn):
             written.add(i.tensor)
         elif isinstance(i, StreamOut):
-            if (("out", i.handle) in main_handles and i.tensor in computed
+            if (("out", i.handle) in main_handles and (strict or i.tensor in computed)
                     and i.tensor not in written):
                 raise RuleError("stream-order", f"{what} streams out {i.handle!r} (device "
                                 f"tensor {i.tensor!r}) before the iteration has written "
@@ -330,7 +350,7 @@ def _walk_iteration(body: Sequence[Instruction], written: set[str], what: str,
         elif isinstance(i, Repeat):
             if i.count >= 1:
                 written = _walk_iteration(i.body, written, what, main_handles, members,
-                                          computed)
+                                          computed, strict)
         elif isinstance(i, Switch):
             after: set[str] | None = None
             for k, b in enumerate(i.branches):
@@ -343,7 +363,8 @@ def _walk_iteration(body: Sequence[Instruction], written: set[str], what: str,
                             "stream-count", f"{what}: branch {k} of the switch on "
                             f"{i.index!r} streams {sorted(streamed)}, but sub-graph graph{k} "
                             f"of the metadata has the Main anchors {sorted(expected)}")
-                w = _walk_iteration(b, written, what, main_handles, members, computed)
+                w = _walk_iteration(b, written, what, main_handles, members, computed,
+                                    strict)
                 after = w if after is None else after & w
             written = after if after is not None else written
     return written
