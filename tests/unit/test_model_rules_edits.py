@@ -15,6 +15,7 @@ from host_runtime.errors import ModelRuleError
 from host_runtime.popef._check import check_model
 from ipu_emulator.executable import Executable, Program, Repeat
 from ipu_emulator.interpreter import Interpreter
+from ipu_emulator.validate import check_loaded_streams, check_loop
 from tests.crafted import load_parts
 
 
@@ -78,6 +79,12 @@ def test_each_edit_is_refused_or_right(parts):
             refused.append((name, exc.rule))
             continue
         accepted.append(name)
+        # what the host accepts, the IPU process's own checks accept too
+        check_loop(edited, [1], ["tensor_A", "tensor_B", "tensor_C", "weights",
+                                 "weights_saved"])
+        check_loaded_streams(edited, [("tensor_A", "in"), ("tensor_B", "in"),
+                                      ("tensor_C", "out"), ("weights", "in"),
+                                      ("weights_saved", "out")])
         # run it: iterations per Main run, requests = 2 runs' worth
         per_run = main[0].count if len(main) == 1 and isinstance(main[0], Repeat) else 1
         n = 2 * per_run
