@@ -165,3 +165,11 @@ def test_stream_order_concerns_computed_tensors_only(example):
                                                   rep.body[2])),))
     with pytest.raises(RuleError, match="rule stream-order"):
         check_loop(exe, [1], _CONNECTED)
+
+
+def test_the_host_decodes_programs_without_the_graphs(example):
+    from ipu_emulator.executable import Executable
+    model, full = load_parts(example)
+    light = Executable.from_bytes(model.executable.payload(), graphs=False)
+    assert light.programs == full.programs and light.streams == full.streams
+    assert [g.model for g in light.graphs] == [b""] and full.graphs[0].model
