@@ -247,8 +247,11 @@ class StreamTable:
             want = min(want, self._look_ahead + 1)
         return max(1, min(want, _MAX_DEPTH, _MAX_RING_BYTES // n))
 
-    def ensure_rings(self, peer_pid: int) -> None:
+    def ensure_rings(self, peer_pid: int, extra: Sequence[tuple[str, int]] = ()) -> None:
         """Create the rings once; when the device (peer) changes, reset them.
+
+        ``extra`` ((what, bytes) each): the session's other regions, counted with the
+        rings when /dev/shm is asked whether it can hold them all.
 
         A device that died mid-transfer leaves stale slots; the old device is
         unbound when this runs, so the rings are quiescent.
@@ -256,9 +259,9 @@ class StreamTable:
         if not self.rings:
             plan = [(a, max(1, self.nbytes[a.handle()]), self.ring_depth(a))
                     for a in self.streams]
-            check_room("the stream rings of this model", [
+            check_room("this model's rings and regions", [
                 (f"ring of anchor {a.name()!r} ({depth} x {n})", ring_bytes(n, depth))
-                for a, n, depth in plan])
+                for a, n, depth in plan] + list(extra))
             for a, n, depth in plan:
                 kind = "in" if a.type() is popef.TensorType.INPUT else "out"
                 with translated(f"the ring of anchor {a.name()!r} ({depth} slots of {n} "

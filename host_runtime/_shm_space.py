@@ -56,7 +56,7 @@ def check_room(what: str, items: Sequence[tuple[str, int]]) -> None:
         return
     largest = sorted(items, key=lambda it: -it[1])[:3]
     raise SharedMemoryFullError(
-        f"{what} needs {total} bytes of shared memory ({len(items)} rings/regions; largest: "
+        f"{what} need {total} bytes of shared memory ({len(items)} in all; largest: "
         + ", ".join(f"{name} {n} bytes" for name, n in largest)
         + f"), but {_has()}; enlarge {SHM_DIR} (docker run --shm-size=...) or use "
         "smaller anchors / ring_buffer_size_multiplier")

@@ -479,7 +479,10 @@ class Session(FastPath):
             self._load_ran = False
 
     def _ensure_resources(self, dev: Device) -> None:
-        self._streams.ensure_rings(dev._link.pid)
+        extra = [] if self._memory_region is not None else [
+            ("the device memory region", max(64, int(self._header["memory_bytes"]))),
+            ("the executable region", len(self._exe))]
+        self._streams.ensure_rings(dev._link.pid, extra)
         if self._memory_region is None:
             size = max(64, int(self._header["memory_bytes"]))
             with translated("the device memory region", size):

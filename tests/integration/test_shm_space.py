@@ -26,7 +26,7 @@ def test_too_small_shm_is_refused_before_creating(big_model, monkeypatch):
     with pytest.raises(SharedMemoryFullError) as info:
         model_runtime.ModelRunner(model_runtime.PopefPaths([str(big_model)]))
     msg = str(info.value)
-    assert "the stream rings of this model needs" in msg
+    assert "this model's rings and regions need" in msg
     assert "ring of anchor 'tensor_A'" in msg and "2097152" in msg
     assert "/dev/shm has 1048576 bytes free of 67108864" in msg
     assert "--shm-size" in msg
