@@ -248,6 +248,8 @@ def load_config_yaml(path: str | os.PathLike[str],
                               f"{exc.object[exc.start:exc.start + 1]!r}") from None
     except yaml.YAMLError as exc:
         raise BadRequestError(f"config {str(p)!r} is not valid YAML: {exc}") from None
+    except RecursionError:
+        raise BadRequestError(f"config {str(p)!r} nests too deeply to be a config") from None
     if not isinstance(doc, dict):
         raise BadRequestError(f"config {str(p)!r} must be a mapping of keys, got "
                               f"{type(doc).__name__}")
@@ -257,13 +259,11 @@ def load_config_yaml(path: str | os.PathLike[str],
                               f"{sorted(_GLOBAL_KEYS)}")
     doc.update({k: v for k, v in (overrides or {}).items() if v is not None})
     _check_text(doc, f"config {str(p)!r}")
-    for key, kinds in _TYPES.items():
-        if key in doc and (not isinstance(doc[key], kinds)
-                           or (kinds is int and isinstance(doc[key], bool))):
-            names = " or ".join(k.__name__ for k in (kinds if isinstance(kinds, tuple)
-                                                     else (kinds,)))
-            raise BadRequestError(f"config {str(p)!r}: {key} must be {_A.get(names, 'a ' + names)}"
-                                  f", got {doc[key]!r:.80} ({type(doc[key]).__name__})")
+    for key, kind in _TYPES.items():
+        if key in doc and (not isinstance(doc[key], kind)
+                           or (kind is int and isinstance(doc[key], bool))):
+            raise BadRequestError(f"config {str(p)!r}: {key} must be {_TYPE_WORDS[kind]}, "
+                                  f"got {doc[key]!r:.80} ({type(doc[key]).__name__})")
     base = p.resolve().parent
     entries = doc.get("model_fusion")
     if not isinstance(entries, list) or not entries:
@@ -310,7 +310,7 @@ def load_config_yaml(path: str | os.PathLike[str],
     return FusionConfig(specs, out_dir, options)
 
 
-_TYPES: dict[str, Any] = {
+_TYPES: dict[str, type] = {
     "output_dir": str, "output_model": str, "popef_name": str, "name": str,
     "ipu_version": str, "precision": str,
     "export_popef": bool, "weights_as_tensor_data": bool, "save_weights": bool,
@@ -319,7 +319,7 @@ _TYPES: dict[str, Any] = {
     "num_ipus": int, "enable_pipelining": bool, "manual_sharding_config": str,
 }
 """The type of each global key's value: checked strictly (``'false'`` is not false)."""
-_A = {"str": "a str", "bool": "a bool (true or false, unquoted)", "int": "an integer"}
+_TYPE_WORDS = {str: "a str", bool: "a bool (true or false, unquoted)", int: "an integer"}
 
 
 def _int(v: Any, key: str, p: pathlib.Path) -> int:

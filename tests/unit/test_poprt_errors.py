@@ -126,3 +126,10 @@ def test_popef_name_outside_output_dir_from_the_command_line(onnx_path, tmp_path
                   "--popef_name", "../escaped.popef"]) == 2
     _one_error_line(capsys, "must name a file inside")
     assert not (tmp_path / "escaped.popef").exists()
+
+
+def test_config_nested_too_deeply(tmp_path, capsys):
+    cfg = tmp_path / "deep.yaml"
+    cfg.write_text("model_fusion: " + "[" * 5000 + "]" * 5000 + "\n")
+    assert poprt(["--config_yaml", str(cfg)]) == 2
+    _one_error_line(capsys, "nests too deeply")
