@@ -277,6 +277,7 @@ def test_monitoring_grows_with_requests(runner):
 
 
 # ------------------------------------------------------------------ other configurations
+@pytest.mark.embedded_only
 def test_replication_two_replicas(model_path, weights):
     cfg = model_runtime.ModelRunnerConfig()
     cfg.replication_factor = 2
@@ -384,6 +385,7 @@ def test_save_programs_on_close_fill_outputs(model_path, weights):
         np.asarray(cfg2.replica_to_save_programs_outputs[0]["weights_saved"]), weights)
 
 
+@pytest.mark.embedded_only
 def test_close_is_idempotent_and_releases_the_device(model_path, weights):
     r = model_runtime.ModelRunner(model_path)
     pid = r._replicas[0].session.device().pids()[0]
@@ -433,6 +435,7 @@ def test_replica_to_device_uses_the_given_device(model_path, weights):
         dev.close()
 
 
+@pytest.mark.embedded_only
 def test_no_device_available_fails_cleanly(model_path, monkeypatch, tmp_path):
     monkeypatch.setenv("IPU_EMULATOR_HOME", str(tmp_path / "machine"))   # a 1-IPU machine
     monkeypatch.setenv("IPU_EMULATOR_NUM_IPUS", "1")
@@ -444,6 +447,7 @@ def test_no_device_available_fails_cleanly(model_path, monkeypatch, tmp_path):
         assert r.getExecuteInputs()
 
 
+@pytest.mark.embedded_only
 def test_garbage_collection_releases_the_device(model_path):
     import gc
 
