@@ -134,6 +134,11 @@ CallbackFactory = Callable[[CallbackInfo], "CallbackHandle | None"]
 class Session(FastPath):
     """Links a model to a device: loads it, runs its programs, services its streams."""
 
+    ProgIdxType = int
+    """The index of a program of the executable (C++ ``popef::ProgramFlow::ProgramIndexType``)."""
+    ProgramsAndAnchorsMap = dict[int, list[popef.Anchor]]
+    """Program index -> its anchors (what ``anchorsNotConnectedToCallbacks`` returns)."""
+
     def __init__(self, model: popef.Model | str | Sequence[str],
                  config: SessionConfig | None = None) -> None:
         self._config = config if config is not None else SessionConfig()
