@@ -362,6 +362,8 @@ class ModelRunner:
         for name, value in inputs.items():
             spec = specs.get(name)
             if spec is None:
+                if name in self._frozen:
+                    continue   # seed: a frozen input is no longer required; the frozen value wins
                 raise self._unknown_input(name)
             arr = value if type(value) is np.ndarray else as_readable_array(value, name)
             if arr.dtype == spec.dtype and arr.shape == spec.shape:
@@ -486,10 +488,6 @@ class ModelRunner:
                               f"got shape {list(arr.shape)}")
 
     def _unknown_input(self, name: str) -> BadRequestError:
-        if name in self._frozen:
-            return BadRequestError(
-                f"input {name!r} is frozen (ModelRunnerConfig.frozen_inputs): do not pass it; "
-                "the model's execute inputs are " + ", ".join(repr(n) for n in self._exec_specs))
         return BadRequestError(
             f"unknown input tensor {name!r}; the model's execute inputs are "
             + ", ".join(repr(n) for n in self._exec_specs))
@@ -543,7 +541,10 @@ class ModelRunner:
 
     # ================================================================== the seed's API
     def execute(self, input_data: Any, output_data: Any = None, replica_id: int = 0) -> Any:
-        """Run one request synchronously; see the module docstring for what it returns."""
+        """Run one request synchronously; see the module docstring for what it returns.
+
+        An input frozen by ``ModelRunnerConfig.frozen_inputs`` is no longer required (seed
+        000/001, frozen inputs); given anyway, it is ignored and the frozen value is used."""
         lock = self._call_lock(replica_id)
         if lock is not None:
             with lock:
@@ -579,7 +580,7 @@ class ModelRunner:
 
     def executeAsync(self, input_data: Any, output_data: Any = None,
                      replica_id: int = 0) -> OutputFuture:
-        """Queue one request; returns an ``OutputFuture``."""
+        """Queue one request; returns an ``OutputFuture`` (frozen inputs as for ``execute``)."""
         lock = self._call_lock(replica_id)
         if lock is not None:
             with lock:

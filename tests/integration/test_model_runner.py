@@ -347,13 +347,28 @@ def test_frozen_inputs_main_and_load(model_path, weights):
             a = rand(seed=seed)
             result = r.execute({"tensor_A": a})
             np.testing.assert_allclose(result["tensor_C"], a * weights + frozen_b, rtol=1e-6)
-        with pytest.raises(BadRequestError, match="input 'tensor_B' is frozen"):
-            r.execute({"tensor_A": a, "tensor_B": a})
+        # seed: a frozen input is no longer required; given anyway, it is ignored
+        given_b = rand(seed=7)
+        for inputs in ({"tensor_A": a, "tensor_B": given_b},
+                       model_runtime.InputMemoryView({"tensor_A": a, "tensor_B": given_b})):
+            result = r.execute(inputs)
+            np.testing.assert_allclose(np.frombuffer(result["tensor_C"], np.float32).reshape(SHAPE),
+                                       a * weights + frozen_b, rtol=1e-6)
+            fut = r.executeAsync(inputs)
+            np.testing.assert_allclose(np.asarray(fut["tensor_C"]), a * weights + frozen_b,
+                                       rtol=1e-6)
+        out = np.zeros(SHAPE, np.float32)
+        r.execute({"tensor_A": a, "tensor_B": given_b}, {"tensor_C": out})
+        np.testing.assert_allclose(out, a * weights + frozen_b, rtol=1e-6)
     # a frozen PopEF tensor-data anchor overrides the file's weights
     cfg2 = model_runtime.ModelRunnerConfig(frozen_inputs={"weights": frozen_w})
     with model_runtime.ModelRunner(model, config=cfg2) as r:
         a, b = pair()
         np.testing.assert_allclose(r.execute({"tensor_A": a, "tensor_B": b})["tensor_C"],
+                                   a * frozen_w + b, rtol=1e-6)
+        # the frozen weights given to execute anyway: ignored too
+        np.testing.assert_allclose(r.execute({"tensor_A": a, "tensor_B": b,
+                                              "weights": rand(seed=8)})["tensor_C"],
                                    a * frozen_w + b, rtol=1e-6)
 
 
