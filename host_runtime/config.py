@@ -65,7 +65,15 @@ _DURATIONS = ("timeout_ns", "batch_size_timeout_ns", "data_parallel_timeout_ns")
 
 
 class ModelRunnerConfig:
-    """ModelRunner configuration options; the defaults are the seeds' defaults."""
+    """ModelRunner configuration options; the defaults are the seeds' defaults.
+
+    ``ring_buffer_size_multiplier``: ring size = multiplier x batch size, in samples. A
+    slot of a stream ring holds one transfer (the model's batch), so each Main ring has
+    ``multiplier`` slots (no floor), capped at ``max_look_ahead + 1`` when that is a number
+    and at 1024 slots / 64 MiB per ring (docs/CONTRACTS.md section 7).
+
+    ``flush_callback(tensor_id, inputs, outputs)``: see ``FlushCallback``.
+    """
 
     _FIELDS = (
         "replication_factor", "run_save_programs", "thread_safe", "frozen_inputs",

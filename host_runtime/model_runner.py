@@ -325,14 +325,18 @@ class ModelRunner:
     def _ring_depths(self) -> Any:
         """Slots of the session's stream rings (seed: ring size = multiplier x batch size).
 
-        A request of the model's batch is one transfer of each Main anchor, so a Main ring
-        holds ``ring_buffer_size_multiplier`` requests (at least 2: one being written while
-        the device reads the other); load/save anchors move once per program run: 2. The
-        session caps these at ``max_look_ahead + 1`` when that is a number."""
+        The seed's ring holds references to user samples; here a slot of a Main anchor's
+        ring holds one whole transfer: the model's batch of samples (along ``batching_dim``
+        when set), in shared memory. So a Main ring of ``ring_buffer_size_multiplier``
+        slots holds multiplier x batch size samples, as the seed says, without the memory
+        of a slot per sample. No floor: one slot still makes progress (a submitter that
+        finds a ring full drains outputs). Load/save anchors move once per program run: 2.
+        The session caps Main rings at ``max_look_ahead + 1`` when that is a number (no
+        more transfers prepared ahead than that option allows) and every ring at 1024 slots
+        and 64 MiB (at least one slot)."""
         from host_runtime.queues import ring_size_multiplier_factory
 
-        transfers_per_request = 1
-        main = max(2, self._config.ring_buffer_size_multiplier * transfers_per_request)
+        main = self._config.ring_buffer_size_multiplier
         return ring_size_multiplier_factory.ringSizeMultForMainProgs(self._model, main, 2)
 
     def _replica(self, replica_id: Any) -> Replica:
