@@ -32,6 +32,7 @@ import numpy as np
 from host_runtime import popef
 from host_runtime._batching import TensorSpec
 from host_runtime._lifetime import close_owned
+from host_runtime._read_order import main_read_order
 from host_runtime._replica import Replica, ReplicaSetup
 from host_runtime._requests import OutputFuture, Request
 from host_runtime.config import DataDesc, ModelRunnerConfig
@@ -171,6 +172,8 @@ class ModelRunner:
         self._main_outputs = [a for a in self._outputs_all if in_main(a)]
         self._fused = bool(md.subgraphs()) and by_name.get(INDEX_NAME) is not None
         self._in_specs = {a.name(): self._spec(a, batch_dim, True) for a in self._main_inputs}
+        # the order Main reads its inputs: the device waits for the first one missing
+        self._read_rank = {n: k for k, n in enumerate(main_read_order(self._model))}
         self._out_specs = {a.name(): self._spec(a, batch_dim, False) for a in self._main_outputs}
         self._exec_specs = {a.name(): self._in_specs[a.name()] for a in self._exec_inputs}
         self._all_outputs = tuple(self._out_specs.values())
@@ -239,7 +242,7 @@ class ModelRunner:
     # ================================================================== replicas
     def _setup(self, rid: int) -> ReplicaSetup:
         cfg = self._config
-        direct_in = dict(self._in_specs)
+        direct_in = {n: self._in_specs[n] for n in self._by_read_order(self._in_specs)}
         flush_ns: Optional[int]
         if cfg.is_batch_size_timeout_enabled:
             flush_ns = cfg.batch_size_timeout_ns
@@ -496,11 +499,16 @@ class ModelRunner:
             f"unknown input tensor {name!r}; the model's execute inputs are "
             + ", ".join(repr(n) for n in self._exec_specs))
 
+    def _by_read_order(self, names: Any) -> list[str]:
+        """``names`` in the order the Main programs read them (unread ones last)."""
+        rank = self._read_rank
+        return sorted(names, key=lambda n: rank.get(n, len(rank)))
+
     def _plan(self, given: dict[str, np.ndarray], transfers: int
               ) -> tuple[dict[str, np.ndarray], list[tuple[TensorSpec, ...]], Optional[str]]:
         """(inputs to publish, outputs written per transfer, first missing input or None)."""
         if not self._fused:
-            missing = [n for n in self._exec_specs if n not in given]
+            missing = self._by_read_order(n for n in self._exec_specs if n not in given)
             return given, [self._all_outputs] * transfers, (missing[0] if missing else None)
         index = given.get(INDEX_NAME)
         if index is None:
@@ -518,7 +526,8 @@ class ModelRunner:
                 f"input {INDEX_NAME!r}: every transfer of one request must select the same "
                 f"sub-graph, got {ks}; send one request per sub-graph")
         needed = [INDEX_NAME, *self._sub_inputs[ks[0]]]
-        missing = [n for n in needed if n not in given and n not in self._frozen]
+        missing = self._by_read_order(n for n in needed
+                                      if n not in given and n not in self._frozen)
         publish = {n: given[n] for n in needed if n in given}
         return publish, [self._sub_outputs[k] for k in ks], (missing[0] if missing else None)
 
