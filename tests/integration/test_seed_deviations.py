@@ -192,3 +192,85 @@ def test_missing_inputs_name_the_first_read_and_the_callback_supplies_them(reord
         out = r.execute({})
         np.testing.assert_allclose(out["tensor_C"], a * w + b, rtol=1e-6)
     assert calls == ["tensor_A"]
+
+
+# ------------------------------------------------------------------ Session and Device
+def feeder(data):
+    def cb(view):
+        np.frombuffer(view, np.uint8)[:] = np.ascontiguousarray(data).view(np.uint8).ravel()
+    return cb
+
+
+def sink(into, name):
+    def cb(view):
+        into.setdefault(name, []).append(np.frombuffer(view, np.float32).reshape(SHAPE).copy())
+    return cb
+
+
+def test_user_input_handler_is_asked_for_every_input_including_popef_data(models, device):
+    """Seed 002: the factory is called once per input tensor; the predicate decides."""
+    path, w = models[(4, 3)]
+    flow = popef.load_model([path]).metadata.programFlow()
+    a, b, user_w = rand(SHAPE, 11), rand(SHAPE, 12), np.full(SHAPE, 3.0, np.float32)
+    data = {"tensor_A": a, "tensor_B": b, "weights": user_w}
+    seen = []
+
+    def factory(info):
+        seen.append(info.name())
+        return feeder(data[info.name()])
+
+    def run(predicate=None):
+        seen.clear()
+        outs = {}
+        with Session(path) as s:
+            s.bindToDevice(device)
+            s.setUserInputHandler(factory, predicate)
+            s.setUserOutputHandler(lambda info: sink(outs, info.name()))
+            s.runMainPrograms()     # the load programs first: weights from the bound callback
+        assert sorted(seen) == ["tensor_A", "tensor_B", "weights"]
+        return outs["tensor_C"][-1]
+
+    # no predicate: every callback is bound, the user's weights override the PopEF data
+    np.testing.assert_allclose(run(), a * 3.0 + b, rtol=1e-6)
+    # Main's anchors only; the others skipped: weights keeps its PopEF data
+    ac = predicate_factory.anchor_callbacks
+    main_only = ac.predProgramFlowMain(flow, reject_policy=AnchorCallbackPolicy.SKIP_CB)
+    np.testing.assert_allclose(run(main_only), a * w + b, rtol=1e-6)
+    # an empty callback for tensor_B: zeros
+    only_a_and_w = ac.predAnchorsPolicies(
+        [AnchorWithPolicy("tensor_A", AnchorCallbackPolicy.BIND_USER_CB),
+         AnchorWithPolicy("weights", AnchorCallbackPolicy.BIND_USER_CB)])
+    np.testing.assert_allclose(run(only_a_and_w), a * 3.0, rtol=1e-6)
+
+
+def test_device_binds_and_unbinds_sessions(models, device):
+    """Seed 002 (protected there): Device.bindToSession / unbindSession / isActiveSession."""
+    path, w = models[(4, 3)]
+    a1, b1, a2, b2 = (rand(SHAPE, 20 + k) for k in range(4))
+    outs1, outs2 = {}, {}
+    with Session(path) as s1, Session(path) as s2:
+        for s, a, b, outs in ((s1, a1, b1, outs1), (s2, a2, b2, outs2)):
+            s.setCallbackForAnchor("tensor_A", feeder(a))
+            s.setCallbackForAnchor("tensor_B", feeder(b))
+            s.setCallbackForAnchor("tensor_C", sink(outs, "tensor_C"))
+            s.setCallbackForAnchor("weights_saved", sink(outs, "weights_saved"))
+        device.bindToSession(s1)
+        assert s1.device() is device and device.isActiveSession(s1)
+        s1.runMainPrograms()
+        np.testing.assert_allclose(outs1["tensor_C"][-1], a1 * w + b1, rtol=1e-6)
+        device.bindToSession(s2)      # s1 is unbound first: its save programs run
+        assert device.isActiveSession(s2) and not device.isActiveSession(s1)
+        np.testing.assert_array_equal(outs1["weights_saved"][-1], w)
+        s2.runMainPrograms()
+        np.testing.assert_allclose(outs2["tensor_C"][-1], a2 * w + b2, rtol=1e-6)
+        device.unbindSession()        # s2's save programs run; nobody is active
+        assert len(outs2["weights_saved"]) == 1
+        assert not device.isActiveSession(s2) and not device.isActiveSession(s1)
+        assert s2.device() is device  # still bound: it loads again before it next runs
+        device.unbindSession()        # nothing active: nothing to do
+        s2.runMainPrograms()
+        assert device.isActiveSession(s2)
+        np.testing.assert_allclose(outs2["tensor_C"][-1], a2 * w + b2, rtol=1e-6)
+        with pytest.raises(model_runtime.BadRequestError,
+                           match="bindToSession expects a Session, got 'x'"):
+            device.bindToSession("x")
