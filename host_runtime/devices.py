@@ -332,6 +332,11 @@ class Device:
             active = self._active
             if active is None:
                 return
+            loop = active._loop
+            if loop is not None and not loop.done():
+                raise InvalidStateError(
+                    f"unbindSession: {self.describe()} is running the main loop of its active "
+                    "session (a ModelRunner's, or a QueueManager's); stop() that session first")
             active._deactivate(implicit_save=True)
             self._unbind_session(active)
 

@@ -274,3 +274,16 @@ def test_device_binds_and_unbinds_sessions(models, device):
         with pytest.raises(model_runtime.BadRequestError,
                            match="bindToSession expects a Session, got 'x'"):
             device.bindToSession("x")
+
+
+def test_unbind_session_refuses_a_device_running_a_main_loop(models):
+    path, w = models[(4, 3)]
+    with model_runtime.ModelRunner(path) as r:
+        dev = r._replicas[0].session.device()
+        with pytest.raises(model_runtime.InvalidStateError,
+                           match=r"unbindSession: device \d+ \(ipu \d+\) is running the main "
+                                 "loop of its active session"):
+            dev.unbindSession()
+        a, b = rand(SHAPE, 30), rand(SHAPE, 31)
+        np.testing.assert_allclose(r.execute({"tensor_A": a, "tensor_B": b})["tensor_C"],
+                                   a * w + b, rtol=1e-6)
