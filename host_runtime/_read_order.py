@@ -11,8 +11,8 @@ import logging
 
 from host_runtime import popef
 from host_runtime.errors import PopefError
-from ipu_emulator.executable import (Executable, ExecutableError, Instruction, Repeat, StreamIn,
-                                     Switch)
+from ipu_emulator.errors import IpuEmulatorError
+from ipu_emulator.executable import Executable, Instruction, Repeat, StreamIn, Switch
 
 __all__ = ["main_read_order"]
 
@@ -31,7 +31,7 @@ def main_read_order(model: popef.Model) -> list[str]:
                  if a.type() is popef.TensorType.INPUT}
     try:
         exe = Executable.from_bytes(model.executable.payload())
-    except (ExecutableError, PopefError) as exc:
+    except (IpuEmulatorError, PopefError) as exc:   # damaged: the session reports it
         _log.debug("read order of %r: executable not decodable (%s); anchor order used",
                    md.executable(), exc)
         main = set(md.programFlow().main())
