@@ -27,8 +27,8 @@ def check_model(model: Model, *, path: str | None = None, blob: str | None = Non
     disagree (``path``/``blob`` say where the metadata came from, for the message).
 
     Not ``strict`` (``ModelBuilder``, ``popef_dump``: PopEF as a file format), an
-    executable that is not an emulator executable at all (another magic) is left to
-    the runtime, which refuses it when it loads the model.
+    executable that cannot be decoded (another magic, damaged) is left to the runtime,
+    which refuses it when it loads the model; the rules apply to those that decode.
     """
     if getattr(model, _CHECKED, False):
         return
@@ -41,6 +41,8 @@ def check_model(model: Model, *, path: str | None = None, blob: str | None = Non
         # the PopEF blob checksum covers these bytes; the IPU process decodes them fully
         exe = Executable.from_bytes(payload, graphs=False)
     except ExecutableError as exc:
+        if not strict:
+            return
         raise PopefError(f"executable {name!r} cannot be decoded: {exc}", path=path,
                          blob=f"executable {name!r}") from None
     anchors = []

@@ -173,3 +173,12 @@ def test_the_host_decodes_programs_without_the_graphs(example):
     light = Executable.from_bytes(model.executable.payload(), graphs=False)
     assert light.programs == full.programs and light.streams == full.streams
     assert [g.model for g in light.graphs] == [b""] and full.graphs[0].model
+
+
+def test_the_builder_leaves_an_undecodable_executable_to_the_runtime(example):
+    model, _ = load_parts(example)
+    bad = popef.Model(model.metadata, popef.ExecutableBlob("simple_model", b"IPUEMUX\0"),
+                      model.tensors)
+    check_model(bad, strict=False)   # PopEF as a format: the file is sound
+    with pytest.raises(PopefError, match="cannot be decoded: executable is 8 bytes"):
+        check_model(bad)
