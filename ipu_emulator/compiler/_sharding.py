@@ -566,3 +566,32 @@ def _count(shape: tuple[int, ...]) -> int:
     for d in shape:
         n *= d
     return n
+
+
+def describe_parts(exe: Executable) -> dict[str, Any] | None:
+    """Which nodes, anchors and tensors live on which IPU and stage (popef_dump), or None
+    for a one-IPU executable."""
+    if not exe.parts:
+        return None
+    summary: dict[str, Any] = {}
+    try:
+        summary = json.loads(exe.attributes.get("sharding", "{}"))
+    except ValueError:
+        pass
+    ipus = []
+    for k, part in enumerate(exe.parts):
+        anchors_in, anchors_out, links_in, links_out = [], [], [], []
+        for h, s in part.streams.items():
+            if is_link(h):
+                src, dst, tensor = parse_link(h)
+                (links_out if s.direction == "out" else links_in).append(
+                    f"{tensor} -> ipu {dst}" if s.direction == "out" else f"{tensor} <- ipu {src}")
+            else:
+                (anchors_in if s.direction == "in" else anchors_out).append(h)
+        nodes = [n for n in part.attributes.get("nodes", "").split(",") if n]
+        ipus.append({"ipu": k, "stages": part.attributes.get("stages", ""), "nodes": nodes,
+                     "anchors_in": anchors_in, "anchors_out": anchors_out,
+                     "links_in": links_in, "links_out": links_out,
+                     "tensors": sorted(part.tensors), "required_bytes": part.required_bytes})
+    return {"pipelining": bool(summary.get("pipelining", False)),
+            "num_stages": int(summary.get("num_stages", 1)), "ipus": ipus}
