@@ -254,8 +254,8 @@ class GroupLink:
             dead = self._dead() or (0, self._procs[0])
         k, proc = dead
         err = DeviceLostError(
-            f"{self.description}: IPU process {proc.pid} of ipu {proc.spec.ipu_id} (IPU {k} "
-            f"of the device) {describe_returncode(proc.returncode())}; the whole device is lost")
+            f"{self.description}: IPU process {proc.pid} {describe_returncode(proc.returncode())} "
+            f"(ipu {proc.spec.ipu_id}, IPU {k} of the device); the whole device is lost")
         tail = proc.log_tail()
         if tail:
             from host_runtime.errors import RemoteTraceback
