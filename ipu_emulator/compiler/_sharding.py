@@ -556,7 +556,7 @@ def _part_executable(p: "Prepared", opts: "CompileOptions", target: "Target", pa
         graphs=[graph], tensors=tensors, streams=streams, memory_bytes=memory_bytes,
         required_bytes=required, ipu_version=target.version, num_ipus=1,
         device_iterations=opts.device_iterations, package_hash=ipu_emulator.package_hash(),
-        attributes={"ipu": str(part.ipu), "stages": ",".join(map(str, sorted(part.stages))),
+        attributes={"ipu": str(part.ipu), "keep_apart": "0", "stages": ",".join(map(str, sorted(part.stages))),
                     "nodes": _clip(",".join(part.node_names)),
                     "constant_bytes": str(constants), "activation_bytes": str(activations)})
 
