@@ -194,7 +194,7 @@ class GroupLink:
                             _log.debug("soft stop of IPU %d failed", k, exc_info=True)
             if not last:
                 return
-            errors = [g.exception() for g in futs if g.exception() is not None]
+            errors = [e for e in (g.exception() for g in futs) if e is not None]
             if not errors:
                 out.set_result(None)
                 return

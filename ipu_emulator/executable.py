@@ -281,11 +281,12 @@ class Executable:
             "attributes": dict(self.attributes),
         }
         if self.parts:   # nested executables, stored after the graphs in the graph section
-            doc["parts"] = []
+            parts = []
             for part in self.parts:
                 data = part.to_bytes()
-                doc["parts"].append({"offset": len(blobs), "length": len(data)})
+                parts.append({"offset": len(blobs), "length": len(data)})
                 blobs += data
+            doc["parts"] = parts
         program = json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
         body = program + bytes(blobs)
         total = HEADER_SIZE + len(body)

@@ -323,10 +323,15 @@ def run_demo(workdir: str, verbose: bool = False) -> int:
     demo.mode("conditional execution: two fused models, PopRT Runner fills 'index'",
               conditional_execution)
 
-    for pipelined in (False, True):
-        demo.mode(("pipelined" if pipelined else "sharded") + " over 2 IPUs: an 8-layer "
-                  "MatMul/Relu chain, one IPU process per part",
-                  lambda p=pipelined: _sharded_mode(workdir, demo, p))
+    def sharded() -> None:
+        _sharded_mode(workdir, demo, pipelined=False)
+
+    def pipelined() -> None:
+        _sharded_mode(workdir, demo, pipelined=True)
+
+    for label, fn in (("sharded", sharded), ("pipelined", pipelined)):
+        demo.mode(f"{label} over 2 IPUs: an 8-layer MatMul/Relu chain, one IPU process per "
+                  "part", fn)
 
     failed = [name for name, ok, _ in demo.results if not ok]
     print()

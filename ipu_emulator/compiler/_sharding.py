@@ -175,9 +175,9 @@ def place_nodes(graph: onnx.GraphProto, sharding_info: dict[str, int],
         raise CompileError(
             f"sharding points {unknown} are not node names of the model; it has "
             f"{len(known)} named nodes, e.g. {known[:8]}")
-    for name, ipu in sharding_info.items():
-        if ipu >= num_ipus:
-            raise CompileError(f"sharding_info puts node {name!r} on IPU {ipu}, but num_ipus is "
+    for name, number in sharding_info.items():
+        if number >= num_ipus:
+            raise CompileError(f"sharding_info puts node {name!r} on IPU {number}, but num_ipus is "
                                f"{num_ipus} (IPU numbers are 0..{num_ipus - 1})")
     if pipelining_info and not pipelining:
         _log.info("pipelining_info given without enable_pipelining: stages are recorded only")
@@ -205,7 +205,7 @@ def place_nodes(graph: onnx.GraphProto, sharding_info: dict[str, int],
         if ipu[k] is None:
             ipu[k] = last_ipu
             stage[k] = last_stage if pipelining_info else (last_ipu if pipelining else 0)
-    ipus = [int(i) for i in ipu]  # type: ignore[arg-type]
+    ipus = [int(i) if i is not None else last_ipu for i in ipu]
     if not pipelining:
         stage_out = stage if pipelining_info else [0] * len(nodes)
     else:
@@ -356,12 +356,12 @@ def compile_sharded(p: "Prepared", opts: "CompileOptions", target: "Target",
         raise CompileError(f"model {p.label!r}: inputs {unused} are not used by any node; "
                            "a sharded model streams each input to the IPU that consumes it")
     for name in out_names:
-        src = producer_ipu.get(name)
-        if src is None:
+        maker = producer_ipu.get(name)
+        if maker is None:
             raise CompileError(f"model {p.label!r}: output {name!r} is not produced by a node")
-        parts[src].host_out.append(name)
-        if name not in parts[src].graph_outputs:
-            parts[src].graph_outputs.append(name)
+        parts[maker].host_out.append(name)
+        if name not in parts[maker].graph_outputs:
+            parts[maker].graph_outputs.append(name)
 
     # sync tokens (sharding without pipelining): each last IPU -> each first IPU
     sinks = [i for i in plan.order if not parts[i].links_out and not parts[i].forward]
@@ -580,7 +580,10 @@ def describe_parts(exe: Executable) -> dict[str, Any] | None:
         pass
     ipus = []
     for k, part in enumerate(exe.parts):
-        anchors_in, anchors_out, links_in, links_out = [], [], [], []
+        anchors_in: list[str] = []
+        anchors_out: list[str] = []
+        links_in: list[str] = []
+        links_out: list[str] = []
         for h, s in part.streams.items():
             if is_link(h):
                 src, dst, tensor = parse_link(h)
