@@ -125,3 +125,17 @@ def test_sharded_model_refused_on_a_one_ipu_device(tmp_path, chain):
         with pytest.raises(BadRequestError, match=r"sharded over 2 IPUs, but device \d .*has 1; "
                                                   r"attach a device of 2 IPUs"):
             s.bindToDevice(dev)
+
+
+def test_pipelined_model_over_the_daemon(tmp_path, chain, daemon, monkeypatch):
+    from ipu_emulator import daemon_protocol as wire
+
+    path = compile_cli(str(tmp_path), chain, 2, True, 2)
+    monkeypatch.setenv(wire.ENV_VAR, daemon.socket)
+    xs = inputs(6, seed=9)
+    with model_runtime.ModelRunner(path) as r:
+        assert sorted(r._replicas[0].session.device().pids()) == sorted(daemon.pool_pids)
+        futs = [r.executeAsync({"x": x}) for x in xs]
+        for x, f in zip(xs, futs):
+            np.testing.assert_allclose(f.result(timeout=120)["y"], reference(chain, x),
+                                       rtol=1e-5, atol=1e-5)
