@@ -16,7 +16,9 @@ whose body holds ``spec_regions`` (one per IPU) widens it: from then on every
 request goes to each IPU's process and its future resolves when all of them are
 done; the first failure softly stops the others (STOP value 1), so that no IPU
 is left waiting for an activation that will never come, and the future fails
-with that failure once every IPU has answered.
+with that failure once every IPU has answered. Before each RUN/LOOP (nothing
+runs then) the links are emptied and the sharding tokens put back, whatever an
+abandoned iteration left in them.
 
 Failure is whole-device: when any IPU process dies, every member link fails its
 pending requests with one ``DeviceLostError`` naming the IPU, and the remaining
@@ -96,7 +98,8 @@ class GroupLink:
         self._lost_lock = threading.Lock()
         self._closing = False
         self._servicer: StreamServicer | None = None
-        self.after_failure: Callable[[], None] | None = None   # set by ShardedLoad
+        # set by ShardedLoad: empty the IPU-Links (every IPU process is idle then)
+        self.reset_links: Callable[[], None] | None = None
 
     # -- DeviceLink's surface ------------------------------------------------------------
 
@@ -159,6 +162,10 @@ class GroupLink:
             return self._members[0].request(op, body, value)
         if bodies is None:
             bodies = [body] * width
+        if op in (Op.RUN, Op.LOOP) and self.reset_links is not None and self._lost is None:
+            # Nothing runs now (the session runs one request at a time): start the links
+            # afresh, whatever an abandoned iteration (a stop, a failure) left in them.
+            self.reset_links()
         futs = [self._members[k].request(op, bodies[k], value) for k in range(width)]
         return self._all(futs, op)
 
@@ -198,11 +205,6 @@ class GroupLink:
             if not errors:
                 out.set_result(None)
                 return
-            if op in (Op.RUN, Op.LOOP) and self._lost is None and self.after_failure:
-                try:
-                    self.after_failure()   # every IPU is idle now: empty the links
-                except Exception:  # pragma: no cover - best effort
-                    _log.exception("%s: resetting the IPU-Links failed", self.description)
             out.set_exception(_first_cause(errors))
 
         for f in futs:
@@ -293,6 +295,7 @@ class ShardedLoad:
                 n = max(1, spec)
                 self.links[handle] = Ring.create(n, LINK_DEPTH, kind="link",
                                                  prefault=n * LINK_DEPTH <= (1 << 20))
+            self.reset_links()
             for part in self.parts:
                 self.memory.append(Region.create(max(64, part.memory_bytes), kind="mem",
                                                  prefault=False))
@@ -366,7 +369,7 @@ class ShardedLoad:
                 region.buf[len(prefix):len(prefix) + len(data)] = data
                 self.spec_regions.append(region)
             names.append(region.name)
-        link.after_failure = self.reset_links
+        link.reset_links = self.reset_links
         if peers is not None:
             pids = link.pids()
             for k, part in enumerate(self.parts):
@@ -376,8 +379,16 @@ class ShardedLoad:
         link.call(Op.LOAD, {"spec_regions": names}, timeout=timeout)
 
     def reset_links(self) -> None:
-        for ring in self.links.values():
+        """Empty every link; put the one token in each sync link (no IPU process may be
+        using them: the owner calls this between requests)."""
+        from ipu_emulator.compiler._sharding import is_sync
+
+        if self._closed:
+            return
+        for handle, ring in self.links.items():
             ring.reset()
+            if is_sync(handle):
+                ring.write(b"\0")
 
     def close(self) -> None:
         if self._closed:

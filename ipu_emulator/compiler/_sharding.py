@@ -15,10 +15,11 @@ The result is a *multi-IPU executable*::
                         see the anchors as for a one-IPU executable
       parts[k]:         a one-IPU executable that IPU k's process runs:
           load  StreamIn(w) of the weights it owns (+ forwards / receives)
-          main  Repeat(K, [StreamIn host inputs, StreamOut forwarded inputs,
+          main  Repeat(K, [(sharding only) StreamIn sync,
+                           StreamIn host inputs, StreamOut forwarded inputs,
                            StreamIn links, Execute(its graph),
                            StreamOut links, StreamOut host outputs,
-                           (sharding only) StreamOut sync / StreamIn sync])
+                           (sharding only) StreamOut sync])
           save  StreamOut(w, w_saved) of the weights it owns
 
 A tensor crossing from IPU a to IPU b is a *link*: a stream ``LINK_PREFIX +
@@ -26,8 +27,9 @@ A tensor crossing from IPU a to IPU b is a *link*: a stream ``LINK_PREFIX +
 makes one SPSC ring per link (host_runtime._ipu_group), so activations go
 straight from one IPU process to the next. Without pipelining, every last IPU
 of the chain sends a one-byte *sync* token to every first IPU at the end of an
-iteration, and a first IPU waits for it before its next iteration: the parts
-run one after the other per batch. With pipelining there is no token: stage s
+iteration, and a first IPU takes one at the start of each iteration: the parts
+run one after the other per batch. The host puts one token in each sync ring
+whenever it (re)starts the links (``is_sync``), so the first iteration runs. With pipelining there is no token: stage s
 works on batch i while stage s+1 works on batch i-1, and the rings between the
 stages bound how far ahead a stage runs.
 """
@@ -64,6 +66,7 @@ __all__ = [
     "check_num_ipus",
     "compile_sharded",
     "is_link",
+    "is_sync",
     "parse_link",
     "load_sharding_yaml",
 ]
@@ -79,6 +82,11 @@ _MAX_YAML = 1 << 20
 
 def is_link(handle: str) -> bool:
     return handle.startswith(LINK_PREFIX)
+
+
+def is_sync(handle: str) -> bool:
+    """A link that carries the sharding token (one is put in it when the links start)."""
+    return is_link(handle) and handle.endswith("/" + SYNC_TENSOR)
 
 
 def parse_link(handle: str) -> tuple[int, int, str]:
@@ -510,6 +518,11 @@ def _part_executable(p: "Prepared", opts: "CompileOptions", target: "Target", pa
         stream(_link(src, part.ipu, w), "in", w)
         load.append(StreamIn(_link(src, part.ipu, w), w))
     body: list[Instruction] = []
+    sync = [(s, d) for s, d in sync_pairs if part.ipu in (s, d)]
+    for s, d in sync:   # a first IPU starts batch i+1 once the last IPUs finished batch i
+        if d == part.ipu:
+            stream(_link(s, d, SYNC_TENSOR), "in", SYNC_TENSOR)
+            body.append(StreamIn(_link(s, d, SYNC_TENSOR), SYNC_TENSOR))
     for t in part.host_in:
         stream(t, "in", t)
         body.append(StreamIn(t, t))
@@ -527,17 +540,12 @@ def _part_executable(p: "Prepared", opts: "CompileOptions", target: "Target", pa
     for t in part.host_out:
         stream(t, "out", t)
         body.append(StreamOut(t, t))
-    sync = [(s, d) for s, d in sync_pairs if part.ipu in (s, d)]
     if sync:
         specs.append((SYNC_TENSOR, "U8", (1,)))
         for s, d in sync:
             if s == part.ipu:
                 stream(_link(s, d, SYNC_TENSOR), "out", SYNC_TENSOR)
                 body.append(StreamOut(SYNC_TENSOR, _link(s, d, SYNC_TENSOR)))
-        for s, d in sync:
-            if d == part.ipu:
-                stream(_link(s, d, SYNC_TENSOR), "in", SYNC_TENSOR)
-                body.append(StreamIn(_link(s, d, SYNC_TENSOR), SYNC_TENSOR))
     tensors, memory_bytes = plan_memory(specs)
     constants = sum(p.sizes[t.name][2] for t in part_inits if t.name in p.sizes)
     activations = _peak_activations(model, p.sizes)
