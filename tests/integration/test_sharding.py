@@ -139,3 +139,47 @@ def test_pipelined_model_over_the_daemon(tmp_path, chain, daemon, monkeypatch):
         for x, f in zip(xs, futs):
             np.testing.assert_allclose(f.result(timeout=120)["y"], reference(chain, x),
                                        rtol=1e-5, atol=1e-5)
+
+
+def gather_chain() -> onnx.ModelProto:
+    """x -> Relu (IPU 0) -> Gather(., idx) (IPU 1): a bad index fails IPU 1's part."""
+    from onnx import TensorProto, helper
+
+    g = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["r"], name="relu"),
+         helper.make_node("Gather", ["r", "idx"], ["y"], name="gather", axis=0)], "gather",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 3]),
+         helper.make_tensor_value_info("idx", TensorProto.INT64, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    m.ir_version = 8
+    return m
+
+
+def test_a_failing_part_fails_the_run_and_the_device_stays_usable(tmp_path):
+    from host_runtime.errors import DeviceExecutionError
+    from host_runtime.poprt.compiler import compile as poprt_compile
+
+    out = poprt_compile(gather_chain(), tmp_path, num_ipus=2,
+                        sharding_info={"relu": 0, "gather": 1})
+    x = np.arange(12, dtype=np.float32).reshape(4, 3) - 5
+    idx = np.array([2, 0], np.int64)
+    got: list[np.ndarray] = []
+    with Session(str(out.popef_path)) as s:
+        s.setCallbackForAnchor("x", lambda v: v.cast("B").__setitem__(slice(None), x.tobytes()))
+        s.setCallbackForAnchor("idx", lambda v: v.cast("B").__setitem__(slice(None),
+                                                                       idx.tobytes()))
+        s.setCallbackForAnchor("y", lambda v: got.append(
+            np.frombuffer(v, np.float32).reshape(2, 3).copy()))
+        s.runMainPrograms()
+        np.testing.assert_array_equal(got[-1], np.maximum(x, 0)[[2, 0]])
+        idx = np.array([9, 0], np.int64)                    # out of range on IPU 1
+        with pytest.raises(DeviceExecutionError, match="program 1 failed"):
+            s.runMainPrograms()
+        idx = np.array([3, 1], np.int64)
+        s.runMainPrograms()                                 # IPU 0 was stopped, links reset
+        np.testing.assert_array_equal(got[-1], np.maximum(x, 0)[[3, 1]])
+        s.stop()
+        s.reload()
+        s.runMainPrograms()
+        np.testing.assert_array_equal(got[-1], np.maximum(x, 0)[[3, 1]])
