@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {stages:6d} {t1:10.1f} {tp:10.1f} {tp / t1:7.2f}{target}")
 
         print(f"\none inter-IPU hop of a 256 KiB activation vs a host ring transfer "
-              f"(median execute latency of {args.hop_rounds}, us)")
+              f"(execute latency, us, {args.hop_rounds} requests in interleaved blocks)")
         base = _compile(_hop_model(False), tmp, "hop_base")
         sharded = _compile(_hop_model(False), tmp, "hop_sharded", 2, {"first": 0, "second": 1})
         piped = _compile(_hop_model(False), tmp, "hop_piped", 2, {"first": 0, "second": 1},
@@ -174,20 +174,23 @@ def main(argv: list[str] | None = None) -> int:
         extra = _compile(_hop_model(True), tmp, "hop_host")
         keys = ("base", "sharded", "piped", "extra")
         lat: dict[str, list[float]] = {k: [] for k in keys}
+        blocks = max(3, args.blocks)
         with ModelRunner(base) as rb, ModelRunner(sharded) as rs, ModelRunner(piped) as rp, \
                 ModelRunner(extra) as re_:
-            for _ in range(3):
+            for _ in range(blocks):
                 for key, r in zip(keys, (rb, rs, rp, re_)):
-                    lat[key].append(_latency(r, args.hop_rounds // 3))
-        lb, ls, lp, le = (statistics.median(lat[k]) for k in keys)
-        host = le - lb
-        print(f"  Relu->Relu, 1 IPU                     {lb:8.1f}")
-        print(f"  1 IPU + the 256 KiB as output         {le:8.1f}   host = {host:7.1f}")
-        for label, value in (("sharded", ls), ("pipelined", lp)):
-            hop = value - lb
-            ratio = hop / host if host > 0 else float("inf")
-            print(f"  Relu->Relu, 2 IPUs {label:10s} (hop) {value:8.1f}   hop  = {hop:7.1f}"
-                  f"   hop / host = {ratio:.2f} (target <= 1.5)")
+                    lat[key].append(_latency(r, max(10, args.hop_rounds // blocks)))
+        for label, pick in (("median of block medians", statistics.median), ("best block", min)):
+            lb, ls, lp, le = (pick(lat[k]) for k in keys)
+            host = le - lb
+            print(f"  {label}:")
+            print(f"    Relu->Relu, 1 IPU                     {lb:8.1f}")
+            print(f"    1 IPU + the 256 KiB as output         {le:8.1f}   host = {host:7.1f}")
+            for name, value in (("sharded", ls), ("pipelined", lp)):
+                hop = value - lb
+                ratio = hop / host if host > 0 else float("inf")
+                print(f"    Relu->Relu, 2 IPUs {name:10s} (hop) {value:8.1f}   hop  = {hop:7.1f}"
+                      f"   hop / host = {ratio:.2f} (target <= 1.5)")
     return 0
 
 
