@@ -299,10 +299,11 @@ def compile_sharded(p: "Prepared", opts: "CompileOptions", target: "Target",
                     per_ipu_memory: int) -> "CompileResult":
     """Compile one prepared model over ``opts.num_ipus`` IPUs."""
     from ipu_emulator.compiler._backend import (
-        LOAD_PROGRAM, MAIN_PROGRAM, SAVE_PROGRAM, AnchorDesc, CompileResult)
+        LOAD_PROGRAM, MAIN_PROGRAM, SAVE_PROGRAM, AnchorDesc, CompileResult, _check_fit)
 
     n_ipus = opts.num_ipus
     check_num_ipus(n_ipus, opts.machine_ipus)
+    _check_fit([p], opts, target, 0, 0, 0, 0)   # max_tensor_size; no tensor above one IPU
     dev_graph = p.device_model.graph
     plan = place_nodes(dev_graph, dict(opts.sharding_info or {}),
                        dict(opts.pipelining_info or {}), n_ipus, opts.enable_pipelining)

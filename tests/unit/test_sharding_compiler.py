@@ -262,3 +262,31 @@ def test_poprt_command_line_and_popef_dump(chain, tmp_path, capsys):
                      "--output_dir", str(tmp_path / "out2")])
     assert rc == 1
     assert "batches_per_step must be a multiple" in capsys.readouterr().err
+
+
+def test_max_tensor_size_applies_to_sharded_models(chain):
+    with pytest.raises(CompileError, match=r"more than max_tensor_size of 100 bytes"):
+        compile_chain(chain, 2, max_tensor_size=100)
+
+
+def test_a_damaged_part_is_refused_with_its_ipu():
+    import zlib
+
+    from ipu_emulator.executable import HEADER_SIZE, ExecutableError
+
+    res = compile_chain(chain_model(LAYERS, width=16, batch=2), 2)
+    data = bytearray(res.executable.to_bytes())
+    part1 = res.executable.parts[1].to_bytes()
+    at = bytes(data).rindex(part1)
+    data[at + 20] ^= 0xFF                    # inside IPU 1's part header
+    body = bytes(data[HEADER_SIZE:])
+    import struct
+    # fix the outer body checksum so that the damage is found in the part itself
+    from ipu_emulator import executable as ex
+    head = bytearray(data[:HEADER_SIZE - 4])
+    fields = list(ex._HEADER.unpack(bytes(head)))
+    fields[14] = zlib.crc32(body)
+    head = bytearray(ex._HEADER.pack(*fields))
+    data[:HEADER_SIZE] = head + struct.pack("<I", zlib.crc32(bytes(head)))
+    with pytest.raises(ExecutableError, match=r"\$\.parts\[1\]: IPU 1's part: "):
+        Executable.from_bytes(bytes(data))
