@@ -183,3 +183,23 @@ def test_a_failing_part_fails_the_run_and_the_device_stays_usable(tmp_path):
         s.reload()
         s.runMainPrograms()
         np.testing.assert_array_equal(got[-1], np.maximum(x, 0)[[3, 1]])
+
+
+def test_poprt_runner_and_dynamic_batching_on_a_pipelined_model(tmp_path, chain):
+    from host_runtime.poprt import Runner, RuntimeConfig
+
+    path = compile_cli(str(tmp_path), chain, 2, True, 2)
+    x = inputs(1, seed=21)[0]
+    with Runner(path, RuntimeConfig()) as runner:
+        y = np.zeros((BATCH, WIDTH), np.float32)
+        runner.execute({"x": x}, {"y": y})
+        np.testing.assert_allclose(y, reference(chain, x), rtol=1e-5, atol=1e-5)
+    cfg = model_runtime.ModelRunnerConfig()
+    cfg.batching_dim = 0
+    cfg.timeout_ns = 0
+    rows = np.random.default_rng(4).standard_normal((5, WIDTH)).astype(np.float32)
+    with model_runtime.ModelRunner(path, config=cfg) as r:
+        futs = [r.executeAsync({"x": rows[k:k + 1]}) for k in range(4)]   # 1-row requests
+        got = np.concatenate([f.result(timeout=120)["y"] for f in futs])
+    want = np.concatenate([reference(chain, rows[k:k + 2]) for k in (0, 2)])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
