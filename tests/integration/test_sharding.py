@@ -203,3 +203,28 @@ def test_poprt_runner_and_dynamic_batching_on_a_pipelined_model(tmp_path, chain)
         got = np.concatenate([f.result(timeout=120)["y"] for f in futs])
     want = np.concatenate([reference(chain, rows[k:k + 2]) for k in (0, 2)])
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sharded", "pipelined"])
+def test_empty_shared_inputs_and_outputs(tmp_path, pipelined):
+    """An input in host shared memory goes to IPU 0; the output's redirection it carries
+    names a tensor IPU 1 writes: IPU 0 drops it, the result still lands in the array."""
+    from host_runtime.shared_memory import SHARED_MIN_BYTES
+
+    big = chain_model(LAYERS, width=64, batch=16, seed=3)       # 4 KiB tensors
+    assert 64 * 16 * 4 >= SHARED_MIN_BYTES
+    path = compile_cli(str(tmp_path), big, 2, pipelined, 2 if pipelined else 1)
+    rng = np.random.default_rng(8)
+    xs = [model_runtime.empty_shared((16, 64), np.float32) for _ in range(4)]
+    ys = [model_runtime.empty_shared((16, 64), np.float32) for _ in range(4)]
+    for x in xs:
+        x[...] = rng.standard_normal((16, 64))
+    with model_runtime.ModelRunner(path) as r:
+        for _ in range(2):
+            futs = [r.executeAsync({"x": x}, {"y": y}) for x, y in zip(xs, ys)]
+            for f in futs:
+                f.result(timeout=120)
+            for x, y in zip(xs, ys):
+                np.testing.assert_allclose(y, reference(big, np.asarray(x)), rtol=1e-5,
+                                           atol=1e-5)
+                y[...] = 0
