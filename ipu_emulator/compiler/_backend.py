@@ -170,10 +170,14 @@ def compile_onnx(models: "ModelSpec | Sequence[ModelSpec]",
         shapes = {k: [int(d) for d in v] for k, v in (spec.input_shapes or {}).items()}
         prepared.append(prepare(model, label, shapes, spec.precision,
                                 opts.weights_as_tensor_data))
-    if sharded:
+    if sharded and opts.num_ipus > 1:
         from ipu_emulator.compiler._sharding import compile_sharded
         return compile_sharded(prepared[0], opts, target, _ipu_memory(opts, target))
-    return _assemble(prepared, opts, target, fused)
+    result = _assemble(prepared, opts, target, fused)
+    if sharded:   # one IPU: one program set; the placement is still checked and recorded
+        from ipu_emulator.compiler._sharding import annotate_one_ipu
+        annotate_one_ipu(result, prepared[0], opts)
+    return result
 
 
 def _ipu_memory(opts: CompileOptions, target: Target) -> int:

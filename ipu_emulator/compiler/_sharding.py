@@ -65,6 +65,7 @@ __all__ = [
     "place_nodes",
     "check_num_ipus",
     "compile_sharded",
+    "annotate_one_ipu",
     "is_link",
     "is_sync",
     "parse_link",
@@ -607,3 +608,18 @@ def describe_parts(exe: Executable) -> dict[str, Any] | None:
                      "tensors": sorted(part.tensors), "required_bytes": part.required_bytes})
     return {"pipelining": bool(summary.get("pipelining", False)),
             "num_stages": int(summary.get("num_stages", 1)), "ipus": ipus}
+
+
+def annotate_one_ipu(result: "CompileResult", p: "Prepared", opts: "CompileOptions") -> None:
+    """``num_ipus`` 1 with sharding options: check the placement, record it on the model."""
+    check_num_ipus(1, opts.machine_ipus)
+    plan = place_nodes(p.device_model.graph, dict(opts.sharding_info or {}),
+                       dict(opts.pipelining_info or {}), 1, opts.enable_pipelining)
+    if opts.enable_pipelining and opts.device_iterations % plan.num_stages:
+        raise CompileError(
+            f"with pipelining, batches_per_step must be a multiple of the number of pipeline "
+            f"stages ({plan.num_stages}); got {opts.device_iterations}")
+    model = onnx.ModelProto()
+    model.CopyFrom(result.output_model)
+    _annotate(model.graph, p.device_model.graph, plan)
+    result.output_model = model

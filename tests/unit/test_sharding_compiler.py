@@ -290,3 +290,13 @@ def test_a_damaged_part_is_refused_with_its_ipu():
     data[:HEADER_SIZE] = head + struct.pack("<I", zlib.crc32(bytes(head)))
     with pytest.raises(ExecutableError, match=r"\$\.parts\[1\]: IPU 1's part: "):
         Executable.from_bytes(bytes(data))
+
+
+def test_one_ipu_with_a_sharding_config_is_an_ordinary_executable(chain):
+    res = compile_onnx(ModelSpec(chain), CompileOptions(
+        num_ipus=1, sharding_info={"relu3": 0, "relu7": 0}, machine_ipus=4))
+    assert res.executable.num_ipus == 1 and not res.executable.parts
+    assert set(placement_of(res.output_model).values()) == {(0, 0)}
+    with pytest.raises(CompileError, match=r"node 'relu7' on IPU 1, but num_ipus is 1"):
+        compile_onnx(ModelSpec(chain), CompileOptions(
+            num_ipus=1, sharding_info={"relu7": 1}, machine_ipus=4))
