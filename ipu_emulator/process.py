@@ -453,6 +453,8 @@ class DeviceProcess:
             # over the CPUs, not all leave the host's one
             apart.release()
             apart = _NEVER_APART
+        # polls block at once when a yield ran another task, unless keeping apart
+        self.keeps_apart = apart is self._apart and self._apart.enabled
         # A loop of one program may run it many times per turn (C steps back to back, until
         # the next check below is due or a control message arrives).
         many = loop and len(programs) == 1
