@@ -139,9 +139,9 @@ class DeviceConstraints:
         return f"DeviceConstraints(requiresRemoteBuffersSupport={self.requiresRemoteBuffersSupport})"
 
 
-# Strong references: an attached device lives (processes running, IPUs held) until it is
-# closed, explicitly or at interpreter exit, never silently by garbage collection.
-_live_devices: "set[Device]" = set()
+# Devices to close at exit. Weak: a device nobody references is closed at once by its
+# __del__ (see host_runtime._lifetime); a session that attached its device owns it.
+_live_devices: "weakref.WeakSet[Device]" = weakref.WeakSet()
 
 
 @atexit.register
@@ -173,7 +173,7 @@ class Device:
         self._owner_pid = os.getpid()
         self._closed = False
         self._lock = threading.RLock()
-        self._active: "Session | None" = None
+        self._active: "weakref.ref[Session] | None" = None   # sessions own devices: weak
         self._sessions: "weakref.WeakSet[Session]" = weakref.WeakSet()
         self._link: DeviceLink = DeviceLink(self.describe(), processes)
         _live_devices.add(self)
@@ -256,14 +256,26 @@ class Device:
         self._link.close(timeout=0.0)
         try:
             for proc in self._processes:
+                proc.shutdown()   # SHUTDOWN; its BYE ends the link's event thread
+            self._link.wake()
+            for proc in self._processes:
                 proc.close()
         finally:
-            self._link.close()
+            self._link.close(timeout=0.1)
             if self._locks is not None:
                 self._locks.release()
             _live_devices.discard(self)
 
     detach = close
+
+    def __del__(self) -> None:
+        # The last reference is gone: nothing can use the device any more. Release it
+        # now (reference counting runs this at once) rather than at exit.
+        if not getattr(self, "_closed", True):
+            try:
+                self.close()
+            except Exception:  # pragma: no cover - best effort
+                _log.debug("closing %s when it was dropped", self.describe(), exc_info=True)
 
     def __enter__(self) -> "Device":
         return self
@@ -285,24 +297,25 @@ class Device:
             raise lost
 
     def isActiveSession(self, session: "Session") -> bool:
-        return self._active is session
+        active = self._active
+        return active is not None and active() is session
 
     def _bind_session(self, session: "Session") -> None:
         """Make ``session`` the active one; the previous one runs its save programs first."""
         with self._lock:
             self._check_open()
             self._sessions.add(session)
-            previous = self._active
+            previous = self._active() if self._active is not None else None
             if previous is session:
                 return
             if previous is not None:
                 previous._deactivate(implicit_save=True)
-            self._active = session
+            self._active = weakref.ref(session)
             self._link.set_servicer(session)
 
     def _unbind_session(self, session: "Session") -> None:
         with self._lock:
-            if self._active is session:
+            if self.isActiveSession(session):
                 self._active = None
                 self._link.set_servicer(None)
 

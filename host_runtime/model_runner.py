@@ -20,6 +20,7 @@ Results:
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import threading
@@ -31,7 +32,7 @@ import numpy as np
 
 from host_runtime import popef
 from host_runtime._batching import TensorSpec
-from host_runtime._lifetime import close_owned
+from host_runtime._lifetime import close_owned, weak_method
 from host_runtime._replica import Replica, ReplicaSetup
 from host_runtime._requests import OutputFuture, Request
 from host_runtime.config import DataDesc, ModelRunnerConfig
@@ -65,6 +66,10 @@ def _register_exit_hook() -> None:
     if not _atexit_registered:
         _atexit_registered = True
         atexit.register(_close_live_runners)
+
+
+def _gone() -> Any:
+    raise InvalidStateError("the ModelRunner was dropped")
 
 
 def _load_model(source: Any) -> popef.Model:
@@ -255,10 +260,10 @@ class ModelRunner:
             dynamic=self._dynamic, batch=self._batch, timeout_ns=cfg.timeout_ns,
             partial_flush_ns=flush_ns, flush_callback=cfg.flush_callback,
             auto_reset=cfg.auto_reset, monitor=self._monitors[rid],
-            open_session=lambda: self._open_session(rid),
+            open_session=functools.partial(weak_method(self._open_session, _gone), rid),
             watchdog=not cfg.flush_on_waiting_outputs,
-            make_flush_request=lambda i, o: self._flush_request(rid, i, o),
-            merge_phantom=self._merge_phantom)
+            make_flush_request=functools.partial(weak_method(self._flush_request), rid),
+            merge_phantom=weak_method(self._merge_phantom))
 
     def _attach_devices(self) -> None:
         """Attach the devices of every replica that has none in replica_to_device at once.

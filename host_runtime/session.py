@@ -231,7 +231,11 @@ class Session(FastPath):
         if dev is None or not self._loaded or not dev.isActiveSession(self) or dev._link.lost:
             return
         try:
-            wait(dev._link.request(Op.STOP), _STOP_TIMEOUT, f"stop on {dev.describe()}")
+            fut = dev._link.request(Op.STOP)
+            # wake a program waiting on a stream now, not at its next check of the
+            # control ring; reload() resets the rings
+            self._streams.invalidate_rings()
+            wait(fut, _STOP_TIMEOUT, f"stop on {dev.describe()}")
         except DeviceLostError:
             pass
 
