@@ -125,6 +125,8 @@ class DeviceLink:
     def wake(self) -> None:
         """Wake the event thread at once (its processes have exited): invalidate the event
         ring if this host made it (embedded; a daemon's rings outlive this host)."""
+        if self._thread is None or not self._thread.is_alive():
+            return
         events = self._primary.events
         if getattr(events, "owner", False) and not events.closed:
             try:

@@ -256,8 +256,10 @@ class Device:
         self._link.close(timeout=0.0)
         try:
             for proc in self._processes:
-                proc.shutdown()   # SHUTDOWN; its BYE ends the link's event thread
-            self._link.wake()
+                shutdown = getattr(proc, "shutdown", None)   # not every launcher's has it
+                if shutdown is not None:
+                    shutdown()   # SHUTDOWN, wait for the exit; BYE ends the event thread
+            self._link.wake()    # (or, if the process died, this does)
             for proc in self._processes:
                 proc.close()
         finally:
