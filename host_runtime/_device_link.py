@@ -92,6 +92,7 @@ class DeviceLink:
         self._thread: threading.Thread | None = None
         self._closing = False
         self._started = False
+        self._final_seq: int | None = None   # the event thread ends after this answer
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -121,6 +122,31 @@ class DeviceLink:
         if t is not None and t is not threading.current_thread():
             t.join(timeout)
         self._fail_all(InvalidStateError(f"{self.description} was detached"))
+
+    def quiesce(self, timeout: float = 1.0) -> None:
+        """End the event thread before a daemon's event ring goes back to the daemon.
+
+        A daemon's IPU process answers the daemon on the same ring once this host
+        releases it: a thread of ours still reading there would take those answers. A
+        PING's answer is the last event the thread reads (no waiting for a slice to end).
+        With an event ring of our own, SHUTDOWN's BYE ends the thread instead.
+        """
+        t = self._thread
+        if (t is None or not t.is_alive() or t is threading.current_thread()
+                or self._lost is not None or getattr(self._primary.events, "owner", True)):
+            return
+        seq = next(self._seq) & 0x7FFFFFFF
+        fut: cf.Future[None] = cf.Future()
+        with self._lock:
+            self._pending[seq] = (fut, Op.PING)
+        self._final_seq = seq
+        try:
+            self._send(Message(Op.PING, seq=seq))
+        except BaseException:   # device gone: the thread notices by itself
+            with self._lock:
+                self._pending.pop(seq, None)
+            return
+        t.join(timeout)
 
     def wake(self) -> None:
         """Wake the event thread at once (its processes have exited): invalidate the event
@@ -345,7 +371,8 @@ def _serve_events(ref: "weakref.ref[DeviceLink]", events: Any) -> None:
             link._dispatch(msg)
         except Exception:  # never let a bug kill the service thread
             _log.exception("%s: while handling %s", link.description, msg.op.name)
-        if msg.op is Op.BYE:
+        if msg.op is Op.BYE or (msg.seq == link._final_seq and msg.op is not Op.NEED
+                                and msg.op is not Op.OUT):
             return
         del link, msg
 

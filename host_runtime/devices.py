@@ -248,6 +248,7 @@ class Device:
         finally:
             if got:
                 self._lock.release()
+        self._link.quiesce()   # a daemon's processes: our event thread ends first
         for s in sessions:
             try:
                 s._device_detached(self)
@@ -263,7 +264,10 @@ class Device:
             for proc in self._processes:
                 proc.close()
         finally:
-            self._link.close(timeout=0.1)
+            # Not joined: the event thread holds no device, and ends on the BYE, or (a
+            # daemon's process says no BYE; a dead one cannot) when the closed ring wakes
+            # it, within shm.WAIT_SLICE.
+            self._link.close(timeout=0.0)
             if self._locks is not None:
                 self._locks.release()
             _live_devices.discard(self)

@@ -455,10 +455,14 @@ class Session(FastPath):
                             self._implicit_save()
                         except ModelRuntimeError as exc:
                             _log.warning("implicit save programs of %r failed: %s", self, exc)
-                    try:  # also when another session is active: the device caches ours
-                        dev._link.call(Op.UNLOAD, {"key": self._key}, timeout=_STOP_TIMEOUT)
-                    except ModelRuntimeError as exc:
-                        _log.debug("unload from %s: %s", dev.describe(), exc)
+                    # also when another session is active: the device caches ours (not
+                    # needed when the device goes with this session: closing it drops all)
+                    if not (self._owns_device and set(dev._sessions) <= {self}):
+                        try:
+                            dev._link.call(Op.UNLOAD, {"key": self._key},
+                                           timeout=_STOP_TIMEOUT)
+                        except ModelRuntimeError as exc:
+                            _log.debug("unload from %s: %s", dev.describe(), exc)
                 dev._forget_session(self)
         finally:
             self._device = None

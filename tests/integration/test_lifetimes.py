@@ -50,3 +50,41 @@ def test_dropped_objects_free_everything_without_the_collector(scenario, model_p
     assert result["ipus"] == [0, 1, 2, 3], "every IPU can be attached again"
     assert result["garbage"] == 0, f"reference cycles: {result['kinds']}"
     assert left == [], "the program left shared memory behind at exit"
+
+
+def test_runners_on_a_daemon_dropped_without_the_collector(daemon, model_path):
+    """Through a daemon: each dropped runner hands its IPU back at once and intact (the
+    daemon neither waits for it nor restarts the IPU process), and leaves no cycle."""
+    import gc
+
+    import numpy as np
+
+    import host_runtime as model_runtime
+    import host_runtime.model_runner  # noqa: F401  (import-time garbage is not ours)
+    from host_runtime.devices import DeviceManager
+
+    x = {"tensor_A": np.ones(SHAPE, np.float32), "tensor_B": np.ones(SHAPE, np.float32)}
+    cfg = model_runtime.ModelRunnerConfig()
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        for _ in range(4):
+            dm = DeviceManager(daemon=daemon.socket)
+            cfg.replica_to_device = {0: dm.getDevice(1)}
+            r = model_runtime.ModelRunner(model_path, config=cfg)
+            r.execute(x)
+            del r
+            dev = cfg.replica_to_device.pop(0)
+            del dev, dm          # the device the runner did not own goes with its last user
+            held = [ipu for ipu in daemon.status()["ipus"] if ipu.get("holder")]
+            assert held == [], held
+        garbage = gc.collect()
+        kinds = sorted({type(o).__qualname__ for o in gc.garbage})
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert garbage == 0, kinds
+    assert [ipu["pid"] for ipu in daemon.status()["ipus"]] == daemon.pool_pids, \
+        "the daemon had to restart an IPU process a host handed back"
