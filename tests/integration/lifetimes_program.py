@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import threading
+from datetime import timedelta
 from typing import Any, Callable
 
 import numpy as np
@@ -31,6 +32,7 @@ import host_runtime.model_runner  # noqa: F401
 import host_runtime.poprt  # noqa: F401
 import host_runtime.queues  # noqa: F401
 import host_runtime.session  # noqa: F401
+from tools.generate_simple_popef import write_simple_popef
 from host_runtime.devices import DeviceManager, DeviceWaitConfig
 from host_runtime.errors import BadRequestError, DeviceUnavailableError
 
@@ -205,6 +207,33 @@ def futures(path: str, probe: Probe) -> None:
     del fut, mem, view
 
 
+def pending(path: str, probe: Probe) -> None:
+    """A runner dropped with requests in flight: they fail with InvalidStateError, and a
+    watchdog thread (a partial dynamic batch waiting for its timeout) ends at once."""
+    r = model_runtime.ModelRunner(path)
+    fut = r.executeAsync(feeds())
+    del r
+    probe.check("runner dropped with a request in flight")
+    if fut.exception() is None and not np.isfinite(fut["tensor_C"]).all():
+        probe.leaks.append("a request in flight when its runner was dropped has garbage")
+    del fut
+
+    batched = os.path.join(os.environ["IPU_EMULATOR_HOME"], "batched.popef")
+    cfg = model_runtime.ModelRunnerConfig(batching_dim=0, timeout_ns=timedelta(seconds=60))
+    r = model_runtime.ModelRunner(batched, config=cfg)
+    one = {"tensor_A": np.ones((1, 3), np.float32), "tensor_B": np.ones((1, 3), np.float32)}
+    fut = r.executeAsync(one)          # a partial batch: the watchdog waits to flush it
+    watchdog = r._replicas[0]._watchdog
+    if watchdog is None or not watchdog.is_alive():
+        probe.leaks.append("expected a watchdog thread for the partial batch")
+    del r, watchdog
+    probe.check("runner dropped with a partial batch and its watchdog")
+    exc = fut.exception()
+    if not isinstance(exc, model_runtime.InvalidStateError) or "closed" not in str(exc):
+        probe.leaks.append(f"the partial batch's request should fail as closed, got {exc!r}")
+    del fut, exc, cfg
+
+
 def session(path: str, probe: Probe) -> None:
     """Session (bound, loaded, with a queue manager and a running main loop), Device,
     DeviceManager, QueueManager dropped without close()."""
@@ -280,12 +309,15 @@ def shared(path: str, probe: Probe) -> None:
 
 SCENARIOS: dict[str, Callable[[str, Probe], None]] = {
     "runners": runners, "killed": killed, "failing_constructor": failing_constructor,
-    "futures": futures, "session": session, "poprt": poprt, "shared": shared,
+    "futures": futures, "pending": pending, "session": session, "poprt": poprt, "shared": shared,
 }
 
 
 def main(argv: list[str]) -> int:
     path, name = argv
+    if name == "pending":   # compiled first: the compiler's imports leave garbage
+        write_simple_popef(os.path.join(os.environ["IPU_EMULATOR_HOME"], "batched.popef"),
+                           shape=(4, 3))
     gc.collect()                      # what importing left behind is not ours
     gc.disable()
     gc.set_debug(gc.DEBUG_SAVEALL)

@@ -22,13 +22,14 @@ import pytest
 
 SHAPE = (1, 4)     # the example model (model_path fixture); the program assumes it
 
-SCENARIOS = ["runners", "killed", "failing_constructor", "futures", "session", "poprt",
-             "shared"]
+SCENARIOS = ["runners", "killed", "failing_constructor", "futures", "pending", "session",
+             "poprt", "shared"]
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_dropped_objects_free_everything_without_the_collector(scenario, model_path, tmp_path):
     tag = "l" + secrets.token_hex(4)
+    (tmp_path / "home").mkdir()
     env = dict(os.environ, IPU_EMULATOR_SHM_TAG=tag, IPU_EMULATOR_HOME=str(tmp_path / "home"),
                IPU_EMULATOR_NUM_IPUS="4", PYTHONPATH=os.pathsep.join(sys.path))
     env.pop("IPU_EMULATOR_DAEMON", None)
