@@ -274,6 +274,16 @@ class Device:
 
     detach = close
 
+    def _kill(self) -> None:
+        """SIGKILL the IPU processes (a hung device whose owner was dropped); the link
+        notices the loss and fails what waits on it."""
+        for proc in self._processes:
+            try:
+                proc.kill()
+            except Exception:  # pragma: no cover - best effort
+                _log.debug("killing %r", proc, exc_info=True)
+        self._link.check()
+
     def __del__(self) -> None:
         # The last reference is gone: nothing can use the device any more. Release it
         # now (reference counting runs this at once) rather than at exit.

@@ -656,6 +656,9 @@ class ModelRunner:
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
         """Unload the model and release the IPUs (running save programs if configured)."""
+        self._close(dropped=False)
+
+    def _close(self, dropped: bool) -> None:
         if getattr(self, "_closed", True) and not getattr(self, "_replicas", None):
             return
         self._closed = True
@@ -664,7 +667,7 @@ class ModelRunner:
         for rep in replicas:
             save = self._saver(rep.rid) if self._config.run_save_programs else None
             try:
-                rep.close(save)
+                rep.close(save, dropped)
             except Exception as exc:  # close every replica, then report
                 errors.append(exc)
         if errors:
@@ -702,8 +705,10 @@ class ModelRunner:
         self.close()
 
     def __del__(self) -> None:
+        # Dropped (reference counting runs this at once): give the IPUs back now, without
+        # blocking for long on a device that does not answer (see Replica.close).
         try:
-            self.close()
+            self._close(dropped=True)
         except Exception:  # pragma: no cover - best effort at garbage collection
             pass
 

@@ -147,6 +147,34 @@ def killed(path: str, probe: Probe) -> None:
     probe.check("auto_reset runner restarted after its IPU process was killed")
 
 
+def hung(path: str, probe: Probe) -> None:
+    """A runner and a session whose IPU process hangs (SIGSTOP): dropping them does not
+    wait on the device for long; it kills the processes and frees everything."""
+    from host_runtime.session import Session
+
+    r = model_runtime.ModelRunner(path)
+    r.execute(feeds())
+    for pid in r._replicas[0].session.device().pids():
+        os.kill(pid, signal.SIGSTOP)
+    del r
+    probe.check("runner whose IPU process hung")
+
+    s = Session(path)
+    for name in ("tensor_A", "tensor_B", "tensor_C"):
+        s._claim_direct(name)
+    loop = s._start_main_loop()
+    dev = s.device()
+    assert dev is not None
+    pids = dev.pids()
+    del dev
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    del s
+    probe.check("session whose IPU process hung")
+    if not loop.done():
+        probe.leaks.append("the main loop of a dropped session on a hung device did not end")
+
+
 def failing_constructor(path: str, probe: Probe) -> None:
     """Constructors that fail half-way release every IPU they attached."""
     dm = DeviceManager()
@@ -308,7 +336,7 @@ def shared(path: str, probe: Probe) -> None:
 
 
 SCENARIOS: dict[str, Callable[[str, Probe], None]] = {
-    "runners": runners, "killed": killed, "failing_constructor": failing_constructor,
+    "runners": runners, "killed": killed, "hung": hung, "failing_constructor": failing_constructor,
     "futures": futures, "pending": pending, "session": session, "poprt": poprt, "shared": shared,
 }
 
