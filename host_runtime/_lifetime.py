@@ -50,7 +50,7 @@ def weak_method(method: Callable[..., Any],
                 on_gone: Callable[[], Any] | None = None) -> Callable[..., Any]:
     """A callable that calls the bound ``method`` while its object lives, else returns
     ``on_gone()`` (None without it): a back-reference that does not keep the object alive."""
-    ref = weakref.WeakMethod(method)  # type: ignore[arg-type]
+    ref = weakref.WeakMethod(method)
 
     def call(*args: Any, **kwargs: Any) -> Any:
         fn = ref()
