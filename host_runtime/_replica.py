@@ -48,7 +48,7 @@ from shm import (PeerDiedError, Ring, RingInvalidatedError, RingTimeoutError, Sh
 from host_runtime._batching import TensorSpec
 from host_runtime._copy import copy_bytes
 from host_runtime._replica_timers import Phantom, PidWatch, ReplicaTimers
-from host_runtime._requests import Request
+from host_runtime._requests import Request, raisable
 from host_runtime.errors import DeviceLostError, InvalidStateError, ModelRuntimeError
 from host_runtime.monitoring import RequestMonitor
 from host_runtime.session import _STOP_TIMEOUT, DROP_STOP_TIMEOUT
@@ -327,9 +327,9 @@ class Replica(ReplicaTimers):
                 req.fail(err)
                 if isinstance(err, DeviceLostError):
                     self._fail_everything(err)
-                raise err from None
+                raise raisable(err) from None
             except InvalidStateError as exc:
-                req.fail(exc)
+                req.fail(raisable(exc))
                 raise
             req.t_prepared = time.perf_counter_ns()
 

@@ -34,7 +34,7 @@ from host_runtime import popef
 from host_runtime._batching import TensorSpec
 from host_runtime._lifetime import close_owned, weak_method
 from host_runtime._replica import Replica, ReplicaSetup
-from host_runtime._requests import OutputFuture, Request
+from host_runtime._requests import OutputFuture, Request, raisable
 from host_runtime.config import DataDesc, ModelRunnerConfig
 from host_runtime.errors import BadRequestError, InvalidStateError
 from host_runtime.memory import (InputMemoryView, OutputMemory, OutputMemoryView, PopefPaths,
@@ -569,13 +569,13 @@ class ModelRunner:
             rep.submit(req, 1, None)
             rep.wait_for(req, None)
             if req.error is not None:
-                raise req.error
+                raise raisable(req.error)
             return req.results
         req, transfers, phantom, view_mode = self._build(rep, input_data, output_data, t0)
         rep.submit(req, transfers, phantom)
         rep.wait_for(req, None)
         if req.error is not None:
-            raise req.error
+            raise raisable(req.error)
         if output_data is not None:
             return None
         if view_mode:

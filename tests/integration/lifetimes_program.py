@@ -130,6 +130,19 @@ def killed(path: str, probe: Probe) -> None:
     del r
     probe.check("runner whose IPU process was killed")
 
+    r = model_runtime.ModelRunner(path)
+    r.execute(feeds())
+    kill_ipu(r)
+    for _ in range(2):   # the loss, then the runner's refusal to go on
+        try:
+            r.execute(feeds())
+        except model_runtime.DeviceLostError:
+            pass
+        else:
+            probe.leaks.append("a request to a killed device should fail")
+    del r
+    probe.check("runner that reported its killed IPU process")
+
     cfg = model_runtime.ModelRunnerConfig(auto_reset=True)
     r = model_runtime.ModelRunner(path, config=cfg)
     x = feeds()
@@ -173,6 +186,25 @@ def hung(path: str, probe: Probe) -> None:
     probe.check("session whose IPU process hung")
     if not loop.done():
         probe.leaks.append("the main loop of a dropped session on a hung device did not end")
+
+
+def device_error(path: str, probe: Probe) -> None:
+    """Runners whose device program failed (onnxruntime raised on the device), with and
+    without auto_reset: the errors they keep make no reference cycle."""
+    gather = os.path.join(os.environ["IPU_EMULATOR_HOME"], "gather.popef")
+    for auto_reset in (False, True):
+        cfg = model_runtime.ModelRunnerConfig(auto_reset=auto_reset)
+        r = model_runtime.ModelRunner(gather, config=cfg)
+        errors = []
+        for idx in (7, 1):      # out of range: the device fails; then a good request
+            try:
+                r.execute({"idx": np.array([idx], np.int64)})
+            except model_runtime.ModelRuntimeError as exc:
+                errors.append(type(exc).__name__)
+        if not errors:
+            probe.leaks.append("the out-of-range gather should have failed on the device")
+        del r, cfg, errors
+        probe.check(f"runner after a device program error (auto_reset={auto_reset})")
 
 
 def failing_constructor(path: str, probe: Probe) -> None:
@@ -336,16 +368,19 @@ def shared(path: str, probe: Probe) -> None:
 
 
 SCENARIOS: dict[str, Callable[[str, Probe], None]] = {
-    "runners": runners, "killed": killed, "hung": hung, "failing_constructor": failing_constructor,
+    "runners": runners, "killed": killed, "hung": hung, "device_error": device_error, "failing_constructor": failing_constructor,
     "futures": futures, "pending": pending, "session": session, "poprt": poprt, "shared": shared,
 }
 
 
 def main(argv: list[str]) -> int:
     path, name = argv
+    home = os.environ["IPU_EMULATOR_HOME"]
     if name == "pending":   # compiled first: the compiler's imports leave garbage
-        write_simple_popef(os.path.join(os.environ["IPU_EMULATOR_HOME"], "batched.popef"),
-                           shape=(4, 3))
+        write_simple_popef(os.path.join(home, "batched.popef"), shape=(4, 3))
+    if name == "device_error":
+        from tests._helpers import write_gather
+        write_gather(os.path.join(home, "gather.popef"))
     gc.collect()                      # what importing left behind is not ours
     gc.disable()
     gc.set_debug(gc.DEBUG_SAVEALL)
