@@ -50,6 +50,7 @@ class FastPath:
 
     if TYPE_CHECKING:
         def _require_device(self) -> "Device": ...
+        def _wake_streams(self) -> None: ...
         def _activate(self) -> None: ...
         def _check_runnable(self) -> None: ...
         def _anchor(self, handle: str) -> popef.Anchor: ...
@@ -167,7 +168,7 @@ class FastPath:
         if loop is None or loop.done() or dev is None or dev._link.lost is not None:
             return
         fut = dev._link.request(Op.STOP, value=1)
-        self._streams.invalidate_rings()   # wakes the device now (see Session.stop)
+        self._wake_streams()   # wakes the device now (see Session.stop)
         try:
             wait(fut, timeout, f"ending the main loop on {dev.describe()}")
             try:

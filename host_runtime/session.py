@@ -250,7 +250,7 @@ class Session(FastPath):
             fut = dev._link.request(Op.STOP)
             # wake a program waiting on a stream now, not at its next check of the
             # control ring; reload() resets the rings
-            self._streams.invalidate_rings()
+            self._wake_streams()
             wait(fut, timeout, f"stop on {dev.describe()}")
         except DeviceLostError:
             pass
@@ -260,6 +260,16 @@ class Session(FastPath):
             _log.warning("%s did not stop within %g s; killing its IPU processes",
                          dev.describe(), timeout)
             dev._kill()
+
+    def _wake_streams(self) -> None:
+        """After a STOP: invalidate the stream rings (and a sharded model's IPU-Links, which
+        are reset before each run) so that a program waiting on one takes the STOP now."""
+        self._streams.invalidate_rings()
+        sharded = self._sharded
+        if sharded is not None:
+            for ring in sharded.links.values():
+                if not ring.closed:
+                    ring.invalidate()
 
     def reload(self) -> None:
         """Load the executable again on the bound device (after stop(), or to start afresh)."""
