@@ -207,6 +207,37 @@ def device_error(path: str, probe: Probe) -> None:
         probe.check(f"runner after a device program error (auto_reset={auto_reset})")
 
 
+def sharded(path: str, probe: Probe) -> None:
+    """A model sharded over two IPUs (two IPU processes, IPU-Link rings), dropped."""
+    chain = os.path.join(os.environ["IPU_EMULATOR_HOME"], "out", "executable.popef")
+    x = {"x": np.ones((2, 32), np.float32)}
+    r = model_runtime.ModelRunner(chain)
+    r.execute(x)
+    del r
+    probe.check("runner of a model sharded over two IPUs")
+    r = model_runtime.ModelRunner(chain)
+    fut = r.executeAsync(x)
+    fut.wait()
+    del r
+    probe.check("runner of a sharded model, its result still referenced")
+    assert fut["y"].shape == (2, 32)
+    del fut
+
+
+def _compile_chain(home: str) -> None:
+    import onnx
+
+    from tools import poprt
+    from tools._chain_model import chain_model, write_shard_yaml
+
+    onnx.save(chain_model(8, width=32, batch=2, seed=7), os.path.join(home, "chain.onnx"))
+    shard = write_shard_yaml(os.path.join(home, "shard.yaml"), 8, 2, False)
+    argv = ["--input_model", os.path.join(home, "chain.onnx"), "--num_ipus", "2",
+            "--manual_sharding_config", shard, "--export_popef",
+            "--output_dir", os.path.join(home, "out")]
+    assert poprt.main(argv) == 0
+
+
 def failing_constructor(path: str, probe: Probe) -> None:
     """Constructors that fail half-way release every IPU they attached."""
     dm = DeviceManager()
@@ -368,7 +399,8 @@ def shared(path: str, probe: Probe) -> None:
 
 
 SCENARIOS: dict[str, Callable[[str, Probe], None]] = {
-    "runners": runners, "killed": killed, "hung": hung, "device_error": device_error, "failing_constructor": failing_constructor,
+    "runners": runners, "killed": killed, "hung": hung, "device_error": device_error,
+    "sharded": sharded, "failing_constructor": failing_constructor,
     "futures": futures, "pending": pending, "session": session, "poprt": poprt, "shared": shared,
 }
 
@@ -378,6 +410,8 @@ def main(argv: list[str]) -> int:
     home = os.environ["IPU_EMULATOR_HOME"]
     if name == "pending":   # compiled first: the compiler's imports leave garbage
         write_simple_popef(os.path.join(home, "batched.popef"), shape=(4, 3))
+    if name == "sharded":
+        _compile_chain(home)
     if name == "device_error":
         from tests._helpers import write_gather
         write_gather(os.path.join(home, "gather.popef"))

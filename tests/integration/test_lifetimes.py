@@ -22,7 +22,7 @@ import pytest
 
 SHAPE = (1, 4)     # the example model (model_path fixture); the program assumes it
 
-SCENARIOS = ["runners", "killed", "hung", "device_error", "failing_constructor", "futures", "pending", "session",
+SCENARIOS = ["runners", "killed", "hung", "device_error", "sharded", "failing_constructor", "futures", "pending", "session",
              "poprt", "shared"]
 
 
