@@ -274,6 +274,9 @@ class DaemonIpu:
         return self._rc
 
     def wait_exit(self, timeout: float) -> int | None:
+        if self._pidfd >= 0 and self._rc is None and timeout > 0:
+            select.select([self._pidfd], [], [], timeout)   # woken by the exit itself
+            return self.returncode() if not self.alive() else None
         deadline = time.monotonic() + timeout
         delay = 0.001
         while self.alive():

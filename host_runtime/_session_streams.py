@@ -279,6 +279,13 @@ class StreamTable:
         for ring in self.rings.values():
             ring.reset()
 
+    def invalidate_rings(self) -> None:
+        """Wake every waiter on the rings, on both sides, at once (stop: the device
+        takes the STOP sent before this instead of waiting out a slice)."""
+        for ring in self.rings.values():
+            if not ring.closed:
+                ring.invalidate()
+
     def load_spec(self, modes: list[int]) -> list[dict[str, Any]]:
         return [{"handle": a.handle(), "ring": self.rings[a.handle()].name,
                  "direction": "in" if a.type() is popef.TensorType.INPUT else "out",

@@ -20,6 +20,7 @@ Results:
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import threading
@@ -31,10 +32,10 @@ import numpy as np
 
 from host_runtime import popef
 from host_runtime._batching import TensorSpec
-from host_runtime._lifetime import close_owned
+from host_runtime._lifetime import close_owned, weak_method
 from host_runtime._read_order import main_read_order
 from host_runtime._replica import Replica, ReplicaSetup
-from host_runtime._requests import OutputFuture, Request
+from host_runtime._requests import OutputFuture, Request, raisable
 from host_runtime.config import DataDesc, ModelRunnerConfig
 from host_runtime.errors import BadRequestError, InvalidStateError
 from host_runtime.memory import (InputMemoryView, OutputMemory, OutputMemoryView, PopefPaths,
@@ -67,6 +68,10 @@ def _register_exit_hook() -> None:
     if not _atexit_registered:
         _atexit_registered = True
         atexit.register(_close_live_runners)
+
+
+def _gone() -> Any:
+    raise InvalidStateError("the ModelRunner was dropped")
 
 
 def _load_model(source: Any) -> popef.Model:
@@ -262,10 +267,10 @@ class ModelRunner:
             dynamic=self._dynamic, batch=self._batch, timeout_ns=cfg.timeout_ns,
             partial_flush_ns=flush_ns, flush_callback=cfg.flush_callback,
             auto_reset=cfg.auto_reset, monitor=self._monitors[rid],
-            open_session=lambda: self._open_session(rid),
+            open_session=functools.partial(weak_method(self._open_session, _gone), rid),
             watchdog=not cfg.flush_on_waiting_outputs,
-            make_flush_request=lambda i, o: self._flush_request(rid, i, o),
-            merge_phantom=self._merge_phantom)
+            make_flush_request=functools.partial(weak_method(self._flush_request), rid),
+            merge_phantom=weak_method(self._merge_phantom))
 
     def _attach_devices(self) -> None:
         """Attach the devices of every replica that has none in replica_to_device at once.
@@ -582,13 +587,13 @@ class ModelRunner:
             rep.submit(req, 1, None)
             rep.wait_for(req, None)
             if req.error is not None:
-                raise req.error
+                raise raisable(req.error)
             return req.results
         req, transfers, phantom, view_mode = self._build(rep, input_data, output_data, t0)
         rep.submit(req, transfers, phantom)
         rep.wait_for(req, None)
         if req.error is not None:
-            raise req.error
+            raise raisable(req.error)
         if output_data is not None:
             return None
         if view_mode:
@@ -669,6 +674,9 @@ class ModelRunner:
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
         """Unload the model and release the IPUs (running save programs if configured)."""
+        self._close(dropped=False)
+
+    def _close(self, dropped: bool) -> None:
         if getattr(self, "_closed", True) and not getattr(self, "_replicas", None):
             return
         self._closed = True
@@ -677,7 +685,7 @@ class ModelRunner:
         for rep in replicas:
             save = self._saver(rep.rid) if self._config.run_save_programs else None
             try:
-                rep.close(save)
+                rep.close(save, dropped)
             except Exception as exc:  # close every replica, then report
                 errors.append(exc)
         if errors:
@@ -715,8 +723,10 @@ class ModelRunner:
         self.close()
 
     def __del__(self) -> None:
+        # Dropped (reference counting runs this at once): give the IPUs back now, without
+        # blocking for long on a device that does not answer (see Replica.close).
         try:
-            self.close()
+            self._close(dropped=True)
         except Exception:  # pragma: no cover - best effort at garbage collection
             pass
 

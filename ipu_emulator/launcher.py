@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -174,6 +175,19 @@ class IpuProcess:
 
     def wait_exit(self, timeout: float) -> int | None:
         """Wait up to ``timeout`` s for the process to end; its return code or None."""
+        rc = self.returncode()
+        if rc is not None or timeout <= 0:
+            return rc
+        try:   # woken by the exit itself, not by polling
+            fd = os.pidfd_open(self.pid)
+        except (AttributeError, OSError):   # no pidfd support, or already reaped
+            fd = -1
+        if fd >= 0:
+            try:
+                select.select([fd], [], [], timeout)
+            finally:
+                os.close(fd)
+            return self.returncode()
         deadline = time.monotonic() + timeout
         delay = 0.001
         while True:

@@ -45,8 +45,8 @@ from typing import Any
 
 import posix_ipc
 
-from shm import (PeerDiedError, Region, Ring, RingTimeoutError, ShmError, WouldBlock, naming,
-                 pid_alive)
+from shm import (PeerDiedError, Region, Ring, RingInvalidatedError, RingTimeoutError, ShmError,
+                 WouldBlock, naming, pid_alive)
 from shm.cleanup import list_objects
 
 from ipu_emulator import package_hash, protocol
@@ -153,6 +153,11 @@ class DeviceProcess:
                 return fn(_SLICE)
             except RingTimeoutError:
                 pass
+            except RingInvalidatedError:
+                # A host that stops invalidates the streams after sending STOP (or
+                # SHUTDOWN) to wake this wait at once: the control message wins.
+                self.poll_control()
+                raise
             self._check_host()
             self.poll_control()
 
@@ -472,6 +477,7 @@ class DeviceProcess:
                 if not loop:
                     return False
                 if io.disconnected:
+                    self.poll_control()   # a STOP that came with the disconnection wins
                     # Dummy data "until the run returns": a loop never returns, so it ends
                     # here instead of spinning on disconnected streams.
                     raise _RequestError(ErrorKind.STATE, "the main loop ended: its streams were "
