@@ -545,10 +545,14 @@ class ModelRunner:
     def execute(self, input_data: Any, output_data: Any = None, replica_id: int = 0) -> Any:
         """Run one request synchronously; see the module docstring for what it returns."""
         lock = self._call_lock(replica_id)
-        if lock is not None:
-            with lock:
-                return self._execute(input_data, output_data, replica_id)
-        return self._execute(input_data, output_data, replica_id)
+        try:
+            if lock is not None:
+                with lock:
+                    return self._execute(input_data, output_data, replica_id)
+            return self._execute(input_data, output_data, replica_id)
+        except Exception as exc:
+            self._record_raised(exc, replica_id)
+            raise
 
     def _call_lock(self, replica_id: Any) -> Optional[threading.RLock]:
         locks = self._call_locks
@@ -581,10 +585,20 @@ class ModelRunner:
                      replica_id: int = 0) -> OutputFuture:
         """Queue one request; returns an ``OutputFuture``."""
         lock = self._call_lock(replica_id)
-        if lock is not None:
-            with lock:
-                return self._execute_async(input_data, output_data, replica_id)
-        return self._execute_async(input_data, output_data, replica_id)
+        try:
+            if lock is not None:
+                with lock:
+                    return self._execute_async(input_data, output_data, replica_id)
+            return self._execute_async(input_data, output_data, replica_id)
+        except Exception as exc:
+            self._record_raised(exc, replica_id)
+            raise
+
+    def _record_raised(self, exc: BaseException, replica_id: Any) -> None:
+        """Count an error execute/executeAsync raises (metrics: errors by class)."""
+        monitors = getattr(self, "_monitors", ())
+        if isinstance(replica_id, (int, np.integer)) and 0 <= replica_id < len(monitors):
+            monitors[replica_id].record_raised(exc)
 
     def _execute_async(self, input_data: Any, output_data: Any, replica_id: int) -> OutputFuture:
         t0 = time.perf_counter_ns()
@@ -647,6 +661,13 @@ class ModelRunner:
                                           replica_id: int = 0) -> dict:  # type: ignore[type-arg]
         info = {} if monitoring_info is None else monitoring_info
         return self._monitor(replica_id).total_count(info)
+
+    def metrics_collector(self, register_default: bool = False) -> Any:
+        """These statistics as a ``prometheus_client`` collector (see host_runtime.metrics):
+        register it in your registry, or ``register_default=True`` adds this runner to the
+        collector registered in ``prometheus_client.REGISTRY``. Holds the runner weakly."""
+        from host_runtime.metrics import collector_for
+        return collector_for(self, register_default)
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
