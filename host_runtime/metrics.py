@@ -118,14 +118,14 @@ class ModelRunnerCollector(Collector):
         phases = {p: Metric(f"{PREFIX}_{p}_seconds", _HELP[p], "summary") for p in PHASES}
         for labels, mon in rows or ():
             snap = mon.snapshot(QUANTILES)
-            requests.add_metric(labels, snap.count)
+            requests.add_metric(labels, snap.requests)
             for name, n in sorted(snap.errors.items()):
                 errors.add_metric(labels + [name], n)
             values = dict(zip(_LABELS, labels))
             for p, fam in phases.items():
                 for q, v in snap.quantiles_us[p]:
                     fam.add_sample(fam.name, dict(values, quantile=repr(q)), v / 1e6)
-                fam.add_sample(fam.name + "_count", values, float(snap.count))
+                fam.add_sample(fam.name + "_count", values, float(snap.requests))
                 fam.add_sample(fam.name + "_sum", values, snap.sums_us[p] / 1e6)
         return [requests, errors, *phases.values()]
 

@@ -35,7 +35,7 @@ PHASES = ("request", "read_preparation", "read_queue", "computation")
 class MonitorSnapshot(NamedTuple):
     """What :meth:`RequestMonitor.snapshot` returns (durations in microseconds)."""
 
-    count: int                                       # every request recorded
+    requests: int                                    # every request recorded
     sums_us: dict[str, float]                        # phase -> sum over every request
     quantiles_us: dict[str, list[tuple[float, float]]]   # phase -> [(q, value)], buffer
     errors: dict[str, int]                           # error class name -> failed requests
