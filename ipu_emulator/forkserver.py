@@ -237,12 +237,11 @@ class _Template:
 
 _template: _Template | None = None
 _template_lock = threading.Lock()
-_atexit_registered = False
 
 
 def _get_template(env: dict[str, str], log_dir: str | None) -> _Template | None:
     """The running template for ``env`` (started if need be), or None to start cold."""
-    global _template, _atexit_registered
+    global _template
     with _template_lock:
         t = _template
         if t is not None and (t.gone or t.popen.poll() is not None):
@@ -252,19 +251,26 @@ def _get_template(env: dict[str, str], log_dir: str | None) -> _Template | None:
         if t is None:
             log_path = os.path.join(log_dir, "forkserver.log") if log_dir else None
             t = _template = _Template(log_path)
-            if not _atexit_registered:
-                atexit.register(stop)
-                _atexit_registered = True
         return t if t.key == _env_key(env) else None
 
 
 def stop() -> None:
-    """Stop this host's template process (at exit; benchmarks)."""
+    """Stop this host's template process (at exit; benchmarks).
+
+    With no IPU process of it left, the template exits at once and is reaped here;
+    otherwise it exits (reaped by init) once they have, after this host is gone.
+    """
     global _template
     with _template_lock:
         t, _template = _template, None
     if t is not None:
-        t.stop(timeout=0.0 if t.children else 2.0)
+        t._pump(0)
+        t.stop(timeout=0.0 if t.children else 5.0)
+
+
+# Registered when the launcher is first imported, before any exit hook of the runtime
+# (those close runners and devices, shutting their IPU processes down): it runs last.
+atexit.register(stop)
 
 
 class ForkedProcess:

@@ -160,7 +160,9 @@ class Rig:
                         pass
 
     def ipu_processes_of(self, pid: int) -> list[psutil.Process]:
-        """IPU processes started by ``pid`` (a host or the daemon)."""
+        """IPU processes started by ``pid`` (a host or the daemon): its children running
+        ``python -m ipu_emulator``, or those its template process forked (with the template:
+        it must go too)."""
         try:
             kids = psutil.Process(pid).children()
         except psutil.Error:
@@ -168,7 +170,10 @@ class Rig:
         found = []
         for k in kids:
             try:
-                if "ipu_emulator" in " ".join(k.cmdline()):
+                cmd = " ".join(k.cmdline())
+                if "ipu_emulator.forkserver" in cmd:
+                    found += k.children()
+                if "ipu_emulator" in cmd:
                     found.append(k)
             except psutil.Error:
                 pass
