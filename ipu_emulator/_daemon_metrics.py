@@ -46,11 +46,15 @@ if TYPE_CHECKING:  # pragma: no cover
     from ipu_emulator._daemon_pool import PooledIpu
     from ipu_emulator.daemon import Daemon
 
-__all__ = ["DaemonMetrics", "PREFIX", "MetricsServer"]
+__all__ = ["DaemonMetrics", "PREFIX", "MetricsServer", "MetricsServeError"]
 
 PREFIX = "ipu_emulator_daemon"
 _STATES = ("starting", "free", "attaching", "held", "resetting", "dead", "failed")
 _WAITERS_KEPT = 4096   # hosts answered busy and not attached since (oldest dropped)
+
+
+class MetricsServeError(RuntimeError):
+    """``/metrics`` cannot listen where asked (port in use, bad address)."""
 
 
 class _Quiet(WSGIRequestHandler):
@@ -112,8 +116,8 @@ class _PoolCollector(Collector):
                                 "attached", value=counts["held"] + counts["attaching"])
         held = GaugeMetricFamily(f"{PREFIX}_ipus_held", "IPUs held (or being attached) by "
                                  "each host, by its pid", labels=["holder"])
-        for holder, n in sorted(holders.items()):
-            held.add_metric([holder], n)
+        for pid_text, n in sorted(holders.items()):
+            held.add_metric([pid_text], n)
         yield held
         now = time.monotonic()
         per_ipu = {
@@ -194,7 +198,11 @@ class DaemonMetrics:
         """Start serving ``/metrics`` if a port was given; the port it listens on."""
         if self.port is None:
             return None
-        self._server = MetricsServer(self.registry, self.port, self.address)
+        try:
+            self._server = MetricsServer(self.registry, self.port, self.address)
+        except OSError as exc:
+            raise MetricsServeError(f"cannot serve /metrics at {self.address}:{self.port}: "
+                                    f"{exc}") from exc
         return self._server.port
 
     @property
