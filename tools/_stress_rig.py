@@ -27,6 +27,7 @@ import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 _DAEMON_ENV = "IPU_EMULATOR_DAEMON"
+_PROGRESS_FIELDS = ("ok", "expected", "wrong", "hung", "errors", "cycles", "latency_s")
 
 
 def write_models(directory: Path, seed: int) -> dict[str, str]:
@@ -69,6 +70,7 @@ class HostProc:
     deadline: float = 0.0
     killed: bool = False
     ipu_pids: list[int] = field(default_factory=list)
+    progress: dict[str, float] = field(default_factory=dict)   # its last PROGRESS line
 
     def result(self) -> dict[str, Any] | None:
         try:
@@ -220,6 +222,11 @@ class Rig:
                 host.ready.set()
             elif words[:1] == ["QUIESCE"]:
                 host.quiesce.set()
+            elif words[:1] == ["PROGRESS"] and len(words) == 1 + len(_PROGRESS_FIELDS):
+                try:
+                    host.progress = dict(zip(_PROGRESS_FIELDS, map(float, words[1:])))
+                except ValueError:
+                    pass
         host.ready.set()
         host.quiesce.set()
 
