@@ -63,6 +63,9 @@ IMPORT_TIME_ENV = ("PYTHONPATH", "IPU_EMULATOR_DEVICE_SPIN_US", "IPU_EMULATOR_YI
 agree with the template on these to be forked from it."""
 
 _START_TIMEOUT = 120.0
+STATUS_LOST = 255
+"""The return code of an IPU process that exited after its template died (the status
+went with the template); ``ForkedProcess.status_lost`` tells it apart."""
 _HOST_CHECK = 0.25   # seconds between the template's checks that its host is alive
 
 
@@ -109,6 +112,7 @@ class _Template:
         self._replies: dict[int, dict[str, Any]] = {}
         self.exits: dict[int, int] = {}
         self.children: set[int] = set()
+        self.lost: set[int] = set()   # exited after the template died: status unknown
         self.gone = False
         self._ids = 0
         if self._wait_reply(0, _START_TIMEOUT) is None:
@@ -205,10 +209,11 @@ class _Template:
         code = self.exits.get(pid)
         if code is None and self.gone:
             # The template died before reporting it: the process is no child of ours, so
-            # only its existence is known.
+            # only whether it still runs is known.
             from shm import pid_alive
             if not pid_alive(pid):
-                code = self.exits[pid] = -signal.SIGKILL if pid in self.children else 0
+                code = self.exits[pid] = STATUS_LOST
+                self.lost.add(pid)
         return code
 
     def wait(self, pid: int, timeout: float) -> int | None:
@@ -237,12 +242,15 @@ class _Template:
 
 _template: _Template | None = None
 _template_lock = threading.Lock()
+_broken = False
 
 
 def _get_template(env: dict[str, str], log_dir: str | None) -> _Template | None:
     """The running template for ``env`` (started if need be), or None to start cold."""
-    global _template
+    global _template, _broken
     with _template_lock:
+        if _broken:
+            return None
         t = _template
         if t is not None and (t.gone or t.popen.poll() is not None):
             if not t.children:
@@ -250,7 +258,11 @@ def _get_template(env: dict[str, str], log_dir: str | None) -> _Template | None:
             _template = t = None
         if t is None:
             log_path = os.path.join(log_dir, "forkserver.log") if log_dir else None
-            t = _template = _Template(log_path)
+            try:
+                t = _template = _Template(log_path)
+            except (OSError, ForkserverError):
+                _broken = True   # do not pay for a failing start at every launch
+                raise
         return t if t.key == _env_key(env) else None
 
 
@@ -286,6 +298,15 @@ class ForkedProcess:
         if self.returncode is None:
             self.returncode = self._template.returncode(self.pid)
         return self.returncode
+
+    @property
+    def status_lost(self) -> bool:
+        """It exited after the template died: its exit status is unknown."""
+        return self.pid in self._template.lost
+
+    @property
+    def template_pid(self) -> int:
+        return self._template.pid
 
     def wait_exit(self, timeout: float) -> int | None:
         """Wait up to ``timeout`` s for the template to report the exit (no polling)."""

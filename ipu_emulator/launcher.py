@@ -184,6 +184,11 @@ class IpuProcess:
     def describe_exit(self) -> str:
         rc = self.returncode()
         text = f"{self.spec.describe()} (IPU process pid {self.pid}) {describe_returncode(rc)}"
+        popen = self._popen
+        if isinstance(popen, forkserver.ForkedProcess) and popen.status_lost:
+            text = (f"{self.spec.describe()} (IPU process pid {self.pid}) exited after its "
+                    f"template process (pid {popen.template_pid}) died; its exit status is "
+                    "unknown")
         return text
 
     def wait_exit(self, timeout: float) -> int | None:
@@ -349,8 +354,8 @@ def launch_ipu(spec: IpuSpec, *, log_dir: str | None = None,
         if forkserver.enabled():
             try:
                 popen = forkserver.spawn(argv, env, log_path, log_dir)
-            except forkserver.ForkserverError as exc:
-                _log.warning("%s; starting the IPU process without it", exc)
+            except (forkserver.ForkserverError, OSError) as exc:
+                _log.warning("%s; starting IPU processes without the template", exc)
         if popen is None:
             if log_path:
                 log_file = open(log_path, "ab")
