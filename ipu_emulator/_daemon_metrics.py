@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import socketserver
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -41,6 +41,8 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from ipu_emulator.errors import MetricsServeError
 
 if TYPE_CHECKING:  # pragma: no cover
     from ipu_emulator._daemon_pool import PooledIpu
@@ -51,10 +53,6 @@ __all__ = ["DaemonMetrics", "PREFIX", "MetricsServer", "MetricsServeError"]
 PREFIX = "ipu_emulator_daemon"
 _STATES = ("starting", "free", "attaching", "held", "resetting", "dead", "failed")
 _WAITERS_KEPT = 4096   # hosts answered busy and not attached since (oldest dropped)
-
-
-class MetricsServeError(RuntimeError):
-    """``/metrics`` cannot listen where asked (port in use, bad address)."""
 
 
 class _Quiet(WSGIRequestHandler):
@@ -120,7 +118,7 @@ class _PoolCollector(Collector):
             held.add_metric([pid_text], n)
         yield held
         now = time.monotonic()
-        per_ipu = {
+        per_ipu: dict[str, tuple[str, Callable[[PooledIpu], float]]] = {
             "hosts_served": ("attaches of this IPU by hosts", lambda i: i.hosts_served),
             "held_seconds": ("seconds this IPU was held by hosts (its busy time)",
                              lambda i: i.held_seconds_at(now)),

@@ -52,6 +52,8 @@ import threading
 import time
 from typing import Any
 
+from ipu_emulator.errors import ForkserverError
+
 __all__ = ["enabled", "spawn", "stop", "ForkedProcess", "ForkserverError", "IMPORT_TIME_ENV"]
 
 _log = logging.getLogger("ipu_emulator.forkserver")
@@ -67,10 +69,6 @@ STATUS_LOST = 255
 """The return code of an IPU process that exited after its template died (the status
 went with the template); ``ForkedProcess.status_lost`` tells it apart."""
 _HOST_CHECK = 0.25   # seconds between the template's checks that its host is alive
-
-
-class ForkserverError(RuntimeError):
-    """The template process could not be started or could not fork."""
 
 
 def enabled() -> bool:
