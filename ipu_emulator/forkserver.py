@@ -278,6 +278,21 @@ def stop() -> None:
         t.stop(timeout=0.0 if t.children else 5.0)
 
 
+def _after_fork_in_child() -> None:
+    """A host that forks: the child must not share its parent's template (their replies
+    would cross); it starts its own if it launches IPU processes."""
+    global _template, _template_lock
+    _template_lock = threading.Lock()
+    t, _template = _template, None
+    if t is not None:
+        try:
+            t.sock.close()   # this process's copy; the parent's stays open
+        except OSError:
+            pass
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
 # Registered when the launcher is first imported, before any exit hook of the runtime
 # (those close runners and devices, shutting their IPU processes down): it runs last.
 atexit.register(stop)

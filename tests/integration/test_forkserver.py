@@ -164,3 +164,36 @@ def test_a_dead_template_is_replaced_and_its_orphans_still_stop(tmp_path):
         first.close()
         if second is not None:
             second.close()
+
+
+def _child_launches(log_dir: str, conn) -> None:
+    proc = launch_ipu(IpuSpec(ipu_id=4), log_dir=log_dir)
+    try:
+        proc.wait_ready()
+        conn.send(psutil.Process(proc.pid).ppid())
+    finally:
+        proc.close()
+
+
+def test_a_forked_host_gets_its_own_template(tmp_path):
+    import multiprocessing as mp
+
+    first = launch_ipu(IpuSpec(ipu_id=0), log_dir=str(tmp_path))   # our template is up
+    try:
+        first.wait_ready()
+        ours_ = psutil.Process(first.pid).ppid()
+        ctx = mp.get_context("fork")
+        here, there = ctx.Pipe()
+        child = ctx.Process(target=_child_launches, args=(str(tmp_path), there))
+        child.start()
+        assert here.poll(120), "the forked host did not launch its IPU process"
+        theirs = here.recv()
+        child.join(60)
+        assert child.exitcode == 0
+        assert theirs not in (ours_, child.pid)   # its own template, not ours
+        assert first.alive()                      # ours still serves us
+        protocol.send(first.control, Message(Op.PING, seq=9))
+        assert protocol.receive(first.events, timeout=60) == Message(Op.DONE, seq=9)
+    finally:
+        first.close()
+    assert first.returncode() == 0
