@@ -102,6 +102,7 @@ class Daemon:
         server = None
         monitor = None
         try:
+            port = self.metrics.serve()   # first: a port in use fails before any IPU starts
             await asyncio.gather(*(self._start_ipu(ipu) for ipu in self.ipus))
             failed = [ipu.index for ipu in self.ipus if ipu.state != "free"]
             if failed:
@@ -116,7 +117,6 @@ class Daemon:
                 os.umask(old)
             os.chmod(self.socket_path, 0o600)
             monitor = asyncio.create_task(self._monitor())
-            port = self.metrics.serve()
             if port is not None:
                 _log.info("serving /metrics at http://%s:%d/metrics", self.metrics.address, port)
             s = self.system

@@ -119,3 +119,26 @@ def test_a_killed_ipu_process_is_a_death_and_a_restart(rig):
     assert value(fams, P + "ipu_process_deaths_total", ipu="1") == 1
     assert value(fams, P + "ipu_restarts_total", ipu="1") == restarts + 1
     assert value(fams, P + "ipus_by_state", state="free") == 2
+
+
+def test_a_metrics_port_in_use_is_a_clear_error_before_any_ipu_starts(tmp_path):
+    import socket
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    env = dict(os.environ, IPU_EMULATOR_HOME=str(tmp_path / "home"),
+               IPU_EMULATOR_SHM_TAG="m" + os.urandom(4).hex())
+    env.pop("IPU_EMULATOR_DAEMON", None)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "tools.cli", "daemon", "--socket", str(tmp_path / "d.sock"),
+             "--num-ipus", "1", "--metrics-port", str(port)], cwd=REPO, env=env,
+            capture_output=True, text=True, timeout=120)
+    finally:
+        busy.close()
+    assert proc.returncode == 1, proc.stderr
+    assert f"cannot serve /metrics at 127.0.0.1:{port}" in proc.stderr
+    assert "is ready" not in proc.stderr            # no IPU process was started
+    assert not [n for n in os.listdir("/dev/shm") if f"ipuemu_{env['IPU_EMULATOR_SHM_TAG']}_" in n]
