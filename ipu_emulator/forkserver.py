@@ -182,7 +182,7 @@ class _Template:
             self._ids += 1
             ident = self._ids
             data = json.dumps({"op": "spawn", "id": ident, "argv": argv, "env": env,
-                               "log": log_path}).encode() + b"\n"
+                               "log": log_path, "cwd": os.getcwd()}).encode() + b"\n"
             try:
                 self.sock.setblocking(True)
                 self.sock.sendall(data)
@@ -368,10 +368,17 @@ def _describe(rc: int | None) -> str:
 
 # -- the template process -----------------------------------------------------------------
 
-def _child(argv: list[str], env: dict[str, str], log_path: str | None) -> int:
-    """In the forked child: become ``python -m ipu_emulator <argv>``."""
+def _child(argv: list[str], env: dict[str, str], log_path: str | None,
+           cwd: str | None) -> int:
+    """In the forked child: become ``python -m ipu_emulator <argv>`` started by the host
+    (its environment and working directory at the launch)."""
     os.environ.clear()
     os.environ.update(env)
+    if cwd:
+        try:
+            os.chdir(cwd)
+        except OSError:
+            pass   # gone meanwhile: the IPU process uses absolute paths only
     fd = os.open(log_path or os.devnull, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
@@ -461,7 +468,7 @@ def _serve(sock: socket.socket, host_pid: int) -> int:
                     os.close(wake_r)
                     os.close(wake_w)
                     sock.close()
-                    code = _child(req["argv"], req["env"], req.get("log"))
+                    code = _child(req["argv"], req["env"], req.get("log"), req.get("cwd"))
                 except SystemExit as exc:
                     code = exc.code if isinstance(exc.code, int) else 1
                 except BaseException:
