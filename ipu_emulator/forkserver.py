@@ -104,15 +104,19 @@ class _Template:
             if log is not subprocess.DEVNULL:
                 log.close()
         self.sock = ours
-        self.sock.setblocking(False)
-        self._buf = b""
-        self._lock = threading.Lock()
+        self._cv = threading.Condition()
         self._replies: dict[int, dict[str, Any]] = {}
         self.exits: dict[int, int] = {}
         self.children: set[int] = set()
         self.lost: set[int] = set()   # exited after the template died: status unknown
         self.gone = False
         self._ids = 0
+        self._send_lock = threading.Lock()
+        # One thread reads what the template sends (replies, exits) and wakes the waiters:
+        # nobody polls, and an exit is known the moment the template reports it.
+        self._reader = threading.Thread(target=self._read, name="ipu-template-reader",
+                                        daemon=True)
+        self._reader.start()
         if self._wait_reply(0, _START_TIMEOUT) is None:
             self.stop()
             raise ForkserverError(f"the template process (pid {self.popen.pid}) did not become "
@@ -122,116 +126,102 @@ class _Template:
     def pid(self) -> int:
         return self.popen.pid
 
-    # -- messages (every caller holds no lock; _pump takes it) -----------------------------
-
-    def _pump(self, timeout: float) -> None:
-        """Read what the template sent (waiting up to ``timeout`` s for something)."""
-        if self.gone:
-            return
-        if timeout > 0:
+    def _read(self) -> None:
+        buf = b""
+        while True:
             try:
-                ready, _, _ = select.select([self.sock], [], [], timeout)
-            except (OSError, ValueError):   # closed by stop() meanwhile
-                return
-            if not ready:
-                return
-        with self._lock:
-            if self.gone:
-                return
-            while True:
-                try:
-                    data = self.sock.recv(65536)
-                except (BlockingIOError, InterruptedError):
-                    break
-                except OSError:
-                    data = b""
-                if not data:
-                    self._lost()
-                    break
-                self._buf += data
-            *lines, self._buf = self._buf.split(b"\n")
-            for line in lines:
-                msg = json.loads(line)
-                if msg["op"] == "exit":
-                    self.exits[msg["pid"]] = msg["code"]
-                    self.children.discard(msg["pid"])
-                else:
-                    self._replies[msg["id"]] = msg
-
-    def _lost(self) -> None:
-        """The template died (or closed): its children's statuses are lost to us."""
-        self.gone = True
-        if self.popen.poll() is None:
-            return
-        _log.warning("the IPU template process (pid %d) %s", self.popen.pid,
-                     _describe(self.popen.returncode))
+                data = self.sock.recv(65536)
+            except OSError:
+                data = b""
+            if not data:
+                break
+            buf += data
+            *lines, buf = buf.split(b"\n")
+            if not lines:
+                continue
+            with self._cv:
+                for line in lines:
+                    msg = json.loads(line)
+                    if msg["op"] == "exit":
+                        self.exits[msg["pid"]] = msg["code"]
+                        self.children.discard(msg["pid"])
+                    else:
+                        self._replies[msg["id"]] = msg
+                self._cv.notify_all()
+        with self._cv:
+            stopped = self.gone
+            self.gone = True
+            self._cv.notify_all()
+        if not stopped:
+            rc = self.popen.poll()
+            _log.warning("the IPU template process (pid %d) %s; its IPU processes' exit "
+                         "statuses are lost", self.popen.pid,
+                         _describe(rc) if rc is not None else "closed its socket")
 
     def _wait_reply(self, ident: int, timeout: float) -> dict[str, Any] | None:
-        deadline = time.monotonic() + timeout
-        while True:
-            reply = self._replies.pop(ident, None)
-            if reply is not None:
-                return reply
-            left = deadline - time.monotonic()
-            if self.gone or left <= 0:
-                return None
-            self._pump(min(left, 1.0))
+        with self._cv:
+            self._cv.wait_for(lambda: ident in self._replies or self.gone, timeout)
+            return self._replies.pop(ident, None)
 
     def spawn(self, argv: list[str], env: dict[str, str], log_path: str | None) -> int:
-        with self._lock:
+        with self._send_lock:
             self._ids += 1
             ident = self._ids
             data = json.dumps({"op": "spawn", "id": ident, "argv": argv, "env": env,
                                "log": log_path, "cwd": os.getcwd()}).encode() + b"\n"
             try:
-                self.sock.setblocking(True)
                 self.sock.sendall(data)
             except OSError as exc:
-                self.gone = True
                 raise ForkserverError(f"the template process (pid {self.pid}) is gone: "
                                       f"{exc}") from exc
-            finally:
-                self.sock.setblocking(False)
         reply = self._wait_reply(ident, 30.0)
         if reply is None:
             raise ForkserverError(f"the template process (pid {self.pid}) did not fork")
         if "pid" not in reply:
             raise ForkserverError(f"the template process could not fork: {reply.get('message')}")
         pid = int(reply["pid"])
-        with self._lock:
-            self.children.add(pid)
+        with self._cv:
+            if pid not in self.exits:
+                self.children.add(pid)
         return pid
 
     def returncode(self, pid: int) -> int | None:
-        self._pump(0)
-        code = self.exits.get(pid)
-        if code is None and self.gone:
-            # The template died before reporting it: the process is no child of ours, so
-            # only whether it still runs is known.
-            from shm import pid_alive
-            if not pid_alive(pid):
-                code = self.exits[pid] = STATUS_LOST
-                self.lost.add(pid)
-        return code
+        with self._cv:
+            code = self.exits.get(pid)
+            if code is not None or not self.gone:
+                return code
+        # The template died before reporting it: the process is no child of ours, so only
+        # whether it still runs is known.
+        from shm import pid_alive
+        if pid_alive(pid):
+            return None
+        with self._cv:
+            self.lost.add(pid)
+            return self.exits.setdefault(pid, STATUS_LOST)
 
     def wait(self, pid: int, timeout: float) -> int | None:
         deadline = time.monotonic() + timeout
+        with self._cv:
+            self._cv.wait_for(lambda: pid in self.exits or self.gone, timeout)
         while True:
             rc = self.returncode(pid)
             left = deadline - time.monotonic()
             if rc is not None or left <= 0:
                 return rc
-            if self.gone:
-                time.sleep(min(left, 0.01))   # template lost: only polling is left
-            else:
-                self._pump(left)
+            time.sleep(min(left, 0.01))   # template lost: only polling is left
 
     def stop(self, timeout: float = 0.0) -> None:
         """Close the template's socket; it exits once its children have. Reaps it if it
         exits within ``timeout`` s (an atexit hook must not wait for IPU processes)."""
-        with self._lock:
+        with self._cv:
             self.gone = True
-            self.sock.close()
+            self._cv.notify_all()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)   # wakes the reader; the template sees EOF
+        except OSError:
+            pass
+        self._reader.join(5)
+        self.sock.close()
         try:
             self.popen.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -274,7 +264,6 @@ def stop() -> None:
     with _template_lock:
         t, _template = _template, None
     if t is not None:
-        t._pump(0)
         t.stop(timeout=0.0 if t.children else 5.0)
 
 
@@ -284,7 +273,7 @@ def _after_fork_in_child() -> None:
     global _template, _template_lock
     _template_lock = threading.Lock()
     t, _template = _template, None
-    if t is not None:
+    if t is not None:   # (its reader thread is not in this process)
         try:
             t.sock.close()   # this process's copy; the parent's stays open
         except OSError:
