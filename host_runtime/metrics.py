@@ -4,7 +4,9 @@
 in its registry (``registry.register(collector)``); ``metrics_collector(
 register_default=True)`` adds the runner to one process-wide collector
 registered in ``prometheus_client.REGISTRY`` (served by
-``prometheus_client.start_http_server``). Nothing is computed on the request
+``prometheus_client.start_http_server``). A registry takes one collector of
+these metrics: for several runners add them to one
+(``registry.register(r1.metrics_collector().add(r2))``) or use the default one. Nothing is computed on the request
 path: a scrape reads the runner's :class:`~host_runtime.monitoring.RequestMonitor`
 statistics (the ones ``getMonitoringStatistics*`` report). Runners are held
 weakly: a runner the application dropped disappears from the scrape.

@@ -664,8 +664,9 @@ class ModelRunner:
 
     def metrics_collector(self, register_default: bool = False) -> Any:
         """These statistics as a ``prometheus_client`` collector (see host_runtime.metrics):
-        register it in your registry, or ``register_default=True`` adds this runner to the
-        collector registered in ``prometheus_client.REGISTRY``. Holds the runner weakly."""
+        register it in your registry (``.add(other_runner)`` puts more runners in it), or
+        ``register_default=True`` adds this runner to the collector registered in
+        ``prometheus_client.REGISTRY``. Holds the runner weakly."""
         from host_runtime.metrics import collector_for
         return collector_for(self, register_default)
 

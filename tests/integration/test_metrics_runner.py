@@ -144,3 +144,21 @@ def test_default_registry_on_request(model_path):
         assert value(fams, "ipu_model_runner_requests_total", model=model, replica="0",
                      runner=runner_number(r)) == 1
         collector.discard(r)
+
+
+def test_two_runners_of_one_model_in_one_collector_are_told_apart(model_path, served):
+    registry, url = served
+    with model_runtime.ModelRunner(model_path) as r1, model_runtime.ModelRunner(model_path) as r2:
+        collector = r1.metrics_collector()
+        registry.register(collector.add(r2))
+        r1.execute(rand(0))
+        for i in range(2):
+            r2.execute(rand(i))
+        fams = scrape(url)
+        model = r1.model.metadata.executable()
+        assert value(fams, "ipu_model_runner_requests_total", model=model, replica="0",
+                     runner=runner_number(r1)) == 1
+        assert value(fams, "ipu_model_runner_requests_total", model=model, replica="0",
+                     runner=runner_number(r2)) == 2
+        with pytest.raises(ValueError, match="Duplicated"):   # one collector per registry
+            registry.register(r2.metrics_collector())
