@@ -5,6 +5,7 @@ signal that killed them, liveness both ways, nothing left behind; and it can be 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -50,6 +51,7 @@ def test_forked_ipu_process_is_a_child_of_the_template_logs_and_exits_cleanly(tm
         assert parent is not None and parent.pid != os.getpid()
         assert "ipu_emulator.forkserver" in " ".join(parent.cmdline())
         assert parent.ppid() == os.getpid()            # the template is our child
+        proc.control.write(b"\0" * 4, tag=77)    # malformed: logged, ignored
         protocol.send(proc.control, Message(Op.PING, seq=1))
         assert protocol.receive(proc.events, timeout=60) == Message(Op.DONE, seq=1)
         protocol.send(proc.control, Message(Op.SHUTDOWN))
@@ -59,8 +61,9 @@ def test_forked_ipu_process_is_a_child_of_the_template_logs_and_exits_cleanly(tm
     finally:
         proc.close()
     assert ours() == before
-    log = (tmp_path / "ipu5.log").read_text()
-    assert f"ipu5[{proc.pid}]" in log or log == ""   # its own log file (WARNING level: quiet)
+    log = (tmp_path / "ipu5.log").read_text()   # its own log file, lines tagged with its pid
+    assert re.search(rf"ipu5\[{proc.pid}\] ERROR ipu_emulator.process: ignoring a malformed "
+                     "control message", log), log
 
 
 def test_a_killed_forked_process_is_reported_with_its_signal_at_once(tmp_path):
