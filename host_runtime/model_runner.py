@@ -25,7 +25,7 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import numpy as np
 
@@ -40,6 +40,9 @@ from host_runtime.memory import (InputMemoryView, OutputMemory, OutputMemoryView
                                  TensorMemory, TensorMemoryView, as_readable_array,
                                  as_writable_array)
 from host_runtime.monitoring import RequestMonitor
+
+if TYPE_CHECKING:  # pragma: no cover
+    from host_runtime.metrics import ModelRunnerCollector
 
 __all__ = ["ModelRunner", "OutputFuture"]
 
@@ -662,7 +665,7 @@ class ModelRunner:
         info = {} if monitoring_info is None else monitoring_info
         return self._monitor(replica_id).total_count(info)
 
-    def metrics_collector(self, register_default: bool = False) -> Any:
+    def metrics_collector(self, register_default: bool = False) -> "ModelRunnerCollector":
         """These statistics as a ``prometheus_client`` collector (see host_runtime.metrics):
         register it in your registry (``.add(other_runner)`` puts more runners in it), or
         ``register_default=True`` adds this runner to the collector registered in
