@@ -417,8 +417,7 @@ def _serve(sock: socket.socket, host_pid: int) -> int:
 
     send({"op": "ready", "id": 0, "pid": os.getpid()})
     buf = b""
-    host_here = True
-    while host_here:
+    while True:
         sock_fd = sock.fileno()
         ready, _, _ = select.select([sock_fd, wake_r], [], [], _HOST_CHECK)
         if wake_r in ready:
@@ -471,9 +470,10 @@ def _serve(sock: socket.socket, host_pid: int) -> int:
                         os._exit(code)
             children.add(pid)
             send({"op": "spawned", "id": req["id"], "pid": pid})
-    # The host closed us or died: our children watch it themselves; wait for them.
+    # The host closed us or died: our children watch it themselves; wait for them all.
     sock.close()
-    reap(block=True)
+    while children:
+        reap(block=True)
     return 0
 
 
