@@ -206,7 +206,8 @@ class IpuProcess:
                 if rc is not None or left <= 0:
                     return rc
                 if pidfd >= 0:
-                    select.select([pidfd], [], [], left)   # readable once it exited
+                    # readable once it exited (capped: another thread may reap it first)
+                    select.select([pidfd], [], [], min(left, 1.0))
                 else:
                     time.sleep(min(delay, left))   # only on shutdown and death paths
                     delay = min(delay * 2, 0.05)
