@@ -23,10 +23,12 @@ daemon's event loop (:class:`DaemonMetrics` methods) and in
     ipu_emulator_daemon_ipu_resets_total{ipu}       IPUs taken back from a host and reset
     ipu_emulator_daemon_ipu_restarts_total{ipu}     IPU processes started after the first
     ipu_emulator_daemon_ipu_process_deaths_total{ipu}   IPU processes that died
+    ipu_emulator_daemon_ipu_process_cpu_seconds_total{ipu}  CPU time of its current process
 
 Requests are not counted here: hosts talk to an IPU process over shared-memory
-rings the daemon never sees, so per IPU the daemon knows the hosts it served
-and how long they held it (busy time = held time), not each inference.
+rings the daemon never sees, so per IPU the daemon knows the hosts it served,
+how long they held it (busy time = held time) and the CPU time its process
+used (read from /proc at scrape time), not each inference.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import socketserver
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
+import psutil
 from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -131,6 +134,24 @@ class _PoolCollector(Collector):
             for ipu in ipus:
                 fam.add_metric([str(ipu.index)], get(ipu))
             yield fam
+        cpu = CounterMetricFamily(f"{PREFIX}_ipu_process_cpu_seconds", "CPU time of the IPU's "
+                                  "current process (user + system; starts again at a restart)",
+                                  labels=["ipu"])
+        for ipu in ipus:
+            seconds = _cpu_seconds(ipu.pid)
+            if seconds is not None:
+                cpu.add_metric([str(ipu.index)], seconds)
+        yield cpu
+
+
+def _cpu_seconds(pid: int | None) -> float | None:
+    if pid is None:
+        return None
+    try:
+        t = psutil.Process(pid).cpu_times()
+    except psutil.Error:
+        return None
+    return float(t.user + t.system)
 
 
 class DaemonMetrics:

@@ -12,6 +12,7 @@ import sys
 import urllib.request
 from typing import Any, Iterator
 
+import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -95,6 +96,9 @@ def test_pool_attach_release_and_a_wait(rig):
     assert value(fams, P + "ipu_resets_total", ipu="0") == 2     # each host's IPU taken back
     assert value(fams, P + "ipus_attached") == 0
     assert value(fams, P + "ipu_process_deaths_total", ipu="0") == 0
+    cpu = value(fams, P + "ipu_process_cpu_seconds_total", ipu="0")
+    t = psutil.Process(daemon.pool_pids[0]).cpu_times()
+    assert 0 <= cpu <= t.user + t.system   # clock ticks: an idle fork may show 0
 
 
 def test_a_killed_ipu_process_is_a_death_and_a_restart(rig):
