@@ -60,7 +60,7 @@ _log = logging.getLogger("ipu_emulator.forkserver")
 
 IMPORT_TIME_ENV = ("PYTHONPATH", "IPU_EMULATOR_DEVICE_SPIN_US", "IPU_EMULATOR_YIELDED_US",
                    "IPU_EMULATOR_ZERO_COPY", "IPU_EMULATOR_RING_C", "IPU_EMULATOR_RING_SPIN_US",
-                   "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+                   "IPU_EMULATOR_RING_UNTIMED_WAITS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 """Environment variables the IPU process's modules read when imported: a launch must
 agree with the template on these to be forked from it."""
 
