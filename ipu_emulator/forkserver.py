@@ -32,9 +32,9 @@ What an IPU process guarantees is kept:
   exits; the host reaps it (``stop()``), or init does if the host died.
 
 ``IPU_EMULATOR_FORKSERVER=0`` turns the template off (every IPU process is a
-fresh ``python -m ipu_emulator``). A launch whose environment differs from the
-template's in a setting read at import time (:data:`IMPORT_TIME_ENV`) is
-started fresh too.
+fresh ``python -m ipu_emulator``). Launches whose environments differ in a
+setting read at import time (:data:`IMPORT_TIME_ENV`) get a template each (up
+to four; past that they start fresh).
 """
 
 from __future__ import annotations
@@ -83,9 +83,9 @@ def _env_key(env: dict[str, str]) -> tuple[str | None, ...]:
 class _Template:
     """The host's side of its template process."""
 
-    def __init__(self, log_path: str | None) -> None:
+    def __init__(self, log_path: str | None, env: dict[str, str]) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.env = dict(os.environ)
+        self.env = dict(env)   # the launch's: its import-time settings are the template's
         self.key = _env_key(self.env)
         log: Any = subprocess.DEVNULL
         try:
@@ -228,52 +228,59 @@ class _Template:
             pass
 
 
-_template: _Template | None = None
+_templates: dict[tuple[str | None, ...], _Template] = {}   # by import-time settings
 _template_lock = threading.Lock()
 _broken = False
+_MAX_TEMPLATES = 4   # distinct import-time settings served by a template of their own
 
 
 def _get_template(env: dict[str, str], log_dir: str | None) -> _Template | None:
-    """The running template for ``env`` (started if need be), or None to start cold."""
-    global _template, _broken
+    """The running template for ``env``'s import-time settings (started if need be), or
+    None to start the process fresh."""
+    global _broken
+    key = _env_key(env)
     with _template_lock:
         if _broken:
             return None
-        t = _template
+        t = _templates.get(key)
         if t is not None and (t.gone or t.popen.poll() is not None):
             if not t.children:
                 t.stop()
-            _template = t = None
+            del _templates[key]
+            t = None
         if t is None:
+            if len(_templates) >= _MAX_TEMPLATES:
+                return None
             log_path = os.path.join(log_dir, "forkserver.log") if log_dir else None
             try:
-                t = _template = _Template(log_path)
+                t = _templates[key] = _Template(log_path, env)
             except (OSError, ForkserverError):
                 _broken = True   # do not pay for a failing start at every launch
                 raise
-        return t if t.key == _env_key(env) else None
+        return t
 
 
 def stop() -> None:
-    """Stop this host's template process (at exit; benchmarks).
+    """Stop this host's template processes (at exit; benchmarks).
 
-    With no IPU process of it left, the template exits at once and is reaped here;
-    otherwise it exits (reaped by init) once they have, after this host is gone.
+    A template with no IPU process left exits at once and is reaped here; otherwise it
+    exits (reaped by init) once they have, after this host is gone.
     """
-    global _template
     with _template_lock:
-        t, _template = _template, None
-    if t is not None:
+        templates = list(_templates.values())
+        _templates.clear()
+    for t in templates:
         t.stop(timeout=0.0 if t.children else 5.0)
 
 
 def _after_fork_in_child() -> None:
-    """A host that forks: the child must not share its parent's template (their replies
+    """A host that forks: the child must not share its parent's templates (their replies
     would cross); it starts its own if it launches IPU processes."""
-    global _template, _template_lock
+    global _template_lock
     _template_lock = threading.Lock()
-    t, _template = _template, None
-    if t is not None:   # (its reader thread is not in this process)
+    templates = list(_templates.values())
+    _templates.clear()
+    for t in templates:   # (their reader threads are not in this process)
         try:
             t.sock.close()   # this process's copy; the parent's stays open
         except OSError:

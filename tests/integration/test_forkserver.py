@@ -90,18 +90,20 @@ def test_the_setting_turns_the_template_off(tmp_path, monkeypatch):
         proc.close()
 
 
-def test_an_import_time_setting_the_template_lacks_starts_the_process_fresh(tmp_path,
-                                                                              monkeypatch):
-    first = launch_ipu(IpuSpec(ipu_id=2), log_dir=str(tmp_path))   # the template is up
+def test_an_import_time_setting_gets_a_template_of_its_own(tmp_path, monkeypatch):
+    first = launch_ipu(IpuSpec(ipu_id=2), log_dir=str(tmp_path))
     try:
         first.wait_ready()
-        assert psutil.Process(first.pid).ppid() != os.getpid()
         zero_copy = os.environ.get("IPU_EMULATOR_ZERO_COPY", "1")
         monkeypatch.setenv("IPU_EMULATOR_ZERO_COPY", "0" if zero_copy != "0" else "1")
         second = launch_ipu(IpuSpec(ipu_id=3), log_dir=str(tmp_path))
         try:
             second.wait_ready()
-            assert psutil.Process(second.pid).ppid() == os.getpid()   # read at import
+            parents = {psutil.Process(p.pid).ppid() for p in (first, second)}
+            assert len(parents) == 2 and os.getpid() not in parents   # read at import
+            template = psutil.Process(psutil.Process(second.pid).ppid())
+            assert template.environ()["IPU_EMULATOR_ZERO_COPY"] == os.environ[
+                "IPU_EMULATOR_ZERO_COPY"]
         finally:
             second.close()
     finally:
@@ -153,6 +155,7 @@ def test_a_dead_template_is_replaced_and_its_orphans_still_stop(tmp_path):
     try:
         first.wait_ready()
         template = psutil.Process(first.pid).ppid()
+        assert template != os.getpid(), "not forked by a template"
         os.kill(template, signal.SIGKILL)
         psutil.wait_procs([psutil.Process(template)], timeout=60)
         assert first.alive()                         # the IPU process goes on
@@ -185,6 +188,7 @@ def test_a_forked_host_gets_its_own_template(tmp_path):
     try:
         first.wait_ready()
         ours_ = psutil.Process(first.pid).ppid()
+        assert ours_ != os.getpid(), "not forked by a template"
         ctx = mp.get_context("fork")
         here, there = ctx.Pipe()
         child = ctx.Process(target=_child_launches, args=(str(tmp_path), there))
