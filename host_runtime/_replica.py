@@ -487,6 +487,10 @@ class Replica(ReplicaTimers):
         self._partial = None
         self._published(tr)
 
+    def record_error(self, error: BaseException) -> None:
+        """A request of this replica failed (Request.fail): count it by class."""
+        self.setup.monitor.record_error(error)
+
     # ------------------------------------------------------------------ drive
     def wait_for(self, req: Request, timeout: float | None) -> bool:
         """Drive this replica until ``req`` is done or ``timeout`` seconds pass."""

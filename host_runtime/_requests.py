@@ -95,6 +95,10 @@ class Request:
     def fail(self, error: BaseException) -> None:
         if self._done:
             return
+        if not self.internal:
+            record = getattr(self.driver, "record_error", None)   # monitoring (metrics)
+            if record is not None:
+                record(error)
         self.error = error
         self.t_completed = time.perf_counter_ns()
         self._done = True

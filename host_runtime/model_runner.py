@@ -26,7 +26,7 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import numpy as np
 
@@ -43,6 +43,9 @@ from host_runtime.memory import (InputMemoryView, OutputMemory, OutputMemoryView
                                  as_writable_array)
 from host_runtime.monitoring import RequestMonitor
 from host_runtime.popef._check import check_model
+
+if TYPE_CHECKING:  # pragma: no cover
+    from host_runtime.metrics import ModelRunnerCollector
 
 __all__ = ["ModelRunner", "OutputFuture"]
 
@@ -568,10 +571,14 @@ class ModelRunner:
         An input frozen by ``ModelRunnerConfig.frozen_inputs`` is no longer required (seed
         000/001, frozen inputs); given anyway, it is ignored and the frozen value is used."""
         lock = self._call_lock(replica_id)
-        if lock is not None:
-            with lock:
-                return self._execute(input_data, output_data, replica_id)
-        return self._execute(input_data, output_data, replica_id)
+        try:
+            if lock is not None:
+                with lock:
+                    return self._execute(input_data, output_data, replica_id)
+            return self._execute(input_data, output_data, replica_id)
+        except Exception as exc:
+            self._record_raised(exc, replica_id)
+            raise
 
     def _call_lock(self, replica_id: Any) -> Optional[threading.RLock]:
         locks = self._call_locks
@@ -604,10 +611,20 @@ class ModelRunner:
                      replica_id: int = 0) -> OutputFuture:
         """Queue one request; returns an ``OutputFuture`` (frozen inputs as for ``execute``)."""
         lock = self._call_lock(replica_id)
-        if lock is not None:
-            with lock:
-                return self._execute_async(input_data, output_data, replica_id)
-        return self._execute_async(input_data, output_data, replica_id)
+        try:
+            if lock is not None:
+                with lock:
+                    return self._execute_async(input_data, output_data, replica_id)
+            return self._execute_async(input_data, output_data, replica_id)
+        except Exception as exc:
+            self._record_raised(exc, replica_id)
+            raise
+
+    def _record_raised(self, exc: BaseException, replica_id: Any) -> None:
+        """Count an error execute/executeAsync raises (metrics: errors by class)."""
+        monitors = getattr(self, "_monitors", ())
+        if isinstance(replica_id, (int, np.integer)) and 0 <= replica_id < len(monitors):
+            monitors[replica_id].record_raised(exc)
 
     def _execute_async(self, input_data: Any, output_data: Any, replica_id: int) -> OutputFuture:
         t0 = time.perf_counter_ns()
@@ -670,6 +687,14 @@ class ModelRunner:
                                           replica_id: int = 0) -> dict:  # type: ignore[type-arg]
         info = {} if monitoring_info is None else monitoring_info
         return self._monitor(replica_id).total_count(info)
+
+    def metrics_collector(self, register_default: bool = False) -> "ModelRunnerCollector":
+        """These statistics as a ``prometheus_client`` collector (see host_runtime.metrics):
+        register it in your registry (``.add(other_runner)`` puts more runners in it), or
+        ``register_default=True`` adds this runner to the collector registered in
+        ``prometheus_client.REGISTRY``. Holds the runner weakly."""
+        from host_runtime.metrics import collector_for
+        return collector_for(self, register_default)
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
