@@ -46,9 +46,13 @@ def creation_summary(skip: int = 1) -> str:
     frames = traceback.extract_stack()[:-skip]
     mine = [f for f in frames if not f.filename.startswith("<")
             and not any(s in f.filename for s in _SKIP) and "runpy" not in f.filename]
-    shown = mine[-_MAX_FRAMES:] or frames[-_MAX_FRAMES:]
+    shown = []
+    for f in reversed(mine or frames):   # innermost first, up to the test function
+        shown.append(f)
+        if len(shown) == _MAX_FRAMES or f.name.startswith("test"):
+            break
     return " <- ".join(f"{_relpath(f.filename)}:{f.lineno} in {f.name}"
-                       + (f" ({f.line.strip()})" if f.line else "") for f in reversed(shown))
+                       + (f" ({f.line.strip()})" if f.line else "") for f in shown)
 
 
 def _relpath(path: str) -> str:

@@ -1,0 +1,367 @@
+"""The ``ipu_emulator`` pytest plugin (tools/pytest_plugin), driven by ``pytester``.
+
+Each test writes a suite the way a user would and runs it in this process
+(``runpytest``) or as ``pytest -n 2`` (``runpytest_subprocess``): the
+README's example, a test that leaks, a daemon shared by two workers, the
+``ipus`` marker waiting for an IPU another worker holds, and two "machines"
+(two daemons) that do not see each other.
+
+The entry point is declared in setup.cfg; where the installed package does
+not know it yet, the suites load the plugin with ``-p tools.pytest_plugin``.
+"""
+
+from __future__ import annotations
+
+import configparser
+import json
+import os
+import re
+from importlib import metadata
+from pathlib import Path
+
+import psutil
+import pytest
+
+# In-process runs (runpytest) forget the modules they imported; onnx's extension must not be
+# imported twice in one process, so the suites' imports are made here, once.
+import host_runtime.model_runner  # noqa: F401
+import host_runtime.poprt.compiler  # noqa: F401
+import ipu_emulator.compiler  # noqa: F401
+import onnx  # noqa: F401
+import tools.generate_simple_popef  # noqa: F401
+from tests.daemon_rig import REPO, DaemonRig, shm_entries
+
+pytest_plugins = ["pytester"]
+
+PLUGIN = "tools.pytest_plugin"
+
+
+def _installed() -> bool:
+    return any(ep.value == PLUGIN for ep in metadata.entry_points(group="pytest11"))
+
+
+# -p for a plugin that an installed entry point already loads would register it twice
+LOAD = [] if _installed() else ["-p", PLUGIN]
+# (plugins the suites do not need are left out: each xdist worker would import them)
+QUIET = ["-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-p", "no:benchmark", "-q", "-rs"]
+
+
+def readme_example() -> str:
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## Testing with the pytest plugin"):]
+    match = re.search(r"```python\n(.*?)```", section, re.S)
+    assert match, "README: the plugin section has no python example"
+    return match.group(1)
+
+
+def run_folders() -> set[str]:
+    return {n for n in os.listdir(os.environ.get("TMPDIR", "/tmp"))
+            if n.startswith(f"ipuemu-pytest-{os.getuid()}-")}
+
+
+RECORD_MACHINE = '''
+import json, os
+
+def test_record_machine(ipu_machine, tmp_path_factory):
+    out = os.path.join(os.environ["RECORD_DIR"], os.environ.get("PYTEST_XDIST_WORKER", "main"))
+    with open(out + ".json", "w") as f:
+        json.dump({"home": ipu_machine.home, "tag": ipu_machine.shm_tag}, f)
+'''
+
+
+def recorded(folder: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
+
+
+def assert_run_left_nothing(records: list[dict]) -> None:
+    assert records, "the suite did not record its machine"
+    for r in records:
+        assert not os.path.exists(r["home"]), f"the run's machine home {r['home']} is left"
+        assert shm_entries(r["tag"]) == set(), f"the run left /dev/shm objects of {r['tag']}"
+
+
+# -- installation ----------------------------------------------------------------------------
+
+def test_setup_cfg_declares_the_entry_point():
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg")
+    lines = [s.strip() for s in cfg["options.entry_points"]["pytest11"].splitlines() if s.strip()]
+    assert lines == ["ipu_emulator = tools.pytest_plugin"]
+
+
+def test_the_plugin_changes_nothing_for_a_suite_that_does_not_use_it(pytester, monkeypatch):
+    pytester.makepyfile(test_plain='''
+        import os
+        def test_env_untouched():
+            assert os.environ.get("IPU_EMULATOR_SHM_TAG") == os.environ["OUTER_TAG"]
+        def test_no_fixture_added(request):
+            assert "ipu_machine" not in request.fixturenames
+        ''')
+    monkeypatch.setenv("OUTER_TAG", os.environ["IPU_EMULATOR_SHM_TAG"])
+    before = run_folders()
+    result = pytester.runpytest(*LOAD, *QUIET)
+    result.assert_outcomes(passed=2)
+    assert run_folders() == before
+    help_text = pytester.runpytest(*LOAD, "--help").stdout.str()
+    for option in ("--ipu-emulator-daemon", "--ipu-emulator-num-ipus",
+                   "--ipu-emulator-ipu-version", "ipu_emulator_wait_timeout"):
+        assert option in help_text
+
+
+# -- the README example --------------------------------------------------------------------
+
+def test_readme_example_in_process(pytester, tmp_path, monkeypatch):
+    monkeypatch.setenv("RECORD_DIR", str(tmp_path))
+    pytester.makepyfile(test_inference=readme_example(), test_record=RECORD_MACHINE)
+    result = pytester.runpytest(*LOAD, *QUIET)
+    result.assert_outcomes(passed=5, skipped=1)
+    result.stdout.fnmatch_lines(["*needs 64 IPUs (@pytest.mark.ipus(64)); the emulated "
+                                 "machine has 4*"])
+    assert_run_left_nothing(recorded(tmp_path))
+
+
+def test_readme_example_under_xdist(pytester, tmp_path, monkeypatch):
+    monkeypatch.setenv("RECORD_DIR", str(tmp_path))
+    pytester.makepyfile(test_inference=readme_example(), test_record=RECORD_MACHINE)
+    result = pytester.runpytest_subprocess(*LOAD, *QUIET, "-n", "2", "--dist", "each",
+                                           "--ipu-emulator-num-ipus", "2", timeout=240)
+    result.assert_outcomes(passed=10, skipped=2)
+    records = recorded(tmp_path)
+    assert len(records) == 2
+    assert records[0]["home"] == records[1]["home"], "xdist workers must share one machine"
+    assert records[0]["tag"] != records[1]["tag"], "each worker needs its own shm tag"
+    assert_run_left_nothing(records)
+
+
+# -- the leak check --------------------------------------------------------------------------
+
+LEAKY = '''
+import numpy as np
+import pytest
+from host_runtime import DeviceManager, ModelRunner, empty_shared
+from tools.generate_simple_popef import write_simple_popef
+
+KEEP = []
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return str(write_simple_popef(tmp_path_factory.mktemp("m") / "simple.popef"))
+
+def test_leaks_a_runner(ipu_machine, path):
+    KEEP.append(ModelRunner(path))
+
+def test_leaks_a_device(ipu_machine):
+    KEEP.append(DeviceManager().getDevice(1))
+
+def test_leaks_shared_memory(ipu_machine):
+    KEEP.append(empty_shared((1024,), np.float32))
+
+def test_then_all_is_clean(ipu_machine, model_runner, path):
+    import psutil
+    assert ipu_machine.shm_objects() == set()
+    assert [p for p in psutil.Process().children(recursive=True)
+            if "ipu_emulator" in p.cmdline()] == []
+    runner = model_runner(path)       # IPU 0 is free again
+    x = np.ones((1, 4), np.float32)
+    assert runner.execute({"tensor_A": x, "tensor_B": x})["tensor_C"].shape == (1, 4)
+
+def test_a_runner_of_the_fixture_is_closed(model_runner, path):
+    KEEP.append(model_runner(path))
+'''
+
+
+def test_a_leaking_test_fails_with_what_it_left_and_the_next_one_passes(pytester):
+    pytester.makepyfile(test_leaky=LEAKY)
+    result = pytester.runpytest(*LOAD, *QUIET, "--ipu-emulator-num-ipus", "1")
+    result.assert_outcomes(passed=5, errors=3)
+    out = result.stdout.str()
+    result.stdout.fnmatch_lines([
+        "*ERROR at teardown of test_leaks_a_runner*",
+        "*the test left emulated IPU resources behind (the ipu_emulator plugin has cleaned "
+        "them up):",
+        "*- ModelRunner <ModelRunner 'simple_model'*> still attached to device 0 (ipu 0) "
+        "(IPU process pid *); made at test_leaky.py:13 in test_leaks_a_runner "
+        "(KEEP.append(ModelRunner(path)))",
+    ])
+    result.stdout.fnmatch_lines([
+        "*ERROR at teardown of test_leaks_a_device*",
+        "*- device 0 (ipu 0) still attached (IPU process pid *); attached at test_leaky.py:16 "
+        "in test_leaks_a_device (KEEP.append(DeviceManager().getDevice(1)))",
+    ])
+    result.stdout.fnmatch_lines(["*ERROR at teardown of test_leaks_shared_memory*",
+                                 "*- 1 object(s) in /dev/shm: ipuemu_p*_hostmem"])
+    assert "ERROR at teardown of test_then_all_is_clean" not in out
+    assert "ERROR at teardown of test_a_runner_of_the_fixture_is_closed" not in out
+
+
+# -- the shared daemon -----------------------------------------------------------------------
+
+SHARED_DAEMON = '''
+import json, os, time
+import numpy as np
+from tools.generate_simple_popef import write_simple_popef
+
+BARRIER = {barrier!r}
+
+def wait_for(n):
+    deadline = time.monotonic() + 120
+    while len([f for f in os.listdir(BARRIER) if f.endswith(".json")]) < n:
+        assert time.monotonic() < deadline, "the other worker never came"
+        time.sleep(0.02)
+
+def test_both_workers_use_one_daemon(ipu_daemon, model_runner, tmp_path):
+    me = os.environ["PYTEST_XDIST_WORKER"]
+    with open(os.path.join(BARRIER, me + ".json"), "w") as f:
+        json.dump({{"daemon": ipu_daemon.pid, "socket": ipu_daemon.socket}}, f)
+    wait_for(2)                      # both workers hold the daemon at once
+    assert os.environ["IPU_EMULATOR_DAEMON"] == ipu_daemon.socket
+    runner = model_runner(str(write_simple_popef(tmp_path / "simple.popef")))
+    x = np.ones((1, 4), np.float32)
+    assert runner.execute({{"tensor_A": x, "tensor_B": x}})["tensor_C"].shape == (1, 4)
+    holders = [ipu["holder"] for ipu in ipu_daemon.status()["ipus"]]
+    assert os.getpid() in holders    # the runner's IPU is the daemon's
+'''
+
+
+def test_one_daemon_is_shared_by_two_workers_and_gone_at_the_end(pytester, tmp_path):
+    pytester.makepyfile(test_daemon=SHARED_DAEMON.format(barrier=str(tmp_path)))
+    result = pytester.runpytest_subprocess(*LOAD, *QUIET, "-n", "2", "--dist", "each",
+                                           "--ipu-emulator-num-ipus", "2", timeout=240)
+    result.assert_outcomes(passed=2)
+    seen = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("*.json"))]
+    assert len(seen) == 2
+    assert seen[0] == seen[1], f"the workers used different daemons: {seen}"
+    pid = seen[0]["daemon"]
+    gone = not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert gone, f"the daemon (pid {pid}) still runs after the test run"
+    assert not os.path.exists(seen[0]["socket"])
+    assert not os.path.exists(os.path.dirname(seen[0]["socket"])), "the run's home is left"
+
+
+# -- the ipus marker -------------------------------------------------------------------------
+
+HOLD_AND_WAIT = '''
+import os, time
+import numpy as np
+import pytest
+from host_runtime import DeviceManager
+from tools.generate_simple_popef import write_simple_popef
+
+BARRIER = {barrier!r}
+
+def signal(name):
+    open(os.path.join(BARRIER, name), "w").close()
+
+def wait_for(name):
+    deadline = time.monotonic() + 120
+    while not os.path.exists(os.path.join(BARRIER, name)):
+        assert time.monotonic() < deadline, f"never saw {{name}}"
+        time.sleep(0.02)
+
+@pytest.mark.ipus(1)
+def test_take_turns(ipu_machine, model_runner, tmp_path):
+    path = str(write_simple_popef(tmp_path / "simple.popef"))
+    if os.environ["PYTEST_XDIST_WORKER"] == "gw0":
+        device = DeviceManager().getDevice(1)        # the machine's only IPU
+        signal("held")
+        wait_for("ready")
+        signal("releasing")
+        device.close()
+    else:
+        wait_for("held")
+        signal("ready")
+        runner = model_runner(path)                  # waits for gw0's IPU
+        assert os.path.exists(os.path.join(BARRIER, "releasing"))
+        x = np.ones((1, 4), np.float32)
+        assert runner.execute({{"tensor_A": x, "tensor_B": x}})["tensor_C"].shape == (1, 4)
+'''
+
+
+def test_ipus_marker_waits_for_an_ipu_another_worker_holds(pytester, tmp_path):
+    pytester.makepyfile(test_turns=HOLD_AND_WAIT.format(barrier=str(tmp_path)))
+    result = pytester.runpytest_subprocess(*LOAD, *QUIET, "-n", "2", "--dist", "each",
+                                           "--ipu-emulator-num-ipus", "1", timeout=240)
+    result.assert_outcomes(passed=2)
+
+
+TIMEOUT_FROM_INI = '''
+import pytest
+from host_runtime import DeviceManager, DeviceUnavailableError, ModelRunner
+from tools.generate_simple_popef import write_simple_popef
+
+@pytest.fixture
+def held(ipu_machine):
+    device = DeviceManager().getDevice(1)     # a second attach in this process conflicts
+    yield device
+    device.close()
+
+@pytest.mark.ipus(1)
+def test_marked_waits_for_the_ini_timeout(held, tmp_path):
+    path = str(write_simple_popef(tmp_path / "simple.popef"))
+    with pytest.raises(DeviceUnavailableError,
+                       match=r"WAIT_WITH_TIMEOUT \\(waited 0\\.\\d s, \\d+ attempts\\); busy: ipu 0"):
+        ModelRunner(path)
+
+def test_unmarked_keeps_no_wait(held, tmp_path):
+    path = str(write_simple_popef(tmp_path / "simple.popef"))
+    with pytest.raises(DeviceUnavailableError, match="with NO_WAIT; busy: ipu 0"):
+        ModelRunner(path)
+
+@pytest.mark.ipus(2)
+def test_skipped_on_a_one_ipu_machine():
+    raise AssertionError("should be skipped")
+'''
+
+
+def test_ipus_marker_waits_for_the_ini_timeout_and_skips_on_too_small_a_machine(pytester):
+    pytester.makeini("[pytest]\nipu_emulator_num_ipus = 1\nipu_emulator_wait_timeout = 0.3\n")
+    pytester.makepyfile(test_timeout=TIMEOUT_FROM_INI)
+    result = pytester.runpytest(*LOAD, *QUIET)
+    result.assert_outcomes(passed=2, skipped=1)
+    result.stdout.fnmatch_lines(["*needs 2 IPUs (@pytest.mark.ipus(2)); the emulated machine "
+                                 "has 1*"])
+
+
+# -- beyond one machine ----------------------------------------------------------------------
+
+ON_ITS_MACHINE = '''
+import os
+import numpy as np
+from ipu_emulator import daemon_protocol as wire
+from tools.generate_simple_popef import write_simple_popef
+
+def held(socket):
+    return [i["ipu"] for i in wire.request(socket, {{"op": "status"}})["ipus"]
+            if i["holder"] == os.getpid()]
+
+def test_attaches_only_its_machines_ipus(ipu_machine, ipu_daemon, model_runner, tmp_path):
+    assert ipu_machine.daemon == ipu_daemon.socket == {mine!r}
+    runner = model_runner(str(write_simple_popef(tmp_path / "simple.popef")))
+    x = np.ones((1, 4), np.float32)
+    assert runner.execute({{"tensor_A": x, "tensor_B": x}})["tensor_C"].shape == (1, 4)
+    assert held({mine!r}) == [0]
+    assert held({other!r}) == []
+'''
+
+
+def test_two_machines_do_not_see_each_other(pytester, tmp_path, monkeypatch):
+    """Two "machines" on this host (two homes, tags and daemons): a suite pointed at one,
+    by option or by IPU_EMULATOR_DAEMON, attaches that one's IPUs only."""
+    a = DaemonRig(tmp_path / "a", num_ipus=1)
+    b = DaemonRig(tmp_path / "b", num_ipus=1)
+    try:
+        pytester.makepyfile(test_a=ON_ITS_MACHINE.format(mine=a.socket, other=b.socket))
+        result = pytester.runpytest_subprocess(*LOAD, *QUIET, f"--ipu-emulator-daemon={a.socket}",
+                                               timeout=240)
+        result.assert_outcomes(passed=1)
+        (pytester.path / "test_a.py").unlink()
+        pytester.makepyfile(test_b=ON_ITS_MACHINE.format(mine=b.socket, other=a.socket))
+        monkeypatch.setenv("IPU_EMULATOR_DAEMON", b.socket)
+        result = pytester.runpytest_subprocess(*LOAD, *QUIET, timeout=240)
+        result.assert_outcomes(passed=1)
+        for rig in (a, b):
+            assert [i["holder"] for i in rig.status()["ipus"]] == [None]
+            assert [i["hosts_served"] for i in rig.status()["ipus"]] == [1]
+    finally:
+        a.stop()
+        b.stop()
