@@ -206,9 +206,7 @@ def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
     if not _uses_plugin(item):
         return (yield)
     needed = _needed_ipus(item)
-    guard = LeakGuard()
-    item.stash[_GUARD] = guard
-    guard.start()
+    guard = item.stash[_GUARD] = LeakGuard()
     if needed is not None:
         from host_runtime import config as runtime_config
 
@@ -217,10 +215,12 @@ def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
         wc = wait_config(item.config)
         mp.setattr(runtime_config, "_default_wait_config", lambda: wc)
     result = yield
+    # From here on: what the fixtures made is theirs (a module's runner lives on to the
+    # next test); what the test makes must be gone once its fixtures are torn down.
     machine: IpuMachine | None = item.funcargs.get("ipu_machine") \
         if hasattr(item, "funcargs") else None
+    guard.start(None if machine is None else machine.shm_tag)
     if machine is not None:
-        guard.snapshot(machine.shm_tag)
         if needed is not None and needed > machine.num_ipus:
             pytest.skip(f"needs {needed} IPUs (@pytest.mark.ipus({needed})); the emulated "
                         f"machine has {machine.num_ipus} (--ipu-emulator-num-ipus)")
@@ -344,7 +344,6 @@ def model_runner(ipu_machine: IpuMachine, compile_onnx: Callable[..., str],
     """``model_runner(path_or_model, config=None, **config_fields)`` -> a ``ModelRunner``,
     closed at teardown. Unless told otherwise it waits for its IPUs
     (``ipu_emulator_wait_timeout``)."""
-    from host_runtime import popef
     from host_runtime.config import ModelRunnerConfig
     from host_runtime.devices import DeviceWaitConfig
     from host_runtime.model_runner import ModelRunner
@@ -357,8 +356,9 @@ def model_runner(ipu_machine: IpuMachine, compile_onnx: Callable[..., str],
         if isinstance(source, (str, os.PathLike)):
             if not _is_popef_file(os.fspath(source)):
                 source = compile_onnx(source)
-        elif not isinstance(source, (popef.Model, list, tuple)):
-            source = compile_onnx(source)   # an onnx.ModelProto (or a clear TypeError)
+        elif type(source).__module__.split(".")[0] == "onnx":
+            source = compile_onnx(source)   # an onnx.ModelProto
+        # else PopefPaths, a list of paths or a popef.Model: ModelRunner's to check
         cfg = ModelRunnerConfig() if config is None else config.copy()
         for key, value in config_fields.items():
             setattr(cfg, key, value)

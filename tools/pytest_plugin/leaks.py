@@ -97,8 +97,8 @@ def _ipu_processes() -> dict[int, str]:
 
 
 class LeakGuard:
-    """One test's leak check. ``start()`` before the fixtures, ``snapshot(tag)`` after them,
-    ``finish()`` after their teardown (returns the report, '' when clean)."""
+    """One test's leak check: ``start(tag)`` once its fixtures are set up, ``finish()`` once
+    they are torn down (returns the report, '' when clean)."""
 
     def __init__(self) -> None:
         self._made: list[_Made] = []
@@ -109,12 +109,15 @@ class LeakGuard:
         self._procs_before: set[int] = set()
 
     # -- recording -------------------------------------------------------------------------
-    def start(self) -> None:
-        """Record runners and devices made from now on (patches their constructors)."""
+    def start(self, tag: str | None) -> None:
+        """Record runners and devices made from now on (patches their constructors), and
+        the IPU processes and /dev/shm objects of ``tag`` there are now."""
         from host_runtime.devices import Device
         from host_runtime.model_runner import ModelRunner
 
         self._procs_before = set(_ipu_processes())
+        self._tag = tag
+        self._shm_before = set() if tag is None else shm_entries(tag)
         mp = self._patches = pytest.MonkeyPatch()
         mp.setattr(ModelRunner, "__init__", self._wrap(ModelRunner.__init__, "runner"))
         mp.setattr(Device, "__init__", self._wrap(Device.__init__, "device"))
@@ -143,11 +146,6 @@ class LeakGuard:
             if m.ref() is obj:
                 m.where = where
 
-    def snapshot(self, tag: str) -> None:
-        """The state the test starts from, once the session's machine is set up."""
-        self._tag = tag
-        self._shm_before = shm_entries(tag)
-
     # -- the check ---------------------------------------------------------------------------
     def finish(self) -> str:
         """Undo the patches; name what the test left and clean it up; '' when nothing."""
@@ -155,8 +153,11 @@ class LeakGuard:
             self._patches.undo()
             self._patches = None
         lines: list[str] = []
-        leaked_devices = [(m, m.ref()) for m in self._made if m.kind == "device"]
-        leaked_devices = [(m, d) for m, d in leaked_devices if d is not None and d.isAttached()]
+        leaked_devices: list[tuple[_Made, Any]] = []
+        for m in self._made:
+            dev = m.ref() if m.kind == "device" else None
+            if dev is not None and dev.isAttached():
+                leaked_devices.append((m, dev))
         by_owner: dict[int, list[Any]] = {}
         runners: dict[int, Any] = {}
         where_runner = {id(m.ref()): m.where for m in self._made if m.kind == "runner"}
