@@ -182,15 +182,17 @@ def _uses_plugin(item: pytest.Item) -> bool:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """A test marked ``ipus`` gets the machine even if it does not ask for it."""
+    """A test marked ``ipus`` gets the machine even if it does not ask for it, and the check
+    of its size before the test's own function-scoped fixtures."""
     for item in items:
         names = getattr(item, "fixturenames", None)
-        if item.get_closest_marker("ipus") is not None and isinstance(names, list) \
-                and "ipu_machine" not in names:
-            names.insert(0, "ipu_machine")
+        if item.get_closest_marker("ipus") is not None and isinstance(names, list):
+            for k, name in enumerate(("ipu_machine", "_ipu_emulator_enough_ipus")):
+                if name not in names:
+                    names.insert(k, name)
 
 
-def _needed_ipus(item: pytest.Item) -> int | None:
+def _needed_ipus(item: Any) -> int | None:
     marker = item.get_closest_marker("ipus")
     if marker is None:
         return None
@@ -220,10 +222,6 @@ def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
     machine: IpuMachine | None = item.funcargs.get("ipu_machine") \
         if hasattr(item, "funcargs") else None
     guard.start(None if machine is None else machine.shm_tag)
-    if machine is not None:
-        if needed is not None and needed > machine.num_ipus:
-            pytest.skip(f"needs {needed} IPUs (@pytest.mark.ipus({needed})); the emulated "
-                        f"machine has {machine.num_ipus} (--ipu-emulator-num-ipus)")
     return result
 
 
@@ -244,6 +242,15 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 
 # -- fixtures ----------------------------------------------------------------------------------
+
+@pytest.fixture
+def _ipu_emulator_enough_ipus(ipu_machine: IpuMachine, request: pytest.FixtureRequest) -> None:
+    """Skip a test marked ``ipus(n)`` when the machine has fewer than n IPUs."""
+    needed = _needed_ipus(request.node)
+    if needed is not None and needed > ipu_machine.num_ipus:
+        pytest.skip(f"needs {needed} IPUs (@pytest.mark.ipus({needed})); the emulated "
+                    f"machine has {ipu_machine.num_ipus} (--ipu-emulator-num-ipus)")
+
 
 @pytest.fixture(scope="session")
 def ipu_machine(pytestconfig: pytest.Config) -> Iterator[IpuMachine]:
