@@ -156,11 +156,16 @@ def test_leaks_a_device(ipu_machine):
 def test_leaks_shared_memory(ipu_machine):
     KEEP.append(empty_shared((1024,), np.float32))
 
+def test_leaks_an_ipu_process(ipu_machine):
+    from ipu_emulator.launcher import IpuSpec, launch_ipu
+    KEEP.append(launch_ipu(IpuSpec(ipu_id=-1, ipu_version=21, tiles_per_ipu=4,
+                                   memory_per_tile=1 << 20, label="stray IPU")))
+
 def test_then_all_is_clean(ipu_machine, model_runner, path):
     import psutil
     assert ipu_machine.shm_objects() == set()
     assert [p for p in psutil.Process().children(recursive=True)
-            if "ipu_emulator" in p.cmdline()] == []
+            if p.status() != psutil.STATUS_ZOMBIE and "ipu_emulator" in p.cmdline()] == []
     runner = model_runner(path)       # IPU 0 is free again
     x = np.ones((1, 4), np.float32)
     assert runner.execute({"tensor_A": x, "tensor_B": x})["tensor_C"].shape == (1, 4)
@@ -173,7 +178,7 @@ def test_a_runner_of_the_fixture_is_closed(model_runner, path):
 def test_a_leaking_test_fails_with_what_it_left_and_the_next_one_passes(pytester):
     pytester.makepyfile(test_leaky=LEAKY)
     result = pytester.runpytest(*LOAD, *QUIET, "--ipu-emulator-num-ipus", "1")
-    result.assert_outcomes(passed=5, errors=3)
+    result.assert_outcomes(passed=6, errors=4)
     out = result.stdout.str()
     result.stdout.fnmatch_lines([
         "*ERROR at teardown of test_leaks_a_runner*",
@@ -190,6 +195,10 @@ def test_a_leaking_test_fails_with_what_it_left_and_the_next_one_passes(pytester
     ])
     result.stdout.fnmatch_lines(["*ERROR at teardown of test_leaks_shared_memory*",
                                  "*- 1 object(s) in /dev/shm: ipuemu_p*_hostmem"])
+    result.stdout.fnmatch_lines(["*ERROR at teardown of test_leaks_an_ipu_process*",
+                                 "*- IPU process(es) still running: pid * (stray IPU)",
+                                 "*- 6 object(s) in /dev/shm: ipuemu_p*_ctl, ipuemu_p*_evt, "
+                                 "sem.ipuemu_p*_ctl.free, *"])
     assert "ERROR at teardown of test_then_all_is_clean" not in out
     assert "ERROR at teardown of test_a_runner_of_the_fixture_is_closed" not in out
 

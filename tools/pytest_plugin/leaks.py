@@ -38,6 +38,7 @@ _SKIP = tuple(os.sep + p + os.sep for p in ("host_runtime", "ipu_emulator", "shm
                                              "pytest", "pluggy", "pytest_plugin", "xdist",
                                              "execnet"))
 _MAX_FRAMES = 3
+_EXIT_GRACE = 5.0   # seconds an IPU process of a closed device may take to exit
 
 
 def creation_summary(skip: int = 1) -> str:
@@ -183,6 +184,8 @@ class LeakGuard:
         for _, dev in leaked_devices:
             _quietly(dev.close)
         procs = {p: label for p, label in _ipu_processes().items() if p not in self._procs_before}
+        if procs:   # a closed device's IPU process may still be on its way out
+            procs = {p: procs[p] for p in _still_running(list(procs), _EXIT_GRACE)}
         if procs:
             lines.append("IPU process(es) still running: " + ", ".join(
                 f"pid {p} ({label})" for p, label in sorted(procs.items())))
@@ -215,6 +218,26 @@ def _quietly(fn: Callable[[], Any]) -> None:
         fn()
     except Exception:
         pass
+
+
+def _still_running(pids: list[int], timeout: float) -> list[int]:
+    import psutil
+
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    running = []
+    for p in alive:
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                running.append(p.pid)
+        except psutil.Error:
+            pass
+    return running
 
 
 def _stop_processes(pids: list[int]) -> None:
