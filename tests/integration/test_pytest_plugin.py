@@ -133,6 +133,55 @@ def test_readme_example_under_xdist(pytester, tmp_path, monkeypatch):
     assert_run_left_nothing(records)
 
 
+# -- options -----------------------------------------------------------------------------
+
+OPTIONS = '''
+import numpy as np
+from onnx import TensorProto, helper
+from host_runtime import DeviceManager
+
+def double(name):
+    """y = x + x"""
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "x"], ["y"])], name,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+def test_the_machine_follows_the_options(ipu_machine):
+    assert (ipu_machine.num_ipus, ipu_machine.ipu_version) == (2, "ipu2")
+    assert DeviceManager().ipuHardwareVersion() == 2
+    assert DeviceManager().system.num_ipus == 2
+
+def test_compile_onnx_is_keyed_by_model_and_options(compile_onnx, model_runner, tmp_path):
+    import onnx
+    first = compile_onnx(double("a"))
+    assert compile_onnx(double("a")) == first
+    assert compile_onnx(double("b")) != first
+    assert compile_onnx(double("a"), batches_per_step=2) != first
+    onnx.save(double("a"), str(tmp_path / "a.onnx"))
+    runner = model_runner(str(tmp_path / "a.onnx"))      # an ONNX path: compiled for ipu2
+    np.testing.assert_array_equal(runner.execute({"x": np.array([1, 2], np.float32)})["y"],
+                                  [2, 4])
+'''
+
+
+def test_options_set_the_machine_and_compile_onnx_caches_by_content(pytester):
+    pytester.makepyfile(test_options=OPTIONS)
+    result = pytester.runpytest(*LOAD, *QUIET, "--ipu-emulator-num-ipus=2",
+                                "--ipu-emulator-ipu-version=ipu2")
+    result.assert_outcomes(passed=2)
+
+
+def test_a_daemon_option_that_names_no_daemon_says_so(pytester, tmp_path):
+    pytester.makepyfile(test_x="def test_x(ipu_machine):\n    pass\n")
+    result = pytester.runpytest(*LOAD, *QUIET, f"--ipu-emulator-daemon={tmp_path}/none.sock")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines([f"*no IPU emulator daemon answers at {tmp_path}/none.sock "
+                                 "(--ipu-emulator-daemon / ipu_emulator_daemon / "
+                                 "IPU_EMULATOR_DAEMON)*"])
+
+
 # -- the leak check --------------------------------------------------------------------------
 
 LEAKY = '''
