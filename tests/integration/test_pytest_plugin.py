@@ -54,11 +54,6 @@ def readme_example() -> str:
     return match.group(1)
 
 
-def run_folders() -> set[str]:
-    return {n for n in os.listdir(os.environ.get("TMPDIR", "/tmp"))
-            if n.startswith(f"ipuemu-pytest-{os.getuid()}-")}
-
-
 RECORD_MACHINE = '''
 import json, os
 
@@ -96,12 +91,13 @@ def test_the_plugin_changes_nothing_for_a_suite_that_does_not_use_it(pytester, m
             assert os.environ.get("IPU_EMULATOR_SHM_TAG") == os.environ["OUTER_TAG"]
         def test_no_fixture_added(request):
             assert "ipu_machine" not in request.fixturenames
+        def test_no_folder_made(pytestconfig):
+            from tools.pytest_plugin import run_folder
+            assert not run_folder(pytestconfig).exists()
         ''')
     monkeypatch.setenv("OUTER_TAG", os.environ["IPU_EMULATOR_SHM_TAG"])
-    before = run_folders()
     result = pytester.runpytest(*LOAD, *QUIET)
-    result.assert_outcomes(passed=2)
-    assert run_folders() == before
+    result.assert_outcomes(passed=3)
     help_text = pytester.runpytest(*LOAD, "--help").stdout.str()
     for option in ("--ipu-emulator-daemon", "--ipu-emulator-num-ipus",
                    "--ipu-emulator-ipu-version", "ipu_emulator_wait_timeout"):

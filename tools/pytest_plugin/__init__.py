@@ -46,7 +46,7 @@ from tools.pytest_plugin.daemon import DaemonHandle
 from tools.pytest_plugin.leaks import LeakGuard, creation_summary
 from tools.pytest_plugin.machine import ENV_VARS, IpuMachine, RunFolder
 
-__all__ = ["IpuMachine", "DaemonHandle", "FIXTURES", "wait_config"]
+__all__ = ["IpuMachine", "DaemonHandle", "RunFolder", "FIXTURES", "wait_config", "run_folder"]
 
 FIXTURES = ("ipu_machine", "ipu_daemon", "model_runner", "compile_onnx")
 
@@ -118,6 +118,11 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     remove_shm_entries({o.entry for o in list_objects(all_tags=True)
                         if o.tag.startswith(f"p{run.token}")})
     run.remove()
+
+
+def run_folder(config: pytest.Config) -> RunFolder:
+    """The run's folder (made only when a fixture needs it; removed at the end of the run)."""
+    return config.stash[_RUN]
 
 
 # -- settings ----------------------------------------------------------------------------------
