@@ -130,9 +130,16 @@ def _start(home: str, env: dict[str, str], num_ipus: int, ipu_version: str) -> d
     log_path = os.path.join(log_dir, "daemon.log")
     argv = [sys.executable, "-m", "tools.cli", "daemon", "--socket", socket_path,
             "--num-ipus", str(num_ipus), "--ipu-version", ipu_version]
+    # The daemon runs the code this process runs (installed or not).
+    import tools
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(tools.__file__)))
+    env = dict(env, PYTHONPATH=os.pathsep.join(
+        p for p in (root, env.get("PYTHONPATH", "")) if p))
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                start_new_session=True, close_fds=True)
+        # cwd: the home, not the suite's folder, whose own "tools" package would shadow ours
+        proc = subprocess.Popen(argv, env=env, cwd=home, stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=log, start_new_session=True, close_fds=True)
     deadline = time.monotonic() + _START_TIMEOUT
     while _hello(socket_path, timeout=5.0) is None:
         if proc.poll() is not None or time.monotonic() > deadline:
