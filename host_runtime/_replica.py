@@ -277,7 +277,7 @@ class Replica(ReplicaTimers):
                 lost = err if isinstance(err, ModelRuntimeError) else DeviceLostError(str(err))
         if lost is not None:
             self._fail_everything(lost)
-        return lost
+        return lost  # type: ignore[no-any-return]
 
     def _reset(self) -> None:
         """auto_reset: restart the device (a new session on a fresh device) and reload."""

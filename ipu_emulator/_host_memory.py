@@ -22,6 +22,7 @@ import os
 from shm import Region, ShmError, naming
 
 from ipu_emulator.protocol import HOST_MEMORY, HOST_OUTPUT
+from ipu_emulator.errors import HostMemoryError
 
 __all__ = ["HostMemory", "HostMemoryError"]
 
@@ -35,10 +36,6 @@ _MAX_RESOLVED = 1024
 
 _Resolved = tuple[memoryview, tuple[tuple[str, memoryview], ...]]
 """An input's host memory, and (output handle, host memory) of each redirected output."""
-
-
-class HostMemoryError(Exception):
-    """A TAG_SHARED descriptor that cannot be resolved (the message says why)."""
 
 
 class HostMemory:

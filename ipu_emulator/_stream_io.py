@@ -221,7 +221,7 @@ class _RingIO:
                 pass
         got = self._dev.wait_on(ring.acquire_read)
         self._wait_est_ns = (7 * self._wait_est_ns + min(clock() - t0, 4 * _SPIN_NS)) >> 3
-        return got
+        return got  # type: ignore[no-any-return]
 
     def _poll(self, ready: Callable[[], Any]) -> bool:
         """Poll ``ready()`` for up to _SPIN_NS while recent waits were short (see

@@ -112,9 +112,9 @@ from . import _registry
 try:
     import shm._ringcore as _ringcore
 except ImportError:  # built without the C extension: the pure-Python path does it all
-    _ringcore = None  # type: ignore[assignment]
+    _ringcore = None
 if os.environ.get("IPU_EMULATOR_RING_C", "1") == "0":
-    _ringcore = None  # type: ignore[assignment]
+    _ringcore = None
 
 __all__ = ["Ring", "WAIT_SLICE"]
 

@@ -73,7 +73,8 @@ class HostProc:
     def result(self) -> dict[str, Any] | None:
         try:
             with open(self.result_path) as f:
-                return json.load(f)
+                data: dict[str, Any] = json.load(f)
+                return data
         except (OSError, ValueError):
             return None
 

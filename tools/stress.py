@@ -113,9 +113,9 @@ class _Scenario:
         that many makes runners wait for each other without."""
         o = self.opts
         if self.name != "daemon":
-            return o.hosts * o.replicas
-        return max(o.hosts * o.replicas // 2, o.hosts * o.threads * (o.replicas - 1) + 1,
-                   o.replicas)
+            return int(o.hosts * o.replicas)
+        return int(max(o.hosts * o.replicas // 2, o.hosts * o.threads * (o.replicas - 1) + 1,
+                   o.replicas))
 
     def run(self) -> ScenarioResult:
         t0 = time.monotonic()
