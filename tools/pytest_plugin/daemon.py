@@ -118,9 +118,10 @@ def _gone(pid: int) -> bool:
     import psutil
 
     try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        status: str = psutil.Process(pid).status()
     except psutil.NoSuchProcess:
         return True
+    return bool(status == psutil.STATUS_ZOMBIE)
 
 
 def _start(home: str, env: dict[str, str], num_ipus: int, ipu_version: str) -> dict[str, Any]:
