@@ -56,11 +56,13 @@ def readme_example() -> str:
 
 RECORD_MACHINE = '''
 import json, os
+from test_inference import scale_and_shift
 
-def test_record_machine(ipu_machine, tmp_path_factory):
+def test_record_machine(ipu_machine, compile_onnx):
     out = os.path.join(os.environ["RECORD_DIR"], os.environ.get("PYTEST_XDIST_WORKER", "main"))
     with open(out + ".json", "w") as f:
-        json.dump({"home": ipu_machine.home, "tag": ipu_machine.shm_tag}, f)
+        json.dump({"home": ipu_machine.home, "tag": ipu_machine.shm_tag,
+                   "popef": compile_onnx(scale_and_shift())}, f)
 '''
 
 
@@ -126,6 +128,7 @@ def test_readme_example_under_xdist(pytester, tmp_path, monkeypatch):
     assert len(records) == 2
     assert records[0]["home"] == records[1]["home"], "xdist workers must share one machine"
     assert records[0]["tag"] != records[1]["tag"], "each worker needs its own shm tag"
+    assert records[0]["popef"] == records[1]["popef"], "compile_onnx caches for the whole run"
     assert_run_left_nothing(records)
 
 
