@@ -16,6 +16,8 @@ import configparser
 import json
 import os
 import re
+import subprocess
+import sys
 from importlib import metadata
 from pathlib import Path
 
@@ -84,6 +86,34 @@ def test_setup_cfg_declares_the_entry_point():
     cfg.read(REPO / "setup.cfg")
     lines = [s.strip() for s in cfg["options.entry_points"]["pytest11"].splitlines() if s.strip()]
     assert lines == ["ipu_emulator = tools.pytest_plugin"]
+
+
+def test_the_declared_entry_point_loads_the_plugin(pytester, tmp_path, monkeypatch):
+    """Install setup.cfg's pytest11 entry point (a dist-info folder on the path) and run a
+    suite without -p: pytest loads the plugin by itself, and -p no:ipu_emulator turns it off."""
+    if _installed():
+        pytest.skip("the installed package already declares the entry point")
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg")
+    dist = tmp_path / "site" / "ipu_emulator_plugin_check-0.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: ipu-emulator-plugin-check\n"
+                                   "Version: 0.0\n")
+    (dist / "entry_points.txt").write_text(
+        "[pytest11]\n" + cfg["options.entry_points"]["pytest11"].strip() + "\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "site"),
+                                                      os.environ.get("PYTHONPATH", "")]))
+    pytester.makepyfile(test_ep="def test_machine(ipu_machine):\n"
+                                "    assert ipu_machine.num_ipus == 4\n")
+    pytester.runpytest_subprocess(*QUIET).assert_outcomes(passed=1)
+    result = pytester.runpytest_subprocess(*QUIET, "-p", "no:ipu_emulator")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*fixture 'ipu_machine' not found*"])
+    # this project's conftest does not register the plugin a second time
+    proc = subprocess.run([sys.executable, "-m", "pytest", *QUIET, "-n", "0",
+                           "tests/integration/test_model_runner.py::test_replication_two_replicas"],
+                          cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def test_the_plugin_changes_nothing_for_a_suite_that_does_not_use_it(pytester, monkeypatch):
