@@ -161,7 +161,8 @@ class LeakGuard:
                 leaked_devices.append((m, dev))
         by_owner: dict[int, list[Any]] = {}
         runners: dict[int, Any] = {}
-        where_runner = {id(m.ref()): m.where for m in self._made if m.kind == "runner"}
+        where_runner = {id(obj): m.where for m in self._made
+                        if m.kind == "runner" and (obj := m.ref()) is not None}
         bare = []
         for m, dev in leaked_devices:
             owner = m.owner() if m.owner is not None else None
