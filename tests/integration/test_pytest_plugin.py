@@ -253,22 +253,28 @@ def test_a_runner_of_the_fixture_is_closed(model_runner, path):
 '''
 
 
-def test_a_leaking_test_fails_with_what_it_left_and_the_next_one_passes(pytester):
+@pytest.mark.parametrize("workers", [0, 2], ids=["in-process", "xdist-n2"])
+def test_a_leaking_test_fails_with_what_it_left_and_the_next_one_passes(pytester, workers):
     pytester.makepyfile(test_leaky=LEAKY)
-    result = pytester.runpytest(*LOAD, *QUIET, "--ipu-emulator-num-ipus", "1")
+    if workers:   # a machine of 4 IPUs shared by the two workers
+        result = pytester.runpytest_subprocess(*LOAD, *QUIET, "-n", str(workers), timeout=240)
+        device = "device * (ipu *)"
+    else:         # the next test gets the one IPU the leaking tests held
+        result = pytester.runpytest(*LOAD, *QUIET, "--ipu-emulator-num-ipus", "1")
+        device = "device 0 (ipu 0)"
     result.assert_outcomes(passed=6, errors=4)
     out = result.stdout.str()
     result.stdout.fnmatch_lines([
         "*ERROR at teardown of test_leaks_a_runner*",
         "*the test left emulated IPU resources behind (the ipu_emulator plugin has cleaned "
         "them up):",
-        "*- ModelRunner <ModelRunner 'simple_model'*> still attached to device 0 (ipu 0) "
+        f"*- ModelRunner <ModelRunner 'simple_model'*> still attached to {device} "
         "(IPU process pid *); made at test_leaky.py:13 in test_leaks_a_runner "
         "(KEEP.append(ModelRunner(path)))",
     ])
     result.stdout.fnmatch_lines([
         "*ERROR at teardown of test_leaks_a_device*",
-        "*- device 0 (ipu 0) still attached (IPU process pid *); attached at test_leaky.py:16 "
+        f"*- {device} still attached (IPU process pid *); attached at test_leaky.py:16 "
         "in test_leaks_a_device (KEEP.append(DeviceManager().getDevice(1)))",
     ])
     result.stdout.fnmatch_lines(["*ERROR at teardown of test_leaks_shared_memory*",
