@@ -130,7 +130,7 @@ def test_the_plugin_changes_nothing_for_a_suite_that_does_not_use_it(pytester, m
     monkeypatch.setenv("OUTER_TAG", os.environ["IPU_EMULATOR_SHM_TAG"])
     result = pytester.runpytest(*LOAD, *QUIET)
     result.assert_outcomes(passed=3)
-    help_text = pytester.runpytest(*LOAD, "--help").stdout.str()
+    help_text = pytester.runpytest(*LOAD, "-p", "no:benchmark", "--help").stdout.str()
     for option in ("--ipu-emulator-daemon", "--ipu-emulator-num-ipus",
                    "--ipu-emulator-ipu-version", "ipu_emulator_wait_timeout"):
         assert option in help_text
