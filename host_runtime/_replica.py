@@ -94,7 +94,7 @@ class ReplicaSetup:
     """What the runner tells each replica (built once per ModelRunner)."""
 
     replica_id: int
-    inputs: dict[str, TensorSpec]           # direct Main inputs the runner writes (incl. frozen)
+    inputs: dict[str, TensorSpec]           # direct Main inputs (incl. frozen), in Main read order
     outputs: dict[str, TensorSpec]          # Main outputs
     frozen_main: dict[str, np.ndarray]      # frozen Main inputs, typed, model shape
     dynamic: bool

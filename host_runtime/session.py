@@ -134,6 +134,11 @@ CallbackFactory = Callable[[CallbackInfo], "CallbackHandle | None"]
 class Session(FastPath):
     """Links a model to a device: loads it, runs its programs, services its streams."""
 
+    ProgIdxType = int
+    """The index of a program of the executable (C++ ``popef::ProgramFlow::ProgramIndexType``)."""
+    ProgramsAndAnchorsMap = dict[int, list[popef.Anchor]]
+    """Program index -> its anchors (what ``anchorsNotConnectedToCallbacks`` returns)."""
+
     def __init__(self, model: popef.Model | str | Sequence[str],
                  config: SessionConfig | None = None) -> None:
         self._config = config if config is not None else SessionConfig()
@@ -271,14 +276,19 @@ class Session(FastPath):
     def setUserInputHandler(self, factory: CallbackFactory,
                             anchor_callback_predicate: AnchorCallbackPredicate | None = None,
                             skip_connected: bool = False) -> None:
-        """Call ``factory`` for each user input anchor; bind what the predicate allows."""
-        self._streams.set_handler(self.getUserInputAnchors(), factory, anchor_callback_predicate,
+        """Call ``factory`` once per input anchor, those fed from PopEF data included (seed
+        002); then the predicate decides: BIND_USER_CB binds what the factory returned (None
+        keeps the anchor's callback, PopEF data included), BIND_EMPTY_CB an empty callback,
+        SKIP_CB nothing. ``skip_connected``: skip anchors that have a callback (or data).
+        Anchors a QueueManager or ModelRunner services directly are skipped."""
+        self._streams.set_handler(self.getInputAnchors(), factory, anchor_callback_predicate,
                                   skip_connected, CallbackInfo)
 
     def setUserOutputHandler(self, factory: CallbackFactory,
                              anchor_callback_predicate: AnchorCallbackPredicate | None = None,
                              skip_connected: bool = False) -> None:
-        """Call ``factory`` for each output anchor; bind what the predicate allows."""
+        """Call ``factory`` once per output anchor; the predicate decides what is bound (as
+        ``setUserInputHandler``)."""
         self._streams.set_handler(self.getUserOutputAnchors(), factory,
                                   anchor_callback_predicate, skip_connected, CallbackInfo)
 

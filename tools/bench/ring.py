@@ -29,7 +29,7 @@ import numpy as np
 import posix_ipc
 
 from shm import Ring, naming
-from shm import _peers
+from tools.bench import peers as _peers
 
 DESCRIPTION = "shm ring latency and bandwidth vs Pipe, semaphores, numpy"
 

@@ -134,8 +134,15 @@ class IpuMachine:
         env = os.environ if environ is None else environ
         system = load_system_config(env)
         tag = env.get("IPU_EMULATOR_SHM_TAG") or current_tag()
-        return cls(home=system.home, shm_tag=tag, num_ipus=system.num_ipus,
-                   ipu_version=system.ipu_version, daemon=env.get("IPU_EMULATOR_DAEMON") or None)
+        daemon = env.get("IPU_EMULATOR_DAEMON") or None
+        num_ipus, version = system.num_ipus, system.ipu_version
+        if daemon:   # the machine is the daemon's pool
+            from tools.pytest_plugin.daemon import connect_existing
+
+            _, pool = connect_existing(daemon)
+            num_ipus, version = int(pool["num_ipus"]), str(pool["ipu_version"])
+        return cls(home=system.home, shm_tag=tag, num_ipus=num_ipus, ipu_version=version,
+                   daemon=daemon)
 
     def environ(self) -> dict[str, str]:
         """The variables that put a process on this machine (for ``subprocess`` env)."""
