@@ -39,6 +39,7 @@ from ipu_emulator.system import (IpuLocks, SystemConfig, SystemConfigError, devi
 
 if TYPE_CHECKING:
     from host_runtime._device_link import DeviceLink
+    from host_runtime._ipu_group import GroupLink
     from host_runtime.session import Session
 
 __all__ = [
@@ -185,7 +186,7 @@ class Device:
     def __init__(self, *, device_id: int, ipus: tuple[int, ...], ipu_version: int,
                  tiles_per_ipu: int, memory_per_tile: int, processes: list[IpuConnection],
                  locks: IpuLocks | DaemonAttachment | None, is_ipu_model: bool = False) -> None:
-        from host_runtime._device_link import DeviceLink
+        from host_runtime._ipu_group import make_link
 
         self._id = device_id
         self._ipus = ipus
@@ -200,7 +201,7 @@ class Device:
         self._lock = threading.RLock()
         self._active: "Session | None" = None
         self._sessions: "weakref.WeakSet[Session]" = weakref.WeakSet()
-        self._link: DeviceLink = DeviceLink(self.describe(), processes)
+        self._link: "DeviceLink | GroupLink" = make_link(self.describe(), processes)
         _live_devices.add(self)
 
     # -- the seed's API -----------------------------------------------------------------

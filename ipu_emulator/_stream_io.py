@@ -101,6 +101,9 @@ class _RingIO:
         self._scratch_bufs: dict[str, bytearray] = {}
         self._redirect: dict[str, memoryview] = {}   # output handle -> host memory (this iteration)
         self._resolved = dev.host_memory.resolved     # descriptor bytes -> resolved (a cache)
+        streams = loaded.interp.executable.streams if loaded.interp is not None else {}
+        dev.host_memory.set_writes(frozenset(h for h, s in streams.items()
+                                             if s.direction == "out"))
         self._lent_host: set[str] = set()             # outputs lent as host memory, not published
         control = getattr(dev, "control", None)   # C runs of Main stop when it has a message
         self._watch = getattr(control, "_core", None)
