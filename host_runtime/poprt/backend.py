@@ -238,7 +238,7 @@ class IpuBackendRep(BackendRep):
             if a.dtype != dtype and self._precision == "fp16" and a.dtype == np.float32 \
                     and dtype == np.float16:
                 a = a.astype(np.float16)
-            typed[n] = np.ascontiguousarray(a)
+            typed[n] = a if a.flags.c_contiguous else a.copy(order="C")   # keeps 0-d
         result = compiled.runner.execute(typed)
         outs = []
         for name in self._outputs:
