@@ -16,8 +16,11 @@ executes it and returns the outputs in graph-output order.
 
 Start-up cost: every ``BackendRep`` of a process loads onto the same attached
 IPU (one IPU process, kept between models: ``ModelRunnerConfig.
-replica_to_device``); a model's executable is unloaded when its rep is closed
-or collected. ``release_device()`` detaches it (also done at exit).
+replica_to_device``). One model's runner holds the IPU at a time: running
+another rep unloads it (its compiled PopEF stays in memory and reloads in a
+few ms), and runs of the process are serialised. A rep's executable is
+unloaded when the rep is closed or collected; ``release_device()`` detaches
+the IPU (also done at exit).
 
 Options of ``prepare`` (keyword arguments):
 
@@ -46,7 +49,7 @@ import onnx
 from onnx.backend.base import Backend, BackendRep, Device, DeviceType
 
 __all__ = ["IpuBackend", "IpuBackendRep", "prepare", "run_model", "run_node", "supports_device",
-           "release_device"]
+           "holds_device", "release_device"]
 
 _log = logging.getLogger(__name__)
 
@@ -61,17 +64,23 @@ _ONNX_NUMPY = {
 
 
 class _SharedDevice:
-    """One attached emulated IPU that every rep of this process loads onto."""
+    """One attached emulated IPU that every rep of this process loads onto.
+
+    A ModelRunner keeps its session's main loop running on the IPU, so one runner
+    holds the IPU at a time: ``run`` of another compiled model closes the holder's
+    runner (its compiled PopEF model stays in memory, and is loaded again, in a few
+    ms, when it runs next). Runs are serialised by the lock."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self.lock = threading.RLock()
         self._device: Any = None
+        self._holder: Optional["_Compiled"] = None
         self._registered = False
 
     def get(self) -> Any:
         from host_runtime.devices import DeviceManager
 
-        with self._lock:
+        with self.lock:
             dev = self._device
             if dev is not None and (not dev.isAttached() or dev._link.lost is not None):
                 _log.warning("the backend's IPU %s was lost; attaching another", dev.describe())
@@ -85,11 +94,35 @@ class _SharedDevice:
                     self._registered = True
             return dev
 
+    def runner_of(self, compiled: "_Compiled") -> Any:
+        """``compiled``'s ModelRunner, loaded on the IPU (the caller holds ``lock``)."""
+        device = self.get()
+        holder = self._holder
+        if holder is not None and holder is not compiled:
+            self._holder = None
+            holder.unload()
+        if compiled.runner is None:
+            compiled.load(device)
+        self._holder = compiled
+        return compiled.runner
+
+    def forget(self, compiled: "_Compiled") -> None:
+        with self.lock:
+            if self._holder is compiled:
+                self._holder = None
+            compiled.unload()
+
+    def held(self) -> bool:
+        return self._device is not None
+
     def release(self) -> None:
-        with self._lock:
+        with self.lock:
             self._close_locked()
 
     def _close_locked(self) -> None:
+        holder, self._holder = self._holder, None
+        if holder is not None:
+            holder.unload()
         dev, self._device = self._device, None
         if dev is not None:
             try:
@@ -99,6 +132,11 @@ class _SharedDevice:
 
 
 _shared = _SharedDevice()
+
+
+def holds_device() -> bool:
+    """Whether the backend keeps an IPU attached now."""
+    return _shared.held()
 
 
 def release_device() -> None:
@@ -124,33 +162,43 @@ def _static_dims(vi: onnx.ValueInfoProto) -> Optional[list[int]]:
 
 
 class _Compiled:
-    """One compiled shape signature of a rep: its ModelRunner and anchor dtypes."""
+    """One compiled shape signature of a rep: its PopEF model, and its ModelRunner while
+    it holds the IPU."""
 
     def __init__(self, model: onnx.ModelProto, shapes: dict[str, list[int]], precision: str,
                  ipu_version: Optional[str], label: str) -> None:
-        from host_runtime.config import ModelRunnerConfig
-        from host_runtime.model_runner import ModelRunner
         from host_runtime.popef import ModelBuilder, Reader
         from host_runtime.poprt.compiler import write_popef
         from ipu_emulator.compiler import CompileOptions, ModelSpec, compile_onnx
+        from ipu_emulator.executable import numpy_dtype
 
-        device = _shared.get()
-        version = ipu_version or f"ipu{device.ipuVersion()}"
+        version = ipu_version or f"ipu{_shared.get().ipuVersion()}"
         result = compile_onnx(ModelSpec(model, shapes, precision),
                               CompileOptions(name=label[:128] or "model", ipu_version=version))
         buf = io.BytesIO()
         write_popef(result, buf)
         reader = Reader()
         reader.parseStream(buf.getvalue(), name=f"<{label}>")
-        popef_model = ModelBuilder(reader).createModel()
+        self.popef_model = ModelBuilder(reader).createModel()
+        self.runner: Any = None
+        self.inputs = {a.name: (np.dtype(numpy_dtype(a.dtype)), tuple(a.shape))
+                       for a in result.anchors if a.kind == "input"}
+
+    def load(self, device: Any) -> None:
+        from host_runtime.config import ModelRunnerConfig
+        from host_runtime.model_runner import ModelRunner
+
         cfg = ModelRunnerConfig()
-        cfg.replica_to_device = {0: device}
-        self.runner = ModelRunner(popef_model, cfg)
-        self.inputs = {d.name: (np.dtype(d.numpy_data_type()), tuple(d.shape))
-                       for d in self.runner.getExecuteInputs()}
+        cfg.replica_to_device = {0: device}     # the runner binds to it and leaves it attached
+        self.runner = ModelRunner(self.popef_model, cfg)
+
+    def unload(self) -> None:
+        runner, self.runner = self.runner, None
+        if runner is not None:
+            runner.close()
 
     def close(self) -> None:
-        self.runner.close()
+        _shared.forget(self)
 
 
 class IpuBackendRep(BackendRep):
@@ -239,7 +287,8 @@ class IpuBackendRep(BackendRep):
                     and dtype == np.float16:
                 a = a.astype(np.float16)
             typed[n] = a if a.flags.c_contiguous else a.copy(order="C")   # keeps 0-d
-        result = compiled.runner.execute(typed)
+        with _shared.lock:
+            result = _shared.runner_of(compiled).execute(typed)
         outs = []
         for name in self._outputs:
             arr = np.asarray(result[name])

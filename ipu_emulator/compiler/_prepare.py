@@ -265,8 +265,12 @@ def _outputs(model: onnx.ModelProto, label: str, inputs: list[Value],
             try:
                 runs.append(sess.run(None, feeds))  # type: ignore[attr-defined]
             except Exception as exc:
-                raise CompileError(f"model {label!r}: cannot determine output shapes: "
-                                   f"{exc}") from None
+                names = ", ".join(repr(v.name) for v in unresolved)
+                raise CompileError(
+                    f"model {label!r}: cannot determine output shapes of output(s) {names}: "
+                    "shape inference cannot and a trial run with sample data failed; "
+                    "declare the outputs' shapes in the model (graph.output) or give "
+                    f"the inputs that decide them as initializers ({exc})") from None
         for k, (v, r0, r1) in enumerate(zip(outputs, runs[0], runs[1])):
             if v not in unresolved:
                 continue
