@@ -198,13 +198,14 @@ def _infer(model: onnx.ModelProto, label: str) -> onnx.ModelProto:
     except Exception as exc:
         strict_error = exc
     # onnx's strict mode also fails on its own function bodies (MeanVarianceNormalization
-    # expands to a Constant it then calls malformed); onnxruntime, which checks the model
-    # next, decides. What stays unknown is resolved from the outputs or refused.
+    # expands to a Constant it then calls malformed): if onnxruntime loads the model, the
+    # lenient result is used; what stays unknown is resolved from the outputs or refused.
     try:
         inferred = onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=False,
                                                      data_prop=True)
-    except Exception as exc:
-        raise CompileError(f"model {label!r}: shape inference failed: {exc}") from None
+        ort_session(inferred)
+    except Exception:
+        raise CompileError(f"model {label!r}: shape inference failed: {strict_error}") from None
     _log.info("model %s: strict shape inference failed (%s); using the lenient result",
               label, str(strict_error).splitlines()[0][:200])
     return inferred
