@@ -2,7 +2,7 @@
 
 Converted: initializers, graph inputs/outputs and value_info, ``Cast``/
 ``CastLike`` targets, ``Constant``/``ConstantOfShape`` values and the ``dtype``
-of random and ``EyeLike`` ops, in sub-graphs too. Inputs that the ONNX
+of random, ``EyeLike`` and ``SequenceEmpty`` ops, in sub-graphs too. Inputs that the ONNX
 standard requires to stay float32 (``Resize`` roi/scales, ``Upsample``
 scales) are kept float32: initializers feeding them are left alone, computed
 values get a ``Cast`` to float32.
@@ -24,7 +24,8 @@ __all__ = ["convert_to_fp16", "wrap_in_fp32", "fp32_only_ops"]
 _F32, _F16 = TensorProto.FLOAT, TensorProto.FLOAT16
 _KEEP_FP32_INPUTS = {"Resize": (1, 2), "Upsample": (1,)}
 _DTYPE_ATTR_OPS = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike",
-                   "EyeLike", "Multinomial", "Bernoulli"}
+                   "EyeLike", "Multinomial", "Bernoulli", "SequenceEmpty"}
+_FLOAT_BY_DEFAULT = {"RandomNormal", "RandomUniform", "SequenceEmpty"}   # dtype attr absent
 
 
 def convert_to_fp16(model: onnx.ModelProto) -> None:
@@ -78,6 +79,8 @@ def _convert_graph(graph: onnx.GraphProto) -> None:
 
 
 def _convert_node(node: onnx.NodeProto) -> None:
+    if node.op_type in _FLOAT_BY_DEFAULT and not any(a.name == "dtype" for a in node.attribute):
+        node.attribute.append(helper.make_attribute("dtype", _F16))
     for attr in node.attribute:
         if node.op_type in ("Cast",) and attr.name == "to" and attr.i == _F32:
             attr.i = _F16

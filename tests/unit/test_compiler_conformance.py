@@ -128,3 +128,14 @@ def test_strict_inference_failure_falls_back_to_onnxruntime() -> None:
     mean = x.mean(axis=(0, 2, 3), keepdims=True)
     std = np.sqrt(((x - mean) ** 2).mean(axis=(0, 2, 3), keepdims=True))
     np.testing.assert_allclose(got["y"], (x - mean) / (std + 1e-9), rtol=1e-4, atol=1e-5)
+
+
+def test_fp16_converts_sequence_empty_default_dtype() -> None:
+    # simple/test_sequence_model1: SequenceEmpty() is a float sequence unless told otherwise
+    import os
+    path = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", "simple",
+                        "test_sequence_model1", "model.onnx")
+    result = compile_onnx(ModelSpec(path, precision="fp16"))
+    assert {a.name: a.dtype for a in result.anchors if a.kind == "output"} == {"out": "F16"}
+    (node,) = [n for n in result.output_model.graph.node if n.op_type == "SequenceEmpty"]
+    assert [(a.name, a.i) for a in node.attribute] == [("dtype", T.FLOAT16)]
