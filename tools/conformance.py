@@ -445,13 +445,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.add_argument("--verbose", "-v", action="store_true", help="one line per case")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("host_runtime").setLevel(logging.ERROR)
-    logging.getLogger("ipu_emulator").setLevel(logging.ERROR)
-    np.seterr(all="ignore")
     import warnings
-    warnings.filterwarnings("ignore")
 
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # the models' own warnings (onnx generators, refused models) are the cases' business
+    quiet = [logging.getLogger(n) for n in ("host_runtime", "ipu_emulator")]
+    levels = [lg.level for lg in quiet]
+    for lg in quiet:
+        lg.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), np.errstate(all="ignore"):
+            warnings.simplefilter("ignore")
+            return _main(args)
+    finally:
+        for lg, level in zip(quiet, levels):
+            lg.setLevel(level)
+
+
+def _main(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     cases = load_cases(args.suite or SUITES, args.pattern)
     load_s = time.perf_counter() - t0
