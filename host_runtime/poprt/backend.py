@@ -223,6 +223,9 @@ class IpuBackendRep(BackendRep):
         shapes = self._static_shapes()
         if shapes is not None:          # compile now: a refusal surfaces in prepare()
             self._compile(shapes)
+        else:                           # compiled at the first run; refuse what never can
+            from ipu_emulator.compiler import check_interface
+            check_interface(model, self._label)
 
     def _static_shapes(self) -> Optional[dict[str, list[int]]]:
         out: dict[str, list[int]] = {}

@@ -331,6 +331,17 @@ def _drop_unused_initializers(model: onnx.ModelProto, label: str) -> None:
               ", ".join(unused[:5]) + (" ..." if len(unused) > 5 else ""))
 
 
+def check_interface(model: onnx.ModelProto, label: str) -> None:
+    """Refuse (CompileError) a model whose inputs or outputs the IPU cannot stream:
+    sequences, maps, optionals, sparse or string tensors, element types it lacks."""
+    _refuse_non_tensors(model, label)
+    inits = {t.name for t in model.graph.initializer}
+    for kind, values in (("input", [vi for vi in model.graph.input if vi.name not in inits]),
+                         ("output", list(model.graph.output))):
+        for vi in values:
+            dtype_of(vi.type.tensor_type.elem_type, f"model {label!r}: {kind} {vi.name!r}")
+
+
 def _refuse_non_tensors(model: onnx.ModelProto, label: str) -> None:
     """Name the unsupported feature for graph inputs/outputs that are not plain tensors."""
     kinds = {"sequence_type": "a sequence", "map_type": "a map", "optional_type": "an optional",

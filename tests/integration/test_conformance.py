@@ -262,3 +262,15 @@ def test_onnx_backend_test_harness_runs_against_the_backend() -> None:
         suite.addTests(unittest.defaultTestLoader.loadTestsFromTestCase(case))
     result = unittest.TextTestRunner(verbosity=0).run(suite)
     assert result.testsRun > 10 and result.wasSuccessful(), result.failures + result.errors
+
+
+def test_dynamic_model_with_a_sequence_input_is_refused_at_prepare() -> None:
+    # onnx's BackendTest prepares with no shapes: what can never stream is refused at once
+    g = helper.make_graph([helper.make_node("SequenceAt", ["s", "i"], ["o"])], "seq",
+                          [helper.make_tensor_sequence_value_info("s", T.FLOAT, ["n"]),
+                           helper.make_tensor_value_info("i", T.INT64, [])],
+                          [helper.make_tensor_value_info("o", T.FLOAT, ["n"])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    with pytest.raises(CompileError, match=r"input 's' is a sequence.*"
+                                           r"\(unsupported: sequence inputs\)"):
+        backend.prepare(m)
