@@ -38,6 +38,10 @@ __all__ = [
     "InputDesc",
     "OutputDesc",
     "OutputFuture",
+    "OutputFutureMemory",
+    "OutputFutureMemoryView",
+    "ReplicaIdToOutputMemoryView",
+    "ReplicaIdToDevice",
     # tensor memory
     "PopefPaths",
     "InputMemoryView",
@@ -67,6 +71,8 @@ __all__ = [
     "ProgramsWithPolicy",
     "null_anchor_callback_predicate",
     "null_popef_data_usage_predicate",
+    "PopefDataUsagePredicate",
+    "AnchorCallbackPredicate",
     # queues (low-level API)
     "QueueManager",
     "InputQueue",
@@ -81,6 +87,10 @@ __all__ = [
     "RingMemoryPool",
     "allocateQueueStorage",
     "ring_size_multiplier_factory",
+    "RingSizeMultiplierProdType",
+    "ReadStartCallback",
+    "ReadCompleteCallback",
+    "WriteCompleteCallback",
     # errors
     "ModelRuntimeError",
     "BadRequestError",
@@ -98,6 +108,10 @@ __all__ = [
 _LAZY: dict[str, str] = {
     "ModelRunner": "host_runtime.model_runner",
     "OutputFuture": "host_runtime.model_runner",
+    "OutputFutureMemory": "host_runtime._seed_types",
+    "OutputFutureMemoryView": "host_runtime._seed_types",
+    "ReplicaIdToOutputMemoryView": "host_runtime._seed_types",
+    "ReplicaIdToDevice": "host_runtime._seed_types",
     "ModelRunnerConfig": "host_runtime.config",
     "DataDesc": "host_runtime.config",
     "InputDesc": "host_runtime.config",
@@ -129,6 +143,8 @@ _LAZY: dict[str, str] = {
     "null_popef_data_usage_predicate": "host_runtime.predicates",
     "PopefDataUsagePolicy": "host_runtime.predicates",
     "AnchorCallbackPolicy": "host_runtime.predicates",
+    "PopefDataUsagePredicate": "host_runtime.predicates",
+    "AnchorCallbackPredicate": "host_runtime.predicates",
     "QueueManager": "host_runtime.queues",
     "InputQueue": "host_runtime.queues",
     "OutputQueue": "host_runtime.queues",
@@ -142,6 +158,10 @@ _LAZY: dict[str, str] = {
     "RingMemoryPool": "host_runtime.queues",
     "allocateQueueStorage": "host_runtime.queues",
     "ring_size_multiplier_factory": "host_runtime.queues",
+    "RingSizeMultiplierProdType": "host_runtime.queues",
+    "ReadStartCallback": "host_runtime.queues",
+    "ReadCompleteCallback": "host_runtime.queues",
+    "WriteCompleteCallback": "host_runtime.queues",
 }
 
 _SUBMODULES = ("popef", "poprt", "errors", "memory", "config", "queues", "monitoring",
@@ -172,13 +192,18 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
                                      TensorMemoryView)
     from host_runtime.model_runner import ModelRunner, OutputFuture
     from host_runtime.shared_memory import empty_shared, is_shared
-    from host_runtime.predicates import (AnchorCallbackPolicy, AnchorWithPolicy,
-                                         PopefDataUsagePolicy, ProgramsWithPolicy,
+    from host_runtime._seed_types import (OutputFutureMemory, OutputFutureMemoryView,
+                                          ReplicaIdToDevice, ReplicaIdToOutputMemoryView)
+    from host_runtime.predicates import (AnchorCallbackPolicy, AnchorCallbackPredicate,
+                                         AnchorWithPolicy, PopefDataUsagePolicy,
+                                         PopefDataUsagePredicate, ProgramsWithPolicy,
                                          null_anchor_callback_predicate,
                                          null_popef_data_usage_predicate, predicate_factory)
     from host_runtime.queues import (IMemoryPool, InputData, InputQueue, InputRingBuffer,
                                      IQueue, OutputData, OutputQueue, OutputRingBuffer,
-                                     QueueManager, RingMemoryPool, SpscRingBuffer,
+                                     QueueManager, ReadCompleteCallback, ReadStartCallback,
+                                     RingMemoryPool, RingSizeMultiplierProdType,
+                                     SpscRingBuffer, WriteCompleteCallback,
                                      allocateQueueStorage, ring_size_multiplier_factory)
     from host_runtime.session import (CallbackFactory, CallbackHandle, CallbackInfo,
                                       LaunchPolicy, Session, SessionConfig)

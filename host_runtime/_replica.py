@@ -96,7 +96,7 @@ class ReplicaSetup:
     """What the runner tells each replica (built once per ModelRunner)."""
 
     replica_id: int
-    inputs: dict[str, TensorSpec]           # direct Main inputs the runner writes (incl. frozen)
+    inputs: dict[str, TensorSpec]           # direct Main inputs (incl. frozen), in Main read order
     outputs: dict[str, TensorSpec]          # Main outputs
     frozen_main: dict[str, np.ndarray]      # frozen Main inputs, typed, model shape
     dynamic: bool
@@ -279,7 +279,7 @@ class Replica(ReplicaTimers):
                 lost = err if isinstance(err, ModelRuntimeError) else DeviceLostError(str(err))
         if lost is not None:
             self._fail_everything(lost)
-        return lost
+        return lost  # type: ignore[no-any-return]
 
     def _reset(self) -> None:
         """auto_reset: restart the device (a new session on a fresh device) and reload."""

@@ -7,8 +7,9 @@ result), or from a small watchdog thread while nobody waits and
 a busy submitter means the timer is retried on the next drive step.
 
 - a *partial* transfer (dynamic batching) is flushed after
-  ``partial_flush_ns``: ``flush_callback(first input, None, None)`` may give
-  extra samples, the rest is padded with zeros and published;
+  ``partial_flush_ns``: ``flush_callback(tensor_id, inputs, outputs)``, told the
+  input the device waits for (the first non-frozen one Main reads), may give extra
+  samples, the rest is padded with zeros and published;
 - a *phantom* (``validate_io_params`` off and the device would wait for an
   input the request lacks) is never sent; after ``timeout_ns`` the flush
   callback may complete it, otherwise it fails with ``DeviceTimeoutError``.
@@ -146,22 +147,33 @@ class ReplicaTimers:
             self._expire_phantom(ph)
 
     def _call_flush_callback(self, tensor_id: str) -> Optional[Request]:
+        """Seed 001, 3.7: ``flush_callback(tensor_id, inputs, outputs)`` gets the tensor the
+        device waits for and an empty InputMemoryView and OutputMemoryView: it may fill
+        them (the C++ callback points its ``inputs``/``outputs`` at the data to flush with)
+        or return ``(inputs, outputs)``. Nothing given: the partial batch is padded with
+        zeros, a request missing inputs times out."""
+        from host_runtime.memory import InputMemoryView, OutputMemoryView
+
         cb = self.setup.flush_callback
         if cb is None:
             return None
+        given_in, given_out = InputMemoryView(), OutputMemoryView()
         try:
-            result = cb(tensor_id, None, None)
+            result = cb(tensor_id, given_in, given_out)
         except Exception:
             _log.exception("replica %d: flush_callback failed for tensor %r", self.rid, tensor_id)
             return None
         if result is None:
-            return None
-        try:
-            inputs, outputs = result
-        except (TypeError, ValueError):
-            _log.error("replica %d: flush_callback must return (inputs, outputs) or None, got %r",
-                       self.rid, result)
-            return None
+            if not given_in and not given_out:
+                return None
+            inputs, outputs = given_in, given_out
+        else:
+            try:
+                inputs, outputs = result
+            except (TypeError, ValueError):
+                _log.error("replica %d: flush_callback must fill its inputs/outputs or return "
+                           "(inputs, outputs) or None, got %r", self.rid, result)
+                return None
         try:
             return self.setup.make_flush_request(inputs, outputs)
         except ModelRuntimeError as exc:
@@ -169,7 +181,10 @@ class ReplicaTimers:
             return None
 
     def _flush_partial(self, tr: "Transfer") -> None:
-        first = next(iter(self.setup.inputs), "")
+        # the device waits for the first input Main reads (setup.inputs is in read order);
+        # frozen ones are always there
+        frozen = self.setup.frozen_main
+        first = next((n for n in self.setup.inputs if n not in frozen), "")
         extra = self._call_flush_callback(first)
         if not self._submit_lock.acquire(blocking=False):
             return   # a submitter is busy (it will publish or we try again next step)

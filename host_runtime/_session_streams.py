@@ -187,6 +187,11 @@ class StreamTable:
             h = a.handle()
             if h in self.direct or (skip_connected and self.connected(h)):
                 continue
+            # seed: the factory is called once per tensor; the predicate decides what is bound
+            cb = factory(info(a))
+            if cb is not None and not callable(cb):
+                raise BadRequestError(f"factory returned {cb!r} for anchor {a.name()!r}; "
+                                      "expected a callable or None")
             policy = (AnchorCallbackPolicy.BIND_USER_CB if predicate is None
                       else AnchorCallbackPolicy(predicate(a)))
             if policy is AnchorCallbackPolicy.SKIP_CB:
@@ -195,12 +200,8 @@ class StreamTable:
                 with self._lock:
                     self.user_cbs[h] = EMPTY
                 continue
-            cb = factory(info(a))
             if cb is None:
-                continue
-            if not callable(cb):
-                raise BadRequestError(f"factory returned {cb!r} for anchor {a.name()!r}; "
-                                      "expected a callable or None")
+                continue     # the existing callback (user's or PopEF data) stays
             with self._lock:
                 self.user_cbs[h] = cb
 

@@ -28,6 +28,9 @@ class SpscRingBuffer(Generic[T]):
     while ``readLock()`` waits, until a buffer becomes readable.
     """
 
+    ReadTimeoutCallback = Callable[["SpscRingBuffer[Any]"], None]
+    """Signature of the function called when ``readLock()`` times out (seed 002, 10.2.3)."""
+
     def __init__(self, num_buffers: int, label: str,
                  timeout_cb: Optional[Callable[["SpscRingBuffer[T]"], None]] = None,
                  timeout_ns: int = 0, factory: Optional[Callable[[], T]] = None) -> None:

@@ -33,6 +33,15 @@ NANOSECONDS_MAX = 2**63 - 1
 BATCHING_DIM_DISABLED = 0xFFFFFFFF
 
 FlushCallback = Callable[[str, Any, Any], Optional[tuple[Any, Any]]]
+"""``flush_callback(tensor_id, inputs, outputs) -> (inputs, outputs) | None`` (seed 001, 3.7).
+
+Called once when the device has waited ``timeout_ns`` (or ``batch_size_timeout_ns``) for
+input data: ``tensor_id`` names the input it waits for (the first one the Main programs
+read that is missing; in a partial dynamic batch the first non-frozen one). ``inputs``
+and ``outputs`` are an empty ``InputMemoryView`` and ``OutputMemoryView``: fill them
+with the data to flush with (the C++ callback points its pointers at it), or return
+``(inputs, outputs)`` (either may be None). Nothing given: a partial batch is padded with
+zeros; a request missing inputs fails with ``DeviceTimeoutError``."""
 
 
 def to_nanoseconds(value: int | float | timedelta, field: str) -> int:
@@ -65,7 +74,15 @@ _DURATIONS = ("timeout_ns", "batch_size_timeout_ns", "data_parallel_timeout_ns")
 
 
 class ModelRunnerConfig:
-    """ModelRunner configuration options; the defaults are the seeds' defaults."""
+    """ModelRunner configuration options; the defaults are the seeds' defaults.
+
+    ``ring_buffer_size_multiplier``: ring size = multiplier x batch size, in samples. A
+    slot of a stream ring holds one transfer (the model's batch), so each Main ring has
+    ``multiplier`` slots (no floor), capped at ``max_look_ahead + 1`` when that is a number
+    and at 1024 slots / 64 MiB per ring (docs/CONTRACTS.md section 7).
+
+    ``flush_callback(tensor_id, inputs, outputs)``: see ``FlushCallback``.
+    """
 
     _FIELDS = (
         "replication_factor", "run_save_programs", "thread_safe", "frozen_inputs",

@@ -39,6 +39,7 @@ from ipu_emulator.system import (IpuLocks, SystemConfig, SystemConfigError, devi
 
 if TYPE_CHECKING:
     from host_runtime._device_link import DeviceLink
+    from host_runtime._ipu_group import GroupLink
     from host_runtime.session import Session
 
 __all__ = [
@@ -80,40 +81,65 @@ def _as_timedelta(value: Any, what: str) -> timedelta:
 class DeviceWaitConfig:
     """How ``DeviceManager`` waits for a device. Defaults: NO_WAIT, 0 s, 15 s.
 
-    ``DeviceWaitConfig(strategy, timeout=timedelta(...), sleepTime=timedelta(...))``, or
-    ``DeviceWaitConfig(timeout, sleepTime=...)`` meaning WAIT_WITH_TIMEOUT.
+    The C++ constructors, spelt positionally or with keywords:
+
+    - ``DeviceWaitConfig()``: NO_WAIT;
+    - ``DeviceWaitConfig(strategy, timeout=timedelta(0), sleepTime=timedelta(seconds=15))``
+      (``strategy=`` may be a keyword too);
+    - ``DeviceWaitConfig(timeout, sleepTime=timedelta(seconds=15))``: WAIT_WITH_TIMEOUT, and so
+      is ``DeviceWaitConfig(timeout=..., sleepTime=...)`` without a strategy.
+
+    Durations are ``timedelta`` or seconds. ``sleepTime`` alone (no strategy, no timeout) is
+    refused: it would mean NO_WAIT, which never sleeps.
     """
 
     __slots__ = ("strategy", "timeout", "sleepTime")
 
-    def __init__(self, strategy: Any = DeviceWaitStrategy.NO_WAIT, *args: Any, **kwargs: Any) -> None:
-        if isinstance(strategy, (timedelta, int, float)) and not isinstance(strategy, bool):
-            # DeviceWaitConfig(timeout, sleepTime=15 s)
-            if len(args) > 1 or set(kwargs) - {"sleepTime"}:
-                raise BadRequestError("DeviceWaitConfig(timeout, sleepTime) takes at most two "
-                                      f"arguments, got {args!r} {kwargs!r}")
-            timeout = strategy
-            sleep = args[0] if args else kwargs.get("sleepTime", timedelta(seconds=15))
-            strategy = DeviceWaitStrategy.WAIT_WITH_TIMEOUT
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        names = ("strategy", "timeout", "sleepTime")
+        if set(kwargs) - set(names):
+            raise BadRequestError(
+                "DeviceWaitConfig takes (strategy, timeout, sleepTime) or (timeout, sleepTime); "
+                f"unexpected keyword(s) {sorted(set(kwargs) - set(names))}")
+        if args and not isinstance(args[0], DeviceWaitStrategy):
+            # DeviceWaitConfig(timeout, sleepTime): the C++ WAIT_WITH_TIMEOUT constructor
+            if len(args) > 2 or "strategy" in kwargs or "timeout" in kwargs \
+                    or (len(args) == 2 and "sleepTime" in kwargs):
+                raise BadRequestError(
+                    "DeviceWaitConfig(timeout, sleepTime) takes at most those two arguments, "
+                    f"got {args!r} {kwargs!r}")
+            if not isinstance(args[0], (timedelta, int, float)) or isinstance(args[0], bool):
+                raise BadRequestError(
+                    "strategy must be a DeviceWaitStrategy (or the first argument a timeout: "
+                    f"timedelta or seconds), got {args[0]!r}")
+            values = {"strategy": DeviceWaitStrategy.WAIT_WITH_TIMEOUT, "timeout": args[0]}
+            if len(args) == 2:
+                values["sleepTime"] = args[1]
         else:
-            names = ("timeout", "sleepTime")
-            if len(args) > 2 or set(kwargs) - set(names):
+            if len(args) > 3:
                 raise BadRequestError(
-                    "DeviceWaitConfig(strategy, timeout=..., sleepTime=...): unexpected "
-                    f"arguments {args!r} {kwargs!r}")
+                    "DeviceWaitConfig(strategy, timeout, sleepTime) takes at most three "
+                    f"arguments, got {len(args)}")
             values = dict(zip(names, args))
-            for k, v in kwargs.items():
-                if k in values:
-                    raise BadRequestError(f"DeviceWaitConfig got {k} twice")
-                values[k] = v
-            timeout = values.get("timeout", timedelta(0))
-            sleep = values.get("sleepTime", timedelta(seconds=15))
-            if not isinstance(strategy, DeviceWaitStrategy):
+        for k, v in kwargs.items():
+            if k in values:
+                raise BadRequestError(f"DeviceWaitConfig got {k} twice")
+            values[k] = v
+        if "strategy" not in values:
+            if "timeout" in values:
+                values["strategy"] = DeviceWaitStrategy.WAIT_WITH_TIMEOUT
+            elif "sleepTime" in values:
                 raise BadRequestError(
-                    f"strategy must be a DeviceWaitStrategy, got {strategy!r}")
+                    "DeviceWaitConfig(sleepTime=...) without a strategy or a timeout would mean "
+                    "NO_WAIT, which never sleeps; give the strategy (DeviceWaitStrategy."
+                    "WAIT_WITH_TIMEOUT or WAIT_FOREVER) or a timeout")
+        strategy = values.get("strategy", DeviceWaitStrategy.NO_WAIT)
+        if not isinstance(strategy, DeviceWaitStrategy):
+            raise BadRequestError(f"strategy must be a DeviceWaitStrategy, got {strategy!r}")
         self.strategy: DeviceWaitStrategy = strategy
-        self.timeout: timedelta = _as_timedelta(timeout, "timeout")
-        self.sleepTime: timedelta = _as_timedelta(sleep, "sleepTime")
+        self.timeout: timedelta = _as_timedelta(values.get("timeout", timedelta(0)), "timeout")
+        self.sleepTime: timedelta = _as_timedelta(values.get("sleepTime", timedelta(seconds=15)),
+                                                  "sleepTime")
 
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, DeviceWaitConfig) and self.strategy == other.strategy
@@ -160,7 +186,7 @@ class Device:
     def __init__(self, *, device_id: int, ipus: tuple[int, ...], ipu_version: int,
                  tiles_per_ipu: int, memory_per_tile: int, processes: list[IpuConnection],
                  locks: IpuLocks | DaemonAttachment | None, is_ipu_model: bool = False) -> None:
-        from host_runtime._device_link import DeviceLink
+        from host_runtime._ipu_group import make_link
 
         self._id = device_id
         self._ipus = ipus
@@ -175,7 +201,7 @@ class Device:
         self._lock = threading.RLock()
         self._active: "Session | None" = None
         self._sessions: "weakref.WeakSet[Session]" = weakref.WeakSet()
-        self._link: DeviceLink = DeviceLink(self.describe(), processes)
+        self._link: "DeviceLink | GroupLink" = make_link(self.describe(), processes)
         _live_devices.add(self)
 
     # -- the seed's API -----------------------------------------------------------------
@@ -286,6 +312,34 @@ class Device:
 
     def isActiveSession(self, session: "Session") -> bool:
         return self._active is session
+
+    def bindToSession(self, session: "Session") -> None:
+        """Make ``session`` this device's active session, its executable loaded.
+
+        Seed: protected, for Session (``Session.bindToDevice`` is the public way). The
+        session that was active runs its save programs first (``unbindSession``)."""
+        from host_runtime.session import Session
+
+        if not isinstance(session, Session):
+            raise BadRequestError(f"bindToSession expects a Session, got {session!r}")
+        session.bindToDevice(self)
+
+    def unbindSession(self) -> None:
+        """Unbind the active session, if any: its save programs run (when it ran its load
+        programs), it stays bound to this device and loads again before it next runs.
+
+        Seed: protected, for Session."""
+        with self._lock:
+            active = self._active
+            if active is None:
+                return
+            loop = active._loop
+            if loop is not None and not loop.done():
+                raise InvalidStateError(
+                    f"unbindSession: {self.describe()} is running the main loop of its active "
+                    "session (a ModelRunner's, or a QueueManager's); stop() that session first")
+            active._deactivate(implicit_save=True)
+            self._unbind_session(active)
 
     def _bind_session(self, session: "Session") -> None:
         """Make ``session`` the active one; the previous one runs its save programs first."""

@@ -179,7 +179,7 @@ class InputMemoryView(dict):  # type: ignore[type-arg]
             raise BadRequestError(f"tensor names are str, got {type(name).__name__}")
         super().__setitem__(name, as_readable_array(value, name))
 
-    def update(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+    def update(self, *args: Any, **kwargs: Any) -> None:
         for k, v in dict(*args, **kwargs).items():
             self[k] = v
 
@@ -192,7 +192,7 @@ class OutputMemoryView(dict):  # type: ignore[type-arg]
             raise BadRequestError(f"tensor names are str, got {type(name).__name__}")
         super().__setitem__(name, as_writable_array(value, name))
 
-    def update(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+    def update(self, *args: Any, **kwargs: Any) -> None:
         for k, v in dict(*args, **kwargs).items():
             self[k] = v
 

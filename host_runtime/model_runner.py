@@ -32,6 +32,7 @@ import numpy as np
 from host_runtime import popef
 from host_runtime._batching import TensorSpec
 from host_runtime._lifetime import close_owned
+from host_runtime._read_order import main_read_order
 from host_runtime._replica import Replica, ReplicaSetup
 from host_runtime._requests import OutputFuture, Request
 from host_runtime.config import DataDesc, ModelRunnerConfig
@@ -171,6 +172,8 @@ class ModelRunner:
         self._main_outputs = [a for a in self._outputs_all if in_main(a)]
         self._fused = bool(md.subgraphs()) and by_name.get(INDEX_NAME) is not None
         self._in_specs = {a.name(): self._spec(a, batch_dim, True) for a in self._main_inputs}
+        # the order Main reads its inputs: the device waits for the first one missing
+        self._read_rank = {n: k for k, n in enumerate(main_read_order(self._model))}
         self._out_specs = {a.name(): self._spec(a, batch_dim, False) for a in self._main_outputs}
         self._exec_specs = {a.name(): self._in_specs[a.name()] for a in self._exec_inputs}
         self._all_outputs = tuple(self._out_specs.values())
@@ -239,7 +242,7 @@ class ModelRunner:
     # ================================================================== replicas
     def _setup(self, rid: int) -> ReplicaSetup:
         cfg = self._config
-        direct_in = dict(self._in_specs)
+        direct_in = {n: self._in_specs[n] for n in self._by_read_order(self._in_specs)}
         flush_ns: Optional[int]
         if cfg.is_batch_size_timeout_enabled:
             flush_ns = cfg.batch_size_timeout_ns
@@ -325,14 +328,18 @@ class ModelRunner:
     def _ring_depths(self) -> Any:
         """Slots of the session's stream rings (seed: ring size = multiplier x batch size).
 
-        A request of the model's batch is one transfer of each Main anchor, so a Main ring
-        holds ``ring_buffer_size_multiplier`` requests (at least 2: one being written while
-        the device reads the other); load/save anchors move once per program run: 2. The
-        session caps these at ``max_look_ahead + 1`` when that is a number."""
+        The seed's ring holds references to user samples; here a slot of a Main anchor's
+        ring holds one whole transfer: the model's batch of samples (along ``batching_dim``
+        when set), in shared memory. So a Main ring of ``ring_buffer_size_multiplier``
+        slots holds multiplier x batch size samples, as the seed says, without the memory
+        of a slot per sample. No floor: one slot still makes progress (a submitter that
+        finds a ring full drains outputs). Load/save anchors move once per program run: 2.
+        The session caps Main rings at ``max_look_ahead + 1`` when that is a number (no
+        more transfers prepared ahead than that option allows) and every ring at 1024 slots
+        and 64 MiB (at least one slot)."""
         from host_runtime.queues import ring_size_multiplier_factory
 
-        transfers_per_request = 1
-        main = max(2, self._config.ring_buffer_size_multiplier * transfers_per_request)
+        main = self._config.ring_buffer_size_multiplier
         return ring_size_multiplier_factory.ringSizeMultForMainProgs(self._model, main, 2)
 
     def _replica(self, replica_id: Any) -> Replica:
@@ -362,6 +369,8 @@ class ModelRunner:
         for name, value in inputs.items():
             spec = specs.get(name)
             if spec is None:
+                if name in self._frozen:
+                    continue   # seed: a frozen input is no longer required; the frozen value wins
                 raise self._unknown_input(name)
             arr = value if type(value) is np.ndarray else as_readable_array(value, name)
             if arr.dtype == spec.dtype and arr.shape == spec.shape:
@@ -486,19 +495,20 @@ class ModelRunner:
                               f"got shape {list(arr.shape)}")
 
     def _unknown_input(self, name: str) -> BadRequestError:
-        if name in self._frozen:
-            return BadRequestError(
-                f"input {name!r} is frozen (ModelRunnerConfig.frozen_inputs): do not pass it; "
-                "the model's execute inputs are " + ", ".join(repr(n) for n in self._exec_specs))
         return BadRequestError(
             f"unknown input tensor {name!r}; the model's execute inputs are "
             + ", ".join(repr(n) for n in self._exec_specs))
+
+    def _by_read_order(self, names: Any) -> list[str]:
+        """``names`` in the order the Main programs read them (unread ones last)."""
+        rank = self._read_rank
+        return sorted(names, key=lambda n: rank.get(n, len(rank)))
 
     def _plan(self, given: dict[str, np.ndarray], transfers: int
               ) -> tuple[dict[str, np.ndarray], list[tuple[TensorSpec, ...]], Optional[str]]:
         """(inputs to publish, outputs written per transfer, first missing input or None)."""
         if not self._fused:
-            missing = [n for n in self._exec_specs if n not in given]
+            missing = self._by_read_order(n for n in self._exec_specs if n not in given)
             return given, [self._all_outputs] * transfers, (missing[0] if missing else None)
         index = given.get(INDEX_NAME)
         if index is None:
@@ -516,7 +526,8 @@ class ModelRunner:
                 f"input {INDEX_NAME!r}: every transfer of one request must select the same "
                 f"sub-graph, got {ks}; send one request per sub-graph")
         needed = [INDEX_NAME, *self._sub_inputs[ks[0]]]
-        missing = [n for n in needed if n not in given and n not in self._frozen]
+        missing = self._by_read_order(n for n in needed
+                                      if n not in given and n not in self._frozen)
         publish = {n: given[n] for n in needed if n in given}
         return publish, [self._sub_outputs[k] for k in ks], (missing[0] if missing else None)
 
@@ -543,7 +554,10 @@ class ModelRunner:
 
     # ================================================================== the seed's API
     def execute(self, input_data: Any, output_data: Any = None, replica_id: int = 0) -> Any:
-        """Run one request synchronously; see the module docstring for what it returns."""
+        """Run one request synchronously; see the module docstring for what it returns.
+
+        An input frozen by ``ModelRunnerConfig.frozen_inputs`` is no longer required (seed
+        000/001, frozen inputs); given anyway, it is ignored and the frozen value is used."""
         lock = self._call_lock(replica_id)
         if lock is not None:
             with lock:
@@ -579,7 +593,7 @@ class ModelRunner:
 
     def executeAsync(self, input_data: Any, output_data: Any = None,
                      replica_id: int = 0) -> OutputFuture:
-        """Queue one request; returns an ``OutputFuture``."""
+        """Queue one request; returns an ``OutputFuture`` (frozen inputs as for ``execute``)."""
         lock = self._call_lock(replica_id)
         if lock is not None:
             with lock:

@@ -80,7 +80,7 @@ class AnchorWithPolicy(Generic[P]):
     def matches(self, a: Anchor) -> bool:
         if isinstance(self.anchor, Anchor):
             return self.anchor.handle() == a.handle() and self.anchor.name() == a.name()
-        return self.anchor == a.name() or self.anchor == a.handle()
+        return bool(self.anchor == a.name() or self.anchor == a.handle())
 
 
 @dataclass(frozen=True)

@@ -56,14 +56,21 @@ __all__ = [
     "allocateQueueStorage",
     "ring_size_multiplier_factory",
     "RingSizeMultiplierProdType",
+    "ReadStartCallback",
+    "ReadCompleteCallback",
+    "WriteCompleteCallback",
 ]
 
 _log = logging.getLogger(__name__)
 
 ReadStartCallback = Callable[[], None]
-ReadCompleteCallback = Callable[[], None]
+"""Called just before the first bytes of an ``InputData`` item are copied into a transfer."""
+ReadCompleteCallback = ReadStartCallback
+"""Called when the last bytes of an ``InputData`` item have been copied into a transfer."""
 WriteCompleteCallback = Callable[[], None]
+"""Called after the last bytes of a transfer have been written into an ``OutputData`` item."""
 RingSizeMultiplierProdType = Callable[[Anchor], int]
+"""``anchor -> multiplier`` of its ring size (see ``ring_size_multiplier_factory``)."""
 _U8 = np.dtype(np.uint8)
 
 

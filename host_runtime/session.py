@@ -134,6 +134,11 @@ CallbackFactory = Callable[[CallbackInfo], "CallbackHandle | None"]
 class Session(FastPath):
     """Links a model to a device: loads it, runs its programs, services its streams."""
 
+    ProgIdxType = int
+    """The index of a program of the executable (C++ ``popef::ProgramFlow::ProgramIndexType``)."""
+    ProgramsAndAnchorsMap = dict[int, list[popef.Anchor]]
+    """Program index -> its anchors (what ``anchorsNotConnectedToCallbacks`` returns)."""
+
     def __init__(self, model: popef.Model | str | Sequence[str],
                  config: SessionConfig | None = None) -> None:
         self._config = config if config is not None else SessionConfig()
@@ -163,6 +168,7 @@ class Session(FastPath):
         self._owns_device = False
         self._spec_region: Region | None = None
         self._memory_region: Region | None = None
+        self._sharded: Any = None        # host_runtime._ipu_group.ShardedLoad (multi-IPU)
         self._loaded = False             # our executable is loaded and we are the active session
         self._need_load_programs = True
         self._load_ran = False
@@ -271,14 +277,19 @@ class Session(FastPath):
     def setUserInputHandler(self, factory: CallbackFactory,
                             anchor_callback_predicate: AnchorCallbackPredicate | None = None,
                             skip_connected: bool = False) -> None:
-        """Call ``factory`` for each user input anchor; bind what the predicate allows."""
-        self._streams.set_handler(self.getUserInputAnchors(), factory, anchor_callback_predicate,
+        """Call ``factory`` once per input anchor, those fed from PopEF data included (seed
+        002); then the predicate decides: BIND_USER_CB binds what the factory returned (None
+        keeps the anchor's callback, PopEF data included), BIND_EMPTY_CB an empty callback,
+        SKIP_CB nothing. ``skip_connected``: skip anchors that have a callback (or data).
+        Anchors a QueueManager or ModelRunner services directly are skipped."""
+        self._streams.set_handler(self.getInputAnchors(), factory, anchor_callback_predicate,
                                   skip_connected, CallbackInfo)
 
     def setUserOutputHandler(self, factory: CallbackFactory,
                              anchor_callback_predicate: AnchorCallbackPredicate | None = None,
                              skip_connected: bool = False) -> None:
-        """Call ``factory`` for each output anchor; bind what the predicate allows."""
+        """Call ``factory`` once per output anchor; the predicate decides what is bound (as
+        ``setUserInputHandler``)."""
         self._streams.set_handler(self.getUserOutputAnchors(), factory,
                                   anchor_callback_predicate, skip_connected, CallbackInfo)
 
@@ -358,6 +369,9 @@ class Session(FastPath):
                     region.close()
                     region.unlink()
             self._spec_region = self._memory_region = None
+            if self._sharded is not None:
+                self._sharded.close()
+                self._sharded = None
 
     def __enter__(self) -> "Session":
         return self
@@ -497,6 +511,8 @@ class Session(FastPath):
                 f"{dev.describe()} has {dev.numIpus()} IPU(s) x {dev.tilesPerIpu()} tiles x "
                 f"{dev.memoryPerTile()} bytes per tile = {dev.memoryBytes()} bytes")
         modes = self._streams.modes()
+        if int(self._header["num_ipus"]) > 1 and self._load_sharded(dev, modes, fresh):
+            return
         spec: dict[str, Any] = {
             "key": self._key, "fresh": int(bool(fresh)), "executable_offset": 0,
             "executable_size": len(self._exe),
@@ -524,6 +540,24 @@ class Session(FastPath):
         self._loaded = True
         self._need_load_programs = True
         self._load_ran = False
+
+    def _load_sharded(self, dev: Device, modes: list[int], fresh: bool) -> bool:
+        """A multi-IPU executable: each IPU of the device gets its part (host_runtime._ipu_group)."""
+        from host_runtime._ipu_group import ShardedLoad
+
+        if self._sharded is None:
+            self._sharded = ShardedLoad.of(self._exe, self._key)
+            if self._sharded is None:
+                return False
+        rings = self._streams.rings
+        self._sharded.load(dev._link, self._streams.load_spec(modes),
+                           self._config.check_package_hash, fresh, _LOAD_TIMEOUT,
+                           lambda h, pid: rings[h].set_peer(pid))
+        self._modes_sent = modes
+        self._loaded = True
+        self._need_load_programs = True
+        self._load_ran = False
+        return True
 
     def _send_modes(self, dev: Device) -> None:
         modes = self._streams.modes()

@@ -31,6 +31,7 @@ from shm.cleanup import list_objects
 from ipu_emulator import protocol
 from ipu_emulator.launcher import IpuProcess, IpuSpec, launch_ipu
 from ipu_emulator.protocol import Message, Op
+from ipu_emulator.errors import PoolError
 
 __all__ = ["PooledIpu", "PoolError", "remove_objects_of"]
 
@@ -39,10 +40,6 @@ _log = logging.getLogger("ipu_emulator.daemon")
 HANDOVER_TIMEOUT = float(os.environ.get("IPU_EMULATOR_DAEMON_HANDOVER_TIMEOUT", "30"))
 """Seconds a HOST round trip may take (a program the previous host left must notice);
 past it the IPU process is restarted."""
-
-
-class PoolError(RuntimeError):
-    """An IPU of the pool could not be started, handed over or taken back."""
 
 
 class PooledIpu:

@@ -22,6 +22,7 @@ import os
 from shm import Region, ShmError, naming
 
 from ipu_emulator.protocol import HOST_MEMORY, HOST_OUTPUT
+from ipu_emulator.errors import HostMemoryError
 
 __all__ = ["HostMemory", "HostMemoryError"]
 
@@ -37,10 +38,6 @@ _Resolved = tuple[memoryview, tuple[tuple[str, memoryview], ...]]
 """An input's host memory, and (output handle, host memory) of each redirected output."""
 
 
-class HostMemoryError(Exception):
-    """A TAG_SHARED descriptor that cannot be resolved (the message says why)."""
-
-
 class HostMemory:
     """The host regions this IPU process has mapped, by name."""
 
@@ -49,6 +46,15 @@ class HostMemory:
         # descriptor bytes -> the view it resolved to: a host sends the same few arrays
         # again and again (one look-up instead of ~2 us of parsing and slicing)
         self._resolved: dict[bytes, _Resolved] = {}
+        self._writes: frozenset[str] | None = None
+
+    def set_writes(self, handles: frozenset[str] | None) -> None:
+        """Only redirections of these output streams are kept (None: all). One IPU of a
+        multi-IPU device gets descriptors naming outputs another IPU writes: dropping them
+        keeps its iterations in the C step (the host copies what is not redirected)."""
+        if handles != self._writes:
+            self._writes = handles
+            self._resolved.clear()
 
     @property
     def resolved(self) -> dict[bytes, "_Resolved"]:
@@ -95,7 +101,8 @@ class HostMemory:
             region = raw[pos:pos + r_len].decode("ascii", "replace")
             handle = raw[pos + r_len:pos + r_len + h_len].decode("utf-8", "replace")
             pos += r_len + h_len
-            outputs.append((handle, self._view(region, o_off, o_size)))
+            if self._writes is None or handle in self._writes:
+                outputs.append((handle, self._view(region, o_off, o_size)))
         if pos != len(raw):
             raise HostMemoryError(f"a shared-memory descriptor of {len(raw)} bytes has "
                                   f"{len(raw) - pos} bytes after its end")

@@ -101,6 +101,9 @@ class _RingIO:
         self._scratch_bufs: dict[str, bytearray] = {}
         self._redirect: dict[str, memoryview] = {}   # output handle -> host memory (this iteration)
         self._resolved = dev.host_memory.resolved     # descriptor bytes -> resolved (a cache)
+        streams = loaded.interp.executable.streams if loaded.interp is not None else {}
+        dev.host_memory.set_writes(frozenset(h for h, s in streams.items()
+                                             if s.direction == "out"))
         self._lent_host: set[str] = set()             # outputs lent as host memory, not published
         control = getattr(dev, "control", None)   # C runs of Main stop when it has a message
         self._watch = getattr(control, "_core", None)
@@ -221,7 +224,7 @@ class _RingIO:
                 pass
         got = self._dev.wait_on(ring.acquire_read)
         self._wait_est_ns = (7 * self._wait_est_ns + min(clock() - t0, 4 * _SPIN_NS)) >> 3
-        return got
+        return got  # type: ignore[no-any-return]
 
     def _poll(self, ready: Callable[[], Any]) -> bool:
         """Poll ``ready()`` for up to _SPIN_NS while recent waits were short (see

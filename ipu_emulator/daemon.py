@@ -38,6 +38,7 @@ from ipu_emulator import daemon_protocol as wire
 from ipu_emulator._daemon_pool import PoolError, PooledIpu, remove_objects_of
 from ipu_emulator.launcher import IpuSpec
 from ipu_emulator.system import SystemConfig
+from ipu_emulator.errors import DaemonError
 
 __all__ = ["Daemon", "DaemonError"]
 
@@ -46,10 +47,6 @@ _log = logging.getLogger("ipu_emulator.daemon")
 _MONITOR = 0.2     # seconds between checks of holders and IPU processes
 _RETRY = 5.0       # seconds between restarts of an IPU process that failed to start
 _EXITS_KEPT = 256  # exit statuses of retired IPU processes kept for exit_status
-
-
-class DaemonError(RuntimeError):
-    """The daemon cannot start (socket in use, bad path, IPU processes fail)."""
 
 
 class _Conn:

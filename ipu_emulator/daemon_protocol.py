@@ -24,6 +24,8 @@ import os
 import socket
 from typing import Any, Mapping
 
+from ipu_emulator.errors import DaemonProtocolError
+
 __all__ = ["VERSION", "MAX_MESSAGE", "ENV_VAR", "SOCKET_NAME", "DaemonProtocolError",
            "default_socket_path", "encode", "decode", "LineConnection", "request"]
 
@@ -32,10 +34,6 @@ MAX_MESSAGE = 64 * 1024
 ENV_VAR = "IPU_EMULATOR_DAEMON"
 SOCKET_NAME = "daemon.sock"
 _SUN_PATH_MAX = 107
-
-
-class DaemonProtocolError(ValueError):
-    """A message does not follow the daemon protocol (size, JSON, version)."""
 
 
 def default_socket_path(environ: Mapping[str, str] | None = None) -> str:

@@ -8,6 +8,16 @@ Classes are chosen by cause:
   unresolved dynamic dims, unsafe external data...).
 - ``DeviceProgramError``: a program failed while running on the device
   (onnxruntime error, bad switch index...); ``__cause__`` keeps the original.
+- ``ProtocolError``: a control message or load spec does not follow the
+  host/device protocol; ``DaemonProtocolError`` the same for the daemon's.
+- ``SystemConfigError``: the emulated machine's configuration is invalid.
+- ``IpuProcessError``: an IPU process failed to start, or died.
+- ``DaemonError`` / ``PoolError``: the daemon or its pool of IPU processes.
+- ``HostMemoryError``: a shared host-memory descriptor cannot be resolved.
+
+Every class derives from ``IpuEmulatorError`` (and from the builtin that fits
+its cause, so ``except ValueError`` keeps working). The modules that raise
+them re-export them under their old import paths.
 
 The host runtime translates these into ``host_runtime.errors`` at its boundary.
 """
@@ -19,6 +29,13 @@ __all__ = [
     "ExecutableError",
     "CompileError",
     "DeviceProgramError",
+    "ProtocolError",
+    "SystemConfigError",
+    "IpuProcessError",
+    "DaemonError",
+    "DaemonProtocolError",
+    "PoolError",
+    "HostMemoryError",
 ]
 
 
@@ -45,3 +62,37 @@ class CompileError(IpuEmulatorError, ValueError):
 
 class DeviceProgramError(IpuEmulatorError, RuntimeError):
     """A device program failed; ``__cause__`` carries the original exception."""
+
+
+class ProtocolError(IpuEmulatorError, ValueError):
+    """A message or load spec does not follow the host/device protocol."""
+
+
+class SystemConfigError(IpuEmulatorError, ValueError):
+    """The emulated system configuration is invalid; the message names the setting."""
+
+
+class IpuProcessError(IpuEmulatorError, RuntimeError):
+    """An IPU process failed to start, or died; the message names it and how."""
+
+    def __init__(self, message: str, *, pid: int | None = None,
+                 returncode: int | None = None) -> None:
+        super().__init__(message)
+        self.pid = pid
+        self.returncode = returncode
+
+
+class DaemonError(IpuEmulatorError, RuntimeError):
+    """The daemon cannot start (socket in use, bad path, IPU processes fail)."""
+
+
+class DaemonProtocolError(IpuEmulatorError, ValueError):
+    """A message does not follow the daemon protocol (size, JSON, version)."""
+
+
+class PoolError(IpuEmulatorError, RuntimeError):
+    """An IPU of the pool could not be started, handed over or taken back."""
+
+
+class HostMemoryError(IpuEmulatorError):
+    """A TAG_SHARED descriptor that cannot be resolved (the message says why)."""

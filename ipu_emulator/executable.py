@@ -244,6 +244,9 @@ class Executable:
     device_iterations: int = 1
     package_hash: str = ""
     attributes: dict[str, str] = field(default_factory=dict)
+    # A multi-IPU executable: one single-IPU executable per IPU (``parts[k]`` runs on the
+    # device's IPU k; ipu_emulator.compiler._sharding). Empty for a one-IPU executable.
+    parts: list["Executable"] = field(default_factory=list)
 
     # -- checks -----------------------------------------------------------------
 
@@ -277,6 +280,13 @@ class Executable:
                          for p in self.programs],
             "attributes": dict(self.attributes),
         }
+        if self.parts:   # nested executables, stored after the graphs in the graph section
+            parts = []
+            for part in self.parts:
+                data = part.to_bytes()
+                parts.append({"offset": len(blobs), "length": len(data)})
+                blobs += data
+            doc["parts"] = parts
         program = json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
         body = program + bytes(blobs)
         total = HEADER_SIZE + len(body)
@@ -469,8 +479,9 @@ class _Doc:
 
 def _decode(doc: Any, graphs: memoryview, g_off: int, hdr: dict[str, Any]) -> Executable:
     d = _Doc(hdr["program_offset"])
-    top = d.obj(doc, "$", ("format", "name", "tensors", "streams", "graphs", "programs",
-                           "attributes"))
+    keys = ("format", "name", "tensors", "streams", "graphs", "programs", "attributes")
+    top = d.obj(doc, "$", keys + (("parts",) if isinstance(doc, dict) and "parts" in doc
+                                  else ()))
     if top["format"] != FORMAT_VERSION:
         raise d.fail("$.format", f"expected {FORMAT_VERSION}, got {top['format']!r}")
     if top["name"] != hdr["name"]:
@@ -526,12 +537,22 @@ def _decode(doc: Any, graphs: memoryview, g_off: int, hdr: dict[str, Any]) -> Ex
             isinstance(a, str) and isinstance(b, str) and len(b) <= 1 << 16
             for a, b in attrs.items()):
         raise d.fail("$.attributes", "expected an object of at most 1024 string values")
+    parts: list[Executable] = []
+    for k, pt in enumerate(d.lst(top.get("parts", []), "$.parts", 1024)):
+        p = f"$.parts[{k}]"
+        pt = d.obj(pt, p, ("offset", "length"))
+        off = d.int_(pt["offset"], p + ".offset", 0, len(graphs))
+        length = d.int_(pt["length"], p + ".length", 0, len(graphs) - off)
+        try:
+            parts.append(Executable.from_bytes(bytes(graphs[off:off + length])))
+        except ExecutableError as exc:
+            raise d.fail(p, f"IPU {k}'s part: {exc}") from None
     return Executable(
         name=hdr["name"], programs=programs, graphs=graph_list, tensors=tensors,
         streams=streams, memory_bytes=hdr["memory_bytes"], required_bytes=hdr["required_bytes"],
         ipu_version=hdr["ipu_version"], num_ipus=hdr["num_ipus"],
         device_iterations=hdr["device_iterations"], package_hash=hdr["package_hash"],
-        attributes=dict(attrs))
+        attributes=dict(attrs), parts=parts)
 
 
 def _decode_body(d: _Doc, v: Any, path: str, depth: int, counter: list[int]
@@ -624,6 +645,7 @@ class _Validator:
             raise self.fail(f"required_bytes {exe.required_bytes} < memory_bytes "
                             f"{exe.memory_bytes}")
         self._tensors()
+        self._parts()
         for h, s in exe.streams.items():
             numpy_dtype(s.dtype)
             if s.direction not in ("in", "out"):
@@ -636,6 +658,18 @@ class _Validator:
                 if depth > _MAX_DEPTH:
                     raise self.fail(f"program {k}: instructions nested deeper than {_MAX_DEPTH}")
                 self._instr(k, instr)
+
+    def _parts(self) -> None:
+        exe = self.exe
+        if not exe.parts:
+            return
+        if len(exe.parts) != exe.num_ipus:
+            raise self.fail(f"{len(exe.parts)} IPU parts for num_ipus {exe.num_ipus}")
+        for k, part in enumerate(exe.parts):
+            if part.parts or part.num_ipus != 1 or part.ipu_version != exe.ipu_version:
+                raise self.fail(f"IPU {k}'s part must be a one-IPU executable for "
+                                f"ipu{exe.ipu_version} without parts of its own")
+            part.validate()
 
     def _tensors(self) -> None:
         spans = []

@@ -264,7 +264,7 @@ class Interpreter:
         finally:
             if self._zc_views:
                 self._release_held(io)  # type: ignore[arg-type]
-        return (n + rest) // count
+        return int((n + rest) // count)
 
     def _release_held(self, io: ZeroCopyStreamIO) -> None:
         held = list(self._zc_views)

@@ -32,6 +32,7 @@ from shm import Ring, RingTimeoutError, naming
 
 from ipu_emulator import protocol
 from ipu_emulator.protocol import Message, Op
+from ipu_emulator.errors import IpuProcessError
 
 __all__ = ["IpuSpec", "IpuProcess", "IpuConnection", "IpuProcessError", "launch_ipu",
            "describe_returncode", "read_log_tail", "START_TIMEOUT"]
@@ -42,16 +43,6 @@ _LOG_TAG = re.compile(r" ipu-?\d+\[(\d+)\] ")
 
 START_TIMEOUT = float(os.environ.get("IPU_EMULATOR_START_TIMEOUT", "120"))
 """Seconds an IPU process may take to start (python + onnxruntime import)."""
-
-
-class IpuProcessError(RuntimeError):
-    """An IPU process failed to start, or died; the message names it and how."""
-
-    def __init__(self, message: str, *, pid: int | None = None,
-                 returncode: int | None = None) -> None:
-        super().__init__(message)
-        self.pid = pid
-        self.returncode = returncode
 
 
 @dataclass(frozen=True)

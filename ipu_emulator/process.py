@@ -87,6 +87,18 @@ class DeviceOptions:
         return self.num_ipus * self.tiles_per_ipu * self.memory_per_tile
 
 
+class _NeverApart:
+    """A KeepApart that never looks (see ``_run``)."""
+
+    next_look = float("inf")
+
+    def check(self) -> None:
+        pass
+
+
+_NEVER_APART: Any = _NeverApart()
+
+
 class _Stopped(Exception):
     """STOP arrived while a program ran."""
 
@@ -436,6 +448,13 @@ class DeviceProcess:
         # the host writes the id of its thread that submits into its input rings
         hinted = [st.ring for st in loaded.streams if st.direction == "in" and st.ring is not None]
         apart.hint = hinted[0].user_word if hinted else None
+        if loaded.interp.executable.attributes.get("keep_apart") == "0":
+            # one IPU of several (compiler._sharding): the IPUs of a pipeline must spread
+            # over the CPUs, not all leave the host's one
+            apart.release()
+            apart = _NEVER_APART
+        # polls block at once when a yield ran another task, unless keeping apart
+        self.keeps_apart = apart is self._apart and self._apart.enabled
         # A loop of one program may run it many times per turn (C steps back to back, until
         # the next check below is due or a control message arrives).
         many = loop and len(programs) == 1

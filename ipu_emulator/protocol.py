@@ -53,6 +53,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+from ipu_emulator.errors import ProtocolError
+
 __all__ = [
     "Op",
     "Message",
@@ -77,10 +79,6 @@ __all__ = [
     "EVENT_SLOTS",
     "ProtocolError",
 ]
-
-
-class ProtocolError(ValueError):
-    """A message or load spec does not follow this protocol."""
 
 
 class Op(enum.IntEnum):

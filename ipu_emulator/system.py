@@ -33,6 +33,8 @@ import os
 from dataclasses import dataclass
 from typing import Mapping
 
+from ipu_emulator.errors import SystemConfigError
+
 __all__ = [
     "SystemConfig",
     "SystemConfigError",
@@ -47,10 +49,6 @@ IPU_VERSIONS: dict[str, int] = {"ipu2": 2, "ipu21": 21}
 _DEFAULT_TILES = 1472
 _DEFAULT_MEMORY_PER_TILE = 624 * 1024
 _MAX_IPUS = 64
-
-
-class SystemConfigError(ValueError):
-    """The emulated system configuration is invalid; the message names the setting."""
 
 
 @dataclass(frozen=True)

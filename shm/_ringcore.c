@@ -137,6 +137,13 @@ spin(Core *c, sem_t *sem)
  * after a timed slice. A signal that lands just before the thread enters
  * sem_wait is lost: the watchdog signals again every slice until the waiter
  * leaves. The watchdog sleeps while nobody waits (after one quiet slice).
+ *
+ * The handler is installed lazily, by the first untimed wait, and only while
+ * WAKE_SIGNAL still has its default disposition: an application that handles
+ * that signal itself keeps it, and the rings then use timed waits (as they do
+ * after untimed_waits(False), the setting IPU_EMULATOR_RING_UNTIMED_WAITS=0).
+ * The benchmark that justifies it: ring / semaphore round trip 1.09-1.11
+ * with untimed waits, 1.24-1.36 with timed ones (tools.bench ring, 2 vCPUs).
  */
 
 #define MAX_WAITERS 256
@@ -153,6 +160,7 @@ static pthread_cond_t wcond;
 static int watchdog_state; /* 0 not started, 1 running, 2 idle in an untimed wait */
 static uint64_t registrations;
 static int wake_signal;
+static int wake_mode; /* 0 undecided, 1 handler installed, -1 timed waits only */
 
 static void
 on_wake(int sig)
@@ -201,6 +209,24 @@ register_waiter(int64_t kick_ns)
 {
     int idx = -1;
     pthread_mutex_lock(&wlock);
+    if (wake_mode == 0) {
+        /* take the signal only if nobody has: an application's handler wins */
+        struct sigaction old, sa;
+        wake_mode = -1;
+        if (sigaction(wake_signal, NULL, &old) == 0 && !(old.sa_flags & SA_SIGINFO)
+            && old.sa_handler == SIG_DFL) {
+            memset(&sa, 0, sizeof(sa));
+            sa.sa_handler = on_wake;
+            sigemptyset(&sa.sa_mask);
+            sa.sa_flags = 0; /* no SA_RESTART: sem_wait returns EINTR */
+            if (sigaction(wake_signal, &sa, NULL) == 0)
+                wake_mode = 1;
+        }
+    }
+    if (wake_mode < 0) {
+        pthread_mutex_unlock(&wlock);
+        return -1;
+    }
     if (watchdog_state == 0) {
         pthread_t t;
         pthread_attr_t attr;
@@ -282,12 +308,31 @@ setup_waits(void)
     if (pthread_atfork(before_fork, after_fork_parent, after_fork_child) != 0)
         return -1;
     wake_signal = SIGRTMIN + 6;
-    struct sigaction sa;
-    memset(&sa, 0, sizeof(sa));
-    sa.sa_handler = on_wake;
-    sigemptyset(&sa.sa_mask);
-    sa.sa_flags = 0; /* no SA_RESTART: sem_wait returns EINTR */
-    return sigaction(wake_signal, &sa, NULL);
+    return 0;
+}
+
+/* untimed_waits(on): off makes every later wait a timed one (the handler, if
+ * installed, stays: it does nothing); on lets the next untimed wait decide
+ * again. Returns whether the handler is installed. */
+static PyObject *
+untimed_waits(PyObject *mod, PyObject *arg)
+{
+    int on = PyObject_IsTrue(arg);
+    if (on < 0)
+        return NULL;
+    pthread_mutex_lock(&wlock);
+    if (!on)
+        wake_mode = -1;
+    else if (wake_mode < 0) {
+        struct sigaction cur;
+        wake_mode = (sigaction(wake_signal, NULL, &cur) == 0 && cur.sa_handler == on_wake) ? 1 : 0;
+    }
+    int installed = 0;
+    struct sigaction cur;
+    if (sigaction(wake_signal, NULL, &cur) == 0 && cur.sa_handler == on_wake)
+        installed = 1;
+    pthread_mutex_unlock(&wlock);
+    return PyBool_FromLong(installed);
 }
 
 /* Take one token of `sem`, waiting up to `first` seconds (<= 0: do not block).
@@ -1297,6 +1342,9 @@ address(PyObject *module, PyObject *obj)
 static PyMethodDef module_methods[] = {
     {"address", (PyCFunction)address, METH_O,
      "address(buffer): the address of a C-contiguous buffer's first byte."},
+    {"untimed_waits", (PyCFunction)untimed_waits, METH_O,
+     "untimed_waits(on) -> bool: allow (or stop) untimed waits woken by SIGRTMIN+6; "
+     "returns whether the wake handler is installed."},
     {NULL, NULL, 0, NULL},
 };
 

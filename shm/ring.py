@@ -112,9 +112,12 @@ from . import _registry
 try:
     import shm._ringcore as _ringcore
 except ImportError:  # built without the C extension: the pure-Python path does it all
-    _ringcore = None  # type: ignore[assignment]
+    _ringcore = None
 if os.environ.get("IPU_EMULATOR_RING_C", "1") == "0":
-    _ringcore = None  # type: ignore[assignment]
+    _ringcore = None
+if _ringcore is not None and os.environ.get("IPU_EMULATOR_RING_UNTIMED_WAITS", "1") == "0":
+    # waits of a whole slice then arm a kernel timer instead of taking SIGRTMIN+6
+    _ringcore.untimed_waits(False)
 
 __all__ = ["Ring", "WAIT_SLICE"]
 

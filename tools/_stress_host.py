@@ -85,6 +85,9 @@ def _weights(path: str) -> np.ndarray:
     return np.frombuffer(td.data, np.float32).reshape(shape).copy()
 
 
+_KILLS = ("kill-ipu", "kill-pipeline")   # scenarios that kill IPU processes (auto_reset)
+
+
 class _Check:
     """Compares results with numpy; the internal hook shifts the expectation."""
 
@@ -123,7 +126,7 @@ class _Simple:
         cfg = mr.ModelRunnerConfig()
         cfg.replication_factor = spec["replicas"]
         cfg.thread_safe = True
-        cfg.auto_reset = spec["scenario"] == "kill-ipu"
+        cfg.auto_reset = spec["scenario"] in _KILLS
         cfg.device_wait_config = mr.DeviceWaitConfig(timedelta(seconds=120),
                                                      timedelta(seconds=0.05))
         if batching:
@@ -247,10 +250,56 @@ class _Fused:
         return done
 
 
+class _Pipeline:
+    """A MatMul/Relu chain pipelined over 2 IPU processes (kill-pipeline): sync and async
+    requests, random replicas, compared with onnxruntime in this process."""
+
+    def __init__(self, spec: dict[str, Any], check: _Check) -> None:
+        import onnx
+        import onnxruntime as ort
+
+        import host_runtime as mr
+
+        cfg = mr.ModelRunnerConfig()
+        cfg.replication_factor = spec["replicas"]
+        cfg.thread_safe = True
+        cfg.auto_reset = True
+        cfg.device_wait_config = mr.DeviceWaitConfig(timedelta(seconds=120),
+                                                     timedelta(seconds=0.05))
+        self.spec = spec
+        self.check = check
+        self.ref = ort.InferenceSession(onnx.load(spec["pipeline_onnx"]).SerializeToString(),
+                                        providers=["CPUExecutionProvider"])
+        self.ref_lock = threading.Lock()
+        self.runner = mr.ModelRunner(spec["pipeline_model"], config=cfg)
+
+    def close(self) -> None:
+        self.runner.close()
+
+    def request(self, rng: np.random.Generator, r: random.Random, hang: float) -> Callable[[], None]:
+        x = rng.standard_normal((4, 64)).astype(np.float32)
+        with self.ref_lock:
+            want = np.asarray(self.ref.run(None, {"x": x})[0])
+        rep = r.randrange(self.spec["replicas"])
+        what = f"pipeline replica {rep}"
+        if r.random() < 0.5:
+            got = self.runner.execute({"x": x}, replica_id=rep)["y"]
+            return lambda: self.check(got, want, what)
+        fut = self.runner.executeAsync({"x": x}, replica_id=rep)
+
+        def done() -> None:
+            _wait(fut, hang, what)
+            fut.result()
+            self.check(np.asarray(fut["y"]), want, what)
+        return done
+
+
 def _open(spec: dict[str, Any], check: _Check) -> Any:
     scenario = spec["scenario"]
     if scenario == "fused":
         return _Fused(spec, check)
+    if scenario == "kill-pipeline":
+        return _Pipeline(spec, check)
     return _Simple(spec, check, batching=bool(spec.get("batching")))
 
 
@@ -270,7 +319,7 @@ class _Host:
         self.in_flight: dict[int, tuple[float, str]] = {}
         from host_runtime.errors import DeviceLostError, DeviceTimeoutError
         self.allowed: tuple[type[BaseException], ...] = (
-            (DeviceLostError, DeviceTimeoutError) if spec["scenario"] == "kill-ipu" else ())
+            (DeviceLostError, DeviceTimeoutError) if spec["scenario"] in _KILLS else ())
 
     def _take(self) -> bool:
         if time.time() >= self.deadline:
@@ -388,7 +437,7 @@ class _Host:
                                f"while {stage}")
         if stuck:
             return False
-        if work is not None and self.spec["scenario"] == "kill-ipu":
+        if work is not None and self.spec["scenario"] in _KILLS:
             # Ask the orchestrator to stop the faults; once it has, every request must succeed.
             print("QUIESCE", flush=True)
             sys.stdin.readline()      # "GO" (or EOF if the orchestrator is gone)

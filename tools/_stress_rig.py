@@ -54,7 +54,26 @@ def write_models(directory: Path, seed: int) -> dict[str, str]:
     write_popef(result, batch)
     fused_dir = directory / "fused"
     fused_dir.mkdir(exist_ok=True)
-    return {"model": model, "batch_model": batch, "fused_model": _write_fused_model(str(fused_dir))}
+    return {"model": model, "batch_model": batch, "fused_model": _write_fused_model(str(fused_dir)),
+            **_write_pipeline_model(directory, seed)}
+
+
+def _write_pipeline_model(directory: Path, seed: int) -> dict[str, str]:
+    """A MatMul/Relu chain pipelined over 2 IPUs (the kill-pipeline scenario), and its ONNX
+    model (the hosts compute the expected values with onnxruntime)."""
+    import onnx
+
+    from host_runtime.poprt.compiler import compile as poprt_compile
+    from tools._chain_model import chain_model, shard_config
+
+    model = chain_model(4, width=64, batch=4, seed=seed + 2)
+    onnx_path = str(directory / "chain.onnx")
+    onnx.save(model, onnx_path)
+    sharding, stages = shard_config(4, 2, pipelined=True)
+    out = poprt_compile(model, directory, popef_name="pipeline.popef", num_ipus=2,
+                        sharding_info=sharding, pipelining_info=stages, enable_pipelining=True,
+                        batches_per_step=2)
+    return {"pipeline_model": str(out.popef_path), "pipeline_onnx": onnx_path}
 
 
 @dataclass
@@ -73,7 +92,8 @@ class HostProc:
     def result(self) -> dict[str, Any] | None:
         try:
             with open(self.result_path) as f:
-                return json.load(f)
+                data: dict[str, Any] = json.load(f)
+                return data
         except (OSError, ValueError):
             return None
 

@@ -6,7 +6,8 @@ it on embedded emulated IPUs and runs the execution modes of seeds 000/001
 (sync/async, runner/user-allocated outputs, InputMemoryView or numpy dicts),
 frozen inputs, dynamic batch sizes, replication over 2 IPUs, 4 threads x 5
 requests, the Save program, conditional execution of two fused models through
-the PopRT ``Runner``, and prints the monitoring statistics. Every
+the PopRT ``Runner``, a MatMul/Relu chain sharded and pipelined over 2 IPUs
+(one IPU process per part), and prints the monitoring statistics. Every
 result is compared with numpy; each mode prints PASS or FAIL and the exit
 status is non-zero if any failed.
 """
@@ -36,7 +37,7 @@ class _Demo:
         self.rng = np.random.default_rng(1)
 
     def expect(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        return a * self.weights + b
+        return np.asarray(a * self.weights + b)
 
     def inputs(self, shape: tuple[int, ...] | list[int]) -> tuple[np.ndarray, np.ndarray]:
         a = self.rng.standard_normal(shape).astype(np.float32)
@@ -322,6 +323,16 @@ def run_demo(workdir: str, verbose: bool = False) -> int:
     demo.mode("conditional execution: two fused models, PopRT Runner fills 'index'",
               conditional_execution)
 
+    def sharded() -> None:
+        _sharded_mode(workdir, demo, pipelined=False)
+
+    def pipelined() -> None:
+        _sharded_mode(workdir, demo, pipelined=True)
+
+    for label, fn in (("sharded", sharded), ("pipelined", pipelined)):
+        demo.mode(f"{label} over 2 IPUs: an 8-layer MatMul/Relu chain, one IPU process per "
+                  "part", fn)
+
     failed = [name for name, ok, _ in demo.results if not ok]
     print()
     print(f"{len(demo.results) - len(failed)} of {len(demo.results)} modes passed")
@@ -329,6 +340,46 @@ def run_demo(workdir: str, verbose: bool = False) -> int:
         print("FAILED: " + "; ".join(failed))
         return 1
     return 0
+
+
+def _sharded_mode(workdir: str, demo: _Demo, pipelined: bool) -> None:
+    """poprt --num_ipus 2 --manual_sharding_config ... [--enable_pipelining], then
+    ModelRunner with 8 requests in flight, compared with onnxruntime in this process."""
+    import onnx
+
+    from host_runtime import ModelRunner
+    from tools import poprt
+    from tools._chain_model import chain_model, reference, write_shard_yaml
+
+    name = "pipelined" if pipelined else "sharded"
+    folder = os.path.join(workdir, name)
+    os.makedirs(folder, exist_ok=True)
+    model = chain_model(8, width=64, batch=4, seed=5)
+    onnx.save(model, os.path.join(folder, "chain.onnx"))
+    shard = write_shard_yaml(os.path.join(folder, "shard.yaml"), 8, 2, pipelined)
+    argv = ["--input_model", os.path.join(folder, "chain.onnx"), "--num_ipus", "2",
+            "--manual_sharding_config", shard, "--batches_per_step", "2" if pipelined else "1",
+            "--export_popef", "--output_dir", folder]
+    if pipelined:
+        argv.append("--enable_pipelining")
+    import contextlib
+    import io
+
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+        rc = poprt.main(argv)
+    if rc != 0:
+        raise AssertionError(f"poprt refused the sharded model: {said.getvalue()}")
+    with ModelRunner(os.path.join(folder, "executable.popef")) as runner:
+        xs = [demo.rng.standard_normal((4, 64)).astype(np.float32) for _ in range(8)]
+        futures = [runner.executeAsync({"x": x}) for x in xs]
+        for x, f in zip(xs, futures):
+            _check(f.result()["y"], reference(model, x), "y")
+        pids = runner._replicas[0].session.device().pids()
+        if len(set(pids)) != 2:
+            raise AssertionError(f"expected 2 IPU processes, the device has {pids}")
+        if demo.verbose:
+            print(f"      {name}: IPU processes {pids}")
 
 
 def main(argv: list[str] | None = None) -> int:

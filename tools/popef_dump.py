@@ -78,7 +78,22 @@ def describe(reader: popef.Reader) -> dict[str, Any]:
             "feedTransfers": feeds.get(a.name(), 0),
         })
     out["subgraphs"] = md.subgraphs()
+    out["sharding"] = _sharding(reader, md.executable()) if md.numIpus() > 1 else None
     return out
+
+
+def _sharding(reader: popef.Reader, name: str) -> dict[str, Any] | None:
+    """Which nodes, anchors and tensors live on which IPU and stage (multi-IPU executables)."""
+    from ipu_emulator.compiler._sharding import describe_parts
+    from ipu_emulator.executable import Executable, ExecutableError
+
+    for blob in reader.executables():
+        if blob.name() == name:
+            try:
+                return describe_parts(Executable.from_bytes(blob.payload()))
+            except (ExecutableError, PopefError):
+                return None
+    return None
 
 
 def _clean(value: object) -> str:
@@ -179,6 +194,9 @@ def render(d: dict[str, Any]) -> str:
             out.append(_table(["graph", "anchors"], rows))
         else:
             out.append("  none (not a fused model)")
+        if d.get("sharding"):
+            out.append("")
+            out.extend(_render_sharding(d["sharding"]))
         out.append("")
         out.append("Program flow")
         out.append(_table(["phase", "programs"], [
@@ -188,6 +206,23 @@ def render(d: dict[str, Any]) -> str:
     check = d["model_check"]
     out.append("Model check: " + ("ok" if check["ok"] else f"FAILED: {_clean(check['error'])}"))
     return "\n".join(out) + "\n"
+
+
+def _render_sharding(sh: dict[str, Any]) -> list[str]:
+    kind = f"pipelined, {sh['num_stages']} stages" if sh["pipelining"] else "sharded"
+    lines = [f"Sharding ({kind}) over {len(sh['ipus'])} IPUs"]
+    for i in sh["ipus"]:
+        nodes = i["nodes"]
+        shown = ", ".join(_clean(n) for n in nodes[:12]) + (", ..." if len(nodes) > 12 else "")
+        lines.append(f"  ipu {i['ipu']}  stage {i['stages']}  {len(nodes)} nodes: {shown}")
+        lines.append(f"    anchors   in: {', '.join(i['anchors_in']) or '-'}; "
+                     f"out: {', '.join(i['anchors_out']) or '-'}")
+        lines.append(f"    links     in: {', '.join(i['links_in']) or '-'}; "
+                     f"out: {', '.join(i['links_out']) or '-'}")
+        lines.append(f"    tensors   {', '.join(_clean(t) for t in i['tensors'][:16])}"
+                     f"{', ...' if len(i['tensors']) > 16 else ''}  "
+                     f"({i['required_bytes']} bytes of device memory)")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -56,6 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "back through an output anchor '<name>_saved'")
     p.add_argument("--compress", nargs="?", const=True, default=None, type=_bool,
                    help="zlib-compress the executable blob")
+    p.add_argument("--num_ipus", type=int, default=None,
+                   help="IPUs the model is sharded over (a power of two; default 1)")
+    p.add_argument("--manual_sharding_config", default=None, metavar="shard.yaml",
+                   help="YAML with sharding_info (node -> IPU) and pipelining_info "
+                        "(node -> stage) maps")
+    p.add_argument("--enable_pipelining", nargs="?", const=True, default=None, type=_bool,
+                   help="run the IPUs' parts as a pipeline (stage s on batch i while stage "
+                        "s+1 works on batch i-1)")
     p.add_argument("--popef_name", default=None, help="PopEF file name (default executable.popef)")
     p.add_argument("-v", "--verbose", action="store_true", help="log what the compiler does")
     return p
@@ -80,7 +88,9 @@ def main(argv: list[str] | None = None) -> int:
                 "weights_as_tensor_data": args.weights_as_tensor_data,
                 "save_weights": args.save_weights, "compress": args.compress,
                 "popef_name": args.popef_name, "precision": args.precision,
-                "input_shape": args.input_shape}
+                "input_shape": args.input_shape, "num_ipus": args.num_ipus,
+                "manual_sharding_config": args.manual_sharding_config,
+                "enable_pipelining": args.enable_pipelining}
             cfg = load_config_yaml(args.config_yaml, overrides)
             if args.output_dir is not None:
                 cfg.output_dir = pathlib.Path(args.output_dir)
@@ -100,11 +110,17 @@ def main(argv: list[str] | None = None) -> int:
                 weights_as_tensor_data=bool(args.weights_as_tensor_data),
                 save_weights=bool(args.save_weights),
                 max_tensor_size=args.max_tensor_size if args.max_tensor_size is not None else -1,
-                compress=bool(args.compress), input_shapes=shapes, precision=precision)
+                compress=bool(args.compress), input_shapes=shapes, precision=precision,
+                num_ipus=args.num_ipus or 1,
+                manual_sharding_config=args.manual_sharding_config,
+                enable_pipelining=bool(args.enable_pipelining))
     except (CompileError, BadRequestError) as exc:
         print(f"poprt: error: {exc}", file=sys.stderr)
         return 1
     exe = out.result.executable
+    if exe.num_ipus > 1:
+        print(f"poprt: sharded over {exe.num_ipus} IPUs"
+              + (" (pipelined)" if args.enable_pipelining else ""))
     print(f"poprt: compiled {exe.attributes.get('models', '')} for {args.ipu_version or 'ipu21'}"
           f" ({len(out.result.anchors)} anchors, device memory {exe.required_bytes} bytes)")
     if out.output_model_path is not None:

@@ -18,6 +18,9 @@ Pythons) on a private emulated machine (own IPU_EMULATOR_HOME and shm tag,
   other host batches dynamically):
   each request returns the right value or fails with DeviceLostError /
   DeviceTimeoutError, none hangs, and requests after the faults succeed;
+- ``kill-pipeline``: a MatMul/Relu chain pipelined over 2 IPUs (one IPU process per
+  stage, ``auto_reset``) under load while random IPU processes are SIGKILLed: the
+  whole device is lost and reloaded; the same checks as ``kill-ipu``;
 - ``kill-host``: SIGKILL random host processes (replaced while time remains):
   their IPU processes exit and /dev/shm holds nothing of theirs, others go on;
 - ``daemon``: hosts attach, run and detach through a private daemon in a loop.
@@ -48,7 +51,8 @@ __all__ = ["SCENARIOS", "ScenarioResult", "main", "run"]
 
 _log = logging.getLogger(__name__)
 
-SCENARIOS = ("mixed", "batching", "fused", "kill-ipu", "kill-host", "daemon")
+SCENARIOS = ("mixed", "batching", "fused", "kill-ipu", "kill-pipeline", "kill-host", "daemon")
+_IPUS_PER_DEVICE = {"kill-pipeline": 2}   # IPUs of the scenario's model (sharded models)
 _STARTUP_ALLOWANCE = 120.0     # seconds a host may take to import and load its model
 
 
@@ -113,9 +117,9 @@ class _Scenario:
         that many makes runners wait for each other without."""
         o = self.opts
         if self.name != "daemon":
-            return o.hosts * o.replicas
-        return max(o.hosts * o.replicas // 2, o.hosts * o.threads * (o.replicas - 1) + 1,
-                   o.replicas)
+            return int(o.hosts * o.replicas * _IPUS_PER_DEVICE.get(self.name, 1))
+        return int(max(o.hosts * o.replicas // 2, o.hosts * o.threads * (o.replicas - 1) + 1,
+                   o.replicas))
 
     def run(self) -> ScenarioResult:
         t0 = time.monotonic()
@@ -136,7 +140,7 @@ class _Scenario:
             self._start(duration)
         limit = time.monotonic() + _STARTUP_ALLOWANCE + (duration or self.opts.max_seconds) \
             + 2 * self.opts.hang_timeout
-        if self.name == "kill-ipu":
+        if self.name in ("kill-ipu", "kill-pipeline"):
             self._kill_ipus(limit)
         elif self.name == "kill-host":
             self._kill_hosts(limit, duration)
@@ -299,7 +303,7 @@ _COLUMNS = ("scenario", "hosts", "events", "ok", "failed as expected", "wrong", 
 
 def _row(r: ScenarioResult) -> list[str]:
     killed = f"{r.hosts_killed} hosts killed" if r.name == "kill-host" else \
-        f"{r.ipus_killed} ipus killed" if r.name == "kill-ipu" else \
+        f"{r.ipus_killed} ipus killed" if r.name in ("kill-ipu", "kill-pipeline") else \
         f"{r.cycles} attaches" if r.name == "daemon" else "-"
     return [r.name, str(r.hosts), killed, str(r.ok), str(r.expected), str(r.wrong), str(r.hung),
             str(r.errors), "-" if r.p50_ms is None else f"{r.p50_ms:.2f}",
@@ -353,7 +357,8 @@ def run(opts: argparse.Namespace) -> tuple[list[ScenarioResult], list[str]]:
     """Run the scenarios; return their results and the run-wide problems (leaks)."""
     scenarios = opts.scenario or ["mixed"]
     rng = random.Random(opts.seed)
-    rig = Rig(num_ipus=opts.hosts * opts.replicas, seed=opts.seed % 1000)
+    per_device = max(_IPUS_PER_DEVICE.get(name, 1) for name in scenarios)
+    rig = Rig(num_ipus=opts.hosts * opts.replicas * per_device, seed=opts.seed % 1000)
     results: list[ScenarioResult] = []
     problems: list[str] = []
     try:

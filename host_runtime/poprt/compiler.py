@@ -93,15 +93,33 @@ def compile(models: "ModelSpec | Sequence[ModelSpec] | str | os.PathLike[str] | 
             max_tensor_size: int = -1, compress: bool = False,
             name: str = "executable", fuse: bool | None = None,
             input_shapes: dict[str, list[int]] | None = None,
-            precision: str | None = None) -> CompileOutput:
+            precision: str | None = None, num_ipus: int = 1,
+            sharding_info: dict[str, int] | None = None,
+            pipelining_info: dict[str, int] | None = None,
+            enable_pipelining: bool = False,
+            manual_sharding_config: str | os.PathLike[str] | None = None,
+            ipu_memory: int = 0) -> CompileOutput:
     """Compile one model (or fuse several ``ModelSpec``) and write the outputs.
 
     ``export_popef`` writes ``<output_dir>/<popef_name>``; ``output_model``
     (relative to ``output_dir``) receives the transformed ONNX model.
     ``input_shapes``/``precision`` apply when ``models`` is a path or a ModelProto.
     Raises ``ipu_emulator.errors.CompileError`` when the model is refused.
+
+    Sharding (PopRT's manual sharding): ``num_ipus`` IPUs, ``sharding_info`` (node name
+    -> IPU), ``pipelining_info`` (node name -> stage) and ``enable_pipelining``, or
+    ``manual_sharding_config``, a YAML file holding those two maps (the explicit maps
+    win). ``ipu_memory`` overrides the bytes of one IPU (0: the target's).
     """
     from ipu_emulator.compiler import CompileOptions, ModelSpec, compile_onnx
+    from ipu_emulator.compiler._sharding import check_map, load_sharding_yaml
+
+    shard: dict[str, int] = {}
+    stages: dict[str, int] = {}
+    if manual_sharding_config is not None:
+        shard, stages = load_sharding_yaml(manual_sharding_config)
+    shard.update(check_map(sharding_info, "sharding_info"))
+    stages.update(check_map(pipelining_info, "pipelining_info"))
 
     if isinstance(models, ModelSpec):
         specs = [models]
@@ -113,7 +131,11 @@ def compile(models: "ModelSpec | Sequence[ModelSpec] | str | os.PathLike[str] | 
                           device_iterations=int(batches_per_step),
                           weights_as_tensor_data=weights_as_tensor_data,
                           save_weights=save_weights, max_tensor_size=int(max_tensor_size),
-                          fuse=fuse)
+                          fuse=fuse, num_ipus=int(num_ipus), sharding_info=shard or None,
+                          pipelining_info=stages or None,
+                          enable_pipelining=bool(enable_pipelining), ipu_memory=int(ipu_memory))
+    if (shard or stages or enable_pipelining) and len(specs) == 1:
+        opts.fuse = False
     result = compile_onnx(specs, opts)
     out_dir = pathlib.Path(output_dir) if output_dir is not None else pathlib.Path.cwd()
     output = CompileOutput(result)
@@ -170,7 +192,9 @@ def write_popef(result: "CompileResult", dest: str | os.PathLike[str] | BinaryIO
 
 _GLOBAL_KEYS = {"output_dir", "output_model", "export_popef", "max_tensor_size", "ipu_version",
                 "model_fusion", "precision", "input_shape", "batches_per_step",
-                "weights_as_tensor_data", "save_weights", "compress", "popef_name", "name"}
+                "weights_as_tensor_data", "save_weights", "compress", "popef_name", "name",
+                "num_ipus", "manual_sharding_config", "sharding_info", "pipelining_info",
+                "enable_pipelining"}
 _MODEL_KEYS = {"input_model", "input_shape", "precision"}
 
 
@@ -245,6 +269,17 @@ def load_config_yaml(path: str | os.PathLike[str],
         "name": str(doc.get("name", "executable")),
         "fuse": True,
     }
+    # manual sharding (PopRT): num_ipus, sharding_info / pipelining_info maps or a
+    # manual_sharding_config file, enable_pipelining; applies to a single model
+    if "num_ipus" in doc:
+        options["num_ipus"] = _int(doc["num_ipus"], "num_ipus", p)
+    for key in ("sharding_info", "pipelining_info"):
+        if doc.get(key) is not None:
+            options[key] = doc[key]
+    if doc.get("manual_sharding_config") is not None:
+        options["manual_sharding_config"] = base / str(doc["manual_sharding_config"])
+    if "enable_pipelining" in doc:
+        options["enable_pipelining"] = bool(doc["enable_pipelining"])
     return FusionConfig(specs, out_dir, options)
 
 

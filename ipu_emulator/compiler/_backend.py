@@ -97,6 +97,12 @@ class CompileOptions:
     max_tensor_size: int = -1             # bytes; -1: no limit
     num_ipus: int = 1
     fuse: bool | None = None              # None: fuse when several models are given
+    # manual sharding (ipu_emulator.compiler._sharding): node name -> IPU / pipeline stage
+    sharding_info: dict[str, int] | None = None
+    pipelining_info: dict[str, int] | None = None
+    enable_pipelining: bool = False
+    machine_ipus: int | None = None       # IPUs of the target machine (None: the system config)
+    ipu_memory: int = 0                   # bytes of one IPU (0: the target's tiles x memory)
 
 
 @dataclass(frozen=True)
@@ -154,13 +160,28 @@ def compile_onnx(models: "ModelSpec | Sequence[ModelSpec]",
     if not fused and len(specs) > 1:
         raise CompileError(f"{len(specs)} models given without fusion; compile one model or fuse")
 
+    sharded = bool(opts.sharding_info or opts.pipelining_info or opts.enable_pipelining)
+    if sharded and len(specs) > 1:
+        raise CompileError(f"manual sharding applies to one model; {len(specs)} models were "
+                           "given (fused models are not sharded)")
     prepared: list[Prepared] = []
     for spec in specs:
         model, _folder, label = load_model(spec.source, spec.base_dir)
         shapes = {k: [int(d) for d in v] for k, v in (spec.input_shapes or {}).items()}
         prepared.append(prepare(model, label, shapes, spec.precision,
                                 opts.weights_as_tensor_data))
-    return _assemble(prepared, opts, target, fused)
+    if sharded and opts.num_ipus > 1:
+        from ipu_emulator.compiler._sharding import compile_sharded
+        return compile_sharded(prepared[0], opts, target, _ipu_memory(opts, target))
+    result = _assemble(prepared, opts, target, fused)
+    if sharded:   # one IPU: one program set; the placement is still checked and recorded
+        from ipu_emulator.compiler._sharding import annotate_one_ipu
+        annotate_one_ipu(result, prepared[0], opts)
+    return result
+
+
+def _ipu_memory(opts: CompileOptions, target: Target) -> int:
+    return int(opts.ipu_memory) if opts.ipu_memory else target.memory_bytes
 
 
 def _assemble(prepared: list[Prepared], opts: CompileOptions, target: Target,
@@ -287,7 +308,7 @@ def _count(shape: tuple[int, ...]) -> int:
 
 def _check_fit(prepared: list[Prepared], opts: CompileOptions, target: Target,
                memory_bytes: int, constants: int, activations: int, required: int) -> None:
-    per_ipu = target.memory_bytes
+    per_ipu = _ipu_memory(opts, target)
     total = per_ipu * opts.num_ipus
     largest: tuple[int, str, str] = (0, "", "")
     for p in prepared:
@@ -310,4 +331,6 @@ def _check_fit(prepared: list[Prepared], opts: CompileOptions, target: Target,
             f"it needs {required} bytes (device tensors {memory_bytes}, constants {constants}, "
             f"peak activations {activations}) but the device has {total} bytes "
             f"({target.tiles} tiles x {target.bytes_per_tile} bytes per tile per IPU); the "
-            f"largest tensor is {largest[1]!r} ({largest[2]}) with {largest[0]} bytes")
+            f"largest tensor is {largest[1]!r} ({largest[2]}) with {largest[0]} bytes"
+            + ("; shard it over several IPUs (--num_ipus N --manual_sharding_config "
+               "shard.yaml)" if len(prepared) == 1 else ""))

@@ -8,7 +8,8 @@ import signal
 
 import pytest
 
-from shm import PeerDiedError, Ring, _peers, remove_dead
+from shm import PeerDiedError, Ring, remove_dead
+from tools.bench import peers as _peers
 from shm.cleanup import list_objects
 from tests._helpers import SPAWN as _CTX
 from tests._helpers import spawn as _start

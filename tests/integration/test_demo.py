@@ -18,11 +18,12 @@ def test_demo_runs_every_mode_and_passes(tmp_path):
                  "async, numpy dict, output allocated by the user (shares memory)",
                  "frozen inputs", "dynamic batch sizes", "replication over 2 IPUs",
                  "multithreading: 4 threads x 5 async requests", "monitoring statistics",
-                 "Save program run on close", "conditional execution"):
+                 "Save program run on close", "conditional execution",
+                 "sharded over 2 IPUs", "pipelined over 2 IPUs"):
         assert f"PASS  {mode}" in out, out
     assert "FAIL" not in out
     assert "request_monitoring_statistics_mean_us" in out
-    assert "16 of 16 modes passed" in out
+    assert "18 of 18 modes passed" in out
 
 
 def test_demo_exits_non_zero_when_a_mode_fails(tmp_path, monkeypatch):

@@ -142,7 +142,7 @@ def test_flush_callback_called_once_on_timeout_then_padded(model_path, weights):
         a, b = rows(3, 7)
         out = r.execute({"tensor_A": a, "tensor_B": b})
         np.testing.assert_allclose(out["tensor_C"], packed_expectation(a, b, weights, 0), rtol=1e-6)
-        assert calls == [("tensor_A", None, None)]
+        assert calls == [("tensor_A", {}, {})]    # empty views the callback may fill
         a4, b4 = rows(4, 8)              # a whole batch needs no flush
         r.execute({"tensor_A": a4, "tensor_B": b4})
         assert len(calls) == 1

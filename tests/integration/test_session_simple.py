@@ -110,17 +110,21 @@ def test_user_handlers_get_callback_info_and_follow_predicates(model, weights, d
         def inputs(info: CallbackInfo):
             seen.append(info.name())
             assert info.isInput() and info.tensorInfo().shape() == list(SHAPE)
+            if info.name() == "weights":
+                return None           # keep the PopEF data bound to it
             return st.feed(info.name(), rand(5))
 
         def outputs(info: CallbackInfo):
             seen.append(info.name())
             return st.sink(info.name())
 
-        # tensor_B gets an empty callback (zeros): C = A * weights
+        # tensor_B gets an empty callback (zeros): C = A * weights; weights keeps its data.
+        # The factory is called for every tensor (seed), the predicate decides what is bound.
         s.setUserInputHandler(inputs, ac.predAnchorsPolicies(
-            [AnchorWithPolicy("tensor_A", AnchorCallbackPolicy.BIND_USER_CB)]))
+            [AnchorWithPolicy("tensor_A", AnchorCallbackPolicy.BIND_USER_CB),
+             AnchorWithPolicy("weights", AnchorCallbackPolicy.SKIP_CB)]))
         s.setUserOutputHandler(outputs, ac.predProgramFlowMain(flow))
-        assert sorted(seen) == ["tensor_A", "tensor_C"]
+        assert sorted(seen) == ["tensor_A", "tensor_B", "tensor_C", "weights", "weights_saved"]
         s.runMainPrograms()
         np.testing.assert_allclose(st.outputs["tensor_C"][-1], rand(5) * weights, rtol=1e-6)
         s.runSavePrograms()  # weights_saved has the empty callback: dropped
@@ -130,7 +134,7 @@ def test_user_handlers_get_callback_info_and_follow_predicates(model, weights, d
         s.setUserInputHandler(inputs, skip_connected=True)
         assert seen == []
         s.setUserInputHandler(inputs)
-        assert sorted(seen) == ["tensor_A", "tensor_B"]
+        assert sorted(seen) == ["tensor_A", "tensor_B", "weights"]
         s.runMainPrograms()
         np.testing.assert_allclose(st.outputs["tensor_C"][-1], rand(5) * weights + rand(5),
                                    rtol=1e-6)

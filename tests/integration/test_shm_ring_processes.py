@@ -8,7 +8,8 @@ import random
 import pytest
 
 import shm.ring as ring_module
-from shm import Ring, _peers, naming
+from shm import Ring, naming
+from tools.bench import peers as _peers
 from shm.cleanup import list_objects
 from tests._helpers import SPAWN as _CTX
 from tests._helpers import finish as _finish

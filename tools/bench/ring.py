@@ -29,7 +29,7 @@ import numpy as np
 import posix_ipc
 
 from shm import Ring, naming
-from shm import _peers
+from tools.bench import peers as _peers
 
 DESCRIPTION = "shm ring latency and bandwidth vs Pipe, semaphores, numpy"
 
@@ -146,7 +146,7 @@ def latencies(rounds: int, blocks: int = 10) -> dict[str, tuple[float, float, fl
     The three ping-pongs run interleaved in ``blocks`` blocks, so that a noisy
     neighbour or a change of CPU placement hits all of them alike.
     """
-    pongs: list = []
+    pongs: list[_SemPingPong | _RingPingPong | _PipePingPong] = []
     try:
         pongs = [_SemPingPong(), _RingPingPong(), _PipePingPong()]
         for p in pongs:

@@ -1,4 +1,4 @@
-"""Peer processes for the tests and benchmarks of :mod:`shm`.
+"""Peer processes for the benchmarks and tests of :mod:`shm` (not part of ``shm``).
 
 Each function is the target of a ``multiprocessing`` *spawn* process (never
 fork: the parent may have threads). They attach to rings by name, watch the
@@ -14,9 +14,7 @@ from typing import Any
 import numpy as np
 import posix_ipc
 
-from .errors import RingInvalidatedError, WouldBlock
-from .region import Region
-from .ring import Ring
+from shm import Region, Ring, RingInvalidatedError, WouldBlock
 
 STOP = -1
 """Tag that tells an echo peer to exit."""

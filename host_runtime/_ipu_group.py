@@ -1,0 +1,404 @@
+"""Multi-IPU devices: one request to every IPU process of the device, and the IPU-Links.
+
+::
+
+    Session ---- GroupLink.request(RUN) ----+--> member link 0 --control--> IPU process 0
+                 (one future: done when     +--> member link 1 --control--> IPU process 1
+                  every IPU is done)        ...
+    host rings:  input anchor  --> the IPU that consumes it
+                 output anchor <-- the IPU that produces it
+    link rings:  IPU process a --(SPSC ring, created and owned by the session)--> IPU process b
+
+``GroupLink`` stands in for ``DeviceLink`` on a device of several IPUs. Until a
+multi-IPU executable is loaded it talks to IPU 0 only, exactly like the one-IPU
+link did (a one-IPU executable on a bigger device runs on its first IPU). A LOAD
+whose body holds ``spec_regions`` (one per IPU) widens it: from then on every
+request goes to each IPU's process and its future resolves when all of them are
+done; the first failure softly stops the others (STOP value 1), so that no IPU
+is left waiting for an activation that will never come, and the future fails
+with that failure once every IPU has answered. Before each RUN/LOOP (nothing
+runs then) the links are emptied and the sharding tokens put back, whatever an
+abandoned iteration left in them.
+
+Failure is whole-device: when any IPU process dies, every member link fails its
+pending requests with one ``DeviceLostError`` naming the IPU, and the remaining
+IPU processes of the device are killed (their rings then fail at once, and none
+of them is left waiting on a link whose producer is gone).
+
+``ShardedLoad`` is the session's side: per IPU a spec region (that IPU's part of
+the executable), a device-memory region, and one ring per link. Every IPU gets
+the session's full list of host streams (same indices, so NEED/OUT events and
+MODES need no translation; an IPU never touches the streams its part does not
+name) followed by its links, in direct mode.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import threading
+from typing import TYPE_CHECKING, Any, Callable
+
+from shm import Region, Ring
+
+from host_runtime._device_link import DeviceLink, StreamServicer, wait
+from host_runtime.errors import BadRequestError, DeviceLostError, InvalidStateError, PopefError
+from ipu_emulator import protocol
+from ipu_emulator.launcher import IpuConnection, describe_returncode
+from ipu_emulator.protocol import MODE_DIRECT, Op
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ipu_emulator.executable import Executable
+
+__all__ = ["GroupLink", "ShardedLoad", "make_link", "LINK_DEPTH"]
+
+_log = logging.getLogger(__name__)
+
+LINK_DEPTH = 4
+"""Slots of an IPU-Link ring: how many batches a pipeline stage may run ahead of the next."""
+
+
+def make_link(description: str, processes: list[IpuConnection]) -> "DeviceLink | GroupLink":
+    """The link of a device: a plain DeviceLink for one IPU, a GroupLink for several."""
+    if len(processes) <= 1:
+        return DeviceLink(description, processes)
+    return GroupLink(description, processes)
+
+
+class _MemberLink(DeviceLink):
+    """One IPU process's control/event rings; a loss is the whole group's."""
+
+    def __init__(self, group: "GroupLink", description: str,
+                 processes: list[IpuConnection]) -> None:
+        super().__init__(description, processes)
+        self._group = group
+
+    def mark_lost(self) -> DeviceLostError:
+        return self._group.mark_lost()
+
+    def _adopt_lost(self, err: DeviceLostError) -> None:
+        with self._lost_lock:
+            if self._lost is not None:
+                return
+            self._lost = err
+        self._fail_all(err)
+
+
+class GroupLink:
+    """The link of a device of several IPUs (see the module docstring)."""
+
+    def __init__(self, description: str, processes: list[IpuConnection]) -> None:
+        self.description = description
+        self._procs = list(processes)
+        self._members = [
+            _MemberLink(self, description, [p] + [q for q in processes if q is not p])
+            for p in processes]
+        self._width = 1
+        self._lost: DeviceLostError | None = None
+        self._lost_lock = threading.Lock()
+        self._closing = False
+        self._servicer: StreamServicer | None = None
+        # set by ShardedLoad: empty the IPU-Links (every IPU process is idle then)
+        self.reset_links: Callable[[], None] | None = None
+
+    # -- DeviceLink's surface ------------------------------------------------------------
+
+    def start(self) -> None:
+        for m in self._members:
+            m.start()
+
+    def close(self, timeout: float = 1.0) -> None:
+        self._closing = True
+        for m in self._members:
+            m.close(timeout)
+
+    @property
+    def lost(self) -> DeviceLostError | None:
+        return self._lost
+
+    def check(self) -> DeviceLostError | None:
+        if self._lost is None and self._dead() is not None:
+            return self.mark_lost()
+        return self._lost
+
+    @property
+    def started(self) -> bool:
+        return self._members[0].started
+
+    @property
+    def pid(self) -> int:
+        return self._members[0].pid
+
+    @property
+    def width(self) -> int:
+        """IPUs the loaded executable uses (1 until a multi-IPU executable is loaded)."""
+        return self._width
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def set_servicer(self, servicer: StreamServicer | None) -> None:
+        self._servicer = servicer
+        for m in self._members:
+            m.set_servicer(servicer)
+
+    def request(self, op: Op, body: Any = None, value: int = 0) -> "cf.Future[None]":
+        bodies: list[Any] | None = None
+        if op is Op.LOAD:
+            regions = body.get("spec_regions") if isinstance(body, dict) else None
+            if regions:
+                if len(regions) > len(self._members):
+                    fut: cf.Future[None] = cf.Future()
+                    fut.set_exception(BadRequestError(
+                        f"the executable needs {len(regions)} IPUs, but {self.description} "
+                        f"has {len(self._members)}"))
+                    return fut
+                self._width = len(regions)
+                bodies = [{"spec_region": r} for r in regions]
+            else:
+                self._width = 1
+        width = self._width
+        if width == 1:
+            return self._members[0].request(op, body, value)
+        if bodies is None:
+            bodies = [body] * width
+        if op in (Op.RUN, Op.LOOP) and self.reset_links is not None and self._lost is None:
+            # Nothing runs now (the session runs one request at a time): start the links
+            # afresh, whatever an abandoned iteration (a stop, a failure) left in them.
+            self.reset_links()
+        futs = [self._members[k].request(op, bodies[k], value) for k in range(width)]
+        return self._all(futs, op)
+
+    def call(self, op: Op, body: Any = None, timeout: float | None = None) -> None:
+        wait(self.request(op, body), timeout, f"{op.name} on {self.description}")
+
+    def notify(self, op: Op, body: Any = None) -> None:
+        for m in self._members[:self._width]:
+            m.notify(op, body)
+
+    # -- combining ----------------------------------------------------------------------------
+
+    def _all(self, futs: list["cf.Future[None]"], op: Op) -> "cf.Future[None]":
+        out: cf.Future[None] = cf.Future()
+        lock = threading.Lock()
+        state = {"left": len(futs), "stopped": False}
+
+        def done(f: "cf.Future[None]") -> None:
+            exc = f.exception()
+            with lock:
+                state["left"] -= 1
+                last = state["left"] == 0
+                stop = exc is not None and not state["stopped"] and op in (Op.RUN, Op.LOOP)
+                if stop:
+                    state["stopped"] = True
+            if stop and self._lost is None:
+                # the others may wait for data from the failed IPU: end their programs
+                for k, g in enumerate(futs):
+                    if g is not f and not g.done():
+                        try:
+                            self._members[k].request(Op.STOP, value=1)
+                        except Exception:  # pragma: no cover - best effort
+                            _log.debug("soft stop of IPU %d failed", k, exc_info=True)
+            if not last:
+                return
+            errors = [e for e in (g.exception() for g in futs) if e is not None]
+            if not errors:
+                out.set_result(None)
+                return
+            out.set_exception(_first_cause(errors))
+
+        for f in futs:
+            f.add_done_callback(done)
+        return out
+
+    # -- failure ---------------------------------------------------------------------------
+
+    def _dead(self) -> tuple[int, IpuConnection] | None:
+        for k, p in enumerate(self._procs):
+            if not p.alive():
+                return k, p
+        return None
+
+    def mark_lost(self) -> DeviceLostError:
+        """A process of the device died: the whole device is lost."""
+        with self._lost_lock:
+            if self._lost is not None:
+                return self._lost
+            err = self._lost = self._lost_error()
+        if self._closing:   # the device is being detached: its processes are going away
+            _log.debug("%s", err)
+        else:
+            _log.warning("%s", err)
+        for m in self._members:
+            m._adopt_lost(err)
+        servicer = self._servicer
+        if servicer is not None:
+            try:
+                servicer._on_device_lost(err)
+            except Exception:
+                _log.exception("%s: device-lost handler failed", self.description)
+        if not self._closing:
+            for p in self._procs:
+                if p.alive():
+                    _log.info("%s: killing IPU process %d (its device is lost)",
+                              self.description, p.pid)
+                    try:
+                        p.kill()
+                    except Exception:  # pragma: no cover - best effort
+                        _log.exception("killing IPU process %d", p.pid)
+        return err
+
+    def _lost_error(self) -> DeviceLostError:
+        dead = self._dead()
+        if dead is None:   # a ring saw the peer die before it could be reaped
+            for p in self._procs:
+                p.wait_exit(0.2)
+            dead = self._dead() or (0, self._procs[0])
+        k, proc = dead
+        err = DeviceLostError(
+            f"{self.description}: IPU process {proc.pid} {describe_returncode(proc.returncode())} "
+            f"(ipu {proc.spec.ipu_id}, IPU {k} of the device); the whole device is lost")
+        tail = proc.log_tail()
+        if tail:
+            from host_runtime.errors import RemoteTraceback
+            err.__cause__ = RemoteTraceback(tail)
+        return err
+
+
+def _first_cause(errors: list[BaseException]) -> BaseException:
+    for kind in (DeviceLostError,):
+        for e in errors:
+            if isinstance(e, kind):
+                return e
+    for e in errors:   # a real failure rather than "stop() interrupted the programs"
+        if not isinstance(e, InvalidStateError):
+            return e
+    return errors[0]
+
+
+# -- the session's side ----------------------------------------------------------------------
+
+class ShardedLoad:
+    """The per-IPU resources of one session's multi-IPU executable (owned by the session)."""
+
+    def __init__(self, exe: "Executable", key: str) -> None:
+        self.exe = exe
+        self.key = key
+        self.parts = exe.parts
+        self.links: dict[str, Ring] = {}
+        self.spec_regions: list[Region] = []
+        self.memory: list[Region] = []
+        self._part_bytes = [p.to_bytes() for p in self.parts]
+        self._closed = False
+        try:
+            for handle, spec in self._link_specs().items():
+                n = max(1, spec)
+                self.links[handle] = Ring.create(n, LINK_DEPTH, kind="link",
+                                                 prefault=n * LINK_DEPTH <= (1 << 20))
+            self.reset_links()
+            for part in self.parts:
+                self.memory.append(Region.create(max(64, part.memory_bytes), kind="mem",
+                                                 prefault=False))
+        except BaseException:
+            self.close()
+            raise
+
+    @classmethod
+    def of(cls, exe_bytes: bytes, key: str) -> "ShardedLoad | None":
+        """A ShardedLoad when ``exe_bytes`` is a multi-IPU executable, else None."""
+        from ipu_emulator.executable import Executable, ExecutableError
+
+        try:
+            exe = Executable.from_bytes(exe_bytes)
+        except ExecutableError as exc:
+            raise PopefError(f"the executable is damaged: {exc}") from exc
+        if not exe.parts:
+            return None
+        return cls(exe, key)
+
+    def _link_specs(self) -> dict[str, int]:
+        from ipu_emulator.compiler._sharding import is_link
+
+        out: dict[str, int] = {}
+        for part in self.parts:
+            for h, s in part.streams.items():
+                if is_link(h):
+                    out[h] = s.nbytes
+        return out
+
+    def load(self, link: "GroupLink | DeviceLink", host_streams: list[dict[str, Any]],
+             check_package_hash: bool, fresh: bool, timeout: float,
+             peers: Callable[[str, int], None] | None = None) -> None:
+        """Send each IPU its part (LOAD with one spec region per IPU) and wait for all."""
+        if self._closed:
+            raise InvalidStateError("the session's multi-IPU resources are closed")
+        if not isinstance(link, GroupLink) or len(link._members) < len(self.parts):
+            have = len(link._members) if isinstance(link, GroupLink) else 1
+            raise BadRequestError(
+                f"executable {self.exe.name!r} is sharded over {len(self.parts)} IPUs, but "
+                f"{link.description} has {have}; attach a device of {len(self.parts)} IPUs")
+        if fresh:
+            self.reset_links()
+        names = []
+        for k, part in enumerate(self.parts):
+            streams = list(host_streams)
+            for h, s in part.streams.items():
+                if h in self.links:
+                    streams.append({"handle": h, "ring": self.links[h].name,
+                                    "direction": s.direction, "nbytes": s.nbytes,
+                                    "mode": MODE_DIRECT})
+            spec: dict[str, Any] = {
+                "key": self.key, "fresh": int(bool(fresh)), "executable_offset": 0,
+                "executable_size": len(self._part_bytes[k]),
+                "memory_region": self.memory[k].name,
+                "check_package_hash": bool(check_package_hash), "streams": streams}
+            data = self._part_bytes[k]
+            if k < len(self.spec_regions):
+                region = self.spec_regions[k]
+                spec["executable_offset"] = protocol.decode_load_spec(
+                    region.buf)["executable_offset"]
+                prefix = protocol.encode_load_spec(spec)
+                if len(prefix) > spec["executable_offset"]:  # pragma: no cover
+                    raise InvalidStateError("load spec grew; cannot rewrite it in place")
+                region.buf[:len(prefix)] = prefix
+            else:
+                spec["executable_offset"] = protocol.spec_prefix_size(spec)
+                prefix = protocol.encode_load_spec(spec)
+                region = Region.create(len(prefix) + len(data), kind="exe")
+                region.buf[:len(prefix)] = prefix
+                region.buf[len(prefix):len(prefix) + len(data)] = data
+                self.spec_regions.append(region)
+            names.append(region.name)
+        link.reset_links = self.reset_links
+        if peers is not None:
+            pids = link.pids()
+            for k, part in enumerate(self.parts):
+                for h in part.streams:
+                    if h not in self.links:
+                        peers(h, pids[k])
+        link.call(Op.LOAD, {"spec_regions": names}, timeout=timeout)
+
+    def reset_links(self) -> None:
+        """Empty every link; put the one token in each sync link (no IPU process may be
+        using them: the owner calls this between requests)."""
+        from ipu_emulator.compiler._sharding import is_sync
+
+        if self._closed:
+            return
+        for handle, ring in self.links.items():
+            ring.reset()
+            if is_sync(handle):
+                ring.write(b"\0")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for ring in self.links.values():
+            ring.close()
+            ring.unlink()
+        self.links = {}
+        for region in self.spec_regions + self.memory:
+            region.close()
+            region.unlink()
+        self.spec_regions, self.memory = [], []

@@ -1,0 +1,191 @@
+"""Faults of multi-IPU devices: failure is whole-device.
+
+- an IPU process of a pipelined device killed under load: every pending request fails
+  with DeviceLostError naming that IPU, the device's other IPU processes are gone too;
+- with auto_reset, the next request runs on a freshly attached device of all its IPUs;
+- a SIGKILLed host leaves no IPU process of the group and nothing in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+import numpy as np
+import onnx
+import psutil
+import pytest
+
+import host_runtime as model_runtime
+from host_runtime.errors import DeviceLostError
+from shm import naming
+from shm.cleanup import list_objects
+from tools import poprt
+from tools._chain_model import chain_model, reference, write_shard_yaml
+
+LAYERS, WIDTH, BATCH = 4, 64, 2
+WAIT = 60.0
+
+pytestmark = pytest.mark.usefixtures("private_machine")
+
+
+@pytest.fixture(scope="module")
+def chain():
+    return chain_model(LAYERS, width=WIDTH, batch=BATCH, seed=11)
+
+
+@pytest.fixture(scope="module")
+def pipelined_path(tmp_path_factory, chain):
+    tmp = tmp_path_factory.mktemp("pipelined")
+    onnx.save(chain, str(tmp / "chain.onnx"))
+    write_shard_yaml(tmp / "shard.yaml", LAYERS, 2, pipelined=True)
+    assert poprt.main(["--input_model", str(tmp / "chain.onnx"), "--num_ipus", "2",
+                       "--manual_sharding_config", str(tmp / "shard.yaml"),
+                       "--enable_pipelining", "--batches_per_step", "2", "--export_popef",
+                       "--output_dir", str(tmp / "out")]) == 0
+    return str(tmp / "out" / "executable.popef")
+
+
+def ours() -> set[str]:
+    return {o.entry for o in list_objects(naming.current_tag())}
+
+
+def kill_and_wait(pid: int) -> None:
+    fd = os.pidfd_open(pid)
+    try:
+        os.kill(pid, signal.SIGKILL)
+        ready, _, _ = select.select([fd], [], [], WAIT)
+        assert ready, f"IPU process {pid} did not die"
+    finally:
+        os.close(fd)
+
+
+def x_of(k: int) -> np.ndarray:
+    return np.random.default_rng(k).standard_normal((BATCH, WIDTH)).astype(np.float32)
+
+
+class Load:
+    """Threads that keep requests in flight until told to stop; record results and errors."""
+
+    def __init__(self, runner, chain, threads: int = 4) -> None:
+        self.runner, self.chain = runner, chain
+        self.stop = threading.Event()
+        self.ok = 0
+        self.errors: list[BaseException] = []
+        self.lock = threading.Lock()
+        self.started = threading.Semaphore(0)
+        self.threads = [threading.Thread(target=self._run, args=(t,)) for t in range(threads)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, t: int) -> None:
+        k = t
+        while not self.stop.is_set() and k < t + 100000:
+            x = x_of(k)
+            try:
+                y = self.runner.execute({"x": x})["y"]
+            except Exception as exc:
+                with self.lock:
+                    self.errors.append(exc)
+                self.started.release()
+                return
+            np.testing.assert_allclose(y, reference(self.chain, x), rtol=1e-4, atol=1e-4)
+            with self.lock:
+                self.ok += 1
+            self.started.release()
+            k += 4
+
+    def join(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(WAIT)
+            assert not t.is_alive(), "a request hung after the IPU died"
+
+
+def test_killed_ipu_of_a_pipelined_device_fails_every_pending_request(pipelined_path, chain):
+    with model_runtime.ModelRunner(pipelined_path) as r:
+        dev = r._replicas[0].session.device()
+        pids = dev.pids()
+        load = Load(r, chain)
+        for _ in range(8):                        # the pipeline is running under load
+            assert load.started.acquire(timeout=WAIT)
+        kill_and_wait(pids[1])
+        load.join()
+        assert load.errors, "no request saw the device die"
+        for e in load.errors:
+            assert isinstance(e, DeviceLostError), repr(e)
+        assert any(f"IPU process {pids[1]} was killed by signal SIGKILL" in str(e)
+                   and "IPU 1 of the device" in str(e) for e in load.errors), load.errors
+        # the whole device is lost: no IPU process of the group is left
+        gone, alive = psutil.wait_procs([psutil.Process(p) for p in pids
+                                         if psutil.pid_exists(p)], timeout=WAIT)
+        assert not alive, f"IPU processes of the lost device still run: {alive}"
+        with pytest.raises(DeviceLostError):
+            r.execute({"x": x_of(0)})
+
+
+def test_auto_reset_restarts_and_reloads_all_ipus(pipelined_path, chain):
+    cfg = model_runtime.ModelRunnerConfig(auto_reset=True)
+    with model_runtime.ModelRunner(pipelined_path, config=cfg) as r:
+        x = x_of(1)
+        np.testing.assert_allclose(r.execute({"x": x})["y"], reference(chain, x),
+                                   rtol=1e-4, atol=1e-4)
+        old = r._replicas[0].session.device().pids()
+        kill_and_wait(old[0])
+        futs = [(x, r.executeAsync({"x": x})) for x in (x_of(k) for k in range(2, 10))]
+        for x, f in futs:
+            assert f.wait(WAIT)
+            if f.exception() is None:
+                np.testing.assert_allclose(f["y"], reference(chain, x), rtol=1e-4, atol=1e-4)
+            else:
+                assert isinstance(f.exception(), DeviceLostError)
+        x = x_of(20)
+        np.testing.assert_allclose(r.execute({"x": x})["y"], reference(chain, x),
+                                   rtol=1e-4, atol=1e-4)
+        new = r._replicas[0].session.device().pids()
+        assert len(new) == 2 and not set(new) & set(old)
+
+
+HOST = textwrap.dedent("""
+    import sys, threading
+    import numpy as np
+    import host_runtime as model_runtime
+    r = model_runtime.ModelRunner(sys.argv[1])
+    x = np.ones((2, 64), np.float32)
+    r.execute({"x": x})
+    print(",".join(map(str, r._replicas[0].session.device().pids())), flush=True)
+    def spin():
+        while True:
+            r.execute({"x": x})
+    for _ in range(2):
+        threading.Thread(target=spin, daemon=True).start()
+    sys.stdin.read()
+""")
+
+
+@pytest.mark.allow_shm_leak   # checked here, after the IPU processes had their chance
+def test_killed_host_leaves_no_ipu_process_and_nothing_in_dev_shm(pipelined_path):
+    before = ours()
+    child = subprocess.Popen([sys.executable, "-c", HOST, pipelined_path],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        line = child.stdout.readline().strip()
+        assert line, "host child did not start"
+        pids = [int(p) for p in line.split(",")]
+        assert len(pids) == 2
+        assert any("_link" in e and f"_{child.pid}_" in e for e in ours() - before)
+        child.kill()
+        child.wait(30)
+        gone, alive = psutil.wait_procs([psutil.Process(p) for p in pids
+                                         if psutil.pid_exists(p)], timeout=WAIT)
+        assert not alive, f"IPU processes still running: {alive}"
+        assert ours() - before == set()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()

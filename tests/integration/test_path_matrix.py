@@ -1,0 +1,50 @@
+"""The same integration and fault tests over every path the runtime can take.
+
+The rest of the suite runs the default paths: the rings' C core, zero-copy
+streams, embedded IPU processes. Each leg here runs a representative part of
+the integration and fault suites again in a fresh pytest with one path
+switched: the rings' pure-Python path (``IPU_EMULATOR_RING_C=0``), copying
+streams (``IPU_EMULATOR_ZERO_COPY=0``), and attachment through a daemon
+(``IPU_EMULATOR_DAEMON``; tests marked ``embedded_only`` are skipped there).
+A leg fails with the inner run's own report.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+RUNNER = ["tests/integration/test_model_runner.py",
+          "tests/integration/test_model_runner_batching.py"]
+FAULTS = ["tests/faults/test_device_faults.py",
+          "tests/faults/test_model_runner_faults.py"]
+
+
+def _run(paths: list[str], env: dict[str, str]) -> None:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
+           "-p", "no:randomly", *paths]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=540)
+    tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{tail}"
+    assert " passed" in proc.stdout, tail
+
+
+@pytest.mark.parametrize("switch", ["IPU_EMULATOR_RING_C", "IPU_EMULATOR_ZERO_COPY"])
+def test_integration_and_faults_with_the_path_switched_off(switch: str) -> None:
+    _run(RUNNER + FAULTS, dict(os.environ, **{switch: "0"}))
+
+
+def test_integration_through_a_daemon(tmp_path: Path) -> None:
+    from tests.daemon_rig import DaemonRig
+
+    rig = DaemonRig(tmp_path, num_ipus=4)
+    try:
+        _run(RUNNER, dict(os.environ, IPU_EMULATOR_DAEMON=rig.socket))
+    finally:
+        rig.stop()
