@@ -299,7 +299,8 @@ class IpuBackendRep(BackendRep):
             if want is not None and arr.dtype != want:
                 arr = arr.astype(want)
             outs.append(arr)
-        return _namedtuple(self._outputs)(*outs)
+        result_tuple: tuple[Any, ...] = _namedtuple(self._outputs)(*outs)
+        return result_tuple
 
     def close(self) -> None:
         """Unload the model's executables from the IPU (the IPU stays attached)."""
@@ -330,7 +331,7 @@ def _namedtuple(names: list[str]) -> Any:
     fields = [n if n.isidentifier() and not n.startswith("_") else f"output_{k}"
               for k, n in enumerate(names)]
     try:
-        return namedtuple("Outputs", fields, rename=True)   # type: ignore[misc]
+        return namedtuple("Outputs", fields, rename=True)
     except ValueError:
         return lambda *a: tuple(a)
 
