@@ -25,6 +25,7 @@ _F32, _F16 = TensorProto.FLOAT, TensorProto.FLOAT16
 _KEEP_FP32_INPUTS = {"Resize": (1, 2), "Upsample": (1,)}
 _DTYPE_ATTR_OPS = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike",
                    "EyeLike", "Multinomial", "Bernoulli", "SequenceEmpty"}
+_NO_FP16_REDUCTION = {"ScatterND", "ScatterElements"}
 _FLOAT_BY_DEFAULT = {"RandomNormal", "RandomUniform", "SequenceEmpty"}   # dtype attr absent
 
 
@@ -106,10 +107,15 @@ def _convert_node(node: onnx.NodeProto) -> None:
 
 
 def fp32_only_ops(model: onnx.ModelProto) -> set[str]:
-    """Op types of the main graph whose ONNX schema allows float32 but not float16."""
+    """Op types of the main graph whose ONNX schema allows float32 but not float16 (and
+    ScatterND/ScatterElements with a reduction, which onnxruntime computes only in fp32)."""
     opsets = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in model.opset_import}
     out: set[str] = set()
     for node in model.graph.node:
+        if node.op_type in _NO_FP16_REDUCTION and any(
+                a.name == "reduction" and a.s not in (b"", b"none") for a in node.attribute):
+            out.add(node.op_type)   # onnxruntime's CPU kernels refuse fp16 with a reduction
+            continue
         domain = "" if node.domain == "ai.onnx" else node.domain
         if node.op_type in out or domain not in opsets:
             continue
