@@ -25,6 +25,8 @@ _F32, _F16 = TensorProto.FLOAT, TensorProto.FLOAT16
 _KEEP_FP32_INPUTS = {"Resize": (1, 2), "Upsample": (1,)}
 _DTYPE_ATTR_OPS = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike",
                    "EyeLike", "Multinomial", "Bernoulli", "SequenceEmpty"}
+# float output by default (attribute output_datatype)
+_OUTPUT_DATATYPE_OPS = {"BlackmanWindow", "HammingWindow", "HannWindow"}
 _NO_FP16_REDUCTION = {"ScatterND", "ScatterElements"}
 _FLOAT_BY_DEFAULT = {"RandomNormal", "RandomUniform", "SequenceEmpty"}   # dtype attr absent
 
@@ -32,6 +34,7 @@ _FLOAT_BY_DEFAULT = {"RandomNormal", "RandomUniform", "SequenceEmpty"}   # dtype
 def convert_to_fp16(model: onnx.ModelProto) -> None:
     """Convert ``model`` (in place) to fp16; see the module docstring."""
     _convert_graph(model.graph)
+    _ensure_default_opset(model)
 
 
 def _tensor_to_fp16(t: TensorProto) -> None:
@@ -82,10 +85,16 @@ def _convert_graph(graph: onnx.GraphProto) -> None:
 def _convert_node(node: onnx.NodeProto) -> None:
     if node.op_type in _FLOAT_BY_DEFAULT and not any(a.name == "dtype" for a in node.attribute):
         node.attribute.append(helper.make_attribute("dtype", _F16))
+    if node.op_type in _OUTPUT_DATATYPE_OPS and not any(
+            a.name == "output_datatype" for a in node.attribute):
+        node.attribute.append(helper.make_attribute("output_datatype", _F16))
     for attr in node.attribute:
         if node.op_type in ("Cast",) and attr.name == "to" and attr.i == _F32:
             attr.i = _F16
         elif node.op_type in _DTYPE_ATTR_OPS and attr.name == "dtype" and attr.i == _F32:
+            attr.i = _F16
+        elif node.op_type in _OUTPUT_DATATYPE_OPS and attr.name == "output_datatype" and \
+                attr.i == _F32:
             attr.i = _F16
         if attr.HasField("t"):
             _tensor_to_fp16(attr.t)
@@ -166,4 +175,12 @@ def wrap_in_fp32(model: onnx.ModelProto, op_type: str, types: dict[str, int]) ->
         count += wrapped
     del graph.node[:]
     graph.node.extend(out)
+    if count:
+        _ensure_default_opset(model)
     return count
+
+
+def _ensure_default_opset(model: onnx.ModelProto) -> None:
+    """The Casts added need the default domain (an ai.onnx.ml-only model lacks it)."""
+    if not any(o.domain in ("", "ai.onnx") for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("", 13))

@@ -14,7 +14,7 @@ from ipu_emulator.executable import Executable
 from ipu_emulator.interpreter import Interpreter
 from tests.models.arrayio import ArrayIO
 
-_NP = {"F32": np.float32, "S64": np.int64, "S32": np.int32}
+_NP = {"F32": np.float32, "F16": np.float16, "S64": np.int64, "S32": np.int32}
 
 
 def _model(nodes: list[onnx.NodeProto], inputs: list[onnx.ValueInfoProto],
@@ -139,3 +139,21 @@ def test_fp16_converts_sequence_empty_default_dtype() -> None:
     assert {a.name: a.dtype for a in result.anchors if a.kind == "output"} == {"out": "F16"}
     (node,) = [n for n in result.output_model.graph.node if n.op_type == "SequenceEmpty"]
     assert [(a.name, a.i) for a in node.attribute] == [("dtype", T.FLOAT16)]
+
+
+def test_fp16_window_functions_and_ml_only_models() -> None:
+    # a window op's float output comes from its output_datatype attribute
+    m = _model([helper.make_node("HannWindow", ["n"], ["w"])],
+               [helper.make_tensor_value_info("n", T.INT32, [])],
+               [helper.make_tensor_value_info("w", T.FLOAT, [8])], opset=17)
+    result = compile_onnx(ModelSpec(m, precision="fp16"))
+    assert {a.name: a.dtype for a in result.anchors if a.kind == "output"} == {"w": "F16"}
+    # a model importing only ai.onnx.ml gets the default domain for the Casts fp16 adds
+    g = helper.make_graph([helper.make_node("Binarizer", ["x"], ["y"], domain="ai.onnx.ml",
+                                            threshold=1.0)], "ml",
+                          [helper.make_tensor_value_info("x", T.FLOAT, [3])],
+                          [helper.make_tensor_value_info("y", T.FLOAT, [3])])
+    ml = helper.make_model(g, opset_imports=[helper.make_opsetid("ai.onnx.ml", 1)])
+    result = compile_onnx(ModelSpec(ml, precision="fp16"))
+    got = _run(result, {"x": np.array([0.5, 1.0, 2.0], np.float16)})
+    np.testing.assert_array_equal(got["y"], [0, 0, 1])
