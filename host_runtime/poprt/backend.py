@@ -32,7 +32,10 @@ Options of ``prepare`` (keyword arguments):
 - ``ipu_version``: ``"ipu2"`` or ``"ipu21"`` (default: the machine's).
 
 A model the IPU cannot run is refused by ``prepare`` (or the first ``run`` of
-a dynamic model) with ``ipu_emulator.errors.CompileError`` naming why.
+a dynamic model) with ``ipu_emulator.errors.CompileError`` naming why. An
+output shape the compiler took from the model's declaration (shape inference
+could not see it) is a contract: a run that computes another shape fails
+with ``DeviceExecutionError``, and the next run loads the model afresh.
 """
 
 from __future__ import annotations
@@ -291,7 +294,16 @@ class IpuBackendRep(BackendRep):
                 a = a.astype(np.float16)
             typed[n] = a if a.flags.c_contiguous else a.copy(order="C")   # keeps 0-d
         with _shared.lock:
-            result = _shared.runner_of(compiled).execute(typed)
+            try:
+                result = _shared.runner_of(compiled).execute(typed)
+            except Exception:
+                # a failed request leaves the runner unusable (ModelRunner without
+                # auto_reset): unload it, so that the next run loads the model afresh
+                try:
+                    _shared.forget(compiled)
+                except Exception as exc:  # noqa: BLE001 - the request's error is the news
+                    _log.debug("unloading %s after a failure: %s", self._label, exc)
+                raise
         outs = []
         for name in self._outputs:
             arr = np.asarray(result[name])

@@ -274,3 +274,21 @@ def test_dynamic_model_with_a_sequence_input_is_refused_at_prepare() -> None:
     with pytest.raises(CompileError, match=r"input 's' is a sequence.*"
                                            r"\(unsupported: sequence inputs\)"):
         backend.prepare(m)
+
+
+def test_declared_output_shape_is_a_contract_checked_at_run_time() -> None:
+    # Expand(x, shape): the stream takes the declared [2, 3, 4]; other shape values fail
+    # that request with a named error, and the next request runs
+    from host_runtime.errors import DeviceExecutionError
+
+    g = helper.make_graph([helper.make_node("Expand", ["x", "shape"], ["y"])], "e",
+                          [helper.make_tensor_value_info("x", T.FLOAT, [1, 3, 1]),
+                           helper.make_tensor_value_info("shape", T.INT64, [3])],
+                          [helper.make_tensor_value_info("y", T.FLOAT, [2, 3, 4])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    x = np.arange(3, dtype=np.float32).reshape(1, 3, 1)
+    with backend.prepare(m) as rep:
+        with pytest.raises(DeviceExecutionError, match="Expand"):
+            rep.run([x, np.array([3, 1, 4])])
+        np.testing.assert_array_equal(rep.run([x, np.array([2, 1, 4])])[0],
+                                      np.broadcast_to(x, (2, 3, 4)))
