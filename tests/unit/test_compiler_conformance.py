@@ -14,7 +14,8 @@ from ipu_emulator.executable import Executable
 from ipu_emulator.interpreter import Interpreter
 from tests.models.arrayio import ArrayIO
 
-_NP = {"F32": np.float32, "F16": np.float16, "S64": np.int64, "S32": np.int32}
+_NP = {"F32": np.float32, "F16": np.float16, "S64": np.int64, "S32": np.int32,
+       "BOOL": np.bool_}
 
 
 def _model(nodes: list[onnx.NodeProto], inputs: list[onnx.ValueInfoProto],
@@ -157,3 +158,20 @@ def test_fp16_window_functions_and_ml_only_models() -> None:
     result = compile_onnx(ModelSpec(ml, precision="fp16"))
     got = _run(result, {"x": np.array([0.5, 1.0, 2.0], np.float16)})
     np.testing.assert_array_equal(got["y"], [0, 0, 1])
+
+
+def test_initializers_read_only_inside_subgraphs_are_kept() -> None:
+    w = numpy_helper.from_array(np.full((2,), 5, np.float32), "w")
+    then_g = helper.make_graph([helper.make_node("Add", ["x", "w"], ["t"])], "then", [],
+                               [helper.make_tensor_value_info("t", T.FLOAT, [2])])
+    else_g = helper.make_graph([helper.make_node("Identity", ["x"], ["e"])], "else", [],
+                               [helper.make_tensor_value_info("e", T.FLOAT, [2])])
+    m = _model([helper.make_node("If", ["c"], ["y"], then_branch=then_g, else_branch=else_g)],
+               [helper.make_tensor_value_info("c", T.BOOL, []),
+                helper.make_tensor_value_info("x", T.FLOAT, [2])],
+               [helper.make_tensor_value_info("y", T.FLOAT, [2])], [w])
+    result = compile_onnx(ModelSpec(m))
+    assert [t.name for t in result.output_model.graph.initializer] == ["w"]
+    x = np.array([1, 2], np.float32)
+    got = _run(result, {"c": np.array(True), "x": x})
+    np.testing.assert_array_equal(got["y"], x + 5)
