@@ -85,6 +85,10 @@ def _convert_graph(graph: onnx.GraphProto) -> None:
 def _convert_node(node: onnx.NodeProto) -> None:
     if node.op_type in _FLOAT_BY_DEFAULT and not any(a.name == "dtype" for a in node.attribute):
         node.attribute.append(helper.make_attribute("dtype", _F16))
+    if node.op_type == "ConstantOfShape" and not any(a.name == "value" for a in node.attribute):
+        # its default value is a float32 zero
+        node.attribute.append(helper.make_attribute(
+            "value", numpy_helper.from_array(np.zeros((1,), np.float16))))
     if node.op_type in _OUTPUT_DATATYPE_OPS and not any(
             a.name == "output_datatype" for a in node.attribute):
         node.attribute.append(helper.make_attribute("output_datatype", _F16))

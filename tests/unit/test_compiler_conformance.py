@@ -175,3 +175,16 @@ def test_initializers_read_only_inside_subgraphs_are_kept() -> None:
     x = np.array([1, 2], np.float32)
     got = _run(result, {"c": np.array(True), "x": x})
     np.testing.assert_array_equal(got["y"], x + 5)
+
+
+def test_fp16_constant_of_shape_without_value_is_fp16_zero() -> None:
+    m = _model([helper.make_node("ConstantOfShape", ["s"], ["z"]),
+                helper.make_node("Add", ["z", "x"], ["y"])],
+               [helper.make_tensor_value_info("s", T.INT64, [1]),
+                helper.make_tensor_value_info("x", T.FLOAT, [3])],
+               [helper.make_tensor_value_info("y", T.FLOAT, [3])])
+    result = compile_onnx(ModelSpec(m, precision="fp16"))
+    x = np.array([1, 2, 3], np.float16)
+    got = _run(result, {"s": np.array([3], np.int64), "x": x})
+    assert got["y"].dtype == np.float16
+    np.testing.assert_array_equal(got["y"], x)
