@@ -74,6 +74,8 @@ _U8 = np.dtype(np.uint8)
 
 def _bytes_view(arr: np.ndarray) -> memoryview:
     """A flat byte memoryview of a C-contiguous array (no copy)."""
+    if arr.size == 0:   # a zero-size tensor: memoryview cannot cast zeros in its shape
+        return memoryview(bytearray())
     return memoryview(arr).cast("B")  # type: ignore[arg-type]
 
 
@@ -406,7 +408,7 @@ class Replica(ReplicaTimers):
                             ring.publish(len(desc), TAG_SHARED)
                             redirects = []   # sent once per transfer
                             continue
-                    copy_bytes(view[:nbytes], memoryview(src).cast("B"))  # type: ignore[arg-type]
+                    copy_bytes(view[:nbytes], _bytes_view(src))
                 else:
                     slot = np.frombuffer(view, spec.dtype, spec.nbytes // spec.dtype.itemsize
                                          ).reshape(spec.shape)

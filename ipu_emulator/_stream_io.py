@@ -258,7 +258,7 @@ class _RingIO:
 
     def read_input(self, handle: str, dest: memoryview) -> None:
         s = self._stream(handle)
-        out = memoryview(dest).cast("B")
+        out = _flat(dest)
         ring = s.ring
         if s.mode == MODE_NULL or ring is None:
             out[:] = bytes(len(out))
@@ -282,7 +282,7 @@ class _RingIO:
         ring = s.ring
         if s.mode == MODE_NULL or ring is None:
             return
-        data = memoryview(src).cast("B")
+        data = _flat(src)
         if self._redirect:
             host = self._redirected(handle, len(data))
             if host is not None:
@@ -427,3 +427,11 @@ class _RingIO:
         s.ring.publish(s.nbytes)
         if s.mode == MODE_EVENT:
             self._dev.post(Message(Op.OUT, index=s.index))
+
+
+def _flat(buf: memoryview) -> memoryview:
+    """A flat byte view of ``buf``; a zero-size tensor's (zeros in its shape) is empty."""
+    mv = memoryview(buf)
+    if mv.nbytes == 0:
+        return memoryview(bytearray())
+    return mv.cast("B")

@@ -1,5 +1,7 @@
 """The compiler back end: ONNX models -> an executable for the emulated IPU.
 
+``check_interface(model, label)`` refuses up front a model whose inputs or outputs the
+IPU cannot stream (before its dynamic dims are known).
 ``compile_onnx(ModelSpec(...), CompileOptions(...)) -> CompileResult`` gives the
 ``Executable`` plus the anchor descriptions a front end needs to write PopEF
 (``host_runtime.poprt.compiler`` does that, and the ``poprt`` command).
@@ -10,10 +12,12 @@ from __future__ import annotations
 from ipu_emulator.compiler._backend import (
     INDEX_NAME, LOAD_PROGRAM, MAIN_PROGRAM, SAVE_PROGRAM, TARGETS, AnchorDesc, CompileOptions,
     CompileResult, ModelSpec, Target, compile_onnx)
+from ipu_emulator.compiler._prepare import check_interface
 from ipu_emulator.errors import CompileError
 
 __all__ = [
     "compile_onnx",
+    "check_interface",
     "ModelSpec",
     "CompileOptions",
     "CompileResult",

@@ -41,7 +41,8 @@ def dtype_of(elem_type: int, what: str) -> str:
             else str(elem_type)
         raise CompileError(
             f"{what} has element type {name}, which the IPU emulator does not support; "
-            f"supported: {', '.join(TensorProto.DataType.Name(t) for t in ONNX_TO_DTYPE)}") from None
+            f"supported: {', '.join(TensorProto.DataType.Name(t) for t in ONNX_TO_DTYPE)} "
+            f"(unsupported: {name} tensors)") from None
 
 
 def load_model(source: "str | os.PathLike[str] | bytes | onnx.ModelProto",

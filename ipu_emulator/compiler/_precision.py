@@ -2,7 +2,7 @@
 
 Converted: initializers, graph inputs/outputs and value_info, ``Cast``/
 ``CastLike`` targets, ``Constant``/``ConstantOfShape`` values and the ``dtype``
-of random and ``EyeLike`` ops, in sub-graphs too. Inputs that the ONNX
+of random, ``EyeLike`` and ``SequenceEmpty`` ops, in sub-graphs too. Inputs that the ONNX
 standard requires to stay float32 (``Resize`` roi/scales, ``Upsample``
 scales) are kept float32: initializers feeding them are left alone, computed
 values get a ``Cast`` to float32.
@@ -24,12 +24,17 @@ __all__ = ["convert_to_fp16", "wrap_in_fp32", "fp32_only_ops"]
 _F32, _F16 = TensorProto.FLOAT, TensorProto.FLOAT16
 _KEEP_FP32_INPUTS = {"Resize": (1, 2), "Upsample": (1,)}
 _DTYPE_ATTR_OPS = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike",
-                   "EyeLike", "Multinomial", "Bernoulli"}
+                   "EyeLike", "Multinomial", "Bernoulli", "SequenceEmpty"}
+# float output by default (attribute output_datatype)
+_OUTPUT_DATATYPE_OPS = {"BlackmanWindow", "HammingWindow", "HannWindow"}
+_NO_FP16_REDUCTION = {"ScatterND", "ScatterElements"}
+_FLOAT_BY_DEFAULT = {"RandomNormal", "RandomUniform", "SequenceEmpty"}   # dtype attr absent
 
 
 def convert_to_fp16(model: onnx.ModelProto) -> None:
     """Convert ``model`` (in place) to fp16; see the module docstring."""
     _convert_graph(model.graph)
+    _ensure_default_opset(model)
 
 
 def _tensor_to_fp16(t: TensorProto) -> None:
@@ -78,10 +83,22 @@ def _convert_graph(graph: onnx.GraphProto) -> None:
 
 
 def _convert_node(node: onnx.NodeProto) -> None:
+    if node.op_type in _FLOAT_BY_DEFAULT and not any(a.name == "dtype" for a in node.attribute):
+        node.attribute.append(helper.make_attribute("dtype", _F16))
+    if node.op_type == "ConstantOfShape" and not any(a.name == "value" for a in node.attribute):
+        # its default value is a float32 zero
+        node.attribute.append(helper.make_attribute(
+            "value", numpy_helper.from_array(np.zeros((1,), np.float16))))
+    if node.op_type in _OUTPUT_DATATYPE_OPS and not any(
+            a.name == "output_datatype" for a in node.attribute):
+        node.attribute.append(helper.make_attribute("output_datatype", _F16))
     for attr in node.attribute:
         if node.op_type in ("Cast",) and attr.name == "to" and attr.i == _F32:
             attr.i = _F16
         elif node.op_type in _DTYPE_ATTR_OPS and attr.name == "dtype" and attr.i == _F32:
+            attr.i = _F16
+        elif node.op_type in _OUTPUT_DATATYPE_OPS and attr.name == "output_datatype" and \
+                attr.i == _F32:
             attr.i = _F16
         if attr.HasField("t"):
             _tensor_to_fp16(attr.t)
@@ -103,10 +120,15 @@ def _convert_node(node: onnx.NodeProto) -> None:
 
 
 def fp32_only_ops(model: onnx.ModelProto) -> set[str]:
-    """Op types of the main graph whose ONNX schema allows float32 but not float16."""
+    """Op types of the main graph whose ONNX schema allows float32 but not float16 (and
+    ScatterND/ScatterElements with a reduction, which onnxruntime computes only in fp32)."""
     opsets = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in model.opset_import}
     out: set[str] = set()
     for node in model.graph.node:
+        if node.op_type in _NO_FP16_REDUCTION and any(
+                a.name == "reduction" and a.s not in (b"", b"none") for a in node.attribute):
+            out.add(node.op_type)   # onnxruntime's CPU kernels refuse fp16 with a reduction
+            continue
         domain = "" if node.domain == "ai.onnx" else node.domain
         if node.op_type in out or domain not in opsets:
             continue
@@ -157,4 +179,12 @@ def wrap_in_fp32(model: onnx.ModelProto, op_type: str, types: dict[str, int]) ->
         count += wrapped
     del graph.node[:]
     graph.node.extend(out)
+    if count:
+        _ensure_default_opset(model)
     return count
+
+
+def _ensure_default_opset(model: onnx.ModelProto) -> None:
+    """The Casts added need the default domain (an ai.onnx.ml-only model lacks it)."""
+    if not any(o.domain in ("", "ai.onnx") for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("", 13))
