@@ -45,12 +45,24 @@ def shm_objects() -> list[str]:
 
 
 def ipu_processes() -> list[int]:
-    return sorted(p.pid for p in psutil.Process().children(recursive=True)
-                  if p.status() != psutil.STATUS_ZOMBIE)
+    """Live IPU processes of this host: its children, or the children of its fork-server
+    template (ipu_emulator.forkserver, a long-lived helper that is not an IPU process)."""
+    me = psutil.Process()
+    templates = set()
+    for p in me.children():
+        try:
+            if any("ipu_emulator.forkserver" in a for a in p.cmdline()):
+                templates.add(p.pid)
+        except psutil.Error:
+            pass
+    return sorted(p.pid for p in me.children(recursive=True)
+                  if p.pid not in templates and p.status() != psutil.STATUS_ZOMBIE)
 
 
 def threads() -> list[str]:
-    return sorted(t.name for t in threading.enumerate() if t is not threading.main_thread())
+    # the fork-server template's reader lives as long as the template (the host's helper)
+    return sorted(t.name for t in threading.enumerate()
+                  if t is not threading.main_thread() and t.name != "ipu-template-reader")
 
 
 class Probe:

@@ -90,11 +90,25 @@ def _ipu_processes() -> dict[int, str]:
         except psutil.Error:
             continue
         if "ipu_emulator" in argv and "--host-pid" in argv:
-            i = argv.index("--host-pid")
-            if i + 1 < len(argv) and argv[i + 1] == me:
-                label = argv[argv.index("--label") + 1] if "--label" in argv[:-1] else "IPU"
-                found[child.pid] = label
+            _add(found, child.pid, argv, me)
+    # IPU processes forked from the fork-server template show the template's command line
+    from ipu_emulator import forkserver
+
+    for pid, argv in forkserver.forked_processes().items():
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                continue
+        except psutil.Error:
+            continue
+        _add(found, pid, argv, me)
     return found
+
+
+def _add(found: dict[int, str], pid: int, argv: list[str], me: str) -> None:
+    if "--host-pid" in argv:
+        i = argv.index("--host-pid")
+        if i + 1 < len(argv) and argv[i + 1] == me:
+            found[pid] = argv[argv.index("--label") + 1] if "--label" in argv[:-1] else "IPU"
 
 
 class LeakGuard:
