@@ -65,10 +65,22 @@ class DaemonClient:
         except (OSError, ValueError) as exc:
             raise self._unreachable(exc) from exc
 
+    def malformed(self, what: str, problem: str) -> DeviceUnavailableError:
+        return DeviceUnavailableError(f"the IPU emulator daemon at {self.path} sent a malformed "
+                                      f"{what} reply: {problem}")
+
     def system(self, home: str) -> SystemConfig:
         """The daemon's pool as the machine's configuration (``home`` stays this host's)."""
         if self._hello is None:
-            self._hello = self.request({"op": "hello"})
+            hello = self.request({"op": "hello"})
+            if hello.get("ok") is not True:
+                raise DeviceUnavailableError(f"the IPU emulator daemon at {self.path} refused "
+                                             f"hello: {hello.get('message')!r:.200}")
+            _expect(self, "hello", hello, {"system": dict})
+            _expect(self, "hello", hello["system"], {
+                "num_ipus": int, "ipu_version": str, "tiles_per_ipu": int,
+                "memory_per_tile": int, "compute_threads": int}, "system.")
+            self._hello = hello
         s = self._hello["system"]
         return SystemConfig(num_ipus=s["num_ipus"], ipu_version=s["ipu_version"],
                             tiles_per_ipu=s["tiles_per_ipu"],
@@ -80,7 +92,7 @@ class DaemonClient:
         """The IPUs (all or none), or ``{ipu: holder pid or None}`` of the busy ones."""
         try:
             conn = wire.LineConnection(self.path, _TIMEOUT)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:   # ValueError: a peer of another uid
             raise self._unreachable(exc) from exc
         try:
             reply = conn.call({"op": "attach", "ipus": list(ipus), "device_id": device_id},
@@ -91,11 +103,32 @@ class DaemonClient:
         except BaseException:
             conn.close()
             raise
-        if reply.get("ok"):
-            return DaemonAttachment(self, conn, ipus, reply["ipus"])
+        if reply.get("ok") is True:
+            try:
+                _expect(self, "attach", reply, {"ipus": list})
+                infos = reply["ipus"]
+                for k, info in enumerate(infos):
+                    _expect(self, "attach", info, {"ipu": int, "pid": int, "control": str,
+                                                   "events": str}, f"ipus[{k}].")
+                    _expect_optional(self, "attach", info, {"log": str, "ready": dict},
+                                     f"ipus[{k}].")
+                got = sorted(int(i["ipu"]) for i in infos)
+                if got != sorted(ipus) or any(int(i["pid"]) <= 0 for i in infos):
+                    raise self.malformed("attach", f"asked for ipus {sorted(ipus)}, got "
+                                         f"{got} (pids {[i['pid'] for i in infos]})")
+            except BaseException:
+                conn.close()
+                raise
+            return DaemonAttachment(self, conn, ipus, infos)
         conn.close()
         if reply.get("error") == "busy":
-            return {int(k): v for k, v in reply.get("busy", {}).items()}
+            busy = reply.get("busy", {})
+            if not isinstance(busy, dict) or not all(
+                    isinstance(k, str) and k.isdigit() and (v is None or _is_int(v))
+                    for k, v in busy.items()):
+                raise self.malformed("attach", f"'busy' must map ipu numbers to holder pids, "
+                                     f"got {busy!r:.200}")
+            return {int(k): v for k, v in busy.items()}
         raise DeviceUnavailableError(f"the daemon at {self.path} could not attach ipus "
                                      f"{list(ipus)}: {reply.get('message')}")
 
@@ -107,6 +140,37 @@ class DaemonClient:
             return None
         rc = reply.get("returncode") if reply.get("ok") else None
         return rc if isinstance(rc, int) else None
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _type_ok(v: Any, kind: type) -> bool:
+    return _is_int(v) if kind is int else isinstance(v, kind)
+
+
+def _expect(client: DaemonClient, what: str, obj: Any, fields: dict[str, type],
+            prefix: str = "") -> None:
+    """``obj`` is a dict whose ``fields`` have those types: else a clear error."""
+    if not isinstance(obj, dict):
+        raise client.malformed(what, f"{prefix or 'the reply'} must be an object, got "
+                               f"{type(obj).__name__}")
+    for key, kind in fields.items():
+        if key not in obj:
+            raise client.malformed(what, f"{prefix}{key} is missing")
+        if not _type_ok(obj[key], kind):
+            raise client.malformed(what, f"{prefix}{key} must be {kind.__name__}, got "
+                                   f"{obj[key]!r:.100} ({type(obj[key]).__name__})")
+
+
+def _expect_optional(client: DaemonClient, what: str, obj: dict[str, Any],
+                     fields: dict[str, type], prefix: str = "") -> None:
+    for key, kind in fields.items():
+        v = obj.get(key)
+        if v is not None and not _type_ok(v, kind):
+            raise client.malformed(what, f"{prefix}{key} must be {kind.__name__} or null, got "
+                                   f"{v!r:.100} ({type(v).__name__})")
 
 
 class DaemonAttachment:
@@ -210,6 +274,9 @@ class DaemonIpu:
         return self._rc
 
     def wait_exit(self, timeout: float) -> int | None:
+        if self._pidfd >= 0 and self._rc is None and timeout > 0:
+            select.select([self._pidfd], [], [], timeout)   # woken by the exit itself
+            return self.returncode() if not self.alive() else None
         deadline = time.monotonic() + timeout
         delay = 0.001
         while self.alive():

@@ -22,6 +22,7 @@ import concurrent.futures as cf
 import itertools
 import logging
 import threading
+import weakref
 from typing import Any, Callable, Protocol
 
 from shm import PeerDiedError, RingTimeoutError, ShmError
@@ -85,12 +86,13 @@ class DeviceLink:
         self._pending: dict[int, tuple[cf.Future[None], Op]] = {}
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
-        self._servicer: StreamServicer | None = None
+        self._servicer: "weakref.ref[Any] | None" = None   # the active session, weakly
         self._lost: DeviceLostError | None = None
         self._lost_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._closing = False
         self._started = False
+        self._final_seq: int | None = None   # the event thread ends after this answer
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -104,8 +106,10 @@ class DeviceLink:
         except IpuProcessError as exc:
             raise DeviceLostError(f"{self.description}: {exc}") from exc
         self._started = True
-        self._thread = threading.Thread(target=self._serve, daemon=True,
-                                        name=f"ipu-events-{self._primary.pid}")
+        # The thread refers to the link weakly (see _serve): the device owns the link.
+        self._thread = threading.Thread(target=_serve, args=(weakref.ref(self),
+                                                             self._primary.events),
+                                        daemon=True, name=f"ipu-events-{self._primary.pid}")
         self._thread.start()
 
     def close(self, timeout: float = 1.0) -> None:
@@ -118,6 +122,43 @@ class DeviceLink:
         if t is not None and t is not threading.current_thread():
             t.join(timeout)
         self._fail_all(InvalidStateError(f"{self.description} was detached"))
+
+    def quiesce(self, timeout: float = 1.0) -> None:
+        """End the event thread before a daemon's event ring goes back to the daemon.
+
+        A daemon's IPU process answers the daemon on the same ring once this host
+        releases it: a thread of ours still reading there would take those answers. A
+        PING's answer is the last event the thread reads (no waiting for a slice to end).
+        With an event ring of our own, SHUTDOWN's BYE ends the thread instead.
+        """
+        t = self._thread
+        if (t is None or not t.is_alive() or t is threading.current_thread()
+                or self._lost is not None or getattr(self._primary.events, "owner", True)):
+            return
+        seq = next(self._seq) & 0x7FFFFFFF
+        fut: cf.Future[None] = cf.Future()
+        with self._lock:
+            self._pending[seq] = (fut, Op.PING)
+        self._final_seq = seq
+        try:
+            self._send(Message(Op.PING, seq=seq))
+        except BaseException:   # device gone: the thread notices by itself
+            with self._lock:
+                self._pending.pop(seq, None)
+            return
+        t.join(timeout)
+
+    def wake(self) -> None:
+        """Wake the event thread at once (its processes have exited): invalidate the event
+        ring if this host made it (embedded; a daemon's rings outlive this host)."""
+        if self._thread is None or not self._thread.is_alive():
+            return
+        events = self._primary.events
+        if getattr(events, "owner", False) and not events.closed:
+            try:
+                events.invalidate()
+            except ShmError:   # pragma: no cover - closed meanwhile
+                pass
 
     @property
     def lost(self) -> DeviceLostError | None:
@@ -138,7 +179,8 @@ class DeviceLink:
         return self._primary.pid
 
     def set_servicer(self, servicer: StreamServicer | None) -> None:
-        self._servicer = servicer
+        """The active session (held weakly: the session owns the device, not the reverse)."""
+        self._servicer = None if servicer is None else weakref.ref(servicer)
 
     # -- requests -------------------------------------------------------------------
 
@@ -195,46 +237,11 @@ class DeviceLink:
 
     # -- events -----------------------------------------------------------------------
 
-    def _serve(self) -> None:
-        try:
-            self._serve_events()
-        except BaseException as exc:  # never leave requests waiting on a dead thread
-            _log.exception("%s: event service failed", self.description)
-            self._fail_all(InvalidStateError(f"{self.description}: event service failed: {exc}"))
-            raise
-
-    def _serve_events(self) -> None:
-        events = self._primary.events
-        while not self._closing:
-            try:
-                msg = protocol.receive(events, timeout=_POLL)
-            except RingTimeoutError:
-                if self._dead_process() is not None:
-                    self.mark_lost()
-                    return
-                continue
-            except PeerDiedError:
-                self.mark_lost()
-                return
-            except ShmError as exc:
-                if not self._closing:
-                    _log.warning("%s: event ring failed: %s", self.description, exc)
-                    self.mark_lost()
-                return
-            except protocol.ProtocolError as exc:
-                _log.error("%s: bad event: %s", self.description, exc)
-                continue
-            try:
-                self._dispatch(msg)
-            except Exception:  # never let a bug kill the service thread
-                _log.exception("%s: while handling %s", self.description, msg.op.name)
-            if msg.op is Op.BYE:
-                return
-
     def _dispatch(self, msg: Message) -> None:
         op = msg.op
         if op is Op.NEED or op is Op.OUT:
-            servicer = self._servicer
+            ref = self._servicer
+            servicer = ref() if ref is not None else None
             if servicer is None:
                 _log.warning("%s: %s for stream %d with no session bound", self.description,
                              op.name, msg.index)
@@ -283,7 +290,8 @@ class DeviceLink:
             err = self._lost = self._lost_error()
         _log.warning("%s", err)
         self._fail_all(err)
-        servicer = self._servicer
+        ref = self._servicer
+        servicer = ref() if ref is not None else None
         if servicer is not None:
             try:
                 servicer._on_device_lost(err)
@@ -310,6 +318,63 @@ class DeviceLink:
         for fut, _ in pending.values():
             if not fut.done():
                 fut.set_exception(error)
+
+
+def _serve(ref: "weakref.ref[DeviceLink]", events: Any) -> None:
+    """The service thread: read events, hand each to the link while it lives.
+
+    Between events it holds only the event ring, not the link: a device nobody
+    references is freed (and closed, which sends SHUTDOWN: the BYE ends this thread).
+    """
+    try:
+        _serve_events(ref, events)
+    except BaseException as exc:  # never leave requests waiting on a dead thread
+        link = ref()
+        if link is not None:
+            _log.exception("%s: event service failed", link.description)
+            link._fail_all(InvalidStateError(f"{link.description}: event service failed: {exc}"))
+        raise
+
+
+def _serve_events(ref: "weakref.ref[DeviceLink]", events: Any) -> None:
+    while True:
+        link = ref()
+        if link is None or link._closing:
+            return
+        del link
+        try:
+            msg = protocol.receive(events, timeout=_POLL)
+        except RingTimeoutError:
+            link = ref()
+            if link is not None and link._dead_process() is not None:
+                link.mark_lost()
+                return
+            continue
+        except PeerDiedError:
+            link = ref()
+            if link is not None:
+                link.mark_lost()
+            return
+        except ShmError as exc:
+            link = ref()
+            if link is not None and not link._closing:
+                _log.warning("%s: event ring failed: %s", link.description, exc)
+                link.mark_lost()
+            return
+        except protocol.ProtocolError as exc:
+            _log.error("bad event on %s: %s", events.name, exc)
+            continue
+        link = ref()
+        if link is None:
+            return
+        try:
+            link._dispatch(msg)
+        except Exception:  # never let a bug kill the service thread
+            _log.exception("%s: while handling %s", link.description, msg.op.name)
+        if msg.op is Op.BYE or (msg.seq == link._final_seq and msg.op is not Op.NEED
+                                and msg.op is not Op.OUT):
+            return
+        del link, msg
 
 
 def wait(fut: "cf.Future[Any]", timeout: float | None, what: str,

@@ -37,6 +37,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 from shm import Region, Ring
@@ -71,10 +72,11 @@ class _MemberLink(DeviceLink):
     def __init__(self, group: "GroupLink", description: str,
                  processes: list[IpuConnection]) -> None:
         super().__init__(description, processes)
-        self._group = group
+        self._group = weakref.ref(group)   # the group owns its members
 
     def mark_lost(self) -> DeviceLostError:
-        return self._group.mark_lost()
+        group = self._group()
+        return group.mark_lost() if group is not None else super().mark_lost()
 
     def _adopt_lost(self, err: DeviceLostError) -> None:
         with self._lost_lock:
@@ -97,7 +99,7 @@ class GroupLink:
         self._lost: DeviceLostError | None = None
         self._lost_lock = threading.Lock()
         self._closing = False
-        self._servicer: StreamServicer | None = None
+        self._servicer: "weakref.ref[Any] | None" = None   # the active session, weakly
         # set by ShardedLoad: empty the IPU-Links (every IPU process is idle then)
         self.reset_links: Callable[[], None] | None = None
 
@@ -111,6 +113,14 @@ class GroupLink:
         self._closing = True
         for m in self._members:
             m.close(timeout)
+
+    def quiesce(self, timeout: float = 1.0) -> None:
+        for m in self._members:
+            m.quiesce(timeout)
+
+    def wake(self) -> None:
+        for m in self._members:
+            m.wake()
 
     @property
     def lost(self) -> DeviceLostError | None:
@@ -138,7 +148,7 @@ class GroupLink:
         return [p.pid for p in self._procs]
 
     def set_servicer(self, servicer: StreamServicer | None) -> None:
-        self._servicer = servicer
+        self._servicer = None if servicer is None else weakref.ref(servicer)
         for m in self._members:
             m.set_servicer(servicer)
 
@@ -182,8 +192,17 @@ class GroupLink:
         out: cf.Future[None] = cf.Future()
         lock = threading.Lock()
         state = {"left": len(futs), "stopped": False}
+        ref = weakref.ref(self)   # the members' pending futures hold this callback
 
         def done(f: "cf.Future[None]") -> None:
+            self = ref()
+            if self is None:   # the device went: its members failed what was pending
+                if not out.done():
+                    try:
+                        out.set_exception(InvalidStateError("the device was detached"))
+                    except cf.InvalidStateError:   # another member's callback was first
+                        pass
+                return
             exc = f.exception()
             with lock:
                 state["left"] -= 1
@@ -202,6 +221,7 @@ class GroupLink:
             if not last:
                 return
             errors = [e for e in (g.exception() for g in futs) if e is not None]
+            futs.clear()   # each future's callbacks hold this list: no cycle left behind
             if not errors:
                 out.set_result(None)
                 return
@@ -231,7 +251,8 @@ class GroupLink:
             _log.warning("%s", err)
         for m in self._members:
             m._adopt_lost(err)
-        servicer = self._servicer
+        ref = self._servicer
+        servicer = ref() if ref is not None else None
         if servicer is not None:
             try:
                 servicer._on_device_lost(err)

@@ -56,4 +56,5 @@ def main_read_order(model: popef.Model) -> list[str]:
     for p in md.programFlow().main():
         if 0 <= p < len(exe.programs):
             visit(exe.programs[p].body)
+    del visit   # it refers to itself through its closure: a cycle left for the collector
     return order

@@ -48,9 +48,10 @@ from shm import (PeerDiedError, Ring, RingInvalidatedError, RingTimeoutError, Sh
 from host_runtime._batching import TensorSpec
 from host_runtime._copy import copy_bytes
 from host_runtime._replica_timers import Phantom, PidWatch, ReplicaTimers
-from host_runtime._requests import Request
+from host_runtime._requests import Request, raisable
 from host_runtime.errors import DeviceLostError, InvalidStateError, ModelRuntimeError
 from host_runtime.monitoring import RequestMonitor
+from host_runtime.session import _STOP_TIMEOUT, DROP_STOP_TIMEOUT
 from host_runtime.shared_memory import SHARED_MIN_BYTES, shared_location
 from ipu_emulator.protocol import TAG_SHARED, host_memory_descriptor
 
@@ -209,8 +210,11 @@ class Replica(ReplicaTimers):
     def _closed_error(self) -> InvalidStateError:
         return InvalidStateError(f"replica {self.rid}: the ModelRunner was closed")
 
-    def close(self, save: Callable[[Any], None] | None = None) -> None:
-        """Stop the loop, optionally run the save programs, close the session (idempotent)."""
+    def close(self, save: Callable[[Any], None] | None = None, dropped: bool = False) -> None:
+        """Stop the loop, optionally run the save programs, close the session (idempotent).
+
+        ``dropped``: the runner was dropped; a device that does not stop within
+        ``DROP_STOP_TIMEOUT`` is killed rather than waited for."""
         with self._cv:
             if self._closed:
                 return
@@ -235,15 +239,16 @@ class Replica(ReplicaTimers):
             return
         try:
             healthy = self._error is None and s._failure() is None
+            limit = DROP_STOP_TIMEOUT if dropped else _STOP_TIMEOUT
             if save is not None and healthy:
                 try:
-                    s._stop_main_loop()      # stays runnable, device memory kept
+                    s._stop_main_loop(limit)      # stays runnable, device memory kept
                     save(s)
                 except ModelRuntimeError as exc:
                     _log.warning("replica %d: save programs failed: %s", self.rid, exc)
-            s.stop()
+            s._stop(limit, kill_if_hung=dropped)
         finally:
-            s.close()
+            s._close(limit, kill_if_hung=dropped)
             self._session = None
             self._pids.close()
 
@@ -324,9 +329,9 @@ class Replica(ReplicaTimers):
                 req.fail(err)
                 if isinstance(err, DeviceLostError):
                     self._fail_everything(err)
-                raise err from None
+                raise raisable(err) from None
             except InvalidStateError as exc:
-                req.fail(exc)
+                req.fail(raisable(exc))
                 raise
             req.t_prepared = time.perf_counter_ns()
 
@@ -483,6 +488,10 @@ class Replica(ReplicaTimers):
         tr.slots = {}
         self._partial = None
         self._published(tr)
+
+    def record_error(self, error: BaseException) -> None:
+        """A request of this replica failed (Request.fail): count it by class."""
+        self.setup.monitor.record_error(error)
 
     # ------------------------------------------------------------------ drive
     def wait_for(self, req: Request, timeout: float | None) -> bool:

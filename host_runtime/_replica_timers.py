@@ -84,6 +84,9 @@ class PidWatch:
         fd = ready[0][0]
         return next(p for f, p in self._fds if f == fd)
 
+    def __del__(self) -> None:
+        self.close()
+
     def close(self) -> None:
         for fd, _ in self._fds:
             try:

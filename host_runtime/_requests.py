@@ -10,6 +10,7 @@ of handing work to another thread.
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from typing import Any, Iterator, Optional, Protocol
@@ -18,7 +19,25 @@ import numpy as np
 
 from host_runtime.errors import DeviceTimeoutError
 
-__all__ = ["Request", "OutputFuture", "Driver"]
+__all__ = ["Request", "OutputFuture", "Driver", "raisable"]
+
+
+def raisable(error: BaseException) -> BaseException:
+    """A copy of a stored ``error`` to raise (type, message and cause kept).
+
+    Raising the stored object itself would attach a traceback whose frames refer
+    back to the request and replica that store it: a reference cycle that keeps
+    them (and the memory of the request) until the garbage collector runs.
+    """
+    try:
+        new = copy.copy(error)
+    except Exception:  # pragma: no cover - an exception type copy cannot rebuild
+        return error
+    if type(new) is not type(error) or str(new) != str(error):   # pragma: no cover
+        return error
+    new.__cause__ = error.__cause__
+    new.__suppress_context__ = error.__suppress_context__
+    return new
 
 
 class Driver(Protocol):
@@ -76,6 +95,10 @@ class Request:
     def fail(self, error: BaseException) -> None:
         if self._done:
             return
+        if not self.internal:
+            record = getattr(self.driver, "record_error", None)   # monitoring (metrics)
+            if record is not None:
+                record(error)
         self.error = error
         self.t_completed = time.perf_counter_ns()
         self._done = True
@@ -128,7 +151,7 @@ class OutputFuture:
         self._wait_or_raise(timeout)
         r = self._request
         if r.error is not None:
-            raise r.error
+            raise raisable(r.error)
         return dict(r.results)
 
     def _wait_or_raise(self, timeout: float | None) -> None:

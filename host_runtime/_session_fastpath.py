@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
+import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 from shm import (PeerDiedError, Ring, RingInvalidatedError, RingTimeoutError, ShmClosedError,
@@ -49,6 +50,7 @@ class FastPath:
 
     if TYPE_CHECKING:
         def _require_device(self) -> "Device": ...
+        def _wake_streams(self) -> None: ...
         def _activate(self) -> None: ...
         def _check_runnable(self) -> None: ...
         def _anchor(self, handle: str) -> popef.Anchor: ...
@@ -141,13 +143,18 @@ class FastPath:
             self._streams.clear_callback_errors()
             inner = dev._link.request(Op.LOOP, list(main))
             outer: cf.Future[None] = cf.Future()
+            # The device link holds ``inner`` (and so this callback) until the loop ends:
+            # it refers to the session weakly, so that a dropped session is freed (and
+            # closed, which ends the loop) by reference counting.
+            ref = weakref.ref(self)
 
             def done(f: "cf.Future[None]") -> None:
                 exc = f.exception()
+                session = ref()
                 if exc is None:
                     outer.set_result(None)
-                elif isinstance(exc, DeviceExecutionError):
-                    outer.set_exception(self._with_callback_error(exc, "main loop"))
+                elif isinstance(exc, DeviceExecutionError) and session is not None:
+                    outer.set_exception(session._with_callback_error(exc, "main loop"))
                 else:
                     outer.set_exception(exc)
             inner.add_done_callback(done)
@@ -160,12 +167,17 @@ class FastPath:
         loop, dev = self._loop, self._device
         if loop is None or loop.done() or dev is None or dev._link.lost is not None:
             return
-        wait(dev._link.request(Op.STOP, value=1), timeout, f"ending the main loop on "
-             f"{dev.describe()}")
+        fut = dev._link.request(Op.STOP, value=1)
+        self._wake_streams()   # wakes the device now (see Session.stop)
         try:
-            wait(loop, timeout, "the main loop to end")
-        except ModelRuntimeError:
-            pass  # its failure is reported through the loop future
+            wait(fut, timeout, f"ending the main loop on {dev.describe()}")
+            try:
+                wait(loop, timeout, "the main loop to end")
+            except ModelRuntimeError:
+                pass  # its failure is reported through the loop future
+        finally:
+            if loop.done():
+                self._streams.reset_rings()   # the device is idle: runnable again
 
     def _main_loop(self) -> "cf.Future[None] | None":
         return self._loop

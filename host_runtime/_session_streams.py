@@ -27,6 +27,7 @@ from typing import Any, Callable, Sequence
 from shm import Ring, ShmError
 
 from host_runtime import popef
+from host_runtime._shm_space import check_room, ring_bytes, translated
 from host_runtime.errors import BadRequestError, InvalidStateError, PopefError
 from host_runtime.predicates import (AnchorCallbackPolicy, AnchorCallbackPredicate,
                                      PopefDataUsagePolicy, PopefDataUsagePredicate)
@@ -247,19 +248,27 @@ class StreamTable:
             want = min(want, self._look_ahead + 1)
         return max(1, min(want, _MAX_DEPTH, _MAX_RING_BYTES // n))
 
-    def ensure_rings(self, peer_pid: int) -> None:
+    def ensure_rings(self, peer_pid: int, extra: Sequence[tuple[str, int]] = ()) -> None:
         """Create the rings once; when the device (peer) changes, reset them.
+
+        ``extra`` ((what, bytes) each): the session's other regions, counted with the
+        rings when /dev/shm is asked whether it can hold them all.
 
         A device that died mid-transfer leaves stale slots; the old device is
         unbound when this runs, so the rings are quiescent.
         """
         if not self.rings:
-            for a in self.streams:
-                n = max(1, self.nbytes[a.handle()])
-                depth = self.ring_depth(a)
+            plan = [(a, max(1, self.nbytes[a.handle()]), self.ring_depth(a))
+                    for a in self.streams]
+            check_room("this model's rings and regions", [
+                (f"ring of anchor {a.name()!r} ({depth} x {n})", ring_bytes(n, depth))
+                for a, n, depth in plan] + list(extra))
+            for a, n, depth in plan:
                 kind = "in" if a.type() is popef.TensorType.INPUT else "out"
-                self.rings[a.handle()] = Ring.create(n, depth, kind=kind,
-                                                     prefault=n * depth <= _PREFAULT_BYTES)
+                with translated(f"the ring of anchor {a.name()!r} ({depth} slots of {n} "
+                                "bytes)", ring_bytes(n, depth)):
+                    self.rings[a.handle()] = Ring.create(n, depth, kind=kind,
+                                                         prefault=n * depth <= _PREFAULT_BYTES)
         if self._peer != peer_pid:
             for ring in self.rings.values():
                 ring.reset()
@@ -269,6 +278,13 @@ class StreamTable:
     def reset_rings(self) -> None:
         for ring in self.rings.values():
             ring.reset()
+
+    def invalidate_rings(self) -> None:
+        """Wake every waiter on the rings, on both sides, at once (stop: the device
+        takes the STOP sent before this instead of waiting out a slice)."""
+        for ring in self.rings.values():
+            if not ring.closed:
+                ring.invalidate()
 
     def load_spec(self, modes: list[int]) -> list[dict[str, Any]]:
         return [{"handle": a.handle(), "ring": self.rings[a.handle()].name,

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from host_runtime._daemon_client import DaemonAttachment, DaemonClient, daemon_from_env
 from host_runtime._lifetime import close_owned
+from host_runtime._shm_space import translated
 from host_runtime.errors import BadRequestError, DeviceUnavailableError, InvalidStateError
 from host_runtime.popef.model import Model
 from ipu_emulator.launcher import IpuConnection, IpuSpec, launch_ipu
@@ -54,6 +55,9 @@ _log = logging.getLogger(__name__)
 
 _SMALL_MODEL_TILES = 4
 
+
+_IPU_RING_BYTES = 2 << 20
+"""About what one IPU process's control and event rings take in /dev/shm (for messages)."""
 
 class DeviceWaitStrategy(enum.Enum):
     """How to wait for a device to become available."""
@@ -165,9 +169,9 @@ class DeviceConstraints:
         return f"DeviceConstraints(requiresRemoteBuffersSupport={self.requiresRemoteBuffersSupport})"
 
 
-# Strong references: an attached device lives (processes running, IPUs held) until it is
-# closed, explicitly or at interpreter exit, never silently by garbage collection.
-_live_devices: "set[Device]" = set()
+# Devices to close at exit. Weak: a device nobody references is closed at once by its
+# __del__ (see host_runtime._lifetime); a session that attached its device owns it.
+_live_devices: "weakref.WeakSet[Device]" = weakref.WeakSet()
 
 
 @atexit.register
@@ -199,7 +203,7 @@ class Device:
         self._owner_pid = os.getpid()
         self._closed = False
         self._lock = threading.RLock()
-        self._active: "Session | None" = None
+        self._active: "weakref.ref[Session] | None" = None   # sessions own devices: weak
         self._sessions: "weakref.WeakSet[Session]" = weakref.WeakSet()
         self._link: "DeviceLink | GroupLink" = make_link(self.describe(), processes)
         _live_devices.add(self)
@@ -274,6 +278,7 @@ class Device:
         finally:
             if got:
                 self._lock.release()
+        self._link.quiesce()   # a daemon's processes: our event thread ends first
         for s in sessions:
             try:
                 s._device_detached(self)
@@ -282,14 +287,41 @@ class Device:
         self._link.close(timeout=0.0)
         try:
             for proc in self._processes:
+                shutdown = getattr(proc, "shutdown", None)   # not every launcher's has it
+                if shutdown is not None:
+                    shutdown()   # SHUTDOWN, wait for the exit; BYE ends the event thread
+            self._link.wake()    # (or, if the process died, this does)
+            for proc in self._processes:
                 proc.close()
         finally:
-            self._link.close()
+            # Not joined: the event thread holds no device, and ends on the BYE, or (a
+            # daemon's process says no BYE; a dead one cannot) when the closed ring wakes
+            # it, within shm.WAIT_SLICE.
+            self._link.close(timeout=0.0)
             if self._locks is not None:
                 self._locks.release()
             _live_devices.discard(self)
 
     detach = close
+
+    def _kill(self) -> None:
+        """SIGKILL the IPU processes (a hung device whose owner was dropped); the link
+        notices the loss and fails what waits on it."""
+        for proc in self._processes:
+            try:
+                proc.kill()
+            except Exception:  # pragma: no cover - best effort
+                _log.debug("killing %r", proc, exc_info=True)
+        self._link.check()
+
+    def __del__(self) -> None:
+        # The last reference is gone: nothing can use the device any more. Release it
+        # now (reference counting runs this at once) rather than at exit.
+        if not getattr(self, "_closed", True):
+            try:
+                self.close()
+            except Exception:  # pragma: no cover - best effort
+                _log.debug("closing %s when it was dropped", self.describe(), exc_info=True)
 
     def __enter__(self) -> "Device":
         return self
@@ -311,7 +343,8 @@ class Device:
             raise lost
 
     def isActiveSession(self, session: "Session") -> bool:
-        return self._active is session
+        active = self._active
+        return active is not None and active() is session
 
     def bindToSession(self, session: "Session") -> None:
         """Make ``session`` this device's active session, its executable loaded.
@@ -330,7 +363,7 @@ class Device:
 
         Seed: protected, for Session."""
         with self._lock:
-            active = self._active
+            active = self._active() if self._active is not None else None
             if active is None:
                 return
             loop = active._loop
@@ -346,17 +379,17 @@ class Device:
         with self._lock:
             self._check_open()
             self._sessions.add(session)
-            previous = self._active
+            previous = self._active() if self._active is not None else None
             if previous is session:
                 return
             if previous is not None:
                 previous._deactivate(implicit_save=True)
-            self._active = session
+            self._active = weakref.ref(session)
             self._link.set_servicer(session)
 
     def _unbind_session(self, session: "Session") -> None:
         with self._lock:
-            if self._active is session:
+            if self.isActiveSession(session):
                 self._active = None
                 self._link.set_servicer(None)
 
@@ -679,7 +712,10 @@ class DeviceManager:
         procs: list[IpuConnection] = []
         try:
             for spec in specs:
-                procs.append(launch(spec, log_dir=self._system.log_dir))
+                # the IPU process's control and event rings live in /dev/shm too
+                with translated(f"the control and event rings of IPU {spec.ipu_id}",
+                                _IPU_RING_BYTES):
+                    procs.append(launch(spec, log_dir=self._system.log_dir))
         except BaseException:
             for p in procs:
                 if launcher is None:   # a daemon's processes stay warm

@@ -5,9 +5,11 @@ Classes are chosen by *cause*, the way trio does it:
 - ``BadRequestError``: the caller gave wrong input (names, shapes, dtypes,
   sizes, replica ids, options). Nothing was sent to a device; the object that
   raised it is still usable.
-- ``PopefError``: a model file is damaged, truncated or inconsistent.
+- ``PopefError``: a model file is damaged, truncated or inconsistent
+  (``ModelRuleError``: its metadata, anchors and programs break a named rule).
 - ``InvalidStateError``: the call does not fit the object's state (closed,
   stopped, not bound to a device).
+- ``SharedMemoryFullError``: /dev/shm cannot hold a model's rings or regions.
 - ``DeviceUnavailableError``: no device matching the request could be attached.
 - ``DeviceLostError``: the emulated IPU process died or stopped answering.
 - ``DeviceTimeoutError``: a wait on a device (or on input data) timed out.
@@ -25,7 +27,9 @@ __all__ = [
     "ModelRuntimeError",
     "BadRequestError",
     "PopefError",
+    "ModelRuleError",
     "InvalidStateError",
+    "SharedMemoryFullError",
     "DeviceUnavailableError",
     "DeviceLostError",
     "DeviceTimeoutError",
@@ -65,8 +69,23 @@ class PopefError(ModelRuntimeError, ValueError):
         self.offset = offset
 
 
+class ModelRuleError(PopefError):
+    """A model's files are readable but disagree: metadata, anchors and programs break
+    a rule of ``ipu_emulator.validate`` (named by ``rule``, e.g. ``"stream-count"``)."""
+
+    def __init__(self, message: str, *, rule: str, path: str | None = None,
+                 blob: str | None = None, offset: int | None = None) -> None:
+        super().__init__(message, path=path, blob=blob, offset=offset)
+        self.rule = rule
+
+
 class InvalidStateError(ModelRuntimeError, RuntimeError):
     """The object is closed, stopped or not bound; the call cannot proceed."""
+
+
+class SharedMemoryFullError(ModelRuntimeError, MemoryError):
+    """/dev/shm cannot hold the rings or regions a model needs; the message says how many
+    bytes were asked for (and for which ring or anchor) and what /dev/shm has."""
 
 
 class DeviceUnavailableError(ModelRuntimeError, RuntimeError):

@@ -20,27 +20,32 @@ Results:
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import threading
 import time
 import weakref
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import numpy as np
 
 from host_runtime import popef
 from host_runtime._batching import TensorSpec
-from host_runtime._lifetime import close_owned
+from host_runtime._lifetime import close_owned, weak_method
 from host_runtime._read_order import main_read_order
 from host_runtime._replica import Replica, ReplicaSetup
-from host_runtime._requests import OutputFuture, Request
+from host_runtime._requests import OutputFuture, Request, raisable
 from host_runtime.config import DataDesc, ModelRunnerConfig
 from host_runtime.errors import BadRequestError, InvalidStateError
 from host_runtime.memory import (InputMemoryView, OutputMemory, OutputMemoryView, PopefPaths,
                                  TensorMemory, TensorMemoryView, as_readable_array,
                                  as_writable_array)
 from host_runtime.monitoring import RequestMonitor
+from host_runtime.popef._check import check_model
+
+if TYPE_CHECKING:  # pragma: no cover
+    from host_runtime.metrics import ModelRunnerCollector
 
 __all__ = ["ModelRunner", "OutputFuture"]
 
@@ -68,8 +73,13 @@ def _register_exit_hook() -> None:
         atexit.register(_close_live_runners)
 
 
+def _gone() -> Any:
+    raise InvalidStateError("the ModelRunner was dropped")
+
+
 def _load_model(source: Any) -> popef.Model:
     if isinstance(source, popef.Model):
+        check_model(source)   # the rules of ipu_emulator.validate (once per Model)
         return source
     if isinstance(source, (str, os.PathLike)):
         paths = [os.fspath(source)]
@@ -81,7 +91,9 @@ def _load_model(source: Any) -> popef.Model:
             f"got {type(source).__name__}")
     if not paths:
         raise BadRequestError("ModelRunner needs at least one PopEF file, got an empty list")
-    return popef.load_model(paths)
+    model = popef.load_model(paths)
+    check_model(model)
+    return model
 
 
 def _desc(a: popef.Anchor, contains: bool = False) -> DataDesc:
@@ -258,10 +270,10 @@ class ModelRunner:
             dynamic=self._dynamic, batch=self._batch, timeout_ns=cfg.timeout_ns,
             partial_flush_ns=flush_ns, flush_callback=cfg.flush_callback,
             auto_reset=cfg.auto_reset, monitor=self._monitors[rid],
-            open_session=lambda: self._open_session(rid),
+            open_session=functools.partial(weak_method(self._open_session, _gone), rid),
             watchdog=not cfg.flush_on_waiting_outputs,
-            make_flush_request=lambda i, o: self._flush_request(rid, i, o),
-            merge_phantom=self._merge_phantom)
+            make_flush_request=functools.partial(weak_method(self._flush_request), rid),
+            merge_phantom=weak_method(self._merge_phantom))
 
     def _attach_devices(self) -> None:
         """Attach the devices of every replica that has none in replica_to_device at once.
@@ -559,10 +571,14 @@ class ModelRunner:
         An input frozen by ``ModelRunnerConfig.frozen_inputs`` is no longer required (seed
         000/001, frozen inputs); given anyway, it is ignored and the frozen value is used."""
         lock = self._call_lock(replica_id)
-        if lock is not None:
-            with lock:
-                return self._execute(input_data, output_data, replica_id)
-        return self._execute(input_data, output_data, replica_id)
+        try:
+            if lock is not None:
+                with lock:
+                    return self._execute(input_data, output_data, replica_id)
+            return self._execute(input_data, output_data, replica_id)
+        except Exception as exc:
+            self._record_raised(exc, replica_id)
+            raise
 
     def _call_lock(self, replica_id: Any) -> Optional[threading.RLock]:
         locks = self._call_locks
@@ -578,13 +594,13 @@ class ModelRunner:
             rep.submit(req, 1, None)
             rep.wait_for(req, None)
             if req.error is not None:
-                raise req.error
+                raise raisable(req.error)
             return req.results
         req, transfers, phantom, view_mode = self._build(rep, input_data, output_data, t0)
         rep.submit(req, transfers, phantom)
         rep.wait_for(req, None)
         if req.error is not None:
-            raise req.error
+            raise raisable(req.error)
         if output_data is not None:
             return None
         if view_mode:
@@ -595,10 +611,20 @@ class ModelRunner:
                      replica_id: int = 0) -> OutputFuture:
         """Queue one request; returns an ``OutputFuture`` (frozen inputs as for ``execute``)."""
         lock = self._call_lock(replica_id)
-        if lock is not None:
-            with lock:
-                return self._execute_async(input_data, output_data, replica_id)
-        return self._execute_async(input_data, output_data, replica_id)
+        try:
+            if lock is not None:
+                with lock:
+                    return self._execute_async(input_data, output_data, replica_id)
+            return self._execute_async(input_data, output_data, replica_id)
+        except Exception as exc:
+            self._record_raised(exc, replica_id)
+            raise
+
+    def _record_raised(self, exc: BaseException, replica_id: Any) -> None:
+        """Count an error execute/executeAsync raises (metrics: errors by class)."""
+        monitors = getattr(self, "_monitors", ())
+        if isinstance(replica_id, (int, np.integer)) and 0 <= replica_id < len(monitors):
+            monitors[replica_id].record_raised(exc)
 
     def _execute_async(self, input_data: Any, output_data: Any, replica_id: int) -> OutputFuture:
         t0 = time.perf_counter_ns()
@@ -662,9 +688,20 @@ class ModelRunner:
         info = {} if monitoring_info is None else monitoring_info
         return self._monitor(replica_id).total_count(info)
 
+    def metrics_collector(self, register_default: bool = False) -> "ModelRunnerCollector":
+        """These statistics as a ``prometheus_client`` collector (see host_runtime.metrics):
+        register it in your registry (``.add(other_runner)`` puts more runners in it), or
+        ``register_default=True`` adds this runner to the collector registered in
+        ``prometheus_client.REGISTRY``. Holds the runner weakly."""
+        from host_runtime.metrics import collector_for
+        return collector_for(self, register_default)
+
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
         """Unload the model and release the IPUs (running save programs if configured)."""
+        self._close(dropped=False)
+
+    def _close(self, dropped: bool) -> None:
         if getattr(self, "_closed", True) and not getattr(self, "_replicas", None):
             return
         self._closed = True
@@ -673,7 +710,7 @@ class ModelRunner:
         for rep in replicas:
             save = self._saver(rep.rid) if self._config.run_save_programs else None
             try:
-                rep.close(save)
+                rep.close(save, dropped)
             except Exception as exc:  # close every replica, then report
                 errors.append(exc)
         if errors:
@@ -711,8 +748,10 @@ class ModelRunner:
         self.close()
 
     def __del__(self) -> None:
+        # Dropped (reference counting runs this at once): give the IPUs back now, without
+        # blocking for long on a device that does not answer (see Replica.close).
         try:
-            self.close()
+            self._close(dropped=True)
         except Exception:  # pragma: no cover - best effort at garbage collection
             pass
 

@@ -21,15 +21,25 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 
 from host_runtime.errors import BadRequestError
 
-__all__ = ["RequestMonitor", "PHASES"]
+__all__ = ["RequestMonitor", "MonitorSnapshot", "PHASES"]
 
 PHASES = ("request", "read_preparation", "read_queue", "computation")
+
+
+class MonitorSnapshot(NamedTuple):
+    """What :meth:`RequestMonitor.snapshot` returns (durations in microseconds)."""
+
+    requests: int                                    # every request recorded
+    sums_us: dict[str, float]                        # phase -> sum over every request
+    quantiles_us: dict[str, list[tuple[float, float]]]   # phase -> [(q, value)], buffer
+    errors: dict[str, int]                           # error class name -> failed requests
+    buffered: int                                    # traces the quantiles are over
 
 
 class RequestMonitor:
@@ -42,6 +52,8 @@ class RequestMonitor:
         maxlen: Optional[int] = int(buffer_size) or None
         self._traces: deque[tuple[float, float, float, float]] = deque(maxlen=maxlen)
         self._count = 0
+        self._sums = [0.0, 0.0, 0.0, 0.0]   # us, per phase, over every request
+        self._errors: dict[str, int] = {}   # failed requests by error class
         self._last_completed = 0
         self._lock = threading.Lock()
 
@@ -50,13 +62,42 @@ class RequestMonitor:
         with self._lock:
             started = max(prepared_ns, min(self._last_completed, completed_ns))
             self._last_completed = max(self._last_completed, completed_ns)
-            self._traces.append((
-                (completed_ns - received_ns) / 1e3,
-                (prepared_ns - received_ns) / 1e3,
-                (started - prepared_ns) / 1e3,
-                (completed_ns - started) / 1e3,
-            ))
+            trace = ((completed_ns - received_ns) / 1e3, (prepared_ns - received_ns) / 1e3,
+                     (started - prepared_ns) / 1e3, (completed_ns - started) / 1e3)
+            self._traces.append(trace)
+            sums = self._sums
+            sums[0] += trace[0]
+            sums[1] += trace[1]
+            sums[2] += trace[2]
+            sums[3] += trace[3]
             self._count += 1
+
+    def record_error(self, error: BaseException) -> None:
+        """Count one failed request by the class of its error."""
+        name = type(error).__name__
+        with self._lock:
+            self._errors[name] = self._errors.get(name, 0) + 1
+        try:
+            error._ipu_monitored = True  # type: ignore[attr-defined]
+        except AttributeError:  # pragma: no cover - an exception class with __slots__
+            pass
+
+    def record_raised(self, error: BaseException) -> None:
+        """Count an error a call raised, unless it is a failed request's, counted already."""
+        if not getattr(error, "_ipu_monitored", False):
+            self.record_error(error)
+
+    def snapshot(self, quantiles: tuple[float, ...] = ()) -> "MonitorSnapshot":
+        """Counts and sums over every request, errors by class, and the ``quantiles``
+        of each phase over the buffered traces (all durations in microseconds)."""
+        with self._lock:
+            count, sums, errors = self._count, tuple(self._sums), dict(self._errors)
+        m = self._matrix()
+        qs = np.quantile(m, quantiles, axis=0) if len(m) and quantiles else None
+        per_phase = {phase: [(q, float(qs[k][i]) if qs is not None else 0.0)
+                             for k, q in enumerate(quantiles)]
+                     for i, phase in enumerate(PHASES)}
+        return MonitorSnapshot(count, dict(zip(PHASES, sums)), per_phase, errors, len(m))
 
     @property
     def count(self) -> int:

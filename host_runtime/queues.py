@@ -32,6 +32,7 @@ from __future__ import annotations
 import abc
 import logging
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
@@ -439,8 +440,10 @@ class QueueManager:
                  ) -> None:
         self.inputs: dict[str, InputQueue] = {}
         self.outputs: dict[str, OutputQueue] = {}
-        self._session = session
+        # The session owns its queue managers (createQueueManager): refer back weakly.
+        self._session = weakref.ref(session) if _weakrefable(session) else None
         self._by_handle: dict[str, str] = {}
+        inputs = self.inputs    # the timeout callbacks hold the queues, not the manager
         mult: RingSizeMultiplierProdType
         if callable(ring_size_multiplier):
             mult = ring_size_multiplier
@@ -458,7 +461,7 @@ class QueueManager:
                 cb = None
                 if timeout_callback is not None and timeout_ns:
                     def cb(rb: SpscRingBuffer[InputData], _n: str = name) -> None:
-                        timeout_callback(self.inputs[_n], rb)
+                        timeout_callback(inputs[_n], rb)
                 rb_in = InputRingBuffer(n, name, cb, int(timeout_ns))
                 q_in = InputQueue(rb_in, info, name)
                 self.inputs[name] = q_in
@@ -498,6 +501,14 @@ class QueueManager:
     def resetAll(self) -> None:
         for q in self._all():
             q.reset()
+
+
+def _weakrefable(obj: Any) -> bool:
+    try:
+        weakref.ref(obj)
+    except TypeError:
+        return False
+    return True
 
 
 def _user_anchors(session: Any) -> list[Anchor]:

@@ -42,11 +42,14 @@ from shm import Region
 
 from host_runtime import popef
 from host_runtime._device_link import wait
+from host_runtime._shm_space import translated
+from host_runtime.popef._check import check_model
 from host_runtime._session_fastpath import FastPath
 from host_runtime._session_streams import StreamTable
 from host_runtime.devices import Device, DeviceManager, DeviceWaitConfig
 from host_runtime.errors import (BadRequestError, DeviceExecutionError, DeviceLostError,
-                                 InvalidStateError, ModelRuntimeError, PopefError)
+                                 DeviceTimeoutError, InvalidStateError, ModelRuntimeError,
+                                 PopefError)
 from host_runtime.predicates import AnchorCallbackPredicate, PopefDataUsagePredicate
 from ipu_emulator import protocol
 from ipu_emulator.executable import ExecutableError, read_header
@@ -68,6 +71,9 @@ CallbackHandle = Callable[[memoryview], None]
 
 _STOP_TIMEOUT = float(os.environ.get("IPU_EMULATOR_STOP_TIMEOUT", "30"))
 _LOAD_TIMEOUT = float(os.environ.get("IPU_EMULATOR_LOAD_TIMEOUT", "300"))
+DROP_STOP_TIMEOUT = 1.0
+"""Seconds a dropped session (or runner) waits for its own device to stop before it kills
+the device's IPU processes: ``__del__`` must not block for long."""
 
 
 class LaunchPolicy(enum.Enum):
@@ -153,6 +159,7 @@ class Session(FastPath):
         else:
             raise BadRequestError(
                 f"Session needs a popef.Model or a list of PopEF paths, got {model!r}")
+        check_model(self._model)   # the rules of ipu_emulator.validate (once per Model)
         self._exe = self._model.executable.payload()
         try:
             self._header = read_header(self._exe)
@@ -220,6 +227,12 @@ class Session(FastPath):
 
     def stop(self) -> None:
         """Send the stop signal: running programs end; nothing runs until reload()."""
+        self._stop(_STOP_TIMEOUT)
+
+    def _stop(self, timeout: float, kill_if_hung: bool = False) -> None:
+        """stop(), waiting up to ``timeout`` s for the device. ``kill_if_hung`` (a dropped
+        owner, which must not block for long): a device of ours that does not answer in
+        time has its IPU processes killed instead."""
         if self._closed:
             return
         for qm in list(self._queue_managers):
@@ -237,9 +250,29 @@ class Session(FastPath):
         if dev is None or not self._loaded or not dev.isActiveSession(self) or dev._link.lost:
             return
         try:
-            wait(dev._link.request(Op.STOP), _STOP_TIMEOUT, f"stop on {dev.describe()}")
+            fut = dev._link.request(Op.STOP)
+            # wake a program waiting on a stream now, not at its next check of the
+            # control ring; reload() resets the rings
+            self._wake_streams()
+            wait(fut, timeout, f"stop on {dev.describe()}")
         except DeviceLostError:
             pass
+        except DeviceTimeoutError:
+            if not (kill_if_hung and self._owns_device):
+                raise
+            _log.warning("%s did not stop within %g s; killing its IPU processes",
+                         dev.describe(), timeout)
+            dev._kill()
+
+    def _wake_streams(self) -> None:
+        """After a STOP: invalidate the stream rings (and a sharded model's IPU-Links, which
+        are reset before each run) so that a program waiting on one takes the STOP now."""
+        self._streams.invalidate_rings()
+        sharded = self._sharded
+        if sharded is not None:
+            for ring in sharded.links.values():
+                if not ring.closed:
+                    ring.invalidate()
 
     def reload(self) -> None:
         """Load the executable again on the bound device (after stop(), or to start afresh)."""
@@ -343,6 +376,9 @@ class Session(FastPath):
 
     def close(self) -> None:
         """Stop, unload (no implicit save), destroy the rings; idempotent."""
+        self._close(_STOP_TIMEOUT, kill_if_hung=False)
+
+    def _close(self, stop_timeout: float, kill_if_hung: bool) -> None:
         if self._closed:
             return
         try:
@@ -358,7 +394,8 @@ class Session(FastPath):
                 if not busy:
                     dev._device_lock.release()
             if busy or (self._loop is not None and not self._loop.done()):
-                self.stop()   # a program of ours may be running on another thread
+                # a program of ours may be running on another thread
+                self._stop(stop_timeout, kill_if_hung)
             if self._device is not None:
                 self._unbind(run_save=False)
         finally:
@@ -380,9 +417,11 @@ class Session(FastPath):
         self.close()
 
     def __del__(self) -> None:
+        # Dropped: nothing can use the session any more. Close it now, without blocking
+        # for long on a device that does not answer.
         if not getattr(self, "_closed", True):
             try:
-                self.close()
+                self._close(DROP_STOP_TIMEOUT, kill_if_hung=True)
             except Exception:
                 pass
 
@@ -465,10 +504,14 @@ class Session(FastPath):
                             self._implicit_save()
                         except ModelRuntimeError as exc:
                             _log.warning("implicit save programs of %r failed: %s", self, exc)
-                    try:  # also when another session is active: the device caches ours
-                        dev._link.call(Op.UNLOAD, {"key": self._key}, timeout=_STOP_TIMEOUT)
-                    except ModelRuntimeError as exc:
-                        _log.debug("unload from %s: %s", dev.describe(), exc)
+                    # also when another session is active: the device caches ours (not
+                    # needed when the device goes with this session: closing it drops all)
+                    if not (self._owns_device and set(dev._sessions) <= {self}):
+                        try:
+                            dev._link.call(Op.UNLOAD, {"key": self._key},
+                                           timeout=_STOP_TIMEOUT)
+                        except ModelRuntimeError as exc:
+                            _log.debug("unload from %s: %s", dev.describe(), exc)
                 dev._forget_session(self)
         finally:
             self._device = None
@@ -490,10 +533,14 @@ class Session(FastPath):
             self._load_ran = False
 
     def _ensure_resources(self, dev: Device) -> None:
-        self._streams.ensure_rings(dev._link.pid)
+        extra = [] if self._memory_region is not None else [
+            ("the device memory region", max(64, int(self._header["memory_bytes"]))),
+            ("the executable region", len(self._exe))]
+        self._streams.ensure_rings(dev._link.pid, extra)
         if self._memory_region is None:
             size = max(64, int(self._header["memory_bytes"]))
-            self._memory_region = Region.create(size, kind="mem", prefault=False)
+            with translated("the device memory region", size):
+                self._memory_region = Region.create(size, kind="mem", prefault=False)
 
     def _load(self, fresh: bool) -> None:
         """Send LOAD (caller holds the device lock and is the active session)."""
@@ -523,7 +570,8 @@ class Session(FastPath):
         if self._spec_region is None:
             spec["executable_offset"] = protocol.spec_prefix_size(spec)
             prefix = protocol.encode_load_spec(spec)
-            region = Region.create(len(prefix) + len(self._exe), kind="exe")
+            with translated("the executable region", len(prefix) + len(self._exe)):
+                region = Region.create(len(prefix) + len(self._exe), kind="exe")
             region.buf[:len(prefix)] = prefix
             region.buf[len(prefix):len(prefix) + len(self._exe)] = self._exe
             self._spec_region = region

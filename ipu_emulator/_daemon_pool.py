@@ -54,13 +54,20 @@ class PooledIpu:
         self.state = "starting"     # starting, free, attaching, held, resetting, dead, failed
         self.holder: int | None = None
         self.hosts_served = 0
+        # for /metrics (ipu_emulator._daemon_metrics)
+        self.starts = 0          # processes started
+        self.resets = 0          # take_back()s that succeeded
+        self.held_seconds = 0.0  # time held by hosts, past holds
+        self._held_since: float | None = None
         self._seq = itertools.count(1)
 
     # -- blocking steps (executor) ------------------------------------------------------
 
     def start(self) -> None:
         """Start a fresh process (after closing a dead one) and wait until it is ready."""
+        self._end_hold()
         self.close_process(polite=False)
+        self.starts += 1
         proc = launch_ipu(self.spec, log_dir=self.log_dir, pool=True)
         try:
             self.ready = proc.wait_ready()
@@ -73,9 +80,22 @@ class PooledIpu:
 
     def hand_over(self, host: int, num_ipus: int, label: str) -> None:
         self._host_call(host, {"num_ipus": num_ipus, "label": label})
+        self._held_since = time.monotonic()
 
     def take_back(self) -> None:
+        self._end_hold()
         self._host_call(0, {"num_ipus": 1, "label": self.spec.label})
+        self.resets += 1
+
+    def _end_hold(self) -> None:
+        since, self._held_since = self._held_since, None
+        if since is not None:
+            self.held_seconds += time.monotonic() - since
+
+    def held_seconds_at(self, now: float) -> float:
+        """Time held by hosts up to ``now`` (``time.monotonic()``), the current hold too."""
+        since = self._held_since
+        return self.held_seconds + (now - since if since is not None else 0.0)
 
     def _host_call(self, host: int, body: dict[str, Any]) -> None:
         proc = self._live_process()

@@ -67,6 +67,7 @@ class _Loaded:
         self.streams: list[_Stream] = []
         self.by_handle: dict[str, _Stream] = {}
         self.stopped = False
+        self.loops_checked: set[tuple[int, ...]] = set()   # main loops validate.check_loop passed
         # interpreter ZeroCopyGroup -> its C step over these streams (None: the group runs
         # step by step); emptied whenever the streams or their modes change
         self.steps: dict[Any, Any] = {}

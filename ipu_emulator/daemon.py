@@ -35,6 +35,7 @@ from typing import Any
 from shm import pid_alive
 
 from ipu_emulator import daemon_protocol as wire
+from ipu_emulator._daemon_metrics import DaemonMetrics
 from ipu_emulator._daemon_pool import PoolError, PooledIpu, remove_objects_of
 from ipu_emulator.launcher import IpuSpec
 from ipu_emulator.system import SystemConfig
@@ -61,7 +62,8 @@ class _Conn:
 class Daemon:
     """The pool and its socket server. ``run()`` blocks until SIGTERM/SIGINT or ``stop()``."""
 
-    def __init__(self, system: SystemConfig, socket_path: str | None = None) -> None:
+    def __init__(self, system: SystemConfig, socket_path: str | None = None,
+                 metrics_port: int | None = None, metrics_address: str = "127.0.0.1") -> None:
         self.system = system
         self.socket_path = wire.check_socket_path(
             socket_path or os.path.join(system.home, wire.SOCKET_NAME))
@@ -78,6 +80,7 @@ class Daemon:
         self._busy: set[int] = set()     # IPUs with a blocking step under way
         self._retry_at: dict[int, float] = {}
         self._stopping = False   # no more attaches, resets or restarts
+        self.metrics = DaemonMetrics(self, metrics_port, metrics_address)
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -99,6 +102,7 @@ class Daemon:
         server = None
         monitor = None
         try:
+            port = self.metrics.serve()   # first: a port in use fails before any IPU starts
             await asyncio.gather(*(self._start_ipu(ipu) for ipu in self.ipus))
             failed = [ipu.index for ipu in self.ipus if ipu.state != "free"]
             if failed:
@@ -113,6 +117,8 @@ class Daemon:
                 os.umask(old)
             os.chmod(self.socket_path, 0o600)
             monitor = asyncio.create_task(self._monitor())
+            if port is not None:
+                _log.info("serving /metrics at http://%s:%d/metrics", self.metrics.address, port)
             s = self.system
             _log.info("serving %d x %s (%d tiles, %d bytes per tile) at %s; pids %s",
                       s.num_ipus, s.ipu_version, s.tiles_per_ipu, s.memory_per_tile,
@@ -121,6 +127,7 @@ class Daemon:
             _log.info("stopping")
         finally:
             self._stopping = True
+            self.metrics.close()
             if monitor is not None:
                 monitor.cancel()
             if server is not None:
@@ -206,7 +213,12 @@ class Daemon:
                 except wire.DaemonProtocolError as exc:
                     await self._reply(conn, _error("protocol", str(exc)))
                     continue
-                await self._reply(conn, await self._handle(conn, req))
+                try:
+                    reply = await self._handle(conn, req)
+                except Exception as exc:   # a bug: the client still gets an answer
+                    _log.exception("%s request of pid %d failed", req.get("op"), conn.pid)
+                    reply = _error("internal", f"{type(exc).__name__}: {exc}")
+                await self._reply(conn, reply)
         except (ConnectionError, OSError):
             pass
         finally:
@@ -242,6 +254,16 @@ class Daemon:
                 "compute_threads": s.compute_threads}
 
     async def _attach(self, conn: _Conn, req: dict[str, Any]) -> dict[str, Any]:
+        started = asyncio.get_running_loop().time()
+        reply = await self._attach_ipus(conn, req)
+        if reply.get("error") == "busy":
+            self.metrics.attach_busy(conn.pid)
+        else:
+            self.metrics.attach_done(conn.pid, started, bool(reply.get("ok")),
+                                     refused=reply.get("error") in ("request", "stopping"))
+        return reply
+
+    async def _attach_ipus(self, conn: _Conn, req: dict[str, Any]) -> dict[str, Any]:
         indices = req.get("ipus")
         device_id = req.get("device_id", -1)
         n = len(self.ipus)
@@ -339,6 +361,7 @@ class Daemon:
             rc = proc.returncode()
             _log.warning("ipu %d: %s", ipu.index, proc.describe_exit())
             if rc is not None:
+                self.metrics.died(ipu)
                 self._exits[proc.pid] = rc
                 while len(self._exits) > _EXITS_KEPT:
                     self._exits.pop(next(iter(self._exits)))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import struct
 from typing import Any, Mapping
 
 from ipu_emulator.errors import DaemonProtocolError
@@ -73,6 +74,9 @@ def decode(line: bytes) -> dict[str, Any]:
         obj = json.loads(line.decode())
     except (UnicodeDecodeError, ValueError) as exc:
         raise DaemonProtocolError(f"message is not valid JSON: {exc}") from None
+    except RecursionError:   # e.g. [[[[...]]]] a few thousand deep
+        raise DaemonProtocolError("message is not valid JSON: it nests arrays or objects "
+                                  "too deeply") from None
     if not isinstance(obj, dict):
         raise DaemonProtocolError(f"message must be a JSON object, got {type(obj).__name__}")
     if obj.get("v") != VERSION:
@@ -81,8 +85,34 @@ def decode(line: bytes) -> dict[str, Any]:
     return obj
 
 
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a unix socket (SO_PEERCRED)."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, gid = struct.unpack("3i", raw)
+    return pid, uid, gid
+
+
+def check_peer(sock: socket.socket, path: str) -> None:
+    """The daemon at ``path`` must run as this user (or root): else DaemonProtocolError.
+
+    Another user's process listening on a socket we were told to use could hand
+    out rings and pids of its choosing.
+    """
+    pid, uid, _ = peer_credentials(sock)
+    me = os.getuid()
+    if uid not in (me, 0):
+        raise DaemonProtocolError(f"the process at {path} (pid {pid}) runs as uid {uid}, not "
+                                  f"as this user (uid {me}) or root; refusing to use it as "
+                                  "the IPU emulator daemon")
+
+
+__all__ += ["peer_credentials", "check_peer"]
+
+
 class LineConnection:
-    """A blocking client connection: ``call(request) -> reply``; ``close()`` is idempotent."""
+    """A blocking client connection: ``call(request) -> reply``; ``close()`` is idempotent.
+
+    The peer is checked on connect (``check_peer``: same uid or root)."""
 
     def __init__(self, path: str, timeout: float = 30.0) -> None:
         self.path = path
@@ -90,6 +120,7 @@ class LineConnection:
         self._sock.settimeout(timeout)
         try:
             self._sock.connect(path)
+            check_peer(self._sock, path)
         except BaseException:
             self._sock.close()
             raise

@@ -14,6 +14,9 @@ Classes are chosen by cause:
 - ``IpuProcessError``: an IPU process failed to start, or died.
 - ``DaemonError`` / ``PoolError``: the daemon or its pool of IPU processes.
 - ``HostMemoryError``: a shared host-memory descriptor cannot be resolved.
+- ``ForkserverError``: the template process that forks IPU processes cannot
+  start or fork (the launcher then starts them fresh).
+- ``MetricsServeError``: ``/metrics`` cannot listen where asked.
 
 Every class derives from ``IpuEmulatorError`` (and from the builtin that fits
 its cause, so ``except ValueError`` keeps working). The modules that raise
@@ -36,6 +39,8 @@ __all__ = [
     "DaemonProtocolError",
     "PoolError",
     "HostMemoryError",
+    "ForkserverError",
+    "MetricsServeError",
 ]
 
 
@@ -96,3 +101,11 @@ class PoolError(IpuEmulatorError, RuntimeError):
 
 class HostMemoryError(IpuEmulatorError):
     """A TAG_SHARED descriptor that cannot be resolved (the message says why)."""
+
+
+class ForkserverError(IpuEmulatorError, RuntimeError):
+    """The template process could not be started or could not fork."""
+
+
+class MetricsServeError(IpuEmulatorError, RuntimeError):
+    """``/metrics`` cannot listen where asked (port in use, bad address)."""

@@ -298,8 +298,15 @@ class Executable:
         return head + _HEADER_CRC.pack(zlib.crc32(head)) + body
 
     @classmethod
-    def from_bytes(cls, data: bytes | bytearray | memoryview) -> "Executable":
-        """Decode and validate; raises ``ExecutableError`` on any damage."""
+    def from_bytes(cls, data: bytes | bytearray | memoryview, *,
+                   graphs: bool = True) -> "Executable":
+        """Decode and validate; raises ``ExecutableError`` on any damage.
+
+        ``graphs=False`` (a host checking the programs of an executable whose bytes a
+        PopEF checksum already covers): the body's CRC is not computed and the graphs'
+        ONNX bytes are not copied (``Graph.model`` is empty); everything else is decoded
+        and validated as usual. Never for an executable that is to run.
+        """
         view = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
         hdr = read_header(view)
         if hdr["total_length"] != len(view):
@@ -317,7 +324,7 @@ class Executable:
             raise ExecutableError(f"program section of {p_len} bytes exceeds the limit of "
                                   f"{_MAX_JSON}", offset=p_off)
         body = view[HEADER_SIZE:]
-        crc = zlib.crc32(body)
+        crc = zlib.crc32(body) if graphs else hdr["body_crc32"]
         if crc != hdr["body_crc32"]:
             raise ExecutableError(
                 f"body checksum mismatch: computed {crc:#010x}, header says "
@@ -328,7 +335,7 @@ class Executable:
         except (UnicodeDecodeError, ValueError, RecursionError) as exc:
             raise ExecutableError(f"program section is not valid JSON: {exc}",
                                   offset=p_off) from None
-        exe = _decode(doc, view[g_off:g_off + g_len], g_off, hdr)
+        exe = _decode(doc, view[g_off:g_off + g_len], g_off, hdr, graphs)
         exe.validate()
         return exe
 
@@ -477,7 +484,8 @@ class _Doc:
         return tuple(self.int_(d, f"{path}[{k}]", 0, _MAX_DIM) for k, d in enumerate(dims))
 
 
-def _decode(doc: Any, graphs: memoryview, g_off: int, hdr: dict[str, Any]) -> Executable:
+def _decode(doc: Any, graphs: memoryview, g_off: int, hdr: dict[str, Any],
+            with_graphs: bool = True) -> Executable:
     d = _Doc(hdr["program_offset"])
     keys = ("format", "name", "tensors", "streams", "graphs", "programs", "attributes")
     top = d.obj(doc, "$", keys + (("parts",) if isinstance(doc, dict) and "parts" in doc
@@ -524,7 +532,8 @@ def _decode(doc: Any, graphs: memoryview, g_off: int, hdr: dict[str, Any]) -> Ex
                                        d.dtype(s["dtype"], q + ".dtype"),
                                        d.shape(s["shape"], q + ".shape")))
             sigs.append(tuple(items))
-        graph_list.append(Graph(sigs[0], sigs[1], bytes(graphs[off:off + length])))
+        graph_list.append(Graph(sigs[0], sigs[1],
+                                bytes(graphs[off:off + length]) if with_graphs else b""))
     programs = []
     counter = [0]
     for k, pr in enumerate(d.lst(top["programs"], "$.programs")):

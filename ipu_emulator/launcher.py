@@ -1,9 +1,12 @@
 """Start and stop IPU processes; tell whether one is alive and how it died.
 
 ``launch_ipu(spec)`` creates the process's control ring (host produces) and
-event ring (host consumes), starts ``python -m ipu_emulator`` with
-``subprocess`` (never ``fork`` from a threaded host), and returns an
-:class:`IpuProcess` handle. The host talks to the device only through the two
+event ring (host consumes), starts the IPU process and returns an
+:class:`IpuProcess` handle. The process is forked by this host's template
+process (:mod:`ipu_emulator.forkserver`: pre-started, numpy and onnxruntime
+already imported), or, with ``IPU_EMULATOR_FORKSERVER=0``, started as a fresh
+``python -m ipu_emulator`` with ``subprocess``; the host itself never forks
+(it is threaded). The host talks to the device only through the two
 rings; the handle adds liveness (``alive()``, ``describe_exit()``) and a
 polite-then-forceful ``shutdown()``.
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -30,7 +34,7 @@ from typing import Any, Protocol
 
 from shm import Ring, RingTimeoutError, naming
 
-from ipu_emulator import protocol
+from ipu_emulator import forkserver, protocol
 from ipu_emulator.protocol import Message, Op
 from ipu_emulator.errors import IpuProcessError
 
@@ -140,7 +144,8 @@ def read_log_tail(log_path: str | None, pid: int, nbytes: int = 2000) -> str:
 class IpuProcess:
     """Host-side handle of one IPU process started by this host (embedded mode)."""
 
-    def __init__(self, spec: IpuSpec, popen: "subprocess.Popen[bytes]", control: Ring,
+    def __init__(self, spec: IpuSpec, popen: "subprocess.Popen[bytes] | forkserver.ForkedProcess",
+                 control: Ring,
                  events: Ring, log_path: str | None) -> None:
         self.spec = spec
         self.control = control
@@ -170,18 +175,45 @@ class IpuProcess:
     def describe_exit(self) -> str:
         rc = self.returncode()
         text = f"{self.spec.describe()} (IPU process pid {self.pid}) {describe_returncode(rc)}"
+        popen = self._popen
+        if isinstance(popen, forkserver.ForkedProcess) and popen.status_lost:
+            text = (f"{self.spec.describe()} (IPU process pid {self.pid}) exited after its "
+                    f"template process (pid {popen.template_pid}) died; its exit status is "
+                    "unknown")
         return text
 
     def wait_exit(self, timeout: float) -> int | None:
         """Wait up to ``timeout`` s for the process to end; its return code or None."""
+        rc = self.returncode()
+        if rc is not None or timeout <= 0:
+            return rc
+        popen = self._popen
+        if isinstance(popen, forkserver.ForkedProcess):
+            # the template reports the exit at once; no polling
+            rc = popen.wait_exit(timeout)
+            with self._poll_lock:
+                return popen.poll() if rc is None else rc
         deadline = time.monotonic() + timeout
-        delay = 0.001
-        while True:
-            rc = self.returncode()
-            if rc is not None or time.monotonic() >= deadline:
-                return rc
-            time.sleep(delay)   # only on shutdown and death paths
-            delay = min(delay * 2, 0.05)
+        try:
+            pidfd = os.pidfd_open(popen.pid)
+        except OSError:   # already reaped, or no pidfd_open: poll below
+            pidfd = -1
+        try:
+            delay = 0.001
+            while True:
+                rc = self.returncode()
+                left = deadline - time.monotonic()
+                if rc is not None or left <= 0:
+                    return rc
+                if pidfd >= 0:
+                    # readable once it exited (capped: another thread may reap it first)
+                    select.select([pidfd], [], [], min(left, 1.0))
+                else:
+                    time.sleep(min(delay, left))   # only on shutdown and death paths
+                    delay = min(delay * 2, 0.05)
+        finally:
+            if pidfd >= 0:
+                os.close(pidfd)
 
     def log_tail(self, nbytes: int = 2000) -> str:
         return read_log_tail(self.log_path, self.pid, nbytes)
@@ -297,13 +329,11 @@ def launch_ipu(spec: IpuSpec, *, log_dir: str | None = None,
             name = f"ipu{spec.ipu_id}.log" if spec.ipu_id >= 0 else "ipumodel.log"
             log_path = os.path.join(log_dir, name)
             _rotate(log_path)
-            log_file = open(log_path, "ab")
         env = dict(os.environ)
         env.setdefault("IPU_EMULATOR_SHM_TAG", naming.current_tag())
         if extra_env:
             env.update(extra_env)
-        argv = [sys.executable, "-m", "ipu_emulator",
-                "--ipu-id", str(spec.ipu_id), "--ipu-version", str(spec.ipu_version),
+        argv = ["--ipu-id", str(spec.ipu_id), "--ipu-version", str(spec.ipu_version),
                 "--tiles", str(spec.tiles_per_ipu), "--memory-per-tile", str(spec.memory_per_tile),
                 "--num-ipus", str(spec.num_ipus), "--threads", str(spec.compute_threads),
                 "--control", control.name, "--events", events.name,
@@ -312,8 +342,18 @@ def launch_ipu(spec: IpuSpec, *, log_dir: str | None = None,
             argv += ["--label", spec.label]
         if pool:
             argv.append("--pool")
-        popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file,
-                                 stderr=log_file, env=env, close_fds=True)
+        popen: Any = None
+        if forkserver.enabled():
+            try:
+                popen = forkserver.spawn(argv, env, log_path, log_dir)
+            except (forkserver.ForkserverError, OSError) as exc:
+                _log.warning("%s; starting IPU processes without the template", exc)
+        if popen is None:
+            if log_path:
+                log_file = open(log_path, "ab")
+            popen = subprocess.Popen([sys.executable, "-m", "ipu_emulator", *argv],
+                                     stdin=subprocess.DEVNULL, stdout=log_file,
+                                     stderr=log_file, env=env, close_fds=True)
     except BaseException:
         for ring in (control, events):
             ring.close()

@@ -45,8 +45,8 @@ from typing import Any
 
 import posix_ipc
 
-from shm import (PeerDiedError, Region, Ring, RingTimeoutError, ShmError, WouldBlock, naming,
-                 pid_alive)
+from shm import (PeerDiedError, Region, Ring, RingInvalidatedError, RingTimeoutError, ShmError,
+                 WouldBlock, naming, pid_alive)
 from shm.cleanup import list_objects
 
 from ipu_emulator import package_hash, protocol
@@ -153,6 +153,11 @@ class DeviceProcess:
                 return fn(_SLICE)
             except RingTimeoutError:
                 pass
+            except RingInvalidatedError:
+                # A host that stops invalidates the streams after sending STOP (or
+                # SHUTDOWN) to wake this wait at once: the control message wins.
+                self.poll_control()
+                raise
             self._check_host()
             self.poll_control()
 
@@ -324,6 +329,7 @@ class DeviceProcess:
             loaded.close_streams()
         try:
             self._attach_streams(loaded, spec["streams"])
+            _check_streams(loaded)
         except BaseException:
             loaded.close()
             raise
@@ -441,8 +447,10 @@ class DeviceProcess:
         if bad:
             raise _RequestError(ErrorKind.REQUEST, f"program indices {bad} do not exist; "
                                 f"the executable has programs 0..{n - 1}")
-        io = _RingIO(self, loaded)
         loop = msg.op is Op.LOOP
+        if loop:
+            _check_loop(loaded, programs)
+        io = _RingIO(self, loaded)
         control_readable = self.control.readable
         apart = self._apart
         # the host writes the id of its thread that submits into its input rings
@@ -469,6 +477,7 @@ class DeviceProcess:
                 if not loop:
                     return False
                 if io.disconnected:
+                    self.poll_control()   # a STOP that came with the disconnection wins
                     # Dummy data "until the run returns": a loop never returns, so it ends
                     # here instead of spinning on disconnected streams.
                     raise _RequestError(ErrorKind.STATE, "the main loop ended: its streams were "
@@ -617,6 +626,39 @@ def _unlink(name: str, is_semaphore: bool) -> int:
 
 def _unlink_ring_or_region(name: str) -> int:
     return (_unlink(name, False) + _unlink(name + ".free", True) + _unlink(name + ".full", True))
+
+
+def _check_streams(loaded: _Loaded) -> None:
+    """Every stream the host connected is one some program transfers (ipu_emulator.validate):
+    else the host would wait on it forever."""
+    from ipu_emulator.validate import RuleError, check_loaded_streams
+
+    try:
+        check_loaded_streams(loaded.interp.executable,
+                             [(s.handle, s.direction) for s in loaded.streams])
+    except RuleError as exc:
+        raise _RequestError(ErrorKind.PROGRAM, f"DeviceProgramError: executable "
+                            f"{loaded.interp.executable.name!r} cannot serve this host: "
+                            f"{exc}") from None
+
+
+def _check_loop(loaded: _Loaded, programs: list[int]) -> None:
+    """A main loop of ``programs`` transfers something on every path of an iteration,
+    streams out an output, and no stream twice (ipu_emulator.validate): else it would spin,
+    or wait for what the host will not send, forever. Checked once per LOOP, so the
+    iterations themselves (the C steps) pay nothing."""
+    from ipu_emulator.validate import RuleError, check_loop
+
+    checked = loaded.loops_checked
+    key = tuple(programs)
+    if key in checked:
+        return
+    try:
+        check_loop(loaded.interp.executable, programs, loaded.by_handle)
+    except RuleError as exc:
+        raise _RequestError(ErrorKind.PROGRAM, f"DeviceProgramError: main loop of programs "
+                            f"{programs} refused: {exc}") from None
+    checked.add(key)
 
 
 def _unwrap(exc: BaseException) -> BaseException:

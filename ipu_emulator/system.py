@@ -29,11 +29,15 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
+import stat
 from dataclasses import dataclass
 from typing import Mapping
 
 from ipu_emulator.errors import SystemConfigError
+
+_log = logging.getLogger(__name__)
 
 __all__ = [
     "SystemConfig",
@@ -41,6 +45,7 @@ __all__ = [
     "IpuLocks",
     "load_system_config",
     "emulator_home",
+    "private_dir",
     "device_groups",
     "IPU_VERSIONS",
 ]
@@ -99,7 +104,46 @@ def emulator_home(environ: Mapping[str, str] | None = None) -> str:
     user_home = os.path.expanduser("~")
     if user_home and user_home != "~" and os.access(user_home, os.W_OK):
         return os.path.join(user_home, ".ipu_emulator")
-    return f"/tmp/ipu_emulator-{os.getuid()}"
+    return private_dir(f"/tmp/ipu_emulator-{os.getuid()}")
+
+
+def private_dir(path: str) -> str:
+    """``path``, a folder only this user can write, created with mode 0700 if missing.
+
+    For a home in a shared folder such as /tmp, where another user could have made
+    the name first: a symlink, or a folder owned by another user, is refused
+    (``SystemConfigError``); our own folder that others may write is made 0700.
+    """
+    uid = os.getuid()
+    for _ in range(2):
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise SystemConfigError(f"cannot create the emulator home {path!r}: "
+                                    f"{exc.strerror or exc}; set IPU_EMULATOR_HOME") from None
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:   # removed between the two calls: once more
+            continue
+        break
+    else:
+        raise SystemConfigError(f"the emulator home {path!r} keeps disappearing; set "
+                                "IPU_EMULATOR_HOME")
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise SystemConfigError(f"the emulator home {path!r} is not a folder (a symlink or "
+                                "file someone else may have put there); remove it or set "
+                                "IPU_EMULATOR_HOME")
+    if st.st_uid != uid:
+        raise SystemConfigError(f"the emulator home {path!r} belongs to uid {st.st_uid}, not "
+                                f"to this user (uid {uid}); refusing to share it: remove it "
+                                "or set IPU_EMULATOR_HOME")
+    if st.st_mode & 0o022:
+        _log.warning("the emulator home %s was writable by others (mode %o): made 0700",
+                     path, stat.S_IMODE(st.st_mode))
+        os.chmod(path, 0o700)
+    return path
 
 
 def _parse_int(name: str, text: object) -> int:

@@ -3,6 +3,11 @@
 - Each test process gets its own shared-memory tag and its own emulated
   machine (IPU_EMULATOR_HOME), so xdist workers never contend for the same
   emulated IPUs or see each other's /dev/shm objects.
+- The project's pytest plugin (tools/pytest_plugin: ``model_runner``,
+  ``compile_onnx``, ``@pytest.mark.ipus``, its leak check) is loaded and its
+  ``ipu_machine`` is this process's private machine; the run-wide machine the
+  plugin makes for users' suites is shared by all xdist workers, which this
+  suite's tests (written for a machine of their own) do not expect.
 - ``shm_leak_probe`` (autouse) fails any test that leaves objects of this
   process's tag in /dev/shm.
 - A deadlock guard dumps every thread's traceback if a test hangs.
@@ -20,6 +25,10 @@ import tempfile
 
 import pytest
 
+# Loaded by its entry point once the package is installed with it (and by -p): then it
+# must not be registered a second time. (This file imports it only in functions.)
+pytest_plugins = [] if "tools.pytest_plugin" in sys.modules else ["tools.pytest_plugin"]
+
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "main")
 _TAG = "t" + secrets.token_hex(4)
 os.environ["IPU_EMULATOR_SHM_TAG"] = _TAG
@@ -34,12 +43,20 @@ _HANG_SECONDS = float(os.environ.get("IPU_EMULATOR_TEST_HANG_SECONDS", "240"))
 
 
 def _ours() -> set[str]:
-    try:
-        names = os.listdir("/dev/shm")
-    except FileNotFoundError:
-        return set()
-    marker = f"ipuemu_{_TAG}_"
-    return {n for n in names if marker in n}
+    from tools.pytest_plugin.machine import shm_entries
+
+    return shm_entries(_TAG)
+
+
+@pytest.fixture(scope="session")
+def ipu_machine():
+    """The plugin's machine: this test process's own (home and tag above), or the daemon's
+    pool in the daemon leg of tests/integration/test_path_matrix.py."""
+    from tools.pytest_plugin import IpuMachine
+
+    return IpuMachine.from_environ({"IPU_EMULATOR_HOME": _HOME, "IPU_EMULATOR_SHM_TAG": _TAG,
+                                    "IPU_EMULATOR_DAEMON": os.environ.get("IPU_EMULATOR_DAEMON",
+                                                                          "")})
 
 
 @pytest.fixture(autouse=True)
@@ -63,11 +80,9 @@ def shm_leak_probe(request):
 
 
 def _remove(names: set[str]) -> None:
-    for n in names:
-        try:
-            os.unlink(os.path.join("/dev/shm", n))
-        except OSError:
-            pass
+    from tools.pytest_plugin.machine import remove_shm_entries
+
+    remove_shm_entries(names)
 
 
 def pytest_configure(config):

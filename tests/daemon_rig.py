@@ -34,7 +34,8 @@ def shm_entries(tag: str | None = None, pid: int | None = None) -> set[str]:
 class DaemonRig:
     """``ipu-emulator daemon --socket <base>/d.sock --num-ipus N`` in the background."""
 
-    def __init__(self, base: Path, num_ipus: int = 2, **env: str) -> None:
+    def __init__(self, base: Path, num_ipus: int = 2, args: tuple[str, ...] = (),
+                 **env: str) -> None:
         self.base = base
         self.socket = str(base / "d.sock")
         self.tag = "d" + secrets.token_hex(4)
@@ -45,7 +46,7 @@ class DaemonRig:
         self._ready = threading.Event()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tools.cli", "daemon", "--socket", self.socket,
-             "--num-ipus", str(num_ipus)], cwd=REPO, env=self.env,
+             "--num-ipus", str(num_ipus), *args], cwd=REPO, env=self.env,
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             text=True)
         self._reader = threading.Thread(target=self._read, daemon=True)

@@ -47,6 +47,7 @@ class _Tally:
         self.lock = threading.Lock()
         self.ok = self.expected = self.wrong = self.hung = self.errors = self.cycles = 0
         self.latencies: list[float] = []
+        self.latency_sum = 0.0
         self.problems: list[str] = []
         self.inject = 0        # internal hook: the next N checks expect a wrong value
 
@@ -62,6 +63,12 @@ class _Tally:
                 self.inject -= 1
                 return True
             return False
+
+    def progress_line(self) -> str:
+        """``PROGRESS`` and the running totals (tools._stress_live.FIELDS)."""
+        with self.lock:
+            return (f"PROGRESS {self.ok} {self.expected} {self.wrong} {self.hung} {self.errors} "
+                    f"{self.cycles} {self.latency_sum:.6f}")
 
     def as_dict(self) -> dict[str, Any]:
         with self.lock:
@@ -304,6 +311,20 @@ def _open(spec: dict[str, Any], check: _Check) -> Any:
 
 
 # ----------------------------------------------------------------------------- running
+_PROGRESS_INTERVAL = 0.25   # seconds between PROGRESS lines
+_say_lock = threading.Lock()
+
+
+def _say(line: str) -> None:
+    """One whole line on stdout (the orchestrator reads them; threads must not interleave)."""
+    with _say_lock:
+        try:
+            sys.stdout.write(line + "\n")
+            sys.stdout.flush()
+        except (OSError, ValueError):   # the orchestrator is gone
+            pass
+
+
 class _Host:
     def __init__(self, spec: dict[str, Any]) -> None:
         self.spec = spec
@@ -374,7 +395,9 @@ class _Host:
                 if _ is not None:
                     with self.tally.lock:
                         self.tally.ok += 1
-                        self.tally.latencies.append(time.perf_counter() - t0)
+                        took = time.perf_counter() - t0
+                        self.tally.latencies.append(took)
+                        self.tally.latency_sum += took
         finally:
             self.in_flight.pop(tid, None)
         return True
@@ -422,7 +445,24 @@ class _Host:
         work = None if daemon_loop else _open(self.spec, self.check)
         if self.spec.get("duration") is not None:
             self.deadline = time.time() + float(self.spec["duration"])
-        print(f"READY {self.deadline}", flush=True)
+        _say(f"READY {self.deadline}")
+        reporting = threading.Event()
+        reporter = threading.Thread(target=self._report, args=(reporting,), daemon=True,
+                                    name="stress-progress")
+        reporter.start()
+        try:
+            return self._run(work, daemon_loop, threads_n)
+        finally:
+            reporting.set()
+            reporter.join(5)
+            _say(self.tally.progress_line())
+
+    def _report(self, stop: threading.Event) -> None:
+        """Print the running totals a few times a second (the orchestrator's live view)."""
+        while not stop.wait(_PROGRESS_INTERVAL):
+            _say(self.tally.progress_line())
+
+    def _run(self, work: Any, daemon_loop: bool, threads_n: int) -> bool:
         target: Callable[..., None] = self._daemon_worker if daemon_loop else self._worker
         args = [(tid,) if daemon_loop else (work, tid) for tid in range(threads_n)]
         threads = [threading.Thread(target=target, args=a, daemon=True, name=f"stress-{a[-1]}")
@@ -439,7 +479,7 @@ class _Host:
             return False
         if work is not None and self.spec["scenario"] in _KILLS:
             # Ask the orchestrator to stop the faults; once it has, every request must succeed.
-            print("QUIESCE", flush=True)
+            _say("QUIESCE")
             sys.stdin.readline()      # "GO" (or EOF if the orchestrator is gone)
             r = random.Random(self.spec["seed"])
             rng = np.random.default_rng(self.spec["seed"])

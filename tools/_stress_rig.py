@@ -27,6 +27,7 @@ import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 _DAEMON_ENV = "IPU_EMULATOR_DAEMON"
+_PROGRESS_FIELDS = ("ok", "expected", "wrong", "hung", "errors", "cycles", "latency_s")
 
 
 def write_models(directory: Path, seed: int) -> dict[str, str]:
@@ -88,6 +89,7 @@ class HostProc:
     deadline: float = 0.0
     killed: bool = False
     ipu_pids: list[int] = field(default_factory=list)
+    progress: dict[str, float] = field(default_factory=dict)   # its last PROGRESS line
 
     def result(self) -> dict[str, Any] | None:
         try:
@@ -180,7 +182,9 @@ class Rig:
                         pass
 
     def ipu_processes_of(self, pid: int) -> list[psutil.Process]:
-        """IPU processes started by ``pid`` (a host or the daemon)."""
+        """IPU processes started by ``pid`` (a host or the daemon): its children running
+        ``python -m ipu_emulator``, or those its template process forked (with the template:
+        it must go too)."""
         try:
             kids = psutil.Process(pid).children()
         except psutil.Error:
@@ -188,7 +192,10 @@ class Rig:
         found = []
         for k in kids:
             try:
-                if "ipu_emulator" in " ".join(k.cmdline()):
+                cmd = " ".join(k.cmdline())
+                if "ipu_emulator.forkserver" in cmd:
+                    found += k.children()
+                if "ipu_emulator" in cmd:
                     found.append(k)
             except psutil.Error:
                 pass
@@ -235,6 +242,11 @@ class Rig:
                 host.ready.set()
             elif words[:1] == ["QUIESCE"]:
                 host.quiesce.set()
+            elif words[:1] == ["PROGRESS"] and len(words) == 1 + len(_PROGRESS_FIELDS):
+                try:
+                    host.progress = dict(zip(_PROGRESS_FIELDS, map(float, words[1:])))
+                except ValueError:
+                    pass
         host.ready.set()
         host.quiesce.set()
 

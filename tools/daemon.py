@@ -4,6 +4,7 @@
 
     ipu-emulator daemon [--socket PATH] [--num-ipus N] [--ipu-version ipu2|ipu21]
                         [--tiles-per-ipu T] [--memory-per-tile B] [--compute-threads K]
+                        [--metrics-port PORT [--metrics-address ADDR]]
     ipu-emulator daemon status [--socket PATH] [--json]
 
 The daemon runs in the foreground and logs to stderr; SIGTERM or SIGINT
@@ -71,12 +72,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiles-per-ipu", type=int)
     parser.add_argument("--memory-per-tile", type=int)
     parser.add_argument("--compute-threads", type=int)
+    parser.add_argument("--metrics-port", type=int, metavar="PORT",
+                        help="serve Prometheus metrics at http://ADDRESS:PORT/metrics (0: a "
+                        "free port, logged): the pool's IPUs, attaches and their waits, "
+                        "resets, restarts, IPU process deaths, per-IPU hosts and held time")
+    parser.add_argument("--metrics-address", default="127.0.0.1", metavar="ADDRESS",
+                        help="address /metrics listens on (default 127.0.0.1)")
     parser.add_argument("--log-level", default=os.environ.get("IPU_EMULATOR_DAEMON_LOG_LEVEL",
                                                               "INFO"))
     a = parser.parse_args(args)
     logging.basicConfig(level=a.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s ipu-emulator-daemon[{os.getpid()}] "
                         "%(levelname)s %(message)s")
+    from ipu_emulator._daemon_metrics import MetricsServeError
     from ipu_emulator.daemon import Daemon, DaemonError
 
     try:
@@ -86,13 +94,16 @@ def main(argv: list[str] | None = None) -> int:
                                        ("memory_per_tile", a.memory_per_tile),
                                        ("compute_threads", a.compute_threads)) if v is not None}
         system = dataclasses.replace(system, **overrides)
-        daemon = Daemon(system, a.socket)
+        if a.metrics_port is not None and not 0 <= a.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port must be in 0..65535, got {a.metrics_port}")
+        daemon = Daemon(system, a.socket, metrics_port=a.metrics_port,
+                        metrics_address=a.metrics_address)
     except (SystemConfigError, ValueError) as exc:
         print(f"ipu-emulator daemon: {exc}", file=sys.stderr)
         return 2
     try:
         return daemon.run()
-    except DaemonError as exc:
+    except (DaemonError, MetricsServeError) as exc:
         logging.getLogger("ipu_emulator.daemon").error("%s", exc)
         return 1
 

@@ -4,8 +4,9 @@
           --export_popef --output_dir out --ipu_version ipu21 --batches_per_step 4
     poprt --config_yaml config.yaml          # model fusion (seed 004, section 5.7)
 
-Exit status: 0 on success, 1 when the model is refused (the message says why),
-2 on bad usage.
+Exit status: 0 on success; 2 on any failure of the command (bad usage, a model
+refused, a bad option value or config, an output that cannot be written), each
+reported as one ``poprt: error: ...`` line, as argparse reports bad usage.
 """
 
 from __future__ import annotations
@@ -116,7 +117,15 @@ def main(argv: list[str] | None = None) -> int:
                 enable_pipelining=bool(args.enable_pipelining))
     except (CompileError, BadRequestError) as exc:
         print(f"poprt: error: {exc}", file=sys.stderr)
-        return 1
+        return 2
+    except OSError as exc:   # what the checks above could not foresee (a disk that fills)
+        print(f"poprt: error: {exc.strerror or exc}"
+              + (f": {exc.filename!r}" if exc.filename else ""), file=sys.stderr)
+        return 2
+    except Exception as exc:   # a bug: still one line (the traceback with --verbose)
+        logging.getLogger("poprt").debug("unexpected failure", exc_info=True)
+        print(f"poprt: error: unexpected {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
     exe = out.result.executable
     if exe.num_ipus > 1:
         print(f"poprt: sharded over {exe.num_ipus} IPUs"

@@ -4,6 +4,7 @@
 
     ipu-emulator stress [--duration S] [--requests N] [--hosts N] [--threads N]
                         [--replicas N] [--scenario NAME ...] [--seed N] [--daemon] [--json]
+                        [--metrics-port PORT [--metrics-address ADDR]]
 
 Each scenario starts ``--hosts`` host processes (``tools._stress_host``, fresh
 Pythons) on a private emulated machine (own IPU_EMULATOR_HOME and shm tag,
@@ -25,6 +26,11 @@ Pythons) on a private emulated machine (own IPU_EMULATOR_HOME and shm tag,
   their IPU processes exit and /dev/shm holds nothing of theirs, others go on;
 - ``daemon``: hosts attach, run and detach through a private daemon in a loop.
 
+While a scenario runs, a progress line (requests, rate, failures so far) is
+rewritten in place on a terminal; when stdout is not one, a plain line is
+printed as each scenario ends (neither with ``--json``). ``--metrics-port``
+serves the same live counters as Prometheus metrics (tools._stress_live).
+
 At the end no process the run started may be alive and nothing of its tag may
 be in /dev/shm (a leak is removed and reported as a failure). Exit 0 when every
 scenario passed, 1 otherwise, 2 on bad arguments.
@@ -45,6 +51,7 @@ from typing import Any
 
 import numpy as np
 
+from tools._stress_live import LiveStats, Progress, StressCollector
 from tools._stress_rig import HostProc, Rig
 
 __all__ = ["SCENARIOS", "ScenarioResult", "main", "run"]
@@ -85,8 +92,10 @@ class ScenarioResult:
 class _Scenario:
     """Runs one scenario's hosts and faults on the rig."""
 
-    def __init__(self, rig: Rig, name: str, opts: argparse.Namespace, rng: random.Random) -> None:
+    def __init__(self, rig: Rig, name: str, opts: argparse.Namespace, rng: random.Random,
+                 live: LiveStats | None = None) -> None:
         self.rig, self.name, self.opts, self.rng = rig, name, opts, rng
+        self.live = live
         self.result = ScenarioResult(name)
         self.hosts: list[HostProc] = []
         self.latencies: list[float] = []
@@ -123,6 +132,8 @@ class _Scenario:
 
     def run(self) -> ScenarioResult:
         t0 = time.monotonic()
+        if self.live is not None:
+            self.live.begin(self)
         self.rig.refresh_models(self.name)
         if self.use_daemon:
             self.rig.start_daemon(self._pool_size())
@@ -132,6 +143,8 @@ class _Scenario:
             self.result.problems.extend(self.rig.stop_daemon())
         self._check_tag_empty()
         self.result.seconds = round(time.monotonic() - t0, 1)
+        if self.live is not None:
+            self.live.end(self.result)
         return self.result
 
     def _run(self) -> None:
@@ -348,13 +361,22 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds after which a request counts as hung (default 30)")
     p.add_argument("--max-seconds", type=float, default=600.0, help=argparse.SUPPRESS)
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
+    p.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="serve the live counters as Prometheus metrics at "
+                   "http://ADDRESS:PORT/metrics while the run lasts (0: a free port, printed)")
+    p.add_argument("--metrics-address", default="127.0.0.1", metavar="ADDRESS",
+                   help="address /metrics listens on (default 127.0.0.1)")
     # Internal hook (tests): the first N checks of each host expect a wrong value.
     p.add_argument("--inject-wrong", type=int, default=0, help=argparse.SUPPRESS)
     return p
 
 
-def run(opts: argparse.Namespace) -> tuple[list[ScenarioResult], list[str]]:
-    """Run the scenarios; return their results and the run-wide problems (leaks)."""
+def run(opts: argparse.Namespace, live: LiveStats | None = None,
+        progress: Progress | None = None) -> tuple[list[ScenarioResult], list[str]]:
+    """Run the scenarios; return their results and the run-wide problems (leaks).
+
+    ``live``: counters as they go (``--metrics-port``); ``progress``: a line per scenario.
+    """
     scenarios = opts.scenario or ["mixed"]
     rng = random.Random(opts.seed)
     per_device = max(_IPUS_PER_DEVICE.get(name, 1) for name in scenarios)
@@ -364,13 +386,32 @@ def run(opts: argparse.Namespace) -> tuple[list[ScenarioResult], list[str]]:
     try:
         for name in scenarios:
             _log.info("scenario %s", name)
-            results.append(_Scenario(rig, name, opts, rng).run())
+            results.append(_Scenario(rig, name, opts, rng, live).run())
+            if progress is not None:
+                progress.scenario_done()
     except BaseException:
         rig.kill_all()      # e.g. Ctrl-C: do not wait for the hosts' deadlines
         raise
     finally:
         problems = rig.finish()
     return results, problems
+
+
+def _serve_metrics(live: LiveStats, port: int, address: str) -> Any:
+    from prometheus_client import CollectorRegistry
+
+    from ipu_emulator._daemon_metrics import MetricsServer
+
+    registry = CollectorRegistry()
+    registry.register(StressCollector(live))
+    try:
+        server = MetricsServer(registry, port, address)
+    except OSError as exc:
+        print(f"ipu-emulator stress: cannot serve /metrics at {address}:{port}: {exc}",
+              file=sys.stderr)
+        return None
+    print(f"ipu-emulator stress: serving /metrics at {server.url}", file=sys.stderr, flush=True)
+    return server
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -387,15 +428,30 @@ def main(argv: list[str] | None = None) -> int:
         opts.duration = 20.0
     if opts.duration is not None and opts.duration <= 0:
         parser.error(f"--duration must be positive, got {opts.duration}")
+    if opts.metrics_port is not None and not 0 <= opts.metrics_port <= 65535:
+        parser.error(f"--metrics-port must be in 0..65535, got {opts.metrics_port}")
     if opts.seed is None:
         opts.seed = random.SystemRandom().randrange(1 << 31)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="ipu-emulator stress: %(message)s")
+    live = LiveStats()
+    server = None
+    if opts.metrics_port is not None:
+        server = _serve_metrics(live, opts.metrics_port, opts.metrics_address)
+        if server is None:
+            return 2
+    # a line per scenario on stdout (rewritten live on a terminal); none with --json
+    progress = None if opts.json else Progress(live, sys.stdout)
     try:
-        results, problems = run(opts)
+        results, problems = run(opts, live, progress)
     except KeyboardInterrupt:
         print("ipu-emulator stress: interrupted (hosts killed, leaks cleaned up)", file=sys.stderr)
         return 130
+    finally:
+        if progress is not None:
+            progress.close()
+        if server is not None:
+            server.close()
     passed = all(r.passed for r in results) and not problems
     verdict = (f"{'PASS' if passed else 'FAIL'}: {len(results)} scenarios, "
                f"{sum(r.ok for r in results)} requests checked, "

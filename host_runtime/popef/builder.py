@@ -8,7 +8,9 @@ Consistency rules (each violation is a ``PopefError`` naming file, blob, offset)
 - every tensor-data blob names an anchor of the metadata and holds exactly
   that anchor's ``sizeInBytes()``; every feed-data blob holds a whole number
   of such transfers;
-- blobs of the same kind and name found twice must be identical.
+- blobs of the same kind and name found twice must be identical;
+- the executable, the anchors and the program flow keep the rules of
+  ``ipu_emulator.validate`` (``ModelRuleError`` names the rule broken).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import os
 from typing import Any, Callable, Iterable, Sequence, TypeVar, Union
 
 from host_runtime.errors import PopefError
+from host_runtime.popef._check import check_model
 from host_runtime.popef.model import (ExecutableBlob, FeedData, Metadata, Model, Opaque,
                                       TensorData)
 from host_runtime.popef.reader import Blob, BlobInfo, Reader
@@ -104,18 +107,19 @@ class ModelBuilder:
                                  f"{anchor.tensorInfo().sizeInBytes()} bytes = {expected}",
                                  path=info.path, blob=info.label, offset=info.offset)
         opaques = _dedupe(entries, Opaque, _same_bytes)
-        return Model(metadata=md, executable=exe_entry[1],
-                     tensors=[t for _, t in tensors.values()],
-                     feeds=[f for _, f in feeds.values()],
-                     opaques=[o for _, o in opaques.values()])
+        model = Model(metadata=md, executable=exe_entry[1],
+                      tensors=[t for _, t in tensors.values()],
+                      feeds=[f for _, f in feeds.values()],
+                      opaques=[o for _, o in opaques.values()])
+        check_model(model, path=md_info.path, blob=md_info.label, strict=False)
+        return model
 
 
 def _unique_metadata(entries: Sequence[tuple[BlobInfo, Blob]],
                      where: str) -> tuple[BlobInfo, Metadata]:
     found = [(i, b) for i, b in entries if isinstance(b, Metadata)]
     if not found:
-        raise PopefError(f"no metadata blob in {where}; a model needs exactly one",
-                         path=where if len(where) < 300 else None)
+        raise PopefError(f"no metadata blob in {where}; a model needs exactly one")
     first_info, first = found[0]
     for info, md in found[1:]:
         if md != first:

@@ -18,7 +18,7 @@ import logging
 import os
 import pathlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, BinaryIO, Sequence
+from typing import TYPE_CHECKING, Any, BinaryIO, Sequence, cast
 
 from host_runtime.errors import BadRequestError
 
@@ -43,6 +43,7 @@ _log = logging.getLogger(__name__)
 
 POPEF_NAME = "executable.popef"
 _MAX_YAML = 1 << 20
+_MAX_DIM = 1 << 40   # the executable format's bound on one dim
 
 
 @dataclass
@@ -66,6 +67,10 @@ def parse_input_shape(text: str) -> tuple[str, list[int]]:
         raise BadRequestError(f"input shape {text!r}: dims must be integers") from None
     if any(d < 0 for d in shape):
         raise BadRequestError(f"input shape {text!r}: dims must be non-negative")
+    big = [d for d in shape if d > _MAX_DIM]
+    if big:
+        raise BadRequestError(f"input shape {text!r}: dim {big[0]} exceeds the limit of "
+                              f"{_MAX_DIM}")
     return name, shape
 
 
@@ -138,23 +143,63 @@ def compile(models: "ModelSpec | Sequence[ModelSpec] | str | os.PathLike[str] | 
         opts.fuse = False
     result = compile_onnx(specs, opts)
     out_dir = pathlib.Path(output_dir) if output_dir is not None else pathlib.Path.cwd()
+    model_path = _inside(out_dir, output_model, "output_model") if output_model is not None \
+        else None
+    popef_path = _inside(out_dir, popef_name, "popef_name") if export_popef else None
     output = CompileOutput(result)
     if export_popef or output_model is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    if output_model is not None:
+        _make_dir(out_dir, "output_dir")
+    if model_path is not None:
         import onnx
 
-        path = out_dir / output_model
-        path.parent.mkdir(parents=True, exist_ok=True)
-        onnx.save(result.output_model, str(path))
-        output.output_model_path = path
-        _log.info("wrote the transformed ONNX model to %s", path)
-    if export_popef:
-        path = out_dir / popef_name
-        write_popef(result, path, compress=compress)
-        output.popef_path = path
-        _log.info("wrote %s", path)
+        _make_dir(model_path.parent, "the folder of output_model")
+        _write_file(model_path, lambda: onnx.save(result.output_model, str(model_path)))
+        output.output_model_path = model_path
+        _log.info("wrote the transformed ONNX model to %s", model_path)
+    if popef_path is not None:
+        _write_file(popef_path, lambda: write_popef(result, popef_path, compress=compress))
+        output.popef_path = popef_path
+        _log.info("wrote %s", popef_path)
     return output
+
+
+def _inside(out_dir: pathlib.Path, name: Any, key: str) -> pathlib.Path:
+    """``out_dir / name``, refused unless it stays inside ``out_dir``."""
+    if not isinstance(name, (str, os.PathLike)) or not os.fspath(name):
+        raise BadRequestError(f"{key} must be a non-empty file name, got {name!r}")
+    rel = pathlib.Path(name)
+    base = out_dir.resolve()
+    path = (base / rel).resolve()
+    if rel.is_absolute() or path == base or not path.is_relative_to(base):
+        raise BadRequestError(f"{key} {os.fspath(name)!r} must name a file inside the output "
+                              f"folder {str(out_dir)!r}; it resolves to {str(path)!r}")
+    return out_dir / rel
+
+
+def _make_dir(path: pathlib.Path, what: str) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise BadRequestError(f"{what} {str(path)!r} exists and is not a folder") from None
+    except OSError as exc:
+        raise BadRequestError(f"cannot create {what} {str(path)!r}: "
+                              f"{exc.strerror or exc}") from None
+
+
+def _write_file(path: pathlib.Path, write: Any) -> None:
+    """``write()`` creates ``path``; on an OS error (no space, no permission) the partial
+    file is removed and a BadRequestError says what happened."""
+    try:
+        write()
+    except (OSError, BadRequestError) as exc:
+        try:
+            if path.is_file():
+                path.unlink()
+        except OSError:
+            pass
+        cause = exc.__cause__ if isinstance(exc, BadRequestError) and exc.__cause__ else exc
+        text = getattr(cause, "strerror", None) or str(exc)
+        raise BadRequestError(f"cannot write {str(path)!r}: {text}") from None
 
 
 def metadata_for(result: "CompileResult") -> "Metadata":
@@ -222,8 +267,13 @@ def load_config_yaml(path: str | os.PathLike[str],
         doc = yaml.safe_load(p.read_text(encoding="utf-8"))
     except OSError as exc:
         raise BadRequestError(f"cannot read config {str(p)!r}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise BadRequestError(f"config {str(p)!r} is not UTF-8 text: byte {exc.start} is "
+                              f"{exc.object[exc.start:exc.start + 1]!r}") from None
     except yaml.YAMLError as exc:
         raise BadRequestError(f"config {str(p)!r} is not valid YAML: {exc}") from None
+    except RecursionError:
+        raise BadRequestError(f"config {str(p)!r} nests too deeply to be a config") from None
     if not isinstance(doc, dict):
         raise BadRequestError(f"config {str(p)!r} must be a mapping of keys, got "
                               f"{type(doc).__name__}")
@@ -232,13 +282,19 @@ def load_config_yaml(path: str | os.PathLike[str],
         raise BadRequestError(f"config {str(p)!r}: unknown keys {unknown}; expected some of "
                               f"{sorted(_GLOBAL_KEYS)}")
     doc.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    _check_text(doc, f"config {str(p)!r}")
+    for key, kind in _TYPES.items():
+        if key in doc and (not isinstance(doc[key], kind)
+                           or (kind is int and isinstance(doc[key], bool))):
+            raise BadRequestError(f"config {str(p)!r}: {key} must be {_TYPE_WORDS[kind]}, "
+                                  f"got {doc[key]!r:.80} ({type(doc[key]).__name__})")
     base = p.resolve().parent
     entries = doc.get("model_fusion")
     if not isinstance(entries, list) or not entries:
         raise BadRequestError(f"config {str(p)!r}: model_fusion must be a non-empty list of "
                               "models (input_model, input_shape, precision)")
     global_shapes = _shapes(doc.get("input_shape"), f"config {str(p)!r}")
-    global_precision = str(doc.get("precision", "fp32"))
+    global_precision = doc.get("precision", "fp32")
     specs: list[ModelSpec] = []
     for k, e in enumerate(entries):
         where = f"config {str(p)!r}: model_fusion[{k}]"
@@ -250,23 +306,29 @@ def load_config_yaml(path: str | os.PathLike[str],
                                   f"{sorted(_MODEL_KEYS)}")
         if not isinstance(e.get("input_model"), str):
             raise BadRequestError(f"{where}: input_model (a path) is required")
+        if not isinstance(e.get("precision", ""), str):
+            raise BadRequestError(f"{where}: precision must be a str, got "
+                                  f"{e['precision']!r:.80}")
         shapes = dict(global_shapes)
         shapes.update(_shapes(e.get("input_shape"), where))
-        specs.append(ModelSpec(base / e["input_model"], shapes,
-                               str(e.get("precision", global_precision))))
-    out_dir = base / str(doc.get("output_dir", "./"))
+        precision = cast(str, e.get("precision", global_precision))   # both checked above
+        specs.append(ModelSpec(base / e["input_model"], shapes, precision))
+    out_dir = base / doc.get("output_dir", "./")
+    for key in ("output_model", "popef_name"):   # checked now: the config's error, not later
+        if doc.get(key) is not None:
+            _inside(out_dir, doc[key], f"config {str(p)!r}: {key}")
     options: dict[str, Any] = {
         # As in seed 004: the PopEF file is written only when export_popef is true.
-        "export_popef": bool(doc.get("export_popef", False)),
+        "export_popef": doc.get("export_popef", False),
         "output_model": doc.get("output_model"),
-        "ipu_version": str(doc.get("ipu_version", "ipu21")),
-        "max_tensor_size": _int(doc.get("max_tensor_size", -1), "max_tensor_size", p),
-        "batches_per_step": _int(doc.get("batches_per_step", 1), "batches_per_step", p),
-        "weights_as_tensor_data": bool(doc.get("weights_as_tensor_data", False)),
-        "save_weights": bool(doc.get("save_weights", False)),
-        "compress": bool(doc.get("compress", False)),
-        "popef_name": str(doc.get("popef_name", POPEF_NAME)),
-        "name": str(doc.get("name", "executable")),
+        "ipu_version": doc.get("ipu_version", "ipu21"),
+        "max_tensor_size": doc.get("max_tensor_size", -1),
+        "batches_per_step": doc.get("batches_per_step", 1),
+        "weights_as_tensor_data": doc.get("weights_as_tensor_data", False),
+        "save_weights": doc.get("save_weights", False),
+        "compress": doc.get("compress", False),
+        "popef_name": doc.get("popef_name", POPEF_NAME),
+        "name": doc.get("name", "executable"),
         "fuse": True,
     }
     # manual sharding (PopRT): num_ipus, sharding_info / pipelining_info maps or a
@@ -283,7 +345,39 @@ def load_config_yaml(path: str | os.PathLike[str],
     return FusionConfig(specs, out_dir, options)
 
 
+_TYPES: dict[str, type] = {
+    "output_dir": str, "output_model": str, "popef_name": str, "name": str,
+    "ipu_version": str, "precision": str,
+    "export_popef": bool, "weights_as_tensor_data": bool, "save_weights": bool,
+    "compress": bool, "max_tensor_size": int, "batches_per_step": int,
+    # keys of manual sharding (PopRT), where this version knows them
+    "num_ipus": int, "enable_pipelining": bool, "manual_sharding_config": str,
+}
+"""The type of each global key's value: checked strictly (``'false'`` is not false)."""
+_TYPE_WORDS = {str: "a str", bool: "a bool (true or false, unquoted)", int: "an integer"}
+
+
 def _int(v: Any, key: str, p: pathlib.Path) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
         raise BadRequestError(f"config {str(p)!r}: {key} must be an integer, got {v!r}")
     return v
+
+
+def _check_text(v: Any, where: str, depth: int = 0) -> None:
+    """Every string of the config can be encoded (no lone surrogates from escapes)."""
+    if depth > 32:
+        raise BadRequestError(f"{where} nests deeper than 32 levels")
+    if isinstance(v, str):
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise BadRequestError(f"{where}: the string {v!r:.80} holds a lone surrogate "
+                                  f"at character {exc.start}; expected valid Unicode "
+                                  "text") from None
+    elif isinstance(v, dict):
+        for k, x in v.items():
+            _check_text(k, where, depth + 1)
+            _check_text(x, where, depth + 1)
+    elif isinstance(v, list):
+        for x in v:
+            _check_text(x, where, depth + 1)

@@ -168,6 +168,9 @@ def test_the_socket_protocol_refuses_bad_messages(daemon):
     huge = _raw(daemon.socket, b'{"v": 1, "op": "status", "pad": "' + b"x" * wire.MAX_MESSAGE
                 + b'"}\n')
     assert huge["message"] == f"message longer than {wire.MAX_MESSAGE} bytes; closing"
+    deep = _raw(daemon.socket, b"[" * 20000 + b"]" * 20000 + b"\n")
+    assert deep == {"v": 1, "ok": False, "error": "protocol", "message": "message is not "
+                    "valid JSON: it nests arrays or objects too deeply"}
     assert set(holders(daemon).values()) == {("free", None)}   # still serving
 
 

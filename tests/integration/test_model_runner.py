@@ -278,10 +278,9 @@ def test_monitoring_grows_with_requests(runner):
 
 # ------------------------------------------------------------------ other configurations
 @pytest.mark.embedded_only
-def test_replication_two_replicas(model_path, weights):
-    cfg = model_runtime.ModelRunnerConfig()
-    cfg.replication_factor = 2
-    with model_runtime.ModelRunner(model_runtime.PopefPaths([model_path]), config=cfg) as r:
+@pytest.mark.ipus(2)
+def test_replication_two_replicas(model_runner, model_path, weights):
+    with model_runner(model_runtime.PopefPaths([model_path]), replication_factor=2) as r:
         pids = [rep.session.device().pids()[0] for rep in r._replicas]
         assert len(set(pids)) == 2, "each replica runs on its own IPU process"
         for replica_id in range(2):

@@ -137,33 +137,28 @@ def test_bad_allocations_are_refused(shape, dtype, match):
         model_runtime.empty_shared(shape, dtype)
 
 
-def _write_big_gather(path) -> str:
+def _big_gather():
     """out = x[idx] with x float[4096], idx int64[2048]: every tensor is shareable."""
     from onnx import TensorProto, helper
-
-    from host_runtime.poprt.compiler import write_popef
-    from ipu_emulator.compiler import CompileOptions, ModelSpec, compile_onnx
 
     graph = helper.make_graph(
         [helper.make_node("Gather", ["x", "idx"], ["out"], axis=0)], "big_gather",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4096]),
          helper.make_tensor_value_info("idx", TensorProto.INT64, [2048])],
         [helper.make_tensor_value_info("out", TensorProto.FLOAT, [2048])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
-    write_popef(compile_onnx(ModelSpec(model), CompileOptions(name="big_gather")), str(path))
-    return str(path)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
 
 
-def test_a_failing_iteration_with_shared_memory_then_auto_reset(tmp_path):
+def test_a_failing_iteration_with_shared_memory_then_auto_reset(compile_onnx, model_runner):
+    """(Through the pytest plugin's compile_onnx and model_runner fixtures.)"""
     from host_runtime.errors import DeviceExecutionError
 
-    path = _write_big_gather(tmp_path / "big_gather.popef")
+    path = compile_onnx(_big_gather(), name="big_gather")
     x = model_runtime.empty_shared((4096,), np.float32)
     x[...] = np.arange(4096, dtype=np.float32)
     idx = model_runtime.empty_shared((2048,), np.int64)
     out = model_runtime.empty_shared((2048,), np.float32)
-    cfg = model_runtime.ModelRunnerConfig(auto_reset=True)
-    with model_runtime.ModelRunner(path, config=cfg) as runner:
+    with model_runner(path, auto_reset=True) as runner:
         idx[...] = np.arange(2048)[::-1]
         runner.execute({"x": x, "idx": idx}, {"out": out})
         np.testing.assert_array_equal(out, x[idx])

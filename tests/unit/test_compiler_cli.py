@@ -67,15 +67,15 @@ def test_fp16_output_model_and_no_popef(tmp_path, mlp) -> None:
                                atol=1e-2)
 
 
-def test_refusals_exit_1_with_the_reason(tmp_path, mlp, capsys) -> None:
+def test_refusals_exit_2_with_the_reason(tmp_path, mlp, capsys) -> None:
     assert poprt(["--input_model", str(mlp), "--export_popef", "--output_dir",
-                  str(tmp_path / "r")]) == 1
+                  str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err
     assert "input 'x' has an unresolved dynamic shape" in err and "--input_shape" in err
-    assert poprt(["--input_model", str(mlp), "--input_shape", "x1,2"]) == 1
+    assert poprt(["--input_model", str(mlp), "--input_shape", "x1,2"]) == 2
     assert "must look like NAME=d0,d1" in capsys.readouterr().err
     assert poprt(["--input_model", str(mlp), "--input_shape", "x=1,6",
-                  "--max_tensor_size", "16", "--output_dir", str(tmp_path / "r")]) == 1
+                  "--max_tensor_size", "16", "--output_dir", str(tmp_path / "r")]) == 2
     assert "more than max_tensor_size of 16 bytes" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         poprt(["--input_model", str(mlp), "--ipu_version", "ipu9"])

@@ -146,7 +146,7 @@ def test_bad_configs_are_named(tmp_path, config: str, message: str) -> None:
 def test_cli_reports_refused_fusion(tmp_path, capsys) -> None:
     config = SEED_CONFIG.replace("input_shape: ['X=1,1']", "input_shape: ['Q=1,1']")
     d = _seed_dir(tmp_path, config)
-    assert poprt(["--config_yaml", str(d / "config.yaml")]) == 1
+    assert poprt(["--config_yaml", str(d / "config.yaml")]) == 2
     err = capsys.readouterr().err
     assert "poprt: error:" in err and "--input_shape names 'Q', which is not an input" in err
     assert not (d / "executable.popef").exists()

@@ -260,7 +260,7 @@ def test_poprt_command_line_and_popef_dump(chain, tmp_path, capsys):
                      "--manual_sharding_config", str(tmp_path / "shard.yaml"),
                      "--enable_pipelining", "--batches_per_step", "3", "--export_popef",
                      "--output_dir", str(tmp_path / "out2")])
-    assert rc == 1
+    assert rc == 2   # every poprt failure: one error line, exit 2
     assert "batches_per_step must be a multiple" in capsys.readouterr().err
 
 

@@ -1,0 +1,75 @@
+"""Room in /dev/shm for a session's rings and regions, and the error when there is none.
+
+A model's stream rings and device-memory region live in /dev/shm. A Docker
+container's default 64 MiB is easily too small (one [4096, 4096] float32 anchor
+is 64 MiB a transfer): ``check_room`` adds up what a session will create and
+refuses it at once, and ``translated`` turns a ``shm`` failure at creation into
+``SharedMemoryFullError``, naming what was asked and what /dev/shm has.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator, Sequence
+
+from shm import ShmError
+
+from host_runtime.errors import SharedMemoryFullError
+
+__all__ = ["SHM_DIR", "ring_bytes", "check_room", "translated", "free_bytes"]
+
+SHM_DIR = "/dev/shm"
+_RING_HEADER = 256      # shm.ring's header and per-slot header (its layout drawing)
+_SLOT_HEADER = 64
+_ALIGN = 64
+
+
+def ring_bytes(slot_size: int, slots: int) -> int:
+    """Bytes of /dev/shm a ring of ``slots`` slots of ``slot_size`` bytes takes."""
+    return _RING_HEADER + slots * (_SLOT_HEADER + -(-slot_size // _ALIGN) * _ALIGN)
+
+
+def free_bytes() -> tuple[int, int] | None:
+    """(free, total) bytes of /dev/shm, or None when it cannot be asked."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+
+
+def _has() -> str:
+    room = free_bytes()
+    if room is None:
+        return f"{SHM_DIR} cannot be asked how much it has"
+    return f"{SHM_DIR} has {room[0]} bytes free of {room[1]}"
+
+
+def check_room(what: str, items: Sequence[tuple[str, int]]) -> None:
+    """Refuse ``items`` ((name, bytes) each) that /dev/shm cannot hold all together."""
+    room = free_bytes()
+    if room is None:
+        return
+    total = sum(n for _, n in items)
+    if total <= room[0]:
+        return
+    largest = sorted(items, key=lambda it: -it[1])[:3]
+    raise SharedMemoryFullError(
+        f"{what} need {total} bytes of shared memory ({len(items)} in all; largest: "
+        + ", ".join(f"{name} {n} bytes" for name, n in largest)
+        + f"), but {_has()}; enlarge {SHM_DIR} (docker run --shm-size=...) or use "
+        "smaller anchors / ring_buffer_size_multiplier")
+
+
+@contextlib.contextmanager
+def translated(what: str, nbytes: int) -> Iterator[None]:
+    """Creating ``what`` of ``nbytes`` bytes: a shm failure becomes SharedMemoryFullError."""
+    try:
+        yield
+    except ShmError as exc:
+        raise SharedMemoryFullError(f"cannot create {what} of {nbytes} bytes in shared "
+                                    f"memory: {exc}; {_has()}") from exc
+    except OSError as exc:
+        raise SharedMemoryFullError(f"cannot create {what} of {nbytes} bytes in shared "
+                                    f"memory: {exc.strerror or exc}; {_has()}") from exc

@@ -1,0 +1,506 @@
+"""A pre-started, pre-imported template process that forks IPU processes.
+
+Starting ``python -m ipu_emulator`` costs a fresh interpreter plus the
+imports of numpy and onnxruntime (~300 ms here) for every IPU process. As
+``multiprocessing``'s forkserver does, a host starts one *template* process
+(``python -m ipu_emulator.forkserver``) the first time it launches an IPU; the
+template imports everything an IPU process needs (but creates no onnxruntime
+session and no thread of its own) and then forks one child per IPU process::
+
+    host process                 template process              IPU process
+    ------------                 ----------------              -----------
+    spawn(argv, env, log) --->   fork() ----------------------> process.main(argv)
+                          <---   {"spawned", pid}               (fds 1, 2: its log)
+    returncode(pid)       <---   {"exit", pid, code}  <-------- exits; reaped at once
+                                 (SIGCHLD -> waitpid)
+
+What an IPU process guarantees is kept:
+
+- it is its own process (a fork of the template, never a thread), with its
+  own log (stdout/stderr appended to ``<log_dir>/ipuN.log``) and the host's
+  environment of that launch;
+- the host learns its death at once: the template reaps it on SIGCHLD and
+  sends its status (``os.waitstatus_to_exitcode``: a negative number is the
+  signal), which is what ``describe_returncode`` turns into "was killed by
+  signal SIGKILL (9)";
+- it watches the host by pid (its parent is the template, not the host; the
+  same check a daemon's IPU processes use) and, when the host dies, unlinks
+  what it and the host created and exits;
+- nothing is left behind: the template creates no shared memory; when its
+  host exits (its socket closes, or ``getppid()`` changes) it waits for its
+  children to finish (they notice the dead host and clean up), reaps them and
+  exits; the host reaps it (``stop()``), or init does if the host died.
+
+``IPU_EMULATOR_FORKSERVER=0`` turns the template off (every IPU process is a
+fresh ``python -m ipu_emulator``). Launches whose environments differ in a
+setting read at import time (:data:`IMPORT_TIME_ENV`) get a template each (up
+to four; past that they start fresh).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from ipu_emulator.errors import ForkserverError
+
+__all__ = ["enabled", "spawn", "stop", "ForkedProcess", "ForkserverError", "IMPORT_TIME_ENV"]
+
+_log = logging.getLogger("ipu_emulator.forkserver")
+
+IMPORT_TIME_ENV = ("PYTHONPATH", "IPU_EMULATOR_DEVICE_SPIN_US", "IPU_EMULATOR_YIELDED_US",
+                   "IPU_EMULATOR_ZERO_COPY", "IPU_EMULATOR_RING_C", "IPU_EMULATOR_RING_SPIN_US",
+                   "IPU_EMULATOR_RING_UNTIMED_WAITS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+"""Environment variables the IPU process's modules read when imported: a launch must
+agree with the template on these to be forked from it."""
+
+_START_TIMEOUT = 120.0
+STATUS_LOST = 255
+"""The return code of an IPU process that exited after its template died (the status
+went with the template); ``ForkedProcess.status_lost`` tells it apart."""
+_HOST_CHECK = 0.25   # seconds between the template's checks that its host is alive
+
+
+def enabled() -> bool:
+    """Whether IPU processes are forked from a template (``IPU_EMULATOR_FORKSERVER``)."""
+    return os.environ.get("IPU_EMULATOR_FORKSERVER", "1") != "0"
+
+
+def _env_key(env: dict[str, str]) -> tuple[str | None, ...]:
+    return tuple(env.get(k) for k in IMPORT_TIME_ENV)
+
+
+class _Template:
+    """The host's side of its template process."""
+
+    def __init__(self, log_path: str | None, env: dict[str, str]) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.env = dict(env)   # the launch's: its import-time settings are the template's
+        self.key = _env_key(self.env)
+        log: Any = subprocess.DEVNULL
+        try:
+            if log_path:
+                log = open(log_path, "ab")
+            self.popen = subprocess.Popen(
+                [sys.executable, "-m", "ipu_emulator.forkserver", "--fd", str(theirs.fileno()),
+                 "--host-pid", str(os.getpid())],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=log, pass_fds=(theirs.fileno(),),
+                env=self.env)
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+            if log is not subprocess.DEVNULL:
+                log.close()
+        self.sock = ours
+        self._cv = threading.Condition()
+        self._replies: dict[int, dict[str, Any]] = {}
+        self.exits: dict[int, int] = {}
+        self.children: set[int] = set()
+        self.lost: set[int] = set()   # exited after the template died: status unknown
+        self.gone = False
+        self._ids = 0
+        self._send_lock = threading.Lock()
+        # One thread reads what the template sends (replies, exits) and wakes the waiters:
+        # nobody polls, and an exit is known the moment the template reports it.
+        self._reader = threading.Thread(target=self._read, name="ipu-template-reader",
+                                        daemon=True)
+        self._reader.start()
+        if self._wait_reply(0, _START_TIMEOUT) is None:
+            self.stop()
+            raise ForkserverError(f"the template process (pid {self.popen.pid}) did not become "
+                                  f"ready within {_START_TIMEOUT:g} s")
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def _read(self) -> None:
+        buf = b""
+        while True:
+            try:
+                data = self.sock.recv(65536)
+            except OSError:
+                data = b""
+            if not data:
+                break
+            buf += data
+            *lines, buf = buf.split(b"\n")
+            if not lines:
+                continue
+            with self._cv:
+                for line in lines:
+                    msg = json.loads(line)
+                    if msg["op"] == "exit":
+                        self.exits[msg["pid"]] = msg["code"]
+                        self.children.discard(msg["pid"])
+                    else:
+                        self._replies[msg["id"]] = msg
+                self._cv.notify_all()
+        with self._cv:
+            stopped = self.gone
+            self.gone = True
+            self._cv.notify_all()
+        if not stopped:
+            rc = self.popen.poll()
+            _log.warning("the IPU template process (pid %d) %s; its IPU processes' exit "
+                         "statuses are lost", self.popen.pid,
+                         _describe(rc) if rc is not None else "closed its socket")
+
+    def _wait_reply(self, ident: int, timeout: float) -> dict[str, Any] | None:
+        with self._cv:
+            self._cv.wait_for(lambda: ident in self._replies or self.gone, timeout)
+            return self._replies.pop(ident, None)
+
+    def spawn(self, argv: list[str], env: dict[str, str], log_path: str | None) -> int:
+        with self._send_lock:
+            self._ids += 1
+            ident = self._ids
+            data = json.dumps({"op": "spawn", "id": ident, "argv": argv, "env": env,
+                               "log": log_path, "cwd": os.getcwd()}).encode() + b"\n"
+            try:
+                self.sock.sendall(data)
+            except OSError as exc:
+                raise ForkserverError(f"the template process (pid {self.pid}) is gone: "
+                                      f"{exc}") from exc
+        reply = self._wait_reply(ident, 30.0)
+        if reply is None:
+            raise ForkserverError(f"the template process (pid {self.pid}) did not fork")
+        if "pid" not in reply:
+            raise ForkserverError(f"the template process could not fork: {reply.get('message')}")
+        pid = int(reply["pid"])
+        with self._cv:
+            if pid not in self.exits:
+                self.children.add(pid)
+        return pid
+
+    def returncode(self, pid: int) -> int | None:
+        with self._cv:
+            code = self.exits.get(pid)
+            if code is not None or not self.gone:
+                return code
+        # The template died before reporting it: the process is no child of ours, so only
+        # whether it still runs is known.
+        from shm import pid_alive
+        if pid_alive(pid):
+            return None
+        with self._cv:
+            self.lost.add(pid)
+            return self.exits.setdefault(pid, STATUS_LOST)
+
+    def wait(self, pid: int, timeout: float) -> int | None:
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            self._cv.wait_for(lambda: pid in self.exits or self.gone, timeout)
+        while True:
+            rc = self.returncode(pid)
+            left = deadline - time.monotonic()
+            if rc is not None or left <= 0:
+                return rc
+            time.sleep(min(left, 0.01))   # template lost: only polling is left
+
+    def stop(self, timeout: float = 0.0) -> None:
+        """Close the template's socket; it exits once its children have. Reaps it if it
+        exits within ``timeout`` s (an atexit hook must not wait for IPU processes)."""
+        with self._cv:
+            self.gone = True
+            self._cv.notify_all()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)   # wakes the reader; the template sees EOF
+        except OSError:
+            pass
+        self._reader.join(5)
+        self.sock.close()
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+_templates: dict[tuple[str | None, ...], _Template] = {}   # by import-time settings
+_template_lock = threading.Lock()
+_broken = False
+_MAX_TEMPLATES = 4   # distinct import-time settings served by a template of their own
+
+
+def _get_template(env: dict[str, str], log_dir: str | None) -> _Template | None:
+    """The running template for ``env``'s import-time settings (started if need be), or
+    None to start the process fresh."""
+    global _broken
+    key = _env_key(env)
+    with _template_lock:
+        if _broken:
+            return None
+        t = _templates.get(key)
+        if t is not None and (t.gone or t.popen.poll() is not None):
+            if not t.children:
+                t.stop()
+            del _templates[key]
+            t = None
+        if t is None:
+            if len(_templates) >= _MAX_TEMPLATES:
+                return None
+            log_path = os.path.join(log_dir, "forkserver.log") if log_dir else None
+            try:
+                t = _templates[key] = _Template(log_path, env)
+            except (OSError, ForkserverError):
+                _broken = True   # do not pay for a failing start at every launch
+                raise
+        return t
+
+
+def stop() -> None:
+    """Stop this host's template processes (at exit; benchmarks).
+
+    A template with no IPU process left exits at once and is reaped here; otherwise it
+    exits (reaped by init) once they have, after this host is gone.
+    """
+    with _template_lock:
+        templates = list(_templates.values())
+        _templates.clear()
+    for t in templates:
+        t.stop(timeout=0.0 if t.children else 5.0)
+
+
+def _after_fork_in_child() -> None:
+    """A host that forks: the child must not share its parent's templates (their replies
+    would cross); it starts its own if it launches IPU processes."""
+    global _template_lock
+    _template_lock = threading.Lock()
+    templates = list(_templates.values())
+    _templates.clear()
+    for t in templates:   # (their reader threads are not in this process)
+        try:
+            t.sock.close()   # this process's copy; the parent's stays open
+        except OSError:
+            pass
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+# Registered when the launcher is first imported, before any exit hook of the runtime
+# (those close runners and devices, shutting their IPU processes down): it runs last.
+atexit.register(stop)
+
+
+class ForkedProcess:
+    """An IPU process forked by the template, with the parts of ``Popen`` the launcher
+    uses: ``pid``, ``poll()``, ``wait()``, ``terminate()``, ``kill()``."""
+
+    def __init__(self, template: _Template, pid: int) -> None:
+        self._template = template
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._template.returncode(self.pid)
+        return self.returncode
+
+    @property
+    def status_lost(self) -> bool:
+        """It exited after the template died: its exit status is unknown."""
+        return self.pid in self._template.lost
+
+    @property
+    def template_pid(self) -> int:
+        return self._template.pid
+
+    def wait_exit(self, timeout: float) -> int | None:
+        """Wait up to ``timeout`` s for the template to report the exit (no polling)."""
+        rc = self._template.wait(self.pid, timeout)
+        if rc is not None:
+            self.returncode = rc
+        return rc
+
+    def wait(self, timeout: float | None = None) -> int:
+        rc = self._template.wait(self.pid, 1e9 if timeout is None else timeout)
+        if rc is None:
+            raise subprocess.TimeoutExpired(f"IPU process {self.pid}", timeout or 0.0)
+        self.returncode = rc
+        return rc
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def spawn(argv: list[str], env: dict[str, str], log_path: str | None,
+          log_dir: str | None) -> ForkedProcess | None:
+    """Fork ``python -m ipu_emulator <argv>`` from the template; None if it cannot be used
+    for this launch (turned off, or an import-time setting differs)."""
+    if not enabled():
+        return None
+    template = _get_template(env, log_dir)
+    if template is None:
+        return None
+    return ForkedProcess(template, template.spawn(argv, env, log_path))
+
+
+def _describe(rc: int | None) -> str:
+    from ipu_emulator.launcher import describe_returncode
+    return describe_returncode(rc)
+
+
+# -- the template process -----------------------------------------------------------------
+
+def _child(argv: list[str], env: dict[str, str], log_path: str | None,
+           cwd: str | None) -> int:
+    """In the forked child: become ``python -m ipu_emulator <argv>`` started by the host
+    (its environment and working directory at the launch)."""
+    os.environ.clear()
+    os.environ.update(env)
+    if cwd:
+        try:
+            os.chdir(cwd)
+        except OSError:
+            pass   # gone meanwhile: the IPU process uses absolute paths only
+    fd = os.open(log_path or os.devnull, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.close(null)
+    from ipu_emulator.process import main
+    return main(argv)
+
+
+def _serve(sock: socket.socket, host_pid: int) -> int:
+    # Everything an IPU process imports, before any fork (no session, no thread of ours).
+    import numpy  # noqa: F401
+    import onnxruntime  # noqa: F401
+
+    import ipu_emulator.interpreter  # noqa: F401
+    import ipu_emulator.executable  # noqa: F401
+    import ipu_emulator.process  # noqa: F401
+    from ipu_emulator import package_hash
+
+    # The hash of the sources imported here, which are the code every child runs (cached:
+    # ~12 ms of reading files saved per IPU process).
+    package_hash()
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # the host decides when we stop
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    children: set[int] = set()
+
+    def send(msg: dict[str, Any]) -> None:
+        try:
+            sock.sendall(json.dumps(msg).encode() + b"\n")
+        except OSError:
+            pass   # the host is gone; its children find out themselves
+
+    def reap(block: bool) -> None:
+        while children:
+            try:
+                pid, status = os.waitpid(-1, 0 if block else os.WNOHANG)
+            except ChildProcessError:
+                children.clear()
+                return
+            if pid == 0:
+                return
+            children.discard(pid)
+            send({"op": "exit", "pid": pid, "code": os.waitstatus_to_exitcode(status)})
+            block = False
+
+    send({"op": "ready", "id": 0, "pid": os.getpid()})
+    buf = b""
+    while True:
+        sock_fd = sock.fileno()
+        ready, _, _ = select.select([sock_fd, wake_r], [], [], _HOST_CHECK)
+        if wake_r in ready:
+            try:
+                while os.read(wake_r, 512):
+                    pass
+            except BlockingIOError:
+                pass
+        reap(block=False)
+        if os.getppid() != host_pid:
+            break
+        if sock_fd not in ready:
+            continue
+        try:
+            data = sock.recv(65536)
+        except OSError:
+            data = b""
+        if not data:
+            break
+        buf += data
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            req = json.loads(line)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            try:
+                pid = os.fork()
+            except OSError as exc:
+                send({"op": "error", "id": req["id"], "message": str(exc)})
+                continue
+            if pid == 0:   # the IPU process
+                code = 70
+                try:
+                    signal.set_wakeup_fd(-1)
+                    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                    os.close(wake_r)
+                    os.close(wake_w)
+                    sock.close()
+                    code = _child(req["argv"], req["env"], req.get("log"), req.get("cwd"))
+                except SystemExit as exc:
+                    code = exc.code if isinstance(exc.code, int) else 1
+                except BaseException:
+                    import traceback
+                    traceback.print_exc()
+                finally:
+                    try:
+                        sys.stdout.flush()
+                        sys.stderr.flush()
+                    finally:
+                        os._exit(code)
+            children.add(pid)
+            send({"op": "spawned", "id": req["id"], "pid": pid})
+    # The host closed us or died: our children watch it themselves; wait for them all.
+    sock.close()
+    while children:
+        reap(block=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m ipu_emulator.forkserver",
+                                     description="template process forking IPU processes")
+    parser.add_argument("--fd", type=int, required=True, help="socket to the host")
+    parser.add_argument("--host-pid", type=int, required=True)
+    a = parser.parse_args(argv)
+    sock = socket.socket(fileno=a.fd)
+    sock.setblocking(True)
+    return _serve(sock, a.host_pid)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

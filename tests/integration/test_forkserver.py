@@ -1,0 +1,206 @@
+"""IPU processes forked by the host's template process (ipu_emulator.forkserver) keep every
+guarantee of a freshly started one: their own process and log, their exit status with the
+signal that killed them, liveness both ways, nothing left behind; and it can be turned off."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+
+import psutil
+import pytest
+
+from ipu_emulator import forkserver, protocol
+from ipu_emulator.launcher import IpuSpec, launch_ipu
+from ipu_emulator.protocol import Message, Op
+from shm import naming
+from shm.cleanup import list_objects
+from tests.daemon_rig import REPO
+
+
+def ours() -> set[str]:
+    return {o.entry for o in list_objects(naming.current_tag())}
+
+
+def wait_gone(pids: list[int], timeout: float = 60) -> list[int]:
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    return [p.pid for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.fixture(autouse=True)
+def template_on(monkeypatch):
+    monkeypatch.setenv("IPU_EMULATOR_FORKSERVER", "1")
+
+
+def test_forked_ipu_process_is_a_child_of_the_template_logs_and_exits_cleanly(tmp_path):
+    before = ours()
+    proc = launch_ipu(IpuSpec(ipu_id=5, label="forked ipu"), log_dir=str(tmp_path))
+    try:
+        assert proc.wait_ready()["pid"] == proc.pid != os.getpid()
+        parent = psutil.Process(proc.pid).parent()
+        assert parent is not None and parent.pid != os.getpid()
+        assert "ipu_emulator.forkserver" in " ".join(parent.cmdline())
+        assert parent.ppid() == os.getpid()            # the template is our child
+        proc.control.write(b"\0" * 4, tag=77)    # malformed: logged, ignored
+        protocol.send(proc.control, Message(Op.PING, seq=1))
+        assert protocol.receive(proc.events, timeout=60) == Message(Op.DONE, seq=1)
+        protocol.send(proc.control, Message(Op.SHUTDOWN))
+        assert protocol.receive(proc.events, timeout=60).op is Op.BYE
+        assert proc.wait_exit(60) == 0
+        assert proc.describe_exit() == f"forked ipu (IPU process pid {proc.pid}) exited with code 0"
+    finally:
+        proc.close()
+    assert ours() == before
+    log = (tmp_path / "ipu5.log").read_text()   # its own log file, lines tagged with its pid
+    assert re.search(rf"ipu5\[{proc.pid}\] ERROR ipu_emulator.process: ignoring a malformed "
+                     "control message", log), log
+
+
+def test_a_killed_forked_process_is_reported_with_its_signal_at_once(tmp_path):
+    proc = launch_ipu(IpuSpec(ipu_id=0), log_dir=str(tmp_path))
+    try:
+        proc.wait_ready()
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait_exit(60) == -signal.SIGKILL
+        assert not proc.alive()
+        assert proc.describe_exit() == \
+            f"ipu 0 (IPU process pid {proc.pid}) was killed by signal SIGKILL (9)"
+    finally:
+        proc.close()
+
+
+def test_the_setting_turns_the_template_off(tmp_path, monkeypatch):
+    monkeypatch.setenv("IPU_EMULATOR_FORKSERVER", "0")
+    proc = launch_ipu(IpuSpec(ipu_id=1), log_dir=str(tmp_path))
+    try:
+        proc.wait_ready()
+        assert psutil.Process(proc.pid).ppid() == os.getpid()
+        assert "-m ipu_emulator " in " ".join(psutil.Process(proc.pid).cmdline()) + " "
+    finally:
+        proc.close()
+
+
+def test_an_import_time_setting_gets_a_template_of_its_own(tmp_path, monkeypatch):
+    first = launch_ipu(IpuSpec(ipu_id=2), log_dir=str(tmp_path))
+    try:
+        first.wait_ready()
+        zero_copy = os.environ.get("IPU_EMULATOR_ZERO_COPY", "1")
+        monkeypatch.setenv("IPU_EMULATOR_ZERO_COPY", "0" if zero_copy != "0" else "1")
+        second = launch_ipu(IpuSpec(ipu_id=3), log_dir=str(tmp_path))
+        try:
+            second.wait_ready()
+            parents = {psutil.Process(p.pid).ppid() for p in (first, second)}
+            assert len(parents) == 2 and os.getpid() not in parents   # read at import
+            template = psutil.Process(psutil.Process(second.pid).ppid())
+            assert template.environ()["IPU_EMULATOR_ZERO_COPY"] == os.environ[
+                "IPU_EMULATOR_ZERO_COPY"]
+        finally:
+            second.close()
+    finally:
+        first.close()
+
+
+_HOST = """
+import os, sys, time
+from ipu_emulator.launcher import IpuSpec, launch_ipu
+procs = [launch_ipu(IpuSpec(ipu_id=i), log_dir=sys.argv[1]) for i in range(2)]
+for p in procs:
+    p.wait_ready()
+import psutil
+template = psutil.Process(procs[0].pid).ppid()
+print("PIDS", template, *(p.pid for p in procs), flush=True)
+sys.stdin.readline()      # killed here
+"""
+
+
+def test_a_killed_host_leaves_no_process_and_nothing_in_dev_shm(tmp_path):
+    """SIGKILL the host: its forked IPU processes notice, unlink its objects and exit; the
+    template exits after them."""
+    tag = "f" + os.urandom(4).hex()
+    env = dict(os.environ, IPU_EMULATOR_SHM_TAG=tag, IPU_EMULATOR_FORKSERVER="1",
+               IPU_EMULATOR_HOME=str(tmp_path / "home"))
+    host = subprocess.Popen([sys.executable, "-c", textwrap.dedent(_HOST), str(tmp_path)],
+                            cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert host.stdout is not None
+        line = host.stdout.readline()
+        assert line.startswith("PIDS"), line
+        template, *ipus = map(int, line.split()[1:])
+        assert template != host.pid and all(psutil.Process(p).ppid() == template for p in ipus)
+        assert any(f"ipuemu_{tag}_" in n for n in os.listdir("/dev/shm"))
+        host.kill()
+        host.wait(60)
+        assert wait_gone(ipus + [template]) == []
+        assert [n for n in os.listdir("/dev/shm") if f"ipuemu_{tag}_" in n] == []
+    finally:
+        if host.poll() is None:
+            host.kill()
+            host.wait()
+
+
+def test_a_dead_template_is_replaced_and_its_orphans_still_stop(tmp_path):
+    first = launch_ipu(IpuSpec(ipu_id=0), log_dir=str(tmp_path))
+    second = None
+    try:
+        first.wait_ready()
+        template = psutil.Process(first.pid).ppid()
+        assert template != os.getpid(), "not forked by a template"
+        os.kill(template, signal.SIGKILL)
+        psutil.wait_procs([psutil.Process(template)], timeout=60)
+        assert first.alive()                         # the IPU process goes on
+        second = launch_ipu(IpuSpec(ipu_id=1), log_dir=str(tmp_path))
+        second.wait_ready()
+        assert psutil.Process(second.pid).ppid() not in (template, os.getpid())
+        protocol.send(first.control, Message(Op.SHUTDOWN))
+        assert protocol.receive(first.events, timeout=60).op is Op.BYE
+        assert first.wait_exit(60) is not None
+        assert "exit status is unknown" in first.describe_exit()
+    finally:
+        first.close()
+        if second is not None:
+            second.close()
+
+
+def _child_launches(log_dir: str, conn) -> None:
+    proc = launch_ipu(IpuSpec(ipu_id=4), log_dir=log_dir)
+    try:
+        proc.wait_ready()
+        conn.send(psutil.Process(proc.pid).ppid())
+    finally:
+        proc.close()
+
+
+def test_a_forked_host_gets_its_own_template(tmp_path):
+    import multiprocessing as mp
+
+    first = launch_ipu(IpuSpec(ipu_id=0), log_dir=str(tmp_path))   # our template is up
+    try:
+        first.wait_ready()
+        ours_ = psutil.Process(first.pid).ppid()
+        assert ours_ != os.getpid(), "not forked by a template"
+        ctx = mp.get_context("fork")
+        here, there = ctx.Pipe()
+        child = ctx.Process(target=_child_launches, args=(str(tmp_path), there))
+        child.start()
+        assert here.poll(120), "the forked host did not launch its IPU process"
+        theirs = here.recv()
+        child.join(60)
+        assert child.exitcode == 0
+        assert theirs not in (ours_, child.pid)   # its own template, not ours
+        assert first.alive()                      # ours still serves us
+        protocol.send(first.control, Message(Op.PING, seq=9))
+        assert protocol.receive(first.events, timeout=60) == Message(Op.DONE, seq=9)
+    finally:
+        first.close()
+    assert first.returncode() == 0
