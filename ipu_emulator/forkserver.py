@@ -54,7 +54,7 @@ from typing import Any
 
 from ipu_emulator.errors import ForkserverError
 
-__all__ = ["enabled", "spawn", "stop", "forked_processes", "ForkedProcess", "ForkserverError", "IMPORT_TIME_ENV"]
+__all__ = ["enabled", "spawn", "stop", "ForkedProcess", "ForkserverError", "IMPORT_TIME_ENV"]
 
 _log = logging.getLogger("ipu_emulator.forkserver")
 
@@ -108,7 +108,6 @@ class _Template:
         self._replies: dict[int, dict[str, Any]] = {}
         self.exits: dict[int, int] = {}
         self.children: set[int] = set()
-        self.argv: dict[int, list[str]] = {}   # what each child was started as
         self.lost: set[int] = set()   # exited after the template died: status unknown
         self.gone = False
         self._ids = 0
@@ -146,7 +145,6 @@ class _Template:
                     if msg["op"] == "exit":
                         self.exits[msg["pid"]] = msg["code"]
                         self.children.discard(msg["pid"])
-                        self.argv.pop(msg["pid"], None)
                     else:
                         self._replies[msg["id"]] = msg
                 self._cv.notify_all()
@@ -185,7 +183,6 @@ class _Template:
         with self._cv:
             if pid not in self.exits:
                 self.children.add(pid)
-                self.argv[pid] = list(argv)
         return pid
 
     def returncode(self, pid: int) -> int | None:
@@ -261,20 +258,6 @@ def _get_template(env: dict[str, str], log_dir: str | None) -> _Template | None:
                 _broken = True   # do not pay for a failing start at every launch
                 raise
         return t
-
-
-def forked_processes() -> dict[int, list[str]]:
-    """IPU processes this host forked from its templates and not yet seen exit:
-    ``{pid: argv}`` (their command line in /proc is the template's)."""
-    with _template_lock:
-        templates = list(_templates.values())
-    found: dict[int, list[str]] = {}
-    for t in templates:
-        with t._cv:
-            for pid, argv in t.argv.items():
-                if pid not in t.exits:
-                    found[pid] = argv
-    return found
 
 
 def stop() -> None:

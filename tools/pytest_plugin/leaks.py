@@ -73,10 +73,16 @@ class _Made:
 
 
 def _ipu_processes() -> dict[int, str]:
-    """Running IPU processes started by this host: ``{pid: label}``."""
+    """Running IPU processes started by this host: ``{pid: label}``.
+
+    Either ``python -m ipu_emulator ... --host-pid <this pid>`` (its label from
+    ``--label``), or a child forked by this host's template process
+    (``python -m ipu_emulator.forkserver ... --host-pid <this pid>``, whose children
+    carry its command line); the template itself is not an IPU process.
+    """
     import psutil
 
-    me = str(os.getpid())
+    me = os.getpid()
     found: dict[int, str] = {}
     try:
         children = psutil.Process().children(recursive=True)
@@ -87,28 +93,17 @@ def _ipu_processes() -> dict[int, str]:
             argv = child.cmdline()
             if child.status() == psutil.STATUS_ZOMBIE:
                 continue
+            parent = child.ppid()
         except psutil.Error:
             continue
-        if "ipu_emulator" in argv and "--host-pid" in argv:
-            _add(found, child.pid, argv, me)
-    # IPU processes forked from the fork-server template show the template's command line
-    from ipu_emulator import forkserver
-
-    for pid, argv in forkserver.forked_processes().items():
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                continue
-        except psutil.Error:
+        if "--host-pid" not in argv[:-1] or argv[argv.index("--host-pid") + 1] != str(me):
             continue
-        _add(found, pid, argv, me)
+        if "ipu_emulator" in argv:
+            found[child.pid] = (argv[argv.index("--label") + 1] if "--label" in argv[:-1]
+                                else "IPU process")
+        elif "ipu_emulator.forkserver" in argv and parent != me:
+            found[child.pid] = f"forked by the template process {parent}"
     return found
-
-
-def _add(found: dict[int, str], pid: int, argv: list[str], me: str) -> None:
-    if "--host-pid" in argv:
-        i = argv.index("--host-pid")
-        if i + 1 < len(argv) and argv[i + 1] == me:
-            found[pid] = argv[argv.index("--label") + 1] if "--label" in argv[:-1] else "IPU"
 
 
 class LeakGuard:
@@ -199,6 +194,12 @@ class LeakGuard:
         for _, dev in leaked_devices:
             _quietly(dev.close)
         procs = {p: label for p, label in _ipu_processes().items() if p not in self._procs_before}
+        for m in self._made:   # name an IPU process by the device it served, where known
+            dev = m.ref() if m.kind == "device" else None
+            if dev is not None:
+                for pid in dev.pids():
+                    if pid in procs:
+                        procs[pid] = dev.describe()
         if procs:   # a closed device's IPU process may still be on its way out
             procs = {p: procs[p] for p in _still_running(list(procs), _EXIT_GRACE)}
         if procs:
