@@ -66,20 +66,25 @@ def test_runners_on_a_daemon_dropped_without_the_collector(daemon, model_path):
 
     x = {"tensor_A": np.ones(SHAPE, np.float32), "tensor_B": np.ones(SHAPE, np.float32)}
     cfg = model_runtime.ModelRunnerConfig()
+
+    def once() -> None:
+        dm = DeviceManager(daemon=daemon.socket)
+        cfg.replica_to_device = {0: dm.getDevice(1)}
+        r = model_runtime.ModelRunner(model_path, config=cfg)
+        r.execute(x)
+        del r
+        dev = cfg.replica_to_device.pop(0)
+        del dev, dm          # the device the runner did not own goes with its last user
+        held = [ipu for ipu in daemon.status()["ipus"] if ipu.get("holder")]
+        assert held == [], held
+
+    once()   # lazy imports on the way make module-level cycles: not the runner's garbage
     gc.collect()
     gc.disable()
     gc.set_debug(gc.DEBUG_SAVEALL)
     try:
         for _ in range(4):
-            dm = DeviceManager(daemon=daemon.socket)
-            cfg.replica_to_device = {0: dm.getDevice(1)}
-            r = model_runtime.ModelRunner(model_path, config=cfg)
-            r.execute(x)
-            del r
-            dev = cfg.replica_to_device.pop(0)
-            del dev, dm          # the device the runner did not own goes with its last user
-            held = [ipu for ipu in daemon.status()["ipus"] if ipu.get("holder")]
-            assert held == [], held
+            once()
         garbage = gc.collect()
         kinds = sorted({type(o).__qualname__ for o in gc.garbage})
     finally:
