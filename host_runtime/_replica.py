@@ -90,6 +90,8 @@ class Transfer:
     t_open: float = 0.0                              # monotonic time the partial was opened
     samples: int = 0                                 # dynamic batching: samples filled
     slots: dict[str, np.ndarray] = field(default_factory=dict)   # open partial's slots
+    flush_asked: bool = False                        # flush_callback called for this partial
+    flush_extra: Optional["Request"] = None          # what it gave, not yet packed
 
 
 @dataclass

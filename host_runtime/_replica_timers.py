@@ -186,12 +186,17 @@ class ReplicaTimers:
     def _flush_partial(self, tr: "Transfer") -> None:
         # the device waits for the first input Main reads (setup.inputs is in read order);
         # frozen ones are always there
-        frozen = self.setup.frozen_main
-        first = next((n for n in self.setup.inputs if n not in frozen), "")
-        extra = self._call_flush_callback(first)
+        # Seed 001, 3.7: the callback is called once per timeout, so a retry (a submitter
+        # held the lock) reuses what it gave instead of asking again.
+        if not tr.flush_asked:
+            tr.flush_asked = True
+            frozen = self.setup.frozen_main
+            first = next((n for n in self.setup.inputs if n not in frozen), "")
+            tr.flush_extra = self._call_flush_callback(first)
         if not self._submit_lock.acquire(blocking=False):
             return   # a submitter is busy (it will publish or we try again next step)
         try:
+            extra, tr.flush_extra = tr.flush_extra, None
             if extra is not None and self._partial is tr:
                 self._pack(extra)
                 extra.t_prepared = time.perf_counter_ns()
