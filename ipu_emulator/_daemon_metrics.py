@@ -21,14 +21,18 @@ daemon's event loop (:class:`DaemonMetrics` methods) and in
     ipu_emulator_daemon_ipu_hosts_served_total{ipu} attaches of each IPU
     ipu_emulator_daemon_ipu_held_seconds_total{ipu} time each IPU was held by a host
     ipu_emulator_daemon_ipu_resets_total{ipu}       IPUs taken back from a host and reset
+    ipu_emulator_daemon_ipu_program_runs_total{ipu} programs the IPU ran (its requests: each
+                                                    IPU process publishes the count in its
+                                                    control ring's user word)
     ipu_emulator_daemon_ipu_restarts_total{ipu}     IPU processes started after the first
     ipu_emulator_daemon_ipu_process_deaths_total{ipu}   IPU processes that died
     ipu_emulator_daemon_ipu_process_cpu_seconds_total{ipu}  CPU time of its current process
 
-Requests are not counted here: hosts talk to an IPU process over shared-memory
-rings the daemon never sees, so per IPU the daemon knows the hosts it served,
-how long they held it (busy time = held time) and the CPU time its process
-used (read from /proc at scrape time), not each inference.
+Hosts talk to an IPU process over shared-memory rings the daemon never sees;
+each IPU process counts the programs it runs in its control ring's user word
+(one store per run), which the daemon reads at scrape time, with the hosts
+it served, how long they held it (busy time = held time) and the CPU time its
+process used (read from /proc).
 """
 
 from __future__ import annotations
@@ -126,6 +130,9 @@ class _PoolCollector(Collector):
             "held_seconds": ("seconds this IPU was held by hosts (its busy time)",
                              lambda i: i.held_seconds_at(now)),
             "resets": ("times this IPU was taken back from a host and reset", lambda i: i.resets),
+            "program_runs": ("programs this IPU ran for hosts (a Main run serves one request of "
+                             "the model's batch per device iteration)",
+                             lambda i: i.program_runs()),
             "restarts": ("IPU processes of this IPU started after the first",
                          lambda i: max(0, i.starts - 1)),
         }

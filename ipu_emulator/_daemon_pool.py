@@ -59,6 +59,7 @@ class PooledIpu:
         self.resets = 0          # take_back()s that succeeded
         self.held_seconds = 0.0  # time held by hosts, past holds
         self._held_since: float | None = None
+        self._runs_past = 0      # programs run by this IPU's earlier processes
         self._seq = itertools.count(1)
 
     # -- blocking steps (executor) ------------------------------------------------------
@@ -143,6 +144,7 @@ class PooledIpu:
         proc, self.proc = self.proc, None
         if proc is None:
             return
+        self._runs_past += _program_runs(proc)
         if not polite and proc.returncode() is None:
             os.kill(proc.pid, signal.SIGTERM)
             if proc.wait_exit(timeout) is None:
@@ -156,6 +158,13 @@ class PooledIpu:
     @property
     def pid(self) -> int | None:
         return None if self.proc is None else self.proc.pid
+
+    def program_runs(self) -> int:
+        """Programs this IPU has run (a Main run serves one request of the model's batch
+        per device iteration), over all its processes: each IPU process publishes its
+        count in its control ring's user word."""
+        proc = self.proc
+        return self._runs_past + (_program_runs(proc) if proc is not None else 0)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.alive()
@@ -188,3 +197,10 @@ def remove_objects_of(pids: set[int]) -> list[str]:
         except (posix_ipc.ExistentialError, OSError):
             pass
     return removed
+
+
+def _program_runs(proc: IpuProcess) -> int:
+    try:
+        return max(0, proc.control.user_word())
+    except Exception:   # the ring is closed: the process is gone with its count
+        return 0

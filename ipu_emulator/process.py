@@ -121,6 +121,7 @@ class DeviceProcess:
     def __init__(self, opts: DeviceOptions) -> None:
         self.opts = opts
         self.control = Ring.attach(opts.control)
+        self.program_runs = 0   # programs run; also published in the control ring's user word
         self.events = Ring.attach(opts.events, prefault=False)
         # The events ring watches the host (a full ring must not block forever on a dead
         # host). The control and stream rings are waited on in slices instead, with the
@@ -504,9 +505,14 @@ class DeviceProcess:
         without waiting before that time of the monotonic clock (at least once)."""
         try:
             try:
-                if deadline_ns is None or not loaded.interp.run_program_many(index, io,
-                                                                              deadline_ns):
+                runs = 0 if deadline_ns is None else loaded.interp.run_program_many(
+                    index, io, deadline_ns)
+                if not runs:
                     loaded.interp.run_program(index, io)
+                    runs = 1
+                # programs run, for whoever holds the control ring (the daemon's /metrics)
+                self.program_runs += runs
+                self.control.set_user_word(self.program_runs)
             finally:
                 if io._redirect or io._lent_host:   # left by a failed iteration: must not
                     io.forget_redirects()           # steer the next one

@@ -146,3 +146,27 @@ def test_a_metrics_port_in_use_is_a_clear_error_before_any_ipu_starts(tmp_path):
     assert f"cannot serve /metrics at 127.0.0.1:{port}" in proc.stderr
     assert "is ready" not in proc.stderr            # no IPU process was started
     assert not [n for n in os.listdir("/dev/shm") if f"ipuemu_{env['IPU_EMULATOR_SHM_TAG']}_" in n]
+
+
+def test_program_runs_count_the_requests_an_ipu_served(rig, tmp_path):
+    import numpy as np
+
+    import host_runtime as model_runtime
+    from tools.generate_simple_popef import write_simple_popef
+
+    daemon, url = rig
+    path = str(tmp_path / "simple.popef")
+    write_simple_popef(path, shape=(1, 4))
+    runs = {i: value(scrape(url), P + "ipu_program_runs_total", ipu=str(i)) for i in (0, 1)}
+    dm = DeviceManager(daemon=daemon.socket)
+    cfg = model_runtime.ModelRunnerConfig()
+    with dm.getSpecificDevice(1, wait_config=PATIENT) as dev:
+        cfg.replica_to_device = {0: dev}
+        with model_runtime.ModelRunner(path, config=cfg) as runner:
+            x = {"tensor_A": np.ones((1, 4), np.float32), "tensor_B": np.ones((1, 4), np.float32)}
+            for _ in range(7):
+                runner.execute(x)
+            fams = scrape(url)
+    # seven Main runs (one request each) and the Load program; nothing on the other IPU
+    assert value(fams, P + "ipu_program_runs_total", ipu="1") - runs[1] == 8
+    assert value(fams, P + "ipu_program_runs_total", ipu="0") == runs[0]
