@@ -57,6 +57,7 @@ class _Conn:
         self.pid = pid
         self.writer = writer
         self.holding: list[PooledIpu] = []
+        self.device_id = -1   # the host's device id of what it holds (-1: not given)
 
 
 class Daemon:
@@ -235,8 +236,7 @@ class Daemon:
         if op == "hello":
             return {"ok": True, "daemon_pid": os.getpid(), "system": self._system_info()}
         if op == "status":
-            return {"ok": True, "daemon_pid": os.getpid(), "socket": self.socket_path,
-                    "system": self._system_info(), "ipus": [i.status() for i in self.ipus]}
+            return self._status()
         if op == "attach":
             return await self._attach(conn, req)
         if op == "release":
@@ -246,6 +246,22 @@ class Daemon:
             return await self._exit_status(req.get("pid"))
         return _error("protocol", f"unknown op {op!r}; expected hello, status, attach, "
                       "release or exit_status")
+
+    def _status(self) -> dict[str, Any]:
+        """The pool per IPU, and per attached device: its id, its IPUs and its holder."""
+        devices = []
+        device_of: dict[int, int] = {}
+        for conn in sorted(self._conns, key=lambda c: [i.index for i in c.holding]):
+            if not conn.holding:
+                continue
+            ipus = [ipu.index for ipu in conn.holding]
+            devices.append({"device_id": conn.device_id, "ipus": ipus, "holder": conn.pid,
+                            "states": sorted({ipu.state for ipu in conn.holding})})
+            device_of.update((i, conn.device_id) for i in ipus)
+        ipus_status = [dict(ipu.status(), device=device_of.get(ipu.index))
+                       for ipu in self.ipus]
+        return {"ok": True, "daemon_pid": os.getpid(), "socket": self.socket_path,
+                "system": self._system_info(), "ipus": ipus_status, "devices": devices}
 
     def _system_info(self) -> dict[str, Any]:
         s = self.system
@@ -308,6 +324,7 @@ class Daemon:
             ipu.state = "held"
             ipu.hosts_served += 1
         conn.holding = wanted
+        conn.device_id = device_id
         _log.info("host %d attached ipus %s (pids %s)", conn.pid, indices,
                   [ipu.pid for ipu in wanted])
         return {"ok": True, "ipus": [ipu.info() for ipu in wanted]}

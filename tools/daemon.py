@@ -34,7 +34,8 @@ def _socket_path(arg: str | None) -> str:
 def _status(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="ipu-emulator daemon status",
                                      description="print the daemon's pool: each IPU, its "
-                                     "state and the pid of the host holding it")
+                                     "state and the pid of the host holding it; then each "
+                                     "attached device: its id, its IPUs and its holder")
     parser.add_argument("--socket", help="the daemon's socket (default: $IPU_EMULATOR_DAEMON "
                         "or $IPU_EMULATOR_HOME/daemon.sock)")
     parser.add_argument("--json", action="store_true", help="print the raw status reply")
@@ -53,8 +54,15 @@ def _status(argv: list[str]) -> int:
           f"{s['ipu_version']}, {s['tiles_per_ipu']} tiles x {s['memory_per_tile']} bytes")
     for ipu in reply["ipus"]:
         holder = f"held by pid {ipu['holder']}" if ipu["holder"] else "-"
+        device = ipu.get("device")
         print(f"ipu {ipu['ipu']:<3} {ipu['state']:<10} process {ipu['pid'] or '-':<8} "
-              f"{holder:<20} hosts served {ipu['hosts_served']}")
+              f"{holder:<20} hosts served {ipu['hosts_served']}"
+              + (f"  device {device}" if device is not None and device >= 0 else ""))
+    for dev in reply.get("devices", []):
+        name = f"device {dev['device_id']}" if dev["device_id"] >= 0 else "device (no id)"
+        ipus = ",".join(str(i) for i in dev["ipus"])
+        print(f"{name}: {len(dev['ipus'])} ipu{'s' if len(dev['ipus']) != 1 else ''} "
+              f"[{ipus}] held by pid {dev['holder']} ({'/'.join(dev['states'])})")
     return 0
 
 

@@ -228,3 +228,61 @@ def test_empty_shared_inputs_and_outputs(tmp_path, pipelined):
                 np.testing.assert_allclose(y, reference(big, np.asarray(x)), rtol=1e-5,
                                            atol=1e-5)
                 y[...] = 0
+
+
+@pytest.fixture(scope="module")
+def daemon4(tmp_path_factory):
+    from tests.daemon_rig import DaemonRig
+
+    rig = DaemonRig(tmp_path_factory.mktemp("daemon4"), num_ipus=4)
+    try:
+        yield rig
+    finally:
+        rig.stop()
+
+
+def test_daemon_status_groups_the_ipus_of_a_sharded_device(tmp_path, chain, daemon4,
+                                                           monkeypatch):
+    """A host holding a 2-IPU device of a 4-IPU daemon: status (raw and printed) shows that
+    device, its id, its two IPUs and the holder, as well as the IPUs one by one."""
+    import json
+    import subprocess
+    import sys
+
+    from ipu_emulator import daemon_protocol as wire
+    from tests.daemon_rig import REPO
+
+    path = compile_cli(str(tmp_path), chain, 2, False, 1)
+    monkeypatch.setenv(wire.ENV_VAR, daemon4.socket)
+    xs = inputs(3, seed=17)
+    status_cmd = [sys.executable, "-m", "tools.cli", "daemon", "status", "--socket",
+                  daemon4.socket]
+    with model_runtime.ModelRunner(path) as r:
+        for x in xs:
+            np.testing.assert_allclose(r.execute({"x": x})["y"], reference(chain, x),
+                                       rtol=1e-5, atol=1e-5)
+        dev = r._replicas[0].session.device()
+        ipus = dev.ipus()
+        assert len(ipus) == 2 and dev.id >= 4      # a multi-IPU device id of the seeds
+        raw = subprocess.run(status_cmd + ["--json"], cwd=REPO, capture_output=True,
+                             text=True, timeout=120)
+        assert raw.returncode == 0, raw.stderr
+        st = json.loads(raw.stdout)
+        assert st["devices"] == [{"device_id": dev.id, "ipus": ipus, "holder": os.getpid(),
+                                  "states": ["held"]}]
+        for ipu in st["ipus"]:
+            held = ipu["ipu"] in ipus
+            assert (ipu["state"], ipu["holder"], ipu["device"]) == (
+                ("held", os.getpid(), dev.id) if held else ("free", None, None))
+        text = subprocess.run(status_cmd, cwd=REPO, capture_output=True, text=True,
+                              timeout=120)
+        assert text.returncode == 0, text.stderr
+        lines = text.stdout.splitlines()
+        assert lines[0].startswith(f"daemon pid {daemon4.proc.pid} at {daemon4.socket}: 4 x ")
+        assert (f"device {dev.id}: 2 ipus [{ipus[0]},{ipus[1]}] held by pid {os.getpid()} "
+                f"(held)") in lines
+        for k in ipus:
+            line = next(ln for ln in lines if ln.startswith(f"ipu {k} "))
+            assert line.split()[2] == "held" and line.endswith(f"device {dev.id}")
+    st = daemon4.status()
+    assert st["devices"] == [] and {i["state"] for i in st["ipus"]} == {"free"}
