@@ -5,9 +5,9 @@ Each message is one line of strict JSON (an object) of at most
 reads one reply per request, in order::
 
     {"v":1,"op":"hello"}                       -> {"ok":true,"daemon_pid":..,"system":{..}}
-    {"v":1,"op":"status"}                      -> {"ok":true,..,"ipus":[{"ipu","state","holder","pid",
-                                                   "device",..}],
-                                                   "devices":[{"device_id","ipus","holder","states"}]}
+    {"v":1,"op":"status"}
+        -> {"ok":true,..,"ipus":[{"ipu","state","holder","pid","device",..}],
+            "devices":[{"device_id","ipus","holder","states"}]}   (one per held attachment)
     {"v":1,"op":"attach","ipus":[0,1],"device_id":4}
         -> {"ok":true,"ipus":[{"ipu","pid","control","events","log","ready"}]}
         |  {"ok":false,"error":"busy","busy":{"0":1234},"message":".."}
