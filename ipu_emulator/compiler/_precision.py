@@ -11,6 +11,12 @@ The host CPU lacks half-precision kernels for some ops (onnxruntime's CPU
 provider has no fp16 ``Conv``, for one). The IPU computes those in fp16; the
 emulator computes them in fp32 between casts (``wrap_in_fp32``), which keeps
 the fp16 interface and fp16 rounding of every intermediate tensor.
+
+Some ops have no faithful fp16 form at all (``_KEEP_FP32_OPS``: ``BitCast`` of
+float32 bits, onnx's float32-only function body of ``MeanVarianceNormalization``,
+``MelWeightMatrix``'s float32 table, ``TreeEnsemble``'s float32 thresholds,
+``EyeLike`` without an fp16 kernel): like PopRT, which keeps the ops it cannot
+convert in fp32, they keep their float32 attributes and run in fp32 between casts.
 """
 
 from __future__ import annotations
@@ -29,11 +35,27 @@ _DTYPE_ATTR_OPS = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomU
 _OUTPUT_DATATYPE_OPS = {"BlackmanWindow", "HammingWindow", "HannWindow"}
 _NO_FP16_REDUCTION = {"ScatterND", "ScatterElements"}
 _FLOAT_BY_DEFAULT = {"RandomNormal", "RandomUniform", "SequenceEmpty"}   # dtype attr absent
+# Kept in fp32 inside an fp16 model (between casts), as PopRT keeps ops it cannot convert:
+_KEEP_FP32_OPS = {
+    # reinterprets the bits of a float32 (or makes float32 bits): fp16 has other bits
+    "BitCast": "BitCast reinterprets float32 bits, which have no fp16 equivalent",
+    # onnx's function body adds a float32 Constant: an fp16 input fails its type check
+    "MeanVarianceNormalization": "onnx's function body for it is float32-only",
+    # its output_datatype is a float32 table of filter weights; onnx infers float32
+    "MelWeightMatrix": "its filter table is computed in float32 (output_datatype)",
+    # the tree thresholds/leaf values are float32 attributes that must match the input
+    "TreeEnsemble": "ai.onnx.ml TreeEnsemble's float32 thresholds must match its input "
+                    "type (onnxruntime has no fp16 kernel)",
+    # onnxruntime's CPU provider has no fp16 EyeLike
+    "EyeLike": "onnxruntime has no fp16 EyeLike kernel",
+}
 
 
 def convert_to_fp16(model: onnx.ModelProto) -> None:
-    """Convert ``model`` (in place) to fp16; see the module docstring."""
-    _convert_graph(model.graph)
+    """Convert ``model`` (in place) to fp16; see the module docstring. The main graph's
+    ``_KEEP_FP32_OPS`` nodes keep their float32 attributes (``fp32_only_ops`` names
+    them, and ``wrap_in_fp32`` then casts around them)."""
+    _convert_graph(model.graph, main=True)
     _ensure_default_opset(model)
 
 
@@ -55,7 +77,7 @@ def _convert_type(tp: onnx.TypeProto) -> None:
         _convert_type(tp.optional_type.elem_type)
 
 
-def _convert_graph(graph: onnx.GraphProto) -> None:
+def _convert_graph(graph: onnx.GraphProto, main: bool = False) -> None:
     keep: set[str] = set()
     init_names = {t.name for t in graph.initializer}
     new_nodes: list[onnx.NodeProto] = []
@@ -70,7 +92,10 @@ def _convert_graph(graph: onnx.GraphProto) -> None:
                     new_nodes.append(helper.make_node("Cast", [name], [cast_out], to=_F32,
                                                       name=cast_out))
                     node.input[idx] = cast_out
-        _convert_node(node)
+        if main and node.op_type in _KEEP_FP32_OPS:
+            _convert_subgraphs(node)      # its own attributes stay float32
+        else:
+            _convert_node(node)
         new_nodes.append(node)
     del graph.node[:]
     graph.node.extend(new_nodes)
@@ -119,12 +144,24 @@ def _convert_node(node: onnx.NodeProto) -> None:
                 node.attribute[k].CopyFrom(new)
 
 
+def _convert_subgraphs(node: onnx.NodeProto) -> None:
+    for attr in node.attribute:
+        if attr.HasField("g"):
+            _convert_graph(attr.g)
+        for g in attr.graphs:
+            _convert_graph(g)
+
+
 def fp32_only_ops(model: onnx.ModelProto) -> set[str]:
     """Op types of the main graph whose ONNX schema allows float32 but not float16 (and
-    ScatterND/ScatterElements with a reduction, which onnxruntime computes only in fp32)."""
+    ScatterND/ScatterElements with a reduction, which onnxruntime computes only in fp32,
+    and the ``_KEEP_FP32_OPS`` that have no faithful fp16 form)."""
     opsets = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in model.opset_import}
     out: set[str] = set()
     for node in model.graph.node:
+        if node.op_type in _KEEP_FP32_OPS:
+            out.add(node.op_type)
+            continue
         if node.op_type in _NO_FP16_REDUCTION and any(
                 a.name == "reduction" and a.s not in (b"", b"none") for a in node.attribute):
             out.add(node.op_type)   # onnxruntime's CPU kernels refuse fp16 with a reduction

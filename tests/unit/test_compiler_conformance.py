@@ -188,3 +188,23 @@ def test_fp16_constant_of_shape_without_value_is_fp16_zero() -> None:
     got = _run(result, {"s": np.array([3], np.int64), "x": x})
     assert got["y"].dtype == np.float16
     np.testing.assert_array_equal(got["y"], x)
+
+
+def test_fp16_keeps_ops_without_an_fp16_form_in_fp32() -> None:
+    # BitCast of float32 bits and EyeLike (no fp16 kernel) run in fp32 between casts, with
+    # the model's fp16 interface
+    m = _model([helper.make_node("BitCast", ["x"], ["b"], to=T.INT32),
+                helper.make_node("EyeLike", ["i"], ["e"], dtype=T.FLOAT)],
+               [helper.make_tensor_value_info("x", T.FLOAT, [2]),
+                helper.make_tensor_value_info("i", T.INT32, [2, 2])],
+               [helper.make_tensor_value_info("b", T.INT32, [2]),
+                helper.make_tensor_value_info("e", T.FLOAT, [2, 2])], opset=26)
+    result = compile_onnx(ModelSpec(m, precision="fp16"))
+    assert {a.name: a.dtype for a in result.anchors if a.direction == "out"} == \
+        {"b": "S32", "e": "F16"}
+    x = np.array([1.5, -2.0], np.float16)
+    got = _run(result, {"x": x, "i": np.zeros((2, 2), np.int32)})
+    np.testing.assert_array_equal(got["b"], x.astype(np.float32).view(np.int32))
+    np.testing.assert_array_equal(got["e"], np.eye(2, dtype=np.float16))
+    ops = [n.op_type for n in result.output_model.graph.node]
+    assert ops.count("Cast") == 2 and "BitCast" in ops and "EyeLike" in ops
