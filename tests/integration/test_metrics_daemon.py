@@ -9,12 +9,11 @@ import select
 import signal
 import subprocess
 import sys
-import urllib.request
-from typing import Any, Iterator
+from typing import Iterator
 
 import psutil
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from tests.scrape import scrape, value
 
 from host_runtime.devices import DeviceManager
 from tests._helpers import PATIENT
@@ -32,19 +31,6 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonRig, s
         yield rig, found[0].group(1)
     finally:
         rig.stop()
-
-
-def scrape(url: str) -> dict[str, list[Any]]:
-    with urllib.request.urlopen(url, timeout=30) as resp:
-        text = resp.read().decode()
-    return {fam.name: fam.samples for fam in text_string_to_metric_families(text)}
-
-
-def value(fams: dict[str, list[Any]], sample: str, **labels: str) -> float:
-    found = [s.value for samples in fams.values() for s in samples
-             if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items())]
-    assert len(found) == 1, f"{sample}{labels}: expected one sample, found {found}"
-    return float(found[0])
 
 
 P = "ipu_emulator_daemon_"

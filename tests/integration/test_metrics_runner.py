@@ -19,6 +19,8 @@ import pytest
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.scrape import scrape, value
+
 import host_runtime as model_runtime
 from host_runtime.errors import DeviceLostError
 from host_runtime.metrics import _runner_number as runner_number
@@ -26,20 +28,6 @@ from host_runtime.metrics import _runner_number as runner_number
 SHAPE = (1, 4)
 
 pytestmark = pytest.mark.usefixtures("private_machine")
-
-
-def scrape(url: str) -> dict[str, list[Any]]:
-    """metric family name -> its samples."""
-    with urllib.request.urlopen(url, timeout=30) as resp:
-        text = resp.read().decode()
-    return {fam.name: fam.samples for fam in text_string_to_metric_families(text)}
-
-
-def value(families: dict[str, list[Any]], sample: str, **labels: str) -> float:
-    found = [s.value for samples in families.values() for s in samples
-             if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items())]
-    assert len(found) == 1, f"{sample}{labels}: expected one sample, found {found}"
-    return float(found[0])
 
 
 @pytest.fixture

@@ -7,11 +7,9 @@ import re
 import select
 import subprocess
 import sys
-import urllib.request
-from typing import Any
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.parser import text_string_to_metric_families
+from tests.scrape import scrape, value
 
 from ipu_emulator._daemon_metrics import MetricsServer
 from tools import stress
@@ -19,19 +17,6 @@ from tools._stress_live import LiveStats, StressCollector
 from tools._stress_rig import REPO
 
 P = "ipu_emulator_stress_"
-
-
-def scrape(url: str) -> dict[str, list[Any]]:
-    with urllib.request.urlopen(url, timeout=30) as resp:
-        text = resp.read().decode()
-    return {fam.name: fam.samples for fam in text_string_to_metric_families(text)}
-
-
-def value(fams: dict[str, list[Any]], sample: str, **labels: str) -> float:
-    found = [s.value for samples in fams.values() for s in samples
-             if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items())]
-    assert len(found) == 1, f"{sample}{labels}: expected one sample, found {found}"
-    return float(found[0])
 
 
 def test_counters_after_a_known_run_match_its_results():
