@@ -12,7 +12,7 @@ import os
 import select
 import signal
 import urllib.request
-from typing import Any, Iterator
+from typing import Iterator
 
 import numpy as np
 import pytest
