@@ -21,6 +21,9 @@ overrides them.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import select
+import signal
 from datetime import timedelta
 from typing import Any, Iterator
 
@@ -164,3 +167,14 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         yield rig
     finally:
         rig.stop()
+
+
+def kill_and_wait(pid: int, timeout: float = 60.0) -> None:
+    """SIGKILL an IPU process and wait until it has exited (every thread: what a pidfd sees)."""
+    fd = os.pidfd_open(pid)
+    try:
+        os.kill(pid, signal.SIGKILL)
+        ready, _, _ = select.select([fd], [], [], timeout)
+        assert ready, f"IPU process {pid} did not die"
+    finally:
+        os.close(fd)

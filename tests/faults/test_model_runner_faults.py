@@ -7,9 +7,6 @@
 
 from __future__ import annotations
 
-import os
-import select
-import signal
 import threading
 
 import numpy as np
@@ -17,6 +14,7 @@ import pytest
 
 import host_runtime as model_runtime
 from host_runtime.errors import DeviceExecutionError, DeviceLostError
+from tests._helpers import kill_and_wait
 
 SHAPE = (4, 3)
 WAIT = 60.0
@@ -37,15 +35,6 @@ def device_pid(runner, replica=0):
     return runner._replicas[replica].session.device().pids()[0]
 
 
-def kill_and_wait(pid):
-    """SIGKILL the IPU process and wait until it has exited (every thread: what a pidfd sees)."""
-    fd = os.pidfd_open(pid)
-    try:
-        os.kill(pid, signal.SIGKILL)
-        ready, _, _ = select.select([fd], [], [], WAIT)
-        assert ready, f"IPU process {pid} did not die"
-    finally:
-        os.close(fd)
 
 
 def test_auto_reset_after_killed_ipu(model_path, weights):

@@ -8,9 +8,6 @@
 
 from __future__ import annotations
 
-import os
-import select
-import signal
 import subprocess
 import sys
 import textwrap
@@ -27,6 +24,7 @@ from shm import naming
 from shm.cleanup import list_objects
 from tools import poprt
 from tools._chain_model import chain_model, reference, write_shard_yaml
+from tests._helpers import kill_and_wait
 
 LAYERS, WIDTH, BATCH = 4, 64, 2
 WAIT = 60.0
@@ -55,14 +53,6 @@ def ours() -> set[str]:
     return {o.entry for o in list_objects(naming.current_tag())}
 
 
-def kill_and_wait(pid: int) -> None:
-    fd = os.pidfd_open(pid)
-    try:
-        os.kill(pid, signal.SIGKILL)
-        ready, _, _ = select.select([fd], [], [], WAIT)
-        assert ready, f"IPU process {pid} did not die"
-    finally:
-        os.close(fd)
 
 
 def x_of(k: int) -> np.ndarray:

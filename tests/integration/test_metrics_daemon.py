@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import re
 import select
-import signal
 import subprocess
 import sys
 from typing import Iterator
@@ -16,7 +15,7 @@ import pytest
 from tests.scrape import scrape, value
 
 from host_runtime.devices import DeviceManager
-from tests._helpers import PATIENT
+from tests._helpers import PATIENT, kill_and_wait
 from tests.daemon_rig import REPO, DaemonRig
 
 
@@ -93,12 +92,7 @@ def test_a_killed_ipu_process_is_a_death_and_a_restart(rig):
     restarts = value(before, P + "ipu_restarts_total", ipu="1")
     with DeviceManager(daemon=daemon.socket).getSpecificDevice(1, wait_config=PATIENT) as dev:
         pid = dev.pids()[0]
-        fd = os.pidfd_open(pid)
-        try:
-            os.kill(pid, signal.SIGKILL)
-            assert select.select([fd], [], [], 60)[0], f"IPU process {pid} did not die"
-        finally:
-            os.close(fd)
+        kill_and_wait(pid)
     # released: the daemon restarts the dead process; wait (bounded) until ipu 1 is free again
     for _ in range(1200):
         fams = scrape(url)

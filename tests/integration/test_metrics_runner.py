@@ -8,9 +8,6 @@ text with ``prometheus_client.parser``.
 from __future__ import annotations
 
 import gc
-import os
-import select
-import signal
 import urllib.request
 from typing import Iterator
 
@@ -19,6 +16,7 @@ import pytest
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests._helpers import kill_and_wait
 from tests.scrape import scrape, value
 
 import host_runtime as model_runtime
@@ -105,12 +103,7 @@ def test_device_lost_is_counted_by_its_class(model_path, served):
         model = r.model.metadata.executable()
         r.execute(rand(0))
         pid = r._replicas[0].session.device().pids()[0]
-        fd = os.pidfd_open(pid)
-        try:
-            os.kill(pid, signal.SIGKILL)
-            assert select.select([fd], [], [], 60)[0], f"IPU process {pid} did not die"
-        finally:
-            os.close(fd)
+        kill_and_wait(pid)
         with pytest.raises(DeviceLostError):
             r.execute(rand(1))
         fams = scrape(url)
