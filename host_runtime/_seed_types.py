@@ -2,7 +2,7 @@
 
 In C++ these are ``std::unordered_map`` aliases. In Python:
 
-- ``executeAsync`` returns an :class:`~host_runtime.model_runner.OutputFuture`
+- ``executeAsync`` returns an :class:`~host_runtime.runner._model_runner.OutputFuture`
   (``wait()``, ``future[name]``, iterating yields the output names), whether the
   runner allocates the outputs (C++ ``OutputFutureMemory``) or the caller does
   (C++ ``OutputFutureMemoryView``): both names are that class, so
@@ -15,9 +15,9 @@ In C++ these are ``std::unordered_map`` aliases. In Python:
 
 from __future__ import annotations
 
-from host_runtime._requests import OutputFuture
-from host_runtime.devices import Device
-from host_runtime.memory import OutputMemoryView
+from host_runtime.runner._requests import OutputFuture
+from host_runtime.devices._manager import Device
+from host_runtime.memory._views import OutputMemoryView
 
 __all__ = ["OutputFutureMemory", "OutputFutureMemoryView", "ReplicaIdToOutputMemoryView",
            "ReplicaIdToDevice"]

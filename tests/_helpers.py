@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 
 from host_runtime import popef
-from host_runtime.devices import Device, DeviceManager, DeviceWaitConfig, DeviceWaitStrategy
+from host_runtime.devices._manager import Device, DeviceManager, DeviceWaitConfig, DeviceWaitStrategy
 
 __all__ = ["PATIENT", "DEFAULT_SHAPE", "SPAWN", "module_shape", "weights_of", "write_example",
            "write_gather", "spawn", "private_machine", "model_path", "model", "weights",
@@ -117,7 +117,7 @@ def finish(proc: mp.process.BaseProcess, timeout: float = 120) -> None:
 
 @pytest.fixture(scope="module")
 def private_machine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    from host_runtime import config as _config
+    from host_runtime.runner import config as _config
 
     with pytest.MonkeyPatch.context() as mp_:
         mp_.setenv("IPU_EMULATOR_HOME", str(tmp_path_factory.mktemp("machine")))

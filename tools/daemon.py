@@ -23,7 +23,7 @@ import logging
 import os
 import sys
 
-from ipu_emulator import daemon_protocol as wire
+from ipu_emulator.daemon import protocol as wire
 from ipu_emulator.system import SystemConfigError, load_system_config
 
 
@@ -92,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=a.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s ipu-emulator-daemon[{os.getpid()}] "
                         "%(levelname)s %(message)s")
-    from ipu_emulator._daemon_metrics import MetricsServeError
-    from ipu_emulator.daemon import Daemon, DaemonError
+    from ipu_emulator.daemon._metrics import MetricsServeError
+    from ipu_emulator.daemon.server import Daemon, DaemonError
 
     try:
         system = load_system_config()
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return daemon.run()
     except (DaemonError, MetricsServeError) as exc:
-        logging.getLogger("ipu_emulator.daemon").error("%s", exc)
+        logging.getLogger("ipu_emulator.daemon.server").error("%s", exc)
         return 1
 
 

@@ -24,7 +24,7 @@ The result is a *multi-IPU executable*::
 
 A tensor crossing from IPU a to IPU b is a *link*: a stream ``LINK_PREFIX +
 "<a>/<b>/<tensor>"`` that is ``out`` on part a and ``in`` on part b. The host
-makes one SPSC ring per link (host_runtime._ipu_group), so activations go
+makes one SPSC ring per link (host_runtime.devices._ipu_group), so activations go
 straight from one IPU process to the next. Without pipelining, every last IPU
 of the chain sends a one-byte *sync* token to every first IPU at the end of an
 iteration, and a first IPU takes one at the start of each iteration: the parts

@@ -19,9 +19,9 @@ import numpy as np
 import psutil
 import pytest
 
-from host_runtime.devices import DeviceManager
+from host_runtime.devices._manager import DeviceManager
 from host_runtime.errors import DeviceLostError, DeviceUnavailableError
-from host_runtime.session import Session
+from host_runtime.session._session import Session
 from tests._helpers import PATIENT
 from tests.daemon_rig import REPO, DaemonRig, shm_entries
 from tests.integration.test_daemon import rand, run_session
@@ -55,7 +55,7 @@ class Host:
 WAITER = """
     import json, sys
     from datetime import timedelta
-    from host_runtime.devices import DeviceManager, DeviceWaitConfig
+    from host_runtime.devices._manager import DeviceManager, DeviceWaitConfig
     from host_runtime.errors import DeviceUnavailableError
     dm = DeviceManager()
     try:
@@ -89,7 +89,7 @@ RUNNER_HOST = """
     import json, sys
     import numpy as np
     import host_runtime as model_runtime
-    from host_runtime.devices import DeviceManager
+    from host_runtime.devices._manager import DeviceManager
     dev = DeviceManager().getSpecificDevice(0)
     cfg = model_runtime.ModelRunnerConfig()
     cfg.replica_to_device = {0: dev}
@@ -230,7 +230,7 @@ RACER = """
     import numpy as np
     from datetime import timedelta
     from host_runtime import popef
-    from host_runtime.devices import DeviceManager, DeviceWaitConfig
+    from host_runtime.devices._manager import DeviceManager, DeviceWaitConfig
     from tests.integration.test_daemon import run_session
     model = popef.load_model([sys.argv[1]])
     w = np.frombuffer(model.tensorData("weights").data, np.float32).reshape(1, 4)

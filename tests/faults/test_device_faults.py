@@ -14,9 +14,9 @@ import numpy as np
 import psutil
 import pytest
 
-from host_runtime.devices import DeviceManager
+from host_runtime.devices._manager import DeviceManager
 from host_runtime.errors import DeviceLostError
-from host_runtime.session import Session
+from host_runtime.session._session import Session
 from shm import PeerDiedError, naming
 from shm.cleanup import list_objects
 from tests._helpers import PATIENT
@@ -136,8 +136,8 @@ HOST = textwrap.dedent("""
     import numpy as np
     from host_runtime import popef
     from datetime import timedelta
-    from host_runtime.devices import DeviceWaitConfig
-    from host_runtime.session import Session, SessionConfig
+    from host_runtime.devices._manager import DeviceWaitConfig
+    from host_runtime.session._session import Session, SessionConfig
     s = Session([sys.argv[1]], SessionConfig(
         wait_config=DeviceWaitConfig(timedelta(seconds=120), timedelta(seconds=0.05))))
     s.setCallbackForAnchor("tensor_A", lambda v: v.__setitem__(slice(None), bytes(len(v))))
@@ -167,7 +167,7 @@ def test_sigkilled_host_leaves_no_ipu_process_and_nothing_in_dev_shm(model_path)
 STARTING_HOST = textwrap.dedent("""
     import os, signal
     from datetime import timedelta
-    from host_runtime.devices import DeviceManager, DeviceWaitConfig
+    from host_runtime.devices._manager import DeviceManager, DeviceWaitConfig
     dev = DeviceManager().getDevice(1, wait_config=DeviceWaitConfig(
         timedelta(seconds=120), timedelta(seconds=0.05)))   # starts the IPU process; does not wait for it
     print(",".join(map(str, dev.pids())), flush=True)
@@ -218,9 +218,9 @@ def test_closing_a_device_fails_a_program_blocked_on_another_thread(model):
 SPINNING_HOST = textwrap.dedent("""
     import sys
     from datetime import timedelta
-    from host_runtime.devices import DeviceWaitConfig
-    from host_runtime.predicates import AnchorCallbackPolicy
-    from host_runtime.session import Session, SessionConfig
+    from host_runtime.devices._manager import DeviceWaitConfig
+    from host_runtime.session.predicates import AnchorCallbackPolicy
+    from host_runtime.session._session import Session, SessionConfig
     s = Session([sys.argv[1]], SessionConfig(
         wait_config=DeviceWaitConfig(timedelta(seconds=120), timedelta(seconds=0.05))))
     empty = lambda anchor: AnchorCallbackPolicy.BIND_EMPTY_CB

@@ -27,13 +27,13 @@ import psutil
 import host_runtime as model_runtime
 # Imported up front: a module imported lazily during a scenario would leave its
 # import-time garbage (a dataclass with slots= replaces its class) to be counted.
-import host_runtime._replica  # noqa: F401
-import host_runtime.model_runner  # noqa: F401
+import host_runtime.runner._replica  # noqa: F401
+import host_runtime.runner._model_runner  # noqa: F401
 import host_runtime.poprt  # noqa: F401
-import host_runtime.queues  # noqa: F401
-import host_runtime.session  # noqa: F401
+import host_runtime.queues._queues  # noqa: F401
+import host_runtime.session._session  # noqa: F401
 from tools.generate_simple_popef import write_simple_popef
-from host_runtime.devices import DeviceManager, DeviceWaitConfig
+from host_runtime.devices._manager import DeviceManager, DeviceWaitConfig
 from host_runtime.errors import BadRequestError, DeviceUnavailableError
 
 TAG = os.environ["IPU_EMULATOR_SHM_TAG"]
@@ -46,12 +46,12 @@ def shm_objects() -> list[str]:
 
 def ipu_processes() -> list[int]:
     """Live IPU processes of this host: its children, or the children of its fork-server
-    template (ipu_emulator.forkserver, a long-lived helper that is not an IPU process)."""
+    template (ipu_emulator.device.forkserver, a long-lived helper that is not an IPU process)."""
     me = psutil.Process()
     templates = set()
     for p in me.children():
         try:
-            if any("ipu_emulator.forkserver" in a for a in p.cmdline()):
+            if any("ipu_emulator.device.forkserver" in a for a in p.cmdline()):
                 templates.add(p.pid)
         except psutil.Error:
             pass
@@ -175,7 +175,7 @@ def killed(path: str, probe: Probe) -> None:
 def hung(path: str, probe: Probe) -> None:
     """A runner and a session whose IPU process hangs (SIGSTOP): dropping them does not
     wait on the device for long; it kills the processes and frees everything."""
-    from host_runtime.session import Session
+    from host_runtime.session._session import Session
 
     r = model_runtime.ModelRunner(path)
     r.execute(feeds())
@@ -340,7 +340,7 @@ def pending(path: str, probe: Probe) -> None:
 def session(path: str, probe: Probe) -> None:
     """Session (bound, loaded, with a queue manager and a running main loop), Device,
     DeviceManager, QueueManager dropped without close()."""
-    from host_runtime.session import Session
+    from host_runtime.session._session import Session
 
     s = Session(path)
     s.bindToDevice(DeviceManager().getDevice(1))   # the session does not own this device:

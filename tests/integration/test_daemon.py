@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 import host_runtime as model_runtime
-from host_runtime.devices import DeviceManager
+from host_runtime.devices._manager import DeviceManager
 from host_runtime.errors import DeviceUnavailableError
-from host_runtime.session import Session
-from ipu_emulator import daemon_protocol as wire
+from host_runtime.session._session import Session
+from ipu_emulator.daemon import protocol as wire
 from tests._helpers import PATIENT, run_in_threads
 from tests.daemon_rig import REPO, DaemonRig
 
@@ -83,7 +83,7 @@ HOST = textwrap.dedent("""
     import numpy as np
     from datetime import timedelta
     from host_runtime import popef
-    from host_runtime.devices import DeviceManager, DeviceWaitConfig
+    from host_runtime.devices._manager import DeviceManager, DeviceWaitConfig
     from tests.integration.test_daemon import run_session
     model = popef.load_model([sys.argv[1]])
     a = np.full((1, 4), 2.0, np.float32); b = np.full((1, 4), 0.5, np.float32)
@@ -193,7 +193,7 @@ def test_liveness_checks_from_many_threads_at_once(daemon):
 
 def test_an_embedded_ipu_process_refuses_host_messages(tmp_path):
     from ipu_emulator import protocol
-    from ipu_emulator.launcher import IpuSpec, launch_ipu
+    from ipu_emulator.device.launcher import IpuSpec, launch_ipu
     from ipu_emulator.protocol import Message, Op
 
     with launch_ipu(IpuSpec(ipu_id=0), log_dir=str(tmp_path)) as proc:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import host_runtime as model_runtime
-from host_runtime.devices import DeviceManager, DeviceWaitConfig, DeviceWaitStrategy
+from host_runtime.devices._manager import DeviceManager, DeviceWaitConfig, DeviceWaitStrategy
 from host_runtime.errors import DeviceUnavailableError
 from tests._helpers import run_in_threads
 

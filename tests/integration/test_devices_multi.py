@@ -8,9 +8,9 @@ import signal
 import numpy as np
 import pytest
 
-from host_runtime.devices import DeviceManager
+from host_runtime.devices._manager import DeviceManager
 from host_runtime.errors import DeviceLostError, DeviceUnavailableError
-from host_runtime.session import Session
+from host_runtime.session._session import Session
 from ipu_emulator.system import SystemConfig, load_system_config
 from tests._helpers import PATIENT
 

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from ipu_emulator import package_hash, protocol
-from ipu_emulator.launcher import IpuProcessError, IpuSpec, launch_ipu
+from ipu_emulator.device.launcher import IpuProcessError, IpuSpec, launch_ipu
 from ipu_emulator.protocol import Message, Op
 from shm import naming
 from shm.cleanup import list_objects

@@ -16,13 +16,13 @@ from datetime import timedelta
 import psutil
 import pytest
 
-from host_runtime.devices import DeviceManager, DeviceWaitConfig, DeviceWaitStrategy
+from host_runtime.devices._manager import DeviceManager, DeviceWaitConfig, DeviceWaitStrategy
 from host_runtime.errors import DeviceUnavailableError
 from ipu_emulator.system import SystemConfig
 
 HOLDER = textwrap.dedent("""
     import sys
-    from host_runtime.devices import DeviceManager
+    from host_runtime.devices._manager import DeviceManager
     dev = DeviceManager().getDevice(1)
     dev._link.start()   # the IPU process is up
     print("attached", ",".join(map(str, dev.pids())), flush=True)

@@ -30,8 +30,8 @@ def report():
 
 _SESSION_MAIN = """
 import numpy as np
-from host_runtime.devices import DeviceManager
-from host_runtime.session import Session
+from host_runtime.devices._manager import DeviceManager
+from host_runtime.session._session import Session
 s = Session([sys.argv[1]])
 dev = DeviceManager().getDevice(1)
 s.bindToDevice(dev)
@@ -53,15 +53,15 @@ report()
 """
 
 _SESSION_BIND = """
-from host_runtime.devices import DeviceManager
-from host_runtime.session import Session
+from host_runtime.devices._manager import DeviceManager
+from host_runtime.session._session import Session
 s = Session([sys.argv[1]])
 s.bindToDevice(DeviceManager().getDevice(1))
 report()
 """
 
 _DEVICE = """
-from host_runtime.devices import DeviceManager
+from host_runtime.devices._manager import DeviceManager
 dev = DeviceManager().getDevice(1)
 report()
 """

@@ -1,4 +1,4 @@
-"""IPU processes forked by the host's template process (ipu_emulator.forkserver) keep every
+"""IPU processes forked by the host's template process (ipu_emulator.device.forkserver) keep every
 guarantee of a freshly started one: their own process and log, their exit status with the
 signal that killed them, liveness both ways, nothing left behind; and it can be turned off."""
 
@@ -14,8 +14,9 @@ import textwrap
 import psutil
 import pytest
 
-from ipu_emulator import forkserver, protocol
-from ipu_emulator.launcher import IpuSpec, launch_ipu
+from ipu_emulator import protocol
+from ipu_emulator.device import forkserver
+from ipu_emulator.device.launcher import IpuSpec, launch_ipu
 from ipu_emulator.protocol import Message, Op
 from shm import naming
 from shm.cleanup import list_objects
@@ -49,7 +50,7 @@ def test_forked_ipu_process_is_a_child_of_the_template_logs_and_exits_cleanly(tm
         assert proc.wait_ready()["pid"] == proc.pid != os.getpid()
         parent = psutil.Process(proc.pid).parent()
         assert parent is not None and parent.pid != os.getpid()
-        assert "ipu_emulator.forkserver" in " ".join(parent.cmdline())
+        assert "ipu_emulator.device.forkserver" in " ".join(parent.cmdline())
         assert parent.ppid() == os.getpid()            # the template is our child
         proc.control.write(b"\0" * 4, tag=77)    # malformed: logged, ignored
         protocol.send(proc.control, Message(Op.PING, seq=1))
@@ -62,7 +63,7 @@ def test_forked_ipu_process_is_a_child_of_the_template_logs_and_exits_cleanly(tm
         proc.close()
     assert ours() == before
     log = (tmp_path / "ipu5.log").read_text()   # its own log file, lines tagged with its pid
-    assert re.search(rf"ipu5\[{proc.pid}\] ERROR ipu_emulator.process: ignoring a malformed "
+    assert re.search(rf"ipu5\[{proc.pid}\] ERROR ipu_emulator.device.process: ignoring a malformed "
                      "control message", log), log
 
 
@@ -112,7 +113,7 @@ def test_an_import_time_setting_gets_a_template_of_its_own(tmp_path, monkeypatch
 
 _HOST = """
 import os, sys, time
-from ipu_emulator.launcher import IpuSpec, launch_ipu
+from ipu_emulator.device.launcher import IpuSpec, launch_ipu
 procs = [launch_ipu(IpuSpec(ipu_id=i), log_dir=sys.argv[1]) for i in range(2)]
 for p in procs:
     p.wait_ready()

@@ -61,8 +61,8 @@ def test_runners_on_a_daemon_dropped_without_the_collector(daemon, model_path):
     import numpy as np
 
     import host_runtime as model_runtime
-    import host_runtime.model_runner  # noqa: F401  (import-time garbage is not ours)
-    from host_runtime.devices import DeviceManager
+    import host_runtime.runner._model_runner  # noqa: F401  (import-time garbage is not ours)
+    from host_runtime.devices._manager import DeviceManager
 
     x = {"tensor_A": np.ones(SHAPE, np.float32), "tensor_B": np.ones(SHAPE, np.float32)}
     cfg = model_runtime.ModelRunnerConfig()

@@ -14,7 +14,7 @@ import psutil
 import pytest
 from tests.scrape import scrape, value
 
-from host_runtime.devices import DeviceManager
+from host_runtime.devices._manager import DeviceManager
 from tests._helpers import PATIENT, kill_and_wait
 from tests.daemon_rig import REPO, DaemonRig
 
@@ -53,7 +53,7 @@ def test_pool_attach_release_and_a_wait(rig):
         # another host asks for ipu 0 while we hold it: busy; it waits, then gets it
         waiter = subprocess.Popen(
             [sys.executable, "-c", "import sys\n"
-             "from host_runtime.devices import DeviceManager\n"
+             "from host_runtime.devices._manager import DeviceManager\n"
              "from tests._helpers import PATIENT\n"
              "with DeviceManager(daemon=sys.argv[1]).getSpecificDevice(0, wait_config=PATIENT):\n"
              "    print('GOT IT', flush=True)\n", daemon.socket],

@@ -10,7 +10,7 @@ import psutil
 import pytest
 
 import host_runtime as model_runtime
-from host_runtime.shared_memory import SHARED_MIN_BYTES
+from host_runtime.memory._shared import SHARED_MIN_BYTES
 from shm import naming
 
 SHAPE = (16, 256)     # 16 KiB per float32 tensor: above SHARED_MIN_BYTES
@@ -41,7 +41,7 @@ def _mapped_by_an_ipu(name: str) -> bool:
 
 
 def _region_of(arr: np.ndarray) -> str:
-    from host_runtime.shared_memory import shared_location
+    from host_runtime.memory._shared import shared_location
 
     loc = shared_location(arr)
     assert loc is not None

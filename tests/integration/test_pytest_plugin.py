@@ -26,7 +26,7 @@ import pytest
 
 # In-process runs (runpytest) forget the modules they imported; onnx's extension must not be
 # imported twice in one process, so the suites' imports are made here, once.
-import host_runtime.model_runner  # noqa: F401
+import host_runtime.runner._model_runner  # noqa: F401
 import host_runtime.poprt.compiler  # noqa: F401
 import ipu_emulator.compiler  # noqa: F401
 import onnx  # noqa: F401
@@ -235,7 +235,7 @@ def test_leaks_shared_memory(ipu_machine):
     KEEP.append(empty_shared((1024,), np.float32))
 
 def test_leaks_an_ipu_process(ipu_machine):
-    from ipu_emulator.launcher import IpuSpec, launch_ipu
+    from ipu_emulator.device.launcher import IpuSpec, launch_ipu
     KEEP.append(launch_ipu(IpuSpec(ipu_id=-1, ipu_version=21, tiles_per_ipu=4,
                                    memory_per_tile=1 << 20, label="stray IPU")))
 
@@ -422,7 +422,7 @@ def test_ipus_marker_waits_for_the_ini_timeout_and_skips_on_too_small_a_machine(
 ON_ITS_MACHINE = '''
 import os
 import numpy as np
-from ipu_emulator import daemon_protocol as wire
+from ipu_emulator.daemon import protocol as wire
 from tools.generate_simple_popef import write_simple_popef
 
 def held(socket):

@@ -15,8 +15,8 @@ import pytest
 
 import host_runtime as model_runtime
 from host_runtime import popef
-from host_runtime.predicates import AnchorCallbackPolicy, AnchorWithPolicy, predicate_factory
-from host_runtime.session import Session
+from host_runtime.session.predicates import AnchorCallbackPolicy, AnchorWithPolicy, predicate_factory
+from host_runtime.session._session import Session
 from tests._helpers import weights_of, write_example
 
 SHAPE = (4, 3)        # batch of 4 samples of 3 floats

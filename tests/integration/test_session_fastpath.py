@@ -7,7 +7,7 @@ import pytest
 
 from host_runtime.errors import (BadRequestError, DeviceExecutionError, InvalidStateError,
                                  RemoteTraceback)
-from host_runtime.session import Session, SessionConfig
+from host_runtime.session._session import Session, SessionConfig
 from tests._helpers import weights_of
 
 SHAPE = (2, 3)
@@ -154,7 +154,7 @@ def test_max_look_ahead_sets_the_depth_of_main_rings(model, device):
 
 
 def test_ring_depth_option_sizes_the_rings_and_look_ahead_caps_main_ones(model, device):
-    from host_runtime.queues import ring_size_multiplier_factory
+    from host_runtime.queues._queues import ring_size_multiplier_factory
 
     depth = ring_size_multiplier_factory.ringSizeMultForMainProgs(model, 5, 1)
     with Session(model, SessionConfig(ring_depth=depth)) as s:

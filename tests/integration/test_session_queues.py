@@ -6,9 +6,9 @@ import threading
 
 import numpy as np
 
-from host_runtime.devices import DeviceManager
+from host_runtime.devices._manager import DeviceManager
 from host_runtime.errors import InvalidStateError
-from host_runtime.session import Session
+from host_runtime.session._session import Session
 from tests._helpers import PATIENT
 
 SHAPE = (1, 4)

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 
 from host_runtime import popef
-from host_runtime.devices import DeviceManager
+from host_runtime.devices._manager import DeviceManager
 from host_runtime.errors import (BadRequestError, DeviceExecutionError, InvalidStateError,
                                  PackageHashMismatchError, RemoteTraceback)
-from host_runtime.predicates import (AnchorCallbackPolicy, AnchorWithPolicy,
+from host_runtime.session.predicates import (AnchorCallbackPolicy, AnchorWithPolicy,
                                      PopefDataUsagePolicy, predicate_factory)
-from host_runtime.session import CallbackInfo, LaunchPolicy, Session, SessionConfig
+from host_runtime.session._session import CallbackInfo, LaunchPolicy, Session, SessionConfig
 from ipu_emulator import package_hash
 from ipu_emulator.executable import Executable
 from ipu_emulator.system import IpuLocks, load_system_config

@@ -1,4 +1,4 @@
-"""Sharded and pipelined models over real IPU processes (host_runtime._ipu_group).
+"""Sharded and pipelined models over real IPU processes (host_runtime.devices._ipu_group).
 
 A chain of named MatMul/Relu nodes is compiled with the ``poprt`` command line over 2
 and 4 IPUs, with and without pipelining, run through ModelRunner (and a Session with
@@ -16,9 +16,9 @@ import onnx
 import pytest
 
 import host_runtime as model_runtime
-from host_runtime.devices import DeviceManager
+from host_runtime.devices._manager import DeviceManager
 from host_runtime.errors import BadRequestError
-from host_runtime.session import Session
+from host_runtime.session._session import Session
 from tests._helpers import PATIENT
 from tools import poprt
 from tools._chain_model import chain_model, reference, write_shard_yaml
@@ -128,7 +128,7 @@ def test_sharded_model_refused_on_a_one_ipu_device(tmp_path, chain):
 
 
 def test_pipelined_model_over_the_daemon(tmp_path, chain, daemon, monkeypatch):
-    from ipu_emulator import daemon_protocol as wire
+    from ipu_emulator.daemon import protocol as wire
 
     path = compile_cli(str(tmp_path), chain, 2, True, 2)
     monkeypatch.setenv(wire.ENV_VAR, daemon.socket)
@@ -209,7 +209,7 @@ def test_poprt_runner_and_dynamic_batching_on_a_pipelined_model(tmp_path, chain)
 def test_empty_shared_inputs_and_outputs(tmp_path, pipelined):
     """An input in host shared memory goes to IPU 0; the output's redirection it carries
     names a tensor IPU 1 writes: IPU 0 drops it, the result still lands in the array."""
-    from host_runtime.shared_memory import SHARED_MIN_BYTES
+    from host_runtime.memory._shared import SHARED_MIN_BYTES
 
     big = chain_model(LAYERS, width=64, batch=16, seed=3)       # 4 KiB tensors
     assert 64 * 16 * 4 >= SHARED_MIN_BYTES
@@ -249,7 +249,7 @@ def test_daemon_status_groups_the_ipus_of_a_sharded_device(tmp_path, chain, daem
     import subprocess
     import sys
 
-    from ipu_emulator import daemon_protocol as wire
+    from ipu_emulator.daemon import protocol as wire
     from tests.daemon_rig import REPO
 
     path = compile_cli(str(tmp_path), chain, 2, False, 1)

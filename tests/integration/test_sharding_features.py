@@ -19,7 +19,7 @@ import pytest
 import host_runtime as model_runtime
 from host_runtime.errors import DeviceTimeoutError
 from host_runtime.poprt.compiler import compile as poprt_compile
-from host_runtime.session import Session
+from host_runtime.session._session import Session
 
 BATCH, WIDTH = 2, 16
 SHAPE = (BATCH, WIDTH)

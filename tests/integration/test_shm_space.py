@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import host_runtime as model_runtime
-import host_runtime._shm_space as shm_space
+import host_runtime.devices._shm_space as shm_space
 from host_runtime.errors import ModelRuntimeError, SharedMemoryFullError
 import shm.region
 from shm import ShmError
@@ -35,7 +35,7 @@ def test_too_small_shm_is_refused_before_creating(big_model, monkeypatch):
 def test_a_shm_failure_at_creation_is_translated(big_model, monkeypatch):
     monkeypatch.setattr(shm_space, "check_room", lambda *a, **k: None)
 
-    import host_runtime._session_streams as streams
+    import host_runtime.session._streams as streams
 
     class FullRing:
         @staticmethod

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from host_runtime._batching import TensorSpec, batch_of, copy_samples
+from host_runtime.runner._batching import TensorSpec, batch_of, copy_samples
 from host_runtime.errors import BadRequestError
 
 

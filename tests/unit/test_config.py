@@ -7,7 +7,7 @@ from datetime import timedelta
 import numpy as np
 import pytest
 
-from host_runtime.config import (BATCHING_DIM_DISABLED, NANOSECONDS_MAX, DataDesc,
+from host_runtime.runner.config import (BATCHING_DIM_DISABLED, NANOSECONDS_MAX, DataDesc,
                                  ModelRunnerConfig)
 from host_runtime.errors import BadRequestError
 from host_runtime.popef.model import DataType

@@ -1,11 +1,11 @@
-"""Large transfer copies split across two threads (host_runtime._copy)."""
+"""Large transfer copies split across two threads (host_runtime.memory._copy)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from host_runtime._copy import PARALLEL_MIN_BYTES, copy_bytes
+from host_runtime.memory._copy import PARALLEL_MIN_BYTES, copy_bytes
 from tests._helpers import finish
 
 

@@ -14,7 +14,7 @@ from datetime import timedelta
 
 import pytest
 
-from host_runtime.devices import (DeviceConstraints, DeviceManager, DeviceWaitConfig,
+from host_runtime.devices._manager import (DeviceConstraints, DeviceManager, DeviceWaitConfig,
                                   DeviceWaitStrategy)
 from host_runtime.errors import BadRequestError, DeviceUnavailableError
 from ipu_emulator.system import (IpuLocks, SystemConfig, SystemConfigError, device_groups,
@@ -265,8 +265,8 @@ def test_ipu_model_overloads(tmp_path):
 
 
 def test_public_surface_of_devices_and_session():
-    import host_runtime.devices as devices
-    import host_runtime.session as session
+    import host_runtime.devices._manager as devices
+    import host_runtime.session._session as session
 
     assert devices.__all__ == ["DeviceWaitStrategy", "DeviceWaitConfig", "DeviceConstraints",
                                "Device", "DeviceManager"]

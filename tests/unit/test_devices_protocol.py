@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ipu_emulator import protocol
-from ipu_emulator.launcher import describe_returncode
+from ipu_emulator.device.launcher import describe_returncode
 from ipu_emulator.protocol import Message, Op, ProtocolError
 
 

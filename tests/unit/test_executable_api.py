@@ -9,20 +9,20 @@ import sys
 import ipu_emulator
 import ipu_emulator.compiler
 import ipu_emulator.executable
-import ipu_emulator.interpreter
+import ipu_emulator.device.interpreter
 from ipu_emulator import _hash_tree, package_hash
 
 
 def test_all_is_pinned() -> None:
     assert ipu_emulator.__all__ == ["package_hash", "IpuEmulatorError", "ExecutableError",
                                     "CompileError", "DeviceProgramError"]
-    assert ipu_emulator.interpreter.__all__ == ["Interpreter", "StreamIO", "CallableStreamIO",
+    assert ipu_emulator.device.interpreter.__all__ == ["Interpreter", "StreamIO", "CallableStreamIO",
                                                 "ZeroCopyGroup", "ZeroCopyStreamIO"]
     assert sorted(ipu_emulator.compiler.__all__) == sorted([
         "compile_onnx", "check_interface", "ModelSpec", "CompileOptions", "CompileResult",
         "AnchorDesc", "Target",
         "TARGETS", "CompileError", "INDEX_NAME", "LOAD_PROGRAM", "MAIN_PROGRAM", "SAVE_PROGRAM"])
-    for mod in (ipu_emulator, ipu_emulator.executable, ipu_emulator.interpreter,
+    for mod in (ipu_emulator, ipu_emulator.executable, ipu_emulator.device.interpreter,
                 ipu_emulator.compiler):
         assert [n for n in mod.__all__ if not hasattr(mod, n)] == []
     assert {"Executable", "read_header", "ExecutableError", "StreamIn", "StreamOut", "Execute",

@@ -1,4 +1,4 @@
-"""The template process (ipu_emulator.forkserver) forks an IPU process only for a launch that
+"""The template process (ipu_emulator.device.forkserver) forks an IPU process only for a launch that
 agrees with it on every setting the IPU process's modules read when imported: the list it
 compares must name every environment variable read at module level in shm and ipu_emulator."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from ipu_emulator.forkserver import IMPORT_TIME_ENV, _env_key
+from ipu_emulator.device.forkserver import IMPORT_TIME_ENV, _env_key
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,8 +34,8 @@ def _module_level_env_reads(path: Path) -> set[str]:
 
 
 # read at import time by modules only hosts and daemons run (never an IPU process)
-HOST_SIDE = {"IPU_EMULATOR_START_TIMEOUT",               # ipu_emulator/launcher.py
-             "IPU_EMULATOR_DAEMON_HANDOVER_TIMEOUT"}     # ipu_emulator/_daemon_pool.py
+HOST_SIDE = {"IPU_EMULATOR_START_TIMEOUT",               # ipu_emulator/device/launcher.py
+             "IPU_EMULATOR_DAEMON_HANDOVER_TIMEOUT"}     # ipu_emulator/daemon/_pool.py
 
 
 def test_every_import_time_setting_is_compared() -> None:

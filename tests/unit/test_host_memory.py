@@ -7,8 +7,8 @@ import gc
 import numpy as np
 import pytest
 
-from host_runtime.shared_memory import empty_shared, shared_location
-from ipu_emulator._host_memory import HostMemory, HostMemoryError
+from host_runtime.memory._shared import empty_shared, shared_location
+from ipu_emulator.device._host_memory import HostMemory, HostMemoryError
 from ipu_emulator.protocol import HOST_MEMORY, host_memory_descriptor
 from shm import naming
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from host_runtime.errors import BadRequestError
-from host_runtime.memory import (ConstTensorMemoryView, InputMemoryView, OutputMemoryView,
+from host_runtime.memory._views import (ConstTensorMemoryView, InputMemoryView, OutputMemoryView,
                                  PopefPaths, TensorMemory, TensorMemoryView)
 
 

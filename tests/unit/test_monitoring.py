@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from host_runtime.errors import BadRequestError
-from host_runtime.monitoring import RequestMonitor
+from host_runtime.runner.monitoring import RequestMonitor
 
 US = 1000  # ns
 

@@ -6,7 +6,7 @@ import pytest
 
 from host_runtime import popef
 from host_runtime.errors import BadRequestError
-from host_runtime.predicates import (AnchorCallbackPolicy as ACP, AnchorWithPolicy,
+from host_runtime.session.predicates import (AnchorCallbackPolicy as ACP, AnchorWithPolicy,
                                      PopefDataUsagePolicy as PDP, ProgramsWithPolicy,
                                      predicate_factory)
 
@@ -121,7 +121,7 @@ def test_bad_arguments_name_what_was_expected():
 
 
 def test_public_surface():
-    import host_runtime.predicates as predicates
+    import host_runtime.session.predicates as predicates
 
     assert predicates.__all__ == [
         "AnchorCallbackPolicy", "PopefDataUsagePolicy", "AnchorCallbackPredicate",

@@ -14,7 +14,7 @@ import pytest
 from host_runtime.errors import BadRequestError, InvalidStateError
 from host_runtime.popef.model import (Anchor, DataType, ExecutableBlob, Metadata, Model,
                                       ProgramFlow, TensorInfo, TensorType)
-from host_runtime.queues import (InputData, InputQueue, InputRingBuffer, OutputQueue,
+from host_runtime.queues._queues import (InputData, InputQueue, InputRingBuffer, OutputQueue,
                                  OutputRingBuffer, QueueManager, RingMemoryPool,
                                  SpscRingBuffer, allocateQueueStorage,
                                  ring_size_multiplier_factory)

@@ -7,7 +7,7 @@ import dataclasses
 import onnx
 
 from host_runtime import popef
-from host_runtime._read_order import main_read_order
+from host_runtime.runner._read_order import main_read_order
 from tests.models import SEED_FUSION_CONFIG, seed_model0, seed_model1
 from tools.generate_simple_popef import write_simple_popef
 

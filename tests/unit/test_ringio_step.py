@@ -16,14 +16,14 @@ import numpy as np
 import pytest
 
 import host_runtime as model_runtime
-from host_runtime.shared_memory import shared_location
+from host_runtime.memory._shared import shared_location
 import shm.ring as ring_module
-from ipu_emulator._host_memory import HostMemory
-from ipu_emulator._stream_io import _Loaded, _RingIO, _Stream
+from ipu_emulator.device._host_memory import HostMemory
+from ipu_emulator.device._stream_io import _Loaded, _RingIO, _Stream
 from ipu_emulator.compiler import CompileOptions, ModelSpec, compile_onnx
 from ipu_emulator.errors import DeviceProgramError
 from ipu_emulator.executable import Executable
-from ipu_emulator.interpreter import Interpreter
+from ipu_emulator.device.interpreter import Interpreter
 from ipu_emulator.protocol import (MODE_DIRECT, MODE_EVENT, TAG_SHARED, Message, Op,
                                    host_memory_descriptor)
 from shm import Ring

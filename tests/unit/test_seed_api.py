@@ -15,7 +15,7 @@ WAIT = model_runtime.DeviceWaitStrategy
 
 # ------------------------------------------------------------------ names
 def test_output_future_memory_names_are_what_execute_async_returns():
-    from host_runtime.model_runner import OutputFuture
+    from host_runtime.runner._model_runner import OutputFuture
 
     assert model_runtime.OutputFutureMemory is OutputFuture
     assert model_runtime.OutputFutureMemoryView is OutputFuture
@@ -50,7 +50,8 @@ def test_class_level_type_names():
 
 
 def test_callback_and_predicate_types_at_the_top_level():
-    from host_runtime import popef, predicates, queues
+    from host_runtime import popef, queues
+    from host_runtime.session import predicates
 
     assert model_runtime.PopefDataUsagePredicate is predicates.PopefDataUsagePredicate
     assert model_runtime.AnchorCallbackPredicate is predicates.AnchorCallbackPredicate

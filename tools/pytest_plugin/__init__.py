@@ -153,7 +153,7 @@ def wait_timeout(config: pytest.Config) -> float:
 
 def wait_config(config: pytest.Config) -> Any:
     """``DeviceWaitConfig(WAIT_WITH_TIMEOUT, ipu_emulator_wait_timeout)`` of this run."""
-    from host_runtime.devices import DeviceWaitConfig, DeviceWaitStrategy
+    from host_runtime.devices._manager import DeviceWaitConfig, DeviceWaitStrategy
 
     return DeviceWaitConfig(DeviceWaitStrategy.WAIT_WITH_TIMEOUT,
                             timeout=timedelta(seconds=wait_timeout(config)),
@@ -215,7 +215,7 @@ def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
     needed = _needed_ipus(item)
     guard = item.stash[_GUARD] = LeakGuard()
     if needed is not None:
-        from host_runtime import config as runtime_config
+        from host_runtime.runner import config as runtime_config
 
         # ModelRunnerConfig() made during this test waits for its IPUs by default (the
         # config's default-maker, as the project's own tests patch it; the marker's tests
@@ -358,9 +358,9 @@ def model_runner(ipu_machine: IpuMachine, compile_onnx: Callable[..., str],
     """``model_runner(path_or_model, config=None, **config_fields)`` -> a ``ModelRunner``,
     closed at teardown. Unless told otherwise it waits for its IPUs
     (``ipu_emulator_wait_timeout``)."""
-    from host_runtime.config import ModelRunnerConfig
-    from host_runtime.devices import DeviceWaitConfig
-    from host_runtime.model_runner import ModelRunner
+    from host_runtime.runner.config import ModelRunnerConfig
+    from host_runtime.devices._manager import DeviceWaitConfig
+    from host_runtime.runner._model_runner import ModelRunner
 
     made: list[Any] = []
     guard = request.node.stash.get(_GUARD, None)

@@ -77,7 +77,7 @@ def _ipu_processes() -> dict[int, str]:
 
     Either ``python -m ipu_emulator ... --host-pid <this pid>`` (its label from
     ``--label``), or a child forked by this host's template process
-    (``python -m ipu_emulator.forkserver ... --host-pid <this pid>``, whose children
+    (``python -m ipu_emulator.device.forkserver ... --host-pid <this pid>``, whose children
     carry its command line); the template itself is not an IPU process.
     """
     import psutil
@@ -101,7 +101,7 @@ def _ipu_processes() -> dict[int, str]:
         if "ipu_emulator" in argv:
             found[child.pid] = (argv[argv.index("--label") + 1] if "--label" in argv[:-1]
                                 else "IPU process")
-        elif "ipu_emulator.forkserver" in argv and parent != me:
+        elif "ipu_emulator.device.forkserver" in argv and parent != me:
             found[child.pid] = f"forked by the template process {parent}"
     return found
 
@@ -122,8 +122,8 @@ class LeakGuard:
     def start(self, tag: str | None) -> None:
         """Record runners and devices made from now on (patches their constructors), and
         the IPU processes and /dev/shm objects of ``tag`` there are now."""
-        from host_runtime.devices import Device
-        from host_runtime.model_runner import ModelRunner
+        from host_runtime.devices._manager import Device
+        from host_runtime.runner._model_runner import ModelRunner
 
         self._procs_before = set(_ipu_processes())
         self._tag = tag

@@ -3,7 +3,7 @@
 The seed's lock-free ring (10.2.3) in Python: one producer thread, one
 consumer thread, a condition variable for the blocking calls. Blocking calls
 return early once the ring is invalidated, so always check ``isValid()``
-after ``writeLock()``/``readLock()``. Re-exported by ``host_runtime.queues``.
+after ``writeLock()``/``readLock()``. Re-exported by ``host_runtime.queues._queues``.
 """
 
 from __future__ import annotations

@@ -42,10 +42,10 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from shm import Region, Ring
 
-from host_runtime._device_link import DeviceLink, StreamServicer, wait
+from host_runtime.devices._link import DeviceLink, StreamServicer, wait
 from host_runtime.errors import BadRequestError, DeviceLostError, InvalidStateError, PopefError
 from ipu_emulator import protocol
-from ipu_emulator.launcher import IpuConnection, describe_returncode
+from ipu_emulator.device.launcher import IpuConnection, describe_returncode
 from ipu_emulator.protocol import MODE_DIRECT, Op
 
 if TYPE_CHECKING:  # pragma: no cover

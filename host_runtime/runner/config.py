@@ -64,7 +64,7 @@ def to_nanoseconds(value: int | float | timedelta, field: str) -> int:
 
 def _default_wait_config() -> Any:
     try:
-        from host_runtime.devices import DeviceWaitConfig
+        from host_runtime.devices._manager import DeviceWaitConfig
     except ImportError:  # the device manager is not importable: keep the C++ default meaning
         return None
     return DeviceWaitConfig()
@@ -115,7 +115,7 @@ class ModelRunnerConfig:
     flush_callback: FlushCallback | None
 
     def __init__(self, **options: Any) -> None:
-        from host_runtime.memory import InputMemoryView
+        from host_runtime.memory._views import InputMemoryView
         self.replication_factor = 1
         self.run_save_programs = False
         self.thread_safe = False

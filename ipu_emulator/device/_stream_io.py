@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from shm import Region, Ring, RingInvalidatedError, RingTimeoutError, ring_step
 
-from ipu_emulator._host_memory import HostMemoryError
+from ipu_emulator.device._host_memory import HostMemoryError
 from ipu_emulator.protocol import (ErrorKind, Message, Op, MODE_DIRECT, MODE_DIRECT_NOTIFY,
                                    MODE_EVENT, MODE_NULL, TAG_ABORT, TAG_SHARED)
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ipu_emulator.process import DeviceProcess
+    from ipu_emulator.device.process import DeviceProcess
 
 __all__ = ["_Loaded", "_RequestError", "_RingIO", "_Stream"]
 

@@ -1,9 +1,9 @@
 """``ipu-emulator daemon``: a pool of warm emulated IPUs served to host processes.
 
 The daemon starts one IPU process per IPU of its pool (``--pool`` mode, see
-:mod:`ipu_emulator.process`) and keeps them running. Hosts connect to its
+:mod:`ipu_emulator.device.process`) and keeps them running. Hosts connect to its
 unix socket (mode 0600, default ``$IPU_EMULATOR_HOME/daemon.sock``) and speak
-:mod:`ipu_emulator.daemon_protocol`:
+:mod:`ipu_emulator.daemon.protocol`:
 
 - ``attach`` takes a set of IPUs exclusively (all or none) for the connection
   and answers with each IPU's process pid and ring names; a busy IPU is
@@ -34,16 +34,16 @@ from typing import Any
 
 from shm import pid_alive
 
-from ipu_emulator import daemon_protocol as wire
-from ipu_emulator._daemon_metrics import DaemonMetrics
-from ipu_emulator._daemon_pool import PoolError, PooledIpu, remove_objects_of
-from ipu_emulator.launcher import IpuSpec
+from ipu_emulator.daemon import protocol as wire
+from ipu_emulator.daemon._metrics import DaemonMetrics
+from ipu_emulator.daemon._pool import PoolError, PooledIpu, remove_objects_of
+from ipu_emulator.device.launcher import IpuSpec
 from ipu_emulator.system import SystemConfig
 from ipu_emulator.errors import DaemonError
 
 __all__ = ["Daemon", "DaemonError"]
 
-_log = logging.getLogger("ipu_emulator.daemon")
+_log = logging.getLogger("ipu_emulator.daemon.server")
 
 _MONITOR = 0.2     # seconds between checks of holders and IPU processes
 _RETRY = 5.0       # seconds between restarts of an IPU process that failed to start

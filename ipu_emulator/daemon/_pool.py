@@ -29,13 +29,13 @@ from shm import RingTimeoutError, ShmError
 from shm.cleanup import list_objects
 
 from ipu_emulator import protocol
-from ipu_emulator.launcher import IpuProcess, IpuSpec, launch_ipu
+from ipu_emulator.device.launcher import IpuProcess, IpuSpec, launch_ipu
 from ipu_emulator.protocol import Message, Op
 from ipu_emulator.errors import PoolError
 
 __all__ = ["PooledIpu", "PoolError", "remove_objects_of"]
 
-_log = logging.getLogger("ipu_emulator.daemon")
+_log = logging.getLogger("ipu_emulator.daemon.server")
 
 HANDOVER_TIMEOUT = float(os.environ.get("IPU_EMULATOR_DAEMON_HANDOVER_TIMEOUT", "30"))
 """Seconds a HOST round trip may take (a program the previous host left must notice);
@@ -54,7 +54,7 @@ class PooledIpu:
         self.state = "starting"     # starting, free, attaching, held, resetting, dead, failed
         self.holder: int | None = None
         self.hosts_served = 0
-        # for /metrics (ipu_emulator._daemon_metrics)
+        # for /metrics (ipu_emulator.daemon._metrics)
         self.starts = 0          # processes started
         self.resets = 0          # take_back()s that succeeded
         self.held_seconds = 0.0  # time held by hosts, past holds

@@ -5,7 +5,7 @@ registry of the daemon's own (never the default one). The pool's state is
 read at scrape time from the daemon's objects (plain attribute reads; the
 event loop owns every change); events are counted by small hooks in the
 daemon's event loop (:class:`DaemonMetrics` methods) and in
-:class:`~ipu_emulator._daemon_pool.PooledIpu` (starts, resets, held time)::
+:class:`~ipu_emulator.daemon._pool.PooledIpu` (starts, resets, held time)::
 
     ipu_emulator_daemon_ipus                        IPUs in the pool
     ipu_emulator_daemon_ipus_by_state{state}        free, attaching, held, resetting, ...
@@ -52,8 +52,8 @@ from prometheus_client.registry import Collector
 from ipu_emulator.errors import MetricsServeError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ipu_emulator._daemon_pool import PooledIpu
-    from ipu_emulator.daemon import Daemon
+    from ipu_emulator.daemon._pool import PooledIpu
+    from ipu_emulator.daemon.server import Daemon
 
 __all__ = ["DaemonMetrics", "PREFIX", "MetricsServer", "MetricsServeError"]
 

@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 
-from host_runtime._spsc import SpscRingBuffer
+from host_runtime.queues._spsc import SpscRingBuffer
 from host_runtime.errors import BadRequestError
 from host_runtime.popef.model import Anchor, Model, TensorInfo, TensorType
 

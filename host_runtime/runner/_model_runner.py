@@ -31,21 +31,21 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional
 import numpy as np
 
 from host_runtime import popef
-from host_runtime._batching import TensorSpec
+from host_runtime.runner._batching import TensorSpec
 from host_runtime._lifetime import close_owned, weak_method
-from host_runtime._read_order import main_read_order
-from host_runtime._replica import Replica, ReplicaSetup
-from host_runtime._requests import OutputFuture, Request, raisable
-from host_runtime.config import DataDesc, ModelRunnerConfig
+from host_runtime.runner._read_order import main_read_order
+from host_runtime.runner._replica import Replica, ReplicaSetup
+from host_runtime.runner._requests import OutputFuture, Request, raisable
+from host_runtime.runner.config import DataDesc, ModelRunnerConfig
 from host_runtime.errors import BadRequestError, InvalidStateError
-from host_runtime.memory import (InputMemoryView, OutputMemory, OutputMemoryView, PopefPaths,
+from host_runtime.memory._views import (InputMemoryView, OutputMemory, OutputMemoryView, PopefPaths,
                                  TensorMemory, TensorMemoryView, as_readable_array,
                                  as_writable_array)
-from host_runtime.monitoring import RequestMonitor
+from host_runtime.runner.monitoring import RequestMonitor
 from host_runtime.popef._check import check_model
 
 if TYPE_CHECKING:  # pragma: no cover
-    from host_runtime.metrics import ModelRunnerCollector
+    from host_runtime.runner.metrics import ModelRunnerCollector
 
 __all__ = ["ModelRunner", "OutputFuture"]
 
@@ -65,7 +65,7 @@ def _close_live_runners() -> None:
 
 
 def _register_exit_hook() -> None:
-    # atexit runs hooks last-registered-first: registering after host_runtime.devices
+    # atexit runs hooks last-registered-first: registering after host_runtime.devices._manager
     # was imported (by the first session) makes this one run before the devices' hook.
     global _atexit_registered
     if not _atexit_registered:
@@ -282,7 +282,7 @@ class ModelRunner:
         could deadlock with another runner doing the same. Each replica's session then
         adopts its device (and releases it on close); a replica restarted by auto_reset
         attaches a fresh device on its own."""
-        from host_runtime.devices import DeviceManager, DeviceWaitConfig
+        from host_runtime.devices._manager import DeviceManager, DeviceWaitConfig
 
         cfg = self._config
         need = [r for r in range(cfg.replication_factor)
@@ -294,9 +294,9 @@ class ModelRunner:
         self._attached = dict(zip(need, devices))
 
     def _open_session(self, rid: int) -> Any:
-        from host_runtime.devices import DeviceWaitConfig
-        from host_runtime.predicates import PopefDataUsagePolicy
-        from host_runtime.session import LaunchPolicy, Session, SessionConfig
+        from host_runtime.devices._manager import DeviceWaitConfig
+        from host_runtime.session.predicates import PopefDataUsagePolicy
+        from host_runtime.session._session import LaunchPolicy, Session, SessionConfig
 
         cfg = self._config
         frozen_load = self._frozen_load
@@ -349,7 +349,7 @@ class ModelRunner:
         The session caps Main rings at ``max_look_ahead + 1`` when that is a number (no
         more transfers prepared ahead than that option allows) and every ring at 1024 slots
         and 64 MiB (at least one slot)."""
-        from host_runtime.queues import ring_size_multiplier_factory
+        from host_runtime.queues._queues import ring_size_multiplier_factory
 
         main = self._config.ring_buffer_size_multiplier
         return ring_size_multiplier_factory.ringSizeMultForMainProgs(self._model, main, 2)
@@ -689,11 +689,11 @@ class ModelRunner:
         return self._monitor(replica_id).total_count(info)
 
     def metrics_collector(self, register_default: bool = False) -> "ModelRunnerCollector":
-        """These statistics as a ``prometheus_client`` collector (see host_runtime.metrics):
+        """These statistics as a ``prometheus_client`` collector (see host_runtime.runner.metrics):
         register it in your registry (``.add(other_runner)`` puts more runners in it), or
         ``register_default=True`` adds this runner to the collector registered in
         ``prometheus_client.REGISTRY``. Holds the runner weakly."""
-        from host_runtime.metrics import collector_for
+        from host_runtime.runner.metrics import collector_for
         return collector_for(self, register_default)
 
     # ------------------------------------------------------------------ lifetime

@@ -31,7 +31,7 @@ from host_runtime.errors import (BadRequestError, DeviceExecutionError, DeviceLo
                                  InvalidStateError, ModelRuntimeError, PackageHashMismatchError,
                                  PopefError, RemoteTraceback)
 from ipu_emulator import protocol
-from ipu_emulator.launcher import IpuConnection, IpuProcessError, describe_returncode
+from ipu_emulator.device.launcher import IpuConnection, IpuProcessError, describe_returncode
 from ipu_emulator.protocol import ErrorKind, Message, Op
 
 __all__ = ["DeviceLink", "StreamServicer", "error_from_body"]

@@ -27,16 +27,16 @@ from typing import Any, Callable, Sequence
 from shm import Ring, ShmError
 
 from host_runtime import popef
-from host_runtime._shm_space import check_room, ring_bytes, translated
+from host_runtime.devices._shm_space import check_room, ring_bytes, translated
 from host_runtime.errors import BadRequestError, InvalidStateError, PopefError
-from host_runtime.predicates import (AnchorCallbackPolicy, AnchorCallbackPredicate,
+from host_runtime.session.predicates import (AnchorCallbackPolicy, AnchorCallbackPredicate,
                                      PopefDataUsagePolicy, PopefDataUsagePredicate)
 from ipu_emulator.protocol import (MODE_DIRECT, MODE_DIRECT_NOTIFY, MODE_EVENT, MODE_NULL,
                                    TAG_ABORT)
 
 __all__ = ["StreamTable", "EMPTY", "Callback"]
 
-_log = logging.getLogger("host_runtime.session")
+_log = logging.getLogger("host_runtime.session._session")
 
 Callback = Callable[[memoryview], None]
 

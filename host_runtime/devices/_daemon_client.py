@@ -31,8 +31,8 @@ from typing import Any
 from shm import Ring, pid_alive
 
 from host_runtime.errors import DeviceUnavailableError
-from ipu_emulator import daemon_protocol as wire
-from ipu_emulator.launcher import IpuSpec, describe_returncode, read_log_tail
+from ipu_emulator.daemon import protocol as wire
+from ipu_emulator.device.launcher import IpuSpec, describe_returncode, read_log_tail
 from ipu_emulator.system import SystemConfig
 
 __all__ = ["DaemonClient", "DaemonAttachment", "DaemonIpu", "daemon_from_env"]

@@ -7,7 +7,7 @@ device posts no event for them (except NEED, to an observer, when asked).
 ``stop()`` (or ``_stop_main_loop()``), so a request touches only the user's
 thread and the IPU process.
 
-``FastPath`` is a mixin of :class:`host_runtime.session.Session`; it uses the
+``FastPath`` is a mixin of :class:`host_runtime.session._session.Session`; it uses the
 session's binding and running internals declared below.
 """
 
@@ -22,14 +22,14 @@ from shm import (PeerDiedError, Ring, RingInvalidatedError, RingTimeoutError, Sh
                  ShmError)
 
 from host_runtime import popef
-from host_runtime._device_link import wait
+from host_runtime.devices._link import wait
 from host_runtime.errors import (BadRequestError, DeviceExecutionError, DeviceLostError,
                                  DeviceTimeoutError, InvalidStateError, ModelRuntimeError)
 from ipu_emulator.protocol import Op
 
 if TYPE_CHECKING:
-    from host_runtime._session_streams import StreamTable
-    from host_runtime.devices import Device
+    from host_runtime.session._streams import StreamTable
+    from host_runtime.devices._manager import Device
 
 __all__ = ["FastPath"]
 

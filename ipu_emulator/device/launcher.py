@@ -3,7 +3,7 @@
 ``launch_ipu(spec)`` creates the process's control ring (host produces) and
 event ring (host consumes), starts the IPU process and returns an
 :class:`IpuProcess` handle. The process is forked by this host's template
-process (:mod:`ipu_emulator.forkserver`: pre-started, numpy and onnxruntime
+process (:mod:`ipu_emulator.device.forkserver`: pre-started, numpy and onnxruntime
 already imported), or, with ``IPU_EMULATOR_FORKSERVER=0``, started as a fresh
 ``python -m ipu_emulator`` with ``subprocess``; the host itself never forks
 (it is threaded). The host talks to the device only through the two
@@ -34,7 +34,8 @@ from typing import Any, Protocol
 
 from shm import Ring, RingTimeoutError, naming
 
-from ipu_emulator import forkserver, protocol
+from ipu_emulator import protocol
+from ipu_emulator.device import forkserver
 from ipu_emulator.protocol import Message, Op
 from ipu_emulator.errors import IpuProcessError
 

@@ -50,15 +50,15 @@ from shm import (PeerDiedError, Region, Ring, RingInvalidatedError, RingTimeoutE
 from shm.cleanup import list_objects
 
 from ipu_emulator import package_hash, protocol
-from ipu_emulator._host_memory import HostMemory
-from ipu_emulator._placement import KeepApart
-from ipu_emulator._stream_io import _Loaded, _RequestError, _RingIO, _Stream
+from ipu_emulator.device._host_memory import HostMemory
+from ipu_emulator.device._placement import KeepApart
+from ipu_emulator.device._stream_io import _Loaded, _RequestError, _RingIO, _Stream
 from ipu_emulator.errors import ExecutableError
 from ipu_emulator.protocol import ErrorKind, Message, Op, error_body
 
 __all__ = ["DeviceOptions", "DeviceProcess"]
 
-_log = logging.getLogger("ipu_emulator.process")
+_log = logging.getLogger("ipu_emulator.device.process")
 _monotonic = time.monotonic
 
 _SLICE = 0.1      # seconds between STOP checks while a program waits on a stream
@@ -676,7 +676,7 @@ def _unwrap(exc: BaseException) -> BaseException:
 
 
 def _import_interpreter() -> Any:
-    from ipu_emulator.interpreter import Interpreter
+    from ipu_emulator.device.interpreter import Interpreter
     return Interpreter
 
 

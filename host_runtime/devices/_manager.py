@@ -10,7 +10,7 @@ Daemon mode: when ``IPU_EMULATOR_DAEMON`` names the socket of an
 ``ipu-emulator daemon`` (or ``DeviceManager(daemon=path)``), the machine is
 the daemon's pool, attaching asks the daemon (its attach is the exclusive
 one, not the lock files) and the device gets the daemon's warm IPU processes
-(:mod:`host_runtime._daemon_client`); closing it hands them back.
+(:mod:`host_runtime.devices._daemon_client`); closing it hands them back.
 
 IPU model devices (``createIpuModelDevice``, ``createSmallIpuModelDevice``)
 are private to the caller: they take no machine lock; the small one has 4
@@ -29,19 +29,19 @@ import weakref
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable
 
-from host_runtime._daemon_client import DaemonAttachment, DaemonClient, daemon_from_env
+from host_runtime.devices._daemon_client import DaemonAttachment, DaemonClient, daemon_from_env
 from host_runtime._lifetime import close_owned
-from host_runtime._shm_space import translated
+from host_runtime.devices._shm_space import translated
 from host_runtime.errors import BadRequestError, DeviceUnavailableError, InvalidStateError
 from host_runtime.popef.model import Model
-from ipu_emulator.launcher import IpuConnection, IpuSpec, launch_ipu
+from ipu_emulator.device.launcher import IpuConnection, IpuSpec, launch_ipu
 from ipu_emulator.system import (IpuLocks, SystemConfig, SystemConfigError, device_groups,
                                  emulator_home, load_system_config)
 
 if TYPE_CHECKING:
-    from host_runtime._device_link import DeviceLink
-    from host_runtime._ipu_group import GroupLink
-    from host_runtime.session import Session
+    from host_runtime.devices._link import DeviceLink
+    from host_runtime.devices._ipu_group import GroupLink
+    from host_runtime.session._session import Session
 
 __all__ = [
     "DeviceWaitStrategy",
@@ -190,7 +190,7 @@ class Device:
     def __init__(self, *, device_id: int, ipus: tuple[int, ...], ipu_version: int,
                  tiles_per_ipu: int, memory_per_tile: int, processes: list[IpuConnection],
                  locks: IpuLocks | DaemonAttachment | None, is_ipu_model: bool = False) -> None:
-        from host_runtime._ipu_group import make_link
+        from host_runtime.devices._ipu_group import make_link
 
         self._id = device_id
         self._ipus = ipus
@@ -351,7 +351,7 @@ class Device:
 
         Seed: protected, for Session (``Session.bindToDevice`` is the public way). The
         session that was active runs its save programs first (``unbindSession``)."""
-        from host_runtime.session import Session
+        from host_runtime.session._session import Session
 
         if not isinstance(session, Session):
             raise BadRequestError(f"bindToSession expects a Session, got {session!r}")

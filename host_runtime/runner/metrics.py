@@ -7,7 +7,7 @@ registered in ``prometheus_client.REGISTRY`` (served by
 ``prometheus_client.start_http_server``). A registry takes one collector of
 these metrics: for several runners add them to one
 (``registry.register(r1.metrics_collector().add(r2))``) or use the default one. Nothing is computed on the request
-path: a scrape reads the runner's :class:`~host_runtime.monitoring.RequestMonitor`
+path: a scrape reads the runner's :class:`~host_runtime.runner.monitoring.RequestMonitor`
 statistics (the ones ``getMonitoringStatistics*`` report). Runners are held
 weakly: a runner the application dropped disappears from the scrape.
 
@@ -41,10 +41,10 @@ from prometheus_client import REGISTRY
 from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from host_runtime.monitoring import PHASES, RequestMonitor
+from host_runtime.runner.monitoring import PHASES, RequestMonitor
 
 if TYPE_CHECKING:  # pragma: no cover
-    from host_runtime.model_runner import ModelRunner
+    from host_runtime.runner._model_runner import ModelRunner
 
 __all__ = ["ModelRunnerCollector", "collector_for", "default_collector", "QUANTILES", "PREFIX"]
 

@@ -27,15 +27,15 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from shm import ShmError
 
-from host_runtime._requests import Request
+from host_runtime.runner._requests import Request
 from host_runtime.errors import DeviceTimeoutError, ModelRuntimeError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from host_runtime._replica import ReplicaSetup, Transfer
+    from host_runtime.runner._replica import ReplicaSetup, Transfer
 
 __all__ = ["Phantom", "PidWatch", "ReplicaTimers"]
 
-_log = logging.getLogger("host_runtime._replica")
+_log = logging.getLogger("host_runtime.runner._replica")
 
 
 @dataclass
@@ -155,7 +155,7 @@ class ReplicaTimers:
         them (the C++ callback points its ``inputs``/``outputs`` at the data to flush with)
         or return ``(inputs, outputs)``. Nothing given: the partial batch is padded with
         zeros, a request missing inputs times out."""
-        from host_runtime.memory import InputMemoryView, OutputMemoryView
+        from host_runtime.memory._views import InputMemoryView, OutputMemoryView
 
         cb = self.setup.flush_callback
         if cb is None:

@@ -22,10 +22,10 @@ Two sessions may share a device: binding the other one runs this one's save
 programs, and this one's load programs run again before its next Main.
 
 The fast path for ``QueueManager`` / ``ModelRunner`` (docs/CONTRACTS.md
-section 5) is the ``_``-prefixed methods of :mod:`host_runtime._session_fastpath`:
+section 5) is the ``_``-prefixed methods of :mod:`host_runtime.session._fastpath`:
 the caller claims anchors as *direct* and reads/writes their rings itself, and
 ``_start_main_loop`` keeps Main running on the device until ``stop()``. The
-per-anchor callbacks, rings and servicing live in :mod:`host_runtime._session_streams`.
+per-anchor callbacks, rings and servicing live in :mod:`host_runtime.session._streams`.
 """
 
 from __future__ import annotations
@@ -41,16 +41,16 @@ from typing import Any, Callable, Sequence
 from shm import Region
 
 from host_runtime import popef
-from host_runtime._device_link import wait
-from host_runtime._shm_space import translated
+from host_runtime.devices._link import wait
+from host_runtime.devices._shm_space import translated
 from host_runtime.popef._check import check_model
-from host_runtime._session_fastpath import FastPath
-from host_runtime._session_streams import StreamTable
-from host_runtime.devices import Device, DeviceManager, DeviceWaitConfig
+from host_runtime.session._fastpath import FastPath
+from host_runtime.session._streams import StreamTable
+from host_runtime.devices._manager import Device, DeviceManager, DeviceWaitConfig
 from host_runtime.errors import (BadRequestError, DeviceExecutionError, DeviceLostError,
                                  DeviceTimeoutError, InvalidStateError, ModelRuntimeError,
                                  PopefError)
-from host_runtime.predicates import AnchorCallbackPredicate, PopefDataUsagePredicate
+from host_runtime.session.predicates import AnchorCallbackPredicate, PopefDataUsagePredicate
 from ipu_emulator import protocol
 from ipu_emulator.executable import ExecutableError, read_header
 from ipu_emulator.protocol import Op
@@ -96,7 +96,7 @@ class SessionConfig:
     max_look_ahead: str = "unlimited"
     ring_depth: Callable[[popef.Anchor], int] | None = None
     """Internal (ModelRunner, QueueManager users): slots of each anchor's stream ring, e.g. a
-    ``host_runtime.queues.ring_size_multiplier_factory`` function. Main anchors are still
+    ``host_runtime.queues._queues.ring_size_multiplier_factory`` function. Main anchors are still
     capped at ``max_look_ahead + 1`` when that is a number; every ring at 64 MiB and 1024
     slots. None: 8 slots for Main anchors ("unlimited") or ``max_look_ahead + 1``, 2 for
     load/save-only anchors."""
@@ -175,7 +175,7 @@ class Session(FastPath):
         self._owns_device = False
         self._spec_region: Region | None = None
         self._memory_region: Region | None = None
-        self._sharded: Any = None        # host_runtime._ipu_group.ShardedLoad (multi-IPU)
+        self._sharded: Any = None        # host_runtime.devices._ipu_group.ShardedLoad (multi-IPU)
         self._loaded = False             # our executable is loaded and we are the active session
         self._need_load_programs = True
         self._load_ran = False
@@ -295,7 +295,7 @@ class Session(FastPath):
         """Create a QueueManager for this session (arguments as QueueManager's, after the
         session). The session owns it: stop() disconnects its queues."""
         self._check_open()
-        from host_runtime.queues import QueueManager
+        from host_runtime.queues._queues import QueueManager
 
         qm = QueueManager(self, *args, **kwargs)
         self._queue_managers.append(qm)
@@ -590,8 +590,8 @@ class Session(FastPath):
         self._load_ran = False
 
     def _load_sharded(self, dev: Device, modes: list[int], fresh: bool) -> bool:
-        """A multi-IPU executable: each IPU of the device gets its part (host_runtime._ipu_group)."""
-        from host_runtime._ipu_group import ShardedLoad
+        """A multi-IPU executable: each IPU of the device gets its part (host_runtime.devices._ipu_group)."""
+        from host_runtime.devices._ipu_group import ShardedLoad
 
         if self._sharded is None:
             self._sharded = ShardedLoad.of(self._exe, self._key)

@@ -45,14 +45,14 @@ import numpy as np
 from shm import (PeerDiedError, Ring, RingInvalidatedError, RingTimeoutError, ShmError,
                  WouldBlock)
 
-from host_runtime._batching import TensorSpec
-from host_runtime._copy import copy_bytes
-from host_runtime._replica_timers import Phantom, PidWatch, ReplicaTimers
-from host_runtime._requests import Request, raisable
+from host_runtime.runner._batching import TensorSpec
+from host_runtime.memory._copy import copy_bytes
+from host_runtime.runner._replica_timers import Phantom, PidWatch, ReplicaTimers
+from host_runtime.runner._requests import Request, raisable
 from host_runtime.errors import DeviceLostError, InvalidStateError, ModelRuntimeError
-from host_runtime.monitoring import RequestMonitor
-from host_runtime.session import _STOP_TIMEOUT, DROP_STOP_TIMEOUT
-from host_runtime.shared_memory import SHARED_MIN_BYTES, shared_location
+from host_runtime.runner.monitoring import RequestMonitor
+from host_runtime.session._session import _STOP_TIMEOUT, DROP_STOP_TIMEOUT
+from host_runtime.memory._shared import SHARED_MIN_BYTES, shared_location
 from ipu_emulator.protocol import TAG_SHARED, host_memory_descriptor
 
 __all__ = ["Replica", "Transfer", "ReplicaSetup"]
@@ -67,7 +67,7 @@ _YIELDED_NS = int(float(os.environ.get("IPU_EMULATOR_YIELDED_US", "5")) * 1000) 
 _ONE_CPU = len(os.sched_getaffinity(0)) < 2
 _native_id = threading.get_native_id
 """On one CPU a poll that finds the CPU shared blocks instead. On several the IPU
-process moves off the host's CPU (ipu_emulator._placement), and blocking would only
+process moves off the host's CPU (ipu_emulator.device._placement), and blocking would only
 let the wake-up put the host back beside it."""
 _U8 = np.dtype(np.uint8)
 
@@ -316,7 +316,7 @@ class Replica(ReplicaTimers):
                 tid = _native_id()
                 if tid != self._hint_tid:
                     # The IPU process keeps off the CPU of the thread that submits (and,
-                    # most often, waits): ipu_emulator._placement reads it from the rings.
+                    # most often, waits): ipu_emulator.device._placement reads it from the rings.
                     for ring in self._in_rings.values():
                         ring.set_user_word(tid)
                     self._hint_tid = tid
@@ -612,7 +612,7 @@ class Replica(ReplicaTimers):
         the IPU process's CPU (an idle vCPU does not look idle to the guest), where
         the two then take turns (33-35 us per [1,4] request instead of 17-18 us).
         With a 30 us budget that happened in 1 block of 10 even with the IPU process
-        moving off the host's CPU (ipu_emulator._placement); with 100 us, in none of 30.
+        moving off the host's CPU (ipu_emulator.device._placement); with 100 us, in none of 30.
         """
         if self._wait_est_ns > 3 * _SPIN_NS:
             return

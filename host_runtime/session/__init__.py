@@ -1,0 +1,8 @@
+"""Session: one model bound to one device; its anchors, callbacks, predicates and the programs it runs."""
+
+from __future__ import annotations
+
+from host_runtime.session._session import CallbackFactory, CallbackHandle, CallbackInfo, LaunchPolicy, Session, SessionConfig
+from host_runtime.session.predicates import AnchorCallbackPolicy, AnchorCallbackPredicate, AnchorWithPolicy, PopefDataUsagePolicy, PopefDataUsagePredicate, ProgramsWithPolicy, null_anchor_callback_predicate, null_popef_data_usage_predicate, predicate_factory
+
+__all__ = ["CallbackFactory", "CallbackHandle", "CallbackInfo", "LaunchPolicy", "Session", "SessionConfig", "AnchorCallbackPolicy", "AnchorCallbackPredicate", "AnchorWithPolicy", "PopefDataUsagePolicy", "PopefDataUsagePredicate", "ProgramsWithPolicy", "null_anchor_callback_predicate", "null_popef_data_usage_predicate", "predicate_factory"]
