@@ -50,27 +50,44 @@ class RequestMonitor:
             raise BadRequestError(
                 f"request_tracepoints_buffer_size must be >= 0, got {buffer_size}")
         maxlen: Optional[int] = int(buffer_size) or None
-        self._traces: deque[tuple[float, float, float, float]] = deque(maxlen=maxlen)
+        # (received, prepared, started, completed) in ns: phases are worked out when read
+        self._traces: deque[tuple[int, int, int, int]] = deque(maxlen=maxlen)
         self._count = 0
-        self._sums = [0.0, 0.0, 0.0, 0.0]   # us, per phase, over every request
+        # sums of each instant over every request (ns): phase sums are their differences
+        self._sum_received = self._sum_prepared = self._sum_started = self._sum_completed = 0
         self._errors: dict[str, int] = {}   # failed requests by error class
         self._last_completed = 0
         self._lock = threading.Lock()
 
     def record(self, received_ns: int, prepared_ns: int, completed_ns: int) -> None:
-        """Record one finished request; its start is inferred (see module docstring)."""
+        """Record one finished request; its start is inferred (see module docstring).
+
+        On every request's path (~0.5 us): the instants are stored as they are and the
+        phases worked out when read."""
         with self._lock:
-            started = max(prepared_ns, min(self._last_completed, completed_ns))
-            self._last_completed = max(self._last_completed, completed_ns)
-            trace = ((completed_ns - received_ns) / 1e3, (prepared_ns - received_ns) / 1e3,
-                     (started - prepared_ns) / 1e3, (completed_ns - started) / 1e3)
-            self._traces.append(trace)
-            sums = self._sums
-            sums[0] += trace[0]
-            sums[1] += trace[1]
-            sums[2] += trace[2]
-            sums[3] += trace[3]
+            last = self._last_completed
+            # started = max(prepared, min(last completion, completed))
+            if last <= prepared_ns:
+                started = prepared_ns
+            else:
+                started = last if last < completed_ns else completed_ns
+                if started < prepared_ns:
+                    started = prepared_ns
+            if completed_ns > last:
+                self._last_completed = completed_ns
+            self._traces.append((received_ns, prepared_ns, started, completed_ns))
+            self._sum_received += received_ns
+            self._sum_prepared += prepared_ns
+            self._sum_started += started
+            self._sum_completed += completed_ns
             self._count += 1
+
+    @staticmethod
+    def _phases(trace: tuple[int, int, int, int]) -> tuple[float, float, float, float]:
+        """(request, read preparation, read queue, computation) in us of a stored trace."""
+        received, prepared, started, completed = trace
+        return ((completed - received) / 1e3, (prepared - received) / 1e3,
+                (started - prepared) / 1e3, (completed - started) / 1e3)
 
     def record_error(self, error: BaseException) -> None:
         """Count one failed request by the class of its error."""
@@ -91,7 +108,9 @@ class RequestMonitor:
         """Counts and sums over every request, errors by class, and the ``quantiles``
         of each phase over the buffered traces (all durations in microseconds)."""
         with self._lock:
-            count, sums, errors = self._count, tuple(self._sums), dict(self._errors)
+            count, errors = self._count, dict(self._errors)
+            sums = self._phases((self._sum_received, self._sum_prepared, self._sum_started,
+                                 self._sum_completed))
         m = self._matrix()
         qs = np.quantile(m, quantiles, axis=0) if len(m) and quantiles else None
         per_phase = {phase: [(q, float(qs[k][i]) if qs is not None else 0.0)
@@ -113,7 +132,7 @@ class RequestMonitor:
                 trace: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)
             else:
                 try:
-                    trace = self._traces[cur]
+                    trace = self._phases(self._traces[cur])
                 except IndexError:
                     raise BadRequestError(
                         f"getTimeTrace: cur={cur} is out of range; the buffer holds "
@@ -126,7 +145,15 @@ class RequestMonitor:
         with self._lock:
             if not self._traces:
                 return np.zeros((0, 4))
-            return np.array(self._traces, dtype=np.float64)
+            t = np.array(self._traces, dtype=np.int64)
+        # the phases of _phases, column by column
+        m = np.empty(t.shape, np.float64)
+        m[:, 0] = t[:, 3] - t[:, 0]
+        m[:, 1] = t[:, 1] - t[:, 0]
+        m[:, 2] = t[:, 2] - t[:, 1]
+        m[:, 3] = t[:, 3] - t[:, 2]
+        m /= 1e3
+        return m
 
     def percentile(self, info: dict, quantile: float = 0.9) -> dict:  # type: ignore[type-arg]
         q = float(quantile)
