@@ -142,6 +142,8 @@ class Replica(ReplicaTimers):
                               for n, a in setup.frozen_main.items()}
         self._in_plan: list[tuple[str, TensorSpec, Ring, memoryview | None]] = []
         self._hint_tid = 0             # the thread id last written into the input rings
+        # an output large enough for host shared memory (see _redirects)
+        self._may_redirect = any(s.nbytes >= SHARED_MIN_BYTES for s in setup.outputs.values())
         self._open()
 
     # ------------------------------------------------------------------ lifecycle
@@ -383,7 +385,8 @@ class Replica(ReplicaTimers):
         req.remaining += transfers
         inputs = req.inputs
         # outputs in host shared memory: the IPU writes them there (sent with a shared input)
-        redirects = self._redirects(req, outputs[0]) if transfers == 1 else []
+        redirects = (self._redirects(req, outputs[0]) if transfers == 1 and self._may_redirect
+                     else [])
         for t in range(transfers):
             tr = Transfer([(req, t, 1, 0)], outputs[t])
             # Last-read first: the device wakes once, on the first stream Main reads.
@@ -392,6 +395,15 @@ class Replica(ReplicaTimers):
                 if src is None and fb is None:
                     continue      # validate_io_params off: the device will not read it
                 nbytes = spec.nbytes
+                if (transfers == 1 and 0 < nbytes < SHARED_MIN_BYTES and src is not None
+                        and src.flags.c_contiguous):
+                    # small whole transfer: acquire, copy and publish in one call of the
+                    # ring's C core; a full ring takes the path below (it drains)
+                    try:
+                        ring.write(src, 0, 0.0)
+                        continue
+                    except RingTimeoutError:
+                        pass
                 try:
                     view = ring.try_acquire_write()
                 except WouldBlock:
