@@ -69,6 +69,9 @@ _native_id = threading.get_native_id
 """On one CPU a poll that finds the CPU shared blocks instead. On several the IPU
 process moves off the host's CPU (ipu_emulator.device._placement), and blocking would only
 let the wake-up put the host back beside it."""
+_thread_ids = threading.local()
+"""``.native_id``: ``_native_id()`` of this thread (a system call), kept per thread."""
+os.register_at_fork(after_in_child=lambda: _thread_ids.__dict__.clear())   # its own thread
 _U8 = np.dtype(np.uint8)
 
 
@@ -142,6 +145,7 @@ class Replica(ReplicaTimers):
                               for n, a in setup.frozen_main.items()}
         self._in_plan: list[tuple[str, TensorSpec, Ring, memoryview | None]] = []
         self._hint_tid = 0             # the thread id last written into the input rings
+        self._alive_poll: Callable[[int], list[tuple[int, int]]] | None = None
         # an output large enough for host shared memory (see _redirects)
         self._may_redirect = any(s.nbytes >= SHARED_MIN_BYTES for s in setup.outputs.values())
         self._open()
@@ -166,6 +170,8 @@ class Replica(ReplicaTimers):
                          for name, spec in self._publish_order]
         dev = s.device()
         self._pids.watch(dev.pids() if dev is not None else [])
+        # submit's check that every IPU process lives (see _check_device); None: call it
+        self._alive_poll = self._pids._poll.poll if self._pids.active else None
         # The device's service thread holds the loop future: refer back weakly, so that a
         # runner nobody references can be collected (and its __del__ release the IPUs).
         ref = weakref.ref(self)
@@ -313,9 +319,14 @@ class Replica(ReplicaTimers):
     def submit(self, req: Request, transfers: int, phantom: str | None = None) -> None:
         """Send ``req`` to the device (or park it as a phantom that will time out)."""
         with self._submit_lock:
-            self._ensure_usable()
+            alive = self._alive_poll   # the pidfd poll of _check_device, inline (~0.3 us)
+            if self._closed or self._error is not None or alive is None or alive(0):
+                self._ensure_usable()
             try:
-                tid = _native_id()
+                try:
+                    tid = _thread_ids.native_id   # a system call: once per thread
+                except AttributeError:
+                    tid = _thread_ids.native_id = _native_id()
                 if tid != self._hint_tid:
                     # The IPU process keeps off the CPU of the thread that submits (and,
                     # most often, waits): ipu_emulator.device._placement reads it from the rings.
