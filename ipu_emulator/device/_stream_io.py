@@ -174,9 +174,7 @@ class _RingIO:
         # (the Python path posts it before it waits).
         inputs_there = None
         if ins and all(by_handle[h].mode == MODE_DIRECT for h in group.in_handles):
-            readable = [r.readable for r in ins]
-            inputs_there = (readable[0] if len(readable) == 1
-                            else lambda: all(f() for f in readable))
+            inputs_there = _all_readable([r.readable for r in ins])
         return step, inputs_there
 
     def _stream(self, handle: str) -> _Stream:
@@ -427,6 +425,23 @@ class _RingIO:
         s.ring.publish(s.nbytes)
         if s.mode == MODE_EVENT:
             self._dev.post(Message(Op.OUT, index=s.index))
+
+
+def _all_readable(readable: list[Callable[[], int]]) -> Callable[[], Any]:
+    """A test that every one of ``readable`` is true, as cheap as it gets: _poll calls it
+    in its loop (``all()`` over a generator costs ~1 us, ``a() and b()`` ~0.15 us)."""
+    if len(readable) == 1:
+        return readable[0]
+    if len(readable) == 2:
+        first, second = readable
+        return lambda: first() and second()
+
+    def there() -> bool:
+        for f in readable:
+            if not f():
+                return False
+        return True
+    return there
 
 
 def _flat(buf: memoryview) -> memoryview:
