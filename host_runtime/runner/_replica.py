@@ -46,7 +46,7 @@ from shm import (PeerDiedError, Ring, RingInvalidatedError, RingTimeoutError, Sh
                  WouldBlock)
 
 from host_runtime.runner._batching import TensorSpec
-from host_runtime.memory._copy import copy_bytes
+from host_runtime.memory._copy import PARALLEL_MIN_BYTES, copy_bytes
 from host_runtime.runner._replica_timers import Phantom, PidWatch, ReplicaTimers
 from host_runtime.runner._requests import Request, raisable
 from host_runtime.errors import DeviceLostError, InvalidStateError, ModelRuntimeError
@@ -678,8 +678,12 @@ class Replica(ReplicaTimers):
             dest = req.dests.get(spec.name)
             if dest is None:
                 return
-            if dest.nbytes == spec.nbytes and dest.flags.c_contiguous:
-                copy_bytes(_bytes_view(dest), view[:spec.nbytes])
+            nbytes = spec.nbytes
+            if dest.nbytes == nbytes and dest.flags.c_contiguous:
+                if 0 < nbytes < PARALLEL_MIN_BYTES:   # copy_bytes' one copy, without its calls
+                    memoryview(dest).cast("B")[:] = view[:nbytes]  # type: ignore[arg-type]
+                elif nbytes:
+                    copy_bytes(_bytes_view(dest), view[:nbytes])
                 return
         slot = np.frombuffer(view, spec.dtype, spec.nbytes // spec.dtype.itemsize
                              ).reshape(spec.shape)
