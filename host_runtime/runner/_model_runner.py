@@ -478,13 +478,16 @@ class ModelRunner:
                     or value.shape != spec.shape):
                 return None
         given = dict(inputs)
+        results: dict[str, Any] = {}
         if plain_results:
-            results = {name: np.empty(shape, dtype) for name, shape, dtype in self._plain_outputs}
+            empty = np.empty
+            for name, shape, dtype in self._plain_outputs:
+                results[name] = empty(shape, dtype)
         else:
-            results = {name: TensorMemory.allocate(shape, dtype)
-                       for name, shape, dtype in self._plain_outputs}
+            for name, shape, dtype in self._plain_outputs:
+                results[name] = TensorMemory.allocate(shape, dtype)
         return Request(rep, rep.rid, 1, given, dict(results), results, self._plain_transfers, t0,
-                       given=given)
+                       False, given)
 
     def _out_samples(self, s: TensorSpec, n_units: int) -> int:
         if s.batch_dim is None:
@@ -570,11 +573,12 @@ class ModelRunner:
 
         An input frozen by ``ModelRunnerConfig.frozen_inputs`` is no longer required (seed
         000/001, frozen inputs); given anyway, it is ignored and the frozen value is used."""
-        lock = self._call_lock(replica_id)
         try:
-            if lock is not None:
-                with lock:
-                    return self._execute(input_data, output_data, replica_id)
+            if self._call_locks:
+                lock = self._call_lock(replica_id)
+                if lock is not None:
+                    with lock:
+                        return self._execute(input_data, output_data, replica_id)
             return self._execute(input_data, output_data, replica_id)
         except Exception as exc:
             self._record_raised(exc, replica_id)
@@ -588,7 +592,11 @@ class ModelRunner:
 
     def _execute(self, input_data: Any, output_data: Any, replica_id: int) -> Any:
         t0 = time.perf_counter_ns()
-        rep = self._replica(replica_id)
+        reps = self._replicas   # emptied by close(): _replica() reports it
+        if replica_id.__class__ is int and 0 <= replica_id < len(reps):
+            rep = reps[replica_id]
+        else:
+            rep = self._replica(replica_id)
         req = self._build_plain(rep, input_data, output_data, t0, True)
         if req is not None:
             rep.submit(req, 1, None)
@@ -610,11 +618,12 @@ class ModelRunner:
     def executeAsync(self, input_data: Any, output_data: Any = None,
                      replica_id: int = 0) -> OutputFuture:
         """Queue one request; returns an ``OutputFuture`` (frozen inputs as for ``execute``)."""
-        lock = self._call_lock(replica_id)
         try:
-            if lock is not None:
-                with lock:
-                    return self._execute_async(input_data, output_data, replica_id)
+            if self._call_locks:
+                lock = self._call_lock(replica_id)
+                if lock is not None:
+                    with lock:
+                        return self._execute_async(input_data, output_data, replica_id)
             return self._execute_async(input_data, output_data, replica_id)
         except Exception as exc:
             self._record_raised(exc, replica_id)
@@ -628,7 +637,11 @@ class ModelRunner:
 
     def _execute_async(self, input_data: Any, output_data: Any, replica_id: int) -> OutputFuture:
         t0 = time.perf_counter_ns()
-        rep = self._replica(replica_id)
+        reps = self._replicas   # emptied by close(): _replica() reports it
+        if replica_id.__class__ is int and 0 <= replica_id < len(reps):
+            rep = reps[replica_id]
+        else:
+            rep = self._replica(replica_id)
         req = self._build_plain(rep, input_data, output_data, t0, False)
         if req is not None:
             transfers, phantom = 1, None
