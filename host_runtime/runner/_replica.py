@@ -685,7 +685,7 @@ class Replica(ReplicaTimers):
             if t >= stop:
                 return
             yield_cpu()   # let the IPU process run if it shares this vCPU
-            if clock() - t > _YIELDED_NS and _ONE_CPU:
+            if _ONE_CPU and clock() - t > _YIELDED_NS:
                 # another task ran on this vCPU (likely the IPU process): block instead, so
                 # that a wake-up lets the scheduler put one of us on an idle vCPU
                 return

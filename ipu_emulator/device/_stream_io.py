@@ -233,12 +233,13 @@ class _RingIO:
         clock = time.perf_counter_ns
         stop = clock() + _SPIN_NS
         yield_cpu = os.sched_yield
+        shared_cpu_blocks = not self._dev.keeps_apart   # fixed for the run: looked up once
         while not ready():
             t = clock()
             if t >= stop:
                 return False
             yield_cpu()   # let the host run if it shares this vCPU
-            if clock() - t > _YIELDED_NS and not self._dev.keeps_apart:
+            if shared_cpu_blocks and clock() - t > _YIELDED_NS:
                 # Another task ran: this vCPU is shared (likely with the host). Block
                 # instead: the wake-up lets the scheduler move one of us to an idle vCPU
                 # (two polling processes on one vCPU are never separated).
