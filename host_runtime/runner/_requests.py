@@ -11,7 +11,6 @@ of handing work to another thread.
 from __future__ import annotations
 
 import copy
-import threading
 import time
 from typing import Any, Iterator, Optional, Protocol
 
@@ -48,7 +47,7 @@ class Driver(Protocol):
 
 class Request:
     __slots__ = ("driver", "replica", "samples", "inputs", "given", "dests", "results",
-                 "remaining", "error", "_done", "_gate", "t_received", "t_prepared", "t_completed",
+                 "remaining", "error", "_done", "t_received", "t_prepared", "t_completed",
                  "outputs_per_transfer", "internal", "description", "__weakref__")
 
     def __init__(self, driver: Driver, replica: int, samples: int,
@@ -67,11 +66,8 @@ class Request:
         self.outputs_per_transfer = outputs_per_transfer
         self.remaining = 0            # segments of this request still on the device
         self.error: BaseException | None = None
-        # A held lock is the cheapest one-shot event: finish() releases it, each waiter
-        # acquires and releases it again (threading.Event builds a Condition: ~10x dearer).
+        # Done: waiters drive the replica (Driver.wait_for) until it is set; no event.
         self._done = False
-        self._gate = threading.Lock()
-        self._gate.acquire()
         self.t_received = t_received
         self.t_prepared = t_received
         self.t_completed = 0
@@ -84,13 +80,6 @@ class Request:
             return
         self.t_completed = time.perf_counter_ns()
         self._done = True
-        self._open_gate()
-
-    def _open_gate(self) -> None:
-        try:
-            self._gate.release()
-        except RuntimeError:   # finish() and fail() raced; the first one opened it
-            pass
 
     def fail(self, error: BaseException) -> None:
         if self._done:
@@ -102,16 +91,8 @@ class Request:
         self.error = error
         self.t_completed = time.perf_counter_ns()
         self._done = True
-        self._open_gate()
 
     def is_done(self) -> bool:
-        return self._done
-
-    def wait_event(self, timeout: float | None) -> bool:
-        if self._done:
-            return True
-        if self._gate.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
-            self._gate.release()
         return self._done
 
 
