@@ -51,8 +51,7 @@ __all__ = [
     "DeviceConstraints",
     "Device",
     "DeviceManager",
-    "ActiveSession",
-]
+]   # and, internal: ActiveSession
 
 _log = logging.getLogger(__name__)
 
