@@ -141,7 +141,12 @@ CallbackFactory = Callable[[CallbackInfo], "CallbackHandle | None"]
 
 
 class Session:
-    """Links a model to a device: loads it, runs its programs, services its streams."""
+    """Links a model to a device: loads it, runs its programs, services its streams.
+
+    Besides the seed's API, marked "Internal": ``direct`` (the fast path of QueueManager
+    and ModelRunner) and what a Device calls on its sessions (``main_loop_running``,
+    ``deactivate``, ``device_detached``: the ``devices._manager.ActiveSession`` protocol).
+    """
 
     ProgIdxType = int
     """The index of a program of the executable (C++ ``popef::ProgramFlow::ProgramIndexType``)."""
