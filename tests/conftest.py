@@ -84,14 +84,21 @@ def shm_leak_probe(request):
 
 @pytest.fixture
 def loopback_device():
-    """A loopback IPU model device (1 x ipu21), closed at teardown; it starts no process."""
+    """A loopback IPU model device (1 x ipu21), closed at teardown; the test fails if a
+    process was started meanwhile."""
+    import psutil
+
     from host_runtime.devices.loopback import loopback_device as make
 
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
     dev = make(1, ipu_version=21)
     try:
         yield dev
     finally:
         dev.close()
+    started = {p.pid for p in me.children(recursive=True)} - before
+    assert not started, f"a test on a loopback device started processes {sorted(started)}"
 
 
 def _remove(names: set[str]) -> None:
