@@ -11,6 +11,8 @@ it, without starting any process.
   (``getDevice``, ``createIpuModelDevice``, ...) is a loopback one.
 - ``loopback_device(model_or_num_ipus=1, ...)``: a private loopback IPU model
   device (no machine lock): for a ``popef.Model``, of its IPU count and version.
+- ``loopback_ipus(device)`` / ``is_loopback(device)``: its ``LoopbackIpu``s (whose
+  ``kill()`` emulates a SIGKILL of the IPU process).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from host_runtime.popef.model import Model
 from ipu_emulator.device.loopback import LoopbackIpu, launch_loopback
 from ipu_emulator.system import SystemConfig
 
-__all__ = ["loopback_manager", "loopback_device", "is_loopback", "LoopbackIpu"]
+__all__ = ["loopback_manager", "loopback_device", "loopback_ipus", "is_loopback", "LoopbackIpu"]
 
 
 def loopback_manager(system: SystemConfig | None = None) -> DeviceManager:
@@ -44,7 +46,15 @@ def loopback_device(model_or_num_ipus: Model | int = 1, ipu_version: int = 21,
                                         tiles_per_ipu=tiles_per_ipu)
 
 
+def loopback_ipus(device: Device) -> list[LoopbackIpu]:
+    """The loopback IPUs of ``device`` (primary first; empty if it has other IPUs): e.g.
+    ``loopback_ipus(dev)[0].kill()`` to lose the device."""
+    procs: Any = getattr(device, "_processes", [])
+    if not procs or not all(isinstance(p, LoopbackIpu) for p in procs):
+        return []
+    return list(procs)
+
+
 def is_loopback(device: Device) -> bool:
     """Whether every IPU of ``device`` is a loopback one."""
-    procs: Any = getattr(device, "_processes", [])
-    return bool(procs) and all(isinstance(p, LoopbackIpu) for p in procs)
+    return bool(loopback_ipus(device))

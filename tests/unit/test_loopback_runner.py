@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import host_runtime as model_runtime
-from host_runtime.devices.loopback import loopback_device
+from host_runtime.devices.loopback import loopback_device, loopback_ipus
 from host_runtime.errors import BadRequestError, InvalidStateError
 from tests.unit._loopback import model, model_path, offline, weights  # noqa: F401  (fixtures)
 
@@ -92,3 +92,69 @@ def test_two_replicas_on_two_loopback_devices(model, weights):
                 r.execute({"tensor_A": a, "tensor_B": b})
             # the runner does not close devices it was given
             assert d0.isAttached() and d1.isAttached()
+
+
+@pytest.mark.parametrize("pipelined,bps", [(False, 1), (True, 2)], ids=["sharded", "pipelined"])
+def test_a_model_over_two_loopback_ipus_matches_onnxruntime(tmp_path, pipelined, bps):
+    """A 2-IPU device (a GroupLink): two loopback IPUs, the IPU-Link rings between them."""
+    import onnx
+
+    from host_runtime import popef
+    from tools import poprt
+    from tools._chain_model import chain_model, reference, write_shard_yaml
+
+    chain = chain_model(4, width=8, batch=2, seed=7)
+    onnx.save(chain, tmp_path / "chain.onnx")
+    argv = ["--input_model", str(tmp_path / "chain.onnx"), "--num_ipus", "2",
+            "--manual_sharding_config", write_shard_yaml(str(tmp_path / "s.yaml"), 4, 2,
+                                                         pipelined),
+            "--batches_per_step", str(bps), "--export_popef", "--output_dir",
+            str(tmp_path / "out")] + (["--enable_pipelining"] if pipelined else [])
+    assert poprt.main(argv) == 0
+    m = popef.load_model([str(tmp_path / "out" / "executable.popef")])
+    xs = [np.random.default_rng(i).standard_normal((2, 8)).astype(np.float32) for i in range(6)]
+    with offline(), loopback_device(m) as dev:
+        assert dev.numIpus() == 2 and len(loopback_ipus(dev)) == 2
+        with model_runtime.ModelRunner(m, model_runtime.ModelRunnerConfig(
+                replica_to_device={0: dev})) as r:
+            futures = [r.executeAsync({"x": x}) for x in xs]
+            for x, fut in zip(xs, futures):
+                np.testing.assert_allclose(fut.result(timeout=30)["y"], reference(chain, x),
+                                           rtol=1e-5, atol=1e-5)
+
+
+def test_shared_memory_inputs_are_read_in_place(tmp_path):
+    """``empty_shared`` inputs: the loopback IPU maps the arrays' regions (HostMemory)."""
+    import gc
+
+    from host_runtime import popef
+    from host_runtime.memory._shared import SHARED_MIN_BYTES, shared_location
+    from tests._helpers import weights_of, write_example
+
+    def mappings(arr: np.ndarray) -> int:
+        """How many times this process maps the array's region (/proc/self/maps)."""
+        loc = shared_location(arr)
+        assert loc is not None
+        with open("/proc/self/maps") as f:
+            return sum(1 for line in f if line.rstrip().endswith(loc[0].lstrip("/")))
+
+    shape = (16, 256)
+    assert shape[0] * shape[1] * 4 >= SHARED_MIN_BYTES
+    m = popef.load_model([write_example(tmp_path, shape)])
+    w = weights_of(m, shape)
+    rng = np.random.default_rng(5)
+    with offline():
+        with loopback_device(m) as dev, model_runtime.ModelRunner(
+                m, model_runtime.ModelRunnerConfig(replica_to_device={0: dev})) as r:
+            a = model_runtime.empty_shared(shape, np.float32)
+            b = model_runtime.empty_shared(shape, np.float32)
+            assert mappings(a) == mappings(b) == 1
+            for k in range(3):
+                a[...] = rng.standard_normal(shape)
+                b[...] = k
+                out = r.execute({"tensor_A": a, "tensor_B": b})["tensor_C"]
+                np.testing.assert_allclose(out, a * w + b, rtol=1e-6)
+            # the device side mapped the arrays' regions too (in place, not copies)
+            assert mappings(a) == mappings(b) == 2
+        del a, b
+        gc.collect()

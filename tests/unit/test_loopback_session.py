@@ -14,7 +14,8 @@ import pytest
 
 from host_runtime import popef
 from host_runtime.devices import Device
-from host_runtime.devices.loopback import is_loopback, loopback_device, loopback_manager
+from host_runtime.devices.loopback import (is_loopback, loopback_device, loopback_ipus,
+                                           loopback_manager)
 from host_runtime.errors import (BadRequestError, DeviceExecutionError, DeviceLostError,
                                  InvalidStateError, RemoteTraceback)
 from host_runtime.session._session import Session
@@ -160,7 +161,7 @@ def test_a_killed_loopback_ipu_is_a_lost_device(model):
         s.bindToDevice(dev)
         st = Streams(s, np.ones(SHAPE, np.float32), np.zeros(SHAPE, np.float32))
         s.runMainPrograms()
-        ipu = dev._processes[0]
+        (ipu,) = loopback_ipus(dev)
         ipu.kill()   # the emulated SIGKILL: the device thread ends without a BYE
         assert not ipu.thread.is_alive() and ipu.returncode() < 0
         with pytest.raises(DeviceLostError, match=r"IPU model device \(1 x ipu21, 1472 tiles\): "
