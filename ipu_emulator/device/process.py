@@ -30,6 +30,13 @@ process to a host with ``HOST(value=host pid)`` and takes it back with
 ``HOST(0)``; in between the process also watches that host, and if it dies
 (or a HOST arrives during a program) the process drops the host's executables,
 unlinks every object a dead host created, and goes on serving: it stays warm.
+
+What the loop assumes about running in an OS process of its own (its pid in
+READY, how the host's liveness is checked, moving off the host's CPU, unlinking
+a dead host's objects) is a :class:`ProcessHooks`, whose defaults are this
+process's; only ``main()`` (and ``python -m ipu_emulator``'s ``os._exit``) sets
+up logging and signals and exits. A loopback device
+(:mod:`ipu_emulator.device.loopback`) runs the same loop on a thread of the host.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ through ``weights_saved``.
 from __future__ import annotations
 
 import os
+import signal
 
 import numpy as np
 import pytest
@@ -20,7 +21,11 @@ from host_runtime.errors import (BadRequestError, DeviceExecutionError, DeviceLo
                                  InvalidStateError, RemoteTraceback)
 from host_runtime.session._session import Session
 from tests._helpers import gather_model, gather_path  # noqa: F401  (fixtures)
+from ipu_emulator.device.launcher import IpuSpec
+from ipu_emulator.device.loopback import launch_loopback
+from shm import naming
 from tests.unit._loopback import children, model, model_path, offline, weights  # noqa: F401
+from tools.pytest_plugin.machine import shm_entries
 
 SHAPE = (2, 3)
 
@@ -162,8 +167,12 @@ def test_a_killed_loopback_ipu_is_a_lost_device(model):
         st = Streams(s, np.ones(SHAPE, np.float32), np.zeros(SHAPE, np.float32))
         s.runMainPrograms()
         (ipu,) = loopback_ipus(dev)
+        ours = shm_entries(naming.current_tag())
         ipu.kill()   # the emulated SIGKILL: the device thread ends without a BYE
-        assert not ipu.thread.is_alive() and ipu.returncode() < 0
+        assert not ipu.thread.is_alive() and ipu.returncode() == -signal.SIGKILL
+        assert not ipu.alive() and "was killed by signal SIGKILL" in ipu.describe_exit()
+        # the host is alive: the device side unlinked none of its objects (ProcessHooks)
+        assert shm_entries(naming.current_tag()) == ours
         with pytest.raises(DeviceLostError, match=r"IPU model device \(1 x ipu21, 1472 tiles\): "
                                                   r"IPU process \d+ was killed by signal SIGKILL"):
             s.runMainPrograms()
@@ -194,3 +203,19 @@ def test_loopback_model_device_follows_the_models_needs(model):
         assert dev.numIpus() == 1 and dev.ipuVersion() == model.metadata.ipuVersion()
     with pytest.raises(BadRequestError, match="ipu_version must be 2 or 21, got 3"):
         loopback_device(1, ipu_version=3)
+
+
+def test_a_loopback_ipu_is_an_ipu_connection_served_by_a_thread():
+    with offline():
+        ipu = launch_loopback(IpuSpec(ipu_id=-1, label="probe"), log_dir="/nonexistent")
+        try:
+            ready = ipu.wait_ready(timeout=30)
+            assert ready["pid"] == os.getpid() == ipu.pid and ready["ipu_id"] == -1
+            assert ready["capacity"] == IpuSpec(ipu_id=-1).capacity
+            assert ipu.alive() and ipu.returncode() is None and ipu.thread.daemon
+            assert ipu.wait_exit(0.01) is None and ipu.log_tail() == ""
+        finally:
+            ipu.close()
+        assert not ipu.alive() and ipu.returncode() == 0   # SHUTDOWN: a clean exit
+        assert ipu.describe_exit() == f"probe (loopback IPU in pid {os.getpid()}) exited with code 0"
+        ipu.close()   # idempotent
