@@ -20,7 +20,8 @@ def test_direct_rings_and_main_loop_until_stop(model, device):
         direct = s.direct
         for h in ("tensor_A", "tensor_B", "tensor_C"):
             direct.claim(h)
-        ra, rb, rc = direct.input_ring("tensor_A"), direct.input_ring("tensor_B"), direct.output_ring("tensor_C")
+        ra, rb, rc = (direct.input_ring("tensor_A"), direct.input_ring("tensor_B"),
+                      direct.output_ring("tensor_C"))
         assert ra.slot_size == rb.slot_size == rc.slot_size == 2 * 3 * 4
         with pytest.raises(BadRequestError, match="'tensor_C' is an output anchor, not an input"):
             direct.input_ring("tensor_C")
