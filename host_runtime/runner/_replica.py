@@ -397,7 +397,7 @@ class Replica:
                         ring.set_user_word(tid)
                     self._hint_tid = tid
                 if phantom is not None:
-                    self._timers.add_phantom(req, phantom)
+                    self._timers.add_phantom(req, phantom, self._partial)
                 elif self.setup.dynamic:
                     self._pack(req)
                 else:
@@ -555,7 +555,7 @@ class Replica:
             if tr.samples == B:
                 self._publish_partial(tr)
         if self._partial is not None:
-            self._timers.kick()
+            self._timers.kick(self._partial)
 
     def _publish_partial(self, tr: Transfer, pad: bool = False) -> None:
         for name, slot in tr.slots.items():
@@ -619,7 +619,7 @@ class Replica:
         """Caller holds the drain role: fire due timers, then drain (or wait for) one transfer."""
         now = time.monotonic()
         timers = self._timers
-        if timers.next_deadline() <= now:
+        if timers.next_deadline(self._partial) <= now:
             timers.fire(now)
         with self._cv:
             head = self._inflight[0] if self._inflight else None
@@ -627,12 +627,12 @@ class Replica:
                 if self._error is not None and head is not None:
                     self._inflight.popleft()
                     return
-                wait = min(timers.next_deadline(), end if end is not None else float("inf"))
+                wait = min(timers.next_deadline(self._partial), end if end is not None else float("inf"))
                 wait = min(_SLICE, max(0.0, wait - now))
                 if wait > 0:
                     self._cv.wait(wait)
                 return
-        limit = min(timers.next_deadline(), end if end is not None else float("inf"))
+        limit = min(timers.next_deadline(self._partial), end if end is not None else float("inf"))
         timeout = min(_SLICE * 4, max(0.0, limit - now))
         try:
             self._drain(head, timeout)

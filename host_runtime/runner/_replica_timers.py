@@ -2,10 +2,12 @@
 
 A :class:`ReplicaTimers` belongs to one :class:`~host_runtime.runner._replica.Replica`
 (its *owner*), which it sees only through :class:`TimerOwner`: the open partial
-batch, and three non-blocking actions. Timers fire from whichever thread drives
-the replica (a caller waiting for a result: ``Replica._drive_step`` calls
-``next_deadline`` and ``fire``), or from a small watchdog thread while nobody
-waits and ``flush_on_waiting_outputs`` is off. Firing never blocks on the
+batch, and three non-blocking actions. It refers to its owner weakly (a replica
+nobody references is freed at once, by reference counting), and is told the open
+partial batch where it is on the request path (``next_deadline``, ``kick``).
+Timers fire from whichever thread drives the replica (a caller waiting for a
+result: ``Replica._drive_step`` calls ``next_deadline`` and ``fire``), or from a
+small watchdog thread while nobody waits and ``flush_on_waiting_outputs`` is off. Firing never blocks on the
 replica's submit lock: a busy submitter means the timer is retried on the next
 drive step.
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
 
@@ -84,7 +87,7 @@ class ReplicaTimers:
                  waits_for: str, watchdog: bool) -> None:
         """``waits_for``: the input a device waiting on a partial batch waits for (the
         first non-frozen one Main reads); ``watchdog``: fire timers when nobody waits."""
-        self._owner = owner
+        self._owner = weakref.ref(owner)
         self._rid = rid
         self._timeout_ns = timeout_ns
         self._flush_ns = partial_flush_ns
@@ -99,12 +102,13 @@ class ReplicaTimers:
         self._watch_wake = threading.Condition(threading.Lock())
 
     # ------------------------------------------------------------------ phantoms
-    def add_phantom(self, req: Request, tensor_id: str) -> None:
+    def add_phantom(self, req: Request, tensor_id: str, partial: Transfer | None) -> None:
+        """Park ``req``, which lacks ``tensor_id`` (``partial``: the owner's open batch)."""
         ns = self._timeout_ns
         deadline = float("inf") if ns == 0 else time.monotonic() + ns / 1e9
         with self._lock:
             self._phantoms.append(Phantom(req, tensor_id, deadline))
-        self.kick()
+        self.kick(partial)
 
     def take_phantoms(self) -> list[Phantom]:
         """Remove and return every phantom (the replica failed or closed)."""
@@ -113,26 +117,29 @@ class ReplicaTimers:
         return phantoms
 
     # ------------------------------------------------------------------ firing
-    def next_deadline(self) -> float:
+    def next_deadline(self, partial: Transfer | None) -> float:
+        """When the next timer is due (monotonic), given the owner's open partial batch."""
         d = float("inf")
-        tr = self._owner.partial
         flush = self._flush_ns
-        if tr is not None and flush is not None:
-            d = tr.t_open + flush / 1e9
+        if partial is not None and flush is not None:
+            d = partial.t_open + flush / 1e9
         for ph in self._phantoms:
             d = min(d, ph.deadline)
         return d
 
     def fire(self, now: float) -> None:
         """Flush a partial batch whose time is up; time out phantoms. Never blocks on submit."""
-        tr = self._owner.partial
+        owner = self._owner()
+        if owner is None:
+            return
+        tr = owner.partial
         flush = self._flush_ns
         if tr is not None and flush is not None and tr.t_open + flush / 1e9 <= now:
-            self._flush_partial(tr)
+            self._flush_partial(owner, tr)
         with self._lock:
             due = [ph for ph in self._phantoms if ph.deadline <= now]
         for ph in due:
-            self._expire_phantom(ph)
+            self._expire_phantom(owner, ph)
 
     def _call_flush_callback(self, tensor_id: str) -> Optional[Request]:
         """Seed 001, 3.7: ``flush_callback(tensor_id, inputs, outputs)`` gets the tensor the
@@ -168,16 +175,16 @@ class ReplicaTimers:
             _log.error("replica %d: flush_callback returned unusable data: %s", self._rid, exc)
             return None
 
-    def _flush_partial(self, tr: Transfer) -> None:
+    def _flush_partial(self, owner: TimerOwner, tr: Transfer) -> None:
         # Seed 001, 3.7: the callback is called once per timeout, so a retry (a submitter
         # held the lock) reuses what it gave instead of asking again.
         if not tr.flush_asked:
             tr.flush_asked = True
             tr.flush_extra = self._call_flush_callback(self._waits_for)
-        if self._owner.try_publish_partial(tr, tr.flush_extra):
+        if owner.try_publish_partial(tr, tr.flush_extra):
             tr.flush_extra = None
 
-    def _expire_phantom(self, ph: Phantom) -> None:
+    def _expire_phantom(self, owner: TimerOwner, ph: Phantom) -> None:
         if not ph.callback_called:
             ph.callback_called = True
             extra = self._call_flush_callback(ph.tensor_id)
@@ -188,7 +195,7 @@ class ReplicaTimers:
                 if ph not in self._phantoms:
                     return
                 self._phantoms.remove(ph)
-            if not self._owner.try_send(ph.request, ph.transfers):
+            if not owner.try_send(ph.request, ph.transfers):
                 with self._lock:    # busy submitter: try again on the next step
                     ph.deadline = time.monotonic()
                     self._phantoms.append(ph)
@@ -204,9 +211,9 @@ class ReplicaTimers:
             "with a fused model, give the inputs of the sub-graph the 'index' selects)"))
 
     # ------------------------------------------------------------------ watchdog
-    def kick(self) -> None:
+    def kick(self, partial: Transfer | None) -> None:
         """A deadline was added: make sure the watchdog (if used) will fire it."""
-        if not self._use_watchdog or self.next_deadline() == float("inf"):
+        if not self._use_watchdog or self.next_deadline(partial) == float("inf"):
             return
         if self._watchdog is None or not self._watchdog.is_alive():
             self._watchdog = threading.Thread(target=self._watch, daemon=True,
@@ -222,14 +229,18 @@ class ReplicaTimers:
             self._watch_wake.notify_all()
 
     def _watch(self) -> None:
-        """Fire timers when nobody waits (flush_on_waiting_outputs off). Exits when idle."""
-        owner = self._owner
-        while not owner.closed:
-            d = self.next_deadline()
+        """Fire timers when nobody waits (flush_on_waiting_outputs off). Exits when idle,
+        or once the owner is closed or gone."""
+        while True:
+            owner = self._owner()
+            if owner is None or owner.closed:
+                return
+            d = self.next_deadline(owner.partial)
             if d == float("inf"):
                 return
             now = time.monotonic()
             if d > now:
+                del owner      # not kept alive while waiting
                 with self._watch_wake:
                     self._watch_wake.wait(min(d - now, 1.0))
                 continue

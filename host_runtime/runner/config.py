@@ -64,6 +64,11 @@ def to_nanoseconds(value: int | float | timedelta, field: str) -> int:
     return min(ns, NANOSECONDS_MAX)
 
 
+def _default_wait_config() -> DeviceWaitConfig | None:
+    """The default ``device_wait_config`` (the test fixtures replace this function)."""
+    return DeviceWaitConfig()
+
+
 _DURATIONS = ("timeout_ns", "batch_size_timeout_ns", "data_parallel_timeout_ns")
 
 
@@ -115,7 +120,7 @@ class ModelRunnerConfig:
         self.frozen_inputs = InputMemoryView()
         self.replica_to_save_programs_outputs = {}
         self.replica_to_device = {}
-        self.device_wait_config = DeviceWaitConfig()
+        self.device_wait_config = _default_wait_config()
         self.check_package_hash = True
         self.timeout_ns = 5 * 10**9
         self.validate_io_params = True
