@@ -59,15 +59,7 @@ ALLOWED_PRIVATE: dict[tuple[str, str], str] = {
     # export it (e.g. shm.buffer_address). Owner: the lead (shm).
     ("ipu_emulator.device.interpreter", "shm._ringcore.address"): "lead (shm + device)",
     ("host_runtime.memory._shared", "shm._ringcore.address"): "lead (shm), then h2 (memory)",
-    # the sharding helpers the host uses: ipu_emulator.compiler should export them.
-    ("host_runtime.poprt.compiler", "ipu_emulator.compiler._sharding.check_map"):
-        "lead (compiler, poprt)",
-    ("host_runtime.poprt.compiler", "ipu_emulator.compiler._sharding.load_sharding_yaml"):
-        "lead (compiler, poprt)",
-    ("host_runtime.devices._ipu_group", "ipu_emulator.compiler._sharding.is_link"):
-        "lead (compiler, devices)",
-    ("host_runtime.devices._ipu_group", "ipu_emulator.compiler._sharding.is_sync"):
-        "lead (compiler, devices)",
+    # compiler internals the tools use: ipu_emulator.compiler should export them.
     ("tools.popef_dump", "ipu_emulator.compiler._sharding.describe_parts"): "lead (tools)",
     ("tools.conformance", "ipu_emulator.compiler._prepare.prepare"): "lead (tools)",
     # the daemon's metrics server: ipu_emulator.daemon should export it.
