@@ -156,7 +156,7 @@ class ReplicaTimers:
         except Exception:
             _log.exception("replica %d: flush_callback failed for tensor %r", self._rid, tensor_id)
             return None
-        inputs: Any
+        inputs: Any      # whatever the user's callback gave: make_flush_request checks it
         outputs: Any
         if result is None:
             if not given_in and not given_out:
