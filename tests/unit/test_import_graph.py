@@ -78,10 +78,6 @@ ALLOWED_PRIVATE: dict[tuple[str, str], str] = {
 
 # strongly connected components allowed today -> who must break them
 KNOWN_CYCLES: dict[frozenset[str], str] = {
-    # Device keeps its sessions (local import of Session), Session binds Devices; the
-    # FastPath mixin re-declares Device. Owner: h1-session.
-    frozenset({"host_runtime.devices._manager", "host_runtime.session._session",
-               "host_runtime.session._fastpath"}): "h1-session",
     # process imports _stream_io's classes, _stream_io types its DeviceProcess (TYPE_CHECKING).
     frozenset({"ipu_emulator.device._stream_io", "ipu_emulator.device.process"}):
         "lead (ipu_emulator.device)",
