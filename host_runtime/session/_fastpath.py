@@ -14,12 +14,12 @@ session's binding and running internals declared below.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import os
 import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 from shm import (PeerDiedError, Ring, RingInvalidatedError, RingTimeoutError, ShmClosedError,
                  ShmError)
+from shm.settings import settings
 
 from host_runtime import popef
 from host_runtime.devices._link import wait
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = ["FastPath"]
 
-_STOP_TIMEOUT = float(os.environ.get("IPU_EMULATOR_STOP_TIMEOUT", "30"))
+_STOP_TIMEOUT = settings().stop_timeout
 
 
 class FastPath:
