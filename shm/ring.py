@@ -88,8 +88,9 @@ Spinning: by default a waiter does not spin. ``python -m tools.bench ring``
 on this project's 2-core VMs: the two processes of a ping-pong usually share
 one vCPU, and a spin there only delays the peer (64-byte round trip 11.7 us
 with a 20 us adaptive spin against 7.8 us without); when they land on two
-vCPUs a spin wins (4.1 us). ``IPU_EMULATOR_RING_SPIN_US`` (``Settings.ring_spin_us``) sets a spin budget
-that then adapts (doubles on success, halves on failure); see shm.spin.
+vCPUs a spin wins (4.1 us). ``IPU_EMULATOR_RING_SPIN_US`` (``shm.settings``)
+sets a spin budget that then adapts (doubles on success, halves on failure);
+the loop is ``shm.spin.spin_until``, mirrored by ``spin`` in the C core.
 """
 
 from __future__ import annotations
