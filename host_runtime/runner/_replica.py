@@ -150,10 +150,10 @@ class Replica(ReplicaTimers):
     def _open(self) -> None:
         s = self.setup.open_session()
         try:
-            self._in_rings = {n: s._input_ring(spec.handle) for n, spec in self.setup.inputs.items()}
-            self._out_rings = {n: s._output_ring(spec.handle)
+            self._in_rings = {n: s.direct.input_ring(spec.handle) for n, spec in self.setup.inputs.items()}
+            self._out_rings = {n: s.direct.output_ring(spec.handle)
                                for n, spec in self.setup.outputs.items()}
-            loop = s._start_main_loop()
+            loop = s.direct.start_main_loop()
         except BaseException:
             s.close()
             raise
@@ -242,11 +242,11 @@ class Replica(ReplicaTimers):
         if s is None:
             return
         try:
-            healthy = self._error is None and s._failure() is None
+            healthy = self._error is None and s.direct.failure() is None
             limit = DROP_STOP_TIMEOUT if dropped else _STOP_TIMEOUT
             if save is not None and healthy:
                 try:
-                    s._stop_main_loop(limit)      # stays runnable, device memory kept
+                    s.direct.stop_main_loop(limit)      # stays runnable, device memory kept
                     save(s)
                 except ModelRuntimeError as exc:
                     _log.warning("replica %d: save programs failed: %s", self.rid, exc)
@@ -281,10 +281,10 @@ class Replica(ReplicaTimers):
             # Every IPU process is alive (pidfds, one poll). Other losses fail the
             # main-loop future, which sets self._error.
             return None
-        lost = s._failure()
+        lost = s.direct.failure()
         if lost is None:
             if pid is not None:
-                err = s._translate(PeerDiedError(f"IPU process {pid} died", pid))
+                err = s.direct.translate(PeerDiedError(f"IPU process {pid} died", pid))
                 lost = err if isinstance(err, ModelRuntimeError) else DeviceLostError(str(err))
         if lost is not None:
             self._fail_everything(lost)
@@ -343,7 +343,7 @@ class Replica(ReplicaTimers):
         if self._error is not None:
             return self._error
         s = self._session
-        err = s._translate(exc) if s is not None else exc
+        err = s.direct.translate(exc) if s is not None else exc
         if isinstance(err, ModelRuntimeError):
             return err
         return DeviceLostError(f"replica {self.rid}: {exc}")

@@ -21,7 +21,7 @@ from shm.settings import settings
 from shm.spin import NEVER, spin_until, us_to_ns
 
 from ipu_emulator.device._host_memory import HostMemoryError
-from ipu_emulator.protocol import (ErrorKind, Message, Op, MODE_DIRECT, MODE_DIRECT_NOTIFY,
+from ipu_emulator.protocol import (ErrorKind, Message, Op, MODE_DIRECT,
                                    MODE_EVENT, MODE_NULL, TAG_ABORT, TAG_SHARED)
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -37,8 +37,8 @@ _YIELDED_NS = us_to_ns(settings().yielded_us, NEVER)
 _NO_STEP = object()
 # Streams a C step may serve: an input in event mode posts NEED only when it has to wait
 # (and a step never waits); an output in event mode posts OUT after each publish.
-_STEP_IN_MODES = (MODE_EVENT, MODE_DIRECT, MODE_DIRECT_NOTIFY)
-_STEP_OUT_MODES = (MODE_DIRECT, MODE_DIRECT_NOTIFY)
+_STEP_IN_MODES = (MODE_EVENT, MODE_DIRECT)
+_STEP_OUT_MODES = (MODE_DIRECT,)
 
 
 class _RequestError(Exception):
@@ -198,7 +198,7 @@ class _RingIO:
 
     def _read_slow(self, s: _Stream, ring: Ring) -> tuple[memoryview, int]:
         """``_read`` once the input is not there at once: tell the host, then wait."""
-        if s.mode == MODE_EVENT or s.mode == MODE_DIRECT_NOTIFY:
+        if s.mode == MODE_EVENT:
             self._dev.post(Message(Op.NEED, index=s.index))
         return self._wait_read(ring)
 
