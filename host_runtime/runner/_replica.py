@@ -47,6 +47,8 @@ import numpy as np
 
 from shm import (PeerDiedError, Ring, RingInvalidatedError, RingTimeoutError, ShmError,
                  WouldBlock)
+from shm.settings import settings
+from shm.spin import NEVER, spin_until, us_to_ns
 
 from host_runtime.errors import DeviceLostError, InvalidStateError, ModelRuntimeError
 from host_runtime.memory._copy import copy_bytes
@@ -65,9 +67,9 @@ __all__ = ["Replica", "ReplicaSession", "ReplicaSetup", "SaveFn"]
 _log = logging.getLogger(__name__)
 
 _SLICE = 0.25          # seconds between re-checks of a blocked drain
-_SPIN_NS = int(float(os.environ.get("IPU_EMULATOR_RUNNER_SPIN_US", "100")) * 1000)
+_SPIN_NS = us_to_ns(settings().runner_spin_us)
 """Longest poll of an output ring before blocking (0: never poll); see Replica._spin."""
-_YIELDED_NS = int(float(os.environ.get("IPU_EMULATOR_YIELDED_US", "5")) * 1000) or 1 << 62
+_YIELDED_NS = us_to_ns(settings().yielded_us, NEVER)
 """A sched_yield() that took longer (ns) ran another task on this vCPU; see Replica._spin."""
 _ONE_CPU = len(os.sched_getaffinity(0)) < 2
 _native_id = threading.get_native_id
@@ -700,19 +702,10 @@ class Replica:
         """
         if self._wait_est_ns > 3 * _SPIN_NS:
             return
-        clock = time.perf_counter_ns
-        stop = clock() + _SPIN_NS
-        readable = ring.readable
-        yield_cpu = os.sched_yield
-        while not readable():
-            t = clock()
-            if t >= stop:
-                return
-            yield_cpu()   # let the IPU process run if it shares this vCPU
-            if clock() - t > _YIELDED_NS and _ONE_CPU:
-                # another task ran on this vCPU (likely the IPU process): block instead, so
-                # that a wake-up lets the scheduler put one of us on an idle vCPU
-                return
+        # yields to the IPU process if it shares this vCPU; on one CPU a long yield means
+        # it does: block instead, so that a wake-up lets the scheduler put one of us on an
+        # idle vCPU
+        spin_until(ring.readable, _SPIN_NS, _YIELDED_NS if _ONE_CPU else NEVER)
 
     @staticmethod
     def _copy_out(tr: Transfer, spec: TensorSpec, view: memoryview, dynamic: bool) -> None:
