@@ -22,7 +22,7 @@ unwaited futures cannot deadlock the replica.
 Timers (partial dynamic batches, requests that cannot run because inputs are
 missing with ``validate_io_params`` off) are a ``ReplicaTimers`` the replica
 owns (``_replica_timers``), driven by waiting threads, or by a small watchdog
-thread when ``flush_on_waiting_outputs`` is off. A ``PidWatch`` (``_pid_watch``)
+thread when ``flush_on_waiting_outputs`` is off. An ``ExitWatch`` (``shm.liveness``)
 notices a dead IPU process before a request is sent to it.
 
 Failure: the main-loop future failing (device lost, device program error)
@@ -45,7 +45,7 @@ from typing import Callable, Optional, Protocol
 
 import numpy as np
 
-from shm import (PeerDiedError, Ring, RingInvalidatedError, RingTimeoutError, ShmError,
+from shm import (ExitWatch, PeerDiedError, Ring, RingInvalidatedError, RingTimeoutError, ShmError,
                  WouldBlock)
 from shm.settings import settings
 from shm.spin import NEVER, spin_until, us_to_ns
@@ -54,7 +54,6 @@ from host_runtime.errors import DeviceLostError, InvalidStateError, ModelRuntime
 from host_runtime.memory._copy import copy_bytes
 from host_runtime.memory._shared import SHARED_MIN_BYTES, shared_location
 from host_runtime.runner._batching import TensorSpec
-from host_runtime.runner._pid_watch import PidWatch
 from host_runtime.runner._replica_timers import MakeFlushRequest, MergePhantom, ReplicaTimers
 from host_runtime.runner._requests import Request, Transfer, raisable
 from host_runtime.runner.config import FlushCallback
@@ -165,7 +164,8 @@ class Replica:
         self._in_rings: dict[str, Ring] = {}
         self._out_rings: dict[str, Ring] = {}
         self._loop: cf.Future[None] | None = None
-        self._pids = PidWatch()        # the device's IPU processes
+        self._pids = ExitWatch()       # the device's IPU processes (pidfds)
+        self._pids_exact = False       # ... every one of them watched by a pidfd
         self._wait_est_ns = 0          # moving estimate of an output wait (see _spin)
         # the device waits for the first input Main reads (setup.inputs is in read order);
         # frozen ones are always there
@@ -200,7 +200,9 @@ class Replica:
         self._in_plan = [(name, spec, self._in_rings[name], self._frozen_bytes.get(name))
                          for name, spec in self._publish_order]
         dev = s.device()
-        self._pids.watch(dev.pids() if dev is not None else [])
+        self._pids.close()
+        self._pids = ExitWatch(dev.pids() if dev is not None else [])
+        self._pids_exact = self._pids.exact and bool(self._pids.pids)
         # The device's service thread holds the loop future: refer back weakly, so that a
         # runner nobody references can be collected (and its __del__ release the IPUs).
         ref = weakref.ref(self)
@@ -360,7 +362,7 @@ class Replica:
         if s is None:
             return None
         pid = self._pids.dead_pid()
-        if pid is None and self._pids.active:
+        if pid is None and self._pids_exact:
             # Every IPU process is alive (pidfds, one poll). Other losses fail the
             # main-loop future, which sets self._error.
             return None
