@@ -20,8 +20,10 @@ input ring full drains (or waits for the drainer) instead of blocking, so
 unwaited futures cannot deadlock the replica.
 
 Timers (partial dynamic batches, requests that cannot run because inputs are
-missing with ``validate_io_params`` off) are driven by waiting threads, or by
-a small watchdog thread when ``flush_on_waiting_outputs`` is off.
+missing with ``validate_io_params`` off) are a ``ReplicaTimers`` the replica
+owns (``_replica_timers``), driven by waiting threads, or by a small watchdog
+thread when ``flush_on_waiting_outputs`` is off. An ``ExitWatch`` (``shm.liveness``)
+notices a dead IPU process before a request is sent to it.
 
 Failure: the main-loop future failing (device lost, device program error)
 invalidates this replica's rings, which wakes every waiter at once; all
@@ -32,37 +34,41 @@ replica when ``auto_reset`` is on, else it raises ``DeviceLostError``.
 from __future__ import annotations
 
 import collections
+import concurrent.futures as cf
 import logging
 import os
 import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Callable, Optional, Protocol
 
 import numpy as np
 
-from shm import (PeerDiedError, Ring, RingInvalidatedError, RingTimeoutError, ShmError,
+from shm import (ExitWatch, PeerDiedError, Ring, RingInvalidatedError, RingTimeoutError, ShmError,
                  WouldBlock)
+from shm.settings import settings
+from shm.spin import NEVER, spin_until, us_to_ns
 
-from host_runtime.runner._batching import TensorSpec
-from host_runtime.memory._copy import PARALLEL_MIN_BYTES, copy_bytes
-from host_runtime.runner._replica_timers import Phantom, PidWatch, ReplicaTimers
-from host_runtime.runner._requests import Request, raisable
 from host_runtime.errors import DeviceLostError, InvalidStateError, ModelRuntimeError
+from host_runtime.memory._copy import PARALLEL_MIN_BYTES, copy_bytes
+from host_runtime.memory._shared import SHARED_MIN_BYTES, shared_location
+from host_runtime.runner._batching import TensorSpec
+from host_runtime.runner._replica_timers import MakeFlushRequest, MergePhantom, ReplicaTimers
+from host_runtime.runner._requests import Request, Transfer, raisable
+from host_runtime.runner.config import FlushCallback
 from host_runtime.runner.monitoring import RequestMonitor
 from host_runtime.session._session import _STOP_TIMEOUT, DROP_STOP_TIMEOUT
-from host_runtime.memory._shared import SHARED_MIN_BYTES, shared_location
 from ipu_emulator.protocol import TAG_SHARED, host_memory_descriptor
 
-__all__ = ["Replica", "Transfer", "ReplicaSetup"]
+__all__ = ["Replica", "ReplicaSession", "ReplicaSetup", "SaveFn"]
 
 _log = logging.getLogger(__name__)
 
 _SLICE = 0.25          # seconds between re-checks of a blocked drain
-_SPIN_NS = int(float(os.environ.get("IPU_EMULATOR_RUNNER_SPIN_US", "100")) * 1000)
+_SPIN_NS = us_to_ns(settings().runner_spin_us)
 """Longest poll of an output ring before blocking (0: never poll); see Replica._spin."""
-_YIELDED_NS = int(float(os.environ.get("IPU_EMULATOR_YIELDED_US", "5")) * 1000) or 1 << 62
+_YIELDED_NS = us_to_ns(settings().yielded_us, NEVER)
 """A sched_yield() that took longer (ns) ran another task on this vCPU; see Replica._spin."""
 _ONE_CPU = len(os.sched_getaffinity(0)) < 2
 _native_id = threading.get_native_id
@@ -85,32 +91,44 @@ def _bytes_view(arr: np.ndarray) -> memoryview:
     return memoryview(arr).cast("B")  # type: ignore[arg-type]
 
 
-@dataclass(slots=True, init=False)
-class Transfer:
-    """One Main iteration on the device: a slot of every input it reads."""
+class DeviceProcesses(Protocol):
+    def pids(self) -> list[int]:
+        """The pids of the device's IPU processes."""
 
-    segments: list[tuple[Request, int, int, int]]   # (request, request unit, units, slot unit)
-    outputs: tuple[TensorSpec, ...]                  # outputs the device writes for it
-    published: bool
-    next_output: int
-    t_open: float                                    # monotonic time the partial was opened
-    samples: int                                     # dynamic batching: samples filled
-    slots: dict[str, np.ndarray]                     # open partial's slots
-    flush_asked: bool                                # flush_callback called for this partial
-    flush_extra: Optional["Request"]                 # what it gave, not yet packed
 
-    def __init__(self, segments: list[tuple[Request, int, int, int]],
-                 outputs: tuple[TensorSpec, ...], t_open: float = 0.0) -> None:
-        # written out: the generated __init__ with a default_factory took ~0.7 us, this ~0.25
-        self.segments = segments
-        self.outputs = outputs
-        self.published = False
-        self.next_output = 0
-        self.t_open = t_open
-        self.samples = 0
-        self.slots = {}
-        self.flush_asked = False
-        self.flush_extra = None
+class DirectPath(Protocol):
+    """What a replica uses of ``session.direct`` (the fast path, docs/CONTRACTS.md
+    section 5; ``host_runtime.session._fastpath.DirectStreams``)."""
+
+    def input_ring(self, handle: str) -> Ring: ...
+    def output_ring(self, handle: str) -> Ring: ...
+    def start_main_loop(self) -> cf.Future[None]: ...
+    def stop_main_loop(self, timeout: float = ...) -> None: ...
+    def failure(self) -> ModelRuntimeError | None: ...
+    def translate(self, exc: BaseException) -> BaseException: ...
+
+
+class ReplicaSession(Protocol):
+    """What a replica uses of its ``Session``: exactly these members (the fast path, its
+    lifetime, and what the save programs need). ``host_runtime.session.Session``
+    implements it; ``ModelRunner`` opens the sessions."""
+
+    @property
+    def direct(self) -> DirectPath: ...
+    # lifetime
+    def device(self) -> DeviceProcesses | None: ...
+    def stop(self) -> None: ...
+    def _stop(self, timeout: float, kill_if_hung: bool = False) -> None: ...
+    def close(self) -> None: ...
+    def _close(self, stop_timeout: float, kill_if_hung: bool) -> None: ...
+    # the save programs (ModelRunner's SaveFn)
+    def setCallbackForAnchor(self, anchor_handle: str,
+                             callback: Callable[[memoryview], None] | None) -> None: ...
+    def runSavePrograms(self) -> None: ...
+
+
+SaveFn = Callable[[ReplicaSession], None]
+"""Runs the save programs on a replica's session before it closes."""
 
 
 @dataclass
@@ -125,17 +143,18 @@ class ReplicaSetup:
     batch: int                              # dynamic: samples per transfer
     timeout_ns: int
     partial_flush_ns: Optional[int]         # None: never flush a partial batch on a timer
-    flush_callback: Optional[Callable[..., Any]]
+    flush_callback: Optional[FlushCallback]
     auto_reset: bool
     monitor: RequestMonitor
-    open_session: Callable[[], Any]         # returns a bound Session with direct anchors claimed
+    open_session: Callable[[], ReplicaSession]  # a bound Session with direct anchors claimed
     watchdog: bool                          # flush partials even when nobody waits
-    make_flush_request: Callable[[Any, Any], Optional[Request]]  # flush_callback result -> request
-    merge_phantom: Callable[[Request, Request], Optional[int]]   # -> transfers once complete
+    make_flush_request: MakeFlushRequest    # flush_callback result -> request
+    merge_phantom: MergePhantom             # -> transfers once complete
 
 
-class Replica(ReplicaTimers):
-    """The engine of one replica; see the module docstring."""
+class Replica:
+    """The engine of one replica; see the module docstring. It is the ``TimerOwner`` of
+    its timers and the ``Driver`` of its requests."""
 
     def __init__(self, setup: ReplicaSetup) -> None:
         self.setup = setup
@@ -147,24 +166,28 @@ class Replica(ReplicaTimers):
         self._cv = threading.Condition(self._cv_lock)
         self._inflight: collections.deque[Transfer] = collections.deque()
         self._partial: Transfer | None = None
-        self._phantoms: list[Phantom] = []
         self._draining = False
         self._error: ModelRuntimeError | None = None
         self._closed = False
-        self._session: Any = None
+        self._session: ReplicaSession | None = None
         self._in_rings: dict[str, Ring] = {}
         self._out_rings: dict[str, Ring] = {}
-        self._loop: Any = None
-        self._watchdog: threading.Thread | None = None
-        self._pids = PidWatch()
+        self._loop: cf.Future[None] | None = None
+        self._pids = ExitWatch()       # the device's IPU processes (pidfds)
+        self._pids_exact = False       # ... every one of them watched by a pidfd
         self._wait_est_ns = 0          # moving estimate of an output wait (see _spin)
-        self._watch_wake = threading.Condition(threading.Lock())
+        # the device waits for the first input Main reads (setup.inputs is in read order);
+        # frozen ones are always there
+        waits_for = next((n for n in setup.inputs if n not in setup.frozen_main), "")
+        self._timers = ReplicaTimers(
+            self, self.rid, timeout_ns=setup.timeout_ns, partial_flush_ns=setup.partial_flush_ns,
+            flush_callback=setup.flush_callback, make_flush_request=setup.make_flush_request,
+            merge_phantom=setup.merge_phantom, waits_for=waits_for, watchdog=setup.watchdog)
         self._publish_order = list(reversed(list(setup.inputs.items())))
         self._frozen_bytes = {n: _bytes_view(np.ascontiguousarray(a))
                               for n, a in setup.frozen_main.items()}
         self._in_plan: list[tuple[str, TensorSpec, Ring, memoryview | None]] = []
         self._hint_tid = 0             # the thread id last written into the input rings
-        self._alive_poll: Callable[[int], list[tuple[int, int]]] | None = None
         # an output large enough for host shared memory (see _redirects)
         self._may_redirect = any(s.nbytes >= SHARED_MIN_BYTES for s in setup.outputs.values())
         self._open()
@@ -188,24 +211,75 @@ class Replica(ReplicaTimers):
         self._in_plan = [(name, spec, self._in_rings[name], self._frozen_bytes.get(name))
                          for name, spec in self._publish_order]
         dev = s.device()
-        self._pids.watch(dev.pids() if dev is not None else [])
-        # submit's check that every IPU process lives (see _check_device); None: call it
-        self._alive_poll = self._pids._poll.poll if self._pids.active else None
+        self._pids.close()
+        self._pids = ExitWatch(dev.pids() if dev is not None else [])
+        self._pids_exact = self._pids.exact and bool(self._pids.pids)
         # The device's service thread holds the loop future: refer back weakly, so that a
         # runner nobody references can be collected (and its __del__ release the IPUs).
         ref = weakref.ref(self)
 
-        def on_loop_end(fut: Any) -> None:
+        def on_loop_end(fut: cf.Future[None]) -> None:
             replica = ref()
             if replica is not None:
                 replica._on_loop_end(fut)
         loop.add_done_callback(on_loop_end)
 
     @property
-    def session(self) -> Any:
+    def session(self) -> ReplicaSession | None:
         return self._session
 
-    def _on_loop_end(self, fut: Any) -> None:
+    # -- TimerOwner (see _replica_timers) ----------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def partial(self) -> Transfer | None:
+        return self._partial
+
+    def try_publish_partial(self, tr: Transfer, extra: Request | None) -> bool:
+        if not self._submit_lock.acquire(blocking=False):
+            return False   # a submitter is busy (it will publish or the timer fires again)
+        try:
+            if extra is not None and self._partial is tr:
+                self._pack(extra)
+                extra.t_prepared = time.perf_counter_ns()
+            if self._partial is tr:
+                self._publish_partial(tr, pad=True)
+        except (ShmError, OSError) as exc:
+            self._fail_everything(self._translate(exc))
+        finally:
+            self._submit_lock.release()
+        return True
+
+    def try_send(self, request: Request, transfers: int) -> bool:
+        if not self._submit_lock.acquire(blocking=False):
+            return False
+        try:
+            if self.setup.dynamic:
+                self._pack(request)
+            else:
+                self._write_whole(request, transfers)
+        except (ShmError, OSError) as exc:
+            self._fail_everything(self._translate(exc))
+        finally:
+            self._submit_lock.release()
+        return True
+
+    def fire_timers_as_drainer(self) -> None:
+        with self._cv:
+            if self._draining:
+                self._cv.wait(0.01)
+                return
+            self._draining = True
+        try:
+            self._timers.fire(time.monotonic())
+        finally:
+            with self._cv:
+                self._draining = False
+                self._cv.notify_all()
+
+    def _on_loop_end(self, fut: cf.Future[None]) -> None:
         """The device's main loop ended: stop() (normal) or a failure."""
         if fut is not self._loop or self._closed:
             return
@@ -220,8 +294,7 @@ class Replica(ReplicaTimers):
             if self._error is None:
                 self._error = err
             pending = list(self._inflight)
-            phantoms = list(self._phantoms)
-            self._phantoms.clear()
+        phantoms = self._timers.take_phantoms()
         # Wake every thread blocked on one of our rings.
         for ring in [*self._in_rings.values(), *self._out_rings.values()]:
             try:
@@ -239,7 +312,7 @@ class Replica(ReplicaTimers):
     def _closed_error(self) -> InvalidStateError:
         return InvalidStateError(f"replica {self.rid}: the ModelRunner was closed")
 
-    def close(self, save: Callable[[Any], None] | None = None, dropped: bool = False) -> None:
+    def close(self, save: SaveFn | None = None, dropped: bool = False) -> None:
         """Stop the loop, optionally run the save programs, close the session (idempotent).
 
         ``dropped``: the runner was dropped; a device that does not stop within
@@ -251,18 +324,16 @@ class Replica(ReplicaTimers):
         closed = self._closed_error()
         with self._cv:
             pending = list(self._inflight)
-            phantoms = list(self._phantoms)
             self._inflight.clear()
-            self._phantoms.clear()
             self._partial = None
             self._cv.notify_all()
+        phantoms = self._timers.take_phantoms()
         for tr in pending:
             for seg in tr.segments:
                 seg[0].fail(closed)
         for ph in phantoms:
             ph.request.fail(closed)
-        with self._watch_wake:
-            self._watch_wake.notify_all()
+        self._timers.close()
         s = self._session
         if s is None:
             return
@@ -302,7 +373,7 @@ class Replica(ReplicaTimers):
         if s is None:
             return None
         pid = self._pids.dead_pid()
-        if pid is None and self._pids.active:
+        if pid is None and self._pids_exact:
             # Every IPU process is alive (pidfds, one poll). Other losses fail the
             # main-loop future, which sets self._error.
             return None
@@ -313,7 +384,7 @@ class Replica(ReplicaTimers):
                 lost = err if isinstance(err, ModelRuntimeError) else DeviceLostError(str(err))
         if lost is not None:
             self._fail_everything(lost)
-        return lost  # type: ignore[no-any-return]
+        return lost
 
     def _reset(self) -> None:
         """auto_reset: restart the device (a new session on a fresh device) and reload."""
@@ -338,8 +409,9 @@ class Replica(ReplicaTimers):
     def submit(self, req: Request, transfers: int, phantom: str | None = None) -> None:
         """Send ``req`` to the device (or park it as a phantom that will time out)."""
         with self._submit_lock:
-            alive = self._alive_poll   # the pidfd poll of _check_device, inline (~0.3 us)
-            if self._closed or self._error is not None or alive is None or alive(0):
+            # _ensure_usable only when something is off (its pidfd poll, inline)
+            if (self._closed or self._error is not None or not self._pids_exact
+                    or self._pids.dead_pid() is not None):
                 self._ensure_usable()
             try:
                 try:
@@ -353,7 +425,7 @@ class Replica(ReplicaTimers):
                         ring.set_user_word(tid)
                     self._hint_tid = tid
                 if phantom is not None:
-                    self._add_phantom(req, phantom)
+                    self._timers.add_phantom(req, phantom, self._partial)
                 elif self.setup.dynamic:
                     self._pack(req)
                 else:
@@ -522,7 +594,7 @@ class Replica(ReplicaTimers):
             if tr.samples == B:
                 self._publish_partial(tr)
         if self._partial is not None:
-            self._kick_watchdog()
+            self._timers.kick(self._partial)
 
     def _publish_partial(self, tr: Transfer, pad: bool = False) -> None:
         for name, slot in tr.slots.items():
@@ -543,6 +615,7 @@ class Replica(ReplicaTimers):
         """Drive this replica until ``req`` is done or ``timeout`` seconds pass."""
         end = None if timeout is None else time.monotonic() + timeout
         lock = self._cv_lock
+        timers = self._timers
         while not req.is_done():
             if self._closed:
                 req.fail(self._closed_error())
@@ -562,7 +635,7 @@ class Replica(ReplicaTimers):
                 head = self._inflight[0] if self._inflight else None
             try:
                 if (end is None and head is not None and head.published
-                        and self._partial is None and not self._phantoms):
+                        and self._partial is None and not timers.has_phantoms):
                     # _drive_step's common case, inline: no timer to fire, no deadline,
                     # the oldest transfer is on the device: drain it
                     try:
@@ -599,22 +672,24 @@ class Replica(ReplicaTimers):
     def _drive_step(self, end: float | None) -> None:
         """Caller holds the drain role: fire due timers, then drain (or wait for) one transfer."""
         now = time.monotonic()
+        timers = self._timers
         # timers are due only with a partial batch or a phantom (else the deadline is inf)
-        if (self._partial is not None or self._phantoms) and self._next_deadline() <= now:
-            self._fire_timers(now)
+        if ((self._partial is not None or timers.has_phantoms)
+                and timers.next_deadline(self._partial) <= now):
+            timers.fire(now)
         with self._cv_lock:
             head = self._inflight[0] if self._inflight else None
             if head is None or not head.published:
                 if self._error is not None and head is not None:
                     self._inflight.popleft()
                     return
-                wait = min(self._next_deadline(), end if end is not None else float("inf"))
+                wait = min(timers.next_deadline(self._partial), end if end is not None else float("inf"))
                 wait = min(_SLICE, max(0.0, wait - now))
                 if wait > 0:
                     self._cv.wait(wait)
                 return
-        limit = (self._next_deadline() if self._partial is not None or self._phantoms
-                 else _INF)
+        limit = (timers.next_deadline(self._partial)
+                 if self._partial is not None or timers.has_phantoms else _INF)
         if end is not None and end < limit:
             limit = end
         timeout = _SLICE * 4 if limit == _INF else min(_SLICE * 4, max(0.0, limit - now))
@@ -635,6 +710,7 @@ class Replica(ReplicaTimers):
             ring = self._out_rings[spec.name]
             # a small output is copied out of its slot and the slot released in one call
             small = spec.nbytes <= _READ_MAX
+            view: memoryview | bytes
             if ring.readable():
                 view, tag = ring.read(timeout) if small else ring.acquire_read(timeout)
                 self._wait_est_ns = (7 * self._wait_est_ns) >> 3   # a wait of ~0
@@ -689,19 +765,10 @@ class Replica(ReplicaTimers):
         """
         if self._wait_est_ns > 3 * _SPIN_NS:
             return
-        clock = time.perf_counter_ns
-        stop = clock() + _SPIN_NS
-        readable = ring.readable
-        yield_cpu = os.sched_yield
-        while not readable():
-            t = clock()
-            if t >= stop:
-                return
-            yield_cpu()   # let the IPU process run if it shares this vCPU
-            if _ONE_CPU and clock() - t > _YIELDED_NS:
-                # another task ran on this vCPU (likely the IPU process): block instead, so
-                # that a wake-up lets the scheduler put one of us on an idle vCPU
-                return
+        # yields to the IPU process if it shares this vCPU; on one CPU a long yield means
+        # it does: block instead, so that a wake-up lets the scheduler put one of us on an
+        # idle vCPU
+        spin_until(ring.readable, _SPIN_NS, _YIELDED_NS if _ONE_CPU else NEVER)
 
     @staticmethod
     def _copy_out(tr: Transfer, spec: TensorSpec, view: memoryview | bytes,

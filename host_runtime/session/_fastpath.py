@@ -16,12 +16,12 @@ needs of the session (binding, the checks and load programs before Main) is the
 from __future__ import annotations
 
 import concurrent.futures as cf
-import os
 import weakref
 from typing import TYPE_CHECKING, Protocol
 
 from shm import (PeerDiedError, Ring, RingInvalidatedError, RingTimeoutError, ShmClosedError,
                  ShmError)
+from shm.settings import settings
 
 from host_runtime import popef
 from host_runtime.devices._link import wait
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DirectStreams", "SessionCore"]
 
-_STOP_TIMEOUT = float(os.environ.get("IPU_EMULATOR_STOP_TIMEOUT", "30"))
+_STOP_TIMEOUT = settings().stop_timeout
 
 
 class SessionCore(Protocol):

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from shm import Region
+from shm.settings import settings
 
 from host_runtime import popef
 from host_runtime.devices._ipu_group import ShardedLoad
@@ -72,8 +73,8 @@ _log = logging.getLogger(__name__)
 CallbackHandle = Callable[[memoryview], None]
 """Called with one transfer: writable for inputs, read-only (valid during the call) for outputs."""
 
-_STOP_TIMEOUT = float(os.environ.get("IPU_EMULATOR_STOP_TIMEOUT", "30"))
-_LOAD_TIMEOUT = float(os.environ.get("IPU_EMULATOR_LOAD_TIMEOUT", "300"))
+_STOP_TIMEOUT = settings().stop_timeout
+_LOAD_TIMEOUT = settings().load_timeout
 DROP_STOP_TIMEOUT = 1.0
 """Seconds a dropped session (or runner) waits for its own device to stop before it kills
 the device's IPU processes: ``__del__`` must not block for long."""
