@@ -48,7 +48,7 @@ except ImportError:   # built without the C extensions: iterations run in Python
     _stepcore = None
 
 __all__ = ["InAction", "OutAction", "INPUT_TAGS", "OUTPUT_TAGS", "SLOT_TAG", "HOST_TAG",
-           "StreamPlan", "input_action", "make_step", "plan_stream"]
+           "StreamPlan", "c_accepts", "input_action", "make_step", "plan_stream"]
 
 
 class InAction(enum.IntEnum):
@@ -60,9 +60,16 @@ class InAction(enum.IntEnum):
     ABORT = 3   # the host could not produce the input: the request fails
 
 
-INPUT_TAGS: dict[int, InAction] = {TAG_DATA: InAction.SLOT, TAG_SHARED: InAction.HOST,
-                                   TAG_ABORT: InAction.ABORT}
-"""Slot tag -> what it means; any other tag is a plain transfer (:func:`input_action`)."""
+class _InputTags(dict[int, InAction]):
+    def __missing__(self, tag: int) -> InAction:
+        return InAction.SLOT   # any other tag: a plain transfer
+
+
+INPUT_TAGS: dict[int, InAction] = _InputTags({TAG_DATA: InAction.SLOT,
+                                              TAG_SHARED: InAction.HOST,
+                                              TAG_ABORT: InAction.ABORT})
+"""Slot tag -> what it means; ``INPUT_TAGS[tag]`` of any other tag is ``InAction.SLOT``
+(a plain transfer)."""
 
 
 class OutAction(enum.IntEnum):
@@ -79,9 +86,8 @@ SLOT_TAG = OUTPUT_TAGS[OutAction.SLOT]
 HOST_TAG = OUTPUT_TAGS[OutAction.HOST]
 
 
-def input_action(tag: int) -> InAction:
-    """What an input slot tagged ``tag`` holds."""
-    return INPUT_TAGS.get(tag, InAction.SLOT)
+input_action: Callable[[int], InAction] = INPUT_TAGS.__getitem__
+"""``input_action(tag)``: what an input slot tagged ``tag`` holds (one dict look-up)."""
 
 
 @dataclass(frozen=True)
@@ -111,8 +117,12 @@ def plan_stream(direction: str, mode: int) -> StreamPlan:
 _C_ACTIONS: dict[InAction, int] = (
     {InAction.SLOT: _stepcore.IN_SLOT, InAction.HOST: _stepcore.IN_TABLE}
     if _stepcore is not None else {})
-_C_ACCEPTS: tuple[tuple[int, int], ...] = tuple(
-    (tag, _C_ACTIONS[a]) for tag, a in INPUT_TAGS.items() if a in _C_ACTIONS)
+
+
+def c_accepts() -> tuple[tuple[int, int], ...]:
+    """:data:`INPUT_TAGS` as the C step's (tag, action code) pairs, for the actions it
+    does (a tag not listed, e.g. an abort or a tag outside the table, goes to Python)."""
+    return tuple((tag, _C_ACTIONS[a]) for tag, a in INPUT_TAGS.items() if a in _C_ACTIONS)
 
 
 def make_step(inputs: Sequence[tuple[Any, int, StreamPlan]],
@@ -132,12 +142,13 @@ def make_step(inputs: Sequence[tuple[Any, int, StreamPlan]],
         return None
     if not all(i[2].c_step for i in inputs) or not all(o[3].c_step for o in outputs):
         return None
+    accepts = c_accepts()
     ins = []
     for ring, nbytes, _ in inputs:
         h = ring.c_handle()
         if h is None:
             return None
-        ins.append((h, nbytes, _C_ACCEPTS))
+        ins.append((h, nbytes, accepts))
     outs = []
     for ring, nbytes, handle, _ in outputs:
         h = ring.c_handle()

@@ -17,8 +17,9 @@ import shm.ring as ring_module
 from ipu_emulator.device import _iteration
 from shm import Ring
 
-pytestmark = pytest.mark.skipif(ring_module._ringcore is None or _iteration._stepcore is None,
-                                reason="the C extensions are not built (or IPU_EMULATOR_RING_C=0)")
+# Built with shm._ringcore by the same setup.py: a missing _stepcore fails the tests.
+pytestmark = pytest.mark.skipif(ring_module._ringcore is None,
+                                reason="shm._ringcore is not built (IPU_EMULATOR_RING_C=0)")
 
 N = 16              # floats per transfer
 NBYTES = 4 * N
@@ -341,3 +342,66 @@ def test_run_many_checks_its_arguments(stage) -> None:
         stage.step.run_many(0, FAR_FUTURE)
     with pytest.raises(TypeError, match=r"expected a ring handle \(Ring.c_handle\(\)\), got Ring"):
         stage.step.run_many(1, FAR_FUTURE, stage.a)
+
+
+# -- the plan the step executes (ipu_emulator.device._iteration) ---------------------------
+
+
+def test_the_step_core_is_built_and_reaches_rings_through_the_shm_c_api() -> None:
+    assert _iteration._stepcore is not None, "ipu_emulator.device._stepcore did not build"
+    import shm._ringcore as ringcore
+    assert type(ringcore._C_API).__name__ == "PyCapsule"
+    assert "shm._ringcore._C_API" in repr(ringcore._C_API)
+    assert not hasattr(ringcore, "Step")   # shm knows no iterations
+
+
+def test_the_tag_table_is_the_one_rule_python_and_c_follow(stage, monkeypatch) -> None:
+    """A tag the table does not list is data to Python but not done in C; listing it
+    (one edit, in INPUT_TAGS) makes the C step serve it too."""
+    from ipu_emulator.protocol import MODE_DIRECT, TAG_ABORT, TAG_DATA, TAG_SHARED
+
+    I = _iteration.InAction
+    assert _iteration.input_action(TAG_DATA) is I.SLOT
+    assert _iteration.input_action(TAG_SHARED) is I.HOST
+    assert _iteration.input_action(TAG_ABORT) is I.ABORT
+    assert _iteration.input_action(9) is I.SLOT
+    core = _iteration._stepcore
+    assert set(_iteration.c_accepts()) == {(TAG_DATA, core.IN_SLOT),
+                                           (TAG_SHARED, core.IN_TABLE)}
+
+    def step():
+        ins = [(r, NBYTES, _iteration.plan_stream("in", MODE_DIRECT)) for r in (stage.a, stage.b)]
+        outs = [(stage.c_near, NBYTES, "c", _iteration.plan_stream("out", MODE_DIRECT))]
+        made = _iteration.make_step(ins, outs, stage.descriptors, stage.calls)
+        assert made is not None
+        return made[0]
+
+    stage.add_slot_calls()
+    a, b = _vectors(30)
+    stage.a_far.write(a, tag=9)
+    stage.b_far.write(b)
+    assert step().run() is False   # not in the table: left to Python
+    monkeypatch.setitem(_iteration.INPUT_TAGS, 9, I.SLOT)
+    assert step().run() is True
+    data, tag = stage.c_far.read()
+    assert tag == _iteration.SLOT_TAG
+    np.testing.assert_array_equal(np.frombuffer(data, np.float32), a * 2 + b)
+
+
+def test_outputs_are_published_with_the_plans_tags(stage) -> None:
+    a, b = _vectors(31)
+    a_mem = memoryview(bytearray(a.tobytes()))
+    c_mem = memoryview(bytearray(NBYTES))
+    stage.descriptors[b"desc"] = (a_mem, (("c", c_mem),))
+    for ib in stage.b._payload:
+        stage.add_call(a_mem, ib[:NBYTES], c_mem)
+    from ipu_emulator.protocol import MODE_DIRECT, TAG_SHARED
+
+    ins = [(r, NBYTES, _iteration.plan_stream("in", MODE_DIRECT)) for r in (stage.a, stage.b)]
+    outs = [(stage.c_near, NBYTES, "c", _iteration.plan_stream("out", MODE_DIRECT))]
+    step, _ = _iteration.make_step(ins, outs, stage.descriptors, stage.calls)
+    stage.a_far.write(b"desc", tag=TAG_SHARED)
+    stage.b_far.write(b)
+    assert step.run() is True
+    assert stage.c_far.read() == (b"", _iteration.HOST_TAG)
+    np.testing.assert_array_equal(np.frombuffer(c_mem, np.float32), a * 2 + b)
