@@ -448,8 +448,14 @@ PyMODINIT_FUNC
 PyInit__stepcore(void)
 {
     ring = (const ShmRingAPI *)PyCapsule_Import(SHM_RING_API_CAPSULE, 0);
-    if (ring == NULL)
+    if (ring == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_ImportError)) {   /* e.g. a stale shm._ringcore */
+            PyErr_Clear();
+            PyErr_SetString(PyExc_ImportError, "shm._ringcore has no C API "
+                            "(" SHM_RING_API_CAPSULE "): rebuild the extensions");
+        }
         return NULL;
+    }
     if (ring->version != SHM_RING_API_VERSION) {
         PyErr_Format(PyExc_ImportError, "shm._ringcore has C API version %d, this module "
                      "was built for %d: rebuild the extensions", ring->version,
