@@ -38,8 +38,8 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from ipu_emulator.protocol import (MODE_DIRECT, MODE_DIRECT_NOTIFY, MODE_EVENT, MODE_NULL,
-                                   TAG_ABORT, TAG_DATA, TAG_SHARED)
+from ipu_emulator.protocol import (MODE_DIRECT, MODE_EVENT, MODE_NULL, TAG_ABORT, TAG_DATA,
+                                   TAG_SHARED)
 
 try:
     import ipu_emulator.device._stepcore as _stepcore_module
@@ -104,7 +104,7 @@ class StreamPlan:
 def plan_stream(direction: str, mode: int) -> StreamPlan:
     """The plan of a stream of ``direction`` ("in"/"out") in ``mode`` (protocol.MODE_*)."""
     null = mode == MODE_NULL
-    need_event = direction == "in" and mode in (MODE_EVENT, MODE_DIRECT_NOTIFY)
+    need_event = direction == "in" and mode == MODE_EVENT
     out_event = direction == "out" and mode == MODE_EVENT
     # An input's NEED is posted only before a wait, and a C step never waits; an output's
     # OUT follows each publish, which the C step does not post.

@@ -15,11 +15,12 @@ What a transfer's tag means and what each stream does in its mode is
 from __future__ import annotations
 
 import functools
-import os
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from shm import Region, Ring, RingInvalidatedError, RingTimeoutError
+from shm.settings import settings
+from shm.spin import NEVER, spin_until, us_to_ns
 
 from ipu_emulator.device._host_memory import HostMemoryError
 from ipu_emulator.device._iteration import (HOST_TAG, SLOT_TAG, INPUT_TAGS, InAction,
@@ -31,9 +32,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["_Loaded", "_RequestError", "_RingIO", "_Stream"]
 
-_SPIN_NS = int(float(os.environ.get("IPU_EMULATOR_DEVICE_SPIN_US", "50")) * 1000)
+_SPIN_NS = us_to_ns(settings().device_spin_us)
 """Longest poll of an empty input ring before blocking (0: never poll); see _RingIO._wait_read."""
-_YIELDED_NS = int(float(os.environ.get("IPU_EMULATOR_YIELDED_US", "5")) * 1000) or 1 << 62
+_YIELDED_NS = us_to_ns(settings().yielded_us, NEVER)
 
 
 _NO_STEP = object()
@@ -239,20 +240,10 @@ class _RingIO:
         _wait_read); True once it is true, False if this process should block instead."""
         if not _SPIN_NS or self._wait_est_ns > 2 * _SPIN_NS:
             return False
-        clock = time.perf_counter_ns
-        stop = clock() + _SPIN_NS
-        yield_cpu = os.sched_yield
-        while not ready():
-            t = clock()
-            if t >= stop:
-                return False
-            yield_cpu()   # let the host run if it shares this vCPU
-            if clock() - t > _YIELDED_NS and not self._dev.keeps_apart:
-                # Another task ran: this vCPU is shared (likely with the host). Block
-                # instead: the wake-up lets the scheduler move one of us to an idle vCPU
-                # (two polling processes on one vCPU are never separated).
-                return False
-        return True
+        # yields to the host if it shares this vCPU; a long yield means it does: block
+        # instead (unless keeping apart), the wake-up lets the scheduler move one of us to
+        # an idle vCPU (two polling processes on one vCPU are never separated)
+        return spin_until(ready, _SPIN_NS, NEVER if self._dev.keeps_apart else _YIELDED_NS)
 
     def _check_transfer(self, handle: str, view: memoryview, action: InAction,
                         nbytes: int) -> None:

@@ -28,7 +28,7 @@ def test_a_ring_without_the_c_core_has_no_handle_and_no_step(monkeypatch) -> Non
 
 
 def test_stream_plans_by_mode() -> None:
-    from ipu_emulator.protocol import MODE_DIRECT, MODE_DIRECT_NOTIFY, MODE_EVENT, MODE_NULL
+    from ipu_emulator.protocol import MODE_DIRECT, MODE_EVENT, MODE_NULL
 
     def flags(direction, mode):
         p = _iteration.plan_stream(direction, mode)
@@ -36,9 +36,7 @@ def test_stream_plans_by_mode() -> None:
     #                                       null   need   out    c_step poll
     assert flags("in", MODE_EVENT) ==         (False, True, False, True, False)
     assert flags("in", MODE_DIRECT) ==        (False, False, False, True, True)
-    assert flags("in", MODE_DIRECT_NOTIFY) == (False, True, False, True, False)
     assert flags("in", MODE_NULL) ==          (True, False, False, False, False)
     assert flags("out", MODE_EVENT) ==        (False, False, True, False, False)
     assert flags("out", MODE_DIRECT) ==       (False, False, False, True, False)
-    assert flags("out", MODE_DIRECT_NOTIFY) == (False, False, False, True, False)
     assert flags("out", MODE_NULL) ==         (True, False, False, False, False)
