@@ -55,10 +55,6 @@ LAYERS = {
 
 # (importer, imported module or module.name) -> who must remove it
 ALLOWED_PRIVATE: dict[tuple[str, str], str] = {
-    # shm's C core's address(): used for speed with a pure-Python fallback; shm should
-    # export it (e.g. shm.buffer_address). Owner: the lead (shm).
-    ("ipu_emulator.device.interpreter", "shm._ringcore.address"): "lead (shm + device)",
-    ("host_runtime.memory._shared", "shm._ringcore.address"): "lead (shm), then h2 (memory)",
     # compiler internals the tools use: ipu_emulator.compiler should export them.
     ("tools.popef_dump", "ipu_emulator.compiler._sharding.describe_parts"): "lead (tools)",
     ("tools.conformance", "ipu_emulator.compiler._prepare.prepare"): "lead (tools)",
