@@ -66,9 +66,6 @@ KNOWN_CYCLES: dict[frozenset[str], str] = {
     # process imports _stream_io's classes, _stream_io types its DeviceProcess (TYPE_CHECKING).
     frozenset({"ipu_emulator.device._stream_io", "ipu_emulator.device.process"}):
         "lead (ipu_emulator.device)",
-    # launcher imports forkserver, forkserver imports launcher.describe_returncode locally.
-    frozenset({"ipu_emulator.device.forkserver", "ipu_emulator.device.launcher"}):
-        "lead (ipu_emulator.device)",
 }
 
 # (importer, imported module) -> why it is imported lazily; see the module docstring
