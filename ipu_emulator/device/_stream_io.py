@@ -5,7 +5,7 @@ executable that is running: it reads input transfers from, and writes output
 transfers to, the active session's stream rings, posts NEED/OUT events for
 streams in event mode, resolves inputs sent as host shared memory
 (``TAG_SHARED``) and writes redirected outputs there. While it waits for an
-input it polls briefly, then blocks in slices through ``DeviceProcess.wait_on``
+input it polls briefly, then blocks in slices through ``StreamHost.wait_on``
 (which re-checks the control ring and the host between slices).
 
 What a transfer's tag means and what each stream does in its mode is
@@ -16,19 +16,32 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol, TypeVar
 
 from shm import Region, Ring, RingInvalidatedError, RingTimeoutError
 from shm.settings import settings
 from shm.spin import NEVER, spin_until, us_to_ns
 
-from ipu_emulator.device._host_memory import HostMemoryError
+from ipu_emulator.device._host_memory import HostMemory, HostMemoryError
 from ipu_emulator.device._iteration import (HOST_TAG, SLOT_TAG, INPUT_TAGS, InAction,
                                             StreamPlan, make_step, plan_stream)
 from ipu_emulator.protocol import ErrorKind, Message, Op
 
-if TYPE_CHECKING:  # pragma: no cover
-    from ipu_emulator.device.process import DeviceProcess
+_T = TypeVar("_T")
+
+
+class StreamHost(Protocol):
+    """What the stream I/O needs of the IPU process that runs it (``process.DeviceProcess``)."""
+
+    host_memory: HostMemory    # host arrays read in place, outputs written there
+    keeps_apart: bool          # True: this process keeps off the host's CPU (never yield)
+
+    def post(self, msg: Message) -> None:
+        """Post an event (NEED, OUT) to the host."""
+
+    def wait_on(self, fn: Callable[..., _T]) -> _T:
+        """Call a blocking ring operation, re-checking the control ring and the host between
+        slices; raises when the run must stop."""
 
 __all__ = ["_Loaded", "_RequestError", "_RingIO", "_Stream"]
 
@@ -113,7 +126,7 @@ class _Loaded:
 class _RingIO:
     """StreamIO of the interpreter over the active session's stream rings."""
 
-    def __init__(self, dev: "DeviceProcess", loaded: _Loaded) -> None:
+    def __init__(self, dev: StreamHost, loaded: _Loaded) -> None:
         self._dev = dev
         self._loaded = loaded
         self.disconnected = False   # a stream ring was invalidated (the host disconnected it)
@@ -233,7 +246,7 @@ class _RingIO:
                 pass
         got = self._dev.wait_on(ring.acquire_read)
         self._wait_est_ns = (7 * self._wait_est_ns + min(clock() - t0, 4 * _SPIN_NS)) >> 3
-        return got  # type: ignore[no-any-return]
+        return got
 
     def _poll(self, ready: Callable[[], Any]) -> bool:
         """Poll ``ready()`` for up to _SPIN_NS while recent waits were short (see

@@ -59,9 +59,6 @@ ALLOWED_PRIVATE: dict[tuple[str, str], str] = {
 
 # strongly connected components allowed today -> who must break them
 KNOWN_CYCLES: dict[frozenset[str], str] = {
-    # process imports _stream_io's classes, _stream_io types its DeviceProcess (TYPE_CHECKING).
-    frozenset({"ipu_emulator.device._stream_io", "ipu_emulator.device.process"}):
-        "lead (ipu_emulator.device)",
 }
 
 # (importer, imported module) -> why it is imported lazily; see the module docstring
