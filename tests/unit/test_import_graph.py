@@ -55,43 +55,10 @@ LAYERS = {
 
 # (importer, imported module or module.name) -> who must remove it
 ALLOWED_PRIVATE: dict[tuple[str, str], str] = {
-    # shm's C core's address(): used for speed with a pure-Python fallback; shm should
-    # export it (e.g. shm.buffer_address). Owner: the lead (shm).
-    ("ipu_emulator.device.interpreter", "shm._ringcore.address"): "lead (shm + device)",
-    ("host_runtime.memory._shared", "shm._ringcore.address"): "lead (shm), then h2 (memory)",
-    # compiler internals the tools use: ipu_emulator.compiler should export them.
-    ("tools.popef_dump", "ipu_emulator.compiler._sharding.describe_parts"): "lead (tools)",
-    ("tools.conformance", "ipu_emulator.compiler._prepare.prepare"): "lead (tools)",
-    # the daemon's metrics server: ipu_emulator.daemon should export it.
-    ("tools.daemon", "ipu_emulator.daemon._metrics.MetricsServeError"): "lead (tools, daemon)",
-    ("tools.stress", "ipu_emulator.daemon._metrics.MetricsServer"): "lead (tools, daemon)",
-    # the pytest plugin reaches into host_runtime's modules: host_runtime exports these names.
-    ("tools.pytest_plugin", "host_runtime.devices._manager.DeviceWaitConfig"): "lead (plugin)",
-    ("tools.pytest_plugin", "host_runtime.devices._manager.DeviceWaitStrategy"): "lead (plugin)",
-    ("tools.pytest_plugin", "host_runtime.runner._model_runner.ModelRunner"): "lead (plugin)",
-    ("tools.pytest_plugin.leaks", "host_runtime.devices._manager.Device"): "lead (plugin)",
-    ("tools.pytest_plugin.leaks", "host_runtime.runner._model_runner.ModelRunner"):
-        "lead (plugin)",
-    ("tools.pytest_plugin.machine", "host_runtime.devices._manager.DeviceManager"):
-        "lead (plugin)",
 }
 
 # strongly connected components allowed today -> who must break them
 KNOWN_CYCLES: dict[frozenset[str], str] = {
-    # process imports _stream_io's classes, _stream_io types its DeviceProcess (TYPE_CHECKING).
-    frozenset({"ipu_emulator.device._stream_io", "ipu_emulator.device.process"}):
-        "lead (ipu_emulator.device)",
-    # launcher imports forkserver, forkserver imports launcher.describe_returncode locally.
-    frozenset({"ipu_emulator.device.forkserver", "ipu_emulator.device.launcher"}):
-        "lead (ipu_emulator.device)",
-    # server imports DaemonMetrics, _metrics types its Daemon (TYPE_CHECKING).
-    frozenset({"ipu_emulator.daemon._metrics", "ipu_emulator.daemon.server"}):
-        "lead (ipu_emulator.daemon)",
-    # _backend calls _sharding locally, _sharding imports _backend's types and helpers.
-    frozenset({"ipu_emulator.compiler._backend", "ipu_emulator.compiler._sharding"}):
-        "lead (ipu_emulator.compiler)",
-    # stress imports _stress_live, _stress_live types stress's scenarios (TYPE_CHECKING).
-    frozenset({"tools._stress_live", "tools.stress"}): "lead (tools)",
 }
 
 # (importer, imported module) -> why it is imported lazily; see the module docstring
