@@ -45,7 +45,7 @@ from shm import Region, Ring
 from host_runtime.devices._link import DeviceLink, StreamServicer, wait
 from host_runtime.errors import BadRequestError, DeviceLostError, InvalidStateError, PopefError
 from ipu_emulator import protocol
-from ipu_emulator.device.launcher import IpuConnection, describe_returncode
+from ipu_emulator.device.launcher import IpuConnection, describe_returncode, kill_all
 from ipu_emulator.protocol import MODE_DIRECT, Op
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -259,14 +259,11 @@ class GroupLink:
             except Exception:
                 _log.exception("%s: device-lost handler failed", self.description)
         if not self._closing:
-            for p in self._procs:
-                if p.alive():
-                    _log.info("%s: killing IPU process %d (its device is lost)",
-                              self.description, p.pid)
-                    try:
-                        p.kill()
-                    except Exception:  # pragma: no cover - best effort
-                        _log.exception("killing IPU process %d", p.pid)
+            alive = [p for p in self._procs if p.alive()]
+            for p in alive:
+                _log.info("%s: killing IPU process %d (its device is lost)",
+                          self.description, p.pid)
+            kill_all(alive)   # all at once, then wait for all
         return err
 
     def _lost_error(self) -> DeviceLostError:
