@@ -62,6 +62,9 @@ _log = logging.getLogger("ipu_emulator.device.process")
 _monotonic = time.monotonic
 
 _SLICE = 0.1      # seconds between STOP checks while a program waits on a stream
+# the same for one IPU of several: when another IPU's program fails, the host stops this
+# one (STOP), and a wait on a host ring sees it only at the end of a slice
+_GROUP_SLICE = 0.01
 _HOST_CHECK = 0.25  # seconds between checks that the host is alive
 _CACHE = 4        # loaded executables kept per device (sessions sharing it)
 _PREFAULT_MAX = 512 * 1024   # pre-fault stream rings with transfers up to this size
@@ -138,6 +141,7 @@ class DeviceProcess:
         self._active: _Loaded | None = None
         self._stop_seq: int | None = None
         self._stop_soft = False   # STOP with value 1: end the running loop, stay runnable
+        self._slice = _SLICE      # of wait_on (shorter for one IPU of several)
         self._interpreter_cls: Any = None
         self._client = 0   # pool mode: the host the daemon handed this IPU to (0: none)
 
@@ -151,7 +155,7 @@ class DeviceProcess:
         between them."""
         while True:
             try:
-                return fn(_SLICE)
+                return fn(self._slice)
             except RingTimeoutError:
                 pass
             except RingInvalidatedError:
@@ -457,7 +461,9 @@ class DeviceProcess:
         # the host writes the id of its thread that submits into its input rings
         hinted = [st.ring for st in loaded.streams if st.direction == "in" and st.ring is not None]
         apart.hint = hinted[0].user_word if hinted else None
+        self._slice = _SLICE
         if loaded.interp.executable.attributes.get("keep_apart") == "0":
+            self._slice = _GROUP_SLICE
             # one IPU of several (compiler._sharding): the IPUs of a pipeline must spread
             # over the CPUs, not all leave the host's one
             apart.release()
