@@ -1,0 +1,25 @@
+"""``python -m tools.bench pipeline``: the hop (IPU-Link vs host ring, timed directly between
+two processes) and the latency parts run end to end (figures printed, not asserted)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tools.bench.__main__ import main as bench_main
+
+pytestmark = pytest.mark.usefixtures("private_machine")
+
+
+def test_pipeline_bench_hop_and_latency_print_every_row(capsys) -> None:
+    assert bench_main(["pipeline", "--only", "hop", "latency", "--hop-rounds", "60",
+                       "--blocks", "3"]) == 0
+    out = capsys.readouterr().out
+    link = re.search(r"^  IPU-Link hop \(IPU process stream code\)\s+(\d+\.\d)", out, re.M)
+    host = re.search(r"^  host ring transfer \(shm\.Ring\)\s+(\d+\.\d)", out, re.M)
+    assert link and host, out
+    assert float(link.group(1)) > 0 and float(host.group(1)) > 0, out
+    assert re.search(r"^  hop / host = \d+\.\d\d \(target <= 1\.5\)", out, re.M), out
+    for label in ("1 IPU", "2 IPUs sharded", "2 IPUs pipelined"):
+        assert re.search(rf"^  {re.escape(label)}\s+\d+\.\d", out, re.M), out
