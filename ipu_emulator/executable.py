@@ -43,6 +43,11 @@ import numpy as np
 from ipu_emulator.errors import ExecutableError
 
 __all__ = [
+    "LINK_PREFIX",
+    "SYNC_TENSOR",
+    "is_link",
+    "is_sync",
+    "parse_link",
     "MAGIC",
     "FORMAT_VERSION",
     "HEADER_SIZE",
@@ -66,6 +71,32 @@ __all__ = [
     "plan_memory",
     "read_header",
 ]
+
+# -- inter-IPU links (emulated IPU-Links) -------------------------------------------
+# A sharded executable's parts exchange tensors through streams whose handles name the
+# link: "__ipulink/<source ipu>/<destination ipu>/<tensor>". The compiler writes them, the
+# host wires them IPU to IPU (never through itself), the device runs them as streams.
+
+LINK_PREFIX = "__ipulink/"
+SYNC_TENSOR = "__ipusync"
+"""The tensor of the link that carries the sharding token (one is put in when links start)."""
+
+
+def is_link(handle: str) -> bool:
+    """True if the stream ``handle`` is an inter-IPU link, not a host anchor."""
+    return handle.startswith(LINK_PREFIX)
+
+
+def is_sync(handle: str) -> bool:
+    """A link that carries the sharding token."""
+    return is_link(handle) and handle.endswith("/" + SYNC_TENSOR)
+
+
+def parse_link(handle: str) -> tuple[int, int, str]:
+    """``"__ipulink/0/1/x"`` -> ``(0, 1, "x")`` (source IPU, destination IPU, tensor)."""
+    src, dst, tensor = handle[len(LINK_PREFIX):].split("/", 2)
+    return int(src), int(dst), tensor
+
 
 MAGIC = b"IPUEMUX\x00"
 FORMAT_VERSION = 1

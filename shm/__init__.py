@@ -9,11 +9,12 @@ from . import naming
 from .cleanup import remove_dead
 from .errors import (PeerDiedError, RingInvalidatedError, RingTimeoutError, ShmClosedError,
                      ShmError, WouldBlock)
-from .liveness import PeerWatch, pid_alive
+from .liveness import ExitWatch, PeerWatch, pid_alive
 from .region import Region
 from .ring import WAIT_SLICE, Ring, ring_step
 
 __all__ = [
+    "ExitWatch",
     "PeerDiedError",
     "PeerWatch",
     "Region",

@@ -8,10 +8,13 @@ process (its start time changed since we first looked: pid reuse).
 from __future__ import annotations
 
 import os
+import select
+import threading
+import weakref
 
 import psutil
 
-__all__ = ["pid_alive", "PeerWatch"]
+__all__ = ["pid_alive", "PeerWatch", "ExitWatch"]
 
 
 def pid_alive(pid: int) -> bool:
@@ -32,39 +35,123 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
-class PeerWatch:
-    """Liveness of one peer process, guarded against pid reuse."""
+class ExitWatch:
+    """Exits of a set of processes, by pidfd: the one way the layers above watch processes.
 
-    __slots__ = ("pid", "_proc", "_dead_reason")
+    ``dead_pid()`` answers without blocking (one ``poll(0)``, about 0.3 us), ``wait(timeout)``
+    blocks until one of them exits. A pidfd names the process itself, so pid reuse cannot
+    fool it, and a zombie counts as exited. Where ``pidfd_open`` is missing (or a process
+    had already been reaped when the watch began) it falls back to ``pid_alive`` for that
+    pid; ``exact`` says whether every pid is watched by pidfd.
+
+    Thread-safe: ``select.poll`` refuses concurrent ``poll()`` calls, so calls are serialised.
+    """
+
+    __slots__ = ("_fds", "_poller", "_fallback", "_lock", "__weakref__")
+
+    def __init__(self, pids: "list[int] | tuple[int, ...]" = ()) -> None:
+        self._fds: dict[int, int] = {}          # fd -> pid
+        self._fallback: list[int] = []
+        self._lock = threading.Lock()
+        self._poller = select.poll()
+        for pid in pids:
+            if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+                self.close()
+                raise ValueError(f"pid must be a positive int, got {pid!r}")
+            try:
+                fd = os.pidfd_open(pid)
+            except (AttributeError, OSError):   # no pidfd support, or already gone and reaped
+                self._fallback.append(pid)
+                continue
+            self._fds[fd] = pid
+            self._poller.register(fd, select.POLLIN)
+
+    @property
+    def pids(self) -> list[int]:
+        return list(self._fds.values()) + self._fallback
+
+    @property
+    def exact(self) -> bool:
+        """True if every process is watched by pidfd (no pid checks needed)."""
+        return not self._fallback
+
+    def dead_pid(self) -> int | None:
+        """The pid of a watched process that has exited, if any; never blocks."""
+        return self.wait(0.0)
+
+    def wait(self, timeout: float | None) -> int | None:
+        """Block up to ``timeout`` s (None: forever) for an exit; the pid, or None."""
+        for pid in self._fallback:
+            if not pid_alive(pid):
+                return pid
+        if not self._fds:
+            return None
+        ms = -1 if timeout is None else max(0, int(timeout * 1000))
+        if self._fallback and ms < 0:
+            ms = 50   # the fallback pids are checked by polling
+        with self._lock:
+            ready = self._poller.poll(ms) if self._fds else []
+        if ready:
+            return self._fds.get(ready[0][0])
+        for pid in self._fallback:
+            if not pid_alive(pid):
+                return pid
+        return None
+
+    def close(self) -> None:
+        with self._lock:
+            fds, self._fds = self._fds, {}
+            self._fallback = []
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:   # pragma: no cover
+                pass
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:   # pragma: no cover - interpreter shutdown
+            pass
+
+
+class PeerWatch:
+    """Liveness of one peer process, guarded against pid reuse (an ``ExitWatch`` of one pid)."""
+
+    __slots__ = ("pid", "_watch", "_dead_reason")
 
     def __init__(self, pid: int) -> None:
         if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
             raise ValueError(f"peer pid must be a positive int, got {pid!r}")
         self.pid = pid
         self._dead_reason: str | None = None
-        try:
-            self._proc: psutil.Process | None = psutil.Process(pid)
-            self._proc.create_time()  # cached by psutil for is_running()
-        except psutil.NoSuchProcess:
-            self._proc = None
+        self._watch = _shared_watch(pid)
+        if not self._watch.exact and not pid_alive(pid):
             self._dead_reason = "does not exist"
 
     def dead_reason(self) -> str | None:
         """None while alive; else why it counts as dead (stays dead once dead)."""
-        if self._dead_reason is not None:
-            return self._dead_reason
-        proc = self._proc
-        assert proc is not None
-        try:
-            if not proc.is_running():  # gone, or pid reused (start time differs)
-                self._dead_reason = "exited"
-            elif proc.status() == psutil.STATUS_ZOMBIE:
-                self._dead_reason = "exited (zombie, not yet reaped)"
-        except psutil.NoSuchProcess:
-            self._dead_reason = "exited"
-        except psutil.Error:  # pragma: no cover - access denied: assume alive
-            return None
+        if self._dead_reason is None and self._watch.dead_pid() is not None:
+            try:
+                zombie = psutil.Process(self.pid).status() == psutil.STATUS_ZOMBIE
+            except psutil.Error:
+                zombie = False
+            self._dead_reason = "exited (zombie, not yet reaped)" if zombie else "exited"
         return self._dead_reason
 
     def alive(self) -> bool:
         return self.dead_reason() is None
+
+
+_watches: "weakref.WeakValueDictionary[int, ExitWatch]" = weakref.WeakValueDictionary()
+_watches_lock = threading.Lock()
+
+
+def _shared_watch(pid: int) -> ExitWatch:
+    """One pidfd per live peer however many rings watch it (a ring per anchor adds up)."""
+    with _watches_lock:
+        w = _watches.get(pid)
+        if w is None or w.dead_pid() is not None:   # new, or that process is gone (pid reuse)
+            w = ExitWatch([pid])
+            _watches[pid] = w
+        return w

@@ -21,14 +21,11 @@ from __future__ import annotations
 
 import logging
 import os
-import select
 import signal
 import threading
-import time
-import weakref
 from typing import Any
 
-from shm import Ring, pid_alive
+from shm import ExitWatch, Ring
 
 from host_runtime.errors import DeviceUnavailableError
 from ipu_emulator.daemon import protocol as wire
@@ -232,17 +229,7 @@ class DaemonIpu:
         self._client = client
         self._rc: int | None = None
         self._closed = False
-        self._poll: Any = None
-        self._poll_lock = threading.Lock()   # a poll object refuses concurrent poll() calls
-        self._pidfd = -1
-        try:
-            self._pidfd = os.pidfd_open(self._pid)
-            # closed with this object, never under a thread polling it
-            weakref.finalize(self, os.close, self._pidfd)
-            self._poll = select.poll()
-            self._poll.register(self._pidfd, select.POLLIN)
-        except (AttributeError, OSError):   # no pidfd support (or gone): pid checks instead
-            pass
+        self._exit = ExitWatch([self._pid])   # liveness: a pidfd (not our child)
         self.control = Ring.attach(info["control"])
         try:
             self.events = Ring.attach(info["events"], prefault=False)
@@ -256,13 +243,7 @@ class DaemonIpu:
         return self._pid
 
     def alive(self) -> bool:
-        if self._rc is not None:
-            return False
-        poll = self._poll
-        if poll is not None:
-            with self._poll_lock:
-                return not poll.poll(0)
-        return pid_alive(self._pid)
+        return self._rc is None and self._exit.dead_pid() is None
 
     def returncode(self) -> int | None:
         """None while running; then how it ended, as its parent (the daemon) saw it."""
@@ -274,17 +255,9 @@ class DaemonIpu:
         return self._rc
 
     def wait_exit(self, timeout: float) -> int | None:
-        if self._pidfd >= 0 and self._rc is None and timeout > 0:
-            select.select([self._pidfd], [], [], timeout)   # woken by the exit itself
-            return self.returncode() if not self.alive() else None
-        deadline = time.monotonic() + timeout
-        delay = 0.001
-        while self.alive():
-            if time.monotonic() >= deadline:
-                return None
-            time.sleep(delay)   # only on death paths
-            delay = min(delay * 2, 0.05)
-        return self.returncode()
+        if self._rc is None and timeout > 0:
+            self._exit.wait(timeout)   # woken by the exit itself
+        return None if self.alive() else self.returncode()
 
     def describe_exit(self) -> str:
         return (f"{self.spec.describe()} (daemon IPU process pid {self._pid}) "

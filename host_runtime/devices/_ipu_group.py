@@ -353,7 +353,7 @@ class ShardedLoad:
         return cls(exe, key)
 
     def _link_specs(self) -> dict[str, int]:
-        from ipu_emulator.compiler._sharding import is_link
+        from ipu_emulator.executable import is_link
 
         out: dict[str, int] = {}
         for part in self.parts:
@@ -418,7 +418,7 @@ class ShardedLoad:
     def reset_links(self) -> None:
         """Empty every link; put the one token in each sync link (no IPU process may be
         using them: the owner calls this between requests)."""
-        from ipu_emulator.compiler._sharding import is_sync
+        from ipu_emulator.executable import is_sync
 
         if self._closed:
             return

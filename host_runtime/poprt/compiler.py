@@ -116,8 +116,8 @@ def compile(models: "ModelSpec | Sequence[ModelSpec] | str | os.PathLike[str] | 
     ``manual_sharding_config``, a YAML file holding those two maps (the explicit maps
     win). ``ipu_memory`` overrides the bytes of one IPU (0: the target's).
     """
-    from ipu_emulator.compiler import CompileOptions, ModelSpec, compile_onnx
-    from ipu_emulator.compiler._sharding import check_map, load_sharding_yaml
+    from ipu_emulator.compiler import (CompileOptions, ModelSpec, check_map, compile_onnx,
+                                       load_sharding_yaml)
 
     shard: dict[str, int] = {}
     stages: dict[str, int] = {}

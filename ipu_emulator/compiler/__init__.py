@@ -13,11 +13,14 @@ from ipu_emulator.compiler._backend import (
     INDEX_NAME, LOAD_PROGRAM, MAIN_PROGRAM, SAVE_PROGRAM, TARGETS, AnchorDesc, CompileOptions,
     CompileResult, ModelSpec, Target, compile_onnx)
 from ipu_emulator.compiler._prepare import check_interface
+from ipu_emulator.compiler._sharding import check_map, load_sharding_yaml
 from ipu_emulator.errors import CompileError
 
 __all__ = [
     "compile_onnx",
     "check_interface",
+    "check_map",
+    "load_sharding_yaml",
     "ModelSpec",
     "CompileOptions",
     "CompileResult",

@@ -49,6 +49,7 @@ import ipu_emulator
 from ipu_emulator.compiler._onnx import DTYPE_TO_ONNX
 from ipu_emulator.errors import CompileError
 from ipu_emulator.executable import (
+    LINK_PREFIX, SYNC_TENSOR, is_link, is_sync, parse_link,
     Execute, Executable, Graph, Instruction, Program, Repeat, StreamIn, StreamOut, StreamSpec,
     TensorSig, numpy_dtype, plan_memory)
 
@@ -74,26 +75,9 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 
-LINK_PREFIX = "__ipulink/"
-SYNC_TENSOR = "__ipusync"
 IPU_ATTR = "__ipu_number"
 STAGE_ATTR = "__pipeline_stage"
 _MAX_YAML = 1 << 20
-
-
-def is_link(handle: str) -> bool:
-    return handle.startswith(LINK_PREFIX)
-
-
-def is_sync(handle: str) -> bool:
-    """A link that carries the sharding token (one is put in it when the links start)."""
-    return is_link(handle) and handle.endswith("/" + SYNC_TENSOR)
-
-
-def parse_link(handle: str) -> tuple[int, int, str]:
-    """``"__ipulink/0/1/x"`` -> ``(0, 1, "x")`` (source IPU, destination IPU, tensor)."""
-    src, dst, tensor = handle[len(LINK_PREFIX):].split("/", 2)
-    return int(src), int(dst), tensor
 
 
 def _link(src: int, dst: int, tensor: str) -> str:

@@ -30,6 +30,13 @@ process to a host with ``HOST(value=host pid)`` and takes it back with
 ``HOST(0)``; in between the process also watches that host, and if it dies
 (or a HOST arrives during a program) the process drops the host's executables,
 unlinks every object a dead host created, and goes on serving: it stays warm.
+
+What the loop assumes about running in an OS process of its own (its pid in
+READY, how the host's liveness is checked, moving off the host's CPU, unlinking
+a dead host's objects) is a :class:`ProcessHooks`, whose defaults are this
+process's; only ``main()`` (and ``python -m ipu_emulator``'s ``os._exit``) sets
+up logging and signals and exits. A loopback device
+(:mod:`ipu_emulator.device.loopback`) runs the same loop on a thread of the host.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ import signal
 import time
 import traceback
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Callable
 
 import posix_ipc
 
@@ -56,7 +63,7 @@ from ipu_emulator.device._stream_io import _Loaded, _RequestError, _RingIO, _Str
 from ipu_emulator.errors import ExecutableError
 from ipu_emulator.protocol import ErrorKind, Message, Op, error_body
 
-__all__ = ["DeviceOptions", "DeviceProcess"]
+__all__ = ["DeviceOptions", "DeviceProcess", "ProcessHooks"]
 
 _log = logging.getLogger("ipu_emulator.device.process")
 _monotonic = time.monotonic
@@ -90,6 +97,27 @@ class DeviceOptions:
         return self.num_ipus * self.tiles_per_ipu * self.memory_per_tile
 
 
+@dataclass(frozen=True)
+class ProcessHooks:
+    """What :class:`DeviceProcess` assumes about the OS process it runs in.
+
+    The defaults are those of an IPU process of its own (``main()``). A loopback device
+    runs the loop on a thread of the host itself and replaces each of them.
+    """
+
+    pid: int | None = None
+    """The pid READY reports (None: ``os.getpid()``)."""
+    host_alive: Callable[[], bool] | None = None
+    """Whether the host still lives, asked at most every ``_HOST_CHECK`` s; False ends
+    ``serve()`` as when the host died. None: ``getppid()`` when the host is the parent,
+    else a pid check of ``DeviceOptions.host_pid``."""
+    keep_apart: bool = True
+    """Narrow this thread's CPU affinity off the host's CPU while serving (``_placement``)."""
+    unlink_on_host_gone: bool = True
+    """When the host is gone, unlink every shared-memory object it (and this process)
+    created; else only close this side's mappings."""
+
+
 class _NeverApart:
     """A KeepApart that never looks (see ``_run``)."""
 
@@ -121,8 +149,9 @@ class _ClientGone(_HostGone):
 class DeviceProcess:
     """The main loop of one IPU process. ``serve()`` returns the exit code."""
 
-    def __init__(self, opts: DeviceOptions) -> None:
+    def __init__(self, opts: DeviceOptions, hooks: ProcessHooks | None = None) -> None:
         self.opts = opts
+        self.hooks = hooks = hooks if hooks is not None else ProcessHooks()
         self.control = Ring.attach(opts.control)
         self.program_runs = 0   # programs run; also published in the control ring's user word
         self.events = Ring.attach(opts.events, prefault=False)
@@ -136,7 +165,8 @@ class DeviceProcess:
         self._pending: collections.deque[Message] = collections.deque()
         self._cache: collections.OrderedDict[str, _Loaded] = collections.OrderedDict()
         self.host_memory = HostMemory()   # host arrays read in place (TAG_SHARED inputs)
-        self._apart = KeepApart(opts.host_pid)   # off the host's CPU while serving it
+        # off the host's CPU while serving it (host pid 0: never)
+        self._apart = KeepApart(opts.host_pid if hooks.keep_apart else 0)
         self.keeps_apart = self._apart.enabled
         self._active: _Loaded | None = None
         self._stop_seq: int | None = None
@@ -177,7 +207,10 @@ class DeviceProcess:
             return
         self._next_host_check = now + _HOST_CHECK
         host = self.opts.host_pid
-        alive = os.getppid() == host if self._parent_is_host else pid_alive(host)
+        if self.hooks.host_alive is not None:
+            alive = self.hooks.host_alive()
+        else:
+            alive = os.getppid() == host if self._parent_is_host else pid_alive(host)
         if not alive:
             raise _HostGone()
         if self._client and not pid_alive(self._client):
@@ -228,7 +261,7 @@ class DeviceProcess:
         try:
             self._interpreter_cls = _import_interpreter()
             self.post(Message(Op.READY, body={
-                "pid": os.getpid(), "package_hash": package_hash(),
+                "pid": self.hooks.pid or os.getpid(), "package_hash": package_hash(),
                 "ipu_id": self.opts.ipu_id, "ipu_version": self.opts.ipu_version,
                 "capacity": self.opts.capacity}))
             while True:
@@ -249,7 +282,10 @@ class DeviceProcess:
             pass
         except (_HostGone, PeerDiedError):
             _log.info("host process %d is gone; cleaning up and exiting", self.opts.host_pid)
-            self._cleanup_host_objects()
+            if self.hooks.unlink_on_host_gone:
+                self._cleanup_host_objects()
+            else:
+                self._close_all()
             return 0
         self._say_bye()
         self._close_all()

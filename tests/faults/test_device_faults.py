@@ -153,6 +153,7 @@ HOST = textwrap.dedent("""
 
 
 @pytest.mark.allow_shm_leak   # checked here, after the IPU process had its chance to clean up
+@pytest.mark.embedded_only   # through a daemon the IPU processes are the daemon's: test_daemon_faults.py
 def test_sigkilled_host_leaves_no_ipu_process_and_nothing_in_dev_shm(model_path):
     before = ours()
     with host_child(HOST, model_path) as (child, ipu_pids):
@@ -176,6 +177,7 @@ STARTING_HOST = textwrap.dedent("""
 
 
 @pytest.mark.allow_shm_leak   # checked here, after the IPU process had its chance to clean up
+@pytest.mark.embedded_only   # through a daemon the IPU processes are the daemon's: test_daemon_faults.py
 def test_host_killed_while_its_ipu_process_starts():
     before = ours()
     child = subprocess.Popen([sys.executable, "-c", STARTING_HOST], stdout=subprocess.PIPE,
@@ -233,6 +235,7 @@ SPINNING_HOST = textwrap.dedent("""
 
 
 @pytest.mark.allow_shm_leak   # checked here, after the IPU process had its chance to clean up
+@pytest.mark.embedded_only   # through a daemon the IPU processes are the daemon's: test_daemon_faults.py
 def test_host_killed_while_its_device_loops_without_waiting(model_path):
     before = ours()
     with host_child(SPINNING_HOST, model_path) as (child, ipu_pids):

@@ -163,6 +163,7 @@ HOST = textwrap.dedent("""
 
 
 @pytest.mark.allow_shm_leak   # checked here, after the IPU processes had their chance
+@pytest.mark.embedded_only   # through a daemon the IPU processes are the daemon's: test_daemon_faults.py
 def test_killed_host_leaves_no_ipu_process_and_nothing_in_dev_shm(pipelined_path):
     before = ours()
     child = subprocess.Popen([sys.executable, "-c", HOST, pipelined_path],

@@ -23,7 +23,8 @@ REPO = Path(__file__).resolve().parents[2]
 RUNNER = ["tests/integration/test_model_runner.py",
           "tests/integration/test_model_runner_batching.py"]
 FAULTS = ["tests/faults/test_device_faults.py",
-          "tests/faults/test_model_runner_faults.py"]
+          "tests/faults/test_model_runner_faults.py",
+          "tests/faults/test_sharding_faults.py"]
 
 
 def _run(paths: list[str], env: dict[str, str]) -> None:
@@ -40,11 +41,11 @@ def test_integration_and_faults_with_the_path_switched_off(switch: str) -> None:
     _run(RUNNER + FAULTS, dict(os.environ, **{switch: "0"}))
 
 
-def test_integration_through_a_daemon(tmp_path: Path) -> None:
+def test_integration_and_faults_through_a_daemon(tmp_path: Path) -> None:
     from tests.daemon_rig import DaemonRig
 
     rig = DaemonRig(tmp_path, num_ipus=4)
     try:
-        _run(RUNNER, dict(os.environ, IPU_EMULATOR_DAEMON=rig.socket))
+        _run(RUNNER + FAULTS, dict(os.environ, IPU_EMULATOR_DAEMON=rig.socket))
     finally:
         rig.stop()

@@ -19,7 +19,7 @@ def _entry(name: str) -> str:
 
 def test_public_surface() -> None:
     assert sorted(shm.__all__) == sorted([
-        "PeerDiedError", "PeerWatch", "Region", "Ring", "RingInvalidatedError",
+        "ExitWatch", "PeerDiedError", "PeerWatch", "Region", "Ring", "RingInvalidatedError",
         "RingTimeoutError", "ShmClosedError", "ShmError", "WAIT_SLICE", "WouldBlock",
         "naming", "pid_alive", "remove_dead", "ring_step"])
     assert issubclass(shm.RingTimeoutError, TimeoutError)

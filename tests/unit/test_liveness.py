@@ -1,0 +1,83 @@
+"""shm.liveness: one way to watch processes exit (pidfds), and the ring's peer check on it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from shm import ExitWatch, PeerWatch
+
+_SLEEPER = [sys.executable, "-c", "import sys; sys.stdin.read()"]
+
+
+def _sleeper() -> subprocess.Popen[bytes]:
+    return subprocess.Popen(_SLEEPER, stdin=subprocess.PIPE)
+
+
+def test_exit_watch_names_the_process_that_exited() -> None:
+    a, b = _sleeper(), _sleeper()
+    try:
+        w = ExitWatch([a.pid, b.pid, os.getpid()])
+        assert w.exact and sorted(w.pids) == sorted([a.pid, b.pid, os.getpid()])
+        assert w.dead_pid() is None
+        assert w.wait(0.01) is None
+        b.kill()
+        assert w.wait(10) == b.pid          # a zombie (not reaped) counts as exited
+        b.wait()
+        assert w.dead_pid() == b.pid        # and so does a reaped one: the pidfd stays ready
+        w.close()
+        assert w.pids == [] and w.dead_pid() is None
+    finally:
+        for p in (a, b):
+            p.kill()
+            p.wait()
+
+
+def test_exit_watch_wakes_a_blocked_waiter() -> None:
+    p = _sleeper()
+    w = ExitWatch([p.pid])
+    got: list[int | None] = []
+    t = threading.Thread(target=lambda: got.append(w.wait(None)))
+    t.start()
+    assert p.stdin is not None
+    p.stdin.close()                          # the child's read returns: it exits
+    t.join(10)
+    p.wait()
+    assert not t.is_alive() and got == [p.pid]
+
+
+def test_exit_watch_refuses_a_bad_pid() -> None:
+    with pytest.raises(ValueError, match=r"pid must be a positive int, got 0"):
+        ExitWatch([0])
+    with pytest.raises(ValueError, match=r"got True"):
+        ExitWatch([True])
+
+
+def test_exit_watch_of_a_reaped_pid_falls_back_to_pid_checks() -> None:
+    p = _sleeper()
+    p.kill()
+    p.wait()                                 # gone: pidfd_open fails, the pid is checked instead
+    w = ExitWatch([p.pid])
+    assert not w.exact
+    assert w.dead_pid() == p.pid
+
+
+def test_peer_watch_reports_zombie_then_exit() -> None:
+    p = _sleeper()
+    try:
+        pw = PeerWatch(p.pid)
+        assert pw.alive() and pw.dead_reason() is None
+        p.kill()
+        ExitWatch([p.pid]).wait(10)
+        assert pw.dead_reason() == "exited (zombie, not yet reaped)"
+        p.wait()
+        assert pw.dead_reason() == "exited (zombie, not yet reaped)"   # stays as first seen
+    finally:
+        p.kill()
+        p.wait()
+    gone = PeerWatch(p.pid)
+    assert gone.dead_reason() == "does not exist"
