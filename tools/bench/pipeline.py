@@ -303,11 +303,9 @@ class _HopRig:
             t0 = t
         return out
 
-    def block(self) -> tuple[float, float]:
-        """One block of each: the median hop (us) over the link and over the host ring."""
-        link = statistics.median(self._link_rounds(self.per_block)) / 2000.0
-        host = statistics.median(self._host_rounds(self.per_block)) / 2000.0
-        return link, host
+    def block(self) -> tuple[list[int], list[int]]:
+        """One block of each: the round trips (ns) over the link and over the host ring."""
+        return self._link_rounds(self.per_block), self._host_rounds(self.per_block)
 
     def close(self) -> None:
         from tools.bench import peers
@@ -335,19 +333,23 @@ def _hop_report(rounds: int, blocks: int) -> None:
           f"processes, us per hop, median of {blocks} blocks of {max(10, rounds // blocks)} "
           f"round trips)")
     rig = _HopRig(rounds, blocks)
+    link: list[float] = []
+    host: list[float] = []
+    means = [0.0, 0.0]
     try:
-        link, host = [], []
         for _ in range(blocks):
             a, b = rig.block()
-            link.append(a)
-            host.append(b)
+            link.append(statistics.median(a) / 2000.0)
+            host.append(statistics.median(b) / 2000.0)
+            means[0] += statistics.fmean(a) / 2000.0 / blocks
+            means[1] += statistics.fmean(b) / 2000.0 / blocks
     finally:
         rig.close()
     lh, hh = statistics.median(link), statistics.median(host)
     print(f"  IPU-Link hop (IPU process stream code)  {lh:8.1f}   blocks "
-          + " ".join(f"{v:.1f}" for v in link))
+          + " ".join(f"{v:.1f}" for v in link) + f"   (mean {means[0]:.1f})")
     print(f"  host ring transfer (shm.Ring)           {hh:8.1f}   blocks "
-          + " ".join(f"{v:.1f}" for v in host))
+          + " ".join(f"{v:.1f}" for v in host) + f"   (mean {means[1]:.1f})")
     print(f"  hop / host = {lh / hh:.2f} (target <= 1.5)")
 
 
