@@ -36,8 +36,6 @@ Stream modes (per anchor, set by LOAD and MODES):
 - ``MODE_EVENT``: callback-serviced. Before reading an empty input ring the
   device posts NEED(index); after writing an output it posts OUT(index).
 - ``MODE_DIRECT``: the host reads/writes the ring itself; no events.
-- ``MODE_DIRECT_NOTIFY``: direct, but NEED is posted for an empty input
-  (lets the host start input timeouts and flushes).
 - ``MODE_NULL``: an empty callback: inputs read as zeros, outputs discarded;
   the ring is not touched.
 
@@ -65,7 +63,6 @@ __all__ = [
     "receive",
     "MODE_EVENT",
     "MODE_DIRECT",
-    "MODE_DIRECT_NOTIFY",
     "MODE_NULL",
     "MODES",
     "TAG_DATA",
@@ -118,9 +115,8 @@ class ErrorKind(str, enum.Enum):
 
 MODE_EVENT = 0
 MODE_DIRECT = 1
-MODE_DIRECT_NOTIFY = 2
-MODE_NULL = 3
-MODES = (MODE_EVENT, MODE_DIRECT, MODE_DIRECT_NOTIFY, MODE_NULL)
+MODE_NULL = 3   # (2 was a direct mode that posted NEED: nothing used it)
+MODES = (MODE_EVENT, MODE_DIRECT, MODE_NULL)
 
 TAG_DATA = 0
 TAG_ABORT = 1

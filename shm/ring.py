@@ -88,8 +88,9 @@ Spinning: by default a waiter does not spin. ``python -m tools.bench ring``
 on this project's 2-core VMs: the two processes of a ping-pong usually share
 one vCPU, and a spin there only delays the peer (64-byte round trip 11.7 us
 with a 20 us adaptive spin against 7.8 us without); when they land on two
-vCPUs a spin wins (4.1 us). ``IPU_EMULATOR_RING_SPIN_US`` sets a spin budget
-that then adapts (doubles on success, halves on failure).
+vCPUs a spin wins (4.1 us). ``IPU_EMULATOR_RING_SPIN_US`` (``shm.settings``)
+sets a spin budget that then adapts (doubles on success, halves on failure);
+the loop is ``shm.spin.spin_until``, mirrored by ``spin`` in the C core.
 """
 
 from __future__ import annotations
@@ -107,15 +108,17 @@ from .errors import (PeerDiedError, RingInvalidatedError, RingTimeoutError, ShmC
                      ShmError, WouldBlock)
 from .liveness import PeerWatch
 from .region import Region
+from .settings import settings
+from .spin import spin_until, us_to_ns
 from . import _registry
 
 try:
     import shm._ringcore as _ringcore
 except ImportError:  # built without the C extension: the pure-Python path does it all
     _ringcore = None
-if os.environ.get("IPU_EMULATOR_RING_C", "1") == "0":
+if not settings().ring_c:
     _ringcore = None
-if _ringcore is not None and os.environ.get("IPU_EMULATOR_RING_UNTIMED_WAITS", "1") == "0":
+if _ringcore is not None and not settings().ring_untimed_waits:
     # waits of a whole slice then arm a kernel timer instead of taking SIGRTMIN+6
     _ringcore.untimed_waits(False)
 
@@ -147,7 +150,7 @@ _SEQ, _NBYTES, _TAG = 0, 1, 2
 WAIT_SLICE = 0.05
 """Seconds between liveness / invalidation / close re-checks of a blocked wait."""
 
-_SPIN_MAX_NS = int(float(os.environ.get("IPU_EMULATOR_RING_SPIN_US", "0")) * 1000)
+_SPIN_MAX_NS = us_to_ns(settings().ring_spin_us)
 """Longest spin before blocking (0 disables spinning); see Ring._spin."""
 _SPIN_MIN_NS = min(2000, _SPIN_MAX_NS)
 
@@ -363,17 +366,11 @@ class Ring:
         wake-up, and enough to notice when spinning starts to pay again).
         """
         budget = self._spin_ns
-        clock = time.perf_counter_ns
-        deadline = clock() + budget
-        while True:
-            for _ in range(16):
-                if sem.value:
-                    if budget < _SPIN_MAX_NS:
-                        self._spin_ns = min(budget * 2, _SPIN_MAX_NS)
-                    return
-            if clock() > deadline:
-                break
-        self._spin_ns = max(budget // 2, _SPIN_MIN_NS)
+        if spin_until(lambda: sem.value, budget, yield_cpu=False):
+            if budget < _SPIN_MAX_NS:
+                self._spin_ns = min(budget * 2, _SPIN_MAX_NS)
+        else:
+            self._spin_ns = max(budget // 2, _SPIN_MIN_NS)
 
     def _wait_slow(self, sem: posix_ipc.Semaphore, timeout: float | None, what: str,
                    waited: float) -> None:

@@ -23,6 +23,8 @@ import logging
 import os
 import sys
 
+from shm.settings import current
+
 from ipu_emulator.daemon import protocol as wire
 from ipu_emulator.system import SystemConfigError, load_system_config
 
@@ -86,8 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                         "resets, restarts, IPU process deaths, per-IPU hosts and held time")
     parser.add_argument("--metrics-address", default="127.0.0.1", metavar="ADDRESS",
                         help="address /metrics listens on (default 127.0.0.1)")
-    parser.add_argument("--log-level", default=os.environ.get("IPU_EMULATOR_DAEMON_LOG_LEVEL",
-                                                              "INFO"))
+    parser.add_argument("--log-level", default=current().daemon_log_level)
     a = parser.parse_args(args)
     logging.basicConfig(level=a.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s ipu-emulator-daemon[{os.getpid()}] "

@@ -9,7 +9,8 @@
                  output anchor <-- the IPU that produces it
     link rings:  IPU process a --(SPSC ring, created and owned by the session)--> IPU process b
 
-``GroupLink`` stands in for ``DeviceLink`` on a device of several IPUs. Until a
+``GroupLink`` is the ``DeviceLink`` (:mod:`host_runtime.devices.link`) of a device of
+several IPUs. Until a
 multi-IPU executable is loaded it talks to IPU 0 only, exactly like the one-IPU
 link did (a one-IPU executable on a bigger device runs on its first IPU). A LOAD
 whose body holds ``spec_regions`` (one per IPU) widens it: from then on every
@@ -43,7 +44,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from shm import Region, Ring
 
-from host_runtime.devices._link import DeviceLink, StreamServicer, wait
+from host_runtime.devices._link import ProcessLink, wait
+from host_runtime.devices.link import DeviceLink, StreamServicer
 from host_runtime.errors import BadRequestError, DeviceLostError, InvalidStateError, PopefError
 from ipu_emulator import protocol
 from ipu_emulator.device.launcher import IpuConnection, describe_returncode, kill_all
@@ -60,14 +62,14 @@ LINK_DEPTH = 4
 """Slots of an IPU-Link ring: how many batches a pipeline stage may run ahead of the next."""
 
 
-def make_link(description: str, processes: list[IpuConnection]) -> "DeviceLink | GroupLink":
-    """The link of a device: a plain DeviceLink for one IPU, a GroupLink for several."""
+def make_link(description: str, processes: list[IpuConnection]) -> DeviceLink:
+    """The link of a device: a ProcessLink for one IPU, a GroupLink for several."""
     if len(processes) <= 1:
-        return DeviceLink(description, processes)
+        return ProcessLink(description, processes)
     return GroupLink(description, processes)
 
 
-class _MemberLink(DeviceLink):
+class _MemberLink(ProcessLink):
     """One IPU process's control/event rings; a loss is the whole group's."""
 
     def __init__(self, group: "GroupLink", description: str,
@@ -102,13 +104,12 @@ class GroupLink:
         self._lost: DeviceLostError | None = None
         self._lost_lock = threading.Lock()
         self._closing = False
-        self._servicer: "weakref.ref[Any] | None" = None   # the active session, weakly
         # set by ShardedLoad: empty the IPU-Links (every IPU process is idle then)
         self.reset_links: Callable[[], None] | None = None
         # set by ShardedLoad: invalidate the IPU-Links, waking an IPU process waiting on one
         self.wake_links: Callable[[], None] | None = None
 
-    # -- DeviceLink's surface ------------------------------------------------------------
+    # -- the DeviceLink protocol -----------------------------------------------------------
 
     def start(self) -> None:
         for m in self._members:
@@ -153,7 +154,6 @@ class GroupLink:
         return [p.pid for p in self._procs]
 
     def set_servicer(self, servicer: StreamServicer | None) -> None:
-        self._servicer = None if servicer is None else weakref.ref(servicer)
         for m in self._members:
             m.set_servicer(servicer)
 
@@ -267,13 +267,6 @@ class GroupLink:
             _log.warning("%s", err)
         for m in self._members:
             m._adopt_lost(err)
-        ref = self._servicer
-        servicer = ref() if ref is not None else None
-        if servicer is not None:
-            try:
-                servicer._on_device_lost(err)
-            except Exception:
-                _log.exception("%s: device-lost handler failed", self.description)
         if not self._closing:
             alive = [p for p in self._procs if p.alive()]
             for p in alive:
@@ -362,7 +355,7 @@ class ShardedLoad:
                     out[h] = s.nbytes
         return out
 
-    def load(self, link: "GroupLink | DeviceLink", host_streams: list[dict[str, Any]],
+    def load(self, link: DeviceLink, host_streams: list[dict[str, Any]],
              check_package_hash: bool, fresh: bool, timeout: float,
              peers: Callable[[str, int], None] | None = None) -> None:
         """Send each IPU its part (LOAD with one spec region per IPU) and wait for all."""

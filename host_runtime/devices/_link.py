@@ -1,11 +1,12 @@
 """The host end of one device's control and event rings.
 
-One ``DeviceLink`` per attached device. Requests go out on the control ring
+``ProcessLink`` implements :class:`host_runtime.devices.link.DeviceLink` for a device of
+one IPU (``GroupLink`` holds one per IPU process of a bigger device). Requests go out on the control ring
 from the caller's thread; one service thread per device reads the event ring
 and
 
 - resolves the request futures (DONE / ERROR / STOPPED, matched by ``seq``),
-- hands NEED / OUT events to the active session's stream servicer (which
+- hands NEED / OUT events to the active session's ``StreamServicer`` (which
   calls the user's callbacks, on this thread),
 - notices a dead IPU process (peer watch on the ring, plus a poll of every
   process of the device each ``_POLL`` seconds) and fails every pending
@@ -23,10 +24,11 @@ import itertools
 import logging
 import threading
 import weakref
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 from shm import PeerDiedError, RingTimeoutError, ShmError
 
+from host_runtime.devices.link import StreamServicer
 from host_runtime.errors import (BadRequestError, DeviceExecutionError, DeviceLostError,
                                  InvalidStateError, ModelRuntimeError, PackageHashMismatchError,
                                  PopefError, RemoteTraceback)
@@ -34,21 +36,11 @@ from ipu_emulator import protocol
 from ipu_emulator.device.launcher import IpuConnection, IpuProcessError, describe_returncode
 from ipu_emulator.protocol import ErrorKind, Message, Op
 
-__all__ = ["DeviceLink", "StreamServicer", "error_from_body"]
+__all__ = ["ProcessLink", "error_from_body"]
 
 _log = logging.getLogger(__name__)
 
 _POLL = 0.25
-
-
-class StreamServicer(Protocol):
-    """What the active session gives the link to service stream events."""
-
-    def _on_need(self, index: int) -> None: ...
-
-    def _on_out(self, index: int) -> None: ...
-
-    def _on_device_lost(self, error: DeviceLostError) -> None: ...
 
 
 def error_from_body(body: Any, device: str) -> ModelRuntimeError:
@@ -73,8 +65,8 @@ def error_from_body(body: Any, device: str) -> ModelRuntimeError:
     return exc
 
 
-class DeviceLink:
-    """Requests to, and events from, one device (its primary IPU process)."""
+class ProcessLink:
+    """Requests to, and events from, one IPU process (a ``DeviceLink``)."""
 
     def __init__(self, description: str, processes: list[IpuConnection]) -> None:
         if not processes:
@@ -86,7 +78,7 @@ class DeviceLink:
         self._pending: dict[int, tuple[cf.Future[None], Op]] = {}
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
-        self._servicer: "weakref.ref[Any] | None" = None   # the active session, weakly
+        self._servicer: "weakref.ref[StreamServicer] | None" = None   # weakly: the session owns it
         self._lost: DeviceLostError | None = None
         self._lost_lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -179,7 +171,7 @@ class DeviceLink:
         return self._primary.pid
 
     def set_servicer(self, servicer: StreamServicer | None) -> None:
-        """The active session (held weakly: the session owns the device, not the reverse)."""
+        """The active session's stream servicer (held weakly: the session owns it)."""
         self._servicer = None if servicer is None else weakref.ref(servicer)
 
     # -- requests -------------------------------------------------------------------
@@ -247,9 +239,9 @@ class DeviceLink:
                              op.name, msg.index)
                 return
             if op is Op.NEED:
-                servicer._on_need(msg.index)
+                servicer.on_need(msg.index)
             else:
-                servicer._on_out(msg.index)
+                servicer.on_out(msg.index)
             return
         if op in (Op.DONE, Op.ERROR, Op.STOPPED):
             with self._lock:
@@ -290,13 +282,6 @@ class DeviceLink:
             err = self._lost = self._lost_error()
         _log.warning("%s", err)
         self._fail_all(err)
-        ref = self._servicer
-        servicer = ref() if ref is not None else None
-        if servicer is not None:
-            try:
-                servicer._on_device_lost(err)
-            except Exception:
-                _log.exception("%s: device-lost handler failed", self.description)
         return err
 
     def _lost_error(self) -> DeviceLostError:
@@ -320,7 +305,7 @@ class DeviceLink:
                 fut.set_exception(error)
 
 
-def _serve(ref: "weakref.ref[DeviceLink]", events: Any) -> None:
+def _serve(ref: "weakref.ref[ProcessLink]", events: Any) -> None:
     """The service thread: read events, hand each to the link while it lives.
 
     Between events it holds only the event ring, not the link: a device nobody
@@ -336,7 +321,7 @@ def _serve(ref: "weakref.ref[DeviceLink]", events: Any) -> None:
         raise
 
 
-def _serve_events(ref: "weakref.ref[DeviceLink]", events: Any) -> None:
+def _serve_events(ref: "weakref.ref[ProcessLink]", events: Any) -> None:
     while True:
         link = ref()
         if link is None or link._closing:

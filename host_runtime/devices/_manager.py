@@ -12,6 +12,11 @@ the daemon's pool, attaching asks the daemon (its attach is the exclusive
 one, not the lock files) and the device gets the daemon's warm IPU processes
 (:mod:`host_runtime.devices._daemon_client`); closing it hands them back.
 
+Sessions: a Device knows its sessions only as ``ActiveSession`` (a Protocol below:
+what the device calls on them) and gives them, for internal use, its ``link`` (a
+:class:`host_runtime.devices.link.DeviceLink`), its ``lock`` and the session
+bookkeeping ``bind_session`` / ``forget_session`` / ``sessions`` / ``kill``.
+
 IPU model devices (``createIpuModelDevice``, ``createSmallIpuModelDevice``)
 are private to the caller: they take no machine lock; the small one has 4
 tiles per IPU, so only small executables fit.
@@ -27,9 +32,11 @@ import threading
 import time
 import weakref
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 from host_runtime.devices._daemon_client import DaemonAttachment, DaemonClient, daemon_from_env
+from host_runtime.devices._ipu_group import make_link
+from host_runtime.devices.link import DeviceLink, StreamServicer
 from host_runtime._lifetime import close_owned
 from host_runtime.devices._shm_space import translated
 from host_runtime.errors import BadRequestError, DeviceUnavailableError, InvalidStateError
@@ -38,18 +45,13 @@ from ipu_emulator.device.launcher import IpuConnection, IpuSpec, kill_all, launc
 from ipu_emulator.system import (IpuLocks, SystemConfig, SystemConfigError, device_groups,
                                  emulator_home, load_system_config)
 
-if TYPE_CHECKING:
-    from host_runtime.devices._link import DeviceLink
-    from host_runtime.devices._ipu_group import GroupLink
-    from host_runtime.session._session import Session
-
 __all__ = [
     "DeviceWaitStrategy",
     "DeviceWaitConfig",
     "DeviceConstraints",
     "Device",
     "DeviceManager",
-]
+]   # and, internal: ActiveSession
 
 _log = logging.getLogger(__name__)
 
@@ -169,6 +171,28 @@ class DeviceConstraints:
         return f"DeviceConstraints(requiresRemoteBuffersSupport={self.requiresRemoteBuffersSupport})"
 
 
+@runtime_checkable
+class ActiveSession(Protocol):
+    """What a Device calls on the sessions bound to it (``host_runtime.session.Session``).
+
+    The device holds them weakly: a session owns its device, not the reverse.
+    """
+
+    def bindToDevice(self, device: "Device") -> None:
+        """Bind to ``device`` and load onto it (``Device.bindToSession``)."""
+
+    def main_loop_running(self) -> bool:
+        """Whether the session's main loop runs on the device now (nothing else can)."""
+
+    def deactivate(self, implicit_save: bool) -> None:
+        """Another session takes the device (called with the device lock held): run the
+        save programs (``implicit_save``) and forget being loaded; InvalidStateError
+        while the main loop runs."""
+
+    def device_detached(self, device: "Device") -> None:
+        """``device`` was closed: the session is no longer bound to it."""
+
+
 # Devices to close at exit. Weak: a device nobody references is closed at once by its
 # __del__ (see host_runtime._lifetime); a session that attached its device owns it.
 _live_devices: "weakref.WeakSet[Device]" = weakref.WeakSet()
@@ -190,8 +214,6 @@ class Device:
     def __init__(self, *, device_id: int, ipus: tuple[int, ...], ipu_version: int,
                  tiles_per_ipu: int, memory_per_tile: int, processes: list[IpuConnection],
                  locks: IpuLocks | DaemonAttachment | None, is_ipu_model: bool = False) -> None:
-        from host_runtime.devices._ipu_group import make_link
-
         self._id = device_id
         self._ipus = ipus
         self._ipu_version = ipu_version
@@ -203,9 +225,9 @@ class Device:
         self._owner_pid = os.getpid()
         self._closed = False
         self._lock = threading.RLock()
-        self._active: "weakref.ref[Session] | None" = None   # sessions own devices: weak
-        self._sessions: "weakref.WeakSet[Session]" = weakref.WeakSet()
-        self._link: "DeviceLink | GroupLink" = make_link(self.describe(), processes)
+        self._active: "weakref.ref[ActiveSession] | None" = None   # sessions own devices: weak
+        self._sessions: "weakref.WeakSet[ActiveSession]" = weakref.WeakSet()
+        self._link: DeviceLink = make_link(self.describe(), processes)
         _live_devices.add(self)
 
     # -- the seed's API -----------------------------------------------------------------
@@ -281,7 +303,7 @@ class Device:
         self._link.quiesce()   # a daemon's processes: our event thread ends first
         for s in sessions:
             try:
-                s._device_detached(self)
+                s.device_detached(self)
             except Exception:  # pragma: no cover - best effort
                 _log.exception("detaching %s from %s", s, self.describe())
         self._link.close(timeout=0.0)
@@ -303,9 +325,9 @@ class Device:
 
     detach = close
 
-    def _kill(self) -> None:
-        """SIGKILL the IPU processes (a hung device whose owner was dropped); the link
-        notices the loss and fails what waits on it."""
+    def kill(self) -> None:
+        """Internal (Session): SIGKILL the IPU processes (a hung device whose owner was
+        dropped); the link notices the loss and fails what waits on it."""
         kill_all(self._processes)   # all at once, then wait for all
         self._link.check()
 
@@ -330,6 +352,18 @@ class Device:
 
     # -- for Session (seed: protected isActiveSession / bindToSession / unbindSession) ----
 
+    @property
+    def link(self) -> DeviceLink:
+        """Internal (Session and its fast path): the link to the IPU process(es): requests
+        (LOAD, RUN, LOOP, STOP, MODES, ...) and whether the device is lost."""
+        return self._link
+
+    @property
+    def lock(self) -> threading.RLock:
+        """Internal (Session): held while a session binds, loads or runs programs on the
+        device (one at a time); re-entrant."""
+        return self._lock
+
     def _check_open(self) -> None:
         if self._closed:
             raise InvalidStateError(f"{self.describe()} is detached")
@@ -337,18 +371,16 @@ class Device:
         if lost is not None:
             raise lost
 
-    def isActiveSession(self, session: "Session") -> bool:
+    def isActiveSession(self, session: ActiveSession) -> bool:
         active = self._active
         return active is not None and active() is session
 
-    def bindToSession(self, session: "Session") -> None:
+    def bindToSession(self, session: ActiveSession) -> None:
         """Make ``session`` this device's active session, its executable loaded.
 
         Seed: protected, for Session (``Session.bindToDevice`` is the public way). The
         session that was active runs its save programs first (``unbindSession``)."""
-        from host_runtime.session._session import Session
-
-        if not isinstance(session, Session):
+        if not isinstance(session, ActiveSession):
             raise BadRequestError(f"bindToSession expects a Session, got {session!r}")
         session.bindToDevice(self)
 
@@ -361,16 +393,17 @@ class Device:
             active = self._active() if self._active is not None else None
             if active is None:
                 return
-            loop = active._loop
-            if loop is not None and not loop.done():
+            if active.main_loop_running():
                 raise InvalidStateError(
                     f"unbindSession: {self.describe()} is running the main loop of its active "
                     "session (a ModelRunner's, or a QueueManager's); stop() that session first")
-            active._deactivate(implicit_save=True)
+            active.deactivate(implicit_save=True)
             self._unbind_session(active)
 
-    def _bind_session(self, session: "Session") -> None:
-        """Make ``session`` the active one; the previous one runs its save programs first."""
+    def bind_session(self, session: ActiveSession, servicer: StreamServicer) -> None:
+        """Internal (Session): make ``session`` the active one, ``servicer`` servicing its
+        stream events; the previous one runs its save programs first. Raises the
+        DeviceLostError of a lost device, InvalidStateError once detached."""
         with self._lock:
             self._check_open()
             self._sessions.add(session)
@@ -378,24 +411,25 @@ class Device:
             if previous is session:
                 return
             if previous is not None:
-                previous._deactivate(implicit_save=True)
+                previous.deactivate(implicit_save=True)
             self._active = weakref.ref(session)
-            self._link.set_servicer(session)
+            self._link.set_servicer(servicer)
 
-    def _unbind_session(self, session: "Session") -> None:
+    def _unbind_session(self, session: ActiveSession) -> None:
         with self._lock:
             if self.isActiveSession(session):
                 self._active = None
                 self._link.set_servicer(None)
 
-    def _forget_session(self, session: "Session") -> None:
+    def forget_session(self, session: ActiveSession) -> None:
+        """Internal (Session): ``session`` unbinds from this device."""
         with self._lock:
             self._unbind_session(session)
             self._sessions.discard(session)
 
-    @property
-    def _device_lock(self) -> threading.RLock:
-        return self._lock
+    def sessions(self) -> list[ActiveSession]:
+        """Internal (Session): the sessions bound to this device (active or not)."""
+        return list(self._sessions)
 
 
 def _bind_args(what: str, names: tuple[str, ...], args: tuple[Any, ...],

@@ -85,7 +85,7 @@ class _SharedDevice:
 
         with self.lock:
             dev = self._device
-            if dev is not None and (not dev.isAttached() or dev._link.lost is not None):
+            if dev is not None and (not dev.isAttached() or dev.link.lost is not None):
                 _log.warning("the backend's IPU %s was lost; attaching another", dev.describe())
                 self._close_locked()
                 dev = None

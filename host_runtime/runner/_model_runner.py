@@ -331,7 +331,7 @@ class ModelRunner:
                     dev.close()
                     raise
             for spec in (*self._in_specs.values(), *self._out_specs.values()):
-                s._claim_direct(spec.handle)
+                s.direct.claim(spec.handle)
         except BaseException:
             s.close()
             raise

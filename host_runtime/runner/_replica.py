@@ -44,6 +44,8 @@ import numpy as np
 
 from shm import (PeerDiedError, Ring, RingInvalidatedError, RingTimeoutError, ShmError,
                  WouldBlock)
+from shm.settings import settings
+from shm.spin import NEVER, spin_until, us_to_ns
 
 from host_runtime.runner._batching import TensorSpec
 from host_runtime.memory._copy import copy_bytes
@@ -60,9 +62,9 @@ __all__ = ["Replica", "Transfer", "ReplicaSetup"]
 _log = logging.getLogger(__name__)
 
 _SLICE = 0.25          # seconds between re-checks of a blocked drain
-_SPIN_NS = int(float(os.environ.get("IPU_EMULATOR_RUNNER_SPIN_US", "100")) * 1000)
+_SPIN_NS = us_to_ns(settings().runner_spin_us)
 """Longest poll of an output ring before blocking (0: never poll); see Replica._spin."""
-_YIELDED_NS = int(float(os.environ.get("IPU_EMULATOR_YIELDED_US", "5")) * 1000) or 1 << 62
+_YIELDED_NS = us_to_ns(settings().yielded_us, NEVER)
 """A sched_yield() that took longer (ns) ran another task on this vCPU; see Replica._spin."""
 _ONE_CPU = len(os.sched_getaffinity(0)) < 2
 _native_id = threading.get_native_id
@@ -148,10 +150,10 @@ class Replica(ReplicaTimers):
     def _open(self) -> None:
         s = self.setup.open_session()
         try:
-            self._in_rings = {n: s._input_ring(spec.handle) for n, spec in self.setup.inputs.items()}
-            self._out_rings = {n: s._output_ring(spec.handle)
+            self._in_rings = {n: s.direct.input_ring(spec.handle) for n, spec in self.setup.inputs.items()}
+            self._out_rings = {n: s.direct.output_ring(spec.handle)
                                for n, spec in self.setup.outputs.items()}
-            loop = s._start_main_loop()
+            loop = s.direct.start_main_loop()
         except BaseException:
             s.close()
             raise
@@ -240,11 +242,11 @@ class Replica(ReplicaTimers):
         if s is None:
             return
         try:
-            healthy = self._error is None and s._failure() is None
+            healthy = self._error is None and s.direct.failure() is None
             limit = DROP_STOP_TIMEOUT if dropped else _STOP_TIMEOUT
             if save is not None and healthy:
                 try:
-                    s._stop_main_loop(limit)      # stays runnable, device memory kept
+                    s.direct.stop_main_loop(limit)      # stays runnable, device memory kept
                     save(s)
                 except ModelRuntimeError as exc:
                     _log.warning("replica %d: save programs failed: %s", self.rid, exc)
@@ -279,10 +281,10 @@ class Replica(ReplicaTimers):
             # Every IPU process is alive (pidfds, one poll). Other losses fail the
             # main-loop future, which sets self._error.
             return None
-        lost = s._failure()
+        lost = s.direct.failure()
         if lost is None:
             if pid is not None:
-                err = s._translate(PeerDiedError(f"IPU process {pid} died", pid))
+                err = s.direct.translate(PeerDiedError(f"IPU process {pid} died", pid))
                 lost = err if isinstance(err, ModelRuntimeError) else DeviceLostError(str(err))
         if lost is not None:
             self._fail_everything(lost)
@@ -341,7 +343,7 @@ class Replica(ReplicaTimers):
         if self._error is not None:
             return self._error
         s = self._session
-        err = s._translate(exc) if s is not None else exc
+        err = s.direct.translate(exc) if s is not None else exc
         if isinstance(err, ModelRuntimeError):
             return err
         return DeviceLostError(f"replica {self.rid}: {exc}")
@@ -616,19 +618,10 @@ class Replica(ReplicaTimers):
         """
         if self._wait_est_ns > 3 * _SPIN_NS:
             return
-        clock = time.perf_counter_ns
-        stop = clock() + _SPIN_NS
-        readable = ring.readable
-        yield_cpu = os.sched_yield
-        while not readable():
-            t = clock()
-            if t >= stop:
-                return
-            yield_cpu()   # let the IPU process run if it shares this vCPU
-            if clock() - t > _YIELDED_NS and _ONE_CPU:
-                # another task ran on this vCPU (likely the IPU process): block instead, so
-                # that a wake-up lets the scheduler put one of us on an idle vCPU
-                return
+        # yields to the IPU process if it shares this vCPU; on one CPU a long yield means
+        # it does: block instead, so that a wake-up lets the scheduler put one of us on an
+        # idle vCPU
+        spin_until(ring.readable, _SPIN_NS, _YIELDED_NS if _ONE_CPU else NEVER)
 
     @staticmethod
     def _copy_out(tr: Transfer, spec: TensorSpec, view: memoryview, dynamic: bool) -> None:

@@ -1,174 +1,158 @@
 """The Session's internal fast path for QueueManager / ModelRunner (CONTRACTS.md section 5).
 
-The caller claims anchors as *direct* and moves transfers through their rings
-itself, from its own thread: the session calls no callback for them and the
-device posts no event for them (except NEED, to an observer, when asked).
-``_start_main_loop`` keeps the Main programs running on the device until
-``stop()`` (or ``_stop_main_loop()``), so a request touches only the user's
-thread and the IPU process.
+``session.direct`` is the session's :class:`DirectStreams`. The caller claims
+anchors (``claim``) and moves their transfers through the rings itself
+(``input_ring`` / ``output_ring``), from its own thread: the session calls no
+callback for them and the device posts no event for them. ``start_main_loop``
+keeps the Main programs running on the device until ``session.stop()`` (or
+``stop_main_loop()``), so a request touches only the user's thread and the IPU
+process.
 
-``FastPath`` is a mixin of :class:`host_runtime.session._session.Session`; it uses the
-session's binding and running internals declared below.
+The session owns its ``DirectStreams`` and gives it the stream table; what it
+needs of the session (binding, the checks and load programs before Main) is the
+:class:`SessionCore` protocol, and it holds the session weakly.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import os
 import weakref
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Protocol
 
 from shm import (PeerDiedError, Ring, RingInvalidatedError, RingTimeoutError, ShmClosedError,
                  ShmError)
+from shm.settings import settings
 
 from host_runtime import popef
 from host_runtime.devices._link import wait
 from host_runtime.errors import (BadRequestError, DeviceExecutionError, DeviceLostError,
                                  DeviceTimeoutError, InvalidStateError, ModelRuntimeError)
+from host_runtime.session._streams import StreamTable
 from ipu_emulator.protocol import Op
 
 if TYPE_CHECKING:
-    from host_runtime.session._streams import StreamTable
     from host_runtime.devices._manager import Device
 
-__all__ = ["FastPath"]
+__all__ = ["DirectStreams", "SessionCore"]
 
-_STOP_TIMEOUT = float(os.environ.get("IPU_EMULATOR_STOP_TIMEOUT", "30"))
-
-
-class FastPath:
-    """The ``_``-prefixed fast-path methods of Session."""
-
-    _streams: "StreamTable"
-    _device: "Device | None"
-    _loaded: bool
-    _need_load_programs: bool
-    _load_ran: bool
-    _loop: "cf.Future[None] | None"
-    _stop_listeners: list[Callable[[], None]]
-    _flow: popef.ProgramFlow
-
-    if TYPE_CHECKING:
-        def _require_device(self) -> "Device": ...
-        def _wake_streams(self) -> None: ...
-        def _activate(self) -> None: ...
-        def _check_runnable(self) -> None: ...
-        def _anchor(self, handle: str) -> popef.Anchor: ...
-        def _send_modes(self, dev: "Device") -> None: ...
-        def _run_checked(self, dev: "Device", progs: list[int], what: str) -> None: ...
-        def errorIfAnchorsAreNotConnectedToCallbacks(self, progs: Any) -> None: ...
-        def _with_callback_error(self, exc: DeviceExecutionError, what: str) -> BaseException: ...
+_STOP_TIMEOUT = settings().stop_timeout
 
 
-    def _ensure_bound(self) -> Device:
-        dev = self._require_device()
-        with dev._device_lock:
-            self._activate()
-        return dev
+class SessionCore(Protocol):
+    """What :class:`DirectStreams` needs of the session that owns it (``Session``)."""
+
+    def device(self) -> "Device | None":
+        """The bound device, if any."""
+
+    def _require_device(self) -> "Device":
+        """The bound device; attaches one (LaunchPolicy.Deferred) if there is none."""
+
+    def _activate(self) -> None:
+        """Make the session the device's active one, loaded (device lock held)."""
+
+    def _prepare_main(self, dev: "Device") -> list[int]:
+        """Activate, check the session is runnable, run the load programs if this binding
+        has not, check the Main anchors are connected, send the stream modes; the Main
+        programs (device lock held)."""
+
+    def _push_modes(self) -> None:
+        """Send the stream modes now if the session is loaded and active."""
+
+    def _wake_streams(self) -> None:
+        """After a STOP: invalidate the rings a device program may wait on."""
+
+
+class DirectStreams:
+    """The fast path of one session (see the module docstring)."""
+
+    def __init__(self, streams: StreamTable, session: SessionCore) -> None:
+        self._streams = streams
+        self._session = weakref.ref(session)   # the session owns this object
+        self._loop: cf.Future[None] | None = None
+
+    def _owner(self) -> SessionCore:
+        session = self._session()
+        if session is None:
+            raise InvalidStateError("the session is closed")
+        return session
+
+    # -- rings --------------------------------------------------------------------------
 
     def _ring(self, handle: str, kind: popef.TensorType) -> Ring:
-        a = self._anchor(handle)
+        a = self._streams.anchor(handle)
         if a.type() is not kind:
             raise BadRequestError(f"anchor {handle!r} is an {a.type().value.lower()} anchor, "
                                   f"not an {kind.value.lower()}")
-        self._ensure_bound()
+        session = self._owner()
+        dev = session._require_device()
+        with dev.lock:
+            session._activate()
         return self._streams.rings[a.handle()]
 
-    def _input_ring(self, handle: str) -> Ring:
+    def input_ring(self, handle: str) -> Ring:
         """The host (producer) end of an input anchor's ring; binds the session if needed."""
         return self._ring(handle, popef.TensorType.INPUT)
 
-    def _output_ring(self, handle: str) -> Ring:
+    def output_ring(self, handle: str) -> Ring:
         """The host (consumer) end of an output anchor's ring; binds the session if needed."""
         return self._ring(handle, popef.TensorType.OUTPUT)
 
-    def _claim_direct(self, handle: str) -> None:
+    def claim(self, handle: str) -> None:
         """The caller services this anchor's ring itself: no callbacks, no events."""
-        a = self._anchor(handle)
+        a = self._streams.anchor(handle)
         self._streams.direct.add(a.handle())
-        self._push_modes()
+        self._owner()._push_modes()
 
-    def _release_direct(self, handle: str) -> None:
-        a = self._anchor(handle)
-        self._streams.direct.discard(a.handle())
-        self._push_modes()
+    # -- the main loop ------------------------------------------------------------------
 
-    def _direct_anchors(self) -> set[str]:
-        return set(self._streams.direct)
-
-    def _set_need_observer(self, observer: Callable[[str], None] | None) -> None:
-        """``observer(handle)`` runs on the service thread when the device waits on an empty
-        directly-serviced input ring (for input timeouts and flush)."""
-        if observer is not None and not callable(observer):
-            raise BadRequestError(f"observer must be callable or None, got {observer!r}")
-        self._streams.need_observer = observer
-        self._push_modes()
-
-    def _add_stop_listener(self, listener: Callable[[], None]) -> None:
-        """``listener()`` runs at the start of stop() (e.g. QueueManager.disconnectAll)."""
-        self._stop_listeners.append(listener)
-
-    def _remove_stop_listener(self, listener: Callable[[], None]) -> None:
-        try:
-            self._stop_listeners.remove(listener)
-        except ValueError:
-            pass
-
-    def _push_modes(self) -> None:
-        dev = self._device
-        if (dev is not None and self._loaded and dev._link.lost is None
-                and dev.isActiveSession(self)):  # type: ignore[arg-type]
-            self._send_modes(dev)
-
-    def _start_main_loop(self) -> "cf.Future[None]":
+    def start_main_loop(self) -> "cf.Future[None]":
         """Run Main on the device in a loop until stop(); returns at once.
 
         The load programs run first (synchronously) if this binding has not run
         them. The future resolves to None when stop() ends the loop, or fails
         with DeviceExecutionError / DeviceLostError.
         """
-        dev = self._require_device()
-        with dev._device_lock:
-            self._activate()
-            self._check_runnable()
-            main = self._flow.main()
-            if not main:
-                raise InvalidStateError("the model has no main programs")
-            if self._need_load_programs:
-                self._run_checked(dev, self._flow.load(), "load programs")
-                self._need_load_programs = False
-                self._load_ran = True
-            self.errorIfAnchorsAreNotConnectedToCallbacks(main)
-            self._send_modes(dev)
+        session = self._owner()
+        dev = session._require_device()
+        with dev.lock:
+            main = session._prepare_main(dev)
             self._streams.clear_callback_errors()
-            inner = dev._link.request(Op.LOOP, list(main))
+            inner = dev.link.request(Op.LOOP, main)
             outer: cf.Future[None] = cf.Future()
             # The device link holds ``inner`` (and so this callback) until the loop ends:
-            # it refers to the session weakly, so that a dropped session is freed (and
+            # it refers to the streams weakly, so that a dropped session is freed (and
             # closed, which ends the loop) by reference counting.
-            ref = weakref.ref(self)
+            ref = weakref.ref(self._streams)
 
             def done(f: "cf.Future[None]") -> None:
                 exc = f.exception()
-                session = ref()
+                streams = ref()
                 if exc is None:
                     outer.set_result(None)
-                elif isinstance(exc, DeviceExecutionError) and session is not None:
-                    outer.set_exception(session._with_callback_error(exc, "main loop"))
+                elif isinstance(exc, DeviceExecutionError) and streams is not None:
+                    outer.set_exception(streams.with_callback_error(exc, "main loop"))
                 else:
                     outer.set_exception(exc)
             inner.add_done_callback(done)
             self._loop = outer
             return outer
 
-    def _stop_main_loop(self, timeout: float = _STOP_TIMEOUT) -> None:
+    def loop_running(self) -> bool:
+        """Whether a main loop started here has not ended yet."""
+        loop = self._loop
+        return loop is not None and not loop.done()
+
+    def stop_main_loop(self, timeout: float = _STOP_TIMEOUT) -> None:
         """End a running main loop but stay runnable (unlike stop()): e.g. to run the save
         programs next. An iteration waiting for input is abandoned; device memory is kept."""
-        loop, dev = self._loop, self._device
-        if loop is None or loop.done() or dev is None or dev._link.lost is not None:
+        session = self._session()
+        loop = self._loop
+        dev = session.device() if session is not None else None
+        if loop is None or loop.done() or dev is None or dev.link.lost is not None:
             return
-        fut = dev._link.request(Op.STOP, value=1)
-        self._wake_streams()   # wakes the device now (see Session.stop)
+        assert session is not None
+        fut = dev.link.request(Op.STOP, value=1)
+        session._wake_streams()   # wakes the device now (see Session.stop)
         try:
             wait(fut, timeout, f"ending the main loop on {dev.describe()}")
             try:
@@ -179,26 +163,29 @@ class FastPath:
             if loop.done():
                 self._streams.reset_rings()   # the device is idle: runnable again
 
-    def _main_loop(self) -> "cf.Future[None] | None":
-        return self._loop
+    # -- failures -----------------------------------------------------------------------
 
-    def _failure(self) -> ModelRuntimeError | None:
+    def _device(self) -> "Device | None":
+        session = self._session()
+        return None if session is None else session.device()
+
+    def failure(self) -> ModelRuntimeError | None:
         """The DeviceLostError of the bound device if it died, checked now (a waitpid per
         IPU process: cheap enough to call before every request)."""
-        dev = self._device
-        return None if dev is None else dev._link.check()
+        dev = self._device()
+        return None if dev is None else dev.link.check()
 
-    def _translate(self, exc: BaseException) -> BaseException:
+    def translate(self, exc: BaseException) -> BaseException:
         """Map a wire error met on a stream ring to the host's error hierarchy."""
         if isinstance(exc, ModelRuntimeError):
             return exc
-        lost = self._failure()
+        lost = self.failure()
         if isinstance(exc, PeerDiedError):
             if lost is not None:
                 return lost
-            dev = self._device
+            dev = self._device()
             if dev is not None and exc.pid in dev.pids():
-                return dev._link.mark_lost()   # the ring saw it first; get how it died
+                return dev.link.mark_lost()   # the ring saw it first; get how it died
             name = dev.describe() if dev is not None else "the device"
             return DeviceLostError(f"{name}: IPU process {exc.pid} died")
         if isinstance(exc, RingInvalidatedError):

@@ -22,15 +22,17 @@ Two sessions may share a device: binding the other one runs this one's save
 programs, and this one's load programs run again before its next Main.
 
 The fast path for ``QueueManager`` / ``ModelRunner`` (docs/CONTRACTS.md
-section 5) is the ``_``-prefixed methods of :mod:`host_runtime.session._fastpath`:
-the caller claims anchors as *direct* and reads/writes their rings itself, and
-``_start_main_loop`` keeps Main running on the device until ``stop()``. The
-per-anchor callbacks, rings and servicing live in :mod:`host_runtime.session._streams`.
+section 5) is ``session.direct``, a :class:`host_runtime.session._fastpath.DirectStreams`
+the session owns: the caller claims anchors as *direct* and reads/writes their
+rings itself, and ``direct.start_main_loop()`` keeps Main running on the device
+until ``stop()``. The per-anchor callbacks, rings and servicing live in
+:mod:`host_runtime.session._streams`. The session reaches its device through
+``Device.link`` / ``Device.lock`` and is, for the device, an ``ActiveSession``
+(:mod:`host_runtime.devices._manager`).
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import enum
 import logging
 import os
@@ -39,13 +41,15 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from shm import Region
+from shm.settings import settings
 
 from host_runtime import popef
+from host_runtime.devices._ipu_group import ShardedLoad
 from host_runtime.devices._link import wait
 from host_runtime.devices._shm_space import translated
 from host_runtime.popef._check import check_model
-from host_runtime.session._fastpath import FastPath
-from host_runtime.session._streams import StreamTable
+from host_runtime.session._fastpath import DirectStreams
+from host_runtime.session._streams import StreamTable, callback_failure
 from host_runtime.devices._manager import Device, DeviceManager, DeviceWaitConfig
 from host_runtime.errors import (BadRequestError, DeviceExecutionError, DeviceLostError,
                                  DeviceTimeoutError, InvalidStateError, ModelRuntimeError,
@@ -69,8 +73,8 @@ _log = logging.getLogger(__name__)
 CallbackHandle = Callable[[memoryview], None]
 """Called with one transfer: writable for inputs, read-only (valid during the call) for outputs."""
 
-_STOP_TIMEOUT = float(os.environ.get("IPU_EMULATOR_STOP_TIMEOUT", "30"))
-_LOAD_TIMEOUT = float(os.environ.get("IPU_EMULATOR_LOAD_TIMEOUT", "300"))
+_STOP_TIMEOUT = settings().stop_timeout
+_LOAD_TIMEOUT = settings().load_timeout
 DROP_STOP_TIMEOUT = 1.0
 """Seconds a dropped session (or runner) waits for its own device to stop before it kills
 the device's IPU processes: ``__del__`` must not block for long."""
@@ -137,8 +141,13 @@ class CallbackInfo:
 CallbackFactory = Callable[[CallbackInfo], "CallbackHandle | None"]
 
 
-class Session(FastPath):
-    """Links a model to a device: loads it, runs its programs, services its streams."""
+class Session:
+    """Links a model to a device: loads it, runs its programs, services its streams.
+
+    Besides the seed's API, marked "Internal": ``direct`` (the fast path of QueueManager
+    and ModelRunner) and what a Device calls on its sessions (``main_loop_running``,
+    ``deactivate``, ``device_detached``: the ``devices._manager.ActiveSession`` protocol).
+    """
 
     ProgIdxType = int
     """The index of a program of the executable (C++ ``popef::ProgramFlow::ProgramIndexType``)."""
@@ -168,20 +177,19 @@ class Session(FastPath):
         self._streams = StreamTable(self._model, self._config.pred_tensor_data,
                                     self._config.look_ahead(), self._config.ring_depth)
         self._flow = self._streams.flow
-        self._stop_listeners: list[Callable[[], None]] = []
+        self._direct = DirectStreams(self._streams, self)
         self._queue_managers: list[Any] = []
         self._key = secrets.token_hex(8)
         self._device: Device | None = None
         self._owns_device = False
         self._spec_region: Region | None = None
         self._memory_region: Region | None = None
-        self._sharded: Any = None        # host_runtime.devices._ipu_group.ShardedLoad (multi-IPU)
+        self._sharded: ShardedLoad | None = None   # a multi-IPU executable's resources
         self._loaded = False             # our executable is loaded and we are the active session
         self._need_load_programs = True
         self._load_ran = False
         self._stopped = False
         self._modes_sent: list[int] | None = None
-        self._loop: cf.Future[None] | None = None
         self._closed = False
         if self._config.policy is LaunchPolicy.Immediate:
             self._acquire_device()
@@ -196,7 +204,7 @@ class Session(FastPath):
         if self._device is not None and self._device is not device:
             self._unbind(run_save=True)
         self._device = device
-        with device._device_lock:
+        with device.lock:
             self._activate()
 
     def unloadFromDevice(self) -> None:
@@ -240,17 +248,12 @@ class Session(FastPath):
                 qm.disconnectAll()
             except Exception:
                 _log.exception("disconnecting %r failed", qm)
-        for listener in list(self._stop_listeners):
-            try:
-                listener()
-            except Exception:
-                _log.exception("stop listener %r failed", listener)
         dev = self._device
         self._stopped = True
-        if dev is None or not self._loaded or not dev.isActiveSession(self) or dev._link.lost:
+        if dev is None or not self._loaded or not dev.isActiveSession(self) or dev.link.lost:
             return
         try:
-            fut = dev._link.request(Op.STOP)
+            fut = dev.link.request(Op.STOP)
             # wake a program waiting on a stream now, not at its next check of the
             # control ring; reload() resets the rings
             self._wake_streams()
@@ -262,7 +265,7 @@ class Session(FastPath):
                 raise
             _log.warning("%s did not stop within %g s; killing its IPU processes",
                          dev.describe(), timeout)
-            dev._kill()
+            dev.kill()
 
     def _wake_streams(self) -> None:
         """After a STOP: invalidate the stream rings (and a sharded model's IPU-Links, which
@@ -280,16 +283,24 @@ class Session(FastPath):
         dev = self._device
         if dev is None:
             raise InvalidStateError("reload: the session is not bound to a device")
-        if self._loop is not None and not self._loop.done():
+        if self._direct.loop_running():
             raise InvalidStateError("reload: the main loop is running; stop() the session first")
-        with dev._device_lock:
-            dev._bind_session(self)
+        with dev.lock:
+            dev.bind_session(self, self._streams)
             self._streams.reset_rings()
             self._load(fresh=True)
             self._stopped = False
 
     def isStopped(self) -> bool:
         return self._stopped
+
+    # -- internal: the fast path ----------------------------------------------------------
+
+    @property
+    def direct(self) -> DirectStreams:
+        """Internal (QueueManager, ModelRunner): the session's fast path: claim anchors,
+        their rings, the main loop, failures (:mod:`host_runtime.session._fastpath`)."""
+        return self._direct
 
     def createQueueManager(self, *args: Any, **kwargs: Any) -> Any:
         """Create a QueueManager for this session (arguments as QueueManager's, after the
@@ -390,10 +401,10 @@ class Session(FastPath):
             dev = self._device
             busy = False
             if dev is not None:
-                busy = not dev._device_lock.acquire(blocking=False)
+                busy = not dev.lock.acquire(blocking=False)
                 if not busy:
-                    dev._device_lock.release()
-            if busy or (self._loop is not None and not self._loop.done()):
+                    dev.lock.release()
+            if busy or self._direct.loop_running():
                 # a program of ours may be running on another thread
                 self._stop(stop_timeout, kill_if_hung)
             if self._device is not None:
@@ -466,13 +477,26 @@ class Session(FastPath):
         assert dev is not None
         if not dev.isActiveSession(self):
             self._loaded = False
-        dev._bind_session(self)
+        dev.bind_session(self, self._streams)
         if not self._loaded:
             self._load(fresh=False)
 
-    def _deactivate(self, implicit_save: bool) -> None:
-        """Another session takes the device (called under its lock)."""
-        if self._loop is not None and not self._loop.done():
+    def _push_modes(self) -> None:
+        """Send the stream modes now if loaded and active (they change with claims)."""
+        dev = self._device
+        if (dev is not None and self._loaded and dev.link.lost is None
+                and dev.isActiveSession(self)):
+            self._send_modes(dev)
+
+    # -- internal: for the device (host_runtime.devices._manager.ActiveSession) -----------------
+
+    def main_loop_running(self) -> bool:
+        """Internal (Device): whether this session's main loop runs on its device."""
+        return self._direct.loop_running()
+
+    def deactivate(self, implicit_save: bool) -> None:
+        """Internal (Device): another session takes the device (called under its lock)."""
+        if self._direct.loop_running():
             dev = self._device
             raise InvalidStateError(
                 f"{dev.describe() if dev else 'the device'} is running the main loop of another "
@@ -485,7 +509,7 @@ class Session(FastPath):
         dev = self._device
         save = self._flow.save()
         if (dev is None or not self._loaded or not self._load_ran or self._stopped or not save
-                or dev._link.lost is not None or (self._loop is not None and not self._loop.done())):
+                or dev.link.lost is not None or self._direct.loop_running()):
             return
         if self._streams.not_connected(save):
             _log.debug("skipping implicit save programs of %r: anchors not connected", self)
@@ -497,8 +521,8 @@ class Session(FastPath):
         if dev is None:
             return
         try:
-            with dev._device_lock:
-                if dev.isAttached() and dev._link.lost is None and dev._link.started:
+            with dev.lock:
+                if dev.isAttached() and dev.link.lost is None and dev.link.started:
                     if run_save and dev.isActiveSession(self):
                         try:
                             self._implicit_save()
@@ -506,13 +530,13 @@ class Session(FastPath):
                             _log.warning("implicit save programs of %r failed: %s", self, exc)
                     # also when another session is active: the device caches ours (not
                     # needed when the device goes with this session: closing it drops all)
-                    if not (self._owns_device and set(dev._sessions) <= {self}):
+                    if not (self._owns_device and set(dev.sessions()) <= {self}):
                         try:
-                            dev._link.call(Op.UNLOAD, {"key": self._key},
+                            dev.link.call(Op.UNLOAD, {"key": self._key},
                                            timeout=_STOP_TIMEOUT)
                         except ModelRuntimeError as exc:
                             _log.debug("unload from %s: %s", dev.describe(), exc)
-                dev._forget_session(self)
+                dev.forget_session(self)
         finally:
             self._device = None
             self._loaded = False
@@ -523,8 +547,8 @@ class Session(FastPath):
                 self._owns_device = False
                 dev.close()
 
-    def _device_detached(self, dev: Device) -> None:
-        """Device.close() calls this for each session bound to it."""
+    def device_detached(self, dev: Device) -> None:
+        """Internal (Device): Device.close() calls this for each session bound to it."""
         if self._device is dev:
             self._device = None
             self._loaded = False
@@ -536,7 +560,7 @@ class Session(FastPath):
         extra = [] if self._memory_region is not None else [
             ("the device memory region", max(64, int(self._header["memory_bytes"]))),
             ("the executable region", len(self._exe))]
-        self._streams.ensure_rings(dev._link.pid, extra)
+        self._streams.ensure_rings(dev.link.pid, extra)
         if self._memory_region is None:
             size = max(64, int(self._header["memory_bytes"]))
             with translated("the device memory region", size):
@@ -583,7 +607,7 @@ class Session(FastPath):
             if len(prefix) > spec["executable_offset"]:  # pragma: no cover - same length by design
                 raise InvalidStateError("load spec grew; cannot rewrite it in place")
             self._spec_region.buf[:len(prefix)] = prefix
-        dev._link.call(Op.LOAD, {"spec_region": self._spec_region.name}, timeout=_LOAD_TIMEOUT)
+        dev.link.call(Op.LOAD, {"spec_region": self._spec_region.name}, timeout=_LOAD_TIMEOUT)
         self._modes_sent = modes
         self._loaded = True
         self._need_load_programs = True
@@ -591,14 +615,12 @@ class Session(FastPath):
 
     def _load_sharded(self, dev: Device, modes: list[int], fresh: bool) -> bool:
         """A multi-IPU executable: each IPU of the device gets its part (host_runtime.devices._ipu_group)."""
-        from host_runtime.devices._ipu_group import ShardedLoad
-
         if self._sharded is None:
             self._sharded = ShardedLoad.of(self._exe, self._key)
             if self._sharded is None:
                 return False
         rings = self._streams.rings
-        self._sharded.load(dev._link, self._streams.load_spec(modes),
+        self._sharded.load(dev.link, self._streams.load_spec(modes),
                            self._config.check_package_hash, fresh, _LOAD_TIMEOUT,
                            lambda h, pid: rings[h].set_peer(pid))
         self._modes_sent = modes
@@ -610,14 +632,14 @@ class Session(FastPath):
     def _send_modes(self, dev: Device) -> None:
         modes = self._streams.modes()
         if modes != self._modes_sent:
-            dev._link.notify(Op.MODES, modes)
+            dev.link.notify(Op.MODES, modes)
             self._modes_sent = modes
 
     # -- running --------------------------------------------------------------------------------------
 
     def _run(self, progs: list[int], what: str, phase: str | None) -> None:
         dev = self._require_device()
-        with dev._device_lock:
+        with dev.lock:
             self._activate()
             self._check_runnable()
             if phase == "main" and self._need_load_programs:
@@ -632,8 +654,25 @@ class Session(FastPath):
     def _check_runnable(self) -> None:
         if self._stopped:
             raise InvalidStateError("the session is stopped; call reload() before running programs")
-        if self._loop is not None and not self._loop.done():
+        if self._direct.loop_running():
             raise InvalidStateError("the main loop is running; stop() it before running programs")
+
+    def _prepare_main(self, dev: Device) -> list[int]:
+        """Before the main loop (DirectStreams.start_main_loop, device lock held): activate,
+        check runnable, run the load programs if this binding has not, check the Main
+        anchors are connected, send the modes; the Main programs."""
+        self._activate()
+        self._check_runnable()
+        main = self._flow.main()
+        if not main:
+            raise InvalidStateError("the model has no main programs")
+        if self._need_load_programs:
+            self._run_checked(dev, self._flow.load(), "load programs")
+            self._need_load_programs = False
+            self._load_ran = True
+        self.errorIfAnchorsAreNotConnectedToCallbacks(main)
+        self._send_modes(dev)
+        return list(main)
 
     def _run_checked(self, dev: Device, progs: list[int], what: str) -> None:
         if not progs:
@@ -644,40 +683,14 @@ class Session(FastPath):
     def _request_run(self, dev: Device, progs: list[int], what: str) -> None:
         self._send_modes(dev)
         self._streams.clear_callback_errors()
-        fut = dev._link.request(Op.RUN, list(progs))
+        fut = dev.link.request(Op.RUN, list(progs))
         try:
             wait(fut, None, f"{what} on {dev.describe()}")
         except DeviceExecutionError as exc:
-            new = self._with_callback_error(exc, what)
+            new = self._streams.with_callback_error(exc, what)
             if new is exc:
                 raise
             raise new from new.__cause__
         failed = self._streams.take_callback_error()
         if failed is not None:
-            raise _callback_failure(what, *failed)
-
-    def _with_callback_error(self, exc: DeviceExecutionError, what: str) -> BaseException:
-        failed = self._streams.take_callback_error()
-        return exc if failed is None else _callback_failure(what, *failed)
-
-    # -- stream servicing (the device link calls these on its service thread) --------------
-
-    def _on_need(self, index: int) -> None:
-        self._streams.on_need(index)
-
-    def _on_out(self, index: int) -> None:
-        self._streams.on_out(index)
-
-    def _on_device_lost(self, error: DeviceLostError) -> None:
-        self._loaded = False
-
-    def _anchor(self, handle: str) -> popef.Anchor:
-        """The anchor of a handle or name; BadRequestError naming the known handles."""
-        return self._streams.anchor(handle)
-
-
-def _callback_failure(what: str, handle: str, exc: BaseException) -> DeviceExecutionError:
-    err = DeviceExecutionError(f"{what}: the callback of anchor {handle!r} raised "
-                               f"{type(exc).__name__}: {exc}")
-    err.__cause__ = exc
-    return err
+            raise callback_failure(what, *failed)

@@ -10,7 +10,8 @@ order (the index NEED/OUT events carry). For each, the table knows
   bytes itself);
 - its ring (slot = one transfer of ``sizeInBytes``), created on first bind.
 
-``on_need`` / ``on_out`` run on the device's service thread: they call the
+``on_need`` / ``on_out`` run on the device's service thread (the table is the
+link's ``StreamServicer``, :mod:`host_runtime.devices.link`): they call the
 callback over a slot of the ring and publish or release it. A callback that
 raises is recorded (``take_callback_error``) and, for an input, the slot is
 published with ``TAG_ABORT`` so the device fails the program instead of
@@ -28,13 +29,13 @@ from shm import Ring, ShmError
 
 from host_runtime import popef
 from host_runtime.devices._shm_space import check_room, ring_bytes, translated
-from host_runtime.errors import BadRequestError, InvalidStateError, PopefError
+from host_runtime.errors import (BadRequestError, DeviceExecutionError, InvalidStateError,
+                                 PopefError)
 from host_runtime.session.predicates import (AnchorCallbackPolicy, AnchorCallbackPredicate,
                                      PopefDataUsagePolicy, PopefDataUsagePredicate)
-from ipu_emulator.protocol import (MODE_DIRECT, MODE_DIRECT_NOTIFY, MODE_EVENT, MODE_NULL,
-                                   TAG_ABORT)
+from ipu_emulator.protocol import MODE_DIRECT, MODE_EVENT, MODE_NULL, TAG_ABORT
 
-__all__ = ["StreamTable", "EMPTY", "Callback"]
+__all__ = ["StreamTable", "EMPTY", "Callback", "callback_failure"]
 
 _log = logging.getLogger("host_runtime.session._session")
 
@@ -104,7 +105,6 @@ class StreamTable:
         self.popef_cbs: dict[str, Callback] = {}
         self.user_cbs: dict[str, Callback] = {}
         self.direct: set[str] = set()
-        self.need_observer: Callable[[str], None] | None = None
         self._errors: list[tuple[str, BaseException]] = []
         self._lock = threading.Lock()
         self.rings: dict[str, Ring] = {}
@@ -212,8 +212,7 @@ class StreamTable:
         for a in self.streams:
             h = a.handle()
             if h in self.direct:
-                notify = self.need_observer is not None and a.type() is popef.TensorType.INPUT
-                modes.append(MODE_DIRECT_NOTIFY if notify else MODE_DIRECT)
+                modes.append(MODE_DIRECT)
             elif self.callback(h) is EMPTY:
                 modes.append(MODE_NULL)
             else:
@@ -310,17 +309,16 @@ class StreamTable:
         self._errors.clear()
         return first
 
+    def with_callback_error(self, exc: DeviceExecutionError, what: str) -> BaseException:
+        """``exc`` (a program failed), or the failure of the callback that made it fail."""
+        failed = self.take_callback_error()
+        return exc if failed is None else callback_failure(what, *failed)
+
     def on_need(self, index: int) -> None:
         a = self.streams[index]
         h = a.handle()
         if h in self.direct:
-            observer = self.need_observer
-            if observer is not None:
-                try:
-                    observer(h)
-                except Exception:
-                    _log.exception("NEED observer failed for %r", h)
-            return
+            return   # asked before a claim reached the device: the claimer fills the ring
         ring = self.rings[h]
         cb = self.callback(h)
         try:
@@ -361,3 +359,12 @@ class StreamTable:
         finally:
             _release(ro)
             ring.release()
+
+
+def callback_failure(what: str, handle: str, exc: BaseException) -> DeviceExecutionError:
+    """The DeviceExecutionError of ``what`` failing because anchor ``handle``'s callback
+    raised ``exc`` (its cause)."""
+    err = DeviceExecutionError(f"{what}: the callback of anchor {handle!r} raised "
+                               f"{type(exc).__name__}: {exc}")
+    err.__cause__ = exc
+    return err

@@ -27,6 +27,7 @@ import posix_ipc
 
 from shm import RingTimeoutError, ShmError
 from shm.cleanup import list_objects
+from shm.settings import settings
 
 from ipu_emulator import protocol
 from ipu_emulator.device.launcher import IpuProcess, IpuSpec, launch_ipu
@@ -37,7 +38,7 @@ __all__ = ["PooledIpu", "PoolError", "remove_objects_of"]
 
 _log = logging.getLogger("ipu_emulator.daemon.server")
 
-HANDOVER_TIMEOUT = float(os.environ.get("IPU_EMULATOR_DAEMON_HANDOVER_TIMEOUT", "30"))
+HANDOVER_TIMEOUT = settings().daemon_handover_timeout
 """Seconds a HOST round trip may take (a program the previous host left must notice);
 past it the IPU process is restarted."""
 

@@ -23,6 +23,8 @@ import os
 import time
 from typing import Callable
 
+from shm.settings import current
+
 __all__ = ["KeepApart", "PERIOD"]
 
 PERIOD = 0.005
@@ -47,7 +49,7 @@ class KeepApart:
         self.host_pid = host_pid
         self.hint: Callable[[], int] | None = None   # the host thread to keep off, or 0
         self.enabled = (len(self._allowed) > 1 and host_pid > 0
-                        and os.environ.get("IPU_EMULATOR_KEEP_APART", "1") != "0")
+                        and current().keep_apart)
         if not self.enabled:
             self.next_look = float("inf")   # callers compare before calling check()
 

@@ -12,15 +12,16 @@ input it polls briefly, then blocks in slices through ``DeviceProcess.wait_on``
 from __future__ import annotations
 
 import functools
-import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from shm import Region, Ring, RingInvalidatedError, RingTimeoutError, ring_step
+from shm.settings import settings
+from shm.spin import NEVER, spin_until, us_to_ns
 
 from ipu_emulator.device._host_memory import HostMemoryError
-from ipu_emulator.protocol import (ErrorKind, Message, Op, MODE_DIRECT, MODE_DIRECT_NOTIFY,
+from ipu_emulator.protocol import (ErrorKind, Message, Op, MODE_DIRECT,
                                    MODE_EVENT, MODE_NULL, TAG_ABORT, TAG_SHARED)
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -28,9 +29,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["_Loaded", "_RequestError", "_RingIO", "_Stream"]
 
-_SPIN_NS = int(float(os.environ.get("IPU_EMULATOR_DEVICE_SPIN_US", "50")) * 1000)
+_SPIN_NS = us_to_ns(settings().device_spin_us)
 """Longest poll of an empty input ring before blocking (0: never poll); see _RingIO._wait_read."""
-_YIELDED_NS = int(float(os.environ.get("IPU_EMULATOR_YIELDED_US", "5")) * 1000) or 1 << 62
+_YIELDED_NS = us_to_ns(settings().yielded_us, NEVER)
 _BACKOFF_NS = 8 * _SPIN_NS
 """Wait estimate set when a poll's yield ran another task: no polling for the next ~12
 waits of a few us (see _poll)."""
@@ -39,8 +40,8 @@ waits of a few us (see _poll)."""
 _NO_STEP = object()
 # Streams a C step may serve: an input in event mode posts NEED only when it has to wait
 # (and a step never waits); an output in event mode posts OUT after each publish.
-_STEP_IN_MODES = (MODE_EVENT, MODE_DIRECT, MODE_DIRECT_NOTIFY)
-_STEP_OUT_MODES = (MODE_DIRECT, MODE_DIRECT_NOTIFY)
+_STEP_IN_MODES = (MODE_EVENT, MODE_DIRECT)
+_STEP_OUT_MODES = (MODE_DIRECT,)
 
 
 class _RequestError(Exception):
@@ -200,7 +201,7 @@ class _RingIO:
 
     def _read_slow(self, s: _Stream, ring: Ring) -> tuple[memoryview, int]:
         """``_read`` once the input is not there at once: tell the host, then wait."""
-        if s.mode == MODE_EVENT or s.mode == MODE_DIRECT_NOTIFY:
+        if s.mode == MODE_EVENT:
             self._dev.post(Message(Op.NEED, index=s.index))
         return self._wait_read(ring)
 
@@ -235,24 +236,21 @@ class _RingIO:
         _wait_read); True once it is true, False if this process should block instead."""
         if not _SPIN_NS or self._wait_est_ns > 2 * _SPIN_NS:
             return False
-        clock = time.perf_counter_ns
-        stop = clock() + _SPIN_NS
-        yield_cpu = os.sched_yield
-        while not ready():
-            t = clock()
-            if t >= stop:
-                return False
-            yield_cpu()   # let the host run if it shares this vCPU
-            if clock() - t > _YIELDED_NS and not self._dev.keeps_apart:
-                # Another task ran: this vCPU is shared (likely with the host). Block
-                # instead: the wake-up lets the scheduler move one of us to an idle vCPU
-                # (two polling processes on one vCPU are never separated). And do not
-                # poll for the next waits (until the estimate decays below the budget):
-                # on a busy machine each yield may give away the rest of a time slice
-                # (measured: 280 us a poll on average with the load at 11 on 2 vCPUs).
-                self._wait_est_ns = max(self._wait_est_ns, _BACKOFF_NS)
-                return False
-        return True
+        # yields to the host if it shares this vCPU; a long yield means it does: block
+        # instead (unless keeping apart), the wake-up lets the scheduler move one of us to
+        # an idle vCPU (two polling processes on one vCPU are never separated)
+        shared = NEVER if self._dev.keeps_apart else _YIELDED_NS
+        t0 = time.perf_counter_ns()
+        if spin_until(ready, _SPIN_NS, shared):
+            return True
+        spent = time.perf_counter_ns() - t0
+        if shared != NEVER and not _SPIN_NS <= spent <= _SPIN_NS + shared:
+            # Ended by a yield that ran another task (not by the budget): do not poll for
+            # the next waits either (until the estimate decays below the budget). On a
+            # busy machine each such yield may give away the rest of a time slice
+            # (measured: 0.3-2.3 ms a poll on average with the load at 11 on 2 vCPUs).
+            self._wait_est_ns = max(self._wait_est_ns, _BACKOFF_NS)
+        return False
 
     def _check_transfer(self, handle: str, view: memoryview, tag: int, nbytes: int) -> None:
         if tag == TAG_ABORT:

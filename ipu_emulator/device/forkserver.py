@@ -52,15 +52,15 @@ import threading
 import time
 from typing import Any
 
+from shm.settings import IPU_IMPORT_ENV, current
+
 from ipu_emulator.errors import ForkserverError
 
 __all__ = ["enabled", "spawn", "stop", "ForkedProcess", "ForkserverError", "IMPORT_TIME_ENV"]
 
 _log = logging.getLogger("ipu_emulator.device.forkserver")
 
-IMPORT_TIME_ENV = ("PYTHONPATH", "IPU_EMULATOR_DEVICE_SPIN_US", "IPU_EMULATOR_YIELDED_US",
-                   "IPU_EMULATOR_ZERO_COPY", "IPU_EMULATOR_RING_C", "IPU_EMULATOR_RING_SPIN_US",
-                   "IPU_EMULATOR_RING_UNTIMED_WAITS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+IMPORT_TIME_ENV = ("PYTHONPATH", *IPU_IMPORT_ENV, "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 """Environment variables the IPU process's modules read when imported: a launch must
 agree with the template on these to be forked from it."""
 
@@ -73,7 +73,7 @@ _HOST_CHECK = 0.25   # seconds between the template's checks that its host is al
 
 def enabled() -> bool:
     """Whether IPU processes are forked from a template (``IPU_EMULATOR_FORKSERVER``)."""
-    return os.environ.get("IPU_EMULATOR_FORKSERVER", "1") != "0"
+    return current().forkserver
 
 
 def _env_key(env: dict[str, str]) -> tuple[str | None, ...]:

@@ -38,11 +38,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 import numpy as np
+
+from shm.settings import settings
 
 from ipu_emulator.errors import DeviceProgramError, ExecutableError
 from ipu_emulator.executable import (
@@ -56,7 +57,7 @@ _log = logging.getLogger(__name__)
 
 _Step = Callable[["StreamIO"], None]
 
-_ZERO_COPY = os.environ.get("IPU_EMULATOR_ZERO_COPY", "1") != "0"
+_ZERO_COPY = settings().zero_copy
 """``IPU_EMULATOR_ZERO_COPY=0`` turns zero-copy streams off (for measurements)."""
 
 

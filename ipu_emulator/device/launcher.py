@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from shm import Ring, RingTimeoutError, naming
+from shm.settings import settings
 
 from ipu_emulator import protocol
 from ipu_emulator.device import forkserver
@@ -47,7 +48,7 @@ _log = logging.getLogger(__name__)
 
 _LOG_TAG = re.compile(r" ipu-?\d+\[(\d+)\] ")
 
-START_TIMEOUT = float(os.environ.get("IPU_EMULATOR_START_TIMEOUT", "120"))
+START_TIMEOUT = settings().start_timeout
 """Seconds an IPU process may take to start (python + onnxruntime import)."""
 
 

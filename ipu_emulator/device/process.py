@@ -55,6 +55,7 @@ import posix_ipc
 from shm import (PeerDiedError, Region, Ring, RingInvalidatedError, RingTimeoutError, ShmError,
                  WouldBlock, naming, pid_alive)
 from shm.cleanup import list_objects
+from shm.settings import current
 
 from ipu_emulator import package_hash, protocol
 from ipu_emulator.device._host_memory import HostMemory
@@ -742,7 +743,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="owned by a daemon (--host-pid): hosts change through HOST messages")
     a = parser.parse_args(argv)
     logging.basicConfig(
-        level=os.environ.get("IPU_EMULATOR_DEVICE_LOG_LEVEL", "WARNING").upper(),
+        level=current().device_log_level,
         format=f"%(asctime)s ipu{a.ipu_id}[{os.getpid()}] %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the host decides when we stop
     opts = DeviceOptions(control=a.control, events=a.events, host_pid=a.host_pid,

@@ -173,9 +173,9 @@ def test_closing_a_device_under_a_running_main_loop_leaves_the_ipu_clean(daemon,
         s.bindToDevice(dev)
         for h in ("tensor_A", "tensor_B", "tensor_C"):
             s.setCallbackForAnchor(h, lambda v: None)
-            s._claim_direct(h)
+            s.direct.claim(h)
         s.setCallbackForAnchor("weights_saved", lambda v: None)
-        loop = s._start_main_loop()       # the IPU now waits on an empty input ring
+        loop = s.direct.start_main_loop()       # the IPU now waits on an empty input ring
         dev.close()                       # no stop(): the daemon's HOST(0) must end the loop
         assert loop.exception(timeout=30) is not None
     finally:

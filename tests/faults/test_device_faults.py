@@ -79,7 +79,7 @@ def test_killed_ipu_process_fails_a_running_program_and_every_later_call(model):
     assert f"IPU process {pid} was killed by signal SIGKILL (9)" in msg
     with pytest.raises(DeviceLostError, match="SIGKILL"):
         s.runMainPrograms()
-    assert s._failure() is not None
+    assert s.direct.failure() is not None
     # the session recovers on a new device (what auto_reset builds on)
     dev.close()
     with dm.getDevice(1, wait_config=PATIENT) as fresh:
@@ -99,9 +99,9 @@ def test_killed_ipu_process_fails_direct_waiters_and_the_main_loop(model):
     with DeviceManager().getDevice(1, wait_config=PATIENT) as dev, Session(model) as s:
         s.bindToDevice(dev)
         for h in ("tensor_A", "tensor_B", "tensor_C"):
-            s._claim_direct(h)
-        rc = s._output_ring("tensor_C")
-        loop = s._start_main_loop()
+            s.direct.claim(h)
+        rc = s.direct.output_ring("tensor_C")
+        loop = s.direct.start_main_loop()
         errors: list[BaseException] = []
 
         def reader() -> None:
@@ -115,7 +115,7 @@ def test_killed_ipu_process_fails_direct_waiters_and_the_main_loop(model):
         t.join(60)
         assert not t.is_alive()
         assert len(errors) == 1 and isinstance(errors[0], PeerDiedError), errors
-        lost = s._translate(errors[0])
+        lost = s.direct.translate(errors[0])
         assert isinstance(lost, DeviceLostError) and "SIGTERM (15)" in str(lost)
         with pytest.raises(DeviceLostError, match="was killed by signal SIGTERM"):
             loop.result(timeout=60)
@@ -145,8 +145,8 @@ HOST = textwrap.dedent("""
     s.setCallbackForAnchor("tensor_C", lambda v: None)
     s.runMainPrograms()                 # acquires a device, loads, runs
     for h in ("tensor_A", "tensor_B", "tensor_C"):
-        s._claim_direct(h)
-    s._start_main_loop()                # the device now waits on an input ring
+        s.direct.claim(h)
+    s.direct.start_main_loop()                # the device now waits on an input ring
     print(",".join(map(str, s.device().pids())), flush=True)
     sys.stdin.readline()
 """)
@@ -228,7 +228,7 @@ SPINNING_HOST = textwrap.dedent("""
     empty = lambda anchor: AnchorCallbackPolicy.BIND_EMPTY_CB
     s.setUserInputHandler(lambda info: None, empty)
     s.setUserOutputHandler(lambda info: None, empty)
-    s._start_main_loop()     # nothing to wait for: the device loops flat out
+    s.direct.start_main_loop()     # nothing to wait for: the device loops flat out
     print(",".join(map(str, s.device().pids())), flush=True)
     sys.stdin.readline()
 """)

@@ -186,8 +186,8 @@ def hung(path: str, probe: Probe) -> None:
 
     s = Session(path)
     for name in ("tensor_A", "tensor_B", "tensor_C"):
-        s._claim_direct(name)
-    loop = s._start_main_loop()
+        s.direct.claim(name)
+    loop = s.direct.start_main_loop()
     dev = s.device()
     assert dev is not None
     pids = dev.pids()
@@ -352,15 +352,15 @@ def session(path: str, probe: Probe) -> None:
 
     s = Session(path)
     qm = s.createQueueManager()
-    s._input_ring("tensor_A")                      # attaches its own device
+    s.direct.input_ring("tensor_A")                      # attaches its own device
     del s
     del qm
     probe.check("session that attached its own device, with a queue manager")
 
     s = Session(path)
     for name in ("tensor_A", "tensor_B", "tensor_C"):
-        s._claim_direct(name)
-    loop = s._start_main_loop()
+        s.direct.claim(name)
+    loop = s.direct.start_main_loop()
     del s
     probe.check("session with a running main loop")
     if not loop.done():

@@ -268,14 +268,14 @@ def test_zero_size_tensors_run_through_the_runtime() -> None:
 
 def test_models_share_one_ipu_process() -> None:
     dev = backend._shared.get()
-    pid = dev._link.pid
+    pid = dev.link.pid
     a = np.ones((2, 3), np.float32)
     for k in range(3):
         with backend.prepare(_add_model([2, 3])) as rep:
             np.testing.assert_array_equal(rep.run([a, a * k])[0], a + a * k)
         # the ModelRunner closed; the IPU it did not attach stays attached, same process
         assert dev.isAttached()
-        assert backend._shared.get() is dev and dev._link.pid == pid
+        assert backend._shared.get() is dev and dev.link.pid == pid
 
 
 def test_reps_alive_together_take_turns_on_the_ipu() -> None:

@@ -24,7 +24,7 @@ HOLDER = textwrap.dedent("""
     import sys
     from host_runtime.devices._manager import DeviceManager
     dev = DeviceManager().getDevice(1)
-    dev._link.start()   # the IPU process is up
+    dev.link.start()   # the IPU process is up
     print("attached", ",".join(map(str, dev.pids())), flush=True)
     for line in sys.stdin:
         if line.strip() == "release":

@@ -494,8 +494,8 @@ def test_ring_buffer_size_multiplier_sets_the_main_ring_depth(model_path, weight
         assert rep._in_rings["tensor_A"].num_slots == depth
         assert rep._in_rings["tensor_B"].num_slots == depth
         s = rep.session
-        assert s._output_ring("tensor_C").num_slots == depth
-        assert s._input_ring("weights").num_slots == 2
+        assert s.direct.output_ring("tensor_C").num_slots == depth
+        assert s.direct.input_ring("weights").num_slots == 2
         check_healthy(r, weights)
         reqs = [pair() for _ in range(3 * depth)]
         futs = [r.executeAsync({"tensor_A": a, "tensor_B": b}) for a, b in reqs]

@@ -65,7 +65,7 @@ def test_ring_size_is_multiplier_times_batch_size(models, shape, batching_dim, b
             assert ring.num_slots == multiplier
             assert ring.num_slots * spec.batch == multiplier * batch     # samples it holds
         assert rep._out_rings["tensor_C"].num_slots == multiplier
-        assert rep.session._input_ring("weights").num_slots == 2        # load program's anchor
+        assert rep.session.direct.input_ring("weights").num_slots == 2        # load program's anchor
         # many requests in flight, several transfers each, all right
         n = 3 * batch
         reqs = [(rand(shape[:1] + (n,) if batching_dim == 1 else (n,) + shape[1:], 2 * k),

@@ -77,7 +77,7 @@ def test_model_runner_matches_onnxruntime(tmp_path, chain, ipus, pipelined, bps)
         # one IPU process per IPU, each running its part: the device has N processes
         dev = r._replicas[0].session.device()
         assert dev.numIpus() == ipus and len(set(dev.pids())) == ipus
-        assert dev._link.width == ipus
+        assert dev.link.width == ipus
         # the activations cross between neighbouring IPU processes: IPU k maps exactly
         # the links to and from its neighbours (plus the sync token without pipelining)
         links = [mapped_links(pid) for pid in dev.pids()]

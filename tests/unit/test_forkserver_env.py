@@ -1,6 +1,7 @@
 """The template process (ipu_emulator.device.forkserver) forks an IPU process only for a launch that
 agrees with it on every setting the IPU process's modules read when imported: the list it
-compares must name every environment variable read at module level in shm and ipu_emulator."""
+compares is derived from shm.settings, and every module-level read of a setting in shm and
+ipu_emulator is either of a knob the list holds or of a host-side knob."""
 
 from __future__ import annotations
 
@@ -8,24 +9,22 @@ import ast
 from pathlib import Path
 
 from ipu_emulator.device.forkserver import IMPORT_TIME_ENV, _env_key
+from shm.settings import IPU_IMPORT_ENV, knobs
 
 ROOT = Path(__file__).resolve().parents[2]
+KNOBS = {k.name: k for k in knobs()}
 
 
-def _module_level_env_reads(path: Path) -> set[str]:
-    """Names in ``os.environ.get("X", ...)`` / ``os.environ["X"]`` outside functions."""
+def _module_level_settings_reads(path: Path) -> set[str]:
+    """Fields read as ``settings().field`` outside functions (at import)."""
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
             return
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
-                and node.func.attr == "get" and ast.unparse(node.func.value) == "os.environ" \
-                and node.args and isinstance(node.args[0], ast.Constant):
-            found.add(str(node.args[0].value))
-        if isinstance(node, ast.Subscript) and ast.unparse(node.value) == "os.environ" \
-                and isinstance(node.slice, ast.Constant):
-            found.add(str(node.slice.value))
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Call) \
+                and ast.unparse(node.value.func) in ("settings", "current"):
+            found.add(node.attr)
         for child in ast.iter_child_nodes(node):
             visit(child)
 
@@ -33,23 +32,33 @@ def _module_level_env_reads(path: Path) -> set[str]:
     return found
 
 
-# read at import time by modules only hosts and daemons run (never an IPU process)
-HOST_SIDE = {"IPU_EMULATOR_START_TIMEOUT",               # ipu_emulator/device/launcher.py
-             "IPU_EMULATOR_DAEMON_HANDOVER_TIMEOUT"}     # ipu_emulator/daemon/_pool.py
+def test_the_compared_variables_are_the_ipu_import_time_knobs() -> None:
+    assert set(IPU_IMPORT_ENV) <= set(IMPORT_TIME_ENV)
+    assert {k.env for k in knobs() if k.ipu and k.when == "import"} == set(IPU_IMPORT_ENV)
+    assert "IPU_EMULATOR_ZERO_COPY" in IMPORT_TIME_ENV           # read by the interpreter
+    assert "IPU_EMULATOR_KEEP_APART" not in IMPORT_TIME_ENV      # read per IPU process start
 
 
-def test_every_import_time_setting_is_compared() -> None:
-    read = set()
+def test_every_import_time_setting_is_compared_or_host_side() -> None:
+    seen = 0
     for package in ("shm", "ipu_emulator"):
         for path in (ROOT / package).rglob("*.py"):
-            read |= {name for name in _module_level_env_reads(path)
-                     if name.startswith("IPU_EMULATOR_")}
-    assert read, "the scan found no module-level setting at all: is it still working?"
-    missing = read - set(IMPORT_TIME_ENV) - HOST_SIDE
-    assert not missing, f"read at import time but not compared by the template: {missing}"
+            rel = str(path.relative_to(ROOT))
+            for name in _module_level_settings_reads(path):
+                seen += 1
+                knob = KNOBS[name]
+                assert knob.when == "import", f"{rel} reads call-time {name} at import"
+                # a host-side knob (ipu=False) may be read at import only by the modules
+                # its Settings field names (hosts and daemons run them, IPU processes never
+                # act on them)
+                assert knob.ipu or rel in knob.used_in, \
+                    f"{rel} reads {name} at import but the template does not compare it"
+    assert seen, "the scan found no module-level setting at all: is it still working?"
 
 
 def test_env_key_tells_settings_apart() -> None:
     base = {"PYTHONPATH": "/x", "HOME": "/h"}
-    assert _env_key(base) == _env_key(dict(base, HOME="/other", IPU_EMULATOR_SHM_TAG="t"))
+    assert _env_key(base) == _env_key(dict(base, HOME="/other", IPU_EMULATOR_SHM_TAG="t",
+                                           IPU_EMULATOR_KEEP_APART="0"))
     assert _env_key(base) != _env_key(dict(base, IPU_EMULATOR_ZERO_COPY="0"))
+    assert _env_key(base) != _env_key(dict(base, IPU_EMULATOR_DEVICE_SPIN_US="7"))

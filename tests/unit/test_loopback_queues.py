@@ -132,9 +132,11 @@ def test_the_main_loop_over_direct_rings_until_stop(loopback_device, model, weig
     with Session(model) as s:
         s.bindToDevice(loopback_device)
         for h in ("tensor_A", "tensor_B", "tensor_C"):
-            s._claim_direct(h)
-        ra, rb, rc = s._input_ring("tensor_A"), s._input_ring("tensor_B"), s._output_ring("tensor_C")
-        loop = s._start_main_loop()
+            s.direct.claim(h)
+        direct = s.direct
+        ra, rb, rc = (direct.input_ring("tensor_A"), direct.input_ring("tensor_B"),
+                      direct.output_ring("tensor_C"))
+        loop = s.direct.start_main_loop()
         with pytest.raises(InvalidStateError, match="main loop is running"):
             s.runMainPrograms()
         rng = np.random.default_rng(0)
