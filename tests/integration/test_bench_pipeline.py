@@ -3,6 +3,7 @@ two processes) and the latency parts run end to end (figures printed, not assert
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -13,8 +14,10 @@ pytestmark = pytest.mark.usefixtures("private_machine")
 
 
 def test_pipeline_bench_hop_and_latency_print_every_row(capsys) -> None:
+    machine = os.environ.get("IPU_EMULATOR_NUM_IPUS")
     assert bench_main(["pipeline", "--only", "hop", "latency", "--hop-rounds", "60",
                        "--blocks", "3"]) == 0
+    assert os.environ.get("IPU_EMULATOR_NUM_IPUS") == machine   # this process's machine kept
     out = capsys.readouterr().out
     link = re.search(r"^  IPU-Link hop \(IPU process stream code\)\s+(\d+\.\d)", out, re.M)
     host = re.search(r"^  host ring transfer \(shm\.Ring\)\s+(\d+\.\d)", out, re.M)

@@ -399,8 +399,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", choices=("throughput", "hop", "latency"), nargs="+",
                         default=["throughput", "hop", "latency"], help="parts to run")
     args = parser.parse_args(argv)
-    # runners side by side: 1 + S IPUs, and 1 + 2 + 2 + 1 for the hop (aligned groups)
-    os.environ.setdefault("IPU_EMULATOR_NUM_IPUS", str(max(8, 2 * max(args.stages))))
+    # runners side by side: 1 + S IPUs, and 1 + 2 + 2 for the latency (aligned groups);
+    # for this run only (a caller's process keeps its machine)
+    old = os.environ.get("IPU_EMULATOR_NUM_IPUS")
+    if old is None:
+        os.environ["IPU_EMULATOR_NUM_IPUS"] = str(max(8, 2 * max(args.stages)))
+    try:
+        return _run(args)
+    finally:
+        if old is None:
+            os.environ.pop("IPU_EMULATOR_NUM_IPUS", None)
+
+
+def _run(args: argparse.Namespace) -> int:
     from host_runtime import ModelRunner
 
     with tempfile.TemporaryDirectory(prefix="bench_pipeline_") as tmp:
