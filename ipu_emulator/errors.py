@@ -27,6 +27,8 @@ The host runtime translates these into ``host_runtime.errors`` at its boundary.
 
 from __future__ import annotations
 
+import signal
+
 __all__ = [
     "IpuEmulatorError",
     "ExecutableError",
@@ -40,6 +42,7 @@ __all__ = [
     "PoolError",
     "HostMemoryError",
     "ForkserverError",
+    "describe_returncode",
     "MetricsServeError",
 ]
 
@@ -109,3 +112,16 @@ class ForkserverError(IpuEmulatorError, RuntimeError):
 
 class MetricsServeError(IpuEmulatorError, RuntimeError):
     """``/metrics`` cannot listen where asked (port in use, bad address)."""
+
+
+def describe_returncode(rc: int | None) -> str:
+    """"is running", "exited with code 3", "was killed by signal SIGKILL (9)"."""
+    if rc is None:
+        return "is running"
+    if rc < 0:
+        try:
+            name = signal.Signals(-rc).name
+        except ValueError:
+            name = "?"
+        return f"was killed by signal {name} ({-rc})"
+    return f"exited with code {rc}"

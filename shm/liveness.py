@@ -44,15 +44,17 @@ class ExitWatch:
     had already been reaped when the watch began) it falls back to ``pid_alive`` for that
     pid; ``exact`` says whether every pid is watched by pidfd.
 
-    Thread-safe: ``select.poll`` refuses concurrent ``poll()`` calls, so calls are serialised.
+    Thread-safe without a lock: ``dead_pid()`` polls a shared ``select.poll`` object (about
+    0.5 us), or a fresh one when another thread is inside that poll at the same moment;
+    ``wait()`` uses a poll object of its own. (``select.select`` is never used: it fails on
+    descriptors above 1023.)
     """
 
-    __slots__ = ("_fds", "_poller", "_fallback", "_lock", "__weakref__")
+    __slots__ = ("_fds", "_poller", "_fallback", "__weakref__")
 
     def __init__(self, pids: "list[int] | tuple[int, ...]" = ()) -> None:
         self._fds: dict[int, int] = {}          # fd -> pid
         self._fallback: list[int] = []
-        self._lock = threading.Lock()
         self._poller = select.poll()
         for pid in pids:
             if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
@@ -76,22 +78,27 @@ class ExitWatch:
         return not self._fallback
 
     def dead_pid(self) -> int | None:
-        """The pid of a watched process that has exited, if any; never blocks."""
-        return self.wait(0.0)
+        """The pid of a watched process that has exited, if any; never blocks (one poll(0))."""
+        if self._fallback:
+            return self.wait(0.0)
+        try:
+            ready = self._poller.poll(0)
+        except RuntimeError:   # another thread is inside poll() on this object: a fresh one
+            ready = _poll(list(self._fds), 0)
+        return self._fds.get(ready[0][0]) if ready else None
 
     def wait(self, timeout: float | None) -> int | None:
         """Block up to ``timeout`` s (None: forever) for an exit; the pid, or None."""
         for pid in self._fallback:
             if not pid_alive(pid):
                 return pid
-        if not self._fds:
+        fds = list(self._fds)
+        if not fds:
             return None
-        ms = -1 if timeout is None else max(0, int(timeout * 1000))
-        if self._fallback and ms < 0:
-            ms = 50   # the fallback pids are checked by polling
-        with self._lock:
-            ready = self._poller.poll(ms) if self._fds else []
-        if ready:
+        if self._fallback and timeout is None:
+            timeout = 0.05   # the fallback pids are checked by polling
+        ready = _poll(fds, -1 if timeout is None else max(0, int(timeout * 1000)))
+        if ready:   # a poll object of its own: any number of threads may wait
             return self._fds.get(ready[0][0])
         for pid in self._fallback:
             if not pid_alive(pid):
@@ -99,9 +106,9 @@ class ExitWatch:
         return None
 
     def close(self) -> None:
-        with self._lock:
-            fds, self._fds = self._fds, {}
-            self._fallback = []
+        fds, self._fds = self._fds, {}
+        self._fallback = []
+        self._poller = select.poll()   # a poll racing this close sees no closed descriptor
         for fd in fds:
             try:
                 os.close(fd)
@@ -141,6 +148,13 @@ class PeerWatch:
 
     def alive(self) -> bool:
         return self.dead_reason() is None
+
+
+def _poll(fds: list[int], timeout_ms: int) -> list[tuple[int, int]]:
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    return poller.poll(timeout_ms)
 
 
 _watches: "weakref.WeakValueDictionary[int, ExitWatch]" = weakref.WeakValueDictionary()

@@ -29,17 +29,50 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Iterator, TextIO
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Protocol, TextIO
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from tools._stress_rig import _PROGRESS_FIELDS
 
-if TYPE_CHECKING:  # pragma: no cover
-    from tools.stress import ScenarioResult, _Scenario
+from tools._stress_rig import _PROGRESS_FIELDS, HostProc
 
-__all__ = ["LiveStats", "Progress", "StressCollector", "FIELDS"]
+
+class Scenario(Protocol):
+    """What the live statistics read of a running scenario (``tools.stress._Scenario``)."""
+
+    name: str
+    hosts: list[HostProc]
+    result: "ScenarioResult"
+
+
+@dataclass
+class ScenarioResult:
+    """What one scenario found."""
+    name: str
+    hosts: int = 0
+    hosts_killed: int = 0
+    ipus_killed: int = 0
+    orphans_checked: int = 0     # IPU processes of killed hosts seen to exit (embedded mode)
+    ok: int = 0
+    expected: int = 0
+    wrong: int = 0
+    hung: int = 0
+    errors: int = 0
+    cycles: int = 0
+    leaks: int = 0
+    p50_ms: float | None = None
+    p99_ms: float | None = None
+    seconds: float = 0.0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not (self.wrong or self.hung or self.errors or self.leaks or self.problems) \
+            and self.ok > 0
+
+__all__ = ["LiveStats", "Progress", "ScenarioResult", "StressCollector", "FIELDS"]
 
 FIELDS = _PROGRESS_FIELDS
 _OUTCOMES = (("ok", "ok"), ("expected", "expected_failure"), ("wrong", "wrong"),
@@ -48,7 +81,7 @@ PREFIX = "ipu_emulator_stress"
 
 
 class _Entry:
-    def __init__(self, scenario: "_Scenario") -> None:
+    def __init__(self, scenario: Scenario) -> None:
         self.scenario = scenario
         self.started = time.monotonic()
         self.ended: float | None = None
@@ -76,7 +109,7 @@ class LiveStats:
         self._lock = threading.Lock()
         self._entries: list[_Entry] = []
 
-    def begin(self, scenario: "_Scenario") -> None:
+    def begin(self, scenario: Scenario) -> None:
         with self._lock:
             self._entries.append(_Entry(scenario))
 

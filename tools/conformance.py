@@ -387,7 +387,7 @@ def _fp16_model(case: Case, shapes: dict[str, list[int]]) -> tuple[Any, list[Any
     """The fp16 graph the compiler makes of the case (``ipu_emulator.compiler``'s
     conversion, weights as initializers) and its outputs' static shapes."""
     import onnx
-    from ipu_emulator.compiler._prepare import prepare
+    from ipu_emulator.compiler import prepare
 
     model = onnx.ModelProto()
     model.CopyFrom(case.model)

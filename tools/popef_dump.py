@@ -84,7 +84,7 @@ def describe(reader: popef.Reader) -> dict[str, Any]:
 
 def _sharding(reader: popef.Reader, name: str) -> dict[str, Any] | None:
     """Which nodes, anchors and tensors live on which IPU and stage (multi-IPU executables)."""
-    from ipu_emulator.compiler._sharding import describe_parts
+    from ipu_emulator.compiler import describe_parts
     from ipu_emulator.executable import Executable, ExecutableError
 
     for blob in reader.executables():

@@ -46,12 +46,12 @@ import random
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
 
-from tools._stress_live import LiveStats, Progress, StressCollector
+from tools._stress_live import LiveStats, Progress, ScenarioResult, StressCollector
 from tools._stress_rig import HostProc, Rig
 
 __all__ = ["SCENARIOS", "ScenarioResult", "main", "run"]
@@ -61,32 +61,6 @@ _log = logging.getLogger(__name__)
 SCENARIOS = ("mixed", "batching", "fused", "kill-ipu", "kill-pipeline", "kill-host", "daemon")
 _IPUS_PER_DEVICE = {"kill-pipeline": 2}   # IPUs of the scenario's model (sharded models)
 _STARTUP_ALLOWANCE = 120.0     # seconds a host may take to import and load its model
-
-
-@dataclass
-class ScenarioResult:
-    """What one scenario found."""
-    name: str
-    hosts: int = 0
-    hosts_killed: int = 0
-    ipus_killed: int = 0
-    orphans_checked: int = 0     # IPU processes of killed hosts seen to exit (embedded mode)
-    ok: int = 0
-    expected: int = 0
-    wrong: int = 0
-    hung: int = 0
-    errors: int = 0
-    cycles: int = 0
-    leaks: int = 0
-    p50_ms: float | None = None
-    p99_ms: float | None = None
-    seconds: float = 0.0
-    problems: list[str] = field(default_factory=list)
-
-    @property
-    def passed(self) -> bool:
-        return not (self.wrong or self.hung or self.errors or self.leaks or self.problems) \
-            and self.ok > 0
 
 
 class _Scenario:
@@ -400,7 +374,7 @@ def run(opts: argparse.Namespace, live: LiveStats | None = None,
 def _serve_metrics(live: LiveStats, port: int, address: str) -> Any:
     from prometheus_client import CollectorRegistry
 
-    from ipu_emulator.daemon._metrics import MetricsServer
+    from ipu_emulator.daemon.metrics import MetricsServer
 
     registry = CollectorRegistry()
     registry.register(StressCollector(live))

@@ -39,8 +39,8 @@ SHARED_MIN_BYTES = 4096
 try:
     from shm._ringcore import address as _address
 except ImportError:   # built without the C extension
-    def _address(arr: Any) -> int:
-        return int(arr.__array_interface__["data"][0])
+    def _address(arr: Any) -> int:   # an array or a memoryview (Region.buf)
+        return int(np.frombuffer(arr, np.uint8).ctypes.data)
 
 _lock = threading.Lock()
 # Live regions, sorted by base address: (bases, [(base, end, name)]), replaced whole.

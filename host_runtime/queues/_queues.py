@@ -34,7 +34,7 @@ import logging
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Generic, Iterable, Optional, Protocol, TypeVar, cast
 
 import numpy as np
 
@@ -83,7 +83,11 @@ class _FlushMarker:
         return "<flush>"
 
 
-_FLUSH: Any = _FlushMarker()
+_FLUSH = _FlushMarker()
+
+# ``data`` of an item is the application's memory (the seeds' pointer): whatever it
+# enqueued, a numpy array or any bytes-like object (``_bytes_of`` turns it into a flat
+# uint8 view on enqueue), or the flush marker. Hence ``Any``.
 
 
 @dataclass
@@ -173,14 +177,18 @@ def _sample_size(info: TensorInfo) -> int:
     return total
 
 
-class _QueueBase(IQueue):
-    def __init__(self, buffer: SpscRingBuffer[Any], info: TensorInfo, name: str) -> None:
-        self._rb = buffer
+_Item = TypeVar("_Item", bound="InputData | OutputData")
+_Q = TypeVar("_Q")
+
+
+class _QueueBase(IQueue, Generic[_Item]):
+    def __init__(self, buffer: SpscRingBuffer[_Item], info: TensorInfo, name: str) -> None:
+        self._rb: SpscRingBuffer[_Item] = buffer
         self._info = info
         self._name = name
         self._transfer = info.sizeInBytes()
         self._sample = max(1, _sample_size(info))
-        self._current: Any = None   # the item being consumed across transfers
+        self._current: _Item | None = None   # the item being consumed across transfers
         self._pos = 0               # bytes of it already consumed
         self._state_lock = threading.Lock()
 
@@ -193,8 +201,12 @@ class _QueueBase(IQueue):
     def name(self) -> str:
         return self._name
 
-    def ringBuffer(self) -> SpscRingBuffer[Any]:
+    def ringBuffer(self) -> SpscRingBuffer[_Item]:
         return self._rb
+
+    def enqueueLock(self) -> _Item:
+        """Lock an item for writing (blocking); fill it and call enqueueComplete()."""
+        return self._rb.writeLock()
 
     # The application's buffers: read by InputQueue, written by OutputQueue.
     _WRITABLE = False
@@ -230,10 +242,13 @@ class _QueueBase(IQueue):
             return
         item.data = _FLUSH
         item.data_size = 0
-        for cb in ("readStartCallback", "readCompleteCallback", "writeCompleteCallback"):
-            if hasattr(item, cb):
-                setattr(item, cb, None)
+        self._clear_callbacks(item)
         self._rb.writeComplete()
+
+    @staticmethod
+    @abc.abstractmethod
+    def _clear_callbacks(item: _Item) -> None:
+        """Unset the callbacks of a reused ring item."""
 
     def _check_size(self, size: int) -> None:
         if size <= 0 or size % self._sample:
@@ -242,15 +257,16 @@ class _QueueBase(IQueue):
                 f"({self._sample} bytes of {self._info!r}), got {size}")
 
 
-class InputQueue(_QueueBase):
+class InputQueue(_QueueBase[InputData]):
     """Packs or splits what the application enqueues into whole transfers."""
 
     _WRITABLE = False
     _KIND = "input queue"
 
-    def enqueueLock(self) -> InputData:
-        """Lock an item for writing (blocking); fill it and call enqueueComplete()."""
-        return self._rb.writeLock()  # type: ignore[no-any-return]
+    @staticmethod
+    def _clear_callbacks(item: InputData) -> None:
+        item.readStartCallback = None
+        item.readCompleteCallback = None
 
     def enqueue(self, input: Any, data_size: int | None = None,
                 read_start_callback: Optional[ReadStartCallback] = None,
@@ -302,14 +318,15 @@ class InputQueue(_QueueBase):
     __call__ = fill
 
 
-class OutputQueue(_QueueBase):
+class OutputQueue(_QueueBase[OutputData]):
     """Splits each transfer the device produces across the application's buffers."""
 
     _WRITABLE = True
     _KIND = "output queue"
 
-    def enqueueLock(self) -> OutputData:
-        return self._rb.writeLock()  # type: ignore[no-any-return]
+    @staticmethod
+    def _clear_callbacks(item: OutputData) -> None:
+        item.writeCompleteCallback = None
 
     def enqueue(self, output: Any, data_size: int | None = None,
                 write_complete_callback: Optional[WriteCompleteCallback] = None) -> None:
@@ -422,6 +439,21 @@ class ring_size_multiplier_factory:
 
 
 # --------------------------------------------------------------------------- manager
+def _callback(fill_or_drain: Callable[[memoryview], bool]) -> Callable[[memoryview], None]:
+    """A queue's ``fill``/``drain`` as a stream callback: the session ignores what a
+    callback returns (the bool tells a direct caller the queue was disconnected)."""
+    return cast(Callable[[memoryview], None], fill_or_drain)
+
+
+class QueueSession(Protocol):
+    """What a QueueManager uses of its session (``host_runtime.session.Session``)."""
+
+    def getUserInputAnchors(self) -> list[Anchor]: ...
+    def getUserOutputAnchors(self) -> list[Anchor]: ...
+    def setCallbackForAnchor(self, anchor_handle: str,
+                             callback: Callable[[memoryview], None] | None) -> None: ...
+
+
 class QueueManager:
     """Creates an input or output queue per user anchor of a session and binds it.
 
@@ -434,14 +466,14 @@ class QueueManager:
     ``Session.createQueueManager(...)``.
     """
 
-    def __init__(self, session: Any, ring_size_multiplier: int | RingSizeMultiplierProdType = 2,
+    def __init__(self, session: QueueSession, ring_size_multiplier: int | RingSizeMultiplierProdType = 2,
                  timeout_ns: int = 0,
                  timeout_callback: Optional[Callable[["InputQueue", SpscRingBuffer[InputData]], None]] = None
                  ) -> None:
         self.inputs: dict[str, InputQueue] = {}
         self.outputs: dict[str, OutputQueue] = {}
         # The session owns its queue managers (createQueueManager): refer back weakly.
-        self._session = weakref.ref(session) if _weakrefable(session) else None
+        self._session = weakref.ref(session)
         self._by_handle: dict[str, str] = {}
         inputs = self.inputs    # the timeout callbacks hold the queues, not the manager
         mult: RingSizeMultiplierProdType
@@ -450,7 +482,7 @@ class QueueManager:
         else:
             k = int(ring_size_multiplier)
             mult = lambda anchor: k  # noqa: E731
-        for anchor in _user_anchors(session):
+        for anchor in [*session.getUserInputAnchors(), *session.getUserOutputAnchors()]:
             info = anchor.tensorInfo()
             shape = info.shape()
             batch = shape[0] if shape and shape[0] > 0 else 1
@@ -465,14 +497,14 @@ class QueueManager:
                 rb_in = InputRingBuffer(n, name, cb, int(timeout_ns))
                 q_in = InputQueue(rb_in, info, name)
                 self.inputs[name] = q_in
-                session.setCallbackForAnchor(anchor.handle(), q_in.fill)
+                session.setCallbackForAnchor(anchor.handle(), _callback(q_in.fill))
             else:
                 rb_out = OutputRingBuffer(n, name)
                 q_out = OutputQueue(rb_out, info, name)
                 self.outputs[name] = q_out
-                session.setCallbackForAnchor(anchor.handle(), q_out.drain)
+                session.setCallbackForAnchor(anchor.handle(), _callback(q_out.drain))
 
-    def _resolve(self, name: str, table: dict[str, Any], kind: str) -> Any:
+    def _resolve(self, name: str, table: dict[str, _Q], kind: str) -> _Q:
         key = name if name in table else self._by_handle.get(name, name)
         try:
             return table[key]
@@ -482,12 +514,12 @@ class QueueManager:
                 + (", ".join(sorted(table)) or "(none)")) from None
 
     def inputQueue(self, name: str) -> InputQueue:
-        return self._resolve(name, self.inputs, "input")  # type: ignore[no-any-return]
+        return self._resolve(name, self.inputs, "input")
 
     def outputQueue(self, name: str) -> OutputQueue:
-        return self._resolve(name, self.outputs, "output")  # type: ignore[no-any-return]
+        return self._resolve(name, self.outputs, "output")
 
-    def _all(self) -> list[_QueueBase]:
+    def _all(self) -> list[InputQueue | OutputQueue]:
         return [*self.inputs.values(), *self.outputs.values()]
 
     def flushAll(self) -> None:
@@ -501,29 +533,3 @@ class QueueManager:
     def resetAll(self) -> None:
         for q in self._all():
             q.reset()
-
-
-def _weakrefable(obj: Any) -> bool:
-    try:
-        weakref.ref(obj)
-    except TypeError:
-        return False
-    return True
-
-
-def _user_anchors(session: Any) -> list[Anchor]:
-    """The anchors of ``session`` that take user data (no PopEF data bound)."""
-    if hasattr(session, "getUserInputAnchors") and hasattr(session, "getUserOutputAnchors"):
-        return [*session.getUserInputAnchors(), *session.getUserOutputAnchors()]
-    model = session.model() if callable(getattr(session, "model", None)) else session.model
-    bound = {t.anchor for t in getattr(model, "tensors", [])}
-    bound |= {f.anchor for f in getattr(model, "feeds", [])}
-    main = set(model.metadata.programFlow().main())
-    out = []
-    for a in model.metadata.anchors():
-        if a.type() == TensorType.UNKNOWN or a.name() in bound:
-            continue
-        if main and not main.intersection(a.programs()):
-            continue
-        out.append(a)
-    return out

@@ -26,25 +26,31 @@ import os
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, NoReturn, Optional
 
 import numpy as np
 
 from host_runtime import popef
-from host_runtime.runner._batching import TensorSpec
 from host_runtime._lifetime import close_owned, weak_method
+from host_runtime.devices._manager import Device, DeviceManager, DeviceWaitConfig
+from host_runtime.errors import BadRequestError, InvalidStateError
+from host_runtime.memory._views import (InputMemoryView, OutputMemory, OutputMemoryView,
+                                        PopefPaths, TensorMemory, TensorMemoryView,
+                                        as_readable_array, as_writable_array)
+from host_runtime.popef._check import check_model
+from host_runtime.queues._queues import RingSizeMultiplierProdType, ring_size_multiplier_factory
+from host_runtime.runner._batching import TensorSpec
 from host_runtime.runner._read_order import main_read_order
-from host_runtime.runner._replica import Replica, ReplicaSetup
+from host_runtime.runner._replica import Replica, ReplicaSession, ReplicaSetup, SaveFn
 from host_runtime.runner._requests import OutputFuture, Request, raisable
 from host_runtime.runner.config import DataDesc, ModelRunnerConfig
-from host_runtime.errors import BadRequestError, InvalidStateError
-from host_runtime.memory._views import (InputMemoryView, OutputMemory, OutputMemoryView, PopefPaths,
-                                 TensorMemory, TensorMemoryView, as_readable_array,
-                                 as_writable_array)
 from host_runtime.runner.monitoring import RequestMonitor
-from host_runtime.popef._check import check_model
+from host_runtime.session._session import LaunchPolicy, Session, SessionConfig
+from host_runtime.session.predicates import PopefDataUsagePolicy
 
 if TYPE_CHECKING:  # pragma: no cover
+    # host_runtime.runner.metrics imports prometheus_client (~60 ms): metrics_collector()
+    # imports it on first use. It does not import this module (see MonitoredRunner).
     from host_runtime.runner.metrics import ModelRunnerCollector
 
 __all__ = ["ModelRunner", "OutputFuture"]
@@ -73,7 +79,7 @@ def _register_exit_hook() -> None:
         atexit.register(_close_live_runners)
 
 
-def _gone() -> Any:
+def _gone() -> NoReturn:
     raise InvalidStateError("the ModelRunner was dropped")
 
 
@@ -122,7 +128,7 @@ class ModelRunner:
         self._monitors = [RequestMonitor(cfg.request_tracepoints_buffer_size)
                           for _ in range(cfg.replication_factor)]
         self._closed = False
-        self._attached: dict[int, Any] = {}
+        self._attached: dict[int, Device] = {}
         try:
             self._attach_devices()
             for r in range(cfg.replication_factor):
@@ -282,8 +288,6 @@ class ModelRunner:
         could deadlock with another runner doing the same. Each replica's session then
         adopts its device (and releases it on close); a replica restarted by auto_reset
         attaches a fresh device on its own."""
-        from host_runtime.devices._manager import DeviceManager, DeviceWaitConfig
-
         cfg = self._config
         need = [r for r in range(cfg.replication_factor)
                 if cfg.replica_to_device.get(r) is None]
@@ -293,11 +297,9 @@ class ModelRunner:
             self._model, len(need), cfg.device_wait_config or DeviceWaitConfig())
         self._attached = dict(zip(need, devices))
 
-    def _open_session(self, rid: int) -> Any:
-        from host_runtime.devices._manager import DeviceWaitConfig
-        from host_runtime.session.predicates import PopefDataUsagePolicy
-        from host_runtime.session._session import LaunchPolicy, Session, SessionConfig
-
+    def _open_session(self, rid: int) -> ReplicaSession:
+        """A session for replica ``rid``, its direct anchors claimed (a ``Session``; typed
+        as what the replica uses of it, which mypy checks ``Session`` provides)."""
         cfg = self._config
         frozen_load = self._frozen_load
         pred = None
@@ -337,7 +339,7 @@ class ModelRunner:
             raise
         return s
 
-    def _ring_depths(self) -> Any:
+    def _ring_depths(self) -> RingSizeMultiplierProdType:
         """Slots of the session's stream rings (seed: ring size = multiplier x batch size).
 
         The seed's ring holds references to user samples; here a slot of a Main anchor's
@@ -349,8 +351,6 @@ class ModelRunner:
         The session caps Main rings at ``max_look_ahead + 1`` when that is a number (no
         more transfers prepared ahead than that option allows) and every ring at 1024 slots
         and 64 MiB (at least one slot)."""
-        from host_runtime.queues._queues import ring_size_multiplier_factory
-
         main = self._config.ring_buffer_size_multiplier
         return ring_size_multiplier_factory.ringSizeMultForMainProgs(self._model, main, 2)
 
@@ -511,7 +511,7 @@ class ModelRunner:
             f"unknown input tensor {name!r}; the model's execute inputs are "
             + ", ".join(repr(n) for n in self._exec_specs))
 
-    def _by_read_order(self, names: Any) -> list[str]:
+    def _by_read_order(self, names: Iterable[str]) -> list[str]:
         """``names`` in the order the Main programs read them (unread ones last)."""
         rank = self._read_rank
         return sorted(names, key=lambda n: rank.get(n, len(rank)))
@@ -693,6 +693,8 @@ class ModelRunner:
         register it in your registry (``.add(other_runner)`` puts more runners in it), or
         ``register_default=True`` adds this runner to the collector registered in
         ``prometheus_client.REGISTRY``. Holds the runner weakly."""
+        # Lazy: the one import of prometheus_client (~60 ms), paid by those who ask for
+        # metrics (tests/unit/test_import_graph.py lists this import as LAZY).
         from host_runtime.runner.metrics import collector_for
         return collector_for(self, register_default)
 
@@ -716,14 +718,14 @@ class ModelRunner:
         if errors:
             raise errors[0]
 
-    def _saver(self, rid: int) -> Any:
+    def _saver(self, rid: int) -> SaveFn | None:
         anchors = self._save_outputs
         flow = self._model.metadata.programFlow()
         if not flow.save():
             return None
         store = self._config.replica_to_save_programs_outputs
 
-        def save(session: Any) -> None:
+        def save(session: ReplicaSession) -> None:
             outs = store.get(rid)
             if outs is None:
                 outs = store[rid] = OutputMemoryView()

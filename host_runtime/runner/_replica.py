@@ -20,8 +20,10 @@ input ring full drains (or waits for the drainer) instead of blocking, so
 unwaited futures cannot deadlock the replica.
 
 Timers (partial dynamic batches, requests that cannot run because inputs are
-missing with ``validate_io_params`` off) are driven by waiting threads, or by
-a small watchdog thread when ``flush_on_waiting_outputs`` is off.
+missing with ``validate_io_params`` off) are a ``ReplicaTimers`` the replica
+owns (``_replica_timers``), driven by waiting threads, or by a small watchdog
+thread when ``flush_on_waiting_outputs`` is off. An ``ExitWatch`` (``shm.liveness``)
+notices a dead IPU process before a request is sent to it.
 
 Failure: the main-loop future failing (device lost, device program error)
 invalidates this replica's rings, which wakes every waiter at once; all
@@ -32,32 +34,34 @@ replica when ``auto_reset`` is on, else it raises ``DeviceLostError``.
 from __future__ import annotations
 
 import collections
+import concurrent.futures as cf
 import logging
 import os
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from dataclasses import dataclass
+from typing import Callable, Optional, Protocol
 
 import numpy as np
 
-from shm import (PeerDiedError, Ring, RingInvalidatedError, RingTimeoutError, ShmError,
+from shm import (ExitWatch, PeerDiedError, Ring, RingInvalidatedError, RingTimeoutError, ShmError,
                  WouldBlock)
 from shm.settings import settings
 from shm.spin import NEVER, spin_until, us_to_ns
 
-from host_runtime.runner._batching import TensorSpec
-from host_runtime.memory._copy import copy_bytes
-from host_runtime.runner._replica_timers import Phantom, PidWatch, ReplicaTimers
-from host_runtime.runner._requests import Request, raisable
 from host_runtime.errors import DeviceLostError, InvalidStateError, ModelRuntimeError
+from host_runtime.memory._copy import copy_bytes
+from host_runtime.memory._shared import SHARED_MIN_BYTES, shared_location
+from host_runtime.runner._batching import TensorSpec
+from host_runtime.runner._replica_timers import MakeFlushRequest, MergePhantom, ReplicaTimers
+from host_runtime.runner._requests import Request, Transfer, raisable
+from host_runtime.runner.config import FlushCallback
 from host_runtime.runner.monitoring import RequestMonitor
 from host_runtime.session._session import _STOP_TIMEOUT, DROP_STOP_TIMEOUT
-from host_runtime.memory._shared import SHARED_MIN_BYTES, shared_location
 from ipu_emulator.protocol import TAG_SHARED, host_memory_descriptor
 
-__all__ = ["Replica", "Transfer", "ReplicaSetup"]
+__all__ = ["Replica", "ReplicaSession", "ReplicaSetup", "SaveFn"]
 
 _log = logging.getLogger(__name__)
 
@@ -81,19 +85,44 @@ def _bytes_view(arr: np.ndarray) -> memoryview:
     return memoryview(arr).cast("B")  # type: ignore[arg-type]
 
 
-@dataclass(slots=True)
-class Transfer:
-    """One Main iteration on the device: a slot of every input it reads."""
+class DeviceProcesses(Protocol):
+    def pids(self) -> list[int]:
+        """The pids of the device's IPU processes."""
 
-    segments: list[tuple[Request, int, int, int]]   # (request, request unit, units, slot unit)
-    outputs: tuple[TensorSpec, ...]                  # outputs the device writes for it
-    published: bool = False
-    next_output: int = 0
-    t_open: float = 0.0                              # monotonic time the partial was opened
-    samples: int = 0                                 # dynamic batching: samples filled
-    slots: dict[str, np.ndarray] = field(default_factory=dict)   # open partial's slots
-    flush_asked: bool = False                        # flush_callback called for this partial
-    flush_extra: Optional["Request"] = None          # what it gave, not yet packed
+
+class DirectPath(Protocol):
+    """What a replica uses of ``session.direct`` (the fast path, docs/CONTRACTS.md
+    section 5; ``host_runtime.session._fastpath.DirectStreams``)."""
+
+    def input_ring(self, handle: str) -> Ring: ...
+    def output_ring(self, handle: str) -> Ring: ...
+    def start_main_loop(self) -> cf.Future[None]: ...
+    def stop_main_loop(self, timeout: float = ...) -> None: ...
+    def failure(self) -> ModelRuntimeError | None: ...
+    def translate(self, exc: BaseException) -> BaseException: ...
+
+
+class ReplicaSession(Protocol):
+    """What a replica uses of its ``Session``: exactly these members (the fast path, its
+    lifetime, and what the save programs need). ``host_runtime.session.Session``
+    implements it; ``ModelRunner`` opens the sessions."""
+
+    @property
+    def direct(self) -> DirectPath: ...
+    # lifetime
+    def device(self) -> DeviceProcesses | None: ...
+    def stop(self) -> None: ...
+    def _stop(self, timeout: float, kill_if_hung: bool = False) -> None: ...
+    def close(self) -> None: ...
+    def _close(self, stop_timeout: float, kill_if_hung: bool) -> None: ...
+    # the save programs (ModelRunner's SaveFn)
+    def setCallbackForAnchor(self, anchor_handle: str,
+                             callback: Callable[[memoryview], None] | None) -> None: ...
+    def runSavePrograms(self) -> None: ...
+
+
+SaveFn = Callable[[ReplicaSession], None]
+"""Runs the save programs on a replica's session before it closes."""
 
 
 @dataclass
@@ -108,17 +137,18 @@ class ReplicaSetup:
     batch: int                              # dynamic: samples per transfer
     timeout_ns: int
     partial_flush_ns: Optional[int]         # None: never flush a partial batch on a timer
-    flush_callback: Optional[Callable[..., Any]]
+    flush_callback: Optional[FlushCallback]
     auto_reset: bool
     monitor: RequestMonitor
-    open_session: Callable[[], Any]         # returns a bound Session with direct anchors claimed
+    open_session: Callable[[], ReplicaSession]  # a bound Session with direct anchors claimed
     watchdog: bool                          # flush partials even when nobody waits
-    make_flush_request: Callable[[Any, Any], Optional[Request]]  # flush_callback result -> request
-    merge_phantom: Callable[[Request, Request], Optional[int]]   # -> transfers once complete
+    make_flush_request: MakeFlushRequest    # flush_callback result -> request
+    merge_phantom: MergePhantom             # -> transfers once complete
 
 
-class Replica(ReplicaTimers):
-    """The engine of one replica; see the module docstring."""
+class Replica:
+    """The engine of one replica; see the module docstring. It is the ``TimerOwner`` of
+    its timers and the ``Driver`` of its requests."""
 
     def __init__(self, setup: ReplicaSetup) -> None:
         self.setup = setup
@@ -127,18 +157,23 @@ class Replica(ReplicaTimers):
         self._cv = threading.Condition(threading.Lock())
         self._inflight: collections.deque[Transfer] = collections.deque()
         self._partial: Transfer | None = None
-        self._phantoms: list[Phantom] = []
         self._draining = False
         self._error: ModelRuntimeError | None = None
         self._closed = False
-        self._session: Any = None
+        self._session: ReplicaSession | None = None
         self._in_rings: dict[str, Ring] = {}
         self._out_rings: dict[str, Ring] = {}
-        self._loop: Any = None
-        self._watchdog: threading.Thread | None = None
-        self._pids = PidWatch()
+        self._loop: cf.Future[None] | None = None
+        self._pids = ExitWatch()       # the device's IPU processes (pidfds)
+        self._pids_exact = False       # ... every one of them watched by a pidfd
         self._wait_est_ns = 0          # moving estimate of an output wait (see _spin)
-        self._watch_wake = threading.Condition(threading.Lock())
+        # the device waits for the first input Main reads (setup.inputs is in read order);
+        # frozen ones are always there
+        waits_for = next((n for n in setup.inputs if n not in setup.frozen_main), "")
+        self._timers = ReplicaTimers(
+            self, self.rid, timeout_ns=setup.timeout_ns, partial_flush_ns=setup.partial_flush_ns,
+            flush_callback=setup.flush_callback, make_flush_request=setup.make_flush_request,
+            merge_phantom=setup.merge_phantom, waits_for=waits_for, watchdog=setup.watchdog)
         self._publish_order = list(reversed(list(setup.inputs.items())))
         self._frozen_bytes = {n: _bytes_view(np.ascontiguousarray(a))
                               for n, a in setup.frozen_main.items()}
@@ -165,22 +200,75 @@ class Replica(ReplicaTimers):
         self._in_plan = [(name, spec, self._in_rings[name], self._frozen_bytes.get(name))
                          for name, spec in self._publish_order]
         dev = s.device()
-        self._pids.watch(dev.pids() if dev is not None else [])
+        self._pids.close()
+        self._pids = ExitWatch(dev.pids() if dev is not None else [])
+        self._pids_exact = self._pids.exact and bool(self._pids.pids)
         # The device's service thread holds the loop future: refer back weakly, so that a
         # runner nobody references can be collected (and its __del__ release the IPUs).
         ref = weakref.ref(self)
 
-        def on_loop_end(fut: Any) -> None:
+        def on_loop_end(fut: cf.Future[None]) -> None:
             replica = ref()
             if replica is not None:
                 replica._on_loop_end(fut)
         loop.add_done_callback(on_loop_end)
 
     @property
-    def session(self) -> Any:
+    def session(self) -> ReplicaSession | None:
         return self._session
 
-    def _on_loop_end(self, fut: Any) -> None:
+    # -- TimerOwner (see _replica_timers) ----------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def partial(self) -> Transfer | None:
+        return self._partial
+
+    def try_publish_partial(self, tr: Transfer, extra: Request | None) -> bool:
+        if not self._submit_lock.acquire(blocking=False):
+            return False   # a submitter is busy (it will publish or the timer fires again)
+        try:
+            if extra is not None and self._partial is tr:
+                self._pack(extra)
+                extra.t_prepared = time.perf_counter_ns()
+            if self._partial is tr:
+                self._publish_partial(tr, pad=True)
+        except (ShmError, OSError) as exc:
+            self._fail_everything(self._translate(exc))
+        finally:
+            self._submit_lock.release()
+        return True
+
+    def try_send(self, request: Request, transfers: int) -> bool:
+        if not self._submit_lock.acquire(blocking=False):
+            return False
+        try:
+            if self.setup.dynamic:
+                self._pack(request)
+            else:
+                self._write_whole(request, transfers)
+        except (ShmError, OSError) as exc:
+            self._fail_everything(self._translate(exc))
+        finally:
+            self._submit_lock.release()
+        return True
+
+    def fire_timers_as_drainer(self) -> None:
+        with self._cv:
+            if self._draining:
+                self._cv.wait(0.01)
+                return
+            self._draining = True
+        try:
+            self._timers.fire(time.monotonic())
+        finally:
+            with self._cv:
+                self._draining = False
+                self._cv.notify_all()
+
+    def _on_loop_end(self, fut: cf.Future[None]) -> None:
         """The device's main loop ended: stop() (normal) or a failure."""
         if fut is not self._loop or self._closed:
             return
@@ -195,8 +283,7 @@ class Replica(ReplicaTimers):
             if self._error is None:
                 self._error = err
             pending = list(self._inflight)
-            phantoms = list(self._phantoms)
-            self._phantoms.clear()
+        phantoms = self._timers.take_phantoms()
         # Wake every thread blocked on one of our rings.
         for ring in [*self._in_rings.values(), *self._out_rings.values()]:
             try:
@@ -214,7 +301,7 @@ class Replica(ReplicaTimers):
     def _closed_error(self) -> InvalidStateError:
         return InvalidStateError(f"replica {self.rid}: the ModelRunner was closed")
 
-    def close(self, save: Callable[[Any], None] | None = None, dropped: bool = False) -> None:
+    def close(self, save: SaveFn | None = None, dropped: bool = False) -> None:
         """Stop the loop, optionally run the save programs, close the session (idempotent).
 
         ``dropped``: the runner was dropped; a device that does not stop within
@@ -226,18 +313,16 @@ class Replica(ReplicaTimers):
         closed = self._closed_error()
         with self._cv:
             pending = list(self._inflight)
-            phantoms = list(self._phantoms)
             self._inflight.clear()
-            self._phantoms.clear()
             self._partial = None
             self._cv.notify_all()
+        phantoms = self._timers.take_phantoms()
         for tr in pending:
             for seg in tr.segments:
                 seg[0].fail(closed)
         for ph in phantoms:
             ph.request.fail(closed)
-        with self._watch_wake:
-            self._watch_wake.notify_all()
+        self._timers.close()
         s = self._session
         if s is None:
             return
@@ -277,7 +362,7 @@ class Replica(ReplicaTimers):
         if s is None:
             return None
         pid = self._pids.dead_pid()
-        if pid is None and self._pids.active:
+        if pid is None and self._pids_exact:
             # Every IPU process is alive (pidfds, one poll). Other losses fail the
             # main-loop future, which sets self._error.
             return None
@@ -288,7 +373,7 @@ class Replica(ReplicaTimers):
                 lost = err if isinstance(err, ModelRuntimeError) else DeviceLostError(str(err))
         if lost is not None:
             self._fail_everything(lost)
-        return lost  # type: ignore[no-any-return]
+        return lost
 
     def _reset(self) -> None:
         """auto_reset: restart the device (a new session on a fresh device) and reload."""
@@ -323,7 +408,7 @@ class Replica(ReplicaTimers):
                         ring.set_user_word(tid)
                     self._hint_tid = tid
                 if phantom is not None:
-                    self._add_phantom(req, phantom)
+                    self._timers.add_phantom(req, phantom, self._partial)
                 elif self.setup.dynamic:
                     self._pack(req)
                 else:
@@ -481,7 +566,7 @@ class Replica(ReplicaTimers):
             if tr.samples == B:
                 self._publish_partial(tr)
         if self._partial is not None:
-            self._kick_watchdog()
+            self._timers.kick(self._partial)
 
     def _publish_partial(self, tr: Transfer, pad: bool = False) -> None:
         for name, slot in tr.slots.items():
@@ -544,20 +629,21 @@ class Replica(ReplicaTimers):
     def _drive_step(self, end: float | None) -> None:
         """Caller holds the drain role: fire due timers, then drain (or wait for) one transfer."""
         now = time.monotonic()
-        if self._next_deadline() <= now:
-            self._fire_timers(now)
+        timers = self._timers
+        if timers.next_deadline(self._partial) <= now:
+            timers.fire(now)
         with self._cv:
             head = self._inflight[0] if self._inflight else None
             if head is None or not head.published:
                 if self._error is not None and head is not None:
                     self._inflight.popleft()
                     return
-                wait = min(self._next_deadline(), end if end is not None else float("inf"))
+                wait = min(timers.next_deadline(self._partial), end if end is not None else float("inf"))
                 wait = min(_SLICE, max(0.0, wait - now))
                 if wait > 0:
                     self._cv.wait(wait)
                 return
-        limit = min(self._next_deadline(), end if end is not None else float("inf"))
+        limit = min(timers.next_deadline(self._partial), end if end is not None else float("inf"))
         timeout = min(_SLICE * 4, max(0.0, limit - now))
         try:
             self._drain(head, timeout)

@@ -1,10 +1,15 @@
-"""Timers of a replica (partial dynamic batches, requests that cannot run) and its
-watch on the device's processes.
+"""The timers of a replica: partial dynamic batches and requests that cannot run.
 
+A :class:`ReplicaTimers` belongs to one :class:`~host_runtime.runner._replica.Replica`
+(its *owner*), which it sees only through :class:`TimerOwner`: the open partial
+batch, and three non-blocking actions. It refers to its owner weakly (a replica
+nobody references is freed at once, by reference counting), and is told the open
+partial batch where it is on the request path (``next_deadline``, ``kick``).
 Timers fire from whichever thread drives the replica (a caller waiting for a
-result), or from a small watchdog thread while nobody waits and
-``flush_on_waiting_outputs`` is off. Firing never blocks on the submit lock:
-a busy submitter means the timer is retried on the next drive step.
+result: ``Replica._drive_step`` calls ``next_deadline`` and ``fire``), or from a
+small watchdog thread while nobody waits and ``flush_on_waiting_outputs`` is off. Firing never blocks on the
+replica's submit lock: a busy submitter means the timer is retried on the next
+drive step.
 
 - a *partial* transfer (dynamic batching) is flushed after
   ``partial_flush_ns``: ``flush_callback(tensor_id, inputs, outputs)``, told the
@@ -18,24 +23,25 @@ a busy submitter means the timer is retried on the next drive step.
 from __future__ import annotations
 
 import logging
-import os
-import select
 import threading
 import time
+import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Callable, Optional, Protocol
 
-from shm import ShmError
-
-from host_runtime.runner._requests import Request
 from host_runtime.errors import DeviceTimeoutError, ModelRuntimeError
+from host_runtime.memory._views import InputMemoryView, OutputMemoryView
+from host_runtime.runner._requests import Request, Transfer
+from host_runtime.runner.config import FlushCallback
 
-if TYPE_CHECKING:  # pragma: no cover
-    from host_runtime.runner._replica import ReplicaSetup, Transfer
-
-__all__ = ["Phantom", "PidWatch", "ReplicaTimers"]
+__all__ = ["Phantom", "ReplicaTimers", "TimerOwner"]
 
 _log = logging.getLogger("host_runtime.runner._replica")
+
+MakeFlushRequest = Callable[[Any, Any], Optional[Request]]
+"""``(inputs, outputs)`` the flush callback gave -> a request (None: nothing usable)."""
+MergePhantom = Callable[[Request, Request], Optional[int]]
+"""``(phantom request, flushed extra)`` -> transfers once complete (None: still missing)."""
 
 
 @dataclass
@@ -46,108 +52,94 @@ class Phantom:
     tensor_id: str
     deadline: float
     callback_called: bool = False
+    transfers: int | None = None     # completed by the flush callback, waiting to be sent
 
 
-class PidWatch:
-    """pidfds of a device's IPU processes: ``dead_pid()`` polls them (~0.3 us)."""
-
-    def __init__(self) -> None:
-        self._fds: list[tuple[int, int]] = []
-        self._poll: Any = None
-        self._all = False
-
-    def watch(self, pids: list[int]) -> None:
-        self.close()
-        poller = select.poll()
-        for pid in pids:
-            try:
-                fd = os.pidfd_open(pid)
-            except (AttributeError, OSError):   # no pidfd support, or already gone and reaped
-                continue
-            self._fds.append((fd, pid))
-            poller.register(fd, select.POLLIN)
-        self._poll = poller if self._fds else None
-        self._all = len(self._fds) == len(pids)
+class TimerOwner(Protocol):
+    """What the timers need of the replica they belong to (``Replica`` implements it)."""
 
     @property
-    def active(self) -> bool:
-        """True if ``dead_pid()`` watches every process it was given a pid of."""
-        return self._poll is not None and self._all
+    def closed(self) -> bool: ...
 
-    def dead_pid(self) -> int | None:
-        """The pid of a process of the device that has exited, if any."""
-        if self._poll is None:
-            return None
-        ready = self._poll.poll(0)
-        if not ready:
-            return None
-        fd = ready[0][0]
-        return next(p for f, p in self._fds if f == fd)
+    @property
+    def partial(self) -> Transfer | None:
+        """The open partial batch (dynamic batching), if any."""
 
-    def __del__(self) -> None:
-        self.close()
+    def try_publish_partial(self, tr: Transfer, extra: Request | None) -> bool:
+        """Pack ``extra`` into ``tr`` and publish ``tr`` padded with zeros (if still open);
+        False, doing nothing, if a submitter holds the submit lock."""
 
-    def close(self) -> None:
-        for fd, _ in self._fds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self._fds = []
-        self._poll = None
+    def try_send(self, request: Request, transfers: int) -> bool:
+        """Send ``request`` to the device; False, doing nothing, if a submitter holds the
+        submit lock."""
+
+    def fire_timers_as_drainer(self) -> None:
+        """Fire the due timers holding the drain role; waits briefly when another thread
+        holds it (the watchdog's step)."""
 
 
 class ReplicaTimers:
-    """The timer half of ``Replica`` (a mixin: it works on the replica's state)."""
+    """Deadlines of one replica, the phantoms it parks, and its watchdog thread."""
 
-    if TYPE_CHECKING:  # pragma: no cover - provided by Replica
-        setup: ReplicaSetup
-        rid: int
-        _cv: threading.Condition
-        _submit_lock: threading.Lock
-        _partial: Transfer | None
-        _phantoms: list[Phantom]
-        _draining: bool
-        _closed: bool
-        _watchdog: threading.Thread | None
-        _watch_wake: threading.Condition
+    def __init__(self, owner: TimerOwner, rid: int, *, timeout_ns: int,
+                 partial_flush_ns: int | None, flush_callback: FlushCallback | None,
+                 make_flush_request: MakeFlushRequest, merge_phantom: MergePhantom,
+                 waits_for: str, watchdog: bool) -> None:
+        """``waits_for``: the input a device waiting on a partial batch waits for (the
+        first non-frozen one Main reads); ``watchdog``: fire timers when nobody waits."""
+        self._owner = weakref.ref(owner)
+        self._rid = rid
+        self._timeout_ns = timeout_ns
+        self._flush_ns = partial_flush_ns
+        self._flush_callback = flush_callback
+        self._make_flush_request = make_flush_request
+        self._merge_phantom = merge_phantom
+        self._waits_for = waits_for
+        self._use_watchdog = watchdog
+        self._lock = threading.Lock()             # guards _phantoms
+        self._phantoms: list[Phantom] = []
+        self._watchdog: threading.Thread | None = None
+        self._watch_wake = threading.Condition(threading.Lock())
 
-        def _pack(self, req: Request) -> None: ...
-        def _write_whole(self, req: Request, transfers: int) -> None: ...
-        def _publish_partial(self, tr: Transfer, pad: bool = False) -> None: ...
-        def _fail_everything(self, err: ModelRuntimeError) -> None: ...
-        def _translate(self, exc: BaseException) -> ModelRuntimeError: ...
-
-    def _add_phantom(self, req: Request, tensor_id: str) -> None:
-        ns = self.setup.timeout_ns
+    # ------------------------------------------------------------------ phantoms
+    def add_phantom(self, req: Request, tensor_id: str, partial: Transfer | None) -> None:
+        """Park ``req``, which lacks ``tensor_id`` (``partial``: the owner's open batch)."""
+        ns = self._timeout_ns
         deadline = float("inf") if ns == 0 else time.monotonic() + ns / 1e9
-        with self._cv:
+        with self._lock:
             self._phantoms.append(Phantom(req, tensor_id, deadline))
-        self._kick_watchdog()
+        self.kick(partial)
 
-    def _next_deadline(self) -> float:
+    def take_phantoms(self) -> list[Phantom]:
+        """Remove and return every phantom (the replica failed or closed)."""
+        with self._lock:
+            phantoms, self._phantoms = self._phantoms, []
+        return phantoms
+
+    # ------------------------------------------------------------------ firing
+    def next_deadline(self, partial: Transfer | None) -> float:
+        """When the next timer is due (monotonic), given the owner's open partial batch."""
         d = float("inf")
-        tr = self._partial
-        flush = self.setup.partial_flush_ns
-        if tr is not None and flush is not None:
-            d = tr.t_open + flush / 1e9
+        flush = self._flush_ns
+        if partial is not None and flush is not None:
+            d = partial.t_open + flush / 1e9
         for ph in self._phantoms:
             d = min(d, ph.deadline)
         return d
 
-    def _fire_timers(self, now: float) -> None:
+    def fire(self, now: float) -> None:
         """Flush a partial batch whose time is up; time out phantoms. Never blocks on submit."""
-        tr = self._partial
-        flush = self.setup.partial_flush_ns
+        owner = self._owner()
+        if owner is None:
+            return
+        tr = owner.partial
+        flush = self._flush_ns
         if tr is not None and flush is not None and tr.t_open + flush / 1e9 <= now:
-            self._flush_partial(tr)
-        due: list[Phantom] = []
-        with self._cv:
-            for ph in list(self._phantoms):
-                if ph.deadline <= now:
-                    due.append(ph)
+            self._flush_partial(owner, tr)
+        with self._lock:
+            due = [ph for ph in self._phantoms if ph.deadline <= now]
         for ph in due:
-            self._expire_phantom(ph)
+            self._expire_phantom(owner, ph)
 
     def _call_flush_callback(self, tensor_id: str) -> Optional[Request]:
         """Seed 001, 3.7: ``flush_callback(tensor_id, inputs, outputs)`` gets the tensor the
@@ -155,17 +147,17 @@ class ReplicaTimers:
         them (the C++ callback points its ``inputs``/``outputs`` at the data to flush with)
         or return ``(inputs, outputs)``. Nothing given: the partial batch is padded with
         zeros, a request missing inputs times out."""
-        from host_runtime.memory._views import InputMemoryView, OutputMemoryView
-
-        cb = self.setup.flush_callback
+        cb = self._flush_callback
         if cb is None:
             return None
         given_in, given_out = InputMemoryView(), OutputMemoryView()
         try:
             result = cb(tensor_id, given_in, given_out)
         except Exception:
-            _log.exception("replica %d: flush_callback failed for tensor %r", self.rid, tensor_id)
+            _log.exception("replica %d: flush_callback failed for tensor %r", self._rid, tensor_id)
             return None
+        inputs: Any      # whatever the user's callback gave: make_flush_request checks it
+        outputs: Any
         if result is None:
             if not given_in and not given_out:
                 return None
@@ -175,104 +167,81 @@ class ReplicaTimers:
                 inputs, outputs = result
             except (TypeError, ValueError):
                 _log.error("replica %d: flush_callback must fill its inputs/outputs or return "
-                           "(inputs, outputs) or None, got %r", self.rid, result)
+                           "(inputs, outputs) or None, got %r", self._rid, result)
                 return None
         try:
-            return self.setup.make_flush_request(inputs, outputs)
+            return self._make_flush_request(inputs, outputs)
         except ModelRuntimeError as exc:
-            _log.error("replica %d: flush_callback returned unusable data: %s", self.rid, exc)
+            _log.error("replica %d: flush_callback returned unusable data: %s", self._rid, exc)
             return None
 
-    def _flush_partial(self, tr: "Transfer") -> None:
-        # the device waits for the first input Main reads (setup.inputs is in read order);
-        # frozen ones are always there
+    def _flush_partial(self, owner: TimerOwner, tr: Transfer) -> None:
         # Seed 001, 3.7: the callback is called once per timeout, so a retry (a submitter
         # held the lock) reuses what it gave instead of asking again.
         if not tr.flush_asked:
             tr.flush_asked = True
-            frozen = self.setup.frozen_main
-            first = next((n for n in self.setup.inputs if n not in frozen), "")
-            tr.flush_extra = self._call_flush_callback(first)
-        if not self._submit_lock.acquire(blocking=False):
-            return   # a submitter is busy (it will publish or we try again next step)
-        try:
-            extra, tr.flush_extra = tr.flush_extra, None
-            if extra is not None and self._partial is tr:
-                self._pack(extra)
-                extra.t_prepared = time.perf_counter_ns()
-            if self._partial is tr:
-                self._publish_partial(tr, pad=True)
-        except (ShmError, OSError) as exc:
-            self._fail_everything(self._translate(exc))
-        finally:
-            self._submit_lock.release()
+            tr.flush_extra = self._call_flush_callback(self._waits_for)
+        if owner.try_publish_partial(tr, tr.flush_extra):
+            tr.flush_extra = None
 
-    def _expire_phantom(self, ph: Phantom) -> None:
+    def _expire_phantom(self, owner: TimerOwner, ph: Phantom) -> None:
         if not ph.callback_called:
             ph.callback_called = True
             extra = self._call_flush_callback(ph.tensor_id)
             if extra is not None:
-                merged = self.setup.merge_phantom(ph.request, extra)
-                if merged is not None:
-                    with self._cv:
-                        if ph in self._phantoms:
-                            self._phantoms.remove(ph)
-                    if self._submit_lock.acquire(blocking=False):
-                        try:
-                            if self.setup.dynamic:
-                                self._pack(ph.request)
-                            else:
-                                self._write_whole(ph.request, merged)
-                        except (ShmError, OSError) as exc:
-                            self._fail_everything(self._translate(exc))
-                        finally:
-                            self._submit_lock.release()
-                        return
-                    with self._cv:    # busy submitter: try again on the next step
-                        ph.deadline = time.monotonic()
-                        self._phantoms.append(ph)
+                ph.transfers = self._merge_phantom(ph.request, extra)
+        if ph.transfers is not None:        # complete now: send it
+            with self._lock:
+                if ph not in self._phantoms:
                     return
-        with self._cv:
+                self._phantoms.remove(ph)
+            if not owner.try_send(ph.request, ph.transfers):
+                with self._lock:    # busy submitter: try again on the next step
+                    ph.deadline = time.monotonic()
+                    self._phantoms.append(ph)
+            return
+        with self._lock:
             if ph not in self._phantoms:
                 return
             self._phantoms.remove(ph)
-        ms = self.setup.timeout_ns / 1e6
+        ms = self._timeout_ns / 1e6
         ph.request.fail(DeviceTimeoutError(
-            f"replica {self.rid}: the device timed out after {ms:g} ms waiting for input "
+            f"replica {self._rid}: the device timed out after {ms:g} ms waiting for input "
             f"{ph.tensor_id!r}, which the request does not provide (validate_io_params is off; "
             "with a fused model, give the inputs of the sub-graph the 'index' selects)"))
 
     # ------------------------------------------------------------------ watchdog
-    def _kick_watchdog(self) -> None:
-        if not self.setup.watchdog or self._next_deadline() == float("inf"):
+    def kick(self, partial: Transfer | None) -> None:
+        """A deadline was added: make sure the watchdog (if used) will fire it."""
+        if not self._use_watchdog or self.next_deadline(partial) == float("inf"):
             return
         if self._watchdog is None or not self._watchdog.is_alive():
             self._watchdog = threading.Thread(target=self._watch, daemon=True,
-                                              name=f"model-runner-watchdog-{self.rid}")
+                                              name=f"model-runner-watchdog-{self._rid}")
             self._watchdog.start()
         else:
             with self._watch_wake:
                 self._watch_wake.notify_all()
 
+    def close(self) -> None:
+        """The replica closed: wake the watchdog, which then exits."""
+        with self._watch_wake:
+            self._watch_wake.notify_all()
+
     def _watch(self) -> None:
-        """Fire timers when nobody waits (flush_on_waiting_outputs off). Exits when idle."""
-        while not self._closed:
-            d = self._next_deadline()
+        """Fire timers when nobody waits (flush_on_waiting_outputs off). Exits when idle,
+        or once the owner is closed or gone."""
+        while True:
+            owner = self._owner()
+            if owner is None or owner.closed:
+                return
+            d = self.next_deadline(owner.partial)
             if d == float("inf"):
                 return
             now = time.monotonic()
             if d > now:
+                del owner      # not kept alive while waiting
                 with self._watch_wake:
                     self._watch_wake.wait(min(d - now, 1.0))
                 continue
-            with self._cv:
-                if self._draining:
-                    self._cv.wait(0.01)
-                    continue
-                self._draining = True
-            try:
-                self._fire_timers(time.monotonic())
-            finally:
-                with self._cv:
-                    self._draining = False
-                    self._cv.notify_all()
+            owner.fire_timers_as_drainer()

@@ -1,4 +1,5 @@
-"""One inference request in flight, and the future ``executeAsync`` returns.
+"""One inference request in flight, the transfers that carry it to the device, and the
+future ``executeAsync`` returns.
 
 A request holds typed views of the user's inputs (borrowed, not copied), the
 typed destinations of its outputs (user memory or memory the runner
@@ -13,13 +14,15 @@ from __future__ import annotations
 import copy
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Protocol
 
 import numpy as np
 
 from host_runtime.errors import DeviceTimeoutError
+from host_runtime.runner._batching import TensorSpec
 
-__all__ = ["Request", "OutputFuture", "Driver", "raisable"]
+__all__ = ["Request", "Transfer", "OutputFuture", "Driver", "raisable"]
 
 
 def raisable(error: BaseException) -> BaseException:
@@ -45,6 +48,9 @@ class Driver(Protocol):
 
     def wait_for(self, request: "Request", timeout: float | None) -> bool: ...
 
+    def record_error(self, error: BaseException) -> None:
+        """A request of this engine failed: count it (monitoring, metrics)."""
+
 
 class Request:
     __slots__ = ("driver", "replica", "samples", "inputs", "given", "dests", "results",
@@ -53,7 +59,7 @@ class Request:
 
     def __init__(self, driver: Driver, replica: int, samples: int,
                  inputs: dict[str, np.ndarray], dests: dict[str, Optional[np.ndarray]],
-                 results: dict[str, Any], outputs_per_transfer: list[tuple[Any, ...]],
+                 results: dict[str, Any], outputs_per_transfer: list[tuple[TensorSpec, ...]],
                  t_received: int, internal: bool = False,
                  given: Optional[dict[str, np.ndarray]] = None) -> None:
         self.driver = driver
@@ -96,9 +102,7 @@ class Request:
         if self._done:
             return
         if not self.internal:
-            record = getattr(self.driver, "record_error", None)   # monitoring (metrics)
-            if record is not None:
-                record(error)
+            self.driver.record_error(error)   # monitoring (metrics)
         self.error = error
         self.t_completed = time.perf_counter_ns()
         self._done = True
@@ -113,6 +117,21 @@ class Request:
         if self._gate.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
             self._gate.release()
         return self._done
+
+
+@dataclass(slots=True)
+class Transfer:
+    """One Main iteration on the device: a slot of every input it reads."""
+
+    segments: list[tuple[Request, int, int, int]]   # (request, request unit, units, slot unit)
+    outputs: tuple[TensorSpec, ...]                  # outputs the device writes for it
+    published: bool = False
+    next_output: int = 0
+    t_open: float = 0.0                              # monotonic time the partial was opened
+    samples: int = 0                                 # dynamic batching: samples filled
+    slots: dict[str, np.ndarray] = field(default_factory=dict)   # open partial's slots
+    flush_asked: bool = False                        # flush_callback called for this partial
+    flush_extra: Optional[Request] = None            # what it gave, not yet packed
 
 
 class OutputFuture:

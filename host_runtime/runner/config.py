@@ -15,7 +15,9 @@ from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 
+from host_runtime.devices._manager import Device, DeviceWaitConfig
 from host_runtime.errors import BadRequestError
+from host_runtime.memory._views import InputMemoryView
 from host_runtime.popef.model import DataType
 
 __all__ = [
@@ -62,11 +64,8 @@ def to_nanoseconds(value: int | float | timedelta, field: str) -> int:
     return min(ns, NANOSECONDS_MAX)
 
 
-def _default_wait_config() -> Any:
-    try:
-        from host_runtime.devices._manager import DeviceWaitConfig
-    except ImportError:  # the device manager is not importable: keep the C++ default meaning
-        return None
+def _default_wait_config() -> DeviceWaitConfig | None:
+    """The default ``device_wait_config`` (the test fixtures replace this function)."""
     return DeviceWaitConfig()
 
 
@@ -98,8 +97,8 @@ class ModelRunnerConfig:
     thread_safe: bool
     frozen_inputs: dict[str, Any]
     replica_to_save_programs_outputs: dict[int, dict[str, Any]]
-    replica_to_device: dict[int, Any]
-    device_wait_config: Any
+    replica_to_device: dict[int, Device]
+    device_wait_config: DeviceWaitConfig | None
     check_package_hash: bool
     timeout_ns: int
     validate_io_params: bool
@@ -115,7 +114,6 @@ class ModelRunnerConfig:
     flush_callback: FlushCallback | None
 
     def __init__(self, **options: Any) -> None:
-        from host_runtime.memory._views import InputMemoryView
         self.replication_factor = 1
         self.run_save_programs = False
         self.thread_safe = False

@@ -35,18 +35,28 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import Iterable, Iterator, Protocol
 
 from prometheus_client import REGISTRY
 from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from host_runtime.popef.model import Model
 from host_runtime.runner.monitoring import PHASES, RequestMonitor
 
-if TYPE_CHECKING:  # pragma: no cover
-    from host_runtime.runner._model_runner import ModelRunner
+__all__ = ["ModelRunnerCollector", "collector_for", "default_collector", "QUANTILES", "PREFIX",
+           "MonitoredRunner"]
 
-__all__ = ["ModelRunnerCollector", "collector_for", "default_collector", "QUANTILES", "PREFIX"]
+
+class MonitoredRunner(Protocol):
+    """What a collector reads of a ``ModelRunner``: its model and one monitor per replica.
+    (A protocol, so that this module, imported lazily, does not import the runner's.)"""
+
+    _monitors: list[RequestMonitor]
+
+    @property
+    def model(self) -> Model: ...
+
 
 PREFIX = "ipu_model_runner"
 QUANTILES = (0.5, 0.9, 0.99)
@@ -58,11 +68,11 @@ _HELP = {
     "computation": "time from the device taking the request to its outputs being back",
 }
 _numbers = itertools.count()
-_number_of: "weakref.WeakKeyDictionary[ModelRunner, str]" = weakref.WeakKeyDictionary()
+_number_of: "weakref.WeakKeyDictionary[MonitoredRunner, str]" = weakref.WeakKeyDictionary()
 _number_lock = threading.Lock()
 
 
-def _runner_number(runner: "ModelRunner") -> str:
+def _runner_number(runner: MonitoredRunner) -> str:
     with _number_lock:
         num = _number_of.get(runner)
         if num is None:
@@ -70,7 +80,7 @@ def _runner_number(runner: "ModelRunner") -> str:
         return num
 
 
-def _model_name(runner: "ModelRunner") -> str:
+def _model_name(runner: MonitoredRunner) -> str:
     try:
         return str(runner.model.metadata.executable())
     except Exception:   # pragma: no cover - a model without metadata
@@ -80,23 +90,23 @@ def _model_name(runner: "ModelRunner") -> str:
 class ModelRunnerCollector(Collector):
     """Collects the statistics of the runners added to it (held weakly)."""
 
-    def __init__(self, runners: Iterable["ModelRunner"] = ()) -> None:
-        self._runners: "weakref.WeakSet[ModelRunner]" = weakref.WeakSet()
+    def __init__(self, runners: Iterable[MonitoredRunner] = ()) -> None:
+        self._runners: "weakref.WeakSet[MonitoredRunner]" = weakref.WeakSet()
         self._lock = threading.Lock()
         for r in runners:
             self.add(r)
 
-    def add(self, runner: "ModelRunner") -> "ModelRunnerCollector":
+    def add(self, runner: MonitoredRunner) -> "ModelRunnerCollector":
         _runner_number(runner)
         with self._lock:
             self._runners.add(runner)
         return self
 
-    def discard(self, runner: "ModelRunner") -> None:
+    def discard(self, runner: MonitoredRunner) -> None:
         with self._lock:
             self._runners.discard(runner)
 
-    def runners(self) -> list["ModelRunner"]:
+    def runners(self) -> list[MonitoredRunner]:
         with self._lock:
             return sorted(self._runners, key=lambda r: int(_runner_number(r)))
 
@@ -107,7 +117,7 @@ class ModelRunnerCollector(Collector):
         rows: list[tuple[list[str], RequestMonitor]] = []
         for runner in self.runners():
             model, num = _model_name(runner), _runner_number(runner)
-            monitors: list[RequestMonitor] = list(getattr(runner, "_monitors", []))
+            monitors = list(runner._monitors)
             rows += [([model, str(rid), num], mon) for rid, mon in enumerate(monitors)]
         return iter(self._families(rows))
 
@@ -146,7 +156,7 @@ def default_collector() -> ModelRunnerCollector:
         return _default
 
 
-def collector_for(runner: "ModelRunner", register_default: bool = False) -> ModelRunnerCollector:
+def collector_for(runner: MonitoredRunner, register_default: bool = False) -> ModelRunnerCollector:
     """A collector of ``runner`` alone, or (``register_default``) the default one with
     ``runner`` added."""
     if register_default:

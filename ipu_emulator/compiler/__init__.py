@@ -9,17 +9,20 @@ IPU cannot stream (before its dynamic dims are known).
 
 from __future__ import annotations
 
-from ipu_emulator.compiler._backend import (
+from ipu_emulator.compiler._backend import compile_onnx
+from ipu_emulator.compiler._types import (
     INDEX_NAME, LOAD_PROGRAM, MAIN_PROGRAM, SAVE_PROGRAM, TARGETS, AnchorDesc, CompileOptions,
-    CompileResult, ModelSpec, Target, compile_onnx)
-from ipu_emulator.compiler._prepare import check_interface
-from ipu_emulator.compiler._sharding import check_map, load_sharding_yaml
+    CompileResult, ModelSpec, Target)
+from ipu_emulator.compiler._prepare import check_interface, prepare
+from ipu_emulator.compiler._sharding import check_map, describe_parts, load_sharding_yaml
 from ipu_emulator.errors import CompileError
 
 __all__ = [
     "compile_onnx",
     "check_interface",
     "check_map",
+    "describe_parts",
+    "prepare",
     "load_sharding_yaml",
     "ModelSpec",
     "CompileOptions",

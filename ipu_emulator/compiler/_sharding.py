@@ -47,6 +47,8 @@ from onnx import helper
 
 import ipu_emulator
 from ipu_emulator.compiler._onnx import DTYPE_TO_ONNX
+from ipu_emulator.compiler._types import (LOAD_PROGRAM, MAIN_PROGRAM, SAVE_PROGRAM, AnchorDesc,
+                                          CompileOptions, CompileResult, Target, check_fit)
 from ipu_emulator.errors import CompileError
 from ipu_emulator.executable import (
     LINK_PREFIX, SYNC_TENSOR, is_link, is_sync, parse_link,
@@ -54,7 +56,6 @@ from ipu_emulator.executable import (
     TensorSig, numpy_dtype, plan_memory)
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ipu_emulator.compiler._backend import AnchorDesc, CompileOptions, CompileResult, Target
     from ipu_emulator.compiler._prepare import Prepared
 
 __all__ = [
@@ -283,12 +284,10 @@ class _Part:
 def compile_sharded(p: "Prepared", opts: "CompileOptions", target: "Target",
                     per_ipu_memory: int) -> "CompileResult":
     """Compile one prepared model over ``opts.num_ipus`` IPUs."""
-    from ipu_emulator.compiler._backend import (
-        LOAD_PROGRAM, MAIN_PROGRAM, SAVE_PROGRAM, AnchorDesc, CompileResult, _check_fit)
 
     n_ipus = opts.num_ipus
     check_num_ipus(n_ipus, opts.machine_ipus)
-    _check_fit([p], opts, target, 0, 0, 0, 0)   # max_tensor_size; no tensor above one IPU
+    check_fit([p], opts, target, 0, 0, 0, 0)   # max_tensor_size; no tensor above one IPU
     dev_graph = p.device_model.graph
     plan = place_nodes(dev_graph, dict(opts.sharding_info or {}),
                        dict(opts.pipelining_info or {}), n_ipus, opts.enable_pipelining)

@@ -55,7 +55,7 @@ class PooledIpu:
         self.state = "starting"     # starting, free, attaching, held, resetting, dead, failed
         self.holder: int | None = None
         self.hosts_served = 0
-        # for /metrics (ipu_emulator.daemon._metrics)
+        # for /metrics (ipu_emulator.daemon.metrics)
         self.starts = 0          # processes started
         self.resets = 0          # take_back()s that succeeded
         self.held_seconds = 0.0  # time held by hosts, past holds

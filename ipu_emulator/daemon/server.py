@@ -35,7 +35,7 @@ from typing import Any
 from shm import pid_alive
 
 from ipu_emulator.daemon import protocol as wire
-from ipu_emulator.daemon._metrics import DaemonMetrics
+from ipu_emulator.daemon.metrics import DaemonMetrics
 from ipu_emulator.daemon._pool import PoolError, PooledIpu, remove_objects_of
 from ipu_emulator.device.launcher import IpuSpec
 from ipu_emulator.system import SystemConfig

@@ -54,7 +54,7 @@ from typing import Any
 
 from shm.settings import IPU_IMPORT_ENV, current
 
-from ipu_emulator.errors import ForkserverError
+from ipu_emulator.errors import ForkserverError, describe_returncode
 
 __all__ = ["enabled", "spawn", "stop", "ForkedProcess", "ForkserverError", "IMPORT_TIME_ENV"]
 
@@ -358,7 +358,6 @@ def spawn(argv: list[str], env: dict[str, str], log_path: str | None,
 
 
 def _describe(rc: int | None) -> str:
-    from ipu_emulator.device.launcher import describe_returncode
     return describe_returncode(rc)
 
 

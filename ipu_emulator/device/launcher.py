@@ -24,7 +24,6 @@ import logging
 import os
 import re
 import select
-import signal
 import subprocess
 import sys
 import threading
@@ -38,7 +37,7 @@ from shm.settings import settings
 from ipu_emulator import protocol
 from ipu_emulator.device import forkserver
 from ipu_emulator.protocol import Message, Op
-from ipu_emulator.errors import IpuProcessError
+from ipu_emulator.errors import IpuProcessError, describe_returncode
 
 __all__ = ["IpuSpec", "IpuProcess", "IpuConnection", "IpuProcessError", "launch_ipu",
            "shutdown_all", "kill_all",
@@ -104,19 +103,6 @@ class IpuConnection(Protocol):
     def shutdown(self, timeout: float = 5.0) -> None: ...
 
     def close(self) -> None: ...
-
-
-def describe_returncode(rc: int | None) -> str:
-    """"is running", "exited with code 3", "was killed by signal SIGKILL (9)"."""
-    if rc is None:
-        return "is running"
-    if rc < 0:
-        try:
-            name = signal.Signals(-rc).name
-        except ValueError:
-            name = "?"
-        return f"was killed by signal {name} ({-rc})"
-    return f"exited with code {rc}"
 
 
 def read_log_tail(log_path: str | None, pid: int, nbytes: int = 2000) -> str:

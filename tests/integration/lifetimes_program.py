@@ -326,7 +326,7 @@ def pending(path: str, probe: Probe) -> None:
     r = model_runtime.ModelRunner(batched, config=cfg)
     one = {"tensor_A": np.ones((1, 3), np.float32), "tensor_B": np.ones((1, 3), np.float32)}
     fut = r.executeAsync(one)          # a partial batch: the watchdog waits to flush it
-    watchdog = r._replicas[0]._watchdog
+    watchdog = r._replicas[0]._timers._watchdog
     if watchdog is None or not watchdog.is_alive():
         probe.leaks.append("expected a watchdog thread for the partial batch")
     del r, watchdog

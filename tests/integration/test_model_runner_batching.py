@@ -177,7 +177,7 @@ def test_partial_flushed_by_watchdog_when_nobody_waits(model_path, weights):
     with model_runtime.ModelRunner(model_path, config=cfg) as r:
         a, b = rows(2, 12)
         fut = r.executeAsync({"tensor_A": a, "tensor_B": b})
-        r._replicas[0]._watchdog.join(WAIT)       # the watchdog exits once nothing is pending
+        r._replicas[0]._timers._watchdog.join(WAIT)   # the watchdog exits once nothing is pending
         assert flushed == ["tensor_A"]
         np.testing.assert_allclose(fut["tensor_C"], packed_expectation(a, b, weights, 0), rtol=1e-6)
 

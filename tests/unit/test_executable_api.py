@@ -19,7 +19,8 @@ def test_all_is_pinned() -> None:
     assert ipu_emulator.device.interpreter.__all__ == ["Interpreter", "StreamIO", "CallableStreamIO",
                                                 "ZeroCopyGroup", "ZeroCopyStreamIO"]
     assert sorted(ipu_emulator.compiler.__all__) == sorted([
-        "compile_onnx", "check_interface", "check_map", "load_sharding_yaml", "ModelSpec",
+        "compile_onnx", "check_interface", "check_map", "load_sharding_yaml", "describe_parts",
+        "prepare", "ModelSpec",
         "CompileOptions", "CompileResult",
         "AnchorDesc", "Target",
         "TARGETS", "CompileError", "INDEX_NAME", "LOAD_PROGRAM", "MAIN_PROGRAM", "SAVE_PROGRAM"])

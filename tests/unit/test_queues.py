@@ -302,8 +302,17 @@ class _FakeSession:
         self._model = _model()
         self.callbacks = {}
 
-    def model(self):
-        return self._model
+    def _user(self, kind):
+        # as Session: anchors without PopEF data (here: those of the Main programs)
+        main = set(self._model.metadata.programFlow().main())
+        return [a for a in self._model.metadata.anchors()
+                if a.type() == kind and main.intersection(a.programs())]
+
+    def getUserInputAnchors(self):
+        return self._user(TensorType.INPUT)
+
+    def getUserOutputAnchors(self):
+        return self._user(TensorType.OUTPUT)
 
     def setCallbackForAnchor(self, handle, cb):
         self.callbacks[handle] = cb

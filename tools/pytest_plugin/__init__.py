@@ -153,7 +153,7 @@ def wait_timeout(config: pytest.Config) -> float:
 
 def wait_config(config: pytest.Config) -> Any:
     """``DeviceWaitConfig(WAIT_WITH_TIMEOUT, ipu_emulator_wait_timeout)`` of this run."""
-    from host_runtime.devices._manager import DeviceWaitConfig, DeviceWaitStrategy
+    from host_runtime.devices import DeviceWaitConfig, DeviceWaitStrategy
 
     return DeviceWaitConfig(DeviceWaitStrategy.WAIT_WITH_TIMEOUT,
                             timeout=timedelta(seconds=wait_timeout(config)),
@@ -359,8 +359,8 @@ def model_runner(ipu_machine: IpuMachine, compile_onnx: Callable[..., str],
     closed at teardown. Unless told otherwise it waits for its IPUs
     (``ipu_emulator_wait_timeout``)."""
     from host_runtime.runner.config import ModelRunnerConfig
-    from host_runtime.devices._manager import DeviceWaitConfig
-    from host_runtime.runner._model_runner import ModelRunner
+    from host_runtime.devices import DeviceWaitConfig
+    from host_runtime.runner import ModelRunner
 
     made: list[Any] = []
     guard = request.node.stash.get(_GUARD, None)

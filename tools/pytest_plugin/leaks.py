@@ -122,8 +122,8 @@ class LeakGuard:
     def start(self, tag: str | None) -> None:
         """Record runners and devices made from now on (patches their constructors), and
         the IPU processes and /dev/shm objects of ``tag`` there are now."""
-        from host_runtime.devices._manager import Device
-        from host_runtime.runner._model_runner import ModelRunner
+        from host_runtime.devices import Device
+        from host_runtime.runner import ModelRunner
 
         self._procs_before = set(_ipu_processes())
         self._tag = tag

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping
 
 if TYPE_CHECKING:  # pragma: no cover
-    from host_runtime.devices._manager import DeviceManager
+    from host_runtime.devices import DeviceManager
     from ipu_emulator.system import SystemConfig
 
 __all__ = ["IpuMachine", "RunFolder", "shm_entries", "remove_shm_entries", "ENV_VARS"]
@@ -163,7 +163,7 @@ class IpuMachine:
 
     def device_manager(self) -> "DeviceManager":
         """A ``DeviceManager`` of this machine (through its daemon, if it has one)."""
-        from host_runtime.devices._manager import DeviceManager
+        from host_runtime.devices import DeviceManager
 
         if self.daemon:
             return DeviceManager(daemon=self.daemon)

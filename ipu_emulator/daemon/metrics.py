@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import socketserver
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -51,9 +51,14 @@ from prometheus_client.registry import Collector
 
 from ipu_emulator.errors import MetricsServeError
 
-if TYPE_CHECKING:  # pragma: no cover
-    from ipu_emulator.daemon._pool import PooledIpu
-    from ipu_emulator.daemon.server import Daemon
+from ipu_emulator.daemon._pool import PooledIpu
+
+
+class Pool(Protocol):
+    """What the metrics read of the daemon: its pool of IPUs (at scrape time)."""
+
+    @property
+    def ipus(self) -> Sequence[PooledIpu]: ...
 
 __all__ = ["DaemonMetrics", "PREFIX", "MetricsServer", "MetricsServeError"]
 
@@ -99,7 +104,7 @@ class MetricsServer:
 class _PoolCollector(Collector):
     """The pool's state and per-IPU counters, read at scrape time."""
 
-    def __init__(self, daemon: "Daemon") -> None:
+    def __init__(self, daemon: Pool) -> None:
         self._daemon = daemon
 
     def collect(self) -> Iterator[Metric]:
@@ -164,7 +169,7 @@ def _cpu_seconds(pid: int | None) -> float | None:
 class DaemonMetrics:
     """The daemon's instruments, and its ``/metrics`` server once ``serve()`` ran."""
 
-    def __init__(self, daemon: "Daemon", port: int | None = None,
+    def __init__(self, daemon: Pool, port: int | None = None,
                  address: str = "127.0.0.1") -> None:
         self.port = port
         self.address = address

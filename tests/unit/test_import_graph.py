@@ -1,0 +1,354 @@
+"""The import graph of shm, ipu_emulator, host_runtime and tools: layers, privacy, cycles.
+
+Read from the source with ``ast`` (nothing is imported). What counts as an edge:
+
+- every ``import`` and ``from ... import`` statement, wherever it is: at module level,
+  inside a function (a function-local import that dodges a cycle *is* that cycle), and
+  under ``if TYPE_CHECKING:``. TYPE_CHECKING imports do not run, but they count in every
+  check: a type-level cycle still means that neither module can be read, changed or
+  tested without the other, and a private name imported "only for a type" still ties the
+  importer to another package's internals. ``importlib.import_module("literal")`` counts
+  too;
+- ``from pkg import name`` is an edge to ``pkg.name`` when that is a module, else to
+  ``pkg``; relative imports are resolved;
+- an edge goes to the module named, not to the packages Python initialises on the way
+  (``host_runtime/runner/__init__.py`` re-exports its modules: counting those would make
+  every package one cycle with its own modules).
+
+The checks, each with a short list of today's exceptions in files of other owners. Every
+entry says who must remove it; an entry that no longer matches anything fails the test, so
+the lists only shrink:
+
+(a) layers: shm imports nothing of ours; ipu_emulator imports shm and itself; host_runtime
+    imports shm, ipu_emulator and itself; tools imports anything;
+(b) no private module or private name crosses a top-level package: a module of one package
+    importing ``_x`` (a module or a name) of another -> ALLOWED_PRIVATE;
+(c) no cycles: no strongly connected component of more than one module -> KNOWN_CYCLES
+    (an actual component must lie inside a known one).
+
+LAZY: the one kind of function-local import that may close a cycle: an import kept local so
+that importing the module stays cheap (the imported module is heavy). It is left out of
+the cycle check only if listed here with its reason; it must still be a function-local
+import, and still be needed (without it the graph would have a cycle). Today no lazy import
+closes a cycle: ``ModelRunner.metrics_collector`` imports ``host_runtime.runner.metrics``
+(and with it prometheus_client, ~60 ms) on first use, and that module types the runner by
+a protocol instead of importing ``_model_runner``.
+
+The synthetic-tree tests at the end show each check failing on a new violation.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+from dataclasses import dataclass
+from typing import Iterable
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PACKAGES = ("shm", "ipu_emulator", "host_runtime", "tools")
+LAYERS = {
+    "shm": {"shm"},
+    "ipu_emulator": {"shm", "ipu_emulator"},
+    "host_runtime": {"shm", "ipu_emulator", "host_runtime"},
+    "tools": set(PACKAGES),
+}
+
+# (importer, imported module or module.name) -> who must remove it
+ALLOWED_PRIVATE: dict[tuple[str, str], str] = {
+    # shm's C core's address(): used for speed with a pure-Python fallback; shm should
+    # export it (e.g. shm.buffer_address). Owner: the lead (shm).
+    ("ipu_emulator.device.interpreter", "shm._ringcore.address"): "lead (shm + device)",
+    ("host_runtime.memory._shared", "shm._ringcore.address"): "lead (shm), then h2 (memory)",
+}
+
+# strongly connected components allowed today -> who must break them
+KNOWN_CYCLES: dict[frozenset[str], str] = {
+    # process imports _stream_io's classes, _stream_io types its DeviceProcess (TYPE_CHECKING).
+    frozenset({"ipu_emulator.device._stream_io", "ipu_emulator.device.process"}):
+        "lead (ipu_emulator.device)",
+}
+
+# (importer, imported module) -> why it is imported lazily; see the module docstring
+LAZY: dict[tuple[str, str], str] = {}
+
+
+# --------------------------------------------------------------------------- the graph
+@dataclass(frozen=True)
+class Edge:
+    source: str          # importing module
+    target: str          # imported module
+    name: str | None     # the name imported from it (None: the module itself)
+    kind: str            # "module" (module level), "local" (in a function), "typing"
+    line: int
+
+    @property
+    def imported(self) -> str:
+        return self.target if self.name is None else f"{self.target}.{self.name}"
+
+
+def _modules(root: pathlib.Path, packages: Iterable[str]) -> dict[str, pathlib.Path]:
+    mods = {}
+    for pkg in packages:
+        for path in sorted((root / pkg).rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            mods[".".join(parts)] = path
+    return mods
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+class _Collector(ast.NodeVisitor):
+    def __init__(self, module: str, is_package: bool, mods: dict[str, pathlib.Path]) -> None:
+        self.module, self.is_package, self.mods = module, is_package, mods
+        self.edges: list[Edge] = []
+        self._typing = 0
+        self._depth = 0      # functions we are in
+
+    def _kind(self) -> str:
+        return "typing" if self._typing else ("local" if self._depth else "module")
+
+    def _add(self, target: str, name: str | None, line: int) -> None:
+        self.edges.append(Edge(self.module, target, name, self._kind(), line))
+
+    def visit_FunctionDef(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
+        self._depth += 1
+        self.generic_visit(node)
+        self._depth -= 1
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def visit_If(self, node: ast.If) -> None:
+        if _is_type_checking(node.test):
+            self._typing += 1
+            for stmt in node.body:
+                self.visit(stmt)
+            self._typing -= 1
+            for stmt in node.orelse:
+                self.visit(stmt)
+        else:
+            self.generic_visit(node)
+
+    def visit_Import(self, node: ast.Import) -> None:
+        for alias in node.names:
+            self._add(alias.name, None, node.lineno)
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        if node.level:
+            base = self.module.split(".")
+            if not self.is_package:
+                base.pop()
+            base = base[:len(base) - (node.level - 1)]
+            target = ".".join(base + ([node.module] if node.module else []))
+        else:
+            target = node.module or ""
+        for alias in node.names:
+            sub = f"{target}.{alias.name}"
+            if sub in self.mods:
+                self._add(sub, None, node.lineno)
+            else:
+                self._add(target, alias.name, node.lineno)
+
+    def visit_Call(self, node: ast.Call) -> None:
+        fn = node.func
+        name = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", "")
+        if name == "import_module" and node.args and isinstance(node.args[0], ast.Constant) \
+                and isinstance(node.args[0].value, str):
+            self._add(node.args[0].value, None, node.lineno)
+        self.generic_visit(node)
+
+
+def import_graph(root: pathlib.Path = ROOT, packages: Iterable[str] = PACKAGES
+                 ) -> tuple[set[str], list[Edge]]:
+    """(our modules, every import edge between them)."""
+    packages = tuple(packages)
+    mods = _modules(root, packages)
+    edges: list[Edge] = []
+    for module, path in mods.items():
+        c = _Collector(module, path.name == "__init__.py", mods)
+        c.visit(ast.parse(path.read_text(), str(path)))
+        edges += [e for e in c.edges if e.target.split(".")[0] in packages]
+    return set(mods), edges
+
+
+def _top(module: str) -> str:
+    return module.split(".")[0]
+
+
+def layer_violations(edges: Iterable[Edge], layers: dict[str, set[str]] = LAYERS
+                     ) -> list[Edge]:
+    return [e for e in edges if _top(e.target) not in layers[_top(e.source)]]
+
+
+def private_crossings(edges: Iterable[Edge]) -> list[Edge]:
+    """Edges into a private module or name of another top-level package."""
+    def private(part: str) -> bool:
+        return part.startswith("_") and not part.startswith("__")
+    return [e for e in edges if _top(e.source) != _top(e.target)
+            and any(private(p) for p in e.imported.split(".")[1:])]
+
+
+def cycles(modules: set[str], edges: Iterable[Edge],
+           excluded: Iterable[tuple[str, str]] = ()) -> list[frozenset[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    skip = set(excluded)
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for e in edges:
+        if e.target in modules and e.source != e.target and (e.source, e.target) not in skip:
+            graph[e.source].add(e.target)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[frozenset[str]] = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = set()
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    comp.add(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    found.append(frozenset(comp))
+    return found
+
+
+def _show(edges: Iterable[Edge]) -> str:
+    return "\n".join(f"  {e.source}:{e.line} imports {e.imported} ({e.kind})" for e in edges)
+
+
+# --------------------------------------------------------------------------- the tree
+_MODULES, _EDGES = import_graph()
+
+
+def test_the_graph_is_read():
+    assert {"shm.ring", "ipu_emulator.device.process", "host_runtime.runner._replica",
+            "tools.cli"} <= _MODULES
+    kinds = {e.kind for e in _EDGES}
+    assert kinds == {"module", "local", "typing"}
+
+
+def test_layers():
+    bad = layer_violations(_EDGES)
+    assert not bad, "imports against the layers (shm <- ipu_emulator <- host_runtime " \
+        "<- tools):\n" + _show(bad)
+
+
+def test_no_private_names_cross_packages():
+    found = private_crossings(_EDGES)
+    new = [e for e in found if (e.source, e.imported) not in ALLOWED_PRIVATE]
+    assert not new, ("private modules or names imported across packages (export a public "
+                     "name instead):\n" + _show(new))
+    stale = set(ALLOWED_PRIVATE) - {(e.source, e.imported) for e in found}
+    assert not stale, f"ALLOWED_PRIVATE entries that are fixed now; remove them: {sorted(stale)}"
+
+
+def test_no_import_cycles():
+    comps = cycles(_MODULES, _EDGES, LAZY)
+    new = [c for c in comps if not any(c <= known for known in KNOWN_CYCLES)]
+    detail = "\n".join(
+        "  " + " <-> ".join(sorted(c)) + "\n" + _show(e for e in _EDGES
+                                              if e.source in c and e.target in c)
+        for c in new)
+    assert not new, "import cycles (function-local and TYPE_CHECKING imports count):\n" + detail
+    stale = [sorted(k) for k in KNOWN_CYCLES if not any(c & k for c in comps)]
+    assert not stale, f"KNOWN_CYCLES entries that are broken now; remove them: {stale}"
+
+
+def test_lazy_imports_are_local_and_needed():
+    for (source, target), why in LAZY.items():
+        assert why
+        kinds = {e.kind for e in _EDGES if (e.source, e.target) == (source, target)}
+        assert kinds == {"local"}, f"LAZY {source} -> {target}: expected only " \
+            f"function-local imports, found {sorted(kinds) or 'none'}"
+        others = {k: v for k, v in LAZY.items() if k != (source, target)}
+        assert len(cycles(_MODULES, _EDGES, others)) > len(cycles(_MODULES, _EDGES, LAZY)), \
+            f"LAZY {source} -> {target} closes no cycle: remove it from LAZY"
+
+
+# --------------------------------------------------------------------------- the checks fail
+def _tree(tmp_path: pathlib.Path, files: dict[str, str]) -> tuple[set[str], list[Edge]]:
+    for rel, text in files.items():
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return import_graph(tmp_path, ("shm", "ipu_emulator", "host_runtime", "tools"))
+
+
+_BASE = {
+    "shm/__init__.py": "", "shm/_core.py": "", "shm/ring.py": "from . import _core\n",
+    "ipu_emulator/__init__.py": "", "ipu_emulator/device/__init__.py": "",
+    "ipu_emulator/device/process.py": "from shm.ring import Ring\n",
+    "host_runtime/__init__.py": "", "host_runtime/a.py": "", "host_runtime/b.py": "",
+    "tools/__init__.py": "", "tools/cli.py": "import host_runtime.a\n",
+}
+
+
+def test_synthetic_clean_tree_passes(tmp_path):
+    mods, edges = _tree(tmp_path, _BASE)
+    assert ("shm.ring", "shm._core") in {(e.source, e.target) for e in edges}  # relative
+    assert not layer_violations(edges) and not private_crossings(edges)
+    assert not cycles(mods, edges)
+
+
+def test_synthetic_layer_violation_fails(tmp_path):
+    mods, edges = _tree(tmp_path, {**_BASE, "shm/ring.py": "def f():\n    import tools.cli\n"})
+    assert [(e.source, e.target, e.kind) for e in layer_violations(edges)] == [
+        ("shm.ring", "tools.cli", "local")]
+
+
+def test_synthetic_private_crossing_fails(tmp_path):
+    mods, edges = _tree(tmp_path, {
+        **_BASE,
+        "host_runtime/a.py": "from shm._core import fast\nfrom shm.ring import _helper\n"
+                             "from typing import TYPE_CHECKING\n"
+                             "if TYPE_CHECKING:\n    from ipu_emulator.device import process\n",
+    })
+    assert sorted(e.imported for e in private_crossings(edges)) == [
+        "shm._core.fast", "shm.ring._helper"]
+
+
+def test_synthetic_cycles_fail_through_local_and_typing_imports(tmp_path):
+    mods, edges = _tree(tmp_path, {
+        **_BASE,
+        "host_runtime/a.py": "import host_runtime.b\n",
+        "host_runtime/b.py": "def f():\n    from host_runtime import a\n",
+    })
+    assert cycles(mods, edges) == [frozenset({"host_runtime.a", "host_runtime.b"})]
+    # listed as a lazy import, the local one is left out
+    assert cycles(mods, edges, {("host_runtime.b", "host_runtime.a"): "heavy"}) == []
+    mods, edges = _tree(tmp_path, {
+        **_BASE,
+        "host_runtime/a.py": "import host_runtime.b\n",
+        "host_runtime/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                             "    from host_runtime.a import A\nelse:\n    A = None\n",
+    })
+    assert cycles(mods, edges) == [frozenset({"host_runtime.a", "host_runtime.b"})]
+    assert {e.kind for e in edges if e.source == "host_runtime.b"} == {"typing"}
