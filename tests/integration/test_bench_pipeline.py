@@ -8,6 +8,8 @@ import re
 
 import pytest
 
+from host_runtime.devices._ipu_group import LINK_DEPTH
+from tools.bench import pipeline
 from tools.bench.__main__ import main as bench_main
 
 pytestmark = pytest.mark.usefixtures("private_machine")
@@ -26,3 +28,8 @@ def test_pipeline_bench_hop_and_latency_print_every_row(capsys) -> None:
     assert re.search(r"^  hop / host = \d+\.\d\d \(target <= 1\.5\)", out, re.M), out
     for label in ("1 IPU", "2 IPUs sharded", "2 IPUs pipelined"):
         assert re.search(rf"^  {re.escape(label)}\s+\d+\.\d", out, re.M), out
+
+
+def test_hop_rigs_have_the_geometry_of_a_sharded_sessions_links() -> None:
+    assert pipeline.HOP_DEPTH == LINK_DEPTH
+    assert pipeline.HOP_BYTES == 256 * 1024

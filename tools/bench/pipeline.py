@@ -36,7 +36,6 @@ pipelined request pays the hop plus a second IPU process's wake-up).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import statistics
 import sys
@@ -139,83 +138,17 @@ def _latency(runner: Any, n: int) -> float:
 # -- the hop, timed directly ----------------------------------------------------------------
 
 HOP_BYTES = ROWS * WIDTH * 4          # 256 KiB
-_IN, _OUT = "__ipulink/0/1/a", "__ipulink/1/0/b"
-
-
-class _LinkEnd:
-    """One end of the link ping-pong: an IPU process's stream code over two link rings.
-
-    ``relay()`` is one Main iteration of a pipeline stage whose part takes the
-    activation from its input link and writes it to its output link, done as the
-    interpreter does a zero-copy iteration: first the C step (``_RingIO.run_group``:
-    poll for the input, then take it, call the part, publish, release, in one C call),
-    else step by step in Python (``acquire_input``: poll, then block in slices;
-    ``acquire_output``; the call; ``release_input``; ``publish_output``), which also
-    adds the C step's entry for that pair of slots. The part is a ``memmove`` of the
-    256 KiB from the input slot to the output slot (what onnxruntime's write of the
-    output costs), not onnxruntime.
-    """
-
-    def __init__(self, control: str, events: str, host_pid: int, ring_in: str,
-                 ring_out: str) -> None:
-        from shm import Ring
-        from ipu_emulator.device import process
-        from ipu_emulator.device._stream_io import _Loaded, _RingIO, _Stream
-        from ipu_emulator.device.interpreter import ZeroCopyGroup
-        from ipu_emulator.protocol import MODE_DIRECT
-
-        self.dev = process.DeviceProcess(process.DeviceOptions(
-            control=control, events=events, host_pid=host_pid))
-        # as DeviceProcess._run sets up one IPU of several
-        self.dev._slice = process._GROUP_SLICE
-        self.dev._apart.release()
-        self.dev.keeps_apart = False
-        self.loaded = _Loaded("hop", None, [])
-        for i, (handle, name, direction) in enumerate(((_IN, ring_in, "in"),
-                                                       (_OUT, ring_out, "out"))):
-            st = _Stream(i, handle, direction, HOP_BYTES, Ring.attach(name), MODE_DIRECT)
-            self.loaded.streams.append(st)
-            self.loaded.by_handle[handle] = st
-        self.io = _RingIO(self.dev, self.loaded)
-        self.group = ZeroCopyGroup((_IN,), (HOP_BYTES,), (_OUT,), (HOP_BYTES,))
-
-    def relay(self) -> None:
-        """One iteration: the activation from the input link to the output link."""
-        io = self.io
-        if io.run_group(self.group):
-            return
-        src = io.acquire_input(_IN, HOP_BYTES)
-        try:
-            dst = io.acquire_output(_OUT, HOP_BYTES)
-            key = (_address(src), _address(dst))
-            entry = self.group.calls.get(key)
-            if entry is None:
-                entry = self.group.calls[key] = (None, ctypes.memmove,
-                                                 (key[1], key[0], HOP_BYTES))
-            entry[1](*entry[2])
-        finally:
-            io.release_input(_IN)
-        io.publish_output(_OUT)
-
-    def send(self, data: memoryview) -> None:
-        """Start the ping-pong: one activation into the output link."""
-        self.io.acquire_output(_OUT, HOP_BYTES)[:] = data
-        self.io.publish_output(_OUT)
-
-    def close(self) -> None:
-        self.group.calls.clear()
-        self.loaded.close()
-        self.dev._close_all()
-
-
-def _address(view: memoryview) -> int:
-    return int(np.frombuffer(view, np.uint8).ctypes.data)
+HOP_DEPTH = 4
+"""Slots of each ring of the hop rigs: host_runtime.devices._ipu_group.HOP_DEPTH, as a
+sharded session makes its links (tests/integration/test_bench_pipeline.py checks it)."""
 
 
 def _link_peer(control: str, events: str, parent: int, ring_in: str, ring_out: str) -> None:
     """The far IPU of the link ping-pong (a spawned process): relay activations until the
     parent invalidates the input link."""
-    end = _LinkEnd(control, events, parent, ring_in, ring_out)
+    from ipu_emulator.device.linkbench import LinkEnd
+
+    end = LinkEnd(control, events, parent, ring_in, ring_out, HOP_BYTES)
     try:
         while not end.io.disconnected:
             end.relay()
@@ -230,7 +163,7 @@ class _HopRig:
         self.per_block = max(10, rounds // blocks)
         self.rings: list[Any] = []
         self.procs: list[Any] = []
-        self.link: _LinkEnd | None = None
+        self.link: Any = None   # ipu_emulator.device.linkbench.LinkEnd
         try:
             self._start()
         except BaseException:
@@ -241,8 +174,8 @@ class _HopRig:
         import multiprocessing as mp
 
         from shm import Ring
-        from host_runtime.devices._ipu_group import LINK_DEPTH
         from ipu_emulator import protocol
+        from ipu_emulator.device.linkbench import LinkEnd
         from tools.bench import peers
 
         def ring(kind: str, size: int, slots: int) -> Any:
@@ -254,15 +187,15 @@ class _HopRig:
         me = os.getpid()
         # IPU-Link: links made as ShardedLoad makes them; each end has the rings of an
         # IPU process (its control and event rings) for its wait_on
-        ab, ba = ring("link", HOP_BYTES, LINK_DEPTH), ring("link", HOP_BYTES, LINK_DEPTH)
+        ab, ba = ring("link", HOP_BYTES, HOP_DEPTH), ring("link", HOP_BYTES, HOP_DEPTH)
         ctl = [ring("ctl", protocol.CONTROL_SLOT_SIZE, protocol.CONTROL_SLOTS) for _ in range(2)]
         evt = [ring("evt", protocol.EVENT_SLOT_SIZE, protocol.EVENT_SLOTS) for _ in range(2)]
         self.ab = ab
-        self.link = _LinkEnd(ctl[0].name, evt[0].name, me, ba.name, ab.name)
+        self.link = LinkEnd(ctl[0].name, evt[0].name, me, ba.name, ab.name, HOP_BYTES)
         # host ring: shm.Ring both ways, tools.bench.peers.echo on the far side; as many
         # slots as a link, so that only the code at the ends differs
-        self.req = ring("bench", HOP_BYTES, LINK_DEPTH)
-        self.resp = ring("bench", HOP_BYTES, LINK_DEPTH)
+        self.req = ring("bench", HOP_BYTES, HOP_DEPTH)
+        self.resp = ring("bench", HOP_BYTES, HOP_DEPTH)
         for target, args in ((_link_peer, (ctl[1].name, evt[1].name, me, ab.name, ba.name)),
                              (peers.echo, (self.req.name, self.resp.name, me))):
             proc = ctx.Process(target=target, args=args, daemon=True)
