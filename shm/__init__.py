@@ -6,12 +6,13 @@
 from __future__ import annotations
 
 from . import naming
+from ._address import buffer_address
 from .cleanup import remove_dead
 from .errors import (PeerDiedError, RingInvalidatedError, RingTimeoutError, ShmClosedError,
                      ShmError, WouldBlock)
 from .liveness import ExitWatch, PeerWatch, pid_alive
 from .region import Region
-from .ring import WAIT_SLICE, Ring, ring_step
+from .ring import WAIT_SLICE, Ring
 
 __all__ = [
     "ExitWatch",
@@ -25,8 +26,8 @@ __all__ = [
     "ShmError",
     "WAIT_SLICE",
     "WouldBlock",
+    "buffer_address",
     "naming",
     "pid_alive",
     "remove_dead",
-    "ring_step",
 ]

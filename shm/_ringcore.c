@@ -24,6 +24,12 @@
  *                  (invalidated meanwhile, or a slot header to report):
  *                  Python finishes the operation after its wait.
  *
+ * Other C extensions reach a ring end through the C API declared in
+ * shm/_ringcore.h (capsule shm._ringcore._C_API, handle Ring.c_handle()):
+ * take / give back / consume / publish slots without waiting. This module
+ * knows rings, regions and semaphores only; what a slot's tag means to a
+ * user of the ring is that user's business.
+ *
  * Waits release the GIL. A thread inside a method holds a reference to the
  * Core (the call does), and the Core holds a buffer export of the ring's
  * mapping and its semaphores until it is deallocated, so neither is unmapped
@@ -56,6 +62,8 @@
 #define SLOT_HEADER_SIZE 64
 
 #include <structmember.h>
+
+#include "_ringcore.h"
 
 /* Copies at least this big run without the GIL. */
 #define NOGIL_COPY 65536
@@ -957,377 +965,103 @@ static PyTypeObject CoreType = {
     .tp_members = Core_members,
 };
 
-/* -- Step: one step of a stage between rings ------------------------------
+/* -- the C API for other extensions (shm/_ringcore.h) ------------------------
  *
- * Step(inputs, input_sizes, outputs, output_sizes, output_names, descriptors,
- *      descriptor_tag, calls).run() -> bool
- *
- * One step of a process that reads one transfer from each input ring (this
- * end: consumer), computes, and writes one transfer to each output ring (this
- * end: producer), done in one C call when everything it needs is there at
- * once:
- *
- *   1. take one published transfer from each input ring: a slot of exactly
- *      input_sizes[i] bytes tagged 0, whose payload is the input; or a slot
- *      tagged descriptor_tag, whose payload bytes are a key of `descriptors`
- *      mapping to (input memoryview, ((output name, output memoryview), ...)):
- *      the input is that memory, and each named output goes to its memory
- *      instead of its ring;
- *   2. take a free slot of each output ring: output j is written into its
- *      payload (output_sizes[j] bytes), or into the memory a descriptor named
- *      for output_names[j];
- *   3. look up calls[(input addresses..., output addresses...)] -> (any, fn,
- *      args) and call fn(*args), which reads the inputs and writes the
- *      outputs at those addresses;
- *   4. publish each output (output_sizes[j] bytes tagged 0, or an empty slot
- *      tagged descriptor_tag for an output written into memory), then release
- *      the inputs.
- *
- * run() returns False and leaves every ring as it was (the semaphore tokens it
- * took are given back) when anything is not as above: a ring closed, invalid,
- * not yet used in its role by this process (the Python path takes the role),
- * holding an acquired slot, empty (inputs) or full (outputs); a slot of
- * another size or tag; a descriptor or an address key not in the tables; a
- * descriptor naming another output. The caller then does the step on the
- * Python path, which waits, reports and fills the tables. If fn raises, the
- * inputs are consumed (released), the outputs are given back unpublished,
- * and the exception propagates.
- *
- * The tables are the caller's dicts, read at each run (they may change
- * between runs). A Step holds its Cores (and so the rings' mappings).
+ * The end of a Ring.c_handle() (a Core), operated on without waiting, without
+ * calling into Python and without raising: the common case or nothing.
  */
 
-#define STEP_MAX 16
-
-typedef struct {
-    PyObject_HEAD
-    int n_in;
-    int n_out;
-    Core *in[STEP_MAX];
-    int64_t in_size[STEP_MAX];
-    Core *out[STEP_MAX];
-    int64_t out_size[STEP_MAX];
-    PyObject *out_name[STEP_MAX];
-    PyObject *descriptors; /* dict */
-    int64_t descriptor_tag;
-    PyObject *calls; /* dict */
-} Step;
-
-static int
-step_cores(PyObject *seq, PyObject *sizes, const char *what, Core **cores, int64_t *size,
-           int *n)
+static ShmRingEnd *
+api_end(PyObject *handle)
 {
-    if (!PyTuple_Check(seq) || !PyTuple_Check(sizes)
-        || PyTuple_GET_SIZE(seq) != PyTuple_GET_SIZE(sizes)) {
-        PyErr_Format(PyExc_TypeError, "Step: %s and their sizes must be tuples of one length",
-                     what);
-        return -1;
+    if (!PyObject_TypeCheck(handle, &CoreType)) {
+        PyErr_Format(PyExc_TypeError, "expected a ring handle (Ring.c_handle()), got %.80s",
+                     Py_TYPE(handle)->tp_name);
+        return NULL;
     }
-    Py_ssize_t len = PyTuple_GET_SIZE(seq);
-    if (len > STEP_MAX) {
-        PyErr_Format(PyExc_ValueError, "Step: at most %d %s, got %zd", STEP_MAX, what, len);
-        return -1;
-    }
-    for (Py_ssize_t i = 0; i < len; i++) {
-        PyObject *c = PyTuple_GET_ITEM(seq, i);
-        if (!PyObject_TypeCheck(c, &CoreType)) {
-            PyErr_Format(PyExc_TypeError, "Step: %s must be Cores, got %.80s", what,
-                         Py_TYPE(c)->tp_name);
-            return -1;
-        }
-        long long sz = PyLong_AsLongLong(PyTuple_GET_ITEM(sizes, i));
-        if (sz == -1 && PyErr_Occurred())
-            return -1;
-        if (sz < 0 || sz > ((Core *)c)->slot_size) {
-            PyErr_Format(PyExc_ValueError, "Step: %s %zd: transfers of %lld bytes do not fit "
-                         "slots of %lld bytes", what, i, sz, (long long)((Core *)c)->slot_size);
-            return -1;
-        }
-        for (Py_ssize_t k = 0; k < i; k++)
-            if (cores[k] == (Core *)c) {
-                PyErr_Format(PyExc_ValueError, "Step: %s %zd is also %s %zd", what, i, what, k);
-                return -1;
-            }
-        Py_INCREF(c);
-        cores[i] = (Core *)c;
-        size[i] = sz;
-        *n = (int)(i + 1);
-    }
-    return 0;
+    return (ShmRingEnd *)handle;
+}
+
+static int64_t
+api_slot_size(ShmRingEnd *end)
+{
+    return ((Core *)end)->slot_size;
 }
 
 static int
-Step_init(Step *st, PyObject *args, PyObject *kwds)
+api_take_readable(ShmRingEnd *end, char **payload, int64_t *nbytes, int64_t *tag)
 {
-    static char *kwlist[] = {"inputs", "input_sizes", "outputs", "output_sizes",
-                             "output_names", "descriptors", "descriptor_tag", "calls", NULL};
-    PyObject *ins, *in_sizes, *outs, *out_sizes, *names, *descriptors, *calls;
-    long long tag;
-    if (st->calls != NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "Step is already initialised");
-        return -1;
+    Core *c = (Core *)end;
+    volatile int64_t *w = c->w;
+    int64_t slot;
+    if (c->closed || !c->consumer || w[W_INVALID] || w[W_RELEASED] != w[W_ACQUIRED]
+        || w[W_PUBLISHED] == w[W_ACQUIRED] || sem_trywait(c->full_sem) != 0)
+        return 0;
+    if ((slot = next_readable(c, w[W_ACQUIRED], nbytes)) < 0) {
+        sem_post(c->full_sem);   /* a header the Python path reports */
+        return 0;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOO!O!LO!", kwlist, &ins, &in_sizes, &outs,
-                                     &out_sizes, &PyTuple_Type, &names, &PyDict_Type,
-                                     &descriptors, &tag, &PyDict_Type, &calls))
-        return -1;
-    if (step_cores(ins, in_sizes, "inputs", st->in, st->in_size, &st->n_in) < 0
-        || step_cores(outs, out_sizes, "outputs", st->out, st->out_size, &st->n_out) < 0)
-        return -1;
-    if (PyTuple_GET_SIZE(names) != st->n_out) {
-        PyErr_Format(PyExc_ValueError, "Step: %d outputs but %zd output names", st->n_out,
-                     PyTuple_GET_SIZE(names));
-        return -1;
-    }
-    if (tag == 0) {
-        PyErr_SetString(PyExc_ValueError, "Step: descriptor_tag 0 is the tag of plain data");
-        return -1;
-    }
-    for (int j = 0; j < st->n_out; j++) {
-        Py_INCREF(PyTuple_GET_ITEM(names, j));
-        st->out_name[j] = PyTuple_GET_ITEM(names, j);
-    }
-    Py_INCREF(descriptors);
-    st->descriptors = descriptors;
-    st->descriptor_tag = tag;
-    Py_INCREF(calls);
-    st->calls = calls;
-    return 0;
+    *payload = slot_payload(c, slot);
+    *tag = slot_words(c, slot)[2];
+    return 1;
 }
 
 static void
-Step_dealloc(Step *st)
+api_untake_readable(ShmRingEnd *end)
 {
-    for (int i = 0; i < st->n_in; i++)
-        Py_DECREF(st->in[i]);
-    for (int j = 0; j < st->n_out; j++) {
-        Py_DECREF(st->out[j]);
-        Py_XDECREF(st->out_name[j]);
-    }
-    Py_XDECREF(st->descriptors);
-    Py_XDECREF(st->calls);
-    Py_TYPE(st)->tp_free((PyObject *)st);
+    sem_post(((Core *)end)->full_sem);
 }
 
-/* The writable C-contiguous memory of a memoryview of exactly `size` bytes, or NULL. */
-static char *
-view_memory(PyObject *v, int64_t size, int writable)
+static void
+api_consume(ShmRingEnd *end)
 {
-    if (!PyMemoryView_Check(v))
-        return NULL;
-    Py_buffer *b = PyMemoryView_GET_BUFFER(v);
-    if (b->buf == NULL || b->len != size || (writable && b->readonly)
-        || !PyBuffer_IsContiguous(b, 'C'))
-        return NULL;
-    return (char *)b->buf;
+    consume((Core *)end);
 }
 
-/* Resolve input i's descriptor (a slot of nbytes at p); 0, or -1 (not usable). A Python
- * exception is set only for a failed allocation. Adds the entry to `held`. */
 static int
-step_descriptor(Step *st, int i, const char *p, int64_t nbytes, char **in_ptr, char **out_ptr,
-                int *redirected, PyObject **held, int *n_held)
+api_take_writable(ShmRingEnd *end, char **payload)
 {
-    PyObject *key = PyBytes_FromStringAndSize(p, nbytes);
-    if (key == NULL)
-        return -1;
-    PyObject *got = PyDict_GetItemWithError(st->descriptors, key);
-    Py_DECREF(key);
-    if (got == NULL || !PyTuple_Check(got) || PyTuple_GET_SIZE(got) != 2)
-        return -1;
-    PyObject *outs = PyTuple_GET_ITEM(got, 1);
-    if ((in_ptr[i] = view_memory(PyTuple_GET_ITEM(got, 0), st->in_size[i], 0)) == NULL
-        || !PyTuple_Check(outs))
-        return -1;
-    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(outs); k++) {
-        PyObject *o = PyTuple_GET_ITEM(outs, k);
-        int j = -1;
-        if (!PyTuple_Check(o) || PyTuple_GET_SIZE(o) != 2)
-            return -1;
-        for (int m = 0; m < st->n_out && j < 0; m++) {
-            int eq = PyObject_RichCompareBool(st->out_name[m], PyTuple_GET_ITEM(o, 0), Py_EQ);
-            if (eq < 0)
-                return -1;
-            if (eq)
-                j = m;
-        }
-        if (j < 0 || redirected[j])
-            return -1;
-        out_ptr[j] = view_memory(PyTuple_GET_ITEM(o, 1), st->out_size[j], 1);
-        if (out_ptr[j] == NULL)
-            return -1;
-        redirected[j] = 1;
-    }
-    Py_INCREF(got);
-    held[(*n_held)++] = got;
-    return 0;
-}
-
-/* One step: 1 (done), 0 (nothing done), -1 (fn raised, or no memory: an exception is set). */
-static int
-step_once(Step *st)
-{
-    char *in_ptr[STEP_MAX], *out_ptr[STEP_MAX];
-    int redirected[STEP_MAX] = {0};
-    PyObject *held[STEP_MAX];
-    int n_held = 0, taken_in = 0, taken_out = 0, i, j, result = 0;
-    PyObject *key = NULL;
-
-    for (i = 0; i < st->n_in; i++) {
-        Core *c = st->in[i];
-        volatile int64_t *w = c->w;
-        int64_t nbytes = 0, slot;
-        if (c->closed || !c->consumer || w[W_INVALID] || w[W_RELEASED] != w[W_ACQUIRED]
-            || w[W_PUBLISHED] == w[W_ACQUIRED] || sem_trywait(c->full_sem) != 0)
-            goto undo;
-        taken_in++;
-        if ((slot = next_readable(c, w[W_ACQUIRED], &nbytes)) < 0)
-            goto undo;
-        int64_t tag = slot_words(c, slot)[2];
-        if (tag == 0 && nbytes == st->in_size[i])
-            in_ptr[i] = slot_payload(c, slot);
-        else if (tag != st->descriptor_tag
-                 || step_descriptor(st, i, slot_payload(c, slot), nbytes, in_ptr, out_ptr,
-                                    redirected, held, &n_held) < 0)
-            goto undo;
-    }
-    for (j = 0; j < st->n_out; j++) {
-        Core *c = st->out[j];
-        volatile int64_t *w = c->w;
-        if (c->closed || !c->producer || w[W_INVALID] || w[W_HELD]
-            || sem_trywait(c->free_sem) != 0)
-            goto undo;
-        taken_out++;
-        if (!redirected[j])
-            out_ptr[j] = slot_payload(c, w[W_PUBLISHED] % c->num_slots);
-    }
-    if ((key = PyTuple_New(st->n_in + st->n_out)) == NULL)
-        goto undo;
-    for (i = 0; i < st->n_in + st->n_out; i++) {
-        PyObject *a = PyLong_FromVoidPtr(i < st->n_in ? in_ptr[i] : out_ptr[i - st->n_in]);
-        if (a == NULL)
-            goto undo;
-        PyTuple_SET_ITEM(key, i, a);
-    }
-    PyObject *entry = PyDict_GetItemWithError(st->calls, key);
-    if (entry == NULL || !PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 3
-        || !PyTuple_Check(PyTuple_GET_ITEM(entry, 2)))
-        goto undo;
-    Py_INCREF(entry);
-    PyObject *r = PyObject_Call(PyTuple_GET_ITEM(entry, 1), PyTuple_GET_ITEM(entry, 2), NULL);
-    Py_DECREF(entry);
-    if (r == NULL) {
-        for (i = 0; i < st->n_in; i++)
-            consume(st->in[i]);
-        taken_in = 0;
-        result = -1;
-        goto undo;
-    }
-    Py_DECREF(r);
-    for (j = 0; j < st->n_out; j++)
-        publish_slot(st->out[j], redirected[j] ? 0 : st->out_size[j],
-                     redirected[j] ? st->descriptor_tag : 0);
-    for (i = 0; i < st->n_in; i++)
-        consume(st->in[i]);
-    Py_DECREF(key);
-    for (i = 0; i < n_held; i++)
-        Py_DECREF(held[i]);
+    Core *c = (Core *)end;
+    volatile int64_t *w = c->w;
+    if (c->closed || !c->producer || w[W_INVALID] || w[W_HELD] || sem_trywait(c->free_sem) != 0)
+        return 0;
+    *payload = slot_payload(c, w[W_PUBLISHED] % c->num_slots);
     return 1;
-undo:
-    /* give back every token taken: the rings are as before the call */
-    for (i = 0; i < taken_in; i++)
-        sem_post(st->in[i]->full_sem);
-    for (j = 0; j < taken_out; j++)
-        sem_post(st->out[j]->free_sem);
-    Py_XDECREF(key);
-    for (i = 0; i < n_held; i++)
-        Py_DECREF(held[i]);
-    if (result < 0)
-        return -1;
-    if (PyErr_Occurred()) {
-        if (!PyErr_ExceptionMatches(PyExc_MemoryError))
-            PyErr_Clear();   /* e.g. an unhashable or odd table entry: the Python path decides */
-        else
-            return -1;
-    }
-    return 0;
 }
 
-static PyObject *
-Step_run(Step *st, PyObject *Py_UNUSED(ignored))
+static void
+api_untake_writable(ShmRingEnd *end)
 {
-    int r = step_once(st);
-    if (r < 0)
-        return NULL;
-    return PyBool_FromLong(r);
+    sem_post(((Core *)end)->free_sem);
 }
 
-static const char *const run_many_names[] = {"unit", "deadline_ns", "watch"};
-
-/* run_many(unit, deadline_ns, watch=None) -> steps done: units of `unit` steps back to
- * back, while the monotonic clock is before deadline_ns and the ring end `watch` (a Core
- * this process consumes from) is open, valid and has nothing to read; a step that cannot
- * be done ends it, even inside a unit (the count then is not a multiple of `unit`). */
-static PyObject *
-Step_run_many(Step *st, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+static void
+api_publish(ShmRingEnd *end, int64_t nbytes, int64_t tag)
 {
-    PyObject *a[3];
-    if (parse_args("run_many", args, nargs, kwnames, run_many_names, 3, 2, a) < 0)
-        return NULL;
-    long long unit = PyLong_AsLongLong(a[0]);
-    long long deadline = PyLong_AsLongLong(a[1]);
-    if (PyErr_Occurred())
-        return NULL;
-    if (unit < 1) {
-        PyErr_Format(PyExc_ValueError, "run_many: unit must be at least 1, got %lld", unit);
-        return NULL;
-    }
-    Core *watch = NULL;
-    if (a[2] != NULL && a[2] != Py_None) {
-        if (!PyObject_TypeCheck(a[2], &CoreType)) {
-            PyErr_Format(PyExc_TypeError, "run_many: watch must be a Core or None, got %.80s",
-                         Py_TYPE(a[2])->tp_name);
-            return NULL;
-        }
-        watch = (Core *)a[2];
-    }
-    long long done = 0;
-    while (now_ns() < deadline
-           && (watch == NULL || (!watch->closed && !watch->w[W_INVALID]
-                                 && watch->w[W_PUBLISHED] == watch->w[W_ACQUIRED]))) {
-        for (long long u = 0; u < unit; u++) {
-            int r = step_once(st);
-            if (r < 0)
-                return NULL;
-            if (r == 0)
-                return PyLong_FromLongLong(done);
-            done++;
-        }
-    }
-    return PyLong_FromLongLong(done);
+    publish_slot((Core *)end, nbytes, tag);
 }
 
-static PyMethodDef Step_methods[] = {
-    {"run", (PyCFunction)Step_run, METH_NOARGS,
-     "run() -> True if one step was done, False if nothing was done (see the type's doc)."},
-    {"run_many", (PyCFunction)(void (*)(void))Step_run_many, FASTKW,
-     "run_many(unit, deadline_ns, watch=None) -> steps done back to back (see the C file)."},
-    {NULL, NULL, 0, NULL},
+static int
+api_quiet(ShmRingEnd *end)
+{
+    Core *c = (Core *)end;
+    return !c->closed && !c->w[W_INVALID] && c->w[W_PUBLISHED] == c->w[W_ACQUIRED];
+}
+
+static const ShmRingAPI ring_api = {
+    .version = SHM_RING_API_VERSION,
+    .end = api_end,
+    .slot_size = api_slot_size,
+    .take_readable = api_take_readable,
+    .untake_readable = api_untake_readable,
+    .consume = api_consume,
+    .take_writable = api_take_writable,
+    .untake_writable = api_untake_writable,
+    .publish = api_publish,
+    .quiet = api_quiet,
 };
 
-static PyTypeObject StepType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "shm._ringcore.Step",
-    .tp_basicsize = sizeof(Step),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "One step of a stage between rings, in one C call (see shm/_ringcore.c).",
-    .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)Step_init,
-    .tp_dealloc = (destructor)Step_dealloc,
-    .tp_methods = Step_methods,
-};
-
-/* address(buffer) -> the address of its first byte (for onnxruntime IO bindings) */
+/* address(buffer) -> the address of its first byte (shm.buffer_address) */
 static PyObject *
 address(PyObject *module, PyObject *obj)
 {
@@ -1357,7 +1091,7 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__ringcore(void)
 {
-    if (PyType_Ready(&CoreType) < 0 || PyType_Ready(&StepType) < 0)
+    if (PyType_Ready(&CoreType) < 0)
         return NULL;
     if (setup_waits() < 0)
         return PyErr_SetFromErrno(PyExc_OSError);
@@ -1385,9 +1119,9 @@ PyInit__ringcore(void)
         Py_DECREF(m);
         return NULL;
     }
-    Py_INCREF(&StepType);
-    if (PyModule_AddObject(m, "Step", (PyObject *)&StepType) < 0) {
-        Py_DECREF(&StepType);
+    PyObject *capsule = PyCapsule_New((void *)&ring_api, SHM_RING_API_CAPSULE, NULL);
+    if (capsule == NULL || PyModule_AddObject(m, "_C_API", capsule) < 0) {
+        Py_XDECREF(capsule);
         Py_DECREF(m);
         return NULL;
     }

@@ -79,10 +79,9 @@ side); see the C file. ``IPU_EMULATOR_RING_C=0`` turns the core off. The
 64-byte round trip of ``python -m tools.bench ring`` went from 6.2-6.4 us
 (2.3-2.7x a bare semaphore ping-pong) to 2.6 us (0.94-1.18x).
 
-:func:`ring_step` builds the C core's ``Step``: one step of a stage that reads
-a transfer from each of some rings, calls a function on the slots (or on
-memory that descriptor slots name) and publishes a transfer on each of other
-rings, all in one C call, or nothing at all if anything is not there at once.
+Other C extensions use a ring through :meth:`Ring.c_handle` and the C API
+declared in ``shm/_ringcore.h`` (take, give back, consume and publish slots
+without waiting); e.g. the IPU process's ``ipu_emulator.device._stepcore``.
 
 Spinning: by default a waiter does not spin. ``python -m tools.bench ring``
 on this project's 2-core VMs: the two processes of a ping-pong usually share
@@ -233,6 +232,20 @@ class Ring:
         # a daemon thread may still wait on these semaphores; sem_close unmaps them and
         # the waiter segfaults when its wait slice ends. Process exit frees them anyway.
         weakref.finalize(self, _close_semaphores, free, full).atexit = False
+
+    def c_handle(self) -> Any | None:
+        """This process's end of the ring for C extensions, or None without the C core.
+
+        An opaque object (the C core of this ``Ring``; None when ``shm._ringcore`` is
+        not built or ``IPU_EMULATOR_RING_C=0``). A C extension turns it into a
+        ``ShmRingEnd *`` with the C API declared in ``shm/_ringcore.h`` (capsule
+        ``shm._ringcore._C_API``) and holds a reference to it while it uses the end:
+        the handle keeps the ring's mapping and semaphores alive. The C API never
+        waits: it acts on an end whose role this process has taken through the Python
+        methods (a first read or write) and that is open and valid, and otherwise does
+        nothing, for the caller to use the Python methods.
+        """
+        return self._core
 
     # -- construction -------------------------------------------------------
 
@@ -824,34 +837,3 @@ def _close_semaphores(*sems: posix_ipc.Semaphore) -> None:
             sem.close()
         except posix_ipc.Error:  # pragma: no cover - already closed
             pass
-
-
-def ring_step(inputs: tuple[Ring, ...], input_sizes: tuple[int, ...],
-              outputs: tuple[Ring, ...], output_sizes: tuple[int, ...], *,
-              output_names: tuple[str, ...], descriptors: dict[bytes, Any],
-              descriptor_tag: int, calls: dict[tuple[int, ...], Any]) -> Any | None:
-    """A C ``Step`` over these rings' ends, or None without the C core.
-
-    ``step.run()`` takes one transfer of ``input_sizes[i]`` bytes from each
-    input ring (this process: consumer) and a free slot of each output ring
-    (producer), calls ``fn(*args)`` for ``calls[(input addresses..., output
-    addresses...)] == (anything, fn, args)``, publishes ``output_sizes[j]``
-    bytes on each output ring and releases the inputs; True. A slot tagged
-    ``descriptor_tag`` is looked up in ``descriptors``: ``(input memoryview,
-    ((output name, output memoryview), ...))`` gives the input's memory and
-    the memory of the outputs it names, which are then published as empty
-    slots tagged ``descriptor_tag``. Anything else (a ring empty, full,
-    closed, invalid, in a state of the Python path; a size, tag, descriptor
-    or address key not as said) makes ``run()`` return False with every ring
-    as it was: do the step on the Python path, which waits, reports errors and
-    fills the tables. If ``fn`` raises, the inputs are consumed and the
-    outputs given back unpublished. Full contract: shm/_ringcore.c.
-    """
-    if _ringcore is None:
-        return None
-    cores = [r._core for r in (*inputs, *outputs)]
-    if any(c is None for c in cores):
-        return None
-    return _ringcore.Step(tuple(cores[:len(inputs)]), tuple(input_sizes),
-                          tuple(cores[len(inputs):]), tuple(output_sizes),
-                          tuple(output_names), descriptors, descriptor_tag, calls)

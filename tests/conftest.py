@@ -10,9 +10,7 @@
   suite's tests (written for a machine of their own) do not expect.
 - ``shm_leak_probe`` (autouse) fails any test that leaves objects of this
   process's tag in /dev/shm.
-- ``loopback_device``: a one-IPU ipu21 IPU model device whose IPU is served by
-  a thread of this process (host_runtime.devices.loopback): Session,
-  QueueManager and ModelRunner run on it without any IPU process.
+- ``loopback_device`` comes from the plugin (tools/pytest_plugin).
 - A deadlock guard dumps every thread's traceback if a test hangs.
 """
 
@@ -80,25 +78,6 @@ def shm_leak_probe(request):
         # Clean up so one leak does not fail every later test, then fail.
         _remove(leaked)
         pytest.fail(f"test left shared-memory objects in /dev/shm: {sorted(leaked)}")
-
-
-@pytest.fixture
-def loopback_device():
-    """A loopback IPU model device (1 x ipu21), closed at teardown; the test fails if a
-    process was started meanwhile."""
-    import psutil
-
-    from host_runtime.devices.loopback import loopback_device as make
-
-    me = psutil.Process()
-    before = {p.pid for p in me.children(recursive=True)}
-    dev = make(1, ipu_version=21)
-    try:
-        yield dev
-    finally:
-        dev.close()
-    started = {p.pid for p in me.children(recursive=True)} - before
-    assert not started, f"a test on a loopback device started processes {sorted(started)}"
 
 
 def _remove(names: set[str]) -> None:

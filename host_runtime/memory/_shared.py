@@ -29,18 +29,13 @@ from typing import Any, Optional
 
 import numpy as np
 
-from shm import Region
+from shm import Region, buffer_address as _address
 
 __all__ = ["empty_shared", "is_shared", "shared_location", "SHARED_MIN_BYTES"]
 
 SHARED_MIN_BYTES = 4096
 """Smaller inputs are copied: a copy is then cheaper than the IPU's look-up."""
 
-try:
-    from shm._ringcore import address as _address
-except ImportError:   # built without the C extension
-    def _address(arr: Any) -> int:   # an array or a memoryview (Region.buf)
-        return int(np.frombuffer(arr, np.uint8).ctypes.data)
 
 _lock = threading.Lock()
 # Live regions, sorted by base address: (bases, [(base, end, name)]), replaced whole.

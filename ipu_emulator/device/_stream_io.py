@@ -5,27 +5,43 @@ executable that is running: it reads input transfers from, and writes output
 transfers to, the active session's stream rings, posts NEED/OUT events for
 streams in event mode, resolves inputs sent as host shared memory
 (``TAG_SHARED``) and writes redirected outputs there. While it waits for an
-input it polls briefly, then blocks in slices through ``DeviceProcess.wait_on``
+input it polls briefly, then blocks in slices through ``StreamHost.wait_on``
 (which re-checks the control ring and the host between slices).
+
+What a transfer's tag means and what each stream does in its mode is
+``_iteration``'s plan; ``run_group`` hands the same plan to the C step.
 """
 
 from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol, TypeVar
 
-from shm import Region, Ring, RingInvalidatedError, RingTimeoutError, ring_step
+from shm import Region, Ring, RingInvalidatedError, RingTimeoutError
 from shm.settings import settings
 from shm.spin import NEVER, spin_until, us_to_ns
 
-from ipu_emulator.device._host_memory import HostMemoryError
-from ipu_emulator.protocol import (ErrorKind, Message, Op, MODE_DIRECT,
-                                   MODE_EVENT, MODE_NULL, TAG_ABORT, TAG_SHARED)
+from ipu_emulator.device._host_memory import HostMemory, HostMemoryError
+from ipu_emulator.device._iteration import (HOST_TAG, SLOT_TAG, INPUT_TAGS, InAction,
+                                            StreamPlan, make_step, plan_stream)
+from ipu_emulator.protocol import ErrorKind, Message, Op
 
-if TYPE_CHECKING:  # pragma: no cover
-    from ipu_emulator.device.process import DeviceProcess
+_T = TypeVar("_T")
+
+
+class StreamHost(Protocol):
+    """What the stream I/O needs of the IPU process that runs it (``process.DeviceProcess``)."""
+
+    host_memory: HostMemory    # host arrays read in place, outputs written there
+    keeps_apart: bool          # True: this process keeps off the host's CPU (never yield)
+
+    def post(self, msg: Message) -> None:
+        """Post an event (NEED, OUT) to the host."""
+
+    def wait_on(self, fn: Callable[..., _T]) -> _T:
+        """Call a blocking ring operation, re-checking the control ring and the host between
+        slices; raises when the run must stop."""
 
 __all__ = ["_Loaded", "_RequestError", "_RingIO", "_Stream"]
 
@@ -38,10 +54,8 @@ waits of a few us (see _poll)."""
 
 
 _NO_STEP = object()
-# Streams a C step may serve: an input in event mode posts NEED only when it has to wait
-# (and a step never waits); an output in event mode posts OUT after each publish.
-_STEP_IN_MODES = (MODE_EVENT, MODE_DIRECT)
-_STEP_OUT_MODES = (MODE_DIRECT,)
+# the members, as plain globals (an attribute of an Enum class costs ~0.1 us)
+_IN_SLOT, _IN_HOST, _IN_ABORT = InAction.SLOT, InAction.HOST, InAction.ABORT
 
 
 class _RequestError(Exception):
@@ -51,14 +65,33 @@ class _RequestError(Exception):
         self.tb = tb
 
 
-@dataclass
 class _Stream:
-    index: int
-    handle: str
-    direction: str
-    nbytes: int
-    ring: Ring | None
-    mode: int
+    """One stream of the session: its ring, and what it does in its mode (``plan``, see
+    _iteration.py; recomputed when the mode is set)."""
+
+    plan: StreamPlan
+
+    def __init__(self, index: int, handle: str, direction: str, nbytes: int,
+                 ring: Ring | None, mode: int) -> None:
+        self.index = index
+        self.handle = handle
+        self.direction = direction
+        self.nbytes = nbytes
+        self.ring = ring
+        self.mode = mode
+
+    @property
+    def mode(self) -> int:
+        return self._mode
+
+    @mode.setter
+    def mode(self, mode: int) -> None:
+        self._mode = mode
+        self.plan = plan_stream(self.direction, mode)
+
+    def __repr__(self) -> str:
+        return (f"_Stream({self.index}, {self.handle!r}, {self.direction!r}, {self.nbytes}, "
+                f"mode={self._mode})")
 
 
 class _Loaded:
@@ -96,7 +129,7 @@ class _Loaded:
 class _RingIO:
     """StreamIO of the interpreter over the active session's stream rings."""
 
-    def __init__(self, dev: "DeviceProcess", loaded: _Loaded) -> None:
+    def __init__(self, dev: StreamHost, loaded: _Loaded) -> None:
         self._dev = dev
         self._loaded = loaded
         self.disconnected = False   # a stream ring was invalidated (the host disconnected it)
@@ -111,13 +144,13 @@ class _RingIO:
                                              if s.direction == "out"))
         self._lent_host: set[str] = set()             # outputs lent as host memory, not published
         control = getattr(dev, "control", None)   # C runs of Main stop when it has a message
-        self._watch = getattr(control, "_core", None)
+        self._watch = control.c_handle() if isinstance(control, Ring) else None
 
     # -- a whole Main iteration's run in one C call (interpreter.ZeroCopyGroup) --
 
     def run_group(self, group: Any) -> bool:
         """Do ``group``'s StreamIns, Execute and StreamOuts in one C call, if every
-        transfer is there at once (see shm.ring_step), or after a short poll for the
+        transfer is there at once (see _iteration.make_step), or after a short poll for the
         inputs (see _poll); False: nothing was done."""
         entry = self._step(group)
         if entry is None:
@@ -154,34 +187,21 @@ class _RingIO:
 
     def _make_step(self, group: Any) -> Any:
         """(C step, inputs-there test or None) of ``group`` over this session's streams,
-        or None: the Python path serves it (a stream null, an output in event mode, no
-        ring, a transfer larger than its slots, or no C core)."""
+        or None: the Python path serves it (see _iteration.make_step)."""
         by_handle = self._loaded.by_handle
-        ins: list[Ring] = []
-        outs: list[Ring] = []
-        for handles, rings, modes in ((group.in_handles, ins, _STEP_IN_MODES),
-                                      (group.out_handles, outs, _STEP_OUT_MODES)):
-            for h in handles:
-                s = by_handle.get(h)
-                if s is None or s.ring is None or s.mode not in modes:
-                    return None
-                rings.append(s.ring)
-        try:
-            step = ring_step(tuple(ins), group.in_sizes, tuple(outs), group.out_sizes,
-                             output_names=group.out_handles, descriptors=self._resolved,
-                             descriptor_tag=TAG_SHARED, calls=group.calls)
-        except (TypeError, ValueError):   # e.g. a transfer larger than its slots
-            return None
-        if step is None:
-            return None
-        # Polling for the inputs before a C step is for streams that need no NEED event
-        # (the Python path posts it before it waits).
-        inputs_there = None
-        if ins and all(by_handle[h].mode == MODE_DIRECT for h in group.in_handles):
-            readable = [r.readable for r in ins]
-            inputs_there = (readable[0] if len(readable) == 1
-                            else lambda: all(f() for f in readable))
-        return step, inputs_there
+        ins = []
+        outs = []
+        for h, n in zip(group.in_handles, group.in_sizes):
+            s = by_handle.get(h)
+            if s is None or s.ring is None:
+                return None
+            ins.append((s.ring, n, s.plan))
+        for h, n in zip(group.out_handles, group.out_sizes):
+            s = by_handle.get(h)
+            if s is None or s.ring is None:
+                return None
+            outs.append((s.ring, n, h, s.plan))
+        return make_step(ins, outs, self._resolved, group.calls)
 
     def _stream(self, handle: str) -> _Stream:
         try:
@@ -201,7 +221,7 @@ class _RingIO:
 
     def _read_slow(self, s: _Stream, ring: Ring) -> tuple[memoryview, int]:
         """``_read`` once the input is not there at once: tell the host, then wait."""
-        if s.mode == MODE_EVENT:
+        if s.plan.need_event:
             self._dev.post(Message(Op.NEED, index=s.index))
         return self._wait_read(ring)
 
@@ -229,7 +249,7 @@ class _RingIO:
                 pass
         got = self._dev.wait_on(ring.acquire_read)
         self._wait_est_ns = (7 * self._wait_est_ns + min(clock() - t0, 4 * _SPIN_NS)) >> 3
-        return got  # type: ignore[no-any-return]
+        return got
 
     def _poll(self, ready: Callable[[], Any]) -> bool:
         """Poll ``ready()`` for up to _SPIN_NS while recent waits were short (see
@@ -252,8 +272,9 @@ class _RingIO:
             self._wait_est_ns = max(self._wait_est_ns, _BACKOFF_NS)
         return False
 
-    def _check_transfer(self, handle: str, view: memoryview, tag: int, nbytes: int) -> None:
-        if tag == TAG_ABORT:
+    def _check_transfer(self, handle: str, view: memoryview, action: InAction,
+                        nbytes: int) -> None:
+        if action is _IN_ABORT:
             raise _RequestError(ErrorKind.CALLBACK,
                                 f"the host could not produce input {handle!r}")
         if len(view) != nbytes:
@@ -265,7 +286,7 @@ class _RingIO:
         s = self._stream(handle)
         out = _flat(dest)
         ring = s.ring
-        if s.mode == MODE_NULL or ring is None:
+        if ring is None or s.plan.null:
             out[:] = bytes(len(out))
             return
         try:
@@ -275,9 +296,11 @@ class _RingIO:
             out[:] = bytes(len(out))
             return
         try:
-            if tag == TAG_SHARED:
+            action = INPUT_TAGS[tag]
+            if action is _IN_HOST:
                 view = self._host_view(handle, view, len(out))
-            self._check_transfer(handle, view, tag, len(out))
+                action = _IN_SLOT
+            self._check_transfer(handle, view, action, len(out))
             out[:] = view
         finally:
             ring.release()
@@ -285,7 +308,7 @@ class _RingIO:
     def write_output(self, handle: str, src: memoryview) -> None:
         s = self._stream(handle)
         ring = s.ring
-        if s.mode == MODE_NULL or ring is None:
+        if ring is None or s.plan.null:
             return
         data = _flat(src)
         if self._redirect:
@@ -301,8 +324,8 @@ class _RingIO:
             self.disconnected = True
             return
         view[:len(data)] = data
-        ring.publish(len(data))
-        if s.mode == MODE_EVENT:
+        ring.publish(len(data), SLOT_TAG)
+        if s.plan.out_event:
             dev.post(Message(Op.OUT, index=s.index))
 
     # -- zero-copy streams (interpreter.ZeroCopyStreamIO): onnxruntime uses the slots --
@@ -317,7 +340,7 @@ class _RingIO:
     def acquire_input(self, handle: str, nbytes: int) -> memoryview:
         s = self._loaded.by_handle.get(handle) or self._stream(handle)
         ring = s.ring
-        if s.mode == MODE_NULL or ring is None:
+        if ring is None or s.plan.null:
             return self._scratch(handle, nbytes)
         try:
             if ring.readable():   # _read's fast path, written out
@@ -330,7 +353,8 @@ class _RingIO:
         except RingInvalidatedError:
             self.disconnected = True
             return self._scratch(handle, nbytes)
-        if tag == TAG_SHARED:
+        action = INPUT_TAGS[tag]
+        if action is _IN_HOST:
             got = self._resolved.get(view.tobytes())   # HostMemory.resolve's cache, first
             if got is not None and len(got[0]) == nbytes:
                 view = got[0]
@@ -342,16 +366,16 @@ class _RingIO:
                 except BaseException:
                     ring.release()
                     raise
-        elif tag == TAG_ABORT or len(view) != nbytes:
+        elif action is _IN_ABORT or len(view) != nbytes:
             try:
-                self._check_transfer(handle, view, tag, nbytes)
+                self._check_transfer(handle, view, action, nbytes)
             finally:
                 ring.release()
         self._held_in[handle] = ring   # the slot (data or descriptor) until release_input
         return view
 
     def _host_view(self, handle: str, descriptor: memoryview, nbytes: int) -> memoryview:
-        """The transfer a TAG_SHARED slot points to, in the host's shared memory.
+        """The transfer an InAction.HOST slot points to, in the host's shared memory.
 
         Outputs the descriptor redirects are written into host memory by this
         Main iteration (see acquire_output and write_output).
@@ -382,13 +406,13 @@ class _RingIO:
         assert ring is not None
         try:
             try:
-                ring.write(b"", TAG_SHARED, 0)
+                ring.write(b"", HOST_TAG, 0)
             except RingTimeoutError:   # the host has not released a slot yet
-                self._dev.wait_on(functools.partial(ring.write, b"", TAG_SHARED))
+                self._dev.wait_on(functools.partial(ring.write, b"", HOST_TAG))
         except RingInvalidatedError:
             self.disconnected = True
             return
-        if s.mode == MODE_EVENT:
+        if s.plan.out_event:
             self._dev.post(Message(Op.OUT, index=s.index))
 
     def release_input(self, handle: str) -> None:
@@ -399,7 +423,7 @@ class _RingIO:
     def acquire_output(self, handle: str, nbytes: int) -> memoryview:
         s = self._loaded.by_handle.get(handle) or self._stream(handle)
         ring = s.ring
-        if s.mode == MODE_NULL or ring is None:
+        if ring is None or s.plan.null:
             return self._scratch(handle, nbytes)
         if self._redirect:
             host = self._redirected(handle, nbytes)
@@ -429,8 +453,8 @@ class _RingIO:
             self._lent_host.discard(handle)
             self._publish_redirected(s)
             return
-        s.ring.publish(s.nbytes)
-        if s.mode == MODE_EVENT:
+        s.ring.publish(s.nbytes, SLOT_TAG)
+        if s.plan.out_event:
             self._dev.post(Message(Op.OUT, index=s.index))
 
 

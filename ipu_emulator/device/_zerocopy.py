@@ -24,6 +24,10 @@ Anything else (``Switch`` indices, ``Copy``, tensors read by another program
 such as Load-streamed weights or a Save program, tensors read twice) keeps
 the general path, so device memory holds what those readers expect. The
 device memory of a zero-copy tensor is simply not written.
+
+This is the one place that decides zero-copy against copy; what each transfer
+of an iteration is subject to on the wire (tags, redirects, modes) is
+``_iteration.py``.
 """
 
 from __future__ import annotations

@@ -36,13 +36,13 @@ transfer is there); else the steps run one by one as above.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 import numpy as np
 
+from shm import buffer_address as _address
 from shm.settings import settings
 
 from ipu_emulator.errors import DeviceProgramError, ExecutableError
@@ -555,11 +555,6 @@ class Interpreter:
         return execute_zc
 
 
-try:
-    from shm._ringcore import address as _c_address
-except ImportError:   # built without the C extension
-    _c_address = None
-
 _BINDING_CACHE = 256
 """Most fully bound IO bindings kept per zero-copy Execute."""
 
@@ -586,18 +581,6 @@ def _checked(view: memoryview, nbytes: int, handle: str) -> memoryview:
             f"{'' if view.c_contiguous else ' (not contiguous)'}; one transfer is "
             f"{nbytes} bytes")
     return view
-
-
-def _address_py(view: memoryview) -> int:
-    """The address of a contiguous buffer's first byte."""
-    try:
-        return ctypes.addressof(ctypes.c_char.from_buffer(view))
-    except TypeError:   # read-only buffer
-        return int(np.frombuffer(view, np.uint8).ctypes.data)
-
-
-# the C helper when it is built: ~0.05 us a call against ~0.35
-_address: Callable[[Any], int] = _c_address if _c_address is not None else _address_py
 
 
 _ORT_TYPES = {

@@ -202,6 +202,28 @@ def test_options_set_the_machine_and_compile_onnx_caches_by_content(pytester):
     result.assert_outcomes(passed=2)
 
 
+LOOPBACK = OPTIONS.split("def test_")[0] + '''
+import host_runtime as model_runtime
+
+def test_a_runner_on_the_loopback_device(loopback_device, compile_onnx):
+    import psutil
+    path = compile_onnx(double("a"), ipu_version="ipu21")
+    before = psutil.Process().children(recursive=True)
+    runner = model_runtime.ModelRunner(path, model_runtime.ModelRunnerConfig(
+        replica_to_device={0: loopback_device}))
+    out = runner.execute({"x": np.array([1, 2], np.float32)})
+    np.testing.assert_array_equal(out["y"], [2, 4])
+    runner.close()
+    assert psutil.Process().children(recursive=True) == before
+'''
+
+
+def test_the_loopback_device_fixture_runs_a_users_model_without_a_process(pytester):
+    pytester.makepyfile(test_loopback=LOOPBACK)
+    result = pytester.runpytest(*LOAD, *QUIET)
+    result.assert_outcomes(passed=1)
+
+
 def test_a_daemon_option_that_names_no_daemon_says_so(pytester, tmp_path):
     pytester.makepyfile(test_x="def test_x(ipu_machine):\n    pass\n")
     result = pytester.runpytest(*LOAD, *QUIET, f"--ipu-emulator-daemon={tmp_path}/none.sock")

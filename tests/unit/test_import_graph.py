@@ -55,17 +55,10 @@ LAYERS = {
 
 # (importer, imported module or module.name) -> who must remove it
 ALLOWED_PRIVATE: dict[tuple[str, str], str] = {
-    # shm's C core's address(): used for speed with a pure-Python fallback; shm should
-    # export it (e.g. shm.buffer_address). Owner: the lead (shm).
-    ("ipu_emulator.device.interpreter", "shm._ringcore.address"): "lead (shm + device)",
-    ("host_runtime.memory._shared", "shm._ringcore.address"): "lead (shm), then h2 (memory)",
 }
 
 # strongly connected components allowed today -> who must break them
 KNOWN_CYCLES: dict[frozenset[str], str] = {
-    # process imports _stream_io's classes, _stream_io types its DeviceProcess (TYPE_CHECKING).
-    frozenset({"ipu_emulator.device._stream_io", "ipu_emulator.device.process"}):
-        "lead (ipu_emulator.device)",
 }
 
 # (importer, imported module) -> why it is imported lazily; see the module docstring

@@ -1,4 +1,5 @@
-"""The IPU process's Main iterations in one C call (``_RingIO.run_group``, ``shm.ring_step``).
+"""The IPU process's Main iterations in one C call (``_RingIO.run_group``, the
+``ipu_emulator.device._stepcore`` Step).
 
 White-box, in one process: the test holds the host ends of real stream rings,
 the device ends go to a ``_RingIO`` over an ``Interpreter`` of the example

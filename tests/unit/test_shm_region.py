@@ -21,7 +21,7 @@ def test_public_surface() -> None:
     assert sorted(shm.__all__) == sorted([
         "ExitWatch", "PeerDiedError", "PeerWatch", "Region", "Ring", "RingInvalidatedError",
         "RingTimeoutError", "ShmClosedError", "ShmError", "WAIT_SLICE", "WouldBlock",
-        "naming", "pid_alive", "remove_dead", "ring_step"])
+        "buffer_address", "naming", "pid_alive", "remove_dead"])
     assert issubclass(shm.RingTimeoutError, TimeoutError)
     for cls in (shm.PeerDiedError, shm.RingInvalidatedError, shm.RingTimeoutError,
                 shm.ShmClosedError, shm.WouldBlock):

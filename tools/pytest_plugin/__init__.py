@@ -358,9 +358,8 @@ def model_runner(ipu_machine: IpuMachine, compile_onnx: Callable[..., str],
     """``model_runner(path_or_model, config=None, **config_fields)`` -> a ``ModelRunner``,
     closed at teardown. Unless told otherwise it waits for its IPUs
     (``ipu_emulator_wait_timeout``)."""
-    from host_runtime.runner.config import ModelRunnerConfig
     from host_runtime.devices import DeviceWaitConfig
-    from host_runtime.runner import ModelRunner
+    from host_runtime.runner import ModelRunner, ModelRunnerConfig
 
     made: list[Any] = []
     guard = request.node.stash.get(_GUARD, None)
@@ -397,3 +396,25 @@ def model_runner(ipu_machine: IpuMachine, compile_onnx: Callable[..., str],
             errors.append(exc)
     if errors:
         raise errors[0]
+
+
+@pytest.fixture
+def loopback_device() -> Iterator[Any]:
+    """A one-IPU ipu21 IPU model device served by a thread of this process
+    (``host_runtime.devices.loopback``): Session, QueueManager and ModelRunner run on it
+    without any IPU process. Closed at teardown; the test fails if a process was started
+    meanwhile."""
+    import psutil
+
+    from host_runtime.devices.loopback import loopback_device as make
+
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    dev = make(1, ipu_version=21)
+    try:
+        yield dev
+    finally:
+        dev.close()
+    started = {p.pid for p in me.children(recursive=True)} - before
+    assert not started, f"a test on a loopback device started processes {sorted(started)}"
+

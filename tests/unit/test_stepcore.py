@@ -1,4 +1,6 @@
-"""shm.ring_step: one step of a stage between rings in one C call, or nothing at all.
+"""ipu_emulator.device._stepcore.Step: one step of a stage between rings in one C call,
+executing a plan given as data (what each tag means, how each output is published),
+or nothing at all.
 
 One process plays both sides: it writes the inputs and reads the outputs
 (the far ends) and runs the step (the near ends). "Nothing at all" is checked
@@ -12,14 +14,30 @@ import numpy as np
 import pytest
 
 import shm.ring as ring_module
-from shm import Ring, ring_step
+from ipu_emulator.device import _iteration
+from shm import Ring
 
+# Built with shm._ringcore by the same setup.py: a missing _stepcore fails the tests.
 pytestmark = pytest.mark.skipif(ring_module._ringcore is None,
                                 reason="shm._ringcore is not built (IPU_EMULATOR_RING_C=0)")
 
 N = 16              # floats per transfer
 NBYTES = 4 * N
 DESCRIPTOR_TAG = 2
+REDIRECT_TAG = 5    # an output in memory is published with its own tag (the plan's data)
+
+
+def ring_step(inputs, input_sizes, outputs, output_sizes, *, output_names, descriptors,
+              descriptor_tag, calls):
+    """A Step whose plan is: tag 0 is data in the slot, descriptor_tag a table key;
+    outputs go out tagged 0, or REDIRECT_TAG when a table entry redirected them."""
+    core = _iteration._stepcore
+    accepts = ((0, core.IN_SLOT), (descriptor_tag, core.IN_TABLE))
+    return core.Step(
+        tuple((r.c_handle(), n, accepts) for r, n in zip(inputs, input_sizes)),
+        tuple((r.c_handle(), n, name, 0, REDIRECT_TAG)
+              for r, n, name in zip(outputs, output_sizes, output_names)),
+        descriptors, calls)
 
 
 def _address(buf) -> int:
@@ -183,7 +201,7 @@ def test_a_descriptor_gives_the_input_and_sends_the_output_to_memory(stage) -> N
     stage.b_far.write(b)
     assert stage.step.run() is True
     data, tag = stage.c_far.read()
-    assert (data, tag) == (b"", DESCRIPTOR_TAG)   # "the output is in your memory"
+    assert (data, tag) == (b"", REDIRECT_TAG)   # "the output is in your memory"
     np.testing.assert_array_equal(np.frombuffer(c_mem, np.float32), a * 2 + b)
     assert stage.counters() == (0, 0, 2, 2, 2, 0)
 
@@ -225,25 +243,27 @@ def test_a_failing_call_consumes_the_inputs_and_publishes_nothing(stage) -> None
 
 
 def test_construction_checks_its_arguments(stage) -> None:
-    def make(**kw):
-        args = dict(inputs=(stage.a,), input_sizes=(NBYTES,), outputs=(stage.c_near,),
-                    output_sizes=(NBYTES,), output_names=("c",), descriptors={},
-                    descriptor_tag=DESCRIPTOR_TAG, calls={})
-        args.update(kw)
-        return ring_step(**args)
+    core = _iteration._stepcore
+    accepts = ((0, core.IN_SLOT),)
+
+    def make(ins=None, outs=None, table=None, calls=None):
+        return core.Step(ins if ins is not None else ((stage.a.c_handle(), NBYTES, accepts),),
+                         outs if outs is not None else
+                         ((stage.c_near.c_handle(), NBYTES, "c", 0, REDIRECT_TAG),),
+                         {} if table is None else table, {} if calls is None else calls)
 
     assert make() is not None
     with pytest.raises(ValueError, match=r"outputs 0: transfers of 65 bytes do not fit "
                                          r"slots of 64 bytes"):
-        make(output_sizes=(NBYTES + 1,))
+        make(outs=((stage.c_near.c_handle(), NBYTES + 1, "c", 0, REDIRECT_TAG),))
     with pytest.raises(ValueError, match="inputs 1 is also inputs 0"):
-        make(inputs=(stage.a, stage.a), input_sizes=(NBYTES, NBYTES))
-    with pytest.raises(ValueError, match="1 outputs but 2 output names"):
-        make(output_names=("c", "d"))
-    with pytest.raises(ValueError, match="descriptor_tag 0 is the tag of plain data"):
-        make(descriptor_tag=0)
-    with pytest.raises(TypeError, match="inputs and their sizes must be tuples of one length"):
-        make(input_sizes=(NBYTES, NBYTES))
+        make(ins=((stage.a.c_handle(), NBYTES, accepts),) * 2)
+    with pytest.raises(TypeError, match="expected a ring handle"):
+        make(ins=((stage.a, NBYTES, accepts),))
+    with pytest.raises(TypeError, match="inputs 0 must be a tuple of 3 items"):
+        make(ins=((stage.a.c_handle(), NBYTES),))
+    with pytest.raises(ValueError, match="action 7 is not IN_SLOT or IN_TABLE"):
+        make(ins=((stage.a.c_handle(), NBYTES, ((0, 7),)),))
     with pytest.raises(TypeError):
         make(calls=[])
 
@@ -282,13 +302,13 @@ def test_run_many_stops_at_its_deadline_and_at_a_message_to_watch(stage) -> None
         watch_far.write(b"x")
         watch.read()                       # the role taken: the watched end is empty
         watch_far.write(b"stop")
-        assert stage.step.run_many(1, FAR_FUTURE, watch._core) == 0
+        assert stage.step.run_many(1, FAR_FUTURE, watch.c_handle()) == 0
         assert stage.counters() == before
         assert watch.read()[0] == b"stop"
-        assert stage.step.run_many(1, FAR_FUTURE, watch._core) == 1
+        assert stage.step.run_many(1, FAR_FUTURE, watch.c_handle()) == 1
         watch_far.invalidate()
         stage.send(*_vectors(21))
-        assert stage.step.run_many(1, FAR_FUTURE, watch._core) == 0   # invalid: look at it
+        assert stage.step.run_many(1, FAR_FUTURE, watch.c_handle()) == 0   # invalid: look at it
     finally:
         watch.close()
         watch_far.close()
@@ -320,5 +340,68 @@ def test_run_many_raises_what_a_step_raised_after_the_steps_before_it(stage) -> 
 def test_run_many_checks_its_arguments(stage) -> None:
     with pytest.raises(ValueError, match="run_many: unit must be at least 1, got 0"):
         stage.step.run_many(0, FAR_FUTURE)
-    with pytest.raises(TypeError, match="run_many: watch must be a Core or None, got Ring"):
+    with pytest.raises(TypeError, match=r"expected a ring handle \(Ring.c_handle\(\)\), got Ring"):
         stage.step.run_many(1, FAR_FUTURE, stage.a)
+
+
+# -- the plan the step executes (ipu_emulator.device._iteration) ---------------------------
+
+
+def test_the_step_core_is_built_and_reaches_rings_through_the_shm_c_api() -> None:
+    assert _iteration._stepcore is not None, "ipu_emulator.device._stepcore did not build"
+    import shm._ringcore as ringcore
+    assert type(ringcore._C_API).__name__ == "PyCapsule"
+    assert "shm._ringcore._C_API" in repr(ringcore._C_API)
+    assert not hasattr(ringcore, "Step")   # shm knows no iterations
+
+
+def test_the_tag_table_is_the_one_rule_python_and_c_follow(stage, monkeypatch) -> None:
+    """A tag the table does not list is data to Python but not done in C; listing it
+    (one edit, in INPUT_TAGS) makes the C step serve it too."""
+    from ipu_emulator.protocol import MODE_DIRECT, TAG_ABORT, TAG_DATA, TAG_SHARED
+
+    I = _iteration.InAction
+    assert _iteration.input_action(TAG_DATA) is I.SLOT
+    assert _iteration.input_action(TAG_SHARED) is I.HOST
+    assert _iteration.input_action(TAG_ABORT) is I.ABORT
+    assert _iteration.input_action(9) is I.SLOT
+    core = _iteration._stepcore
+    assert set(_iteration.c_accepts()) == {(TAG_DATA, core.IN_SLOT),
+                                           (TAG_SHARED, core.IN_TABLE)}
+
+    def step():
+        ins = [(r, NBYTES, _iteration.plan_stream("in", MODE_DIRECT)) for r in (stage.a, stage.b)]
+        outs = [(stage.c_near, NBYTES, "c", _iteration.plan_stream("out", MODE_DIRECT))]
+        made = _iteration.make_step(ins, outs, stage.descriptors, stage.calls)
+        assert made is not None
+        return made[0]
+
+    stage.add_slot_calls()
+    a, b = _vectors(30)
+    stage.a_far.write(a, tag=9)
+    stage.b_far.write(b)
+    assert step().run() is False   # not in the table: left to Python
+    monkeypatch.setitem(_iteration.INPUT_TAGS, 9, I.SLOT)
+    assert step().run() is True
+    data, tag = stage.c_far.read()
+    assert tag == _iteration.SLOT_TAG
+    np.testing.assert_array_equal(np.frombuffer(data, np.float32), a * 2 + b)
+
+
+def test_outputs_are_published_with_the_plans_tags(stage) -> None:
+    a, b = _vectors(31)
+    a_mem = memoryview(bytearray(a.tobytes()))
+    c_mem = memoryview(bytearray(NBYTES))
+    stage.descriptors[b"desc"] = (a_mem, (("c", c_mem),))
+    for ib in stage.b._payload:
+        stage.add_call(a_mem, ib[:NBYTES], c_mem)
+    from ipu_emulator.protocol import MODE_DIRECT, TAG_SHARED
+
+    ins = [(r, NBYTES, _iteration.plan_stream("in", MODE_DIRECT)) for r in (stage.a, stage.b)]
+    outs = [(stage.c_near, NBYTES, "c", _iteration.plan_stream("out", MODE_DIRECT))]
+    step, _ = _iteration.make_step(ins, outs, stage.descriptors, stage.calls)
+    stage.a_far.write(b"desc", tag=TAG_SHARED)
+    stage.b_far.write(b)
+    assert step.run() is True
+    assert stage.c_far.read() == (b"", _iteration.HOST_TAG)
+    np.testing.assert_array_equal(np.frombuffer(c_mem, np.float32), a * 2 + b)

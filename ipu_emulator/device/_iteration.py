@@ -1,0 +1,167 @@
+"""One description of a Main iteration's transfers, which every way of running it executes.
+
+A Main iteration of the IPU process (StreamIns, one Execute, StreamOuts) runs
+one of three ways:
+
+- the copy path: the interpreter copies each transfer between a ring slot and
+  device memory (``_RingIO.read_input`` / ``write_output``);
+- the zero-copy path: onnxruntime reads the input slots and writes the output
+  slots in place (``_RingIO.acquire_input`` ... ``publish_output``);
+- the fused C step: ``ipu_emulator/device/_stepcore.c`` does the whole
+  iteration in one C call when every transfer is there at once
+  (``_RingIO.run_group`` / ``run_groups``).
+
+Which streams take the zero-copy path is decided once per executable, at load,
+by :func:`ipu_emulator.device._zerocopy.plan_zero_copy`. Everything else a
+transfer is subject to is said here, once, and the three ways follow it:
+
+- :data:`INPUT_TAGS`: what an input slot's tag means (:class:`InAction`): the
+  transfer is in the slot; the slot holds a host-memory descriptor (the input
+  is read where the host has it, and the outputs the descriptor names are
+  written into host memory: "redirected"); the host could not produce it.
+- :data:`OUTPUT_TAGS`: how an output is published (:class:`OutAction`): its
+  bytes in a slot, or an empty slot saying it is in host memory.
+- :class:`StreamPlan`: what one stream does in its mode (computed when the
+  session's streams are attached, and again when their modes change): nothing
+  (null), a NEED event before waiting for an input, an OUT event after each
+  output, whether the C step may serve it, whether to poll for it first.
+- :func:`make_step`: the same, as data for the C step: per input, the
+  ``(tag, action)`` pairs it may do in C; per output, its key in the
+  descriptor table and its two tags. The C code executes that plan and
+  decides nothing (a tag it was not given, e.g. an abort, sends the iteration
+  back to the Python path, which applies :data:`INPUT_TAGS`).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from ipu_emulator.protocol import (MODE_DIRECT, MODE_EVENT, MODE_NULL, TAG_ABORT, TAG_DATA,
+                                   TAG_SHARED)
+
+try:
+    import ipu_emulator.device._stepcore as _stepcore_module
+    _stepcore: Any = _stepcore_module
+except ImportError:   # built without the C extensions: iterations run in Python
+    _stepcore = None
+
+__all__ = ["InAction", "OutAction", "INPUT_TAGS", "OUTPUT_TAGS", "SLOT_TAG", "HOST_TAG",
+           "StreamPlan", "c_accepts", "input_action", "make_step", "plan_stream"]
+
+
+class InAction(enum.IntEnum):
+    """What an input slot is, by its tag."""
+
+    SLOT = 1    # the transfer is the slot's payload (exactly one transfer of bytes)
+    HOST = 2    # the payload is a host-memory descriptor: read the input there, and
+                # write the outputs it names into host memory (see _host_memory)
+    ABORT = 3   # the host could not produce the input: the request fails
+
+
+class _InputTags(dict[int, InAction]):
+    def __missing__(self, tag: int) -> InAction:
+        return InAction.SLOT   # any other tag: a plain transfer
+
+
+INPUT_TAGS: dict[int, InAction] = _InputTags({TAG_DATA: InAction.SLOT,
+                                              TAG_SHARED: InAction.HOST,
+                                              TAG_ABORT: InAction.ABORT})
+"""Slot tag -> what it means; ``INPUT_TAGS[tag]`` of any other tag is ``InAction.SLOT``
+(a plain transfer)."""
+
+
+class OutAction(enum.IntEnum):
+    """How an output transfer reaches the host."""
+
+    SLOT = 1    # its bytes in a slot
+    HOST = 2    # written into the host memory a descriptor named; an empty slot says so
+
+
+OUTPUT_TAGS: dict[OutAction, int] = {OutAction.SLOT: TAG_DATA, OutAction.HOST: TAG_SHARED}
+"""How each kind of output is tagged when published."""
+
+SLOT_TAG = OUTPUT_TAGS[OutAction.SLOT]
+HOST_TAG = OUTPUT_TAGS[OutAction.HOST]
+
+
+input_action: Callable[[int], InAction] = INPUT_TAGS.__getitem__
+"""``input_action(tag)``: what an input slot tagged ``tag`` holds (one dict look-up)."""
+
+
+@dataclass(frozen=True)
+class StreamPlan:
+    """What one stream does with its transfers, in its mode."""
+
+    null: bool         # no transfers: an input reads as zeros, an output is dropped
+    need_event: bool   # post NEED before waiting for an input transfer
+    out_event: bool    # post OUT after publishing an output transfer
+    c_step: bool       # the C step may serve it (it never waits and posts no event)
+    poll: bool         # an input the IPU polls for before a C step (nobody is told it waits)
+
+
+def plan_stream(direction: str, mode: int) -> StreamPlan:
+    """The plan of a stream of ``direction`` ("in"/"out") in ``mode`` (protocol.MODE_*)."""
+    null = mode == MODE_NULL
+    need_event = direction == "in" and mode == MODE_EVENT
+    out_event = direction == "out" and mode == MODE_EVENT
+    # An input's NEED is posted only before a wait, and a C step never waits; an output's
+    # OUT follows each publish, which the C step does not post.
+    c_step = not null and not out_event
+    poll = direction == "in" and mode == MODE_DIRECT
+    return StreamPlan(null, need_event, out_event, c_step, poll)
+
+
+# The input actions the C step does, as its codes (the others go back to Python).
+_C_ACTIONS: dict[InAction, int] = (
+    {InAction.SLOT: _stepcore.IN_SLOT, InAction.HOST: _stepcore.IN_TABLE}
+    if _stepcore is not None else {})
+
+
+def c_accepts() -> tuple[tuple[int, int], ...]:
+    """:data:`INPUT_TAGS` as the C step's (tag, action code) pairs, for the actions it
+    does (a tag not listed, e.g. an abort or a tag outside the table, goes to Python)."""
+    return tuple((tag, _C_ACTIONS[a]) for tag, a in INPUT_TAGS.items() if a in _C_ACTIONS)
+
+
+def make_step(inputs: Sequence[tuple[Any, int, StreamPlan]],
+              outputs: Sequence[tuple[Any, int, str, StreamPlan]],
+              table: dict[bytes, Any], calls: dict[tuple[int, ...], Any]
+              ) -> tuple[Any, Callable[[], bool] | None] | None:
+    """The C step of one iteration and its inputs-there test (None: do not poll), or None
+    when the Python path has to serve it (no C extension, a ring without a C handle, a
+    stream the plan keeps off the C step, a transfer larger than its slots).
+
+    ``inputs``: (ring, transfer bytes, plan) per input; ``outputs``: (ring, transfer
+    bytes, handle, plan) per output, ``handle`` being how host-memory descriptors name
+    the output; ``table``: resolved descriptors (``HostMemory.resolved``); ``calls``: the
+    group's bound runs (``ZeroCopyGroup.calls``).
+    """
+    if _stepcore is None:
+        return None
+    if not all(i[2].c_step for i in inputs) or not all(o[3].c_step for o in outputs):
+        return None
+    accepts = c_accepts()
+    ins = []
+    for ring, nbytes, _ in inputs:
+        h = ring.c_handle()
+        if h is None:
+            return None
+        ins.append((h, nbytes, accepts))
+    outs = []
+    for ring, nbytes, handle, _ in outputs:
+        h = ring.c_handle()
+        if h is None:
+            return None
+        outs.append((h, nbytes, handle, SLOT_TAG, HOST_TAG))
+    try:
+        step = _stepcore.Step(tuple(ins), tuple(outs), table, calls)
+    except (TypeError, ValueError):   # e.g. a transfer larger than its slots
+        return None
+    inputs_there = None
+    if inputs and all(i[2].poll for i in inputs):
+        readable = [i[0].readable for i in inputs]
+        inputs_there = (readable[0] if len(readable) == 1
+                        else lambda: all(f() for f in readable))
+    return step, inputs_there
