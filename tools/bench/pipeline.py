@@ -161,6 +161,7 @@ class _HopRig:
 
     def __init__(self, rounds: int, blocks: int) -> None:
         self.per_block = max(10, rounds // blocks)
+        self.affinity = os.sched_getaffinity(0)
         self.rings: list[Any] = []
         self.procs: list[Any] = []
         self.link: Any = None   # ipu_emulator.device.linkbench.LinkEnd
@@ -236,9 +237,18 @@ class _HopRig:
             t0 = t
         return out
 
-    def block(self) -> tuple[list[int], list[int]]:
-        """One block of each: the round trips (ns) over the link and over the host ring."""
-        return self._link_rounds(self.per_block), self._host_rounds(self.per_block)
+    def block(self, cpus: tuple[int, int] | None) -> tuple[list[int], list[int]]:
+        """One block of each: the round trips (ns) over the link and over the host ring;
+        with ``cpus``, this process runs on the first and the peers on the second."""
+        if cpus is not None:
+            os.sched_setaffinity(0, {cpus[0]})
+            for p in self.procs:
+                os.sched_setaffinity(p.pid, {cpus[1]})
+        try:
+            return self._link_rounds(self.per_block), self._host_rounds(self.per_block)
+        finally:
+            if cpus is not None:
+                os.sched_setaffinity(0, self.affinity)
 
     def close(self) -> None:
         from tools.bench import peers
@@ -265,25 +275,32 @@ def _hop_report(rounds: int, blocks: int) -> None:
     print(f"\none hop of a 256 KiB activation, IPU-Link vs host ring (ping-pong between two "
           f"processes, us per hop, median of {blocks} blocks of {max(10, rounds // blocks)} "
           f"round trips)")
+    cpus = sorted(os.sched_getaffinity(0))
+    # Where the two ends run decides the cost of a hand-over more than anything else: on
+    # one vCPU a context switch, on two a wake-up of the other vCPU (tens of us on this
+    # project's VMs when it is idle). The scheduler's choice flips between runs, so each
+    # rig is timed pinned both ways, blocks interleaved, plus as the scheduler places it.
+    placements: list[tuple[str, tuple[int, int] | None]] = [("as scheduled", None)]
+    if len(cpus) >= 2:
+        placements += [("one vCPU", (cpus[0], cpus[0])), ("two vCPUs", (cpus[0], cpus[1]))]
     rig = _HopRig(rounds, blocks)
-    link: list[float] = []
-    host: list[float] = []
-    means = [0.0, 0.0]
+    link: dict[str, list[float]] = {name: [] for name, _ in placements}
+    host: dict[str, list[float]] = {name: [] for name, _ in placements}
     try:
         for _ in range(blocks):
-            a, b = rig.block()
-            link.append(statistics.median(a) / 2000.0)
-            host.append(statistics.median(b) / 2000.0)
-            means[0] += statistics.fmean(a) / 2000.0 / blocks
-            means[1] += statistics.fmean(b) / 2000.0 / blocks
+            for name, pin in placements:
+                a, b = rig.block(pin)
+                link[name].append(statistics.median(a) / 2000.0)
+                host[name].append(statistics.median(b) / 2000.0)
     finally:
         rig.close()
-    lh, hh = statistics.median(link), statistics.median(host)
-    print(f"  IPU-Link hop (IPU process stream code)  {lh:8.1f}   blocks "
-          + " ".join(f"{v:.1f}" for v in link) + f"   (mean {means[0]:.1f})")
-    print(f"  host ring transfer (shm.Ring)           {hh:8.1f}   blocks "
-          + " ".join(f"{v:.1f}" for v in host) + f"   (mean {means[1]:.1f})")
-    print(f"  hop / host = {lh / hh:.2f} (target <= 1.5)")
+    print(f"  {'ends on':14s} {'IPU-Link hop':>12s} {'host ring':>10s} {'hop / host':>11s}"
+          "   (IPU process stream code vs shm.Ring; target <= 1.5)")
+    for name, _ in placements:
+        lh, hh = statistics.median(link[name]), statistics.median(host[name])
+        print(f"  {name:14s} {lh:12.1f} {hh:10.1f} {lh / hh:11.2f}   blocks "
+              + " ".join(f"{v:.1f}" for v in link[name]) + " / "
+              + " ".join(f"{v:.1f}" for v in host[name]))
 
 
 def _latency_report(tmp: str, rounds: int, blocks: int) -> None:
