@@ -27,7 +27,10 @@ back; a hop is a round trip / 2; medians of interleaved blocks):
   a slot) and one blocking ``acquire_read`` per hop (``tools.bench.peers.echo``
   on the far side).
 
-Both move 256 KiB once per hop and hand it over once. Target: hop <= 1.5x host.
+Both move 256 KiB once per hop and hand it over once. Each rig is timed with its
+two ends pinned to one vCPU, to two vCPUs, and as the scheduler places them (blocks
+interleaved): the placement decides the cost of a hand-over (a context switch, or a
+wake-up of the other vCPU) more than the code does. Target: hop <= 1.5x host.
 The single-request ``execute`` latency of a Relu->Relu model on 1 IPU, sharded
 over 2 IPUs and pipelined over 2 IPUs is printed too (end to end: a sharded or
 pipelined request pays the hop plus a second IPU process's wake-up).
