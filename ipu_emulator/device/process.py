@@ -53,7 +53,7 @@ from typing import Any, Callable
 import posix_ipc
 
 from shm import (PeerDiedError, Region, Ring, RingInvalidatedError, RingTimeoutError, ShmError,
-                 WouldBlock, naming, pid_alive)
+                 PeerWatch, WouldBlock, naming, pid_alive)
 from shm.cleanup import list_objects
 from shm.settings import current
 
@@ -161,6 +161,7 @@ class DeviceProcess:
         # cheap host check of _check_host between slices.
         self.events.set_peer(opts.host_pid)
         self._parent_is_host = os.getppid() == opts.host_pid
+        self._host_watch = PeerWatch(opts.host_pid) if opts.host_pid > 0 else None
         self._next_host_check = 0.0
         self._known: set[str] = {opts.control, opts.events}
         self._pending: collections.deque[Message] = collections.deque()
@@ -175,6 +176,7 @@ class DeviceProcess:
         self._slice = _SLICE      # of wait_on (shorter for one IPU of several)
         self._interpreter_cls: Any = None
         self._client = 0   # pool mode: the host the daemon handed this IPU to (0: none)
+        self._client_watch: PeerWatch | None = None
 
     # -- wire -----------------------------------------------------------------
 
@@ -211,10 +213,11 @@ class DeviceProcess:
         if self.hooks.host_alive is not None:
             alive = self.hooks.host_alive()
         else:
-            alive = os.getppid() == host if self._parent_is_host else pid_alive(host)
+            alive = (os.getppid() == host if self._parent_is_host
+                     else self._host_watch is None or self._host_watch.alive())
         if not alive:
             raise _HostGone()
-        if self._client and not pid_alive(self._client):
+        if self._client_watch is not None and not self._client_watch.alive():
             raise _ClientGone()
 
     def poll_control(self) -> None:
@@ -604,6 +607,7 @@ class DeviceProcess:
         self.opts = replace(self.opts, num_ipus=num_ipus, label=label)
         self.control.reset()
         self._client = pid
+        self._client_watch = PeerWatch(pid) if pid > 0 else None
         self._apart.host_pid = pid or self.opts.host_pid
         self.events.set_peer(pid or self.opts.host_pid)
         _log.info("%s now serves host %s", self._describe(), pid or "(none)")
@@ -611,6 +615,7 @@ class DeviceProcess:
     def _drop_client(self) -> None:
         """Close every executable of the current host; unlink its objects if it is dead."""
         old, self._client = self._client, 0
+        self._client_watch = None
         # what that host had queued is void; a HOST already taken off the ring still runs
         self._pending = collections.deque(m for m in self._pending if m.op is Op.HOST)
         self._stop_seq = None
