@@ -15,9 +15,10 @@ multi-IPU executable is loaded it talks to IPU 0 only, exactly like the one-IPU
 link did (a one-IPU executable on a bigger device runs on its first IPU). A LOAD
 whose body holds ``spec_regions`` (one per IPU) widens it: from then on every
 request goes to each IPU's process and its future resolves when all of them are
-done; the first failure softly stops the others (STOP value 1), so that no IPU
+done; the first failure softly stops the others (STOP value 1) and invalidates
+the IPU-Links (waking an IPU process blocked on one at once), so that no IPU
 is left waiting for an activation that will never come, and the future fails
-with that failure once every IPU has answered. Before each RUN/LOOP (nothing
+with that failure, which names the IPU, once every IPU has answered. Before each RUN/LOOP (nothing
 runs then) the links are emptied and the sharding tokens put back, whatever an
 abandoned iteration left in them.
 
@@ -47,7 +48,7 @@ from host_runtime.devices._link import ProcessLink, wait
 from host_runtime.devices.link import DeviceLink, StreamServicer
 from host_runtime.errors import BadRequestError, DeviceLostError, InvalidStateError, PopefError
 from ipu_emulator import protocol
-from ipu_emulator.device.launcher import IpuConnection, describe_returncode
+from ipu_emulator.device.launcher import IpuConnection, describe_returncode, kill_all
 from ipu_emulator.protocol import MODE_DIRECT, Op
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -94,15 +95,19 @@ class GroupLink:
     def __init__(self, description: str, processes: list[IpuConnection]) -> None:
         self.description = description
         self._procs = list(processes)
+        # each member names its IPU: a program error it reports says which IPU failed
         self._members = [
-            _MemberLink(self, description, [p] + [q for q in processes if q is not p])
-            for p in processes]
+            _MemberLink(self, f"{description}: IPU {k} of the device (ipu {p.spec.ipu_id})",
+                        [p] + [q for q in processes if q is not p])
+            for k, p in enumerate(processes)]
         self._width = 1
         self._lost: DeviceLostError | None = None
         self._lost_lock = threading.Lock()
         self._closing = False
         # set by ShardedLoad: empty the IPU-Links (every IPU process is idle then)
         self.reset_links: Callable[[], None] | None = None
+        # set by ShardedLoad: invalidate the IPU-Links, waking an IPU process waiting on one
+        self.wake_links: Callable[[], None] | None = None
 
     # -- the DeviceLink protocol -----------------------------------------------------------
 
@@ -191,7 +196,7 @@ class GroupLink:
     def _all(self, futs: list["cf.Future[None]"], op: Op) -> "cf.Future[None]":
         out: cf.Future[None] = cf.Future()
         lock = threading.Lock()
-        state = {"left": len(futs), "stopped": False}
+        state: dict[str, Any] = {"left": len(futs), "stopped": False, "first": None}
         ref = weakref.ref(self)   # the members' pending futures hold this callback
 
         def done(f: "cf.Future[None]") -> None:
@@ -210,14 +215,25 @@ class GroupLink:
                 stop = exc is not None and not state["stopped"] and op in (Op.RUN, Op.LOOP)
                 if stop:
                     state["stopped"] = True
+                    if not isinstance(exc, InvalidStateError):   # not stop()'s
+                        state["first"] = exc   # the failure; the others' errors follow it
             if stop and self._lost is None:
-                # the others may wait for data from the failed IPU: end their programs
+                # the others may wait for data from the failed IPU (or wait to pass it
+                # some): end their programs, then wake those blocked on an IPU-Link now
+                # rather than at their next check of the control ring. The links are
+                # reset before the next RUN/LOOP.
                 for k, g in enumerate(futs):
                     if g is not f and not g.done():
                         try:
                             self._members[k].request(Op.STOP, value=1)
                         except Exception:  # pragma: no cover - best effort
                             _log.debug("soft stop of IPU %d failed", k, exc_info=True)
+                wake = self.wake_links
+                if wake is not None:
+                    try:
+                        wake()
+                    except Exception:  # pragma: no cover - best effort
+                        _log.debug("waking the IPU-Links failed", exc_info=True)
             if not last:
                 return
             errors = [e for e in (g.exception() for g in futs) if e is not None]
@@ -225,7 +241,7 @@ class GroupLink:
             if not errors:
                 out.set_result(None)
                 return
-            out.set_exception(_first_cause(errors))
+            out.set_exception(_first_cause(errors, state["first"]))
 
         for f in futs:
             f.add_done_callback(done)
@@ -252,14 +268,11 @@ class GroupLink:
         for m in self._members:
             m._adopt_lost(err)
         if not self._closing:
-            for p in self._procs:
-                if p.alive():
-                    _log.info("%s: killing IPU process %d (its device is lost)",
-                              self.description, p.pid)
-                    try:
-                        p.kill()
-                    except Exception:  # pragma: no cover - best effort
-                        _log.exception("killing IPU process %d", p.pid)
+            alive = [p for p in self._procs if p.alive()]
+            for p in alive:
+                _log.info("%s: killing IPU process %d (its device is lost)",
+                          self.description, p.pid)
+            kill_all(alive)   # all at once, then wait for all
         return err
 
     def _lost_error(self) -> DeviceLostError:
@@ -279,11 +292,13 @@ class GroupLink:
         return err
 
 
-def _first_cause(errors: list[BaseException]) -> BaseException:
+def _first_cause(errors: list[BaseException], first: BaseException | None) -> BaseException:
     for kind in (DeviceLostError,):
         for e in errors:
             if isinstance(e, kind):
                 return e
+    if first is not None:   # the IPU that failed first: the others were stopped for it
+        return first
     for e in errors:   # a real failure rather than "stop() interrupted the programs"
         if not isinstance(e, InvalidStateError):
             return e
@@ -384,6 +399,7 @@ class ShardedLoad:
                 self.spec_regions.append(region)
             names.append(region.name)
         link.reset_links = self.reset_links
+        link.wake_links = self.wake_links
         if peers is not None:
             pids = link.pids()
             for k, part in enumerate(self.parts):
@@ -403,6 +419,15 @@ class ShardedLoad:
             ring.reset()
             if is_sync(handle):
                 ring.write(b"\0")
+
+    def wake_links(self) -> None:
+        """Invalidate every link: an IPU process waiting on one takes its STOP now (the
+        owner resets them before the next run)."""
+        if self._closed:
+            return
+        for ring in self.links.values():
+            if not ring.closed:
+                ring.invalidate()
 
     def close(self) -> None:
         if self._closed:

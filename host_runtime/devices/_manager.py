@@ -41,7 +41,7 @@ from host_runtime._lifetime import close_owned
 from host_runtime.devices._shm_space import translated
 from host_runtime.errors import BadRequestError, DeviceUnavailableError, InvalidStateError
 from host_runtime.popef.model import Model
-from ipu_emulator.device.launcher import IpuConnection, IpuSpec, launch_ipu
+from ipu_emulator.device.launcher import IpuConnection, IpuSpec, kill_all, launch_ipu, shutdown_all
 from ipu_emulator.system import (IpuLocks, SystemConfig, SystemConfigError, device_groups,
                                  emulator_home, load_system_config)
 
@@ -308,10 +308,9 @@ class Device:
                 _log.exception("detaching %s from %s", s, self.describe())
         self._link.close(timeout=0.0)
         try:
-            for proc in self._processes:
-                shutdown = getattr(proc, "shutdown", None)   # not every launcher's has it
-                if shutdown is not None:
-                    shutdown()   # SHUTDOWN, wait for the exit; BYE ends the event thread
+            # SHUTDOWN to every IPU process, then wait for all exits together; BYE ends
+            # the event thread
+            shutdown_all(self._processes)
             self._link.wake()    # (or, if the process died, this does)
             for proc in self._processes:
                 proc.close()
@@ -329,11 +328,7 @@ class Device:
     def kill(self) -> None:
         """Internal (Session): SIGKILL the IPU processes (a hung device whose owner was
         dropped); the link notices the loss and fails what waits on it."""
-        for proc in self._processes:
-            try:
-                proc.kill()
-            except Exception:  # pragma: no cover - best effort
-                _log.debug("killing %r", proc, exc_info=True)
+        kill_all(self._processes)   # all at once, then wait for all
         self._link.check()
 
     def __del__(self) -> None:

@@ -40,6 +40,7 @@ from ipu_emulator.protocol import Message, Op
 from ipu_emulator.errors import IpuProcessError, describe_returncode
 
 __all__ = ["IpuSpec", "IpuProcess", "IpuConnection", "IpuProcessError", "launch_ipu",
+           "shutdown_all", "kill_all",
            "describe_returncode", "read_log_tail", "START_TIMEOUT"]
 
 _log = logging.getLogger(__name__)
@@ -242,10 +243,7 @@ class IpuProcess:
     def shutdown(self, timeout: float = 5.0) -> None:
         """Ask the process to exit; escalate to SIGTERM then SIGKILL (with a warning)."""
         if self.returncode() is None:
-            try:
-                protocol.send(self.control, Message(Op.SHUTDOWN), timeout=min(timeout, 1.0))
-            except Exception as exc:  # full ring, dead peer, closed: escalate below
-                _log.debug("could not send SHUTDOWN to %s: %s", self.describe_exit(), exc)
+            self.send_shutdown(timeout)
             if self.wait_exit(timeout) is None:
                 _log.warning("%s ignored SHUTDOWN for %g s; terminating it",
                              self.describe_exit(), timeout)
@@ -254,6 +252,20 @@ class IpuProcess:
                     _log.warning("%s ignored SIGTERM; killing it", self.describe_exit())
                     self._popen.kill()
                     self.wait_exit(5.0)
+
+    def send_shutdown(self, timeout: float = 5.0) -> None:
+        """Send SHUTDOWN without waiting for the exit (see shutdown_all)."""
+        if self.returncode() is not None:
+            return
+        try:
+            protocol.send(self.control, Message(Op.SHUTDOWN), timeout=min(timeout, 1.0))
+        except Exception as exc:  # full ring, dead peer, closed: the caller escalates
+            _log.debug("could not send SHUTDOWN to %s: %s", self.describe_exit(), exc)
+
+    def send_kill(self) -> None:
+        """SIGKILL without waiting for the exit (see kill_all)."""
+        if self.returncode() is None:
+            self._popen.kill()
 
     def kill(self) -> None:
         """SIGKILL the process (tests, and a host giving up on a hung device)."""
@@ -355,3 +367,54 @@ def launch_ipu(spec: IpuSpec, *, log_dir: str | None = None,
     control.set_peer(popen.pid)
     _log.debug("started %s as pid %d", spec.describe(), popen.pid)
     return IpuProcess(spec, popen, control, events, log_path)
+
+
+def shutdown_all(processes: "list[Any]", timeout: float = 5.0) -> None:
+    """Shut several IPU processes down together (the IPUs of one device).
+
+    SHUTDOWN goes to every process first, then their exits are waited for against one
+    deadline, so the device's close costs its slowest IPU, not the sum of them. A
+    process still running then gets SIGTERM, then SIGKILL (all at once, each step), with
+    a warning. Connections that are not IpuProcess (a daemon's) get their own shutdown().
+    """
+    ours = [p for p in processes if isinstance(p, IpuProcess)]
+    for p in processes:
+        if not isinstance(p, IpuProcess):
+            shutdown = getattr(p, "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+    for p in ours:
+        p.send_shutdown(timeout)
+    late = _wait_all(ours, timeout)
+    if not late:
+        return
+    for p in late:
+        _log.warning("%s ignored SHUTDOWN for %g s; terminating it", p.describe_exit(), timeout)
+        p._popen.terminate()
+    late = _wait_all(late, 2.0)
+    for p in late:
+        _log.warning("%s ignored SIGTERM; killing it", p.describe_exit())
+    kill_all(late)
+
+
+def kill_all(processes: "list[Any]", timeout: float = 5.0) -> None:
+    """SIGKILL every process of ``processes`` first, then wait for their exits together."""
+    ours = [p for p in processes if isinstance(p, IpuProcess)]
+    for p in processes:
+        try:
+            if isinstance(p, IpuProcess):
+                p.send_kill()
+            else:
+                p.kill()
+        except Exception:  # pragma: no cover - best effort, the others still go
+            _log.debug("killing %r", p, exc_info=True)
+    _wait_all(ours, timeout)
+
+
+def _wait_all(processes: "list[IpuProcess]", timeout: float) -> "list[IpuProcess]":
+    """Wait until every process exited or ``timeout`` s passed; those still running.
+    (They end in parallel: waiting for each in turn costs the slowest one.)"""
+    deadline = time.monotonic() + timeout
+    for p in processes:
+        p.wait_exit(max(0.0, deadline - time.monotonic()))
+    return [p for p in processes if p.returncode() is None]

@@ -53,7 +53,7 @@ from typing import Any, Callable
 import posix_ipc
 
 from shm import (PeerDiedError, Region, Ring, RingInvalidatedError, RingTimeoutError, ShmError,
-                 WouldBlock, naming, pid_alive)
+                 PeerWatch, WouldBlock, naming, pid_alive)
 from shm.cleanup import list_objects
 from shm.settings import current
 
@@ -70,6 +70,9 @@ _log = logging.getLogger("ipu_emulator.device.process")
 _monotonic = time.monotonic
 
 _SLICE = 0.1      # seconds between STOP checks while a program waits on a stream
+# the same for one IPU of several: when another IPU's program fails, the host stops this
+# one (STOP), and a wait on a host ring sees it only at the end of a slice
+_GROUP_SLICE = 0.01
 _HOST_CHECK = 0.25  # seconds between checks that the host is alive
 _CACHE = 4        # loaded executables kept per device (sessions sharing it)
 _PREFAULT_MAX = 512 * 1024   # pre-fault stream rings with transfers up to this size
@@ -158,6 +161,7 @@ class DeviceProcess:
         # cheap host check of _check_host between slices.
         self.events.set_peer(opts.host_pid)
         self._parent_is_host = os.getppid() == opts.host_pid
+        self._host_watch = PeerWatch(opts.host_pid) if opts.host_pid > 0 else None
         self._next_host_check = 0.0
         self._known: set[str] = {opts.control, opts.events}
         self._pending: collections.deque[Message] = collections.deque()
@@ -169,8 +173,10 @@ class DeviceProcess:
         self._active: _Loaded | None = None
         self._stop_seq: int | None = None
         self._stop_soft = False   # STOP with value 1: end the running loop, stay runnable
+        self._slice = _SLICE      # of wait_on (shorter for one IPU of several)
         self._interpreter_cls: Any = None
         self._client = 0   # pool mode: the host the daemon handed this IPU to (0: none)
+        self._client_watch: PeerWatch | None = None
 
     # -- wire -----------------------------------------------------------------
 
@@ -182,7 +188,7 @@ class DeviceProcess:
         between them."""
         while True:
             try:
-                return fn(_SLICE)
+                return fn(self._slice)
             except RingTimeoutError:
                 pass
             except RingInvalidatedError:
@@ -207,10 +213,11 @@ class DeviceProcess:
         if self.hooks.host_alive is not None:
             alive = self.hooks.host_alive()
         else:
-            alive = os.getppid() == host if self._parent_is_host else pid_alive(host)
+            alive = (os.getppid() == host if self._parent_is_host
+                     else self._host_watch is None or self._host_watch.alive())
         if not alive:
             raise _HostGone()
-        if self._client and not pid_alive(self._client):
+        if self._client_watch is not None and not self._client_watch.alive():
             raise _ClientGone()
 
     def poll_control(self) -> None:
@@ -494,7 +501,9 @@ class DeviceProcess:
         # the host writes the id of its thread that submits into its input rings
         hinted = [st.ring for st in loaded.streams if st.direction == "in" and st.ring is not None]
         apart.hint = hinted[0].user_word if hinted else None
+        self._slice = _SLICE
         if loaded.interp.executable.attributes.get("keep_apart") == "0":
+            self._slice = _GROUP_SLICE
             # one IPU of several (compiler._sharding): the IPUs of a pipeline must spread
             # over the CPUs, not all leave the host's one
             apart.release()
@@ -598,6 +607,7 @@ class DeviceProcess:
         self.opts = replace(self.opts, num_ipus=num_ipus, label=label)
         self.control.reset()
         self._client = pid
+        self._client_watch = PeerWatch(pid) if pid > 0 else None
         self._apart.host_pid = pid or self.opts.host_pid
         self.events.set_peer(pid or self.opts.host_pid)
         _log.info("%s now serves host %s", self._describe(), pid or "(none)")
@@ -605,6 +615,7 @@ class DeviceProcess:
     def _drop_client(self) -> None:
         """Close every executable of the current host; unlink its objects if it is dead."""
         old, self._client = self._client, 0
+        self._client_watch = None
         # what that host had queued is void; a HOST already taken off the ring still runs
         self._pending = collections.deque(m for m in self._pending if m.op is Op.HOST)
         self._stop_seq = None

@@ -3,7 +3,11 @@
 - an IPU process of a pipelined device killed under load: every pending request fails
   with DeviceLostError naming that IPU, the device's other IPU processes are gone too;
 - with auto_reset, the next request runs on a freshly attached device of all its IPUs;
-- a SIGKILLed host leaves no IPU process of the group and nothing in /dev/shm.
+- a SIGKILLed host leaves no IPU process of the group and nothing in /dev/shm;
+- a program error on one IPU in the middle of the main loop (ModelRunner's fast path)
+  fails every pending request with DeviceExecutionError naming that IPU, the other IPUs
+  end their loops (none waits on an IPU-Link), the device is not lost, auto_reset makes
+  the next request work, and nothing is left in /dev/shm.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import psutil
 import pytest
 
 import host_runtime as model_runtime
-from host_runtime.errors import DeviceLostError
+from host_runtime.errors import DeviceExecutionError, DeviceLostError, ModelRuntimeError
 from shm import naming
 from shm.cleanup import list_objects
 from tools import poprt
@@ -180,3 +184,114 @@ def test_killed_host_leaves_no_ipu_process_and_nothing_in_dev_shm(pipelined_path
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+# -- a program error on one IPU in the middle of the main loop --------------------------
+
+def gather_chain(ipus: int) -> onnx.ModelProto:
+    """x -> Relu (IPU 0) -> Gather(., idx) (IPU 1) -> Relu ... (one per further IPU) -> y.
+    ``idx`` streams to IPU 1 only: an out-of-range index fails IPU 1's part, and no
+    other, at the iteration that reads it."""
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node("Relu", ["x"], ["r0"], name="n0"),
+             helper.make_node("Gather", ["r0", "idx"], ["g1"], name="n1", axis=0)]
+    prev = "g1"
+    for k in range(2, ipus):
+        nodes.append(helper.make_node("Relu", [prev], [f"r{k}"], name=f"n{k}"))
+        prev = f"r{k}"
+    nodes.append(helper.make_node("Identity", [prev], ["y"], name="out"))
+    g = helper.make_graph(nodes, "gather_chain",
+                          [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [4, 3]),
+                           helper.make_tensor_value_info("idx", TensorProto.INT64, [2])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    m.ir_version = 8
+    return m
+
+
+def gather_popef(tmp, ipus: int, pipelined: bool) -> str:
+    from host_runtime.poprt.compiler import compile as poprt_compile
+
+    points = {f"n{k}": k for k in range(ipus)}
+    points["out"] = ipus - 1
+    out = poprt_compile(gather_chain(ipus), tmp, num_ipus=ipus, sharding_info=points,
+                        pipelining_info=points if pipelined else None,
+                        enable_pipelining=pipelined, batches_per_step=ipus if pipelined else 1)
+    return str(out.popef_path)
+
+
+GX = np.arange(12, dtype=np.float32).reshape(4, 3) - 5
+
+
+def gather_ref(idx: np.ndarray) -> np.ndarray:
+    return np.maximum(GX, 0)[idx]
+
+
+def good_idx(k: int) -> np.ndarray:
+    return np.array([k % 4, (k + 1) % 4], np.int64)
+
+
+BAD_IDX = np.array([9, 0], np.int64)     # out of range on IPU 1
+
+
+def ipu1_failure(e: BaseException) -> bool:
+    text = str(e)
+    return (isinstance(e, DeviceExecutionError) and "IPU 1 of the device" in text
+            and "Gather" in text and "out of data bounds" in text)
+
+
+@pytest.mark.parametrize("ipus,pipelined", [(2, True), (4, False), (4, True)],
+                         ids=["2ipu-pipelined", "4ipu-sharded", "4ipu-pipelined"])
+def test_program_error_on_one_ipu_in_the_main_loop(tmp_path, ipus, pipelined):
+    path = gather_popef(tmp_path, ipus, pipelined)
+    before = ours()
+    with model_runtime.ModelRunner(path) as r:
+        for k in range(2 * ipus):     # the loop runs on every IPU
+            np.testing.assert_array_equal(r.execute({"x": GX, "idx": good_idx(k)})["y"],
+                                          gather_ref(good_idx(k)))
+        dev = r._replicas[0].session.device()
+        pids = dev.pids()
+        assert len(pids) == ipus
+        bad = 3
+        futs, refused = [], []
+        for k in range(6):            # in flight together; request `bad` fails on IPU 1
+            idx = BAD_IDX if k == bad else good_idx(k)
+            try:
+                futs.append((k, idx, r.executeAsync({"x": GX, "idx": idx})))
+            except ModelRuntimeError as exc:   # the failure was already seen
+                refused.append(exc)
+        outcomes = {}
+        for k, idx, f in futs:
+            assert f.wait(WAIT), f"request {k} hung after IPU 1 failed"
+            e = f.exception()
+            outcomes[k] = e
+            if e is None:
+                assert k < bad, f"request {k} after the failing one succeeded"
+                np.testing.assert_array_equal(f["y"], gather_ref(idx))
+            else:
+                assert ipu1_failure(e), repr(e)
+        assert outcomes[bad] is not None
+        for exc in refused:
+            assert "IPU 1 of the device" in str(exc), repr(exc)
+        # the device's main loop ended on every IPU: the loop future (done once every
+        # IPU process has answered) failed with IPU 1's error, and no IPU process died
+        loop = r._replicas[0]._loop
+        assert loop.done() and ipu1_failure(loop.exception()), loop.exception()
+        assert dev._link.check() is None
+        assert all(psutil.pid_exists(p) for p in pids)
+        with pytest.raises(ModelRuntimeError, match="IPU 1 of the device"):
+            r.execute({"x": GX, "idx": good_idx(0)})   # no auto_reset: the replica is done
+    assert ours() - before == set()
+
+    cfg = model_runtime.ModelRunnerConfig(auto_reset=True)
+    with model_runtime.ModelRunner(path, config=cfg) as r:
+        np.testing.assert_array_equal(r.execute({"x": GX, "idx": good_idx(1)})["y"],
+                                      gather_ref(good_idx(1)))
+        with pytest.raises(DeviceExecutionError, match="IPU 1 of the device") as info:
+            r.execute({"x": GX, "idx": BAD_IDX})
+        assert ipu1_failure(info.value)
+        for k in range(2 * ipus):     # auto_reset: the device works again
+            np.testing.assert_array_equal(r.execute({"x": GX, "idx": good_idx(k)})["y"],
+                                          gather_ref(good_idx(k)))
+    assert ours() - before == set()

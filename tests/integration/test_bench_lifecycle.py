@@ -17,3 +17,5 @@ def test_lifecycle_bench_runs_and_prints_every_row(capsys) -> None:
         assert re.search(rf"^  {re.escape(label)}\s+\d+\.\d\d", out, re.M), out
     assert len(re.findall(r"construct\s+\d+\.\d\d\s+first execute\s+\d+\.\d\d\s+close\(\)\s+"
                           r"\d+\.\d\d", out)) == 3, out
+    assert re.search(r"^  ModelRunner embedded, chain sharded over 4 IPUs: construct\s+\d+\.\d\d"
+                     r"\s+close\(\)\s+\d+\.\d\d", out, re.M), out
