@@ -168,6 +168,7 @@ class Replica:
         self._partial: Transfer | None = None
         self._draining = False
         self._error: ModelRuntimeError | None = None
+        self._error_unheard = False    # no request has been failed with _error yet
         self._closed = False
         self._session: ReplicaSession | None = None
         self._in_rings: dict[str, Ring] = {}
@@ -293,6 +294,9 @@ class Replica:
         with self._cv:
             if self._error is None:
                 self._error = err
+                # nobody was waiting: the next request is the first to hear of it, and gets
+                # the error itself (then "unusable after an earlier failure")
+                self._error_unheard = not self._inflight and not self._partial
             pending = list(self._inflight)
         phantoms = self._timers.take_phantoms()
         # Wake every thread blocked on one of our rings.
@@ -362,6 +366,9 @@ class Replica:
         if err is None:
             return
         if not self.setup.auto_reset:
+            if self._error_unheard and err is self._error:
+                self._error_unheard = False
+                raise raisable(err)
             raise DeviceLostError(
                 f"replica {self.rid} is unusable after an earlier failure ({err}); set "
                 "ModelRunnerConfig.auto_reset = True to restart the device automatically") from err

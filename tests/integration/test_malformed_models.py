@@ -102,3 +102,27 @@ def test_device_reports_instead_of_hanging(case, example, tmp_path, monkeypatch)
 def test_the_example_still_runs(example, tmp_path):
     out = within(lambda: run_once(example))
     assert set(out) == {"tensor_C"} and out["tensor_C"].shape == (1, 4)
+
+
+def test_a_loop_refused_before_the_first_request_is_that_requests_error(example, tmp_path,
+                                                                         monkeypatch):
+    """The device refuses the Main loop before any request was made: the first request gets
+    the device's error itself (not a lost device), later ones "unusable after an earlier
+    failure"."""
+    monkeypatch.setattr(popef_check, "_check_rules", lambda *a, **k: None)
+    edits, _, _ = CASES["streams_out_before_execute"]
+    path = craft(example, tmp_path / "order.popef", **edits)
+    runner = model_runtime.ModelRunner(model_runtime.PopefPaths([str(path)]))
+    try:
+        loop = runner._replicas[0]._loop          # the device's answer to LOOP
+        assert loop is not None
+        with pytest.raises(DeviceExecutionError):
+            loop.result(timeout=_LIMIT)
+        a = np.arange(4, dtype=np.float32).reshape(1, 4)
+        with pytest.raises(DeviceExecutionError, match="rule stream-order"):
+            runner.execute({"tensor_A": a, "tensor_B": a})
+        with pytest.raises(model_runtime.DeviceLostError,
+                           match="unusable after an earlier failure.*rule stream-order"):
+            runner.execute({"tensor_A": a, "tensor_B": a})
+    finally:
+        runner.close()
