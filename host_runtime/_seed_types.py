@@ -15,9 +15,9 @@ In C++ these are ``std::unordered_map`` aliases. In Python:
 
 from __future__ import annotations
 
-from host_runtime.runner._requests import OutputFuture
-from host_runtime.devices._manager import Device
-from host_runtime.memory._views import OutputMemoryView
+from host_runtime.runner import OutputFuture
+from host_runtime.devices import Device
+from host_runtime.memory import OutputMemoryView
 
 __all__ = ["OutputFutureMemory", "OutputFutureMemoryView", "ReplicaIdToOutputMemoryView",
            "ReplicaIdToDevice"]

@@ -181,7 +181,8 @@ class Settings:
     stop_timeout: float = _knob(
         30.0, "IPU_EMULATOR_STOP_TIMEOUT", _seconds,
         "how long a session's stop or close waits for its device's main loop",
-        used_in="host_runtime/session/_session.py, host_runtime/session/_fastpath.py")
+        used_in="host_runtime/session/_session.py, host_runtime/session/_fastpath.py, "
+                "host_runtime/runner/_replica.py")
     daemon_handover_timeout: float = _knob(
         30.0, "IPU_EMULATOR_DAEMON_HANDOVER_TIMEOUT", _seconds,
         "how long a daemon's reset of an IPU between hosts may take before it restarts the "

@@ -17,6 +17,9 @@ from host_runtime.popef.model import (Anchor, DataType, ExecutableBlob, FeedData
 from host_runtime.popef.reader import BlobInfo, Reader
 from host_runtime.popef.writer import Writer, save_model
 
+# for the other packages of host_runtime (not part of the public surface)
+from host_runtime.popef._check import check_model as check_model
+
 __all__ = [
     "Anchor",
     "BlobInfo",

@@ -81,7 +81,7 @@ class _SharedDevice:
         self._registered = False
 
     def get(self) -> Any:
-        from host_runtime.devices._manager import DeviceManager
+        from host_runtime.devices import DeviceManager
 
         with self.lock:
             dev = self._device
@@ -189,7 +189,7 @@ class _Compiled:
 
     def load(self, device: Any) -> None:
         from host_runtime.runner.config import ModelRunnerConfig
-        from host_runtime.runner._model_runner import ModelRunner
+        from host_runtime.runner import ModelRunner
 
         cfg = ModelRunnerConfig()
         cfg.replica_to_device = {0: device}     # the runner binds to it and leaves it attached

@@ -19,8 +19,8 @@ import numpy as np
 
 from host_runtime.runner.config import DataDesc, ModelRunnerConfig
 from host_runtime.errors import BadRequestError
-from host_runtime.memory._views import PopefPaths
-from host_runtime.runner._model_runner import ModelRunner, OutputFuture
+from host_runtime.memory import PopefPaths
+from host_runtime.runner import ModelRunner, OutputFuture
 
 __all__ = ["Runner", "RuntimeConfig"]
 

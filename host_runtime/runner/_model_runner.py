@@ -32,20 +32,20 @@ import numpy as np
 
 from host_runtime import popef
 from host_runtime._lifetime import close_owned, weak_method
-from host_runtime.devices._manager import Device, DeviceManager, DeviceWaitConfig
+from host_runtime.devices import Device, DeviceManager, DeviceWaitConfig
 from host_runtime.errors import BadRequestError, InvalidStateError
-from host_runtime.memory._views import (InputMemoryView, OutputMemory, OutputMemoryView,
+from host_runtime.memory import (InputMemoryView, OutputMemory, OutputMemoryView,
                                         PopefPaths, TensorMemory, TensorMemoryView,
                                         as_readable_array, as_writable_array)
-from host_runtime.popef._check import check_model
-from host_runtime.queues._queues import RingSizeMultiplierProdType, ring_size_multiplier_factory
+from host_runtime.popef import check_model
+from host_runtime.queues import RingSizeMultiplierProdType, ring_size_multiplier_factory
 from host_runtime.runner._batching import TensorSpec
 from host_runtime.runner._read_order import main_read_order
 from host_runtime.runner._replica import Replica, ReplicaSession, ReplicaSetup, SaveFn
 from host_runtime.runner._requests import OutputFuture, Request, raisable
 from host_runtime.runner.config import DataDesc, ModelRunnerConfig
 from host_runtime.runner.monitoring import RequestMonitor
-from host_runtime.session._session import LaunchPolicy, Session, SessionConfig
+from host_runtime.session import LaunchPolicy, Session, SessionConfig
 from host_runtime.session.predicates import PopefDataUsagePolicy
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -328,7 +328,7 @@ class ModelRunner:
             elif rid in self._attached:
                 dev = self._attached.pop(rid)
                 try:
-                    s._adopt_device(dev)
+                    s.adopt_device(dev)
                 except BaseException:
                     dev.close()
                     raise

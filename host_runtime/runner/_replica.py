@@ -51,14 +51,14 @@ from shm.settings import settings
 from shm.spin import NEVER, spin_until, us_to_ns
 
 from host_runtime.errors import DeviceLostError, InvalidStateError, ModelRuntimeError
-from host_runtime.memory._copy import PARALLEL_MIN_BYTES, copy_bytes
-from host_runtime.memory._shared import SHARED_MIN_BYTES, shared_location
+from host_runtime.memory import PARALLEL_MIN_BYTES, copy_bytes
+from host_runtime.memory import SHARED_MIN_BYTES, shared_location
 from host_runtime.runner._batching import TensorSpec
 from host_runtime.runner._replica_timers import MakeFlushRequest, MergePhantom, ReplicaTimers
 from host_runtime.runner._requests import Request, Transfer, raisable
 from host_runtime.runner.config import FlushCallback
 from host_runtime.runner.monitoring import RequestMonitor
-from host_runtime.session._session import _STOP_TIMEOUT, DROP_STOP_TIMEOUT
+from host_runtime.session import DROP_STOP_TIMEOUT
 from ipu_emulator.protocol import TAG_SHARED, host_memory_descriptor
 
 __all__ = ["Replica", "ReplicaSession", "ReplicaSetup", "SaveFn"]
@@ -118,9 +118,9 @@ class ReplicaSession(Protocol):
     # lifetime
     def device(self) -> DeviceProcesses | None: ...
     def stop(self) -> None: ...
-    def _stop(self, timeout: float, kill_if_hung: bool = False) -> None: ...
+    def stop_within(self, timeout: float, kill_if_hung: bool = False) -> None: ...
     def close(self) -> None: ...
-    def _close(self, stop_timeout: float, kill_if_hung: bool) -> None: ...
+    def close_within(self, stop_timeout: float, kill_if_hung: bool) -> None: ...
     # the save programs (ModelRunner's SaveFn)
     def setCallbackForAnchor(self, anchor_handle: str,
                              callback: Callable[[memoryview], None] | None) -> None: ...
@@ -343,16 +343,16 @@ class Replica:
             return
         try:
             healthy = self._error is None and s.direct.failure() is None
-            limit = DROP_STOP_TIMEOUT if dropped else _STOP_TIMEOUT
+            limit = DROP_STOP_TIMEOUT if dropped else settings().stop_timeout
             if save is not None and healthy:
                 try:
                     s.direct.stop_main_loop(limit)      # stays runnable, device memory kept
                     save(s)
                 except ModelRuntimeError as exc:
                     _log.warning("replica %d: save programs failed: %s", self.rid, exc)
-            s._stop(limit, kill_if_hung=dropped)
+            s.stop_within(limit, kill_if_hung=dropped)
         finally:
-            s._close(limit, kill_if_hung=dropped)
+            s.close_within(limit, kill_if_hung=dropped)
             self._session = None
             self._pids.close()
 

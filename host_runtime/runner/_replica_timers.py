@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
 
 from host_runtime.errors import DeviceTimeoutError, ModelRuntimeError
-from host_runtime.memory._views import InputMemoryView, OutputMemoryView
+from host_runtime.memory import InputMemoryView, OutputMemoryView
 from host_runtime.runner._requests import Request, Transfer
 from host_runtime.runner.config import FlushCallback
 

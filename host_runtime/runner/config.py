@@ -15,9 +15,9 @@ from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 
-from host_runtime.devices._manager import Device, DeviceWaitConfig
+from host_runtime.devices import Device, DeviceWaitConfig
 from host_runtime.errors import BadRequestError
-from host_runtime.memory._views import InputMemoryView
+from host_runtime.memory import InputMemoryView
 from host_runtime.popef.model import DataType
 
 __all__ = [

@@ -5,4 +5,7 @@ from __future__ import annotations
 from host_runtime.session._session import CallbackFactory, CallbackHandle, CallbackInfo, LaunchPolicy, Session, SessionConfig
 from host_runtime.session.predicates import AnchorCallbackPolicy, AnchorCallbackPredicate, AnchorWithPolicy, PopefDataUsagePolicy, PopefDataUsagePredicate, ProgramsWithPolicy, null_anchor_callback_predicate, null_popef_data_usage_predicate, predicate_factory
 
+# for the other packages of host_runtime (not part of the public surface)
+from host_runtime.session._session import DROP_STOP_TIMEOUT as DROP_STOP_TIMEOUT
+
 __all__ = ["CallbackFactory", "CallbackHandle", "CallbackInfo", "LaunchPolicy", "Session", "SessionConfig", "AnchorCallbackPolicy", "AnchorCallbackPredicate", "AnchorWithPolicy", "PopefDataUsagePolicy", "PopefDataUsagePredicate", "ProgramsWithPolicy", "null_anchor_callback_predicate", "null_popef_data_usage_predicate", "predicate_factory"]

@@ -24,14 +24,14 @@ from shm import (PeerDiedError, Ring, RingInvalidatedError, RingTimeoutError, Sh
 from shm.settings import settings
 
 from host_runtime import popef
-from host_runtime.devices._link import wait
+from host_runtime.devices import wait
 from host_runtime.errors import (BadRequestError, DeviceExecutionError, DeviceLostError,
                                  DeviceTimeoutError, InvalidStateError, ModelRuntimeError)
 from host_runtime.session._streams import StreamTable
 from ipu_emulator.protocol import Op
 
 if TYPE_CHECKING:
-    from host_runtime.devices._manager import Device
+    from host_runtime.devices import Device
 
 __all__ = ["DirectStreams", "SessionCore"]
 

@@ -44,13 +44,13 @@ from shm import Region
 from shm.settings import settings
 
 from host_runtime import popef
-from host_runtime.devices._ipu_group import ShardedLoad
-from host_runtime.devices._link import wait
-from host_runtime.devices._shm_space import translated
-from host_runtime.popef._check import check_model
+from host_runtime.devices import ShardedLoad
+from host_runtime.devices import wait
+from host_runtime.devices import translated
+from host_runtime.popef import check_model
 from host_runtime.session._fastpath import DirectStreams
 from host_runtime.session._streams import StreamTable, callback_failure
-from host_runtime.devices._manager import Device, DeviceManager, DeviceWaitConfig
+from host_runtime.devices import Device, DeviceManager, DeviceWaitConfig
 from host_runtime.errors import (BadRequestError, DeviceExecutionError, DeviceLostError,
                                  DeviceTimeoutError, InvalidStateError, ModelRuntimeError,
                                  PopefError)
@@ -235,12 +235,12 @@ class Session:
 
     def stop(self) -> None:
         """Send the stop signal: running programs end; nothing runs until reload()."""
-        self._stop(_STOP_TIMEOUT)
+        self.stop_within(_STOP_TIMEOUT)
 
-    def _stop(self, timeout: float, kill_if_hung: bool = False) -> None:
-        """stop(), waiting up to ``timeout`` s for the device. ``kill_if_hung`` (a dropped
-        owner, which must not block for long): a device of ours that does not answer in
-        time has its IPU processes killed instead."""
+    def stop_within(self, timeout: float, kill_if_hung: bool = False) -> None:
+        """Internal (ModelRunner): stop(), waiting up to ``timeout`` s for the device.
+        ``kill_if_hung`` (a dropped owner, which must not block for long): a device of ours
+        that does not answer in time has its IPU processes killed instead."""
         if self._closed:
             return
         for qm in list(self._queue_managers):
@@ -306,7 +306,7 @@ class Session:
         """Create a QueueManager for this session (arguments as QueueManager's, after the
         session). The session owns it: stop() disconnects its queues."""
         self._check_open()
-        from host_runtime.queues._queues import QueueManager
+        from host_runtime.queues import QueueManager
 
         qm = QueueManager(self, *args, **kwargs)
         self._queue_managers.append(qm)
@@ -387,9 +387,11 @@ class Session:
 
     def close(self) -> None:
         """Stop, unload (no implicit save), destroy the rings; idempotent."""
-        self._close(_STOP_TIMEOUT, kill_if_hung=False)
+        self.close_within(_STOP_TIMEOUT, kill_if_hung=False)
 
-    def _close(self, stop_timeout: float, kill_if_hung: bool) -> None:
+    def close_within(self, stop_timeout: float, kill_if_hung: bool) -> None:
+        """Internal (ModelRunner): close(), stopping within ``stop_timeout`` s (see
+        ``stop_within``)."""
         if self._closed:
             return
         try:
@@ -406,7 +408,7 @@ class Session:
                     dev.lock.release()
             if busy or self._direct.loop_running():
                 # a program of ours may be running on another thread
-                self._stop(stop_timeout, kill_if_hung)
+                self.stop_within(stop_timeout, kill_if_hung)
             if self._device is not None:
                 self._unbind(run_save=False)
         finally:
@@ -432,7 +434,7 @@ class Session:
         # for long on a device that does not answer.
         if not getattr(self, "_closed", True):
             try:
-                self._close(DROP_STOP_TIMEOUT, kill_if_hung=True)
+                self.close_within(DROP_STOP_TIMEOUT, kill_if_hung=True)
             except Exception:
                 pass
 
@@ -458,8 +460,9 @@ class Session:
             raise
         return dev
 
-    def _adopt_device(self, device: Device) -> None:
-        """Bind to ``device`` and own it, as if this session had attached it: the session
+    def adopt_device(self, device: Device) -> None:
+        """Internal (ModelRunner): bind to ``device`` and own it, as if this session had
+        attached it: the session
         closes it when it unbinds or closes (ModelRunner attaches its replicas' devices
         all at once, then hands one to each replica's session)."""
         self.bindToDevice(device)

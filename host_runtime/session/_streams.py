@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 from shm import Ring, ShmError
 
 from host_runtime import popef
-from host_runtime.devices._shm_space import check_room, ring_bytes, translated
+from host_runtime.devices import check_room, ring_bytes, translated
 from host_runtime.errors import (BadRequestError, DeviceExecutionError, InvalidStateError,
                                  PopefError)
 from host_runtime.session.predicates import (AnchorCallbackPolicy, AnchorCallbackPredicate,
