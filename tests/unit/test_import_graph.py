@@ -178,11 +178,27 @@ def layer_violations(edges: Iterable[Edge], layers: dict[str, set[str]] = LAYERS
 
 
 def private_crossings(edges: Iterable[Edge]) -> list[Edge]:
-    """Edges into a private module or name of another top-level package."""
+    """Edges into a private module or name from outside the package that owns it.
+
+    A private module ``a.b._c`` belongs to package ``a.b``, and a private name of a module
+    ``a.b.m`` to that module's package ``a.b``: only modules of ``a.b`` may import it. So concept packages (``host_runtime.session``,
+    ``ipu_emulator.device`` ...) talk through the names their ``__init__`` (or a public
+    module) exports, and no private name crosses a top-level package either."""
     def private(part: str) -> bool:
         return part.startswith("_") and not part.startswith("__")
-    return [e for e in edges if _top(e.source) != _top(e.target)
-            and any(private(p) for p in e.imported.split(".")[1:])]
+    found = []
+    for e in edges:
+        parts = e.target.split(".")
+        k = next((i for i in range(1, len(parts)) if private(parts[i])), None)
+        if k is not None:                       # a private module: its package owns it
+            owner = ".".join(parts[:k])
+        elif e.name is not None and private(e.name):   # a private name: its module's package
+            owner = e.target.rsplit(".", 1)[0] if "." in e.target else e.target
+        else:
+            continue
+        if e.source != owner and not e.source.startswith(owner + "."):
+            found.append(e)
+    return found
 
 
 def cycles(modules: set[str], edges: Iterable[Edge],
