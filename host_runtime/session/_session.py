@@ -243,11 +243,7 @@ class Session:
         that does not answer in time has its IPU processes killed instead."""
         if self._closed:
             return
-        for qm in list(self._queue_managers):
-            try:
-                qm.disconnectAll()
-            except Exception:
-                _log.exception("disconnecting %r failed", qm)
+        self._disconnect_queues()
         dev = self._device
         self._stopped = True
         if dev is None or not self._loaded or not dev.isActiveSession(self) or dev.link.lost:
@@ -385,6 +381,14 @@ class Session:
 
     # -- lifetime ---------------------------------------------------------------------------------
 
+    def _disconnect_queues(self) -> None:
+        """Wake every QueueManager reader/writer of this session (stop and close)."""
+        for qm in list(self._queue_managers):
+            try:
+                qm.disconnectAll()
+            except Exception:
+                _log.exception("disconnecting %r failed", qm)
+
     def close(self) -> None:
         """Stop, unload (no implicit save), destroy the rings; idempotent."""
         self.close_within(_STOP_TIMEOUT, kill_if_hung=False)
@@ -395,11 +399,7 @@ class Session:
         if self._closed:
             return
         try:
-            for qm in list(self._queue_managers):
-                try:
-                    qm.disconnectAll()
-                except Exception:
-                    _log.exception("disconnecting %r failed", qm)
+            self._disconnect_queues()
             dev = self._device
             busy = False
             if dev is not None:
