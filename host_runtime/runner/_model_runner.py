@@ -599,8 +599,9 @@ class ModelRunner:
             rep = self._replica(replica_id)
         req = self._build_plain(rep, input_data, output_data, t0, True)
         if req is not None:
-            rep.submit(req, 1, None)
-            rep.wait_for(req, None)
+            if not rep.run_idle(req):    # the fused path, when the replica is idle
+                rep.submit(req, 1, None)
+                rep.wait_for(req, None)
             if req.error is not None:
                 raise raisable(req.error)
             return req.results

@@ -191,6 +191,11 @@ class Replica:
         self._hint_tid = 0             # the thread id last written into the input rings
         # an output large enough for host shared memory (see _redirects)
         self._may_redirect = any(s.nbytes >= SHARED_MIN_BYTES for s in setup.outputs.values())
+        # run_idle's requests: whole, small transfers (every input written with one ring
+        # call, every output read with one, nothing redirected to host shared memory)
+        self._fusable = (not setup.dynamic and not self._may_redirect
+                         and all(0 < s.nbytes < SHARED_MIN_BYTES for s in setup.inputs.values())
+                         and all(0 < s.nbytes <= _READ_MAX for s in setup.outputs.values()))
         self._open()
 
     # ------------------------------------------------------------------ lifecycle
@@ -447,6 +452,106 @@ class Replica:
                 req.fail(raisable(exc))
                 raise
             req.t_prepared = time.perf_counter_ns()
+
+    def run_idle(self, req: Request) -> bool:
+        """``execute``'s fused path: run a plain one-transfer ``req`` start to end, if idle.
+
+        Returns False, having done nothing, unless the replica is idle: usable, no
+        request in flight, no partial batch, no phantom, no drainer, small whole
+        transfers (``_fusable``). The caller then takes ``submit`` + ``wait_for``.
+
+        Else, under the submit lock for the whole round trip: write the inputs, wait
+        for the outputs, copy them into the request's memory, complete and record it.
+        No Transfer is registered, so nobody else reads the output rings: drainers
+        read only transfers in ``_inflight`` (empty, and only submitters, who need
+        the submit lock, add to it), and timers act only with a partial batch or a
+        phantom (none; both are added under the submit lock too). A submitter on
+        another thread waits for the lock, one request long. Errors are those of the
+        general path: a write fails ``req`` and raises as in ``submit``; a read fails
+        ``req`` as ``wait_for`` would (device lost, program error, the runner closed),
+        for the caller to raise.
+        """
+        if not self._fusable:
+            return False
+        lock = self._submit_lock
+        lock.acquire()
+        try:
+            if (self._inflight or self._partial is not None or self._draining
+                    or self._timers.has_phantoms or self._closed or self._error is not None
+                    or not self._pids_exact or self._pids.dead_pid() is not None):
+                return False       # busy, or something is off: submit sorts it out
+            try:
+                tid = _thread_ids.native_id
+            except AttributeError:
+                tid = _thread_ids.native_id = _native_id()
+            if tid != self._hint_tid:     # as in submit
+                for ring in self._in_rings.values():
+                    ring.set_user_word(tid)
+                self._hint_tid = tid
+            inputs = req.inputs
+            try:
+                for name, spec, ring, fb in self._in_plan:    # last-read first (_write_whole)
+                    arr = inputs.get(name)
+                    src: np.ndarray | memoryview
+                    if arr is not None:
+                        src = arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
+                    elif fb is not None:
+                        src = fb
+                    else:
+                        continue      # validate_io_params off: the device will not read it
+                    try:
+                        ring.write(src, 0, 0.0)     # acquire, copy, publish: one C call
+                    except RingTimeoutError:    # full (the device still holds a slot)
+                        view = self._acquire(ring)
+                        view[:spec.nbytes] = memoryview(src).cast("B")  # type: ignore[arg-type]
+                        ring.publish(spec.nbytes)
+            except (ShmError, OSError) as exc:
+                err = self._translate(exc)
+                req.fail(err)
+                if isinstance(err, DeviceLostError):
+                    self._fail_everything(err)
+                raise raisable(err) from None
+            except InvalidStateError as exc:
+                req.fail(raisable(exc))
+                raise
+            req.t_prepared = time.perf_counter_ns()
+            try:
+                self._read_into(req)
+            except (RingInvalidatedError, ShmError, OSError, InvalidStateError) as exc:
+                err = self._closed_error() if self._closed else self._translate(exc)
+                if not self._closed:
+                    self._fail_everything(err)
+                    # _fail_everything did not see this request (not in _inflight): it
+                    # hears the error, so the next one is told the replica is unusable
+                    self._error_unheard = False
+                req.fail(err)     # the caller raises it, as after wait_for
+                return True
+        finally:
+            lock.release()
+        req.finish()
+        self.setup.monitor.record(req.t_received, req.t_prepared, req.t_completed)
+        return True
+
+    def _read_into(self, req: Request) -> None:
+        """run_idle: wait for each output of ``req``'s transfer and copy it into ``req.dests``."""
+        dests = req.dests
+        for spec in req.outputs_per_transfer[0]:
+            ring = self._out_rings[spec.name]
+            t0 = time.perf_counter_ns()
+            if not ring.readable() and _SPIN_NS:
+                self._spin(ring)
+            while True:
+                try:
+                    data, _tag = ring.read(_SLICE * 4)
+                    break
+                except RingTimeoutError:   # as wait_for: a long computation, or closed?
+                    if self._closed:
+                        raise self._closed_error() from None
+            self._wait_est_ns = (7 * self._wait_est_ns
+                                 + min(time.perf_counter_ns() - t0, 4 * _SPIN_NS)) >> 3
+            # a plain request's outputs: runner-allocated, whole, C-contiguous (no redirects,
+            # so no TAG_SHARED either)
+            memoryview(dests[spec.name]).cast("B")[:] = data[:spec.nbytes]  # type: ignore[arg-type]
 
     def _translate(self, exc: BaseException) -> ModelRuntimeError:
         if self._error is not None:
