@@ -467,16 +467,8 @@ class ModelRunner:
         ``execute``; else as TensorMemory, for futures). Anything else takes
         ``_build``, which checks and reports it.
         """
-        if not self._plain_ok or outputs is not None or inputs.__class__ is not dict:
+        if not self._is_plain(inputs, outputs):
             return None
-        specs = self._exec_specs
-        if len(inputs) != len(specs):
-            return None
-        for name, value in inputs.items():
-            spec = specs.get(name)
-            if (spec is None or value.__class__ is not np.ndarray or value.dtype is not spec.dtype
-                    or value.shape != spec.shape):
-                return None
         given = dict(inputs)
         results: dict[str, Any] = {}
         if plain_results:
@@ -488,6 +480,20 @@ class ModelRunner:
                 results[name] = TensorMemory.allocate(shape, dtype)
         return Request(rep, rep.rid, 1, given, dict(results), results, self._plain_transfers, t0,
                        False, given)
+
+    def _is_plain(self, inputs: Any, outputs: Any) -> bool:
+        """Whether ``inputs`` and ``outputs`` make the common request (see _build_plain)."""
+        if not self._plain_ok or outputs is not None or inputs.__class__ is not dict:
+            return False
+        specs = self._exec_specs
+        if len(inputs) != len(specs):
+            return False
+        for name, value in inputs.items():
+            spec = specs.get(name)
+            if (spec is None or value.__class__ is not np.ndarray or value.dtype is not spec.dtype
+                    or value.shape != spec.shape):
+                return False
+        return True
 
     def _out_samples(self, s: TensorSpec, n_units: int) -> int:
         if s.batch_dim is None:
@@ -597,11 +603,14 @@ class ModelRunner:
             rep = reps[replica_id]
         else:
             rep = self._replica(replica_id)
+        if self._is_plain(input_data, output_data):
+            results = rep.run_idle(input_data, t0)   # the fused path, when the replica is idle
+            if results is not None:
+                return results
         req = self._build_plain(rep, input_data, output_data, t0, True)
         if req is not None:
-            if not rep.run_idle(req):    # the fused path, when the replica is idle
-                rep.submit(req, 1, None)
-                rep.wait_for(req, None)
+            rep.submit(req, 1, None)
+            rep.wait_for(req, None)
             if req.error is not None:
                 raise raisable(req.error)
             return req.results

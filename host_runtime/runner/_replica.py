@@ -188,6 +188,8 @@ class Replica:
         self._frozen_bytes = {n: _bytes_view(np.ascontiguousarray(a))
                               for n, a in setup.frozen_main.items()}
         self._in_plan: list[tuple[str, TensorSpec, Ring, memoryview | None]] = []
+        # what run_idle needs per output: name, ring, shape and dtype of its result
+        self._out_plan: list[tuple[str, Ring, tuple[int, ...], np.dtype]] = []
         self._hint_tid = 0             # the thread id last written into the input rings
         # an output large enough for host shared memory (see _redirects)
         self._may_redirect = any(s.nbytes >= SHARED_MIN_BYTES for s in setup.outputs.values())
@@ -216,6 +218,8 @@ class Replica:
         # what _write_whole needs per input, in publish order (last-read first)
         self._in_plan = [(name, spec, self._in_rings[name], self._frozen_bytes.get(name))
                          for name, spec in self._publish_order]
+        self._out_plan = [(name, self._out_rings[name], spec.shape_for(spec.batch), spec.dtype)
+                          for name, spec in self.setup.outputs.items()]
         dev = s.device()
         self._pids.close()
         self._pids = ExitWatch(dev.pids() if dev is not None else [])
@@ -453,33 +457,35 @@ class Replica:
                 raise
             req.t_prepared = time.perf_counter_ns()
 
-    def run_idle(self, req: Request) -> bool:
-        """``execute``'s fused path: run a plain one-transfer ``req`` start to end, if idle.
+    def run_idle(self, inputs: dict[str, np.ndarray], t_received: int
+                 ) -> dict[str, np.ndarray] | None:
+        """``execute``'s fused path: run a plain request (``inputs``: the model's execute
+        inputs, checked by the caller) start to end and return its outputs, if idle.
 
-        Returns False, having done nothing, unless the replica is idle: usable, no
+        Returns None, having done nothing, unless the replica is idle: usable, no
         request in flight, no partial batch, no phantom, no drainer, small whole
         transfers (``_fusable``). The caller then takes ``submit`` + ``wait_for``.
 
         Else, under the submit lock for the whole round trip: write the inputs, wait
-        for the outputs, copy them into the request's memory, complete and record it.
-        No Transfer is registered, so nobody else reads the output rings: drainers
+        for the outputs, make the result arrays from them, record the request. No
+        Request or Transfer is made, and nobody else reads the output rings: drainers
         read only transfers in ``_inflight`` (empty, and only submitters, who need
         the submit lock, add to it), and timers act only with a partial batch or a
         phantom (none; both are added under the submit lock too). A submitter on
-        another thread waits for the lock, one request long. Errors are those of the
-        general path: a write fails ``req`` and raises as in ``submit``; a read fails
-        ``req`` as ``wait_for`` would (device lost, program error, the runner closed),
-        for the caller to raise.
+        another thread waits for the lock, one request long. Errors are counted and
+        raised as the general path does: a failed write as in ``submit``, a failed
+        read as a failed request after ``wait_for`` (device lost, program error, the
+        runner closed).
         """
         if not self._fusable:
-            return False
+            return None
         lock = self._submit_lock
         lock.acquire()
         try:
             if (self._inflight or self._partial is not None or self._draining
                     or self._timers.has_phantoms or self._closed or self._error is not None
                     or not self._pids_exact or self._pids.dead_pid() is not None):
-                return False       # busy, or something is off: submit sorts it out
+                return None        # busy, or something is off: submit sorts it out
             try:
                 tid = _thread_ids.native_id
             except AttributeError:
@@ -488,7 +494,6 @@ class Replica:
                 for ring in self._in_rings.values():
                     ring.set_user_word(tid)
                 self._hint_tid = tid
-            inputs = req.inputs
             try:
                 for name, spec, ring, fb in self._in_plan:    # last-read first (_write_whole)
                     arr = inputs.get(name)
@@ -505,53 +510,53 @@ class Replica:
                         view = self._acquire(ring)
                         view[:spec.nbytes] = memoryview(src).cast("B")  # type: ignore[arg-type]
                         ring.publish(spec.nbytes)
-            except (ShmError, OSError) as exc:
+            except (ShmError, OSError) as exc:     # as submit
                 err = self._translate(exc)
-                req.fail(err)
+                self.record_error(err)
                 if isinstance(err, DeviceLostError):
                     self._fail_everything(err)
                 raise raisable(err) from None
             except InvalidStateError as exc:
-                req.fail(raisable(exc))
+                self.record_error(raisable(exc))
                 raise
-            req.t_prepared = time.perf_counter_ns()
+            t_prepared = time.perf_counter_ns()
+            error: ModelRuntimeError | None = None
             try:
-                self._read_into(req)
+                results = self._read_outputs()
             except (RingInvalidatedError, ShmError, OSError, InvalidStateError) as exc:
-                err = self._closed_error() if self._closed else self._translate(exc)
+                error = self._closed_error() if self._closed else self._translate(exc)
                 if not self._closed:
-                    self._fail_everything(err)
+                    self._fail_everything(error)
                     # _fail_everything did not see this request (not in _inflight): it
                     # hears the error, so the next one is told the replica is unusable
                     self._error_unheard = False
-                req.fail(err)     # the caller raises it, as after wait_for
-                return True
         finally:
             lock.release()
-        req.finish()
-        self.setup.monitor.record(req.t_received, req.t_prepared, req.t_completed)
-        return True
+        if error is not None:      # as Request.fail, then _execute raising req.error
+            self.record_error(error)
+            raise raisable(error)
+        self.setup.monitor.record(t_received, t_prepared, time.perf_counter_ns())
+        return results
 
-    def _read_into(self, req: Request) -> None:
-        """run_idle: wait for each output of ``req``'s transfer and copy it into ``req.dests``."""
-        dests = req.dests
-        for spec in req.outputs_per_transfer[0]:
-            ring = self._out_rings[spec.name]
+    def _read_outputs(self) -> dict[str, np.ndarray]:
+        """run_idle: wait for each output and make its result array from the ring's copy."""
+        results = {}
+        for name, ring, shape, dtype in self._out_plan:
             t0 = time.perf_counter_ns()
             if not ring.readable() and _SPIN_NS:
                 self._spin(ring)
             while True:
                 try:
-                    data, _tag = ring.read(_SLICE * 4)
+                    data, _tag = ring.read(_SLICE * 4)   # no redirects: never TAG_SHARED
                     break
                 except RingTimeoutError:   # as wait_for: a long computation, or closed?
                     if self._closed:
                         raise self._closed_error() from None
             self._wait_est_ns = (7 * self._wait_est_ns
                                  + min(time.perf_counter_ns() - t0, 4 * _SPIN_NS)) >> 3
-            # a plain request's outputs: runner-allocated, whole, C-contiguous (no redirects,
-            # so no TAG_SHARED either)
-            memoryview(dests[spec.name]).cast("B")[:] = data[:spec.nbytes]  # type: ignore[arg-type]
+            # writable, over a copy of the message (cheaper than np.empty and a copy)
+            results[name] = np.ndarray(shape, dtype, bytearray(data))
+        return results
 
     def _translate(self, exc: BaseException) -> ModelRuntimeError:
         if self._error is not None:
