@@ -562,3 +562,36 @@ def test_concurrent_multi_transfer_requests(model_path, weights):
                 errors.append(f"worker {seed}: {exc!r}")
         run_in_threads(worker, range(5))
     assert errors == []
+
+
+def test_fused_execute_and_requests_in_flight_from_other_threads(model_path, weights):
+    """Plain executes (the fused path when the replica is idle, Replica.run_idle) beside
+    threads keeping unwaited futures in flight: every result is right, every request is
+    counted, and a plain execute's outputs are writable arrays of their own."""
+    errors: list[str] = []
+    with model_runtime.ModelRunner(model_path) as r:
+        a, b = pair()
+        out = r.execute({"tensor_A": a, "tensor_B": b})["tensor_C"]
+        assert type(out) is np.ndarray and out.shape == SHAPE and out.flags.writeable
+        np.testing.assert_allclose(out, a * weights + b, rtol=1e-6)
+        out[...] = 0   # its own memory: the next result is not affected
+        np.testing.assert_allclose(r.execute({"tensor_A": a, "tensor_B": b})["tensor_C"],
+                                   a * weights + b, rtol=1e-6)
+
+        def worker(seed):
+            rng = np.random.default_rng(seed)
+            try:
+                for _ in range(40):
+                    a, b = (rng.standard_normal(SHAPE).astype(np.float32) for _ in range(2))
+                    if seed % 2:
+                        got = r.execute({"tensor_A": a, "tensor_B": b})["tensor_C"]
+                    else:
+                        fut = r.executeAsync({"tensor_A": a, "tensor_B": b})
+                        got = fut["tensor_C"].numpy()
+                    np.testing.assert_allclose(got, a * weights + b, rtol=1e-6)
+            except Exception as exc:
+                errors.append(f"worker {seed}: {exc!r}")
+        run_in_threads(worker, range(4))
+        assert errors == []
+        assert r.getMonitoringStatisticsTotalCount({})["request_monitoring_statistics_count"] \
+            == 2 + 4 * 40
