@@ -19,6 +19,10 @@ condition the drainer notifies after each transfer. A submitter that finds an
 input ring full drains (or waits for the drainer) instead of blocking, so
 unwaited futures cannot deadlock the replica.
 
+A plain ``execute`` on an idle replica (nothing in flight, small whole transfers)
+takes a fused path instead, ``Replica.run_idle``: write, wait, read, under the
+submit lock, with no Request or Transfer (~2 us less on a [1,4] request).
+
 Timers (partial dynamic batches, requests that cannot run because inputs are
 missing with ``validate_io_params`` off) are a ``ReplicaTimers`` the replica
 owns (``_replica_timers``), driven by waiting threads, or by a small watchdog
