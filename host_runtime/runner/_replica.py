@@ -426,6 +426,19 @@ class Replica:
         self.setup.monitor.reset_chain()
         self._open()
 
+    def _hint_thread(self) -> None:
+        """Tell the IPU process which thread submits (and, most often, waits): it keeps
+        off that thread's CPU (ipu_emulator.device._placement reads it from the rings).
+        Caller holds the submit lock."""
+        try:
+            tid = _thread_ids.native_id   # a system call: once per thread
+        except AttributeError:
+            tid = _thread_ids.native_id = _native_id()
+        if tid != self._hint_tid:
+            for ring in self._in_rings.values():
+                ring.set_user_word(tid)
+            self._hint_tid = tid
+
     def submit(self, req: Request, transfers: int, phantom: str | None = None) -> None:
         """Send ``req`` to the device (or park it as a phantom that will time out)."""
         with self._submit_lock:
@@ -434,16 +447,7 @@ class Replica:
                     or self._pids.dead_pid() is not None):
                 self._ensure_usable()
             try:
-                try:
-                    tid = _thread_ids.native_id   # a system call: once per thread
-                except AttributeError:
-                    tid = _thread_ids.native_id = _native_id()
-                if tid != self._hint_tid:
-                    # The IPU process keeps off the CPU of the thread that submits (and,
-                    # most often, waits): ipu_emulator.device._placement reads it from the rings.
-                    for ring in self._in_rings.values():
-                        ring.set_user_word(tid)
-                    self._hint_tid = tid
+                self._hint_thread()
                 if phantom is not None:
                     self._timers.add_phantom(req, phantom, self._partial)
                 elif self.setup.dynamic:
@@ -490,14 +494,7 @@ class Replica:
                     or self._timers.has_phantoms or self._closed or self._error is not None
                     or not self._pids_exact or self._pids.dead_pid() is not None):
                 return None        # busy, or something is off: submit sorts it out
-            try:
-                tid = _thread_ids.native_id
-            except AttributeError:
-                tid = _thread_ids.native_id = _native_id()
-            if tid != self._hint_tid:     # as in submit
-                for ring in self._in_rings.values():
-                    ring.set_user_word(tid)
-                self._hint_tid = tid
+            self._hint_thread()
             try:
                 for name, spec, ring, fb in self._in_plan:    # last-read first (_write_whole)
                     arr = inputs.get(name)

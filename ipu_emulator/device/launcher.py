@@ -242,16 +242,7 @@ class IpuProcess:
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Ask the process to exit; escalate to SIGTERM then SIGKILL (with a warning)."""
-        if self.returncode() is None:
-            self.send_shutdown(timeout)
-            if self.wait_exit(timeout) is None:
-                _log.warning("%s ignored SHUTDOWN for %g s; terminating it",
-                             self.describe_exit(), timeout)
-                self._popen.terminate()
-                if self.wait_exit(2.0) is None:
-                    _log.warning("%s ignored SIGTERM; killing it", self.describe_exit())
-                    self._popen.kill()
-                    self.wait_exit(5.0)
+        shutdown_all([self], timeout)
 
     def send_shutdown(self, timeout: float = 5.0) -> None:
         """Send SHUTDOWN without waiting for the exit (see shutdown_all)."""
@@ -262,6 +253,11 @@ class IpuProcess:
         except Exception as exc:  # full ring, dead peer, closed: the caller escalates
             _log.debug("could not send SHUTDOWN to %s: %s", self.describe_exit(), exc)
 
+    def send_terminate(self) -> None:
+        """SIGTERM without waiting for the exit (see shutdown_all)."""
+        if self.returncode() is None:
+            self._popen.terminate()
+
     def send_kill(self) -> None:
         """SIGKILL without waiting for the exit (see kill_all)."""
         if self.returncode() is None:
@@ -269,9 +265,7 @@ class IpuProcess:
 
     def kill(self) -> None:
         """SIGKILL the process (tests, and a host giving up on a hung device)."""
-        if self.returncode() is None:
-            self._popen.kill()
-            self.wait_exit(5.0)
+        kill_all([self])
 
     def close(self) -> None:
         """Shut the process down and destroy its rings (idempotent)."""
@@ -390,7 +384,7 @@ def shutdown_all(processes: "list[Any]", timeout: float = 5.0) -> None:
         return
     for p in late:
         _log.warning("%s ignored SHUTDOWN for %g s; terminating it", p.describe_exit(), timeout)
-        p._popen.terminate()
+        p.send_terminate()
     late = _wait_all(late, 2.0)
     for p in late:
         _log.warning("%s ignored SIGTERM; killing it", p.describe_exit())

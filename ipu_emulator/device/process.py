@@ -76,7 +76,6 @@ _GROUP_SLICE = 0.01
 _HOST_CHECK = 0.25  # seconds between checks that the host is alive
 _CACHE = 4        # loaded executables kept per device (sessions sharing it)
 _PREFAULT_MAX = 512 * 1024   # pre-fault stream rings with transfers up to this size
-"""A sched_yield() that took longer (ns) ran another task on this vCPU."""
 
 
 @dataclass(frozen=True)

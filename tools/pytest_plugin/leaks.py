@@ -25,11 +25,14 @@ import threading
 import traceback
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import pytest
 
 from tools.pytest_plugin.machine import remove_shm_entries, shm_entries
+
+if TYPE_CHECKING:  # pragma: no cover
+    import psutil
 
 __all__ = ["LeakGuard", "creation_summary"]
 
@@ -236,7 +239,8 @@ def _quietly(fn: Callable[[], Any]) -> None:
         pass
 
 
-def _still_running(pids: list[int], timeout: float) -> list[int]:
+def _processes(pids: list[int]) -> "list[psutil.Process]":
+    """The processes of ``pids`` that still exist."""
     import psutil
 
     procs = []
@@ -245,7 +249,13 @@ def _still_running(pids: list[int], timeout: float) -> list[int]:
             procs.append(psutil.Process(pid))
         except psutil.Error:
             pass
-    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    return procs
+
+
+def _still_running(pids: list[int], timeout: float) -> list[int]:
+    import psutil
+
+    _, alive = psutil.wait_procs(_processes(pids), timeout=timeout)
     running = []
     for p in alive:
         try:
@@ -259,12 +269,7 @@ def _still_running(pids: list[int], timeout: float) -> list[int]:
 def _stop_processes(pids: list[int]) -> None:
     import psutil
 
-    procs = []
-    for pid in pids:
-        try:
-            procs.append(psutil.Process(pid))
-        except psutil.Error:
-            pass
+    procs = _processes(pids)
     for p in procs:
         _quietly(p.terminate)
     _, alive = psutil.wait_procs(procs, timeout=5)
