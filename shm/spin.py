@@ -39,11 +39,12 @@ def us_to_ns(us: float, zero: int = 0) -> int:
 
 
 def spin_until(ready: Callable[[], Any], budget_ns: int, shared_ns: int = NEVER,
-               yield_cpu: bool = True) -> bool:
+               yield_cpu: bool = True, on_shared: Callable[[], None] | None = None) -> bool:
     """Poll ``ready()`` until it is true (True) or ``budget_ns`` has passed (False).
 
     With ``yield_cpu`` the CPU is yielded between polls (the peer may share it), and a
-    yield that took longer than ``shared_ns`` ends the poll at once (False).
+    yield that took longer than ``shared_ns`` ends the poll at once (False), after
+    calling ``on_shared()`` if given.
     """
     clock = time.perf_counter_ns
     stop = clock() + budget_ns
@@ -65,5 +66,7 @@ def spin_until(ready: Callable[[], Any], budget_ns: int, shared_ns: int = NEVER,
             return False
         yield_now()
         if clock() - t > shared_ns:
+            if on_shared is not None:
+                on_shared()
             return False
     return True

@@ -263,20 +263,16 @@ class _RingIO:
         # instead (unless keeping apart), the wake-up lets the scheduler move one of us to
         # an idle vCPU (two polling processes on one vCPU are never separated)
         shared = NEVER if self._dev.keeps_apart else _YIELDED_NS
-        t0 = time.perf_counter_ns()
-        if spin_until(ready, _SPIN_NS, shared):
-            return True
-        spent = time.perf_counter_ns() - t0
-        if shared != NEVER and not _SPIN_NS <= spent <= _SPIN_NS + shared:
-            # Ended by a yield that ran another task (not by the budget): skip the next
-            # polls too. On a busy machine, or with both ends of a link on one vCPU,
-            # each such yield may give away the rest of a time slice (measured: 0.3-2.3
-            # ms a poll on average with the load at 11 on 2 vCPUs). A number of polls,
-            # not a raised wait estimate: waits that block include a wake-up, so a
-            # raised estimate could keep polling off for good on two idle vCPUs, where
-            # polling is what spares the wake-ups.
-            self._skip_polls = _BACKOFF_POLLS
-        return False
+        return spin_until(ready, _SPIN_NS, shared, on_shared=self._back_off)
+
+    def _back_off(self) -> None:
+        """A poll's yield ran another task: skip the next polls too. On a busy machine,
+        or with both ends of a link on one vCPU, each such yield may give away the rest of
+        a time slice (measured: 0.3-2.3 ms a poll on average with the load at 11 on 2
+        vCPUs). A number of polls, not a raised wait estimate: waits that block include a
+        wake-up, so a raised estimate could keep polling off for good on two idle vCPUs,
+        where polling is what spares the wake-ups."""
+        self._skip_polls = _BACKOFF_POLLS
 
     def _check_transfer(self, handle: str, view: memoryview, action: InAction,
                         nbytes: int) -> None:

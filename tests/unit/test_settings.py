@@ -212,6 +212,15 @@ def test_spin_until_gives_up_when_a_yield_shows_a_shared_cpu() -> None:
     assert len(polls) == 1     # one yield took longer than 0 ns: stop at once
 
 
+def test_spin_until_says_when_it_gave_up_for_a_shared_cpu() -> None:
+    told: list[int] = []
+    assert spin_until(lambda: False, 10**10, shared_ns=0, on_shared=lambda: told.append(1)) \
+        is False
+    assert told == [1]
+    assert spin_until(lambda: False, 1_000_000, on_shared=lambda: told.append(2)) is False
+    assert told == [1]         # ended by its budget: not told
+
+
 def test_microseconds_to_nanoseconds() -> None:
     assert us_to_ns(50.0) == 50_000 and us_to_ns(0.0) == 0 and us_to_ns(0.0, NEVER) == NEVER
     assert us_to_ns(2.5) == 2500
