@@ -183,6 +183,12 @@ class Settings:
         "how long a session's stop or close waits for its device's main loop",
         used_in="host_runtime/session/_session.py, host_runtime/session/_fastpath.py, "
                 "host_runtime/runner/_replica.py")
+    host_sync_timeout: float = _knob(
+        60.0, "IPU_EMULATOR_HOST_SYNC_TIMEOUT", _seconds,
+        "the longest any host call waits on a device or daemon that makes no progress (a "
+        "stopped or stuck peer) before it fails with a named error (modelled on Poplar's "
+        "`target.hostSyncTimeout`); read when a runner, session, device or queue is made",
+        when="call", used_in="host_runtime/_deadline.py")
     daemon_handover_timeout: float = _knob(
         30.0, "IPU_EMULATOR_DAEMON_HANDOVER_TIMEOUT", _seconds,
         "how long a daemon's reset of an IPU between hosts may take before it restarts the "

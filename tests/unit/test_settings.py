@@ -45,7 +45,7 @@ def test_defaults_are_the_documented_ones() -> None:
         "IPU_EMULATOR_FORKSERVER": True, "IPU_EMULATOR_DEVICE_LOG_LEVEL": "WARNING",
         "IPU_EMULATOR_DAEMON_LOG_LEVEL": "INFO", "IPU_EMULATOR_START_TIMEOUT": 120.0,
         "IPU_EMULATOR_LOAD_TIMEOUT": 300.0, "IPU_EMULATOR_STOP_TIMEOUT": 30.0,
-        "IPU_EMULATOR_DAEMON_HANDOVER_TIMEOUT": 30.0}
+        "IPU_EMULATOR_HOST_SYNC_TIMEOUT": 60.0, "IPU_EMULATOR_DAEMON_HANDOVER_TIMEOUT": 30.0}
     with pytest.raises(AttributeError):
         s.ring_c = False   # type: ignore[misc]   # frozen
 
@@ -116,7 +116,7 @@ def test_read_once_then_reload_and_current(fresh) -> None:
 def test_the_call_time_knobs_are_the_ones_changed_at_run_time() -> None:
     assert {k.env for k in knobs() if k.when == "call"} == {
         "IPU_EMULATOR_FORKSERVER", "IPU_EMULATOR_KEEP_APART", "IPU_EMULATOR_DEVICE_LOG_LEVEL",
-        "IPU_EMULATOR_DAEMON_LOG_LEVEL"}
+        "IPU_EMULATOR_DAEMON_LOG_LEVEL", "IPU_EMULATOR_HOST_SYNC_TIMEOUT"}
 
 
 # -- every module reads its knobs through shm.settings --------------------------------------
