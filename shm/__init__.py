@@ -10,7 +10,7 @@ from ._address import buffer_address
 from .cleanup import remove_dead
 from .errors import (PeerDiedError, RingInvalidatedError, RingTimeoutError, ShmClosedError,
                      ShmError, WouldBlock)
-from .liveness import ExitWatch, PeerWatch, pid_alive
+from .liveness import ExitWatch, PeerWatch, describe_process, pid_alive, process_state
 from .region import Region
 from .ring import WAIT_SLICE, Ring
 
@@ -27,7 +27,9 @@ __all__ = [
     "WAIT_SLICE",
     "WouldBlock",
     "buffer_address",
+    "describe_process",
     "naming",
     "pid_alive",
+    "process_state",
     "remove_dead",
 ]

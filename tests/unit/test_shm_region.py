@@ -21,7 +21,8 @@ def test_public_surface() -> None:
     assert sorted(shm.__all__) == sorted([
         "ExitWatch", "PeerDiedError", "PeerWatch", "Region", "Ring", "RingInvalidatedError",
         "RingTimeoutError", "ShmClosedError", "ShmError", "WAIT_SLICE", "WouldBlock",
-        "buffer_address", "naming", "pid_alive", "remove_dead"])
+        "buffer_address", "describe_process", "naming", "pid_alive", "process_state",
+        "remove_dead"])
     assert issubclass(shm.RingTimeoutError, TimeoutError)
     for cls in (shm.PeerDiedError, shm.RingInvalidatedError, shm.RingTimeoutError,
                 shm.ShmClosedError, shm.WouldBlock):
