@@ -37,6 +37,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 from host_runtime.devices._daemon_client import DaemonAttachment, DaemonClient, daemon_from_env
 from host_runtime.devices._ipu_group import make_link
 from host_runtime.devices.link import DeviceLink, StreamServicer
+from host_runtime._deadline import host_sync_timeout
 from host_runtime._lifetime import close_owned
 from host_runtime.devices._shm_space import translated
 from host_runtime.errors import BadRequestError, DeviceUnavailableError, InvalidStateError
@@ -57,6 +58,10 @@ _log = logging.getLogger(__name__)
 
 _SMALL_MODEL_TILES = 4
 
+
+_SHUTDOWN_TIMEOUT = 5.0
+"""Seconds close() waits for the IPU processes to obey SHUTDOWN (at most the host sync
+timeout) before it terminates them (kills a stopped one)."""
 
 _IPU_RING_BYTES = 2 << 20
 """About what one IPU process's control and event rings take in /dev/shm (for messages)."""
@@ -310,7 +315,7 @@ class Device:
         try:
             # SHUTDOWN to every IPU process, then wait for all exits together; BYE ends
             # the event thread
-            shutdown_all(self._processes)
+            shutdown_all(self._processes, timeout=min(_SHUTDOWN_TIMEOUT, host_sync_timeout()))
             self._link.wake()    # (or, if the process died, this does)
             for proc in self._processes:
                 proc.close()

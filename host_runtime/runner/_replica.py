@@ -332,8 +332,10 @@ class Replica:
     def close(self, save: SaveFn | None = None, dropped: bool = False) -> None:
         """Stop the loop, optionally run the save programs, close the session (idempotent).
 
-        ``dropped``: the runner was dropped; a device that does not stop within
-        ``DROP_STOP_TIMEOUT`` is killed rather than waited for."""
+        Bounded: a device that does not stop within the stop timeout, or the host sync
+        timeout without an answer (a stopped or stuck IPU process), is killed and the
+        replica's resources released. ``dropped``: the runner was dropped; the bound is
+        ``DROP_STOP_TIMEOUT``."""
         with self._cv:
             if self._closed:
                 return
@@ -363,9 +365,9 @@ class Replica:
                     save(s)
                 except ModelRuntimeError as exc:
                     _log.warning("replica %d: save programs failed: %s", self.rid, exc)
-            s.stop_within(limit, kill_if_hung=dropped)
+            s.stop_within(limit, kill_if_hung=True)
         finally:
-            s.close_within(limit, kill_if_hung=dropped)
+            s.close_within(limit, kill_if_hung=True)
             self._session = None
             self._pids.close()
 
