@@ -385,8 +385,8 @@ def shutdown_all(processes: "list[Any]", timeout: float = 5.0) -> None:
     # a stopped process (SIGSTOP: state T) takes no SIGTERM until continued: kill it now
     stopped = [p for p in late if process_state(p.pid) in ("T", "t")]
     for p in stopped:
-        _log.warning("%s is stopped (state T) and ignored SHUTDOWN for %g s; killing it",
-                     p.describe_exit(), timeout)
+        _log.warning("%s (IPU process pid %d) is stopped (state T) and ignored SHUTDOWN for "
+                     "%g s; killing it", p.spec.describe(), p.pid, timeout)
     late = [p for p in late if p not in stopped]
     kill_all(stopped)
     for p in late:
