@@ -88,7 +88,8 @@ class ProcessLink:
         self._closing = False
         self._started = False
         self._final_seq: int | None = None   # the event thread ends after this answer
-        self.progress = time.monotonic()     # when the last event came (the peer's progress)
+        self._last_event = time.monotonic()  # when the last event came (the peer's progress)
+        self._servicing = False              # a stream callback of the host runs now
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -237,6 +238,13 @@ class ProcessLink:
         """The pids of the link's IPU processes."""
         return [p.pid for p in self._procs]
 
+    @property
+    def progress(self) -> float:
+        """When the device last showed progress: its last event, or now while the host
+        services one of its stream events (the device waits for the host then, e.g. for a
+        queue the application fills: not the device's lack of progress)."""
+        return time.monotonic() if self._servicing else self._last_event
+
     def notify(self, op: Op, body: Any = None) -> None:
         """Send a message that is not answered (MODES)."""
         if self._lost is not None:
@@ -384,11 +392,15 @@ def _serve_events(ref: "weakref.ref[ProcessLink]", events: Any) -> None:
         link = ref()
         if link is None:
             return
-        link.progress = time.monotonic()
+        link._last_event = time.monotonic()
+        link._servicing = True
         try:
             link._dispatch(msg)
         except Exception:  # never let a bug kill the service thread
             _log.exception("%s: while handling %s", link.description, msg.op.name)
+        finally:
+            link._servicing = False
+            link._last_event = time.monotonic()
         if msg.op is Op.BYE or (msg.seq == link._final_seq and msg.op is not Op.NEED
                                 and msg.op is not Op.OUT):
             return

@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import signal
+import threading
 import time
 from contextlib import contextmanager
 from datetime import timedelta
@@ -137,6 +138,26 @@ def test_session_run_and_close_with_a_stopped_ipu_process_are_bounded(model, wei
     finally:
         session.close()
         dev.close()
+
+
+def test_a_host_callback_slower_than_the_bound_is_not_the_device_stalling(model, weights):
+    """The bound is on the device's progress: while the host services a stream event (a
+    callback, e.g. one waiting for the application's queue) the device waits for the host."""
+    a, b = np.full(SHAPE, 3, np.float32), np.ones(SHAPE, np.float32)
+    out: list[np.ndarray] = []
+
+    def slow_a(view: memoryview) -> None:
+        threading.Event().wait(SYNC * 1.5)   # the application is slower than the bound
+        fill(a)(view)
+    with DeviceManager().getDevice(1, wait_config=PATIENT) as dev, Session(model) as session:
+        session.bindToDevice(dev)
+        session.setCallbackForAnchor("tensor_A", slow_a)
+        session.setCallbackForAnchor("tensor_B", fill(b))
+        session.setCallbackForAnchor("tensor_C", lambda v: out.append(
+            np.frombuffer(v, np.float32).reshape(SHAPE).copy()))
+        session.setCallbackForAnchor("weights_saved", lambda v: None)
+        session.runMainPrograms()
+    np.testing.assert_allclose(out[0], a * weights + b, rtol=1e-6)
 
 
 def test_session_load_on_a_stopped_ipu_process_is_bounded(model):
