@@ -54,7 +54,8 @@ from shm import (ExitWatch, PeerDiedError, Ring, RingInvalidatedError, RingTimeo
 from shm.settings import settings
 from shm.spin import NEVER, spin_until, us_to_ns
 
-from host_runtime.errors import DeviceLostError, InvalidStateError, ModelRuntimeError
+from host_runtime.errors import (DeviceLostError, DeviceTimeoutError, InvalidStateError,
+                                 ModelRuntimeError)
 from host_runtime.memory import PARALLEL_MIN_BYTES, copy_bytes
 from host_runtime.memory import SHARED_MIN_BYTES, shared_location
 from host_runtime.runner._batching import TensorSpec
@@ -365,6 +366,8 @@ class Replica:
                     save(s)
                 except ModelRuntimeError as exc:
                     _log.warning("replica %d: save programs failed: %s", self.rid, exc)
+                    if isinstance(exc, DeviceTimeoutError):
+                        limit = 0.0   # the bound is spent: kill the device, do not wait again
             s.stop_within(limit, kill_if_hung=True)
         finally:
             s.close_within(limit, kill_if_hung=True)

@@ -101,6 +101,24 @@ def test_runner_close_with_a_stopped_ipu_process_kills_it_within_the_bound(model
         runner.execute({"tensor_A": a, "tensor_B": a})
 
 
+def test_close_with_save_programs_and_a_stopped_ipu_process_spends_the_bound_once(
+        model_path, monkeypatch):
+    sync = 2.0
+    monkeypatch.setenv("IPU_EMULATOR_HOST_SYNC_TIMEOUT", str(sync))
+    cfg = model_runtime.ModelRunnerConfig(run_save_programs=True)
+    runner = model_runtime.ModelRunner(model_runtime.PopefPaths([model_path]), cfg)
+    a = np.ones(SHAPE, np.float32)
+    runner.execute({"tensor_A": a, "tensor_B": a})
+    pid = runner._replicas[0].session.device().pids()[0]
+    with stopped(pid):
+        start = time.monotonic()
+        runner.close()            # ending the loop for the save programs times out: kill
+        took = time.monotonic() - start
+        assert gone(pid)
+    assert sync <= took < 2 * sync, took   # not a second bound for the stop after it
+    assert cfg.replica_to_save_programs_outputs == {}   # the save programs did not run
+
+
 def test_session_run_and_close_with_a_stopped_ipu_process_are_bounded(model, weights):
     dev = DeviceManager().getDevice(1, wait_config=PATIENT)
     pid = dev.pids()[0]
