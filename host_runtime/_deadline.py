@@ -5,8 +5,8 @@ a queue operation, ``close``, attach and release) ends within the host sync
 timeout when the peer makes no progress, with an error that names what it
 waited for. ``IPU_EMULATOR_HOST_SYNC_TIMEOUT`` (seconds, default 60, modelled
 on Poplar's ``target.hostSyncTimeout``) sets it; it is read from the environment
-when a wait starts (a queue's ring: when the ring is made), so a test can change
-it with the environment.
+when a device (its link) or a queue's ring is made, and per request to a daemon,
+so a test can change it with the environment.
 
 Where it bounds (each names the peer's pid and state, ``stopped (state T)`` for
 a SIGSTOPped one, via :func:`shm.describe_process`):

@@ -189,8 +189,8 @@ class Settings:
         "stopped or stuck peer) before it fails with a named error (modelled on Poplar's "
         "`target.hostSyncTimeout`); read when a runner, session, device or queue is made",
         when="call", used_in="host_runtime/_deadline.py (its host_sync_timeout() bounds: "
-                             "devices/_link.py wait() of sessions and links; devices/_manager.py "
-                             "Device.close; devices/_daemon_client.py requests to the daemon; "
+                             "devices/_link.py links and their wait() (sessions; Device.close); "
+                             "devices/_daemon_client.py requests to the daemon; "
                              "queues/_spsc.py a producer waiting for a free slot)")
     daemon_handover_timeout: float = _knob(
         30.0, "IPU_EMULATOR_DAEMON_HANDOVER_TIMEOUT", _seconds,

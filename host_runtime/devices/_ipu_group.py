@@ -186,7 +186,12 @@ class GroupLink:
 
     def call(self, op: Op, body: Any = None, timeout: float | None = None) -> None:
         wait(self.request(op, body), timeout, f"{op.name} on {self.description}",
-             pids=self.pids(), progress=lambda: self.progress)
+             pids=self.pids(), progress=lambda: self.progress, sync=self.sync_timeout)
+
+    @property
+    def sync_timeout(self) -> float:
+        """The host sync timeout, read when the device was made."""
+        return self._members[0].sync_timeout
 
     @property
     def progress(self) -> float:

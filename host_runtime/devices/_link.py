@@ -30,6 +30,7 @@ import time
 
 from shm import PeerDiedError, RingTimeoutError, ShmError, describe_process, process_state
 
+from host_runtime._deadline import host_sync_timeout
 from host_runtime.devices.link import StreamServicer
 from host_runtime.errors import (BadRequestError, DeviceExecutionError, DeviceLostError,
                                  InvalidStateError, ModelRuntimeError, PackageHashMismatchError,
@@ -90,6 +91,7 @@ class ProcessLink:
         self._final_seq: int | None = None   # the event thread ends after this answer
         self._last_event = time.monotonic()  # when the last event came (the peer's progress)
         self._servicing = False              # a stream callback of the host runs now
+        self.sync_timeout = host_sync_timeout()   # read once, when the device is made
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -112,10 +114,9 @@ class ProcessLink:
     def _wait_ready(self, proc: IpuConnection) -> None:
         """``proc.wait_ready()`` (its own start timeout: a fresh process may import for a
         while), but a process stopped (state T) for the host sync timeout fails then."""
-        from host_runtime._deadline import host_sync_timeout
         from host_runtime.errors import DeviceTimeoutError
 
-        sync = host_sync_timeout()
+        sync = self.sync_timeout
         deadline = time.monotonic() + START_TIMEOUT
         while True:
             left = deadline - time.monotonic()
@@ -232,7 +233,7 @@ class ProcessLink:
         """Send a request and wait for its completion (raising its error); bounded by
         ``timeout`` and the host sync timeout (see :func:`wait`)."""
         wait(self.request(op, body), timeout, f"{op.name} on {self.description}",
-             pids=self.pids(), progress=lambda: self.progress)
+             pids=self.pids(), progress=lambda: self.progress, sync=self.sync_timeout)
 
     def pids(self) -> list[int]:
         """The pids of the link's IPU processes."""
@@ -409,12 +410,14 @@ def _serve_events(ref: "weakref.ref[ProcessLink]", events: Any) -> None:
 
 def wait(fut: "cf.Future[Any]", timeout: float | None, what: str,
          on_timeout: Callable[[], BaseException] | None = None, *,
-         pids: Sequence[int] = (), progress: Callable[[], float] | None = None) -> Any:
+         pids: Sequence[int] = (), progress: Callable[[], float] | None = None,
+         sync: float | None = None) -> Any:
     """``fut.result()``, bounded twice: DeviceTimeoutError after ``timeout`` s (the call's
     own bound, None: none), and after the host sync timeout
     (:func:`host_runtime._deadline.host_sync_timeout`) without progress of the peer.
 
-    ``progress()`` is the ``time.monotonic()`` of the peer's last sign of life (its last
+    ``sync`` is the host sync timeout (default: read now; a link reads it when it is
+    made). ``progress()`` is the ``time.monotonic()`` of the peer's last sign of life (its last
     event; default: the start of the wait); ``pids`` are the peer's IPU processes, named in
     the error with their state (``stopped (state T)`` for a SIGSTOPped one). When the call
     has its own ``timeout``, a peer that is running on a CPU (state R: e.g. loading a big
@@ -422,12 +425,12 @@ def wait(fut: "cf.Future[Any]", timeout: float | None, what: str,
     earliest of its result and its deadlines (re-checking ``progress`` at least each
     ``_RECHECK`` s), never in fixed slices past them.
     """
-    from host_runtime._deadline import host_sync_timeout
     from host_runtime.errors import DeviceTimeoutError
 
     start = time.monotonic()
     own = None if timeout is None else start + timeout
-    sync = host_sync_timeout()
+    if sync is None:
+        sync = host_sync_timeout()
     last = start
     while True:
         now = time.monotonic()

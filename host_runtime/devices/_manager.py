@@ -37,7 +37,6 @@ from typing import Any, Callable, Protocol, runtime_checkable
 from host_runtime.devices._daemon_client import DaemonAttachment, DaemonClient, daemon_from_env
 from host_runtime.devices._ipu_group import make_link
 from host_runtime.devices.link import DeviceLink, StreamServicer
-from host_runtime._deadline import host_sync_timeout
 from host_runtime._lifetime import close_owned
 from host_runtime.devices._shm_space import translated
 from host_runtime.errors import BadRequestError, DeviceUnavailableError, InvalidStateError
@@ -315,7 +314,8 @@ class Device:
         try:
             # SHUTDOWN to every IPU process, then wait for all exits together; BYE ends
             # the event thread
-            shutdown_all(self._processes, timeout=min(_SHUTDOWN_TIMEOUT, host_sync_timeout()))
+            shutdown_all(self._processes,
+                         timeout=min(_SHUTDOWN_TIMEOUT, self._link.sync_timeout))
             self._link.wake()    # (or, if the process died, this does)
             for proc in self._processes:
                 proc.close()

@@ -79,6 +79,10 @@ class DeviceLink(Protocol):
         """The pids of every IPU process of the device."""
 
     @property
+    def sync_timeout(self) -> float:
+        """The host sync timeout (seconds), read when the device was made."""
+
+    @property
     def progress(self) -> float:
         """``time.monotonic()`` of the device's last event (its progress, for the host
         sync timeout)."""

@@ -155,10 +155,11 @@ class DirectStreams:
         session._wake_streams()   # wakes the device now (see Session.stop)
         try:
             wait(fut, timeout, f"ending the main loop on {dev.describe()}", pids=dev.pids(),
-                 progress=lambda: dev.link.progress)
+                 progress=lambda: dev.link.progress,
+                 sync=dev.link.sync_timeout)
             try:
                 wait(loop, timeout, "the main loop to end", pids=dev.pids(),
-                     progress=lambda: dev.link.progress)
+                     progress=lambda: dev.link.progress, sync=dev.link.sync_timeout)
             except ModelRuntimeError:
                 pass  # its failure is reported through the loop future
         finally:

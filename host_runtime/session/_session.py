@@ -255,7 +255,8 @@ class Session:
             # control ring; reload() resets the rings
             self._wake_streams()
             wait(fut, timeout, f"stop on {dev.describe()}", pids=dev.pids(),
-                 progress=lambda: dev.link.progress)
+                 progress=lambda: dev.link.progress,
+                 sync=dev.link.sync_timeout)
         except DeviceLostError:
             pass
         except DeviceTimeoutError as exc:
@@ -695,7 +696,8 @@ class Session:
         fut = dev.link.request(Op.RUN, list(progs))
         try:
             wait(fut, None, f"{what} on {dev.describe()}", pids=dev.pids(),
-                 progress=lambda: dev.link.progress)
+                 progress=lambda: dev.link.progress,
+                 sync=dev.link.sync_timeout)
         except DeviceExecutionError as exc:
             new = self._streams.with_callback_error(exc, what)
             if new is exc:

@@ -2,7 +2,7 @@
 attach, a Session's waits and a queue operation.
 
 Each test sets a small host sync timeout (``IPU_EMULATOR_HOST_SYNC_TIMEOUT``, read when a
-wait starts) and checks the error's class and message (the peer's pid and ``stopped
+device, a queue or a daemon request is made) and checks the error's class and message (the peer's pid and ``stopped
 (state T)``) and the time taken, with a generous upper bound (the timeout + 2 s) for a
 loaded 2-core machine. A stopped process is continued (or killed) in a ``finally``; the
 autouse leak probe checks /dev/shm after each test.
