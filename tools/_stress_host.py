@@ -456,7 +456,7 @@ def _child(work: "_Simple", how: str, seed: int, hang: float) -> dict[str, Any]:
         work.runner.close()      # the child's copy only
         own.close()
     elif how == "del":
-        work.runner = None
+        del work.runner          # the child's copy of the host's runner goes
         del own
         gc.collect()
     elif how == "exit_hooks":   # what a normal exit runs (closes the child's own runner)

@@ -306,3 +306,24 @@ def test_a_child_exiting_the_whole_interpreter_leaves_the_parent_intact(model_pa
     for case in result["cases"]:
         assert result[case] == {"missing": [], "wrong": 0, "child": 0}, (case, result[case])
     assert result["left"] == []
+
+
+def test_a_poprt_runner_refuses_in_a_child_and_keeps_serving_the_parent(model_path, weights, mode):
+    from host_runtime.poprt import Runner
+
+    parent = os.getpid()
+    r = Runner(model_path)
+    try:
+        def child() -> dict[str, Any]:
+            return {"execute": error_of(lambda: r.execute(inputs(1.0),
+                                                          {"tensor_C": np.zeros(SHAPE, np.float32)})),
+                    "close": error_of(r.close)}
+
+        report = run_child(child)
+        assert report["execute"]["message"] == forked_message("ModelRunner", parent, report["pid"])
+        assert report["close"] == {"type": None}
+        out = np.zeros(SHAPE, np.float32)
+        r.execute(inputs(2.0), {"tensor_C": out})
+        np.testing.assert_allclose(out, 2.0 * weights + 0.5, rtol=1e-6)
+    finally:
+        r.close()
