@@ -169,7 +169,7 @@ class Settings:
         when="call", ipu=True, used_in="ipu_emulator/device/process.py")
     daemon_log_level: str = _knob(
         "INFO", "IPU_EMULATOR_DAEMON_LOG_LEVEL", _level,
-        "logging level of `ipu-emulator daemon start` (its `--log-level` default)",
+        "logging level of `ipu-emulator daemon` (its `--log-level` default)",
         when="call", used_in="tools/daemon.py")
     start_timeout: float = _knob(
         120.0, "IPU_EMULATOR_START_TIMEOUT", _seconds,
