@@ -327,3 +327,53 @@ def test_a_poprt_runner_refuses_in_a_child_and_keeps_serving_the_parent(model_pa
         np.testing.assert_allclose(out, 2.0 * weights + 0.5, rtol=1e-6)
     finally:
         r.close()
+
+
+def test_forking_while_another_thread_executes_neither_deadlocks_nor_mixes_answers(
+        model_path, weights, mode):
+    """A thread of the parent is inside execute (holding the thread_safe runner's call lock,
+    its ring slots, maybe the module locks) at each fork: the child's call on the runner
+    still raises at once, and its own runner works; the parent's thread gets 0 wrong."""
+    import threading
+
+    cfg = model_runtime.ModelRunnerConfig()
+    cfg.thread_safe = True
+    runner = model_runtime.ModelRunner(model_path, config=cfg)
+    stop = threading.Event()
+    counts = {"n": 0, "wrong": 0}
+    started = threading.Event()
+
+    def work() -> None:
+        i = 0
+        while not stop.is_set():
+            out = runner.execute(inputs(float(i)))["tensor_C"]
+            if not np.allclose(out, i * weights + 0.5, rtol=1e-6):
+                counts["wrong"] += 1
+            counts["n"] += 1
+            started.set()
+            i += 1
+
+    t = threading.Thread(target=work, daemon=True)
+    t.start()
+    try:
+        assert started.wait(60)
+        parent = os.getpid()
+        for _ in range(3):
+            def child() -> dict[str, Any]:
+                own = model_runtime.ModelRunner(model_path)
+                try:
+                    return {"parents": error_of(lambda: runner.execute(inputs(1.0))),
+                            "own": wrong_answers(own, weights, 5, 1.0)}
+                finally:
+                    own.close()
+
+            report = run_child(child, timeout=60)
+            assert report["parents"]["message"] == forked_message("ModelRunner", parent,
+                                                                   report["pid"])
+            assert report["own"] == 0
+    finally:
+        stop.set()
+        t.join(60)
+        runner.close()
+    assert not t.is_alive()
+    assert counts["wrong"] == 0 and counts["n"] > 0
