@@ -32,6 +32,7 @@ import fcntl
 import logging
 import os
 import stat
+import weakref
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -235,6 +236,22 @@ def _read_holder(path: str) -> int | None:
         return None
 
 
+# Locks held by this process, for the fork hook below.
+_held: "weakref.WeakSet[IpuLocks]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child closes its copies of the parent's lock descriptors at once. A flock
+    belongs to the open file, which the copies share: the child must never unlock it (nor
+    truncate the holder's pid), and while its copy stayed open the parent's release (a
+    close) would not free the IPU."""
+    for locks in list(_held):
+        locks._forget_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class IpuLocks:
     """Exclusive hold on a set of IPUs (all or none). ``release()`` is idempotent."""
 
@@ -243,6 +260,15 @@ class IpuLocks:
         self.lock_dir = lock_dir
         self._fds = fds
         self._pid = os.getpid()
+        _held.add(self)
+
+    def _forget_in_child(self) -> None:
+        fds, self._fds = self._fds, []
+        for fd in fds:
+            try:
+                os.close(fd)   # this process's descriptor: the parent's lock stays
+            except OSError:   # pragma: no cover
+                pass
 
     @classmethod
     def try_acquire(cls, lock_dir: str, ipus: tuple[int, ...]) -> "IpuLocks | dict[int, int | None]":

@@ -9,7 +9,7 @@ from . import naming
 from ._address import buffer_address
 from .cleanup import remove_dead
 from .errors import (PeerDiedError, RingInvalidatedError, RingTimeoutError, ShmClosedError,
-                     ShmError, WouldBlock)
+                     ShmError, ShmForkedError, WouldBlock)
 from .liveness import ExitWatch, PeerWatch, pid_alive
 from .region import Region
 from .ring import WAIT_SLICE, Ring
@@ -24,6 +24,7 @@ __all__ = [
     "RingTimeoutError",
     "ShmClosedError",
     "ShmError",
+    "ShmForkedError",
     "WAIT_SLICE",
     "WouldBlock",
     "buffer_address",

@@ -3,7 +3,8 @@
 Classes say who caused the failure: the peer process died
 (:class:`PeerDiedError`), someone invalidated the ring
 (:class:`RingInvalidatedError`), this process closed the object
-(:class:`ShmClosedError`), a wait ran out of time (:class:`RingTimeoutError`),
+(:class:`ShmClosedError`; :class:`ShmForkedError`: another process, of which this one
+is a fork, made it), a wait ran out of time (:class:`RingTimeoutError`),
 or a non-blocking call would have had to wait (:class:`WouldBlock`).
 """
 
@@ -15,6 +16,7 @@ __all__ = [
     "RingInvalidatedError",
     "RingTimeoutError",
     "ShmClosedError",
+    "ShmForkedError",
     "WouldBlock",
 ]
 
@@ -41,6 +43,16 @@ class RingTimeoutError(ShmError, TimeoutError):
 
 class ShmClosedError(ShmError):
     """The object was closed by this process and cannot be used any more."""
+
+
+class ShmForkedError(ShmClosedError):
+    """The object was made by another process (this one is a ``fork()`` of it): the ring's
+    other end is the creator's peer, so this process may not use it. ``owner_pid`` is the
+    process that made the object."""
+
+    def __init__(self, message: str, owner_pid: int) -> None:
+        super().__init__(message)
+        self.owner_pid = owner_pid
 
 
 class WouldBlock(ShmError):

@@ -4,6 +4,8 @@
 and owns it; ``Region.attach`` maps an existing one by name. ``close()`` means
 "this process stops using it"; ``unlink()`` destroys the name (normally once,
 by its owner; a survivor may unlink after the owner died). Both are idempotent.
+A process forked from the one that made a Region object never unlinks through
+it: the name belongs to its parent.
 
 Numpy arrays from :meth:`Region.ndarray` reference a memoryview that holds a
 buffer export of the mapping, so the mapping stays valid for as long as any
@@ -100,7 +102,7 @@ def _check_room(size: int, prefault: bool) -> None:
 class Region:
     """A mapped shared-memory segment. Use :meth:`create` or :meth:`attach`."""
 
-    __slots__ = ("_name", "_size", "_mmap", "_buf", "_owner", "_unlinked", "__weakref__")
+    __slots__ = ("_name", "_size", "_mmap", "_buf", "_owner", "_unlinked", "_pid", "__weakref__")
 
     def __init__(self, name: str, mm: mmap.mmap, size: int, owner: bool) -> None:
         self._name = name
@@ -109,6 +111,7 @@ class Region:
         self._buf: memoryview | None = memoryview(mm)
         self._owner = owner
         self._unlinked = False
+        self._pid = os.getpid()   # a forked child never unlinks (see unlink)
 
     # -- construction -------------------------------------------------------
 
@@ -216,8 +219,15 @@ class Region:
                 _log.debug("region %s: views still alive; unmapping when they die", self._name)
 
     def unlink(self) -> None:
-        """Destroy the name (idempotent). Mappings stay valid until closed."""
+        """Destroy the name (idempotent). Mappings stay valid until closed.
+
+        Only in the process that made this object: in a process forked from it, the
+        name is the parent's (or its peer's) and this does nothing."""
         if self._unlinked:
+            return
+        if self._pid != os.getpid():
+            _log.debug("region %s: not unlinked by process %d, a fork of its user %d",
+                       self._name, os.getpid(), self._pid)
             return
         self._unlinked = True
         _registry.unlink_name(self._name, "shm")

@@ -20,12 +20,13 @@ def _entry(name: str) -> str:
 def test_public_surface() -> None:
     assert sorted(shm.__all__) == sorted([
         "ExitWatch", "PeerDiedError", "PeerWatch", "Region", "Ring", "RingInvalidatedError",
-        "RingTimeoutError", "ShmClosedError", "ShmError", "WAIT_SLICE", "WouldBlock",
+        "RingTimeoutError", "ShmClosedError", "ShmError", "ShmForkedError", "WAIT_SLICE", "WouldBlock",
         "buffer_address", "naming", "pid_alive", "remove_dead"])
     assert issubclass(shm.RingTimeoutError, TimeoutError)
     for cls in (shm.PeerDiedError, shm.RingInvalidatedError, shm.RingTimeoutError,
                 shm.ShmClosedError, shm.WouldBlock):
         assert issubclass(cls, ShmError)
+    assert issubclass(shm.ShmForkedError, shm.ShmClosedError)
 
 
 def test_create_mode_0600_name_and_zero_fill() -> None:
