@@ -188,17 +188,12 @@ def load_system_config(environ: Mapping[str, str] | None = None) -> SystemConfig
 
 
 def _read_config_file(path: str) -> dict[str, object]:
-    try:
-        with open(path, "r", encoding="utf-8") as f:
-            text = f.read()
-    except OSError as exc:
-        raise SystemConfigError(f"cannot read IPU_EMULATOR_CONFIG file {path!r}: {exc}") from None
-    import yaml  # safe_load also reads JSON
+    from ipu_emulator.yaml_config import ConfigYamlError, load_yaml_file  # also reads JSON
 
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise SystemConfigError(f"IPU_EMULATOR_CONFIG file {path!r} is not valid YAML: {exc}") from None
+        data = load_yaml_file(path, "IPU_EMULATOR_CONFIG file")
+    except ConfigYamlError as exc:
+        raise SystemConfigError(str(exc)) from None
     if data is None:
         return {}
     if not isinstance(data, dict):

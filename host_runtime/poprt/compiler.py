@@ -42,7 +42,6 @@ __all__ = [
 _log = logging.getLogger(__name__)
 
 POPEF_NAME = "executable.popef"
-_MAX_YAML = 1 << 20
 _MAX_DIM = 1 << 40   # the executable format's bound on one dim
 
 
@@ -255,25 +254,14 @@ class FusionConfig:
 def load_config_yaml(path: str | os.PathLike[str],
                      overrides: dict[str, Any] | None = None) -> FusionConfig:
     """Read a model fusion YAML; ``overrides`` (from the command line) win over its globals."""
-    import yaml
-
     from ipu_emulator.compiler import ModelSpec
+    from ipu_emulator.yaml_config import ConfigYamlError, load_yaml_file
 
     p = pathlib.Path(path)
     try:
-        size = p.stat().st_size
-        if size > _MAX_YAML:
-            raise BadRequestError(f"config {str(p)!r} is {size} bytes; the limit is {_MAX_YAML}")
-        doc = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise BadRequestError(f"cannot read config {str(p)!r}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError as exc:
-        raise BadRequestError(f"config {str(p)!r} is not UTF-8 text: byte {exc.start} is "
-                              f"{exc.object[exc.start:exc.start + 1]!r}") from None
-    except yaml.YAMLError as exc:
-        raise BadRequestError(f"config {str(p)!r} is not valid YAML: {exc}") from None
-    except RecursionError:
-        raise BadRequestError(f"config {str(p)!r} nests too deeply to be a config") from None
+        doc = load_yaml_file(p, "config")
+    except ConfigYamlError as exc:
+        raise BadRequestError(str(exc)) from None
     if not isinstance(doc, dict):
         raise BadRequestError(f"config {str(p)!r} must be a mapping of keys, got "
                               f"{type(doc).__name__}")

@@ -78,7 +78,6 @@ _log = logging.getLogger(__name__)
 
 IPU_ATTR = "__ipu_number"
 STAGE_ATTR = "__pipeline_stage"
-_MAX_YAML = 1 << 20
 
 
 def _link(src: int, dst: int, tensor: str) -> str:
@@ -103,18 +102,13 @@ class Placement:
 def load_sharding_yaml(path: "str | os.PathLike[str]") -> tuple[dict[str, int], dict[str, int]]:
     """Read ``shard.yaml``: maps ``sharding_info`` (node -> IPU) and ``pipelining_info``
     (node -> stage). Raises CompileError naming the file and the key."""
-    import yaml
+    from ipu_emulator.yaml_config import ConfigYamlError, load_yaml_file
 
     p = os.fspath(path)
     try:
-        if os.path.getsize(p) > _MAX_YAML:
-            raise CompileError(f"sharding config {p!r} is larger than {_MAX_YAML} bytes")
-        with open(p, encoding="utf-8") as f:
-            doc = yaml.safe_load(f)
-    except OSError as exc:
-        raise CompileError(f"cannot read sharding config {p!r}: {exc.strerror or exc}") from None
-    except yaml.YAMLError as exc:
-        raise CompileError(f"sharding config {p!r} is not valid YAML: {exc}") from None
+        doc = load_yaml_file(p, "sharding config")
+    except ConfigYamlError as exc:
+        raise CompileError(str(exc)) from None
     if doc is None:
         doc = {}
     if not isinstance(doc, dict):
