@@ -5,6 +5,10 @@ Classes say who caused the failure: the peer process died
 (:class:`RingInvalidatedError`), this process closed the object
 (:class:`ShmClosedError`), a wait ran out of time (:class:`RingTimeoutError`),
 or a non-blocking call would have had to wait (:class:`WouldBlock`).
+The operating system refused a resource: this process (or the system) has no
+file descriptor left (:class:`OutOfFileDescriptorsError`), /dev/shm or the
+memory behind it is full (:class:`ShmFullError`), the file-size limit is below
+the size asked (:class:`FileSizeLimitError`); ``shm.limits`` names them.
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ __all__ = [
     "RingTimeoutError",
     "ShmClosedError",
     "WouldBlock",
+    "OutOfFileDescriptorsError",
+    "ShmFullError",
+    "FileSizeLimitError",
     "echo",
 ]
 
@@ -48,6 +55,36 @@ class ShmClosedError(ShmError):
 
 class WouldBlock(ShmError):
     """A non-blocking call found no slot ready (ring full or empty)."""
+
+
+class OutOfFileDescriptorsError(ShmError, OSError):
+    """No file descriptor left: this process is at its ``RLIMIT_NOFILE`` (``errno``
+    EMFILE) or the system's file table is full (ENFILE). ``soft``/``hard``: the limit;
+    ``open_fds``: how many this process had open (None when it could not be counted)."""
+
+    def __init__(self, message: str, *, errno: int, soft: int, hard: int,
+                 open_fds: int | None) -> None:
+        super().__init__(message)
+        self.errno = errno
+        self.soft, self.hard, self.open_fds = soft, hard, open_fds
+
+
+class ShmFullError(ShmError, MemoryError):
+    """/dev/shm (or the memory that backs it) cannot hold what was asked: ``needed``
+    bytes against ``free`` (None when /dev/shm cannot be asked)."""
+
+    def __init__(self, message: str, *, needed: int | None, free: int | None) -> None:
+        super().__init__(message)
+        self.needed, self.free = needed, free
+
+
+class FileSizeLimitError(ShmError, OSError):
+    """The file-size limit (``RLIMIT_FSIZE``, ``soft``/``hard`` bytes) is smaller than the
+    shared-memory object asked (``needed`` bytes): the kernel refuses to size it (EFBIG)."""
+
+    def __init__(self, message: str, *, needed: int | None, soft: int, hard: int) -> None:
+        super().__init__(message)
+        self.needed, self.soft, self.hard = needed, soft, hard
 
 
 # -- echoing values into messages ------------------------------------------------
