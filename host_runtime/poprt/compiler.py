@@ -18,8 +18,11 @@ import logging
 import os
 import pathlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, BinaryIO, Sequence, cast
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Sequence, cast
 
+from shm.errors import echo
+
+from host_runtime._atomic_file import AtomicFile
 from host_runtime.errors import BadRequestError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -152,11 +155,11 @@ def compile(models: "ModelSpec | Sequence[ModelSpec] | str | os.PathLike[str] | 
         import onnx
 
         _make_dir(model_path.parent, "the folder of output_model")
-        _write_file(model_path, lambda: onnx.save(result.output_model, str(model_path)))
+        _write_file(model_path, lambda f: onnx.save(result.output_model, f))
         output.output_model_path = model_path
         _log.info("wrote the transformed ONNX model to %s", model_path)
     if popef_path is not None:
-        _write_file(popef_path, lambda: write_popef(result, popef_path, compress=compress))
+        _write_file(popef_path, lambda f: write_popef(result, f, compress=compress))
         output.popef_path = popef_path
         _log.info("wrote %s", popef_path)
     return output
@@ -185,20 +188,19 @@ def _make_dir(path: pathlib.Path, what: str) -> None:
                               f"{exc.strerror or exc}") from None
 
 
-def _write_file(path: pathlib.Path, write: Any) -> None:
-    """``write()`` creates ``path``; on an OS error (no space, no permission) the partial
-    file is removed and a BadRequestError says what happened."""
+def _write_file(path: pathlib.Path, write: Callable[[BinaryIO], None]) -> None:
+    """``write(f)`` fills a new file that then replaces ``path`` whole (a temporary file in
+    its folder, created O_EXCL|O_NOFOLLOW, renamed into place: ``_atomic_file``): a
+    symlink put at ``path`` meanwhile is replaced, never written through, and on an OS
+    error (no space, no permission) ``path`` is as it was and a BadRequestError says
+    what happened."""
     try:
-        write()
+        with AtomicFile(path) as f:
+            write(f)
     except (OSError, BadRequestError) as exc:
-        try:
-            if path.is_file():
-                path.unlink()
-        except OSError:
-            pass
         cause = exc.__cause__ if isinstance(exc, BadRequestError) and exc.__cause__ else exc
         text = getattr(cause, "strerror", None) or str(exc)
-        raise BadRequestError(f"cannot write {str(path)!r}: {text}") from None
+        raise BadRequestError(f"cannot write {echo(str(path), 200)}: {text}") from None
 
 
 def metadata_for(result: "CompileResult") -> "Metadata":
