@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from ipu_emulator.errors import SystemConfigError
+from shm.errors import echo
 
 _log = logging.getLogger(__name__)
 
@@ -70,12 +71,12 @@ class SystemConfig:
     def __post_init__(self) -> None:
         if self.ipu_version not in IPU_VERSIONS:
             raise SystemConfigError(
-                f"ipu_version must be one of {sorted(IPU_VERSIONS)}, got {self.ipu_version!r}")
+                f"ipu_version must be one of {sorted(IPU_VERSIONS)}, got {echo(self.ipu_version)}")
         for name, lo, hi in (("num_ipus", 0, _MAX_IPUS), ("tiles_per_ipu", 1, 1 << 20),
                              ("memory_per_tile", 1, 1 << 32), ("compute_threads", 1, 256)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
-                raise SystemConfigError(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
+                raise SystemConfigError(f"{name} must be an integer in [{lo}, {hi}], got {echo(value)}")
 
     @property
     def ipu_version_number(self) -> int:
@@ -121,7 +122,7 @@ def private_dir(path: str) -> str:
         except FileExistsError:
             pass
         except OSError as exc:
-            raise SystemConfigError(f"cannot create the emulator home {path!r}: "
+            raise SystemConfigError(f"cannot create the emulator home {echo(path, 200)}: "
                                     f"{exc.strerror or exc}; set IPU_EMULATOR_HOME") from None
         try:
             st = os.lstat(path)
@@ -129,14 +130,14 @@ def private_dir(path: str) -> str:
             continue
         break
     else:
-        raise SystemConfigError(f"the emulator home {path!r} keeps disappearing; set "
+        raise SystemConfigError(f"the emulator home {echo(path, 200)} keeps disappearing; set "
                                 "IPU_EMULATOR_HOME")
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise SystemConfigError(f"the emulator home {path!r} is not a folder (a symlink or "
+        raise SystemConfigError(f"the emulator home {echo(path, 200)} is not a folder (a symlink or "
                                 "file someone else may have put there); remove it or set "
                                 "IPU_EMULATOR_HOME")
     if st.st_uid != uid:
-        raise SystemConfigError(f"the emulator home {path!r} belongs to uid {st.st_uid}, not "
+        raise SystemConfigError(f"the emulator home {echo(path, 200)} belongs to uid {st.st_uid}, not "
                                 f"to this user (uid {uid}); refusing to share it: remove it "
                                 "or set IPU_EMULATOR_HOME")
     if st.st_mode & 0o022:
@@ -148,7 +149,7 @@ def private_dir(path: str) -> str:
 
 def _parse_int(name: str, text: object) -> int:
     if isinstance(text, bool):
-        raise SystemConfigError(f"{name} must be an integer, got {text!r}")
+        raise SystemConfigError(f"{name} must be an integer, got {echo(text)}")
     if isinstance(text, int):
         return text
     s = str(text).strip()
@@ -160,7 +161,7 @@ def _parse_int(name: str, text: object) -> int:
     try:
         return int(s)
     except ValueError:
-        raise SystemConfigError(f"{name} must be an integer, got {text!r}") from None
+        raise SystemConfigError(f"{name} must be an integer, got {echo(text)}") from None
 
 
 _KEYS = ("num_ipus", "ipu_version", "tiles_per_ipu", "memory_per_tile", "compute_threads")
@@ -198,11 +199,11 @@ def _read_config_file(path: str) -> dict[str, object]:
         return {}
     if not isinstance(data, dict):
         raise SystemConfigError(
-            f"IPU_EMULATOR_CONFIG file {path!r} must hold a mapping, got {type(data).__name__}")
+            f"IPU_EMULATOR_CONFIG file {echo(path, 200)} must hold a mapping, got {type(data).__name__}")
     unknown = sorted(set(map(str, data)) - set(_KEYS))
     if unknown:
         raise SystemConfigError(
-            f"IPU_EMULATOR_CONFIG file {path!r} has unknown keys {unknown}; expected some of {list(_KEYS)}")
+            f"IPU_EMULATOR_CONFIG file {echo(path, 200)} has unknown keys {echo(unknown, 200)}; expected some of {list(_KEYS)}")
     return {str(k): v for k, v in data.items()}
 
 

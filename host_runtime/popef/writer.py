@@ -98,10 +98,10 @@ class Writer:
         raw = _as_bytes(data, "feed data")
         n = int(num_transfers)
         if not 1 <= n <= fmt.MAX_FEED_TRANSFERS:
-            raise BadRequestError(f"feed data for {anchor_name!r}: num_transfers must be in "
+            raise BadRequestError(f"feed data for {echo(anchor_name)}: num_transfers must be in "
                                   f"[1, {fmt.MAX_FEED_TRANSFERS}], got {num_transfers}")
         if len(raw) % n:
-            raise BadRequestError(f"feed data for {anchor_name!r}: {len(raw)} bytes is not a "
+            raise BadRequestError(f"feed data for {echo(anchor_name)}: {len(raw)} bytes is not a "
                                   f"whole number of {n} transfers")
         self._blob(fmt.BlobType.FEED_DATA, anchor_name, raw, aux=n)
 
@@ -167,7 +167,7 @@ class Writer:
     @staticmethod
     def _nonempty(name: str, what: str) -> None:
         if not isinstance(name, str) or not name:
-            raise BadRequestError(f"{what} blob needs a non-empty anchor/blob name, got {name!r}")
+            raise BadRequestError(f"{what} blob needs a non-empty anchor/blob name, got {echo(name)}")
 
     def _blob(self, btype: fmt.BlobType, name: str, payload: bytes | memoryview, flags: int = 0,
               aux: int = 0) -> None:
@@ -176,7 +176,7 @@ class Writer:
         try:
             name_raw = name.encode("utf-8")
         except UnicodeEncodeError:
-            raise BadRequestError(f"blob name {name!r} cannot be encoded as UTF-8") from None
+            raise BadRequestError(f"blob name {echo(name)} cannot be encoded as UTF-8") from None
         if len(name_raw) > fmt.MAX_NAME_BYTES:
             raise BadRequestError(f"blob name of {len(name_raw)} bytes exceeds the limit of "
                                   f"{fmt.MAX_NAME_BYTES}")
@@ -191,7 +191,7 @@ class Writer:
 
     def _write(self, data: bytes | memoryview) -> None:
         if self._f is None:
-            raise InvalidStateError(f"PopEF writer for {self._name!r} is closed")
+            raise InvalidStateError(f"PopEF writer for {echo(self._name, 200)} is closed")
         self._f.write(data)
         self._offset += len(data)
 

@@ -61,17 +61,17 @@ def parse_input_shape(text: str) -> tuple[str, list[int]]:
     """``"X=1,3,224,224"`` -> ``("X", [1, 3, 224, 224])``; ``"X="`` is a scalar."""
     name, sep, dims = str(text).rpartition("=")
     if not sep or not name:
-        raise BadRequestError(f"input shape {text!r} must look like NAME=d0,d1,... "
+        raise BadRequestError(f"input shape {echo(text)} must look like NAME=d0,d1,... "
                               "(for example X=1,3,224,224)")
     try:
         shape = [int(d) for d in dims.replace(" ", "").split(",") if d != ""]
     except ValueError:
-        raise BadRequestError(f"input shape {text!r}: dims must be integers") from None
+        raise BadRequestError(f"input shape {echo(text)}: dims must be integers") from None
     if any(d < 0 for d in shape):
-        raise BadRequestError(f"input shape {text!r}: dims must be non-negative")
+        raise BadRequestError(f"input shape {echo(text)}: dims must be non-negative")
     big = [d for d in shape if d > _MAX_DIM]
     if big:
-        raise BadRequestError(f"input shape {text!r}: dim {big[0]} exceeds the limit of "
+        raise BadRequestError(f"input shape {echo(text)}: dim {echo(big[0])} exceeds the limit of "
                               f"{_MAX_DIM}")
     return name, shape
 
@@ -168,13 +168,14 @@ def compile(models: "ModelSpec | Sequence[ModelSpec] | str | os.PathLike[str] | 
 def _inside(out_dir: pathlib.Path, name: Any, key: str) -> pathlib.Path:
     """``out_dir / name``, refused unless it stays inside ``out_dir``."""
     if not isinstance(name, (str, os.PathLike)) or not os.fspath(name):
-        raise BadRequestError(f"{key} must be a non-empty file name, got {name!r}")
+        raise BadRequestError(f"{key} must be a non-empty file name, got {echo(name)}")
     rel = pathlib.Path(name)
     base = out_dir.resolve()
     path = (base / rel).resolve()
     if rel.is_absolute() or path == base or not path.is_relative_to(base):
-        raise BadRequestError(f"{key} {os.fspath(name)!r} must name a file inside the output "
-                              f"folder {str(out_dir)!r}; it resolves to {str(path)!r}")
+        raise BadRequestError(f"{key} {echo(os.fspath(name), 200)} must name a file inside the "
+                              f"output folder {echo(str(out_dir), 200)}; it resolves to "
+                              f"{echo(str(path), 200)}")
     return out_dir / rel
 
 
@@ -182,9 +183,9 @@ def _make_dir(path: pathlib.Path, what: str) -> None:
     try:
         path.mkdir(parents=True, exist_ok=True)
     except FileExistsError:
-        raise BadRequestError(f"{what} {str(path)!r} exists and is not a folder") from None
+        raise BadRequestError(f"{what} {echo(str(path), 200)} exists and is not a folder") from None
     except OSError as exc:
-        raise BadRequestError(f"cannot create {what} {str(path)!r}: "
+        raise BadRequestError(f"cannot create {what} {echo(str(path), 200)}: "
                               f"{exc.strerror or exc}") from None
 
 
@@ -264,49 +265,50 @@ def load_config_yaml(path: str | os.PathLike[str],
         doc = load_yaml_file(p, "config")
     except ConfigYamlError as exc:
         raise BadRequestError(str(exc)) from None
+    where = f"config {echo(str(p), 200)}"
     if not isinstance(doc, dict):
-        raise BadRequestError(f"config {str(p)!r} must be a mapping of keys, got "
+        raise BadRequestError(f"{where} must be a mapping of keys, got "
                               f"{type(doc).__name__}")
     unknown = sorted(set(doc) - _GLOBAL_KEYS)
     if unknown:
-        raise BadRequestError(f"config {str(p)!r}: unknown keys {unknown}; expected some of "
+        raise BadRequestError(f"{where}: unknown keys {echo(unknown, 200)}; expected some of "
                               f"{sorted(_GLOBAL_KEYS)}")
     doc.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    _check_text(doc, f"config {str(p)!r}")
+    _check_text(doc, where)
     for key, kind in _TYPES.items():
         if key in doc and (not isinstance(doc[key], kind)
                            or (kind is int and isinstance(doc[key], bool))):
-            raise BadRequestError(f"config {str(p)!r}: {key} must be {_TYPE_WORDS[kind]}, "
-                                  f"got {doc[key]!r:.80} ({type(doc[key]).__name__})")
+            raise BadRequestError(f"{where}: {key} must be {_TYPE_WORDS[kind]}, "
+                                  f"got {echo(doc[key])} ({type(doc[key]).__name__})")
     base = p.resolve().parent
     entries = doc.get("model_fusion")
     if not isinstance(entries, list) or not entries:
-        raise BadRequestError(f"config {str(p)!r}: model_fusion must be a non-empty list of "
+        raise BadRequestError(f"{where}: model_fusion must be a non-empty list of "
                               "models (input_model, input_shape, precision)")
-    global_shapes = _shapes(doc.get("input_shape"), f"config {str(p)!r}")
+    global_shapes = _shapes(doc.get("input_shape"), where)
     global_precision = doc.get("precision", "fp32")
     specs: list[ModelSpec] = []
     for k, e in enumerate(entries):
-        where = f"config {str(p)!r}: model_fusion[{k}]"
+        at = f"{where}: model_fusion[{k}]"
         if not isinstance(e, dict):
-            raise BadRequestError(f"{where} must be a mapping, got {type(e).__name__}")
+            raise BadRequestError(f"{at} must be a mapping, got {type(e).__name__}")
         bad = sorted(set(e) - _MODEL_KEYS)
         if bad:
-            raise BadRequestError(f"{where}: unknown keys {bad}; expected some of "
+            raise BadRequestError(f"{at}: unknown keys {echo(bad, 200)}; expected some of "
                                   f"{sorted(_MODEL_KEYS)}")
         if not isinstance(e.get("input_model"), str):
-            raise BadRequestError(f"{where}: input_model (a path) is required")
+            raise BadRequestError(f"{at}: input_model (a path) is required")
         if not isinstance(e.get("precision", ""), str):
-            raise BadRequestError(f"{where}: precision must be a str, got "
-                                  f"{e['precision']!r:.80}")
+            raise BadRequestError(f"{at}: precision must be a str, got "
+                                  f"{echo(e['precision'])}")
         shapes = dict(global_shapes)
-        shapes.update(_shapes(e.get("input_shape"), where))
+        shapes.update(_shapes(e.get("input_shape"), at))
         precision = cast(str, e.get("precision", global_precision))   # both checked above
         specs.append(ModelSpec(base / e["input_model"], shapes, precision))
     out_dir = base / doc.get("output_dir", "./")
     for key in ("output_model", "popef_name"):   # checked now: the config's error, not later
         if doc.get(key) is not None:
-            _inside(out_dir, doc[key], f"config {str(p)!r}: {key}")
+            _inside(out_dir, doc[key], f"{where}: {key}")
     options: dict[str, Any] = {
         # As in seed 004: the PopEF file is written only when export_popef is true.
         "export_popef": doc.get("export_popef", False),
@@ -349,7 +351,8 @@ _TYPE_WORDS = {str: "a str", bool: "a bool (true or false, unquoted)", int: "an 
 
 def _int(v: Any, key: str, p: pathlib.Path) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
-        raise BadRequestError(f"config {str(p)!r}: {key} must be an integer, got {v!r}")
+        raise BadRequestError(f"config {echo(str(p), 200)}: {key} must be an integer, got "
+                              f"{echo(v)}")
     return v
 
 
@@ -361,7 +364,7 @@ def _check_text(v: Any, where: str, depth: int = 0) -> None:
         try:
             v.encode("utf-8")
         except UnicodeEncodeError as exc:
-            raise BadRequestError(f"{where}: the string {v!r:.80} holds a lone surrogate "
+            raise BadRequestError(f"{where}: the string {echo(v)} holds a lone surrogate "
                                   f"at character {exc.start}; expected valid Unicode "
                                   "text") from None
     elif isinstance(v, dict):
