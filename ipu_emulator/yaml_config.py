@@ -72,8 +72,13 @@ def _count(text: str) -> None:
     done: dict[str, int] = {}            # anchor -> expanded size of its (complete) node
     open_anchors: set[str] = set()
 
+    aliases = 0
+
     def finish(size: int, anchor: str | None, mark: Any) -> None:
         if size > MAX_NODES:
+            if not aliases:
+                raise _Refused(f"holds more than {MAX_NODES} values (at {_where(mark)}); "
+                               "expected a config (tens to thousands of values)")
             raise _Refused(f"its aliases expand past {MAX_NODES} values at {_where(mark)} "
                            "(a 'billion laughs' document?); expected a config of plain "
                            "values: write them out instead of repeating aliases")
@@ -100,6 +105,7 @@ def _count(text: str) -> None:
             elif isinstance(ev, yaml.ScalarEvent):
                 finish(1, ev.anchor, ev.start_mark)
             elif isinstance(ev, yaml.AliasEvent):
+                aliases += 1
                 if ev.anchor in open_anchors:
                     raise _Refused(f"the alias *{echo(ev.anchor, 40, quote=False)} at "
                                    f"{_where(ev.start_mark)} refers to a node that contains "

@@ -173,9 +173,9 @@ def _inside(out_dir: pathlib.Path, name: Any, key: str) -> pathlib.Path:
     base = out_dir.resolve()
     path = (base / rel).resolve()
     if rel.is_absolute() or path == base or not path.is_relative_to(base):
-        raise BadRequestError(f"{key} {echo(os.fspath(name), 200)} must name a file inside the "
-                              f"output folder {echo(str(out_dir), 200)}; it resolves to "
-                              f"{echo(str(path), 200)}")
+        raise BadRequestError(f"{key} {echo(os.fspath(name), 120)} must name a file inside the "
+                              f"output folder {echo(str(out_dir), 160)}; it resolves to "
+                              f"{echo(str(path), 120)}")
     return out_dir / rel
 
 

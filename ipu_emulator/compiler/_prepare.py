@@ -172,7 +172,7 @@ def _fix_input_shapes(model: onnx.ModelProto, label: str, shapes: dict[str, list
         vi = by_name.get(name)
         if vi is None:
             raise CompileError(f"model {echo(label, 200)}: --input_shape names {echo(name)}, which is not an "
-                               f"input; the inputs are {sorted(by_name)}")
+                               f"input; the inputs are {echo(sorted(by_name), 200)}")
         if any(not isinstance(d, (int, np.integer)) or d < 0 for d in dims):
             raise CompileError(f"model {echo(label, 200)}: --input_shape {echo(name, quote=False)}={echo(dims)} must be "
                                "non-negative integers")

@@ -102,6 +102,13 @@ def test_expansion_just_under_the_bound_is_read():
         load_yaml_text(_bomb("k", 6), "doc")
 
 
+def test_too_many_values_without_aliases():
+    with pytest.raises(ConfigYamlError) as info:
+        load_yaml_text("k: [" + "1, " * MAX_NODES + "]", "doc")
+    assert str(info.value) == (f"doc: holds more than {MAX_NODES} values (at line 1, column 4); "
+                               "expected a config (tens to thousands of values)")
+
+
 def test_recursive_alias_is_refused():
     with pytest.raises(ConfigYamlError) as info:
         load_yaml_text("a: &x [1, *x]\n", "doc")
