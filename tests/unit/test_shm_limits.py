@@ -22,6 +22,12 @@ from shm import limits
 from shm.errors import FileSizeLimitError, OutOfFileDescriptorsError, ShmFullError
 
 
+def _ours() -> set[str]:
+    """This process's objects in /dev/shm (names carry the creator's pid; the machine's
+    /dev/shm is shared with other test processes)."""
+    return {n for n in os.listdir("/dev/shm") if f"_{os.getpid()}_" in n}
+
+
 def _shm_has() -> str:
     return r"/dev/shm has \d+ bytes free of \d+"
 
@@ -76,7 +82,7 @@ def test_other_errors_are_not_named():
 
 def test_region_create_names_enospc(monkeypatch):
     """shm_open failing with ENOSPC (tmpfs out of inodes): /dev/shm full, nothing left."""
-    before = set(os.listdir("/dev/shm"))
+    before = _ours()
 
     def no_room(*a, **k):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -87,13 +93,13 @@ def test_region_create_names_enospc(monkeypatch):
                         rf"bytes: 8192 bytes needed, {_shm_has()}; .*", str(info.value))
     assert isinstance(info.value.__cause__, OSError)
     monkeypatch.undo()
-    assert set(os.listdir("/dev/shm")) - before == set()
+    assert _ours() - before == set()
 
 
 def test_ring_semaphores_name_enomem(monkeypatch):
     """sem_open failing with ENOMEM (posix_ipc: a bare MemoryError): the ring's region is
     removed again and the error is named."""
-    before = set(os.listdir("/dev/shm"))
+    before = _ours()
 
     def no_memory(*a, **k):
         raise MemoryError("Not enough memory")
@@ -102,7 +108,7 @@ def test_ring_semaphores_name_enomem(monkeypatch):
                        r"of ring /ipuemu_\w+: more room needed, /dev/shm has"):
         shm.Ring.create(64, 2)
     monkeypatch.undo()
-    assert set(os.listdir("/dev/shm")) - before == set()
+    assert _ours() - before == set()
 
 
 def test_host_translation():
