@@ -166,13 +166,18 @@ def compile(models: "ModelSpec | Sequence[ModelSpec] | str | os.PathLike[str] | 
 
 
 def _inside(out_dir: pathlib.Path, name: Any, key: str) -> pathlib.Path:
-    """``out_dir / name``, refused unless it stays inside ``out_dir``."""
+    """``out_dir / name``, refused unless it stays inside ``out_dir``.
+
+    Only the folders on the way are resolved: the file itself is replaced by a rename
+    (``_write_file``), so a symlink at its name is never followed and need not point
+    inside ``out_dir``."""
     if not isinstance(name, (str, os.PathLike)) or not os.fspath(name):
         raise BadRequestError(f"{key} must be a non-empty file name, got {echo(name)}")
     rel = pathlib.Path(name)
     base = out_dir.resolve()
-    path = (base / rel).resolve()
-    if rel.is_absolute() or path == base or not path.is_relative_to(base):
+    path = (base / rel.parent).resolve() / rel.name
+    if (rel.is_absolute() or rel.name in ("", ".", "..") or path == base
+            or not path.is_relative_to(base)):
         raise BadRequestError(f"{key} {echo(os.fspath(name), 120)} must name a file inside the "
                               f"output folder {echo(str(out_dir), 160)}; it resolves to "
                               f"{echo(str(path), 120)}")

@@ -83,6 +83,29 @@ def test_symlink_inside_the_output_folder_is_not_written_through(onnx_path, tmp_
     popef.load_model([str(out / "executable.popef")])
 
 
+def test_symlink_to_outside_left_from_before_is_replaced(onnx_path, tmp_path):
+    """A link at the output name pointing out of the folder (say, into a cache): the
+    output replaces the link; the file it pointed to keeps its bytes."""
+    out = tmp_path / "out"
+    out.mkdir()
+    victim = _victim(tmp_path)
+    (out / "executable.popef").symlink_to(victim)
+    assert poprt(["--input_model", str(onnx_path), "--export_popef",
+                  "--output_dir", str(out)]) == 0
+    assert victim.read_bytes() == VICTIM and not (out / "executable.popef").is_symlink()
+
+
+@pytest.mark.parametrize("name", ["..", "sub/..", "../x.popef", "sub/../../x.popef"])
+def test_names_that_leave_the_folder_are_refused(onnx_path, tmp_path, capsys, name):
+    out = tmp_path / "out"
+    (out / "sub").mkdir(parents=True)
+    assert poprt(["--input_model", str(onnx_path), "--export_popef",
+                  "--output_dir", str(out), "--popef_name", name]) == 2
+    err = capsys.readouterr().err
+    assert f"popef_name {name!r} must name a file inside the output folder" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "simple.onnx"]
+
+
 def test_mode_follows_the_umask(onnx_path, tmp_path):
     old = os.umask(0o027)
     try:
