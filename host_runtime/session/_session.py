@@ -21,8 +21,8 @@ automatically unless ``SessionConfig.pred_tensor_data`` says USE_USER_DATA.
 Two sessions may share a device: binding the other one runs this one's save
 programs, and this one's load programs run again before its next Main.
 
-The fast path for ``QueueManager`` / ``ModelRunner`` (docs/CONTRACTS.md
-section 5) is ``session.direct``, a :class:`host_runtime.session._fastpath.DirectStreams`
+The fast path for ``QueueManager`` / ``ModelRunner`` (docs/design.md
+section 8) is ``session.direct``, a :class:`host_runtime.session._fastpath.DirectStreams`
 the session owns: the caller claims anchors as *direct* and reads/writes their
 rings itself, and ``direct.start_main_loop()`` keeps Main running on the device
 until ``stop()``. The per-anchor callbacks, rings and servicing live in
