@@ -12,6 +12,9 @@ Classes are chosen by *cause*, the way trio does it:
 - ``ForkedProcessError``: an object (runner, session, device, queue, future,
   shared array) was used in a process forked from the one that created it.
 - ``SharedMemoryFullError``: /dev/shm cannot hold a model's rings or regions.
+- ``ResourceLimitError``: an operating-system limit was reached: no file
+  descriptor left (``RLIMIT_NOFILE``, the system's file table) or a file-size
+  limit (``RLIMIT_FSIZE``) below a shared-memory object's size.
 - ``DeviceUnavailableError``: no device matching the request could be attached.
 - ``DeviceLostError``: the emulated IPU process died or stopped answering.
 - ``DeviceTimeoutError``: a wait on a device (or on input data) timed out.
@@ -33,6 +36,7 @@ __all__ = [
     "InvalidStateError",
     "ForkedProcessError",
     "SharedMemoryFullError",
+    "ResourceLimitError",
     "DeviceUnavailableError",
     "DeviceLostError",
     "DeviceTimeoutError",
@@ -109,6 +113,13 @@ def _forked_error(message: str, owner_pid: int, pid: int) -> ForkedProcessError:
 class SharedMemoryFullError(ModelRuntimeError, MemoryError):
     """/dev/shm cannot hold the rings or regions a model needs; the message says how many
     bytes were asked for (and for which ring or anchor) and what /dev/shm has."""
+
+
+class ResourceLimitError(ModelRuntimeError, OSError):
+    """An operating-system limit stopped the runtime creating a ring, region, semaphore
+    or IPU process: out of file descriptors (the message gives RLIMIT_NOFILE's soft and
+    hard values and how many are open) or the file-size limit RLIMIT_FSIZE (its values
+    and the bytes asked). ``__cause__`` is the ``shm`` error that named it."""
 
 
 class DeviceUnavailableError(ModelRuntimeError, RuntimeError):

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from ipu_emulator.errors import SystemConfigError
+from shm.errors import echo
 
 _log = logging.getLogger(__name__)
 
@@ -71,12 +72,12 @@ class SystemConfig:
     def __post_init__(self) -> None:
         if self.ipu_version not in IPU_VERSIONS:
             raise SystemConfigError(
-                f"ipu_version must be one of {sorted(IPU_VERSIONS)}, got {self.ipu_version!r}")
+                f"ipu_version must be one of {sorted(IPU_VERSIONS)}, got {echo(self.ipu_version)}")
         for name, lo, hi in (("num_ipus", 0, _MAX_IPUS), ("tiles_per_ipu", 1, 1 << 20),
                              ("memory_per_tile", 1, 1 << 32), ("compute_threads", 1, 256)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
-                raise SystemConfigError(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
+                raise SystemConfigError(f"{name} must be an integer in [{lo}, {hi}], got {echo(value)}")
 
     @property
     def ipu_version_number(self) -> int:
@@ -122,7 +123,7 @@ def private_dir(path: str) -> str:
         except FileExistsError:
             pass
         except OSError as exc:
-            raise SystemConfigError(f"cannot create the emulator home {path!r}: "
+            raise SystemConfigError(f"cannot create the emulator home {echo(path, 200)}: "
                                     f"{exc.strerror or exc}; set IPU_EMULATOR_HOME") from None
         try:
             st = os.lstat(path)
@@ -130,14 +131,14 @@ def private_dir(path: str) -> str:
             continue
         break
     else:
-        raise SystemConfigError(f"the emulator home {path!r} keeps disappearing; set "
+        raise SystemConfigError(f"the emulator home {echo(path, 200)} keeps disappearing; set "
                                 "IPU_EMULATOR_HOME")
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise SystemConfigError(f"the emulator home {path!r} is not a folder (a symlink or "
+        raise SystemConfigError(f"the emulator home {echo(path, 200)} is not a folder (a symlink or "
                                 "file someone else may have put there); remove it or set "
                                 "IPU_EMULATOR_HOME")
     if st.st_uid != uid:
-        raise SystemConfigError(f"the emulator home {path!r} belongs to uid {st.st_uid}, not "
+        raise SystemConfigError(f"the emulator home {echo(path, 200)} belongs to uid {st.st_uid}, not "
                                 f"to this user (uid {uid}); refusing to share it: remove it "
                                 "or set IPU_EMULATOR_HOME")
     if st.st_mode & 0o022:
@@ -149,7 +150,7 @@ def private_dir(path: str) -> str:
 
 def _parse_int(name: str, text: object) -> int:
     if isinstance(text, bool):
-        raise SystemConfigError(f"{name} must be an integer, got {text!r}")
+        raise SystemConfigError(f"{name} must be an integer, got {echo(text)}")
     if isinstance(text, int):
         return text
     s = str(text).strip()
@@ -161,7 +162,7 @@ def _parse_int(name: str, text: object) -> int:
     try:
         return int(s)
     except ValueError:
-        raise SystemConfigError(f"{name} must be an integer, got {text!r}") from None
+        raise SystemConfigError(f"{name} must be an integer, got {echo(text)}") from None
 
 
 _KEYS = ("num_ipus", "ipu_version", "tiles_per_ipu", "memory_per_tile", "compute_threads")
@@ -189,26 +190,21 @@ def load_system_config(environ: Mapping[str, str] | None = None) -> SystemConfig
 
 
 def _read_config_file(path: str) -> dict[str, object]:
-    try:
-        with open(path, "r", encoding="utf-8") as f:
-            text = f.read()
-    except OSError as exc:
-        raise SystemConfigError(f"cannot read IPU_EMULATOR_CONFIG file {path!r}: {exc}") from None
-    import yaml  # safe_load also reads JSON
+    from ipu_emulator.yaml_config import ConfigYamlError, load_yaml_file  # also reads JSON
 
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise SystemConfigError(f"IPU_EMULATOR_CONFIG file {path!r} is not valid YAML: {exc}") from None
+        data = load_yaml_file(path, "IPU_EMULATOR_CONFIG file")
+    except ConfigYamlError as exc:
+        raise SystemConfigError(str(exc)) from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise SystemConfigError(
-            f"IPU_EMULATOR_CONFIG file {path!r} must hold a mapping, got {type(data).__name__}")
+            f"IPU_EMULATOR_CONFIG file {echo(path, 200)} must hold a mapping, got {type(data).__name__}")
     unknown = sorted(set(map(str, data)) - set(_KEYS))
     if unknown:
         raise SystemConfigError(
-            f"IPU_EMULATOR_CONFIG file {path!r} has unknown keys {unknown}; expected some of {list(_KEYS)}")
+            f"IPU_EMULATOR_CONFIG file {echo(path, 200)} has unknown keys {echo(unknown, 200)}; expected some of {list(_KEYS)}")
     return {str(k): v for k, v in data.items()}
 
 

@@ -5,17 +5,20 @@
 
 from __future__ import annotations
 
-from . import naming
+from . import limits, naming
 from ._address import buffer_address
 from .cleanup import remove_dead
-from .errors import (PeerDiedError, RingInvalidatedError, RingTimeoutError, ShmClosedError,
-                     ShmError, ShmForkedError, WouldBlock)
+from .errors import (FileSizeLimitError, OutOfFileDescriptorsError, PeerDiedError,
+                     RingInvalidatedError, RingTimeoutError, ShmClosedError, ShmError,
+                     ShmForkedError, ShmFullError, WouldBlock)
 from .liveness import ExitWatch, PeerWatch, pid_alive
 from .region import Region
 from .ring import WAIT_SLICE, Ring
 
 __all__ = [
     "ExitWatch",
+    "FileSizeLimitError",
+    "OutOfFileDescriptorsError",
     "PeerDiedError",
     "PeerWatch",
     "Region",
@@ -25,9 +28,11 @@ __all__ = [
     "ShmClosedError",
     "ShmError",
     "ShmForkedError",
+    "ShmFullError",
     "WAIT_SLICE",
     "WouldBlock",
     "buffer_address",
+    "limits",
     "naming",
     "pid_alive",
     "remove_dead",

@@ -118,7 +118,7 @@ from .liveness import PeerWatch
 from .region import Region
 from .settings import settings
 from .spin import spin_until, us_to_ns
-from . import _registry
+from . import _registry, limits
 
 try:
     import shm._ringcore as _ringcore
@@ -303,14 +303,15 @@ class Ring:
             w[_SLOT_SIZE], w[_NUM_SLOTS], w[_STRIDE] = slot_size, num_slots, stride
             w[_CREATOR] = os.getpid()
             w.release()
-            free = posix_ipc.Semaphore(name + _FREE_SUFFIX, posix_ipc.O_CREX, mode=0o600,
-                                       initial_value=num_slots)
-            _registry.register(name + _FREE_SUFFIX, "sem")
-            made.append(name + _FREE_SUFFIX)
-            full = posix_ipc.Semaphore(name + _FULL_SUFFIX, posix_ipc.O_CREX, mode=0o600,
-                                       initial_value=0)
-            _registry.register(name + _FULL_SUFFIX, "sem")
-            made.append(name + _FULL_SUFFIX)
+            with limits.named_errors(f"creating the semaphores of ring {name}"):
+                free = posix_ipc.Semaphore(name + _FREE_SUFFIX, posix_ipc.O_CREX, mode=0o600,
+                                           initial_value=num_slots)
+                _registry.register(name + _FREE_SUFFIX, "sem")
+                made.append(name + _FREE_SUFFIX)
+                full = posix_ipc.Semaphore(name + _FULL_SUFFIX, posix_ipc.O_CREX, mode=0o600,
+                                           initial_value=0)
+                _registry.register(name + _FULL_SUFFIX, "sem")
+                made.append(name + _FULL_SUFFIX)
         except BaseException:
             for sem_name in made:
                 _registry.unlink_name(sem_name, "sem")
@@ -340,8 +341,9 @@ class Ring:
                 raise ShmError(f"ring {name} has an inconsistent header: slot_size {slot_size}, "
                                f"num_slots {num_slots}, stride {stride}, region {region.size} B")
             try:
-                free = posix_ipc.Semaphore(name + _FREE_SUFFIX)
-                full = posix_ipc.Semaphore(name + _FULL_SUFFIX)
+                with limits.named_errors(f"opening the semaphores of ring {name}"):
+                    free = posix_ipc.Semaphore(name + _FREE_SUFFIX)
+                    full = posix_ipc.Semaphore(name + _FULL_SUFFIX)
             except posix_ipc.ExistentialError as exc:
                 raise ShmError(f"ring {name}: its semaphores are gone ({exc})") from exc
         except BaseException:

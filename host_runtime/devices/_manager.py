@@ -746,8 +746,8 @@ class DeviceManager:
         try:
             for spec in specs:
                 # the IPU process's control and event rings live in /dev/shm too
-                with translated(f"the control and event rings of IPU {spec.ipu_id}",
-                                _IPU_RING_BYTES):
+                with translated(f"the process and the control and event rings of IPU "
+                                f"{spec.ipu_id}", _IPU_RING_BYTES):
                     procs.append(launch(spec, log_dir=self._system.log_dir))
         except BaseException:
             for p in procs:

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from shm import Ring, RingTimeoutError, naming
+from shm import Ring, RingTimeoutError, limits, naming
 from shm.settings import settings
 
 from ipu_emulator import protocol
@@ -355,11 +355,13 @@ def launch_ipu(spec: IpuSpec, *, log_dir: str | None = None,
             except (forkserver.ForkserverError, OSError) as exc:
                 _log.warning("%s; starting IPU processes without the template", exc)
         if popen is None:
-            if log_path:
-                log_file = open(log_path, "ab")
-            popen = subprocess.Popen([sys.executable, "-m", "ipu_emulator", *argv],
-                                     stdin=subprocess.DEVNULL, stdout=log_file,
-                                     stderr=log_file, env=env, close_fds=True)
+            # out of descriptors or processes here is named (shm.limits), not a raw OSError
+            with limits.named_errors(f"starting the IPU process of {spec.describe()}"):
+                if log_path:
+                    log_file = open(log_path, "ab")
+                popen = subprocess.Popen([sys.executable, "-m", "ipu_emulator", *argv],
+                                         stdin=subprocess.DEVNULL, stdout=log_file,
+                                         stderr=log_file, env=env, close_fds=True)
     except BaseException:
         for ring in (control, events):
             ring.close()
