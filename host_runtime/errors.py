@@ -9,7 +9,12 @@ Classes are chosen by *cause*, the way trio does it:
   (``ModelRuleError``: its metadata, anchors and programs break a named rule).
 - ``InvalidStateError``: the call does not fit the object's state (closed,
   stopped, not bound to a device).
+- ``ForkedProcessError``: an object (runner, session, device, queue, future,
+  shared array) was used in a process forked from the one that created it.
 - ``SharedMemoryFullError``: /dev/shm cannot hold a model's rings or regions.
+- ``ResourceLimitError``: an operating-system limit was reached: no file
+  descriptor left (``RLIMIT_NOFILE``, the system's file table) or a file-size
+  limit (``RLIMIT_FSIZE``) below a shared-memory object's size.
 - ``DeviceUnavailableError``: no device matching the request could be attached.
 - ``DeviceLostError``: the emulated IPU process died or stopped answering.
 - ``DeviceTimeoutError``: a wait on a device (or on input data) timed out.
@@ -29,7 +34,9 @@ __all__ = [
     "PopefError",
     "ModelRuleError",
     "InvalidStateError",
+    "ForkedProcessError",
     "SharedMemoryFullError",
+    "ResourceLimitError",
     "DeviceUnavailableError",
     "DeviceLostError",
     "DeviceTimeoutError",
@@ -83,9 +90,36 @@ class InvalidStateError(ModelRuntimeError, RuntimeError):
     """The object is closed, stopped or not bound; the call cannot proceed."""
 
 
+class ForkedProcessError(InvalidStateError):
+    """An object was used in a process other than the one that created it (after
+    ``fork()``). Its rings, IPU processes and attachments belong to the creator: the
+    child must create its own (after the fork), or use the 'spawn' start method.
+
+    ``owner_pid`` is the creating process, ``pid`` the process that used it."""
+
+    def __init__(self, message: str, *, owner_pid: int, pid: int) -> None:
+        super().__init__(message)
+        self.owner_pid = owner_pid
+        self.pid = pid
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_forked_error, (str(self), self.owner_pid, self.pid))
+
+
+def _forked_error(message: str, owner_pid: int, pid: int) -> ForkedProcessError:
+    return ForkedProcessError(message, owner_pid=owner_pid, pid=pid)
+
+
 class SharedMemoryFullError(ModelRuntimeError, MemoryError):
     """/dev/shm cannot hold the rings or regions a model needs; the message says how many
     bytes were asked for (and for which ring or anchor) and what /dev/shm has."""
+
+
+class ResourceLimitError(ModelRuntimeError, OSError):
+    """An operating-system limit stopped the runtime creating a ring, region, semaphore
+    or IPU process: out of file descriptors (the message gives RLIMIT_NOFILE's soft and
+    hard values and how many are open) or the file-size limit RLIMIT_FSIZE (its values
+    and the bytes asked). ``__cause__`` is the ``shm`` error that named it."""
 
 
 class DeviceUnavailableError(ModelRuntimeError, RuntimeError):

@@ -11,6 +11,8 @@ Classes are chosen by cause:
 - ``ProtocolError``: a control message or load spec does not follow the
   host/device protocol; ``DaemonProtocolError`` the same for the daemon's.
 - ``SystemConfigError``: the emulated machine's configuration is invalid.
+- ``ConfigYamlError``: a YAML config file is unreadable, invalid or hostile
+  (``ipu_emulator.yaml_config``); callers turn it into their own class.
 - ``IpuProcessError``: an IPU process failed to start, or died.
 - ``DaemonError`` / ``PoolError``: the daemon or its pool of IPU processes.
 - ``HostMemoryError``: a shared host-memory descriptor cannot be resolved.
@@ -36,6 +38,7 @@ __all__ = [
     "DeviceProgramError",
     "ProtocolError",
     "SystemConfigError",
+    "ConfigYamlError",
     "IpuProcessError",
     "DaemonError",
     "DaemonProtocolError",
@@ -78,6 +81,11 @@ class ProtocolError(IpuEmulatorError, ValueError):
 
 class SystemConfigError(IpuEmulatorError, ValueError):
     """The emulated system configuration is invalid; the message names the setting."""
+
+
+class ConfigYamlError(IpuEmulatorError, ValueError):
+    """A YAML config file cannot be read, is not YAML, or is refused as hostile (aliases
+    that expand too far, nesting too deep); the message names the file and the place."""
 
 
 class IpuProcessError(IpuEmulatorError, RuntimeError):

@@ -32,10 +32,12 @@ import fcntl
 import logging
 import os
 import stat
+import weakref
 from dataclasses import dataclass
 from typing import Mapping
 
 from ipu_emulator.errors import SystemConfigError
+from shm.errors import echo
 
 _log = logging.getLogger(__name__)
 
@@ -70,12 +72,12 @@ class SystemConfig:
     def __post_init__(self) -> None:
         if self.ipu_version not in IPU_VERSIONS:
             raise SystemConfigError(
-                f"ipu_version must be one of {sorted(IPU_VERSIONS)}, got {self.ipu_version!r}")
+                f"ipu_version must be one of {sorted(IPU_VERSIONS)}, got {echo(self.ipu_version)}")
         for name, lo, hi in (("num_ipus", 0, _MAX_IPUS), ("tiles_per_ipu", 1, 1 << 20),
                              ("memory_per_tile", 1, 1 << 32), ("compute_threads", 1, 256)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
-                raise SystemConfigError(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
+                raise SystemConfigError(f"{name} must be an integer in [{lo}, {hi}], got {echo(value)}")
 
     @property
     def ipu_version_number(self) -> int:
@@ -121,7 +123,7 @@ def private_dir(path: str) -> str:
         except FileExistsError:
             pass
         except OSError as exc:
-            raise SystemConfigError(f"cannot create the emulator home {path!r}: "
+            raise SystemConfigError(f"cannot create the emulator home {echo(path, 200)}: "
                                     f"{exc.strerror or exc}; set IPU_EMULATOR_HOME") from None
         try:
             st = os.lstat(path)
@@ -129,14 +131,14 @@ def private_dir(path: str) -> str:
             continue
         break
     else:
-        raise SystemConfigError(f"the emulator home {path!r} keeps disappearing; set "
+        raise SystemConfigError(f"the emulator home {echo(path, 200)} keeps disappearing; set "
                                 "IPU_EMULATOR_HOME")
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise SystemConfigError(f"the emulator home {path!r} is not a folder (a symlink or "
+        raise SystemConfigError(f"the emulator home {echo(path, 200)} is not a folder (a symlink or "
                                 "file someone else may have put there); remove it or set "
                                 "IPU_EMULATOR_HOME")
     if st.st_uid != uid:
-        raise SystemConfigError(f"the emulator home {path!r} belongs to uid {st.st_uid}, not "
+        raise SystemConfigError(f"the emulator home {echo(path, 200)} belongs to uid {st.st_uid}, not "
                                 f"to this user (uid {uid}); refusing to share it: remove it "
                                 "or set IPU_EMULATOR_HOME")
     if st.st_mode & 0o022:
@@ -148,7 +150,7 @@ def private_dir(path: str) -> str:
 
 def _parse_int(name: str, text: object) -> int:
     if isinstance(text, bool):
-        raise SystemConfigError(f"{name} must be an integer, got {text!r}")
+        raise SystemConfigError(f"{name} must be an integer, got {echo(text)}")
     if isinstance(text, int):
         return text
     s = str(text).strip()
@@ -160,7 +162,7 @@ def _parse_int(name: str, text: object) -> int:
     try:
         return int(s)
     except ValueError:
-        raise SystemConfigError(f"{name} must be an integer, got {text!r}") from None
+        raise SystemConfigError(f"{name} must be an integer, got {echo(text)}") from None
 
 
 _KEYS = ("num_ipus", "ipu_version", "tiles_per_ipu", "memory_per_tile", "compute_threads")
@@ -188,26 +190,21 @@ def load_system_config(environ: Mapping[str, str] | None = None) -> SystemConfig
 
 
 def _read_config_file(path: str) -> dict[str, object]:
-    try:
-        with open(path, "r", encoding="utf-8") as f:
-            text = f.read()
-    except OSError as exc:
-        raise SystemConfigError(f"cannot read IPU_EMULATOR_CONFIG file {path!r}: {exc}") from None
-    import yaml  # safe_load also reads JSON
+    from ipu_emulator.yaml_config import ConfigYamlError, load_yaml_file  # also reads JSON
 
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise SystemConfigError(f"IPU_EMULATOR_CONFIG file {path!r} is not valid YAML: {exc}") from None
+        data = load_yaml_file(path, "IPU_EMULATOR_CONFIG file")
+    except ConfigYamlError as exc:
+        raise SystemConfigError(str(exc)) from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise SystemConfigError(
-            f"IPU_EMULATOR_CONFIG file {path!r} must hold a mapping, got {type(data).__name__}")
+            f"IPU_EMULATOR_CONFIG file {echo(path, 200)} must hold a mapping, got {type(data).__name__}")
     unknown = sorted(set(map(str, data)) - set(_KEYS))
     if unknown:
         raise SystemConfigError(
-            f"IPU_EMULATOR_CONFIG file {path!r} has unknown keys {unknown}; expected some of {list(_KEYS)}")
+            f"IPU_EMULATOR_CONFIG file {echo(path, 200)} has unknown keys {echo(unknown, 200)}; expected some of {list(_KEYS)}")
     return {str(k): v for k, v in data.items()}
 
 
@@ -235,6 +232,22 @@ def _read_holder(path: str) -> int | None:
         return None
 
 
+# Locks held by this process, for the fork hook below.
+_held: "weakref.WeakSet[IpuLocks]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child closes its copies of the parent's lock descriptors at once. A flock
+    belongs to the open file, which the copies share: the child must never unlock it (nor
+    truncate the holder's pid), and while its copy stayed open the parent's release (a
+    close) would not free the IPU."""
+    for locks in list(_held):
+        locks._forget_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class IpuLocks:
     """Exclusive hold on a set of IPUs (all or none). ``release()`` is idempotent."""
 
@@ -243,6 +256,15 @@ class IpuLocks:
         self.lock_dir = lock_dir
         self._fds = fds
         self._pid = os.getpid()
+        _held.add(self)
+
+    def _forget_in_child(self) -> None:
+        fds, self._fds = self._fds, []
+        for fd in fds:
+            try:
+                os.close(fd)   # this process's descriptor: the parent's lock stays
+            except OSError:   # pragma: no cover
+                pass
 
     @classmethod
     def try_acquire(cls, lock_dir: str, ipus: tuple[int, ...]) -> "IpuLocks | dict[int, int | None]":

@@ -5,17 +5,20 @@
 
 from __future__ import annotations
 
-from . import naming
+from . import limits, naming
 from ._address import buffer_address
 from .cleanup import remove_dead
-from .errors import (PeerDiedError, RingInvalidatedError, RingTimeoutError, ShmClosedError,
-                     ShmError, WouldBlock)
+from .errors import (FileSizeLimitError, OutOfFileDescriptorsError, PeerDiedError,
+                     RingInvalidatedError, RingTimeoutError, ShmClosedError, ShmError,
+                     ShmForkedError, ShmFullError, WouldBlock)
 from .liveness import ExitWatch, PeerWatch, describe_process, pid_alive, process_state
 from .region import Region
 from .ring import WAIT_SLICE, Ring
 
 __all__ = [
     "ExitWatch",
+    "FileSizeLimitError",
+    "OutOfFileDescriptorsError",
     "PeerDiedError",
     "PeerWatch",
     "Region",
@@ -24,10 +27,13 @@ __all__ = [
     "RingTimeoutError",
     "ShmClosedError",
     "ShmError",
+    "ShmForkedError",
+    "ShmFullError",
     "WAIT_SLICE",
     "WouldBlock",
     "buffer_address",
     "describe_process",
+    "limits",
     "naming",
     "pid_alive",
     "process_state",

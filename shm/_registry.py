@@ -26,6 +26,15 @@ _lock = threading.Lock()
 _created: dict[str, tuple[str, int]] = {}
 
 
+def _after_fork_in_child() -> None:
+    # another thread of the parent may have held the lock at the fork: it never returns here
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def register(name: str, what: str) -> None:
     """Record that this process created ``name`` (``what``: "shm" or "sem")."""
     with _lock:

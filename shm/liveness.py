@@ -189,6 +189,16 @@ _watches: "weakref.WeakValueDictionary[int, ExitWatch]" = weakref.WeakValueDicti
 _watches_lock = threading.Lock()
 
 
+def _after_fork_in_child() -> None:
+    # a thread of the parent may have held the lock at the fork (the watches stay valid:
+    # a pidfd names the process, whoever holds it)
+    global _watches_lock
+    _watches_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _shared_watch(pid: int) -> ExitWatch:
     """One pidfd per live peer however many rings watch it (a ring per anchor adds up)."""
     with _watches_lock:

@@ -4,6 +4,8 @@
 and owns it; ``Region.attach`` maps an existing one by name. ``close()`` means
 "this process stops using it"; ``unlink()`` destroys the name (normally once,
 by its owner; a survivor may unlink after the owner died). Both are idempotent.
+A process forked from the one that made a Region object never unlinks through
+it: the name belongs to its parent.
 
 Numpy arrays from :meth:`Region.ndarray` reference a memoryview that holds a
 buffer export of the mapping, so the mapping stays valid for as long as any
@@ -35,8 +37,8 @@ import numpy as np
 import posix_ipc
 import psutil
 
-from . import _registry, naming
-from .errors import ShmClosedError, ShmError
+from . import _registry, limits, naming
+from .errors import ShmClosedError, ShmError, ShmFullError
 
 __all__ = ["Region"]
 
@@ -64,8 +66,8 @@ def _map(fd: int, size: int, prefault: bool, fresh: bool, name: str) -> mmap.mma
     except OSError as exc:
         if exc.errno != errno.EINVAL:  # ENOMEM, EFAULT: /dev/shm cannot back it
             mm.close()
-            raise ShmError(f"cannot fault in {size} bytes of shared memory for {name}: {exc} "
-                           "(is /dev/shm full?)") from exc
+            raise limits.shm_full(f"faulting in the pages of {name}", size,
+                                  errno.errorcode.get(exc.errno or 0, str(exc.errno))) from exc
     # An older kernel.
     if fresh:  # nobody else sees it yet: writing zeros is harmless
         view = np.frombuffer(mm, dtype=np.uint8)
@@ -82,25 +84,23 @@ def _check_room(size: int, prefault: bool) -> None:
     Otherwise the failure comes later and worse: SIGBUS on first touch of a
     page tmpfs cannot back, or the OOM killer while pre-faulting.
     """
-    try:
-        st = os.statvfs(naming.SHM_DIR)
-    except OSError:  # pragma: no cover - no /dev/shm to ask
+    room = limits.shm_room()
+    if room is None:  # pragma: no cover - no /dev/shm to ask
         return
-    free = st.f_bavail * st.f_frsize
-    if size > free:
-        raise ShmError(f"cannot create a shared-memory region of {size} bytes: "
-                       f"{naming.SHM_DIR} has {free} bytes free")
+    if size > room[0]:
+        raise limits.shm_full(f"creating a shared-memory region of {size} bytes", size)
     if prefault:
         available = psutil.virtual_memory().available
         if size > available:
-            raise ShmError(f"cannot create a shared-memory region of {size} bytes: "
-                           f"only {available} bytes of memory are available")
+            raise ShmFullError(f"cannot create a shared-memory region of {size} bytes: "
+                               f"only {available} bytes of memory are available to back it",
+                               needed=size, free=room[0])
 
 
 class Region:
     """A mapped shared-memory segment. Use :meth:`create` or :meth:`attach`."""
 
-    __slots__ = ("_name", "_size", "_mmap", "_buf", "_owner", "_unlinked", "__weakref__")
+    __slots__ = ("_name", "_size", "_mmap", "_buf", "_owner", "_unlinked", "_pid", "__weakref__")
 
     def __init__(self, name: str, mm: mmap.mmap, size: int, owner: bool) -> None:
         self._name = name
@@ -109,6 +109,7 @@ class Region:
         self._buf: memoryview | None = memoryview(mm)
         self._owner = owner
         self._unlinked = False
+        self._pid = os.getpid()   # a forked child never unlinks (see unlink)
 
     # -- construction -------------------------------------------------------
 
@@ -117,36 +118,38 @@ class Region:
         """Create a new segment of ``size`` bytes (zero-filled), owned by this process."""
         if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
             raise ValueError(f"region size must be a positive int of bytes, got {size!r}")
-        _check_room(size, prefault)
-        name = naming.new_name(kind)
-        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)
-        _registry.register(name, "shm")
-        try:
-            os.fchmod(shm.fd, 0o600)  # whatever the umask said
-            mm = _map(shm.fd, size, prefault, fresh=True, name=name)
-        except BaseException:
-            _registry.unlink_name(name, "shm")
-            raise
-        finally:
-            shm.close_fd()
+        with limits.named_errors(f"creating a shared-memory region of {size} bytes", size):
+            _check_room(size, prefault)
+            name = naming.new_name(kind)
+            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)
+            _registry.register(name, "shm")
+            try:
+                os.fchmod(shm.fd, 0o600)  # whatever the umask said
+                mm = _map(shm.fd, size, prefault, fresh=True, name=name)
+            except BaseException:
+                _registry.unlink_name(name, "shm")
+                raise
+            finally:
+                shm.close_fd()
         _log.debug("created region %s (%d bytes)", name, size)
         return cls(name, mm, size, owner=True)
 
     @classmethod
     def attach(cls, name: str, prefault: bool = True) -> "Region":
         """Map the existing segment ``name`` (as returned by :attr:`name`)."""
-        try:
-            shm = posix_ipc.SharedMemory(name)
-        except posix_ipc.ExistentialError as exc:
-            raise ShmError(f"no shared-memory region named {name!r}: {exc}") from exc
-        try:
-            size = shm.size
-            if size <= 0:
-                raise ShmError(f"shared-memory region {name!r} has size {size}; "
-                               "expected a positive size (not yet sized by its creator?)")
-            mm = _map(shm.fd, size, prefault, fresh=False, name=name)
-        finally:
-            shm.close_fd()
+        with limits.named_errors(f"opening the shared-memory region {name}"):
+            try:
+                shm = posix_ipc.SharedMemory(name)
+            except posix_ipc.ExistentialError as exc:
+                raise ShmError(f"no shared-memory region named {name!r}: {exc}") from exc
+            try:
+                size = shm.size
+                if size <= 0:
+                    raise ShmError(f"shared-memory region {name!r} has size {size}; "
+                                   "expected a positive size (not yet sized by its creator?)")
+                mm = _map(shm.fd, size, prefault, fresh=False, name=name)
+            finally:
+                shm.close_fd()
         return cls(name, mm, size, owner=False)
 
     # -- properties ---------------------------------------------------------
@@ -216,8 +219,15 @@ class Region:
                 _log.debug("region %s: views still alive; unmapping when they die", self._name)
 
     def unlink(self) -> None:
-        """Destroy the name (idempotent). Mappings stay valid until closed."""
+        """Destroy the name (idempotent). Mappings stay valid until closed.
+
+        Only in the process that made this object: in a process forked from it, the
+        name is the parent's (or its peer's) and this does nothing."""
         if self._unlinked:
+            return
+        if self._pid != os.getpid():
+            _log.debug("region %s: not unlinked by process %d, a fork of its user %d",
+                       self._name, os.getpid(), self._pid)
             return
         self._unlinked = True
         _registry.unlink_name(self._name, "shm")

@@ -66,6 +66,15 @@ finalizer is not run at interpreter exit (``weakref.finalize`` would by
 default, from an exit hook that runs before earlier-registered ones): exit
 hooks and daemon threads may still use the ring, and exit frees the mappings.
 
+Fork: a ring's ends are processes. A process forked from one end inherits the
+Ring objects but is neither end: its calls would take the creator's slots and
+answers. So in the child every Ring made before the fork is disowned at once
+(``os.register_at_fork``): every call raises :class:`ShmForkedError` (a
+ShmClosedError naming both pids), the C core hands everything to the Python
+path, ``invalidate()``/``reset()`` refuse, and ``unlink()`` does nothing (the
+names are the creator's). Only the child's own copy of the mapping goes when
+the object does.
+
 Hot paths in C: ``shm/_ringcore.c`` (built by setup.py when a compiler is
 there) provides write, read, acquire_write, try_acquire_write, publish,
 acquire_read, try_acquire_read, release, readable and writable with the same
@@ -104,12 +113,12 @@ from typing import Any
 import posix_ipc
 
 from .errors import (PeerDiedError, RingInvalidatedError, RingTimeoutError, ShmClosedError,
-                     ShmError, WouldBlock)
+                     ShmError, ShmForkedError, WouldBlock)
 from .liveness import PeerWatch
 from .region import Region
 from .settings import settings
 from .spin import spin_until, us_to_ns
-from . import _registry
+from . import _registry, limits
 
 try:
     import shm._ringcore as _ringcore
@@ -163,18 +172,42 @@ _FULL_SUFFIX = ".full"
 
 
 class _ClosedWords:
-    """Stands in for the header view after close(): any access raises ShmClosedError."""
+    """Stands in for the header view after close() (or in a forked child): any access
+    raises the ring's closed error."""
 
-    __slots__ = ("_name",)
+    __slots__ = ("_name", "_forked_from")
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, forked_from: int) -> None:
         self._name = name
+        self._forked_from = forked_from
 
     def __getitem__(self, index: int) -> int:
-        raise ShmClosedError(f"ring {self._name} is closed in this process")
+        raise _closed_error(self._name, self._forked_from)
 
     def __setitem__(self, index: int, value: int) -> None:
-        raise ShmClosedError(f"ring {self._name} is closed in this process")
+        raise _closed_error(self._name, self._forked_from)
+
+
+def _closed_error(name: str, forked_from: int) -> ShmClosedError:
+    """ShmClosedError, or ShmForkedError in a fork of ``forked_from`` (the ring's maker)."""
+    if forked_from:
+        return ShmForkedError(
+            f"ring {name} belongs to process {forked_from}; this process ({os.getpid()}) is "
+            "a fork of it and may not use the ring", forked_from)
+    return ShmClosedError(f"ring {name} is closed in this process")
+
+
+# Every Ring of this process, for the fork hook below.
+_live: "weakref.WeakSet[Ring]" = weakref.WeakSet()
+
+
+def _disown_after_fork() -> None:
+    """In a forked child: no Ring made before the fork may be used here (see above)."""
+    for ring in list(_live):
+        ring._disown()
+
+
+os.register_at_fork(after_in_child=_disown_after_fork)
 
 
 def _stride(slot_size: int) -> int:
@@ -226,7 +259,9 @@ class Ring:
         self._is_producer = False
         self._is_consumer = False
         self._closed = False
+        self._forked_from = 0   # the creator's pid once disowned in a forked child
         self._unlinked = False
+        _live.add(self)
         # Never at interpreter exit (weakref.finalize's default): its exit hook runs before
         # hooks registered earlier (atexit is LIFO), e.g. one that shuts devices down, while
         # a daemon thread may still wait on these semaphores; sem_close unmaps them and
@@ -268,14 +303,15 @@ class Ring:
             w[_SLOT_SIZE], w[_NUM_SLOTS], w[_STRIDE] = slot_size, num_slots, stride
             w[_CREATOR] = os.getpid()
             w.release()
-            free = posix_ipc.Semaphore(name + _FREE_SUFFIX, posix_ipc.O_CREX, mode=0o600,
-                                       initial_value=num_slots)
-            _registry.register(name + _FREE_SUFFIX, "sem")
-            made.append(name + _FREE_SUFFIX)
-            full = posix_ipc.Semaphore(name + _FULL_SUFFIX, posix_ipc.O_CREX, mode=0o600,
-                                       initial_value=0)
-            _registry.register(name + _FULL_SUFFIX, "sem")
-            made.append(name + _FULL_SUFFIX)
+            with limits.named_errors(f"creating the semaphores of ring {name}"):
+                free = posix_ipc.Semaphore(name + _FREE_SUFFIX, posix_ipc.O_CREX, mode=0o600,
+                                           initial_value=num_slots)
+                _registry.register(name + _FREE_SUFFIX, "sem")
+                made.append(name + _FREE_SUFFIX)
+                full = posix_ipc.Semaphore(name + _FULL_SUFFIX, posix_ipc.O_CREX, mode=0o600,
+                                           initial_value=0)
+                _registry.register(name + _FULL_SUFFIX, "sem")
+                made.append(name + _FULL_SUFFIX)
         except BaseException:
             for sem_name in made:
                 _registry.unlink_name(sem_name, "sem")
@@ -305,8 +341,9 @@ class Ring:
                 raise ShmError(f"ring {name} has an inconsistent header: slot_size {slot_size}, "
                                f"num_slots {num_slots}, stride {stride}, region {region.size} B")
             try:
-                free = posix_ipc.Semaphore(name + _FREE_SUFFIX)
-                full = posix_ipc.Semaphore(name + _FULL_SUFFIX)
+                with limits.named_errors(f"opening the semaphores of ring {name}"):
+                    free = posix_ipc.Semaphore(name + _FREE_SUFFIX)
+                    full = posix_ipc.Semaphore(name + _FULL_SUFFIX)
             except posix_ipc.ExistentialError as exc:
                 raise ShmError(f"ring {name}: its semaphores are gone ({exc})") from exc
         except BaseException:
@@ -353,9 +390,12 @@ class Ring:
     #   times out, _wait_slow() loops re-checking close, invalidation, the
     #   peer and the deadline; then check the invalid word again.
 
+    def _closed_error(self) -> ShmClosedError:
+        return _closed_error(self._name, self._forked_from)
+
     def _raise_if_unusable(self) -> None:
         if self._closed:
-            raise ShmClosedError(f"ring {self._name} is closed in this process")
+            raise self._closed_error()
         who = self._w[_INVALID]
         if who:
             raise RingInvalidatedError(
@@ -704,7 +744,7 @@ class Ring:
     def invalidate(self) -> None:
         """Mark the ring unusable and wake a blocked waiter on either side at once."""
         if self._closed:
-            raise ShmClosedError(f"ring {self._name} is closed in this process")
+            raise self._closed_error()
         w = self._w
         if not w[_INVALID]:
             w[_INVALID] = self._pid
@@ -721,7 +761,7 @@ class Ring:
         call on this ring); the peer's next call sees the fresh state.
         """
         if self._closed:
-            raise ShmClosedError(f"ring {self._name} is closed in this process")
+            raise self._closed_error()
         for sem in (self._full, self._free):
             while True:
                 try:
@@ -750,7 +790,7 @@ class Ring:
     def counters(self) -> dict[str, int]:
         """The header's fields and the semaphores' values, as numbers."""
         if self._closed:
-            raise ShmClosedError(f"ring {self._name} is closed in this process")
+            raise self._closed_error()
         w = self._w
         return {
             "slot_size": self._slot_size, "num_slots": self._num_slots,
@@ -764,6 +804,8 @@ class Ring:
     def state(self) -> str:
         """A readable dump of the ring's shared state (for logs and bug reports)."""
         if self._closed:
+            if self._forked_from:
+                return f"ring {self._name}: {self._closed_error()}"
             return f"ring {self._name}: closed in this process"
         c = self.counters()
         valid = "VALID" if not c["invalid_by"] else f"INVALIDATED by pid {c['invalid_by']}"
@@ -793,24 +835,43 @@ class Ring:
         invalidate() first to wake the peer process too.
         """
         if self._closed:
+            if self._forked_from and self._words is not None:
+                self._forget_mapping()
             return
+        self._shut()
+        self._forget_mapping()
+
+    def _shut(self) -> None:
         self._closed = True
-        self._w = _ClosedWords(self._name)
+        self._w = _ClosedWords(self._name, self._forked_from)
         # A thread inside a core call, or holding one of its methods, holds the core
         # (and so the mapping and the semaphores); closed sends it to the Python path.
         if self._core is not None:
             self._core.closed = 1
             for method in _C_METHODS:
                 self.__dict__.pop(method, None)
+
+    def _forget_mapping(self) -> None:
         # Handed-out views (and numpy arrays over them, which hold no export)
         # keep the mapping alive: drop ours, never release them.
         self._words = None
         self._payload = []
         self._region.close()
 
+    def _disown(self) -> None:
+        """This process is a fork of the one that made this object: never use the ring."""
+        if not self._forked_from:
+            self._forked_from = self._pid
+            if not self._closed:
+                self._shut()
+            else:
+                self._w = _ClosedWords(self._name, self._forked_from)
+
     def unlink(self) -> None:
-        """Destroy the ring's names (idempotent); open mappings stay usable."""
-        if self._unlinked:
+        """Destroy the ring's names (idempotent); open mappings stay usable.
+
+        In a forked child (of the process that made this object) it does nothing."""
+        if self._unlinked or self._forked_from:
             return
         self._unlinked = True
         self._region.unlink()

@@ -117,7 +117,8 @@ class Settings:
 
     ring_c: bool = _knob(
         True, "IPU_EMULATOR_RING_C", _flag,
-        "`0`: the rings' pure-Python path instead of the C hot paths (`shm._ringcore`)",
+        "`0`: the rings' pure-Python path instead of their C hot paths (the C extension "
+        "`pip install` builds)",
         ipu=True, used_in="shm/ring.py")
     ring_untimed_waits: bool = _knob(
         True, "IPU_EMULATOR_RING_UNTIMED_WAITS", _flag,
@@ -154,13 +155,13 @@ class Settings:
     keep_apart: bool = _knob(
         True, "IPU_EMULATOR_KEEP_APART", _flag,
         "`0`: an IPU process no longer moves off the CPU of the host thread that submits "
-        "requests while it serves them (see `ipu_emulator/device/_placement.py`)",
+        "requests while it serves them",
         when="call", ipu=True, used_in="ipu_emulator/device/_placement.py")
     forkserver: bool = _knob(
         True, "IPU_EMULATOR_FORKSERVER", _flag,
         "`0`: start every IPU process as a fresh `python -m ipu_emulator` instead of forking "
-        "it from the host's template process (`ipu_emulator/device/forkserver.py`: started "
-        "once, numpy and onnxruntime imported once; its log is `forkserver.log`)",
+        "it from the host's template process (started once, with numpy and onnxruntime "
+        "imported once; its log is `forkserver.log`)",
         when="call", used_in="ipu_emulator/device/forkserver.py")
     device_log_level: str = _knob(
         "WARNING", "IPU_EMULATOR_DEVICE_LOG_LEVEL", _level,
@@ -168,7 +169,7 @@ class Settings:
         when="call", ipu=True, used_in="ipu_emulator/device/process.py")
     daemon_log_level: str = _knob(
         "INFO", "IPU_EMULATOR_DAEMON_LOG_LEVEL", _level,
-        "logging level of `ipu-emulator daemon start` (its `--log-level` default)",
+        "logging level of `ipu-emulator daemon` (its `--log-level` default)",
         when="call", used_in="tools/daemon.py")
     start_timeout: float = _knob(
         120.0, "IPU_EMULATOR_START_TIMEOUT", _seconds,

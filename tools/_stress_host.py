@@ -11,14 +11,24 @@ every result against numpy, and writes a JSON result file:
 
 A request still running ``hang_timeout`` seconds after it should have finished
 counts as hung; the host then writes its result and leaves with ``os._exit``.
+
+The ``fork`` scenario adds a thread that forks the host again and again while the
+workers execute (``_Forks``): each child must get ForkedProcessError from the
+parent's runner (counted as failed as expected), gets right answers from a runner
+of its own, lets go of everything (its exit hooks, ``close()`` of the parent's
+runner, or ``del``), and leaves nothing of its own behind; the parent checks that
+its /dev/shm objects are all still there, and its workers go on checking answers.
 """
 
 from __future__ import annotations
 
+import atexit
+import gc
 import json
 import logging
 import os
 import random
+import select
 import sys
 import threading
 import time
@@ -310,6 +320,153 @@ def _open(spec: dict[str, Any], check: _Check) -> Any:
     return _Simple(spec, check, batching=bool(spec.get("batching")))
 
 
+# ----------------------------------------------------------------------------- fork
+_CHILD_EXITS = ("os_exit", "exit_hooks", "close", "del")
+
+
+def _objects_of(pid: int, skip_kind: str = "hostmem") -> set[str]:
+    """/dev/shm objects of this run's tag made by ``pid`` (not of kind ``skip_kind``:
+    the workers make and free empty_shared arrays all the time)."""
+    from shm.cleanup import list_objects
+
+    return {o.entry for o in list_objects() if o.pid == pid and o.kind != skip_kind}
+
+
+class _Forks:
+    """The fork scenario's forking thread (see the module docstring)."""
+
+    def __init__(self, host: "_Host", work: "_Simple") -> None:
+        self.host = host
+        self.work = work
+        # A module a thread of the host is importing at the fork stays locked in the child
+        # for good: what the child uses is imported here, before any thread starts.
+        import numpy.random  # noqa: F401
+        import shm.cleanup  # noqa: F401
+
+    def run(self) -> None:
+        r = random.Random(int(self.host.spec["seed"]) * 1000 + 999)
+        # leave a child the time to make its runner before the host's deadline
+        while time.time() < self.host.deadline - 1.0:
+            self.host.in_flight[-2] = (time.time(), "forking")
+            try:
+                if not self._one(r.choice(_CHILD_EXITS), r.randrange(1 << 30)):
+                    return
+            except Exception as exc:  # noqa: BLE001 - a finding, not a crash of the host
+                self.host.tally.problem("errors", f"fork: {type(exc).__name__}: {exc}")
+                return
+            finally:
+                self.host.in_flight.pop(-2, None)
+
+    def _one(self, how: str, seed: int) -> bool:
+        tally, parent = self.host.tally, os.getpid()
+        before = _objects_of(parent)
+        rd, wr = os.pipe()
+        pid = os.fork()
+        if pid == 0:   # the child: one thread; it reports through the pipe, never stdout
+            code = 70
+            try:
+                os.close(rd)
+                report = _child(self.work, how, seed, self.host.hang)
+                os.write(wr, json.dumps(report).encode())
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(wr)
+        chunks: list[bytes] = []
+        limit = time.monotonic() + 60.0 + 2 * self.host.hang   # a new runner: IPU start-up
+        try:
+            while True:
+                ready, _, _ = select.select([rd], [], [], max(0.0, limit - time.monotonic()))
+                if not ready:
+                    os.kill(pid, 9)
+                    tally.problem("hung", f"forked child {pid} ({how}) did not finish")
+                    return False
+                chunk = os.read(rd, 1 << 16)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+        finally:
+            os.close(rd)
+            _, status = os.waitpid(pid, 0)
+        code = os.waitstatus_to_exitcode(status)
+        if code != 0 or not chunks:
+            tally.problem("errors", f"forked child {pid} ({how}) exited with code {code}")
+            return True
+        report = json.loads(b"".join(chunks).decode())
+        with tally.lock:
+            tally.ok += report["ok"]
+            tally.expected += report["expected"]
+            tally.cycles += 1
+            tally.latencies.extend(report["latencies"])
+            tally.latency_sum += sum(report["latencies"])
+        for kind in ("wrong", "errors"):
+            for text in report[kind]:
+                tally.problem(kind, f"forked child {pid} ({how}): {text}")
+        missing = before - _objects_of(parent)
+        if missing:
+            tally.problem("errors", f"forked child {pid} ({how}) took the host's /dev/shm "
+                          f"objects {sorted(missing)[:4]} ({len(missing)})")
+        left = _objects_of(pid, skip_kind="")
+        if left:
+            tally.problem("errors", f"forked child {pid} ({how}) left {sorted(left)[:4]} "
+                          f"({len(left)}) in /dev/shm")
+        return True
+
+
+def _child(work: "_Simple", how: str, seed: int, hang: float) -> dict[str, Any]:
+    """In a forked child of a host: the parent's runner must refuse, a runner of the
+    child's own must answer right; then let go as ``how`` says."""
+    import host_runtime as mr
+
+    report: dict[str, Any] = {"ok": 0, "expected": 0, "latencies": [], "wrong": [],
+                              "errors": []}
+    rng = np.random.default_rng(seed)
+    w = work.w
+    x = {"tensor_A": np.ones(w.shape, np.float32), "tensor_B": np.zeros(w.shape, np.float32)}
+    calls: list[tuple[str, Callable[[], Any]]] = [
+        ("execute", lambda: work.runner.execute(x)),
+        ("executeAsync", lambda: work.runner.executeAsync(x))]
+    for what, call in calls:
+        try:
+            call()
+            report["wrong"].append(f"{what} on the host's runner answered in the child")
+        except mr.ForkedProcessError as exc:
+            if exc.owner_pid == os.getppid() and "after fork()" in str(exc):
+                report["expected"] += 1
+            else:
+                report["errors"].append(f"{what}: the wrong ForkedProcessError: {exc}")
+        except Exception as exc:  # noqa: BLE001 - reported
+            report["errors"].append(f"{what} on the host's runner: {type(exc).__name__}: {exc}")
+    cfg = mr.ModelRunnerConfig()
+    cfg.device_wait_config = mr.DeviceWaitConfig(timedelta(seconds=60), timedelta(seconds=0.05))
+    own: Any = mr.ModelRunner(work.spec["model"], config=cfg)
+    for i in range(5):
+        a = rng.standard_normal(w.shape).astype(np.float32)
+        b = rng.standard_normal(w.shape).astype(np.float32)
+        t0 = time.perf_counter()
+        got = own.execute({"tensor_A": a, "tensor_B": b})["tensor_C"]
+        took = time.perf_counter() - t0
+        if np.allclose(got, a * w + b, rtol=1e-5, atol=1e-5):
+            report["ok"] += 1
+            report["latencies"].append(round(took * 1e3, 3))
+        else:
+            report["wrong"].append(f"request {i} on the child's own runner: got "
+                                   f"{np.asarray(got).ravel()[:3].tolist()}")
+    if how == "close":
+        work.runner.close()      # the child's copy only
+        own.close()
+    elif how == "del":
+        del work.runner          # the child's copy of the host's runner goes
+        del own
+        gc.collect()
+    elif how == "exit_hooks":   # what a normal exit runs (closes the child's own runner)
+        atexit._run_exitfuncs()
+        gc.collect()
+    else:
+        own.close()
+    return report
+
+
 # ----------------------------------------------------------------------------- running
 _PROGRESS_INTERVAL = 0.25   # seconds between PROGRESS lines
 _say_lock = threading.Lock()
@@ -467,6 +624,9 @@ class _Host:
         args = [(tid,) if daemon_loop else (work, tid) for tid in range(threads_n)]
         threads = [threading.Thread(target=target, args=a, daemon=True, name=f"stress-{a[-1]}")
                    for a in args]
+        if self.spec["scenario"] == "fork":
+            threads.append(threading.Thread(target=_Forks(self, work).run, daemon=True,
+                                            name="stress-fork"))   # imports before threads
         for t in threads:
             t.start()
         for t in threads:

@@ -15,9 +15,22 @@ import argparse
 import logging
 import pathlib
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 __all__ = ["main", "build_parser"]
+
+
+_MAX_ERROR = 1000
+"""Characters of the error line at most: messages shorten what they echo (shm.errors.echo);
+this is the backstop for one that does not."""
+
+
+def _error(text: str) -> None:
+    """The one ``poprt: error: ...`` line: newlines folded, at most _MAX_ERROR characters."""
+    from shm.errors import echo
+
+    print(f"poprt: error: {echo(' '.join(text.split()), _MAX_ERROR, quote=False)}",
+          file=sys.stderr)
 
 
 def _bool(text: str) -> bool:
@@ -26,11 +39,22 @@ def _bool(text: str) -> bool:
         return True
     if low in ("0", "false", "no", "off"):
         return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    from shm.errors import echo
+
+    raise argparse.ArgumentTypeError(f"expected true or false, got {echo(text)}")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with the value it echoes in a usage error shortened."""
+
+    def error(self, message: str) -> NoReturn:
+        from shm.errors import echo
+
+        super().error(echo(" ".join(message.split()), _MAX_ERROR, quote=False))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="poprt", description="Compile ONNX models into a PopEF file for the IPU emulator.")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--input_model", help="the ONNX model to compile")
@@ -78,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     from host_runtime.errors import BadRequestError
     from host_runtime.poprt.compiler import compile, load_config_yaml, parse_input_shape
     from ipu_emulator.errors import CompileError
+    from shm.errors import echo
 
     try:
         if args.config_yaml:
@@ -116,15 +141,15 @@ def main(argv: list[str] | None = None) -> int:
                 manual_sharding_config=args.manual_sharding_config,
                 enable_pipelining=bool(args.enable_pipelining))
     except (CompileError, BadRequestError) as exc:
-        print(f"poprt: error: {exc}", file=sys.stderr)
+        _error(str(exc))
         return 2
     except OSError as exc:   # what the checks above could not foresee (a disk that fills)
-        print(f"poprt: error: {exc.strerror or exc}"
-              + (f": {exc.filename!r}" if exc.filename else ""), file=sys.stderr)
+        _error(f"{exc.strerror or exc}" + (f": {echo(exc.filename, 200)}" if exc.filename
+                                           else ""))
         return 2
     except Exception as exc:   # a bug: still one line (the traceback with --verbose)
         logging.getLogger("poprt").debug("unexpected failure", exc_info=True)
-        print(f"poprt: error: unexpected {type(exc).__name__}: {exc}", file=sys.stderr)
+        _error(f"unexpected {type(exc).__name__}: {exc}")
         return 2
     exe = out.result.executable
     if exe.num_ipus > 1:

@@ -25,6 +25,11 @@ Pythons) on a private emulated machine (own IPU_EMULATOR_HOME and shm tag,
 - ``kill-host``: SIGKILL random host processes (replaced while time remains):
   their IPU processes exit and /dev/shm holds nothing of theirs, others go on;
 - ``daemon``: hosts attach, run and detach through a private daemon in a loop.
+- ``fork``: while its workers execute (as in ``mixed``), each host forks children
+  one after another: a child's use of the host's runner must raise ForkedProcessError
+  (counted as failed as expected), a runner the child makes must answer right, and
+  the child's letting go (exit hooks, close(), del, os._exit) must leave the host's
+  /dev/shm objects and runner intact and nothing of its own.
 
 While a scenario runs, a progress line (requests, rate, failures so far) is
 rewritten in place on a terminal; when stdout is not one, a plain line is
@@ -58,8 +63,16 @@ __all__ = ["SCENARIOS", "ScenarioResult", "main", "run"]
 
 _log = logging.getLogger(__name__)
 
-SCENARIOS = ("mixed", "batching", "fused", "kill-ipu", "kill-pipeline", "kill-host", "daemon")
+SCENARIOS = ("mixed", "batching", "fused", "kill-ipu", "kill-pipeline", "kill-host", "daemon",
+             "fork")
 _IPUS_PER_DEVICE = {"kill-pipeline": 2}   # IPUs of the scenario's model (sharded models)
+
+
+def _machine_ipus(name: str, opts: argparse.Namespace) -> int:
+    """IPUs a scenario's hosts hold at once (fork: each host's child makes a runner of
+    one IPU while the host holds its own)."""
+    held = int(opts.hosts * opts.replicas * _IPUS_PER_DEVICE.get(name, 1))
+    return held + int(opts.hosts) if name == "fork" else held
 _STARTUP_ALLOWANCE = 120.0     # seconds a host may take to import and load its model
 
 
@@ -100,7 +113,7 @@ class _Scenario:
         that many makes runners wait for each other without."""
         o = self.opts
         if self.name != "daemon":
-            return int(o.hosts * o.replicas * _IPUS_PER_DEVICE.get(self.name, 1))
+            return _machine_ipus(self.name, o)
         return int(max(o.hosts * o.replicas // 2, o.hosts * o.threads * (o.replicas - 1) + 1,
                    o.replicas))
 
@@ -291,7 +304,8 @@ _COLUMNS = ("scenario", "hosts", "events", "ok", "failed as expected", "wrong", 
 def _row(r: ScenarioResult) -> list[str]:
     killed = f"{r.hosts_killed} hosts killed" if r.name == "kill-host" else \
         f"{r.ipus_killed} ipus killed" if r.name in ("kill-ipu", "kill-pipeline") else \
-        f"{r.cycles} attaches" if r.name == "daemon" else "-"
+        f"{r.cycles} attaches" if r.name == "daemon" else \
+        f"{r.cycles} forks" if r.name == "fork" else "-"
     return [r.name, str(r.hosts), killed, str(r.ok), str(r.expected), str(r.wrong), str(r.hung),
             str(r.errors), "-" if r.p50_ms is None else f"{r.p50_ms:.2f}",
             "-" if r.p99_ms is None else f"{r.p99_ms:.2f}", str(r.leaks),
@@ -353,8 +367,7 @@ def run(opts: argparse.Namespace, live: LiveStats | None = None,
     """
     scenarios = opts.scenario or ["mixed"]
     rng = random.Random(opts.seed)
-    per_device = max(_IPUS_PER_DEVICE.get(name, 1) for name in scenarios)
-    rig = Rig(num_ipus=opts.hosts * opts.replicas * per_device, seed=opts.seed % 1000)
+    rig = Rig(num_ipus=max(_machine_ipus(name, opts) for name in scenarios), seed=opts.seed % 1000)
     results: list[ScenarioResult] = []
     problems: list[str] = []
     try:

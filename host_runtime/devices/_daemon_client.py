@@ -29,6 +29,7 @@ import logging
 import os
 import signal
 import threading
+import weakref
 from typing import Any
 
 from shm import ExitWatch, Ring, describe_process
@@ -209,6 +210,21 @@ def _expect_optional(client: DaemonClient, what: str, obj: dict[str, Any],
                                    f"{v!r:.100} ({type(v).__name__})")
 
 
+# Attachments of this process, for the fork hook below.
+_attachments: "weakref.WeakSet[DaemonAttachment]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child drops its copies of the parent's hold connections at once: it must
+    never talk on them (its requests and the parent's would cross), and its copy of the
+    socket would keep the parent's hold open after the parent lets go."""
+    for att in list(_attachments):
+        att._forget_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class DaemonAttachment:
     """IPUs this host holds through the daemon (the connection is the hold)."""
 
@@ -219,6 +235,15 @@ class DaemonAttachment:
         self._conn: wire.LineConnection | None = conn
         self._infos = {int(i["ipu"]): i for i in infos}
         self._pid = os.getpid()
+        _attachments.add(self)
+
+    def _forget_in_child(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                conn.close()   # this process's descriptor only (no shutdown())
+            except OSError:   # pragma: no cover
+                pass
 
     def launcher(self, spec: IpuSpec, log_dir: str | None = None) -> "DaemonIpu":
         """The ``DeviceManager`` launcher seam: the warm process of ``spec.ipu_id``."""
@@ -274,6 +299,7 @@ class DaemonIpu:
         self._client = client
         self._rc: int | None = None
         self._closed = False
+        self._owner_pid = os.getpid()   # a forked child never kills the daemon's process
         self._exit = ExitWatch([self._pid])   # liveness: a pidfd (not our child)
         self.control = Ring.attach(info["control"])
         try:
@@ -312,8 +338,9 @@ class DaemonIpu:
         return read_log_tail(self.log_path, self._pid, nbytes)
 
     def kill(self) -> None:
-        """SIGKILL the process (tests; the daemon starts a new one once it is released)."""
-        if self.alive():
+        """SIGKILL the process (tests; the daemon starts a new one once it is released).
+        Not from a process forked from the host that attached it."""
+        if os.getpid() == self._owner_pid and self.alive():
             os.kill(self._pid, signal.SIGKILL)
             self.wait_exit(5.0)
 

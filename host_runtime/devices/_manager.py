@@ -37,6 +37,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 from host_runtime.devices._daemon_client import DaemonAttachment, DaemonClient, daemon_from_env
 from host_runtime.devices._ipu_group import make_link
 from host_runtime.devices.link import DeviceLink, StreamServicer
+from host_runtime._fork import check_owner
 from host_runtime._lifetime import close_owned
 from host_runtime.devices._shm_space import translated
 from host_runtime.errors import BadRequestError, DeviceUnavailableError, InvalidStateError
@@ -333,6 +334,7 @@ class Device:
     def kill(self) -> None:
         """Internal (Session): SIGKILL the IPU processes (a hung device whose owner was
         dropped); the link notices the loss and fails what waits on it."""
+        check_owner(self._owner_pid, "Device")
         kill_all(self._processes)   # all at once, then wait for all
         self._link.check()
 
@@ -370,6 +372,7 @@ class Device:
         return self._lock
 
     def _check_open(self) -> None:
+        check_owner(self._owner_pid, "Device")
         if self._closed:
             raise InvalidStateError(f"{self.describe()} is detached")
         lost = self._link.lost
@@ -394,6 +397,7 @@ class Device:
         programs), it stays bound to this device and loads again before it next runs.
 
         Seed: protected, for Session."""
+        check_owner(self._owner_pid, "Device")
         with self._lock:
             active = self._active() if self._active is not None else None
             if active is None:
@@ -747,8 +751,8 @@ class DeviceManager:
         try:
             for spec in specs:
                 # the IPU process's control and event rings live in /dev/shm too
-                with translated(f"the control and event rings of IPU {spec.ipu_id}",
-                                _IPU_RING_BYTES):
+                with translated(f"the process and the control and event rings of IPU "
+                                f"{spec.ipu_id}", _IPU_RING_BYTES):
                     procs.append(launch(spec, log_dir=self._system.log_dir))
         except BaseException:
             for p in procs:

@@ -3,8 +3,11 @@
 A model's stream rings and device-memory region live in /dev/shm. A Docker
 container's default 64 MiB is easily too small (one [4096, 4096] float32 anchor
 is 64 MiB a transfer): ``check_room`` adds up what a session will create and
-refuses it at once, and ``translated`` turns a ``shm`` failure at creation into
-``SharedMemoryFullError``, naming what was asked and what /dev/shm has.
+refuses it at once, and ``translated`` turns a failure at creation into the host's
+error: ``SharedMemoryFullError`` when /dev/shm is full (naming what was asked and
+what /dev/shm has), ``ResourceLimitError`` when the process ran out of file
+descriptors or into its file-size limit (``shm.limits`` names which, with the
+numbers); never "/dev/shm full" for a limit that has nothing to do with it.
 """
 
 from __future__ import annotations
@@ -13,9 +16,9 @@ import contextlib
 import os
 from typing import Iterator, Sequence
 
-from shm import ShmError
+from shm import FileSizeLimitError, OutOfFileDescriptorsError, ShmError, ShmFullError, limits
 
-from host_runtime.errors import SharedMemoryFullError
+from host_runtime.errors import ResourceLimitError, SharedMemoryFullError
 
 __all__ = ["SHM_DIR", "ring_bytes", "check_room", "translated", "free_bytes"]
 
@@ -64,12 +67,25 @@ def check_room(what: str, items: Sequence[tuple[str, int]]) -> None:
 
 @contextlib.contextmanager
 def translated(what: str, nbytes: int) -> Iterator[None]:
-    """Creating ``what`` of ``nbytes`` bytes: a shm failure becomes SharedMemoryFullError."""
+    """Creating ``what`` of ``nbytes`` bytes: a failure there becomes the host's error
+    (ResourceLimitError for descriptors and file size, else SharedMemoryFullError)."""
     try:
         yield
-    except ShmError as exc:
-        raise SharedMemoryFullError(f"cannot create {what} of {nbytes} bytes in shared "
-                                    f"memory: {exc}; {_has()}") from exc
-    except OSError as exc:
-        raise SharedMemoryFullError(f"cannot create {what} of {nbytes} bytes in shared "
-                                    f"memory: {exc.strerror or exc}; {_has()}") from exc
+    except (ShmError, OSError, ValueError, MemoryError) as exc:
+        named: BaseException | None = exc
+        if not isinstance(exc, (OutOfFileDescriptorsError, FileSizeLimitError, ShmFullError)):
+            named = limits.named_error(exc, f"creating {what}", nbytes)
+            if named is not None:
+                named.__cause__ = exc
+        if isinstance(named, (OutOfFileDescriptorsError, FileSizeLimitError)):
+            raise ResourceLimitError(f"cannot create {what}: {named}") from named
+        if isinstance(named, ShmFullError):
+            raise SharedMemoryFullError(f"cannot create {what} of {nbytes} bytes in shared "
+                                        f"memory: {named}") from named
+        if isinstance(exc, ShmError):
+            raise SharedMemoryFullError(f"cannot create {what} of {nbytes} bytes in shared "
+                                        f"memory: {exc}; {_has()}") from exc
+        if isinstance(exc, OSError):
+            raise SharedMemoryFullError(f"cannot create {what} of {nbytes} bytes in shared "
+                                        f"memory: {exc.strerror or exc}; {_has()}") from exc
+        raise

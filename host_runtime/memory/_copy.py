@@ -27,6 +27,14 @@ _ONE = (os.cpu_count() or 1) < 2
 _pool_pid = 0
 
 
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()   # a thread of the parent may have held it at the fork
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _helper() -> cf.ThreadPoolExecutor:
     global _pool, _pool_pid
     with _lock:

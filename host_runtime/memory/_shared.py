@@ -16,6 +16,13 @@ unchanged until the request's result is returned. The region is freed (closed
 and unlinked) when the array and every view of it are gone. Arrays of other
 origin, non-contiguous views and small tensors (under ``SHARED_MIN_BYTES``)
 are copied as usual; requests split into several transfers are copied too.
+
+An array belongs to the process that made it. A process forked from it shares the
+array's pages with its parent (a write in one is seen by the other, and by the
+parent's IPUs): there the array is no longer shared memory of this process
+(``is_shared`` is False), passing it to a runner raises ForkedProcessError
+(``check_owned``), and the child's exit or its dropping the array never unlinks the
+parent's region.
 """
 
 from __future__ import annotations
@@ -31,7 +38,9 @@ import numpy as np
 
 from shm import Region, buffer_address as _address
 
-__all__ = ["empty_shared", "is_shared", "shared_location", "SHARED_MIN_BYTES"]
+from host_runtime._fork import current_pid, forked_error
+
+__all__ = ["empty_shared", "is_shared", "shared_location", "check_owned", "SHARED_MIN_BYTES"]
 
 SHARED_MIN_BYTES = 4096
 """Smaller inputs are copied: a copy is then cheaper than the IPU's look-up."""
@@ -40,6 +49,21 @@ SHARED_MIN_BYTES = 4096
 _lock = threading.Lock()
 # Live regions, sorted by base address: (bases, [(base, end, name)]), replaced whole.
 _table: tuple[list[int], list[tuple[int, int, str]]] = ([], [])
+# In a forked child: the regions of arrays its parent (or an earlier ancestor) made,
+# (base, end, name, creator pid). Empty in a process that never forked with arrays alive.
+_inherited: list[tuple[int, int, str, int]] = []
+_creator = current_pid()   # of the entries of _table
+
+
+def _after_fork_in_child() -> None:
+    global _lock, _table, _inherited, _creator
+    _lock = threading.Lock()   # a thread of the parent may have held it at the fork
+    _inherited = [*_inherited, *((b, e, n, _creator) for b, e, n in _table[1])]
+    _table = ([], [])
+    _creator = current_pid()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def empty_shared(shape: Any, dtype: Any = np.float32) -> np.ndarray:
@@ -66,7 +90,8 @@ def is_shared(arr: Any) -> bool:
 
 
 def shared_location(arr: np.ndarray) -> Optional[tuple[str, int]]:
-    """(region name, byte offset) of ``arr``'s data, or None if it is not shared memory."""
+    """(region name, byte offset) of ``arr``'s data, or None if it is not shared memory
+    of this process (an array the parent of a forked process made is not)."""
     bases, entries = _table
     if not bases or not arr.flags.c_contiguous:
         return None
@@ -78,6 +103,26 @@ def shared_location(arr: np.ndarray) -> Optional[tuple[str, int]]:
     if addr + arr.nbytes > end:
         return None
     return name, addr - base
+
+
+def check_owned(*groups: Any) -> None:
+    """For the other packages of host_runtime (a runner's request): ForkedProcessError if
+    an array of ``groups`` (mappings of name to array, sequences of arrays, or None) lies in
+    an empty_shared array that the parent of this forked process made. Free (one test of an
+    empty list) in a process that inherited none."""
+    if not _inherited:
+        return
+    for group in groups:
+        if group is None:
+            continue
+        values = group.values() if hasattr(group, "values") else group
+        for v in values:
+            if not isinstance(v, np.ndarray) or v.nbytes == 0:
+                continue
+            addr = int(v.__array_interface__["data"][0])
+            for base, end, name, creator in _inherited:
+                if base <= addr < end:
+                    raise forked_error(f"the empty_shared array in {name}", creator)
 
 
 def _add(base: int, end: int, name: str) -> None:
@@ -93,10 +138,12 @@ def _free(base: int, region: Region, creator: int) -> None:
     Only the creating process unlinks: a forked child's copies of the array
     going away must not take the name from its parent (and the IPU processes).
     """
-    global _table
+    global _table, _inherited
     with _lock:
         entries = [e for e in _table[1] if e[0] != base]
         _table = ([e[0] for e in entries], entries)
+        if _inherited:
+            _inherited = [e for e in _inherited if e[0] != base]
     region.close()
     if os.getpid() == creator:
         region.unlink()

@@ -14,6 +14,7 @@ from ipu_emulator.errors import ExecutableError
 from ipu_emulator.executable import MAGIC, Executable
 from ipu_emulator.validate import AnchorSpec, FlowSpec, RuleError
 from ipu_emulator.validate import check_model as _check_rules
+from shm.errors import echo
 
 __all__ = ["check_model"]
 
@@ -43,8 +44,8 @@ def check_model(model: Model, *, path: str | None = None, blob: str | None = Non
     except ExecutableError as exc:
         if not strict:
             return
-        raise PopefError(f"executable {name!r} cannot be decoded: {exc}", path=path,
-                         blob=f"executable {name!r}") from None
+        raise PopefError(f"executable {echo(name)} cannot be decoded: {exc}", path=path,
+                         blob=f"executable {echo(name)}") from None
     anchors = []
     for a in md.anchors():
         info = a.tensorInfo()
@@ -52,7 +53,7 @@ def check_model(model: Model, *, path: str | None = None, blob: str | None = Non
             dtype = info.dataType().value
             nbytes = info.sizeInBytes()
         except Exception as exc:   # FP8: no numpy type
-            raise PopefError(f"anchor {a.name()!r}: {exc}", path=path, blob=blob) from None
+            raise PopefError(f"anchor {echo(a.name())}: {exc}", path=path, blob=blob) from None
         anchors.append(AnchorSpec(a.name(), a.handle(), _DIRECTION[a.type()], dtype,
                                   tuple(info.shape()), nbytes, tuple(a.programs())))
     flow = md.programFlow()
@@ -60,6 +61,6 @@ def check_model(model: Model, *, path: str | None = None, blob: str | None = Non
         _check_rules(exe, anchors, FlowSpec(tuple(flow.load()), tuple(flow.main()),
                                             tuple(flow.save())), md.subgraphs())
     except RuleError as exc:
-        raise ModelRuleError(f"model {md.executable()!r} is inconsistent: {exc}",
+        raise ModelRuleError(f"model {echo(md.executable())} is inconsistent: {exc}",
                              rule=exc.rule, path=path, blob=blob) from None
     setattr(model, _CHECKED, True)

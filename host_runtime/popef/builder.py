@@ -24,6 +24,7 @@ from host_runtime.popef._check import check_model
 from host_runtime.popef.model import (ExecutableBlob, FeedData, Metadata, Model, Opaque,
                                       TensorData)
 from host_runtime.popef.reader import Blob, BlobInfo, Reader
+from shm.errors import echo
 
 __all__ = ["ModelBuilder", "load_model"]
 
@@ -72,7 +73,7 @@ class ModelBuilder:
         exe_entry = executables.pop(md.executable(), None)
         if exe_entry is None:
             raise PopefError(
-                f"metadata names executable {md.executable()!r} but no executable blob of "
+                f"metadata names executable {echo(md.executable())} but no executable blob of "
                 f"that name was found in {where}; found "
                 f"{sorted(executables) or 'no executable blobs'}",
                 path=md_info.path, blob=md_info.label, offset=md_info.offset)
@@ -85,24 +86,24 @@ class ModelBuilder:
         for name, (info, t) in tensors.items():
             anchor = anchors.get(name)
             if anchor is None:
-                raise PopefError(f"tensor data names anchor {name!r}, which the metadata does "
+                raise PopefError(f"tensor data names anchor {echo(name)}, which the metadata does "
                                  f"not have; anchors are {sorted(anchors)}",
                                  path=info.path, blob=info.label, offset=info.offset)
             expected = anchor.tensorInfo().sizeInBytes()
             if len(t.data) != expected:
-                raise PopefError(f"tensor data for anchor {name!r} has {len(t.data)} bytes, "
-                                 f"expected {expected} ({anchor.tensorInfo()!r})",
+                raise PopefError(f"tensor data for anchor {echo(name)} has {len(t.data)} bytes, "
+                                 f"expected {expected} ({echo(anchor.tensorInfo())})",
                                  path=info.path, blob=info.label, offset=info.offset)
         feeds = _dedupe(entries, FeedData, _same_bytes)
         for name, (info, fd) in feeds.items():
             anchor = anchors.get(name)
             if anchor is None:
-                raise PopefError(f"feed data names anchor {name!r}, which the metadata does "
+                raise PopefError(f"feed data names anchor {echo(name)}, which the metadata does "
                                  f"not have; anchors are {sorted(anchors)}",
                                  path=info.path, blob=info.label, offset=info.offset)
             expected = anchor.tensorInfo().sizeInBytes() * fd.num_transfers
             if len(fd.data) != expected:
-                raise PopefError(f"feed data for anchor {name!r} has {len(fd.data)} bytes, "
+                raise PopefError(f"feed data for anchor {echo(name)} has {len(fd.data)} bytes, "
                                  f"expected {fd.num_transfers} transfers of "
                                  f"{anchor.tensorInfo().sizeInBytes()} bytes = {expected}",
                                  path=info.path, blob=info.label, offset=info.offset)
@@ -124,9 +125,9 @@ def _unique_metadata(entries: Sequence[tuple[BlobInfo, Blob]],
     for info, md in found[1:]:
         if md != first:
             raise PopefError(
-                f"two metadata blobs disagree: this one and the one in {first_info.path!r} "
-                f"at offset {first_info.offset} (executables {first.executable()!r} and "
-                f"{md.executable()!r}); a model needs exactly one metadata",
+                f"two metadata blobs disagree: this one and the one in {echo(first_info.path, 200)} "
+                f"at offset {first_info.offset} (executables {echo(first.executable())} and "
+                f"{echo(md.executable())}); a model needs exactly one metadata",
                 path=info.path, blob=info.label, offset=info.offset)
     return first_info, first
 
@@ -142,8 +143,8 @@ def _dedupe(entries: Sequence[tuple[BlobInfo, Blob]], kind: type[T],
         if prev is None:
             out[name] = (info, blob)
         elif not same(prev[1], blob):
-            raise PopefError(f"two {info.type.label} blobs named {name!r} disagree: this one "
-                             f"and the one in {prev[0].path!r} at offset {prev[0].offset}",
+            raise PopefError(f"two {info.type.label} blobs named {echo(name)} disagree: this one "
+                             f"and the one in {echo(prev[0].path, 200)} at offset {prev[0].offset}",
                              path=info.path, blob=info.label, offset=info.offset)
     return out
 

@@ -23,6 +23,7 @@ from host_runtime.errors import PopefError
 from host_runtime.popef import _format as fmt
 from host_runtime.popef._schema import SchemaError, decode_metadata
 from host_runtime.popef.model import (ExecutableBlob, FeedData, Metadata, Opaque, TensorData)
+from shm.errors import echo
 
 __all__ = ["Reader", "BlobInfo"]
 
@@ -48,7 +49,7 @@ class BlobInfo:
     @property
     def label(self) -> str:
         """``tensor data 'weights'``: how error messages name this blob."""
-        return f"{self.type.label} {self.name!r}"
+        return f"{self.type.label} {echo(self.name)}"
 
 
 Blob = Union[Metadata, ExecutableBlob, TensorData, FeedData, Opaque]
@@ -248,8 +249,8 @@ class _FileParser:
         except ValueError:
             raise self.error(f"unknown blob type {h.blob_type}; expected one of "
                              + ", ".join(f"{t.value} ({t.label})" for t in fmt.BlobType),
-                             offset + 4, f"{where} {name!r}") from None
-        label = f"{where} {btype.label} {name!r}"
+                             offset + 4, f"{where} {echo(name)}") from None
+        label = f"{where} {btype.label} {echo(name)}"
         if h.version != fmt.BLOB_FORMAT_VERSION:
             raise self.error(f"unsupported blob format version {h.version}; this reader "
                              f"supports version {fmt.BLOB_FORMAT_VERSION}", offset + 6, label)
@@ -284,7 +285,7 @@ class _FileParser:
                                    where).decode("utf-8")
         except (PopefError, UnicodeDecodeError):
             return f"{where} {kind}"
-        return f"{where} {kind} {name!r}"
+        return f"{where} {kind} {echo(name)}"
 
     def decode(self, btype: fmt.BlobType, name: str, payload: bytes, aux: int,
                compressed: bool, payload_off: int, label: str) -> Blob:
@@ -299,8 +300,8 @@ class _FileParser:
                 raise self.error(f"metadata does not match its schema: {exc}", payload_off,
                                  label) from None
             if md.executable() != name:
-                raise self.error(f"metadata blob is named {name!r} but its metadata names "
-                                 f"executable {md.executable()!r}", payload_off, label)
+                raise self.error(f"metadata blob is named {echo(name)} but its metadata names "
+                                 f"executable {echo(md.executable())}", payload_off, label)
             return md
         if btype is fmt.BlobType.EXECUTABLE:
             if compressed:

@@ -10,6 +10,11 @@
 Inputs are checked before anything is written (metadata against the same
 schema the reader enforces), so a Writer never produces a file the Reader
 refuses. Wrong input raises ``BadRequestError``.
+
+Given a path, the Writer writes a temporary file in the same folder and renames
+it into place on ``close()`` (``host_runtime._atomic_file``): the file appears
+whole or not at all, a ``with`` block left by an exception leaves the path as
+it was, and a symlink at the path is replaced, never written through.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from shm.errors import echo
+
+from host_runtime._atomic_file import AtomicFile
 from host_runtime.errors import BadRequestError, InvalidStateError
 from host_runtime.popef import _format as fmt
 from host_runtime.popef._schema import SchemaError, encode_metadata
@@ -36,15 +44,18 @@ class Writer:
 
     def __init__(self, path_or_stream: str | os.PathLike[str] | BinaryIO) -> None:
         self._owns = isinstance(path_or_stream, (str, os.PathLike))
+        self._atomic: AtomicFile | None = None
         if self._owns:
             self._name = os.fspath(path_or_stream)  # type: ignore[arg-type]
             try:
-                self._f: BinaryIO | None = open(self._name, "wb")
+                self._atomic = AtomicFile(self._name)
             except OSError as exc:
-                raise BadRequestError(f"cannot create PopEF file {self._name!r}: "
+                raise BadRequestError(f"cannot create PopEF file {echo(self._name, 200)}: "
                                       f"{exc.strerror or exc}") from None
+            self._f: BinaryIO | None = self._atomic.file
         else:
-            self._name = getattr(path_or_stream, "name", "<stream>")
+            name = getattr(path_or_stream, "name", None)
+            self._name = name if isinstance(name, str) else "<stream>"
             self._f = path_or_stream  # type: ignore[assignment]
         self._offset = 0
         self._write(fmt.pack_file_header())
@@ -87,10 +98,10 @@ class Writer:
         raw = _as_bytes(data, "feed data")
         n = int(num_transfers)
         if not 1 <= n <= fmt.MAX_FEED_TRANSFERS:
-            raise BadRequestError(f"feed data for {anchor_name!r}: num_transfers must be in "
+            raise BadRequestError(f"feed data for {echo(anchor_name)}: num_transfers must be in "
                                   f"[1, {fmt.MAX_FEED_TRANSFERS}], got {num_transfers}")
         if len(raw) % n:
-            raise BadRequestError(f"feed data for {anchor_name!r}: {len(raw)} bytes is not a "
+            raise BadRequestError(f"feed data for {echo(anchor_name)}: {len(raw)} bytes is not a "
                                   f"whole number of {n} transfers")
         self._blob(fmt.BlobType.FEED_DATA, anchor_name, raw, aux=n)
 
@@ -116,21 +127,36 @@ class Writer:
         return self._f is None
 
     def close(self) -> None:
-        """Flush; close the file if the Writer opened it. Idempotent."""
+        """Flush; for a path, put the file in place (see the module). Idempotent."""
         f, self._f = self._f, None
         if f is None:
             return
-        try:
+        atomic, self._atomic = self._atomic, None
+        if atomic is None:
             f.flush()
-        finally:
-            if self._owns:
-                f.close()
+            return
+        try:
+            atomic.commit()
+        except OSError as exc:
+            raise BadRequestError(f"cannot write PopEF file {echo(self._name, 200)}: "
+                                  f"{exc.strerror or exc}") from exc
+
+    def abort(self) -> None:
+        """Stop writing; a file the Writer was writing to a path does not appear (the
+        path keeps what it had). A stream is left as it is. Idempotent."""
+        self._f = None
+        atomic, self._atomic = self._atomic, None
+        if atomic is not None:
+            atomic.abort()
 
     def __enter__(self) -> "Writer":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
 
     def __del__(self) -> None:
         if getattr(self, "_owns", False) and getattr(self, "_f", None) is not None:
@@ -141,7 +167,7 @@ class Writer:
     @staticmethod
     def _nonempty(name: str, what: str) -> None:
         if not isinstance(name, str) or not name:
-            raise BadRequestError(f"{what} blob needs a non-empty anchor/blob name, got {name!r}")
+            raise BadRequestError(f"{what} blob needs a non-empty anchor/blob name, got {echo(name)}")
 
     def _blob(self, btype: fmt.BlobType, name: str, payload: bytes | memoryview, flags: int = 0,
               aux: int = 0) -> None:
@@ -150,7 +176,7 @@ class Writer:
         try:
             name_raw = name.encode("utf-8")
         except UnicodeEncodeError:
-            raise BadRequestError(f"blob name {name!r} cannot be encoded as UTF-8") from None
+            raise BadRequestError(f"blob name {echo(name)} cannot be encoded as UTF-8") from None
         if len(name_raw) > fmt.MAX_NAME_BYTES:
             raise BadRequestError(f"blob name of {len(name_raw)} bytes exceeds the limit of "
                                   f"{fmt.MAX_NAME_BYTES}")
@@ -165,7 +191,7 @@ class Writer:
 
     def _write(self, data: bytes | memoryview) -> None:
         if self._f is None:
-            raise InvalidStateError(f"PopEF writer for {self._name!r} is closed")
+            raise InvalidStateError(f"PopEF writer for {echo(self._name, 200)} is closed")
         self._f.write(data)
         self._offset += len(data)
 

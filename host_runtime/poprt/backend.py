@@ -43,6 +43,7 @@ from __future__ import annotations
 import atexit
 import io
 import logging
+import os
 import threading
 from collections import namedtuple
 from typing import Any, Optional, Sequence
@@ -135,6 +136,21 @@ class _SharedDevice:
 
 
 _shared = _SharedDevice()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child attaches an IPU of its own when it runs a model: the parent's IPU and
+    the runner loaded on it stay the parent's (dropped here, they only forget this
+    process's copy; see host_runtime._fork), and a lock a thread of the parent held at
+    the fork is not held here."""
+    _shared.lock = threading.RLock()
+    holder, _shared._holder = _shared._holder, None
+    if holder is not None:
+        holder.runner = None
+    _shared._device = None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def holds_device() -> bool:

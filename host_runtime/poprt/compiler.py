@@ -18,8 +18,11 @@ import logging
 import os
 import pathlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, BinaryIO, Sequence, cast
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Sequence, cast
 
+from shm.errors import echo
+
+from host_runtime._atomic_file import AtomicFile
 from host_runtime.errors import BadRequestError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -42,7 +45,6 @@ __all__ = [
 _log = logging.getLogger(__name__)
 
 POPEF_NAME = "executable.popef"
-_MAX_YAML = 1 << 20
 _MAX_DIM = 1 << 40   # the executable format's bound on one dim
 
 
@@ -59,17 +61,17 @@ def parse_input_shape(text: str) -> tuple[str, list[int]]:
     """``"X=1,3,224,224"`` -> ``("X", [1, 3, 224, 224])``; ``"X="`` is a scalar."""
     name, sep, dims = str(text).rpartition("=")
     if not sep or not name:
-        raise BadRequestError(f"input shape {text!r} must look like NAME=d0,d1,... "
+        raise BadRequestError(f"input shape {echo(text)} must look like NAME=d0,d1,... "
                               "(for example X=1,3,224,224)")
     try:
         shape = [int(d) for d in dims.replace(" ", "").split(",") if d != ""]
     except ValueError:
-        raise BadRequestError(f"input shape {text!r}: dims must be integers") from None
+        raise BadRequestError(f"input shape {echo(text)}: dims must be integers") from None
     if any(d < 0 for d in shape):
-        raise BadRequestError(f"input shape {text!r}: dims must be non-negative")
+        raise BadRequestError(f"input shape {echo(text)}: dims must be non-negative")
     big = [d for d in shape if d > _MAX_DIM]
     if big:
-        raise BadRequestError(f"input shape {text!r}: dim {big[0]} exceeds the limit of "
+        raise BadRequestError(f"input shape {echo(text)}: dim {echo(big[0])} exceeds the limit of "
                               f"{_MAX_DIM}")
     return name, shape
 
@@ -153,26 +155,32 @@ def compile(models: "ModelSpec | Sequence[ModelSpec] | str | os.PathLike[str] | 
         import onnx
 
         _make_dir(model_path.parent, "the folder of output_model")
-        _write_file(model_path, lambda: onnx.save(result.output_model, str(model_path)))
+        _write_file(model_path, lambda f: onnx.save(result.output_model, f))
         output.output_model_path = model_path
         _log.info("wrote the transformed ONNX model to %s", model_path)
     if popef_path is not None:
-        _write_file(popef_path, lambda: write_popef(result, popef_path, compress=compress))
+        _write_file(popef_path, lambda f: write_popef(result, f, compress=compress))
         output.popef_path = popef_path
         _log.info("wrote %s", popef_path)
     return output
 
 
 def _inside(out_dir: pathlib.Path, name: Any, key: str) -> pathlib.Path:
-    """``out_dir / name``, refused unless it stays inside ``out_dir``."""
+    """``out_dir / name``, refused unless it stays inside ``out_dir``.
+
+    Only the folders on the way are resolved: the file itself is replaced by a rename
+    (``_write_file``), so a symlink at its name is never followed and need not point
+    inside ``out_dir``."""
     if not isinstance(name, (str, os.PathLike)) or not os.fspath(name):
-        raise BadRequestError(f"{key} must be a non-empty file name, got {name!r}")
+        raise BadRequestError(f"{key} must be a non-empty file name, got {echo(name)}")
     rel = pathlib.Path(name)
     base = out_dir.resolve()
-    path = (base / rel).resolve()
-    if rel.is_absolute() or path == base or not path.is_relative_to(base):
-        raise BadRequestError(f"{key} {os.fspath(name)!r} must name a file inside the output "
-                              f"folder {str(out_dir)!r}; it resolves to {str(path)!r}")
+    path = (base / rel.parent).resolve() / rel.name
+    if (rel.is_absolute() or rel.name in ("", ".", "..") or path == base
+            or not path.is_relative_to(base)):
+        raise BadRequestError(f"{key} {echo(os.fspath(name), 120)} must name a file inside the "
+                              f"output folder {echo(str(out_dir), 160)}; it resolves to "
+                              f"{echo(str(path), 120)}")
     return out_dir / rel
 
 
@@ -180,26 +188,25 @@ def _make_dir(path: pathlib.Path, what: str) -> None:
     try:
         path.mkdir(parents=True, exist_ok=True)
     except FileExistsError:
-        raise BadRequestError(f"{what} {str(path)!r} exists and is not a folder") from None
+        raise BadRequestError(f"{what} {echo(str(path), 200)} exists and is not a folder") from None
     except OSError as exc:
-        raise BadRequestError(f"cannot create {what} {str(path)!r}: "
+        raise BadRequestError(f"cannot create {what} {echo(str(path), 200)}: "
                               f"{exc.strerror or exc}") from None
 
 
-def _write_file(path: pathlib.Path, write: Any) -> None:
-    """``write()`` creates ``path``; on an OS error (no space, no permission) the partial
-    file is removed and a BadRequestError says what happened."""
+def _write_file(path: pathlib.Path, write: Callable[[BinaryIO], None]) -> None:
+    """``write(f)`` fills a new file that then replaces ``path`` whole (a temporary file in
+    its folder, created O_EXCL|O_NOFOLLOW, renamed into place: ``_atomic_file``): a
+    symlink put at ``path`` meanwhile is replaced, never written through, and on an OS
+    error (no space, no permission) ``path`` is as it was and a BadRequestError says
+    what happened."""
     try:
-        write()
+        with AtomicFile(path) as f:
+            write(f)
     except (OSError, BadRequestError) as exc:
-        try:
-            if path.is_file():
-                path.unlink()
-        except OSError:
-            pass
         cause = exc.__cause__ if isinstance(exc, BadRequestError) and exc.__cause__ else exc
         text = getattr(cause, "strerror", None) or str(exc)
-        raise BadRequestError(f"cannot write {str(path)!r}: {text}") from None
+        raise BadRequestError(f"cannot write {echo(str(path), 200)}: {text}") from None
 
 
 def metadata_for(result: "CompileResult") -> "Metadata":
@@ -255,68 +262,58 @@ class FusionConfig:
 def load_config_yaml(path: str | os.PathLike[str],
                      overrides: dict[str, Any] | None = None) -> FusionConfig:
     """Read a model fusion YAML; ``overrides`` (from the command line) win over its globals."""
-    import yaml
-
     from ipu_emulator.compiler import ModelSpec
+    from ipu_emulator.yaml_config import ConfigYamlError, load_yaml_file
 
     p = pathlib.Path(path)
     try:
-        size = p.stat().st_size
-        if size > _MAX_YAML:
-            raise BadRequestError(f"config {str(p)!r} is {size} bytes; the limit is {_MAX_YAML}")
-        doc = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise BadRequestError(f"cannot read config {str(p)!r}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError as exc:
-        raise BadRequestError(f"config {str(p)!r} is not UTF-8 text: byte {exc.start} is "
-                              f"{exc.object[exc.start:exc.start + 1]!r}") from None
-    except yaml.YAMLError as exc:
-        raise BadRequestError(f"config {str(p)!r} is not valid YAML: {exc}") from None
-    except RecursionError:
-        raise BadRequestError(f"config {str(p)!r} nests too deeply to be a config") from None
+        doc = load_yaml_file(p, "config")
+    except ConfigYamlError as exc:
+        raise BadRequestError(str(exc)) from None
+    where = f"config {echo(str(p), 200)}"
     if not isinstance(doc, dict):
-        raise BadRequestError(f"config {str(p)!r} must be a mapping of keys, got "
+        raise BadRequestError(f"{where} must be a mapping of keys, got "
                               f"{type(doc).__name__}")
     unknown = sorted(set(doc) - _GLOBAL_KEYS)
     if unknown:
-        raise BadRequestError(f"config {str(p)!r}: unknown keys {unknown}; expected some of "
+        raise BadRequestError(f"{where}: unknown keys {echo(unknown, 200)}; expected some of "
                               f"{sorted(_GLOBAL_KEYS)}")
     doc.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    _check_text(doc, f"config {str(p)!r}")
+    _check_text(doc, where)
     for key, kind in _TYPES.items():
         if key in doc and (not isinstance(doc[key], kind)
                            or (kind is int and isinstance(doc[key], bool))):
-            raise BadRequestError(f"config {str(p)!r}: {key} must be {_TYPE_WORDS[kind]}, "
-                                  f"got {doc[key]!r:.80} ({type(doc[key]).__name__})")
+            raise BadRequestError(f"{where}: {key} must be {_TYPE_WORDS[kind]}, "
+                                  f"got {echo(doc[key])} ({type(doc[key]).__name__})")
     base = p.resolve().parent
     entries = doc.get("model_fusion")
     if not isinstance(entries, list) or not entries:
-        raise BadRequestError(f"config {str(p)!r}: model_fusion must be a non-empty list of "
+        raise BadRequestError(f"{where}: model_fusion must be a non-empty list of "
                               "models (input_model, input_shape, precision)")
-    global_shapes = _shapes(doc.get("input_shape"), f"config {str(p)!r}")
+    global_shapes = _shapes(doc.get("input_shape"), where)
     global_precision = doc.get("precision", "fp32")
     specs: list[ModelSpec] = []
     for k, e in enumerate(entries):
-        where = f"config {str(p)!r}: model_fusion[{k}]"
+        at = f"{where}: model_fusion[{k}]"
         if not isinstance(e, dict):
-            raise BadRequestError(f"{where} must be a mapping, got {type(e).__name__}")
+            raise BadRequestError(f"{at} must be a mapping, got {type(e).__name__}")
         bad = sorted(set(e) - _MODEL_KEYS)
         if bad:
-            raise BadRequestError(f"{where}: unknown keys {bad}; expected some of "
+            raise BadRequestError(f"{at}: unknown keys {echo(bad, 200)}; expected some of "
                                   f"{sorted(_MODEL_KEYS)}")
         if not isinstance(e.get("input_model"), str):
-            raise BadRequestError(f"{where}: input_model (a path) is required")
+            raise BadRequestError(f"{at}: input_model (a path) is required")
         if not isinstance(e.get("precision", ""), str):
-            raise BadRequestError(f"{where}: precision must be a str, got "
-                                  f"{e['precision']!r:.80}")
+            raise BadRequestError(f"{at}: precision must be a str, got "
+                                  f"{echo(e['precision'])}")
         shapes = dict(global_shapes)
-        shapes.update(_shapes(e.get("input_shape"), where))
+        shapes.update(_shapes(e.get("input_shape"), at))
         precision = cast(str, e.get("precision", global_precision))   # both checked above
         specs.append(ModelSpec(base / e["input_model"], shapes, precision))
     out_dir = base / doc.get("output_dir", "./")
     for key in ("output_model", "popef_name"):   # checked now: the config's error, not later
         if doc.get(key) is not None:
-            _inside(out_dir, doc[key], f"config {str(p)!r}: {key}")
+            _inside(out_dir, doc[key], f"{where}: {key}")
     options: dict[str, Any] = {
         # As in seed 004: the PopEF file is written only when export_popef is true.
         "export_popef": doc.get("export_popef", False),
@@ -359,7 +356,8 @@ _TYPE_WORDS = {str: "a str", bool: "a bool (true or false, unquoted)", int: "an 
 
 def _int(v: Any, key: str, p: pathlib.Path) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
-        raise BadRequestError(f"config {str(p)!r}: {key} must be an integer, got {v!r}")
+        raise BadRequestError(f"config {echo(str(p), 200)}: {key} must be an integer, got "
+                              f"{echo(v)}")
     return v
 
 
@@ -371,7 +369,7 @@ def _check_text(v: Any, where: str, depth: int = 0) -> None:
         try:
             v.encode("utf-8")
         except UnicodeEncodeError as exc:
-            raise BadRequestError(f"{where}: the string {v!r:.80} holds a lone surrogate "
+            raise BadRequestError(f"{where}: the string {echo(v)} holds a lone surrogate "
                                   f"at character {exc.start}; expected valid Unicode "
                                   "text") from None
     elif isinstance(v, dict):

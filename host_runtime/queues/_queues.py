@@ -40,6 +40,7 @@ import numpy as np
 
 from shm import describe_process
 
+from host_runtime._fork import check_owner, current_pid
 from host_runtime.queues._spsc import SpscRingBuffer
 from host_runtime.errors import BadRequestError
 from host_runtime.popef.model import Anchor, Model, TensorInfo, TensorType
@@ -195,6 +196,12 @@ class _QueueBase(IQueue, Generic[_Item]):
         self._current: _Item | None = None   # the item being consumed across transfers
         self._pos = 0               # bytes of it already consumed
         self._state_lock = threading.Lock()
+        # Its consumer is the session's stream service of this process: in a forked child
+        # nothing would ever take what is queued (see host_runtime._fork).
+        self._owner_pid = current_pid()
+
+    def _check_owner(self) -> None:
+        check_owner(self._owner_pid, f"{self._KIND} {self._name!r}")
 
     def tensorInfo(self) -> TensorInfo:
         return self._info
@@ -210,6 +217,7 @@ class _QueueBase(IQueue, Generic[_Item]):
 
     def enqueueLock(self) -> _Item:
         """Lock an item for writing (blocking); fill it and call enqueueComplete()."""
+        self._check_owner()
         return self._rb.writeLock()
 
     # The application's buffers: read by InputQueue, written by OutputQueue.
@@ -218,6 +226,7 @@ class _QueueBase(IQueue, Generic[_Item]):
 
     def enqueueComplete(self) -> None:
         """Unlock the item locked by enqueueLock(); its size must be whole samples."""
+        self._check_owner()
         if self._rb.isValid():
             item = self._rb._slots[self._rb._written % self._rb._n]
             if item.data is not _FLUSH:
@@ -232,15 +241,18 @@ class _QueueBase(IQueue, Generic[_Item]):
         self._rb.writeComplete()
 
     def disconnect(self) -> None:
+        self._check_owner()
         self._rb.invalidate()
 
     def reset(self) -> None:
         """Empty the queue and make it valid again (after the session stopped)."""
+        self._check_owner()
         self._rb.reset()
         self._current = None
         self._pos = 0
 
     def flush(self) -> None:
+        self._check_owner()
         item = self._rb.writeLock()
         if not self._rb.isValid():
             return
@@ -276,6 +288,7 @@ class InputQueue(_QueueBase[InputData]):
                 read_start_callback: Optional[ReadStartCallback] = None,
                 read_complete_callback: Optional[ReadCompleteCallback] = None) -> None:
         """Queue a reference to ``data_size`` bytes of ``input`` (not copied)."""
+        self._check_owner()
         size = _nbytes(input) if data_size is None else int(data_size)
         self._check_size(size)
         flat = _bytes_of(input, size, False, f"input queue {self._name!r}")
@@ -335,6 +348,7 @@ class OutputQueue(_QueueBase[OutputData]):
     def enqueue(self, output: Any, data_size: int | None = None,
                 write_complete_callback: Optional[WriteCompleteCallback] = None) -> None:
         """Queue a reference to where the next ``data_size`` output bytes go."""
+        self._check_owner()
         size = _nbytes(output) if data_size is None else int(data_size)
         self._check_size(size)
         flat = _bytes_of(output, size, True, f"output queue {self._name!r}")
@@ -488,6 +502,7 @@ class QueueManager:
                  timeout_ns: int = 0,
                  timeout_callback: Optional[Callable[["InputQueue", SpscRingBuffer[InputData]], None]] = None
                  ) -> None:
+        self._owner_pid = current_pid()   # fork: see host_runtime._fork
         self.inputs: dict[str, InputQueue] = {}
         self.outputs: dict[str, OutputQueue] = {}
         # The session owns its queue managers (createQueueManager): refer back weakly.
@@ -524,6 +539,7 @@ class QueueManager:
                 session.setCallbackForAnchor(anchor.handle(), _callback(q_out.drain))
 
     def _resolve(self, name: str, table: dict[str, _Q], kind: str) -> _Q:
+        check_owner(self._owner_pid, "QueueManager")
         key = name if name in table else self._by_handle.get(name, name)
         try:
             return table[key]
@@ -539,6 +555,7 @@ class QueueManager:
         return self._resolve(name, self.outputs, "output")
 
     def _all(self) -> list[InputQueue | OutputQueue]:
+        check_owner(self._owner_pid, "QueueManager")
         return [*self.inputs.values(), *self.outputs.values()]
 
     def flushAll(self) -> None:

@@ -31,12 +31,13 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, NoReturn, Optional
 import numpy as np
 
 from host_runtime import popef
+from host_runtime._fork import check_owner, current_pid, foreign
 from host_runtime._lifetime import close_owned, weak_method
 from host_runtime.devices import Device, DeviceManager, DeviceWaitConfig
 from host_runtime.errors import BadRequestError, InvalidStateError
 from host_runtime.memory import (InputMemoryView, OutputMemory, OutputMemoryView,
                                         PopefPaths, TensorMemory, TensorMemoryView,
-                                        as_readable_array, as_writable_array)
+                                        as_readable_array, as_writable_array, check_owned)
 from host_runtime.popef import check_model
 from host_runtime.queues import RingSizeMultiplierProdType, ring_size_multiplier_factory
 from host_runtime.runner._batching import TensorSpec
@@ -113,6 +114,7 @@ class ModelRunner:
     def __init__(self, model: Any, config: Optional[ModelRunnerConfig] = None) -> None:
         self._replicas: list[Replica] = []
         self._closed = True
+        self._owner_pid = current_pid()   # fork: see host_runtime._fork
         cfg = config if config is not None else ModelRunnerConfig()
         if not isinstance(cfg, ModelRunnerConfig):
             raise BadRequestError(f"config must be a ModelRunnerConfig, got {type(cfg).__name__}")
@@ -140,7 +142,6 @@ class ModelRunner:
             for dev in self._attached.values():   # not taken by a session: ours to release
                 dev.close()
             self._attached.clear()
-        self._owner_pid = os.getpid()
         _live_runners.add(self)
         _register_exit_hook()
 
@@ -578,7 +579,13 @@ class ModelRunner:
         """Run one request synchronously; see the module docstring for what it returns.
 
         An input frozen by ``ModelRunnerConfig.frozen_inputs`` is no longer required (seed
-        000/001, frozen inputs); given anyway, it is ignored and the frozen value is used."""
+        000/001, frozen inputs); given anyway, it is ignored and the frozen value is used.
+
+        In a process forked from the runner's creator: ForkedProcessError (its rings are
+        the creator's), before anything is touched; also for empty_shared arrays the
+        creator made."""
+        check_owner(self._owner_pid, "ModelRunner")
+        check_owned(input_data, output_data)
         try:
             if self._call_locks:
                 lock = self._call_lock(replica_id)
@@ -628,6 +635,8 @@ class ModelRunner:
     def executeAsync(self, input_data: Any, output_data: Any = None,
                      replica_id: int = 0) -> OutputFuture:
         """Queue one request; returns an ``OutputFuture`` (frozen inputs as for ``execute``)."""
+        check_owner(self._owner_pid, "ModelRunner")
+        check_owned(input_data, output_data)
         try:
             if self._call_locks:
                 lock = self._call_lock(replica_id)
@@ -723,11 +732,20 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
-        """Unload the model and release the IPUs (running save programs if configured)."""
+        """Unload the model and release the IPUs (running save programs if configured).
+
+        In a process forked from the runner's creator it only marks this process's copy
+        closed: the creator's runner, rings and IPUs are untouched."""
         self._close(dropped=False)
 
     def _close(self, dropped: bool) -> None:
         if getattr(self, "_closed", True) and not getattr(self, "_replicas", None):
+            return
+        if foreign(getattr(self, "_owner_pid", 0)):
+            # Forked child: forget our copy (its replicas' sessions and devices do nothing
+            # of the creator's when dropped here either; see host_runtime._fork).
+            self._closed = True
+            self._replicas = []
             return
         self._closed = True
         replicas, self._replicas = self._replicas, []

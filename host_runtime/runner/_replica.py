@@ -102,8 +102,8 @@ class DeviceProcesses(Protocol):
 
 
 class DirectPath(Protocol):
-    """What a replica uses of ``session.direct`` (the fast path, docs/CONTRACTS.md
-    section 5; ``host_runtime.session._fastpath.DirectStreams``)."""
+    """What a replica uses of ``session.direct`` (the fast path, docs/design.md
+    section 8; ``host_runtime.session._fastpath.DirectStreams``)."""
 
     def input_ring(self, handle: str) -> Ring: ...
     def output_ring(self, handle: str) -> Ring: ...

@@ -18,6 +18,7 @@ from typing import Any, Iterator, Optional, Protocol
 
 import numpy as np
 
+from host_runtime._fork import current_pid, foreign, forked_error
 from host_runtime.errors import DeviceTimeoutError
 from host_runtime.runner._batching import TensorSpec
 
@@ -137,19 +138,26 @@ class OutputFuture:
     otherwise) or raises the request's error.
     """
 
-    __slots__ = ("_request",)
+    __slots__ = ("_request", "_owner_pid")
 
     def __init__(self, request: Request) -> None:
         self._request = request
+        self._owner_pid = current_pid()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until the result (or an error) is available; False if ``timeout`` passed."""
+        """Block until the result (or an error) is available; False if ``timeout`` passed.
+
+        ForkedProcessError in a process forked from the one that made the request."""
+        if foreign(self._owner_pid):
+            raise forked_error("OutputFuture", self._owner_pid)
         r = self._request
         if r.is_done():
             return True
         return r.driver.wait_for(r, timeout)
 
     def done(self) -> bool:
+        if foreign(self._owner_pid):
+            raise forked_error("OutputFuture", self._owner_pid)
         r = self._request
         if r.is_done():
             return True

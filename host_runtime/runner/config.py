@@ -78,7 +78,7 @@ class ModelRunnerConfig:
     ``ring_buffer_size_multiplier``: ring size = multiplier x batch size, in samples. A
     slot of a stream ring holds one transfer (the model's batch), so each Main ring has
     ``multiplier`` slots (no floor), capped at ``max_look_ahead + 1`` when that is a number
-    and at 1024 slots / 64 MiB per ring (docs/CONTRACTS.md section 7).
+    and at 1024 slots / 64 MiB per ring (docs/design.md section 10).
 
     ``flush_callback(tensor_id, inputs, outputs)``: see ``FlushCallback``.
     """

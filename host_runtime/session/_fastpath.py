@@ -1,4 +1,4 @@
-"""The Session's internal fast path for QueueManager / ModelRunner (CONTRACTS.md section 5).
+"""The Session's internal fast path for QueueManager / ModelRunner (docs/design.md section 8).
 
 ``session.direct`` is the session's :class:`DirectStreams`. The caller claims
 anchors (``claim``) and moves their transfers through the rings itself

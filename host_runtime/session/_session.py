@@ -21,8 +21,8 @@ automatically unless ``SessionConfig.pred_tensor_data`` says USE_USER_DATA.
 Two sessions may share a device: binding the other one runs this one's save
 programs, and this one's load programs run again before its next Main.
 
-The fast path for ``QueueManager`` / ``ModelRunner`` (docs/CONTRACTS.md
-section 5) is ``session.direct``, a :class:`host_runtime.session._fastpath.DirectStreams`
+The fast path for ``QueueManager`` / ``ModelRunner`` (docs/design.md
+section 8) is ``session.direct``, a :class:`host_runtime.session._fastpath.DirectStreams`
 the session owns: the caller claims anchors as *direct* and reads/writes their
 rings itself, and ``direct.start_main_loop()`` keeps Main running on the device
 until ``stop()``. The per-anchor callbacks, rings and servicing live in
@@ -44,6 +44,7 @@ from shm import Region
 from shm.settings import settings
 
 from host_runtime import popef
+from host_runtime._fork import check_owner, current_pid, foreign
 from host_runtime.devices import ShardedLoad
 from host_runtime.devices import wait
 from host_runtime.devices import translated
@@ -156,6 +157,7 @@ class Session:
 
     def __init__(self, model: popef.Model | str | Sequence[str],
                  config: SessionConfig | None = None) -> None:
+        self._owner_pid = current_pid()   # fork: see host_runtime._fork
         self._config = config if config is not None else SessionConfig()
         if not isinstance(self._config, SessionConfig):
             raise BadRequestError(f"config must be a SessionConfig, got {config!r}")
@@ -242,6 +244,7 @@ class Session:
         at most the host sync timeout without an answer). ``kill_if_hung`` (close, or a
         dropped owner): a device of ours that does not answer in time has its IPU
         processes killed instead."""
+        check_owner(self._owner_pid, "Session")
         if self._closed:
             return
         self._disconnect_queues()
@@ -298,6 +301,7 @@ class Session:
     def direct(self) -> DirectStreams:
         """Internal (QueueManager, ModelRunner): the session's fast path: claim anchors,
         their rings, the main loop, failures (:mod:`host_runtime.session._fastpath`)."""
+        check_owner(self._owner_pid, "Session")
         return self._direct
 
     def createQueueManager(self, *args: Any, **kwargs: Any) -> Any:
@@ -402,8 +406,12 @@ class Session:
 
     def close_within(self, stop_timeout: float, kill_if_hung: bool) -> None:
         """Internal (ModelRunner): close(), stopping within ``stop_timeout`` s (see
-        ``stop_within``)."""
+        ``stop_within``). In a process forked from the session's creator it only marks
+        this process's copy closed: nothing of the creator's is stopped or unlinked."""
         if self._closed:
+            return
+        if foreign(self._owner_pid):
+            self._closed = True
             return
         try:
             self._disconnect_queues()
@@ -452,6 +460,7 @@ class Session:
     # -- binding internals ------------------------------------------------------------------------
 
     def _check_open(self) -> None:
+        check_owner(self._owner_pid, "Session")
         if self._closed:
             raise InvalidStateError("the session is closed")
 

@@ -33,6 +33,7 @@ from ipu_emulator.errors import CompileError
 from ipu_emulator.executable import (
     Execute, Executable, Graph, Instruction, Program, Repeat, StreamIn, StreamOut, StreamSpec,
     Switch, TensorSig, numpy_dtype, plan_memory)
+from shm.errors import echo
 
 __all__ = [
     "Target",
@@ -59,7 +60,7 @@ def compile_onnx(models: "ModelSpec | Sequence[ModelSpec]",
         raise CompileError("no model to compile")
     target = TARGETS.get(opts.ipu_version)
     if target is None:
-        raise CompileError(f"ipu_version {opts.ipu_version!r} is not supported; expected one of "
+        raise CompileError(f"ipu_version {echo(opts.ipu_version)} is not supported; expected one of "
                            f"{', '.join(TARGETS)}")
     if not 1 <= int(opts.device_iterations) <= (1 << 31) - 1:
         raise CompileError(f"batches_per_step must be a positive integer, got "
@@ -67,7 +68,7 @@ def compile_onnx(models: "ModelSpec | Sequence[ModelSpec]",
     if not 1 <= int(opts.num_ipus) <= 64:
         raise CompileError(f"num_ipus must be in [1, 64], got {opts.num_ipus}")
     if not opts.name or len(opts.name.encode()) > 128:
-        raise CompileError(f"executable name must be 1..128 bytes, got {opts.name!r:.200}")
+        raise CompileError(f"executable name must be 1..128 bytes, got {echo(opts.name)}")
     fused = opts.fuse if opts.fuse is not None else len(specs) > 1
     if not fused and len(specs) > 1:
         raise CompileError(f"{len(specs)} models given without fusion; compile one model or fuse")
@@ -103,7 +104,7 @@ def _assemble(prepared: list[Prepared], opts: CompileOptions, target: Target,
 
     def add_stream(handle: str, direction: str, dtype: str, shape: tuple[int, ...]) -> None:
         if handle in streams:
-            raise CompileError(f"anchor name {handle!r} is used twice; rename the tensor")
+            raise CompileError(f"anchor name {echo(handle)} is used twice; rename the tensor")
         streams[handle] = StreamSpec(direction, dtype, list(shape),
                                      numpy_dtype(dtype).itemsize * count(shape))
 
@@ -198,7 +199,7 @@ def _assemble(prepared: list[Prepared], opts: CompileOptions, target: Target,
 def _graph(p: Prepared) -> Graph:
     def sig(vi: onnx.ValueInfoProto) -> TensorSig:
         tt = vi.type.tensor_type
-        return TensorSig(vi.name, dtype_of(tt.elem_type, f"model {p.label!r}: {vi.name!r}"),
+        return TensorSig(vi.name, dtype_of(tt.elem_type, f"model {echo(p.label, 200)}: {echo(vi.name)}"),
                          tuple(int(d.dim_value) for d in tt.shape.dim))
     g = p.device_model.graph
     return Graph(tuple(sig(vi) for vi in g.input), tuple(sig(vi) for vi in g.output),

@@ -13,6 +13,7 @@ import onnx
 from onnx import TensorProto
 
 from ipu_emulator.errors import CompileError
+from shm.errors import echo
 
 _log = logging.getLogger(__name__)
 
@@ -68,11 +69,11 @@ def load_model(source: "str | os.PathLike[str] | bytes | onnx.ModelProto",
         path = pathlib.Path(source)
         label = str(path)
         if not path.is_file():
-            raise CompileError(f"input model {str(path)!r} does not exist or is not a file")
+            raise CompileError(f"input model {echo(str(path), 200)} does not exist or is not a file")
         try:
             model = onnx.load(str(path), load_external_data=False)
         except Exception as exc:
-            raise CompileError(f"input model {str(path)!r} is not a valid ONNX model: {exc}") from None
+            raise CompileError(f"input model {echo(str(path), 200)} is not a valid ONNX model: {echo(str(exc), 300, quote=False)}") from None
         folder = path.resolve().parent if base_dir is None else pathlib.Path(base_dir)
     _load_external(model, folder, label)
     return model, folder, label
@@ -105,37 +106,37 @@ def _load_external(model: onnx.ModelProto, folder: pathlib.Path | None, label: s
         location = info.get("location", "")
         if folder is None:
             raise CompileError(
-                f"model {label!r}: initializer {tensor.name!r} refers to external data "
-                f"{location!r} but the model was not loaded from a folder")
+                f"model {echo(label, 200)}: initializer {echo(tensor.name)} refers to external data "
+                f"{echo(location, 200)} but the model was not loaded from a folder")
         if not location or os.path.isabs(location) or location.startswith(("/", "\\")):
             raise CompileError(
-                f"model {label!r}: initializer {tensor.name!r} refers to external data "
-                f"{location!r} outside the model's folder {str(folder)!r}; refused")
+                f"model {echo(label, 200)}: initializer {echo(tensor.name)} refers to external data "
+                f"{echo(location, 200)} outside the model's folder {echo(str(folder), 200)}; refused")
         root = os.path.realpath(folder)
         target = os.path.realpath(os.path.join(root, location))
         if os.path.commonpath([root, target]) != root:
             raise CompileError(
-                f"model {label!r}: initializer {tensor.name!r} refers to external data "
-                f"{location!r} outside the model's folder {root!r}; refused")
+                f"model {echo(label, 200)}: initializer {echo(tensor.name)} refers to external data "
+                f"{echo(location, 200)} outside the model's folder {echo(root, 200)}; refused")
         if not os.path.isfile(target):
-            raise CompileError(f"model {label!r}: external data file {location!r} of initializer "
-                               f"{tensor.name!r} does not exist in {root!r}")
+            raise CompileError(f"model {echo(label, 200)}: external data file {echo(location, 200)} of initializer "
+                               f"{echo(tensor.name)} does not exist in {echo(root, 200)}")
         size = os.path.getsize(target)
         try:
             offset = int(info.get("offset", "0"))
             length = int(info["length"]) if "length" in info else size - offset
         except ValueError:
-            raise CompileError(f"model {label!r}: initializer {tensor.name!r} has a non-integer "
+            raise CompileError(f"model {echo(label, 200)}: initializer {echo(tensor.name)} has a non-integer "
                                "external data offset or length") from None
         if offset < 0 or length < 0 or offset + length > size:
             raise CompileError(
-                f"model {label!r}: initializer {tensor.name!r} wants bytes [{offset}, "
-                f"{offset + length}) of {location!r}, which has {size} bytes")
+                f"model {echo(label, 200)}: initializer {echo(tensor.name)} wants bytes [{offset}, "
+                f"{offset + length}) of {echo(location, 200)}, which has {size} bytes")
         try:
             load_external_data_for_tensor(tensor, root)
         except Exception as exc:
-            raise CompileError(f"model {label!r}: cannot load external data of initializer "
-                               f"{tensor.name!r}: {exc}") from None
+            raise CompileError(f"model {echo(label, 200)}: cannot load external data of initializer "
+                               f"{echo(tensor.name)}: {echo(str(exc), 300, quote=False)}") from None
         tensor.data_location = TensorProto.DEFAULT
         del tensor.external_data[:]
 

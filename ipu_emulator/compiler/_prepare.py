@@ -21,6 +21,7 @@ from ipu_emulator.compiler._onnx import (
 from ipu_emulator.compiler._precision import convert_to_fp16, fp32_only_ops, wrap_in_fp32
 from ipu_emulator.errors import CompileError
 from ipu_emulator.executable import numpy_dtype
+from shm.errors import echo
 
 _log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ class Prepared:
 def prepare(model: onnx.ModelProto, label: str, input_shapes: dict[str, list[int]],
             precision: str, weights_as_tensor_data: bool) -> Prepared:
     if precision not in PRECISIONS:
-        raise CompileError(f"precision {precision!r} is not supported; expected one of "
+        raise CompileError(f"precision {echo(precision)} is not supported; expected one of "
                            f"{', '.join(PRECISIONS)}")
     model.ir_version = min(model.ir_version or 8, ort_max_ir_version())
     _drop_unused_initializers(model, label)
@@ -87,7 +88,7 @@ def prepare(model: onnx.ModelProto, label: str, input_shapes: dict[str, list[int
     in_names = {v.name for v in inputs}
     for v in outputs:
         if v.name in in_names:
-            raise CompileError(f"model {label!r}: output {v.name!r} is also a graph input; add an "
+            raise CompileError(f"model {echo(label, 200)}: output {echo(v.name)} is also a graph input; add an "
                                "Identity node so the output has its own name")
     sizes = _sizes(model)
     prepared = Prepared(label, model, model, inputs, outputs, sizes=sizes)
@@ -99,7 +100,7 @@ def prepare(model: onnx.ModelProto, label: str, input_shapes: dict[str, list[int
         for t in device.graph.initializer:
             if t.data_type in _FLOATS:
                 arr = numpy_helper.to_array(t)
-                v = Value(t.name, dtype_of(t.data_type, f"initializer {t.name!r}"), tuple(arr.shape))
+                v = Value(t.name, dtype_of(t.data_type, f"initializer {echo(t.name)}"), tuple(arr.shape))
                 prepared.weights.append((v, np.ascontiguousarray(arr).tobytes()))
                 device.graph.input.append(onnx.helper.make_tensor_value_info(
                     t.name, t.data_type, list(arr.shape)))
@@ -144,8 +145,8 @@ def _dims(vi: onnx.ValueInfoProto) -> list[int | str | None]:
 
 def _value(vi: onnx.ValueInfoProto, label: str, kind: str) -> Value:
     if vi.type.WhichOneof("value") != "tensor_type":
-        raise CompileError(f"model {label!r}: {kind} {vi.name!r} is not a tensor")
-    dtype = dtype_of(vi.type.tensor_type.elem_type, f"model {label!r}: {kind} {vi.name!r}")
+        raise CompileError(f"model {echo(label, 200)}: {kind} {echo(vi.name)} is not a tensor")
+    dtype = dtype_of(vi.type.tensor_type.elem_type, f"model {echo(label, 200)}: {kind} {echo(vi.name)}")
     dims = _dims(vi)
     return Value(vi.name, dtype, tuple(d if isinstance(d, int) else -1 for d in dims)
                  if dims != [None] else (-2,))
@@ -157,10 +158,10 @@ def _require_static(values: list[Value], label: str, kind: str) -> None:
             shown = "unknown rank" if v.shape == (-2,) else str(
                 ["?" if d < 0 else d for d in v.shape])
             raise CompileError(
-                f"model {label!r}: {kind} {v.name!r} has an unresolved dynamic shape ({shown}); "
+                f"model {echo(label, 200)}: {kind} {echo(v.name)} has an unresolved dynamic shape ({shown}); "
                 f"fix it with --input_shape NAME=d0,d1,... (for example --input_shape "
                 f"{v.name}=1,...)" if kind == "input" else
-                f"model {label!r}: {kind} {v.name!r} has an unresolved shape ({shown}) after "
+                f"model {echo(label, 200)}: {kind} {echo(v.name)} has an unresolved shape ({shown}) after "
                 "shape inference; fix the inputs' dynamic dims with --input_shape")
 
 
@@ -170,14 +171,14 @@ def _fix_input_shapes(model: onnx.ModelProto, label: str, shapes: dict[str, list
     for name, dims in shapes.items():
         vi = by_name.get(name)
         if vi is None:
-            raise CompileError(f"model {label!r}: --input_shape names {name!r}, which is not an "
-                               f"input; the inputs are {sorted(by_name)}")
+            raise CompileError(f"model {echo(label, 200)}: --input_shape names {echo(name)}, which is not an "
+                               f"input; the inputs are {echo(sorted(by_name), 200)}")
         if any(not isinstance(d, (int, np.integer)) or d < 0 for d in dims):
-            raise CompileError(f"model {label!r}: --input_shape {name}={dims} must be "
+            raise CompileError(f"model {echo(label, 200)}: --input_shape {echo(name, quote=False)}={echo(dims)} must be "
                                "non-negative integers")
         old = _dims(vi)
         if old != [None] and len(old) != len(dims):
-            raise CompileError(f"model {label!r}: --input_shape {name} has {len(dims)} dims "
+            raise CompileError(f"model {echo(label, 200)}: --input_shape {echo(name, quote=False)} has {len(dims)} dims "
                                f"{list(dims)} but the input has rank {len(old)} {old}")
         shape = vi.type.tensor_type.shape
         del shape.dim[:]
@@ -205,7 +206,7 @@ def _infer(model: onnx.ModelProto, label: str) -> onnx.ModelProto:
                                                      data_prop=True)
         ort_session(inferred)
     except Exception:
-        raise CompileError(f"model {label!r}: shape inference failed: {strict_error}") from None
+        raise CompileError(f"model {echo(label, 200)}: shape inference failed: {echo(str(strict_error), 300, quote=False)}") from None
     _log.info("model %s: strict shape inference failed (%s); using the lenient result",
               label, str(strict_error).splitlines()[0][:200])
     return inferred
@@ -229,8 +230,8 @@ def _make_loadable(model: onnx.ModelProto, label: str, precision: str) -> onnx.M
         except Exception as exc:
             op = missing_kernel(exc)
             if precision != "fp16" or op is None or op in wrapped:
-                raise CompileError(f"model {label!r} cannot run on the IPU emulator "
-                                   f"(onnxruntime refused it): {exc}") from None
+                raise CompileError(f"model {echo(label, 200)} cannot run on the IPU emulator "
+                                   f"(onnxruntime refused it): {echo(str(exc), 300, quote=False)}") from None
             wrapped.add(op)
             n = wrap_in_fp32(model, op, _types(model))
             _log.info("model %s: %d %s node(s) computed in fp32 between fp16 casts", label, n, op)
@@ -266,18 +267,19 @@ def _outputs(model: onnx.ModelProto, label: str, inputs: list[Value],
             try:
                 runs.append(sess.run(None, feeds))  # type: ignore[attr-defined]
             except Exception as exc:
-                names = ", ".join(repr(v.name) for v in unresolved)
+                names = ", ".join(echo(v.name) for v in unresolved[:8]) + (
+                    f", ... ({len(unresolved)} in all)" if len(unresolved) > 8 else "")
                 raise CompileError(
-                    f"model {label!r}: cannot determine output shapes of output(s) {names}: "
+                    f"model {echo(label, 200)}: cannot determine output shapes of output(s) {names}: "
                     "shape inference cannot and a trial run with sample data failed; "
                     "declare the outputs' shapes in the model (graph.output) or give "
-                    f"the inputs that decide them as initializers ({exc})") from None
+                    f"the inputs that decide them as initializers ({echo(str(exc), 300, quote=False)})") from None
         for k, (v, r0, r1) in enumerate(zip(outputs, runs[0], runs[1])):
             if v not in unresolved:
                 continue
             if np.shape(r0) != np.shape(r1):
                 raise CompileError(
-                    f"model {label!r}: output {v.name!r} has a shape that depends on the input "
+                    f"model {echo(label, 200)}: output {echo(v.name)} has a shape that depends on the input "
                     f"data ({list(np.shape(r0))} and {list(np.shape(r1))}); the IPU needs "
                     "static shapes (unsupported: output shapes that depend on input data)")
             outputs[k] = Value(v.name, v.dtype, tuple(int(d) for d in np.shape(r0)))
@@ -339,7 +341,7 @@ def check_interface(model: onnx.ModelProto, label: str) -> None:
     for kind, values in (("input", [vi for vi in model.graph.input if vi.name not in inits]),
                          ("output", list(model.graph.output))):
         for vi in values:
-            dtype_of(vi.type.tensor_type.elem_type, f"model {label!r}: {kind} {vi.name!r}")
+            dtype_of(vi.type.tensor_type.elem_type, f"model {echo(label, 200)}: {kind} {echo(vi.name)}")
 
 
 def _refuse_non_tensors(model: onnx.ModelProto, label: str) -> None:
@@ -352,16 +354,16 @@ def _refuse_non_tensors(model: onnx.ModelProto, label: str) -> None:
             which = vi.type.WhichOneof("value")
             if which in kinds:
                 raise CompileError(
-                    f"model {label!r}: {kind} {vi.name!r} is {kinds[which]}; the IPU streams "
+                    f"model {echo(label, 200)}: {kind} {echo(vi.name)} is {kinds[which]}; the IPU streams "
                     f"only dense tensors (unsupported: {kinds[which].split(' ', 1)[1]} "
                     f"{kind}s)")
             if which == "tensor_type" and vi.type.tensor_type.elem_type == TensorProto.STRING:
                 raise CompileError(
-                    f"model {label!r}: {kind} {vi.name!r} is a string tensor; the IPU has no "
+                    f"model {echo(label, 200)}: {kind} {echo(vi.name)} is a string tensor; the IPU has no "
                     "string type (unsupported: string tensors)")
     if g.sparse_initializer:
-        raise CompileError(f"model {label!r}: sparse initializers are not supported "
-                           f"({g.sparse_initializer[0].values.name!r}); store them dense")
+        raise CompileError(f"model {echo(label, 200)}: sparse initializers are not supported "
+                           f"({echo(g.sparse_initializer[0].values.name)}); store them dense")
 
 
 def _sizes(model: onnx.ModelProto) -> dict[str, tuple[str, tuple[int, ...], int]]:

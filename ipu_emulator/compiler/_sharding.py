@@ -54,6 +54,7 @@ from ipu_emulator.executable import (
     LINK_PREFIX, SYNC_TENSOR, is_link, is_sync, parse_link,
     Execute, Executable, Graph, Instruction, Program, Repeat, StreamIn, StreamOut, StreamSpec,
     TensorSig, numpy_dtype, plan_memory)
+from shm.errors import echo
 
 if TYPE_CHECKING:  # pragma: no cover
     from ipu_emulator.compiler._prepare import Prepared
@@ -78,7 +79,6 @@ _log = logging.getLogger(__name__)
 
 IPU_ATTR = "__ipu_number"
 STAGE_ATTR = "__pipeline_stage"
-_MAX_YAML = 1 << 20
 
 
 def _link(src: int, dst: int, tensor: str) -> str:
@@ -103,29 +103,24 @@ class Placement:
 def load_sharding_yaml(path: "str | os.PathLike[str]") -> tuple[dict[str, int], dict[str, int]]:
     """Read ``shard.yaml``: maps ``sharding_info`` (node -> IPU) and ``pipelining_info``
     (node -> stage). Raises CompileError naming the file and the key."""
-    import yaml
+    from ipu_emulator.yaml_config import ConfigYamlError, load_yaml_file
 
     p = os.fspath(path)
     try:
-        if os.path.getsize(p) > _MAX_YAML:
-            raise CompileError(f"sharding config {p!r} is larger than {_MAX_YAML} bytes")
-        with open(p, encoding="utf-8") as f:
-            doc = yaml.safe_load(f)
-    except OSError as exc:
-        raise CompileError(f"cannot read sharding config {p!r}: {exc.strerror or exc}") from None
-    except yaml.YAMLError as exc:
-        raise CompileError(f"sharding config {p!r} is not valid YAML: {exc}") from None
+        doc = load_yaml_file(p, "sharding config")
+    except ConfigYamlError as exc:
+        raise CompileError(str(exc)) from None
     if doc is None:
         doc = {}
     if not isinstance(doc, dict):
-        raise CompileError(f"sharding config {p!r} must be a mapping with sharding_info and "
+        raise CompileError(f"sharding config {echo(p, 200)} must be a mapping with sharding_info and "
                            f"pipelining_info, got {type(doc).__name__}")
     extra = sorted(set(doc) - {"sharding_info", "pipelining_info"})
     if extra:
-        raise CompileError(f"sharding config {p!r}: unknown keys {extra}; expected "
+        raise CompileError(f"sharding config {echo(p, 200)}: unknown keys {echo(extra, 200)}; expected "
                            "sharding_info and pipelining_info")
-    return (check_map(doc.get("sharding_info"), f"sharding config {p!r}: sharding_info"),
-            check_map(doc.get("pipelining_info"), f"sharding config {p!r}: pipelining_info"))
+    return (check_map(doc.get("sharding_info"), f"sharding config {echo(p, 200)}: sharding_info"),
+            check_map(doc.get("pipelining_info"), f"sharding config {echo(p, 200)}: pipelining_info"))
 
 
 def check_map(v: Any, where: str) -> dict[str, int]:
@@ -137,7 +132,7 @@ def check_map(v: Any, where: str) -> dict[str, int]:
     out: dict[str, int] = {}
     for k, n in v.items():
         if not isinstance(k, str) or isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise CompileError(f"{where}: {k!r}: {n!r} must be a node name and an integer >= 0")
+            raise CompileError(f"{where}: {echo(k)}: {echo(n)} must be a node name and an integer >= 0")
         out[k] = n
     return out
 
@@ -167,11 +162,11 @@ def place_nodes(graph: onnx.GraphProto, sharding_info: dict[str, int],
     if unknown:
         known = sorted(by_name)
         raise CompileError(
-            f"sharding points {unknown} are not node names of the model; it has "
-            f"{len(known)} named nodes, e.g. {known[:8]}")
+            f"sharding points {echo(unknown, 200)} are not node names of the model; it has "
+            f"{len(known)} named nodes, e.g. {echo(known[:8], 200)}")
     for name, number in sharding_info.items():
         if number >= num_ipus:
-            raise CompileError(f"sharding_info puts node {name!r} on IPU {number}, but num_ipus is "
+            raise CompileError(f"sharding_info puts node {echo(name)} on IPU {number}, but num_ipus is "
                                f"{num_ipus} (IPU numbers are 0..{num_ipus - 1})")
     if pipelining_info and not pipelining:
         _log.info("pipelining_info given without enable_pipelining: stages are recorded only")
@@ -226,7 +221,7 @@ def _check(plan: Placement, nodes: list[onnx.NodeProto], producer: dict[str, int
                 continue
             if plan.stage[j] > plan.stage[k]:
                 raise CompileError(
-                    f"pipeline stages are not ordered along the graph: tensor {t!r} flows from "
+                    f"pipeline stages are not ordered along the graph: tensor {echo(t)} flows from "
                     f"node {_label(nodes[j], j)} (stage {plan.stage[j]}) to node "
                     f"{_label(nodes[k], k)} (stage {plan.stage[k]}), an earlier stage")
             if plan.ipu[j] != plan.ipu[k]:
@@ -318,7 +313,7 @@ def compile_sharded(p: "Prepared", opts: "CompileOptions", target: "Target",
 
     def vi(name: str) -> onnx.ValueInfoProto:
         if name not in sizes:
-            raise CompileError(f"model {p.label!r}: tensor {name!r} crosses IPUs but its shape "
+            raise CompileError(f"model {echo(p.label, 200)}: tensor {echo(name)} crosses IPUs but its shape "
                                "is not known after shape inference")
         dtype, shape, _ = sizes[name]
         return helper.make_tensor_value_info(name, DTYPE_TO_ONNX[dtype], list(shape))
@@ -346,12 +341,12 @@ def compile_sharded(p: "Prepared", opts: "CompileOptions", target: "Target",
                         parts[src].graph_outputs.append(name)
     unused = [v for v in inputs if v not in consumers]
     if unused:
-        raise CompileError(f"model {p.label!r}: inputs {unused} are not used by any node; "
+        raise CompileError(f"model {echo(p.label, 200)}: inputs {echo(unused, 200)} are not used by any node; "
                            "a sharded model streams each input to the IPU that consumes it")
     for name in out_names:
         maker = producer_ipu.get(name)
         if maker is None:
-            raise CompileError(f"model {p.label!r}: output {name!r} is not produced by a node")
+            raise CompileError(f"model {echo(p.label, 200)}: output {echo(name)} is not produced by a node")
         parts[maker].host_out.append(name)
         if name not in parts[maker].graph_outputs:
             parts[maker].graph_outputs.append(name)
@@ -537,7 +532,7 @@ def _part_executable(p: "Prepared", opts: "CompileOptions", target: "Target", pa
     required = memory_bytes + constants + activations
     if required > per_ipu_memory:
         raise CompileError(
-            f"IPU {part.ipu}'s part of model {p.label!r} ({len(part.nodes)} nodes) needs "
+            f"IPU {part.ipu}'s part of model {echo(p.label, 200)} ({len(part.nodes)} nodes) needs "
             f"{required} bytes (device tensors {memory_bytes}, constants {constants}, peak "
             f"activations {activations}) but one {target.name} IPU has {per_ipu_memory} bytes; "
             "move sharding points so the parts are smaller, or use more IPUs")

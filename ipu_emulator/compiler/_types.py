@@ -14,6 +14,7 @@ import onnx
 
 from ipu_emulator.errors import CompileError
 from ipu_emulator.executable import Executable, numpy_dtype
+from shm.errors import echo
 
 if TYPE_CHECKING:  # pragma: no cover
     from ipu_emulator.compiler._prepare import Prepared
@@ -136,11 +137,11 @@ def check_fit(prepared: list[Prepared], opts: CompileOptions, target: Target,
             desc = f"{dtype}{list(shape)}"
             if opts.max_tensor_size != -1 and nbytes > opts.max_tensor_size:
                 raise CompileError(
-                    f"model {p.label!r}: tensor {name!r} ({desc}) is {nbytes} bytes, more than "
+                    f"model {echo(p.label, 200)}: tensor {echo(name)} ({desc}) is {nbytes} bytes, more than "
                     f"max_tensor_size of {opts.max_tensor_size} bytes")
             if nbytes > per_ipu:
                 raise CompileError(
-                    f"model {p.label!r}: tensor {name!r} ({desc}) is {nbytes} bytes, more than "
+                    f"model {echo(p.label, 200)}: tensor {echo(name)} ({desc}) is {nbytes} bytes, more than "
                     f"the {per_ipu} bytes of one {target.name} IPU ({target.tiles} tiles x "
                     f"{target.bytes_per_tile} bytes per tile)")
             if nbytes > largest[0]:
@@ -151,6 +152,6 @@ def check_fit(prepared: list[Prepared], opts: CompileOptions, target: Target,
             f"it needs {required} bytes (device tensors {memory_bytes}, constants {constants}, "
             f"peak activations {activations}) but the device has {total} bytes "
             f"({target.tiles} tiles x {target.bytes_per_tile} bytes per tile per IPU); the "
-            f"largest tensor is {largest[1]!r} ({largest[2]}) with {largest[0]} bytes"
+            f"largest tensor is {echo(largest[1])} ({largest[2]}) with {largest[0]} bytes"
             + ("; shard it over several IPUs (--num_ipus N --manual_sharding_config "
                "shard.yaml)" if len(prepared) == 1 else ""))

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from shm import Ring, RingTimeoutError, naming, process_state
+from shm import Ring, RingTimeoutError, limits, naming, process_state
 from shm.settings import settings
 
 from ipu_emulator import protocol
@@ -143,6 +143,9 @@ class IpuProcess:
         self._popen = popen
         self._ready: dict[str, Any] | None = None
         self._closed = False
+        # The process is this host's: a process forked from it (which inherits this handle)
+        # never shuts it down or signals it (see _foreign).
+        self._owner_pid = os.getpid()
         self._poll_lock = threading.Lock()
 
     @property
@@ -244,9 +247,13 @@ class IpuProcess:
         """Ask the process to exit; escalate to SIGTERM then SIGKILL (with a warning)."""
         shutdown_all([self], timeout)
 
+    def _foreign(self) -> bool:
+        """Whether this is a process forked from the host that started the IPU process."""
+        return os.getpid() != self._owner_pid
+
     def send_shutdown(self, timeout: float = 5.0) -> None:
         """Send SHUTDOWN without waiting for the exit (see shutdown_all)."""
-        if self.returncode() is not None:
+        if self._foreign() or self.returncode() is not None:
             return
         try:
             protocol.send(self.control, Message(Op.SHUTDOWN), timeout=min(timeout, 1.0))
@@ -255,12 +262,12 @@ class IpuProcess:
 
     def send_terminate(self) -> None:
         """SIGTERM without waiting for the exit (see shutdown_all)."""
-        if self.returncode() is None:
+        if not self._foreign() and self.returncode() is None:
             self._popen.terminate()
 
     def send_kill(self) -> None:
         """SIGKILL without waiting for the exit (see kill_all)."""
-        if self.returncode() is None:
+        if not self._foreign() and self.returncode() is None:
             self._popen.kill()
 
     def kill(self) -> None:
@@ -268,10 +275,15 @@ class IpuProcess:
         kill_all([self])
 
     def close(self) -> None:
-        """Shut the process down and destroy its rings (idempotent)."""
+        """Shut the process down and destroy its rings (idempotent). In a process forked
+        from the host only this process's copies of the rings are closed."""
         if self._closed:
             return
         self._closed = True
+        if self._foreign():
+            self.control.close()
+            self.events.close()
+            return
         try:
             self.shutdown()
         finally:
@@ -343,11 +355,13 @@ def launch_ipu(spec: IpuSpec, *, log_dir: str | None = None,
             except (forkserver.ForkserverError, OSError) as exc:
                 _log.warning("%s; starting IPU processes without the template", exc)
         if popen is None:
-            if log_path:
-                log_file = open(log_path, "ab")
-            popen = subprocess.Popen([sys.executable, "-m", "ipu_emulator", *argv],
-                                     stdin=subprocess.DEVNULL, stdout=log_file,
-                                     stderr=log_file, env=env, close_fds=True)
+            # out of descriptors or processes here is named (shm.limits), not a raw OSError
+            with limits.named_errors(f"starting the IPU process of {spec.describe()}"):
+                if log_path:
+                    log_file = open(log_path, "ab")
+                popen = subprocess.Popen([sys.executable, "-m", "ipu_emulator", *argv],
+                                         stdin=subprocess.DEVNULL, stdout=log_file,
+                                         stderr=log_file, env=env, close_fds=True)
     except BaseException:
         for ring in (control, events):
             ring.close()

@@ -49,11 +49,19 @@ QUIET = ["-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-p", "no:benchm
 
 
 def readme_example() -> str:
+    """The README's example suite, ``docs/examples/test_inference.py``."""
+    return (REPO / "docs" / "examples" / "test_inference.py").read_text()
+
+
+def test_readme_shows_lines_of_the_example() -> None:
     text = (REPO / "README.md").read_text()
     section = text[text.index("## Testing with the pytest plugin"):]
     match = re.search(r"```python\n(.*?)```", section, re.S)
     assert match, "README: the plugin section has no python example"
-    return match.group(1)
+    example = {line.strip() for line in readme_example().splitlines()}
+    shown = [line.strip() for line in match.group(1).splitlines() if line.strip()]
+    missing = [line for line in shown if line not in example]
+    assert not missing, f"README shows lines that docs/examples/test_inference.py lacks: {missing}"
 
 
 RECORD_MACHINE = '''

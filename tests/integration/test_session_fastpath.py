@@ -1,4 +1,4 @@
-"""The Session's internal fast path (CONTRACTS.md section 5) and device-side program errors."""
+"""The Session's internal fast path (docs/design.md section 8) and device-side program errors."""
 
 from __future__ import annotations
 

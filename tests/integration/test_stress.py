@@ -39,6 +39,10 @@ def test_each_scenario_checks_every_result_and_passes(capsys, scenario):
     assert sc["ok"] > 0 and sc["p50_ms"] is not None and sc["p99_ms"] >= sc["p50_ms"]
     if scenario in ("kill-ipu", "kill-pipeline"):
         assert sc["ipus_killed"] >= 1
+    elif scenario == "fork":
+        # every forked child's execute and executeAsync on its host's runner raised the
+        # named error (failed as expected); its own runner answered right (in ok)
+        assert sc["cycles"] >= 2 and sc["expected"] == 2 * sc["cycles"]
     else:
         assert sc["expected"] == 0        # only killed IPUs may fail a request
     if scenario == "kill-host":

@@ -1,4 +1,4 @@
-"""The internal interfaces between devices and sessions (docs/CONTRACTS.md section 5)."""
+"""The internal interfaces between devices and sessions (docs/design.md section 8)."""
 
 from __future__ import annotations
 

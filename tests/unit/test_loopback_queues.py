@@ -128,7 +128,7 @@ def test_stop_disconnects_the_queues_of_a_waiting_run(loopback_device, model):
 
 
 def test_the_main_loop_over_direct_rings_until_stop(loopback_device, model, weights):
-    """The session's fast path (CONTRACTS.md section 5): the caller's thread alone."""
+    """The session's fast path (docs/design.md section 8): the caller's thread alone."""
     with Session(model) as s:
         s.bindToDevice(loopback_device)
         for h in ("tensor_A", "tensor_B", "tensor_C"):

@@ -22,7 +22,7 @@ EXPECTED = [
     "SpscRingBuffer", "InputRingBuffer", "OutputRingBuffer", "IMemoryPool", "RingMemoryPool",
     "allocateQueueStorage", "ring_size_multiplier_factory", "RingSizeMultiplierProdType",
     "ReadStartCallback", "ReadCompleteCallback", "WriteCompleteCallback",
-    "ModelRuntimeError", "BadRequestError", "PopefError", "InvalidStateError",
+    "ModelRuntimeError", "BadRequestError", "PopefError", "InvalidStateError", "ForkedProcessError",
     "DeviceUnavailableError", "DeviceLostError", "DeviceTimeoutError", "DeviceExecutionError",
     "PackageHashMismatchError", "RemoteTraceback",
 ]

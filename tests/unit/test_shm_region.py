@@ -20,13 +20,19 @@ def _entry(name: str) -> str:
 def test_public_surface() -> None:
     assert sorted(shm.__all__) == sorted([
         "ExitWatch", "PeerDiedError", "PeerWatch", "Region", "Ring", "RingInvalidatedError",
-        "RingTimeoutError", "ShmClosedError", "ShmError", "WAIT_SLICE", "WouldBlock",
-        "buffer_address", "describe_process", "naming", "pid_alive", "process_state",
-        "remove_dead"])
+        "RingTimeoutError", "ShmClosedError", "ShmError", "ShmForkedError", "WAIT_SLICE",
+        "WouldBlock", "buffer_address", "naming", "pid_alive", "remove_dead",
+        "describe_process", "process_state", "FileSizeLimitError",
+        "OutOfFileDescriptorsError", "ShmFullError", "limits"])
     assert issubclass(shm.RingTimeoutError, TimeoutError)
+    assert issubclass(shm.OutOfFileDescriptorsError, OSError)
+    assert issubclass(shm.FileSizeLimitError, OSError)
+    assert issubclass(shm.ShmFullError, MemoryError)
     for cls in (shm.PeerDiedError, shm.RingInvalidatedError, shm.RingTimeoutError,
-                shm.ShmClosedError, shm.WouldBlock):
+                shm.ShmClosedError, shm.WouldBlock, shm.OutOfFileDescriptorsError,
+                shm.FileSizeLimitError, shm.ShmFullError):
         assert issubclass(cls, ShmError)
+    assert issubclass(shm.ShmForkedError, shm.ShmClosedError)
 
 
 def test_create_mode_0600_name_and_zero_fill() -> None:
@@ -120,6 +126,7 @@ def test_prefault_off_still_works() -> None:
 def test_region_larger_than_dev_shm_is_refused_up_front() -> None:
     st = os.statvfs("/dev/shm")
     too_big = st.f_bavail * st.f_frsize + (1 << 30)
-    with pytest.raises(ShmError, match=rf"cannot create a shared-memory region of {too_big} "
-                                       r"bytes: /dev/shm has \d+ bytes free"):
+    with pytest.raises(shm.ShmFullError, match=rf"^/dev/shm full creating a shared-memory "
+                       rf"region of {too_big} bytes: {too_big} bytes needed, /dev/shm has "
+                       r"\d+ bytes free of \d+; free it \(ipu-emulator cleanup"):
         Region.create(too_big, prefault=False)

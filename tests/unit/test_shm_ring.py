@@ -391,11 +391,24 @@ def test_a_signal_handler_interrupts_a_blocked_wait(pair) -> None:
 
 
 def _wait_in_forked_child(consumer) -> None:
+    from shm import ShmForkedError
     try:
-        consumer.read(timeout=0.3)   # an untimed wait that only the watchdog ends
+        consumer.read(timeout=0.3)   # the parent's end: this process may not use it
+    except ShmForkedError as exc:
+        if exc.owner_pid != os.getppid() or f"belongs to process {os.getppid()}" not in str(exc):
+            os._exit(4)
+    else:
+        os._exit(5)
+    ring = Ring.create(16, 2)        # a ring of its own: its waits need the child's watchdog
+    code = 3
+    try:
+        ring.read(timeout=0.3)       # an untimed wait that only the watchdog ends
     except RingTimeoutError:
-        os._exit(0)
-    os._exit(3)
+        code = 0
+    finally:
+        ring.close()
+        ring.unlink()
+    os._exit(code)
 
 
 def test_untimed_waits_still_end_in_a_forked_child(pair) -> None:

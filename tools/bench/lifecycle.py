@@ -35,6 +35,8 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from tools.bench._markdown import MarkdownTable
+
 __all__ = ["main", "DESCRIPTION"]
 
 DESCRIPTION = "construct + first execute + close of a ModelRunner, embedded and via a daemon, vs onnxruntime"
@@ -170,7 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=15, help="timed rounds")
     parser.add_argument("--no-cold", action="store_true",
                         help="skip embedded runners with the template process off")
+    parser.add_argument("--markdown", action="store_true",
+                        help="print the figures as rows of docs/benchmarks.md (report to stderr)")
     args = parser.parse_args(argv)
+    table = MarkdownTable(args.markdown)
 
     from ipu_emulator.daemon import protocol as wire
     from tools.generate_simple_popef import build_simple_model, write_simple_popef
@@ -240,9 +245,16 @@ def main(argv: list[str] | None = None) -> int:
               f"      construct {c:7.2f}   first execute {e:6.2f}   close() {z:7.2f}")
         if target:
             ok &= ratio <= target
+        table.add(f"construct + first execute + close: {text}",
+                  f"{med[key]:.1f} ms (close {z:.1f})",
+                  f"onnxruntime session + run in-process {ort:.2f} ms", ratio,
+                  f"≤ {target:g}" if target else "")
     print(f"  ModelRunner embedded, chain sharded over 4 IPUs: construct {sharded[0]:7.2f}   "
           f"close() {sharded[1]:7.2f}  (4 IPU processes)")
+    table.add("`close()` of an embedded runner of a model sharded over 4 IPUs",
+              f"{sharded[1]:.1f} ms")
     print("\nall targets met" if ok else "\nsome targets missed")
+    table.emit()
     return 0
 
 

@@ -49,6 +49,8 @@ from typing import Any
 
 import numpy as np
 
+from tools.bench._markdown import MarkdownTable
+
 DESCRIPTION = "pipelined model over 2/4 IPU processes vs one IPU; an inter-IPU hop vs a host ring"
 
 ROWS, WIDTH = 64, 1024
@@ -351,20 +353,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hop-rounds", type=int, default=600)
     parser.add_argument("--only", choices=("throughput", "hop", "latency"), nargs="+",
                         default=["throughput", "hop", "latency"], help="parts to run")
+    parser.add_argument("--markdown", action="store_true",
+                        help="print the throughput figures as rows of docs/benchmarks.md "
+                             "(report to stderr)")
     args = parser.parse_args(argv)
     # runners side by side: 1 + S IPUs, and 1 + 2 + 2 for the latency (aligned groups);
     # for this run only (a caller's process keeps its machine)
     old = os.environ.get("IPU_EMULATOR_NUM_IPUS")
     if old is None:
         os.environ["IPU_EMULATOR_NUM_IPUS"] = str(max(8, 2 * max(args.stages)))
+    table = MarkdownTable(args.markdown)
     try:
-        return _run(args)
+        code = _run(args, table)
     finally:
         if old is None:
             os.environ.pop("IPU_EMULATOR_NUM_IPUS", None)
+    table.emit()
+    return code
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, table: MarkdownTable) -> int:
     from host_runtime import ModelRunner
 
     with tempfile.TemporaryDirectory(prefix="bench_pipeline_") as tmp:
@@ -388,6 +396,8 @@ def _run(args: argparse.Namespace) -> int:
             t1, tp = statistics.median(a), statistics.median(b)
             target = "  (target >= 1.5)" if stages == 2 else "  (bounded by the cores)"
             print(f"  {stages:6d} {t1:10.1f} {tp:10.1f} {tp / t1:7.2f}{target}")
+            table.add(f"{stages} stages over {stages} IPUs vs 1 IPU", f"{tp:.0f} req/s",
+                      f"1 IPU {t1:.0f} req/s", tp / t1, "≥ 1.5" if stages == 2 else "")
 
         if "hop" in args.only:
             _hop_report(args.hop_rounds, max(3, args.blocks))

@@ -30,6 +30,7 @@ import posix_ipc
 
 from shm import Ring, naming
 from tools.bench import peers as _peers
+from tools.bench._markdown import MarkdownTable
 
 DESCRIPTION = "shm ring latency and bandwidth vs Pipe, semaphores, numpy"
 
@@ -232,7 +233,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=20000, help="latency round trips")
     parser.add_argument("--blocks", type=int, default=10, help="interleaved latency blocks")
     parser.add_argument("--bw-rounds", type=int, default=40, help="bandwidth round trips")
+    parser.add_argument("--markdown", action="store_true",
+                        help="print the figures as rows of docs/benchmarks.md (report to stderr)")
     args = parser.parse_args(argv)
+    table = MarkdownTable(args.markdown)
 
     print(f"latency of a 64-byte round trip ({args.rounds} rounds in {args.blocks} interleaved "
           f"blocks, {os.cpu_count()} cores)")
@@ -246,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     best = {label: v[2] for label, v in lat.items()}
     sem_b, ring_b, pipe_b = (best[c.label] for c in (_SemPingPong, _RingPingPong, _PipePingPong))
     print(f"  best blocks: ring / sem = {ring_b / sem_b:.2f}; ring / Pipe = {ring_b / pipe_b:.2f}")
+    table.add("64-byte round trip, `shm.Ring` pair", f"{ring:.1f} µs",
+              f"bare semaphore ping-pong {sem:.1f} µs", ring / sem, "≤ 1.2")
+    table.add("same", "", f"`multiprocessing.Pipe` {pipe:.1f} µs", ring / pipe, "≤ 0.5")
     print("  (median: of the block medians; a block whose processes share one vCPU and one\n"
           "   whose processes sit on two can differ 10x on this VM: see min..max)")
 
@@ -260,7 +267,11 @@ def main(argv: list[str] | None = None) -> int:
         r3 = ring_bandwidth(size, rounds, copy_out=True)
         print(f"  {size // _MiB:5d} MiB {np2:15.2f} {r2:16.2f} {r2 / np2:6.2f}"
               f" {np3:15.2f} {r3:16.2f} {r3 / np3:6.2f}")
+        table.add(f"{size // _MiB} MiB ring round trip (2 copies)", f"{r2:.2f} GB/s",
+                  f"two numpy copies {np2:.2f} GB/s", r2 / np2,
+                  "≥ 0.7" if size > _MiB else "")
     print("  target: 16 MiB ring (2 copies) >= 0.70 of 2 numpy copies")
+    table.emit()
     return 0
 
 

@@ -33,6 +33,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from tools.bench._markdown import MarkdownTable
+
 __all__ = ["main", "DESCRIPTION"]
 
 DESCRIPTION = "ModelRunner latency, throughput and 16 MiB round trip vs onnxruntime, ProcessPoolExecutor, numpy"
@@ -232,7 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", type=int, default=5, help="interleaved latency blocks")
     parser.add_argument("--seconds", type=float, default=1.0, help="per throughput sample")
     parser.add_argument("--bw-rounds", type=int, default=15, help="16 MiB round trips")
+    parser.add_argument("--markdown", action="store_true",
+                        help="print the figures as rows of docs/benchmarks.md (report to stderr)")
     args = parser.parse_args(argv)
+    table = MarkdownTable(args.markdown)
     ok = True
     with tempfile.TemporaryDirectory(prefix="bench-runner-") as tmp:
         lat = bench_latency(tmp, args.rounds, args.blocks)
@@ -254,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
               "process ran on two vCPUs;\n   after the pool's blocks they often share one for "
               "a while: see the spread)")
         ok &= r_pool <= 0.125 and r_ort <= 4
+        table.add("[1,4] `ModelRunner.execute` median", f"{lat['runner']:.1f} µs",
+                  f"ProcessPoolExecutor + onnxruntime {lat['pool']:.1f} µs", r_pool, "≤ 0.125")
+        table.add("same", "", f"in-process onnxruntime {lat['ort']:.1f} µs", r_ort, "≤ 4")
 
         thr = bench_throughput(tmp, args.seconds, 8)
         print("\n[64,1024] float32 throughput (requests/s)")
@@ -267,6 +275,14 @@ def main(argv: list[str] | None = None) -> int:
         r_shared = thr["runner_shared"] / thr["ort"]
         print(f"  runner / ort = {r_thr:.2f} copied, {r_shared:.2f} shared (target >= 0.8)")
         ok &= max(r_thr, r_shared) >= 0.8
+        ort_rate = f"in-process onnxruntime {thr['ort'] / 1e3:.1f}k req/s"
+        table.add("[64,1024] `executeAsync`, 8 in flight, tensors from `empty_shared`",
+                  f"{thr['runner_shared'] / 1e3:.1f}k req/s", ort_rate, r_shared, "≥ 0.8")
+        table.add("same, numpy arrays (copied), rings of 8",
+                  f"{thr['runner'] / 1e3:.1f}k req/s", ort_rate, r_thr, "")
+        table.add("same, numpy arrays (copied), default rings",
+                  f"{thr['runner_default_rings'] / 1e3:.1f}k req/s", ort_rate,
+                  thr["runner_default_rings"] / thr["ort"], "")
 
         bw = bench_bandwidth(tmp, args.bw_rounds)
         print("\n16 MiB input + 16 MiB output round trip (GB/s of payload)")
@@ -275,7 +291,10 @@ def main(argv: list[str] | None = None) -> int:
         r_bw = bw["runner"] / bw["numpy"]
         print(f"  runner / numpy = {r_bw:.2f} (target >= 0.5)")
         ok &= r_bw >= 0.5
+        table.add("16 MiB in + 16 MiB out through `ModelRunner`", f"{bw['runner'] / 1e9:.2f} GB/s",
+                  f"two numpy copies {bw['numpy'] / 1e9:.2f} GB/s", r_bw, "≥ 0.5")
     print("\nall targets met" if ok else "\nsome targets missed")
+    table.emit()
     return 0
 
 
