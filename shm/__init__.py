@@ -11,7 +11,7 @@ from .cleanup import remove_dead
 from .errors import (FileSizeLimitError, OutOfFileDescriptorsError, PeerDiedError,
                      RingInvalidatedError, RingTimeoutError, ShmClosedError, ShmError,
                      ShmForkedError, ShmFullError, WouldBlock)
-from .liveness import ExitWatch, PeerWatch, pid_alive
+from .liveness import ExitWatch, PeerWatch, describe_process, pid_alive, process_state
 from .region import Region
 from .ring import WAIT_SLICE, Ring
 
@@ -32,8 +32,10 @@ __all__ = [
     "WAIT_SLICE",
     "WouldBlock",
     "buffer_address",
+    "describe_process",
     "limits",
     "naming",
     "pid_alive",
+    "process_state",
     "remove_dead",
 ]

@@ -14,7 +14,7 @@ import weakref
 
 import psutil
 
-__all__ = ["pid_alive", "PeerWatch", "ExitWatch"]
+__all__ = ["pid_alive", "process_state", "describe_process", "PeerWatch", "ExitWatch"]
 
 
 def pid_alive(pid: int) -> bool:
@@ -33,6 +33,34 @@ def pid_alive(pid: int) -> bool:
         return False
     except psutil.Error:  # pragma: no cover - access denied etc.: it exists
         return True
+
+
+_STATES = {"R": "running", "S": "sleeping", "D": "in an uninterruptible wait",
+           "T": "stopped", "t": "stopped by a debugger", "Z": "a zombie", "X": "dead",
+           "I": "idle"}
+
+
+def process_state(pid: int) -> str | None:
+    """The one-letter state of ``pid`` from ``/proc/<pid>/stat`` (``T``: stopped, as by
+    SIGSTOP; ``R``, ``S``, ``D``, ``Z``, ...), or None if there is no such process."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            raw = f.read(512)
+    except OSError:
+        return None
+    # "pid (comm) S ...": comm may hold spaces and parentheses; the state follows the last ")"
+    end = raw.rfind(b")")
+    if end < 0 or end + 2 >= len(raw):
+        return None
+    return raw[end + 2:end + 3].decode("ascii", "replace")
+
+
+def describe_process(pid: int) -> str:
+    """``pid`` and its state for an error message: "pid 123, stopped (state T)"."""
+    state = process_state(pid)
+    if state is None:
+        return f"pid {pid}, gone"
+    return f"pid {pid}, {_STATES.get(state, 'state ' + state)} (state {state})"
 
 
 class ExitWatch:

@@ -189,7 +189,10 @@ class Settings:
         "the longest any host call waits on a device or daemon that makes no progress (a "
         "stopped or stuck peer) before it fails with a named error (modelled on Poplar's "
         "`target.hostSyncTimeout`); read when a runner, session, device or queue is made",
-        when="call", used_in="host_runtime/_deadline.py")
+        when="call", used_in="host_runtime/_deadline.py (its host_sync_timeout() bounds: "
+                             "devices/_link.py links and their wait() (sessions; Device.close); "
+                             "devices/_daemon_client.py requests to the daemon; "
+                             "queues/_spsc.py a producer waiting for a free slot)")
     daemon_handover_timeout: float = _knob(
         30.0, "IPU_EMULATOR_DAEMON_HANDOVER_TIMEOUT", _seconds,
         "how long a daemon's reset of an IPU between hosts may take before it restarts the "

@@ -32,15 +32,16 @@ def shm_entries(tag: str | None = None, pid: int | None = None) -> set[str]:
 
 
 class DaemonRig:
-    """``ipu-emulator daemon --socket <base>/d.sock --num-ipus N`` in the background."""
+    """``ipu-emulator daemon --socket <base>/d.sock --num-ipus N`` in the background
+    (machine home ``<base>/home`` unless ``home`` is given: two rigs may share one)."""
 
     def __init__(self, base: Path, num_ipus: int = 2, args: tuple[str, ...] = (),
-                 **env: str) -> None:
+                 home: Path | None = None, **env: str) -> None:
         self.base = base
         self.socket = str(base / "d.sock")
         self.tag = "d" + secrets.token_hex(4)
         self.env = dict(os.environ, IPU_EMULATOR_SHM_TAG=self.tag,
-                        IPU_EMULATOR_HOME=str(base / "home"), **env)
+                        IPU_EMULATOR_HOME=str(home if home is not None else base / "home"), **env)
         self.env.pop(wire.ENV_VAR, None)
         self.lines: list[str] = []
         self._ready = threading.Event()

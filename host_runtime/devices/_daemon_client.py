@@ -15,6 +15,12 @@ names the daemon's socket (or ``DeviceManager(daemon=path)``):
 - ``attachment.release()`` gives the IPUs back and waits until the daemon has
   reset them. A host that dies releases them too: the daemon sees its
   connection close (or its pid die).
+
+Every wait on the daemon is bounded by the host sync timeout
+(``IPU_EMULATOR_HOST_SYNC_TIMEOUT``): a daemon that does not answer (stopped, stuck)
+fails an attach with a DeviceTimeoutError naming its pid and state; a release
+gives up the hold locally (closes the connection, which the daemon takes as a
+release when it runs again) and returns.
 """
 
 from __future__ import annotations
@@ -26,9 +32,10 @@ import threading
 import weakref
 from typing import Any
 
-from shm import ExitWatch, Ring
+from shm import ExitWatch, Ring, describe_process
 
-from host_runtime.errors import DeviceUnavailableError
+from host_runtime._deadline import host_sync_timeout
+from host_runtime.errors import DeviceTimeoutError, DeviceUnavailableError
 from ipu_emulator.daemon import protocol as wire
 from ipu_emulator.device.launcher import IpuSpec, describe_returncode, read_log_tail
 from ipu_emulator.system import SystemConfig
@@ -37,7 +44,13 @@ __all__ = ["DaemonClient", "DaemonAttachment", "DaemonIpu", "daemon_from_env"]
 
 _log = logging.getLogger(__name__)
 
-_TIMEOUT = 60.0   # seconds for an attach or release (the daemon resets IPUs on release)
+_TIMEOUT = 60.0
+"""Seconds for an attach or release (the daemon resets IPUs on release); at most the host
+sync timeout: a daemon that does not answer by then is stopped or stuck."""
+
+
+def _bound(timeout: float) -> float:
+    return min(timeout, host_sync_timeout())
 
 
 def daemon_from_env() -> str | None:
@@ -57,11 +70,31 @@ class DaemonClient:
             f"cannot reach the IPU emulator daemon at {self.path} ({wire.ENV_VAR}): {exc}; "
             "start it with 'ipu-emulator daemon --socket PATH' or unset the variable")
 
+    def no_answer(self, op: str, conn: wire.LineConnection | None, timeout: float
+                  ) -> DeviceTimeoutError:
+        """The error for a daemon that did not answer ``op`` in time: its pid and state."""
+        pid = conn.peer_pid if conn is not None else None
+        who = describe_process(pid) if pid is not None else "pid unknown: it did not accept"
+        return DeviceTimeoutError(
+            f"the IPU emulator daemon at {self.path} ({who}) did not answer {op} within "
+            f"{timeout:g} s (the host sync timeout is IPU_EMULATOR_HOST_SYNC_TIMEOUT); "
+            "continue or restart it")
+
     def request(self, message: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
+        """One request on a fresh connection; bounded by ``timeout`` and the host sync
+        timeout (DeviceTimeoutError naming the daemon's pid and state)."""
+        timeout = _bound(timeout)
+        conn: wire.LineConnection | None = None
         try:
-            return wire.request(self.path, message, timeout)
+            conn = wire.LineConnection(self.path, timeout)
+            return conn.call(message, timeout)
+        except TimeoutError as exc:
+            raise self.no_answer(str(message.get("op")), conn, timeout) from exc
         except (OSError, ValueError) as exc:
             raise self._unreachable(exc) from exc
+        finally:
+            if conn is not None:
+                conn.close()
 
     def malformed(self, what: str, problem: str) -> DeviceUnavailableError:
         return DeviceUnavailableError(f"the IPU emulator daemon at {self.path} sent a malformed "
@@ -88,13 +121,19 @@ class DaemonClient:
     def try_attach(self, device_id: int, ipus: tuple[int, ...]
                    ) -> "DaemonAttachment | dict[int, int | None]":
         """The IPUs (all or none), or ``{ipu: holder pid or None}`` of the busy ones."""
+        timeout = _bound(_TIMEOUT)
         try:
-            conn = wire.LineConnection(self.path, _TIMEOUT)
+            conn = wire.LineConnection(self.path, timeout)
+        except TimeoutError as exc:
+            raise self.no_answer("attach", None, timeout) from exc
         except (OSError, ValueError) as exc:   # ValueError: a peer of another uid
             raise self._unreachable(exc) from exc
         try:
             reply = conn.call({"op": "attach", "ipus": list(ipus), "device_id": device_id},
-                              _TIMEOUT)
+                              timeout)
+        except TimeoutError as exc:
+            conn.close()   # the daemon releases on EOF, should it answer later
+            raise self.no_answer("attach", conn, timeout) from exc
         except (OSError, ValueError) as exc:
             conn.close()
             raise self._unreachable(exc) from exc
@@ -133,8 +172,8 @@ class DaemonClient:
     def exit_status(self, pid: int) -> int | None:
         """How the daemon's IPU process ``pid`` ended (None if unknown or running)."""
         try:
-            reply = wire.request(self.path, {"op": "exit_status", "pid": pid}, timeout=5.0)
-        except (OSError, ValueError):
+            reply = self.request({"op": "exit_status", "pid": pid}, timeout=5.0)
+        except (DeviceUnavailableError, DeviceTimeoutError):
             return None
         rc = reply.get("returncode") if reply.get("ok") else None
         return rc if isinstance(rc, int) else None
@@ -226,12 +265,18 @@ class DaemonAttachment:
         conn, self._conn = self._conn, None
         if conn is None:
             return
+        timeout = _bound(_TIMEOUT)
         try:
             if os.getpid() == self._pid:
-                reply = conn.call({"op": "release"}, _TIMEOUT)
+                reply = conn.call({"op": "release"}, timeout)
                 if not reply.get("ok"):
                     _log.warning("the daemon at %s: release of ipus %s: %s", self.client.path,
                                  list(self.ipus), reply.get("message"))
+        except TimeoutError:
+            # stopped or stuck: give up the hold locally (closing the connection is a
+            # release the daemon acts on once it runs again) and return
+            _log.warning("%s; ipus %s released locally",
+                         self.client.no_answer("release", conn, timeout), list(self.ipus))
         except (OSError, ValueError) as exc:   # daemon gone: nothing left to release
             _log.debug("release of ipus %s: %s", list(self.ipus), exc)
         finally:

@@ -185,7 +185,18 @@ class GroupLink:
         return self._all(futs, op)
 
     def call(self, op: Op, body: Any = None, timeout: float | None = None) -> None:
-        wait(self.request(op, body), timeout, f"{op.name} on {self.description}")
+        wait(self.request(op, body), timeout, f"{op.name} on {self.description}",
+             pids=self.pids(), progress=lambda: self.progress, sync=self.sync_timeout)
+
+    @property
+    def sync_timeout(self) -> float:
+        """The host sync timeout, read when the device was made."""
+        return self._members[0].sync_timeout
+
+    @property
+    def progress(self) -> float:
+        """When the last event of any IPU process of the device came."""
+        return max(m.progress for m in self._members)
 
     def notify(self, op: Op, body: Any = None) -> None:
         for m in self._members[:self._width]:

@@ -24,16 +24,20 @@ import itertools
 import logging
 import threading
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
-from shm import PeerDiedError, RingTimeoutError, ShmError
+import time
 
+from shm import PeerDiedError, RingTimeoutError, ShmError, describe_process, process_state
+
+from host_runtime._deadline import host_sync_timeout
 from host_runtime.devices.link import StreamServicer
 from host_runtime.errors import (BadRequestError, DeviceExecutionError, DeviceLostError,
                                  InvalidStateError, ModelRuntimeError, PackageHashMismatchError,
                                  PopefError, RemoteTraceback)
 from ipu_emulator import protocol
-from ipu_emulator.device.launcher import IpuConnection, IpuProcessError, describe_returncode
+from ipu_emulator.device.launcher import (START_TIMEOUT, IpuConnection, IpuProcessError,
+                                          describe_returncode)
 from ipu_emulator.protocol import ErrorKind, Message, Op
 
 __all__ = ["ProcessLink", "error_from_body"]
@@ -85,6 +89,9 @@ class ProcessLink:
         self._closing = False
         self._started = False
         self._final_seq: int | None = None   # the event thread ends after this answer
+        self._last_event = time.monotonic()  # when the last event came (the peer's progress)
+        self._servicing = False              # a stream callback of the host runs now
+        self.sync_timeout = host_sync_timeout()   # read once, when the device is made
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -94,7 +101,7 @@ class ProcessLink:
             return
         try:
             for proc in self._procs:
-                proc.wait_ready()
+                self._wait_ready(proc)
         except IpuProcessError as exc:
             raise DeviceLostError(f"{self.description}: {exc}") from exc
         self._started = True
@@ -103,6 +110,27 @@ class ProcessLink:
                                                              self._primary.events),
                                         daemon=True, name=f"ipu-events-{self._primary.pid}")
         self._thread.start()
+
+    def _wait_ready(self, proc: IpuConnection) -> None:
+        """``proc.wait_ready()`` (its own start timeout: a fresh process may import for a
+        while), but a process stopped (state T) for the host sync timeout fails then."""
+        from host_runtime.errors import DeviceTimeoutError
+
+        sync = self.sync_timeout
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                proc.wait_ready(max(0.0, min(sync, left)))
+                return
+            except IpuProcessError as exc:
+                if not proc.alive() or time.monotonic() >= deadline:
+                    raise
+                if process_state(proc.pid) in ("T", "t"):
+                    raise DeviceTimeoutError(
+                        f"{self.description}: IPU process {describe_process(proc.pid)} did "
+                        f"not become ready within {sync:g} s (the host sync timeout, "
+                        "IPU_EMULATOR_HOST_SYNC_TIMEOUT)") from exc
 
     def close(self, timeout: float = 1.0) -> None:
         """Stop serving; fail what is pending (idempotent). Processes are shut down by the owner.
@@ -202,8 +230,21 @@ class ProcessLink:
         return fut
 
     def call(self, op: Op, body: Any = None, timeout: float | None = None) -> None:
-        """Send a request and wait for its completion (raising its error)."""
-        wait(self.request(op, body), timeout, f"{op.name} on {self.description}")
+        """Send a request and wait for its completion (raising its error); bounded by
+        ``timeout`` and the host sync timeout (see :func:`wait`)."""
+        wait(self.request(op, body), timeout, f"{op.name} on {self.description}",
+             pids=self.pids(), progress=lambda: self.progress, sync=self.sync_timeout)
+
+    def pids(self) -> list[int]:
+        """The pids of the link's IPU processes."""
+        return [p.pid for p in self._procs]
+
+    @property
+    def progress(self) -> float:
+        """When the device last showed progress: its last event, or now while the host
+        services one of its stream events (the device waits for the host then, e.g. for a
+        queue the application fills: not the device's lack of progress)."""
+        return time.monotonic() if self._servicing else self._last_event
 
     def notify(self, op: Op, body: Any = None) -> None:
         """Send a message that is not answered (MODES)."""
@@ -352,10 +393,15 @@ def _serve_events(ref: "weakref.ref[ProcessLink]", events: Any) -> None:
         link = ref()
         if link is None:
             return
+        link._last_event = time.monotonic()
+        link._servicing = True
         try:
             link._dispatch(msg)
         except Exception:  # never let a bug kill the service thread
             _log.exception("%s: while handling %s", link.description, msg.op.name)
+        finally:
+            link._servicing = False
+            link._last_event = time.monotonic()
         if msg.op is Op.BYE or (msg.seq == link._final_seq and msg.op is not Op.NEED
                                 and msg.op is not Op.OUT):
             return
@@ -363,21 +409,62 @@ def _serve_events(ref: "weakref.ref[ProcessLink]", events: Any) -> None:
 
 
 def wait(fut: "cf.Future[Any]", timeout: float | None, what: str,
-         on_timeout: Callable[[], BaseException] | None = None) -> Any:
-    """``fut.result()`` in slices (stays interruptible); DeviceTimeoutError after ``timeout``."""
-    import time
+         on_timeout: Callable[[], BaseException] | None = None, *,
+         pids: Sequence[int] = (), progress: Callable[[], float] | None = None,
+         sync: float | None = None) -> Any:
+    """``fut.result()``, bounded twice: DeviceTimeoutError after ``timeout`` s (the call's
+    own bound, None: none), and after the host sync timeout
+    (:func:`host_runtime._deadline.host_sync_timeout`) without progress of the peer.
 
+    ``sync`` is the host sync timeout (default: read now; a link reads it when it is
+    made). ``progress()`` is the ``time.monotonic()`` of the peer's last sign of life (its last
+    event; default: the start of the wait); ``pids`` are the peer's IPU processes, named in
+    the error with their state (``stopped (state T)`` for a SIGSTOPped one). When the call
+    has its own ``timeout``, a peer that is running on a CPU (state R: e.g. loading a big
+    model) is progress too; without one, only events are. The waiter sleeps until the
+    earliest of its result and its deadlines (re-checking ``progress`` at least each
+    ``_RECHECK`` s), never in fixed slices past them.
+    """
     from host_runtime.errors import DeviceTimeoutError
 
-    deadline = None if timeout is None else time.monotonic() + timeout
+    start = time.monotonic()
+    own = None if timeout is None else start + timeout
+    if sync is None:
+        sync = host_sync_timeout()
+    last = start
     while True:
+        now = time.monotonic()
+        if progress is not None:
+            last = max(last, progress())
+        quiet = last + sync
+        if own is not None and now >= own:
+            if on_timeout is not None:
+                raise on_timeout()
+            raise DeviceTimeoutError(f"{what} did not complete within {timeout:g} s"
+                                     + _peers_text(pids)) from None
+        if now >= quiet:
+            states = [process_state(pid) for pid in pids]
+            if own is not None and "R" in states and "T" not in states:
+                last = now   # a peer on a CPU works towards the call's own deadline
+                continue
+            raise DeviceTimeoutError(
+                f"{what}: no progress from the device for {sync:g} s (the host sync "
+                f"timeout, IPU_EMULATOR_HOST_SYNC_TIMEOUT)" + _peers_text(pids)) from None
+        limit = quiet if own is None else min(own, quiet)
         try:
-            return fut.result(timeout=0.5)
+            return fut.result(timeout=max(0.0, min(limit - now, _RECHECK)))
         except cf.TimeoutError:
-            if deadline is not None and time.monotonic() > deadline:
-                if on_timeout is not None:
-                    raise on_timeout()
-                raise DeviceTimeoutError(f"{what} did not complete within {timeout:g} s") from None
+            continue
+
+
+_RECHECK = 0.5
+"""Seconds between looks at the peer's progress while a waiter has no result yet."""
+
+
+def _peers_text(pids: Sequence[int]) -> str:
+    if not pids:
+        return ""
+    return "; " + ", ".join(f"IPU process {describe_process(pid)}" for pid in pids)
 
 
 __all__.append("wait")

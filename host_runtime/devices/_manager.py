@@ -59,6 +59,10 @@ _log = logging.getLogger(__name__)
 _SMALL_MODEL_TILES = 4
 
 
+_SHUTDOWN_TIMEOUT = 5.0
+"""Seconds close() waits for the IPU processes to obey SHUTDOWN (at most the host sync
+timeout) before it terminates them (kills a stopped one)."""
+
 _IPU_RING_BYTES = 2 << 20
 """About what one IPU process's control and event rings take in /dev/shm (for messages)."""
 
@@ -311,7 +315,8 @@ class Device:
         try:
             # SHUTDOWN to every IPU process, then wait for all exits together; BYE ends
             # the event thread
-            shutdown_all(self._processes)
+            shutdown_all(self._processes,
+                         timeout=min(_SHUTDOWN_TIMEOUT, self._link.sync_timeout))
             self._link.wake()    # (or, if the process died, this does)
             for proc in self._processes:
                 proc.close()

@@ -75,6 +75,18 @@ class DeviceLink(Protocol):
     def pid(self) -> int:
         """The pid of the device's first IPU process (the peer of its host rings)."""
 
+    def pids(self) -> list[int]:
+        """The pids of every IPU process of the device."""
+
+    @property
+    def sync_timeout(self) -> float:
+        """The host sync timeout (seconds), read when the device was made."""
+
+    @property
+    def progress(self) -> float:
+        """``time.monotonic()`` of the device's last event (its progress, for the host
+        sync timeout)."""
+
     def set_servicer(self, servicer: StreamServicer | None) -> None:
         """Who services stream events (held weakly: the session owns it)."""
 
@@ -82,7 +94,8 @@ class DeviceLink(Protocol):
         """Send a request; the future resolves on its DONE, fails on ERROR or loss."""
 
     def call(self, op: Op, body: Any = None, timeout: float | None = None) -> None:
-        """``request`` and wait for it (DeviceTimeoutError after ``timeout`` s)."""
+        """``request`` and wait for it (DeviceTimeoutError after ``timeout`` s, or after the
+        host sync timeout without an event from the device)."""
 
     def notify(self, op: Op, body: Any = None) -> None:
         """Send a message that is not answered (MODES)."""

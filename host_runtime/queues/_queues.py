@@ -38,6 +38,8 @@ from typing import Any, Callable, Generic, Iterable, Optional, Protocol, TypeVar
 
 import numpy as np
 
+from shm import describe_process
+
 from host_runtime._fork import check_owner, current_pid
 from host_runtime.queues._spsc import SpscRingBuffer
 from host_runtime.errors import BadRequestError
@@ -113,15 +115,17 @@ class OutputData:
 class InputRingBuffer(SpscRingBuffer[InputData]):
     def __init__(self, num_buffers: int, label: str,
                  timeout_cb: Optional[Callable[[SpscRingBuffer[InputData]], None]] = None,
-                 timeout_ns: int = 0) -> None:
-        super().__init__(num_buffers, label, timeout_cb, timeout_ns, factory=InputData)
+                 timeout_ns: int = 0, *, peer: Optional[Callable[[], str]] = None) -> None:
+        super().__init__(num_buffers, label, timeout_cb, timeout_ns, factory=InputData,
+                         peer=peer)
 
 
 class OutputRingBuffer(SpscRingBuffer[OutputData]):
     def __init__(self, num_buffers: int, label: str,
                  timeout_cb: Optional[Callable[[SpscRingBuffer[OutputData]], None]] = None,
-                 timeout_ns: int = 0) -> None:
-        super().__init__(num_buffers, label, timeout_cb, timeout_ns, factory=OutputData)
+                 timeout_ns: int = 0, *, peer: Optional[Callable[[], str]] = None) -> None:
+        super().__init__(num_buffers, label, timeout_cb, timeout_ns, factory=OutputData,
+                         peer=peer)
 
 
 def _bytes_of(data: Any, size: int, writable: bool, what: str) -> np.ndarray:
@@ -468,6 +472,20 @@ class QueueSession(Protocol):
                              callback: Callable[[memoryview], None] | None) -> None: ...
 
 
+def _describe_device(ref: "weakref.ref[QueueSession]") -> Callable[[], str]:
+    """Names the session's device and its IPU processes with their states (for a queue
+    whose device side took nothing for the host sync timeout)."""
+    def describe() -> str:
+        session = ref()
+        device = getattr(session, "device", None)   # a Session's; test stand-ins lack it
+        dev = device() if callable(device) else None
+        if dev is None:
+            return "the session is not bound to a device"
+        return f"{dev.describe()}: " + ", ".join(
+            f"IPU process {describe_process(pid)}" for pid in dev.pids())
+    return describe
+
+
 class QueueManager:
     """Creates an input or output queue per user anchor of a session and binds it.
 
@@ -491,6 +509,7 @@ class QueueManager:
         self._session = weakref.ref(session)
         self._by_handle: dict[str, str] = {}
         inputs = self.inputs    # the timeout callbacks hold the queues, not the manager
+        peer = _describe_device(self._session)
         mult: RingSizeMultiplierProdType
         if callable(ring_size_multiplier):
             mult = ring_size_multiplier
@@ -509,12 +528,12 @@ class QueueManager:
                 if timeout_callback is not None and timeout_ns:
                     def cb(rb: SpscRingBuffer[InputData], _n: str = name) -> None:
                         timeout_callback(inputs[_n], rb)
-                rb_in = InputRingBuffer(n, name, cb, int(timeout_ns))
+                rb_in = InputRingBuffer(n, name, cb, int(timeout_ns), peer=peer)
                 q_in = InputQueue(rb_in, info, name)
                 self.inputs[name] = q_in
                 session.setCallbackForAnchor(anchor.handle(), _callback(q_in.fill))
             else:
-                rb_out = OutputRingBuffer(n, name)
+                rb_out = OutputRingBuffer(n, name, peer=peer)
                 q_out = OutputQueue(rb_out, info, name)
                 self.outputs[name] = q_out
                 session.setCallbackForAnchor(anchor.handle(), _callback(q_out.drain))

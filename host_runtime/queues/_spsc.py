@@ -3,7 +3,15 @@
 The seed's lock-free ring (10.2.3) in Python: one producer thread, one
 consumer thread, a condition variable for the blocking calls. Blocking calls
 return early once the ring is invalidated, so always check ``isValid()``
-after ``writeLock()``/``readLock()``. Re-exported by ``host_runtime.queues._queues``.
+after ``writeLock()``/``readLock()``.
+
+A producer waiting for a free slot is bounded by the host sync timeout
+(``IPU_EMULATOR_HOST_SYNC_TIMEOUT``, read when the ring is made): the consumer
+of a queue's ring is the device's side, and a device that takes nothing for
+that long is stopped or stuck, so ``writeLock()`` raises DeviceTimeoutError
+naming the ring and (``peer``) the device's IPU processes. A consumer
+(``readLock()``, the device's side) waits for the application without bound,
+as a device waits for its host's data; its ``timeout_cb`` reports the wait. Re-exported by ``host_runtime.queues._queues``.
 """
 
 from __future__ import annotations
@@ -12,7 +20,8 @@ import threading
 import time
 from typing import Any, Callable, Generic, Optional, TypeVar
 
-from host_runtime.errors import BadRequestError, InvalidStateError
+from host_runtime._deadline import host_sync_timeout
+from host_runtime.errors import BadRequestError, DeviceTimeoutError, InvalidStateError
 
 __all__ = ["SpscRingBuffer"]
 
@@ -33,7 +42,10 @@ class SpscRingBuffer(Generic[T]):
 
     def __init__(self, num_buffers: int, label: str,
                  timeout_cb: Optional[Callable[["SpscRingBuffer[T]"], None]] = None,
-                 timeout_ns: int = 0, factory: Optional[Callable[[], T]] = None) -> None:
+                 timeout_ns: int = 0, factory: Optional[Callable[[], T]] = None, *,
+                 peer: Optional[Callable[[], str]] = None) -> None:
+        """``peer()`` describes the consumer's side in a DeviceTimeoutError of
+        ``writeLock()`` (e.g. the device's IPU processes and their states)."""
         n = int(num_buffers)
         if n < 1:
             raise BadRequestError(f"SpscRingBuffer {label!r}: num_buffers must be >= 1, got {n}")
@@ -51,6 +63,8 @@ class SpscRingBuffer(Generic[T]):
         self._released = 0    # slots freed by readComplete() (oldest read-locked)
         self._write_locked = False
         self._valid = True
+        self._sync_s = host_sync_timeout()
+        self._peer = peer
 
     # ------------------------------------------------------------- producer
     def write(self, obj: T) -> None:
@@ -63,13 +77,27 @@ class SpscRingBuffer(Generic[T]):
         self.writeComplete()
 
     def writeLock(self) -> T:
-        """Block until a slot is free (or the ring is invalidated) and return it."""
+        """Block until a slot is free (or the ring is invalidated) and return it; at most
+        the host sync timeout (then DeviceTimeoutError: the consumer took nothing)."""
         with self._cond:
+            deadline = None
             while self._valid and not self._write_locked and self._written - self._released >= self._n:
-                self._cond.wait()
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + self._sync_s
+                elif now >= deadline:
+                    raise self._full_error()
+                self._cond.wait(deadline - now)
             if self._valid:
                 self._write_locked = True
             return self._slots[self._written % self._n]  # type: ignore[no-any-return]
+
+    def _full_error(self) -> DeviceTimeoutError:
+        peer = self._peer() if self._peer is not None else ""
+        return DeviceTimeoutError(
+            f"SpscRingBuffer {self._label!r}: all {self._n} buffers stayed full for "
+            f"{self._sync_s:g} s: the consumer took nothing (the host sync timeout, "
+            f"IPU_EMULATOR_HOST_SYNC_TIMEOUT)" + (f"; {peer}" if peer else ""))
 
     def writeComplete(self) -> None:
         with self._cond:

@@ -54,7 +54,8 @@ from shm import (ExitWatch, PeerDiedError, Ring, RingInvalidatedError, RingTimeo
 from shm.settings import settings
 from shm.spin import NEVER, spin_until, us_to_ns
 
-from host_runtime.errors import DeviceLostError, InvalidStateError, ModelRuntimeError
+from host_runtime.errors import (DeviceLostError, DeviceTimeoutError, InvalidStateError,
+                                 ModelRuntimeError)
 from host_runtime.memory import PARALLEL_MIN_BYTES, copy_bytes
 from host_runtime.memory import SHARED_MIN_BYTES, shared_location
 from host_runtime.runner._batching import TensorSpec
@@ -332,8 +333,10 @@ class Replica:
     def close(self, save: SaveFn | None = None, dropped: bool = False) -> None:
         """Stop the loop, optionally run the save programs, close the session (idempotent).
 
-        ``dropped``: the runner was dropped; a device that does not stop within
-        ``DROP_STOP_TIMEOUT`` is killed rather than waited for."""
+        Bounded: a device that does not stop within the stop timeout, or the host sync
+        timeout without an answer (a stopped or stuck IPU process), is killed and the
+        replica's resources released. ``dropped``: the runner was dropped; the bound is
+        ``DROP_STOP_TIMEOUT``."""
         with self._cv:
             if self._closed:
                 return
@@ -363,9 +366,11 @@ class Replica:
                     save(s)
                 except ModelRuntimeError as exc:
                     _log.warning("replica %d: save programs failed: %s", self.rid, exc)
-            s.stop_within(limit, kill_if_hung=dropped)
+                    if isinstance(exc, DeviceTimeoutError):
+                        limit = 0.0   # the bound is spent: kill the device, do not wait again
+            s.stop_within(limit, kill_if_hung=True)
         finally:
-            s.close_within(limit, kill_if_hung=dropped)
+            s.close_within(limit, kill_if_hung=True)
             self._session = None
             self._pids.close()
 

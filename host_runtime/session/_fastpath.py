@@ -154,9 +154,12 @@ class DirectStreams:
         fut = dev.link.request(Op.STOP, value=1)
         session._wake_streams()   # wakes the device now (see Session.stop)
         try:
-            wait(fut, timeout, f"ending the main loop on {dev.describe()}")
+            wait(fut, timeout, f"ending the main loop on {dev.describe()}", pids=dev.pids(),
+                 progress=lambda: dev.link.progress,
+                 sync=dev.link.sync_timeout)
             try:
-                wait(loop, timeout, "the main loop to end")
+                wait(loop, timeout, "the main loop to end", pids=dev.pids(),
+                     progress=lambda: dev.link.progress, sync=dev.link.sync_timeout)
             except ModelRuntimeError:
                 pass  # its failure is reported through the loop future
         finally:

@@ -240,9 +240,10 @@ class Session:
         self.stop_within(_STOP_TIMEOUT)
 
     def stop_within(self, timeout: float, kill_if_hung: bool = False) -> None:
-        """Internal (ModelRunner): stop(), waiting up to ``timeout`` s for the device.
-        ``kill_if_hung`` (a dropped owner, which must not block for long): a device of ours
-        that does not answer in time has its IPU processes killed instead."""
+        """Internal (ModelRunner): stop(), waiting up to ``timeout`` s for the device (and
+        at most the host sync timeout without an answer). ``kill_if_hung`` (close, or a
+        dropped owner): a device of ours that does not answer in time has its IPU
+        processes killed instead."""
         check_owner(self._owner_pid, "Session")
         if self._closed:
             return
@@ -256,14 +257,15 @@ class Session:
             # wake a program waiting on a stream now, not at its next check of the
             # control ring; reload() resets the rings
             self._wake_streams()
-            wait(fut, timeout, f"stop on {dev.describe()}")
+            wait(fut, timeout, f"stop on {dev.describe()}", pids=dev.pids(),
+                 progress=lambda: dev.link.progress,
+                 sync=dev.link.sync_timeout)
         except DeviceLostError:
             pass
-        except DeviceTimeoutError:
+        except DeviceTimeoutError as exc:
             if not (kill_if_hung and self._owns_device):
                 raise
-            _log.warning("%s did not stop within %g s; killing its IPU processes",
-                         dev.describe(), timeout)
+            _log.warning("%s: %s; killing its IPU processes", dev.describe(), exc)
             dev.kill()
 
     def _wake_streams(self) -> None:
@@ -394,8 +396,13 @@ class Session:
                 _log.exception("disconnecting %r failed", qm)
 
     def close(self) -> None:
-        """Stop, unload (no implicit save), destroy the rings; idempotent."""
-        self.close_within(_STOP_TIMEOUT, kill_if_hung=False)
+        """Stop, unload (no implicit save), destroy the rings; idempotent.
+
+        Bounded: a device that does not answer within the host sync timeout (a stopped or
+        stuck IPU process) is killed if the session attached it itself; a device of the
+        caller's is left to the caller (DeviceTimeoutError naming its IPU processes), the
+        session's own resources are released either way."""
+        self.close_within(_STOP_TIMEOUT, kill_if_hung=True)
 
     def close_within(self, stop_timeout: float, kill_if_hung: bool) -> None:
         """Internal (ModelRunner): close(), stopping within ``stop_timeout`` s (see
@@ -697,7 +704,9 @@ class Session:
         self._streams.clear_callback_errors()
         fut = dev.link.request(Op.RUN, list(progs))
         try:
-            wait(fut, None, f"{what} on {dev.describe()}")
+            wait(fut, None, f"{what} on {dev.describe()}", pids=dev.pids(),
+                 progress=lambda: dev.link.progress,
+                 sync=dev.link.sync_timeout)
         except DeviceExecutionError as exc:
             new = self._streams.with_callback_error(exc, what)
             if new is exc:

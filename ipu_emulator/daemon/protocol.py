@@ -120,8 +120,10 @@ class LineConnection:
         self.path = path
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout)
+        self.peer_pid: int | None = None   # the daemon's pid (SO_PEERCRED), once connected
         try:
             self._sock.connect(path)
+            self.peer_pid = peer_credentials(self._sock)[0]
             check_peer(self._sock, path)
         except BaseException:
             self._sock.close()

@@ -14,6 +14,17 @@ unix socket (mode 0600, default ``$IPU_EMULATOR_HOME/daemon.sock``) and speak
   if the host died, every shared-memory object it created; then it is free;
 - a dead IPU process is restarted once nobody holds it.
 
+An IPU is exclusive across everything on one ``IPU_EMULATOR_HOME`` (embedded
+hosts, other daemons on other sockets, stress rigs): while a host holds IPUs
+through the daemon, the daemon holds their lock files
+(:class:`ipu_emulator.system.IpuLocks`, the ``flock`` embedded hosts take), from
+attach until the IPUs are reset and free again. An attach whose IPUs are locked
+by someone else is answered ``busy`` with the lock holder's pid, so the host
+waits or is refused per its ``DeviceWaitConfig``. Per attach, not for the
+daemon's life: a daemon that locked its whole pool at start would shut every
+embedded host of the home out even while the daemon is idle (the pytest
+plugin runs both on one home), and a second daemon could not even start.
+
 Event loop: asyncio on one thread owns every state change; blocking steps on
 IPU processes run on the default executor, at most one at a time per IPU.
 ``run()`` returns after SIGTERM/SIGINT, having stopped every IPU process and
@@ -38,7 +49,7 @@ from ipu_emulator.daemon import protocol as wire
 from ipu_emulator.daemon.metrics import DaemonMetrics
 from ipu_emulator.daemon._pool import PoolError, PooledIpu, remove_objects_of
 from ipu_emulator.device.launcher import IpuSpec
-from ipu_emulator.system import SystemConfig
+from ipu_emulator.system import IpuLocks, SystemConfig
 from ipu_emulator.errors import DaemonError
 
 __all__ = ["Daemon", "DaemonError"]
@@ -57,6 +68,7 @@ class _Conn:
         self.pid = pid
         self.writer = writer
         self.holding: list[PooledIpu] = []
+        self.locks: IpuLocks | None = None   # the home's lock files of what it holds
         self.device_id = -1   # the host's device id of what it holds (-1: not given)
 
 
@@ -302,6 +314,21 @@ class Daemon:
                              for k, v in busy.items())
             return {"ok": False, "error": "busy", "busy": busy,
                     "message": f"ipus {indices} are not all free: {text}"}
+        # the home's lock files: exclusive against embedded hosts and other daemons
+        try:
+            locks = IpuLocks.try_acquire(self.system.lock_dir, tuple(indices))
+        except OSError as exc:
+            return _error("failed", f"cannot lock ipus {indices} in {self.system.lock_dir}: "
+                          f"{exc}")
+        if isinstance(locks, dict):
+            outside = {str(i): pid for i, pid in locks.items()}
+            text = ", ".join(f"ipu {i} " + (f"by pid {pid}" if pid else "(holder unknown)")
+                             for i, pid in sorted(locks.items()))
+            return {"ok": False, "error": "busy", "busy": outside,
+                    "message": f"ipus {indices} are held outside this daemon, on its home "
+                               f"{self.system.home} (lock files in {self.system.lock_dir}): "
+                               f"{text}"}
+        conn.locks = locks
         for ipu in wanted:
             ipu.state, ipu.holder = "attaching", conn.pid
         label = (f"device {device_id} (ipu {{}})" if device_id >= 0 else "ipu {}")
@@ -339,6 +366,14 @@ class Daemon:
     async def _release(self, conn: _Conn, why: str) -> None:
         """Take back what ``conn`` holds: reset each IPU (restart a dead one), then free it."""
         held, conn.holding = conn.holding, []
+        try:
+            await self._take_back_all(conn, held, why)
+        finally:
+            locks, conn.locks = conn.locks, None
+            if locks is not None:   # reset (or restarted) and free: others may lock them
+                locks.release()
+
+    async def _take_back_all(self, conn: _Conn, held: list[PooledIpu], why: str) -> None:
         if not held or self._stopping:   # stopping: every IPU process is being stopped
             return
         dead = not pid_alive(conn.pid)

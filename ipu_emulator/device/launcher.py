@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from shm import Ring, RingTimeoutError, limits, naming
+from shm import Ring, RingTimeoutError, limits, naming, process_state
 from shm.settings import settings
 
 from ipu_emulator import protocol
@@ -396,10 +396,17 @@ def shutdown_all(processes: "list[Any]", timeout: float = 5.0) -> None:
     late = _wait_all(ours, timeout)
     if not late:
         return
+    # a stopped process (SIGSTOP: state T) takes no SIGTERM until continued: kill it now
+    stopped = [p for p in late if process_state(p.pid) in ("T", "t")]
+    for p in stopped:
+        _log.warning("%s (IPU process pid %d) is stopped (state T) and ignored SHUTDOWN for "
+                     "%g s; killing it", p.spec.describe(), p.pid, timeout)
+    late = [p for p in late if p not in stopped]
+    kill_all(stopped)
     for p in late:
         _log.warning("%s ignored SHUTDOWN for %g s; terminating it", p.describe_exit(), timeout)
         p.send_terminate()
-    late = _wait_all(late, 2.0)
+    late = _wait_all(late, min(2.0, timeout))
     for p in late:
         _log.warning("%s ignored SIGTERM; killing it", p.describe_exit())
     kill_all(late)

@@ -7,11 +7,12 @@ never with sleeps.
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
 
-from host_runtime.errors import BadRequestError, InvalidStateError
+from host_runtime.errors import BadRequestError, DeviceTimeoutError, InvalidStateError
 from host_runtime.popef.model import (Anchor, DataType, ExecutableBlob, Metadata, Model,
                                       ProgramFlow, TensorInfo, TensorType)
 from host_runtime.queues._queues import (InputData, InputQueue, InputRingBuffer, OutputQueue,
@@ -21,6 +22,26 @@ from host_runtime.queues._queues import (InputData, InputQueue, InputRingBuffer,
 
 
 # ----------------------------------------------------------------- SpscRingBuffer
+def test_a_writer_waits_for_a_free_slot_at_most_the_host_sync_timeout(monkeypatch):
+    monkeypatch.setenv("IPU_EMULATOR_HOST_SYNC_TIMEOUT", "0.2")   # read when the ring is made
+    rb: SpscRingBuffer[int] = SpscRingBuffer(1, "r", peer=lambda: "the device is asleep")
+    rb.write(1)
+    start = time.monotonic()
+    with pytest.raises(DeviceTimeoutError) as info:
+        rb.write(2)                      # the consumer takes nothing
+    assert 0.2 <= time.monotonic() - start < 2.0
+    assert str(info.value) == (
+        "SpscRingBuffer 'r': all 1 buffers stayed full for 0.2 s: the consumer took nothing "
+        "(the host sync timeout, IPU_EMULATOR_HOST_SYNC_TIMEOUT); the device is asleep")
+    assert "write_locked=False" in rb.getState()   # still usable: the consumer frees a slot
+    got: list[int] = []
+    reader = threading.Thread(target=lambda: [got.append(rb.readLock()), rb.readComplete()])
+    reader.start()
+    rb.write(3)                          # waits for the reader's free slot, not the bound
+    reader.join()
+    assert got == [1] and rb.readLock() == 3
+
+
 def test_ring_fifo_write_read():
     rb: SpscRingBuffer[int] = SpscRingBuffer(3, "r")
     for i in range(3):

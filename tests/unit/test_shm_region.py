@@ -21,7 +21,8 @@ def test_public_surface() -> None:
     assert sorted(shm.__all__) == sorted([
         "ExitWatch", "PeerDiedError", "PeerWatch", "Region", "Ring", "RingInvalidatedError",
         "RingTimeoutError", "ShmClosedError", "ShmError", "ShmForkedError", "WAIT_SLICE",
-        "WouldBlock", "buffer_address", "naming", "pid_alive", "remove_dead", "FileSizeLimitError",
+        "WouldBlock", "buffer_address", "naming", "pid_alive", "remove_dead",
+        "describe_process", "process_state", "FileSizeLimitError",
         "OutOfFileDescriptorsError", "ShmFullError", "limits"])
     assert issubclass(shm.RingTimeoutError, TimeoutError)
     assert issubclass(shm.OutOfFileDescriptorsError, OSError)

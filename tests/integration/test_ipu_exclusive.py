@@ -1,0 +1,116 @@
+"""An IPU is exclusive across everything on one ``IPU_EMULATOR_HOME``.
+
+Two daemons on one home (different sockets) and embedded hosts of that home
+share the home's lock files (``<home>/locks/ipuN.lock``): a daemon holds the
+lock of every IPU a host holds through it, from attach until the IPU is reset
+and free again; a second holder is refused (NO_WAIT) or waits (its
+DeviceWaitConfig) with an error naming the IPU and the pid that holds it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from datetime import timedelta
+
+import pytest
+
+from host_runtime.devices._manager import DeviceManager, DeviceWaitConfig, DeviceWaitStrategy
+from host_runtime.errors import DeviceUnavailableError
+from ipu_emulator.daemon import protocol as wire
+from ipu_emulator.system import IpuLocks, load_system_config
+from tests.daemon_rig import DaemonRig
+
+NO_WAIT = DeviceWaitConfig(DeviceWaitStrategy.NO_WAIT)
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory):
+    return tmp_path_factory.mktemp("home")
+
+
+@pytest.fixture(scope="module")
+def two_daemons(tmp_path_factory: pytest.TempPathFactory, home):
+    first = DaemonRig(tmp_path_factory.mktemp("d1"), num_ipus=1, home=home)
+    try:
+        second = DaemonRig(tmp_path_factory.mktemp("d2"), num_ipus=1, home=home)
+    except BaseException:
+        first.stop()
+        raise
+    try:
+        yield first, second
+    finally:
+        try:
+            second.stop()
+        finally:
+            first.stop()
+
+
+def daemon_pid(rig: DaemonRig) -> int:
+    return int(rig.status()["daemon_pid"])
+
+
+def states(rig: DaemonRig) -> list[tuple[str, int | None]]:
+    return [(i["state"], i["holder"]) for i in rig.status()["ipus"]]
+
+
+def test_two_daemons_on_one_home_never_hand_out_the_same_ipu(two_daemons):
+    first, second = two_daemons
+    holder = daemon_pid(first)
+    with DeviceManager(daemon=first.socket).getSpecificDevice(0, wait_config=NO_WAIT) as dev:
+        assert dev.ipus() == [0] and states(first) == [("held", os.getpid())]
+        with pytest.raises(DeviceUnavailableError) as info:
+            DeviceManager(daemon=second.socket).getSpecificDevice(0, wait_config=NO_WAIT)
+        assert str(info.value) == (
+            f"no device available: asked for device 0 with NO_WAIT; busy: ipu 0 by pid "
+            f"{holder} (daemon at {second.socket})")
+        # waiting per the wait config: refused after the timeout, not before
+        wait = DeviceWaitConfig(timedelta(seconds=0.3), timedelta(seconds=0.05))
+        start = time.monotonic()
+        with pytest.raises(DeviceUnavailableError, match=rf"busy: ipu 0 by pid {holder} "):
+            DeviceManager(daemon=second.socket).getSpecificDevice(0, wait_config=wait)
+        assert 0.3 <= time.monotonic() - start < 5.0
+        assert states(second) == [("free", None)]   # the second daemon's pool is untouched
+        # the daemon's own busy reply names where the IPU is held
+        with wire.LineConnection(second.socket, 10.0) as conn:
+            reply = conn.call({"op": "attach", "ipus": [0], "device_id": 0}, 10.0)
+        assert reply["ok"] is False and reply["busy"] == {"0": holder}
+        assert re.fullmatch(rf"ipus \[0\] are held outside this daemon, on its home \S+ "
+                            rf"\(lock files in \S+\): ipu 0 by pid {holder}", reply["message"])
+    # released (reset, then the lock dropped): the other daemon hands it out now
+    assert states(first) == [("free", None)]
+    with DeviceManager(daemon=second.socket).getSpecificDevice(0, wait_config=NO_WAIT) as dev:
+        assert dev.ipus() == [0] and states(second) == [("held", os.getpid())]
+        with pytest.raises(DeviceUnavailableError, match=rf"busy: ipu 0 by pid "
+                                                          rf"{daemon_pid(second)} "):
+            DeviceManager(daemon=first.socket).getSpecificDevice(0, wait_config=NO_WAIT)
+    assert states(second) == [("free", None)]
+
+
+def test_a_daemon_and_an_embedded_host_on_one_home_exclude_each_other(two_daemons, home,
+                                                                       monkeypatch):
+    first, _ = two_daemons
+    monkeypatch.setenv("IPU_EMULATOR_HOME", str(home))
+    monkeypatch.delenv(wire.ENV_VAR, raising=False)
+    holder = daemon_pid(first)
+    # held through the daemon: an embedded host of the home is refused
+    with DeviceManager(daemon=first.socket).getSpecificDevice(0, wait_config=NO_WAIT):
+        with pytest.raises(DeviceUnavailableError) as info:
+            DeviceManager().getSpecificDevice(0, wait_config=NO_WAIT)
+        assert str(info.value) == (f"no device available: asked for device 0 with NO_WAIT; "
+                                   f"busy: ipu 0 by pid {holder}")
+    # held by an embedded host (its lock file): the daemon refuses to hand it out
+    locks = IpuLocks.try_acquire(load_system_config().lock_dir, (0,))
+    assert isinstance(locks, IpuLocks)
+    try:
+        with pytest.raises(DeviceUnavailableError) as info:
+            DeviceManager(daemon=first.socket).getSpecificDevice(0, wait_config=NO_WAIT)
+        assert str(info.value) == (
+            f"no device available: asked for device 0 with NO_WAIT; busy: ipu 0 by pid "
+            f"{os.getpid()} (daemon at {first.socket})")
+        assert states(first) == [("free", None)]
+    finally:
+        locks.release()
+    with DeviceManager(daemon=first.socket).getSpecificDevice(0, wait_config=NO_WAIT) as dev:
+        assert dev.ipus() == [0]
