@@ -1,10 +1,10 @@
-"""``python -m ipu_emulator ...`` runs one emulated IPU process (see ipu_emulator.device.process)."""
+"""``python -m ipu_emulator ...`` runs one emulated IPU process (see ipu_emulator.ipu.process)."""
 
 import logging
 import os
 import sys
 
-from ipu_emulator.device.process import main
+from ipu_emulator.ipu.process import main
 
 code = main()
 # Exit at once: main() has closed and unlinked what it must, and tearing down the

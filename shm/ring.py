@@ -90,7 +90,7 @@ side); see the C file. ``IPU_EMULATOR_RING_C=0`` turns the core off. The
 
 Other C extensions use a ring through :meth:`Ring.c_handle` and the C API
 declared in ``shm/_ringcore.h`` (take, give back, consume and publish slots
-without waiting); e.g. the IPU process's ``ipu_emulator.device._stepcore``.
+without waiting); e.g. the IPU process's ``ipu_emulator.ipu._stepcore``.
 
 Spinning: by default a waiter does not spin. ``python -m tools.bench ring``
 on this project's 2-core VMs: the two processes of a ping-pong usually share

@@ -21,7 +21,7 @@ When a knob is read (the one rule):
   acts in processes started afterwards, not in this one. The knobs of that
   kind that an IPU process's modules read (``ipu=True``) are also the ones the
   fork server compares: a launch whose environment differs in one of them gets
-  a template process of its own (``ipu_emulator.device.forkserver.IMPORT_TIME_ENV``
+  a template process of its own (``ipu_emulator.ipu.forkserver.IMPORT_TIME_ENV``
   is :data:`IPU_IMPORT_ENV` plus a few non-project variables).
 - ``when="call"``: a decision taken per action (a launch, an IPU process's
   start), which applications and tests change at run time with the
@@ -135,7 +135,7 @@ class Settings:
         50.0, "IPU_EMULATOR_DEVICE_SPIN_US", _micros,
         "an IPU process's poll of an empty input ring before it blocks, while recent inputs "
         "came quickly; 0: never poll",
-        ipu=True, used_in="ipu_emulator/device/_stream_io.py")
+        ipu=True, used_in="ipu_emulator/ipu/_stream_io.py")
     runner_spin_us: float = _knob(
         100.0, "IPU_EMULATOR_RUNNER_SPIN_US", _micros,
         "the host's poll of an output ring before it blocks, while recent outputs came "
@@ -146,27 +146,27 @@ class Settings:
         "a `sched_yield` between polls that took longer ran another task on this CPU: the "
         "poller blocks instead (IPU process unless it keeps apart, host on one CPU); "
         "0: never",
-        ipu=True, used_in="ipu_emulator/device/_stream_io.py, host_runtime/runner/_replica.py")
+        ipu=True, used_in="ipu_emulator/ipu/_stream_io.py, host_runtime/runner/_replica.py")
     zero_copy: bool = _knob(
         True, "IPU_EMULATOR_ZERO_COPY", _flag,
         "`0`: the IPU process copies stream transfers instead of computing in ring slots "
         "(for measurements)",
-        ipu=True, used_in="ipu_emulator/device/interpreter.py")
+        ipu=True, used_in="ipu_emulator/ipu/interpreter.py")
     keep_apart: bool = _knob(
         True, "IPU_EMULATOR_KEEP_APART", _flag,
         "`0`: an IPU process no longer moves off the CPU of the host thread that submits "
         "requests while it serves them",
-        when="call", ipu=True, used_in="ipu_emulator/device/_placement.py")
+        when="call", ipu=True, used_in="ipu_emulator/ipu/_placement.py")
     forkserver: bool = _knob(
         True, "IPU_EMULATOR_FORKSERVER", _flag,
         "`0`: start every IPU process as a fresh `python -m ipu_emulator` instead of forking "
         "it from the host's template process (started once, with numpy and onnxruntime "
         "imported once; its log is `forkserver.log`)",
-        when="call", used_in="ipu_emulator/device/forkserver.py")
+        when="call", used_in="ipu_emulator/ipu/forkserver.py")
     device_log_level: str = _knob(
         "WARNING", "IPU_EMULATOR_DEVICE_LOG_LEVEL", _level,
         "logging level of IPU processes (their `ipuN.log` files, under `$IPU_EMULATOR_HOME`)",
-        when="call", ipu=True, used_in="ipu_emulator/device/process.py")
+        when="call", ipu=True, used_in="ipu_emulator/ipu/process.py")
     daemon_log_level: str = _knob(
         "INFO", "IPU_EMULATOR_DAEMON_LOG_LEVEL", _level,
         "logging level of `ipu-emulator daemon` (its `--log-level` default)",
@@ -174,7 +174,7 @@ class Settings:
     start_timeout: float = _knob(
         120.0, "IPU_EMULATOR_START_TIMEOUT", _seconds,
         "how long an IPU process may take to start (a fresh Python imports onnxruntime)",
-        used_in="ipu_emulator/device/launcher.py")
+        used_in="ipu_emulator/ipu/launcher.py")
     load_timeout: float = _knob(
         300.0, "IPU_EMULATOR_LOAD_TIMEOUT", _seconds,
         "how long loading an executable onto a device may take",

@@ -8,7 +8,7 @@ Every Python waiter that polls before it blocks does it with :func:`spin_until`:
   adapting: doubled after a spin that found its token, halved after one that
   did not; no ``sched_yield``). The C core (``shm/_ringcore.c``, ``spin``)
   does the same in C with the budget ``shm.ring`` hands it from the same field.
-- ``ipu_emulator.device._stream_io._RingIO._poll`` (an IPU process waiting for
+- ``ipu_emulator.ipu._stream_io._RingIO._poll`` (an IPU process waiting for
   an input; budget ``Settings.device_spin_us``);
 - ``host_runtime.runner._replica.Replica._spin`` (the host waiting for an
   output; budget ``Settings.runner_spin_us``).

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import psutil
 
-from ipu_emulator.daemon import protocol as wire
+from ipu_emulator.daemon import socket_protocol as wire
 
 REPO = Path(__file__).resolve().parents[1]
 

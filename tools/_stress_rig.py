@@ -193,7 +193,7 @@ class Rig:
         for k in kids:
             try:
                 cmd = " ".join(k.cmdline())
-                if "ipu_emulator.device.forkserver" in cmd:
+                if "ipu_emulator.ipu.forkserver" in cmd:
                     found += k.children()
                 if "ipu_emulator" in cmd:
                     found.append(k)

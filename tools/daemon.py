@@ -25,7 +25,7 @@ import sys
 
 from shm.settings import current
 
-from ipu_emulator.daemon import protocol as wire
+from ipu_emulator.daemon import socket_protocol as wire
 from ipu_emulator.system import SystemConfigError, load_system_config
 
 
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=a.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s ipu-emulator-daemon[{os.getpid()}] "
                         "%(levelname)s %(message)s")
-    from ipu_emulator.daemon.metrics import MetricsServeError
+    from ipu_emulator.daemon.daemon_metrics import MetricsServeError
     from ipu_emulator.daemon.server import Daemon, DaemonError
 
     try:

@@ -156,7 +156,7 @@ class _Scenario:
     def _ipu_pids(self, host: HostProc) -> list[int]:
         if not self.use_daemon or self.rig.daemon_socket is None:
             return [p.pid for p in self.rig.ipu_processes_of(host.proc.pid)]
-        from ipu_emulator.daemon import protocol as wire
+        from ipu_emulator.daemon import socket_protocol as wire
 
         try:
             status = wire.request(self.rig.daemon_socket, {"op": "status"}, timeout=10.0)
@@ -168,7 +168,7 @@ class _Scenario:
         """IPUs the daemon still lends to ``pid`` after waiting up to ``timeout`` s for none."""
         if not self.use_daemon or self.rig.daemon_socket is None:
             return []
-        from ipu_emulator.daemon import protocol as wire
+        from ipu_emulator.daemon import socket_protocol as wire
 
         end = time.monotonic() + timeout
         while True:
@@ -387,7 +387,7 @@ def run(opts: argparse.Namespace, live: LiveStats | None = None,
 def _serve_metrics(live: LiveStats, port: int, address: str) -> Any:
     from prometheus_client import CollectorRegistry
 
-    from ipu_emulator.daemon.metrics import MetricsServer
+    from ipu_emulator.daemon.daemon_metrics import MetricsServer
 
     registry = CollectorRegistry()
     registry.register(StressCollector(live))

@@ -36,8 +36,8 @@ from shm import ExitWatch, Ring, describe_process
 
 from host_runtime._deadline import host_sync_timeout
 from host_runtime.errors import DeviceTimeoutError, DeviceUnavailableError
-from ipu_emulator.daemon import protocol as wire
-from ipu_emulator.device.launcher import IpuSpec, describe_returncode, read_log_tail
+from ipu_emulator.daemon import socket_protocol as wire
+from ipu_emulator.ipu.launcher import IpuSpec, describe_returncode, read_log_tail
 from ipu_emulator.system import SystemConfig
 
 __all__ = ["DaemonClient", "DaemonAttachment", "DaemonIpu", "daemon_from_env"]

@@ -47,9 +47,9 @@ from shm import Region, Ring
 from host_runtime.devices._link import ProcessLink, wait
 from host_runtime.devices.link import DeviceLink, StreamServicer
 from host_runtime.errors import BadRequestError, DeviceLostError, InvalidStateError, PopefError
-from ipu_emulator import protocol
-from ipu_emulator.device.launcher import IpuConnection, describe_returncode, kill_all
-from ipu_emulator.protocol import MODE_DIRECT, Op
+from ipu_emulator import ipu_protocol
+from ipu_emulator.ipu.launcher import IpuConnection, describe_returncode, kill_all
+from ipu_emulator.ipu_protocol import MODE_DIRECT, Op
 
 if TYPE_CHECKING:  # pragma: no cover
     from ipu_emulator.executable import Executable
@@ -395,15 +395,15 @@ class ShardedLoad:
             data = self._part_bytes[k]
             if k < len(self.spec_regions):
                 region = self.spec_regions[k]
-                spec["executable_offset"] = protocol.decode_load_spec(
+                spec["executable_offset"] = ipu_protocol.decode_load_spec(
                     region.buf)["executable_offset"]
-                prefix = protocol.encode_load_spec(spec)
+                prefix = ipu_protocol.encode_load_spec(spec)
                 if len(prefix) > spec["executable_offset"]:  # pragma: no cover
                     raise InvalidStateError("load spec grew; cannot rewrite it in place")
                 region.buf[:len(prefix)] = prefix
             else:
-                spec["executable_offset"] = protocol.spec_prefix_size(spec)
-                prefix = protocol.encode_load_spec(spec)
+                spec["executable_offset"] = ipu_protocol.spec_prefix_size(spec)
+                prefix = ipu_protocol.encode_load_spec(spec)
                 region = Region.create(len(prefix) + len(data), kind="exe")
                 region.buf[:len(prefix)] = prefix
                 region.buf[len(prefix):len(prefix) + len(data)] = data

@@ -35,10 +35,10 @@ from host_runtime.devices.link import StreamServicer
 from host_runtime.errors import (BadRequestError, DeviceExecutionError, DeviceLostError,
                                  InvalidStateError, ModelRuntimeError, PackageHashMismatchError,
                                  PopefError, RemoteTraceback)
-from ipu_emulator import protocol
-from ipu_emulator.device.launcher import (START_TIMEOUT, IpuConnection, IpuProcessError,
+from ipu_emulator import ipu_protocol
+from ipu_emulator.ipu.launcher import (START_TIMEOUT, IpuConnection, IpuProcessError,
                                           describe_returncode)
-from ipu_emulator.protocol import ErrorKind, Message, Op
+from ipu_emulator.ipu_protocol import ErrorKind, Message, Op
 
 __all__ = ["ProcessLink", "error_from_body"]
 
@@ -259,7 +259,7 @@ class ProcessLink:
 
     def _send(self, msg: Message) -> None:
         with self._send_lock:
-            protocol.send(self._primary.control, msg)
+            ipu_protocol.send(self._primary.control, msg)
 
     def _translate(self, exc: BaseException) -> BaseException:
         if isinstance(exc, PeerDiedError):
@@ -369,7 +369,7 @@ def _serve_events(ref: "weakref.ref[ProcessLink]", events: Any) -> None:
             return
         del link
         try:
-            msg = protocol.receive(events, timeout=_POLL)
+            msg = ipu_protocol.receive(events, timeout=_POLL)
         except RingTimeoutError:
             link = ref()
             if link is not None and link._dead_process() is not None:
@@ -387,7 +387,7 @@ def _serve_events(ref: "weakref.ref[ProcessLink]", events: Any) -> None:
                 _log.warning("%s: event ring failed: %s", link.description, exc)
                 link.mark_lost()
             return
-        except protocol.ProtocolError as exc:
+        except ipu_protocol.ProtocolError as exc:
             _log.error("bad event on %s: %s", events.name, exc)
             continue
         link = ref()

@@ -42,7 +42,7 @@ from host_runtime._lifetime import close_owned
 from host_runtime.devices._shm_space import translated
 from host_runtime.errors import BadRequestError, DeviceUnavailableError, InvalidStateError
 from host_runtime.popef.model import Model
-from ipu_emulator.device.launcher import IpuConnection, IpuSpec, kill_all, launch_ipu, shutdown_all
+from ipu_emulator.ipu.launcher import IpuConnection, IpuSpec, kill_all, launch_ipu, shutdown_all
 from ipu_emulator.system import (IpuLocks, SystemConfig, SystemConfigError, device_groups,
                                  emulator_home, load_system_config)
 

@@ -23,7 +23,7 @@ import concurrent.futures as cf
 from typing import Any, Protocol
 
 from host_runtime.errors import DeviceLostError
-from ipu_emulator.protocol import Op
+from ipu_emulator.ipu_protocol import Op
 
 __all__ = ["DeviceLink", "StreamServicer"]
 

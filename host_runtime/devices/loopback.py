@@ -2,7 +2,7 @@
 
 Internal (for tests; not in ``host_runtime.__all__``). A loopback device is an
 ordinary :class:`~host_runtime.devices.Device` whose IPU connections are
-:class:`~ipu_emulator.device.loopback.LoopbackIpu`: the IPU process's loop on a
+:class:`~ipu_emulator.ipu.in_thread.LoopbackIpu`: the IPU process's loop on a
 thread, over the same control, event and stream rings. Session, QueueManager and
 ModelRunner (``ModelRunnerConfig(replica_to_device={0: dev})``) run unchanged on
 it, without starting any process.
@@ -21,7 +21,7 @@ from typing import Any
 
 from host_runtime.devices._manager import Device, DeviceManager
 from host_runtime.popef.model import Model
-from ipu_emulator.device.loopback import LoopbackIpu, launch_loopback
+from ipu_emulator.ipu.in_thread import LoopbackIpu, launch_loopback
 from ipu_emulator.system import SystemConfig
 
 __all__ = ["loopback_manager", "loopback_device", "loopback_ipus", "is_loopback", "LoopbackIpu"]

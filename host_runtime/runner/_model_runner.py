@@ -50,9 +50,9 @@ from host_runtime.session import LaunchPolicy, Session, SessionConfig
 from host_runtime.session.predicates import PopefDataUsagePolicy
 
 if TYPE_CHECKING:  # pragma: no cover
-    # host_runtime.runner.metrics imports prometheus_client (~60 ms): metrics_collector()
+    # host_runtime.runner.runner_metrics imports prometheus_client (~60 ms): metrics_collector()
     # imports it on first use. It does not import this module (see MonitoredRunner).
-    from host_runtime.runner.metrics import ModelRunnerCollector
+    from host_runtime.runner.runner_metrics import ModelRunnerCollector
 
 __all__ = ["ModelRunner", "OutputFuture"]
 
@@ -721,13 +721,13 @@ class ModelRunner:
         return self._monitor(replica_id).total_count(info)
 
     def metrics_collector(self, register_default: bool = False) -> "ModelRunnerCollector":
-        """These statistics as a ``prometheus_client`` collector (see host_runtime.runner.metrics):
+        """These statistics as a ``prometheus_client`` collector (see host_runtime.runner.runner_metrics):
         register it in your registry (``.add(other_runner)`` puts more runners in it), or
         ``register_default=True`` adds this runner to the collector registered in
         ``prometheus_client.REGISTRY``. Holds the runner weakly."""
         # Lazy: the one import of prometheus_client (~60 ms), paid by those who ask for
         # metrics (tests/unit/test_import_graph.py lists this import as LAZY).
-        from host_runtime.runner.metrics import collector_for
+        from host_runtime.runner.runner_metrics import collector_for
         return collector_for(self, register_default)
 
     # ------------------------------------------------------------------ lifetime

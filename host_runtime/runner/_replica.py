@@ -64,7 +64,7 @@ from host_runtime.runner._requests import Request, Transfer, raisable
 from host_runtime.runner.config import FlushCallback
 from host_runtime.runner.monitoring import RequestMonitor
 from host_runtime.session import DROP_STOP_TIMEOUT
-from ipu_emulator.protocol import TAG_SHARED, host_memory_descriptor
+from ipu_emulator.ipu_protocol import TAG_SHARED, host_memory_descriptor
 
 __all__ = ["Replica", "ReplicaSession", "ReplicaSetup", "SaveFn"]
 
@@ -78,7 +78,7 @@ _YIELDED_NS = us_to_ns(settings().yielded_us, NEVER)
 _ONE_CPU = len(os.sched_getaffinity(0)) < 2
 _native_id = threading.get_native_id
 """On one CPU a poll that finds the CPU shared blocks instead. On several the IPU
-process moves off the host's CPU (ipu_emulator.device._placement), and blocking would only
+process moves off the host's CPU (ipu_emulator.ipu._placement), and blocking would only
 let the wake-up put the host back beside it."""
 _thread_ids = threading.local()
 """``.native_id``: ``_native_id()`` of this thread (a system call), kept per thread."""
@@ -439,7 +439,7 @@ class Replica:
 
     def _hint_thread(self) -> None:
         """Tell the IPU process which thread submits (and, most often, waits): it keeps
-        off that thread's CPU (ipu_emulator.device._placement reads it from the rings).
+        off that thread's CPU (ipu_emulator.ipu._placement reads it from the rings).
         Caller holds the submit lock."""
         try:
             tid = _thread_ids.native_id   # a system call: once per thread
@@ -888,7 +888,7 @@ class Replica:
         the IPU process's CPU (an idle vCPU does not look idle to the guest), where
         the two then take turns (33-35 us per [1,4] request instead of 17-18 us).
         With a 30 us budget that happened in 1 block of 10 even with the IPU process
-        moving off the host's CPU (ipu_emulator.device._placement); with 100 us, in none of 30.
+        moving off the host's CPU (ipu_emulator.ipu._placement); with 100 us, in none of 30.
         """
         if self._wait_est_ns > 3 * _SPIN_NS:
             return

@@ -28,7 +28,7 @@ from host_runtime.devices import wait
 from host_runtime.errors import (BadRequestError, DeviceExecutionError, DeviceLostError,
                                  DeviceTimeoutError, InvalidStateError, ModelRuntimeError)
 from host_runtime.session._streams import StreamTable
-from ipu_emulator.protocol import Op
+from ipu_emulator.ipu_protocol import Op
 
 if TYPE_CHECKING:
     from host_runtime.devices import Device

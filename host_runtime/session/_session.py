@@ -56,9 +56,9 @@ from host_runtime.errors import (BadRequestError, DeviceExecutionError, DeviceLo
                                  DeviceTimeoutError, InvalidStateError, ModelRuntimeError,
                                  PopefError)
 from host_runtime.session.predicates import AnchorCallbackPredicate, PopefDataUsagePredicate
-from ipu_emulator import protocol
+from ipu_emulator import ipu_protocol
 from ipu_emulator.executable import ExecutableError, read_header
-from ipu_emulator.protocol import Op
+from ipu_emulator.ipu_protocol import Op
 
 __all__ = [
     "LaunchPolicy",
@@ -611,8 +611,8 @@ class Session:
             "streams": self._streams.load_spec(modes),
         }
         if self._spec_region is None:
-            spec["executable_offset"] = protocol.spec_prefix_size(spec)
-            prefix = protocol.encode_load_spec(spec)
+            spec["executable_offset"] = ipu_protocol.spec_prefix_size(spec)
+            prefix = ipu_protocol.encode_load_spec(spec)
             with translated("the executable region", len(prefix) + len(self._exe)):
                 region = Region.create(len(prefix) + len(self._exe), kind="exe")
             region.buf[:len(prefix)] = prefix
@@ -620,9 +620,9 @@ class Session:
             self._spec_region = region
         else:
             # The executable stays where it is; only "fresh" and modes change.
-            spec["executable_offset"] = protocol.decode_load_spec(
+            spec["executable_offset"] = ipu_protocol.decode_load_spec(
                 self._spec_region.buf)["executable_offset"]
-            prefix = protocol.encode_load_spec(spec)
+            prefix = ipu_protocol.encode_load_spec(spec)
             if len(prefix) > spec["executable_offset"]:  # pragma: no cover - same length by design
                 raise InvalidStateError("load spec grew; cannot rewrite it in place")
             self._spec_region.buf[:len(prefix)] = prefix

@@ -33,7 +33,7 @@ from host_runtime.errors import (BadRequestError, DeviceExecutionError, InvalidS
                                  PopefError)
 from host_runtime.session.predicates import (AnchorCallbackPolicy, AnchorCallbackPredicate,
                                      PopefDataUsagePolicy, PopefDataUsagePredicate)
-from ipu_emulator.protocol import MODE_DIRECT, MODE_EVENT, MODE_NULL, TAG_ABORT
+from ipu_emulator.ipu_protocol import MODE_DIRECT, MODE_EVENT, MODE_NULL, TAG_ABORT
 
 __all__ = ["StreamTable", "EMPTY", "Callback", "callback_failure"]
 
@@ -207,7 +207,7 @@ class StreamTable:
                 self.user_cbs[h] = cb
 
     def modes(self) -> list[int]:
-        """The device-side mode of each stream (see ipu_emulator.protocol)."""
+        """The device-side mode of each stream (see ipu_emulator.ipu_protocol)."""
         modes = []
         for a in self.streams:
             h = a.handle()

@@ -29,9 +29,9 @@ from shm import RingTimeoutError, ShmError
 from shm.cleanup import list_objects
 from shm.settings import settings
 
-from ipu_emulator import protocol
-from ipu_emulator.device.launcher import IpuProcess, IpuSpec, launch_ipu
-from ipu_emulator.protocol import Message, Op
+from ipu_emulator import ipu_protocol
+from ipu_emulator.ipu.launcher import IpuProcess, IpuSpec, launch_ipu
+from ipu_emulator.ipu_protocol import Message, Op
 from ipu_emulator.errors import PoolError
 
 __all__ = ["PooledIpu", "PoolError", "remove_objects_of"]
@@ -55,7 +55,7 @@ class PooledIpu:
         self.state = "starting"     # starting, free, attaching, held, resetting, dead, failed
         self.holder: int | None = None
         self.hosts_served = 0
-        # for /metrics (ipu_emulator.daemon.metrics)
+        # for /metrics (ipu_emulator.daemon.daemon_metrics)
         self.starts = 0          # processes started
         self.resets = 0          # take_back()s that succeeded
         self.held_seconds = 0.0  # time held by hosts, past holds
@@ -104,12 +104,12 @@ class PooledIpu:
         seq = next(self._seq) & 0x7FFFFFFF
         deadline = time.monotonic() + HANDOVER_TIMEOUT
         try:
-            protocol.send(proc.control, Message(Op.HOST, seq=seq, value=host, body=body),
+            ipu_protocol.send(proc.control, Message(Op.HOST, seq=seq, value=host, body=body),
                           timeout=HANDOVER_TIMEOUT)
             skipped = 0
             while True:
                 try:
-                    msg = protocol.receive(proc.events, timeout=0.2)
+                    msg = ipu_protocol.receive(proc.events, timeout=0.2)
                 except RingTimeoutError:
                     if not proc.alive():
                         raise PoolError(f"{proc.describe_exit()} during HOST {host}") from None
@@ -123,7 +123,7 @@ class PooledIpu:
             if msg.op is Op.ERROR:
                 raise PoolError(f"ipu {self.index} refused HOST {host}: {msg.body}")
             proc.events.reset()
-        except (ShmError, protocol.ProtocolError) as exc:
+        except (ShmError, ipu_protocol.ProtocolError) as exc:
             raise PoolError(f"ipu {self.index} (process {proc.pid}): HOST {host} failed: "
                             f"{exc}") from exc
         if skipped:

@@ -1,9 +1,9 @@
 """``ipu-emulator daemon``: a pool of warm emulated IPUs served to host processes.
 
 The daemon starts one IPU process per IPU of its pool (``--pool`` mode, see
-:mod:`ipu_emulator.device.process`) and keeps them running. Hosts connect to its
+:mod:`ipu_emulator.ipu.process`) and keeps them running. Hosts connect to its
 unix socket (mode 0600, default ``$IPU_EMULATOR_HOME/daemon.sock``) and speak
-:mod:`ipu_emulator.daemon.protocol`:
+:mod:`ipu_emulator.daemon.socket_protocol`:
 
 - ``attach`` takes a set of IPUs exclusively (all or none) for the connection
   and answers with each IPU's process pid and ring names; a busy IPU is
@@ -45,10 +45,10 @@ from typing import Any
 
 from shm import pid_alive
 
-from ipu_emulator.daemon import protocol as wire
-from ipu_emulator.daemon.metrics import DaemonMetrics
+from ipu_emulator.daemon import socket_protocol as wire
+from ipu_emulator.daemon.daemon_metrics import DaemonMetrics
 from ipu_emulator.daemon._pool import PoolError, PooledIpu, remove_objects_of
-from ipu_emulator.device.launcher import IpuSpec
+from ipu_emulator.ipu.launcher import IpuSpec
 from ipu_emulator.system import IpuLocks, SystemConfig
 from ipu_emulator.errors import DaemonError
 

@@ -28,7 +28,7 @@ import host_runtime as model_runtime
 from host_runtime.devices._manager import DeviceManager, DeviceWaitConfig
 from host_runtime.errors import DeviceTimeoutError
 from host_runtime.session._session import Session
-from ipu_emulator.daemon import protocol as wire
+from ipu_emulator.daemon import socket_protocol as wire
 from tests._helpers import PATIENT
 
 pytestmark = pytest.mark.usefixtures("private_machine")

@@ -46,12 +46,12 @@ def shm_objects() -> list[str]:
 
 def ipu_processes() -> list[int]:
     """Live IPU processes of this host: its children, or the children of its fork-server
-    template (ipu_emulator.device.forkserver, a long-lived helper that is not an IPU process)."""
+    template (ipu_emulator.ipu.forkserver, a long-lived helper that is not an IPU process)."""
     me = psutil.Process()
     templates = set()
     for p in me.children():
         try:
-            if any("ipu_emulator.device.forkserver" in a for a in p.cmdline()):
+            if any("ipu_emulator.ipu.forkserver" in a for a in p.cmdline()):
                 templates.add(p.pid)
         except psutil.Error:
             pass

@@ -53,7 +53,7 @@ def main(argv: list[str]) -> int:
     import subprocess
 
     import host_runtime as model_runtime
-    from ipu_emulator.device.launcher import IpuSpec, launch_ipu
+    from ipu_emulator.ipu.launcher import IpuSpec, launch_ipu
     from shm import Ring, ring
 
     held: list[int] = []

@@ -20,7 +20,7 @@ import host_runtime as model_runtime
 from host_runtime.devices._manager import DeviceManager
 from host_runtime.errors import DeviceUnavailableError
 from host_runtime.session._session import Session
-from ipu_emulator.daemon import protocol as wire
+from ipu_emulator.daemon import socket_protocol as wire
 from tests._helpers import PATIENT, run_in_threads
 from tests.daemon_rig import REPO, DaemonRig
 
@@ -192,14 +192,14 @@ def test_liveness_checks_from_many_threads_at_once(daemon):
 
 
 def test_an_embedded_ipu_process_refuses_host_messages(tmp_path):
-    from ipu_emulator import protocol
-    from ipu_emulator.device.launcher import IpuSpec, launch_ipu
-    from ipu_emulator.protocol import Message, Op
+    from ipu_emulator import ipu_protocol
+    from ipu_emulator.ipu.launcher import IpuSpec, launch_ipu
+    from ipu_emulator.ipu_protocol import Message, Op
 
     with launch_ipu(IpuSpec(ipu_id=0), log_dir=str(tmp_path)) as proc:
         proc.wait_ready()
-        protocol.send(proc.control, Message(Op.HOST, seq=7, value=os.getpid()))
-        reply = protocol.receive(proc.events, timeout=60)
+        ipu_protocol.send(proc.control, Message(Op.HOST, seq=7, value=os.getpid()))
+        reply = ipu_protocol.receive(proc.events, timeout=60)
         assert (reply.op, reply.seq, reply.body["kind"]) == (Op.ERROR, 7, "protocol")
         assert reply.body["message"] == ("HOST is only for IPU processes a daemon owns "
                                          "(--pool)")

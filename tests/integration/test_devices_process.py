@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from ipu_emulator import package_hash, protocol
-from ipu_emulator.device.launcher import IpuProcessError, IpuSpec, launch_ipu
-from ipu_emulator.protocol import Message, Op
+from ipu_emulator import package_hash, ipu_protocol
+from ipu_emulator.ipu.launcher import IpuProcessError, IpuSpec, launch_ipu
+from ipu_emulator.ipu_protocol import Message, Op
 from shm import naming
 from shm.cleanup import list_objects
 
@@ -18,7 +18,7 @@ def ours() -> set[str]:
 
 
 def next_event(proc) -> Message:
-    return protocol.receive(proc.events, timeout=60)
+    return ipu_protocol.receive(proc.events, timeout=60)
 
 
 def test_ipu_process_protocol_round_trips_and_clean_shutdown(tmp_path):
@@ -32,16 +32,16 @@ def test_ipu_process_protocol_round_trips_and_clean_shutdown(tmp_path):
         assert proc.alive() and proc.describe_exit().endswith("is running")
         # a malformed message is ignored; the process keeps serving
         proc.control.write(b"\0" * 4, tag=77)
-        protocol.send(proc.control, Message(Op.PING, seq=1))
+        ipu_protocol.send(proc.control, Message(Op.PING, seq=1))
         assert next_event(proc) == Message(Op.DONE, seq=1)
-        protocol.send(proc.control, Message(Op.RUN, seq=2, body=[0]))
+        ipu_protocol.send(proc.control, Message(Op.RUN, seq=2, body=[0]))
         err = next_event(proc)
         assert (err.op, err.seq, err.body["kind"]) == (Op.ERROR, 2, "state")
         assert err.body["message"] == "test ipu has no executable loaded"
-        protocol.send(proc.control, Message(Op.LOAD, seq=3, body={"spec_region": "/nope"}))
+        ipu_protocol.send(proc.control, Message(Op.LOAD, seq=3, body={"spec_region": "/nope"}))
         err = next_event(proc)
         assert err.op is Op.ERROR and "cannot open load spec /nope" in err.body["message"]
-        protocol.send(proc.control, Message(Op.SHUTDOWN))
+        ipu_protocol.send(proc.control, Message(Op.SHUTDOWN))
         assert next_event(proc).op is Op.BYE
         assert proc.wait_exit(60) == 0
         assert proc.describe_exit() == f"test ipu (IPU process pid {proc.pid}) exited with code 0"

@@ -26,7 +26,7 @@ import pytest
 
 import host_runtime as model_runtime
 from host_runtime.errors import ForkedProcessError
-from ipu_emulator.daemon import protocol as wire
+from ipu_emulator.daemon import socket_protocol as wire
 from shm.cleanup import list_objects
 
 pytestmark = pytest.mark.usefixtures("private_machine")

@@ -1,4 +1,4 @@
-"""IPU processes forked by the host's template process (ipu_emulator.device.forkserver) keep every
+"""IPU processes forked by the host's template process (ipu_emulator.ipu.forkserver) keep every
 guarantee of a freshly started one: their own process and log, their exit status with the
 signal that killed them, liveness both ways, nothing left behind; and it can be turned off."""
 
@@ -14,10 +14,10 @@ import textwrap
 import psutil
 import pytest
 
-from ipu_emulator import protocol
-from ipu_emulator.device import forkserver
-from ipu_emulator.device.launcher import IpuSpec, launch_ipu
-from ipu_emulator.protocol import Message, Op
+from ipu_emulator import ipu_protocol
+from ipu_emulator.ipu import forkserver
+from ipu_emulator.ipu.launcher import IpuSpec, launch_ipu
+from ipu_emulator.ipu_protocol import Message, Op
 from shm import naming
 from shm.cleanup import list_objects
 from tests.daemon_rig import REPO
@@ -50,20 +50,20 @@ def test_forked_ipu_process_is_a_child_of_the_template_logs_and_exits_cleanly(tm
         assert proc.wait_ready()["pid"] == proc.pid != os.getpid()
         parent = psutil.Process(proc.pid).parent()
         assert parent is not None and parent.pid != os.getpid()
-        assert "ipu_emulator.device.forkserver" in " ".join(parent.cmdline())
+        assert "ipu_emulator.ipu.forkserver" in " ".join(parent.cmdline())
         assert parent.ppid() == os.getpid()            # the template is our child
         proc.control.write(b"\0" * 4, tag=77)    # malformed: logged, ignored
-        protocol.send(proc.control, Message(Op.PING, seq=1))
-        assert protocol.receive(proc.events, timeout=60) == Message(Op.DONE, seq=1)
-        protocol.send(proc.control, Message(Op.SHUTDOWN))
-        assert protocol.receive(proc.events, timeout=60).op is Op.BYE
+        ipu_protocol.send(proc.control, Message(Op.PING, seq=1))
+        assert ipu_protocol.receive(proc.events, timeout=60) == Message(Op.DONE, seq=1)
+        ipu_protocol.send(proc.control, Message(Op.SHUTDOWN))
+        assert ipu_protocol.receive(proc.events, timeout=60).op is Op.BYE
         assert proc.wait_exit(60) == 0
         assert proc.describe_exit() == f"forked ipu (IPU process pid {proc.pid}) exited with code 0"
     finally:
         proc.close()
     assert ours() == before
     log = (tmp_path / "ipu5.log").read_text()   # its own log file, lines tagged with its pid
-    assert re.search(rf"ipu5\[{proc.pid}\] ERROR ipu_emulator.device.process: ignoring a malformed "
+    assert re.search(rf"ipu5\[{proc.pid}\] ERROR ipu_emulator.ipu.process: ignoring a malformed "
                      "control message", log), log
 
 
@@ -113,7 +113,7 @@ def test_an_import_time_setting_gets_a_template_of_its_own(tmp_path, monkeypatch
 
 _HOST = """
 import os, sys, time
-from ipu_emulator.device.launcher import IpuSpec, launch_ipu
+from ipu_emulator.ipu.launcher import IpuSpec, launch_ipu
 procs = [launch_ipu(IpuSpec(ipu_id=i), log_dir=sys.argv[1]) for i in range(2)]
 for p in procs:
     p.wait_ready()
@@ -163,8 +163,8 @@ def test_a_dead_template_is_replaced_and_its_orphans_still_stop(tmp_path):
         second = launch_ipu(IpuSpec(ipu_id=1), log_dir=str(tmp_path))
         second.wait_ready()
         assert psutil.Process(second.pid).ppid() not in (template, os.getpid())
-        protocol.send(first.control, Message(Op.SHUTDOWN))
-        assert protocol.receive(first.events, timeout=60).op is Op.BYE
+        ipu_protocol.send(first.control, Message(Op.SHUTDOWN))
+        assert ipu_protocol.receive(first.events, timeout=60).op is Op.BYE
         assert first.wait_exit(60) is not None
         assert "exit status is unknown" in first.describe_exit()
     finally:
@@ -200,8 +200,8 @@ def test_a_forked_host_gets_its_own_template(tmp_path):
         assert child.exitcode == 0
         assert theirs not in (ours_, child.pid)   # its own template, not ours
         assert first.alive()                      # ours still serves us
-        protocol.send(first.control, Message(Op.PING, seq=9))
-        assert protocol.receive(first.events, timeout=60) == Message(Op.DONE, seq=9)
+        ipu_protocol.send(first.control, Message(Op.PING, seq=9))
+        assert ipu_protocol.receive(first.events, timeout=60) == Message(Op.DONE, seq=9)
     finally:
         first.close()
     assert first.returncode() == 0

@@ -18,7 +18,7 @@ import pytest
 
 from host_runtime.devices._manager import DeviceManager, DeviceWaitConfig, DeviceWaitStrategy
 from host_runtime.errors import DeviceUnavailableError
-from ipu_emulator.daemon import protocol as wire
+from ipu_emulator.daemon import socket_protocol as wire
 from ipu_emulator.system import IpuLocks, load_system_config
 from tests.daemon_rig import DaemonRig
 

@@ -1,4 +1,4 @@
-"""ModelRunner's statistics scraped over real HTTP as Prometheus metrics (host_runtime.runner.metrics).
+"""ModelRunner's statistics scraped over real HTTP as Prometheus metrics (host_runtime.runner.runner_metrics).
 
 Each test serves a private ``CollectorRegistry`` with ``prometheus_client``'s
 HTTP server on 127.0.0.1 (a free port), scrapes it with urllib and parses the
@@ -21,7 +21,7 @@ from tests.scrape import scrape, value
 
 import host_runtime as model_runtime
 from host_runtime.errors import DeviceLostError
-from host_runtime.runner.metrics import _runner_number as runner_number
+from host_runtime.runner.runner_metrics import _runner_number as runner_number
 
 SHAPE = (1, 4)
 

@@ -11,7 +11,7 @@ import sys
 from prometheus_client import CollectorRegistry
 from tests.scrape import scrape, value
 
-from ipu_emulator.daemon.metrics import MetricsServer
+from ipu_emulator.daemon.daemon_metrics import MetricsServer
 from tools import stress
 from tools._stress_live import LiveStats, StressCollector
 from tools._stress_rig import REPO

@@ -64,7 +64,7 @@ def test_descriptions(runner):
 
 def test_the_submitting_threads_id_is_left_for_the_ipu_process(runner, weights):
     """The IPU process keeps off the CPU of the host thread that submits requests
-    (ipu_emulator.device._placement): the replica writes that thread's id into its input rings."""
+    (ipu_emulator.ipu._placement): the replica writes that thread's id into its input rings."""
     import threading
 
     rings = list(runner._replicas[0]._in_rings.values())

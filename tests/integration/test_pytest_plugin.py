@@ -265,7 +265,7 @@ def test_leaks_shared_memory(ipu_machine):
     KEEP.append(empty_shared((1024,), np.float32))
 
 def test_leaks_an_ipu_process(ipu_machine):
-    from ipu_emulator.device.launcher import IpuSpec, launch_ipu
+    from ipu_emulator.ipu.launcher import IpuSpec, launch_ipu
     KEEP.append(launch_ipu(IpuSpec(ipu_id=-1, ipu_version=21, tiles_per_ipu=4,
                                    memory_per_tile=1 << 20, label="stray IPU")))
 
@@ -452,7 +452,7 @@ def test_ipus_marker_waits_for_the_ini_timeout_and_skips_on_too_small_a_machine(
 ON_ITS_MACHINE = '''
 import os
 import numpy as np
-from ipu_emulator.daemon import protocol as wire
+from ipu_emulator.daemon import socket_protocol as wire
 from tools.generate_simple_popef import write_simple_popef
 
 def held(socket):

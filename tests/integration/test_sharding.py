@@ -128,7 +128,7 @@ def test_sharded_model_refused_on_a_one_ipu_device(tmp_path, chain):
 
 
 def test_pipelined_model_over_the_daemon(tmp_path, chain, daemon, monkeypatch):
-    from ipu_emulator.daemon import protocol as wire
+    from ipu_emulator.daemon import socket_protocol as wire
 
     path = compile_cli(str(tmp_path), chain, 2, True, 2)
     monkeypatch.setenv(wire.ENV_VAR, daemon.socket)
@@ -249,7 +249,7 @@ def test_daemon_status_groups_the_ipus_of_a_sharded_device(tmp_path, chain, daem
     import subprocess
     import sys
 
-    from ipu_emulator.daemon import protocol as wire
+    from ipu_emulator.daemon import socket_protocol as wire
     from tests.daemon_rig import REPO
 
     path = compile_cli(str(tmp_path), chain, 2, False, 1)

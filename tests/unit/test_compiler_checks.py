@@ -13,7 +13,7 @@ from ipu_emulator.compiler import TARGETS, CompileOptions, ModelSpec, compile_on
 from ipu_emulator.compiler._onnx import ort_max_ir_version
 from ipu_emulator.errors import CompileError
 from ipu_emulator.executable import Executable
-from ipu_emulator.device.interpreter import Interpreter
+from ipu_emulator.ipu.interpreter import Interpreter
 from tests.models import dynamic_model, make_model, run_reference, simple_model
 from tests.models.arrayio import ArrayIO
 

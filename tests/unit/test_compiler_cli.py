@@ -11,7 +11,7 @@ import pytest
 
 from host_runtime import popef
 from ipu_emulator.executable import Executable
-from ipu_emulator.device.interpreter import Interpreter
+from ipu_emulator.ipu.interpreter import Interpreter
 from tests.models import dynamic_model, run_reference
 from tests.models.arrayio import ArrayIO
 from tools.poprt import main as poprt

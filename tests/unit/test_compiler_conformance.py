@@ -11,7 +11,7 @@ from onnx import helper, numpy_helper
 
 from ipu_emulator.compiler import CompileError, CompileOptions, ModelSpec, compile_onnx
 from ipu_emulator.executable import Executable
-from ipu_emulator.device.interpreter import Interpreter
+from ipu_emulator.ipu.interpreter import Interpreter
 from tests.models.arrayio import ArrayIO
 
 _NP = {"F32": np.float32, "F16": np.float16, "S64": np.int64, "S32": np.int32,

@@ -8,7 +8,7 @@ import pytest
 
 from ipu_emulator.compiler import CompileOptions, CompileResult, ModelSpec, compile_onnx
 from ipu_emulator.executable import Executable
-from ipu_emulator.device.interpreter import Interpreter
+from ipu_emulator.ipu.interpreter import Interpreter
 from tests.models import mixed_types_model, mobilenet_like, resnet_like, run_reference
 from tests.models.arrayio import ArrayIO
 

@@ -8,7 +8,7 @@ import pytest
 from host_runtime import popef
 from ipu_emulator import package_hash
 from ipu_emulator.executable import Executable, read_header
-from ipu_emulator.device.interpreter import Interpreter
+from ipu_emulator.ipu.interpreter import Interpreter
 from tests.models.arrayio import ArrayIO
 from tools.generate_simple_popef import main, write_simple_popef
 

@@ -13,7 +13,7 @@ import pytest
 
 from host_runtime.devices._daemon_client import DaemonClient
 from host_runtime.errors import DeviceUnavailableError
-from ipu_emulator.daemon import protocol as wire
+from ipu_emulator.daemon import socket_protocol as wire
 from ipu_emulator.system import SystemConfigError, private_dir
 
 

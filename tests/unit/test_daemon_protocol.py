@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ipu_emulator.daemon import protocol as wire
+from ipu_emulator.daemon import socket_protocol as wire
 
 
 def test_encode_adds_the_version_and_ends_the_line():

@@ -8,7 +8,7 @@ import pathlib
 import host_runtime.devices as devices_pkg
 from host_runtime.devices._link import ProcessLink
 from host_runtime.devices._manager import ActiveSession
-from ipu_emulator.protocol import Message, Op
+from ipu_emulator.ipu_protocol import Message, Op
 
 
 def _imports(path: pathlib.Path) -> set[str]:

@@ -9,14 +9,14 @@ import sys
 import ipu_emulator
 import ipu_emulator.compiler
 import ipu_emulator.executable
-import ipu_emulator.device.interpreter
+import ipu_emulator.ipu.interpreter
 from ipu_emulator import _hash_tree, package_hash
 
 
 def test_all_is_pinned() -> None:
     assert ipu_emulator.__all__ == ["package_hash", "IpuEmulatorError", "ExecutableError",
                                     "CompileError", "DeviceProgramError"]
-    assert ipu_emulator.device.interpreter.__all__ == ["Interpreter", "StreamIO", "CallableStreamIO",
+    assert ipu_emulator.ipu.interpreter.__all__ == ["Interpreter", "StreamIO", "CallableStreamIO",
                                                 "ZeroCopyGroup", "ZeroCopyStreamIO"]
     assert sorted(ipu_emulator.compiler.__all__) == sorted([
         "compile_onnx", "check_interface", "check_map", "load_sharding_yaml", "describe_parts",
@@ -24,7 +24,7 @@ def test_all_is_pinned() -> None:
         "CompileOptions", "CompileResult",
         "AnchorDesc", "Target",
         "TARGETS", "CompileError", "INDEX_NAME", "LOAD_PROGRAM", "MAIN_PROGRAM", "SAVE_PROGRAM"])
-    for mod in (ipu_emulator, ipu_emulator.executable, ipu_emulator.device.interpreter,
+    for mod in (ipu_emulator, ipu_emulator.executable, ipu_emulator.ipu.interpreter,
                 ipu_emulator.compiler):
         assert [n for n in mod.__all__ if not hasattr(mod, n)] == []
     assert {"Executable", "read_header", "ExecutableError", "StreamIn", "StreamOut", "Execute",

@@ -1,4 +1,4 @@
-"""The template process (ipu_emulator.device.forkserver) forks an IPU process only for a launch that
+"""The template process (ipu_emulator.ipu.forkserver) forks an IPU process only for a launch that
 agrees with it on every setting the IPU process's modules read when imported: the list it
 compares is derived from shm.settings, and every module-level read of a setting in shm and
 ipu_emulator is either of a knob the list holds or of a host-side knob."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from ipu_emulator.device.forkserver import IMPORT_TIME_ENV, _env_key
+from ipu_emulator.ipu.forkserver import IMPORT_TIME_ENV, _env_key
 from shm.settings import IPU_IMPORT_ENV, knobs
 
 ROOT = Path(__file__).resolve().parents[2]

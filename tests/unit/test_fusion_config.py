@@ -12,7 +12,7 @@ from host_runtime import popef
 from host_runtime.errors import BadRequestError
 from host_runtime.poprt.compiler import load_config_yaml
 from ipu_emulator.executable import Executable
-from ipu_emulator.device.interpreter import Interpreter
+from ipu_emulator.ipu.interpreter import Interpreter
 from tests.models import SEED_FUSION_CONFIG as SEED_CONFIG
 from tests.models import run_reference, seed_model0, seed_model1
 from tests.models.arrayio import ArrayIO

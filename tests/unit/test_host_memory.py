@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from host_runtime.memory._shared import empty_shared, shared_location
-from ipu_emulator.device._host_memory import HostMemory, HostMemoryError
-from ipu_emulator.protocol import HOST_MEMORY, host_memory_descriptor
+from ipu_emulator.ipu._host_memory import HostMemory, HostMemoryError
+from ipu_emulator.ipu_protocol import HOST_MEMORY, host_memory_descriptor
 from shm import naming
 
 

@@ -30,7 +30,7 @@ LAZY: the one kind of function-local import that may close a cycle: an import ke
 that importing the module stays cheap (the imported module is heavy). It is left out of
 the cycle check only if listed here with its reason; it must still be a function-local
 import, and still be needed (without it the graph would have a cycle). Today no lazy import
-closes a cycle: ``ModelRunner.metrics_collector`` imports ``host_runtime.runner.metrics``
+closes a cycle: ``ModelRunner.metrics_collector`` imports ``host_runtime.runner.runner_metrics``
 (and with it prometheus_client, ~60 ms) on first use, and that module types the runner by
 a protocol instead of importing ``_model_runner``.
 
@@ -182,7 +182,7 @@ def private_crossings(edges: Iterable[Edge]) -> list[Edge]:
 
     A private module ``a.b._c`` belongs to package ``a.b``, and a private name of a module
     ``a.b.m`` to that module's package ``a.b``: only modules of ``a.b`` may import it. So concept packages (``host_runtime.session``,
-    ``ipu_emulator.device`` ...) talk through the names their ``__init__`` (or a public
+    ``ipu_emulator.ipu`` ...) talk through the names their ``__init__`` (or a public
     module) exports, and no private name crosses a top-level package either."""
     def private(part: str) -> bool:
         return part.startswith("_") and not part.startswith("__")
@@ -258,7 +258,7 @@ _MODULES, _EDGES = import_graph()
 
 
 def test_the_graph_is_read():
-    assert {"shm.ring", "ipu_emulator.device.process", "host_runtime.runner._replica",
+    assert {"shm.ring", "ipu_emulator.ipu.process", "host_runtime.runner._replica",
             "tools.cli"} <= _MODULES
     kinds = {e.kind for e in _EDGES}
     assert kinds == {"module", "local", "typing"}
@@ -313,8 +313,8 @@ def _tree(tmp_path: pathlib.Path, files: dict[str, str]) -> tuple[set[str], list
 
 _BASE = {
     "shm/__init__.py": "", "shm/_core.py": "", "shm/ring.py": "from . import _core\n",
-    "ipu_emulator/__init__.py": "", "ipu_emulator/device/__init__.py": "",
-    "ipu_emulator/device/process.py": "from shm.ring import Ring\n",
+    "ipu_emulator/__init__.py": "", "ipu_emulator/ipu/__init__.py": "",
+    "ipu_emulator/ipu/process.py": "from shm.ring import Ring\n",
     "host_runtime/__init__.py": "", "host_runtime/a.py": "", "host_runtime/b.py": "",
     "tools/__init__.py": "", "tools/cli.py": "import host_runtime.a\n",
 }
@@ -338,7 +338,7 @@ def test_synthetic_private_crossing_fails(tmp_path):
         **_BASE,
         "host_runtime/a.py": "from shm._core import fast\nfrom shm.ring import _helper\n"
                              "from typing import TYPE_CHECKING\n"
-                             "if TYPE_CHECKING:\n    from ipu_emulator.device import process\n",
+                             "if TYPE_CHECKING:\n    from ipu_emulator.ipu import process\n",
     })
     assert sorted(e.imported for e in private_crossings(edges)) == [
         "shm._core.fast", "shm.ring._helper"]

@@ -12,7 +12,7 @@ from ipu_emulator.errors import DeviceProgramError, ExecutableError
 from ipu_emulator.executable import (
     Copy, Execute, Executable, Graph, Program, Repeat, StreamIn, StreamOut, StreamSpec, Switch,
     TensorSig, plan_memory)
-from ipu_emulator.device.interpreter import CallableStreamIO, Interpreter
+from ipu_emulator.ipu.interpreter import CallableStreamIO, Interpreter
 from tests.models import make_model, seed_model0, seed_model1, simple_model
 from tests.models.arrayio import ArrayIO
 

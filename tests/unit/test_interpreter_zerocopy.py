@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper
 
-from ipu_emulator.device._zerocopy import plan_zero_copy
+from ipu_emulator.ipu._zerocopy import plan_zero_copy
 from ipu_emulator.compiler import CompileOptions, ModelSpec, compile_onnx
 from ipu_emulator.errors import DeviceProgramError
 from ipu_emulator.executable import (
     Copy, Execute, Executable, Graph, Program, StreamIn, StreamOut, StreamSpec, TensorSig,
     plan_memory)
-from ipu_emulator.device.interpreter import Interpreter
+from ipu_emulator.ipu.interpreter import Interpreter
 from tests.models import make_model, seed_model0, seed_model1, simple_model
 from tests.models.arrayio import ArrayIO
 

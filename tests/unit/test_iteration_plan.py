@@ -1,9 +1,9 @@
-"""The one description of a Main iteration (ipu_emulator.device._iteration), with or
+"""The one description of a Main iteration (ipu_emulator.ipu._iteration), with or
 without the C extensions (tests/unit/test_stepcore.py runs it in C)."""
 
 from __future__ import annotations
 
-from ipu_emulator.device import _iteration
+from ipu_emulator.ipu import _iteration
 import shm.ring as ring_module
 from shm import Ring
 
@@ -12,7 +12,7 @@ NBYTES = 64
 
 def test_a_ring_without_the_c_core_has_no_handle_and_no_step(monkeypatch) -> None:
     """IPU_EMULATOR_RING_C=0 (or no C core): the Python path serves every iteration."""
-    from ipu_emulator.protocol import MODE_DIRECT
+    from ipu_emulator.ipu_protocol import MODE_DIRECT
 
     monkeypatch.setattr(ring_module, "_ringcore", None)
     far = Ring.create(NBYTES, 2)
@@ -28,7 +28,7 @@ def test_a_ring_without_the_c_core_has_no_handle_and_no_step(monkeypatch) -> Non
 
 
 def test_stream_plans_by_mode() -> None:
-    from ipu_emulator.protocol import MODE_DIRECT, MODE_EVENT, MODE_NULL
+    from ipu_emulator.ipu_protocol import MODE_DIRECT, MODE_EVENT, MODE_NULL
 
     def flags(direction, mode):
         p = _iteration.plan_stream(direction, mode)

@@ -21,8 +21,8 @@ from host_runtime.errors import (BadRequestError, DeviceExecutionError, DeviceLo
                                  InvalidStateError, RemoteTraceback)
 from host_runtime.session._session import Session
 from tests._helpers import gather_model, gather_path  # noqa: F401  (fixtures)
-from ipu_emulator.device.launcher import IpuSpec
-from ipu_emulator.device.loopback import launch_loopback
+from ipu_emulator.ipu.launcher import IpuSpec
+from ipu_emulator.ipu.in_thread import launch_loopback
 from shm import naming
 from tests.unit._loopback import children, model, model_path, offline, weights  # noqa: F401
 from tools.pytest_plugin.machine import shm_entries

@@ -14,7 +14,7 @@ from host_runtime import popef
 from host_runtime.errors import ModelRuleError
 from host_runtime.popef._check import check_model
 from ipu_emulator.executable import Executable, Program, Repeat
-from ipu_emulator.device.interpreter import Interpreter
+from ipu_emulator.ipu.interpreter import Interpreter
 from ipu_emulator.validate import check_loaded_streams, check_loop
 from tests.crafted import load_parts
 

@@ -1,4 +1,4 @@
-"""The IPU process keeps off its host's CPU (ipu_emulator.device._placement)."""
+"""The IPU process keeps off its host's CPU (ipu_emulator.ipu._placement)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from ipu_emulator.device import _placement
-from ipu_emulator.device._placement import KeepApart, _cpu_of
+from ipu_emulator.ipu import _placement
+from ipu_emulator.ipu._placement import KeepApart, _cpu_of
 
 
 def test_cpu_field_is_read_after_the_command_name(tmp_path):

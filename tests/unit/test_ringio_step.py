@@ -1,5 +1,5 @@
 """The IPU process's Main iterations in one C call (``_RingIO.run_group``, the
-``ipu_emulator.device._stepcore`` Step).
+``ipu_emulator.ipu._stepcore`` Step).
 
 White-box, in one process: the test holds the host ends of real stream rings,
 the device ends go to a ``_RingIO`` over an ``Interpreter`` of the example
@@ -19,13 +19,13 @@ import pytest
 import host_runtime as model_runtime
 from host_runtime.memory._shared import shared_location
 import shm.ring as ring_module
-from ipu_emulator.device._host_memory import HostMemory
-from ipu_emulator.device._stream_io import _Loaded, _RingIO, _Stream
+from ipu_emulator.ipu._host_memory import HostMemory
+from ipu_emulator.ipu._stream_io import _Loaded, _RingIO, _Stream
 from ipu_emulator.compiler import CompileOptions, ModelSpec, compile_onnx
 from ipu_emulator.errors import DeviceProgramError
 from ipu_emulator.executable import Executable
-from ipu_emulator.device.interpreter import Interpreter
-from ipu_emulator.protocol import (MODE_DIRECT, MODE_EVENT, TAG_SHARED, Message, Op,
+from ipu_emulator.ipu.interpreter import Interpreter
+from ipu_emulator.ipu_protocol import (MODE_DIRECT, MODE_EVENT, TAG_SHARED, Message, Op,
                                    host_memory_descriptor)
 from shm import Ring
 from tests.models import simple_model

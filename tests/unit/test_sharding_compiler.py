@@ -21,7 +21,7 @@ from ipu_emulator.compiler._sharding import (IPU_ATTR, LINK_PREFIX, STAGE_ATTR, 
                                              parse_link, place_nodes)
 from ipu_emulator.errors import CompileError
 from ipu_emulator.executable import Executable, Execute, Repeat, StreamIn, StreamOut
-from ipu_emulator.device.interpreter import CallableStreamIO, Interpreter
+from ipu_emulator.ipu.interpreter import CallableStreamIO, Interpreter
 from tools._chain_model import chain_model, reference, shard_config, write_shard_yaml
 
 LAYERS = 8

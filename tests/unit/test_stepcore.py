@@ -1,4 +1,4 @@
-"""ipu_emulator.device._stepcore.Step: one step of a stage between rings in one C call,
+"""ipu_emulator.ipu._stepcore.Step: one step of a stage between rings in one C call,
 executing a plan given as data (what each tag means, how each output is published),
 or nothing at all.
 
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import shm.ring as ring_module
-from ipu_emulator.device import _iteration
+from ipu_emulator.ipu import _iteration
 from shm import Ring
 
 # Built with shm._ringcore by the same setup.py: a missing _stepcore fails the tests.
@@ -344,11 +344,11 @@ def test_run_many_checks_its_arguments(stage) -> None:
         stage.step.run_many(1, FAR_FUTURE, stage.a)
 
 
-# -- the plan the step executes (ipu_emulator.device._iteration) ---------------------------
+# -- the plan the step executes (ipu_emulator.ipu._iteration) ---------------------------
 
 
 def test_the_step_core_is_built_and_reaches_rings_through_the_shm_c_api() -> None:
-    assert _iteration._stepcore is not None, "ipu_emulator.device._stepcore did not build"
+    assert _iteration._stepcore is not None, "ipu_emulator.ipu._stepcore did not build"
     import shm._ringcore as ringcore
     assert type(ringcore._C_API).__name__ == "PyCapsule"
     assert "shm._ringcore._C_API" in repr(ringcore._C_API)
@@ -358,7 +358,7 @@ def test_the_step_core_is_built_and_reaches_rings_through_the_shm_c_api() -> Non
 def test_the_tag_table_is_the_one_rule_python_and_c_follow(stage, monkeypatch) -> None:
     """A tag the table does not list is data to Python but not done in C; listing it
     (one edit, in INPUT_TAGS) makes the C step serve it too."""
-    from ipu_emulator.protocol import MODE_DIRECT, TAG_ABORT, TAG_DATA, TAG_SHARED
+    from ipu_emulator.ipu_protocol import MODE_DIRECT, TAG_ABORT, TAG_DATA, TAG_SHARED
 
     I = _iteration.InAction
     assert _iteration.input_action(TAG_DATA) is I.SLOT
@@ -395,7 +395,7 @@ def test_outputs_are_published_with_the_plans_tags(stage) -> None:
     stage.descriptors[b"desc"] = (a_mem, (("c", c_mem),))
     for ib in stage.b._payload:
         stage.add_call(a_mem, ib[:NBYTES], c_mem)
-    from ipu_emulator.protocol import MODE_DIRECT, TAG_SHARED
+    from ipu_emulator.ipu_protocol import MODE_DIRECT, TAG_SHARED
 
     ins = [(r, NBYTES, _iteration.plan_stream("in", MODE_DIRECT)) for r in (stage.a, stage.b)]
     outs = [(stage.c_near, NBYTES, "c", _iteration.plan_stream("out", MODE_DIRECT))]

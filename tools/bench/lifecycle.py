@@ -9,7 +9,7 @@ in one run and interleaved in rounds:
   daemon (a private ``ipu-emulator daemon`` this benchmark starts with its
   own ``IPU_EMULATOR_HOME`` and shared-memory tag, and stops at the end);
 - ``embedded``: the same with IPU processes this process starts itself (the
-  template process of :mod:`ipu_emulator.device.forkserver` when it is on; also
+  template process of :mod:`ipu_emulator.ipu.forkserver` when it is on; also
   timed with it off, ``IPU_EMULATOR_FORKSERVER=0``, unless ``--no-cold``).
 
 Each figure is the median of ``--repeats`` warm repeats (one untimed round
@@ -58,7 +58,7 @@ def _ort_once(model_bytes: bytes, inputs: dict[str, np.ndarray]) -> Any:
 @contextlib.contextmanager
 def private_daemon(base: str, num_ipus: int = 1) -> Iterator[str]:
     """Start ``ipu-emulator daemon`` with its own home and tag; yield its socket path."""
-    from ipu_emulator.daemon import protocol as wire
+    from ipu_emulator.daemon import socket_protocol as wire
 
     sock = os.path.join(base, "d.sock")
     env = dict(os.environ, IPU_EMULATOR_HOME=os.path.join(base, "dhome"),
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     table = MarkdownTable(args.markdown)
 
-    from ipu_emulator.daemon import protocol as wire
+    from ipu_emulator.daemon import socket_protocol as wire
     from tools.generate_simple_popef import build_simple_model, write_simple_popef
     from tools.bench.runner import _onnx_bytes
 

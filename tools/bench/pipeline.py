@@ -16,7 +16,7 @@ between two processes (``--hop-rounds`` round trips, each a hop there and a hop
 back; a hop is a round trip / 2; medians of interleaved blocks):
 
 - IPU-Link: two ends that run the IPU process's own stream code
-  (``DeviceProcess`` + ``_RingIO`` of ipu_emulator.device, over two link rings
+  (``DeviceProcess`` + ``_RingIO`` of ipu_emulator.ipu, over two link rings
   made as ``ShardedLoad`` makes them, streams in direct mode, waits as one IPU
   of several waits): each end takes the activation in place from its input
   link (``acquire_input``: poll, then block in slices), writes it into a slot
@@ -151,7 +151,7 @@ sharded session makes its links (tests/integration/test_bench_pipeline.py checks
 def _link_peer(control: str, events: str, parent: int, ring_in: str, ring_out: str) -> None:
     """The far IPU of the link ping-pong (a spawned process): relay activations until the
     parent invalidates the input link."""
-    from ipu_emulator.device.linkbench import LinkEnd
+    from ipu_emulator.ipu.linkbench import LinkEnd
 
     end = LinkEnd(control, events, parent, ring_in, ring_out, HOP_BYTES)
     try:
@@ -169,7 +169,7 @@ class _HopRig:
         self.affinity = os.sched_getaffinity(0)
         self.rings: list[Any] = []
         self.procs: list[Any] = []
-        self.link: Any = None   # ipu_emulator.device.linkbench.LinkEnd
+        self.link: Any = None   # ipu_emulator.ipu.linkbench.LinkEnd
         try:
             self._start()
         except BaseException:
@@ -180,8 +180,8 @@ class _HopRig:
         import multiprocessing as mp
 
         from shm import Ring
-        from ipu_emulator import protocol
-        from ipu_emulator.device.linkbench import LinkEnd
+        from ipu_emulator import ipu_protocol
+        from ipu_emulator.ipu.linkbench import LinkEnd
         from tools.bench import peers
 
         def ring(kind: str, size: int, slots: int) -> Any:
@@ -194,8 +194,8 @@ class _HopRig:
         # IPU-Link: links made as ShardedLoad makes them; each end has the rings of an
         # IPU process (its control and event rings) for its wait_on
         ab, ba = ring("link", HOP_BYTES, HOP_DEPTH), ring("link", HOP_BYTES, HOP_DEPTH)
-        ctl = [ring("ctl", protocol.CONTROL_SLOT_SIZE, protocol.CONTROL_SLOTS) for _ in range(2)]
-        evt = [ring("evt", protocol.EVENT_SLOT_SIZE, protocol.EVENT_SLOTS) for _ in range(2)]
+        ctl = [ring("ctl", ipu_protocol.CONTROL_SLOT_SIZE, ipu_protocol.CONTROL_SLOTS) for _ in range(2)]
+        evt = [ring("evt", ipu_protocol.EVENT_SLOT_SIZE, ipu_protocol.EVENT_SLOTS) for _ in range(2)]
         self.ab = ab
         self.link = LinkEnd(ctl[0].name, evt[0].name, me, ba.name, ab.name, HOP_BYTES)
         # host ring: shm.Ring both ways, tools.bench.peers.echo on the far side; as many

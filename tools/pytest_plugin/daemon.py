@@ -55,13 +55,13 @@ class DaemonHandle:
 
     def status(self) -> dict[str, Any]:
         """The daemon's ``status`` reply: ``{"ipus": [{"ipu", "state", "holder", "pid"}], ...}``."""
-        from ipu_emulator.daemon import protocol as wire
+        from ipu_emulator.daemon import socket_protocol as wire
 
         return wire.request(self.socket, {"op": "status"}, timeout=30.0)
 
 
 def _hello(socket_path: str, timeout: float = 10.0) -> dict[str, Any] | None:
-    from ipu_emulator.daemon import protocol as wire
+    from ipu_emulator.daemon import socket_protocol as wire
 
     try:
         reply = wire.request(socket_path, {"op": "hello"}, timeout=timeout)

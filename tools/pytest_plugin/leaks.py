@@ -80,7 +80,7 @@ def _ipu_processes() -> dict[int, str]:
 
     Either ``python -m ipu_emulator ... --host-pid <this pid>`` (its label from
     ``--label``), or a child forked by this host's template process
-    (``python -m ipu_emulator.device.forkserver ... --host-pid <this pid>``, whose children
+    (``python -m ipu_emulator.ipu.forkserver ... --host-pid <this pid>``, whose children
     carry its command line); the template itself is not an IPU process.
     """
     import psutil
@@ -104,7 +104,7 @@ def _ipu_processes() -> dict[int, str]:
         if "ipu_emulator" in argv:
             found[child.pid] = (argv[argv.index("--label") + 1] if "--label" in argv[:-1]
                                 else "IPU process")
-        elif "ipu_emulator.device.forkserver" in argv and parent != me:
+        elif "ipu_emulator.ipu.forkserver" in argv and parent != me:
             found[child.pid] = f"forked by the template process {parent}"
     return found
 

@@ -22,10 +22,10 @@ from shm import Region, Ring, RingInvalidatedError, RingTimeoutError
 from shm.settings import settings
 from shm.spin import NEVER, spin_until, us_to_ns
 
-from ipu_emulator.device._host_memory import HostMemory, HostMemoryError
-from ipu_emulator.device._iteration import (HOST_TAG, SLOT_TAG, INPUT_TAGS, InAction,
+from ipu_emulator.ipu._host_memory import HostMemory, HostMemoryError
+from ipu_emulator.ipu._iteration import (HOST_TAG, SLOT_TAG, INPUT_TAGS, InAction,
                                             StreamPlan, make_step, plan_stream)
-from ipu_emulator.protocol import ErrorKind, Message, Op
+from ipu_emulator.ipu_protocol import ErrorKind, Message, Op
 
 _T = TypeVar("_T")
 

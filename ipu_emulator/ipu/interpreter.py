@@ -18,7 +18,7 @@ raise ``DeviceProgramError``.
 Zero-copy streams: a ``StreamIO`` that also has the methods of
 ``ZeroCopyStreamIO`` (the IPU process's, over ring slots) lets onnxruntime read
 input transfers and write output transfers in place, for the streams
-``ipu_emulator.device._zerocopy.plan_zero_copy`` finds to have no other use::
+``ipu_emulator.ipu._zerocopy.plan_zero_copy`` finds to have no other use::
 
     acquire_input(h) -> slot --Execute(ORT, bound to the slots)--> slot = acquire_output(h2)
     release_input(h) after the Execute                           publish_output(h2) at StreamOut
@@ -49,7 +49,7 @@ from ipu_emulator.errors import DeviceProgramError, ExecutableError
 from ipu_emulator.executable import (
     Copy, Execute, Executable, Graph, Instruction, Repeat, StreamIn, StreamOut, Switch,
     numpy_dtype)
-from ipu_emulator.device._zerocopy import ZeroCopyPlan, plan_zero_copy
+from ipu_emulator.ipu._zerocopy import ZeroCopyPlan, plan_zero_copy
 
 __all__ = ["Interpreter", "StreamIO", "CallableStreamIO", "ZeroCopyGroup", "ZeroCopyStreamIO"]
 

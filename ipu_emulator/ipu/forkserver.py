@@ -3,7 +3,7 @@
 Starting ``python -m ipu_emulator`` costs a fresh interpreter plus the
 imports of numpy and onnxruntime (~300 ms here) for every IPU process. As
 ``multiprocessing``'s forkserver does, a host starts one *template* process
-(``python -m ipu_emulator.device.forkserver``) the first time it launches an IPU; the
+(``python -m ipu_emulator.ipu.forkserver``) the first time it launches an IPU; the
 template imports everything an IPU process needs (but creates no onnxruntime
 session and no thread of its own) and then forks one child per IPU process::
 
@@ -58,7 +58,7 @@ from ipu_emulator.errors import ForkserverError, describe_returncode
 
 __all__ = ["enabled", "spawn", "stop", "ForkedProcess", "ForkserverError", "IMPORT_TIME_ENV"]
 
-_log = logging.getLogger("ipu_emulator.device.forkserver")
+_log = logging.getLogger("ipu_emulator.ipu.forkserver")
 
 IMPORT_TIME_ENV = ("PYTHONPATH", *IPU_IMPORT_ENV, "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 """Environment variables the IPU process's modules read when imported: a launch must
@@ -92,7 +92,7 @@ class _Template:
             if log_path:
                 log = open(log_path, "ab")
             self.popen = subprocess.Popen(
-                [sys.executable, "-m", "ipu_emulator.device.forkserver", "--fd", str(theirs.fileno()),
+                [sys.executable, "-m", "ipu_emulator.ipu.forkserver", "--fd", str(theirs.fileno()),
                  "--host-pid", str(os.getpid())],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, pass_fds=(theirs.fileno(),),
                 env=self.env)
@@ -381,7 +381,7 @@ def _child(argv: list[str], env: dict[str, str], log_path: str | None,
     os.dup2(fd, 2)
     os.close(fd)
     os.close(null)
-    from ipu_emulator.device.process import main
+    from ipu_emulator.ipu.process import main
     return main(argv)
 
 
@@ -390,9 +390,9 @@ def _serve(sock: socket.socket, host_pid: int) -> int:
     import numpy  # noqa: F401
     import onnxruntime  # noqa: F401
 
-    import ipu_emulator.device.interpreter  # noqa: F401
+    import ipu_emulator.ipu.interpreter  # noqa: F401
     import ipu_emulator.executable  # noqa: F401
-    import ipu_emulator.device.process  # noqa: F401
+    import ipu_emulator.ipu.process  # noqa: F401
     from ipu_emulator import package_hash
 
     # The hash of the sources imported here, which are the code every child runs (cached:
@@ -491,7 +491,7 @@ def _serve(sock: socket.socket, host_pid: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m ipu_emulator.device.forkserver",
+    parser = argparse.ArgumentParser(prog="python -m ipu_emulator.ipu.forkserver",
                                      description="template process forking IPU processes")
     parser.add_argument("--fd", type=int, required=True, help="socket to the host")
     parser.add_argument("--host-pid", type=int, required=True)

@@ -3,7 +3,7 @@
 ``launch_ipu(spec)`` creates the process's control ring (host produces) and
 event ring (host consumes), starts the IPU process and returns an
 :class:`IpuProcess` handle. The process is forked by this host's template
-process (:mod:`ipu_emulator.device.forkserver`: pre-started, numpy and onnxruntime
+process (:mod:`ipu_emulator.ipu.forkserver`: pre-started, numpy and onnxruntime
 already imported), or, with ``IPU_EMULATOR_FORKSERVER=0``, started as a fresh
 ``python -m ipu_emulator`` with ``subprocess``; the host itself never forks
 (it is threaded). The host talks to the device only through the two
@@ -34,9 +34,9 @@ from typing import Any, Protocol
 from shm import Ring, RingTimeoutError, limits, naming, process_state
 from shm.settings import settings
 
-from ipu_emulator import protocol
-from ipu_emulator.device import forkserver
-from ipu_emulator.protocol import Message, Op
+from ipu_emulator import ipu_protocol
+from ipu_emulator.ipu import forkserver
+from ipu_emulator.ipu_protocol import Message, Op
 from ipu_emulator.errors import IpuProcessError, describe_returncode
 
 __all__ = ["IpuSpec", "IpuProcess", "IpuConnection", "IpuProcessError", "launch_ipu",
@@ -217,7 +217,7 @@ class IpuProcess:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                msg = protocol.receive(self.events, timeout=0.1)
+                msg = ipu_protocol.receive(self.events, timeout=0.1)
             except RingTimeoutError:
                 msg = None
             except Exception as exc:  # PeerDiedError and friends
@@ -256,7 +256,7 @@ class IpuProcess:
         if self._foreign() or self.returncode() is not None:
             return
         try:
-            protocol.send(self.control, Message(Op.SHUTDOWN), timeout=min(timeout, 1.0))
+            ipu_protocol.send(self.control, Message(Op.SHUTDOWN), timeout=min(timeout, 1.0))
         except Exception as exc:  # full ring, dead peer, closed: the caller escalates
             _log.debug("could not send SHUTDOWN to %s: %s", self.describe_exit(), exc)
 
@@ -319,9 +319,9 @@ def launch_ipu(spec: IpuSpec, *, log_dir: str | None = None,
 
     ``pool``: the caller is a daemon that hands the process to hosts (``HOST`` messages).
     """
-    control = Ring.create(protocol.CONTROL_SLOT_SIZE, protocol.CONTROL_SLOTS, kind="ctl")
+    control = Ring.create(ipu_protocol.CONTROL_SLOT_SIZE, ipu_protocol.CONTROL_SLOTS, kind="ctl")
     try:
-        events = Ring.create(protocol.EVENT_SLOT_SIZE, protocol.EVENT_SLOTS, kind="evt",
+        events = Ring.create(ipu_protocol.EVENT_SLOT_SIZE, ipu_protocol.EVENT_SLOTS, kind="evt",
                              prefault=False)
     except BaseException:
         control.close()

@@ -2,7 +2,7 @@
 
 A host may allocate input tensors in shared memory (``host_runtime.empty_shared``).
 It then sends such an input as a TAG_SHARED descriptor (see
-:data:`ipu_emulator.protocol.HOST_MEMORY`) instead of copying it into the stream
+:data:`ipu_emulator.ipu_protocol.HOST_MEMORY`) instead of copying it into the stream
 ring, and the IPU process resolves the descriptor to a view of that region:
 onnxruntime reads the host's array where it is.
 
@@ -21,7 +21,7 @@ import os
 
 from shm import Region, ShmError, naming
 
-from ipu_emulator.protocol import HOST_MEMORY, HOST_OUTPUT
+from ipu_emulator.ipu_protocol import HOST_MEMORY, HOST_OUTPUT
 from ipu_emulator.errors import HostMemoryError
 
 __all__ = ["HostMemory", "HostMemoryError"]

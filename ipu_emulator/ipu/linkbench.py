@@ -13,10 +13,10 @@ import ctypes
 import numpy as np
 
 from shm import Ring
-from ipu_emulator.device import process
-from ipu_emulator.device._stream_io import _Loaded, _RingIO, _Stream
-from ipu_emulator.device.interpreter import ZeroCopyGroup
-from ipu_emulator.protocol import MODE_DIRECT
+from ipu_emulator.ipu import process
+from ipu_emulator.ipu._stream_io import _Loaded, _RingIO, _Stream
+from ipu_emulator.ipu.interpreter import ZeroCopyGroup
+from ipu_emulator.ipu_protocol import MODE_DIRECT
 
 __all__ = ["LinkEnd"]
 

@@ -7,12 +7,12 @@ one of three ways:
   device memory (``_RingIO.read_input`` / ``write_output``);
 - the zero-copy path: onnxruntime reads the input slots and writes the output
   slots in place (``_RingIO.acquire_input`` ... ``publish_output``);
-- the fused C step: ``ipu_emulator/device/_stepcore.c`` does the whole
+- the fused C step: ``ipu_emulator/ipu/_stepcore.c`` does the whole
   iteration in one C call when every transfer is there at once
   (``_RingIO.run_group`` / ``run_groups``).
 
 Which streams take the zero-copy path is decided once per executable, at load,
-by :func:`ipu_emulator.device._zerocopy.plan_zero_copy`. Everything else a
+by :func:`ipu_emulator.ipu._zerocopy.plan_zero_copy`. Everything else a
 transfer is subject to is said here, once, and the three ways follow it:
 
 - :data:`INPUT_TAGS`: what an input slot's tag means (:class:`InAction`): the
@@ -38,11 +38,11 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from ipu_emulator.protocol import (MODE_DIRECT, MODE_EVENT, MODE_NULL, TAG_ABORT, TAG_DATA,
+from ipu_emulator.ipu_protocol import (MODE_DIRECT, MODE_EVENT, MODE_NULL, TAG_ABORT, TAG_DATA,
                                    TAG_SHARED)
 
 try:
-    import ipu_emulator.device._stepcore as _stepcore_module
+    import ipu_emulator.ipu._stepcore as _stepcore_module
     _stepcore: Any = _stepcore_module
 except ImportError:   # built without the C extensions: iterations run in Python
     _stepcore = None

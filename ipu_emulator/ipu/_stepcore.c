@@ -1,8 +1,8 @@
 /*
- * ipu_emulator.device._stepcore: one Main iteration of the IPU process in one C call.
+ * ipu_emulator.ipu._stepcore: one Main iteration of the IPU process in one C call.
  *
  * This file decides nothing: what each stream of an iteration does, and what
- * each slot tag means, is the plan of ipu_emulator/device/_iteration.py, handed
+ * each slot tag means, is the plan of ipu_emulator/ipu/_iteration.py, handed
  * to Step() as data; this code executes it over the rings through the C API
  * of shm._ringcore (shm/_ringcore.h), and calls a Python function (the
  * interpreter's bound onnxruntime run) between taking the transfers and
@@ -427,11 +427,11 @@ static PyMethodDef Step_methods[] = {
 
 static PyTypeObject StepType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "ipu_emulator.device._stepcore.Step",
+    .tp_name = "ipu_emulator.ipu._stepcore.Step",
     .tp_basicsize = sizeof(Step),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "One Main iteration over rings in one C call, as a plan says "
-              "(see ipu_emulator/device/_stepcore.c).",
+              "(see ipu_emulator/ipu/_stepcore.c).",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Step_init,
     .tp_dealloc = (destructor)Step_dealloc,
@@ -439,9 +439,9 @@ static PyTypeObject StepType = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "ipu_emulator.device._stepcore",
+    PyModuleDef_HEAD_INIT, "ipu_emulator.ipu._stepcore",
     "One Main iteration of the IPU process in one C call, executing a plan of "
-    "ipu_emulator.device._iteration over shm rings.", -1, NULL,
+    "ipu_emulator.ipu._iteration over shm rings.", -1, NULL,
 };
 
 PyMODINIT_FUNC

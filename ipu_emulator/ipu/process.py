@@ -36,7 +36,7 @@ READY, how the host's liveness is checked, moving off the host's CPU, unlinking
 a dead host's objects) is a :class:`ProcessHooks`, whose defaults are this
 process's; only ``main()`` (and ``python -m ipu_emulator``'s ``os._exit``) sets
 up logging and signals and exits. A loopback device
-(:mod:`ipu_emulator.device.loopback`) runs the same loop on a thread of the host.
+(:mod:`ipu_emulator.ipu.in_thread`) runs the same loop on a thread of the host.
 """
 
 from __future__ import annotations
@@ -57,16 +57,16 @@ from shm import (PeerDiedError, Region, Ring, RingInvalidatedError, RingTimeoutE
 from shm.cleanup import list_objects
 from shm.settings import current
 
-from ipu_emulator import package_hash, protocol
-from ipu_emulator.device._host_memory import HostMemory
-from ipu_emulator.device._placement import KeepApart
-from ipu_emulator.device._stream_io import _Loaded, _RequestError, _RingIO, _Stream
+from ipu_emulator import package_hash, ipu_protocol
+from ipu_emulator.ipu._host_memory import HostMemory
+from ipu_emulator.ipu._placement import KeepApart
+from ipu_emulator.ipu._stream_io import _Loaded, _RequestError, _RingIO, _Stream
 from ipu_emulator.errors import ExecutableError
-from ipu_emulator.protocol import ErrorKind, Message, Op, error_body
+from ipu_emulator.ipu_protocol import ErrorKind, Message, Op, error_body
 
 __all__ = ["DeviceOptions", "DeviceProcess", "ProcessHooks"]
 
-_log = logging.getLogger("ipu_emulator.device.process")
+_log = logging.getLogger("ipu_emulator.ipu.process")
 _monotonic = time.monotonic
 
 _SLICE = 0.1      # seconds between STOP checks while a program waits on a stream
@@ -180,7 +180,7 @@ class DeviceProcess:
     # -- wire -----------------------------------------------------------------
 
     def post(self, msg: Message) -> None:
-        protocol.send(self.events, msg)
+        ipu_protocol.send(self.events, msg)
 
     def wait_on(self, fn: Any) -> Any:
         """Call a blocking ring operation in slices, checking the control ring and the host
@@ -230,7 +230,7 @@ class DeviceProcess:
             except WouldBlock:
                 return
             try:
-                msg = protocol.decode(view, tag)
+                msg = ipu_protocol.decode(view, tag)
             finally:
                 self.control.release()
             if msg.op is Op.STOP:
@@ -254,7 +254,7 @@ class DeviceProcess:
             return self._pending.popleft()
         while True:
             try:
-                return protocol.receive(self.control, timeout=_HOST_CHECK)
+                return ipu_protocol.receive(self.control, timeout=_HOST_CHECK)
             except RingTimeoutError:
                 self._check_host()
 
@@ -273,7 +273,7 @@ class DeviceProcess:
                     if msg.op is Op.SHUTDOWN:
                         break
                     self._dispatch(msg)
-                except protocol.ProtocolError as exc:
+                except ipu_protocol.ProtocolError as exc:
                     _log.error("ignoring a malformed control message: %s", exc)
                 except _ClientGone:
                     self._drop_client()
@@ -296,7 +296,7 @@ class DeviceProcess:
 
     def _say_bye(self) -> None:
         try:
-            protocol.send(self.events, Message(Op.BYE), timeout=0.5)
+            ipu_protocol.send(self.events, Message(Op.BYE), timeout=0.5)
         except ShmError:
             pass
 
@@ -352,8 +352,8 @@ class DeviceProcess:
         except (ShmError, OSError, posix_ipc.Error) as exc:
             raise _RequestError(ErrorKind.PROTOCOL, f"cannot open load spec {name}: {exc}") from None
         try:
-            spec = protocol.decode_load_spec(region.buf)
-        except protocol.ProtocolError as exc:
+            spec = ipu_protocol.decode_load_spec(region.buf)
+        except ipu_protocol.ProtocolError as exc:
             region.close()
             raise _RequestError(ErrorKind.PROTOCOL, str(exc)) from None
         key = spec["key"]
@@ -471,7 +471,7 @@ class DeviceProcess:
         if loaded is None or not isinstance(modes, list):
             return
         for st, mode in zip(loaded.streams, modes):
-            if mode in protocol.MODES:
+            if mode in ipu_protocol.MODES:
                 st.mode = mode
         loaded.steps.clear()   # which streams a C step may serve depends on their modes
 
@@ -723,7 +723,7 @@ def _unwrap(exc: BaseException) -> BaseException:
 
 
 def _import_interpreter() -> Any:
-    from ipu_emulator.device.interpreter import Interpreter
+    from ipu_emulator.ipu.interpreter import Interpreter
     return Interpreter
 
 

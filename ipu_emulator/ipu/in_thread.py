@@ -1,17 +1,17 @@
 """A loopback IPU: the IPU process's program on a thread of the host, no OS process.
 
 ``launch_loopback(spec)`` makes the same control and event rings as
-:func:`~ipu_emulator.device.launcher.launch_ipu` and runs the same loop
-(:class:`~ipu_emulator.device.process.DeviceProcess`: the interpreter, the
+:func:`~ipu_emulator.ipu.launcher.launch_ipu` and runs the same loop
+(:class:`~ipu_emulator.ipu.process.DeviceProcess`: the interpreter, the
 stream I/O over the session's stream rings, the host-memory views) on a daemon
 thread of the calling process. It returns a :class:`LoopbackIpu`, which is an
-:class:`~ipu_emulator.device.launcher.IpuConnection`: whatever takes one (the
+:class:`~ipu_emulator.ipu.launcher.IpuConnection`: whatever takes one (the
 host's device links, ``DeviceManager(launcher=...)``) runs unchanged over it.
 The host and the "device" still talk only through the shared-memory rings;
 only the process boundary is gone, so tests run in one process, quickly.
 
 What an IPU process assumes about its own OS process is replaced
-(:class:`~ipu_emulator.device.process.ProcessHooks`): READY reports the host's
+(:class:`~ipu_emulator.ipu.process.ProcessHooks`): READY reports the host's
 pid (``pid`` is it too), the host is "alive" until :meth:`LoopbackIpu.kill`,
 the thread never changes its CPU affinity, and a "dead host" (a kill) closes
 the device side's mappings without unlinking anything (the host still owns
@@ -38,10 +38,10 @@ from typing import Any
 
 from shm import Ring, RingTimeoutError
 
-from ipu_emulator import protocol
-from ipu_emulator.device.launcher import START_TIMEOUT, IpuSpec, describe_returncode
+from ipu_emulator import ipu_protocol
+from ipu_emulator.ipu.launcher import START_TIMEOUT, IpuSpec, describe_returncode
 from ipu_emulator.errors import IpuProcessError
-from ipu_emulator.protocol import Message, Op
+from ipu_emulator.ipu_protocol import Message, Op
 
 __all__ = ["LoopbackIpu", "launch_loopback"]
 
@@ -51,7 +51,7 @@ class LoopbackIpu:
     """One emulated IPU served by a thread of this process (an ``IpuConnection``)."""
 
     def __init__(self, spec: IpuSpec, control: Ring, events: Ring) -> None:
-        from ipu_emulator.device.process import DeviceOptions, ProcessHooks
+        from ipu_emulator.ipu.process import DeviceOptions, ProcessHooks
 
         self.spec = spec
         self.control = control
@@ -80,7 +80,7 @@ class LoopbackIpu:
 
     def _main(self) -> None:
         """What ``process.main()`` does after its set-up: attach, serve, give an exit code."""
-        from ipu_emulator.device.process import DeviceProcess
+        from ipu_emulator.ipu.process import DeviceProcess
 
         code = 70
         try:
@@ -135,7 +135,7 @@ class LoopbackIpu:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                msg = protocol.receive(self.events, timeout=0.05)
+                msg = ipu_protocol.receive(self.events, timeout=0.05)
             except RingTimeoutError:
                 msg = None
             if msg is not None:
@@ -156,7 +156,7 @@ class LoopbackIpu:
         if not self._thread.is_alive():
             return
         try:
-            protocol.send(self.control, Message(Op.SHUTDOWN), timeout=min(timeout, 1.0))
+            ipu_protocol.send(self.control, Message(Op.SHUTDOWN), timeout=min(timeout, 1.0))
         except Exception as exc:  # full ring or closed: escalate below
             _log.debug("could not send SHUTDOWN to %s: %s", self.describe_exit(), exc)
         if self.wait_exit(timeout) is None:
@@ -195,13 +195,13 @@ class LoopbackIpu:
 def launch_loopback(spec: IpuSpec, *, log_dir: str | None = None, **_: Any) -> LoopbackIpu:
     """Create the rings and start serving ``spec`` on a thread of this process.
 
-    The signature of :func:`~ipu_emulator.device.launcher.launch_ipu`, so it can be a
+    The signature of :func:`~ipu_emulator.ipu.launcher.launch_ipu`, so it can be a
     ``DeviceManager``'s ``launcher``; ``log_dir`` and other options are ignored (the
     device side logs through this process's ``logging``). Does not wait for READY.
     """
-    control = Ring.create(protocol.CONTROL_SLOT_SIZE, protocol.CONTROL_SLOTS, kind="ctl")
+    control = Ring.create(ipu_protocol.CONTROL_SLOT_SIZE, ipu_protocol.CONTROL_SLOTS, kind="ctl")
     try:
-        events = Ring.create(protocol.EVENT_SLOT_SIZE, protocol.EVENT_SLOTS, kind="evt",
+        events = Ring.create(ipu_protocol.EVENT_SLOT_SIZE, ipu_protocol.EVENT_SLOTS, kind="evt",
                              prefault=False)
     except BaseException:
         control.close()
