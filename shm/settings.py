@@ -140,13 +140,28 @@ class Settings:
         100.0, "IPU_EMULATOR_RUNNER_SPIN_US", _micros,
         "the host's poll of an output ring before it blocks, while recent outputs came "
         "quickly; 0: never poll",
-        used_in="host_runtime/runner/_replica.py")
+        used_in="host_runtime/runner/_transfer.py")
+    runner_fused: bool = _knob(
+        True, "IPU_EMULATOR_RUNNER_FUSED", _flag,
+        "`0`: a plain `execute` on an idle replica takes the general request path (a "
+        "request, a transfer, a drain) instead of the fused write-wait-read under one lock",
+        when="call", used_in="host_runtime/runner/_sessions.py (read when a runner is made)")
+    runner_plain: bool = _knob(
+        True, "IPU_EMULATOR_RUNNER_PLAIN", _flag,
+        "`0`: the common request (a dict of whole arrays of every input's dtype and shape) "
+        "is checked and built like any other instead of recognised at once",
+        when="call", used_in="host_runtime/runner/_model_runner.py (read when a runner is made)")
+    runner_small_io: bool = _knob(
+        True, "IPU_EMULATOR_RUNNER_SMALL_IO", _flag,
+        "`0`: small transfers are written and read through a ring slot like large ones, "
+        "instead of one ring call each that copies and publishes (or releases)",
+        when="call", used_in="host_runtime/runner/_sessions.py (read when a runner is made)")
     yielded_us: float = _knob(
         5.0, "IPU_EMULATOR_YIELDED_US", _micros,
         "a `sched_yield` between polls that took longer ran another task on this CPU: the "
         "poller blocks instead (IPU process unless it keeps apart, host on one CPU); "
         "0: never",
-        ipu=True, used_in="ipu_emulator/ipu/_stream_io.py, host_runtime/runner/_replica.py")
+        ipu=True, used_in="ipu_emulator/ipu/_stream_io.py, host_runtime/runner/_transfer.py")
     zero_copy: bool = _knob(
         True, "IPU_EMULATOR_ZERO_COPY", _flag,
         "`0`: the IPU process copies stream transfers instead of computing in ring slots "

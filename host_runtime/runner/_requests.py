@@ -103,7 +103,12 @@ class Request:
 
 @dataclass(slots=True, init=False)
 class Transfer:
-    """One Main iteration on the device: a slot of every input it reads."""
+    """One Main iteration on the device: a slot of every input it reads.
+
+    A transfer with no segments is *abandoned*: its inputs reached the device but
+    nobody wants its outputs (the request was interrupted); it is drained like any
+    other, in its place, and its outputs are dropped, so that the next request reads
+    its own."""
 
     segments: list[tuple[Request, int, int, int]]   # (request, request unit, units, slot unit)
     outputs: tuple[TensorSpec, ...]                  # outputs the device writes for it
@@ -114,6 +119,7 @@ class Transfer:
     slots: dict[str, np.ndarray]                     # open partial's slots
     flush_asked: bool                                # flush_callback called for this partial
     flush_extra: Optional[Request]                   # what it gave, not yet packed
+    seq: int                                         # its place in the replica's order (1, 2, ...)
 
     def __init__(self, segments: list[tuple[Request, int, int, int]],
                  outputs: tuple[TensorSpec, ...], t_open: float = 0.0) -> None:
@@ -127,6 +133,7 @@ class Transfer:
         self.slots = {}
         self.flush_asked = False
         self.flush_extra = None
+        self.seq = 0
 
 
 class OutputFuture:

@@ -40,7 +40,9 @@ def test_defaults_are_the_documented_ones() -> None:
     assert {k.env: getattr(s, k.name) for k in knobs()} == {
         "IPU_EMULATOR_RING_C": True, "IPU_EMULATOR_RING_UNTIMED_WAITS": True,
         "IPU_EMULATOR_RING_SPIN_US": 0.0, "IPU_EMULATOR_DEVICE_SPIN_US": 50.0,
-        "IPU_EMULATOR_RUNNER_SPIN_US": 100.0, "IPU_EMULATOR_YIELDED_US": 5.0,
+        "IPU_EMULATOR_RUNNER_SPIN_US": 100.0, "IPU_EMULATOR_RUNNER_FUSED": True,
+        "IPU_EMULATOR_RUNNER_PLAIN": True, "IPU_EMULATOR_RUNNER_SMALL_IO": True,
+        "IPU_EMULATOR_YIELDED_US": 5.0,
         "IPU_EMULATOR_ZERO_COPY": True, "IPU_EMULATOR_KEEP_APART": True,
         "IPU_EMULATOR_FORKSERVER": True, "IPU_EMULATOR_DEVICE_LOG_LEVEL": "WARNING",
         "IPU_EMULATOR_DAEMON_LOG_LEVEL": "INFO", "IPU_EMULATOR_START_TIMEOUT": 120.0,
@@ -116,7 +118,8 @@ def test_read_once_then_reload_and_current(fresh) -> None:
 def test_the_call_time_knobs_are_the_ones_changed_at_run_time() -> None:
     assert {k.env for k in knobs() if k.when == "call"} == {
         "IPU_EMULATOR_FORKSERVER", "IPU_EMULATOR_KEEP_APART", "IPU_EMULATOR_DEVICE_LOG_LEVEL",
-        "IPU_EMULATOR_DAEMON_LOG_LEVEL", "IPU_EMULATOR_HOST_SYNC_TIMEOUT"}
+        "IPU_EMULATOR_DAEMON_LOG_LEVEL", "IPU_EMULATOR_HOST_SYNC_TIMEOUT",
+        "IPU_EMULATOR_RUNNER_FUSED", "IPU_EMULATOR_RUNNER_PLAIN", "IPU_EMULATOR_RUNNER_SMALL_IO"}
 
 
 # -- every module reads its knobs through shm.settings --------------------------------------

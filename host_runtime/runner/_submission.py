@@ -1,0 +1,265 @@
+"""Submitting a replica's requests: laying them into its input rings, in order.
+
+Submits are serialised by one lock, so the order in which transfers are
+published is the order the device sees them, and the order in which
+:class:`~host_runtime.runner._completion.Completion` drains them. A submitter
+that finds an input ring full drives the replica (or waits for the drainer)
+instead of blocking, so unwaited futures cannot deadlock it.
+
+- batching off: each transfer of a request is laid whole (``TransferPath.lay_whole``);
+- dynamic batching: samples are packed into the open partial transfer, published
+  when full; the replica's timers flush it (``try_publish_partial``);
+- a request missing an input the device would wait for (``validate_io_params``
+  off) is never sent: it is parked with the timers as a *phantom*;
+- the fused path (:meth:`Submission.run_fused`): a plain ``execute`` on an idle
+  replica is written, waited for and read under the submit lock, with no
+  ``Request`` or ``Transfer`` (``IPU_EMULATOR_RUNNER_FUSED=0`` turns it off).
+
+A submit interrupted (KeyboardInterrupt) after part of a transfer reached the
+device completes that transfer with zeros and abandons it: its outputs are
+drained in their place and dropped, so the next request reads its own.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+
+from shm import Ring, RingInvalidatedError, RingTimeoutError, ShmError, WouldBlock
+
+from host_runtime.errors import DeviceLostError, InvalidStateError, ModelRuntimeError
+from host_runtime.runner._completion import Completion
+from host_runtime.runner._life import ReplicaLife
+from host_runtime.runner._replica_timers import ReplicaTimers
+from host_runtime.runner._requests import Request, Transfer, raisable
+from host_runtime.runner._transfer import TransferPath
+from host_runtime.runner.monitoring import RequestMonitor
+
+__all__ = ["Submission"]
+
+_native_id = threading.get_native_id
+_thread_ids = threading.local()
+"""``.native_id``: ``_native_id()`` of this thread (a system call), kept per thread."""
+os.register_at_fork(after_in_child=lambda: _thread_ids.__dict__.clear())   # its own thread
+_ROOM_WAIT = 0.05
+"""Seconds a submitter waits for a full ring's slot before it looks again (it drives)."""
+_WRITE_ERRORS = (ShmError, OSError)
+
+
+class Submission:
+    """The submit side of one replica (see the module docstring)."""
+
+    def __init__(self, life: ReplicaLife, completion: Completion, timers: ReplicaTimers,
+                 monitor: RequestMonitor, dynamic: bool, batch: int) -> None:
+        self.lock = threading.Lock()
+        self._life = life
+        self._completion = completion
+        self._timers = timers
+        self._monitor = monitor
+        self._dynamic = dynamic
+        self._batch = batch
+        self._hint_tid = 0             # the thread id last written into the input rings
+        self._hint_path: TransferPath | None = None   # ... into these rings
+
+    # ------------------------------------------------------------------ helpers
+    def _ready(self) -> TransferPath:
+        """Lock held: the replica usable (reset if it must be), the submitting thread
+        told to the IPU process (it keeps off that thread's CPU); its rings."""
+        life = self._life
+        if not life.looks_well() and not life.usable():
+            self._completion.clear()
+            self._monitor.reset_chain()
+            life.reset()
+        path = life.path
+        assert path is not None
+        self._hint(path)
+        return path
+
+    def _hint(self, path: TransferPath) -> None:
+        """Tell the IPU process which thread submits (lock held)."""
+        try:
+            tid = _thread_ids.native_id   # a system call: once per thread
+        except AttributeError:
+            tid = _thread_ids.native_id = _native_id()
+        if tid != self._hint_tid or path is not self._hint_path:
+            path.hint_thread(tid)
+            self._hint_tid, self._hint_path = tid, path
+
+    def _acquire(self, ring: Ring) -> memoryview:
+        """A free slot of ``ring``; drives the replica (or waits) while it is full."""
+        while True:
+            try:
+                return ring.try_acquire_write()
+            except WouldBlock:
+                pass
+            self._life.raise_if_closed()
+            if self._completion.try_drive(time.monotonic() + _ROOM_WAIT):
+                continue
+            try:
+                return ring.acquire_write(timeout=_ROOM_WAIT)
+            except RingTimeoutError:
+                continue
+
+    def _write_failed(self, exc: BaseException) -> ModelRuntimeError:
+        err = self._life.translate(exc)
+        if isinstance(err, DeviceLostError):
+            self._completion.fail_all(err)
+        return err
+
+    # ------------------------------------------------------------------ submit
+    def submit(self, req: Request, transfers: int, phantom: str | None = None) -> None:
+        """Send ``req`` to the device (or park it as a phantom that will time out)."""
+        with self.lock:
+            try:
+                path = self._ready()
+                if phantom is not None:
+                    self._timers.add_phantom(req, phantom, self._completion.open)
+                elif self._dynamic:
+                    self._pack(path, req)
+                else:
+                    self._write_whole(path, req, transfers)
+            except _WRITE_ERRORS as exc:
+                err = self._write_failed(exc)
+                req.fail(err)
+                raise raisable(err) from None
+            except InvalidStateError as exc:
+                req.fail(raisable(exc))
+                raise
+            req.t_prepared = time.perf_counter_ns()
+
+    def try_send(self, request: Request, transfers: int) -> bool:
+        """A phantom made whole by the flush callback: send it, unless a submitter is busy."""
+        if not self.lock.acquire(blocking=False):
+            return False
+        try:
+            path = self._life.path
+            if path is not None:
+                if self._dynamic:
+                    self._pack(path, request)
+                else:
+                    self._write_whole(path, request, transfers)
+        except _WRITE_ERRORS as exc:
+            self._completion.fail_all(self._life.translate(exc))
+        finally:
+            self.lock.release()
+        return True
+
+    def _write_whole(self, path: TransferPath, req: Request, transfers: int) -> None:
+        outputs = req.outputs_per_transfer
+        # Count every transfer before the first is published: another thread may drain
+        # (and count down) the first before this loop writes the next.
+        req.remaining += transfers
+        redirects = path.redirects(req) if transfers == 1 else []
+        for t in range(transfers):
+            tr = Transfer([(req, t, 1, 0)], outputs[t])
+            try:
+                path.lay_whole(req, t, transfers, redirects, self._acquire)
+            except (ShmError, OSError, ModelRuntimeError):
+                raise
+            except BaseException:      # interrupted: the transfer is whole (zeros), abandoned
+                tr.segments = []
+                self._completion.enqueue(tr)
+                raise
+            self._completion.enqueue(tr)
+
+    # -- dynamic batching --------------------------------------------------------------
+    def _pack(self, path: TransferPath, req: Request) -> None:
+        B = self._batch
+        n = req.samples
+        completion = self._completion
+        # Count the segments first (see _write_whole): none is published yet.
+        fill = completion.open.samples if completion.open is not None else 0
+        s = segments = 0
+        while s < n:
+            k = min(B - fill, n - s)
+            segments += 1
+            s += k
+            fill = (fill + k) % B
+        req.remaining += segments
+        s = 0
+        while s < n:
+            tr = completion.open
+            if tr is None:
+                tr = path.open_partial(self._acquire)
+                completion.register_open(tr)
+            k = min(B - tr.samples, n - s)
+            path.pack(tr, req, s, k)
+            s += k
+            if tr.samples == B:
+                path.seal(tr, pad=False)
+                completion.publish_open(tr)
+        if completion.open is not None:
+            self._timers.kick(completion.open)
+
+    def try_publish_partial(self, tr: Transfer, extra: Request | None) -> bool:
+        """The timers flush ``tr`` (with ``extra`` samples packed first), padded with
+        zeros, unless a submitter is busy (False)."""
+        if not self.lock.acquire(blocking=False):
+            return False   # a submitter is busy (it will publish or the timer fires again)
+        try:
+            path = self._life.path
+            completion = self._completion
+            if extra is not None and completion.open is tr and path is not None:
+                self._pack(path, extra)
+                extra.t_prepared = time.perf_counter_ns()
+            if completion.open is tr and path is not None:
+                path.seal(tr, pad=True)
+                completion.publish_open(tr)
+        except _WRITE_ERRORS as exc:
+            self._completion.fail_all(self._life.translate(exc))
+        finally:
+            self.lock.release()
+        return True
+
+    # ------------------------------------------------------------------ fused
+    def run_fused(self, inputs: dict[str, np.ndarray], t_received: int
+                  ) -> dict[str, np.ndarray] | None:
+        """``execute``'s fused path: run a plain request (``inputs``: the model's execute
+        inputs, checked by the caller) start to end and return its outputs, if idle.
+
+        Returns None, having done nothing, unless the replica is idle and well and its
+        requests are fusable (``TransferPath.fusable``); the caller then submits and
+        waits. Else, under the submit lock for the whole round trip: nobody else reads
+        the output rings (drainers read only transfers in flight: none, and only
+        submitters, who need this lock, add to them; timers act only with a partial
+        batch or a phantom: none, both added under this lock too). Errors are counted
+        and raised as the general path does."""
+        path = self._life.path
+        if path is None or not path.fusable:
+            return None
+        lock = self.lock
+        lock.acquire()
+        try:
+            life = self._life
+            if not self._completion.idle() or not life.looks_well():
+                return None        # busy, or something is off: submit sorts it out
+            path = life.path       # (a reset by another submitter made new rings)
+            if path is None or not path.fusable:
+                return None
+            self._hint(path)
+            try:
+                results = path.run_fused(inputs, self._acquire, life.raise_if_closed)
+            except (RingInvalidatedError, ShmError, OSError, InvalidStateError) as exc:
+                if path.fused_taken < 0 and not isinstance(exc, InvalidStateError):   # writing
+                    err = self._write_failed(exc)
+                    self._completion.record_error(err)
+                    raise raisable(err) from None      # as submit
+                # reading: as a failed request (its error keeps its cause)
+                err = life.closed_error() if life.closed else life.translate(exc)
+                if not life.closed:
+                    self._completion.fail_all(err)
+                    # fail_all did not see this request (not in flight): it hears
+                    # the error, so the next one is told the replica is unusable
+                    life.error_unheard = False
+                self._completion.record_error(err)
+                raise raisable(err)
+            except BaseException:   # interrupted: what reached the device is abandoned
+                self._completion.abandon_outputs(path.all_outputs, max(0, path.fused_taken))
+                raise
+        finally:
+            lock.release()
+        self._monitor.record(t_received, path.t_laid, time.perf_counter_ns())
+        return results
