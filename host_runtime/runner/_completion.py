@@ -19,18 +19,20 @@ import collections
 import threading
 import time
 
-from shm import RingInvalidatedError, RingTimeoutError, ShmError
+from shm import Ring, RingInvalidatedError, RingTimeoutError, ShmError
 
-from host_runtime.errors import ModelRuntimeError
+from host_runtime.errors import InvalidStateError, ModelRuntimeError, SequenceMismatchError
 from host_runtime.runner._life import ReplicaLife
 from host_runtime.runner._replica_timers import ReplicaTimers
 from host_runtime.runner._requests import Request, Transfer
-from host_runtime.runner._transfer import RECHECK
+from host_runtime.runner._transfer import RECHECK, consumed_from
 from host_runtime.runner.monitoring import RequestMonitor
 
 __all__ = ["Completion"]
 
 _INF = float("inf")
+_LOST = (RingInvalidatedError, ShmError, OSError, SequenceMismatchError)
+"""What a read raises when the device is lost (or its streams are out of step)."""
 _RETRY = 0.001
 """Seconds before a timer that could not act (a submitter held its lock) is fired again."""
 
@@ -58,23 +60,22 @@ class Completion:
         return not (self.inflight or self.open is not None or self.draining
                     or self._timers.has_phantoms)
 
-    def enqueue(self, tr: Transfer) -> None:
+    def register(self, tr: Transfer) -> None:
+        """``tr`` (numbered) takes its place in the device's order before its first input
+        is published; drainers wait for it until ``published``."""
+        self.inflight.append(tr)     # one step (no call): an interrupt cannot split it
+
+    def published(self, tr: Transfer) -> None:
         """``tr`` is published: the device will write its outputs after those before it."""
         with self._lock:
-            self._seq += 1
-            tr.seq = self._seq
             tr.published = True
-            self.inflight.append(tr)
             if self._waiters:
                 self._cv.notify_all()
 
     def register_open(self, tr: Transfer) -> None:
         """``tr`` holds input slots being packed (its place in the device's order is taken)."""
-        with self._lock:
-            self._seq += 1
-            tr.seq = self._seq
-            self.inflight.append(tr)
-            self.open = tr
+        self.open = tr               # (in this order, no call between: see register)
+        self.inflight.append(tr)
 
     def publish_open(self, tr: Transfer) -> None:
         """The open ``tr`` is published (full, or flushed)."""
@@ -84,19 +85,6 @@ class Completion:
                 self.open = None
             if self._waiters:
                 self._cv.notify_all()
-
-    def abandon_outputs(self, outputs: tuple, taken: int) -> None:  # type: ignore[type-arg]
-        """A transfer reached the device but nobody wants its outputs (an interrupted
-        fused execute, ``taken`` outputs read): drained in its place, dropped."""
-        tr = Transfer([], outputs)
-        tr.next_output = taken
-        self.enqueue(tr)
-
-    def abandon(self, req: Request) -> None:
-        """Nobody waits for ``req`` any more (its waiter was interrupted): its transfers
-        are drained in their place, their outputs dropped, so the next request reads its own."""
-        with self._lock:
-            req.dests = {}
 
     # -- waiting ---------------------------------------------------------------------
     def record_error(self, error: BaseException) -> None:
@@ -137,29 +125,32 @@ class Completion:
                 self._cv.notify_all()
 
     def wait_for(self, req: Request, timeout: float | None) -> bool:
-        """Drive this replica until ``req`` is done or ``timeout`` seconds pass."""
+        """Drive this replica until ``req`` is done or ``timeout`` seconds pass.
+
+        Interrupted (KeyboardInterrupt, a signal handler's exception), the drain role is
+        given back and ``req`` stays in flight: a later wait still gets its answer."""
         end = None if timeout is None else time.monotonic() + timeout
         lock = self._lock
         life = self._life
-        while not req.is_done():
+        while not req.done:
             if life.closed:
                 req.fail(life.closed_error())
                 break
-            with lock:
-                if req.is_done():
-                    break
-                if self.draining:
-                    if not self._sleep(end):
-                        return False
-                    drive = False
-                else:
-                    self.draining = drive = True
-                    head = self.inflight[0] if self.inflight else None
-            if not drive:
-                if self._timer_due() <= time.monotonic():
-                    self.fire_timers()
-                continue
+            mine = False     # this thread holds the drain role (given back in finally)
             try:
+                with lock:
+                    if req.done:
+                        break
+                    if self.draining:
+                        if not self._sleep(end):
+                            return False
+                    else:
+                        self.draining = mine = True   # one step: an interrupt cannot split it
+                        head = self.inflight[0] if self.inflight else None
+                if not mine:
+                    if self._timer_due() <= time.monotonic():
+                        self.fire_timers()
+                    continue
                 if (end is None and head is not None and head.published
                         and self.open is None and not self._timers.has_phantoms):
                     # _drive_step's common case, inline: no timer, no deadline, the
@@ -168,33 +159,36 @@ class Completion:
                         self._drain(head, RECHECK)
                     except RingTimeoutError:
                         pass
-                    except (RingInvalidatedError, ShmError, OSError) as exc:
+                    except _LOST as exc:
                         self.fail_all(life.translate(exc))
                 else:
                     self._drive_step(end)
             finally:
-                with lock:
-                    self.draining = False
-                    if self._waiters:
-                        self._cv.notify_all()
-            if end is not None and time.monotonic() >= end and not req.is_done():
+                if mine:
+                    with lock:
+                        self.draining = False
+                        if self._waiters:
+                            self._cv.notify_all()
+            if end is not None and time.monotonic() >= end and not req.done:
                 return False
         return True
 
     def try_drive(self, end: float) -> bool:
         """One drive step if nobody else drives (a submitter making room in a full ring);
         False if another thread holds the role."""
-        with self._lock:
-            if self.draining:
-                return False
-            self.draining = True
+        mine = False
         try:
+            with self._lock:
+                if self.draining:
+                    return False
+                self.draining = mine = True
             self._drive_step(end)
         finally:
-            with self._lock:
-                self.draining = False
-                if self._waiters:
-                    self._cv.notify_all()
+            if mine:
+                with self._lock:
+                    self.draining = False
+                    if self._waiters:
+                        self._cv.notify_all()
         return True
 
     def _drive_step(self, end: float | None) -> None:
@@ -230,28 +224,73 @@ class Completion:
             self._drain(head, RECHECK if limit == _INF else max(0.0, limit - now))
         except RingTimeoutError:
             return
-        except (RingInvalidatedError, ShmError, OSError) as exc:
+        except _LOST as exc:
             self.fail_all(self._life.translate(exc))
 
     def _drain(self, tr: Transfer, timeout: float) -> None:
         """Read ``tr``'s outputs into its requests' memory and complete what finished."""
         path = self._life.path
         assert path is not None
-        path.take(tr, timeout)
+        try:
+            path.take(tr, timeout)
+        except (ShmError, OSError, ModelRuntimeError):
+            raise
+        except BaseException as exc:   # KeyboardInterrupt, a signal handler's exception
+            self._read_interrupted(tr, path.output_ring(tr, tr.next_output), exc)
+            raise
         finished: list[Request] = []
-        with self._lock:
-            if self.inflight and self.inflight[0] is tr:
-                self.inflight.popleft()
-            for seg in tr.segments:
-                req = seg[0]
-                req.remaining -= 1
-                if req.remaining == 0 and not req.is_done():
-                    finished.append(req)
+        now = time.perf_counter_ns()
+        segs = tr.segments
+        settled = 0
+        try:
+            with self._lock:
+                if self.inflight and self.inflight[0] is tr:
+                    self.inflight.popleft()
+                # No call between counting a segment down and marking its request done:
+                # an interrupt (checked at calls and loop ends) never splits them, and
+                # ``settled`` says how far it got (the finally clause does the rest).
+                while settled < len(segs):
+                    req = segs[settled][0]
+                    req.remaining -= 1
+                    settled += 1
+                    if req.remaining == 0 and not req.done:
+                        req.t_completed = now
+                        req.done = True
+                        finished.append(req)
+        finally:
+            if settled < len(segs):
+                with self._lock:
+                    while settled < len(segs):
+                        req = segs[settled][0]
+                        req.remaining -= 1
+                        settled += 1
+                        if req.remaining == 0 and not req.done:
+                            req.t_completed = now
+                            req.done = True
         mon = self._monitor
         for req in finished:
-            req.finish()
             if not req.internal:
                 mon.record(req.t_received, req.t_prepared, req.t_completed)
+
+    def _read_interrupted(self, tr: Transfer, ring: Ring, exc: BaseException) -> None:
+        """A drainer reading output ``tr.next_output`` of ``tr`` from ``ring`` was
+        interrupted by ``exc``. If the output was consumed (its slot acquired, or the
+        ring's last read carries ``tr``'s number) it is lost: ``tr``'s requests fail and
+        the rest of ``tr`` is drained into nothing. Else ``tr`` is intact and the next
+        drainer goes on."""
+        index = tr.next_output
+        if ring.unreleased():
+            ring.release()
+        elif not consumed_from(ring, tr.seq):
+            return    # not consumed: the output is still on its way
+        tr.next_output = index + 1
+        name = tr.outputs[index].name
+        err = InvalidStateError(
+            f"replica {self._life.rid}: output {name!r} of the request was lost: the thread "
+            f"reading it was interrupted by {type(exc).__name__}")
+        for seg in tr.segments:
+            seg[0].dests = {}
+            seg[0].fail(err)
 
     # -- failure and close -------------------------------------------------------------
     def fail_all(self, err: ModelRuntimeError) -> None:

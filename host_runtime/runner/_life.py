@@ -109,7 +109,8 @@ class ReplicaLife:
         self.loop = loop
         self.error = None
         self.path = path = TransferPath(self._inputs, self._outputs, self._frozen, in_rings,
-                                        out_rings, self._dynamic, self._batch, self._options)
+                                        out_rings, self._dynamic, self._batch, self._options,
+                                        self.rid)
         dev = s.device()
         self._pids.close()
         self._pids = ExitWatch(dev.pids() if dev is not None else [])
@@ -205,6 +206,8 @@ class ReplicaLife:
         """A ring's or the link's exception as the runtime error the user gets."""
         if self.error is not None:
             return self.error
+        if isinstance(exc, ModelRuntimeError):   # e.g. SequenceMismatchError
+            return exc
         s = self.session
         err = s.direct.translate(exc) if s is not None else exc
         if isinstance(err, ModelRuntimeError):

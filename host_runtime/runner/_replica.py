@@ -150,14 +150,9 @@ class Replica:
     # submit(req, transfers, phantom=None): send req; its result comes through its future
 
     def execute(self, req: Request, transfers: int, phantom: str | None = None) -> None:
-        """Send ``req`` and wait for it; raises its error. Interrupted while waiting, the
-        request is abandoned (its outputs dropped when they come)."""
+        """Send ``req`` and wait for it; raises its error."""
         self.submit(req, transfers, phantom)
-        try:
-            self._completion.wait_for(req, None)
-        except BaseException:
-            self._completion.abandon(req)
-            raise
+        self._completion.wait_for(req, None)   # interrupted: req stays in flight, answered
         if req.error is not None:
             raise raisable(req.error)
 

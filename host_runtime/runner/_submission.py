@@ -15,9 +15,14 @@ instead of blocking, so unwaited futures cannot deadlock it.
   replica is written, waited for and read under the submit lock, with no
   ``Request`` or ``Transfer`` (``IPU_EMULATOR_RUNNER_FUSED=0`` turns it off).
 
-A submit interrupted (KeyboardInterrupt) after part of a transfer reached the
-device completes that transfer with zeros and abandons it: its outputs are
-drained in their place and dropped, so the next request reads its own.
+Every transfer gets the next number of the replica (``Transfer.seq``, see
+``_transfer``). An exception that is none of ours (KeyboardInterrupt, an
+exception a signal handler raises) may interrupt a submitter anywhere: a
+transfer half written is completed with the request's own data so that the
+device's iteration completes (``_writing`` / ``_finish_writing``, idempotent:
+done by the interrupted thread, else by the next one in), the request fails as
+abandoned and its outputs go nowhere; the transfer ``run_fused`` was reading
+becomes one in flight whose remaining outputs the next drainer reads and drops.
 """
 
 from __future__ import annotations
@@ -30,12 +35,13 @@ import numpy as np
 
 from shm import Ring, RingInvalidatedError, RingTimeoutError, ShmError, WouldBlock
 
-from host_runtime.errors import DeviceLostError, InvalidStateError, ModelRuntimeError
+from host_runtime.errors import (DeviceLostError, InvalidStateError, ModelRuntimeError,
+                                 SequenceMismatchError)
 from host_runtime.runner._completion import Completion
 from host_runtime.runner._life import ReplicaLife
 from host_runtime.runner._replica_timers import ReplicaTimers
 from host_runtime.runner._requests import Request, Transfer, raisable
-from host_runtime.runner._transfer import TransferPath
+from host_runtime.runner._transfer import TransferPath, consumed_from
 from host_runtime.runner.monitoring import RequestMonitor
 
 __all__ = ["Submission"]
@@ -63,20 +69,25 @@ class Submission:
         self._batch = batch
         self._hint_tid = 0             # the thread id last written into the input rings
         self._hint_path: TransferPath | None = None   # ... into these rings
+        self._seq = 0                  # the number of the last transfer sent
+        self._writing: Transfer | None = None   # the transfer whose inputs are being laid
 
     # ------------------------------------------------------------------ helpers
-    def _ready(self) -> TransferPath:
-        """Lock held: the replica usable (reset if it must be), the submitting thread
-        told to the IPU process (it keeps off that thread's CPU); its rings."""
+    def _usable(self) -> TransferPath:
+        """Lock held: the replica usable (reset if it must be; raises if it cannot be
+        used); its rings."""
         life = self._life
         if not life.looks_well() and not life.usable():
             self._completion.clear()
+            self._writing = None
             self._monitor.reset_chain()
             life.reset()
         path = life.path
         assert path is not None
-        self._hint(path)
         return path
+
+    def _number(self, tr: Transfer) -> None:
+        self._seq = tr.seq = self._seq + 1
 
     def _hint(self, path: TransferPath) -> None:
         """Tell the IPU process which thread submits (lock held)."""
@@ -113,8 +124,11 @@ class Submission:
     def submit(self, req: Request, transfers: int, phantom: str | None = None) -> None:
         """Send ``req`` to the device (or park it as a phantom that will time out)."""
         with self.lock:
+            path = self._usable()
             try:
-                path = self._ready()
+                if self._writing is not None:
+                    self._finish_writing(path)
+                self._hint(path)
                 if phantom is not None:
                     self._timers.add_phantom(req, phantom, self._completion.open)
                 elif self._dynamic:
@@ -128,6 +142,11 @@ class Submission:
             except InvalidStateError as exc:
                 req.fail(raisable(exc))
                 raise
+            except ModelRuntimeError:
+                raise
+            except BaseException as exc:   # KeyboardInterrupt, a signal handler's exception
+                self._abandon_request(req, exc)
+                raise
             req.t_prepared = time.perf_counter_ns()
 
     def try_send(self, request: Request, transfers: int) -> bool:
@@ -137,12 +156,19 @@ class Submission:
         try:
             path = self._life.path
             if path is not None:
+                if self._writing is not None:
+                    self._finish_writing(path)
                 if self._dynamic:
                     self._pack(path, request)
                 else:
                     self._write_whole(path, request, transfers)
         except _WRITE_ERRORS as exc:
             self._completion.fail_all(self._life.translate(exc))
+        except ModelRuntimeError:
+            raise
+        except BaseException as exc:
+            self._abandon_request(request, exc)
+            raise
         finally:
             self.lock.release()
         return True
@@ -153,17 +179,50 @@ class Submission:
         # (and count down) the first before this loop writes the next.
         req.remaining += transfers
         redirects = path.redirects(req) if transfers == 1 else []
+        completion = self._completion
         for t in range(transfers):
             tr = Transfer([(req, t, 1, 0)], outputs[t])
+            self._number(tr)
+            # Registered before its first input is published (drainers wait until it is
+            # published): submits are serialised, so the order of the in-flight deque is
+            # the order the device sees. Interrupted before it is published, it stays in
+            # _writing, to be completed.
+            self._writing = tr
+            completion.register(tr)
+            path.lay_whole(tr, req, t, transfers, redirects, self._acquire)
+            self._writing = None
+            completion.published(tr)
+
+    # -- abandoned requests (see the module docstring) ---------------------------------
+    def _abandon_request(self, req: Request, exc: BaseException) -> None:
+        """``req`` was abandoned by ``exc`` while it was being sent (lock held): it fails,
+        its outputs go nowhere, and the transfer being written is completed."""
+        req.fail(InvalidStateError(
+            f"replica {self._life.rid}: the request was abandoned: {type(exc).__name__} "
+            "interrupted it while it was sent"))
+        req.dests = {}
+        path = self._life.path
+        if self._writing is not None and path is not None:
             try:
-                path.lay_whole(req, t, transfers, redirects, self._acquire)
+                self._finish_writing(path)
             except (ShmError, OSError, ModelRuntimeError):
-                raise
-            except BaseException:      # interrupted: the transfer is whole (zeros), abandoned
-                tr.segments = []
-                self._completion.enqueue(tr)
-                raise
-            self._completion.enqueue(tr)
+                pass   # the device is lost: the next request hears of it (reset clears)
+
+    def _finish_writing(self, path: TransferPath) -> None:
+        """Publish every input of ``self._writing``, the transfer whose laying an exception
+        interrupted (lock held), so that the device's iteration completes; its outputs
+        are then drained as any transfer's. Idempotent (see TransferPath.lay_whole)."""
+        tr = self._writing
+        if tr is None:
+            return
+        if self._dynamic:    # its slots are held and filled: pad and publish the rest
+            self._seal(path, tr, pad=True)
+            return
+        req, t = tr.segments[0][0], tr.segments[0][1]
+        path.lay_whole(tr, req, t, len(req.outputs_per_transfer), [], self._acquire,
+                       resume=True)
+        self._writing = None
+        self._completion.published(tr)
 
     # -- dynamic batching --------------------------------------------------------------
     def _pack(self, path: TransferPath, req: Request) -> None:
@@ -184,15 +243,21 @@ class Submission:
             tr = completion.open
             if tr is None:
                 tr = path.open_partial(self._acquire)
+                self._number(tr)
                 completion.register_open(tr)
             k = min(B - tr.samples, n - s)
             path.pack(tr, req, s, k)
             s += k
             if tr.samples == B:
-                path.seal(tr, pad=False)
-                completion.publish_open(tr)
+                self._seal(path, tr, pad=False)
         if completion.open is not None:
             self._timers.kick(completion.open)
+
+    def _seal(self, path: TransferPath, tr: Transfer, pad: bool) -> None:
+        self._writing = tr           # idempotent (see TransferPath.seal)
+        path.seal(tr, pad)
+        self._writing = None
+        self._completion.publish_open(tr)
 
     def try_publish_partial(self, tr: Transfer, extra: Request | None) -> bool:
         """The timers flush ``tr`` (with ``extra`` samples packed first), padded with
@@ -202,12 +267,14 @@ class Submission:
         try:
             path = self._life.path
             completion = self._completion
-            if extra is not None and completion.open is tr and path is not None:
-                self._pack(path, extra)
-                extra.t_prepared = time.perf_counter_ns()
-            if completion.open is tr and path is not None:
-                path.seal(tr, pad=True)
-                completion.publish_open(tr)
+            if path is not None:
+                if self._writing is not None:
+                    self._finish_writing(path)
+                if extra is not None and completion.open is tr:
+                    self._pack(path, extra)
+                    extra.t_prepared = time.perf_counter_ns()
+                if completion.open is tr:
+                    self._seal(path, tr, pad=True)
         except _WRITE_ERRORS as exc:
             self._completion.fail_all(self._life.translate(exc))
         finally:
@@ -234,32 +301,67 @@ class Submission:
         lock.acquire()
         try:
             life = self._life
-            if not self._completion.idle() or not life.looks_well():
+            completion = self._completion
+            if (completion.inflight or completion.open is not None or completion.draining
+                    or self._writing is not None or not life.looks_well()
+                    or self._timers.has_phantoms):
                 return None        # busy, or something is off: submit sorts it out
             path = life.path       # (a reset by another submitter made new rings)
             if path is None or not path.fusable:
                 return None
             self._hint(path)
+            self._seq = seq = self._seq + 1
             try:
-                results = path.run_fused(inputs, self._acquire, life.raise_if_closed)
-            except (RingInvalidatedError, ShmError, OSError, InvalidStateError) as exc:
-                if path.fused_taken < 0 and not isinstance(exc, InvalidStateError):   # writing
+                results = path.run_fused(inputs, seq, self._acquire, life.raise_if_closed)
+            except (RingInvalidatedError, ShmError, OSError, InvalidStateError,
+                    SequenceMismatchError) as exc:
+                if path.fused_taken < 0 and isinstance(exc, _WRITE_ERRORS):   # laying
                     err = self._write_failed(exc)
-                    self._completion.record_error(err)
+                    completion.record_error(err)
                     raise raisable(err) from None      # as submit
                 # reading: as a failed request (its error keeps its cause)
                 err = life.closed_error() if life.closed else life.translate(exc)
                 if not life.closed:
-                    self._completion.fail_all(err)
-                    # fail_all did not see this request (not in flight): it hears
-                    # the error, so the next one is told the replica is unusable
+                    completion.fail_all(err)
+                    # fail_all did not see this request (not in flight): it hears the
+                    # error, so the next one is told the replica is unusable
                     life.error_unheard = False
-                self._completion.record_error(err)
+                completion.record_error(err)
                 raise raisable(err)
-            except BaseException:   # interrupted: what reached the device is abandoned
-                self._completion.abandon_outputs(path.all_outputs, max(0, path.fused_taken))
+            except BaseException as exc:   # KeyboardInterrupt, a signal handler's exception
+                self._abandon_fused(path, inputs, seq, t_received, exc)
                 raise
         finally:
             lock.release()
         self._monitor.record(t_received, path.t_laid, time.perf_counter_ns())
         return results
+
+    def _abandon_fused(self, path: TransferPath, inputs: dict[str, np.ndarray], seq: int,
+                       t_received: int, exc: BaseException) -> None:
+        """``run_fused``'s transfer ``seq`` was abandoned by ``exc`` (lock held) while
+        laying (``path.fused_taken`` -1) or after reading that many outputs: it becomes an
+        in-flight transfer of a request nobody waits for, completed if half laid, whose
+        other outputs the next drainer reads and drops."""
+        outputs = path.all_outputs
+        read = path.fused_taken
+        written = read >= 0
+        if written and read < len(outputs):
+            # the read interrupted as it returned: was that output consumed?
+            if consumed_from(path.output_ring_of(outputs[read].name), seq):
+                read += 1
+        if written and read >= len(outputs):
+            return   # nothing of it is left on the device
+        req = Request(self._completion, self._life.rid, 1, inputs, {}, {}, [outputs],
+                      t_received, internal=True)
+        req.fail(InvalidStateError(f"replica {self._life.rid}: the request was abandoned: "
+                                   f"{type(exc).__name__} interrupted it"))
+        tr = Transfer([(req, 0, 1, 0)], outputs)
+        tr.seq = seq
+        tr.next_output = max(0, read)
+        if written:
+            tr.published = True
+            self._completion.register(tr)
+            return
+        self._writing = tr
+        self._completion.register(tr)
+        self._finish_writing(path)

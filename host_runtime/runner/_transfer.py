@@ -23,6 +23,14 @@ request travels runs these steps, and only these:
   for an idle replica and a request whose every input is :attr:`Lay.WRITE` and every
   output :attr:`Take.READ`: no ``Request`` or ``Transfer``, one lock.
 
+Sequence numbers: every transfer has the next number of its replica (``Transfer.seq``,
+given by the submitter), every input slot of it carries that number in its tag
+(``ipu_protocol.stream_tag``), the IPU process copies it onto the outputs, and
+:meth:`~TransferPath.take` checks it on every output: another number is a
+``SequenceMismatchError`` (the replica fails as a lost device), never an answer.
+A transfer whose laying was interrupted is finished with ``lay_whole(resume=True)``
+or ``seal`` again (both leave alone an input already published with its number).
+
 Two of those are fast paths a setting switches off (the general steps then run):
 ``IPU_EMULATOR_RUNNER_FUSED=0`` (no :meth:`~TransferPath.run_fused`) and
 ``IPU_EMULATOR_RUNNER_SMALL_IO=0`` (no :attr:`Lay.WRITE` / :attr:`Take.READ`: every
@@ -46,13 +54,15 @@ from shm import Ring, RingTimeoutError
 from shm.settings import settings
 from shm.spin import NEVER, spin_until, us_to_ns
 
+from host_runtime.errors import SequenceMismatchError
 from host_runtime.memory import PARALLEL_MIN_BYTES, SHARED_MIN_BYTES, copy_bytes, shared_location
 from host_runtime.runner._batching import TensorSpec
 from host_runtime.runner._requests import Request, Transfer
-from ipu_emulator.ipu_protocol import TAG_SHARED, host_memory_descriptor
+from ipu_emulator.ipu_protocol import (SEQ_SHIFT, TAG_KIND_MASK, TAG_SHARED,
+                                       host_memory_descriptor)
 
-__all__ = ["Lay", "Take", "lay_action", "take_action", "TransferPath", "PathOptions", "Acquire",
-           "READ_MAX", "RECHECK"]
+__all__ = ["Lay", "Take", "lay_action", "take_action", "published_in", "consumed_from",
+           "TransferPath", "PathOptions", "Acquire", "READ_MAX", "RECHECK"]
 
 READ_MAX = 4096
 """Outputs up to this size (bytes) are read with ring.read() (a copy, then the slot is free)."""
@@ -110,6 +120,18 @@ def take_action(spec: TensorSpec, small_io: bool) -> Take:
     return Take.READ if small_io and spec.nbytes <= READ_MAX else Take.SLOT
 
 
+def published_in(ring: Ring, seq: int) -> bool:
+    """Whether the last transfer published on input ``ring`` is number ``seq``."""
+    last = ring.last_published_tag()
+    return last is not None and last >> SEQ_SHIFT == seq
+
+
+def consumed_from(ring: Ring, seq: int) -> bool:
+    """Whether the last output read from ``ring`` belongs to transfer ``seq``."""
+    last = ring.last_read_tag()
+    return last is not None and last >> SEQ_SHIFT == seq
+
+
 def _bytes_view(arr: np.ndarray) -> memoryview:
     """A flat byte memoryview of a C-contiguous array (no copy)."""
     if arr.size == 0:   # a zero-size tensor: memoryview cannot cast zeros in its shape
@@ -145,8 +167,9 @@ class TransferPath:
     def __init__(self, inputs: dict[str, TensorSpec], outputs: dict[str, TensorSpec],
                  frozen: dict[str, np.ndarray], in_rings: dict[str, Ring],
                  out_rings: dict[str, Ring], dynamic: bool, batch: int,
-                 options: PathOptions) -> None:
+                 options: PathOptions, rid: int = 0) -> None:
         """``inputs``: every Main input, in the order Main reads them."""
+        self.rid = rid
         self.dynamic = dynamic
         self.batch = batch
         self.small_io = options.small_io
@@ -176,17 +199,18 @@ class TransferPath:
             i.ring.set_user_word(tid)
 
     # ------------------------------------------------------------------ lay
-    def lay_input(self, i: _In, src: np.ndarray | None, action: Lay, t: int,
+    def lay_input(self, i: _In, src: np.ndarray | None, action: Lay, t: int, tag: int,
                   redirects: list[tuple[str, str, int, int]], acquire: Acquire) -> bool:
-        """Lay transfer ``t`` of input ``i`` (``src``: the request's tensor); True if it
-        carried ``redirects`` (a descriptor names them, once per transfer)."""
+        """Lay transfer ``t`` of input ``i`` (``src``: the request's tensor) in a slot
+        tagged ``tag`` (its number); True if it carried ``redirects`` (a descriptor names
+        them, once per transfer)."""
         spec, ring = i.spec, i.ring
         nbytes = spec.nbytes
         if action is Lay.SKIP:
             return False
         if action is Lay.WRITE:
             try:
-                ring.write(src, 0, 0.0)     # acquire, copy, publish: one call
+                ring.write(src, tag, 0.0)   # acquire, copy, publish: one call
                 return False
             except RingTimeoutError:        # full: a slot as COPY does (acquire drains)
                 action = Lay.COPY
@@ -201,7 +225,7 @@ class TransferPath:
             desc = host_memory_descriptor(loc[0], loc[1], nbytes, redirects)
             if len(desc) <= nbytes:
                 view[:len(desc)] = desc
-                ring.publish(len(desc), TAG_SHARED)
+                ring.publish(len(desc), TAG_SHARED | tag)
                 return True
             copy_bytes(view[:nbytes], _bytes_view(src))    # a descriptor too long: copied
         elif action is Lay.COPY:
@@ -214,37 +238,35 @@ class TransferPath:
             b = spec.batch
             slot[...] = src[spec.index(t * b, (t + 1) * b)] if spec.batch_dim is not None else src
             del slot
-        ring.publish(nbytes)
+        ring.publish(nbytes, tag)
         return False
 
-    def lay_whole(self, req: Request, t: int, transfers: int,
-                  redirects: list[tuple[str, str, int, int]], acquire: Acquire) -> None:
-        """Lay transfer ``t`` of ``transfers`` of a whole request into the input rings.
+    def lay_whole(self, tr: Transfer, req: Request, t: int, transfers: int,
+                  redirects: list[tuple[str, str, int, int]], acquire: Acquire,
+                  resume: bool = False) -> None:
+        """Lay ``tr``, transfer ``t`` of ``transfers`` of a whole request, into the input
+        rings, every slot tagged with ``tr.seq``.
 
-        Interrupted (KeyboardInterrupt) between two inputs, the inputs not yet laid
-        are published as zeros (the device is given a whole iteration) and the
-        exception goes on: the caller abandons the transfer."""
+        ``resume``: finish a transfer whose laying was interrupted (KeyboardInterrupt, a
+        signal handler's exception): an input already published with ``tr``'s number is
+        left alone, the others are copied (a slot held by the interrupted write is the
+        one ``acquire`` returns), so that the device's iteration completes."""
         inputs = req.inputs
         whole = transfers == 1
-        small = self.small_io
-        done = 0
-        try:
-            for i in self.inputs:
-                src = inputs.get(i.name)
-                action = lay_action(i.spec, src, i.frozen is not None, whole, small)
-                if self.lay_input(i, src, action, t, redirects, acquire):
-                    redirects = []
-                done += 1
-        except BaseException:
-            self.fill_zeros(self.inputs[done:], acquire)
-            raise
-
-    def fill_zeros(self, rest: list[_In], acquire: Acquire) -> None:
-        """Publish a zero transfer into the rings of ``rest`` (an abandoned transfer)."""
-        for i in rest:
-            view = acquire(i.ring)
-            view[:i.spec.nbytes] = bytes(i.spec.nbytes)
-            i.ring.publish(i.spec.nbytes)
+        small = self.small_io and not resume
+        seq = tr.seq
+        tag = seq << SEQ_SHIFT
+        for i in self.inputs:
+            src = inputs.get(i.name)
+            if resume:
+                if published_in(i.ring, seq):
+                    continue
+                redirects = []
+            action = lay_action(i.spec, src, i.frozen is not None, whole, small)
+            if resume and action is Lay.HOST:
+                action = Lay.COPY
+            if self.lay_input(i, src, action, t, tag, redirects, acquire):
+                redirects = []
 
     def redirects(self, req: Request) -> list[tuple[str, str, int, int]]:
         """(handle, region, offset, nbytes) of the outputs of a one-transfer request whose
@@ -285,15 +307,19 @@ class TransferPath:
         tr.samples = at + count
 
     def seal(self, tr: Transfer, pad: bool) -> None:
-        """Publish ``tr``'s slots (``pad``: zeros after its samples, frozen inputs kept)."""
+        """Publish ``tr``'s slots tagged with its number (``pad``: zeros after its
+        samples, frozen inputs kept). Idempotent (an interrupted seal is sealed again):
+        an input already published with ``tr``'s number is left alone."""
+        seq = tr.seq
+        tag = seq << SEQ_SHIFT
         for i in reversed(self.inputs):
             slot = tr.slots.get(i.name)
-            if slot is None:
+            if slot is None or published_in(i.ring, seq):
                 continue
             spec = i.spec
             if pad and tr.samples < self.batch and i.frozen is None:
                 slot[spec.index(tr.samples, self.batch)] = 0
-            i.ring.publish(spec.nbytes)
+            i.ring.publish(spec.nbytes, tag)
         tr.slots = {}
 
     # ------------------------------------------------------------------ take
@@ -329,8 +355,10 @@ class TransferPath:
         ``timeout`` s without one; ``tr.next_output`` says how far it got)."""
         dynamic = self.dynamic
         outputs = tr.outputs
+        seq = tr.seq
         while tr.next_output < len(outputs):
-            spec = outputs[tr.next_output]
+            index = tr.next_output
+            spec = outputs[index]
             o = self.outputs[spec.name]
             ring = o.ring
             read = o.take is Take.READ
@@ -339,12 +367,30 @@ class TransferPath:
             view, tag = ring.read(timeout) if read else ring.acquire_read(timeout)
             self.waited(t0)
             try:
-                if tag != TAG_SHARED:    # else the IPU wrote it into the request's memory
-                    self.copy_out(tr, spec, view, dynamic)
+                if tag >> SEQ_SHIFT != seq:
+                    raise self.mismatch(spec.name, tag, seq)
+                if tag & TAG_KIND_MASK != TAG_SHARED:   # else the IPU wrote it into the
+                    self.copy_out(tr, spec, view, dynamic)   # request's memory
             finally:
                 if not read:
                     ring.release()
-            tr.next_output += 1
+            tr.next_output = index + 1
+
+    def mismatch(self, name: str, tag: int, seq: int) -> SequenceMismatchError:
+        """The error of output ``name`` read with ``tag`` for transfer ``seq``."""
+        got = tag >> SEQ_SHIFT
+        return SequenceMismatchError(
+            f"replica {self.rid}: output {name!r} read from the device carries transfer {got}, "
+            f"expected transfer {seq}: the replica's streams are out of step, so none of its "
+            "results can be trusted", expected=seq, got=got)
+
+    def output_ring_of(self, name: str) -> Ring:
+        """The ring of output ``name``."""
+        return self.outputs[name].ring
+
+    def output_ring(self, tr: Transfer, index: int) -> Ring:
+        """The ring of output ``index`` of ``tr``."""
+        return self.outputs[tr.outputs[index].name].ring
 
     @staticmethod
     def copy_out(tr: Transfer, spec: TensorSpec, view: memoryview | bytes, dynamic: bool) -> None:
@@ -375,34 +421,29 @@ class TransferPath:
                 dest[spec.index(rs * f, (rs + cnt) * f)] = slot[spec.index(ss * f, (ss + cnt) * f)]
 
     # ------------------------------------------------------------------ fused
-    def run_fused(self, inputs: dict[str, np.ndarray], acquire: Acquire,
+    def run_fused(self, inputs: dict[str, np.ndarray], seq: int, acquire: Acquire,
                   closed: Callable[[], None]) -> dict[str, np.ndarray]:
-        """``lay_whole`` + ``take`` of a plain one-transfer request on an idle replica
-        (``fusable``; the caller holds the submit lock and checked it is idle): every
-        input Lay.WRITE (or FROZEN), every output Take.READ into a new array.
+        """``lay_whole`` + ``take`` of a plain one-transfer request, number ``seq``, on an
+        idle replica (``fusable``; the caller holds the submit lock and checked it is
+        idle): every input Lay.WRITE (or FROZEN), every output Take.READ into a new array.
 
         ``closed()`` is called while an output is long in coming: it raises if the
-        replica closed. Interrupted while reading, the
-        outputs read so far are ``fused_taken``: the caller abandons the rest."""
+        replica closed. How far it got is ``fused_taken``: -1 while laying, then the
+        outputs read (what an interrupted caller abandons)."""
         self.fused_taken = -1
-        done = 0
-        try:
-            for i in self.inputs:
-                arr = inputs.get(i.name)
-                if arr is None:
-                    self.lay_input(i, None, Lay.FROZEN if i.frozen is not None else Lay.SKIP,
-                                   0, [], acquire)
-                else:
-                    if not arr.flags.c_contiguous:
-                        arr = np.ascontiguousarray(arr)
-                    try:
-                        i.ring.write(arr, 0, 0.0)    # Lay.WRITE, inline
-                    except RingTimeoutError:         # full: as lay_input does
-                        self.lay_input(i, arr, Lay.COPY, 0, [], acquire)
-                done += 1
-        except BaseException:
-            self.fill_zeros(self.inputs[done:], acquire)
-            raise
+        tag = seq << SEQ_SHIFT      # TAG_DATA, numbered
+        for i in self.inputs:
+            arr = inputs.get(i.name)
+            if arr is None:
+                self.lay_input(i, None, Lay.FROZEN if i.frozen is not None else Lay.SKIP,
+                               0, tag, [], acquire)
+                continue
+            if not arr.flags.c_contiguous:
+                arr = np.ascontiguousarray(arr)
+            try:
+                i.ring.write(arr, tag, 0.0)        # Lay.WRITE, inline
+            except RingTimeoutError:               # full: as lay_input does
+                self.lay_input(i, arr, Lay.COPY, 0, tag, [], acquire)
         self.t_laid = time.perf_counter_ns()
         results = {}
         self.fused_taken = 0
@@ -411,10 +452,12 @@ class TransferPath:
             t0 = 0 if ring.readable() else self.await_output(ring)
             while True:
                 try:
-                    data, _tag = ring.read(RECHECK)   # no redirects: never TAG_SHARED
+                    data, got = ring.read(RECHECK)   # no redirects: never TAG_SHARED
                     break
                 except RingTimeoutError:   # a long computation, or closed?
                     closed()
+            if got != tag:
+                raise self.mismatch(o.name, got, seq)
             self.waited(t0)
             # writable, over a copy of the message (cheaper than np.empty and a copy)
             results[o.name] = np.ndarray(o.shape, o.spec.dtype, bytearray(data))

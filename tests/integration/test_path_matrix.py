@@ -52,7 +52,8 @@ def test_runner_and_faults_with_the_runner_fast_paths_off() -> None:
     _run(RUNNER + FAULTS + ["tests/unit/test_loopback_runner.py",
                             "tests/unit/test_loopback_deadlines.py",
                             "tests/integration/test_model_runner_shared.py",
-                            "tests/integration/test_model_runner_large.py"],
+                            "tests/integration/test_model_runner_large.py",
+                            "tests/integration/test_interrupt.py"],
          dict(os.environ, **{k: "0" for k in RUNNER_FAST_PATHS}))
 
 
