@@ -124,7 +124,9 @@ class Submission:
     def submit(self, req: Request, transfers: int, phantom: str | None = None) -> None:
         """Send ``req`` to the device (or park it as a phantom that will time out)."""
         with self.lock:
-            path = self._usable()
+            life = self._life
+            path = life.path if life.looks_well() else self._usable()
+            assert path is not None
             try:
                 if self._writing is not None:
                     self._finish_writing(path)
@@ -178,17 +180,18 @@ class Submission:
         # Count every transfer before the first is published: another thread may drain
         # (and count down) the first before this loop writes the next.
         req.remaining += transfers
-        redirects = path.redirects(req) if transfers == 1 else []
+        redirects = path.redirects(req) if transfers == 1 and path.may_redirect else []
         completion = self._completion
+        inflight = completion.inflight
         for t in range(transfers):
             tr = Transfer([(req, t, 1, 0)], outputs[t])
-            self._number(tr)
+            self._seq = tr.seq = self._seq + 1
             # Registered before its first input is published (drainers wait until it is
             # published): submits are serialised, so the order of the in-flight deque is
             # the order the device sees. Interrupted before it is published, it stays in
-            # _writing, to be completed.
+            # _writing, to be completed. (Completion.register, inline: no call between.)
             self._writing = tr
-            completion.register(tr)
+            inflight.append(tr)
             path.lay_whole(tr, req, t, transfers, redirects, self._acquire)
             self._writing = None
             completion.published(tr)

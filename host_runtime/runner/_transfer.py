@@ -151,6 +151,7 @@ class _In(NamedTuple):
     spec: TensorSpec
     ring: Ring
     frozen: Optional[memoryview]     # the frozen value's bytes, if frozen
+    small: bool                      # a whole contiguous transfer of it is Lay.WRITE
 
 
 class _Out(NamedTuple):
@@ -177,7 +178,9 @@ class TransferPath:
         self.in_specs = inputs
         fb = {n: _bytes_view(np.ascontiguousarray(a)) for n, a in frozen.items()}
         # last-read first: the device wakes once, on the first stream Main reads
-        self.inputs = [_In(n, s, in_rings[n], fb.get(n)) for n, s in reversed(inputs.items())]
+        self.inputs = [_In(n, s, in_rings[n], fb.get(n),
+                           options.small_io and 0 < s.nbytes < SHARED_MIN_BYTES)
+                       for n, s in reversed(inputs.items())]
         self.outputs = {n: _Out(n, s, out_rings[n], take_action(s, options.small_io),
                                 s.shape_for(s.batch)) for n, s in outputs.items()}
         self.all_outputs = tuple(outputs.values())
@@ -262,6 +265,12 @@ class TransferPath:
                 if published_in(i.ring, seq):
                     continue
                 redirects = []
+            elif i.small and whole and src is not None and src.flags.c_contiguous:
+                try:                     # Lay.WRITE (lay_action's decision), inline
+                    i.ring.write(src, tag, 0.0)
+                    continue
+                except RingTimeoutError:   # full: lay_input takes a slot (and makes room)
+                    pass
             action = lay_action(i.spec, src, i.frozen is not None, whole, small)
             if resume and action is Lay.HOST:
                 action = Lay.COPY
@@ -362,10 +371,14 @@ class TransferPath:
             o = self.outputs[spec.name]
             ring = o.ring
             read = o.take is Take.READ
-            t0 = 0 if ring.readable() else self.await_output(ring)
             view: memoryview | bytes
-            view, tag = ring.read(timeout) if read else ring.acquire_read(timeout)
-            self.waited(t0)
+            if ring.readable():
+                view, tag = ring.read(timeout) if read else ring.acquire_read(timeout)
+                self._wait_est_ns = (7 * self._wait_est_ns) >> 3    # waited(0), inline
+            else:
+                t0 = self.await_output(ring)
+                view, tag = ring.read(timeout) if read else ring.acquire_read(timeout)
+                self.waited(t0)
             try:
                 if tag >> SEQ_SHIFT != seq:
                     raise self.mismatch(spec.name, tag, seq)
