@@ -52,14 +52,8 @@ class Completion:
         self.inflight: collections.deque[Transfer] = collections.deque()
         self.open: Transfer | None = None    # the partial batch being packed (registered)
         self.draining = False
-        self._seq = 0
 
     # -- what submitters tell (with the submit lock held) --------------------------------
-    def idle(self) -> bool:
-        """Nothing in flight, no partial batch, no phantom, nobody draining."""
-        return not (self.inflight or self.open is not None or self.draining
-                    or self._timers.has_phantoms)
-
     def register(self, tr: Transfer) -> None:
         """``tr`` (numbered) takes its place in the device's order before its first input
         is published; drainers wait for it until ``published``."""
