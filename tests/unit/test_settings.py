@@ -17,7 +17,7 @@ import pytest
 from shm import settings as settings_module
 from shm.settings import (NOT_SETTINGS, Settings, SettingsError, current, knobs, readme_table,
                           reload, settings)
-from shm.spin import NEVER, spin_until, us_to_ns
+from shm.spin import HOT_NS, NEVER, spin_until, us_to_ns
 
 ROOT = Path(__file__).resolve().parents[2]
 KNOBS = {k.name: k for k in knobs()}
@@ -206,10 +206,26 @@ def test_spin_until_gives_up_after_its_budget(yield_cpu: bool) -> None:
     assert time.perf_counter_ns() - t0 >= 2_000_000
 
 
-def test_spin_until_gives_up_when_a_yield_shows_a_shared_cpu() -> None:
-    polls = []
-    assert spin_until(lambda: polls.append(1), 10**10, shared_ns=0) is False
-    assert len(polls) == 1     # one yield took longer than 0 ns: stop at once
+def test_spin_until_gives_up_when_a_yield_shows_a_shared_cpu(monkeypatch) -> None:
+    yields: list[int] = []
+    real = os.sched_yield
+    monkeypatch.setattr(os, "sched_yield", lambda: (yields.append(1), real())[1])
+    t0 = time.perf_counter_ns()
+    assert spin_until(lambda: False, 10**10, shared_ns=0) is False
+    assert yields == [1]       # the first yield took longer than 0 ns: stop at once
+    assert time.perf_counter_ns() - t0 < 10**9
+
+
+def test_spin_until_does_not_yield_for_its_first_microseconds(monkeypatch) -> None:
+    """An answer within HOT_NS is polled for without a system call between polls."""
+    yields: list[int] = []
+    monkeypatch.setattr(os, "sched_yield", lambda: yields.append(1))
+    calls = iter([False] * 5 + [True])
+    assert spin_until(lambda: next(calls), 10**10) is True
+    assert yields == []
+    t0 = time.perf_counter_ns()
+    assert spin_until(lambda: time.perf_counter_ns() - t0 > 2 * HOT_NS, 10**10) is True
+    assert yields                 # past HOT_NS it yields between polls
 
 
 def test_spin_until_says_when_it_gave_up_for_a_shared_cpu() -> None:
