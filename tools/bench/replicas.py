@@ -7,6 +7,10 @@ through ``executeAsync`` with 4 in flight per replica, numpy arrays (copied),
 spread over the replicas in turn. Against it: onnxruntime in this process with
 ``intra_op_num_threads`` 1 and 2, run back to back.
 
+Also printed: how often the two replicas' IPU processes last ran on other CPUs
+(``/proc/<pid>/stat`` sampled every millisecond while the 2 replicas run), which
+shows the placement whatever else the machine runs.
+
 Figures (requests/s, median of the rounds; each round measures every side one
 after the other, so that they see the same machine):
 
@@ -21,6 +25,7 @@ import argparse
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections import deque
 from typing import Any
@@ -64,6 +69,47 @@ def _runner_rate(runner: Any, replicas: int, x: np.ndarray, seconds: float) -> f
     return n / (time.perf_counter() - t0)
 
 
+class _Apart:
+    """Samples, every millisecond while on, whether two processes last ran on other CPUs."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.paths = [f"/proc/{pid}/stat" for pid in pids]
+        self.apart = self.together = 0
+        self._on = threading.Event()
+        self._end = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _cpu(self, path: str) -> int:
+        with open(path, "rb") as f:
+            data = f.read()
+        return int(data[data.rindex(b")") + 2:].split()[36])
+
+    def _run(self) -> None:
+        while not self._end.wait(0.001):
+            if self._on.is_set():
+                try:
+                    a, b = (self._cpu(p) for p in self.paths)
+                except (OSError, ValueError, IndexError):
+                    return
+                if a == b:
+                    self.together += 1
+                else:
+                    self.apart += 1
+
+    def during(self, fn: Any, *args: Any) -> Any:
+        self._on.set()
+        try:
+            return fn(*args)
+        finally:
+            self._on.clear()
+
+    def close(self) -> float:
+        self._end.set()
+        self._thread.join()
+        return self.apart / max(1, self.apart + self.together)
+
+
 def _ort_rate(sess: Any, x: np.ndarray, seconds: float) -> float:
     n = 0
     t0 = time.perf_counter()
@@ -85,7 +131,7 @@ def _ort_session(model: Any, threads: int) -> Any:
 
 
 def measure(seconds: float, rounds: int) -> dict[str, float]:
-    from host_runtime import ModelRunner, ModelRunnerConfig
+    from host_runtime import DeviceManager, ModelRunner, ModelRunnerConfig
     from tools._chain_model import chain_model
 
     model = chain_model(LAYERS, WIDTH, ROWS)
@@ -95,9 +141,14 @@ def measure(seconds: float, rounds: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="bench-replicas-") as tmp:
         path = _compile(model, tmp)
         runners = {}
+        # the devices of the 2 replicas, to see where their IPU processes run
+        devices = [DeviceManager().getDevice(1) for _ in range(2)]
+        apart = _Apart([d.pids()[0] for d in devices])
         for n in (1, 2):
             cfg = ModelRunnerConfig()
             cfg.replication_factor = n
+            if n == 2:
+                cfg.replica_to_device = dict(enumerate(devices))
             cfg.ring_buffer_size_multiplier = IN_FLIGHT
             cfg.check_package_hash = False
             runners[n] = ModelRunner(path, config=cfg)
@@ -114,13 +165,17 @@ def measure(seconds: float, rounds: int) -> dict[str, float]:
             res: dict[str, list[float]] = {"r1": [], "r2": [], "o1": [], "o2": []}
             for _ in range(rounds):
                 res["r1"].append(_runner_rate(runners[1], 1, x, seconds))
-                res["r2"].append(_runner_rate(runners[2], 2, x, seconds))
+                res["r2"].append(apart.during(_runner_rate, runners[2], 2, x, seconds))
                 res["o1"].append(_ort_rate(ort1, x, seconds))
                 res["o2"].append(_ort_rate(ort2, x, seconds))
         finally:
             for r in runners.values():
                 r.close()
+            for d in devices:
+                d.close()
+            apart_share = apart.close()
     out = {k: statistics.median(v) for k, v in res.items()}
+    out["apart"] = apart_share
     # ratios taken within each round, then their median
     out["scale"] = statistics.median(b / a for a, b in zip(res["r1"], res["r2"]))
     out["ort_scale"] = statistics.median(b / a for a, b in zip(res["o1"], res["o2"]))
@@ -151,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  2 replicas / 1 replica = {m['scale']:.2f} (rounds {m['scale_min']:.2f}-"
           f"{m['scale_max']:.2f}; target >= 1.7)")
     print(f"  onnxruntime 2 threads / 1 thread = {m['ort_scale']:.2f}")
+    print(f"  the 2 replicas' IPU processes last ran on other CPUs in {100 * m['apart']:.0f}% "
+          "of 1 ms samples")
     print(f"  2 replicas / onnxruntime 2 threads = {m['vs_ort2']:.2f} (target >= 0.85); "
           f"replica scaling / onnxruntime's = {m['vs_ort']:.2f}")
     ok = m["scale"] >= 1.7 and m["vs_ort2"] >= 0.85
