@@ -84,6 +84,9 @@ def main(case: str, path: str, daemon_pid: str = "") -> dict[str, Any]:
     import host_runtime as model_runtime
     from shm.cleanup import list_objects
 
+    if case == "template":
+        return template_case(path)
+
     weights_in = {"tensor_A": np.ones((1, 4), np.float32),
                   "tensor_B": np.zeros((1, 4), np.float32)}
     dev = model_runtime.DeviceManager().getDevice(1)
@@ -162,6 +165,56 @@ def main(case: str, path: str, daemon_pid: str = "") -> dict[str, Any]:
         report["again_right"] = right(again.execute(request(5.0))["tensor_C"], 5.0)
         again.close()
     report["left"] = sorted(o.entry for o in list_objects() if o.pid == os.getpid())
+    return report
+
+
+def template_case(path: str) -> dict[str, Any]:
+    """The template process IPU processes are forked from (``ps``: ``python -m
+    ipu_emulator.ipu.forkserver``, a child of this one) stopped: attaching still works
+    within the bound (the IPU process is started fresh, later ones from a new template);
+    once the template is continued it forks nothing for requests given up on, so each
+    device has one IPU process and answers right."""
+    import psutil
+
+    import host_runtime as model_runtime
+    from shm.cleanup import list_objects
+    from shm.liveness import process_state
+
+    first = model_runtime.ModelRunner(path)   # starts the template
+    templates = [p.pid for p in psutil.Process().children()
+                 if "ipu_emulator.ipu.forkserver" in " ".join(p.cmdline())]
+    assert len(templates) == 1, templates
+    pid = templates[0]
+    dog = Watchdog(pid)
+    stop(pid)
+    devices = [dog.call(f"attach {k}", lambda: model_runtime.DeviceManager().getDevice(1))
+               for k in range(2)]
+    cont(pid)
+    while process_state(pid) not in ("S", None):   # it has read what was queued for it
+        time.sleep(0.001)
+    report: dict[str, Any] = {"case": "template", "stopped_pid": pid, "calls": dog.calls}
+    wrong = errors = 0
+    for dev in devices:
+        if dev is None:
+            continue
+        cfg = model_runtime.ModelRunnerConfig()
+        cfg.replica_to_device = {0: dev}
+        try:
+            with model_runtime.ModelRunner(path, config=cfg) as runner:
+                one = np.ones((1, 4), np.float32)
+                w = runner.execute({"tensor_A": one, "tensor_B": 0 * one})["tensor_C"]
+                for i in range(100):
+                    out = runner.execute({"tensor_A": one * i, "tensor_B": one})["tensor_C"]
+                    wrong += not np.allclose(out, w * i + 1, rtol=1e-6)
+        except Exception as exc:
+            errors += 1
+            report.setdefault("errors", []).append(f"{type(exc).__name__}: {exc}")
+        dev.close()
+    first.close()
+    report.update(wrong_after=wrong, errors_after=errors,
+                  ipu_processes=[c.pid for c in psutil.Process().children(recursive=True)
+                                 if "--control" in c.cmdline()],
+                  left=sorted(o.entry for o in list_objects() if o.pid == os.getpid()))
     return report
 
 

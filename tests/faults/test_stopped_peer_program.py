@@ -121,3 +121,15 @@ def test_a_stopped_daemon_does_not_stop_requests(model_path, daemon):
     assert report["right"] is True and report["calls"][0]["error"] is None
     assert not report["calls"][0]["hung"]
     assert report["wrong_after"] == 0 and report["again_right"] and report["left"] == []
+
+
+def test_a_stopped_template_process_bounds_attach_and_forks_nothing_stale(model_path):
+    """The template process IPU processes are forked from, stopped: two attaches each end
+    within the bound (plus a fresh start); continued, it forks nothing for the requests
+    given up on (a second IPU process on a device's rings), so both devices answer right."""
+    report = run_program("template", model_path, STOPPED_PEER_HANG="60")
+    assert [c for c in report["calls"] if c["error"] or c["hung"]] == [], report
+    # the bound (1 s) and a fresh start, not the template's own 30 s each
+    assert [c for c in report["calls"] if c["seconds"] >= 25] == [], report
+    assert report["wrong_after"] == 0 and report["errors_after"] == 0, report
+    assert report["ipu_processes"] == [] and report["left"] == [], report
