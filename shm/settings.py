@@ -193,7 +193,9 @@ class Settings:
         when="call", used_in="host_runtime/_deadline.py (its host_sync_timeout() bounds: "
                              "devices/_link.py links and their wait() (sessions; Device.close); "
                              "devices/_daemon_client.py requests to the daemon; "
-                             "queues/_spsc.py a producer waiting for a free slot)")
+                             "queues/_spsc.py a producer waiting for a free slot), "
+                             "ipu_emulator/ipu/forkserver.py (the wait for the template to fork "
+                             "an IPU process; past it the process starts fresh)")
     daemon_handover_timeout: float = _knob(
         30.0, "IPU_EMULATOR_DAEMON_HANDOVER_TIMEOUT", _seconds,
         "how long a daemon's reset of an IPU between hosts may take before it restarts the "
