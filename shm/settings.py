@@ -154,8 +154,9 @@ class Settings:
         ipu=True, used_in="ipu_emulator/ipu/interpreter.py")
     keep_apart: bool = _knob(
         True, "IPU_EMULATOR_KEEP_APART", _flag,
-        "`0`: an IPU process no longer moves off the CPU of the host thread that submits "
-        "requests while it serves them",
+        "`0`: the scheduler alone places IPU processes (else a busy one holds a CPU of its "
+        "own, one per CPU machine-wide, off the CPU of the host thread that submits its "
+        "requests)",
         when="call", ipu=True, used_in="ipu_emulator/ipu/_placement.py")
     forkserver: bool = _knob(
         True, "IPU_EMULATOR_FORKSERVER", _flag,
