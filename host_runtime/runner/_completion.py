@@ -52,6 +52,9 @@ class Completion:
         self.inflight: collections.deque[Transfer] = collections.deque()
         self.open: Transfer | None = None    # the partial batch being packed (registered)
         self.draining = False
+        self.stalled = False    # a wait gave up on the device (host sync timeout), no
+                                # transfer has completed since
+        self._drained = 0       # transfers completed (progress, for the host sync timeout)
 
     # -- what submitters tell (with the submit lock held) --------------------------------
     def register(self, tr: Transfer) -> None:
@@ -80,6 +83,36 @@ class Completion:
             if self._waiters:
                 self._cv.notify_all()
 
+    # -- a stalled device (the host sync timeout) ----------------------------------------
+    def stall(self) -> None:
+        """A wait gave up on the device: submits first wait for it to progress (settle)."""
+        self.stalled = True
+
+    def settle(self) -> None:
+        """Submit lock held, the replica stalled: drive it until a transfer completes (or
+        nothing is on the device), for no longer than the host sync timeout."""
+        life = self._life
+        give_up = time.monotonic() + life.sync_s
+        while self.stalled:
+            head = self.inflight[0] if self.inflight else None
+            if head is None or not head.published:
+                self.stalled = False
+                return
+            if time.monotonic() >= give_up:
+                raise life.stalled_error("waiting for the device to finish earlier requests")
+            if not self.try_drive(give_up):
+                with self._lock:
+                    self._sleep(give_up)
+
+    def _give_up(self, req: Request) -> None:
+        """``req``'s wait saw no progress for the host sync timeout: it fails (its outputs,
+        when they come, go nowhere), the replica is stalled, the error is raised."""
+        err = self._life.stalled_error("waiting for the outputs of a request")
+        req.dests = {}
+        req.fail(err)
+        self.stalled = True
+        raise err
+
     # -- waiting ---------------------------------------------------------------------
     def record_error(self, error: BaseException) -> None:
         """A request failed (Request.fail): count it by class."""
@@ -106,7 +139,7 @@ class Completion:
             wait = min(wait, end - now)
         self._waiters += 1
         try:
-            self._cv.wait(RECHECK if wait == _INF else wait)
+            self._cv.wait(self._slice() if wait == _INF else wait)
         finally:
             self._waiters -= 1
         return True
@@ -126,6 +159,8 @@ class Completion:
         end = None if timeout is None else time.monotonic() + timeout
         lock = self._lock
         life = self._life
+        progress = self._drained
+        quiet = time.monotonic()    # since the last progress (the host sync timeout)
         while not req.done:
             if life.closed:
                 req.fail(life.closed_error())
@@ -150,7 +185,7 @@ class Completion:
                     # _drive_step's common case, inline: no timer, no deadline, the
                     # oldest transfer is on the device: drain it
                     try:
-                        self._drain(head, RECHECK)
+                        self._drain(head, self._slice())
                     except RingTimeoutError:
                         pass
                     except _LOST as exc:
@@ -163,8 +198,17 @@ class Completion:
                         self.draining = False
                         if self._waiters:
                             self._cv.notify_all()
-            if end is not None and time.monotonic() >= end and not req.done:
-                return False
+            if req.done:
+                break
+            now = time.monotonic()
+            if end is not None:
+                if now >= end:
+                    return False
+            elif self._drained != progress:
+                progress, quiet = self._drained, now
+            elif (now - quiet >= life.sync_s and self.inflight
+                  and self.inflight[0].published):
+                self._give_up(req)   # the device has work and did none of it
         return True
 
     def try_drive(self, end: float) -> bool:
@@ -210,16 +254,21 @@ class Completion:
                 if wait > 0 or limit == _INF:
                     self._waiters += 1
                     try:
-                        self._cv.wait(RECHECK if limit == _INF else wait)
+                        self._cv.wait(self._slice() if limit == _INF else wait)
                     finally:
                         self._waiters -= 1
                 return
         try:
-            self._drain(head, RECHECK if limit == _INF else max(0.0, limit - now))
+            self._drain(head, self._slice() if limit == _INF else max(0.0, limit - now))
         except RingTimeoutError:
             return
         except _LOST as exc:
             self.fail_all(self._life.translate(exc))
+
+    def _slice(self) -> float:
+        """How long a wait with no deadline blocks before it looks around (closed? a
+        stalled device?)."""
+        return min(RECHECK, self._life.sync_s)
 
     def _drain(self, tr: Transfer, timeout: float) -> None:
         """Read ``tr``'s outputs into its requests' memory and complete what finished."""
@@ -261,6 +310,8 @@ class Completion:
                         if req.remaining == 0 and not req.done:
                             req.t_completed = now
                             req.done = True
+        self._drained += 1
+        self.stalled = False
         mon = self._monitor
         for req in finished:
             if not req.internal:

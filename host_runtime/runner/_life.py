@@ -12,13 +12,15 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import threading
+import time
 import weakref
 from typing import Callable, Protocol
 
 import numpy as np
 
-from shm import ExitWatch, PeerDiedError, Ring
+from shm import ExitWatch, PeerDiedError, Ring, describe_process
 
+from host_runtime._deadline import host_sync_timeout
 from host_runtime.errors import (DeviceLostError, DeviceTimeoutError, InvalidStateError,
                                  ModelRuntimeError)
 from host_runtime.runner._batching import TensorSpec
@@ -93,6 +95,7 @@ class ReplicaLife:
         self._close_lock = threading.Lock()
         self._pids = ExitWatch()       # the device's IPU processes (pidfds)
         self._pids_exact = False       # ... every one of them watched by a pidfd
+        self.sync_s = host_sync_timeout()   # the bound on a wait for a device's progress
 
     def open(self) -> TransferPath:
         """Attach and load: a session, its rings, Main started in a loop."""
@@ -142,6 +145,21 @@ class ReplicaLife:
                 return False
             self.closed = True
             return True
+
+    def stalled_error(self, what: str) -> DeviceTimeoutError:
+        """The device made no progress for the host sync timeout while ``what``."""
+        pids = self._pids.pids
+        peers = "; ".join(describe_process(p) for p in pids) if pids else "no IPU process known"
+        return DeviceTimeoutError(
+            f"replica {self.rid}: {what} for {self.sync_s:g} s without progress from the "
+            f"device (the host sync timeout, IPU_EMULATOR_HOST_SYNC_TIMEOUT); {peers}")
+
+    def slow_output(self, since: float) -> None:
+        """A wait for an output that began at ``since`` (monotonic) is long: raise if the
+        replica closed, or if the device made no progress for the host sync timeout."""
+        self.raise_if_closed()
+        if time.monotonic() - since >= self.sync_s:
+            raise self.stalled_error("waiting for the outputs of a request")
 
     def closed_error(self) -> InvalidStateError:
         return InvalidStateError(f"replica {self.rid}: the ModelRunner was closed")

@@ -156,6 +156,8 @@ class OutputFuture:
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the result (or an error) is available; False if ``timeout`` passed.
 
+        DeviceTimeoutError when the device made no progress for the host sync timeout
+        (``IPU_EMULATOR_HOST_SYNC_TIMEOUT``; the request then fails with it);
         ForkedProcessError in a process forked from the one that made the request."""
         if foreign(self._owner_pid):
             raise forked_error("OutputFuture", self._owner_pid)

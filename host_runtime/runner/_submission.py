@@ -35,13 +35,14 @@ import numpy as np
 
 from shm import Ring, RingInvalidatedError, RingTimeoutError, ShmError, WouldBlock
 
-from host_runtime.errors import (DeviceLostError, InvalidStateError, ModelRuntimeError,
+from host_runtime.errors import (DeviceLostError, DeviceTimeoutError, InvalidStateError,
+                                 ModelRuntimeError,
                                  SequenceMismatchError)
 from host_runtime.runner._completion import Completion
 from host_runtime.runner._life import ReplicaLife
 from host_runtime.runner._replica_timers import ReplicaTimers
 from host_runtime.runner._requests import Request, Transfer, raisable
-from host_runtime.runner._transfer import TransferPath, consumed_from
+from host_runtime.runner._transfer import RECHECK, TransferPath, consumed_from
 from host_runtime.runner.monitoring import RequestMonitor
 
 __all__ = ["Submission"]
@@ -100,13 +101,20 @@ class Submission:
             self._hint_tid, self._hint_path = tid, path
 
     def _acquire(self, ring: Ring) -> memoryview:
-        """A free slot of ``ring``; drives the replica (or waits) while it is full."""
+        """A free slot of ``ring``; drives the replica (or waits) while it is full, for no
+        longer than the host sync timeout without a free slot."""
+        give_up = 0.0
         while True:
             try:
                 return ring.try_acquire_write()
             except WouldBlock:
                 pass
             self._life.raise_if_closed()
+            now = time.monotonic()
+            if not give_up:
+                give_up = now + self._life.sync_s
+            elif now >= give_up:
+                raise self._life.stalled_error("waiting for a free slot of an input ring")
             if self._completion.try_drive(time.monotonic() + _ROOM_WAIT):
                 continue
             try:
@@ -123,10 +131,13 @@ class Submission:
     # ------------------------------------------------------------------ submit
     def submit(self, req: Request, transfers: int, phantom: str | None = None) -> None:
         """Send ``req`` to the device (or park it as a phantom that will time out)."""
-        with self.lock:
+        self._take_lock()
+        try:
             life = self._life
             path = life.path if life.looks_well() else self._usable()
             assert path is not None
+            if self._completion.stalled:
+                self._completion.settle()
             try:
                 if self._writing is not None:
                     self._finish_writing(path)
@@ -144,12 +155,26 @@ class Submission:
             except InvalidStateError as exc:
                 req.fail(raisable(exc))
                 raise
+            except DeviceTimeoutError as exc:   # no free slot: the device stalled
+                req.fail(exc)
+                req.dests = {}
+                self._completion.stall()
+                raise
             except ModelRuntimeError:
                 raise
             except BaseException as exc:   # KeyboardInterrupt, a signal handler's exception
                 self._abandon_request(req, exc)
                 raise
             req.t_prepared = time.perf_counter_ns()
+        finally:
+            self.lock.release()
+
+    def _take_lock(self) -> None:
+        """The submit lock, waited for no longer than the host sync timeout (another
+        thread's request holds it while it waits for a device that makes no progress)."""
+        if not self.lock.acquire(timeout=self._life.sync_s):
+            raise self._life.stalled_error("waiting for another thread's request to this "
+                                           "replica")
 
     def try_send(self, request: Request, transfers: int) -> bool:
         """A phantom made whole by the flush callback: send it, unless a submitter is busy."""
@@ -301,11 +326,12 @@ class Submission:
         if path is None or not path.fusable:
             return None
         lock = self.lock
-        lock.acquire()
+        self._take_lock()
         try:
             life = self._life
             completion = self._completion
             if (completion.inflight or completion.open is not None or completion.draining
+                    or completion.stalled
                     or self._writing is not None or not life.looks_well()
                     or self._timers.has_phantoms):
                 return None        # busy, or something is off: submit sorts it out
@@ -315,7 +341,13 @@ class Submission:
             self._hint(path)
             self._seq = seq = self._seq + 1
             try:
-                results = path.run_fused(inputs, seq, self._acquire, life.raise_if_closed)
+                results = path.run_fused(inputs, seq, self._acquire, life.slow_output,
+                                         min(RECHECK, life.sync_s))
+            except DeviceTimeoutError as exc:   # the device stalled: abandoned, as below
+                self._abandon_fused(path, inputs, seq, t_received, exc, finish=False)
+                self._completion.stall()
+                completion.record_error(exc)
+                raise
             except (RingInvalidatedError, ShmError, OSError, InvalidStateError,
                     SequenceMismatchError) as exc:
                 if path.fused_taken < 0 and isinstance(exc, _WRITE_ERRORS):   # laying
@@ -340,7 +372,7 @@ class Submission:
         return results
 
     def _abandon_fused(self, path: TransferPath, inputs: dict[str, np.ndarray], seq: int,
-                       t_received: int, exc: BaseException) -> None:
+                       t_received: int, exc: BaseException, finish: bool = True) -> None:
         """``run_fused``'s transfer ``seq`` was abandoned by ``exc`` (lock held) while
         laying (``path.fused_taken`` -1) or after reading that many outputs: it becomes an
         in-flight transfer of a request nobody waits for, completed if half laid, whose
@@ -367,4 +399,5 @@ class Submission:
             return
         self._writing = tr
         self._completion.register(tr)
-        self._finish_writing(path)
+        if finish:        # else (a stalled device) the next submitter finishes it
+            self._finish_writing(path)

@@ -435,13 +435,14 @@ class TransferPath:
 
     # ------------------------------------------------------------------ fused
     def run_fused(self, inputs: dict[str, np.ndarray], seq: int, acquire: Acquire,
-                  closed: Callable[[], None]) -> dict[str, np.ndarray]:
+                  slow: Callable[[float], None], slice_s: float) -> dict[str, np.ndarray]:
         """``lay_whole`` + ``take`` of a plain one-transfer request, number ``seq``, on an
         idle replica (``fusable``; the caller holds the submit lock and checked it is
         idle): every input Lay.WRITE (or FROZEN), every output Take.READ into a new array.
 
-        ``closed()`` is called while an output is long in coming: it raises if the
-        replica closed. How far it got is ``fused_taken``: -1 while laying, then the
+        ``slow(since)`` is called each ``slice_s`` an output is long in coming (``since``:
+        when the wait began, monotonic): it raises if the replica closed or the device
+        made no progress for too long. How far it got is ``fused_taken``: -1 while laying, then the
         outputs read (what an interrupted caller abandons)."""
         self.fused_taken = -1
         tag = seq << SEQ_SHIFT      # TAG_DATA, numbered
@@ -463,12 +464,14 @@ class TransferPath:
         for o in self.outputs.values():
             ring = o.ring
             t0 = 0 if ring.readable() else self.await_output(ring)
+            since = 0.0
             while True:
                 try:
-                    data, got = ring.read(RECHECK)   # no redirects: never TAG_SHARED
+                    data, got = ring.read(slice_s)   # no redirects: never TAG_SHARED
                     break
-                except RingTimeoutError:   # a long computation, or closed?
-                    closed()
+                except RingTimeoutError:   # a long computation, closed, or a stalled device?
+                    since = since or time.monotonic() - slice_s
+                    slow(since)
             if got != tag:
                 raise self.mismatch(o.name, got, seq)
             self.waited(t0)
