@@ -746,9 +746,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pool", action="store_true",
                         help="owned by a daemon (--host-pid): hosts change through HOST messages")
     a = parser.parse_args(argv)
+    settings = IpuSettings.current()   # its launch's, from its environment
     logging.basicConfig(
-        level=IpuSettings.current().device_log_level,
+        level=settings.device_log_level,
         format=f"%(asctime)s ipu{a.ipu_id}[{os.getpid()}] %(levelname)s %(name)s: %(message)s")
+    _log.debug("settings: %s", settings)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the host decides when we stop
     opts = DeviceOptions(control=a.control, events=a.events, host_pid=a.host_pid,
                          ipu_id=a.ipu_id, ipu_version=a.ipu_version, tiles_per_ipu=a.tiles,
