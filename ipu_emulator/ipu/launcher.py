@@ -7,9 +7,10 @@ process (:mod:`ipu_emulator.ipu.forkserver`: pre-started, numpy and onnxruntime
 already imported), or, with the setting ``forkserver`` off, started as a fresh
 ``python -m ipu_emulator`` with ``subprocess``; the host itself never forks
 (it is threaded). The launch's settings (``IpuSettings``, or the host's, which
-extend them) go into the process's environment, where it reads them. The host talks to the device only through the two
-rings; the handle adds liveness (``alive()``, ``describe_exit()``) and a
-polite-then-forceful ``shutdown()``.
+extend them) go into the process's environment, where it reads them when it
+starts. The host talks to the device only through the two rings; the handle
+adds liveness (``alive()``, ``describe_exit()``) and a polite-then-forceful
+``shutdown()``.
 
 The rest of the host depends only on what :class:`IpuConnection` lists, so a
 daemon that keeps IPU processes warm can later hand out connections to
