@@ -133,6 +133,18 @@ def test_a_device_manager_given_settings_starts_its_ipu_processes_with_them(mode
         assert len(_settings_lines(pid)) == 1
 
 
+def test_a_daemon_made_under_an_override_gives_it_to_its_pool(tmp_path):
+    from ipu_emulator.daemon.server import Daemon
+    from ipu_emulator.system import SystemConfig
+
+    system = SystemConfig(num_ipus=2, home=str(tmp_path))
+    with settings.override(daemon_handover_timeout=3, device_spin_us=1):
+        daemon = Daemon(system, str(tmp_path / "d.sock"))
+    assert daemon.settings.daemon_handover_timeout == 3.0
+    assert [(i.settings, i.handover_timeout) for i in daemon.ipus] == [(daemon.settings, 3.0)] * 2
+    assert Daemon(system, str(tmp_path / "e.sock")).ipus[0].handover_timeout == 30.0
+
+
 def test_a_daemons_ipu_runs_with_the_daemons_settings(tmp_path):
     mine = IpuSettings().replace(forkserver=False, device_log_level="DEBUG",
                                  daemon_handover_timeout=7)
