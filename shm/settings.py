@@ -13,10 +13,11 @@ environment for them:
 
 - ``Cls.current()`` is the object for now: ``os.environ`` (an unset or empty
   variable means the default), then the overrides of :func:`override` on top.
-  It is cached by the variables' texts, so it costs a few microseconds; an
-  object that needs knobs takes it once, when it is made (a ring, an IPU
-  process, a device, a session, a runner, a daemon), and passes it to what it
-  makes, so that a runner made under an override keeps it for its whole life.
+  It is cached by the variables' texts, so it costs one look-up per variable
+  (about 10 us for all of them, no parsing); an object that needs knobs takes it
+  once, when it is made (a ring, an IPU process, a device, a session, a runner,
+  a daemon), and passes it to what it makes, so that a runner made under an
+  override keeps it for its whole life.
   Nothing reads a knob per request, and no module keeps one in a constant.
 - ``Cls.read(name)`` is one knob, now: for the knobs marked ``when=EACH_USE``,
   which select the machine (its home, its shared-memory tag, its daemon...) and
