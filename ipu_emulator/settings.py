@@ -48,8 +48,9 @@ class IpuSettings(ShmSettings):
         "(for measurements)", when=_IPU)
     keep_apart: bool = knob(
         True, "IPU_EMULATOR_KEEP_APART", flag,
-        "`0`: an IPU process no longer moves off the CPU of the host thread that submits "
-        "requests while it serves them", when=_IPU)
+        "`0`: the scheduler alone places IPU processes (else a busy one holds a CPU of its "
+        "own, one per CPU machine-wide, off the CPU of the host thread that submits its "
+        "requests)", when=_IPU)
     forkserver: bool = knob(
         True, "IPU_EMULATOR_FORKSERVER", flag,
         "`0`: start every IPU process as a fresh `python -m ipu_emulator` instead of forking "

@@ -41,12 +41,15 @@ from host_runtime.devices.link import DeviceLink, StreamServicer
 from host_runtime._fork import check_owner
 from host_runtime._lifetime import close_owned
 from host_runtime.devices._shm_space import translated
-from host_runtime.errors import BadRequestError, DeviceUnavailableError, InvalidStateError
+from host_runtime.errors import (BadRequestError, DeviceUnavailableError, InvalidStateError,
+                                 ResourceLimitError)
 from host_runtime.popef.model import Model
 from host_runtime.settings import HostSettings
+from ipu_emulator.ipu.forkserver import SPAWN_TIMEOUT
 from ipu_emulator.ipu.launcher import IpuConnection, IpuSpec, kill_all, launch_ipu, shutdown_all
 from ipu_emulator.system import (IpuLocks, SystemConfig, SystemConfigError, device_groups,
                                  emulator_home, load_system_config)
+from shm import OutOfFileDescriptorsError
 
 __all__ = [
     "DeviceWaitStrategy",
@@ -491,8 +494,12 @@ class DeviceManager:
                 self._system = load_system_config()
         except SystemConfigError as exc:
             raise BadRequestError(str(exc)) from exc
+        # the launch's wait for the fork server is a host call: bounded by the host sync
+        # timeout too
         self._launcher = (launcher if launcher is not None
-                          else functools.partial(launch_ipu, settings=self.settings))
+                          else functools.partial(launch_ipu, settings=self.settings,
+                                                 spawn_wait=min(SPAWN_TIMEOUT,
+                                                                self.settings.host_sync_timeout)))
 
     @property
     def system(self) -> SystemConfig:
@@ -734,7 +741,10 @@ class DeviceManager:
         """Hold ``ipus`` exclusively, or ``{ipu: holder pid or None}`` of the busy ones."""
         if self._daemon is not None:
             return self._daemon.try_attach(device_id, ipus)
-        return IpuLocks.try_acquire(self._system.lock_dir, ipus)
+        try:
+            return IpuLocks.try_acquire(self._system.lock_dir, ipus)
+        except OutOfFileDescriptorsError as exc:
+            raise ResourceLimitError(f"cannot attach ipus {list(ipus)}: {exc}") from exc
 
     def _machine_device(self, device_id: int, ipus: tuple[int, ...],
                         locks: IpuLocks | DaemonAttachment) -> Device:

@@ -56,9 +56,12 @@ import threading
 import time
 from typing import Any
 
+from shm.liveness import describe_process
+
 from ipu_emulator.errors import ForkserverError, describe_returncode
 
-__all__ = ["spawn", "stop", "ForkedProcess", "ForkserverError", "IMPORT_TIME_ENV"]
+__all__ = ["spawn", "stop", "ForkedProcess", "ForkserverError", "IMPORT_TIME_ENV",
+           "SPAWN_TIMEOUT"]
 
 _log = logging.getLogger("ipu_emulator.ipu.forkserver")
 
@@ -68,6 +71,9 @@ agree with the template on these to be forked from it. No setting of ours is one
 (tests/unit/test_settings.py checks that no module reads a setting at import)."""
 
 _START_TIMEOUT = 120.0
+SPAWN_TIMEOUT = 30.0
+"""Seconds a launch waits at most for the template to fork (the launcher bounds it by the
+host sync timeout too); past it the IPU process is started fresh."""
 STATUS_LOST = 255
 """The return code of an IPU process that exited after its template died (the status
 went with the template); ``ForkedProcess.status_lost`` tells it apart."""
@@ -108,6 +114,8 @@ class _Template:
         self.children: set[int] = set()
         self.lost: set[int] = set()   # exited after the template died: status unknown
         self.gone = False
+        self.stalled = False   # a spawn went unanswered: no more launches through it
+        self._abandoned: set[int] = set()
         self._ids = 0
         self._send_lock = threading.Lock()
         # One thread reads what the template sends (replies, exits) and wakes the waiters:
@@ -143,6 +151,10 @@ class _Template:
                     if msg["op"] == "exit":
                         self.exits[msg["pid"]] = msg["code"]
                         self.children.discard(msg["pid"])
+                    elif msg["id"] in self._abandoned:
+                        self._abandoned.discard(msg["id"])
+                        if "pid" in msg:   # forked as the deadline passed: not ours now
+                            _kill(int(msg["pid"]))
                     else:
                         self._replies[msg["id"]] = msg
                 self._cv.notify_all()
@@ -161,20 +173,32 @@ class _Template:
             self._cv.wait_for(lambda: ident in self._replies or self.gone, timeout)
             return self._replies.pop(ident, None)
 
-    def spawn(self, argv: list[str], env: dict[str, str], log_path: str | None) -> int:
+    def spawn(self, argv: list[str], env: dict[str, str], log_path: str | None,
+              wait: float) -> int:
         with self._send_lock:
             self._ids += 1
             ident = self._ids
+            # the template forks nothing past this (CLOCK_MONOTONIC is the machine's):
+            # a request the host gave up on must never become a second IPU process on the
+            # rings of the one started fresh in its place
             data = json.dumps({"op": "spawn", "id": ident, "argv": argv, "env": env,
-                               "log": log_path, "cwd": os.getcwd()}).encode() + b"\n"
+                               "log": log_path, "cwd": os.getcwd(),
+                               "deadline": time.monotonic() + wait}).encode() + b"\n"
             try:
                 self.sock.sendall(data)
             except OSError as exc:
                 raise ForkserverError(f"the template process (pid {self.pid}) is gone: "
                                       f"{exc}") from exc
-        reply = self._wait_reply(ident, 30.0)
+        reply = self._wait_reply(ident, wait)
         if reply is None:
-            raise ForkserverError(f"the template process (pid {self.pid}) did not fork")
+            with self._cv:
+                reply = self._replies.pop(ident, None)
+                if reply is None:
+                    self._abandoned.add(ident)   # a late child is killed (_read)
+                    self.stalled = True          # later launches start a new template
+            if reply is None:
+                raise ForkserverError(f"the template process ({describe_process(self.pid)}) "
+                                      f"did not fork within {wait:g} s")
         if "pid" not in reply:
             raise ForkserverError(f"the template process could not fork: {reply.get('message')}")
         pid = int(reply["pid"])
@@ -241,7 +265,7 @@ def _get_template(env: dict[str, str], log_dir: str | None) -> _Template | None:
         if _broken:
             return None
         t = _templates.get(key)
-        if t is not None and (t.gone or t.popen.poll() is not None):
+        if t is not None and (t.gone or t.stalled or t.popen.poll() is not None):
             if not t.children:
                 t.stop()
             del _templates[key]
@@ -344,14 +368,22 @@ class ForkedProcess:
 
 
 def spawn(argv: list[str], env: dict[str, str], log_path: str | None,
-          log_dir: str | None) -> ForkedProcess | None:
-    """Fork ``python -m ipu_emulator <argv>`` from the template; None if it cannot be used
-    for this launch (a template could not start, or too many import-time environments).
-    The caller decides whether to use the template at all (the setting ``forkserver``)."""
+          log_dir: str | None, wait: float = SPAWN_TIMEOUT) -> ForkedProcess | None:
+    """Fork ``python -m ipu_emulator <argv>`` from the template, waiting ``wait`` s at most
+    (ForkserverError past it); None if it cannot be used for this launch (a template could
+    not start, or too many import-time environments). The caller decides whether to use
+    the template at all (the setting ``forkserver``)."""
     template = _get_template(env, log_dir)
     if template is None:
         return None
-    return ForkedProcess(template, template.spawn(argv, env, log_path))
+    return ForkedProcess(template, template.spawn(argv, env, log_path, wait))
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _describe(rc: int | None) -> str:
@@ -449,6 +481,9 @@ def _serve(sock: socket.socket, host_pid: int) -> int:
         *lines, buf = buf.split(b"\n")
         for line in lines:
             req = json.loads(line)
+            if time.monotonic() > req.get("deadline", float("inf")):
+                send({"op": "error", "id": req["id"], "message": "the host gave up waiting"})
+                continue
             sys.stdout.flush()
             sys.stderr.flush()
             try:

@@ -319,11 +319,14 @@ def _rotate(path: str) -> None:
 
 def launch_ipu(spec: IpuSpec, *, log_dir: str | None = None,
                extra_env: dict[str, str] | None = None, pool: bool = False,
-               settings: IpuSettings | None = None) -> IpuProcess:
+               settings: IpuSettings | None = None,
+               spawn_wait: float = forkserver.SPAWN_TIMEOUT) -> IpuProcess:
     """Create the rings and start one IPU process; does not wait for it to be ready.
 
     ``pool``: the caller is a daemon that hands the process to hosts (``HOST`` messages).
     ``settings``: the knobs the process runs with (default ``IpuSettings.current()``).
+    ``spawn_wait``: seconds to wait for the fork server to fork it (a host passes its host
+    sync timeout, if lower); past it the process is started fresh.
     """
     s = settings if settings is not None else IpuSettings.current()
     control = Ring.create(ipu_protocol.CONTROL_SLOT_SIZE, ipu_protocol.CONTROL_SLOTS, kind="ctl",
@@ -360,7 +363,7 @@ def launch_ipu(spec: IpuSpec, *, log_dir: str | None = None,
         popen: Any = None
         if s.forkserver:
             try:
-                popen = forkserver.spawn(argv, env, log_path, log_dir)
+                popen = forkserver.spawn(argv, env, log_path, log_dir, spawn_wait)
             except (forkserver.ForkserverError, OSError) as exc:
                 _log.warning("%s; starting IPU processes without the template", exc)
         if popen is None:
