@@ -20,12 +20,12 @@ import numpy as np
 
 from shm import ExitWatch, PeerDiedError, Ring, describe_process
 
-from host_runtime._deadline import host_sync_timeout
 from host_runtime.errors import (DeviceLostError, DeviceTimeoutError, InvalidStateError,
                                  ModelRuntimeError)
 from host_runtime.runner._batching import TensorSpec
 from host_runtime.runner._transfer import PathOptions, TransferPath
 from host_runtime.runner._requests import raisable
+from host_runtime.settings import HostSettings
 
 __all__ = ["ReplicaLife", "ReplicaSession", "DirectPath", "DeviceProcesses", "SaveFn"]
 
@@ -78,7 +78,8 @@ class ReplicaLife:
     def __init__(self, rid: int, open_session: Callable[[], ReplicaSession],
                  inputs: dict[str, TensorSpec], outputs: dict[str, TensorSpec],
                  frozen: dict[str, np.ndarray], dynamic: bool, batch: int, options: PathOptions,
-                 auto_reset: bool, on_lost: Callable[[ModelRuntimeError], None]) -> None:
+                 auto_reset: bool, on_lost: Callable[[ModelRuntimeError], None],
+                 settings: HostSettings) -> None:
         self.rid = rid
         self._open_session = open_session
         self._inputs, self._outputs = inputs, outputs
@@ -95,7 +96,7 @@ class ReplicaLife:
         self._close_lock = threading.Lock()
         self._pids = ExitWatch()       # the device's IPU processes (pidfds)
         self._pids_exact = False       # ... every one of them watched by a pidfd
-        self.sync_s = host_sync_timeout()   # the bound on a wait for a device's progress
+        self.sync_s = settings.host_sync_timeout   # the bound on a wait for a device's progress
 
     def open(self) -> TransferPath:
         """Attach and load: a session, its rings, Main started in a loop."""

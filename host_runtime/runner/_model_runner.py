@@ -29,8 +29,6 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
-from shm.settings import current
-
 from host_runtime import popef
 from host_runtime._fork import check_owner, current_pid, foreign
 from host_runtime._lifetime import close_owned
@@ -44,6 +42,7 @@ from host_runtime.runner._sessions import ReplicaSessions
 from host_runtime.runner._requests import OutputFuture
 from host_runtime.runner.config import DataDesc, ModelRunnerConfig
 from host_runtime.runner.monitoring import RequestMonitor
+from host_runtime.settings import HostSettings
 
 if TYPE_CHECKING:  # pragma: no cover
     # host_runtime.runner.runner_metrics imports prometheus_client (~60 ms): metrics_collector()
@@ -109,6 +108,10 @@ class ModelRunner:
         if not isinstance(cfg, ModelRunnerConfig):
             raise BadRequestError(f"config must be a ModelRunnerConfig, got {type(cfg).__name__}")
         cfg.validate()
+        # the settings now (environment, override blocks): the runner keeps them for its life
+        self._settings = HostSettings.current()
+        # the settings now (environment, override blocks): the runner keeps them for its life
+        self._settings = settings = HostSettings.current()
         self._config = cfg.copy()
         # The caller reads the save programs' outputs from its own dict after close().
         self._config.replica_to_save_programs_outputs = cfg.replica_to_save_programs_outputs
@@ -117,10 +120,10 @@ class ModelRunner:
         self._call_locks: list[threading.RLock] = (
             [threading.RLock() for _ in range(cfg.replication_factor)] if cfg.thread_safe else [])
         self._layout = lay = ModelLayout(self._model, cfg)
-        self._intake = RequestIntake(lay, cfg.validate_io_params, current().runner_plain)
+        self._intake = RequestIntake(lay, cfg.validate_io_params, settings.runner_plain)
         self._monitors = [RequestMonitor(cfg.request_tracepoints_buffer_size)
                           for _ in range(cfg.replication_factor)]
-        self._sessions = sessions = ReplicaSessions(self._model, self._config, lay)
+        self._sessions = sessions = ReplicaSessions(self._model, self._config, lay, settings)
         self._closed = False
         try:
             sessions.attach_devices()

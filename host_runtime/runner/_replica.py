@@ -47,7 +47,6 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from shm import Ring
-from shm.settings import settings
 
 from host_runtime._lifetime import weak_method
 from host_runtime.errors import ModelRuntimeError
@@ -62,6 +61,7 @@ from host_runtime.runner._transfer import PathOptions
 from host_runtime.runner.config import FlushCallback
 from host_runtime.runner.monitoring import RequestMonitor
 from host_runtime.session import DROP_STOP_TIMEOUT
+from host_runtime.settings import HostSettings
 
 __all__ = ["Replica", "ReplicaSession", "ReplicaSetup", "SaveFn"]
 
@@ -85,6 +85,7 @@ class ReplicaSetup:
     watchdog: bool                          # flush partials even when nobody waits
     intake: RequestIntake                   # makes the flush callback's data a request
     options: PathOptions                    # the fast paths taken
+    settings: HostSettings                  # the runner's (taken when it was made)
 
 
 class Replica:
@@ -105,7 +106,7 @@ class Replica:
         self._life = life = ReplicaLife(
             rid, setup.open_session, setup.inputs, setup.outputs, setup.frozen_main,
             setup.dynamic, setup.batch, setup.options, setup.auto_reset,
-            on_lost=weak_method(self._lost))
+            on_lost=weak_method(self._lost), settings=setup.settings)
         self._completion = completion = Completion(life, timers, setup.monitor)
         self._submission = Submission(life, completion, timers, setup.monitor, setup.dynamic,
                                       setup.batch)
@@ -187,4 +188,4 @@ class Replica:
             return
         self._completion.close_all(life.closed_error())
         self._timers.close()
-        life.close(save, DROP_STOP_TIMEOUT if dropped else settings().stop_timeout)
+        life.close(save, DROP_STOP_TIMEOUT if dropped else self.setup.settings.stop_timeout)

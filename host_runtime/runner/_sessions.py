@@ -25,7 +25,7 @@ from host_runtime.runner.config import ModelRunnerConfig
 from host_runtime.runner.monitoring import RequestMonitor
 from host_runtime.session import LaunchPolicy, Session, SessionConfig
 from host_runtime.session.predicates import PopefDataUsagePolicy
-from shm.settings import current
+from host_runtime.settings import HostSettings
 
 __all__ = ["ReplicaSessions"]
 
@@ -35,8 +35,10 @@ _MAX = 2**63 - 1
 class ReplicaSessions:
     """Sessions for the replicas of one runner (see the module docstring)."""
 
-    def __init__(self, model: popef.Model, cfg: ModelRunnerConfig, layout: ModelLayout) -> None:
+    def __init__(self, model: popef.Model, cfg: ModelRunnerConfig, layout: ModelLayout,
+                 settings: HostSettings) -> None:
         self._model = model
+        self._settings = settings   # the runner's (taken when it was made)
         self._config = cfg
         self._layout = layout
         self._attached: dict[int, Device] = {}
@@ -70,8 +72,8 @@ class ReplicaSessions:
             open_session=functools.partial(self.open_session, rid),
             watchdog=not cfg.flush_on_waiting_outputs,
             intake=intake,
-            options=PathOptions(fused=current().runner_fused,
-                                small_io=current().runner_small_io))
+            options=PathOptions.of(self._settings),
+            settings=self._settings)
 
     def attach_devices(self) -> None:
         """Attach the devices of every replica that has none in replica_to_device at once.
@@ -85,7 +87,7 @@ class ReplicaSessions:
                 if cfg.replica_to_device.get(r) is None]
         if len(need) < 2:
             return
-        devices = DeviceManager().get_devices_all_or_none(
+        devices = DeviceManager(settings=self._settings).get_devices_all_or_none(
             self._model, len(need), cfg.device_wait_config or DeviceWaitConfig())
         self._attached = dict(zip(need, devices))
 
@@ -103,7 +105,7 @@ class ReplicaSessions:
                            check_package_hash=bool(cfg.check_package_hash),
                            wait_config=cfg.device_wait_config or DeviceWaitConfig(),
                            max_look_ahead=cfg.max_look_ahead,
-                           ring_depth=self.ring_depths())
+                           ring_depth=self.ring_depths(), settings=self._settings)
         s = Session(self._model, sc)
         try:
             for name, value in frozen_load.items():

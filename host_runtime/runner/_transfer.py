@@ -51,13 +51,13 @@ from typing import Callable, NamedTuple, Optional
 import numpy as np
 
 from shm import Ring, RingTimeoutError
-from shm.settings import settings
 from shm.spin import NEVER, spin_until, us_to_ns
 
 from host_runtime.errors import SequenceMismatchError
 from host_runtime.memory import PARALLEL_MIN_BYTES, SHARED_MIN_BYTES, copy_bytes, shared_location
 from host_runtime.runner._batching import TensorSpec
 from host_runtime.runner._requests import Request, Transfer
+from host_runtime.settings import HostSettings
 from ipu_emulator.ipu_protocol import (SEQ_SHIFT, TAG_KIND_MASK, TAG_SHARED,
                                        host_memory_descriptor)
 
@@ -68,14 +68,7 @@ READ_MAX = 4096
 """Outputs up to this size (bytes) are read with ring.read() (a copy, then the slot is free)."""
 RECHECK = 1.0
 """Seconds a wait with no deadline at all sleeps before it looks whether the replica closed."""
-_SPIN_NS = us_to_ns(settings().runner_spin_us)
-"""Longest poll of an output ring before blocking (0: never poll); see await_output."""
-_YIELDED_NS = us_to_ns(settings().yielded_us, NEVER)
-"""A sched_yield() that took longer (ns) ran another task on this vCPU; see await_output."""
 _ONE_CPU = len(os.sched_getaffinity(0)) < 2
-"""On one CPU a poll that finds the CPU shared blocks instead. On several the IPU
-process moves off the host's CPU (ipu_emulator.ipu._placement), and blocking would only
-let the wake-up put the host back beside it."""
 
 Acquire = Callable[[Ring], memoryview]
 """A free slot of a ring; the caller's way of making room while it is full (it drains)."""
@@ -140,10 +133,18 @@ def _bytes_view(arr: np.ndarray) -> memoryview:
 
 
 class PathOptions(NamedTuple):
-    """The fast paths a runner takes (settings read when it is made)."""
+    """The fast paths a runner takes and how it polls (its settings, taken when it is made)."""
 
     fused: bool = True
     small_io: bool = True
+    spin_us: float = 100.0      # runner_spin_us: longest poll of an output ring (0: never)
+    yielded_us: float = 5.0     # yielded_us: a sched_yield() that took longer ran another
+                                # task on this CPU (0: never give up)
+
+    @staticmethod
+    def of(settings: HostSettings) -> "PathOptions":
+        return PathOptions(settings.runner_fused, settings.runner_small_io,
+                           settings.runner_spin_us, settings.yielded_us)
 
 
 class _In(NamedTuple):
@@ -195,6 +196,11 @@ class TransferPath:
         self.fused_taken = 0             # outputs run_fused has read (-1: still writing)
         self.t_laid = 0                  # when run_fused had written its inputs (perf_counter ns)
         self._wait_est_ns = 0            # moving estimate of an output wait (see await_output)
+        self._spin_ns = us_to_ns(options.spin_us)
+        # on one CPU a poll that finds the CPU shared blocks instead. On several the IPU
+        # process moves off the host's CPU, and blocking would only let the wake-up put
+        # the host back beside it
+        self._yielded_ns = us_to_ns(options.yielded_us, NEVER) if _ONE_CPU else NEVER
 
     def hint_thread(self, tid: int) -> None:
         """Tell the IPU process which thread submits (ipu_emulator.ipu._placement)."""
@@ -345,10 +351,11 @@ class TransferPath:
         VMs the wake-up puts it on the IPU process's CPU, where the two then take turns.
         """
         t0 = time.perf_counter_ns()
-        if _SPIN_NS and self._wait_est_ns <= 3 * _SPIN_NS:
+        spin = self._spin_ns
+        if spin and self._wait_est_ns <= 3 * spin:
             # yields to the IPU process if it shares this vCPU; on one CPU a long yield
             # means it does: block instead, so that the scheduler can move one of us
-            spin_until(ring.readable, _SPIN_NS, _YIELDED_NS if _ONE_CPU else NEVER)
+            spin_until(ring.readable, spin, self._yielded_ns)
         return t0
 
     def waited(self, t0: int) -> None:
@@ -357,7 +364,7 @@ class TransferPath:
             self._wait_est_ns = (7 * self._wait_est_ns) >> 3
         else:   # each sample capped: an idle spell must not turn polling off for long
             self._wait_est_ns = (7 * self._wait_est_ns
-                                 + min(time.perf_counter_ns() - t0, 4 * _SPIN_NS)) >> 3
+                                 + min(time.perf_counter_ns() - t0, 4 * self._spin_ns)) >> 3
 
     def take(self, tr: Transfer, timeout: float) -> None:
         """Read ``tr``'s outputs into its requests' memory (RingTimeoutError after
