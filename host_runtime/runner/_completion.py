@@ -25,7 +25,7 @@ from host_runtime.errors import InvalidStateError, ModelRuntimeError, SequenceMi
 from host_runtime.runner._life import ReplicaLife
 from host_runtime.runner._replica_timers import ReplicaTimers
 from host_runtime.runner._requests import Request, Transfer
-from host_runtime.runner._transfer import RECHECK, consumed_from
+from host_runtime.runner._transfer import consumed_from
 from host_runtime.runner.monitoring import RequestMonitor
 
 __all__ = ["Completion"]
@@ -268,7 +268,7 @@ class Completion:
     def _slice(self) -> float:
         """How long a wait with no deadline blocks before it looks around (closed? a
         stalled device?)."""
-        return min(RECHECK, self._life.sync_s)
+        return self._life.wait_slice
 
     def _drain(self, tr: Transfer, timeout: float) -> None:
         """Read ``tr``'s outputs into its requests' memory and complete what finished."""

@@ -23,7 +23,7 @@ from shm import ExitWatch, PeerDiedError, Ring, describe_process
 from host_runtime.errors import (DeviceLostError, DeviceTimeoutError, InvalidStateError,
                                  ModelRuntimeError)
 from host_runtime.runner._batching import TensorSpec
-from host_runtime.runner._transfer import PathOptions, TransferPath
+from host_runtime.runner._transfer import RECHECK, PathOptions, TransferPath
 from host_runtime.runner._requests import raisable
 from host_runtime.settings import HostSettings
 
@@ -97,6 +97,7 @@ class ReplicaLife:
         self._pids = ExitWatch()       # the device's IPU processes (pidfds)
         self._pids_exact = False       # ... every one of them watched by a pidfd
         self.sync_s = settings.host_sync_timeout   # the bound on a wait for a device's progress
+        self.wait_slice = min(RECHECK, self.sync_s)   # an untimed wait looks around this often
 
     def open(self) -> TransferPath:
         """Attach and load: a session, its rings, Main started in a loop."""
