@@ -110,8 +110,11 @@ class CallbackSession:
 
         self.mr = mr
         model = popef.load_model([spec["model"]])
-        shape = tuple(model.metadata.anchor("tensor_A").tensorInfo().shape())
-        self.w = np.frombuffer(model.tensorData("weights").data, np.float32).reshape(shape)
+        anchor, data = model.metadata.anchor("tensor_A"), model.tensorData("weights")
+        if anchor is None or data is None:
+            raise ValueError(f"{spec['model']}: not the example model (tensor_A, weights)")
+        shape = tuple(anchor.tensorInfo().shape())
+        self.w: np.ndarray = np.frombuffer(data.data, np.float32).reshape(shape)
         self.device = mr.DeviceManager().getDevice(1)
         try:
             self.session = mr.Session(spec["model"])
