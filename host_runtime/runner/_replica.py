@@ -637,7 +637,10 @@ class Replica:
             "interrupted it while it was sent"))
         req.dests = {}
         if self._writing is not None:
-            self._finish_writing()
+            try:
+                self._finish_writing()
+            except (ShmError, OSError):   # the device is gone: the next request hears it
+                pass
 
     def _abandon_idle(self, inputs: dict[str, np.ndarray], seq: int, written: bool,
                       read: int, t_received: int, exc: BaseException) -> None:
@@ -666,7 +669,10 @@ class Replica:
         with self._cv_lock:
             self._inflight.append(tr)
         if not written:
-            self._finish_writing()
+            try:
+                self._finish_writing()
+            except (ShmError, OSError):   # the device is gone: the next request hears it
+                pass
 
     def _published_in(self, ring: Ring, seq: int) -> bool:
         """Whether the last transfer published on input ``ring`` is number ``seq``."""
