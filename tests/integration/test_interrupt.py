@@ -29,8 +29,8 @@ the interrupt came), never an answer."""
 
 
 def run_program(model_path: str, how: str, seconds: float = 2.0,
-                socket: str | None = None) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+                socket: str | None = None, **extra: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), **extra)
     env.pop(wire.ENV_VAR, None)
     if socket is not None:
         env[wire.ENV_VAR] = socket
@@ -58,6 +58,11 @@ def test_sigint_every_50_ms_into_a_loop_gives_no_wrong_answer(model_path, how):
 
 def test_sigint_every_50_ms_through_the_daemon_gives_no_wrong_answer(model_path, daemon):
     check(run_program(model_path, "mixed", socket=daemon.socket))
+
+
+def test_sigint_every_50_ms_with_the_rings_pure_python_path(model_path):
+    """The rings' Python path (no C core) keeps a token an interrupted call took."""
+    check(run_program(model_path, "mixed", IPU_EMULATOR_RING_C="0"))
 
 
 CALLBACK_ERROR = re.compile(
