@@ -53,6 +53,14 @@ that the slot's ``seq`` is the one it expects, which catches any protocol
 violation (two producers, a reset under a live peer) instead of returning
 stale bytes.
 
+Interrupts: an exception a signal handler raises may end a call anywhere. A
+token a wait took is never lost with it: the C core checks for a pending
+signal after its wait and gives the token back before it raises; the Python
+path banks the token in the same C call that takes it and uses it up in the
+same step as it moves the ring's counter, so an interrupted call leaves it to
+the next one. ``last_read_tag()`` says whether an interrupted read consumed its
+message.
+
 ``invalidate()`` stores ``invalid`` and then posts both semaphores once, so a
 waiter on either side wakes at once, sees the flag and raises
 :class:`RingInvalidatedError`; every later call raises it too until
