@@ -92,12 +92,13 @@ def main(path: str, seconds: float, how: str) -> None:
         except KeyboardInterrupt:
             counts["interrupted"] += 1
     stop.set()
-    sender.join()
-    # a SIGINT sent just before the sender stopped may still be on its way
-    try:
-        time.sleep(0.2)
-    except KeyboardInterrupt:
-        counts["interrupted"] += 1
+    while True:
+        try:
+            sender.join()
+            break
+        except KeyboardInterrupt:   # one sent just before the sender stopped
+            counts["interrupted"] += 1
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # and one still on its way is dropped
     for j, fut in pending:
         check_future(j, fut)
     after = 0
