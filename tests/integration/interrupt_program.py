@@ -67,9 +67,11 @@ def main(path: str, seconds: float, how: str) -> None:
     end = time.monotonic() + seconds
     i = 0
     sender.start()
-    while time.monotonic() < end:
-        i += 1
-        try:
+    while True:
+        try:      # an interrupt may land anywhere in the loop, its test included
+            if time.monotonic() >= end:
+                break
+            i += 1
             use_async = how == "async" or (how == "mixed" and i % 3 == 0)
             if pending and i % 5 == 0:
                 j, fut = pending.pop()
