@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from typing import Callable
 
 from shm import Ring, RingInvalidatedError, RingTimeoutError, ShmError
 
@@ -55,6 +56,8 @@ class Completion:
         self.stalled = False    # a wait gave up on the device (host sync timeout), no
                                 # transfer has completed since
         self._drained = 0       # transfers completed (progress, for the host sync timeout)
+        # Submission.try_finish (held weakly): lay an interrupted writer's transfer
+        self.finish_unfinished: Callable[[Transfer], bool] | None = None
 
     # -- what submitters tell (with the submit lock held) --------------------------------
     def register(self, tr: Transfer) -> None:
@@ -139,7 +142,7 @@ class Completion:
             wait = min(wait, end - now)
         self._waiters += 1
         try:
-            self._cv.wait(self._slice() if wait == _INF else wait)
+            self._cv.wait(self._life.wait_slice if wait == _INF else wait)
         finally:
             self._waiters -= 1
         return True
@@ -185,7 +188,7 @@ class Completion:
                     # _drive_step's common case, inline: no timer, no deadline, the
                     # oldest transfer is on the device: drain it
                     try:
-                        self._drain(head, self._slice())
+                        self._drain(head, self._life.wait_slice)
                     except RingTimeoutError:
                         pass
                     except _LOST as exc:
@@ -246,7 +249,9 @@ class Completion:
         limit = min(self._timer_due(), _INF if end is None else end)
         with self._lock:
             head = self.inflight[0] if self.inflight else None
-            if head is None or not head.published:
+            unfinished = (head is not None and not head.published and head is not self.open
+                          and self._life.error is None)
+            if (head is None or not head.published) and not unfinished:
                 if self._life.error is not None and head is not None:
                     self.inflight.popleft()
                     return
@@ -254,21 +259,29 @@ class Completion:
                 if wait > 0 or limit == _INF:
                     self._waiters += 1
                     try:
-                        self._cv.wait(self._slice() if limit == _INF else wait)
+                        self._cv.wait(self._life.wait_slice if limit == _INF else wait)
                     finally:
                         self._waiters -= 1
                 return
+        assert head is not None   # (unfinished, or published: see above)
+        if unfinished:
+            # being laid, or its writer was interrupted and nobody submits: finish it here
+            finish = self.finish_unfinished
+            if finish is None or not finish(head):
+                with self._lock:      # a submitter lays it: it notifies once published
+                    if not head.published:
+                        self._waiters += 1
+                        try:
+                            self._cv.wait(_RETRY * 10)
+                        finally:
+                            self._waiters -= 1
+            return
         try:
-            self._drain(head, self._slice() if limit == _INF else max(0.0, limit - now))
+            self._drain(head, self._life.wait_slice if limit == _INF else max(0.0, limit - now))
         except RingTimeoutError:
             return
         except _LOST as exc:
             self.fail_all(self._life.translate(exc))
-
-    def _slice(self) -> float:
-        """How long a wait with no deadline blocks before it looks around (closed? a
-        stalled device?)."""
-        return self._life.wait_slice
 
     def _drain(self, tr: Transfer, timeout: float) -> None:
         """Read ``tr``'s outputs into its requests' memory and complete what finished."""

@@ -110,6 +110,7 @@ class Replica:
         self._completion = completion = Completion(life, timers, setup.monitor)
         self._submission = Submission(life, completion, timers, setup.monitor, setup.dynamic,
                                       setup.batch)
+        completion.finish_unfinished = weak_method(self._submission.try_finish)
         self.driver: Driver = completion
         """What the requests of this replica wait on (``Request.driver``)."""
         # the hot calls, bound once (one call frame less; neither refers back to self)

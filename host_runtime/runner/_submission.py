@@ -56,8 +56,9 @@ _ROOM_WAIT = 0.05
 _WRITE_ERRORS = (ShmError, OSError)
 
 
-class Submission:
-    """The submit side of one replica (see the module docstring)."""
+class _Submitter:
+    """The submit lock, the replica made ready for a request, free input slots: what every
+    way of submitting needs (``Submission`` is the ways)."""
 
     def __init__(self, life: ReplicaLife, completion: Completion, timers: ReplicaTimers,
                  monitor: RequestMonitor, dynamic: bool, batch: int) -> None:
@@ -127,6 +128,9 @@ class Submission:
         if isinstance(err, DeviceLostError):
             self._completion.fail_all(err)
         return err
+
+class Submission(_Submitter):
+    """The submit side of one replica (see the module docstring)."""
 
     # ------------------------------------------------------------------ submit
     def submit(self, req: Request, transfers: int, phantom: str | None = None) -> None:
@@ -220,8 +224,8 @@ class Submission:
             self._writing = tr
             inflight.append(tr)
             path.lay_whole(tr, req, t, transfers, redirects, self._acquire)
-            self._writing = None
             completion.published(tr)
+            self._writing = None    # last: an interrupt before it leaves this to be finished
 
     # -- abandoned requests (see the module docstring) ---------------------------------
     def _abandon_request(self, req: Request, exc: BaseException) -> None:
@@ -251,8 +255,24 @@ class Submission:
         req, t = tr.segments[0][0], tr.segments[0][1]
         path.lay_whole(tr, req, t, len(req.outputs_per_transfer), [], self._acquire,
                        resume=True)
-        self._writing = None
         self._completion.published(tr)
+        self._writing = None    # last: an interrupt before it leaves this to be finished
+
+    def try_finish(self, tr: Transfer) -> bool:
+        """A drainer found ``tr`` at the head, unpublished: if its writer was interrupted
+        (``_writing``) and nobody submits, finish it; False if a submitter holds the lock
+        (it lays or finishes it)."""
+        if not self.lock.acquire(False):
+            return False
+        try:
+            path = self._life.path
+            if self._writing is tr and path is not None and self._life.error is None:
+                self._finish_writing(path)
+        except _WRITE_ERRORS as exc:
+            self._completion.fail_all(self._life.translate(exc))
+        finally:
+            self.lock.release()
+        return True
 
     # -- dynamic batching --------------------------------------------------------------
     def _pack(self, path: TransferPath, req: Request) -> None:
@@ -286,8 +306,8 @@ class Submission:
     def _seal(self, path: TransferPath, tr: Transfer, pad: bool) -> None:
         self._writing = tr           # idempotent (see TransferPath.seal)
         path.seal(tr, pad)
-        self._writing = None
         self._completion.publish_open(tr)
+        self._writing = None    # last: an interrupt before it leaves this to be finished
 
     def try_publish_partial(self, tr: Transfer, extra: Request | None) -> bool:
         """The timers flush ``tr`` (with ``extra`` samples packed first), padded with
@@ -403,4 +423,7 @@ class Submission:
         self._writing = tr
         self._completion.register(tr)
         if finish:        # else (a stalled device) the next submitter finishes it
-            self._finish_writing(path)
+            try:
+                self._finish_writing(path)
+            except (ShmError, OSError):   # the device is gone: the next request hears it
+                pass

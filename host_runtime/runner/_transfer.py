@@ -466,6 +466,13 @@ class TransferPath:
             except RingTimeoutError:               # full: as lay_input does
                 self.lay_input(i, arr, Lay.COPY, 0, tag, [], acquire)
         self.t_laid = time.perf_counter_ns()
+        return self.take_fused(seq, slow, slice_s)
+
+    def take_fused(self, seq: int, slow: Callable[[float], None], slice_s: float
+                   ) -> dict[str, np.ndarray]:
+        """``run_fused``'s reading: each output of transfer ``seq`` (Take.READ) into a new
+        array; ``fused_taken`` counts them."""
+        tag = seq << SEQ_SHIFT
         results = {}
         self.fused_taken = 0
         for o in self.outputs.values():
