@@ -22,13 +22,23 @@ def test_cpu_field_is_read_after_the_command_name(tmp_path):
 def test_moves_off_the_hosts_cpu_and_gives_the_affinity_back(monkeypatch):
     allowed = os.sched_getaffinity(0)
     monkeypatch.setattr(_placement, "PERIOD", 0.0)
-    apart = KeepApart(os.getpid())     # this thread is its own "host": always shared
+    # Where the host's thread and this one last ran, as /proc would tell: set here, since
+    # the scheduler may move a thread between any two reads of the real files.
+    host, other = min(allowed), max(allowed)
+    where = {"host": host, "mine": host}
+    monkeypatch.setattr(_placement, "_cpu_of", lambda path: where[
+        "mine" if path == "/proc/thread-self/stat" else "host"])
+    apart = KeepApart(os.getpid())
     try:
         assert apart.enabled
-        cpu = _cpu_of("/proc/thread-self/stat")
+        apart.check()                 # on the host's CPU: moves off it
+        assert os.sched_getaffinity(0) == allowed - {host}
+        where["mine"] = other
+        apart.check()                 # apart: the whole affinity back
+        assert os.sched_getaffinity(0) == allowed
+        where["mine"] = host
         apart.check()
-        now = os.sched_getaffinity(0)
-        assert cpu not in now and now == allowed - {cpu}
+        assert os.sched_getaffinity(0) == allowed - {host}
         apart.release()
         assert os.sched_getaffinity(0) == allowed
     finally:
