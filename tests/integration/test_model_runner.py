@@ -290,9 +290,9 @@ def test_replication_two_replicas(model_runner, model_path, weights):
             got = np.frombuffer(result["tensor_C"], np.float32).reshape(SHAPE)
             np.testing.assert_allclose(got, a * weights + b, rtol=1e-6)
         futs = [(pair(), rid) for rid in (0, 1, 1, 0)]
-        running = [(a, b, r.executeAsync({"tensor_A": a, "tensor_B": b}, replica_id=rid))
+        pending = [(a, b, r.executeAsync({"tensor_A": a, "tensor_B": b}, replica_id=rid))
                    for (a, b), rid in futs]
-        for a, b, fut in running:
+        for a, b, fut in pending:
             np.testing.assert_allclose(fut["tensor_C"], a * weights + b, rtol=1e-6)
         counts = [r.getMonitoringStatisticsTotalCount({}, replica_id=i)[
             "request_monitoring_statistics_count"] for i in range(2)]

@@ -21,7 +21,6 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-import psutil
 import pytest
 
 # In-process runs (runpytest) forget the modules they imported; onnx's extension must not be
@@ -31,6 +30,7 @@ import host_runtime.poprt.compiler  # noqa: F401
 import ipu_emulator.compiler  # noqa: F401
 import onnx  # noqa: F401
 import tools.generate_simple_popef  # noqa: F401
+from tests._helpers import running
 from tests.daemon_rig import REPO, DaemonRig, shm_entries
 
 pytest_plugins = ["pytester"]
@@ -362,8 +362,7 @@ def test_one_daemon_is_shared_by_two_workers_and_gone_at_the_end(pytester, tmp_p
     assert len(seen) == 2
     assert seen[0] == seen[1], f"the workers used different daemons: {seen}"
     pid = seen[0]["daemon"]
-    gone = not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    assert gone, f"the daemon (pid {pid}) still runs after the test run"
+    assert not running(pid), f"the daemon (pid {pid}) still runs after the test run"
     assert not os.path.exists(seen[0]["socket"])
     assert not os.path.exists(os.path.dirname(seen[0]["socket"])), "the run's home is left"
 
