@@ -13,6 +13,11 @@ Every Python waiter that polls before it blocks does it with :func:`spin_until`:
 - ``host_runtime.runner._replica.Replica._spin`` (the host waiting for an
   output; budget ``Settings.runner_spin_us``).
 
+Every poll starts with ``HOT_NS`` of polling without yields: the peer runs on
+another CPU (the IPU process keeps off its host thread's) and its answer, when
+near, is seen at once instead of on a yield's return (measured: a [1,4] execute
+/ in-process onnxruntime went from 1.39 to 1.25).
+
 The last two also keep a moving estimate of their recent waits and do not poll
 while waits are much longer than the budget (an idle or slow peer must not cost
 a core), and they yield the CPU between polls: a ``sched_yield`` that takes
@@ -27,7 +32,10 @@ import os
 import time
 from typing import Any, Callable
 
-__all__ = ["NEVER", "spin_until", "us_to_ns"]
+__all__ = ["NEVER", "HOT_NS", "spin_until", "us_to_ns"]
+
+HOT_NS = 4000
+"""The first nanoseconds of a poll, which do not yield the CPU between polls."""
 
 NEVER = 1 << 62
 """A ``shared_ns`` that no yield reaches: never give up because the CPU is shared."""
@@ -47,7 +55,16 @@ def spin_until(ready: Callable[[], Any], budget_ns: int, shared_ns: int = NEVER,
     calling ``on_shared()`` if given.
     """
     clock = time.perf_counter_ns
-    stop = clock() + budget_ns
+    start = clock()
+    stop = start + budget_ns
+    # the first HOT_NS without yields: an answer that near is seen at once, where a
+    # yield (a system call) would see it only on return
+    hot = min(stop, start + HOT_NS)
+    while not ready():
+        if clock() >= hot:
+            break
+    else:
+        return True
     if not yield_cpu:
         while not ready():
             if clock() >= stop:

@@ -196,7 +196,7 @@ class DeviceProcess:
             try:
                 return fn(self._slice)
             except RingTimeoutError:
-                pass
+                self._apart.release()   # idle for a slice: its CPU is free for others
             except RingInvalidatedError:
                 # A host that stops invalidates the streams after sending STOP (or
                 # SHUTDOWN) to wake this wait at once: the control message wins.
