@@ -73,7 +73,6 @@ import numpy as np
 
 from shm import (ExitWatch, PeerDiedError, Ring, RingInvalidatedError, RingTimeoutError, ShmError,
                  WouldBlock)
-from shm.settings import settings
 from shm.spin import NEVER, spin_until, us_to_ns
 
 from host_runtime.errors import (DeviceLostError, DeviceTimeoutError, InvalidStateError,
@@ -86,6 +85,7 @@ from host_runtime.runner._requests import Request, Transfer, raisable
 from host_runtime.runner.config import FlushCallback
 from host_runtime.runner.monitoring import RequestMonitor
 from host_runtime.session import DROP_STOP_TIMEOUT
+from host_runtime.settings import HostSettings
 from ipu_emulator.ipu_protocol import (SEQ_SHIFT, TAG_KIND_MASK, TAG_SHARED,
                                        host_memory_descriptor)
 
@@ -94,10 +94,6 @@ __all__ = ["Replica", "ReplicaSession", "ReplicaSetup", "SaveFn"]
 _log = logging.getLogger(__name__)
 
 _SLICE = 0.25          # seconds between re-checks of a blocked drain
-_SPIN_NS = us_to_ns(settings().runner_spin_us)
-"""Longest poll of an output ring before blocking (0: never poll); see Replica._spin."""
-_YIELDED_NS = us_to_ns(settings().yielded_us, NEVER)
-"""A sched_yield() that took longer (ns) ran another task on this vCPU; see Replica._spin."""
 _ONE_CPU = len(os.sched_getaffinity(0)) < 2
 _native_id = threading.get_native_id
 """On one CPU a poll that finds the CPU shared blocks instead. On several the IPU
@@ -178,6 +174,7 @@ class ReplicaSetup:
     watchdog: bool                          # flush partials even when nobody waits
     make_flush_request: MakeFlushRequest    # flush_callback result -> request
     merge_phantom: MergePhantom             # -> transfers once complete
+    settings: HostSettings                  # the runner's (taken when it was made)
 
 
 class Replica:
@@ -205,6 +202,10 @@ class Replica:
         self._pids = ExitWatch()       # the device's IPU processes (pidfds)
         self._pids_exact = False       # ... every one of them watched by a pidfd
         self._wait_est_ns = 0          # moving estimate of an output wait (see _spin)
+        # longest poll of an output ring before blocking (0: never poll), and a
+        # sched_yield() that took longer ran another task on this vCPU: see _spin
+        self._spin_ns = us_to_ns(setup.settings.runner_spin_us)
+        self._yielded_ns = us_to_ns(setup.settings.yielded_us, NEVER)
         # the device waits for the first input Main reads (setup.inputs is in read order);
         # frozen ones are always there
         waits_for = next((n for n in setup.inputs if n not in setup.frozen_main), "")
@@ -394,7 +395,7 @@ class Replica:
             return
         try:
             healthy = self._error is None and s.direct.failure() is None
-            limit = DROP_STOP_TIMEOUT if dropped else settings().stop_timeout
+            limit = DROP_STOP_TIMEOUT if dropped else self.setup.settings.stop_timeout
             if save is not None and healthy:
                 try:
                     s.direct.stop_main_loop(limit)      # stays runnable, device memory kept
@@ -604,7 +605,7 @@ class Replica:
         expect = seq << SEQ_SHIFT   # TAG_DATA: nothing is redirected on this path
         for name, ring, shape, dtype in self._out_plan:
             t0 = time.perf_counter_ns()
-            if not ring.readable() and _SPIN_NS:
+            if not ring.readable() and self._spin_ns:
                 self._spin(ring)
             while True:
                 try:
@@ -616,7 +617,7 @@ class Replica:
             if tag != expect:
                 raise self._mismatch(name, tag, seq)
             self._wait_est_ns = (7 * self._wait_est_ns
-                                 + min(time.perf_counter_ns() - t0, 4 * _SPIN_NS)) >> 3
+                                 + min(time.perf_counter_ns() - t0, 4 * self._spin_ns)) >> 3
             # writable, over a copy of the message (cheaper than np.empty and a copy)
             results[name] = np.ndarray(shape, dtype, bytearray(data))
 
@@ -1031,12 +1032,12 @@ class Replica:
                     self._wait_est_ns = (7 * self._wait_est_ns) >> 3   # a wait of ~0
                 else:
                     t0 = time.perf_counter_ns()
-                    if _SPIN_NS:
+                    if self._spin_ns:
                         self._spin(ring)
                     view, tag = ring.read(timeout) if small else ring.acquire_read(timeout)
                     # each sample capped: an idle spell must not turn polling off for long
                     self._wait_est_ns = (7 * self._wait_est_ns
-                                         + min(time.perf_counter_ns() - t0, 4 * _SPIN_NS)) >> 3
+                                         + min(time.perf_counter_ns() - t0, 4 * self._spin_ns)) >> 3
                 if tag >> SEQ_SHIFT != seq:
                     if not small:
                         ring.release()
@@ -1106,12 +1107,13 @@ class Replica:
         With a 30 us budget that happened in 1 block of 10 even with the IPU process
         moving off the host's CPU (ipu_emulator.ipu._placement); with 100 us, in none of 30.
         """
-        if self._wait_est_ns > 3 * _SPIN_NS:
+        spin_ns = self._spin_ns
+        if self._wait_est_ns > 3 * spin_ns:
             return
         # yields to the IPU process if it shares this vCPU; on one CPU a long yield means
         # it does: block instead, so that a wake-up lets the scheduler put one of us on an
         # idle vCPU
-        spin_until(ring.readable, _SPIN_NS, _YIELDED_NS if _ONE_CPU else NEVER)
+        spin_until(ring.readable, spin_ns, self._yielded_ns if _ONE_CPU else NEVER)
 
     @staticmethod
     def _copy_out(tr: Transfer, spec: TensorSpec, view: memoryview | bytes,

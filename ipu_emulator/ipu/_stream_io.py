@@ -21,7 +21,6 @@ import time
 from typing import Any, Callable, Protocol, TypeVar
 
 from shm import Region, Ring, RingInvalidatedError, RingTimeoutError
-from shm.settings import settings
 from shm.spin import NEVER, spin_until, us_to_ns
 
 from ipu_emulator.ipu._host_memory import HostMemory, HostMemoryError
@@ -29,6 +28,7 @@ from ipu_emulator.ipu._iteration import (HOST_TAG, SLOT_TAG, INPUT_TAGS, InActio
                                             IterationNumber, SequenceMismatch, StreamPlan,
                                             make_step, numbered, plan_stream)
 from ipu_emulator.ipu_protocol import TAG_KIND_MASK, ErrorKind, Message, Op
+from ipu_emulator.settings import IpuSettings
 
 _T = TypeVar("_T")
 
@@ -48,9 +48,6 @@ class StreamHost(Protocol):
 
 __all__ = ["_Loaded", "_RequestError", "_RingIO", "_Stream"]
 
-_SPIN_NS = us_to_ns(settings().device_spin_us)
-"""Longest poll of an empty input ring before blocking (0: never poll); see _RingIO._wait_read."""
-_YIELDED_NS = us_to_ns(settings().yielded_us, NEVER)
 _BACKOFF_POLLS = 8
 """Polls skipped (blocking at once) after one whose yield ran another task (see _poll)."""
 
@@ -138,6 +135,11 @@ class _RingIO:
         self._loaded = loaded
         self.disconnected = False   # a stream ring was invalidated (the host disconnected it)
         self._wait_est_ns = 0       # moving estimate of input waits (see _wait_read)
+        s = IpuSettings.current()   # this process's (its launch's)
+        # longest poll of an empty input ring before blocking (0: never poll); see _wait_read
+        self._spin_ns = _spin_ns = us_to_ns(s.device_spin_us)
+        self._yielded_ns = us_to_ns(s.yielded_us, NEVER)
+        self._cap_ns = 4 * _spin_ns
         self._skip_polls = 0        # polls still to skip after a shared vCPU (see _poll)
         self._held_in: dict[str, Ring] = {}        # zero-copy inputs acquired, not released
         self._lent_out: dict[str, _Stream] = {}    # zero-copy outputs acquired, not published
@@ -241,8 +243,8 @@ class _RingIO:
         Waking a process that sleeps on a semaphore costs ~15-25 us on this project's
         VMs, on both sides (the host's post becomes a futex wake of an idle vCPU). When
         recent waits were short (a host sending requests back to back) the next input
-        is likely within _SPIN_NS: poll for it. A moving estimate of the waits (each
-        capped at 4 x _SPIN_NS, so that an idle spell is forgotten after a few quick
+        is likely within _spin_ns: poll for it. A moving estimate of the waits (each
+        capped at 4 x _spin_ns, so that an idle spell is forgotten after a few quick
         requests) turns polling off while inputs come slower than twice the budget, so an
         idle or slow host does not lose a core to this process. (Twice: waits that block
         include the wake-up, so a threshold of one budget could keep polling off for a
@@ -258,13 +260,14 @@ class _RingIO:
             except RingTimeoutError:
                 pass
         got = self._dev.wait_on(ring.acquire_read)
-        self._wait_est_ns = (7 * self._wait_est_ns + min(clock() - t0, 4 * _SPIN_NS)) >> 3
+        self._wait_est_ns = (7 * self._wait_est_ns + min(clock() - t0, self._cap_ns)) >> 3
         return got
 
     def _poll(self, ready: Callable[[], Any]) -> bool:
-        """Poll ``ready()`` for up to _SPIN_NS while recent waits were short (see
+        """Poll ``ready()`` for up to _spin_ns while recent waits were short (see
         _wait_read); True once it is true, False if this process should block instead."""
-        if not _SPIN_NS or self._wait_est_ns > 2 * _SPIN_NS:
+        spin_ns = self._spin_ns
+        if not spin_ns or self._wait_est_ns > 2 * spin_ns:
             return False
         if self._skip_polls:
             self._skip_polls -= 1
@@ -272,8 +275,8 @@ class _RingIO:
         # yields to the host if it shares this vCPU; a long yield means it does: block
         # instead (unless keeping apart), the wake-up lets the scheduler move one of us to
         # an idle vCPU (two polling processes on one vCPU are never separated)
-        shared = NEVER if self._dev.keeps_apart else _YIELDED_NS
-        return spin_until(ready, _SPIN_NS, shared, on_shared=self._back_off)
+        shared = NEVER if self._dev.keeps_apart else self._yielded_ns
+        return spin_until(ready, spin_ns, shared, on_shared=self._back_off)
 
     def _back_off(self) -> None:
         """A poll's yield ran another task: skip the next polls too. On a busy machine,
