@@ -53,6 +53,14 @@ that the slot's ``seq`` is the one it expects, which catches any protocol
 violation (two producers, a reset under a live peer) instead of returning
 stale bytes.
 
+Interrupts: an exception a signal handler raises may end a call anywhere. A
+token a wait took is never lost with it: the C core checks for a pending
+signal after its wait and gives the token back before it raises; the Python
+path banks the token in the same C call that takes it and uses it up in the
+same step as it moves the ring's counter, so an interrupted call leaves it to
+the next one. ``last_read_tag()`` says whether an interrupted read consumed its
+message.
+
 ``invalidate()`` stores ``invalid`` and then posts both semaphores once, so a
 waiter on either side wakes at once, sees the flag and raises
 :class:`RingInvalidatedError`; every later call raises it too until
@@ -107,7 +115,9 @@ the loop is ``shm.spin.spin_until``, mirrored by ``spin`` in the C core.
 
 from __future__ import annotations
 
+import collections
 import logging
+import operator
 import os
 import struct
 import weakref
@@ -165,6 +175,8 @@ _MAX_SLOTS = 1 << 20
 _GENERAL, _NO_TOKEN, _TOKEN = -1, -2, -3
 _C_METHODS = ("write", "acquire_write", "try_acquire_write", "publish", "acquire_read",
               "try_acquire_read", "release", "read", "readable", "writable")
+_consume: Any = collections.deque(maxlen=0).extend
+"""Runs an iterator to its end in C (see Ring._acquire_token)."""
 _FREE_SUFFIX = ".free"
 _FULL_SUFFIX = ".full"
 
@@ -245,6 +257,11 @@ class Ring:
         # longest spin before blocking (0 disables spinning) and its floor; see _spin
         self._spin_max_ns = self._spin_ns = spin_max = us_to_ns(s.ring_spin_us)
         self._spin_min_ns = spin_min = min(_SPIN_MIN_NS, spin_max)
+        # Tokens the pure-Python path took from a semaphore and has not used yet (see
+        # _acquire_token): one is left when an exception interrupts a call between its wait
+        # and its use of the slot, and the next call uses it instead of waiting.
+        self._spare_full: list[None] = []
+        self._spare_free: list[None] = []
         # The C core's methods shadow the hot methods on this instance (see the
         # module docstring); None: the Python path does everything.
         self._core: Any = None
@@ -454,7 +471,7 @@ class Ring:
                         return
                     continue
                 try:
-                    sem.acquire(wait)
+                    self._acquire_token(sem, wait)
                     return
                 except (posix_ipc.BusyError, posix_ipc.SignalError):
                     pass
@@ -462,16 +479,30 @@ class Ring:
             exc.__suppress_context__ = True
             raise
 
+    def _acquire_token(self, sem: posix_ipc.Semaphore, timeout: float) -> None:
+        """``sem.acquire(timeout)``; without the C core the token is also banked in
+        ``_spare_full``/``_spare_free`` within the same C call (``_consume`` of a ``map``),
+        so that an exception raised as the wait returns (a signal handler's, checked at
+        the end of each call) cannot lose it. Whoever uses the slot takes it from the bank
+        in the same step (no call between) as it moves the ring's counter."""
+        if self._core is not None:
+            sem.acquire(timeout)
+            return
+        spare = self._spare_full if sem is self._full else self._spare_free
+        _consume(map(spare.append, map(operator.call, (sem.acquire,), (timeout,))))
+
     def _wait(self, sem: posix_ipc.Semaphore, timeout: float | None, what: str) -> None:
         """Take one token of ``sem`` (the Python path's wait)."""
         if self._w[_INVALID]:
             self._raise_if_unusable()
+        if (self._spare_full if sem is self._full else self._spare_free):
+            return    # one taken by a call an exception interrupted before it used it
         first = (WAIT_SLICE if timeout is None or timeout >= WAIT_SLICE
                  else timeout if timeout > 0 else 0)
         if self._spin_ns and not sem.value:
             self._spin(sem)
         try:
-            sem.acquire(first)
+            self._acquire_token(sem, first)
         except posix_ipc.BusyError:
             self._wait_slow(sem, timeout, what, first)
         except posix_ipc.SignalError:
@@ -482,8 +513,10 @@ class Ring:
     def _try(self, sem: posix_ipc.Semaphore, what: str) -> None:
         if self._w[_INVALID]:
             self._raise_if_unusable()
+        if (self._spare_full if sem is self._full else self._spare_free):
+            return    # one taken by a call an exception interrupted before it used it
         try:
-            sem.acquire(0)
+            self._acquire_token(sem, 0)
         except posix_ipc.BusyError:
             raise WouldBlock(f"ring {self._name}: no {what} ({self._occupancy()})") from None
         if self._w[_INVALID]:
@@ -513,6 +546,9 @@ class Ring:
         w = self._w
         if w[_INVALID]:
             self._raise_if_unusable()
+        spare = self._spare_free
+        if spare:              # (no call from here to the store: see _acquire_token)
+            del spare[-1]
         w[_HELD] = 1
         return self._payload[w[_PUBLISHED] % self._num_slots][:]
 
@@ -528,6 +564,9 @@ class Ring:
 
     def _took_write(self) -> None:
         w = self._w
+        spare = self._spare_free
+        if spare:              # (no call from here to the store: see _acquire_token)
+            del spare[-1]
         w[_HELD] = 1
         if not self._is_producer:
             self._is_producer = True
@@ -580,6 +619,9 @@ class Ring:
         i = k % self._num_slots
         self._payload[i][:n] = data
         base = self._slot_word[i]
+        spare = self._spare_free
+        if spare:              # (no call from here to the store: see _acquire_token)
+            del spare[-1]
         w[base] = k + 1
         w[base + 1] = n
         w[base + 2] = tag
@@ -630,6 +672,9 @@ class Ring:
             raise ShmError(f"ring {self._name}: slot {i} claims {nbytes} bytes; "
                            f"slot size is {self._slot_size}")
         tag = w[_READ_TAG] = w[base + 2]
+        spare = self._spare_full
+        if spare:              # (no call from here to the store: see _acquire_token)
+            del spare[-1]
         w[_ACQUIRED] = k + 1
         view = self._payload[i]
         return view[:nbytes], tag
@@ -675,6 +720,9 @@ class Ring:
             self._took_read_general(k, i, base)  # raises the error
         data = self._payload[i][:nbytes].tobytes()
         tag = w[_READ_TAG] = w[base + 2]
+        spare = self._spare_full
+        if spare:              # (no call from here to the store: see _acquire_token)
+            del spare[-1]
         w[_ACQUIRED] = w[_RELEASED] = k + 1
         self._free.release()
         return data, tag
@@ -777,6 +825,8 @@ class Ring:
                 except posix_ipc.BusyError:
                     break
         w = self._w
+        self._spare_full.clear()
+        self._spare_free.clear()
         for i in (_PUBLISHED, _HELD, _ACQUIRED, _RELEASED, _READ_TAG):
             w[i] = 0
         for base in self._slot_word:

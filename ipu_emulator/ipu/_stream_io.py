@@ -165,15 +165,16 @@ class _RingIO:
             return False
         step, inputs_there = entry
         it = self._it
-        if step.run(it.current()):
-            it.ended()
+        # (it.current() and it.ended(), written out: this is the hot path of an iteration)
+        if step.run(it.seq if it.reading else 0):
+            it.reading = False
             return True
         if inputs_there is None or inputs_there():
             return False   # the inputs are there but the step declined: the Python path
         t0 = time.perf_counter_ns()
-        if not self._poll(inputs_there) or not step.run(it.current()):
+        if not self._poll(inputs_there) or not step.run(it.seq if it.reading else 0):
             return False
-        it.ended()
+        it.reading = False
         self._wait_est_ns = (7 * self._wait_est_ns + time.perf_counter_ns() - t0) >> 3
         return True
 
