@@ -52,7 +52,7 @@ import numpy as np
 from shm import (ExitWatch, PeerDiedError, Ring, RingInvalidatedError, RingTimeoutError, ShmError,
                  WouldBlock)
 from shm.settings import settings
-from shm.spin import NEVER, spin_until, us_to_ns
+from shm.spin import NEVER, PollEstimate, us_to_ns
 
 from host_runtime.errors import (DeviceLostError, DeviceTimeoutError, InvalidStateError,
                                  ModelRuntimeError)
@@ -72,9 +72,17 @@ _log = logging.getLogger(__name__)
 
 _SLICE = 0.25          # seconds between re-checks of a blocked drain
 _SPIN_NS = us_to_ns(settings().runner_spin_us)
-"""Longest poll of an output ring before blocking (0: never poll); see Replica._spin."""
+"""Longest poll of an output ring before blocking (0: never poll; shm.spin.PollEstimate).
+
+Waking a sleeping process from another CPU costs tens of microseconds on a VM
+(measured: a [1,4] execute takes ~110 us blocking, ~70 us with a 30 us poll). The
+budget (100 us) also keeps the host where it is: a host that blocks is woken by the
+IPU process, and on this project's VMs the wake-up puts it on the IPU process's CPU,
+where the two then take turns (33-35 us per [1,4] request instead of 17-18 us). With a
+30 us budget that happened in 1 block of 10 even with the IPU process moving off the
+host's CPU (ipu_emulator.ipu._placement); with 100 us, in none of 30."""
 _YIELDED_NS = us_to_ns(settings().yielded_us, NEVER)
-"""A sched_yield() that took longer (ns) ran another task on this vCPU; see Replica._spin."""
+"""A sched_yield() that took longer (ns) ran another task on this vCPU (shm.spin)."""
 _ONE_CPU = len(os.sched_getaffinity(0)) < 2
 _native_id = threading.get_native_id
 """On one CPU a poll that finds the CPU shared blocks instead. On several the IPU
@@ -181,7 +189,9 @@ class Replica:
         self._loop: cf.Future[None] | None = None
         self._pids = ExitWatch()       # the device's IPU processes (pidfds)
         self._pids_exact = False       # ... every one of them watched by a pidfd
-        self._wait_est_ns = 0          # moving estimate of an output wait (see _spin)
+        # when to poll an output ring before blocking (see _SPIN_NS); on one CPU a poll
+        # that finds the CPU shared blocks instead, so a wake-up can separate us
+        self._est = PollEstimate(_SPIN_NS, _YIELDED_NS if _ONE_CPU else NEVER)
         # the device waits for the first input Main reads (setup.inputs is in read order);
         # frozen ones are always there
         waits_for = next((n for n in setup.inputs if n not in setup.frozen_main), "")
@@ -553,8 +563,8 @@ class Replica:
         results = {}
         for name, ring, shape, dtype in self._out_plan:
             t0 = time.perf_counter_ns()
-            if not ring.readable() and _SPIN_NS:
-                self._spin(ring)
+            if not ring.readable():
+                self._est.poll(ring.readable)
             while True:
                 try:
                     data, _tag = ring.read(_SLICE * 4)   # no redirects: never TAG_SHARED
@@ -562,8 +572,7 @@ class Replica:
                 except RingTimeoutError:   # as wait_for: a long computation, or closed?
                     if self._closed:
                         raise self._closed_error() from None
-            self._wait_est_ns = (7 * self._wait_est_ns
-                                 + min(time.perf_counter_ns() - t0, 4 * _SPIN_NS)) >> 3
+            self._est.record(time.perf_counter_ns() - t0)
             # writable, over a copy of the message (cheaper than np.empty and a copy)
             results[name] = np.ndarray(shape, dtype, bytearray(data))
         return results
@@ -840,15 +849,12 @@ class Replica:
             view: memoryview | bytes
             if ring.readable():
                 view, tag = ring.read(timeout) if small else ring.acquire_read(timeout)
-                self._wait_est_ns = (7 * self._wait_est_ns) >> 3   # a wait of ~0
+                self._est.record(0)
             else:
                 t0 = time.perf_counter_ns()
-                if _SPIN_NS:
-                    self._spin(ring)
+                self._est.poll(ring.readable)
                 view, tag = ring.read(timeout) if small else ring.acquire_read(timeout)
-                # each sample capped: an idle spell must not turn polling off for long
-                self._wait_est_ns = (7 * self._wait_est_ns
-                                     + min(time.perf_counter_ns() - t0, 4 * _SPIN_NS)) >> 3
+                self._est.record(time.perf_counter_ns() - t0)
             if small:
                 if tag != TAG_SHARED:
                     self._copy_out(tr, spec, view, dynamic)
@@ -873,29 +879,6 @@ class Replica:
             req.finish()
             if not req.internal:
                 mon.record(req.t_received, req.t_prepared, req.t_completed)
-
-    def _spin(self, ring: Ring) -> None:
-        """Poll ``ring`` briefly before blocking on its semaphore.
-
-        Waking a sleeping process from another CPU costs tens of microseconds on a
-        VM (measured: a [1,4] execute takes ~110 us blocking, ~70 us with a 30 us
-        poll). Polling only pays when the answer is near: a moving estimate of
-        how long output waits take (updated by ``_drain``) turns polling off
-        while waits are much longer than the budget (a long device computation).
-
-        The budget (100 us) also keeps the host where it is: a host that blocks is
-        woken by the IPU process, and on this project's VMs the wake-up puts it on
-        the IPU process's CPU (an idle vCPU does not look idle to the guest), where
-        the two then take turns (33-35 us per [1,4] request instead of 17-18 us).
-        With a 30 us budget that happened in 1 block of 10 even with the IPU process
-        moving off the host's CPU (ipu_emulator.ipu._placement); with 100 us, in none of 30.
-        """
-        if self._wait_est_ns > 3 * _SPIN_NS:
-            return
-        # yields to the IPU process if it shares this vCPU; on one CPU a long yield means
-        # it does: block instead, so that a wake-up lets the scheduler put one of us on an
-        # idle vCPU
-        spin_until(ring.readable, _SPIN_NS, _YIELDED_NS if _ONE_CPU else NEVER)
 
     @staticmethod
     def _copy_out(tr: Transfer, spec: TensorSpec, view: memoryview | bytes,
