@@ -54,6 +54,7 @@ from typing import Any
 
 from shm.settings import IPU_IMPORT_ENV, current
 
+from ipu_emulator import titles
 from ipu_emulator.errors import ForkserverError, describe_returncode
 
 __all__ = ["enabled", "spawn", "stop", "ForkedProcess", "ForkserverError", "IMPORT_TIME_ENV"]
@@ -400,6 +401,7 @@ def _serve(sock: socket.socket, host_pid: int) -> int:
     package_hash()
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the host decides when we stop
+    titles.set_title(titles.fork_server(host_pid))
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)

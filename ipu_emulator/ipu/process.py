@@ -57,7 +57,7 @@ from shm import (PeerDiedError, Region, Ring, RingInvalidatedError, RingTimeoutE
 from shm.cleanup import list_objects
 from shm.settings import current
 
-from ipu_emulator import package_hash, ipu_protocol
+from ipu_emulator import package_hash, ipu_protocol, titles
 from ipu_emulator.ipu._host_memory import HostMemory
 from ipu_emulator.ipu._placement import KeepApart
 from ipu_emulator.ipu._stream_io import _Loaded, _RequestError, _RingIO, _Stream
@@ -116,6 +116,10 @@ class ProcessHooks:
     unlink_on_host_gone: bool = True
     """When the host is gone, unlink every shared-memory object it (and this process)
     created; else only close this side's mappings."""
+    title: bool = False
+    """Set the process title (what ps and top show) to name this IPU and its host:
+    ``ipu-emulator: ipu 3 (host 1234)``. Only ``main()`` does: the title is the whole
+    process's, never a host's."""
 
 
 class _NeverApart:
@@ -176,6 +180,15 @@ class DeviceProcess:
         self._interpreter_cls: Any = None
         self._client = 0   # pool mode: the host the daemon handed this IPU to (0: none)
         self._client_watch: PeerWatch | None = None
+        self._set_title()
+
+    def _set_title(self) -> None:
+        """The process title (ProcessHooks.title): this IPU and the host it serves."""
+        if not self.hooks.title:
+            return
+        o = self.opts
+        titles.set_title(titles.ipu(o.ipu_id, self._client, o.host_pid) if o.pool
+                         else titles.ipu(o.ipu_id, o.host_pid))
 
     # -- wire -----------------------------------------------------------------
 
@@ -609,12 +622,14 @@ class DeviceProcess:
         self._client_watch = PeerWatch(pid) if pid > 0 else None
         self._apart.host_pid = pid or self.opts.host_pid
         self.events.set_peer(pid or self.opts.host_pid)
+        self._set_title()
         _log.info("%s now serves host %s", self._describe(), pid or "(none)")
 
     def _drop_client(self) -> None:
         """Close every executable of the current host; unlink its objects if it is dead."""
         old, self._client = self._client, 0
         self._client_watch = None
+        self._set_title()
         # what that host had queued is void; a HOST already taken off the ring still runs
         self._pending = collections.deque(m for m in self._pending if m.op is Op.HOST)
         self._stop_seq = None
@@ -755,7 +770,7 @@ def main(argv: list[str] | None = None) -> int:
                          memory_per_tile=a.memory_per_tile, num_ipus=a.num_ipus,
                          threads=a.threads, label=a.label, pool=a.pool)
     try:
-        dev = DeviceProcess(opts)
+        dev = DeviceProcess(opts, ProcessHooks(title=True))
     except Exception as exc:
         if not pid_alive(opts.host_pid):   # the host died before we could attach
             _log.info("host %d died before this IPU process started", opts.host_pid)

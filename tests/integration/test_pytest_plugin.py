@@ -273,7 +273,9 @@ def test_then_all_is_clean(ipu_machine, model_runner, path):
     import psutil
     assert ipu_machine.shm_objects() == set()
     assert [p for p in psutil.Process().children(recursive=True)
-            if p.status() != psutil.STATUS_ZOMBIE and "ipu_emulator" in p.cmdline()] == []
+            if p.status() != psutil.STATUS_ZOMBIE and ("ipu_emulator" in p.cmdline()
+                                                       or " ".join(p.cmdline()).startswith(
+                                                           "ipu-emulator: ipu "))] == []
     runner = model_runner(path)       # IPU 0 is free again
     x = np.ones((1, 4), np.float32)
     assert runner.execute({"tensor_A": x, "tensor_B": x})["tensor_C"].shape == (1, 4)
