@@ -120,12 +120,6 @@ class Settings:
         "`0`: the rings' pure-Python path instead of their C hot paths (the C extension "
         "`pip install` builds)",
         ipu=True, used_in="shm/ring.py")
-    ring_untimed_waits: bool = _knob(
-        True, "IPU_EMULATOR_RING_UNTIMED_WAITS", _flag,
-        "`0`: waits of a whole slice arm a kernel timer instead of an untimed wait woken by "
-        "`SIGRTMIN+6` (taken only on the first such wait, and only if the application has "
-        "not installed a handler for it)",
-        ipu=True, used_in="shm/ring.py")
     ring_spin_us: float = _knob(
         0.0, "IPU_EMULATOR_RING_SPIN_US", _micros,
         "a ring waiter's spin budget before it blocks, adapting (doubled on success, halved "

@@ -44,7 +44,9 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import select
 import signal
+import threading
 import time
 import traceback
 from dataclasses import dataclass, replace
@@ -53,7 +55,8 @@ from typing import Any, Callable
 import posix_ipc
 
 from shm import (PeerDiedError, Region, Ring, RingInvalidatedError, RingTimeoutError, ShmError,
-                 PeerWatch, WouldBlock, naming, pid_alive)
+                 PeerWatch, WaitInterrupted, WouldBlock, naming, pid_alive)
+from shm import ring as ring_waits
 from shm.cleanup import list_objects
 from shm.settings import current
 
@@ -69,9 +72,10 @@ __all__ = ["DeviceOptions", "DeviceProcess", "ProcessHooks"]
 _log = logging.getLogger("ipu_emulator.ipu.process")
 _monotonic = time.monotonic
 
-_SLICE = 0.1      # seconds between STOP checks while a program waits on a stream
-# the same for one IPU of several: when another IPU's program fails, the host stops this
-# one (STOP), and a wait on a host ring sees it only at the end of a slice
+_SLICE = 0.1      # seconds between STOP checks while a program waits on a stream, when the
+# host is not watched by a thread (a loopback device: ProcessHooks.host_alive)
+# one IPU of several: when another IPU's program fails, the host stops this one (STOP) and
+# wakes the IPU-Links only, so a wait on a host ring sees it at the end of a slice
 _GROUP_SLICE = 0.01
 _HOST_CHECK = 0.25  # seconds between checks that the host is alive
 _CACHE = 4        # loaded executables kept per device (sessions sharing it)
@@ -176,10 +180,15 @@ class DeviceProcess:
         self._active: _Loaded | None = None
         self._stop_seq: int | None = None
         self._stop_soft = False   # STOP with value 1: end the running loop, stay runnable
-        self._slice = _SLICE      # of wait_on (shorter for one IPU of several)
         self._interpreter_cls: Any = None
         self._client = 0   # pool mode: the host the daemon handed this IPU to (0: none)
         self._client_watch: PeerWatch | None = None
+        # A thread of this process blocked on the host's (and client's) pidfd interrupts
+        # every ring wait when one exits: the waits need no periodic wake. Without it
+        # (a loopback device, or no pidfds) they check in slices.
+        self._watch = _HostWatch.start(opts.host_pid) if hooks.host_alive is None else None
+        self._wait_slice: float | None = None if self._watch is not None else _SLICE
+        self._slice: float | None = self._wait_slice   # of wait_on (see _run)
         self._set_title()
 
     def _set_title(self) -> None:
@@ -196,13 +205,15 @@ class DeviceProcess:
         ipu_protocol.send(self.events, msg)
 
     def wait_on(self, fn: Any) -> Any:
-        """Call a blocking ring operation in slices, checking the control ring and the host
-        between them."""
+        """Call a blocking ring operation until it is done, checking the control ring and
+        the host when it is woken (or between slices, see _SLICE)."""
         while True:
             try:
                 return fn(self._slice)
             except RingTimeoutError:
                 pass
+            except WaitInterrupted:
+                self._interrupted()
             except RingInvalidatedError:
                 # A host that stops invalidates the streams after sending STOP (or
                 # SHUTDOWN) to wake this wait at once: the control message wins.
@@ -210,6 +221,13 @@ class DeviceProcess:
                 raise
             self._check_host()
             self.poll_control()
+
+    def _interrupted(self) -> None:
+        """A ring wait was interrupted (_HostWatch): raise _HostGone or _ClientGone, or,
+        if neither is gone (a stale wake), let the waits block again."""
+        self._next_host_check = 0.0
+        self._check_host()
+        ring_waits.resume_all()
 
     def _check_host(self) -> None:
         """Raise _HostGone if the host died (at most one real check per _HOST_CHECK s).
@@ -267,9 +285,12 @@ class DeviceProcess:
             return self._pending.popleft()
         while True:
             try:
-                return ipu_protocol.receive(self.control, timeout=_HOST_CHECK)
+                return ipu_protocol.receive(self.control, timeout=(
+                    None if self._watch is not None else _HOST_CHECK))
             except RingTimeoutError:
                 self._check_host()
+            except WaitInterrupted:
+                self._interrupted()
 
     # -- main loop --------------------------------------------------------------
 
@@ -294,6 +315,11 @@ class DeviceProcess:
                     if not (self._client and exc.pid == self._client):
                         raise
                     self._drop_client()
+                except WaitInterrupted:   # e.g. posting an event when the host died
+                    try:
+                        self._interrupted()
+                    except _ClientGone:
+                        self._drop_client()
         except _Shutdown:
             pass
         except (_HostGone, PeerDiedError):
@@ -342,7 +368,7 @@ class DeviceProcess:
             self.post(Message(Op.ERROR, seq=msg.seq,
                               body=error_body(exc.kind, str(exc), exc.tb)))
             return
-        except (_Stopped, _Shutdown, _HostGone, PeerDiedError):
+        except (_Stopped, _Shutdown, _HostGone, PeerDiedError, WaitInterrupted):
             raise
         except Exception as exc:  # a bug or a broken ring: report it, keep serving
             _log.exception("%s failed", op.name)
@@ -513,7 +539,7 @@ class DeviceProcess:
         # the host writes the id of its thread that submits into its input rings
         hinted = [st.ring for st in loaded.streams if st.direction == "in" and st.ring is not None]
         apart.hint = hinted[0].user_word if hinted else None
-        self._slice = _SLICE
+        self._slice = self._wait_slice
         if loaded.interp.executable.attributes.get("keep_apart") == "0":
             self._slice = _GROUP_SLICE
             # one IPU of several (compiler._sharding): the IPUs of a pipeline must spread
@@ -574,11 +600,12 @@ class DeviceProcess:
             finally:
                 if io._redirect or io._lent_host:   # left by a failed iteration: must not
                     io.forget_redirects()           # steer the next one
-        except (_Stopped, _Shutdown, _HostGone, PeerDiedError, _RequestError):
+        except (_Stopped, _Shutdown, _HostGone, PeerDiedError, _RequestError, WaitInterrupted):
             raise
         except Exception as exc:
             inner = _unwrap(exc)
-            if isinstance(inner, (_Stopped, _Shutdown, _HostGone, PeerDiedError, _RequestError)):
+            if isinstance(inner, (_Stopped, _Shutdown, _HostGone, PeerDiedError, _RequestError,
+                                  WaitInterrupted)):
                 raise inner from None
             raise _RequestError(ErrorKind.PROGRAM,
                                 f"program {index} failed: {type(exc).__name__}: {exc}",
@@ -620,6 +647,8 @@ class DeviceProcess:
         self.control.reset()
         self._client = pid
         self._client_watch = PeerWatch(pid) if pid > 0 else None
+        if self._watch is not None:
+            self._watch.set_client(pid)
         self._apart.host_pid = pid or self.opts.host_pid
         self.events.set_peer(pid or self.opts.host_pid)
         self._set_title()
@@ -629,6 +658,9 @@ class DeviceProcess:
         """Close every executable of the current host; unlink its objects if it is dead."""
         old, self._client = self._client, 0
         self._client_watch = None
+        if self._watch is not None:
+            self._watch.set_client(0)
+        ring_waits.resume_all()   # the waits the client's exit interrupted block again
         self._set_title()
         # what that host had queued is void; a HOST already taken off the ring still runs
         self._pending = collections.deque(m for m in self._pending if m.op is Op.HOST)
@@ -670,6 +702,68 @@ class DeviceProcess:
             removed += _unlink_ring_or_region(name)
         removed += _unlink_objects_of((host, me))
         _log.info("removed %d shared-memory objects of dead host %d", removed, host)
+
+
+class _HostWatch:
+    """A thread of the IPU process blocked on the pidfds of its host and (pool mode) the
+    host it is lent to; when one exits it interrupts every ring wait of the process
+    (``shm.ring.interrupt_all``), so the main loop blocks on its rings with no periodic
+    wake and still learns at once that its host is gone."""
+
+    def __init__(self, host_fd: int) -> None:
+        self._host_fd = host_fd
+        self._client_fd = -1
+        self._lock = threading.Lock()
+        self._wake_r, self._wake_w = os.pipe()
+        threading.Thread(target=self._run, name="ipu-host-watch", daemon=True).start()
+
+    @classmethod
+    def start(cls, host_pid: int) -> "_HostWatch | None":
+        """The watch of ``host_pid``, or None where pidfds are missing (the waits then
+        check the host in slices)."""
+        if host_pid <= 0:
+            return None
+        try:
+            return cls(os.pidfd_open(host_pid))
+        except (AttributeError, OSError):
+            return None
+
+    def set_client(self, pid: int) -> None:
+        """Watch ``pid`` as the host this IPU is lent to (0: none) instead of the last."""
+        fd = -1
+        if pid > 0:
+            try:
+                fd = os.pidfd_open(pid)
+            except OSError:   # gone already: the client check sees it
+                fd = -1
+        with self._lock:
+            old, self._client_fd = self._client_fd, fd
+        os.write(self._wake_w, b"x")   # the thread takes the new set
+        if old >= 0:
+            os.close(old)
+
+    def _run(self) -> None:
+        fired: set[int] = set()   # exits already reported (until the set changes)
+        while True:
+            with self._lock:
+                fds = [fd for fd in (self._host_fd, self._client_fd)
+                       if fd >= 0 and fd not in fired]
+            poller = select.poll()
+            poller.register(self._wake_r, select.POLLIN)
+            for fd in fds:
+                poller.register(fd, select.POLLIN)
+            try:
+                ready = poller.poll()
+            except OSError:   # a descriptor closed meanwhile by set_client: look again
+                continue
+            for fd, _ in ready:
+                if fd == self._wake_r:
+                    os.read(self._wake_r, 512)
+                    fired.clear()
+                else:
+                    fired.add(fd)
+            if any(fd != self._wake_r for fd, _ in ready):
+                ring_waits.interrupt_all()
 
 
 def _unlink_objects_of(pids: tuple[int, ...], all_tags: bool = False) -> int:
