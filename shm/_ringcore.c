@@ -43,6 +43,8 @@
 #include <fcntl.h>
 #include <pthread.h>
 #include <semaphore.h>
+#include <signal.h>
+#include <sys/types.h>
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
@@ -59,6 +61,7 @@
 #define W_HELD 9
 #define W_ACQUIRED 16
 #define W_RELEASED 17
+#define W_DOORBELL 25
 #define HEADER_SIZE 256
 #define SLOT_HEADER_SIZE 64
 
@@ -468,6 +471,9 @@ publish_slot(Core *c, int64_t nbytes, int64_t tag)
     w[W_PUBLISHED] = k + 1;
     w[W_HELD] = 0;
     sem_post(c->full_sem);
+    int64_t bell = w[W_DOORBELL];   /* the consumer asked for a signal (Ring.set_doorbell) */
+    if (bell)
+        kill((pid_t)(bell >> 8), (int)(bell & 0xFF));
 }
 
 /* The next readable slot is done with (its token was taken): acquire + release. */

@@ -22,7 +22,9 @@ Layout of the ring's region (all words little-endian int64, ``q``)::
      144     18   consumer_pid consumer       last process that acquired for reading
      192     24   user         either end     a word the ring never reads (a hint
                                           between the ends: user_word())
-     200..255     reserved
+     200     25   doorbell     consumer       pid << 8 | signal: a publish also sends
+                                          that signal (0: none; set_doorbell())
+     208..255     reserved
     ---- slots: slot i at HEADER_SIZE + i * slot_stride ------------------------
       +0          seq          producer       message number (published + 1)
       +8          nbytes       producer       bytes of payload that are valid
@@ -161,6 +163,7 @@ _MAGIC, _VERSION, _SLOT_SIZE, _NUM_SLOTS, _STRIDE, _INVALID, _GEN, _CREATOR = ra
 _PUBLISHED, _HELD, _PRODUCER_PID = 8, 9, 10
 _ACQUIRED, _RELEASED, _CONSUMER_PID = 16, 17, 18
 _USER = 24
+_DOORBELL = 25
 # Within a slot header, relative to the slot's first word.
 _SEQ, _NBYTES, _TAG = 0, 1, 2
 
@@ -655,6 +658,8 @@ class Ring:
         w[_PUBLISHED] = k + 1
         w[_HELD] = 0
         self._full.release()
+        if w[_DOORBELL]:
+            _ring_doorbell(w[_DOORBELL])
 
     def write(self, data: Any, tag: int = 0, timeout: float | None = None) -> None:
         """Acquire a slot, copy ``data`` (bytes-like, C-contiguous) into it, publish it."""
@@ -690,6 +695,8 @@ class Ring:
         if w[_HELD]:
             w[_HELD] = 0
         self._full.release()
+        if w[_DOORBELL]:
+            _ring_doorbell(w[_DOORBELL])
 
     # -- consumer -----------------------------------------------------------
 
@@ -892,6 +899,17 @@ class Ring:
         for _ in range(self._num_slots):
             self._free.release()
 
+    def set_doorbell(self, signum: int) -> None:
+        """While ``signum`` is set (0: off), every message published on this ring also
+        sends that signal to this process: for a consumer that blocks on other rings for
+        a while and must still hear this one at once (the IPU process, waiting for a
+        stream while its control ring may bring STOP). The signal's handler is the
+        consumer's business; arm it, then check :meth:`readable`, then block, so that
+        no message falls between."""
+        if not isinstance(signum, int) or not 0 <= signum < 256:
+            raise ValueError(f"signum must be an int in 0..255, got {signum!r}")
+        self._w[_DOORBELL] = (self._pid << 8 | signum) if signum else 0
+
     def user_word(self) -> int:
         """The header's user word (0 until an end sets it; see set_user_word)."""
         return int(self._w[_USER])
@@ -1005,6 +1023,14 @@ class Ring:
     def __repr__(self) -> str:
         return (f"Ring({self._name!r}, slot_size={self._slot_size}, "
                 f"num_slots={self._num_slots}, owner={self._owner})")
+
+
+def _ring_doorbell(word: int) -> None:
+    """Send the consumer the signal its doorbell word asks for (see set_doorbell)."""
+    try:
+        os.kill(word >> 8, word & 0xFF)
+    except (ProcessLookupError, PermissionError, ValueError):
+        pass   # gone: its peer checks tell
 
 
 def _close_semaphores(*sems: posix_ipc.Semaphore) -> None:

@@ -78,6 +78,7 @@ _SLICE = 0.1      # seconds between STOP checks while a program waits on a strea
 # wakes the IPU-Links only, so a wait on a host ring sees it at the end of a slice
 _GROUP_SLICE = 0.01
 _HOST_CHECK = 0.25  # seconds between checks that the host is alive
+_DOORBELL = signal.SIGUSR2   # rung by the control ring while a program waits (see wait_on)
 _CACHE = 4        # loaded executables kept per device (sessions sharing it)
 _PREFAULT_MAX = 512 * 1024   # pre-fault stream rings with transfers up to this size
 
@@ -206,10 +207,24 @@ class DeviceProcess:
 
     def wait_on(self, fn: Any) -> Any:
         """Call a blocking ring operation until it is done, checking the control ring and
-        the host when it is woken (or between slices, see _SLICE)."""
+        the host when it is woken (or between slices, see _SLICE).
+
+        Without slices, a control message wakes it through the control ring's doorbell
+        (``Ring.set_doorbell``: its publish sends ``_DOORBELL`` to this process, which
+        _HostWatch turns into an interrupt of the waits), and the host's exit through
+        _HostWatch."""
+        bell = self._slice is None and self._watch is not None
         while True:
             try:
-                return fn(self._slice)
+                if not bell:
+                    return fn(self._slice)
+                self.control.set_doorbell(_DOORBELL)
+                try:
+                    if self.control.readable():   # came before the doorbell was armed
+                        raise RingTimeoutError("a control message is waiting")
+                    return fn(None)
+                finally:
+                    self.control.set_doorbell(0)
             except RingTimeoutError:
                 pass
             except WaitInterrupted:
@@ -225,9 +240,9 @@ class DeviceProcess:
     def _interrupted(self) -> None:
         """A ring wait was interrupted (_HostWatch): raise _HostGone or _ClientGone, or,
         if neither is gone (a stale wake), let the waits block again."""
+        ring_waits.resume_all()   # first: an exit after the check below interrupts again
         self._next_host_check = 0.0
         self._check_host()
-        ring_waits.resume_all()
 
     def _check_host(self) -> None:
         """Raise _HostGone if the host died (at most one real check per _HOST_CHECK s).
@@ -715,13 +730,18 @@ class _HostWatch:
         self._client_fd = -1
         self._lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        # the control ring's doorbell: the signal's number lands in the pipe (written by
+        # the interpreter's own C handler, so it is never lost between a check and a wait)
+        signal.signal(_DOORBELL, lambda signum, frame: None)
+        signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         threading.Thread(target=self._run, name="ipu-host-watch", daemon=True).start()
 
     @classmethod
     def start(cls, host_pid: int) -> "_HostWatch | None":
-        """The watch of ``host_pid``, or None where pidfds are missing (the waits then
-        check the host in slices)."""
-        if host_pid <= 0:
+        """The watch of ``host_pid``, or None where pidfds are missing or this is not the
+        main thread (the waits then check the host and the control ring in slices)."""
+        if host_pid <= 0 or threading.current_thread() is not threading.main_thread():
             return None
         try:
             return cls(os.pidfd_open(host_pid))
@@ -738,7 +758,10 @@ class _HostWatch:
                 fd = -1
         with self._lock:
             old, self._client_fd = self._client_fd, fd
-        os.write(self._wake_w, b"x")   # the thread takes the new set
+        try:
+            os.write(self._wake_w, b"x")   # the thread takes the new set
+        except BlockingIOError:   # full: it wakes anyway
+            pass
         if old >= 0:
             os.close(old)
 
@@ -756,13 +779,17 @@ class _HostWatch:
                 ready = poller.poll()
             except OSError:   # a descriptor closed meanwhile by set_client: look again
                 continue
+            bell = False
             for fd, _ in ready:
                 if fd == self._wake_r:
-                    os.read(self._wake_r, 512)
-                    fired.clear()
+                    got = os.read(self._wake_r, 512)
+                    bell = bell or _DOORBELL in got
+                    if b"x" in got:
+                        fired.clear()
                 else:
                     fired.add(fd)
-            if any(fd != self._wake_r for fd, _ in ready):
+                    bell = True
+            if bell:
                 ring_waits.interrupt_all()
 
 
