@@ -5,8 +5,8 @@ executable that is running: it reads input transfers from, and writes output
 transfers to, the active session's stream rings, posts NEED/OUT events for
 streams in event mode, resolves inputs sent as host shared memory
 (``TAG_SHARED``) and writes redirected outputs there. While it waits for an
-input it polls briefly, then blocks in slices through ``StreamHost.wait_on``
-.
+input it polls briefly while inputs came quickly (``shm.spin.PollEstimate``),
+then blocks through ``StreamHost.wait_on``.
 
 What a transfer's tag means and what each stream does in its mode is
 ``_iteration``'s plan; ``run_group`` hands the same plan to the C step.

@@ -15,11 +15,25 @@
                                               v
     event ring    <--DONE/ERROR/NEED/OUT--  results, device-side tracebacks
 
-While a program waits on a stream it re-checks the control ring every
-``_SLICE`` seconds, so STOP interrupts a program blocked on data. The host's
-liveness is checked while idle, between those slices and between main-loop
-iterations (``getppid()`` when the host is our parent, a pid check otherwise;
-the event ring also watches the host's pid). When the host is gone this
+Idle or blocked, this process sleeps until something happens; nothing wakes
+it periodically (an idle IPU costs no CPU):
+
+- idle, it blocks on the control ring;
+- a program waiting on a stream blocks on that ring; a control message (STOP,
+  SHUTDOWN, HOST) reaches it through the control ring's doorbell
+  (``Ring.set_doorbell``: the publish sends ``_DOORBELL``), and a host that
+  stops a program also invalidates its stream rings;
+- a thread (``_HostWatch``) blocks on the pidfds of the host and, in pool
+  mode, of the host it is lent to, and interrupts every ring wait when one
+  exits (``shm.ring.interrupt_all``).
+
+Where that thread cannot run (a loopback device, or no pidfds) the waits
+re-check the control ring and the host every ``_SLICE`` seconds instead. One
+IPU of several still waits on host rings in ``_GROUP_SLICE`` slices: the host
+stops it after another IPU's failure waking its IPU-Links only. The host's
+liveness is also checked between main-loop iterations (``getppid()`` when the
+host is our parent, a pid check otherwise; the event ring also watches the
+host's pid). When the host is gone this
 process unlinks every shared-memory object it knows of plus every object of
 this tag whose name carries the host's pid, then exits: a SIGKILLed host
 leaves no IPU process and nothing in /dev/shm.
