@@ -16,7 +16,9 @@ Classes are chosen by *cause*, the way trio does it:
   descriptor left (``RLIMIT_NOFILE``, the system's file table) or a file-size
   limit (``RLIMIT_FSIZE``) below a shared-memory object's size.
 - ``DeviceUnavailableError``: no device matching the request could be attached.
-- ``DeviceLostError``: the emulated IPU process died or stopped answering.
+- ``DeviceLostError``: the emulated IPU process died or stopped answering
+  (``SequenceMismatchError``: a transfer read from the device carries another
+  request's sequence number; the streams are out of step).
 - ``DeviceTimeoutError``: a wait on a device (or on input data) timed out.
 - ``DeviceExecutionError``: the program failed on the device; ``__cause__``
   carries the device-side traceback as a ``RemoteTraceback``.
@@ -39,6 +41,7 @@ __all__ = [
     "ResourceLimitError",
     "DeviceUnavailableError",
     "DeviceLostError",
+    "SequenceMismatchError",
     "DeviceTimeoutError",
     "DeviceExecutionError",
     "PackageHashMismatchError",
@@ -128,6 +131,25 @@ class DeviceUnavailableError(ModelRuntimeError, RuntimeError):
 
 class DeviceLostError(ModelRuntimeError, RuntimeError):
     """An emulated IPU process died or stopped answering."""
+
+
+class SequenceMismatchError(DeviceLostError):
+    """A transfer read from a device's output stream carries the sequence number of
+    another transfer than the one expected: the replica's streams are out of step, so
+    no result of it can be trusted. The replica fails as a lost device does (restarted
+    by ``auto_reset``). ``expected`` and ``got`` are the two numbers."""
+
+    def __init__(self, message: str, *, expected: int = 0, got: int = 0) -> None:
+        super().__init__(message)
+        self.expected = expected
+        self.got = got
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_sequence_error, (str(self), self.expected, self.got))
+
+
+def _sequence_error(message: str, expected: int, got: int) -> SequenceMismatchError:
+    return SequenceMismatchError(message, expected=expected, got=got)
 
 
 class DeviceTimeoutError(ModelRuntimeError, TimeoutError):

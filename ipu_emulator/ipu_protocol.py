@@ -41,6 +41,16 @@ Stream modes (per anchor, set by LOAD and MODES):
 
 Input slots published with ``TAG_ABORT`` tell the device that the host could
 not produce the transfer (its callback failed): the program fails.
+
+Stream slot tags: the low ``SEQ_SHIFT`` bits are the kind (``TAG_DATA``,
+``TAG_ABORT``, ``TAG_SHARED``), the bits above them the transfer's sequence
+number (``stream_tag(kind, seq)``). The host numbers the transfers it sends
+(1, 2, ...: every input slot of one Main iteration carries the same number);
+the IPU process checks that the inputs of one iteration agree and tags every
+output it writes (output rings, IPU-to-IPU link rings) with that number; the
+host checks the number of every output it reads. Number 0 means "not
+numbered" (transfers a callback produces on a NEED event, the device asks
+for them one at a time): it agrees with any number.
 """
 
 from __future__ import annotations
@@ -67,6 +77,10 @@ __all__ = [
     "MODES",
     "TAG_DATA",
     "TAG_ABORT",
+    "TAG_SHARED",
+    "SEQ_SHIFT",
+    "TAG_KIND_MASK",
+    "stream_tag",
     "ErrorKind",
     "encode_load_spec",
     "decode_load_spec",
@@ -124,6 +138,16 @@ TAG_SHARED = 2
 """An input transfer that is not in the slot: the slot holds a HOST_MEMORY
 descriptor of where it is in a shared-memory region of the host's (memory from
 ``host_runtime.empty_shared``), and the IPU process reads it there."""
+
+SEQ_SHIFT = 8
+"""A stream slot's tag is ``kind | seq << SEQ_SHIFT`` (see the module docstring)."""
+TAG_KIND_MASK = (1 << SEQ_SHIFT) - 1
+
+
+def stream_tag(kind: int, seq: int) -> int:
+    """The tag of a stream slot of ``kind`` (TAG_*) in transfer number ``seq``."""
+    return kind | seq << SEQ_SHIFT
+
 
 HOST_MEMORY = struct.Struct("<qqqq")
 """Descriptor of a TAG_SHARED input transfer: offset, byte count, length of the

@@ -62,6 +62,7 @@
 #define W_ACQUIRED 16
 #define W_RELEASED 17
 #define W_DOORBELL 25
+#define W_READ_TAG 19   /* tag of the last message acquired (the consumer's record) */
 #define HEADER_SIZE 256
 #define SLOT_HEADER_SIZE 64
 
@@ -305,6 +306,14 @@ take(Core *c, sem_t *sem, double first, double *waited)
                 *waited = (now_ns() - t0) / 1e9;
                 return WOKEN;
             }
+            /* A signal that came while this thread slept (delivered to another thread,
+             * so no EINTR here) runs its handler now, before anything is consumed: if
+             * the handler raises, the token goes back and the call raises, so that an
+             * interrupted read never drops the message it took. */
+            if (PyErr_CheckSignals() < 0) {
+                sem_post(sem);
+                return FAILED;
+            }
             return 0;
         }
         if (err == EINTR) {
@@ -482,6 +491,7 @@ consume(Core *c)
 {
     volatile int64_t *w = c->w;
     int64_t k = w[W_ACQUIRED];
+    w[W_READ_TAG] = slot_words(c, k % c->num_slots)[2];
     w[W_ACQUIRED] = k + 1;
     w[W_RELEASED] = k + 1;
     sem_post(c->free_sem);
@@ -654,9 +664,12 @@ acquire_read(Core *c, PyObject *timeout, int blocking)
         code = TOKEN;
         goto slow;
     }
-    PyObject *out = with_tag(slot_view(c, i, nbytes), slot_words(c, i)[2]);
-    if (out != NULL)
+    int64_t tag = slot_words(c, i)[2];
+    PyObject *out = with_tag(slot_view(c, i, nbytes), tag);
+    if (out != NULL) {
+        w[W_READ_TAG] = tag;
         w[W_ACQUIRED] = k + 1;
+    }
     return out;
 slow:
     return fallback(c, method, code, first, &timeout, blocking ? 1 : 0);
@@ -725,7 +738,7 @@ Core_read(Core *c, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
         memcpy(dst, slot_payload(c, i), (size_t)nbytes);
     }
     int64_t tag = slot_words(c, i)[2];
-    consume(c);
+    consume(c);   /* records the tag as the last read */
     return with_tag(data, tag);
 slow:
     return fallback(c, s_read, code, first, a, 1);

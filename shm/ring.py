@@ -20,6 +20,8 @@ Layout of the ring's region (all words little-endian int64, ``q``)::
      128     16   acquired     consumer       messages acquired for reading so far
      136     17   released     consumer       messages released so far
      144     18   consumer_pid consumer       last process that acquired for reading
+     152     19   read_tag     consumer       tag of the last message acquired (see
+                                          last_read_tag(): was a message consumed?)
      192     24   user         either end     a word the ring never reads (a hint
                                           between the ends: user_word())
      200     25   doorbell     consumer       pid << 8 | signal: a publish also sends
@@ -28,7 +30,9 @@ Layout of the ring's region (all words little-endian int64, ``q``)::
     ---- slots: slot i at HEADER_SIZE + i * slot_stride ------------------------
       +0          seq          producer       message number (published + 1)
       +8          nbytes       producer       bytes of payload that are valid
-     +16          tag          producer       the caller's int64 tag
+     +16          tag          producer       the caller's int64 tag (what it means is
+                                          the caller's: a kind and a sequence number
+                                          for ipu_emulator.ipu_protocol's streams)
      +24..63      reserved
      +64          payload      producer       slot_size bytes (stride is 64-aligned)
 
@@ -161,7 +165,7 @@ assert HEADER.size == HEADER_SIZE and SLOT_HEADER.size == SLOT_HEADER_SIZE
 # Word indices in the region viewed as int64.
 _MAGIC, _VERSION, _SLOT_SIZE, _NUM_SLOTS, _STRIDE, _INVALID, _GEN, _CREATOR = range(8)
 _PUBLISHED, _HELD, _PRODUCER_PID = 8, 9, 10
-_ACQUIRED, _RELEASED, _CONSUMER_PID = 16, 17, 18
+_ACQUIRED, _RELEASED, _CONSUMER_PID, _READ_TAG = 16, 17, 18, 19
 _USER = 24
 _DOORBELL = 25
 # Within a slot header, relative to the slot's first word.
@@ -739,9 +743,10 @@ class Ring:
         if not 0 <= nbytes <= self._slot_size:
             raise ShmError(f"ring {self._name}: slot {i} claims {nbytes} bytes; "
                            f"slot size is {self._slot_size}")
+        tag = w[_READ_TAG] = w[base + 2]
         w[_ACQUIRED] = k + 1
         view = self._payload[i]
-        return view[:nbytes], w[base + 2]
+        return view[:nbytes], tag
 
     def release(self) -> None:
         """Give the oldest acquired read slot back to the producer."""
@@ -783,7 +788,7 @@ class Ring:
         if not 0 <= nbytes <= self._slot_size:
             self._took_read_general(k, i, base)  # raises the error
         data = self._payload[i][:nbytes].tobytes()
-        tag = w[base + 2]
+        tag = w[_READ_TAG] = w[base + 2]
         w[_ACQUIRED] = w[_RELEASED] = k + 1
         self._free.release()
         return data, tag
@@ -886,7 +891,7 @@ class Ring:
                 except posix_ipc.BusyError:
                     break
         w = self._w
-        for i in (_PUBLISHED, _HELD, _ACQUIRED, _RELEASED):
+        for i in (_PUBLISHED, _HELD, _ACQUIRED, _RELEASED, _READ_TAG):
             w[i] = 0
         for base in self._slot_word:
             w[base] = w[base + 1] = w[base + 2] = 0
@@ -909,6 +914,35 @@ class Ring:
         if not isinstance(signum, int) or not 0 <= signum < 256:
             raise ValueError(f"signum must be an int in 0..255, got {signum!r}")
         self._w[_DOORBELL] = (self._pid << 8 | signum) if signum else 0
+
+    def last_read_tag(self) -> int | None:
+        """The tag of the last message the consumer acquired (``read`` or ``acquire_read``),
+        None if none was since the ring was made or reset.
+
+        For a consumer interrupted around a read (an exception raised by a signal handler
+        as the call returns): whether the message it was after was consumed."""
+        w = self._w
+        return int(w[_READ_TAG]) if w[_ACQUIRED] else None
+
+    def last_published_tag(self) -> int | None:
+        """The tag of the last message published, None if none was since the ring was made
+        or reset (the producer's view: for a producer interrupted around a write)."""
+        w = self._w
+        k = w[_PUBLISHED]
+        if not k:
+            return None
+        base = self._slot_word[(k - 1) % self._num_slots]
+        return int(w[base + 2]) if w[base] == k else None
+
+    def unreleased(self) -> int:
+        """Slots the consumer acquired and has not released yet."""
+        w = self._w
+        return int(w[_ACQUIRED] - w[_RELEASED])
+
+    def holding(self) -> bool:
+        """Whether the producer holds an acquired, unpublished slot (the next
+        ``acquire_write`` returns it)."""
+        return bool(self._w[_HELD])
 
     def user_word(self) -> int:
         """The header's user word (0 until an end sets it; see set_user_word)."""

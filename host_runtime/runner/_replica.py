@@ -29,6 +29,28 @@ owns (``_replica_timers``), driven by waiting threads, or by a small watchdog
 thread when ``flush_on_waiting_outputs`` is off. An ``ExitWatch`` (``shm.liveness``)
 notices a dead IPU process before a request is sent to it.
 
+Sequence numbers: every transfer gets the next number of the replica (1, 2,
+...; ``Transfer.seq``), and every input slot of it carries that number in its
+tag (``ipu_protocol.stream_tag``); the IPU process copies it onto the outputs.
+Whoever reads an output checks it (``_mismatch``): another number is a
+``SequenceMismatchError`` that fails the replica as a lost device, never an
+answer.
+
+Abandoned requests: an exception that is none of ours (KeyboardInterrupt, an
+exception a signal handler raises) may interrupt a thread anywhere in here.
+Nothing a request sent may then stay half done, or the next request would get
+its outputs:
+
+- a transfer half written (some inputs published, a slot acquired and not
+  published) is completed, with the request's own data, so that the device's
+  iteration completes (``_writing`` / ``_finish_writing``, idempotent: done by
+  the interrupted thread, else by the next one in);
+- the transfer ``run_idle`` was reading becomes an in-flight transfer whose
+  remaining outputs the next drainer reads and throws away (``_abandon_idle``);
+- a read interrupted in ``_drain`` after the slot was consumed loses that
+  output: the transfer's requests fail, the rest of it is drained
+  (``_read_interrupted``); the drain role is always given back.
+
 Failure: the main-loop future failing (device lost, device program error)
 invalidates this replica's rings, which wakes every waiter at once; all
 requests in flight fail with that error. The next request restarts the
@@ -55,7 +77,7 @@ from shm.settings import settings
 from shm.spin import NEVER, PollEstimate, us_to_ns
 
 from host_runtime.errors import (DeviceLostError, DeviceTimeoutError, InvalidStateError,
-                                 ModelRuntimeError)
+                                 ModelRuntimeError, SequenceMismatchError)
 from host_runtime.memory import PARALLEL_MIN_BYTES, copy_bytes
 from host_runtime.memory import SHARED_MIN_BYTES, shared_location
 from host_runtime.runner._batching import TensorSpec
@@ -64,7 +86,8 @@ from host_runtime.runner._requests import Request, Transfer, raisable
 from host_runtime.runner.config import FlushCallback
 from host_runtime.runner.monitoring import RequestMonitor
 from host_runtime.session import DROP_STOP_TIMEOUT
-from ipu_emulator.ipu_protocol import TAG_SHARED, host_memory_descriptor
+from ipu_emulator.ipu_protocol import (SEQ_SHIFT, TAG_KIND_MASK, TAG_SHARED,
+                                       host_memory_descriptor)
 
 __all__ = ["Replica", "ReplicaSession", "ReplicaSetup", "SaveFn"]
 
@@ -206,6 +229,8 @@ class Replica:
         # what run_idle needs per output: name, ring, shape and dtype of its result
         self._out_plan: list[tuple[str, Ring, tuple[int, ...], np.dtype]] = []
         self._hint_tid = 0             # the thread id last written into the input rings
+        self._seq = 0                  # the number of the last transfer sent (see above)
+        self._writing: Transfer | None = None   # the transfer whose inputs are being written
         # an output large enough for host shared memory (see _redirects)
         self._may_redirect = any(s.nbytes >= SHARED_MIN_BYTES for s in setup.outputs.values())
         # run_idle's requests: whole, small transfers (every input written with one ring
@@ -229,6 +254,7 @@ class Replica:
         self._session = s
         self._loop = loop
         self._error = None
+        self._writing = None
         self._hint_tid = 0   # new rings: the next submit tells the IPU process again
         # what _write_whole needs per input, in publish order (last-read first)
         self._in_plan = [(name, spec, self._in_rings[name], self._frozen_bytes.get(name))
@@ -266,6 +292,8 @@ class Replica:
         if not self._submit_lock.acquire(blocking=False):
             return False   # a submitter is busy (it will publish or the timer fires again)
         try:
+            if self._writing is not None:
+                self._finish_writing()
             if extra is not None and self._partial is tr:
                 self._pack(extra)
                 extra.t_prepared = time.perf_counter_ns()
@@ -281,28 +309,35 @@ class Replica:
         if not self._submit_lock.acquire(blocking=False):
             return False
         try:
+            if self._writing is not None:
+                self._finish_writing()
             if self.setup.dynamic:
                 self._pack(request)
             else:
                 self._write_whole(request, transfers)
         except (ShmError, OSError) as exc:
             self._fail_everything(self._translate(exc))
+        except BaseException as exc:
+            self._abandon_request(request, exc)
+            raise
         finally:
             self._submit_lock.release()
         return True
 
     def fire_timers_as_drainer(self) -> None:
-        with self._cv:
-            if self._draining:
-                self._cv.wait(0.01)
-                return
-            self._draining = True
+        mine = False
         try:
+            with self._cv:
+                if self._draining:
+                    self._cv.wait(0.01)
+                    return
+                self._draining = mine = True   # one step: an interrupt cannot split it
             self._timers.fire(time.monotonic())
         finally:
-            with self._cv:
-                self._draining = False
-                self._cv.notify_all()
+            if mine:
+                with self._cv:
+                    self._draining = False
+                    self._cv.notify_all()
 
     def _on_loop_end(self, fut: cf.Future[None]) -> None:
         """The device's main loop ended: stop() (normal) or a failure."""
@@ -444,6 +479,7 @@ class Replica:
         with self._cv:
             self._inflight.clear()
             self._partial = None
+            self._writing = None
         self.setup.monitor.reset_chain()
         self._open()
 
@@ -467,6 +503,8 @@ class Replica:
             if not self._looks_well():
                 self._ensure_usable()
             try:
+                if self._writing is not None:
+                    self._finish_writing()
                 self._hint_thread()
                 if phantom is not None:
                     self._timers.add_phantom(req, phantom, self._partial)
@@ -482,6 +520,9 @@ class Replica:
                 raise raisable(err) from None
             except InvalidStateError as exc:
                 req.fail(raisable(exc))
+                raise
+            except BaseException as exc:   # KeyboardInterrupt, a signal handler's exception
+                self._abandon_request(req, exc)
                 raise
             req.t_prepared = time.perf_counter_ns()
 
@@ -507,79 +548,202 @@ class Replica:
         """
         if not self._fusable:
             return None
-        lock = self._submit_lock
-        lock.acquire()
-        try:
+        with self._submit_lock:
             if (self._inflight or self._partial is not None or self._draining
-                    or self._timers.has_phantoms or not self._looks_well()):
+                    or self._writing is not None or self._timers.has_phantoms
+                    or not self._looks_well()):
                 return None        # busy, or something is off: submit sorts it out
             self._hint_thread()
-            try:
-                for name, spec, ring, fb in self._in_plan:    # last-read first (_write_whole)
-                    arr = inputs.get(name)
-                    src: np.ndarray | memoryview
-                    if arr is not None:
-                        src = arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
-                    elif fb is not None:
-                        src = fb
-                    else:
-                        continue      # validate_io_params off: the device will not read it
-                    try:
-                        ring.write(src, 0, 0.0)     # acquire, copy, publish: one C call
-                    except RingTimeoutError:    # full (the device still holds a slot)
-                        view = self._acquire(ring)
-                        view[:spec.nbytes] = memoryview(src).cast("B")  # type: ignore[arg-type]
-                        ring.publish(spec.nbytes)
-            except (ShmError, OSError) as exc:     # as submit
-                err = self._translate(exc)
-                self.record_error(err)
-                if isinstance(err, DeviceLostError):
-                    self._fail_everything(err)
-                raise raisable(err) from None
-            except InvalidStateError as exc:
-                self.record_error(raisable(exc))
-                raise
-            t_prepared = time.perf_counter_ns()
+            self._seq = seq = self._seq + 1
+            tag = seq << SEQ_SHIFT      # TAG_DATA, numbered
+            results: dict[str, np.ndarray] = {}
+            written = False
             error: ModelRuntimeError | None = None
             try:
-                results = self._read_outputs()
-            except (RingInvalidatedError, ShmError, OSError, InvalidStateError) as exc:
-                error = self._closed_error() if self._closed else self._translate(exc)
-                if not self._closed:
-                    self._fail_everything(error)
-                    # _fail_everything did not see this request (not in _inflight): it
-                    # hears the error, so the next one is told the replica is unusable
-                    self._error_unheard = False
-        finally:
-            lock.release()
+                try:
+                    for name, spec, ring, fb in self._in_plan:   # last-read first (_write_whole)
+                        arr = inputs.get(name)
+                        src: np.ndarray | memoryview
+                        if arr is not None:
+                            src = arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
+                        elif fb is not None:
+                            src = fb
+                        else:
+                            continue      # validate_io_params off: the device will not read it
+                        try:
+                            ring.write(src, tag, 0.0)     # acquire, copy, publish: one C call
+                        except RingTimeoutError:    # full (the device still holds a slot)
+                            view = self._acquire(ring)
+                            view[:spec.nbytes] = memoryview(src).cast("B")  # type: ignore[arg-type]
+                            ring.publish(spec.nbytes, tag)
+                    written = True
+                except (ShmError, OSError) as exc:     # as submit
+                    err = self._translate(exc)
+                    self.record_error(err)
+                    if isinstance(err, DeviceLostError):
+                        self._fail_everything(err)
+                    raise raisable(err) from None
+                except InvalidStateError as exc:
+                    self.record_error(raisable(exc))
+                    raise
+                t_prepared = time.perf_counter_ns()
+                try:
+                    self._read_outputs(results, seq)
+                except (RingInvalidatedError, ShmError, OSError, InvalidStateError,
+                        SequenceMismatchError) as exc:
+                    error = self._closed_error() if self._closed else self._translate(exc)
+                    if not self._closed:
+                        self._fail_everything(error)
+                        # _fail_everything did not see this request (not in _inflight): it
+                        # hears the error, so the next one is told the replica is unusable
+                        self._error_unheard = False
+            except ModelRuntimeError:
+                raise
+            except BaseException as exc:   # KeyboardInterrupt, a signal handler's exception
+                self._abandon_idle(inputs, seq, written, len(results), t_received, exc)
+                raise
         if error is not None:      # as Request.fail, then _execute raising req.error
             self.record_error(error)
             raise raisable(error)
         self.setup.monitor.record(t_received, t_prepared, time.perf_counter_ns())
         return results
 
-    def _read_outputs(self) -> dict[str, np.ndarray]:
-        """run_idle: wait for each output and make its result array from the ring's copy."""
-        results = {}
+    def _read_outputs(self, results: dict[str, np.ndarray], seq: int) -> None:
+        """run_idle: wait for each output of transfer ``seq`` and make its result array from
+        the ring's copy, into ``results``."""
+        expect = seq << SEQ_SHIFT   # TAG_DATA: nothing is redirected on this path
         for name, ring, shape, dtype in self._out_plan:
             t0 = time.perf_counter_ns()
             if not ring.readable():
                 self._est.poll(ring.readable)
             while True:
                 try:
-                    data, _tag = ring.read(_SLICE * 4)   # no redirects: never TAG_SHARED
+                    data, tag = ring.read(_SLICE * 4)
                     break
                 except RingTimeoutError:   # as wait_for: a long computation, or closed?
                     if self._closed:
                         raise self._closed_error() from None
+            if tag != expect:
+                raise self._mismatch(name, tag, seq)
             self._est.record(time.perf_counter_ns() - t0)
             # writable, over a copy of the message (cheaper than np.empty and a copy)
             results[name] = np.ndarray(shape, dtype, bytearray(data))
-        return results
+
+    def _mismatch(self, name: str, tag: int, seq: int) -> SequenceMismatchError:
+        """The error of output ``name`` read with ``tag`` for transfer ``seq``."""
+        got = tag >> SEQ_SHIFT
+        return SequenceMismatchError(
+            f"replica {self.rid}: output {name!r} read from the device carries transfer {got}, "
+            f"expected transfer {seq}: the replica's streams are out of step, so none of its "
+            "results can be trusted", expected=seq, got=got)
+
+    # -- abandoned requests (see the module docstring) ----------------------------------
+    def _abandon_request(self, req: Request, exc: BaseException) -> None:
+        """``req`` was abandoned by ``exc`` while it was being sent (submit lock held): it
+        fails, its outputs go nowhere, and the transfer being written is completed."""
+        req.fail(InvalidStateError(
+            f"replica {self.rid}: the request was abandoned: {type(exc).__name__} "
+            "interrupted it while it was sent"))
+        req.dests = {}
+        if self._writing is not None:
+            self._finish_writing()
+
+    def _abandon_idle(self, inputs: dict[str, np.ndarray], seq: int, written: bool,
+                      read: int, t_received: int, exc: BaseException) -> None:
+        """``run_idle``'s transfer ``seq`` was abandoned by ``exc`` (submit lock held) after
+        its inputs were ``written`` (else: some of them) and ``read`` outputs were read:
+        it becomes an in-flight transfer of a request nobody waits for, completed if half
+        written, whose other outputs the next drainer reads and discards."""
+        outputs = tuple(self.setup.outputs.values())
+        if written and read < len(outputs):
+            # the read interrupted as it returned: was that output consumed?
+            last = self._out_plan[read][1].last_read_tag()
+            if last is not None and last >> SEQ_SHIFT == seq:
+                read += 1
+        if written and read >= len(outputs):
+            return   # nothing of it is left on the device
+        req = Request(self, self.rid, 1, inputs, {}, {}, [outputs], t_received, internal=True)
+        req.fail(InvalidStateError(f"replica {self.rid}: the request was abandoned: "
+                                   f"{type(exc).__name__} interrupted it"))
+        tr = Transfer([(req, 0, 1, 0)], outputs)
+        tr.seq = seq
+        tr.next_output = read
+        if written:
+            tr.published = True
+        else:
+            self._writing = tr
+        with self._cv_lock:
+            self._inflight.append(tr)
+        if not written:
+            self._finish_writing()
+
+    def _published_in(self, ring: Ring, seq: int) -> bool:
+        """Whether the last transfer published on input ``ring`` is number ``seq``."""
+        last = ring.last_published_tag()
+        return last is not None and last >> SEQ_SHIFT == seq
+
+    def _finish_writing(self) -> None:
+        """Publish every input of ``self._writing``, the transfer whose writing an exception
+        interrupted (caller holds the submit lock), so that the device's iteration
+        completes; its outputs are then drained as any transfer's.
+
+        Idempotent (an exception may interrupt this too; the next submitter finishes it):
+        an input the transfer already published is left alone, a slot acquired and not
+        published (held) is the one filled and published, with the request's own data.
+        """
+        tr = self._writing
+        if tr is None:
+            return
+        if self.setup.dynamic:    # its slots are held and filled: pad and publish the rest
+            self._publish_partial(tr, pad=True)
+            return
+        tag = tr.seq << SEQ_SHIFT
+        req, t = tr.segments[0][0], tr.segments[0][1]
+        for name, spec, ring, fb in self._in_plan:
+            src = req.inputs.get(name)
+            if (src is None and fb is None) or self._published_in(ring, tr.seq):
+                continue
+            view = self._acquire(ring)   # the held slot, if one is
+            if src is None:
+                assert fb is not None   # checked above
+                view[:spec.nbytes] = fb
+            else:
+                slot = np.frombuffer(view, spec.dtype, spec.nbytes // spec.dtype.itemsize
+                                     ).reshape(spec.shape)
+                b = spec.batch
+                slot[...] = src[spec.index(t * b, (t + 1) * b)] if spec.batch_dim is not None \
+                    else src
+                del slot
+            ring.publish(spec.nbytes, tag)
+        self._writing = None
+        self._published(tr)
+
+    def _read_interrupted(self, tr: Transfer, index: int, ring: Ring,
+                          exc: BaseException) -> None:
+        """A drainer reading output ``index`` of ``tr`` from ``ring`` was interrupted by
+        ``exc``. If the output was consumed (its slot acquired, or the ring's last read
+        carries ``tr``'s number) it is lost: ``tr``'s requests fail and the rest of ``tr``
+        is drained into nothing. Else ``tr`` is intact and the next drainer goes on."""
+        if ring.unreleased():
+            ring.release()
+        elif tr.next_output == index:
+            last = ring.last_read_tag()
+            if last is None or last >> SEQ_SHIFT != tr.seq:
+                return    # not consumed: the output is still on its way
+        tr.next_output = index + 1
+        name = tr.outputs[index].name
+        err = InvalidStateError(
+            f"replica {self.rid}: output {name!r} of the request was lost: the thread "
+            f"reading it was interrupted by {type(exc).__name__}")
+        for seg in tr.segments:
+            seg[0].dests = {}
+            seg[0].fail(err)
 
     def _translate(self, exc: BaseException) -> ModelRuntimeError:
         if self._error is not None:
             return self._error
+        if isinstance(exc, ModelRuntimeError):   # e.g. SequenceMismatchError
+            return exc
         s = self._session
         err = s.direct.translate(exc) if s is not None else exc
         if isinstance(err, ModelRuntimeError):
@@ -602,10 +766,6 @@ class Replica:
             except RingTimeoutError:
                 continue
 
-    def _register(self, tr: Transfer) -> None:
-        with self._cv:
-            self._inflight.append(tr)
-
     def _published(self, tr: Transfer) -> None:
         with self._cv:
             tr.published = True
@@ -627,6 +787,14 @@ class Replica:
                      else [])
         for t in range(transfers):
             tr = Transfer([(req, t, 1, 0)], outputs[t])
+            self._seq = tr.seq = self._seq + 1
+            tag = tr.seq << SEQ_SHIFT
+            # Registered before its first input is published (drainers wait until it is
+            # published): submits are serialised, so the order of the in-flight deque is
+            # the order the device sees (its outputs wait in the rings). An exception
+            # before it is published leaves it in _writing, to be completed.
+            self._writing = tr          # (then appended: an interrupt cannot come between)
+            self._inflight.append(tr)
             # Last-read first: the device wakes once, on the first stream Main reads.
             for name, spec, ring, fb in self._in_plan:
                 src = inputs.get(name)
@@ -638,7 +806,7 @@ class Replica:
                     # small whole transfer: acquire, copy and publish in one call of the
                     # ring's C core; a full ring takes the path below (it drains)
                     try:
-                        ring.write(src, 0, 0.0)
+                        ring.write(src, tag, 0.0)
                         continue
                     except RingTimeoutError:
                         pass
@@ -649,7 +817,7 @@ class Replica:
                 if src is None:
                     assert fb is not None   # checked above
                     view[:nbytes] = fb
-                    ring.publish(nbytes)
+                    ring.publish(nbytes, tag)
                     continue
                 if transfers == 1 and src.flags.c_contiguous:
                     if nbytes >= SHARED_MIN_BYTES and (loc := shared_location(src)) is not None:
@@ -657,7 +825,7 @@ class Replica:
                         desc = host_memory_descriptor(loc[0], loc[1], nbytes, redirects)
                         if len(desc) <= nbytes:
                             view[:len(desc)] = desc
-                            ring.publish(len(desc), TAG_SHARED)
+                            ring.publish(len(desc), TAG_SHARED | tag)
                             redirects = []   # sent once per transfer
                             continue
                     copy_bytes(view[:nbytes], _bytes_view(src))
@@ -668,12 +836,10 @@ class Replica:
                     slot[...] = src[spec.index(t * b, (t + 1) * b)] if spec.batch_dim is not None \
                         else src
                     del slot
-                ring.publish(spec.nbytes)
-            # Registered once published: submits are serialised, so the order of the
-            # in-flight deque is the order the device sees (its outputs wait in the rings).
+                ring.publish(spec.nbytes, tag)
+            self._writing = None
             with self._cv_lock:
                 tr.published = True
-                self._inflight.append(tr)
                 if self._cv._waiters:  # type: ignore[attr-defined]  # _notify, inline
                     self._cv.notify_all()
 
@@ -693,6 +859,7 @@ class Replica:
     # -- dynamic batching ------------------------------------------------------------
     def _open_partial(self) -> Transfer:
         tr = Transfer([], tuple(self.setup.outputs.values()), t_open=time.monotonic())
+        self._seq = tr.seq = self._seq + 1
         for name, spec in self.setup.inputs.items():
             view = self._acquire(self._in_rings[name])
             slot = np.frombuffer(view, spec.dtype, spec.nbytes // spec.dtype.itemsize
@@ -701,8 +868,10 @@ class Replica:
             if fz is not None:
                 slot[...] = fz
             tr.slots[name] = slot
-        self._register(tr)
+        # (in this order: an interrupt cannot come between the two; an interrupt before
+        # them leaves the slots held, which the next _open_partial acquires again)
         self._partial = tr
+        self._inflight.append(tr)
         return tr
 
     def _pack(self, req: Request) -> None:
@@ -733,13 +902,21 @@ class Replica:
             self._timers.kick(self._partial)
 
     def _publish_partial(self, tr: Transfer, pad: bool = False) -> None:
+        # idempotent (see _finish_writing): an input already published is left alone
+        self._writing = tr
+        tag = tr.seq << SEQ_SHIFT
         for name, slot in tr.slots.items():
+            ring = self._in_rings[name]
+            if self._published_in(ring, tr.seq):
+                continue
             spec = self.setup.inputs[name]
             if pad and tr.samples < self.setup.batch and name not in self.setup.frozen_main:
                 slot[spec.index(tr.samples, self.setup.batch)] = 0
-            self._in_rings[name].publish(spec.nbytes)
+            ring.publish(spec.nbytes, tag)
         tr.slots = {}
-        self._partial = None
+        if self._partial is tr:
+            self._partial = None
+        self._writing = None
         self._published(tr)
 
     def record_error(self, error: BaseException) -> None:
@@ -752,24 +929,25 @@ class Replica:
         end = None if timeout is None else time.monotonic() + timeout
         lock = self._cv_lock
         timers = self._timers
-        while not req.is_done():
+        while not req.done:
             if self._closed:
                 req.fail(self._closed_error())
                 break
-            with lock:
-                if req.is_done():
-                    break
-                if self._draining:
-                    wait = _SLICE
-                    if end is not None:
-                        wait = min(wait, end - time.monotonic())
-                        if wait <= 0:
-                            return False
-                    self._cv.wait(wait)
-                    continue
-                self._draining = True
-                head = self._inflight[0] if self._inflight else None
+            mine = False     # this thread holds the drain role (given back in finally)
             try:
+                with lock:
+                    if req.done:
+                        break
+                    if self._draining:
+                        wait = _SLICE
+                        if end is not None:
+                            wait = min(wait, end - time.monotonic())
+                            if wait <= 0:
+                                return False
+                        self._cv.wait(wait)
+                        continue
+                    self._draining = mine = True   # one step: an interrupt cannot split it
+                    head = self._inflight[0] if self._inflight else None
                 if (end is None and head is not None and head.published
                         and self._partial is None and not timers.has_phantoms):
                     # _drive_step's common case, inline: no timer to fire, no deadline,
@@ -778,31 +956,35 @@ class Replica:
                         self._drain(head, _SLICE * 4)
                     except RingTimeoutError:
                         pass
-                    except (RingInvalidatedError, ShmError, OSError) as exc:
+                    except (RingInvalidatedError, ShmError, OSError,
+                            SequenceMismatchError) as exc:
                         self._fail_everything(self._translate(exc))
                 else:
                     self._drive_step(end)
             finally:
-                with lock:
-                    self._draining = False
-                    if self._cv._waiters:  # type: ignore[attr-defined]  # _notify, inline
-                        self._cv.notify_all()
-            if end is not None and time.monotonic() >= end and not req.is_done():
+                if mine:
+                    with lock:
+                        self._draining = False
+                        if self._cv._waiters:  # type: ignore[attr-defined]  # _notify, inline
+                            self._cv.notify_all()
+            if end is not None and time.monotonic() >= end and not req.done:
                 return False
         return True
 
     def _try_drive(self, end: float) -> bool:
         """One drive step if nobody else drives; False if another thread holds the role."""
-        with self._cv:
-            if self._draining:
-                return False
-            self._draining = True
+        mine = False
         try:
+            with self._cv:
+                if self._draining:
+                    return False
+                self._draining = mine = True
             self._drive_step(end)
         finally:
-            with self._cv:
-                self._draining = False
-                self._notify()
+            if mine:
+                with self._cv:
+                    self._draining = False
+                    self._notify()
         return True
 
     def _drive_step(self, end: float | None) -> None:
@@ -833,50 +1015,84 @@ class Replica:
             self._drain(head, timeout)
         except RingTimeoutError:
             return
-        except (RingInvalidatedError, ShmError, OSError) as exc:
+        except (RingInvalidatedError, ShmError, OSError, SequenceMismatchError) as exc:
             err = self._translate(exc)
             self._fail_everything(err)
 
     def _drain(self, tr: Transfer, timeout: float) -> None:
-        """Read ``tr``'s outputs into its requests' memory and complete what finished."""
+        """Read ``tr``'s outputs into its requests' memory and complete what finished.
+
+        Each output's sequence number is checked (a SequenceMismatchError if it is not
+        ``tr``'s); an exception that interrupts a read is sorted out by _read_interrupted."""
         dynamic = self.setup.dynamic
         outputs = tr.outputs
+        seq = tr.seq
         while tr.next_output < len(outputs):
-            spec = outputs[tr.next_output]
+            index = tr.next_output
+            spec = outputs[index]
             ring = self._out_rings[spec.name]
             # a small output is copied out of its slot and the slot released in one call
             small = spec.nbytes <= _READ_MAX
             view: memoryview | bytes
-            if ring.readable():
-                view, tag = ring.read(timeout) if small else ring.acquire_read(timeout)
-                self._est.record(0)
-            else:
-                t0 = time.perf_counter_ns()
-                self._est.poll(ring.readable)
-                view, tag = ring.read(timeout) if small else ring.acquire_read(timeout)
-                self._est.record(time.perf_counter_ns() - t0)
-            if small:
-                if tag != TAG_SHARED:
-                    self._copy_out(tr, spec, view, dynamic)
-            else:
-                try:
-                    if tag != TAG_SHARED:    # else the IPU wrote it into the request's memory
+            try:
+                if ring.readable():
+                    view, tag = ring.read(timeout) if small else ring.acquire_read(timeout)
+                    self._est.record(0)
+                else:
+                    t0 = time.perf_counter_ns()
+                    self._est.poll(ring.readable)
+                    view, tag = ring.read(timeout) if small else ring.acquire_read(timeout)
+                    self._est.record(time.perf_counter_ns() - t0)
+                if tag >> SEQ_SHIFT != seq:
+                    if not small:
+                        ring.release()
+                    raise self._mismatch(spec.name, tag, seq)
+                if small:
+                    if tag & TAG_KIND_MASK != TAG_SHARED:
                         self._copy_out(tr, spec, view, dynamic)
-                finally:
-                    ring.release()
-            tr.next_output += 1
+                else:
+                    try:
+                        if tag & TAG_KIND_MASK != TAG_SHARED:   # else the IPU wrote it into
+                            self._copy_out(tr, spec, view, dynamic)   # the request's memory
+                    finally:
+                        ring.release()
+            except (ShmError, OSError, ModelRuntimeError):
+                raise
+            except BaseException as exc:   # KeyboardInterrupt, a signal handler's exception
+                self._read_interrupted(tr, index, ring, exc)
+                raise
+            tr.next_output = index + 1
         finished: list[Request] = []
-        with self._cv_lock:
-            if self._inflight and self._inflight[0] is tr:
-                self._inflight.popleft()
-            for seg in tr.segments:
-                req = seg[0]
-                req.remaining -= 1
-                if req.remaining == 0 and not req.is_done():
-                    finished.append(req)
+        now = time.perf_counter_ns()
+        segs = tr.segments
+        settled = 0
+        try:
+            with self._cv_lock:
+                if self._inflight and self._inflight[0] is tr:
+                    self._inflight.popleft()
+                # No call between counting a segment down and marking its request done:
+                # an interrupt (checked at calls and loop ends) never splits them, and
+                # ``settled`` says how far it got (the finally clause does the rest).
+                while settled < len(segs):
+                    req = segs[settled][0]
+                    req.remaining -= 1
+                    settled += 1
+                    if req.remaining == 0 and not req.done:
+                        req.t_completed = now
+                        req.done = True
+                        finished.append(req)
+        finally:
+            if settled < len(segs):
+                with self._cv_lock:
+                    while settled < len(segs):
+                        req = segs[settled][0]
+                        req.remaining -= 1
+                        settled += 1
+                        if req.remaining == 0 and not req.done:
+                            req.t_completed = now
+                            req.done = True
         mon = self.setup.monitor
         for req in finished:
-            req.finish()
             if not req.internal:
                 mon.record(req.t_received, req.t_prepared, req.t_completed)
 

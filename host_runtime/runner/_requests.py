@@ -54,7 +54,7 @@ class Driver(Protocol):
 
 class Request:
     __slots__ = ("driver", "replica", "samples", "inputs", "given", "dests", "results",
-                 "remaining", "error", "_done", "t_received", "t_prepared", "t_completed",
+                 "remaining", "error", "done", "t_received", "t_prepared", "t_completed",
                  "outputs_per_transfer", "internal", "description", "__weakref__")
 
     def __init__(self, driver: Driver, replica: int, samples: int,
@@ -73,8 +73,10 @@ class Request:
         self.outputs_per_transfer = outputs_per_transfer
         self.remaining = 0            # segments of this request still on the device
         self.error: BaseException | None = None
-        # Done: waiters drive the replica (Driver.wait_for) until it is set; no event.
-        self._done = False
+        # Done: waiters drive the replica (Driver.wait_for) until it is set; no event. Set
+        # first (before anything that can raise, e.g. a KeyboardInterrupt at a call's
+        # return), so that a request is never left finished but not done.
+        self.done = False
         self.t_received = t_received
         self.t_prepared = t_received
         self.t_completed = 0
@@ -83,22 +85,22 @@ class Request:
 
     # called by the replica engine, with its lock held
     def finish(self) -> None:
-        if self._done:
+        if self.done:
             return
+        self.done = True
         self.t_completed = time.perf_counter_ns()
-        self._done = True
 
     def fail(self, error: BaseException) -> None:
-        if self._done:
+        if self.done:
             return
+        self.error = error
+        self.done = True
+        self.t_completed = time.perf_counter_ns()
         if not self.internal:
             self.driver.record_error(error)   # monitoring (metrics)
-        self.error = error
-        self.t_completed = time.perf_counter_ns()
-        self._done = True
 
     def is_done(self) -> bool:
-        return self._done
+        return self.done
 
 
 @dataclass(slots=True, init=False)
@@ -114,6 +116,7 @@ class Transfer:
     slots: dict[str, np.ndarray]                     # open partial's slots
     flush_asked: bool                                # flush_callback called for this partial
     flush_extra: Optional[Request]                   # what it gave, not yet packed
+    seq: int                                         # its sequence number on the wire
 
     def __init__(self, segments: list[tuple[Request, int, int, int]],
                  outputs: tuple[TensorSpec, ...], t_open: float = 0.0) -> None:
@@ -127,6 +130,7 @@ class Transfer:
         self.slots = {}
         self.flush_asked = False
         self.flush_extra = None
+        self.seq = 0
 
 
 class OutputFuture:

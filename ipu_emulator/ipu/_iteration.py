@@ -15,7 +15,12 @@ Which streams take the zero-copy path is decided once per executable, at load,
 by :func:`ipu_emulator.ipu._zerocopy.plan_zero_copy`. Everything else a
 transfer is subject to is said here, once, and the three ways follow it:
 
-- :data:`INPUT_TAGS`: what an input slot's tag means (:class:`InAction`): the
+- the sequence number (``ipu_protocol``: a tag is ``kind | seq << SEQ_SHIFT``):
+  every input of one iteration carries the same number (0, a callback's
+  transfer, agrees with any), else the iteration fails with a PROTOCOL error
+  naming both numbers; every output of the iteration (output rings, link rings
+  to the next IPU) is tagged with it (:class:`IterationNumber`).
+- :data:`INPUT_TAGS`: what an input slot's tag kind means (:class:`InAction`): the
   transfer is in the slot; the slot holds a host-memory descriptor (the input
   is read where the host has it, and the outputs the descriptor names are
   written into host memory: "redirected"); the host could not produce it.
@@ -38,8 +43,9 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from ipu_emulator.ipu_protocol import (MODE_DIRECT, MODE_EVENT, MODE_NULL, TAG_ABORT, TAG_DATA,
-                                   TAG_SHARED)
+from ipu_emulator.executable import is_sync
+from ipu_emulator.ipu_protocol import (MODE_DIRECT, MODE_EVENT, MODE_NULL, SEQ_SHIFT, TAG_ABORT,
+                                       TAG_DATA, TAG_KIND_MASK, TAG_SHARED)
 
 try:
     import ipu_emulator.ipu._stepcore as _stepcore_module
@@ -48,7 +54,8 @@ except ImportError:   # built without the C extensions: iterations run in Python
     _stepcore = None
 
 __all__ = ["InAction", "OutAction", "INPUT_TAGS", "OUTPUT_TAGS", "SLOT_TAG", "HOST_TAG",
-           "StreamPlan", "c_accepts", "input_action", "make_step", "plan_stream"]
+           "IterationNumber", "SequenceMismatch", "StreamPlan", "c_accepts", "input_action",
+           "make_step", "numbered", "plan_stream"]
 
 
 class InAction(enum.IntEnum):
@@ -86,8 +93,61 @@ SLOT_TAG = OUTPUT_TAGS[OutAction.SLOT]
 HOST_TAG = OUTPUT_TAGS[OutAction.HOST]
 
 
-input_action: Callable[[int], InAction] = INPUT_TAGS.__getitem__
-"""``input_action(tag)``: what an input slot tagged ``tag`` holds (one dict look-up)."""
+def numbered(handle: str) -> bool:
+    """Whether the outputs of stream ``handle`` carry the iteration's number: all but the
+    sharding token (``is_sync``), which the last IPU of an iteration sends to the first
+    for the next one (and the host once, unnumbered)."""
+    return not is_sync(handle)
+
+
+def input_action(tag: int) -> InAction:
+    """What an input slot tagged ``tag`` holds (by the tag's kind)."""
+    return INPUT_TAGS[tag & TAG_KIND_MASK]
+
+
+class SequenceMismatch(Exception):
+    """Inputs of one iteration carry the numbers of two transfers."""
+
+
+class IterationNumber:
+    """The sequence number of the iteration in progress on the Python path.
+
+    An iteration starts with the first input read after an output (or at the start);
+    ``take(tag)`` returns the tag's kind and checks its number against the iteration's;
+    ``tag(kind)`` is an output's tag; ``ended()`` after a C step did a whole iteration.
+    """
+
+    __slots__ = ("seq", "reading")
+
+    def __init__(self) -> None:
+        self.seq = 0          # the iteration's number (0: none yet)
+        self.reading = False  # inputs of the iteration are being read (no output yet)
+
+    def take(self, tag: int, handle: str) -> int:
+        n = tag >> SEQ_SHIFT
+        if not self.reading:
+            self.reading = True
+            self.seq = n
+        elif n and n != self.seq:
+            if self.seq:
+                raise SequenceMismatch(
+                    f"input stream {handle!r} holds transfer {n}, the other inputs of this "
+                    f"iteration are transfer {self.seq}: the host's input streams are out of "
+                    "step")
+            self.seq = n
+        return tag & TAG_KIND_MASK
+
+    def tag(self, kind: int) -> int:
+        """The tag of an output of this iteration (which ends its reading)."""
+        self.reading = False
+        return kind | self.seq << SEQ_SHIFT
+
+    def current(self) -> int:
+        """The number the iteration has so far (0: none), for the C step."""
+        return self.seq if self.reading else 0
+
+    def ended(self) -> None:
+        self.reading = False
 
 
 @dataclass(frozen=True)
@@ -154,9 +214,9 @@ def make_step(inputs: Sequence[tuple[Any, int, StreamPlan]],
         h = ring.c_handle()
         if h is None:
             return None
-        outs.append((h, nbytes, handle, SLOT_TAG, HOST_TAG))
+        outs.append((h, nbytes, handle, SLOT_TAG, HOST_TAG, numbered(handle)))
     try:
-        step = _stepcore.Step(tuple(ins), tuple(outs), table, calls)
+        step = _stepcore.Step(tuple(ins), tuple(outs), table, calls, SEQ_SHIFT)
     except (TypeError, ValueError):   # e.g. a transfer larger than its slots
         return None
     inputs_there = None

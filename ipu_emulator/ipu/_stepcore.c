@@ -8,7 +8,7 @@
  * interpreter's bound onnxruntime run) between taking the transfers and
  * publishing them.
  *
- * Step(inputs, outputs, table, calls).run() -> bool
+ * Step(inputs, outputs, table, calls, seq_shift=0).run(seq=0) -> bool
  *
  *   inputs   tuple of (ring handle, nbytes, accepts): the ring end this process
  *            consumes from (Ring.c_handle()), the bytes of one transfer, and
@@ -19,15 +19,21 @@
  *                        gives the input's memory and redirects the outputs
  *                        of those keys into those memories;
  *            a slot of any other tag (or size) is not done here;
- *   outputs  tuple of (ring handle, nbytes, key, slot_tag, redirect_tag): the ring
- *            end this process produces into, the bytes of one transfer, the key
- *            table entries name it by, and the tags it is published with:
+ *   outputs  tuple of (ring handle, nbytes, key, slot_tag, redirect_tag, numbered):
+ *            the ring end this process produces into, the bytes of one transfer,
+ *            the key table entries name it by, and the tags it is published with:
  *            nbytes of payload tagged slot_tag, or (redirected) 0 bytes tagged
- *            redirect_tag;
+ *            redirect_tag; numbered: whether the tag carries the sequence number
+ *            (0 for a stream whose transfers belong to no request, e.g. a token);
  *   table    dict, read at each run (the caller fills it);
  *   calls    dict (input addresses..., output addresses...) -> (any, fn, args),
  *            read at each run: fn(*args) computes the outputs from the inputs
- *            at those addresses.
+ *            at those addresses;
+ *   seq_shift a slot's tag is kind | seq << seq_shift (ipu_emulator.ipu_protocol):
+ *            accepts name kinds; the inputs of one run must carry one sequence
+ *            number (0, "not numbered", agrees with any; `seq` given to run() is
+ *            the number the iteration already has), and every output is tagged
+ *            with it. 0: tags are compared whole and outputs carry no number.
  *
  * run(): take one transfer of each input and a free slot of each output
  * (output j's memory is its slot, or the memory a table entry redirected it
@@ -35,7 +41,8 @@
  * inputs: True. False, with every ring as it was (the tokens taken are given
  * back), when anything is not there at once or not as the plan says (a ring
  * empty, full, closed, invalid, in a state of the Python path; a tag not
- * accepted, a size, a table entry or an address key not there): the caller
+ * accepted, inputs whose numbers disagree, a size, a table entry or an
+ * address key not there): the caller
  * then does the iteration on the Python path, which waits, reports and fills
  * the tables. If fn raises, the inputs are consumed, the outputs given back
  * unpublished, and the exception propagates.
@@ -75,6 +82,7 @@ typedef struct {
     PyObject *key;
     int64_t slot_tag;
     int64_t redirect_tag;
+    int numbered;
 } StepOut;
 
 typedef struct {
@@ -85,6 +93,8 @@ typedef struct {
     StepOut out[STEP_MAX];
     PyObject *table; /* dict */
     PyObject *calls; /* dict */
+    int seq_shift;   /* 0: tags carry no sequence number */
+    int64_t kind_mask;
 } Step;
 
 static int64_t
@@ -144,16 +154,23 @@ step_sequence(PyObject *seq, const char *what, Py_ssize_t width)
 static int
 Step_init(Step *st, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"inputs", "outputs", "table", "calls", NULL};
+    static char *kwlist[] = {"inputs", "outputs", "table", "calls", "seq_shift", NULL};
     PyObject *ins, *outs, *table, *calls, *seen[STEP_MAX];
+    int seq_shift = 0;
     if (st->calls != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "Step is already initialised");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO!O!", kwlist, &ins, &outs, &PyDict_Type,
-                                     &table, &PyDict_Type, &calls))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO!O!|i", kwlist, &ins, &outs, &PyDict_Type,
+                                     &table, &PyDict_Type, &calls, &seq_shift))
         return -1;
-    if (step_sequence(ins, "inputs", 3) < 0 || step_sequence(outs, "outputs", 5) < 0)
+    if (seq_shift < 0 || seq_shift > 32) {
+        PyErr_Format(PyExc_ValueError, "Step: seq_shift must be in 0..32, got %d", seq_shift);
+        return -1;
+    }
+    st->seq_shift = seq_shift;
+    st->kind_mask = seq_shift ? ((int64_t)1 << seq_shift) - 1 : -1;
+    if (step_sequence(ins, "inputs", 3) < 0 || step_sequence(outs, "outputs", 6) < 0)
         return -1;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(ins); i++) {
         PyObject *e = PyTuple_GET_ITEM(ins, i), *accepts = PyTuple_GET_ITEM(e, 2);
@@ -197,7 +214,8 @@ Step_init(Step *st, PyObject *args, PyObject *kwds)
         s->nbytes = PyLong_AsLongLong(PyTuple_GET_ITEM(e, 1));
         s->slot_tag = PyLong_AsLongLong(PyTuple_GET_ITEM(e, 3));
         s->redirect_tag = PyLong_AsLongLong(PyTuple_GET_ITEM(e, 4));
-        if (PyErr_Occurred())
+        s->numbered = PyObject_IsTrue(PyTuple_GET_ITEM(e, 5));
+        if (s->numbered < 0 || PyErr_Occurred())
             return -1;
         if ((s->end = step_end(PyTuple_GET_ITEM(e, 0), s->nbytes, "outputs", j, seen + st->n_in,
                                st->n_out)) == NULL)
@@ -283,9 +301,10 @@ step_table(Step *st, int i, const char *p, int64_t nbytes, char **in_ptr, char *
     return 0;
 }
 
-/* One step: 1 (done), 0 (nothing done), -1 (fn raised, or no memory: an exception is set). */
+/* One step: 1 (done), 0 (nothing done), -1 (fn raised, or no memory: an exception is set).
+ * `seq`: the iteration's sequence number so far (0: none). */
 static int
-step_once(Step *st)
+step_once(Step *st, int64_t seq)
 {
     char *in_ptr[STEP_MAX], *out_ptr[STEP_MAX];
     int redirected[STEP_MAX] = {0};
@@ -301,6 +320,15 @@ step_once(Step *st)
         if (!ring->take_readable(s->end, &payload, &nbytes, &tag))
             goto undo;
         taken_in++;
+        if (st->seq_shift) {
+            int64_t n = tag >> st->seq_shift;
+            if (n) {
+                if (seq && n != seq)
+                    goto undo;   /* inputs of two transfers: the Python path reports it */
+                seq = n;
+            }
+            tag &= st->kind_mask;
+        }
         for (int k = 0; k < s->n_accept && !action; k++)
             if (s->accept_tag[k] == tag)
                 action = s->accept_action[k];
@@ -342,10 +370,12 @@ step_once(Step *st)
         goto undo;
     }
     Py_DECREF(r);
+    int64_t numbered = st->seq_shift ? seq << st->seq_shift : 0;
     for (j = 0; j < st->n_out; j++) {
         StepOut *s = &st->out[j];
         ring->publish(s->end, redirected[j] ? 0 : s->nbytes,
-                      redirected[j] ? s->redirect_tag : s->slot_tag);
+                      (redirected[j] ? s->redirect_tag : s->slot_tag)
+                      | (s->numbered ? numbered : 0));
     }
     for (i = 0; i < st->n_in; i++)
         ring->consume(st->in[i].end);
@@ -373,10 +403,18 @@ undo:
     return 0;
 }
 
+/* run(seq=0) */
 static PyObject *
-Step_run(Step *st, PyObject *Py_UNUSED(ignored))
+Step_run(Step *st, PyObject *const *args, Py_ssize_t nargs)
 {
-    int r = step_once(st);
+    long long seq = 0;
+    if (nargs > 1) {
+        PyErr_Format(PyExc_TypeError, "run() takes at most 1 argument (%zd given)", nargs);
+        return NULL;
+    }
+    if (nargs == 1 && (seq = PyLong_AsLongLong(args[0])) == -1 && PyErr_Occurred())
+        return NULL;
+    int r = step_once(st, (int64_t)seq);
     if (r < 0)
         return NULL;
     return PyBool_FromLong(r);
@@ -406,7 +444,7 @@ Step_run_many(Step *st, PyObject *args, PyObject *kwds)
     long long done = 0;
     while (now_ns() < deadline && (watch == NULL || ring->quiet(watch))) {
         for (long long u = 0; u < unit; u++) {
-            int r = step_once(st);
+            int r = step_once(st, 0);
             if (r < 0)
                 return NULL;
             if (r == 0)
@@ -418,8 +456,8 @@ Step_run_many(Step *st, PyObject *args, PyObject *kwds)
 }
 
 static PyMethodDef Step_methods[] = {
-    {"run", (PyCFunction)Step_run, METH_NOARGS,
-     "run() -> True if one step was done, False if nothing was done (see the C file)."},
+    {"run", (PyCFunction)(void (*)(void))Step_run, METH_FASTCALL,
+     "run(seq=0) -> True if one step was done, False if nothing was done (see the C file)."},
     {"run_many", (PyCFunction)(void (*)(void))Step_run_many, METH_VARARGS | METH_KEYWORDS,
      "run_many(unit, deadline_ns, watch=None) -> steps done back to back (see the C file)."},
     {NULL, NULL, 0, NULL},

@@ -9,7 +9,9 @@ input it polls briefly while inputs came quickly (``shm.spin.PollEstimate``),
 then blocks through ``StreamHost.wait_on``.
 
 What a transfer's tag means and what each stream does in its mode is
-``_iteration``'s plan; ``run_group`` hands the same plan to the C step.
+``_iteration``'s plan; ``run_group`` hands the same plan to the C step. The
+iteration's sequence number (``_iteration.IterationNumber``) is checked on
+every input and copied onto every output, on every path.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from shm.spin import NEVER, PollEstimate, us_to_ns
 
 from ipu_emulator.ipu._host_memory import HostMemory, HostMemoryError
 from ipu_emulator.ipu._iteration import (HOST_TAG, SLOT_TAG, INPUT_TAGS, InAction,
-                                            StreamPlan, make_step, plan_stream)
-from ipu_emulator.ipu_protocol import ErrorKind, Message, Op
+                                            IterationNumber, SequenceMismatch, StreamPlan,
+                                            make_step, numbered, plan_stream)
+from ipu_emulator.ipu_protocol import TAG_KIND_MASK, ErrorKind, Message, Op
 
 _T = TypeVar("_T")
 
@@ -79,6 +82,8 @@ class _Stream:
         self.nbytes = nbytes
         self.ring = ring
         self.mode = mode
+        # the tag of an output: kind | seq << SEQ_SHIFT, or the kind alone (not numbered)
+        self.seq_mask = -1 if numbered(handle) else TAG_KIND_MASK
 
     @property
     def mode(self) -> int:
@@ -143,6 +148,7 @@ class _RingIO:
         dev.host_memory.set_writes(frozenset(h for h, s in streams.items()
                                              if s.direction == "out"))
         self._lent_host: set[str] = set()             # outputs lent as host memory, not published
+        self._it = IterationNumber()                  # the iteration's sequence number
         control = getattr(dev, "control", None)   # C runs of Main stop when it has a message
         self._watch = control.c_handle() if isinstance(control, Ring) else None
 
@@ -156,13 +162,16 @@ class _RingIO:
         if entry is None:
             return False
         step, inputs_there = entry
-        if step.run():
+        it = self._it
+        if step.run(it.current()):
+            it.ended()
             return True
         if inputs_there is None or inputs_there():
             return False   # the inputs are there but the step declined: the Python path
         t0 = time.perf_counter_ns()
-        if not self._poll(inputs_there) or not step.run():
+        if not self._poll(inputs_there) or not step.run(it.current()):
             return False
+        it.ended()
         self._est.record(time.perf_counter_ns() - t0)
         return True
 
@@ -173,6 +182,7 @@ class _RingIO:
         entry = self._step(group)
         if entry is None:
             return 0
+        self._it.ended()   # a program starts: no iteration in progress
         return entry[0].run_many(unit, deadline_ns, self._watch)  # type: ignore[no-any-return]
 
     def _step(self, group: Any) -> tuple[Any, Callable[[], bool] | None] | None:
@@ -252,6 +262,13 @@ class _RingIO:
         est.shared_ns = NEVER if self._dev.keeps_apart else _YIELDED_NS
         return est.poll(ready)
 
+    def _kind(self, handle: str, tag: int) -> int:
+        """The kind of an input's tag, its sequence number checked (see IterationNumber)."""
+        try:
+            return self._it.take(tag, handle)
+        except SequenceMismatch as exc:
+            raise _RequestError(ErrorKind.PROTOCOL, str(exc)) from None
+
     def _check_transfer(self, handle: str, view: memoryview, action: InAction,
                         nbytes: int) -> None:
         if action is _IN_ABORT:
@@ -276,7 +293,7 @@ class _RingIO:
             out[:] = bytes(len(out))
             return
         try:
-            action = INPUT_TAGS[tag]
+            action = INPUT_TAGS[self._kind(handle, tag)]
             if action is _IN_HOST:
                 view = self._host_view(handle, view, len(out))
                 action = _IN_SLOT
@@ -288,6 +305,7 @@ class _RingIO:
     def write_output(self, handle: str, src: memoryview) -> None:
         s = self._stream(handle)
         ring = s.ring
+        self._it.reading = False   # the iteration's inputs are read
         if ring is None or s.plan.null:
             return
         data = _flat(src)
@@ -304,7 +322,7 @@ class _RingIO:
             self.disconnected = True
             return
         view[:len(data)] = data
-        ring.publish(len(data), SLOT_TAG)
+        ring.publish(len(data), self._it.tag(SLOT_TAG) & s.seq_mask)
         if s.plan.out_event:
             dev.post(Message(Op.OUT, index=s.index))
 
@@ -333,7 +351,11 @@ class _RingIO:
         except RingInvalidatedError:
             self.disconnected = True
             return self._scratch(handle, nbytes)
-        action = INPUT_TAGS[tag]
+        try:
+            action = INPUT_TAGS[self._kind(handle, tag)]
+        except BaseException:
+            ring.release()
+            raise
         if action is _IN_HOST:
             got = self._resolved.get(view.tobytes())   # HostMemory.resolve's cache, first
             if got is not None and len(got[0]) == nbytes:
@@ -384,11 +406,12 @@ class _RingIO:
         """Tell the host that output ``s`` of this iteration is in its memory."""
         ring = s.ring
         assert ring is not None
+        tag = self._it.tag(HOST_TAG) & s.seq_mask
         try:
             try:
-                ring.write(b"", HOST_TAG, 0)
+                ring.write(b"", tag, 0)
             except RingTimeoutError:   # the host has not released a slot yet
-                self._dev.wait_on(functools.partial(ring.write, b"", HOST_TAG))
+                self._dev.wait_on(functools.partial(ring.write, b"", tag))
         except RingInvalidatedError:
             self.disconnected = True
             return
@@ -403,6 +426,7 @@ class _RingIO:
     def acquire_output(self, handle: str, nbytes: int) -> memoryview:
         s = self._loaded.by_handle.get(handle) or self._stream(handle)
         ring = s.ring
+        self._it.reading = False   # the iteration's inputs are read
         if ring is None or s.plan.null:
             return self._scratch(handle, nbytes)
         if self._redirect:
@@ -433,7 +457,7 @@ class _RingIO:
             self._lent_host.discard(handle)
             self._publish_redirected(s)
             return
-        s.ring.publish(s.nbytes, SLOT_TAG)
+        s.ring.publish(s.nbytes, self._it.tag(SLOT_TAG) & s.seq_mask)
         if s.plan.out_event:
             self._dev.post(Message(Op.OUT, index=s.index))
 

@@ -35,7 +35,7 @@ def ring_step(inputs, input_sizes, outputs, output_sizes, *, output_names, descr
     accepts = ((0, core.IN_SLOT), (descriptor_tag, core.IN_TABLE))
     return core.Step(
         tuple((r.c_handle(), n, accepts) for r, n in zip(inputs, input_sizes)),
-        tuple((r.c_handle(), n, name, 0, REDIRECT_TAG)
+        tuple((r.c_handle(), n, name, 0, REDIRECT_TAG, True)
               for r, n, name in zip(outputs, output_sizes, output_names)),
         descriptors, calls)
 
@@ -249,13 +249,13 @@ def test_construction_checks_its_arguments(stage) -> None:
     def make(ins=None, outs=None, table=None, calls=None):
         return core.Step(ins if ins is not None else ((stage.a.c_handle(), NBYTES, accepts),),
                          outs if outs is not None else
-                         ((stage.c_near.c_handle(), NBYTES, "c", 0, REDIRECT_TAG),),
+                         ((stage.c_near.c_handle(), NBYTES, "c", 0, REDIRECT_TAG, True),),
                          {} if table is None else table, {} if calls is None else calls)
 
     assert make() is not None
     with pytest.raises(ValueError, match=r"outputs 0: transfers of 65 bytes do not fit "
                                          r"slots of 64 bytes"):
-        make(outs=((stage.c_near.c_handle(), NBYTES + 1, "c", 0, REDIRECT_TAG),))
+        make(outs=((stage.c_near.c_handle(), NBYTES + 1, "c", 0, REDIRECT_TAG, True),))
     with pytest.raises(ValueError, match="inputs 1 is also inputs 0"):
         make(ins=((stage.a.c_handle(), NBYTES, accepts),) * 2)
     with pytest.raises(TypeError, match="expected a ring handle"):
