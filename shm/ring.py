@@ -132,7 +132,7 @@ import posix_ipc
 
 from .errors import (PeerDiedError, RingInvalidatedError, RingTimeoutError, ShmClosedError,
                      ShmError, ShmForkedError, WaitInterrupted, WouldBlock)
-from .liveness import PeerWatch
+from .liveness import PeerWatch, notify_on_exit
 from .region import Region
 from .settings import settings
 from .spin import spin_until, us_to_ns
@@ -174,6 +174,9 @@ _SEQ, _NBYTES, _TAG = 0, 1, 2
 PEER_CHECK = 0.05
 """Seconds between checks of the peer process (after ``set_peer``) during a wait: a
 process's death posts no semaphore. Waits without a peer are never cut."""
+
+_PEER_THREAD = settings().ring_peer_thread
+"""A thread of shm.liveness tells the rings that their peer exited (see Ring.set_peer)."""
 
 _SPIN_MAX_NS = us_to_ns(settings().ring_spin_us)
 """Longest spin before blocking (0 disables spinning); see Ring._spin."""
@@ -298,6 +301,9 @@ class Ring:
         # pure-Python path's bookkeeping of it (the C core keeps its own): threads
         # blocked on [free, full] now, tokens interrupt() posted not yet taken back
         self._interrupted = False
+        self._peer_gone = False          # the peer's exit was notified (see set_peer)
+        self._peer_notified = False      # ... and will be: waits need no peer check
+        self._unnotify: Any = None
         self._wlock = threading.Lock()
         self._blocked = [0, 0]
         self._pending = [0, 0]
@@ -428,12 +434,41 @@ class Ring:
     def set_peer(self, pid: int | None) -> None:
         """Waits fail with PeerDiedError once process ``pid`` is gone (None: stop watching).
 
-        A death posts no semaphore: a wait checks the peer every ``PEER_CHECK`` seconds
-        (a pidfd poll). A process that watches its peer by other means (a thread blocked
-        on its pidfd that calls :meth:`interrupt`) need not set it."""
-        self._peer = None if pid is None else PeerWatch(pid)
+        A death posts no semaphore: a thread of ``shm.liveness`` blocked on the peer's
+        pidfd (:func:`shm.liveness.notify_on_exit`) wakes this process's waiters when
+        it exits, so their waits need no periodic wake. With
+        ``IPU_EMULATOR_RING_PEER_THREAD=0`` (or without pidfds) a wait checks the peer
+        every ``PEER_CHECK`` seconds instead."""
+        peer = None if pid is None else PeerWatch(pid)
+        if self._unnotify is not None:
+            self._unnotify()
+            self._unnotify = None
+        self._peer = peer
+        self._peer_notified = False
+        if self._peer_gone:
+            self._peer_gone = False
+            if self._core is not None and not self._interrupted:
+                self._core.resume()
+        if peer is not None and _PEER_THREAD and peer.alive():
+            ref = weakref.ref(self)
+            self._unnotify = notify_on_exit(peer.pid, lambda: _peer_exited(ref, peer))
+            self._peer_notified = self._unnotify is not None
         if self._core is not None:
-            self._core.check_s = 0.0 if pid is None else PEER_CHECK
+            self._core.check_s = 0.0 if peer is None or self._peer_notified else PEER_CHECK
+
+    def _wake_for_peer(self, peer: PeerWatch) -> None:
+        """The peer exited (a notification): wake this process's waiters, which then
+        raise PeerDiedError, and make later waits see it at once."""
+        if peer is not self._peer:
+            return   # set_peer changed it meanwhile
+        with self._wlock:
+            self._peer_gone = True
+            for i, sem in enumerate((self._free, self._full)):
+                for _ in range(self._blocked[i]):
+                    self._pending[i] += 1
+                    sem.release()
+        if self._core is not None:
+            self._core.interrupt()
 
     def interrupt(self) -> None:
         """Wake every thread of this process blocked on this ring (either end); until
@@ -456,7 +491,7 @@ class Ring:
         """Waits block again after :meth:`interrupt`."""
         with self._wlock:
             self._interrupted = False
-        if self._core is not None:
+        if self._core is not None and not self._peer_gone:
             self._core.resume()
 
     # -- waiting ------------------------------------------------------------
@@ -514,10 +549,14 @@ class Ring:
             tried = False
             while True:
                 self._raise_if_unusable()
+                self._check_peer(what)
+                if self._peer_gone and self._peer is not None:   # notified: it is gone
+                    raise PeerDiedError(
+                        f"ring {self._name}: peer process {self._peer.pid} exited "
+                        f"while this process waited for {what}", self._peer.pid)
                 if self._interrupted:
                     raise WaitInterrupted(f"ring {self._name}: the wait for {what} was "
                                           "interrupted (Ring.interrupt) in this process")
-                self._check_peer(what)
                 if deadline is None:
                     wait: float | None = None
                 else:
@@ -528,7 +567,8 @@ class Ring:
                                                    f"{timeout:g} s ({self._occupancy()})")
                         wait = 0.0
                 tried = True
-                if self._peer is not None and (wait is None or wait > peer_check):
+                if (self._peer is not None and not self._peer_notified
+                        and (wait is None or wait > peer_check)):
                     wait = peer_check
                 if self._take(sem, wait):
                     return
@@ -545,7 +585,7 @@ class Ring:
             return bool(core.wait_token(sem is self._full, wait))
         i = int(sem is self._full)
         with self._wlock:
-            if self._interrupted:
+            if self._interrupted or self._peer_gone:
                 return False
             self._blocked[i] += 1
         got = False
@@ -1016,6 +1056,9 @@ class Ring:
             self._core.closed = 1
             for method in _C_METHODS:
                 self.__dict__.pop(method, None)
+        if self._unnotify is not None:
+            self._unnotify()
+            self._unnotify = None
         if not self._forked_from:
             self.interrupt()   # this process's blocked threads wake and see the close
 
@@ -1057,6 +1100,13 @@ class Ring:
     def __repr__(self) -> str:
         return (f"Ring({self._name!r}, slot_size={self._slot_size}, "
                 f"num_slots={self._num_slots}, owner={self._owner})")
+
+
+def _peer_exited(ref: "weakref.ref[Ring]", peer: PeerWatch) -> None:
+    """From shm.liveness's thread: the peer of the Ring behind ``ref`` exited."""
+    ring = ref()
+    if ring is not None and not ring.closed:
+        ring._wake_for_peer(peer)
 
 
 def _ring_doorbell(word: int) -> None:

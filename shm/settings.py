@@ -120,6 +120,12 @@ class Settings:
         "`0`: the rings' pure-Python path instead of their C hot paths (the C extension "
         "`pip install` builds)",
         ipu=True, used_in="shm/ring.py")
+    ring_peer_thread: bool = _knob(
+        True, "IPU_EMULATOR_RING_PEER_THREAD", _flag,
+        "`0`: no thread watching the rings' peer processes; a wait on a ring with a peer "
+        "then checks it every 50 ms, arming a kernel timer per wait (a 64-byte round trip "
+        "about 10% slower)",
+        ipu=True, used_in="shm/ring.py")
     ring_spin_us: float = _knob(
         0.0, "IPU_EMULATOR_RING_SPIN_US", _micros,
         "a ring waiter's spin budget before it blocks, adapting (doubled on success, halved "

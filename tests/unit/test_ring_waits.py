@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from shm import Ring, RingTimeoutError, ShmClosedError, WaitInterrupted
+from shm import PeerDiedError, Ring, RingTimeoutError, ShmClosedError, WaitInterrupted
 from shm import ring as ring_mod
 
 from tests.daemon_rig import REPO
@@ -65,20 +65,29 @@ def test_rings_take_no_signal_and_start_no_thread() -> None:
     assert out == ["True"]
 
 
-def test_a_runner_installs_no_signal_handler_and_no_thread_of_its_own(tmp_path) -> None:
+@pytest.mark.parametrize("peer_thread", ["1", "0"])
+def test_a_runner_installs_no_signal_handler_and_only_the_documented_thread(
+        tmp_path, monkeypatch, peer_thread) -> None:
+    """Creating and using a runner takes no signal; the one thread it may start is the
+    peer-exit watcher that README's settings table names, and its setting turns it off."""
+    monkeypatch.setenv("IPU_EMULATOR_RING_PEER_THREAD", peer_thread)
+    path = str(tmp_path / "m.popef")
     out = _run(f"""
         import numpy as np
         from tools.generate_simple_popef import write_simple_popef
-        path = write_simple_popef({str(tmp_path / 'm.popef')!r})
-        before = handled(), native_threads()
+        write_simple_popef({path!r})
+        before = handled(), native_threads(), {{t.name for t in threading.enumerate()}}
         import host_runtime as model_runtime
-        runner = model_runtime.ModelRunner(model_runtime.PopefPaths([{str(tmp_path / 'm.popef')!r}]))
+        runner = model_runtime.ModelRunner(model_runtime.PopefPaths([{path!r}]))
         x = np.ones((1, 4), np.float32)
         out = runner.execute({{"tensor_A": x, "tensor_B": x}})["tensor_C"]
         print(handled() == before[0], native_threads() == before[1], out.shape == (1, 4))
+        print(sorted(t.name for t in threading.enumerate()
+                     if t.name == "shm-peer-exits" and t.name not in before[2]))
         runner.close()
     """)
-    assert out == ["True", "True", "True"]
+    assert out[:3] == ["True", "True", "True"]
+    assert out[3:] == (["['shm-peer-exits']"] if peer_thread == "1" else ["[]"])
 
 
 def _voluntary_switches(tid: int) -> int:
@@ -203,6 +212,35 @@ def test_close_wakes_a_wait_without_deadline_at_once() -> None:
         assert not t.is_alive() and isinstance(box.get("error"), ShmClosedError), box
         assert ring.counters()["sem_full"] == 0           # the wake's token was taken back
     finally:
+        end.close()
+        ring.close()
+        ring.unlink()
+
+
+@pytest.mark.parametrize("peer_thread", [True, False])
+def test_a_peer_that_dies_ends_a_wait_without_deadline(monkeypatch, peer_thread) -> None:
+    """Woken by the peer-exit thread (no periodic wake), or with it off by the periodic
+    check: either way PeerDiedError naming the pid, never a hang."""
+    monkeypatch.setattr(ring_mod, "_PEER_THREAD", peer_thread)
+    peer = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                            stdin=subprocess.PIPE)
+    ring = Ring.create(64, 1)
+    end = Ring.attach(ring.name)
+    try:
+        end.set_peer(peer.pid)
+        assert (end.c_handle() is None or
+                end.c_handle().check_s == (0.0 if peer_thread else ring_mod.PEER_CHECK))
+        t, box = _in_thread(lambda: end.read())
+        peer.kill()
+        peer.wait()
+        t.join(30)
+        assert not t.is_alive()
+        assert isinstance(box.get("error"), PeerDiedError), box
+        assert box["error"].pid == peer.pid and f"peer process {peer.pid}" in str(box["error"])
+    finally:
+        if peer.poll() is None:
+            peer.kill()
+            peer.wait()
         end.close()
         ring.close()
         ring.unlink()

@@ -38,7 +38,7 @@ def test_defaults_are_the_documented_ones() -> None:
     s = Settings.from_env({})
     assert s == Settings()
     assert {k.env: getattr(s, k.name) for k in knobs()} == {
-        "IPU_EMULATOR_RING_C": True,
+        "IPU_EMULATOR_RING_C": True, "IPU_EMULATOR_RING_PEER_THREAD": True,
         "IPU_EMULATOR_RING_SPIN_US": 0.0, "IPU_EMULATOR_DEVICE_SPIN_US": 50.0,
         "IPU_EMULATOR_RUNNER_SPIN_US": 100.0, "IPU_EMULATOR_YIELDED_US": 5.0,
         "IPU_EMULATOR_ZERO_COPY": True, "IPU_EMULATOR_KEEP_APART": True,
