@@ -214,7 +214,8 @@ def _shared_watch(pid: int) -> ExitWatch:
 class _ExitNotifier:
     """One thread of this process, blocked in ``poll()`` on the pidfds of the processes
     :func:`notify_on_exit` was asked about (and a pipe that tells it the set changed):
-    it wakes only when one of them exits, and then calls that process's callbacks."""
+    it wakes only when one of them exits, and then calls that process's callbacks. It
+    ends once nothing is watched (the next :func:`notify_on_exit` starts another)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -236,7 +237,7 @@ class _ExitNotifier:
             self._next_id += 1
             self._subs[pid][self._next_id] = callback
             ident = self._next_id
-        self._changed()
+            self._changed()   # under the lock: the thread closes the pipe under it
         return ident
 
     def unsubscribe(self, pid: int, ident: int) -> None:
@@ -246,7 +247,7 @@ class _ExitNotifier:
                 return
             del self._subs[pid]
             fd = self._fds.pop(pid)
-        self._changed()
+            self._changed()
         os.close(fd)   # a poll() on it meanwhile reports POLLNVAL: the loop looks again
 
     def _changed(self) -> None:
@@ -256,8 +257,15 @@ class _ExitNotifier:
             pass
 
     def _run(self) -> None:
+        global _notifier
         while True:
-            with self._lock:
+            with _notifier_lock, self._lock:
+                if not self._fds:   # nothing to watch: end (under the lock subscribers take)
+                    if _notifier is self:
+                        _notifier = None
+                    os.close(self._r)
+                    os.close(self._w)
+                    return
                 by_fd = {fd: pid for pid, fd in self._fds.items()}
             poller = select.poll()
             poller.register(self._r, select.POLLIN)
@@ -297,11 +305,11 @@ def notify_on_exit(pid: int, callback: Callable[[], None]) -> Callable[[], None]
     global _notifier
     if not hasattr(os, "pidfd_open"):
         return None
-    with _notifier_lock:
+    with _notifier_lock:   # held while subscribing: the thread ends under it when idle
         if _notifier is None:
             _notifier = _ExitNotifier()
         notifier = _notifier
-    ident = notifier.subscribe(pid, callback)
+        ident = notifier.subscribe(pid, callback)
     if ident is None:
         return None
     return lambda: notifier.unsubscribe(pid, ident)

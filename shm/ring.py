@@ -950,7 +950,8 @@ class Ring:
         a while and must still hear this one at once (the IPU process, waiting for a
         stream while its control ring may bring STOP). The signal's handler is the
         consumer's business; arm it, then check :meth:`readable`, then block, so that
-        no message falls between."""
+        no message falls between. Choose a signal ignored by default (``SIGURG``): a
+        consumer that dies armed leaves the word set, and its pid may be reused."""
         if not isinstance(signum, int) or not 0 <= signum < 256:
             raise ValueError(f"signum must be an int in 0..255, got {signum!r}")
         self._w[_DOORBELL] = (self._pid << 8 | signum) if signum else 0

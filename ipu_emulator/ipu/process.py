@@ -92,7 +92,8 @@ _SLICE = 0.1      # seconds between STOP checks while a program waits on a strea
 # wakes the IPU-Links only, so a wait on a host ring sees it at the end of a slice
 _GROUP_SLICE = 0.01
 _HOST_CHECK = 0.25  # seconds between checks that the host is alive
-_DOORBELL = signal.SIGUSR2   # rung by the control ring while a program waits (see wait_on)
+_DOORBELL = signal.SIGURG   # rung by the control ring while a program waits (see wait_on);
+# ignored by default: a stale doorbell (this process died armed, its pid reused) harms none
 _CACHE = 4        # loaded executables kept per device (sessions sharing it)
 _PREFAULT_MAX = 512 * 1024   # pre-fault stream rings with transfers up to this size
 
