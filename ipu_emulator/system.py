@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from ipu_emulator.errors import SystemConfigError
+from shm import limits
 from shm.errors import echo
 
 _log = logging.getLogger(__name__)
@@ -272,28 +273,35 @@ class IpuLocks:
         os.makedirs(lock_dir, mode=0o700, exist_ok=True)
         fds: list[int] = []
         busy: dict[int, int | None] = {}
-        for ipu in ipus:
-            path = _lock_path(lock_dir, ipu)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as exc:
+        try:
+            # out of descriptors at the second lock file: the first is closed again (its
+            # IPU would stay held for the life of this process), and the error is named
+            with limits.named_errors(f"opening the lock files of ipus {list(ipus)} in {lock_dir}"):
+                for ipu in ipus:
+                    path = _lock_path(lock_dir, ipu)
+                    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    except OSError as exc:
+                        os.close(fd)
+                        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                            raise
+                        busy[ipu] = _read_holder(path)
+                        continue
+                    fds.append(fd)
+                if not busy:
+                    pid = f"{os.getpid()}\n".encode()
+                    for fd in fds:
+                        os.ftruncate(fd, 0)
+                        os.pwrite(fd, pid, 0)
+        except BaseException:
+            for fd in fds:
                 os.close(fd)
-                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                    for held in fds:
-                        os.close(held)
-                    raise
-                busy[ipu] = _read_holder(path)
-                continue
-            fds.append(fd)
+            raise
         if busy:
             for fd in fds:  # all or none: closing drops the locks we did get
                 os.close(fd)
             return busy
-        pid = f"{os.getpid()}\n".encode()
-        for fd in fds:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, pid, 0)
         return cls(ipus, fds, lock_dir)
 
     def release(self) -> None:

@@ -154,8 +154,9 @@ class Settings:
         ipu=True, used_in="ipu_emulator/ipu/interpreter.py")
     keep_apart: bool = _knob(
         True, "IPU_EMULATOR_KEEP_APART", _flag,
-        "`0`: an IPU process no longer moves off the CPU of the host thread that submits "
-        "requests while it serves them",
+        "`0`: the scheduler alone places IPU processes (else a busy one holds a CPU of its "
+        "own, one per CPU machine-wide, off the CPU of the host thread that submits its "
+        "requests)",
         when="call", ipu=True, used_in="ipu_emulator/ipu/_placement.py")
     forkserver: bool = _knob(
         True, "IPU_EMULATOR_FORKSERVER", _flag,
@@ -192,7 +193,9 @@ class Settings:
         when="call", used_in="host_runtime/_deadline.py (its host_sync_timeout() bounds: "
                              "devices/_link.py links and their wait() (sessions; Device.close); "
                              "devices/_daemon_client.py requests to the daemon; "
-                             "queues/_spsc.py a producer waiting for a free slot)")
+                             "queues/_spsc.py a producer waiting for a free slot), "
+                             "ipu_emulator/ipu/forkserver.py (the wait for the template to fork "
+                             "an IPU process; past it the process starts fresh)")
     daemon_handover_timeout: float = _knob(
         30.0, "IPU_EMULATOR_DAEMON_HANDOVER_TIMEOUT", _seconds,
         "how long a daemon's reset of an IPU between hosts may take before it restarts the "

@@ -40,11 +40,13 @@ from host_runtime.devices.link import DeviceLink, StreamServicer
 from host_runtime._fork import check_owner
 from host_runtime._lifetime import close_owned
 from host_runtime.devices._shm_space import translated
-from host_runtime.errors import BadRequestError, DeviceUnavailableError, InvalidStateError
+from host_runtime.errors import (BadRequestError, DeviceUnavailableError, InvalidStateError,
+                                 ResourceLimitError)
 from host_runtime.popef.model import Model
 from ipu_emulator.ipu.launcher import IpuConnection, IpuSpec, kill_all, launch_ipu, shutdown_all
 from ipu_emulator.system import (IpuLocks, SystemConfig, SystemConfigError, device_groups,
                                  emulator_home, load_system_config)
+from shm import OutOfFileDescriptorsError
 
 __all__ = [
     "DeviceWaitStrategy",
@@ -726,7 +728,10 @@ class DeviceManager:
         """Hold ``ipus`` exclusively, or ``{ipu: holder pid or None}`` of the busy ones."""
         if self._daemon is not None:
             return self._daemon.try_attach(device_id, ipus)
-        return IpuLocks.try_acquire(self._system.lock_dir, ipus)
+        try:
+            return IpuLocks.try_acquire(self._system.lock_dir, ipus)
+        except OutOfFileDescriptorsError as exc:
+            raise ResourceLimitError(f"cannot attach ipus {list(ipus)}: {exc}") from exc
 
     def _machine_device(self, device_id: int, ipus: tuple[int, ...],
                         locks: IpuLocks | DaemonAttachment) -> Device:

@@ -1,30 +1,77 @@
-"""Copies of large transfers, split across two threads.
+"""Copies of large transfers, shared with a helper thread.
 
 While the host copies a large input into its ring slot (or an output out of
-one) the IPU process waits for it, so its core is idle: a helper thread copies
-half of the bytes meanwhile (numpy releases the GIL while it copies). Below
-``PARALLEL_MIN_BYTES`` a single copy is faster than the hand-over.
+one) the IPU process waits for it, so its core is often idle: a helper thread
+copies part of the bytes meanwhile (numpy releases the GIL while it copies).
+
+The bytes are cut into chunks of ``CHUNK_BYTES`` that both threads take in turn
+from one counter, so neither waits for the other's share: when the machine is
+busy and the helper is not scheduled, the caller copies every chunk itself and
+waits at most for the one chunk the helper has started (a fixed split in halves
+would wait for the helper's whole half). Below ``PARALLEL_MIN_BYTES`` a single
+copy is faster than the hand-over.
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import os
+import queue
 import threading
 from typing import Any, Optional
 
 import numpy as np
 
-__all__ = ["copy_bytes", "PARALLEL_MIN_BYTES"]
+__all__ = ["copy_bytes", "PARALLEL_MIN_BYTES", "CHUNK_BYTES"]
 
 PARALLEL_MIN_BYTES = 4 << 20
+CHUNK_BYTES = 1 << 20
 _U8 = np.dtype(np.uint8)
-_lock = threading.Lock()
-_pool: Optional[cf.ThreadPoolExecutor] = None
 _ONE = (os.cpu_count() or 1) < 2
 
+_PENDING, _STARTED, _CLOSED = 0, 1, 2
 
-_pool_pid = 0
+
+class _Job:
+    """One copy in chunks, whose numbers both threads take from ``chunks``."""
+
+    __slots__ = ("dst", "src", "chunks", "lock", "state", "done", "error")
+
+    def __init__(self, dst: np.ndarray, src: np.ndarray) -> None:
+        self.dst, self.src = dst, src
+        # one iterator for both threads: each next() is one step of C under the GIL
+        self.chunks = iter(range(-(-len(dst) // CHUNK_BYTES)))
+        self.lock = threading.Lock()
+        self.state = _PENDING
+        self.done = threading.Lock()
+        self.done.acquire()            # released by the helper when it has finished
+        self.error: BaseException | None = None
+
+    def work(self) -> None:
+        dst, src = self.dst, self.src
+        for k in self.chunks:
+            lo = k * CHUNK_BYTES
+            hi = lo + CHUNK_BYTES
+            np.copyto(dst[lo:hi], src[lo:hi])
+
+
+def _serve(jobs: "queue.SimpleQueue[_Job]") -> None:
+    while True:
+        job = jobs.get()
+        with job.lock:
+            if job.state == _CLOSED:     # the caller copied it all before we started
+                continue
+            job.state = _STARTED
+        try:
+            job.work()
+        except BaseException as exc:     # handed to the caller, which raises it
+            job.error = exc
+        finally:
+            job.done.release()
+
+
+_lock = threading.Lock()
+_jobs: Optional["queue.SimpleQueue[_Job]"] = None
+_jobs_pid = 0
 
 
 def _after_fork_in_child() -> None:
@@ -35,14 +82,19 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _helper() -> cf.ThreadPoolExecutor:
-    global _pool, _pool_pid
+def _helper() -> "queue.SimpleQueue[_Job]":
+    global _jobs, _jobs_pid
+    jobs = _jobs
+    if jobs is not None and _jobs_pid == os.getpid():
+        return jobs
     with _lock:
-        # a forked child inherits the executor but not its thread: make its own
-        if _pool is None or _pool_pid != os.getpid():
-            _pool = cf.ThreadPoolExecutor(1, thread_name_prefix="ipu-emulator-copy")
-            _pool_pid = os.getpid()
-        return _pool
+        # a forked child inherits the queue but not the thread: make its own
+        if _jobs is None or _jobs_pid != os.getpid():
+            _jobs = queue.SimpleQueue()
+            threading.Thread(target=_serve, args=(_jobs,), name="ipu-emulator-copy",
+                             daemon=True).start()
+            _jobs_pid = os.getpid()
+        return _jobs
 
 
 def copy_bytes(dst: Any, src: Any) -> None:
@@ -51,9 +103,13 @@ def copy_bytes(dst: Any, src: Any) -> None:
     if n < PARALLEL_MIN_BYTES or _ONE:
         dst[:] = src
         return
-    d = np.frombuffer(dst, _U8)
-    s = np.frombuffer(src, _U8)
-    half = (n // 2) & ~4095
-    later = _helper().submit(np.copyto, d[half:], s[half:])
-    np.copyto(d[:half], s[:half])
-    later.result()
+    job = _Job(np.frombuffer(dst, _U8), np.frombuffer(src, _U8))
+    _helper().put(job)
+    job.work()
+    with job.lock:
+        started = job.state == _STARTED
+        job.state = _CLOSED
+    if started:
+        job.done.acquire()
+        if job.error is not None:
+            raise job.error

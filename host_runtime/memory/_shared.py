@@ -36,9 +36,11 @@ from typing import Any, Optional
 
 import numpy as np
 
-from shm import Region, buffer_address as _address
+from shm import (FileSizeLimitError, OutOfFileDescriptorsError, Region, ShmFullError,
+                 buffer_address as _address)
 
 from host_runtime._fork import current_pid, forked_error
+from host_runtime.errors import ResourceLimitError, SharedMemoryFullError
 
 __all__ = ["empty_shared", "is_shared", "shared_location", "check_owned", "SHARED_MIN_BYTES"]
 
@@ -76,7 +78,14 @@ def empty_shared(shape: Any, dtype: Any = np.float32) -> np.ndarray:
         raise ValueError(f"empty_shared: dtype {dt} holds Python objects; expected a "
                          "numeric or bool dtype")
     nbytes = math.prod(shp) * dt.itemsize
-    region = Region.create(max(nbytes, 1), kind="hostmem")
+    try:
+        region = Region.create(max(nbytes, 1), kind="hostmem")
+    except (OutOfFileDescriptorsError, FileSizeLimitError) as exc:
+        raise ResourceLimitError(f"cannot create an empty_shared array of {nbytes} bytes: "
+                                 f"{exc}") from exc
+    except ShmFullError as exc:
+        raise SharedMemoryFullError(f"cannot create an empty_shared array of {nbytes} bytes: "
+                                    f"{exc}") from exc
     arr = region.ndarray(dt, shp)
     base = _address(region.buf)
     _add(base, base + region.size, region.name)

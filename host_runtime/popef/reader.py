@@ -19,10 +19,11 @@ import zlib
 from dataclasses import dataclass
 from typing import BinaryIO, Protocol, Union
 
-from host_runtime.errors import PopefError
+from host_runtime.errors import PopefError, ResourceLimitError
 from host_runtime.popef import _format as fmt
 from host_runtime.popef._schema import SchemaError, decode_metadata
 from host_runtime.popef.model import (ExecutableBlob, FeedData, Metadata, Opaque, TensorData)
+from shm import OutOfFileDescriptorsError, limits
 from shm.errors import echo
 
 __all__ = ["Reader", "BlobInfo"]
@@ -76,6 +77,9 @@ class Reader:
         try:
             f = open(spath, "rb")
         except OSError as exc:
+            named = limits.named_error(exc, f"opening PopEF file {echo(spath)}")
+            if isinstance(named, OutOfFileDescriptorsError):   # not a damaged file
+                raise ResourceLimitError(str(named)) from named
             raise PopefError(f"cannot open PopEF file: {exc.strerror or exc}",
                              path=spath) from None
         with f:

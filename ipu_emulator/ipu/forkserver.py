@@ -52,6 +52,7 @@ import threading
 import time
 from typing import Any
 
+from shm.liveness import describe_process
 from shm.settings import IPU_IMPORT_ENV, current
 
 from ipu_emulator import titles
@@ -66,6 +67,7 @@ IMPORT_TIME_ENV = ("PYTHONPATH", *IPU_IMPORT_ENV, "OMP_NUM_THREADS", "OPENBLAS_N
 agree with the template on these to be forked from it."""
 
 _START_TIMEOUT = 120.0
+_SPAWN_TIMEOUT = 30.0   # at most (the host sync timeout bounds it too)
 STATUS_LOST = 255
 """The return code of an IPU process that exited after its template died (the status
 went with the template); ``ForkedProcess.status_lost`` tells it apart."""
@@ -112,6 +114,8 @@ class _Template:
         self.children: set[int] = set()
         self.lost: set[int] = set()   # exited after the template died: status unknown
         self.gone = False
+        self.stalled = False   # a spawn went unanswered: no more launches through it
+        self._abandoned: set[int] = set()
         self._ids = 0
         self._send_lock = threading.Lock()
         # One thread reads what the template sends (replies, exits) and wakes the waiters:
@@ -147,6 +151,10 @@ class _Template:
                     if msg["op"] == "exit":
                         self.exits[msg["pid"]] = msg["code"]
                         self.children.discard(msg["pid"])
+                    elif msg["id"] in self._abandoned:
+                        self._abandoned.discard(msg["id"])
+                        if "pid" in msg:   # forked as the deadline passed: not ours now
+                            _kill(int(msg["pid"]))
                     else:
                         self._replies[msg["id"]] = msg
                 self._cv.notify_all()
@@ -169,16 +177,28 @@ class _Template:
         with self._send_lock:
             self._ids += 1
             ident = self._ids
+            wait = min(_SPAWN_TIMEOUT, current().host_sync_timeout)
+            # the template forks nothing past this (CLOCK_MONOTONIC is the machine's):
+            # a request the host gave up on must never become a second IPU process on the
+            # rings of the one started fresh in its place
             data = json.dumps({"op": "spawn", "id": ident, "argv": argv, "env": env,
-                               "log": log_path, "cwd": os.getcwd()}).encode() + b"\n"
+                               "log": log_path, "cwd": os.getcwd(),
+                               "deadline": time.monotonic() + wait}).encode() + b"\n"
             try:
                 self.sock.sendall(data)
             except OSError as exc:
                 raise ForkserverError(f"the template process (pid {self.pid}) is gone: "
                                       f"{exc}") from exc
-        reply = self._wait_reply(ident, 30.0)
+        reply = self._wait_reply(ident, wait)
         if reply is None:
-            raise ForkserverError(f"the template process (pid {self.pid}) did not fork")
+            with self._cv:
+                reply = self._replies.pop(ident, None)
+                if reply is None:
+                    self._abandoned.add(ident)   # a late child is killed (_read)
+                    self.stalled = True          # later launches start a new template
+            if reply is None:
+                raise ForkserverError(f"the template process ({describe_process(self.pid)}) "
+                                      f"did not fork within {wait:g} s")
         if "pid" not in reply:
             raise ForkserverError(f"the template process could not fork: {reply.get('message')}")
         pid = int(reply["pid"])
@@ -245,7 +265,7 @@ def _get_template(env: dict[str, str], log_dir: str | None) -> _Template | None:
         if _broken:
             return None
         t = _templates.get(key)
-        if t is not None and (t.gone or t.popen.poll() is not None):
+        if t is not None and (t.gone or t.stalled or t.popen.poll() is not None):
             if not t.children:
                 t.stop()
             del _templates[key]
@@ -359,6 +379,13 @@ def spawn(argv: list[str], env: dict[str, str], log_path: str | None,
     return ForkedProcess(template, template.spawn(argv, env, log_path))
 
 
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def _describe(rc: int | None) -> str:
     return describe_returncode(rc)
 
@@ -462,6 +489,9 @@ def _serve(sock: socket.socket, host_pid: int) -> int:
         *lines, buf = buf.split(b"\n")
         for line in lines:
             req = json.loads(line)
+            if time.monotonic() > req.get("deadline", float("inf")):
+                send({"op": "error", "id": req["id"], "message": "the host gave up waiting"})
+                continue
             sys.stdout.flush()
             sys.stderr.flush()
             try:

@@ -237,11 +237,13 @@ class DeviceProcess:
                 try:
                     if self.control.readable():   # came before the doorbell was armed
                         raise RingTimeoutError("a control message is waiting")
-                    return fn(None)
+                    # while it holds a CPU, the first wait ends after a slice to give the
+                    # CPU back (see _placement); then it sleeps until woken
+                    return fn(_SLICE if self._apart.hold.cpu >= 0 else None)
                 finally:
                     self.control.set_doorbell(0)
             except RingTimeoutError:
-                pass
+                self._apart.release()   # idle for a slice: its CPU is free for others
             except WaitInterrupted:
                 self._interrupted()
             except RingInvalidatedError:

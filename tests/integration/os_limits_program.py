@@ -3,7 +3,11 @@ child (RLIMIT_NOFILE, RLIMIT_FSIZE), do one thing that needs it, and print what 
 raised as one JSON line ({"type", "msg", "cause", "pid"}), so that the test runner's own
 limits are never touched.
 
-    python -m tests.integration.os_limits_program CASE [POPEF]
+    python -m tests.integration.os_limits_program CASE [POPEF [BIG_POPEF]]
+
+The cases after the first six are programs as a user writes them: every descriptor in
+use, one left for a two-IPU attach, a runner tried with 0, 2, 4, ... to spare, and a
+small private /dev/shm (run under ``unshare -m`` by the test).
 """
 
 from __future__ import annotations
@@ -79,6 +83,18 @@ def main(argv: list[str]) -> int:
         resource.setrlimit(resource.RLIMIT_FSIZE, (65536, resource.RLIM_INFINITY))
         run = lambda: model_runtime.ModelRunner(                      # noqa: E731
             model_runtime.PopefPaths([argv[1]]))
+    elif case == "popef-nofile":       # a program with every descriptor in use
+        make = model_runtime.ModelRunner   # imported (a lazy import opens files too)
+        held.extend(_nofile(0))
+        run = lambda: make(argv[1])                                   # noqa: E731
+    elif case == "locks-nofile":       # one descriptor left: the second IPU's lock file
+        dm = model_runtime.DeviceManager()
+        held.extend(_nofile(1))
+        run = lambda: dm.getDevice(2)                                 # noqa: E731
+    elif case == "budgets":
+        return _budgets(argv[1])
+    elif case == "shm-full":
+        return _shm_full(argv[1], argv[2])
     else:
         raise SystemExit(f"unknown case {case!r}")
     out: dict[str, Any] = {"pid": os.getpid()}
@@ -91,6 +107,84 @@ def main(argv: list[str]) -> int:
                    cause=type(exc.__cause__).__name__ if exc.__cause__ else None)
     for fd in held:
         os.close(fd)
+    if case == "locks-nofile":         # no IPU stayed locked by the failed attach
+        out["after"] = _attach_all()
+    print(json.dumps(out), flush=True)
+    return 0
+
+
+def _error(exc: BaseException) -> dict[str, Any]:
+    return {"type": f"{type(exc).__module__}.{type(exc).__qualname__}", "msg": str(exc)}
+
+
+def _attach_all() -> Any:
+    """The IPUs of the whole machine (NO_WAIT): all free, or the error saying which not."""
+    import host_runtime as model_runtime
+
+    try:
+        dev = model_runtime.DeviceManager().getDevice(4)
+    except Exception as exc:
+        return _error(exc)
+    ipus = dev.ipus()
+    dev.close()
+    return ipus
+
+
+def _budgets(path: str) -> int:
+    """A program making a runner of two replicas with 0, 2, 4, ... descriptors to spare:
+    each attempt either works or fails with a named error; none leaves an IPU held."""
+    import host_runtime as model_runtime
+
+    cfg = model_runtime.ModelRunnerConfig()
+    cfg.replication_factor = 2
+    attempts = []
+    for free in range(0, 80, 2):
+        held = _nofile(free)
+        try:
+            runner = model_runtime.ModelRunner(path, config=cfg)
+        except Exception as exc:
+            attempts.append({"free": free, **_error(exc)})
+            runner = None
+        for fd in held:
+            os.close(fd)
+        if runner is not None:
+            attempts.append({"free": free, "type": None})
+            runner.close()
+            break
+    print(json.dumps({"pid": os.getpid(), "attempts": attempts, "after": _attach_all()}),
+          flush=True)
+    return 0
+
+
+def _shm_full(small: str, big: str) -> int:
+    """Run in a /dev/shm of a few MiB (a private mount): a model too big for it, then
+    arrays until it is full; then what is left in that /dev/shm, which is this program's
+    alone."""
+    import numpy as np
+
+    import host_runtime as model_runtime
+
+    out: dict[str, Any] = {"pid": os.getpid()}
+    try:
+        model_runtime.ModelRunner(big)
+        out["big"] = {"type": None}
+    except Exception as exc:
+        out["big"] = _error(exc)
+    runner = model_runtime.ModelRunner(small)
+    arrays = []
+    try:
+        while len(arrays) < 1000:
+            arrays.append(model_runtime.empty_shared((256, 1024), np.float32))
+            arrays[-1][...] = 1.0   # every page touched: no SIGBUS
+        out["arrays"] = {"type": None}
+    except Exception as exc:
+        out["arrays"] = _error(exc)
+    out["made"] = len(arrays)
+    one = np.ones((1, 4), np.float32)
+    out["works"] = runner.execute({"tensor_A": one, "tensor_B": one})["tensor_C"].shape == (1, 4)
+    runner.close()
+    del arrays
+    out["left"] = sorted(os.listdir("/dev/shm"))
     print(json.dumps(out), flush=True)
     return 0
 

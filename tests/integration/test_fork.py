@@ -15,6 +15,7 @@ import atexit
 import gc
 import json
 import os
+import re
 import select
 import subprocess
 import sys
@@ -377,3 +378,28 @@ def test_forking_while_another_thread_executes_neither_deadlocks_nor_mixes_answe
         runner.close()
     assert not t.is_alive()
     assert counts["wrong"] == 0 and counts["n"] > 0
+
+
+def test_a_multiprocessing_fork_pool_gets_the_named_error_and_the_parent_stays_right(
+        model_path, mode):
+    """multiprocessing's 'fork' Pool and Process in a fresh interpreter
+    (tests/integration/fork_pool_program.py): the workers' calls on the parent's runner
+    raise ForkedProcessError, which reaches the parent intact; workers' own runners are
+    right; a worker closing the parent's runner, or just exiting, leaves the parent's
+    objects; the parent gets 0 wrong answers throughout and leaves nothing."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "tests.integration.fork_pool_program", model_path],
+                          env=env, capture_output=True, text=True, timeout=240, cwd=root)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    parent = result["parent"]
+    assert result["parents"]["type"] == "ForkedProcessError"
+    assert result["parents"]["owner_pid"] == parent
+    expected = re.escape(forked_message("ModelRunner", parent, 999999)).replace("999999", r"\d+")
+    assert re.fullmatch(expected, result["parents"]["message"]), result["parents"]["message"]
+    assert result["own"] == [True, True]
+    assert result["close_exitcode"] == 0 and result["exit_exitcode"] == 0
+    assert result["wrong_while_pool"] == 0 and result["wrong_after"] == 0
+    assert result["missing"] == [] and result["left"] == []

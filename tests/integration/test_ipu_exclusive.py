@@ -9,10 +9,14 @@ DeviceWaitConfig) with an error naming the IPU and the pid that holds it.
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import subprocess
+import sys
 import time
 from datetime import timedelta
+from typing import Any
 
 import pytest
 
@@ -112,5 +116,68 @@ def test_a_daemon_and_an_embedded_host_on_one_home_exclude_each_other(two_daemon
         assert states(first) == [("free", None)]
     finally:
         locks.release()
+    with DeviceManager(daemon=first.socket).getSpecificDevice(0, wait_config=NO_WAIT) as dev:
+        assert dev.ipus() == [0]
+
+
+# -- from the outside: host programs (tests/integration/ipu_holder_program.py) -----------------
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def holder(args: list[str], home, daemon: DaemonRig | None, **popen: Any) -> subprocess.Popen:
+    """A host program of ``home``: through ``daemon``, or embedded on a machine of one IPU
+    (the daemons' pools hold IPU 0 only: every holder wants the same one)."""
+    env = dict(os.environ, IPU_EMULATOR_HOME=str(home), IPU_EMULATOR_NUM_IPUS="1",
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    env.pop(wire.ENV_VAR, None)
+    if daemon is not None:
+        env[wire.ENV_VAR] = daemon.socket
+    return subprocess.Popen([sys.executable, "-m", "tests.integration.ipu_holder_program", *args],
+                            env=env, cwd=ROOT, text=True, **popen)
+
+
+def test_hosts_of_two_daemons_and_embedded_hosts_never_hold_one_ipu_at_once(two_daemons, home):
+    """Six host programs at once, two through each daemon and two embedded, attach and
+    release IPU 0 ten times each, waiting for it: every attach succeeds in turn and no
+    two holds of it overlap in time."""
+    first, second = two_daemons
+    rounds = 10
+    procs = [holder(["churn", str(rounds)], home, rig, stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE)
+             for rig in (first, second, None, first, second, None)]
+    holds = []
+    for p in procs:
+        out, err = p.communicate(timeout=240)
+        assert p.returncode == 0, err[-3000:]
+        lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+        assert lines, err[-3000:]
+        holds += [(t0, t1, p.pid) for ipus, t0, t1 in json.loads(lines[0][7:]) if ipus == [0]]
+    assert len(holds) == rounds * len(procs)
+    holds.sort()
+    overlaps = [(a, b) for a, b in zip(holds, holds[1:]) if b[0] < a[1]]
+    assert overlaps == []
+    assert states(first) == [("free", None)] and states(second) == [("free", None)]
+
+
+def test_an_embedded_host_program_holding_an_ipu_keeps_it_from_a_daemon(two_daemons, home):
+    """A real embedded host (not a lock taken by the test): the daemon refuses its IPU,
+    naming the host's pid, and hands it out once the host has let it go."""
+    first, _ = two_daemons
+    host = holder(["hold"], home, None, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert host.stdout is not None and host.stdin is not None
+        assert host.stdout.readline().strip() == "HOLDING [0]"
+        with pytest.raises(DeviceUnavailableError) as info:
+            DeviceManager(daemon=first.socket).getSpecificDevice(0, wait_config=NO_WAIT)
+        assert str(info.value) == (
+            f"no device available: asked for device 0 with NO_WAIT; busy: ipu 0 by pid "
+            f"{host.pid} (daemon at {first.socket})")
+        host.stdin.close()
+        assert host.wait(60) == 0
+    finally:
+        if host.poll() is None:
+            host.kill()
+            host.wait()
     with DeviceManager(daemon=first.socket).getSpecificDevice(0, wait_config=NO_WAIT) as dev:
         assert dev.ipus() == [0]

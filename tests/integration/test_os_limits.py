@@ -95,3 +95,79 @@ def test_runner_above_the_file_size_limit(tmp_path, popef_path):
     assert out["msg"] == ("cannot create the process and the control and event rings of IPU 0: "
                           "file size limit (EFBIG) creating a shared-memory region of 66816 "
                           "bytes: 66816 bytes " + FSIZE)
+
+
+# -- from the outside: a program that simply has too few descriptors or too little /dev/shm
+
+def test_a_program_out_of_descriptors_opening_its_popef_file_is_told_so(tmp_path, popef_path):
+    """Not a PopefError ("recompile the model"): the file is fine, the process is full."""
+    out = _run("popef-nofile", str(tmp_path), popef_path)
+    assert out["type"] == "host_runtime.errors.ResourceLimitError"
+    assert out["msg"] == (f"out of file descriptors (EMFILE) opening PopEF file {popef_path!r}: "
+                          + NOFILE.format(hard=_hard()))
+    assert out["cause"] == "OutOfFileDescriptorsError"
+
+
+def test_a_multi_ipu_attach_out_of_descriptors_is_named_and_holds_no_ipu(tmp_path):
+    """One descriptor left: the first IPU's lock file opens, the second's does not. The
+    error is named and the first lock is let go: the whole machine attaches after."""
+    out = _run("locks-nofile", str(tmp_path))
+    assert out["type"] == "host_runtime.errors.ResourceLimitError"
+    assert out["msg"] == ("cannot attach ipus [0, 1]: out of file descriptors (EMFILE) opening "
+                          f"the lock files of ipus [0, 1] in {tmp_path}/locks: "
+                          + NOFILE.format(hard=_hard()))
+    assert out["after"] == [0, 1, 2, 3]
+
+
+def test_every_descriptor_budget_gives_a_runner_or_a_named_error(tmp_path, popef_path):
+    """A runner of two replicas made with 0, 2, 4, ... descriptors to spare: every failure,
+    wherever it falls (the PopEF file, lock files, regions, semaphores, IPU processes),
+    is ResourceLimitError naming EMFILE and the limit, and leaves no IPU held and nothing
+    in /dev/shm."""
+    out = _run("budgets", str(tmp_path), popef_path)
+    attempts = out["attempts"]
+    assert attempts[-1]["type"] is None, attempts[-1]   # enough descriptors: it works
+    assert len(attempts) > 5
+    for a in attempts[:-1]:
+        assert a["type"] == "host_runtime.errors.ResourceLimitError", a
+        assert re.search(r"out of file descriptors \(EMFILE\) .*: this process has \d+ open and "
+                         r"its limit RLIMIT_NOFILE is 256 \(hard \w+\); close runners", a["msg"]), a
+        assert "full" not in a["msg"], a
+    assert out["after"] == [0, 1, 2, 3]
+
+
+def _private_shm_works() -> bool:
+    try:
+        return subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs "
+                               "/dev/shm"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+@pytest.mark.skipif(not _private_shm_works(), reason="needs unshare -m and mount (root)")
+def test_a_small_dev_shm_is_named_full_with_bytes_needed_and_free(tmp_path, popef_path):
+    """A /dev/shm of 8 MiB of the program's own (a private mount namespace, as a container's
+    --shm-size gives): a model needing more is refused before anything is made; arrays
+    are refused once it is full, with the bytes needed and free; the runner made before
+    still works; nothing is left in that /dev/shm."""
+    big = str(write_simple_popef(tmp_path / "big.popef", shape=(512, 1024)))
+    env = dict(os.environ, IPU_EMULATOR_HOME=str(tmp_path), IPU_EMULATOR_FORKSERVER="0",
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    script = ("mount -t tmpfs -o size=8m tmpfs /dev/shm && exec \"$0\" -m "
+              "tests.integration.os_limits_program shm-full \"$1\" \"$2\"")
+    proc = subprocess.run(["unshare", "-m", "sh", "-c", script, sys.executable, popef_path, big],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["big"]["type"] == "host_runtime.errors.SharedMemoryFullError"
+    assert re.fullmatch(r"this model's rings and regions need \d+ bytes of shared memory .*, but "
+                        r"/dev/shm has \d+ bytes free of 8388608; enlarge /dev/shm \(docker run "
+                        r"--shm-size=...\) .*", out["big"]["msg"]), out["big"]["msg"]
+    assert out["arrays"]["type"] == "host_runtime.errors.SharedMemoryFullError"
+    assert re.fullmatch(r"cannot create an empty_shared array of 1048576 bytes: /dev/shm full "
+                        r"creating a shared-memory region of 1048576 bytes: 1048576 bytes "
+                        r"needed, /dev/shm has \d+ bytes free of 8388608; free it .*",
+                        out["arrays"]["msg"]), out["arrays"]["msg"]
+    assert 0 < out["made"] < 8
+    assert out["works"] is True
+    assert out["left"] == []

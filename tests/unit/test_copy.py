@@ -1,4 +1,4 @@
-"""Large transfer copies split across two threads (host_runtime.memory._copy)."""
+"""Large transfer copies shared with a helper thread (host_runtime.memory._copy)."""
 
 from __future__ import annotations
 
@@ -37,3 +37,33 @@ def test_a_forked_child_copies_with_its_own_helper_thread():
     child = mp.get_context("fork").Process(target=_copy_in_child)
     child.start()
     finish(child, 30)
+
+
+def test_the_caller_does_not_wait_for_a_helper_that_is_not_running():
+    """The helper thread is held up (here: by a job whose lock the test holds): the caller
+    takes every chunk itself and returns, without waiting for the helper to start."""
+    import threading
+
+    from host_runtime.memory import _copy
+
+    jobs = _copy._helper()
+    n = 2 * PARALLEL_MIN_BYTES + 5
+    blocker = _copy._Job(np.zeros(1, np.uint8), np.zeros(1, np.uint8))
+    blocker.lock.acquire()
+    jobs.put(blocker)                  # the helper takes it and blocks on its lock
+    try:
+        src = np.random.default_rng(5).integers(0, 256, n, dtype=np.uint8)
+        dst = np.zeros(n, np.uint8)
+        done = threading.Event()
+        caller = threading.Thread(target=lambda: (copy_bytes(memoryview(dst), memoryview(src)),
+                                                  done.set()))
+        caller.start()
+        assert done.wait(30), "copy_bytes waited for the held-up helper"
+        caller.join()
+        np.testing.assert_array_equal(dst, src)
+    finally:
+        blocker.lock.release()
+    # the helper is free again and shares the next copy
+    dst2 = np.zeros(n, np.uint8)
+    copy_bytes(memoryview(dst2), memoryview(src))
+    np.testing.assert_array_equal(dst2, src)

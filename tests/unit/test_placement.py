@@ -1,13 +1,17 @@
-"""The IPU process keeps off its host's CPU (ipu_emulator.ipu._placement)."""
+"""Where IPU processes run: off their host's CPU, one busy IPU process a CPU
+(ipu_emulator.ipu._placement)."""
 
 from __future__ import annotations
 
 import os
+import secrets
+import subprocess
+import sys
 
 import pytest
 
 from ipu_emulator.ipu import _placement
-from ipu_emulator.ipu._placement import KeepApart, _cpu_of
+from ipu_emulator.ipu._placement import CpuHold, KeepApart, _cpu_of
 
 
 def test_cpu_field_is_read_after_the_command_name(tmp_path):
@@ -18,21 +22,93 @@ def test_cpu_field_is_read_after_the_command_name(tmp_path):
     assert _cpu_of("/proc/thread-self/stat") in os.sched_getaffinity(0)
 
 
+@pytest.fixture
+def namespace():
+    """CPU holds of this test only (the machine's IPU processes hold the real ones)."""
+    return f"ipu-emulator-test.{os.getpid()}.{secrets.token_hex(4)}.cpu."
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
-def test_moves_off_the_hosts_cpu_and_gives_the_affinity_back(monkeypatch):
+def test_moves_off_the_hosts_cpu_and_gives_the_affinity_back(monkeypatch, namespace):
     allowed = os.sched_getaffinity(0)
     monkeypatch.setattr(_placement, "PERIOD", 0.0)
-    apart = KeepApart(os.getpid())     # this thread is its own "host": always shared
+    apart = KeepApart(os.getpid(), namespace)   # this thread is its own "host": always shared
     try:
         assert apart.enabled
         cpu = _cpu_of("/proc/thread-self/stat")
-        apart.check()
+        apart._look(host_cpu=cpu, mine=cpu)   # what check() reads, read once here
         now = os.sched_getaffinity(0)
-        assert cpu not in now and now == allowed - {cpu}
+        assert cpu not in now and len(now) == 1 and now <= allowed
+        assert apart.hold.cpu in now
+        assert not CpuHold(namespace).take(apart.hold.cpu)   # held: nobody else gets it
         apart.release()
-        assert os.sched_getaffinity(0) == allowed
+        assert os.sched_getaffinity(0) == allowed and apart.hold.cpu == -1
+        other = CpuHold(namespace)
+        assert other.take(min(now))                        # given back
+        other.drop()
     finally:
         os.sched_setaffinity(0, allowed)
+
+
+def test_a_cpu_is_held_by_one_process_and_freed_when_it_dies(namespace):
+    code = ("import sys, time; from ipu_emulator.ipu._placement import CpuHold; "
+            "h = CpuHold(sys.argv[1]); print(h.take(0), flush=True); time.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", code, namespace], stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "True"
+        mine = CpuHold(namespace)
+        assert not mine.take(0) and mine.cpu == -1
+        assert mine.take(1) and mine.cpu == 1
+    finally:
+        child.kill()
+        child.wait()
+        child.stdout.close()   # type: ignore[union-attr]
+    assert mine.take(0) and mine.cpu == 0      # the kernel dropped the dead process's hold
+    assert CpuHold(namespace).take(1)          # and taking 0 gave 1 back
+    mine.drop()
+
+
+class _Recorder(KeepApart):
+    """A KeepApart whose pins are recorded instead of applied to this thread."""
+
+    def __init__(self, namespace: str, cpus: set[int]) -> None:
+        super().__init__(os.getpid(), namespace)
+        self._allowed = frozenset(cpus)
+        self.pins: list[int] = []
+
+    def _pin(self, cpu: int) -> None:
+        self.pins.append(cpu)
+
+    def _unpin(self) -> None:
+        self.pins.append(-1)
+
+
+def test_two_ipu_processes_of_one_host_spread_over_two_cpus(namespace):
+    """Both start on the host thread's CPU 0: the first takes CPU 1; the second finds it
+    held and stays on CPU 0 (the host thread is the one the scheduler moves). When the
+    host thread then runs on CPU 1, neither moves onto the other's CPU."""
+    a, b = _Recorder(namespace, {0, 1}), _Recorder(namespace, {0, 1})
+    try:
+        a._look(host_cpu=0, mine=0)
+        b._look(host_cpu=0, mine=0)
+        assert (a.hold.cpu, a.pins) == (1, [1])
+        assert (b.hold.cpu, b.pins) == (0, [0])
+        a._look(host_cpu=1, mine=1)
+        b._look(host_cpu=1, mine=0)
+        assert (a.hold.cpu, b.hold.cpu) == (1, 0) and a.pins == [1, 1] and b.pins == [0]
+        b.release()                         # b goes idle: a moves off the host's CPU
+        a._look(host_cpu=1, mine=1)
+        assert a.hold.cpu == 0 and a.pins[-1] == 0
+        c = _Recorder(namespace, {0, 1})    # a third while both CPUs are held: floats
+        b._look(host_cpu=0, mine=0)
+        assert b.hold.cpu == 1
+        c._look(host_cpu=0, mine=0)
+        assert c.hold.cpu == -1 and c.pins == [-1]
+        c.release()
+    finally:
+        a.release()
+        b.release()
 
 
 def test_off_when_asked_or_when_the_host_is_unknown(monkeypatch):

@@ -206,10 +206,29 @@ def test_spin_until_gives_up_after_its_budget(yield_cpu: bool) -> None:
     assert time.perf_counter_ns() - t0 >= 2_000_000
 
 
-def test_spin_until_gives_up_when_a_yield_shows_a_shared_cpu() -> None:
-    polls = []
-    assert spin_until(lambda: polls.append(1), 10**10, shared_ns=0) is False
-    assert len(polls) == 1     # one yield took longer than 0 ns: stop at once
+def test_spin_until_gives_up_when_a_yield_shows_a_shared_cpu(monkeypatch) -> None:
+    yields: list[int] = []
+    real = os.sched_yield
+    monkeypatch.setattr(os, "sched_yield", lambda: (yields.append(1), real())[1])
+    t0 = time.perf_counter_ns()
+    assert spin_until(lambda: False, 10**10, shared_ns=0) is False
+    assert yields == [1]       # the first yield took longer than 0 ns: stop at once
+    assert time.perf_counter_ns() - t0 < 10**9
+
+
+def test_spin_until_does_not_yield_for_its_first_microseconds(monkeypatch) -> None:
+    """Polls within HOT_NS make no system call between them; past it they yield."""
+    import shm.spin
+
+    yields: list[int] = []
+    monkeypatch.setattr(os, "sched_yield", lambda: yields.append(1))
+    monkeypatch.setattr(shm.spin, "HOT_NS", 10**12)       # all of the poll is "hot"
+    calls = iter([False] * 5 + [True])
+    assert spin_until(lambda: next(calls), 10**13) is True
+    assert yields == []
+    monkeypatch.setattr(shm.spin, "HOT_NS", 1000)         # past 1 us it yields
+    assert spin_until(lambda: len(yields) >= 3, 10**10) is True
+    assert len(yields) == 3
 
 
 def test_spin_until_says_when_it_gave_up_for_a_shared_cpu() -> None:

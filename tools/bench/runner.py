@@ -7,17 +7,21 @@ For the seeds' example model (``C = A * weights + B``):
   ``concurrent.futures.ProcessPoolExecutor`` worker holding an onnxruntime
   session (the usual way to keep inference off the caller's process);
 - at shape [64, 1024] float32: ``executeAsync`` throughput with 8 requests in
-  flight (``ring_buffer_size_multiplier = 8``, so that the stream rings hold
-  them; the default of 2 is also printed), with numpy arrays (copied through
+  flight, with the default config and with ``ring_buffer_size_multiplier = 8``
+  (so that the stream rings hold them all), with numpy arrays (copied through
   the rings) and with arrays from ``empty_shared`` (read and written in place
   by the IPU process), vs in-process onnxruntime run back to back;
 - a 16 MiB input / 16 MiB output round trip (an Identity model) in bytes per
   second vs two plain numpy copies of 16 MiB in one process.
 
-Targets: [1,4] execute median <= 1/8 of ProcessPoolExecutor and <= 4x
-in-process onnxruntime; [64,1024] throughput >= 0.8x in-process onnxruntime;
-16 MiB >= 0.5 of two numpy copies. Measurements are interleaved in blocks and
-the median of the block medians is reported (the machine is shared).
+Targets: [1,4] execute median <= 1/8 of ProcessPoolExecutor and <= 1.25x
+in-process onnxruntime; [64,1024] throughput >= 0.8x in-process onnxruntime
+with ``empty_shared`` tensors, and with numpy arrays and the default config
+>= 0.8x in-process onnxruntime making the same copies (the inputs copied in,
+the output out); 16 MiB >= 0.6 of two numpy copies. Measurements are
+interleaved in blocks or rounds (the machine is shared): each ratio is taken
+within one block or round, where both sides saw the same machine, and the
+median of those ratios is reported.
 """
 
 from __future__ import annotations
@@ -135,12 +139,17 @@ def bench_latency(tmp: str, rounds: int, blocks: int) -> dict[str, float]:
     out = {k: statistics.median(m for m, _ in v) for k, v in res.items()}
     out.update({f"{k}_spread": max(m for m, _ in v) - min(m for m, _ in v) for k, v in res.items()})
     out.update({f"{k}_best": min(m for m, _ in v) for k, v in res.items()})
+    # the ratios within each block (the two sides one after the other), then their median
+    out["ort_ratio"] = statistics.median(r / o for (r, _), (o, _) in zip(res["runner"], res["ort"]))
+    out["pool_ratio"] = statistics.median(r / p for (r, _), (p, _) in zip(res["runner"],
+                                                                           res["pool"]))
     out["read_preparation_us"] = mean["read_preparation_monitoring_statistics_mean_us"]
     out["computation_us"] = mean["computation_monitoring_statistics_mean_us"]
     return out
 
 
-def bench_throughput(tmp: str, seconds: float, in_flight: int) -> dict[str, float]:
+def bench_throughput(tmp: str, seconds: float, in_flight: int,
+                     rounds: int = 3) -> dict[str, float]:
     import host_runtime as model_runtime
     from tools.generate_simple_popef import build_simple_model, write_simple_popef
 
@@ -157,6 +166,19 @@ def bench_throughput(tmp: str, seconds: float, in_flight: int) -> dict[str, floa
         n, t0 = 0, time.perf_counter()
         while time.perf_counter() - t0 < seconds:
             sess.run(None, inputs)
+            n += 1
+        return n / (time.perf_counter() - t0)
+
+    # the copies a runner makes of numpy arrays: the inputs in, the output out
+    staged = {name: np.empty_like(arr) for name, arr in inputs.items()}
+    dest = np.empty(shape, np.float32)
+
+    def ort_copy_rate() -> float:
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            for name, arr in inputs.items():
+                np.copyto(staged[name], arr)
+            np.copyto(dest, sess.run(None, staged)[0])
             n += 1
         return n / (time.perf_counter() - t0)
 
@@ -188,17 +210,24 @@ def bench_throughput(tmp: str, seconds: float, in_flight: int) -> dict[str, floa
         runner_rate(runner2)
         runner_rate(runner, shared_in, shared_outs)
         ort_rate()
-        r, r2, rs, o = [], [], [], []
-        for _ in range(3):
-            r.append(runner_rate())
-            r2.append(runner_rate(runner2))
-            rs.append(runner_rate(runner, shared_in, shared_outs))
-            o.append(ort_rate())
+        ort_copy_rate()
+        res: dict[str, list[float]] = {"runner": [], "runner_default_rings": [],
+                                       "runner_shared": [], "ort": [], "ort_copies": []}
+        for _ in range(rounds):
+            res["runner"].append(runner_rate())
+            res["runner_default_rings"].append(runner_rate(runner2))
+            res["runner_shared"].append(runner_rate(runner, shared_in, shared_outs))
+            res["ort"].append(ort_rate())
+            res["ort_copies"].append(ort_copy_rate())
         out = runner.execute(shared_in)["tensor_C"]
         if not np.array_equal(out, sess.run(None, inputs)[0]):
             raise AssertionError("shared-memory requests gave other results than onnxruntime")
-    return {"runner": statistics.median(r), "runner_default_rings": statistics.median(r2),
-            "runner_shared": statistics.median(rs), "ort": statistics.median(o)}
+    fig = {k: statistics.median(v) for k, v in res.items()}
+    # each ratio taken within one round (both sides saw the same machine), then the median
+    for key, base in (("runner", "ort_copies"), ("runner_default_rings", "ort_copies"),
+                      ("runner_shared", "ort")):
+        fig[f"{key}_ratio"] = statistics.median(a / b for a, b in zip(res[key], res[base]))
+    return fig
 
 
 def bench_bandwidth(tmp: str, rounds: int) -> dict[str, float]:
@@ -224,7 +253,9 @@ def bench_bandwidth(tmp: str, rounds: int) -> dict[str, float]:
             np.copyto(y, mid)
             cp.append(time.perf_counter() - t)
     size = 16 * _MiB
-    return {"runner": size / statistics.median(rt), "numpy": size / statistics.median(cp)}
+    return {"runner": size / statistics.median(rt), "numpy": size / statistics.median(cp),
+            # each round trip against the copies right after it
+            "ratio": statistics.median(c / r for r, c in zip(rt, cp))}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -233,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3000, help="latency requests per mode")
     parser.add_argument("--blocks", type=int, default=5, help="interleaved latency blocks")
     parser.add_argument("--seconds", type=float, default=1.0, help="per throughput sample")
+    parser.add_argument("--thr-rounds", type=int, default=3, help="throughput rounds")
     parser.add_argument("--bw-rounds", type=int, default=15, help="16 MiB round trips")
     parser.add_argument("--markdown", action="store_true",
                         help="print the figures as rows of docs/benchmarks.md (report to stderr)")
@@ -249,50 +281,59 @@ def main(argv: list[str] | None = None) -> int:
               f"(spread {lat['ort_spread']:.1f})")
         print(f"  ProcessPoolExecutor + onnxruntime       {lat['pool']:9.1f}  "
               f"(spread {lat['pool_spread']:.1f})")
-        r_pool = lat["runner"] / lat["pool"]
-        r_ort = lat["runner"] / lat["ort"]
+        r_pool = lat["pool_ratio"]
+        r_ort = lat["ort_ratio"]
         print(f"  runner / pool = {r_pool:.3f} (target <= 0.125)   "
-              f"runner / ort = {r_ort:.2f} (target <= 4)")
+              f"runner / ort = {r_ort:.2f} (target <= 1.25)   (medians of the ratios "
+              "within each block)")
         print(f"  best blocks: runner {lat['runner_best']:.1f} us, / pool "
               f"{lat['runner_best'] / lat['pool_best']:.3f}, / ort "
               f"{lat['runner_best'] / lat['ort_best']:.2f}  (blocks where the host and the IPU "
               "process ran on two vCPUs;\n   after the pool's blocks they often share one for "
               "a while: see the spread)")
-        ok &= r_pool <= 0.125 and r_ort <= 4
+        ok &= r_pool <= 0.125 and r_ort <= 1.25
         table.add("[1,4] `ModelRunner.execute` median", f"{lat['runner']:.1f} µs",
                   f"ProcessPoolExecutor + onnxruntime {lat['pool']:.1f} µs", r_pool, "≤ 0.125")
-        table.add("same", "", f"in-process onnxruntime {lat['ort']:.1f} µs", r_ort, "≤ 4")
+        table.add("same", "", f"in-process onnxruntime {lat['ort']:.1f} µs", r_ort, "≤ 1.25")
 
-        thr = bench_throughput(tmp, args.seconds, 8)
-        print("\n[64,1024] float32 throughput (requests/s)")
-        print(f"  ModelRunner.executeAsync, 8 in flight   {thr['runner']:9.0f}  "
-              "(rings of 8: ring_buffer_size_multiplier = 8)")
-        print(f"    same, default rings of 2 slots        {thr['runner_default_rings']:9.0f}")
+        thr = bench_throughput(tmp, args.seconds, 8, args.thr_rounds)
+        print(f"\n[64,1024] float32 throughput (requests/s, median of {args.thr_rounds} rounds)")
+        print(f"  ModelRunner.executeAsync, 8 in flight   {thr['runner_default_rings']:9.0f}  "
+              "(numpy arrays, copied; default config)")
+        print(f"    same, rings of 8 slots                {thr['runner']:9.0f}  "
+              "(ring_buffer_size_multiplier = 8)")
         print(f"    same, tensors in empty_shared memory  {thr['runner_shared']:9.0f}  "
               "(read and written in place by the IPU)")
         print(f"  onnxruntime in-process, back to back    {thr['ort']:9.0f}")
-        r_thr = thr["runner"] / thr["ort"]
-        r_shared = thr["runner_shared"] / thr["ort"]
-        print(f"  runner / ort = {r_thr:.2f} copied, {r_shared:.2f} shared (target >= 0.8)")
-        ok &= max(r_thr, r_shared) >= 0.8
+        print(f"    same, with the runner's copies        {thr['ort_copies']:9.0f}  "
+              "(inputs copied in, the output out)")
+        r_def = thr["runner_default_rings_ratio"]
+        r_thr = thr["runner_ratio"]
+        r_shared = thr["runner_shared_ratio"]
+        print(f"  copied, default config / ort with copies = {r_def:.2f} (target >= 0.8); "
+              f"rings of 8: {r_thr:.2f}")
+        print(f"  shared / ort = {r_shared:.2f} (target >= 0.8)   (medians of the ratios "
+              "within each round)")
+        ok &= r_def >= 0.8 and r_shared >= 0.8
         ort_rate = f"in-process onnxruntime {thr['ort'] / 1e3:.1f}k req/s"
+        ort_copies = f"in-process onnxruntime + copies {thr['ort_copies'] / 1e3:.1f}k req/s"
         table.add("[64,1024] `executeAsync`, 8 in flight, tensors from `empty_shared`",
                   f"{thr['runner_shared'] / 1e3:.1f}k req/s", ort_rate, r_shared, "≥ 0.8")
+        table.add("same, numpy arrays (copied), default config",
+                  f"{thr['runner_default_rings'] / 1e3:.1f}k req/s", ort_copies, r_def, "≥ 0.8")
         table.add("same, numpy arrays (copied), rings of 8",
-                  f"{thr['runner'] / 1e3:.1f}k req/s", ort_rate, r_thr, "")
-        table.add("same, numpy arrays (copied), default rings",
-                  f"{thr['runner_default_rings'] / 1e3:.1f}k req/s", ort_rate,
-                  thr["runner_default_rings"] / thr["ort"], "")
+                  f"{thr['runner'] / 1e3:.1f}k req/s", ort_copies, r_thr, "")
 
         bw = bench_bandwidth(tmp, args.bw_rounds)
         print("\n16 MiB input + 16 MiB output round trip (GB/s of payload)")
         print(f"  ModelRunner.execute (Identity model)    {bw['runner'] / 1e9:9.2f}")
         print(f"  two numpy copies of 16 MiB              {bw['numpy'] / 1e9:9.2f}")
-        r_bw = bw["runner"] / bw["numpy"]
-        print(f"  runner / numpy = {r_bw:.2f} (target >= 0.5)")
-        ok &= r_bw >= 0.5
+        r_bw = bw["ratio"]
+        print(f"  runner / numpy = {r_bw:.2f} (target >= 0.6; median of the ratios of each "
+              "round trip to the copies after it)")
+        ok &= r_bw >= 0.6
         table.add("16 MiB in + 16 MiB out through `ModelRunner`", f"{bw['runner'] / 1e9:.2f} GB/s",
-                  f"two numpy copies {bw['numpy'] / 1e9:.2f} GB/s", r_bw, "≥ 0.5")
+                  f"two numpy copies {bw['numpy'] / 1e9:.2f} GB/s", r_bw, "≥ 0.6")
     print("\nall targets met" if ok else "\nsome targets missed")
     table.emit()
     return 0
