@@ -239,7 +239,7 @@ def interrupt_all() -> None:
     ring."""
     global _all_interrupted
     _all_interrupted = True
-    for ring in list(_live):
+    for ring in _live_rings():
         if not ring.closed:
             ring.interrupt()
 
@@ -248,9 +248,18 @@ def resume_all() -> None:
     """Undo :func:`interrupt_all`: waits on every Ring of this process block again."""
     global _all_interrupted
     _all_interrupted = False
-    for ring in list(_live):
+    for ring in _live_rings():
         if not ring.closed:
             ring.resume()
+
+
+def _live_rings() -> "list[Ring]":
+    """A copy of ``_live`` that another thread making or dropping rings cannot break."""
+    while True:
+        try:
+            return list(_live)
+        except RuntimeError:   # the set changed size during the copy: copy again
+            continue
 
 
 def _stride(slot_size: int) -> int:

@@ -807,7 +807,10 @@ class _HostWatch:
                     fired.add(fd)
                     bell = True
             if bell:
-                ring_waits.interrupt_all()
+                try:
+                    ring_waits.interrupt_all()
+                except Exception:   # pragma: no cover - never let this thread die
+                    _log.exception("interrupting the ring waits failed")
 
 
 def _unlink_objects_of(pids: tuple[int, ...], all_tags: bool = False) -> int:

@@ -182,7 +182,8 @@ def template_case(path: str) -> dict[str, Any]:
 
     first = model_runtime.ModelRunner(path)   # starts the template
     templates = [p.pid for p in psutil.Process().children()
-                 if "ipu_emulator.ipu.forkserver" in " ".join(p.cmdline())]
+                 if " ".join(p.cmdline()).startswith("ipu-emulator: fork server")
+                 or "ipu_emulator.ipu.forkserver" in " ".join(p.cmdline())]
     assert len(templates) == 1, templates
     pid = templates[0]
     dog = Watchdog(pid)
