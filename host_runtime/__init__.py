@@ -166,7 +166,8 @@ _LAZY: dict[str, str] = {
     "WriteCompleteCallback": "host_runtime.queues",
 }
 
-_SUBMODULES = ("popef", "poprt", "errors", "memory", "queues", "runner", "devices", "session")
+_SUBMODULES = ("popef", "poprt", "errors", "memory", "queues", "runner", "devices", "session",
+               "settings")
 
 
 def __getattr__(name: str) -> Any:

@@ -3,10 +3,11 @@
 A host call that waits on an IPU process or a daemon (``execute``, ``wait``,
 a queue operation, ``close``, attach and release) ends within the host sync
 timeout when the peer makes no progress, with an error that names what it
-waited for. ``IPU_EMULATOR_HOST_SYNC_TIMEOUT`` (seconds, default 60, modelled
-on Poplar's ``target.hostSyncTimeout``) sets it; it is read from the environment
-when a device (its link) or a queue's ring is made, and per request to a daemon,
-so a test can change it with the environment.
+waited for. The setting ``host_sync_timeout`` (``IPU_EMULATOR_HOST_SYNC_TIMEOUT``,
+seconds, default 60, modelled on Poplar's ``target.hostSyncTimeout``) sets it;
+a device (its link) and a daemon client take it from their settings when they
+are made, a queue's ring when it is made, so a test changes it with
+``host_runtime.settings.override`` or the environment.
 
 Where it bounds (each names the peer's pid and state, ``stopped (state T)`` for
 a SIGSTOPped one, via :func:`shm.describe_process`):
@@ -28,11 +29,12 @@ a SIGSTOPped one, via :func:`shm.describe_process`):
 
 from __future__ import annotations
 
-from shm.settings import current
+from host_runtime.settings import HostSettings
 
 __all__ = ["host_sync_timeout"]
 
 
 def host_sync_timeout() -> float:
-    """The host sync timeout in seconds, from the environment now."""
-    return current().host_sync_timeout
+    """The host sync timeout in seconds now (for what has no settings of its own)."""
+    timeout: float = HostSettings.current().host_sync_timeout
+    return timeout

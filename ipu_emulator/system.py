@@ -12,7 +12,11 @@ Configuration, later sources overriding earlier ones:
    ``compute_threads``;
 3. environment variables ``IPU_EMULATOR_NUM_IPUS``, ``IPU_EMULATOR_IPU_VERSION``,
    ``IPU_EMULATOR_TILES_PER_IPU``, ``IPU_EMULATOR_MEMORY_PER_TILE``,
-   ``IPU_EMULATOR_COMPUTE_THREADS``.
+   ``IPU_EMULATOR_COMPUTE_THREADS`` (or the same knobs of
+   ``ipu_emulator.settings.IpuSettings`` in an ``override`` block).
+
+Every one is read when the machine is asked for (``load_system_config``,
+``emulator_home``): they say which machine, and change at run time under tests.
 
 Exclusive attach uses one lock file per IPU in ``<home>/locks`` with
 ``fcntl.flock``: the kernel drops the lock when its holder dies, so a crashed
@@ -37,8 +41,10 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from ipu_emulator.errors import SystemConfigError
+from ipu_emulator.settings import IpuSettings
 from shm import limits
 from shm.errors import echo
+from shm.settings import SettingsError
 
 _log = logging.getLogger(__name__)
 
@@ -98,11 +104,18 @@ class SystemConfig:
         return os.path.join(self.home, "logs")
 
 
+def _read(name: str, environ: Mapping[str, str] | None) -> object:
+    """Knob ``name`` of the machine now (from ``environ`` if given); SystemConfigError."""
+    try:
+        return IpuSettings.read(name, environ)
+    except SettingsError as exc:
+        raise SystemConfigError(str(exc)) from None
+
+
 def emulator_home(environ: Mapping[str, str] | None = None) -> str:
     """``$IPU_EMULATOR_HOME``, else ``~/.ipu_emulator`` if usable, else ``/tmp/ipu_emulator-<uid>``."""
-    env = os.environ if environ is None else environ
-    home = env.get("IPU_EMULATOR_HOME")
-    if home:
+    home = _read("home", environ)
+    if isinstance(home, str) and home:
         return os.path.abspath(home)
     user_home = os.path.expanduser("~")
     if user_home and user_home != "~" and os.access(user_home, os.W_OK):
@@ -171,15 +184,14 @@ _KEYS = ("num_ipus", "ipu_version", "tiles_per_ipu", "memory_per_tile", "compute
 
 def load_system_config(environ: Mapping[str, str] | None = None) -> SystemConfig:
     """The machine as configured by ``$IPU_EMULATOR_CONFIG`` and ``IPU_EMULATOR_*`` variables."""
-    env = os.environ if environ is None else environ
     values: dict[str, object] = {}
-    path = env.get("IPU_EMULATOR_CONFIG")
-    if path:
+    path = _read("config", environ)
+    if isinstance(path, str) and path:
         values.update(_read_config_file(path))
     for key in _KEYS:
-        var = "IPU_EMULATOR_" + key.upper()
-        if env.get(var):
-            values[key] = env[var]
+        value = _read(key, environ)
+        if value is not None:
+            values[key] = value
     kwargs: dict[str, object] = {}
     for key, value in values.items():
         if key == "ipu_version":
@@ -187,7 +199,7 @@ def load_system_config(environ: Mapping[str, str] | None = None) -> SystemConfig
             kwargs[key] = {"2": "ipu2", "21": "ipu21"}.get(v, v)
         else:
             kwargs[key] = _parse_int(key, value)
-    return SystemConfig(home=emulator_home(env), **kwargs)  # type: ignore[arg-type]
+    return SystemConfig(home=emulator_home(environ), **kwargs)  # type: ignore[arg-type]
 
 
 def _read_config_file(path: str) -> dict[str, object]:

@@ -4,9 +4,10 @@ Every POSIX shared-memory segment and semaphore this project creates is named
 
     /ipuemu_<tag>_<pid>_<token>_<kind>
 
-- ``tag``: a namespace taken from ``IPU_EMULATOR_SHM_TAG`` (default ``g``).
-  Test workers set their own so that leak probes and cleanup of parallel test
-  processes do not see each other's objects. Child processes inherit it.
+- ``tag``: a namespace, the setting ``shm_tag`` (``IPU_EMULATOR_SHM_TAG``, default
+  ``g``; read at each name made, see ``shm.settings``). Test workers set their own
+  so that leak probes and cleanup of parallel test processes do not see each
+  other's objects. Child processes inherit it.
 - ``pid``: the creating process. ``ipu-emulator cleanup`` removes objects whose
   creator is dead.
 - ``token``: random, so names cannot be guessed or collide.
@@ -22,11 +23,12 @@ import re
 import secrets
 from typing import NamedTuple
 
+from .settings import ShmSettings
+
 __all__ = ["PREFIX", "current_tag", "new_name", "parse_name", "ParsedName", "SHM_DIR"]
 
 PREFIX = "ipuemu"
 SHM_DIR = "/dev/shm"
-_TAG_RE = re.compile(r"^[A-Za-z0-9]{1,16}$")
 _NAME_RE = re.compile(
     r"^/?(?:sem\.)?" + PREFIX + r"_(?P<tag>[A-Za-z0-9]{1,16})_(?P<pid>\d+)_(?P<token>[0-9a-f]+)_(?P<kind>[A-Za-z0-9.]+)$")
 
@@ -39,10 +41,8 @@ class ParsedName(NamedTuple):
 
 
 def current_tag() -> str:
-    tag = os.environ.get("IPU_EMULATOR_SHM_TAG", "g")
-    if not _TAG_RE.match(tag):
-        raise ValueError(
-            f"IPU_EMULATOR_SHM_TAG must be 1-16 letters or digits, got {tag!r}")
+    """The tag of names made now (SettingsError, a ValueError, for a bad one)."""
+    tag: str = ShmSettings.read("shm_tag")
     return tag
 
 

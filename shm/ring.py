@@ -113,7 +113,7 @@ Spinning: by default a waiter does not spin. ``python -m tools.bench ring``
 on this project's 2-core VMs: the two processes of a ping-pong usually share
 one vCPU, and a spin there only delays the peer (64-byte round trip 11.7 us
 with a 20 us adaptive spin against 7.8 us without); when they land on two
-vCPUs a spin wins (4.1 us). ``IPU_EMULATOR_RING_SPIN_US`` (``shm.settings``)
+vCPUs a spin wins (4.1 us). ``ring_spin_us`` (``shm.settings``, taken when the ring is made)
 sets a spin budget that then adapts (doubles on success, halves on failure);
 the loop is ``shm.spin.spin_until``, mirrored by ``spin`` in the C core.
 """
@@ -134,15 +134,13 @@ from .errors import (PeerDiedError, RingInvalidatedError, RingTimeoutError, ShmC
                      ShmError, ShmForkedError, WaitInterrupted, WouldBlock)
 from .liveness import PeerWatch, notify_on_exit
 from .region import Region
-from .settings import settings
+from .settings import ShmSettings
 from .spin import spin_until, us_to_ns
 from . import _registry, limits
 
 try:
     import shm._ringcore as _ringcore
 except ImportError:  # built without the C extension: the pure-Python path does it all
-    _ringcore = None
-if not settings().ring_c:
     _ringcore = None
 
 __all__ = ["Ring", "PEER_CHECK", "interrupt_all", "resume_all"]
@@ -175,12 +173,8 @@ PEER_CHECK = 0.05
 """Seconds between checks of the peer process (after ``set_peer``) during a wait: a
 process's death posts no semaphore. Waits without a peer are never cut."""
 
-_PEER_THREAD = settings().ring_peer_thread
-"""A thread of shm.liveness tells the rings that their peer exited (see Ring.set_peer)."""
-
-_SPIN_MAX_NS = us_to_ns(settings().ring_spin_us)
-"""Longest spin before blocking (0 disables spinning); see Ring._spin."""
-_SPIN_MIN_NS = min(2000, _SPIN_MAX_NS)
+_SPIN_MIN_NS = 2000
+"""Floor of an adapting spin budget (the ring's ``ring_spin_us`` if lower); see Ring._spin."""
 
 _MAX_SLOTS = 1 << 20
 # Return codes of the C core (see shm/_ringcore.c).
@@ -274,7 +268,8 @@ class Ring:
     """
 
     def __init__(self, region: Region, free: posix_ipc.Semaphore, full: posix_ipc.Semaphore,
-                 owner: bool) -> None:
+                 owner: bool, settings: ShmSettings | None = None) -> None:
+        s = settings if settings is not None else ShmSettings.current()
         self._region = region
         self._name = region.name
         self._free = free
@@ -295,17 +290,21 @@ class Ring:
         self._payload = [buf[HEADER_SIZE + i * stride + SLOT_HEADER_SIZE:
                              HEADER_SIZE + i * stride + SLOT_HEADER_SIZE + self._slot_size]
                          for i in range(self._num_slots)]
-        self._spin_ns = _SPIN_MAX_NS
+        # longest spin before blocking (0 disables spinning) and its floor; see _spin
+        self._spin_max_ns = self._spin_ns = spin_max = us_to_ns(s.ring_spin_us)
+        self._spin_min_ns = spin_min = min(_SPIN_MIN_NS, spin_max)
         # The C core's methods shadow the hot methods on this instance (see the
         # module docstring); None: the Python path does everything.
         self._core: Any = None
-        if _ringcore is not None:
+        if _ringcore is not None and s.ring_c:
             core = self._core = _ringcore.Core(
                 self, buf, self._payload, self._name + _FREE_SUFFIX, self._name + _FULL_SUFFIX,
-                self._slot_size, self._num_slots, stride, _SPIN_MAX_NS, _SPIN_MIN_NS)
+                self._slot_size, self._num_slots, stride, spin_max, spin_min)
             for method in _C_METHODS:
                 setattr(self, method, getattr(core, method))
         self._peer: PeerWatch | None = None
+        # a thread of shm.liveness tells this ring that its peer exited (see set_peer)
+        self._peer_thread = s.ring_peer_thread
         # interrupt(): this process's waits raise WaitInterrupted until resume(). The
         # pure-Python path's bookkeeping of it (the C core keeps its own): threads
         # blocked on [free, full] now, tokens interrupt() posted not yet taken back
@@ -335,7 +334,7 @@ class Ring:
         """This process's end of the ring for C extensions, or None without the C core.
 
         An opaque object (the C core of this ``Ring``; None when ``shm._ringcore`` is
-        not built or ``IPU_EMULATOR_RING_C=0``). A C extension turns it into a
+        not built or the ring was made with ``ring_c`` off). A C extension turns it into a
         ``ShmRingEnd *`` with the C API declared in ``shm/_ringcore.h`` (capsule
         ``shm._ringcore._C_API``) and holds a reference to it while it uses the end:
         the handle keeps the ring's mapping and semaphores alive. The C API never
@@ -349,8 +348,10 @@ class Ring:
 
     @classmethod
     def create(cls, slot_size: int, num_slots: int, kind: str = "ring",
-               prefault: bool = True) -> "Ring":
-        """Create a ring (region + two semaphores), owned by this process."""
+               prefault: bool = True, settings: ShmSettings | None = None) -> "Ring":
+        """Create a ring (region + two semaphores), owned by this process; ``settings``:
+        the knobs it takes (default: ``ShmSettings.current()``)."""
+        settings = settings if settings is not None else ShmSettings.current()
         if not isinstance(slot_size, int) or isinstance(slot_size, bool) or slot_size <= 0:
             raise ValueError(f"slot_size must be a positive int of bytes, got {slot_size!r}")
         if (not isinstance(num_slots, int) or isinstance(num_slots, bool)
@@ -382,11 +383,13 @@ class Ring:
             region.unlink()
             raise
         _log.debug("created ring %s: %d slots x %d bytes", name, num_slots, slot_size)
-        return cls(region, free, full, owner=True)
+        return cls(region, free, full, owner=True, settings=settings)
 
     @classmethod
-    def attach(cls, name: str, prefault: bool = True) -> "Ring":
+    def attach(cls, name: str, prefault: bool = True,
+               settings: ShmSettings | None = None) -> "Ring":
         """Open the ring ``name`` made by another process (or this one)."""
+        settings = settings if settings is not None else ShmSettings.current()
         region = Region.attach(name, prefault=prefault)
         try:
             w = region.buf.cast("q")
@@ -412,7 +415,7 @@ class Ring:
         except BaseException:
             region.close()
             raise
-        return cls(region, free, full, owner=False)
+        return cls(region, free, full, owner=False, settings=settings)
 
     # -- properties ---------------------------------------------------------
 
@@ -458,7 +461,7 @@ class Ring:
             self._peer_gone = False
             if self._core is not None and not self._interrupted:
                 self._core.resume()
-        if peer is not None and _PEER_THREAD and peer.alive():
+        if peer is not None and self._peer_thread and peer.alive():
             ref = weakref.ref(self)
             self._unnotify = notify_on_exit(peer.pid, lambda: _peer_exited(ref, peer))
             self._peer_notified = self._unnotify is not None
@@ -538,15 +541,15 @@ class Ring:
 
         A token that arrives while spinning saves the poster a futex wake and
         this process a sleep and a wake-up. A spin that runs out wasted its
-        budget: halve it, down to a floor of _SPIN_MIN_NS (cheap next to a
+        budget: halve it, down to a floor of _spin_min_ns (cheap next to a
         wake-up, and enough to notice when spinning starts to pay again).
         """
         budget = self._spin_ns
         if spin_until(lambda: sem.value, budget, yield_cpu=False):
-            if budget < _SPIN_MAX_NS:
-                self._spin_ns = min(budget * 2, _SPIN_MAX_NS)
+            if budget < self._spin_max_ns:
+                self._spin_ns = min(budget * 2, self._spin_max_ns)
         else:
-            self._spin_ns = max(budget // 2, _SPIN_MIN_NS)
+            self._spin_ns = max(budget // 2, self._spin_min_ns)
 
     def _wait_slow(self, sem: posix_ipc.Semaphore, timeout: float | None, what: str,
                    waited: float) -> None:

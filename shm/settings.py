@@ -1,77 +1,83 @@
-"""Every tuning knob of the project, read from the environment once per process.
+"""Settings: the one reader of ``IPU_EMULATOR_*`` variables, and the ring's own knobs.
 
-:class:`Settings` holds one typed field per knob (its default, its variable, a
-one-line doc); :func:`settings` returns the process's object, parsed from
-``os.environ`` at its first call and kept. A value that does not parse raises
-:class:`SettingsError` naming the variable, what was expected and what was
-given (``IPU_EMULATOR_RING_SPIN_US='abc': expected a number of microseconds
-(>= 0)``). An unset or empty variable means the default. ``python -m
-shm.settings`` prints the README's table of the knobs (tests/unit/test_settings.py
-checks that README.md holds it).
+Each layer declares its knobs in a frozen dataclass that extends the one below
+it, so that one object carries every knob down the layers::
 
-Why in ``shm``: it is the lowest layer (shm <- ipu_emulator <- host_runtime <-
-tools) and ``shm.ring`` itself has knobs; every layer may import downwards, so
-one module here serves them all without an upward import. It imports nothing
-else of the project.
+    shm.settings.ShmSettings                 the rings' knobs, the shared-memory tag
+      ipu_emulator.settings.IpuSettings      the IPU process, its launch, the daemon, the machine
+        host_runtime.settings.HostSettings   the host: runner, sessions, devices, daemon client
 
-When a knob is read (the one rule):
+A knob is a field declared with :func:`knob`: its default, its variable, a
+parser and a line of documentation. Nothing outside this module reads the
+environment for them:
 
-- ``when="import"``: a module copies the value into a constant when it is
-  imported (hot paths, defaults of arguments). Changing the variable later
-  acts in processes started afterwards, not in this one. The knobs of that
-  kind that an IPU process's modules read (``ipu=True``) are also the ones the
-  fork server compares: a launch whose environment differs in one of them gets
-  a template process of its own (``ipu_emulator.ipu.forkserver.IMPORT_TIME_ENV``
-  is :data:`IPU_IMPORT_ENV` plus a few non-project variables).
-- ``when="call"``: a decision taken per action (a launch, an IPU process's
-  start), which applications and tests change at run time with the
-  environment (``monkeypatch.setenv``): its user reads :func:`current`, which
-  re-reads those knobs, and only those, from ``os.environ`` each time. A forked
-  IPU process gets its launch's environment after the fork, so it reads these
-  afresh too (its import-time knobs equal its template's by the rule above).
+- ``Cls.current()`` is the object for now: ``os.environ`` (an unset or empty
+  variable means the default), then the overrides of :func:`override` on top.
+  It is cached by the variables' texts, so it costs one look-up per variable
+  (about 10 us for all of them, no parsing); an object that needs knobs takes it
+  once, when it is made (a ring, an IPU process, a device, a session, a runner,
+  a daemon), and passes it to what it makes, so that a runner made under an
+  override keeps it for its whole life.
+  Nothing reads a knob per request, and no module keeps one in a constant.
+- ``Cls.read(name)`` is one knob, now: for the knobs marked ``when=EACH_USE``,
+  which select the machine (its home, its shared-memory tag, its daemon...) and
+  which tests and the pytest plugin change at run time.
+- ``settings.to_env()`` is how the knobs cross into a child process: the launcher
+  puts them into an IPU process's environment, where ``current()`` reads them.
 
-:func:`reload` re-reads everything into the cached object: for tests of this
-module (module constants taken at import keep their values).
+A value that does not parse raises :class:`SettingsError` naming the variable,
+the value and what is allowed (``IPU_EMULATOR_RING_SPIN_US='abc': expected a
+number of microseconds (>= 0)``); ``from_env`` reports every bad one at once.
 
-Not settings, read when used (they name *which* machine, not how it runs; the
-pytest plugin and tests change them at run time): see :data:`NOT_SETTINGS`,
-which lists each with its reader, so that every ``IPU_EMULATOR_*`` variable is
-listed in this module.
+``python -m host_runtime.settings`` prints README.md's table of every knob
+(:func:`readme_table`; tests/unit/test_settings.py checks that README.md holds it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
-import sys
+import re
+import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Mapping, NamedTuple, TypeVar
+from typing import Any, Callable, ClassVar, Iterator, Mapping, NamedTuple, TypeVar
 
-__all__ = ["Settings", "SettingsError", "Knob", "settings", "current", "reload", "knobs",
-           "IPU_IMPORT_ENV", "NOT_SETTINGS", "readme_table"]
+from .errors import echo
 
-_T = TypeVar("_T")
+__all__ = ["Settings", "ShmSettings", "SettingsError", "Knob", "knob", "override", "readme_table",
+           "EACH_USE", "flag", "micros", "seconds", "level", "text", "integer", "choice"]
+
+_S = TypeVar("_S", bound="Settings")
+
+EACH_USE = "at once"
+"""``when`` of a knob read at each use (:meth:`Settings.read`), never kept in an object."""
 
 
 class SettingsError(ValueError):
-    """An ``IPU_EMULATOR_*`` variable holds a value its knob cannot take."""
+    """An ``IPU_EMULATOR_*`` variable (or an override) holds a value its knob cannot take."""
 
 
-# -- parsers: (variable, text) -> value -------------------------------------------------
+# -- parsers: (variable, text) -> value; SettingsError names the variable ------------------
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
-def _flag(var: str, text: str) -> bool:
+def _bad(var: str, value: object, allowed: str) -> SettingsError:
+    return SettingsError(f"{var}={echo(value)}: expected {allowed}")
+
+
+def flag(var: str, text: str) -> bool:
+    """``1``/``0`` (or true/false, yes/no, on/off)."""
     low = text.strip().lower()
     if low in _TRUE:
         return True
     if low in _FALSE:
         return False
-    raise SettingsError(f"{var}={text!r}: expected 0 or 1 (or true/false, yes/no, on/off)")
+    raise _bad(var, text, "0 or 1 (or true/false, yes/no, on/off)")
 
 
 def _number(var: str, text: str, what: str, positive: bool) -> float:
@@ -80,232 +86,316 @@ def _number(var: str, text: str, what: str, positive: bool) -> float:
     except ValueError:
         value = math.nan
     if not math.isfinite(value) or value < 0 or (positive and value == 0):
-        raise SettingsError(f"{var}={text!r}: expected a number of {what} "
-                            f"({'> 0' if positive else '>= 0'})")
+        raise _bad(var, text, f"a number of {what} ({'> 0' if positive else '>= 0'})")
     return value
 
 
-def _micros(var: str, text: str) -> float:
+def micros(var: str, text: str) -> float:
+    """A number of microseconds, >= 0."""
     return _number(var, text, "microseconds", positive=False)
 
 
-def _seconds(var: str, text: str) -> float:
+def seconds(var: str, text: str) -> float:
+    """A number of seconds, > 0."""
     return _number(var, text, "seconds", positive=True)
 
 
-def _level(var: str, text: str) -> str:
-    level = text.strip().upper()
-    if level not in _LEVELS:
-        raise SettingsError(f"{var}={text!r}: expected a logging level, one of "
-                            f"{', '.join(_LEVELS)}")
-    return level
+def level(var: str, text: str) -> str:
+    """A logging level name (any case)."""
+    name = text.strip().upper()
+    if name not in _LEVELS:
+        raise _bad(var, text, f"a logging level, one of {', '.join(_LEVELS)}")
+    return name
 
 
-_UNITS: dict[Callable[[str, str], Any], str] = {_micros: " µs", _seconds: " s"}
+def text(pattern: str = "", allowed: str = "") -> Callable[[str, str], str]:
+    """A parser of text matching ``pattern`` (any text if empty), described as ``allowed``."""
+    compiled = re.compile(pattern) if pattern else None
+
+    def parse(var: str, value: str) -> str:
+        if compiled is not None and not compiled.fullmatch(value):
+            raise _bad(var, value, allowed)
+        return value
+    return parse
 
 
-def _knob(default: _T, env: str, parse: Callable[[str, str], Any], doc: str,
-          when: Literal["import", "call"] = "import", ipu: bool = False,
-          used_in: str = "") -> _T:
+_UNITS = {"kib": 1024, "k": 1024, "mib": 1024 ** 2, "m": 1024 ** 2}
+
+
+def integer(lo: int, hi: int, units: bool = False) -> Callable[[str, str], int]:
+    """A parser of an integer in ``lo..hi`` (with ``units``: a k/KiB/m/MiB suffix too)."""
+    allowed = f"an integer in {lo}..{hi}" + (" (or with a suffix k, KiB, m, MiB)" if units else "")
+
+    def parse(var: str, value: str) -> int:
+        low = value.strip().lower()
+        factor = 1
+        if units:
+            for suffix, f in _UNITS.items():
+                if low.endswith(suffix):
+                    low, factor = low[:-len(suffix)].strip(), f
+                    break
+        if not low.isdigit() or not lo <= int(low) * factor <= hi:
+            raise _bad(var, value, allowed)
+        return int(low) * factor
+    return parse
+
+
+def choice(values: Mapping[str, str]) -> Callable[[str, str], str]:
+    """A parser of one of ``values``' keys (any case), giving the key's value."""
+    def parse(var: str, value: str) -> str:
+        found = values.get(value.strip().lower())
+        if found is None:
+            raise _bad(var, value, f"one of {', '.join(values)}")
+        return found
+    return parse
+
+
+_SHOWN_UNITS: dict[Callable[[str, str], Any], str] = {micros: " µs", seconds: " s"}
+
+
+# -- declaring knobs ----------------------------------------------------------------------
+
+def knob(default: Any, env: str, parse: Callable[[str, str], Any], doc: str, *,
+         when: str, shown: str = "") -> Any:
+    """A field of a :class:`Settings` class: ``default``, read from ``env`` with ``parse``.
+
+    ``when`` says when it acts, as README's table says it: when the object that takes
+    the settings is made (``"a ring is made"``, ``"an IPU process starts"``, ...), or
+    :data:`EACH_USE`. ``shown``: the default as the table shows it (when the value alone
+    does not say it)."""
     return dataclasses.field(default=default, metadata={
-        "env": env, "parse": parse, "doc": doc, "when": when, "ipu": ipu, "used_in": used_in})
+        "env": env, "parse": parse, "doc": doc, "when": when, "shown": shown})
 
+
+class Knob(NamedTuple):
+    """One field of a :class:`Settings` class, described."""
+
+    name: str           # the field
+    env: str            # its variable
+    default: Any
+    doc: str
+    when: str           # when it acts (see knob())
+    parse: Callable[[str, str], Any]
+    shown: str          # the default as README shows it, if not the value's own text
+    layer: str          # the module of the class that declares it
+
+    def default_text(self) -> str:
+        """The default as the README shows it."""
+        if self.shown:
+            return self.shown
+        if isinstance(self.default, bool):
+            return f"`{int(self.default)}`"
+        if isinstance(self.default, float):
+            return f"{self.default:g}{_SHOWN_UNITS.get(self.parse, '')}"
+        return f"`{self.default}`"
+
+    def format(self, value: Any) -> str:
+        """``value`` as the variable's text (``parse`` gives ``value`` back)."""
+        if value is None:
+            return ""
+        if isinstance(value, bool):
+            return "1" if value else "0"
+        if isinstance(value, float):
+            return repr(value)
+        return str(value)
+
+
+# -- overrides ------------------------------------------------------------------------------
+
+_lock = threading.Lock()
+_frames: list[dict[str, Any]] = []     # the active override() blocks, oldest first
+_state: tuple[int, dict[str, Any]] = (0, {})   # (generation, the frames' union, later ones
+                                                #  winning): replaced whole at every change
+_classes: list[type["Settings"]] = []  # every Settings class, for override()'s names
+
+
+@contextlib.contextmanager
+def override(**values: Any) -> Iterator[None]:
+    """Use these knob values in this process while the block runs (any layer's knobs).
+
+    ``with override(host_sync_timeout=2.0, device_spin_us=0): runner = ModelRunner(path)``:
+    the runner (its devices, sessions, rings and IPU processes) is made with them and keeps
+    them for its life; after the block, objects are made with the old values again. Values
+    are checked as the variables are (``SettingsError`` naming the knob's variable) and may
+    be given as Python values or as the variables' text. The overrides are the process's,
+    seen by every thread, as the environment is; blocks nest. ``os.environ`` is not
+    changed: a child process started by other means than this project's launchers does
+    not see them."""
+    known = {k.name: k for cls in _classes for k in cls.knobs()}
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise TypeError(f"override() got unknown settings {unknown}; the settings are "
+                        f"{sorted(known)}")
+    frame = {name: _parse_value(known[name], value) for name, value in values.items()}
+    with _lock:
+        _frames.append(frame)
+        _changed()
+    try:
+        yield
+    finally:
+        with _lock:
+            for i in range(len(_frames) - 1, -1, -1):
+                if _frames[i] is frame:
+                    del _frames[i]
+                    break
+            _changed()
+
+
+def _changed() -> None:
+    global _state
+    merged: dict[str, Any] = {}
+    for frame in _frames:
+        merged.update(frame)
+    _state = (_state[0] + 1, merged)
+
+
+def _parse_value(k: Knob, value: Any) -> Any:
+    if isinstance(value, str):
+        return k.parse(k.env, value) if value != "" else k.default
+    if value is None:
+        if k.default is not None:
+            raise SettingsError(f"{k.env}=None: only knobs without a default may be unset")
+        return None
+    if isinstance(k.default, bool) and not isinstance(value, bool):
+        raise _bad(k.env, value, "True or False (or the text 0 or 1)")
+    if isinstance(value, bool) and not isinstance(k.default, bool):
+        raise _bad(k.env, value, "a value of the knob's kind, not True or False")
+    return k.parse(k.env, k.format(value))
+
+
+# -- the settings classes -------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Settings:
-    """The tuning knobs (see the module docstring); build with :meth:`from_env`."""
+    """Base of each layer's settings class (no knobs of its own); see the module docstring."""
 
-    ring_c: bool = _knob(
-        True, "IPU_EMULATOR_RING_C", _flag,
-        "`0`: the rings' pure-Python path instead of their C hot paths (the C extension "
-        "`pip install` builds)",
-        ipu=True, used_in="shm/ring.py")
-    ring_peer_thread: bool = _knob(
-        True, "IPU_EMULATOR_RING_PEER_THREAD", _flag,
-        "`0`: no thread watching the rings' peer processes; a wait on a ring with a peer "
-        "then checks it every 50 ms, arming a kernel timer per wait (a 64-byte round trip "
-        "about 10% slower)",
-        ipu=True, used_in="shm/ring.py")
-    ring_spin_us: float = _knob(
-        0.0, "IPU_EMULATOR_RING_SPIN_US", _micros,
-        "a ring waiter's spin budget before it blocks, adapting (doubled on success, halved "
-        "on failure); both the C core and the Python path; 0: no spin",
-        ipu=True, used_in="shm/ring.py (passed to shm/_ringcore.c)")
-    device_spin_us: float = _knob(
-        50.0, "IPU_EMULATOR_DEVICE_SPIN_US", _micros,
-        "an IPU process's poll of an empty input ring before it blocks, while recent inputs "
-        "came quickly; 0: never poll",
-        ipu=True, used_in="ipu_emulator/ipu/_stream_io.py")
-    runner_spin_us: float = _knob(
-        100.0, "IPU_EMULATOR_RUNNER_SPIN_US", _micros,
-        "the host's poll of an output ring before it blocks, while recent outputs came "
-        "quickly; 0: never poll",
-        used_in="host_runtime/runner/_replica.py")
-    yielded_us: float = _knob(
-        5.0, "IPU_EMULATOR_YIELDED_US", _micros,
-        "a `sched_yield` between polls that took longer ran another task on this CPU: the "
-        "poller blocks instead (IPU process unless it keeps apart, host on one CPU); "
-        "0: never",
-        ipu=True, used_in="ipu_emulator/ipu/_stream_io.py, host_runtime/runner/_replica.py")
-    zero_copy: bool = _knob(
-        True, "IPU_EMULATOR_ZERO_COPY", _flag,
-        "`0`: the IPU process copies stream transfers instead of computing in ring slots "
-        "(for measurements)",
-        ipu=True, used_in="ipu_emulator/ipu/interpreter.py")
-    keep_apart: bool = _knob(
-        True, "IPU_EMULATOR_KEEP_APART", _flag,
-        "`0`: the scheduler alone places IPU processes (else a busy one holds a CPU of its "
-        "own, one per CPU machine-wide, off the CPU of the host thread that submits its "
-        "requests)",
-        when="call", ipu=True, used_in="ipu_emulator/ipu/_placement.py")
-    forkserver: bool = _knob(
-        True, "IPU_EMULATOR_FORKSERVER", _flag,
-        "`0`: start every IPU process as a fresh `python -m ipu_emulator` instead of forking "
-        "it from the host's template process (started once, with numpy and onnxruntime "
-        "imported once; its log is `forkserver.log`)",
-        when="call", used_in="ipu_emulator/ipu/forkserver.py")
-    device_log_level: str = _knob(
-        "WARNING", "IPU_EMULATOR_DEVICE_LOG_LEVEL", _level,
-        "logging level of IPU processes (their `ipuN.log` files, under `$IPU_EMULATOR_HOME`)",
-        when="call", ipu=True, used_in="ipu_emulator/ipu/process.py")
-    daemon_log_level: str = _knob(
-        "INFO", "IPU_EMULATOR_DAEMON_LOG_LEVEL", _level,
-        "logging level of `ipu-emulator daemon` (its `--log-level` default)",
-        when="call", used_in="tools/daemon.py")
-    start_timeout: float = _knob(
-        120.0, "IPU_EMULATOR_START_TIMEOUT", _seconds,
-        "how long an IPU process may take to start (a fresh Python imports onnxruntime)",
-        used_in="ipu_emulator/ipu/launcher.py")
-    load_timeout: float = _knob(
-        300.0, "IPU_EMULATOR_LOAD_TIMEOUT", _seconds,
-        "how long loading an executable onto a device may take",
-        used_in="host_runtime/session/_session.py")
-    stop_timeout: float = _knob(
-        30.0, "IPU_EMULATOR_STOP_TIMEOUT", _seconds,
-        "how long a session's stop or close waits for its device's main loop",
-        used_in="host_runtime/session/_session.py, host_runtime/session/_fastpath.py, "
-                "host_runtime/runner/_replica.py")
-    host_sync_timeout: float = _knob(
-        60.0, "IPU_EMULATOR_HOST_SYNC_TIMEOUT", _seconds,
-        "the longest any host call waits on a device or daemon that makes no progress (a "
-        "stopped or stuck peer) before it fails with a named error (modelled on Poplar's "
-        "`target.hostSyncTimeout`); read when a runner, session, device or queue is made",
-        when="call", used_in="host_runtime/_deadline.py (its host_sync_timeout() bounds: "
-                             "devices/_link.py links and their wait() (sessions; Device.close); "
-                             "devices/_daemon_client.py requests to the daemon; "
-                             "queues/_spsc.py a producer waiting for a free slot), "
-                             "ipu_emulator/ipu/forkserver.py (the wait for the template to fork "
-                             "an IPU process; past it the process starts fresh)")
-    daemon_handover_timeout: float = _knob(
-        30.0, "IPU_EMULATOR_DAEMON_HANDOVER_TIMEOUT", _seconds,
-        "how long a daemon's reset of an IPU between hosts may take before it restarts the "
-        "IPU process",
-        used_in="ipu_emulator/daemon/_pool.py")
+    _knobs: ClassVar[dict[type, tuple[Knob, ...]]] = {}
+    _cache: ClassVar[dict[type, tuple[Any, Any]]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _classes.append(cls)
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str]) -> "Settings":
-        """Parse every knob from ``environ``; SettingsError lists every bad one."""
+    def knobs(cls) -> tuple[Knob, ...]:
+        """Every knob of this class (its layer's and those below), in field order."""
+        found = Settings._knobs.get(cls)
+        if found is None:
+            found = Settings._knobs[cls] = tuple(
+                Knob(f.name, f.metadata["env"], f.default, f.metadata["doc"],
+                     f.metadata["when"], f.metadata["parse"], f.metadata["shown"],
+                     _declared_in(cls, f.name))
+                for f in dataclasses.fields(cls))
+        return found
+
+    @classmethod
+    def knob(cls, name: str) -> Knob:
+        """The knob of field ``name`` (KeyError if none)."""
+        for k in cls.knobs():
+            if k.name == name:
+                return k
+        raise KeyError(name)
+
+    @classmethod
+    def from_env(cls: type[_S], environ: Mapping[str, str]) -> _S:
+        """Every knob parsed from ``environ`` (no overrides); SettingsError lists every bad one."""
         values: dict[str, Any] = {}
         errors: list[str] = []
-        for k in knobs():
-            text = environ.get(k.env, "")
-            if text == "":
+        for k in cls.knobs():
+            raw = environ.get(k.env, "")
+            if raw == "":
                 continue
             try:
-                values[k.name] = k.parse(k.env, text)
+                values[k.name] = k.parse(k.env, raw)
             except SettingsError as exc:
                 errors.append(str(exc))
         if errors:
             raise SettingsError("; ".join(errors))
         return cls(**values)
 
+    @classmethod
+    def current(cls: type[_S]) -> _S:
+        """The settings now: ``os.environ``, then the active :func:`override` blocks."""
+        env = os.environ
+        knobs = cls.knobs()
+        generation, over = _state
+        key = (generation, tuple([env.get(k.env) for k in knobs]))
+        cached = Settings._cache.get(cls)
+        if cached is not None and cached[0] == key:
+            return cached[1]   # type: ignore[no-any-return]
+        s = cls.from_env(env)
+        changes = {k.name: over[k.name] for k in knobs if k.name in over}
+        if changes:
+            s = dataclasses.replace(s, **changes)
+        Settings._cache[cls] = (key, s)
+        return s
 
-class Knob(NamedTuple):
-    """One field of :class:`Settings`, described."""
+    @classmethod
+    def read(cls, name: str, environ: Mapping[str, str] | None = None) -> Any:
+        """Knob ``name`` now: an override, else ``environ`` (default ``os.environ``), else
+        its default. For the knobs read at each use (``when=EACH_USE``)."""
+        k = cls.knob(name)
+        if environ is None:
+            over = _state[1]
+            if name in over:
+                return over[name]
+            environ = os.environ
+        raw = environ.get(k.env, "")
+        return k.parse(k.env, raw) if raw != "" else k.default
 
-    name: str                # the field
-    env: str                 # its variable
-    default: Any
-    doc: str
-    when: str                # "import" or "call" (see the module docstring)
-    ipu: bool                # read by an IPU process
-    used_in: str             # the modules that read it
-    parse: Callable[[str, str], Any]
+    def replace(self: _S, **values: Any) -> _S:
+        """A copy with these knobs changed (checked as :func:`override` checks them)."""
+        unknown = sorted(set(values) - {k.name for k in self.knobs()})
+        if unknown:
+            raise TypeError(f"{type(self).__name__} has no settings {unknown}")
+        return dataclasses.replace(self, **{n: _parse_value(self.knob(n), v)
+                                            for n, v in values.items()})
 
-    def default_text(self) -> str:
-        """The default as the README shows it."""
-        if isinstance(self.default, bool):
-            return f"`{int(self.default)}`"
-        if isinstance(self.default, float):
-            return f"{self.default:g}{_UNITS.get(self.parse, '')}"
-        return f"`{self.default}`"
-
-
-_KNOBS = tuple(Knob(f.name, f.metadata["env"], f.default, f.metadata["doc"], f.metadata["when"],
-                    f.metadata["ipu"], f.metadata["used_in"], f.metadata["parse"])
-               for f in dataclasses.fields(Settings))
-
-
-def knobs() -> tuple[Knob, ...]:
-    """Every knob, in field order."""
-    return _KNOBS
-
-
-IPU_IMPORT_ENV = tuple(k.env for k in _KNOBS if k.ipu and k.when == "import")
-"""The variables an IPU process's modules read when imported."""
-
-_CALL = tuple(k for k in _KNOBS if k.when == "call")
-
-NOT_SETTINGS: dict[str, str] = {
-    "IPU_EMULATOR_HOME": "which machine: its locks, logs and daemon socket "
-                         "(ipu_emulator/system.py emulator_home)",
-    "IPU_EMULATOR_SHM_TAG": "namespace of shared-memory names (shm/naming.py current_tag)",
-    "IPU_EMULATOR_DAEMON": "the daemon to attach through (host_runtime/devices/_daemon_client.py, "
-                           "tools/daemon.py, tools/pytest_plugin)",
-    "IPU_EMULATOR_CONFIG": "the machine's configuration file (ipu_emulator/system.py "
-                           "load_system_config)",
-    "IPU_EMULATOR_NUM_IPUS": "the machine's configuration (ipu_emulator/system.py)",
-    "IPU_EMULATOR_IPU_VERSION": "the machine's configuration (ipu_emulator/system.py)",
-    "IPU_EMULATOR_TILES_PER_IPU": "the machine's configuration (ipu_emulator/system.py)",
-    "IPU_EMULATOR_MEMORY_PER_TILE": "the machine's configuration (ipu_emulator/system.py)",
-    "IPU_EMULATOR_COMPUTE_THREADS": "the machine's configuration (ipu_emulator/system.py)",
-    "IPU_EMULATOR_CONFORMANCE": "test suite only: the whole conformance run "
-                                "(tests/integration/test_conformance.py)",
-    "IPU_EMULATOR_TEST_HANG_SECONDS": "test suite only: a test's time limit (tests/conftest.py)",
-}
-"""Variables that are not settings, each with why and its reader: read when used (machine
-selection changes at run time under tests and the pytest plugin), or by the test suite."""
-
-_cached: Settings | None = None
+    def to_env(self) -> dict[str, str]:
+        """The variables that give a child process these settings (the knobs kept in an
+        object, not those read at each use)."""
+        return {k.env: k.format(getattr(self, k.name)) for k in self.knobs()
+                if k.when != EACH_USE and getattr(self, k.name) is not None}
 
 
-def settings() -> Settings:
-    """This process's settings, parsed from ``os.environ`` at the first call."""
-    s = _cached
-    return s if s is not None else reload()
+def _declared_in(cls: type, name: str) -> str:
+    for base in reversed(cls.__mro__):
+        if name in getattr(base, "__annotations__", {}):
+            return base.__module__
+    return cls.__module__
 
 
-def reload() -> Settings:
-    """Parse ``os.environ`` again and keep the result (for tests; see the module docstring)."""
-    global _cached
-    _cached = s = Settings.from_env(os.environ)
-    return s
+# -- this layer's knobs -----------------------------------------------------------------
+
+_RING = "a ring is made"
 
 
-def current() -> Settings:
-    """:func:`settings` with the ``when="call"`` knobs re-read from ``os.environ`` now."""
-    env = os.environ
-    changes: dict[str, Any] = {}
-    for k in _CALL:
-        text = env.get(k.env, "")
-        changes[k.name] = k.parse(k.env, text) if text else k.default
-    return dataclasses.replace(settings(), **changes)
+@dataclass(frozen=True)
+class ShmSettings(Settings):
+    """The wire's knobs (``shm``): rings, and the namespace of shared-memory names."""
+
+    ring_c: bool = knob(
+        True, "IPU_EMULATOR_RING_C", flag,
+        "`0`: the rings' pure-Python path instead of their C hot paths (the C extension "
+        "`pip install` builds)", when=_RING)
+    ring_peer_thread: bool = knob(
+        True, "IPU_EMULATOR_RING_PEER_THREAD", flag,
+        "`0`: no thread watching the rings' peer processes; a wait on a ring with a peer "
+        "then checks it every 50 ms, arming a kernel timer per wait (a 64-byte round trip "
+        "about 10% slower)", when=_RING)
+    ring_spin_us: float = knob(
+        0.0, "IPU_EMULATOR_RING_SPIN_US", micros,
+        "a ring waiter's spin budget before it blocks, adapting (doubled on success, halved "
+        "on failure); both the C core and the Python path; 0: no spin", when=_RING)
+    shm_tag: str = knob(
+        "g", "IPU_EMULATOR_SHM_TAG", text(r"[A-Za-z0-9]{1,16}", "1-16 letters or digits"),
+        "namespace of shared-memory names `/ipuemu_<tag>_<pid>_<token>_<kind>` (tests give "
+        "each worker its own)", when=EACH_USE)
 
 
-def readme_table() -> str:
-    """The rows of README.md's table for the knobs (``python -m shm.settings`` prints them)."""
-    return "\n".join(f"| `{k.env}` | {k.doc} | {k.default_text()} |" for k in _KNOBS)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.stdout.write(readme_table() + "\n")
+def readme_table(cls: type[Settings]) -> str:
+    """The rows of README.md's table of ``cls``'s knobs (``python -m host_runtime.settings``
+    prints the host's, which are all of them)."""
+    ordered = sorted(cls.knobs(), key=lambda k: k.when != EACH_USE)   # "at once" ones first
+    return "\n".join(f"| `{k.env}` | {k.doc} | {k.default_text()} | {k.when} |"
+                     for k in ordered)

@@ -23,14 +23,13 @@ import logging
 import os
 import sys
 
-from shm.settings import current
-
+from host_runtime.settings import HostSettings
 from ipu_emulator.daemon import socket_protocol as wire
 from ipu_emulator.system import SystemConfigError, load_system_config
 
 
 def _socket_path(arg: str | None) -> str:
-    return arg or os.environ.get(wire.ENV_VAR) or wire.default_socket_path()
+    return arg or HostSettings.read("daemon") or wire.default_socket_path()
 
 
 def _status(argv: list[str]) -> int:
@@ -88,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                         "resets, restarts, IPU process deaths, per-IPU hosts and held time")
     parser.add_argument("--metrics-address", default="127.0.0.1", metavar="ADDRESS",
                         help="address /metrics listens on (default 127.0.0.1)")
-    parser.add_argument("--log-level", default=current().daemon_log_level)
+    parser.add_argument("--log-level", default=HostSettings.current().daemon_log_level)
     a = parser.parse_args(args)
     logging.basicConfig(level=a.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s ipu-emulator-daemon[{os.getpid()}] "

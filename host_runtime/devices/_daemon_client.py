@@ -1,7 +1,8 @@
 """The host's side of daemon mode: attach the daemon's warm IPU processes.
 
-``DeviceManager`` uses a :class:`DaemonClient` when ``IPU_EMULATOR_DAEMON``
-names the daemon's socket (or ``DeviceManager(daemon=path)``):
+``DeviceManager`` uses a :class:`DaemonClient` when the setting ``daemon``
+(``IPU_EMULATOR_DAEMON``, read when the manager is made) names the daemon's socket
+(or ``DeviceManager(daemon=path)``):
 
 - the machine (IPU count, version, tiles, memory) is the daemon's pool;
 - ``try_attach(device_id, ipus)`` asks the daemon for the IPUs, all or none,
@@ -16,8 +17,8 @@ names the daemon's socket (or ``DeviceManager(daemon=path)``):
   reset them. A host that dies releases them too: the daemon sees its
   connection close (or its pid die).
 
-Every wait on the daemon is bounded by the host sync timeout
-(``IPU_EMULATOR_HOST_SYNC_TIMEOUT``): a daemon that does not answer (stopped, stuck)
+Every wait on the daemon is bounded by the host sync timeout of the client's
+settings (``host_sync_timeout``, taken when the client is made): a daemon that does not answer (stopped, stuck)
 fails an attach with a DeviceTimeoutError naming its pid and state; a release
 gives up the hold locally (closes the connection, which the daemon takes as a
 release when it runs again) and returns.
@@ -34,8 +35,8 @@ from typing import Any
 
 from shm import ExitWatch, Ring, describe_process
 
-from host_runtime._deadline import host_sync_timeout
 from host_runtime.errors import DeviceTimeoutError, DeviceUnavailableError
+from host_runtime.settings import HostSettings
 from ipu_emulator.daemon import socket_protocol as wire
 from ipu_emulator.ipu.launcher import IpuSpec, describe_returncode, read_log_tail
 from ipu_emulator.system import SystemConfig
@@ -49,21 +50,25 @@ _TIMEOUT = 60.0
 sync timeout: a daemon that does not answer by then is stopped or stuck."""
 
 
-def _bound(timeout: float) -> float:
-    return min(timeout, host_sync_timeout())
-
-
 def daemon_from_env() -> str | None:
-    """The daemon's socket path from ``IPU_EMULATOR_DAEMON``, or None (embedded mode)."""
-    return os.environ.get(wire.ENV_VAR) or None
+    """The daemon's socket path (the setting ``daemon``, ``IPU_EMULATOR_DAEMON``, now), or
+    None (embedded mode)."""
+    path: str | None = HostSettings.read("daemon")
+    return path or None
 
 
 class DaemonClient:
-    """Requests to one daemon."""
+    """Requests to one daemon; ``settings``: its host sync timeout's (default: now's)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, settings: HostSettings | None = None) -> None:
         self.path = os.path.abspath(path)
         self._hello: dict[str, Any] | None = None
+        s = settings if settings is not None else HostSettings.current()
+        self.sync_timeout = s.host_sync_timeout   # bounds every wait on the daemon
+
+    def bound(self, timeout: float) -> float:
+        """``timeout``, at most the host sync timeout."""
+        return min(timeout, self.sync_timeout)
 
     def _unreachable(self, exc: BaseException) -> DeviceUnavailableError:
         return DeviceUnavailableError(
@@ -83,7 +88,7 @@ class DaemonClient:
     def request(self, message: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
         """One request on a fresh connection; bounded by ``timeout`` and the host sync
         timeout (DeviceTimeoutError naming the daemon's pid and state)."""
-        timeout = _bound(timeout)
+        timeout = self.bound(timeout)
         conn: wire.LineConnection | None = None
         try:
             conn = wire.LineConnection(self.path, timeout)
@@ -121,7 +126,7 @@ class DaemonClient:
     def try_attach(self, device_id: int, ipus: tuple[int, ...]
                    ) -> "DaemonAttachment | dict[int, int | None]":
         """The IPUs (all or none), or ``{ipu: holder pid or None}`` of the busy ones."""
-        timeout = _bound(_TIMEOUT)
+        timeout = self.bound(_TIMEOUT)
         try:
             conn = wire.LineConnection(self.path, timeout)
         except TimeoutError as exc:
@@ -265,7 +270,7 @@ class DaemonAttachment:
         conn, self._conn = self._conn, None
         if conn is None:
             return
-        timeout = _bound(_TIMEOUT)
+        timeout = self.client.bound(_TIMEOUT)
         try:
             if os.getpid() == self._pid:
                 reply = conn.call({"op": "release"}, timeout)
@@ -344,7 +349,7 @@ class DaemonIpu:
             os.kill(self._pid, signal.SIGKILL)
             self.wait_exit(5.0)
 
-    def wait_ready(self, timeout: float = 0.0) -> dict[str, Any]:
+    def wait_ready(self, timeout: float | None = None) -> dict[str, Any]:
         return self._ready   # the daemon waited for READY when it started the process
 
     def shutdown(self, timeout: float = 5.0) -> None:

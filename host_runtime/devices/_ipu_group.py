@@ -47,6 +47,7 @@ from shm import Region, Ring
 from host_runtime.devices._link import ProcessLink, wait
 from host_runtime.devices.link import DeviceLink, StreamServicer
 from host_runtime.errors import BadRequestError, DeviceLostError, InvalidStateError, PopefError
+from host_runtime.settings import HostSettings
 from ipu_emulator import ipu_protocol
 from ipu_emulator.ipu.launcher import IpuConnection, describe_returncode, kill_all
 from ipu_emulator.ipu_protocol import MODE_DIRECT, Op
@@ -62,19 +63,21 @@ LINK_DEPTH = 4
 """Slots of an IPU-Link ring: how many batches a pipeline stage may run ahead of the next."""
 
 
-def make_link(description: str, processes: list[IpuConnection]) -> DeviceLink:
-    """The link of a device: a ProcessLink for one IPU, a GroupLink for several."""
+def make_link(description: str, processes: list[IpuConnection],
+              settings: HostSettings | None = None) -> DeviceLink:
+    """The link of a device: a ProcessLink for one IPU, a GroupLink for several;
+    ``settings``: its timeouts' (default: ``HostSettings.current()``)."""
     if len(processes) <= 1:
-        return ProcessLink(description, processes)
-    return GroupLink(description, processes)
+        return ProcessLink(description, processes, settings)
+    return GroupLink(description, processes, settings)
 
 
 class _MemberLink(ProcessLink):
     """One IPU process's control/event rings; a loss is the whole group's."""
 
     def __init__(self, group: "GroupLink", description: str,
-                 processes: list[IpuConnection]) -> None:
-        super().__init__(description, processes)
+                 processes: list[IpuConnection], settings: HostSettings | None = None) -> None:
+        super().__init__(description, processes, settings)
         self._group = weakref.ref(group)   # the group owns its members
 
     def mark_lost(self) -> DeviceLostError:
@@ -92,13 +95,15 @@ class _MemberLink(ProcessLink):
 class GroupLink:
     """The link of a device of several IPUs (see the module docstring)."""
 
-    def __init__(self, description: str, processes: list[IpuConnection]) -> None:
+    def __init__(self, description: str, processes: list[IpuConnection],
+                 settings: HostSettings | None = None) -> None:
         self.description = description
         self._procs = list(processes)
+        settings = settings if settings is not None else HostSettings.current()
         # each member names its IPU: a program error it reports says which IPU failed
         self._members = [
             _MemberLink(self, f"{description}: IPU {k} of the device (ipu {p.spec.ipu_id})",
-                        [p] + [q for q in processes if q is not p])
+                        [p] + [q for q in processes if q is not p], settings)
             for k, p in enumerate(processes)]
         self._width = 1
         self._lost: DeviceLostError | None = None

@@ -32,11 +32,12 @@ from shm import PeerDiedError, RingTimeoutError, ShmError, describe_process, pro
 
 from host_runtime._deadline import host_sync_timeout
 from host_runtime.devices.link import StreamServicer
+from host_runtime.settings import HostSettings
 from host_runtime.errors import (BadRequestError, DeviceExecutionError, DeviceLostError,
                                  InvalidStateError, ModelRuntimeError, PackageHashMismatchError,
                                  PopefError, RemoteTraceback)
 from ipu_emulator import ipu_protocol
-from ipu_emulator.ipu.launcher import (START_TIMEOUT, IpuConnection, IpuProcessError,
+from ipu_emulator.ipu.launcher import (IpuConnection, IpuProcessError,
                                           describe_returncode)
 from ipu_emulator.ipu_protocol import ErrorKind, Message, Op
 
@@ -72,9 +73,11 @@ def error_from_body(body: Any, device: str) -> ModelRuntimeError:
 class ProcessLink:
     """Requests to, and events from, one IPU process (a ``DeviceLink``)."""
 
-    def __init__(self, description: str, processes: list[IpuConnection]) -> None:
+    def __init__(self, description: str, processes: list[IpuConnection],
+                 settings: HostSettings | None = None) -> None:
         if not processes:
             raise ValueError("a device needs at least one IPU process")
+        s = settings if settings is not None else HostSettings.current()
         self.description = description
         self._procs = processes
         self._primary = processes[0]
@@ -91,7 +94,8 @@ class ProcessLink:
         self._final_seq: int | None = None   # the event thread ends after this answer
         self._last_event = time.monotonic()  # when the last event came (the peer's progress)
         self._servicing = False              # a stream callback of the host runs now
-        self.sync_timeout = host_sync_timeout()   # read once, when the device is made
+        self.sync_timeout = s.host_sync_timeout   # taken when the device is made
+        self._start_timeout = s.start_timeout
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -117,7 +121,7 @@ class ProcessLink:
         from host_runtime.errors import DeviceTimeoutError
 
         sync = self.sync_timeout
-        deadline = time.monotonic() + START_TIMEOUT
+        deadline = time.monotonic() + self._start_timeout
         while True:
             left = deadline - time.monotonic()
             try:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import enum
+import functools
 import logging
 import os
 import threading
@@ -43,6 +44,8 @@ from host_runtime.devices._shm_space import translated
 from host_runtime.errors import (BadRequestError, DeviceUnavailableError, InvalidStateError,
                                  ResourceLimitError)
 from host_runtime.popef.model import Model
+from host_runtime.settings import HostSettings
+from ipu_emulator.ipu.forkserver import SPAWN_TIMEOUT
 from ipu_emulator.ipu.launcher import IpuConnection, IpuSpec, kill_all, launch_ipu, shutdown_all
 from ipu_emulator.system import (IpuLocks, SystemConfig, SystemConfigError, device_groups,
                                  emulator_home, load_system_config)
@@ -220,7 +223,8 @@ class Device:
 
     def __init__(self, *, device_id: int, ipus: tuple[int, ...], ipu_version: int,
                  tiles_per_ipu: int, memory_per_tile: int, processes: list[IpuConnection],
-                 locks: IpuLocks | DaemonAttachment | None, is_ipu_model: bool = False) -> None:
+                 locks: IpuLocks | DaemonAttachment | None, is_ipu_model: bool = False,
+                 settings: HostSettings | None = None) -> None:
         self._id = device_id
         self._ipus = ipus
         self._ipu_version = ipu_version
@@ -234,7 +238,7 @@ class Device:
         self._lock = threading.RLock()
         self._active: "weakref.ref[ActiveSession] | None" = None   # sessions own devices: weak
         self._sessions: "weakref.WeakSet[ActiveSession]" = weakref.WeakSet()
-        self._link: DeviceLink = make_link(self.describe(), processes)
+        self._link: DeviceLink = make_link(self.describe(), processes, settings)
         _live_devices.add(self)
 
     # -- the seed's API -----------------------------------------------------------------
@@ -466,17 +470,21 @@ class DeviceManager:
 
     def __init__(self, system: SystemConfig | None = None, *,
                  launcher: Callable[..., IpuConnection] | None = None,
-                 daemon: str | None = None) -> None:
+                 daemon: str | None = None, settings: HostSettings | None = None) -> None:
         """``launcher(spec, log_dir=...) -> IpuConnection`` starts (or, for a daemon, hands
         out) one IPU process; the default starts it here (embedded mode).
 
         ``daemon``: the socket of an ``ipu-emulator daemon`` whose IPUs to use (default
         ``$IPU_EMULATOR_DAEMON`` unless a ``launcher`` is given); its pool is the machine
         unless ``system`` is given. IPU models stay private to this process.
+
+        ``settings``: the knobs of the devices made here and of their IPU processes
+        (``host_runtime.settings``; default: ``current()`` now).
         """
+        self.settings = settings if settings is not None else HostSettings.current()
         path = daemon if daemon is not None else (None if launcher is not None
                                                   else daemon_from_env())
-        self._daemon = DaemonClient(path) if path else None
+        self._daemon = DaemonClient(path, self.settings) if path else None
         try:
             if system is not None:
                 self._system = system
@@ -486,7 +494,12 @@ class DeviceManager:
                 self._system = load_system_config()
         except SystemConfigError as exc:
             raise BadRequestError(str(exc)) from exc
-        self._launcher = launcher if launcher is not None else launch_ipu
+        # the launch's wait for the fork server is a host call: bounded by the host sync
+        # timeout too
+        self._launcher = (launcher if launcher is not None
+                          else functools.partial(launch_ipu, settings=self.settings,
+                                                 spawn_wait=min(SPAWN_TIMEOUT,
+                                                                self.settings.host_sync_timeout)))
 
     @property
     def system(self) -> SystemConfig:
@@ -588,7 +601,7 @@ class DeviceManager:
         procs = self._launch(specs)
         return Device(device_id=-1, ipus=(), ipu_version=ipu_version, tiles_per_ipu=tiles,
                       memory_per_tile=sysc.memory_per_tile, processes=procs, locks=None,
-                      is_ipu_model=True)
+                      is_ipu_model=True, settings=self.settings)
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -746,7 +759,7 @@ class DeviceManager:
                              else None)
         return Device(device_id=device_id, ipus=ipus, ipu_version=sysc.ipu_version_number,
                       tiles_per_ipu=sysc.tiles_per_ipu, memory_per_tile=sysc.memory_per_tile,
-                      processes=procs, locks=locks)
+                      processes=procs, locks=locks, settings=self.settings)
 
     def _launch(self, specs: list[IpuSpec], launcher: Callable[..., IpuConnection] | None = None
                 ) -> list[IpuConnection]:

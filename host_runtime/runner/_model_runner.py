@@ -34,6 +34,7 @@ from host_runtime import popef
 from host_runtime._fork import check_owner, current_pid, foreign
 from host_runtime._lifetime import close_owned, weak_method
 from host_runtime.devices import Device, DeviceManager, DeviceWaitConfig
+from host_runtime.settings import HostSettings
 from host_runtime.errors import BadRequestError, InvalidStateError
 from host_runtime.memory import (InputMemoryView, OutputMemory, OutputMemoryView,
                                         PopefPaths, TensorMemory, TensorMemoryView,
@@ -119,6 +120,8 @@ class ModelRunner:
         if not isinstance(cfg, ModelRunnerConfig):
             raise BadRequestError(f"config must be a ModelRunnerConfig, got {type(cfg).__name__}")
         cfg.validate()
+        # the settings now (environment, override blocks): the runner keeps them for its life
+        self._settings = HostSettings.current()
         self._config = cfg.copy()
         # The caller reads the save programs' outputs from its own dict after close().
         self._config.replica_to_save_programs_outputs = cfg.replica_to_save_programs_outputs
@@ -280,7 +283,7 @@ class ModelRunner:
             open_session=functools.partial(weak_method(self._open_session, _gone), rid),
             watchdog=not cfg.flush_on_waiting_outputs,
             make_flush_request=functools.partial(weak_method(self._flush_request), rid),
-            merge_phantom=weak_method(self._merge_phantom))
+            merge_phantom=weak_method(self._merge_phantom), settings=self._settings)
 
     def _attach_devices(self) -> None:
         """Attach the devices of every replica that has none in replica_to_device at once.
@@ -294,7 +297,7 @@ class ModelRunner:
                 if cfg.replica_to_device.get(r) is None]
         if len(need) < 2:
             return
-        devices = DeviceManager()._getDevices(
+        devices = DeviceManager(settings=self._settings)._getDevices(
             self._model, len(need), cfg.device_wait_config or DeviceWaitConfig())
         self._attached = dict(zip(need, devices))
 
@@ -312,7 +315,7 @@ class ModelRunner:
                            check_package_hash=bool(cfg.check_package_hash),
                            wait_config=cfg.device_wait_config or DeviceWaitConfig(),
                            max_look_ahead=cfg.max_look_ahead,
-                           ring_depth=self._ring_depths())
+                           ring_depth=self._ring_depths(), settings=self._settings)
         s = Session(self._model, sc)
         try:
             for name, value in frozen_load.items():

@@ -73,7 +73,6 @@ import numpy as np
 
 from shm import (ExitWatch, PeerDiedError, Ring, RingInvalidatedError, RingTimeoutError, ShmError,
                  WouldBlock)
-from shm.settings import settings
 from shm.spin import NEVER, PollEstimate, us_to_ns
 
 from host_runtime.errors import (DeviceLostError, DeviceTimeoutError, InvalidStateError,
@@ -86,6 +85,7 @@ from host_runtime.runner._requests import Request, Transfer, raisable
 from host_runtime.runner.config import FlushCallback
 from host_runtime.runner.monitoring import RequestMonitor
 from host_runtime.session import DROP_STOP_TIMEOUT
+from host_runtime.settings import HostSettings
 from ipu_emulator.ipu_protocol import (SEQ_SHIFT, TAG_KIND_MASK, TAG_SHARED,
                                        host_memory_descriptor)
 
@@ -94,18 +94,6 @@ __all__ = ["Replica", "ReplicaSession", "ReplicaSetup", "SaveFn"]
 _log = logging.getLogger(__name__)
 
 _SLICE = 0.25          # seconds between re-checks of a blocked drain
-_SPIN_NS = us_to_ns(settings().runner_spin_us)
-"""Longest poll of an output ring before blocking (0: never poll; shm.spin.PollEstimate).
-
-Waking a sleeping process from another CPU costs tens of microseconds on a VM
-(measured: a [1,4] execute takes ~110 us blocking, ~70 us with a 30 us poll). The
-budget (100 us) also keeps the host where it is: a host that blocks is woken by the
-IPU process, and on this project's VMs the wake-up puts it on the IPU process's CPU,
-where the two then take turns (33-35 us per [1,4] request instead of 17-18 us). With a
-30 us budget that happened in 1 block of 10 even with the IPU process moving off the
-host's CPU (ipu_emulator.ipu._placement); with 100 us, in none of 30."""
-_YIELDED_NS = us_to_ns(settings().yielded_us, NEVER)
-"""A sched_yield() that took longer (ns) ran another task on this vCPU (shm.spin)."""
 _ONE_CPU = len(os.sched_getaffinity(0)) < 2
 _native_id = threading.get_native_id
 """On one CPU a poll that finds the CPU shared blocks instead. On several the IPU
@@ -186,6 +174,7 @@ class ReplicaSetup:
     watchdog: bool                          # flush partials even when nobody waits
     make_flush_request: MakeFlushRequest    # flush_callback result -> request
     merge_phantom: MergePhantom             # -> transfers once complete
+    settings: HostSettings                  # the runner's (taken when it was made)
 
 
 class Replica:
@@ -212,9 +201,16 @@ class Replica:
         self._loop: cf.Future[None] | None = None
         self._pids = ExitWatch()       # the device's IPU processes (pidfds)
         self._pids_exact = False       # ... every one of them watched by a pidfd
-        # when to poll an output ring before blocking (see _SPIN_NS); on one CPU a poll
-        # that finds the CPU shared blocks instead, so a wake-up can separate us
-        self._est = PollEstimate(_SPIN_NS, _YIELDED_NS if _ONE_CPU else NEVER)
+        # when to poll an output ring before blocking (shm.spin.PollEstimate; budget
+        # runner_spin_us). Waking a sleeping process from another CPU costs tens of
+        # microseconds on a VM (a [1,4] execute took ~110 us blocking, ~70 us with a 30 us
+        # poll); the 100 us budget also keeps the host where it is, instead of woken on the
+        # IPU process's CPU where the two take turns (33-35 us per [1,4] request instead
+        # of 17-18 us). On one CPU a poll that finds the CPU shared (a sched_yield longer
+        # than yielded_us) blocks instead, so a wake-up can separate us.
+        self._est = PollEstimate(
+            us_to_ns(setup.settings.runner_spin_us),
+            us_to_ns(setup.settings.yielded_us, NEVER) if _ONE_CPU else NEVER)
         # the device waits for the first input Main reads (setup.inputs is in read order);
         # frozen ones are always there
         waits_for = next((n for n in setup.inputs if n not in setup.frozen_main), "")
@@ -404,7 +400,7 @@ class Replica:
             return
         try:
             healthy = self._error is None and s.direct.failure() is None
-            limit = DROP_STOP_TIMEOUT if dropped else settings().stop_timeout
+            limit = DROP_STOP_TIMEOUT if dropped else self.setup.settings.stop_timeout
             if save is not None and healthy:
                 try:
                     s.direct.stop_main_loop(limit)      # stays runnable, device memory kept

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Protocol
 
 from shm import (PeerDiedError, Ring, RingInvalidatedError, RingTimeoutError, ShmClosedError,
                  ShmError)
-from shm.settings import settings
 
 from host_runtime import popef
 from host_runtime.devices import wait
@@ -34,9 +33,6 @@ if TYPE_CHECKING:
     from host_runtime.devices import Device
 
 __all__ = ["DirectStreams", "SessionCore"]
-
-_STOP_TIMEOUT = settings().stop_timeout
-
 
 class SessionCore(Protocol):
     """What :class:`DirectStreams` needs of the session that owns it (``Session``)."""
@@ -65,8 +61,10 @@ class SessionCore(Protocol):
 class DirectStreams:
     """The fast path of one session (see the module docstring)."""
 
-    def __init__(self, streams: StreamTable, session: SessionCore) -> None:
+    def __init__(self, streams: StreamTable, session: SessionCore,
+                 stop_timeout: float = 30.0) -> None:
         self._streams = streams
+        self._stop_timeout = stop_timeout   # stop_main_loop's default (the setting)
         self._session = weakref.ref(session)   # the session owns this object
         self._loop: cf.Future[None] | None = None
 
@@ -142,9 +140,12 @@ class DirectStreams:
         loop = self._loop
         return loop is not None and not loop.done()
 
-    def stop_main_loop(self, timeout: float = _STOP_TIMEOUT) -> None:
+    def stop_main_loop(self, timeout: float | None = None) -> None:
         """End a running main loop but stay runnable (unlike stop()): e.g. to run the save
-        programs next. An iteration waiting for input is abandoned; device memory is kept."""
+        programs next. An iteration waiting for input is abandoned; device memory is kept.
+        ``timeout``: seconds to wait for the device (None: the setting ``stop_timeout``)."""
+        if timeout is None:
+            timeout = self._stop_timeout
         session = self._session()
         loop = self._loop
         dev = session.device() if session is not None else None

@@ -41,7 +41,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from shm import Region
-from shm.settings import settings
 
 from host_runtime import popef
 from host_runtime._fork import check_owner, current_pid, foreign
@@ -56,6 +55,7 @@ from host_runtime.errors import (BadRequestError, DeviceExecutionError, DeviceLo
                                  DeviceTimeoutError, InvalidStateError, ModelRuntimeError,
                                  PopefError)
 from host_runtime.session.predicates import AnchorCallbackPredicate, PopefDataUsagePredicate
+from host_runtime.settings import HostSettings
 from ipu_emulator import ipu_protocol
 from ipu_emulator.executable import ExecutableError, read_header
 from ipu_emulator.ipu_protocol import Op
@@ -74,8 +74,6 @@ _log = logging.getLogger(__name__)
 CallbackHandle = Callable[[memoryview], None]
 """Called with one transfer: writable for inputs, read-only (valid during the call) for outputs."""
 
-_STOP_TIMEOUT = settings().stop_timeout
-_LOAD_TIMEOUT = settings().load_timeout
 DROP_STOP_TIMEOUT = 1.0
 """Seconds a dropped session (or runner) waits for its own device to stop before it kills
 the device's IPU processes: ``__del__`` must not block for long."""
@@ -100,6 +98,9 @@ class SessionConfig:
     wait_config: DeviceWaitConfig = field(default_factory=DeviceWaitConfig)
     max_look_ahead: str = "unlimited"
     ring_depth: Callable[[popef.Anchor], int] | None = None
+    settings: HostSettings | None = None
+    """The knobs the session, its rings and the device it attaches use (``ModelRunner``
+    passes its own); None: ``host_runtime.settings.current()`` when the session is made."""
     """Internal (ModelRunner, QueueManager users): slots of each anchor's stream ring, e.g. a
     ``host_runtime.queues._queues.ring_size_multiplier_factory`` function. Main anchors are still
     capped at ``max_look_ahead + 1`` when that is a number; every ring at 64 MiB and 1024
@@ -161,6 +162,8 @@ class Session:
         self._config = config if config is not None else SessionConfig()
         if not isinstance(self._config, SessionConfig):
             raise BadRequestError(f"config must be a SessionConfig, got {config!r}")
+        self._settings = (self._config.settings if self._config.settings is not None
+                          else HostSettings.current())
         if isinstance(model, popef.Model):
             self._model = model
         elif isinstance(model, (str, os.PathLike)):
@@ -177,9 +180,10 @@ class Session:
         except ExecutableError as exc:
             raise PopefError(f"executable {self._model.executable.name()!r}: {exc}") from exc
         self._streams = StreamTable(self._model, self._config.pred_tensor_data,
-                                    self._config.look_ahead(), self._config.ring_depth)
+                                    self._config.look_ahead(), self._config.ring_depth,
+                                    self._settings)
         self._flow = self._streams.flow
-        self._direct = DirectStreams(self._streams, self)
+        self._direct = DirectStreams(self._streams, self, self._settings.stop_timeout)
         self._queue_managers: list[Any] = []
         self._key = secrets.token_hex(8)
         self._device: Device | None = None
@@ -237,7 +241,7 @@ class Session:
 
     def stop(self) -> None:
         """Send the stop signal: running programs end; nothing runs until reload()."""
-        self.stop_within(_STOP_TIMEOUT)
+        self.stop_within(self._settings.stop_timeout)
 
     def stop_within(self, timeout: float, kill_if_hung: bool = False) -> None:
         """Internal (ModelRunner): stop(), waiting up to ``timeout`` s for the device (and
@@ -402,7 +406,7 @@ class Session:
         stuck IPU process) is killed if the session attached it itself; a device of the
         caller's is left to the caller (DeviceTimeoutError naming its IPU processes), the
         session's own resources are released either way."""
-        self.close_within(_STOP_TIMEOUT, kill_if_hung=True)
+        self.close_within(self._settings.stop_timeout, kill_if_hung=True)
 
     def close_within(self, stop_timeout: float, kill_if_hung: bool) -> None:
         """Internal (ModelRunner): close(), stopping within ``stop_timeout`` s (see
@@ -465,7 +469,7 @@ class Session:
             raise InvalidStateError("the session is closed")
 
     def _acquire_device(self) -> Device:
-        dev = DeviceManager().getDevice(self._model, wait_config=self._config.wait_config)
+        dev = DeviceManager(settings=self._settings).getDevice(self._model, wait_config=self._config.wait_config)
         self._owns_device = True
         try:
             self.bindToDevice(dev)
@@ -552,7 +556,7 @@ class Session:
                     if not (self._owns_device and set(dev.sessions()) <= {self}):
                         try:
                             dev.link.call(Op.UNLOAD, {"key": self._key},
-                                           timeout=_STOP_TIMEOUT)
+                                           timeout=self._settings.stop_timeout)
                         except ModelRuntimeError as exc:
                             _log.debug("unload from %s: %s", dev.describe(), exc)
                 dev.forget_session(self)
@@ -626,7 +630,7 @@ class Session:
             if len(prefix) > spec["executable_offset"]:  # pragma: no cover - same length by design
                 raise InvalidStateError("load spec grew; cannot rewrite it in place")
             self._spec_region.buf[:len(prefix)] = prefix
-        dev.link.call(Op.LOAD, {"spec_region": self._spec_region.name}, timeout=_LOAD_TIMEOUT)
+        dev.link.call(Op.LOAD, {"spec_region": self._spec_region.name}, timeout=self._settings.load_timeout)
         self._modes_sent = modes
         self._loaded = True
         self._need_load_programs = True
@@ -640,7 +644,7 @@ class Session:
                 return False
         rings = self._streams.rings
         self._sharded.load(dev.link, self._streams.load_spec(modes),
-                           self._config.check_package_hash, fresh, _LOAD_TIMEOUT,
+                           self._config.check_package_hash, fresh, self._settings.load_timeout,
                            lambda h, pid: rings[h].set_peer(pid))
         self._modes_sent = modes
         self._loaded = True

@@ -26,6 +26,7 @@ import threading
 from typing import Any, Callable, Sequence
 
 from shm import Ring, ShmError
+from shm.settings import ShmSettings
 
 from host_runtime import popef
 from host_runtime.devices import check_room, ring_bytes, translated
@@ -94,8 +95,10 @@ class StreamTable:
 
     def __init__(self, model: popef.Model, pred_tensor_data: PopefDataUsagePredicate | None,
                  look_ahead: int | None,
-                 depth_of: Callable[[popef.Anchor], int] | None = None) -> None:
+                 depth_of: Callable[[popef.Anchor], int] | None = None,
+                 settings: ShmSettings | None = None) -> None:
         md = model.metadata
+        self._settings = settings   # of the rings (None: ShmSettings.current() then)
         self.flow = md.programFlow()
         self.streams = [a for a in md.anchors()
                         if a.type() in (popef.TensorType.INPUT, popef.TensorType.OUTPUT)]
@@ -267,7 +270,8 @@ class StreamTable:
                 with translated(f"the ring of anchor {a.name()!r} ({depth} slots of {n} "
                                 "bytes)", ring_bytes(n, depth)):
                     self.rings[a.handle()] = Ring.create(n, depth, kind=kind,
-                                                         prefault=n * depth <= _PREFAULT_BYTES)
+                                                         prefault=n * depth <= _PREFAULT_BYTES,
+                                                         settings=self._settings)
         if self._peer != peer_pid:
             for ring in self.rings.values():
                 ring.reset()

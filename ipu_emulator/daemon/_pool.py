@@ -27,27 +27,27 @@ import posix_ipc
 
 from shm import RingTimeoutError, ShmError
 from shm.cleanup import list_objects
-from shm.settings import settings
 
 from ipu_emulator import ipu_protocol
 from ipu_emulator.ipu.launcher import IpuProcess, IpuSpec, launch_ipu
 from ipu_emulator.ipu_protocol import Message, Op
 from ipu_emulator.errors import PoolError
+from ipu_emulator.settings import IpuSettings
 
 __all__ = ["PooledIpu", "PoolError", "remove_objects_of"]
 
 _log = logging.getLogger("ipu_emulator.daemon.server")
 
-HANDOVER_TIMEOUT = settings().daemon_handover_timeout
-"""Seconds a HOST round trip may take (a program the previous host left must notice);
-past it the IPU process is restarted."""
-
-
 class PooledIpu:
     """The daemon's handle on one IPU and its process."""
 
-    def __init__(self, spec: IpuSpec, log_dir: str) -> None:
+    def __init__(self, spec: IpuSpec, log_dir: str, settings: IpuSettings | None = None) -> None:
         self.spec = spec
+        # the daemon's: its IPU processes run with them (default: IpuSettings.current())
+        self.settings = settings if settings is not None else IpuSettings.current()
+        # seconds a HOST round trip may take (a program the previous host left must
+        # notice); past it the IPU process is restarted
+        self.handover_timeout = self.settings.daemon_handover_timeout
         self.index = spec.ipu_id
         self.log_dir = log_dir
         self.proc: IpuProcess | None = None
@@ -70,7 +70,7 @@ class PooledIpu:
         self._end_hold()
         self.close_process(polite=False)
         self.starts += 1
-        proc = launch_ipu(self.spec, log_dir=self.log_dir, pool=True)
+        proc = launch_ipu(self.spec, log_dir=self.log_dir, pool=True, settings=self.settings)
         try:
             self.ready = proc.wait_ready()
         except BaseException:
@@ -102,10 +102,10 @@ class PooledIpu:
     def _host_call(self, host: int, body: dict[str, Any]) -> None:
         proc = self._live_process()
         seq = next(self._seq) & 0x7FFFFFFF
-        deadline = time.monotonic() + HANDOVER_TIMEOUT
+        deadline = time.monotonic() + self.handover_timeout
         try:
             ipu_protocol.send(proc.control, Message(Op.HOST, seq=seq, value=host, body=body),
-                          timeout=HANDOVER_TIMEOUT)
+                          timeout=self.handover_timeout)
             skipped = 0
             while True:
                 try:
@@ -115,7 +115,7 @@ class PooledIpu:
                         raise PoolError(f"{proc.describe_exit()} during HOST {host}") from None
                     if time.monotonic() > deadline:
                         raise PoolError(f"ipu {self.index} (process {proc.pid}) did not answer "
-                                        f"HOST {host} within {HANDOVER_TIMEOUT:g} s") from None
+                                        f"HOST {host} within {self.handover_timeout:g} s") from None
                     continue
                 if msg.seq == seq and msg.op in (Op.DONE, Op.ERROR):
                     break

@@ -52,6 +52,7 @@ from ipu_emulator.daemon._pool import PoolError, PooledIpu, remove_objects_of
 from ipu_emulator.ipu.launcher import IpuSpec
 from ipu_emulator.system import IpuLocks, SystemConfig
 from ipu_emulator.errors import DaemonError
+from ipu_emulator.settings import IpuSettings
 
 __all__ = ["Daemon", "DaemonError"]
 
@@ -77,15 +78,19 @@ class Daemon:
     """The pool and its socket server. ``run()`` blocks until SIGTERM/SIGINT or ``stop()``."""
 
     def __init__(self, system: SystemConfig, socket_path: str | None = None,
-                 metrics_port: int | None = None, metrics_address: str = "127.0.0.1") -> None:
+                 metrics_port: int | None = None, metrics_address: str = "127.0.0.1",
+                 settings: IpuSettings | None = None) -> None:
+        """``settings``: the knobs of the pool's IPU processes and of its handovers
+        (default: ``IpuSettings.current()``, when the daemon is made)."""
         self.system = system
+        self.settings = settings if settings is not None else IpuSettings.current()
         self.socket_path = wire.check_socket_path(
             socket_path or os.path.join(system.home, wire.SOCKET_NAME))
         self.ipus = [PooledIpu(IpuSpec(ipu_id=i, ipu_version=system.ipu_version_number,
                                        tiles_per_ipu=system.tiles_per_ipu,
                                        memory_per_tile=system.memory_per_tile,
                                        compute_threads=system.compute_threads,
-                                       label=f"ipu {i}"), system.log_dir)
+                                       label=f"ipu {i}"), system.log_dir, self.settings)
                      for i in range(system.num_ipus)]
         self._conns: set[_Conn] = set()
         self._exits: dict[int, int] = {}

@@ -41,7 +41,7 @@ import socket
 import time
 from typing import Callable
 
-from shm.settings import current
+from ipu_emulator.settings import IpuSettings
 
 __all__ = ["KeepApart", "CpuHold", "PERIOD", "NAMESPACE"]
 
@@ -100,7 +100,7 @@ class KeepApart:
         self.host_pid = host_pid
         self.hint: Callable[[], int] | None = None   # the host thread to keep off, or 0
         self.enabled = (len(self._allowed) > 1 and host_pid > 0
-                        and current().keep_apart)
+                        and IpuSettings.current().keep_apart)
         if not self.enabled:
             self.next_look = float("inf")   # callers compare before calling check()
 

@@ -21,7 +21,6 @@ import time
 from typing import Any, Callable, Protocol, TypeVar
 
 from shm import Region, Ring, RingInvalidatedError, RingTimeoutError
-from shm.settings import settings
 from shm.spin import NEVER, PollEstimate, us_to_ns
 
 from ipu_emulator.ipu._host_memory import HostMemory, HostMemoryError
@@ -29,6 +28,7 @@ from ipu_emulator.ipu._iteration import (HOST_TAG, SLOT_TAG, INPUT_TAGS, InActio
                                             IterationNumber, SequenceMismatch, StreamPlan,
                                             make_step, numbered, plan_stream)
 from ipu_emulator.ipu_protocol import TAG_KIND_MASK, ErrorKind, Message, Op
+from ipu_emulator.settings import IpuSettings
 
 _T = TypeVar("_T")
 
@@ -48,9 +48,6 @@ class StreamHost(Protocol):
 
 __all__ = ["_Loaded", "_RequestError", "_RingIO", "_Stream"]
 
-_SPIN_NS = us_to_ns(settings().device_spin_us)
-"""Longest poll of an empty input ring before blocking (0: never poll); see _RingIO._wait_read."""
-_YIELDED_NS = us_to_ns(settings().yielded_us, NEVER)
 _BACKOFF_POLLS = 8
 """Polls skipped (blocking at once) after one whose yield ran another task (measured: with
 the load at 11 on 2 CPUs each such yield cost 0.3-2.3 ms)."""
@@ -138,7 +135,10 @@ class _RingIO:
         self._dev = dev
         self._loaded = loaded
         self.disconnected = False   # a stream ring was invalidated (the host disconnected it)
-        self._est = PollEstimate(_SPIN_NS, _YIELDED_NS, _BACKOFF_POLLS)   # see _wait_read
+        s = IpuSettings.current()   # this process's (its launch's)
+        # poll an empty input ring before blocking while inputs came quickly (see _wait_read)
+        self._yielded_ns = us_to_ns(s.yielded_us, NEVER)
+        self._est = PollEstimate(us_to_ns(s.device_spin_us), self._yielded_ns, _BACKOFF_POLLS)
         self._held_in: dict[str, Ring] = {}        # zero-copy inputs acquired, not released
         self._lent_out: dict[str, _Stream] = {}    # zero-copy outputs acquired, not published
         self._scratch_bufs: dict[str, bytearray] = {}
@@ -259,7 +259,7 @@ class _RingIO:
         wake-up lets the scheduler move one of us to an idle CPU (two polling processes on
         one CPU are never separated)."""
         est = self._est
-        est.shared_ns = NEVER if self._dev.keeps_apart else _YIELDED_NS
+        est.shared_ns = NEVER if self._dev.keeps_apart else self._yielded_ns
         return est.poll(ready)
 
     def _kind(self, handle: str, tag: int) -> int:

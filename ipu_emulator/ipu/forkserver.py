@@ -31,10 +31,14 @@ What an IPU process guarantees is kept:
   children to finish (they notice the dead host and clean up), reaps them and
   exits; the host reaps it (``stop()``), or init does if the host died.
 
-``IPU_EMULATOR_FORKSERVER=0`` turns the template off (every IPU process is a
-fresh ``python -m ipu_emulator``). Launches whose environments differ in a
-setting read at import time (:data:`IMPORT_TIME_ENV`) get a template each (up
-to four; past that they start fresh).
+The setting ``forkserver`` off (``IPU_EMULATOR_FORKSERVER=0``) turns the template
+off: the launcher then starts every IPU process as a fresh ``python -m
+ipu_emulator``. A forked IPU process reads its settings after the fork, from the
+environment of its launch (no module of an IPU process reads a setting when it
+is imported), so one template serves every setting; launches whose environments
+differ in a variable that the modules *do* read when imported
+(:data:`IMPORT_TIME_ENV`: the import path and the math libraries' threads) get a
+template each (up to four; past that they start fresh).
 """
 
 from __future__ import annotations
@@ -53,31 +57,29 @@ import time
 from typing import Any
 
 from shm.liveness import describe_process
-from shm.settings import IPU_IMPORT_ENV, current
 
 from ipu_emulator import titles
 from ipu_emulator.errors import ForkserverError, describe_returncode
 
-__all__ = ["enabled", "spawn", "stop", "ForkedProcess", "ForkserverError", "IMPORT_TIME_ENV"]
+__all__ = ["spawn", "stop", "ForkedProcess", "ForkserverError", "IMPORT_TIME_ENV",
+           "SPAWN_TIMEOUT"]
 
 _log = logging.getLogger("ipu_emulator.ipu.forkserver")
 
-IMPORT_TIME_ENV = ("PYTHONPATH", *IPU_IMPORT_ENV, "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+IMPORT_TIME_ENV = ("PYTHONPATH", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 """Environment variables the IPU process's modules read when imported: a launch must
-agree with the template on these to be forked from it."""
+agree with the template on these to be forked from it. No setting of ours is one
+(tests/unit/test_settings.py checks that no module reads a setting at import)."""
 
 _START_TIMEOUT = 120.0
-_SPAWN_TIMEOUT = 30.0   # at most (the host sync timeout bounds it too)
+SPAWN_TIMEOUT = 30.0
+"""Seconds a launch waits at most for the template to fork (the launcher bounds it by the
+host sync timeout too); past it the IPU process is started fresh."""
 STATUS_LOST = 255
 """The return code of an IPU process that exited after its template died (the status
 went with the template); ``ForkedProcess.status_lost`` tells it apart."""
 _HOST_CHECK = 0.25   # seconds between the template's checks that its host is alive (only
 # without pidfds: else the host's pidfd wakes it)
-
-
-def enabled() -> bool:
-    """Whether IPU processes are forked from a template (``IPU_EMULATOR_FORKSERVER``)."""
-    return current().forkserver
 
 
 def _env_key(env: dict[str, str]) -> tuple[str | None, ...]:
@@ -173,11 +175,11 @@ class _Template:
             self._cv.wait_for(lambda: ident in self._replies or self.gone, timeout)
             return self._replies.pop(ident, None)
 
-    def spawn(self, argv: list[str], env: dict[str, str], log_path: str | None) -> int:
+    def spawn(self, argv: list[str], env: dict[str, str], log_path: str | None,
+              wait: float) -> int:
         with self._send_lock:
             self._ids += 1
             ident = self._ids
-            wait = min(_SPAWN_TIMEOUT, current().host_sync_timeout)
             # the template forks nothing past this (CLOCK_MONOTONIC is the machine's):
             # a request the host gave up on must never become a second IPU process on the
             # rings of the one started fresh in its place
@@ -368,15 +370,15 @@ class ForkedProcess:
 
 
 def spawn(argv: list[str], env: dict[str, str], log_path: str | None,
-          log_dir: str | None) -> ForkedProcess | None:
-    """Fork ``python -m ipu_emulator <argv>`` from the template; None if it cannot be used
-    for this launch (turned off, or an import-time setting differs)."""
-    if not enabled():
-        return None
+          log_dir: str | None, wait: float = SPAWN_TIMEOUT) -> ForkedProcess | None:
+    """Fork ``python -m ipu_emulator <argv>`` from the template, waiting ``wait`` s at most
+    (ForkserverError past it); None if it cannot be used for this launch (a template could
+    not start, or too many import-time environments). The caller decides whether to use
+    the template at all (the setting ``forkserver``)."""
     template = _get_template(env, log_dir)
     if template is None:
         return None
-    return ForkedProcess(template, template.spawn(argv, env, log_path))
+    return ForkedProcess(template, template.spawn(argv, env, log_path, wait))
 
 
 def _kill(pid: int) -> None:

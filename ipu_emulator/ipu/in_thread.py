@@ -39,7 +39,8 @@ from typing import Any
 from shm import Ring, RingTimeoutError
 
 from ipu_emulator import ipu_protocol
-from ipu_emulator.ipu.launcher import START_TIMEOUT, IpuSpec, describe_returncode
+from ipu_emulator.ipu.launcher import IpuSpec, describe_returncode
+from ipu_emulator.settings import IpuSettings
 from ipu_emulator.errors import IpuProcessError
 from ipu_emulator.ipu_protocol import Message, Op
 
@@ -128,10 +129,12 @@ class LoopbackIpu:
     def log_tail(self, nbytes: int = 2000) -> str:
         return ""   # the device side logs through this process's logging
 
-    def wait_ready(self, timeout: float = START_TIMEOUT) -> dict[str, Any]:
+    def wait_ready(self, timeout: float | None = None) -> dict[str, Any]:
         """Block until the device side posts READY; IpuProcessError if it ends first."""
         if self._ready is not None:
             return self._ready
+        if timeout is None:
+            timeout = IpuSettings.start_timeout   # the default: this IPU needs no imports
         deadline = time.monotonic() + timeout
         while True:
             try:

@@ -43,13 +43,13 @@ from typing import Any, Callable, Protocol
 import numpy as np
 
 from shm import buffer_address as _address
-from shm.settings import settings
 
 from ipu_emulator.errors import DeviceProgramError, ExecutableError
 from ipu_emulator.executable import (
     Copy, Execute, Executable, Graph, Instruction, Repeat, StreamIn, StreamOut, Switch,
     numpy_dtype)
 from ipu_emulator.ipu._zerocopy import ZeroCopyPlan, plan_zero_copy
+from ipu_emulator.settings import IpuSettings
 
 __all__ = ["Interpreter", "StreamIO", "CallableStreamIO", "ZeroCopyGroup", "ZeroCopyStreamIO"]
 
@@ -57,8 +57,6 @@ _log = logging.getLogger(__name__)
 
 _Step = Callable[["StreamIO"], None]
 
-_ZERO_COPY = settings().zero_copy
-"""``IPU_EMULATOR_ZERO_COPY=0`` turns zero-copy streams off (for measurements)."""
 
 
 class StreamIO(Protocol):
@@ -146,10 +144,12 @@ class Interpreter:
     ``device_memory`` must be a writable buffer of at least ``exe.memory_bytes``
     bytes (e.g. a shared-memory region's ``buf``); without it the interpreter
     allocates its own. ``num_threads`` is onnxruntime's intra-op thread count.
+    ``zero_copy``: compute in the transfer buffers a ``ZeroCopyStreamIO`` lends (default:
+    the setting ``zero_copy``, off for measurements).
     """
 
     def __init__(self, exe: Executable, device_memory: memoryview | bytearray | None = None,
-                 num_threads: int = 1) -> None:
+                 num_threads: int = 1, zero_copy: bool | None = None) -> None:
         import onnxruntime as ort  # deferred: importing it costs ~0.2 s
 
         exe.validate()
@@ -205,7 +205,9 @@ class Interpreter:
         self._fused_steps: dict[ZeroCopyGroup, tuple[_Step, str]] = {}
         self._programs: list[list[_Step]] = [self._compile(p.body) for p in exe.programs]
         self._programs_zc = self._programs
-        if _ZERO_COPY and (self._zc_in or self._zc_out):
+        if zero_copy is None:
+            zero_copy = IpuSettings.current().zero_copy
+        if zero_copy and (self._zc_in or self._zc_out):
             self._programs_zc = [self._compile(p.body, True) for p in exe.programs]
             for k, p in enumerate(exe.programs):
                 plan = self._loop_plan(p.body)

@@ -4,11 +4,13 @@
 event ring (host consumes), starts the IPU process and returns an
 :class:`IpuProcess` handle. The process is forked by this host's template
 process (:mod:`ipu_emulator.ipu.forkserver`: pre-started, numpy and onnxruntime
-already imported), or, with ``IPU_EMULATOR_FORKSERVER=0``, started as a fresh
+already imported), or, with the setting ``forkserver`` off, started as a fresh
 ``python -m ipu_emulator`` with ``subprocess``; the host itself never forks
-(it is threaded). The host talks to the device only through the two
-rings; the handle adds liveness (``alive()``, ``describe_exit()``) and a
-polite-then-forceful ``shutdown()``.
+(it is threaded). The launch's settings (``IpuSettings``, or the host's, which
+extend them) go into the process's environment, where it reads them when it
+starts. The host talks to the device only through the two rings; the handle
+adds liveness (``alive()``, ``describe_exit()``) and a polite-then-forceful
+``shutdown()``.
 
 The rest of the host depends only on what :class:`IpuConnection` lists, so a
 daemon that keeps IPU processes warm can later hand out connections to
@@ -32,24 +34,21 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from shm import Ring, RingTimeoutError, limits, naming, process_state
-from shm.settings import settings
+from shm.settings import ShmSettings
 
 from ipu_emulator import ipu_protocol
 from ipu_emulator.ipu import forkserver
 from ipu_emulator.ipu_protocol import Message, Op
 from ipu_emulator.errors import IpuProcessError, describe_returncode
+from ipu_emulator.settings import IpuSettings
 
 __all__ = ["IpuSpec", "IpuProcess", "IpuConnection", "IpuProcessError", "launch_ipu",
            "shutdown_all", "kill_all",
-           "describe_returncode", "read_log_tail", "START_TIMEOUT"]
+           "describe_returncode", "read_log_tail"]
 
 _log = logging.getLogger(__name__)
 
 _LOG_TAG = re.compile(r" ipu-?\d+\[(\d+)\] ")
-
-START_TIMEOUT = settings().start_timeout
-"""Seconds an IPU process may take to start (python + onnxruntime import)."""
-
 
 @dataclass(frozen=True)
 class IpuSpec:
@@ -98,7 +97,8 @@ class IpuConnection(Protocol):
 
     def kill(self) -> None: ...
 
-    def wait_ready(self, timeout: float = START_TIMEOUT) -> dict[str, Any]: ...
+    def wait_ready(self, timeout: float | None = None) -> dict[str, Any]:
+        """Block until the process is ready (``timeout`` s; None: its start timeout)."""
 
     def shutdown(self, timeout: float = 5.0) -> None: ...
 
@@ -134,9 +134,10 @@ class IpuProcess:
     """Host-side handle of one IPU process started by this host (embedded mode)."""
 
     def __init__(self, spec: IpuSpec, popen: "subprocess.Popen[bytes] | forkserver.ForkedProcess",
-                 control: Ring,
-                 events: Ring, log_path: str | None) -> None:
+                 control: Ring, events: Ring, log_path: str | None,
+                 start_timeout: float = IpuSettings.start_timeout) -> None:
         self.spec = spec
+        self.start_timeout = start_timeout   # seconds it may take to become ready
         self.control = control
         self.events = events
         self.log_path = log_path
@@ -210,10 +211,13 @@ class IpuProcess:
     def log_tail(self, nbytes: int = 2000) -> str:
         return read_log_tail(self.log_path, self.pid, nbytes)
 
-    def wait_ready(self, timeout: float = START_TIMEOUT) -> dict[str, Any]:
-        """Block until the process posts READY; raises IpuProcessError if it dies or is late."""
+    def wait_ready(self, timeout: float | None = None) -> dict[str, Any]:
+        """Block until the process posts READY (``timeout`` s, None: its start timeout);
+        raises IpuProcessError if it dies or is late."""
         if self._ready is not None:
             return self._ready
+        if timeout is None:
+            timeout = self.start_timeout
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -314,15 +318,22 @@ def _rotate(path: str) -> None:
 
 
 def launch_ipu(spec: IpuSpec, *, log_dir: str | None = None,
-               extra_env: dict[str, str] | None = None, pool: bool = False) -> IpuProcess:
+               extra_env: dict[str, str] | None = None, pool: bool = False,
+               settings: IpuSettings | None = None,
+               spawn_wait: float = forkserver.SPAWN_TIMEOUT) -> IpuProcess:
     """Create the rings and start one IPU process; does not wait for it to be ready.
 
     ``pool``: the caller is a daemon that hands the process to hosts (``HOST`` messages).
+    ``settings``: the knobs the process runs with (default ``IpuSettings.current()``).
+    ``spawn_wait``: seconds to wait for the fork server to fork it (a host passes its host
+    sync timeout, if lower); past it the process is started fresh.
     """
-    control = Ring.create(ipu_protocol.CONTROL_SLOT_SIZE, ipu_protocol.CONTROL_SLOTS, kind="ctl")
+    s = settings if settings is not None else IpuSettings.current()
+    control = Ring.create(ipu_protocol.CONTROL_SLOT_SIZE, ipu_protocol.CONTROL_SLOTS, kind="ctl",
+                          settings=s)
     try:
         events = Ring.create(ipu_protocol.EVENT_SLOT_SIZE, ipu_protocol.EVENT_SLOTS, kind="evt",
-                             prefault=False)
+                             prefault=False, settings=s)
     except BaseException:
         control.close()
         control.unlink()
@@ -336,7 +347,8 @@ def launch_ipu(spec: IpuSpec, *, log_dir: str | None = None,
             log_path = os.path.join(log_dir, name)
             _rotate(log_path)
         env = dict(os.environ)
-        env.setdefault("IPU_EMULATOR_SHM_TAG", naming.current_tag())
+        env.update(s.to_env())   # the process reads its settings from its environment
+        env[ShmSettings.knob("shm_tag").env] = naming.current_tag()
         if extra_env:
             env.update(extra_env)
         argv = ["--ipu-id", str(spec.ipu_id), "--ipu-version", str(spec.ipu_version),
@@ -349,9 +361,9 @@ def launch_ipu(spec: IpuSpec, *, log_dir: str | None = None,
         if pool:
             argv.append("--pool")
         popen: Any = None
-        if forkserver.enabled():
+        if s.forkserver:
             try:
-                popen = forkserver.spawn(argv, env, log_path, log_dir)
+                popen = forkserver.spawn(argv, env, log_path, log_dir, spawn_wait)
             except (forkserver.ForkserverError, OSError) as exc:
                 _log.warning("%s; starting IPU processes without the template", exc)
         if popen is None:
@@ -374,7 +386,7 @@ def launch_ipu(spec: IpuSpec, *, log_dir: str | None = None,
     # dead device); the host reads events in slices and polls the process between them.
     control.set_peer(popen.pid)
     _log.debug("started %s as pid %d", spec.describe(), popen.pid)
-    return IpuProcess(spec, popen, control, events, log_path)
+    return IpuProcess(spec, popen, control, events, log_path, s.start_timeout)
 
 
 def shutdown_all(processes: "list[Any]", timeout: float = 5.0) -> None:

@@ -72,7 +72,6 @@ from shm import (PeerDiedError, Region, Ring, RingInvalidatedError, RingTimeoutE
                  PeerWatch, WaitInterrupted, WouldBlock, naming, pid_alive)
 from shm import ring as ring_waits
 from shm.cleanup import list_objects
-from shm.settings import current
 
 from ipu_emulator import package_hash, ipu_protocol, titles
 from ipu_emulator.ipu._host_memory import HostMemory
@@ -80,6 +79,7 @@ from ipu_emulator.ipu._placement import KeepApart
 from ipu_emulator.ipu._stream_io import _Loaded, _RequestError, _RingIO, _Stream
 from ipu_emulator.errors import ExecutableError
 from ipu_emulator.ipu_protocol import ErrorKind, Message, Op, error_body
+from ipu_emulator.settings import IpuSettings
 
 __all__ = ["DeviceOptions", "DeviceProcess", "ProcessHooks"]
 
@@ -902,9 +902,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pool", action="store_true",
                         help="owned by a daemon (--host-pid): hosts change through HOST messages")
     a = parser.parse_args(argv)
+    settings = IpuSettings.current()   # its launch's, from its environment
     logging.basicConfig(
-        level=current().device_log_level,
+        level=settings.device_log_level,
         format=f"%(asctime)s ipu{a.ipu_id}[{os.getpid()}] %(levelname)s %(name)s: %(message)s")
+    _log.debug("settings: %s", settings)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the host decides when we stop
     opts = DeviceOptions(control=a.control, events=a.events, host_pid=a.host_pid,
                          ipu_id=a.ipu_id, ipu_version=a.ipu_version, tiles_per_ipu=a.tiles,

@@ -20,6 +20,7 @@ from ipu_emulator.ipu.launcher import IpuSpec, launch_ipu
 from ipu_emulator.ipu_protocol import Message, Op
 from shm import naming
 from shm.cleanup import list_objects
+from shm.settings import override
 from tests.daemon_rig import REPO
 
 
@@ -94,24 +95,32 @@ def test_the_setting_turns_the_template_off(tmp_path, monkeypatch):
         proc.close()
 
 
-def test_an_import_time_setting_gets_a_template_of_its_own(tmp_path, monkeypatch):
-    first = launch_ipu(IpuSpec(ipu_id=2), log_dir=str(tmp_path))
+def test_a_setting_changed_between_launches_reaches_the_process_one_template_forks(
+        tmp_path, monkeypatch):
+    """No setting is read at import: one template serves launches with other settings, and
+    each forked process runs with its launch's (an override's, or the environment's)."""
+    monkeypatch.delenv("IPU_EMULATOR_DEVICE_LOG_LEVEL", raising=False)
+    with override(device_log_level="DEBUG", device_spin_us=7, zero_copy=False):
+        first = launch_ipu(IpuSpec(ipu_id=2), log_dir=str(tmp_path))
     try:
         first.wait_ready()
-        zero_copy = os.environ.get("IPU_EMULATOR_ZERO_COPY", "1")
-        monkeypatch.setenv("IPU_EMULATOR_ZERO_COPY", "0" if zero_copy != "0" else "1")
+        monkeypatch.setenv("IPU_EMULATOR_DEVICE_LOG_LEVEL", "debug")
+        monkeypatch.setenv("IPU_EMULATOR_DEVICE_SPIN_US", "3")
         second = launch_ipu(IpuSpec(ipu_id=3), log_dir=str(tmp_path))
         try:
             second.wait_ready()
             parents = {psutil.Process(p.pid).ppid() for p in (first, second)}
-            assert len(parents) == 2 and os.getpid() not in parents   # read at import
-            template = psutil.Process(psutil.Process(second.pid).ppid())
-            assert template.environ()["IPU_EMULATOR_ZERO_COPY"] == os.environ[
-                "IPU_EMULATOR_ZERO_COPY"]
+            assert len(parents) == 1 and os.getpid() not in parents   # one template
         finally:
             second.close()
     finally:
         first.close()
+    log2 = (tmp_path / "ipu2.log").read_text()
+    log3 = (tmp_path / "ipu3.log").read_text()
+    assert re.search(rf"ipu2\[{first.pid}\] DEBUG ipu_emulator.ipu.process: settings: "
+                     r"IpuSettings\(.*device_spin_us=7\.0, .*zero_copy=False, ", log2), log2
+    assert re.search(rf"ipu3\[{second.pid}\] DEBUG ipu_emulator.ipu.process: settings: "
+                     r"IpuSettings\(.*device_spin_us=3\.0, .*zero_copy=True, ", log3), log3
 
 
 _HOST = """

@@ -90,9 +90,11 @@ def test_config_file_then_env_overrides(tmp_path):
 
 
 def test_config_errors_name_the_setting(tmp_path):
-    with pytest.raises(SystemConfigError, match=r"ipu_version must be one of \['ipu2', 'ipu21'\], got 'ipu3'"):
+    with pytest.raises(SystemConfigError, match=r"^IPU_EMULATOR_IPU_VERSION='ipu3': expected "
+                                                r"one of ipu2, ipu21, 2, 21$"):
         load_system_config({"IPU_EMULATOR_IPU_VERSION": "ipu3"})
-    with pytest.raises(SystemConfigError, match="num_ipus must be an integer, got 'four'"):
+    with pytest.raises(SystemConfigError, match=r"^IPU_EMULATOR_NUM_IPUS='four': expected an "
+                                                r"integer in 0\.\.64$"):
         load_system_config({"IPU_EMULATOR_NUM_IPUS": "four"})
     bad = tmp_path / "bad.yaml"
     bad.write_text("num_ipu: 3\n")

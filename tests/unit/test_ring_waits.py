@@ -8,6 +8,7 @@ threads at once and leave the semaphores counting what they counted.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import pytest
 
 from shm import PeerDiedError, Ring, RingTimeoutError, ShmClosedError, WaitInterrupted
 from shm import ring as ring_mod
+from shm.settings import ShmSettings
 
 from tests.daemon_rig import REPO
 
@@ -218,14 +220,14 @@ def test_close_wakes_a_wait_without_deadline_at_once() -> None:
 
 
 @pytest.mark.parametrize("peer_thread", [True, False])
-def test_a_peer_that_dies_ends_a_wait_without_deadline(monkeypatch, peer_thread) -> None:
+def test_a_peer_that_dies_ends_a_wait_without_deadline(peer_thread) -> None:
     """Woken by the peer-exit thread (no periodic wake), or with it off by the periodic
     check: either way PeerDiedError naming the pid, never a hang."""
-    monkeypatch.setattr(ring_mod, "_PEER_THREAD", peer_thread)
+    settings = dataclasses.replace(ShmSettings.current(), ring_peer_thread=peer_thread)
     peer = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
                             stdin=subprocess.PIPE)
     ring = Ring.create(64, 1)
-    end = Ring.attach(ring.name)
+    end = Ring.attach(ring.name, settings=settings)
     try:
         end.set_peer(peer.pid)
         assert (end.c_handle() is None or

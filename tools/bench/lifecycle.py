@@ -220,7 +220,9 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.repeats):
                 for name, fn in modes.items():
                     times[name].append(_timed(fn))
-        with _env(IPU_EMULATOR_NUM_IPUS=os.environ.get("IPU_EMULATOR_NUM_IPUS", "4")):
+        from host_runtime.settings import HostSettings
+
+        with _env(IPU_EMULATOR_NUM_IPUS=str(HostSettings.read("num_ipus") or 4)):
             sharded = _sharded_close(tmp, args.repeats)
 
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}

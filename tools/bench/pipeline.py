@@ -359,15 +359,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # runners side by side: 1 + S IPUs, and 1 + 2 + 2 for the latency (aligned groups);
     # for this run only (a caller's process keeps its machine)
-    old = os.environ.get("IPU_EMULATOR_NUM_IPUS")
-    if old is None:
-        os.environ["IPU_EMULATOR_NUM_IPUS"] = str(max(8, 2 * max(args.stages)))
+    from host_runtime.settings import HostSettings, override
+
+    num_ipus = HostSettings.read("num_ipus") or max(8, 2 * max(args.stages))
     table = MarkdownTable(args.markdown)
-    try:
+    with override(num_ipus=num_ipus):
         code = _run(args, table)
-    finally:
-        if old is None:
-            os.environ.pop("IPU_EMULATOR_NUM_IPUS", None)
     table.emit()
     return code
 

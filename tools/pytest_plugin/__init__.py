@@ -136,7 +136,9 @@ def _setting(config: pytest.Config, option: str, ini: str) -> Any:
 
 def _daemon_socket(config: pytest.Config) -> str | None:
     value = _setting(config, "ipu_emulator_daemon", "ipu_emulator_daemon")
-    return value or os.environ.get("IPU_EMULATOR_DAEMON") or None
+    from host_runtime.settings import HostSettings   # (the plugin imports it when used)
+
+    return value or HostSettings.read("daemon") or None
 
 
 def wait_timeout(config: pytest.Config) -> float:

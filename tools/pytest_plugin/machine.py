@@ -131,10 +131,13 @@ class IpuMachine:
         from ipu_emulator.system import load_system_config
         from shm.naming import current_tag
 
-        env = os.environ if environ is None else environ
-        system = load_system_config(env)
-        tag = env.get("IPU_EMULATOR_SHM_TAG") or current_tag()
-        daemon = env.get("IPU_EMULATOR_DAEMON") or None
+        from host_runtime.settings import HostSettings
+
+        system = load_system_config(environ)
+        # a tag the mapping does not give is this process's
+        tag = (HostSettings.read("shm_tag", environ) if environ is not None
+               and HostSettings.knob("shm_tag").env in environ else current_tag())
+        daemon = HostSettings.read("daemon", environ) or None
         num_ipus, version = system.num_ipus, system.ipu_version
         if daemon:   # the machine is the daemon's pool
             from tools.pytest_plugin.daemon import connect_existing
