@@ -176,6 +176,8 @@ def template_case(path: str) -> dict[str, Any]:
     device has one IPU process and answers right."""
     import psutil
 
+    from ipu_emulator import titles
+
     import host_runtime as model_runtime
     from shm.cleanup import list_objects
     from shm.liveness import process_state
@@ -214,7 +216,8 @@ def template_case(path: str) -> dict[str, Any]:
     first.close()
     report.update(wrong_after=wrong, errors_after=errors,
                   ipu_processes=[c.pid for c in psutil.Process().children(recursive=True)
-                                 if "--control" in c.cmdline()],
+                                 if "--control" in c.cmdline()
+                                 or titles.parse_ipu(" ".join(c.cmdline()).rstrip())],
                   left=sorted(o.entry for o in list_objects() if o.pid == os.getpid()))
     return report
 

@@ -92,7 +92,12 @@ def main(path: str, seconds: float, how: str) -> None:
         except KeyboardInterrupt:
             counts["interrupted"] += 1
     stop.set()
-    sender.join()
+    while True:   # a SIGINT sent as the sender stopped may land in the join
+        try:
+            sender.join()
+            break
+        except KeyboardInterrupt:
+            counts["interrupted"] += 1
     # a SIGINT sent just before the sender stopped may still be on its way
     try:
         time.sleep(0.2)
