@@ -55,6 +55,14 @@ that the slot's ``seq`` is the one it expects, which catches any protocol
 violation (two producers, a reset under a live peer) instead of returning
 stale bytes.
 
+Interrupts: an exception a signal handler raises may end a call anywhere. A
+token a wait took is never lost with it: the C core checks for a pending
+signal after its wait and gives the token back before it raises; the Python
+path banks the token in the same C call that takes it and uses it up in the
+same step as it moves the ring's counter, so an interrupted call leaves it to
+the next one. ``last_read_tag()`` says whether an interrupted read consumed its
+message.
+
 ``invalidate()`` stores ``invalid`` and then posts both semaphores once, so a
 waiter on either side wakes at once, sees the flag and raises
 :class:`RingInvalidatedError`; every later call raises it too until
@@ -120,7 +128,9 @@ the loop is ``shm.spin.spin_until``, mirrored by ``spin`` in the C core.
 
 from __future__ import annotations
 
+import collections
 import logging
+import operator
 import os
 import struct
 import threading
@@ -181,6 +191,8 @@ _MAX_SLOTS = 1 << 20
 _GENERAL, _NO_TOKEN, _TOKEN = -1, -2, -3
 _C_METHODS = ("write", "acquire_write", "try_acquire_write", "publish", "acquire_read",
               "try_acquire_read", "release", "read", "readable", "writable")
+_consume: Any = collections.deque(maxlen=0).extend
+"""Runs an iterator to its end in C (see Ring._acquire_token)."""
 _FREE_SUFFIX = ".free"
 _FULL_SUFFIX = ".full"
 
@@ -293,6 +305,11 @@ class Ring:
         # longest spin before blocking (0 disables spinning) and its floor; see _spin
         self._spin_max_ns = self._spin_ns = spin_max = us_to_ns(s.ring_spin_us)
         self._spin_min_ns = spin_min = min(_SPIN_MIN_NS, spin_max)
+        # Tokens the pure-Python path took from a semaphore and has not used yet (see
+        # _acquire_token): one is left when an exception interrupts a call between its wait
+        # and its use of the slot, and the next call uses it instead of waiting.
+        self._spare_full: list[None] = []
+        self._spare_free: list[None] = []
         # The C core's methods shadow the hot methods on this instance (see the
         # module docstring); None: the Python path does everything.
         self._core: Any = None
@@ -602,7 +619,7 @@ class Ring:
             self._blocked[i] += 1
         got = False
         try:
-            sem.acquire(wait)
+            self._acquire_token(sem, wait)   # banked in the spare list (see there)
             got = True
         except (posix_ipc.BusyError, posix_ipc.SignalError):
             pass
@@ -611,6 +628,7 @@ class Ring:
                 self._blocked[i] -= 1
                 if got and self._pending[i]:   # a token interrupt() posted (see interrupt)
                     self._pending[i] -= 1
+                    (self._spare_full if i else self._spare_free).pop()
                     got = False
         return got
 
@@ -622,7 +640,7 @@ class Ring:
         i = int(sem is self._full)
         while True:
             try:
-                sem.acquire(0)
+                self._acquire_token(sem, 0)   # banked in the spare list (see there)
             except posix_ipc.BusyError:
                 return False
             if not self._pending[i]:
@@ -631,11 +649,26 @@ class Ring:
                 if not self._pending[i]:
                     return True
                 self._pending[i] -= 1
+                (self._spare_full if i else self._spare_free).pop()
+
+    def _acquire_token(self, sem: posix_ipc.Semaphore, timeout: float | None) -> None:
+        """``sem.acquire(timeout)``; without the C core the token is also banked in
+        ``_spare_full``/``_spare_free`` within the same C call (``_consume`` of a ``map``),
+        so that an exception raised as the wait returns (a signal handler's, checked at
+        the end of each call) cannot lose it. Whoever uses the slot takes it from the bank
+        in the same step (no call between) as it moves the ring's counter."""
+        if self._core is not None:
+            sem.acquire(timeout)
+            return
+        spare = self._spare_full if sem is self._full else self._spare_free
+        _consume(map(spare.append, map(operator.call, (sem.acquire,), (timeout,))))
 
     def _wait(self, sem: posix_ipc.Semaphore, timeout: float | None, what: str) -> None:
         """Take one token of ``sem`` (the Python path's wait)."""
         if self._w[_INVALID]:
             self._raise_if_unusable()
+        if (self._spare_full if sem is self._full else self._spare_free):
+            return    # one taken by a call an exception interrupted before it used it
         if self._spin_ns and not sem.value:
             self._spin(sem)
         if not self._try_token(sem):
@@ -646,6 +679,8 @@ class Ring:
     def _try(self, sem: posix_ipc.Semaphore, what: str) -> None:
         if self._w[_INVALID]:
             self._raise_if_unusable()
+        if (self._spare_full if sem is self._full else self._spare_free):
+            return    # one taken by a call an exception interrupted before it used it
         if not self._try_token(sem):
             raise WouldBlock(f"ring {self._name}: no {what} ({self._occupancy()})")
         if self._w[_INVALID]:
@@ -675,6 +710,9 @@ class Ring:
         w = self._w
         if w[_INVALID]:
             self._raise_if_unusable()
+        spare = self._spare_free
+        if spare:              # (no call from here to the store: see _acquire_token)
+            del spare[-1]
         w[_HELD] = 1
         return self._payload[w[_PUBLISHED] % self._num_slots][:]
 
@@ -690,6 +728,9 @@ class Ring:
 
     def _took_write(self) -> None:
         w = self._w
+        spare = self._spare_free
+        if spare:              # (no call from here to the store: see _acquire_token)
+            del spare[-1]
         w[_HELD] = 1
         if not self._is_producer:
             self._is_producer = True
@@ -744,6 +785,9 @@ class Ring:
         i = k % self._num_slots
         self._payload[i][:n] = data
         base = self._slot_word[i]
+        spare = self._spare_free
+        if spare:              # (no call from here to the store: see _acquire_token)
+            del spare[-1]
         w[base] = k + 1
         w[base + 1] = n
         w[base + 2] = tag
@@ -796,6 +840,9 @@ class Ring:
             raise ShmError(f"ring {self._name}: slot {i} claims {nbytes} bytes; "
                            f"slot size is {self._slot_size}")
         tag = w[_READ_TAG] = w[base + 2]
+        spare = self._spare_full
+        if spare:              # (no call from here to the store: see _acquire_token)
+            del spare[-1]
         w[_ACQUIRED] = k + 1
         view = self._payload[i]
         return view[:nbytes], tag
@@ -841,6 +888,9 @@ class Ring:
             self._took_read_general(k, i, base)  # raises the error
         data = self._payload[i][:nbytes].tobytes()
         tag = w[_READ_TAG] = w[base + 2]
+        spare = self._spare_full
+        if spare:              # (no call from here to the store: see _acquire_token)
+            del spare[-1]
         w[_ACQUIRED] = w[_RELEASED] = k + 1
         self._free.release()
         return data, tag
@@ -943,6 +993,8 @@ class Ring:
                 except posix_ipc.BusyError:
                     break
         w = self._w
+        self._spare_full.clear()
+        self._spare_free.clear()
         for i in (_PUBLISHED, _HELD, _ACQUIRED, _RELEASED, _READ_TAG):
             w[i] = 0
         for base in self._slot_word:

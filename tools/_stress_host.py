@@ -18,6 +18,13 @@ parent's runner (counted as failed as expected), gets right answers from a runne
 of its own, lets go of everything (its exit hooks, ``close()`` of the parent's
 runner, or ``del``), and leaves nothing of its own behind; the parent checks that
 its /dev/shm objects are all still there, and its workers go on checking answers.
+
+The ``interrupt`` scenario (``tools._stress_interrupt``): the main thread is a worker
+too; KeyboardInterrupts land in the workers while they are inside a runtime call (a
+real SIGINT whose handler raises in the main thread, asynchronous exceptions in the
+others), and a thread of its own runs a Session's queues whose callbacks raise now and
+then. An interrupted request, or a run a callback made fail, is failed as expected;
+every other answer is checked. ``cycles`` counts the interrupts delivered.
 """
 
 from __future__ import annotations
@@ -467,6 +474,15 @@ def _child(work: "_Simple", how: str, seed: int, hang: float) -> dict[str, Any]:
     return report
 
 
+def _lost_to_an_interrupt(exc: BaseException) -> bool:
+    """The named error of a request whose output a thread was reading (for whichever
+    request) when an interrupt landed just as the output was consumed."""
+    from host_runtime.errors import InvalidStateError
+
+    return (isinstance(exc, InvalidStateError) and "of the request was lost: the thread "
+            "reading it was interrupted by KeyboardInterrupt" in str(exc))
+
+
 # ----------------------------------------------------------------------------- running
 _PROGRESS_INTERVAL = 0.25   # seconds between PROGRESS lines
 _say_lock = threading.Lock()
@@ -495,6 +511,7 @@ class _Host:
         self.issued = 0
         self.issue_lock = threading.Lock()
         self.in_flight: dict[int, tuple[float, str]] = {}
+        self.interrupts: Any = None   # the interrupt scenario's Interrupter
         from host_runtime.errors import DeviceLostError, DeviceTimeoutError
         self.allowed: tuple[type[BaseException], ...] = (
             (DeviceLostError, DeviceTimeoutError) if spec["scenario"] in _KILLS else ())
@@ -518,6 +535,9 @@ class _Host:
         except Hung as exc:
             self.tally.problem("hung", str(exc))
             return False, None
+        except KeyboardInterrupt:   # the interrupt scenario: the request is abandoned
+            with self.tally.lock:
+                self.tally.expected += 1
         except self.allowed as exc:
             if strict:
                 self.tally.problem("errors", f"request after the faults failed: {exc!r}")
@@ -525,7 +545,11 @@ class _Host:
                 with self.tally.lock:
                     self.tally.expected += 1
         except Exception as exc:   # noqa: BLE001 - every other failure is a finding
-            self.tally.problem("errors", f"{type(exc).__name__}: {exc}")
+            if self.interrupts is not None and _lost_to_an_interrupt(exc):
+                with self.tally.lock:
+                    self.tally.expected += 1
+            else:
+                self.tally.problem("errors", f"{type(exc).__name__}: {exc}")
         else:
             return True, value
         return True, None
@@ -536,17 +560,19 @@ class _Host:
         then each checked in order; False when the thread must stop (a hang)."""
         self.in_flight[tid] = (time.time(), f"submitting {depth} request(s)")
         pending = []
+        armed = self._armed(tid)
         try:
             for _ in range(depth):
                 t0 = time.perf_counter()
-                go, done = self._outcome(lambda: work.request(rng, r, self.hang), t0, strict)
+                go, done = self._outcome(lambda: armed(lambda: work.request(rng, r, self.hang)),
+                                         t0, strict)
                 if not go:
                     return False
                 if done is not None:
                     pending.append((t0, done))
             self.in_flight[tid] = (time.time(), f"checking {len(pending)} request(s)")
             for t0, done in pending:
-                go, _ = self._outcome(lambda: (done(), True)[1], t0, strict)
+                go, _ = self._outcome(lambda: armed(lambda: (done(), True)[1]), t0, strict)
                 if not go:
                     return False
                 if _ is not None:
@@ -559,6 +585,14 @@ class _Host:
             self.in_flight.pop(tid, None)
         return True
 
+    def _armed(self, tid: int) -> Callable[[Callable[[], Any]], Any]:
+        """``armed(action)``: ``action()``, open to the interrupt scenario's interrupts."""
+        interrupts = self.interrupts
+        if interrupts is None:
+            return lambda action: action()
+
+        return lambda action: interrupts.call(tid, action)
+
     def _worker(self, work: Any, tid: int) -> None:
         seed = int(self.spec["seed"]) * 1000 + tid
         rng, r = np.random.default_rng(seed), random.Random(seed)
@@ -568,8 +602,11 @@ class _Host:
                 if self.budget is not None:
                     depth = max(1, min(depth, self.budget - self.issued + 1))
                 self.issued += depth - 1
-            if not self._one(work, rng, r, tid, depth=depth):
-                return
+            try:
+                if not self._one(work, rng, r, tid, depth=depth):
+                    return
+            except KeyboardInterrupt:   # landed as an armed block ended: nothing lost
+                pass
 
     def _daemon_worker(self, tid: int) -> None:
         """daemon scenario: attach, run a few requests, detach, again."""
@@ -614,6 +651,33 @@ class _Host:
             reporter.join(5)
             _say(self.tally.progress_line())
 
+    def _interrupt_threads(self, work: Any, threads: list[threading.Thread]
+                           ) -> Callable[[], None]:
+        """The interrupt scenario: worker 0 becomes the main thread's (returned, to call
+        once the others started), plus the interrupter and the queue session's thread."""
+        from tools._stress_interrupt import CallbackSession, Interrupter
+
+        seed = int(self.spec["seed"])
+        interrupts = self.interrupts = Interrupter(seed)
+        threads.pop(0)   # worker 0: the main thread's
+        queues = CallbackSession(self.spec)
+        qtid = int(self.spec["threads"])
+
+        def run_queues() -> None:
+            self.in_flight[qtid] = (time.time(), "running the queue session")
+            try:
+                queues.run(self.tally, interrupts, qtid, self.deadline, seed + 7)
+                self.in_flight.pop(qtid, None)
+            except Exception as exc:  # noqa: BLE001 - a finding, not a crash of the host
+                self.tally.problem("errors", f"queue session: {type(exc).__name__}: {exc}")
+                self.in_flight.pop(qtid, None)
+            finally:
+                queues.close()
+        threads.append(threading.Thread(target=run_queues, daemon=True, name="stress-queues"))
+        threads.append(threading.Thread(target=interrupts.run, args=(self.deadline,),
+                                        daemon=True, name="stress-interrupter"))
+        return lambda: self._worker(work, 0)
+
     def _report(self, stop: threading.Event) -> None:
         """Print the running totals a few times a second (the orchestrator's live view)."""
         while not stop.wait(_PROGRESS_INTERVAL):
@@ -627,10 +691,19 @@ class _Host:
         if self.spec["scenario"] == "fork":
             threads.append(threading.Thread(target=_Forks(self, work).run, daemon=True,
                                             name="stress-fork"))   # imports before threads
+        main_worker = None
+        if self.spec["scenario"] == "interrupt":
+            main_worker = self._interrupt_threads(work, threads)
         for t in threads:
             t.start()
+        if main_worker is not None:
+            main_worker()
         for t in threads:
             t.join(max(0.0, self.deadline - time.time()) + self.hang)
+        if self.interrupts is not None:
+            self.interrupts.close()
+            with self.tally.lock:
+                self.tally.cycles = self.interrupts.delivered
         stuck = [t for t in threads if t.is_alive()]
         for tid, (since, stage) in list(self.in_flight.items()):
             self.tally.problem("hung", f"thread {tid} stuck {time.time() - since:.1f} s "

@@ -30,6 +30,13 @@ Pythons) on a private emulated machine (own IPU_EMULATOR_HOME and shm tag,
   (counted as failed as expected), a runner the child makes must answer right, and
   the child's letting go (exit hooks, close(), del, os._exit) must leave the host's
   /dev/shm objects and runner intact and nothing of its own.
+- ``interrupt``: KeyboardInterrupts land in the hosts' threads while they are inside
+  ``execute``, ``executeAsync``, a future's wait or ``runMainPrograms`` (a real SIGINT
+  whose handler raises in a host's main thread, which is a worker too; asynchronous
+  exceptions in its other threads), every 5-40 ms; a thread of each host runs a
+  Session's queues whose callbacks raise now and then (every other host batches
+  dynamically). An interrupted request or a run a callback failed is failed as
+  expected; every other answer, and every queue output buffer, must be its own.
 
 While a scenario runs, a progress line (requests, rate, failures so far) is
 rewritten in place on a terminal; when stdout is not one, a plain line is
@@ -64,15 +71,15 @@ __all__ = ["SCENARIOS", "ScenarioResult", "main", "run"]
 _log = logging.getLogger(__name__)
 
 SCENARIOS = ("mixed", "batching", "fused", "kill-ipu", "kill-pipeline", "kill-host", "daemon",
-             "fork")
+             "fork", "interrupt")
 _IPUS_PER_DEVICE = {"kill-pipeline": 2}   # IPUs of the scenario's model (sharded models)
 
 
 def _machine_ipus(name: str, opts: argparse.Namespace) -> int:
     """IPUs a scenario's hosts hold at once (fork: each host's child makes a runner of
-    one IPU while the host holds its own)."""
+    one IPU while the host holds its own; interrupt: each host's queue session has one)."""
     held = int(opts.hosts * opts.replicas * _IPUS_PER_DEVICE.get(name, 1))
-    return held + int(opts.hosts) if name == "fork" else held
+    return held + int(opts.hosts) if name in ("fork", "interrupt") else held
 _STARTUP_ALLOWANCE = 120.0     # seconds a host may take to import and load its model
 
 
@@ -91,7 +98,7 @@ class _Scenario:
     def _spec(self, duration: float | None) -> dict[str, Any]:
         # The fault scenarios run every other host with dynamic batching.
         batching = self.name == "batching" or (
-            self.name in ("kill-ipu", "kill-host") and len(self.hosts) % 2 == 1)
+            self.name in ("kill-ipu", "kill-host", "interrupt") and len(self.hosts) % 2 == 1)
         return {"scenario": self.name, "batching": batching, "replicas": self.opts.replicas,
                 "threads": self.opts.threads, "seed": self.rng.randrange(1 << 30),
                 "duration": duration, "max_seconds": self.opts.max_seconds,
@@ -305,7 +312,8 @@ def _row(r: ScenarioResult) -> list[str]:
     killed = f"{r.hosts_killed} hosts killed" if r.name == "kill-host" else \
         f"{r.ipus_killed} ipus killed" if r.name in ("kill-ipu", "kill-pipeline") else \
         f"{r.cycles} attaches" if r.name == "daemon" else \
-        f"{r.cycles} forks" if r.name == "fork" else "-"
+        f"{r.cycles} forks" if r.name == "fork" else \
+        f"{r.cycles} interrupts" if r.name == "interrupt" else "-"
     return [r.name, str(r.hosts), killed, str(r.ok), str(r.expected), str(r.wrong), str(r.hung),
             str(r.errors), "-" if r.p50_ms is None else f"{r.p50_ms:.2f}",
             "-" if r.p99_ms is None else f"{r.p99_ms:.2f}", str(r.leaks),

@@ -300,36 +300,56 @@ class InputQueue(_QueueBase[InputData]):
 
         Blocks until enough data (or a flush marker) is queued. Returns False,
         leaving ``dest`` zeroed, if the queue was disconnected meanwhile.
+
+        All or nothing: if a user callback (read start / read complete) raises, the
+        transfer fails (the exception propagates: the device is told the input could
+        not be made) and takes nothing from the queue: the items it read are read again
+        by the next transfer (and their callbacks called again), so the queues of the
+        other anchors stay paired with this one. The items a transfer used up are
+        freed once it is whole (one transfer never needs more items than the queue
+        holds: an item is at least one sample).
         """
         out = _bytes_of(dest, self._transfer, True, f"stream slot of {self._name!r}")
         off = 0
         T = self._transfer
         rb = self._rb
-        while off < T:
-            item = self._current
-            if item is None:
-                item = rb.readLock()
-                if not rb.isValid():
-                    out[off:] = 0
-                    return False
-                if item.data is _FLUSH:
-                    out[off:] = 0
-                    rb.readComplete()
-                    return True
-                self._current = item
-                self._pos = 0
-                if item.readStartCallback is not None:
-                    item.readStartCallback()
-            n = min(T - off, item.data_size - self._pos)
-            out[off:off + n] = item.data[self._pos:self._pos + n]
-            off += n
-            self._pos += n
-            if self._pos >= item.data_size:
-                self._current = None
-                self._pos = 0
-                if item.readCompleteCallback is not None:
-                    item.readCompleteCallback()
-                rb.readComplete()
+        entry = (self._current, self._pos)
+        locked = 0      # items this transfer read-locked
+        used = 0        # items it used up (freed when it is whole)
+        try:
+            while off < T:
+                item = self._current
+                if item is None:
+                    item = rb.readLock()
+                    if not rb.isValid():
+                        out[off:] = 0
+                        return False
+                    locked += 1
+                    if item.data is _FLUSH:
+                        out[off:] = 0
+                        used += 1
+                        break
+                    self._current = item
+                    self._pos = 0
+                    if item.readStartCallback is not None:
+                        item.readStartCallback()
+                n = min(T - off, item.data_size - self._pos)
+                out[off:off + n] = item.data[self._pos:self._pos + n]
+                off += n
+                self._pos += n
+                if self._pos >= item.data_size:
+                    self._current = None
+                    self._pos = 0
+                    used += 1
+                    if item.readCompleteCallback is not None:
+                        item.readCompleteCallback()
+        except BaseException:
+            self._current, self._pos = entry
+            if rb.isValid():
+                rb.readUnlock(locked)
+            raise
+        for _ in range(used):
+            rb.readComplete()
         return True
 
     __call__ = fill
@@ -357,13 +377,18 @@ class OutputQueue(_QueueBase[OutputData]):
     def drain(self, src: Any) -> bool:
         """Distribute one transfer from ``src`` to the queued output buffers.
 
-        Blocks until enough buffers (or a flush marker) are queued. Returns
-        False if the queue was disconnected meanwhile (the data is dropped).
+        Blocks until enough buffers (or a flush marker) are queued. Returns False
+        if the queue was disconnected meanwhile (the data is dropped).
+
+        The whole transfer is always distributed: a write complete callback that raises
+        does not stop it (the first such exception is raised once the transfer is
+        out), so the next transfer goes to the next buffers.
         """
         data = _bytes_of(src, self._transfer, False, f"stream slot of {self._name!r}")
         off = 0
         T = self._transfer
         rb = self._rb
+        failed: BaseException | None = None
         while off < T:
             item = self._current
             if item is None:
@@ -372,7 +397,7 @@ class OutputQueue(_QueueBase[OutputData]):
                     return False
                 if item.data is _FLUSH:
                     rb.readComplete()
-                    return True
+                    break
                 self._current = item
                 self._pos = 0
             n = min(T - off, item.data_size - self._pos)
@@ -382,9 +407,15 @@ class OutputQueue(_QueueBase[OutputData]):
             if self._pos >= item.data_size:
                 self._current = None
                 self._pos = 0
-                if item.writeCompleteCallback is not None:
-                    item.writeCompleteCallback()
                 rb.readComplete()
+                if item.writeCompleteCallback is not None:
+                    try:
+                        item.writeCompleteCallback()
+                    except Exception as exc:   # raised once the transfer is out
+                        if failed is None:
+                            failed = exc
+        if failed is not None:
+            raise failed
         return True
 
     __call__ = drain

@@ -150,6 +150,18 @@ class SpscRingBuffer(Generic[T]):
             self._released += 1
             self._cond.notify_all()
 
+    def readUnlock(self, count: int = 1) -> None:
+        """Put the ``count`` newest read-locked slots back (not completed): the next
+        ``readLock()`` returns them again, oldest first. For a consumer whose use of
+        them failed (e.g. a transfer that could not be made)."""
+        with self._cond:
+            if not 0 <= count <= self._locked - self._released:
+                raise InvalidStateError(
+                    f"SpscRingBuffer {self._label!r}: readUnlock({count}) with "
+                    f"{self._locked - self._released} slot(s) read-locked")
+            self._locked -= count
+            self._cond.notify_all()
+
     def readReset(self) -> None:
         """Put every read-locked slot back at the front of the reading queue."""
         with self._cond:

@@ -642,7 +642,10 @@ class Replica:
             "interrupted it while it was sent"))
         req.dests = {}
         if self._writing is not None:
-            self._finish_writing()
+            try:
+                self._finish_writing()
+            except (ShmError, OSError):   # the device is gone: the next request hears it
+                pass
 
     def _abandon_idle(self, inputs: dict[str, np.ndarray], seq: int, written: bool,
                       read: int, t_received: int, exc: BaseException) -> None:
@@ -671,7 +674,10 @@ class Replica:
         with self._cv_lock:
             self._inflight.append(tr)
         if not written:
-            self._finish_writing()
+            try:
+                self._finish_writing()
+            except (ShmError, OSError):   # the device is gone: the next request hears it
+                pass
 
     def _published_in(self, ring: Ring, seq: int) -> bool:
         """Whether the last transfer published on input ``ring`` is number ``seq``."""
@@ -711,8 +717,8 @@ class Replica:
                     else src
                 del slot
             ring.publish(spec.nbytes, tag)
-        self._writing = None
         self._published(tr)
+        self._writing = None    # last: an interrupt before it leaves this to be finished
 
     def _read_interrupted(self, tr: Transfer, index: int, ring: Ring,
                           exc: BaseException) -> None:
@@ -833,9 +839,9 @@ class Replica:
                         else src
                     del slot
                 ring.publish(spec.nbytes, tag)
-            self._writing = None
             with self._cv_lock:
                 tr.published = True
+                self._writing = None   # with it: no call between the two
                 if self._cv._waiters:  # type: ignore[attr-defined]  # _notify, inline
                     self._cv.notify_all()
 
@@ -912,8 +918,8 @@ class Replica:
         tr.slots = {}
         if self._partial is tr:
             self._partial = None
-        self._writing = None
         self._published(tr)
+        self._writing = None    # last: an interrupt before it leaves this to be finished
 
     def record_error(self, error: BaseException) -> None:
         """A request of this replica failed (Request.fail): count it by class."""
@@ -993,7 +999,8 @@ class Replica:
             timers.fire(now)
         with self._cv_lock:
             head = self._inflight[0] if self._inflight else None
-            if head is None or not head.published:
+            unfinished = head is not None and head is self._writing
+            if (head is None or not head.published) and not unfinished:
                 if self._error is not None and head is not None:
                     self._inflight.popleft()
                     return
@@ -1002,6 +1009,20 @@ class Replica:
                 if wait > 0:
                     self._cv.wait(wait)
                 return
+        if unfinished:   # its writer was interrupted and nobody submits: finish it here
+            if self._submit_lock.acquire(blocking=False):
+                try:
+                    if self._writing is head and self._error is None:
+                        self._finish_writing()
+                except (ShmError, OSError) as exc:
+                    self._fail_everything(self._translate(exc))
+                finally:
+                    self._submit_lock.release()
+            else:
+                with self._cv_lock:
+                    self._cv.wait(0.01)
+            return
+        assert head is not None   # (published: see above)
         limit = (timers.next_deadline(self._partial)
                  if self._partial is not None or timers.has_phantoms else _INF)
         if end is not None and end < limit:

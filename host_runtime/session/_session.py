@@ -197,6 +197,9 @@ class Session:
         self._stopped = False
         self._modes_sent: list[int] | None = None
         self._closed = False
+        # a run whose caller an exception (KeyboardInterrupt, a signal handler's) took away
+        # while it waited: it goes on on the device; the next run waits for it first
+        self._abandoned: tuple[Any, str] | None = None
         if self._config.policy is LaunchPolicy.Immediate:
             self._acquire_device()
 
@@ -704,6 +707,8 @@ class Session:
         self._request_run(dev, progs, what)
 
     def _request_run(self, dev: Device, progs: list[int], what: str) -> None:
+        if self._abandoned is not None:
+            self._finish_abandoned(dev)
         self._send_modes(dev)
         self._streams.clear_callback_errors()
         fut = dev.link.request(Op.RUN, list(progs))
@@ -711,11 +716,38 @@ class Session:
             wait(fut, None, f"{what} on {dev.describe()}", pids=dev.pids(),
                  progress=lambda: dev.link.progress,
                  sync=dev.link.sync_timeout)
-        except DeviceExecutionError as exc:
+        except ModelRuntimeError as exc:
+            if not isinstance(exc, DeviceExecutionError):
+                raise
             new = self._streams.with_callback_error(exc, what)
             if new is exc:
                 raise
             raise new from new.__cause__
+        except BaseException:
+            # Abandoned (KeyboardInterrupt, a signal handler's exception): the run goes on
+            # on the device, its callbacks are called as for any run; the next run waits
+            # for it, so that its callbacks' errors are not taken for the next one's.
+            self._abandoned = (fut, what)
+            raise
         failed = self._streams.take_callback_error()
         if failed is not None:
             raise callback_failure(what, *failed)
+
+    def _finish_abandoned(self, dev: Device) -> None:
+        """Wait for the run a caller abandoned (see _request_run); its outcome, which nobody
+        waits for any more, is logged (an interrupt of this wait leaves it to the next)."""
+        assert self._abandoned is not None
+        fut, what = self._abandoned
+        try:
+            wait(fut, None, f"{what} (abandoned) on {dev.describe()}", pids=dev.pids(),
+                 progress=lambda: dev.link.progress, sync=dev.link.sync_timeout)
+        except ModelRuntimeError as exc:
+            self._abandoned = None
+            if not isinstance(exc, DeviceExecutionError):
+                raise
+            _log.info("an abandoned run of %s failed: %s", what, exc)
+        self._abandoned = None
+        failed = self._streams.take_callback_error()
+        if failed is not None:
+            _log.info("an abandoned run of %s: the callback of anchor %r raised %r", what,
+                      *failed)

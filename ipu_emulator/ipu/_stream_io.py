@@ -163,15 +163,16 @@ class _RingIO:
             return False
         step, inputs_there = entry
         it = self._it
-        if step.run(it.current()):
-            it.ended()
+        # (it.current() and it.ended(), written out: this is the hot path of an iteration)
+        if step.run(it.seq if it.reading else 0):
+            it.reading = False
             return True
         if inputs_there is None or inputs_there():
             return False   # the inputs are there but the step declined: the Python path
         t0 = time.perf_counter_ns()
-        if not self._poll(inputs_there) or not step.run(it.current()):
+        if not self._poll(inputs_there) or not step.run(it.seq if it.reading else 0):
             return False
-        it.ended()
+        it.reading = False
         self._est.record(time.perf_counter_ns() - t0)
         return True
 

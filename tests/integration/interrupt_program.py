@@ -67,9 +67,11 @@ def main(path: str, seconds: float, how: str) -> None:
     end = time.monotonic() + seconds
     i = 0
     sender.start()
-    while time.monotonic() < end:
-        i += 1
-        try:
+    while True:
+        try:      # an interrupt may land anywhere in the loop, its test included
+            if time.monotonic() >= end:
+                break
+            i += 1
             use_async = how == "async" or (how == "mixed" and i % 3 == 0)
             if pending and i % 5 == 0:
                 j, fut = pending.pop()
@@ -92,17 +94,13 @@ def main(path: str, seconds: float, how: str) -> None:
         except KeyboardInterrupt:
             counts["interrupted"] += 1
     stop.set()
-    while True:   # a SIGINT sent as the sender stopped may land in the join
+    while True:
         try:
             sender.join()
             break
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:   # one sent just before the sender stopped
             counts["interrupted"] += 1
-    # a SIGINT sent just before the sender stopped may still be on its way
-    try:
-        time.sleep(0.2)
-    except KeyboardInterrupt:
-        counts["interrupted"] += 1
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # and one still on its way is dropped
     for j, fut in pending:
         check_future(j, fut)
     after = 0
