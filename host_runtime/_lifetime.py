@@ -23,22 +23,29 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Protocol, TypeVar
 
 __all__ = ["close_owned", "weak_method"]
 
 _log = logging.getLogger(__name__)
 
 
-def close_owned(objects: Iterable[Any]) -> None:
-    """``close()`` each object this process made (``_owner_pid``), best effort.
+class _Closable(Protocol):
+    def close(self) -> None: ...
+
+
+_T = TypeVar("_T", bound=_Closable)
+
+
+def close_owned(objects: Iterable[_T], owner_pid: Callable[[_T], int]) -> None:
+    """``close()`` each object this process made (``owner_pid(obj)``), best effort.
 
     A child made by ``fork`` inherits the parent's objects but not their
     ownership: closing them would stop the parent's devices and runners.
     """
     me = os.getpid()
     for obj in list(objects):
-        if getattr(obj, "_owner_pid", None) != me:
+        if owner_pid(obj) != me:
             continue
         try:
             obj.close()

@@ -25,9 +25,10 @@ import os
 import select
 import signal
 from datetime import timedelta
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
+import psutil
 import pytest
 
 from host_runtime import popef
@@ -35,7 +36,8 @@ from host_runtime.devices._manager import Device, DeviceManager, DeviceWaitConfi
 
 __all__ = ["PATIENT", "DEFAULT_SHAPE", "SPAWN", "module_shape", "weights_of", "write_example",
            "write_gather", "spawn", "private_machine", "model_path", "model", "weights",
-           "gather_path", "gather_model", "device", "daemon", "run_in_threads"]
+           "gather_path", "gather_model", "device", "daemon", "run_in_threads", "processes",
+           "running"]
 
 # Other test processes may hold IPUs of the same machine for a while: wait for one.
 PATIENT = DeviceWaitConfig(timedelta(seconds=120), timedelta(seconds=0.05))
@@ -178,3 +180,23 @@ def kill_and_wait(pid: int, timeout: float = 60.0) -> None:
         assert ready, f"IPU process {pid} did not die"
     finally:
         os.close(fd)
+
+
+def processes(pids: Iterable[int]) -> list[psutil.Process]:
+    """Handles on those of ``pids`` that exist (one that exits while this looks is left
+    out: asking ``pid_exists`` first and ``Process`` next races with its exit)."""
+    found = []
+    for pid in pids:
+        try:
+            found.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -19,6 +19,7 @@ from pathlib import Path
 import psutil
 
 from ipu_emulator.daemon import socket_protocol as wire
+from tests._helpers import processes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -78,8 +79,7 @@ class DaemonRig:
         in /dev/shm."""
         if self.proc.poll() is not None:
             return
-        ipu_pids = [p for p in self.pool_pids if psutil.pid_exists(p)]
-        procs = [psutil.Process(p) for p in ipu_pids]
+        procs = processes(self.pool_pids)
         self.proc.send_signal(sig)
         rc = self.proc.wait(60)
         self._reader.join(10)

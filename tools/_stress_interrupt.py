@@ -40,9 +40,9 @@ def _async_raise(ident: int, exc: type[BaseException] | None) -> bool:
     Never while a thread is being started: CPython (3.11) gives a new thread's state its
     starter's ident until the thread runs, and PyThreadState_SetAsyncExc sets the first
     state of that ident, the new one's. The runtime's own threads (a watchdog a worker
-    starts) must not get the worker's interrupt: ``threading._limbo`` (the standard
-    library's threads being started) is then not empty and nothing is sent."""
-    if exc is not None and threading._limbo:   # type: ignore[attr-defined]
+    starts) must not get the worker's interrupt: while ``threading.enumerate()`` lists
+    a thread that is not alive (being started, or ending), nothing is sent."""
+    if exc is not None and not all(t.is_alive() for t in threading.enumerate()):
         return False
     ctypes.pythonapi.PyThreadState_SetAsyncExc(
         ctypes.c_ulong(ident), ctypes.py_object(exc) if exc is not None else None)

@@ -84,13 +84,6 @@ class _MemberLink(ProcessLink):
         group = self._group()
         return group.mark_lost() if group is not None else super().mark_lost()
 
-    def _adopt_lost(self, err: DeviceLostError) -> None:
-        with self._lost_lock:
-            if self._lost is not None:
-                return
-            self._lost = err
-        self._fail_all(err)
-
 
 class GroupLink:
     """The link of a device of several IPUs (see the module docstring)."""
@@ -282,7 +275,7 @@ class GroupLink:
         else:
             _log.warning("%s", err)
         for m in self._members:
-            m._adopt_lost(err)
+            m.adopt_lost(err)
         if not self._closing:
             alive = [p for p in self._procs if p.alive()]
             for p in alive:

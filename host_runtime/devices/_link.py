@@ -329,6 +329,15 @@ class ProcessLink:
         self._fail_all(err)
         return err
 
+    def adopt_lost(self, error: DeviceLostError) -> None:
+        """Declare the device lost with ``error``, found elsewhere (another IPU of its
+        group died), unless it is lost already; fail everything pending."""
+        with self._lost_lock:
+            if self._lost is not None:
+                return
+            self._lost = error
+        self._fail_all(error)
+
     def _lost_error(self) -> DeviceLostError:
         proc = self._dead_process()
         if proc is None:

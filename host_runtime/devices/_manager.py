@@ -210,7 +210,7 @@ _live_devices: "weakref.WeakSet[Device]" = weakref.WeakSet()
 
 @atexit.register
 def _close_live_devices() -> None:
-    close_owned(_live_devices)
+    close_owned(_live_devices, lambda d: d._owner_pid)
 
 
 class Device:
@@ -370,6 +370,12 @@ class Device:
         """Internal (Session and its fast path): the link to the IPU process(es): requests
         (LOAD, RUN, LOOP, STOP, MODES, ...) and whether the device is lost."""
         return self._link
+
+    @property
+    def processes(self) -> list[IpuConnection]:
+        """Internal (loopback devices, tests): the connections to the device's IPU
+        processes, primary first."""
+        return list(self._processes)
 
     @property
     def lock(self) -> threading.RLock:

@@ -17,8 +17,6 @@ it, without starting any process.
 
 from __future__ import annotations
 
-from typing import Any
-
 from host_runtime.devices._manager import Device, DeviceManager
 from host_runtime.popef.model import Model
 from ipu_emulator.ipu.in_thread import LoopbackIpu, launch_loopback
@@ -49,10 +47,9 @@ def loopback_device(model_or_num_ipus: Model | int = 1, ipu_version: int = 21,
 def loopback_ipus(device: Device) -> list[LoopbackIpu]:
     """The loopback IPUs of ``device`` (primary first; empty if it has other IPUs): e.g.
     ``loopback_ipus(dev)[0].kill()`` to lose the device."""
-    procs: Any = getattr(device, "_processes", [])
-    if not procs or not all(isinstance(p, LoopbackIpu) for p in procs):
-        return []
-    return list(procs)
+    procs = device.processes
+    ipus = [p for p in procs if isinstance(p, LoopbackIpu)]
+    return ipus if len(ipus) == len(procs) else []
 
 
 def is_loopback(device: Device) -> bool:

@@ -227,17 +227,15 @@ class _QueueBase(IQueue, Generic[_Item]):
     def enqueueComplete(self) -> None:
         """Unlock the item locked by enqueueLock(); its size must be whole samples."""
         self._check_owner()
-        if self._rb.isValid():
-            item = self._rb._slots[self._rb._written % self._rb._n]
-            if item.data is not _FLUSH:
-                try:
-                    self._check_size(int(item.data_size))
-                    item.data = _bytes_of(item.data, int(item.data_size), self._WRITABLE,
-                                          f"{self._KIND} {self._name!r}")
-                except BadRequestError:
-                    with self._rb._cond:
-                        self._rb._write_locked = False
-                    raise
+        item = self._rb.writeLocked() if self._rb.isValid() else None
+        if item is not None and item.data is not _FLUSH:
+            try:
+                self._check_size(int(item.data_size))
+                item.data = _bytes_of(item.data, int(item.data_size), self._WRITABLE,
+                                      f"{self._KIND} {self._name!r}")
+            except BadRequestError:
+                self._rb.writeAbort()
+                raise
         self._rb.writeComplete()
 
     def disconnect(self) -> None:

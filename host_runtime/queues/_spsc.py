@@ -92,6 +92,19 @@ class SpscRingBuffer(Generic[T]):
                 self._write_locked = True
             return self._slots[self._written % self._n]  # type: ignore[no-any-return]
 
+    def writeLocked(self) -> Optional[T]:
+        """The slot ``writeLock()`` handed out and not yet published, or None."""
+        with self._cond:
+            if not self._write_locked:
+                return None
+            return self._slots[self._written % self._n]  # type: ignore[no-any-return]
+
+    def writeAbort(self) -> None:
+        """Unlock the slot ``writeLock()`` handed out without publishing it (the next
+        ``writeLock()`` returns the same slot)."""
+        with self._cond:
+            self._write_locked = False
+
     def _full_error(self) -> DeviceTimeoutError:
         peer = self._peer() if self._peer is not None else ""
         return DeviceTimeoutError(

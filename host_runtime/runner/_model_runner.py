@@ -69,7 +69,7 @@ _atexit_registered = False
 def _close_live_runners() -> None:
     """At exit, close runners the program did not close (the seeds' listings never do),
     before the device manager's own exit hook stops their devices underneath them."""
-    close_owned(_live_runners)
+    close_owned(_live_runners, lambda r: r._owner_pid)
 
 
 def _register_exit_hook() -> None:

@@ -10,7 +10,7 @@ process.
 
 The session owns its ``DirectStreams`` and gives it the stream table; what it
 needs of the session (binding, the checks and load programs before Main) is the
-:class:`SessionCore` protocol, and it holds the session weakly.
+:class:`SessionCore` protocol, an object that holds the session weakly.
 """
 
 from __future__ import annotations
@@ -35,26 +35,28 @@ if TYPE_CHECKING:
 __all__ = ["DirectStreams", "SessionCore"]
 
 class SessionCore(Protocol):
-    """What :class:`DirectStreams` needs of the session that owns it (``Session``)."""
+    """What :class:`DirectStreams` needs of the session that owns it, over a weak
+    reference: once the session is gone, ``device()`` is None, ``wake_streams()`` does
+    nothing and the others raise InvalidStateError."""
 
     def device(self) -> "Device | None":
         """The bound device, if any."""
 
-    def _require_device(self) -> "Device":
+    def require_device(self) -> "Device":
         """The bound device; attaches one (LaunchPolicy.Deferred) if there is none."""
 
-    def _activate(self) -> None:
+    def activate(self) -> None:
         """Make the session the device's active one, loaded (device lock held)."""
 
-    def _prepare_main(self, dev: "Device") -> list[int]:
+    def prepare_main(self, dev: "Device") -> list[int]:
         """Activate, check the session is runnable, run the load programs if this binding
         has not, check the Main anchors are connected, send the stream modes; the Main
         programs (device lock held)."""
 
-    def _push_modes(self) -> None:
+    def push_modes(self) -> None:
         """Send the stream modes now if the session is loaded and active."""
 
-    def _wake_streams(self) -> None:
+    def wake_streams(self) -> None:
         """After a STOP: invalidate the rings a device program may wait on."""
 
 
@@ -65,14 +67,8 @@ class DirectStreams:
                  stop_timeout: float = 30.0) -> None:
         self._streams = streams
         self._stop_timeout = stop_timeout   # stop_main_loop's default (the setting)
-        self._session = weakref.ref(session)   # the session owns this object
+        self._session = session   # holds the session weakly: the session owns this object
         self._loop: cf.Future[None] | None = None
-
-    def _owner(self) -> SessionCore:
-        session = self._session()
-        if session is None:
-            raise InvalidStateError("the session is closed")
-        return session
 
     # -- rings --------------------------------------------------------------------------
 
@@ -81,10 +77,10 @@ class DirectStreams:
         if a.type() is not kind:
             raise BadRequestError(f"anchor {handle!r} is an {a.type().value.lower()} anchor, "
                                   f"not an {kind.value.lower()}")
-        session = self._owner()
-        dev = session._require_device()
+        session = self._session
+        dev = session.require_device()
         with dev.lock:
-            session._activate()
+            session.activate()
         return self._streams.rings[a.handle()]
 
     def input_ring(self, handle: str) -> Ring:
@@ -99,7 +95,7 @@ class DirectStreams:
         """The caller services this anchor's ring itself: no callbacks, no events."""
         a = self._streams.anchor(handle)
         self._streams.direct.add(a.handle())
-        self._owner()._push_modes()
+        self._session.push_modes()
 
     # -- the main loop ------------------------------------------------------------------
 
@@ -110,10 +106,10 @@ class DirectStreams:
         them. The future resolves to None when stop() ends the loop, or fails
         with DeviceExecutionError / DeviceLostError.
         """
-        session = self._owner()
-        dev = session._require_device()
+        session = self._session
+        dev = session.require_device()
         with dev.lock:
-            main = session._prepare_main(dev)
+            main = session.prepare_main(dev)
             self._streams.clear_callback_errors()
             inner = dev.link.request(Op.LOOP, main)
             outer: cf.Future[None] = cf.Future()
@@ -146,14 +142,12 @@ class DirectStreams:
         ``timeout``: seconds to wait for the device (None: the setting ``stop_timeout``)."""
         if timeout is None:
             timeout = self._stop_timeout
-        session = self._session()
         loop = self._loop
-        dev = session.device() if session is not None else None
+        dev = self._session.device()
         if loop is None or loop.done() or dev is None or dev.link.lost is not None:
             return
-        assert session is not None
         fut = dev.link.request(Op.STOP, value=1)
-        session._wake_streams()   # wakes the device now (see Session.stop)
+        self._session.wake_streams()   # wakes the device now (see Session.stop)
         try:
             wait(fut, timeout, f"ending the main loop on {dev.describe()}", pids=dev.pids(),
                  progress=lambda: dev.link.progress,
@@ -170,8 +164,7 @@ class DirectStreams:
     # -- failures -----------------------------------------------------------------------
 
     def _device(self) -> "Device | None":
-        session = self._session()
-        return None if session is None else session.device()
+        return self._session.device()
 
     def failure(self) -> ModelRuntimeError | None:
         """The DeviceLostError of the bound device if it died, checked now (a waitpid per

@@ -37,6 +37,7 @@ import enum
 import logging
 import os
 import secrets
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -143,6 +144,43 @@ class CallbackInfo:
 CallbackFactory = Callable[[CallbackInfo], "CallbackHandle | None"]
 
 
+class _FastPathSide:
+    """What the session's fast path needs of it (``SessionCore``), holding the session
+    weakly: the session owns its DirectStreams, which owns this."""
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, session: "Session") -> None:
+        self._ref = weakref.ref(session)
+
+    def _session(self) -> "Session":
+        session = self._ref()
+        if session is None:
+            raise InvalidStateError("the session is closed")
+        return session
+
+    def device(self) -> Device | None:
+        session = self._ref()
+        return None if session is None else session.device()
+
+    def require_device(self) -> Device:
+        return self._session()._require_device()
+
+    def activate(self) -> None:
+        self._session()._activate()
+
+    def prepare_main(self, dev: Device) -> list[int]:
+        return self._session()._prepare_main(dev)
+
+    def push_modes(self) -> None:
+        self._session()._push_modes()
+
+    def wake_streams(self) -> None:
+        session = self._ref()
+        if session is not None:
+            session._wake_streams()
+
+
 class Session:
     """Links a model to a device: loads it, runs its programs, services its streams.
 
@@ -183,7 +221,8 @@ class Session:
                                     self._config.look_ahead(), self._config.ring_depth,
                                     self._settings)
         self._flow = self._streams.flow
-        self._direct = DirectStreams(self._streams, self, self._settings.stop_timeout)
+        self._direct = DirectStreams(self._streams, _FastPathSide(self),
+                                     self._settings.stop_timeout)
         self._queue_managers: list[Any] = []
         self._key = secrets.token_hex(8)
         self._device: Device | None = None

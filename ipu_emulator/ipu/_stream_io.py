@@ -392,8 +392,12 @@ class _RingIO:
         return view
 
     def forget_redirects(self) -> None:
-        self._redirect.clear()
-        self._lent_host.clear()
+        """Drop the host memory this iteration's outputs were to go to (what a failed
+        iteration left; nothing after a whole one)."""
+        if self._redirect:
+            self._redirect.clear()
+        if self._lent_host:
+            self._lent_host.clear()
 
     def _redirected(self, handle: str, nbytes: int) -> memoryview | None:
         """The host memory this iteration's output ``handle`` goes to, if redirected."""

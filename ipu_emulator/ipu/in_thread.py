@@ -94,7 +94,7 @@ class LoopbackIpu:
                 code = dev.serve()
             except Exception:
                 _log.exception("loopback IPU failed")
-                dev._close_all()
+                dev.close()
         finally:
             self._returncode = -signal.SIGKILL if self._killed.is_set() else code
 

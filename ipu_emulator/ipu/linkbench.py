@@ -42,10 +42,7 @@ class LinkEnd:
         self.nbytes = nbytes
         self.dev = process.DeviceProcess(process.DeviceOptions(
             control=control, events=events, host_pid=host_pid))
-        # as DeviceProcess._run sets up one IPU of several
-        self.dev._slice = process._GROUP_SLICE
-        self.dev._apart.release()
-        self.dev.keeps_apart = False
+        self.dev.as_group_member()
         self.loaded = _Loaded("hop", None, [])
         for i, (handle, name, direction) in enumerate(((_IN, ring_in, "in"),
                                                        (_OUT, ring_out, "out"))):
@@ -81,7 +78,7 @@ class LinkEnd:
     def close(self) -> None:
         self.group.calls.clear()
         self.loaded.close()
-        self.dev._close_all()
+        self.dev.close()
 
 
 def _address(view: memoryview) -> int:

@@ -215,6 +215,13 @@ class DeviceProcess:
         titles.set_title(titles.ipu(o.ipu_id, self._client, o.host_pid) if o.pool
                          else titles.ipu(o.ipu_id, o.host_pid))
 
+    def as_group_member(self) -> None:
+        """Behave as one IPU of several (as a RUN of a sharded executable does): wait on
+        rings in the short slices of a group, and do not keep off the host's CPU."""
+        self._slice = _GROUP_SLICE
+        self._apart.release()
+        self.keeps_apart = False
+
     # -- wire -----------------------------------------------------------------
 
     def post(self, msg: Message) -> None:
@@ -359,10 +366,10 @@ class DeviceProcess:
             if self.hooks.unlink_on_host_gone:
                 self._cleanup_host_objects()
             else:
-                self._close_all()
+                self.close()
             return 0
         self._say_bye()
-        self._close_all()
+        self.close()
         return 0
 
     def _say_bye(self) -> None:
@@ -630,8 +637,7 @@ class DeviceProcess:
                 self.program_runs += runs
                 self.control.set_user_word(self.program_runs)
             finally:
-                if io._redirect or io._lent_host:   # left by a failed iteration: must not
-                    io.forget_redirects()           # steer the next one
+                io.forget_redirects()   # left by a failed iteration: must not steer the next
         except (_Stopped, _Shutdown, _HostGone, PeerDiedError, _RequestError, WaitInterrupted):
             raise
         except Exception as exc:
@@ -712,7 +718,8 @@ class DeviceProcess:
 
     # -- exit ------------------------------------------------------------------
 
-    def _close_all(self) -> None:
+    def close(self) -> None:
+        """Close every mapping of this process: executables, host memory, rings."""
         for loaded in self._cache.values():
             loaded.close()
         self._cache.clear()
@@ -724,7 +731,7 @@ class DeviceProcess:
     def _cleanup_host_objects(self) -> None:
         """The host died: unlink everything it (and this process) created."""
         try:
-            self._close_all()
+            self.close()
         except Exception:  # pragma: no cover - best effort
             _log.exception("closing mappings")
         host = self.opts.host_pid

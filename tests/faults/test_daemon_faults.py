@@ -22,7 +22,7 @@ import pytest
 from host_runtime.devices._manager import DeviceManager
 from host_runtime.errors import DeviceLostError, DeviceUnavailableError
 from host_runtime.session._session import Session
-from tests._helpers import PATIENT
+from tests._helpers import PATIENT, running
 from tests.daemon_rig import REPO, DaemonRig, shm_entries
 from tests.integration.test_daemon import rand, run_session
 
@@ -301,7 +301,7 @@ def test_an_ipu_process_that_does_not_answer_the_handover_is_replaced(tmp_path, 
             a, b = rand(1), rand(2)
             np.testing.assert_allclose(run_session(model, dev, a, b), a * weights + b,
                                        rtol=1e-6)
-        assert not psutil.pid_exists(hung)
+        assert not running(hung)   # killed (a zombie until the daemon reaps it)
         rig.stop()
     finally:
         rig.kill()

@@ -19,7 +19,7 @@ from host_runtime.errors import DeviceLostError
 from host_runtime.session._session import Session
 from shm import PeerDiedError, naming
 from shm.cleanup import list_objects
-from tests._helpers import PATIENT
+from tests._helpers import PATIENT, processes
 
 SHAPE = (1, 4)
 
@@ -48,8 +48,7 @@ def kill_host_and_check_cleanup(child: subprocess.Popen, ipu_pids: list[int],
     """SIGKILL the host: its IPU processes must exit and /dev/shm be as ``before``."""
     child.kill()
     child.wait(30)
-    gone, alive = psutil.wait_procs([psutil.Process(p) for p in ipu_pids
-                                     if psutil.pid_exists(p)], timeout=60)
+    gone, alive = psutil.wait_procs(processes(ipu_pids), timeout=60)
     assert not alive, f"IPU processes still running: {alive}"
     assert ours() - before == set()
 
@@ -186,8 +185,7 @@ def test_host_killed_while_its_ipu_process_starts():
     child.wait(60)
     assert child.returncode == -signal.SIGKILL and line
     ipu_pids = [int(p) for p in line.split(",")]
-    gone, alive = psutil.wait_procs([psutil.Process(p) for p in ipu_pids if psutil.pid_exists(p)],
-                                    timeout=60)
+    gone, alive = psutil.wait_procs(processes(ipu_pids), timeout=60)
     assert not alive
     assert ours() - before == set()
 

@@ -3,8 +3,9 @@ attach, a Session's waits and a queue operation.
 
 Each test sets a small host sync timeout (``IPU_EMULATOR_HOST_SYNC_TIMEOUT``, read when a
 device, a queue or a daemon request is made) and checks the error's class and message (the peer's pid and ``stopped
-(state T)``) and the time taken, with a generous upper bound (the timeout + 2 s) for a
-loaded 2-core machine. A stopped process is continued (or killed) in a ``finally``; the
+(state T)``) and the time taken, with a generous upper bound (the timeout + 5 s) for a
+loaded 2-core machine: below any other wait that could end the call instead (10 s socket
+timeouts, the 30 s stop timeout). A stopped process is continued (or killed) in a ``finally``; the
 autouse leak probe checks /dev/shm after each test.
 """
 
@@ -34,7 +35,7 @@ from tests._helpers import PATIENT
 pytestmark = pytest.mark.usefixtures("private_machine")
 
 SYNC = 1.0          # the host sync timeout of these tests, seconds
-SLACK = 2.0         # what a loaded machine may add to it
+SLACK = 5.0         # what a loaded machine may add to it
 SHAPE = (1, 4)
 
 
@@ -103,7 +104,7 @@ def test_runner_close_with_a_stopped_ipu_process_kills_it_within_the_bound(model
 
 def test_close_with_save_programs_and_a_stopped_ipu_process_spends_the_bound_once(
         model_path, monkeypatch):
-    sync = 2.0
+    sync = 5.0     # below 2 * sync: the bound spent once, with SLACK to spare
     monkeypatch.setenv("IPU_EMULATOR_HOST_SYNC_TIMEOUT", str(sync))
     cfg = model_runtime.ModelRunnerConfig(run_save_programs=True)
     runner = model_runtime.ModelRunner(model_runtime.PopefPaths([model_path]), cfg)

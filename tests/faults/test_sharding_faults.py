@@ -28,7 +28,7 @@ from shm import naming
 from shm.cleanup import list_objects
 from tools import poprt
 from tools._chain_model import chain_model, reference, write_shard_yaml
-from tests._helpers import kill_and_wait
+from tests._helpers import kill_and_wait, processes
 
 LAYERS, WIDTH, BATCH = 4, 64, 2
 WAIT = 60.0
@@ -116,8 +116,7 @@ def test_killed_ipu_of_a_pipelined_device_fails_every_pending_request(pipelined_
         assert any(f"IPU process {pids[1]} was killed by signal SIGKILL" in str(e)
                    and "IPU 1 of the device" in str(e) for e in load.errors), load.errors
         # the whole device is lost: no IPU process of the group is left
-        gone, alive = psutil.wait_procs([psutil.Process(p) for p in pids
-                                         if psutil.pid_exists(p)], timeout=WAIT)
+        gone, alive = psutil.wait_procs(processes(pids), timeout=WAIT)
         assert not alive, f"IPU processes of the lost device still run: {alive}"
         with pytest.raises(DeviceLostError):
             r.execute({"x": x_of(0)})
@@ -176,8 +175,7 @@ def test_killed_host_leaves_no_ipu_process_and_nothing_in_dev_shm(pipelined_path
         assert any("_link" in e and f"_{child.pid}_" in e for e in ours() - before)
         child.kill()
         child.wait(30)
-        gone, alive = psutil.wait_procs([psutil.Process(p) for p in pids
-                                         if psutil.pid_exists(p)], timeout=WAIT)
+        gone, alive = psutil.wait_procs(processes(pids), timeout=WAIT)
         assert not alive, f"IPU processes still running: {alive}"
         assert ours() - before == set()
     finally:

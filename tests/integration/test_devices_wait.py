@@ -19,6 +19,7 @@ import pytest
 from host_runtime.devices._manager import DeviceManager, DeviceWaitConfig, DeviceWaitStrategy
 from host_runtime.errors import DeviceUnavailableError
 from ipu_emulator.system import SystemConfig
+from tests._helpers import processes
 
 HOLDER = textwrap.dedent("""
     import sys
@@ -56,8 +57,7 @@ def holder(home):
     if child.poll() is None:
         child.kill()
     child.wait(30)
-    psutil.wait_procs([psutil.Process(p) for p in child.ipu_pids if psutil.pid_exists(p)],
-                      timeout=30)
+    psutil.wait_procs(processes(child.ipu_pids), timeout=30)
 
 
 def _wait_in_thread(dm, wait_config):
@@ -101,6 +101,5 @@ def test_wait_with_timeout_gets_the_device_when_the_holder_dies(one_ipu, holder)
     assert not t.is_alive() and "error" not in result, result
     result["device"].close()
     # the dead holder's IPU process noticed and exited
-    gone, alive = psutil.wait_procs(
-        [psutil.Process(p) for p in holder.ipu_pids if psutil.pid_exists(p)], timeout=30)
+    gone, alive = psutil.wait_procs(processes(holder.ipu_pids), timeout=30)
     assert not alive

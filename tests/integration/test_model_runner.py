@@ -9,14 +9,13 @@ from __future__ import annotations
 
 
 import numpy as np
-import psutil
 import pytest
 
 import host_runtime as model_runtime
 from host_runtime import popef
 from host_runtime.errors import BadRequestError, InvalidStateError
 from tools.generate_simple_popef import write_simple_popef
-from tests._helpers import run_in_threads
+from tests._helpers import run_in_threads, running
 
 SHAPE = (4, 3)        # batch of 4 samples of 3 floats
 
@@ -291,17 +290,16 @@ def test_replication_two_replicas(model_runner, model_path, weights):
             got = np.frombuffer(result["tensor_C"], np.float32).reshape(SHAPE)
             np.testing.assert_allclose(got, a * weights + b, rtol=1e-6)
         futs = [(pair(), rid) for rid in (0, 1, 1, 0)]
-        running = [(a, b, r.executeAsync({"tensor_A": a, "tensor_B": b}, replica_id=rid))
+        pending = [(a, b, r.executeAsync({"tensor_A": a, "tensor_B": b}, replica_id=rid))
                    for (a, b), rid in futs]
-        for a, b, fut in running:
+        for a, b, fut in pending:
             np.testing.assert_allclose(fut["tensor_C"], a * weights + b, rtol=1e-6)
         counts = [r.getMonitoringStatisticsTotalCount({}, replica_id=i)[
             "request_monitoring_statistics_count"] for i in range(2)]
         assert counts == [3.0, 3.0]
         with pytest.raises(BadRequestError, match="replica_id 2 is out of range; expected 0..1"):
             r.execute({"tensor_A": a, "tensor_B": b}, replica_id=2)
-    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-                   for p in pids), "close() stops the replicas' IPU processes"
+    assert not any(running(p) for p in pids), "close() stops the replicas' IPU processes"
 
 
 def test_multithreading_thread_safe(model_path, weights):
@@ -408,8 +406,7 @@ def test_close_is_idempotent_and_releases_the_device(model_path, weights):
     r.close()
     with pytest.raises(InvalidStateError, match="the ModelRunner is closed"):
         r.execute({"tensor_A": rand(), "tensor_B": rand()})
-    proc = psutil.Process(pid) if psutil.pid_exists(pid) else None
-    assert proc is None or proc.status() == psutil.STATUS_ZOMBIE
+    assert not running(pid)
 
 
 def test_bad_config_refused(model_path):
@@ -469,7 +466,7 @@ def test_garbage_collection_releases_the_device(model_path):
     pid = r._replicas[0].session.device().pids()[0]
     del r
     gc.collect()
-    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert not running(pid)
 
 
 def test_max_look_ahead_zero_still_runs_many_in_flight(model_path, weights):

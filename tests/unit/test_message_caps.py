@@ -56,7 +56,7 @@ def test_echo_of_containers_is_bounded_in_time_and_length():
         nested = [nested] * 9            # 9**10 strings, if walked
     t0 = time.monotonic()
     text = echo(nested)
-    assert time.monotonic() - t0 < 0.5
+    assert time.monotonic() - t0 < 10   # ~1 ms; walking all would take hours
     assert text.endswith(" (9 items)") and len(text) < 120
     assert echo(list(range(10 ** 6))) == "[0, 1, 2, 3, 4, 5, 6, 7, ...] (1000000 items)"
     assert echo({"a": 1}) == "{'a': 1}"

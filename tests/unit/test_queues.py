@@ -29,7 +29,7 @@ def test_a_writer_waits_for_a_free_slot_at_most_the_host_sync_timeout(monkeypatc
     start = time.monotonic()
     with pytest.raises(DeviceTimeoutError) as info:
         rb.write(2)                      # the consumer takes nothing
-    assert 0.2 <= time.monotonic() - start < 2.0
+    assert 0.2 <= time.monotonic() - start < 10.0   # the bound, not the default 60 s
     assert str(info.value) == (
         "SpscRingBuffer 'r': all 1 buffers stayed full for 0.2 s: the consumer took nothing "
         "(the host sync timeout, IPU_EMULATOR_HOST_SYNC_TIMEOUT); the device is asleep")
