@@ -10,15 +10,16 @@ from ._address import buffer_address
 from .cleanup import remove_dead
 from .errors import (FileSizeLimitError, OutOfFileDescriptorsError, PeerDiedError,
                      RingInvalidatedError, RingTimeoutError, ShmClosedError, ShmError,
-                     ShmForkedError, ShmFullError, WouldBlock)
+                     ShmForkedError, ShmFullError, WaitInterrupted, WouldBlock)
 from .liveness import ExitWatch, PeerWatch, describe_process, pid_alive, process_state
 from .region import Region
-from .ring import WAIT_SLICE, Ring
+from .ring import PEER_CHECK, Ring
 
 __all__ = [
     "ExitWatch",
     "FileSizeLimitError",
     "OutOfFileDescriptorsError",
+    "PEER_CHECK",
     "PeerDiedError",
     "PeerWatch",
     "Region",
@@ -29,7 +30,7 @@ __all__ = [
     "ShmError",
     "ShmForkedError",
     "ShmFullError",
-    "WAIT_SLICE",
+    "WaitInterrupted",
     "WouldBlock",
     "buffer_address",
     "describe_process",

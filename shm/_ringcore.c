@@ -17,7 +17,8 @@
  *                  (role not taken yet, held slot, invalid or closed ring,
  *                  bad argument, unusual state);
  *   NO_TOKEN (-2)  nothing was done but a wait of `first` seconds for the
- *                  semaphore came back empty: Python goes on waiting
+ *                  semaphore came back empty (its deadline, a peer check
+ *                  due, or an interrupt): Python checks why, goes on waiting
  *                  (Ring._wait_slow) and then finishes the operation (the
  *                  try_ variants raise WouldBlock);
  *   TOKEN    (-3)  the semaphore token was taken but the rest needs Python
@@ -41,10 +42,12 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
-#include <signal.h>
 #include <semaphore.h>
+#include <signal.h>
+#include <sys/types.h>
 #include <stdint.h>
 #include <string.h>
+#include <math.h>
 #include <time.h>
 
 #define GENERAL (-1)
@@ -58,6 +61,7 @@
 #define W_HELD 9
 #define W_ACQUIRED 16
 #define W_RELEASED 17
+#define W_DOORBELL 25
 #define W_READ_TAG 19   /* tag of the last message acquired (the consumer's record) */
 #define HEADER_SIZE 256
 #define SLOT_HEADER_SIZE 64
@@ -83,7 +87,10 @@ typedef struct {
     int64_t spin_max_ns;
     int64_t spin_min_ns;
     int64_t spin_ns;
-    double wait_slice;
+    double check_s; /* a wait with a peer to watch is cut after this many seconds (0: none) */
+    int interrupted; /* Core.interrupt(): waits return at once (WOKEN) until resume() */
+    int blocked[2];  /* threads blocked on [free, full] now (under wlock) */
+    int pending[2];  /* tokens interrupt() posted to [free, full] not yet taken back */
     int producer; /* this process has taken the role (set by the Python path) */
     int consumer;
     int closed;   /* Ring.close() was called: everything goes to the Python path */
@@ -133,153 +140,37 @@ spin(Core *c, sem_t *sem)
     c->spin_ns = budget / 2 > c->spin_min_ns ? budget / 2 : c->spin_min_ns;
 }
 
-/* -- untimed waits and their watchdog ------------------------------------
+/* -- waits ---------------------------------------------------------------
  *
- * A timed futex wait arms and cancels a kernel timer: about 0.25 us on each
- * side of a round trip (measured here: a bare semaphore ping-pong takes 2.3 us
- * with sem_wait, 2.8 us with sem_timedwait). So a wait of a whole slice
- * (WAIT_SLICE: timeout None or >= the slice) blocks in an untimed sem_wait,
- * and a watchdog thread (plain C, no GIL) interrupts it with WAKE_SIGNAL (a
- * handler that does nothing, installed without SA_RESTART, so sem_wait returns
- * EINTR) when its slice is over; the waiter then returns NO_TOKEN and the
- * Python path re-checks close, invalidation, the peer and the deadline, as
- * after a timed slice. A signal that lands just before the thread enters
- * sem_wait is lost: the watchdog signals again every slice until the waiter
- * leaves. The watchdog sleeps while nobody waits (after one quiet slice).
+ * A wait sleeps until the earliest of its deadline and a token: an untimed
+ * sem_wait when there is no deadline (timeout None, no peer to watch), else one
+ * sem_clockwait to the deadline. Nothing wakes it periodically. What may end it
+ * early, each by posting the semaphore:
  *
- * The handler is installed lazily, by the first untimed wait, and only while
- * WAKE_SIGNAL still has its default disposition: an application that handles
- * that signal itself keeps it, and the rings then use timed waits (as they do
- * after untimed_waits(False), the setting IPU_EMULATOR_RING_UNTIMED_WAITS=0).
- * The benchmark that justifies it: ring / semaphore round trip 1.09-1.11
- * with untimed waits, 1.24-1.36 with timed ones (tools.bench ring, 2 vCPUs).
+ *   - a token (the peer published or released a slot);
+ *   - invalidate(), from either process (posts both semaphores once);
+ *   - interrupt() of this Core, from another thread of this process (Ring.close
+ *     and Ring.interrupt): it posts one token for each thread blocked on this
+ *     Core now, counted in `pending`, and sets `interrupted`, so that later waits
+ *     return at once too. A thread that takes a token while `pending` is non-zero
+ *     counts it as one of those (tokens are interchangeable: a real one stays in
+ *     the semaphore instead) and returns WOKEN; a non-blocking take skips it and
+ *     tries again. `blocked` and `pending` change under `wlock`, so an interrupt
+ *     never misses a thread about to block, and never posts for one that left.
+ *
+ * A peer's death cannot post a semaphore: a wait with a peer to watch (check_s,
+ * set by Ring.set_peer) is cut after check_s seconds for the Python path to check
+ * the peer, which is cheap (a pidfd poll). Waits without a peer (an IPU process
+ * waiting for its host: the host is watched by a thread of that process, which
+ * interrupts its waits) have no such cut.
  */
 
-#define MAX_WAITERS 256
+#define WOKEN (-5)
 
-typedef struct {
-    pthread_t tid;
-    int64_t kick_ns; /* next signal, CLOCK_MONOTONIC */
-    int used;
-} Waiter;
-
-static Waiter waiters[MAX_WAITERS];
 static pthread_mutex_t wlock = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t wcond;
-static int watchdog_state; /* 0 not started, 1 running, 2 idle in an untimed wait */
-static uint64_t registrations;
-static int wake_signal;
-static int wake_mode; /* 0 undecided, 1 handler installed, -1 timed waits only */
 
-static void
-on_wake(int sig)
-{
-    (void)sig;
-}
-
-static void *
-watchdog(void *arg)
-{
-    (void)arg;
-    uint64_t seen = 0;
-    pthread_mutex_lock(&wlock);
-    for (;;) {
-        int64_t now = now_ns(), next = INT64_MAX;
-        int n = 0;
-        for (int i = 0; i < MAX_WAITERS; i++) {
-            if (!waiters[i].used)
-                continue;
-            n++;
-            if (waiters[i].kick_ns <= now) {
-                pthread_kill(waiters[i].tid, wake_signal);
-                waiters[i].kick_ns = now + 1000000; /* again in 1 ms if still there */
-            }
-            if (waiters[i].kick_ns < next)
-                next = waiters[i].kick_ns;
-        }
-        if (n == 0 && registrations == seen) {
-            watchdog_state = 2;
-            pthread_cond_wait(&wcond, &wlock);
-            watchdog_state = 1;
-            continue;
-        }
-        seen = registrations;
-        if (next == INT64_MAX)
-            next = now + 50000000; /* linger one slice before going idle */
-        struct timespec ts = {next / 1000000000, next % 1000000000};
-        pthread_cond_timedwait(&wcond, &wlock, &ts);
-    }
-    return NULL;
-}
-
-/* Register this thread for a signal at `kick_ns`; its index, or -1 (use a timed wait). */
-static int
-register_waiter(int64_t kick_ns)
-{
-    int idx = -1;
-    pthread_mutex_lock(&wlock);
-    if (wake_mode == 0) {
-        /* take the signal only if nobody has: an application's handler wins */
-        struct sigaction old, sa;
-        wake_mode = -1;
-        if (sigaction(wake_signal, NULL, &old) == 0 && !(old.sa_flags & SA_SIGINFO)
-            && old.sa_handler == SIG_DFL) {
-            memset(&sa, 0, sizeof(sa));
-            sa.sa_handler = on_wake;
-            sigemptyset(&sa.sa_mask);
-            sa.sa_flags = 0; /* no SA_RESTART: sem_wait returns EINTR */
-            if (sigaction(wake_signal, &sa, NULL) == 0)
-                wake_mode = 1;
-        }
-    }
-    if (wake_mode < 0) {
-        pthread_mutex_unlock(&wlock);
-        return -1;
-    }
-    if (watchdog_state == 0) {
-        pthread_t t;
-        pthread_attr_t attr;
-        sigset_t all, old;
-        pthread_attr_init(&attr);
-        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        sigfillset(&all);
-        pthread_sigmask(SIG_BLOCK, &all, &old); /* the watchdog takes no signal */
-        if (pthread_create(&t, &attr, watchdog, NULL) == 0)
-            watchdog_state = 1;
-        pthread_sigmask(SIG_SETMASK, &old, NULL);
-        pthread_attr_destroy(&attr);
-        if (watchdog_state == 0) {
-            pthread_mutex_unlock(&wlock);
-            return -1;
-        }
-    }
-    for (int i = 0; i < MAX_WAITERS; i++) {
-        if (!waiters[i].used) {
-            waiters[i].tid = pthread_self();
-            waiters[i].kick_ns = kick_ns;
-            waiters[i].used = 1;
-            idx = i;
-            break;
-        }
-    }
-    registrations++;
-    if (idx >= 0 && watchdog_state == 2)
-        pthread_cond_signal(&wcond);
-    pthread_mutex_unlock(&wlock);
-    return idx;
-}
-
-static void
-unregister_waiter(int idx)
-{
-    pthread_mutex_lock(&wlock);
-    waiters[idx].used = 0;
-    pthread_mutex_unlock(&wlock);
-}
-
-/* fork(): the child has no watchdog thread, and wlock must not be left locked by a
- * thread that does not exist there. Hold it across the fork; the child starts
- * again with no waiters and no watchdog (the next untimed wait starts one). */
+/* fork(): wlock must not be left locked by a thread that does not exist in the child
+ * (whose Rings are disowned anyway: see shm/ring.py). */
 static void
 before_fork(void)
 {
@@ -295,84 +186,98 @@ after_fork_parent(void)
 static void
 after_fork_child(void)
 {
-    memset(waiters, 0, sizeof(waiters));
-    watchdog_state = 0;
-    registrations = 0;
     pthread_mutex_unlock(&wlock);
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&wcond, &ca);
-    pthread_condattr_destroy(&ca);
 }
 
-static int
-setup_waits(void)
+static inline int
+sem_index(Core *c, sem_t *sem)
 {
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&wcond, &ca);
-    pthread_condattr_destroy(&ca);
-    if (pthread_atfork(before_fork, after_fork_parent, after_fork_child) != 0)
-        return -1;
-    wake_signal = SIGRTMIN + 6;
+    return sem == c->full_sem;
+}
+
+/* A token of `sem` was taken: was it one interrupt() posted? (then it is counted
+ * back and the caller treats it as a wake) */
+static int
+took_pending(Core *c, sem_t *sem)
+{
+    int i = sem_index(c, sem), was = 0;
+    if (__atomic_load_n(&c->pending[i], __ATOMIC_ACQUIRE) == 0)
+        return 0;
+    pthread_mutex_lock(&wlock);
+    if (c->pending[i] > 0) {
+        c->pending[i]--;
+        was = 1;
+    }
+    pthread_mutex_unlock(&wlock);
+    return was;
+}
+
+/* sem_trywait that skips the tokens interrupt() posted: 1 if a real one was taken */
+static int
+try_token(Core *c, sem_t *sem)
+{
+    while (sem_trywait(sem) == 0) {
+        if (!took_pending(c, sem))
+            return 1;
+    }
     return 0;
 }
 
-/* untimed_waits(on): off makes every later wait a timed one (the handler, if
- * installed, stays: it does nothing); on lets the next untimed wait decide
- * again. Returns whether the handler is installed. */
-static PyObject *
-untimed_waits(PyObject *mod, PyObject *arg)
+/* Post one token per thread blocked on this Core, and make later waits return at once. */
+static void
+interrupt_core(Core *c)
 {
-    int on = PyObject_IsTrue(arg);
-    if (on < 0)
-        return NULL;
     pthread_mutex_lock(&wlock);
-    if (!on)
-        wake_mode = -1;
-    else if (wake_mode < 0) {
-        struct sigaction cur;
-        wake_mode = (sigaction(wake_signal, NULL, &cur) == 0 && cur.sa_handler == on_wake) ? 1 : 0;
+    __atomic_store_n(&c->interrupted, 1, __ATOMIC_RELEASE);
+    for (int i = 0; i < 2; i++) {
+        sem_t *sem = i ? c->full_sem : c->free_sem;
+        for (int k = 0; k < c->blocked[i]; k++) {
+            __atomic_add_fetch(&c->pending[i], 1, __ATOMIC_RELEASE);
+            sem_post(sem);
+        }
     }
-    int installed = 0;
-    struct sigaction cur;
-    if (sigaction(wake_signal, NULL, &cur) == 0 && cur.sa_handler == on_wake)
-        installed = 1;
     pthread_mutex_unlock(&wlock);
-    return PyBool_FromLong(installed);
 }
 
-/* Take one token of `sem`, waiting up to `first` seconds (<= 0: do not block).
- * Returns 0 (taken), NO_TOKEN, or FAILED (a signal handler raised). */
+/* Take one token of `sem`, waiting up to `first` seconds (<= 0: do not block; infinite:
+ * no deadline), after a spin if one is set. Returns 0 (taken), NO_TOKEN (the time is
+ * up), WOKEN (interrupted) or FAILED (a signal handler raised); *waited: the seconds
+ * it waited. */
 static int
-take(Core *c, sem_t *sem, double first)
+take(Core *c, sem_t *sem, double first, double *waited)
 {
+    *waited = 0;
     if (c->spin_ns > 0) {
         int v = 0;
         sem_getvalue(sem, &v);
         if (v <= 0)
             spin(c, sem);
     }
-    if (sem_trywait(sem) == 0)
+    if (try_token(c, sem))
         return 0;
     if (first <= 0)
         return NO_TOKEN;
-    int64_t deadline = now_ns() + (int64_t)(first * 1e9);
-    int untimed = first >= c->wait_slice;
+    int64_t t0 = now_ns();
+    int untimed = isinf(first);
+    int64_t deadline = untimed ? INT64_MAX : t0 + (int64_t)(first * 1e9);
+    int i = sem_index(c, sem);
     for (;;) {
-        struct timespec ts;
-        int r, err, idx = -1;
-        if (untimed)
-            idx = register_waiter(deadline);
-        if (idx >= 0) {
+        int r, err;
+        pthread_mutex_lock(&wlock);
+        if (c->interrupted) {
+            pthread_mutex_unlock(&wlock);
+            *waited = (now_ns() - t0) / 1e9;
+            return WOKEN;
+        }
+        c->blocked[i]++;
+        pthread_mutex_unlock(&wlock);
+        if (untimed) {
             Py_BEGIN_ALLOW_THREADS
             r = sem_wait(sem);
             err = errno;
             Py_END_ALLOW_THREADS
-            unregister_waiter(idx);
         } else {
+            struct timespec ts;
 #if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 30))
             ts.tv_sec = deadline / 1000000000;
             ts.tv_nsec = deadline % 1000000000;
@@ -393,7 +298,14 @@ take(Core *c, sem_t *sem, double first)
             Py_END_ALLOW_THREADS
 #endif
         }
+        pthread_mutex_lock(&wlock);
+        c->blocked[i]--;
+        pthread_mutex_unlock(&wlock);
         if (r == 0) {
+            if (took_pending(c, sem)) {
+                *waited = (now_ns() - t0) / 1e9;
+                return WOKEN;
+            }
             /* A signal that came while this thread slept (delivered to another thread,
              * so no EINTR here) runs its handler now, before anything is consumed: if
              * the handler raises, the token goes back and the call raises, so that an
@@ -410,6 +322,7 @@ take(Core *c, sem_t *sem, double first)
             if (now_ns() < deadline)
                 continue;
         }
+        *waited = (now_ns() - t0) / 1e9;
         return NO_TOKEN;
     }
 }
@@ -469,33 +382,38 @@ parse_args(const char *fn, PyObject *const *args, Py_ssize_t nargs, PyObject *kw
     return 0;
 }
 
-/* The first wait of a call with `timeout` (None: wait forever), as in Ring._wait. */
+/* The wait of a call with `timeout` (None: no deadline), as in Ring._wait: cut at
+ * check_s when a peer is watched. */
 static int
 first_wait(Core *c, PyObject *timeout, double *first)
 {
-    if (timeout == NULL || timeout == Py_None) {
-        *first = c->wait_slice;
-        return 0;
+    double t = INFINITY;
+    if (timeout != NULL && timeout != Py_None) {
+        t = PyFloat_AsDouble(timeout);
+        if (t == -1.0 && PyErr_Occurred())
+            return -1;
+        if (!(t > 0))
+            t = 0;
     }
-    double t = PyFloat_AsDouble(timeout);
-    if (t == -1.0 && PyErr_Occurred())
-        return -1;
-    *first = t >= c->wait_slice ? c->wait_slice : (t > 0 ? t : 0);
+    *first = c->check_s > 0 && c->check_s < t ? c->check_s : t;
     return 0;
 }
 
 /* Take a token of `sem` for a call with `timeout` (ignored unless `blocking`: else a
- * trywait), setting *first to the first wait used. Returns 0 (taken), GENERAL (a
- * timeout that is not a number: the Python path reports it), NO_TOKEN or FAILED. */
+ * trywait), setting *waited to the seconds waited. Returns 0 (taken), GENERAL (a
+ * timeout that is not a number: the Python path reports it), NO_TOKEN (also when
+ * interrupted: the Python path sees why) or FAILED. */
 static int
-take_for(Core *c, sem_t *sem, PyObject *timeout, int blocking, double *first)
+take_for(Core *c, sem_t *sem, PyObject *timeout, int blocking, double *waited)
 {
-    *first = 0;
-    if (blocking && first_wait(c, timeout, first) < 0) {
+    double first = 0;
+    *waited = 0;
+    if (blocking && first_wait(c, timeout, &first) < 0) {
         PyErr_Clear();
         return GENERAL;
     }
-    return take(c, sem, *first);
+    int r = take(c, sem, first, waited);
+    return r == WOKEN ? NO_TOKEN : r;
 }
 
 /* Hand over to the Python path: ring._c_<op>(code, first, *args); FAILED: raise. */
@@ -562,6 +480,9 @@ publish_slot(Core *c, int64_t nbytes, int64_t tag)
     w[W_PUBLISHED] = k + 1;
     w[W_HELD] = 0;
     sem_post(c->full_sem);
+    int64_t bell = w[W_DOORBELL];   /* the consumer asked for a signal (Ring.set_doorbell) */
+    if (bell)
+        kill((pid_t)(bell >> 8), (int)(bell & 0xFF));
 }
 
 /* The next readable slot is done with (its token was taken): acquire + release. */
@@ -824,8 +745,9 @@ slow:
 }
 
 /* wait_token(full, seconds) -> True if a token of the full (else free) semaphore was
- * taken within `seconds`. For Ring._wait_slow: unlike posix_ipc's acquire, an
- * exception raised by a signal handler during the wait propagates. */
+ * taken within `seconds` (None: no deadline; <= 0: do not block); False when the time
+ * is up or the Core is interrupted. For Ring._wait_slow: unlike posix_ipc's acquire,
+ * an exception raised by a signal handler during the wait propagates. */
 static PyObject *
 Core_wait_token(Core *c, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -834,13 +756,53 @@ Core_wait_token(Core *c, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     int full = PyObject_IsTrue(args[0]);
-    double seconds = PyFloat_AsDouble(args[1]);
+    double seconds = INFINITY, waited;
+    if (args[1] != Py_None)
+        seconds = PyFloat_AsDouble(args[1]);
     if (full < 0 || (seconds == -1.0 && PyErr_Occurred()))
         return NULL;
-    int r = take(c, full ? c->full_sem : c->free_sem, seconds);
+    int r = take(c, full ? c->full_sem : c->free_sem, seconds, &waited);
     if (r == FAILED)
         return NULL;
     return PyBool_FromLong(r == 0);
+}
+
+/* try_token(full) -> True if a token of the full (else free) semaphore was taken now */
+static PyObject *
+Core_try_token(Core *c, PyObject *arg)
+{
+    int full = PyObject_IsTrue(arg);
+    if (full < 0)
+        return NULL;
+    return PyBool_FromLong(try_token(c, full ? c->full_sem : c->free_sem));
+}
+
+/* interrupt(): wake this process's threads blocked on this end; later waits return at
+ * once (wait_token: False) until resume() */
+static PyObject *
+Core_interrupt(Core *c, PyObject *Py_UNUSED(ignored))
+{
+    interrupt_core(c);
+    Py_RETURN_NONE;
+}
+
+/* resume(): waits block again (after interrupt()) */
+static PyObject *
+Core_resume(Core *c, PyObject *Py_UNUSED(ignored))
+{
+    __atomic_store_n(&c->interrupted, 0, __ATOMIC_RELEASE);
+    Py_RETURN_NONE;
+}
+
+/* forget_wakes(): the semaphores were emptied (Ring.reset): no token of interrupt()
+ * is left in them */
+static PyObject *
+Core_forget_wakes(Core *c, PyObject *Py_UNUSED(ignored))
+{
+    pthread_mutex_lock(&wlock);
+    c->pending[0] = c->pending[1] = 0;
+    pthread_mutex_unlock(&wlock);
+    Py_RETURN_NONE;
 }
 
 /* readable(): slots published and not yet acquired */
@@ -869,24 +831,21 @@ Core_init(Core *c, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"ring", "buffer", "payload", "free_name", "full_name",
                              "slot_size", "num_slots", "stride", "spin_max_ns", "spin_min_ns",
-                             "wait_slice", NULL};
+                             NULL};
     PyObject *ring, *buffer, *payload;
     const char *free_name, *full_name;
     long long slot_size, num_slots, stride, spin_max, spin_min;
-    double wait_slice;
     if (c->has_view) {
         PyErr_SetString(PyExc_RuntimeError, "Core is already initialised");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO!ssLLLLLd", kwlist, &ring, &buffer,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO!ssLLLLL", kwlist, &ring, &buffer,
                                      &PyList_Type, &payload, &free_name, &full_name,
-                                     &slot_size, &num_slots, &stride, &spin_max, &spin_min,
-                                     &wait_slice))
+                                     &slot_size, &num_slots, &stride, &spin_max, &spin_min))
         return -1;
     c->ring = PyWeakref_NewRef(ring, NULL);
     if (c->ring == NULL)
         return -1;
-    c->wait_slice = wait_slice;
     if (num_slots <= 0 || slot_size <= 0 || stride < slot_size + SLOT_HEADER_SIZE
         || PyList_GET_SIZE(payload) != num_slots) {
         PyErr_SetString(PyExc_ValueError, "inconsistent ring geometry");
@@ -956,6 +915,13 @@ static PyMethodDef Core_methods[] = {
     {"wait_token", (PyCFunction)(void (*)(void))Core_wait_token, METH_FASTCALL,
      "wait_token(full, seconds): take a semaphore token within seconds"},
     {"writable", (PyCFunction)Core_writable, METH_NOARGS, "Ring.writable"},
+    {"try_token", (PyCFunction)Core_try_token, METH_O,
+     "try_token(full): take a semaphore token now, if there is one"},
+    {"interrupt", (PyCFunction)Core_interrupt, METH_NOARGS,
+     "interrupt(): wake this process's waiters on this end; later waits return at once"},
+    {"resume", (PyCFunction)Core_resume, METH_NOARGS, "resume(): waits block again"},
+    {"forget_wakes", (PyCFunction)Core_forget_wakes, METH_NOARGS,
+     "forget_wakes(): the semaphores were emptied (Ring.reset)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -963,6 +929,10 @@ static PyMemberDef Core_members[] = {
     {"producer", T_INT, offsetof(Core, producer), 0, "this process has taken the producer role"},
     {"consumer", T_INT, offsetof(Core, consumer), 0, "this process has taken the consumer role"},
     {"closed", T_INT, offsetof(Core, closed), 0, "the Ring is closed in this process"},
+    {"check_s", T_DOUBLE, offsetof(Core, check_s), 0,
+     "a wait is cut after this many seconds to check the peer (0: no peer)"},
+    {"interrupted", T_INT, offsetof(Core, interrupted), READONLY,
+     "interrupt() was called and resume() not since"},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -1009,7 +979,7 @@ api_take_readable(ShmRingEnd *end, char **payload, int64_t *nbytes, int64_t *tag
     volatile int64_t *w = c->w;
     int64_t slot;
     if (c->closed || !c->consumer || w[W_INVALID] || w[W_RELEASED] != w[W_ACQUIRED]
-        || w[W_PUBLISHED] == w[W_ACQUIRED] || sem_trywait(c->full_sem) != 0)
+        || w[W_PUBLISHED] == w[W_ACQUIRED] || !try_token(c, c->full_sem))
         return 0;
     if ((slot = next_readable(c, w[W_ACQUIRED], nbytes)) < 0) {
         sem_post(c->full_sem);   /* a header the Python path reports */
@@ -1037,7 +1007,7 @@ api_take_writable(ShmRingEnd *end, char **payload)
 {
     Core *c = (Core *)end;
     volatile int64_t *w = c->w;
-    if (c->closed || !c->producer || w[W_INVALID] || w[W_HELD] || sem_trywait(c->free_sem) != 0)
+    if (c->closed || !c->producer || w[W_INVALID] || w[W_HELD] || !try_token(c, c->free_sem))
         return 0;
     *payload = slot_payload(c, w[W_PUBLISHED] % c->num_slots);
     return 1;
@@ -1090,9 +1060,6 @@ address(PyObject *module, PyObject *obj)
 static PyMethodDef module_methods[] = {
     {"address", (PyCFunction)address, METH_O,
      "address(buffer): the address of a C-contiguous buffer's first byte."},
-    {"untimed_waits", (PyCFunction)untimed_waits, METH_O,
-     "untimed_waits(on) -> bool: allow (or stop) untimed waits woken by SIGRTMIN+6; "
-     "returns whether the wake handler is installed."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1107,7 +1074,7 @@ PyInit__ringcore(void)
 {
     if (PyType_Ready(&CoreType) < 0)
         return NULL;
-    if (setup_waits() < 0)
+    if (pthread_atfork(before_fork, after_fork_parent, after_fork_child) != 0)
         return PyErr_SetFromErrno(PyExc_OSError);
     struct {
         PyObject **where;

@@ -24,6 +24,7 @@ __all__ = [
     "ShmClosedError",
     "ShmForkedError",
     "WouldBlock",
+    "WaitInterrupted",
     "OutOfFileDescriptorsError",
     "ShmFullError",
     "FileSizeLimitError",
@@ -67,6 +68,11 @@ class ShmForkedError(ShmClosedError):
 
 class WouldBlock(ShmError):
     """A non-blocking call found no slot ready (ring full or empty)."""
+
+
+class WaitInterrupted(ShmError):
+    """A wait on a ring was interrupted by another thread of this process
+    (``Ring.interrupt()``), e.g. one that saw the peer process die."""
 
 
 class OutOfFileDescriptorsError(ShmError, OSError):

@@ -11,10 +11,12 @@ import os
 import select
 import threading
 import weakref
+from typing import Callable
 
 import psutil
 
-__all__ = ["pid_alive", "process_state", "describe_process", "PeerWatch", "ExitWatch"]
+__all__ = ["pid_alive", "process_state", "describe_process", "PeerWatch", "ExitWatch",
+           "notify_on_exit"]
 
 
 def pid_alive(pid: int) -> bool:
@@ -207,3 +209,116 @@ def _shared_watch(pid: int) -> ExitWatch:
             w = ExitWatch([pid])
             _watches[pid] = w
         return w
+
+
+class _ExitNotifier:
+    """One thread of this process, blocked in ``poll()`` on the pidfds of the processes
+    :func:`notify_on_exit` was asked about (and a pipe that tells it the set changed):
+    it wakes only when one of them exits, and then calls that process's callbacks. It
+    ends once nothing is watched (the next :func:`notify_on_exit` starts another)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._subs: dict[int, dict[int, Callable[[], None]]] = {}   # pid -> {id: callback}
+        self._fds: dict[int, int] = {}                              # pid -> pidfd
+        self._next_id = 0
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._w, False)
+        threading.Thread(target=self._run, name="shm-peer-exits", daemon=True).start()
+
+    def subscribe(self, pid: int, callback: Callable[[], None]) -> int | None:
+        with self._lock:
+            if pid not in self._fds:
+                try:
+                    self._fds[pid] = os.pidfd_open(pid)
+                except OSError:   # gone already (or no such process): the caller checks
+                    return None
+                self._subs[pid] = {}
+            self._next_id += 1
+            self._subs[pid][self._next_id] = callback
+            ident = self._next_id
+            self._changed()   # under the lock: the thread closes the pipe under it
+        return ident
+
+    def unsubscribe(self, pid: int, ident: int) -> None:
+        with self._lock:
+            subs = self._subs.get(pid)
+            if subs is None or subs.pop(ident, None) is None or subs:
+                return
+            del self._subs[pid]
+            fd = self._fds.pop(pid)
+            self._changed()
+        os.close(fd)   # a poll() on it meanwhile reports POLLNVAL: the loop looks again
+
+    def _changed(self) -> None:
+        try:
+            os.write(self._w, b"x")
+        except BlockingIOError:   # full: it wakes anyway
+            pass
+
+    def _run(self) -> None:
+        global _notifier
+        while True:
+            with _notifier_lock, self._lock:
+                if not self._fds:   # nothing to watch: end (under the lock subscribers take)
+                    if _notifier is self:
+                        _notifier = None
+                    os.close(self._r)
+                    os.close(self._w)
+                    return
+                by_fd = {fd: pid for pid, fd in self._fds.items()}
+            poller = select.poll()
+            poller.register(self._r, select.POLLIN)
+            for fd in by_fd:
+                poller.register(fd, select.POLLIN)
+            ready = poller.poll()
+            for fd, events in ready:
+                if fd == self._r:
+                    os.read(self._r, 4096)
+                    continue
+                pid = by_fd[fd]
+                with self._lock:
+                    if self._fds.get(pid) != fd or events & select.POLLNVAL:
+                        continue   # unsubscribed meanwhile
+                    callbacks = list(self._subs.pop(pid).values())
+                    del self._fds[pid]
+                os.close(fd)
+                for callback in callbacks:
+                    try:
+                        callback()
+                    except Exception:   # pragma: no cover - a callback's own bug
+                        pass
+
+
+_notifier: _ExitNotifier | None = None
+_notifier_lock = threading.Lock()
+
+
+def notify_on_exit(pid: int, callback: Callable[[], None]) -> Callable[[], None] | None:
+    """Call ``callback()`` (from a thread of this module's) once process ``pid`` exits;
+    returns a function that cancels it, or None if ``pid`` cannot be watched (no pidfds,
+    or no such process: check it otherwise).
+
+    The thread is started by the first call: it sleeps in ``poll()`` on the pidfds and
+    wakes only when one of them exits, so a waiter needs no periodic wake to see its
+    peer die. It never survives ``fork()`` (a child starts its own)."""
+    global _notifier
+    if not hasattr(os, "pidfd_open"):
+        return None
+    with _notifier_lock:   # held while subscribing: the thread ends under it when idle
+        if _notifier is None:
+            _notifier = _ExitNotifier()
+        notifier = _notifier
+        ident = notifier.subscribe(pid, callback)
+    if ident is None:
+        return None
+    return lambda: notifier.unsubscribe(pid, ident)
+
+
+def _forget_notifier_after_fork() -> None:
+    global _notifier, _notifier_lock
+    _notifier = None
+    _notifier_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_notifier_after_fork)

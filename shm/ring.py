@@ -24,7 +24,9 @@ Layout of the ring's region (all words little-endian int64, ``q``)::
                                           last_read_tag(): was a message consumed?)
      192     24   user         either end     a word the ring never reads (a hint
                                           between the ends: user_word())
-     200..255     reserved
+     200     25   doorbell     consumer       pid << 8 | signal: a publish also sends
+                                          that signal (0: none; set_doorbell())
+     208..255     reserved
     ---- slots: slot i at HEADER_SIZE + i * slot_stride ------------------------
       +0          seq          producer       message number (published + 1)
       +8          nbytes       producer       bytes of payload that are valid
@@ -64,16 +66,25 @@ message.
 ``invalidate()`` stores ``invalid`` and then posts both semaphores once, so a
 waiter on either side wakes at once, sees the flag and raises
 :class:`RingInvalidatedError`; every later call raises it too until
-``reset()``. Waits are cut into slices of ``WAIT_SLICE`` seconds; between
-slices the waiter re-checks the flag, its own ``close()``, the deadline and
-(after ``set_peer``) that the peer process is alive.
+``reset()``.
+
+Waiting: a wait sleeps until the earliest of its deadline (none for
+``timeout=None``) and its token, never in slices. Whatever must end it early
+posts the semaphore it sleeps on: the peer's token, ``invalidate()`` (either
+process), ``close()`` and :meth:`Ring.interrupt` (another thread of this
+process: it posts one token per thread blocked on this end, and each takes
+its one back, so the semaphores still count slots). A process's death posts
+nothing: a wait on a ring with ``set_peer`` checks the peer every
+``PEER_CHECK`` seconds (a pidfd poll). A process that watches its peer with a
+thread blocked on the peer's pidfd (the IPU process) sets no peer; the thread
+calls :func:`interrupt_all`, and nothing wakes its waits in vain.
 
 Closing: ``close()`` stops this process using the ring at once (a thread of
-this process blocked in a wait wakes within ``WAIT_SLICE`` and raises
+this process blocked in a wait wakes at once and raises
 :class:`ShmClosedError`). The semaphores are ``sem_close``d only when the Ring
 object is garbage-collected: a thread inside a wait holds a reference to the
 Ring, so a semaphore is never unmapped under a waiter (that would crash), and
-the hot path needs no bookkeeping of who is waiting. For the same reason the
+the hot path needs no bookkeeping of who holds it. For the same reason the
 finalizer is not run at interpreter exit (``weakref.finalize`` would by
 default, from an exit hook that runs before earlier-registered ones): exit
 hooks and daemon threads may still use the ring, and exit frees the mappings.
@@ -90,15 +101,17 @@ the object does.
 Hot paths in C: ``shm/_ringcore.c`` (built by setup.py when a compiler is
 there) provides write, read, acquire_write, try_acquire_write, publish,
 acquire_read, try_acquire_read, release, readable and writable with the same
-layout, semaphores and ordering as above; they are set on each Ring instance,
-so a call is one C call. They act once the process has taken its role through
-the Python path, and hand over to the Python path (``_c_<method>``) at a point
-it can finish from, so both paths can serve one ring, even one end each. A
-wait of a whole slice is an untimed ``sem_wait`` that a watchdog thread
-interrupts at the end of the slice (a timed futex wait costs ~0.25 us per
-side); see the C file. ``IPU_EMULATOR_RING_C=0`` turns the core off. The
-64-byte round trip of ``python -m tools.bench ring`` went from 6.2-6.4 us
-(2.3-2.7x a bare semaphore ping-pong) to 2.6 us (0.94-1.18x).
+layout, semaphores and ordering as above; they are set on each Ring instance
+(bound methods of its Core, so a call is one C call: a class-level choice
+would need the Core to be the Ring itself, tying the mapping's lifetime to the
+Ring's instead of to the calls in flight). They act once the process has taken
+its role through the Python path, and hand over to the Python path
+(``_c_<method>``) at a point it can finish from, so both paths can serve one
+ring, even one end each. A wait without deadline is an untimed ``sem_wait``
+(no kernel timer to arm: ~0.25 us per side of a round trip); see the C file.
+``IPU_EMULATOR_RING_C=0`` turns the core off. The 64-byte round trip of
+``python -m tools.bench ring`` takes 2.6 us with it (about a bare semaphore
+ping-pong) and 6.2-6.4 us without.
 
 Other C extensions use a ring through :meth:`Ring.c_handle` and the C API
 declared in ``shm/_ringcore.h`` (take, give back, consume and publish slots
@@ -120,15 +133,16 @@ import logging
 import operator
 import os
 import struct
-import weakref
+import threading
 import time
+import weakref
 from typing import Any
 
 import posix_ipc
 
 from .errors import (PeerDiedError, RingInvalidatedError, RingTimeoutError, ShmClosedError,
-                     ShmError, ShmForkedError, WouldBlock)
-from .liveness import PeerWatch
+                     ShmError, ShmForkedError, WaitInterrupted, WouldBlock)
+from .liveness import PeerWatch, notify_on_exit
 from .region import Region
 from .settings import ShmSettings
 from .spin import spin_until, us_to_ns
@@ -139,7 +153,7 @@ try:
 except ImportError:  # built without the C extension: the pure-Python path does it all
     _ringcore = None
 
-__all__ = ["Ring", "WAIT_SLICE"]
+__all__ = ["Ring", "PEER_CHECK", "interrupt_all", "resume_all"]
 
 _log = logging.getLogger(__name__)
 
@@ -161,11 +175,13 @@ _MAGIC, _VERSION, _SLOT_SIZE, _NUM_SLOTS, _STRIDE, _INVALID, _GEN, _CREATOR = ra
 _PUBLISHED, _HELD, _PRODUCER_PID = 8, 9, 10
 _ACQUIRED, _RELEASED, _CONSUMER_PID, _READ_TAG = 16, 17, 18, 19
 _USER = 24
+_DOORBELL = 25
 # Within a slot header, relative to the slot's first word.
 _SEQ, _NBYTES, _TAG = 0, 1, 2
 
-WAIT_SLICE = 0.05
-"""Seconds between liveness / invalidation / close re-checks of a blocked wait."""
+PEER_CHECK = 0.05
+"""Seconds between checks of the peer process (after ``set_peer``) during a wait: a
+process's death posts no semaphore. Waits without a peer are never cut."""
 
 _SPIN_MIN_NS = 2000
 """Floor of an adapting spin budget (the ring's ``ring_spin_us`` if lower); see Ring._spin."""
@@ -219,6 +235,38 @@ def _disown_after_fork() -> None:
 
 os.register_at_fork(after_in_child=_disown_after_fork)
 
+_all_interrupted = False
+
+
+def interrupt_all() -> None:
+    """:meth:`Ring.interrupt` every Ring of this process, and those made later, until
+    :func:`resume_all`: for a thread that learns that the process must stop waiting
+    (e.g. it saw the peer die, by a pidfd) while the main thread may be blocked on any
+    ring."""
+    global _all_interrupted
+    _all_interrupted = True
+    for ring in _live_rings():
+        if not ring.closed:
+            ring.interrupt()
+
+
+def resume_all() -> None:
+    """Undo :func:`interrupt_all`: waits on every Ring of this process block again."""
+    global _all_interrupted
+    _all_interrupted = False
+    for ring in _live_rings():
+        if not ring.closed:
+            ring.resume()
+
+
+def _live_rings() -> "list[Ring]":
+    """A copy of ``_live`` that another thread making or dropping rings cannot break."""
+    while True:
+        try:
+            return list(_live)
+        except RuntimeError:   # the set changed size during the copy: copy again
+            continue
+
 
 def _stride(slot_size: int) -> int:
     return SLOT_HEADER_SIZE + (slot_size + _ALIGN - 1) // _ALIGN * _ALIGN
@@ -266,15 +314,24 @@ class Ring:
         # module docstring); None: the Python path does everything.
         self._core: Any = None
         if _ringcore is not None and s.ring_c:
-            # waits of a whole slice arm a kernel timer instead of taking SIGRTMIN+6 when off
-            _ringcore.untimed_waits(s.ring_untimed_waits)
             core = self._core = _ringcore.Core(
                 self, buf, self._payload, self._name + _FREE_SUFFIX, self._name + _FULL_SUFFIX,
-                self._slot_size, self._num_slots, stride, spin_max, spin_min,
-                WAIT_SLICE)
+                self._slot_size, self._num_slots, stride, spin_max, spin_min)
             for method in _C_METHODS:
                 setattr(self, method, getattr(core, method))
         self._peer: PeerWatch | None = None
+        # a thread of shm.liveness tells this ring that its peer exited (see set_peer)
+        self._peer_thread = s.ring_peer_thread
+        # interrupt(): this process's waits raise WaitInterrupted until resume(). The
+        # pure-Python path's bookkeeping of it (the C core keeps its own): threads
+        # blocked on [free, full] now, tokens interrupt() posted not yet taken back
+        self._interrupted = False
+        self._peer_gone = False          # the peer's exit was notified (see set_peer)
+        self._peer_notified = False      # ... and will be: waits need no peer check
+        self._unnotify: Any = None
+        self._wlock = threading.Lock()
+        self._blocked = [0, 0]
+        self._pending = [0, 0]
         self._pid = os.getpid()
         self._is_producer = False
         self._is_consumer = False
@@ -282,6 +339,8 @@ class Ring:
         self._forked_from = 0   # the creator's pid once disowned in a forked child
         self._unlinked = False
         _live.add(self)
+        if _all_interrupted:
+            self.interrupt()
         # Never at interpreter exit (weakref.finalize's default): its exit hook runs before
         # hooks registered earlier (atexit is LIFO), e.g. one that shuts devices down, while
         # a daemon thread may still wait on these semaphores; sem_close unmaps them and
@@ -402,17 +461,77 @@ class Ring:
         return None if self._peer is None else self._peer.pid
 
     def set_peer(self, pid: int | None) -> None:
-        """Waits fail with PeerDiedError once process ``pid`` is gone (None: stop watching)."""
-        self._peer = None if pid is None else PeerWatch(pid)
+        """Waits fail with PeerDiedError once process ``pid`` is gone (None: stop watching).
+
+        A death posts no semaphore: a thread of ``shm.liveness`` blocked on the peer's
+        pidfd (:func:`shm.liveness.notify_on_exit`) wakes this process's waiters when
+        it exits, so their waits need no periodic wake. With
+        ``IPU_EMULATOR_RING_PEER_THREAD=0`` (or without pidfds) a wait checks the peer
+        every ``PEER_CHECK`` seconds instead."""
+        peer = None if pid is None else PeerWatch(pid)
+        if self._unnotify is not None:
+            self._unnotify()
+            self._unnotify = None
+        self._peer = peer
+        self._peer_notified = False
+        if self._peer_gone:
+            self._peer_gone = False
+            if self._core is not None and not self._interrupted:
+                self._core.resume()
+        if peer is not None and self._peer_thread and peer.alive():
+            ref = weakref.ref(self)
+            self._unnotify = notify_on_exit(peer.pid, lambda: _peer_exited(ref, peer))
+            self._peer_notified = self._unnotify is not None
+        if self._core is not None:
+            self._core.check_s = 0.0 if peer is None or self._peer_notified else PEER_CHECK
+
+    def _wake_for_peer(self, peer: PeerWatch) -> None:
+        """The peer exited (a notification): wake this process's waiters, which then
+        raise PeerDiedError, and make later waits see it at once."""
+        if peer is not self._peer:
+            return   # set_peer changed it meanwhile
+        with self._wlock:
+            self._peer_gone = True
+            for i, sem in enumerate((self._free, self._full)):
+                for _ in range(self._blocked[i]):
+                    self._pending[i] += 1
+                    sem.release()
+        if self._core is not None:
+            self._core.interrupt()
+
+    def interrupt(self) -> None:
+        """Wake every thread of this process blocked on this ring (either end); until
+        :meth:`resume`, every wait of this process on it raises
+        :class:`WaitInterrupted` (its checks of close, invalidation and the peer first).
+
+        Thread-safe, for another thread of this process (the peer process is woken by
+        :meth:`invalidate`). It posts a token for each blocked thread, which that
+        thread takes back, so the semaphores count what they counted."""
+        with self._wlock:
+            self._interrupted = True
+            for i, sem in enumerate((self._free, self._full)):
+                for _ in range(self._blocked[i]):
+                    self._pending[i] += 1
+                    sem.release()
+        if self._core is not None:
+            self._core.interrupt()
+
+    def resume(self) -> None:
+        """Waits block again after :meth:`interrupt`."""
+        with self._wlock:
+            self._interrupted = False
+        if self._core is not None and not self._peer_gone:
+            self._core.resume()
 
     # -- waiting ------------------------------------------------------------
     #
     # The Python path (the C core's methods shadow it once a role is taken, see
-    # the module docstring). The pattern of each wait (_wait):
-    #   check the invalid word (after close() it is a stand-in that raises
-    #   ShmClosedError); one sem_timedwait of up to WAIT_SLICE; if that
-    #   times out, _wait_slow() loops re-checking close, invalidation, the
-    #   peer and the deadline; then check the invalid word again.
+    # the module docstring). A wait (_wait, _wait_slow) loops: check the invalid
+    # word and close (after close() the words are a stand-in that raises
+    # ShmClosedError), interrupt() and the peer; then one wait for a token until
+    # the deadline (none for timeout None), cut at PEER_CHECK only when a peer is
+    # watched. Whatever ends it early posts the semaphore: a token, invalidate(),
+    # interrupt() or close().
 
     def _closed_error(self) -> ShmClosedError:
         return _closed_error(self._name, self._forked_from)
@@ -451,35 +570,88 @@ class Ring:
 
     def _wait_slow(self, sem: posix_ipc.Semaphore, timeout: float | None, what: str,
                    waited: float) -> None:
-        """Go on waiting for a token after a first wait of ``waited`` seconds came back empty."""
+        """Take a token of ``sem`` within ``timeout`` s (None: no deadline), of which
+        ``waited`` s are spent already (by the C core's first wait)."""
         try:
-            start = time.monotonic() - waited
+            deadline = None if timeout is None else time.monotonic() - waited + timeout
+            peer_check = PEER_CHECK
+            tried = False
             while True:
                 self._raise_if_unusable()
                 self._check_peer(what)
-                if timeout is None:
-                    wait = WAIT_SLICE
+                if self._peer_gone and self._peer is not None:   # notified: it is gone
+                    raise PeerDiedError(
+                        f"ring {self._name}: peer process {self._peer.pid} exited "
+                        f"while this process waited for {what}", self._peer.pid)
+                if self._interrupted:
+                    raise WaitInterrupted(f"ring {self._name}: the wait for {what} was "
+                                          "interrupted (Ring.interrupt) in this process")
+                if deadline is None:
+                    wait: float | None = None
                 else:
-                    remaining = start + timeout - time.monotonic()
-                    if remaining <= 0:
-                        raise RingTimeoutError(f"ring {self._name}: no {what} within "
-                                               f"{timeout:g} s ({self._occupancy()})")
-                    wait = WAIT_SLICE if remaining > WAIT_SLICE else remaining
-                core = self._core
-                if core is not None:   # lets a signal handler's exception through
-                    if core.wait_token(sem is self._full, wait):
-                        return
-                    continue
-                try:
-                    self._acquire_token(sem, wait)
+                    wait = deadline - time.monotonic()
+                    if wait <= 0:
+                        if tried:
+                            raise RingTimeoutError(f"ring {self._name}: no {what} within "
+                                                   f"{timeout:g} s ({self._occupancy()})")
+                        wait = 0.0
+                tried = True
+                if (self._peer is not None and not self._peer_notified
+                        and (wait is None or wait > peer_check)):
+                    wait = peer_check
+                if self._take(sem, wait):
                     return
-                except (posix_ipc.BusyError, posix_ipc.SignalError):
-                    pass
-        except ShmError as exc:  # called from an except clause: hide the BusyError
+        except ShmError as exc:  # may be raised in an except clause: hide its context
             exc.__suppress_context__ = True
             raise
 
-    def _acquire_token(self, sem: posix_ipc.Semaphore, timeout: float) -> None:
+    def _take(self, sem: posix_ipc.Semaphore, wait: float | None) -> bool:
+        """One wait of up to ``wait`` s (None: no deadline; 0: none) for a token of
+        ``sem``; False if none came (time up, interrupted, or a signal: a handler that
+        raises propagates)."""
+        core = self._core
+        if core is not None:
+            return bool(core.wait_token(sem is self._full, wait))
+        i = int(sem is self._full)
+        with self._wlock:
+            if self._interrupted or self._peer_gone:
+                return False
+            self._blocked[i] += 1
+        got = False
+        try:
+            self._acquire_token(sem, wait)   # banked in the spare list (see there)
+            got = True
+        except (posix_ipc.BusyError, posix_ipc.SignalError):
+            pass
+        finally:
+            with self._wlock:
+                self._blocked[i] -= 1
+                if got and self._pending[i]:   # a token interrupt() posted (see interrupt)
+                    self._pending[i] -= 1
+                    (self._spare_full if i else self._spare_free).pop()
+                    got = False
+        return got
+
+    def _try_token(self, sem: posix_ipc.Semaphore) -> bool:
+        """Take a token of ``sem`` now if there is one (never one interrupt() posted)."""
+        core = self._core
+        if core is not None:
+            return bool(core.try_token(sem is self._full))
+        i = int(sem is self._full)
+        while True:
+            try:
+                self._acquire_token(sem, 0)   # banked in the spare list (see there)
+            except posix_ipc.BusyError:
+                return False
+            if not self._pending[i]:
+                return True
+            with self._wlock:
+                if not self._pending[i]:
+                    return True
+                self._pending[i] -= 1
+                (self._spare_full if i else self._spare_free).pop()
+
+    def _acquire_token(self, sem: posix_ipc.Semaphore, timeout: float | None) -> None:
         """``sem.acquire(timeout)``; without the C core the token is also banked in
         ``_spare_full``/``_spare_free`` within the same C call (``_consume`` of a ``map``),
         so that an exception raised as the wait returns (a signal handler's, checked at
@@ -497,15 +669,9 @@ class Ring:
             self._raise_if_unusable()
         if (self._spare_full if sem is self._full else self._spare_free):
             return    # one taken by a call an exception interrupted before it used it
-        first = (WAIT_SLICE if timeout is None or timeout >= WAIT_SLICE
-                 else timeout if timeout > 0 else 0)
         if self._spin_ns and not sem.value:
             self._spin(sem)
-        try:
-            self._acquire_token(sem, first)
-        except posix_ipc.BusyError:
-            self._wait_slow(sem, timeout, what, first)
-        except posix_ipc.SignalError:
+        if not self._try_token(sem):
             self._wait_slow(sem, timeout, what, 0.0)
         if self._w[_INVALID]:
             self._raise_if_unusable()
@@ -515,10 +681,8 @@ class Ring:
             self._raise_if_unusable()
         if (self._spare_full if sem is self._full else self._spare_free):
             return    # one taken by a call an exception interrupted before it used it
-        try:
-            self._acquire_token(sem, 0)
-        except posix_ipc.BusyError:
-            raise WouldBlock(f"ring {self._name}: no {what} ({self._occupancy()})") from None
+        if not self._try_token(sem):
+            raise WouldBlock(f"ring {self._name}: no {what} ({self._occupancy()})")
         if self._w[_INVALID]:
             self._raise_if_unusable()
 
@@ -591,6 +755,8 @@ class Ring:
         w[_PUBLISHED] = k + 1
         w[_HELD] = 0
         self._full.release()
+        if w[_DOORBELL]:
+            _ring_doorbell(w[_DOORBELL])
 
     def write(self, data: Any, tag: int = 0, timeout: float | None = None) -> None:
         """Acquire a slot, copy ``data`` (bytes-like, C-contiguous) into it, publish it."""
@@ -629,6 +795,8 @@ class Ring:
         if w[_HELD]:
             w[_HELD] = 0
         self._full.release()
+        if w[_DOORBELL]:
+            _ring_doorbell(w[_DOORBELL])
 
     # -- consumer -----------------------------------------------------------
 
@@ -833,8 +1001,24 @@ class Ring:
             w[base] = w[base + 1] = w[base + 2] = 0
         w[_GEN] = w[_GEN] + 1
         w[_INVALID] = 0
+        with self._wlock:   # the drain above took any token interrupt() posted
+            self._pending = [0, 0]
+        if self._core is not None:
+            self._core.forget_wakes()
         for _ in range(self._num_slots):
             self._free.release()
+
+    def set_doorbell(self, signum: int) -> None:
+        """While ``signum`` is set (0: off), every message published on this ring also
+        sends that signal to this process: for a consumer that blocks on other rings for
+        a while and must still hear this one at once (the IPU process, waiting for a
+        stream while its control ring may bring STOP). The signal's handler is the
+        consumer's business; arm it, then check :meth:`readable`, then block, so that
+        no message falls between. Choose a signal ignored by default (``SIGURG``): a
+        consumer that dies armed leaves the word set, and its pid may be reused."""
+        if not isinstance(signum, int) or not 0 <= signum < 256:
+            raise ValueError(f"signum must be an int in 0..255, got {signum!r}")
+        self._w[_DOORBELL] = (self._pid << 8 | signum) if signum else 0
 
     def last_read_tag(self) -> int | None:
         """The tag of the last message the consumer acquired (``read`` or ``acquire_read``),
@@ -917,7 +1101,7 @@ class Ring:
         """Stop using the ring in this process (idempotent).
 
         Every later call raises ShmClosedError; a thread of this process
-        blocked in a wait raises it within WAIT_SLICE. Slot views handed out
+        blocked in a wait raises it at once. Slot views handed out
         stay valid (the mapping goes when the last of them does). Use
         invalidate() first to wake the peer process too.
         """
@@ -937,6 +1121,11 @@ class Ring:
             self._core.closed = 1
             for method in _C_METHODS:
                 self.__dict__.pop(method, None)
+        if self._unnotify is not None:
+            self._unnotify()
+            self._unnotify = None
+        if not self._forked_from:
+            self.interrupt()   # this process's blocked threads wake and see the close
 
     def _forget_mapping(self) -> None:
         # Handed-out views (and numpy arrays over them, which hold no export)
@@ -976,6 +1165,21 @@ class Ring:
     def __repr__(self) -> str:
         return (f"Ring({self._name!r}, slot_size={self._slot_size}, "
                 f"num_slots={self._num_slots}, owner={self._owner})")
+
+
+def _peer_exited(ref: "weakref.ref[Ring]", peer: PeerWatch) -> None:
+    """From shm.liveness's thread: the peer of the Ring behind ``ref`` exited."""
+    ring = ref()
+    if ring is not None and not ring.closed:
+        ring._wake_for_peer(peer)
+
+
+def _ring_doorbell(word: int) -> None:
+    """Send the consumer the signal its doorbell word asks for (see set_doorbell)."""
+    try:
+        os.kill(word >> 8, word & 0xFF)
+    except (ProcessLookupError, PermissionError, ValueError):
+        pass   # gone: its peer checks tell
 
 
 def _close_semaphores(*sems: posix_ipc.Semaphore) -> None:

@@ -378,12 +378,11 @@ class ShmSettings(Settings):
         True, "IPU_EMULATOR_RING_C", flag,
         "`0`: the rings' pure-Python path instead of their C hot paths (the C extension "
         "`pip install` builds)", when=_RING)
-    ring_untimed_waits: bool = knob(
-        True, "IPU_EMULATOR_RING_UNTIMED_WAITS", flag,
-        "`0`: waits of a whole slice arm a kernel timer instead of an untimed wait woken by "
-        "`SIGRTMIN+6` (taken only on the first such wait, and only if the application has "
-        "not installed a handler for it); the process's mode, set by each ring made",
-        when=_RING)
+    ring_peer_thread: bool = knob(
+        True, "IPU_EMULATOR_RING_PEER_THREAD", flag,
+        "`0`: no thread watching the rings' peer processes; a wait on a ring with a peer "
+        "then checks it every 50 ms, arming a kernel timer per wait (a 64-byte round trip "
+        "about 10% slower)", when=_RING)
     ring_spin_us: float = knob(
         0.0, "IPU_EMULATOR_RING_SPIN_US", micros,
         "a ring waiter's spin budget before it blocks, adapting (doubled on success, halved "

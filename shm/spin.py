@@ -1,29 +1,36 @@
-"""The one spin policy: poll for up to a budget of nanoseconds, then let the caller block.
+"""The one wait strategy: poll for a near answer, block for a far one.
 
 Waking a process that sleeps on a semaphore costs tens of microseconds on this
-project's VMs, on both sides; an answer that is near is cheaper to poll for.
-Every Python waiter that polls before it blocks does it with :func:`spin_until`:
+project's VMs, on both sides; an answer that is near is cheaper to poll for, one
+that is far must cost nothing while it is awaited. Every waiter that polls
+before it blocks does it here:
 
-- ``shm.ring.Ring._spin`` (pure-Python path; budget ``Settings.ring_spin_us``,
-  adapting: doubled after a spin that found its token, halved after one that
-  did not; no ``sched_yield``). The C core (``shm/_ringcore.c``, ``spin``)
-  does the same in C with the budget ``shm.ring`` hands it from the same field.
-- ``ipu_emulator.ipu._stream_io._RingIO._poll`` (an IPU process waiting for
-  an input; budget ``Settings.device_spin_us``);
-- ``host_runtime.runner._replica.Replica._spin`` (the host waiting for an
-  output; budget ``Settings.runner_spin_us``).
+- :class:`PollEstimate` is the policy of a waiter in Python: poll only while a
+  moving estimate of its recent waits says the answer comes within the budget,
+  block otherwise (an idle or slow peer costs no core), and back off for a few
+  waits after a poll found its CPU shared. The IPU process waiting for an input
+  (``ipu_emulator.ipu._stream_io``, budget ``Settings.device_spin_us``) and the
+  host waiting for an output (``host_runtime.runner``, budget
+  ``Settings.runner_spin_us``) each keep one. Use::
+
+      est = PollEstimate(budget_ns, shared_ns)
+      t0 = time.perf_counter_ns()
+      est.poll(ring.readable)              # True: ready now; False: block
+      ... block on the ring ...
+      est.record(time.perf_counter_ns() - t0)
+
+- :func:`spin_until` is the loop itself (``PollEstimate.poll`` calls it; the
+  ring's pure-Python path calls it with its own adapting budget,
+  ``Settings.ring_spin_us``, which ``spin`` in ``shm/_ringcore.c`` mirrors).
 
 Every poll starts with ``HOT_NS`` of polling without yields: the peer runs on
 another CPU (the IPU process keeps off its host thread's) and its answer, when
 near, is seen at once instead of on a yield's return (measured: a [1,4] execute
-/ in-process onnxruntime went from 1.39 to 1.25).
-
-The last two also keep a moving estimate of their recent waits and do not poll
-while waits are much longer than the budget (an idle or slow peer must not cost
-a core), and they yield the CPU between polls: a ``sched_yield`` that takes
-longer than ``Settings.yielded_us`` ran another task on this CPU, likely the
-peer, and when the caller says so (``shared_ns``) the poll gives up so that the
-wake-up lets the scheduler put the two on different CPUs.
+/ in-process onnxruntime went from 1.39 to 1.25). After that the CPU is yielded
+between polls: a ``sched_yield`` that takes longer than
+``Settings.yielded_us`` (``shared_ns``) ran another task on this CPU, likely the
+peer, and the poll then gives up so that the wake-up lets the scheduler put the
+two on different CPUs.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ import os
 import time
 from typing import Any, Callable
 
-__all__ = ["NEVER", "HOT_NS", "spin_until", "us_to_ns"]
+__all__ = ["NEVER", "HOT_NS", "PollEstimate", "spin_until", "us_to_ns"]
 
 HOT_NS = 4000
 """The first nanoseconds of a poll, which do not yield the CPU between polls."""
@@ -87,3 +94,62 @@ def spin_until(ready: Callable[[], Any], budget_ns: int, shared_ns: int = NEVER,
                 on_shared()
             return False
     return True
+
+
+class PollEstimate:
+    """When a waiter polls before it blocks: one per waiter (not thread-safe).
+
+    ``budget_ns``: the longest poll (0: never poll). ``shared_ns``: a yield between
+    polls that took longer ran another task on this CPU; the poll then gives up and
+    the next ``backoff`` polls are skipped (NEVER: never give up; see the module
+    docstring). The estimate is a moving average of recent waits, each sample capped
+    at ``4 * budget_ns`` so that an idle spell is forgotten after a few quick waits;
+    polling is off while it exceeds ``3 * budget_ns`` (waits that block include a
+    wake-up, so a threshold of one budget could keep polling off for a peer that
+    would answer within it).
+    """
+
+    __slots__ = ("budget_ns", "shared_ns", "backoff", "est_ns", "_skip")
+
+    CAP = 4
+    """Samples are capped at CAP x budget."""
+    OFF = 3
+    """Polling is off while the estimate exceeds OFF x budget."""
+
+    def __init__(self, budget_ns: int, shared_ns: int = NEVER, backoff: int = 8) -> None:
+        if budget_ns < 0 or shared_ns <= 0 or backoff < 0:
+            raise ValueError(f"PollEstimate(budget_ns={budget_ns!r}, shared_ns={shared_ns!r}, "
+                             f"backoff={backoff!r}): expected budget_ns >= 0, shared_ns > 0, "
+                             "backoff >= 0")
+        self.budget_ns = budget_ns
+        self.shared_ns = shared_ns
+        self.backoff = backoff
+        self.est_ns = 0          # the moving estimate of a wait (ns)
+        self._skip = 0           # polls still to skip after a shared CPU
+
+    def worth_polling(self) -> bool:
+        """True if a poll now is likely to find the answer (recent waits were short)."""
+        return 0 < self.budget_ns and self.est_ns <= self.OFF * self.budget_ns
+
+    def poll(self, ready: Callable[[], Any]) -> bool:
+        """Poll ``ready()`` for up to the budget if worth it: True once it is true, False
+        if the caller should block instead (not polled, budget spent, or CPU shared)."""
+        budget = self.budget_ns
+        if not budget or self.est_ns > self.OFF * budget:
+            return False
+        if self._skip:
+            self._skip -= 1
+            return False
+        return spin_until(ready, budget, self.shared_ns, on_shared=self._back_off)
+
+    def record(self, waited_ns: int) -> None:
+        """Count one wait of ``waited_ns`` (0: the answer was there at once)."""
+        cap = self.CAP * self.budget_ns
+        self.est_ns = (7 * self.est_ns + (waited_ns if waited_ns < cap else cap)) >> 3
+
+    def _back_off(self) -> None:
+        # a yield ran another task: on a busy machine, or with both ends on one CPU, each
+        # such yield may give away the rest of a time slice, so skip the next polls too.
+        # A number of polls, not a raised estimate: waits that block include a wake-up,
+        # so a raised estimate could keep polling off for good on two idle CPUs.
+        self._skip = self.backoff

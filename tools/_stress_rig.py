@@ -192,10 +192,10 @@ class Rig:
         found = []
         for k in kids:
             try:
-                cmd = " ".join(k.cmdline())
-                if "ipu_emulator.ipu.forkserver" in cmd:
+                cmd = " ".join(k.cmdline())   # a title (ipu_emulator.titles) or argv
+                if "ipu_emulator.ipu.forkserver" in cmd or "ipu-emulator: fork server" in cmd:
                     found += k.children()
-                if "ipu_emulator" in cmd:
+                if "ipu_emulator" in cmd or cmd.startswith("ipu-emulator: "):
                     found.append(k)
             except psutil.Error:
                 pass

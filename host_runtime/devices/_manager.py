@@ -329,7 +329,7 @@ class Device:
         finally:
             # Not joined: the event thread holds no device, and ends on the BYE, or (a
             # daemon's process says no BYE; a dead one cannot) when the closed ring wakes
-            # it, within shm.WAIT_SLICE.
+            # it (at once: Ring.close interrupts this process's waits).
             self._link.close(timeout=0.0)
             if self._locks is not None:
                 self._locks.release()

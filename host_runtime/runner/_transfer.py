@@ -51,7 +51,7 @@ from typing import Callable, NamedTuple, Optional
 import numpy as np
 
 from shm import Ring, RingTimeoutError
-from shm.spin import NEVER, spin_until, us_to_ns
+from shm.spin import NEVER, PollEstimate, us_to_ns
 
 from host_runtime.errors import SequenceMismatchError
 from host_runtime.memory import PARALLEL_MIN_BYTES, SHARED_MIN_BYTES, copy_bytes, shared_location
@@ -195,12 +195,12 @@ class TransferPath:
                         and all(0 < s.nbytes <= READ_MAX for s in outputs.values()))
         self.fused_taken = 0             # outputs run_fused has read (-1: still writing)
         self.t_laid = 0                  # when run_fused had written its inputs (perf_counter ns)
-        self._wait_est_ns = 0            # moving estimate of an output wait (see await_output)
-        self._spin_ns = us_to_ns(options.spin_us)
-        # on one CPU a poll that finds the CPU shared blocks instead. On several the IPU
-        # process moves off the host's CPU, and blocking would only let the wake-up put
-        # the host back beside it
-        self._yielded_ns = us_to_ns(options.yielded_us, NEVER) if _ONE_CPU else NEVER
+        # when to poll an output ring before blocking (see await_output). On one CPU a
+        # poll that finds the CPU shared blocks instead; on several the IPU process moves
+        # off the host's CPU, and blocking would only let the wake-up put the host back
+        # beside it
+        self._est = PollEstimate(us_to_ns(options.spin_us),
+                                 us_to_ns(options.yielded_us, NEVER) if _ONE_CPU else NEVER)
 
     def hint_thread(self, tid: int) -> None:
         """Tell the IPU process which thread submits (ipu_emulator.ipu._placement)."""
@@ -351,20 +351,12 @@ class TransferPath:
         VMs the wake-up puts it on the IPU process's CPU, where the two then take turns.
         """
         t0 = time.perf_counter_ns()
-        spin = self._spin_ns
-        if spin and self._wait_est_ns <= 3 * spin:
-            # yields to the IPU process if it shares this vCPU; on one CPU a long yield
-            # means it does: block instead, so that the scheduler can move one of us
-            spin_until(ring.readable, spin, self._yielded_ns)
+        self._est.poll(ring.readable)   # shm.spin.PollEstimate: the host's and device's one rule
         return t0
 
     def waited(self, t0: int) -> None:
         """An output wait that started at ``t0`` (0: the output was there) ended."""
-        if t0 == 0:
-            self._wait_est_ns = (7 * self._wait_est_ns) >> 3
-        else:   # each sample capped: an idle spell must not turn polling off for long
-            self._wait_est_ns = (7 * self._wait_est_ns
-                                 + min(time.perf_counter_ns() - t0, 4 * self._spin_ns)) >> 3
+        self._est.record(0 if t0 == 0 else time.perf_counter_ns() - t0)
 
     def take(self, tr: Transfer, timeout: float) -> None:
         """Read ``tr``'s outputs into its requests' memory (RingTimeoutError after
@@ -381,7 +373,7 @@ class TransferPath:
             view: memoryview | bytes
             if ring.readable():
                 view, tag = ring.read(timeout) if read else ring.acquire_read(timeout)
-                self._wait_est_ns = (7 * self._wait_est_ns) >> 3    # waited(0), inline
+                self._est.record(0)
             else:
                 t0 = self.await_output(ring)
                 view, tag = ring.read(timeout) if read else ring.acquire_read(timeout)
@@ -488,11 +480,7 @@ class TransferPath:
                     slow(since)
             if got != tag:
                 raise self.mismatch(o.name, got, seq)
-            if t0:      # waited(t0), inline
-                self._wait_est_ns = (7 * self._wait_est_ns
-                                     + min(time.perf_counter_ns() - t0, 4 * self._spin_ns)) >> 3
-            else:
-                self._wait_est_ns = (7 * self._wait_est_ns) >> 3
+            self._est.record(time.perf_counter_ns() - t0 if t0 else 0)
             # writable, over a copy of the message (cheaper than np.empty and a copy)
             results[o.name] = np.ndarray(o.shape, o.spec.dtype, bytearray(data))
             self.fused_taken += 1

@@ -45,6 +45,7 @@ from typing import Any
 
 from shm import pid_alive
 
+from ipu_emulator import titles
 from ipu_emulator.daemon import socket_protocol as wire
 from ipu_emulator.daemon.daemon_metrics import DaemonMetrics
 from ipu_emulator.daemon._pool import PoolError, PooledIpu, remove_objects_of
@@ -103,7 +104,13 @@ class Daemon:
     # -- lifecycle ------------------------------------------------------------------------
 
     def run(self) -> int:
-        return asyncio.run(self._main())
+        """Serve until stopped (the process is titled ``ipu-emulator: daemon`` meanwhile)."""
+        title = titles.title()
+        titles.set_title(titles.DAEMON)
+        try:
+            return asyncio.run(self._main())
+        finally:
+            titles.set_title(title)
 
     def stop(self) -> None:
         """Ask ``run()`` to end (thread-safe)."""

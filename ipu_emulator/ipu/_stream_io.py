@@ -5,8 +5,8 @@ executable that is running: it reads input transfers from, and writes output
 transfers to, the active session's stream rings, posts NEED/OUT events for
 streams in event mode, resolves inputs sent as host shared memory
 (``TAG_SHARED``) and writes redirected outputs there. While it waits for an
-input it polls briefly, then blocks in slices through ``StreamHost.wait_on``
-(which re-checks the control ring and the host between slices).
+input it polls briefly while inputs came quickly (``shm.spin.PollEstimate``),
+then blocks through ``StreamHost.wait_on``.
 
 What a transfer's tag means and what each stream does in its mode is
 ``_iteration``'s plan; ``run_group`` hands the same plan to the C step. The
@@ -21,7 +21,7 @@ import time
 from typing import Any, Callable, Protocol, TypeVar
 
 from shm import Region, Ring, RingInvalidatedError, RingTimeoutError
-from shm.spin import NEVER, spin_until, us_to_ns
+from shm.spin import NEVER, PollEstimate, us_to_ns
 
 from ipu_emulator.ipu._host_memory import HostMemory, HostMemoryError
 from ipu_emulator.ipu._iteration import (HOST_TAG, SLOT_TAG, INPUT_TAGS, InAction,
@@ -49,7 +49,8 @@ class StreamHost(Protocol):
 __all__ = ["_Loaded", "_RequestError", "_RingIO", "_Stream"]
 
 _BACKOFF_POLLS = 8
-"""Polls skipped (blocking at once) after one whose yield ran another task (see _poll)."""
+"""Polls skipped (blocking at once) after one whose yield ran another task (measured: with
+the load at 11 on 2 CPUs each such yield cost 0.3-2.3 ms)."""
 
 
 _NO_STEP = object()
@@ -134,13 +135,10 @@ class _RingIO:
         self._dev = dev
         self._loaded = loaded
         self.disconnected = False   # a stream ring was invalidated (the host disconnected it)
-        self._wait_est_ns = 0       # moving estimate of input waits (see _wait_read)
         s = IpuSettings.current()   # this process's (its launch's)
-        # longest poll of an empty input ring before blocking (0: never poll); see _wait_read
-        self._spin_ns = _spin_ns = us_to_ns(s.device_spin_us)
+        # poll an empty input ring before blocking while inputs came quickly (see _wait_read)
         self._yielded_ns = us_to_ns(s.yielded_us, NEVER)
-        self._cap_ns = 4 * _spin_ns
-        self._skip_polls = 0        # polls still to skip after a shared vCPU (see _poll)
+        self._est = PollEstimate(us_to_ns(s.device_spin_us), self._yielded_ns, _BACKOFF_POLLS)
         self._held_in: dict[str, Ring] = {}        # zero-copy inputs acquired, not released
         self._lent_out: dict[str, _Stream] = {}    # zero-copy outputs acquired, not published
         self._scratch_bufs: dict[str, bytearray] = {}
@@ -175,7 +173,7 @@ class _RingIO:
         if not self._poll(inputs_there) or not step.run(it.seq if it.reading else 0):
             return False
         it.reading = False
-        self._wait_est_ns = (7 * self._wait_est_ns + time.perf_counter_ns() - t0) >> 3
+        self._est.record(time.perf_counter_ns() - t0)
         return True
 
     def run_groups(self, group: Any, unit: int, deadline_ns: int) -> int:
@@ -239,54 +237,31 @@ class _RingIO:
         return self._wait_read(ring)
 
     def _wait_read(self, ring: Ring) -> tuple[memoryview, int]:
-        """Wait for an input transfer: poll briefly, then block.
-
-        Waking a process that sleeps on a semaphore costs ~15-25 us on this project's
-        VMs, on both sides (the host's post becomes a futex wake of an idle vCPU). When
-        recent waits were short (a host sending requests back to back) the next input
-        is likely within _spin_ns: poll for it. A moving estimate of the waits (each
-        capped at 4 x _spin_ns, so that an idle spell is forgotten after a few quick
-        requests) turns polling off while inputs come slower than twice the budget, so an
-        idle or slow host does not lose a core to this process. (Twice: waits that block
-        include the wake-up, so a threshold of one budget could keep polling off for a
-        host that would be within it.)
-        """
+        """Wait for an input transfer: poll briefly while recent inputs came quickly (a
+        host sending requests back to back), then block (``shm.spin.PollEstimate``: an
+        idle or slow host costs this process no core)."""
         clock = time.perf_counter_ns
         t0 = clock()
         if self._poll(ring.readable):
             try:
                 got = ring.acquire_read(0)
-                self._wait_est_ns = (7 * self._wait_est_ns + clock() - t0) >> 3
+                self._est.record(clock() - t0)
                 return got
             except RingTimeoutError:
                 pass
         got = self._dev.wait_on(ring.acquire_read)
-        self._wait_est_ns = (7 * self._wait_est_ns + min(clock() - t0, self._cap_ns)) >> 3
+        self._est.record(clock() - t0)
         return got
 
     def _poll(self, ready: Callable[[], Any]) -> bool:
-        """Poll ``ready()`` for up to _spin_ns while recent waits were short (see
-        _wait_read); True once it is true, False if this process should block instead."""
-        spin_ns = self._spin_ns
-        if not spin_ns or self._wait_est_ns > 2 * spin_ns:
-            return False
-        if self._skip_polls:
-            self._skip_polls -= 1
-            return False
-        # yields to the host if it shares this vCPU; a long yield means it does: block
-        # instead (unless keeping apart), the wake-up lets the scheduler move one of us to
-        # an idle vCPU (two polling processes on one vCPU are never separated)
-        shared = NEVER if self._dev.keeps_apart else self._yielded_ns
-        return spin_until(ready, spin_ns, shared, on_shared=self._back_off)
-
-    def _back_off(self) -> None:
-        """A poll's yield ran another task: skip the next polls too. On a busy machine,
-        or with both ends of a link on one vCPU, each such yield may give away the rest of
-        a time slice (measured: 0.3-2.3 ms a poll on average with the load at 11 on 2
-        vCPUs). A number of polls, not a raised wait estimate: waits that block include a
-        wake-up, so a raised estimate could keep polling off for good on two idle vCPUs,
-        where polling is what spares the wake-ups."""
-        self._skip_polls = _BACKOFF_POLLS
+        """Poll ``ready()`` if recent waits were short; True once it is true, False if this
+        process should block instead. The poll yields to the host if it shares this CPU,
+        and a long yield means it does: block instead (unless keeping apart), so that the
+        wake-up lets the scheduler move one of us to an idle CPU (two polling processes on
+        one CPU are never separated)."""
+        est = self._est
+        est.shared_ns = NEVER if self._dev.keeps_apart else self._yielded_ns
+        return est.poll(ready)
 
     def _kind(self, handle: str, tag: int) -> int:
         """The kind of an input's tag, its sequence number checked (see IterationNumber)."""

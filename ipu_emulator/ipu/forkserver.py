@@ -58,6 +58,7 @@ from typing import Any
 
 from shm.liveness import describe_process
 
+from ipu_emulator import titles
 from ipu_emulator.errors import ForkserverError, describe_returncode
 
 __all__ = ["spawn", "stop", "ForkedProcess", "ForkserverError", "IMPORT_TIME_ENV",
@@ -77,7 +78,8 @@ host sync timeout too); past it the IPU process is started fresh."""
 STATUS_LOST = 255
 """The return code of an IPU process that exited after its template died (the status
 went with the template); ``ForkedProcess.status_lost`` tells it apart."""
-_HOST_CHECK = 0.25   # seconds between the template's checks that its host is alive
+_HOST_CHECK = 0.25   # seconds between the template's checks that its host is alive (only
+# without pidfds: else the host's pidfd wakes it)
 
 
 def _env_key(env: dict[str, str]) -> tuple[str | None, ...]:
@@ -429,6 +431,7 @@ def _serve(sock: socket.socket, host_pid: int) -> int:
     package_hash()
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the host decides when we stop
+    titles.set_title(titles.fork_server(host_pid))
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
@@ -456,10 +459,17 @@ def _serve(sock: socket.socket, host_pid: int) -> int:
             block = False
 
     send({"op": "ready", "id": 0, "pid": os.getpid()})
+    # the host's exit wakes the select below (no periodic check) where pidfds exist
+    try:
+        host_fd = os.pidfd_open(host_pid)
+    except (AttributeError, OSError):
+        host_fd = -1
+    watched = [host_fd] if host_fd >= 0 else []
+    check = None if host_fd >= 0 else _HOST_CHECK
     buf = b""
     while True:
         sock_fd = sock.fileno()
-        ready, _, _ = select.select([sock_fd, wake_r], [], [], _HOST_CHECK)
+        ready, _, _ = select.select([sock_fd, wake_r, *watched], [], [], check)
         if wake_r in ready:
             try:
                 while os.read(wake_r, 512):
@@ -498,6 +508,8 @@ def _serve(sock: socket.socket, host_pid: int) -> int:
                     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                     os.close(wake_r)
                     os.close(wake_w)
+                    for fd in watched:
+                        os.close(fd)
                     sock.close()
                     code = _child(req["argv"], req["env"], req.get("log"), req.get("cwd"))
                 except SystemExit as exc:

@@ -15,11 +15,25 @@
                                               v
     event ring    <--DONE/ERROR/NEED/OUT--  results, device-side tracebacks
 
-While a program waits on a stream it re-checks the control ring every
-``_SLICE`` seconds, so STOP interrupts a program blocked on data. The host's
-liveness is checked while idle, between those slices and between main-loop
-iterations (``getppid()`` when the host is our parent, a pid check otherwise;
-the event ring also watches the host's pid). When the host is gone this
+Idle or blocked, this process sleeps until something happens; nothing wakes
+it periodically (an idle IPU costs no CPU):
+
+- idle, it blocks on the control ring;
+- a program waiting on a stream blocks on that ring; a control message (STOP,
+  SHUTDOWN, HOST) reaches it through the control ring's doorbell
+  (``Ring.set_doorbell``: the publish sends ``_DOORBELL``), and a host that
+  stops a program also invalidates its stream rings;
+- a thread (``_HostWatch``) blocks on the pidfds of the host and, in pool
+  mode, of the host it is lent to, and interrupts every ring wait when one
+  exits (``shm.ring.interrupt_all``).
+
+Where that thread cannot run (a loopback device, or no pidfds) the waits
+re-check the control ring and the host every ``_SLICE`` seconds instead. One
+IPU of several still waits on host rings in ``_GROUP_SLICE`` slices: the host
+stops it after another IPU's failure waking its IPU-Links only. The host's
+liveness is also checked between main-loop iterations (``getppid()`` when the
+host is our parent, a pid check otherwise; the event ring also watches the
+host's pid). When the host is gone this
 process unlinks every shared-memory object it knows of plus every object of
 this tag whose name carries the host's pid, then exits: a SIGKILLed host
 leaves no IPU process and nothing in /dev/shm.
@@ -44,7 +58,9 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import select
 import signal
+import threading
 import time
 import traceback
 from dataclasses import dataclass, replace
@@ -53,10 +69,11 @@ from typing import Any, Callable
 import posix_ipc
 
 from shm import (PeerDiedError, Region, Ring, RingInvalidatedError, RingTimeoutError, ShmError,
-                 PeerWatch, WouldBlock, naming, pid_alive)
+                 PeerWatch, WaitInterrupted, WouldBlock, naming, pid_alive)
+from shm import ring as ring_waits
 from shm.cleanup import list_objects
 
-from ipu_emulator import package_hash, ipu_protocol
+from ipu_emulator import package_hash, ipu_protocol, titles
 from ipu_emulator.ipu._host_memory import HostMemory
 from ipu_emulator.ipu._placement import KeepApart
 from ipu_emulator.ipu._stream_io import _Loaded, _RequestError, _RingIO, _Stream
@@ -69,11 +86,14 @@ __all__ = ["DeviceOptions", "DeviceProcess", "ProcessHooks"]
 _log = logging.getLogger("ipu_emulator.ipu.process")
 _monotonic = time.monotonic
 
-_SLICE = 0.1      # seconds between STOP checks while a program waits on a stream
-# the same for one IPU of several: when another IPU's program fails, the host stops this
-# one (STOP), and a wait on a host ring sees it only at the end of a slice
+_SLICE = 0.1      # seconds between STOP checks while a program waits on a stream, when the
+# host is not watched by a thread (a loopback device: ProcessHooks.host_alive)
+# one IPU of several: when another IPU's program fails, the host stops this one (STOP) and
+# wakes the IPU-Links only, so a wait on a host ring sees it at the end of a slice
 _GROUP_SLICE = 0.01
 _HOST_CHECK = 0.25  # seconds between checks that the host is alive
+_DOORBELL = signal.SIGURG   # rung by the control ring while a program waits (see wait_on);
+# ignored by default: a stale doorbell (this process died armed, its pid reused) harms none
 _CACHE = 4        # loaded executables kept per device (sessions sharing it)
 _PREFAULT_MAX = 512 * 1024   # pre-fault stream rings with transfers up to this size
 
@@ -116,6 +136,10 @@ class ProcessHooks:
     unlink_on_host_gone: bool = True
     """When the host is gone, unlink every shared-memory object it (and this process)
     created; else only close this side's mappings."""
+    title: bool = False
+    """Set the process title (what ps and top show) to name this IPU and its host:
+    ``ipu-emulator: ipu 3 (host 1234)``. Only ``main()`` does: the title is the whole
+    process's, never a host's."""
 
 
 class _NeverApart:
@@ -172,10 +196,24 @@ class DeviceProcess:
         self._active: _Loaded | None = None
         self._stop_seq: int | None = None
         self._stop_soft = False   # STOP with value 1: end the running loop, stay runnable
-        self._slice = _SLICE      # of wait_on (shorter for one IPU of several)
         self._interpreter_cls: Any = None
         self._client = 0   # pool mode: the host the daemon handed this IPU to (0: none)
         self._client_watch: PeerWatch | None = None
+        # A thread of this process blocked on the host's (and client's) pidfd interrupts
+        # every ring wait when one exits: the waits need no periodic wake. Without it
+        # (a loopback device, or no pidfds) they check in slices.
+        self._watch = _HostWatch.start(opts.host_pid) if hooks.host_alive is None else None
+        self._wait_slice: float | None = None if self._watch is not None else _SLICE
+        self._slice: float | None = self._wait_slice   # of wait_on (see _run)
+        self._set_title()
+
+    def _set_title(self) -> None:
+        """The process title (ProcessHooks.title): this IPU and the host it serves."""
+        if not self.hooks.title:
+            return
+        o = self.opts
+        titles.set_title(titles.ipu(o.ipu_id, self._client, o.host_pid) if o.pool
+                         else titles.ipu(o.ipu_id, o.host_pid))
 
     def as_group_member(self) -> None:
         """Behave as one IPU of several (as a RUN of a sharded executable does): wait on
@@ -190,13 +228,31 @@ class DeviceProcess:
         ipu_protocol.send(self.events, msg)
 
     def wait_on(self, fn: Any) -> Any:
-        """Call a blocking ring operation in slices, checking the control ring and the host
-        between them."""
+        """Call a blocking ring operation until it is done, checking the control ring and
+        the host when it is woken (or between slices, see _SLICE).
+
+        Without slices, a control message wakes it through the control ring's doorbell
+        (``Ring.set_doorbell``: its publish sends ``_DOORBELL`` to this process, which
+        _HostWatch turns into an interrupt of the waits), and the host's exit through
+        _HostWatch."""
+        bell = self._slice is None and self._watch is not None
         while True:
             try:
-                return fn(self._slice)
+                if not bell:
+                    return fn(self._slice)
+                self.control.set_doorbell(_DOORBELL)
+                try:
+                    if self.control.readable():   # came before the doorbell was armed
+                        raise RingTimeoutError("a control message is waiting")
+                    # while it holds a CPU, the first wait ends after a slice to give the
+                    # CPU back (see _placement); then it sleeps until woken
+                    return fn(_SLICE if self._apart.hold.cpu >= 0 else None)
+                finally:
+                    self.control.set_doorbell(0)
             except RingTimeoutError:
                 self._apart.release()   # idle for a slice: its CPU is free for others
+            except WaitInterrupted:
+                self._interrupted()
             except RingInvalidatedError:
                 # A host that stops invalidates the streams after sending STOP (or
                 # SHUTDOWN) to wake this wait at once: the control message wins.
@@ -204,6 +260,13 @@ class DeviceProcess:
                 raise
             self._check_host()
             self.poll_control()
+
+    def _interrupted(self) -> None:
+        """A ring wait was interrupted (_HostWatch): raise _HostGone or _ClientGone, or,
+        if neither is gone (a stale wake), let the waits block again."""
+        ring_waits.resume_all()   # first: an exit after the check below interrupts again
+        self._next_host_check = 0.0
+        self._check_host()
 
     def _check_host(self) -> None:
         """Raise _HostGone if the host died (at most one real check per _HOST_CHECK s).
@@ -261,9 +324,12 @@ class DeviceProcess:
             return self._pending.popleft()
         while True:
             try:
-                return ipu_protocol.receive(self.control, timeout=_HOST_CHECK)
+                return ipu_protocol.receive(self.control, timeout=(
+                    None if self._watch is not None else _HOST_CHECK))
             except RingTimeoutError:
                 self._check_host()
+            except WaitInterrupted:
+                self._interrupted()
 
     # -- main loop --------------------------------------------------------------
 
@@ -288,6 +354,11 @@ class DeviceProcess:
                     if not (self._client and exc.pid == self._client):
                         raise
                     self._drop_client()
+                except WaitInterrupted:   # e.g. posting an event when the host died
+                    try:
+                        self._interrupted()
+                    except _ClientGone:
+                        self._drop_client()
         except _Shutdown:
             pass
         except (_HostGone, PeerDiedError):
@@ -336,7 +407,7 @@ class DeviceProcess:
             self.post(Message(Op.ERROR, seq=msg.seq,
                               body=error_body(exc.kind, str(exc), exc.tb)))
             return
-        except (_Stopped, _Shutdown, _HostGone, PeerDiedError):
+        except (_Stopped, _Shutdown, _HostGone, PeerDiedError, WaitInterrupted):
             raise
         except Exception as exc:  # a bug or a broken ring: report it, keep serving
             _log.exception("%s failed", op.name)
@@ -507,7 +578,7 @@ class DeviceProcess:
         # the host writes the id of its thread that submits into its input rings
         hinted = [st.ring for st in loaded.streams if st.direction == "in" and st.ring is not None]
         apart.hint = hinted[0].user_word if hinted else None
-        self._slice = _SLICE
+        self._slice = self._wait_slice
         if loaded.interp.executable.attributes.get("keep_apart") == "0":
             self._slice = _GROUP_SLICE
             # one IPU of several (compiler._sharding): the IPUs of a pipeline must spread
@@ -567,11 +638,12 @@ class DeviceProcess:
                 self.control.set_user_word(self.program_runs)
             finally:
                 io.forget_redirects()   # left by a failed iteration: must not steer the next
-        except (_Stopped, _Shutdown, _HostGone, PeerDiedError, _RequestError):
+        except (_Stopped, _Shutdown, _HostGone, PeerDiedError, _RequestError, WaitInterrupted):
             raise
         except Exception as exc:
             inner = _unwrap(exc)
-            if isinstance(inner, (_Stopped, _Shutdown, _HostGone, PeerDiedError, _RequestError)):
+            if isinstance(inner, (_Stopped, _Shutdown, _HostGone, PeerDiedError, _RequestError,
+                                  WaitInterrupted)):
                 raise inner from None
             raise _RequestError(ErrorKind.PROGRAM,
                                 f"program {index} failed: {type(exc).__name__}: {exc}",
@@ -613,14 +685,21 @@ class DeviceProcess:
         self.control.reset()
         self._client = pid
         self._client_watch = PeerWatch(pid) if pid > 0 else None
+        if self._watch is not None:
+            self._watch.set_client(pid)
         self._apart.host_pid = pid or self.opts.host_pid
         self.events.set_peer(pid or self.opts.host_pid)
+        self._set_title()
         _log.info("%s now serves host %s", self._describe(), pid or "(none)")
 
     def _drop_client(self) -> None:
         """Close every executable of the current host; unlink its objects if it is dead."""
         old, self._client = self._client, 0
         self._client_watch = None
+        if self._watch is not None:
+            self._watch.set_client(0)
+        ring_waits.resume_all()   # the waits the client's exit interrupted block again
+        self._set_title()
         # what that host had queued is void; a HOST already taken off the ring still runs
         self._pending = collections.deque(m for m in self._pending if m.op is Op.HOST)
         self._stop_seq = None
@@ -662,6 +741,83 @@ class DeviceProcess:
             removed += _unlink_ring_or_region(name)
         removed += _unlink_objects_of((host, me))
         _log.info("removed %d shared-memory objects of dead host %d", removed, host)
+
+
+class _HostWatch:
+    """A thread of the IPU process blocked on the pidfds of its host and (pool mode) the
+    host it is lent to; when one exits it interrupts every ring wait of the process
+    (``shm.ring.interrupt_all``), so the main loop blocks on its rings with no periodic
+    wake and still learns at once that its host is gone."""
+
+    def __init__(self, host_fd: int) -> None:
+        self._host_fd = host_fd
+        self._client_fd = -1
+        self._lock = threading.Lock()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        # the control ring's doorbell: the signal's number lands in the pipe (written by
+        # the interpreter's own C handler, so it is never lost between a check and a wait)
+        signal.signal(_DOORBELL, lambda signum, frame: None)
+        signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        threading.Thread(target=self._run, name="ipu-host-watch", daemon=True).start()
+
+    @classmethod
+    def start(cls, host_pid: int) -> "_HostWatch | None":
+        """The watch of ``host_pid``, or None where pidfds are missing or this is not the
+        main thread (the waits then check the host and the control ring in slices)."""
+        if host_pid <= 0 or threading.current_thread() is not threading.main_thread():
+            return None
+        try:
+            return cls(os.pidfd_open(host_pid))
+        except (AttributeError, OSError):
+            return None
+
+    def set_client(self, pid: int) -> None:
+        """Watch ``pid`` as the host this IPU is lent to (0: none) instead of the last."""
+        fd = -1
+        if pid > 0:
+            try:
+                fd = os.pidfd_open(pid)
+            except OSError:   # gone already: the client check sees it
+                fd = -1
+        with self._lock:
+            old, self._client_fd = self._client_fd, fd
+        try:
+            os.write(self._wake_w, b"x")   # the thread takes the new set
+        except BlockingIOError:   # full: it wakes anyway
+            pass
+        if old >= 0:
+            os.close(old)
+
+    def _run(self) -> None:
+        fired: set[int] = set()   # exits already reported (until the set changes)
+        while True:
+            with self._lock:
+                fds = [fd for fd in (self._host_fd, self._client_fd)
+                       if fd >= 0 and fd not in fired]
+            poller = select.poll()
+            poller.register(self._wake_r, select.POLLIN)
+            for fd in fds:
+                poller.register(fd, select.POLLIN)
+            try:
+                ready = poller.poll()
+            except OSError:   # a descriptor closed meanwhile by set_client: look again
+                continue
+            bell = False
+            for fd, _ in ready:
+                if fd == self._wake_r:
+                    got = os.read(self._wake_r, 512)
+                    bell = bell or _DOORBELL in got
+                    if b"x" in got:
+                        fired.clear()
+                else:
+                    fired.add(fd)
+                    bell = True
+            if bell:
+                try:
+                    ring_waits.interrupt_all()
+                except Exception:   # pragma: no cover - never let this thread die
+                    _log.exception("interrupting the ring waits failed")
 
 
 def _unlink_objects_of(pids: tuple[int, ...], all_tags: bool = False) -> int:
@@ -764,7 +920,7 @@ def main(argv: list[str] | None = None) -> int:
                          memory_per_tile=a.memory_per_tile, num_ipus=a.num_ipus,
                          threads=a.threads, label=a.label, pool=a.pool)
     try:
-        dev = DeviceProcess(opts)
+        dev = DeviceProcess(opts, ProcessHooks(title=True))
     except Exception as exc:
         if not pid_alive(opts.host_pid):   # the host died before we could attach
             _log.info("host %d died before this IPU process started", opts.host_pid)

@@ -176,13 +176,16 @@ def template_case(path: str) -> dict[str, Any]:
     device has one IPU process and answers right."""
     import psutil
 
+    from ipu_emulator import titles
+
     import host_runtime as model_runtime
     from shm.cleanup import list_objects
     from shm.liveness import process_state
 
     first = model_runtime.ModelRunner(path)   # starts the template
     templates = [p.pid for p in psutil.Process().children()
-                 if "ipu_emulator.ipu.forkserver" in " ".join(p.cmdline())]
+                 if " ".join(p.cmdline()).startswith("ipu-emulator: fork server")
+                 or "ipu_emulator.ipu.forkserver" in " ".join(p.cmdline())]
     assert len(templates) == 1, templates
     pid = templates[0]
     dog = Watchdog(pid)
@@ -213,7 +216,8 @@ def template_case(path: str) -> dict[str, Any]:
     first.close()
     report.update(wrong_after=wrong, errors_after=errors,
                   ipu_processes=[c.pid for c in psutil.Process().children(recursive=True)
-                                 if "--control" in c.cmdline()],
+                                 if "--control" in c.cmdline()
+                                 or titles.parse_ipu(" ".join(c.cmdline()).rstrip())],
                   left=sorted(o.entry for o in list_objects() if o.pid == os.getpid()))
     return report
 

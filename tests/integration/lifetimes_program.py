@@ -51,7 +51,8 @@ def ipu_processes() -> list[int]:
     templates = set()
     for p in me.children():
         try:
-            if any("ipu_emulator.ipu.forkserver" in a for a in p.cmdline()):
+            cmd = " ".join(p.cmdline())   # its title, or its argv before it set one
+            if "ipu_emulator.ipu.forkserver" in cmd or cmd.startswith("ipu-emulator: fork server"):
                 templates.add(p.pid)
         except psutil.Error:
             pass

@@ -20,6 +20,7 @@ import host_runtime as model_runtime
 from host_runtime.devices._manager import DeviceManager
 from host_runtime.errors import DeviceUnavailableError
 from host_runtime.session._session import Session
+from ipu_emulator import titles
 from ipu_emulator.daemon import socket_protocol as wire
 from tests._helpers import PATIENT, run_in_threads
 from tests.daemon_rig import REPO, DaemonRig
@@ -124,6 +125,21 @@ def test_status_command_prints_each_ipu_its_state_and_holder(daemon):
                               daemon.socket + ".none"], cwd=REPO, capture_output=True, text=True,
                              timeout=120)
     assert missing.returncode == 1 and "no daemon answers at" in missing.stderr
+
+
+def test_processes_are_titled_for_ps(daemon):
+    """ps and top tell the daemon and each IPU process apart, and whom an IPU serves."""
+    d = daemon.proc.pid
+    assert titles.of_pid(d) == "ipu-emulator: daemon"
+    assert [titles.of_pid(p) for p in daemon.pool_pids] == [
+        f"ipu-emulator: ipu 0 (daemon {d}, free)", f"ipu-emulator: ipu 1 (daemon {d}, free)"]
+    with DeviceManager(daemon=daemon.socket).getSpecificDevice(1, wait_config=PATIENT) as dev:
+        assert dev.pids() == [daemon.pool_pids[1]]
+        assert titles.of_pid(daemon.pool_pids[1]) == (
+            f"ipu-emulator: ipu 1 (host {os.getpid()}, daemon {d})")
+        assert titles.parse_ipu(titles.of_pid(daemon.pool_pids[1]) or "") == (1, os.getpid(), d)
+    # handed back: free again (the daemon waits for the process's DONE to HOST(0))
+    assert titles.of_pid(daemon.pool_pids[1]) == f"ipu-emulator: ipu 1 (daemon {d}, free)"
 
 
 def test_a_device_of_two_ipus_from_the_daemon(daemon, model, weights):

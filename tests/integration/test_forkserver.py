@@ -14,7 +14,7 @@ import textwrap
 import psutil
 import pytest
 
-from ipu_emulator import ipu_protocol
+from ipu_emulator import ipu_protocol, titles
 from ipu_emulator.ipu import forkserver
 from ipu_emulator.ipu.launcher import IpuSpec, launch_ipu
 from ipu_emulator.ipu_protocol import Message, Op
@@ -51,7 +51,10 @@ def test_forked_ipu_process_is_a_child_of_the_template_logs_and_exits_cleanly(tm
         assert proc.wait_ready()["pid"] == proc.pid != os.getpid()
         parent = psutil.Process(proc.pid).parent()
         assert parent is not None and parent.pid != os.getpid()
-        assert "ipu_emulator.ipu.forkserver" in " ".join(parent.cmdline())
+        # titled, as ps shows them (an IPU process titles itself before READY)
+        assert titles.of_pid(parent.pid) == f"ipu-emulator: fork server (host {os.getpid()})"
+        assert titles.of_pid(proc.pid) == f"ipu-emulator: ipu 5 (host {os.getpid()})"
+        assert " ".join(psutil.Process(proc.pid).cmdline()).rstrip() == titles.of_pid(proc.pid)
         assert parent.ppid() == os.getpid()            # the template is our child
         proc.control.write(b"\0" * 4, tag=77)    # malformed: logged, ignored
         ipu_protocol.send(proc.control, Message(Op.PING, seq=1))
@@ -87,7 +90,7 @@ def test_the_setting_turns_the_template_off(tmp_path, monkeypatch):
     try:
         proc.wait_ready()
         assert psutil.Process(proc.pid).ppid() == os.getpid()
-        assert "-m ipu_emulator " in " ".join(psutil.Process(proc.pid).cmdline()) + " "
+        assert titles.of_pid(proc.pid) == f"ipu-emulator: ipu 1 (host {os.getpid()})"
     finally:
         proc.close()
 

@@ -30,7 +30,7 @@ def runner(model_path):
 def _mapped_by_an_ipu(name: str) -> bool:
     for proc in psutil.Process().children(recursive=True):
         try:
-            if "ipu_emulator" not in " ".join(proc.cmdline()):
+            if not " ".join(proc.cmdline()).startswith("ipu-emulator: ipu "):
                 continue
             with open(f"/proc/{proc.pid}/maps") as f:
                 if name.lstrip("/") in f.read():

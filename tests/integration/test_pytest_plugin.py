@@ -275,7 +275,9 @@ def test_then_all_is_clean(ipu_machine, model_runner, path):
     assert ipu_machine.shm_objects() == set()
     def live_ipu(p):
         try:
-            return p.status() != psutil.STATUS_ZOMBIE and "ipu_emulator" in p.cmdline()
+            return p.status() != psutil.STATUS_ZOMBIE and (
+                "ipu_emulator" in p.cmdline()
+                or " ".join(p.cmdline()).startswith("ipu-emulator: ipu "))
         except psutil.NoSuchProcess:   # exited since the listing
             return False
     assert [p for p in psutil.Process().children(recursive=True) if live_ipu(p)] == []

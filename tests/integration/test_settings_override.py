@@ -18,6 +18,7 @@ import pytest
 import host_runtime as model_runtime
 from host_runtime import settings
 from host_runtime.settings import HostSettings
+from ipu_emulator import titles
 from ipu_emulator.daemon._pool import PooledIpu
 from ipu_emulator.ipu.launcher import IpuSpec
 from ipu_emulator.settings import IpuSettings
@@ -46,8 +47,9 @@ def _fresh_ipu_children(before: dict[int, psutil.Process]) -> list[int]:
     for pid, p in _descendants().items():
         if pid in before or p.ppid() != os.getpid():
             continue
-        cmd = " ".join(p.cmdline())
-        if "-m ipu_emulator " in cmd + " " and "forkserver" not in cmd:
+        cmd = " ".join(p.cmdline()).rstrip()   # its title (ipu_emulator.titles), or argv
+        if titles.parse_ipu(cmd) is not None or ("-m ipu_emulator " in cmd + " "
+                                                 and "forkserver" not in cmd):
             found.append(pid)
     return found
 
@@ -116,7 +118,7 @@ def test_after_the_block_a_runner_takes_the_old_values(model_path, weights):
         new = [p for pid, p in _descendants().items() if pid not in before]
         ipus = [p for p in new if p.ppid() != os.getpid()]    # forked by the template
         assert len(ipus) == 1, new
-        assert "ipu_emulator.ipu.forkserver" in " ".join(ipus[0].parent().cmdline())
+        assert " ".join(ipus[0].parent().cmdline()).startswith("ipu-emulator: fork server")
         assert _settings_lines(ipus[0].pid) == []            # WARNING: no DEBUG line
 
 

@@ -45,7 +45,7 @@ def clean_env(monkeypatch):
 def test_each_layer_declares_its_own_knobs_and_extends_the_one_below() -> None:
     layer = {k.name: k.layer for k in HostSettings.knobs()}
     assert {n for n, m in layer.items() if m == "shm.settings"} == {
-        "ring_c", "ring_untimed_waits", "ring_spin_us", "shm_tag"}
+        "ring_c", "ring_peer_thread", "ring_spin_us", "shm_tag"}
     assert {n for n, m in layer.items() if m == "host_runtime.settings"} == {
         "runner_spin_us", "runner_fused", "runner_plain", "runner_small_io", "load_timeout",
         "stop_timeout", "host_sync_timeout", "daemon"}
@@ -59,7 +59,7 @@ def test_defaults_are_the_documented_ones() -> None:
     s = HostSettings.from_env({})
     assert s == HostSettings()
     assert {k.env: getattr(s, k.name) for k in HostSettings.knobs()} == {
-        "IPU_EMULATOR_RING_C": True, "IPU_EMULATOR_RING_UNTIMED_WAITS": True,
+        "IPU_EMULATOR_RING_C": True, "IPU_EMULATOR_RING_PEER_THREAD": True,
         "IPU_EMULATOR_RING_SPIN_US": 0.0, "IPU_EMULATOR_SHM_TAG": "g",
         "IPU_EMULATOR_DEVICE_SPIN_US": 50.0,
         "IPU_EMULATOR_RUNNER_SPIN_US": 100.0, "IPU_EMULATOR_YIELDED_US": 5.0,

@@ -20,7 +20,8 @@ def _entry(name: str) -> str:
 def test_public_surface() -> None:
     assert sorted(shm.__all__) == sorted([
         "ExitWatch", "PeerDiedError", "PeerWatch", "Region", "Ring", "RingInvalidatedError",
-        "RingTimeoutError", "ShmClosedError", "ShmError", "ShmForkedError", "WAIT_SLICE",
+        "RingTimeoutError", "ShmClosedError", "ShmError", "ShmForkedError", "PEER_CHECK",
+        "WaitInterrupted",
         "WouldBlock", "buffer_address", "naming", "pid_alive", "remove_dead",
         "describe_process", "process_state", "FileSizeLimitError",
         "OutOfFileDescriptorsError", "ShmFullError", "limits"])

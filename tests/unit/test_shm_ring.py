@@ -368,7 +368,7 @@ def test_c_and_python_ends_interoperate(monkeypatch) -> None:
 
 
 def test_a_signal_handler_interrupts_a_blocked_wait(pair) -> None:
-    """Python signal handlers run while a thread waits (the C path waits untimed)."""
+    """Python signal handlers run while a thread waits (a wait without deadline too)."""
     import signal
 
     class Alarm(Exception):
@@ -399,10 +399,10 @@ def _wait_in_forked_child(consumer) -> None:
             os._exit(4)
     else:
         os._exit(5)
-    ring = Ring.create(16, 2)        # a ring of its own: its waits need the child's watchdog
+    ring = Ring.create(16, 2)        # a ring of its own: its waits work in the child
     code = 3
     try:
-        ring.read(timeout=0.3)       # an untimed wait that only the watchdog ends
+        ring.read(timeout=0.3)       # a wait to a deadline
     except RingTimeoutError:
         code = 0
     finally:
@@ -411,15 +411,14 @@ def _wait_in_forked_child(consumer) -> None:
     os._exit(code)
 
 
-def test_untimed_waits_still_end_in_a_forked_child(pair) -> None:
-    """The watchdog thread does not survive fork(): the child must start its own."""
+def test_waits_still_end_in_a_forked_child(pair) -> None:
+    """A child forked while the parent waits (the C core's lock held across fork) waits
+    on its own rings, and its deadlines still end them."""
     import multiprocessing as mp
 
     producer, consumer = pair
-    if consumer._core is None:
-        pytest.skip("the pure-Python path waits in timed slices")
     with pytest.raises(RingTimeoutError):
-        consumer.read(timeout=0.2)   # the parent's watchdog is running now
+        consumer.read(timeout=0.2)
     child = mp.get_context("fork").Process(target=_wait_in_forked_child, args=(consumer,))
     child.start()
     finish(child, 20)

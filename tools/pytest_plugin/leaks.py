@@ -10,7 +10,7 @@ what is still there:
 - a runner still attached to its devices, with the IPU process pids and
   where it was made;
 - a device (``DeviceManager.getDevice``) still attached, likewise;
-- an IPU process of this host still running (``--host-pid <this pid>``);
+- an IPU process of this host still running (titled ``ipu N (host <this pid>)``);
 - shared-memory objects of this process's tag that were not there before;
 
 then closes, stops and unlinks them, so that the next test starts clean, and
@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import pytest
 
+from ipu_emulator import titles
 from tools.pytest_plugin.machine import remove_shm_entries, shm_entries
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -76,12 +77,12 @@ class _Made:
 
 
 def _ipu_processes() -> dict[int, str]:
-    """Running IPU processes started by this host: ``{pid: label}``.
+    """Running IPU processes started by this host: ``{pid: what it is}``.
 
-    Either ``python -m ipu_emulator ... --host-pid <this pid>`` (its label from
-    ``--label``), or a child forked by this host's template process
-    (``python -m ipu_emulator.ipu.forkserver ... --host-pid <this pid>``, whose children
-    carry its command line); the template itself is not an IPU process.
+    Titled ``ipu-emulator: ipu N (host <this pid>)`` (``ipu_emulator.titles``), or not
+    titled yet: ``python -m ipu_emulator ... --host-pid <this pid>`` (its label from
+    ``--label``), or a child forked by this host's template process that still carries
+    the template's title; the template itself is not an IPU process.
     """
     import psutil
 
@@ -98,6 +99,16 @@ def _ipu_processes() -> dict[int, str]:
                 continue
             parent = child.ppid()
         except psutil.Error:
+            continue
+        title = " ".join(argv).rstrip()
+        ipu = titles.parse_ipu(title)
+        if ipu is not None:
+            if ipu[1] == me and not ipu[2]:
+                found[child.pid] = f"ipu {ipu[0]}"
+            continue
+        if title == titles.fork_server(me):
+            if parent != me:
+                found[child.pid] = f"forked by the template process {parent}"
             continue
         if "--host-pid" not in argv[:-1] or argv[argv.index("--host-pid") + 1] != str(me):
             continue
