@@ -30,6 +30,7 @@ every other answer is checked. ``cycles`` counts the interrupts delivered.
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import gc
 import json
 import logging
@@ -705,9 +706,13 @@ class _Host:
             with self.tally.lock:
                 self.tally.cycles = self.interrupts.delivered
         stuck = [t for t in threads if t.is_alive()]
+        if self.in_flight:   # where each thread is, in the host's stderr (kept with --keep)
+            sys.stderr.write("hung: the host's threads at the end of the run:\n")
+            sys.stderr.flush()
+            faulthandler.dump_traceback(sys.stderr, all_threads=True)
         for tid, (since, stage) in list(self.in_flight.items()):
             self.tally.problem("hung", f"thread {tid} stuck {time.time() - since:.1f} s "
-                               f"while {stage}")
+                               f"while {stage} (threads' stacks in the host's stderr)")
         if stuck:
             return False
         if work is not None and self.spec["scenario"] in _KILLS:
