@@ -645,9 +645,14 @@ class _Host:
         reporter = threading.Thread(target=self._report, args=(reporting,), daemon=True,
                                     name="stress-progress")
         reporter.start()
+        # a host still running well past its deadline (a hang, in a thread or the main
+        # one) writes every thread's stack to its stderr (kept with --keep)
+        faulthandler.dump_traceback_later(
+            max(0.0, self.deadline - time.time()) + self.hang + 5.0, file=sys.stderr)
         try:
             return self._run(work, daemon_loop, threads_n)
         finally:
+            faulthandler.cancel_dump_traceback_later()
             reporting.set()
             reporter.join(5)
             _say(self.tally.progress_line())
@@ -706,10 +711,6 @@ class _Host:
             with self.tally.lock:
                 self.tally.cycles = self.interrupts.delivered
         stuck = [t for t in threads if t.is_alive()]
-        if self.in_flight:   # where each thread is, in the host's stderr (kept with --keep)
-            sys.stderr.write("hung: the host's threads at the end of the run:\n")
-            sys.stderr.flush()
-            faulthandler.dump_traceback(sys.stderr, all_threads=True)
         for tid, (since, stage) in list(self.in_flight.items()):
             self.tally.problem("hung", f"thread {tid} stuck {time.time() - since:.1f} s "
                                f"while {stage} (threads' stacks in the host's stderr)")
