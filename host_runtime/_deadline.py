@@ -25,6 +25,9 @@ a SIGSTOPped one, via :func:`shm.describe_process`):
   connection as a release when it runs again);
 - ``SpscRingBuffer.writeLock`` (queue ``enqueue``/``flush``): a ring whose device
   side took nothing that long raises DeviceTimeoutError.
+- ``ModelRunner`` requests (``execute``, ``OutputFuture.wait``, a submit finding
+  the input rings full or another thread's request holding the replica): the
+  request is given up, the replica stays usable (host_runtime.runner).
 """
 
 from __future__ import annotations

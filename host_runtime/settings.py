@@ -28,7 +28,7 @@ import sys
 from dataclasses import dataclass
 
 from ipu_emulator.settings import IpuSettings
-from shm.settings import (EACH_USE, SettingsError, knob, micros, override, readme_table,
+from shm.settings import (EACH_USE, SettingsError, flag, knob, micros, override, readme_table,
                           seconds, text)
 
 __all__ = ["Settings", "HostSettings", "SettingsError", "current", "override", "table"]
@@ -44,6 +44,21 @@ class HostSettings(IpuSettings):
         100.0, "IPU_EMULATOR_RUNNER_SPIN_US", micros,
         "the host's poll of an output ring before it blocks, while recent outputs came "
         "quickly; 0: never poll", when="a runner is made")
+    runner_fused: bool = knob(
+        True, "IPU_EMULATOR_RUNNER_FUSED", flag,
+        "`0`: a plain `execute` on an idle replica takes the general request path (a "
+        "request, a transfer, a drain) instead of the fused write-wait-read under one lock",
+        when="a runner is made")
+    runner_plain: bool = knob(
+        True, "IPU_EMULATOR_RUNNER_PLAIN", flag,
+        "`0`: the common request (a dict of whole arrays of every input's dtype and shape) "
+        "is checked and built like any other instead of recognised at once",
+        when="a runner is made")
+    runner_small_io: bool = knob(
+        True, "IPU_EMULATOR_RUNNER_SMALL_IO", flag,
+        "`0`: small transfers are written and read through a ring slot like large ones, "
+        "instead of one ring call each that copies and publishes (or releases)",
+        when="a runner is made")
     load_timeout: float = knob(
         300.0, "IPU_EMULATOR_LOAD_TIMEOUT", seconds,
         "how long loading an executable onto a device may take", when=_HOST)

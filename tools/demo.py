@@ -375,9 +375,7 @@ def _sharded_mode(workdir: str, demo: _Demo, pipelined: bool) -> None:
         futures = [runner.executeAsync({"x": x}) for x in xs]
         for x, f in zip(xs, futures):
             _check(f.result()["y"], reference(model, x), "y")
-        session = runner._replicas[0].session
-        device = session.device() if session is not None else None
-        pids = device.pids() if device is not None else []
+        pids = runner.device_pids(0)
         if len(set(pids)) != 2:
             raise AssertionError(f"expected 2 IPU processes, the device has {pids}")
         if demo.verbose:

@@ -723,9 +723,12 @@ class DeviceManager:
             raise
         return devices
 
-    def _getDevices(self, model: Model, count: int,
-                    wait_config: "DeviceWaitConfig | None" = None) -> list[Device]:
-        """``count`` devices for ``model``, all or none (ModelRunner's replicas)."""
+    def get_devices_all_or_none(self, model: Model, count: int,
+                                wait_config: "DeviceWaitConfig | None" = None) -> list[Device]:
+        """``count`` devices for ``model``, all or none, attached at once (a ModelRunner's
+        replicas: a runner holding some while waiting for the others could deadlock with
+        another doing the same). Internal to this package and the runner, not part of the
+        seed's API; DeviceUnavailableError when the machine cannot hold ``count``."""
         num_ipus, version, wc = self._parse_get(
             model, (), {"wait_config": wait_config if wait_config is not None
                         else DeviceWaitConfig()})

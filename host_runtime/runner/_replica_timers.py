@@ -6,10 +6,11 @@ batch, and three non-blocking actions. It refers to its owner weakly (a replica
 nobody references is freed at once, by reference counting), and is told the open
 partial batch where it is on the request path (``next_deadline``, ``kick``).
 Timers fire from whichever thread drives the replica (a caller waiting for a
-result: ``Replica._drive_step`` calls ``next_deadline`` and ``fire``), or from a
-small watchdog thread while nobody waits and ``flush_on_waiting_outputs`` is off. Firing never blocks on the
-replica's submit lock: a busy submitter means the timer is retried on the next
-drive step.
+result: ``Completion`` sleeps until ``next_deadline`` and calls ``fire``), or from a
+small watchdog thread while nobody waits and ``flush_on_waiting_outputs`` is off.
+Firing never blocks: one thread fires at a time (another that finds it firing
+returns), and a busy submitter (the replica's submit lock) means the timer is
+retried shortly.
 
 - a *partial* transfer (dynamic batching) is flushed after
   ``partial_flush_ns``: ``flush_callback(tensor_id, inputs, outputs)``, told the
@@ -37,6 +38,8 @@ from host_runtime.runner.config import FlushCallback
 __all__ = ["Phantom", "ReplicaTimers", "TimerOwner"]
 
 _log = logging.getLogger("host_runtime.runner._replica")
+_RETRY = 0.001
+"""Seconds before a timer that could not act (a submitter held the lock) is fired again."""
 
 MakeFlushRequest = Callable[[Any, Any], Optional[Request]]
 """``(inputs, outputs)`` the flush callback gave -> a request (None: nothing usable)."""
@@ -73,9 +76,8 @@ class TimerOwner(Protocol):
         """Send ``request`` to the device; False, doing nothing, if a submitter holds the
         submit lock."""
 
-    def fire_timers_as_drainer(self) -> None:
-        """Fire the due timers holding the drain role; waits briefly when another thread
-        holds it (the watchdog's step)."""
+    def fire_timers(self) -> None:
+        """Fire the due timers now and wake the replica's waiters (the watchdog's step)."""
 
 
 class ReplicaTimers:
@@ -97,6 +99,7 @@ class ReplicaTimers:
         self._waits_for = waits_for
         self._use_watchdog = watchdog
         self._lock = threading.Lock()             # guards _phantoms
+        self._firing = threading.Lock()           # one thread fires at a time
         self._phantoms: list[Phantom] = []
         self._watchdog: threading.Thread | None = None
         self._watch_wake = threading.Condition(threading.Lock())
@@ -135,8 +138,14 @@ class ReplicaTimers:
     def fire(self, now: float) -> None:
         """Flush a partial batch whose time is up; time out phantoms. Never blocks on submit."""
         owner = self._owner()
-        if owner is None:
+        if owner is None or not self._firing.acquire(blocking=False):
             return
+        try:
+            self._fire(owner, now)
+        finally:
+            self._firing.release()
+
+    def _fire(self, owner: TimerOwner, now: float) -> None:
         tr = owner.partial
         flush = self._flush_ns
         if tr is not None and flush is not None and tr.t_open + flush / 1e9 <= now:
@@ -247,6 +256,10 @@ class ReplicaTimers:
             if d > now:
                 del owner      # not kept alive while waiting
                 with self._watch_wake:
-                    self._watch_wake.wait(min(d - now, 1.0))
+                    self._watch_wake.wait(d - now)
                 continue
-            owner.fire_timers_as_drainer()
+            owner.fire_timers()
+            if self.next_deadline(owner.partial) <= now:
+                del owner      # could not act (a submitter is busy): again shortly
+                with self._watch_wake:
+                    self._watch_wake.wait(_RETRY)

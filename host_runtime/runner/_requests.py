@@ -105,7 +105,12 @@ class Request:
 
 @dataclass(slots=True, init=False)
 class Transfer:
-    """One Main iteration on the device: a slot of every input it reads."""
+    """One Main iteration on the device: a slot of every input it reads.
+
+    A transfer with no segments is *abandoned*: its inputs reached the device but
+    nobody wants its outputs (the request was interrupted); it is drained like any
+    other, in its place, and its outputs are dropped, so that the next request reads
+    its own."""
 
     segments: list[tuple[Request, int, int, int]]   # (request, request unit, units, slot unit)
     outputs: tuple[TensorSpec, ...]                  # outputs the device writes for it
@@ -116,7 +121,7 @@ class Transfer:
     slots: dict[str, np.ndarray]                     # open partial's slots
     flush_asked: bool                                # flush_callback called for this partial
     flush_extra: Optional[Request]                   # what it gave, not yet packed
-    seq: int                                         # its sequence number on the wire
+    seq: int                                         # its sequence number on the wire (1, 2, ...)
 
     def __init__(self, segments: list[tuple[Request, int, int, int]],
                  outputs: tuple[TensorSpec, ...], t_open: float = 0.0) -> None:
@@ -151,6 +156,8 @@ class OutputFuture:
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the result (or an error) is available; False if ``timeout`` passed.
 
+        DeviceTimeoutError when the device made no progress for the host sync timeout
+        (``IPU_EMULATOR_HOST_SYNC_TIMEOUT``; the request then fails with it);
         ForkedProcessError in a process forked from the one that made the request."""
         if foreign(self._owner_pid):
             raise forked_error("OutputFuture", self._owner_pid)

@@ -52,7 +52,7 @@ class MonitoredRunner(Protocol):
     """What a collector reads of a ``ModelRunner``: its model and one monitor per replica.
     (A protocol, so that this module, imported lazily, does not import the runner's.)"""
 
-    _monitors: list[RequestMonitor]
+    def request_monitors(self) -> list[RequestMonitor]: ...
 
     @property
     def model(self) -> Model: ...
@@ -117,7 +117,7 @@ class ModelRunnerCollector(Collector):
         rows: list[tuple[list[str], RequestMonitor]] = []
         for runner in self.runners():
             model, num = _model_name(runner), _runner_number(runner)
-            monitors = list(runner._monitors)
+            monitors = runner.request_monitors()
             rows += [([model, str(rid), num], mon) for rid, mon in enumerate(monitors)]
         return iter(self._families(rows))
 

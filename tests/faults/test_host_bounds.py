@@ -238,7 +238,7 @@ def test_runner_close_with_the_daemon_stopped_releases_locally(daemon, model_pat
     # continued, the daemon took the closed connection as the release: both IPUs attach
     monkeypatch.setenv("IPU_EMULATOR_HOST_SYNC_TIMEOUT", "60")
     wait = DeviceWaitConfig(timedelta(seconds=60), timedelta(seconds=0.05))
-    devices = DeviceManager(daemon=daemon.socket)._getDevices(
+    devices = DeviceManager(daemon=daemon.socket).get_devices_all_or_none(
         model_runtime.popef.load_model([model_path]), 2, wait)
     for dev in devices:
         dev.close()

@@ -26,14 +26,6 @@ pytestmark = pytest.mark.usefixtures("private_machine")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SYNC = "1"
 
-# The runner's request path (host_runtime/runner) waits on its output ring with no bound:
-# reported to the lead for the host-engine rewrite; these pass once it honours the bound.
-RUNNER_UNBOUNDED = pytest.mark.xfail(
-    strict=True, reason="ModelRunner's request path does not honour the host sync timeout "
-                        "(host_runtime/runner: Replica.run_idle/_read_outputs/_drain wait "
-                        "without a bound on a stopped IPU process)")
-
-
 def run_program(case: str, model_path: str, *args: str, **env: str) -> dict[str, Any]:
     environ = dict(os.environ, IPU_EMULATOR_HOST_SYNC_TIMEOUT=SYNC,
                    PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), **env)
@@ -58,24 +50,20 @@ def assert_bounded(report: dict[str, Any], names: list[str]) -> None:
     assert report["left"] == [], report
 
 
-@RUNNER_UNBOUNDED
 def test_execute_on_a_stopped_ipu_process_is_bounded(model_path):
     assert_bounded(run_program("execute", model_path), ["execute"])
 
 
-@RUNNER_UNBOUNDED
 def test_wait_on_a_stopped_ipu_process_is_bounded(model_path):
     report = run_program("wait", model_path)
     assert_bounded(report, ["wait"])
 
 
-@RUNNER_UNBOUNDED
 def test_execute_async_with_full_rings_is_bounded(model_path):
     report = run_program("async-full", model_path)
     assert_bounded(report, ["executeAsync (rings full)"])
 
 
-@RUNNER_UNBOUNDED
 def test_execute_async_while_another_thread_is_inside_execute_is_bounded(model_path):
     report = run_program("async-thread", model_path)
     assert not report["thread_alive"]

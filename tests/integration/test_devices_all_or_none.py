@@ -33,7 +33,7 @@ def test_short_of_devices_nothing_stays_held(three_ipus, model):
     held = [dm.getDevice(1), dm.getDevice(1)]
     try:
         with pytest.raises(DeviceUnavailableError, match=r"asked for 2 devices of 1 IPU\(s\)"):
-            dm._getDevices(model, 2, NO_WAIT)
+            dm.get_devices_all_or_none(model, 2, NO_WAIT)
         # The one free IPU was reserved during the attempt and must be free again.
         free = dm.getDevice(1)
         free.close()
@@ -66,7 +66,7 @@ def test_more_devices_than_the_machine_has_fails_at_once(three_ipus, model):
     with pytest.raises(DeviceUnavailableError,
                        match=r"asked for 4 devices of 1 IPU\(s\) with WAIT_FOREVER, but this machine "
                              r"has 3 IPU\(s\)"):
-        DeviceManager()._getDevices(model, 4, wait_forever)
+        DeviceManager().get_devices_all_or_none(model, 4, wait_forever)
 
 
 def test_replicas_get_their_devices_together_and_release_them_on_close(three_ipus, model_path,

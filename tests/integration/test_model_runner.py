@@ -66,7 +66,7 @@ def test_the_submitting_threads_id_is_left_for_the_ipu_process(runner, weights):
     (ipu_emulator.ipu._placement): the replica writes that thread's id into its input rings."""
     import threading
 
-    rings = list(runner._replicas[0]._in_rings.values())
+    rings = list(runner._replicas[0].input_rings().values())
     check_healthy(runner, weights)
     assert {r.user_word() for r in rings} == {threading.get_native_id()}
     seen = {}
@@ -473,7 +473,7 @@ def test_max_look_ahead_zero_still_runs_many_in_flight(model_path, weights):
     """One slot per stream ring: submitting more requests drains the earlier ones."""
     cfg = model_runtime.ModelRunnerConfig(max_look_ahead="0")
     with model_runtime.ModelRunner(model_path, config=cfg) as r:
-        assert r._replicas[0]._in_rings["tensor_A"].num_slots == 1
+        assert r._replicas[0].input_rings()["tensor_A"].num_slots == 1
         reqs = [pair() for _ in range(6)]
         futs = [r.executeAsync({"tensor_A": a, "tensor_B": b}) for a, b in reqs]
         for (a, b), f in zip(reqs, futs):
@@ -488,8 +488,8 @@ def test_ring_buffer_size_multiplier_sets_the_main_ring_depth(model_path, weight
     cfg = model_runtime.ModelRunnerConfig(ring_buffer_size_multiplier=multiplier)
     with model_runtime.ModelRunner(model_path, config=cfg) as r:
         rep = r._replicas[0]
-        assert rep._in_rings["tensor_A"].num_slots == depth
-        assert rep._in_rings["tensor_B"].num_slots == depth
+        assert rep.input_rings()["tensor_A"].num_slots == depth
+        assert rep.input_rings()["tensor_B"].num_slots == depth
         s = rep.session
         assert s.direct.output_ring("tensor_C").num_slots == depth
         assert s.direct.input_ring("weights").num_slots == 2
@@ -503,7 +503,7 @@ def test_ring_buffer_size_multiplier_sets_the_main_ring_depth(model_path, weight
 def test_max_look_ahead_caps_the_ring_buffer_size_multiplier(model_path):
     cfg = model_runtime.ModelRunnerConfig(ring_buffer_size_multiplier=6, max_look_ahead="2")
     with model_runtime.ModelRunner(model_path, config=cfg) as r:
-        assert r._replicas[0]._in_rings["tensor_A"].num_slots == 3
+        assert r._replicas[0].input_rings()["tensor_A"].num_slots == 3
 
 
 def test_device_iterations_are_transparent(tmp_path):

@@ -4,7 +4,8 @@ The rest of the suite runs the default paths: the rings' C core, zero-copy
 streams, embedded IPU processes. Each leg here runs a representative part of
 the integration and fault suites again in a fresh pytest with one path
 switched: the rings' pure-Python path (``IPU_EMULATOR_RING_C=0``), copying
-streams (``IPU_EMULATOR_ZERO_COPY=0``), and attachment through a daemon
+streams (``IPU_EMULATOR_ZERO_COPY=0``), the runner's general request path only
+(``IPU_EMULATOR_RUNNER_FUSED=0``, ``_PLAIN=0``, ``_SMALL_IO=0``), and attachment through a daemon
 (``IPU_EMULATOR_DAEMON``; tests marked ``embedded_only`` are skipped there).
 A leg fails with the inner run's own report.
 """
@@ -39,6 +40,21 @@ def _run(paths: list[str], env: dict[str, str]) -> None:
 @pytest.mark.parametrize("switch", ["IPU_EMULATOR_RING_C", "IPU_EMULATOR_ZERO_COPY"])
 def test_integration_and_faults_with_the_path_switched_off(switch: str) -> None:
     _run(RUNNER + FAULTS, dict(os.environ, **{switch: "0"}))
+
+
+RUNNER_FAST_PATHS = ("IPU_EMULATOR_RUNNER_FUSED", "IPU_EMULATOR_RUNNER_PLAIN",
+                     "IPU_EMULATOR_RUNNER_SMALL_IO")
+"""The runner's fast paths (host_runtime/runner/_transfer.py): off, every request takes
+the general path (checked, a Request and its Transfers, drained, through slot views)."""
+
+
+def test_runner_and_faults_with_the_runner_fast_paths_off() -> None:
+    _run(RUNNER + FAULTS + ["tests/unit/test_loopback_runner.py",
+                            "tests/unit/test_loopback_deadlines.py",
+                            "tests/integration/test_model_runner_shared.py",
+                            "tests/integration/test_model_runner_large.py",
+                            "tests/integration/test_interrupt.py"],
+         dict(os.environ, **{k: "0" for k in RUNNER_FAST_PATHS}))
 
 
 def test_integration_and_faults_through_a_daemon(tmp_path: Path) -> None:

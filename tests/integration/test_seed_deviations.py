@@ -61,10 +61,10 @@ def test_ring_size_is_multiplier_times_batch_size(models, shape, batching_dim, b
         spec = rep.setup.inputs["tensor_A"]
         assert spec.batch == batch
         for name in ("tensor_A", "tensor_B"):
-            ring = rep._in_rings[name]
+            ring = rep.input_rings()[name]
             assert ring.num_slots == multiplier
             assert ring.num_slots * spec.batch == multiplier * batch     # samples it holds
-        assert rep._out_rings["tensor_C"].num_slots == multiplier
+        assert rep.output_rings()["tensor_C"].num_slots == multiplier
         assert rep.session.direct.input_ring("weights").num_slots == 2        # load program's anchor
         # many requests in flight, several transfers each, all right
         n = 3 * batch
@@ -85,7 +85,7 @@ def test_ring_of_one_slot_packs_partial_batches(models):
     cfg = model_runtime.ModelRunnerConfig(ring_buffer_size_multiplier=1, batching_dim=0,
                                           timeout_ns=0)
     with model_runtime.ModelRunner(path, config=cfg) as r:
-        assert r._replicas[0]._in_rings["tensor_A"].num_slots == 1
+        assert r._replicas[0].input_rings()["tensor_A"].num_slots == 1
         sizes = [1, 3, 6, 2, 4]
         reqs = [(rand((n, 3), n), rand((n, 3), n + 10)) for n in sizes]
         futs = [r.executeAsync({"tensor_A": a, "tensor_B": b}) for a, b in reqs]
@@ -101,7 +101,7 @@ def test_max_look_ahead_still_caps_the_ring(models):
     path, _ = models[(4, 3)]
     cfg = model_runtime.ModelRunnerConfig(ring_buffer_size_multiplier=5, max_look_ahead="1")
     with model_runtime.ModelRunner(path, config=cfg) as r:
-        assert r._replicas[0]._in_rings["tensor_A"].num_slots == 2
+        assert r._replicas[0].input_rings()["tensor_A"].num_slots == 2
 
 
 # ------------------------------------------------------------------ flush_callback

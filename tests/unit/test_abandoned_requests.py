@@ -14,7 +14,7 @@ import pytest
 
 import host_runtime as model_runtime
 from host_runtime.errors import InvalidStateError
-from host_runtime.runner import _replica
+from host_runtime.runner import _completion, _transfer
 from tests.unit._loopback import model, model_path, weights  # noqa: F401  (fixtures)
 
 SHAPE = (4, 256)   # 4 KiB tensors: the general path (not run_idle's), copied by copy_bytes
@@ -64,7 +64,7 @@ def test_a_transfer_half_written_when_interrupted_is_completed(runner, weights, 
     """The second input's copy into its slot is interrupted: the first input is published,
     the second slot held. The transfer is completed with the request's own data and
     drained; the next requests get their own outputs."""
-    monkeypatch.setattr(_replica, "copy_bytes", interrupt_on_call(2, _replica.copy_bytes))
+    monkeypatch.setattr(_transfer, "copy_bytes", interrupt_on_call(2, _transfer.copy_bytes))
     with pytest.raises(KeyboardInterrupt):
         runner.execute(request(1))
     check_next_requests(runner, weights)
@@ -73,8 +73,8 @@ def test_a_transfer_half_written_when_interrupted_is_completed(runner, weights, 
 def test_an_interrupted_wait_leaves_the_future_its_own_answer(runner, weights, monkeypatch):
     """The interrupt comes as the future's waiter starts to drain, before it reads: the
     future is answered by the next wait, right."""
-    monkeypatch.setattr(_replica.Replica, "_drain",
-                        interrupt_on_call(1, _replica.Replica._drain))
+    monkeypatch.setattr(_completion.Completion, "_drain",
+                        interrupt_on_call(1, _completion.Completion._drain))
     x = request(2)
     fut = runner.executeAsync(x)
     with pytest.raises(KeyboardInterrupt):
@@ -87,8 +87,8 @@ def test_an_output_consumed_as_the_interrupt_came_fails_its_request_by_name(
         runner, weights, monkeypatch):
     """The interrupt lands as the output is being copied out of its slot: that output is
     lost, so its request fails with the named error; the next requests are right."""
-    monkeypatch.setattr(_replica.Replica, "_copy_out",
-                        staticmethod(interrupt_on_call(1, _replica.Replica._copy_out)))
+    monkeypatch.setattr(_transfer.TransferPath, "copy_out",
+                        staticmethod(interrupt_on_call(1, _transfer.TransferPath.copy_out)))
     fut = runner.executeAsync(request(3))
     with pytest.raises(KeyboardInterrupt):
         fut.wait()
@@ -102,7 +102,7 @@ def test_an_output_consumed_as_the_interrupt_came_fails_its_request_by_name(
 @pytest.mark.parametrize("where", ["writing", "reading"])
 def test_the_fused_path_interrupted_gives_the_next_request_its_own_outputs(
         loopback_device, monkeypatch, tmp_path, where):
-    """``execute`` on an idle replica with small tensors (run_idle), interrupted after its
+    """``execute`` on an idle replica with small tensors (the fused path), interrupted after its
     first input is written (non-contiguous inputs are made contiguous one by one: the
     second call raises), or before its output is read: the transfer is completed and
     drained, and every later request gets its own outputs."""
@@ -120,8 +120,8 @@ def test_the_fused_path_interrupted_gives_the_next_request_its_own_outputs(
             monkeypatch.setattr(np, "ascontiguousarray",
                                 interrupt_on_call(2, np.ascontiguousarray))
         else:
-            monkeypatch.setattr(_replica.Replica, "_read_outputs",
-                                interrupt_on_call(1, _replica.Replica._read_outputs))
+            monkeypatch.setattr(_transfer.TransferPath, "take_fused",
+                                interrupt_on_call(1, _transfer.TransferPath.take_fused))
         with pytest.raises(KeyboardInterrupt):
             runner.execute(x)
         monkeypatch.undo()

@@ -66,13 +66,9 @@ LAYERS = {
 
 # (file, private attribute) -> (how many accesses, who must remove them or why they stay)
 ALLOWED_PRIVATE_READS: dict[tuple[str, str], tuple[int, str]] = {
-    # the runner and the demo: helper "engine" (the runner rewrite), temporarily
-    ("host_runtime/runner/_model_runner.py", "_getDevices"): (1, "engine: DeviceManager()"),
-    ("host_runtime/runner/_replica.py", "_waiters"): (3, "engine: self._cv (a Condition)"),
+    # the runner: a marker the monitor sets on a failed request's error and reads back
     ("host_runtime/runner/monitoring.py", "_ipu_monitored"): (2, "engine: set on and read "
                                                               "from an exception"),
-    ("host_runtime/runner/runner_metrics.py", "_monitors"): (1, "engine: runner._monitors"),
-    ("tools/demo.py", "_replicas"): (1, "engine: runner._replicas"),
     # other libraries' private state, read where no public name does the job
     ("ipu_emulator/ipu/interpreter.py", "_sess"):
         (1, "onnxruntime's C session: its public run_with_iobinding adds ~2 us of checks "

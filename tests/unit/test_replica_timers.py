@@ -48,7 +48,7 @@ class _Owner:
         self.sent.append((request, transfers))
         return True
 
-    def fire_timers_as_drainer(self) -> None:
+    def fire_timers(self) -> None:
         assert self.timers is not None
         self.timers.fire(time.monotonic())
         self.fired.set()

@@ -47,7 +47,8 @@ def test_each_layer_declares_its_own_knobs_and_extends_the_one_below() -> None:
     assert {n for n, m in layer.items() if m == "shm.settings"} == {
         "ring_c", "ring_untimed_waits", "ring_spin_us", "shm_tag"}
     assert {n for n, m in layer.items() if m == "host_runtime.settings"} == {
-        "runner_spin_us", "load_timeout", "stop_timeout", "host_sync_timeout", "daemon"}
+        "runner_spin_us", "runner_fused", "runner_plain", "runner_small_io", "load_timeout",
+        "stop_timeout", "host_sync_timeout", "daemon"}
     assert all(m in ("shm.settings", "ipu_emulator.settings", "host_runtime.settings")
                for m in layer.values())
     assert issubclass(HostSettings, IpuSettings) and issubclass(IpuSettings, ShmSettings)
@@ -62,6 +63,8 @@ def test_defaults_are_the_documented_ones() -> None:
         "IPU_EMULATOR_RING_SPIN_US": 0.0, "IPU_EMULATOR_SHM_TAG": "g",
         "IPU_EMULATOR_DEVICE_SPIN_US": 50.0,
         "IPU_EMULATOR_RUNNER_SPIN_US": 100.0, "IPU_EMULATOR_YIELDED_US": 5.0,
+        "IPU_EMULATOR_RUNNER_FUSED": True, "IPU_EMULATOR_RUNNER_PLAIN": True,
+        "IPU_EMULATOR_RUNNER_SMALL_IO": True,
         "IPU_EMULATOR_ZERO_COPY": True, "IPU_EMULATOR_KEEP_APART": True,
         "IPU_EMULATOR_FORKSERVER": True, "IPU_EMULATOR_DEVICE_LOG_LEVEL": "WARNING",
         "IPU_EMULATOR_DAEMON_LOG_LEVEL": "INFO", "IPU_EMULATOR_START_TIMEOUT": 120.0,

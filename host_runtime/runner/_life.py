@@ -1,0 +1,283 @@
+"""A replica's life: attach and load (a session on a device, Main in a loop), notice a
+lost device, reset (``auto_reset``), close.
+
+:class:`ReplicaLife` owns the replica's session, the :class:`TransferPath` over its
+rings (a new one after each reset), the watch on its IPU processes and the
+replica's error. It sends nothing and completes nothing: when the device is lost
+it tells the replica through ``on_lost`` (the replica fails what is in flight).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import threading
+import time
+import weakref
+from typing import Callable, Protocol
+
+import numpy as np
+
+from shm import ExitWatch, PeerDiedError, Ring, describe_process
+
+from host_runtime.errors import (DeviceLostError, DeviceTimeoutError, InvalidStateError,
+                                 ModelRuntimeError)
+from host_runtime.runner._batching import TensorSpec
+from host_runtime.runner._transfer import RECHECK, PathOptions, TransferPath
+from host_runtime.runner._requests import raisable
+from host_runtime.settings import HostSettings
+
+__all__ = ["ReplicaLife", "ReplicaSession", "DirectPath", "DeviceProcesses", "SaveFn"]
+
+_log = logging.getLogger("host_runtime.runner._replica")
+
+
+class DeviceProcesses(Protocol):
+    def pids(self) -> list[int]:
+        """The pids of the device's IPU processes."""
+
+
+class DirectPath(Protocol):
+    """What a replica uses of ``session.direct`` (the session's fast path,
+    ``host_runtime.session._fastpath.DirectStreams``)."""
+
+    def input_ring(self, handle: str) -> Ring: ...
+    def output_ring(self, handle: str) -> Ring: ...
+    def start_main_loop(self) -> cf.Future[None]: ...
+    def stop_main_loop(self, timeout: float = ...) -> None: ...
+    def failure(self) -> ModelRuntimeError | None: ...
+    def translate(self, exc: BaseException) -> BaseException: ...
+
+
+class ReplicaSession(Protocol):
+    """What a replica uses of its ``Session``: exactly these members (the fast path, its
+    lifetime, and what the save programs need). ``host_runtime.session.Session``
+    implements it; ``ModelRunner`` opens the sessions."""
+
+    @property
+    def direct(self) -> DirectPath: ...
+    # lifetime
+    def device(self) -> DeviceProcesses | None: ...
+    def stop(self) -> None: ...
+    def stop_within(self, timeout: float, kill_if_hung: bool = False) -> None: ...
+    def close(self) -> None: ...
+    def close_within(self, stop_timeout: float, kill_if_hung: bool) -> None: ...
+    # the save programs (ModelRunner's SaveFn)
+    def setCallbackForAnchor(self, anchor_handle: str,
+                             callback: Callable[[memoryview], None] | None) -> None: ...
+    def runSavePrograms(self) -> None: ...
+
+
+SaveFn = Callable[[ReplicaSession], None]
+"""Runs the save programs on a replica's session before it closes."""
+
+
+class ReplicaLife:
+    """Session, rings and health of one replica (see the module docstring)."""
+
+    def __init__(self, rid: int, open_session: Callable[[], ReplicaSession],
+                 inputs: dict[str, TensorSpec], outputs: dict[str, TensorSpec],
+                 frozen: dict[str, np.ndarray], dynamic: bool, batch: int, options: PathOptions,
+                 auto_reset: bool, on_lost: Callable[[ModelRuntimeError], None],
+                 settings: HostSettings) -> None:
+        self.rid = rid
+        self._open_session = open_session
+        self._inputs, self._outputs = inputs, outputs
+        self._frozen = frozen
+        self._dynamic, self._batch, self._options = dynamic, batch, options
+        self._auto_reset = auto_reset
+        self._on_lost = on_lost
+        self.session: ReplicaSession | None = None
+        self.path: TransferPath | None = None
+        self.loop: cf.Future[None] | None = None
+        self.error: ModelRuntimeError | None = None
+        self.error_unheard = False     # no request has been failed with error yet
+        self.closed = False
+        self._close_lock = threading.Lock()
+        self._pids = ExitWatch()       # the device's IPU processes (pidfds)
+        self._pids_exact = False       # ... every one of them watched by a pidfd
+        self.sync_s = settings.host_sync_timeout   # the bound on a wait for a device's progress
+        self.wait_slice = min(RECHECK, self.sync_s)   # an untimed wait looks around this often
+
+    def open(self) -> TransferPath:
+        """Attach and load: a session, its rings, Main started in a loop."""
+        s = self._open_session()
+        try:
+            in_rings = {n: s.direct.input_ring(spec.handle) for n, spec in self._inputs.items()}
+            out_rings = {n: s.direct.output_ring(spec.handle)
+                         for n, spec in self._outputs.items()}
+            loop = s.direct.start_main_loop()
+        except BaseException:
+            s.close()
+            raise
+        self.session = s
+        self.loop = loop
+        self.error = None
+        self.path = path = TransferPath(self._inputs, self._outputs, self._frozen, in_rings,
+                                        out_rings, self._dynamic, self._batch, self._options,
+                                        self.rid)
+        dev = s.device()
+        self._pids.close()
+        self._pids = ExitWatch(dev.pids() if dev is not None else [])
+        self._pids_exact = self._pids.exact and bool(self._pids.pids)
+        # The device's service thread holds the loop future: refer back weakly, so that a
+        # runner nobody references can be collected (and its __del__ release the IPUs).
+        ref = weakref.ref(self)
+
+        def on_loop_end(fut: cf.Future[None]) -> None:
+            life = ref()
+            if life is not None:
+                life._loop_ended(fut)
+        loop.add_done_callback(on_loop_end)
+        return path
+
+    def _loop_ended(self, fut: cf.Future[None]) -> None:
+        """The device's main loop ended: stop() (normal) or a failure."""
+        if fut is not self.loop or self.closed:
+            return
+        exc = fut.exception()
+        if exc is None:
+            return
+        self._on_lost(exc if isinstance(exc, ModelRuntimeError) else DeviceLostError(str(exc)))
+
+    def mark_closed(self) -> bool:
+        """Mark the replica closed; False if it already was (close is idempotent)."""
+        with self._close_lock:
+            if self.closed:
+                return False
+            self.closed = True
+            return True
+
+    def stalled_error(self, what: str) -> DeviceTimeoutError:
+        """The device made no progress for the host sync timeout while ``what``."""
+        pids = self._pids.pids
+        peers = "; ".join(describe_process(p) for p in pids) if pids else "no IPU process known"
+        return DeviceTimeoutError(
+            f"replica {self.rid}: {what} for {self.sync_s:g} s without progress from the "
+            f"device (the host sync timeout, IPU_EMULATOR_HOST_SYNC_TIMEOUT); {peers}")
+
+    def slow_output(self, since: float) -> None:
+        """A wait for an output that began at ``since`` (monotonic) is long: raise if the
+        replica closed, or if the device made no progress for the host sync timeout."""
+        self.raise_if_closed()
+        if time.monotonic() - since >= self.sync_s:
+            raise self.stalled_error("waiting for the outputs of a request")
+
+    def closed_error(self) -> InvalidStateError:
+        return InvalidStateError(f"replica {self.rid}: the ModelRunner was closed")
+
+    def raise_if_closed(self) -> None:
+        if self.closed:
+            raise self.closed_error()
+
+    def set_error(self, err: ModelRuntimeError, nobody_heard: bool) -> bool:
+        """Record the replica's failure (the first one only); True if it was the first.
+        ``nobody_heard``: no request in flight hears of it (the next request is told)."""
+        if self.error is not None:
+            return False
+        self.error = err
+        self.error_unheard = nobody_heard
+        return True
+
+    def looks_well(self) -> bool:
+        """The check before each request: open, no earlier failure, and every IPU process
+        alive (one poll of their pidfds, ~0.5 us). False: ``usable`` sorts it out."""
+        return not (self.closed or self.error is not None or not self._pids_exact
+                    or self._pids.dead_pid() is not None)
+
+    def usable(self) -> bool:
+        """Raise if the replica cannot take a request; False if it must be reset first
+        (``auto_reset``), True if it is well."""
+        if self.closed:
+            raise InvalidStateError(f"replica {self.rid}: the ModelRunner is closed")
+        err = self.error
+        if err is None:
+            err = self._check_device()
+        if err is None:
+            return True
+        if not self._auto_reset:
+            if self.error_unheard and err is self.error:
+                self.error_unheard = False
+                raise raisable(err)
+            raise DeviceLostError(
+                f"replica {self.rid} is unusable after an earlier failure ({err}); set "
+                "ModelRunnerConfig.auto_reset = True to restart the device automatically") from err
+        return False
+
+    def _check_device(self) -> ModelRuntimeError | None:
+        """Notice a dead IPU process before a request is sent to it (~0.3 us)."""
+        s = self.session
+        if s is None:
+            return None
+        pid = self._pids.dead_pid()
+        if pid is None and self._pids_exact:
+            # Every IPU process is alive (pidfds, one poll). Other losses fail the
+            # main-loop future, which sets self.error.
+            return None
+        lost = s.direct.failure()
+        if lost is None and pid is not None:
+            err = s.direct.translate(PeerDiedError(f"IPU process {pid} died", pid))
+            lost = err if isinstance(err, ModelRuntimeError) else DeviceLostError(str(err))
+        if lost is not None:
+            self._on_lost(lost)
+        return lost
+
+    def translate(self, exc: BaseException) -> ModelRuntimeError:
+        """A ring's or the link's exception as the runtime error the user gets."""
+        if self.error is not None:
+            return self.error
+        if isinstance(exc, ModelRuntimeError):   # e.g. SequenceMismatchError
+            return exc
+        s = self.session
+        err = s.direct.translate(exc) if s is not None else exc
+        if isinstance(err, ModelRuntimeError):
+            return err
+        return DeviceLostError(f"replica {self.rid}: {exc}")
+
+    def invalidate_rings(self) -> None:
+        """Wake every thread blocked on one of the rings (the replica failed)."""
+        path = self.path
+        for ring in (path.rings if path is not None else []):
+            try:
+                ring.invalidate()
+            except Exception:   # already closed with its session: nobody can wait on it
+                pass
+
+    def reset(self) -> TransferPath:
+        """auto_reset: restart the device (a new session on a fresh device) and reload."""
+        # formatted now: a record holding the error would keep its traceback (and the
+        # failed requests' memory) alive for as long as a handler keeps the record
+        _log.warning("replica %d: auto_reset after %s", self.rid, str(self.error))
+        old = self.session
+        self.session = None
+        if old is not None:
+            try:
+                old.stop()
+            except ModelRuntimeError:
+                pass
+            finally:
+                old.close()
+        return self.open()
+
+    def close(self, save: SaveFn | None, limit: float) -> None:
+        """Stop the loop, optionally run the save programs, close the session: within
+        ``limit`` s, killing a device that does not stop. ``self.closed`` is set by the
+        replica before (it fails what is in flight first)."""
+        s = self.session
+        if s is None:
+            return
+        try:
+            healthy = self.error is None and s.direct.failure() is None
+            if save is not None and healthy:
+                try:
+                    s.direct.stop_main_loop(limit)      # stays runnable, device memory kept
+                    save(s)
+                except ModelRuntimeError as exc:
+                    _log.warning("replica %d: save programs failed: %s", self.rid, exc)
+                    if isinstance(exc, DeviceTimeoutError):
+                        limit = 0.0   # the bound is spent: kill the device, do not wait again
+            s.stop_within(limit, kill_if_hung=True)
+        finally:
+            s.close_within(limit, kill_if_hung=True)
+            self.session = None
+            self._pids.close()

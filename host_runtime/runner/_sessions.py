@@ -1,0 +1,176 @@
+"""How a ``ModelRunner``'s replicas get their sessions: devices attached (all or none),
+sessions opened with their direct anchors claimed, ring depths, the save programs.
+
+:class:`ReplicaSessions` holds the model, the runner's config and layout, never the
+runner: a replica restarted by ``auto_reset`` opens its new session here.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import numpy as np
+
+from host_runtime import popef
+from host_runtime.devices import Device, DeviceManager, DeviceWaitConfig
+from host_runtime.memory import OutputMemoryView, TensorMemory
+from host_runtime.queues import RingSizeMultiplierProdType, ring_size_multiplier_factory
+from host_runtime.runner._intake import RequestIntake
+from host_runtime.runner._layout import ModelLayout
+from host_runtime.runner._life import ReplicaSession, SaveFn
+from host_runtime.runner._replica import ReplicaSetup
+from host_runtime.runner._transfer import PathOptions
+from host_runtime.runner.config import ModelRunnerConfig
+from host_runtime.runner.monitoring import RequestMonitor
+from host_runtime.session import LaunchPolicy, Session, SessionConfig
+from host_runtime.session.predicates import PopefDataUsagePolicy
+from host_runtime.settings import HostSettings
+
+__all__ = ["ReplicaSessions"]
+
+_MAX = 2**63 - 1
+
+
+class ReplicaSessions:
+    """Sessions for the replicas of one runner (see the module docstring)."""
+
+    def __init__(self, model: popef.Model, cfg: ModelRunnerConfig, layout: ModelLayout,
+                 settings: HostSettings) -> None:
+        self._model = model
+        self._settings = settings   # the runner's (taken when it was made)
+        self._config = cfg
+        self._layout = layout
+        self._attached: dict[int, Device] = {}
+
+    def release_unadopted(self) -> None:
+        """Close the devices attached for replicas that did not take them (a failed start)."""
+        for dev in self._attached.values():
+            dev.close()
+        self._attached.clear()
+
+    def setup(self, rid: int, monitor: RequestMonitor, intake: RequestIntake) -> ReplicaSetup:
+        """What replica ``rid`` is told."""
+        cfg = self._config
+        lay = self._layout
+        direct_in = lay.direct_inputs()
+        flush_ns: Optional[int]
+        if cfg.is_batch_size_timeout_enabled:
+            flush_ns = cfg.batch_size_timeout_ns
+            if cfg.replication_factor > 1:
+                flush_ns = min(flush_ns, cfg.data_parallel_timeout_ns)
+        else:
+            flush_ns = cfg.timeout_ns or None
+        if flush_ns is not None and flush_ns >= _MAX:
+            flush_ns = None
+        return ReplicaSetup(
+            replica_id=rid, inputs=direct_in, outputs=dict(lay.out_specs),
+            frozen_main={n: v for n, v in lay.frozen.items() if n in direct_in},
+            dynamic=lay.dynamic, batch=lay.batch, timeout_ns=cfg.timeout_ns,
+            partial_flush_ns=flush_ns, flush_callback=cfg.flush_callback,
+            auto_reset=cfg.auto_reset, monitor=monitor,
+            open_session=functools.partial(self.open_session, rid),
+            watchdog=not cfg.flush_on_waiting_outputs,
+            intake=intake,
+            options=PathOptions.of(self._settings),
+            settings=self._settings)
+
+    def attach_devices(self) -> None:
+        """Attach the devices of every replica that has none in replica_to_device at once.
+
+        All or none: a runner that held some replicas' IPUs while waiting for the others
+        could deadlock with another runner doing the same. Each replica's session then
+        adopts its device (and releases it on close); a replica restarted by auto_reset
+        attaches a fresh device on its own."""
+        cfg = self._config
+        need = [r for r in range(cfg.replication_factor)
+                if cfg.replica_to_device.get(r) is None]
+        if len(need) < 2:
+            return
+        devices = DeviceManager(settings=self._settings).get_devices_all_or_none(
+            self._model, len(need), cfg.device_wait_config or DeviceWaitConfig())
+        self._attached = dict(zip(need, devices))
+
+    def open_session(self, rid: int) -> ReplicaSession:
+        """A session for replica ``rid``, its direct anchors claimed (a ``Session``; typed
+        as what the replica uses of it, which mypy checks ``Session`` provides)."""
+        cfg = self._config
+        frozen_load = self._layout.frozen_load
+        pred = None
+        if frozen_load:
+            def pred(anchor: popef.Anchor) -> PopefDataUsagePolicy:
+                return (PopefDataUsagePolicy.USE_USER_DATA if anchor.name() in frozen_load
+                        else PopefDataUsagePolicy.USE_POPEF_DATA_IF_ANY)
+        sc = SessionConfig(policy=LaunchPolicy.Deferred, pred_tensor_data=pred,
+                           check_package_hash=bool(cfg.check_package_hash),
+                           wait_config=cfg.device_wait_config or DeviceWaitConfig(),
+                           max_look_ahead=cfg.max_look_ahead,
+                           ring_depth=self.ring_depths(), settings=self._settings)
+        s = Session(self._model, sc)
+        try:
+            for name, value in frozen_load.items():
+                data = memoryview(value).cast("B")  # type: ignore[arg-type]
+
+                def feed(view: memoryview, _d: memoryview = data) -> None:
+                    view[:len(_d)] = _d
+                anchor = self._model.metadata.anchor(name)
+                assert anchor is not None   # checked by ModelLayout
+                s.setCallbackForAnchor(anchor.handle(), feed)
+            device = cfg.replica_to_device.get(rid)
+            if device is not None and device.isAttached():
+                s.bindToDevice(device)
+            elif rid in self._attached:
+                dev = self._attached.pop(rid)
+                try:
+                    s.adopt_device(dev)
+                except BaseException:
+                    dev.close()
+                    raise
+            for spec in (*self._layout.in_specs.values(), *self._layout.out_specs.values()):
+                s.direct.claim(spec.handle)
+        except BaseException:
+            s.close()
+            raise
+        return s
+
+    def ring_depths(self) -> RingSizeMultiplierProdType:
+        """Slots of the session's stream rings (seed: ring size = multiplier x batch size).
+
+        The seed's ring holds references to user samples; here a slot of a Main anchor's
+        ring holds one whole transfer: the model's batch of samples (along ``batching_dim``
+        when set), in shared memory. So a Main ring of ``ring_buffer_size_multiplier``
+        slots holds multiplier x batch size samples, as the seed says, without the memory
+        of a slot per sample. No floor: one slot still makes progress (a submitter that
+        finds a ring full drains outputs). Load/save anchors move once per program run: 2.
+        The session caps Main rings at ``max_look_ahead + 1`` when that is a number (no
+        more transfers prepared ahead than that option allows) and every ring at 1024 slots
+        and 64 MiB (at least one slot)."""
+        main = self._config.ring_buffer_size_multiplier
+        return ring_size_multiplier_factory.ringSizeMultForMainProgs(self._model, main, 2)
+
+    def saver(self, rid: int) -> SaveFn | None:
+        """Runs the save programs of replica ``rid`` into the config's outputs (None: the
+        model has none)."""
+        anchors = self._layout.save_outputs
+        if not self._layout.has_save_programs:
+            return None
+        store = self._config.replica_to_save_programs_outputs
+
+        def save(session: ReplicaSession) -> None:
+            outs = store.get(rid)
+            if outs is None:
+                outs = store[rid] = OutputMemoryView()
+            for a in anchors:
+                dest = outs.get(a.name())
+                if dest is None:
+                    info = a.tensorInfo()
+                    dest = TensorMemory.allocate(info.shape(), info.numpyDType())
+                    outs[a.name()] = dest
+                flat = np.asarray(dest).reshape(-1).view(np.uint8)
+
+                def cb(view: memoryview, _flat: np.ndarray = flat) -> None:
+                    _flat[:len(view)] = np.frombuffer(view, np.uint8)
+                session.setCallbackForAnchor(a.handle(), cb)
+            session.runSavePrograms()
+        return save
+

@@ -1,0 +1,429 @@
+"""Submitting a replica's requests: laying them into its input rings, in order.
+
+Submits are serialised by one lock, so the order in which transfers are
+published is the order the device sees them, and the order in which
+:class:`~host_runtime.runner._completion.Completion` drains them. A submitter
+that finds an input ring full drives the replica (or waits for the drainer)
+instead of blocking, so unwaited futures cannot deadlock it.
+
+- batching off: each transfer of a request is laid whole (``TransferPath.lay_whole``);
+- dynamic batching: samples are packed into the open partial transfer, published
+  when full; the replica's timers flush it (``try_publish_partial``);
+- a request missing an input the device would wait for (``validate_io_params``
+  off) is never sent: it is parked with the timers as a *phantom*;
+- the fused path (:meth:`Submission.run_fused`): a plain ``execute`` on an idle
+  replica is written, waited for and read under the submit lock, with no
+  ``Request`` or ``Transfer`` (``IPU_EMULATOR_RUNNER_FUSED=0`` turns it off).
+
+Every transfer gets the next number of the replica (``Transfer.seq``, see
+``_transfer``). An exception that is none of ours (KeyboardInterrupt, an
+exception a signal handler raises) may interrupt a submitter anywhere: a
+transfer half written is completed with the request's own data so that the
+device's iteration completes (``_writing`` / ``_finish_writing``, idempotent:
+done by the interrupted thread, else by the next one in), the request fails as
+abandoned and its outputs go nowhere; the transfer ``run_fused`` was reading
+becomes one in flight whose remaining outputs the next drainer reads and drops.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+
+from shm import Ring, RingInvalidatedError, RingTimeoutError, ShmError, WouldBlock
+
+from host_runtime.errors import (DeviceLostError, DeviceTimeoutError, InvalidStateError,
+                                 ModelRuntimeError,
+                                 SequenceMismatchError)
+from host_runtime.runner._completion import Completion
+from host_runtime.runner._life import ReplicaLife
+from host_runtime.runner._replica_timers import ReplicaTimers
+from host_runtime.runner._requests import Request, Transfer, raisable
+from host_runtime.runner._transfer import TransferPath, consumed_from
+from host_runtime.runner.monitoring import RequestMonitor
+
+__all__ = ["Submission"]
+
+_native_id = threading.get_native_id
+_thread_ids = threading.local()
+"""``.native_id``: ``_native_id()`` of this thread (a system call), kept per thread."""
+os.register_at_fork(after_in_child=lambda: _thread_ids.__dict__.clear())   # its own thread
+_ROOM_WAIT = 0.05
+"""Seconds a submitter waits for a full ring's slot before it looks again (it drives)."""
+_WRITE_ERRORS = (ShmError, OSError)
+
+
+class _Submitter:
+    """The submit lock, the replica made ready for a request, free input slots: what every
+    way of submitting needs (``Submission`` is the ways)."""
+
+    def __init__(self, life: ReplicaLife, completion: Completion, timers: ReplicaTimers,
+                 monitor: RequestMonitor, dynamic: bool, batch: int) -> None:
+        self.lock = threading.Lock()
+        self._life = life
+        self._completion = completion
+        self._timers = timers
+        self._monitor = monitor
+        self._dynamic = dynamic
+        self._batch = batch
+        self._hint_tid = 0             # the thread id last written into the input rings
+        self._hint_path: TransferPath | None = None   # ... into these rings
+        self._seq = 0                  # the number of the last transfer sent
+        self._writing: Transfer | None = None   # the transfer whose inputs are being laid
+
+    # ------------------------------------------------------------------ helpers
+    def _usable(self) -> TransferPath:
+        """Lock held: the replica usable (reset if it must be; raises if it cannot be
+        used); its rings."""
+        life = self._life
+        if not life.looks_well() and not life.usable():
+            self._completion.clear()
+            self._writing = None
+            self._monitor.reset_chain()
+            life.reset()
+        path = life.path
+        assert path is not None
+        return path
+
+    def _number(self, tr: Transfer) -> None:
+        self._seq = tr.seq = self._seq + 1
+
+    def _hint(self, path: TransferPath) -> None:
+        """Tell the IPU process which thread submits (lock held)."""
+        try:
+            tid = _thread_ids.native_id   # a system call: once per thread
+        except AttributeError:
+            tid = _thread_ids.native_id = _native_id()
+        if tid != self._hint_tid or path is not self._hint_path:
+            path.hint_thread(tid)
+            self._hint_tid, self._hint_path = tid, path
+
+    def _acquire(self, ring: Ring) -> memoryview:
+        """A free slot of ``ring``; drives the replica (or waits) while it is full, for no
+        longer than the host sync timeout without a free slot."""
+        give_up = 0.0
+        while True:
+            try:
+                return ring.try_acquire_write()
+            except WouldBlock:
+                pass
+            self._life.raise_if_closed()
+            now = time.monotonic()
+            if not give_up:
+                give_up = now + self._life.sync_s
+            elif now >= give_up:
+                raise self._life.stalled_error("waiting for a free slot of an input ring")
+            if self._completion.try_drive(time.monotonic() + _ROOM_WAIT):
+                continue
+            try:
+                return ring.acquire_write(timeout=_ROOM_WAIT)
+            except RingTimeoutError:
+                continue
+
+    def _write_failed(self, exc: BaseException) -> ModelRuntimeError:
+        err = self._life.translate(exc)
+        if isinstance(err, DeviceLostError):
+            self._completion.fail_all(err)
+        return err
+
+class Submission(_Submitter):
+    """The submit side of one replica (see the module docstring)."""
+
+    # ------------------------------------------------------------------ submit
+    def submit(self, req: Request, transfers: int, phantom: str | None = None) -> None:
+        """Send ``req`` to the device (or park it as a phantom that will time out)."""
+        if not self.lock.acquire(False):
+            self._take_lock()
+        try:
+            life = self._life
+            path = life.path if life.looks_well() else self._usable()
+            assert path is not None
+            if self._completion.stalled:
+                self._completion.settle()
+            try:
+                if self._writing is not None:
+                    self._finish_writing(path)
+                self._hint(path)
+                if phantom is not None:
+                    self._timers.add_phantom(req, phantom, self._completion.open)
+                elif self._dynamic:
+                    self._pack(path, req)
+                else:
+                    self._write_whole(path, req, transfers)
+            except _WRITE_ERRORS as exc:
+                err = self._write_failed(exc)
+                req.fail(err)
+                raise raisable(err) from None
+            except InvalidStateError as exc:
+                req.fail(raisable(exc))
+                raise
+            except DeviceTimeoutError as exc:   # no free slot: the device stalled
+                req.fail(exc)
+                req.dests = {}
+                self._completion.stall()
+                raise
+            except ModelRuntimeError:
+                raise
+            except BaseException as exc:   # KeyboardInterrupt, a signal handler's exception
+                self._abandon_request(req, exc)
+                raise
+            req.t_prepared = time.perf_counter_ns()
+        finally:
+            self.lock.release()
+
+    def _take_lock(self) -> None:
+        """The submit lock (busy: a non-blocking try failed), waited for no longer than the
+        host sync timeout (another thread's request holds it while it waits for a device
+        that makes no progress). A timed acquire costs ~0.35 us more: tried second."""
+        if not self.lock.acquire(timeout=self._life.sync_s):
+            raise self._life.stalled_error("waiting for another thread's request to this "
+                                           "replica")
+
+    def try_send(self, request: Request, transfers: int) -> bool:
+        """A phantom made whole by the flush callback: send it, unless a submitter is busy."""
+        if not self.lock.acquire(blocking=False):
+            return False
+        try:
+            path = self._life.path
+            if path is not None:
+                if self._writing is not None:
+                    self._finish_writing(path)
+                if self._dynamic:
+                    self._pack(path, request)
+                else:
+                    self._write_whole(path, request, transfers)
+        except _WRITE_ERRORS as exc:
+            self._completion.fail_all(self._life.translate(exc))
+        except ModelRuntimeError:
+            raise
+        except BaseException as exc:
+            self._abandon_request(request, exc)
+            raise
+        finally:
+            self.lock.release()
+        return True
+
+    def _write_whole(self, path: TransferPath, req: Request, transfers: int) -> None:
+        outputs = req.outputs_per_transfer
+        # Count every transfer before the first is published: another thread may drain
+        # (and count down) the first before this loop writes the next.
+        req.remaining += transfers
+        redirects = path.redirects(req) if transfers == 1 and path.may_redirect else []
+        completion = self._completion
+        inflight = completion.inflight
+        for t in range(transfers):
+            tr = Transfer([(req, t, 1, 0)], outputs[t])
+            self._seq = tr.seq = self._seq + 1
+            # Registered before its first input is published (drainers wait until it is
+            # published): submits are serialised, so the order of the in-flight deque is
+            # the order the device sees. Interrupted before it is published, it stays in
+            # _writing, to be completed. (Completion.register, inline: no call between.)
+            self._writing = tr
+            inflight.append(tr)
+            path.lay_whole(tr, req, t, transfers, redirects, self._acquire)
+            completion.published(tr)
+            self._writing = None    # last: an interrupt before it leaves this to be finished
+
+    # -- abandoned requests (see the module docstring) ---------------------------------
+    def _abandon_request(self, req: Request, exc: BaseException) -> None:
+        """``req`` was abandoned by ``exc`` while it was being sent (lock held): it fails,
+        its outputs go nowhere, and the transfer being written is completed."""
+        req.fail(InvalidStateError(
+            f"replica {self._life.rid}: the request was abandoned: {type(exc).__name__} "
+            "interrupted it while it was sent"))
+        req.dests = {}
+        path = self._life.path
+        if self._writing is not None and path is not None:
+            try:
+                self._finish_writing(path)
+            except (ShmError, OSError, ModelRuntimeError):
+                pass   # the device is lost: the next request hears of it (reset clears)
+
+    def _finish_writing(self, path: TransferPath) -> None:
+        """Publish every input of ``self._writing``, the transfer whose laying an exception
+        interrupted (lock held), so that the device's iteration completes; its outputs
+        are then drained as any transfer's. Idempotent (see TransferPath.lay_whole)."""
+        tr = self._writing
+        if tr is None:
+            return
+        if self._dynamic:    # its slots are held and filled: pad and publish the rest
+            self._seal(path, tr, pad=True)
+            return
+        req, t = tr.segments[0][0], tr.segments[0][1]
+        path.lay_whole(tr, req, t, len(req.outputs_per_transfer), [], self._acquire,
+                       resume=True)
+        self._completion.published(tr)
+        self._writing = None    # last: an interrupt before it leaves this to be finished
+
+    def try_finish(self, tr: Transfer) -> bool:
+        """A drainer found ``tr`` at the head, unpublished: if its writer was interrupted
+        (``_writing``) and nobody submits, finish it; False if a submitter holds the lock
+        (it lays or finishes it)."""
+        if not self.lock.acquire(False):
+            return False
+        try:
+            path = self._life.path
+            if self._writing is tr and path is not None and self._life.error is None:
+                self._finish_writing(path)
+        except _WRITE_ERRORS as exc:
+            self._completion.fail_all(self._life.translate(exc))
+        finally:
+            self.lock.release()
+        return True
+
+    # -- dynamic batching --------------------------------------------------------------
+    def _pack(self, path: TransferPath, req: Request) -> None:
+        B = self._batch
+        n = req.samples
+        completion = self._completion
+        # Count the segments first (see _write_whole): none is published yet.
+        fill = completion.open.samples if completion.open is not None else 0
+        s = segments = 0
+        while s < n:
+            k = min(B - fill, n - s)
+            segments += 1
+            s += k
+            fill = (fill + k) % B
+        req.remaining += segments
+        s = 0
+        while s < n:
+            tr = completion.open
+            if tr is None:
+                tr = path.open_partial(self._acquire)
+                self._number(tr)
+                completion.register_open(tr)
+            k = min(B - tr.samples, n - s)
+            path.pack(tr, req, s, k)
+            s += k
+            if tr.samples == B:
+                self._seal(path, tr, pad=False)
+        if completion.open is not None:
+            self._timers.kick(completion.open)
+
+    def _seal(self, path: TransferPath, tr: Transfer, pad: bool) -> None:
+        self._writing = tr           # idempotent (see TransferPath.seal)
+        path.seal(tr, pad)
+        self._completion.publish_open(tr)
+        self._writing = None    # last: an interrupt before it leaves this to be finished
+
+    def try_publish_partial(self, tr: Transfer, extra: Request | None) -> bool:
+        """The timers flush ``tr`` (with ``extra`` samples packed first), padded with
+        zeros, unless a submitter is busy (False)."""
+        if not self.lock.acquire(blocking=False):
+            return False   # a submitter is busy (it will publish or the timer fires again)
+        try:
+            path = self._life.path
+            completion = self._completion
+            if path is not None:
+                if self._writing is not None:
+                    self._finish_writing(path)
+                if extra is not None and completion.open is tr:
+                    self._pack(path, extra)
+                    extra.t_prepared = time.perf_counter_ns()
+                if completion.open is tr:
+                    self._seal(path, tr, pad=True)
+        except _WRITE_ERRORS as exc:
+            self._completion.fail_all(self._life.translate(exc))
+        finally:
+            self.lock.release()
+        return True
+
+    # ------------------------------------------------------------------ fused
+    def run_fused(self, inputs: dict[str, np.ndarray], t_received: int
+                  ) -> dict[str, np.ndarray] | None:
+        """``execute``'s fused path: run a plain request (``inputs``: the model's execute
+        inputs, checked by the caller) start to end and return its outputs, if idle.
+
+        Returns None, having done nothing, unless the replica is idle and well and its
+        requests are fusable (``TransferPath.fusable``); the caller then submits and
+        waits. Else, under the submit lock for the whole round trip: nobody else reads
+        the output rings (drainers read only transfers in flight: none, and only
+        submitters, who need this lock, add to them; timers act only with a partial
+        batch or a phantom: none, both added under this lock too). Errors are counted
+        and raised as the general path does."""
+        path = self._life.path
+        if path is None or not path.fusable:
+            return None
+        lock = self.lock
+        if not lock.acquire(False):
+            self._take_lock()
+        try:
+            life = self._life
+            completion = self._completion
+            if (completion.inflight or completion.open is not None or completion.draining
+                    or completion.stalled
+                    or self._writing is not None or not life.looks_well()
+                    or self._timers.has_phantoms):
+                return None        # busy, or something is off: submit sorts it out
+            path = life.path       # (a reset by another submitter made new rings)
+            if path is None or not path.fusable:
+                return None
+            self._hint(path)
+            self._seq = seq = self._seq + 1
+            try:
+                results = path.run_fused(inputs, seq, self._acquire, life.slow_output,
+                                         life.wait_slice)
+            except DeviceTimeoutError as exc:   # the device stalled: abandoned, as below
+                self._abandon_fused(path, inputs, seq, t_received, exc, finish=False)
+                self._completion.stall()
+                completion.record_error(exc)
+                raise
+            except (RingInvalidatedError, ShmError, OSError, InvalidStateError,
+                    SequenceMismatchError) as exc:
+                if path.fused_taken < 0 and isinstance(exc, _WRITE_ERRORS):   # laying
+                    err = self._write_failed(exc)
+                    completion.record_error(err)
+                    raise raisable(err) from None      # as submit
+                # reading: as a failed request (its error keeps its cause)
+                err = life.closed_error() if life.closed else life.translate(exc)
+                if not life.closed:
+                    completion.fail_all(err)
+                    # fail_all did not see this request (not in flight): it hears the
+                    # error, so the next one is told the replica is unusable
+                    life.error_unheard = False
+                completion.record_error(err)
+                raise raisable(err)
+            except BaseException as exc:   # KeyboardInterrupt, a signal handler's exception
+                self._abandon_fused(path, inputs, seq, t_received, exc)
+                raise
+        finally:
+            lock.release()
+        self._monitor.record(t_received, path.t_laid, time.perf_counter_ns())
+        return results
+
+    def _abandon_fused(self, path: TransferPath, inputs: dict[str, np.ndarray], seq: int,
+                       t_received: int, exc: BaseException, finish: bool = True) -> None:
+        """``run_fused``'s transfer ``seq`` was abandoned by ``exc`` (lock held) while
+        laying (``path.fused_taken`` -1) or after reading that many outputs: it becomes an
+        in-flight transfer of a request nobody waits for, completed if half laid, whose
+        other outputs the next drainer reads and drops."""
+        outputs = path.all_outputs
+        read = path.fused_taken
+        written = read >= 0
+        if written and read < len(outputs):
+            # the read interrupted as it returned: was that output consumed?
+            if consumed_from(path.output_ring_of(outputs[read].name), seq):
+                read += 1
+        if written and read >= len(outputs):
+            return   # nothing of it is left on the device
+        req = Request(self._completion, self._life.rid, 1, inputs, {}, {}, [outputs],
+                      t_received, internal=True)
+        req.fail(InvalidStateError(f"replica {self._life.rid}: the request was abandoned: "
+                                   f"{type(exc).__name__} interrupted it"))
+        tr = Transfer([(req, 0, 1, 0)], outputs)
+        tr.seq = seq
+        tr.next_output = max(0, read)
+        if written:
+            tr.published = True
+            self._completion.register(tr)
+            return
+        self._writing = tr
+        self._completion.register(tr)
+        if finish:        # else (a stalled device) the next submitter finishes it
+            try:
+                self._finish_writing(path)
+            except (ShmError, OSError):   # the device is gone: the next request hears it
+                pass
