@@ -30,6 +30,7 @@ every other answer is checked. ``cycles`` counts the interrupts delivered.
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import gc
 import json
 import logging
@@ -644,9 +645,14 @@ class _Host:
         reporter = threading.Thread(target=self._report, args=(reporting,), daemon=True,
                                     name="stress-progress")
         reporter.start()
+        # a host still running well past its deadline (a hang, in a thread or the main
+        # one) writes every thread's stack to its stderr (kept with --keep)
+        faulthandler.dump_traceback_later(
+            max(0.0, self.deadline - time.time()) + self.hang + 5.0, file=sys.stderr)
         try:
             return self._run(work, daemon_loop, threads_n)
         finally:
+            faulthandler.cancel_dump_traceback_later()
             reporting.set()
             reporter.join(5)
             _say(self.tally.progress_line())
@@ -707,7 +713,7 @@ class _Host:
         stuck = [t for t in threads if t.is_alive()]
         for tid, (since, stage) in list(self.in_flight.items()):
             self.tally.problem("hung", f"thread {tid} stuck {time.time() - since:.1f} s "
-                               f"while {stage}")
+                               f"while {stage} (threads' stacks in the host's stderr)")
         if stuck:
             return False
         if work is not None and self.spec["scenario"] in _KILLS:

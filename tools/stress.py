@@ -375,7 +375,8 @@ def run(opts: argparse.Namespace, live: LiveStats | None = None,
     """
     scenarios = opts.scenario or ["mixed"]
     rng = random.Random(opts.seed)
-    rig = Rig(num_ipus=max(_machine_ipus(name, opts) for name in scenarios), seed=opts.seed % 1000)
+    rig = Rig(num_ipus=max(_machine_ipus(name, opts) for name in scenarios), seed=opts.seed % 1000,
+              keep=opts.keep)
     results: list[ScenarioResult] = []
     problems: list[str] = []
     try:
@@ -389,6 +390,8 @@ def run(opts: argparse.Namespace, live: LiveStats | None = None,
         raise
     finally:
         problems = rig.finish()
+        if opts.keep:
+            print(f"ipu-emulator stress: work directory kept: {rig.workdir}", file=sys.stderr)
     return results, problems
 
 
