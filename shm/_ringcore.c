@@ -223,6 +223,19 @@ try_token(Core *c, sem_t *sem)
     return 0;
 }
 
+/* Under wlock, as a thread leaves its wait: interrupt() posted a token for each thread
+ * blocked then, and one that left without taking its token (its wait timed out, or was
+ * cut by a signal, as the token came) would leave it in the semaphore for good. The
+ * semaphore is shared with the peer process: a consumer there would take it for a
+ * published slot that is not ("slot k holds message 0"). So while more tokens are
+ * pending than threads are left blocked to take them, take them back. */
+static void
+take_back_unclaimed(Core *c, sem_t *sem, int i)
+{
+    while (c->pending[i] > c->blocked[i] && sem_trywait(sem) == 0)
+        c->pending[i]--;
+}
+
 /* Post one token per thread blocked on this Core, and make later waits return at once. */
 static void
 interrupt_core(Core *c)
@@ -300,9 +313,13 @@ take(Core *c, sem_t *sem, double first, double *waited)
         }
         pthread_mutex_lock(&wlock);
         c->blocked[i]--;
+        int woken = r == 0 && c->pending[i] > 0;
+        if (woken)
+            c->pending[i]--;
+        take_back_unclaimed(c, sem, i);
         pthread_mutex_unlock(&wlock);
         if (r == 0) {
-            if (took_pending(c, sem)) {
+            if (woken) {
                 *waited = (now_ns() - t0) / 1e9;
                 return WOKEN;
             }

@@ -630,6 +630,15 @@ class Ring:
                     self._pending[i] -= 1
                     (self._spare_full if i else self._spare_free).pop()
                     got = False
+                # interrupt() posted a token for each thread blocked then; one that left
+                # without it (timed out as it came) would leave it in the semaphore, which
+                # the peer shares: take back those no blocked thread is left to take
+                while self._pending[i] > self._blocked[i]:
+                    try:
+                        sem.acquire(0)
+                    except posix_ipc.BusyError:
+                        break
+                    self._pending[i] -= 1
         return got
 
     def _try_token(self, sem: posix_ipc.Semaphore) -> bool:
