@@ -316,7 +316,8 @@ class Ring:
         if _ringcore is not None and s.ring_c:
             core = self._core = _ringcore.Core(
                 self, buf, self._payload, self._name + _FREE_SUFFIX, self._name + _FULL_SUFFIX,
-                self._slot_size, self._num_slots, stride, spin_max, spin_min)
+                self._slot_size, self._num_slots, stride, spin_max, spin_min,
+                self._spare_free, self._spare_full)
             for method in _C_METHODS:
                 setattr(self, method, getattr(core, method))
         self._peer: PeerWatch | None = None
@@ -652,14 +653,14 @@ class Ring:
                 (self._spare_full if i else self._spare_free).pop()
 
     def _acquire_token(self, sem: posix_ipc.Semaphore, timeout: float | None) -> None:
-        """``sem.acquire(timeout)``; without the C core the token is also banked in
+        """``sem.acquire(timeout)`` (the path without the C core); the token is banked in
         ``_spare_full``/``_spare_free`` within the same C call (``_consume`` of a ``map``),
         so that an exception raised as the wait returns (a signal handler's, checked at
         the end of each call) cannot lose it. Whoever uses the slot takes it from the bank
-        in the same step (no call between) as it moves the ring's counter."""
-        if self._core is not None:
-            sem.acquire(timeout)
-            return
+        in the same step (no call between) as it moves the ring's counter. The C core banks
+        the tokens it takes for the Python path in the same lists (``wait_token``,
+        ``try_token``, and a token handed over with code ``TOKEN``), and its fast paths
+        leave a call to the Python path while a token is banked."""
         spare = self._spare_full if sem is self._full else self._spare_free
         _consume(map(spare.append, map(operator.call, (sem.acquire,), (timeout,))))
 
