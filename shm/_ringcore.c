@@ -22,8 +22,9 @@
  *                  (Ring._wait_slow) and then finishes the operation (the
  *                  try_ variants raise WouldBlock);
  *   TOKEN    (-3)  the semaphore token was taken but the rest needs Python
- *                  (invalidated meanwhile, or a slot header to report):
- *                  Python finishes the operation after its wait.
+ *                  (invalidated meanwhile, or a slot header to report): it is
+ *                  banked in the Ring's spare list first (see Core.spare),
+ *                  and Python finishes the operation with it.
  *
  * Other C extensions reach a ring end through the C API declared in
  * shm/_ringcore.h (capsule shm._ringcore._C_API, handle Ring.c_handle()):
@@ -96,6 +97,14 @@ typedef struct {
     int closed;   /* Ring.close() was called: everything goes to the Python path */
     PyObject *payload; /* list of per-slot payload memoryviews */
     PyObject *ring;    /* weak reference to the Ring (for the fallbacks) */
+    /* The Ring's token banks [_spare_free, _spare_full] (lists of None): a token taken
+     * for a caller that finishes in Python (wait_token, try_token, code TOKEN) is
+     * appended in the same C call that takes it, so no exception raised after the call
+     * returns (a signal handler's, an asynchronous one) can lose it; whoever uses the
+     * slot takes it out in the same step as it moves the ring's counter (see
+     * Ring._acquire_token). A non-empty bank sends a call to the Python path, which
+     * uses the banked token first. */
+    PyObject *spare[2];
 } Core;
 
 static int64_t
@@ -236,6 +245,25 @@ take_back_unclaimed(Core *c, sem_t *sem, int i)
 {
     while (c->pending[i] > c->blocked[i] && sem_trywait(sem) == 0)
         c->pending[i]--;
+}
+
+/* A token of `sem` is taken: bank it (see Core.spare). 0, or FAILED with the token given
+ * back (no memory). */
+static int
+bank(Core *c, sem_t *sem)
+{
+    if (PyList_Append(c->spare[sem_index(c, sem)], Py_None) < 0) {
+        sem_post(sem);
+        return FAILED;
+    }
+    return 0;
+}
+
+/* Tokens banked for `sem` and not used yet (then the Python path runs). */
+static inline int
+banked(Core *c, sem_t *sem)
+{
+    return PyList_GET_SIZE(c->spare[sem_index(c, sem)]) != 0;
 }
 
 /* Post one token per thread blocked on this Core, and make later waits return at once. */
@@ -436,11 +464,15 @@ take_for(Core *c, sem_t *sem, PyObject *timeout, int blocking, double *waited)
     return r == WOKEN ? NO_TOKEN : r;
 }
 
-/* Hand over to the Python path: ring._c_<op>(code, first, *args); FAILED: raise. */
+/* Hand over to the Python path: ring._c_<op>(code, first, *args); FAILED: raise. With
+ * code TOKEN, the token taken of `tok_sem` is banked first. */
 static PyObject *
-fallback(Core *c, PyObject *method, int code, double first, PyObject **args, int n)
+fallback(Core *c, PyObject *method, int code, double first, PyObject **args, int n,
+         sem_t *tok_sem)
 {
     if (code == FAILED)   /* a signal handler raised during the wait */
+        return NULL;
+    if (code == TOKEN && bank(c, tok_sem) < 0)   /* Python finishes: bank the token first */
         return NULL;
     PyObject *ring = PyWeakref_GetObject(c->ring);
     if (ring == NULL)
@@ -531,7 +563,7 @@ Core_write(Core *c, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
     if (parse_args("write", args, nargs, kwnames, write_names, 3, 1, a) < 0)
         return NULL;
     volatile int64_t *w = c->w;
-    if (c->closed || !c->producer || w[W_INVALID] || w[W_HELD])
+    if (c->closed || !c->producer || w[W_INVALID] || w[W_HELD] || banked(c, c->free_sem))
         goto slow;
     int64_t tag = 0;
     if (a[1] != NULL) {
@@ -564,7 +596,7 @@ Core_write(Core *c, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
     PyBuffer_Release(&b);
     Py_RETURN_NONE;
 slow:
-    return fallback(c, s_write, code, first, a, 3);
+    return fallback(c, s_write, code, first, a, 3, c->free_sem);
 }
 
 static const char *const timeout_names[] = {"timeout"};
@@ -576,7 +608,7 @@ acquire_write(Core *c, PyObject *timeout, int blocking)
     int code = GENERAL;
     volatile int64_t *w = c->w;
     PyObject *method = blocking ? s_acquire_write : s_try_acquire_write;
-    if (c->closed || !c->producer || w[W_INVALID] || w[W_HELD])
+    if (c->closed || !c->producer || w[W_INVALID] || w[W_HELD] || banked(c, c->free_sem))
         goto slow;
     if ((code = take_for(c, c->free_sem, timeout, blocking, &first)) != 0)
         goto slow;
@@ -587,7 +619,7 @@ acquire_write(Core *c, PyObject *timeout, int blocking)
     w[W_HELD] = 1;
     return slot_view(c, w[W_PUBLISHED] % c->num_slots, c->slot_size);
 slow:
-    return fallback(c, method, code, first, &timeout, blocking ? 1 : 0);
+    return fallback(c, method, code, first, &timeout, blocking ? 1 : 0, c->free_sem);
 }
 
 /* acquire_write(timeout=None) */
@@ -628,7 +660,7 @@ Core_publish(Core *c, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames
     publish_slot(c, nbytes, tag);
     Py_RETURN_NONE;
 slow:
-    return fallback(c, s_publish, GENERAL, 0, a, 2);
+    return fallback(c, s_publish, GENERAL, 0, a, 2, NULL);
 }
 
 /* -- consumer ------------------------------------------------------------ */
@@ -673,7 +705,7 @@ acquire_read(Core *c, PyObject *timeout, int blocking)
     int code = GENERAL;
     volatile int64_t *w = c->w;
     PyObject *method = blocking ? s_acquire_read : s_try_acquire_read;
-    if (c->closed || !c->consumer || w[W_INVALID])
+    if (c->closed || !c->consumer || w[W_INVALID] || banked(c, c->full_sem))
         goto slow;
     if ((code = take_for(c, c->full_sem, timeout, blocking, &first)) != 0)
         goto slow;
@@ -689,10 +721,12 @@ acquire_read(Core *c, PyObject *timeout, int blocking)
     if (out != NULL) {
         w[W_READ_TAG] = tag;
         w[W_ACQUIRED] = k + 1;
+    } else {
+        sem_post(c->full_sem);   /* the message stays for the next read */
     }
     return out;
 slow:
-    return fallback(c, method, code, first, &timeout, blocking ? 1 : 0);
+    return fallback(c, method, code, first, &timeout, blocking ? 1 : 0, c->full_sem);
 }
 
 /* acquire_read(timeout=None) */
@@ -719,7 +753,7 @@ Core_release(Core *c, PyObject *Py_UNUSED(ignored))
     volatile int64_t *w = c->w;
     int64_t k = w[W_RELEASED];
     if (c->closed || k >= w[W_ACQUIRED])
-        return fallback(c, s_release, GENERAL, 0, NULL, 0);
+        return fallback(c, s_release, GENERAL, 0, NULL, 0, NULL);
     w[W_RELEASED] = k + 1;
     sem_post(c->free_sem);
     Py_RETURN_NONE;
@@ -736,7 +770,8 @@ Core_read(Core *c, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
         return NULL;
     volatile int64_t *w = c->w;
     int64_t k = w[W_RELEASED];
-    if (c->closed || !c->consumer || k != w[W_ACQUIRED] || w[W_INVALID])
+    if (c->closed || !c->consumer || k != w[W_ACQUIRED] || w[W_INVALID]
+        || banked(c, c->full_sem))
         goto slow;
     if ((code = take_for(c, c->full_sem, a[0], 1, &first)) != 0)
         goto slow;
@@ -747,8 +782,10 @@ Core_read(Core *c, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
         goto slow;
     }
     PyObject *data = PyBytes_FromStringAndSize(NULL, nbytes);
-    if (data == NULL)
+    if (data == NULL) {
+        sem_post(c->full_sem);   /* the message stays for the next read */
         return NULL;
+    }
     char *dst = PyBytes_AS_STRING(data);
     if (nbytes >= NOGIL_COPY) {
         Py_BEGIN_ALLOW_THREADS
@@ -761,11 +798,11 @@ Core_read(Core *c, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
     consume(c);   /* records the tag as the last read */
     return with_tag(data, tag);
 slow:
-    return fallback(c, s_read, code, first, a, 1);
+    return fallback(c, s_read, code, first, a, 1, c->full_sem);
 }
 
 /* wait_token(full, seconds) -> True if a token of the full (else free) semaphore was
- * taken within `seconds` (None: no deadline; <= 0: do not block); False when the time
+ * taken (and banked: see Core.spare) within `seconds` (None: no deadline; <= 0: do not block); False when the time
  * is up or the Core is interrupted. For Ring._wait_slow: unlike posix_ipc's acquire,
  * an exception raised by a signal handler during the wait propagates. */
 static PyObject *
@@ -781,20 +818,29 @@ Core_wait_token(Core *c, PyObject *const *args, Py_ssize_t nargs)
         seconds = PyFloat_AsDouble(args[1]);
     if (full < 0 || (seconds == -1.0 && PyErr_Occurred()))
         return NULL;
-    int r = take(c, full ? c->full_sem : c->free_sem, seconds, &waited);
+    sem_t *sem = full ? c->full_sem : c->free_sem;
+    int r = take(c, sem, seconds, &waited);
+    if (r == 0 && bank(c, sem) < 0)
+        r = FAILED;
     if (r == FAILED)
         return NULL;
     return PyBool_FromLong(r == 0);
 }
 
-/* try_token(full) -> True if a token of the full (else free) semaphore was taken now */
+/* try_token(full) -> True if a token of the full (else free) semaphore was taken (and
+ * banked: see Core.spare) now */
 static PyObject *
 Core_try_token(Core *c, PyObject *arg)
 {
     int full = PyObject_IsTrue(arg);
     if (full < 0)
         return NULL;
-    return PyBool_FromLong(try_token(c, full ? c->full_sem : c->free_sem));
+    sem_t *sem = full ? c->full_sem : c->free_sem;
+    if (!try_token(c, sem))
+        Py_RETURN_FALSE;
+    if (bank(c, sem) < 0)
+        return NULL;
+    Py_RETURN_TRUE;
 }
 
 /* interrupt(): wake this process's threads blocked on this end; later waits return at
@@ -859,7 +905,7 @@ static PyObject *
 Core_readable(Core *c, PyObject *Py_UNUSED(ignored))
 {
     if (c->closed)
-        return fallback(c, s_readable, GENERAL, 0, NULL, 0);
+        return fallback(c, s_readable, GENERAL, 0, NULL, 0, NULL);
     return PyLong_FromLongLong(c->w[W_PUBLISHED] - c->w[W_ACQUIRED]);
 }
 
@@ -869,7 +915,7 @@ Core_writable(Core *c, PyObject *Py_UNUSED(ignored))
 {
     volatile int64_t *w = c->w;
     if (c->closed)
-        return fallback(c, s_writable, GENERAL, 0, NULL, 0);
+        return fallback(c, s_writable, GENERAL, 0, NULL, 0, NULL);
     return PyLong_FromLongLong(c->num_slots - (w[W_PUBLISHED] - w[W_RELEASED]) - w[W_HELD]);
 }
 
@@ -880,17 +926,18 @@ Core_init(Core *c, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"ring", "buffer", "payload", "free_name", "full_name",
                              "slot_size", "num_slots", "stride", "spin_max_ns", "spin_min_ns",
-                             NULL};
-    PyObject *ring, *buffer, *payload;
+                             "spare_free", "spare_full", NULL};
+    PyObject *ring, *buffer, *payload, *spare_free, *spare_full;
     const char *free_name, *full_name;
     long long slot_size, num_slots, stride, spin_max, spin_min;
     if (c->has_view) {
         PyErr_SetString(PyExc_RuntimeError, "Core is already initialised");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO!ssLLLLL", kwlist, &ring, &buffer,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO!ssLLLLLO!O!", kwlist, &ring, &buffer,
                                      &PyList_Type, &payload, &free_name, &full_name,
-                                     &slot_size, &num_slots, &stride, &spin_max, &spin_min))
+                                     &slot_size, &num_slots, &stride, &spin_max, &spin_min,
+                                     &PyList_Type, &spare_free, &PyList_Type, &spare_full))
         return -1;
     c->ring = PyWeakref_NewRef(ring, NULL);
     if (c->ring == NULL)
@@ -929,6 +976,10 @@ Core_init(Core *c, PyObject *args, PyObject *kwds)
     c->spin_ns = spin_max;
     Py_INCREF(payload);
     c->payload = payload;
+    Py_INCREF(spare_free);
+    c->spare[0] = spare_free;
+    Py_INCREF(spare_full);
+    c->spare[1] = spare_full;
     return 0;
 }
 
@@ -943,6 +994,8 @@ Core_dealloc(Core *c)
         PyBuffer_Release(&c->view);
     Py_XDECREF(c->payload);
     Py_XDECREF(c->ring);
+    Py_XDECREF(c->spare[0]);
+    Py_XDECREF(c->spare[1]);
     Py_TYPE(c)->tp_free((PyObject *)c);
 }
 
@@ -1030,7 +1083,8 @@ api_take_readable(ShmRingEnd *end, char **payload, int64_t *nbytes, int64_t *tag
     volatile int64_t *w = c->w;
     int64_t slot;
     if (c->closed || !c->consumer || w[W_INVALID] || w[W_RELEASED] != w[W_ACQUIRED]
-        || w[W_PUBLISHED] == w[W_ACQUIRED] || !try_token(c, c->full_sem))
+        || w[W_PUBLISHED] == w[W_ACQUIRED] || banked(c, c->full_sem)
+        || !try_token(c, c->full_sem))
         return 0;
     if ((slot = next_readable(c, w[W_ACQUIRED], nbytes)) < 0) {
         sem_post(c->full_sem);   /* a header the Python path reports */
@@ -1058,7 +1112,8 @@ api_take_writable(ShmRingEnd *end, char **payload)
 {
     Core *c = (Core *)end;
     volatile int64_t *w = c->w;
-    if (c->closed || !c->producer || w[W_INVALID] || w[W_HELD] || !try_token(c, c->free_sem))
+    if (c->closed || !c->producer || w[W_INVALID] || w[W_HELD] || banked(c, c->free_sem)
+        || !try_token(c, c->free_sem))
         return 0;
     *payload = slot_payload(c, w[W_PUBLISHED] % c->num_slots);
     return 1;

@@ -57,10 +57,12 @@ stale bytes.
 
 Interrupts: an exception a signal handler raises may end a call anywhere. A
 token a wait took is never lost with it: the C core checks for a pending
-signal after its wait and gives the token back before it raises; the Python
-path banks the token in the same C call that takes it and uses it up in the
-same step as it moves the ring's counter, so an interrupted call leaves it to
-the next one. ``last_read_tag()`` says whether an interrupted read consumed its
+signal after its wait and gives the token back before it raises; a token that
+leaves a C call (the Python path's waits, with the C core or without) is
+banked in the same C call that takes it and used up in the same step as the
+ring's counter moves, so an exception raised after the call returns (a signal
+handler's, an asynchronous one) leaves it to the next call, which uses it
+before it waits. ``last_read_tag()`` says whether an interrupted read consumed its
 message.
 
 ``invalidate()`` stores ``invalid`` and then posts both semaphores once, so a
@@ -308,9 +310,11 @@ class Ring:
         # longest spin before blocking (0 disables spinning) and its floor; see _spin
         self._spin_max_ns = self._spin_ns = spin_max = us_to_ns(s.ring_spin_us)
         self._spin_min_ns = spin_min = min(_SPIN_MIN_NS, spin_max)
-        # Tokens the pure-Python path took from a semaphore and has not used yet (see
-        # _acquire_token): one is left when an exception interrupts a call between its wait
-        # and its use of the slot, and the next call uses it instead of waiting.
+        # Tokens the Python path took from a semaphore (itself, or through the C core's
+        # wait_token/try_token and hand-overs) and has not used yet (see _acquire_token):
+        # one is left when an exception interrupts a call between its wait and its use of
+        # the slot, and the next call uses it instead of waiting. The C core holds these
+        # lists: never rebind them.
         self._spare_full: list[None] = []
         self._spare_free: list[None] = []
         # The C core's methods shadow the hot methods on this instance (see the
@@ -319,7 +323,8 @@ class Ring:
         if _ringcore is not None and s.ring_c:
             core = self._core = _ringcore.Core(
                 self, buf, self._payload, self._name + _FREE_SUFFIX, self._name + _FULL_SUFFIX,
-                self._slot_size, self._num_slots, stride, spin_max, spin_min)
+                self._slot_size, self._num_slots, stride, spin_max, spin_min,
+                self._spare_free, self._spare_full)
             for method in _C_METHODS:
                 setattr(self, method, getattr(core, method))
         self._peer: PeerWatch | None = None
@@ -610,8 +615,8 @@ class Ring:
 
     def _take(self, sem: posix_ipc.Semaphore, wait: float | None) -> bool:
         """One wait of up to ``wait`` s (None: no deadline; 0: none) for a token of
-        ``sem``; False if none came (time up, interrupted, or a signal: a handler that
-        raises propagates)."""
+        ``sem``, banked in the spare list (see _acquire_token); False if none came (time
+        up, interrupted, or a signal: a handler that raises propagates)."""
         core = self._core
         if core is not None:
             return bool(core.wait_token(sem is self._full, wait))
@@ -646,7 +651,8 @@ class Ring:
         return got
 
     def _try_token(self, sem: posix_ipc.Semaphore) -> bool:
-        """Take a token of ``sem`` now if there is one (never one interrupt() posted)."""
+        """Take a token of ``sem`` now if there is one (never one interrupt() posted),
+        banked in the spare list (see _acquire_token)."""
         core = self._core
         if core is not None:
             return bool(core.try_token(sem is self._full))
@@ -665,14 +671,14 @@ class Ring:
                 (self._spare_full if i else self._spare_free).pop()
 
     def _acquire_token(self, sem: posix_ipc.Semaphore, timeout: float | None) -> None:
-        """``sem.acquire(timeout)``; without the C core the token is also banked in
+        """``sem.acquire(timeout)`` (the path without the C core); the token is banked in
         ``_spare_full``/``_spare_free`` within the same C call (``_consume`` of a ``map``),
         so that an exception raised as the wait returns (a signal handler's, checked at
         the end of each call) cannot lose it. Whoever uses the slot takes it from the bank
-        in the same step (no call between) as it moves the ring's counter."""
-        if self._core is not None:
-            sem.acquire(timeout)
-            return
+        in the same step (no call between) as it moves the ring's counter. The C core banks
+        the tokens it takes for the Python path in the same lists (``wait_token``,
+        ``try_token``, and a token handed over with code ``TOKEN``), and its fast paths
+        leave a call to the Python path while a token is banked."""
         spare = self._spare_full if sem is self._full else self._spare_free
         _consume(map(spare.append, map(operator.call, (sem.acquire,), (timeout,))))
 

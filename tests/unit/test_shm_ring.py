@@ -438,3 +438,118 @@ def test_the_user_word_carries_a_hint_between_the_ends(pair) -> None:
     consumer.close()
     with pytest.raises(ShmClosedError):
         consumer.user_word()
+
+
+class _RaiseAfterToken:
+    """Stands in for a Ring's C core: ``wait_token``/``try_token`` run the real ones,
+    then, once, an exception is raised as the token is taken (what a signal handler's
+    KeyboardInterrupt or an asynchronous exception does at the next bytecode boundary).
+    ``before`` runs before the real wait, to make the token there."""
+
+    def __init__(self, core, method: str, before=lambda: None) -> None:
+        object.__setattr__(self, "_real", core)
+        object.__setattr__(self, "_method", method)
+        object.__setattr__(self, "_before", before)
+        object.__setattr__(self, "raised", 0)
+
+    def __getattr__(self, name: str):
+        return getattr(self._real, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        setattr(self._real, name, value)
+
+    def _maybe_raise(self, name: str, got: bool) -> bool:
+        if got and name == self._method and not self.raised:
+            object.__setattr__(self, "raised", 1)
+            raise KeyboardInterrupt
+        return got
+
+    def wait_token(self, full: bool, wait: float | None) -> bool:
+        if self._method == "wait_token" and not self.raised:
+            self._before()
+        return self._maybe_raise("wait_token", self._real.wait_token(full, wait))
+
+    def try_token(self, full: bool) -> bool:
+        return self._maybe_raise("try_token", self._real.try_token(full))
+
+
+@pytest.fixture
+def c_pair():
+    """A producer and a consumer end of a one-slot ring, both with the C core."""
+    if ring_module._ringcore is None:
+        pytest.skip("shm._ringcore is not built (IPU_EMULATOR_RING_C=0)")
+    producer = Ring.create(16, 1)
+    consumer = Ring.attach(producer.name)
+    if producer._core is None:   # IPU_EMULATOR_RING_C=0
+        consumer.close()
+        producer.close()
+        producer.unlink()
+        pytest.skip("the C core is switched off (IPU_EMULATOR_RING_C=0)")
+    yield producer, consumer
+    consumer.close()
+    producer.close()
+    producer.unlink()
+
+
+def test_c_core_keeps_a_published_token_an_exception_interrupts(c_pair) -> None:
+    """An exception right after wait_token took a published-slot token (the C fast path
+    gave up its wait, the Python path waits on): the next read gets the message."""
+    producer, consumer = c_pair
+    producer.write(b"role")
+    assert consumer.read(timeout=5) == (b"role", 0)   # both roles taken: C fast paths
+    stub = _RaiseAfterToken(consumer._core, "wait_token",
+                            lambda: producer.write(b"payload", tag=3))
+    consumer._core = stub
+    with pytest.raises(KeyboardInterrupt):
+        consumer.read(timeout=0.01)   # the C wait ends empty; the token comes after it
+    assert stub.raised
+    assert consumer.counters()["sem_full"] == 0   # the token is out of the semaphore
+    assert consumer.read(timeout=2) == (b"payload", 3)
+    producer.write(b"next", tag=4)
+    assert consumer.read(timeout=2) == (b"next", 4)
+    assert consumer.readable() == 0 and consumer.counters()["sem_full"] == 0
+
+
+def test_c_core_keeps_a_free_token_an_exception_interrupts(c_pair) -> None:
+    """The same on the write side: the free-slot token survives, the next write uses it."""
+    producer, consumer = c_pair
+    producer.write(b"first")
+    assert consumer.read(timeout=5) == (b"first", 0)
+    producer.write(b"fills")                          # the one slot is taken
+    stub = _RaiseAfterToken(producer._core, "wait_token",
+                            lambda: received.append(consumer.read(timeout=5)))
+    received: list = []
+    producer._core = stub
+    with pytest.raises(KeyboardInterrupt):
+        producer.write(b"lost?", tag=1, timeout=0.01)
+    assert stub.raised and received == [(b"fills", 0)]
+    producer.write(b"second", tag=2, timeout=2)
+    assert consumer.read(timeout=2) == (b"second", 2)
+    view = producer.acquire_write(timeout=2)
+    view[:5] = b"third"
+    producer.publish(5, tag=3)
+    assert consumer.read(timeout=2) == (b"third", 3)
+    assert producer.writable() == 1
+
+
+@pytest.mark.parametrize("side", ["read", "write"])
+def test_c_core_keeps_a_token_try_token_took_before_an_exception(c_pair, side) -> None:
+    """try_token's token (the Python path's first try, here a first call that takes the
+    role) survives an exception raised as it returns."""
+    producer, consumer = c_pair
+    if side == "read":
+        producer.write(b"payload", tag=5)
+        consumer._core = stub = _RaiseAfterToken(consumer._core, "try_token")
+        with pytest.raises(KeyboardInterrupt):
+            consumer.read(timeout=0.01)
+        assert stub.raised
+        assert consumer.read(timeout=2) == (b"payload", 5)
+    else:
+        producer._core = stub = _RaiseAfterToken(producer._core, "try_token")
+        with pytest.raises(KeyboardInterrupt):
+            producer.write(b"lost?", timeout=0.01)
+        assert stub.raised
+        producer.write(b"payload", tag=6, timeout=2)
+        assert consumer.read(timeout=2) == (b"payload", 6)
+    producer.write(b"again", tag=7, timeout=2)
+    assert consumer.read(timeout=2) == (b"again", 7)
