@@ -177,6 +177,8 @@ spin(Core *c, sem_t *sem)
 #define WOKEN (-5)
 
 static pthread_mutex_t wlock = PTHREAD_MUTEX_INITIALIZER;
+/* broadcast (under wlock) whenever a thread leaves a wait: wait_unblocked() */
+static pthread_cond_t left_wait = PTHREAD_COND_INITIALIZER;
 
 /* fork(): wlock must not be left locked by a thread that does not exist in the child
  * (whose Rings are disowned anyway: see shm/ring.py). */
@@ -230,6 +232,19 @@ try_token(Core *c, sem_t *sem)
             return 1;
     }
     return 0;
+}
+
+/* Under wlock, as a thread leaves its wait: interrupt() posted a token for each thread
+ * blocked then, and one that left without taking its token (its wait timed out, or was
+ * cut by a signal, as the token came) would leave it in the semaphore for good. The
+ * semaphore is shared with the peer process: a consumer there would take it for a
+ * published slot that is not ("slot k holds message 0"). So while more tokens are
+ * pending than threads are left blocked to take them, take them back. */
+static void
+take_back_unclaimed(Core *c, sem_t *sem, int i)
+{
+    while (c->pending[i] > c->blocked[i] && sem_trywait(sem) == 0)
+        c->pending[i]--;
 }
 
 /* A token of `sem` is taken: bank it (see Core.spare). 0, or FAILED with the token given
@@ -328,9 +343,14 @@ take(Core *c, sem_t *sem, double first, double *waited)
         }
         pthread_mutex_lock(&wlock);
         c->blocked[i]--;
+        int woken = r == 0 && c->pending[i] > 0;
+        if (woken)
+            c->pending[i]--;
+        take_back_unclaimed(c, sem, i);
+        pthread_cond_broadcast(&left_wait);
         pthread_mutex_unlock(&wlock);
         if (r == 0) {
-            if (took_pending(c, sem)) {
+            if (woken) {
                 *waited = (now_ns() - t0) / 1e9;
                 return WOKEN;
             }
@@ -840,6 +860,35 @@ Core_resume(Core *c, PyObject *Py_UNUSED(ignored))
     Py_RETURN_NONE;
 }
 
+/* wait_unblocked(timeout): wait (GIL released) until no thread of this process is blocked
+ * on this Core, at most `timeout` seconds; True if none is. After interrupt() (Ring.close)
+ * the tokens it posted are in the semaphores, which the peer process shares: a woken
+ * thread that has not taken its token back yet leaves it for a consumer there to take
+ * for a slot never published. So close() waits for them (they are awake: a moment). */
+static PyObject *
+Core_wait_unblocked(Core *c, PyObject *arg)
+{
+    double t = PyFloat_AsDouble(arg);
+    if (t == -1.0 && PyErr_Occurred())
+        return NULL;
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    int64_t abs_ns = (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec
+                     + (t > 0 ? (int64_t)(t * 1e9) : 0);
+    ts.tv_sec = abs_ns / 1000000000;
+    ts.tv_nsec = abs_ns % 1000000000;
+    int left;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&wlock);
+    while (c->blocked[0] + c->blocked[1] > 0
+           && pthread_cond_timedwait(&left_wait, &wlock, &ts) != ETIMEDOUT)
+        ;
+    left = c->blocked[0] + c->blocked[1];
+    pthread_mutex_unlock(&wlock);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(left == 0);
+}
+
 /* forget_wakes(): the semaphores were emptied (Ring.reset): no token of interrupt()
  * is left in them */
 static PyObject *
@@ -973,6 +1022,8 @@ static PyMethodDef Core_methods[] = {
     {"interrupt", (PyCFunction)Core_interrupt, METH_NOARGS,
      "interrupt(): wake this process's waiters on this end; later waits return at once"},
     {"resume", (PyCFunction)Core_resume, METH_NOARGS, "resume(): waits block again"},
+    {"wait_unblocked", (PyCFunction)Core_wait_unblocked, METH_O,
+     "wait_unblocked(timeout): True once no thread of this process waits on this end"},
     {"forget_wakes", (PyCFunction)Core_forget_wakes, METH_NOARGS,
      "forget_wakes(): the semaphores were emptied (Ring.reset)"},
     {NULL, NULL, 0, NULL},

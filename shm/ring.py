@@ -185,6 +185,9 @@ PEER_CHECK = 0.05
 """Seconds between checks of the peer process (after ``set_peer``) during a wait: a
 process's death posts no semaphore. Waits without a peer are never cut."""
 
+_CLOSE_WAKE_TIMEOUT = 5.0
+"""Seconds close() waits for the threads it woke to leave their waits (they are awake)."""
+
 _SPIN_MIN_NS = 2000
 """Floor of an adapting spin budget (the ring's ``ring_spin_us`` if lower); see Ring._spin."""
 
@@ -334,7 +337,7 @@ class Ring:
         self._peer_gone = False          # the peer's exit was notified (see set_peer)
         self._peer_notified = False      # ... and will be: waits need no peer check
         self._unnotify: Any = None
-        self._wlock = threading.Lock()
+        self._wlock = threading.Condition(threading.Lock())   # notified as a wait ends
         self._blocked = [0, 0]
         self._pending = [0, 0]
         self._pid = os.getpid()
@@ -635,6 +638,16 @@ class Ring:
                     self._pending[i] -= 1
                     (self._spare_full if i else self._spare_free).pop()
                     got = False
+                # interrupt() posted a token for each thread blocked then; one that left
+                # without it (timed out as it came) would leave it in the semaphore, which
+                # the peer shares: take back those no blocked thread is left to take
+                while self._pending[i] > self._blocked[i]:
+                    try:
+                        sem.acquire(0)
+                    except posix_ipc.BusyError:
+                        break
+                    self._pending[i] -= 1
+                self._wlock.notify_all()
         return got
 
     def _try_token(self, sem: posix_ipc.Semaphore) -> bool:
@@ -1107,7 +1120,10 @@ class Ring:
         """Stop using the ring in this process (idempotent).
 
         Every later call raises ShmClosedError; a thread of this process
-        blocked in a wait raises it at once. Slot views handed out
+        blocked in a wait raises it at once, and close() returns once those
+        threads have left their waits (the wake tokens it posted are taken back:
+        the semaphores are shared with the peer, whose consumer must never take
+        one for a slot that was not published). Slot views handed out
         stay valid (the mapping goes when the last of them does). Use
         invalidate() first to wake the peer process too.
         """
@@ -1132,6 +1148,20 @@ class Ring:
             self._unnotify = None
         if not self._forked_from:
             self.interrupt()   # this process's blocked threads wake and see the close
+            # ... and take back the tokens interrupt() posted for them before close()
+            # returns: left in the semaphores (shared with the peer), a consumer there
+            # (the next owner of a daemon's ring) would take one for an unpublished slot
+            self._wait_unblocked(_CLOSE_WAKE_TIMEOUT)
+
+    def _wait_unblocked(self, timeout: float) -> None:
+        if self._core is not None:
+            quiet = bool(self._core.wait_unblocked(timeout))
+        else:
+            with self._wlock:
+                quiet = self._wlock.wait_for(lambda: not any(self._blocked), timeout)
+        if not quiet:
+            _log.warning("ring %s: closed while a thread of this process still waits on it "
+                         "after %g s", self._name, timeout)
 
     def _forget_mapping(self) -> None:
         # Handed-out views (and numpy arrays over them, which hold no export)
