@@ -57,7 +57,10 @@ class SpscRingBuffer(Generic[T]):
         self._slots: list[Any] = [factory() if factory else None for _ in range(n)]
         self._timeout_cb = timeout_cb
         self._timeout_s = int(timeout_ns) / 1e9
-        self._cond = threading.Condition(threading.Lock())
+        # taken as ``with self._mutex`` (a C-level __enter__): ``with`` on the Condition runs
+        # Python code after the lock is taken, where a KeyboardInterrupt would leave it held
+        self._mutex = threading.Lock()
+        self._cond = threading.Condition(self._mutex)
         self._written = 0     # slots published by writeComplete()
         self._locked = 0      # slots handed out by readLock() (next read = this index)
         self._released = 0    # slots freed by readComplete() (oldest read-locked)
@@ -72,14 +75,14 @@ class SpscRingBuffer(Generic[T]):
         self.writeLock()
         if not self._valid:
             return
-        with self._cond:
+        with self._mutex:
             self._slots[self._written % self._n] = obj
         self.writeComplete()
 
     def writeLock(self) -> T:
         """Block until a slot is free (or the ring is invalidated) and return it; at most
         the host sync timeout (then DeviceTimeoutError: the consumer took nothing)."""
-        with self._cond:
+        with self._mutex:
             deadline = None
             while self._valid and not self._write_locked and self._written - self._released >= self._n:
                 now = time.monotonic()
@@ -94,7 +97,7 @@ class SpscRingBuffer(Generic[T]):
 
     def writeLocked(self) -> Optional[T]:
         """The slot ``writeLock()`` handed out and not yet published, or None."""
-        with self._cond:
+        with self._mutex:
             if not self._write_locked:
                 return None
             return self._slots[self._written % self._n]  # type: ignore[no-any-return]
@@ -102,7 +105,7 @@ class SpscRingBuffer(Generic[T]):
     def writeAbort(self) -> None:
         """Unlock the slot ``writeLock()`` handed out without publishing it (the next
         ``writeLock()`` returns the same slot)."""
-        with self._cond:
+        with self._mutex:
             self._write_locked = False
 
     def _full_error(self) -> DeviceTimeoutError:
@@ -113,7 +116,7 @@ class SpscRingBuffer(Generic[T]):
             f"IPU_EMULATOR_HOST_SYNC_TIMEOUT)" + (f"; {peer}" if peer else ""))
 
     def writeComplete(self) -> None:
-        with self._cond:
+        with self._mutex:
             if not self._valid:
                 return
             if not self._write_locked:
@@ -126,7 +129,7 @@ class SpscRingBuffer(Generic[T]):
     # ------------------------------------------------------------- consumer
     def readLock(self) -> T:
         """Block until a slot is readable (or the ring is invalidated) and lock it."""
-        with self._cond:
+        with self._mutex:
             deadline = None
             if self._timeout_cb is not None and self._timeout_s > 0:
                 deadline = time.monotonic() + self._timeout_s
@@ -154,7 +157,7 @@ class SpscRingBuffer(Generic[T]):
 
     def readComplete(self) -> None:
         """Free the oldest read-locked slot."""
-        with self._cond:
+        with self._mutex:
             if not self._valid:
                 return
             if self._released >= self._locked:
@@ -167,7 +170,7 @@ class SpscRingBuffer(Generic[T]):
         """Put the ``count`` newest read-locked slots back (not completed): the next
         ``readLock()`` returns them again, oldest first. For a consumer whose use of
         them failed (e.g. a transfer that could not be made)."""
-        with self._cond:
+        with self._mutex:
             if not 0 <= count <= self._locked - self._released:
                 raise InvalidStateError(
                     f"SpscRingBuffer {self._label!r}: readUnlock({count}) with "
@@ -177,24 +180,24 @@ class SpscRingBuffer(Generic[T]):
 
     def readReset(self) -> None:
         """Put every read-locked slot back at the front of the reading queue."""
-        with self._cond:
+        with self._mutex:
             self._locked = self._released
             self._cond.notify_all()
 
     def readAvailable(self) -> bool:
-        with self._cond:
+        with self._mutex:
             return self._locked < self._written
 
     # ------------------------------------------------------------- state
     def invalidate(self) -> None:
         """Make every blocking call return at once; what they return is invalid."""
-        with self._cond:
+        with self._mutex:
             self._valid = False
             self._cond.notify_all()
 
     def reset(self) -> None:
         """Back to the initial state: empty, valid, nothing locked."""
-        with self._cond:
+        with self._mutex:
             self._written = self._locked = self._released = 0
             self._write_locked = False
             self._valid = True
@@ -208,7 +211,7 @@ class SpscRingBuffer(Generic[T]):
         return self._valid
 
     def getState(self, prefix: str = "") -> str:
-        with self._cond:
+        with self._mutex:
             return (f"{prefix}{self._label}: valid={self._valid} buffers={self._n} "
                     f"written={self._written} read_locked={self._locked - self._released} "
                     f"readable={self._written - self._locked} "

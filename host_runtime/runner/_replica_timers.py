@@ -102,7 +102,10 @@ class ReplicaTimers:
         self._firing = threading.Lock()           # one thread fires at a time
         self._phantoms: list[Phantom] = []
         self._watchdog: threading.Thread | None = None
-        self._watch_wake = threading.Condition(threading.Lock())
+        # taken as ``with self._watch_mutex`` (C-level __enter__: an interrupt cannot leave
+        # it held, as it can inside Condition.__enter__)
+        self._watch_mutex = threading.Lock()
+        self._watch_wake = threading.Condition(self._watch_mutex)
 
     # ------------------------------------------------------------------ phantoms
     def add_phantom(self, req: Request, tensor_id: str, partial: Transfer | None) -> None:
@@ -234,12 +237,12 @@ class ReplicaTimers:
                                               name=f"model-runner-watchdog-{self._rid}")
             self._watchdog.start()
         else:
-            with self._watch_wake:
+            with self._watch_mutex:
                 self._watch_wake.notify_all()
 
     def close(self) -> None:
         """The replica closed: wake the watchdog, which then exits."""
-        with self._watch_wake:
+        with self._watch_mutex:
             self._watch_wake.notify_all()
 
     def _watch(self) -> None:
@@ -255,11 +258,11 @@ class ReplicaTimers:
             now = time.monotonic()
             if d > now:
                 del owner      # not kept alive while waiting
-                with self._watch_wake:
+                with self._watch_mutex:
                     self._watch_wake.wait(d - now)
                 continue
             owner.fire_timers()
             if self.next_deadline(owner.partial) <= now:
                 del owner      # could not act (a submitter is busy): again shortly
-                with self._watch_wake:
+                with self._watch_mutex:
                     self._watch_wake.wait(_RETRY)
