@@ -500,10 +500,7 @@ class Ring:
             return   # set_peer changed it meanwhile
         with self._wlock:
             self._peer_gone = True
-            for i, sem in enumerate((self._free, self._full)):
-                for _ in range(self._blocked[i]):
-                    self._pending[i] += 1
-                    sem.release()
+            self._wake_blocked()
         if self._core is not None:
             self._core.interrupt()
 
@@ -517,12 +514,18 @@ class Ring:
         thread takes back, so the semaphores count what they counted."""
         with self._wlock:
             self._interrupted = True
-            for i, sem in enumerate((self._free, self._full)):
-                for _ in range(self._blocked[i]):
-                    self._pending[i] += 1
-                    sem.release()
+            self._wake_blocked()
         if self._core is not None:
             self._core.interrupt()
+
+    def _wake_blocked(self) -> None:
+        """Post a token for each thread of this process blocked in a Python-path wait
+        (``_take``), counted as pending so that the woken thread takes it back. Under
+        ``_wlock``; the C core's waiters are woken by ``Core.interrupt``."""
+        for i, sem in enumerate((self._free, self._full)):
+            for _ in range(self._blocked[i]):
+                self._pending[i] += 1
+                sem.release()
 
     def resume(self) -> None:
         """Waits block again after :meth:`interrupt`."""
