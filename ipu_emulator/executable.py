@@ -21,7 +21,18 @@ Binary layout (all integers little-endian)::
     0       288   header (struct _HEADER, below), ends with a CRC-32 of its first 284 bytes
     288     P     program section: strict JSON (UTF-8), schema-checked on load
     288+P   G     graph section: the ONNX ModelProto bytes of every graph, concatenated;
-                  each graph's (offset, length) inside this section is in the JSON
+                  each graph's (offset, length) inside this section is in the JSON; then
+                  the parts of a multi-IPU executable; last, the weights section
+
+The weights section (optional; its (offset, length) inside the graph section is
+the JSON's ``weights``) holds the raw bytes of the graphs' large initializers,
+each ``ALIGNMENT``-aligned from the section's start: in the ONNX graphs they are
+external data, and each graph lists them (``external``: name, type, shape,
+offset). So the graphs stay small (no protobuf limit of 2 GiB on the weights),
+and an IPU process gives onnxruntime the weights where they lie (one read-only
+copy in shared memory for every replica), without parsing or copying them. A
+host may send an executable without its weights section and the section apart
+(``Executable.from_bytes(head, weights=section)``, ``weights_span``).
 
 The header alone (``read_header``) tells a host what it needs before loading:
 name, package hash of the compiling emulator, IPU version and count, device
@@ -70,6 +81,8 @@ __all__ = [
     "ExecutableError",
     "plan_memory",
     "read_header",
+    "ExternalWeight",
+    "weights_span",
 ]
 
 # -- inter-IPU links (emulated IPU-Links) -------------------------------------------
@@ -186,13 +199,30 @@ class TensorSig:
     shape: tuple[int, ...]
 
 
+class ExternalWeight(NamedTuple):
+    """An initializer of a graph whose bytes are in the executable's weights section."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int          # in the weights section, ``ALIGNMENT``-aligned
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.dtype, self.shape)
+
+
 @dataclass(frozen=True)
 class Graph:
-    """A serialized ONNX ModelProto with its interface."""
+    """A serialized ONNX ModelProto with its interface.
+
+    ``external``: its initializers stored in the executable's weights section (the
+    model names them as external data; see the module docstring)."""
 
     inputs: tuple[TensorSig, ...]
     outputs: tuple[TensorSig, ...]
     model: bytes = field(repr=False)
+    external: tuple[ExternalWeight, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -278,6 +308,9 @@ class Executable:
     # A multi-IPU executable: one single-IPU executable per IPU (``parts[k]`` runs on the
     # device's IPU k; ipu_emulator.compiler._sharding). Empty for a one-IPU executable.
     parts: list["Executable"] = field(default_factory=list)
+    # The weights section: bytes the graphs' ``external`` initializers point into (a
+    # view of the bytes decoded, or of the buffer given as ``weights``: not copied).
+    weights: bytes | memoryview = field(default=b"", repr=False)
 
     # -- checks -----------------------------------------------------------------
 
@@ -292,12 +325,16 @@ class Executable:
         blobs = bytearray()
         graphs_json = []
         for g in self.graphs:
-            graphs_json.append({
+            gj: dict[str, Any] = {
                 "inputs": [_sig_json(s) for s in g.inputs],
                 "outputs": [_sig_json(s) for s in g.outputs],
                 "offset": len(blobs),
                 "length": len(g.model),
-            })
+            }
+            if g.external:
+                gj["external"] = [[w.name, w.dtype, list(w.shape), w.offset]
+                                  for w in g.external]
+            graphs_json.append(gj)
             blobs += g.model
         doc = {
             "format": FORMAT_VERSION,
@@ -318,6 +355,10 @@ class Executable:
                 parts.append({"offset": len(blobs), "length": len(data)})
                 blobs += data
             doc["parts"] = parts
+        if len(self.weights):
+            blobs += bytes(-len(blobs) % ALIGNMENT)
+            doc["weights"] = {"offset": len(blobs), "length": len(self.weights)}
+            blobs += self.weights
         program = json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
         body = program + bytes(blobs)
         total = HEADER_SIZE + len(body)
@@ -330,24 +371,41 @@ class Executable:
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview, *,
-                   graphs: bool = True) -> "Executable":
+                   graphs: bool = True,
+                   weights: bytes | bytearray | memoryview | None = None) -> "Executable":
         """Decode and validate; raises ``ExecutableError`` on any damage.
 
         ``graphs=False`` (a host checking the programs of an executable whose bytes a
         PopEF checksum already covers): the body's CRC is not computed and the graphs'
         ONNX bytes are not copied (``Graph.model`` is empty); everything else is decoded
         and validated as usual. Never for an executable that is to run.
+
+        ``weights``: ``data`` is the executable without its weights section (its first
+        ``weights_span(...)[0]`` bytes), and this is the section; it is checked by the
+        body's CRC as if it followed ``data``, and not copied. Otherwise the section is
+        a view of ``data`` (not copied either).
         """
         view = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
+        wview: memoryview | None = None
+        if weights is not None:
+            wview = memoryview(weights)
+            if wview.ndim != 1 or wview.itemsize != 1:
+                wview = wview.cast("B")
         hdr = read_header(view)
-        if hdr["total_length"] != len(view):
+        if wview is not None:
+            if hdr["total_length"] != len(view) + len(wview):
+                raise ExecutableError(
+                    f"executable of {len(view)} bytes and a weights section of {len(wview)} "
+                    f"bytes, but its header says {hdr['total_length']} bytes in all",
+                    offset=min(len(view), hdr["total_length"]))
+        elif hdr["total_length"] != len(view):
             raise ExecutableError(
                 f"executable is {len(view)} bytes but its header says {hdr['total_length']}"
                 + (" (truncated)" if len(view) < hdr["total_length"] else " (trailing bytes)"),
                 offset=min(len(view), hdr["total_length"]))
         p_off, p_len = hdr["program_offset"], hdr["program_length"]
         g_off, g_len = hdr["graphs_offset"], hdr["graphs_length"]
-        if p_off != HEADER_SIZE or p_off + p_len != g_off or g_off + g_len != len(view):
+        if p_off != HEADER_SIZE or p_off + p_len != g_off or g_off + g_len != hdr["total_length"]:
             raise ExecutableError(
                 f"section table is inconsistent: program [{p_off}, +{p_len}), graphs "
                 f"[{g_off}, +{g_len}) in {len(view)} bytes", offset=HEADER_SIZE - 4)
@@ -356,6 +414,8 @@ class Executable:
                                   f"{_MAX_JSON}", offset=p_off)
         body = view[HEADER_SIZE:]
         crc = zlib.crc32(body) if graphs else hdr["body_crc32"]
+        if graphs and wview is not None:
+            crc = zlib.crc32(wview, crc)
         if crc != hdr["body_crc32"]:
             raise ExecutableError(
                 f"body checksum mismatch: computed {crc:#010x}, header says "
@@ -366,9 +426,39 @@ class Executable:
         except (UnicodeDecodeError, ValueError, RecursionError) as exc:
             raise ExecutableError(f"program section is not valid JSON: {exc}",
                                   offset=p_off) from None
-        exe = _decode(doc, view[g_off:g_off + g_len], g_off, hdr, graphs)
+        exe = _decode(doc, view[g_off:g_off + g_len], g_off, hdr, graphs, wview)
         exe.validate()
         return exe
+
+
+def weights_span(data: bytes | bytearray | memoryview) -> tuple[int, int]:
+    """``(offset, length)`` of the weights section in the executable ``data`` (its last
+    bytes); ``(len, 0)`` when it has none. Reads the header and the program section only
+    (raises ``ExecutableError`` if they are damaged)."""
+    view = memoryview(data)
+    if view.ndim != 1 or view.itemsize != 1:
+        view = view.cast("B")
+    hdr = read_header(view)
+    p_off, p_len, g_off = hdr["program_offset"], hdr["program_length"], hdr["graphs_offset"]
+    total = hdr["total_length"]
+    if p_len > _MAX_JSON or p_off + p_len > len(view):
+        raise ExecutableError(f"program section [{p_off}, +{p_len}) is out of range",
+                              offset=p_off)
+    try:
+        doc = json.loads(bytes(view[p_off:p_off + p_len]).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise ExecutableError(f"program section is not valid JSON: {exc}",
+                              offset=p_off) from None
+    w = doc.get("weights") if isinstance(doc, dict) else None
+    if not w:
+        return total, 0
+    off, length = w.get("offset") if isinstance(w, dict) else None, \
+        w.get("length") if isinstance(w, dict) else None
+    if type(off) is not int or type(length) is not int or off < 0 or length < 0 \
+            or g_off + off + length != total:
+        raise ExecutableError(f"program section: $.weights: {w!r:.80} is not the last "
+                              f"bytes of the executable", offset=p_off)
+    return g_off + off, length
 
 
 def read_header(data: bytes | bytearray | memoryview) -> dict[str, Any]:
@@ -516,11 +606,30 @@ class _Doc:
 
 
 def _decode(doc: Any, graphs: memoryview, g_off: int, hdr: dict[str, Any],
-            with_graphs: bool = True) -> Executable:
+            with_graphs: bool = True, weights: memoryview | None = None) -> Executable:
     d = _Doc(hdr["program_offset"])
     keys = ("format", "name", "tensors", "streams", "graphs", "programs", "attributes")
-    top = d.obj(doc, "$", keys + (("parts",) if isinstance(doc, dict) and "parts" in doc
-                                  else ()))
+    optional = tuple(k for k in ("parts", "weights") if isinstance(doc, dict) and k in doc)
+    top = d.obj(doc, "$", keys + optional)
+    wsec: memoryview | bytes = b""
+    if "weights" in top:
+        w = d.obj(top["weights"], "$.weights", ("offset", "length"))
+        total = len(graphs) + (len(weights) if weights is not None else 0)
+        woff = d.int_(w["offset"], "$.weights.offset", 0, total)
+        wlen = d.int_(w["length"], "$.weights.length", 0, total - woff)
+        if woff + wlen != total:
+            raise d.fail("$.weights", "the weights section must be the last bytes")
+        if weights is not None:
+            if woff != len(graphs):
+                raise d.fail("$.weights", f"the section starts at {woff} of the graph "
+                                          f"section, but the executable given ends at "
+                                          f"{len(graphs)}")
+            wsec = weights
+        else:
+            wsec = graphs[woff:woff + wlen]
+            graphs = graphs[:woff]
+    elif weights is not None and len(weights):
+        raise d.fail("$", "a weights section was given, but the executable has none")
     if top["format"] != FORMAT_VERSION:
         raise d.fail("$.format", f"expected {FORMAT_VERSION}, got {top['format']!r}")
     if top["name"] != hdr["name"]:
@@ -550,7 +659,8 @@ def _decode(doc: Any, graphs: memoryview, g_off: int, hdr: dict[str, Any],
     graph_list: list[Graph] = []
     for k, g in enumerate(d.lst(top["graphs"], "$.graphs")):
         p = f"$.graphs[{k}]"
-        g = d.obj(g, p, ("inputs", "outputs", "offset", "length"))
+        g = d.obj(g, p, ("inputs", "outputs", "offset", "length")
+                  + (("external",) if isinstance(g, dict) and "external" in g else ()))
         off = d.int_(g["offset"], p + ".offset", 0, len(graphs))
         length = d.int_(g["length"], p + ".length", 0, len(graphs) - off)
         sigs = []
@@ -563,8 +673,21 @@ def _decode(doc: Any, graphs: memoryview, g_off: int, hdr: dict[str, Any],
                                        d.dtype(s["dtype"], q + ".dtype"),
                                        d.shape(s["shape"], q + ".shape")))
             sigs.append(tuple(items))
+        ext = []
+        for j, e in enumerate(d.lst(g.get("external", []), p + ".external")):
+            q = f"{p}.external[{j}]"
+            if not isinstance(e, list) or len(e) != 4:
+                raise d.fail(q, "expected [name, data type, shape, offset]")
+            ref = ExternalWeight(d.str_(e[0], q), d.dtype(e[1], q), d.shape(e[2], q),
+                                 d.int_(e[3], q, 0, _MAX_BYTES))
+            if ref.offset % ALIGNMENT or ref.offset + ref.nbytes > len(wsec):
+                raise d.fail(q, f"initializer {ref.name!r} at [{ref.offset}, "
+                                f"+{ref.nbytes}) is not an aligned span of the "
+                                f"{len(wsec)}-byte weights section")
+            ext.append(ref)
         graph_list.append(Graph(sigs[0], sigs[1],
-                                bytes(graphs[off:off + length]) if with_graphs else b""))
+                                bytes(graphs[off:off + length]) if with_graphs else b"",
+                                tuple(ext)))
     programs = []
     counter = [0]
     for k, pr in enumerate(d.lst(top["programs"], "$.programs")):
@@ -592,7 +715,7 @@ def _decode(doc: Any, graphs: memoryview, g_off: int, hdr: dict[str, Any],
         streams=streams, memory_bytes=hdr["memory_bytes"], required_bytes=hdr["required_bytes"],
         ipu_version=hdr["ipu_version"], num_ipus=hdr["num_ipus"],
         device_iterations=hdr["device_iterations"], package_hash=hdr["package_hash"],
-        attributes=dict(attrs), parts=parts)
+        attributes=dict(attrs), parts=parts, weights=wsec)
 
 
 def _decode_body(d: _Doc, v: Any, path: str, depth: int, counter: list[int]
@@ -693,6 +816,13 @@ class _Validator:
             if s.nbytes != _nbytes(s.dtype, tuple(s.shape)):
                 raise self.fail(f"stream {h!r} nbytes {s.nbytes} does not match "
                                 f"{s.dtype}{list(s.shape)}")
+        for k, g in enumerate(exe.graphs):
+            for w in g.external:
+                numpy_dtype(w.dtype)
+                if w.offset < 0 or w.offset % ALIGNMENT or w.offset + w.nbytes > len(exe.weights):
+                    raise self.fail(f"graph {k}: initializer {w.name!r} at [{w.offset}, "
+                                    f"+{w.nbytes}) is not an aligned span of the "
+                                    f"{len(exe.weights)}-byte weights section")
         for k, p in enumerate(exe.programs):
             for instr, depth in _walk(p.body):
                 if depth > _MAX_DEPTH:

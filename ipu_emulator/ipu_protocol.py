@@ -280,7 +280,9 @@ def encode_load_spec(spec: dict[str, Any]) -> bytes:
     (where the executable is in the region; the offset must equal the length
     of the returned prefix), ``memory_region`` (name or None),
     ``check_package_hash`` (bool), ``streams``: list of ``{"handle", "ring",
-    "direction" ("in"/"out"), "nbytes", "mode"}``.
+    "direction" ("in"/"out"), "nbytes", "mode"}``; optional ``weights_region``
+    (name or None): the executable's weights section is not in this region but
+    in that one (shared by every session of the same weights; mapped read-only).
     """
     raw = json.dumps(spec, separators=(",", ":")).encode()
     n = _SPEC_LEN.size + len(raw)
@@ -316,9 +318,14 @@ def decode_load_spec(buf: memoryview) -> dict[str, Any]:
         spec = json.loads(bytes(buf[_SPEC_LEN.size:_SPEC_LEN.size + n]).decode())
     except (UnicodeDecodeError, ValueError) as exc:
         raise ProtocolError(f"load spec is not valid JSON: {exc}") from None
-    if not isinstance(spec, dict) or set(spec) != _SPEC_KEYS:
+    if not isinstance(spec, dict) or set(spec) - {"weights_region"} != _SPEC_KEYS:
         got = sorted(spec) if isinstance(spec, dict) else type(spec).__name__
-        raise ProtocolError(f"load spec must have keys {sorted(_SPEC_KEYS)}, got {got}")
+        raise ProtocolError(f"load spec must have keys {sorted(_SPEC_KEYS)} (and "
+                            f"'weights_region'), got {got}")
+    spec.setdefault("weights_region", None)
+    if spec["weights_region"] is not None and not isinstance(spec["weights_region"], str):
+        raise ProtocolError(f"load spec 'weights_region' must be a region name or null, got "
+                            f"{spec['weights_region']!r:.80}")
     off, size = spec["executable_offset"], spec["executable_size"]
     if not (isinstance(off, int) and isinstance(size, int) and 0 <= off and 0 < size
             and off + size <= len(buf)):

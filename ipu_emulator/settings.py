@@ -46,6 +46,12 @@ class IpuSettings(ShmSettings):
         True, "IPU_EMULATOR_ZERO_COPY", flag,
         "`0`: the IPU process copies stream transfers instead of computing in ring slots "
         "(for measurements)", when=_IPU)
+    prepack: bool = knob(
+        True, "IPU_EMULATOR_PREPACK", flag,
+        "`0`: onnxruntime computes with the model's weights where they lie, one copy in "
+        "shared memory for every replica, instead of each IPU process keeping its own "
+        "prepacked copy (MatMul and Conv a few times slower; see `docs/memory.md`)",
+        when=_IPU)
     keep_apart: bool = knob(
         True, "IPU_EMULATOR_KEEP_APART", flag,
         "`0`: the scheduler alone places IPU processes (else a busy one holds a CPU of its "

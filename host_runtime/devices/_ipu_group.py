@@ -342,7 +342,7 @@ class ShardedLoad:
             raise
 
     @classmethod
-    def of(cls, exe_bytes: bytes, key: str) -> "ShardedLoad | None":
+    def of(cls, exe_bytes: bytes | memoryview, key: str) -> "ShardedLoad | None":
         """A ShardedLoad when ``exe_bytes`` is a multi-IPU executable, else None."""
         from ipu_emulator.executable import Executable, ExecutableError
 

@@ -286,10 +286,11 @@ class Metadata:
 
 @dataclass
 class TensorData:
-    """Bytes for one anchor (usually weights), fed by the Load program."""
+    """Bytes for one anchor (usually weights), fed by the Load program (a large one read
+    from a file is a read-only view of the file's mapping, see ``popef.Reader``)."""
 
     anchor: str
-    data: bytes
+    data: bytes | memoryview
 
     def name(self) -> str:
         return self.anchor
@@ -320,16 +321,17 @@ class Opaque:
 
 @dataclass
 class ExecutableBlob:
-    """The device executable (ipu_emulator format), possibly zlib-compressed."""
+    """The device executable (ipu_emulator format), possibly zlib-compressed (a large one
+    read from a file is a read-only view of the file's mapping, see ``popef.Reader``)."""
 
     exec_name: str
-    data: bytes
+    data: bytes | memoryview
     compressed: bool = False
 
     def name(self) -> str:
         return self.exec_name
 
-    def payload(self) -> bytes:
+    def payload(self) -> bytes | memoryview:
         """The executable bytes, decompressed."""
         if not self.compressed:
             return self.data

@@ -8,12 +8,23 @@ consistency errors can name the file, the blob and the offset.
 Any damage raises ``PopefError``; no struct, json, zlib, numpy or Unicode
 error escapes, and no length read from the file is used before it has been
 checked against the bytes the file still holds.
+
+Large payloads of a file (executables and tensor data of ``MAP_MIN_BYTES`` or
+more) are not copied into this process: they are read-only views of the file
+mapped into memory, whose pages the kernel keeps in its page cache, shared and
+reclaimable, instead of a private copy per process (:func:`drop_pages` lets
+this process's mapping of them go once they have been read). Do not change a
+PopEF file in place while a model read from it is in use (write a new file
+and rename it over the old one): a session that copies the bytes again checks
+them against their checksum and refuses changed ones, but a file cut shorter
+under a mapping faults the process that reads it.
 """
 
 from __future__ import annotations
 
 import io
 import logging
+import mmap
 import os
 import zlib
 from dataclasses import dataclass
@@ -23,10 +34,13 @@ from host_runtime.errors import PopefError, ResourceLimitError
 from host_runtime.popef import _format as fmt
 from host_runtime.popef._schema import SchemaError, decode_metadata
 from host_runtime.popef.model import (ExecutableBlob, FeedData, Metadata, Opaque, TensorData)
-from shm import OutOfFileDescriptorsError, limits
+from shm import OutOfFileDescriptorsError, buffer_address, limits
 from shm.errors import echo
 
-__all__ = ["Reader", "BlobInfo"]
+__all__ = ["Reader", "BlobInfo", "MAP_MIN_BYTES", "drop_pages"]
+
+MAP_MIN_BYTES = 1 << 20
+"""Payloads of a file this large or larger are mapped views of the file, not copies."""
 
 _log = logging.getLogger(__name__)
 
@@ -87,7 +101,13 @@ class Reader:
                 size = os.fstat(f.fileno()).st_size
             except OSError as exc:  # pragma: no cover - fstat on an open file
                 raise PopefError(f"cannot stat PopEF file: {exc}", path=spath) from None
-            self._parse(f, size, spath)
+            mapped = None
+            if size >= MAP_MIN_BYTES:
+                try:
+                    mapped = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
+                except (OSError, ValueError):   # not mappable (a pipe, a special file)
+                    mapped = None
+            self._parse(f, size, spath, mapped)
 
     def parseStream(self, stream: BinaryIO | BytesLike, name: str = "<bytes>") -> None:
         """Parse a PopEF image from bytes or a binary stream (read to its end)."""
@@ -144,8 +164,9 @@ class Reader:
 
     # -- the parser --------------------------------------------------------------
 
-    def _parse(self, f: _Seekable, size: int, path: str) -> None:
-        parsed = _FileParser(f, size, path).parse()
+    def _parse(self, f: _Seekable, size: int, path: str,
+               mapped: mmap.mmap | None = None) -> None:
+        parsed = _FileParser(f, size, path, mapped).parse()
         # All or nothing: a damaged file adds no blobs.
         self._entries.extend(parsed)
         self._paths.append(path)
@@ -167,10 +188,12 @@ class _Window:
 
 
 class _FileParser:
-    def __init__(self, f: _Seekable, size: int, path: str) -> None:
+    def __init__(self, f: _Seekable, size: int, path: str,
+                 mapped: mmap.mmap | None = None) -> None:
         self.f = f
         self.size = size
         self.path = path
+        self.mapped = mapped
 
     def error(self, msg: str, offset: int, blob: str | None = None) -> PopefError:
         return PopefError(msg, path=self.path, blob=blob, offset=offset)
@@ -267,10 +290,17 @@ class _FileParser:
         if btype is fmt.BlobType.METADATA and h.payload_len > fmt.MAX_METADATA_BYTES:
             raise self.error(f"metadata of {h.payload_len} bytes exceeds the limit of "
                              f"{fmt.MAX_METADATA_BYTES}", offset + 24, label)
-        payload = self.read_exact(payload_off, h.payload_len, "a blob payload", label)
-        if zlib.crc32(payload) != h.payload_crc:
+        payload: bytes | memoryview
+        if (self.mapped is not None and h.payload_len >= MAP_MIN_BYTES and not compressed
+                and btype in (fmt.BlobType.EXECUTABLE, fmt.BlobType.TENSOR_DATA)):
+            payload = memoryview(self.mapped)[payload_off:payload_off + h.payload_len]
+        else:
+            payload = self.read_exact(payload_off, h.payload_len, "a blob payload", label)
+        crc = _crc32(payload)
+        drop_pages(payload)
+        if crc != h.payload_crc:
             raise self.error(f"payload checksum mismatch: stored 0x{h.payload_crc:08x}, "
-                             f"computed 0x{zlib.crc32(payload):08x}", payload_off, label)
+                             f"computed 0x{crc:08x}", payload_off, label)
         info = BlobInfo(btype, name, self.path, offset, h.total_size, h.payload_len,
                         h.payload_crc, compressed, h.aux)
         blob = self.decode(btype, name, payload, h.aux, compressed, payload_off, label)
@@ -291,7 +321,7 @@ class _FileParser:
             return f"{where} {kind}"
         return f"{where} {kind} {echo(name)}"
 
-    def decode(self, btype: fmt.BlobType, name: str, payload: bytes, aux: int,
+    def decode(self, btype: fmt.BlobType, name: str, payload: bytes | memoryview, aux: int,
                compressed: bool, payload_off: int, label: str) -> Blob:
         if btype is not fmt.BlobType.FEED_DATA and not (
                 btype is fmt.BlobType.EXECUTABLE and compressed) and aux != 0:
@@ -299,7 +329,7 @@ class _FileParser:
                              payload_off, label)
         if btype is fmt.BlobType.METADATA:
             try:
-                md = decode_metadata(payload)
+                md = decode_metadata(bytes(payload))
             except SchemaError as exc:
                 raise self.error(f"metadata does not match its schema: {exc}", payload_off,
                                  label) from None
@@ -309,7 +339,7 @@ class _FileParser:
             return md
         if btype is fmt.BlobType.EXECUTABLE:
             if compressed:
-                check_decompress(payload, aux, self.path, label, payload_off)
+                check_decompress(bytes(payload), aux, self.path, label, payload_off)
             return ExecutableBlob(name, payload, compressed)
         if not name:
             raise self.error(f"{btype.label} blob has an empty name", payload_off, label)
@@ -322,8 +352,8 @@ class _FileParser:
             if len(payload) % aux:
                 raise self.error(f"feed data of {len(payload)} bytes is not a whole number "
                                  f"of {aux} transfers", payload_off, label)
-            return FeedData(name, payload, aux)
-        return Opaque(name, payload)
+            return FeedData(name, bytes(payload), aux)
+        return Opaque(name, bytes(payload))
 
 
 def check_decompress(payload: bytes, expected: int, path: str | None, label: str | None,
@@ -346,3 +376,26 @@ def check_decompress(payload: bytes, expected: int, path: str | None, label: str
         raise PopefError(f"compressed executable does not decompress to the {expected} "
                          "bytes its header states", path=path, blob=label, offset=offset)
     return out
+
+
+def _crc32(data: bytes | memoryview) -> int:
+    if isinstance(data, bytes):
+        return zlib.crc32(data)
+    crc = 0
+    for a in range(0, len(data), 8 << 20):   # a page-cache mapping: read it chunk by chunk
+        crc = zlib.crc32(data[a:a + (8 << 20)], crc)
+    return crc
+
+
+def drop_pages(view: bytes | memoryview) -> None:
+    """Let this process's mapping of a file-backed payload's pages go (they stay in the
+    kernel's page cache and are mapped again when read); nothing for bytes."""
+    obj = view.obj if isinstance(view, memoryview) else None
+    if not isinstance(obj, mmap.mmap) or not len(view):
+        return
+    try:
+        start = buffer_address(view) - buffer_address(memoryview(obj))
+        first = start - start % mmap.PAGESIZE
+        obj.madvise(mmap.MADV_DONTNEED, first, start + len(view) - first)
+    except (OSError, ValueError):   # pragma: no cover - advice only
+        pass

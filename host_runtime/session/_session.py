@@ -51,6 +51,7 @@ from host_runtime.devices import translated
 from host_runtime.popef import check_model
 from host_runtime.session._fastpath import DirectStreams
 from host_runtime.session._streams import StreamTable, callback_failure
+from host_runtime.session._weights import SharedWeights, shared_weights
 from host_runtime.devices import Device, DeviceManager, DeviceWaitConfig
 from host_runtime.errors import (BadRequestError, DeviceExecutionError, DeviceLostError,
                                  DeviceTimeoutError, InvalidStateError, ModelRuntimeError,
@@ -58,7 +59,7 @@ from host_runtime.errors import (BadRequestError, DeviceExecutionError, DeviceLo
 from host_runtime.session.predicates import AnchorCallbackPredicate, PopefDataUsagePredicate
 from host_runtime.settings import HostSettings
 from ipu_emulator import ipu_protocol
-from ipu_emulator.executable import ExecutableError, read_header
+from ipu_emulator.executable import ExecutableError, read_header, weights_span
 from ipu_emulator.ipu_protocol import Op
 
 __all__ = [
@@ -229,6 +230,10 @@ class Session:
         self._owns_device = False
         self._spec_region: Region | None = None
         self._memory_region: Region | None = None
+        # the executable's weights section: in a region shared by every session of the same
+        # bytes (host_runtime.session._weights), not in this session's executable region
+        self._weights_at, self._weights_len = _weights_span(self._exe, self._header)
+        self._weights: SharedWeights | None = None
         self._sharded: ShardedLoad | None = None   # a multi-IPU executable's resources
         self._loaded = False             # our executable is loaded and we are the active session
         self._need_load_programs = True
@@ -480,6 +485,7 @@ class Session:
                     region.close()
                     region.unlink()
             self._spec_region = self._memory_region = None
+            self._weights = None   # the last session of these weights frees their region
             if self._sharded is not None:
                 self._sharded.close()
                 self._sharded = None
@@ -624,7 +630,9 @@ class Session:
     def _ensure_resources(self, dev: Device) -> None:
         extra = [] if self._memory_region is not None else [
             ("the device memory region", max(64, int(self._header["memory_bytes"]))),
-            ("the executable region", len(self._exe))]
+            ("the executable region", self._weights_at)] + (
+            [("the weights region", self._weights_len)]
+            if self._weights is None and self._weights_len else [])
         self._streams.ensure_rings(dev.link.pid, extra)
         if self._memory_region is None:
             size = max(64, int(self._header["memory_bytes"]))
@@ -649,20 +657,25 @@ class Session:
         modes = self._streams.modes()
         if int(self._header["num_ipus"]) > 1 and self._load_sharded(dev, modes, fresh):
             return
+        if self._weights is None and self._weights_len:
+            self._weights = shared_weights(self._exe, self._weights_at, self._weights_len)
         spec: dict[str, Any] = {
             "key": self._key, "fresh": int(bool(fresh)), "executable_offset": 0,
-            "executable_size": len(self._exe),
+            "executable_size": self._weights_at,
             "memory_region": self._memory_region.name if self._memory_region else None,
             "check_package_hash": bool(self._config.check_package_hash),
             "streams": self._streams.load_spec(modes),
         }
+        if self._weights is not None:
+            spec["weights_region"] = self._weights.name
         if self._spec_region is None:
             spec["executable_offset"] = ipu_protocol.spec_prefix_size(spec)
             prefix = ipu_protocol.encode_load_spec(spec)
-            with translated("the executable region", len(prefix) + len(self._exe)):
-                region = Region.create(len(prefix) + len(self._exe), kind="exe")
+            head = self._weights_at
+            with translated("the executable region", len(prefix) + head):
+                region = Region.create(len(prefix) + head, kind="exe")
             region.buf[:len(prefix)] = prefix
-            region.buf[len(prefix):len(prefix) + len(self._exe)] = self._exe
+            region.buf[len(prefix):len(prefix) + head] = memoryview(self._exe)[:head]
             self._spec_region = region
         else:
             # The executable stays where it is; only "fresh" and modes change.
@@ -790,3 +803,13 @@ class Session:
         if failed is not None:
             _log.info("an abandoned run of %s: the callback of anchor %r raised %r", what,
                       *failed)
+
+
+def _weights_span(exe: bytes | memoryview, header: dict[str, Any]) -> tuple[int, int]:
+    """(offset, length) of the executable's weights section ((len, 0): none)."""
+    if int(header["num_ipus"]) > 1:
+        return len(exe), 0   # a multi-IPU executable's parts carry their own weights
+    try:
+        return weights_span(exe)
+    except ExecutableError as exc:
+        raise PopefError(f"executable {header['name']!r}: {exc}") from exc

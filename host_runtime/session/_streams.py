@@ -62,7 +62,7 @@ class _Empty:
 EMPTY = _Empty()
 
 
-def _popef_input_callback(data: bytes, nbytes: int, transfers: int, what: str) -> Callback:
+def _popef_input_callback(data: bytes | memoryview, nbytes: int, transfers: int, what: str) -> Callback:
     """A callback feeding PopEF tensor data (one transfer) or feed data (cycled)."""
     if transfers <= 1:
         if len(data) != nbytes:

@@ -26,6 +26,7 @@ import ipu_emulator
 from ipu_emulator.compiler._onnx import DTYPE_TO_ONNX, dtype_of, load_model
 from ipu_emulator.compiler._prepare import Prepared, prepare
 from ipu_emulator.compiler._sharding import annotate_one_ipu, compile_sharded
+from ipu_emulator.compiler._weights import externalize
 from ipu_emulator.compiler._types import (
     INDEX_DTYPE, INDEX_NAME, INDEX_SHAPE, LOAD_PROGRAM, MAIN_PROGRAM, SAVE_PROGRAM, TARGETS,
     AnchorDesc, CompileOptions, CompileResult, ModelSpec, Target, check_fit, count, ipu_memory)
@@ -101,6 +102,7 @@ def _assemble(prepared: list[Prepared], opts: CompileOptions, target: Target,
     save: list[Instruction] = []
     branches: list[tuple[Instruction, ...]] = []
     subgraphs: dict[str, list[str]] = {}
+    weights = bytearray()   # the executable's weights section (compiler._weights)
 
     def add_stream(handle: str, direction: str, dtype: str, shape: tuple[int, ...]) -> None:
         if handle in streams:
@@ -158,7 +160,7 @@ def _assemble(prepared: list[Prepared], opts: CompileOptions, target: Target,
         body.append(Execute(gi, tuple(in_pairs), tuple(out_pairs)))
         body.extend(outs)
         branches.append(tuple(body))
-        graphs.append(_graph(p))
+        graphs.append(_graph(p, weights))
         if sub is not None:
             subgraphs[sub] = members
 
@@ -181,7 +183,7 @@ def _assemble(prepared: list[Prepared], opts: CompileOptions, target: Target,
         graphs=graphs, tensors=tensors, streams=streams, memory_bytes=memory_bytes,
         required_bytes=required, ipu_version=target.version, num_ipus=opts.num_ipus,
         device_iterations=opts.device_iterations, package_hash=ipu_emulator.package_hash(),
-        attributes={"models": ",".join(os.path.basename(p.label) for p in prepared),
+        weights=bytes(weights), attributes={"models": ",".join(os.path.basename(p.label) for p in prepared),
                     "fused": "1" if fused else "0",
                     "constant_bytes": str(constants), "activation_bytes": str(activations)})
     exe.validate()
@@ -196,11 +198,12 @@ def _assemble(prepared: list[Prepared], opts: CompileOptions, target: Target,
         fused=fused)
 
 
-def _graph(p: Prepared) -> Graph:
+def _graph(p: Prepared, weights: bytearray) -> Graph:
     def sig(vi: onnx.ValueInfoProto) -> TensorSig:
         tt = vi.type.tensor_type
         return TensorSig(vi.name, dtype_of(tt.elem_type, f"model {echo(p.label, 200)}: {echo(vi.name)}"),
                          tuple(int(d.dim_value) for d in tt.shape.dim))
     g = p.device_model.graph
+    model, external = externalize(p.device_model, weights)
     return Graph(tuple(sig(vi) for vi in g.input), tuple(sig(vi) for vi in g.output),
-                 p.device_model.SerializeToString())
+                 model, external)

@@ -146,10 +146,18 @@ class Interpreter:
     allocates its own. ``num_threads`` is onnxruntime's intra-op thread count.
     ``zero_copy``: compute in the transfer buffers a ``ZeroCopyStreamIO`` lends (default:
     the setting ``zero_copy``, off for measurements).
+
+    Weights: a graph's initializers that the executable keeps in its weights section
+    (``Graph.external``) are given to onnxruntime where they lie, read-only and not
+    copied (``exe.weights`` may be a read-only shared mapping that every replica uses).
+    ``prepack`` (default: the setting ``prepack``): onnxruntime may still keep its own
+    prepacked copy of the weights its kernels prefer in another layout (MatMul, Conv):
+    faster, but one copy per IPU process.
     """
 
     def __init__(self, exe: Executable, device_memory: memoryview | bytearray | None = None,
-                 num_threads: int = 1, zero_copy: bool | None = None) -> None:
+                 num_threads: int = 1, zero_copy: bool | None = None,
+                 prepack: bool | None = None) -> None:
         import onnxruntime as ort  # deferred: importing it costs ~0.2 s
 
         exe.validate()
@@ -174,19 +182,30 @@ class Interpreter:
             self.arrays[name] = arr
             self._views[name] = mem[t.offset:t.offset + t.nbytes]
 
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = max(1, int(num_threads))
-        so.inter_op_num_threads = 1
-        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        so.log_severity_level = 4   # failures surface as exceptions, not log lines
-        # A spinning ORT worker steals the core another device process needs.
-        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        so.add_session_config_entry("session.inter_op.allow_spinning", "0")
+        settings = IpuSettings.current()
+        prepack = settings.prepack if prepack is None else prepack
+
+        def options() -> Any:
+            so = ort.SessionOptions()
+            so.intra_op_num_threads = max(1, int(num_threads))
+            so.inter_op_num_threads = 1
+            so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+            so.log_severity_level = 4   # failures surface as exceptions, not log lines
+            # A spinning ORT worker steals the core another device process needs.
+            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            so.add_session_config_entry("session.inter_op.allow_spinning", "0")
+            if not prepack:
+                so.add_session_config_entry("session.disable_prepacking", "1")
+            return so
         self._ort = ort
         self._sessions: list[object] = []
+        self._weights: list[object] = []   # OrtValues over exe.weights, kept for the sessions
         for k, g in enumerate(exe.graphs):
             try:
-                sess = ort.InferenceSession(g.model, so, providers=["CPUExecutionProvider"])
+                opts = options()
+                if g.external:
+                    _add_weights(ort, opts, g, exe.weights, self._weights)
+                sess = ort.InferenceSession(g.model, opts, providers=["CPUExecutionProvider"])
             except Exception as exc:
                 raise DeviceProgramError(
                     f"executable {exe.name!r}: graph {k} cannot be loaded by onnxruntime: "
@@ -206,7 +225,7 @@ class Interpreter:
         self._programs: list[list[_Step]] = [self._compile(p.body) for p in exe.programs]
         self._programs_zc = self._programs
         if zero_copy is None:
-            zero_copy = IpuSettings.current().zero_copy
+            zero_copy = settings.zero_copy
         if zero_copy and (self._zc_in or self._zc_out):
             self._programs_zc = [self._compile(p.body, True) for p in exe.programs]
             for k, p in enumerate(exe.programs):
@@ -300,6 +319,7 @@ class Interpreter:
         self._zc_views.clear()
         self._zc_deferred.clear()
         self._sessions = []
+        self._weights = []
         self.arrays = {}
         self._views = {}
         self._memory = memoryview(b"")
@@ -555,6 +575,25 @@ class Interpreter:
             for src, dst in passthrough:
                 np.copyto(dst, src)
         return execute_zc
+
+
+def _add_weights(ort: Any, so: Any, graph: Graph, weights: bytes | memoryview,
+                 keep: list[object]) -> None:
+    """Give onnxruntime ``graph``'s external initializers as views of ``weights`` (not
+    copied: onnxruntime computes with caller-owned memory as it is; ``keep`` keeps it)."""
+    # without it onnxruntime copies initializers given as external data into its own memory
+    so.add_session_config_entry("session.use_external_initializer_file_buffers_directly", "1")
+    raw = np.frombuffer(weights, dtype=np.uint8)
+    names, values = [], []
+    for w in graph.external:
+        arr = raw[w.offset:w.offset + w.nbytes].view(numpy_dtype(w.dtype)).reshape(w.shape)
+        if arr.ctypes.data % 64:   # a section inside a bytes object: not aligned
+            arr = arr.copy()
+        names.append(w.name)
+        values.append(ort.OrtValue.ortvalue_from_numpy(arr))
+        keep.append(arr)
+    keep.extend(values)
+    so.add_external_initializers(names, values)
 
 
 _BINDING_CACHE = 256

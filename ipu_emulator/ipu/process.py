@@ -492,11 +492,24 @@ class DeviceProcess:
             raise _RequestError(
                 ErrorKind.REQUEST, f"executable {header['name']!r} needs {header['num_ipus']} "
                 f"IPUs, but {self._describe()} has {o.num_ipus}")
-        try:
-            exe = Executable.from_bytes(data)
-        except ExecutableError as exc:
-            raise _RequestError(ErrorKind.EXECUTABLE, str(exc)) from None
         regions = [region]
+        weights = None
+        w_name = spec["weights_region"]
+        if w_name:   # shared by every replica: mapped read-only, used where it lies
+            self._known.add(w_name)
+            try:
+                w_region = Region.attach(w_name, prefault=False, readonly=True)
+            except (ShmError, OSError, posix_ipc.Error) as exc:
+                raise _RequestError(ErrorKind.PROTOCOL,
+                                    f"cannot open the weights region {w_name}: {exc}") from None
+            weights = w_region.buf[:max(0, header["total_length"] - size)]
+            regions.append(w_region)
+        try:
+            exe = Executable.from_bytes(data, weights=weights)
+        except ExecutableError as exc:
+            for r in regions[1:]:
+                r.close()
+            raise _RequestError(ErrorKind.EXECUTABLE, str(exc)) from None
         memory = None
         mem_name = spec["memory_region"]
         if mem_name:

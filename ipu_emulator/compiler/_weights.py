@@ -1,0 +1,67 @@
+"""Large initializers out of a graph and into the executable's weights section.
+
+The IPU process hands them to onnxruntime where they lie (see
+``ipu_emulator.executable``): so every replica of a model uses one read-only
+copy in shared memory, and the graph stays small whatever the weights weigh.
+"""
+
+from __future__ import annotations
+
+import onnx
+from onnx import TensorProto, numpy_helper
+
+from ipu_emulator.compiler._onnx import ONNX_TO_DTYPE
+from ipu_emulator.executable import ALIGNMENT, ExternalWeight
+
+__all__ = ["EXTERNAL_MIN_BYTES", "LOCATION", "externalize"]
+
+EXTERNAL_MIN_BYTES = 1024
+"""Initializers of fewer bytes stay in the graph."""
+
+LOCATION = "ipu_emulator_weights"
+"""The external-data location the graphs name (never a file: the IPU process gives
+onnxruntime every such initializer itself)."""
+
+_DATA_FIELDS = ("raw_data", "float_data", "int32_data", "string_data", "int64_data",
+                "double_data", "uint64_data")
+
+
+def externalize(model: onnx.ModelProto, weights: bytearray
+                ) -> tuple[bytes, tuple[ExternalWeight, ...]]:
+    """``model``'s bytes with its initializers of ``EXTERNAL_MIN_BYTES`` or more appended
+    to ``weights`` (each ``ALIGNMENT``-aligned) and named there as external data.
+    ``model`` is not changed."""
+    big = [t for t in model.graph.initializer
+           if t.data_type in ONNX_TO_DTYPE and t.data_location != TensorProto.EXTERNAL
+           and _nbytes(t) >= EXTERNAL_MIN_BYTES]
+    if not big:
+        return model.SerializeToString(), ()
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    by_name = {t.name: t for t in out.graph.initializer}
+    refs = []
+    for t in big:
+        data = numpy_helper.to_array(t)
+        raw = data.astype(data.dtype.newbyteorder("<"), copy=False).tobytes()
+        weights += bytes(-len(weights) % ALIGNMENT)
+        offset = len(weights)
+        weights += raw
+        refs.append(ExternalWeight(t.name, ONNX_TO_DTYPE[t.data_type],
+                                   tuple(int(d) for d in t.dims), offset))
+        e = by_name[t.name]
+        for f in _DATA_FIELDS:
+            e.ClearField(f)
+        e.data_location = TensorProto.EXTERNAL
+        del e.external_data[:]
+        for key, value in (("location", LOCATION), ("offset", str(offset)),
+                           ("length", str(len(raw)))):
+            entry = e.external_data.add()
+            entry.key, entry.value = key, value
+    return out.SerializeToString(), tuple(refs)
+
+
+def _nbytes(t: TensorProto) -> int:
+    n = 1
+    for d in t.dims:
+        n *= int(d)
+    return n * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize

@@ -1,0 +1,313 @@
+"""``python -m tools.bench memory``: memory of a large model per replica, and its first answer.
+
+A chain of MatMul/Relu layers (``tools/_chain_model.py``) of ``--weights-mib``
+MiB of float32 weights (W; 192 MiB by default: 12 layers of [2048, 2048]) is
+compiled once to PopEF. Then, each in a fresh process with its own machine
+(home folder and shared-memory tag):
+
+- a ``ModelRunner`` of it with ``replication_factor`` 1, 2, 3 (``--replicas``),
+  once with the default settings and once with the IPU processes' prepacking
+  off (``IPU_EMULATOR_PREPACK=0``), each replica answering one request that is
+  compared with onnxruntime's answer;
+- onnxruntime in-process (one session, one run) for reference.
+
+Memory is summed from the outside while the process waits: the private pages
+(``Private_Clean + Private_Dirty`` of ``/proc/<pid>/smaps``) of the host and
+of every process it started (IPU processes, the fork server), plus the bytes
+the machine's shared-memory objects hold in ``/dev/shm``. A shared-memory
+object's pages are counted once, as the object (the private pages of a mapping
+of one of them are not added again). Figures are in MiB and in units of W.
+
+First answer: in fresh processes, alternating, ``--rounds`` times: the time from
+before ``import host_runtime`` to the first result of a new ``ModelRunner``
+against the time from before ``import onnxruntime`` to the result of a new
+``InferenceSession`` (both read the same files, warm in the page cache).
+
+Execute: the median ``execute`` latency of the model on one replica, default
+and prepacking off, against onnxruntime in-process (one thread each).
+
+Targets (issue 22): 1 replica <= 2.0 W, 2 replicas <= 3.5 W, each further
+replica <= 1.2 W, and with prepacking off each further replica <= 0.2 W;
+first answer <= 1.5x onnxruntime's create + run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+from tools.bench._markdown import MarkdownTable
+
+__all__ = ["main", "DESCRIPTION", "tree_memory"]
+
+DESCRIPTION = "memory of a 192 MiB model per replica (units of its weights), first answer vs onnxruntime"
+
+_MiB = 1 << 20
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WIDTH = 2048
+BATCH = 4
+
+# A host: one runner, one request per replica (checked), then it waits for the parent.
+_RUNNER_CHILD = r"""
+import sys, time, json
+t0 = time.perf_counter()
+import numpy as np
+import host_runtime as model_runtime
+path, replicas, xfile, yfile, timed = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
+x = np.load(xfile)
+config = model_runtime.ModelRunnerConfig()
+config.replication_factor = replicas
+runner = model_runtime.ModelRunner(path, config=config)
+first = runner.execute({"x": x})["y"]
+t1 = time.perf_counter()
+y = np.load(yfile)
+diffs = [float(np.max(np.abs(first - y)))]
+for r in range(1, replicas):
+    diffs.append(float(np.max(np.abs(runner.execute({"x": x}, replica_id=r)["y"] - y))))
+lat = []
+for _ in range(timed):
+    a = time.perf_counter()
+    runner.execute({"x": x})
+    lat.append(time.perf_counter() - a)
+print(json.dumps({"first": t1 - t0, "diff": max(diffs), "equal": max(diffs) == 0.0,
+                  "latency": sorted(lat)[len(lat) // 2] if lat else None}), flush=True)
+sys.stdin.readline()
+runner.close()
+"""
+
+# onnxruntime in-process: one session, one run, then it waits for the parent.
+_ORT_CHILD = r"""
+import sys, time, json
+t0 = time.perf_counter()
+import numpy as np
+import onnxruntime as ort
+path, xfile, timed = sys.argv[1], sys.argv[2], int(sys.argv[3])
+x = np.load(xfile)
+so = ort.SessionOptions()
+so.intra_op_num_threads = 1
+so.inter_op_num_threads = 1
+sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+sess.run(None, {"x": x})
+t1 = time.perf_counter()
+lat = []
+for _ in range(timed):
+    a = time.perf_counter()
+    sess.run(None, {"x": x})
+    lat.append(time.perf_counter() - a)
+print(json.dumps({"first": t1 - t0, "latency": sorted(lat)[len(lat) // 2] if lat else None}),
+      flush=True)
+sys.stdin.readline()
+"""
+
+
+# -- measuring from the outside ------------------------------------------------------------
+
+def _private_bytes(pid: int, skip_prefix: str) -> int:
+    """Private pages of ``pid`` (smaps), without mappings whose path starts ``skip_prefix``."""
+    total = 0
+    skip = False
+    try:
+        with open(f"/proc/{pid}/smaps", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                head = line.split(None, 5)
+                if head and "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
+                    path = head[5].strip() if len(head) > 5 else ""
+                    skip = path.startswith(skip_prefix)
+                elif not skip and (line.startswith("Private_Clean:")
+                                   or line.startswith("Private_Dirty:")):
+                    total += int(line.split()[1]) * 1024
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return 0
+    return total
+
+
+def shm_bytes(tag: str) -> tuple[int, int]:
+    """(bytes held, objects) of the machine's shared-memory objects (tag ``tag``)."""
+    prefix = f"ipuemu_{tag}_"
+    held = count = 0
+    for name in os.listdir("/dev/shm"):
+        if name.startswith(prefix) or name.startswith("sem." + prefix):
+            try:
+                st = os.stat(os.path.join("/dev/shm", name))
+            except FileNotFoundError:
+                continue
+            held += st.st_blocks * 512
+            count += 1
+    return held, count
+
+
+def tree_memory(pid: int, tag: str | None) -> dict[str, Any]:
+    """Private bytes of ``pid`` and its descendants (by process), plus the tag's /dev/shm."""
+    import psutil
+
+    skip = f"/dev/shm/ipuemu_{tag}_" if tag else "/dev/shm/\0"
+    root = psutil.Process(pid)
+    procs = {pid: _private_bytes(pid, skip)}
+    for child in root.children(recursive=True):
+        procs[child.pid] = _private_bytes(child.pid, skip)
+    shm, objects = shm_bytes(tag) if tag else (0, 0)
+    return {"host": procs[pid], "others": sorted((v for k, v in procs.items() if k != pid),
+                                                  reverse=True),
+            "shm": shm, "objects": objects, "total": sum(procs.values()) + shm}
+
+
+class _Child:
+    """A fresh process running one of the scripts above, on a machine of its own."""
+
+    def __init__(self, script: str, args: list[str], base: str, env: dict[str, str]) -> None:
+        self.tag = "m" + secrets.token_hex(4)
+        home = tempfile.mkdtemp(prefix="home", dir=base)
+        full = dict(os.environ, IPU_EMULATOR_SHM_TAG=self.tag, IPU_EMULATOR_HOME=home,
+                    PYTHONPATH=_REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        full.pop("IPU_EMULATOR_DAEMON", None)
+        full.update(env)
+        self.proc = subprocess.Popen([sys.executable, "-c", script, *args], cwd=_REPO,
+                                     env=full, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+
+    def result(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait()
+            raise RuntimeError(f"the measured process exited with {self.proc.returncode} "
+                               "before its result")
+        return dict(json.loads(line))
+
+    def finish(self) -> int:
+        """Let it close and exit; the bytes its tag still holds in /dev/shm afterwards."""
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write("\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass
+        self.proc.wait(timeout=120)
+        return shm_bytes(self.tag)[1]
+
+
+# -- the model -------------------------------------------------------------------------------
+
+def _prepare(folder: str, weights_mib: int) -> tuple[str, str, str, str, int]:
+    """(popef path, onnx path, x.npy, y.npy, weight bytes) of the chain model."""
+    import onnx
+
+    from host_runtime.poprt.compiler import compile as poprt_compile
+    from tools._chain_model import chain_model, reference
+
+    layers = max(1, weights_mib * _MiB // (WIDTH * WIDTH * 4))
+    model = chain_model(layers=layers, width=WIDTH, batch=BATCH)
+    onnx_path = os.path.join(folder, "chain.onnx")
+    onnx.save(model, onnx_path)
+    out = poprt_compile(model, folder, popef_name="chain.popef")
+    assert out.popef_path is not None
+    x = np.random.default_rng(1).standard_normal((BATCH, WIDTH)).astype(np.float32)
+    y = reference(model, x)
+    xf, yf = os.path.join(folder, "x.npy"), os.path.join(folder, "y.npy")
+    np.save(xf, x)
+    np.save(yf, y)
+    return str(out.popef_path), onnx_path, xf, yf, layers * WIDTH * WIDTH * 4
+
+
+def _mib(n: float) -> str:
+    return f"{n / _MiB:,.0f} MiB"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tools.bench memory", description=DESCRIPTION)
+    ap.add_argument("--weights-mib", type=int, default=192)
+    ap.add_argument("--replicas", default="1,2,3", help="replica counts, comma-separated")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the first-answer timing")
+    ap.add_argument("--timed", type=int, default=20, help="execute calls timed per process")
+    ap.add_argument("--markdown", action="store_true", help="print rows for docs/benchmarks.md")
+    args = ap.parse_args(argv)
+    table = MarkdownTable(args.markdown)
+    counts = [int(c) for c in args.replicas.split(",") if c.strip()]
+    with tempfile.TemporaryDirectory(prefix="bench-memory-") as folder:
+        popef_path, onnx_path, xf, yf, wbytes = _prepare(folder, args.weights_mib)
+        W = float(wbytes)
+        print(f"model: {wbytes // (WIDTH * WIDTH * 4)} x [{WIDTH}, {WIDTH}] float32 MatMul "
+              f"layers, W = {_mib(W)} of weights; batch {BATCH}")
+
+        ort = _Child(_ORT_CHILD, [onnx_path, xf, str(args.timed)], folder, {})
+        ort_res = ort.result()
+        ort_mem = tree_memory(ort.proc.pid, None)
+        ort.finish()
+        print(f"onnxruntime in-process: {_mib(ort_mem['total'])} = "
+              f"{ort_mem['total'] / W:.2f} W; execute {ort_res['latency'] * 1e3:.1f} ms")
+        table.add("memory: onnxruntime in-process", f"{ort_mem['total'] / W:.2f} W",
+                  _mib(ort_mem["total"]))
+
+        figures: dict[tuple[str, int], float] = {}
+        latency: dict[str, float] = {}
+        for mode, env in (("default", {}), ("prepacking off", {"IPU_EMULATOR_PREPACK": "0"})):
+            for r in counts:
+                child = _Child(_RUNNER_CHILD, [popef_path, str(r), xf, yf,
+                                               str(args.timed if r == 1 else 0)], folder, env)
+                res = child.result()
+                mem = tree_memory(child.proc.pid, child.tag)
+                left = child.finish()
+                figures[(mode, r)] = mem["total"]
+                if res["latency"] is not None:
+                    latency[mode] = res["latency"]
+                others = " + ".join(_mib(v) for v in mem["others"]) or "none"
+                print(f"{mode:15s} {r} replica(s): {_mib(mem['total']):>10s} = "
+                      f"{mem['total'] / W:4.2f} W  (host {_mib(mem['host'])}; processes "
+                      f"{others}; /dev/shm {_mib(mem['shm'])} in {mem['objects']} objects); "
+                      f"max |diff| vs onnxruntime {res['diff']:.3g}; /dev/shm objects left "
+                      f"after close: {left}")
+                if left:
+                    print(f"  LEAK: {left} shared-memory objects left by tag {child.tag}")
+                table.add(f"memory: {r} replica(s), {mode}", f"{mem['total'] / W:.2f} W",
+                          _mib(mem["total"]), None,
+                          {1: "<= 2.0 W", 2: "<= 3.5 W"}.get(r, "") if mode == "default"
+                          else "")
+            for r in counts:
+                if r - 1 in counts:
+                    step = (figures[(mode, r)] - figures[(mode, r - 1)]) / W
+                    target = "<= 1.2 W" if mode == "default" else "<= 0.2 W"
+                    print(f"{mode:15s} replica {r} adds {step:.2f} W (target {target})")
+                    table.add(f"memory: replica {r} adds ({mode})", f"{step:.2f} W", "", None,
+                              target)
+        for mode, lat in latency.items():
+            ratio = lat / ort_res["latency"]
+            print(f"execute, 1 replica, {mode}: {lat * 1e3:.1f} ms, {ratio:.2f}x onnxruntime "
+                  f"in-process ({ort_res['latency'] * 1e3:.1f} ms)")
+            table.add(f"execute [{BATCH},{WIDTH}] 1 replica ({mode})", f"{lat * 1e3:.1f} ms",
+                      f"{ort_res['latency'] * 1e3:.1f} ms", ratio)
+
+        firsts: list[float] = []
+        ort_firsts: list[float] = []
+        ratios: list[float] = []
+        for _ in range(args.rounds):
+            o = _Child(_ORT_CHILD, [onnx_path, xf, "0"], folder, {})
+            a = o.result()["first"]
+            o.finish()
+            c = _Child(_RUNNER_CHILD, [popef_path, "1", xf, yf, "0"], folder, {})
+            b = c.result()["first"]
+            c.finish()
+            firsts.append(b)
+            ort_firsts.append(a)
+            ratios.append(b / a)
+        ratio = statistics.median(ratios)
+        print(f"first answer of a new runner: {statistics.median(firsts):.2f} s vs "
+              f"onnxruntime create + run {statistics.median(ort_firsts):.2f} s (imports "
+              f"included): {ratio:.2f}x (target <= 1.5x)")
+        table.add("first answer (import + create + run)", f"{statistics.median(firsts):.2f} s",
+                  f"{statistics.median(ort_firsts):.2f} s", ratio, "<= 1.5x")
+    table.emit()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
