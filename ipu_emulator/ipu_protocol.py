@@ -269,6 +269,7 @@ __all__.append("error_body")
 _SPEC_LEN = struct.Struct("<Q")
 _SPEC_KEYS = {"key", "executable_offset", "executable_size", "memory_region",
               "check_package_hash", "streams", "fresh"}
+_SPEC_OPTIONAL = {"weights_region", "prepack"}
 _STREAM_KEYS = {"handle", "ring", "direction", "nbytes", "mode"}
 
 
@@ -282,7 +283,9 @@ def encode_load_spec(spec: dict[str, Any]) -> bytes:
     ``check_package_hash`` (bool), ``streams``: list of ``{"handle", "ring",
     "direction" ("in"/"out"), "nbytes", "mode"}``; optional ``weights_region``
     (name or None): the executable's weights section is not in this region but
-    in that one (shared by every session of the same weights; mapped read-only).
+    in that one (shared by every session of the same weights; mapped read-only);
+    optional ``prepack`` (bool, or None for the IPU process's own setting): the
+    host's choice of the setting ``prepack`` for this load.
     """
     raw = json.dumps(spec, separators=(",", ":")).encode()
     n = _SPEC_LEN.size + len(raw)
@@ -318,12 +321,14 @@ def decode_load_spec(buf: memoryview) -> dict[str, Any]:
         spec = json.loads(bytes(buf[_SPEC_LEN.size:_SPEC_LEN.size + n]).decode())
     except (UnicodeDecodeError, ValueError) as exc:
         raise ProtocolError(f"load spec is not valid JSON: {exc}") from None
-    if not isinstance(spec, dict) or set(spec) - {"weights_region"} != _SPEC_KEYS:
+    if not isinstance(spec, dict) or set(spec) - _SPEC_OPTIONAL != _SPEC_KEYS:
         got = sorted(spec) if isinstance(spec, dict) else type(spec).__name__
-        raise ProtocolError(f"load spec must have keys {sorted(_SPEC_KEYS)} (and "
-                            f"'weights_region'), got {got}")
-    spec.setdefault("weights_region", None)
-    if spec["weights_region"] is not None and not isinstance(spec["weights_region"], str):
+        raise ProtocolError(f"load spec must have keys {sorted(_SPEC_KEYS)} (and optionally "
+                            f"{sorted(_SPEC_OPTIONAL)}), got {got}")
+    if spec.get("prepack") not in (None, True, False):
+        raise ProtocolError(f"load spec 'prepack' must be true, false or null, got "
+                            f"{spec['prepack']!r:.40}")
+    if spec.get("weights_region") is not None and not isinstance(spec["weights_region"], str):
         raise ProtocolError(f"load spec 'weights_region' must be a region name or null, got "
                             f"{spec['weights_region']!r:.80}")
     off, size = spec["executable_offset"], spec["executable_size"]

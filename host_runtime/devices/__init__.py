@@ -7,6 +7,6 @@ from host_runtime.devices._manager import Device, DeviceConstraints, DeviceManag
 # for the other packages of host_runtime (not part of the public surface)
 from host_runtime.devices._ipu_group import ShardedLoad as ShardedLoad
 from host_runtime.devices._link import wait as wait
-from host_runtime.devices._shm_space import check_room as check_room, ring_bytes as ring_bytes, translated as translated
+from host_runtime.devices._shm_space import check_room as check_room, free_bytes as free_bytes, ring_bytes as ring_bytes, translated as translated
 
 __all__ = ["Device", "DeviceConstraints", "DeviceManager", "DeviceWaitConfig", "DeviceWaitStrategy"]

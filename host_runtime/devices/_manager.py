@@ -46,7 +46,8 @@ from host_runtime.errors import (BadRequestError, DeviceUnavailableError, Invali
 from host_runtime.popef.model import Model
 from host_runtime.settings import HostSettings
 from ipu_emulator.ipu.forkserver import SPAWN_TIMEOUT
-from ipu_emulator.ipu.launcher import IpuConnection, IpuSpec, kill_all, launch_ipu, shutdown_all
+from ipu_emulator.ipu.launcher import (IpuConnection, IpuSpec, kill_all, launch_ipu, prestart,
+                                       shutdown_all)
 from ipu_emulator.system import (IpuLocks, SystemConfig, SystemConfigError, device_groups,
                                  emulator_home, load_system_config)
 from shm import OutOfFileDescriptorsError
@@ -502,6 +503,7 @@ class DeviceManager:
             raise BadRequestError(str(exc)) from exc
         # the launch's wait for the fork server is a host call: bounded by the host sync
         # timeout too
+        self._own_launcher = launcher is None
         self._launcher = (launcher if launcher is not None
                           else functools.partial(launch_ipu, settings=self.settings,
                                                  spawn_wait=min(SPAWN_TIMEOUT,
@@ -510,6 +512,13 @@ class DeviceManager:
     @property
     def system(self) -> SystemConfig:
         return self._system
+
+    def prepare_launch(self) -> None:
+        """Internal (ModelRunner): IPU processes will be started soon; start what they are
+        forked from now, in the background, while the model is read (nothing through a
+        daemon, or with a launcher of the caller's)."""
+        if self._daemon is None and self._own_launcher:
+            prestart(log_dir=self._system.log_dir, settings=self.settings)
 
     @property
     def daemon(self) -> str | None:

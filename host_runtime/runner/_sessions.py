@@ -23,7 +23,7 @@ from host_runtime.runner._replica import ReplicaSetup
 from host_runtime.runner._transfer import PathOptions
 from host_runtime.runner.config import ModelRunnerConfig
 from host_runtime.runner.monitoring import RequestMonitor
-from host_runtime.session import LaunchPolicy, Session, SessionConfig
+from host_runtime.session import LaunchPolicy, Session, SessionConfig, check_model_fits
 from host_runtime.session.predicates import PopefDataUsagePolicy
 from host_runtime.settings import HostSettings
 
@@ -42,6 +42,9 @@ class ReplicaSessions:
         self._config = cfg
         self._layout = layout
         self._attached: dict[int, Device] = {}
+        # a model that /dev/shm or memory cannot hold in every replica: refused before any
+        # device is attached or process started (SharedMemoryFullError with the sizes)
+        check_model_fits(model, cfg.replication_factor, bool(settings.prepack))
 
     def release_unadopted(self) -> None:
         """Close the devices attached for replicas that did not take them (a failed start)."""

@@ -51,7 +51,7 @@ from host_runtime.devices import translated
 from host_runtime.popef import check_model
 from host_runtime.session._fastpath import DirectStreams
 from host_runtime.session._streams import StreamTable, callback_failure
-from host_runtime.session._weights import SharedWeights, shared_weights
+from host_runtime.session._weights import SharedWeights, check_fits, shared_weights
 from host_runtime.devices import Device, DeviceManager, DeviceWaitConfig
 from host_runtime.errors import (BadRequestError, DeviceExecutionError, DeviceLostError,
                                  DeviceTimeoutError, InvalidStateError, ModelRuntimeError,
@@ -517,6 +517,7 @@ class Session:
             raise InvalidStateError("the session is closed")
 
     def _acquire_device(self) -> Device:
+        self._share_weights()   # while the IPU process starts (its template may be starting)
         dev = DeviceManager(settings=self._settings).getDevice(self._model, wait_config=self._config.wait_config)
         self._owns_device = True
         try:
@@ -657,8 +658,7 @@ class Session:
         modes = self._streams.modes()
         if int(self._header["num_ipus"]) > 1 and self._load_sharded(dev, modes, fresh):
             return
-        if self._weights is None and self._weights_len:
-            self._weights = shared_weights(self._exe, self._weights_at, self._weights_len)
+        self._share_weights()
         spec: dict[str, Any] = {
             "key": self._key, "fresh": int(bool(fresh)), "executable_offset": 0,
             "executable_size": self._weights_at,
@@ -668,6 +668,7 @@ class Session:
         }
         if self._weights is not None:
             spec["weights_region"] = self._weights.name
+        spec["prepack"] = bool(self._settings.prepack)
         if self._spec_region is None:
             spec["executable_offset"] = ipu_protocol.spec_prefix_size(spec)
             prefix = ipu_protocol.encode_load_spec(spec)
@@ -685,11 +686,34 @@ class Session:
             if len(prefix) > spec["executable_offset"]:  # pragma: no cover - same length by design
                 raise InvalidStateError("load spec grew; cannot rewrite it in place")
             self._spec_region.buf[:len(prefix)] = prefix
-        dev.link.call(Op.LOAD, {"spec_region": self._spec_region.name}, timeout=self._settings.load_timeout)
+        try:
+            dev.link.call(Op.LOAD, {"spec_region": self._spec_region.name},
+                          timeout=self._settings.load_timeout)
+        finally:
+            if self._settings.prepack:
+                # the IPU process keeps its own (prepacked) copy and let go of the shared
+                # one: the region lives only while a session of these weights loads
+                self._weights = None
         self._modes_sent = modes
         self._loaded = True
         self._need_load_programs = True
         self._load_ran = False
+
+    def _share_weights(self) -> None:
+        """Hold the region of the executable's weights (made if this process has none)."""
+        if self._weights is None and self._weights_len:
+            check_fits(self._header["name"], self._weights_len, self.memory_per_replica(), 1,
+                       bool(self._settings.prepack))
+            self._weights = shared_weights(self._exe, self._weights_at, self._weights_len)
+
+    def memory_per_replica(self) -> int:
+        """Internal (ModelRunner): bytes of /dev/shm a session of this model takes besides
+        its weights and rings (its executable and device memory regions)."""
+        return self._weights_at + max(64, int(self._header["memory_bytes"]))
+
+    def weights_bytes(self) -> int:
+        """Internal (ModelRunner): bytes of the executable's weights section (0: none)."""
+        return self._weights_len
 
     def _load_sharded(self, dev: Device, modes: list[int], fresh: bool) -> bool:
         """A multi-IPU executable: each IPU of the device gets its part (host_runtime.devices._ipu_group)."""

@@ -30,18 +30,20 @@ import logging
 import os
 import threading
 import weakref
-import zlib
 
 import numpy as np
 
 from shm import Region
 
-from host_runtime.devices import translated
-from host_runtime.errors import PopefError
-from host_runtime.popef.reader import drop_pages
-from ipu_emulator.executable import read_header
+import psutil
 
-__all__ = ["SharedWeights", "shared_weights", "live_weights"]
+from host_runtime.devices import free_bytes, translated
+from host_runtime.errors import SharedMemoryFullError
+from host_runtime.popef.reader import drop_pages
+from host_runtime import popef
+from ipu_emulator.executable import ExecutableError, read_header, weights_span
+
+__all__ = ["SharedWeights", "shared_weights", "live_weights", "check_fits", "check_model_fits"]
 
 _log = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -88,9 +90,8 @@ def _release(region: Region, key: tuple[int, int, int, int, int]) -> None:
 
 def shared_weights(exe: bytes | memoryview, start: int, length: int) -> SharedWeights:
     """The region holding ``exe[start:start + length]`` (the weights section), made now if
-    this process has none of that content. Raises ``PopefError`` if the bytes no longer
-    match the executable's checksum (a PopEF file changed under a model read from it),
-    ``SharedMemoryFullError`` if /dev/shm cannot hold them."""
+    this process has none of that content. Raises ``SharedMemoryFullError`` if /dev/shm
+    cannot hold them."""
     view = memoryview(exe)
     if view.ndim != 1 or view.itemsize != 1:
         view = view.cast("B")
@@ -105,7 +106,7 @@ def shared_weights(exe: bytes | memoryview, start: int, length: int) -> SharedWe
     with translated("the weights region", length):
         region = Region.create(max(1, length), kind="wts", prefault=False)
     try:
-        _fill(region, view, start, length, int(header["body_crc32"]), header["name"])
+        _fill(region, view, start, length)
     except BaseException:
         region.close()
         region.unlink()
@@ -118,26 +119,16 @@ def shared_weights(exe: bytes | memoryview, start: int, length: int) -> SharedWe
     return made
 
 
-def _fill(region: Region, view: memoryview, start: int, length: int, crc_want: int,
-          name: str) -> None:
-    """Copy the section in chunks, checking the executable's body checksum on the way (the
-    bytes are read once more from a PopEF file's mapping: it must not have changed)."""
-    from ipu_emulator.executable import HEADER_SIZE
-
-    crc = zlib.crc32(view[HEADER_SIZE:start])
+def _fill(region: Region, view: memoryview, start: int, length: int) -> None:
+    """Copy the section in chunks, letting a PopEF file's mapping go behind (the IPU
+    process checks the executable's body checksum over what it is given: bytes of a file
+    changed since it was read are refused there)."""
     dest = region.buf
     for a in range(0, length, _CHUNK):
         b = min(length, a + _CHUNK)
         chunk = view[start + a:start + b]
         dest[a:b] = chunk
-        drop_pages(chunk)   # a PopEF file's mapping: read once more, let go again
-        crc = zlib.crc32(dest[a:b], crc)
-    if start + length != len(view):
-        crc = zlib.crc32(view[start + length:], crc)
-    if crc != crc_want:
-        raise PopefError(f"executable {name!r}: its bytes no longer match their checksum "
-                         f"(computed {crc:#010x}, header {crc_want:#010x}): was the PopEF "
-                         "file changed after it was read? Load it again")
+        drop_pages(chunk)
 
 
 def live_weights() -> list[tuple[str, int]]:
@@ -145,3 +136,46 @@ def live_weights() -> list[tuple[str, int]]:
     with _lock:
         refs = list(_live.values())
     return [(w.name, w.size) for w in (r() for r in refs) if w is not None]
+
+
+def check_fits(name: str, weights: int, per_replica: int, replicas: int, prepack: bool,
+               held: bool = False) -> None:
+    """Refuse, before anything is made, ``replicas`` replicas of a model that /dev/shm or
+    memory cannot hold: ``weights`` bytes of weights once in /dev/shm (unless ``held``
+    already), ``per_replica`` bytes of /dev/shm per replica (executable, device memory),
+    and with ``prepack`` the weights once more in each IPU process. Raises
+    ``SharedMemoryFullError`` saying how much is needed and how much there is."""
+    shm = (0 if held else weights) + replicas * per_replica
+    ram = shm + (replicas * weights if prepack else 0)
+    room = free_bytes()
+    mib = 1 << 20
+    if room is not None and shm > room[0]:
+        raise SharedMemoryFullError(
+            f"model {name!r} with {replicas} replica(s) needs {shm} bytes "
+            f"({shm / mib:.1f} MiB) of shared memory ({weights} bytes of weights once, "
+            f"{per_replica} bytes per replica), but /dev/shm has {room[0]} bytes "
+            f"({room[0] / mib:.1f} MiB) free of {room[1]}; enlarge /dev/shm "
+            "(docker run --shm-size=...) or use fewer replicas")
+    available = psutil.virtual_memory().available
+    if ram > available:
+        raise SharedMemoryFullError(
+            f"model {name!r} with {replicas} replica(s) needs {ram} bytes "
+            f"({ram / mib:.1f} MiB) of memory ({weights} bytes of weights in shared memory"
+            + (f" and in each IPU process, prepacked" if prepack else "")
+            + f", {per_replica} bytes per replica), but {available} bytes "
+            f"({available / mib:.1f} MiB) are available; use fewer replicas"
+            + (" or IPU_EMULATOR_PREPACK=0 (one shared copy of the weights)"
+               if prepack else ""))
+
+
+def check_model_fits(model: popef.Model, replicas: int, prepack: bool) -> None:
+    """``check_fits`` for ``replicas`` replicas of ``model`` (nothing for a multi-IPU
+    executable, nor for one that cannot be decoded: its session reports that)."""
+    exe = model.executable.payload()
+    try:
+        header = read_header(exe)
+        start, length = weights_span(exe) if int(header["num_ipus"]) == 1 else (len(exe), 0)
+    except ExecutableError:
+        return
+    check_fits(header["name"], length, start + max(64, int(header["memory_bytes"])), replicas,
+               prepack)

@@ -61,7 +61,7 @@ from shm.liveness import describe_process
 from ipu_emulator import titles
 from ipu_emulator.errors import ForkserverError, describe_returncode
 
-__all__ = ["spawn", "stop", "ForkedProcess", "ForkserverError", "IMPORT_TIME_ENV",
+__all__ = ["spawn", "prestart", "stop", "ForkedProcess", "ForkserverError", "IMPORT_TIME_ENV",
            "SPAWN_TIMEOUT"]
 
 _log = logging.getLogger("ipu_emulator.ipu.forkserver")
@@ -282,6 +282,22 @@ def _get_template(env: dict[str, str], log_dir: str | None) -> _Template | None:
                 _broken = True   # do not pay for a failing start at every launch
                 raise
         return t
+
+
+def prestart(env: dict[str, str], log_dir: str | None) -> None:
+    """Start the template for ``env``'s import-time settings in the background if none
+    runs (the first launch then waits less, or not at all, for it); errors are left to
+    that launch."""
+    with _template_lock:
+        if _broken or _env_key(env) in _templates:
+            return
+
+    def start() -> None:
+        try:
+            _get_template(env, log_dir)
+        except Exception:   # the launch that needs it starts it again or goes without
+            _log.debug("starting the template in the background failed", exc_info=True)
+    threading.Thread(target=start, name="ipu-template-start", daemon=True).start()
 
 
 def stop() -> None:

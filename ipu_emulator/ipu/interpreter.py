@@ -148,11 +148,16 @@ class Interpreter:
     the setting ``zero_copy``, off for measurements).
 
     Weights: a graph's initializers that the executable keeps in its weights section
-    (``Graph.external``) are given to onnxruntime where they lie, read-only and not
-    copied (``exe.weights`` may be a read-only shared mapping that every replica uses).
-    ``prepack`` (default: the setting ``prepack``): onnxruntime may still keep its own
-    prepacked copy of the weights its kernels prefer in another layout (MatMul, Conv):
-    faster, but one copy per IPU process.
+    (``Graph.external``, ``exe.weights``: in an IPU process a read-only mapping of a
+    region that every replica of the model maps) are handed to onnxruntime as views.
+    ``prepack`` (default: the setting ``prepack``) chooses what onnxruntime does with
+    them:
+
+    - on (speed): it takes its own copy, prepacked where its kernels prefer another
+      layout (MatMul, Conv); once the sessions are made the interpreter lets go of
+      ``exe.weights`` (``uses_weights`` is False), so one copy per IPU process remains;
+    - off (memory): it computes with them where they lie, not copied: one copy for
+      every IPU process that maps the same region (MatMul and Conv a few times slower).
     """
 
     def __init__(self, exe: Executable, device_memory: memoryview | bytearray | None = None,
@@ -204,7 +209,7 @@ class Interpreter:
             try:
                 opts = options()
                 if g.external:
-                    _add_weights(ort, opts, g, exe.weights, self._weights)
+                    _add_weights(ort, opts, g, exe.weights, self._weights, in_place=not prepack)
                 sess = ort.InferenceSession(g.model, opts, providers=["CPUExecutionProvider"])
             except Exception as exc:
                 raise DeviceProgramError(
@@ -212,6 +217,12 @@ class Interpreter:
                     f"{exc}") from exc
             _check_interface(exe.name, k, g, sess)
             self._sessions.append(sess)
+        self.uses_weights = bool(self._weights) and not prepack
+        """Whether the sessions compute with ``exe.weights`` where it lies (else it was
+        copied and is let go: the caller may unmap it)."""
+        if not self.uses_weights:
+            self._weights.clear()
+            exe.weights = b""
         self.zero_copy: ZeroCopyPlan = plan_zero_copy(exe)
         self._zc_in = self.zero_copy.input_tensors     # tensor -> handle
         self._zc_out = self.zero_copy.output_tensors
@@ -578,11 +589,13 @@ class Interpreter:
 
 
 def _add_weights(ort: Any, so: Any, graph: Graph, weights: bytes | memoryview,
-                 keep: list[object]) -> None:
-    """Give onnxruntime ``graph``'s external initializers as views of ``weights`` (not
-    copied: onnxruntime computes with caller-owned memory as it is; ``keep`` keeps it)."""
-    # without it onnxruntime copies initializers given as external data into its own memory
-    so.add_session_config_entry("session.use_external_initializer_file_buffers_directly", "1")
+                 keep: list[object], in_place: bool) -> None:
+    """Give onnxruntime ``graph``'s external initializers as views of ``weights`` (``keep``
+    keeps them for as long as the session may read them). ``in_place``: onnxruntime
+    computes with them as they are; else it copies them while the session is made."""
+    if in_place:   # without it onnxruntime copies initializers given as external data
+        so.add_session_config_entry("session.use_external_initializer_file_buffers_directly",
+                                    "1")
     raw = np.frombuffer(weights, dtype=np.uint8)
     names, values = [], []
     for w in graph.external:

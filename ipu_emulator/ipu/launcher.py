@@ -42,7 +42,7 @@ from ipu_emulator.ipu_protocol import Message, Op
 from ipu_emulator.errors import IpuProcessError, describe_returncode
 from ipu_emulator.settings import IpuSettings
 
-__all__ = ["IpuSpec", "IpuProcess", "IpuConnection", "IpuProcessError", "launch_ipu",
+__all__ = ["IpuSpec", "IpuProcess", "IpuConnection", "IpuProcessError", "launch_ipu", "prestart",
            "shutdown_all", "kill_all",
            "describe_returncode", "read_log_tail"]
 
@@ -317,6 +317,25 @@ def _rotate(path: str) -> None:
         pass
 
 
+def _launch_env(s: IpuSettings, extra_env: dict[str, str] | None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(s.to_env())   # the process reads its settings from its environment
+    env[ShmSettings.knob("shm_tag").env] = naming.current_tag()
+    if extra_env:
+        env.update(extra_env)
+    return env
+
+
+def prestart(*, log_dir: str | None = None, settings: IpuSettings | None = None) -> None:
+    """Start what ``launch_ipu`` with these settings forks IPU processes from (the fork
+    server's template, which imports numpy and onnxruntime once) in the background, so
+    that a host that will launch soon does not wait for it then. Nothing when the setting
+    ``forkserver`` is off."""
+    s = settings if settings is not None else IpuSettings.current()
+    if s.forkserver:
+        forkserver.prestart(_launch_env(s, None), log_dir)
+
+
 def launch_ipu(spec: IpuSpec, *, log_dir: str | None = None,
                extra_env: dict[str, str] | None = None, pool: bool = False,
                settings: IpuSettings | None = None,
@@ -346,11 +365,7 @@ def launch_ipu(spec: IpuSpec, *, log_dir: str | None = None,
             name = f"ipu{spec.ipu_id}.log" if spec.ipu_id >= 0 else "ipumodel.log"
             log_path = os.path.join(log_dir, name)
             _rotate(log_path)
-        env = dict(os.environ)
-        env.update(s.to_env())   # the process reads its settings from its environment
-        env[ShmSettings.knob("shm_tag").env] = naming.current_tag()
-        if extra_env:
-            env.update(extra_env)
+        env = _launch_env(s, extra_env)
         argv = ["--ipu-id", str(spec.ipu_id), "--ipu-version", str(spec.ipu_version),
                 "--tiles", str(spec.tiles_per_ipu), "--memory-per-tile", str(spec.memory_per_tile),
                 "--num-ipus", str(spec.num_ipus), "--threads", str(spec.compute_threads),

@@ -494,7 +494,7 @@ class DeviceProcess:
                 f"IPUs, but {self._describe()} has {o.num_ipus}")
         regions = [region]
         weights = None
-        w_name = spec["weights_region"]
+        w_name = spec.get("weights_region")
         if w_name:   # shared by every replica: mapped read-only, used where it lies
             self._known.add(w_name)
             try:
@@ -521,13 +521,20 @@ class DeviceProcess:
                                     f"cannot open device memory {mem_name}: {exc}") from None
             regions.append(mem_region)
             memory = mem_region.buf[:exe.memory_bytes]
+        prepack = spec.get("prepack")
         try:
-            interp = self._interpreter_cls(exe, device_memory=memory, num_threads=o.threads)
+            interp = self._interpreter_cls(exe, device_memory=memory, num_threads=o.threads,
+                                           **({} if prepack is None else {"prepack": prepack}))
         except Exception as exc:
             for r in regions[1:]:
                 r.close()
             raise _RequestError(ErrorKind.PROGRAM, f"cannot prepare the executable: {exc}",
                                 traceback.format_exc()) from None
+        if w_name and not getattr(interp, "uses_weights", True):
+            # onnxruntime took its own (prepacked) copy: the shared one is not needed here
+            del exe, weights
+            w_region.close()
+            regions.remove(w_region)
         return _Loaded(spec["key"], interp, regions)
 
     def _attach_streams(self, loaded: _Loaded, streams: list[dict[str, Any]]) -> None:

@@ -170,6 +170,7 @@ class _Child:
         full = dict(os.environ, IPU_EMULATOR_SHM_TAG=self.tag, IPU_EMULATOR_HOME=home,
                     PYTHONPATH=_REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
         full.pop("IPU_EMULATOR_DAEMON", None)
+        full.pop("PYTHONDONTWRITEBYTECODE", None)   # as installed: imports from .pyc files
         full.update(env)
         self.proc = subprocess.Popen([sys.executable, "-c", script, *args], cwd=_REPO,
                                      env=full, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
