@@ -32,7 +32,6 @@ import numpy as np
 from host_runtime import popef
 from host_runtime._fork import check_owner, current_pid, foreign
 from host_runtime._lifetime import close_owned
-from host_runtime.devices import DeviceManager
 from host_runtime.errors import BadRequestError, InvalidStateError
 from host_runtime.memory import OutputMemory, check_owned
 from host_runtime.popef import check_model
@@ -116,8 +115,6 @@ class ModelRunner:
         self._config = cfg.copy()
         # The caller reads the save programs' outputs from its own dict after close().
         self._config.replica_to_save_programs_outputs = cfg.replica_to_save_programs_outputs
-        if not cfg.replica_to_device:   # IPU processes of our own: their template starts now
-            DeviceManager(settings=settings).prepare_launch()
         self._model = _load_model(model)
         # thread_safe: one mutex per replica, held for each execute/executeAsync call
         self._call_locks: list[threading.RLock] = (

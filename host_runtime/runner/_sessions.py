@@ -45,6 +45,8 @@ class ReplicaSessions:
         # a model that /dev/shm or memory cannot hold in every replica: refused before any
         # device is attached or process started (SharedMemoryFullError with the sizes)
         check_model_fits(model, cfg.replication_factor, bool(settings.prepack))
+        if not cfg.replica_to_device:   # IPU processes of our own: their template starts now
+            DeviceManager(settings=settings).prepare_launch()
 
     def release_unadopted(self) -> None:
         """Close the devices attached for replicas that did not take them (a failed start)."""

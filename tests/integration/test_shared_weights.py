@@ -1,0 +1,204 @@
+"""Weights held once: the replicas of a model share one read-only copy in shared memory.
+
+A chain of MatMul layers (a few MiB of float32 weights) in 2 replicas, checked from the
+outside: /dev/shm holds one weights region, each IPU process maps it read-only and its
+pages are shared (``/proc/<pid>/smaps``), answers equal onnxruntime's, a replica's own
+tensors do not reach another's, and a killed IPU process or a reset leaves the shared
+weights as they were. With prepacking on (the default) each IPU process keeps its own
+copy and the region goes once the replicas are loaded; either way /dev/shm is empty after
+``close()`` and after the runner is dropped.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import numpy as np
+import pytest
+
+import host_runtime as model_runtime
+from host_runtime import popef, settings
+from host_runtime.errors import SharedMemoryFullError
+from ipu_emulator.executable import Executable, weights_span
+from tests._helpers import kill_and_wait
+from tools._chain_model import chain_model, reference
+
+pytestmark = pytest.mark.usefixtures("private_machine")
+
+LAYERS, WIDTH, BATCH = 2, 512, 2          # 2 MiB of weights
+WEIGHTS = LAYERS * WIDTH * WIDTH * 4
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory: pytest.TempPathFactory) -> tuple[object, str]:
+    from host_runtime.poprt.compiler import compile as poprt_compile
+
+    model = chain_model(layers=LAYERS, width=WIDTH, batch=BATCH)
+    out = poprt_compile(model, tmp_path_factory.mktemp("chain"), popef_name="chain.popef")
+    return model, str(out.popef_path)
+
+
+def _tag_objects(kind: str | None = None) -> list[str]:
+    prefix = f"ipuemu_{os.environ['IPU_EMULATOR_SHM_TAG']}_"
+    return sorted(n for n in os.listdir("/dev/shm") if (n.startswith(prefix) or n.startswith(
+        "sem." + prefix)) and (kind is None or n.endswith("_" + kind)))
+
+
+def _mapping(pid: int, name: str) -> dict[str, int | str]:
+    """The smaps entry of ``/dev/shm/<name>`` in ``pid``: perms and sizes in bytes."""
+    found: dict[str, int | str] = {}
+    inside = False
+    with open(f"/proc/{pid}/smaps", encoding="utf-8") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and ":" not in head[0]:
+                inside = line.rstrip().endswith("/dev/shm/" + name)
+                if inside:
+                    found["perms"] = head[1]
+            elif inside and len(head) >= 3 and head[2] == "kB":
+                key = head[0].rstrip(":")
+                found[key] = int(found.get(key, 0)) + int(head[1]) * 1024
+    return found
+
+
+def _expected_weights(path: str) -> bytes:
+    exe = popef.load_model([path]).executable.payload()
+    start, length = weights_span(exe)
+    assert length >= WEIGHTS   # the compiler put every MatMul weight there
+    return bytes(memoryview(exe)[start:start + length])
+
+
+def _x(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((BATCH, WIDTH)).astype(np.float32)
+
+
+def test_two_replicas_share_one_read_only_copy_of_the_weights(chain):
+    model, path = chain
+    cfg = model_runtime.ModelRunnerConfig(replication_factor=2)
+    with settings.override(prepack=False), model_runtime.ModelRunner(path, config=cfg) as r:
+        for rid in (0, 1):
+            x = _x(rid)
+            np.testing.assert_allclose(r.execute({"x": x}, replica_id=rid)["y"],
+                                       reference(model, x), rtol=1e-4, atol=1e-5)
+        (name,) = _tag_objects("wts")      # one region for both replicas
+        with open("/dev/shm/" + name, "rb") as f:
+            assert f.read() == _expected_weights(path)
+        for rid in (0, 1):
+            (pid,) = r.device_pids(rid)
+            m = _mapping(pid, name)
+            assert m["perms"] == "r--s", m   # read-only: a write faults, never lands
+            # onnxruntime computed with these pages: resident here, shared with the other
+            # replica's process (and the host's), none of them private to this process
+            assert int(m["Rss"]) >= WEIGHTS, m
+            assert int(m["Shared_Clean"]) + int(m["Shared_Dirty"]) >= WEIGHTS, m
+            assert int(m["Private_Clean"]) + int(m["Private_Dirty"]) == 0, m
+    assert _tag_objects() == []
+
+
+def test_with_prepacking_each_ipu_has_its_copy_and_the_region_goes_after_loading(chain):
+    model, path = chain
+    cfg = model_runtime.ModelRunnerConfig(replication_factor=2)
+    with settings.override(prepack=True), model_runtime.ModelRunner(path, config=cfg) as r:
+        for rid in (0, 1):
+            x = _x(10 + rid)
+            np.testing.assert_allclose(r.execute({"x": x}, replica_id=rid)["y"],
+                                       reference(model, x), rtol=1e-4, atol=1e-5)
+        assert _tag_objects("wts") == []
+        for rid in (0, 1):
+            (pid,) = r.device_pids(rid)
+            with open(f"/proc/{pid}/maps", encoding="utf-8") as f:
+                assert "_wts" not in f.read()
+    assert _tag_objects() == []
+
+
+def test_a_replica_s_tensors_do_not_reach_another_and_the_weights_do_not_change(chain):
+    model, path = chain
+    cfg = model_runtime.ModelRunnerConfig(replication_factor=2)
+    with settings.override(prepack=False), model_runtime.ModelRunner(path, config=cfg) as r:
+        xs = [_x(20), _x(21)]
+        futs = [(x, r.executeAsync({"x": x}, replica_id=k % 2)) for k, x in
+                enumerate(xs * 3)]
+        for x, f in futs:
+            f.wait()
+            np.testing.assert_allclose(f["y"].numpy(), reference(model, x), rtol=1e-4,
+                                       atol=1e-5)
+        (name,) = _tag_objects("wts")
+        with open("/dev/shm/" + name, "rb") as f:
+            assert f.read() == _expected_weights(path)
+
+
+def test_a_killed_ipu_process_and_a_reset_leave_the_shared_weights_intact(chain):
+    model, path = chain
+    cfg = model_runtime.ModelRunnerConfig(replication_factor=2, auto_reset=True)
+    with settings.override(prepack=False), model_runtime.ModelRunner(path, config=cfg) as r:
+        x = _x(30)
+        want = reference(model, x)
+        for rid in (0, 1):
+            np.testing.assert_allclose(r.execute({"x": x}, replica_id=rid)["y"], want,
+                                       rtol=1e-4, atol=1e-5)
+        (name,) = _tag_objects("wts")
+        (old,) = r.device_pids(0)
+        kill_and_wait(old)
+        # the other replica computes on with the same pages, the killed one is reset
+        np.testing.assert_allclose(r.execute({"x": x}, replica_id=1)["y"], want, rtol=1e-4,
+                                   atol=1e-5)
+        np.testing.assert_allclose(r.execute({"x": x}, replica_id=0)["y"], want, rtol=1e-4,
+                                   atol=1e-5)
+        assert r.device_pids(0) != [old]
+        assert _tag_objects("wts") == [name]   # reloaded from the same region
+        with open("/dev/shm/" + name, "rb") as f:
+            assert f.read() == _expected_weights(path)
+    assert _tag_objects() == []
+
+
+def test_a_dropped_runner_leaves_nothing_in_dev_shm(chain):
+    model, path = chain
+    cfg = model_runtime.ModelRunnerConfig(replication_factor=2)
+    gc.disable()
+    try:
+        with settings.override(prepack=False):
+            r = model_runtime.ModelRunner(path, config=cfg)
+        x = _x(40)
+        np.testing.assert_allclose(r.execute({"x": x}, replica_id=1)["y"], reference(model, x),
+                                   rtol=1e-4, atol=1e-5)
+        assert len(_tag_objects("wts")) == 1
+        del r   # reference counting alone
+        assert _tag_objects() == []
+    finally:
+        gc.enable()
+
+
+def test_a_model_that_does_not_fit_is_refused_before_anything_starts(chain, monkeypatch):
+    import psutil
+
+    from host_runtime.devices import _shm_space
+
+    _, path = chain
+    free = WEIGHTS // 2
+    monkeypatch.setattr(_shm_space.os, "statvfs",
+                        lambda p: os.statvfs_result((4096, 1, free, free, free, 0, 0, 0, 0, 255)))
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    cfg = model_runtime.ModelRunnerConfig(replication_factor=2)
+    with pytest.raises(SharedMemoryFullError,
+                       match=rf"needs \d+ bytes .*of shared memory \({WEIGHTS} bytes of weights "
+                             rf"once.*but /dev/shm has {free} bytes"):
+        model_runtime.ModelRunner(path, config=cfg)
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
+    assert _tag_objects() == []
+
+
+def test_weights_given_apart_are_checked_by_the_executable_checksum(chain):
+    _, path = chain
+    exe = bytes(popef.load_model([path]).executable.payload())
+    start, length = weights_span(exe)
+    whole = Executable.from_bytes(exe)
+    apart = Executable.from_bytes(exe[:start], weights=memoryview(exe)[start:])
+    assert bytes(apart.weights) == bytes(whole.weights) == exe[start:]
+    assert [g.external for g in apart.graphs] == [g.external for g in whole.graphs]
+    damaged = bytearray(exe[start:])
+    damaged[length // 2] ^= 1
+    with pytest.raises(Exception, match="body checksum mismatch"):
+        Executable.from_bytes(exe[:start], weights=damaged)
+    with pytest.raises(Exception, match="weights section of 1 bytes"):
+        Executable.from_bytes(exe[:start], weights=b"x")
