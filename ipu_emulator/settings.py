@@ -48,10 +48,10 @@ class IpuSettings(ShmSettings):
         "(for measurements)", when=_IPU)
     prepack: bool = knob(
         True, "IPU_EMULATOR_PREPACK", flag,
-        "`0`: onnxruntime computes with the model's weights where they lie, one copy in "
-        "shared memory for every replica, instead of each IPU process keeping its own "
-        "prepacked copy (MatMul and Conv a few times slower; see `docs/memory.md`)",
-        when=_IPU)
+        "`0`: IPU processes compute with the model's weights where they lie, one read-only "
+        "copy in shared memory for all replicas, instead of each keeping its own copy "
+        "prepacked for speed (MatMul-heavy models several times slower; `docs/memory.md`)",
+        when="a runner or session is made")
     keep_apart: bool = knob(
         True, "IPU_EMULATOR_KEEP_APART", flag,
         "`0`: the scheduler alone places IPU processes (else a busy one holds a CPU of its "

@@ -202,3 +202,28 @@ def test_weights_given_apart_are_checked_by_the_executable_checksum(chain):
         Executable.from_bytes(exe[:start], weights=damaged)
     with pytest.raises(Exception, match="weights section of 1 bytes"):
         Executable.from_bytes(exe[:start], weights=b"x")
+
+
+def test_a_model_with_external_data_compiles_loads_and_runs(tmp_path):
+    """ONNX external data (how models over protobuf's 2 GiB keep their weights): compiled
+    into the executable's weights section, shared by the replicas, run as the model says."""
+    import onnx
+
+    from host_runtime.poprt.compiler import compile as poprt_compile
+
+    model = chain_model(layers=2, width=256, batch=BATCH, seed=3)
+    onnx.save_model(chain_model(layers=2, width=256, batch=BATCH, seed=3),
+                    str(tmp_path / "m.onnx"), save_as_external_data=True,
+                    all_tensors_to_one_file=True, location="m.data", size_threshold=0)
+    assert (tmp_path / "m.data").stat().st_size >= 2 * 256 * 256 * 4
+    out = poprt_compile(str(tmp_path / "m.onnx"), tmp_path / "out", popef_name="m.popef")
+    exe = Executable.from_bytes(popef.load_model([str(out.popef_path)]).executable.payload())
+    assert {w.name for g in exe.graphs for w in g.external} == {"w0", "w1"}
+    assert all(len(g.model) < 64 * 1024 for g in exe.graphs)   # the graph holds no weights
+    cfg = model_runtime.ModelRunnerConfig(replication_factor=2)
+    with settings.override(prepack=False), \
+            model_runtime.ModelRunner(str(out.popef_path), config=cfg) as r:
+        for rid in (0, 1):
+            x = _x(50 + rid)[:, :256].copy()
+            np.testing.assert_allclose(r.execute({"x": x}, replica_id=rid)["y"],
+                                       reference(model, x), rtol=1e-4, atol=1e-5)
