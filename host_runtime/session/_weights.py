@@ -169,13 +169,16 @@ def check_fits(name: str, weights: int, per_replica: int, replicas: int, prepack
 
 
 def check_model_fits(model: popef.Model, replicas: int, prepack: bool) -> None:
-    """``check_fits`` for ``replicas`` replicas of ``model`` (nothing for a multi-IPU
-    executable, nor for one that cannot be decoded: its session reports that)."""
+    """``check_fits`` for ``replicas`` replicas of ``model`` (nothing for a model without a
+    weights section, a multi-IPU executable, nor one that cannot be decoded: its session
+    reports that)."""
     exe = model.executable.payload()
     try:
         header = read_header(exe)
         start, length = weights_span(exe) if int(header["num_ipus"]) == 1 else (len(exe), 0)
     except ExecutableError:
+        return
+    if not length:   # its rings and regions are checked when the session makes them
         return
     check_fits(header["name"], length, start + max(64, int(header["memory_bytes"])), replicas,
                prepack)
