@@ -332,8 +332,14 @@ def prestart(*, log_dir: str | None = None, settings: IpuSettings | None = None)
     that a host that will launch soon does not wait for it then. Nothing when the setting
     ``forkserver`` is off."""
     s = settings if settings is not None else IpuSettings.current()
-    if s.forkserver:
-        forkserver.prestart(_launch_env(s, None), log_dir)
+    if not s.forkserver:
+        return
+    if log_dir:
+        try:
+            os.makedirs(log_dir, mode=0o700, exist_ok=True)
+        except OSError:   # the launch names the problem
+            return
+    forkserver.prestart(_launch_env(s, None), log_dir)
 
 
 def launch_ipu(spec: IpuSpec, *, log_dir: str | None = None,

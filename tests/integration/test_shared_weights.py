@@ -227,3 +227,14 @@ def test_a_model_with_external_data_compiles_loads_and_runs(tmp_path):
             x = _x(50 + rid)[:, :256].copy()
             np.testing.assert_allclose(r.execute({"x": x}, replica_id=rid)["y"],
                                        reference(model, x), rtol=1e-4, atol=1e-5)
+
+
+def test_starting_the_template_early_makes_its_log_folder(tmp_path):
+    """A runner starts the IPU processes' template while it reads the model; on a machine
+    whose folders do not exist yet it makes them (else the template could not start and
+    every IPU process would start without it)."""
+    from ipu_emulator.ipu.launcher import prestart
+
+    logs = tmp_path / "fresh" / "logs"
+    prestart(log_dir=str(logs))
+    assert logs.is_dir()
