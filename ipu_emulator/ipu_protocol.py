@@ -269,7 +269,7 @@ __all__.append("error_body")
 _SPEC_LEN = struct.Struct("<Q")
 _SPEC_KEYS = {"key", "executable_offset", "executable_size", "memory_region",
               "check_package_hash", "streams", "fresh"}
-_SPEC_OPTIONAL = {"weights_region", "prepack"}
+_SPEC_OPTIONAL = {"weights_region", "weights_file", "prepack"}
 _STREAM_KEYS = {"handle", "ring", "direction", "nbytes", "mode"}
 
 
@@ -285,7 +285,10 @@ def encode_load_spec(spec: dict[str, Any]) -> bytes:
     (name or None): the executable's weights section is not in this region but
     in that one (shared by every session of the same weights; mapped read-only);
     optional ``prepack`` (bool, or None for the IPU process's own setting): the
-    host's choice of the setting ``prepack`` for this load.
+    host's choice of the setting ``prepack`` for this load; optional
+    ``weights_file`` (``{"path", "offset", "length"}``): with prepacking on, the
+    IPU process reads the weights section from that file itself (the PopEF file
+    the host read; the executable's checksum covers them) and keeps its own copy.
     """
     raw = json.dumps(spec, separators=(",", ":")).encode()
     n = _SPEC_LEN.size + len(raw)
@@ -328,6 +331,13 @@ def decode_load_spec(buf: memoryview) -> dict[str, Any]:
     if spec.get("prepack") not in (None, True, False):
         raise ProtocolError(f"load spec 'prepack' must be true, false or null, got "
                             f"{spec['prepack']!r:.40}")
+    wf = spec.get("weights_file")
+    if wf is not None and not (
+            isinstance(wf, dict) and set(wf) == {"path", "offset", "length"}
+            and isinstance(wf["path"], str) and wf["path"].startswith("/")
+            and all(isinstance(wf[k], int) and wf[k] >= 0 for k in ("offset", "length"))):
+        raise ProtocolError(f"load spec 'weights_file' must be {{path (absolute), offset, "
+                            f"length}}, got {wf!r:.200}")
     if spec.get("weights_region") is not None and not isinstance(spec["weights_region"], str):
         raise ProtocolError(f"load spec 'weights_region' must be a region name or null, got "
                             f"{spec['weights_region']!r:.80}")

@@ -37,7 +37,7 @@ from host_runtime.popef.model import (ExecutableBlob, FeedData, Metadata, Opaque
 from shm import OutOfFileDescriptorsError, buffer_address, limits
 from shm.errors import echo
 
-__all__ = ["Reader", "BlobInfo", "MAP_MIN_BYTES", "drop_pages"]
+__all__ = ["Reader", "BlobInfo", "MAP_MIN_BYTES", "drop_pages", "file_span"]
 
 MAP_MIN_BYTES = 1 << 20
 """Payloads of a file this large or larger are mapped views of the file, not copies."""
@@ -104,7 +104,9 @@ class Reader:
             mapped = None
             if size >= MAP_MIN_BYTES:
                 try:
-                    mapped = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
+                    mapped = _FileMap(f.fileno(), size, prot=mmap.PROT_READ)
+                    mapped.path = os.path.realpath(spath)
+                    mapped.identity = _identity(os.fstat(f.fileno()))
                 except (OSError, ValueError):   # not mappable (a pipe, a special file)
                     mapped = None
             self._parse(f, size, spath, mapped)
@@ -385,6 +387,32 @@ def _crc32(data: bytes | memoryview) -> int:
     for a in range(0, len(data), 8 << 20):   # a page-cache mapping: read it chunk by chunk
         crc = zlib.crc32(data[a:a + (8 << 20)], crc)
     return crc
+
+
+class _FileMap(mmap.mmap):
+    """A read-only mapping of a PopEF file, knowing which file it maps."""
+
+    path: str = ""
+    identity: tuple[int, ...] = ()
+
+
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def file_span(view: bytes | memoryview) -> tuple[str, int] | None:
+    """``(path, offset)`` of the file bytes a payload view maps, if the file at that path
+    is still the one that was read (same inode, size and time); None for bytes, or a file
+    replaced or changed since (its bytes are then only what this process mapped)."""
+    obj = view.obj if isinstance(view, memoryview) else None
+    if not isinstance(obj, _FileMap) or not obj.path:
+        return None
+    try:
+        if _identity(os.stat(obj.path)) != obj.identity:
+            return None
+    except OSError:
+        return None
+    return obj.path, buffer_address(view) - buffer_address(memoryview(obj))
 
 
 def drop_pages(view: bytes | memoryview) -> None:

@@ -49,6 +49,7 @@ from host_runtime.devices import ShardedLoad
 from host_runtime.devices import wait
 from host_runtime.devices import translated
 from host_runtime.popef import check_model
+from host_runtime.popef.reader import file_span as popef_file_span
 from host_runtime.session._fastpath import DirectStreams
 from host_runtime.session._streams import StreamTable, callback_failure
 from host_runtime.session._weights import SharedWeights, check_fits, shared_weights
@@ -658,17 +659,32 @@ class Session:
         modes = self._streams.modes()
         if int(self._header["num_ipus"]) > 1 and self._load_sharded(dev, modes, fresh):
             return
-        self._share_weights()
+        weights_file = self._weights_file()
+        if weights_file is None:
+            self._share_weights()
         spec: dict[str, Any] = {
             "key": self._key, "fresh": int(bool(fresh)), "executable_offset": 0,
             "executable_size": self._weights_at,
             "memory_region": self._memory_region.name if self._memory_region else None,
             "check_package_hash": bool(self._config.check_package_hash),
             "streams": self._streams.load_spec(modes),
+            "prepack": bool(self._settings.prepack),
         }
-        if self._weights is not None:
+        if weights_file is not None:
+            spec["weights_file"] = weights_file
+        elif self._weights is not None:
             spec["weights_region"] = self._weights.name
-        spec["prepack"] = bool(self._settings.prepack)
+        if self._spec_region is not None:
+            # The executable stays where it is; only "fresh", modes and weights change.
+            spec["executable_offset"] = ipu_protocol.decode_load_spec(
+                self._spec_region.buf)["executable_offset"]
+            prefix = ipu_protocol.encode_load_spec(spec)
+            if len(prefix) <= spec["executable_offset"]:
+                self._spec_region.buf[:len(prefix)] = prefix
+            else:   # it grew (the weights come from elsewhere now): a new region
+                self._spec_region.close()
+                self._spec_region.unlink()
+                self._spec_region = None
         if self._spec_region is None:
             spec["executable_offset"] = ipu_protocol.spec_prefix_size(spec)
             prefix = ipu_protocol.encode_load_spec(spec)
@@ -678,14 +694,6 @@ class Session:
             region.buf[:len(prefix)] = prefix
             region.buf[len(prefix):len(prefix) + head] = memoryview(self._exe)[:head]
             self._spec_region = region
-        else:
-            # The executable stays where it is; only "fresh" and modes change.
-            spec["executable_offset"] = ipu_protocol.decode_load_spec(
-                self._spec_region.buf)["executable_offset"]
-            prefix = ipu_protocol.encode_load_spec(spec)
-            if len(prefix) > spec["executable_offset"]:  # pragma: no cover - same length by design
-                raise InvalidStateError("load spec grew; cannot rewrite it in place")
-            self._spec_region.buf[:len(prefix)] = prefix
         try:
             dev.link.call(Op.LOAD, {"spec_region": self._spec_region.name},
                           timeout=self._settings.load_timeout)
@@ -699,9 +707,21 @@ class Session:
         self._need_load_programs = True
         self._load_ran = False
 
+    def _weights_file(self) -> dict[str, Any] | None:
+        """With prepacking on, where an IPU process reads the weights itself: the PopEF
+        file they were read from, while it is unchanged (it takes its own copy at once;
+        no shared region is needed). None: they go through the shared region."""
+        if not (self._weights_len and self._settings.prepack
+                and isinstance(self._exe, memoryview)):
+            return None
+        span = popef_file_span(self._exe[self._weights_at:self._weights_at + self._weights_len])
+        if span is None:
+            return None
+        return {"path": span[0], "offset": span[1], "length": self._weights_len}
+
     def _share_weights(self) -> None:
         """Hold the region of the executable's weights (made if this process has none)."""
-        if self._weights is None and self._weights_len:
+        if self._weights is None and self._weights_len and self._weights_file() is None:
             check_fits(self._header["name"], self._weights_len, self.memory_per_replica(), 1,
                        bool(self._settings.prepack))
             self._weights = shared_weights(self._exe, self._weights_at, self._weights_len)

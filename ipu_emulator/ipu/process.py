@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import mmap
 import os
 import select
 import signal
@@ -489,7 +490,11 @@ class DeviceProcess:
                 ErrorKind.REQUEST, f"executable {header['name']!r} needs {header['num_ipus']} "
                 f"IPUs, but {self._describe()} has {o.num_ipus}")
         regions = [region]
-        weights = None
+        weights: memoryview | None = None
+        w_file = spec.get("weights_file")
+        file_map = None
+        if w_file:   # with prepacking: read here, copied by onnxruntime, let go at once
+            file_map, weights = _map_weights_file(w_file, header["total_length"] - size)
         w_name = spec.get("weights_region")
         if w_name:   # shared by every replica: mapped read-only, used where it lies
             self._known.add(w_name)
@@ -505,6 +510,8 @@ class DeviceProcess:
         except ExecutableError as exc:
             for r in regions[1:]:
                 r.close()
+            if file_map is not None:
+                _unmap(file_map, weights)
             raise _RequestError(ErrorKind.EXECUTABLE, str(exc)) from None
         memory = None
         mem_name = spec["memory_region"]
@@ -517,7 +524,7 @@ class DeviceProcess:
                                     f"cannot open device memory {mem_name}: {exc}") from None
             regions.append(mem_region)
             memory = mem_region.buf[:exe.memory_bytes]
-        prepack = spec.get("prepack")
+        prepack = True if file_map is not None else spec.get("prepack")
         try:
             interp = self._interpreter_cls(exe, device_memory=memory, num_threads=o.threads,
                                            **({} if prepack is None else {"prepack": prepack}))
@@ -526,6 +533,10 @@ class DeviceProcess:
                 r.close()
             raise _RequestError(ErrorKind.PROGRAM, f"cannot prepare the executable: {exc}",
                                 traceback.format_exc()) from None
+        finally:
+            if file_map is not None:
+                del exe
+                _unmap(file_map, weights)
         if w_name and not getattr(interp, "uses_weights", True):
             # onnxruntime took its own (prepacked) copy: the shared one is not needed here
             del exe, weights
@@ -853,6 +864,40 @@ def _unlink(name: str, is_semaphore: bool) -> int:
         return 1
     except (posix_ipc.ExistentialError, OSError):
         return 0
+
+
+def _map_weights_file(spec: dict[str, Any], expected: int) -> tuple[mmap.mmap, memoryview]:
+    """A read-only mapping of the weights section in the host's PopEF file."""
+    path, offset, length = spec["path"], spec["offset"], spec["length"]
+    if length != expected:
+        raise _RequestError(ErrorKind.PROTOCOL, f"weights file span of {length} bytes; the "
+                            f"executable's weights section has {expected}")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise _RequestError(ErrorKind.PROTOCOL, f"cannot open the weights file {path}: {exc}"
+                            ) from None
+    try:
+        if os.fstat(fd).st_size < offset + length:
+            raise _RequestError(ErrorKind.EXECUTABLE, f"the weights file {path} is shorter "
+                                f"than [{offset}, +{length}): changed since the host read it")
+        base = offset - offset % mmap.ALLOCATIONGRANULARITY
+        mm = mmap.mmap(fd, offset + length - base, prot=mmap.PROT_READ, offset=base)
+    except OSError as exc:
+        raise _RequestError(ErrorKind.PROTOCOL, f"cannot map the weights file {path}: {exc}"
+                            ) from None
+    finally:
+        os.close(fd)
+    return mm, memoryview(mm)[offset - base:offset - base + length]
+
+
+def _unmap(mm: mmap.mmap, view: memoryview | None) -> None:
+    try:
+        if view is not None:
+            view.release()
+        mm.close()
+    except BufferError:   # a view still alive somewhere: unmapped when it dies
+        _log.debug("weights file mapping still in use; unmapped when its views die")
 
 
 def _unlink_ring_or_region(name: str) -> int:

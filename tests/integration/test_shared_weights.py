@@ -238,3 +238,24 @@ def test_starting_the_template_early_makes_its_log_folder(tmp_path):
     logs = tmp_path / "fresh" / "logs"
     prestart(log_dir=str(logs))
     assert logs.is_dir()
+
+
+def test_with_prepacking_a_replaced_popef_file_is_not_read_again(chain, tmp_path):
+    """With prepacking on an IPU process reads the weights from the PopEF file the host
+    read; once that file is replaced, the host hands them over in shared memory instead
+    (the bytes it mapped), and the answers stay those of the model it read."""
+    import shutil
+
+    model, path = chain
+    copy = tmp_path / "c.popef"
+    shutil.copyfile(path, copy)
+    read = popef.load_model([str(copy)])
+    other = tmp_path / "other.popef"
+    other.write_bytes(b"not a PopEF file")
+    os.replace(other, copy)            # a new file at that path
+    with settings.override(prepack=True), model_runtime.ModelRunner(read) as r:
+        x = _x(60)
+        np.testing.assert_allclose(r.execute({"x": x})["y"], reference(model, x), rtol=1e-4,
+                                   atol=1e-5)
+        assert _tag_objects("wts") == []   # used for the load, then let go
+    assert _tag_objects() == []
