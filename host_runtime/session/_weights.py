@@ -39,7 +39,7 @@ import psutil
 
 from host_runtime.devices import free_bytes, translated
 from host_runtime.errors import SharedMemoryFullError
-from host_runtime.popef.reader import drop_pages
+from host_runtime.popef.reader import drop_pages, file_span
 from host_runtime import popef
 from ipu_emulator.executable import ExecutableError, read_header, weights_span
 
@@ -143,7 +143,8 @@ def check_fits(name: str, weights: int, per_replica: int, replicas: int, prepack
     """Refuse, before anything is made, ``replicas`` replicas of a model that /dev/shm or
     memory cannot hold: ``weights`` bytes of weights once in /dev/shm (unless ``held``
     already), ``per_replica`` bytes of /dev/shm per replica (executable, device memory),
-    and with ``prepack`` the weights once more in each IPU process. Raises
+    and with ``prepack`` the weights once more in each IPU process (``held``: the weights
+    need no room in /dev/shm: the IPU processes read them from a file). Raises
     ``SharedMemoryFullError`` saying how much is needed and how much there is."""
     shm = (0 if held else weights) + replicas * per_replica
     ram = shm + (replicas * weights if prepack else 0)
@@ -152,7 +153,8 @@ def check_fits(name: str, weights: int, per_replica: int, replicas: int, prepack
     if room is not None and shm > room[0]:
         raise SharedMemoryFullError(
             f"model {name!r} with {replicas} replica(s) needs {shm} bytes "
-            f"({shm / mib:.1f} MiB) of shared memory ({weights} bytes of weights once, "
+            f"({shm / mib:.1f} MiB) of shared memory ({0 if held else weights} bytes of "
+            f"weights once, "
             f"{per_replica} bytes per replica), but /dev/shm has {room[0]} bytes "
             f"({room[0] / mib:.1f} MiB) free of {room[1]}; enlarge /dev/shm "
             "(docker run --shm-size=...) or use fewer replicas")
@@ -180,5 +182,7 @@ def check_model_fits(model: popef.Model, replicas: int, prepack: bool) -> None:
         return
     if not length:   # its rings and regions are checked when the session makes them
         return
+    # with prepacking, IPU processes read the weights from a PopEF file the host mapped
+    via_file = prepack and isinstance(exe, memoryview) and file_span(exe[start:]) is not None
     check_fits(header["name"], length, start + max(64, int(header["memory_bytes"])), replicas,
-               prepack)
+               prepack, held=via_file)

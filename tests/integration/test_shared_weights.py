@@ -180,7 +180,7 @@ def test_a_model_that_does_not_fit_is_refused_before_anything_starts(chain, monk
                         lambda p: os.statvfs_result((4096, 1, free, free, free, 0, 0, 0, 0, 255)))
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     cfg = model_runtime.ModelRunnerConfig(replication_factor=2)
-    with pytest.raises(SharedMemoryFullError,
+    with settings.override(prepack=False), pytest.raises(SharedMemoryFullError,
                        match=rf"needs \d+ bytes .*of shared memory \({WEIGHTS} bytes of weights "
                              rf"once.*but /dev/shm has {free} bytes"):
         model_runtime.ModelRunner(path, config=cfg)
