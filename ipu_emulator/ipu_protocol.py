@@ -338,6 +338,8 @@ def decode_load_spec(buf: memoryview) -> dict[str, Any]:
             and all(isinstance(wf[k], int) and wf[k] >= 0 for k in ("offset", "length"))):
         raise ProtocolError(f"load spec 'weights_file' must be {{path (absolute), offset, "
                             f"length}}, got {wf!r:.200}")
+    if wf is not None and spec.get("weights_region") is not None:
+        raise ProtocolError("load spec names both a 'weights_file' and a 'weights_region'")
     if spec.get("weights_region") is not None and not isinstance(spec["weights_region"], str):
         raise ProtocolError(f"load spec 'weights_region' must be a region name or null, got "
                             f"{spec['weights_region']!r:.80}")

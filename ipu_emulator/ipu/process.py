@@ -462,6 +462,7 @@ class DeviceProcess:
     def _build(self, spec: dict[str, Any], region: Region) -> _Loaded:
         from ipu_emulator.executable import Executable, read_header
 
+        t0 = _monotonic()
         off, size = spec["executable_offset"], spec["executable_size"]
         data = bytes(region.buf[off:off + size])
         try:
@@ -525,6 +526,7 @@ class DeviceProcess:
             regions.append(mem_region)
             memory = mem_region.buf[:exe.memory_bytes]
         prepack = True if file_map is not None else spec.get("prepack")
+        t1 = _monotonic()
         try:
             interp = self._interpreter_cls(exe, device_memory=memory, num_threads=o.threads,
                                            **({} if prepack is None else {"prepack": prepack}))
@@ -537,6 +539,8 @@ class DeviceProcess:
             if file_map is not None:
                 del exe
                 _unmap(file_map, weights)
+        _log.debug("executable %r: decoded in %.3f s, sessions made in %.3f s",
+                   header["name"], t1 - t0, _monotonic() - t1)
         if w_name and not getattr(interp, "uses_weights", True):
             # onnxruntime took its own (prepacked) copy: the shared one is not needed here
             del exe, weights

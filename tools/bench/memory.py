@@ -24,7 +24,8 @@ against the time from before ``import onnxruntime`` to the result of a new
 ``InferenceSession`` (both read the same files, warm in the page cache).
 
 Execute: the median ``execute`` latency of the model on one replica, default
-and prepacking off, against onnxruntime in-process (one thread each).
+and prepacking off, against onnxruntime in the same process (one thread each),
+the two run in turn after the memory was measured (median of the ratios).
 
 Targets (issue 22): 1 replica <= 2.0 W, 2 replicas <= 3.5 W, each further
 replica <= 1.2 W, and with prepacking off each further replica <= 0.2 W;
@@ -63,7 +64,8 @@ import sys, time, json
 t0 = time.perf_counter()
 import numpy as np
 import host_runtime as model_runtime
-path, replicas, xfile, yfile, timed = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
+path, replicas, xfile, yfile, timed, onnx_path = sys.argv[1:7]
+replicas, timed = int(replicas), int(timed)
 x = np.load(xfile)
 config = model_runtime.ModelRunnerConfig()
 config.replication_factor = replicas
@@ -74,14 +76,29 @@ y = np.load(yfile)
 diffs = [float(np.max(np.abs(first - y)))]
 for r in range(1, replicas):
     diffs.append(float(np.max(np.abs(runner.execute({"x": x}, replica_id=r)["y"] - y))))
-lat = []
-for _ in range(timed):
-    a = time.perf_counter()
-    runner.execute({"x": x})
-    lat.append(time.perf_counter() - a)
-print(json.dumps({"first": t1 - t0, "diff": max(diffs), "equal": max(diffs) == 0.0,
-                  "latency": sorted(lat)[len(lat) // 2] if lat else None}), flush=True)
-sys.stdin.readline()
+print(json.dumps({"first": t1 - t0, "diff": max(diffs)}), flush=True)
+sys.stdin.readline()   # memory measured: now execute, interleaved with onnxruntime here
+if timed:
+    import onnxruntime as ort
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    so.inter_op_num_threads = 1
+    sess = ort.InferenceSession(onnx_path, so, providers=["CPUExecutionProvider"])
+    sess.run(None, {"x": x})
+    ratios, ours, theirs = [], [], []
+    for _ in range(timed):
+        a = time.perf_counter()
+        runner.execute({"x": x})
+        b = time.perf_counter()
+        sess.run(None, {"x": x})
+        c = time.perf_counter()
+        ours.append(b - a)
+        theirs.append(c - b)
+        ratios.append((b - a) / (c - b))
+    med = lambda v: sorted(v)[len(v) // 2]
+    print(json.dumps({"latency": med(ours), "ort": med(theirs), "ratio": med(ratios)}),
+          flush=True)
+    sys.stdin.readline()
 runner.close()
 """
 
@@ -185,8 +202,13 @@ class _Child:
                                "before its result")
         return dict(json.loads(line))
 
+    def go(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("\n")
+        self.proc.stdin.flush()
+
     def finish(self) -> int:
-        """Let it close and exit; the bytes its tag still holds in /dev/shm afterwards."""
+        """Let it close and exit; the objects its tag still holds in /dev/shm afterwards."""
         assert self.proc.stdin is not None
         try:
             self.proc.stdin.write("\n")
@@ -240,27 +262,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model: {wbytes // (WIDTH * WIDTH * 4)} x [{WIDTH}, {WIDTH}] float32 MatMul "
               f"layers, W = {_mib(W)} of weights; batch {BATCH}")
 
-        ort = _Child(_ORT_CHILD, [onnx_path, xf, str(args.timed)], folder, {})
-        ort_res = ort.result()
+        ort = _Child(_ORT_CHILD, [onnx_path, xf, "0"], folder, {})
+        ort.result()
         ort_mem = tree_memory(ort.proc.pid, None)
         ort.finish()
         print(f"onnxruntime in-process: {_mib(ort_mem['total'])} = "
-              f"{ort_mem['total'] / W:.2f} W; execute {ort_res['latency'] * 1e3:.1f} ms")
+              f"{ort_mem['total'] / W:.2f} W")
         table.add("memory: onnxruntime in-process", f"{ort_mem['total'] / W:.2f} W",
                   _mib(ort_mem["total"]))
 
         figures: dict[tuple[str, int], float] = {}
-        latency: dict[str, float] = {}
+        timing: dict[str, dict[str, float]] = {}
         for mode, env in (("default", {}), ("prepacking off", {"IPU_EMULATOR_PREPACK": "0"})):
             for r in counts:
-                child = _Child(_RUNNER_CHILD, [popef_path, str(r), xf, yf,
-                                               str(args.timed if r == 1 else 0)], folder, env)
+                timed = args.timed if r == 1 else 0
+                child = _Child(_RUNNER_CHILD, [popef_path, str(r), xf, yf, str(timed),
+                                               onnx_path], folder, env)
                 res = child.result()
                 mem = tree_memory(child.proc.pid, child.tag)
+                if timed:
+                    child.go()
+                    timing[mode] = child.result()
                 left = child.finish()
                 figures[(mode, r)] = mem["total"]
-                if res["latency"] is not None:
-                    latency[mode] = res["latency"]
                 others = " + ".join(_mib(v) for v in mem["others"]) or "none"
                 print(f"{mode:15s} {r} replica(s): {_mib(mem['total']):>10s} = "
                       f"{mem['total'] / W:4.2f} W  (host {_mib(mem['host'])}; processes "
@@ -280,12 +304,11 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{mode:15s} replica {r} adds {step:.2f} W (target {target})")
                     table.add(f"memory: replica {r} adds ({mode})", f"{step:.2f} W", "", None,
                               target)
-        for mode, lat in latency.items():
-            ratio = lat / ort_res["latency"]
-            print(f"execute, 1 replica, {mode}: {lat * 1e3:.1f} ms, {ratio:.2f}x onnxruntime "
-                  f"in-process ({ort_res['latency'] * 1e3:.1f} ms)")
-            table.add(f"execute [{BATCH},{WIDTH}] 1 replica ({mode})", f"{lat * 1e3:.1f} ms",
-                      f"{ort_res['latency'] * 1e3:.1f} ms", ratio)
+        for mode, t in timing.items():
+            print(f"execute, 1 replica, {mode}: {t['latency'] * 1e3:.1f} ms vs onnxruntime "
+                  f"in-process {t['ort'] * 1e3:.1f} ms, interleaved: {t['ratio']:.2f}x")
+            table.add(f"execute [{BATCH},{WIDTH}] 1 replica ({mode})",
+                      f"{t['latency'] * 1e3:.1f} ms", f"{t['ort'] * 1e3:.1f} ms", t["ratio"])
 
         firsts: list[float] = []
         ort_firsts: list[float] = []
@@ -294,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
             o = _Child(_ORT_CHILD, [onnx_path, xf, "0"], folder, {})
             a = o.result()["first"]
             o.finish()
-            c = _Child(_RUNNER_CHILD, [popef_path, "1", xf, yf, "0"], folder, {})
+            c = _Child(_RUNNER_CHILD, [popef_path, "1", xf, yf, "0", onnx_path], folder, {})
             b = c.result()["first"]
             c.finish()
             firsts.append(b)
