@@ -157,6 +157,12 @@ def main(argv: list[str] | None = None) -> int:
               + (" (pipelined)" if args.enable_pipelining else ""))
     print(f"poprt: compiled {exe.attributes.get('models', '')} for {args.ipu_version or 'ipu21'}"
           f" ({len(out.result.anchors)} anchors, device memory {exe.required_bytes} bytes)")
+    errors = out.result.fp16_error
+    if errors:
+        worst = max(errors, key=lambda k: errors[k][0])
+        mean = sum(e[1] for e in errors.values()) / len(errors)
+        print(f"poprt: fp16 vs fp32 on a sample: max relative error {errors[worst][0]:.3g} "
+              f"({worst}), mean {mean:.3g}")
     if out.output_model_path is not None:
         print(f"poprt: wrote {out.output_model_path}")
     if out.popef_path is not None:
