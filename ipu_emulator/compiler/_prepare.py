@@ -343,7 +343,89 @@ def _symbolic_outputs(model: onnx.ModelProto, label: str, wanted: list[Value]
         sym_log.setLevel(level)
     if inferred is None:
         return {}
-    return {vi.name: _dims(vi) for vi in inferred.graph.output}
+    found = {vi.name: _dims(vi) for vi in inferred.graph.output}
+    if any(not all(isinstance(d, int) for d in dims) for dims in found.values()):
+        found.update(_sequence_shapes(inferred))
+    return found
+
+
+def _sequence_shapes(model: onnx.ModelProto) -> dict[str, list[int | str | None]]:
+    """Static shapes SymbolicShapeInference leaves symbolic though they follow from shapes
+    and constants: sequences of known tensors at constant positions (SequenceAt,
+    ConcatFromSequence), and ``Unique`` of a single element."""
+    g = model.graph
+    shapes: dict[str, tuple[int, ...]] = {}
+    for vi in list(g.input) + list(g.value_info) + list(g.output):
+        dims = _dims(vi)
+        if vi.type.WhichOneof("value") == "tensor_type" and dims != [None] and \
+                all(isinstance(d, int) for d in dims):
+            shapes[vi.name] = tuple(int(d) for d in dims)  # type: ignore[arg-type]
+    consts = {t.name: numpy_helper.to_array(t) for t in g.initializer}
+    shapes.update({k: tuple(v.shape) for k, v in consts.items()})
+    seqs: dict[str, list[tuple[int, ...]]] = {}
+
+    def const_int(name: str) -> int | None:
+        v = consts.get(name)
+        return int(v.reshape(-1)[0]) if v is not None and v.size == 1 and \
+            np.issubdtype(v.dtype, np.integer) else None
+
+    def attr(node: onnx.NodeProto, key: str, default: int) -> int:
+        return next((int(a.i) for a in node.attribute if a.name == key), default)
+
+    for node in g.node:
+        ins, outs, op = list(node.input), list(node.output), node.op_type
+        try:
+            if op == "SequenceEmpty":
+                seqs[outs[0]] = []
+            elif op == "SequenceConstruct":
+                seqs[outs[0]] = [shapes[i] for i in ins]
+            elif op == "SequenceInsert":
+                new = list(seqs[ins[0]])
+                pos = const_int(ins[2]) if len(ins) > 2 and ins[2] else len(new)
+                if pos is None:
+                    continue
+                new.insert(pos if pos >= 0 else pos + len(new), shapes[ins[1]])
+                seqs[outs[0]] = new
+            elif op == "SequenceErase":
+                new = list(seqs[ins[0]])
+                pos = const_int(ins[1]) if len(ins) > 1 and ins[1] else -1
+                if pos is None:
+                    continue
+                del new[pos]
+                seqs[outs[0]] = new
+            elif op == "SequenceAt":
+                pos = const_int(ins[1])
+                if pos is not None:
+                    shapes[outs[0]] = seqs[ins[0]][pos]
+            elif op == "ConcatFromSequence":
+                items = seqs[ins[0]]
+                axis, new_axis = attr(node, "axis", 0), attr(node, "new_axis", 0)
+                if not items or any(len(x) != len(items[0]) for x in items):
+                    continue
+                rank = len(items[0]) + (1 if new_axis else 0)
+                ax = axis + rank if axis < 0 else axis
+                if new_axis:
+                    shapes[outs[0]] = items[0][:ax] + (len(items),) + items[0][ax:]
+                else:
+                    shapes[outs[0]] = items[0][:ax] + (sum(x[ax] for x in items),) + \
+                        items[0][ax + 1:]
+            elif op == "Unique":
+                x = shapes[ins[0]]
+                axis = next((int(a.i) for a in node.attribute if a.name == "axis"), None)
+                if axis is None and int(np.prod(x)) == 1:
+                    got = [(1,)] * 4
+                elif axis is not None and x[axis if axis >= 0 else axis + len(x)] == 1:
+                    got = [x, (1,), (1,), (1,)]
+                else:
+                    continue
+                for name, shape in zip(outs, got):
+                    if name:
+                        shapes[name] = shape
+            elif op == "Identity" and ins[0] in seqs:
+                seqs[outs[0]] = seqs[ins[0]]
+        except (KeyError, IndexError):
+            continue
+    return {vi.name: list(shapes[vi.name]) for vi in g.output if vi.name in shapes}
 
 
 def _give_loops_a_condition(graph: onnx.GraphProto, main: onnx.GraphProto) -> None:
