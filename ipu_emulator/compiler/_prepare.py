@@ -411,10 +411,10 @@ def _sequence_shapes(model: onnx.ModelProto) -> dict[str, list[int | str | None]
                         items[0][ax + 1:]
             elif op == "Unique":
                 x = shapes[ins[0]]
-                axis = next((int(a.i) for a in node.attribute if a.name == "axis"), None)
-                if axis is None and int(np.prod(x)) == 1:
+                u_axis = next((int(a.i) for a in node.attribute if a.name == "axis"), None)
+                if u_axis is None and int(np.prod(x)) == 1:
                     got = [(1,)] * 4
-                elif axis is not None and x[axis if axis >= 0 else axis + len(x)] == 1:
+                elif u_axis is not None and x[u_axis if u_axis >= 0 else u_axis + len(x)] == 1:
                     got = [x, (1,), (1,), (1,)]
                 else:
                     continue
