@@ -413,7 +413,7 @@ def _sequence_shapes(model: onnx.ModelProto) -> dict[str, list[int | str | None]
                 x = shapes[ins[0]]
                 u_axis = next((int(a.i) for a in node.attribute if a.name == "axis"), None)
                 if u_axis is None and int(np.prod(x)) == 1:
-                    got = [(1,)] * 4
+                    got: list[tuple[int, ...]] = [(1,)] * 4
                 elif u_axis is not None and x[u_axis if u_axis >= 0 else u_axis + len(x)] == 1:
                     got = [x, (1,), (1,), (1,)]
                 else:
