@@ -186,3 +186,22 @@ def test_pipelined_over_two_ipus_in_fp32_and_fp16(tmp_path):
             npt.assert_allclose(got.astype(np.float32), want,
                                 rtol=1e-5 if precision == "fp32" else 2e-2,
                                 atol=1e-6 if precision == "fp32" else 2e-3)
+
+
+def test_poprt_prints_the_fp16_error_to_fp32(tmp_path, capsys):
+    from tools.poprt import main as poprt_main
+
+    model, _ = field.attention_block()
+    onnx.save(model, str(tmp_path / "attn.onnx"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert poprt_main(["--input_model", str(tmp_path / "attn.onnx"), "--precision", "fp16",
+                           "--output_dir", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if ln.startswith("poprt: fp16 vs fp32"))
+    worst = float(line.split("max relative error ")[1].split()[0])
+    mean = float(line.split("mean ")[1])
+    assert "(y)" in line and 0 < mean < 1e-2 and mean <= worst < 0.5, line
+    # the -1e9 mask and what it reaches stay fp32: one warning names them
+    (w,) = [w for w in caught if issubclass(w.category, Fp16RangeWarning)]
+    assert "'neg'" in str(w.message) and "'s2'" in str(w.message)
