@@ -53,13 +53,16 @@ def silero_like(hidden: int = 16, seed: int = 0, declare_outputs: bool = True
     rng = np.random.default_rng(seed)
 
     def branch(name: str, frame: int) -> onnx.GraphProto:
-        # frames = mean over each `frame` samples: [batch, samples / frame]
+        # a strided Conv1d over the samples (4 filters of one frame), averaged over the
+        # filters: [batch, samples / frame]
         return helper.make_graph(
-            [helper.make_node("Reshape", ["input", f"{name}_shape"], [f"{name}_fr"]),
-             helper.make_node("ReduceMean", [f"{name}_fr"], [f"{name}_out"], axes=[2],
+            [helper.make_node("Unsqueeze", ["input", "ax1"], [f"{name}_x"]),
+             helper.make_node("Conv", [f"{name}_x", f"{name}_w"], [f"{name}_c"],
+                              strides=[frame]),
+             helper.make_node("ReduceMean", [f"{name}_c"], [f"{name}_out"], axes=[1],
                               keepdims=0)],
             name, [], [helper.make_tensor_value_info(f"{name}_out", F, None)],
-            initializer=[_i64(f"{name}_shape", [0, -1, frame])])
+            initializer=[_w(rng, f"{name}_w", (4, 1, frame), 0.2)])
 
     # the loop body: h = tanh(x_t * Wx + h @ Wh), over the frames
     body = helper.make_graph(
