@@ -1,10 +1,12 @@
 """Turning one ONNX model into a static, typed, device-runnable graph.
 
-Steps: fix input shapes (``--input_shape``), convert precision, infer shapes
-(onnx, falling back to one onnxruntime run for outputs onnx cannot infer),
-refuse what is still dynamic, check onnxruntime can load it (wrapping ops that
-lack fp16 CPU kernels), and split float initializers out as weights when they
-are exported as tensor data.
+Steps: fix input shapes (``--input_shape``), convert precision (fp16: values
+beyond its range stay fp32, ``_fp16_range``), infer shapes (onnx; for outputs it
+leaves unknown, the shapes the model declares, then onnxruntime's symbolic shape
+inference, then the shapes of sequences at constant positions), refuse what is
+still dynamic (naming the tensor and the option), check onnxruntime can load it
+(wrapping ops that lack fp16 CPU kernels), and split float initializers out as
+weights when they are exported as tensor data.
 """
 
 from __future__ import annotations
