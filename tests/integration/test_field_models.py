@@ -9,11 +9,14 @@ must equal onnxruntime running the converted graph (``--output_model``), stay fi
 and be close to fp32 (the error ``poprt`` reports).
 
 Each model is compiled once per precision (module-scope fixture) and runs on one IPU
-process shared by the module's runners.
+process shared by the module's runners. Production models of your own (no download
+here): ``IPU_EMULATOR_FIELD_MODELS=DIR`` runs every ``DIR/*.onnx`` the same way.
 """
 
 from __future__ import annotations
 
+import glob
+import os
 import warnings
 
 import numpy as np
@@ -205,3 +208,56 @@ def test_poprt_prints_the_fp16_error_to_fp32(tmp_path, capsys):
     # the -1e9 mask and what it reaches stay fp32: one warning names them
     (w,) = [w for w in caught if issubclass(w.category, Fp16RangeWarning)]
     assert "'neg'" in str(w.message) and "'s2'" in str(w.message)
+
+
+# ---------------------------------------------------------------- models of your own
+_LOCAL = os.environ.get("IPU_EMULATOR_FIELD_MODELS", "")
+
+
+def _local_models() -> list[str]:
+    return sorted(glob.glob(os.path.join(_LOCAL, "*.onnx"))) if _LOCAL else []
+
+
+@pytest.mark.skipif(not _LOCAL, reason="production models of your own: set "
+                    "IPU_EMULATOR_FIELD_MODELS to a folder of .onnx files (each with an "
+                    "optional NAME.shapes of --input_shape lines and NAME.npz of inputs)")
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_local_production_models(precision, tmp_path, device):
+    """Every ``*.onnx`` in ``$IPU_EMULATOR_FIELD_MODELS`` compiles with poprt and runs
+    through ModelRunner equal to onnxruntime (fp16: onnxruntime on the converted graph)."""
+    from host_runtime.poprt.compiler import parse_input_shape
+
+    models = _local_models()
+    assert models, f"no .onnx file in {_LOCAL}"
+    for path in models:
+        stem = path[:-len(".onnx")]
+        shapes = dict(parse_input_shape(ln.strip()) for ln in open(stem + ".shapes")
+                      if ln.strip()) if os.path.exists(stem + ".shapes") else {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Fp16RangeWarning)
+            res = poprt_compile(path, tmp_path / os.path.basename(stem), output_model="m.onnx",
+                                input_shapes=shapes, precision=precision)
+        anchors = [a for a in res.result.anchors if a.kind == "input"]
+        if os.path.exists(stem + ".npz"):
+            feeds = dict(np.load(stem + ".npz"))
+        else:
+            rng = np.random.default_rng(0)
+            feeds = {a.name: (rng.standard_normal(a.shape) if a.dtype in ("F32", "F16")
+                              else np.zeros(a.shape)).astype(_numpy_dtype(a.dtype))
+                     for a in anchors}
+        feeds = {a.name: np.asarray(feeds[a.name]).astype(_numpy_dtype(a.dtype))
+                 for a in anchors}
+        got = run(popef.load_model([str(res.popef_path)]), device, feeds)
+        want = run_reference(onnx.load(str(res.output_model_path)), feeds)
+        for k, v in want.items():
+            npt.assert_allclose(np.asarray(got[k], np.float64), np.asarray(v, np.float64),
+                                rtol=1e-4, atol=1e-5, err_msg=f"{path}: {k}")
+        if precision == "fp16":
+            worst = max((e[0] for e in res.result.fp16_error.values()), default=0.0)
+            print(f"{os.path.basename(path)}: fp16 max relative error to fp32 {worst:.3g}")
+
+
+def _numpy_dtype(dtype: str) -> np.dtype:
+    from ipu_emulator.executable import numpy_dtype
+
+    return np.dtype(numpy_dtype(dtype))
