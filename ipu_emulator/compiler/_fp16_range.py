@@ -7,7 +7,8 @@ the float32 initializers beyond it. Those values stay fp32: the nodes producing 
 run in fp32 and keep fp32 outputs, the nodes reading them run in fp32 and cast their
 outputs back to fp16 (``wrap_nodes_in_fp32``); a graph output among them is clipped
 to +-65504 before its fp16 cast. Constants elsewhere (sub-graphs, or when the sample
-run fails) are clamped to +-65504 (``convert_to_fp16``).
+run fails, and what If/Loop/Scan nodes compute) are clamped to +-65504
+(``convert_to_fp16``).
 
 ``relative_error`` compares the converted model's outputs on the same sample with the
 fp32 ones: ``|fp16 - fp32| / max(|fp32|, 1e-3 * max|fp32|)`` per element, its maximum
@@ -103,6 +104,11 @@ def plan_fp16(model: onnx.ModelProto, label: str, types: dict[str, int]) -> Fp16
                   "beyond fp16's range are kept fp32, activations are not checked", label,
                   str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
     producers = {name: node.name for node in g.node for name in node.output if name}
+    # a node with sub-graphs computes in fp16 inside them (their constants are clamped):
+    # what it produces cannot stay fp32
+    with_graphs = {node.name for node in g.node
+                   if any(a.HasField("g") or len(a.graphs) for a in node.attribute)}
+    over = {n for n in over if producers.get(n) not in with_graphs}
     plan.keep_nodes = frozenset(producers[n] for n in over if n in producers)
     plan.readers = frozenset(node.name for node in g.node
                              if node.name not in plan.keep_nodes and
