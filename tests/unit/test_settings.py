@@ -28,6 +28,8 @@ ENV_NAMES = {k.env for k in HostSettings.knobs()}
 TEST_ONLY = {
     "IPU_EMULATOR_CONFORMANCE": "the whole conformance run (tests/integration/test_conformance.py)",
     "IPU_EMULATOR_TEST_HANG_SECONDS": "a test's time limit (tests/conftest.py)",
+    "IPU_EMULATOR_FIELD_MODELS": "a folder of production models of your own "
+                                 "(tests/integration/test_field_models.py)",
 }
 """Variables of the test suite, not of the package."""
 
