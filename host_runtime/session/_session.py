@@ -52,7 +52,7 @@ from host_runtime.popef import check_model
 from host_runtime.popef.reader import file_span as popef_file_span
 from host_runtime.session._fastpath import DirectStreams
 from host_runtime.session._streams import StreamTable, callback_failure
-from host_runtime.session._weights import SharedWeights, check_fits, shared_weights
+from host_runtime.session._weights import SharedWeights, check_fits, is_shared, shared_weights
 from host_runtime.devices import Device, DeviceManager, DeviceWaitConfig
 from host_runtime.errors import (BadRequestError, DeviceExecutionError, DeviceLostError,
                                  DeviceTimeoutError, InvalidStateError, ModelRuntimeError,
@@ -725,7 +725,8 @@ class Session:
         """Hold the region of the executable's weights (made if this process has none)."""
         if self._weights is None and self._weights_len and self._weights_file() is None:
             check_fits(self._header["name"], self._weights_len, self.memory_per_replica(), 1,
-                       bool(self._settings.prepack))
+                       bool(self._settings.prepack),
+                       held=is_shared(self._exe, self._weights_at, self._weights_len))
             self._weights = shared_weights(self._exe, self._weights_at, self._weights_len)
 
     def memory_per_replica(self) -> int:

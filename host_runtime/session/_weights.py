@@ -43,7 +43,8 @@ from host_runtime.popef.reader import drop_pages, file_span
 from host_runtime import popef
 from ipu_emulator.executable import ExecutableError, read_header, weights_span
 
-__all__ = ["SharedWeights", "shared_weights", "live_weights", "check_fits", "check_model_fits"]
+__all__ = ["SharedWeights", "shared_weights", "is_shared", "live_weights", "check_fits",
+           "check_model_fits"]
 
 _log = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -117,6 +118,15 @@ def shared_weights(exe: bytes | memoryview, start: int, length: int) -> SharedWe
             _live[key] = weakref.ref(made)
     _log.debug("weights of %r: %d bytes in %s", header["name"], length, region.name)
     return made
+
+
+def is_shared(exe: bytes | memoryview, start: int, length: int) -> bool:
+    """Whether this process holds a region of these weights already (by their key)."""
+    header = read_header(exe)
+    key = (os.getpid(), int(header["body_crc32"]), len(exe), start, length)
+    with _lock:
+        ref = _live.get(key)
+    return ref is not None and ref() is not None
 
 
 def _fill(region: Region, view: memoryview, start: int, length: int) -> None:

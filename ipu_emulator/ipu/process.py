@@ -93,6 +93,7 @@ _HOST_CHECK = 0.25  # seconds between checks that the host is alive
 _DOORBELL = signal.SIGURG   # rung by the control ring while a program waits (see wait_on);
 # ignored by default: a stale doorbell (this process died armed, its pid reused) harms none
 _CACHE = 4        # loaded executables kept per device (sessions sharing it)
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _PREFAULT_MAX = 512 * 1024   # pre-fault stream rings with transfers up to this size
 
 
@@ -886,7 +887,9 @@ def _map_weights_file(spec: dict[str, Any], expected: int) -> tuple[mmap.mmap, m
             raise _RequestError(ErrorKind.EXECUTABLE, f"the weights file {path} is shorter "
                                 f"than [{offset}, +{length}): changed since the host read it")
         base = offset - offset % mmap.ALLOCATIONGRANULARITY
-        mm = mmap.mmap(fd, offset + length - base, prot=mmap.PROT_READ, offset=base)
+        # populated at once: the checksum and onnxruntime read every page of it
+        mm = mmap.mmap(fd, offset + length - base, flags=mmap.MAP_SHARED | _MAP_POPULATE,
+                       prot=mmap.PROT_READ, offset=base)
     except OSError as exc:
         raise _RequestError(ErrorKind.PROTOCOL, f"cannot map the weights file {path}: {exc}"
                             ) from None
