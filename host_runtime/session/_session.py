@@ -636,7 +636,8 @@ class Session:
             ("the device memory region", max(64, int(self._header["memory_bytes"]))),
             ("the executable region", self._weights_at)] + (
             [("the weights region", self._weights_len)]
-            if self._weights is None and self._weights_len else [])
+            if self._weights is None and self._weights_len and self._weights_file() is None
+            else [])
         self._streams.ensure_rings(dev.link.pid, extra)
         if self._memory_region is None:
             size = max(64, int(self._header["memory_bytes"]))

@@ -259,3 +259,20 @@ def test_with_prepacking_a_replaced_popef_file_is_not_read_again(chain, tmp_path
                                    atol=1e-5)
         assert _tag_objects("wts") == []   # used for the load, then let go
     assert _tag_objects() == []
+
+
+def test_with_prepacking_weights_need_no_room_in_dev_shm(chain, monkeypatch):
+    """A model read from a file, prepacking on: its weights never go through /dev/shm, so a
+    /dev/shm too small for them (Docker's 64 MiB and a large model) does not refuse it."""
+    from host_runtime.devices import _shm_space
+
+    model, path = chain
+    # more than any one ring, region or the IPU's control rings; less than the session's
+    # rings and regions with the weights (2 MiB) added
+    free = 5 << 19
+    monkeypatch.setattr(_shm_space.os, "statvfs",
+                        lambda p: os.statvfs_result((4096, 1, free, free, free, 0, 0, 0, 0, 255)))
+    with settings.override(prepack=True), model_runtime.ModelRunner(path) as r:
+        x = _x(70)
+        np.testing.assert_allclose(r.execute({"x": x})["y"], reference(model, x), rtol=1e-4,
+                                   atol=1e-5)
