@@ -267,9 +267,9 @@ def test_with_prepacking_weights_need_no_room_in_dev_shm(chain, monkeypatch):
     from host_runtime.devices import _shm_space
 
     model, path = chain
-    # more than any one ring, region or the IPU's control rings; less than the session's
-    # rings and regions with the weights (2 MiB) added
-    free = 5 << 19
+    # just more than the IPU's control and event rings (2105600 bytes); less than the
+    # session's rings and regions with the weights (2 MiB) added
+    free = 2105600 + 4096
     monkeypatch.setattr(_shm_space.os, "statvfs",
                         lambda p: os.statvfs_result((4096, 1, free, free, free, 0, 0, 0, 0, 255)))
     with settings.override(prepack=True), model_runtime.ModelRunner(path) as r:
