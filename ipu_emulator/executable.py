@@ -83,6 +83,7 @@ __all__ = [
     "read_header",
     "ExternalWeight",
     "weights_span",
+    "body_crc32",
 ]
 
 # -- inter-IPU links (emulated IPU-Links) -------------------------------------------
@@ -372,7 +373,8 @@ class Executable:
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview, *,
                    graphs: bool = True,
-                   weights: bytes | bytearray | memoryview | None = None) -> "Executable":
+                   weights: bytes | bytearray | memoryview | None = None,
+                   checksum: bool = True) -> "Executable":
         """Decode and validate; raises ``ExecutableError`` on any damage.
 
         ``graphs=False`` (a host checking the programs of an executable whose bytes a
@@ -412,10 +414,7 @@ class Executable:
         if p_len > _MAX_JSON:
             raise ExecutableError(f"program section of {p_len} bytes exceeds the limit of "
                                   f"{_MAX_JSON}", offset=p_off)
-        body = view[HEADER_SIZE:]
-        crc = zlib.crc32(body) if graphs else hdr["body_crc32"]
-        if graphs and wview is not None:
-            crc = zlib.crc32(wview, crc)
+        crc = body_crc32(view, wview) if graphs and checksum else hdr["body_crc32"]
         if crc != hdr["body_crc32"]:
             raise ExecutableError(
                 f"body checksum mismatch: computed {crc:#010x}, header says "
@@ -429,6 +428,17 @@ class Executable:
         exe = _decode(doc, view[g_off:g_off + g_len], g_off, hdr, graphs, wview)
         exe.validate()
         return exe
+
+
+def body_crc32(data: bytes | bytearray | memoryview,
+               weights: bytes | bytearray | memoryview | None = None) -> int:
+    """The CRC-32 of an executable's body (all but its header), its weights section given
+    apart or not (compare with ``read_header(data)["body_crc32"]``)."""
+    view = memoryview(data)
+    if view.ndim != 1 or view.itemsize != 1:
+        view = view.cast("B")
+    crc = zlib.crc32(view[HEADER_SIZE:])
+    return zlib.crc32(weights, crc) if weights is not None else crc
 
 
 def weights_span(data: bytes | bytearray | memoryview) -> tuple[int, int]:

@@ -94,6 +94,7 @@ _DOORBELL = signal.SIGURG   # rung by the control ring while a program waits (se
 # ignored by default: a stale doorbell (this process died armed, its pid reused) harms none
 _CACHE = 4        # loaded executables kept per device (sessions sharing it)
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+_CRC_APART = 1 << 20   # weights sections this large are checksummed while sessions are made
 _PREFAULT_MAX = 512 * 1024   # pre-fault stream rings with transfers up to this size
 
 
@@ -507,9 +508,14 @@ class DeviceProcess:
                                     f"cannot open the weights region {w_name}: {exc}") from None
             weights = w_region.buf[:max(0, header["total_length"] - size)]
             regions.append(w_region)
+        # the checksum over large weights is computed while onnxruntime loads them
+        crc = _Checksum(data, weights) if weights is not None and len(weights) >= _CRC_APART \
+            else None
         try:
-            exe = Executable.from_bytes(data, weights=weights)
+            exe = Executable.from_bytes(data, weights=weights, checksum=crc is None)
         except ExecutableError as exc:
+            if crc is not None:
+                crc.result()   # it reads the weights: done before they are unmapped
             for r in regions[1:]:
                 r.close()
             if file_map is not None:
@@ -537,9 +543,16 @@ class DeviceProcess:
             raise _RequestError(ErrorKind.PROGRAM, f"cannot prepare the executable: {exc}",
                                 traceback.format_exc()) from None
         finally:
+            got = crc.result() if crc is not None else header["body_crc32"]
             if file_map is not None:
                 del exe
                 _unmap(file_map, weights)
+        if got != header["body_crc32"]:
+            interp.close()
+            for r in regions[1:]:
+                r.close()
+            raise _RequestError(ErrorKind.EXECUTABLE, f"body checksum mismatch: computed "
+                                f"{got:#010x}, header says {header['body_crc32']:#010x} (damaged)")
         _log.debug("executable %r: decoded in %.3f s, sessions made in %.3f s",
                    header["name"], t1 - t0, _monotonic() - t1)
         if w_name and not getattr(interp, "uses_weights", True):
@@ -869,6 +882,31 @@ def _unlink(name: str, is_semaphore: bool) -> int:
         return 1
     except (posix_ipc.ExistentialError, OSError):
         return 0
+
+
+class _Checksum:
+    """The body checksum of an executable, computed on a thread of its own (zlib lets go
+    of the GIL, as onnxruntime does while it makes a session)."""
+
+    def __init__(self, data: bytes, weights: memoryview) -> None:
+        from ipu_emulator.executable import body_crc32
+
+        self._value = 0
+        self._error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                self._value = body_crc32(data, weights)
+            except BaseException as exc:   # reported by result()
+                self._error = exc
+        self._thread = threading.Thread(target=run, name="ipu-checksum", daemon=True)
+        self._thread.start()
+
+    def result(self) -> int:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 def _map_weights_file(spec: dict[str, Any], expected: int) -> tuple[mmap.mmap, memoryview]:

@@ -276,3 +276,30 @@ def test_with_prepacking_weights_need_no_room_in_dev_shm(chain, monkeypatch):
         x = _x(70)
         np.testing.assert_allclose(r.execute({"x": x})["y"], reference(model, x), rtol=1e-4,
                                    atol=1e-5)
+
+
+@pytest.mark.parametrize("prepack", [True, False])
+def test_a_popef_file_changed_in_place_is_refused_by_its_checksum(chain, tmp_path, prepack):
+    """A PopEF file written over in place after it was read: the weights handed to the IPU
+    processes are those bytes now, and the executable's checksum refuses them."""
+    import shutil
+
+    from host_runtime.errors import PopefError
+
+    _, path = chain
+    copy = tmp_path / "c.popef"
+    shutil.copyfile(path, copy)
+    read = popef.load_model([str(copy)])
+    exe = read.executable.payload()
+    start, length = weights_span(exe)
+    from host_runtime.popef.reader import file_span
+    _, at = file_span(exe[start:])
+    with open(copy, "r+b") as f:     # one byte of the weights, in place
+        f.seek(at + length // 2)
+        byte = f.read(1)
+        f.seek(at + length // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with settings.override(prepack=prepack), \
+            pytest.raises(PopefError, match="body checksum mismatch"):
+        model_runtime.ModelRunner(read)
+    assert _tag_objects() == []
