@@ -361,14 +361,15 @@ class Executable:
             doc["weights"] = {"offset": len(blobs), "length": len(self.weights)}
             blobs += self.weights
         program = json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
-        body = program + bytes(blobs)
-        total = HEADER_SIZE + len(body)
+        total = HEADER_SIZE + len(program) + len(blobs)
         head = _HEADER.pack(
             MAGIC, FORMAT_VERSION, HEADER_SIZE, 0, self.ipu_version, self.num_ipus,
             self.device_iterations, self.memory_bytes, self.required_bytes,
             HEADER_SIZE, len(program), HEADER_SIZE + len(program), len(blobs), total,
-            zlib.crc32(body), self.package_hash.encode("ascii"), self.name.encode())
-        return head + _HEADER_CRC.pack(zlib.crc32(head)) + body
+            zlib.crc32(blobs, zlib.crc32(program)), self.package_hash.encode("ascii"),
+            self.name.encode())
+        # one copy of the (maybe large) graph section, not three
+        return b"".join((head, _HEADER_CRC.pack(zlib.crc32(head)), program, blobs))
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview, *,

@@ -23,10 +23,10 @@ from typing import Sequence
 import onnx
 
 import ipu_emulator
-from ipu_emulator.compiler._onnx import DTYPE_TO_ONNX, dtype_of, load_model
+from ipu_emulator.compiler._onnx import DTYPE_TO_ONNX, dtype_of, load_model, release_stash
 from ipu_emulator.compiler._prepare import Prepared, prepare
 from ipu_emulator.compiler._sharding import annotate_one_ipu, compile_sharded
-from ipu_emulator.compiler._weights import externalize
+from ipu_emulator.compiler._weights import externalize, refuse_stashed
 from ipu_emulator.compiler._types import (
     INDEX_DTYPE, INDEX_NAME, INDEX_SHAPE, LOAD_PROGRAM, MAIN_PROGRAM, SAVE_PROGRAM, TARGETS,
     AnchorDesc, CompileOptions, CompileResult, ModelSpec, Target, check_fit, count, ipu_memory)
@@ -78,9 +78,18 @@ def compile_onnx(models: "ModelSpec | Sequence[ModelSpec]",
     if sharded and len(specs) > 1:
         raise CompileError(f"manual sharding applies to one model; {len(specs)} models were "
                            "given (fused models are not sharded)")
+    try:
+        return _compile(specs, opts, target, fused, sharded)
+    finally:
+        release_stash()   # large external data read in place (compiler._onnx)
+
+
+def _compile(specs: list[ModelSpec], opts: CompileOptions, target: Target, fused: bool,
+             sharded: bool) -> CompileResult:
     prepared: list[Prepared] = []
     for spec in specs:
         model, _folder, label = load_model(spec.source, spec.base_dir)
+        refuse_stashed(model, label, spec.precision, opts, fused or sharded)
         shapes = {k: [int(d) for d in v] for k, v in (spec.input_shapes or {}).items()}
         prepared.append(prepare(model, label, shapes, spec.precision,
                                 opts.weights_as_tensor_data))
@@ -186,7 +195,7 @@ def _assemble(prepared: list[Prepared], opts: CompileOptions, target: Target,
         graphs=graphs, tensors=tensors, streams=streams, memory_bytes=memory_bytes,
         required_bytes=required, ipu_version=target.version, num_ipus=opts.num_ipus,
         device_iterations=opts.device_iterations, package_hash=ipu_emulator.package_hash(),
-        weights=bytes(weights), attributes={"models": ",".join(os.path.basename(p.label) for p in prepared),
+        weights=memoryview(weights), attributes={"models": ",".join(os.path.basename(p.label) for p in prepared),
                     "fused": "1" if fused else "0",
                     "constant_bytes": str(constants), "activation_bytes": str(activations)})
     exe.validate()

@@ -9,6 +9,7 @@ import pathlib
 import re
 from typing import Iterator
 
+import numpy as np
 import onnx
 from onnx import TensorProto
 
@@ -16,6 +17,54 @@ from ipu_emulator.errors import CompileError
 from shm.errors import echo
 
 _log = logging.getLogger(__name__)
+
+# -- large external data: kept in its file, not in the model ---------------------------------
+# An initializer whose external data is ``STASH_MIN_BYTES`` or more is not loaded into the
+# ModelProto (protobuf cannot serialize a model over 2 GiB, which shape inference and
+# onnxruntime's checks do): it stays external data with location ``STASHED`` and a token
+# under which ``_stashed`` holds a read-only memory map of its bytes. ``ort_session`` gives
+# onnxruntime those maps; the back end copies them into the executable's weights section
+# (``compiler._weights``); ``release_stash`` lets them go after a compilation.
+STASH_MIN_BYTES = 1 << 30
+STASHED = "ipu_emulator_stash"
+_stashed: dict[str, np.ndarray] = {}
+
+
+def stashed(tensor: TensorProto) -> np.ndarray | None:
+    """The memory map of a stashed initializer (None: its data is in the model)."""
+    if tensor.data_location != TensorProto.EXTERNAL:
+        return None
+    info = {e.key: e.value for e in tensor.external_data}
+    if info.get("location") != STASHED:
+        return None
+    return _stashed.get(info.get("token", ""))
+
+
+def release_stash() -> None:
+    """Let go of every stashed initializer's memory map."""
+    _stashed.clear()
+
+
+def _stash(tensor: TensorProto, target: str, offset: int, length: int, label: str) -> bool:
+    import secrets
+
+    dtype = ONNX_TO_DTYPE.get(tensor.data_type)
+    if dtype is None or length < STASH_MIN_BYTES:
+        return False
+    from ipu_emulator.executable import numpy_dtype
+
+    npdt = numpy_dtype(dtype).newbyteorder("<")
+    shape = tuple(int(d) for d in tensor.dims)
+    if int(np.prod(shape, dtype=np.int64)) * npdt.itemsize != length:
+        raise CompileError(f"model {echo(label, 200)}: initializer {echo(tensor.name)} has "
+                           f"{length} bytes of external data for {dtype}{list(shape)}")
+    token = secrets.token_hex(8)
+    _stashed[token] = np.memmap(target, dtype=npdt, mode="r", offset=offset, shape=shape)
+    del tensor.external_data[:]
+    for key, value in (("location", STASHED), ("token", token), ("length", str(length))):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, value
+    return True
 
 ONNX_TO_DTYPE: dict[int, str] = {
     TensorProto.FLOAT: "F32",
@@ -132,6 +181,8 @@ def _load_external(model: onnx.ModelProto, folder: pathlib.Path | None, label: s
             raise CompileError(
                 f"model {echo(label, 200)}: initializer {echo(tensor.name)} wants bytes [{offset}, "
                 f"{offset + length}) of {echo(location, 200)}, which has {size} bytes")
+        if _stash(tensor, target, offset, length, label):
+            continue
         try:
             load_external_data_for_tensor(tensor, root)
         except Exception as exc:
@@ -173,6 +224,14 @@ def ort_session(model: onnx.ModelProto, optimize: bool = False) -> object:
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if not optimize:
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    names, values = [], []
+    for t in model.graph.initializer:
+        arr = stashed(t)
+        if arr is not None:
+            names.append(t.name)
+            values.append(ort.OrtValue.ortvalue_from_numpy(arr))
+    if names:
+        so.add_external_initializers(names, values)
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 

@@ -7,13 +7,16 @@ copy in shared memory, and the graph stays small whatever the weights weigh.
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
-from ipu_emulator.compiler._onnx import ONNX_TO_DTYPE
+from ipu_emulator.compiler._onnx import ONNX_TO_DTYPE, stashed
+from ipu_emulator.errors import CompileError
 from ipu_emulator.executable import ALIGNMENT, ExternalWeight
+from shm.errors import echo
 
-__all__ = ["EXTERNAL_MIN_BYTES", "LOCATION", "externalize"]
+__all__ = ["EXTERNAL_MIN_BYTES", "LOCATION", "externalize", "refuse_stashed"]
 
 EXTERNAL_MIN_BYTES = 1024
 """Initializers of fewer bytes stay in the graph."""
@@ -32,8 +35,8 @@ def externalize(model: onnx.ModelProto, weights: bytearray
     to ``weights`` (each ``ALIGNMENT``-aligned) and named there as external data.
     ``model`` is not changed."""
     big = [t for t in model.graph.initializer
-           if t.data_type in ONNX_TO_DTYPE and t.data_location != TensorProto.EXTERNAL
-           and _nbytes(t) >= EXTERNAL_MIN_BYTES]
+           if t.data_type in ONNX_TO_DTYPE and _nbytes(t) >= EXTERNAL_MIN_BYTES
+           and (t.data_location != TensorProto.EXTERNAL or stashed(t) is not None)]
     if not big:
         return model.SerializeToString(), ()
     out = onnx.ModelProto()
@@ -41,11 +44,17 @@ def externalize(model: onnx.ModelProto, weights: bytearray
     by_name = {t.name: t for t in out.graph.initializer}
     refs = []
     for t in big:
-        data = numpy_helper.to_array(t)
-        raw = data.astype(data.dtype.newbyteorder("<"), copy=False).tobytes()
         weights += bytes(-len(weights) % ALIGNMENT)
         offset = len(weights)
-        weights += raw
+        kept = stashed(t)   # a large initializer left in its external data file
+        if kept is not None:
+            weights += kept.reshape(-1).view(np.uint8).data
+            raw_len = kept.nbytes
+        else:
+            data = numpy_helper.to_array(t)
+            raw = data.astype(data.dtype.newbyteorder("<"), copy=False).tobytes()
+            weights += raw
+            raw_len = len(raw)
         refs.append(ExternalWeight(t.name, ONNX_TO_DTYPE[t.data_type],
                                    tuple(int(d) for d in t.dims), offset))
         e = by_name[t.name]
@@ -54,7 +63,7 @@ def externalize(model: onnx.ModelProto, weights: bytearray
         e.data_location = TensorProto.EXTERNAL
         del e.external_data[:]
         for key, value in (("location", LOCATION), ("offset", str(offset)),
-                           ("length", str(len(raw)))):
+                           ("length", str(raw_len))):
             entry = e.external_data.add()
             entry.key, entry.value = key, value
     return out.SerializeToString(), tuple(refs)
@@ -65,3 +74,21 @@ def _nbytes(t: TensorProto) -> int:
     for d in t.dims:
         n *= int(d)
     return n * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+
+
+def refuse_stashed(model: onnx.ModelProto, label: str, precision: str, opts: object,
+                   combined: bool) -> None:
+    """A model whose large initializers stayed in their external data file (over protobuf's
+    2 GiB) compiles in fp32 as one model on one IPU, its weights as constants: say so for
+    the rest rather than fail somewhere inside."""
+    big = [t.name for t in model.graph.initializer if stashed(t) is not None]
+    if not big:
+        return
+    what = ("fp16" if precision != "fp32" else
+            "weights as tensor data" if getattr(opts, "weights_as_tensor_data", False) else
+            "fusion or sharding" if combined else None)
+    if what is not None:
+        raise CompileError(
+            f"model {echo(label, 200)}: {len(big)} initializer(s) of 1 GiB or more "
+            f"({echo(big[:3], 200)}) are compiled from their external data file, in fp32, "
+            f"as one model on one IPU; {what} is not supported for them")

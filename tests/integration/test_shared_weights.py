@@ -303,3 +303,35 @@ def test_a_popef_file_changed_in_place_is_refused_by_its_checksum(chain, tmp_pat
             pytest.raises(PopefError, match="body checksum mismatch"):
         model_runtime.ModelRunner(read)
     assert _tag_objects() == []
+
+
+def test_large_external_data_stays_in_its_file_while_compiling(tmp_path, monkeypatch):
+    """Initializers too large for protobuf (over 2 GiB in all) are never loaded into the
+    model: the compiler reads them from their external data file in place, checks the
+    model with onnxruntime over them, and copies them into the executable's weights
+    section. The threshold is lowered here so that a small model takes that path
+    (``python -m tools.bench memory --weights-mib 2200`` runs one over 2 GiB)."""
+    import onnx
+
+    from host_runtime.poprt.compiler import compile as poprt_compile
+    from ipu_emulator.compiler import _onnx
+    from ipu_emulator.errors import CompileError
+
+    monkeypatch.setattr(_onnx, "STASH_MIN_BYTES", 64 * 1024)
+    seen = []
+    real = _onnx._stash
+    monkeypatch.setattr(_onnx, "_stash", lambda *a: seen.append(a[0].name) or real(*a))
+    model = chain_model(layers=2, width=256, batch=BATCH, seed=4)
+    onnx.save_model(chain_model(layers=2, width=256, batch=BATCH, seed=4),
+                    str(tmp_path / "m.onnx"), save_as_external_data=True,
+                    all_tensors_to_one_file=True, location="m.data", size_threshold=0)
+    out = poprt_compile(str(tmp_path / "m.onnx"), tmp_path / "out", popef_name="m.popef")
+    assert sorted(seen) == ["w0", "w1"]
+    with model_runtime.ModelRunner(str(out.popef_path)) as r:
+        x = _x(80)[:, :256].copy()
+        np.testing.assert_allclose(r.execute({"x": x})["y"], reference(model, x), rtol=1e-4,
+                                   atol=1e-5)
+    with pytest.raises(CompileError, match="fp16 is not supported for them"):
+        poprt_compile(str(tmp_path / "m.onnx"), tmp_path / "out16", popef_name="m.popef",
+                      precision="fp16")
+    assert not _onnx._stashed   # let go after each compilation

@@ -230,17 +230,68 @@ def _prepare(folder: str, weights_mib: int) -> tuple[str, str, str, str, int]:
     from tools._chain_model import chain_model, reference
 
     layers = max(1, weights_mib * _MiB // (WIDTH * WIDTH * 4))
-    model = chain_model(layers=layers, width=WIDTH, batch=BATCH)
     onnx_path = os.path.join(folder, "chain.onnx")
-    onnx.save(model, onnx_path)
-    out = poprt_compile(model, folder, popef_name="chain.popef")
-    assert out.popef_path is not None
     x = np.random.default_rng(1).standard_normal((BATCH, WIDTH)).astype(np.float32)
-    y = reference(model, x)
+    if layers * WIDTH * WIDTH * 4 < _BIG:
+        model = chain_model(layers=layers, width=WIDTH, batch=BATCH)
+        onnx.save(model, onnx_path)
+        out = poprt_compile(model, folder, popef_name="chain.popef")
+        y = reference(model, x)
+    else:   # over protobuf's 2 GiB: the weights only ever in an external data file
+        _big_chain(onnx_path, layers)
+        out = poprt_compile(onnx_path, folder, popef_name="chain.popef")
+        y = _reference_from_file(onnx_path, x)
+    assert out.popef_path is not None
     xf, yf = os.path.join(folder, "x.npy"), os.path.join(folder, "y.npy")
     np.save(xf, x)
     np.save(yf, y)
     return str(out.popef_path), onnx_path, xf, yf, layers * WIDTH * WIDTH * 4
+
+
+_BIG = 1 << 30   # weights from here on are written as external data, never in a ModelProto
+
+
+def _big_chain(path: str, layers: int) -> None:
+    """``chain_model``'s graph with its weights in ``<path>.data`` (external data)."""
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(0)
+    scale = np.float32(1.5 / np.sqrt(WIDTH))
+    nodes, inits = [], []
+    data = path + ".data"
+    with open(data, "wb") as f:
+        x = "x"
+        for k in range(layers):
+            w = rng.standard_normal((WIDTH, WIDTH), dtype=np.float32) * scale
+            t = TensorProto()
+            t.name, t.data_type = f"w{k}", TensorProto.FLOAT
+            t.dims.extend([WIDTH, WIDTH])
+            t.data_location = TensorProto.EXTERNAL
+            for key, value in (("location", os.path.basename(data)), ("offset", str(f.tell())),
+                               ("length", str(w.nbytes))):
+                e = t.external_data.add()
+                e.key, e.value = key, value
+            f.write(w.tobytes())
+            inits.append(t)
+            out = "y" if k == layers - 1 else f"r{k}"
+            nodes.append(helper.make_node("MatMul", [x, f"w{k}"], [f"m{k}"], name=f"mm{k}"))
+            nodes.append(helper.make_node("Relu", [f"m{k}"], [out], name=f"relu{k}"))
+            x = out
+    graph = helper.make_graph(
+        nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [BATCH, WIDTH])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [BATCH, WIDTH])],
+        initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    with open(path, "wb") as f:
+        f.write(model.SerializeToString())
+
+
+def _reference_from_file(path: str, x: np.ndarray) -> np.ndarray:
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    return np.asarray(sess.run(None, {"x": x})[0])
 
 
 def _mib(n: float) -> str:
