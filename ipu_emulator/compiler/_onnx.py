@@ -19,13 +19,15 @@ from shm.errors import echo
 _log = logging.getLogger(__name__)
 
 # -- large external data: kept in its file, not in the model ---------------------------------
-# An initializer whose external data is ``STASH_MIN_BYTES`` or more is not loaded into the
-# ModelProto (protobuf cannot serialize a model over 2 GiB, which shape inference and
-# onnxruntime's checks do): it stays external data with location ``STASHED`` and a token
+# When a model's external data adds up to ``STASH_MIN_BYTES`` or more, its initializers of
+# ``STASH_TENSOR_BYTES`` or more are not loaded into the ModelProto (protobuf cannot
+# serialize a model over 2 GiB, which shape inference and onnxruntime's checks do): each
+# stays external data with location ``STASHED`` and a token
 # under which ``_stashed`` holds a read-only memory map of its bytes. ``ort_session`` gives
 # onnxruntime those maps; the back end copies them into the executable's weights section
 # (``compiler._weights``); ``release_stash`` lets them go after a compilation.
 STASH_MIN_BYTES = 1 << 30
+STASH_TENSOR_BYTES = 1024
 STASHED = "ipu_emulator_stash"
 _stashed: dict[str, np.ndarray] = {}
 
@@ -49,7 +51,7 @@ def _stash(tensor: TensorProto, target: str, offset: int, length: int, label: st
     import secrets
 
     dtype = ONNX_TO_DTYPE.get(tensor.data_type)
-    if dtype is None or length < STASH_MIN_BYTES:
+    if dtype is None or length < STASH_TENSOR_BYTES:
         return False
     from ipu_emulator.executable import numpy_dtype
 
@@ -148,7 +150,17 @@ def iter_tensors(graph: onnx.GraphProto) -> Iterator[TensorProto]:
 def _load_external(model: onnx.ModelProto, folder: pathlib.Path | None, label: str) -> None:
     from onnx.external_data_helper import load_external_data_for_tensor
 
-    for tensor in iter_tensors(model.graph):
+    external = 0
+    for t in model.graph.initializer:
+        if t.data_location == TensorProto.EXTERNAL:
+            info = {e.key: e.value for e in t.external_data}
+            try:
+                external += int(info.get("length", "0"))
+            except ValueError:
+                pass   # reported below
+    stash = external >= STASH_MIN_BYTES
+    main = len(model.graph.initializer)   # iter_tensors yields these first
+    for k, tensor in enumerate(iter_tensors(model.graph)):
         if tensor.data_location != TensorProto.EXTERNAL:
             continue
         info = {e.key: e.value for e in tensor.external_data}
@@ -181,7 +193,7 @@ def _load_external(model: onnx.ModelProto, folder: pathlib.Path | None, label: s
             raise CompileError(
                 f"model {echo(label, 200)}: initializer {echo(tensor.name)} wants bytes [{offset}, "
                 f"{offset + length}) of {echo(location, 200)}, which has {size} bytes")
-        if _stash(tensor, target, offset, length, label):
+        if stash and k < main and _stash(tensor, target, offset, length, label):
             continue
         try:
             load_external_data_for_tensor(tensor, root)

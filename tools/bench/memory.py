@@ -189,6 +189,8 @@ class _Child:
                     PYTHONPATH=_REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
         full.pop("IPU_EMULATOR_DAEMON", None)
         full.pop("PYTHONDONTWRITEBYTECODE", None)   # as installed: imports from .pyc files
+        if _MACHINE_TILE:
+            full["IPU_EMULATOR_MEMORY_PER_TILE"] = str(_MACHINE_TILE)
         full.update(env)
         self.proc = subprocess.Popen([sys.executable, "-c", script, *args], cwd=_REPO,
                                      env=full, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -237,9 +239,11 @@ def _prepare(folder: str, weights_mib: int) -> tuple[str, str, str, str, int]:
         onnx.save(model, onnx_path)
         out = poprt_compile(model, folder, popef_name="chain.popef")
         y = reference(model, x)
-    else:   # over protobuf's 2 GiB: the weights only ever in an external data file
+    else:   # over protobuf's 2 GiB: the weights only ever in an external data file; and
+        # over one IPU's 900 MiB: compiled for (and run on) IPUs with more memory per tile
         _big_chain(onnx_path, layers)
-        out = poprt_compile(onnx_path, folder, popef_name="chain.popef")
+        out = poprt_compile(onnx_path, folder, popef_name="chain.popef",
+                            ipu_memory=_TILES * _big_tile(layers * WIDTH * WIDTH * 4))
         y = _reference_from_file(onnx_path, x)
     assert out.popef_path is not None
     xf, yf = os.path.join(folder, "x.npy"), os.path.join(folder, "y.npy")
@@ -249,6 +253,13 @@ def _prepare(folder: str, weights_mib: int) -> tuple[str, str, str, str, int]:
 
 
 _BIG = 1 << 30   # weights from here on are written as external data, never in a ModelProto
+_TILES = 1472
+_MACHINE_TILE = 0   # set for a model larger than an IPU (bytes per tile of the machine)
+
+
+def _big_tile(weights: int) -> int:
+    """Bytes per tile of an IPU that holds ``weights`` and some room."""
+    return -(-(weights + (256 << 20)) // _TILES)
 
 
 def _big_chain(path: str, layers: int) -> None:
@@ -312,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     counts = [int(c) for c in args.replicas.split(",") if c.strip()]
     with tempfile.TemporaryDirectory(prefix="bench-memory-") as folder:
         popef_path, onnx_path, xf, yf, wbytes = _prepare(folder, args.weights_mib)
+        global _MACHINE_TILE
+        _MACHINE_TILE = _big_tile(wbytes) if wbytes >= _BIG else 0
         W = float(wbytes)
         print(f"model: {wbytes // (WIDTH * WIDTH * 4)} x [{WIDTH}, {WIDTH}] float32 MatMul "
               f"layers, W = {_mib(W)} of weights; batch {BATCH}")
