@@ -29,6 +29,11 @@ from host_runtime.errors import (
     PackageHashMismatchError,
     PopefError,
     RemoteTraceback,
+    RecoveryAction,
+    DeviceRuntimeError,
+    ApplicationRuntimeError,
+    RecoverableRuntimeError,
+    UnrecoverableRuntimeError,
 )
 
 __all__ = [
@@ -104,6 +109,11 @@ __all__ = [
     "DeviceExecutionError",
     "PackageHashMismatchError",
     "RemoteTraceback",
+    "RecoveryAction",
+    "DeviceRuntimeError",
+    "ApplicationRuntimeError",
+    "RecoverableRuntimeError",
+    "UnrecoverableRuntimeError",
 ]
 
 # name -> module that defines it (imported on first access)

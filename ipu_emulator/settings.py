@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ipu_emulator.faults import setting as _faults_setting
 from shm.settings import (EACH_USE, ShmSettings, choice, flag, integer, knob, level, micros,
                           seconds, text)
 
@@ -71,6 +72,11 @@ class IpuSettings(ShmSettings):
         30.0, "IPU_EMULATOR_DAEMON_HANDOVER_TIMEOUT", seconds,
         "how long a daemon's reset of an IPU between hosts may take before it restarts the "
         "IPU process", when=_DAEMON)
+    faults: str = knob(
+        "", "IPU_EMULATOR_FAULTS", _faults_setting,
+        "faults to inject (JSON text, or the path of a JSON or YAML file; see "
+        "`docs/faults.md`): a bad one is refused naming the fault, the field and the value",
+        when="a runner, session, device or the daemon is made", shown="none")
     # -- which machine (read at each use, by ipu_emulator.system) --
     home: str | None = knob(
         None, "IPU_EMULATOR_HOME", text(),

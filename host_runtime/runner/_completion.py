@@ -87,8 +87,14 @@ class Completion:
                 self._cv.notify_all()
 
     # -- a stalled device (the host sync timeout) ----------------------------------------
-    def stall(self) -> None:
-        """A wait gave up on the device: submits first wait for it to progress (settle)."""
+    def stall(self, err: ModelRuntimeError | None = None) -> None:
+        """A wait gave up on the device (``err``): with ``auto_reset`` the replica fails
+        (what is in flight fails with ``err``) and the next request resets it; else
+        submits first wait for the device to progress (settle)."""
+        if err is not None and self._life.resets(err) and not self._life.closed:
+            self.fail_all(err)
+            self._life.error_unheard = False   # the caller raises it
+            return
         self.stalled = True
 
     def settle(self) -> None:
@@ -113,7 +119,7 @@ class Completion:
         err = self._life.stalled_error("waiting for the outputs of a request")
         req.dests = {}
         req.fail(err)
-        self.stalled = True
+        self.stall(err)
         raise err
 
     # -- waiting ---------------------------------------------------------------------

@@ -20,14 +20,16 @@ import numpy as np
 
 from shm import ExitWatch, PeerDiedError, Ring, describe_process
 
-from host_runtime.errors import (DeviceLostError, DeviceTimeoutError, InvalidStateError,
-                                 ModelRuntimeError)
+from host_runtime.errors import (DeviceLostError, DeviceRuntimeError, DeviceTimeoutError,
+                                 InvalidStateError, ModelRuntimeError, RecoverableRuntimeError,
+                                 RecoveryAction, UnrecoverableRuntimeError)
 from host_runtime.runner._batching import TensorSpec
 from host_runtime.runner._transfer import RECHECK, PathOptions, TransferPath
 from host_runtime.runner._requests import raisable
 from host_runtime.settings import HostSettings
 
-__all__ = ["ReplicaLife", "ReplicaSession", "DirectPath", "DeviceProcesses", "SaveFn"]
+__all__ = ["ReplicaLife", "ReplicaSession", "DirectPath", "DeviceProcesses", "SaveFn",
+           "unusable_error"]
 
 _log = logging.getLogger("host_runtime.runner._replica")
 
@@ -97,6 +99,7 @@ class ReplicaLife:
         self._pids = ExitWatch()       # the device's IPU processes (pidfds)
         self._pids_exact = False       # ... every one of them watched by a pidfd
         self.sync_s = settings.host_sync_timeout   # the bound on a wait for a device's progress
+        self._stop_s = settings.stop_timeout
         self.wait_slice = min(RECHECK, self.sync_s)   # an untimed wait looks around this often
 
     def open(self) -> TransferPath:
@@ -138,6 +141,11 @@ class ReplicaLife:
         exc = fut.exception()
         if exc is None:
             return
+        if isinstance(exc, DeviceRuntimeError) and exc.replica is None:
+            # Poplar's classes name the replica too (the device named the IPU and program)
+            named = exc.copy_with(f"replica {self.rid}: {exc}", replica=self.rid)
+            named.__cause__ = exc.__cause__
+            exc = named
         self._on_lost(exc if isinstance(exc, ModelRuntimeError) else DeviceLostError(str(exc)))
 
     def mark_closed(self) -> bool:
@@ -195,14 +203,23 @@ class ReplicaLife:
             err = self._check_device()
         if err is None:
             return True
-        if not self._auto_reset:
+        if not self.resets(err):
             if self.error_unheard and err is self.error:
                 self.error_unheard = False
                 raise raisable(err)
-            raise DeviceLostError(
-                f"replica {self.rid} is unusable after an earlier failure ({err}); set "
-                "ModelRunnerConfig.auto_reset = True to restart the device automatically") from err
+            raise unusable_error(self.rid, err, self._auto_reset) from err
         return False
+
+    def resets(self, err: BaseException) -> bool:
+        """Whether ``auto_reset`` resets the replica after ``err`` (seed 002: after an
+        application runtime error, or a recoverable one whose action is IPU_RESET; and
+        after the emulator's own failures of a device: a lost IPU process, a program
+        that failed, a device stalled past the host sync timeout). Off: never."""
+        if not self._auto_reset:
+            return False
+        if isinstance(err, RecoverableRuntimeError):
+            return err.recovery_action is RecoveryAction.IPU_RESET
+        return not isinstance(err, UnrecoverableRuntimeError)
 
     def _check_device(self) -> ModelRuntimeError | None:
         """Notice a dead IPU process before a request is sent to it (~0.3 us)."""
@@ -251,12 +268,14 @@ class ReplicaLife:
         old = self.session
         self.session = None
         if old is not None:
+            # bounded: a hung or stopped IPU process is killed rather than waited for
+            limit = min(self.sync_s, self._stop_s)
             try:
-                old.stop()
+                old.stop_within(limit, kill_if_hung=True)
             except ModelRuntimeError:
                 pass
             finally:
-                old.close()
+                old.close_within(limit, kill_if_hung=True)
         return self.open()
 
     def close(self, save: SaveFn | None, limit: float) -> None:
@@ -281,3 +300,30 @@ class ReplicaLife:
             s.close_within(limit, kill_if_hung=True)
             self.session = None
             self._pids.close()
+
+
+_RECOVER = {
+    RecoveryAction.IPU_RESET: "set ModelRunnerConfig.auto_reset = True to reset the IPU "
+                              "automatically, or close the runner and make a new one",
+    RecoveryAction.LINK_RESET: "reset the IPU-Links: close the runner and make a new one",
+    RecoveryAction.PARTITION_RESET: "reset the partition: close the runner and make a new one",
+    RecoveryAction.FULL_RESET: "reset the system: close the runner and make a new one",
+}
+
+
+def unusable_error(rid: int, err: ModelRuntimeError, auto_reset: bool) -> ModelRuntimeError:
+    """What a request to replica ``rid`` raises after ``err`` failed it and nothing reset
+    it: Poplar's classes as themselves (the same class and recovery action), other
+    failures as ``DeviceLostError``; the caller raises it from ``err``."""
+    if isinstance(err, RecoverableRuntimeError):
+        how = _RECOVER[err.recovery_action]
+    elif isinstance(err, UnrecoverableRuntimeError):
+        how = "close the runner and make a new one"
+    elif isinstance(err, DeviceRuntimeError):
+        how = _RECOVER[RecoveryAction.IPU_RESET]
+    else:
+        return DeviceLostError(
+            f"replica {rid} is unusable after an earlier failure ({err}); set "
+            "ModelRunnerConfig.auto_reset = True to restart the device automatically")
+    return err.copy_with(f"replica {rid} is unusable after an earlier "
+                         f"{type(err).__name__} ({err}); {how}", replica=rid)

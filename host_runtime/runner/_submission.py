@@ -83,6 +83,7 @@ class _Submitter:
             self._completion.clear()
             self._writing = None
             self._monitor.reset_chain()
+            self._monitor.record_reset(life.error)
             life.reset()
         path = life.path
         assert path is not None
@@ -163,7 +164,7 @@ class Submission(_Submitter):
             except DeviceTimeoutError as exc:   # no free slot: the device stalled
                 req.fail(exc)
                 req.dests = {}
-                self._completion.stall()
+                self._completion.stall(exc)
                 raise
             except ModelRuntimeError:
                 raise
@@ -368,7 +369,7 @@ class Submission(_Submitter):
                                          life.wait_slice)
             except DeviceTimeoutError as exc:   # the device stalled: abandoned, as below
                 self._abandon_fused(path, inputs, seq, t_received, exc, finish=False)
-                self._completion.stall()
+                self._completion.stall(exc)
                 completion.record_error(exc)
                 raise
             except (RingInvalidatedError, ShmError, OSError, InvalidStateError,

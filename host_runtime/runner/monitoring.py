@@ -40,6 +40,7 @@ class MonitorSnapshot(NamedTuple):
     quantiles_us: dict[str, list[tuple[float, float]]]   # phase -> [(q, value)], buffer
     errors: dict[str, int]                           # error class name -> failed requests
     buffered: int                                    # traces the quantiles are over
+    resets: dict[str, int] = {}                      # error class name -> auto_resets after it
 
 
 class RequestMonitor:
@@ -56,6 +57,7 @@ class RequestMonitor:
         # sums of each instant over every request (ns): phase sums are their differences
         self._sum_received = self._sum_prepared = self._sum_started = self._sum_completed = 0
         self._errors: dict[str, int] = {}   # failed requests by error class
+        self._resets: dict[str, int] = {}   # auto_resets by the class of the error before
         self._last_completed = 0
         self._lock = threading.Lock()
 
@@ -99,6 +101,13 @@ class RequestMonitor:
         except AttributeError:  # pragma: no cover - an exception class with __slots__
             pass
 
+    def record_reset(self, error: BaseException | None) -> None:
+        """Count one reset of the replica (``auto_reset``) by the class of the error that
+        made it needed."""
+        name = type(error).__name__ if error is not None else "DeviceLostError"
+        with self._lock:
+            self._resets[name] = self._resets.get(name, 0) + 1
+
     def record_raised(self, error: BaseException) -> None:
         """Count an error a call raised, unless it is a failed request's, counted already."""
         if not getattr(error, "_ipu_monitored", False):
@@ -108,7 +117,7 @@ class RequestMonitor:
         """Counts and sums over every request, errors by class, and the ``quantiles``
         of each phase over the buffered traces (all durations in microseconds)."""
         with self._lock:
-            count, errors = self._count, dict(self._errors)
+            count, errors, resets = self._count, dict(self._errors), dict(self._resets)
             sums = self._phases((self._sum_received, self._sum_prepared, self._sum_started,
                                  self._sum_completed))
         m = self._matrix()
@@ -116,7 +125,8 @@ class RequestMonitor:
         per_phase = {phase: [(q, float(qs[k][i]) if qs is not None else 0.0)
                              for k, q in enumerate(quantiles)]
                      for i, phase in enumerate(PHASES)}
-        return MonitorSnapshot(count, dict(zip(PHASES, sums)), per_phase, errors, len(m))
+        return MonitorSnapshot(count, dict(zip(PHASES, sums)), per_phase, errors, len(m),
+                               resets)
 
     @property
     def count(self) -> int:

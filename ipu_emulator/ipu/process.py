@@ -78,6 +78,8 @@ from ipu_emulator.ipu._host_memory import HostMemory
 from ipu_emulator.ipu._placement import KeepApart
 from ipu_emulator.ipu._stream_io import _Loaded, _RequestError, _RingIO, _Stream
 from ipu_emulator.errors import ExecutableError
+from ipu_emulator.executable import is_link, is_sync
+from ipu_emulator.faults import Fault, FaultTable
 from ipu_emulator.ipu_protocol import ErrorKind, Message, Op, error_body
 from ipu_emulator.settings import IpuSettings
 
@@ -170,6 +172,64 @@ class _ClientGone(_HostGone):
     """Pool mode: the host using this IPU died, or the daemon is taking the IPU back."""
 
 
+class _FaultError(_RequestError):
+    """An injected fault's error: its ERROR body also has ``extra`` (action, ipu, program)."""
+
+    def __init__(self, kind: ErrorKind, message: str, extra: dict[str, Any]) -> None:
+        super().__init__(kind, message)
+        self.extra = extra
+
+
+class _FaultyIO:
+    """The StreamIO of Main runs under a fault schedule: a run is checked against it
+    (``DeviceProcess.fire_fault``) once its inputs are in, as it writes its first output;
+    no C steps (each run is seen)."""
+
+    def __init__(self, dev: "DeviceProcess", loaded: _Loaded, io: _RingIO) -> None:
+        self._dev = dev
+        self._loaded = loaded
+        self._io = io
+        self._program = -1     # armed: the run of this program has not been checked
+
+    def scheduled(self) -> bool:
+        return self._dev.faults_scheduled()
+
+    def arm(self, program: int) -> None:
+        self._program = program
+
+    def _check(self) -> None:
+        program, self._program = self._program, -1
+        if program >= 0:
+            self._dev.fire_fault(self._loaded, program)
+
+    @property
+    def disconnected(self) -> bool:
+        return self._io.disconnected
+
+    def read_input(self, handle: str, dest: memoryview) -> None:
+        self._io.read_input(handle, dest)
+
+    def write_output(self, handle: str, src: memoryview) -> None:
+        self._check()
+        self._io.write_output(handle, src)
+
+    def acquire_input(self, handle: str, nbytes: int) -> memoryview:
+        return self._io.acquire_input(handle, nbytes)
+
+    def release_input(self, handle: str) -> None:
+        self._io.release_input(handle)
+
+    def acquire_output(self, handle: str, nbytes: int) -> memoryview:
+        self._check()
+        return self._io.acquire_output(handle, nbytes)
+
+    def publish_output(self, handle: str) -> None:
+        self._io.publish_output(handle)
+
+    def forget_redirects(self) -> None:
+        self._io.forget_redirects()
+
+
 class DeviceProcess:
     """The main loop of one IPU process. ``serve()`` returns the exit code."""
 
@@ -205,6 +265,9 @@ class DeviceProcess:
         self._watch = _HostWatch.start(opts.host_pid) if hooks.host_alive is None else None
         self._wait_slice: float | None = None if self._watch is not None else _SLICE
         self._slice: float | None = self._wait_slice   # of wait_on (see _run)
+        # fault schedules (ipu_emulator.faults): the daemon's (HOST) and the host's (LOAD)
+        self._daemon_faults: list[FaultTable] = []
+        self._host_faults: list[FaultTable] = []
         self._set_title()
 
     def _set_title(self) -> None:
@@ -404,8 +467,8 @@ class DeviceProcess:
             else:
                 raise _RequestError(ErrorKind.PROTOCOL, f"unexpected control message {op.name}")
         except _RequestError as exc:
-            self.post(Message(Op.ERROR, seq=msg.seq,
-                              body=error_body(exc.kind, str(exc), exc.tb)))
+            self.post(Message(Op.ERROR, seq=msg.seq, body=error_body(
+                exc.kind, str(exc), exc.tb, **getattr(exc, "extra", {}))))
             return
         except (_Stopped, _Shutdown, _HostGone, PeerDiedError, WaitInterrupted):
             raise
@@ -424,6 +487,7 @@ class DeviceProcess:
         name = body.get("spec_region")
         if not isinstance(name, str):
             raise _RequestError(ErrorKind.PROTOCOL, "LOAD needs a 'spec_region' name")
+        self._host_faults = self._fault_tables(body.get("faults"), self._host_faults)
         self._known.add(name)
         try:
             region = Region.attach(name, prefault=False)
@@ -590,9 +654,21 @@ class DeviceProcess:
         # A loop of one program may run it many times per turn (C steps back to back, until
         # the next check below is due or a control message arrives).
         many = loop and len(programs) == 1
+        main = loop or [p for p in programs
+                        if loaded.interp.executable.programs[p].name.lower() == "main"]
+        faulty = _FaultyIO(self, loaded, io) if main else None
         try:
             while True:
-                if many:
+                if faulty is not None and faulty.scheduled():
+                    # a schedule of faults: Main runs one at a time, each checked once its
+                    # inputs are in (at its first output: _FaultyIO)
+                    for p in programs:
+                        if loop or p in main:
+                            faulty.arm(p)
+                            self._run_one(loaded, p, faulty)   # type: ignore[arg-type]
+                        else:
+                            self._run_one(loaded, p, io)
+                elif many:
                     due = min(self._next_host_check, apart.next_look, _monotonic() + _HOST_CHECK)
                     self._run_one(loaded, programs[0], io, int(due * 1e9))
                 else:
@@ -649,6 +725,98 @@ class DeviceProcess:
                                 f"program {index} failed: {type(exc).__name__}: {exc}",
                                 traceback.format_exc()) from None
 
+    # -- faults (ipu_emulator.faults) ----------------------------------------------------
+
+    def _fault_tables(self, names: Any, old: list[FaultTable]) -> list[FaultTable]:
+        """The fault tables ``names`` lists (attached; ``old`` ones reused, others closed)."""
+        names = [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
+        keep = {t.name: t for t in old}
+        tables = []
+        for name in names:
+            table = keep.pop(name, None)
+            if table is None:
+                try:
+                    table = FaultTable.attach(name)
+                except Exception as exc:
+                    raise _RequestError(ErrorKind.PROTOCOL, f"cannot open the fault table "
+                                        f"{name}: {exc}") from None
+                self._known.add(name)
+            tables.append(table)
+        for table in keep.values():
+            table.close()
+        return tables
+
+    def faults_scheduled(self) -> bool:
+        """Some fault table lists a fault."""
+        return any(t.faults() for t in self._daemon_faults) or any(
+            t.faults() for t in self._host_faults)
+
+    def fire_fault(self, loaded: _Loaded, program: int) -> None:
+        """A Main run of ``program`` has its inputs: apply the fault that fires on it."""
+        has_link = any(is_link(st.handle) and not is_sync(st.handle)
+                       and st.direction == "out" for st in loaded.streams)
+        ipu = self.opts.ipu_id
+        hit: tuple[int, Fault] | None = None
+        for table in self._daemon_faults + self._host_faults:
+            found = table.fire(ipu, has_link)
+            if found is not None and hit is None:
+                hit = found
+        if hit is None:
+            return
+        index, fault = hit
+        kind = fault.kind
+        what = (f"program {program} ({loaded.interp.executable.programs[program].name}) "
+                f"(injected fault {index}: {fault.describe()})")
+        _log.warning("%s: injecting %s", self._describe(), what)
+        extra: dict[str, Any] = {"ipu": ipu, "program": program}
+        if kind == "slow":
+            time.sleep(fault.delay_ms / 1000.0)
+            return
+        if kind == "hang":
+            self._hang()
+        if kind == "crash":
+            if self.hooks.pid is None:   # an IPU process of its own (never a host's thread)
+                logging.shutdown()
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise _FaultError(ErrorKind.PROGRAM, f"a crash of {what} (a loopback device "
+                              "cannot die)", extra)
+        if kind == "application_error":
+            raise _FaultError(ErrorKind.APPLICATION, f"application runtime error in {what}",
+                              extra)
+        if kind == "unrecoverable_error":
+            raise _FaultError(ErrorKind.UNRECOVERABLE, f"unrecoverable runtime error in "
+                              f"{what}", extra)
+        action = "LINK_RESET" if kind == "link_down" else fault.action
+        cause = ("the IPU-Link to the next IPU went down in " if kind == "link_down"
+                 else "recoverable runtime error in ")
+        raise _FaultError(ErrorKind.RECOVERABLE, f"{cause}{what}; recovery action {action}",
+                          dict(extra, action=action))
+
+    def _hang(self) -> None:
+        """An injected hang: answer nothing until the host stops or resets this IPU (STOP,
+        SHUTDOWN, HOST) or goes away."""
+        while True:
+            try:
+                msg = ipu_protocol.receive(self.control, timeout=(
+                    None if self._watch is not None else _HOST_CHECK))
+            except RingTimeoutError:
+                self._check_host()
+                continue
+            except WaitInterrupted:
+                self._interrupted()
+                continue
+            if msg.op is Op.STOP:
+                self._stop_seq = msg.seq
+                self._stop_soft = bool(msg.value)
+                raise _Stopped()
+            if msg.op is Op.SHUTDOWN:
+                raise _Shutdown()
+            if msg.op is Op.HOST and self.opts.pool:
+                self._pending.clear()
+                self._pending.append(msg)
+                raise _ClientGone()
+            _log.info("hung: ignoring %s", msg.op.name)
+
     def _unload(self, key: str) -> None:
         loaded = self._cache.pop(key, None)
         if loaded is not None:
@@ -681,6 +849,7 @@ class DeviceProcess:
             raise _RequestError(ErrorKind.PROTOCOL, f"HOST needs a pid >= 0, num_ipus in "
                                 f"1..64 and a str label, got {pid}, {num_ipus!r}, {label!r}")
         self._drop_client()
+        self._daemon_faults = self._fault_tables(body.get("faults"), self._daemon_faults)
         self.opts = replace(self.opts, num_ipus=num_ipus, label=label)
         self.control.reset()
         self._client = pid
@@ -708,6 +877,9 @@ class DeviceProcess:
         self._cache.clear()
         self.host_memory.close()
         self._active = None
+        for table in self._host_faults:
+            table.close()
+        self._host_faults = []
         self.events.set_peer(self.opts.host_pid)
         stale = self._known - {self.opts.control, self.opts.events}
         self._known = {self.opts.control, self.opts.events}
