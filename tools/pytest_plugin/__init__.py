@@ -19,6 +19,10 @@ one of its fixtures or carrying its marker:
   Its runners wait up to ``ipu_emulator_wait_timeout`` for their IPUs.
 - ``compile_onnx`` (session): ``compile_onnx(model, **poprt_options)`` -> the
   PopEF path, compiled once per run (cached by the content hash).
+- ``ipu_faults``: a fault schedule (``ipu_emulator.faults.FaultPlan``) for the
+  IPUs of the runners the test makes: ``ipu_faults.add(kind="hang", after=2)``
+  (before or after making them: live), ``.counts()``, ``.clear()``; only runners
+  made in this test follow it, and it is removed at teardown (docs/faults.md).
 - ``@pytest.mark.ipus(n)``: the test needs ``n`` IPUs: skipped when the machine
   has fewer; runners made in it wait (``WAIT_WITH_TIMEOUT``,
   ``ipu_emulator_wait_timeout`` seconds) for IPUs other workers hold.
@@ -48,7 +52,7 @@ from tools.pytest_plugin.machine import ENV_VARS, IpuMachine, RunFolder
 
 __all__ = ["IpuMachine", "DaemonHandle", "RunFolder", "FIXTURES", "wait_config", "run_folder"]
 
-FIXTURES = ("ipu_machine", "ipu_daemon", "model_runner", "compile_onnx")
+FIXTURES = ("ipu_machine", "ipu_daemon", "model_runner", "compile_onnx", "ipu_faults")
 
 _RUN = pytest.StashKey[RunFolder]()
 _GUARD = pytest.StashKey[LeakGuard]()
@@ -398,6 +402,20 @@ def model_runner(ipu_machine: IpuMachine, compile_onnx: Callable[..., str],
             errors.append(exc)
     if errors:
         raise errors[0]
+
+
+@pytest.fixture
+def ipu_faults(ipu_machine: IpuMachine) -> Iterator[Any]:
+    """A fault schedule for the runners, sessions and devices this test makes (an
+    ``ipu_emulator.faults.FaultPlan``, empty to start with: ``ipu_faults.add(...)``);
+    cleared and removed at teardown."""
+    from ipu_emulator.faults import FaultPlan
+
+    plan = FaultPlan()
+    with plan:
+        yield plan
+    plan.clear()
+    plan.close()
 
 
 @pytest.fixture
