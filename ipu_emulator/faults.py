@@ -43,6 +43,7 @@ import os
 import random
 import struct
 import threading
+import weakref
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable
 
@@ -217,10 +218,19 @@ def dumps(faults: Iterable[Fault]) -> str:
     return json.dumps(items, separators=(",", ":"), sort_keys=True) if items else ""
 
 
+_PLAN = "plan:"
+"""The knob's text for a :class:`FaultPlan` of this process: ``plan:<its table's name>``."""
+
+
 def setting(var: str, text: str) -> str:
     """The settings knob's parser: the canonical JSON of the faults ``text`` holds (read
     from the file it names, if it names one); ``SettingsError`` names the variable,
-    the fault, the field and the value."""
+    the fault, the field and the value. ``plan:<name>`` (what a :class:`FaultPlan`'s
+    block sets) is kept as it is."""
+    if text.startswith(_PLAN):
+        if not text[len(_PLAN):].startswith("/"):
+            raise SettingsError(f"{var}={text!r}: expected plan:<a fault table's name>")
+        return text
     try:
         return dumps(parse_faults(text, var))
     except FaultSpecError as exc:
@@ -392,7 +402,7 @@ class _Flock:
 
 # -- the public API: a schedule for the runners made while it is active -----------------------
 
-_active: list["FaultPlan"] = []        # plans of open `with` blocks, innermost last
+_plans: "weakref.WeakValueDictionary[str, FaultTable]" = weakref.WeakValueDictionary()
 _env_tables: dict[str, FaultTable] = {}   # the environment's schedule, by its text (kept)
 _registry_lock = threading.Lock()
 
@@ -409,13 +419,17 @@ class FaultPlan:
         plan.add({"kind": "slow", "delay_ms": 20})  # live: its IPUs see it at their next run
         plan.counts()                               # [(Fault, runs seen, runs fired), ...]
 
-    Inside the block, ``IPU_EMULATOR_FAULTS`` is not used. The schedule's counters
-    live as long as the plan or a runner made with it: a fault fires ``times`` times in
+    Inside the block, ``IPU_EMULATOR_FAULTS`` is not used (the block overrides the
+    setting with ``plan:<its name>``). The schedule's counters live as long as the
+    plan or a runner made with it: a fault fires ``times`` times in
     all, across resets and restarted IPU processes. ``close()`` (or dropping every
     reference) removes it."""
 
     def __init__(self, faults: Any = ()) -> None:
         self.table = FaultTable.create(parse_faults(faults, "faults.inject"))
+        with _registry_lock:
+            _plans[self.table.name] = self.table
+        self._blocks: list[Any] = []   # the settings overrides of open `with` blocks
 
     @property
     def faults(self) -> list[Fault]:
@@ -440,19 +454,21 @@ class FaultPlan:
         return sum(n for _, _, n in self.counts())
 
     def __enter__(self) -> "FaultPlan":
-        with _registry_lock:
-            _active.append(self)
+        from shm.settings import override
+
+        block = override(faults=_PLAN + self.table.name)
+        block.__enter__()
+        self._blocks.append(block)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        with _registry_lock:
-            for i in range(len(_active) - 1, -1, -1):
-                if _active[i] is self:
-                    del _active[i]
-                    break
+        if self._blocks:
+            self._blocks.pop().__exit__(None, None, None)
 
     def close(self) -> None:
-        self.__exit__()
+        """End its blocks and remove the schedule (runners made with it inject no more)."""
+        while self._blocks:
+            self.__exit__()
         self.table.close()
 
 
@@ -463,25 +479,24 @@ def inject(faults: Any = None, **fault: Any) -> FaultPlan:
     return FaultPlan(faults if faults is not None else ([dict(fault)] if fault else []))
 
 
-def active_plan() -> FaultPlan | None:
-    """The innermost plan of an open ``with inject(...)`` block (None: none)."""
-    with _registry_lock:
-        return _active[-1] if _active else None
-
-
 def table_for(text: str) -> FaultTable | None:
-    """The schedule a runner, session or device made now uses: the active plan's, else
-    that of the settings' ``faults`` text (``IPU_EMULATOR_FAULTS``; one table per text
-    for the life of the process), else None."""
+    """The schedule of the settings' ``faults`` text, for a runner, session or device made
+    with them: a :class:`FaultPlan`'s (``plan:<name>``), or that of
+    ``IPU_EMULATOR_FAULTS`` (one table per text, kept for the life of the process), or
+    None (no faults)."""
+    if not text:
+        return None
     with _registry_lock:
-        if _active:
-            return _active[-1].table
-        if not text:
-            return None
+        if text.startswith(_PLAN):
+            table = _plans.get(text[len(_PLAN):])
+            if table is None:
+                raise FaultSpecError(f"IPU_EMULATOR_FAULTS={text!r}: no fault plan of that "
+                                     "name in this process (it was closed)")
+            return table
         table = _env_tables.get(text)
         if table is None:
             table = _env_tables[text] = FaultTable.create(parse_faults(text))
         return table
 
 
-__all__ += ["FaultPlan", "inject", "active_plan", "table_for"]
+__all__ += ["FaultPlan", "inject", "table_for"]
