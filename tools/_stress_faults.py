@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import random
 import time
+from datetime import timedelta
 from typing import Any, Callable
 
 import numpy as np
@@ -65,8 +66,8 @@ def _expected(fault: dict[str, Any], err: BaseException) -> bool:
         return isinstance(err, mr.ApplicationRuntimeError)
     if kind in ("recoverable_error", "link_down"):
         action = "LINK_RESET" if kind == "link_down" else fault.get("action", "IPU_RESET")
-        return (isinstance(err, mr.RecoverableRuntimeError)
-                and err.recovery_action.name == action)
+        return bool(isinstance(err, mr.RecoverableRuntimeError)
+                    and err.recovery_action.name == action)
     if kind == "unrecoverable_error":
         return isinstance(err, mr.UnrecoverableRuntimeError)
     if kind == "hang":
@@ -79,7 +80,7 @@ def _expected(fault: dict[str, Any], err: BaseException) -> bool:
 def _resets(fault: dict[str, Any]) -> bool:
     """Whether auto_reset resets the replica after this fault's error."""
     if fault["kind"] == "recoverable_error":
-        return fault.get("action", "IPU_RESET") == "IPU_RESET"
+        return bool(fault.get("action", "IPU_RESET") == "IPU_RESET")
     return fault["kind"] in ("application_error", "hang", "crash")
 
 
@@ -184,12 +185,13 @@ def run_faults(spec: dict[str, Any], tally: Any, check: Callable[[Any, np.ndarra
     hang = float(spec["hang_timeout"])
     extra: dict[str, Any] = {"injected": 0, "resets": 0, "recovery_ms": []}
     model = popef.load_model([spec["model"]])
-    shape = tuple(model.metadata.anchor("tensor_A").tensorInfo().shape())
-    td = model.tensorData("weights")
+    anchor, td = model.metadata.anchor("tensor_A"), model.tensorData("weights")
+    if anchor is None or td is None:
+        raise ValueError(f"{spec['model']}: not the example model (tensor_A, weights)")
+    shape = tuple(anchor.tensorInfo().shape())
     weights = np.frombuffer(td.data, np.float32).reshape(shape)
     wait = mr.DeviceWaitConfig(mr.DeviceWaitStrategy.WAIT_WITH_TIMEOUT,
-                               timeout=__import__("datetime").timedelta(seconds=120),
-                               sleepTime=__import__("datetime").timedelta(seconds=0.05))
+                               timeout=timedelta(seconds=120), sleepTime=timedelta(seconds=0.05))
     per_phase = max(6, (budget or 24) // 2)
 
     def simple(runner: Any) -> None:

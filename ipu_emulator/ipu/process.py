@@ -654,8 +654,8 @@ class DeviceProcess:
         # A loop of one program may run it many times per turn (C steps back to back, until
         # the next check below is due or a control message arrives).
         many = loop and len(programs) == 1
-        main = loop or [p for p in programs
-                        if loaded.interp.executable.programs[p].name.lower() == "main"]
+        main = [p for p in programs
+                if loop or loaded.interp.executable.programs[p].name.lower() == "main"]
         faulty = _FaultyIO(self, loaded, io) if main else None
         try:
             while True:
@@ -663,7 +663,7 @@ class DeviceProcess:
                     # a schedule of faults: Main runs one at a time, each checked once its
                     # inputs are in (at its first output: _FaultyIO)
                     for p in programs:
-                        if loop or p in main:
+                        if p in main:
                             faulty.arm(p)
                             self._run_one(loaded, p, faulty)   # type: ignore[arg-type]
                         else:

@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         cells = []
         for ms in ms_list:
-            vs = sorted(result[str(ms) if str(ms) in result else ms][name])  # type: ignore[index]
+            vs = sorted(result[str(ms)][name])
             med, top = vs[len(vs) // 2] * 1e3, vs[-1] * 1e3
             worst = max(worst, top)
             cells.append(f"+{med:.1f} (max +{top:.1f})")
