@@ -747,9 +747,11 @@ class DeviceProcess:
         return tables
 
     def faults_scheduled(self) -> bool:
-        """Some fault table lists a fault."""
-        return any(t.faults() for t in self._daemon_faults) or any(
-            t.faults() for t in self._host_faults)
+        """Main runs are checked one by one: the host gave a fault table (its plan may
+        change at any time, and a run already waiting for its inputs must see a change),
+        or the daemon's lists a fault (checked at each turn of a loop: a fault the daemon
+        adds applies from the run after the one waiting then)."""
+        return bool(self._host_faults) or any(t.faults() for t in self._daemon_faults)
 
     def fire_fault(self, loaded: _Loaded, program: int) -> None:
         """A Main run of ``program`` has its inputs: apply the fault that fires on it."""
