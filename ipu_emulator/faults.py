@@ -469,6 +469,9 @@ class FaultPlan:
         """End its blocks and remove the schedule (runners made with it inject no more)."""
         while self._blocks:
             self.__exit__()
+        with _registry_lock:
+            if _plans.get(self.table.name) is self.table:
+                del _plans[self.table.name]
         self.table.close()
 
 

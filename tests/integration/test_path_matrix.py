@@ -27,6 +27,10 @@ FAULTS = ["tests/faults/test_device_faults.py",
           "tests/faults/test_model_runner_faults.py",
           "tests/faults/test_sharding_faults.py"]
 
+INJECTED = ["tests/faults/test_injected_faults.py"]
+"""Faults injected on purpose (ipu_emulator.faults): through a daemon too (the host's
+schedule reaches the daemon's IPU processes)."""
+
 
 def _run(paths: list[str], env: dict[str, str]) -> None:
     cmd = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
@@ -62,6 +66,6 @@ def test_integration_and_faults_through_a_daemon(tmp_path: Path) -> None:
 
     rig = DaemonRig(tmp_path, num_ipus=4)
     try:
-        _run(RUNNER + FAULTS, dict(os.environ, IPU_EMULATOR_DAEMON=rig.socket))
+        _run(RUNNER + FAULTS + INJECTED, dict(os.environ, IPU_EMULATOR_DAEMON=rig.socket))
     finally:
         rig.stop()
