@@ -226,6 +226,14 @@ def test_a_session_gets_the_class_too(model_path, weights):
             s.runMainPrograms()
         assert info.value.recovery_action is RecoveryAction.PARTITION_RESET
         assert info.value.replica is None and info.value.program == 1
+        s.reload()                                   # recovered: the fault fired its 1 time
+        qm = s.createQueueManager()
+        x = rand(1)
+        qm.inputs["tensor_A"].enqueue(x["tensor_A"], x["tensor_A"].nbytes)
+        qm.inputs["tensor_B"].enqueue(x["tensor_B"], x["tensor_B"].nbytes)
+        qm.outputs["tensor_C"].enqueue(c, c.nbytes)
+        s.runMainPrograms()
+        np.testing.assert_allclose(c, x["tensor_A"] * weights + x["tensor_B"], rtol=1e-6)
 
 
 @pytest.mark.embedded_only
