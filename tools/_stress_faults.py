@@ -141,6 +141,9 @@ class _Phase:
                             f"{type(self.failed).__name__} and was not recovered")
             else:
                 self._count("ok")
+                with self.tally.lock:
+                    self.tally.latencies.append(took)
+                    self.tally.latency_sum += took
                 if self.fault_at is not None:
                     self.extra["recovery_ms"].append(round((time.monotonic() - self.fault_at)
                                                            * 1e3, 2))

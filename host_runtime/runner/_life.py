@@ -38,6 +38,9 @@ class DeviceProcesses(Protocol):
     def pids(self) -> list[int]:
         """The pids of the device's IPU processes."""
 
+    def describe(self) -> str:
+        """The device and its IPUs, as messages name them (``device 0 (ipu 3)``)."""
+
 
 class DirectPath(Protocol):
     """What a replica uses of ``session.direct`` (the session's fast path,
@@ -160,9 +163,12 @@ class ReplicaLife:
         """The device made no progress for the host sync timeout while ``what``."""
         pids = self._pids.pids
         peers = "; ".join(describe_process(p) for p in pids) if pids else "no IPU process known"
+        s = self.session
+        dev = s.device() if s is not None else None
+        where = f"{dev.describe()}: " if dev is not None else ""
         return DeviceTimeoutError(
-            f"replica {self.rid}: {what} for {self.sync_s:g} s without progress from the "
-            f"device (the host sync timeout, IPU_EMULATOR_HOST_SYNC_TIMEOUT); {peers}")
+            f"replica {self.rid}: {where}{what} for {self.sync_s:g} s without progress from "
+            f"the device (the host sync timeout, IPU_EMULATOR_HOST_SYNC_TIMEOUT); {peers}")
 
     def slow_output(self, since: float) -> None:
         """A wait for an output that began at ``since`` (monotonic) is long: raise if the

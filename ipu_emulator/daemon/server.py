@@ -284,6 +284,13 @@ class Daemon:
         return _error("protocol", f"unknown op {op!r}; expected hello, status, attach, "
                       "release, exit_status or faults")
 
+    def faults_injected(self) -> dict[str, int]:
+        """Main runs a fault of its schedule affected, by kind (for /metrics)."""
+        counts: dict[str, int] = {}
+        for fault, _, fired in self.fault_table.counts():
+            counts[fault.kind] = counts.get(fault.kind, 0) + fired
+        return counts
+
     def _faults(self, req: dict[str, Any]) -> dict[str, Any]:
         """Live injection: ``clear`` (bool) removes every fault, ``add`` (a list of fault
         objects) adds some; the IPUs see the change before their next Main run. The

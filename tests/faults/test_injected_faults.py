@@ -131,9 +131,11 @@ def test_hang_is_bounded_by_the_host_sync_timeout(model_path, weights, auto_rese
         r = model_runtime.ModelRunner(model_path, config=cfg)
     with r:
         pids = ipu_processes(r)
+        where = device_of(r).describe()
         check(r, weights, 0)
-        with pytest.raises(DeviceTimeoutError, match="IPU_EMULATOR_HOST_SYNC_TIMEOUT"):
+        with pytest.raises(DeviceTimeoutError, match="IPU_EMULATOR_HOST_SYNC_TIMEOUT") as info:
             r.execute(rand(1))
+        assert str(info.value).startswith(f"replica 0: {where}: waiting for the outputs")
         if auto_reset:
             check(r, weights, 2)           # the IPU was restarted: the next one succeeds
             assert r.request_monitors()[0].snapshot().resets == {"DeviceTimeoutError": 1}

@@ -47,6 +47,11 @@ def test_each_scenario_checks_every_result_and_passes(capsys, scenario):
         # KeyboardInterrupts were delivered into the hosts' threads (cycles); the requests
         # they hit and the queue runs a raising callback failed are failed as expected
         assert sc["cycles"] >= 2 and sc["expected"] >= 1
+    elif scenario == "faults":
+        # every single-IPU kind twice (with and without auto_reset), link_down once: each
+        # error fault failed its request as expected (and, unreset, the next one too)
+        assert sc["faults"] >= 11 and sc["expected"] >= 9 and sc["resets"] >= 2
+        assert sc["recovery_ms"] and sc["cycles"] == sc["faults"]
     else:
         assert sc["expected"] == 0        # only killed IPUs may fail a request
     if scenario == "kill-host":
