@@ -224,7 +224,9 @@ class DeviceRuntimeError(ModelRuntimeError, RuntimeError):
         return type(self)(message, **fields)  # type: ignore[arg-type]
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (_device_runtime_error, (type(self), str(self), self._fields()))
+        # the instance's other attributes too (copy.copy of a raised copy keeps them)
+        state = {k: v for k, v in self.__dict__.items() if k not in self._fields()}
+        return (_device_runtime_error, (type(self), str(self), self._fields()), state or None)
 
 
 def _device_runtime_error(cls: type[DeviceRuntimeError], message: str,

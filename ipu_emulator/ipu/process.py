@@ -727,8 +727,11 @@ class DeviceProcess:
 
     # -- faults (ipu_emulator.faults) ----------------------------------------------------
 
-    def _fault_tables(self, names: Any, old: list[FaultTable]) -> list[FaultTable]:
-        """The fault tables ``names`` lists (attached; ``old`` ones reused, others closed)."""
+    def _fault_tables(self, names: Any, old: list[FaultTable],
+                      hosts: bool = True) -> list[FaultTable]:
+        """The fault tables ``names`` lists (attached; ``old`` ones reused, others closed).
+        ``hosts``: a host's, unlinked with its other objects if it dies (never the
+        daemon's)."""
         names = [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
         keep = {t.name: t for t in old}
         tables = []
@@ -740,7 +743,8 @@ class DeviceProcess:
                 except Exception as exc:
                     raise _RequestError(ErrorKind.PROTOCOL, f"cannot open the fault table "
                                         f"{name}: {exc}") from None
-                self._known.add(name)
+                if hosts:
+                    self._known.add(name)
             tables.append(table)
         for table in keep.values():
             table.close()
@@ -772,7 +776,12 @@ class DeviceProcess:
         _log.warning("%s: injecting %s", self._describe(), what)
         extra: dict[str, Any] = {"ipu": ipu, "program": program}
         if kind == "slow":
-            time.sleep(fault.delay_ms / 1000.0)
+            # slept in slices: a STOP or SHUTDOWN meanwhile is taken at once
+            end = _monotonic() + fault.delay_ms / 1000.0
+            while (left := end - _monotonic()) > 0:
+                time.sleep(min(left, 0.05))
+                if self.control.readable():
+                    self.poll_control()
             return
         if kind == "hang":
             self._hang()
@@ -851,7 +860,8 @@ class DeviceProcess:
             raise _RequestError(ErrorKind.PROTOCOL, f"HOST needs a pid >= 0, num_ipus in "
                                 f"1..64 and a str label, got {pid}, {num_ipus!r}, {label!r}")
         self._drop_client()
-        self._daemon_faults = self._fault_tables(body.get("faults"), self._daemon_faults)
+        self._daemon_faults = self._fault_tables(body.get("faults"), self._daemon_faults,
+                                                 hosts=False)
         self.opts = replace(self.opts, num_ipus=num_ipus, label=label)
         self.control.reset()
         self._client = pid

@@ -75,3 +75,12 @@ def test_a_daemon_holding_faults_and_a_live_injection(model_path, tmp_path):
         assert bad.returncode == 2 and "field 'delay_ms' = -1" in bad.stderr
     finally:
         rig.stop()
+
+
+def test_a_daemon_refuses_a_bad_schedule_at_its_start(tmp_path):
+    (tmp_path / "f.yaml").write_text("- {kind: recoverable_error, action: RESET}\n")
+    proc = subprocess.run([sys.executable, "-m", "tools.cli", "daemon", "--socket",
+                           str(tmp_path / "d.sock"), "--faults", str(tmp_path / "f.yaml")],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "fault 0: field 'action' = 'RESET': expected one of IPU_RESET" in proc.stderr

@@ -20,6 +20,7 @@ import numpy as np
 import onnx
 import psutil
 import pytest
+from prometheus_client import generate_latest
 
 import host_runtime as model_runtime
 from host_runtime import settings
@@ -34,6 +35,14 @@ SHAPE = (4, 3)
 SYNC = 0.3       # the host sync timeout of the hang tests (s)
 
 pytestmark = pytest.mark.usefixtures("private_machine")
+
+
+def collector_registry(runner):
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    registry.register(runner.metrics_collector())
+    return registry
 
 
 def rand(seed: int) -> dict[str, np.ndarray]:
@@ -95,9 +104,14 @@ def test_poplar_error_classes_and_auto_reset(model_path, weights, kind, fields, 
             assert err.recovery_action is action
         assert err.ipu == where and err.replica == 0 and err.program == 1
         assert f"replica 0: {where}: " in str(err) and "program 1 (main)" in str(err), str(err)
+        text = generate_latest(collector_registry(r)).decode()   # Prometheus, by class
+        assert re.search(rf'_faults_injected_total{{[^}}]*kind="{kind}"[^}}]*}} 1\.0', text), text
+        assert re.search(rf'_request_errors_total{{[^}}]*error="{cls.__name__}"[^}}]*}} 1\.0', text)
         if resets and auto_reset:
             check(r, weights, 2)                          # reset before this inference
             assert r.request_monitors()[0].snapshot().resets == {cls.__name__: 1}
+            assert re.search(rf'_resets_total{{[^}}]*error="{cls.__name__}"[^}}]*}} 1\.0',
+                             generate_latest(collector_registry(r)).decode())
         else:
             for seed in (2, 3):                           # no action taken: fails again
                 with pytest.raises(cls, match="replica 0 is unusable after an earlier") as later:
