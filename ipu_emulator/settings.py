@@ -76,7 +76,7 @@ class IpuSettings(ShmSettings):
         "", "IPU_EMULATOR_FAULTS", _faults_setting,
         "faults to inject (JSON text, or the path of a JSON or YAML file; see "
         "`docs/faults.md`): a bad one is refused naming the fault, the field and the value",
-        when="a runner, session, device or the daemon is made", shown="none")
+        when="a runner or session is made; the daemon starts", shown="none")
     # -- which machine (read at each use, by ipu_emulator.system) --
     home: str | None = knob(
         None, "IPU_EMULATOR_HOME", text(),
