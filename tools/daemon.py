@@ -147,7 +147,10 @@ def main(argv: list[str] | None = None) -> int:
         if a.faults is not None:
             settings = settings.replace(faults=a.faults)
     except SettingsError as exc:
-        print(f"ipu-emulator daemon: {exc}", file=sys.stderr)
+        text = str(exc)
+        if a.faults is not None and text.startswith("IPU_EMULATOR_FAULTS"):
+            text = "--faults" + text[len("IPU_EMULATOR_FAULTS"):]
+        print(f"ipu-emulator daemon: {text}", file=sys.stderr)
         return 2
     if a.log_level is None:
         a.log_level = settings.daemon_log_level

@@ -83,4 +83,5 @@ def test_a_daemon_refuses_a_bad_schedule_at_its_start(tmp_path):
                            str(tmp_path / "d.sock"), "--faults", str(tmp_path / "f.yaml")],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
-    assert "fault 0: field 'action' = 'RESET': expected one of IPU_RESET" in proc.stderr
+    assert "--faults (" in proc.stderr and \
+        "fault 0: field 'action' = 'RESET': expected one of IPU_RESET" in proc.stderr
