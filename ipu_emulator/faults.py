@@ -200,12 +200,13 @@ def _read_file(path: str, source: str) -> Any:
         raise FaultSpecError(f"{source}={path!r}: neither JSON text (it starts with '[' or "
                              f"'{{') nor a readable file: {exc.strerror}") from None
     if path.endswith((".yaml", ".yml")):
-        import yaml
+        from ipu_emulator.errors import ConfigYamlError
+        from ipu_emulator.yaml_config import load_yaml_text
 
         try:
-            return yaml.safe_load(raw)
-        except yaml.YAMLError as exc:
-            raise FaultSpecError(f"{source}={path!r}: not valid YAML: {exc}") from None
+            return load_yaml_text(raw, f"{source}={path!r}")
+        except ConfigYamlError as exc:
+            raise FaultSpecError(str(exc)) from None
     try:
         return json.loads(raw)
     except ValueError as exc:

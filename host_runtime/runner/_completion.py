@@ -88,14 +88,11 @@ class Completion:
 
     # -- a stalled device (the host sync timeout) ----------------------------------------
     def stall(self, err: ModelRuntimeError | None = None) -> None:
-        """A wait gave up on the device (``err``): with ``auto_reset`` the replica fails
-        (what is in flight fails with ``err``) and the next request resets it; else
-        submits first wait for the device to progress (settle)."""
+        """A wait gave up on the device (``err``): auto_reset fails the replica (reset next)."""
         if err is not None and self._life.resets(err) and not self._life.closed:
-            self.fail_all(err)
-            self._life.error_unheard = False   # the caller raises it
-            return
-        self.stalled = True
+            self.fail_all(err)   # (what is in flight hears it: the next request resets)
+        else:   # submits first wait for the device to progress (settle)
+            self.stalled = True
 
     def settle(self) -> None:
         """Submit lock held, the replica stalled: drive it until a transfer completes (or
