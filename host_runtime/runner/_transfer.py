@@ -185,6 +185,9 @@ class TransferPath:
         self.outputs = {n: _Out(n, s, out_rings[n], take_action(s, options.small_io),
                                 s.shape_for(s.batch)) for n, s in outputs.items()}
         self.all_outputs = tuple(outputs.values())
+        # A model with no input streams: the device's iterations read nothing that carries
+        # a request's number, so its outputs carry none (0) and are checked against 0.
+        self.numbered = bool(self.inputs)
         self.rings = [*in_rings.values(), *out_rings.values()]
         # an output large enough for host shared memory (see redirects)
         self.may_redirect = any(s.nbytes >= SHARED_MIN_BYTES for s in outputs.values())
@@ -363,7 +366,7 @@ class TransferPath:
         ``timeout`` s without one; ``tr.next_output`` says how far it got)."""
         dynamic = self.dynamic
         outputs = tr.outputs
-        seq = tr.seq
+        seq = tr.seq if self.numbered else 0
         while tr.next_output < len(outputs):
             index = tr.next_output
             spec = outputs[index]
@@ -464,7 +467,7 @@ class TransferPath:
                    ) -> dict[str, np.ndarray]:
         """``run_fused``'s reading: each output of transfer ``seq`` (Take.READ) into a new
         array; ``fused_taken`` counts them."""
-        tag = seq << SEQ_SHIFT
+        tag = seq << SEQ_SHIFT if self.numbered else 0
         results = {}
         self.fused_taken = 0
         for o in self.outputs.values():
