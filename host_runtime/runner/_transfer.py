@@ -53,6 +53,8 @@ import numpy as np
 from shm import Ring, RingTimeoutError
 from shm.spin import NEVER, PollEstimate, us_to_ns
 
+from ipu_emulator.trace import recorder
+
 from host_runtime.errors import SequenceMismatchError
 from host_runtime.memory import PARALLEL_MIN_BYTES, SHARED_MIN_BYTES, copy_bytes, shared_location
 from host_runtime.runner._batching import TensorSpec
@@ -195,6 +197,7 @@ class TransferPath:
                         and all(0 < s.nbytes <= READ_MAX for s in outputs.values()))
         self.fused_taken = 0             # outputs run_fused has read (-1: still writing)
         self.t_laid = 0                  # when run_fused had written its inputs (perf_counter ns)
+        self.t_first = 0                 # tracing: when run_fused read its first output
         # when to poll an output ring before blocking (see await_output). On one CPU a
         # poll that finds the CPU shared blocks instead; on several the IPU process moves
         # off the host's CPU, and blocking would only let the wake-up put the host back
@@ -378,6 +381,8 @@ class TransferPath:
                 t0 = self.await_output(ring)
                 view, tag = ring.read(timeout) if read else ring.acquire_read(timeout)
                 self.waited(t0)
+            if recorder.ON and index == 0:
+                tr.t_first = time.perf_counter_ns()
             try:
                 if tag >> SEQ_SHIFT != seq:
                     raise self.mismatch(spec.name, tag, seq)
@@ -478,6 +483,8 @@ class TransferPath:
                 except RingTimeoutError:   # a long computation, closed, or a stalled device?
                     since = since or time.monotonic() - slice_s
                     slow(since)
+            if recorder.ON and not self.fused_taken:
+                self.t_first = time.perf_counter_ns()
             if got != tag:
                 raise self.mismatch(o.name, got, seq)
             self._est.record(time.perf_counter_ns() - t0 if t0 else 0)

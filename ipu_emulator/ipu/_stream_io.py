@@ -27,8 +27,10 @@ from ipu_emulator.ipu._host_memory import HostMemory, HostMemoryError
 from ipu_emulator.ipu._iteration import (HOST_TAG, SLOT_TAG, INPUT_TAGS, InAction,
                                             IterationNumber, SequenceMismatch, StreamPlan,
                                             make_step, numbered, plan_stream)
+from ipu_emulator.executable import is_link
 from ipu_emulator.ipu_protocol import TAG_KIND_MASK, ErrorKind, Message, Op
 from ipu_emulator.settings import IpuSettings
+from ipu_emulator.trace import recorder
 
 _T = TypeVar("_T")
 
@@ -81,6 +83,7 @@ class _Stream:
         self.mode = mode
         # the tag of an output: kind | seq << SEQ_SHIFT, or the kind alone (not numbered)
         self.seq_mask = -1 if numbered(handle) else TAG_KIND_MASK
+        self.link = int(is_link(handle))   # an IPU-Link to or from another IPU (tracing)
 
     @property
     def mode(self) -> int:
@@ -170,7 +173,11 @@ class _RingIO:
         if inputs_there is None or inputs_there():
             return False   # the inputs are there but the step declined: the Python path
         t0 = time.perf_counter_ns()
-        if not self._poll(inputs_there) or not step.run(it.seq if it.reading else 0):
+        polled = self._poll(inputs_there)
+        if recorder.ON:
+            recorder.ipu(recorder.I_WAIT, t0 + recorder.PERF_OFFSET,
+                         time.perf_counter_ns() - t0, 0, 1)
+        if not polled or not step.run(it.seq if it.reading else 0):
             return False
         it.reading = False
         self._est.record(time.perf_counter_ns() - t0)
@@ -234,7 +241,13 @@ class _RingIO:
         """``_read`` once the input is not there at once: tell the host, then wait."""
         if s.plan.need_event:
             self._dev.post(Message(Op.NEED, index=s.index))
-        return self._wait_read(ring)
+        if not recorder.ON:
+            return self._wait_read(ring)
+        t0 = time.monotonic_ns()
+        try:
+            return self._wait_read(ring)
+        finally:
+            recorder.ipu(recorder.I_WAIT, t0, time.monotonic_ns() - t0, s.index, 0)
 
     def _wait_read(self, ring: Ring) -> tuple[memoryview, int]:
         """Wait for an input transfer: poll briefly while recent inputs came quickly (a
@@ -293,6 +306,7 @@ class _RingIO:
             self.disconnected = True
             out[:] = bytes(len(out))
             return
+        t0 = time.monotonic_ns() if recorder.ON else 0
         try:
             action = INPUT_TAGS[self._kind(handle, tag)]
             if action is _IN_HOST:
@@ -302,6 +316,9 @@ class _RingIO:
             out[:] = view
         finally:
             ring.release()
+            if t0:
+                recorder.ipu(recorder.I_IN, t0, time.monotonic_ns() - t0, self._it.seq,
+                             s.index, s.link)
 
     def write_output(self, handle: str, src: memoryview) -> None:
         s = self._stream(handle)
@@ -309,12 +326,15 @@ class _RingIO:
         self._it.reading = False   # the iteration's inputs are read
         if ring is None or s.plan.null:
             return
+        t0 = time.monotonic_ns() if recorder.ON else 0
         data = _flat(src)
         if self._redirect:
             host = self._redirected(handle, len(data))
             if host is not None:
                 host[:] = data
                 self._publish_redirected(s)
+                if t0:
+                    self._traced_out(s, t0)
                 return
         dev = self._dev
         try:
@@ -324,8 +344,15 @@ class _RingIO:
             return
         view[:len(data)] = data
         ring.publish(len(data), self._it.tag(SLOT_TAG) & s.seq_mask)
+        if t0:
+            self._traced_out(s, t0)
         if s.plan.out_event:
             dev.post(Message(Op.OUT, index=s.index))
+
+    def _traced_out(self, s: _Stream, t0: int) -> None:
+        """Output ``s`` of this iteration, published, as a slice from ``t0``."""
+        recorder.ipu(recorder.I_OUT, t0, time.monotonic_ns() - t0, self._it.seq, s.index,
+                     s.link)
 
     # -- zero-copy streams (interpreter.ZeroCopyStreamIO): onnxruntime uses the slots --
 
@@ -375,6 +402,8 @@ class _RingIO:
             finally:
                 ring.release()
         self._held_in[handle] = ring   # the slot (data or descriptor) until release_input
+        if recorder.ON:
+            recorder.ipu(recorder.I_IN, time.monotonic_ns(), 0, self._it.seq, s.index, s.link)
         return view
 
     def _host_view(self, handle: str, descriptor: memoryview, nbytes: int) -> memoryview:
@@ -458,6 +487,8 @@ class _RingIO:
         s = self._lent_out.pop(handle, None)
         if s is None or s.ring is None:   # null or disconnected: the transfer is dropped
             return
+        if recorder.ON:
+            self._traced_out(s, time.monotonic_ns())
         if self._lent_host and handle in self._lent_host:
             self._lent_host.discard(handle)
             self._publish_redirected(s)
