@@ -150,9 +150,11 @@ def validate(trace: dict[str, Any]) -> list[str]:
         if req["dur"] > 1.0 and abs(total - req["dur"]) > 0.05 * req["dur"]:
             problems.append(f"request {req.get('args', {}).get('request_id')}: phases add up "
                             f"to {total:.3f} us of {req['dur']:.3f} us")
-    reqs = {(e["pid"], e["tid"]): [] for e in events if e.get("name") == "request"}
-    for (pid, tid) in reqs:
-        reqs[(pid, tid)] = [e for e in tracks[(pid, tid)] if e["name"] == "request"]
+    reqs: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for key, evs in tracks.items():
+        mine = [e for e in evs if e["name"] == "request" and e.get("cat") == "request"]
+        if mine:
+            reqs[key] = mine
     for fid, ends in flows.items():
         s, f = ends.get("s"), ends.get("f")
         if s is None or f is None or (s["pid"], s["tid"]) not in reqs:
@@ -194,16 +196,26 @@ def _print(summary: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ipu-emulator trace", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("file", help="a trace written with IPU_EMULATOR_TRACE=FILE or --trace")
+    parser.add_argument("file", nargs="+",
+                        help="a trace written with IPU_EMULATOR_TRACE=FILE or --trace; several "
+                             "(processes of one machine: one clock) are read as one")
+    parser.add_argument("--combine", metavar="OUT",
+                        help="write the files given as one trace to OUT (e.g. a daemon's and "
+                             "its hosts')")
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.add_argument("--check", action="store_true",
                         help="also check the trace's structure; exit 1 if it is wrong")
     a = parser.parse_args(argv)
     try:
-        trace = load(a.file)
+        traces = [load(f) for f in a.file]
     except (OSError, ValueError) as exc:
         print(f"ipu-emulator trace: {exc}", file=sys.stderr)
         return 2
+    from ipu_emulator import trace as tracing
+
+    trace = traces[0] if len(traces) == 1 else tracing.combine(traces)
+    if a.combine:
+        tracing.write(trace, a.combine)
     summary = summarise(trace)
     problems = validate(trace) if a.check else []
     if a.json:

@@ -42,8 +42,7 @@ from ipu_emulator.ipu import forkserver
 from ipu_emulator.ipu_protocol import Message, Op
 from ipu_emulator.errors import IpuProcessError, describe_returncode
 from ipu_emulator.settings import IpuSettings
-from ipu_emulator.trace import recorder as trace_recorder
-from ipu_emulator.trace._session import new_ipu_buffer
+from ipu_emulator.trace import new_ipu_buffer, recorder as trace_recorder
 
 __all__ = ["IpuSpec", "IpuProcess", "IpuConnection", "IpuProcessError", "launch_ipu",
            "shutdown_all", "kill_all",

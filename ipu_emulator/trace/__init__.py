@@ -25,11 +25,12 @@ import contextlib
 from typing import Any, Iterator
 
 from ipu_emulator.trace import recorder
-from ipu_emulator.trace._session import (active, set_role, snapshot, start,
+from ipu_emulator.trace._chrome import PHASES, combine
+from ipu_emulator.trace._session import (active, new_ipu_buffer, set_role, snapshot, start,
                                          start_from_settings, stop, write)
 
 __all__ = ["start", "stop", "tracing", "enabled", "active", "instant", "snapshot", "write",
-           "start_from_settings", "set_role", "recorder"]
+           "start_from_settings", "set_role", "new_ipu_buffer", "combine", "PHASES", "recorder"]
 
 
 def enabled() -> bool:

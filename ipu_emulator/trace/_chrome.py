@@ -29,7 +29,7 @@ from typing import Any, Iterable, NamedTuple
 from ipu_emulator.ipu_protocol import Op
 from ipu_emulator.trace import recorder as rec
 
-__all__ = ["IpuRecords", "merge", "PHASES"]
+__all__ = ["IpuRecords", "merge", "combine", "PHASES"]
 
 PHASES = ("preparation", "queue", "waiting for device", "transfer out", "callbacks")
 """The phases of a request (its children, in order; ``transfer in`` is inside ``queue``)."""
@@ -44,7 +44,7 @@ class IpuRecords(NamedTuple):
     """What one IPU process's trace buffer held."""
 
     pid: int
-    index: int
+    ipu: int                # the IPU's index (the machine's IPU number)
     records: list[tuple[int, int, int, int, int, int, int]]
     dropped: int
 
@@ -268,11 +268,11 @@ def merge(pid: int, role: str, events: list[tuple[Any, ...]], dropped: int,
                 devices.setdefault(key, []).append((ts, model, replica, list(pids)))
     ipu_list = list(ipus)
     iterations: dict[int, dict[int, list[tuple[int, int, int]]]] = {}
-    for ipu in sorted(ipu_list, key=lambda i: (i.index, i.pid)):
-        out.meta("process_name", ipu.pid, None, {"name": f"ipu {ipu.index}", "pid": ipu.pid,
+    for ipu in sorted(ipu_list, key=lambda i: (i.ipu, i.pid)):
+        out.meta("process_name", ipu.pid, None, {"name": f"ipu {ipu.ipu}", "pid": ipu.pid,
                                                   "dropped_events": ipu.dropped})
-        out.meta("process_sort_index", ipu.pid, None, {"sort_index": 10 + ipu.index})
-        out.meta("thread_name", ipu.pid, ipu.pid, {"name": f"ipu {ipu.index} main"})
+        out.meta("process_sort_index", ipu.pid, None, {"sort_index": 10 + ipu.ipu})
+        out.meta("thread_name", ipu.pid, ipu.pid, {"name": f"ipu {ipu.ipu} main"})
         iterations[ipu.pid] = _ipu_events(out, ipu, window)
     lanes = _Lanes()
     lo, hi = window
@@ -304,7 +304,7 @@ def merge(pid: int, role: str, events: list[tuple[Any, ...]], dropped: int,
             "otherData": {"clock": "CLOCK_MONOTONIC", "host_pid": pid, "role": role,
                           "window_us": [_us(lo), _us(hi)],
                           "dropped_events": {label: dropped,
-                                             **{f"ipu {i.index} ({i.pid})": i.dropped
+                                             **{f"ipu {i.ipu} ({i.pid})": i.dropped
                                                 for i in ipu_list}}}}
 
 
@@ -344,3 +344,30 @@ def _request(out: _Out, pid: int, payload: tuple[Any, ...], thread: str,
         for start, ipu_pid in chain:
             out.arrow("transfer", src, (ipu_pid, ipu_pid, start))
             src = (ipu_pid, ipu_pid, start)
+
+
+def combine(traces: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """Traces of several processes of one machine (one clock) as one: their events side
+    by side (each keeps its pids), flow ids renumbered apart, their windows joined."""
+    events: list[dict[str, Any]] = []
+    dropped: dict[str, int] = {}
+    lo, hi = float("inf"), float("-inf")
+    offset = 0
+    for trace in traces:
+        top = 0
+        for e in trace.get("traceEvents", []):
+            if e.get("ph") in ("s", "f"):
+                e = dict(e, id=e["id"] + offset)
+                top = max(top, e["id"])
+            events.append(e)
+        offset = max(offset, top)
+        other = trace.get("otherData", {})
+        dropped.update(other.get("dropped_events", {}))
+        window = other.get("window_us")
+        if window:
+            lo, hi = min(lo, window[0]), max(hi, window[1])
+    if lo > hi:
+        lo = hi = 0.0
+    return {"traceEvents": events, "displayTimeUnit": "ns",
+            "otherData": {"clock": "CLOCK_MONOTONIC", "window_us": [lo, hi],
+                          "dropped_events": dropped}}
