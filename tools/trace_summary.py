@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["main", "load", "summarise", "validate", "PHASES"]
+__all__ = ["main", "load", "summarise", "validate", "requests", "PHASES"]
 
 PHASES = ("preparation", "queue", "transfer in", "waiting for device", "transfer out",
           "callbacks")
@@ -60,7 +60,7 @@ def _tracks(trace: dict[str, Any]) -> dict[tuple[int, int], list[dict[str, Any]]
     return tracks
 
 
-def _requests(trace: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, float]]]:
+def requests(trace: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, float]]]:
     """Each request slice and its phases' durations (us)."""
     out = []
     for evs in _tracks(trace).values():
@@ -81,7 +81,7 @@ def summarise(trace: dict[str, Any]) -> dict[str, Any]:
     busy and compute fractions of the traced window."""
     procs, _ = _names(trace)
     groups: dict[tuple[str, int], list[dict[str, float]]] = defaultdict(list)
-    for req, phases in _requests(trace):
+    for req, phases in requests(trace):
         args = req.get("args", {})
         row = {"request": req["dur"], **{p: phases.get(p, 0.0) for p in PHASES}}
         groups[(str(args.get("model", "")), int(args.get("replica", 0)))].append(row)
@@ -145,7 +145,7 @@ def validate(trace: dict[str, Any]) -> list[str]:
         elif ends["f"]["ts"] < ends["s"]["ts"] - _EPS:
             problems.append(f"flow {fid} goes back in time")
     # each request's flows land in IPU iterations inside the request
-    for req, phases in _requests(trace):
+    for req, phases in requests(trace):
         total = sum(phases.get(p, 0.0) for p in _TOP_PHASES)
         if req["dur"] > 1.0 and abs(total - req["dur"]) > 0.05 * req["dur"]:
             problems.append(f"request {req.get('args', {}).get('request_id')}: phases add up "
