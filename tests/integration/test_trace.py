@@ -123,6 +123,8 @@ def test_time_trace_agrees_with_the_timeline(tmp_path, models):
     assert trace_summary.validate(timeline) == []
     assert any(e["ph"] == "i" and e["name"] == "marked" and e["args"] == {"note": "by the test"}
                for e in timeline["traceEvents"])
+    # the C step's iterations (copies in, compute, copies out) are recorded by the C code
+    assert _slices(timeline, name="copies in") and _slices(timeline, name="copies out")
     requests, phases = zip(*trace_summary.requests(timeline))
     assert len(requests) == 7
     final = max(range(7), key=lambda k: requests[k]["ts"] + requests[k]["dur"])
