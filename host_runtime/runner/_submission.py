@@ -54,6 +54,7 @@ _native_id = threading.get_native_id
 _thread_ids = threading.local()
 """``.native_id``: ``_native_id()`` of this thread (a system call), kept per thread."""
 os.register_at_fork(after_in_child=lambda: _thread_ids.__dict__.clear())   # its own thread
+_clock = time.perf_counter_ns
 _ROOM_WAIT = 0.05
 """Seconds a submitter waits for a full ring's slot before it looks again (it drives)."""
 _WRITE_ERRORS = (ShmError, OSError)
@@ -151,7 +152,7 @@ class Submission(_Submitter):
     # ------------------------------------------------------------------ submit
     def submit(self, req: Request, transfers: int, phantom: str | None = None) -> None:
         """Send ``req`` to the device (or park it as a phantom that will time out)."""
-        req.t_prepared = time.perf_counter_ns()
+        req.t_prepared = _clock()
         if not self.lock.acquire(False):
             self._take_lock()
         try:
@@ -189,7 +190,7 @@ class Submission(_Submitter):
             except BaseException as exc:   # KeyboardInterrupt, a signal handler's exception
                 self._abandon_request(req, exc)
                 raise
-            req.t_laid = time.perf_counter_ns()
+            req.t_laid = _clock()
         finally:
             self.lock.release()
 
@@ -366,7 +367,7 @@ class Submission(_Submitter):
         path = self._life.path
         if path is None or not path.fusable:
             return None
-        t_prepared = time.perf_counter_ns()
+        t_prepared = _clock()
         lock = self.lock
         if not lock.acquire(False):
             self._take_lock()
@@ -383,7 +384,7 @@ class Submission(_Submitter):
                 return None
             self._hint(path)
             self._seq = seq = self._seq + 1
-            t_lay = time.perf_counter_ns() if recorder.ON else 0
+            t_lay = _clock() if recorder.ON else 0   # tracing (0: off)
             try:
                 results = path.run_fused(inputs, seq, self._acquire, life.slow_output,
                                          life.wait_slice)
@@ -412,9 +413,9 @@ class Submission(_Submitter):
                 raise
         finally:
             lock.release()
-        now = time.perf_counter_ns()
+        now = _clock()
         started = self._monitor.record(t_received, t_prepared, now, path.t_laid)
-        if recorder.ON:
+        if t_lay:
             _tracing.fused(self._life, self._life.rid, path.batch, seq,
                            (t_received, t_prepared, t_lay or path.t_laid, path.t_laid, started,
                             path.t_first, now, now))

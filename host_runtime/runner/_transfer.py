@@ -472,6 +472,7 @@ class TransferPath:
         tag = seq << SEQ_SHIFT
         results = {}
         self.fused_taken = 0
+        first = recorder.ON    # tracing: note when the first output is read
         for o in self.outputs.values():
             ring = o.ring
             t0 = 0 if ring.readable() else self.await_output(ring)
@@ -483,8 +484,9 @@ class TransferPath:
                 except RingTimeoutError:   # a long computation, closed, or a stalled device?
                     since = since or time.monotonic() - slice_s
                     slow(since)
-            if recorder.ON and not self.fused_taken:
+            if first:
                 self.t_first = time.perf_counter_ns()
+                first = False
             if got != tag:
                 raise self.mismatch(o.name, got, seq)
             self._est.record(time.perf_counter_ns() - t0 if t0 else 0)
