@@ -13,6 +13,7 @@ served, phases adding up to their request) and exits 1 naming what is wrong.
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import sys
 from collections import defaultdict
@@ -144,29 +145,33 @@ def validate(trace: dict[str, Any]) -> list[str]:
             problems.append(f"flow {fid} is not paired: {sorted(ends)}")
         elif ends["f"]["ts"] < ends["s"]["ts"] - _EPS:
             problems.append(f"flow {fid} goes back in time")
-    # each request's flows land in IPU iterations inside the request
+    # each request's phases add up to it
     for req, phases in requests(trace):
         total = sum(phases.get(p, 0.0) for p in _TOP_PHASES)
         if req["dur"] > 1.0 and abs(total - req["dur"]) > 0.05 * req["dur"]:
             problems.append(f"request {req.get('args', {}).get('request_id')}: phases add up "
                             f"to {total:.3f} us of {req['dur']:.3f} us")
-    reqs: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    # each request's flows land in IPU iterations inside the request
+    reqs: dict[tuple[int, int], tuple[list[float], list[dict[str, Any]]]] = {}
+    its: dict[tuple[int, int], dict[float, dict[str, Any]]] = defaultdict(dict)
     for key, evs in tracks.items():
         mine = [e for e in evs if e["name"] == "request" and e.get("cat") == "request"]
         if mine:
-            reqs[key] = mine
+            reqs[key] = ([e["ts"] for e in mine], mine)
+        for e in evs:
+            if e["name"] == "iteration":
+                its[key][e["ts"]] = e
     for fid, ends in flows.items():
         s, f = ends.get("s"), ends.get("f")
         if s is None or f is None or (s["pid"], s["tid"]) not in reqs:
             continue
-        owner = [r for r in reqs[(s["pid"], s["tid"])]
-                 if r["ts"] - _EPS <= s["ts"] <= r["ts"] + r["dur"] + _EPS]
-        its = [e for e in tracks.get((f["pid"], f["tid"]), [])
-               if e["name"] == "iteration" and abs(e["ts"] - f["ts"]) <= _EPS]
-        if not owner or not its:
+        starts, mine = reqs[(s["pid"], s["tid"])]
+        k = bisect.bisect_right(starts, s["ts"] + _EPS) - 1
+        it = its.get((f["pid"], f["tid"]), {}).get(f["ts"])
+        if k < 0 or it is None or s["ts"] > mine[k]["ts"] + mine[k]["dur"] + _EPS:
             problems.append(f"flow {fid}: no request or no IPU iteration at its ends")
             continue
-        r, it = owner[0], its[0]
+        r = mine[k]
         if it["ts"] < r["ts"] - _EPS or it["ts"] + it["dur"] > r["ts"] + r["dur"] + _EPS:
             problems.append(f"flow {fid}: IPU iteration [{it['ts']}, +{it['dur']}] is not "
                             f"inside request [{r['ts']}, +{r['dur']}]")
