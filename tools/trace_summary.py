@@ -4,7 +4,8 @@ Reads a Chrome trace written by ``ipu_emulator.trace`` (``IPU_EMULATOR_TRACE=FIL
 and prints, per model and replica, the latency percentiles of each request
 phase (preparation, queue, transfer in, waiting for device, transfer out,
 callbacks), and per IPU process the fraction of the traced time it was busy
-(running programs) and computing. ``--json`` prints the same as JSON;
+(running programs) and computing (of the time its events cover, when its oldest
+events were dropped). ``--json`` prints the same as JSON;
 ``--check`` also checks the file's structure (:func:`validate`: named processes,
 slices nested per thread, flows paired, IPU iterations inside the requests they
 served, phases adding up to their request) and exits 1 naming what is wrong.
@@ -100,20 +101,33 @@ def summarise(trace: dict[str, Any]) -> dict[str, Any]:
     span = max(float(window[1]) - float(window[0]), 1e-9)
     busy: dict[int, float] = defaultdict(float)
     compute: dict[int, float] = defaultdict(float)
+    covered: dict[int, float] = {}
     for (pid, _), evs in _tracks(trace).items():
-        if not procs.get(pid, "").startswith("ipu "):
+        if not procs.get(pid, "").startswith("ipu ") or not evs:
             continue
         for e in evs:
             if e.get("cat") == "program":
                 busy[pid] += e["dur"]
             elif e["name"] == "compute":
                 compute[pid] += e["dur"]
-    ipus = [{"ipu": name, "pid": pid, "busy_fraction": busy[pid] / span,
-             "compute_fraction": compute[pid] / span}
+        # the time its events cover: the whole window, unless its oldest were dropped
+        first = (min(e["ts"] for e in evs if e.get("cat") != "control")
+                 if _dropped(trace, pid) else float(window[0]))
+        covered[pid] = max(float(window[1]) - first, 1e-9) if first < window[1] else span
+    ipus = [{"ipu": name, "pid": pid, "busy_fraction": busy[pid] / covered.get(pid, span),
+             "compute_fraction": compute[pid] / covered.get(pid, span),
+             "covered_us": covered.get(pid, span)}
             for pid, name in sorted(procs.items(), key=lambda kv: kv[1])
             if name.startswith("ipu ")]
     return {"window_us": span, "models": models, "ipus": ipus,
             "dropped_events": trace.get("otherData", {}).get("dropped_events", {})}
+
+
+def _dropped(trace: dict[str, Any], pid: int) -> int:
+    for e in trace["traceEvents"]:
+        if e.get("ph") == "M" and e.get("name") == "process_name" and e["pid"] == pid:
+            return int(e["args"].get("dropped_events", 0))
+    return 0
 
 
 def validate(trace: dict[str, Any]) -> list[str]:

@@ -57,6 +57,8 @@ I_INSTANT = 17   # a named instant: its name in a, b, c (24 bytes of UTF-8)
 PROGRAM_KINDS = ("program", "Load", "Main", "Save")
 
 _events: collections.deque[tuple[Any, ...]] = collections.deque(maxlen=1)
+_life: collections.deque[tuple[Any, ...]] = collections.deque(maxlen=4096)
+"""H_LIFE events, kept apart: rare, and what a request's model and IPUs are found by."""
 _appended = itertools.count()   # host events appended since start (dropped: the rest)
 _threads: dict[int, tuple[int, str]] = {}    # thread ident -> (native id, name)
 _buffer: TraceBuffer | None = None           # this IPU process's ring (None: a host)
@@ -68,6 +70,9 @@ def _append_host(code: int, ts: int, dur: int, payload: Any) -> None:
     if ident not in _threads:
         t = threading.current_thread()
         _threads[ident] = (threading.get_native_id(), t.name)
+    if code == H_LIFE:
+        _life.append((code, ident, ts, dur, payload))
+        return
     _events.append((code, ident, ts, dur, payload))
     next(_appended)
 
@@ -92,6 +97,7 @@ def start_host(capacity: int) -> None:
     global ON, host, ipu, _events, _appended
     with _lock:
         _events = collections.deque(maxlen=max(1, capacity))
+        _life.clear()
         _appended = itertools.count()
         host = _append_host
         ipu = _ipu_to_host
@@ -104,17 +110,18 @@ def stop_host() -> tuple[list[tuple[Any, ...]], int, dict[int, tuple[int, str]]]
     with _lock:
         ON = False
         host = ipu = _noop
-        events = list(_events)
-        dropped = max(0, next(_appended) - len(events))
+        events = list(_life) + list(_events)
+        dropped = max(0, next(_appended) - len(_events))
         _events.clear()
+        _life.clear()
         return events, dropped, dict(_threads)
 
 
 def peek_host() -> tuple[list[tuple[Any, ...]], int, dict[int, tuple[int, str]]]:
     """What stop_host returns, recording on."""
     with _lock:
-        events = list(_events)
-        dropped = max(0, next(_appended) - 1 - len(events))
+        events = list(_life) + list(_events)
+        dropped = max(0, next(_appended) - 1 - len(_events))
         return events, dropped, dict(_threads)
 
 
