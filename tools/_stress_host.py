@@ -354,7 +354,7 @@ class _Forks:
     def run(self) -> None:
         r = random.Random(int(self.host.spec["seed"]) * 1000 + 999)
         # leave a child the time to make its runner before the host's deadline
-        while time.time() < self.host.deadline - 1.0:
+        while not self.host.over(margin=1.0):
             self.host.in_flight[-2] = (time.time(), "forking")
             try:
                 if not self._one(r.choice(_CHILD_EXITS), r.randrange(1 << 30)):
@@ -517,6 +517,14 @@ class _Host:
         self.allowed: tuple[type[BaseException], ...] = (
             (DeviceLostError, DeviceTimeoutError) if spec["scenario"] in _KILLS else ())
 
+    def over(self, margin: float = 0.0) -> bool:
+        """The load is over: the deadline (less ``margin`` seconds) has passed, or the
+        request budget is spent. The scenario's side threads (forks, interrupts, the
+        queue session) end with it."""
+        if time.time() >= self.deadline - margin:
+            return True
+        return self.budget is not None and self.issued >= self.budget
+
     def _take(self) -> bool:
         if time.time() >= self.deadline:
             return False
@@ -672,7 +680,7 @@ class _Host:
         def run_queues() -> None:
             self.in_flight[qtid] = (time.time(), "running the queue session")
             try:
-                queues.run(self.tally, interrupts, qtid, self.deadline, seed + 7)
+                queues.run(self.tally, interrupts, qtid, self.over, seed + 7)
                 self.in_flight.pop(qtid, None)
             except Exception as exc:  # noqa: BLE001 - a finding, not a crash of the host
                 self.tally.problem("errors", f"queue session: {type(exc).__name__}: {exc}")
@@ -680,7 +688,7 @@ class _Host:
             finally:
                 queues.close()
         threads.append(threading.Thread(target=run_queues, daemon=True, name="stress-queues"))
-        threads.append(threading.Thread(target=interrupts.run, args=(self.deadline,),
+        threads.append(threading.Thread(target=interrupts.run, args=(self.over,),
                                         daemon=True, name="stress-interrupter"))
         return lambda: self._worker(work, 0)
 

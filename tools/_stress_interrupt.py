@@ -81,10 +81,11 @@ class Interrupter:
                 with self._lock:    # one sent as the call ended must not land later
                     _async_raise(ident, None)
 
-    def run(self, deadline: float) -> None:
-        """Until ``deadline`` (time.time()): an interrupt every 5-40 ms."""
+    def run(self, over: Callable[[], bool]) -> None:
+        """Until ``over()`` (the host's deadline or request budget): an interrupt every
+        5-40 ms."""
         me = os.getpid()
-        while time.time() < deadline:
+        while not over():
             time.sleep(self._rng.uniform(0.005, 0.04))
             with self._lock:
                 targets = [(tid, ident) for tid, ident in list(self._armed.items()) if ident]
@@ -125,15 +126,15 @@ class CallbackSession:
             raise
         self.buffers: list[tuple[int, np.ndarray, np.ndarray]] = []   # (request, out, want)
 
-    def run(self, tally: Any, interrupter: Interrupter, tid: int, deadline: float,
+    def run(self, tally: Any, interrupter: Interrupter, tid: int, over: Callable[[], bool],
             seed: int) -> None:
-        """Requests until ``deadline``; then the runs the failed ones left over, and the
-        check of every output buffer."""
+        """Requests until ``over()`` (the host's deadline or request budget); then the
+        runs the failed ones left over, and the check of every output buffer."""
         rng, r = np.random.default_rng(seed), random.Random(seed)
         shape = self.w.shape
         rb = self.qm.inputs["tensor_A"].ringBuffer()
         i = 0
-        while time.time() < deadline:
+        while not over():
             i += 1
             a = rng.standard_normal(shape).astype(np.float32)
             b = rng.standard_normal(shape).astype(np.float32)
