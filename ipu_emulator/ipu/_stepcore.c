@@ -52,9 +52,10 @@
  * trace(buffer, code): from now on each step done writes one record into the
  * trace buffer `buffer` (a writable buffer laid out as shm/tracebuf.py says: a
  * 64-byte header whose capacity is at offset 8 and whose count of records written
- * is at offset 24, then records of 48 bytes): ts = CLOCK_MONOTONIC ns when the step
- * began, dur, code, tid 0, a = the iteration's sequence number, b / c = ns from ts
- * until every transfer was taken / until fn returned. The GIL is held while a
+ * is at offset 24, then records of 48 bytes): ts = CLOCK_MONOTONIC ns once its inputs
+ * were taken, dur until just before its outputs are published (so the host sees them
+ * after the step's end), code, tid 0, a = the iteration's sequence number, b / c = ns
+ * from ts until the output slots were taken / until fn returned. The GIL is held while a
  * record is written, as it is by the Python writer of the same buffer.
  */
 #define PY_SSIZE_T_CLEAN
@@ -350,7 +351,7 @@ step_once(Step *st, int64_t seq)
     PyObject *held[STEP_MAX];
     int n_held = 0, taken_in = 0, taken_out = 0, i, j, result = 0;
     PyObject *key = NULL;
-    int64_t t_start = st->tracing ? now_ns() : 0, t_taken = 0, t_computed = 0;
+    int64_t t_start = 0, t_taken = 0, t_computed = 0, t_end = 0;
 
     for (i = 0; i < st->n_in; i++) {
         StepIn *s = &st->in[i];
@@ -379,6 +380,8 @@ step_once(Step *st, int64_t seq)
                                &n_held) < 0)
             goto undo;
     }
+    if (st->tracing)     /* the inputs are there (published before this instant) */
+        t_start = now_ns();
     for (j = 0; j < st->n_out; j++) {
         char *payload;
         if (!ring->take_writable(st->out[j].end, &payload))
@@ -412,8 +415,8 @@ step_once(Step *st, int64_t seq)
         goto undo;
     }
     Py_DECREF(r);
-    if (st->tracing)
-        t_computed = now_ns();
+    if (st->tracing)     /* before the publishes: the host sees the outputs after it */
+        t_computed = t_end = now_ns();
     int64_t numbered = st->seq_shift ? seq << st->seq_shift : 0;
     for (j = 0; j < st->n_out; j++) {
         StepOut *s = &st->out[j];
@@ -427,7 +430,7 @@ step_once(Step *st, int64_t seq)
     for (i = 0; i < n_held; i++)
         Py_DECREF(held[i]);
     if (st->tracing)
-        trace_record(st, t_start, now_ns() - t_start, seq, t_taken - t_start,
+        trace_record(st, t_start, t_end - t_start, seq, t_taken - t_start,
                      t_computed - t_start);
     return 1;
 undo:

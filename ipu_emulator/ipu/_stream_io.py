@@ -332,9 +332,9 @@ class _RingIO:
             host = self._redirected(handle, len(data))
             if host is not None:
                 host[:] = data
-                self._publish_redirected(s)
-                if t0:
+                if t0:    # before the publish: the host sees it after the slice ends
                     self._traced_out(s, t0)
+                self._publish_redirected(s)
                 return
         dev = self._dev
         try:
@@ -343,9 +343,9 @@ class _RingIO:
             self.disconnected = True
             return
         view[:len(data)] = data
-        ring.publish(len(data), self._it.tag(SLOT_TAG) & s.seq_mask)
-        if t0:
+        if t0:    # before the publish: the host sees it after the slice ends
             self._traced_out(s, t0)
+        ring.publish(len(data), self._it.tag(SLOT_TAG) & s.seq_mask)
         if s.plan.out_event:
             dev.post(Message(Op.OUT, index=s.index))
 

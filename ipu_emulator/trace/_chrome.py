@@ -125,10 +125,13 @@ def _ipu_events(out: _Out, ipu: IpuRecords, window: tuple[int, int]
         ts, dur, _, _, index, kind, runs = p
         kind_name = rec.PROGRAM_KINDS[kind] if 0 <= kind < len(rec.PROGRAM_KINDS) else "program"
         inner = per_program.get(k, [])
-        start = ts
+        start, end = ts, ts + dur
         if kind_name == "Main" and inner:
-            start = max(ts, inner[0][0])   # a Main run starts with its first transfer
-        out.slice(kind_name, pid, tid, start, ts + dur - start, "program",
+            # a Main run: from its first transfer taken to its last one published (what
+            # follows, releasing slots, is after the host may have its answer)
+            start = max(ts, inner[0][0])
+            end = min(end, max(r[0] + r[1] for r in inner))
+        out.slice(kind_name, pid, tid, start, end - start, "program",
                   {"program": index, "runs": runs})
         its = _iterations(inner) if kind_name == "Main" else []
         for it in its:
