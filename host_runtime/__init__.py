@@ -185,16 +185,6 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
 
-def _trace_from_settings() -> None:
-    """IPU_EMULATOR_TRACE=FILE: record a timeline of this program (docs/tracing.md)."""
-    from ipu_emulator.settings import IpuSettings
-    if IpuSettings.read("trace"):
-        from ipu_emulator import trace
-        trace.start_from_settings()
-
-
-_trace_from_settings()
-
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from host_runtime.runner.config import DataDesc, InputDesc, ModelRunnerConfig, OutputDesc

@@ -75,7 +75,8 @@ class IpuSettings(ShmSettings):
         None, "IPU_EMULATOR_TRACE", text(),
         "record a timeline of the host and its IPU processes into this file (Chrome trace "
         "JSON, written at exit; `%p`: the process's pid); see docs/tracing.md",
-        when="the program imports `host_runtime`", shown="none")
+        when="the program first uses the runtime (imports `host_runtime.devices`)",
+        shown="none")
     trace_events: int = knob(
         65536, "IPU_EMULATOR_TRACE_EVENTS", integer(16, 1 << 24),
         "events each process keeps while tracing (the oldest are dropped past it; 48 bytes "

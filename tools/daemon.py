@@ -114,10 +114,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from ipu_emulator import trace
 
-    if trace.active():   # IPU_EMULATOR_TRACE=FILE
+    if trace.active():   # IPU_EMULATOR_TRACE=FILE, started by an import
         trace.set_role("daemon")
     elif a.trace:
         trace.start(a.trace, role="daemon")
+    else:
+        trace.start_from_settings(role="daemon")
     try:
         return daemon.run()
     except (DaemonError, MetricsServeError) as exc:

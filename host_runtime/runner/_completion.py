@@ -299,8 +299,6 @@ class Completion:
             raise
         finished: list[Request] = []
         now = time.perf_counter_ns()
-        if recorder.ON:
-            _tracing.drained(tr, now)
         segs = tr.segments
         settled = 0
         try:

@@ -57,6 +57,7 @@ from ipu_emulator.trace import recorder
 
 from host_runtime.errors import SequenceMismatchError
 from host_runtime.memory import PARALLEL_MIN_BYTES, SHARED_MIN_BYTES, copy_bytes, shared_location
+from host_runtime.runner import _tracing
 from host_runtime.runner._batching import TensorSpec
 from host_runtime.runner._requests import Request, Transfer
 from host_runtime.settings import HostSettings
@@ -392,6 +393,8 @@ class TransferPath:
                 if not read:
                     ring.release()
             tr.next_output = index + 1
+        if recorder.ON:   # the timeline: when its requests' outputs were read, its number
+            _tracing.drained(tr, time.perf_counter_ns())
 
     def mismatch(self, name: str, tag: int, seq: int) -> SequenceMismatchError:
         """The error of output ``name`` read with ``tag`` for transfer ``seq``."""
