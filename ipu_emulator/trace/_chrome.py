@@ -35,6 +35,8 @@ PHASES = ("preparation", "queue", "waiting for device", "transfer out", "callbac
 """The phases of a request (its children, in order; ``transfer in`` is inside ``queue``)."""
 
 _LANE_BASE = 1 << 30        # synthetic thread ids of request lanes
+_IPU_CODES = frozenset((rec.I_OP, rec.I_PROGRAM, rec.I_IN, rec.I_OUT, rec.I_COMPUTE,
+                        rec.I_STEP, rec.I_WAIT))
 _OP_NAMES = {Op.LOAD: "load", Op.RUN: "run", Op.LOOP: "main loop", Op.UNLOAD: "unload",
              Op.RESET: "reset", Op.HOST: "handover", Op.MODES: "modes", Op.STOP: "stop",
              Op.PING: "ping"}
@@ -99,10 +101,11 @@ class _Iteration:
         self.out_seen = False
 
 
-def _ipu_events(out: _Out, ipu: IpuRecords, window: tuple[int, int]
+def _ipu_events(out: _Out, ipu: IpuRecords, window: tuple[int, int], tid: int | None = None
                 ) -> dict[int, list[tuple[int, int, int]]]:
-    """Write one IPU's slices; returns seq -> [(start, end, pid)] of its iterations."""
-    pid, tid = ipu.pid, ipu.pid
+    """Write one IPU's slices (on thread ``tid``, default its pid); returns seq ->
+    [(start, end, pid)] of its iterations."""
+    pid, tid = ipu.pid, ipu.pid if tid is None else tid
     lo, hi = window
     recs = sorted((r for r in ipu.records if r[0] + r[1] >= lo and r[0] <= hi),
                   key=lambda r: (r[0], -r[1]))
@@ -293,12 +296,15 @@ def merge(pid: int, role: str, events: list[tuple[Any, ...]], dropped: int,
         elif code == rec.H_INSTANT:
             name, args = payload
             out.instant(name, pid, tid, ts, {k: _jsonable(v) for k, v in args.items()})
-        elif code in (rec.I_OP, rec.I_PROGRAM, rec.I_IN, rec.I_OUT, rec.I_COMPUTE,
-                      rec.I_STEP, rec.I_WAIT):
-            # an IPU hook in this process (a loopback device's thread)
-            _transfer_slice(out, pid, tid, (ts, dur, code, 0, *payload))
         elif code == rec.I_INSTANT:
             out.instant(rec.unpack_name(*payload), pid, tid, ts, {})
+    # IPU hooks that ran in this process (a loopback device's thread): as an IPU's
+    loopback: dict[int, list[tuple[int, int, int, int, int, int, int]]] = {}
+    for code, ident, ts, dur, payload in events:
+        if code in _IPU_CODES:
+            loopback.setdefault(ident, []).append((ts, dur, code, 0, *payload))
+    for ident, records in loopback.items():
+        _ipu_events(out, IpuRecords(pid, -1, records, 0), window, tid_of.get(ident, 0))
     for tid, name in lanes.names.items():
         out.meta("thread_name", pid, tid, {"name": name})
     out.events.sort(key=lambda e: (e["ph"] != "M", e["pid"], e.get("tid", 0), e.get("ts", 0),
