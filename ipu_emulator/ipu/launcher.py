@@ -151,8 +151,10 @@ class IpuProcess:
         self._owner_pid = os.getpid()
         self._poll_lock = threading.Lock()
         # tracing (ipu_emulator.trace): the buffer the process records into; its name is
-        # unlinked once the process attached it (READY) or is gone
+        # unlinked once the process attached it (READY) or, when hosts of a daemon map it
+        # too (trace_named), once the process is closed
         self.trace: TraceBuffer | None = None
+        self.trace_named = False
 
     @property
     def pid(self) -> int:
@@ -234,7 +236,7 @@ class IpuProcess:
             if msg is not None:
                 if msg.op is Op.READY:
                     self._ready = dict(msg.body or {})
-                    if self.trace is not None:
+                    if self.trace is not None and not self.trace_named:
                         self.trace.unlink()
                     return self._ready
                 _log.warning("%s: unexpected %s before READY", self.describe_exit(), msg.op.name)
@@ -403,6 +405,7 @@ def launch_ipu(spec: IpuSpec, *, log_dir: str | None = None,
     _log.debug("started %s as pid %d", spec.describe(), popen.pid)
     proc = IpuProcess(spec, popen, control, events, log_path, s.start_timeout)
     proc.trace = trace
+    proc.trace_named = pool    # a daemon's: the hosts it lends the IPU to map it by name
     return proc
 
 

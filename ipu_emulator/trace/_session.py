@@ -20,6 +20,7 @@ import threading
 import time
 from typing import Any
 
+from shm.errors import ShmError
 from shm.liveness import pid_alive
 from shm.tracebuf import TraceBuffer
 
@@ -36,6 +37,7 @@ _role = "host"
 _t_start = 0
 _capacity = 1 << 16
 _buffers: list[TraceBuffer] = []    # IPU processes' buffers this process made
+_lent: dict[str, TraceBuffer] = {}  # buffers of a daemon's IPU processes, by name
 _atexit = False
 _owner = 0                          # pid of the process that started the session
 
@@ -94,6 +96,20 @@ def new_ipu_buffer() -> TraceBuffer | None:
     return buf
 
 
+def map_ipu_buffer(name: str) -> None:
+    """Read the trace buffer ``name`` of a daemon's IPU process lent to this host too
+    (nothing if not tracing, already mapped, or gone)."""
+    if not active() or name in _lent:
+        return
+    try:
+        buf = TraceBuffer.attach(name)
+    except (OSError, ValueError, ShmError) as exc:
+        _log.debug("cannot map the trace buffer %s: %s", name, exc)
+        return
+    with _lock:
+        _lent[name] = buf
+
+
 def snapshot() -> dict[str, Any]:
     """The trace so far, as a Chrome trace object (recording goes on)."""
     if not active():
@@ -115,7 +131,7 @@ def _ipu_records(buffers: list[TraceBuffer]) -> list[IpuRecords]:
 def _merge(events: list[tuple[Any, ...]], dropped: int, threads: dict[int, tuple[int, str]],
            t_stop: int) -> dict[str, Any]:
     with _lock:
-        buffers = list(_buffers)
+        buffers = list(_buffers) + list(_lent.values())
     return merge(os.getpid(), _role, events, dropped, threads, _ipu_records(buffers),
                  (_t_start, t_stop))
 
@@ -138,6 +154,9 @@ def stop() -> dict[str, Any]:
                 _buffers.remove(buf)
                 buf.unlink()
                 buf.close()
+        for name, buf in list(_lent.items()):   # the daemon's: never unlinked here
+            del _lent[name]
+            buf.close()
         if _path:
             write(trace, _path)
         return trace

@@ -203,3 +203,33 @@ def test_trace_dir_keeps_the_timeline_of_a_failing_test(pytester, tmp_path, monk
     names = _names(timeline).values()
     assert any(n.startswith("ipu ") for n in names) and any(n.startswith("host ") for n in names)
     assert len(_slices(timeline, name="request")) == 1
+
+
+def test_a_daemon_and_a_host_it_serves_both_traced(tmp_path, models, monkeypatch):
+    from tests.daemon_rig import DaemonRig
+
+    _, simple, _ = models
+    rig = DaemonRig(tmp_path, num_ipus=1, args=("--trace", str(tmp_path / "daemon.json")))
+    try:
+        monkeypatch.setenv("IPU_EMULATOR_DAEMON", rig.socket)
+        a = np.ones((1, 4), np.float32)
+        with trace.tracing(str(tmp_path / "host.json")):
+            with model_runtime.ModelRunner(simple) as runner:
+                for _ in range(3):
+                    runner.execute({"tensor_A": a, "tensor_B": a})
+    finally:
+        rig.stop()     # the daemon writes its file; nothing is left in /dev/shm
+    (ipu_pid,) = rig.pool_pids
+    host = trace_summary.load(str(tmp_path / "host.json"))
+    assert trace_summary.validate(host) == []
+    # the host's timeline holds the daemon's IPU process it was lent, with arrows to it
+    assert _names(host)[ipu_pid] == "ipu 0"
+    assert len(_slices(host, ipu_pid, "iteration")) >= 3
+    assert len([e for e in host["traceEvents"] if e["ph"] == "f" and e["pid"] == ipu_pid]) == 3
+    daemon = trace_summary.load(str(tmp_path / "daemon.json"))
+    assert trace_summary.validate(daemon) == []
+    names = _names(daemon)
+    assert names[rig.proc.pid] == f"daemon {rig.proc.pid}" and names[ipu_pid] == "ipu 0"
+    marks = [e["name"] for e in daemon["traceEvents"] if e["ph"] == "i"]
+    assert any("attached ipus [0]" in m for m in marks) and any("released" in m for m in marks)
+    assert _slices(daemon, ipu_pid, "handover")
