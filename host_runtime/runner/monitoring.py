@@ -70,10 +70,8 @@ class RequestMonitor:
 
         On every request's path (~0.5 us): the instants are stored as they are and the
         phases worked out when read."""
-        if laid_ns < prepared_ns:
+        if not laid_ns:
             laid_ns = prepared_ns
-        elif laid_ns > completed_ns:
-            laid_ns = completed_ns
         with self._lock:
             last = self._last_completed
             # started = max(laid, min(last completion, completed))

@@ -603,14 +603,15 @@ class DeviceProcess:
         # A loop of one program may run it many times per turn (C steps back to back, until
         # the next check below is due or a control message arrives).
         many = loop and len(programs) == 1 and not recorder.ON   # traced: each run a slice
+        run_one = self._run_one_traced if recorder.ON else self._run_one
         try:
             while True:
                 if many:
                     due = min(self._next_host_check, apart.next_look, _monotonic() + _HOST_CHECK)
-                    self._run_one(loaded, programs[0], io, int(due * 1e9))
+                    run_one(loaded, programs[0], io, int(due * 1e9))
                 else:
                     for p in programs:
-                        self._run_one(loaded, p, io)
+                        run_one(loaded, p, io)
                 if not loop:
                     return False
                 if io.disconnected:
@@ -639,8 +640,6 @@ class DeviceProcess:
                  deadline_ns: int | None = None) -> None:
         """Run program ``index`` once; with ``deadline_ns``, as many times as it can be done
         without waiting before that time of the monotonic clock (at least once)."""
-        t0 = time.monotonic_ns() if recorder.ON else 0
-        runs = 0
         try:
             try:
                 runs = 0 if deadline_ns is None else loaded.interp.run_program_many(
@@ -653,8 +652,6 @@ class DeviceProcess:
                 self.control.set_user_word(self.program_runs)
             finally:
                 io.forget_redirects()   # left by a failed iteration: must not steer the next
-                if t0:
-                    self._trace_program(loaded, index, t0, runs)
         except (_Stopped, _Shutdown, _HostGone, PeerDiedError, _RequestError, WaitInterrupted):
             raise
         except Exception as exc:
@@ -666,12 +663,18 @@ class DeviceProcess:
                                 f"program {index} failed: {type(exc).__name__}: {exc}",
                                 traceback.format_exc()) from None
 
-    @staticmethod
-    def _trace_program(loaded: _Loaded, index: int, t0: int, runs: int) -> None:
-        """Program ``index``'s run(s) from ``t0`` as a slice of the timeline."""
+    def _run_one_traced(self, loaded: _Loaded, index: int, io: _RingIO,
+                        deadline_ns: int | None = None) -> None:
+        """``_run_one`` as a slice of the timeline (ipu_emulator.trace)."""
+        t0 = time.monotonic_ns()
+        before = self.program_runs
         programs = loaded.interp.executable.programs if loaded.interp is not None else []
         kind = _PROGRAM_KINDS.get(programs[index].name, 0) if index < len(programs) else 0
-        recorder.ipu(recorder.I_PROGRAM, t0, time.monotonic_ns() - t0, index, kind, runs)
+        try:
+            self._run_one(loaded, index, io, deadline_ns)
+        finally:
+            recorder.ipu(recorder.I_PROGRAM, t0, time.monotonic_ns() - t0, index, kind,
+                         self.program_runs - before)
 
     def _unload(self, key: str) -> None:
         loaded = self._cache.pop(key, None)
