@@ -173,11 +173,7 @@ class _RingIO:
         if inputs_there is None or inputs_there():
             return False   # the inputs are there but the step declined: the Python path
         t0 = time.perf_counter_ns()
-        polled = self._poll(inputs_there)
-        if recorder.ON:
-            recorder.ipu(recorder.I_WAIT, t0 + recorder.PERF_OFFSET,
-                         time.perf_counter_ns() - t0, 0, 1)
-        if not polled or not step.run(it.seq if it.reading else 0):
+        if not self._poll(inputs_there) or not step.run(it.seq if it.reading else 0):
             return False
         it.reading = False
         self._est.record(time.perf_counter_ns() - t0)
