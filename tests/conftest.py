@@ -95,7 +95,17 @@ def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(_HOME, ignore_errors=True)
 
 
+_LONG_FIRST = ("tests/integration/test_path_matrix.py", "tests/unit/test_typing.py",
+               "tests/integration/test_pytest_plugin.py", "tests/integration/test_stress.py",
+               "tests/integration/test_metrics_stress.py", "tests/integration/test_os_limits.py",
+               "tests/integration/test_lifetimes.py", "tests/faults/test_daemon_faults.py")
+"""The longest modules (each test several seconds: fresh interpreters, daemons, loads):
+handed out first, so that no worker is left with one of them while the others idle."""
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {path: i for i, path in enumerate(_LONG_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
     # The daemon leg of tests/integration/test_path_matrix.py runs the suite with
     # IPU_EMULATOR_DAEMON set: tests about the IPU processes a host starts itself
     # do not apply there.

@@ -29,8 +29,8 @@ it periodically (an idle IPU costs no CPU):
 
 Where that thread cannot run (a loopback device, or no pidfds) the waits
 re-check the control ring and the host every ``_SLICE`` seconds instead. One
-IPU of several still waits on host rings in ``_GROUP_SLICE`` slices: the host
-stops it after another IPU's failure waking its IPU-Links only. The host's
+IPU of several waits the same way: the host stops it after another IPU's
+failure with a STOP (the doorbell) and invalidates its IPU-Links. The host's
 liveness is also checked between main-loop iterations (``getppid()`` when the
 host is our parent, a pid check otherwise; the event ring also watches the
 host's pid). When the host is gone this
@@ -89,9 +89,6 @@ _monotonic = time.monotonic
 
 _SLICE = 0.1      # seconds between STOP checks while a program waits on a stream, when the
 # host is not watched by a thread (a loopback device: ProcessHooks.host_alive)
-# one IPU of several: when another IPU's program fails, the host stops this one (STOP) and
-# wakes the IPU-Links only, so a wait on a host ring sees it at the end of a slice
-_GROUP_SLICE = 0.01
 _HOST_CHECK = 0.25  # seconds between checks that the host is alive
 _DOORBELL = signal.SIGURG   # rung by the control ring while a program waits (see wait_on);
 # ignored by default: a stale doorbell (this process died armed, its pid reused) harms none
@@ -218,9 +215,8 @@ class DeviceProcess:
                          else titles.ipu(o.ipu_id, o.host_pid))
 
     def as_group_member(self) -> None:
-        """Behave as one IPU of several (as a RUN of a sharded executable does): wait on
-        rings in the short slices of a group, and do not keep off the host's CPU."""
-        self._slice = _GROUP_SLICE
+        """Behave as one IPU of several (as a RUN of a sharded executable does): do not
+        keep off the host's CPU."""
         self._apart.release()
         self.keeps_apart = False
 
@@ -593,7 +589,6 @@ class DeviceProcess:
         apart.hint = hinted[0].user_word if hinted else None
         self._slice = self._wait_slice
         if loaded.interp.executable.attributes.get("keep_apart") == "0":
-            self._slice = _GROUP_SLICE
             # one IPU of several (compiler._sharding): the IPUs of a pipeline must spread
             # over the CPUs, not all leave the host's one
             apart.release()

@@ -63,6 +63,9 @@ def main(path: str, seconds: float, how: str) -> None:
             return
         counts["right" if right(i, out) else "wrong"] += 1
 
+    # Python installs its SIGINT handler only when SIGINT was not ignored at start, and a
+    # shell starts background jobs with it ignored (a suite run with `&`): install it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sender = threading.Thread(target=sigint, daemon=True)
     end = time.monotonic() + seconds
     i = 0

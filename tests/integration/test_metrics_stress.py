@@ -44,7 +44,7 @@ def test_counters_after_a_known_run_match_its_results():
 
 def test_cli_serves_live_counters_and_prints_a_plain_progress_line():
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tools.cli", "stress", "--duration", "4", "--hosts", "1",
+        [sys.executable, "-m", "tools.cli", "stress", "--duration", "2", "--hosts", "1",
          "--threads", "1", "--replicas", "1", "--seed", "7", "--metrics-port", "0"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

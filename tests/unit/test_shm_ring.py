@@ -347,7 +347,10 @@ def test_the_c_core_is_built_and_used() -> None:
 def test_c_and_python_ends_interoperate(monkeypatch) -> None:
     if ring_module._ringcore is None:
         pytest.skip("shm._ringcore is not built")
-    producer = Ring.create(32, 3)
+    from shm import settings as shm_settings
+
+    with shm_settings.override(ring_c=True):     # whatever IPU_EMULATOR_RING_C says
+        producer = Ring.create(32, 3)
     monkeypatch.setattr(ring_module, "_ringcore", None)
     consumer = Ring.attach(producer.name)
     try:
