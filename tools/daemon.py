@@ -88,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--metrics-address", default="127.0.0.1", metavar="ADDRESS",
                         help="address /metrics listens on (default 127.0.0.1)")
     parser.add_argument("--log-level", default=HostSettings.current().daemon_log_level)
+    parser.add_argument("--trace", metavar="FILE",
+                        help="record a timeline of the daemon and its IPU processes into FILE, "
+                             "written when it stops (docs/tracing.md)")
     a = parser.parse_args(args)
     logging.basicConfig(level=a.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s ipu-emulator-daemon[{os.getpid()}] "
@@ -109,11 +112,22 @@ def main(argv: list[str] | None = None) -> int:
     except (SystemConfigError, ValueError) as exc:
         print(f"ipu-emulator daemon: {exc}", file=sys.stderr)
         return 2
+    from ipu_emulator import trace
+
+    if trace.active():   # IPU_EMULATOR_TRACE=FILE, started by an import
+        trace.set_role("daemon")
+    elif a.trace:
+        trace.start(a.trace, role="daemon")
+    else:
+        trace.start_from_settings(role="daemon")
     try:
         return daemon.run()
     except (DaemonError, MetricsServeError) as exc:
         logging.getLogger("ipu_emulator.daemon.server").error("%s", exc)
         return 1
+    finally:
+        if trace.active():
+            trace.stop()
 
 
 if __name__ == "__main__":
