@@ -195,6 +195,7 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
 
+
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from host_runtime.runner.config import DataDesc, InputDesc, ModelRunnerConfig, OutputDesc
     from host_runtime.devices import (Device, DeviceConstraints, DeviceManager,

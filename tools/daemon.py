@@ -139,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="faults its IPUs follow: a JSON or YAML file of a list of faults "
                         "(docs/faults.md; default: $IPU_EMULATOR_FAULTS)")
     parser.add_argument("--log-level", default=None)
+    parser.add_argument("--trace", metavar="FILE",
+                        help="record a timeline of the daemon and its IPU processes into FILE, "
+                             "written when it stops (docs/tracing.md)")
     a = parser.parse_args(args)
     from shm.settings import SettingsError
 
@@ -174,11 +177,22 @@ def main(argv: list[str] | None = None) -> int:
     except (SystemConfigError, ValueError, DaemonError) as exc:
         print(f"ipu-emulator daemon: {exc}", file=sys.stderr)
         return 2
+    from ipu_emulator import trace
+
+    if trace.active():   # IPU_EMULATOR_TRACE=FILE, started by an import
+        trace.set_role("daemon")
+    elif a.trace:
+        trace.start(a.trace, role="daemon")
+    else:
+        trace.start_from_settings(role="daemon")
     try:
         return daemon.run()
     except (DaemonError, MetricsServeError) as exc:
         logging.getLogger("ipu_emulator.daemon.server").error("%s", exc)
         return 1
+    finally:
+        if trace.active():
+            trace.stop()
 
 
 if __name__ == "__main__":

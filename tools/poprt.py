@@ -33,6 +33,16 @@ def _error(text: str) -> None:
           file=sys.stderr)
 
 
+def _bool_or_path(text: str) -> "bool | str":
+    """A yes/no word, or else a path (``--export_popef out/model.popef``)."""
+    try:
+        return _bool(text)
+    except argparse.ArgumentTypeError:
+        if not text:
+            raise
+        return text
+
+
 def _bool(text: str) -> bool:
     low = text.strip().lower()
     if low in ("1", "true", "yes", "on"):
@@ -65,9 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fp16 converts the model's float tensors to half precision")
     p.add_argument("--output_dir", default=None, help="where outputs are written (default ./)")
     p.add_argument("--output_model", default=None,
-                   help="file name (in --output_dir) of the transformed ONNX model")
-    p.add_argument("--export_popef", nargs="?", const=True, default=None, type=_bool,
-                   help="write executable.popef in --output_dir")
+                   help="where the transformed ONNX model is written: a path, absolute or "
+                        "relative to --output_dir (it may lie outside it)")
+    p.add_argument("--export_popef", nargs="?", const=True, default=None, type=_bool_or_path,
+                   metavar="[true|false|PATH]",
+                   help="write the PopEF file: --popef_name in --output_dir, or at PATH "
+                        "(absolute or relative to --output_dir, anywhere)")
     p.add_argument("--ipu_version", choices=["ipu2", "ipu21"], default=None)
     p.add_argument("--batches_per_step", type=int, default=None,
                    help="device iterations per Main program run (default 1)")
@@ -89,7 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable_pipelining", nargs="?", const=True, default=None, type=_bool,
                    help="run the IPUs' parts as a pipeline (stage s on batch i while stage "
                         "s+1 works on batch i-1)")
-    p.add_argument("--popef_name", default=None, help="PopEF file name (default executable.popef)")
+    p.add_argument("--popef_name", default=None,
+                   help="PopEF file name inside --output_dir (default executable.popef); a "
+                        "name that leaves --output_dir is refused")
     p.add_argument("-v", "--verbose", action="store_true", help="log what the compiler does")
     return p
 
@@ -129,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
                 output_model = f"{pathlib.Path(args.input_model).stem}.{precision}.onnx"
             out = compile(
                 args.input_model, args.output_dir or ".",
-                export_popef=bool(args.export_popef), popef_name=args.popef_name or
+                export_popef=args.export_popef if isinstance(args.export_popef, str)
+                else bool(args.export_popef), popef_name=args.popef_name or
                 "executable.popef", output_model=output_model,
                 ipu_version=args.ipu_version or "ipu21",
                 batches_per_step=args.batches_per_step if args.batches_per_step is not None else 1,
@@ -157,6 +173,12 @@ def main(argv: list[str] | None = None) -> int:
               + (" (pipelined)" if args.enable_pipelining else ""))
     print(f"poprt: compiled {exe.attributes.get('models', '')} for {args.ipu_version or 'ipu21'}"
           f" ({len(out.result.anchors)} anchors, device memory {exe.required_bytes} bytes)")
+    errors = out.result.fp16_error
+    if errors:
+        worst = max(errors, key=lambda k: errors[k][0])
+        mean = sum(e[1] for e in errors.values()) / len(errors)
+        print(f"poprt: fp16 vs fp32 on a sample: max relative error {errors[worst][0]:.3g} "
+              f"({worst}), mean {mean:.3g}")
     if out.output_model_path is not None:
         print(f"poprt: wrote {out.output_model_path}")
     if out.popef_path is not None:

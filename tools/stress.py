@@ -63,8 +63,10 @@ import json
 import logging
 import os
 import random
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from dataclasses import asdict
 from typing import Any
@@ -373,6 +375,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds after which a request counts as hung (default 30)")
     p.add_argument("--max-seconds", type=float, default=600.0, help=argparse.SUPPRESS)
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
+    p.add_argument("--trace", metavar="FILE",
+                   help="record a timeline of every host process (and the daemon) and their "
+                        "IPU processes into FILE (docs/tracing.md)")
     p.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="serve the live counters as Prometheus metrics at "
                    "http://ADDRESS:PORT/metrics while the run lasts (0: a free port, printed)")
@@ -395,6 +400,7 @@ def run(opts: argparse.Namespace, live: LiveStats | None = None,
               keep=opts.keep)
     results: list[ScenarioResult] = []
     problems: list[str] = []
+    parts = _trace_parts(rig, opts.trace)
     try:
         for name in scenarios:
             _log.info("scenario %s", name)
@@ -406,9 +412,35 @@ def run(opts: argparse.Namespace, live: LiveStats | None = None,
         raise
     finally:
         problems = rig.finish()
+        if parts is not None:
+            _write_trace(parts, opts.trace)
         if opts.keep:
             print(f"ipu-emulator stress: work directory kept: {rig.workdir}", file=sys.stderr)
     return results, problems
+
+
+def _trace_parts(rig: Rig, path: str | None) -> str | None:
+    """--trace: each process of the rig writes its own trace into a folder (None: off)."""
+    if not path:
+        return None
+    parts = tempfile.mkdtemp(prefix="ipuemu-stress-trace-")
+    rig.env["IPU_EMULATOR_TRACE"] = os.path.join(parts, "trace-%p.json")
+    return parts
+
+
+def _write_trace(parts: str, path: str) -> None:
+    """The processes' traces as one file at ``path`` (killed hosts wrote none)."""
+    from ipu_emulator import trace
+
+    traces = []
+    for name in sorted(os.listdir(parts)):
+        if name.endswith(".json"):
+            with open(os.path.join(parts, name), encoding="utf-8") as f:
+                traces.append(json.load(f))
+    trace.write(trace.combine(traces), os.path.abspath(path))
+    shutil.rmtree(parts, ignore_errors=True)
+    print(f"ipu-emulator stress: timeline of {len(traces)} processes written to {path}",
+          file=sys.stderr)
 
 
 def _serve_metrics(live: LiveStats, port: int, address: str) -> Any:

@@ -93,7 +93,7 @@ def _shapes(items: Any, where: str) -> dict[str, list[int]]:
 
 def compile(models: "ModelSpec | Sequence[ModelSpec] | str | os.PathLike[str] | onnx.ModelProto",
             output_dir: str | os.PathLike[str] | None = None, *,
-            export_popef: bool = True, popef_name: str = POPEF_NAME,
+            export_popef: "bool | str | os.PathLike[str]" = True, popef_name: str = POPEF_NAME,
             output_model: str | os.PathLike[str] | None = None,
             ipu_version: str = "ipu21", batches_per_step: int = 1,
             weights_as_tensor_data: bool = False, save_weights: bool = False,
@@ -108,8 +108,10 @@ def compile(models: "ModelSpec | Sequence[ModelSpec] | str | os.PathLike[str] | 
             ipu_memory: int = 0) -> CompileOutput:
     """Compile one model (or fuse several ``ModelSpec``) and write the outputs.
 
-    ``export_popef`` writes ``<output_dir>/<popef_name>``; ``output_model``
-    (relative to ``output_dir``) receives the transformed ONNX model.
+    ``export_popef`` writes ``<output_dir>/<popef_name>`` (``popef_name`` must stay inside
+    ``output_dir``, given relative or absolute); ``export_popef`` given as a path writes the
+    PopEF there instead. ``output_model`` receives the transformed ONNX model. Both paths
+    may be absolute or relative (to ``output_dir``) and may lie outside ``output_dir``.
     ``input_shapes``/``precision`` apply when ``models`` is a path or a ModelProto.
     Raises ``ipu_emulator.errors.CompileError`` when the model is refused.
 
@@ -145,12 +147,17 @@ def compile(models: "ModelSpec | Sequence[ModelSpec] | str | os.PathLike[str] | 
         opts.fuse = False
     result = compile_onnx(specs, opts)
     out_dir = pathlib.Path(output_dir) if output_dir is not None else pathlib.Path.cwd()
-    model_path = _inside(out_dir, output_model, "output_model") if output_model is not None \
-        else None
-    popef_path = _inside(out_dir, popef_name, "popef_name") if export_popef else None
+    model_path = _anywhere(out_dir, output_model, "output_model") \
+        if output_model is not None else None
+    if isinstance(export_popef, (str, os.PathLike)):
+        popef_path: pathlib.Path | None = _anywhere(out_dir, export_popef, "export_popef")
+    else:
+        popef_path = _inside(out_dir, popef_name, "popef_name") if export_popef else None
     output = CompileOutput(result)
-    if export_popef or output_model is not None:
+    if popef_path is not None or output_model is not None:
         _make_dir(out_dir, "output_dir")
+    if popef_path is not None:
+        _make_dir(popef_path.parent, "the folder of the PopEF file")
     if model_path is not None:
         import onnx
 
@@ -165,8 +172,25 @@ def compile(models: "ModelSpec | Sequence[ModelSpec] | str | os.PathLike[str] | 
     return output
 
 
+def _anywhere(out_dir: pathlib.Path, name: Any, key: str) -> pathlib.Path:
+    """``name`` as given if absolute, else ``out_dir / name``: anywhere, as long as it names
+    a file (not a folder)."""
+    if not isinstance(name, (str, os.PathLike)) or not os.fspath(name):
+        raise BadRequestError(f"{key} must be a non-empty file path, got {echo(name)}")
+    text = os.fspath(name)
+    path = pathlib.Path(name)
+    if path.name in ("", ".", "..") or text.endswith(("/", os.sep)):
+        raise BadRequestError(f"{key} {echo(text, 120)} must name a file, not a folder")
+    path = path if path.is_absolute() else out_dir / path
+    if path.is_dir():
+        raise BadRequestError(f"{key} {echo(text, 120)} is a folder ({echo(str(path), 120)}); "
+                              "expected a file path")
+    return path
+
+
 def _inside(out_dir: pathlib.Path, name: Any, key: str) -> pathlib.Path:
-    """``out_dir / name``, refused unless it stays inside ``out_dir``.
+    """``out_dir / name`` (or ``name`` if absolute), refused unless it stays inside
+    ``out_dir``.
 
     Only the folders on the way are resolved: the file itself is replaced by a rename
     (``_write_file``), so a symlink at its name is never followed and need not point
@@ -176,12 +200,11 @@ def _inside(out_dir: pathlib.Path, name: Any, key: str) -> pathlib.Path:
     rel = pathlib.Path(name)
     base = out_dir.resolve()
     path = (base / rel.parent).resolve() / rel.name
-    if (rel.is_absolute() or rel.name in ("", ".", "..") or path == base
-            or not path.is_relative_to(base)):
+    if (rel.name in ("", ".", "..") or path == base or not path.is_relative_to(base)):
         raise BadRequestError(f"{key} {echo(os.fspath(name), 120)} must name a file inside the "
                               f"output folder {echo(str(out_dir), 160)}; it resolves to "
                               f"{echo(str(path), 120)}")
-    return out_dir / rel
+    return rel if rel.is_absolute() else out_dir / rel
 
 
 def _make_dir(path: pathlib.Path, what: str) -> None:
@@ -311,9 +334,11 @@ def load_config_yaml(path: str | os.PathLike[str],
         precision = cast(str, e.get("precision", global_precision))   # both checked above
         specs.append(ModelSpec(base / e["input_model"], shapes, precision))
     out_dir = base / doc.get("output_dir", "./")
-    for key in ("output_model", "popef_name"):   # checked now: the config's error, not later
-        if doc.get(key) is not None:
-            _inside(out_dir, doc[key], f"{where}: {key}")
+    # checked now: the config's error, not later
+    if doc.get("popef_name") is not None:
+        _inside(out_dir, doc["popef_name"], f"{where}: popef_name")
+    if doc.get("output_model") is not None:
+        _anywhere(out_dir, doc["output_model"], f"{where}: output_model")
     options: dict[str, Any] = {
         # As in seed 004: the PopEF file is written only when export_popef is true.
         "export_popef": doc.get("export_popef", False),

@@ -187,7 +187,19 @@ _Q = TypeVar("_Q")
 
 
 class _QueueBase(IQueue, Generic[_Item]):
-    def __init__(self, buffer: SpscRingBuffer[_Item], info: TensorInfo, name: str) -> None:
+    def __init__(self, buffer: SpscRingBuffer[_Item], info: TensorInfo,
+                 name: str | None = None) -> None:
+        """The reference's ``InputQueue(buffer, info)`` / ``OutputQueue(buffer, info)``:
+        ``buffer`` the ring, ``info`` the tensor; ``name`` (for messages) defaults to the
+        ring's label."""
+        if not isinstance(buffer, SpscRingBuffer):
+            raise BadRequestError(f"{type(self).__name__}: buffer must be an SpscRingBuffer, "
+                                  f"got {type(buffer).__name__}")
+        if not isinstance(info, TensorInfo):
+            raise BadRequestError(f"{type(self).__name__}: info must be a popef TensorInfo, "
+                                  f"got {type(info).__name__}")
+        if name is None:
+            name = buffer.label()
         self._rb: SpscRingBuffer[_Item] = buffer
         self._info = info
         self._name = name

@@ -84,8 +84,13 @@ class TensorSpec:
         return f"shape [{', '.join(dims)}] (N >= 1)"
 
     def samples_of(self, arr: np.ndarray) -> int:
-        """Validate ``arr`` (typed, or raw uint8 bytes) and return its sample count."""
-        raw = arr.dtype == _U8 and self.dtype != _U8
+        """Validate ``arr`` (typed, or raw uint8 bytes) and return its sample count.
+
+        A flat (1-D) ``ConstTensorMemoryView``/``TensorMemoryView`` of any dtype counts as
+        raw memory, as the reference's pointer-and-size views do: its bytes decide."""
+        raw = (arr.dtype == _U8 and self.dtype != _U8) or (
+            arr.ndim == 1 and len(self.shape) != 1 and _is_view(arr)
+            and arr.flags.c_contiguous)
         if not raw and arr.dtype != self.dtype:
             raise BadRequestError(
                 f"{self.kind} {self.name!r}: expected dtype {self.dtype}, got {arr.dtype}")
@@ -133,6 +138,12 @@ class TensorSpec:
     def index(self, start: int, stop: int) -> tuple[slice, ...]:
         d = self.batch_dim or 0
         return (slice(None),) * d + (slice(start, stop),)
+
+
+def _is_view(arr: np.ndarray) -> bool:
+    from host_runtime.memory import ConstTensorMemoryView, TensorMemoryView
+
+    return isinstance(arr, (ConstTensorMemoryView, TensorMemoryView))
 
 
 def copy_samples(dst: np.ndarray, dst_start: int, src: np.ndarray, src_start: int,

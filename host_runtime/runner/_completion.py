@@ -22,8 +22,11 @@ from typing import Callable
 
 from shm import Ring, RingInvalidatedError, RingTimeoutError, ShmError
 
+from ipu_emulator.trace import recorder
+
 from host_runtime.errors import InvalidStateError, ModelRuntimeError, SequenceMismatchError
 from host_runtime.runner._life import ReplicaLife
+from host_runtime.runner import _tracing
 from host_runtime.runner._replica_timers import ReplicaTimers
 from host_runtime.runner._requests import Request, Transfer
 from host_runtime.runner._transfer import consumed_from
@@ -331,7 +334,9 @@ class Completion:
         mon = self._monitor
         for req in finished:
             if not req.internal:
-                mon.record(req.t_received, req.t_prepared, req.t_completed)
+                started = mon.record(req.t_received, req.t_prepared, req.t_completed, req.t_laid)
+                if recorder.ON:
+                    _tracing.request(self._life, req, started)
 
     def _read_interrupted(self, tr: Transfer, ring: Ring, exc: BaseException) -> None:
         """A drainer reading output ``tr.next_output`` of ``tr`` from ``ring`` was

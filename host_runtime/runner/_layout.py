@@ -68,8 +68,9 @@ class ModelLayout:
         # the anchors a request may carry, and the layout of batches
         batch_dim: Optional[int] = cfg.batching_dim if cfg.batching_enabled else 0
         self.dynamic = cfg.batching_enabled
-        self.main_inputs = [a for a in self.inputs_all
-                            if in_main(a) and a.name() not in self.with_data]
+        # a frozen input is the runner's to feed even when the PopEF file has data for it
+        self.main_inputs = [a for a in self.inputs_all if in_main(a) and (
+            a.name() not in self.with_data or a.name() in self.frozen)]
         self.exec_inputs = [a for a in self.main_inputs if a.name() not in self.frozen]
         self.main_outputs = [a for a in self.outputs_all if in_main(a)]
         self.fused = bool(md.subgraphs()) and by_name.get(INDEX_NAME) is not None

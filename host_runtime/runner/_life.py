@@ -20,9 +20,12 @@ import numpy as np
 
 from shm import ExitWatch, PeerDiedError, Ring, describe_process
 
+from ipu_emulator.trace import recorder
+
 from host_runtime.errors import (DeviceLostError, DeviceRuntimeError, DeviceTimeoutError,
                                  InvalidStateError, ModelRuntimeError, RecoverableRuntimeError,
                                  RecoveryAction, UnrecoverableRuntimeError)
+from host_runtime.runner import _tracing
 from host_runtime.runner._batching import TensorSpec
 from host_runtime.runner._transfer import RECHECK, PathOptions, TransferPath
 from host_runtime.runner._requests import raisable
@@ -107,6 +110,7 @@ class ReplicaLife:
 
     def open(self) -> TransferPath:
         """Attach and load: a session, its rings, Main started in a loop."""
+        t0 = time.monotonic_ns()
         s = self._open_session()
         try:
             in_rings = {n: s.direct.input_ring(spec.handle) for n, spec in self._inputs.items()}
@@ -135,6 +139,8 @@ class ReplicaLife:
             if life is not None:
                 life._loop_ended(fut)
         loop.add_done_callback(on_loop_end)
+        if recorder.ON:
+            _tracing.life("attach and load", self, self.rid, t0, s)
         return path
 
     def _loop_ended(self, fut: cf.Future[None]) -> None:
@@ -271,6 +277,7 @@ class ReplicaLife:
         # formatted now: a record holding the error would keep its traceback (and the
         # failed requests' memory) alive for as long as a handler keeps the record
         _log.warning("replica %d: auto_reset after %s", self.rid, str(self.error))
+        t0 = time.monotonic_ns()
         old = self.session
         self.session = None
         if old is not None:
@@ -282,7 +289,10 @@ class ReplicaLife:
                 pass
             finally:
                 old.close_within(limit, kill_if_hung=True)
-        return self.open()
+        path = self.open()
+        if recorder.ON:
+            _tracing.life("reset", self, self.rid, t0, self.session)
+        return path
 
     def close(self, save: SaveFn | None, limit: float) -> None:
         """Stop the loop, optionally run the save programs, close the session: within
@@ -291,6 +301,7 @@ class ReplicaLife:
         s = self.session
         if s is None:
             return
+        t0 = time.monotonic_ns()
         try:
             healthy = self.error is None and s.direct.failure() is None
             if save is not None and healthy:
@@ -304,6 +315,8 @@ class ReplicaLife:
             s.stop_within(limit, kill_if_hung=True)
         finally:
             s.close_within(limit, kill_if_hung=True)
+            if recorder.ON:
+                _tracing.life("close", self, self.rid, t0, s)
             self.session = None
             self._pids.close()
 

@@ -93,6 +93,18 @@ def _load_model(source: Any) -> popef.Model:
     return model
 
 
+def _overload(output_data: Any, replica_id: Any) -> tuple[Any, Any]:
+    """The seed's ``execute(input_data, replica_id)``: an int where the outputs go is the
+    replica (given twice: refused)."""
+    if isinstance(output_data, (int, np.integer)) and not isinstance(output_data, bool):
+        if replica_id != 0:
+            raise BadRequestError(
+                f"replica_id given twice: {output_data!r} as the second positional argument "
+                f"(execute(input_data, replica_id)) and replica_id={replica_id!r}")
+        return None, output_data
+    return output_data, replica_id
+
+
 def _desc(a: popef.Anchor, contains: bool = False) -> DataDesc:
     info = a.tensorInfo()
     return DataDesc(a.name(), info.sizeInBytes(), info.shape(), info.dataType(), contains)
@@ -118,6 +130,7 @@ class ModelRunner:
         self._config = cfg.copy()
         # The caller reads the save programs' outputs from its own dict after close().
         self._config.replica_to_save_programs_outputs = cfg.replica_to_save_programs_outputs
+        self._config.read_only()    # config() returns it: changes are refused, not ignored
         self._model = _load_model(model)
         # thread_safe: one mutex per replica, held for each execute/executeAsync call
         self._call_locks: list[threading.RLock] = (
@@ -158,10 +171,14 @@ class ModelRunner:
         An input frozen by ``ModelRunnerConfig.frozen_inputs`` is no longer required (seed
         000/001, frozen inputs); given anyway, it is ignored and the frozen value is used.
 
+        ``execute(inputs, replica_id)`` with the replica as the second positional argument
+        is the seed's ``execute(input_data, replica_id)`` overload.
+
         In a process forked from the runner's creator: ForkedProcessError (its rings are
         the creator's), before anything is touched; also for empty_shared arrays the
         creator made."""
         check_owner(self._owner_pid, "ModelRunner")
+        output_data, replica_id = _overload(output_data, replica_id)
         check_owned(input_data, output_data)
         try:
             if self._call_locks:
@@ -207,8 +224,10 @@ class ModelRunner:
 
     def executeAsync(self, input_data: Any, output_data: Any = None,
                      replica_id: int = 0) -> OutputFuture:
-        """Queue one request; returns an ``OutputFuture`` (frozen inputs as for ``execute``)."""
+        """Queue one request; returns an ``OutputFuture`` (frozen inputs, and
+        ``executeAsync(inputs, replica_id)``, as for ``execute``)."""
         check_owner(self._owner_pid, "ModelRunner")
+        output_data, replica_id = _overload(output_data, replica_id)
         check_owned(input_data, output_data)
         try:
             if self._call_locks:
@@ -269,6 +288,9 @@ class ModelRunner:
         return device.pids() if device is not None else []
 
     def config(self) -> ModelRunnerConfig:
+        """The runner's configuration (the reference's const reference): read-only, setting
+        an option raises InvalidStateError; ``config().copy()`` is a mutable copy for
+        another runner."""
         return self._config
 
     @property

@@ -96,10 +96,11 @@ class ReplicaSessions:
         as what the replica uses of it, which mypy checks ``Session`` provides)."""
         cfg = self._config
         frozen_load = self._layout.frozen_load
+        frozen = self._layout.frozen     # whatever else would feed them (PopEF data too)
         pred = None
-        if frozen_load:
+        if frozen:
             def pred(anchor: popef.Anchor) -> PopefDataUsagePolicy:
-                return (PopefDataUsagePolicy.USE_USER_DATA if anchor.name() in frozen_load
+                return (PopefDataUsagePolicy.USE_USER_DATA if anchor.name() in frozen
                         else PopefDataUsagePolicy.USE_POPEF_DATA_IF_ANY)
         sc = SessionConfig(policy=LaunchPolicy.Deferred, pred_tensor_data=pred,
                            check_package_hash=bool(cfg.check_package_hash),

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Optional
 import numpy as np
 
 from host_runtime.devices import Device, DeviceWaitConfig
-from host_runtime.errors import BadRequestError
+from host_runtime.errors import BadRequestError, InvalidStateError
 from host_runtime.memory import InputMemoryView
 from host_runtime.popef.model import DataType
 
@@ -138,6 +138,11 @@ class ModelRunnerConfig:
             setattr(self, key, value)
 
     def __setattr__(self, key: str, value: Any) -> None:
+        if self.__dict__.get("_read_only"):
+            raise InvalidStateError(
+                f"ModelRunnerConfig.{key}: this is a ModelRunner's configuration (config()), "
+                "read-only as the reference's const reference: options act when the runner "
+                "is made; set them on a ModelRunnerConfig and create another ModelRunner")
         if key not in self._FIELDS:
             raise AttributeError(
                 f"ModelRunnerConfig has no option {key!r}; expected one of "
@@ -204,10 +209,23 @@ class ModelRunnerConfig:
     def batching_enabled(self) -> bool:
         return self.batching_dim != BATCHING_DIM_DISABLED
 
+    def read_only(self) -> "ModelRunnerConfig":
+        """This configuration, frozen in place: setting an option raises InvalidStateError,
+        and so does changing ``frozen_inputs`` or ``replica_to_device`` (read-only
+        mappings). ``replica_to_save_programs_outputs`` stays the caller's dict, which the
+        save programs fill. What ``ModelRunner.config()`` returns."""
+        for f in ("frozen_inputs", "replica_to_device"):
+            object.__setattr__(self, f, _ReadOnlyMapping(getattr(self, f), f))
+        object.__setattr__(self, "_read_only", True)
+        return self
+
     def copy(self) -> "ModelRunnerConfig":
+        """A mutable copy (of a runner's read-only configuration too)."""
         new = ModelRunnerConfig()
         for f in self._FIELDS:
             value = getattr(self, f)
+            if isinstance(value, _ReadOnlyMapping):
+                value = value.original()
             if isinstance(value, dict):
                 value = type(value)(value) if type(value) is dict else _copy_mapping(value)
             object.__setattr__(new, f, value)
@@ -228,6 +246,28 @@ class ModelRunnerConfig:
         return "ModelRunnerConfig(" + ", ".join(f"{f}={show(f)}" for f in self._FIELDS) + ")"
 
     __str__ = __repr__
+
+
+class _ReadOnlyMapping(dict):  # type: ignore[type-arg]
+    """A dict whose changes raise InvalidStateError (a runner's configuration)."""
+
+    def __init__(self, m: dict, field: str) -> None:  # type: ignore[type-arg]
+        dict.__init__(self, m)
+        self._type = type(m)
+        self._field = field
+
+    def original(self) -> dict:  # type: ignore[type-arg]
+        new = self._type()
+        dict.update(new, self)
+        return new
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise InvalidStateError(
+            f"ModelRunnerConfig.{self._field} of a ModelRunner (config()) is read-only: "
+            "options act when the runner is made")
+
+    __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = _refuse
+    __ior__ = _refuse
 
 
 def _copy_mapping(m: dict) -> dict:  # type: ignore[type-arg]

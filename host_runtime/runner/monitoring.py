@@ -5,12 +5,16 @@ Every request records four instants (``time.perf_counter_ns``)::
     received --read preparation--> prepared --read queue--> started --computation--> completed
     |<------------------------------- request ------------------------------------->|
 
-- *read preparation*: validating the request and writing its inputs into the
-  device's input slots;
-- *read queue*: waiting behind earlier requests until the device takes it
-  (``started`` = the later of ``prepared`` and the completion of the request
-  before it on the same replica: the device runs one request at a time);
+- *read preparation*: checking the request and building it (before it is queued);
+- *read queue*: waiting for the replica (another thread's request), for free input
+  slots, laying the inputs into them, and waiting behind earlier requests until
+  the device takes it (``started`` = the later of ``laid``, when its inputs are in
+  the rings, and the completion of the request before it on the same replica: the
+  device runs one request at a time);
 - *computation*: from then until its outputs are back on the host.
+
+The timeline (``ipu_emulator.trace``) shows the same instants, and splits these
+phases further (docs/tracing.md).
 
 The last ``request_tracepoints_buffer_size`` traces are kept (0 = all);
 means and percentiles are over those, counts are over every request. Key
@@ -61,20 +65,22 @@ class RequestMonitor:
         self._last_completed = 0
         self._lock = threading.Lock()
 
-    def record(self, received_ns: int, prepared_ns: int, completed_ns: int) -> None:
-        """Record one finished request; its start is inferred (see module docstring).
+    def record(self, received_ns: int, prepared_ns: int, completed_ns: int,
+               laid_ns: int = 0) -> int:
+        """Record one finished request; its start is inferred (see module docstring) and
+        returned. ``laid_ns``: when its inputs were in the rings (0: ``prepared_ns``).
 
         On every request's path (~0.5 us): the instants are stored as they are and the
         phases worked out when read."""
+        if not laid_ns:
+            laid_ns = prepared_ns
         with self._lock:
             last = self._last_completed
-            # started = max(prepared, min(last completion, completed))
-            if last <= prepared_ns:
-                started = prepared_ns
+            # started = max(laid, min(last completion, completed))
+            if last <= laid_ns:
+                started = laid_ns
             else:
                 started = last if last < completed_ns else completed_ns
-                if started < prepared_ns:
-                    started = prepared_ns
             if completed_ns > last:
                 self._last_completed = completed_ns
             self._traces.append((received_ns, prepared_ns, started, completed_ns))
@@ -83,6 +89,7 @@ class RequestMonitor:
             self._sum_started += started
             self._sum_completed += completed_ns
             self._count += 1
+        return started
 
     @staticmethod
     def _phases(trace: tuple[int, int, int, int]) -> tuple[float, float, float, float]:

@@ -374,9 +374,11 @@ class Session:
                             skip_connected: bool = False) -> None:
         """Call ``factory`` once per input anchor, those fed from PopEF data included (seed
         002); then the predicate decides: BIND_USER_CB binds what the factory returned (None
-        keeps the anchor's callback, PopEF data included), BIND_EMPTY_CB an empty callback,
-        SKIP_CB nothing. ``skip_connected``: skip anchors that have a callback (or data).
-        Anchors a QueueManager or ModelRunner services directly are skipped."""
+        keeps the anchor's callback, PopEF data included), BIND_EMPTY_CB an empty callback
+        (but an anchor the PopEF file feeds keeps its data: ``predProgramFlowMain(flow)``
+        leaves the Load program's weights to the file), SKIP_CB nothing.
+        ``skip_connected``: skip anchors that have a callback (or data). Anchors a
+        QueueManager or ModelRunner services directly are skipped."""
         self._streams.set_handler(self.getInputAnchors(), factory, anchor_callback_predicate,
                                   skip_connected, CallbackInfo)
 

@@ -201,6 +201,15 @@ class StreamTable:
             if policy is AnchorCallbackPolicy.SKIP_CB:
                 continue
             if policy is AnchorCallbackPolicy.BIND_EMPTY_CB:
+                if h in self.popef_cbs:
+                    # an anchor the PopEF file feeds is not the user's to leave empty: the
+                    # predicate rejected it (predProgramFlowMain and a Load input), so it
+                    # keeps its data, as the reference binds user callbacks to user inputs
+                    _log.debug("anchor %r keeps its PopEF data (rejected by the predicate)",
+                               a.name())
+                    with self._lock:
+                        self.user_cbs.pop(h, None)
+                    continue
                 with self._lock:
                     self.user_cbs[h] = EMPTY
                 continue

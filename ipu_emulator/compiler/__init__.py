@@ -13,6 +13,7 @@ from ipu_emulator.compiler._backend import compile_onnx
 from ipu_emulator.compiler._types import (
     INDEX_NAME, LOAD_PROGRAM, MAIN_PROGRAM, SAVE_PROGRAM, TARGETS, AnchorDesc, CompileOptions,
     CompileResult, ModelSpec, Target)
+from ipu_emulator.compiler._precision import Fp16RangeWarning
 from ipu_emulator.compiler._prepare import check_interface, prepare
 from ipu_emulator.compiler._sharding import check_map, describe_parts, load_sharding_yaml
 from ipu_emulator.errors import CompileError
@@ -31,6 +32,7 @@ __all__ = [
     "Target",
     "TARGETS",
     "CompileError",
+    "Fp16RangeWarning",
     "INDEX_NAME",
     "LOAD_PROGRAM",
     "MAIN_PROGRAM",

@@ -84,10 +84,13 @@ def compile_onnx(models: "ModelSpec | Sequence[ModelSpec]",
         prepared.append(prepare(model, label, shapes, spec.precision,
                                 opts.weights_as_tensor_data))
     if sharded and opts.num_ipus > 1:
-        return compile_sharded(prepared[0], opts, target, ipu_memory(opts, target))
-    result = _assemble(prepared, opts, target, fused)
-    if sharded:   # one IPU: one program set; the placement is still checked and recorded
-        annotate_one_ipu(result, prepared[0], opts)
+        result = compile_sharded(prepared[0], opts, target, ipu_memory(opts, target))
+    else:
+        result = _assemble(prepared, opts, target, fused)
+        if sharded:   # one IPU: one program set; the placement is still checked and recorded
+            annotate_one_ipu(result, prepared[0], opts)
+    for p in prepared:
+        result.fp16_error.update(p.fp16_error)
     return result
 
 

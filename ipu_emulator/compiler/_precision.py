@@ -21,11 +21,21 @@ convert in fp32, they keep their float32 attributes and run in fp32 between cast
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-__all__ = ["convert_to_fp16", "wrap_in_fp32", "fp32_only_ops"]
+__all__ = ["convert_to_fp16", "wrap_in_fp32", "wrap_nodes_in_fp32", "fp32_only_ops",
+           "FP16_MAX", "Fp16RangeWarning"]
+
+FP16_MAX = 65504.0
+"""The largest finite fp16 value."""
+
+
+class Fp16RangeWarning(UserWarning):
+    """``--precision fp16`` kept values beyond fp16's range in fp32 or clamped them."""
 
 _F32, _F16 = TensorProto.FLOAT, TensorProto.FLOAT16
 _KEEP_FP32_INPUTS = {"Resize": (1, 2), "Upsample": (1,)}
@@ -51,19 +61,31 @@ _KEEP_FP32_OPS = {
 }
 
 
-def convert_to_fp16(model: onnx.ModelProto) -> None:
+def convert_to_fp16(model: onnx.ModelProto, keep_nodes: frozenset[str] = frozenset(),
+                    keep_values: frozenset[str] = frozenset()) -> list[str]:
     """Convert ``model`` (in place) to fp16; see the module docstring. The main graph's
-    ``_KEEP_FP32_OPS`` nodes keep their float32 attributes (``fp32_only_ops`` names
-    them, and ``wrap_in_fp32`` then casts around them)."""
-    _convert_graph(model.graph, main=True)
+    ``_KEEP_FP32_OPS`` nodes and the nodes named in ``keep_nodes`` keep their float32
+    attributes (``wrap_in_fp32`` / ``wrap_nodes_in_fp32`` then cast around them); the
+    main graph's initializers and values named in ``keep_values`` stay float32.
+
+    Other float32 constants beyond fp16's range are clamped to +-65504 (never inf);
+    returns their names."""
+    clamped: list[str] = []
+    _convert_graph(model.graph, clamped, main=True, keep_nodes=keep_nodes,
+                   keep_values=keep_values)
     _ensure_default_opset(model)
+    return clamped
 
 
-def _tensor_to_fp16(t: TensorProto) -> None:
+def _tensor_to_fp16(t: TensorProto, clamped: list[str]) -> None:
     if t.data_type != _F32:
         return
-    arr = numpy_helper.to_array(t).astype(np.float16)
-    new = numpy_helper.from_array(arr, t.name)
+    arr = numpy_helper.to_array(t)
+    finite = np.isfinite(arr)
+    if np.any(np.abs(arr[finite]) > FP16_MAX):
+        clamped.append(t.name or "<constant>")
+        arr = np.where(finite, np.clip(arr, -FP16_MAX, FP16_MAX), arr)
+    new = numpy_helper.from_array(arr.astype(np.float16), t.name)
     t.CopyFrom(new)
 
 
@@ -77,8 +99,10 @@ def _convert_type(tp: onnx.TypeProto) -> None:
         _convert_type(tp.optional_type.elem_type)
 
 
-def _convert_graph(graph: onnx.GraphProto, main: bool = False) -> None:
-    keep: set[str] = set()
+def _convert_graph(graph: onnx.GraphProto, clamped: list[str], main: bool = False,
+                   keep_nodes: frozenset[str] = frozenset(),
+                   keep_values: frozenset[str] = frozenset()) -> None:
+    keep: set[str] = set(keep_values)
     init_names = {t.name for t in graph.initializer}
     new_nodes: list[onnx.NodeProto] = []
     for node in graph.node:
@@ -92,22 +116,22 @@ def _convert_graph(graph: onnx.GraphProto, main: bool = False) -> None:
                     new_nodes.append(helper.make_node("Cast", [name], [cast_out], to=_F32,
                                                       name=cast_out))
                     node.input[idx] = cast_out
-        if main and node.op_type in _KEEP_FP32_OPS:
-            _convert_subgraphs(node)      # its own attributes stay float32
+        if main and (node.op_type in _KEEP_FP32_OPS or node.name in keep_nodes):
+            _convert_subgraphs(node, clamped)      # its own attributes stay float32
         else:
-            _convert_node(node)
+            _convert_node(node, clamped)
         new_nodes.append(node)
     del graph.node[:]
     graph.node.extend(new_nodes)
     for t in graph.initializer:
         if t.name not in keep:
-            _tensor_to_fp16(t)
+            _tensor_to_fp16(t, clamped)
     for vi in list(graph.input) + list(graph.output) + list(graph.value_info):
         if vi.name not in keep:
             _convert_type(vi.type)
 
 
-def _convert_node(node: onnx.NodeProto) -> None:
+def _convert_node(node: onnx.NodeProto, clamped: list[str]) -> None:
     if node.op_type in _FLOAT_BY_DEFAULT and not any(a.name == "dtype" for a in node.attribute):
         node.attribute.append(helper.make_attribute("dtype", _F16))
     if node.op_type == "ConstantOfShape" and not any(a.name == "value" for a in node.attribute):
@@ -126,30 +150,36 @@ def _convert_node(node: onnx.NodeProto) -> None:
                 attr.i == _F32:
             attr.i = _F16
         if attr.HasField("t"):
-            _tensor_to_fp16(attr.t)
+            _tensor_to_fp16(attr.t, clamped)
+            if node.op_type == "Constant" and clamped and clamped[-1] == "<constant>":
+                clamped[-1] = node.output[0]
         for t in attr.tensors:
-            _tensor_to_fp16(t)
+            _tensor_to_fp16(t, clamped)
         if attr.HasField("g"):
-            _convert_graph(attr.g)
+            _convert_graph(attr.g, clamped)
         for g in attr.graphs:
-            _convert_graph(g)
+            _convert_graph(g, clamped)
     if node.op_type == "Constant":
         for k, attr in enumerate(node.attribute):
             if attr.name in ("value_float", "value_floats"):
-                vals = [attr.f] if attr.name == "value_float" else list(attr.floats)
-                arr = np.asarray(vals, dtype=np.float16)
+                vals = np.asarray([attr.f] if attr.name == "value_float" else list(attr.floats),
+                                  dtype=np.float32)
+                if np.any(np.abs(vals[np.isfinite(vals)]) > FP16_MAX):
+                    clamped.append(node.output[0])
+                    vals = np.where(np.isfinite(vals), np.clip(vals, -FP16_MAX, FP16_MAX), vals)
+                arr = vals.astype(np.float16)
                 if attr.name == "value_float":
                     arr = arr.reshape(())
                 new = helper.make_attribute("value", numpy_helper.from_array(arr))
                 node.attribute[k].CopyFrom(new)
 
 
-def _convert_subgraphs(node: onnx.NodeProto) -> None:
+def _convert_subgraphs(node: onnx.NodeProto, clamped: list[str]) -> None:
     for attr in node.attribute:
         if attr.HasField("g"):
-            _convert_graph(attr.g)
+            _convert_graph(attr.g, clamped)
         for g in attr.graphs:
-            _convert_graph(g)
+            _convert_graph(g, clamped)
 
 
 def fp32_only_ops(model: onnx.ModelProto) -> set[str]:
@@ -188,14 +218,27 @@ def wrap_in_fp32(model: onnx.ModelProto, op_type: str, types: dict[str, int]) ->
     ``types`` maps value names to ONNX element types (from shape inference).
     Returns the number of nodes wrapped.
     """
+    return _wrap(model, lambda node: node.op_type == op_type, types)
+
+
+def wrap_nodes_in_fp32(model: onnx.ModelProto, names: set[str] | frozenset[str],
+                       types: dict[str, int]) -> int:
+    """Compute the main graph's nodes named in ``names`` in fp32: their fp16 inputs are
+    cast to fp32, their outputs typed fp16 in ``types`` cast back (outputs typed fp32
+    stay fp32, for fp32 consumers)."""
+    return _wrap(model, lambda node: node.name in names, types)
+
+
+def _wrap(model: onnx.ModelProto, match: "Callable[[onnx.NodeProto], bool]",
+          types: dict[str, int]) -> int:
     graph = model.graph
     out: list[onnx.NodeProto] = []
     count = 0
     for n, node in enumerate(graph.node):
-        if node.op_type != op_type:
+        if not match(node):
             out.append(node)
             continue
-        tag = node.name or f"{op_type}_{n}"
+        tag = node.name or f"{node.op_type}_{n}"
         after: list[onnx.NodeProto] = []
         wrapped = False
         for k, name in enumerate(node.input):

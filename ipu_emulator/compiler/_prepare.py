@@ -1,15 +1,18 @@
 """Turning one ONNX model into a static, typed, device-runnable graph.
 
-Steps: fix input shapes (``--input_shape``), convert precision, infer shapes
-(onnx, falling back to one onnxruntime run for outputs onnx cannot infer),
-refuse what is still dynamic, check onnxruntime can load it (wrapping ops that
-lack fp16 CPU kernels), and split float initializers out as weights when they
-are exported as tensor data.
+Steps: fix input shapes (``--input_shape``), convert precision (fp16: values
+beyond its range stay fp32, ``_fp16_range``), infer shapes (onnx; for outputs it
+leaves unknown, the shapes the model declares, then onnxruntime's symbolic shape
+inference, then the shapes of sequences at constant positions), refuse what is
+still dynamic (naming the tensor and the option), check onnxruntime can load it
+(wrapping ops that lack fp16 CPU kernels), and split float initializers out as
+weights when they are exported as tensor data.
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,7 +21,9 @@ from onnx import TensorProto, numpy_helper
 
 from ipu_emulator.compiler._onnx import (
     dtype_of, missing_kernel, ort_max_ir_version, ort_session)
-from ipu_emulator.compiler._precision import convert_to_fp16, fp32_only_ops, wrap_in_fp32
+from ipu_emulator.compiler._fp16_range import Fp16Plan, clip_outputs, plan_fp16, relative_error
+from ipu_emulator.compiler._precision import (
+    Fp16RangeWarning, convert_to_fp16, fp32_only_ops, wrap_in_fp32, wrap_nodes_in_fp32)
 from ipu_emulator.errors import CompileError
 from ipu_emulator.executable import numpy_dtype
 from shm.errors import echo
@@ -55,6 +60,8 @@ class Prepared:
     constant_bytes: int = 0                # initializer bytes compiled into the graph
     peak_activation_bytes: int = 0
     sizes: dict[str, tuple[str, tuple[int, ...], int]] = field(default_factory=dict)
+    # fp16: output -> (max, mean) relative error to fp32 on a sample (``_fp16_range``)
+    fp16_error: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 def prepare(model: onnx.ModelProto, label: str, input_shapes: dict[str, list[int]],
@@ -68,20 +75,27 @@ def prepare(model: onnx.ModelProto, label: str, input_shapes: dict[str, list[int
     init_names = {t.name for t in model.graph.initializer}
     declared = {vi.name: _dims(vi) for vi in model.graph.output}
     _fix_input_shapes(model, label, input_shapes, init_names)
+    plan = None
     if precision == "fp16":
         # Types before conversion tell which values become fp16; ops whose schema
-        # has no fp16 are computed in fp32 between casts.
+        # has no fp16 are computed in fp32 between casts, and so are the values beyond
+        # fp16's range on a sample run (``_fp16_range``).
         before = _types(_infer(model, label))
         fp32_ops = fp32_only_ops(model)
-        convert_to_fp16(model)
-        after = {k: (TensorProto.FLOAT16 if v == TensorProto.FLOAT else v)
-                 for k, v in before.items()}
+        plan = plan_fp16(model, label, before)
+        clamped = convert_to_fp16(model, plan.keep_nodes, plan.keep_values)
+        after = {k: (TensorProto.FLOAT16 if v == TensorProto.FLOAT and k not in plan.keep_values
+                     else v) for k, v in before.items()}
         for op in sorted(fp32_ops):
             n = wrap_in_fp32(model, op, after)
             _log.info("model %s: %d %s node(s) computed in fp32 (no fp16 in its schema)",
                       label, n, op)
+        wrap_nodes_in_fp32(model, plan.keep_nodes | plan.readers, after)
+        clip_outputs(model, plan.outputs)
+        _warn_range(label, plan, clamped)
     model = _infer(model, label)
     model = _make_loadable(model, label, precision)
+    fp16_error = relative_error(model, plan) if plan is not None else {}
     inputs = [_value(vi, label, "input") for vi in model.graph.input if vi.name not in init_names]
     _require_static(inputs, label, "input")
     outputs = _outputs(model, label, inputs, declared)
@@ -91,7 +105,7 @@ def prepare(model: onnx.ModelProto, label: str, input_shapes: dict[str, list[int
             raise CompileError(f"model {echo(label, 200)}: output {echo(v.name)} is also a graph input; add an "
                                "Identity node so the output has its own name")
     sizes = _sizes(model)
-    prepared = Prepared(label, model, model, inputs, outputs, sizes=sizes)
+    prepared = Prepared(label, model, model, inputs, outputs, sizes=sizes, fp16_error=fp16_error)
     prepared.peak_activation_bytes = _peak_activations(model, sizes)
     device = onnx.ModelProto()
     device.CopyFrom(model)
@@ -126,6 +140,29 @@ def prepare(model: onnx.ModelProto, label: str, input_shapes: dict[str, list[int
     prepared.constant_bytes = sum(sizes[t.name][2] for t in device.graph.initializer
                                   if t.name in sizes)
     return prepared
+
+
+def _warn_range(label: str, plan: "Fp16Plan", clamped: list[str]) -> None:
+    """One warning naming the values kept in fp32 and the constants clamped."""
+    if not plan.keep_values and not clamped:
+        return
+    parts = []
+    if plan.keep_values:
+        names = sorted(plan.keep_values)
+        parts.append(f"kept in fp32 (beyond fp16's range of +-65504 on a sample run or as "
+                     f"initializers): {_names(names)}")
+    if plan.outputs:
+        parts.append(f"outputs clipped to +-65504 for their fp16 stream: {_names(sorted(plan.outputs))}")
+    if clamped:
+        parts.append(f"constants clamped to +-65504: {_names(sorted(set(clamped)))}")
+    text = f"model {label}: --precision fp16: " + "; ".join(parts)
+    _log.info("%s", text)
+    warnings.warn(Fp16RangeWarning(text), stacklevel=4)
+
+
+def _names(names: list[str]) -> str:
+    return ", ".join(repr(n) for n in names[:12]) + (f", ... ({len(names)} in all)"
+                                                     if len(names) > 12 else "")
 
 
 def _dims(vi: onnx.ValueInfoProto) -> list[int | str | None]:
@@ -255,37 +292,158 @@ def _outputs(model: onnx.ModelProto, label: str, inputs: list[Value],
             _set_dims(model.graph.output[k], outputs[k].shape)
     unresolved = [v for v in outputs if not _static(v.shape)]
     if unresolved:
-        # onnx could not infer them: run twice on different data; a shape that
-        # changes with the data cannot be compiled to a static stream.
-        sess = ort_session(model)
-        rng = np.random.default_rng(0)
-        runs = []
-        for fill in (0.0, None):
-            feeds = {v.name: (np.zeros(v.shape) if fill is not None else
-                              rng.random(v.shape) * 4 + 1).astype(numpy_dtype(v.dtype))
-                     for v in inputs}
-            try:
-                runs.append(sess.run(None, feeds))  # type: ignore[attr-defined]
-            except Exception as exc:
-                names = ", ".join(echo(v.name) for v in unresolved[:8]) + (
-                    f", ... ({len(unresolved)} in all)" if len(unresolved) > 8 else "")
-                raise CompileError(
-                    f"model {echo(label, 200)}: cannot determine output shapes of output(s) {names}: "
-                    "shape inference cannot and a trial run with sample data failed; "
-                    "declare the outputs' shapes in the model (graph.output) or give "
-                    f"the inputs that decide them as initializers ({echo(str(exc), 300, quote=False)})") from None
-        for k, (v, r0, r1) in enumerate(zip(outputs, runs[0], runs[1])):
+        # onnx could not infer them (sub-graphs of If/Loop/Scan, shapes computed from
+        # shapes): onnxruntime's symbolic shape inference follows both. With every input
+        # static, a dim it leaves symbolic is decided by the input data.
+        found = _symbolic_outputs(model, label, unresolved)
+        for k, v in enumerate(outputs):
             if v not in unresolved:
                 continue
-            if np.shape(r0) != np.shape(r1):
+            dims = found.get(v.name)
+            if dims is None or dims == [None] or (v.shape != (-2,) and len(dims) != len(v.shape)):
                 raise CompileError(
-                    f"model {echo(label, 200)}: output {echo(v.name)} has a shape that depends on the input "
-                    f"data ({list(np.shape(r0))} and {list(np.shape(r1))}); the IPU needs "
-                    "static shapes (unsupported: output shapes that depend on input data)")
-            outputs[k] = Value(v.name, v.dtype, tuple(int(d) for d in np.shape(r0)))
+                    f"model {echo(label, 200)}: cannot determine the shape of output {echo(v.name)}: "
+                    "neither onnx's nor onnxruntime's symbolic shape inference resolves it; "
+                    "fix the dynamic dims of the inputs with --input_shape NAME=d0,d1,... or "
+                    "declare the output's shape in the model (graph.output)")
+            if not all(isinstance(d, int) for d in dims):
+                shown = ["?" if not isinstance(d, int) else d for d in dims]
+                raise CompileError(
+                    f"model {echo(label, 200)}: output {echo(v.name)} has a shape that depends on "
+                    f"the input data ({shown}, {echo([d for d in dims if not isinstance(d, int)], 120, quote=False)} "
+                    "computed from values, not shapes); the IPU needs static shapes: --input_shape "
+                    "fixes only shapes that follow from the inputs' shapes, so declare the "
+                    "output's static shape in the model (graph.output) if the data always gives "
+                    "it (unsupported: output shapes that depend on input data)")
+            outputs[k] = Value(v.name, v.dtype, tuple(int(d) for d in dims))  # type: ignore[arg-type]
+            _log.info("model %s: output %r has shape %s by symbolic shape inference",
+                      label, v.name, list(outputs[k].shape))
             _set_dims(model.graph.output[k], outputs[k].shape)
     _require_static(outputs, label, "output")
     return outputs
+
+
+def _symbolic_outputs(model: onnx.ModelProto, label: str, wanted: list[Value]
+                      ) -> dict[str, list[int | str | None]]:
+    """The graph outputs' dims by onnxruntime's SymbolicShapeInference (``{}`` if it fails)."""
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    _give_loops_a_condition(m.graph, m.graph)
+    sym_log = logging.getLogger("onnxruntime.tools.symbolic_shape_infer")
+    level = sym_log.level
+    sym_log.setLevel(logging.CRITICAL)   # it logs what it cannot infer: we say it ourselves
+    try:
+        inferred = SymbolicShapeInference.infer_shapes(m, auto_merge=True)
+    except Exception as exc:
+        _log.info("model %s: symbolic shape inference failed for %s: %s", label,
+                  ", ".join(v.name for v in wanted), str(exc).splitlines()[0][:200] if str(exc) else
+                  type(exc).__name__)
+        return {}
+    finally:
+        sym_log.setLevel(level)
+    if inferred is None:
+        return {}
+    found = {vi.name: _dims(vi) for vi in inferred.graph.output}
+    if any(not all(isinstance(d, int) for d in dims) for dims in found.values()):
+        found.update(_sequence_shapes(inferred))
+    return found
+
+
+def _sequence_shapes(model: onnx.ModelProto) -> dict[str, list[int | str | None]]:
+    """Static shapes SymbolicShapeInference leaves symbolic though they follow from shapes
+    and constants: sequences of known tensors at constant positions (SequenceAt,
+    ConcatFromSequence), and ``Unique`` of a single element."""
+    g = model.graph
+    shapes: dict[str, tuple[int, ...]] = {}
+    for vi in list(g.input) + list(g.value_info) + list(g.output):
+        dims = _dims(vi)
+        if vi.type.WhichOneof("value") == "tensor_type" and dims != [None] and \
+                all(isinstance(d, int) for d in dims):
+            shapes[vi.name] = tuple(int(d) for d in dims)  # type: ignore[arg-type]
+    consts = {t.name: numpy_helper.to_array(t) for t in g.initializer}
+    shapes.update({k: tuple(v.shape) for k, v in consts.items()})
+    seqs: dict[str, list[tuple[int, ...]]] = {}
+
+    def const_int(name: str) -> int | None:
+        v = consts.get(name)
+        return int(v.reshape(-1)[0]) if v is not None and v.size == 1 and \
+            np.issubdtype(v.dtype, np.integer) else None
+
+    def attr(node: onnx.NodeProto, key: str, default: int) -> int:
+        return next((int(a.i) for a in node.attribute if a.name == key), default)
+
+    for node in g.node:
+        ins, outs, op = list(node.input), list(node.output), node.op_type
+        try:
+            if op == "SequenceEmpty":
+                seqs[outs[0]] = []
+            elif op == "SequenceConstruct":
+                seqs[outs[0]] = [shapes[i] for i in ins]
+            elif op == "SequenceInsert":
+                new = list(seqs[ins[0]])
+                pos = const_int(ins[2]) if len(ins) > 2 and ins[2] else len(new)
+                if pos is None:
+                    continue
+                new.insert(pos if pos >= 0 else pos + len(new), shapes[ins[1]])
+                seqs[outs[0]] = new
+            elif op == "SequenceErase":
+                new = list(seqs[ins[0]])
+                pos = const_int(ins[1]) if len(ins) > 1 and ins[1] else -1
+                if pos is None:
+                    continue
+                del new[pos]
+                seqs[outs[0]] = new
+            elif op == "SequenceAt":
+                pos = const_int(ins[1])
+                if pos is not None:
+                    shapes[outs[0]] = seqs[ins[0]][pos]
+            elif op == "ConcatFromSequence":
+                items = seqs[ins[0]]
+                axis, new_axis = attr(node, "axis", 0), attr(node, "new_axis", 0)
+                if not items or any(len(x) != len(items[0]) for x in items):
+                    continue
+                rank = len(items[0]) + (1 if new_axis else 0)
+                ax = axis + rank if axis < 0 else axis
+                if new_axis:
+                    shapes[outs[0]] = items[0][:ax] + (len(items),) + items[0][ax:]
+                else:
+                    shapes[outs[0]] = items[0][:ax] + (sum(x[ax] for x in items),) + \
+                        items[0][ax + 1:]
+            elif op == "Unique":
+                x = shapes[ins[0]]
+                u_axis = next((int(a.i) for a in node.attribute if a.name == "axis"), None)
+                if u_axis is None and int(np.prod(x)) == 1:
+                    got: list[tuple[int, ...]] = [(1,)] * 4
+                elif u_axis is not None and x[u_axis if u_axis >= 0 else u_axis + len(x)] == 1:
+                    got = [x, (1,), (1,), (1,)]
+                else:
+                    continue
+                for name, shape in zip(outs, got):
+                    if name:
+                        shapes[name] = shape
+            elif op == "Identity" and ins[0] in seqs:
+                seqs[outs[0]] = seqs[ins[0]]
+        except (KeyError, IndexError):
+            continue
+    return {vi.name: list(shapes[vi.name]) for vi in g.output if vi.name in shapes}
+
+
+def _give_loops_a_condition(graph: onnx.GraphProto, main: onnx.GraphProto) -> None:
+    """SymbolicShapeInference needs every Loop's optional condition input: give the ones
+    without it a constant true (what an absent condition means)."""
+    for node in graph.node:
+        if node.op_type == "Loop" and len(node.input) > 1 and not node.input[1]:
+            name = "__symbolic_shapes_true"
+            if not any(t.name == name for t in main.initializer):
+                main.initializer.append(numpy_helper.from_array(np.array(True), name))
+            node.input[1] = name
+        for attr in node.attribute:
+            if attr.HasField("g"):
+                _give_loops_a_condition(attr.g, main)
+            for g in attr.graphs:
+                _give_loops_a_condition(g, main)
 
 
 def _static(shape: tuple[int, ...]) -> bool:

@@ -114,6 +114,8 @@ class CompileResult:
     models: list[onnx.ModelProto]           # each model after transformation
     subgraphs: dict[str, list[str]]         # fused: "graph0" -> its anchor names
     fused: bool
+    # --precision fp16: output -> (max, mean) relative error to the fp32 model on a sample
+    fp16_error: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 def ipu_memory(opts: CompileOptions, target: Target) -> int:

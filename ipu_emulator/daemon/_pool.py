@@ -176,7 +176,8 @@ class PooledIpu:
         proc = self.proc
         assert proc is not None
         return {"ipu": self.index, "pid": proc.pid, "control": proc.control.name,
-                "events": proc.events.name, "log": proc.log_path, "ready": self.ready}
+                "events": proc.events.name, "log": proc.log_path, "ready": self.ready,
+                "trace": proc.trace.name if proc.trace is not None else None}
 
     def status(self) -> dict[str, Any]:
         return {"ipu": self.index, "state": self.state, "holder": self.holder, "pid": self.pid,

@@ -45,7 +45,7 @@ from typing import Any
 
 from shm import pid_alive
 
-from ipu_emulator import titles
+from ipu_emulator import titles, trace
 from ipu_emulator.daemon import socket_protocol as wire
 from ipu_emulator.daemon.daemon_metrics import DaemonMetrics
 from ipu_emulator.daemon._pool import PoolError, PooledIpu, remove_objects_of
@@ -402,6 +402,7 @@ class Daemon:
         conn.device_id = device_id
         _log.info("host %d attached ipus %s (pids %s)", conn.pid, indices,
                   [ipu.pid for ipu in wanted])
+        trace.instant(f"host {conn.pid} attached ipus {indices}", host=conn.pid)
         return {"ok": True, "ipus": [ipu.info() for ipu in wanted]}
 
     async def _blocking(self, ipu: PooledIpu, fn: Any, *args: Any) -> Any:
@@ -427,6 +428,8 @@ class Daemon:
         dead = not pid_alive(conn.pid)
         _log.info("host %d %s ipus %s", conn.pid, "died; reclaiming" if dead else why,
                   [ipu.index for ipu in held])
+        trace.instant(f"host {conn.pid} {'died' if dead else why}: ipus "
+                      f"{[ipu.index for ipu in held]}", host=conn.pid)
         for ipu in held:
             if ipu.state != "dead":
                 ipu.state = "resetting"

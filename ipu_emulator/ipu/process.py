@@ -82,6 +82,7 @@ from ipu_emulator.executable import is_link, is_sync
 from ipu_emulator.faults import Fault, FaultTable
 from ipu_emulator.ipu_protocol import ErrorKind, Message, Op, error_body
 from ipu_emulator.settings import IpuSettings
+from ipu_emulator.trace import recorder
 
 __all__ = ["DeviceOptions", "DeviceProcess", "ProcessHooks"]
 
@@ -95,6 +96,7 @@ _DOORBELL = signal.SIGURG   # rung by the control ring while a program waits (se
 # ignored by default: a stale doorbell (this process died armed, its pid reused) harms none
 _CACHE = 4        # loaded executables kept per device (sessions sharing it)
 _PREFAULT_MAX = 512 * 1024   # pre-fault stream rings with transfers up to this size
+_PROGRAM_KINDS = {"load": 1, "main": 2, "save": 3}   # program name -> recorder.PROGRAM_KINDS
 
 
 @dataclass(frozen=True)
@@ -404,7 +406,10 @@ class DeviceProcess:
                     msg = self._next()
                     if msg.op is Op.SHUTDOWN:
                         break
-                    self._dispatch(msg)
+                    if recorder.ON:
+                        self._dispatch_traced(msg)
+                    else:
+                        self._dispatch(msg)
                 except ipu_protocol.ProtocolError as exc:
                     _log.error("ignoring a malformed control message: %s", exc)
                 except _ClientGone:
@@ -436,6 +441,14 @@ class DeviceProcess:
             ipu_protocol.send(self.events, Message(Op.BYE), timeout=0.5)
         except ShmError:
             pass
+
+    def _dispatch_traced(self, msg: Message) -> None:
+        """``_dispatch`` as a slice of the timeline (ipu_emulator.trace)."""
+        t0 = time.monotonic_ns()
+        try:
+            self._dispatch(msg)
+        finally:
+            recorder.ipu(recorder.I_OP, t0, time.monotonic_ns() - t0, int(msg.op), msg.seq)
 
     def _dispatch(self, msg: Message) -> None:
         op = msg.op
@@ -648,7 +661,8 @@ class DeviceProcess:
         self.keeps_apart = apart is self._apart and self._apart.enabled
         # A loop of one program may run it many times per turn (C steps back to back, until
         # the next check below is due or a control message arrives).
-        many = loop and len(programs) == 1
+        many = loop and len(programs) == 1 and not recorder.ON   # traced: each run a slice
+        run_one = self._run_one_traced if recorder.ON else self._run_one
         main = [p for p in programs
                 if loop or loaded.interp.executable.programs[p].name.lower() == "main"]
         faulty = _FaultyIO(self, loaded, io) if main else None
@@ -660,15 +674,15 @@ class DeviceProcess:
                     for p in programs:
                         if p in main:
                             faulty.arm(p)
-                            self._run_one(loaded, p, faulty)   # type: ignore[arg-type]
+                            run_one(loaded, p, faulty)   # type: ignore[arg-type]
                         else:
-                            self._run_one(loaded, p, io)
+                            run_one(loaded, p, io)
                 elif many:
                     due = min(self._next_host_check, apart.next_look, _monotonic() + _HOST_CHECK)
-                    self._run_one(loaded, programs[0], io, int(due * 1e9))
+                    run_one(loaded, programs[0], io, int(due * 1e9))
                 else:
                     for p in programs:
-                        self._run_one(loaded, p, io)
+                        run_one(loaded, p, io)
                 if not loop:
                     return False
                 if io.disconnected:
@@ -822,6 +836,19 @@ class DeviceProcess:
                 self._pending.append(msg)
                 raise _ClientGone()
             _log.info("hung: ignoring %s", msg.op.name)
+
+    def _run_one_traced(self, loaded: _Loaded, index: int, io: _RingIO,
+                        deadline_ns: int | None = None) -> None:
+        """``_run_one`` as a slice of the timeline (ipu_emulator.trace)."""
+        t0 = time.monotonic_ns()
+        before = self.program_runs
+        programs = loaded.interp.executable.programs if loaded.interp is not None else []
+        kind = _PROGRAM_KINDS.get(programs[index].name, 0) if index < len(programs) else 0
+        try:
+            self._run_one(loaded, index, io, deadline_ns)
+        finally:
+            recorder.ipu(recorder.I_PROGRAM, t0, time.monotonic_ns() - t0, index, kind,
+                         self.program_runs - before)
 
     def _unload(self, key: str) -> None:
         loaded = self._cache.pop(key, None)
@@ -1087,6 +1114,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--label", default="")
     parser.add_argument("--pool", action="store_true",
                         help="owned by a daemon (--host-pid): hosts change through HOST messages")
+    parser.add_argument("--trace-buffer", default="",
+                        help="record a timeline into this trace buffer (ipu_emulator.trace)")
     a = parser.parse_args(argv)
     settings = IpuSettings.current()   # its launch's, from its environment
     logging.basicConfig(
@@ -1094,6 +1123,11 @@ def main(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s ipu{a.ipu_id}[{os.getpid()}] %(levelname)s %(name)s: %(message)s")
     _log.debug("settings: %s", settings)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the host decides when we stop
+    if a.trace_buffer:
+        try:
+            recorder.start_ipu(a.trace_buffer, a.ipu_id)
+        except (ShmError, OSError, ValueError, posix_ipc.Error) as exc:
+            _log.warning("not recording a timeline: %s", exc)
     opts = DeviceOptions(control=a.control, events=a.events, host_pid=a.host_pid,
                          ipu_id=a.ipu_id, ipu_version=a.ipu_version, tiles_per_ipu=a.tiles,
                          memory_per_tile=a.memory_per_tile, num_ipus=a.num_ipus,

@@ -69,7 +69,7 @@ def test_data_dependent_output_shape_is_refused() -> None:
                           [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
                           [helper.make_tensor_value_info("y", TensorProto.INT64, [2, "n"])])
     with pytest.raises(CompileError, match=r"output 'y' has a shape that depends on the input "
-                                           r"data \(\[2, 0\] and \[2, 6\]\)"):
+                                           r"data \(\[2, '\?'\], .*--input_shape.*graph\.output"):
         compile_onnx(ModelSpec(make_model(g)))
 
 

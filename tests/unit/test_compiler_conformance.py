@@ -85,8 +85,8 @@ def test_expand_shape_model_from_onnx_compiles_with_input_shape() -> None:
 
 
 def test_expand_without_declared_shape_is_refused_by_name() -> None:
-    with pytest.raises(CompileError, match="cannot determine output shapes of output.s. 'y'.*"
-                       "declare the outputs' shapes"):
+    with pytest.raises(CompileError, match="cannot determine the shape of output 'y'.*"
+                       "--input_shape.*declare the output's shape"):
         compile_onnx(ModelSpec(_expand(None), {"shape": [3]}))
 
 

@@ -23,7 +23,7 @@ def test_all_is_pinned() -> None:
         "prepare", "ModelSpec",
         "CompileOptions", "CompileResult",
         "AnchorDesc", "Target",
-        "TARGETS", "CompileError", "INDEX_NAME", "LOAD_PROGRAM", "MAIN_PROGRAM", "SAVE_PROGRAM"])
+        "TARGETS", "CompileError", "Fp16RangeWarning", "INDEX_NAME", "LOAD_PROGRAM", "MAIN_PROGRAM", "SAVE_PROGRAM"])
     for mod in (ipu_emulator, ipu_emulator.executable, ipu_emulator.ipu.interpreter,
                 ipu_emulator.compiler):
         assert [n for n in mod.__all__ if not hasattr(mod, n)] == []

@@ -28,6 +28,8 @@ ENV_NAMES = {k.env for k in HostSettings.knobs()}
 TEST_ONLY = {
     "IPU_EMULATOR_CONFORMANCE": "the whole conformance run (tests/integration/test_conformance.py)",
     "IPU_EMULATOR_TEST_HANG_SECONDS": "a test's time limit (tests/conftest.py)",
+    "IPU_EMULATOR_FIELD_MODELS": "a folder of production models of your own "
+                                 "(tests/integration/test_field_models.py)",
 }
 """Variables of the test suite, not of the package."""
 
@@ -73,7 +75,8 @@ def test_defaults_are_the_documented_ones() -> None:
         "IPU_EMULATOR_HOME": None, "IPU_EMULATOR_CONFIG": None, "IPU_EMULATOR_NUM_IPUS": None,
         "IPU_EMULATOR_IPU_VERSION": None, "IPU_EMULATOR_TILES_PER_IPU": None,
         "IPU_EMULATOR_MEMORY_PER_TILE": None, "IPU_EMULATOR_COMPUTE_THREADS": None,
-        "IPU_EMULATOR_DAEMON": None, "IPU_EMULATOR_FAULTS": ""}
+        "IPU_EMULATOR_DAEMON": None, "IPU_EMULATOR_FAULTS": "", "IPU_EMULATOR_TRACE": None,
+        "IPU_EMULATOR_TRACE_EVENTS": 65536}
     with pytest.raises(AttributeError):
         s.ring_c = False   # type: ignore[misc]   # frozen
 

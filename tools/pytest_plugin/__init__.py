@@ -30,6 +30,9 @@ one of its fixtures or carrying its marker:
   attached, an IPU process running or objects in /dev/shm fails (at
   teardown) with what it left and where it was made; then it is cleaned up.
 
+``--ipu-trace-dir DIR``: a timeline of each failing test in DIR
+(:mod:`tools.pytest_plugin.tracing`).
+
 Options (and ini keys): ``--ipu-emulator-daemon=SOCKET`` (``ipu_emulator_daemon``),
 ``--ipu-emulator-num-ipus`` (``ipu_emulator_num_ipus``),
 ``--ipu-emulator-ipu-version`` (``ipu_emulator_ipu_version``); ini
@@ -42,7 +45,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Generator, Iterator
 
 import pytest
 
@@ -57,6 +60,7 @@ FIXTURES = ("ipu_machine", "ipu_daemon", "model_runner", "compile_onnx", "ipu_fa
 _RUN = pytest.StashKey[RunFolder]()
 _GUARD = pytest.StashKey[LeakGuard]()
 _WAIT_PATCH = pytest.StashKey[pytest.MonkeyPatch]()
+_TRACED = pytest.StashKey[Any]()
 _WORKERINPUT_KEY = "ipu_emulator_run_token"
 _DEFAULT_WAIT = 60.0
 
@@ -74,6 +78,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--ipu-emulator-ipu-version", choices=("ipu2", "ipu21"), default=None,
                     help="IPU version of the private emulated machine (default: ini "
                     "ipu_emulator_ipu_version, else the machine configuration, ipu21)")
+    group.addoption("--ipu-trace-dir", metavar="DIR", default=None,
+                    help="write a timeline (Chrome trace JSON, docs/tracing.md) of each "
+                    "failing test into DIR")
     parser.addini("ipu_emulator_daemon", "socket of a running ipu-emulator daemon to use",
                   default="")
     parser.addini("ipu_emulator_num_ipus", "IPUs of the private emulated machine", default="")
@@ -186,6 +193,31 @@ def _worker(config: pytest.Config) -> str:
 
 
 # -- which tests use the plugin ----------------------------------------------------------------
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """--ipu-trace-dir: each test traced, the timeline of a failing one kept."""
+    folder = item.config.getoption("--ipu-trace-dir", None)
+    if not folder:
+        return (yield)
+    from tools.pytest_plugin.tracing import TracedTest
+
+    traced = item.stash[_TRACED] = TracedTest(os.path.abspath(folder))
+    try:
+        return (yield)
+    finally:
+        traced.finish(item.nodeid)   # DIR/<test id>.json if it failed
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
+                              ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    traced = item.stash.get(_TRACED, None)
+    if traced is not None:
+        traced.report(report)
+    return report
+
 
 def _uses_plugin(item: pytest.Item) -> bool:
     names = getattr(item, "fixturenames", ())
