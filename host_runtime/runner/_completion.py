@@ -91,11 +91,8 @@ class Completion:
 
     # -- a stalled device (the host sync timeout) ----------------------------------------
     def stall(self, err: ModelRuntimeError | None = None) -> None:
-        """A wait gave up on the device (``err``): auto_reset fails the replica (reset next)."""
-        if err is not None and self._life.resets(err) and not self._life.closed:
-            self.fail_all(err)   # (what is in flight hears it: the next request resets)
-        else:   # submits first wait for the device to progress (settle)
-            self.stalled = True
+        """A wait gave up on the device (``err``): see ``ReplicaLife.stalled``."""
+        self.stalled = self._life.stalled(err, self.fail_all)
 
     def settle(self) -> None:
         """Submit lock held, the replica stalled: drive it until a transfer completes (or

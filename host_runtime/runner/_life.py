@@ -222,6 +222,16 @@ class ReplicaLife:
             raise unusable_error(self.rid, err, self._auto_reset) from err
         return False
 
+    def stalled(self, err: ModelRuntimeError | None,
+                fail: Callable[[ModelRuntimeError], None]) -> bool:
+        """A wait gave up on the device (``err``, the host sync timeout). With auto_reset
+        the replica fails (``fail(err)``: what is in flight hears it, the next request
+        resets it): False. Else True: submits first wait for the device to progress."""
+        if err is None or not self.resets(err) or self.closed:
+            return True
+        fail(err)
+        return False
+
     def resets(self, err: BaseException) -> bool:
         """Whether ``auto_reset`` resets the replica after ``err`` (seed 002: after an
         application runtime error, or a recoverable one whose action is IPU_RESET; and
