@@ -29,6 +29,11 @@ from host_runtime.errors import (
     PackageHashMismatchError,
     PopefError,
     RemoteTraceback,
+    RecoveryAction,
+    DeviceRuntimeError,
+    ApplicationRuntimeError,
+    RecoverableRuntimeError,
+    UnrecoverableRuntimeError,
 )
 
 __all__ = [
@@ -104,6 +109,11 @@ __all__ = [
     "DeviceExecutionError",
     "PackageHashMismatchError",
     "RemoteTraceback",
+    "RecoveryAction",
+    "DeviceRuntimeError",
+    "ApplicationRuntimeError",
+    "RecoverableRuntimeError",
+    "UnrecoverableRuntimeError",
 ]
 
 # name -> module that defines it (imported on first access)
@@ -183,6 +193,7 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
+
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only

@@ -24,11 +24,19 @@ Classes are chosen by *cause*, the way trio does it:
   carries the device-side traceback as a ``RemoteTraceback``.
 - ``PackageHashMismatchError``: the executable was compiled by another
   emulator version.
+- Poplar's runtime error classes, raised by a device that fails the way a real
+  IPU does (injected faults, ``ipu_emulator.faults``): ``ApplicationRuntimeError``
+  (the program failed; ``auto_reset`` resets the IPU), ``RecoverableRuntimeError``
+  (``.recovery_action``, a ``RecoveryAction``: ``IPU_RESET`` is done by
+  ``auto_reset``, the others are the user's to do) and
+  ``UnrecoverableRuntimeError``. Each names the IPU, the replica and the program.
 
 Wire-level errors from ``shm`` are translated into these at the boundary.
 """
 
 from __future__ import annotations
+
+import enum
 
 __all__ = [
     "ModelRuntimeError",
@@ -46,6 +54,11 @@ __all__ = [
     "DeviceExecutionError",
     "PackageHashMismatchError",
     "RemoteTraceback",
+    "RecoveryAction",
+    "DeviceRuntimeError",
+    "ApplicationRuntimeError",
+    "RecoverableRuntimeError",
+    "UnrecoverableRuntimeError",
 ]
 
 
@@ -173,3 +186,72 @@ class RemoteTraceback(Exception):
 
     def __str__(self) -> str:
         return self.tb
+
+
+class RecoveryAction(enum.Enum):
+    """What a ``RecoverableRuntimeError`` needs done before the device runs again
+    (Poplar's ``poplar::RecoveryAction``)."""
+
+    IPU_RESET = "IPU_RESET"
+    """Reset the IPU and reload the executable (``auto_reset`` does it)."""
+    LINK_RESET = "LINK_RESET"
+    """Reset the IPU-Links between the IPUs of the device."""
+    PARTITION_RESET = "PARTITION_RESET"
+    """Reset every IPU of the partition (the device)."""
+    FULL_RESET = "FULL_RESET"
+    """Reset the whole system: close the runner and make a new one."""
+
+
+class DeviceRuntimeError(ModelRuntimeError, RuntimeError):
+    """Base of Poplar's runtime error classes (``ApplicationRuntimeError``,
+    ``RecoverableRuntimeError``, ``UnrecoverableRuntimeError``): the device failed the way
+    a real IPU does. ``ipu`` describes the IPU, ``replica`` the replica (None outside a
+    ModelRunner), ``program`` the program index (None if unknown)."""
+
+    def __init__(self, message: str, *, ipu: str = "", replica: int | None = None,
+                 program: int | None = None) -> None:
+        super().__init__(message)
+        self.ipu = ipu
+        self.replica = replica
+        self.program = program
+
+    def _fields(self) -> dict[str, object]:
+        return {"ipu": self.ipu, "replica": self.replica, "program": self.program}
+
+    def copy_with(self, message: str, **changes: object) -> "DeviceRuntimeError":
+        """The same error (class, fields) with another message and ``changes``."""
+        fields = dict(self._fields(), **changes)
+        return type(self)(message, **fields)  # type: ignore[arg-type]
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # the instance's other attributes too (copy.copy of a raised copy keeps them)
+        state = {k: v for k, v in self.__dict__.items() if k not in self._fields()}
+        return (_device_runtime_error, (type(self), str(self), self._fields()), state or None)
+
+
+def _device_runtime_error(cls: type[DeviceRuntimeError], message: str,
+                          fields: dict[str, object]) -> DeviceRuntimeError:
+    return cls(message, **fields)  # type: ignore[arg-type]
+
+
+class ApplicationRuntimeError(DeviceRuntimeError):
+    """The program failed on the device (Poplar's ``application_runtime_error``); with
+    ``auto_reset`` the IPU is reset before the next inference."""
+
+
+class RecoverableRuntimeError(DeviceRuntimeError):
+    """The device failed in a way ``recovery_action`` recovers from (Poplar's
+    ``recoverable_runtime_error``); ``auto_reset`` does ``IPU_RESET`` only."""
+
+    def __init__(self, message: str, *, recovery_action: RecoveryAction = RecoveryAction.IPU_RESET,
+                 ipu: str = "", replica: int | None = None, program: int | None = None) -> None:
+        super().__init__(message, ipu=ipu, replica=replica, program=program)
+        self.recovery_action = RecoveryAction(recovery_action)
+
+    def _fields(self) -> dict[str, object]:
+        return dict(super()._fields(), recovery_action=self.recovery_action)
+
+
+class UnrecoverableRuntimeError(DeviceRuntimeError):
+    """The device cannot be recovered (Poplar's ``unrecoverable_runtime_error``): close the
+    runner (or session and device) and make a new one."""

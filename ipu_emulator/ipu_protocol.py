@@ -6,7 +6,7 @@ UTF-8 JSON body (strict JSON, no pickle: nothing executable crosses the wire)::
 
     control ring (host -> device)          event ring (device -> host)
     ---------------------------------      -------------------------------------
-    LOAD     body {"spec_region": name}    READY    body {"pid", "package_hash", ...}
+    LOAD     body {"spec_region", "faults"} READY    body {"pid", "package_hash", ...}
     MODES    body [mode per stream]        DONE     seq of the finished request
     RUN      body [program indices]        ERROR    seq; body {"kind", "message", "traceback"}
     LOOP     body [program indices]        NEED     index = stream about to be read, empty
@@ -20,6 +20,10 @@ UTF-8 JSON body (strict JSON, no pickle: nothing executable crosses the wire)::
 Every request carries a host-chosen ``seq``; the device answers each with one
 DONE or ERROR of the same ``seq`` (a LOOP only when it ends: DONE after STOP,
 ERROR on failure). MODES is not answered.
+
+LOAD's ``faults`` (optional) names the host's fault tables, HOST's body ``faults``
+the daemon's (``ipu_emulator.faults.FaultTable``: the IPU process reads the schedule
+there at each Main run and counts in it).
 
 HOST is sent only by a daemon that owns the IPU process (``--pool``), while
 no host uses the rings: the device forgets its previous host (a running
@@ -125,6 +129,11 @@ class ErrorKind(str, enum.Enum):
     STATE = "state"                # request does not fit the device state
     REQUEST = "request"            # bad request: unknown program, incompatible executable
     PROTOCOL = "protocol"          # malformed request
+    # Poplar's runtime error classes (injected faults, ipu_emulator.faults); the body also
+    # has "action" (a RecoveryAction name), "ipu" (the IPU's id) and "program"
+    APPLICATION = "application"    # application_runtime_error
+    RECOVERABLE = "recoverable"    # recoverable_runtime_error
+    UNRECOVERABLE = "unrecoverable"  # unrecoverable_runtime_error
 
 
 MODE_EVENT = 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ipu_emulator.faults import setting as _faults_setting
 from shm.settings import (EACH_USE, ShmSettings, choice, flag, integer, knob, level, micros,
                           seconds, text)
 
@@ -77,6 +78,21 @@ class IpuSettings(ShmSettings):
         30.0, "IPU_EMULATOR_DAEMON_HANDOVER_TIMEOUT", seconds,
         "how long a daemon's reset of an IPU between hosts may take before it restarts the "
         "IPU process", when=_DAEMON)
+    faults: str = knob(
+        "", "IPU_EMULATOR_FAULTS", _faults_setting,
+        "faults to inject (JSON text, or the path of a JSON or YAML file; see "
+        "`docs/faults.md`): a bad one is refused naming the fault, the field and the value",
+        when="a runner or session is made; the daemon starts", shown="none")
+    trace: str | None = knob(
+        None, "IPU_EMULATOR_TRACE", text(),
+        "record a timeline of the host and its IPU processes into this file (Chrome trace "
+        "JSON, written at exit; `%p`: the process's pid); see docs/tracing.md",
+        when="the program first uses the runtime (imports `host_runtime.devices`)",
+        shown="none")
+    trace_events: int = knob(
+        65536, "IPU_EMULATOR_TRACE_EVENTS", integer(16, 1 << 24),
+        "events each process keeps while tracing (the oldest are dropped past it; 48 bytes "
+        "each in an IPU process's shared memory)", when="tracing starts")
     # -- which machine (read at each use, by ipu_emulator.system) --
     home: str | None = knob(
         None, "IPU_EMULATOR_HOME", text(),

@@ -68,6 +68,7 @@ class _Tally:
         self.latency_sum = 0.0
         self.problems: list[str] = []
         self.inject = 0        # internal hook: the next N checks expect a wrong value
+        self.extra: dict[str, Any] = {}   # a scenario's own figures (faults: tools._stress_faults)
 
     def problem(self, kind: str, text: str) -> None:
         with self.lock:
@@ -93,7 +94,7 @@ class _Tally:
             return {"ok": self.ok, "expected": self.expected, "wrong": self.wrong,
                     "hung": self.hung, "errors": self.errors, "cycles": self.cycles,
                     "latencies_ms": [round(x * 1e3, 3) for x in self.latencies],
-                    "problems": list(self.problems)}
+                    "problems": list(self.problems), "extra": dict(self.extra)}
 
 
 def _weights(path: str) -> np.ndarray:
@@ -643,6 +644,8 @@ class _Host:
 
     def run(self) -> bool:
         """Run the workload; False if a thread hung (the caller must not close the runner)."""
+        if self.spec["scenario"] == "faults":
+            return self._run_faults()
         threads_n = int(self.spec["threads"])
         daemon_loop = self.spec["scenario"] == "daemon"
         work = None if daemon_loop else _open(self.spec, self.check)
@@ -664,6 +667,24 @@ class _Host:
             reporting.set()
             reporter.join(5)
             _say(self.tally.progress_line())
+
+    def _run_faults(self) -> bool:
+        """The faults scenario (tools._stress_faults): one thread, the schedule replayed."""
+        from tools._stress_faults import run_faults
+
+        # its length is its requests (the schedule's), not --duration: a cap only
+        self.deadline = time.time() + float(self.spec["max_seconds"])
+        _say(f"READY {self.deadline}")
+        faulthandler.dump_traceback_later(
+            max(0.0, self.deadline - time.time()) + self.hang + 60.0, file=sys.stderr)
+        try:
+            extra = run_faults(self.spec, self.tally, self.check, self.deadline, self.budget)
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+        with self.tally.lock:
+            self.tally.extra = extra
+        _say(self.tally.progress_line())
+        return True
 
     def _interrupt_threads(self, work: Any, threads: list[threading.Thread]
                            ) -> Callable[[], None]:

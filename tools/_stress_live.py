@@ -65,6 +65,9 @@ class ScenarioResult:
     p50_ms: float | None = None
     p99_ms: float | None = None
     seconds: float = 0.0
+    faults: int = 0              # runs an injected fault affected (the faults scenario)
+    resets: int = 0              # replicas auto_reset (the faults scenario)
+    recovery_ms: list[float] = field(default_factory=list)   # fault to next right answer
     problems: list[str] = field(default_factory=list)
 
     @property

@@ -13,6 +13,7 @@ _SUBCOMMANDS = {
     "cleanup": ("tools.cleanup", "remove shared-memory objects whose creating process is dead"),
     "demo": ("tools.demo", "write the seeds' example model and run every execution mode"),
     "daemon": ("tools.daemon", "serve a shared pool of warm emulated IPUs to host processes"),
+    "trace": ("tools.trace_summary", "summarise a timeline trace: where each request's time went, how busy each IPU was"),
     "stress": ("tools.stress", "hammer the runtime with many hosts, threads, batch sizes and faults; check every result"),
 }
 

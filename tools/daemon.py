@@ -6,6 +6,12 @@
                         [--tiles-per-ipu T] [--memory-per-tile B] [--compute-threads K]
                         [--metrics-port PORT [--metrics-address ADDR]]
     ipu-emulator daemon status [--socket PATH] [--json]
+    ipu-emulator daemon faults [--socket PATH] [--clear] [--add JSON] [--json]
+
+``--faults FILE`` (or ``IPU_EMULATOR_FAULTS`` in its environment) gives the
+daemon's IPUs a schedule of faults (docs/faults.md); ``daemon faults`` lists it
+with its counts and changes it while the daemon runs (live injection: the IPUs,
+held ones too, see it before their next Main run).
 
 The daemon runs in the foreground and logs to stderr; SIGTERM or SIGINT
 stops it (its IPU processes, its socket and its shared-memory objects go).
@@ -67,10 +73,52 @@ def _status(argv: list[str]) -> int:
     return 0
 
 
+def _faults(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="ipu-emulator daemon faults",
+                                     description="list, add or clear the faults a running "
+                                     "daemon's IPUs follow (docs/faults.md)")
+    parser.add_argument("--socket", help="the daemon's socket (default: $IPU_EMULATOR_DAEMON "
+                        "or $IPU_EMULATOR_HOME/daemon.sock)")
+    parser.add_argument("--clear", action="store_true", help="remove every fault first")
+    parser.add_argument("--add", metavar="JSON", help="faults to add: a JSON list of fault "
+                        "objects (or one object), or the path of a JSON or YAML file")
+    parser.add_argument("--json", action="store_true", help="print the raw reply")
+    a = parser.parse_args(argv)
+    from ipu_emulator.faults import FaultSpecError, parse_faults
+
+    req: dict[str, object] = {"op": "faults", "clear": a.clear}
+    if a.add:
+        try:
+            req["add"] = [f.to_dict() for f in parse_faults(a.add, "--add")]
+        except FaultSpecError as exc:
+            print(f"ipu-emulator daemon faults: {exc}", file=sys.stderr)
+            return 2
+    path = _socket_path(a.socket)
+    try:
+        reply = wire.request(path, req, timeout=10.0)
+    except (OSError, ValueError) as exc:
+        print(f"ipu-emulator daemon faults: no daemon answers at {path}: {exc}",
+              file=sys.stderr)
+        return 1
+    if not reply.get("ok"):
+        print(f"ipu-emulator daemon faults: {reply.get('message', reply)}", file=sys.stderr)
+        return 2
+    if a.json:
+        print(json.dumps(reply, indent=2))
+        return 0
+    for i, f in enumerate(reply["faults"]):
+        print(f"fault {i}: {json.dumps(f['fault'])}  runs seen {f['seen']}, fired {f['fired']}")
+    if not reply["faults"]:
+        print("no faults")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] == "status":
         return _status(args[1:])
+    if args and args[0] == "faults":
+        return _faults(args[1:])
     parser = argparse.ArgumentParser(
         prog="ipu-emulator daemon",
         description="serve a pool of warm emulated IPUs to host processes over a unix socket "
@@ -87,8 +135,28 @@ def main(argv: list[str] | None = None) -> int:
                         "resets, restarts, IPU process deaths, per-IPU hosts and held time")
     parser.add_argument("--metrics-address", default="127.0.0.1", metavar="ADDRESS",
                         help="address /metrics listens on (default 127.0.0.1)")
-    parser.add_argument("--log-level", default=HostSettings.current().daemon_log_level)
+    parser.add_argument("--faults", metavar="FILE",
+                        help="faults its IPUs follow: a JSON or YAML file of a list of faults "
+                        "(docs/faults.md; default: $IPU_EMULATOR_FAULTS)")
+    parser.add_argument("--log-level", default=None)
+    parser.add_argument("--trace", metavar="FILE",
+                        help="record a timeline of the daemon and its IPU processes into FILE, "
+                             "written when it stops (docs/tracing.md)")
     a = parser.parse_args(args)
+    from shm.settings import SettingsError
+
+    try:
+        settings = HostSettings.current()
+        if a.faults is not None:
+            settings = settings.replace(faults=a.faults)
+    except SettingsError as exc:
+        text = str(exc)
+        if a.faults is not None and text.startswith("IPU_EMULATOR_FAULTS"):
+            text = "--faults" + text[len("IPU_EMULATOR_FAULTS"):]
+        print(f"ipu-emulator daemon: {text}", file=sys.stderr)
+        return 2
+    if a.log_level is None:
+        a.log_level = settings.daemon_log_level
     logging.basicConfig(level=a.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s ipu-emulator-daemon[{os.getpid()}] "
                         "%(levelname)s %(message)s")
@@ -105,15 +173,26 @@ def main(argv: list[str] | None = None) -> int:
         if a.metrics_port is not None and not 0 <= a.metrics_port <= 65535:
             raise ValueError(f"--metrics-port must be in 0..65535, got {a.metrics_port}")
         daemon = Daemon(system, a.socket, metrics_port=a.metrics_port,
-                        metrics_address=a.metrics_address)
-    except (SystemConfigError, ValueError) as exc:
+                        metrics_address=a.metrics_address, settings=settings)
+    except (SystemConfigError, ValueError, DaemonError) as exc:
         print(f"ipu-emulator daemon: {exc}", file=sys.stderr)
         return 2
+    from ipu_emulator import trace
+
+    if trace.active():   # IPU_EMULATOR_TRACE=FILE, started by an import
+        trace.set_role("daemon")
+    elif a.trace:
+        trace.start(a.trace, role="daemon")
+    else:
+        trace.start_from_settings(role="daemon")
     try:
         return daemon.run()
     except (DaemonError, MetricsServeError) as exc:
         logging.getLogger("ipu_emulator.daemon.server").error("%s", exc)
         return 1
+    finally:
+        if trace.active():
+            trace.stop()
 
 
 if __name__ == "__main__":

@@ -389,7 +389,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", help="folder for the model (default: a temporary folder)")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="print tracebacks of failed modes")
+    parser.add_argument("--trace", metavar="FILE",
+                        help="record a timeline of the demo into FILE (docs/tracing.md)")
     args = parser.parse_args(argv)
+    if not args.trace:
+        return _run(args)
+    from ipu_emulator import trace
+
+    with trace.tracing(args.trace):
+        code = _run(args)
+    print(f"timeline written to {args.trace} (summary: ipu-emulator trace {args.trace})")
+    return code
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.dir:
         os.makedirs(args.dir, exist_ok=True)
         return run_demo(args.dir, args.verbose)

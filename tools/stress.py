@@ -37,6 +37,14 @@ Pythons) on a private emulated machine (own IPU_EMULATOR_HOME and shm tag,
   Session's queues whose callbacks raise now and then (every other host batches
   dynamically). An interrupted request or a run a callback failed is failed as
   expected; every other answer, and every queue output buffer, must be its own.
+- ``faults``: each host runs the example model one request at a time under a seeded
+  schedule of injected faults of every kind (``ipu_emulator.faults``), with and
+  without ``auto_reset``, then a pipelined model with ``link_down``
+  (``tools._stress_faults``): an answer is right, failed as expected (the class the
+  fault must give; the class of the failure a replica nothing reset keeps giving,
+  after which the host makes a new runner), wrong or hung; it reports the faults
+  injected, the resets and the recovery times. Short by default (about 12 requests
+  per phase; ``--requests`` sets it).
 
 While a scenario runs, a progress line (requests, rate, failures so far) is
 rewritten in place on a terminal; when stdout is not one, a plain line is
@@ -55,8 +63,10 @@ import json
 import logging
 import os
 import random
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from dataclasses import asdict
 from typing import Any
@@ -71,8 +81,8 @@ __all__ = ["SCENARIOS", "ScenarioResult", "main", "run"]
 _log = logging.getLogger(__name__)
 
 SCENARIOS = ("mixed", "batching", "fused", "kill-ipu", "kill-pipeline", "kill-host", "daemon",
-             "fork", "interrupt")
-_IPUS_PER_DEVICE = {"kill-pipeline": 2}   # IPUs of the scenario's model (sharded models)
+             "fork", "interrupt", "faults")
+_IPUS_PER_DEVICE = {"kill-pipeline": 2, "faults": 2}   # IPUs of the scenario's model (sharded)
 
 
 def _machine_ipus(name: str, opts: argparse.Namespace) -> int:
@@ -261,6 +271,10 @@ class _Scenario:
                 continue
             for k in ("ok", "expected", "wrong", "hung", "errors", "cycles"):
                 setattr(res, k, getattr(res, k) + int(out[k]))
+            extra = out.get("extra") or {}
+            res.faults += int(extra.get("injected", 0))
+            res.resets += int(extra.get("resets", 0))
+            res.recovery_ms.extend(float(x) for x in extra.get("recovery_ms", []))
             self.latencies.extend(out["latencies_ms"])
             res.problems.extend(f"host {h.index}: {p}" for p in out["problems"])
             if code not in (0, 3):
@@ -313,7 +327,11 @@ def _row(r: ScenarioResult) -> list[str]:
         f"{r.ipus_killed} ipus killed" if r.name in ("kill-ipu", "kill-pipeline") else \
         f"{r.cycles} attaches" if r.name == "daemon" else \
         f"{r.cycles} forks" if r.name == "fork" else \
-        f"{r.cycles} interrupts" if r.name == "interrupt" else "-"
+        f"{r.cycles} interrupts" if r.name == "interrupt" else \
+        (f"{r.faults} faults, {r.resets} resets, recovery "
+         + (f"p50 {float(np.percentile(r.recovery_ms, 50)):.0f} / max "
+            f"{max(r.recovery_ms):.0f} ms" if r.recovery_ms else "-")) \
+        if r.name == "faults" else "-"
     return [r.name, str(r.hosts), killed, str(r.ok), str(r.expected), str(r.wrong), str(r.hung),
             str(r.errors), "-" if r.p50_ms is None else f"{r.p50_ms:.2f}",
             "-" if r.p99_ms is None else f"{r.p99_ms:.2f}", str(r.leaks),
@@ -357,6 +375,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds after which a request counts as hung (default 30)")
     p.add_argument("--max-seconds", type=float, default=600.0, help=argparse.SUPPRESS)
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
+    p.add_argument("--trace", metavar="FILE",
+                   help="record a timeline of every host process (and the daemon) and their "
+                        "IPU processes into FILE (docs/tracing.md)")
     p.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="serve the live counters as Prometheus metrics at "
                    "http://ADDRESS:PORT/metrics while the run lasts (0: a free port, printed)")
@@ -379,6 +400,7 @@ def run(opts: argparse.Namespace, live: LiveStats | None = None,
               keep=opts.keep)
     results: list[ScenarioResult] = []
     problems: list[str] = []
+    parts = _trace_parts(rig, opts.trace)
     try:
         for name in scenarios:
             _log.info("scenario %s", name)
@@ -390,9 +412,35 @@ def run(opts: argparse.Namespace, live: LiveStats | None = None,
         raise
     finally:
         problems = rig.finish()
+        if parts is not None:
+            _write_trace(parts, opts.trace)
         if opts.keep:
             print(f"ipu-emulator stress: work directory kept: {rig.workdir}", file=sys.stderr)
     return results, problems
+
+
+def _trace_parts(rig: Rig, path: str | None) -> str | None:
+    """--trace: each process of the rig writes its own trace into a folder (None: off)."""
+    if not path:
+        return None
+    parts = tempfile.mkdtemp(prefix="ipuemu-stress-trace-")
+    rig.env["IPU_EMULATOR_TRACE"] = os.path.join(parts, "trace-%p.json")
+    return parts
+
+
+def _write_trace(parts: str, path: str) -> None:
+    """The processes' traces as one file at ``path`` (killed hosts wrote none)."""
+    from ipu_emulator import trace
+
+    traces = []
+    for name in sorted(os.listdir(parts)):
+        if name.endswith(".json"):
+            with open(os.path.join(parts, name), encoding="utf-8") as f:
+                traces.append(json.load(f))
+    trace.write(trace.combine(traces), os.path.abspath(path))
+    shutil.rmtree(parts, ignore_errors=True)
+    print(f"ipu-emulator stress: timeline of {len(traces)} processes written to {path}",
+          file=sys.stderr)
 
 
 def _serve_metrics(live: LiveStats, port: int, address: str) -> Any:

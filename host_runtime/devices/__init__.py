@@ -9,4 +9,10 @@ from host_runtime.devices._ipu_group import ShardedLoad as ShardedLoad
 from host_runtime.devices._link import wait as wait
 from host_runtime.devices._shm_space import check_room as check_room, free_bytes as free_bytes, ring_bytes as ring_bytes, translated as translated
 
+from ipu_emulator import trace as _trace
+
+# IPU_EMULATOR_TRACE=FILE: record a timeline of this program (docs/tracing.md), from its
+# first use of the runtime (every runner, session and device imports this package)
+_trace.start_from_settings()
+
 __all__ = ["Device", "DeviceConstraints", "DeviceManager", "DeviceWaitConfig", "DeviceWaitStrategy"]

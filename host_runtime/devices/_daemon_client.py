@@ -37,6 +37,7 @@ from shm import ExitWatch, Ring, describe_process
 
 from host_runtime.errors import DeviceTimeoutError, DeviceUnavailableError
 from host_runtime.settings import HostSettings
+from ipu_emulator import trace
 from ipu_emulator.daemon import socket_protocol as wire
 from ipu_emulator.ipu.launcher import IpuSpec, describe_returncode, read_log_tail
 from ipu_emulator.system import SystemConfig
@@ -313,6 +314,8 @@ class DaemonIpu:
             self.control.close()
             raise
         self.control.set_peer(self._pid)
+        if info.get("trace") and trace.recorder.ON:   # a daemon recording its IPUs
+            trace.map_ipu_buffer(str(info["trace"]))
 
     @property
     def pid(self) -> int:

@@ -167,7 +167,9 @@ class GroupLink:
                         f"has {len(self._members)}"))
                     return fut
                 self._width = len(regions)
-                bodies = [{"spec_region": r} for r in regions]
+                faults = body.get("faults")   # (host fault tables: every IPU gets them)
+                bodies = [{"spec_region": r, "faults": faults} if faults else {"spec_region": r}
+                          for r in regions]
             else:
                 self._width = 1
         width = self._width
@@ -366,8 +368,10 @@ class ShardedLoad:
 
     def load(self, link: DeviceLink, host_streams: list[dict[str, Any]],
              check_package_hash: bool, fresh: bool, timeout: float,
-             peers: Callable[[str, int], None] | None = None) -> None:
-        """Send each IPU its part (LOAD with one spec region per IPU) and wait for all."""
+             peers: Callable[[str, int], None] | None = None,
+             faults: list[str] | None = None) -> None:
+        """Send each IPU its part (LOAD with one spec region per IPU) and wait for all;
+        ``faults``: the names of the host's fault tables (ipu_emulator.faults)."""
         if self._closed:
             raise InvalidStateError("the session's multi-IPU resources are closed")
         if not isinstance(link, GroupLink) or len(link._members) < len(self.parts):
@@ -415,7 +419,10 @@ class ShardedLoad:
                 for h in part.streams:
                     if h not in self.links:
                         peers(h, pids[k])
-        link.call(Op.LOAD, {"spec_regions": names}, timeout=timeout)
+        body: dict[str, Any] = {"spec_regions": names}
+        if faults:
+            body["faults"] = faults
+        link.call(Op.LOAD, body, timeout=timeout)
 
     def reset_links(self) -> None:
         """Empty every link; put the one token in each sync link (no IPU process may be

@@ -33,6 +33,9 @@ from shm import PeerDiedError, RingTimeoutError, ShmError, describe_process, pro
 from host_runtime._deadline import host_sync_timeout
 from host_runtime.devices.link import StreamServicer
 from host_runtime.settings import HostSettings
+from host_runtime.errors import (ApplicationRuntimeError, DeviceRuntimeError,
+                                 RecoverableRuntimeError, RecoveryAction,
+                                 UnrecoverableRuntimeError)
 from host_runtime.errors import (BadRequestError, DeviceExecutionError, DeviceLostError,
                                  InvalidStateError, ModelRuntimeError, PackageHashMismatchError,
                                  PopefError, RemoteTraceback)
@@ -46,6 +49,13 @@ __all__ = ["ProcessLink", "error_from_body"]
 _log = logging.getLogger(__name__)
 
 _POLL = 0.25
+
+
+_RUNTIME_ERRORS: dict[str, type[DeviceRuntimeError]] = {
+    ErrorKind.APPLICATION.value: ApplicationRuntimeError,
+    ErrorKind.RECOVERABLE.value: RecoverableRuntimeError,
+    ErrorKind.UNRECOVERABLE.value: UnrecoverableRuntimeError,
+}
 
 
 def error_from_body(body: Any, device: str) -> ModelRuntimeError:
@@ -63,6 +73,15 @@ def error_from_body(body: Any, device: str) -> ModelRuntimeError:
         exc = PopefError(f"the executable is damaged: {message}")
     elif kind == ErrorKind.STATE.value:
         exc = InvalidStateError(message)
+    elif kind in _RUNTIME_ERRORS:
+        program = body.get("program")
+        fields: dict[str, Any] = {"ipu": device,
+                                  "program": program if isinstance(program, int) else None}
+        if kind == ErrorKind.RECOVERABLE.value:
+            action = body.get("action")
+            fields["recovery_action"] = RecoveryAction(
+                action if action in RecoveryAction.__members__ else "IPU_RESET")
+        exc = _RUNTIME_ERRORS[kind](f"{device}: {message}", **fields)
     else:
         exc = DeviceExecutionError(f"{device}: {message}")
     if tb:

@@ -22,8 +22,11 @@ from typing import Callable
 
 from shm import Ring, RingInvalidatedError, RingTimeoutError, ShmError
 
+from ipu_emulator.trace import recorder
+
 from host_runtime.errors import InvalidStateError, ModelRuntimeError, SequenceMismatchError
 from host_runtime.runner._life import ReplicaLife
+from host_runtime.runner import _tracing
 from host_runtime.runner._replica_timers import ReplicaTimers
 from host_runtime.runner._requests import Request, Transfer
 from host_runtime.runner._transfer import consumed_from
@@ -87,9 +90,9 @@ class Completion:
                 self._cv.notify_all()
 
     # -- a stalled device (the host sync timeout) ----------------------------------------
-    def stall(self) -> None:
-        """A wait gave up on the device: submits first wait for it to progress (settle)."""
-        self.stalled = True
+    def stall(self, err: ModelRuntimeError | None = None) -> None:
+        """A wait gave up on the device (``err``): see ``ReplicaLife.stalled``."""
+        self.stalled = self._life.stalled(err, self.fail_all)
 
     def settle(self) -> None:
         """Submit lock held, the replica stalled: drive it until a transfer completes (or
@@ -113,7 +116,7 @@ class Completion:
         err = self._life.stalled_error("waiting for the outputs of a request")
         req.dests = {}
         req.fail(err)
-        self.stalled = True
+        self.stall(err)
         raise err
 
     # -- waiting ---------------------------------------------------------------------
@@ -328,7 +331,9 @@ class Completion:
         mon = self._monitor
         for req in finished:
             if not req.internal:
-                mon.record(req.t_received, req.t_prepared, req.t_completed)
+                started = mon.record(req.t_received, req.t_prepared, req.t_completed, req.t_laid)
+                if recorder.ON:
+                    _tracing.request(self._life, req, started)
 
     def _read_interrupted(self, tr: Transfer, ring: Ring, exc: BaseException) -> None:
         """A drainer reading output ``tr.next_output`` of ``tr`` from ``ring`` was

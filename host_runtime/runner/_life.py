@@ -20,14 +20,19 @@ import numpy as np
 
 from shm import ExitWatch, PeerDiedError, Ring, describe_process
 
-from host_runtime.errors import (DeviceLostError, DeviceTimeoutError, InvalidStateError,
-                                 ModelRuntimeError)
+from ipu_emulator.trace import recorder
+
+from host_runtime.errors import (DeviceLostError, DeviceRuntimeError, DeviceTimeoutError,
+                                 InvalidStateError, ModelRuntimeError, RecoverableRuntimeError,
+                                 RecoveryAction, UnrecoverableRuntimeError)
+from host_runtime.runner import _tracing
 from host_runtime.runner._batching import TensorSpec
 from host_runtime.runner._transfer import RECHECK, PathOptions, TransferPath
 from host_runtime.runner._requests import raisable
 from host_runtime.settings import HostSettings
 
-__all__ = ["ReplicaLife", "ReplicaSession", "DirectPath", "DeviceProcesses", "SaveFn"]
+__all__ = ["ReplicaLife", "ReplicaSession", "DirectPath", "DeviceProcesses", "SaveFn",
+           "unusable_error"]
 
 _log = logging.getLogger("host_runtime.runner._replica")
 
@@ -35,6 +40,9 @@ _log = logging.getLogger("host_runtime.runner._replica")
 class DeviceProcesses(Protocol):
     def pids(self) -> list[int]:
         """The pids of the device's IPU processes."""
+
+    def describe(self) -> str:
+        """The device and its IPUs, as messages name them (``device 0 (ipu 3)``)."""
 
 
 class DirectPath(Protocol):
@@ -97,10 +105,12 @@ class ReplicaLife:
         self._pids = ExitWatch()       # the device's IPU processes (pidfds)
         self._pids_exact = False       # ... every one of them watched by a pidfd
         self.sync_s = settings.host_sync_timeout   # the bound on a wait for a device's progress
+        self._stop_s = settings.stop_timeout
         self.wait_slice = min(RECHECK, self.sync_s)   # an untimed wait looks around this often
 
     def open(self) -> TransferPath:
         """Attach and load: a session, its rings, Main started in a loop."""
+        t0 = time.monotonic_ns()
         s = self._open_session()
         try:
             in_rings = {n: s.direct.input_ring(spec.handle) for n, spec in self._inputs.items()}
@@ -129,6 +139,8 @@ class ReplicaLife:
             if life is not None:
                 life._loop_ended(fut)
         loop.add_done_callback(on_loop_end)
+        if recorder.ON:
+            _tracing.life("attach and load", self, self.rid, t0, s)
         return path
 
     def _loop_ended(self, fut: cf.Future[None]) -> None:
@@ -138,6 +150,11 @@ class ReplicaLife:
         exc = fut.exception()
         if exc is None:
             return
+        if isinstance(exc, DeviceRuntimeError) and exc.replica is None:
+            # Poplar's classes name the replica too (the device named the IPU and program)
+            named = exc.copy_with(f"replica {self.rid}: {exc}", replica=self.rid)
+            named.__cause__ = exc.__cause__
+            exc = named
         self._on_lost(exc if isinstance(exc, ModelRuntimeError) else DeviceLostError(str(exc)))
 
     def mark_closed(self) -> bool:
@@ -152,9 +169,12 @@ class ReplicaLife:
         """The device made no progress for the host sync timeout while ``what``."""
         pids = self._pids.pids
         peers = "; ".join(describe_process(p) for p in pids) if pids else "no IPU process known"
+        s = self.session
+        dev = s.device() if s is not None else None
+        where = f"{dev.describe()}: " if dev is not None else ""
         return DeviceTimeoutError(
-            f"replica {self.rid}: {what} for {self.sync_s:g} s without progress from the "
-            f"device (the host sync timeout, IPU_EMULATOR_HOST_SYNC_TIMEOUT); {peers}")
+            f"replica {self.rid}: {where}{what} for {self.sync_s:g} s without progress from "
+            f"the device (the host sync timeout, IPU_EMULATOR_HOST_SYNC_TIMEOUT); {peers}")
 
     def slow_output(self, since: float) -> None:
         """A wait for an output that began at ``since`` (monotonic) is long: raise if the
@@ -195,14 +215,33 @@ class ReplicaLife:
             err = self._check_device()
         if err is None:
             return True
-        if not self._auto_reset:
+        if not self.resets(err):
             if self.error_unheard and err is self.error:
                 self.error_unheard = False
                 raise raisable(err)
-            raise DeviceLostError(
-                f"replica {self.rid} is unusable after an earlier failure ({err}); set "
-                "ModelRunnerConfig.auto_reset = True to restart the device automatically") from err
+            raise unusable_error(self.rid, err, self._auto_reset) from err
         return False
+
+    def stalled(self, err: ModelRuntimeError | None,
+                fail: Callable[[ModelRuntimeError], None]) -> bool:
+        """A wait gave up on the device (``err``, the host sync timeout). With auto_reset
+        the replica fails (``fail(err)``: what is in flight hears it, the next request
+        resets it): False. Else True: submits first wait for the device to progress."""
+        if err is None or not self.resets(err) or self.closed:
+            return True
+        fail(err)
+        return False
+
+    def resets(self, err: BaseException) -> bool:
+        """Whether ``auto_reset`` resets the replica after ``err`` (seed 002: after an
+        application runtime error, or a recoverable one whose action is IPU_RESET; and
+        after the emulator's own failures of a device: a lost IPU process, a program
+        that failed, a device stalled past the host sync timeout). Off: never."""
+        if not self._auto_reset:
+            return False
+        if isinstance(err, RecoverableRuntimeError):
+            return err.recovery_action is RecoveryAction.IPU_RESET
+        return not isinstance(err, UnrecoverableRuntimeError)
 
     def _check_device(self) -> ModelRuntimeError | None:
         """Notice a dead IPU process before a request is sent to it (~0.3 us)."""
@@ -248,16 +287,22 @@ class ReplicaLife:
         # formatted now: a record holding the error would keep its traceback (and the
         # failed requests' memory) alive for as long as a handler keeps the record
         _log.warning("replica %d: auto_reset after %s", self.rid, str(self.error))
+        t0 = time.monotonic_ns()
         old = self.session
         self.session = None
         if old is not None:
+            # bounded: a hung or stopped IPU process is killed rather than waited for
+            limit = min(self.sync_s, self._stop_s)
             try:
-                old.stop()
+                old.stop_within(limit, kill_if_hung=True)
             except ModelRuntimeError:
                 pass
             finally:
-                old.close()
-        return self.open()
+                old.close_within(limit, kill_if_hung=True)
+        path = self.open()
+        if recorder.ON:
+            _tracing.life("reset", self, self.rid, t0, self.session)
+        return path
 
     def close(self, save: SaveFn | None, limit: float) -> None:
         """Stop the loop, optionally run the save programs, close the session: within
@@ -266,6 +311,7 @@ class ReplicaLife:
         s = self.session
         if s is None:
             return
+        t0 = time.monotonic_ns()
         try:
             healthy = self.error is None and s.direct.failure() is None
             if save is not None and healthy:
@@ -279,5 +325,34 @@ class ReplicaLife:
             s.stop_within(limit, kill_if_hung=True)
         finally:
             s.close_within(limit, kill_if_hung=True)
+            if recorder.ON:
+                _tracing.life("close", self, self.rid, t0, s)
             self.session = None
             self._pids.close()
+
+
+_RECOVER = {
+    RecoveryAction.IPU_RESET: "set ModelRunnerConfig.auto_reset = True to reset the IPU "
+                              "automatically, or close the runner and make a new one",
+    RecoveryAction.LINK_RESET: "reset the IPU-Links: close the runner and make a new one",
+    RecoveryAction.PARTITION_RESET: "reset the partition: close the runner and make a new one",
+    RecoveryAction.FULL_RESET: "reset the system: close the runner and make a new one",
+}
+
+
+def unusable_error(rid: int, err: ModelRuntimeError, auto_reset: bool) -> ModelRuntimeError:
+    """What a request to replica ``rid`` raises after ``err`` failed it and nothing reset
+    it: Poplar's classes as themselves (the same class and recovery action), other
+    failures as ``DeviceLostError``; the caller raises it from ``err``."""
+    if isinstance(err, RecoverableRuntimeError):
+        how = _RECOVER[err.recovery_action]
+    elif isinstance(err, UnrecoverableRuntimeError):
+        how = "close the runner and make a new one"
+    elif isinstance(err, DeviceRuntimeError):
+        how = _RECOVER[RecoveryAction.IPU_RESET]
+    else:
+        return DeviceLostError(
+            f"replica {rid} is unusable after an earlier failure ({err}); set "
+            "ModelRunnerConfig.auto_reset = True to restart the device automatically")
+    return err.copy_with(f"replica {rid} is unusable after an earlier "
+                         f"{type(err).__name__} ({err}); {how}", replica=rid)

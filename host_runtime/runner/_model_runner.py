@@ -43,6 +43,7 @@ from host_runtime.runner._requests import OutputFuture
 from host_runtime.runner.config import DataDesc, ModelRunnerConfig
 from host_runtime.runner.monitoring import RequestMonitor
 from host_runtime.settings import HostSettings
+from ipu_emulator.faults import table_for as fault_table_for
 
 if TYPE_CHECKING:  # pragma: no cover
     # host_runtime.runner.runner_metrics imports prometheus_client (~60 ms): metrics_collector()
@@ -124,6 +125,8 @@ class ModelRunner:
         self._settings = HostSettings.current()
         # the settings now (environment, override blocks): the runner keeps them for its life
         self._settings = settings = HostSettings.current()
+        # the fault schedule its IPUs follow (ipu_emulator.faults; its sessions hold it too)
+        self._fault_table = fault_table_for(settings.faults)
         self._config = cfg.copy()
         # The caller reads the save programs' outputs from its own dict after close().
         self._config.replica_to_save_programs_outputs = cfg.replica_to_save_programs_outputs
@@ -326,6 +329,15 @@ class ModelRunner:
         """One request monitor per replica (not part of the seed's API: what
         ``metrics_collector`` reads)."""
         return list(self._monitors)
+
+    def faults_injected(self) -> dict[str, int]:
+        """Runs affected by injected faults (``ipu_emulator.faults``), by kind, counted
+        over the schedule this runner's IPUs follow (not part of the seed's API)."""
+        counts: dict[str, int] = {}
+        if self._fault_table is not None:
+            for fault, _, fired in self._fault_table.counts():
+                counts[fault.kind] = counts.get(fault.kind, 0) + fired
+        return counts
 
     def metrics_collector(self, register_default: bool = False) -> "ModelRunnerCollector":
         """These statistics as a ``prometheus_client`` collector (see host_runtime.runner.runner_metrics):

@@ -55,7 +55,8 @@ class Driver(Protocol):
 class Request:
     __slots__ = ("driver", "replica", "samples", "inputs", "given", "dests", "results",
                  "remaining", "error", "done", "t_received", "t_prepared", "t_completed",
-                 "outputs_per_transfer", "internal", "description", "__weakref__")
+                 "t_laid", "trace", "outputs_per_transfer", "internal", "description",
+                 "__weakref__")
 
     def __init__(self, driver: Driver, replica: int, samples: int,
                  inputs: dict[str, np.ndarray], dests: dict[str, Optional[np.ndarray]],
@@ -78,8 +79,10 @@ class Request:
         # return), so that a request is never left finished but not done.
         self.done = False
         self.t_received = t_received
-        self.t_prepared = t_received
+        self.t_prepared = t_received   # checked and built, before it is sent
+        self.t_laid = t_received       # its inputs are in the rings
         self.t_completed = 0
+        self.trace: Optional[list[Any]] = None   # timeline instants (runner._tracing), if on
         self.internal = internal      # a flush or dummy request (no user, no statistics)
         self.description = ""
 
@@ -122,6 +125,7 @@ class Transfer:
     flush_asked: bool                                # flush_callback called for this partial
     flush_extra: Optional[Request]                   # what it gave, not yet packed
     seq: int                                         # its sequence number on the wire (1, 2, ...)
+    t_first: int                                     # tracing: its first output read (ns)
 
     def __init__(self, segments: list[tuple[Request, int, int, int]],
                  outputs: tuple[TensorSpec, ...], t_open: float = 0.0) -> None:
@@ -136,6 +140,7 @@ class Transfer:
         self.flush_asked = False
         self.flush_extra = None
         self.seq = 0
+        self.t_first = 0
 
 
 class OutputFuture:

@@ -38,6 +38,9 @@ from shm import Ring, RingInvalidatedError, RingTimeoutError, ShmError, WouldBlo
 from host_runtime.errors import (DeviceLostError, DeviceTimeoutError, InvalidStateError,
                                  ModelRuntimeError,
                                  SequenceMismatchError)
+from ipu_emulator.trace import recorder
+
+from host_runtime.runner import _tracing
 from host_runtime.runner._completion import Completion
 from host_runtime.runner._life import ReplicaLife
 from host_runtime.runner._replica_timers import ReplicaTimers
@@ -51,6 +54,7 @@ _native_id = threading.get_native_id
 _thread_ids = threading.local()
 """``.native_id``: ``_native_id()`` of this thread (a system call), kept per thread."""
 os.register_at_fork(after_in_child=lambda: _thread_ids.__dict__.clear())   # its own thread
+_clock = time.perf_counter_ns
 _ROOM_WAIT = 0.05
 """Seconds a submitter waits for a full ring's slot before it looks again (it drives)."""
 _WRITE_ERRORS = (ShmError, OSError)
@@ -83,6 +87,7 @@ class _Submitter:
             self._completion.clear()
             self._writing = None
             self._monitor.reset_chain()
+            self._monitor.record_reset(life.error)
             life.reset()
         path = life.path
         assert path is not None
@@ -104,6 +109,19 @@ class _Submitter:
     def _acquire(self, ring: Ring) -> memoryview:
         """A free slot of ``ring``; drives the replica (or waits) while it is full, for no
         longer than the host sync timeout without a free slot."""
+        try:
+            return ring.try_acquire_write()
+        except WouldBlock:
+            pass
+        if not recorder.ON:
+            return self._wait_for_slot(ring)
+        t0 = time.monotonic_ns()
+        try:
+            return self._wait_for_slot(ring)
+        finally:
+            _tracing.wait("wait for a free slot", t0)
+
+    def _wait_for_slot(self, ring: Ring) -> memoryview:
         give_up = 0.0
         while True:
             try:
@@ -135,9 +153,12 @@ class Submission(_Submitter):
     # ------------------------------------------------------------------ submit
     def submit(self, req: Request, transfers: int, phantom: str | None = None) -> None:
         """Send ``req`` to the device (or park it as a phantom that will time out)."""
+        req.t_prepared = _clock()
         if not self.lock.acquire(False):
             self._take_lock()
         try:
+            if recorder.ON:
+                _tracing.lay_started(req)
             life = self._life
             path = life.path if life.looks_well() else self._usable()
             assert path is not None
@@ -163,14 +184,14 @@ class Submission(_Submitter):
             except DeviceTimeoutError as exc:   # no free slot: the device stalled
                 req.fail(exc)
                 req.dests = {}
-                self._completion.stall()
+                self._completion.stall(exc)
                 raise
             except ModelRuntimeError:
                 raise
             except BaseException as exc:   # KeyboardInterrupt, a signal handler's exception
                 self._abandon_request(req, exc)
                 raise
-            req.t_prepared = time.perf_counter_ns()
+            req.t_laid = _clock()
         finally:
             self.lock.release()
 
@@ -322,7 +343,7 @@ class Submission(_Submitter):
                     self._finish_writing(path)
                 if extra is not None and completion.open is tr:
                     self._pack(path, extra)
-                    extra.t_prepared = time.perf_counter_ns()
+                    extra.t_laid = time.perf_counter_ns()
                 if completion.open is tr:
                     self._seal(path, tr, pad=True)
         except _WRITE_ERRORS as exc:
@@ -347,6 +368,7 @@ class Submission(_Submitter):
         path = self._life.path
         if path is None or not path.fusable:
             return None
+        t_prepared = _clock()
         lock = self.lock
         if not lock.acquire(False):
             self._take_lock()
@@ -363,12 +385,13 @@ class Submission(_Submitter):
                 return None
             self._hint(path)
             self._seq = seq = self._seq + 1
+            t_lay = _clock() if recorder.ON else 0   # tracing (0: off)
             try:
                 results = path.run_fused(inputs, seq, self._acquire, life.slow_output,
                                          life.wait_slice)
             except DeviceTimeoutError as exc:   # the device stalled: abandoned, as below
                 self._abandon_fused(path, inputs, seq, t_received, exc, finish=False)
-                self._completion.stall()
+                self._completion.stall(exc)
                 completion.record_error(exc)
                 raise
             except (RingInvalidatedError, ShmError, OSError, InvalidStateError,
@@ -391,7 +414,12 @@ class Submission(_Submitter):
                 raise
         finally:
             lock.release()
-        self._monitor.record(t_received, path.t_laid, time.perf_counter_ns())
+        now = _clock()
+        started = self._monitor.record(t_received, t_prepared, now, path.t_laid)
+        if t_lay:
+            _tracing.fused(self._life, self._life.rid, path.batch, seq,
+                           (t_received, t_prepared, t_lay or path.t_laid, path.t_laid, started,
+                            path.t_first, now, now))
         return results
 
     def _abandon_fused(self, path: TransferPath, inputs: dict[str, np.ndarray], seq: int,

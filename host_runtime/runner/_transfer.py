@@ -53,8 +53,11 @@ import numpy as np
 from shm import Ring, RingTimeoutError
 from shm.spin import NEVER, PollEstimate, us_to_ns
 
+from ipu_emulator.trace import recorder
+
 from host_runtime.errors import SequenceMismatchError
 from host_runtime.memory import PARALLEL_MIN_BYTES, SHARED_MIN_BYTES, copy_bytes, shared_location
+from host_runtime.runner import _tracing
 from host_runtime.runner._batching import TensorSpec
 from host_runtime.runner._requests import Request, Transfer
 from host_runtime.settings import HostSettings
@@ -185,6 +188,9 @@ class TransferPath:
         self.outputs = {n: _Out(n, s, out_rings[n], take_action(s, options.small_io),
                                 s.shape_for(s.batch)) for n, s in outputs.items()}
         self.all_outputs = tuple(outputs.values())
+        # A model with no input streams: the device's iterations read nothing that carries
+        # a request's number, so its outputs carry none (0) and are checked against 0.
+        self.numbered = bool(self.inputs)
         self.rings = [*in_rings.values(), *out_rings.values()]
         # an output large enough for host shared memory (see redirects)
         self.may_redirect = any(s.nbytes >= SHARED_MIN_BYTES for s in outputs.values())
@@ -195,6 +201,7 @@ class TransferPath:
                         and all(0 < s.nbytes <= READ_MAX for s in outputs.values()))
         self.fused_taken = 0             # outputs run_fused has read (-1: still writing)
         self.t_laid = 0                  # when run_fused had written its inputs (perf_counter ns)
+        self.t_first = 0                 # tracing: when run_fused read its first output
         # when to poll an output ring before blocking (see await_output). On one CPU a
         # poll that finds the CPU shared blocks instead; on several the IPU process moves
         # off the host's CPU, and blocking would only let the wake-up put the host back
@@ -363,7 +370,7 @@ class TransferPath:
         ``timeout`` s without one; ``tr.next_output`` says how far it got)."""
         dynamic = self.dynamic
         outputs = tr.outputs
-        seq = tr.seq
+        seq = tr.seq if self.numbered else 0
         while tr.next_output < len(outputs):
             index = tr.next_output
             spec = outputs[index]
@@ -378,6 +385,8 @@ class TransferPath:
                 t0 = self.await_output(ring)
                 view, tag = ring.read(timeout) if read else ring.acquire_read(timeout)
                 self.waited(t0)
+            if recorder.ON and index == 0:
+                tr.t_first = time.perf_counter_ns()
             try:
                 if tag >> SEQ_SHIFT != seq:
                     raise self.mismatch(spec.name, tag, seq)
@@ -387,6 +396,8 @@ class TransferPath:
                 if not read:
                     ring.release()
             tr.next_output = index + 1
+        if recorder.ON:   # the timeline: when its requests' outputs were read, its number
+            _tracing.drained(tr, time.perf_counter_ns())
 
     def mismatch(self, name: str, tag: int, seq: int) -> SequenceMismatchError:
         """The error of output ``name`` read with ``tag`` for transfer ``seq``."""
@@ -464,9 +475,10 @@ class TransferPath:
                    ) -> dict[str, np.ndarray]:
         """``run_fused``'s reading: each output of transfer ``seq`` (Take.READ) into a new
         array; ``fused_taken`` counts them."""
-        tag = seq << SEQ_SHIFT
+        tag = seq << SEQ_SHIFT if self.numbered else 0
         results = {}
         self.fused_taken = 0
+        first = recorder.ON    # tracing: note when the first output is read
         for o in self.outputs.values():
             ring = o.ring
             t0 = 0 if ring.readable() else self.await_output(ring)
@@ -478,6 +490,9 @@ class TransferPath:
                 except RingTimeoutError:   # a long computation, closed, or a stalled device?
                     since = since or time.monotonic() - slice_s
                     slow(since)
+            if first:
+                self.t_first = time.perf_counter_ns()
+                first = False
             if got != tag:
                 raise self.mismatch(o.name, got, seq)
             self._est.record(time.perf_counter_ns() - t0 if t0 else 0)

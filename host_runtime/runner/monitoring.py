@@ -5,12 +5,16 @@ Every request records four instants (``time.perf_counter_ns``)::
     received --read preparation--> prepared --read queue--> started --computation--> completed
     |<------------------------------- request ------------------------------------->|
 
-- *read preparation*: validating the request and writing its inputs into the
-  device's input slots;
-- *read queue*: waiting behind earlier requests until the device takes it
-  (``started`` = the later of ``prepared`` and the completion of the request
-  before it on the same replica: the device runs one request at a time);
+- *read preparation*: checking the request and building it (before it is queued);
+- *read queue*: waiting for the replica (another thread's request), for free input
+  slots, laying the inputs into them, and waiting behind earlier requests until
+  the device takes it (``started`` = the later of ``laid``, when its inputs are in
+  the rings, and the completion of the request before it on the same replica: the
+  device runs one request at a time);
 - *computation*: from then until its outputs are back on the host.
+
+The timeline (``ipu_emulator.trace``) shows the same instants, and splits these
+phases further (docs/tracing.md).
 
 The last ``request_tracepoints_buffer_size`` traces are kept (0 = all);
 means and percentiles are over those, counts are over every request. Key
@@ -40,6 +44,7 @@ class MonitorSnapshot(NamedTuple):
     quantiles_us: dict[str, list[tuple[float, float]]]   # phase -> [(q, value)], buffer
     errors: dict[str, int]                           # error class name -> failed requests
     buffered: int                                    # traces the quantiles are over
+    resets: dict[str, int] = {}                      # error class name -> auto_resets after it
 
 
 class RequestMonitor:
@@ -56,23 +61,26 @@ class RequestMonitor:
         # sums of each instant over every request (ns): phase sums are their differences
         self._sum_received = self._sum_prepared = self._sum_started = self._sum_completed = 0
         self._errors: dict[str, int] = {}   # failed requests by error class
+        self._resets: dict[str, int] = {}   # auto_resets by the class of the error before
         self._last_completed = 0
         self._lock = threading.Lock()
 
-    def record(self, received_ns: int, prepared_ns: int, completed_ns: int) -> None:
-        """Record one finished request; its start is inferred (see module docstring).
+    def record(self, received_ns: int, prepared_ns: int, completed_ns: int,
+               laid_ns: int = 0) -> int:
+        """Record one finished request; its start is inferred (see module docstring) and
+        returned. ``laid_ns``: when its inputs were in the rings (0: ``prepared_ns``).
 
         On every request's path (~0.5 us): the instants are stored as they are and the
         phases worked out when read."""
+        if not laid_ns:
+            laid_ns = prepared_ns
         with self._lock:
             last = self._last_completed
-            # started = max(prepared, min(last completion, completed))
-            if last <= prepared_ns:
-                started = prepared_ns
+            # started = max(laid, min(last completion, completed))
+            if last <= laid_ns:
+                started = laid_ns
             else:
                 started = last if last < completed_ns else completed_ns
-                if started < prepared_ns:
-                    started = prepared_ns
             if completed_ns > last:
                 self._last_completed = completed_ns
             self._traces.append((received_ns, prepared_ns, started, completed_ns))
@@ -81,6 +89,7 @@ class RequestMonitor:
             self._sum_started += started
             self._sum_completed += completed_ns
             self._count += 1
+        return started
 
     @staticmethod
     def _phases(trace: tuple[int, int, int, int]) -> tuple[float, float, float, float]:
@@ -99,6 +108,13 @@ class RequestMonitor:
         except AttributeError:  # pragma: no cover - an exception class with __slots__
             pass
 
+    def record_reset(self, error: BaseException | None) -> None:
+        """Count one reset of the replica (``auto_reset``) by the class of the error that
+        made it needed."""
+        name = type(error).__name__ if error is not None else "DeviceLostError"
+        with self._lock:
+            self._resets[name] = self._resets.get(name, 0) + 1
+
     def record_raised(self, error: BaseException) -> None:
         """Count an error a call raised, unless it is a failed request's, counted already."""
         if not getattr(error, "_ipu_monitored", False):
@@ -108,7 +124,7 @@ class RequestMonitor:
         """Counts and sums over every request, errors by class, and the ``quantiles``
         of each phase over the buffered traces (all durations in microseconds)."""
         with self._lock:
-            count, errors = self._count, dict(self._errors)
+            count, errors, resets = self._count, dict(self._errors), dict(self._resets)
             sums = self._phases((self._sum_received, self._sum_prepared, self._sum_started,
                                  self._sum_completed))
         m = self._matrix()
@@ -116,7 +132,8 @@ class RequestMonitor:
         per_phase = {phase: [(q, float(qs[k][i]) if qs is not None else 0.0)
                              for k, q in enumerate(quantiles)]
                      for i, phase in enumerate(PHASES)}
-        return MonitorSnapshot(count, dict(zip(PHASES, sums)), per_phase, errors, len(m))
+        return MonitorSnapshot(count, dict(zip(PHASES, sums)), per_phase, errors, len(m),
+                               resets)
 
     @property
     def count(self) -> int:

@@ -18,6 +18,11 @@ Metrics (labels ``model`` = the PopEF executable's name, ``replica``,
     ipu_model_runner_request_errors_total{error}    failed calls and requests by error
                                                     class (BadRequestError, DeviceLostError,
                                                     DeviceTimeoutError, ...)
+    ipu_model_runner_resets_total{error}            auto_resets of a replica, by the class of
+                                                    the error before it
+    ipu_model_runner_faults_injected_total{kind}    Main runs an injected fault affected
+                                                    (ipu_emulator.faults), by kind (label
+                                                    replica "all": the schedule is the runner's)
     ipu_model_runner_request_seconds                summary per phase: _count and _sum
     ipu_model_runner_read_preparation_seconds       over every request, quantiles 0.5,
     ipu_model_runner_read_queue_seconds             0.9 and 0.99 over the last
@@ -53,6 +58,7 @@ class MonitoredRunner(Protocol):
     (A protocol, so that this module, imported lazily, does not import the runner's.)"""
 
     def request_monitors(self) -> list[RequestMonitor]: ...
+    def faults_injected(self) -> dict[str, int]: ...
 
     @property
     def model(self) -> Model: ...
@@ -115,31 +121,45 @@ class ModelRunnerCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         rows: list[tuple[list[str], RequestMonitor]] = []
+        faults: list[tuple[list[str], dict[str, int]]] = []
         for runner in self.runners():
             model, num = _model_name(runner), _runner_number(runner)
             monitors = runner.request_monitors()
             rows += [([model, str(rid), num], mon) for rid, mon in enumerate(monitors)]
-        return iter(self._families(rows))
+            faults.append(([model, "all", num], runner.faults_injected()))
+        return iter(self._families(rows, faults))
 
-    def _families(self, rows: list[tuple[list[str], RequestMonitor]] | None = None
+    def _families(self, rows: list[tuple[list[str], RequestMonitor]] | None = None,
+                  faults: list[tuple[list[str], dict[str, int]]] | None = None
                   ) -> list[Metric]:
         requests = CounterMetricFamily(f"{PREFIX}_requests", "requests completed", labels=_LABELS)
         errors = CounterMetricFamily(f"{PREFIX}_request_errors",
                                      "requests failed, by the class of their error",
                                      labels=_LABELS + ["error"])
+        resets = CounterMetricFamily(f"{PREFIX}_resets",
+                                     "auto_resets of a replica, by the class of the error "
+                                     "before it", labels=_LABELS + ["error"])
+        injected = CounterMetricFamily(f"{PREFIX}_faults_injected",
+                                       "Main runs an injected fault affected, by kind",
+                                       labels=_LABELS + ["kind"])
+        for labels, counts in faults or ():
+            for kind, n in sorted(counts.items()):
+                injected.add_metric(labels + [kind], n)
         phases = {p: Metric(f"{PREFIX}_{p}_seconds", _HELP[p], "summary") for p in PHASES}
         for labels, mon in rows or ():
             snap = mon.snapshot(QUANTILES)
             requests.add_metric(labels, snap.requests)
             for name, n in sorted(snap.errors.items()):
                 errors.add_metric(labels + [name], n)
+            for name, n in sorted(snap.resets.items()):
+                resets.add_metric(labels + [name], n)
             values = dict(zip(_LABELS, labels))
             for p, fam in phases.items():
                 for q, v in snap.quantiles_us[p]:
                     fam.add_sample(fam.name, dict(values, quantile=repr(q)), v / 1e6)
                 fam.add_sample(fam.name + "_count", values, float(snap.requests))
                 fam.add_sample(fam.name + "_sum", values, snap.sums_us[p] / 1e6)
-        return [requests, errors, *phases.values()]
+        return [requests, errors, resets, injected, *phases.values()]
 
 
 _default: ModelRunnerCollector | None = None

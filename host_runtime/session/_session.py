@@ -61,6 +61,7 @@ from host_runtime.session.predicates import AnchorCallbackPredicate, PopefDataUs
 from host_runtime.settings import HostSettings
 from ipu_emulator import ipu_protocol
 from ipu_emulator.executable import ExecutableError, read_header, weights_span
+from ipu_emulator.faults import table_for as fault_table_for
 from ipu_emulator.ipu_protocol import Op
 
 __all__ = [
@@ -204,6 +205,8 @@ class Session:
             raise BadRequestError(f"config must be a SessionConfig, got {config!r}")
         self._settings = (self._config.settings if self._config.settings is not None
                           else HostSettings.current())
+        # the fault schedule its IPUs follow (ipu_emulator.faults), kept for the session's life
+        self._fault_table = fault_table_for(self._settings.faults)
         if isinstance(model, popef.Model):
             self._model = model
         elif isinstance(model, (str, os.PathLike)):
@@ -697,9 +700,11 @@ class Session:
             region.buf[:len(prefix)] = prefix
             region.buf[len(prefix):len(prefix) + head] = memoryview(self._exe)[:head]
             self._spec_region = region
+        load: dict[str, Any] = {"spec_region": self._spec_region.name}
+        if self._fault_table is not None:
+            load["faults"] = [self._fault_table.name]
         try:
-            dev.link.call(Op.LOAD, {"spec_region": self._spec_region.name},
-                          timeout=self._settings.load_timeout)
+            dev.link.call(Op.LOAD, load, timeout=self._settings.load_timeout)
         finally:
             if self._settings.prepack:
                 # the IPU process keeps its own (prepacked) copy and let go of the shared
@@ -748,7 +753,8 @@ class Session:
         rings = self._streams.rings
         self._sharded.load(dev.link, self._streams.load_spec(modes),
                            self._config.check_package_hash, fresh, self._settings.load_timeout,
-                           lambda h, pid: rings[h].set_peer(pid))
+                           lambda h, pid: rings[h].set_peer(pid),
+                           [self._fault_table.name] if self._fault_table is not None else None)
         self._modes_sent = modes
         self._loaded = True
         self._need_load_programs = True

@@ -61,6 +61,7 @@ class PooledIpu:
         self.held_seconds = 0.0  # time held by hosts, past holds
         self._held_since: float | None = None
         self._runs_past = 0      # programs run by this IPU's earlier processes
+        self.faults: list[str] = []   # the daemon's fault tables (ipu_emulator.faults)
         self._seq = itertools.count(1)
 
     # -- blocking steps (executor) ------------------------------------------------------
@@ -81,12 +82,12 @@ class PooledIpu:
         _log.info("ipu %d: process %d is ready", self.index, proc.pid)
 
     def hand_over(self, host: int, num_ipus: int, label: str) -> None:
-        self._host_call(host, {"num_ipus": num_ipus, "label": label})
+        self._host_call(host, {"num_ipus": num_ipus, "label": label, "faults": self.faults})
         self._held_since = time.monotonic()
 
     def take_back(self) -> None:
         self._end_hold()
-        self._host_call(0, {"num_ipus": 1, "label": self.spec.label})
+        self._host_call(0, {"num_ipus": 1, "label": self.spec.label, "faults": self.faults})
         self.resets += 1
 
     def _end_hold(self) -> None:
@@ -175,7 +176,8 @@ class PooledIpu:
         proc = self.proc
         assert proc is not None
         return {"ipu": self.index, "pid": proc.pid, "control": proc.control.name,
-                "events": proc.events.name, "log": proc.log_path, "ready": self.ready}
+                "events": proc.events.name, "log": proc.log_path, "ready": self.ready,
+                "trace": proc.trace.name if proc.trace is not None else None}
 
     def status(self) -> dict[str, Any]:
         return {"ipu": self.index, "state": self.state, "holder": self.holder, "pid": self.pid,

@@ -27,6 +27,8 @@ daemon's event loop (:class:`DaemonMetrics` methods) and in
     ipu_emulator_daemon_ipu_restarts_total{ipu}     IPU processes started after the first
     ipu_emulator_daemon_ipu_process_deaths_total{ipu}   IPU processes that died
     ipu_emulator_daemon_ipu_process_cpu_seconds_total{ipu}  CPU time of its current process
+    ipu_emulator_daemon_faults_injected_total{kind} Main runs a fault of the daemon's schedule
+                                                    affected (ipu_emulator.faults), by kind
 
 Hosts talk to an IPU process over shared-memory rings the daemon never sees;
 each IPU process counts the programs it runs in its control ring's user word
@@ -59,6 +61,7 @@ class Pool(Protocol):
 
     @property
     def ipus(self) -> Sequence[PooledIpu]: ...
+    def faults_injected(self) -> dict[str, int]: ...
 
 __all__ = ["DaemonMetrics", "PREFIX", "MetricsServer", "MetricsServeError"]
 
@@ -154,6 +157,11 @@ class _PoolCollector(Collector):
             if seconds is not None:
                 cpu.add_metric([str(ipu.index)], seconds)
         yield cpu
+        injected = CounterMetricFamily(f"{PREFIX}_faults_injected", "Main runs a fault of the "
+                                       "daemon's schedule affected, by kind", labels=["kind"])
+        for kind, n in sorted(self._daemon.faults_injected().items()):
+            injected.add_metric([kind], n)
+        yield injected
 
 
 def _cpu_seconds(pid: int | None) -> float | None:

@@ -45,13 +45,14 @@ from typing import Any
 
 from shm import pid_alive
 
-from ipu_emulator import titles
+from ipu_emulator import titles, trace
 from ipu_emulator.daemon import socket_protocol as wire
 from ipu_emulator.daemon.daemon_metrics import DaemonMetrics
 from ipu_emulator.daemon._pool import PoolError, PooledIpu, remove_objects_of
 from ipu_emulator.ipu.launcher import IpuSpec
 from ipu_emulator.system import IpuLocks, SystemConfig
 from ipu_emulator.errors import DaemonError
+from ipu_emulator.faults import FaultSpecError, FaultTable, dumps, parse_faults
 from ipu_emulator.settings import IpuSettings
 
 __all__ = ["Daemon", "DaemonError"]
@@ -99,6 +100,15 @@ class Daemon:
         self._busy: set[int] = set()     # IPUs with a blocking step under way
         self._retry_at: dict[int, float] = {}
         self._stopping = False   # no more attaches, resets or restarts
+        # the schedule of faults its IPUs follow (IPU_EMULATOR_FAULTS, --faults; live:
+        # the "faults" request): refused here when bad, naming the fault, field and value
+        try:
+            faults = parse_faults(self.settings.faults)
+        except FaultSpecError as exc:
+            raise DaemonError(f"bad faults: {exc}") from None
+        self.fault_table = FaultTable.create(faults)
+        for ipu in self.ipus:
+            ipu.faults = [self.fault_table.name]
         self.metrics = DaemonMetrics(self, metrics_port, metrics_address)
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -162,6 +172,7 @@ class Daemon:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.socket_path)
             await self._stop_ipus()
+            self.fault_table.close()
         return 0
 
     def _claim_socket_path(self) -> None:
@@ -268,8 +279,33 @@ class Daemon:
             return {"ok": True}
         if op == "exit_status":
             return await self._exit_status(req.get("pid"))
+        if op == "faults":
+            return self._faults(req)
         return _error("protocol", f"unknown op {op!r}; expected hello, status, attach, "
-                      "release or exit_status")
+                      "release, exit_status or faults")
+
+    def faults_injected(self) -> dict[str, int]:
+        """Main runs a fault of its schedule affected, by kind (for /metrics)."""
+        counts: dict[str, int] = {}
+        for fault, _, fired in self.fault_table.counts():
+            counts[fault.kind] = counts.get(fault.kind, 0) + fired
+        return counts
+
+    def _faults(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Live injection: ``clear`` (bool) removes every fault, ``add`` (a list of fault
+        objects) adds some; the IPUs see the change before their next Main run. The
+        reply lists each fault with the Main runs it has seen and fired on."""
+        try:
+            new = parse_faults(req.get("add") or [], "faults request")
+        except FaultSpecError as exc:
+            return _error("bad_request", str(exc))
+        if req.get("clear"):
+            self.fault_table.clear()
+        if new:
+            self.fault_table.add(new)
+            _log.info("faults added: %s", dumps(new))
+        return {"ok": True, "faults": [{"fault": f.to_dict(), "seen": seen, "fired": fired}
+                                       for f, seen, fired in self.fault_table.counts()]}
 
     def _status(self) -> dict[str, Any]:
         """The pool per IPU, and per attached device: its id, its IPUs and its holder."""
@@ -366,6 +402,7 @@ class Daemon:
         conn.device_id = device_id
         _log.info("host %d attached ipus %s (pids %s)", conn.pid, indices,
                   [ipu.pid for ipu in wanted])
+        trace.instant(f"host {conn.pid} attached ipus {indices}", host=conn.pid)
         return {"ok": True, "ipus": [ipu.info() for ipu in wanted]}
 
     async def _blocking(self, ipu: PooledIpu, fn: Any, *args: Any) -> Any:
@@ -391,6 +428,8 @@ class Daemon:
         dead = not pid_alive(conn.pid)
         _log.info("host %d %s ipus %s", conn.pid, "died; reclaiming" if dead else why,
                   [ipu.index for ipu in held])
+        trace.instant(f"host {conn.pid} {'died' if dead else why}: ipus "
+                      f"{[ipu.index for ipu in held]}", host=conn.pid)
         for ipu in held:
             if ipu.state != "dead":
                 ipu.state = "resetting"

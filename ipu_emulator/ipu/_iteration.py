@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from ipu_emulator.executable import is_sync
+from ipu_emulator.trace import recorder
 from ipu_emulator.ipu_protocol import (MODE_DIRECT, MODE_EVENT, MODE_NULL, SEQ_SHIFT, TAG_ABORT,
                                        TAG_DATA, TAG_KIND_MASK, TAG_SHARED)
 
@@ -219,6 +220,9 @@ def make_step(inputs: Sequence[tuple[Any, int, StreamPlan]],
         step = _stepcore.Step(tuple(ins), tuple(outs), table, calls, SEQ_SHIFT)
     except (TypeError, ValueError):   # e.g. a transfer larger than its slots
         return None
+    trace = recorder.buffer() if recorder.ON else None
+    if trace is not None:   # each step a record of the timeline (ipu_emulator.trace)
+        step.trace(trace.buf, recorder.I_STEP)
     inputs_there = None
     if inputs and all(i[2].poll for i in inputs):
         inputs_there = _all_readable([i[0].readable for i in inputs])

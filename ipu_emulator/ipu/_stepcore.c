@@ -48,6 +48,15 @@
  * unpublished, and the exception propagates.
  *
  * A Step holds references to its ring handles (and so to the rings' mappings).
+ *
+ * trace(buffer, code): from now on each step done writes one record into the
+ * trace buffer `buffer` (a writable buffer laid out as shm/tracebuf.py says: a
+ * 64-byte header whose capacity is at offset 8 and whose count of records written
+ * is at offset 24, then records of 48 bytes): ts = CLOCK_MONOTONIC ns once its inputs
+ * were taken, dur until just before its outputs are published (so the host sees them
+ * after the step's end), code, tid 0, a = the iteration's sequence number, b / c = ns
+ * from ts until the output slots were taken / until fn returned. The GIL is held while a
+ * record is written, as it is by the Python writer of the same buffer.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -95,7 +104,16 @@ typedef struct {
     PyObject *calls; /* dict */
     int seq_shift;   /* 0: tags carry no sequence number */
     int64_t kind_mask;
+    int tracing;     /* trace is a buffer held (see trace()) */
+    uint32_t trace_code;
+    uint32_t trace_capacity;
+    Py_buffer trace;
 } Step;
+
+#define TRACE_HEADER 64
+#define TRACE_RECORD 48
+#define TRACE_CAPACITY_AT 8
+#define TRACE_COUNT_AT 24
 
 static int64_t
 now_ns(void)
@@ -103,6 +121,26 @@ now_ns(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* One record of a step into the trace buffer (the oldest is overwritten when full). */
+static void
+trace_record(Step *st, int64_t ts, int64_t dur, int64_t a, int64_t b, int64_t c)
+{
+    char *base = (char *)st->trace.buf;
+    uint64_t n;
+    uint32_t tid = 0;
+    memcpy(&n, base + TRACE_COUNT_AT, 8);
+    char *r = base + TRACE_HEADER + (n % st->trace_capacity) * TRACE_RECORD;
+    memcpy(r, &ts, 8);
+    memcpy(r + 8, &dur, 8);
+    memcpy(r + 16, &st->trace_code, 4);
+    memcpy(r + 20, &tid, 4);
+    memcpy(r + 24, &a, 8);
+    memcpy(r + 32, &b, 8);
+    memcpy(r + 40, &c, 8);
+    n++;
+    memcpy(base + TRACE_COUNT_AT, &n, 8);
 }
 
 /* The ring end of `handle`, checked to be another than the ones before it and to
@@ -244,6 +282,8 @@ Step_dealloc(Step *st)
     }
     Py_XDECREF(st->table);
     Py_XDECREF(st->calls);
+    if (st->tracing)
+        PyBuffer_Release(&st->trace);
     Py_TYPE(st)->tp_free((PyObject *)st);
 }
 
@@ -311,6 +351,7 @@ step_once(Step *st, int64_t seq)
     PyObject *held[STEP_MAX];
     int n_held = 0, taken_in = 0, taken_out = 0, i, j, result = 0;
     PyObject *key = NULL;
+    int64_t t_start = 0, t_taken = 0, t_computed = 0, t_end = 0;
 
     for (i = 0; i < st->n_in; i++) {
         StepIn *s = &st->in[i];
@@ -339,6 +380,8 @@ step_once(Step *st, int64_t seq)
                                &n_held) < 0)
             goto undo;
     }
+    if (st->tracing)     /* the inputs are there (published before this instant) */
+        t_start = now_ns();
     for (j = 0; j < st->n_out; j++) {
         char *payload;
         if (!ring->take_writable(st->out[j].end, &payload))
@@ -347,6 +390,8 @@ step_once(Step *st, int64_t seq)
         if (!redirected[j])
             out_ptr[j] = payload;
     }
+    if (st->tracing)
+        t_taken = now_ns();
     if ((key = PyTuple_New(st->n_in + st->n_out)) == NULL)
         goto undo;
     for (i = 0; i < st->n_in + st->n_out; i++) {
@@ -370,6 +415,8 @@ step_once(Step *st, int64_t seq)
         goto undo;
     }
     Py_DECREF(r);
+    if (st->tracing)     /* before the publishes: the host sees the outputs after it */
+        t_computed = t_end = now_ns();
     int64_t numbered = st->seq_shift ? seq << st->seq_shift : 0;
     for (j = 0; j < st->n_out; j++) {
         StepOut *s = &st->out[j];
@@ -382,6 +429,9 @@ step_once(Step *st, int64_t seq)
     Py_DECREF(key);
     for (i = 0; i < n_held; i++)
         Py_DECREF(held[i]);
+    if (st->tracing)
+        trace_record(st, t_start, t_end - t_start, seq, t_taken - t_start,
+                     t_computed - t_start);
     return 1;
 undo:
     /* give back every slot taken: the rings are as before the call */
@@ -455,7 +505,38 @@ Step_run_many(Step *st, PyObject *args, PyObject *kwds)
     return PyLong_FromLongLong(done);
 }
 
+/* trace(buffer, code) */
+static PyObject *
+Step_trace(Step *st, PyObject *args)
+{
+    PyObject *obj;
+    unsigned int code;
+    Py_buffer view;
+    if (!PyArg_ParseTuple(args, "OI:trace", &obj, &code))
+        return NULL;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    uint32_t capacity = 0;
+    if (view.len >= TRACE_HEADER)
+        memcpy(&capacity, (char *)view.buf + TRACE_CAPACITY_AT, 4);
+    if (capacity == 0 || view.len < TRACE_HEADER + (Py_ssize_t)capacity * TRACE_RECORD) {
+        PyBuffer_Release(&view);
+        PyErr_Format(PyExc_ValueError, "trace: a buffer of %zd bytes does not hold the "
+                     "header and %u records of a trace buffer", view.len, capacity);
+        return NULL;
+    }
+    if (st->tracing)
+        PyBuffer_Release(&st->trace);
+    st->trace = view;
+    st->trace_code = code;
+    st->trace_capacity = capacity;
+    st->tracing = 1;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef Step_methods[] = {
+    {"trace", (PyCFunction)Step_trace, METH_VARARGS,
+     "trace(buffer, code): record each step done into a trace buffer (see the C file)."},
     {"run", (PyCFunction)(void (*)(void))Step_run, METH_FASTCALL,
      "run(seq=0) -> True if one step was done, False if nothing was done (see the C file)."},
     {"run_many", (PyCFunction)(void (*)(void))Step_run_many, METH_VARARGS | METH_KEYWORDS,

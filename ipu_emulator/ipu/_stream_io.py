@@ -27,8 +27,10 @@ from ipu_emulator.ipu._host_memory import HostMemory, HostMemoryError
 from ipu_emulator.ipu._iteration import (HOST_TAG, SLOT_TAG, INPUT_TAGS, InAction,
                                             IterationNumber, SequenceMismatch, StreamPlan,
                                             make_step, numbered, plan_stream)
+from ipu_emulator.executable import is_link
 from ipu_emulator.ipu_protocol import TAG_KIND_MASK, ErrorKind, Message, Op
 from ipu_emulator.settings import IpuSettings
+from ipu_emulator.trace import recorder
 
 _T = TypeVar("_T")
 
@@ -81,6 +83,7 @@ class _Stream:
         self.mode = mode
         # the tag of an output: kind | seq << SEQ_SHIFT, or the kind alone (not numbered)
         self.seq_mask = -1 if numbered(handle) else TAG_KIND_MASK
+        self.link = int(is_link(handle))   # an IPU-Link to or from another IPU (tracing)
 
     @property
     def mode(self) -> int:
@@ -234,7 +237,13 @@ class _RingIO:
         """``_read`` once the input is not there at once: tell the host, then wait."""
         if s.plan.need_event:
             self._dev.post(Message(Op.NEED, index=s.index))
-        return self._wait_read(ring)
+        if not recorder.ON:
+            return self._wait_read(ring)
+        t0 = time.monotonic_ns()
+        try:
+            return self._wait_read(ring)
+        finally:
+            recorder.ipu(recorder.I_WAIT, t0, time.monotonic_ns() - t0, s.index, 0)
 
     def _wait_read(self, ring: Ring) -> tuple[memoryview, int]:
         """Wait for an input transfer: poll briefly while recent inputs came quickly (a
@@ -293,6 +302,7 @@ class _RingIO:
             self.disconnected = True
             out[:] = bytes(len(out))
             return
+        t0 = time.monotonic_ns() if recorder.ON else 0
         try:
             action = INPUT_TAGS[self._kind(handle, tag)]
             if action is _IN_HOST:
@@ -302,6 +312,9 @@ class _RingIO:
             out[:] = view
         finally:
             ring.release()
+            if t0:
+                recorder.ipu(recorder.I_IN, t0, time.monotonic_ns() - t0, self._it.seq,
+                             s.index, s.link)
 
     def write_output(self, handle: str, src: memoryview) -> None:
         s = self._stream(handle)
@@ -309,11 +322,14 @@ class _RingIO:
         self._it.reading = False   # the iteration's inputs are read
         if ring is None or s.plan.null:
             return
+        t0 = time.monotonic_ns() if recorder.ON else 0
         data = _flat(src)
         if self._redirect:
             host = self._redirected(handle, len(data))
             if host is not None:
                 host[:] = data
+                if t0:    # before the publish: the host sees it after the slice ends
+                    self._traced_out(s, t0)
                 self._publish_redirected(s)
                 return
         dev = self._dev
@@ -323,9 +339,16 @@ class _RingIO:
             self.disconnected = True
             return
         view[:len(data)] = data
+        if t0:    # before the publish: the host sees it after the slice ends
+            self._traced_out(s, t0)
         ring.publish(len(data), self._it.tag(SLOT_TAG) & s.seq_mask)
         if s.plan.out_event:
             dev.post(Message(Op.OUT, index=s.index))
+
+    def _traced_out(self, s: _Stream, t0: int) -> None:
+        """Output ``s`` of this iteration, published, as a slice from ``t0``."""
+        recorder.ipu(recorder.I_OUT, t0, time.monotonic_ns() - t0, self._it.seq, s.index,
+                     s.link)
 
     # -- zero-copy streams (interpreter.ZeroCopyStreamIO): onnxruntime uses the slots --
 
@@ -375,6 +398,8 @@ class _RingIO:
             finally:
                 ring.release()
         self._held_in[handle] = ring   # the slot (data or descriptor) until release_input
+        if recorder.ON:
+            recorder.ipu(recorder.I_IN, time.monotonic_ns(), 0, self._it.seq, s.index, s.link)
         return view
 
     def _host_view(self, handle: str, descriptor: memoryview, nbytes: int) -> memoryview:
@@ -458,6 +483,8 @@ class _RingIO:
         s = self._lent_out.pop(handle, None)
         if s is None or s.ring is None:   # null or disconnected: the transfer is dropped
             return
+        if recorder.ON:
+            self._traced_out(s, time.monotonic_ns())
         if self._lent_host and handle in self._lent_host:
             self._lent_host.discard(handle)
             self._publish_redirected(s)

@@ -37,6 +37,7 @@ transfer is there); else the steps run one by one as above.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
@@ -50,6 +51,7 @@ from ipu_emulator.executable import (
     numpy_dtype)
 from ipu_emulator.ipu._zerocopy import ZeroCopyPlan, plan_zero_copy
 from ipu_emulator.settings import IpuSettings
+from ipu_emulator.trace import recorder
 
 __all__ = ["Interpreter", "StreamIO", "CallableStreamIO", "ZeroCopyGroup", "ZeroCopyStreamIO"]
 
@@ -485,11 +487,14 @@ class Interpreter:
         gid, exe_name = i.graph, self.executable.name
 
         def execute(io: StreamIO) -> None:
+            t0 = time.monotonic_ns() if recorder.ON else 0
             try:
                 run(*run_args)
             except Exception as exc:
                 raise DeviceProgramError(
                     f"executable {exe_name!r}: graph {gid} failed in onnxruntime: {exc}") from exc
+            if t0:
+                recorder.ipu(recorder.I_COMPUTE, t0, time.monotonic_ns() - t0, gid)
             for src, dst in passthrough:
                 np.copyto(dst, src)
         return execute
@@ -570,11 +575,14 @@ class Interpreter:
                 entry = cache.get(key)
                 if entry is None:
                     entry = bind(key)
+                t0 = time.monotonic_ns() if recorder.ON else 0
                 try:
                     entry[1](*entry[2])
                 except Exception as exc:
                     raise DeviceProgramError(f"executable {exe_name!r}: graph {gid} failed in "
                                              f"onnxruntime: {exc}") from exc
+                if t0:
+                    recorder.ipu(recorder.I_COMPUTE, t0, time.monotonic_ns() - t0, gid)
                 ran = True
             finally:
                 if ran and defer:

@@ -35,12 +35,14 @@ from typing import Any, Protocol
 
 from shm import Ring, RingTimeoutError, limits, naming, process_state
 from shm.settings import ShmSettings
+from shm.tracebuf import TraceBuffer
 
 from ipu_emulator import ipu_protocol
 from ipu_emulator.ipu import forkserver
 from ipu_emulator.ipu_protocol import Message, Op
 from ipu_emulator.errors import IpuProcessError, describe_returncode
 from ipu_emulator.settings import IpuSettings
+from ipu_emulator.trace import new_ipu_buffer, recorder as trace_recorder
 
 __all__ = ["IpuSpec", "IpuProcess", "IpuConnection", "IpuProcessError", "launch_ipu", "prestart",
            "shutdown_all", "kill_all",
@@ -148,6 +150,11 @@ class IpuProcess:
         # never shuts it down or signals it (see _foreign).
         self._owner_pid = os.getpid()
         self._poll_lock = threading.Lock()
+        # tracing (ipu_emulator.trace): the buffer the process records into; its name is
+        # unlinked once the process attached it (READY) or, when hosts of a daemon map it
+        # too (trace_named), once the process is closed
+        self.trace: TraceBuffer | None = None
+        self.trace_named = False
 
     @property
     def pid(self) -> int:
@@ -229,6 +236,8 @@ class IpuProcess:
             if msg is not None:
                 if msg.op is Op.READY:
                     self._ready = dict(msg.body or {})
+                    if self.trace is not None and not self.trace_named:
+                        self.trace.unlink()
                     return self._ready
                 _log.warning("%s: unexpected %s before READY", self.describe_exit(), msg.op.name)
                 continue
@@ -294,6 +303,8 @@ class IpuProcess:
             for ring in (self.control, self.events):
                 ring.close()
                 ring.unlink()
+            if self.trace is not None:
+                self.trace.unlink()   # the tracing session keeps its mapping
 
     def __enter__(self) -> "IpuProcess":
         return self
@@ -364,6 +375,7 @@ def launch_ipu(spec: IpuSpec, *, log_dir: str | None = None,
         control.unlink()
         raise
     log_path = None
+    trace: TraceBuffer | None = None
     log_file: Any = subprocess.DEVNULL
     try:
         if log_dir:
@@ -381,6 +393,9 @@ def launch_ipu(spec: IpuSpec, *, log_dir: str | None = None,
             argv += ["--label", spec.label]
         if pool:
             argv.append("--pool")
+        trace = new_ipu_buffer() if trace_recorder.ON else None
+        if trace is not None:
+            argv += ["--trace-buffer", trace.name]
         popen: Any = None
         if s.forkserver:
             try:
@@ -399,6 +414,8 @@ def launch_ipu(spec: IpuSpec, *, log_dir: str | None = None,
         for ring in (control, events):
             ring.close()
             ring.unlink()
+        if trace is not None:
+            trace.unlink()
         raise
     finally:
         if log_file is not subprocess.DEVNULL:
@@ -407,7 +424,10 @@ def launch_ipu(spec: IpuSpec, *, log_dir: str | None = None,
     # dead device); the host reads events in slices and polls the process between them.
     control.set_peer(popen.pid)
     _log.debug("started %s as pid %d", spec.describe(), popen.pid)
-    return IpuProcess(spec, popen, control, events, log_path, s.start_timeout)
+    proc = IpuProcess(spec, popen, control, events, log_path, s.start_timeout)
+    proc.trace = trace
+    proc.trace_named = pool    # a daemon's: the hosts it lends the IPU to map it by name
+    return proc
 
 
 def shutdown_all(processes: "list[Any]", timeout: float = 5.0) -> None:

@@ -79,8 +79,11 @@ from ipu_emulator.ipu._host_memory import HostMemory
 from ipu_emulator.ipu._placement import KeepApart
 from ipu_emulator.ipu._stream_io import _Loaded, _RequestError, _RingIO, _Stream
 from ipu_emulator.errors import ExecutableError
+from ipu_emulator.executable import is_link, is_sync
+from ipu_emulator.faults import Fault, FaultTable
 from ipu_emulator.ipu_protocol import ErrorKind, Message, Op, error_body
 from ipu_emulator.settings import IpuSettings
+from ipu_emulator.trace import recorder
 
 __all__ = ["DeviceOptions", "DeviceProcess", "ProcessHooks"]
 
@@ -96,6 +99,7 @@ _CACHE = 4        # loaded executables kept per device (sessions sharing it)
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _CRC_APART = 1 << 20   # weights sections this large are checksummed while sessions are made
 _PREFAULT_MAX = 512 * 1024   # pre-fault stream rings with transfers up to this size
+_PROGRAM_KINDS = {"load": 1, "main": 2, "save": 3}   # program name -> recorder.PROGRAM_KINDS
 
 
 @dataclass(frozen=True)
@@ -170,6 +174,64 @@ class _ClientGone(_HostGone):
     """Pool mode: the host using this IPU died, or the daemon is taking the IPU back."""
 
 
+class _FaultError(_RequestError):
+    """An injected fault's error: its ERROR body also has ``extra`` (action, ipu, program)."""
+
+    def __init__(self, kind: ErrorKind, message: str, extra: dict[str, Any]) -> None:
+        super().__init__(kind, message)
+        self.extra = extra
+
+
+class _FaultyIO:
+    """The StreamIO of Main runs under a fault schedule: a run is checked against it
+    (``DeviceProcess.fire_fault``) once its inputs are in, as it writes its first output;
+    no C steps (each run is seen)."""
+
+    def __init__(self, dev: "DeviceProcess", loaded: _Loaded, io: _RingIO) -> None:
+        self._dev = dev
+        self._loaded = loaded
+        self._io = io
+        self._program = -1     # armed: the run of this program has not been checked
+
+    def scheduled(self) -> bool:
+        return self._dev.faults_scheduled()
+
+    def arm(self, program: int) -> None:
+        self._program = program
+
+    def _check(self) -> None:
+        program, self._program = self._program, -1
+        if program >= 0:
+            self._dev.fire_fault(self._loaded, program)
+
+    @property
+    def disconnected(self) -> bool:
+        return self._io.disconnected
+
+    def read_input(self, handle: str, dest: memoryview) -> None:
+        self._io.read_input(handle, dest)
+
+    def write_output(self, handle: str, src: memoryview) -> None:
+        self._check()
+        self._io.write_output(handle, src)
+
+    def acquire_input(self, handle: str, nbytes: int) -> memoryview:
+        return self._io.acquire_input(handle, nbytes)
+
+    def release_input(self, handle: str) -> None:
+        self._io.release_input(handle)
+
+    def acquire_output(self, handle: str, nbytes: int) -> memoryview:
+        self._check()
+        return self._io.acquire_output(handle, nbytes)
+
+    def publish_output(self, handle: str) -> None:
+        self._io.publish_output(handle)
+
+    def forget_redirects(self) -> None:
+        self._io.forget_redirects()
+
+
 class DeviceProcess:
     """The main loop of one IPU process. ``serve()`` returns the exit code."""
 
@@ -205,6 +267,9 @@ class DeviceProcess:
         self._watch = _HostWatch.start(opts.host_pid) if hooks.host_alive is None else None
         self._wait_slice: float | None = None if self._watch is not None else _SLICE
         self._slice: float | None = self._wait_slice   # of wait_on (see _run)
+        # fault schedules (ipu_emulator.faults): the daemon's (HOST) and the host's (LOAD)
+        self._daemon_faults: list[FaultTable] = []
+        self._host_faults: list[FaultTable] = []
         self._set_title()
 
     def _set_title(self) -> None:
@@ -344,7 +409,10 @@ class DeviceProcess:
                     msg = self._next()
                     if msg.op is Op.SHUTDOWN:
                         break
-                    self._dispatch(msg)
+                    if recorder.ON:
+                        self._dispatch_traced(msg)
+                    else:
+                        self._dispatch(msg)
                 except ipu_protocol.ProtocolError as exc:
                     _log.error("ignoring a malformed control message: %s", exc)
                 except _ClientGone:
@@ -377,6 +445,14 @@ class DeviceProcess:
         except ShmError:
             pass
 
+    def _dispatch_traced(self, msg: Message) -> None:
+        """``_dispatch`` as a slice of the timeline (ipu_emulator.trace)."""
+        t0 = time.monotonic_ns()
+        try:
+            self._dispatch(msg)
+        finally:
+            recorder.ipu(recorder.I_OP, t0, time.monotonic_ns() - t0, int(msg.op), msg.seq)
+
     def _dispatch(self, msg: Message) -> None:
         op = msg.op
         try:
@@ -403,8 +479,8 @@ class DeviceProcess:
             else:
                 raise _RequestError(ErrorKind.PROTOCOL, f"unexpected control message {op.name}")
         except _RequestError as exc:
-            self.post(Message(Op.ERROR, seq=msg.seq,
-                              body=error_body(exc.kind, str(exc), exc.tb)))
+            self.post(Message(Op.ERROR, seq=msg.seq, body=error_body(
+                exc.kind, str(exc), exc.tb, **getattr(exc, "extra", {}))))
             return
         except (_Stopped, _Shutdown, _HostGone, PeerDiedError, WaitInterrupted):
             raise
@@ -423,6 +499,7 @@ class DeviceProcess:
         name = body.get("spec_region")
         if not isinstance(name, str):
             raise _RequestError(ErrorKind.PROTOCOL, "LOAD needs a 'spec_region' name")
+        self._host_faults = self._fault_tables(body.get("faults"), self._host_faults)
         self._known.add(name)
         try:
             region = Region.attach(name, prefault=False)
@@ -633,15 +710,28 @@ class DeviceProcess:
         self.keeps_apart = apart is self._apart and self._apart.enabled
         # A loop of one program may run it many times per turn (C steps back to back, until
         # the next check below is due or a control message arrives).
-        many = loop and len(programs) == 1
+        many = loop and len(programs) == 1 and not recorder.ON   # traced: each run a slice
+        run_one = self._run_one_traced if recorder.ON else self._run_one
+        main = [p for p in programs
+                if loop or loaded.interp.executable.programs[p].name.lower() == "main"]
+        faulty = _FaultyIO(self, loaded, io) if main else None
         try:
             while True:
-                if many:
+                if faulty is not None and faulty.scheduled():
+                    # a schedule of faults: Main runs one at a time, each checked once its
+                    # inputs are in (at its first output: _FaultyIO)
+                    for p in programs:
+                        if p in main:
+                            faulty.arm(p)
+                            run_one(loaded, p, faulty)   # type: ignore[arg-type]
+                        else:
+                            run_one(loaded, p, io)
+                elif many:
                     due = min(self._next_host_check, apart.next_look, _monotonic() + _HOST_CHECK)
-                    self._run_one(loaded, programs[0], io, int(due * 1e9))
+                    run_one(loaded, programs[0], io, int(due * 1e9))
                 else:
                     for p in programs:
-                        self._run_one(loaded, p, io)
+                        run_one(loaded, p, io)
                 if not loop:
                     return False
                 if io.disconnected:
@@ -693,6 +783,122 @@ class DeviceProcess:
                                 f"program {index} failed: {type(exc).__name__}: {exc}",
                                 traceback.format_exc()) from None
 
+    # -- faults (ipu_emulator.faults) ----------------------------------------------------
+
+    def _fault_tables(self, names: Any, old: list[FaultTable],
+                      hosts: bool = True) -> list[FaultTable]:
+        """The fault tables ``names`` lists (attached; ``old`` ones reused, others closed).
+        ``hosts``: a host's, unlinked with its other objects if it dies (never the
+        daemon's)."""
+        names = [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
+        keep = {t.name: t for t in old}
+        tables = []
+        for name in names:
+            table = keep.pop(name, None)
+            if table is None:
+                try:
+                    table = FaultTable.attach(name)
+                except Exception as exc:
+                    raise _RequestError(ErrorKind.PROTOCOL, f"cannot open the fault table "
+                                        f"{name}: {exc}") from None
+                if hosts:
+                    self._known.add(name)
+            tables.append(table)
+        for table in keep.values():
+            table.close()
+        return tables
+
+    def faults_scheduled(self) -> bool:
+        """Main runs are checked one by one: the host gave a fault table (its plan may
+        change at any time, and a run already waiting for its inputs must see a change),
+        or the daemon's lists a fault (checked at each turn of a loop: a fault the daemon
+        adds applies from the run after the one waiting then)."""
+        return bool(self._host_faults) or any(t.faults() for t in self._daemon_faults)
+
+    def fire_fault(self, loaded: _Loaded, program: int) -> None:
+        """A Main run of ``program`` has its inputs: apply the fault that fires on it."""
+        has_link = any(is_link(st.handle) and not is_sync(st.handle)
+                       and st.direction == "out" for st in loaded.streams)
+        ipu = self.opts.ipu_id
+        hit: tuple[int, Fault] | None = None
+        for table in self._daemon_faults + self._host_faults:
+            found = table.fire(ipu, has_link)
+            if found is not None and hit is None:
+                hit = found
+        if hit is None:
+            return
+        index, fault = hit
+        kind = fault.kind
+        what = (f"program {program} ({loaded.interp.executable.programs[program].name}) "
+                f"(injected fault {index}: {fault.describe()})")
+        _log.warning("%s: injecting %s", self._describe(), what)
+        extra: dict[str, Any] = {"ipu": ipu, "program": program}
+        if kind == "slow":
+            # slept in slices: a STOP or SHUTDOWN meanwhile is taken at once
+            end = _monotonic() + fault.delay_ms / 1000.0
+            while (left := end - _monotonic()) > 0:
+                time.sleep(min(left, 0.05))
+                if self.control.readable():
+                    self.poll_control()
+            return
+        if kind == "hang":
+            self._hang()
+        if kind == "crash":
+            if self.hooks.pid is None:   # an IPU process of its own (never a host's thread)
+                logging.shutdown()
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise _FaultError(ErrorKind.PROGRAM, f"a crash of {what} (a loopback device "
+                              "cannot die)", extra)
+        if kind == "application_error":
+            raise _FaultError(ErrorKind.APPLICATION, f"application runtime error in {what}",
+                              extra)
+        if kind == "unrecoverable_error":
+            raise _FaultError(ErrorKind.UNRECOVERABLE, f"unrecoverable runtime error in "
+                              f"{what}", extra)
+        action = "LINK_RESET" if kind == "link_down" else fault.action
+        cause = ("the IPU-Link to the next IPU went down in " if kind == "link_down"
+                 else "recoverable runtime error in ")
+        raise _FaultError(ErrorKind.RECOVERABLE, f"{cause}{what}; recovery action {action}",
+                          dict(extra, action=action))
+
+    def _hang(self) -> None:
+        """An injected hang: answer nothing until the host stops or resets this IPU (STOP,
+        SHUTDOWN, HOST) or goes away."""
+        while True:
+            try:
+                msg = ipu_protocol.receive(self.control, timeout=(
+                    None if self._watch is not None else _HOST_CHECK))
+            except RingTimeoutError:
+                self._check_host()
+                continue
+            except WaitInterrupted:
+                self._interrupted()
+                continue
+            if msg.op is Op.STOP:
+                self._stop_seq = msg.seq
+                self._stop_soft = bool(msg.value)
+                raise _Stopped()
+            if msg.op is Op.SHUTDOWN:
+                raise _Shutdown()
+            if msg.op is Op.HOST and self.opts.pool:
+                self._pending.clear()
+                self._pending.append(msg)
+                raise _ClientGone()
+            _log.info("hung: ignoring %s", msg.op.name)
+
+    def _run_one_traced(self, loaded: _Loaded, index: int, io: _RingIO,
+                        deadline_ns: int | None = None) -> None:
+        """``_run_one`` as a slice of the timeline (ipu_emulator.trace)."""
+        t0 = time.monotonic_ns()
+        before = self.program_runs
+        programs = loaded.interp.executable.programs if loaded.interp is not None else []
+        kind = _PROGRAM_KINDS.get(programs[index].name, 0) if index < len(programs) else 0
+        try:
+            self._run_one(loaded, index, io, deadline_ns)
+        finally:
+            recorder.ipu(recorder.I_PROGRAM, t0, time.monotonic_ns() - t0, index, kind,
+                         self.program_runs - before)
+
     def _unload(self, key: str) -> None:
         loaded = self._cache.pop(key, None)
         if loaded is not None:
@@ -725,6 +931,8 @@ class DeviceProcess:
             raise _RequestError(ErrorKind.PROTOCOL, f"HOST needs a pid >= 0, num_ipus in "
                                 f"1..64 and a str label, got {pid}, {num_ipus!r}, {label!r}")
         self._drop_client()
+        self._daemon_faults = self._fault_tables(body.get("faults"), self._daemon_faults,
+                                                 hosts=False)
         self.opts = replace(self.opts, num_ipus=num_ipus, label=label)
         self.control.reset()
         self._client = pid
@@ -752,6 +960,9 @@ class DeviceProcess:
         self._cache.clear()
         self.host_memory.close()
         self._active = None
+        for table in self._host_faults:
+            table.close()
+        self._host_faults = []
         self.events.set_peer(self.opts.host_pid)
         stale = self._known - {self.opts.control, self.opts.events}
         self._known = {self.opts.control, self.opts.events}
@@ -1013,6 +1224,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--label", default="")
     parser.add_argument("--pool", action="store_true",
                         help="owned by a daemon (--host-pid): hosts change through HOST messages")
+    parser.add_argument("--trace-buffer", default="",
+                        help="record a timeline into this trace buffer (ipu_emulator.trace)")
     a = parser.parse_args(argv)
     settings = IpuSettings.current()   # its launch's, from its environment
     logging.basicConfig(
@@ -1020,6 +1233,11 @@ def main(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s ipu{a.ipu_id}[{os.getpid()}] %(levelname)s %(name)s: %(message)s")
     _log.debug("settings: %s", settings)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the host decides when we stop
+    if a.trace_buffer:
+        try:
+            recorder.start_ipu(a.trace_buffer, a.ipu_id)
+        except (ShmError, OSError, ValueError, posix_ipc.Error) as exc:
+            _log.warning("not recording a timeline: %s", exc)
     opts = DeviceOptions(control=a.control, events=a.events, host_pid=a.host_pid,
                          ipu_id=a.ipu_id, ipu_version=a.ipu_version, tiles_per_ipu=a.tiles,
                          memory_per_tile=a.memory_per_tile, num_ipus=a.num_ipus,

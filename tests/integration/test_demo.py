@@ -10,7 +10,9 @@ import sys
 def test_demo_runs_every_mode_and_passes(tmp_path):
     env = dict(os.environ)
     env["IPU_EMULATOR_HOME"] = str(tmp_path / "home")      # a fresh emulated machine
-    proc = subprocess.run([sys.executable, "-m", "tools.cli", "demo", "--dir", str(tmp_path)],
+    timeline = tmp_path / "demo-trace.json"
+    proc = subprocess.run([sys.executable, "-m", "tools.cli", "demo", "--dir", str(tmp_path),
+                           "--trace", str(timeline)],
                           capture_output=True, text=True, env=env, timeout=600)
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr
@@ -24,6 +26,14 @@ def test_demo_runs_every_mode_and_passes(tmp_path):
     assert "FAIL" not in out
     assert "request_monitoring_statistics_mean_us" in out
     assert "18 of 18 modes passed" in out
+    # --trace: the demo's timeline, every IPU process of it named, well formed
+    from tools import trace_summary
+
+    trace = trace_summary.load(str(timeline))
+    assert trace_summary.validate(trace) == []
+    names = [e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"]
+    assert len([n for n in names if n.startswith("ipu ")]) >= 4
+    assert len(trace_summary.summarise(trace)["models"]) >= 3
 
 
 def test_demo_exits_non_zero_when_a_mode_fails(tmp_path, monkeypatch):

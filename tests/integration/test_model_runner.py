@@ -592,3 +592,34 @@ def test_fused_execute_and_requests_in_flight_from_other_threads(model_path, wei
         assert errors == []
         assert r.getMonitoringStatisticsTotalCount({})["request_monitoring_statistics_count"] \
             == 2 + 4 * 40
+
+
+def test_a_model_without_inputs_answers_every_request(tmp_path):
+    """A model with no input streams (onnx's node/test_constant): the device's outputs
+    carry no request's number, and every request, sync, async and fused, gets them."""
+    import io
+
+    import onnx
+    from onnx import helper, numpy_helper
+
+    from host_runtime.poprt.compiler import write_popef
+    from ipu_emulator.compiler import CompileOptions, ModelSpec, compile_onnx
+
+    value = np.arange(6, dtype=np.float32).reshape(2, 3)
+    node = helper.make_node("Constant", [], ["values"],
+                            value=numpy_helper.from_array(value, "const"))
+    graph = helper.make_graph([node], "constant", [], [
+        helper.make_tensor_value_info("values", onnx.TensorProto.FLOAT, [2, 3])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    buf = io.BytesIO()
+    write_popef(compile_onnx([ModelSpec(model, {}, "fp32")], CompileOptions()), buf)
+    path = tmp_path / "constant.popef"
+    path.write_bytes(buf.getvalue())
+    with model_runtime.ModelRunner(str(path)) as runner:
+        assert runner.getExecuteInputs() == []
+        for _ in range(3):
+            np.testing.assert_array_equal(runner.execute({})["values"], value)
+        futures = [runner.executeAsync({}) for _ in range(3)]
+        for fut in futures:
+            fut.wait()
+            np.testing.assert_array_equal(fut["values"].numpy(), value)

@@ -27,6 +27,10 @@ FAULTS = ["tests/faults/test_device_faults.py",
           "tests/faults/test_model_runner_faults.py",
           "tests/faults/test_sharding_faults.py"]
 
+INJECTED = ["tests/faults/test_injected_faults.py"]
+"""Faults injected on purpose (ipu_emulator.faults): through a daemon too (the host's
+schedule reaches the daemon's IPU processes)."""
+
 
 HOST_KILLS = "not host_killed and not killed_host and not sigkilled_host"
 """The tests of a killed host: what its IPU processes clean up does not depend on the
@@ -70,6 +74,6 @@ def test_integration_and_faults_through_a_daemon(tmp_path: Path) -> None:
 
     rig = DaemonRig(tmp_path, num_ipus=4)
     try:
-        _run(RUNNER + FAULTS, dict(os.environ, IPU_EMULATOR_DAEMON=rig.socket))
+        _run(RUNNER + FAULTS + INJECTED, dict(os.environ, IPU_EMULATOR_DAEMON=rig.socket))
     finally:
         rig.stop()

@@ -496,3 +496,30 @@ def test_two_machines_do_not_see_each_other(pytester, tmp_path, monkeypatch):
     finally:
         a.stop()
         b.stop()
+
+
+FAULTS = OPTIONS.split("def test_")[0] + '''
+import pytest
+import host_runtime as model_runtime
+
+def test_a_fault_for_this_tests_runners(ipu_faults, model_runner):
+    ipu_faults.add(kind="application_error", after=1)
+    runner = model_runner(double("a"), auto_reset=True)
+    x = np.array([1, 2], np.float32)
+    np.testing.assert_array_equal(runner.execute({"x": x})["y"], [2, 4])
+    with pytest.raises(model_runtime.ApplicationRuntimeError, match="program 1"):
+        runner.execute({"x": x})
+    np.testing.assert_array_equal(runner.execute({"x": x})["y"], [2, 4])   # reset first
+    assert [n for _, _, n in ipu_faults.counts()] == [1]
+
+def test_the_next_test_has_none(model_runner):
+    runner = model_runner(double("a"))
+    for _ in range(3):
+        np.testing.assert_array_equal(runner.execute({"x": np.ones(2, np.float32)})["y"], [2, 2])
+'''
+
+
+def test_the_ipu_faults_fixture_is_the_tests_own_and_cleared_after(pytester):
+    pytester.makepyfile(test_faults=FAULTS)
+    result = pytester.runpytest(*LOAD, *QUIET, "--ipu-emulator-ipu-version=ipu2")
+    result.assert_outcomes(passed=2)

@@ -23,6 +23,8 @@ _TIMED = ("kill-ipu", "kill-pipeline", "kill-host", "fork")
 
 
 def _short(scenario: str) -> list[str]:
+    if scenario == "faults":   # its length is its schedule's requests: one host is enough
+        return ["--requests", "12", "--hosts", "1", "--threads", "1", "--replicas", "1"]
     load = ["--duration", "3"] if scenario in _TIMED else ["--requests", "30"]
     return [*load, *_SHAPE]
 
@@ -55,6 +57,11 @@ def test_each_scenario_checks_every_result_and_passes(capsys, scenario):
         # KeyboardInterrupts were delivered into the hosts' threads (cycles); the requests
         # they hit and the queue runs a raising callback failed are failed as expected
         assert sc["cycles"] >= 2 and sc["expected"] >= 1
+    elif scenario == "faults":
+        # every single-IPU kind twice (with and without auto_reset), link_down once: each
+        # error fault failed its request as expected (and, unreset, the next one too)
+        assert sc["faults"] >= 6 and sc["expected"] >= 5 and sc["resets"] >= 1
+        assert sc["recovery_ms"] and sc["cycles"] == sc["faults"]
     else:
         assert sc["expected"] == 0        # only killed IPUs may fail a request
     if scenario == "kill-host":

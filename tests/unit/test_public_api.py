@@ -25,6 +25,8 @@ EXPECTED = [
     "ModelRuntimeError", "BadRequestError", "PopefError", "InvalidStateError", "ForkedProcessError",
     "DeviceUnavailableError", "DeviceLostError", "DeviceTimeoutError", "DeviceExecutionError",
     "PackageHashMismatchError", "RemoteTraceback",
+    "RecoveryAction", "DeviceRuntimeError", "ApplicationRuntimeError", "RecoverableRuntimeError",
+    "UnrecoverableRuntimeError",
 ]
 
 

@@ -19,12 +19,19 @@ one of its fixtures or carrying its marker:
   Its runners wait up to ``ipu_emulator_wait_timeout`` for their IPUs.
 - ``compile_onnx`` (session): ``compile_onnx(model, **poprt_options)`` -> the
   PopEF path, compiled once per run (cached by the content hash).
+- ``ipu_faults``: a fault schedule (``ipu_emulator.faults.FaultPlan``) for the
+  IPUs of the runners the test makes: ``ipu_faults.add(kind="hang", after=2)``
+  (before or after making them: live), ``.counts()``, ``.clear()``; only runners
+  made in this test follow it, and it is removed at teardown (docs/faults.md).
 - ``@pytest.mark.ipus(n)``: the test needs ``n`` IPUs: skipped when the machine
   has fewer; runners made in it wait (``WAIT_WITH_TIMEOUT``,
   ``ipu_emulator_wait_timeout`` seconds) for IPUs other workers hold.
 - Leak check: a test that uses the plugin and leaves a runner or device
   attached, an IPU process running or objects in /dev/shm fails (at
   teardown) with what it left and where it was made; then it is cleaned up.
+
+``--ipu-trace-dir DIR``: a timeline of each failing test in DIR
+(:mod:`tools.pytest_plugin.tracing`).
 
 Options (and ini keys): ``--ipu-emulator-daemon=SOCKET`` (``ipu_emulator_daemon``),
 ``--ipu-emulator-num-ipus`` (``ipu_emulator_num_ipus``),
@@ -38,7 +45,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Generator, Iterator
 
 import pytest
 
@@ -48,11 +55,12 @@ from tools.pytest_plugin.machine import ENV_VARS, IpuMachine, RunFolder
 
 __all__ = ["IpuMachine", "DaemonHandle", "RunFolder", "FIXTURES", "wait_config", "run_folder"]
 
-FIXTURES = ("ipu_machine", "ipu_daemon", "model_runner", "compile_onnx")
+FIXTURES = ("ipu_machine", "ipu_daemon", "model_runner", "compile_onnx", "ipu_faults")
 
 _RUN = pytest.StashKey[RunFolder]()
 _GUARD = pytest.StashKey[LeakGuard]()
 _WAIT_PATCH = pytest.StashKey[pytest.MonkeyPatch]()
+_TRACED = pytest.StashKey[Any]()
 _WORKERINPUT_KEY = "ipu_emulator_run_token"
 _DEFAULT_WAIT = 60.0
 
@@ -70,6 +78,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--ipu-emulator-ipu-version", choices=("ipu2", "ipu21"), default=None,
                     help="IPU version of the private emulated machine (default: ini "
                     "ipu_emulator_ipu_version, else the machine configuration, ipu21)")
+    group.addoption("--ipu-trace-dir", metavar="DIR", default=None,
+                    help="write a timeline (Chrome trace JSON, docs/tracing.md) of each "
+                    "failing test into DIR")
     parser.addini("ipu_emulator_daemon", "socket of a running ipu-emulator daemon to use",
                   default="")
     parser.addini("ipu_emulator_num_ipus", "IPUs of the private emulated machine", default="")
@@ -182,6 +193,31 @@ def _worker(config: pytest.Config) -> str:
 
 
 # -- which tests use the plugin ----------------------------------------------------------------
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """--ipu-trace-dir: each test traced, the timeline of a failing one kept."""
+    folder = item.config.getoption("--ipu-trace-dir", None)
+    if not folder:
+        return (yield)
+    from tools.pytest_plugin.tracing import TracedTest
+
+    traced = item.stash[_TRACED] = TracedTest(os.path.abspath(folder))
+    try:
+        return (yield)
+    finally:
+        traced.finish(item.nodeid)   # DIR/<test id>.json if it failed
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
+                              ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    traced = item.stash.get(_TRACED, None)
+    if traced is not None:
+        traced.report(report)
+    return report
+
 
 def _uses_plugin(item: pytest.Item) -> bool:
     names = getattr(item, "fixturenames", ())
@@ -398,6 +434,20 @@ def model_runner(ipu_machine: IpuMachine, compile_onnx: Callable[..., str],
             errors.append(exc)
     if errors:
         raise errors[0]
+
+
+@pytest.fixture
+def ipu_faults(ipu_machine: IpuMachine) -> Iterator[Any]:
+    """A fault schedule for the runners, sessions and devices this test makes (an
+    ``ipu_emulator.faults.FaultPlan``, empty to start with: ``ipu_faults.add(...)``);
+    cleared and removed at teardown."""
+    from ipu_emulator.faults import FaultPlan
+
+    plan = FaultPlan()
+    with plan:
+        yield plan
+    plan.clear()
+    plan.close()
 
 
 @pytest.fixture

@@ -1,0 +1,382 @@
+"""Merge a host's events and its IPU processes' records into Chrome Trace Event Format.
+
+The result is a JSON object ``{"traceEvents": [...], "displayTimeUnit": "ns",
+"otherData": {...}}`` that Perfetto's UI and chrome://tracing open:
+
+- ``M`` metadata: ``process_name`` (``host <pid>``, ``daemon <pid>``, ``ipu <index>``),
+  ``thread_name``, sort indices; each process's dropped events in its args;
+- ``X`` complete slices, ``ts``/``dur`` in microseconds of CLOCK_MONOTONIC, properly
+  nested per thread. A request is a slice on a *lane* of its replica (requests in
+  flight together overlap, so each lane is a track of its own: ``replica 0
+  requests``, ``replica 0 requests 2``...), with its phases as children that add
+  up to it: ``preparation``, ``queue`` (holding ``transfer in``), ``waiting for
+  device``, ``transfer out``, ``callbacks``. On an IPU: control messages (``load``,
+  ``main loop``, ``reset``...) hold program runs (``Main``, ``Load``, ``Save``),
+  which hold iterations (``iteration``: ``copies in``, ``compute``, ``copies out``
+  or, on the Python path, each ``copy in``/``link in``, ``compute``, ``copy
+  out``/``link out``); ``wait for input`` between them;
+- ``i`` instants (faults and other named marks);
+- ``s``/``f`` flows: each request to the first IPU iteration that served each of
+  its transfers, and on from one pipeline stage's iteration to the next (paired
+  by the transfer's sequence number, which every slot tag carries).
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Any, Iterable, NamedTuple
+
+from ipu_emulator.ipu_protocol import Op
+from ipu_emulator.trace import recorder as rec
+
+__all__ = ["IpuRecords", "merge", "combine", "PHASES"]
+
+PHASES = ("preparation", "queue", "waiting for device", "transfer out", "callbacks")
+"""The phases of a request (its children, in order; ``transfer in`` is inside ``queue``)."""
+
+_LANE_BASE = 1 << 30        # synthetic thread ids of request lanes
+_IPU_CODES = frozenset((rec.I_OP, rec.I_PROGRAM, rec.I_IN, rec.I_OUT, rec.I_COMPUTE,
+                        rec.I_STEP, rec.I_WAIT))
+_OP_NAMES = {Op.LOAD: "load", Op.RUN: "run", Op.LOOP: "main loop", Op.UNLOAD: "unload",
+             Op.RESET: "reset", Op.HOST: "handover", Op.MODES: "modes", Op.STOP: "stop",
+             Op.PING: "ping"}
+
+
+class IpuRecords(NamedTuple):
+    """What one IPU process's trace buffer held."""
+
+    pid: int
+    ipu: int                # the IPU's index (the machine's IPU number)
+    records: list[tuple[int, int, int, int, int, int, int]]
+    dropped: int
+
+
+def _us(ns: int) -> float:
+    return round(ns / 1000.0, 3)
+
+
+class _Out:
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+        self.flow = 0
+
+    def slice(self, name: str, pid: int, tid: int, ts: int, dur: int, cat: str,
+              args: dict[str, Any] | None = None) -> None:
+        start = _us(ts)   # dur from the rounded ends: a child never ends after its parent
+        ev: dict[str, Any] = {"ph": "X", "name": name, "cat": cat, "pid": pid, "tid": tid,
+                              "ts": start, "dur": round(_us(ts + max(0, dur)) - start, 3)}
+        if args:
+            ev["args"] = args
+        self.events.append(ev)
+
+    def meta(self, what: str, pid: int, tid: int | None, args: dict[str, Any]) -> None:
+        ev: dict[str, Any] = {"ph": "M", "name": what, "pid": pid, "args": args}
+        if tid is not None:
+            ev["tid"] = tid
+        self.events.append(ev)
+
+    def instant(self, name: str, pid: int, tid: int, ts: int, args: dict[str, Any]) -> None:
+        self.events.append({"ph": "i", "s": "t", "name": name, "cat": "instant", "pid": pid,
+                            "tid": tid, "ts": _us(ts), "args": args})
+
+    def arrow(self, name: str, src: tuple[int, int, int], dst: tuple[int, int, int]) -> None:
+        self.flow += 1
+        for ph, (pid, tid, ts) in (("s", src), ("f", dst)):
+            ev: dict[str, Any] = {"ph": ph, "id": self.flow, "name": name, "cat": "flow",
+                                  "pid": pid, "tid": tid, "ts": _us(ts)}
+            if ph == "f":
+                ev["bp"] = "e"
+            self.events.append(ev)
+
+
+# ----------------------------------------------------------------------------- IPU side
+class _Iteration:
+    __slots__ = ("start", "end", "seq", "children", "out_seen")
+
+    def __init__(self, start: int) -> None:
+        self.start = start
+        self.end = start
+        self.seq = 0
+        self.children: list[tuple[str, int, int, dict[str, Any]]] = []
+        self.out_seen = False
+
+
+def _ipu_events(out: _Out, ipu: IpuRecords, window: tuple[int, int], tid: int | None = None
+                ) -> dict[int, list[tuple[int, int, int]]]:
+    """Write one IPU's slices (on thread ``tid``, default its pid); returns seq ->
+    [(start, end, pid)] of its iterations."""
+    pid, tid = ipu.pid, ipu.pid if tid is None else tid
+    lo, hi = window
+    recs = sorted((r for r in ipu.records if r[0] + r[1] >= lo and r[0] <= hi),
+                  key=lambda r: (r[0], -r[1]))
+    iterations: dict[int, list[tuple[int, int, int]]] = {}
+    programs = [r for r in recs if r[2] == rec.I_PROGRAM]
+    starts = [p[0] for p in programs]
+    # the iterations of each Main run, from its C steps or its Python path's transfers
+    per_program: dict[int, list[tuple[int, int, int, int, int, int, int]]] = {}
+    loose = []
+    for r in recs:
+        code = r[2]
+        if code in (rec.I_PROGRAM, rec.I_OP, rec.I_INSTANT, rec.I_WAIT):
+            continue
+        k = bisect.bisect_right(starts, r[0]) - 1
+        if k >= 0 and r[0] + r[1] <= programs[k][0] + programs[k][1]:
+            per_program.setdefault(k, []).append(r)
+        else:
+            loose.append(r)
+    for k, p in enumerate(programs):
+        ts, dur, _, _, index, kind, runs = p
+        kind_name = rec.PROGRAM_KINDS[kind] if 0 <= kind < len(rec.PROGRAM_KINDS) else "program"
+        inner = per_program.get(k, [])
+        start, end = ts, ts + dur
+        if kind_name == "Main" and inner:
+            # a Main run: from its first transfer taken to its last one published (what
+            # follows, releasing slots, is after the host may have its answer)
+            start = max(ts, inner[0][0])
+            end = min(end, max(r[0] + r[1] for r in inner))
+        out.slice(kind_name, pid, tid, start, end - start, "program",
+                  {"program": index, "runs": runs})
+        its = _iterations(inner) if kind_name == "Main" else []
+        for it in its:
+            out.slice("iteration", pid, tid, it.start, it.end - it.start, "iteration",
+                      {"seq": it.seq})
+            iterations.setdefault(it.seq, []).append((it.start, it.end, pid))
+            for name, cts, cdur, args in it.children:
+                out.slice(name, pid, tid, cts, cdur, "transfer", args)
+        if kind_name != "Main":
+            loose.extend(inner)
+    for r in loose:
+        _transfer_slice(out, pid, tid, r)
+    for r in recs:
+        code = r[2]
+        if code == rec.I_OP:
+            try:
+                name = _OP_NAMES.get(Op(r[4]), Op(r[4]).name.lower())
+            except ValueError:
+                name = f"op {r[4]}"
+            out.slice(name, pid, tid, r[0], r[1], "control", {"op": r[4]})
+        elif code == rec.I_WAIT:
+            out.slice("wait for input", pid, tid, r[0], r[1], "wait",
+                      {"stream": r[4], "polled": bool(r[5])})
+        elif code == rec.I_INSTANT:
+            out.instant(rec.unpack_name(r[4], r[5], r[6]), pid, tid, r[0], {})
+    return iterations
+
+
+def _transfer_slice(out: _Out, pid: int, tid: int,
+                    r: tuple[int, int, int, int, int, int, int]) -> None:
+    ts, dur, code, _, a, b, c = r
+    if code == rec.I_IN:
+        out.slice("link in" if c else "copy in", pid, tid, ts, dur, "transfer",
+                  {"seq": a, "stream": b})
+    elif code == rec.I_OUT:
+        out.slice("link out" if c else "copy out", pid, tid, ts, dur, "transfer",
+                  {"seq": a, "stream": b})
+    elif code == rec.I_COMPUTE:
+        out.slice("compute", pid, tid, ts, dur, "compute", {"graph": a})
+    elif code == rec.I_STEP:
+        out.slice("iteration", pid, tid, ts, dur, "iteration", {"seq": a})
+
+
+def _iterations(inner: list[tuple[int, int, int, int, int, int, int]]) -> list[_Iteration]:
+    """The iterations of one Main run: each C step, or a run of Python transfers from an
+    input after an output to the last output."""
+    its: list[_Iteration] = []
+    cur: _Iteration | None = None
+    for ts, dur, code, _, a, b, c in inner:
+        if code == rec.I_STEP:
+            it = _Iteration(ts)
+            it.end, it.seq = ts + dur, a
+            taken, computed = ts + b, ts + c
+            it.children = [("copies in", ts, b, {"seq": a}),
+                           ("compute", taken, computed - taken, {}),
+                           ("copies out", computed, ts + dur - computed, {"seq": a})]
+            its.append(it)
+            cur = None
+            continue
+        if cur is None or (code == rec.I_IN and cur.out_seen):
+            cur = _Iteration(ts)
+            its.append(cur)
+        if code == rec.I_IN:
+            name, args = ("link in" if c else "copy in"), {"seq": a, "stream": b}
+        elif code == rec.I_OUT:
+            name, args = ("link out" if c else "copy out"), {"seq": a, "stream": b}
+            cur.out_seen = True
+        else:
+            name, args = "compute", {"graph": a}
+        if code in (rec.I_IN, rec.I_OUT) and a:
+            cur.seq = max(cur.seq, a)
+        cur.end = max(cur.end, ts + dur)
+        cur.children.append((name, ts, dur, args))
+    return its
+
+
+# ----------------------------------------------------------------------------- host side
+def _monotonic(t: int) -> int:
+    return t + rec.PERF_OFFSET
+
+
+def _phases(instants: tuple[int, ...]) -> list[tuple[str, int, int]]:
+    """(name, start, end) of a request's phases (module docstring), clamped in order."""
+    t0, t1, t2, t3, t4, t5, t6, t7 = (_monotonic(t) for t in instants)
+    t7 = max(t0, t7)
+
+    def clamp(t: int, lo: int) -> int:
+        return min(max(t, lo), t7)
+    t1 = clamp(t1, t0)
+    t4 = clamp(t4, t1)
+    t5 = clamp(t5 or t4, t4)
+    t6 = clamp(t6 or t5, t5)
+    t2 = min(max(t2 or t1, t1), t4)
+    t3 = min(max(t3 or t2, t2), t4)
+    return [("preparation", t0, t1), ("queue", t1, t4), ("transfer in", t2, t3),
+            ("waiting for device", t4, t5), ("transfer out", t5, t6), ("callbacks", t6, t7)]
+
+
+class _Lanes:
+    """Request lanes of each replica: a request goes on the first lane free at its start."""
+
+    def __init__(self) -> None:
+        self.ends: dict[tuple[int, int], list[int]] = {}
+        self.names: dict[int, str] = {}
+
+    def place(self, key: int, replica: int, start: int, end: int) -> int:
+        ends = self.ends.setdefault((key, replica), [])
+        for k, e in enumerate(ends):
+            if e <= start:
+                ends[k] = end
+                break
+        else:
+            ends.append(end)
+            k = len(ends) - 1
+        tid = _LANE_BASE + (hash((key, replica)) & 0xFFFF) * 64 + min(k, 63)
+        self.names[tid] = f"replica {replica} requests" + (f" {k + 1}" if k else "")
+        return tid
+
+
+def merge(pid: int, role: str, events: list[tuple[Any, ...]], dropped: int,
+          threads: dict[int, tuple[int, str]], ipus: Iterable[IpuRecords],
+          window: tuple[int, int]) -> dict[str, Any]:
+    """The Chrome trace of a host (or daemon) process ``pid`` and its IPU processes."""
+    out = _Out()
+    label = f"{role} {pid}"
+    out.meta("process_name", pid, None, {"name": label, "dropped_events": dropped})
+    out.meta("process_sort_index", pid, None, {"sort_index": 0})
+    tid_of = {ident: native for ident, (native, _) in threads.items()}
+    for ident, (native, name) in threads.items():
+        out.meta("thread_name", pid, native, {"name": name})
+    # replicas' devices: life key -> [(since, model, replica, pids)]
+    devices: dict[int, list[tuple[int, str, int, list[int]]]] = {}
+    for code, ident, ts, dur, payload in events:
+        if code == rec.H_LIFE:
+            what, replica, pids, model, key = payload
+            if what in ("attach and load", "reset"):
+                devices.setdefault(key, []).append((ts, model, replica, list(pids)))
+    ipu_list = list(ipus)
+    iterations: dict[int, dict[int, list[tuple[int, int, int]]]] = {}
+    for ipu in sorted(ipu_list, key=lambda i: (i.ipu, i.pid)):
+        out.meta("process_name", ipu.pid, None, {"name": f"ipu {ipu.ipu}", "pid": ipu.pid,
+                                                  "dropped_events": ipu.dropped})
+        out.meta("process_sort_index", ipu.pid, None, {"sort_index": 10 + ipu.ipu})
+        out.meta("thread_name", ipu.pid, ipu.pid, {"name": f"ipu {ipu.ipu} main"})
+        iterations[ipu.pid] = _ipu_events(out, ipu, window)
+    lanes = _Lanes()
+    lo, hi = window
+    for code, ident, ts, dur, payload in events:
+        tid = tid_of.get(ident, 0)
+        if code == rec.H_REQUEST:
+            _request(out, pid, payload, threads.get(ident, (0, ""))[1], devices, iterations,
+                     lanes)
+        elif code == rec.H_LIFE:
+            what, replica, pids, model, _ = payload
+            out.slice(f"{what} (replica {replica})", pid, tid, ts, dur, "device",
+                      {"replica": replica, "model": model, "ipu_pids": list(pids)})
+        elif code == rec.H_WAIT:
+            out.slice(payload[0], pid, tid, ts, dur, "wait", {})
+        elif code == rec.H_INSTANT:
+            name, args = payload
+            out.instant(name, pid, tid, ts, {k: _jsonable(v) for k, v in args.items()})
+        elif code == rec.I_INSTANT:
+            out.instant(rec.unpack_name(*payload), pid, tid, ts, {})
+    # IPU hooks that ran in this process (a loopback device's thread): as an IPU's
+    loopback: dict[int, list[tuple[int, int, int, int, int, int, int]]] = {}
+    for code, ident, ts, dur, payload in events:
+        if code in _IPU_CODES:
+            loopback.setdefault(ident, []).append((ts, dur, code, 0, *payload))
+    for ident, records in loopback.items():
+        _ipu_events(out, IpuRecords(pid, -1, records, 0), window, tid_of.get(ident, 0))
+    for tid, name in lanes.names.items():
+        out.meta("thread_name", pid, tid, {"name": name})
+    out.events.sort(key=lambda e: (e["ph"] != "M", e["pid"], e.get("tid", 0), e.get("ts", 0),
+                                   -e.get("dur", 0)))
+    return {"traceEvents": out.events, "displayTimeUnit": "ns",
+            "otherData": {"clock": "CLOCK_MONOTONIC", "host_pid": pid, "role": role,
+                          "window_us": [_us(lo), _us(hi)],
+                          "dropped_events": {label: dropped,
+                                             **{f"ipu {i.ipu} ({i.pid})": i.dropped
+                                                for i in ipu_list}}}}
+
+
+def _jsonable(v: Any) -> Any:
+    return v if isinstance(v, (int, float, str, bool)) or v is None else repr(v)
+
+
+def _request(out: _Out, pid: int, payload: tuple[Any, ...], thread: str,
+             devices: dict[int, list[tuple[int, str, int, list[int]]]],
+             iterations: dict[int, dict[int, list[tuple[int, int, int]]]],
+             lanes: _Lanes) -> None:
+    key, replica, request_id, samples, seqs, instants = payload
+    phases = _phases(instants)
+    t0, t7 = phases[0][1], phases[-1][2]
+    model, pids = "", []
+    for since, m, r, p in devices.get(key, []):
+        if since <= t0:
+            model, pids = m, p
+    tid = lanes.place(key, replica, t0, t7)
+    out.slice("request", pid, tid, t0, t7 - t0, "request",
+              {"replica": replica, "request_id": request_id, "batch_size": samples,
+               "seqs": list(seqs), "model": model, "thread": thread})
+    for name, a, b in phases:
+        out.slice(name, pid, tid, a, b - a, "phase", {})
+    laid = phases[2][2]
+    for seq in seqs:
+        chain = []
+        for ipu_pid in pids:
+            for start, end, _ in iterations.get(ipu_pid, {}).get(seq, []):
+                if t0 <= start and end <= t7:
+                    chain.append((start, ipu_pid))
+                    break
+        chain.sort()
+        if not chain:
+            continue
+        src = (pid, tid, min(max(laid, t0), chain[0][0]))
+        for start, ipu_pid in chain:
+            out.arrow("transfer", src, (ipu_pid, ipu_pid, start))
+            src = (ipu_pid, ipu_pid, start)
+
+
+def combine(traces: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """Traces of several processes of one machine (one clock) as one: their events side
+    by side (each keeps its pids), flow ids renumbered apart, their windows joined."""
+    events: list[dict[str, Any]] = []
+    dropped: dict[str, int] = {}
+    lo, hi = float("inf"), float("-inf")
+    offset = 0
+    for trace in traces:
+        top = 0
+        for e in trace.get("traceEvents", []):
+            if e.get("ph") in ("s", "f"):
+                e = dict(e, id=e["id"] + offset)
+                top = max(top, e["id"])
+            events.append(e)
+        offset = max(offset, top)
+        other = trace.get("otherData", {})
+        dropped.update(other.get("dropped_events", {}))
+        window = other.get("window_us")
+        if window:
+            lo, hi = min(lo, window[0]), max(hi, window[1])
+    if lo > hi:
+        lo = hi = 0.0
+    return {"traceEvents": events, "displayTimeUnit": "ns",
+            "otherData": {"clock": "CLOCK_MONOTONIC", "window_us": [lo, hi],
+                          "dropped_events": dropped}}
