@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import logging
 import os
@@ -25,11 +26,21 @@ _log = logging.getLogger(__name__)
 # stays external data with location ``STASHED`` and a token
 # under which ``_stashed`` holds a read-only memory map of its bytes. ``ort_session`` gives
 # onnxruntime those maps; the back end copies them into the executable's weights section
-# (``compiler._weights``); ``release_stash`` lets them go after a compilation.
+# (``compiler._weights``); ``release_stash`` lets them go after a compilation. The maps are
+# the current thread's (a context variable): compilations on other threads keep theirs.
 STASH_MIN_BYTES = 1 << 30
 STASH_TENSOR_BYTES = 1024
 STASHED = "ipu_emulator_stash"
-_stashed: dict[str, np.ndarray] = {}
+_stash_var: contextvars.ContextVar[dict[str, np.ndarray]] = contextvars.ContextVar("stash")
+
+
+def _stashed() -> dict[str, np.ndarray]:
+    try:
+        return _stash_var.get()
+    except LookupError:
+        maps: dict[str, np.ndarray] = {}
+        _stash_var.set(maps)
+        return maps
 
 
 def stashed(tensor: TensorProto) -> np.ndarray | None:
@@ -39,12 +50,12 @@ def stashed(tensor: TensorProto) -> np.ndarray | None:
     info = {e.key: e.value for e in tensor.external_data}
     if info.get("location") != STASHED:
         return None
-    return _stashed.get(info.get("token", ""))
+    return _stashed().get(info.get("token", ""))
 
 
 def release_stash() -> None:
-    """Let go of every stashed initializer's memory map."""
-    _stashed.clear()
+    """Let go of every stashed initializer's memory map (of this thread)."""
+    _stashed().clear()
 
 
 def _stash(tensor: TensorProto, target: str, offset: int, length: int, label: str) -> bool:
@@ -61,7 +72,7 @@ def _stash(tensor: TensorProto, target: str, offset: int, length: int, label: st
         raise CompileError(f"model {echo(label, 200)}: initializer {echo(tensor.name)} has "
                            f"{length} bytes of external data for {dtype}{list(shape)}")
     token = secrets.token_hex(8)
-    _stashed[token] = np.memmap(target, dtype=npdt, mode="r", offset=offset, shape=shape)
+    _stashed()[token] = np.memmap(target, dtype=npdt, mode="r", offset=offset, shape=shape)
     del tensor.external_data[:]
     for key, value in (("location", STASHED), ("token", token), ("length", str(length))):
         entry = tensor.external_data.add()

@@ -334,4 +334,4 @@ def test_large_external_data_stays_in_its_file_while_compiling(tmp_path, monkeyp
     with pytest.raises(CompileError, match="fp16 is not supported for them"):
         poprt_compile(str(tmp_path / "m.onnx"), tmp_path / "out16", popef_name="m.popef",
                       precision="fp16")
-    assert not _onnx._stashed   # let go after each compilation
+    assert not _onnx._stashed()   # let go after each compilation
