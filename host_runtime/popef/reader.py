@@ -40,6 +40,7 @@ from shm.errors import echo
 __all__ = ["Reader", "BlobInfo", "MAP_MIN_BYTES", "drop_pages", "file_span"]
 
 MAP_MIN_BYTES = 1 << 20
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)   # every page is read at once (the checksum)
 """Payloads of a file this large or larger are mapped views of the file, not copies."""
 
 _log = logging.getLogger(__name__)
@@ -104,7 +105,8 @@ class Reader:
             mapped = None
             if size >= MAP_MIN_BYTES:
                 try:
-                    mapped = _FileMap(f.fileno(), size, prot=mmap.PROT_READ)
+                    mapped = _FileMap(f.fileno(), size, flags=mmap.MAP_SHARED | _POPULATE,
+                                      prot=mmap.PROT_READ)
                     mapped.path = os.path.realpath(spath)
                     mapped.identity = _identity(os.fstat(f.fileno()))
                 except (OSError, ValueError):   # not mappable (a pipe, a special file)
