@@ -86,6 +86,14 @@ def _remove(names: set[str]) -> None:
     remove_shm_entries(names)
 
 
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: two workers per CPU, at most two more than the CPUs. Much of the suite
+    waits on other processes (IPU processes and daemons starting, fresh interpreters,
+    deadlines), so one worker per CPU leaves the CPUs idle half of the time."""
+    n = os.cpu_count() or 1
+    return min(2 * n, n + 2)
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "allow_shm_leak: the test checks leaks itself")
 

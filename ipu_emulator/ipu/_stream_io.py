@@ -320,7 +320,10 @@ class _RingIO:
         s = self._stream(handle)
         ring = s.ring
         self._it.reading = False   # the iteration's inputs are read
-        if ring is None or s.plan.null:
+        if ring is None or s.plan.null or self.disconnected:
+            # disconnected: this iteration computed on dummy inputs (an IPU-Link or host
+            # stream was invalidated, e.g. another IPU of the device failed): whatever
+            # output rings are still open, nothing of it may reach them
             return
         t0 = time.monotonic_ns() if recorder.ON else 0
         data = _flat(src)
@@ -457,7 +460,7 @@ class _RingIO:
         s = self._loaded.by_handle.get(handle) or self._stream(handle)
         ring = s.ring
         self._it.reading = False   # the iteration's inputs are read
-        if ring is None or s.plan.null:
+        if ring is None or s.plan.null or self.disconnected:   # dropped (see write_output)
             return self._scratch(handle, nbytes)
         if self._redirect:
             host = self._redirected(handle, nbytes)
