@@ -25,8 +25,11 @@ _TIMED = ("kill-ipu", "kill-pipeline", "kill-host", "fork")
 def _short(scenario: str) -> list[str]:
     if scenario == "faults":   # its length is its schedule's requests: one host is enough
         return ["--requests", "12", "--hosts", "1", "--threads", "1", "--replicas", "1"]
-    load = ["--duration", "3"] if scenario in _TIMED else ["--requests", "30"]
-    return [*load, *_SHAPE]
+    if scenario not in _TIMED:
+        return ["--requests", "30", *_SHAPE]
+    # one host where the scenario is about what happens inside it (kill-host replaces hosts)
+    hosts = "2" if scenario == "kill-host" else "1"
+    return ["--duration", "3", "--hosts", hosts, "--threads", "2", "--replicas", "2"]
 
 
 def _run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict]:
