@@ -353,6 +353,21 @@ class DeviceProcess:
         if self._client_watch is not None and not self._client_watch.alive():
             raise _ClientGone()
 
+    def _take_ending(self, msg: Message) -> None:
+        """Raise for a control message that ends what runs: _Stopped (STOP), _Shutdown
+        (SHUTDOWN), _ClientGone (HOST in pool mode, which then runs next)."""
+        if msg.op is Op.STOP:
+            self._stop_seq = msg.seq
+            self._stop_soft = bool(msg.value)
+            raise _Stopped()
+        if msg.op is Op.SHUTDOWN:
+            raise _Shutdown()
+        if msg.op is Op.HOST and self.opts.pool:
+            # what the previous host still had queued is void; HOST runs next
+            self._pending.clear()
+            self._pending.append(msg)
+            raise _ClientGone()
+
     def poll_control(self) -> None:
         """Take control messages that arrived; raise _Stopped/_Shutdown for STOP/SHUTDOWN."""
         control = self.control
@@ -367,17 +382,7 @@ class DeviceProcess:
                 msg = ipu_protocol.decode(view, tag)
             finally:
                 self.control.release()
-            if msg.op is Op.STOP:
-                self._stop_seq = msg.seq
-                self._stop_soft = bool(msg.value)
-                raise _Stopped()
-            if msg.op is Op.SHUTDOWN:
-                raise _Shutdown()
-            if msg.op is Op.HOST and self.opts.pool:
-                # what the previous host still had queued is void; HOST runs next
-                self._pending.clear()
-                self._pending.append(msg)
-                raise _ClientGone()
+            self._take_ending(msg)
             if msg.op is Op.MODES:
                 self._apply_modes(msg)
             else:
@@ -874,16 +879,7 @@ class DeviceProcess:
             except WaitInterrupted:
                 self._interrupted()
                 continue
-            if msg.op is Op.STOP:
-                self._stop_seq = msg.seq
-                self._stop_soft = bool(msg.value)
-                raise _Stopped()
-            if msg.op is Op.SHUTDOWN:
-                raise _Shutdown()
-            if msg.op is Op.HOST and self.opts.pool:
-                self._pending.clear()
-                self._pending.append(msg)
-                raise _ClientGone()
+            self._take_ending(msg)
             _log.info("hung: ignoring %s", msg.op.name)
 
     def _run_one_traced(self, loaded: _Loaded, index: int, io: _RingIO,

@@ -264,36 +264,25 @@ def _big_tile(weights: int) -> int:
 
 def _big_chain(path: str, layers: int) -> None:
     """``chain_model``'s graph with its weights in ``<path>.data`` (external data)."""
-    from onnx import TensorProto, helper
+    from onnx import TensorProto
 
-    rng = np.random.default_rng(0)
-    scale = np.float32(1.5 / np.sqrt(WIDTH))
-    nodes, inits = [], []
+    from tools._chain_model import chain_model
+
     data = path + ".data"
     with open(data, "wb") as f:
-        x = "x"
-        for k in range(layers):
-            w = rng.standard_normal((WIDTH, WIDTH), dtype=np.float32) * scale
+        def external(name: str, w: np.ndarray) -> Any:
             t = TensorProto()
-            t.name, t.data_type = f"w{k}", TensorProto.FLOAT
-            t.dims.extend([WIDTH, WIDTH])
+            t.name, t.data_type = name, TensorProto.FLOAT
+            t.dims.extend(w.shape)
             t.data_location = TensorProto.EXTERNAL
             for key, value in (("location", os.path.basename(data)), ("offset", str(f.tell())),
                                ("length", str(w.nbytes))):
                 e = t.external_data.add()
                 e.key, e.value = key, value
             f.write(w.tobytes())
-            inits.append(t)
-            out = "y" if k == layers - 1 else f"r{k}"
-            nodes.append(helper.make_node("MatMul", [x, f"w{k}"], [f"m{k}"], name=f"mm{k}"))
-            nodes.append(helper.make_node("Relu", [f"m{k}"], [out], name=f"relu{k}"))
-            x = out
-    graph = helper.make_graph(
-        nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [BATCH, WIDTH])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [BATCH, WIDTH])],
-        initializer=inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
-    model.ir_version = 8
+            return t
+
+        model = chain_model(layers=layers, width=WIDTH, batch=BATCH, initializer=external)
     with open(path, "wb") as f:
         f.write(model.SerializeToString())
 
