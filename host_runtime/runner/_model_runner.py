@@ -122,8 +122,6 @@ class ModelRunner:
             raise BadRequestError(f"config must be a ModelRunnerConfig, got {type(cfg).__name__}")
         cfg.validate()
         # the settings now (environment, override blocks): the runner keeps them for its life
-        self._settings = HostSettings.current()
-        # the settings now (environment, override blocks): the runner keeps them for its life
         self._settings = settings = HostSettings.current()
         # the fault schedule its IPUs follow (ipu_emulator.faults; its sessions hold it too)
         self._fault_table = fault_table_for(settings.faults)
