@@ -57,8 +57,15 @@ class FakeDaemon:
                     conn.sendall(json.dumps(dict(self.replies.pop(0), v=1)).encode() + b"\n")
 
     def close(self) -> None:
+        # a client refused before it sent anything leaves the thread in accept(): a
+        # shutdown wakes it at once (close() alone would leave it to its 30 s timeout)
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self.sock.close()
         self.thread.join(30)
+        assert not self.thread.is_alive(), "the fake daemon's thread did not end"
 
 
 @pytest.fixture()

@@ -51,6 +51,7 @@ The synthetic-tree tests at the end show each check failing on a new violation.
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 from dataclasses import dataclass
 from typing import Iterable
@@ -430,25 +431,36 @@ def private_reads(root: pathlib.Path = ROOT, packages: Iterable[str] = PACKAGES,
 
 
 # --------------------------------------------------------------------------- the tree
-_MODULES, _EDGES = import_graph()
-_PRIVATE_READS = private_reads()
+# read once per test process, when a test first needs it (not at collection: every xdist
+# worker collects this module)
+@functools.cache
+def _graph() -> tuple[set[str], list[Edge]]:
+    return import_graph()
+
+
+@functools.cache
+def _private_reads() -> list[PrivateRead]:
+    return private_reads()
 
 
 def test_the_graph_is_read():
+    modules, edges = _graph()
     assert {"shm.ring", "ipu_emulator.ipu.process", "host_runtime.runner._replica",
-            "tools.cli"} <= _MODULES
-    kinds = {e.kind for e in _EDGES}
+            "tools.cli"} <= modules
+    kinds = {e.kind for e in edges}
     assert kinds == {"module", "local", "typing"}
 
 
 def test_layers():
-    bad = layer_violations(_EDGES)
+    _, edges = _graph()
+    bad = layer_violations(edges)
     assert not bad, "imports against the layers (shm <- ipu_emulator <- host_runtime " \
         "<- tools):\n" + _show(bad)
 
 
 def test_no_private_names_cross_packages():
-    found = private_crossings(_EDGES)
+    _, edges = _graph()
+    found = private_crossings(edges)
     new = [e for e in found if (e.source, e.imported) not in ALLOWED_PRIVATE]
     assert not new, ("private modules or names imported across packages (export a public "
                      "name instead):\n" + _show(new))
@@ -457,7 +469,7 @@ def test_no_private_names_cross_packages():
 
 
 def test_no_private_state_read_across_modules():
-    found = _PRIVATE_READS
+    found = _private_reads()
     new = [r for r in found if (r.path, r.attr) not in ALLOWED_PRIVATE_READS]
     assert not new, ("private attributes of another module's objects (or the standard "
                      "library's) read, written or imported; use or add a public name:\n"
@@ -471,10 +483,11 @@ def test_no_private_state_read_across_modules():
 
 
 def test_no_import_cycles():
-    comps = cycles(_MODULES, _EDGES, LAZY)
+    modules, edges = _graph()
+    comps = cycles(modules, edges, LAZY)
     new = [c for c in comps if not any(c <= known for known in KNOWN_CYCLES)]
     detail = "\n".join(
-        "  " + " <-> ".join(sorted(c)) + "\n" + _show(e for e in _EDGES
+        "  " + " <-> ".join(sorted(c)) + "\n" + _show(e for e in edges
                                               if e.source in c and e.target in c)
         for c in new)
     assert not new, "import cycles (function-local and TYPE_CHECKING imports count):\n" + detail
@@ -483,13 +496,14 @@ def test_no_import_cycles():
 
 
 def test_lazy_imports_are_local_and_needed():
+    modules, edges = _graph()
     for (source, target), why in LAZY.items():
         assert why
-        kinds = {e.kind for e in _EDGES if (e.source, e.target) == (source, target)}
+        kinds = {e.kind for e in edges if (e.source, e.target) == (source, target)}
         assert kinds == {"local"}, f"LAZY {source} -> {target}: expected only " \
             f"function-local imports, found {sorted(kinds) or 'none'}"
         others = {k: v for k, v in LAZY.items() if k != (source, target)}
-        assert len(cycles(_MODULES, _EDGES, others)) > len(cycles(_MODULES, _EDGES, LAZY)), \
+        assert len(cycles(modules, edges, others)) > len(cycles(modules, edges, LAZY)), \
             f"LAZY {source} -> {target} closes no cycle: remove it from LAZY"
 
 
