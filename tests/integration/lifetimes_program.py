@@ -1,13 +1,14 @@
 """A program that drops what it made without close(), with the garbage collector off.
 
-``python -m tests.integration.lifetimes_program MODEL SCENARIO`` runs one scenario
-in a fresh interpreter (its own machine and shared-memory tag come from the
-environment) and prints one JSON line: what was left after each drop. Run by
-``tests/integration/test_lifetimes.py``.
+``python -m tests.integration.lifetimes_program MODEL SCENARIO...`` runs the scenarios
+one after the other in a fresh interpreter (its own machine and shared-memory tag come
+from the environment) and prints one JSON line: for each scenario, what was left after
+each drop. Run by ``tests/integration/test_lifetimes.py``.
 
-The collector is disabled before the scenario starts and set to keep what it
-would free (``DEBUG_SAVEALL``), so that ``gc.collect()`` at the end counts every
-reference cycle the scenario made: it must find none.
+Before each scenario the collector is run once (what importing and the scenarios before
+left is not this one's), then disabled and set to keep what it would free
+(``DEBUG_SAVEALL``), so that ``gc.collect()`` at the scenario's end counts every reference
+cycle it made: it must find none.
 """
 
 from __future__ import annotations
@@ -418,17 +419,9 @@ SCENARIOS: dict[str, Callable[[str, Probe], None]] = {
 }
 
 
-def main(argv: list[str]) -> int:
-    path, name = argv
-    home = os.environ["IPU_EMULATOR_HOME"]
-    if name == "pending":   # compiled first: the compiler's imports leave garbage
-        write_simple_popef(os.path.join(home, "batched.popef"), shape=(4, 3))
-    if name == "sharded":
-        _compile_chain(home)
-    if name == "device_error":
-        from tests._helpers import write_gather
-        write_gather(os.path.join(home, "gather.popef"))
-    gc.collect()                      # what importing left behind is not ours
+def run_scenario(name: str, path: str) -> dict[str, Any]:
+    """One scenario with the collector off; then every IPU of the machine is attached."""
+    gc.collect()                      # what importing (and earlier scenarios) left is not ours
     gc.disable()
     gc.set_debug(gc.DEBUG_SAVEALL)
     probe = Probe()
@@ -436,16 +429,33 @@ def main(argv: list[str]) -> int:
     garbage = gc.collect()
     kinds = sorted({type(o).__qualname__ if not isinstance(o, type) else "class " + o.__module__ + "." + o.__qualname__ for o in gc.garbage})[:20]
     gc.garbage.clear()
+    gc.set_debug(0)
+    enabled = gc.isenabled()
     # every IPU of the machine is free again
     dm = DeviceManager()
     devices = [dm.getDevice(1) for _ in range(dm.system.num_ipus)]
     ipus = sorted(i for d in devices for i in d.ipus())
     for d in devices:
         d.close()
+    del devices, dm
     probe.check("after attaching every IPU")
-    result: dict[str, Any] = {"leaks": probe.leaks, "garbage": garbage, "kinds": kinds,
-                              "ipus": ipus, "gc_enabled": gc.isenabled()}
-    print("RESULT " + json.dumps(result), flush=True)
+    return {"leaks": probe.leaks, "garbage": garbage, "kinds": kinds, "ipus": ipus,
+            "gc_enabled": enabled}
+
+
+def main(argv: list[str]) -> int:
+    path, *names = argv
+    home = os.environ["IPU_EMULATOR_HOME"]
+    # what a scenario compiles is compiled first: the compiler's imports leave garbage
+    if "pending" in names:
+        write_simple_popef(os.path.join(home, "batched.popef"), shape=(4, 3))
+    if "sharded" in names:
+        _compile_chain(home)
+    if "device_error" in names:
+        from tests._helpers import write_gather
+        write_gather(os.path.join(home, "gather.popef"))
+    results = {name: run_scenario(name, path) for name in names}
+    print("RESULT " + json.dumps(results), flush=True)
     return 0
 
 
