@@ -482,13 +482,13 @@ def test_two_machines_do_not_see_each_other(pytester, tmp_path, monkeypatch):
     b = DaemonRig(tmp_path / "b", num_ipus=1)
     try:
         pytester.makepyfile(test_a=ON_ITS_MACHINE.format(mine=a.socket, other=b.socket))
-        result = pytester.runpytest_subprocess(*LOAD, *QUIET, f"--ipu-emulator-daemon={a.socket}",
-                                               timeout=240)
+        # in this process (no xdist): the suite's host is this test process
+        result = pytester.runpytest(*LOAD, *QUIET, f"--ipu-emulator-daemon={a.socket}")
         result.assert_outcomes(passed=1)
         (pytester.path / "test_a.py").unlink()
         pytester.makepyfile(test_b=ON_ITS_MACHINE.format(mine=b.socket, other=a.socket))
         monkeypatch.setenv("IPU_EMULATOR_DAEMON", b.socket)
-        result = pytester.runpytest_subprocess(*LOAD, *QUIET, timeout=240)
+        result = pytester.runpytest(*LOAD, *QUIET)
         result.assert_outcomes(passed=1)
         for rig in (a, b):
             assert [i["holder"] for i in rig.status()["ipus"]] == [None]
