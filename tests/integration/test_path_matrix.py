@@ -59,10 +59,15 @@ RUNNER_FAST_PATHS = ("IPU_EMULATOR_RUNNER_FUSED", "IPU_EMULATOR_RUNNER_PLAIN",
 the general path (checked, a Request and its Transfers, drained, through slot views)."""
 
 
+RUNNER_FAULTS = [path for path in FAULTS if path != "tests/faults/test_device_faults.py"]
+"""The fault tests that make runners (test_device_faults.py drives devices and sessions
+only: the runner's paths are not in it)."""
+
+
 def test_runner_and_faults_with_the_runner_fast_paths_off() -> None:
     # (requests missing an input and 16 MiB ones take the general path anyway: the
     # deadline and large-tensor tests are not repeated here)
-    _run(RUNNER + FAULTS + ["tests/unit/test_loopback_runner.py",
+    _run(RUNNER + RUNNER_FAULTS + ["tests/unit/test_loopback_runner.py",
                             "tests/integration/test_model_runner_shared.py",
                             # one interrupt loop: execute and executeAsync, mixed
                             "tests/integration/test_interrupt.py::"
