@@ -156,20 +156,6 @@ def test_readme_example_in_process(pytester, tmp_path, monkeypatch):
     assert_run_left_nothing(recorded(tmp_path))
 
 
-def test_readme_example_under_xdist(pytester, tmp_path, monkeypatch):
-    monkeypatch.setenv("RECORD_DIR", str(tmp_path))
-    pytester.makepyfile(test_inference=readme_example(), test_record=RECORD_MACHINE)
-    result = pytester.runpytest_subprocess(*LOAD, *QUIET, "-n", "2", "--dist", "each",
-                                           "--ipu-emulator-num-ipus", "2", timeout=240)
-    result.assert_outcomes(passed=10, skipped=2)
-    records = recorded(tmp_path)
-    assert len(records) == 2
-    assert records[0]["home"] == records[1]["home"], "xdist workers must share one machine"
-    assert records[0]["tag"] != records[1]["tag"], "each worker needs its own shm tag"
-    assert records[0]["popef"] == records[1]["popef"], "compile_onnx caches for the whole run"
-    assert_run_left_nothing(records)
-
-
 # -- options -----------------------------------------------------------------------------
 
 OPTIONS = '''
@@ -355,12 +341,29 @@ def test_both_workers_use_one_daemon(ipu_daemon, model_runner, tmp_path):
 '''
 
 
-def test_one_daemon_is_shared_by_two_workers_and_gone_at_the_end(pytester, tmp_path):
-    pytester.makepyfile(test_daemon=SHARED_DAEMON.format(barrier=str(tmp_path)))
+def test_readme_example_and_a_shared_daemon_under_xdist(pytester, tmp_path, monkeypatch):
+    """One ``pytest -n 2 --dist each`` run of the README's example (the workers share one
+    machine and compile_onnx's cache) followed by a suite using ``ipu_daemon`` (the workers
+    share one daemon, gone at the end). The daemon's file sorts last: a worker reaches it
+    after its README tests, and attaches only once both workers are there."""
+    records, barrier = tmp_path / "records", tmp_path / "barrier"
+    records.mkdir()
+    barrier.mkdir()
+    monkeypatch.setenv("RECORD_DIR", str(records))
+    pytester.makepyfile(test_inference=readme_example(), test_record=RECORD_MACHINE,
+                        test_shared_daemon=SHARED_DAEMON.format(barrier=str(barrier)))
     result = pytester.runpytest_subprocess(*LOAD, *QUIET, "-n", "2", "--dist", "each",
                                            "--ipu-emulator-num-ipus", "2", timeout=240)
-    result.assert_outcomes(passed=2)
-    seen = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("*.json"))]
+    result.assert_outcomes(passed=12, skipped=2)
+    # the README example: one machine, a tag per worker, one compile cache, nothing left
+    machines = recorded(records)
+    assert len(machines) == 2
+    assert machines[0]["home"] == machines[1]["home"], "xdist workers must share one machine"
+    assert machines[0]["tag"] != machines[1]["tag"], "each worker needs its own shm tag"
+    assert machines[0]["popef"] == machines[1]["popef"], "compile_onnx caches for the whole run"
+    assert_run_left_nothing(machines)
+    # the daemon: one for both workers, stopped at the end with its socket and home
+    seen = [json.loads(p.read_text()) for p in sorted(barrier.glob("*.json"))]
     assert len(seen) == 2
     assert seen[0] == seen[1], f"the workers used different daemons: {seen}"
     pid = seen[0]["daemon"]
