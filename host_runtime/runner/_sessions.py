@@ -115,13 +115,10 @@ class ReplicaSessions:
         s = Session(self._model, sc)
         try:
             for name, value in frozen_load.items():
-                data = memoryview(value).cast("B")  # type: ignore[arg-type]
-
-                def feed(view: memoryview, _d: memoryview = data) -> None:
-                    view[:len(_d)] = _d
                 anchor = self._model.metadata.anchor(name)
                 assert anchor is not None   # checked by ModelLayout
-                s.setCallbackForAnchor(anchor.handle(), feed)
+                # one copy in shared memory for every replica (host_runtime.session._constants)
+                s.freeze_input(anchor.handle(), memoryview(value).cast("B"))  # type: ignore[arg-type]
             device = cfg.replica_to_device.get(rid)
             if device is not None and device.isAttached():
                 s.bindToDevice(device)

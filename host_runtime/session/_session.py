@@ -52,6 +52,7 @@ from host_runtime.popef import check_model
 from host_runtime.popef.reader import file_span as popef_file_span
 from host_runtime.session._fastpath import DirectStreams
 from host_runtime.session._streams import StreamTable, callback_failure
+from host_runtime.session._constants import SharedConstants, constants_bytes, shared_constants
 from host_runtime.session._weights import SharedWeights, check_fits, is_shared, shared_weights
 from host_runtime.devices import Device, DeviceManager, DeviceWaitConfig
 from host_runtime.errors import (BadRequestError, DeviceExecutionError, DeviceLostError,
@@ -238,6 +239,11 @@ class Session:
         # bytes (host_runtime.session._weights), not in this session's executable region
         self._weights_at, self._weights_len = _weights_span(self._exe, self._header)
         self._weights: SharedWeights | None = None
+        # the Load programs' constant inputs: their values in one region shared by every
+        # session of the same values (host_runtime.session._constants); what the device was
+        # last loaded with (handle -> callback id)
+        self._constants: SharedConstants | None = None
+        self._constants_loaded: dict[str, int] = {}
         self._sharded: ShardedLoad | None = None   # a multi-IPU executable's resources
         self._loaded = False             # our executable is loaded and we are the active session
         self._need_load_programs = True
@@ -492,6 +498,7 @@ class Session:
                     region.unlink()
             self._spec_region = self._memory_region = None
             self._weights = None   # the last session of these weights frees their region
+            self._constants = None   # and of these constants
             if self._sharded is not None:
                 self._sharded.close()
                 self._sharded = None
@@ -640,7 +647,10 @@ class Session:
             ("the executable region", self._weights_at)] + (
             [("the weights region", self._weights_len)]
             if self._weights is None and self._weights_len and self._weights_file() is None
-            else [])
+            else []) + (
+            [("the constants region", constants_bytes(
+                {h: v for h, (_, v) in self._streams.constants().items()}))]
+            if self._constants is None and self._streams.constants() else [])
         self._streams.ensure_rings(dev.link.pid, extra)
         if self._memory_region is None:
             size = max(64, int(self._header["memory_bytes"]))
@@ -680,6 +690,12 @@ class Session:
             spec["weights_file"] = weights_file
         elif self._weights is not None:
             spec["weights_region"] = self._weights.name
+        constants = self._streams.constants()
+        if constants:
+            self._constants = shared_constants({h: v for h, (_, v) in constants.items()})
+            spec["constants"] = self._constants.spec()
+        else:
+            self._constants = None
         if self._spec_region is not None:
             # The executable stays where it is; only "fresh", modes and weights change.
             spec["executable_offset"] = ipu_protocol.decode_load_spec(
@@ -711,9 +727,30 @@ class Session:
                 # one: the region lives only while a session of these weights loads
                 self._weights = None
         self._modes_sent = modes
+        self._constants_loaded = {h: id(cb) for h, (cb, _) in constants.items()}
         self._loaded = True
         self._need_load_programs = True
         self._load_ran = False
+
+    def _sync_constants(self, progs: Sequence[int]) -> None:
+        """Before ``progs`` run: if they include a Load program and the constant inputs are
+        not those the device was loaded with (a callback set on one, or a new value), load
+        again so that this Load run reads them as they are now. Between Load runs a change
+        needs nothing: the device keeps what the last Load wrote, as a real one does."""
+        if int(self._header["num_ipus"]) > 1 or not set(progs) & set(self._flow.load()):
+            return
+        now = {h: id(cb) for h, (cb, _) in self._streams.constants().items()}
+        if now != self._constants_loaded:
+            need, ran = self._need_load_programs, self._load_ran
+            self._load(fresh=True)
+            self._need_load_programs, self._load_ran = need, ran
+
+    def freeze_input(self, anchor_handle: str, data: memoryview) -> None:
+        """Internal (ModelRunner): feed input ``anchor_handle`` from ``data``, a value that
+        never changes (a frozen input). Where only Load programs read it, its value goes
+        once into shared memory for every session of this process that has the same value,
+        instead of through this session's ring."""
+        self._streams.set_constant(anchor_handle, data)
 
     def _weights_file(self) -> dict[str, Any] | None:
         """With prepacking on, where an IPU process reads the weights itself: the PopEF
@@ -815,6 +852,7 @@ class Session:
     def _request_run(self, dev: Device, progs: list[int], what: str) -> None:
         if self._abandoned is not None:
             self._finish_abandoned(dev)
+        self._sync_constants(progs)
         self._send_modes(dev)
         self._streams.clear_callback_errors()
         fut = dev.link.request(Op.RUN, list(progs))

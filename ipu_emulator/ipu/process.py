@@ -575,6 +575,24 @@ class DeviceProcess:
                 ErrorKind.REQUEST, f"executable {header['name']!r} needs {header['num_ipus']} "
                 f"IPUs, but {self._describe()} has {o.num_ipus}")
         regions = [region]
+        constants: dict[str, memoryview] | None = None
+        consts = spec.get("constants")
+        if consts:   # constant streams: one read-only region for every replica (_constants)
+            c_name = consts["region"]
+            self._known.add(c_name)
+            try:
+                c_region = Region.attach(c_name, prefault=False, readonly=True)
+            except (ShmError, OSError, posix_ipc.Error) as exc:
+                raise _RequestError(ErrorKind.PROTOCOL, f"cannot open the constants region "
+                                    f"{c_name}: {exc}") from None
+            buf = c_region.buf
+            if any(c["offset"] + c["nbytes"] > len(buf) for c in consts["streams"]):
+                c_region.close()
+                raise _RequestError(ErrorKind.PROTOCOL, f"constants region {c_name} of "
+                                    f"{len(buf)} bytes is shorter than its streams")
+            regions.append(c_region)
+            constants = {c["handle"]: buf[c["offset"]:c["offset"] + c["nbytes"]]
+                         for c in consts["streams"]}
         weights: memoryview | None = None
         w_file = spec.get("weights_file")
         file_map = None
@@ -615,10 +633,13 @@ class DeviceProcess:
             regions.append(mem_region)
             memory = mem_region.buf[:exe.memory_bytes]
         prepack = True if file_map is not None else spec.get("prepack")
+        kwargs: dict[str, Any] = {} if prepack is None else {"prepack": prepack}
+        if constants is not None:
+            kwargs["constants"] = constants
         t1 = _monotonic()
         try:
             interp = self._interpreter_cls(exe, device_memory=memory, num_threads=o.threads,
-                                           **({} if prepack is None else {"prepack": prepack}))
+                                           **kwargs)
         except Exception as exc:
             for r in regions[1:]:
                 r.close()
@@ -646,11 +667,15 @@ class DeviceProcess:
 
     def _attach_streams(self, loaded: _Loaded, streams: list[dict[str, Any]]) -> None:
         exe_streams = loaded.interp.executable.streams
+        plan = getattr(loaded.interp, "constants", None)
+        constant = set(plan.shared) | set(plan.copied) if plan is not None else set()
         loaded.steps.clear()
         for i, s in enumerate(streams):
             self._known.add(s["ring"])
             try:
-                ring = Ring.attach(s["ring"], prefault=s["nbytes"] <= _PREFAULT_MAX)
+                # a constant stream's ring is never read: its pages are never touched
+                ring = Ring.attach(s["ring"], prefault=s["nbytes"] <= _PREFAULT_MAX
+                                   and s["handle"] not in constant)
             except (ShmError, OSError, posix_ipc.Error) as exc:
                 raise _RequestError(ErrorKind.PROTOCOL,
                                     f"cannot open the ring of stream {s['handle']!r}: {exc}") from None
