@@ -36,6 +36,7 @@ import numpy as np
 from shm import Region
 
 from host_runtime.devices import translated
+from host_runtime.popef.reader import drop_pages
 
 __all__ = ["SharedConstants", "shared_constants", "constants_bytes"]
 
@@ -44,6 +45,8 @@ _lock = threading.Lock()
 _Key = tuple[int, tuple[tuple[str, int, int], ...]]
 _live: dict[_Key, "weakref.ref[SharedConstants]"] = {}
 _ALIGN = 64
+_CHUNK = 8 << 20
+_COMPARE = 1 << 20
 
 
 def _layout(values: Mapping[str, memoryview]) -> tuple[dict[str, tuple[int, int]], int]:
@@ -60,6 +63,16 @@ def _layout(values: Mapping[str, memoryview]) -> tuple[dict[str, tuple[int, int]
 def constants_bytes(values: Mapping[str, memoryview]) -> int:
     """Bytes of the region that would hold ``values``."""
     return max(1, _layout(values)[1])
+
+
+def _crc(view: memoryview) -> int:
+    """CRC-32 of ``view``, letting a PopEF file's mapping go behind (``drop_pages``)."""
+    crc = 0
+    for a in range(0, len(view), _CHUNK):
+        chunk = view[a:a + _CHUNK]
+        crc = zlib.crc32(chunk, crc)
+        drop_pages(chunk)
+    return crc
 
 
 def _bytes(value: Any) -> memoryview:
@@ -84,9 +97,15 @@ class SharedConstants:
         if region is None or set(values) != set(self._at):
             return False
         for h, (off, n) in self._at.items():
-            have = np.frombuffer(region.buf, np.uint8, n, off)
-            if not np.array_equal(have, np.frombuffer(_bytes(values[h]), np.uint8)):
-                return False
+            value = _bytes(values[h])
+            for a in range(0, n, _COMPARE):   # in chunks: no temporary the size of a value
+                b = min(n, a + _COMPARE)
+                have = np.frombuffer(region.buf, np.uint8, b - a, off + a)
+                chunk = value[a:b]
+                same = np.array_equal(have, np.frombuffer(chunk, np.uint8))
+                drop_pages(chunk)
+                if not same:
+                    return False
         return True
 
     def spec(self) -> dict[str, Any]:
@@ -114,7 +133,7 @@ def shared_constants(values: Mapping[str, Any]) -> SharedConstants:
     """The region holding ``values`` (handle -> bytes), made now if this process has none
     of that content. Raises ``SharedMemoryFullError`` if /dev/shm cannot hold them."""
     views = {h: _bytes(v) for h, v in values.items()}
-    key: _Key = (os.getpid(), tuple((h, len(v), zlib.crc32(v)) for h, v in sorted(views.items())))
+    key: _Key = (os.getpid(), tuple((h, len(v), _crc(v)) for h, v in sorted(views.items())))
     with _lock:
         ref = _live.get(key)
         found = ref() if ref is not None else None
@@ -126,6 +145,7 @@ def shared_constants(values: Mapping[str, Any]) -> SharedConstants:
     try:
         for h, (off, n) in at.items():
             region.buf[off:off + n] = views[h]
+            drop_pages(views[h])
     except BaseException:
         region.close()
         region.unlink()
