@@ -45,6 +45,12 @@ class ReplicaSessions:
         # a model that /dev/shm or memory cannot hold in every replica: refused before any
         # device is attached or process started (SharedMemoryFullError with the sizes)
         check_model_fits(model, cfg.replication_factor, bool(settings.prepack))
+        # frozen inputs held once in shared memory, not written with each request: those
+        # of the Load program, and those of Main while Main still streams some input on
+        # every iteration (else its loop would not wait for requests)
+        streamed = any(a.name() not in layout.frozen for a in layout.main_inputs)
+        self._shared_frozen = {n: v for n, v in layout.frozen.items()
+                               if n in layout.frozen_load or streamed}
         if not cfg.replica_to_device:   # IPU processes of our own: their template starts now
             DeviceManager(settings=settings).prepare_launch()
 
@@ -58,7 +64,8 @@ class ReplicaSessions:
         """What replica ``rid`` is told."""
         cfg = self._config
         lay = self._layout
-        direct_in = lay.direct_inputs()
+        direct_in = {n: spec for n, spec in lay.direct_inputs().items()
+                     if n not in self._shared_frozen}
         flush_ns: Optional[int]
         if cfg.is_batch_size_timeout_enabled:
             flush_ns = cfg.batch_size_timeout_ns
@@ -100,7 +107,6 @@ class ReplicaSessions:
         """A session for replica ``rid``, its direct anchors claimed (a ``Session``; typed
         as what the replica uses of it, which mypy checks ``Session`` provides)."""
         cfg = self._config
-        frozen_load = self._layout.frozen_load
         frozen = self._layout.frozen     # whatever else would feed them (PopEF data too)
         pred = None
         if frozen:
@@ -114,7 +120,7 @@ class ReplicaSessions:
                            ring_depth=self.ring_depths(), settings=self._settings)
         s = Session(self._model, sc)
         try:
-            for name, value in frozen_load.items():
+            for name, value in self._shared_frozen.items():
                 anchor = self._model.metadata.anchor(name)
                 assert anchor is not None   # checked by ModelLayout
                 # one copy in shared memory for every replica (host_runtime.session._constants)
@@ -130,7 +136,8 @@ class ReplicaSessions:
                     dev.close()
                     raise
             for spec in (*self._layout.in_specs.values(), *self._layout.out_specs.values()):
-                s.direct.claim(spec.handle)
+                if spec.name not in self._shared_frozen:
+                    s.direct.claim(spec.handle)
         except BaseException:
             s.close()
             raise

@@ -243,7 +243,7 @@ class Session:
         # session of the same values (host_runtime.session._constants); what the device was
         # last loaded with (handle -> callback id)
         self._constants: SharedConstants | None = None
-        self._constants_loaded: dict[str, int] = {}
+        self._constants_loaded: dict[str, tuple[Callable[[memoryview], None], memoryview]] = {}
         self._sharded: ShardedLoad | None = None   # a multi-IPU executable's resources
         self._loaded = False             # our executable is loaded and we are the active session
         self._need_load_programs = True
@@ -657,8 +657,10 @@ class Session:
             with translated("the device memory region", size):
                 self._memory_region = Region.create(size, kind="mem", prefault=False)
 
-    def _load(self, fresh: bool) -> None:
-        """Send LOAD (caller holds the device lock and is the active session)."""
+    def _load(self, fresh: bool, keep_load_constants: bool = False) -> None:
+        """Send LOAD (caller holds the device lock and is the active session).
+        ``keep_load_constants``: the constant inputs only Load programs read stay those
+        of the last LOAD (no Load program runs before the next request)."""
         dev = self._device
         assert dev is not None
         self._ensure_resources(dev)
@@ -691,6 +693,10 @@ class Session:
         elif self._weights is not None:
             spec["weights_region"] = self._weights.name
         constants = self._streams.constants()
+        if keep_load_constants:
+            only = self._streams.load_only
+            constants = {**{h: cv for h, cv in constants.items() if h not in only},
+                         **{h: cv for h, cv in self._constants_loaded.items() if h in only}}
         if constants:
             self._constants = shared_constants({h: v for h, (_, v) in constants.items()})
             spec["constants"] = self._constants.spec()
@@ -727,29 +733,34 @@ class Session:
                 # one: the region lives only while a session of these weights loads
                 self._weights = None
         self._modes_sent = modes
-        self._constants_loaded = {h: id(cb) for h, (cb, _) in constants.items()}
+        self._constants_loaded = constants
         self._loaded = True
         self._need_load_programs = True
         self._load_ran = False
 
     def _sync_constants(self, progs: Sequence[int]) -> None:
-        """Before ``progs`` run: if they include a Load program and the constant inputs are
-        not those the device was loaded with (a callback set on one, or a new value), load
-        again so that this Load run reads them as they are now. Between Load runs a change
-        needs nothing: the device keeps what the last Load wrote, as a real one does."""
-        if int(self._header["num_ipus"]) > 1 or not set(progs) & set(self._flow.load()):
+        """Before ``progs`` run: if the constant inputs are not those the device was loaded
+        with (a callback set on one, or a new value) and ``progs`` read them, load again so
+        that they read them as they are now. An input only Load programs read changes at
+        the next Load run: until then the device keeps what the last Load wrote, as a real
+        one does."""
+        if int(self._header["num_ipus"]) > 1:
             return
-        now = {h: id(cb) for h, (cb, _) in self._streams.constants().items()}
-        if now != self._constants_loaded:
+        now = {h: cb for h, (cb, _) in self._streams.constants().items()}
+        was = {h: cb for h, (cb, _) in self._constants_loaded.items()}
+        changed = {h for h in now.keys() | was.keys() if now.get(h) is not was.get(h)}
+        loads = bool(set(progs) & set(self._flow.load()))
+        if changed and (loads or not changed <= self._streams.load_only):
             need, ran = self._need_load_programs, self._load_ran
-            self._load(fresh=True)
+            self._load(fresh=True, keep_load_constants=not loads)
             self._need_load_programs, self._load_ran = need, ran
 
     def freeze_input(self, anchor_handle: str, data: memoryview) -> None:
         """Internal (ModelRunner): feed input ``anchor_handle`` from ``data``, a value that
-        never changes (a frozen input). Where only Load programs read it, its value goes
-        once into shared memory for every session of this process that has the same value,
-        instead of through this session's ring."""
+        never changes (a frozen input): its value goes once into shared memory for every
+        session of this process that has the same value, instead of through this session's
+        ring. The caller sees to it that a Main iteration still reads some stream (else the
+        device's main loop would not wait for requests)."""
         self._streams.set_constant(anchor_handle, data)
 
     def _weights_file(self) -> dict[str, Any] | None:
@@ -840,6 +851,7 @@ class Session:
             self._need_load_programs = False
             self._load_ran = True
         self.errorIfAnchorsAreNotConnectedToCallbacks(main)
+        self._sync_constants(main)
         self._send_modes(dev)
         return list(main)
 

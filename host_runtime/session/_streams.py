@@ -107,11 +107,12 @@ class StreamTable:
         self._look_ahead = look_ahead
         self.popef_cbs: dict[str, Callback] = {}
         self.user_cbs: dict[str, Callback] = {}
-        # inputs only Load programs read, fed a value that never changes (PopEF tensor data,
-        # a frozen input): callback -> value; constant while it is the anchor's callback
+        # inputs fed a value that never changes (PopEF tensor data of an input only Load
+        # programs read, a frozen input): callback -> value; constant while it is the
+        # anchor's callback
         load = set(self.flow.load())
-        self._load_only = {a.handle() for a in self.streams if a.type() is popef.TensorType.INPUT
-                           and a.programs() and set(a.programs()) <= load}
+        self.load_only = {a.handle() for a in self.streams if a.type() is popef.TensorType.INPUT
+                          and a.programs() and set(a.programs()) <= load}
         self._const_values: dict[str, tuple[Callback, memoryview]] = {}
         self.direct: set[str] = set()
         self._errors: list[tuple[str, BaseException]] = []
@@ -136,7 +137,8 @@ class StreamTable:
             if td is not None:
                 cb = self.popef_cbs[a.handle()] = _popef_input_callback(
                     td.data, n, 1, f"tensor data of {a.name()!r}")
-                self._const_values[a.handle()] = (cb, memoryview(td.data))
+                if a.handle() in self.load_only:
+                    self._const_values[a.handle()] = (cb, memoryview(td.data))
             elif feed is not None:
                 self.popef_cbs[a.handle()] = _popef_input_callback(
                     feed.data, n, feed.num_transfers, f"feed data of {a.name()!r}")
@@ -190,7 +192,8 @@ class StreamTable:
                 self.user_cbs[a.handle()] = callback
 
     def set_constant(self, handle: str, data: memoryview) -> None:
-        """Feed input ``handle`` from ``data``, a value that never changes (its callback)."""
+        """Feed input ``handle`` from ``data``, a value that never changes (its callback;
+        a constant while it is, whichever programs read it)."""
         a = self.anchor(handle)
         n = self.nbytes[a.handle()]
         value = memoryview(data).cast("B") if memoryview(data).ndim != 1 else memoryview(data)
@@ -202,10 +205,10 @@ class StreamTable:
         self._const_values[a.handle()] = (cb, value)
 
     def constants(self) -> dict[str, tuple[Callback, memoryview]]:
-        """The inputs fed now by a value that never changes and read only by Load programs
-        (handle -> (callback, value)): their values go once into shared memory."""
+        """The inputs fed now by a value that never changes (handle -> (callback, value)):
+        their values go once into shared memory."""
         return {h: cv for h, cv in self._const_values.items()
-                if h in self._load_only and h not in self.direct and self.callback(h) is cv[0]}
+                if h not in self.direct and self.callback(h) is cv[0]}
 
     def set_handler(self, anchors: list[popef.Anchor], factory: Callable[[Any], Any],
                     predicate: AnchorCallbackPredicate | None, skip_connected: bool,

@@ -161,6 +161,12 @@ class Interpreter:
       ``exe.weights`` (``uses_weights`` is False), so one copy per IPU process remains;
     - off (memory): it computes with them where they lie, not copied: one copy for
       every IPU process that maps the same region (MatMul and Conv a few times slower).
+
+    ``constants`` (handle -> bytes): constant streams, whose value is given here instead
+    of read from the stream (in an IPU process a read-only region every replica maps). A
+    tensor only they fill and no program writes is those bytes (its StreamIns are
+    dropped, device memory is not written); one a program writes is copied from them at
+    each of its StreamIns (``ipu_emulator.ipu._constants``, ``self.constants``).
     """
 
     def __init__(self, exe: Executable, device_memory: memoryview | bytearray | None = None,

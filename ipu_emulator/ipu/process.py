@@ -667,8 +667,7 @@ class DeviceProcess:
 
     def _attach_streams(self, loaded: _Loaded, streams: list[dict[str, Any]]) -> None:
         exe_streams = loaded.interp.executable.streams
-        plan = getattr(loaded.interp, "constants", None)
-        constant = set(plan.shared) | set(plan.copied) if plan is not None else set()
+        constant = _constant_handles(loaded)
         loaded.steps.clear()
         for i, s in enumerate(streams):
             self._known.add(s["ring"])
@@ -728,7 +727,9 @@ class DeviceProcess:
         control_readable = self.control.readable
         apart = self._apart
         # the host writes the id of its thread that submits into its input rings
-        hinted = [st.ring for st in loaded.streams if st.direction == "in" and st.ring is not None]
+        constant = _constant_handles(loaded)   # rings the host never writes
+        hinted = [st.ring for st in loaded.streams if st.direction == "in" and st.ring is not None
+                  and st.handle not in constant]
         apart.hint = hinted[0].user_word if hinted else None
         self._slice = self._wait_slice
         if loaded.interp.executable.attributes.get("keep_apart") == "0":
@@ -1179,6 +1180,13 @@ def _unmap(mm: mmap.mmap, view: memoryview | None) -> None:
 
 def _unlink_ring_or_region(name: str) -> int:
     return (_unlink(name, False) + _unlink(name + ".free", True) + _unlink(name + ".full", True))
+
+
+def _constant_handles(loaded: _Loaded) -> set[str]:
+    """The constant streams of ``loaded`` (``ipu_emulator.ipu._constants``): their rings are
+    never read, nor written by the host."""
+    plan = getattr(loaded.interp, "constants", None)
+    return set(plan.shared) | set(plan.copied) if plan is not None else set()
 
 
 def _check_streams(loaded: _Loaded) -> None:

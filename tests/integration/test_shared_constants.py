@@ -294,3 +294,69 @@ def test_a_dropped_runner_leaves_nothing_in_dev_shm(simple):
         assert _tag_objects() == []
     finally:
         gc.enable()
+
+
+def _cst_values(name: str, handles: dict[str, int]) -> dict[str, np.ndarray]:
+    """The values a constants region holds (handles sorted, each 64-byte aligned)."""
+    out, at = {}, 0
+    with open("/dev/shm/" + name, "rb") as f:
+        data = f.read()
+    for h in sorted(handles):
+        n = handles[h]
+        out[h] = np.frombuffer(data[at:at + n], np.float32).reshape(SHAPE)
+        at += -(-n // 64) * 64
+    return out
+
+
+@pytest.mark.parametrize("batching", [False, True])
+def test_a_frozen_input_of_main_is_shared_not_sent_with_each_request(simple, batching):
+    path, w = simple
+    at = load_parts(path)[1].tensors["tensor_B"].offset
+    frozen = np.random.default_rng(60).standard_normal(SHAPE).astype(np.float32)
+    cfg = model_runtime.ModelRunnerConfig(replication_factor=2)
+    cfg.frozen_inputs = model_runtime.InputMemoryView()
+    cfg.frozen_inputs["tensor_B"] = frozen
+    if batching:
+        cfg.batching_dim = 0
+    with model_runtime.ModelRunner(path, config=cfg) as r:
+        assert [d.name for d in r.getExecuteInputs()] == ["tensor_A"]
+        for rid in (0, 1):
+            a = _ab(61 + rid)["tensor_A"]
+            rows = 5 if batching else SHAPE[0]    # a partial batch: padded, frozen kept
+            np.testing.assert_allclose(
+                r.execute({"tensor_A": a[:rows]}, replica_id=rid)["tensor_C"],
+                (a * w + frozen)[:rows], rtol=1e-6)
+        (name,) = _tag_objects("cst")
+        values = _cst_values(name, {"tensor_B": NBYTES, "weights": NBYTES})
+        np.testing.assert_array_equal(values["tensor_B"], frozen)
+        np.testing.assert_array_equal(values["weights"], w)
+        for rid in (0, 1):
+            (pid,) = r.device_pids(rid)
+            m = _mapping(pid, name)
+            assert m["perms"] == "r--s", m
+            assert int(m["Shared_Clean"]) + int(m["Shared_Dirty"]) >= 2 * NBYTES, m
+            assert int(m["Private_Clean"]) + int(m["Private_Dirty"]) == 0, m
+        for mem in _tag_objects("mem"):
+            with open("/dev/shm/" + mem, "rb") as f:
+                f.seek(at)
+                assert f.read(NBYTES) == bytes(NBYTES)
+    assert _tag_objects() == []
+
+
+def test_with_every_main_input_frozen_they_go_with_each_request(simple):
+    """A Main that would stream nothing in would not wait for requests: then the frozen
+    inputs of Main travel with each request as before (the weights are still shared)."""
+    path, w = simple
+    a = np.full(SHAPE, 2.0, np.float32)
+    b = np.full(SHAPE, -1.0, np.float32)
+    cfg = model_runtime.ModelRunnerConfig()
+    cfg.frozen_inputs = model_runtime.InputMemoryView()
+    cfg.frozen_inputs["tensor_A"] = a
+    cfg.frozen_inputs["tensor_B"] = b
+    with model_runtime.ModelRunner(path, config=cfg) as r:
+        for _ in range(2):
+            np.testing.assert_allclose(r.execute({})["tensor_C"], a * w + b, rtol=1e-6)
+        (name,) = _tag_objects("cst")
+        np.testing.assert_array_equal(_read(name), w)
+        assert os.stat("/dev/shm/" + name).st_size < 2 * NBYTES
+    assert _tag_objects() == []
