@@ -15,8 +15,9 @@ into the replica's own memory at each Load run (``ipu_emulator.ipu._constants``)
                                               v
                      IPU process 0 ... IPU process R-1: mapped read-only
 
-The content key is each value's anchor handle, size and CRC-32; a hit is confirmed
-by comparing the bytes. Reference counting alone frees the region (sessions hold
+The regions of this process are found by their values' anchor handles and sizes, and
+one is taken when its bytes equal the values (compared in chunks: a miss costs only
+the fill). Reference counting alone frees the region (sessions hold
 the :class:`SharedConstants`, the registry holds it weakly), and its name carries
 this process's pid, so a crash of this process leaves it to the IPU processes and
 ``ipu-emulator cleanup`` like every other region.
@@ -28,7 +29,6 @@ import logging
 import os
 import threading
 import weakref
-import zlib
 from typing import Any, Mapping
 
 import numpy as np
@@ -42,10 +42,9 @@ __all__ = ["SharedConstants", "shared_constants", "constants_bytes"]
 
 _log = logging.getLogger(__name__)
 _lock = threading.Lock()
-_Key = tuple[int, tuple[tuple[str, int, int], ...]]
-_live: dict[_Key, "weakref.ref[SharedConstants]"] = {}
+_Key = tuple[int, tuple[tuple[str, int], ...]]
+_live: dict[_Key, list["weakref.ref[SharedConstants]"]] = {}
 _ALIGN = 64
-_CHUNK = 8 << 20
 _COMPARE = 1 << 20
 
 
@@ -63,16 +62,6 @@ def _layout(values: Mapping[str, memoryview]) -> tuple[dict[str, tuple[int, int]
 def constants_bytes(values: Mapping[str, memoryview]) -> int:
     """Bytes of the region that would hold ``values``."""
     return max(1, _layout(values)[1])
-
-
-def _crc(view: memoryview) -> int:
-    """CRC-32 of ``view``, letting a PopEF file's mapping go behind (``drop_pages``)."""
-    crc = 0
-    for a in range(0, len(view), _CHUNK):
-        chunk = view[a:a + _CHUNK]
-        crc = zlib.crc32(chunk, crc)
-        drop_pages(chunk)
-    return crc
 
 
 def _bytes(value: Any) -> memoryview:
@@ -122,9 +111,11 @@ class SharedConstants:
 
 def _release(region: Region, key: _Key) -> None:
     with _lock:
-        ref = _live.get(key)
-        if ref is not None and ref() is None:
-            del _live[key]
+        refs = [r for r in _live.get(key, []) if r() is not None]
+        if refs:
+            _live[key] = refs
+        else:
+            _live.pop(key, None)
     region.close()
     region.unlink()
 
@@ -133,12 +124,12 @@ def shared_constants(values: Mapping[str, Any]) -> SharedConstants:
     """The region holding ``values`` (handle -> bytes), made now if this process has none
     of that content. Raises ``SharedMemoryFullError`` if /dev/shm cannot hold them."""
     views = {h: _bytes(v) for h, v in values.items()}
-    key: _Key = (os.getpid(), tuple((h, len(v), _crc(v)) for h, v in sorted(views.items())))
+    key: _Key = (os.getpid(), tuple((h, len(v)) for h, v in sorted(views.items())))
     with _lock:
-        ref = _live.get(key)
-        found = ref() if ref is not None else None
-    if found is not None and found.matches(views):
-        return found
+        candidates = [r() for r in _live.get(key, [])]
+    for found in candidates:
+        if found is not None and found.matches(views):
+            return found
     at, size = _layout(views)
     with translated("the constants region", size):
         region = Region.create(max(1, size), kind="cst", prefault=False)
@@ -152,7 +143,6 @@ def shared_constants(values: Mapping[str, Any]) -> SharedConstants:
         raise
     made = SharedConstants(region, key, at)
     with _lock:
-        if found is None:   # a checksum twin keeps its own region (and its registry place)
-            _live[key] = weakref.ref(made)
+        _live.setdefault(key, []).append(weakref.ref(made))
     _log.debug("constants %s: %d bytes in %s", sorted(at), size, region.name)
     return made

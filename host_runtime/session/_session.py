@@ -239,9 +239,9 @@ class Session:
         # bytes (host_runtime.session._weights), not in this session's executable region
         self._weights_at, self._weights_len = _weights_span(self._exe, self._header)
         self._weights: SharedWeights | None = None
-        # the Load programs' constant inputs: their values in one region shared by every
-        # session of the same values (host_runtime.session._constants); what the device was
-        # last loaded with (handle -> callback id)
+        # constant inputs (PopEF tensor data of the Load programs, frozen inputs): their
+        # values in one region shared by every session of the same values
+        # (host_runtime.session._constants); those the device was last loaded with
         self._constants: SharedConstants | None = None
         self._constants_loaded: dict[str, tuple[Callable[[memoryview], None], memoryview]] = {}
         self._sharded: ShardedLoad | None = None   # a multi-IPU executable's resources
@@ -697,11 +697,13 @@ class Session:
             only = self._streams.load_only
             constants = {**{h: cv for h, cv in constants.items() if h not in only},
                          **{h: cv for h, cv in self._constants_loaded.items() if h in only}}
-        if constants:
-            self._constants = shared_constants({h: v for h, (_, v) in constants.items()})
-            spec["constants"] = self._constants.spec()
-        else:
+        if not constants:
             self._constants = None
+        elif self._constants is None or constants.keys() != self._constants_loaded.keys() or any(
+                cv is not self._constants_loaded[h] for h, cv in constants.items()):
+            self._constants = shared_constants({h: v for h, (_, v) in constants.items()})
+        if self._constants is not None:   # (else the same values as the last LOAD)
+            spec["constants"] = self._constants.spec()
         if self._spec_region is not None:
             # The executable stays where it is; only "fresh", modes and weights change.
             spec["executable_offset"] = ipu_protocol.decode_load_spec(

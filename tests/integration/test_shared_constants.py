@@ -156,6 +156,26 @@ def test_runners_of_the_same_file_share_the_region(simple):
     assert _tag_objects() == []
 
 
+def test_different_frozen_values_get_regions_of_their_own(simple):
+    path, w = simple
+    runners = []
+    try:
+        for k in (1, 2):
+            cfg = model_runtime.ModelRunnerConfig()
+            cfg.frozen_inputs = model_runtime.InputMemoryView()
+            cfg.frozen_inputs["weights"] = np.full(SHAPE, float(k), np.float32)
+            runners.append(model_runtime.ModelRunner(path, config=cfg))
+        x = _ab(17)
+        for k, r in zip((1, 2), runners):
+            np.testing.assert_allclose(r.execute(x)["tensor_C"],
+                                       x["tensor_A"] * k + x["tensor_B"], rtol=1e-6)
+        assert sorted(float(_read(n)[0, 0]) for n in _tag_objects("cst")) == [1.0, 2.0]
+    finally:
+        for r in runners:
+            r.close()
+    assert _tag_objects() == []
+
+
 def test_a_program_that_writes_the_weights_gets_its_own_copy_per_replica(simple, writing):
     _, w = simple
     at = _weights_offset(writing)
