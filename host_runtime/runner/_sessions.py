@@ -30,6 +30,9 @@ from host_runtime.settings import HostSettings
 __all__ = ["ReplicaSessions"]
 
 _MAX = 2**63 - 1
+_FLOOR_SLOTS = 8
+"""Slots a Main anchor's ring gets at least where they fit in ``_FLOOR_BYTES``."""
+_FLOOR_BYTES = 4 << 20
 
 
 class ReplicaSessions:
@@ -150,13 +153,25 @@ class ReplicaSessions:
         ring holds one whole transfer: the model's batch of samples (along ``batching_dim``
         when set), in shared memory. So a Main ring of ``ring_buffer_size_multiplier``
         slots holds multiplier x batch size samples, as the seed says, without the memory
-        of a slot per sample. No floor: one slot still makes progress (a submitter that
-        finds a ring full drains outputs). Load/save anchors move once per program run: 2.
-        The session caps Main rings at ``max_look_ahead + 1`` when that is a number (no
-        more transfers prepared ahead than that option allows) and every ring at 1024 slots
-        and 64 MiB (at least one slot)."""
-        main = self._config.ring_buffer_size_multiplier
-        return ring_size_multiplier_factory.ringSizeMultForMainProgs(self._model, main, 2)
+        of a slot per sample. That is the least a Main ring holds: a slot here is also the
+        device's memory for a transfer in flight (the IPU process computes in place, and
+        the host reads outputs in place), so where transfers are small a ring gets up to
+        ``_FLOOR_SLOTS`` slots within ``_FLOOR_BYTES``, enough that the host and the device
+        do not wait for each other's every step (docs/design.md section 10). Load/save
+        anchors move once per program run: 2. The session caps Main rings at
+        ``max_look_ahead + 1`` when that is a number (no more transfers prepared ahead than
+        that option allows; ``"0"``: one slot) and every ring at 1024 slots and 64 MiB."""
+        seed = ring_size_multiplier_factory.ringSizeMultForMainProgs(
+            self._model, self._config.ring_buffer_size_multiplier, 2)
+        main = frozenset(self._model.metadata.programFlow().main())
+
+        def depth(anchor: popef.Anchor) -> int:
+            want = seed(anchor)
+            if main.intersection(anchor.programs()):
+                size = max(1, anchor.tensorInfo().sizeInBytes())
+                want = max(want, min(_FLOOR_SLOTS, _FLOOR_BYTES // size))
+            return want
+        return depth
 
     def saver(self, rid: int) -> SaveFn | None:
         """Runs the save programs of replica ``rid`` into the config's outputs (None: the
