@@ -50,10 +50,11 @@ class ReplicaSessions:
         check_model_fits(model, cfg.replication_factor, bool(settings.prepack))
         # frozen inputs held once in shared memory, not written with each request: those
         # of the Load program, and those of Main while Main still streams some input on
-        # every iteration (else its loop would not wait for requests)
+        # every iteration (else its loop would not wait for requests), on one IPU (the
+        # parts of a sharded model read their streams)
         streamed = any(a.name() not in layout.frozen for a in layout.main_inputs)
-        self._shared_frozen = {n: v for n, v in layout.frozen.items()
-                               if n in layout.frozen_load or streamed}
+        self._shared_frozen = {n: v for n, v in layout.frozen.items() if n in layout.frozen_load
+                               or (streamed and model.metadata.numIpus() == 1)}
         if not cfg.replica_to_device:   # IPU processes of our own: their template starts now
             DeviceManager(settings=settings).prepare_launch()
 

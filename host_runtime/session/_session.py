@@ -697,12 +697,15 @@ class Session:
             only = self._streams.load_only
             constants = {**{h: cv for h, cv in constants.items() if h not in only},
                          **{h: cv for h, cv in self._constants_loaded.items() if h in only}}
+        same = constants.keys() == self._constants_loaded.keys() and all(
+            cv is self._constants_loaded[h] for h, cv in constants.items())
+        if not same:   # the device's cached copy of the executable streams them otherwise
+            spec["fresh"] = 1
         if not constants:
             self._constants = None
-        elif self._constants is None or constants.keys() != self._constants_loaded.keys() or any(
-                cv is not self._constants_loaded[h] for h, cv in constants.items()):
+        elif self._constants is None or not same:
             self._constants = shared_constants({h: v for h, (_, v) in constants.items()})
-        if self._constants is not None:   # (else the same values as the last LOAD)
+        if self._constants is not None:
             spec["constants"] = self._constants.spec()
         if self._spec_region is not None:
             # The executable stays where it is; only "fresh", modes and weights change.

@@ -380,3 +380,45 @@ def test_with_every_main_input_frozen_they_go_with_each_request(simple):
         np.testing.assert_array_equal(_read(name), w)
         assert os.stat("/dev/shm/" + name).st_size < 2 * NBYTES
     assert _tag_objects() == []
+
+
+def test_a_session_back_on_a_device_after_another_reads_its_inputs_as_they_are_now(simple):
+    """The device keeps a session's executable while another session runs; a callback set
+    on the weights meanwhile is read when the session comes back (its Load runs again),
+    not the shared value the device's copy was built with."""
+    from host_runtime.devices._manager import DeviceManager
+    from tests._helpers import PATIENT
+
+    path, w = simple
+    x = _ab(70)
+    a, b = x["tensor_A"], x["tensor_B"]
+
+    def session(dev: object, got: list[np.ndarray]) -> Session:
+        s = Session(path)
+        s.bindToDevice(dev)   # type: ignore[arg-type]
+        for name in ("tensor_A", "tensor_B"):
+            s.setCallbackForAnchor(name, lambda v, _x=x[name]: np.frombuffer(
+                v, np.float32).__setitem__(slice(None), _x.ravel()))
+        s.setCallbackForAnchor("tensor_C", lambda v: got.append(
+            np.frombuffer(v, np.float32).reshape(SHAPE).copy()))
+        s.setCallbackForAnchor("weights_saved", lambda v: None)
+        return s
+
+    first: list[np.ndarray] = []
+    other: list[np.ndarray] = []
+    with DeviceManager().getDevice(1, wait_config=PATIENT) as dev:
+        s1 = session(dev, first)
+        s2 = session(dev, other)
+        try:
+            s1.runMainPrograms()
+            s2.runMainPrograms()         # s1's executable stays cached on the device
+            s1.setCallbackForAnchor("weights", lambda v: np.frombuffer(
+                v, np.float32).__setitem__(slice(None), 5.0))
+            s1.runMainPrograms()
+        finally:
+            s1.close()
+            s2.close()
+    np.testing.assert_allclose(first[0], a * w + b, rtol=1e-6)
+    np.testing.assert_allclose(other[0], a * w + b, rtol=1e-6)
+    np.testing.assert_allclose(first[1], a * 5.0 + b, rtol=1e-6)
+    assert _tag_objects() == []
