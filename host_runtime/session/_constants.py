@@ -1,12 +1,13 @@
 """One read-only copy of a model's constant inputs in shared memory for every session.
 
-A Load program's inputs whose value never changes (PopEF tensor data, a runner's
-frozen inputs) are not fed through each replica's ring: a session asks
+Inputs whose value never changes (PopEF tensor data of a Load program's input, a
+runner's frozen inputs) are not fed through each replica's ring: a session asks
 :func:`shared_constants` for the region that holds their values, made once per
 content in this process and kept while any session uses it, and names it in
 LOAD. Each IPU process maps it read-only; a tensor no program writes is those
 pages (no copy in the replica's device memory), one a program writes is copied
-into the replica's own memory at each Load run (``ipu_emulator.ipu._constants``)::
+into the replica's own memory each time it is streamed in
+(``ipu_emulator.ipu._constants``)::
 
     ModelRunner (replicas 0..R-1)  --->  Session 0 ... Session R-1
                                              \\          /

@@ -1,24 +1,25 @@
 """Constant streams: inputs whose value the host put once into shared memory.
 
-A Load program streams in tensors whose value is the same for every load and
-every replica: PopEF tensor data, a runner's frozen inputs. The host puts each
-such value once into a read-only shared-memory region (one per content per host
-process) and names it in LOAD (``ipu_protocol``: the load spec's ``constants``);
-the IPU process never reads those streams' rings. What becomes of the tensor a
-constant stream fills depends on what the programs do with it::
+Some streams carry a value that is the same for every transfer and every replica:
+PopEF tensor data a Load program streams in, a runner's frozen inputs (of Load or
+Main). The host puts each such value once into a read-only shared-memory region
+(one per content per host process) and names it in LOAD (``ipu_protocol``: the load
+spec's ``constants``); the IPU process never reads those streams' rings. What
+becomes of the tensor a constant stream fills depends on what the programs do
+with it::
 
-    StreamIn(h, T) in Load; T only read (Execute input, StreamOut, Copy src, Switch)
+    StreamIn(h, T); T only read (Execute input, StreamOut, Copy src, Switch index)
         -> shared: T *is* the region's bytes (mapped read-only), the StreamIn is dropped:
            no copy in this process's device memory, the same pages in every replica
     anything in any program writes T (an Execute output, a Copy into it, a StreamIn of
     another stream into it), or h fills several tensors
         -> copied: T stays in device memory (this replica's own copy); each StreamIn(h, T)
-           copies the region's bytes into it, so every Load run restores the value
+           copies the region's bytes into it (a Load run restores the value)
 
 "Writes" is read from the instructions of every program of the executable, the
-Load programs' own ``StreamIn(h, T)`` excepted; when in doubt (an instruction
-this module does not know) a tensor counts as written. A tensor whose size is
-not the constant's is refused by the caller.
+``StreamIn(h, T)`` themselves excepted; when in doubt (an instruction this module
+does not know) a tensor counts as written. A tensor whose size is not the
+constant's is refused by the caller.
 """
 
 from __future__ import annotations
