@@ -156,23 +156,22 @@ class ReplicaSessions:
         slots holds multiplier x batch size samples, as the seed says, without the memory
         of a slot per sample. That is the least a Main ring holds: a slot here is also the
         device's memory for a transfer in flight (the IPU process computes in place, and
-        the host reads outputs in place), so where transfers are small a ring gets up to
-        ``_FLOOR_SLOTS`` slots within ``_FLOOR_BYTES``, enough that the host and the device
-        do not wait for each other's every step (docs/design.md section 10). Load/save
+        the host reads outputs in place), so where transfers are small the Main rings get
+        up to ``_FLOOR_SLOTS`` slots, as many as the largest transfer fits in
+        ``_FLOOR_BYTES``, enough that the host and the device do not wait for each other's
+        every step (docs/design.md section 10). Load/save
         anchors move once per program run: 2. The session caps Main rings at
         ``max_look_ahead + 1`` when that is a number (no more transfers prepared ahead than
         that option allows; ``"0"``: one slot) and every ring at 1024 slots and 64 MiB."""
-        seed = ring_size_multiplier_factory.ringSizeMultForMainProgs(
-            self._model, self._config.ring_buffer_size_multiplier, 2)
+        multiplier = self._config.ring_buffer_size_multiplier
         main = frozenset(self._model.metadata.programFlow().main())
-
-        def depth(anchor: popef.Anchor) -> int:
-            want = seed(anchor)
-            if main.intersection(anchor.programs()):
-                size = max(1, anchor.tensorInfo().sizeInBytes())
-                want = max(want, min(_FLOOR_SLOTS, _FLOOR_BYTES // size))
-            return want
-        return depth
+        sizes = [a.tensorInfo().sizeInBytes() for a in self._model.metadata.anchors()
+                 if main.intersection(a.programs())]
+        # one depth for every Main ring, from the largest transfer: the rings stay in step,
+        # so the IPU process binds each slot once (a slot's address is part of a binding)
+        floor = min(_FLOOR_SLOTS, _FLOOR_BYTES // max(1, *sizes))
+        return ring_size_multiplier_factory.ringSizeMultForMainProgs(
+            self._model, max(multiplier, floor), 2)
 
     def saver(self, rid: int) -> SaveFn | None:
         """Runs the save programs of replica ``rid`` into the config's outputs (None: the
