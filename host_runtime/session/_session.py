@@ -650,7 +650,8 @@ class Session:
             else []) + (
             [("the constants region", constants_bytes(
                 {h: v for h, (_, v) in self._streams.constants().items()}))]
-            if self._constants is None and self._streams.constants() else [])
+            if self._constants is None and self._streams.constants()
+            and int(self._header["num_ipus"]) == 1 else [])
         self._streams.ensure_rings(dev.link.pid, extra)
         if self._memory_region is None:
             size = max(64, int(self._header["memory_bytes"]))
