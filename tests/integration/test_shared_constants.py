@@ -422,3 +422,36 @@ def test_a_session_back_on_a_device_after_another_reads_its_inputs_as_they_are_n
     np.testing.assert_allclose(other[0], a * w + b, rtol=1e-6)
     np.testing.assert_allclose(first[1], a * 5.0 + b, rtol=1e-6)
     assert _tag_objects() == []
+
+
+def test_an_injected_error_and_its_reset_bring_back_the_shared_values(simple, writing):
+    """docs/faults.md: an application error on the third run, auto_reset: the replica's
+    written weights go back to the PopEF value, the frozen input of Main stays, and the
+    shared region is as it was."""
+    from host_runtime.errors import ApplicationRuntimeError
+    from ipu_emulator import faults
+
+    _, w = simple
+    frozen = np.full(SHAPE, 0.5, np.float32)
+    cfg = model_runtime.ModelRunnerConfig(auto_reset=True)
+    cfg.frozen_inputs = model_runtime.InputMemoryView()
+    cfg.frozen_inputs["tensor_B"] = frozen
+    a = _ab(80)["tensor_A"]
+    with faults.inject(kind="application_error", after=2) as plan:
+        r = model_runtime.ModelRunner(writing, config=cfg)
+    try:
+        c1 = r.execute({"tensor_A": a})["tensor_C"]
+        np.testing.assert_allclose(c1, a * w + frozen, rtol=1e-6)
+        c2 = r.execute({"tensor_A": a})["tensor_C"]
+        np.testing.assert_allclose(c2, a * c1 + frozen, rtol=1e-5)
+        with pytest.raises(ApplicationRuntimeError):
+            r.execute({"tensor_A": a})
+        np.testing.assert_allclose(r.execute({"tensor_A": a})["tensor_C"], c1, rtol=1e-6)
+        (name,) = _tag_objects("cst")
+        values = _cst_values(name, {"tensor_B": NBYTES, "weights": NBYTES})
+        np.testing.assert_array_equal(values["tensor_B"], frozen)
+        np.testing.assert_array_equal(values["weights"], w)
+    finally:
+        r.close()
+        plan.close()
+    assert _tag_objects() == []
