@@ -338,6 +338,7 @@ def test_a_frozen_input_of_main_is_shared_not_sent_with_each_request(simple, bat
     cfg.frozen_inputs["tensor_B"] = frozen
     if batching:
         cfg.batching_dim = 0
+        cfg.timeout_ns = 1_000_000      # a partial batch goes after 1 ms
     with model_runtime.ModelRunner(path, config=cfg) as r:
         assert [d.name for d in r.getExecuteInputs()] == ["tensor_A"]
         for rid in (0, 1):
