@@ -5,6 +5,7 @@ override() blocks, no knob frozen at import, and README's table being the knobs'
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import re
 import threading
@@ -250,16 +251,24 @@ def _py_files() -> list[Path]:
             for p in (ROOT / pkg).rglob("*.py")]
 
 
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    """The module's syntax tree, parsed once for the scans below (they only read it)."""
+    return ast.parse(path.read_text(), str(path))
+
+
 def _env_reads(tree: ast.AST) -> set[str]:
     """Names in os.environ.get("X") / os.environ["X"] / os.getenv("X") / env.get("X")."""
     found: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                and isinstance(node.func, ast.Attribute) \
                 and ast.unparse(node.func) in ("os.environ.get", "os.getenv", "env.get",
                                                 "environ.get"):
             found.add(str(node.args[0].value))
         if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) \
                 and isinstance(node.ctx, ast.Load) \
+                and isinstance(node.value, (ast.Name, ast.Attribute)) \
                 and ast.unparse(node.value) in ("os.environ", "env", "environ"):
             found.add(str(node.slice.value))
     return found
@@ -270,7 +279,7 @@ def test_no_module_reads_a_knob_from_the_environment_itself() -> None:
     for path in _py_files():
         if path == ROOT / "shm" / "settings.py":
             continue
-        read = _env_reads(ast.parse(path.read_text(), str(path))) & ENV_NAMES
+        read = _env_reads(_tree(path)) & ENV_NAMES
         if read:
             offenders[str(path.relative_to(ROOT))] = read
     assert not offenders, f"read from os.environ instead of the settings: {offenders}"
@@ -302,7 +311,7 @@ def test_no_module_reads_a_setting_when_it_is_imported() -> None:
     for path in _py_files():
         if path.parts[-2:] == ("host_runtime", "settings.py"):
             continue   # its __main__ block prints the table
-        found = _import_time_reads(ast.parse(path.read_text(), str(path)))
+        found = _import_time_reads(_tree(path))
         if found:
             offenders[str(path.relative_to(ROOT))] = found
     assert not offenders, f"settings read at import: {offenders}"
@@ -321,9 +330,9 @@ def test_the_fork_server_compares_no_setting() -> None:
 def test_only_settings_modules_declare_knobs() -> None:
     declared = {}
     for path in _py_files():
-        tree = ast.parse(path.read_text(), str(path))
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Call) and ast.unparse(node.func) == "knob":
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                    and node.func.id == "knob":
                 declared.setdefault(str(path.relative_to(ROOT)), 0)
                 declared[str(path.relative_to(ROOT))] += 1
     assert set(declared) == {"shm/settings.py", "ipu_emulator/settings.py",
