@@ -18,6 +18,11 @@ PopEF file in place while a model read from it is in use (write a new file
 and rename it over the old one): a session that copies the bytes again checks
 them against their checksum and refuses changed ones, but a file cut shorter
 under a mapping faults the process that reads it.
+
+A reader given :class:`PendingChecksums` checks the payloads it maps on threads of their
+own (zlib lets go of the GIL) while its caller goes on with the blobs; the caller waits
+for them (``wait()`` raises the ``PopefError`` of a damaged payload) before it trusts the
+bytes. ``ModelRunner`` does so to start its IPU processes' template meanwhile.
 """
 
 from __future__ import annotations
@@ -26,9 +31,10 @@ import io
 import logging
 import mmap
 import os
+import threading
 import zlib
 from dataclasses import dataclass
-from typing import BinaryIO, Protocol, Union
+from typing import BinaryIO, Callable, Protocol, Union
 
 from host_runtime.errors import PopefError, ResourceLimitError
 from host_runtime.popef import _format as fmt
@@ -37,7 +43,8 @@ from host_runtime.popef.model import (ExecutableBlob, FeedData, Metadata, Opaque
 from shm import OutOfFileDescriptorsError, buffer_address, limits
 from shm.errors import echo
 
-__all__ = ["Reader", "BlobInfo", "MAP_MIN_BYTES", "drop_pages", "file_span"]
+__all__ = ["Reader", "BlobInfo", "MAP_MIN_BYTES", "PendingChecksums", "drop_pages",
+           "file_span"]
 
 MAP_MIN_BYTES = 1 << 20
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)   # every page is read at once (the checksum)
@@ -77,12 +84,52 @@ class _Seekable(Protocol):
     def seek(self, pos: int, /) -> int: ...
 
 
-class Reader:
-    """Parses one or more PopEF files; the blobs of all of them are kept."""
+class PendingChecksums:
+    """The checksums of mapped payloads a reader left to threads (see the module
+    docstring): ``wait()`` joins them all and raises the ``PopefError`` of the first
+    payload that does not match, as the reader would have; always call it (also on an
+    error path), so that no thread reads a file its caller has given up."""
 
     def __init__(self) -> None:
+        self._checks: list[tuple[threading.Thread, list[int], int,
+                                 Callable[[int], PopefError]]] = []
+
+    def add(self, payload: memoryview, expected: int,
+            error: Callable[[int], PopefError]) -> None:
+        """Check ``payload`` against ``expected`` on a thread; ``error(computed)`` is the
+        error of a mismatch."""
+        result: list[int] = []
+
+        def run() -> None:
+            result.append(_crc32(payload))
+            drop_pages(payload)
+        t = threading.Thread(target=run, name="popef-checksum", daemon=True)
+        t.start()
+        self._checks.append((t, result, expected, error))
+
+    def wait(self) -> None:
+        checks, self._checks = self._checks, []
+        failed: PopefError | None = None
+        for t, result, expected, error in checks:
+            t.join()
+            if failed is None and result and result[0] != expected:
+                failed = error(result[0])
+            elif failed is None and not result:   # pragma: no cover - zlib raised
+                failed = error(-1)
+        if failed is not None:
+            raise failed
+
+
+class Reader:
+    """Parses one or more PopEF files; the blobs of all of them are kept.
+
+    ``pending``: the checksums of the payloads it maps are computed there, on threads,
+    and the caller waits for them (see the module docstring); default: here, at once."""
+
+    def __init__(self, *, pending: PendingChecksums | None = None) -> None:
         self._entries: list[tuple[BlobInfo, Blob]] = []
         self._paths: list[str] = []
+        self._pending = pending
 
     # -- parsing ------------------------------------------------------------
 
@@ -170,7 +217,7 @@ class Reader:
 
     def _parse(self, f: _Seekable, size: int, path: str,
                mapped: mmap.mmap | None = None) -> None:
-        parsed = _FileParser(f, size, path, mapped).parse()
+        parsed = _FileParser(f, size, path, mapped, self._pending).parse()
         # All or nothing: a damaged file adds no blobs.
         self._entries.extend(parsed)
         self._paths.append(path)
@@ -193,11 +240,13 @@ class _Window:
 
 class _FileParser:
     def __init__(self, f: _Seekable, size: int, path: str,
-                 mapped: mmap.mmap | None = None) -> None:
+                 mapped: mmap.mmap | None = None,
+                 pending: PendingChecksums | None = None) -> None:
         self.f = f
         self.size = size
         self.path = path
         self.mapped = mapped
+        self.pending = pending
 
     def error(self, msg: str, offset: int, blob: str | None = None) -> PopefError:
         return PopefError(msg, path=self.path, blob=blob, offset=offset)
@@ -300,11 +349,16 @@ class _FileParser:
             payload = memoryview(self.mapped)[payload_off:payload_off + h.payload_len]
         else:
             payload = self.read_exact(payload_off, h.payload_len, "a blob payload", label)
-        crc = _crc32(payload)
-        drop_pages(payload)
-        if crc != h.payload_crc:
-            raise self.error(f"payload checksum mismatch: stored 0x{h.payload_crc:08x}, "
-                             f"computed 0x{crc:08x}", payload_off, label)
+        def mismatch(crc: int) -> PopefError:
+            return self.error(f"payload checksum mismatch: stored 0x{h.payload_crc:08x}, "
+                              f"computed 0x{crc:08x}", payload_off, label)
+        if self.pending is not None and isinstance(payload, memoryview):
+            self.pending.add(payload, h.payload_crc, mismatch)
+        else:
+            crc = _crc32(payload)
+            drop_pages(payload)
+            if crc != h.payload_crc:
+                raise mismatch(crc)
         info = BlobInfo(btype, name, self.path, offset, h.total_size, h.payload_len,
                         h.payload_crc, compressed, h.aux)
         blob = self.decode(btype, name, payload, h.aux, compressed, payload_off, label)

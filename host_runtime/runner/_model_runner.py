@@ -35,6 +35,7 @@ from host_runtime._lifetime import close_owned
 from host_runtime.errors import BadRequestError, InvalidStateError
 from host_runtime.memory import OutputMemory, check_owned
 from host_runtime.popef import check_model
+from host_runtime.popef.reader import PendingChecksums
 from host_runtime.runner._intake import RequestIntake
 from host_runtime.runner._layout import ModelLayout
 from host_runtime.runner._replica import Replica
@@ -74,7 +75,7 @@ def _register_exit_hook() -> None:
         atexit.register(_close_live_runners)
 
 
-def _load_model(source: Any) -> popef.Model:
+def _load_model(source: Any, pending: PendingChecksums) -> popef.Model:
     if isinstance(source, popef.Model):
         check_model(source)   # the rules of ipu_emulator.validate (once per Model)
         return source
@@ -88,7 +89,7 @@ def _load_model(source: Any) -> popef.Model:
             f"got {type(source).__name__}")
     if not paths:
         raise BadRequestError("ModelRunner needs at least one PopEF file, got an empty list")
-    model = popef.load_model(paths)
+    model = popef.load_model(paths, pending=pending)
     check_model(model)
     return model
 
@@ -129,15 +130,24 @@ class ModelRunner:
         # The caller reads the save programs' outputs from its own dict after close().
         self._config.replica_to_save_programs_outputs = cfg.replica_to_save_programs_outputs
         self._config.read_only()    # config() returns it: changes are refused, not ignored
-        self._model = _load_model(model)
-        # thread_safe: one mutex per replica, held for each execute/executeAsync call
-        self._call_locks: list[threading.RLock] = (
-            [threading.RLock() for _ in range(cfg.replication_factor)] if cfg.thread_safe else [])
-        self._layout = lay = ModelLayout(self._model, cfg)
-        self._intake = RequestIntake(lay, cfg.validate_io_params, settings.runner_plain)
-        self._monitors = [RequestMonitor(cfg.request_tracepoints_buffer_size)
-                          for _ in range(cfg.replication_factor)]
-        self._sessions = sessions = ReplicaSessions(self._model, self._config, lay, settings)
+        # the file's checksums are computed while the model is checked and the IPU
+        # processes' template starts (ReplicaSessions); a damaged file is refused before
+        # any device is attached
+        pending = PendingChecksums()
+        try:
+            self._model = _load_model(model, pending)
+            # thread_safe: one mutex per replica, held for each execute/executeAsync call
+            self._call_locks: list[threading.RLock] = (
+                [threading.RLock() for _ in range(cfg.replication_factor)]
+                if cfg.thread_safe else [])
+            self._layout = lay = ModelLayout(self._model, cfg)
+            self._intake = RequestIntake(lay, cfg.validate_io_params, settings.runner_plain)
+            self._monitors = [RequestMonitor(cfg.request_tracepoints_buffer_size)
+                              for _ in range(cfg.replication_factor)]
+            self._sessions = sessions = ReplicaSessions(self._model, self._config, lay,
+                                                        settings)
+        finally:
+            pending.wait()   # a damaged payload's PopefError (also over another error)
         self._closed = False
         try:
             sessions.attach_devices()

@@ -160,11 +160,17 @@ class Interpreter:
       ``exe.weights`` (``uses_weights`` is False), so one copy per IPU process remains;
     - off (memory): it computes with them where they lie, not copied: one copy for
       every IPU process that maps the same region (MatMul and Conv a few times slower).
+
+    ``weights_kept`` (with prepacking on): ``exe.weights`` stays valid for as long as the
+    interpreter holds it (a read-only mapping of a file that is not changed), so
+    onnxruntime prepacks from it where it lies instead of copying it first, and reads an
+    initializer it did not prepack there too; ``uses_weights`` is then True (the caller
+    keeps the mapping; its pages may be dropped from memory, they are read again).
     """
 
     def __init__(self, exe: Executable, device_memory: memoryview | bytearray | None = None,
                  num_threads: int = 1, zero_copy: bool | None = None,
-                 prepack: bool | None = None) -> None:
+                 prepack: bool | None = None, weights_kept: bool = False) -> None:
         import onnxruntime as ort  # deferred: importing it costs ~0.2 s
 
         exe.validate()
@@ -211,7 +217,8 @@ class Interpreter:
             try:
                 opts = options()
                 if g.external:
-                    _add_weights(ort, opts, g, exe.weights, self._weights, in_place=not prepack)
+                    _add_weights(ort, opts, g, exe.weights, self._weights,
+                                 in_place=not prepack or weights_kept)
                 sess = ort.InferenceSession(g.model, opts, providers=["CPUExecutionProvider"])
             except Exception as exc:
                 raise DeviceProgramError(
@@ -219,8 +226,8 @@ class Interpreter:
                     f"{exc}") from exc
             _check_interface(exe.name, k, g, sess)
             self._sessions.append(sess)
-        self.uses_weights = bool(self._weights) and not prepack
-        """Whether the sessions compute with ``exe.weights`` where it lies (else it was
+        self.uses_weights = bool(self._weights) and (not prepack or weights_kept)
+        """Whether the sessions may compute with ``exe.weights`` where it lies (else it was
         copied and is let go: the caller may unmap it)."""
         if not self.uses_weights:
             self._weights.clear()

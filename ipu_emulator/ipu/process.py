@@ -578,7 +578,8 @@ class DeviceProcess:
         weights: memoryview | None = None
         w_file = spec.get("weights_file")
         file_map = None
-        if w_file:   # with prepacking: read here, copied by onnxruntime, let go at once
+        if w_file:   # with prepacking: prepacked by onnxruntime from where it lies (no copy
+            # first); the mapping stays while onnxruntime may read it, its pages let go
             file_map, weights = _map_weights_file(w_file, header["total_length"] - size)
         w_name = spec.get("weights_region")
         if w_name:   # shared by every replica: mapped read-only, used where it lies
@@ -615,10 +616,13 @@ class DeviceProcess:
             regions.append(mem_region)
             memory = mem_region.buf[:exe.memory_bytes]
         prepack = True if file_map is not None else spec.get("prepack")
+        kw: dict[str, Any] = {} if prepack is None else {"prepack": prepack}
+        if file_map is not None:
+            kw["weights_kept"] = True
         t1 = _monotonic()
+        interp = None
         try:
-            interp = self._interpreter_cls(exe, device_memory=memory, num_threads=o.threads,
-                                           **({} if prepack is None else {"prepack": prepack}))
+            interp = self._interpreter_cls(exe, device_memory=memory, num_threads=o.threads, **kw)
         except Exception as exc:
             for r in regions[1:]:
                 r.close()
@@ -628,7 +632,11 @@ class DeviceProcess:
             got = crc.result() if crc is not None else header["body_crc32"]
             if file_map is not None:
                 del exe
-                _unmap(file_map, weights)
+                if interp is not None and getattr(interp, "uses_weights", False):
+                    _drop_pages(file_map)   # held by the interpreter's views (read again)
+                else:
+                    _unmap(file_map, weights)
+        assert interp is not None
         if got != header["body_crc32"]:
             interp.close()
             for r in regions[1:]:
@@ -1141,6 +1149,16 @@ def _map_weights_file(spec: dict[str, Any], expected: int) -> tuple[mmap.mmap, m
     finally:
         os.close(fd)
     return mm, memoryview(mm)[offset - base:offset - base + length]
+
+
+def _drop_pages(mm: mmap.mmap) -> None:
+    """Let go of the pages of a read-only file mapping this process read (they are the
+    page cache's: a later read maps them again), so that they count as this process's
+    memory only where it reads them again."""
+    try:
+        mm.madvise(mmap.MADV_DONTNEED)
+    except (OSError, AttributeError, ValueError):
+        _log.debug("cannot drop the pages of the weights file mapping", exc_info=True)
 
 
 def _unmap(mm: mmap.mmap, view: memoryview | None) -> None:
