@@ -152,7 +152,10 @@ class Reader:
             mapped = None
             if size >= MAP_MIN_BYTES:
                 try:
-                    mapped = _FileMap(f.fileno(), size, flags=mmap.MAP_SHARED | _POPULATE,
+                    # populated at once for the checksum here; a checksum on a thread
+                    # reads its pages there, the caller going on meanwhile
+                    populate = _POPULATE if self._pending is None else 0
+                    mapped = _FileMap(f.fileno(), size, flags=mmap.MAP_SHARED | populate,
                                       prot=mmap.PROT_READ)
                     mapped.path = os.path.realpath(spath)
                     mapped.identity = _identity(os.fstat(f.fileno()))

@@ -32,7 +32,7 @@ import numpy as np
 from host_runtime import popef
 from host_runtime._fork import check_owner, current_pid, foreign
 from host_runtime._lifetime import close_owned
-from host_runtime.errors import BadRequestError, InvalidStateError
+from host_runtime.errors import BadRequestError, InvalidStateError, PopefError
 from host_runtime.memory import OutputMemory, check_owned
 from host_runtime.popef import check_model
 from host_runtime.popef.reader import PendingChecksums
@@ -94,6 +94,16 @@ def _load_model(source: Any, pending: PendingChecksums) -> popef.Model:
     return model
 
 
+def _damaged_first(pending: PendingChecksums, exc: BaseException) -> None:
+    """A runner that failed: the checksums of its file are waited for, and a damaged
+    payload's PopefError is raised over ``exc`` (an interrupt stays what it is)."""
+    try:
+        pending.wait()
+    except PopefError:
+        if isinstance(exc, Exception):
+            raise
+
+
 def _overload(output_data: Any, replica_id: Any) -> tuple[Any, Any]:
     """The seed's ``execute(input_data, replica_id)``: an int where the outputs go is the
     replica (given twice: refused)."""
@@ -130,9 +140,10 @@ class ModelRunner:
         # The caller reads the save programs' outputs from its own dict after close().
         self._config.replica_to_save_programs_outputs = cfg.replica_to_save_programs_outputs
         self._config.read_only()    # config() returns it: changes are refused, not ignored
-        # the file's checksums are computed while the model is checked and the IPU
-        # processes' template starts (ReplicaSessions); a damaged file is refused before
-        # any device is attached
+        # the file's checksums are computed while the model is checked, the IPU processes'
+        # template starts (ReplicaSessions) and the devices load it (each IPU process
+        # checks the executable's own checksum before it runs anything of it); a damaged
+        # file is refused here all the same
         pending = PendingChecksums()
         try:
             self._model = _load_model(model, pending)
@@ -146,18 +157,25 @@ class ModelRunner:
                               for _ in range(cfg.replication_factor)]
             self._sessions = sessions = ReplicaSessions(self._model, self._config, lay,
                                                         settings)
-        finally:
-            pending.wait()   # a damaged payload's PopefError (also over another error)
-        self._closed = False
+            self._closed = False
+            try:
+                sessions.attach_devices()
+                for r in range(cfg.replication_factor):
+                    self._replicas.append(
+                        Replica(sessions.setup(r, self._monitors[r], self._intake)))
+            except BaseException:
+                self.close()
+                raise
+            finally:
+                sessions.release_unadopted()   # devices not taken by a session: ours
+        except BaseException as exc:
+            _damaged_first(pending, exc)
+            raise
         try:
-            sessions.attach_devices()
-            for r in range(cfg.replication_factor):
-                self._replicas.append(Replica(sessions.setup(r, self._monitors[r], self._intake)))
+            pending.wait()
         except BaseException:
             self.close()
             raise
-        finally:
-            sessions.release_unadopted()   # devices not taken by a session: ours to release
         _live_runners.add(self)
         _register_exit_hook()
 
