@@ -44,7 +44,7 @@ from shm import OutOfFileDescriptorsError, buffer_address, limits
 from shm.errors import echo
 
 __all__ = ["Reader", "BlobInfo", "MAP_MIN_BYTES", "PendingChecksums", "drop_pages",
-           "file_span"]
+           "file_identity", "file_span"]
 
 MAP_MIN_BYTES = 1 << 20
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)   # every page is read at once (the checksum)
@@ -472,6 +472,16 @@ def file_span(view: bytes | memoryview) -> tuple[str, int] | None:
     except OSError:
         return None
     return obj.path, buffer_address(view) - buffer_address(memoryview(obj))
+
+
+def file_identity(view: bytes | memoryview) -> tuple[int, ...] | None:
+    """``(st_dev, st_ino, st_size, st_mtime_ns)`` of the file a payload view maps, as it was
+    when it was read (None for bytes): a process that opens the file and finds the same
+    reads the bytes this one read (and checked, or is checking)."""
+    obj = view.obj if isinstance(view, memoryview) else None
+    if not isinstance(obj, _FileMap) or not obj.identity:
+        return None
+    return obj.identity
 
 
 def drop_pages(view: bytes | memoryview) -> None:

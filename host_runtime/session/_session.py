@@ -49,6 +49,7 @@ from host_runtime.devices import ShardedLoad
 from host_runtime.devices import wait
 from host_runtime.devices import translated
 from host_runtime.popef import check_model
+from host_runtime.popef.reader import file_identity as popef_file_identity
 from host_runtime.popef.reader import file_span as popef_file_span
 from host_runtime.session._fastpath import DirectStreams
 from host_runtime.session._streams import StreamTable, callback_failure
@@ -722,10 +723,14 @@ class Session:
         if not (self._weights_len and self._settings.prepack
                 and isinstance(self._exe, memoryview)):
             return None
-        span = popef_file_span(self._exe[self._weights_at:self._weights_at + self._weights_len])
+        view = self._exe[self._weights_at:self._weights_at + self._weights_len]
+        span = popef_file_span(view)
         if span is None:
             return None
-        return {"path": span[0], "offset": span[1], "length": self._weights_len}
+        # the file as this process read (and checks) it: an IPU process that finds it so
+        # need not checksum the weights again
+        return {"path": span[0], "offset": span[1], "length": self._weights_len,
+                "identity": list(popef_file_identity(view) or ())}
 
     def _share_weights(self) -> None:
         """Hold the region of the executable's weights (made if this process has none)."""
