@@ -278,7 +278,7 @@ __all__.append("error_body")
 _SPEC_LEN = struct.Struct("<Q")
 _SPEC_KEYS = {"key", "executable_offset", "executable_size", "memory_region",
               "check_package_hash", "streams", "fresh"}
-_SPEC_OPTIONAL = {"weights_region", "weights_file", "prepack"}
+_SPEC_OPTIONAL = {"weights_region", "weights_file", "prepack", "constants"}
 _STREAM_KEYS = {"handle", "ring", "direction", "nbytes", "mode"}
 
 
@@ -300,7 +300,11 @@ def encode_load_spec(spec: dict[str, Any]) -> bytes:
     itself (the PopEF file the host read; the executable's checksum covers them);
     ``identity`` (``[st_dev, st_ino, st_size, st_mtime_ns]`` of the file when the
     host read it, whose PopEF checksum the host checks): an IPU process that finds
-    the file so before and after it read the weights need not checksum them again.
+    the file so before and after it read the weights need not checksum them again;
+    optional ``constants`` (``{"region": name, "streams": [{"handle", "offset",
+    "nbytes"}]}``): constant streams, whose value is at ``offset`` in that read-only
+    region (shared by every session of the same values): the IPU process never reads
+    their rings (``ipu_emulator.ipu._constants``).
     """
     raw = json.dumps(spec, separators=(",", ":")).encode()
     n = _SPEC_LEN.size + len(raw)
@@ -358,6 +362,16 @@ def decode_load_spec(buf: memoryview) -> dict[str, Any]:
     if spec.get("weights_region") is not None and not isinstance(spec["weights_region"], str):
         raise ProtocolError(f"load spec 'weights_region' must be a region name or null, got "
                             f"{spec['weights_region']!r:.80}")
+    consts = spec.get("constants")
+    if consts is not None and not (
+            isinstance(consts, dict) and set(consts) == {"region", "streams"}
+            and isinstance(consts["region"], str) and isinstance(consts["streams"], list)
+            and all(isinstance(c, dict) and set(c) == {"handle", "offset", "nbytes"}
+                    and isinstance(c["handle"], str)
+                    and all(isinstance(c[k], int) and c[k] >= 0 for k in ("offset", "nbytes"))
+                    for c in consts["streams"])):
+        raise ProtocolError(f"load spec 'constants' must be {{region, streams: [{{handle, "
+                            f"offset, nbytes}}]}}, got {consts!r:.200}")
     off, size = spec["executable_offset"], spec["executable_size"]
     if not (isinstance(off, int) and isinstance(size, int) and 0 <= off and 0 < size
             and off + size <= len(buf)):

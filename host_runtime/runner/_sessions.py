@@ -30,6 +30,9 @@ from host_runtime.settings import HostSettings
 __all__ = ["ReplicaSessions"]
 
 _MAX = 2**63 - 1
+_FLOOR_SLOTS = 8
+"""Slots a Main anchor's ring gets at least where they fit in ``_FLOOR_BYTES``."""
+_FLOOR_BYTES = 4 << 20
 
 
 class ReplicaSessions:
@@ -45,6 +48,13 @@ class ReplicaSessions:
         # a model that /dev/shm or memory cannot hold in every replica: refused before any
         # device is attached or process started (SharedMemoryFullError with the sizes)
         check_model_fits(model, cfg.replication_factor, bool(settings.prepack))
+        # frozen inputs held once in shared memory, not written with each request: those
+        # of the Load program, and those of Main while Main still streams some input on
+        # every iteration (else its loop would not wait for requests), on one IPU (the
+        # parts of a sharded model read their streams)
+        streamed = any(a.name() not in layout.frozen for a in layout.main_inputs)
+        self._shared_frozen = {n: v for n, v in layout.frozen.items() if n in layout.frozen_load
+                               or (streamed and model.metadata.numIpus() == 1)}
         if not cfg.replica_to_device:   # IPU processes of our own: their template starts now
             DeviceManager(settings=settings).prepare_launch()
 
@@ -58,7 +68,8 @@ class ReplicaSessions:
         """What replica ``rid`` is told."""
         cfg = self._config
         lay = self._layout
-        direct_in = lay.direct_inputs()
+        direct_in = {n: spec for n, spec in lay.direct_inputs().items()
+                     if n not in self._shared_frozen}
         flush_ns: Optional[int]
         if cfg.is_batch_size_timeout_enabled:
             flush_ns = cfg.batch_size_timeout_ns
@@ -100,7 +111,6 @@ class ReplicaSessions:
         """A session for replica ``rid``, its direct anchors claimed (a ``Session``; typed
         as what the replica uses of it, which mypy checks ``Session`` provides)."""
         cfg = self._config
-        frozen_load = self._layout.frozen_load
         frozen = self._layout.frozen     # whatever else would feed them (PopEF data too)
         pred = None
         if frozen:
@@ -114,14 +124,11 @@ class ReplicaSessions:
                            ring_depth=self.ring_depths(), settings=self._settings)
         s = Session(self._model, sc)
         try:
-            for name, value in frozen_load.items():
-                data = memoryview(value).cast("B")  # type: ignore[arg-type]
-
-                def feed(view: memoryview, _d: memoryview = data) -> None:
-                    view[:len(_d)] = _d
+            for name, value in self._shared_frozen.items():
                 anchor = self._model.metadata.anchor(name)
                 assert anchor is not None   # checked by ModelLayout
-                s.setCallbackForAnchor(anchor.handle(), feed)
+                # one copy in shared memory for every replica (host_runtime.session._constants)
+                s.freeze_input(anchor.handle(), memoryview(value).cast("B"))  # type: ignore[arg-type]
             device = cfg.replica_to_device.get(rid)
             if device is not None and device.isAttached():
                 s.bindToDevice(device)
@@ -133,7 +140,8 @@ class ReplicaSessions:
                     dev.close()
                     raise
             for spec in (*self._layout.in_specs.values(), *self._layout.out_specs.values()):
-                s.direct.claim(spec.handle)
+                if spec.name not in self._shared_frozen:
+                    s.direct.claim(spec.handle)
         except BaseException:
             s.close()
             raise
@@ -146,13 +154,24 @@ class ReplicaSessions:
         ring holds one whole transfer: the model's batch of samples (along ``batching_dim``
         when set), in shared memory. So a Main ring of ``ring_buffer_size_multiplier``
         slots holds multiplier x batch size samples, as the seed says, without the memory
-        of a slot per sample. No floor: one slot still makes progress (a submitter that
-        finds a ring full drains outputs). Load/save anchors move once per program run: 2.
-        The session caps Main rings at ``max_look_ahead + 1`` when that is a number (no
-        more transfers prepared ahead than that option allows) and every ring at 1024 slots
-        and 64 MiB (at least one slot)."""
-        main = self._config.ring_buffer_size_multiplier
-        return ring_size_multiplier_factory.ringSizeMultForMainProgs(self._model, main, 2)
+        of a slot per sample. That is the least a Main ring holds: a slot here is also the
+        device's memory for a transfer in flight (the IPU process computes in place, and
+        the host reads outputs in place), so where transfers are small the Main rings get
+        up to ``_FLOOR_SLOTS`` slots, as many as the largest transfer fits in
+        ``_FLOOR_BYTES``, enough that the host and the device do not wait for each other's
+        every step (docs/design.md section 10). Load/save
+        anchors move once per program run: 2. The session caps Main rings at
+        ``max_look_ahead + 1`` when that is a number (no more transfers prepared ahead than
+        that option allows; ``"0"``: one slot) and every ring at 1024 slots and 64 MiB."""
+        multiplier = self._config.ring_buffer_size_multiplier
+        main = frozenset(self._model.metadata.programFlow().main())
+        sizes = [a.tensorInfo().sizeInBytes() for a in self._model.metadata.anchors()
+                 if main.intersection(a.programs())]
+        # one depth for every Main ring, from the largest transfer: the rings stay in step,
+        # so the IPU process binds each slot once (a slot's address is part of a binding)
+        floor = min(_FLOOR_SLOTS, _FLOOR_BYTES // max(1, *sizes))
+        return ring_size_multiplier_factory.ringSizeMultForMainProgs(
+            self._model, max(multiplier, floor), 2)
 
     def saver(self, rid: int) -> SaveFn | None:
         """Runs the save programs of replica ``rid`` into the config's outputs (None: the

@@ -77,8 +77,9 @@ class ModelRunnerConfig:
 
     ``ring_buffer_size_multiplier``: ring size = multiplier x batch size, in samples. A
     slot of a stream ring holds one transfer (the model's batch), so each Main ring has
-    ``multiplier`` slots (no floor), capped at ``max_look_ahead + 1`` when that is a number
-    and at 1024 slots / 64 MiB per ring (docs/design.md section 10).
+    at least ``multiplier`` slots, and up to 8 where they fit in 4 MiB (a slot is also the
+    device's memory for a transfer in flight); capped at ``max_look_ahead + 1`` when that
+    is a number and at 1024 slots / 64 MiB per ring (docs/design.md section 10).
 
     ``flush_callback(tensor_id, inputs, outputs)``: see ``FlushCallback``.
     """

@@ -53,6 +53,7 @@ from host_runtime.popef.reader import file_identity as popef_file_identity
 from host_runtime.popef.reader import file_span as popef_file_span
 from host_runtime.session._fastpath import DirectStreams
 from host_runtime.session._streams import StreamTable, callback_failure
+from host_runtime.session._constants import SharedConstants, constants_bytes, shared_constants
 from host_runtime.session._weights import SharedWeights, check_fits, is_shared, shared_weights
 from host_runtime.devices import Device, DeviceManager, DeviceWaitConfig
 from host_runtime.errors import (BadRequestError, DeviceExecutionError, DeviceLostError,
@@ -239,6 +240,11 @@ class Session:
         # bytes (host_runtime.session._weights), not in this session's executable region
         self._weights_at, self._weights_len = _weights_span(self._exe, self._header)
         self._weights: SharedWeights | None = None
+        # constant inputs (PopEF tensor data of the Load programs, frozen inputs): their
+        # values in one region shared by every session of the same values
+        # (host_runtime.session._constants); those the device was last loaded with
+        self._constants: SharedConstants | None = None
+        self._constants_loaded: dict[str, tuple[Callable[[memoryview], None], memoryview]] = {}
         self._sharded: ShardedLoad | None = None   # a multi-IPU executable's resources
         self._loaded = False             # our executable is loaded and we are the active session
         self._need_load_programs = True
@@ -493,6 +499,7 @@ class Session:
                     region.unlink()
             self._spec_region = self._memory_region = None
             self._weights = None   # the last session of these weights frees their region
+            self._constants = None   # and of these constants
             if self._sharded is not None:
                 self._sharded.close()
                 self._sharded = None
@@ -641,15 +648,21 @@ class Session:
             ("the executable region", self._weights_at)] + (
             [("the weights region", self._weights_len)]
             if self._weights is None and self._weights_len and self._weights_file() is None
-            else [])
+            else []) + (
+            [("the constants region", constants_bytes(
+                {h: v for h, (_, v) in self._streams.constants().items()}))]
+            if self._constants is None and self._streams.constants()
+            and int(self._header["num_ipus"]) == 1 else [])
         self._streams.ensure_rings(dev.link.pid, extra)
         if self._memory_region is None:
             size = max(64, int(self._header["memory_bytes"]))
             with translated("the device memory region", size):
                 self._memory_region = Region.create(size, kind="mem", prefault=False)
 
-    def _load(self, fresh: bool) -> None:
-        """Send LOAD (caller holds the device lock and is the active session)."""
+    def _load(self, fresh: bool, keep_load_constants: bool = False) -> None:
+        """Send LOAD (caller holds the device lock and is the active session).
+        ``keep_load_constants``: the constant inputs only Load programs read stay those
+        of the last LOAD (no Load program runs before the next request)."""
         dev = self._device
         assert dev is not None
         self._ensure_resources(dev)
@@ -681,6 +694,21 @@ class Session:
             spec["weights_file"] = weights_file
         elif self._weights is not None:
             spec["weights_region"] = self._weights.name
+        constants = self._streams.constants()
+        if keep_load_constants:
+            only = self._streams.load_only
+            constants = {**{h: cv for h, cv in constants.items() if h not in only},
+                         **{h: cv for h, cv in self._constants_loaded.items() if h in only}}
+        same = constants.keys() == self._constants_loaded.keys() and all(
+            cv is self._constants_loaded[h] for h, cv in constants.items())
+        if not same:   # the device's cached copy of the executable streams them otherwise
+            spec["fresh"] = 1
+        if not constants:
+            self._constants = None
+        elif self._constants is None or not same:
+            self._constants = shared_constants({h: v for h, (_, v) in constants.items()})
+        if self._constants is not None:
+            spec["constants"] = self._constants.spec()
         if self._spec_region is not None:
             # The executable stays where it is; only "fresh", modes and weights change.
             spec["executable_offset"] = ipu_protocol.decode_load_spec(
@@ -712,9 +740,35 @@ class Session:
                 # one: the region lives only while a session of these weights loads
                 self._weights = None
         self._modes_sent = modes
+        self._constants_loaded = constants
         self._loaded = True
         self._need_load_programs = True
         self._load_ran = False
+
+    def _sync_constants(self, progs: Sequence[int]) -> None:
+        """Before ``progs`` run: if the constant inputs are not those the device was loaded
+        with (a callback set on one, or a new value) and ``progs`` read them, load again so
+        that they read them as they are now. An input only Load programs read changes at
+        the next Load run: until then the device keeps what the last Load wrote, as a real
+        one does."""
+        if int(self._header["num_ipus"]) > 1:
+            return
+        now = {h: cb for h, (cb, _) in self._streams.constants().items()}
+        was = {h: cb for h, (cb, _) in self._constants_loaded.items()}
+        changed = {h for h in now.keys() | was.keys() if now.get(h) is not was.get(h)}
+        loads = bool(set(progs) & set(self._flow.load()))
+        if changed and (loads or not changed <= self._streams.load_only):
+            need, ran = self._need_load_programs, self._load_ran
+            self._load(fresh=True, keep_load_constants=not loads)
+            self._need_load_programs, self._load_ran = need, ran
+
+    def freeze_input(self, anchor_handle: str, data: memoryview) -> None:
+        """Internal (ModelRunner): feed input ``anchor_handle`` from ``data``, a value that
+        never changes (a frozen input): its value goes once into shared memory for every
+        session of this process that has the same value, instead of through this session's
+        ring. The caller sees to it that a Main iteration still reads some stream (else the
+        device's main loop would not wait for requests)."""
+        self._streams.set_constant(anchor_handle, data)
 
     def _weights_file(self) -> dict[str, Any] | None:
         """With prepacking on, where an IPU process reads the weights itself: the PopEF
@@ -808,6 +862,7 @@ class Session:
             self._need_load_programs = False
             self._load_ran = True
         self.errorIfAnchorsAreNotConnectedToCallbacks(main)
+        self._sync_constants(main)
         self._send_modes(dev)
         return list(main)
 
@@ -820,6 +875,7 @@ class Session:
     def _request_run(self, dev: Device, progs: list[int], what: str) -> None:
         if self._abandoned is not None:
             self._finish_abandoned(dev)
+        self._sync_constants(progs)
         self._send_modes(dev)
         self._streams.clear_callback_errors()
         fut = dev.link.request(Op.RUN, list(progs))

@@ -107,6 +107,13 @@ class StreamTable:
         self._look_ahead = look_ahead
         self.popef_cbs: dict[str, Callback] = {}
         self.user_cbs: dict[str, Callback] = {}
+        # inputs fed a value that never changes (PopEF tensor data of an input only Load
+        # programs read, a frozen input): callback -> value; constant while it is the
+        # anchor's callback
+        load = set(self.flow.load())
+        self.load_only = {a.handle() for a in self.streams if a.type() is popef.TensorType.INPUT
+                          and a.programs() and set(a.programs()) <= load}
+        self._const_values: dict[str, tuple[Callback, memoryview]] = {}
         self.direct: set[str] = set()
         self._errors: list[tuple[str, BaseException]] = []
         self._lock = threading.Lock()
@@ -128,8 +135,10 @@ class StreamTable:
                 continue
             n = self.nbytes[a.handle()]
             if td is not None:
-                self.popef_cbs[a.handle()] = _popef_input_callback(
+                cb = self.popef_cbs[a.handle()] = _popef_input_callback(
                     td.data, n, 1, f"tensor data of {a.name()!r}")
+                if a.handle() in self.load_only:
+                    self._const_values[a.handle()] = (cb, memoryview(td.data))
             elif feed is not None:
                 self.popef_cbs[a.handle()] = _popef_input_callback(
                     feed.data, n, feed.num_transfers, f"feed data of {a.name()!r}")
@@ -181,6 +190,25 @@ class StreamTable:
                 self.user_cbs.pop(a.handle(), None)
             else:
                 self.user_cbs[a.handle()] = callback
+
+    def set_constant(self, handle: str, data: memoryview) -> None:
+        """Feed input ``handle`` from ``data``, a value that never changes (its callback;
+        a constant while it is, whichever programs read it)."""
+        a = self.anchor(handle)
+        n = self.nbytes[a.handle()]
+        value = memoryview(data).cast("B") if memoryview(data).ndim != 1 else memoryview(data)
+        if value.nbytes != n:
+            raise BadRequestError(f"the value of input {a.name()!r} has {value.nbytes} bytes; "
+                                  f"its anchor transfers {n}")
+        cb = _popef_input_callback(value, n, 1, f"the value of {a.name()!r}")
+        self.set_callback(a.handle(), cb)
+        self._const_values[a.handle()] = (cb, value)
+
+    def constants(self) -> dict[str, tuple[Callback, memoryview]]:
+        """The inputs fed now by a value that never changes (handle -> (callback, value)):
+        their values go once into shared memory."""
+        return {h: cv for h, cv in self._const_values.items()
+                if h not in self.direct and self.callback(h) is cv[0]}
 
     def set_handler(self, anchors: list[popef.Anchor], factory: Callable[[Any], Any],
                     predicate: AnchorCallbackPredicate | None, skip_connected: bool,
@@ -274,12 +302,15 @@ class StreamTable:
             check_room("this model's rings and regions", [
                 (f"ring of anchor {a.name()!r} ({depth} x {n})", ring_bytes(n, depth))
                 for a, n, depth in plan] + list(extra))
+            constant = self.constants()
             for a, n, depth in plan:
                 kind = "in" if a.type() is popef.TensorType.INPUT else "out"
+                # a constant's ring is never written while it is constant: left untouched
+                prefault = n * depth <= _PREFAULT_BYTES and a.handle() not in constant
                 with translated(f"the ring of anchor {a.name()!r} ({depth} slots of {n} "
                                 "bytes)", ring_bytes(n, depth)):
                     self.rings[a.handle()] = Ring.create(n, depth, kind=kind,
-                                                         prefault=n * depth <= _PREFAULT_BYTES,
+                                                         prefault=prefault,
                                                          settings=self._settings)
         if self._peer != peer_pid:
             for ring in self.rings.values():

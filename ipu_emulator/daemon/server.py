@@ -43,7 +43,7 @@ import stat
 import struct
 from typing import Any
 
-from shm import pid_alive
+from shm import ExitWatch, pid_alive
 
 from ipu_emulator import titles, trace
 from ipu_emulator.daemon import socket_protocol as wire
@@ -62,6 +62,20 @@ _log = logging.getLogger("ipu_emulator.daemon.server")
 _MONITOR = 0.2     # seconds between checks of holders and IPU processes
 _RETRY = 5.0       # seconds between restarts of an IPU process that failed to start
 _EXITS_KEPT = 256  # exit statuses of retired IPU processes kept for exit_status
+
+
+
+_EXIT_GRACE = 2.0
+"""Seconds a host whose connection dropped is given to exit before it counts as alive."""
+
+
+def _exits_within(pid: int, timeout: float) -> bool:
+    """True if ``pid`` has exited, or exits within ``timeout`` seconds."""
+    watch = ExitWatch([pid])
+    try:
+        return watch.wait(timeout) is not None or not pid_alive(pid)
+    finally:
+        watch.close()
 
 
 class _Conn:
@@ -434,6 +448,10 @@ class Daemon:
             if ipu.state != "dead":
                 ipu.state = "resetting"
         results = await asyncio.gather(*(self._take_back(ipu) for ipu in held))
+        if not dead and why == "disconnected":
+            # a host killed by a signal closes its socket an instant before it exits
+            dead = await asyncio.get_running_loop().run_in_executor(
+                None, _exits_within, conn.pid, _EXIT_GRACE)
         if dead:
             removed = await asyncio.get_running_loop().run_in_executor(
                 None, remove_objects_of, {conn.pid})

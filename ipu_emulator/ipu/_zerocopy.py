@@ -18,7 +18,9 @@ A stream qualifies when, in the whole executable (every program):
   before the ``Execute`` (the ``Execute`` before the ``StreamOut``);
 - the ONNX name is not both a graph input and a graph output (those are
   copied by the interpreter, never bound);
-- the tensor is not empty.
+- the tensor is not empty;
+- it is not a constant stream (``ipu_emulator.ipu._constants``: its value is in
+  shared memory, the ring is never read).
 
 Anything else (``Switch`` indices, ``Copy``, tensors read by another program
 such as Load-streamed weights or a Save program, tensors read twice) keeps
@@ -73,8 +75,9 @@ def _bodies(body: tuple[Instruction, ...]) -> list[tuple[Instruction, ...]]:
     return out
 
 
-def plan_zero_copy(exe: Executable) -> ZeroCopyPlan:
-    """The streams of ``exe`` that may bypass device memory (see the module docstring)."""
+def plan_zero_copy(exe: Executable, constant: frozenset[str] = frozenset()) -> ZeroCopyPlan:
+    """The streams of ``exe`` that may bypass device memory (see the module docstring);
+    ``constant``: handles of constant streams (never zero-copy)."""
     bodies = [b for p in exe.programs for b in _bodies(p.body)]
     handle_uses: collections.Counter[str] = collections.Counter()
     tensor_uses: collections.Counter[str] = collections.Counter()
@@ -113,7 +116,8 @@ def plan_zero_copy(exe: Executable) -> ZeroCopyPlan:
                     continue
                 for q in range(p):
                     s = b[q]
-                    if isinstance(s, StreamIn) and s.tensor == t and single(s.handle, t):
+                    if (isinstance(s, StreamIn) and s.tensor == t and single(s.handle, t)
+                            and s.handle not in constant):
                         inputs[s.handle] = t
             for onnx_name, t in i.outputs:
                 if onnx_name in in_names:

@@ -39,7 +39,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 import numpy as np
 
@@ -49,6 +49,7 @@ from ipu_emulator.errors import DeviceProgramError, ExecutableError
 from ipu_emulator.executable import (
     Copy, Execute, Executable, Graph, Instruction, Repeat, StreamIn, StreamOut, Switch,
     numpy_dtype)
+from ipu_emulator.ipu._constants import ConstantPlan, plan_constants
 from ipu_emulator.ipu._zerocopy import ZeroCopyPlan, plan_zero_copy
 from ipu_emulator.settings import IpuSettings
 from ipu_emulator.trace import recorder
@@ -167,11 +168,18 @@ class Interpreter:
     of copying it first, and reads an initializer it did not prepack there too;
     ``uses_weights`` is then True (the caller keeps the mapping; its pages may be dropped
     from memory, they are read again). Else it copies them as without the option.
+
+    ``constants`` (handle -> bytes): constant streams, whose value is given here instead
+    of read from the stream (in an IPU process a read-only region every replica maps). A
+    tensor only they fill and no program writes is those bytes (its StreamIns are
+    dropped, device memory is not written); one a program writes is copied from them at
+    each of its StreamIns (``ipu_emulator.ipu._constants``, ``self.constants``).
     """
 
     def __init__(self, exe: Executable, device_memory: memoryview | bytearray | None = None,
                  num_threads: int = 1, zero_copy: bool | None = None,
-                 prepack: bool | None = None, weights_kept: bool = False) -> None:
+                 prepack: bool | None = None, weights_kept: bool = False,
+                 constants: Mapping[str, memoryview] | None = None) -> None:
         import onnxruntime as ort  # deferred: importing it costs ~0.2 s
 
         exe.validate()
@@ -190,11 +198,27 @@ class Interpreter:
         raw = np.frombuffer(mem, dtype=np.uint8)
         self.arrays: dict[str, np.ndarray] = {}
         self._views: dict[str, memoryview] = {}
+        consts = dict(constants or {})
+        self.constants: ConstantPlan = plan_constants(exe, consts)
+        """The constant streams (their values in ``constants``, never read from a stream):
+        which tensors are those values, read in place, and which get a copy (written by a
+        program); see ``ipu_emulator.ipu._constants``."""
+        self._const = consts
+        shared = self.constants.shared_tensors
         for name, t in exe.tensors.items():
             dt = numpy_dtype(t.dtype)
+            h = shared.get(name)
+            if h is not None:   # the constant's bytes themselves (read-only), not a copy
+                view = _constant_view(consts[h], t.nbytes, h, name)
+                self.arrays[name] = np.frombuffer(view, dtype=dt).reshape(t.shape)
+                self._views[name] = view
+                continue
             arr = raw[t.offset:t.offset + t.nbytes].view(dt).reshape(t.shape)
             self.arrays[name] = arr
             self._views[name] = mem[t.offset:t.offset + t.nbytes]
+        for h, names in self.constants.copied.items():
+            for name in names:
+                _constant_view(consts[h], exe.tensors[name].nbytes, h, name)
 
         settings = IpuSettings.current()
         prepack = settings.prepack if prepack is None else prepack
@@ -235,7 +259,7 @@ class Interpreter:
         if not self.uses_weights:
             self._weights.clear()
             exe.weights = b""
-        self.zero_copy: ZeroCopyPlan = plan_zero_copy(exe)
+        self.zero_copy: ZeroCopyPlan = plan_zero_copy(exe, frozenset(consts))
         self._zc_in = self.zero_copy.input_tensors     # tensor -> handle
         self._zc_out = self.zero_copy.output_tensors
         self._zc_views: dict[str, memoryview] = {}     # input handle -> acquired transfer
@@ -252,7 +276,7 @@ class Interpreter:
         if zero_copy and (self._zc_in or self._zc_out):
             self._programs_zc = [self._compile(p.body, True) for p in exe.programs]
             for k, p in enumerate(exe.programs):
-                plan = self._loop_plan(p.body)
+                plan = self._loop_plan(self._strip(p.body))
                 if plan is not None:
                     self._loop_plans[k] = plan
         self._closed = False
@@ -343,6 +367,7 @@ class Interpreter:
         self._zc_deferred.clear()
         self._sessions = []
         self._weights = []
+        self._const = {}
         self.arrays = {}
         self._views = {}
         self._memory = memoryview(b"")
@@ -355,7 +380,15 @@ class Interpreter:
 
     # -- compiling programs into closures -----------------------------------------
 
+    def _strip(self, body: tuple[Instruction, ...]) -> tuple[Instruction, ...]:
+        """``body`` without the StreamIns of shared constants (their tensor is the value)."""
+        shared = self.constants.shared
+        if not shared:
+            return body
+        return tuple(i for i in body if not (isinstance(i, StreamIn) and i.handle in shared))
+
     def _compile(self, body: tuple[Instruction, ...], zc: bool = False) -> list[_Step]:
+        body = self._strip(body)
         steps = [self._step(i, zc) for i in body]
         if not zc:
             return steps
@@ -427,6 +460,14 @@ class Interpreter:
                             io.release_input(h)
                     deferred.clear()
             return stream_out_zc
+        if isinstance(i, StreamIn) and i.handle in self._const:
+            # a constant a program writes: this device's copy, restored at each Load run
+            dst = self.arrays[i.tensor].reshape(-1).view(np.uint8)
+            src = np.frombuffer(self._const[i.handle], np.uint8, dst.nbytes)
+
+            def constant_in(io: StreamIO) -> None:
+                np.copyto(dst, src)
+            return constant_in
         if isinstance(i, StreamIn):
             handle, view = i.handle, self._views[i.tensor]
 
@@ -604,6 +645,17 @@ class Interpreter:
             for src, dst in passthrough:
                 np.copyto(dst, src)
         return execute_zc
+
+
+def _constant_view(value: memoryview, nbytes: int, handle: str, tensor: str) -> memoryview:
+    """The read-only bytes of constant stream ``handle`` for device tensor ``tensor``."""
+    view = memoryview(value)
+    if view.ndim != 1 or view.itemsize != 1:
+        view = view.cast("B")
+    if len(view) != nbytes:
+        raise ExecutableError(f"constant stream {handle!r} has {len(view)} bytes; its device "
+                              f"tensor {tensor!r} has {nbytes}")
+    return view.toreadonly()
 
 
 def _add_weights(ort: Any, so: Any, graph: Graph, weights: bytes | memoryview,

@@ -575,6 +575,24 @@ class DeviceProcess:
                 ErrorKind.REQUEST, f"executable {header['name']!r} needs {header['num_ipus']} "
                 f"IPUs, but {self._describe()} has {o.num_ipus}")
         regions = [region]
+        constants: dict[str, memoryview] | None = None
+        consts = spec.get("constants")
+        if consts:   # constant streams: one read-only region for every replica (_constants)
+            c_name = consts["region"]
+            self._known.add(c_name)
+            try:
+                c_region = Region.attach(c_name, prefault=False, readonly=True)
+            except (ShmError, OSError, posix_ipc.Error) as exc:
+                raise _RequestError(ErrorKind.PROTOCOL, f"cannot open the constants region "
+                                    f"{c_name}: {exc}") from None
+            buf = c_region.buf
+            if any(c["offset"] + c["nbytes"] > len(buf) for c in consts["streams"]):
+                c_region.close()
+                raise _RequestError(ErrorKind.PROTOCOL, f"constants region {c_name} of "
+                                    f"{len(buf)} bytes is shorter than its streams")
+            regions.append(c_region)
+            constants = {c["handle"]: buf[c["offset"]:c["offset"] + c["nbytes"]]
+                         for c in consts["streams"]}
         weights: memoryview | None = None
         w_file = spec.get("weights_file")
         file_map = None
@@ -619,13 +637,16 @@ class DeviceProcess:
             regions.append(mem_region)
             memory = mem_region.buf[:exe.memory_bytes]
         prepack = True if file_map is not None else spec.get("prepack")
-        kw: dict[str, Any] = {} if prepack is None else {"prepack": prepack}
+        kwargs: dict[str, Any] = {} if prepack is None else {"prepack": prepack}
         if file_map is not None:
-            kw["weights_kept"] = True
+            kwargs["weights_kept"] = True
+        if constants is not None:
+            kwargs["constants"] = constants
         t1 = _monotonic()
         interp = None
         try:
-            interp = self._interpreter_cls(exe, device_memory=memory, num_threads=o.threads, **kw)
+            interp = self._interpreter_cls(exe, device_memory=memory, num_threads=o.threads,
+                                           **kwargs)
         except Exception as exc:
             for r in regions[1:]:
                 r.close()
@@ -660,11 +681,14 @@ class DeviceProcess:
 
     def _attach_streams(self, loaded: _Loaded, streams: list[dict[str, Any]]) -> None:
         exe_streams = loaded.interp.executable.streams
+        constant = _constant_handles(loaded)
         loaded.steps.clear()
         for i, s in enumerate(streams):
             self._known.add(s["ring"])
             try:
-                ring = Ring.attach(s["ring"], prefault=s["nbytes"] <= _PREFAULT_MAX)
+                # a constant stream's ring is never read: its pages are never touched
+                ring = Ring.attach(s["ring"], prefault=s["nbytes"] <= _PREFAULT_MAX
+                                   and s["handle"] not in constant)
             except (ShmError, OSError, posix_ipc.Error) as exc:
                 raise _RequestError(ErrorKind.PROTOCOL,
                                     f"cannot open the ring of stream {s['handle']!r}: {exc}") from None
@@ -717,7 +741,9 @@ class DeviceProcess:
         control_readable = self.control.readable
         apart = self._apart
         # the host writes the id of its thread that submits into its input rings
-        hinted = [st.ring for st in loaded.streams if st.direction == "in" and st.ring is not None]
+        constant = _constant_handles(loaded)   # rings the host never writes
+        hinted = [st.ring for st in loaded.streams if st.direction == "in" and st.ring is not None
+                  and st.handle not in constant]
         apart.hint = hinted[0].user_word if hinted else None
         self._slice = self._wait_slice
         if loaded.interp.executable.attributes.get("keep_apart") == "0":
@@ -1194,6 +1220,13 @@ def _unmap(mm: mmap.mmap, view: memoryview | None) -> None:
 
 def _unlink_ring_or_region(name: str) -> int:
     return (_unlink(name, False) + _unlink(name + ".free", True) + _unlink(name + ".full", True))
+
+
+def _constant_handles(loaded: _Loaded) -> set[str]:
+    """The constant streams of ``loaded`` (``ipu_emulator.ipu._constants``): their rings are
+    never read, nor written by the host."""
+    plan = getattr(loaded.interp, "constants", None)
+    return set(plan.shared) | set(plan.copied) if plan is not None else set()
 
 
 def _check_streams(loaded: _Loaded) -> None:

@@ -101,6 +101,42 @@ RUNNER_HOST = """
 """
 
 
+DROPPING_HOST = RUNNER_HOST.replace("    sys.stdin.readline()\n", """\
+    import os, socket, psutil
+    for c in psutil.Process().net_connections(kind="unix"):   # EOF for the daemon, no release
+        if c.raddr == os.environ["IPU_EMULATOR_DAEMON"]:
+            socket.socket(fileno=os.dup(c.fd)).shutdown(socket.SHUT_RDWR)
+    print(json.dumps({"dropped": True}), flush=True)
+    sys.stdin.readline()
+    os._exit(0)
+""")
+
+
+@pytest.mark.allow_shm_leak   # the host's objects are checked here, after the reset
+def test_a_host_exiting_just_after_its_connection_drops_leaves_nothing(daemon, model_path):
+    """A host killed by a signal closes its socket an instant before it exits: the daemon
+    gives it time to exit, then removes its objects (here the host exits once told to,
+    after its connection dropped)."""
+    host = Host(daemon, DROPPING_HOST, model_path)
+    try:
+        host.line()
+        got: list = []
+        waiter = threading.Thread(target=lambda: got.append(
+            DeviceManager(daemon=daemon.socket).getSpecificDevice(0, wait_config=PATIENT)))
+        waiter.start()
+        assert host.line() == {"dropped": True}
+        assert shm_entries(pid=host.pid)
+        host.proc.stdin.write("exit\n")
+        host.proc.stdin.flush()
+        assert host.proc.wait(30) == 0
+        waiter.join(150)
+        assert got, "the waiting host never got the IPU"
+        with got[0]:
+            assert shm_entries(pid=host.pid) == set()   # removed before the IPU was free
+    finally:
+        host.finish()
+
+
 @pytest.mark.allow_shm_leak   # the dead host's objects are checked here, after the reset
 def test_a_sigkilled_host_releases_its_ipu_clean_and_warm(daemon, model_path, model, weights):
     host = Host(daemon, RUNNER_HOST, model_path)

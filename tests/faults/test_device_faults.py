@@ -158,6 +158,8 @@ def test_sigkilled_host_leaves_no_ipu_process_and_nothing_in_dev_shm(model_path)
     with host_child(HOST, model_path) as (child, ipu_pids):
         during = ours() - before
         assert any(f"_{child.pid}_" in e for e in during)   # the host's rings and regions exist
+        # among them the region of the weights its Load program reads (PopEF tensor data)
+        assert any(f"_{child.pid}_" in e and e.endswith("_cst") for e in during), during
         kill_host_and_check_cleanup(child, ipu_pids, before)
     # and the device is free again
     with DeviceManager().getDevice(1, wait_config=PATIENT):

@@ -33,23 +33,26 @@ def rand(shape, seed):
 def models(tmp_path_factory):
     """The example model for several shapes: path and weights by shape."""
     found = {}
-    for shape in [(1, 4), (4, 3), (2, 3)]:
+    for shape in [(1, 4), (4, 3), (2, 3), (1, 1 << 19), (4, 1 << 17)]:
         path = write_example(tmp_path_factory.mktemp("x".join(map(str, shape))), shape)
         found[shape] = (path, weights_of(popef.load_model([path]), shape))
     return found
 
 
 # ------------------------------------------------------------------ ring sizes
-@pytest.mark.parametrize("shape, batching_dim, batch", [
-    ((1, 4), None, 1),      # batch 1 along dimension 0
-    ((4, 3), None, 4),      # batch 4 along dimension 0
-    ((4, 3), 0, 4),         # dynamic batching on dimension 0
-    ((2, 3), 1, 3),         # dynamic batching on dimension 1: batch 3
+@pytest.mark.parametrize("shape, batching_dim, batch, multiplier, depth", [
+    ((1, 4), None, 1, 3, 8),            # batch 1 along dimension 0; small: 8 slots
+    ((4, 3), None, 4, 1, 8),            # batch 4 along dimension 0
+    ((4, 3), 0, 4, 9, 9),               # dynamic batching on dimension 0; the multiplier's 9
+    ((2, 3), 1, 3, 3, 8),               # dynamic batching on dimension 1: batch 3
+    ((1, 1 << 19), None, 1, 3, 3),      # 2 MiB slots: the multiplier's alone
+    ((4, 1 << 17), 0, 4, 1, 2),         # 2 MiB slots: 2 fit in 4 MiB
 ])
-@pytest.mark.parametrize("multiplier", [1, 3])
-def test_ring_size_is_multiplier_times_batch_size(models, shape, batching_dim, batch, multiplier):
+def test_ring_size_is_multiplier_times_batch_size(models, shape, batching_dim, batch,
+                                                  multiplier, depth):
     """Seed 002: ring size = ring_buffer_size_multiplier x batch size, in samples. A slot holds
-    one transfer of the model's batch, so a Main ring has ``multiplier`` slots; no floor."""
+    one transfer of the model's batch, so a Main ring has at least ``multiplier`` slots, and
+    as many as fit in 4 MiB up to 8 (a slot is also the device's memory for a transfer)."""
     path, w = models[shape]
     cfg = model_runtime.ModelRunnerConfig(ring_buffer_size_multiplier=multiplier)
     if batching_dim is not None:
@@ -62,15 +65,15 @@ def test_ring_size_is_multiplier_times_batch_size(models, shape, batching_dim, b
         assert spec.batch == batch
         for name in ("tensor_A", "tensor_B"):
             ring = rep.input_rings()[name]
-            assert ring.num_slots == multiplier
-            assert ring.num_slots * spec.batch == multiplier * batch     # samples it holds
-        assert rep.output_rings()["tensor_C"].num_slots == multiplier
+            assert ring.num_slots == depth
+            assert ring.num_slots * spec.batch >= multiplier * batch     # samples it holds
+        assert rep.output_rings()["tensor_C"].num_slots == depth
         assert rep.session.direct.input_ring("weights").num_slots == 2        # load program's anchor
-        # many requests in flight, several transfers each, all right
+        # more requests in flight than slots, several transfers each, all right
         n = 3 * batch
         reqs = [(rand(shape[:1] + (n,) if batching_dim == 1 else (n,) + shape[1:], 2 * k),
                  rand(shape[:1] + (n,) if batching_dim == 1 else (n,) + shape[1:], 2 * k + 1))
-                for k in range(2 * multiplier + 1)]
+                for k in range(depth + 1)]
         futs = [r.executeAsync({"tensor_A": a, "tensor_B": b}) for a, b in reqs]
         tile = (1, 3) if batching_dim == 1 else (3, 1)
         for (a, b), f in zip(reqs, futs):
@@ -79,11 +82,11 @@ def test_ring_size_is_multiplier_times_batch_size(models, shape, batching_dim, b
 
 
 def test_ring_of_one_slot_packs_partial_batches(models):
-    """multiplier 1, dynamic batching without any timer: requests of 1 and 3 samples share the
-    one slot's transfer, and a 6-sample request spills into the next."""
+    """One slot (``max_look_ahead`` "0"), dynamic batching without any timer: requests of 1
+    and 3 samples share the one slot's transfer, and a 6-sample request spills into the next."""
     path, w = models[(4, 3)]
     cfg = model_runtime.ModelRunnerConfig(ring_buffer_size_multiplier=1, batching_dim=0,
-                                          timeout_ns=0)
+                                          timeout_ns=0, max_look_ahead="0")
     with model_runtime.ModelRunner(path, config=cfg) as r:
         assert r._replicas[0].input_rings()["tensor_A"].num_slots == 1
         sizes = [1, 3, 6, 2, 4]

@@ -55,11 +55,22 @@ def test_load_spec_round_trip_and_offset_fixed_point():
     assert ipu_protocol.decode_load_spec(memoryview(region)) == spec
 
 
+def test_load_spec_with_constants_round_trips():
+    spec = _spec(constants={"region": "/c", "streams": [{"handle": "w", "offset": 0,
+                                                          "nbytes": 16}]})
+    spec["executable_offset"] = ipu_protocol.spec_prefix_size(spec)
+    region = memoryview(bytearray(ipu_protocol.encode_load_spec(spec) + b"E" * 10))
+    assert ipu_protocol.decode_load_spec(region) == spec
+
+
 @pytest.mark.parametrize("over,match", [
     ({"executable_size": 10 ** 9}, "does not fit"),
     ({"streams": [{"handle": "a"}]}, "stream 0 must have keys"),
     ({"streams": [{"handle": "a", "ring": "/r", "direction": "sideways", "nbytes": 4,
                    "mode": 0}]}, "direction 'sideways'"),
+    ({"constants": {"region": "/c", "streams": [{"handle": "w", "offset": -64, "nbytes": 4}]}},
+     "'constants' must be"),
+    ({"constants": {"region": "/c"}}, "'constants' must be"),
 ])
 def test_load_spec_is_checked(over, match):
     spec = _spec(**over)

@@ -24,6 +24,11 @@ against the time from before ``import onnxruntime`` to the result of a new
 ``InferenceSession`` (both read the same files, warm in the page cache); then
 the same with the runner's IPU from a warm daemon (``--no-daemon``: not).
 
+The weights fed by a Load program from PopEF tensor data instead
+(``--weights_as_tensor_data``; ``--no-tensor-data``: not measured): the same
+runner with 1 and 2 replicas, default settings; the replicas share one
+read-only copy of them (docs/memory.md), so the second replica adds little.
+
 Execute: the median ``execute`` latency of the model on one replica, default
 and prepacking off, against onnxruntime in the same process (one thread each),
 the two run in turn after the memory was measured (median of the ratios).
@@ -294,6 +299,37 @@ def _reference_from_file(path: str, x: np.ndarray) -> np.ndarray:
     return np.asarray(sess.run(None, {"x": x})[0])
 
 
+def _tensor_data_lines(folder: str, onnx_path: str, xf: str, yf: str, counts: list[int],
+                       W: float, table: MarkdownTable) -> None:
+    """Memory of the model compiled with its weights as PopEF tensor data (fed by the Load
+    program), with ``counts`` replicas."""
+    import onnx
+
+    from host_runtime.poprt.compiler import compile as poprt_compile
+
+    out = poprt_compile(onnx.load(onnx_path), os.path.join(folder, "td"),
+                        popef_name="chain_td.popef", weights_as_tensor_data=True)
+    totals: dict[int, float] = {}
+    for r in counts:
+        child = _Child(_RUNNER_CHILD, [str(out.popef_path), str(r), xf, yf, "0", onnx_path],
+                       folder, {})
+        res = child.result()
+        mem = tree_memory(child.proc.pid, child.tag)
+        left = child.finish()
+        totals[r] = mem["total"]
+        print(f"weights as PopEF tensor data, {r} replica(s): {_mib(mem['total']):>10s} = "
+              f"{mem['total'] / W:4.2f} W  (host {_mib(mem['host'])}; processes "
+              f"{' + '.join(_mib(v) for v in mem['others']) or 'none'}; "
+              f"/dev/shm {_mib(mem['shm'])}); max |diff| vs "
+              f"onnxruntime {res['diff']:.3g}; /dev/shm objects left after close: {left}")
+        table.add(f"memory: {r} replica(s), weights as tensor data",
+                  f"{mem['total'] / W:.2f} W", _mib(mem["total"]))
+    if 1 in totals and 2 in totals:
+        step = (totals[2] - totals[1]) / W
+        print(f"weights as PopEF tensor data: replica 2 adds {step:.2f} W")
+        table.add("memory: replica 2 adds (weights as tensor data)", f"{step:.2f} W", "")
+
+
 def _mib(n: float) -> str:
     return f"{n / _MiB:,.0f} MiB"
 
@@ -306,6 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timed", type=int, default=20, help="execute calls timed per process")
     ap.add_argument("--no-daemon", dest="daemon", action="store_false",
                     help="skip the first answer through a warm daemon")
+    ap.add_argument("--no-tensor-data", dest="tensor_data", action="store_false",
+                    help="skip the model whose weights a Load program feeds from PopEF "
+                         "tensor data")
     ap.add_argument("--first-only", action="store_true",
                     help="only the first-answer timing (no memory, no execute)")
     ap.add_argument("--markdown", action="store_true", help="print rows for docs/benchmarks.md")
@@ -403,6 +442,9 @@ def _memory_and_execute(args: argparse.Namespace, table: MarkdownTable, counts: 
                 print(f"{mode:15s} replica {r} adds {step:.2f} W (target {target})")
                 table.add(f"memory: replica {r} adds ({mode})", f"{step:.2f} W", "", None,
                           target)
+    if args.tensor_data and W < _BIG:
+        _tensor_data_lines(folder, onnx_path, xf, yf, [r for r in counts if r <= 2], W,
+                           table)
     for mode, t in timing.items():
         print(f"execute, 1 replica, {mode}: {t['latency'] * 1e3:.1f} ms vs onnxruntime "
               f"in-process {t['ort'] * 1e3:.1f} ms, interleaved: {t['ratio']:.2f}x")

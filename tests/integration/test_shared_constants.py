@@ -1,0 +1,458 @@
+"""Constant inputs held once: PopEF tensor data and frozen inputs of the Load program.
+
+The seeds' example model (``tensor_C = tensor_A * weights + tensor_B``, ``weights`` PopEF
+tensor data streamed in by the Load program) with 256 KiB of weights, in 2 replicas,
+checked from the outside: /dev/shm holds one constants region (``_cst``) for both, each
+IPU process maps it read-only and its pages are shared (``/proc/<pid>/smaps``), the
+replicas' own device memory never holds the weights, and answers equal numpy's. A model
+whose Main program writes the weights gets a copy per replica; a killed IPU process, a
+reset and a new Load run leave the shared copy as it was; /dev/shm is empty after close.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+
+import numpy as np
+import pytest
+
+import host_runtime as model_runtime
+from host_runtime import popef, settings
+from host_runtime.session import Session
+from ipu_emulator.executable import Copy
+from tests._helpers import kill_and_wait
+from tests.crafted import A, B, C, EXEC, craft, load_parts
+from tools.generate_simple_popef import write_simple_popef
+
+pytestmark = pytest.mark.usefixtures("private_machine")
+
+SHAPE = (64, 1024)                     # 256 KiB of float32 weights
+NBYTES = SHAPE[0] * SHAPE[1] * 4
+
+
+@pytest.fixture(scope="module")
+def simple(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, np.ndarray]:
+    path = str(tmp_path_factory.mktemp("cst") / "simple.popef")
+    write_simple_popef(path, shape=SHAPE)
+    return path, _weights(path)
+
+
+@pytest.fixture(scope="module")
+def writing(simple: tuple[str, np.ndarray], tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The example model whose Main program also writes its weights: weights := tensor_C
+    after each iteration (each request sees the previous request's output as weights)."""
+    path = str(tmp_path_factory.mktemp("cst") / "writing.popef")
+    craft(simple[0], path,
+          iteration=lambda b: (A(b), B(b), EXEC(b), C(b), Copy("tensor_C", "weights")))
+    return path
+
+
+def _weights(path: str) -> np.ndarray:
+    model = popef.load_model([path])
+    td = model.tensorData("weights")
+    assert td is not None
+    return np.frombuffer(td.data, np.float32).reshape(SHAPE).copy()
+
+
+def _tag_objects(kind: str | None = None) -> list[str]:
+    prefix = f"ipuemu_{os.environ['IPU_EMULATOR_SHM_TAG']}_"
+    return sorted(n for n in os.listdir("/dev/shm") if (n.startswith(prefix) or n.startswith(
+        "sem." + prefix)) and (kind is None or n.endswith("_" + kind)))
+
+
+def _mapping(pid: int, name: str) -> dict[str, int | str]:
+    """The smaps entry of ``/dev/shm/<name>`` in ``pid``: perms and sizes in bytes."""
+    found: dict[str, int | str] = {}
+    inside = False
+    with open(f"/proc/{pid}/smaps", encoding="utf-8") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and ":" not in head[0]:
+                inside = line.rstrip().endswith("/dev/shm/" + name)
+                if inside:
+                    found["perms"] = head[1]
+            elif inside and len(head) >= 3 and head[2] == "kB":
+                key = head[0].rstrip(":")
+                found[key] = int(found.get(key, 0)) + int(head[1]) * 1024
+    return found
+
+
+def _read(name: str, n: int = NBYTES) -> np.ndarray:
+    with open("/dev/shm/" + name, "rb") as f:
+        return np.frombuffer(f.read(n), np.float32).reshape(SHAPE)
+
+
+def _weights_offset(path: str) -> int:
+    return load_parts(path)[1].tensors["weights"].offset
+
+
+def _ab(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"tensor_A": rng.standard_normal(SHAPE).astype(np.float32),
+            "tensor_B": rng.standard_normal(SHAPE).astype(np.float32)}
+
+
+def _check_shared(r: model_runtime.ModelRunner, name: str) -> None:
+    for rid in (0, 1):
+        (pid,) = r.device_pids(rid)
+        m = _mapping(pid, name)
+        assert m["perms"] == "r--s", m    # read-only: a write faults, never lands
+        # onnxruntime read these pages: resident here, shared, none private to this process
+        assert int(m["Rss"]) >= NBYTES, m
+        assert int(m["Shared_Clean"]) + int(m["Shared_Dirty"]) >= NBYTES, m
+        assert int(m["Private_Clean"]) + int(m["Private_Dirty"]) == 0, m
+
+
+@pytest.mark.parametrize("prepack", [True, False])
+def test_two_replicas_share_one_read_only_copy_of_the_popef_fed_weights(simple, prepack):
+    path, w = simple
+    at = _weights_offset(path)
+    cfg = model_runtime.ModelRunnerConfig(replication_factor=2)
+    with settings.override(prepack=prepack), model_runtime.ModelRunner(path, config=cfg) as r:
+        for rid in (0, 1):
+            x = _ab(rid)
+            np.testing.assert_allclose(r.execute(x, replica_id=rid)["tensor_C"],
+                                       x["tensor_A"] * w + x["tensor_B"], rtol=1e-6)
+        (name,) = _tag_objects("cst")       # one region for both replicas
+        np.testing.assert_array_equal(_read(name), w)
+        _check_shared(r, name)
+        mems = _tag_objects("mem")
+        assert len(mems) == 2
+        for mem in mems:   # the replicas' own device memory never held them
+            with open("/dev/shm/" + mem, "rb") as f:
+                f.seek(at)
+                assert f.read(NBYTES) == bytes(NBYTES)
+    assert _tag_objects() == []
+
+
+def test_a_frozen_input_of_the_load_program_is_shared_and_overrides_the_popef_data(simple):
+    path, w = simple
+    frozen = np.full(SHAPE, 3.0, np.float32)
+    cfg = model_runtime.ModelRunnerConfig(replication_factor=2)
+    cfg.frozen_inputs = model_runtime.InputMemoryView()
+    cfg.frozen_inputs["weights"] = frozen
+    with model_runtime.ModelRunner(path, config=cfg) as r:
+        for rid in (0, 1):
+            x = _ab(10 + rid)
+            np.testing.assert_allclose(r.execute(x, replica_id=rid)["tensor_C"],
+                                       x["tensor_A"] * 3.0 + x["tensor_B"], rtol=1e-6)
+        (name,) = _tag_objects("cst")
+        np.testing.assert_array_equal(_read(name), frozen)
+        _check_shared(r, name)
+    assert _tag_objects() == []
+
+
+def test_runners_of_the_same_file_share_the_region(simple):
+    path, w = simple
+    with model_runtime.ModelRunner(path) as r1, model_runtime.ModelRunner(path) as r2:
+        x = _ab(15)
+        for r in (r1, r2):
+            np.testing.assert_allclose(r.execute(x)["tensor_C"],
+                                       x["tensor_A"] * w + x["tensor_B"], rtol=1e-6)
+        (name,) = _tag_objects("cst")
+        assert all(_mapping(r.device_pids()[0], name)["perms"] == "r--s" for r in (r1, r2))
+    assert _tag_objects() == []
+
+
+def test_different_frozen_values_get_regions_of_their_own(simple):
+    path, w = simple
+    runners = []
+    try:
+        for k in (1, 2):
+            cfg = model_runtime.ModelRunnerConfig()
+            cfg.frozen_inputs = model_runtime.InputMemoryView()
+            cfg.frozen_inputs["weights"] = np.full(SHAPE, float(k), np.float32)
+            runners.append(model_runtime.ModelRunner(path, config=cfg))
+        x = _ab(17)
+        for k, r in zip((1, 2), runners):
+            np.testing.assert_allclose(r.execute(x)["tensor_C"],
+                                       x["tensor_A"] * k + x["tensor_B"], rtol=1e-6)
+        assert sorted(float(_read(n)[0, 0]) for n in _tag_objects("cst")) == [1.0, 2.0]
+    finally:
+        for r in runners:
+            r.close()
+    assert _tag_objects() == []
+
+
+def test_a_program_that_writes_the_weights_gets_its_own_copy_per_replica(simple, writing):
+    _, w = simple
+    at = _weights_offset(writing)
+    cfg = model_runtime.ModelRunnerConfig(replication_factor=2)
+    with model_runtime.ModelRunner(writing, config=cfg) as r:
+        x = _ab(20)
+        a, b = x["tensor_A"], x["tensor_B"]
+        first = r.execute(x, replica_id=0)["tensor_C"]
+        np.testing.assert_allclose(first, a * w + b, rtol=1e-6)
+        second = r.execute(x, replica_id=0)["tensor_C"]   # its weights are now `first`
+        np.testing.assert_allclose(second, a * first + b, rtol=1e-5)
+        # replica 0's writes did not reach replica 1, nor the shared value
+        np.testing.assert_allclose(r.execute(x, replica_id=1)["tensor_C"], first, rtol=1e-6)
+        (name,) = _tag_objects("cst")
+        np.testing.assert_array_equal(_read(name), w)
+        # each replica computes with its own copy, in its own device memory
+        held = []
+        for mem in _tag_objects("mem"):
+            with open("/dev/shm/" + mem, "rb") as f:
+                f.seek(at)
+                held.append(np.frombuffer(f.read(NBYTES), np.float32).reshape(SHAPE))
+        assert len(held) == 2
+        assert sorted(float(h[0, 0]) for h in held) == sorted(
+            [float(first[0, 0]), float(second[0, 0])])
+        for rid in (0, 1):
+            (pid,) = r.device_pids(rid)
+            assert _mapping(pid, name)["perms"] == "r--s"
+    assert _tag_objects() == []
+
+
+def test_a_new_load_run_restores_a_written_copy_from_the_shared_value(simple, writing):
+    """A Session whose Main writes its weights: running the Load program again brings the
+    PopEF value back; a callback set on the weights takes effect at the next Load run (not
+    before: the device keeps what the last Load wrote), and removing it brings back the
+    shared value."""
+    _, w = simple
+    x = _ab(30)
+    a, b = x["tensor_A"], x["tensor_B"]
+    got: list[np.ndarray] = []
+
+    def feeder(arr: np.ndarray):
+        def cb(view: memoryview) -> None:
+            np.frombuffer(view, np.uint8)[:] = arr.view(np.uint8).ravel()
+        return cb
+
+    with Session(writing) as s:
+        s.setCallbackForAnchor("tensor_A", feeder(a))
+        s.setCallbackForAnchor("tensor_B", feeder(b))
+        s.setCallbackForAnchor("tensor_C", lambda v: got.append(
+            np.frombuffer(v, np.float32).reshape(SHAPE).copy()))
+        s.setCallbackForAnchor("weights_saved", lambda v: None)
+        s.runLoadPrograms()
+        s.runMainPrograms()
+        s.runMainPrograms()
+        np.testing.assert_allclose(got[0], a * w + b, rtol=1e-6)
+        np.testing.assert_allclose(got[1], a * got[0] + b, rtol=1e-5)
+        s.runLoadPrograms()
+        s.runMainPrograms()
+        np.testing.assert_allclose(got[2], got[0], rtol=1e-6)
+        twos = np.full(SHAPE, 2.0, np.float32)
+        s.setCallbackForAnchor("weights", feeder(twos))
+        s.runMainPrograms()      # the device still has what the last Load wrote, written on
+        np.testing.assert_allclose(got[3], a * got[2] + b, rtol=1e-5)
+        s.runLoadPrograms()
+        s.runMainPrograms()
+        np.testing.assert_allclose(got[4], a * 2.0 + b, rtol=1e-6)
+        s.setCallbackForAnchor("weights", None)   # the PopEF data again
+        s.runLoadPrograms()
+        s.runMainPrograms()
+        np.testing.assert_allclose(got[5], got[0], rtol=1e-6)
+    assert _tag_objects() == []
+
+
+def test_a_callback_set_on_read_only_weights_takes_effect_at_the_next_load_run(simple):
+    path, w = simple
+    x = _ab(35)
+    a, b = x["tensor_A"], x["tensor_B"]
+    got: list[np.ndarray] = []
+    fives = np.full(SHAPE, 5.0, np.float32)
+    with Session(path) as s:
+        s.setCallbackForAnchor("tensor_A", lambda v: np.frombuffer(v, np.float32).__setitem__(
+            slice(None), a.ravel()))
+        s.setCallbackForAnchor("tensor_B", lambda v: np.frombuffer(v, np.float32).__setitem__(
+            slice(None), b.ravel()))
+        s.setCallbackForAnchor("tensor_C", lambda v: got.append(
+            np.frombuffer(v, np.float32).reshape(SHAPE).copy()))
+        s.setCallbackForAnchor("weights_saved", lambda v: None)
+        s.runMainPrograms()
+        (name,) = _tag_objects("cst")
+        s.setCallbackForAnchor("weights", lambda v: np.frombuffer(v, np.float32).__setitem__(
+            slice(None), fives.ravel()))
+        s.runMainPrograms()
+        s.runLoadPrograms()
+        s.runMainPrograms()
+        assert _tag_objects("cst") == []   # no session of this process uses it any more
+        np.testing.assert_allclose(got[0], a * w + b, rtol=1e-6)
+        np.testing.assert_allclose(got[1], a * w + b, rtol=1e-6)
+        np.testing.assert_allclose(got[2], a * 5.0 + b, rtol=1e-6)
+        assert name
+    assert _tag_objects() == []
+
+
+def test_a_killed_ipu_process_and_a_reset_leave_the_shared_copy_intact(simple, writing):
+    _, w = simple
+    cfg = model_runtime.ModelRunnerConfig(replication_factor=2, auto_reset=True)
+    with model_runtime.ModelRunner(writing, config=cfg) as r:
+        x = _ab(40)
+        a, b = x["tensor_A"], x["tensor_B"]
+        first = r.execute(x, replica_id=0)["tensor_C"]
+        np.testing.assert_allclose(r.execute(x, replica_id=1)["tensor_C"], first, rtol=1e-6)
+        (name,) = _tag_objects("cst")
+        (old,) = r.device_pids(0)
+        kill_and_wait(old)
+        # replica 1 goes on with its own copy; replica 0 is reset and loads the weights
+        # again from the shared value, not from what it had written
+        np.testing.assert_allclose(r.execute(x, replica_id=1)["tensor_C"], a * first + b,
+                                   rtol=1e-5)
+        np.testing.assert_allclose(r.execute(x, replica_id=0)["tensor_C"], first, rtol=1e-6)
+        assert r.device_pids(0) != [old]
+        assert _tag_objects("cst") == [name]
+        np.testing.assert_array_equal(_read(name), w)
+    assert _tag_objects() == []
+
+
+def test_a_dropped_runner_leaves_nothing_in_dev_shm(simple):
+    path, w = simple
+    cfg = model_runtime.ModelRunnerConfig(replication_factor=2)
+    gc.disable()
+    try:
+        r = model_runtime.ModelRunner(path, config=cfg)
+        x = _ab(50)
+        np.testing.assert_allclose(r.execute(x, replica_id=1)["tensor_C"],
+                                   x["tensor_A"] * w + x["tensor_B"], rtol=1e-6)
+        assert len(_tag_objects("cst")) == 1
+        del r   # reference counting alone
+        assert _tag_objects() == []
+    finally:
+        gc.enable()
+
+
+def _cst_values(name: str, handles: dict[str, int]) -> dict[str, np.ndarray]:
+    """The values a constants region holds (handles sorted, each 64-byte aligned)."""
+    out, at = {}, 0
+    with open("/dev/shm/" + name, "rb") as f:
+        data = f.read()
+    for h in sorted(handles):
+        n = handles[h]
+        out[h] = np.frombuffer(data[at:at + n], np.float32).reshape(SHAPE)
+        at += -(-n // 64) * 64
+    return out
+
+
+@pytest.mark.parametrize("batching", [False, True])
+def test_a_frozen_input_of_main_is_shared_not_sent_with_each_request(simple, batching):
+    path, w = simple
+    at = load_parts(path)[1].tensors["tensor_B"].offset
+    frozen = np.random.default_rng(60).standard_normal(SHAPE).astype(np.float32)
+    cfg = model_runtime.ModelRunnerConfig(replication_factor=2)
+    cfg.frozen_inputs = model_runtime.InputMemoryView()
+    cfg.frozen_inputs["tensor_B"] = frozen
+    if batching:
+        cfg.batching_dim = 0
+        cfg.timeout_ns = 1_000_000      # a partial batch goes after 1 ms
+    with model_runtime.ModelRunner(path, config=cfg) as r:
+        assert [d.name for d in r.getExecuteInputs()] == ["tensor_A"]
+        for rid in (0, 1):
+            a = _ab(61 + rid)["tensor_A"]
+            rows = 5 if batching else SHAPE[0]    # a partial batch: padded, frozen kept
+            np.testing.assert_allclose(
+                r.execute({"tensor_A": a[:rows]}, replica_id=rid)["tensor_C"],
+                (a * w + frozen)[:rows], rtol=1e-6)
+        (name,) = _tag_objects("cst")
+        values = _cst_values(name, {"tensor_B": NBYTES, "weights": NBYTES})
+        np.testing.assert_array_equal(values["tensor_B"], frozen)
+        np.testing.assert_array_equal(values["weights"], w)
+        for rid in (0, 1):
+            (pid,) = r.device_pids(rid)
+            m = _mapping(pid, name)
+            assert m["perms"] == "r--s", m
+            assert int(m["Shared_Clean"]) + int(m["Shared_Dirty"]) >= 2 * NBYTES, m
+            assert int(m["Private_Clean"]) + int(m["Private_Dirty"]) == 0, m
+        for mem in _tag_objects("mem"):
+            with open("/dev/shm/" + mem, "rb") as f:
+                f.seek(at)
+                assert f.read(NBYTES) == bytes(NBYTES)
+    assert _tag_objects() == []
+
+
+def test_with_every_main_input_frozen_they_go_with_each_request(simple):
+    """A Main that would stream nothing in would not wait for requests: then the frozen
+    inputs of Main travel with each request as before (the weights are still shared)."""
+    path, w = simple
+    a = np.full(SHAPE, 2.0, np.float32)
+    b = np.full(SHAPE, -1.0, np.float32)
+    cfg = model_runtime.ModelRunnerConfig()
+    cfg.frozen_inputs = model_runtime.InputMemoryView()
+    cfg.frozen_inputs["tensor_A"] = a
+    cfg.frozen_inputs["tensor_B"] = b
+    with model_runtime.ModelRunner(path, config=cfg) as r:
+        for _ in range(2):
+            np.testing.assert_allclose(r.execute({})["tensor_C"], a * w + b, rtol=1e-6)
+        (name,) = _tag_objects("cst")
+        np.testing.assert_array_equal(_read(name), w)
+        assert os.stat("/dev/shm/" + name).st_size < 2 * NBYTES
+    assert _tag_objects() == []
+
+
+def test_a_session_back_on_a_device_after_another_reads_its_inputs_as_they_are_now(simple):
+    """The device keeps a session's executable while another session runs; a callback set
+    on the weights meanwhile is read when the session comes back (its Load runs again),
+    not the shared value the device's copy was built with."""
+    from host_runtime.devices._manager import DeviceManager
+    from tests._helpers import PATIENT
+
+    path, w = simple
+    x = _ab(70)
+    a, b = x["tensor_A"], x["tensor_B"]
+
+    def session(dev: object, got: list[np.ndarray]) -> Session:
+        s = Session(path)
+        s.bindToDevice(dev)   # type: ignore[arg-type]
+        for name in ("tensor_A", "tensor_B"):
+            s.setCallbackForAnchor(name, lambda v, _x=x[name]: np.frombuffer(
+                v, np.float32).__setitem__(slice(None), _x.ravel()))
+        s.setCallbackForAnchor("tensor_C", lambda v: got.append(
+            np.frombuffer(v, np.float32).reshape(SHAPE).copy()))
+        s.setCallbackForAnchor("weights_saved", lambda v: None)
+        return s
+
+    first: list[np.ndarray] = []
+    other: list[np.ndarray] = []
+    with DeviceManager().getDevice(1, wait_config=PATIENT) as dev:
+        s1 = session(dev, first)
+        s2 = session(dev, other)
+        try:
+            s1.runMainPrograms()
+            s2.runMainPrograms()         # s1's executable stays cached on the device
+            s1.setCallbackForAnchor("weights", lambda v: np.frombuffer(
+                v, np.float32).__setitem__(slice(None), 5.0))
+            s1.runMainPrograms()
+        finally:
+            s1.close()
+            s2.close()
+    np.testing.assert_allclose(first[0], a * w + b, rtol=1e-6)
+    np.testing.assert_allclose(other[0], a * w + b, rtol=1e-6)
+    np.testing.assert_allclose(first[1], a * 5.0 + b, rtol=1e-6)
+    assert _tag_objects() == []
+
+
+def test_an_injected_error_and_its_reset_bring_back_the_shared_values(simple, writing):
+    """docs/faults.md: an application error on the third run, auto_reset: the replica's
+    written weights go back to the PopEF value, the frozen input of Main stays, and the
+    shared region is as it was."""
+    from host_runtime.errors import ApplicationRuntimeError
+    from ipu_emulator import faults
+
+    _, w = simple
+    frozen = np.full(SHAPE, 0.5, np.float32)
+    cfg = model_runtime.ModelRunnerConfig(auto_reset=True)
+    cfg.frozen_inputs = model_runtime.InputMemoryView()
+    cfg.frozen_inputs["tensor_B"] = frozen
+    a = _ab(80)["tensor_A"]
+    with faults.inject(kind="application_error", after=2) as plan:
+        r = model_runtime.ModelRunner(writing, config=cfg)
+    try:
+        c1 = r.execute({"tensor_A": a})["tensor_C"]
+        np.testing.assert_allclose(c1, a * w + frozen, rtol=1e-6)
+        c2 = r.execute({"tensor_A": a})["tensor_C"]
+        np.testing.assert_allclose(c2, a * c1 + frozen, rtol=1e-5)
+        with pytest.raises(ApplicationRuntimeError):
+            r.execute({"tensor_A": a})
+        np.testing.assert_allclose(r.execute({"tensor_A": a})["tensor_C"], c1, rtol=1e-6)
+        (name,) = _tag_objects("cst")
+        values = _cst_values(name, {"tensor_B": NBYTES, "weights": NBYTES})
+        np.testing.assert_array_equal(values["tensor_B"], frozen)
+        np.testing.assert_array_equal(values["weights"], w)
+    finally:
+        r.close()
+        plan.close()
+    assert _tag_objects() == []
