@@ -31,6 +31,7 @@ import io
 import logging
 import mmap
 import os
+import queue
 import threading
 import zlib
 from dataclasses import dataclass
@@ -85,39 +86,51 @@ class _Seekable(Protocol):
 
 
 class PendingChecksums:
-    """The checksums of mapped payloads a reader left to threads (see the module
-    docstring): ``wait()`` joins them all and raises the ``PopefError`` of the first
-    payload that does not match, as the reader would have; always call it (also on an
-    error path), so that no thread reads a file its caller has given up."""
+    """The checksums of mapped payloads a reader left to a thread (see the module
+    docstring), computed one after another there: ``wait()`` joins it and raises the
+    ``PopefError`` of the first payload that does not match, as the reader would have;
+    always call it (also on an error path), so that no thread reads a file its caller
+    has given up."""
 
     def __init__(self) -> None:
-        self._checks: list[tuple[threading.Thread, list[int], int,
-                                 Callable[[int], PopefError]]] = []
+        self._queue: queue.SimpleQueue[tuple[memoryview, int, Callable[[int], PopefError]]
+                                       | None] = queue.SimpleQueue()
+        self._done: list[tuple[int, int, Callable[[int], PopefError]]] = []
+        self._thread: threading.Thread | None = None
 
     def add(self, payload: memoryview, expected: int,
             error: Callable[[int], PopefError]) -> None:
-        """Check ``payload`` against ``expected`` on a thread; ``error(computed)`` is the
+        """Check ``payload`` against ``expected`` on the thread; ``error(computed)`` is the
         error of a mismatch."""
-        result: list[int] = []
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="popef-checksums",
+                                            daemon=True)
+            self._thread.start()
+        self._queue.put((payload, expected, error))
 
-        def run() -> None:
-            result.append(_crc32(payload))
-            drop_pages(payload)
-        t = threading.Thread(target=run, name="popef-checksum", daemon=True)
-        t.start()
-        self._checks.append((t, result, expected, error))
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            payload, expected, error = item
+            try:
+                crc = _crc32(payload)
+                drop_pages(payload)
+            except Exception:   # pragma: no cover - a mapping gone under it: not its crc
+                crc = -1
+            self._done.append((crc, expected, error))
 
     def wait(self) -> None:
-        checks, self._checks = self._checks, []
-        failed: PopefError | None = None
-        for t, result, expected, error in checks:
-            t.join()
-            if failed is None and result and result[0] != expected:
-                failed = error(result[0])
-            elif failed is None and not result:   # pragma: no cover - zlib raised
-                failed = error(-1)
-        if failed is not None:
-            raise failed
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        self._queue.put(None)
+        thread.join()
+        done, self._done = self._done, []
+        for crc, expected, error in done:
+            if crc != expected:
+                raise error(crc)
 
 
 class Reader:
@@ -352,6 +365,7 @@ class _FileParser:
             payload = memoryview(self.mapped)[payload_off:payload_off + h.payload_len]
         else:
             payload = self.read_exact(payload_off, h.payload_len, "a blob payload", label)
+
         def mismatch(crc: int) -> PopefError:
             return self.error(f"payload checksum mismatch: stored 0x{h.payload_crc:08x}, "
                               f"computed 0x{crc:08x}", payload_off, label)
