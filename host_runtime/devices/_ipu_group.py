@@ -369,9 +369,12 @@ class ShardedLoad:
     def load(self, link: DeviceLink, host_streams: list[dict[str, Any]],
              check_package_hash: bool, fresh: bool, timeout: float,
              peers: Callable[[str, int], None] | None = None,
-             faults: list[str] | None = None) -> None:
+             faults: list[str] | None = None,
+             constants: dict[str, Any] | None = None) -> None:
         """Send each IPU its part (LOAD with one spec region per IPU) and wait for all;
-        ``faults``: the names of the host's fault tables (ipu_emulator.faults)."""
+        ``faults``: the names of the host's fault tables (ipu_emulator.faults);
+        ``constants``: the load spec's ``constants`` (one region shared by every IPU of
+        every replica), each IPU told of the streams its part reads."""
         if self._closed:
             raise InvalidStateError("the session's multi-IPU resources are closed")
         if not isinstance(link, GroupLink) or len(link._members) < len(self.parts):
@@ -394,22 +397,32 @@ class ShardedLoad:
                 "executable_size": len(self._part_bytes[k]),
                 "memory_region": self.memory[k].name,
                 "check_package_hash": bool(check_package_hash), "streams": streams}
+            mine = [c for c in (constants or {}).get("streams", []) if c["handle"] in part.streams]
+            if mine:
+                assert constants is not None
+                spec["constants"] = {"region": constants["region"], "streams": mine}
             data = self._part_bytes[k]
-            if k < len(self.spec_regions):
-                region = self.spec_regions[k]
+            region = self.spec_regions[k] if k < len(self.spec_regions) else None
+            if region is not None:
                 spec["executable_offset"] = ipu_protocol.decode_load_spec(
                     region.buf)["executable_offset"]
                 prefix = ipu_protocol.encode_load_spec(spec)
-                if len(prefix) > spec["executable_offset"]:  # pragma: no cover
-                    raise InvalidStateError("load spec grew; cannot rewrite it in place")
-                region.buf[:len(prefix)] = prefix
-            else:
+                if len(prefix) <= spec["executable_offset"]:
+                    region.buf[:len(prefix)] = prefix
+                else:   # it grew (constants named now): a new region
+                    region.close()
+                    region.unlink()
+                    region = None
+            if region is None:
                 spec["executable_offset"] = ipu_protocol.spec_prefix_size(spec)
                 prefix = ipu_protocol.encode_load_spec(spec)
                 region = Region.create(len(prefix) + len(data), kind="exe")
                 region.buf[:len(prefix)] = prefix
                 region.buf[len(prefix):len(prefix) + len(data)] = data
-                self.spec_regions.append(region)
+                if k < len(self.spec_regions):
+                    self.spec_regions[k] = region
+                else:
+                    self.spec_regions.append(region)
             names.append(region.name)
         link.reset_links = self.reset_links
         link.wake_links = self.wake_links
