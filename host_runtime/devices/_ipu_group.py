@@ -40,7 +40,7 @@ import concurrent.futures as cf
 import logging
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 from shm import Region, Ring
 
@@ -317,6 +317,48 @@ def _first_cause(errors: list[BaseException], first: BaseException | None) -> Ba
 
 
 # -- the session's side ----------------------------------------------------------------------
+
+def paced_by_requests(exe_bytes: bytes | memoryview, main: Sequence[int],
+                      constant: Iterable[str], streamed: Iterable[str]) -> bool:
+    """Whether, with the input streams ``constant`` fed from shared memory (not read from
+    their rings), every IPU whose part of a multi-IPU executable reads one of them in its
+    ``main`` programs still waits for each request: its ``main`` programs stream in one of
+    ``streamed`` (inputs the host writes with each request), or a link from an IPU that
+    waits (the sharding token's links excepted: their first token is put in by the host).
+    An IPU that did not would run iterations ahead of the requests. A one-IPU executable:
+    whether its ``main`` programs stream in one of ``streamed``."""
+    from ipu_emulator.executable import (
+        Executable, ExecutableError, Repeat, StreamIn, Switch, is_link, is_sync, parse_link)
+
+    def reads(body: Iterable[Any]) -> Iterator[str]:
+        for i in body:
+            if isinstance(i, StreamIn):
+                yield i.handle
+            elif isinstance(i, Repeat):
+                yield from reads(i.body)
+            elif isinstance(i, Switch):
+                for b in i.branches:
+                    yield from reads(b)
+
+    try:
+        exe = Executable.from_bytes(exe_bytes)
+    except ExecutableError as exc:
+        raise PopefError(f"the executable is damaged: {exc}") from exc
+    parts = exe.parts or [exe]
+    wanted, fed = set(constant), set(streamed)
+    ins = [{h for p in main if 0 <= p < len(part.programs) for h in reads(part.programs[p].body)}
+           for part in parts]
+    paced: set[int] = set()
+    grew = True
+    while grew:
+        grew = False
+        for k, hs in enumerate(ins):
+            if k not in paced and (hs & fed or any(
+                    is_link(h) and not is_sync(h) and parse_link(h)[0] in paced for h in hs)):
+                paced.add(k)
+                grew = True
+    return all(k in paced for k, hs in enumerate(ins) if hs & wanted)
+
 
 class ShardedLoad:
     """The per-IPU resources of one session's multi-IPU executable (owned by the session)."""
