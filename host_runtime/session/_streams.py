@@ -114,6 +114,7 @@ class StreamTable:
         self.load_only = {a.handle() for a in self.streams if a.type() is popef.TensorType.INPUT
                           and a.programs() and set(a.programs()) <= load}
         self._const_values: dict[str, tuple[Callback, memoryview]] = {}
+        self._uncounted: set[str] = set()   # rings not counted in /dev/shm (ensure_rings)
         self.direct: set[str] = set()
         self._errors: list[tuple[str, BaseException]] = []
         self._lock = threading.Lock()
@@ -296,13 +297,16 @@ class StreamTable:
         A device that died mid-transfer leaves stale slots; the old device is
         unbound when this runs, so the rings are quiescent.
         """
+        constant = self.constants()
         if not self.rings:
             plan = [(a, max(1, self.nbytes[a.handle()]), self.ring_depth(a))
                     for a in self.streams]
+            # a constant's ring is not counted: its pages are never touched while it is
+            # one (the constants region holds its value); counted once it is not
+            self._uncounted = {a.handle() for a in self.streams if a.handle() in constant}
             check_room("this model's rings and regions", [
                 (f"ring of anchor {a.name()!r} ({depth} x {n})", ring_bytes(n, depth))
-                for a, n, depth in plan] + list(extra))
-            constant = self.constants()
+                for a, n, depth in plan if a.handle() not in self._uncounted] + list(extra))
             for a, n, depth in plan:
                 kind = "in" if a.type() is popef.TensorType.INPUT else "out"
                 # a constant's ring is never written while it is constant: left untouched
@@ -312,6 +316,14 @@ class StreamTable:
                     self.rings[a.handle()] = Ring.create(n, depth, kind=kind,
                                                          prefault=prefault,
                                                          settings=self._settings)
+        else:
+            now = {h for h in self._uncounted if h not in constant}
+            if now:   # no longer constants: their rings will carry values
+                check_room("this model's rings", [
+                    (f"ring of anchor {self.anchor(h).name()!r}", ring_bytes(
+                        max(1, self.nbytes[h]), self.ring_depth(self.anchor(h))))
+                    for h in sorted(now)] + list(extra))
+                self._uncounted -= now
         if self._peer != peer_pid:
             for ring in self.rings.values():
                 ring.reset()
