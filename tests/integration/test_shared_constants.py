@@ -639,8 +639,8 @@ def test_a_killed_ipu_process_of_one_part_leaves_the_shared_copy_intact(chains):
     weights = _chain_weights(model)
     cfg = model_runtime.ModelRunnerConfig(replication_factor=2, auto_reset=True)
     gc.disable()
+    r = model_runtime.ModelRunner(path, config=cfg)
     try:
-        r = model_runtime.ModelRunner(path, config=cfg)
         x = _rows(30)
         want = _ort(model, x=x)
         for rid in (0, 1):
@@ -660,10 +660,13 @@ def test_a_killed_ipu_process_of_one_part_leaves_the_shared_copy_intact(chains):
         assert _cst_values_raw(name, {h: len(v) for h, v in weights.items()}) == weights
         for pid in new:
             assert _mapping(pid, name)["perms"] == "r--s"
-        del r   # reference counting alone
-        assert _tag_objects() == []
-    finally:
+    except BaseException:
+        r.close()
         gc.enable()
+        raise
+    del r   # reference counting alone
+    gc.enable()
+    assert _tag_objects() == []
 
 
 def test_a_constant_inputs_ring_is_not_counted_in_dev_shm_until_it_carries_values(
