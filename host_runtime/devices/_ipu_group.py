@@ -318,17 +318,10 @@ def _first_cause(errors: list[BaseException], first: BaseException | None) -> Ba
 
 # -- the session's side ----------------------------------------------------------------------
 
-def paced_by_requests(exe_bytes: bytes | memoryview, main: Sequence[int],
-                      constant: Iterable[str], streamed: Iterable[str]) -> bool:
-    """Whether, with the input streams ``constant`` fed from shared memory (not read from
-    their rings), every IPU whose part of a multi-IPU executable reads one of them in its
-    ``main`` programs still waits for each request: its ``main`` programs stream in one of
-    ``streamed`` (inputs the host writes with each request), or a link from an IPU that
-    waits (the sharding token's links excepted: their first token is put in by the host).
-    An IPU that did not would run iterations ahead of the requests. A one-IPU executable:
-    whether its ``main`` programs stream in one of ``streamed``."""
-    from ipu_emulator.executable import (
-        Executable, ExecutableError, Repeat, StreamIn, Switch, is_link, is_sync, parse_link)
+def main_reads(exe_bytes: bytes | memoryview, main: Sequence[int]) -> list[set[str]]:
+    """For each IPU of an executable (one entry for a one-IPU executable): the streams
+    its part's ``main`` programs stream in (host inputs and links)."""
+    from ipu_emulator.executable import Executable, ExecutableError, Repeat, StreamIn, Switch
 
     def reads(body: Iterable[Any]) -> Iterator[str]:
         for i in body:
@@ -344,20 +337,36 @@ def paced_by_requests(exe_bytes: bytes | memoryview, main: Sequence[int],
         exe = Executable.from_bytes(exe_bytes)
     except ExecutableError as exc:
         raise PopefError(f"the executable is damaged: {exc}") from exc
-    parts = exe.parts or [exe]
+    return [{h for p in main if 0 <= p < len(part.programs) for h in reads(part.programs[p].body)}
+            for part in exe.parts or [exe]]
+
+
+def paced(ins: list[set[str]], constant: Iterable[str], streamed: Iterable[str]) -> bool:
+    """Whether, with the input streams ``constant`` fed from shared memory (not read from
+    their rings), every IPU that reads one of them in its Main programs (``ins``: see
+    :func:`main_reads`) still waits for each request: it streams in one of ``streamed``
+    (inputs the host writes with each request), or a link from an IPU that waits (the
+    sharding token's links excepted: their first token is put in by the host). An IPU
+    that did not would run iterations ahead of the requests."""
+    from ipu_emulator.executable import is_link, is_sync, parse_link
+
     wanted, fed = set(constant), set(streamed)
-    ins = [{h for p in main if 0 <= p < len(part.programs) for h in reads(part.programs[p].body)}
-           for part in parts]
-    paced: set[int] = set()
+    waits: set[int] = set()
     grew = True
     while grew:
         grew = False
         for k, hs in enumerate(ins):
-            if k not in paced and (hs & fed or any(
-                    is_link(h) and not is_sync(h) and parse_link(h)[0] in paced for h in hs)):
-                paced.add(k)
+            if k not in waits and (hs & fed or any(
+                    is_link(h) and not is_sync(h) and parse_link(h)[0] in waits for h in hs)):
+                waits.add(k)
                 grew = True
-    return all(k in paced for k, hs in enumerate(ins) if hs & wanted)
+    return all(k in waits for k, hs in enumerate(ins) if hs & wanted)
+
+
+def paced_by_requests(exe_bytes: bytes | memoryview, main: Sequence[int],
+                      constant: Iterable[str], streamed: Iterable[str]) -> bool:
+    """:func:`paced` for the executable ``exe_bytes`` and its ``main`` programs."""
+    return paced(main_reads(exe_bytes, main), constant, streamed)
 
 
 class ShardedLoad:

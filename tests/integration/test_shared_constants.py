@@ -583,16 +583,23 @@ def _cst_values_raw(name: str, handles: dict[str, int]) -> dict[str, bytes]:
     return out
 
 
+@pytest.mark.parametrize("how", ["frozen", "tensor-data"])
 @pytest.mark.parametrize("kind", ["b-on-ipu1-sharded", "b-on-ipu0-pipelined"])
-def test_a_frozen_input_of_main_on_one_ipu_of_two_is_shared(chains, kind):
-    """The IPU that reads ``b`` still waits for each request: it streams ``x`` in itself,
-    or the activations of the IPU that does."""
+def test_a_constant_input_of_main_on_one_ipu_of_two_is_shared(chains, kind, how):
+    """``b`` frozen, or PopEF tensor data: the IPU that reads it still waits for each
+    request (it streams ``x`` in itself, or the activations of the IPU that does)."""
     path, model = chains[kind]
     b = _rows(99)
     cfg = model_runtime.ModelRunnerConfig()
-    cfg.frozen_inputs = model_runtime.InputMemoryView()
-    cfg.frozen_inputs["b"] = b
-    with model_runtime.ModelRunner(path, config=cfg) as r:
+    source: object = path
+    if how == "frozen":
+        cfg.frozen_inputs = model_runtime.InputMemoryView()
+        cfg.frozen_inputs["b"] = b
+    else:
+        pm = popef.load_model([path])
+        source = dataclasses.replace(pm, tensors=[*pm.tensors,
+                                                  popef.TensorData("b", b.tobytes())])
+    with model_runtime.ModelRunner(source, config=cfg) as r:  # type: ignore[arg-type]
         assert [d.name for d in r.getExecuteInputs()] == ["x"]
         xs = [_rows(k) for k in range(4)]
         futs = [r.executeAsync({"x": x}) for x in xs]
@@ -611,27 +618,30 @@ def test_a_frozen_input_of_main_on_one_ipu_of_two_is_shared(chains, kind):
 
 
 def test_a_frozen_input_on_an_ipu_that_would_not_wait_for_requests_goes_with_each_one(chains):
-    """Frozen ``x`` of the model whose second IPU reads ``b``: the first IPU would read
-    only ``x`` and so run ahead of the requests; ``x`` goes with each request instead."""
+    """Frozen ``x`` (or ``x`` as PopEF tensor data) of the model whose second IPU reads
+    ``b``: the first IPU would read only ``x`` and so run ahead of the requests; ``x``
+    goes through the ring with each request instead."""
     from host_runtime.devices import paced_by_requests
 
     path, model = chains["b-on-ipu1-sharded"]
     pm = popef.load_model([path])
-    main = pm.metadata.programFlow().main()
-    exe = pm.executable.payload()
+    main, exe = pm.metadata.programFlow().main(), pm.executable.payload()
     assert paced_by_requests(exe, main, ["b"], ["x"])
     assert not paced_by_requests(exe, main, ["x"], ["b"])
     x = _rows(7)
     cfg = model_runtime.ModelRunnerConfig()
     cfg.frozen_inputs = model_runtime.InputMemoryView()
     cfg.frozen_inputs["x"] = x
-    with model_runtime.ModelRunner(path, config=cfg) as r:
-        for k in range(2):
-            b = _rows(20 + k)
-            np.testing.assert_allclose(r.execute({"b": b})["y"], _ort(model, x=x, b=b),
-                                       rtol=1e-5, atol=1e-5)
-        assert _tag_objects("cst") == []
-    assert _tag_objects() == []
+    with_data = dataclasses.replace(pm, tensors=[*pm.tensors,
+                                                 popef.TensorData("x", x.tobytes())])
+    for source, c in [(path, cfg), (with_data, model_runtime.ModelRunnerConfig())]:
+        with model_runtime.ModelRunner(source, config=c) as r:  # type: ignore[arg-type]
+            for k in range(2):
+                b = _rows(20 + k)
+                np.testing.assert_allclose(r.execute({"b": b})["y"], _ort(model, x=x, b=b),
+                                           rtol=1e-5, atol=1e-5)
+            assert _tag_objects("cst") == []
+        assert _tag_objects() == []
 
 
 def test_a_killed_ipu_process_of_one_part_leaves_the_shared_copy_intact(chains):
@@ -705,4 +715,82 @@ def test_a_constant_inputs_ring_is_not_counted_in_dev_shm_until_it_carries_value
             "ring of anchor 'weights'"]
     np.testing.assert_allclose(got[0], x["tensor_A"] * w + x["tensor_B"], rtol=1e-6)
     np.testing.assert_allclose(got[1], x["tensor_A"] * 3.0 + x["tensor_B"], rtol=1e-6)
+    assert _tag_objects() == []
+
+
+def test_popef_tensor_data_of_a_main_input_is_shared_not_sent_with_each_iteration(simple):
+    """``tensor_B`` given as PopEF tensor data: read by Main, from the constants region
+    (not through each replica's ring); its ring is never written."""
+    path, w = simple
+    b = np.random.default_rng(95).standard_normal(SHAPE).astype(np.float32)
+    model = popef.load_model([path])
+    model = dataclasses.replace(model, tensors=[*model.tensors,
+                                                popef.TensorData("tensor_B", b.tobytes())])
+    cfg = model_runtime.ModelRunnerConfig(replication_factor=2)
+    with model_runtime.ModelRunner(model, config=cfg) as r:
+        assert [d.name for d in r.getExecuteInputs()] == ["tensor_A"]
+        for rid in (0, 1):
+            for k in range(2):
+                a = _ab(96 + k)["tensor_A"]
+                np.testing.assert_allclose(r.execute({"tensor_A": a}, replica_id=rid)[
+                    "tensor_C"], a * w + b, rtol=1e-6)
+        (name,) = _tag_objects("cst")
+        values = _cst_values(name, {"tensor_B": NBYTES, "weights": NBYTES})
+        np.testing.assert_array_equal(values["tensor_B"], b)
+        np.testing.assert_array_equal(values["weights"], w)
+        for rid in (0, 1):
+            (pid,) = r.device_pids(rid)
+            m = _mapping(pid, name)
+            assert m["perms"] == "r--s", m
+            assert int(m["Shared_Clean"]) + int(m["Shared_Dirty"]) >= 2 * NBYTES, m
+        # only tensor_A's rings carry values; tensor_B's are never written (no page of
+        # their slots in /dev/shm)
+        full = [n for n in _tag_objects("in") if os.stat("/dev/shm/" + n).st_blocks * 512
+                >= NBYTES]
+        assert len(full) == 2, full
+    assert _tag_objects() == []
+
+
+def test_popef_tensor_data_of_every_main_input_goes_through_the_rings(simple):
+    """Every input of Main PopEF tensor data: fed through the rings as before (a Main
+    reading only constants would not wait for requests)."""
+    path, w = simple
+    a = np.full(SHAPE, 3.0, np.float32)
+    b = np.full(SHAPE, 0.25, np.float32)
+    model = popef.load_model([path])
+    model = dataclasses.replace(model, tensors=[
+        *model.tensors, popef.TensorData("tensor_A", a.tobytes()),
+        popef.TensorData("tensor_B", b.tobytes())])
+    with model_runtime.ModelRunner(model) as r:
+        for _ in range(2):
+            np.testing.assert_allclose(r.execute({})["tensor_C"], a * w + b, rtol=1e-6)
+        (name,) = _tag_objects("cst")
+        assert os.stat("/dev/shm/" + name).st_size < 2 * NBYTES   # the weights alone
+    assert _tag_objects() == []
+
+
+def test_a_callback_set_on_main_tensor_data_takes_effect_at_the_next_run(simple):
+    path, w = simple
+    x = _ab(97)
+    a, b = x["tensor_A"], x["tensor_B"]
+    model = popef.load_model([path])
+    model = dataclasses.replace(model, tensors=[*model.tensors,
+                                                popef.TensorData("tensor_B", b.tobytes())])
+    got: list[np.ndarray] = []
+    with Session(model) as s:
+        s.setCallbackForAnchor("tensor_A", lambda v: np.frombuffer(
+            v, np.float32).__setitem__(slice(None), a.ravel()))
+        s.setCallbackForAnchor("tensor_C", lambda v: got.append(
+            np.frombuffer(v, np.float32).reshape(SHAPE).copy()))
+        s.setCallbackForAnchor("weights_saved", lambda v: None)
+        s.runMainPrograms()
+        assert len(_tag_objects("cst")) == 1
+        s.setCallbackForAnchor("tensor_B", lambda v: np.frombuffer(
+            v, np.float32).__setitem__(slice(None), -2.0))
+        s.runMainPrograms()
+        s.setCallbackForAnchor("tensor_B", None)    # the PopEF data again
+        s.runMainPrograms()
+    np.testing.assert_allclose(got[0], a * w + b, rtol=1e-6)
+    np.testing.assert_allclose(got[1], a * w - 2.0, rtol=1e-6)
+    np.testing.assert_allclose(got[2], a * w + b, rtol=1e-6)
     assert _tag_objects() == []
