@@ -7,6 +7,9 @@ IPU process maps it read-only and its pages are shared (``/proc/<pid>/smaps``), 
 replicas' own device memory never holds the weights, and answers equal numpy's. A model
 whose Main program writes the weights gets a copy per replica; a killed IPU process, a
 reset and a new Load run leave the shared copy as it was; /dev/shm is empty after close.
+A chain of MatMuls over 2 IPUs (sharded, pipelined) in 2 replicas: every IPU process
+maps the one region; a constant input of Main read on one IPU of two is shared while
+that IPU still waits for each request, and goes with each request otherwise.
 """
 
 from __future__ import annotations
