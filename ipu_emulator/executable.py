@@ -361,6 +361,8 @@ class Executable:
             doc["weights"] = {"offset": len(blobs), "length": len(self.weights)}
             blobs += self.weights
         program = json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
+        # blanks after the JSON: the graph section (and the weights in it) starts 64-aligned
+        program += b" " * (-(HEADER_SIZE + len(program)) % ALIGNMENT)
         total = HEADER_SIZE + len(program) + len(blobs)
         head = _HEADER.pack(
             MAGIC, FORMAT_VERSION, HEADER_SIZE, 0, self.ipu_version, self.num_ipus,

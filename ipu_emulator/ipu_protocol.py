@@ -295,9 +295,12 @@ def encode_load_spec(spec: dict[str, Any]) -> bytes:
     in that one (shared by every session of the same weights; mapped read-only);
     optional ``prepack`` (bool, or None for the IPU process's own setting): the
     host's choice of the setting ``prepack`` for this load; optional
-    ``weights_file`` (``{"path", "offset", "length"}``): with prepacking on, the
-    IPU process reads the weights section from that file itself (the PopEF file
-    the host read; the executable's checksum covers them) and keeps its own copy;
+    ``weights_file`` (``{"path", "offset", "length"}``, optionally ``"identity"``):
+    with prepacking on, the IPU process reads the weights section from that file
+    itself (the PopEF file the host read; the executable's checksum covers them);
+    ``identity`` (``[st_dev, st_ino, st_size, st_mtime_ns]`` of the file when the
+    host read it, whose PopEF checksum the host checks): an IPU process that finds
+    the file so before and after it read the weights need not checksum them again;
     optional ``constants`` (``{"region": name, "streams": [{"handle", "offset",
     "nbytes"}]}``): constant streams, whose value is at ``offset`` in that read-only
     region (shared by every session of the same values): the IPU process never reads
@@ -346,11 +349,14 @@ def decode_load_spec(buf: memoryview) -> dict[str, Any]:
                             f"{spec['prepack']!r:.40}")
     wf = spec.get("weights_file")
     if wf is not None and not (
-            isinstance(wf, dict) and set(wf) == {"path", "offset", "length"}
+            isinstance(wf, dict) and {"path", "offset", "length"} <= set(wf)
+            and set(wf) <= {"path", "offset", "length", "identity"}
             and isinstance(wf["path"], str) and wf["path"].startswith("/")
-            and all(isinstance(wf[k], int) and wf[k] >= 0 for k in ("offset", "length"))):
+            and all(isinstance(wf[k], int) and wf[k] >= 0 for k in ("offset", "length"))
+            and isinstance(wf.get("identity", []), list)
+            and all(isinstance(v, int) for v in wf.get("identity", []))):
         raise ProtocolError(f"load spec 'weights_file' must be {{path (absolute), offset, "
-                            f"length}}, got {wf!r:.200}")
+                            f"length[, identity]}}, got {wf!r:.200}")
     if wf is not None and spec.get("weights_region") is not None:
         raise ProtocolError("load spec names both a 'weights_file' and a 'weights_region'")
     if spec.get("weights_region") is not None and not isinstance(spec["weights_region"], str):

@@ -33,7 +33,8 @@ from typing import Iterator
 from . import naming
 from .errors import FileSizeLimitError, OutOfFileDescriptorsError, ShmError, ShmFullError
 
-__all__ = ["errno_of", "named_error", "named_errors", "open_fds", "shm_full", "shm_room"]
+__all__ = ["errno_of", "memory_available", "named_error", "named_errors", "open_fds",
+           "shm_full", "shm_room"]
 
 # posix_ipc's fixed texts for errnos it reports without one (posix_ipc 1.x)
 _POSIX_IPC_TEXT = {
@@ -86,6 +87,22 @@ def shm_room() -> tuple[int, int] | None:
     except OSError:
         return None
     return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+
+
+def memory_available() -> int:
+    """Bytes of memory available to new allocations without swapping (``MemAvailable`` of
+    ``/proc/meminfo``, as ``psutil.virtual_memory().available`` says on Linux; read here
+    so that a runner's start does not import psutil for it)."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    import psutil   # no /proc/meminfo, or a kernel without MemAvailable
+
+    return int(psutil.virtual_memory().available)
 
 
 def _limit(v: int) -> str:

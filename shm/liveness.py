@@ -13,8 +13,6 @@ import threading
 import weakref
 from typing import Callable
 
-import psutil
-
 __all__ = ["pid_alive", "process_state", "describe_process", "PeerWatch", "ExitWatch",
            "notify_on_exit"]
 
@@ -29,6 +27,8 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         pass  # exists, belongs to someone else
+    import psutil   # here: an IPU process that never asks does not import it (~10 ms)
+
     try:
         return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
     except psutil.NoSuchProcess:
@@ -169,6 +169,8 @@ class PeerWatch:
     def dead_reason(self) -> str | None:
         """None while alive; else why it counts as dead (stays dead once dead)."""
         if self._dead_reason is None and self._watch.dead_pid() is not None:
+            import psutil
+
             try:
                 zombie = psutil.Process(self.pid).status() == psutil.STATUS_ZOMBIE
             except psutil.Error:

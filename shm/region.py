@@ -35,7 +35,6 @@ from typing import Any
 
 import numpy as np
 import posix_ipc
-import psutil
 
 from . import _registry, limits, naming
 from .errors import ShmClosedError, ShmError, ShmFullError
@@ -91,7 +90,7 @@ def _check_room(size: int, prefault: bool) -> None:
     if size > room[0]:
         raise limits.shm_full(f"creating a shared-memory region of {size} bytes", size)
     if prefault:
-        available = psutil.virtual_memory().available
+        available = limits.memory_available()
         if size > available:
             raise ShmFullError(f"cannot create a shared-memory region of {size} bytes: "
                                f"only {available} bytes of memory are available to back it",

@@ -40,7 +40,7 @@ import concurrent.futures as cf
 import logging
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 from shm import Region, Ring
 
@@ -318,6 +318,57 @@ def _first_cause(errors: list[BaseException], first: BaseException | None) -> Ba
 
 # -- the session's side ----------------------------------------------------------------------
 
+def main_reads(exe_bytes: bytes | memoryview, main: Sequence[int]) -> list[set[str]]:
+    """For each IPU of an executable (one entry for a one-IPU executable): the streams
+    its part's ``main`` programs stream in (host inputs and links)."""
+    from ipu_emulator.executable import Executable, ExecutableError, Repeat, StreamIn, Switch
+
+    def reads(body: Iterable[Any]) -> Iterator[str]:
+        for i in body:
+            if isinstance(i, StreamIn):
+                yield i.handle
+            elif isinstance(i, Repeat):
+                yield from reads(i.body)
+            elif isinstance(i, Switch):
+                for b in i.branches:
+                    yield from reads(b)
+
+    try:
+        exe = Executable.from_bytes(exe_bytes)
+    except ExecutableError as exc:
+        raise PopefError(f"the executable is damaged: {exc}") from exc
+    return [{h for p in main if 0 <= p < len(part.programs) for h in reads(part.programs[p].body)}
+            for part in exe.parts or [exe]]
+
+
+def paced(ins: list[set[str]], constant: Iterable[str], streamed: Iterable[str]) -> bool:
+    """Whether, with the input streams ``constant`` fed from shared memory (not read from
+    their rings), every IPU that reads one of them in its Main programs (``ins``: see
+    :func:`main_reads`) still waits for each request: it streams in one of ``streamed``
+    (inputs the host writes with each request), or a link from an IPU that waits (the
+    sharding token's links excepted: their first token is put in by the host). An IPU
+    that did not would run iterations ahead of the requests."""
+    from ipu_emulator.executable import is_link, is_sync, parse_link
+
+    wanted, fed = set(constant), set(streamed)
+    waits: set[int] = set()
+    grew = True
+    while grew:
+        grew = False
+        for k, hs in enumerate(ins):
+            if k not in waits and (hs & fed or any(
+                    is_link(h) and not is_sync(h) and parse_link(h)[0] in waits for h in hs)):
+                waits.add(k)
+                grew = True
+    return all(k in waits for k, hs in enumerate(ins) if hs & wanted)
+
+
+def paced_by_requests(exe_bytes: bytes | memoryview, main: Sequence[int],
+                      constant: Iterable[str], streamed: Iterable[str]) -> bool:
+    """:func:`paced` for the executable ``exe_bytes`` and its ``main`` programs."""
+    return paced(main_reads(exe_bytes, main), constant, streamed)
+
+
 class ShardedLoad:
     """The per-IPU resources of one session's multi-IPU executable (owned by the session)."""
 
@@ -369,9 +420,12 @@ class ShardedLoad:
     def load(self, link: DeviceLink, host_streams: list[dict[str, Any]],
              check_package_hash: bool, fresh: bool, timeout: float,
              peers: Callable[[str, int], None] | None = None,
-             faults: list[str] | None = None) -> None:
+             faults: list[str] | None = None,
+             constants: dict[str, Any] | None = None) -> None:
         """Send each IPU its part (LOAD with one spec region per IPU) and wait for all;
-        ``faults``: the names of the host's fault tables (ipu_emulator.faults)."""
+        ``faults``: the names of the host's fault tables (ipu_emulator.faults);
+        ``constants``: the load spec's ``constants`` (one region shared by every IPU of
+        every replica), each IPU told of the streams its part reads."""
         if self._closed:
             raise InvalidStateError("the session's multi-IPU resources are closed")
         if not isinstance(link, GroupLink) or len(link._members) < len(self.parts):
@@ -394,22 +448,32 @@ class ShardedLoad:
                 "executable_size": len(self._part_bytes[k]),
                 "memory_region": self.memory[k].name,
                 "check_package_hash": bool(check_package_hash), "streams": streams}
+            mine = [c for c in (constants or {}).get("streams", []) if c["handle"] in part.streams]
+            if mine:
+                assert constants is not None
+                spec["constants"] = {"region": constants["region"], "streams": mine}
             data = self._part_bytes[k]
-            if k < len(self.spec_regions):
-                region = self.spec_regions[k]
+            region = self.spec_regions[k] if k < len(self.spec_regions) else None
+            if region is not None:
                 spec["executable_offset"] = ipu_protocol.decode_load_spec(
                     region.buf)["executable_offset"]
                 prefix = ipu_protocol.encode_load_spec(spec)
-                if len(prefix) > spec["executable_offset"]:  # pragma: no cover
-                    raise InvalidStateError("load spec grew; cannot rewrite it in place")
-                region.buf[:len(prefix)] = prefix
-            else:
+                if len(prefix) <= spec["executable_offset"]:
+                    region.buf[:len(prefix)] = prefix
+                else:   # it grew (constants named now): a new region
+                    region.close()
+                    region.unlink()
+                    region = None
+            if region is None:
                 spec["executable_offset"] = ipu_protocol.spec_prefix_size(spec)
                 prefix = ipu_protocol.encode_load_spec(spec)
                 region = Region.create(len(prefix) + len(data), kind="exe")
                 region.buf[:len(prefix)] = prefix
                 region.buf[len(prefix):len(prefix) + len(data)] = data
-                self.spec_regions.append(region)
+                if k < len(self.spec_regions):
+                    self.spec_regions[k] = region
+                else:
+                    self.spec_regions.append(region)
             names.append(region.name)
         link.reset_links = self.reset_links
         link.wake_links = self.wake_links

@@ -23,7 +23,7 @@ from host_runtime.errors import PopefError
 from host_runtime.popef._check import check_model
 from host_runtime.popef.model import (ExecutableBlob, FeedData, Metadata, Model, Opaque,
                                       TensorData)
-from host_runtime.popef.reader import Blob, BlobInfo, Reader
+from host_runtime.popef.reader import Blob, BlobInfo, PendingChecksums, Reader
 from shm.errors import echo
 
 __all__ = ["ModelBuilder", "load_model"]
@@ -159,11 +159,13 @@ def _same_executable(a: ExecutableBlob, b: ExecutableBlob) -> bool:
     return a.payload() == b.payload()
 
 
-def load_model(paths: PathLike | Iterable[PathLike]) -> Model:
-    """Parse the file(s) at ``paths`` and build one checked model."""
+def load_model(paths: PathLike | Iterable[PathLike], *,
+               pending: PendingChecksums | None = None) -> Model:
+    """Parse the file(s) at ``paths`` and build one checked model (``pending``: the
+    checksums of mapped payloads are left there, see ``reader.PendingChecksums``)."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
-    reader = Reader()
+    reader = Reader(pending=pending)
     for p in paths:
         reader.parseFile(p)
     return ModelBuilder(reader).createModel()

@@ -18,6 +18,11 @@ PopEF file in place while a model read from it is in use (write a new file
 and rename it over the old one): a session that copies the bytes again checks
 them against their checksum and refuses changed ones, but a file cut shorter
 under a mapping faults the process that reads it.
+
+A reader given :class:`PendingChecksums` checks the payloads it maps on threads of their
+own (zlib lets go of the GIL) while its caller goes on with the blobs; the caller waits
+for them (``wait()`` raises the ``PopefError`` of a damaged payload) before it trusts the
+bytes. ``ModelRunner`` does so to start its IPU processes' template meanwhile.
 """
 
 from __future__ import annotations
@@ -26,9 +31,11 @@ import io
 import logging
 import mmap
 import os
+import queue
+import threading
 import zlib
 from dataclasses import dataclass
-from typing import BinaryIO, Protocol, Union
+from typing import BinaryIO, Callable, Protocol, Union
 
 from host_runtime.errors import PopefError, ResourceLimitError
 from host_runtime.popef import _format as fmt
@@ -37,7 +44,8 @@ from host_runtime.popef.model import (ExecutableBlob, FeedData, Metadata, Opaque
 from shm import OutOfFileDescriptorsError, buffer_address, limits
 from shm.errors import echo
 
-__all__ = ["Reader", "BlobInfo", "MAP_MIN_BYTES", "drop_pages", "file_span"]
+__all__ = ["Reader", "BlobInfo", "MAP_MIN_BYTES", "PendingChecksums", "drop_pages",
+           "file_identity", "file_span"]
 
 MAP_MIN_BYTES = 1 << 20
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)   # every page is read at once (the checksum)
@@ -77,12 +85,64 @@ class _Seekable(Protocol):
     def seek(self, pos: int, /) -> int: ...
 
 
-class Reader:
-    """Parses one or more PopEF files; the blobs of all of them are kept."""
+class PendingChecksums:
+    """The checksums of mapped payloads a reader left to a thread (see the module
+    docstring), computed one after another there: ``wait()`` joins it and raises the
+    ``PopefError`` of the first payload that does not match, as the reader would have;
+    always call it (also on an error path), so that no thread reads a file its caller
+    has given up."""
 
     def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[memoryview, int, Callable[[int], PopefError]]
+                                       | None] = queue.SimpleQueue()
+        self._done: list[tuple[int, int, Callable[[int], PopefError]]] = []
+        self._thread: threading.Thread | None = None
+
+    def add(self, payload: memoryview, expected: int,
+            error: Callable[[int], PopefError]) -> None:
+        """Check ``payload`` against ``expected`` on the thread; ``error(computed)`` is the
+        error of a mismatch."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="popef-checksums",
+                                            daemon=True)
+            self._thread.start()
+        self._queue.put((payload, expected, error))
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            payload, expected, error = item
+            try:
+                crc = _crc32(payload)
+                drop_pages(payload)
+            except Exception:   # pragma: no cover - a mapping gone under it: not its crc
+                crc = -1
+            self._done.append((crc, expected, error))
+
+    def wait(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        self._queue.put(None)
+        thread.join()
+        done, self._done = self._done, []
+        for crc, expected, error in done:
+            if crc != expected:
+                raise error(crc)
+
+
+class Reader:
+    """Parses one or more PopEF files; the blobs of all of them are kept.
+
+    ``pending``: the checksums of the payloads it maps are computed there, on threads,
+    and the caller waits for them (see the module docstring); default: here, at once."""
+
+    def __init__(self, *, pending: PendingChecksums | None = None) -> None:
         self._entries: list[tuple[BlobInfo, Blob]] = []
         self._paths: list[str] = []
+        self._pending = pending
 
     # -- parsing ------------------------------------------------------------
 
@@ -105,7 +165,10 @@ class Reader:
             mapped = None
             if size >= MAP_MIN_BYTES:
                 try:
-                    mapped = _FileMap(f.fileno(), size, flags=mmap.MAP_SHARED | _POPULATE,
+                    # populated at once for the checksum here; a checksum on a thread
+                    # reads its pages there, the caller going on meanwhile
+                    populate = _POPULATE if self._pending is None else 0
+                    mapped = _FileMap(f.fileno(), size, flags=mmap.MAP_SHARED | populate,
                                       prot=mmap.PROT_READ)
                     mapped.path = os.path.realpath(spath)
                     mapped.identity = _identity(os.fstat(f.fileno()))
@@ -170,7 +233,7 @@ class Reader:
 
     def _parse(self, f: _Seekable, size: int, path: str,
                mapped: mmap.mmap | None = None) -> None:
-        parsed = _FileParser(f, size, path, mapped).parse()
+        parsed = _FileParser(f, size, path, mapped, self._pending).parse()
         # All or nothing: a damaged file adds no blobs.
         self._entries.extend(parsed)
         self._paths.append(path)
@@ -193,11 +256,13 @@ class _Window:
 
 class _FileParser:
     def __init__(self, f: _Seekable, size: int, path: str,
-                 mapped: mmap.mmap | None = None) -> None:
+                 mapped: mmap.mmap | None = None,
+                 pending: PendingChecksums | None = None) -> None:
         self.f = f
         self.size = size
         self.path = path
         self.mapped = mapped
+        self.pending = pending
 
     def error(self, msg: str, offset: int, blob: str | None = None) -> PopefError:
         return PopefError(msg, path=self.path, blob=blob, offset=offset)
@@ -300,11 +365,17 @@ class _FileParser:
             payload = memoryview(self.mapped)[payload_off:payload_off + h.payload_len]
         else:
             payload = self.read_exact(payload_off, h.payload_len, "a blob payload", label)
-        crc = _crc32(payload)
-        drop_pages(payload)
-        if crc != h.payload_crc:
-            raise self.error(f"payload checksum mismatch: stored 0x{h.payload_crc:08x}, "
-                             f"computed 0x{crc:08x}", payload_off, label)
+
+        def mismatch(crc: int) -> PopefError:
+            return self.error(f"payload checksum mismatch: stored 0x{h.payload_crc:08x}, "
+                              f"computed 0x{crc:08x}", payload_off, label)
+        if self.pending is not None and isinstance(payload, memoryview):
+            self.pending.add(payload, h.payload_crc, mismatch)
+        else:
+            crc = _crc32(payload)
+            drop_pages(payload)
+            if crc != h.payload_crc:
+                raise mismatch(crc)
         info = BlobInfo(btype, name, self.path, offset, h.total_size, h.payload_len,
                         h.payload_crc, compressed, h.aux)
         blob = self.decode(btype, name, payload, h.aux, compressed, payload_off, label)
@@ -415,6 +486,16 @@ def file_span(view: bytes | memoryview) -> tuple[str, int] | None:
     except OSError:
         return None
     return obj.path, buffer_address(view) - buffer_address(memoryview(obj))
+
+
+def file_identity(view: bytes | memoryview) -> tuple[int, ...] | None:
+    """``(st_dev, st_ino, st_size, st_mtime_ns)`` of the file a payload view maps, as it was
+    when it was read (None for bytes): a process that opens the file and finds the same
+    reads the bytes this one read (and checked, or is checking)."""
+    obj = view.obj if isinstance(view, memoryview) else None
+    if not isinstance(obj, _FileMap) or not obj.identity:
+        return None
+    return obj.identity
 
 
 def drop_pages(view: bytes | memoryview) -> None:

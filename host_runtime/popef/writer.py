@@ -39,6 +39,9 @@ __all__ = ["Writer", "save_model"]
 _log = logging.getLogger(__name__)
 
 
+_PAYLOAD_ALIGNMENT = 64
+
+
 class Writer:
     """Writes a PopEF file to a path or to a binary stream it does not own."""
 
@@ -70,6 +73,16 @@ class Writer:
             payload = encode_metadata(metadata)
         except SchemaError as exc:
             raise BadRequestError(f"metadata cannot be written: {exc}") from None
+        # The executable written next (named as the metadata says) starts its payload at
+        # an offset of the file that is a multiple of 64, so that its weights section
+        # (64-aligned inside it) is aligned where the file is mapped: an IPU process then
+        # hands the weights to onnxruntime where they lie. Trailing blanks are JSON.
+        name = metadata.executable().encode("utf-8", "replace")
+        end = (self._offset + 2 * fmt.BLOB_HEADER_SIZE + len(name) + len(payload)
+               + len(name))
+        pad = -end % _PAYLOAD_ALIGNMENT
+        if len(payload) + pad <= fmt.MAX_METADATA_BYTES:
+            payload += b" " * pad
         self._blob(fmt.BlobType.METADATA, metadata.executable(), payload)
 
     def writeExecutable(self, name: str, data: Any, compress: bool = False) -> None:

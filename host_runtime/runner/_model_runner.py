@@ -32,9 +32,10 @@ import numpy as np
 from host_runtime import popef
 from host_runtime._fork import check_owner, current_pid, foreign
 from host_runtime._lifetime import close_owned
-from host_runtime.errors import BadRequestError, InvalidStateError
+from host_runtime.errors import BadRequestError, InvalidStateError, PopefError
 from host_runtime.memory import OutputMemory, check_owned
 from host_runtime.popef import check_model
+from host_runtime.popef.reader import PendingChecksums
 from host_runtime.runner._intake import RequestIntake
 from host_runtime.runner._layout import ModelLayout
 from host_runtime.runner._replica import Replica
@@ -74,7 +75,7 @@ def _register_exit_hook() -> None:
         atexit.register(_close_live_runners)
 
 
-def _load_model(source: Any) -> popef.Model:
+def _load_model(source: Any, pending: PendingChecksums) -> popef.Model:
     if isinstance(source, popef.Model):
         check_model(source)   # the rules of ipu_emulator.validate (once per Model)
         return source
@@ -88,9 +89,19 @@ def _load_model(source: Any) -> popef.Model:
             f"got {type(source).__name__}")
     if not paths:
         raise BadRequestError("ModelRunner needs at least one PopEF file, got an empty list")
-    model = popef.load_model(paths)
+    model = popef.load_model(paths, pending=pending)
     check_model(model)
     return model
+
+
+def _damaged_first(pending: PendingChecksums, exc: BaseException) -> None:
+    """A runner that failed: the checksums of its file are waited for, and a damaged
+    payload's PopefError is raised over ``exc`` (an interrupt stays what it is)."""
+    try:
+        pending.wait()
+    except PopefError:
+        if isinstance(exc, Exception):
+            raise
 
 
 def _overload(output_data: Any, replica_id: Any) -> tuple[Any, Any]:
@@ -129,25 +140,42 @@ class ModelRunner:
         # The caller reads the save programs' outputs from its own dict after close().
         self._config.replica_to_save_programs_outputs = cfg.replica_to_save_programs_outputs
         self._config.read_only()    # config() returns it: changes are refused, not ignored
-        self._model = _load_model(model)
-        # thread_safe: one mutex per replica, held for each execute/executeAsync call
-        self._call_locks: list[threading.RLock] = (
-            [threading.RLock() for _ in range(cfg.replication_factor)] if cfg.thread_safe else [])
-        self._layout = lay = ModelLayout(self._model, cfg)
-        self._intake = RequestIntake(lay, cfg.validate_io_params, settings.runner_plain)
-        self._monitors = [RequestMonitor(cfg.request_tracepoints_buffer_size)
-                          for _ in range(cfg.replication_factor)]
-        self._sessions = sessions = ReplicaSessions(self._model, self._config, lay, settings)
-        self._closed = False
+        # the file's checksums are computed while the model is checked, the IPU processes'
+        # template starts (ReplicaSessions) and the devices load it (each IPU process
+        # checks the executable's own checksum before it runs anything of it); a damaged
+        # file is refused here all the same
+        pending = PendingChecksums()
         try:
-            sessions.attach_devices()
-            for r in range(cfg.replication_factor):
-                self._replicas.append(Replica(sessions.setup(r, self._monitors[r], self._intake)))
+            self._model = _load_model(model, pending)
+            # thread_safe: one mutex per replica, held for each execute/executeAsync call
+            self._call_locks: list[threading.RLock] = (
+                [threading.RLock() for _ in range(cfg.replication_factor)]
+                if cfg.thread_safe else [])
+            self._layout = lay = ModelLayout(self._model, cfg)
+            self._intake = RequestIntake(lay, cfg.validate_io_params, settings.runner_plain)
+            self._monitors = [RequestMonitor(cfg.request_tracepoints_buffer_size)
+                              for _ in range(cfg.replication_factor)]
+            self._sessions = sessions = ReplicaSessions(self._model, self._config, lay,
+                                                        settings)
+            self._closed = False
+            try:
+                sessions.attach_devices()
+                for r in range(cfg.replication_factor):
+                    self._replicas.append(
+                        Replica(sessions.setup(r, self._monitors[r], self._intake)))
+            except BaseException:
+                self.close()
+                raise
+            finally:
+                sessions.release_unadopted()   # devices not taken by a session: ours
+        except BaseException as exc:
+            _damaged_first(pending, exc)
+            raise
+        try:
+            pending.wait()
         except BaseException:
             self.close()
             raise
-        finally:
-            sessions.release_unadopted()   # devices not taken by a session: ours to release
         _live_runners.add(self)
         _register_exit_hook()
 

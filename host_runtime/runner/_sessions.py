@@ -13,7 +13,7 @@ from typing import Optional
 import numpy as np
 
 from host_runtime import popef
-from host_runtime.devices import Device, DeviceManager, DeviceWaitConfig
+from host_runtime.devices import Device, DeviceManager, DeviceWaitConfig, paced_by_requests
 from host_runtime.memory import OutputMemoryView, TensorMemory
 from host_runtime.queues import RingSizeMultiplierProdType, ring_size_multiplier_factory
 from host_runtime.runner._intake import RequestIntake
@@ -50,11 +50,19 @@ class ReplicaSessions:
         check_model_fits(model, cfg.replication_factor, bool(settings.prepack))
         # frozen inputs held once in shared memory, not written with each request: those
         # of the Load program, and those of Main while Main still streams some input on
-        # every iteration (else its loop would not wait for requests), on one IPU (the
-        # parts of a sharded model read their streams)
-        streamed = any(a.name() not in layout.frozen for a in layout.main_inputs)
-        self._shared_frozen = {n: v for n, v in layout.frozen.items() if n in layout.frozen_load
-                               or (streamed and model.metadata.numIpus() == 1)}
+        # every iteration (else its loop would not wait for requests); on several IPUs,
+        # while each IPU that reads one still waits for each request (paced_by_requests)
+        streamed = [a for a in layout.main_inputs if a.name() not in layout.frozen]
+        frozen_main = [n for n in layout.frozen if n not in layout.frozen_load]
+        if streamed and frozen_main and model.metadata.numIpus() > 1:
+            handles = {a.name(): a.handle() for a in model.metadata.anchors()}
+            flow = model.metadata.programFlow()
+            if not paced_by_requests(model.executable.payload(), flow.main(),
+                                     [handles[n] for n in frozen_main],
+                                     [a.handle() for a in streamed]):
+                streamed = []
+        self._shared_frozen = {n: v for n, v in layout.frozen.items()
+                               if n in layout.frozen_load or streamed}
         if not cfg.replica_to_device:   # IPU processes of our own: their template starts now
             DeviceManager(settings=settings).prepare_launch()
 

@@ -49,6 +49,7 @@ from host_runtime.devices import ShardedLoad
 from host_runtime.devices import wait
 from host_runtime.devices import translated
 from host_runtime.popef import check_model
+from host_runtime.popef.reader import file_identity as popef_file_identity
 from host_runtime.popef.reader import file_span as popef_file_span
 from host_runtime.session._fastpath import DirectStreams
 from host_runtime.session._streams import StreamTable, callback_failure
@@ -650,8 +651,7 @@ class Session:
             else []) + (
             [("the constants region", constants_bytes(
                 {h: v for h, (_, v) in self._streams.constants().items()}))]
-            if self._constants is None and self._streams.constants()
-            and int(self._header["num_ipus"]) == 1 else [])
+            if self._constants is None and self._streams.constants() else [])
         self._streams.ensure_rings(dev.link.pid, extra)
         if self._memory_region is None:
             size = max(64, int(self._header["memory_bytes"]))
@@ -676,7 +676,11 @@ class Session:
                 f"{dev.describe()} has {dev.numIpus()} IPU(s) x {dev.tilesPerIpu()} tiles x "
                 f"{dev.memoryPerTile()} bytes per tile = {dev.memoryBytes()} bytes")
         modes = self._streams.modes()
+        constants, same = self._constants_to_load(keep_load_constants)
+        if not same:   # the device's cached copy of the executable streams them otherwise
+            fresh = True
         if int(self._header["num_ipus"]) > 1 and self._load_sharded(dev, modes, fresh):
+            self._constants_loaded = constants
             return
         weights_file = self._weights_file()
         if weights_file is None:
@@ -693,19 +697,6 @@ class Session:
             spec["weights_file"] = weights_file
         elif self._weights is not None:
             spec["weights_region"] = self._weights.name
-        constants = self._streams.constants()
-        if keep_load_constants:
-            only = self._streams.load_only
-            constants = {**{h: cv for h, cv in constants.items() if h not in only},
-                         **{h: cv for h, cv in self._constants_loaded.items() if h in only}}
-        same = constants.keys() == self._constants_loaded.keys() and all(
-            cv is self._constants_loaded[h] for h, cv in constants.items())
-        if not same:   # the device's cached copy of the executable streams them otherwise
-            spec["fresh"] = 1
-        if not constants:
-            self._constants = None
-        elif self._constants is None or not same:
-            self._constants = shared_constants({h: v for h, (_, v) in constants.items()})
         if self._constants is not None:
             spec["constants"] = self._constants.spec()
         if self._spec_region is not None:
@@ -744,14 +735,30 @@ class Session:
         self._need_load_programs = True
         self._load_ran = False
 
+    def _constants_to_load(self, keep_load_constants: bool) -> tuple[
+            dict[str, tuple[Callable[[memoryview], None], memoryview]], bool]:
+        """The constant inputs the next LOAD names (handle -> (callback, value)), their
+        region held in ``self._constants``; and whether they are those of the last LOAD.
+        ``keep_load_constants``: see :meth:`_load`."""
+        constants = self._streams.constants()
+        if keep_load_constants:
+            only = self._streams.load_only
+            constants = {**{h: cv for h, cv in constants.items() if h not in only},
+                         **{h: cv for h, cv in self._constants_loaded.items() if h in only}}
+        same = constants.keys() == self._constants_loaded.keys() and all(
+            cv is self._constants_loaded[h] for h, cv in constants.items())
+        if not constants:
+            self._constants = None
+        elif self._constants is None or not same:
+            self._constants = shared_constants({h: v for h, (_, v) in constants.items()})
+        return constants, same
+
     def _sync_constants(self, progs: Sequence[int]) -> None:
         """Before ``progs`` run: if the constant inputs are not those the device was loaded
         with (a callback set on one, or a new value) and ``progs`` read them, load again so
         that they read them as they are now. An input only Load programs read changes at
         the next Load run: until then the device keeps what the last Load wrote, as a real
         one does."""
-        if int(self._header["num_ipus"]) > 1:
-            return
         now = {h: cb for h, (cb, _) in self._streams.constants().items()}
         was = {h: cb for h, (cb, _) in self._constants_loaded.items()}
         changed = {h for h in now.keys() | was.keys() if now.get(h) is not was.get(h)}
@@ -776,10 +783,14 @@ class Session:
         if not (self._weights_len and self._settings.prepack
                 and isinstance(self._exe, memoryview)):
             return None
-        span = popef_file_span(self._exe[self._weights_at:self._weights_at + self._weights_len])
+        view = self._exe[self._weights_at:self._weights_at + self._weights_len]
+        span = popef_file_span(view)
         if span is None:
             return None
-        return {"path": span[0], "offset": span[1], "length": self._weights_len}
+        # the file as this process read (and checks) it: an IPU process that finds it so
+        # need not checksum the weights again
+        return {"path": span[0], "offset": span[1], "length": self._weights_len,
+                "identity": list(popef_file_identity(view) or ())}
 
     def _share_weights(self) -> None:
         """Hold the region of the executable's weights (made if this process has none)."""
@@ -808,7 +819,8 @@ class Session:
         self._sharded.load(dev.link, self._streams.load_spec(modes),
                            self._config.check_package_hash, fresh, self._settings.load_timeout,
                            lambda h, pid: rings[h].set_peer(pid),
-                           [self._fault_table.name] if self._fault_table is not None else None)
+                           [self._fault_table.name] if self._fault_table is not None else None,
+                           self._constants.spec() if self._constants is not None else None)
         self._modes_sent = modes
         self._loaded = True
         self._need_load_programs = True

@@ -29,7 +29,7 @@ from shm import Ring, ShmError
 from shm.settings import ShmSettings
 
 from host_runtime import popef
-from host_runtime.devices import check_room, ring_bytes, translated
+from host_runtime.devices import check_room, main_reads, paced, ring_bytes, translated
 from host_runtime.errors import (BadRequestError, DeviceExecutionError, InvalidStateError,
                                  PopefError)
 from host_runtime.session.predicates import (AnchorCallbackPolicy, AnchorCallbackPredicate,
@@ -107,13 +107,21 @@ class StreamTable:
         self._look_ahead = look_ahead
         self.popef_cbs: dict[str, Callback] = {}
         self.user_cbs: dict[str, Callback] = {}
-        # inputs fed a value that never changes (PopEF tensor data of an input only Load
-        # programs read, a frozen input): callback -> value; constant while it is the
-        # anchor's callback
+        # inputs fed a value that never changes (PopEF tensor data, a frozen input):
+        # callback -> value; constant while it is the anchor's callback
         load = set(self.flow.load())
         self.load_only = {a.handle() for a in self.streams if a.type() is popef.TensorType.INPUT
                           and a.programs() and set(a.programs()) <= load}
         self._const_values: dict[str, tuple[Callback, memoryview]] = {}
+        # PopEF tensor data that Main programs read: a constant only while every IPU that
+        # reads it still waits for each request (_main_paced)
+        main = set(self.flow.main())
+        self._main_in = {a.handle() for a in self.streams if a.type() is popef.TensorType.INPUT
+                         and main.intersection(a.programs())}
+        self._main_data: set[str] = set()
+        self._model = model
+        self._reads: list[set[str]] | None = None   # per IPU: what its Main reads
+        self._uncounted: set[str] = set()   # rings not counted in /dev/shm (ensure_rings)
         self.direct: set[str] = set()
         self._errors: list[tuple[str, BaseException]] = []
         self._lock = threading.Lock()
@@ -137,8 +145,9 @@ class StreamTable:
             if td is not None:
                 cb = self.popef_cbs[a.handle()] = _popef_input_callback(
                     td.data, n, 1, f"tensor data of {a.name()!r}")
-                if a.handle() in self.load_only:
-                    self._const_values[a.handle()] = (cb, memoryview(td.data))
+                self._const_values[a.handle()] = (cb, memoryview(td.data))
+                if a.handle() in self._main_in:
+                    self._main_data.add(a.handle())
             elif feed is not None:
                 self.popef_cbs[a.handle()] = _popef_input_callback(
                     feed.data, n, feed.num_transfers, f"feed data of {a.name()!r}")
@@ -207,8 +216,28 @@ class StreamTable:
     def constants(self) -> dict[str, tuple[Callback, memoryview]]:
         """The inputs fed now by a value that never changes (handle -> (callback, value)):
         their values go once into shared memory."""
-        return {h: cv for h, cv in self._const_values.items()
-                if h not in self.direct and self.callback(h) is cv[0]}
+        out = {h: cv for h, cv in self._const_values.items()
+               if h not in self.direct and self.callback(h) is cv[0]}
+        data = [h for h in out if h in self._main_data]
+        if data and not self._main_paced(data, out):
+            for h in data:
+                del out[h]
+        return out
+
+    def _main_paced(self, data: list[str], constant: dict[str, Any]) -> bool:
+        """Whether Main's PopEF tensor data ``data`` may be constants (with ``constant``
+        the constants then): every IPU that reads one still streams in an input the host
+        writes with each request, or a link from an IPU that does; else a main loop would
+        run ahead of the requests."""
+        def popef_fed(h: str) -> bool:   # by a callback the host serves at once
+            return (h not in self.direct and h in self.popef_cbs
+                    and self.callback(h) is self.popef_cbs[h])
+        streamed = [h for h in self._main_in if h not in constant and not popef_fed(h)]
+        if self._model.metadata.numIpus() <= 1:
+            return bool(streamed)
+        if self._reads is None:
+            self._reads = main_reads(self._model.executable.payload(), self.flow.main())
+        return paced(self._reads, data, streamed)
 
     def set_handler(self, anchors: list[popef.Anchor], factory: Callable[[Any], Any],
                     predicate: AnchorCallbackPredicate | None, skip_connected: bool,
@@ -296,13 +325,16 @@ class StreamTable:
         A device that died mid-transfer leaves stale slots; the old device is
         unbound when this runs, so the rings are quiescent.
         """
+        constant = self.constants()
         if not self.rings:
             plan = [(a, max(1, self.nbytes[a.handle()]), self.ring_depth(a))
                     for a in self.streams]
+            # a constant's ring is not counted: its pages are never touched while it is
+            # one (the constants region holds its value); counted once it is not
+            self._uncounted = {a.handle() for a in self.streams if a.handle() in constant}
             check_room("this model's rings and regions", [
                 (f"ring of anchor {a.name()!r} ({depth} x {n})", ring_bytes(n, depth))
-                for a, n, depth in plan] + list(extra))
-            constant = self.constants()
+                for a, n, depth in plan if a.handle() not in self._uncounted] + list(extra))
             for a, n, depth in plan:
                 kind = "in" if a.type() is popef.TensorType.INPUT else "out"
                 # a constant's ring is never written while it is constant: left untouched
@@ -312,6 +344,14 @@ class StreamTable:
                     self.rings[a.handle()] = Ring.create(n, depth, kind=kind,
                                                          prefault=prefault,
                                                          settings=self._settings)
+        else:
+            now = {h for h in self._uncounted if h not in constant}
+            if now:   # no longer constants: their rings will carry values
+                check_room("this model's rings", [
+                    (f"ring of anchor {self.anchor(h).name()!r}", ring_bytes(
+                        max(1, self.nbytes[h]), self.ring_depth(self.anchor(h))))
+                    for h in sorted(now)] + list(extra))
+                self._uncounted -= now
         if self._peer != peer_pid:
             for ring in self.rings.values():
                 ring.reset()

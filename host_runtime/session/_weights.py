@@ -33,9 +33,7 @@ import weakref
 
 import numpy as np
 
-from shm import Region
-
-import psutil
+from shm import Region, limits
 
 from host_runtime.devices import free_bytes, translated
 from host_runtime.errors import SharedMemoryFullError
@@ -168,7 +166,7 @@ def check_fits(name: str, weights: int, per_replica: int, replicas: int, prepack
             f"{per_replica} bytes per replica), but /dev/shm has {room[0]} bytes "
             f"({room[0] / mib:.1f} MiB) free of {room[1]}; enlarge /dev/shm "
             "(docker run --shm-size=...) or use fewer replicas")
-    available = psutil.virtual_memory().available
+    available = limits.memory_available()
     if ram > available:
         raise SharedMemoryFullError(
             f"model {name!r} with {replicas} replica(s) needs {ram} bytes "

@@ -162,6 +162,13 @@ class Interpreter:
     - off (memory): it computes with them where they lie, not copied: one copy for
       every IPU process that maps the same region (MatMul and Conv a few times slower).
 
+    ``weights_kept`` (with prepacking on): ``exe.weights`` stays valid for as long as the
+    interpreter holds it (a read-only mapping of a file that is not changed). Where every
+    weight in it is aligned (64 bytes), onnxruntime prepacks from it where it lies instead
+    of copying it first, and reads an initializer it did not prepack there too;
+    ``uses_weights`` is then True (the caller keeps the mapping; its pages may be dropped
+    from memory, they are read again). Else it copies them as without the option.
+
     ``constants`` (handle -> bytes): constant streams, whose value is given here instead
     of read from the stream (in an IPU process a read-only region every replica maps). A
     tensor only they fill and no program writes is those bytes (its StreamIns are
@@ -171,7 +178,7 @@ class Interpreter:
 
     def __init__(self, exe: Executable, device_memory: memoryview | bytearray | None = None,
                  num_threads: int = 1, zero_copy: bool | None = None,
-                 prepack: bool | None = None,
+                 prepack: bool | None = None, weights_kept: bool = False,
                  constants: Mapping[str, memoryview] | None = None) -> None:
         import onnxruntime as ort  # deferred: importing it costs ~0.2 s
 
@@ -231,11 +238,14 @@ class Interpreter:
         self._ort = ort
         self._sessions: list[object] = []
         self._weights: list[object] = []   # OrtValues over exe.weights, kept for the sessions
+        # prepacked from where they lie (no copy first): only where the caller keeps them
+        # and every weight is aligned (else onnxruntime would compute with a copy anyway)
+        in_place = not prepack or (weights_kept and _aligned(exe))
         for k, g in enumerate(exe.graphs):
             try:
                 opts = options()
                 if g.external:
-                    _add_weights(ort, opts, g, exe.weights, self._weights, in_place=not prepack)
+                    _add_weights(ort, opts, g, exe.weights, self._weights, in_place=in_place)
                 sess = ort.InferenceSession(g.model, opts, providers=["CPUExecutionProvider"])
             except Exception as exc:
                 raise DeviceProgramError(
@@ -243,8 +253,8 @@ class Interpreter:
                     f"{exc}") from exc
             _check_interface(exe.name, k, g, sess)
             self._sessions.append(sess)
-        self.uses_weights = bool(self._weights) and not prepack
-        """Whether the sessions compute with ``exe.weights`` where it lies (else it was
+        self.uses_weights = bool(self._weights) and in_place
+        """Whether the sessions may compute with ``exe.weights`` where it lies (else it was
         copied and is let go: the caller may unmap it)."""
         if not self.uses_weights:
             self._weights.clear()
@@ -660,13 +670,22 @@ def _add_weights(ort: Any, so: Any, graph: Graph, weights: bytes | memoryview,
     names, values = [], []
     for w in graph.external:
         arr = raw[w.offset:w.offset + w.nbytes].view(numpy_dtype(w.dtype)).reshape(w.shape)
-        if arr.ctypes.data % 64:   # a section inside a bytes object: not aligned
+        if in_place and arr.ctypes.data % 64:   # a section inside a bytes object or a file
+            # at an odd offset: computed with, so aligned (else onnxruntime copies it anyway)
             arr = arr.copy()
         names.append(w.name)
         values.append(ort.OrtValue.ortvalue_from_numpy(arr))
         keep.append(arr)
     keep.extend(values)
     so.add_external_initializers(names, values)
+
+
+def _aligned(exe: Executable) -> bool:
+    """Every external weight of ``exe`` lies 64-aligned in ``exe.weights``."""
+    if not len(exe.weights):
+        return False
+    base = np.frombuffer(exe.weights, dtype=np.uint8).ctypes.data
+    return all((base + w.offset) % 64 == 0 for g in exe.graphs for w in g.external)
 
 
 _BINDING_CACHE = 256

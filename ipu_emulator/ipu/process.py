@@ -79,7 +79,7 @@ from ipu_emulator.ipu._host_memory import HostMemory
 from ipu_emulator.ipu._placement import KeepApart
 from ipu_emulator.ipu._stream_io import _Loaded, _RequestError, _RingIO, _Stream
 from ipu_emulator.errors import ExecutableError
-from ipu_emulator.executable import is_link, is_sync
+from ipu_emulator.executable import body_crc32, is_link, is_sync
 from ipu_emulator.faults import Fault, FaultTable
 from ipu_emulator.ipu_protocol import ErrorKind, Message, Op, error_body
 from ipu_emulator.settings import IpuSettings
@@ -596,8 +596,11 @@ class DeviceProcess:
         weights: memoryview | None = None
         w_file = spec.get("weights_file")
         file_map = None
-        if w_file:   # with prepacking: read here, copied by onnxruntime, let go at once
-            file_map, weights = _map_weights_file(w_file, header["total_length"] - size)
+        trusted = False   # the file the host read and checks: no second checksum here
+        if w_file:   # with prepacking: prepacked by onnxruntime from where it lies (no copy
+            # first); the mapping stays while onnxruntime may read it, its pages let go
+            file_map, weights, trusted = _map_weights_file(w_file,
+                                                           header["total_length"] - size)
         w_name = spec.get("weights_region")
         if w_name:   # shared by every replica: mapped read-only, used where it lies
             self._known.add(w_name)
@@ -610,9 +613,10 @@ class DeviceProcess:
             regions.append(w_region)
         # the checksum over large weights is computed while onnxruntime loads them
         crc = _Checksum(data, weights) if weights is not None and len(weights) >= _CRC_APART \
-            else None
+            and not trusted else None
         try:
-            exe = Executable.from_bytes(data, weights=weights, checksum=crc is None)
+            exe = Executable.from_bytes(data, weights=weights,
+                                        checksum=crc is None and not trusted)
         except ExecutableError as exc:
             if crc is not None:
                 crc.result()   # it reads the weights: done before they are unmapped
@@ -634,9 +638,12 @@ class DeviceProcess:
             memory = mem_region.buf[:exe.memory_bytes]
         prepack = True if file_map is not None else spec.get("prepack")
         kwargs: dict[str, Any] = {} if prepack is None else {"prepack": prepack}
+        if file_map is not None:
+            kwargs["weights_kept"] = True
         if constants is not None:
             kwargs["constants"] = constants
         t1 = _monotonic()
+        interp = None
         try:
             interp = self._interpreter_cls(exe, device_memory=memory, num_threads=o.threads,
                                            **kwargs)
@@ -647,9 +654,16 @@ class DeviceProcess:
                                 traceback.format_exc()) from None
         finally:
             got = crc.result() if crc is not None else header["body_crc32"]
+            if trusted and not _same_file(w_file or {}):   # changed while read: check it
+                assert weights is not None
+                got = body_crc32(data, weights)
             if file_map is not None:
                 del exe
-                _unmap(file_map, weights)
+                if interp is not None and getattr(interp, "uses_weights", False):
+                    _drop_pages(file_map)   # held by the interpreter's views (read again)
+                else:
+                    _unmap(file_map, weights)
+        assert interp is not None
         if got != header["body_crc32"]:
             interp.close()
             for r in regions[1:]:
@@ -1142,8 +1156,22 @@ class _Checksum:
         return self._value
 
 
-def _map_weights_file(spec: dict[str, Any], expected: int) -> tuple[mmap.mmap, memoryview]:
-    """A read-only mapping of the weights section in the host's PopEF file."""
+def _same_file(spec: dict[str, Any]) -> bool:
+    """The file at the spec's path is still the one the host read (its identity)."""
+    try:
+        return _identity(os.stat(spec["path"])) == list(spec.get("identity") or [None])
+    except OSError:
+        return False
+
+
+def _identity(st: os.stat_result) -> list[int]:
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+
+
+def _map_weights_file(spec: dict[str, Any], expected: int
+                      ) -> tuple[mmap.mmap, memoryview, bool]:
+    """A read-only mapping of the weights section in the host's PopEF file, and whether
+    the file is the one the host read (its identity: the host checks its checksum)."""
     path, offset, length = spec["path"], spec["offset"], spec["length"]
     if length != expected:
         raise _RequestError(ErrorKind.PROTOCOL, f"weights file span of {length} bytes; the "
@@ -1154,7 +1182,9 @@ def _map_weights_file(spec: dict[str, Any], expected: int) -> tuple[mmap.mmap, m
         raise _RequestError(ErrorKind.PROTOCOL, f"cannot open the weights file {path}: {exc}"
                             ) from None
     try:
-        if os.fstat(fd).st_size < offset + length:
+        st = os.fstat(fd)
+        same = bool(spec.get("identity")) and _identity(st) == spec["identity"]
+        if st.st_size < offset + length:
             raise _RequestError(ErrorKind.EXECUTABLE, f"the weights file {path} is shorter "
                                 f"than [{offset}, +{length}): changed since the host read it")
         base = offset - offset % mmap.ALLOCATIONGRANULARITY
@@ -1166,7 +1196,17 @@ def _map_weights_file(spec: dict[str, Any], expected: int) -> tuple[mmap.mmap, m
                             ) from None
     finally:
         os.close(fd)
-    return mm, memoryview(mm)[offset - base:offset - base + length]
+    return mm, memoryview(mm)[offset - base:offset - base + length], same
+
+
+def _drop_pages(mm: mmap.mmap) -> None:
+    """Let go of the pages of a read-only file mapping this process read (they are the
+    page cache's: a later read maps them again), so that they count as this process's
+    memory only where it reads them again."""
+    try:
+        mm.madvise(mmap.MADV_DONTNEED)
+    except (OSError, AttributeError, ValueError):
+        _log.debug("cannot drop the pages of the weights file mapping", exc_info=True)
 
 
 def _unmap(mm: mmap.mmap, view: memoryview | None) -> None:

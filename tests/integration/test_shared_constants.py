@@ -7,6 +7,9 @@ IPU process maps it read-only and its pages are shared (``/proc/<pid>/smaps``), 
 replicas' own device memory never holds the weights, and answers equal numpy's. A model
 whose Main program writes the weights gets a copy per replica; a killed IPU process, a
 reset and a new Load run leave the shared copy as it was; /dev/shm is empty after close.
+A chain of MatMuls over 2 IPUs (sharded, pipelined) in 2 replicas: every IPU process
+maps the one region; a constant input of Main read on one IPU of two is shared while
+that IPU still waits for each request, and goes with each request otherwise.
 """
 
 from __future__ import annotations
@@ -455,4 +458,342 @@ def test_an_injected_error_and_its_reset_bring_back_the_shared_values(simple, wr
     finally:
         r.close()
         plan.close()
+    assert _tag_objects() == []
+
+
+# -- models over several IPUs: each IPU process of each replica maps the one region ------------
+
+LAYERS, WIDTH, ROWS = 4, 64, 2          # 4 weights of 16 KiB, 2 on each of 2 IPUs
+
+
+def _compile_chain(tmp: str, model: object, pipelined: bool, tensor_data: bool) -> str:
+    import onnx
+
+    from tools import poprt
+    from tools._chain_model import write_shard_yaml
+
+    onnx.save(model, os.path.join(tmp, "m.onnx"))
+    argv = ["--input_model", os.path.join(tmp, "m.onnx"), "--num_ipus", "2",
+            "--manual_sharding_config", write_shard_yaml(os.path.join(tmp, "s.yaml"), LAYERS, 2,
+                                                         pipelined),
+            "--batches_per_step", "2" if pipelined else "1", "--export_popef",
+            "--output_dir", os.path.join(tmp, "out")]
+    argv += ["--enable_pipelining"] * pipelined + ["--weights_as_tensor_data"] * tensor_data
+    assert poprt.main(argv) == 0
+    return os.path.join(tmp, "out", "executable.popef")
+
+
+def _with_b(before: int) -> object:
+    """The chain with a second input ``b`` added to the input of layer ``before``."""
+    from onnx import TensorProto, helper
+
+    from tools._chain_model import chain_model
+
+    m = chain_model(LAYERS, width=WIDTH, batch=ROWS, seed=3)
+    nodes = list(m.graph.node)
+    at = next(k for k, n in enumerate(nodes) if n.name == f"mm{before}")
+    src = nodes[at].input[0]
+    nodes[at].input[0] = "xb"
+    nodes.insert(at, helper.make_node("Add", [src, "b"], ["xb"], name="add_b"))
+    del m.graph.node[:]
+    m.graph.node.extend(nodes)
+    m.graph.input.append(helper.make_tensor_value_info("b", TensorProto.FLOAT, [ROWS, WIDTH]))
+    return m
+
+
+@pytest.fixture(scope="module")
+def chains(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, object]]:
+    """Models over 2 IPUs: the chain with its weights as PopEF tensor data, sharded and
+    pipelined; the chain with a second input on the first IPU (pipelined) or the second
+    (sharded)."""
+    from tools._chain_model import chain_model
+
+    chain = chain_model(LAYERS, width=WIDTH, batch=ROWS, seed=3)
+    out: dict[str, tuple[str, object]] = {}
+    for name, model, pipelined, td in [("sharded", chain, False, True),
+                                      ("pipelined", chain, True, True),
+                                      ("b-on-ipu1-sharded", _with_b(2), False, False),
+                                      ("b-on-ipu0-pipelined", _with_b(0), True, False)]:
+        out[name] = (_compile_chain(str(tmp_path_factory.mktemp("cst")), model, pipelined, td),
+                     model)
+    return out
+
+
+def _ort(model: object, **feeds: np.ndarray) -> np.ndarray:
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(model.SerializeToString(),  # type: ignore[attr-defined]
+                                providers=["CPUExecutionProvider"])
+    return np.asarray(sess.run(None, feeds)[0])
+
+
+def _chain_weights(model: object) -> dict[str, bytes]:
+    from onnx import numpy_helper
+
+    return {i.name: numpy_helper.to_array(i).tobytes()
+            for i in model.graph.initializer}  # type: ignore[attr-defined]
+
+
+def _rows(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((ROWS, WIDTH)).astype(np.float32)
+
+
+def _mems_hold(values: list[bytes]) -> list[bool]:
+    """For each device-memory region of this test: whether it holds any of ``values``."""
+    out = []
+    for mem in _tag_objects("mem"):
+        with open("/dev/shm/" + mem, "rb") as f:
+            data = f.read()
+        out.append(any(v in data for v in values))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["sharded", "pipelined"])
+def test_each_ipu_of_each_replica_of_a_model_over_two_ipus_maps_the_one_copy(chains, kind):
+    path, model = chains[kind]
+    weights = _chain_weights(model)
+    cfg = model_runtime.ModelRunnerConfig(replication_factor=2)
+    with model_runtime.ModelRunner(path, config=cfg) as r:
+        for rid in (0, 1):
+            xs = [_rows(10 * rid + k) for k in range(3)]
+            futs = [r.executeAsync({"x": x}, replica_id=rid) for x in xs]
+            for x, f in zip(xs, futs):
+                np.testing.assert_allclose(f.result(timeout=60)["y"], _ort(model, x=x),
+                                           rtol=1e-5, atol=1e-5)
+        (name,) = _tag_objects("cst")       # one region for both replicas' 4 IPU processes
+        values = _cst_values_raw(name, {h: len(v) for h, v in weights.items()})
+        assert values == weights
+        pids = [pid for rid in (0, 1) for pid in r.device_pids(rid)]
+        assert len(set(pids)) == 4
+        for pid in pids:   # each maps it read-only and its pages are shared, none its own
+            m = _mapping(pid, name)
+            assert m["perms"] == "r--s", m
+            assert int(m["Shared_Clean"]) + int(m["Shared_Dirty"]) >= 2 * len(weights["w0"]), m
+            assert int(m["Private_Clean"]) + int(m["Private_Dirty"]) == 0, m
+        mems = _mems_hold(list(weights.values()))
+        assert len(mems) >= 4 and not any(mems)   # no IPU's own memory holds a weight
+    assert _tag_objects() == []
+
+
+def _cst_values_raw(name: str, handles: dict[str, int]) -> dict[str, bytes]:
+    """The values a constants region holds (handles sorted, each 64-byte aligned)."""
+    out, at = {}, 0
+    with open("/dev/shm/" + name, "rb") as f:
+        data = f.read()
+    for h in sorted(handles):
+        out[h] = data[at:at + handles[h]]
+        at += -(-handles[h] // 64) * 64
+    return out
+
+
+@pytest.mark.parametrize("how", ["frozen", "tensor-data"])
+@pytest.mark.parametrize("kind", ["b-on-ipu1-sharded", "b-on-ipu0-pipelined"])
+def test_a_constant_input_of_main_on_one_ipu_of_two_is_shared(chains, kind, how):
+    """``b`` frozen, or PopEF tensor data: the IPU that reads it still waits for each
+    request (it streams ``x`` in itself, or the activations of the IPU that does)."""
+    path, model = chains[kind]
+    b = _rows(99)
+    cfg = model_runtime.ModelRunnerConfig()
+    source: object = path
+    if how == "frozen":
+        cfg.frozen_inputs = model_runtime.InputMemoryView()
+        cfg.frozen_inputs["b"] = b
+    else:
+        pm = popef.load_model([path])
+        source = dataclasses.replace(pm, tensors=[*pm.tensors,
+                                                  popef.TensorData("b", b.tobytes())])
+    with model_runtime.ModelRunner(source, config=cfg) as r:  # type: ignore[arg-type]
+        assert [d.name for d in r.getExecuteInputs()] == ["x"]
+        xs = [_rows(k) for k in range(4)]
+        futs = [r.executeAsync({"x": x}) for x in xs]
+        for x, f in zip(xs, futs):
+            np.testing.assert_allclose(f.result(timeout=60)["y"], _ort(model, x=x, b=b),
+                                       rtol=1e-5, atol=1e-5)
+        (name,) = _tag_objects("cst")
+        assert _cst_values_raw(name, {"b": b.nbytes}) == {"b": b.tobytes()}
+        reader = 1 if kind.startswith("b-on-ipu1") else 0
+        pids = r.device_pids(0)
+        assert _mapping(pids[reader], name)["perms"] == "r--s"
+        assert _mapping(pids[1 - reader], name) == {}   # the other IPU's part never reads it
+        mems = _mems_hold([b.tobytes()])
+        assert len(mems) >= 2 and not any(mems)
+    assert _tag_objects() == []
+
+
+def test_a_frozen_input_on_an_ipu_that_would_not_wait_for_requests_goes_with_each_one(chains):
+    """Frozen ``x`` (or ``x`` as PopEF tensor data) of the model whose second IPU reads
+    ``b``: the first IPU would read only ``x`` and so run ahead of the requests; ``x``
+    goes through the ring with each request instead."""
+    from host_runtime.devices import paced_by_requests
+
+    path, model = chains["b-on-ipu1-sharded"]
+    pm = popef.load_model([path])
+    main, exe = pm.metadata.programFlow().main(), pm.executable.payload()
+    assert paced_by_requests(exe, main, ["b"], ["x"])
+    assert not paced_by_requests(exe, main, ["x"], ["b"])
+    x = _rows(7)
+    cfg = model_runtime.ModelRunnerConfig()
+    cfg.frozen_inputs = model_runtime.InputMemoryView()
+    cfg.frozen_inputs["x"] = x
+    with_data = dataclasses.replace(pm, tensors=[*pm.tensors,
+                                                 popef.TensorData("x", x.tobytes())])
+    for source, c in [(path, cfg), (with_data, model_runtime.ModelRunnerConfig())]:
+        with model_runtime.ModelRunner(source, config=c) as r:  # type: ignore[arg-type]
+            for k in range(2):
+                b = _rows(20 + k)
+                np.testing.assert_allclose(r.execute({"b": b})["y"], _ort(model, x=x, b=b),
+                                           rtol=1e-5, atol=1e-5)
+            assert _tag_objects("cst") == []
+        assert _tag_objects() == []
+
+
+def test_a_killed_ipu_process_of_one_part_leaves_the_shared_copy_intact(chains):
+    path, model = chains["pipelined"]
+    weights = _chain_weights(model)
+    cfg = model_runtime.ModelRunnerConfig(replication_factor=2, auto_reset=True)
+    gc.disable()
+    r = model_runtime.ModelRunner(path, config=cfg)
+    try:
+        x = _rows(30)
+        want = _ort(model, x=x)
+        for rid in (0, 1):
+            np.testing.assert_allclose(r.execute({"x": x}, replica_id=rid)["y"], want,
+                                       rtol=1e-5, atol=1e-5)
+        (name,) = _tag_objects("cst")
+        old = r.device_pids(0)
+        kill_and_wait(old[1])    # the second IPU of replica 0
+        np.testing.assert_allclose(r.execute({"x": x}, replica_id=1)["y"], want,
+                                   rtol=1e-5, atol=1e-5)
+        # replica 0 is reset: its new IPU processes map the same region again
+        np.testing.assert_allclose(r.execute({"x": x}, replica_id=0)["y"], want,
+                                   rtol=1e-5, atol=1e-5)
+        new = r.device_pids(0)
+        assert not set(new) & set(old)
+        assert _tag_objects("cst") == [name]
+        assert _cst_values_raw(name, {h: len(v) for h, v in weights.items()}) == weights
+        for pid in new:
+            assert _mapping(pid, name)["perms"] == "r--s"
+    except BaseException:
+        r.close()
+        gc.enable()
+        raise
+    del r   # reference counting alone
+    gc.enable()
+    assert _tag_objects() == []
+
+
+def test_a_constant_inputs_ring_is_not_counted_in_dev_shm_until_it_carries_values(
+        simple, monkeypatch):
+    """The weights' ring (fed from the constants region) is left out of the room asked
+    of /dev/shm; once a callback feeds them, the next Load run asks for it."""
+    import host_runtime.session._streams as streams
+
+    asked: list[list[str]] = []
+    real = streams.check_room
+
+    def spy(what: str, items: list[tuple[str, int]]) -> None:
+        asked.append([n for n, _ in items])
+        real(what, items)
+    monkeypatch.setattr(streams, "check_room", spy)
+    path, w = simple
+    x = _ab(90)
+    got: list[np.ndarray] = []
+    with Session(path) as s:
+        for name in ("tensor_A", "tensor_B"):
+            s.setCallbackForAnchor(name, lambda v, _x=x[name]: np.frombuffer(
+                v, np.float32).__setitem__(slice(None), _x.ravel()))
+        s.setCallbackForAnchor("tensor_C", lambda v: got.append(
+            np.frombuffer(v, np.float32).reshape(SHAPE).copy()))
+        s.setCallbackForAnchor("weights_saved", lambda v: None)
+        s.runLoadPrograms()
+        s.runMainPrograms()
+        assert len(asked) == 1
+        assert any("'tensor_A'" in n for n in asked[0])
+        assert not any("'weights'" in n for n in asked[0])
+        s.setCallbackForAnchor("weights", lambda v: np.frombuffer(
+            v, np.float32).__setitem__(slice(None), 3.0))
+        s.runLoadPrograms()
+        s.runMainPrograms()
+        assert len(asked) == 2 and [n for n in asked[1] if "anchor" in n] == [
+            "ring of anchor 'weights'"]
+    np.testing.assert_allclose(got[0], x["tensor_A"] * w + x["tensor_B"], rtol=1e-6)
+    np.testing.assert_allclose(got[1], x["tensor_A"] * 3.0 + x["tensor_B"], rtol=1e-6)
+    assert _tag_objects() == []
+
+
+def test_popef_tensor_data_of_a_main_input_is_shared_not_sent_with_each_iteration(simple):
+    """``tensor_B`` given as PopEF tensor data: read by Main, from the constants region
+    (not through each replica's ring); its ring is never written."""
+    path, w = simple
+    b = np.random.default_rng(95).standard_normal(SHAPE).astype(np.float32)
+    model = popef.load_model([path])
+    model = dataclasses.replace(model, tensors=[*model.tensors,
+                                                popef.TensorData("tensor_B", b.tobytes())])
+    cfg = model_runtime.ModelRunnerConfig(replication_factor=2)
+    with model_runtime.ModelRunner(model, config=cfg) as r:
+        assert [d.name for d in r.getExecuteInputs()] == ["tensor_A"]
+        for rid in (0, 1):
+            for k in range(2):
+                a = _ab(96 + k)["tensor_A"]
+                np.testing.assert_allclose(r.execute({"tensor_A": a}, replica_id=rid)[
+                    "tensor_C"], a * w + b, rtol=1e-6)
+        (name,) = _tag_objects("cst")
+        values = _cst_values(name, {"tensor_B": NBYTES, "weights": NBYTES})
+        np.testing.assert_array_equal(values["tensor_B"], b)
+        np.testing.assert_array_equal(values["weights"], w)
+        for rid in (0, 1):
+            (pid,) = r.device_pids(rid)
+            m = _mapping(pid, name)
+            assert m["perms"] == "r--s", m
+            assert int(m["Shared_Clean"]) + int(m["Shared_Dirty"]) >= 2 * NBYTES, m
+        # only tensor_A's rings carry values; tensor_B's are never written (no page of
+        # their slots in /dev/shm)
+        full = [n for n in _tag_objects("in") if os.stat("/dev/shm/" + n).st_blocks * 512
+                >= NBYTES]
+        assert len(full) == 2, full
+    assert _tag_objects() == []
+
+
+def test_popef_tensor_data_of_every_main_input_goes_through_the_rings(simple):
+    """Every input of Main PopEF tensor data: fed through the rings as before (a Main
+    reading only constants would not wait for requests)."""
+    path, w = simple
+    a = np.full(SHAPE, 3.0, np.float32)
+    b = np.full(SHAPE, 0.25, np.float32)
+    model = popef.load_model([path])
+    model = dataclasses.replace(model, tensors=[
+        *model.tensors, popef.TensorData("tensor_A", a.tobytes()),
+        popef.TensorData("tensor_B", b.tobytes())])
+    with model_runtime.ModelRunner(model) as r:
+        for _ in range(2):
+            np.testing.assert_allclose(r.execute({})["tensor_C"], a * w + b, rtol=1e-6)
+        (name,) = _tag_objects("cst")
+        assert os.stat("/dev/shm/" + name).st_size < 2 * NBYTES   # the weights alone
+    assert _tag_objects() == []
+
+
+def test_a_callback_set_on_main_tensor_data_takes_effect_at_the_next_run(simple):
+    path, w = simple
+    x = _ab(97)
+    a, b = x["tensor_A"], x["tensor_B"]
+    model = popef.load_model([path])
+    model = dataclasses.replace(model, tensors=[*model.tensors,
+                                                popef.TensorData("tensor_B", b.tobytes())])
+    got: list[np.ndarray] = []
+    with Session(model) as s:
+        s.setCallbackForAnchor("tensor_A", lambda v: np.frombuffer(
+            v, np.float32).__setitem__(slice(None), a.ravel()))
+        s.setCallbackForAnchor("tensor_C", lambda v: got.append(
+            np.frombuffer(v, np.float32).reshape(SHAPE).copy()))
+        s.setCallbackForAnchor("weights_saved", lambda v: None)
+        s.runMainPrograms()
+        assert len(_tag_objects("cst")) == 1
+        s.setCallbackForAnchor("tensor_B", lambda v: np.frombuffer(
+            v, np.float32).__setitem__(slice(None), -2.0))
+        s.runMainPrograms()
+        s.setCallbackForAnchor("tensor_B", None)    # the PopEF data again
+        s.runMainPrograms()
+    np.testing.assert_allclose(got[0], a * w + b, rtol=1e-6)
+    np.testing.assert_allclose(got[1], a * w - 2.0, rtol=1e-6)
+    np.testing.assert_allclose(got[2], a * w + b, rtol=1e-6)
     assert _tag_objects() == []

@@ -335,3 +335,96 @@ def test_large_external_data_stays_in_its_file_while_compiling(tmp_path, monkeyp
         poprt_compile(str(tmp_path / "m.onnx"), tmp_path / "out16", popef_name="m.popef",
                       precision="fp16")
     assert not _onnx._stashed()   # let go after each compilation
+
+
+def _file_mapping(pid: int, path: str) -> dict[str, int] | None:
+    """Sizes (bytes) of ``pid``'s mappings of the file at ``path`` (None: not mapped)."""
+    real = os.path.realpath(path)
+    found: dict[str, int] | None = None
+    inside = False
+    with open(f"/proc/{pid}/smaps", encoding="utf-8") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and ":" not in head[0]:
+                inside = line.rstrip().endswith(" " + real)
+                if inside and found is None:
+                    found = {}
+            elif inside and found is not None and len(head) >= 3 and head[2] == "kB":
+                key = head[0].rstrip(":")
+                found[key] = found.get(key, 0) + int(head[1]) * 1024
+    return found
+
+
+def test_with_prepacking_aligned_weights_are_prepacked_from_the_file_where_they_lie(chain):
+    """The compiler's PopEF file holds the weights 64-aligned; with prepacking on the IPU
+    process hands them to onnxruntime where they lie in its mapping of the file (no copy
+    of them first) and keeps that mapping, whose pages it lets go once the session is
+    made: none of them stays resident in it; the answers are onnxruntime's."""
+    from host_runtime.popef.reader import file_span
+
+    model, path = chain
+    exe = popef.load_model([path]).executable.payload()
+    start, _ = weights_span(exe)
+    _, at = file_span(exe[start:])
+    assert at % 64 == 0, at
+    with settings.override(prepack=True), model_runtime.ModelRunner(path) as r:
+        x = _x(80)
+        np.testing.assert_allclose(r.execute({"x": x})["y"], reference(model, x), rtol=1e-4,
+                                   atol=1e-5)
+        (pid,) = r.device_pids(0)
+        m = _file_mapping(pid, path)
+        assert m is not None and m["Size"] >= WEIGHTS, m
+        assert m["Rss"] < WEIGHTS // 4, m
+
+
+def test_with_prepacking_unaligned_weights_are_copied_by_onnxruntime(chain, tmp_path):
+    """A PopEF file whose weights are not aligned (the executable written before its
+    metadata): onnxruntime copies them, the IPU process lets its mapping of the file go
+    once the session is made, and the answers are the same."""
+    model, path = chain
+    read = popef.load_model([path])
+    odd = tmp_path / "odd.popef"
+    with popef.Writer(str(odd)) as w:
+        w.writeExecutableBlob(read.executable)
+        w.writeMetadata(read.metadata)
+    from host_runtime.popef.reader import file_span
+    exe = popef.load_model([str(odd)]).executable.payload()
+    start, _ = weights_span(exe)
+    _, at = file_span(exe[start:])
+    assert at % 64 != 0, at
+    with settings.override(prepack=True), model_runtime.ModelRunner(str(odd)) as r:
+        x = _x(81)
+        np.testing.assert_allclose(r.execute({"x": x})["y"], reference(model, x), rtol=1e-4,
+                                   atol=1e-5)
+        (pid,) = r.device_pids(0)
+        assert _file_mapping(pid, str(odd)) is None
+    assert _tag_objects() == []
+
+
+def test_a_damaged_popef_file_is_refused_by_its_checksum_while_the_runner_starts(chain,
+                                                                              tmp_path):
+    """The host checks a large payload's checksum on a thread while the runner starts its
+    IPU processes and loads them: a file damaged before it was read is refused with the
+    PopEF checksum error all the same, and nothing is left in /dev/shm."""
+    import shutil
+
+    from host_runtime.errors import PopefError
+
+    _, path = chain
+    bad = tmp_path / "bad.popef"
+    shutil.copyfile(path, bad)
+    exe = popef.load_model([path]).executable.payload()
+    start, length = weights_span(exe)
+    from host_runtime.popef.reader import file_span
+    _, at = file_span(exe[start:])
+    with open(bad, "r+b") as f:     # one byte of the weights
+        f.seek(at + length // 3)
+        byte = f.read(1)
+        f.seek(at + length // 3)
+        f.write(bytes([byte[0] ^ 0x10]))
+    for prepack in (True, False):
+        with settings.override(prepack=prepack), \
+                pytest.raises(PopefError, match=r"payload checksum mismatch: stored 0x[0-9a-f]{8}"
+                                                r", computed 0x[0-9a-f]{8}"):
+            model_runtime.ModelRunner(str(bad))
+        assert _tag_objects() == []

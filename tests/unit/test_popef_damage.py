@@ -424,3 +424,37 @@ def test_wrong_kinds_of_stream(tmp_path) -> None:
     r = popef.Reader()
     r.parseStream(Pipe(), name="pipe")  # type: ignore[arg-type]
     assert len(r.blobs()) == 5 and r.paths() == ["pipe"]
+
+
+def test_checksums_left_to_a_thread_refuse_a_damaged_payload_when_waited_for(tmp_path) -> None:
+    """A reader given PendingChecksums maps the large payloads and checks them on a thread:
+    parsing returns at once, ``wait()`` raises the same PopefError the reader raises
+    itself (which blob, which checksums), and an intact file waits without error."""
+    import numpy as np
+
+    from host_runtime.popef.reader import MAP_MIN_BYTES, PendingChecksums
+
+    big = np.arange(MAP_MIN_BYTES // 4 + 16, dtype=np.float32)
+    path = tmp_path / "t.popef"
+    with popef.Writer(str(path)) as w:
+        w.writeTensorData("a", big)
+        w.writeTensorData("b", big[::-1].copy())
+    good = PendingChecksums()
+    reader = popef.Reader(pending=good)
+    reader.parseFile(str(path))
+    good.wait()
+    assert [t.anchor for t in reader.tensors()] == ["a", "b"]
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0x08          # a byte of b's payload
+    path.write_bytes(bytes(data))
+    with pytest.raises(PopefError) as direct:
+        popef.Reader().parseFile(str(path))
+    pending = PendingChecksums()
+    popef.Reader(pending=pending).parseFile(str(path))
+    with pytest.raises(PopefError) as waited:
+        pending.wait()
+    assert re.search(r"payload checksum mismatch: stored 0x[0-9a-f]{8}, computed "
+                     r"0x[0-9a-f]{8}", str(waited.value)), waited.value
+    assert str(waited.value) == str(direct.value)
+    assert "tensor data 'b'" in str(waited.value)
+    pending.wait()              # waited once: nothing left

@@ -345,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-tensor-data", dest="tensor_data", action="store_false",
                     help="skip the model whose weights a Load program feeds from PopEF "
                          "tensor data")
+    ap.add_argument("--first-only", action="store_true",
+                    help="only the first-answer timing (no memory, no execute)")
     ap.add_argument("--markdown", action="store_true", help="print rows for docs/benchmarks.md")
     args = ap.parse_args(argv)
     table = MarkdownTable(args.markdown)
@@ -357,56 +359,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model: {wbytes // (WIDTH * WIDTH * 4)} x [{WIDTH}, {WIDTH}] float32 MatMul "
               f"layers, W = {_mib(W)} of weights; batch {BATCH}")
 
-        ort = _Child(_ORT_CHILD, [onnx_path, xf, "0"], folder, {})
-        ort.result()
-        ort_mem = tree_memory(ort.proc.pid, None)
-        ort.finish()
-        print(f"onnxruntime in-process: {_mib(ort_mem['total'])} = "
-              f"{ort_mem['total'] / W:.2f} W")
-        table.add("memory: onnxruntime in-process", f"{ort_mem['total'] / W:.2f} W",
-                  _mib(ort_mem["total"]))
-
-        figures: dict[tuple[str, int], float] = {}
-        timing: dict[str, dict[str, float]] = {}
-        for mode, env in (("default", {}), ("prepacking off", {"IPU_EMULATOR_PREPACK": "0"})):
-            for r in counts:
-                timed = args.timed if r == 1 else 0
-                child = _Child(_RUNNER_CHILD, [popef_path, str(r), xf, yf, str(timed),
-                                               onnx_path], folder, env)
-                res = child.result()
-                mem = tree_memory(child.proc.pid, child.tag)
-                if timed:
-                    child.go()
-                    timing[mode] = child.result()
-                left = child.finish()
-                figures[(mode, r)] = mem["total"]
-                others = " + ".join(_mib(v) for v in mem["others"]) or "none"
-                print(f"{mode:15s} {r} replica(s): {_mib(mem['total']):>10s} = "
-                      f"{mem['total'] / W:4.2f} W  (host {_mib(mem['host'])}; processes "
-                      f"{others}; /dev/shm {_mib(mem['shm'])} in {mem['objects']} objects); "
-                      f"max |diff| vs onnxruntime {res['diff']:.3g}; /dev/shm objects left "
-                      f"after close: {left}")
-                if left:
-                    print(f"  LEAK: {left} shared-memory objects left by tag {child.tag}")
-                table.add(f"memory: {r} replica(s), {mode}", f"{mem['total'] / W:.2f} W",
-                          _mib(mem["total"]), None,
-                          {1: "<= 2.0 W", 2: "<= 3.5 W"}.get(r, "") if mode == "default"
-                          else "")
-            for r in counts:
-                if r - 1 in counts:
-                    step = (figures[(mode, r)] - figures[(mode, r - 1)]) / W
-                    target = "<= 1.2 W" if mode == "default" else "<= 0.2 W"
-                    print(f"{mode:15s} replica {r} adds {step:.2f} W (target {target})")
-                    table.add(f"memory: replica {r} adds ({mode})", f"{step:.2f} W", "", None,
-                              target)
-        if args.tensor_data and W < _BIG:
-            _tensor_data_lines(folder, onnx_path, xf, yf, [r for r in counts if r <= 2], W,
-                               table)
-        for mode, t in timing.items():
-            print(f"execute, 1 replica, {mode}: {t['latency'] * 1e3:.1f} ms vs onnxruntime "
-                  f"in-process {t['ort'] * 1e3:.1f} ms, interleaved: {t['ratio']:.2f}x")
-            table.add(f"execute [{BATCH},{WIDTH}] 1 replica ({mode})",
-                      f"{t['latency'] * 1e3:.1f} ms", f"{t['ort'] * 1e3:.1f} ms", t["ratio"])
+        if not args.first_only:
+            _memory_and_execute(args, table, counts, folder, popef_path, onnx_path, xf, yf, W)
 
         def first_answers(env: dict[str, str]) -> tuple[float, float, float]:
             firsts, ort_firsts, ratios = [], [], []
@@ -440,6 +394,62 @@ def main(argv: list[str] | None = None) -> int:
                       f"{theirs:.2f} s", ratio)
     table.emit()
     return 0
+
+
+def _memory_and_execute(args: argparse.Namespace, table: MarkdownTable, counts: list[int],
+                        folder: str, popef_path: str, onnx_path: str, xf: str, yf: str,
+                        W: float) -> None:
+    """The memory figures per replica count and the execute latencies."""
+    ort = _Child(_ORT_CHILD, [onnx_path, xf, "0"], folder, {})
+    ort.result()
+    ort_mem = tree_memory(ort.proc.pid, None)
+    ort.finish()
+    print(f"onnxruntime in-process: {_mib(ort_mem['total'])} = "
+          f"{ort_mem['total'] / W:.2f} W")
+    table.add("memory: onnxruntime in-process", f"{ort_mem['total'] / W:.2f} W",
+              _mib(ort_mem["total"]))
+
+    figures: dict[tuple[str, int], float] = {}
+    timing: dict[str, dict[str, float]] = {}
+    for mode, env in (("default", {}), ("prepacking off", {"IPU_EMULATOR_PREPACK": "0"})):
+        for r in counts:
+            timed = args.timed if r == 1 else 0
+            child = _Child(_RUNNER_CHILD, [popef_path, str(r), xf, yf, str(timed),
+                                           onnx_path], folder, env)
+            res = child.result()
+            mem = tree_memory(child.proc.pid, child.tag)
+            if timed:
+                child.go()
+                timing[mode] = child.result()
+            left = child.finish()
+            figures[(mode, r)] = mem["total"]
+            others = " + ".join(_mib(v) for v in mem["others"]) or "none"
+            print(f"{mode:15s} {r} replica(s): {_mib(mem['total']):>10s} = "
+                  f"{mem['total'] / W:4.2f} W  (host {_mib(mem['host'])}; processes "
+                  f"{others}; /dev/shm {_mib(mem['shm'])} in {mem['objects']} objects); "
+                  f"max |diff| vs onnxruntime {res['diff']:.3g}; /dev/shm objects left "
+                  f"after close: {left}")
+            if left:
+                print(f"  LEAK: {left} shared-memory objects left by tag {child.tag}")
+            table.add(f"memory: {r} replica(s), {mode}", f"{mem['total'] / W:.2f} W",
+                      _mib(mem["total"]), None,
+                      {1: "<= 2.0 W", 2: "<= 3.5 W"}.get(r, "") if mode == "default"
+                      else "")
+        for r in counts:
+            if r - 1 in counts:
+                step = (figures[(mode, r)] - figures[(mode, r - 1)]) / W
+                target = "<= 1.2 W" if mode == "default" else "<= 0.2 W"
+                print(f"{mode:15s} replica {r} adds {step:.2f} W (target {target})")
+                table.add(f"memory: replica {r} adds ({mode})", f"{step:.2f} W", "", None,
+                          target)
+    if args.tensor_data and W < _BIG:
+        _tensor_data_lines(folder, onnx_path, xf, yf, [r for r in counts if r <= 2], W,
+                           table)
+    for mode, t in timing.items():
+        print(f"execute, 1 replica, {mode}: {t['latency'] * 1e3:.1f} ms vs onnxruntime "
+              f"in-process {t['ort'] * 1e3:.1f} ms, interleaved: {t['ratio']:.2f}x")
+        table.add(f"execute [{BATCH},{WIDTH}] 1 replica ({mode})",
+                  f"{t['latency'] * 1e3:.1f} ms", f"{t['ort'] * 1e3:.1f} ms", t["ratio"])
 
 
 if __name__ == "__main__":
