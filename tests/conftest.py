@@ -108,12 +108,51 @@ _LONG_FIRST = ("tests/integration/test_path_matrix.py", "tests/unit/test_typing.
                "tests/integration/test_metrics_stress.py", "tests/integration/test_os_limits.py",
                "tests/integration/test_lifetimes.py", "tests/faults/test_daemon_faults.py")
 """The longest modules (each test several seconds: fresh interpreters, daemons, loads):
-handed out first, so that no worker is left with one of them while the others idle."""
+started first on every worker, so that no worker is left with one of them while the
+others idle."""
+
+
+_ONE_WORKER = ("tests/faults/test_daemon_faults.py",)
+"""Long modules whose tests share a daemon started for the module: kept on one worker."""
+
+
+def _long_first(items: list, workers: int) -> list:
+    """``items`` with the tests of _LONG_FIRST at the head of each worker's share.
+
+    xdist's worksteal scheduler hands each of the ``workers`` a contiguous chunk of the
+    list at the start (``len // workers`` each, in order) and later lets idle workers take
+    the tail of another's queue: the long tests are dealt round-robin to the heads of
+    those chunks (a plain sort would give them all to the first worker)."""
+    rank = {path: i for i, path in enumerate(_LONG_FIRST)}
+    long = sorted((item for item in items if item.nodeid.split("::")[0] in rank),
+                  key=lambda item: rank[item.nodeid.split("::")[0]])
+    short = [item for item in items if item.nodeid.split("::")[0] not in rank]
+    if workers <= 1:
+        return long + short
+    # dealt one test at a time, but a module with a daemon of its own (module scope) as one
+    units: list[list] = []
+    for item in long:
+        path = item.nodeid.split("::")[0]
+        if path in _ONE_WORKER and units and units[-1][0].nodeid.split("::")[0] == path:
+            units[-1].append(item)
+        else:
+            units.append([item])
+    chunks: list[list] = [[item for unit in units[w::workers] for item in unit]
+                          for w in range(workers)]
+    left = len(items)
+    for w, chunk in enumerate(chunks):
+        size = left // (workers - w)
+        left -= size
+        take = max(0, size - len(chunk))
+        chunk += short[:take]
+        del short[:take]
+    chunks[-1] += short
+    return [item for chunk in chunks for item in chunk]
 
 
 def pytest_collection_modifyitems(config, items):
-    rank = {path: i for i, path in enumerate(_LONG_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+    workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
+    items[:] = _long_first(items, workers)
     # The daemon leg of tests/integration/test_path_matrix.py runs the suite with
     # IPU_EMULATOR_DAEMON set: tests about the IPU processes a host starts itself
     # do not apply there.
