@@ -30,6 +30,31 @@ import pytest
 # must not be registered a second time. (This file imports it only in functions.)
 pytest_plugins = [] if "tools.pytest_plugin" in sys.modules else ["tools.pytest_plugin"]
 
+
+
+def _bytecode_to_a_private_prefix() -> None:
+    """With PYTHONDONTWRITEBYTECODE set (some images set it, CI's included), every xdist
+    worker, nested pytest and fresh interpreter of the suite compiles the project and
+    rewrites the asserts of every test module again: about a fifth of the suite's CPU.
+    Bytecode is written instead under a prefix of this user's own (PYTHONPYCACHEPREFIX),
+    so nothing lands next to the sources or in site-packages, as the variable intends."""
+    if not (sys.dont_write_bytecode or os.environ.get("PYTHONDONTWRITEBYTECODE")):
+        return
+    prefix = os.path.join(tempfile.gettempdir(), f"ipu-emulator-pycache-{os.getuid()}")
+    try:
+        os.makedirs(prefix, mode=0o700, exist_ok=True)
+        st = os.lstat(prefix)
+    except OSError:
+        return
+    if st.st_uid != os.getuid() or not os.path.isdir(prefix) or os.path.islink(prefix):
+        return   # not ours: keep the environment's choice
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    os.environ["PYTHONPYCACHEPREFIX"] = prefix
+    sys.pycache_prefix = prefix
+    sys.dont_write_bytecode = False
+
+
+_bytecode_to_a_private_prefix()
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "main")
 _TAG = "t" + secrets.token_hex(4)
 os.environ["IPU_EMULATOR_SHM_TAG"] = _TAG
