@@ -205,6 +205,15 @@ class ReplicaLife:
         return not (self.closed or self.error is not None or not self._pids_exact
                     or self._pids.dead_pid() is not None)
 
+    def well_but_unpolled(self) -> bool:
+        """``looks_well`` without the poll of the IPU processes (the fused path polls them
+        while the device computes: ``gone``)."""
+        return not (self.closed or self.error is not None or not self._pids_exact)
+
+    def gone(self) -> bool:
+        """True if an IPU process of the device has exited (one poll, never blocks)."""
+        return self._pids.dead_pid() is not None
+
     def usable(self) -> bool:
         """Raise if the replica cannot take a request; False if it must be reset first
         (``auto_reset``), True if it is well."""

@@ -45,7 +45,7 @@ from host_runtime.runner._completion import Completion
 from host_runtime.runner._life import ReplicaLife
 from host_runtime.runner._replica_timers import ReplicaTimers
 from host_runtime.runner._requests import Request, Transfer, raisable
-from host_runtime.runner._transfer import TransferPath, consumed_from
+from host_runtime.runner._transfer import NotTaken, TransferPath, consumed_from
 from host_runtime.runner.monitoring import RequestMonitor
 
 __all__ = ["Submission"]
@@ -377,7 +377,7 @@ class Submission(_Submitter):
             completion = self._completion
             if (completion.inflight or completion.open is not None or completion.draining
                     or completion.stalled
-                    or self._writing is not None or not life.looks_well()
+                    or self._writing is not None or not life.well_but_unpolled()
                     or self._timers.has_phantoms):
                 return None        # busy, or something is off: submit sorts it out
             path = life.path       # (a reset by another submitter made new rings)
@@ -388,7 +388,9 @@ class Submission(_Submitter):
             t_lay = _clock() if recorder.ON else 0   # tracing (0: off)
             try:
                 results = path.run_fused(inputs, seq, self._acquire, life.slow_output,
-                                         life.wait_slice)
+                                         life.wait_slice, life.gone)
+            except NotTaken:   # the device exited before it took the request: submit resets
+                return None    # it first (auto_reset) or reports it, as if not yet sent
             except DeviceTimeoutError as exc:   # the device stalled: abandoned, as below
                 self._abandon_fused(path, inputs, seq, t_received, exc, finish=False)
                 self._completion.stall(exc)

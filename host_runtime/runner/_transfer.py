@@ -64,7 +64,7 @@ from host_runtime.settings import HostSettings
 from ipu_emulator.ipu_protocol import (SEQ_SHIFT, TAG_KIND_MASK, TAG_SHARED,
                                        host_memory_descriptor)
 
-__all__ = ["Lay", "Take", "lay_action", "take_action", "published_in", "consumed_from",
+__all__ = ["NotTaken", "Lay", "Take", "lay_action", "take_action", "published_in", "consumed_from",
            "TransferPath", "PathOptions", "Acquire", "READ_MAX", "RECHECK"]
 
 READ_MAX = 4096
@@ -114,6 +114,12 @@ def lay_action(spec: TensorSpec, src: np.ndarray | None, frozen: bool, whole: bo
 def take_action(spec: TensorSpec, small_io: bool) -> Take:
     """How output ``spec`` of a transfer is taken back."""
     return Take.READ if small_io and spec.nbytes <= READ_MAX else Take.SLOT
+
+
+class NotTaken(Exception):
+    """``run_fused``: the device was found gone right after the inputs were laid, and it
+    had taken none of them: the request never reached it (the caller treats it as one
+    not yet sent)."""
 
 
 def published_in(ring: Ring, seq: int) -> bool:
@@ -445,7 +451,8 @@ class TransferPath:
 
     # ------------------------------------------------------------------ fused
     def run_fused(self, inputs: dict[str, np.ndarray], seq: int, acquire: Acquire,
-                  slow: Callable[[float], None], slice_s: float) -> dict[str, np.ndarray]:
+                  slow: Callable[[float], None], slice_s: float,
+                  gone: Callable[[], bool]) -> dict[str, np.ndarray]:
         """``lay_whole`` + ``take`` of a plain one-transfer request, number ``seq``, on an
         idle replica (``fusable``; the caller holds the submit lock and checked it is
         idle): every input Lay.WRITE (or FROZEN), every output Take.READ into a new array.
@@ -453,7 +460,13 @@ class TransferPath:
         ``slow(since)`` is called each ``slice_s`` an output is long in coming (``since``:
         when the wait began, monotonic): it raises if the replica closed or the device
         made no progress for too long. How far it got is ``fused_taken``: -1 while laying, then the
-        outputs read (what an interrupted caller abandons)."""
+        outputs read (what an interrupted caller abandons).
+
+        ``gone()`` (the device's IPU processes polled) is asked once the inputs are laid,
+        while the device computes, not before: off the request's critical path. Gone
+        with none of the inputs taken: NotTaken (the caller resets and sends it again,
+        as a request sent after the exit); gone after taking one: the outputs' wait
+        fails as for any request in flight."""
         self.fused_taken = -1
         tag = seq << SEQ_SHIFT      # TAG_DATA, numbered
         for i in self.inputs:
@@ -469,6 +482,8 @@ class TransferPath:
             except RingTimeoutError:               # full: as lay_input does
                 self.lay_input(i, arr, Lay.COPY, 0, tag, [], acquire)
         self.t_laid = time.perf_counter_ns()
+        if gone() and all(i.ring.readable() for i in self.inputs if published_in(i.ring, seq)):
+            raise NotTaken
         return self.take_fused(seq, slow, slice_s)
 
     def take_fused(self, seq: int, slow: Callable[[float], None], slice_s: float
