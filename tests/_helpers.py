@@ -200,3 +200,27 @@ def running(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def tag_objects(kind: str | None = None) -> list[str]:
+    """This test process's /dev/shm objects (of ``kind``: the name's last part), sorted."""
+    prefix = f"ipuemu_{os.environ['IPU_EMULATOR_SHM_TAG']}_"
+    return sorted(n for n in os.listdir("/dev/shm") if (n.startswith(prefix) or n.startswith(
+        "sem." + prefix)) and (kind is None or n.endswith("_" + kind)))
+
+
+def shm_mapping(pid: int, name: str) -> dict[str, int | str]:
+    """The smaps entry of ``/dev/shm/<name>`` in ``pid``: perms and sizes in bytes."""
+    found: dict[str, int | str] = {}
+    inside = False
+    with open(f"/proc/{pid}/smaps", encoding="utf-8") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and ":" not in head[0]:
+                inside = line.rstrip().endswith("/dev/shm/" + name)
+                if inside:
+                    found["perms"] = head[1]
+            elif inside and len(head) >= 3 and head[2] == "kB":
+                key = head[0].rstrip(":")
+                found[key] = int(found.get(key, 0)) + int(head[1]) * 1024
+    return found

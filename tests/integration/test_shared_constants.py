@@ -25,7 +25,7 @@ import host_runtime as model_runtime
 from host_runtime import popef, settings
 from host_runtime.session import Session
 from ipu_emulator.executable import Copy
-from tests._helpers import kill_and_wait
+from tests._helpers import kill_and_wait, shm_mapping, tag_objects
 from tests.crafted import A, B, C, EXEC, craft, load_parts
 from tools.generate_simple_popef import write_simple_popef
 
@@ -59,29 +59,6 @@ def _weights(path: str) -> np.ndarray:
     return np.frombuffer(td.data, np.float32).reshape(SHAPE).copy()
 
 
-def _tag_objects(kind: str | None = None) -> list[str]:
-    prefix = f"ipuemu_{os.environ['IPU_EMULATOR_SHM_TAG']}_"
-    return sorted(n for n in os.listdir("/dev/shm") if (n.startswith(prefix) or n.startswith(
-        "sem." + prefix)) and (kind is None or n.endswith("_" + kind)))
-
-
-def _mapping(pid: int, name: str) -> dict[str, int | str]:
-    """The smaps entry of ``/dev/shm/<name>`` in ``pid``: perms and sizes in bytes."""
-    found: dict[str, int | str] = {}
-    inside = False
-    with open(f"/proc/{pid}/smaps", encoding="utf-8") as f:
-        for line in f:
-            head = line.split()
-            if head and "-" in head[0] and ":" not in head[0]:
-                inside = line.rstrip().endswith("/dev/shm/" + name)
-                if inside:
-                    found["perms"] = head[1]
-            elif inside and len(head) >= 3 and head[2] == "kB":
-                key = head[0].rstrip(":")
-                found[key] = int(found.get(key, 0)) + int(head[1]) * 1024
-    return found
-
-
 def _read(name: str, n: int = NBYTES) -> np.ndarray:
     with open("/dev/shm/" + name, "rb") as f:
         return np.frombuffer(f.read(n), np.float32).reshape(SHAPE)
@@ -100,7 +77,7 @@ def _ab(seed: int) -> dict[str, np.ndarray]:
 def _check_shared(r: model_runtime.ModelRunner, name: str) -> None:
     for rid in (0, 1):
         (pid,) = r.device_pids(rid)
-        m = _mapping(pid, name)
+        m = shm_mapping(pid, name)
         assert m["perms"] == "r--s", m    # read-only: a write faults, never lands
         # onnxruntime read these pages: resident here, shared, none private to this process
         assert int(m["Rss"]) >= NBYTES, m
@@ -118,16 +95,16 @@ def test_two_replicas_share_one_read_only_copy_of_the_popef_fed_weights(simple, 
             x = _ab(rid)
             np.testing.assert_allclose(r.execute(x, replica_id=rid)["tensor_C"],
                                        x["tensor_A"] * w + x["tensor_B"], rtol=1e-6)
-        (name,) = _tag_objects("cst")       # one region for both replicas
+        (name,) = tag_objects("cst")       # one region for both replicas
         np.testing.assert_array_equal(_read(name), w)
         _check_shared(r, name)
-        mems = _tag_objects("mem")
+        mems = tag_objects("mem")
         assert len(mems) == 2
         for mem in mems:   # the replicas' own device memory never held them
             with open("/dev/shm/" + mem, "rb") as f:
                 f.seek(at)
                 assert f.read(NBYTES) == bytes(NBYTES)
-    assert _tag_objects() == []
+    assert tag_objects() == []
 
 
 def test_a_frozen_input_of_the_load_program_is_shared_and_overrides_the_popef_data(simple):
@@ -141,10 +118,10 @@ def test_a_frozen_input_of_the_load_program_is_shared_and_overrides_the_popef_da
             x = _ab(10 + rid)
             np.testing.assert_allclose(r.execute(x, replica_id=rid)["tensor_C"],
                                        x["tensor_A"] * 3.0 + x["tensor_B"], rtol=1e-6)
-        (name,) = _tag_objects("cst")
+        (name,) = tag_objects("cst")
         np.testing.assert_array_equal(_read(name), frozen)
         _check_shared(r, name)
-    assert _tag_objects() == []
+    assert tag_objects() == []
 
 
 def test_runners_of_the_same_file_share_the_region(simple):
@@ -154,9 +131,9 @@ def test_runners_of_the_same_file_share_the_region(simple):
         for r in (r1, r2):
             np.testing.assert_allclose(r.execute(x)["tensor_C"],
                                        x["tensor_A"] * w + x["tensor_B"], rtol=1e-6)
-        (name,) = _tag_objects("cst")
-        assert all(_mapping(r.device_pids()[0], name)["perms"] == "r--s" for r in (r1, r2))
-    assert _tag_objects() == []
+        (name,) = tag_objects("cst")
+        assert all(shm_mapping(r.device_pids()[0], name)["perms"] == "r--s" for r in (r1, r2))
+    assert tag_objects() == []
 
 
 def test_different_frozen_values_get_regions_of_their_own(simple):
@@ -172,11 +149,11 @@ def test_different_frozen_values_get_regions_of_their_own(simple):
         for k, r in zip((1, 2), runners):
             np.testing.assert_allclose(r.execute(x)["tensor_C"],
                                        x["tensor_A"] * k + x["tensor_B"], rtol=1e-6)
-        assert sorted(float(_read(n)[0, 0]) for n in _tag_objects("cst")) == [1.0, 2.0]
+        assert sorted(float(_read(n)[0, 0]) for n in tag_objects("cst")) == [1.0, 2.0]
     finally:
         for r in runners:
             r.close()
-    assert _tag_objects() == []
+    assert tag_objects() == []
 
 
 def test_a_program_that_writes_the_weights_gets_its_own_copy_per_replica(simple, writing):
@@ -192,11 +169,11 @@ def test_a_program_that_writes_the_weights_gets_its_own_copy_per_replica(simple,
         np.testing.assert_allclose(second, a * first + b, rtol=1e-5)
         # replica 0's writes did not reach replica 1, nor the shared value
         np.testing.assert_allclose(r.execute(x, replica_id=1)["tensor_C"], first, rtol=1e-6)
-        (name,) = _tag_objects("cst")
+        (name,) = tag_objects("cst")
         np.testing.assert_array_equal(_read(name), w)
         # each replica computes with its own copy, in its own device memory
         held = []
-        for mem in _tag_objects("mem"):
+        for mem in tag_objects("mem"):
             with open("/dev/shm/" + mem, "rb") as f:
                 f.seek(at)
                 held.append(np.frombuffer(f.read(NBYTES), np.float32).reshape(SHAPE))
@@ -205,8 +182,8 @@ def test_a_program_that_writes_the_weights_gets_its_own_copy_per_replica(simple,
             [float(first[0, 0]), float(second[0, 0])])
         for rid in (0, 1):
             (pid,) = r.device_pids(rid)
-            assert _mapping(pid, name)["perms"] == "r--s"
-    assert _tag_objects() == []
+            assert shm_mapping(pid, name)["perms"] == "r--s"
+    assert tag_objects() == []
 
 
 def test_a_new_load_run_restores_a_written_copy_from_the_shared_value(simple, writing):
@@ -249,7 +226,7 @@ def test_a_new_load_run_restores_a_written_copy_from_the_shared_value(simple, wr
         s.runLoadPrograms()
         s.runMainPrograms()
         np.testing.assert_allclose(got[5], got[0], rtol=1e-6)
-    assert _tag_objects() == []
+    assert tag_objects() == []
 
 
 def test_a_callback_set_on_read_only_weights_takes_effect_at_the_next_load_run(simple):
@@ -267,18 +244,18 @@ def test_a_callback_set_on_read_only_weights_takes_effect_at_the_next_load_run(s
             np.frombuffer(v, np.float32).reshape(SHAPE).copy()))
         s.setCallbackForAnchor("weights_saved", lambda v: None)
         s.runMainPrograms()
-        (name,) = _tag_objects("cst")
+        (name,) = tag_objects("cst")
         s.setCallbackForAnchor("weights", lambda v: np.frombuffer(v, np.float32).__setitem__(
             slice(None), fives.ravel()))
         s.runMainPrograms()
         s.runLoadPrograms()
         s.runMainPrograms()
-        assert _tag_objects("cst") == []   # no session of this process uses it any more
+        assert tag_objects("cst") == []   # no session of this process uses it any more
         np.testing.assert_allclose(got[0], a * w + b, rtol=1e-6)
         np.testing.assert_allclose(got[1], a * w + b, rtol=1e-6)
         np.testing.assert_allclose(got[2], a * 5.0 + b, rtol=1e-6)
         assert name
-    assert _tag_objects() == []
+    assert tag_objects() == []
 
 
 def test_a_killed_ipu_process_and_a_reset_leave_the_shared_copy_intact(simple, writing):
@@ -289,7 +266,7 @@ def test_a_killed_ipu_process_and_a_reset_leave_the_shared_copy_intact(simple, w
         a, b = x["tensor_A"], x["tensor_B"]
         first = r.execute(x, replica_id=0)["tensor_C"]
         np.testing.assert_allclose(r.execute(x, replica_id=1)["tensor_C"], first, rtol=1e-6)
-        (name,) = _tag_objects("cst")
+        (name,) = tag_objects("cst")
         (old,) = r.device_pids(0)
         kill_and_wait(old)
         # replica 1 goes on with its own copy; replica 0 is reset and loads the weights
@@ -298,9 +275,9 @@ def test_a_killed_ipu_process_and_a_reset_leave_the_shared_copy_intact(simple, w
                                    rtol=1e-5)
         np.testing.assert_allclose(r.execute(x, replica_id=0)["tensor_C"], first, rtol=1e-6)
         assert r.device_pids(0) != [old]
-        assert _tag_objects("cst") == [name]
+        assert tag_objects("cst") == [name]
         np.testing.assert_array_equal(_read(name), w)
-    assert _tag_objects() == []
+    assert tag_objects() == []
 
 
 def test_a_dropped_runner_leaves_nothing_in_dev_shm(simple):
@@ -312,9 +289,9 @@ def test_a_dropped_runner_leaves_nothing_in_dev_shm(simple):
         x = _ab(50)
         np.testing.assert_allclose(r.execute(x, replica_id=1)["tensor_C"],
                                    x["tensor_A"] * w + x["tensor_B"], rtol=1e-6)
-        assert len(_tag_objects("cst")) == 1
+        assert len(tag_objects("cst")) == 1
         del r   # reference counting alone
-        assert _tag_objects() == []
+        assert tag_objects() == []
     finally:
         gc.enable()
 
@@ -350,21 +327,21 @@ def test_a_frozen_input_of_main_is_shared_not_sent_with_each_request(simple, bat
             np.testing.assert_allclose(
                 r.execute({"tensor_A": a[:rows]}, replica_id=rid)["tensor_C"],
                 (a * w + frozen)[:rows], rtol=1e-6)
-        (name,) = _tag_objects("cst")
+        (name,) = tag_objects("cst")
         values = _cst_values(name, {"tensor_B": NBYTES, "weights": NBYTES})
         np.testing.assert_array_equal(values["tensor_B"], frozen)
         np.testing.assert_array_equal(values["weights"], w)
         for rid in (0, 1):
             (pid,) = r.device_pids(rid)
-            m = _mapping(pid, name)
+            m = shm_mapping(pid, name)
             assert m["perms"] == "r--s", m
             assert int(m["Shared_Clean"]) + int(m["Shared_Dirty"]) >= 2 * NBYTES, m
             assert int(m["Private_Clean"]) + int(m["Private_Dirty"]) == 0, m
-        for mem in _tag_objects("mem"):
+        for mem in tag_objects("mem"):
             with open("/dev/shm/" + mem, "rb") as f:
                 f.seek(at)
                 assert f.read(NBYTES) == bytes(NBYTES)
-    assert _tag_objects() == []
+    assert tag_objects() == []
 
 
 def test_with_every_main_input_frozen_they_go_with_each_request(simple):
@@ -380,10 +357,10 @@ def test_with_every_main_input_frozen_they_go_with_each_request(simple):
     with model_runtime.ModelRunner(path, config=cfg) as r:
         for _ in range(2):
             np.testing.assert_allclose(r.execute({})["tensor_C"], a * w + b, rtol=1e-6)
-        (name,) = _tag_objects("cst")
+        (name,) = tag_objects("cst")
         np.testing.assert_array_equal(_read(name), w)
         assert os.stat("/dev/shm/" + name).st_size < 2 * NBYTES
-    assert _tag_objects() == []
+    assert tag_objects() == []
 
 
 def test_a_session_back_on_a_device_after_another_reads_its_inputs_as_they_are_now(simple):
@@ -425,7 +402,7 @@ def test_a_session_back_on_a_device_after_another_reads_its_inputs_as_they_are_n
     np.testing.assert_allclose(first[0], a * w + b, rtol=1e-6)
     np.testing.assert_allclose(other[0], a * w + b, rtol=1e-6)
     np.testing.assert_allclose(first[1], a * 5.0 + b, rtol=1e-6)
-    assert _tag_objects() == []
+    assert tag_objects() == []
 
 
 def test_an_injected_error_and_its_reset_bring_back_the_shared_values(simple, writing):
@@ -451,14 +428,14 @@ def test_an_injected_error_and_its_reset_bring_back_the_shared_values(simple, wr
         with pytest.raises(ApplicationRuntimeError):
             r.execute({"tensor_A": a})
         np.testing.assert_allclose(r.execute({"tensor_A": a})["tensor_C"], c1, rtol=1e-6)
-        (name,) = _tag_objects("cst")
+        (name,) = tag_objects("cst")
         values = _cst_values(name, {"tensor_B": NBYTES, "weights": NBYTES})
         np.testing.assert_array_equal(values["tensor_B"], frozen)
         np.testing.assert_array_equal(values["weights"], w)
     finally:
         r.close()
         plan.close()
-    assert _tag_objects() == []
+    assert tag_objects() == []
 
 
 # -- models over several IPUs: each IPU process of each replica maps the one region ------------
@@ -541,7 +518,7 @@ def _rows(seed: int) -> np.ndarray:
 def _mems_hold(values: list[bytes]) -> list[bool]:
     """For each device-memory region of this test: whether it holds any of ``values``."""
     out = []
-    for mem in _tag_objects("mem"):
+    for mem in tag_objects("mem"):
         with open("/dev/shm/" + mem, "rb") as f:
             data = f.read()
         out.append(any(v in data for v in values))
@@ -560,19 +537,19 @@ def test_each_ipu_of_each_replica_of_a_model_over_two_ipus_maps_the_one_copy(cha
             for x, f in zip(xs, futs):
                 np.testing.assert_allclose(f.result(timeout=60)["y"], _ort(model, x=x),
                                            rtol=1e-5, atol=1e-5)
-        (name,) = _tag_objects("cst")       # one region for both replicas' 4 IPU processes
+        (name,) = tag_objects("cst")       # one region for both replicas' 4 IPU processes
         values = _cst_values_raw(name, {h: len(v) for h, v in weights.items()})
         assert values == weights
         pids = [pid for rid in (0, 1) for pid in r.device_pids(rid)]
         assert len(set(pids)) == 4
         for pid in pids:   # each maps it read-only and its pages are shared, none its own
-            m = _mapping(pid, name)
+            m = shm_mapping(pid, name)
             assert m["perms"] == "r--s", m
             assert int(m["Shared_Clean"]) + int(m["Shared_Dirty"]) >= 2 * len(weights["w0"]), m
             assert int(m["Private_Clean"]) + int(m["Private_Dirty"]) == 0, m
         mems = _mems_hold(list(weights.values()))
         assert len(mems) >= 4 and not any(mems)   # no IPU's own memory holds a weight
-    assert _tag_objects() == []
+    assert tag_objects() == []
 
 
 def _cst_values_raw(name: str, handles: dict[str, int]) -> dict[str, bytes]:
@@ -609,15 +586,15 @@ def test_a_constant_input_of_main_on_one_ipu_of_two_is_shared(chains, kind, how)
         for x, f in zip(xs, futs):
             np.testing.assert_allclose(f.result(timeout=60)["y"], _ort(model, x=x, b=b),
                                        rtol=1e-5, atol=1e-5)
-        (name,) = _tag_objects("cst")
+        (name,) = tag_objects("cst")
         assert _cst_values_raw(name, {"b": b.nbytes}) == {"b": b.tobytes()}
         reader = 1 if kind.startswith("b-on-ipu1") else 0
         pids = r.device_pids(0)
-        assert _mapping(pids[reader], name)["perms"] == "r--s"
-        assert _mapping(pids[1 - reader], name) == {}   # the other IPU's part never reads it
+        assert shm_mapping(pids[reader], name)["perms"] == "r--s"
+        assert shm_mapping(pids[1 - reader], name) == {}   # the other IPU's part never reads it
         mems = _mems_hold([b.tobytes()])
         assert len(mems) >= 2 and not any(mems)
-    assert _tag_objects() == []
+    assert tag_objects() == []
 
 
 def test_a_frozen_input_on_an_ipu_that_would_not_wait_for_requests_goes_with_each_one(chains):
@@ -643,8 +620,8 @@ def test_a_frozen_input_on_an_ipu_that_would_not_wait_for_requests_goes_with_eac
                 b = _rows(20 + k)
                 np.testing.assert_allclose(r.execute({"b": b})["y"], _ort(model, x=x, b=b),
                                            rtol=1e-5, atol=1e-5)
-            assert _tag_objects("cst") == []
-        assert _tag_objects() == []
+            assert tag_objects("cst") == []
+        assert tag_objects() == []
 
 
 def test_a_killed_ipu_process_of_one_part_leaves_the_shared_copy_intact(chains):
@@ -659,7 +636,7 @@ def test_a_killed_ipu_process_of_one_part_leaves_the_shared_copy_intact(chains):
         for rid in (0, 1):
             np.testing.assert_allclose(r.execute({"x": x}, replica_id=rid)["y"], want,
                                        rtol=1e-5, atol=1e-5)
-        (name,) = _tag_objects("cst")
+        (name,) = tag_objects("cst")
         old = r.device_pids(0)
         kill_and_wait(old[1])    # the second IPU of replica 0
         np.testing.assert_allclose(r.execute({"x": x}, replica_id=1)["y"], want,
@@ -669,17 +646,17 @@ def test_a_killed_ipu_process_of_one_part_leaves_the_shared_copy_intact(chains):
                                    rtol=1e-5, atol=1e-5)
         new = r.device_pids(0)
         assert not set(new) & set(old)
-        assert _tag_objects("cst") == [name]
+        assert tag_objects("cst") == [name]
         assert _cst_values_raw(name, {h: len(v) for h, v in weights.items()}) == weights
         for pid in new:
-            assert _mapping(pid, name)["perms"] == "r--s"
+            assert shm_mapping(pid, name)["perms"] == "r--s"
     except BaseException:
         r.close()
         gc.enable()
         raise
     del r   # reference counting alone
     gc.enable()
-    assert _tag_objects() == []
+    assert tag_objects() == []
 
 
 def test_a_constant_inputs_ring_is_not_counted_in_dev_shm_until_it_carries_values(
@@ -718,7 +695,7 @@ def test_a_constant_inputs_ring_is_not_counted_in_dev_shm_until_it_carries_value
             "ring of anchor 'weights'"]
     np.testing.assert_allclose(got[0], x["tensor_A"] * w + x["tensor_B"], rtol=1e-6)
     np.testing.assert_allclose(got[1], x["tensor_A"] * 3.0 + x["tensor_B"], rtol=1e-6)
-    assert _tag_objects() == []
+    assert tag_objects() == []
 
 
 def test_popef_tensor_data_of_a_main_input_is_shared_not_sent_with_each_iteration(simple):
@@ -737,21 +714,21 @@ def test_popef_tensor_data_of_a_main_input_is_shared_not_sent_with_each_iteratio
                 a = _ab(96 + k)["tensor_A"]
                 np.testing.assert_allclose(r.execute({"tensor_A": a}, replica_id=rid)[
                     "tensor_C"], a * w + b, rtol=1e-6)
-        (name,) = _tag_objects("cst")
+        (name,) = tag_objects("cst")
         values = _cst_values(name, {"tensor_B": NBYTES, "weights": NBYTES})
         np.testing.assert_array_equal(values["tensor_B"], b)
         np.testing.assert_array_equal(values["weights"], w)
         for rid in (0, 1):
             (pid,) = r.device_pids(rid)
-            m = _mapping(pid, name)
+            m = shm_mapping(pid, name)
             assert m["perms"] == "r--s", m
             assert int(m["Shared_Clean"]) + int(m["Shared_Dirty"]) >= 2 * NBYTES, m
         # only tensor_A's rings carry values; tensor_B's are never written (no page of
         # their slots in /dev/shm)
-        full = [n for n in _tag_objects("in") if os.stat("/dev/shm/" + n).st_blocks * 512
+        full = [n for n in tag_objects("in") if os.stat("/dev/shm/" + n).st_blocks * 512
                 >= NBYTES]
         assert len(full) == 2, full
-    assert _tag_objects() == []
+    assert tag_objects() == []
 
 
 def test_popef_tensor_data_of_every_main_input_goes_through_the_rings(simple):
@@ -767,9 +744,9 @@ def test_popef_tensor_data_of_every_main_input_goes_through_the_rings(simple):
     with model_runtime.ModelRunner(model) as r:
         for _ in range(2):
             np.testing.assert_allclose(r.execute({})["tensor_C"], a * w + b, rtol=1e-6)
-        (name,) = _tag_objects("cst")
+        (name,) = tag_objects("cst")
         assert os.stat("/dev/shm/" + name).st_size < 2 * NBYTES   # the weights alone
-    assert _tag_objects() == []
+    assert tag_objects() == []
 
 
 def test_a_callback_set_on_main_tensor_data_takes_effect_at_the_next_run(simple):
@@ -787,7 +764,7 @@ def test_a_callback_set_on_main_tensor_data_takes_effect_at_the_next_run(simple)
             np.frombuffer(v, np.float32).reshape(SHAPE).copy()))
         s.setCallbackForAnchor("weights_saved", lambda v: None)
         s.runMainPrograms()
-        assert len(_tag_objects("cst")) == 1
+        assert len(tag_objects("cst")) == 1
         s.setCallbackForAnchor("tensor_B", lambda v: np.frombuffer(
             v, np.float32).__setitem__(slice(None), -2.0))
         s.runMainPrograms()
@@ -796,4 +773,4 @@ def test_a_callback_set_on_main_tensor_data_takes_effect_at_the_next_run(simple)
     np.testing.assert_allclose(got[0], a * w + b, rtol=1e-6)
     np.testing.assert_allclose(got[1], a * w - 2.0, rtol=1e-6)
     np.testing.assert_allclose(got[2], a * w + b, rtol=1e-6)
-    assert _tag_objects() == []
+    assert tag_objects() == []

@@ -21,7 +21,7 @@ import host_runtime as model_runtime
 from host_runtime import popef, settings
 from host_runtime.errors import SharedMemoryFullError
 from ipu_emulator.executable import Executable, weights_span
-from tests._helpers import kill_and_wait
+from tests._helpers import kill_and_wait, shm_mapping, tag_objects
 from tools._chain_model import chain_model, reference
 
 pytestmark = pytest.mark.usefixtures("private_machine")
@@ -37,29 +37,6 @@ def chain(tmp_path_factory: pytest.TempPathFactory) -> tuple[object, str]:
     model = chain_model(layers=LAYERS, width=WIDTH, batch=BATCH)
     out = poprt_compile(model, tmp_path_factory.mktemp("chain"), popef_name="chain.popef")
     return model, str(out.popef_path)
-
-
-def _tag_objects(kind: str | None = None) -> list[str]:
-    prefix = f"ipuemu_{os.environ['IPU_EMULATOR_SHM_TAG']}_"
-    return sorted(n for n in os.listdir("/dev/shm") if (n.startswith(prefix) or n.startswith(
-        "sem." + prefix)) and (kind is None or n.endswith("_" + kind)))
-
-
-def _mapping(pid: int, name: str) -> dict[str, int | str]:
-    """The smaps entry of ``/dev/shm/<name>`` in ``pid``: perms and sizes in bytes."""
-    found: dict[str, int | str] = {}
-    inside = False
-    with open(f"/proc/{pid}/smaps", encoding="utf-8") as f:
-        for line in f:
-            head = line.split()
-            if head and "-" in head[0] and ":" not in head[0]:
-                inside = line.rstrip().endswith("/dev/shm/" + name)
-                if inside:
-                    found["perms"] = head[1]
-            elif inside and len(head) >= 3 and head[2] == "kB":
-                key = head[0].rstrip(":")
-                found[key] = int(found.get(key, 0)) + int(head[1]) * 1024
-    return found
 
 
 def _expected_weights(path: str) -> bytes:
@@ -81,19 +58,19 @@ def test_two_replicas_share_one_read_only_copy_of_the_weights(chain):
             x = _x(rid)
             np.testing.assert_allclose(r.execute({"x": x}, replica_id=rid)["y"],
                                        reference(model, x), rtol=1e-4, atol=1e-5)
-        (name,) = _tag_objects("wts")      # one region for both replicas
+        (name,) = tag_objects("wts")      # one region for both replicas
         with open("/dev/shm/" + name, "rb") as f:
             assert f.read() == _expected_weights(path)
         for rid in (0, 1):
             (pid,) = r.device_pids(rid)
-            m = _mapping(pid, name)
+            m = shm_mapping(pid, name)
             assert m["perms"] == "r--s", m   # read-only: a write faults, never lands
             # onnxruntime computed with these pages: resident here, shared with the other
             # replica's process (and the host's), none of them private to this process
             assert int(m["Rss"]) >= WEIGHTS, m
             assert int(m["Shared_Clean"]) + int(m["Shared_Dirty"]) >= WEIGHTS, m
             assert int(m["Private_Clean"]) + int(m["Private_Dirty"]) == 0, m
-    assert _tag_objects() == []
+    assert tag_objects() == []
 
 
 def test_with_prepacking_each_ipu_has_its_copy_and_the_region_goes_after_loading(chain):
@@ -104,12 +81,12 @@ def test_with_prepacking_each_ipu_has_its_copy_and_the_region_goes_after_loading
             x = _x(10 + rid)
             np.testing.assert_allclose(r.execute({"x": x}, replica_id=rid)["y"],
                                        reference(model, x), rtol=1e-4, atol=1e-5)
-        assert _tag_objects("wts") == []
+        assert tag_objects("wts") == []
         for rid in (0, 1):
             (pid,) = r.device_pids(rid)
             with open(f"/proc/{pid}/maps", encoding="utf-8") as f:
                 assert "_wts" not in f.read()
-    assert _tag_objects() == []
+    assert tag_objects() == []
 
 
 def test_a_replica_s_tensors_do_not_reach_another_and_the_weights_do_not_change(chain):
@@ -123,7 +100,7 @@ def test_a_replica_s_tensors_do_not_reach_another_and_the_weights_do_not_change(
             f.wait()
             np.testing.assert_allclose(f["y"].numpy(), reference(model, x), rtol=1e-4,
                                        atol=1e-5)
-        (name,) = _tag_objects("wts")
+        (name,) = tag_objects("wts")
         with open("/dev/shm/" + name, "rb") as f:
             assert f.read() == _expected_weights(path)
 
@@ -137,7 +114,7 @@ def test_a_killed_ipu_process_and_a_reset_leave_the_shared_weights_intact(chain)
         for rid in (0, 1):
             np.testing.assert_allclose(r.execute({"x": x}, replica_id=rid)["y"], want,
                                        rtol=1e-4, atol=1e-5)
-        (name,) = _tag_objects("wts")
+        (name,) = tag_objects("wts")
         (old,) = r.device_pids(0)
         kill_and_wait(old)
         # the other replica computes on with the same pages, the killed one is reset
@@ -146,10 +123,10 @@ def test_a_killed_ipu_process_and_a_reset_leave_the_shared_weights_intact(chain)
         np.testing.assert_allclose(r.execute({"x": x}, replica_id=0)["y"], want, rtol=1e-4,
                                    atol=1e-5)
         assert r.device_pids(0) != [old]
-        assert _tag_objects("wts") == [name]   # reloaded from the same region
+        assert tag_objects("wts") == [name]   # reloaded from the same region
         with open("/dev/shm/" + name, "rb") as f:
             assert f.read() == _expected_weights(path)
-    assert _tag_objects() == []
+    assert tag_objects() == []
 
 
 def test_a_dropped_runner_leaves_nothing_in_dev_shm(chain):
@@ -162,9 +139,9 @@ def test_a_dropped_runner_leaves_nothing_in_dev_shm(chain):
         x = _x(40)
         np.testing.assert_allclose(r.execute({"x": x}, replica_id=1)["y"], reference(model, x),
                                    rtol=1e-4, atol=1e-5)
-        assert len(_tag_objects("wts")) == 1
+        assert len(tag_objects("wts")) == 1
         del r   # reference counting alone
-        assert _tag_objects() == []
+        assert tag_objects() == []
     finally:
         gc.enable()
 
@@ -185,7 +162,7 @@ def test_a_model_that_does_not_fit_is_refused_before_anything_starts(chain, monk
                              rf"once.*but /dev/shm has {free} bytes"):
         model_runtime.ModelRunner(path, config=cfg)
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
-    assert _tag_objects() == []
+    assert tag_objects() == []
 
 
 def test_weights_given_apart_are_checked_by_the_executable_checksum(chain):
@@ -257,8 +234,8 @@ def test_with_prepacking_a_replaced_popef_file_is_not_read_again(chain, tmp_path
         x = _x(60)
         np.testing.assert_allclose(r.execute({"x": x})["y"], reference(model, x), rtol=1e-4,
                                    atol=1e-5)
-        assert _tag_objects("wts") == []   # used for the load, then let go
-    assert _tag_objects() == []
+        assert tag_objects("wts") == []   # used for the load, then let go
+    assert tag_objects() == []
 
 
 def test_with_prepacking_weights_need_no_room_in_dev_shm(chain, monkeypatch):
@@ -302,7 +279,7 @@ def test_a_popef_file_changed_in_place_is_refused_by_its_checksum(chain, tmp_pat
     with settings.override(prepack=prepack), \
             pytest.raises(PopefError, match="body checksum mismatch"):
         model_runtime.ModelRunner(read)
-    assert _tag_objects() == []
+    assert tag_objects() == []
 
 
 def test_large_external_data_stays_in_its_file_while_compiling(tmp_path, monkeypatch):
@@ -398,7 +375,7 @@ def test_with_prepacking_unaligned_weights_are_copied_by_onnxruntime(chain, tmp_
                                    atol=1e-5)
         (pid,) = r.device_pids(0)
         assert _file_mapping(pid, str(odd)) is None
-    assert _tag_objects() == []
+    assert tag_objects() == []
 
 
 def test_a_damaged_popef_file_is_refused_by_its_checksum_while_the_runner_starts(chain,
@@ -427,4 +404,4 @@ def test_a_damaged_popef_file_is_refused_by_its_checksum_while_the_runner_starts
                 pytest.raises(PopefError, match=r"payload checksum mismatch: stored 0x[0-9a-f]{8}"
                                                 r", computed 0x[0-9a-f]{8}"):
             model_runtime.ModelRunner(str(bad))
-        assert _tag_objects() == []
+        assert tag_objects() == []
