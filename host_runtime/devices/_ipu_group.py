@@ -45,10 +45,10 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 from shm import Region, Ring
 
 from host_runtime.devices._link import ProcessLink, wait
+from host_runtime.devices._shm_space import load_spec_region
 from host_runtime.devices.link import DeviceLink, StreamServicer
 from host_runtime.errors import BadRequestError, DeviceLostError, InvalidStateError, PopefError
 from host_runtime.settings import HostSettings
-from ipu_emulator import ipu_protocol
 from ipu_emulator.ipu.launcher import IpuConnection, describe_returncode, kill_all
 from ipu_emulator.ipu_protocol import MODE_DIRECT, Op
 
@@ -452,28 +452,12 @@ class ShardedLoad:
             if mine:
                 assert constants is not None
                 spec["constants"] = {"region": constants["region"], "streams": mine}
-            data = self._part_bytes[k]
-            region = self.spec_regions[k] if k < len(self.spec_regions) else None
-            if region is not None:
-                spec["executable_offset"] = ipu_protocol.decode_load_spec(
-                    region.buf)["executable_offset"]
-                prefix = ipu_protocol.encode_load_spec(spec)
-                if len(prefix) <= spec["executable_offset"]:
-                    region.buf[:len(prefix)] = prefix
-                else:   # it grew (constants named now): a new region
-                    region.close()
-                    region.unlink()
-                    region = None
-            if region is None:
-                spec["executable_offset"] = ipu_protocol.spec_prefix_size(spec)
-                prefix = ipu_protocol.encode_load_spec(spec)
-                region = Region.create(len(prefix) + len(data), kind="exe")
-                region.buf[:len(prefix)] = prefix
-                region.buf[len(prefix):len(prefix) + len(data)] = data
-                if k < len(self.spec_regions):
-                    self.spec_regions[k] = region
-                else:
-                    self.spec_regions.append(region)
+            old = self.spec_regions[k] if k < len(self.spec_regions) else None
+            region = load_spec_region(old, spec, self._part_bytes[k])
+            if k < len(self.spec_regions):
+                self.spec_regions[k] = region
+            else:
+                self.spec_regions.append(region)
             names.append(region.name)
         link.reset_links = self.reset_links
         link.wake_links = self.wake_links

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
-from shm import FileSizeLimitError, OutOfFileDescriptorsError, ShmError, ShmFullError, limits
+from shm import FileSizeLimitError, OutOfFileDescriptorsError, Region, ShmError, ShmFullError, limits
 
 from host_runtime.errors import ResourceLimitError, SharedMemoryFullError
+from ipu_emulator import ipu_protocol
 
 __all__ = ["SHM_DIR", "ring_bytes", "check_room", "translated", "free_bytes"]
 
@@ -89,3 +90,30 @@ def translated(what: str, nbytes: int) -> Iterator[None]:
             raise SharedMemoryFullError(f"cannot create {what} of {nbytes} bytes in shared "
                                         f"memory: {exc.strerror or exc}; {_has()}") from exc
         raise
+
+
+def load_spec_region(region: Region | None, spec: dict[str, Any],
+                     executable: bytes | memoryview) -> Region:
+    """The region a LOAD names: ``spec`` encoded (``ipu_protocol.encode_load_spec``), then
+    ``executable``. ``region`` (the one an earlier LOAD named) is rewritten in place, the
+    executable left where it is; when the spec grew past the executable's offset, a new
+    region is made and then ``region`` closed and unlinked. Sets
+    ``spec["executable_offset"]``."""
+    if region is not None:
+        spec["executable_offset"] = ipu_protocol.decode_load_spec(region.buf)["executable_offset"]
+        prefix = ipu_protocol.encode_load_spec(spec)
+        if len(prefix) <= spec["executable_offset"]:
+            region.buf[:len(prefix)] = prefix
+            return region
+    spec["executable_offset"] = ipu_protocol.spec_prefix_size(spec)
+    prefix = ipu_protocol.encode_load_spec(spec)
+    size = len(prefix) + len(executable)
+    with translated("the executable region", size):
+        made = Region.create(size, kind="exe")
+    made.buf[:len(prefix)] = prefix
+    made.buf[len(prefix):size] = executable
+    if region is not None:   # it grew: the old one goes
+        region.close()
+        region.unlink()
+    return made
+

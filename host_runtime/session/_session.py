@@ -47,7 +47,7 @@ from host_runtime import popef
 from host_runtime._fork import check_owner, current_pid, foreign
 from host_runtime.devices import ShardedLoad
 from host_runtime.devices import wait
-from host_runtime.devices import translated
+from host_runtime.devices import load_spec_region, translated
 from host_runtime.popef import check_model
 from host_runtime.popef.reader import file_identity as popef_file_identity
 from host_runtime.popef.reader import file_span as popef_file_span
@@ -61,7 +61,6 @@ from host_runtime.errors import (BadRequestError, DeviceExecutionError, DeviceLo
                                  PopefError)
 from host_runtime.session.predicates import AnchorCallbackPredicate, PopefDataUsagePredicate
 from host_runtime.settings import HostSettings
-from ipu_emulator import ipu_protocol
 from ipu_emulator.executable import ExecutableError, read_header, weights_span
 from ipu_emulator.faults import table_for as fault_table_for
 from ipu_emulator.ipu_protocol import Op
@@ -699,26 +698,9 @@ class Session:
             spec["weights_region"] = self._weights.name
         if self._constants is not None:
             spec["constants"] = self._constants.spec()
-        if self._spec_region is not None:
-            # The executable stays where it is; only "fresh", modes and weights change.
-            spec["executable_offset"] = ipu_protocol.decode_load_spec(
-                self._spec_region.buf)["executable_offset"]
-            prefix = ipu_protocol.encode_load_spec(spec)
-            if len(prefix) <= spec["executable_offset"]:
-                self._spec_region.buf[:len(prefix)] = prefix
-            else:   # it grew (the weights come from elsewhere now): a new region
-                self._spec_region.close()
-                self._spec_region.unlink()
-                self._spec_region = None
-        if self._spec_region is None:
-            spec["executable_offset"] = ipu_protocol.spec_prefix_size(spec)
-            prefix = ipu_protocol.encode_load_spec(spec)
-            head = self._weights_at
-            with translated("the executable region", len(prefix) + head):
-                region = Region.create(len(prefix) + head, kind="exe")
-            region.buf[:len(prefix)] = prefix
-            region.buf[len(prefix):len(prefix) + head] = memoryview(self._exe)[:head]
-            self._spec_region = region
+        # the executable stays where it is; only "fresh", modes and weights change
+        self._spec_region = load_spec_region(self._spec_region, spec,
+                                             memoryview(self._exe)[:self._weights_at])
         load: dict[str, Any] = {"spec_region": self._spec_region.name}
         if self._fault_table is not None:
             load["faults"] = [self._fault_table.name]
