@@ -211,16 +211,29 @@ def tag_objects(kind: str | None = None) -> list[str]:
 
 def shm_mapping(pid: int, name: str) -> dict[str, int | str]:
     """The smaps entry of ``/dev/shm/<name>`` in ``pid``: perms and sizes in bytes."""
-    found: dict[str, int | str] = {}
+    return smaps_of(pid, "/dev/shm/" + name) or {}
+
+
+def file_mapping(pid: int, path: str) -> dict[str, int | str] | None:
+    """Sizes (bytes) and perms of ``pid``'s mappings of the file at ``path`` (None: not
+    mapped)."""
+    return smaps_of(pid, " " + os.path.realpath(path))
+
+
+def smaps_of(pid: int, suffix: str) -> dict[str, int | str] | None:
+    """``pid``'s smaps entries whose line ends with ``suffix``, sizes (bytes) summed and the
+    perms of the last; None if there is none."""
+    found: dict[str, int | str] | None = None
     inside = False
     with open(f"/proc/{pid}/smaps", encoding="utf-8") as f:
         for line in f:
             head = line.split()
             if head and "-" in head[0] and ":" not in head[0]:
-                inside = line.rstrip().endswith("/dev/shm/" + name)
+                inside = line.rstrip().endswith(suffix)
                 if inside:
+                    found = found if found is not None else {}
                     found["perms"] = head[1]
-            elif inside and len(head) >= 3 and head[2] == "kB":
+            elif inside and found is not None and len(head) >= 3 and head[2] == "kB":
                 key = head[0].rstrip(":")
                 found[key] = int(found.get(key, 0)) + int(head[1]) * 1024
     return found

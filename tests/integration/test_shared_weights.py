@@ -21,7 +21,7 @@ import host_runtime as model_runtime
 from host_runtime import popef, settings
 from host_runtime.errors import SharedMemoryFullError
 from ipu_emulator.executable import Executable, weights_span
-from tests._helpers import kill_and_wait, shm_mapping, tag_objects
+from tests._helpers import file_mapping, kill_and_wait, shm_mapping, tag_objects
 from tools._chain_model import chain_model, reference
 
 pytestmark = pytest.mark.usefixtures("private_machine")
@@ -314,24 +314,6 @@ def test_large_external_data_stays_in_its_file_while_compiling(tmp_path, monkeyp
     assert not _onnx._stashed()   # let go after each compilation
 
 
-def _file_mapping(pid: int, path: str) -> dict[str, int] | None:
-    """Sizes (bytes) of ``pid``'s mappings of the file at ``path`` (None: not mapped)."""
-    real = os.path.realpath(path)
-    found: dict[str, int] | None = None
-    inside = False
-    with open(f"/proc/{pid}/smaps", encoding="utf-8") as f:
-        for line in f:
-            head = line.split()
-            if head and "-" in head[0] and ":" not in head[0]:
-                inside = line.rstrip().endswith(" " + real)
-                if inside and found is None:
-                    found = {}
-            elif inside and found is not None and len(head) >= 3 and head[2] == "kB":
-                key = head[0].rstrip(":")
-                found[key] = found.get(key, 0) + int(head[1]) * 1024
-    return found
-
-
 def test_with_prepacking_aligned_weights_are_prepacked_from_the_file_where_they_lie(chain):
     """The compiler's PopEF file holds the weights 64-aligned; with prepacking on the IPU
     process hands them to onnxruntime where they lie in its mapping of the file (no copy
@@ -349,7 +331,7 @@ def test_with_prepacking_aligned_weights_are_prepacked_from_the_file_where_they_
         np.testing.assert_allclose(r.execute({"x": x})["y"], reference(model, x), rtol=1e-4,
                                    atol=1e-5)
         (pid,) = r.device_pids(0)
-        m = _file_mapping(pid, path)
+        m = file_mapping(pid, path)
         assert m is not None and m["Size"] >= WEIGHTS, m
         assert m["Rss"] < WEIGHTS // 4, m
 
@@ -374,7 +356,7 @@ def test_with_prepacking_unaligned_weights_are_copied_by_onnxruntime(chain, tmp_
         np.testing.assert_allclose(r.execute({"x": x})["y"], reference(model, x), rtol=1e-4,
                                    atol=1e-5)
         (pid,) = r.device_pids(0)
-        assert _file_mapping(pid, str(odd)) is None
+        assert file_mapping(pid, str(odd)) is None
     assert tag_objects() == []
 
 
