@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from shm import FileSizeLimitError, OutOfFileDescriptorsError, Region, ShmError, ShmFullError, limits
 
@@ -92,6 +92,22 @@ def translated(what: str, nbytes: int) -> Iterator[None]:
         raise
 
 
+def filled_region(what: str, kind: str, size: int, fill: Callable[[Region], None],
+                  prefault: bool = True) -> Region:
+    """A new region of ``size`` bytes (at least 1) filled by ``fill``: a failure to create
+    it is the host's named error (``translated``), a failure while filling it leaves
+    nothing behind."""
+    with translated(what, size):
+        region = Region.create(max(1, size), kind=kind, prefault=prefault)
+    try:
+        fill(region)
+    except BaseException:
+        region.close()
+        region.unlink()
+        raise
+    return region
+
+
 def load_spec_region(region: Region | None, spec: dict[str, Any],
                      executable: bytes | memoryview) -> Region:
     """The region a LOAD names: ``spec`` encoded (``ipu_protocol.encode_load_spec``), then
@@ -108,10 +124,11 @@ def load_spec_region(region: Region | None, spec: dict[str, Any],
     spec["executable_offset"] = ipu_protocol.spec_prefix_size(spec)
     prefix = ipu_protocol.encode_load_spec(spec)
     size = len(prefix) + len(executable)
-    with translated("the executable region", size):
-        made = Region.create(size, kind="exe")
-    made.buf[:len(prefix)] = prefix
-    made.buf[len(prefix):size] = executable
+
+    def fill(made: Region) -> None:
+        made.buf[:len(prefix)] = prefix
+        made.buf[len(prefix):size] = executable
+    made = filled_region("the executable region", "exe", size, fill)
     if region is not None:   # it grew: the old one goes
         region.close()
         region.unlink()

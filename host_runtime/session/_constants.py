@@ -36,7 +36,7 @@ import numpy as np
 
 from shm import Region
 
-from host_runtime.devices import translated
+from host_runtime.devices import filled_region
 from host_runtime.popef.reader import drop_pages
 
 __all__ = ["SharedConstants", "shared_constants", "constants_bytes"]
@@ -132,16 +132,11 @@ def shared_constants(values: Mapping[str, Any]) -> SharedConstants:
         if found is not None and found.matches(views):
             return found
     at, size = _layout(views)
-    with translated("the constants region", size):
-        region = Region.create(max(1, size), kind="cst", prefault=False)
-    try:
+    def fill(region: Region) -> None:
         for h, (off, n) in at.items():
             region.buf[off:off + n] = views[h]
             drop_pages(views[h])
-    except BaseException:
-        region.close()
-        region.unlink()
-        raise
+    region = filled_region("the constants region", "cst", size, fill, prefault=False)
     made = SharedConstants(region, key, at)
     with _lock:
         _live.setdefault(key, []).append(weakref.ref(made))

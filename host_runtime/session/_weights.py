@@ -35,7 +35,7 @@ import numpy as np
 
 from shm import Region, limits
 
-from host_runtime.devices import free_bytes, translated
+from host_runtime.devices import filled_region, free_bytes
 from host_runtime.errors import SharedMemoryFullError
 from host_runtime.popef.reader import drop_pages, file_span
 from host_runtime import popef
@@ -102,14 +102,8 @@ def shared_weights(exe: bytes | memoryview, start: int, length: int) -> SharedWe
         found = ref() if ref is not None else None
     if found is not None and found.matches(exe, weights):
         return found
-    with translated("the weights region", length):
-        region = Region.create(max(1, length), kind="wts", prefault=False)
-    try:
-        _fill(region, view, start, length)
-    except BaseException:
-        region.close()
-        region.unlink()
-        raise
+    region = filled_region("the weights region", "wts", length,
+                           lambda r: _fill(r, view, start, length), prefault=False)
     made = SharedWeights(region, key, exe)
     with _lock:
         if found is None:   # a checksum twin keeps its own region (and its registry place)
