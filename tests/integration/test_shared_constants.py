@@ -77,12 +77,20 @@ def _ab(seed: int) -> dict[str, np.ndarray]:
 def _check_shared(r: model_runtime.ModelRunner, name: str) -> None:
     for rid in (0, 1):
         (pid,) = r.device_pids(rid)
-        m = shm_mapping(pid, name)
-        assert m["perms"] == "r--s", m    # read-only: a write faults, never lands
         # onnxruntime read these pages: resident here, shared, none private to this process
-        assert int(m["Rss"]) >= NBYTES, m
-        assert int(m["Shared_Clean"]) + int(m["Shared_Dirty"]) >= NBYTES, m
+        assert int(_mapped_shared(pid, name, NBYTES)["Rss"]) >= NBYTES
+
+
+def _mapped_shared(pid: int, name: str, nbytes: int, private_too: bool = True
+                   ) -> dict[str, int | str]:
+    """``pid`` maps ``name`` read-only (a write faults, never lands), at least ``nbytes``
+    of it shared (with ``private_too``: none of it private); its smaps entry."""
+    m = shm_mapping(pid, name)
+    assert m["perms"] == "r--s", m
+    assert int(m["Shared_Clean"]) + int(m["Shared_Dirty"]) >= nbytes, m
+    if private_too:
         assert int(m["Private_Clean"]) + int(m["Private_Dirty"]) == 0, m
+    return m
 
 
 @pytest.mark.parametrize("prepack", [True, False])
@@ -333,10 +341,7 @@ def test_a_frozen_input_of_main_is_shared_not_sent_with_each_request(simple, bat
         np.testing.assert_array_equal(values["weights"], w)
         for rid in (0, 1):
             (pid,) = r.device_pids(rid)
-            m = shm_mapping(pid, name)
-            assert m["perms"] == "r--s", m
-            assert int(m["Shared_Clean"]) + int(m["Shared_Dirty"]) >= 2 * NBYTES, m
-            assert int(m["Private_Clean"]) + int(m["Private_Dirty"]) == 0, m
+            _mapped_shared(pid, name, 2 * NBYTES)
         for mem in tag_objects("mem"):
             with open("/dev/shm/" + mem, "rb") as f:
                 f.seek(at)
@@ -543,10 +548,7 @@ def test_each_ipu_of_each_replica_of_a_model_over_two_ipus_maps_the_one_copy(cha
         pids = [pid for rid in (0, 1) for pid in r.device_pids(rid)]
         assert len(set(pids)) == 4
         for pid in pids:   # each maps it read-only and its pages are shared, none its own
-            m = shm_mapping(pid, name)
-            assert m["perms"] == "r--s", m
-            assert int(m["Shared_Clean"]) + int(m["Shared_Dirty"]) >= 2 * len(weights["w0"]), m
-            assert int(m["Private_Clean"]) + int(m["Private_Dirty"]) == 0, m
+            _mapped_shared(pid, name, 2 * len(weights["w0"]))
         mems = _mems_hold(list(weights.values()))
         assert len(mems) >= 4 and not any(mems)   # no IPU's own memory holds a weight
     assert tag_objects() == []
@@ -720,9 +722,7 @@ def test_popef_tensor_data_of_a_main_input_is_shared_not_sent_with_each_iteratio
         np.testing.assert_array_equal(values["weights"], w)
         for rid in (0, 1):
             (pid,) = r.device_pids(rid)
-            m = shm_mapping(pid, name)
-            assert m["perms"] == "r--s", m
-            assert int(m["Shared_Clean"]) + int(m["Shared_Dirty"]) >= 2 * NBYTES, m
+            _mapped_shared(pid, name, 2 * NBYTES, private_too=False)
         # only tensor_A's rings carry values; tensor_B's are never written (no page of
         # their slots in /dev/shm)
         full = [n for n in tag_objects("in") if os.stat("/dev/shm/" + n).st_blocks * 512
