@@ -36,6 +36,7 @@ transfer is there); else the steps run one by one as above.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 from dataclasses import dataclass, field
@@ -44,12 +45,14 @@ from typing import Any, Callable, Mapping, Protocol
 import numpy as np
 
 from shm import buffer_address as _address
+from shm.copy import copy_bytes
 
 from ipu_emulator.errors import DeviceProgramError, ExecutableError
 from ipu_emulator.executable import (
     Copy, Execute, Executable, Graph, Instruction, Repeat, StreamIn, StreamOut, Switch,
     numpy_dtype)
 from ipu_emulator.ipu._constants import ConstantPlan, plan_constants
+from ipu_emulator.ipu._forwarding import forwarded_outputs
 from ipu_emulator.ipu._zerocopy import ZeroCopyPlan, plan_zero_copy
 from ipu_emulator.settings import IpuSettings
 from ipu_emulator.trace import recorder
@@ -259,6 +262,8 @@ class Interpreter:
         if not self.uses_weights:
             self._weights.clear()
             exe.weights = b""
+        # per graph: outputs that are an input forwarded unchanged (copied here, not by ort)
+        self._forwarded = [forwarded_outputs(g) for g in exe.graphs]
         self.zero_copy: ZeroCopyPlan = plan_zero_copy(exe, frozenset(consts))
         self._zc_in = self.zero_copy.input_tensors     # tensor -> handle
         self._zc_out = self.zero_copy.output_tensors
@@ -520,35 +525,44 @@ class Interpreter:
         sess = self._sessions[i.graph]
         graph: Graph = self.executable.graphs[i.graph]
         binding = sess.io_binding()  # type: ignore[attr-defined]
-        input_names = {s.name for s in graph.inputs}
         for onnx_name, tname in i.inputs:
             arr = self.arrays[tname]
             binding.bind_input(onnx_name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
-        # onnxruntime does not write a graph input that is also a graph output into
-        # a bound buffer: copy those after the run instead of binding them.
-        passthrough: list[tuple[np.ndarray, np.ndarray]] = []
-        bound_inputs = dict(i.inputs)
+        # outputs that are an input (forwarded, or the same name: onnxruntime does not write
+        # those into a bound buffer) are copied after the run instead of bound
+        copies: list[tuple[np.ndarray, np.ndarray]] = []   # (destination, source) bytes
+        bound = 0
         for onnx_name, tname in i.outputs:
             arr = self.arrays[tname]
-            if onnx_name in input_names:
-                passthrough.append((self.arrays[bound_inputs[onnx_name]], arr))
+            src = self._source_of(i, onnx_name, graph)
+            if src is not None:
+                copies.append((_bytes_of(arr), _bytes_of(self.arrays[src])))
                 continue
             binding.bind_output(onnx_name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
+            bound += 1
         run, run_args = _runner(sess, binding)
         gid, exe_name = i.graph, self.executable.name
 
         def execute(io: StreamIO) -> None:
             t0 = time.monotonic_ns() if recorder.ON else 0
-            try:
-                run(*run_args)
-            except Exception as exc:
-                raise DeviceProgramError(
-                    f"executable {exe_name!r}: graph {gid} failed in onnxruntime: {exc}") from exc
+            if bound:
+                try:
+                    run(*run_args)
+                except Exception as exc:
+                    raise DeviceProgramError(f"executable {exe_name!r}: graph {gid} failed in "
+                                             f"onnxruntime: {exc}") from exc
+            for dst, src in copies:
+                copy_bytes(dst, src)
             if t0:
                 recorder.ipu(recorder.I_COMPUTE, t0, time.monotonic_ns() - t0, gid)
-            for src, dst in passthrough:
-                np.copyto(dst, src)
         return execute
+
+    def _source_of(self, i: Execute, output: str, graph: Graph) -> str | None:
+        """The device tensor bound to the input that ONNX output ``output`` of ``i``'s graph
+        is a copy of (the same name, or forwarded by an Identity), else None."""
+        name = output if any(s.name == output for s in graph.inputs) \
+            else self._forwarded[i.graph].get(output)
+        return None if name is None else dict(i.inputs).get(name)
 
     def _execute_zc(self, i: Execute) -> _Step:
         """An Execute whose zero-copy inputs/outputs are bound to the transfers' buffers.
@@ -559,38 +573,58 @@ class Interpreter:
         """
         sess = self._sessions[i.graph]
         graph: Graph = self.executable.graphs[i.graph]
-        input_names = {s.name for s in graph.inputs}
         fixed_in: list[tuple[str, np.ndarray]] = []
         zc_in: list[tuple[str, str, np.ndarray]] = []     # (onnx name, handle, device array)
+        zc_in_index: dict[str, int] = {}                  # device tensor -> index in zc_in
         for onnx_name, tname in i.inputs:
             arr = self.arrays[tname]
             h = self._zc_in.get(tname)
             if h is None:
                 fixed_in.append((onnx_name, arr))
             else:
+                zc_in_index[tname] = len(zc_in)
                 zc_in.append((onnx_name, h, arr))
-        passthrough: list[tuple[np.ndarray, np.ndarray]] = []
-        bound_inputs = dict(i.inputs)
         fixed_out: list[tuple[str, np.ndarray]] = []
         zc_out: list[tuple[str, str, np.ndarray]] = []
+        # outputs that are a copy of an input (see _execute): (output's place, input's
+        # place), each a zero-copy transfer's index in the key or, if negative, a device
+        # tensor (~index into ``fixed``)
+        copies: list[tuple[int, int, int]] = []
+        fixed: list[np.ndarray] = []
         for onnx_name, tname in i.outputs:
             arr = self.arrays[tname]
-            if onnx_name in input_names:
-                passthrough.append((self.arrays[bound_inputs[onnx_name]], arr))
+            src = self._source_of(i, onnx_name, graph)
+            if src is not None:
+                if src in zc_in_index:
+                    from_ = zc_in_index[src]
+                else:
+                    from_ = ~len(fixed)
+                    fixed.append(_bytes_of(self.arrays[src]))
+                if tname in self._zc_out:
+                    to = len(zc_in) + len(zc_out)
+                    zc_out.append((onnx_name, self._zc_out[tname], arr))
+                else:
+                    to = ~len(fixed)
+                    fixed.append(_bytes_of(arr))
+                copies.append((to, from_, arr.nbytes))
                 continue
             h = self._zc_out.get(tname)
             if h is None:
                 fixed_out.append((onnx_name, arr))
             else:
                 zc_out.append((onnx_name, h, arr))
+        copied = {to for to, _, _ in copies}
+        computed = bool(fixed_out) or any(len(zc_in) + k not in copied for k in range(len(zc_out)))
         in_handles = [h for _, h, _ in zc_in]
         out_specs = [(h, arr.nbytes) for _, h, arr in zc_out]
         group = ZeroCopyGroup(tuple(in_handles), tuple(arr.nbytes for _, _, arr in zc_in),
                               tuple(h for h, _ in out_specs), tuple(n for _, n in out_specs))
         cache = group.calls
-        if not passthrough:   # a run that copies after the Execute is never one step
-            self._groups[id(i)] = group
+        self._groups[id(i)] = group
         gid, exe_name = i.graph, self.executable.name
+
+        def place(key: tuple[int, ...], where: int, nbytes: int) -> np.ndarray:
+            return fixed[~where] if where < 0 else _bytes_at(key[where], nbytes)
 
         def bind(key: tuple[int, ...]) -> tuple[Any, Callable[..., Any], tuple[Any, ...]]:
             if len(cache) >= _BINDING_CACHE:
@@ -602,9 +636,15 @@ class Interpreter:
                 b.bind_input(name, "cpu", 0, arr.dtype, list(arr.shape), ptr)
             for name, arr in fixed_out:
                 b.bind_output(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
-            for (name, _, arr), ptr in zip(zc_out, key[len(zc_in):]):
-                b.bind_output(name, "cpu", 0, arr.dtype, list(arr.shape), ptr)
-            entry = (b, *_runner(sess, b))
+            for k, ((name, _, arr), ptr) in enumerate(zip(zc_out, key[len(zc_in):])):
+                if len(zc_in) + k not in copied:
+                    b.bind_output(name, "cpu", 0, arr.dtype, list(arr.shape), ptr)
+            run, args = _runner(sess, b)
+            if copies:   # copied here, after onnxruntime computes the other outputs (if any)
+                pairs = [(place(key, to, n), place(key, from_, n)) for to, from_, n in copies]
+                entry = (b, _run_and_copy, (run if computed else None, args, pairs))
+            else:
+                entry = (b, run, args)
             cache[key] = entry
             return entry
 
@@ -642,8 +682,6 @@ class Interpreter:
                     for h in in_handles:
                         if views.pop(h, None) is not None:
                             io.release_input(h)
-            for src, dst in passthrough:
-                np.copyto(dst, src)
         return execute_zc
 
 
@@ -704,6 +742,27 @@ def _runner(sess: Any, binding: Any) -> tuple[Callable[..., Any], tuple[Any, ...
     if run is not None and raw_binding is not None:
         return run, (raw_binding, None)
     return sess.run_with_iobinding, (binding,)
+
+
+def _run_and_copy(run: Callable[..., Any] | None, args: tuple[Any, ...],
+                  pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    """An Execute with outputs copied from inputs: onnxruntime computes the others
+    (``run`` is None when there are none), then each ``(destination, source)`` copy."""
+    if run is not None:
+        run(*args)
+    for dst, src in pairs:
+        copy_bytes(dst, src)
+
+
+def _bytes_of(arr: np.ndarray) -> np.ndarray:
+    """The bytes of a C-contiguous device tensor, flat."""
+    return arr.reshape(-1).view(np.uint8)
+
+
+def _bytes_at(address: int, nbytes: int) -> np.ndarray:
+    """``nbytes`` bytes of a transfer buffer at ``address`` (valid as long as its slot is
+    mapped: the same lifetime as onnxruntime's binding to it)."""
+    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address))
 
 
 def _checked(view: memoryview, nbytes: int, handle: str) -> memoryview:

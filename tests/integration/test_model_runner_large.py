@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import host_runtime as model_runtime
-from host_runtime.memory._copy import PARALLEL_MIN_BYTES
+from shm.copy import PARALLEL_MIN_BYTES
 from tools.bench.runner import _identity_popef
 
 pytestmark = pytest.mark.usefixtures("private_machine")

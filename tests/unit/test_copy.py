@@ -1,11 +1,11 @@
-"""Large transfer copies shared with a helper thread (host_runtime.memory._copy)."""
+"""Large transfer copies shared with a helper thread (shm.copy)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from host_runtime.memory._copy import PARALLEL_MIN_BYTES, copy_bytes
+from shm.copy import PARALLEL_MIN_BYTES, copy_bytes
 from tests._helpers import finish
 
 
@@ -44,7 +44,7 @@ def test_the_caller_does_not_wait_for_a_helper_that_is_not_running():
     takes every chunk itself and returns, without waiting for the helper to start."""
     import threading
 
-    from host_runtime.memory import _copy
+    from shm import copy as _copy
 
     jobs = _copy._helper()
     n = 2 * PARALLEL_MIN_BYTES + 5

@@ -1,8 +1,10 @@
 """Copies of large transfers, shared with a helper thread.
 
-While the host copies a large input into its ring slot (or an output out of
-one) the IPU process waits for it, so its core is often idle: a helper thread
+While one side of the wire copies a large transfer (the host an input into its
+ring slot or an output out of one, an IPU process an input it forwards to an
+output) the other side waits for it, so a core is often idle: a helper thread
 copies part of the bytes meanwhile (numpy releases the GIL while it copies).
+Each process makes its own helper at its first large copy (a forked child too).
 
 The bytes are cut into chunks of ``CHUNK_BYTES`` that both threads take in turn
 from one counter, so neither waits for the other's share: when the machine is
