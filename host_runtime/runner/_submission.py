@@ -388,7 +388,7 @@ class Submission(_Submitter):
             t_lay = _clock() if recorder.ON else 0   # tracing (0: off)
             try:
                 results = path.run_fused(inputs, seq, self._acquire, life.slow_output,
-                                         life.wait_slice, life.gone)
+                                         life.wait_slice, life.gone, self._monitor.settle)
             except NotTaken:   # the device exited before it took the request: submit resets
                 return None    # it first (auto_reset) or reports it, as if not yet sent
             except DeviceTimeoutError as exc:   # the device stalled: abandoned, as below
@@ -417,8 +417,10 @@ class Submission(_Submitter):
         finally:
             lock.release()
         now = _clock()
-        started = self._monitor.record(t_received, t_prepared, now, path.t_laid)
-        if t_lay:
+        if not t_lay:   # recorded while the device computes the next request, or when read
+            self._monitor.defer(t_received, t_prepared, now, path.t_laid)
+        else:
+            started = self._monitor.record(t_received, t_prepared, now, path.t_laid)
             _tracing.fused(self._life, self._life.rid, path.batch, seq,
                            (t_received, t_prepared, t_lay or path.t_laid, path.t_laid, started,
                             path.t_first, now, now))

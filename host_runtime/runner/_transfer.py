@@ -208,10 +208,9 @@ class TransferPath:
         self.fused_taken = 0             # outputs run_fused has read (-1: still writing)
         self.t_laid = 0                  # when run_fused had written its inputs (perf_counter ns)
         self.t_first = 0                 # tracing: when run_fused read its first output
-        # when to poll an output ring before blocking (see await_output). On one CPU a
-        # poll that finds the CPU shared blocks instead; on several the IPU process moves
-        # off the host's CPU, and blocking would only let the wake-up put the host back
-        # beside it
+        # when to poll an output ring before blocking (see await_output). On one CPU a poll
+        # that finds the CPU shared blocks instead; on several the IPU process moves off the
+        # host's CPU, and blocking would only let the wake-up put the host back beside it
         self._est = PollEstimate(us_to_ns(options.spin_us),
                                  us_to_ns(options.yielded_us, NEVER) if _ONE_CPU else NEVER)
 
@@ -459,22 +458,22 @@ class TransferPath:
 
     # ------------------------------------------------------------------ fused
     def run_fused(self, inputs: dict[str, np.ndarray], seq: int, acquire: Acquire,
-                  slow: Callable[[float], None], slice_s: float,
-                  gone: Callable[[], bool]) -> dict[str, np.ndarray]:
+                  slow: Callable[[float], None], slice_s: float, gone: Callable[[], bool],
+                  meanwhile: Callable[[], None]) -> dict[str, np.ndarray]:
         """``lay_whole`` + ``take`` of a plain one-transfer request, number ``seq``, on an
         idle replica (``fusable``; the caller holds the submit lock and checked it is
         idle): every input Lay.WRITE (or FROZEN), every output Take.READ into a new array.
 
-        ``slow(since)`` is called each ``slice_s`` an output is long in coming (``since``:
-        when the wait began, monotonic): it raises if the replica closed or the device
-        made no progress for too long. How far it got is ``fused_taken``: -1 while laying, then the
-        outputs read (what an interrupted caller abandons).
+        ``slow(since)`` runs each ``slice_s`` an output is late (``since``: when the wait
+        began, monotonic): it raises if the replica closed or the device made no progress
+        for too long. ``fused_taken``: -1 while laying, then the outputs read (how far it
+        got: what an interrupted caller abandons).
 
-        ``gone()`` (the device's IPU processes polled) is asked once the inputs are laid,
-        while the device computes, not before: off the request's critical path. Gone
-        with none of the inputs taken: NotTaken (the caller resets and sends it again,
-        as a request sent after the exit); gone after taking one: the outputs' wait
-        fails as for any request in flight."""
+        ``gone()`` (the device's IPU processes polled) and ``meanwhile()`` (the monitor
+        records the request before) run once the inputs are laid, while the device
+        computes: off the request's path. Gone with none of the inputs taken: NotTaken
+        (the caller resets and sends it again, as a request sent after the exit); after
+        taking one, the outputs' wait fails as for any request in flight."""
         self.fused_taken = -1
         tag = seq << SEQ_SHIFT      # TAG_DATA, numbered
         for i in self.inputs:
@@ -492,6 +491,7 @@ class TransferPath:
         self.t_laid = time.perf_counter_ns()
         if gone() and all(i.ring.readable() for i in self.inputs if published_in(i.ring, seq)):
             raise NotTaken
+        meanwhile()
         return self.take_fused(seq, slow, slice_s)
 
     def take_fused(self, seq: int, slow: Callable[[float], None], slice_s: float

@@ -64,31 +64,62 @@ class RequestMonitor:
         self._resets: dict[str, int] = {}   # auto_resets by the class of the error before
         self._last_completed = 0
         self._lock = threading.Lock()
+        # (received, prepared, completed, laid) of requests recorded with defer(), in order
+        self._deferred: deque[tuple[int, int, int, int]] = deque()
 
     def record(self, received_ns: int, prepared_ns: int, completed_ns: int,
                laid_ns: int = 0) -> int:
         """Record one finished request; its start is inferred (see module docstring) and
         returned. ``laid_ns``: when its inputs were in the rings (0: ``prepared_ns``).
 
-        On every request's path (~0.5 us): the instants are stored as they are and the
-        phases worked out when read."""
+        ~0.5 us (a lock, four sums): the instants are stored as they are and the phases
+        worked out when read. Requests deferred before it are recorded first."""
+        with self._lock:
+            if self._deferred:
+                self._settle_locked()
+            return self._add(received_ns, prepared_ns, completed_ns, laid_ns)
+
+    def defer(self, received_ns: int, prepared_ns: int, completed_ns: int,
+              laid_ns: int = 0) -> None:
+        """``record``, done later: by the next :meth:`settle` (``execute``'s fused path
+        calls it while the device computes its next request, off that request's path),
+        the next ``record`` or any read. ~0.1 us; the order of requests is kept."""
+        self._deferred.append((received_ns, prepared_ns, completed_ns, laid_ns))
+
+    def settle(self) -> None:
+        """Record the deferred requests."""
+        if self._deferred:
+            with self._lock:
+                self._settle_locked()
+
+    def _settle_locked(self) -> None:
+        d = self._deferred
+        while d:
+            try:
+                received, prepared, completed, laid = d.popleft()
+            except IndexError:   # taken by another settle meanwhile
+                break
+            self._add(received, prepared, completed, laid)
+
+    def _add(self, received_ns: int, prepared_ns: int, completed_ns: int,
+             laid_ns: int) -> int:
+        """Store one request (the caller holds ``_lock``); returns its inferred start."""
         if not laid_ns:
             laid_ns = prepared_ns
-        with self._lock:
-            last = self._last_completed
-            # started = max(laid, min(last completion, completed))
-            if last <= laid_ns:
-                started = laid_ns
-            else:
-                started = last if last < completed_ns else completed_ns
-            if completed_ns > last:
-                self._last_completed = completed_ns
-            self._traces.append((received_ns, prepared_ns, started, completed_ns))
-            self._sum_received += received_ns
-            self._sum_prepared += prepared_ns
-            self._sum_started += started
-            self._sum_completed += completed_ns
-            self._count += 1
+        last = self._last_completed
+        # started = max(laid, min(last completion, completed))
+        if last <= laid_ns:
+            started = laid_ns
+        else:
+            started = last if last < completed_ns else completed_ns
+        if completed_ns > last:
+            self._last_completed = completed_ns
+        self._traces.append((received_ns, prepared_ns, started, completed_ns))
+        self._sum_received += received_ns
+        self._sum_prepared += prepared_ns
+        self._sum_started += started
+        self._sum_completed += completed_ns
+        self._count += 1
         return started
 
     @staticmethod
@@ -123,6 +154,7 @@ class RequestMonitor:
     def snapshot(self, quantiles: tuple[float, ...] = ()) -> "MonitorSnapshot":
         """Counts and sums over every request, errors by class, and the ``quantiles``
         of each phase over the buffered traces (all durations in microseconds)."""
+        self.settle()
         with self._lock:
             count, errors, resets = self._count, dict(self._errors), dict(self._resets)
             sums = self._phases((self._sum_received, self._sum_prepared, self._sum_started,
@@ -137,13 +169,16 @@ class RequestMonitor:
 
     @property
     def count(self) -> int:
+        self.settle()
         return self._count
 
     def __len__(self) -> int:
+        self.settle()
         return len(self._traces)
 
     def time_trace(self, info: dict, cur: int = -1) -> dict:  # type: ignore[type-arg]
         """Durations of one request: the last one by default (``cur`` indexes the buffer)."""
+        self.settle()
         with self._lock:
             if not self._traces:
                 trace: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)
@@ -159,6 +194,7 @@ class RequestMonitor:
         return info
 
     def _matrix(self) -> np.ndarray:
+        self.settle()
         with self._lock:
             if not self._traces:
                 return np.zeros((0, 4))
@@ -191,6 +227,7 @@ class RequestMonitor:
         return info
 
     def total_count(self, info: dict) -> dict:  # type: ignore[type-arg]
+        self.settle()
         for phase in PHASES:
             info[f"{phase}_monitoring_statistics_count"] = float(self._count)
         return info
@@ -198,4 +235,5 @@ class RequestMonitor:
     def reset_chain(self) -> None:
         """Forget the last completion instant (after the device was restarted)."""
         with self._lock:
+            self._settle_locked()
             self._last_completed = 0

@@ -72,3 +72,42 @@ def test_bad_arguments():
         m.time_trace({}, cur=5)
     with pytest.raises(BadRequestError, match=">= 0, got -1"):
         RequestMonitor(-1)
+
+
+@pytest.mark.parametrize("read", ["time_trace", "total_count", "mean", "percentile", "len",
+                                  "count", "snapshot", "record", "settle"])
+def test_deferred_requests_are_recorded_in_order_before_any_read(read):
+    """defer() (execute's fused path) records later; every read, and the next record, sees
+    the requests as if recorded at once, in the order they finished."""
+    eager, lazy = RequestMonitor(), RequestMonitor()
+    requests = [(0, 10 * US, 100 * US, 12 * US), (20 * US, 30 * US, 150 * US, 35 * US),
+                (160 * US, 165 * US, 200 * US, 0)]
+    for r in requests:
+        eager.record(*r)
+        lazy.defer(*r)
+    if read == "record":
+        eager.record(170 * US, 175 * US, 260 * US)
+        lazy.record(170 * US, 175 * US, 260 * US)
+    elif read == "settle":
+        lazy.settle()
+    else:
+        reader = {"len": len, "count": lambda m: m.count,
+                  "snapshot": lambda m: m.snapshot((0.5,))}.get(
+            read, lambda m: getattr(m, read)({}))
+        assert reader(lazy) == reader(eager)
+    for k in range(len(eager)):
+        assert lazy.time_trace({}, cur=k) == eager.time_trace({}, cur=k)
+    assert lazy.snapshot((0.1, 0.9)) == eager.snapshot((0.1, 0.9))
+    assert lazy.count == len(requests) + (read == "record")
+
+
+def test_reset_chain_records_deferred_requests_with_the_old_chain():
+    eager, lazy = RequestMonitor(), RequestMonitor()
+    eager.record(0, 10 * US, 100 * US)
+    lazy.defer(0, 10 * US, 100 * US)
+    eager.reset_chain()
+    lazy.reset_chain()
+    eager.record(20 * US, 30 * US, 150 * US)   # after a restart: not queued behind request 1
+    lazy.record(20 * US, 30 * US, 150 * US)
+    assert lazy.time_trace({}) == eager.time_trace({})
+    assert lazy.time_trace({})["read_queue_duration_us"] == 0.0
