@@ -104,6 +104,7 @@ class ReplicaLife:
         self._close_lock = threading.Lock()
         self._pids = ExitWatch()       # the device's IPU processes (pidfds)
         self._pids_exact = False       # ... every one of them watched by a pidfd
+        self._several = False          # ... more than one (see well_but_unpolled)
         self.sync_s = settings.host_sync_timeout   # the bound on a wait for a device's progress
         self._stop_s = settings.stop_timeout
         self.wait_slice = min(RECHECK, self.sync_s)   # an untimed wait looks around this often
@@ -130,6 +131,7 @@ class ReplicaLife:
         self._pids.close()
         self._pids = ExitWatch(dev.pids() if dev is not None else [])
         self._pids_exact = self._pids.exact and bool(self._pids.pids)
+        self._several = len(self._pids.pids) > 1
         # The device's service thread holds the loop future: refer back weakly, so that a
         # runner nobody references can be collected (and its __del__ release the IPUs).
         ref = weakref.ref(self)
@@ -206,8 +208,12 @@ class ReplicaLife:
                     or self._pids.dead_pid() is not None)
 
     def well_but_unpolled(self) -> bool:
-        """``looks_well`` without the poll of the IPU processes (the fused path polls them
-        while the device computes: ``gone``)."""
+        """``looks_well`` without the poll of a device of one IPU process (the fused path
+        polls it while the device computes: ``gone``). A device of several is polled
+        first: its live first IPU would take a request while a later one is already
+        gone, and that request must find the device to reset, not fail in flight."""
+        if self._several:
+            return self.looks_well()
         return not (self.closed or self.error is not None or not self._pids_exact)
 
     def gone(self) -> bool:
