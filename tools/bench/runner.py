@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", type=int, default=5, help="interleaved latency blocks")
     parser.add_argument("--seconds", type=float, default=1.0, help="per throughput sample")
     parser.add_argument("--thr-rounds", type=int, default=3, help="throughput rounds")
-    parser.add_argument("--bw-rounds", type=int, default=15, help="16 MiB round trips")
+    parser.add_argument("--bw-rounds", type=int, default=41, help="16 MiB round trips")
     parser.add_argument("--markdown", action="store_true",
                         help="print the figures as rows of docs/benchmarks.md (report to stderr)")
     args = parser.parse_args(argv)
