@@ -70,6 +70,9 @@
 #include <structmember.h>
 
 #include "_ringcore.h"
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 /* Copies at least this big run without the GIL. */
 #define NOGIL_COPY 65536
@@ -1163,9 +1166,74 @@ address(PyObject *module, PyObject *obj)
     return out;
 }
 
+/* stream_copy(dst, src, start, stop): dst[start:stop] = src[start:stop], two byte buffers
+ * of one length, written with non-temporal stores (past the caches: a large transfer is
+ * read next by another process, on another core, or later than the caches keep it; a
+ * store that misses the cache then costs no read of the line first). The GIL is released
+ * meanwhile (shm/copy.py's helper copies other chunks). Without SSE2: memcpy. */
+static PyObject *
+stream_copy(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_Format(PyExc_TypeError, "stream_copy(dst, src, start, stop): expected 4 "
+                     "arguments, got %zd", nargs);
+        return NULL;
+    }
+    Py_ssize_t start = PyLong_AsSsize_t(args[2]), stop = PyLong_AsSsize_t(args[3]);
+    if ((start == -1 || stop == -1) && PyErr_Occurred())
+        return NULL;
+    Py_buffer d, r;
+    if (PyObject_GetBuffer(args[0], &d, PyBUF_WRITABLE) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(args[1], &r, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&d);
+        return NULL;
+    }
+    if (d.len != r.len || start < 0 || stop < start || stop > d.len) {
+        PyErr_Format(PyExc_ValueError, "stream_copy: expected two buffers of one length and "
+                     "0 <= start <= stop <= length; got lengths %zd and %zd, [%zd, %zd)",
+                     d.len, r.len, start, stop);
+        PyBuffer_Release(&d);
+        PyBuffer_Release(&r);
+        return NULL;
+    }
+    char *dst = (char *)d.buf + start;
+    const char *src = (const char *)r.buf + start;
+    size_t n = (size_t)(stop - start);
+    Py_BEGIN_ALLOW_THREADS
+#if defined(__SSE2__)
+    size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
+    if (head > n)
+        head = n;
+    memcpy(dst, src, head);
+    size_t i = head;
+    for (; i + 64 <= n; i += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
+        __m128i e = _mm_loadu_si128((const __m128i *)(src + i + 48));
+        _mm_stream_si128((__m128i *)(dst + i), a);
+        _mm_stream_si128((__m128i *)(dst + i + 16), b);
+        _mm_stream_si128((__m128i *)(dst + i + 32), c);
+        _mm_stream_si128((__m128i *)(dst + i + 48), e);
+    }
+    _mm_sfence();   /* the streamed stores are seen before anything written after */
+    memcpy(dst + i, src + i, n - i);
+#else
+    memcpy(dst, src, n);
+#endif
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&d);
+    PyBuffer_Release(&r);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef module_methods[] = {
     {"address", (PyCFunction)address, METH_O,
      "address(buffer): the address of a C-contiguous buffer's first byte."},
+    {"stream_copy", (PyCFunction)(void (*)(void))stream_copy, METH_FASTCALL,
+     "stream_copy(dst, src, start, stop): dst[start:stop] = src[start:stop] with "
+     "non-temporal stores, without the GIL."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -11,7 +11,10 @@ from tests._helpers import finish
 
 @pytest.mark.parametrize("n", [0, 1, 4095, PARALLEL_MIN_BYTES - 1, PARALLEL_MIN_BYTES,
                                PARALLEL_MIN_BYTES + 4097, 3 * PARALLEL_MIN_BYTES + 12345])
-def test_every_byte_arrives(n):
+@pytest.mark.parametrize("streamed", [True, False], ids=["stream_copy", "numpy"])
+def test_every_byte_arrives(n, streamed, monkeypatch):
+    if not streamed:   # as built without the C core
+        monkeypatch.setattr("shm.copy._stream", None)
     src = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
     dst = np.zeros(n + 16, np.uint8)
     copy_bytes(memoryview(dst)[8:8 + n], memoryview(src))
@@ -67,3 +70,32 @@ def test_the_caller_does_not_wait_for_a_helper_that_is_not_running():
     dst2 = np.zeros(n, np.uint8)
     copy_bytes(memoryview(dst2), memoryview(src))
     np.testing.assert_array_equal(dst2, src)
+
+
+_stream = pytest.importorskip("shm._ringcore").stream_copy
+
+
+@pytest.mark.parametrize("start,stop", [(0, 0), (0, 1), (3, 70), (1, 4095), (0, 4096),
+                                        (17, 199999), (5, 200000 - 7)])
+def test_stream_copy_writes_exactly_its_window(start, stop):
+    """Non-temporal stores from any alignment: the window arrives, nothing around it."""
+    n = 200000
+    src = np.random.default_rng(stop).integers(0, 256, n, dtype=np.uint8)
+    dst = np.zeros(n, np.uint8)
+    _stream(dst, src, start, stop)
+    np.testing.assert_array_equal(dst[start:stop], src[start:stop])
+    assert not dst[:start].any() and not dst[stop:].any()
+
+
+def test_stream_copy_refuses_what_it_cannot_copy():
+    a, b = np.zeros(8, np.uint8), np.zeros(9, np.uint8)
+    with pytest.raises(ValueError, match=r"one length .* got lengths 8 and 9"):
+        _stream(a, b, 0, 8)
+    with pytest.raises(ValueError, match=r"\[2, 9\)"):
+        _stream(a, a.copy(), 2, 9)
+    with pytest.raises(ValueError, match=r"\[5, 4\)"):
+        _stream(a, a.copy(), 5, 4)
+    with pytest.raises(BufferError, match="not writable"):
+        _stream(bytes(8), a, 0, 8)
+    with pytest.raises(TypeError, match="expected 4 arguments, got 2"):
+        _stream(a, a)
