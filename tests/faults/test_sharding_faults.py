@@ -12,10 +12,12 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import numpy as np
 import onnx
@@ -142,6 +144,40 @@ def test_auto_reset_restarts_and_reloads_all_ipus(pipelined_path, chain):
                                    rtol=1e-4, atol=1e-4)
         new = r._replicas[0].session.device().pids()
         assert len(new) == 2 and not set(new) & set(old)
+
+
+def test_a_request_after_a_later_ipu_died_is_served_after_a_reset(pipelined_path, chain):
+    """The second IPU of a pipelined device is gone before a plain ``execute``: the
+    device is reset first and the request served (auto_reset), even though the live
+    first IPU would take the request's input at once. ``execute``'s fused path polls a
+    device of one IPU process only after laying the inputs (a device gone with none of
+    them taken gets the request again); here it must poll before: the check that runs
+    after laying is made to see the input taken, and must never be asked."""
+    cfg = model_runtime.ModelRunnerConfig(auto_reset=True)
+    with model_runtime.ModelRunner(pipelined_path, config=cfg) as r:
+        x = x_of(1)
+        np.testing.assert_allclose(r.execute({"x": x})["y"], reference(chain, x),
+                                   rtol=1e-4, atol=1e-4)
+        life = r._replicas[0]._life
+        real, asked = life.gone, []
+
+        def gone_once_taken() -> bool:   # the first IPU took the input: the race lost
+            asked.append(1)
+            path = life.path
+            deadline = time.monotonic() + 10
+            while any(i.ring.readable() for i in path.inputs) and time.monotonic() < deadline:
+                os.sched_yield()
+            return real()
+
+        life.gone = gone_once_taken
+        old = r._replicas[0].session.device().pids()
+        kill_and_wait(old[1])
+        x = x_of(2)
+        np.testing.assert_allclose(r.execute({"x": x})["y"], reference(chain, x),
+                                   rtol=1e-4, atol=1e-4)
+        new = r._replicas[0].session.device().pids()
+        assert len(new) == 2 and not set(new) & set(old)
+        assert asked == []
 
 
 HOST = textwrap.dedent("""
