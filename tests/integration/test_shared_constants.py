@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -72,6 +73,25 @@ def _ab(seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     return {"tensor_A": rng.standard_normal(SHAPE).astype(np.float32),
             "tensor_B": rng.standard_normal(SHAPE).astype(np.float32)}
+
+
+def _feed(value: object) -> Callable[[memoryview], None]:
+    """A stream callback that fills each transfer with ``value`` (an array or a number)."""
+    flat = np.asarray(value, np.float32).ravel()
+
+    def cb(view: memoryview) -> None:
+        np.frombuffer(view, np.float32)[:] = flat
+    return cb
+
+
+def _callbacks(s: Session, feeds: dict[str, object], got: list[np.ndarray]) -> None:
+    """Feed each input of ``feeds``, collect ``tensor_C``'s transfers into ``got``, drop
+    ``weights_saved``'s."""
+    for name, value in feeds.items():
+        s.setCallbackForAnchor(name, _feed(value))
+    s.setCallbackForAnchor("tensor_C", lambda v: got.append(
+        np.frombuffer(v, np.float32).reshape(SHAPE).copy()))
+    s.setCallbackForAnchor("weights_saved", lambda v: None)
 
 
 def _check_shared(r: model_runtime.ModelRunner, name: str) -> None:
@@ -203,18 +223,8 @@ def test_a_new_load_run_restores_a_written_copy_from_the_shared_value(simple, wr
     x = _ab(30)
     a, b = x["tensor_A"], x["tensor_B"]
     got: list[np.ndarray] = []
-
-    def feeder(arr: np.ndarray):
-        def cb(view: memoryview) -> None:
-            np.frombuffer(view, np.uint8)[:] = arr.view(np.uint8).ravel()
-        return cb
-
     with Session(writing) as s:
-        s.setCallbackForAnchor("tensor_A", feeder(a))
-        s.setCallbackForAnchor("tensor_B", feeder(b))
-        s.setCallbackForAnchor("tensor_C", lambda v: got.append(
-            np.frombuffer(v, np.float32).reshape(SHAPE).copy()))
-        s.setCallbackForAnchor("weights_saved", lambda v: None)
+        _callbacks(s, x, got)
         s.runLoadPrograms()
         s.runMainPrograms()
         s.runMainPrograms()
@@ -224,7 +234,7 @@ def test_a_new_load_run_restores_a_written_copy_from_the_shared_value(simple, wr
         s.runMainPrograms()
         np.testing.assert_allclose(got[2], got[0], rtol=1e-6)
         twos = np.full(SHAPE, 2.0, np.float32)
-        s.setCallbackForAnchor("weights", feeder(twos))
+        s.setCallbackForAnchor("weights", _feed(twos))
         s.runMainPrograms()      # the device still has what the last Load wrote, written on
         np.testing.assert_allclose(got[3], a * got[2] + b, rtol=1e-5)
         s.runLoadPrograms()
@@ -244,17 +254,10 @@ def test_a_callback_set_on_read_only_weights_takes_effect_at_the_next_load_run(s
     got: list[np.ndarray] = []
     fives = np.full(SHAPE, 5.0, np.float32)
     with Session(path) as s:
-        s.setCallbackForAnchor("tensor_A", lambda v: np.frombuffer(v, np.float32).__setitem__(
-            slice(None), a.ravel()))
-        s.setCallbackForAnchor("tensor_B", lambda v: np.frombuffer(v, np.float32).__setitem__(
-            slice(None), b.ravel()))
-        s.setCallbackForAnchor("tensor_C", lambda v: got.append(
-            np.frombuffer(v, np.float32).reshape(SHAPE).copy()))
-        s.setCallbackForAnchor("weights_saved", lambda v: None)
+        _callbacks(s, x, got)
         s.runMainPrograms()
         (name,) = tag_objects("cst")
-        s.setCallbackForAnchor("weights", lambda v: np.frombuffer(v, np.float32).__setitem__(
-            slice(None), fives.ravel()))
+        s.setCallbackForAnchor("weights", _feed(fives))
         s.runMainPrograms()
         s.runLoadPrograms()
         s.runMainPrograms()
@@ -304,16 +307,28 @@ def test_a_dropped_runner_leaves_nothing_in_dev_shm(simple):
         gc.enable()
 
 
-def _cst_values(name: str, handles: dict[str, int]) -> dict[str, np.ndarray]:
+def _cst_values_raw(name: str, handles: dict[str, int]) -> dict[str, bytes]:
     """The values a constants region holds (handles sorted, each 64-byte aligned)."""
     out, at = {}, 0
     with open("/dev/shm/" + name, "rb") as f:
         data = f.read()
     for h in sorted(handles):
-        n = handles[h]
-        out[h] = np.frombuffer(data[at:at + n], np.float32).reshape(SHAPE)
-        at += -(-n // 64) * 64
+        out[h] = data[at:at + handles[h]]
+        at += -(-handles[h] // 64) * 64
     return out
+
+
+def _cst_values(name: str, handles: dict[str, int]) -> dict[str, np.ndarray]:
+    """The float32 [SHAPE] values a constants region holds (see _cst_values_raw)."""
+    return {h: np.frombuffer(v, np.float32).reshape(SHAPE)
+            for h, v in _cst_values_raw(name, handles).items()}
+
+
+def _holds_b_and_weights(name: str, b: np.ndarray, w: np.ndarray) -> None:
+    """Constants region ``name`` holds exactly ``tensor_B`` = ``b`` and the weights ``w``."""
+    values = _cst_values(name, {"tensor_B": NBYTES, "weights": NBYTES})
+    np.testing.assert_array_equal(values["tensor_B"], b)
+    np.testing.assert_array_equal(values["weights"], w)
 
 
 @pytest.mark.parametrize("batching", [False, True])
@@ -336,9 +351,7 @@ def test_a_frozen_input_of_main_is_shared_not_sent_with_each_request(simple, bat
                 r.execute({"tensor_A": a[:rows]}, replica_id=rid)["tensor_C"],
                 (a * w + frozen)[:rows], rtol=1e-6)
         (name,) = tag_objects("cst")
-        values = _cst_values(name, {"tensor_B": NBYTES, "weights": NBYTES})
-        np.testing.assert_array_equal(values["tensor_B"], frozen)
-        np.testing.assert_array_equal(values["weights"], w)
+        _holds_b_and_weights(name, frozen, w)
         for rid in (0, 1):
             (pid,) = r.device_pids(rid)
             _mapped_shared(pid, name, 2 * NBYTES)
@@ -382,12 +395,7 @@ def test_a_session_back_on_a_device_after_another_reads_its_inputs_as_they_are_n
     def session(dev: object, got: list[np.ndarray]) -> Session:
         s = Session(path)
         s.bindToDevice(dev)   # type: ignore[arg-type]
-        for name in ("tensor_A", "tensor_B"):
-            s.setCallbackForAnchor(name, lambda v, _x=x[name]: np.frombuffer(
-                v, np.float32).__setitem__(slice(None), _x.ravel()))
-        s.setCallbackForAnchor("tensor_C", lambda v: got.append(
-            np.frombuffer(v, np.float32).reshape(SHAPE).copy()))
-        s.setCallbackForAnchor("weights_saved", lambda v: None)
+        _callbacks(s, x, got)
         return s
 
     first: list[np.ndarray] = []
@@ -398,8 +406,7 @@ def test_a_session_back_on_a_device_after_another_reads_its_inputs_as_they_are_n
         try:
             s1.runMainPrograms()
             s2.runMainPrograms()         # s1's executable stays cached on the device
-            s1.setCallbackForAnchor("weights", lambda v: np.frombuffer(
-                v, np.float32).__setitem__(slice(None), 5.0))
+            s1.setCallbackForAnchor("weights", _feed(5.0))
             s1.runMainPrograms()
         finally:
             s1.close()
@@ -434,9 +441,7 @@ def test_an_injected_error_and_its_reset_bring_back_the_shared_values(simple, wr
             r.execute({"tensor_A": a})
         np.testing.assert_allclose(r.execute({"tensor_A": a})["tensor_C"], c1, rtol=1e-6)
         (name,) = tag_objects("cst")
-        values = _cst_values(name, {"tensor_B": NBYTES, "weights": NBYTES})
-        np.testing.assert_array_equal(values["tensor_B"], frozen)
-        np.testing.assert_array_equal(values["weights"], w)
+        _holds_b_and_weights(name, frozen, w)
     finally:
         r.close()
         plan.close()
@@ -554,17 +559,6 @@ def test_each_ipu_of_each_replica_of_a_model_over_two_ipus_maps_the_one_copy(cha
     assert tag_objects() == []
 
 
-def _cst_values_raw(name: str, handles: dict[str, int]) -> dict[str, bytes]:
-    """The values a constants region holds (handles sorted, each 64-byte aligned)."""
-    out, at = {}, 0
-    with open("/dev/shm/" + name, "rb") as f:
-        data = f.read()
-    for h in sorted(handles):
-        out[h] = data[at:at + handles[h]]
-        at += -(-handles[h] // 64) * 64
-    return out
-
-
 @pytest.mark.parametrize("how", ["frozen", "tensor-data"])
 @pytest.mark.parametrize("kind", ["b-on-ipu1-sharded", "b-on-ipu0-pipelined"])
 def test_a_constant_input_of_main_on_one_ipu_of_two_is_shared(chains, kind, how):
@@ -678,19 +672,13 @@ def test_a_constant_inputs_ring_is_not_counted_in_dev_shm_until_it_carries_value
     x = _ab(90)
     got: list[np.ndarray] = []
     with Session(path) as s:
-        for name in ("tensor_A", "tensor_B"):
-            s.setCallbackForAnchor(name, lambda v, _x=x[name]: np.frombuffer(
-                v, np.float32).__setitem__(slice(None), _x.ravel()))
-        s.setCallbackForAnchor("tensor_C", lambda v: got.append(
-            np.frombuffer(v, np.float32).reshape(SHAPE).copy()))
-        s.setCallbackForAnchor("weights_saved", lambda v: None)
+        _callbacks(s, x, got)
         s.runLoadPrograms()
         s.runMainPrograms()
         assert len(asked) == 1
         assert any("'tensor_A'" in n for n in asked[0])
         assert not any("'weights'" in n for n in asked[0])
-        s.setCallbackForAnchor("weights", lambda v: np.frombuffer(
-            v, np.float32).__setitem__(slice(None), 3.0))
+        s.setCallbackForAnchor("weights", _feed(3.0))
         s.runLoadPrograms()
         s.runMainPrograms()
         assert len(asked) == 2 and [n for n in asked[1] if "anchor" in n] == [
@@ -717,9 +705,7 @@ def test_popef_tensor_data_of_a_main_input_is_shared_not_sent_with_each_iteratio
                 np.testing.assert_allclose(r.execute({"tensor_A": a}, replica_id=rid)[
                     "tensor_C"], a * w + b, rtol=1e-6)
         (name,) = tag_objects("cst")
-        values = _cst_values(name, {"tensor_B": NBYTES, "weights": NBYTES})
-        np.testing.assert_array_equal(values["tensor_B"], b)
-        np.testing.assert_array_equal(values["weights"], w)
+        _holds_b_and_weights(name, b, w)
         for rid in (0, 1):
             (pid,) = r.device_pids(rid)
             _mapped_shared(pid, name, 2 * NBYTES, private_too=False)
@@ -758,15 +744,10 @@ def test_a_callback_set_on_main_tensor_data_takes_effect_at_the_next_run(simple)
                                                 popef.TensorData("tensor_B", b.tobytes())])
     got: list[np.ndarray] = []
     with Session(model) as s:
-        s.setCallbackForAnchor("tensor_A", lambda v: np.frombuffer(
-            v, np.float32).__setitem__(slice(None), a.ravel()))
-        s.setCallbackForAnchor("tensor_C", lambda v: got.append(
-            np.frombuffer(v, np.float32).reshape(SHAPE).copy()))
-        s.setCallbackForAnchor("weights_saved", lambda v: None)
+        _callbacks(s, {"tensor_A": a}, got)
         s.runMainPrograms()
         assert len(tag_objects("cst")) == 1
-        s.setCallbackForAnchor("tensor_B", lambda v: np.frombuffer(
-            v, np.float32).__setitem__(slice(None), -2.0))
+        s.setCallbackForAnchor("tensor_B", _feed(-2.0))
         s.runMainPrograms()
         s.setCallbackForAnchor("tensor_B", None)    # the PopEF data again
         s.runMainPrograms()
