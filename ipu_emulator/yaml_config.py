@@ -63,11 +63,36 @@ _Parser: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 def _count(text: str) -> None:
-    """Walk the document's events (no values built) and refuse it as soon as a node's
-    expansion passes MAX_NODES, nesting passes MAX_DEPTH, or an alias names a node that
-    contains it. A node's expanded size is 1 + its children's; an alias counts as the
-    size of the node its anchor names, known once that node is complete."""
-    parser = _Parser(text)
+    """Refuse the document as soon as a node's expansion passes MAX_NODES, nesting passes
+    MAX_DEPTH, or an alias names a node that contains it (``_count_events``).
+
+    libyaml's scanner reads tokens ahead of the events it hands out, and newer releases
+    refuse deep nesting there (at 1000 levels), before the events reach our bound; so
+    when libyaml's parser fails, the count is made again with PyYAML's own parser, which
+    hands out each event as it is read: our bound then speaks first, whatever libyaml's,
+    and a document that is simply invalid fails the same way in both. (PyYAML's parser
+    is ten times slower, so it is skipped where the document cannot nest that deep: each
+    level opens with a bracket, a brace, an indicator or a new line.)"""
+    try:
+        _count_events(_Parser(text))
+    except _Refused:
+        raise
+    except yaml.YAMLError:
+        if _Parser is yaml.SafeLoader or _depth_bound(text) <= MAX_DEPTH:
+            raise
+        _count_events(yaml.SafeLoader(text))
+
+
+def _depth_bound(text: str) -> int:
+    """More levels than any YAML text can nest: every collection starts at a flow
+    bracket, a block indicator (``-``, ``?``, ``:``) or a new line."""
+    return 1 + text.count("\n") + sum(text.count(c) for c in "[{-?:")
+
+
+def _count_events(parser: Any) -> None:
+    """Walk the document's events (no values built). A node's expanded size is 1 + its
+    children's; an alias counts as the size of the node its anchor names, known once
+    that node is complete."""
     stack: list[list[Any]] = []          # [size so far, anchor, start mark] per open node
     done: dict[str, int] = {}            # anchor -> expanded size of its (complete) node
     open_anchors: set[str] = set()

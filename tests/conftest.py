@@ -55,6 +55,27 @@ def _bytecode_to_a_private_prefix() -> None:
 
 
 _bytecode_to_a_private_prefix()
+
+
+def _installed_packages_only() -> None:
+    """CI's wheel leg (.ci/run) sets IPU_EMULATOR_TEST_INSTALLED to the wheel it installed:
+    every package must then come from site-packages, never from this checkout, in every
+    test process (an import from the checkout would test the sources, not the wheel)."""
+    if not os.environ.get("IPU_EMULATOR_TEST_INSTALLED"):
+        return
+    import importlib
+
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for name in ("shm", "ipu_emulator", "host_runtime", "tools"):
+        where = os.path.abspath(importlib.import_module(name).__file__ or "")
+        if where.startswith(checkout + os.sep):
+            raise pytest.UsageError(f"IPU_EMULATOR_TEST_INSTALLED is set but {name} is "
+                                    f"imported from the checkout ({where}); expected the "
+                                    "installed wheel (run with PYTHONSAFEPATH=1 and "
+                                    "--import-mode=append, as .ci/run does)")
+
+
+_installed_packages_only()
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "main")
 _TAG = "t" + secrets.token_hex(4)
 os.environ["IPU_EMULATOR_SHM_TAG"] = _TAG

@@ -103,7 +103,9 @@ RUNNER_HOST = """
 
 DROPPING_HOST = RUNNER_HOST.replace("    sys.stdin.readline()\n", """\
     import os, socket, psutil
-    for c in psutil.Process().net_connections(kind="unix"):   # EOF for the daemon, no release
+    me = psutil.Process()
+    conns = me.net_connections if hasattr(me, "net_connections") else me.connections  # psutil<6
+    for c in conns(kind="unix"):   # EOF for the daemon, no release
         if c.raddr == os.environ["IPU_EMULATOR_DAEMON"]:
             socket.socket(fileno=os.dup(c.fd)).shutdown(socket.SHUT_RDWR)
     print(json.dumps({"dropped": True}), flush=True)

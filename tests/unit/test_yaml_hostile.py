@@ -9,10 +9,12 @@ import time
 
 import onnx
 import pytest
+import yaml
 
 from host_runtime.errors import BadRequestError
 from host_runtime.poprt.compiler import load_config_yaml
 from ipu_emulator.compiler import load_sharding_yaml
+from ipu_emulator import yaml_config
 from ipu_emulator.errors import CompileError, ConfigYamlError, SystemConfigError
 from ipu_emulator.system import load_system_config
 from ipu_emulator.yaml_config import MAX_NODES, load_yaml_file, load_yaml_text
@@ -161,3 +163,22 @@ def test_yaml_is_parsed_only_by_the_one_loader():
                 if parse.search(line):
                     found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
     assert found == []
+
+
+class _RefusingLibyaml(yaml.SafeLoader):
+    """A YAML parser that, like libyaml since PyYAML 6.0.4, refuses deep nesting while it
+    scans ahead, before handing out the events our count reads."""
+
+    def check_event(self, *choices):   # type: ignore[no-untyped-def]
+        raise yaml.scanner.ScannerError("while increasing flow level", None,
+                                        "exceeded maximum nesting depth", None)
+
+
+def test_our_nesting_bound_speaks_first_whatever_the_parser(monkeypatch):
+    monkeypatch.setattr(yaml_config, "_Parser", _RefusingLibyaml)
+    with pytest.raises(ConfigYamlError) as info:
+        load_yaml_text("k: " + "[" * 100000 + "]" * 100000, "doc")
+    assert str(info.value) == "doc: nests too deeply: more than 64 levels at line 1, column 67"
+    # a shallow document that the parser refuses is reported as invalid, as before
+    with pytest.raises(ConfigYamlError, match=r"^doc is not valid YAML: exceeded maximum "):
+        load_yaml_text("k: [[1]]", "doc")
