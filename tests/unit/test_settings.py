@@ -29,6 +29,7 @@ ENV_NAMES = {k.env for k in HostSettings.knobs()}
 TEST_ONLY = {
     "IPU_EMULATOR_CONFORMANCE": "the whole conformance run (tests/integration/test_conformance.py)",
     "IPU_EMULATOR_TEST_HANG_SECONDS": "a test's time limit (tests/conftest.py)",
+    "IPU_EMULATOR_TEST_INSTALLED": "the wheel CI's wheel leg installed (.ci/run)",
     "IPU_EMULATOR_FIELD_MODELS": "a folder of production models of your own "
                                  "(tests/integration/test_field_models.py)",
 }
