@@ -111,6 +111,11 @@ def test_killed_ipu_of_a_pipelined_device_fails_every_pending_request(pipelined_
         for _ in range(8):                        # the pipeline is running under load
             assert load.started.acquire(timeout=WAIT)
         kill_and_wait(pids[1])
+        # not told to stop: each thread's next request fails, and the thread ends (told
+        # at once, threads that had just been answered, all of them on a loaded machine,
+        # could stop without sending another)
+        for t in load.threads:
+            t.join(WAIT)
         load.join()
         assert load.errors, "no request saw the device die"
         for e in load.errors:
