@@ -55,7 +55,9 @@ def test_each_scenario_checks_every_result_and_passes(capsys, scenario):
     elif scenario == "fork":
         # every forked child's execute and executeAsync on its host's runner raised the
         # named error (failed as expected); its own runner answered right (in ok)
-        assert sc["cycles"] >= 2 and sc["expected"] == 2 * sc["cycles"]
+        # (cycles in the 3 s: one on a loaded machine, where a fork and its child's
+        # runner take seconds)
+        assert sc["cycles"] >= 1 and sc["expected"] == 2 * sc["cycles"]
     elif scenario == "interrupt":
         # KeyboardInterrupts were delivered into the hosts' threads (cycles); the requests
         # they hit and the queue runs a raising callback failed are failed as expected
