@@ -21,6 +21,8 @@ import pytest
 
 from ipu_emulator.daemon import socket_protocol as wire
 
+from tests._paths import child_pythonpath
+
 pytestmark = pytest.mark.usefixtures("private_machine")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -28,7 +30,7 @@ SYNC = "1"
 
 def run_program(case: str, model_path: str, *args: str, **env: str) -> dict[str, Any]:
     environ = dict(os.environ, IPU_EMULATOR_HOST_SYNC_TIMEOUT=SYNC,
-                   PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), **env)
+                   PYTHONPATH=child_pythonpath(), **env)
     proc = subprocess.run([sys.executable, "-m", "tests.faults.stopped_peer_program", case,
                            model_path, *args], capture_output=True, text=True, timeout=180,
                           env=environ, cwd=ROOT)

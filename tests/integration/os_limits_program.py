@@ -21,6 +21,14 @@ from typing import Any, Callable
 _NOFILE = 256
 
 
+
+def _no_bytecode_from_here() -> None:
+    """Under a lowered RLIMIT_FSIZE, a module imported for the first time would have its
+    bytecode cut at the limit: CPython's atomic .pyc write ignores a short write and
+    renames the cut file into place (with the suite's shared PYTHONPYCACHEPREFIX, for
+    every later interpreter: 'marshal data too short'). Nothing is written from here on."""
+    sys.dont_write_bytecode = True
+
 def _fill(free: int) -> list[int]:
     """Open /dev/null until only ``free`` descriptors are left below the soft limit."""
     held: list[int] = []
@@ -77,9 +85,11 @@ def main(argv: list[str]) -> int:
         run = lambda: model_runtime.ModelRunner(                      # noqa: E731
             model_runtime.PopefPaths([argv[1]]))
     elif case == "ring-fsize":
+        _no_bytecode_from_here()
         resource.setrlimit(resource.RLIMIT_FSIZE, (65536, resource.RLIM_INFINITY))
         run = lambda: Ring.create(1 << 20, 4)                          # noqa: E731
     elif case == "runner-fsize":
+        _no_bytecode_from_here()
         resource.setrlimit(resource.RLIMIT_FSIZE, (65536, resource.RLIM_INFINITY))
         run = lambda: model_runtime.ModelRunner(                      # noqa: E731
             model_runtime.PopefPaths([argv[1]]))

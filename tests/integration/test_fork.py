@@ -30,6 +30,8 @@ from host_runtime.errors import ForkedProcessError
 from ipu_emulator.daemon import socket_protocol as wire
 from shm.cleanup import list_objects
 
+from tests._paths import child_pythonpath
+
 pytestmark = pytest.mark.usefixtures("private_machine")
 
 SHAPE = (1, 4)
@@ -388,7 +390,7 @@ def test_a_multiprocessing_fork_pool_gets_the_named_error_and_the_parent_stays_r
     right; a worker closing the parent's runner, or just exiting, leaves the parent's
     objects; the parent gets 0 wrong answers throughout and leaves nothing."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=child_pythonpath())
     proc = subprocess.run([sys.executable, "-m", "tests.integration.fork_pool_program", model_path],
                           env=env, capture_output=True, text=True, timeout=240, cwd=root)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]

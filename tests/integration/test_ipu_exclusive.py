@@ -25,6 +25,7 @@ from host_runtime.errors import DeviceUnavailableError
 from ipu_emulator.daemon import socket_protocol as wire
 from ipu_emulator.system import IpuLocks, load_system_config
 from tests.daemon_rig import DaemonRig
+from tests._paths import child_pythonpath
 
 NO_WAIT = DeviceWaitConfig(DeviceWaitStrategy.NO_WAIT)
 
@@ -129,7 +130,7 @@ def holder(args: list[str], home, daemon: DaemonRig | None, **popen: Any) -> sub
     """A host program of ``home``: through ``daemon``, or embedded on a machine of one IPU
     (the daemons' pools hold IPU 0 only: every holder wants the same one)."""
     env = dict(os.environ, IPU_EMULATOR_HOME=str(home), IPU_EMULATOR_NUM_IPUS="1",
-               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=child_pythonpath())
     env.pop(wire.ENV_VAR, None)
     if daemon is not None:
         env[wire.ENV_VAR] = daemon.socket

@@ -17,6 +17,8 @@ import pytest
 
 from tools.generate_simple_popef import write_simple_popef
 
+from tests._paths import child_pythonpath
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NOFILE = ("this process has 256 open and its limit RLIMIT_NOFILE is 256 (hard {hard}); close "
           "runners, sessions or files it no longer uses, or raise the limit (ulimit -n, "
@@ -32,7 +34,7 @@ def popef_path(tmp_path_factory):
 
 def _run(case: str, home: str, *args: str) -> dict:
     env = dict(os.environ, IPU_EMULATOR_HOME=home, IPU_EMULATOR_FORKSERVER="0",
-               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=child_pythonpath())
     proc = subprocess.run([sys.executable, "-m", "tests.integration.os_limits_program", case,
                            *args], capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
@@ -152,7 +154,7 @@ def test_a_small_dev_shm_is_named_full_with_bytes_needed_and_free(tmp_path, pope
     still works; nothing is left in that /dev/shm."""
     big = str(write_simple_popef(tmp_path / "big.popef", shape=(512, 1024)))
     env = dict(os.environ, IPU_EMULATOR_HOME=str(tmp_path), IPU_EMULATOR_FORKSERVER="0",
-               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=child_pythonpath())
     script = ("mount -t tmpfs -o size=8m tmpfs /dev/shm && exec \"$0\" -m "
               "tests.integration.os_limits_program shm-full \"$1\" \"$2\"")
     proc = subprocess.run(["unshare", "-m", "sh", "-c", script, sys.executable, popef_path, big],

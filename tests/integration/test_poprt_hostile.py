@@ -23,6 +23,7 @@ import onnx
 import pytest
 
 from tests.models import seed_model0, seed_model1
+from tests._paths import child_pythonpath
 from tools.generate_simple_popef import build_simple_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,7 +33,7 @@ CPU_BOUND = 20.0   # seconds of the command's CPU, start-up included; the bomb t
 
 def poprt(*args: str, cwd: Path) -> tuple[subprocess.CompletedProcess[str], float]:
     """``python -m tools.poprt ARGS`` in ``cwd``; its result and the CPU seconds it used."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=child_pythonpath())
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run([sys.executable, "-m", "tools.poprt", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=120)
@@ -108,7 +109,7 @@ def test_symlinks_planted_while_poprt_compiles_are_never_written_through(tmp_pat
     victim = tmp_path / "victim"
     victim.write_bytes(b"precious")
     names = [out / "executable.popef", out / "big.fp32.onnx"]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=child_pythonpath())
     proc = subprocess.Popen([sys.executable, "-m", "tools.poprt", "--input_model", str(model),
                              "--export_popef", "--output_dir", str(out)], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -28,6 +28,7 @@ import pytest
 import host_runtime as model_runtime
 from ipu_emulator import trace
 from tests.daemon_rig import REPO
+from tests._paths import child_pythonpath
 from tools import poprt, trace_summary
 from tools._chain_model import chain_model, write_shard_yaml
 from tools.generate_simple_popef import write_simple_popef
@@ -65,7 +66,7 @@ def test_an_unchanged_program_traced_through_the_environment(tmp_path, models):
     tag = "t" + secrets.token_hex(4)
     env = dict(os.environ, IPU_EMULATOR_TRACE=str(path), IPU_EMULATOR_SHM_TAG=tag,
                IPU_EMULATOR_NUM_IPUS="4",
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=child_pythonpath())
     proc = subprocess.run([sys.executable, str(REPO / "tests/integration/trace_program.py"),
                            *models], env=env, capture_output=True, text=True, timeout=120)
     assert "RESULTS OK" in proc.stdout, proc.stderr

@@ -23,6 +23,7 @@ from shm import ring as ring_mod
 from shm.settings import ShmSettings
 
 from tests.daemon_rig import REPO
+from tests._paths import child_pythonpath
 
 _PROBE = """
 import os, threading
@@ -39,7 +40,7 @@ def native_threads():
 
 def _run(body: str) -> list[str]:
     code = _PROBE + textwrap.dedent(body)
-    env = dict(os.environ, PYTHONPATH=REPO)
+    env = dict(os.environ, PYTHONPATH=child_pythonpath())
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=env, cwd=REPO, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
