@@ -72,7 +72,8 @@ def _installed_packages_only() -> None:
             raise pytest.UsageError(f"IPU_EMULATOR_TEST_INSTALLED is set but {name} is "
                                     f"imported from the checkout ({where}); expected the "
                                     "installed wheel (run with PYTHONSAFEPATH=1 and "
-                                    "--import-mode=append, as .ci/run does)")
+                                    "PYTEST_ADDOPTS=--import-mode=append, as .ci/run "
+                                    "does)")
 
 
 _installed_packages_only()
