@@ -39,11 +39,11 @@ process used (read from /proc).
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
-import socketserver
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import psutil
@@ -71,22 +71,78 @@ _WAITERS_KEPT = 4096   # hosts answered busy and not attached since (oldest drop
 
 
 class _Quiet(WSGIRequestHandler):
+    timeout = 5.0   # seconds a client may stay silent (half-open, slow): then it is dropped
+
     def log_message(self, format: str, *args: Any) -> None:
         pass
 
 
-class _ThreadingServer(socketserver.ThreadingMixIn, WSGIServer):
-    daemon_threads = True
+class _PooledServer(WSGIServer):
+    """A WSGI server whose connections are served by ``WORKERS`` threads started once;
+    connections beyond ``BACKLOG`` waiting ones are closed at once. With the handler's
+    timeout, however many clients connect and stay silent, the threads stay
+    ``WORKERS`` and each connection is dropped within the timeout."""
+
+    WORKERS = 4
+    BACKLOG = 64
+    request_queue_size = 64
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._waiting: queue.Queue[tuple[Any, Any] | None] = queue.Queue(self.BACKLOG)
+        self._workers: list[threading.Thread] = []
+        super().__init__(*args, **kwargs)   # a bind that fails calls server_close()
+        self._workers = [threading.Thread(target=self._work, name=f"metrics-http-{i}",
+                                          daemon=True) for i in range(self.WORKERS)]
+        for t in self._workers:
+            t.start()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        try:
+            self._waiting.put_nowait((request, client_address))
+        except queue.Full:   # every worker busy and the backlog full: refused
+            self.shutdown_request(request)
+
+    def _work(self) -> None:
+        while True:
+            item = self._waiting.get()
+            if item is None:
+                return
+            request, client_address = item
+            try:
+                self.finish_request(request, client_address)
+            except Exception:
+                self.handle_error(request, client_address)
+            finally:
+                self.shutdown_request(request)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass   # a client that vanished or timed out: nothing to report
+
+    def server_close(self) -> None:
+        super().server_close()
+        while True:   # connections still waiting are closed, the workers told to stop
+            try:
+                item = self._waiting.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                self.shutdown_request(item[0])
+        for _ in self._workers:
+            self._waiting.put(None)
+        for t in self._workers:
+            t.join(_Quiet.timeout + 1)
 
 
 class MetricsServer:
     """``/metrics`` of ``registry`` over HTTP at ``address:port`` (0: a free port), served
-    by a thread of its own until ``close()``. (``prometheus_client.start_http_server``
-    does the same but returns the server only from version 0.19 on.)"""
+    until ``close()`` by one accepting thread and a fixed pool of ``_PooledServer.WORKERS``
+    threads; a client silent for ``_Quiet.timeout`` seconds is dropped, and connections
+    beyond the backlog are closed at once (``prometheus_client.start_http_server``
+    starts a thread per connection, without a cap)."""
 
     def __init__(self, registry: CollectorRegistry, port: int, address: str = "127.0.0.1"
                  ) -> None:
-        self._httpd = make_server(address, port, make_wsgi_app(registry), _ThreadingServer,
+        self._httpd = make_server(address, port, make_wsgi_app(registry), _PooledServer,
                                   handler_class=_Quiet)
         self.address = address
         self.port = int(self._httpd.server_port)

@@ -24,6 +24,7 @@ from shm.errors import ShmError
 from shm.liveness import pid_alive
 from shm.tracebuf import TraceBuffer
 
+from ipu_emulator import safe_files
 from ipu_emulator.settings import IpuSettings
 from ipu_emulator.trace import recorder as rec
 from ipu_emulator.trace._chrome import IpuRecords, merge
@@ -163,13 +164,12 @@ def stop() -> dict[str, Any]:
 
 
 def write(trace: dict[str, Any], path: str) -> None:
-    """Write ``trace`` to ``path`` atomically (a temporary file renamed over it)."""
+    """Write ``trace`` to ``path`` atomically, never through a link (``safe_files.AtomicFile``:
+    a new ``O_EXCL`` temporary file renamed over it)."""
     folder = os.path.dirname(path) or "."
     os.makedirs(folder, exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(trace, f, separators=(",", ":"))
-    os.replace(tmp, path)
+    with safe_files.AtomicFile(path) as f:
+        f.write(json.dumps(trace, separators=(",", ":")).encode("utf-8"))
     _log.info("trace written to %s (%d events)", path, len(trace["traceEvents"]))
 
 
