@@ -114,18 +114,14 @@ def _read(name: str, environ: Mapping[str, str] | None) -> object:
 
 
 def emulator_home(environ: Mapping[str, str] | None = None) -> str:
-    """``$IPU_EMULATOR_HOME`` (an absolute path; empty means unset), else
+    """``$IPU_EMULATOR_HOME`` (an absolute path: a relative one is refused by its knob;
+    empty means unset), else
     ``~/.ipu_emulator`` if usable, else ``/tmp/ipu_emulator-<uid>``. Every folder the
     emulator writes in the home, and the home itself, is checked when it is written
     (``ipu_emulator.safe_files``): a symlink, a folder of another user or one others
     may write is refused with ``UnsafePathError``."""
     home = _read("home", environ)
     if isinstance(home, str) and home:
-        if not os.path.isabs(home):
-            raise SystemConfigError(
-                f"IPU_EMULATOR_HOME must be an absolute path, got {echo(home, 200)} (relative "
-                "to the working directory, a different machine from every other folder); "
-                "give the full path")
         return os.path.normpath(home)
     user_home = os.path.expanduser("~")
     if user_home and user_home != "~" and os.access(user_home, os.W_OK):
