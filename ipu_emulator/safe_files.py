@@ -52,6 +52,7 @@ __all__ = [
     "open_log",
     "write_atomic",
     "remove_stale_temps",
+    "stale_temps",
     "STALE_AFTER",
     "LOG_LIMIT",
 ]
@@ -164,6 +165,9 @@ def open_in(dir_fd: int, name: str, flags: int, mode: int, path: str) -> int:
             raise UnsafePathError(
                 f"{path} is a symlink; refusing to write through it (someone else may have "
                 "put it there): remove it") from None
+        if exc.errno in (errno.ENXIO, errno.EISDIR):   # a FIFO without reader, a folder
+            raise UnsafePathError(f"{path} is not a regular file of this user; refusing to "
+                                  "write it: remove it") from None
         exc.filename = path
         raise
     st = os.fstat(fd)
@@ -211,8 +215,14 @@ def open_log(path: str | os.PathLike[str], *, check_parent: bool = True) -> int:
 
 # -- temporaries of killed writers --------------------------------------------------------
 
+def stale_temps(folder: str | os.PathLike[str] | int, name: str | None = None, *,
+                older_than: float = STALE_AFTER) -> list[str]:
+    """The names ``remove_stale_temps`` would remove now (nothing is removed)."""
+    return remove_stale_temps(folder, name, older_than=older_than, dry_run=True)
+
+
 def remove_stale_temps(folder: str | os.PathLike[str] | int, name: str | None = None, *,
-                       older_than: float = STALE_AFTER) -> list[str]:
+                       older_than: float = STALE_AFTER, dry_run: bool = False) -> list[str]:
     """Remove the temporary files ``.NAME.<hex>.tmp`` a killed ``AtomicFile`` writer left
     in ``folder`` (a path or a folder descriptor): regular files of this user, older than
     ``older_than`` seconds, whose writer's lock is free. Only those of ``name`` if given.
@@ -227,7 +237,7 @@ def remove_stale_temps(folder: str | os.PathLike[str] | int, name: str | None = 
             m = _TMP_RE.match(entry)
             if m is None or (stem is not None and m.group("stem") != stem):
                 continue
-            if _remove_if_stale(dfd, entry, older_than):
+            if _remove_if_stale(dfd, entry, older_than, dry_run):
                 removed.append(entry)
     finally:
         if not own:
@@ -235,7 +245,7 @@ def remove_stale_temps(folder: str | os.PathLike[str] | int, name: str | None = 
     return removed
 
 
-def _remove_if_stale(dfd: int, entry: str, older_than: float) -> bool:
+def _remove_if_stale(dfd: int, entry: str, older_than: float, dry_run: bool) -> bool:
     try:
         fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
                      dir_fd=dfd)
@@ -256,7 +266,8 @@ def _remove_if_stale(dfd: int, entry: str, older_than: float) -> bool:
             return False
         if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
             return False
-        os.unlink(entry, dir_fd=dfd)
+        if not dry_run:
+            os.unlink(entry, dir_fd=dfd)
         return True
     except OSError:
         return False
