@@ -39,7 +39,11 @@ process used (read from /proc).
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import queue
+import selectors
+import socket
 import threading
 import time
 from typing import Any, Callable, Iterator, Protocol, Sequence
@@ -78,29 +82,78 @@ class _Quiet(WSGIRequestHandler):
 
 
 class _PooledServer(WSGIServer):
-    """A WSGI server whose connections are served by ``WORKERS`` threads started once;
-    connections beyond ``BACKLOG`` waiting ones are closed at once. With the handler's
-    timeout, however many clients connect and stay silent, the threads stay
-    ``WORKERS`` and each connection is dropped within the timeout."""
+    """A WSGI server with a fixed set of threads however many clients connect.
+
+    The accepting thread (``serve_forever``) hands each new connection to one sorting
+    thread, which waits (``selectors``) until the client has sent something: a
+    connection silent for ``_Quiet.timeout`` seconds is closed there, and past
+    ``MAX_PENDING`` waiting connections the oldest is closed. A connection with data
+    goes to one of ``WORKERS`` threads, which serve it with the handler's timeout
+    (a slow client is dropped after it); past ``BACKLOG`` connections waiting for a
+    worker, the new one is closed. Threads: 1 + 1 + ``WORKERS``, started once."""
 
     WORKERS = 4
     BACKLOG = 64
+    MAX_PENDING = 256
     request_queue_size = 64
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._waiting: queue.Queue[tuple[Any, Any] | None] = queue.Queue(self.BACKLOG)
         self._workers: list[threading.Thread] = []
+        self._arrived: collections.deque[tuple[Any, Any]] = collections.deque()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._closing = False
         super().__init__(*args, **kwargs)   # a bind that fails calls server_close()
         self._workers = [threading.Thread(target=self._work, name=f"metrics-http-{i}",
                                           daemon=True) for i in range(self.WORKERS)]
+        self._workers.append(threading.Thread(target=self._sort, name="metrics-http-wait",
+                                              daemon=True))
         for t in self._workers:
             t.start()
 
     def process_request(self, request: Any, client_address: Any) -> None:
+        self._arrived.append((request, client_address))
         try:
-            self._waiting.put_nowait((request, client_address))
-        except queue.Full:   # every worker busy and the backlog full: refused
-            self.shutdown_request(request)
+            self._wake_w.send(b"\0")
+        except OSError:   # the wake-up buffer full: the sorter is awake anyway
+            pass
+
+    def _sort(self) -> None:
+        sel = selectors.DefaultSelector()
+        sel.register(self._wake_r, selectors.EVENT_READ)
+        pending: dict[Any, tuple[Any, float]] = {}   # insertion order: oldest first
+        try:
+            while not self._closing:
+                for key, _ in sel.select(0.05):
+                    if key.fileobj is self._wake_r:
+                        with contextlib.suppress(OSError):
+                            self._wake_r.recv(4096)
+                        continue
+                    request: Any = key.fileobj
+                    sel.unregister(request)
+                    address, _t = pending.pop(request)
+                    try:
+                        self._waiting.put_nowait((request, address))
+                    except queue.Full:   # every worker busy, the backlog full: refused
+                        self.shutdown_request(request)
+                while self._arrived:
+                    request, address = self._arrived.popleft()
+                    if len(pending) >= self.MAX_PENDING:
+                        oldest = next(iter(pending))
+                        sel.unregister(oldest)
+                        del pending[oldest]
+                        self.shutdown_request(oldest)
+                    sel.register(request, selectors.EVENT_READ)
+                    pending[request] = (address, time.monotonic())
+                expired = time.monotonic() - _Quiet.timeout
+                for request in [r for r, (_a, t) in pending.items() if t < expired]:
+                    sel.unregister(request)
+                    del pending[request]
+                    self.shutdown_request(request)
+        finally:
+            for request in pending:
+                self.shutdown_request(request)
+            sel.close()
 
     def _work(self) -> None:
         while True:
@@ -120,6 +173,7 @@ class _PooledServer(WSGIServer):
 
     def server_close(self) -> None:
         super().server_close()
+        self._closing = True
         while True:   # connections still waiting are closed, the workers told to stop
             try:
                 item = self._waiting.get_nowait()
@@ -127,17 +181,21 @@ class _PooledServer(WSGIServer):
                 break
             if item is not None:
                 self.shutdown_request(item[0])
-        for _ in self._workers:
+        workers = [t for t in self._workers if t.name != "metrics-http-wait"]
+        for _ in workers:
             self._waiting.put(None)
         for t in self._workers:
             t.join(_Quiet.timeout + 1)
+        while self._arrived:
+            self.shutdown_request(self._arrived.popleft()[0])
+        self._wake_r.close()
+        self._wake_w.close()
 
 
 class MetricsServer:
     """``/metrics`` of ``registry`` over HTTP at ``address:port`` (0: a free port), served
-    until ``close()`` by one accepting thread and a fixed pool of ``_PooledServer.WORKERS``
-    threads; a client silent for ``_Quiet.timeout`` seconds is dropped, and connections
-    beyond the backlog are closed at once (``prometheus_client.start_http_server``
+    until ``close()`` by a fixed set of threads (``_PooledServer``); a client silent for
+    ``_Quiet.timeout`` seconds is dropped, and connections beyond the bounds are closed (``prometheus_client.start_http_server``
     starts a thread per connection, without a cap)."""
 
     def __init__(self, registry: CollectorRegistry, port: int, address: str = "127.0.0.1"
