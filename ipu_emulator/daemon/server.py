@@ -199,10 +199,10 @@ class Daemon:
     def _claim_socket_path(self) -> None:
         path = self.socket_path
         folder = os.path.dirname(path)
-        if os.path.normpath(folder) == os.path.normpath(self.system.home):
-            # the home: ours, private, not a link (a named UnsafePathError otherwise)
-            os.close(safe_files.open_private_dir(folder, what="emulator home"))
-        else:
+        # the home (locks, logs, maybe the socket): ours, private, not a link; checked
+        # before any IPU starts (a named UnsafePathError otherwise)
+        os.close(safe_files.open_private_dir(self.system.home, what="emulator home"))
+        if os.path.normpath(folder) != os.path.normpath(self.system.home):
             os.makedirs(folder, mode=0o700, exist_ok=True)
         if os.path.lexists(path):
             if not stat.S_ISSOCK(os.lstat(path).st_mode):
