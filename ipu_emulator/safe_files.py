@@ -18,10 +18,10 @@ Every file the project creates or appends is written one of two ways:
   replaces keeps its mode (a 0600 PopEF stays 0600); a new one gets 0666 less the
   umask.
 
-A writer holds an ``flock`` on its temporary file while it writes. Temporary files
-of a writer that was killed (unlocked, ours, older than ``STALE_AFTER`` seconds) are
-removed by the next writer of the same name (``remove_stale_temps``) and by
-``ipu-emulator cleanup --temp-files FOLDER``.
+A writer holds an ``flock`` on its temporary file from the moment it creates it.
+Temporary files of a writer that was killed (unlocked, ours, older than
+``STALE_AFTER`` seconds) are removed by the next ``AtomicFile`` writer in the same
+folder (``remove_stale_temps``) and by ``ipu-emulator cleanup --temp-files FOLDER``.
 
 Checking a path and then opening it by name (``exists()``, ``resolve()``, then
 ``open``) leaves a window in which a link put at the path is written through; every
@@ -293,7 +293,7 @@ class AtomicFile:
         self._dir = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self._tmp: str | None = None
         try:
-            remove_stale_temps(self._dir, self._name)
+            remove_stale_temps(self._dir)   # killed writers' of any name in this folder
             stem = self._name[:_MAX_TMP_STEM]
             while True:
                 tmp = f".{stem}.{secrets.token_hex(6)}.tmp"

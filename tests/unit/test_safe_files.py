@@ -207,9 +207,12 @@ def test_the_next_writer_removes_a_killed_writers_temporaries_only(tmp_path):
     locked = tmp_path / ".model.popef.bbbbbbbbbbbb.tmp"  # a writer alive: holds its lock
     locked.write_bytes(b"l")
     _old(locked)
-    other = tmp_path / ".other.popef.cccccccccccc.tmp"   # another name's: left to its writer
+    other = tmp_path / ".other.popef.cccccccccccc.tmp"   # another name's killed writer
     other.write_bytes(b"o")
     _old(other)
+    mine = tmp_path / ".notes.txt.tmp"                  # not a writer's temporary: kept
+    mine.write_bytes(b"m")
+    _old(mine)
     link = tmp_path / ".model.popef.dddddddddddd.tmp"
     link.symlink_to(tmp_path / "nowhere")
     fd = os.open(locked, os.O_RDONLY)
@@ -219,11 +222,13 @@ def test_the_next_writer_removes_a_killed_writers_temporaries_only(tmp_path):
     finally:
         os.close(fd)
     left = sorted(p.name for p in tmp_path.iterdir())
-    assert left == sorted(["model.popef", young.name, locked.name, other.name, link.name])
-    # every name's, now that the lock is free; the young one and the link stay
-    assert sorted(safe_files.remove_stale_temps(tmp_path)) == sorted([other.name, locked.name])
+    assert left == sorted(["model.popef", young.name, locked.name, link.name, mine.name])
+    # now that its lock is free the locked one goes too; the young one and the link stay
+    assert safe_files.stale_temps(tmp_path) == [locked.name]
+    assert safe_files.remove_stale_temps(tmp_path, "other.popef") == []
+    assert safe_files.remove_stale_temps(tmp_path) == [locked.name]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["model.popef", young.name,
-                                                                  link.name])
+                                                                  link.name, mine.name])
 
 
 def test_a_writer_killed_mid_write_leaves_a_temporary_the_cleanup_command_removes(tmp_path):
