@@ -176,8 +176,11 @@ def write(trace: dict[str, Any], path: str) -> None:
 def _at_exit() -> None:
     if not active():
         return
+    path = _path
     try:
         stop()
+    except OSError as exc:   # a folder not writable, a link refused: named, one line
+        _log.error("cannot write the trace to %s: %s", path, exc.strerror or exc)
     except Exception:   # pragma: no cover - never fail a program's exit
         _log.exception("writing the trace at exit failed")
 
