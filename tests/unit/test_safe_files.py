@@ -2,7 +2,7 @@
 (``ipu_emulator.safe_files``): lock files, logs, traces, outputs, the daemon's state.
 
 The attacks need a second user: as root (this machine and CI), the attacker's steps run
-in a forked child that drops to a fixed unprivileged uid (no user is created, nothing to
+in a child process started as a fixed unprivileged uid (no user is created, nothing to
 clean up); otherwise those tests are skipped. Root bypasses permission checks, so what
 holds it back is ``O_NOFOLLOW`` and the owner checks on folders."""
 
@@ -28,25 +28,16 @@ from ipu_emulator.trace import _session as trace_session
 OTHER = 54321   # the second user's uid and gid (no account needed)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="acting as a second user needs root "
-                             "(setuid to another uid in a forked child)")
+                             "(a child process started as another uid)")
 
 
-def as_other_user(*steps: tuple) -> None:
-    """Run ``(fn, *args)`` steps as uid/gid OTHER in a forked child; fails if one fails."""
-    pid = os.fork()
-    if pid == 0:   # pragma: no cover - the child
-        code = 1
-        try:
-            os.setgroups([])
-            os.setgid(OTHER)
-            os.setuid(OTHER)
-            for fn, *args in steps:
-                fn(*args)
-            code = 0
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, "the other user's step failed"
+def as_other_user(*commands: list[str]) -> None:
+    """Run each command (``mkdir``, ``ln -s``) as uid/gid OTHER, a child process started
+    with ``subprocess``'s ``user=`` (no fork hooks of this process run in it); fails if
+    one fails."""
+    for argv in commands:
+        subprocess.run(argv, user=OTHER, group=OTHER, extra_groups=[], check=True, timeout=60,
+                       cwd="/", capture_output=True)
 
 
 @pytest.fixture
@@ -78,8 +69,9 @@ def test_a_lock_planted_by_another_user_in_a_shared_home_is_never_opened(shared,
     home = os.path.join(shared, "home")
     os.mkdir(home)
     os.chmod(home, 0o777)   # IPU_EMULATOR_HOME set to a folder others may write
-    as_other_user((os.mkdir, os.path.join(home, "locks"), 0o777),
-                  (os.symlink, str(precious), os.path.join(home, "locks", "ipu0.lock")))
+    as_other_user(["mkdir", "-m", "777", os.path.join(home, "locks")],
+                  ["ln", "-s", str(precious), os.path.join(home, "locks", "ipu0.lock")])
+    assert os.lstat(os.path.join(home, "locks", "ipu0.lock")).st_uid == OTHER
     with pytest.raises(UnsafePathError, match=rf"^the emulator home {home} is writable by other "
                                               r"users \(mode 777\); refusing to write in it: "
                                               rf"run 'chmod go-w {home}'"):
@@ -95,7 +87,7 @@ def test_a_lock_planted_by_another_user_in_a_shared_home_is_never_opened(shared,
 @as_root
 def test_a_home_made_by_another_user_is_refused(shared):
     home = os.path.join(shared, "theirs")
-    as_other_user((os.mkdir, home, 0o755))
+    as_other_user(["mkdir", "-m", "755", home])
     with pytest.raises(UnsafePathError, match=rf"the emulator home {home} belongs to uid {OTHER}"):
         IpuLocks.try_acquire(os.path.join(home, "locks"), (0,))
     assert os.listdir(home) == []
@@ -106,7 +98,7 @@ def test_a_home_that_is_another_users_symlink_is_refused(shared, tmp_path):
     ours = tmp_path / "ours"
     ours.mkdir(mode=0o700)
     home = os.path.join(shared, "home")
-    as_other_user((os.symlink, str(ours), home))
+    as_other_user(["ln", "-s", str(ours), home])
     with pytest.raises(UnsafePathError, match=rf"the emulator home {home} is a symlink or not "
                                               r"a folder; refusing to follow it"):
         IpuLocks.try_acquire(os.path.join(home, "locks"), (0,))
@@ -169,8 +161,8 @@ def test_a_log_past_its_limit_is_rotated_once(tmp_path, monkeypatch):
 def test_a_trace_into_a_shared_folder_replaces_planted_links(shared, precious):
     path = os.path.join(shared, "t.json")
     # the other user plants the final name and the old temporary name pattern
-    as_other_user((os.symlink, str(precious), path),
-                  (os.symlink, str(precious), f"{path}.{os.getpid()}.tmp"))
+    as_other_user(["ln", "-s", str(precious), path],
+                  ["ln", "-s", str(precious), f"{path}.{os.getpid()}.tmp"])
     trace_session.write({"traceEvents": [{"ph": "M", "pid": 1}]}, path)
     _intact(precious)
     st = os.lstat(path)
