@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from ipu_emulator import safe_files
-from ipu_emulator.errors import SystemConfigError
+from ipu_emulator.errors import SystemConfigError, UnsafePathError
 from ipu_emulator.settings import IpuSettings
 from shm import limits
 from shm.errors import echo
@@ -134,38 +134,39 @@ def private_dir(path: str) -> str:
 
     For a home in a shared folder such as /tmp, where another user could have made
     the name first: a symlink, or a folder owned by another user, is refused
-    (``SystemConfigError``); our own folder that others may write is made 0700.
+    (``SystemConfigError``, from ``safe_files``' checks); our own folder that others may
+    write is made 0700 (on its descriptor).
     """
-    uid = os.getuid()
-    for _ in range(2):
+    for attempt in range(2):
         try:
-            os.mkdir(path, 0o700)
-        except FileExistsError:
-            pass
+            os.close(safe_files.open_private_dir(path, what="emulator home"))
+            return path
+        except UnsafePathError as exc:
+            if attempt == 0 and _make_private(path):
+                continue
+            raise SystemConfigError(f"{exc}; or set IPU_EMULATOR_HOME") from None
         except OSError as exc:
             raise SystemConfigError(f"cannot create the emulator home {echo(path, 200)}: "
                                     f"{exc.strerror or exc}; set IPU_EMULATOR_HOME") from None
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:   # removed between the two calls: once more
-            continue
-        break
-    else:
-        raise SystemConfigError(f"the emulator home {echo(path, 200)} keeps disappearing; set "
-                                "IPU_EMULATOR_HOME")
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise SystemConfigError(f"the emulator home {echo(path, 200)} is not a folder (a symlink or "
-                                "file someone else may have put there); remove it or set "
-                                "IPU_EMULATOR_HOME")
-    if st.st_uid != uid:
-        raise SystemConfigError(f"the emulator home {echo(path, 200)} belongs to uid {st.st_uid}, not "
-                                f"to this user (uid {uid}); refusing to share it: remove it "
-                                "or set IPU_EMULATOR_HOME")
-    if st.st_mode & 0o022:
+    raise AssertionError("unreachable")   # pragma: no cover
+
+
+def _make_private(path: str) -> bool:
+    """Our own folder at ``path`` that others may write made 0700; True if it was."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid() or not st.st_mode & 0o022:
+            return False
         _log.warning("the emulator home %s was writable by others (mode %o): made 0700",
                      path, stat.S_IMODE(st.st_mode))
-        os.chmod(path, 0o700)
-    return path
+        os.fchmod(fd, 0o700)
+        return True
+    finally:
+        os.close(fd)
 
 
 def _parse_int(name: str, text: object) -> int:
