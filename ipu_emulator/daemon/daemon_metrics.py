@@ -1,6 +1,6 @@
 """The daemon's ``/metrics`` (``ipu-emulator daemon --metrics-port PORT``).
 
-Served by ``prometheus_client``'s HTTP server on its own thread, from a
+Served by ``MetricsServer`` (a fixed set of threads, silent clients dropped), from a
 registry of the daemon's own (never the default one). The pool's state is
 read at scrape time from the daemon's objects (plain attribute reads; the
 event loop owns every change); events are counted by small hooks in the
@@ -195,8 +195,9 @@ class _PooledServer(WSGIServer):
 class MetricsServer:
     """``/metrics`` of ``registry`` over HTTP at ``address:port`` (0: a free port), served
     until ``close()`` by a fixed set of threads (``_PooledServer``); a client silent for
-    ``_Quiet.timeout`` seconds is dropped, and connections beyond the bounds are closed (``prometheus_client.start_http_server``
-    starts a thread per connection, without a cap)."""
+    ``_Quiet.timeout`` seconds is dropped, and connections beyond the bounds are closed
+    (``prometheus_client.start_http_server`` starts a thread per connection, without a
+    cap)."""
 
     def __init__(self, registry: CollectorRegistry, port: int, address: str = "127.0.0.1"
                  ) -> None:
