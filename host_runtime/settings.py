@@ -71,7 +71,7 @@ class HostSettings(IpuSettings):
         "stopped or stuck peer) before it fails with a named error (modelled on Poplar's "
         "`target.hostSyncTimeout`)", when=f"{_HOST}, or a queue")
     daemon: str | None = knob(
-        None, "IPU_EMULATOR_DAEMON", text(),
+        None, "IPU_EMULATOR_DAEMON", text(shown="a socket's path"),
         "socket of a daemon whose IPUs a `DeviceManager` attaches (`DeviceManager(daemon=...)` "
         "for one)", when=EACH_USE, shown="none: IPU processes of your own")
 

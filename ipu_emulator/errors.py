@@ -19,6 +19,8 @@ Classes are chosen by cause:
 - ``ForkserverError``: the template process that forks IPU processes cannot
   start or fork (the launcher then starts them fresh).
 - ``MetricsServeError``: ``/metrics`` cannot listen where asked.
+- ``UnsafePathError``: a folder or file the emulator would write is a symlink,
+  belongs to another user or is writable by others (``ipu_emulator.safe_files``).
 
 Every class derives from ``IpuEmulatorError`` (and from the builtin that fits
 its cause, so ``except ValueError`` keeps working). The modules that raise
@@ -47,6 +49,7 @@ __all__ = [
     "ForkserverError",
     "describe_returncode",
     "MetricsServeError",
+    "UnsafePathError",
 ]
 
 
@@ -120,6 +123,12 @@ class ForkserverError(IpuEmulatorError, RuntimeError):
 
 class MetricsServeError(IpuEmulatorError, RuntimeError):
     """``/metrics`` cannot listen where asked (port in use, bad address)."""
+
+
+class UnsafePathError(IpuEmulatorError, PermissionError):
+    """A folder or file the emulator would write is a symlink, belongs to another user, or
+    is writable by other users; the message names the path and the fix. Nothing was
+    written through it."""
 
 
 def describe_returncode(rc: int | None) -> str:

@@ -196,9 +196,10 @@ def _read_file(path: str, source: str) -> Any:
     try:
         with open(path, encoding="utf-8") as f:
             raw = f.read(1 << 20)
-    except OSError as exc:
+    except (OSError, ValueError, UnicodeDecodeError) as exc:   # ValueError: a NUL in the name
+        why = exc.strerror if isinstance(exc, OSError) else str(exc)
         raise FaultSpecError(f"{source}={path!r}: neither JSON text (it starts with '[' or "
-                             f"'{{') nor a readable file: {exc.strerror}") from None
+                             f"'{{') nor a readable file: {why}") from None
     if path.endswith((".yaml", ".yml")):
         from ipu_emulator.errors import ConfigYamlError
         from ipu_emulator.yaml_config import load_yaml_text

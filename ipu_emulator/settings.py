@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ipu_emulator.faults import setting as _faults_setting
-from shm.settings import (EACH_USE, ShmSettings, choice, flag, integer, knob, level, micros,
-                          seconds, text)
+from shm.settings import (EACH_USE, ShmSettings, accepts, choice, flag, integer, knob, level,
+                          micros, seconds, text)
 
 __all__ = ["IpuSettings", "IPU_VERSION_NAMES"]
 
@@ -79,12 +79,12 @@ class IpuSettings(ShmSettings):
         "how long a daemon's reset of an IPU between hosts may take before it restarts the "
         "IPU process", when=_DAEMON)
     faults: str = knob(
-        "", "IPU_EMULATOR_FAULTS", _faults_setting,
+        "", "IPU_EMULATOR_FAULTS", accepts("JSON, or a file's path")(_faults_setting),
         "faults to inject (JSON text, or the path of a JSON or YAML file; see "
         "`docs/faults.md`): a bad one is refused naming the fault, the field and the value",
         when="a runner or session is made; the daemon starts", shown="none")
     trace: str | None = knob(
-        None, "IPU_EMULATOR_TRACE", text(),
+        None, "IPU_EMULATOR_TRACE", text(shown="a file's path"),
         "record a timeline of the host and its IPU processes into this file (Chrome trace "
         "JSON, written at exit; `%p`: the process's pid); see docs/tracing.md",
         when="the program first uses the runtime (imports `host_runtime.devices`)",
@@ -95,12 +95,13 @@ class IpuSettings(ShmSettings):
         "each in an IPU process's shared memory)", when="tracing starts")
     # -- which machine (read at each use, by ipu_emulator.system) --
     home: str | None = knob(
-        None, "IPU_EMULATOR_HOME", text(),
+        None, "IPU_EMULATOR_HOME", text(r"/.*", "an absolute path (starting with /)",
+                                         "an absolute path"),
         "the machine's folder: lock files, IPU process logs, the daemon's socket (must be "
         "your own folder)", when=EACH_USE,
         shown="`~/.ipu_emulator`, else `/tmp/ipu_emulator-<uid>`")
     config: str | None = knob(
-        None, "IPU_EMULATOR_CONFIG", text(),
+        None, "IPU_EMULATOR_CONFIG", text(shown="a file's path"),
         "YAML file of the machine: `num_ipus`, `ipu_version`, `tiles_per_ipu`, "
         "`memory_per_tile`, `compute_threads` (the variables below override it)",
         when=EACH_USE, shown="none")

@@ -40,7 +40,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Mapping
 
-from ipu_emulator.errors import SystemConfigError
+from ipu_emulator import safe_files
+from ipu_emulator.errors import SystemConfigError, UnsafePathError
 from ipu_emulator.settings import IpuSettings
 from shm import limits
 from shm.errors import echo
@@ -113,10 +114,15 @@ def _read(name: str, environ: Mapping[str, str] | None) -> object:
 
 
 def emulator_home(environ: Mapping[str, str] | None = None) -> str:
-    """``$IPU_EMULATOR_HOME``, else ``~/.ipu_emulator`` if usable, else ``/tmp/ipu_emulator-<uid>``."""
+    """``$IPU_EMULATOR_HOME`` (an absolute path: a relative one is refused by its knob;
+    empty means unset), else
+    ``~/.ipu_emulator`` if usable, else ``/tmp/ipu_emulator-<uid>``. Every folder the
+    emulator writes in the home, and the home itself, is checked when it is written
+    (``ipu_emulator.safe_files``): a symlink, a folder of another user or one others
+    may write is refused with ``UnsafePathError``."""
     home = _read("home", environ)
     if isinstance(home, str) and home:
-        return os.path.abspath(home)
+        return os.path.normpath(home)
     user_home = os.path.expanduser("~")
     if user_home and user_home != "~" and os.access(user_home, os.W_OK):
         return os.path.join(user_home, ".ipu_emulator")
@@ -128,38 +134,39 @@ def private_dir(path: str) -> str:
 
     For a home in a shared folder such as /tmp, where another user could have made
     the name first: a symlink, or a folder owned by another user, is refused
-    (``SystemConfigError``); our own folder that others may write is made 0700.
+    (``SystemConfigError``, from ``safe_files``' checks); our own folder that others may
+    write is made 0700 (on its descriptor).
     """
-    uid = os.getuid()
-    for _ in range(2):
+    for attempt in range(2):
         try:
-            os.mkdir(path, 0o700)
-        except FileExistsError:
-            pass
+            os.close(safe_files.open_private_dir(path, what="emulator home"))
+            return path
+        except UnsafePathError as exc:
+            if attempt == 0 and _make_private(path):
+                continue
+            raise SystemConfigError(f"{exc}; or set IPU_EMULATOR_HOME") from None
         except OSError as exc:
             raise SystemConfigError(f"cannot create the emulator home {echo(path, 200)}: "
                                     f"{exc.strerror or exc}; set IPU_EMULATOR_HOME") from None
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:   # removed between the two calls: once more
-            continue
-        break
-    else:
-        raise SystemConfigError(f"the emulator home {echo(path, 200)} keeps disappearing; set "
-                                "IPU_EMULATOR_HOME")
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise SystemConfigError(f"the emulator home {echo(path, 200)} is not a folder (a symlink or "
-                                "file someone else may have put there); remove it or set "
-                                "IPU_EMULATOR_HOME")
-    if st.st_uid != uid:
-        raise SystemConfigError(f"the emulator home {echo(path, 200)} belongs to uid {st.st_uid}, not "
-                                f"to this user (uid {uid}); refusing to share it: remove it "
-                                "or set IPU_EMULATOR_HOME")
-    if st.st_mode & 0o022:
+    raise AssertionError("unreachable")   # pragma: no cover
+
+
+def _make_private(path: str) -> bool:
+    """Our own folder at ``path`` that others may write made 0700; True if it was."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid() or not st.st_mode & 0o022:
+            return False
         _log.warning("the emulator home %s was writable by others (mode %o): made 0700",
                      path, stat.S_IMODE(st.st_mode))
-        os.chmod(path, 0o700)
-    return path
+        os.fchmod(fd, 0o700)
+        return True
+    finally:
+        os.close(fd)
 
 
 def _parse_int(name: str, text: object) -> int:
@@ -236,13 +243,19 @@ def _lock_path(lock_dir: str, ipu: int) -> str:
     return os.path.join(lock_dir, f"ipu{ipu}.lock")
 
 
-def _read_holder(path: str) -> int | None:
+def _read_holder(dir_fd: int, name: str) -> int | None:
     try:
-        with open(path, "r", encoding="ascii") as f:
-            text = f.read(32).strip()
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     dir_fd=dir_fd)
+    except OSError:
+        return None
+    try:
+        text = os.read(fd, 32).decode("ascii", "replace").strip()
         return int(text) if text.isdigit() else None
     except OSError:
         return None
+    finally:
+        os.close(fd)
 
 
 # Locks held by this process, for the fork hook below.
@@ -282,23 +295,28 @@ class IpuLocks:
     @classmethod
     def try_acquire(cls, lock_dir: str, ipus: tuple[int, ...]) -> "IpuLocks | dict[int, int | None]":
         """The locks, or if any IPU is held: ``{ipu: holder pid or None}`` of the busy ones."""
-        os.makedirs(lock_dir, mode=0o700, exist_ok=True)
         fds: list[int] = []
         busy: dict[int, int | None] = {}
+        dir_fd = -1
         try:
             # out of descriptors at the second lock file: the first is closed again (its
             # IPU would stay held for the life of this process), and the error is named
             with limits.named_errors(f"opening the lock files of ipus {list(ipus)} in {lock_dir}"):
+                # the folder (and the home above it) checked: ours, private, no symlink;
+                # each lock file opened O_NOFOLLOW relative to it
+                dir_fd = safe_files.open_private_dir(lock_dir, what="lock folder",
+                                                     check_parent=True)
                 for ipu in ipus:
-                    path = _lock_path(lock_dir, ipu)
-                    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                    name = os.path.basename(_lock_path(lock_dir, ipu))
+                    fd = safe_files.open_in(dir_fd, name, os.O_RDWR | os.O_CREAT, 0o600,
+                                            _lock_path(lock_dir, ipu))
                     try:
                         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     except OSError as exc:
                         os.close(fd)
                         if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
                             raise
-                        busy[ipu] = _read_holder(path)
+                        busy[ipu] = _read_holder(dir_fd, name)
                         continue
                     fds.append(fd)
                 if not busy:
@@ -310,6 +328,9 @@ class IpuLocks:
             for fd in fds:
                 os.close(fd)
             raise
+        finally:
+            if dir_fd >= 0:
+                os.close(dir_fd)
         if busy:
             for fd in fds:  # all or none: closing drops the locks we did get
                 os.close(fd)

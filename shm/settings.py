@@ -25,9 +25,13 @@ environment for them:
 - ``settings.to_env()`` is how the knobs cross into a child process: the launcher
   puts them into an IPU process's environment, where ``current()`` reads them.
 
-A value that does not parse raises :class:`SettingsError` naming the variable,
-the value and what is allowed (``IPU_EMULATOR_RING_SPIN_US='abc': expected a
-number of microseconds (>= 0)``); ``from_env`` reports every bad one at once.
+A value that does not parse, or lies outside its knob's range, raises
+:class:`SettingsError` naming the variable, the value and what is allowed
+(``IPU_EMULATOR_RING_SPIN_US='1e20': expected a number of microseconds in
+0..10000``); ``from_env`` reports every bad one at once. Every number is bounded:
+spin budgets by ``MAX_SPIN_US``, timeouts by ``MIN_TIMEOUT``..``MAX_TIMEOUT``,
+integers by their knob's range; NaN and infinities are refused. An empty variable
+means the knob's default, as an unset one does.
 
 ``python -m host_runtime.settings`` prints README.md's table of every knob
 (:func:`readme_table`; tests/unit/test_settings.py checks that README.md holds it).
@@ -47,7 +51,8 @@ from typing import Any, Callable, ClassVar, Iterator, Mapping, NamedTuple, TypeV
 from .errors import echo
 
 __all__ = ["Settings", "ShmSettings", "SettingsError", "Knob", "knob", "override", "readme_table",
-           "EACH_USE", "flag", "micros", "seconds", "level", "text", "integer", "choice"]
+           "EACH_USE", "flag", "micros", "seconds", "level", "text", "integer", "choice",
+           "accepted", "accepts", "MAX_SPIN_US", "MIN_TIMEOUT", "MAX_TIMEOUT"]
 
 _S = TypeVar("_S", bound="Settings")
 
@@ -66,10 +71,27 @@ _FALSE = ("0", "false", "no", "off")
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
+_ALLOWED: dict[Callable[[str, str], Any], str] = {}   # parser -> what it accepts (README)
+
+
+def accepted(parse: Callable[[str, str], Any]) -> str:
+    """What ``parse`` accepts, as README's table says it."""
+    return _ALLOWED.get(parse, "")
+
+
+def accepts(what: str) -> Callable[[Callable[[str, str], Any]], Callable[[str, str], Any]]:
+    """Decorator of a parser: README's table says it accepts ``what``."""
+    def register(parse: Callable[[str, str], Any]) -> Callable[[str, str], Any]:
+        _ALLOWED[parse] = what
+        return parse
+    return register
+
+
 def _bad(var: str, value: object, allowed: str) -> SettingsError:
     return SettingsError(f"{var}={echo(value)}: expected {allowed}")
 
 
+@accepts("`0`/`1` (`true`/`false`, `yes`/`no`, `on`/`off`)")
 def flag(var: str, text: str) -> bool:
     """``1``/``0`` (or true/false, yes/no, on/off)."""
     low = text.strip().lower()
@@ -80,26 +102,35 @@ def flag(var: str, text: str) -> bool:
     raise _bad(var, text, "0 or 1 (or true/false, yes/no, on/off)")
 
 
-def _number(var: str, text: str, what: str, positive: bool) -> float:
+MAX_SPIN_US = 10_000.0
+"""The longest spin or poll budget a knob takes: 10 ms (a spin burns a CPU)."""
+MIN_TIMEOUT, MAX_TIMEOUT = 0.001, 86_400.0
+"""The shortest and longest timeout a knob takes: 1 ms and a day."""
+
+
+def _number(var: str, text: str, what: str, lo: float, hi: float) -> float:
     try:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not math.isfinite(value) or value < 0 or (positive and value == 0):
-        raise _bad(var, text, f"a number of {what} ({'> 0' if positive else '>= 0'})")
+    if not math.isfinite(value) or not lo <= value <= hi:
+        raise _bad(var, text, f"a number of {what} in {lo:g}..{hi:g}")
     return value
 
 
+@accepts(f"0..{MAX_SPIN_US:g} µs")
 def micros(var: str, text: str) -> float:
-    """A number of microseconds, >= 0."""
-    return _number(var, text, "microseconds", positive=False)
+    """A number of microseconds in 0..``MAX_SPIN_US``."""
+    return _number(var, text, "microseconds", 0.0, MAX_SPIN_US)
 
 
+@accepts(f"{MIN_TIMEOUT:g}..{MAX_TIMEOUT:g} s")
 def seconds(var: str, text: str) -> float:
-    """A number of seconds, > 0."""
-    return _number(var, text, "seconds", positive=True)
+    """A number of seconds in ``MIN_TIMEOUT``..``MAX_TIMEOUT``."""
+    return _number(var, text, "seconds", MIN_TIMEOUT, MAX_TIMEOUT)
 
 
+@accepts("`DEBUG`, `INFO`, `WARNING`, `ERROR`, `CRITICAL`")
 def level(var: str, text: str) -> str:
     """A logging level name (any case)."""
     name = text.strip().upper()
@@ -108,14 +139,16 @@ def level(var: str, text: str) -> str:
     return name
 
 
-def text(pattern: str = "", allowed: str = "") -> Callable[[str, str], str]:
-    """A parser of text matching ``pattern`` (any text if empty), described as ``allowed``."""
+def text(pattern: str = "", allowed: str = "", shown: str = "") -> Callable[[str, str], str]:
+    """A parser of text matching ``pattern`` (any text if empty), described as ``allowed``
+    in errors and as ``shown`` (default ``allowed``) in README's table."""
     compiled = re.compile(pattern) if pattern else None
 
     def parse(var: str, value: str) -> str:
         if compiled is not None and not compiled.fullmatch(value):
             raise _bad(var, value, allowed)
         return value
+    _ALLOWED[parse] = shown or allowed or "any text"
     return parse
 
 
@@ -134,9 +167,10 @@ def integer(lo: int, hi: int, units: bool = False) -> Callable[[str, str], int]:
                 if low.endswith(suffix):
                     low, factor = low[:-len(suffix)].strip(), f
                     break
-        if not low.isdigit() or not lo <= int(low) * factor <= hi:
+        if not low.isdigit() or len(low) > 24 or not lo <= int(low) * factor <= hi:
             raise _bad(var, value, allowed)
         return int(low) * factor
+    _ALLOWED[parse] = f"{lo}..{hi}"
     return parse
 
 
@@ -147,6 +181,7 @@ def choice(values: Mapping[str, str]) -> Callable[[str, str], str]:
         if found is None:
             raise _bad(var, value, f"one of {', '.join(values)}")
         return found
+    _ALLOWED[parse] = ", ".join(f"`{v}`" for v in values)
     return parse
 
 
@@ -397,5 +432,5 @@ def readme_table(cls: type[Settings]) -> str:
     """The rows of README.md's table of ``cls``'s knobs (``python -m host_runtime.settings``
     prints the host's, which are all of them)."""
     ordered = sorted(cls.knobs(), key=lambda k: k.when != EACH_USE)   # "at once" ones first
-    return "\n".join(f"| `{k.env}` | {k.doc} | {k.default_text()} | {k.when} |"
-                     for k in ordered)
+    return "\n".join(f"| `{k.env}` | {k.doc} | {k.default_text()} | {accepted(k.parse)} "
+                     f"| {k.when} |" for k in ordered)

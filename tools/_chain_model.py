@@ -68,8 +68,9 @@ def write_shard_yaml(path: "str | os.PathLike[str]", layers: int, ipus: int,
     doc: dict[str, Any] = {"sharding_info": sharding}
     if stages:
         doc["pipelining_info"] = stages
-    with open(path, "w", encoding="utf-8") as f:
-        yaml.safe_dump(doc, f)
+    from ipu_emulator import safe_files   # never through a link at path
+
+    safe_files.write_atomic(path, yaml.safe_dump(doc).encode("utf-8"))
     return os.fspath(path)
 
 

@@ -3,7 +3,9 @@
 The host runs the example model under a seeded schedule of injected faults of every
 kind (``ipu_emulator.faults``), one request at a time so that the schedule is
 replayed exactly, twice: with ``auto_reset`` on, then off; then the pipelined model
-(2 IPUs) with ``link_down``. Each answer is counted:
+(2 IPUs) with ``link_down``. With ``--duration`` such rounds (each with a schedule of
+its own) repeat until it ends; with ``--requests`` one round runs. Each answer is
+counted:
 
 - *right*: no fault (other than ``slow``) fired on it, and its value is numpy's;
 - *failed as expected*: it failed with the class the fault that fired on it must
@@ -203,54 +205,59 @@ def run_faults(spec: dict[str, Any], tally: Any, check: Callable[[Any, np.ndarra
         got = runner.execute({"tensor_A": a, "tensor_B": b})["tensor_C"]
         check(got, a * weights + b, "faults")
 
-    for auto_reset in (True, False):
-        schedule = _schedule(rng, per_phase)
+    while True:   # rounds until --duration ends (one round with --requests)
+        for auto_reset in (True, False):
+            schedule = _schedule(rng, per_phase)
 
-        def make(auto_reset: bool = auto_reset) -> Any:
-            cfg = mr.ModelRunnerConfig()
-            cfg.auto_reset = auto_reset
-            cfg.device_wait_config = wait
-            with settings.override(host_sync_timeout=_SYNC):
-                return mr.ModelRunner(spec["model"], config=cfg)
-        plan = faults.FaultPlan(schedule)
-        with plan:
-            phase = _Phase(tally, make, plan, simple, hang, extra)
-        try:
-            n = max(per_phase, max(f.get("after", 0) for f in schedule) + 4)
-            for _ in range(n):
-                if time.time() >= deadline:
-                    break
-                phase.step(auto_reset)
-        finally:
-            phase.close()
-            plan.close()
-    if spec.get("pipeline_model") and time.time() < deadline:
-        import onnx
-        import onnxruntime as ort
+            def make(auto_reset: bool = auto_reset) -> Any:
+                cfg = mr.ModelRunnerConfig()
+                cfg.auto_reset = auto_reset
+                cfg.device_wait_config = wait
+                with settings.override(host_sync_timeout=_SYNC):
+                    return mr.ModelRunner(spec["model"], config=cfg)
+            plan = faults.FaultPlan(schedule)
+            with plan:
+                phase = _Phase(tally, make, plan, simple, hang, extra)
+            try:
+                n = max(per_phase, max(f.get("after", 0) for f in schedule) + 4)
+                for _ in range(n):
+                    if time.time() >= deadline:
+                        break
+                    phase.step(auto_reset)
+            finally:
+                phase.close()
+                plan.close()
+        if spec.get("pipeline_model") and time.time() < deadline:
+            import onnx
+            import onnxruntime as ort
 
-        ref = ort.InferenceSession(onnx.load(spec["pipeline_onnx"]).SerializeToString(),
-                                   providers=["CPUExecutionProvider"])
+            ref = ort.InferenceSession(onnx.load(spec["pipeline_onnx"]).SerializeToString(),
+                                       providers=["CPUExecutionProvider"])
 
-        def pipelined(runner: Any) -> None:
-            x = nrng.standard_normal((4, 64)).astype(np.float32)
-            got = runner.execute({"x": x})["y"]
-            check(got, np.asarray(ref.run(None, {"x": x})[0]), "faults pipeline")
+            def pipelined(runner: Any) -> None:
+                x = nrng.standard_normal((4, 64)).astype(np.float32)
+                got = runner.execute({"x": x})["y"]
+                check(got, np.asarray(ref.run(None, {"x": x})[0]), "faults pipeline")
 
-        def make_pipeline() -> Any:
-            cfg = mr.ModelRunnerConfig()
-            cfg.auto_reset = True
-            cfg.device_wait_config = wait
-            with settings.override(host_sync_timeout=_SYNC):
-                return mr.ModelRunner(spec["pipeline_model"], config=cfg)
-        plan = faults.FaultPlan([{"kind": "link_down", "after": rng.randrange(1, 3)}])
-        with plan:
-            phase = _Phase(tally, make_pipeline, plan, pipelined, hang, extra)
-        try:
-            for _ in range(6):
-                phase.step(True)
-        finally:
-            phase.close()
-            plan.close()
+            def make_pipeline() -> Any:
+                cfg = mr.ModelRunnerConfig()
+                cfg.auto_reset = True
+                cfg.device_wait_config = wait
+                with settings.override(host_sync_timeout=_SYNC):
+                    return mr.ModelRunner(spec["pipeline_model"], config=cfg)
+            plan = faults.FaultPlan([{"kind": "link_down", "after": rng.randrange(1, 3)}])
+            with plan:
+                phase = _Phase(tally, make_pipeline, plan, pipelined, hang, extra)
+            try:
+                for _ in range(6):
+                    if time.time() >= deadline:
+                        break
+                    phase.step(True)
+            finally:
+                phase.close()
+                plan.close()
+        if spec.get("duration") is None or time.time() >= deadline:
+            break
     with tally.lock:
         tally.cycles += extra["injected"]
     return extra

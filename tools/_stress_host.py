@@ -672,8 +672,10 @@ class _Host:
         """The faults scenario (tools._stress_faults): one thread, the schedule replayed."""
         from tools._stress_faults import run_faults
 
-        # its length is its requests (the schedule's), not --duration: a cap only
-        self.deadline = time.time() + float(self.spec["max_seconds"])
+        # --duration: rounds of schedules until it ends; else one round, capped
+        duration = self.spec.get("duration")
+        self.deadline = time.time() + float(duration if duration is not None
+                                            else self.spec["max_seconds"])
         _say(f"READY {self.deadline}")
         faulthandler.dump_traceback_later(
             max(0.0, self.deadline - time.time()) + self.hang + 60.0, file=sys.stderr)

@@ -1,7 +1,10 @@
 """``ipu-emulator``: one command with subcommands (cleanup, demo, daemon, ...).
 
 Each subcommand lives in its own module of ``tools`` with a ``main(argv)``
-function; this file only dispatches, so importing it is cheap.
+function; this file only dispatches, so importing it is cheap. An error a
+subcommand does not report itself (the project's named errors, ``OSError``) is
+printed as ``ipu-emulator NAME: error: ...`` without a traceback: exit status 2
+for a bad input or setting (a ``ValueError``), 1 for anything else, 130 for Ctrl-C.
 """
 
 from __future__ import annotations
@@ -31,7 +34,37 @@ def main(argv: list[str] | None = None) -> int:
               + ", ".join(sorted(_SUBCOMMANDS)), file=sys.stderr)
         return 2
     module = importlib.import_module(_SUBCOMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    try:
+        return int(module.main(rest) or 0)
+    except KeyboardInterrupt:
+        print(f"ipu-emulator {name}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if not _named(exc):
+            raise   # a bug: its traceback is what helps
+        print(f"ipu-emulator {name}: error: {describe(exc)}", file=sys.stderr)
+        return 2 if isinstance(exc, ValueError) else 1
+
+
+def _named(exc: BaseException) -> bool:
+    """An error the project raises on purpose (its message says what and how to fix it),
+    or one of the operating system's."""
+    from host_runtime.errors import ModelRuntimeError
+    from ipu_emulator.errors import IpuEmulatorError
+    from shm.errors import ShmError
+    from shm.settings import SettingsError
+
+    return isinstance(exc, (IpuEmulatorError, ModelRuntimeError, ShmError, SettingsError,
+                            OSError))
+
+
+def describe(exc: BaseException) -> str:
+    """``exc`` in one line: an OSError as ``PATH: reason``, others as their message."""
+    if isinstance(exc, OSError) and exc.strerror and exc.filename is not None:
+        return f"{exc.filename}: {exc.strerror}"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return str(exc) or type(exc).__name__
 
 
 if __name__ == "__main__":

@@ -345,17 +345,16 @@ def run_demo(workdir: str, verbose: bool = False) -> int:
 def _sharded_mode(workdir: str, demo: _Demo, pipelined: bool) -> None:
     """poprt --num_ipus 2 --manual_sharding_config ... [--enable_pipelining], then
     ModelRunner with 8 requests in flight, compared with onnxruntime in this process."""
-    import onnx
-
     from host_runtime import ModelRunner
     from tools import poprt
+    from ipu_emulator import safe_files
     from tools._chain_model import chain_model, reference, write_shard_yaml
 
     name = "pipelined" if pipelined else "sharded"
     folder = os.path.join(workdir, name)
     os.makedirs(folder, exist_ok=True)
     model = chain_model(8, width=64, batch=4, seed=5)
-    onnx.save(model, os.path.join(folder, "chain.onnx"))
+    safe_files.write_atomic(os.path.join(folder, "chain.onnx"), model.SerializeToString())
     shard = write_shard_yaml(os.path.join(folder, "shard.yaml"), 8, 2, pipelined)
     argv = ["--input_model", os.path.join(folder, "chain.onnx"), "--num_ipus", "2",
             "--manual_sharding_config", shard, "--batches_per_step", "2" if pipelined else "1",

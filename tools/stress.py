@@ -463,17 +463,20 @@ def _serve_metrics(live: LiveStats, port: int, address: str) -> Any:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     opts = parser.parse_args(argv)
-    for name in ("hosts", "threads", "replicas"):
-        if getattr(opts, name) < 1:
-            parser.error(f"--{name} must be at least 1, got {getattr(opts, name)}")
+    for name, hi in (("hosts", 64), ("threads", 256), ("replicas", 64),
+                     ("requests", 1 << 40)):
+        value = getattr(opts, name)
+        if value is not None and not 1 <= value <= hi:
+            parser.error(f"--{name} must be in 1..{hi}, got {value}")
+    for name in ("duration", "hang_timeout", "max_seconds"):
+        value = getattr(opts, name)
+        if value is not None and not 0 < value <= 86400:   # NaN fails too
+            parser.error(f"--{name.replace('_', '-')} must be in (0, 86400] seconds, "
+                         f"got {value}")
     if "kill-host" in (opts.scenario or ()) and opts.hosts < 2:
         parser.error(f"kill-host needs --hosts 2 or more (one host always runs), got {opts.hosts}")
-    if opts.requests is not None and opts.requests < 1:
-        parser.error(f"--requests must be at least 1, got {opts.requests}")
     if opts.duration is None and opts.requests is None:
         opts.duration = 20.0
-    if opts.duration is not None and opts.duration <= 0:
-        parser.error(f"--duration must be positive, got {opts.duration}")
     if opts.metrics_port is not None and not 0 <= opts.metrics_port <= 65535:
         parser.error(f"--metrics-port must be in 0..65535, got {opts.metrics_port}")
     if opts.seed is None:

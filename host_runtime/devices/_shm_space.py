@@ -20,6 +20,7 @@ from shm import FileSizeLimitError, OutOfFileDescriptorsError, Region, ShmError,
 
 from host_runtime.errors import ResourceLimitError, SharedMemoryFullError
 from ipu_emulator import ipu_protocol
+from ipu_emulator.errors import UnsafePathError
 
 __all__ = ["SHM_DIR", "ring_bytes", "check_room", "translated", "free_bytes"]
 
@@ -73,6 +74,8 @@ def translated(what: str, nbytes: int) -> Iterator[None]:
     try:
         yield
     except (ShmError, OSError, ValueError, MemoryError) as exc:
+        if isinstance(exc, UnsafePathError):   # a planted link, not a full /dev/shm
+            raise
         named: BaseException | None = exc
         if not isinstance(exc, (OutOfFileDescriptorsError, FileSizeLimitError, ShmFullError)):
             named = limits.named_error(exc, f"creating {what}", nbytes)

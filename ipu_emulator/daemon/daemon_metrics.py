@@ -1,6 +1,6 @@
 """The daemon's ``/metrics`` (``ipu-emulator daemon --metrics-port PORT``).
 
-Served by ``prometheus_client``'s HTTP server on its own thread, from a
+Served by ``MetricsServer`` (a fixed set of threads, silent clients dropped), from a
 registry of the daemon's own (never the default one). The pool's state is
 read at scrape time from the daemon's objects (plain attribute reads; the
 event loop owns every change); events are counted by small hooks in the
@@ -39,11 +39,15 @@ process used (read from /proc).
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import queue
+import selectors
+import socket
 import threading
 import time
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
-import socketserver
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import psutil
@@ -71,22 +75,133 @@ _WAITERS_KEPT = 4096   # hosts answered busy and not attached since (oldest drop
 
 
 class _Quiet(WSGIRequestHandler):
+    timeout = 5.0   # seconds a client may stay silent (half-open, slow): then it is dropped
+
     def log_message(self, format: str, *args: Any) -> None:
         pass
 
 
-class _ThreadingServer(socketserver.ThreadingMixIn, WSGIServer):
-    daemon_threads = True
+class _PooledServer(WSGIServer):
+    """A WSGI server with a fixed set of threads however many clients connect.
+
+    The accepting thread (``serve_forever``) hands each new connection to one sorting
+    thread, which waits (``selectors``) until the client has sent something: a
+    connection silent for ``_Quiet.timeout`` seconds is closed there, and past
+    ``MAX_PENDING`` waiting connections the oldest is closed. A connection with data
+    goes to one of ``WORKERS`` threads, which serve it with the handler's timeout
+    (a slow client is dropped after it); past ``BACKLOG`` connections waiting for a
+    worker, the new one is closed. Threads: 1 + 1 + ``WORKERS``, started once."""
+
+    WORKERS = 4
+    BACKLOG = 64
+    MAX_PENDING = 256
+    request_queue_size = 64
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._waiting: queue.Queue[tuple[Any, Any] | None] = queue.Queue(self.BACKLOG)
+        self._workers: list[threading.Thread] = []
+        self._arrived: collections.deque[tuple[Any, Any]] = collections.deque()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._closing = False
+        super().__init__(*args, **kwargs)   # a bind that fails calls server_close()
+        self._workers = [threading.Thread(target=self._work, name=f"metrics-http-{i}",
+                                          daemon=True) for i in range(self.WORKERS)]
+        self._workers.append(threading.Thread(target=self._sort, name="metrics-http-wait",
+                                              daemon=True))
+        for t in self._workers:
+            t.start()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        self._arrived.append((request, client_address))
+        try:
+            self._wake_w.send(b"\0")
+        except OSError:   # the wake-up buffer full: the sorter is awake anyway
+            pass
+
+    def _sort(self) -> None:
+        sel = selectors.DefaultSelector()
+        sel.register(self._wake_r, selectors.EVENT_READ)
+        pending: dict[Any, tuple[Any, float]] = {}   # insertion order: oldest first
+        try:
+            while not self._closing:
+                for key, _ in sel.select(0.05):
+                    if key.fileobj is self._wake_r:
+                        with contextlib.suppress(OSError):
+                            self._wake_r.recv(4096)
+                        continue
+                    request: Any = key.fileobj
+                    sel.unregister(request)
+                    address, _t = pending.pop(request)
+                    try:
+                        self._waiting.put_nowait((request, address))
+                    except queue.Full:   # every worker busy, the backlog full: refused
+                        self.shutdown_request(request)
+                while self._arrived:
+                    request, address = self._arrived.popleft()
+                    if len(pending) >= self.MAX_PENDING:
+                        oldest = next(iter(pending))
+                        sel.unregister(oldest)
+                        del pending[oldest]
+                        self.shutdown_request(oldest)
+                    sel.register(request, selectors.EVENT_READ)
+                    pending[request] = (address, time.monotonic())
+                expired = time.monotonic() - _Quiet.timeout
+                for request in [r for r, (_a, t) in pending.items() if t < expired]:
+                    sel.unregister(request)
+                    del pending[request]
+                    self.shutdown_request(request)
+        finally:
+            for request in pending:
+                self.shutdown_request(request)
+            sel.close()
+
+    def _work(self) -> None:
+        while True:
+            item = self._waiting.get()
+            if item is None:
+                return
+            request, client_address = item
+            try:
+                self.finish_request(request, client_address)
+            except Exception:
+                self.handle_error(request, client_address)
+            finally:
+                self.shutdown_request(request)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass   # a client that vanished or timed out: nothing to report
+
+    def server_close(self) -> None:
+        super().server_close()
+        self._closing = True
+        while True:   # connections still waiting are closed, the workers told to stop
+            try:
+                item = self._waiting.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                self.shutdown_request(item[0])
+        workers = [t for t in self._workers if t.name != "metrics-http-wait"]
+        for _ in workers:
+            self._waiting.put(None)
+        for t in self._workers:
+            t.join(_Quiet.timeout + 1)
+        while self._arrived:
+            self.shutdown_request(self._arrived.popleft()[0])
+        self._wake_r.close()
+        self._wake_w.close()
 
 
 class MetricsServer:
     """``/metrics`` of ``registry`` over HTTP at ``address:port`` (0: a free port), served
-    by a thread of its own until ``close()``. (``prometheus_client.start_http_server``
-    does the same but returns the server only from version 0.19 on.)"""
+    until ``close()`` by a fixed set of threads (``_PooledServer``); a client silent for
+    ``_Quiet.timeout`` seconds is dropped, and connections beyond the bounds are closed
+    (``prometheus_client.start_http_server`` starts a thread per connection, without a
+    cap)."""
 
     def __init__(self, registry: CollectorRegistry, port: int, address: str = "127.0.0.1"
                  ) -> None:
-        self._httpd = make_server(address, port, make_wsgi_app(registry), _ThreadingServer,
+        self._httpd = make_server(address, port, make_wsgi_app(registry), _PooledServer,
                                   handler_class=_Quiet)
         self.address = address
         self.port = int(self._httpd.server_port)

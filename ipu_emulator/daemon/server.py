@@ -45,7 +45,7 @@ from typing import Any
 
 from shm import ExitWatch, pid_alive
 
-from ipu_emulator import titles, trace
+from ipu_emulator import safe_files, titles, trace
 from ipu_emulator.daemon import socket_protocol as wire
 from ipu_emulator.daemon.daemon_metrics import DaemonMetrics
 from ipu_emulator.daemon._pool import PoolError, PooledIpu, remove_objects_of
@@ -62,6 +62,10 @@ _log = logging.getLogger("ipu_emulator.daemon.server")
 _MONITOR = 0.2     # seconds between checks of holders and IPU processes
 _RETRY = 5.0       # seconds between restarts of an IPU process that failed to start
 _EXITS_KEPT = 256  # exit statuses of retired IPU processes kept for exit_status
+MAX_CONNECTIONS = 512   # connections served at once; more are answered "busy" and closed
+FIRST_MESSAGE_TIMEOUT = 10.0   # seconds a new connection may stay silent before its first
+                               # message (later silence is a host holding its IPUs)
+REPLY_TIMEOUT = 10.0    # seconds a reply may wait for a client that does not read
 
 
 
@@ -164,7 +168,10 @@ class Daemon:
                                                          limit=wire.MAX_MESSAGE)
             finally:
                 os.umask(old)
-            os.chmod(self.socket_path, 0o600)
+            st = os.lstat(self.socket_path)   # made 0600 by the umask; never chmod by name
+            if not stat.S_ISSOCK(st.st_mode) or stat.S_IMODE(st.st_mode) & 0o077:
+                raise DaemonError(f"{self.socket_path} was replaced while the daemon made it "
+                                  "(not a private socket); refusing to serve")
             monitor = asyncio.create_task(self._monitor())
             if port is not None:
                 _log.info("serving /metrics at http://%s:%d/metrics", self.metrics.address, port)
@@ -191,7 +198,12 @@ class Daemon:
 
     def _claim_socket_path(self) -> None:
         path = self.socket_path
-        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        folder = os.path.dirname(path)
+        # the home (locks, logs, maybe the socket): ours, private, not a link; checked
+        # before any IPU starts (a named UnsafePathError otherwise)
+        os.close(safe_files.open_private_dir(self.system.home, what="emulator home"))
+        if os.path.normpath(folder) != os.path.normpath(self.system.home):
+            os.makedirs(folder, mode=0o700, exist_ok=True)
         if os.path.lexists(path):
             if not stat.S_ISSOCK(os.lstat(path).st_mode):
                 raise DaemonError(f"{path} exists and is not a socket; choose another --socket")
@@ -246,12 +258,28 @@ class Daemon:
             _log.warning("refusing a connection of uid %d (pid %d)", uid, pid)
             writer.close()
             return
+        if len(self._conns) >= MAX_CONNECTIONS:
+            _log.warning("refusing a connection of pid %d: %d connections open", pid,
+                         len(self._conns))
+            writer.write(wire.encode(_error("overloaded", f"the daemon serves {MAX_CONNECTIONS} "
+                                            "connections at most; try again later")))
+            writer.close()
+            return
         conn = _Conn(pid, writer)
         self._conns.add(conn)
+        first = True
         try:
             while True:
                 try:
-                    line = await reader.readline()
+                    if first:   # a client that connects and says nothing is dropped
+                        line = await asyncio.wait_for(reader.readline(), FIRST_MESSAGE_TIMEOUT)
+                        first = False
+                    else:
+                        line = await reader.readline()
+                except asyncio.TimeoutError:
+                    _log.info("dropping pid %d's connection: silent for %.0f s", pid,
+                              FIRST_MESSAGE_TIMEOUT)
+                    break
                 except (ValueError, asyncio.LimitOverrunError):
                     await self._reply(conn, _error("protocol", f"message longer than "
                                                    f"{wire.MAX_MESSAGE} bytes; closing"))
@@ -278,7 +306,11 @@ class Daemon:
 
     async def _reply(self, conn: _Conn, reply: dict[str, Any]) -> None:
         conn.writer.write(wire.encode(reply))
-        await conn.writer.drain()
+        try:
+            await asyncio.wait_for(conn.writer.drain(), REPLY_TIMEOUT)
+        except asyncio.TimeoutError:
+            raise ConnectionError(f"pid {conn.pid} did not read its reply for "
+                                  f"{REPLY_TIMEOUT:.0f} s") from None
 
     async def _handle(self, conn: _Conn, req: dict[str, Any]) -> dict[str, Any]:
         op = req.get("op")

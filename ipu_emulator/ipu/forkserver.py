@@ -58,7 +58,7 @@ from typing import Any
 
 from shm.liveness import describe_process
 
-from ipu_emulator import titles
+from ipu_emulator import safe_files, titles
 from ipu_emulator.errors import ForkserverError, describe_returncode
 
 __all__ = ["spawn", "prestart", "stop", "ForkedProcess", "ForkserverError", "IMPORT_TIME_ENV",
@@ -96,7 +96,7 @@ class _Template:
         log: Any = subprocess.DEVNULL
         try:
             if log_path:
-                log = open(log_path, "ab")
+                log = safe_files.open_log(log_path)
             self.popen = subprocess.Popen(
                 [sys.executable, "-m", "ipu_emulator.ipu.forkserver", "--fd", str(theirs.fileno()),
                  "--host-pid", str(os.getpid())],
@@ -108,7 +108,7 @@ class _Template:
         finally:
             theirs.close()
             if log is not subprocess.DEVNULL:
-                log.close()
+                os.close(log)
         self.sock = ours
         self._cv = threading.Condition()
         self._replies: dict[int, dict[str, Any]] = {}
@@ -421,7 +421,10 @@ def _child(argv: list[str], env: dict[str, str], log_path: str | None,
             os.chdir(cwd)
         except OSError:
             pass   # gone meanwhile: the IPU process uses absolute paths only
-    fd = os.open(log_path or os.devnull, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        fd = safe_files.open_log(log_path) if log_path else os.open(os.devnull, os.O_WRONLY)
+    except OSError:   # checked by the host a moment ago: changed since, write nowhere
+        fd = os.open(os.devnull, os.O_WRONLY)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.dup2(fd, 1)

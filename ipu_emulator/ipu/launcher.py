@@ -37,7 +37,7 @@ from shm import Ring, RingTimeoutError, limits, naming, process_state
 from shm.settings import ShmSettings
 from shm.tracebuf import TraceBuffer
 
-from ipu_emulator import ipu_protocol
+from ipu_emulator import ipu_protocol, safe_files
 from ipu_emulator.ipu import forkserver
 from ipu_emulator.ipu_protocol import Message, Op
 from ipu_emulator.errors import IpuProcessError, describe_returncode
@@ -316,18 +316,6 @@ class IpuProcess:
         return f"IpuProcess({self.spec.describe()}, pid={self.pid})"
 
 
-_LOG_LIMIT = 4 << 20
-
-
-def _rotate(path: str) -> None:
-    """Keep one previous log: ``ipuN.log`` becomes ``ipuN.log.1`` past 4 MiB."""
-    try:
-        if os.path.getsize(path) > _LOG_LIMIT:
-            os.replace(path, path + ".1")
-    except OSError:
-        pass
-
-
 def _launch_env(s: IpuSettings, extra_env: dict[str, str] | None) -> dict[str, str]:
     env = dict(os.environ)
     env.update(s.to_env())   # the process reads its settings from its environment
@@ -347,7 +335,7 @@ def prestart(*, log_dir: str | None = None, settings: IpuSettings | None = None)
         return
     if log_dir:
         try:
-            os.makedirs(log_dir, mode=0o700, exist_ok=True)
+            os.close(safe_files.open_private_dir(log_dir, what="log folder", check_parent=True))
         except OSError:   # the launch names the problem
             return
     forkserver.prestart(_launch_env(s, None), log_dir)
@@ -379,10 +367,10 @@ def launch_ipu(spec: IpuSpec, *, log_dir: str | None = None,
     log_file: Any = subprocess.DEVNULL
     try:
         if log_dir:
-            os.makedirs(log_dir, mode=0o700, exist_ok=True)
             name = f"ipu{spec.ipu_id}.log" if spec.ipu_id >= 0 else "ipumodel.log"
             log_path = os.path.join(log_dir, name)
-            _rotate(log_path)
+            # checked here (named error in the host), rotated past 4 MiB, never a link
+            log_file = safe_files.open_log(log_path)
         env = _launch_env(s, extra_env)
         argv = ["--ipu-id", str(spec.ipu_id), "--ipu-version", str(spec.ipu_version),
                 "--tiles", str(spec.tiles_per_ipu), "--memory-per-tile", str(spec.memory_per_tile),
@@ -405,8 +393,6 @@ def launch_ipu(spec: IpuSpec, *, log_dir: str | None = None,
         if popen is None:
             # out of descriptors or processes here is named (shm.limits), not a raw OSError
             with limits.named_errors(f"starting the IPU process of {spec.describe()}"):
-                if log_path:
-                    log_file = open(log_path, "ab")
                 popen = subprocess.Popen([sys.executable, "-m", "ipu_emulator", *argv],
                                          stdin=subprocess.DEVNULL, stdout=log_file,
                                          stderr=log_file, env=env, close_fds=True)
@@ -419,7 +405,7 @@ def launch_ipu(spec: IpuSpec, *, log_dir: str | None = None,
         raise
     finally:
         if log_file is not subprocess.DEVNULL:
-            log_file.close()
+            os.close(log_file)
     # Only the control ring watches the process (a full ring must not block forever on a
     # dead device); the host reads events in slices and polls the process between them.
     control.set_peer(popen.pid)

@@ -24,6 +24,7 @@ from shm.errors import ShmError
 from shm.liveness import pid_alive
 from shm.tracebuf import TraceBuffer
 
+from ipu_emulator import safe_files
 from ipu_emulator.settings import IpuSettings
 from ipu_emulator.trace import recorder as rec
 from ipu_emulator.trace._chrome import IpuRecords, merge
@@ -163,21 +164,23 @@ def stop() -> dict[str, Any]:
 
 
 def write(trace: dict[str, Any], path: str) -> None:
-    """Write ``trace`` to ``path`` atomically (a temporary file renamed over it)."""
+    """Write ``trace`` to ``path`` atomically, never through a link (``safe_files.AtomicFile``:
+    a new ``O_EXCL`` temporary file renamed over it)."""
     folder = os.path.dirname(path) or "."
     os.makedirs(folder, exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(trace, f, separators=(",", ":"))
-    os.replace(tmp, path)
+    with safe_files.AtomicFile(path) as f:
+        f.write(json.dumps(trace, separators=(",", ":")).encode("utf-8"))
     _log.info("trace written to %s (%d events)", path, len(trace["traceEvents"]))
 
 
 def _at_exit() -> None:
     if not active():
         return
+    path = _path
     try:
         stop()
+    except OSError as exc:   # a folder not writable, a link refused: named, one line
+        _log.error("cannot write the trace to %s: %s", path, exc.strerror or exc)
     except Exception:   # pragma: no cover - never fail a program's exit
         _log.exception("writing the trace at exit failed")
 

@@ -97,9 +97,9 @@ def main(argv: list[str]) -> int:
         make = model_runtime.ModelRunner   # imported (a lazy import opens files too)
         held.extend(_nofile(0))
         run = lambda: make(argv[1])                                   # noqa: E731
-    elif case == "locks-nofile":       # one descriptor left: the second IPU's lock file
-        dm = model_runtime.DeviceManager()
-        held.extend(_nofile(1))
+    elif case == "locks-nofile":       # two descriptors left (the lock folder's, the first
+        dm = model_runtime.DeviceManager()   # IPU's lock file): the second IPU's lock file
+        held.extend(_nofile(2))
         run = lambda: dm.getDevice(2)                                 # noqa: E731
     elif case == "budgets":
         return _budgets(argv[1])

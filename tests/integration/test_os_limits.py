@@ -111,7 +111,8 @@ def test_a_program_out_of_descriptors_opening_its_popef_file_is_told_so(tmp_path
 
 
 def test_a_multi_ipu_attach_out_of_descriptors_is_named_and_holds_no_ipu(tmp_path):
-    """One descriptor left: the first IPU's lock file opens, the second's does not. The
+    """Two descriptors left: the lock folder and the first IPU's lock file open, the second
+    IPU's lock file does not. The
     error is named and the first lock is let go: the whole machine attaches after."""
     out = _run("locks-nofile", str(tmp_path))
     assert out["type"] == "host_runtime.errors.ResourceLimitError"

@@ -130,7 +130,15 @@ def test_bad_arguments_exit_2(capsys):
     with pytest.raises(SystemExit) as exc:
         stress.main(["--hosts", "0"])
     assert exc.value.code == 2
-    assert "--hosts must be at least 1, got 0" in capsys.readouterr().err
+    assert "--hosts must be in 1..64, got 0" in capsys.readouterr().err
+    for flag, value, message in (("--threads", "100000", "--threads must be in 1..256"),
+                                 ("--duration", "1e20", "--duration must be in (0, 86400]"),
+                                 ("--duration", "nan", "--duration must be in (0, 86400]"),
+                                 ("--hang-timeout", "-1", "--hang-timeout must be in (0, 86400]")):
+        with pytest.raises(SystemExit) as exc:
+            stress.main([flag, value])
+        assert exc.value.code == 2
+        assert f"{message}" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         stress.main(["--scenario", "kill-host", "--hosts", "1"])
     assert "kill-host needs --hosts 2 or more (one host always runs), got 1" \

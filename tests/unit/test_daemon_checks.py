@@ -153,7 +153,7 @@ def test_private_dir_makes_a_world_writable_home_private(tmp_path):
 def test_private_dir_refuses_a_symlink(tmp_path):
     (tmp_path / "elsewhere").mkdir()
     os.symlink(tmp_path / "elsewhere", tmp_path / "home")
-    with pytest.raises(SystemConfigError, match="is not a folder"):
+    with pytest.raises(SystemConfigError, match="is a symlink or not a folder; refusing to follow"):
         private_dir(str(tmp_path / "home"))
 
 

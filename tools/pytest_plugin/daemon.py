@@ -32,6 +32,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+from ipu_emulator import safe_files
+
 __all__ = ["DaemonHandle", "acquire", "release", "stop_recorded", "connect_existing"]
 
 _log = logging.getLogger(__name__)
@@ -83,8 +85,9 @@ def connect_existing(socket_path: str) -> tuple[DaemonHandle, dict[str, Any]]:
 @contextmanager
 def _locked(home: str) -> Iterator[str]:
     """Hold ``<home>/daemon.lock``; yields the state file's path."""
-    os.makedirs(home, mode=0o700, exist_ok=True)
-    fd = os.open(os.path.join(home, "daemon.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    # the home checked (ours, private, no symlink); the lock opened O_NOFOLLOW in it
+    fd = safe_files.open_private_file(os.path.join(home, "daemon.lock"), os.O_RDWR | os.O_CREAT,
+                                      0o600, what="emulator home")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield os.path.join(home, "daemon.json")
@@ -108,10 +111,7 @@ def _write(state_path: str, state: dict[str, Any] | None) -> None:
         except FileNotFoundError:
             pass
         return
-    tmp = state_path + f".{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(state, f)
-    os.replace(tmp, state_path)
+    safe_files.write_atomic(state_path, json.dumps(state).encode("utf-8"), mode=0o600)
 
 
 def _gone(pid: int) -> bool:
@@ -126,9 +126,7 @@ def _gone(pid: int) -> bool:
 
 def _start(home: str, env: dict[str, str], num_ipus: int, ipu_version: str) -> dict[str, Any]:
     socket_path = os.path.join(home, "daemon.sock")
-    log_dir = os.path.join(home, "logs")
-    os.makedirs(log_dir, mode=0o700, exist_ok=True)
-    log_path = os.path.join(log_dir, "daemon.log")
+    log_path = os.path.join(home, "logs", "daemon.log")
     argv = [sys.executable, "-m", "tools.cli", "daemon", "--socket", socket_path,
             "--num-ipus", str(num_ipus), "--ipu-version", ipu_version]
     # The daemon runs the code this process runs (installed or not).
@@ -137,10 +135,13 @@ def _start(home: str, env: dict[str, str], num_ipus: int, ipu_version: str) -> d
     root = os.path.dirname(os.path.dirname(os.path.abspath(tools.__file__)))
     env = dict(env, PYTHONPATH=os.pathsep.join(
         p for p in (root, env.get("PYTHONPATH", "")) if p))
-    with open(log_path, "ab") as log:
+    log = safe_files.open_log(log_path)
+    try:
         # cwd: the home, not the suite's folder, whose own "tools" package would shadow ours
         proc = subprocess.Popen(argv, env=env, cwd=home, stdin=subprocess.DEVNULL, stdout=log,
                                 stderr=log, start_new_session=True, close_fds=True)
+    finally:
+        os.close(log)
     deadline = time.monotonic() + _START_TIMEOUT
     while _hello(socket_path, timeout=5.0) is None:
         if proc.poll() is not None or time.monotonic() > deadline:

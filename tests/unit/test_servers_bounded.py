@@ -1,0 +1,144 @@
+"""The servers are bounded: ``/metrics`` serves from a fixed pool of threads and drops silent
+clients; the daemon caps its connections and drops a connection that never speaks."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+import time
+import urllib.request
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter
+
+from ipu_emulator.daemon import daemon_metrics, server as daemon_server
+from ipu_emulator.daemon import socket_protocol as wire
+from ipu_emulator.daemon.daemon_metrics import MetricsServer
+
+HALF_OPEN = 400
+
+
+@pytest.fixture
+def metrics(monkeypatch):
+    monkeypatch.setattr(daemon_metrics._Quiet, "timeout", 0.2)
+    registry = CollectorRegistry()
+    Counter("probe_total", "a probe", registry=registry).inc(3)
+    server = MetricsServer(registry, 0)
+    yield server
+    server.close()
+
+
+def _half_open(port: int, n: int) -> list[socket.socket]:
+    socks = []
+    for _ in range(n):   # connect, say nothing
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        socks.append(s)
+    return socks
+
+
+def _scrape(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=20) as r:
+        return str(r.read().decode())
+
+
+def test_metrics_threads_stay_fixed_under_half_open_clients(metrics) -> None:
+    before = threading.active_count()
+    socks = _half_open(metrics.port, HALF_OPEN)
+    try:
+        peak = max(threading.active_count() for _ in range(50))
+        assert peak <= before, (before, peak)   # the pool was started with the server
+        # served while they stay connected: silent ones are dropped after the timeout
+        assert "probe_total 3.0" in _scrape(metrics.url)
+    finally:
+        for s in socks:
+            s.close()
+    assert threading.active_count() == before
+
+
+def test_a_slow_client_is_dropped_after_the_timeout(metrics) -> None:
+    s = socket.create_connection(("127.0.0.1", metrics.port), timeout=10)
+    try:
+        s.sendall(b"GET /metr")   # never finishes its request line
+        t0 = time.monotonic()
+        assert s.recv(100) == b""   # closed by the server
+        assert time.monotonic() - t0 < 5
+    finally:
+        s.close()
+    assert "probe_total 3.0" in _scrape(metrics.url)
+
+
+def test_close_stops_the_pool(monkeypatch) -> None:
+    before = threading.active_count()
+    server = MetricsServer(CollectorRegistry(), 0)
+    assert threading.active_count() == before + 2 + daemon_metrics._PooledServer.WORKERS
+    server.close()
+    assert threading.active_count() == before
+
+
+# -- the daemon ---------------------------------------------------------------------------
+
+class _Bare(daemon_server.Daemon):
+    """Only the daemon's connection handling (no IPUs, no socket path of a home)."""
+
+    def __init__(self) -> None:   # noqa: D107 - the fields _serve_client uses
+        self._conns = set()
+        self.released: list[int] = []
+
+    async def _release(self, conn, why) -> None:
+        self.released.append(conn.pid)
+
+    async def _handle(self, conn, req):
+        return {"ok": True, "op": req.get("op")}
+
+
+def test_the_daemon_caps_connections_and_drops_silent_ones(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(daemon_server, "MAX_CONNECTIONS", 20)
+    monkeypatch.setattr(daemon_server, "FIRST_MESSAGE_TIMEOUT", 0.3)
+    path = str(tmp_path / "d.sock")
+    daemon = _Bare()
+    result: dict[str, object] = {}
+
+    async def main() -> None:
+        srv = await asyncio.start_unix_server(daemon._serve_client, path=path)
+        loop = asyncio.get_running_loop()
+
+        def clients() -> None:
+            result["threads"] = threading.active_count()
+            silent = []
+            for _ in range(20):
+                c = socket.socket(socket.AF_UNIX)
+                c.connect(path)
+                silent.append(c)
+            extra = socket.socket(socket.AF_UNIX)
+            extra.connect(path)
+            extra.settimeout(10)
+            result["refused"] = wire.decode(extra.makefile("rb").readline())
+            extra.close()
+            result["threads_after"] = threading.active_count()
+            t0 = time.monotonic()
+            for c in silent:   # each dropped by the daemon after its silence
+                c.settimeout(10)
+                assert c.recv(10) == b""
+            result["dropped_after"] = time.monotonic() - t0
+            talker = socket.socket(socket.AF_UNIX)
+            talker.connect(path)
+            talker.sendall(wire.encode({"op": "hello"}))
+            talker.settimeout(10)
+            result["answer"] = wire.decode(talker.makefile("rb").readline())
+            talker.close()
+            for c in silent:
+                c.close()
+        await loop.run_in_executor(None, clients)
+        srv.close()
+        await srv.wait_closed()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+    refused = result["refused"]
+    assert isinstance(refused, dict) and refused["error"] == "overloaded"
+    assert "20 connections at most" in str(refused["message"])
+    assert float(str(result["dropped_after"])) < 5
+    assert result["answer"] == {"ok": True, "op": "hello", "v": wire.VERSION}
+    assert daemon.released.count(os.getpid()) == 21   # the 20 silent ones and the talker
+    assert result["threads_after"] == result["threads"]
