@@ -443,7 +443,7 @@ def test_checksums_left_to_a_thread_refuse_a_damaged_payload_when_waited_for(tmp
     reader = popef.Reader(pending=good)
     reader.parseFile(str(path))
     good.wait()
-    assert [t.anchor for t in reader.tensors()] == ["a", "b"]
+    assert [t.info.name() for t in reader.tensors()] == ["a", "b"]
     data = bytearray(path.read_bytes())
     data[-100] ^= 0x08          # a byte of b's payload
     path.write_bytes(bytes(data))
