@@ -73,8 +73,8 @@ class TensorDataInfo:
         self._tensor_info = _info(tensor_info)
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and (self._name, self._tensor_info) == (
-            other._name, other._tensor_info)   # type: ignore[attr-defined]
+        return isinstance(other, TensorDataInfo) and type(other) is type(self) and (
+            self._name, self._tensor_info) == (other._name, other._tensor_info)
 
     __hash__ = None   # type: ignore[assignment]
 

@@ -89,8 +89,8 @@ class Writer:
         except SchemaError as exc:
             raise BadRequestError(f"metadata cannot be written: {exc}") from None
         anchors = {a.name(): a.tensorInfo() for a in metadata.anchors()}
-        for name, info in self._data_infos.items():
-            agrees(anchors, name, info)
+        for anchor_name, info in self._data_infos.items():
+            agrees(anchors, anchor_name, info)
         self._anchors.update(anchors)
         self._end_active()
         # The executable written next (named as the metadata says) starts its payload at
