@@ -271,7 +271,9 @@ def main(argv: list[str] | None = None) -> int:
         if module is None:
             runpy.run_path(rest[0], run_name="__main__")
         else:
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
+            # (a mapped name runs as the module it maps to: the alias has no code of its own)
+            runpy.run_module(target_of(module) or module, run_name="__main__",
+                             alter_sys=True)
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException as exc:

@@ -258,6 +258,12 @@ def test_bad_name_utf8() -> None:
     (lambda d: d.update(anchors={}), r"metadata.anchors: expected a list"),
     (lambda d: d.update(subgraphs={"graph0": ["ghost"]}), r"names anchor 'ghost'"),
     (lambda d: d.update(engineOptions={"k": "\ud800"}), r"\['k'\]: string .*\(lone surrogate\)"),
+    # Graphcore's optional fields
+    (lambda d: d.update(isPOD=1), r"metadata.isPOD: expected true or false, got 1"),
+    (lambda d: d.update(numProcesses=0), r"numProcesses: expected an integer in \[1, 65536\]"),
+    (lambda d: d.update(seedHandle=7), r"metadata.seedHandle: expected a string, got 7"),
+    (lambda d: d.update(isPod=True), r"unexpected \['isPod'\]; expected exactly .* \(and "
+                                     r"optionally \['isPOD', 'numProcesses', 'seedHandle'\]\)"),
 ])
 def test_metadata_schema_violations(mutate, message) -> None:
     doc = _valid_doc()

@@ -265,7 +265,7 @@ def _metadata(draw: st.DrawFn) -> popef.Metadata:
     subgraphs = {}
     if names and draw(st.booleans()):
         subgraphs = {"graph0": names[: len(names) // 2], "graph1": names[len(names) // 2:]}
-    return popef.Metadata(
+    md = popef.Metadata(
         anchors=anchors, program_flow=popef.ProgramFlow(draw(progs), draw(progs), draw(progs)),
         replication_factor=draw(st.integers(1, 64)), num_ipus=draw(st.integers(1, 64)),
         ipu_version=draw(st.sampled_from([2, 21])), executable=draw(_names),
@@ -273,6 +273,10 @@ def _metadata(draw: st.DrawFn) -> popef.Metadata:
         engine_options=draw(st.dictionaries(_names, st.text(max_size=8), max_size=3)),
         device_options=draw(st.dictionaries(_names, st.text(max_size=8), max_size=3)),
         subgraphs=subgraphs)
+    md.setIsPOD(draw(st.booleans()))              # Graphcore's popef fields (optional keys)
+    md.setNumProcesses(draw(st.integers(1, 64)))
+    md.setSeedHandle(draw(st.one_of(st.just(""), _names)))
+    return md
 
 
 @settings(max_examples=150, deadline=None)
