@@ -37,6 +37,7 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import logging
 import os
 import runpy
 import sys
@@ -58,6 +59,7 @@ ALIASES: dict[str, str] = {
 """Graphcore's top-level module names and the modules of this project that answer them."""
 
 _lock = threading.Lock()
+_log = logging.getLogger(__name__)
 
 
 def target_of(fullname: str) -> str | None:
@@ -168,6 +170,7 @@ def install(force: bool | None = None) -> None:
         for name in real:        # forced: an already imported real module gives way
             sys.modules.pop(name, None)
         sys.meta_path.insert(0, AliasFinder())
+        _log.info("%s", describe())
 
 
 def uninstall() -> None:
@@ -187,8 +190,7 @@ def describe() -> str:
     """One line saying which implementation answers the names (the command prints it)."""
     spec = importlib.util.find_spec("host_runtime")
     where = os.path.dirname(spec.origin) if spec is not None and spec.origin else "?"
-    return (f"ipu-emulator run: {', '.join(ALIASES)} are the IPU emulator's "
-            f"(host_runtime at {where})")
+    return f"{', '.join(ALIASES)} are the IPU emulator's (host_runtime at {where})"
 
 
 # -- the command ---------------------------------------------------------------------------
@@ -264,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"ipu-emulator run: {exc}\n")
         return 2
     if not quiet:
-        sys.stderr.write(describe() + "\n")
+        sys.stderr.write(f"ipu-emulator run: {describe()}\n")
         sys.stderr.flush()
     sys.argv = list(rest)
     try:
