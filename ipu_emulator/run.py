@@ -12,6 +12,8 @@ The way ``coverage run`` or ``python -m cProfile`` run a script: before the prog
 first import, a finder is put first on ``sys.meta_path`` that answers Graphcore's module
 names with this project's modules, then the program runs through ``runpy`` as
 ``__main__`` with ``sys.argv`` and ``sys.path[0]`` as ``python PROGRAM ARGS`` gives them.
+A program that starts processes with multiprocessing's ``spawn`` (not Linux's default
+``fork``) needs ``install()`` in the child too: a spawned interpreter starts afresh.
 
     model_runtime[.x]  ->  host_runtime[.x]
     popef[.x]          ->  host_runtime.popef[.x]
@@ -257,9 +259,12 @@ def main(argv: list[str] | None = None) -> int:
         if not os.path.exists(program):
             sys.stderr.write(f"ipu-emulator run: can't open file {program!r}: no such file\n")
             return 2
-        sys.path[0] = os.path.dirname(os.path.abspath(program))
+        first = os.path.dirname(os.path.abspath(program))
     else:
-        sys.path[0] = os.getcwd()
+        first = os.getcwd()
+    # as `python PROGRAM` / `python -m` give it; what was first stays (this project may
+    # be importable only from there, a checkout run with `python -m ipu_emulator.run`)
+    sys.path.insert(0, first)
     try:
         install(force=force or None)
     except RealModulesError as exc:
