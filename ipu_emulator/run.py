@@ -169,8 +169,8 @@ def install(force: bool | None = None) -> None:
                 "emulator anyway pass --force (install(force=True), "
                 "IPU_EMULATOR_FORCE_MODULES=1); to use the real SDK, run the program "
                 "without the emulator")
-        for name in real:        # forced: an already imported real module gives way
-            sys.modules.pop(name, None)
+        for name in [n for n in sys.modules if n.split(".")[0] in real]:
+            del sys.modules[name]    # forced: a real module imported already gives way
         sys.meta_path.insert(0, AliasFinder())
         _log.info("%s", describe())
 
