@@ -485,10 +485,11 @@ class ExecutableBlob:
 
 @dataclass
 class Model:
-    """One model assembled from the blobs of one or more PopEF files."""
+    """One model assembled from the blobs of one or more PopEF files (``Model()``: empty,
+    as Graphcore's module makes one)."""
 
-    metadata: Metadata
-    executable: ExecutableBlob
+    metadata: Metadata = field(default_factory=Metadata)
+    executable: ExecutableBlob = field(default_factory=lambda: ExecutableBlob("", b""))
     tensors: list[TensorData] = field(default_factory=list)
     feeds: list[FeedData] = field(default_factory=list)
     opaques: list[Opaque] = field(default_factory=list)
