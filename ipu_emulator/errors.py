@@ -50,6 +50,7 @@ __all__ = [
     "describe_returncode",
     "MetricsServeError",
     "UnsafePathError",
+    "RealModulesError",
 ]
 
 
@@ -142,3 +143,9 @@ def describe_returncode(rc: int | None) -> str:
             name = "?"
         return f"was killed by signal {name} ({-rc})"
     return f"exited with code {rc}"
+
+
+class RealModulesError(IpuEmulatorError, ImportError):
+    """Graphcore's own ``model_runtime``, ``popef`` or ``poprt`` is importable here, and
+    mapping the names onto the emulator would hide it; the message names where it is and
+    how to use the emulator anyway."""

@@ -93,6 +93,12 @@ class IpuSettings(ShmSettings):
         65536, "IPU_EMULATOR_TRACE_EVENTS", integer(16, 1 << 24),
         "events each process keeps while tracing (the oldest are dropped past it; 48 bytes "
         "each in an IPU process's shared memory)", when="tracing starts")
+    force_modules: bool = knob(
+        False, "IPU_EMULATOR_FORCE_MODULES", flag,
+        "`1`: `ipu-emulator run`, `ipu_emulator.run.install()` and the pytest plugin's "
+        "`--ipu-emulator-modules` map `model_runtime`, `popef` and `poprt` onto the emulator "
+        "even where Graphcore's real modules are installed (else they refuse)",
+        when=EACH_USE)
     # -- which machine (read at each use, by ipu_emulator.system) --
     home: str | None = knob(
         None, "IPU_EMULATOR_HOME", text(r"/.*", "an absolute path (starting with /)",

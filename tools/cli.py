@@ -17,6 +17,7 @@ _SUBCOMMANDS = {
     "demo": ("tools.demo", "write the seeds' example model and run every execution mode"),
     "daemon": ("tools.daemon", "serve a shared pool of warm emulated IPUs to host processes"),
     "trace": ("tools.trace_summary", "summarise a timeline trace: where each request's time went, how busy each IPU was"),
+    "run": ("ipu_emulator.run", "run a program written for Graphcore's model_runtime, popef and poprt, unchanged"),
     "stress": ("tools.stress", "hammer the runtime with many hosts, threads, batch sizes and faults; check every result"),
 }
 

@@ -66,8 +66,8 @@ def describe(reader: popef.Reader) -> dict[str, Any]:
         "engineOptions": md.engineOptions(), "deviceOptions": md.deviceOptions(),
     }
     out["programFlow"] = {"load": flow.load(), "main": flow.main(), "save": flow.save()}
-    with_data = {t.anchor for t in reader.tensors()}
-    feeds = {f.anchor: f.num_transfers for f in reader.feeds()}
+    with_data = {t.info.name() for t in reader.tensors()}
+    feeds = {f.info.name(): f.numTransfers for f in reader.feeds()}
     for a in md.anchors():
         info = a.tensorInfo()
         out["anchors"].append({
@@ -88,9 +88,9 @@ def _sharding(reader: popef.Reader, name: str) -> dict[str, Any] | None:
     from ipu_emulator.executable import Executable, ExecutableError
 
     for blob in reader.executables():
-        if blob.name() == name:
+        if blob.name == name:
             try:
-                return describe_parts(Executable.from_bytes(blob.payload()))
+                return describe_parts(Executable.from_bytes(blob.executable()))
             except (ExecutableError, PopefError):
                 return None
     return None

@@ -15,7 +15,9 @@ Document shape (``schema`` is a fixed marker string)::
      "anchors": [{"name": str, "handle": str, "type": "INPUT"|"OUTPUT"|"UNKNOWN",
                   "dataType": str, "shape": [int], "isPerReplica": bool,
                   "programs": [int]}],
-     "subgraphs": {str: [anchor name]}}
+     "subgraphs": {str: [anchor name]},
+     "isPOD": bool, "numProcesses": int, "seedHandle": str}   (these three only when
+                                                                not false, 1, "")
 
 Errors are raised as ``SchemaError`` with a message that names the field
 (``anchors[2].shape[1]``), what was expected and what was found; the reader
@@ -42,11 +44,13 @@ MAX_REPLICATION = 1 << 16
 MAX_IPUS = 1 << 10
 MAX_DEVICE_ITERATIONS = 1 << 31
 IPU_VERSIONS = (2, 21)
-FP8_TYPES = (DataType.F8143, DataType.F8152)
+FP8_TYPES = (DataType.F8143, DataType.F8152, DataType.F8)
+MAX_PROCESSES = 1 << 16
 
 _TOP_KEYS = ("schema", "executable", "replicationFactor", "numIpus", "ipuVersion",
              "isInference", "deviceIterations", "engineOptions", "deviceOptions",
              "programFlow", "anchors", "subgraphs")
+_OPTIONAL_TOP_KEYS = ("isPOD", "numProcesses", "seedHandle")
 _ANCHOR_KEYS = ("name", "handle", "type", "dataType", "shape", "isPerReplica", "programs")
 _FLOW_KEYS = ("load", "main", "save")
 
@@ -72,6 +76,13 @@ def encode_metadata(md: Metadata) -> bytes:
         "anchors": [_encode_anchor(a) for a in md.anchors()],
         "subgraphs": md.subgraphs(),
     }
+    # written only when set, so that files of models without them stay as they were
+    if md.isPOD():
+        doc["isPOD"] = True
+    if md.numProcesses() != 1:
+        doc["numProcesses"] = md.numProcesses()
+    if md.seedHandle():
+        doc["seedHandle"] = md.seedHandle()
     # The writer must never produce a file the reader refuses.
     _check_document(doc)
     return json.dumps(doc, separators=(",", ":"), ensure_ascii=True).encode("ascii")
@@ -130,7 +141,7 @@ def _no_float(text: str) -> Any:
 
 
 def _check_document(doc: Any) -> None:
-    _exact_keys(doc, _TOP_KEYS, "metadata")
+    _exact_keys(doc, _TOP_KEYS, "metadata", _OPTIONAL_TOP_KEYS)
     if doc["schema"] != SCHEMA_ID:
         raise SchemaError(f"metadata.schema: expected {SCHEMA_ID!r}, got {_show(doc['schema'])}")
     _string(doc["executable"], "metadata.executable", allow_empty=False)
@@ -140,6 +151,12 @@ def _check_document(doc: Any) -> None:
         raise SchemaError(f"metadata.ipuVersion: expected one of {list(IPU_VERSIONS)}, "
                           f"got {_show(doc['ipuVersion'])}")
     _bool(doc["isInference"], "metadata.isInference")
+    if "isPOD" in doc:
+        _bool(doc["isPOD"], "metadata.isPOD")
+    if "numProcesses" in doc:
+        _int(doc["numProcesses"], "metadata.numProcesses", 1, MAX_PROCESSES)
+    if "seedHandle" in doc:
+        _string(doc["seedHandle"], "metadata.seedHandle")
     _int(doc["deviceIterations"], "metadata.deviceIterations", 1, MAX_DEVICE_ITERATIONS)
     for key in ("engineOptions", "deviceOptions"):
         _str_map(doc[key], f"metadata.{key}")
@@ -200,18 +217,21 @@ def _program_index(v: Any, where: str) -> None:
     _int(v, where, 0, MAX_PROGRAM_INDEX)
 
 
-def _exact_keys(obj: Any, keys: tuple[str, ...], where: str) -> None:
+def _exact_keys(obj: Any, keys: tuple[str, ...], where: str,
+                optional: tuple[str, ...] = ()) -> None:
     if not isinstance(obj, dict):
         raise SchemaError(f"{where}: expected an object, got {_show(obj)}")
     missing = [k for k in keys if k not in obj]
-    extra = [k for k in obj if k not in keys]
+    extra = [k for k in obj if k not in keys and k not in optional]
     if missing or extra:
         parts = []
         if missing:
             parts.append(f"missing {missing}")
         if extra:
             parts.append(f"unexpected {[k[:100] for k in extra[:10]]}")
-        raise SchemaError(f"{where}: " + " and ".join(parts) + f"; expected exactly {list(keys)}")
+        also = f" (and optionally {list(optional)})" if optional else ""
+        raise SchemaError(f"{where}: " + " and ".join(parts)
+                          + f"; expected exactly {list(keys)}{also}")
 
 
 def _int(v: Any, where: str, lo: int, hi: int) -> None:
@@ -282,7 +302,7 @@ def _build(doc: dict[str, Any]) -> Metadata:
         for a in doc["anchors"]
     ]
     flow = doc["programFlow"]
-    return Metadata(
+    md = Metadata(
         anchors=anchors,
         program_flow=ProgramFlow(flow["load"], flow["main"], flow["save"]),
         replication_factor=doc["replicationFactor"], num_ipus=doc["numIpus"],
@@ -290,3 +310,7 @@ def _build(doc: dict[str, Any]) -> Metadata:
         is_inference=doc["isInference"], device_iterations=doc["deviceIterations"],
         engine_options=doc["engineOptions"], device_options=doc["deviceOptions"],
         subgraphs=doc["subgraphs"])
+    md.setIsPOD(doc.get("isPOD", False))
+    md.setNumProcesses(doc.get("numProcesses", 1))
+    md.setSeedHandle(doc.get("seedHandle", ""))
+    return md

@@ -29,11 +29,13 @@ __all__ = [
     "Opaque",
     "ExecutableBlob",
     "Model",
+    "Option",
 ]
 
 
 class DataType(enum.Enum):
-    """Element types. FP8 types exist in PopEF; this emulator refuses them."""
+    """Element types. FP8 types exist in PopEF (``F8`` in older SDKs, ``F8143`` and
+    ``F8152`` later); this emulator refuses them."""
 
     BOOL = "BOOL"
     F16 = "F16"
@@ -49,6 +51,7 @@ class DataType(enum.Enum):
     U64 = "U64"
     F8143 = "F8143"
     F8152 = "F8152"
+    F8 = "F8"
 
     @property
     def itemsize(self) -> int:
@@ -118,6 +121,15 @@ class TensorInfo:
     def shape(self) -> list[int]:
         return list(self._shape)
 
+    def setShape(self, shape: Iterable[int]) -> None:
+        shp = tuple(int(d) for d in shape)
+        if any(d < 0 for d in shp):
+            raise BadRequestError(f"tensor shape must have non-negative dims, got {list(shp)}")
+        object.__setattr__(self, "_shape", shp)
+
+    def setDataType(self, dtype: DataType) -> None:
+        object.__setattr__(self, "_dtype", DataType(dtype))
+
     def dataType(self) -> DataType:
         return self._dtype
 
@@ -176,6 +188,27 @@ class Anchor:
     def programs(self) -> list[int]:
         return list(self._programs)
 
+    def setName(self, name: str) -> None:
+        self._name = str(name)
+
+    def setHandle(self, handle: str) -> None:
+        self._handle = str(handle)
+
+    def setTensorInfo(self, tensor_info: TensorInfo) -> None:
+        if not isinstance(tensor_info, TensorInfo):
+            raise BadRequestError(f"setTensorInfo expects a popef.TensorInfo, got "
+                                  f"{type(tensor_info).__name__}")
+        self._tensor_info = tensor_info
+
+    def setIsPerReplica(self, is_per_replica: bool) -> None:
+        self._is_per_replica = bool(is_per_replica)
+
+    def setType(self, type: TensorType) -> None:
+        self._type = TensorType(type)
+
+    def setPrograms(self, programs: Iterable[int]) -> None:
+        self._programs = tuple(int(p) for p in programs)
+
     def __hash__(self) -> int:
         return hash((self._name, self._handle))
 
@@ -207,6 +240,54 @@ class ProgramFlow:
     def save(self) -> list[int]:
         return list(self._save)
 
+    def setLoad(self, programs: Iterable[int]) -> None:
+        self._load = tuple(int(p) for p in programs)
+
+    def setMain(self, programs: Iterable[int]) -> None:
+        self._main = tuple(int(p) for p in programs)
+
+    def setSave(self, programs: Iterable[int]) -> None:
+        self._save = tuple(int(p) for p in programs)
+
+
+class Option:
+    """One engine or device option of a ``Metadata`` (``Option(name, value)``)."""
+
+    __slots__ = ("_name", "_value")
+
+    def __init__(self, name: str, value: str) -> None:
+        self._name, self._value = str(name), str(value)
+
+    def name(self) -> str:
+        return self._name
+
+    def value(self) -> str:
+        return self._value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Option) and (self._name, self._value) == (other._name,
+                                                                            other._value)
+
+    def __hash__(self) -> int:
+        return hash((self._name, self._value))
+
+    def __repr__(self) -> str:
+        return f"Option({self._name!r}, {self._value!r})"
+
+
+def _options(options: object, what: str) -> dict[str, str]:
+    """A dict of option texts from a dict, or from ``Option``s or ``(name, value)`` pairs."""
+    items = options.items() if isinstance(options, dict) else options
+    out: dict[str, str] = {}
+    try:
+        for item in items:   # type: ignore[attr-defined]
+            name, value = (item.name(), item.value()) if isinstance(item, Option) else item
+            out[str(name)] = str(value)
+    except (TypeError, ValueError):
+        raise BadRequestError(f"{what} expects a dict of strings or a list of popef.Option, "
+                              f"got {type(options).__name__}") from None
+    return out
+
 
 @dataclass
 class Metadata:
@@ -225,6 +306,9 @@ class Metadata:
     # Emulator extension: for fused models, which anchors belong to which
     # sub-graph ("graph0" -> ["graph0/X", ...]); empty for ordinary models.
     _subgraphs: dict[str, list[str]] = field(default_factory=dict)
+    _is_pod: bool = False
+    _num_processes: int = 1
+    _seed_handle: str = ""
 
     def __init__(self, anchors: Iterable[Anchor] = (), program_flow: ProgramFlow | None = None,
                  replication_factor: int = 1, num_ipus: int = 1, ipu_version: int = 21,
@@ -243,6 +327,9 @@ class Metadata:
         self._engine_options = dict(engine_options or {})
         self._device_options = dict(device_options or {})
         self._subgraphs = {k: list(v) for k, v in (subgraphs or {}).items()}
+        self._is_pod = False
+        self._num_processes = 1
+        self._seed_handle = ""
 
     def anchors(self) -> list[Anchor]:
         return list(self._anchors)
@@ -276,6 +363,60 @@ class Metadata:
 
     def subgraphs(self) -> dict[str, list[str]]:
         return {k: list(v) for k, v in self._subgraphs.items()}
+
+    def isPOD(self) -> bool:
+        return self._is_pod
+
+    def numProcesses(self) -> int:
+        return self._num_processes
+
+    def seedHandle(self) -> str:
+        """The stream handle of the random seed ('' if none: inference has none)."""
+        return self._seed_handle
+
+    # -- setters (the writer checks the whole against the schema) ---------------------
+
+    def setAnchors(self, anchors: Iterable[Anchor]) -> None:
+        self._anchors = tuple(anchors)
+
+    def setProgramFlow(self, flow: ProgramFlow) -> None:
+        if not isinstance(flow, ProgramFlow):
+            raise BadRequestError(f"setProgramFlow expects a popef.ProgramFlow, got "
+                                  f"{type(flow).__name__}")
+        self._program_flow = flow
+
+    def setReplicationFactor(self, value: int) -> None:
+        self._replication_factor = int(value)
+
+    def setNumIpus(self, value: int) -> None:
+        self._num_ipus = int(value)
+
+    def setIpuVersion(self, value: int) -> None:
+        self._ipu_version = int(value)
+
+    def setExecutable(self, name: str) -> None:
+        self._executable = str(name)
+
+    def setIsInference(self, value: bool) -> None:
+        self._is_inference = bool(value)
+
+    def setDeviceIterations(self, value: int) -> None:
+        self._device_iterations = int(value)
+
+    def setEngineOptions(self, options: object) -> None:
+        self._engine_options = _options(options, "setEngineOptions")
+
+    def setDeviceOptions(self, options: object) -> None:
+        self._device_options = _options(options, "setDeviceOptions")
+
+    def setIsPOD(self, value: bool) -> None:
+        self._is_pod = bool(value)
+
+    def setNumProcesses(self, value: int) -> None:
+        self._num_processes = int(value)
+
+    def setSeedHandle(self, handle: str) -> None:
+        self._seed_handle = str(handle)
 
     def anchor(self, name: str) -> Anchor | None:
         for a in self._anchors:
@@ -344,10 +485,11 @@ class ExecutableBlob:
 
 @dataclass
 class Model:
-    """One model assembled from the blobs of one or more PopEF files."""
+    """One model assembled from the blobs of one or more PopEF files (``Model()``: empty,
+    as Graphcore's module makes one)."""
 
-    metadata: Metadata
-    executable: ExecutableBlob
+    metadata: Metadata = field(default_factory=Metadata)
+    executable: ExecutableBlob = field(default_factory=lambda: ExecutableBlob("", b""))
     tensors: list[TensorData] = field(default_factory=list)
     feeds: list[FeedData] = field(default_factory=list)
     opaques: list[Opaque] = field(default_factory=list)

@@ -27,6 +27,7 @@ bytes. ``ModelRunner`` does so to start its IPU processes' template meanwhile.
 
 from __future__ import annotations
 
+import copy
 import io
 import logging
 import mmap
@@ -39,6 +40,7 @@ from typing import BinaryIO, Callable, Protocol, Union
 
 from host_runtime.errors import PopefError, ResourceLimitError
 from host_runtime.popef import _format as fmt
+from host_runtime.popef import blobs
 from host_runtime.popef._schema import SchemaError, decode_metadata
 from host_runtime.popef.model import (ExecutableBlob, FeedData, Metadata, Opaque, TensorData)
 from shm import OutOfFileDescriptorsError, buffer_address, limits
@@ -203,20 +205,23 @@ class Reader:
 
     # -- what was read ---------------------------------------------------------
 
+    # (the real module's blob readers, popef.blobs; the blobs themselves: entries())
+
     def metadata(self) -> list[Metadata]:
-        return [b for _, b in self._entries if isinstance(b, Metadata)]
+        """Copies of the metadata read (changing one changes nothing here)."""
+        return [copy.deepcopy(b) for _, b in self._entries if isinstance(b, Metadata)]
 
-    def executables(self) -> list[ExecutableBlob]:
-        return [b for _, b in self._entries if isinstance(b, ExecutableBlob)]
+    def executables(self) -> list[blobs.ExecutableReader]:
+        return blobs.executable_readers([b for _, b in self._entries])
 
-    def tensors(self) -> list[TensorData]:
-        return [b for _, b in self._entries if isinstance(b, TensorData)]
+    def tensors(self) -> list[blobs.TensorReader]:
+        return blobs.tensor_readers([b for _, b in self._entries])
 
-    def feeds(self) -> list[FeedData]:
-        return [b for _, b in self._entries if isinstance(b, FeedData)]
+    def feeds(self) -> list[blobs.FeedReader]:
+        return blobs.feed_readers([b for _, b in self._entries])
 
-    def opaqueBlobs(self) -> list[Opaque]:
-        return [b for _, b in self._entries if isinstance(b, Opaque)]
+    def opaqueBlobs(self) -> list[blobs.OpaqueReader]:
+        return blobs.opaque_readers([b for _, b in self._entries])
 
     def blobs(self) -> list[BlobInfo]:
         """Every blob parsed so far, in file order."""

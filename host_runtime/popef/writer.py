@@ -7,6 +7,15 @@
         w.writeExecutable(metadata.executable(), exe_bytes, compress=True)
         w.writeTensorData("weights", weights_array)
 
+The real module's blob writers (``popef.blobs``)::
+
+    with popef.Writer("model.popef") as w:
+        w.writeMetadata(metadata)
+        blob = w.createExecutable(metadata.executable(), True)     # a BlobWriter
+        blob.write(exe_bytes, len(exe_bytes))
+        blob = w.createTensorData(popef.TensorDataInfo("weights", info))
+        blob.write(weights.tobytes(), info.sizeInBytes())          # written on the next create*
+
 Inputs are checked before anything is written (metadata against the same
 schema the reader enforces), so a Writer never produces a file the Reader
 refuses. Wrong input raises ``BadRequestError``.
@@ -21,8 +30,9 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 import zlib
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Callable
 
 import numpy as np
 
@@ -32,7 +42,9 @@ from host_runtime._atomic_file import AtomicFile
 from host_runtime.errors import BadRequestError, InvalidStateError
 from host_runtime.popef import _format as fmt
 from host_runtime.popef._schema import SchemaError, encode_metadata
-from host_runtime.popef.model import ExecutableBlob, Metadata, Model
+from host_runtime.popef.blobs import (BlobWriter, FeedDataInfo, TensorDataInfo, agrees,
+                                      check_info)
+from host_runtime.popef.model import ExecutableBlob, Metadata, Model, TensorInfo
 
 __all__ = ["Writer", "save_model"]
 
@@ -61,6 +73,9 @@ class Writer:
             self._name = name if isinstance(name, str) else "<stream>"
             self._f = path_or_stream  # type: ignore[assignment]
         self._offset = 0
+        self._active: BlobWriter | None = None           # the open blob writer
+        self._anchors: dict[str, TensorInfo] = {}        # of the metadata written
+        self._data_infos: dict[str, TensorInfo] = {}     # of the blob writers' data
         self._write(fmt.pack_file_header())
 
     # -- blobs ------------------------------------------------------------------
@@ -73,6 +88,11 @@ class Writer:
             payload = encode_metadata(metadata)
         except SchemaError as exc:
             raise BadRequestError(f"metadata cannot be written: {exc}") from None
+        anchors = {a.name(): a.tensorInfo() for a in metadata.anchors()}
+        for anchor_name, info in self._data_infos.items():
+            agrees(anchors, anchor_name, info)
+        self._anchors.update(anchors)
+        self._end_active()
         # The executable written next (named as the metadata says) starts its payload at
         # an offset of the file that is a multiple of 64, so that its weights section
         # (64-aligned inside it) is aligned where the file is mapped: an IPU process then
@@ -122,6 +142,75 @@ class Writer:
         self._nonempty(name, "opaque")
         self._blob(fmt.BlobType.OPAQUE, name, _as_bytes(data, "opaque"))
 
+    # -- the real module's blob writers ------------------------------------------------
+
+    def createExecutable(self, name: str, compress: bool = False) -> BlobWriter:
+        """A blob writer for the executable ``name`` (zlib-compressed if ``compress``)."""
+        self._nonempty(name, "executable")
+        return self._begin(f"executable {echo(name)}",
+                           lambda w, data: w.writeExecutable(name, data, compress))
+
+    def createTensorData(self, info: TensorDataInfo) -> BlobWriter:
+        """A blob writer for the tensor data of anchor ``info.name()``: exactly
+        ``info.tensorInfo().sizeInBytes()`` bytes."""
+        name, ti = self._data_info(check_info(info, TensorDataInfo, "createTensorData"))
+
+        def commit(w: Writer, data: bytes) -> None:
+            if len(data) != ti.sizeInBytes():
+                raise BadRequestError(f"tensor data {echo(name)}: {len(data)} bytes written, "
+                                      f"its tensor info {ti!r} holds {ti.sizeInBytes()}")
+            w.writeTensorData(name, data)
+        return self._begin(f"tensor data {echo(name)}", commit)
+
+    def createFeedData(self, info: FeedDataInfo) -> BlobWriter:
+        """A blob writer for the feed data of anchor ``info.name()``: one or more transfers
+        of ``info.tensorInfo().sizeInBytes()`` bytes each."""
+        name, ti = self._data_info(check_info(info, FeedDataInfo, "createFeedData"))
+
+        def commit(w: Writer, data: bytes) -> None:
+            per = ti.sizeInBytes()
+            if not data or not per or len(data) % per:
+                raise BadRequestError(f"feed data {echo(name)}: {len(data)} bytes written, "
+                                      f"expected a whole number (>= 1) of transfers of "
+                                      f"{per} bytes ({ti!r})")
+            w.writeFeedData(name, data, len(data) // per)
+        return self._begin(f"feed data {echo(name)}", commit)
+
+    def createOpaqueBlob(self, name: str, executable_name: str = "") -> BlobWriter:
+        """A blob writer for the opaque blob ``name`` of executable ``executable_name``
+        (which reads back as the file's metadata's executable: see ``popef.blobs``)."""
+        self._nonempty(name, "opaque")
+        return self._begin(f"opaque {echo(name)}", lambda w, data: w.writeOpaque(name, data))
+
+    def _data_info(self, info: TensorDataInfo) -> tuple[str, TensorInfo]:
+        name = info.name()
+        ti = TensorInfo(info.tensorInfo().dataType(), info.tensorInfo().shape())   # a copy
+        agrees(self._anchors, name, ti)
+        self._data_infos[name] = ti
+        return name, ti
+
+    def _begin(self, label: str, commit: Callable[["Writer", bytes], None]) -> BlobWriter:
+        self._end_active()
+        if self._f is None:
+            raise InvalidStateError(f"PopEF writer for {echo(self._name, 200)} is closed")
+        ref = weakref.ref(self)    # the writer holds its blob writer, not the reverse
+
+        def write_blob(data: bytes) -> None:
+            writer = ref()
+            if writer is None or writer._f is None:
+                raise InvalidStateError(f"the PopEF writer of {label} is closed")
+            if writer._active is not None and writer._active.closed:   # this one
+                writer._active = None
+            commit(writer, data)
+        self._active = BlobWriter(label, write_blob)
+        return self._active
+
+    def _end_active(self) -> None:
+        """Write the open blob writer's blob (one is open at a time)."""
+        active, self._active = self._active, None
+        if active is not None:
+            active.close()
+
     def writeModel(self, model: Model) -> None:
         """Write every blob of ``model``."""
         self.writeMetadata(model.metadata)
@@ -141,6 +230,13 @@ class Writer:
 
     def close(self) -> None:
         """Flush; for a path, put the file in place (see the module). Idempotent."""
+        if self._f is None:
+            return
+        try:
+            self._end_active()
+        except BaseException:
+            self.abort()
+            raise
         f, self._f = self._f, None
         if f is None:
             return
@@ -158,6 +254,7 @@ class Writer:
         """Stop writing; a file the Writer was writing to a path does not appear (the
         path keeps what it had). A stream is left as it is. Idempotent."""
         self._f = None
+        self._active = None
         atomic, self._atomic = self._atomic, None
         if atomic is not None:
             atomic.abort()
@@ -184,6 +281,7 @@ class Writer:
 
     def _blob(self, btype: fmt.BlobType, name: str, payload: bytes | memoryview, flags: int = 0,
               aux: int = 0) -> None:
+        self._end_active()
         if not isinstance(name, str):
             raise BadRequestError(f"blob name must be a str, got {type(name).__name__}")
         try:

@@ -154,7 +154,7 @@ def test_writer_replaces_a_symlink(tmp_path):
     assert victim.read_bytes() == VICTIM and not path.is_symlink()
     reader = popef.Reader()
     reader.parseFile(str(path))
-    assert [b.opaque_name for b in reader.opaqueBlobs()] == ["x"]
+    assert [b.name for b in reader.opaqueBlobs()] == ["x"]
 
 
 def test_writer_into_a_missing_folder(tmp_path):

@@ -258,6 +258,12 @@ def test_bad_name_utf8() -> None:
     (lambda d: d.update(anchors={}), r"metadata.anchors: expected a list"),
     (lambda d: d.update(subgraphs={"graph0": ["ghost"]}), r"names anchor 'ghost'"),
     (lambda d: d.update(engineOptions={"k": "\ud800"}), r"\['k'\]: string .*\(lone surrogate\)"),
+    # Graphcore's optional fields
+    (lambda d: d.update(isPOD=1), r"metadata.isPOD: expected true or false, got 1"),
+    (lambda d: d.update(numProcesses=0), r"numProcesses: expected an integer in \[1, 65536\]"),
+    (lambda d: d.update(seedHandle=7), r"metadata.seedHandle: expected a string, got 7"),
+    (lambda d: d.update(isPod=True), r"unexpected \['isPod'\]; expected exactly .* \(and "
+                                     r"optionally \['isPOD', 'numProcesses', 'seedHandle'\]\)"),
 ])
 def test_metadata_schema_violations(mutate, message) -> None:
     doc = _valid_doc()
@@ -443,7 +449,7 @@ def test_checksums_left_to_a_thread_refuse_a_damaged_payload_when_waited_for(tmp
     reader = popef.Reader(pending=good)
     reader.parseFile(str(path))
     good.wait()
-    assert [t.anchor for t in reader.tensors()] == ["a", "b"]
+    assert [t.info.name() for t in reader.tensors()] == ["a", "b"]
     data = bytearray(path.read_bytes())
     data[-100] ^= 0x08          # a byte of b's payload
     path.write_bytes(bytes(data))

@@ -78,21 +78,26 @@ def test_round_trip_every_field(tmp_path: Path) -> None:
     assert got_md.engineOptions() == {"opt.a": "1", "target.x": "yes"}
     assert got_md.deviceOptions() == {"dev": "z"}
 
-    [exe] = r.executables()
+    [(_, exe)] = [e for e in r.entries() if isinstance(e[1], popef.ExecutableBlob)]
     assert exe.name() == "simple_exe" and exe.compressed
     assert exe.data == zlib.compress(EXE, 6)
     assert exe.payload() == EXE
+    [exe_reader] = r.executables()     # the real module's shape
+    assert (exe_reader.name, exe_reader.isCompressed, exe_reader.executable()) == (
+        "simple_exe", True, EXE)
 
     [t] = r.tensors()
-    assert t.name() == "weights"
-    np.testing.assert_array_equal(np.frombuffer(t.data, np.float32).reshape(1, 4), weights())
+    assert t.info.name() == "weights" and t.info.tensorInfo() == popef.TensorInfo(F32, [1, 4])
+    np.testing.assert_array_equal(t.data(), weights())
 
     [fd] = r.feeds()
-    assert (fd.name(), fd.num_transfers, fd.data) == (
+    assert (fd.info.name(), fd.numTransfers, fd.data().tobytes()) == (
         "tensor_B", 3, np.ones((3, 1, 4), np.float32).tobytes())
+    assert fd.data().shape == (3, 1, 4)
 
     [o] = r.opaqueBlobs()
-    assert (o.name(), o.data) == ("app/notes", b"\xffopaque bytes\x00")
+    assert (o.name, o.data(), o.executable) == ("app/notes", b"\xffopaque bytes\x00",
+                                                "simple_exe")
 
     types = [b.type for b in r.blobs()]
     assert types == [popef.BlobType.METADATA, popef.BlobType.EXECUTABLE,
@@ -109,7 +114,7 @@ def test_uncompressed_executable_and_stream_variants(tmp_path: Path) -> None:
         r = popef.Reader()
         r.parseStream(source, name="mem")
         [exe] = r.executables()
-        assert not exe.compressed and exe.data == EXE
+        assert not exe.isCompressed and exe.executable() == EXE
         assert r.blobs()[0].path == "mem"
 
 
@@ -156,7 +161,8 @@ def test_save_model_round_trip(tmp_path: Path) -> None:
 
 def test_every_data_type_round_trips(tmp_path: Path) -> None:
     supported = [d for d in popef.DataType if d not in (popef.DataType.F8143,
-                                                         popef.DataType.F8152)]
+                                                         popef.DataType.F8152,
+                                                         popef.DataType.F8)]
     anchors = [popef.Anchor(f"t_{d.value}", f"h{i}", popef.TensorInfo(d, [2, 3]), False,
                             popef.TensorType.INPUT, [0]) for i, d in enumerate(supported)]
     md = popef.Metadata(anchors=anchors, program_flow=popef.ProgramFlow([0], [], []),
@@ -212,7 +218,11 @@ def test_public_surface() -> None:
     assert sorted(popef.__all__) == sorted([
         "Anchor", "BlobInfo", "BlobType", "DataType", "ExecutableBlob", "FeedData",
         "Metadata", "Model", "ModelBuilder", "Opaque", "ProgramFlow", "Reader", "TensorData",
-        "TensorInfo", "TensorType", "Writer", "load_model", "save_model"])
+        "TensorInfo", "TensorType", "Writer", "load_model", "save_model",
+        # Graphcore's popef module's names (host_runtime.popef.blobs, model.Option)
+        "BlobWriter", "ExecutableReader", "FeedDataInfo", "FeedReader", "OpaqueReader",
+        "Option", "TensorDataInfo", "TensorReader", "numpyDTypeToPopefType",
+        "popefTypeToNumpyDType"])
     for name in popef.__all__:
         assert getattr(popef, name) is not None
 
@@ -229,7 +239,7 @@ def test_writer_accepts_buffers_and_non_contiguous_arrays() -> None:
         w.writeOpaque("f16", np.array([[1.5, 2.0]], np.float16))
     r = popef.Reader()
     r.parseStream(buf.getvalue())
-    got = {o.name(): o.data for o in r.opaqueBlobs()}
+    got = {o.name: o.data() for o in r.opaqueBlobs()}
     assert got == {"strided": arr.tobytes(), "scalar": np.float32(3).tobytes(), "empty": b"",
                    "bytearray": b"xy", "bools": b"\x01\x00",
                    "f16": np.array([[1.5, 2.0]], np.float16).tobytes()}
@@ -240,7 +250,7 @@ def test_writer_accepts_buffers_and_non_contiguous_arrays() -> None:
 _names = st.text(st.characters(min_codepoint=33, max_codepoint=0x2FFF), min_size=1,
                  max_size=12)
 _supported = [d for d in popef.DataType if d not in (popef.DataType.F8143,
-                                                     popef.DataType.F8152)]
+                                                     popef.DataType.F8152, popef.DataType.F8)]
 
 
 @st.composite
@@ -255,7 +265,7 @@ def _metadata(draw: st.DrawFn) -> popef.Metadata:
     subgraphs = {}
     if names and draw(st.booleans()):
         subgraphs = {"graph0": names[: len(names) // 2], "graph1": names[len(names) // 2:]}
-    return popef.Metadata(
+    md = popef.Metadata(
         anchors=anchors, program_flow=popef.ProgramFlow(draw(progs), draw(progs), draw(progs)),
         replication_factor=draw(st.integers(1, 64)), num_ipus=draw(st.integers(1, 64)),
         ipu_version=draw(st.sampled_from([2, 21])), executable=draw(_names),
@@ -263,6 +273,10 @@ def _metadata(draw: st.DrawFn) -> popef.Metadata:
         engine_options=draw(st.dictionaries(_names, st.text(max_size=8), max_size=3)),
         device_options=draw(st.dictionaries(_names, st.text(max_size=8), max_size=3)),
         subgraphs=subgraphs)
+    md.setIsPOD(draw(st.booleans()))              # Graphcore's popef fields (optional keys)
+    md.setNumProcesses(draw(st.integers(1, 64)))
+    md.setSeedHandle(draw(st.one_of(st.just(""), _names)))
+    return md
 
 
 @settings(max_examples=150, deadline=None)

@@ -78,7 +78,7 @@ def test_defaults_are_the_documented_ones() -> None:
         "IPU_EMULATOR_IPU_VERSION": None, "IPU_EMULATOR_TILES_PER_IPU": None,
         "IPU_EMULATOR_MEMORY_PER_TILE": None, "IPU_EMULATOR_COMPUTE_THREADS": None,
         "IPU_EMULATOR_DAEMON": None, "IPU_EMULATOR_FAULTS": "", "IPU_EMULATOR_TRACE": None,
-        "IPU_EMULATOR_TRACE_EVENTS": 65536}
+        "IPU_EMULATOR_TRACE_EVENTS": 65536, "IPU_EMULATOR_FORCE_MODULES": False}
     with pytest.raises(AttributeError):
         s.ring_c = False   # type: ignore[misc]   # frozen
 

@@ -35,7 +35,9 @@ one of its fixtures or carrying its marker:
 
 Options (and ini keys): ``--ipu-emulator-daemon=SOCKET`` (``ipu_emulator_daemon``),
 ``--ipu-emulator-num-ipus`` (``ipu_emulator_num_ipus``),
-``--ipu-emulator-ipu-version`` (``ipu_emulator_ipu_version``); ini
+``--ipu-emulator-ipu-version`` (``ipu_emulator_ipu_version``),
+``--ipu-emulator-modules`` (``ipu_emulator_modules = true``: Graphcore's module names
+``model_runtime``, ``popef``, ``poprt`` resolve to this project, see ``ipu_emulator.run``); ini
 ``ipu_emulator_wait_timeout`` (seconds, default 60).
 
 Importing this module is cheap (the runtime is imported when a fixture runs).
@@ -78,6 +80,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--ipu-emulator-ipu-version", choices=("ipu2", "ipu21"), default=None,
                     help="IPU version of the private emulated machine (default: ini "
                     "ipu_emulator_ipu_version, else the machine configuration, ipu21)")
+    group.addoption("--ipu-emulator-modules", action="store_true", default=None,
+                    help="map Graphcore's module names model_runtime, popef and poprt onto "
+                    "the emulator for the tests (default: ini ipu_emulator_modules); "
+                    "refused where the real ones are installed, unless "
+                    "IPU_EMULATOR_FORCE_MODULES=1")
     group.addoption("--ipu-trace-dir", metavar="DIR", default=None,
                     help="write a timeline (Chrome trace JSON, docs/tracing.md) of each "
                     "failing test into DIR")
@@ -85,6 +92,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                   default="")
     parser.addini("ipu_emulator_num_ipus", "IPUs of the private emulated machine", default="")
     parser.addini("ipu_emulator_ipu_version", "ipu2 or ipu21", default="")
+    parser.addini("ipu_emulator_modules", "map model_runtime, popef and poprt onto the "
+                  "emulator (as --ipu-emulator-modules)", type="bool", default=False)
     parser.addini("ipu_emulator_wait_timeout",
                   "seconds a test waits for the IPUs it needs (ipus marker, model_runner)",
                   default=str(_DEFAULT_WAIT))
@@ -102,6 +111,25 @@ def pytest_configure(config: pytest.Config) -> None:
     else:   # a controller without the plugin: the run's uid is all the workers share
         run = RunFolder.for_testrun(str(workerinput.get("testrunuid", "0")))
     config.stash[_RUN] = run
+    _map_modules(config)
+
+
+def _map_modules(config: pytest.Config) -> None:
+    """--ipu-emulator-modules: Graphcore's names resolve to this project before the test
+    modules are collected (ipu_emulator.run); refused over a real SDK."""
+    wanted = config.getoption("ipu_emulator_modules")
+    if not (wanted if wanted is not None else config.getini("ipu_emulator_modules")):
+        return
+    from ipu_emulator import run
+    from ipu_emulator.errors import RealModulesError
+
+    if run.installed():
+        return
+    try:
+        run.install()
+    except RealModulesError as exc:
+        raise pytest.UsageError(f"--ipu-emulator-modules: {exc}") from None
+    config.add_cleanup(run.uninstall)
 
 
 @pytest.hookimpl(optionalhook=True)
