@@ -35,6 +35,8 @@ def _from_bytes(data: bytes | bytearray | memoryview, name: str) -> popef.Model:
 
 def model_source(source: Any) -> popef.Model | PopefPaths | list[str]:
     """What ``host_runtime.ModelRunner`` takes for ``source`` (see the module docstring)."""
+    if source is None or isinstance(source, (int, float, complex)):
+        raise BadRequestError(f"a PopRT runner loads {ACCEPTED}; got {type(source).__name__}")
     if isinstance(source, (str, os.PathLike)):
         return PopefPaths([os.fspath(source)])
     if isinstance(source, (list, tuple)) and source and all(
