@@ -314,7 +314,8 @@ class ModelRunner:
             if lock is not None:
                 lock.acquire()
             try:
-                rep.rerun_load({h: memoryview(v).cast("B") for h, v in handles.items()})
+                rep.rerun_load({h: memoryview(v).cast("B")  # type: ignore[arg-type]
+                                for h, v in handles.items()})
             finally:
                 if lock is not None:
                     lock.release()

@@ -81,7 +81,6 @@ class RuntimeConfig(ModelRunnerConfig):
     """PopRT's runtime options: ``ModelRunnerConfig`` with PopRT's defaults (module doc)."""
 
     _FIELDS = ModelRunnerConfig._FIELDS + ("runner_type", "flush_by_name")
-    _EXTRA: tuple[str, ...] = ("runner_type", "flush_by_name")
     _RUNNER = RunnerType.ModelRunner
 
     runner_type: RunnerType

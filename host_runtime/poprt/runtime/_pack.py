@@ -318,14 +318,14 @@ class PackRunner(Runner):
             raise InvalidStateError("the PackRunner is closed")
         return p
 
-    def execute_async(self, input: Mapping[str, Any],
-                      output: Optional[Mapping[str, Any]] = None) -> PackFuture:  # type: ignore[override]
+    def execute_async(self, input: Mapping[str, Any],  # type: ignore[override]
+                      output: Optional[Mapping[str, Any]] = None) -> PackFuture:
         """Queue one request; it runs packed with others; ``wait()`` then read outputs."""
         req = self._request(input, output or {})
         self._live().submit(req)
         return req.future
 
-    executeAsync = execute_async
+    executeAsync = execute_async  # type: ignore[assignment]
 
     def execute(self, input: Mapping[str, Any], output: Mapping[str, Any]) -> None:
         self.execute_async(input, output).result()
