@@ -59,7 +59,6 @@ __all__ = [
     "ApplicationRuntimeError",
     "RecoverableRuntimeError",
     "UnrecoverableRuntimeError",
-    "NotSupportedError",
 ]
 
 
@@ -257,7 +256,3 @@ class UnrecoverableRuntimeError(DeviceRuntimeError):
     """The device cannot be recovered (Poplar's ``unrecoverable_runtime_error``): close the
     runner (or session and device) and make a new one."""
 
-
-class NotSupportedError(ModelRuntimeError, NotImplementedError):
-    """A name of the real API that an emulator cannot honour (a Poplar profile, a C++
-    plug-in, a hardware-only option): it exists, and raises this naming what and why."""

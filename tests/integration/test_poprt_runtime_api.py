@@ -95,6 +95,26 @@ def test_runtime_config_has_poprts_defaults_and_model_runtime_keeps_the_seeds():
         pack.max_valid_num = -1
 
 
+def test_flush_by_name_completes_a_request_that_waits_for_data(tmp_path):
+    add = make_model(helper.make_graph(
+        [helper.make_node("Add", ["X", "Y"], ["O"])], "add",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, (2,)) for n in ("X", "Y")],
+        [helper.make_tensor_value_info("O", TensorProto.FLOAT, (2,))]))
+    cfg = runtime.RuntimeConfig()
+    cfg.validate_io_params = False
+    cfg.timeout_ns = 5_000_000
+    cfg.flush_by_name = ({"Y": np.full(2, 10, np.float32)}, {})
+    runner = runtime.Runner(str(poprt_compile(add, tmp_path).popef_path), cfg)
+    try:
+        out = np.zeros(2, np.float32)
+        runner.execute({"X": np.ones(2, np.float32)}, {"O": out})
+        npt.assert_array_equal(out, [11.0, 11.0])
+    finally:
+        runner.close()
+    with pytest.raises(BadRequestError, match="flush_by_name: expected a pair"):
+        cfg.flush_by_name = {"Y": 1}
+
+
 # -- Runner ------------------------------------------------------------------------------
 class _Executable:
     """Stands for poprt.compiler.Executable: an object carrying a PopEF file's bytes."""
