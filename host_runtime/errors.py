@@ -255,4 +255,3 @@ class RecoverableRuntimeError(DeviceRuntimeError):
 class UnrecoverableRuntimeError(DeviceRuntimeError):
     """The device cannot be recovered (Poplar's ``unrecoverable_runtime_error``): close the
     runner (or session and device) and make a new one."""
-
