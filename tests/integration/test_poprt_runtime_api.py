@@ -258,6 +258,31 @@ def test_light_runner_updates_weights_in_place_then_stops_and_reloads(weights_po
             "input", np.zeros((4, 8), np.float32))
 
 
+def test_updated_weights_survive_an_auto_reset(weights_popef):
+    import os
+    import signal
+
+    import psutil
+
+    config = runtime.LightRunnerConfig()
+    config.auto_reset = True
+    runner = runtime.LightRunner(weights_popef, config)
+    try:
+        w1 = RNG.uniform(-1, 1, (8, 8)).astype(np.float32)
+        runner.set_input_anchor("Weight", w1)
+        runner.update_weights()
+        pid = runner.model_runner.device_pids()[0]
+        proc = psutil.Process(pid)
+        os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        x, y = _io(runner)
+        runner.execute(x, y)     # the replica restarts on a fresh IPU process
+        assert runner.model_runner.device_pids() != [pid]
+        npt.assert_allclose(y["output"], ort_run(weights_model(w1), x)[0], rtol=1e-5, atol=1e-5)
+    finally:
+        runner.close()
+
+
 def test_light_runner_refuses_a_weight_of_the_wrong_shape(weights_popef):
     runner = runtime.LightRunner(weights_popef, runtime.LightRunnerConfig())
     try:
