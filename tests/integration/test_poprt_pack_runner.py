@@ -197,6 +197,10 @@ def test_bad_requests_are_refused_by_name(token_popef):
         req = _requests([S + 1])[0]
         with pytest.raises(BadRequestError, match="'input_ids' has 11 tokens; expected 1..10"):
             runner.execute_async(req, {"output": np.zeros(S, np.float32)})
+        ok = _requests([4])[0]
+        with pytest.raises(BadRequestError, match=r"output 'output' must be \[>= 4\] \(the "
+                                                  r"request's tokens\), got \[3\]"):
+            runner.execute_async(ok, {"output": np.zeros(3, np.float32)})
         del req["token_type_ids"]
         with pytest.raises(BadRequestError, match=r"missing \['token_type_ids'\]"):
             runner.execute_async(req, {"output": np.zeros(S, np.float32)})

@@ -309,6 +309,15 @@ class PackRunner(Runner):
             if not isinstance(dest, np.ndarray) or not dest.flags.writeable:
                 raise BadRequestError(f"PackRunner request: output {n!r} must be a writable "
                                       f"numpy array, got {type(dest).__name__}")
+            row = lay.outputs[n].shape[1:] if lay.per_request else lay.outputs[n].shape[2:]
+            if lay.per_request and dest.size != int(np.prod(row)):
+                raise BadRequestError(f"PackRunner request: output {n!r} holds one row of the "
+                                      f"unpacked output, {row}; got shape {list(dest.shape)}")
+            if not lay.per_request and (dest.ndim < 1 or dest.shape[0] < length
+                                        or list(dest.shape[1:]) != row):
+                raise BadRequestError(f"PackRunner request: output {n!r} must be [>= {length}"
+                                      f"{''.join(', ' + str(d) for d in row)}] (the request's "
+                                      f"tokens), got {list(dest.shape)}")
             outs[n] = dest
         return _Request(length, cut, outs)
 
