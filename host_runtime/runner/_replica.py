@@ -158,7 +158,6 @@ class Replica:
         if req.error is not None:
             raise raisable(req.error)
 
-    # -- TimerOwner (see _replica_timers) -----------------------------------------------
     def rerun_load(self, values: dict[str, memoryview]) -> None:
         """New data for the Load programs' inputs (handle -> bytes), loaded in place on this
         replica's device (``ReplicaLife.rerun_load``) once what is in flight has finished."""
@@ -173,6 +172,7 @@ class Replica:
                     "were being replaced; replace them when no request is in flight")
             self._life.rerun_load(values)
 
+    # -- TimerOwner (see _replica_timers) -----------------------------------------------
     @property
     def closed(self) -> bool:
         return self._life.closed
