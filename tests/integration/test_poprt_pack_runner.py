@@ -254,9 +254,19 @@ def test_poprt_exec_runs_a_popef_file(token_popef, tmp_path, capsys):
     assert "absent.popef" in capsys.readouterr().err
 
 
-def test_poprt_exec_is_a_module_and_a_console_script():
+def test_poprt_exec_is_a_module_and_a_console_script(token_popef):
     import configparser
+    import subprocess
+    import sys
+
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    proc = subprocess.run([sys.executable, "-m", "tools.poprt_exec", "poprt_run_popef",
+                           "--popef", token_popef, "--iteration", "2"],
+                          cwd=root, env=dict(os.environ, PYTHONPATH=os.path.abspath(root)),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "runner: Runner" in proc.stdout and "requests: 2 " in proc.stdout
 
     cfg = configparser.ConfigParser()
-    cfg.read(os.path.join(os.path.dirname(__file__), "..", "..", "setup.cfg"))
+    cfg.read(os.path.join(root, "setup.cfg"))
     assert "poprt_exec = tools.poprt_exec:main" in cfg["options.entry_points"]["console_scripts"]

@@ -31,13 +31,12 @@ import numpy as np
 
 from host_runtime.errors import BadRequestError
 from host_runtime.memory import as_readable_array
-from host_runtime.runner import ModelRunner as _Engine
 from host_runtime.runner import OutputFuture
 from host_runtime.runner.config import ModelRunnerConfig
 
 from host_runtime.poprt.runtime._config import (HostConcatConfig, HostConcatRunnerConfig,
                                                 LightRunnerConfig, RuntimeConfig)
-from host_runtime.poprt.runtime._runner import FusedIndex, Runner
+from host_runtime.poprt.runtime._runner import Runner
 
 __all__ = ["LightRunner", "HostConcatRunner", "HOST_CONCAT_BLOB"]
 
@@ -52,7 +51,7 @@ class LightRunner(Runner):
     def __init__(self, executable: Any, config: Optional[ModelRunnerConfig] = None) -> None:
         super().__init__(executable, config)
         self._staged: dict[str, np.ndarray] = {}
-        self._weights = {d.name: d for d in self._engine.getModelInputs()}
+        self._weights = {d.name: d for d in self.model_runner.getModelInputs()}
 
     def set_input_anchor(self, name: str, value: Any) -> None:
         """Stage ``value`` for weight ``name``; ``update_weights()`` loads it."""
@@ -74,22 +73,12 @@ class LightRunner(Runner):
         if not self._staged:
             raise BadRequestError("update_weights: no weight was staged; call "
                                   "set_input_anchor(name, array) first")
-        self._engine.update_load_inputs(self._staged)
-        frozen = dict(self._config.frozen_inputs)
-        frozen.update(self._staged)
-        self._config.frozen_inputs = frozen   # what reload() loads
+        self.update_load_inputs(self._staged)
         self._staged = {}
 
     def stop(self) -> None:
         """Unload the model; the devices of ``replica_to_device`` stay attached."""
         self.close()
-
-    def reload(self) -> None:
-        """Load the model again (after ``stop()``), with the weights last updated."""
-        if self._runner is not None:
-            self.close()
-        self._runner = _Engine(self._source, config=self._config)
-        self._index = FusedIndex(self._runner.model)
 
 
 class HostConcatRunner(Runner):
@@ -101,7 +90,7 @@ class HostConcatRunner(Runner):
         super().__init__(executable, config)
         given = getattr(config, "host_concat_config", None) or {}
         concat = dict(given) if given else self._from_popef()
-        descs = {d.name: d for d in self._engine.getExecuteInputs()}
+        descs = {d.name: d for d in self.model_runner.getExecuteInputs()}
         for name, hcc in concat.items():
             desc = descs.get(name)
             if desc is None:
@@ -116,7 +105,7 @@ class HostConcatRunner(Runner):
         self._descs = descs
 
     def _from_popef(self) -> dict[str, HostConcatConfig]:
-        blob = self._engine.model.opaque(HOST_CONCAT_BLOB)
+        blob = self.model_runner.model.opaque(HOST_CONCAT_BLOB)
         if blob is None:
             return {}
         try:

@@ -36,9 +36,9 @@ from host_runtime.memory import as_readable_array
 from host_runtime.runner import ModelRunner as _Engine
 from host_runtime.runner.config import DataDesc, ModelRunnerConfig
 
-from host_runtime.poprt.runtime._config import PackAlgorithm, PackRunnerConfig
+from host_runtime.poprt.runtime._config import PackAlgorithm, PackRunnerConfig, RunnerType
 from host_runtime.poprt.runtime._packing import Packer, Place
-from host_runtime.poprt.runtime._runner import Runner
+from host_runtime.poprt.runtime._runner import Runner, register_runner
 
 __all__ = ["PackRunner", "PackFuture"]
 
@@ -267,7 +267,7 @@ class PackRunner(Runner):
                                   f"{type(config).__name__}")
         self._packer: _Packer | None = None
         super().__init__(popef, config)
-        engine = self._engine
+        engine = self.model_runner
         try:
             self._layout = _Layout(engine.getExecuteInputs(), engine.getExecuteOutputs(), config)
             self._padding_remove = config.enable_padding_remove
@@ -350,3 +350,6 @@ class PackRunner(Runner):
             self.close()
         except Exception:
             pass
+
+
+register_runner(RunnerType.PackRunner, PackRunner)

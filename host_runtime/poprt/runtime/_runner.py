@@ -35,7 +35,7 @@ from host_runtime.poprt.runtime._source import model_source
 if TYPE_CHECKING:  # pragma: no cover
     from host_runtime import popef
 
-__all__ = ["Runner", "ModelRunner", "FusedIndex"]
+__all__ = ["Runner", "ModelRunner", "FusedIndex", "register_runner"]
 
 _GRAPH = re.compile(r"^graph(\d+)/")
 INDEX_NAME = "index"
@@ -111,16 +111,22 @@ def engine_config(config: Optional[ModelRunnerConfig], default: type[RuntimeConf
     return plain
 
 
+_KINDS: dict[RunnerType, type["Runner"]] = {}
+
+
+def register_runner(kind: RunnerType, cls: type["Runner"]) -> None:
+    """``Runner(popef, config)`` makes a ``cls`` when ``config.runner_type`` is ``kind``."""
+    _KINDS[kind] = cls
+
+
 class Runner:
     """Loads a PopEF model onto emulated IPUs and runs requests (module docstring)."""
 
     _DEFAULT: type[RuntimeConfig] = RuntimeConfig
 
     def __new__(cls, popef: Any = None, config: Optional[ModelRunnerConfig] = None) -> Any:
-        if cls is Runner and runner_type_of(config) is RunnerType.PackRunner:
-            from host_runtime.poprt.runtime._pack import PackRunner
-            return object.__new__(PackRunner)
-        return object.__new__(cls)
+        kind = _KINDS.get(runner_type_of(config)) if cls is Runner else None
+        return object.__new__(kind if kind is not None else cls)
 
     def __init__(self, popef: Any, config: Optional[ModelRunnerConfig] = None) -> None:
         self._runner: _Engine | None = None
@@ -164,6 +170,22 @@ class Runner:
 
     def get_model_outputs(self) -> list[DataDesc]:
         return self._engine.getModelOutputs()
+
+    # -- loading (LightRunner's stop/reload/update_weights) ----------------------------
+    def reload(self) -> None:
+        """Load the model again (after ``close()``/``stop()``), with the Load programs'
+        inputs last updated."""
+        self.close()
+        self._runner = _Engine(self._source, config=self._config)
+        self._index = FusedIndex(self._runner.model)
+
+    def update_load_inputs(self, values: Mapping[str, Any]) -> None:
+        """New values of inputs only the Load programs read (weights), loaded in place
+        (``host_runtime.ModelRunner.update_load_inputs``) and kept for ``reload()``."""
+        self._engine.update_load_inputs(dict(values))
+        frozen = dict(self._config.frozen_inputs)
+        frozen.update(values)
+        self._config.frozen_inputs = frozen
 
     # -- Python conveniences ----------------------------------------------------------
     @property
