@@ -201,9 +201,16 @@ def test_bad_requests_are_refused_by_name(token_popef):
         with pytest.raises(BadRequestError, match=r"output 'output' must be \[>= 4\] \(the "
                                                   r"request's tokens\), got \[3\]"):
             runner.execute_async(ok, {"output": np.zeros(3, np.float32)})
-        del req["token_type_ids"]
-        with pytest.raises(BadRequestError, match=r"missing \['token_type_ids'\]"):
+        del req["input_ids"]
+        with pytest.raises(BadRequestError, match=r"at least \['input_ids'\]\); missing "
+                                                  r"\['input_ids'\], unexpected \[\]"):
             runner.execute_async(req, {"output": np.zeros(S, np.float32)})
+        # inputs a request leaves out are zeros (PopRT's example leaves out position ids)
+        partial = {"input_ids": ok["input_ids"]}
+        out = np.zeros(S, np.float32)
+        runner.execute(partial, {"output": out})
+        full = dict(ok, token_type_ids=np.zeros(4, np.float32))
+        npt.assert_allclose(out[:4], _expected_single_row([full], [(0, 0, 1)])[0], rtol=1e-6)
     finally:
         runner.close()
     with pytest.raises(BadRequestError, match="needs a PackRunnerConfig, got RuntimeConfig"):

@@ -11,6 +11,7 @@
       future.wait() <-------+---- each request's outputs copied back <-------------+
 
 A request is one sequence: its packed inputs are ``[L, ...]`` arrays (``L`` tokens);
+an input it leaves out is zeros (the mask: each token gets the request's number);
 with padding removal (``enable_padding_remove_mode``) they may be padded, and ``L`` is
 the count of non-zero values of the mask. Outputs go back to each request: with the
 model's own unpacking (across rows, an ``unpack_info`` input) output row ``k`` of the
@@ -230,9 +231,11 @@ class _Packer:
             for name, arr in ins.items():
                 flat = arr.reshape((lay.rows * lay.seq,) + arr.shape[2:])
                 start = at.row * lay.seq + at.col
-                value = r.inputs[name]
+                value: np.ndarray | int | None = r.inputs.get(name)
                 if name == lay.mask:
-                    value = np.where(value != 0, at.number, 0)
+                    value = at.number if value is None else np.where(value != 0, at.number, 0)
+                elif value is None:
+                    continue   # an input the request left out: zeros, as PopRT's buffers
                 flat[start:start + r.length] = value
         if lay.unpack_desc is not None:
             d = lay.unpack_desc
@@ -278,12 +281,14 @@ class PackRunner(Runner):
 
     def _request(self, input: Mapping[str, Any], output: Mapping[str, Any]) -> _Request:
         lay = self._layout
-        missing = [n for n in lay.packed if n not in input]
+        required = [lay.dynamic] + ([lay.mask] if self._padding_remove else [])
+        missing = [n for n in required if n not in input]
         unknown = [n for n in input if n not in lay.packed and n != lay.unpack]
         if missing or unknown:
             raise BadRequestError(f"PackRunner request: expected inputs {sorted(lay.packed)}"
-                                  f"; missing {missing}, unexpected {unknown}")
-        arrays = {n: as_readable_array(input[n], n) for n in lay.packed}
+                                  f" (at least {required}); missing {missing}, unexpected "
+                                  f"{unknown}")
+        arrays = {n: as_readable_array(input[n], n) for n in lay.packed if n in input}
         if self._padding_remove:
             length = int(np.count_nonzero(arrays[lay.mask]))
         else:
