@@ -52,11 +52,10 @@ class ModelLayout:
                 raise BadRequestError(
                     f"ModelRunnerConfig.frozen_inputs: the model has no input {name!r}; expected "
                     "one of " + ", ".join(repr(x.name()) for x in self.inputs_all))
-            spec = self._spec(a, None)
-            arr = as_readable_array(value, name)
-            spec.samples_of(arr)   # exact shape / size check
-            self.frozen[name] = np.ascontiguousarray(spec.typed(arr, spec.batch))
+            self.frozen[name] = self.typed_value(a, value)
         self.frozen_load = {n: v for n, v in self.frozen.items() if not in_main(by_name[n])}
+        self.load_only = {a.name(): a for a in self.inputs_all
+                          if load.intersection(a.programs()) and not in_main(a)}
         for a in self.inputs_all:
             if a.name() in self.frozen or a.name() in self.with_data:
                 continue
@@ -149,6 +148,13 @@ class ModelLayout:
     def direct_inputs(self) -> dict[str, TensorSpec]:
         """The Main inputs a replica writes (frozen ones included), in the order Main reads them."""
         return {n: self.in_specs[n] for n in self.by_read_order(self.in_specs)}
+
+    def typed_value(self, a: popef.Anchor, value: object) -> np.ndarray:
+        """``value`` as input ``a`` takes it whole: the model's dtype and exact shape."""
+        spec = self._spec(a, None)
+        arr = as_readable_array(value, a.name())
+        spec.samples_of(arr)   # exact shape / size check
+        return np.ascontiguousarray(spec.typed(arr, spec.batch))
 
     def plan(self, given: dict[str, np.ndarray], transfers: int
              ) -> tuple[dict[str, np.ndarray], list[tuple[TensorSpec, ...]], Optional[str]]:

@@ -70,6 +70,9 @@ class ReplicaSession(Protocol):
     def stop_within(self, timeout: float, kill_if_hung: bool = False) -> None: ...
     def close(self) -> None: ...
     def close_within(self, stop_timeout: float, kill_if_hung: bool) -> None: ...
+    # new data for the Load programs' inputs (ModelRunner.update_load_inputs)
+    def freeze_input(self, anchor_handle: str, data: memoryview) -> None: ...
+    def runLoadPrograms(self) -> None: ...
     # the save programs (ModelRunner's SaveFn)
     def setCallbackForAnchor(self, anchor_handle: str,
                              callback: Callable[[memoryview], None] | None) -> None: ...
@@ -114,24 +117,30 @@ class ReplicaLife:
         t0 = time.monotonic_ns()
         s = self._open_session()
         try:
-            in_rings = {n: s.direct.input_ring(spec.handle) for n, spec in self._inputs.items()}
-            out_rings = {n: s.direct.output_ring(spec.handle)
-                         for n, spec in self._outputs.items()}
-            loop = s.direct.start_main_loop()
+            path = self._start(s)
         except BaseException:
             s.close()
             raise
+        dev = s.device()
+        self._pids.close()
+        self._pids = ExitWatch(dev.pids() if dev is not None else [])
+        self._pids_exact = self._pids.exact and bool(self._pids.pids)
+        self._several = len(self._pids.pids) > 1
+        if recorder.ON:
+            _tracing.life("attach and load", self, self.rid, t0, s)
+        return path
+
+    def _start(self, s: ReplicaSession) -> TransferPath:
+        """Main started in a loop on ``s``'s device, and a path over its rings."""
+        in_rings = {n: s.direct.input_ring(spec.handle) for n, spec in self._inputs.items()}
+        out_rings = {n: s.direct.output_ring(spec.handle) for n, spec in self._outputs.items()}
+        loop = s.direct.start_main_loop()
         self.session = s
         self.loop = loop
         self.error = None
         self.path = path = TransferPath(self._inputs, self._outputs, self._frozen, in_rings,
                                         out_rings, self._dynamic, self._batch, self._options,
                                         self.rid)
-        dev = s.device()
-        self._pids.close()
-        self._pids = ExitWatch(dev.pids() if dev is not None else [])
-        self._pids_exact = self._pids.exact and bool(self._pids.pids)
-        self._several = len(self._pids.pids) > 1
         # The device's service thread holds the loop future: refer back weakly, so that a
         # runner nobody references can be collected (and its __del__ release the IPUs).
         ref = weakref.ref(self)
@@ -141,9 +150,23 @@ class ReplicaLife:
             if life is not None:
                 life._loop_ended(fut)
         loop.add_done_callback(on_loop_end)
-        if recorder.ON:
-            _tracing.life("attach and load", self, self.rid, t0, s)
         return path
+
+    def rerun_load(self, values: dict[str, memoryview]) -> TransferPath:
+        """New data for inputs of the Load programs (handle -> bytes), in place: Main's loop
+        ends, the session feeds ``values`` (constants in shared memory, as frozen inputs
+        are) and runs the Load programs again on the same device and IPU processes, then
+        Main loops again. Nothing may be in flight (the caller holds the submit lock)."""
+        s = self.session
+        if s is None or self.closed:
+            raise self.closed_error()
+        if self.error is not None:
+            raise unusable_error(self.rid, self.error, self._auto_reset) from self.error
+        s.direct.stop_main_loop(self._stop_s)
+        for handle, data in values.items():
+            s.freeze_input(handle, data)
+        s.runLoadPrograms()
+        return self._start(s)
 
     def _loop_ended(self, fut: cf.Future[None]) -> None:
         """The device's main loop ended: stop() (normal) or a failure."""

@@ -289,6 +289,37 @@ class ModelRunner:
         rep.submit(req, transfers, phantom)
         return OutputFuture(req)
 
+    def update_load_inputs(self, values: dict[str, Any]) -> None:
+        """Not part of the seed's API (PopRT's ``LightRunner.update_weights``): new values
+        for inputs only the Load programs read (weights the PopEF file carries, or frozen
+        inputs of Load), loaded in place: on every replica, once its requests in flight
+        have finished, Main's loop stops, the Load programs run again on the same device
+        with the new data, and Main loops again. The values stay the runner's (a replica
+        restarted by ``auto_reset`` loads them too)."""
+        lay = self._layout
+        typed: dict[str, np.ndarray] = {}
+        for name, value in values.items():
+            anchor = self._model.metadata.anchor(name)
+            if anchor is None or name not in lay.load_only:
+                raise BadRequestError(
+                    f"update_load_inputs: {name!r} is not an input only the Load programs "
+                    "read; expected one of " + (", ".join(sorted(lay.load_only)) or "(none)"))
+            typed[name] = lay.typed_value(anchor, value)
+        handles = {self._model.metadata.anchor(n).handle(): v  # type: ignore[union-attr]
+                   for n, v in typed.items()}
+        self._sessions.remember_frozen(typed)
+        for rid in range(len(self._replicas)):
+            rep = self._replica(rid)
+            lock = self._call_lock(rid)
+            if lock is not None:
+                lock.acquire()
+            try:
+                rep.rerun_load({h: memoryview(v).cast("B")  # type: ignore[arg-type]
+                                for h, v in handles.items()})
+            finally:
+                if lock is not None:
+                    lock.release()
+
     def getExecuteInputs(self) -> list[DataDesc]:
         """Inputs each execute call needs (frozen inputs and PopEF-fed tensors excluded)."""
         return [_desc(a) for a in self._layout.exec_inputs]

@@ -66,6 +66,11 @@ class ReplicaSessions:
         if not cfg.replica_to_device:   # IPU processes of our own: their template starts now
             DeviceManager(settings=settings).prepare_launch()
 
+    def remember_frozen(self, values: dict[str, np.ndarray]) -> None:
+        """New values of inputs only the Load programs read: sessions opened from now on
+        (a replica restarted by ``auto_reset``) feed these."""
+        self._shared_frozen.update(values)
+
     def release_unadopted(self) -> None:
         """Close the devices attached for replicas that did not take them (a failed start)."""
         for dev in self._attached.values():

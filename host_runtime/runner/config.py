@@ -84,7 +84,7 @@ class ModelRunnerConfig:
     ``flush_callback(tensor_id, inputs, outputs)``: see ``FlushCallback``.
     """
 
-    _FIELDS = (
+    _FIELDS: tuple[str, ...] = (
         "replication_factor", "run_save_programs", "thread_safe", "frozen_inputs",
         "replica_to_save_programs_outputs", "replica_to_device", "device_wait_config",
         "check_package_hash", "timeout_ns", "validate_io_params", "batching_dim",

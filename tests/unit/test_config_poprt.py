@@ -6,12 +6,14 @@ import numpy as np
 import pytest
 
 from host_runtime.errors import BadRequestError
-from host_runtime.poprt.runtime import Runner, RuntimeConfig
+from host_runtime import popef
+from host_runtime.poprt.runtime import RuntimeConfig
+from host_runtime.poprt.runtime._runner import FusedIndex
 
 
 def test_runtime_config_has_model_runner_fields_and_defaults():
     c = RuntimeConfig()
-    assert c.timeout_ns == 5_000_000_000 and c.validate_io_params is True
+    assert c.timeout_ns == 10_000_000 and c.validate_io_params is True   # PopRT's 10 ms
     c.timeout_ns = 0
     c.validate_io_params = False
     assert repr(c).startswith("RuntimeConfig(") and "validate_io_params=False" in repr(c)
@@ -19,13 +21,34 @@ def test_runtime_config_has_model_runner_fields_and_defaults():
         c.timeout = 1
 
 
-def fused_runner():
-    r = Runner.__new__(Runner)        # the index logic only, no device
-    r._fused = True
-    r._subgraph_of = {"graph0/X": 0, "graph0/Y": 0, "graph0/O": 0, "graph1/X": 1, "graph1/O": 1}
-    r._index_dtype = np.dtype(np.int32)
-    r._index_shape = (1,)
-    return r
+class _Metadata:
+    """What FusedIndex reads of a fused model's metadata."""
+
+    def anchor(self, name: str) -> popef.Anchor | None:
+        if name != "index":
+            return None
+        return popef.Anchor("index", "index", popef.TensorInfo(popef.DataType.S32, [1]),
+                            type=popef.TensorType.INPUT, programs=[1])
+
+    def subgraphs(self) -> dict[str, list[str]]:
+        return {"graph0": ["graph0/X", "graph0/Y", "graph0/O"],
+                "graph1": ["graph1/X", "graph1/O"]}
+
+
+class _Model:
+    metadata = _Metadata()
+
+
+class _Fused:
+    def __init__(self) -> None:
+        self._index = FusedIndex(_Model())  # type: ignore[arg-type]
+
+    def _with_index(self, ins: dict[str, object], outs: dict[str, object]) -> dict[str, object]:
+        return self._index.fill(ins, outs)
+
+
+def fused_runner() -> _Fused:
+    return _Fused()
 
 
 def test_index_filled_from_names():
@@ -44,3 +67,5 @@ def test_explicit_index_kept_and_mixed_names_refused():
         r._with_index({"graph0/X": 1}, {"graph1/O": 2})
     with pytest.raises(BadRequestError, match="got no sub-graph tensors"):
         r._with_index({"X": 1}, {})
+    as_uint32 = r._with_index({"index": np.array([1], np.uint32)}, {})["index"]
+    assert as_uint32.dtype == np.int32 and as_uint32.tolist() == [1]

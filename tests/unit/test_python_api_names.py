@@ -28,10 +28,8 @@ def modules() -> list[str]:
 
 
 # module -> who adds its names (issue 29's other parts); remove an entry once they resolve
-_RUNTIME = "issue 29 item 3: PopRT's runtime (poprt.runtime), another branch"
 _COMPILE = "PopRT's compile side (compiler, Converter, passes, Backend), its own issue"
 PENDING: dict[str, str] = {
-    "poprt.runtime": _RUNTIME,
     **{m: _COMPILE for m in (
         "poprt", "poprt.backend", "poprt.backends", "poprt.compiler", "poprt.converter",
         "poprt.frontend", "poprt.passes", "poprt.profile", "poprt.quantizer", "poprt.utils")},
