@@ -21,13 +21,15 @@ convert in fp32, they keep their float32 attributes and run in fp32 between cast
 
 from __future__ import annotations
 
-from typing import Callable
+import functools
+from typing import Any, Callable
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 __all__ = ["convert_to_fp16", "wrap_in_fp32", "wrap_nodes_in_fp32", "fp32_only_ops",
+           "fp32_only_inputs",
            "FP16_MAX", "Fp16RangeWarning"]
 
 FP16_MAX = 65504.0
@@ -201,15 +203,57 @@ def fp32_only_ops(model: onnx.ModelProto) -> set[str]:
             continue
         try:
             schema = onnx.defs.get_schema(node.op_type, opsets[domain], domain)
-        except Exception:   # unknown op: onnxruntime will say
-            continue
+        except Exception:   # not an onnx op: onnxruntime's own (com.microsoft) schemas
+            schema = _ort_schemas().get((domain, node.op_type))
+            if schema is None:   # unknown op: onnxruntime will say
+                continue
         allowed = {c.type_param_str: set(c.allowed_type_strs) for c in schema.type_constraints}
         for formal in list(schema.inputs) + list(schema.outputs):
-            types = allowed.get(formal.type_str, {formal.type_str})
+            tstr = getattr(formal, "type_str", None) or getattr(formal, "typeStr", "")
+            types = allowed.get(tstr, {tstr})
             if "tensor(float)" in types and "tensor(float16)" not in types:
                 out.add(node.op_type)
                 break
     return out
+
+
+@functools.lru_cache(maxsize=1)
+def _ort_schemas() -> dict[tuple[str, str], Any]:
+    """onnxruntime's operator schemas of the domains onnx does not know (com.microsoft's
+    DynamicQuantizeLSTM, MatMulIntegerToFloat...), the newest version of each."""
+    try:
+        from onnxruntime.capi import onnxruntime_pybind11_state as ort_c
+        schemas = ort_c.get_all_operator_schema()
+    except Exception:   # a build without schemas: onnxruntime's load error says instead
+        return {}
+    out: dict[tuple[str, str], Any] = {}
+    for sc in schemas:
+        if sc.domain in ("", "ai.onnx", "ai.onnx.ml"):
+            continue
+        key = (sc.domain, sc.name)
+        if key not in out or sc.since_version > out[key].since_version:
+            out[key] = sc
+    return out
+
+
+def fp32_only_inputs(model: onnx.ModelProto, op_types: set[str]) -> frozenset[str]:
+    """Float32 initializers of the main graph read only by nodes of ``op_types`` (computed
+    in fp32 between casts): they stay float32 rather than round through fp16 (the scales of
+    dynamically quantized ops, for one)."""
+    g = model.graph
+    readers: dict[str, set[str]] = {}
+    for node in g.node:
+        for name in node.input:
+            readers.setdefault(name, set()).add(node.op_type)
+        for attr in node.attribute:   # read from inside a sub-graph: converted with it
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                for inner in sub.node:
+                    for name in inner.input:
+                        readers.setdefault(name, set()).add("")
+    outputs = {vi.name for vi in g.output}
+    return frozenset(t.name for t in g.initializer
+                     if t.data_type == _F32 and t.name not in outputs and
+                     readers.get(t.name) and readers[t.name] <= op_types)
 
 
 def wrap_in_fp32(model: onnx.ModelProto, op_type: str, types: dict[str, int]) -> int:
