@@ -201,6 +201,7 @@ def fp32_only_ops(model: onnx.ModelProto) -> set[str]:
         domain = "" if node.domain == "ai.onnx" else node.domain
         if node.op_type in out or domain not in opsets:
             continue
+        schema: Any
         try:
             schema = onnx.defs.get_schema(node.op_type, opsets[domain], domain)
         except Exception:   # not an onnx op: onnxruntime's own (com.microsoft) schemas
@@ -209,7 +210,7 @@ def fp32_only_ops(model: onnx.ModelProto) -> set[str]:
                 continue
         allowed = {c.type_param_str: set(c.allowed_type_strs) for c in schema.type_constraints}
         for formal in list(schema.inputs) + list(schema.outputs):
-            tstr = getattr(formal, "type_str", None) or getattr(formal, "typeStr", "")
+            tstr = str(getattr(formal, "type_str", None) or getattr(formal, "typeStr", ""))
             types = allowed.get(tstr, {tstr})
             if "tensor(float)" in types and "tensor(float16)" not in types:
                 out.add(node.op_type)

@@ -26,6 +26,7 @@ from ipu_emulator.compiler._fp16_range import Fp16Plan, clip_outputs, plan_fp16,
 from ipu_emulator.compiler._precision import (
     Fp16RangeWarning, convert_to_fp16, fp32_only_ops, fp32_only_inputs, wrap_in_fp32,
     wrap_nodes_in_fp32)
+from ipu_emulator.compiler._tail import finish_tail, split_tail
 from ipu_emulator.compiler._shapes import (
     Value, dims_of, require_static, resolve_outputs, set_dims, value_of)
 from ipu_emulator.errors import CompileError
@@ -53,6 +54,7 @@ class Prepared:
     sizes: dict[str, tuple[str, tuple[int, ...], int]] = field(default_factory=dict)
     # fp16: output -> (max, mean) relative error to fp32 on a sample (``_fp16_range``)
     fp16_error: dict[str, tuple[float, float]] = field(default_factory=dict)
+    host_tail: onnx.ModelProto | None = None   # non-tensor tail run on the host (``_tail``)
 
 
 def prepare(model: onnx.ModelProto, label: str, input_shapes: dict[str, list[int]],
@@ -61,6 +63,7 @@ def prepare(model: onnx.ModelProto, label: str, input_shapes: dict[str, list[int
         raise CompileError(f"precision {echo(precision)} is not supported; expected one of "
                            f"{', '.join(PRECISIONS)}")
     model.ir_version = min(model.ir_version or 8, ort_max_ir_version())
+    tail = split_tail(model, label)
     _drop_unused_initializers(model, label)
     _refuse_non_tensors(model, label)
     init_names = {t.name for t in model.graph.initializer}
@@ -75,9 +78,9 @@ def prepare(model: onnx.ModelProto, label: str, input_shapes: dict[str, list[int
         before = _types(_infer(model, label))
         fp32_ops = fp32_only_ops(model)
         plan = plan_fp16(model, label, before)
-        kept = plan.keep_values | fp32_only_inputs(model, fp32_ops)
-        clamped = convert_to_fp16(model, plan.keep_nodes, kept)
-        after = {k: (TensorProto.FLOAT16 if v == TensorProto.FLOAT and k not in kept
+        stay = plan.keep_values | fp32_only_inputs(model, fp32_ops)
+        clamped = convert_to_fp16(model, plan.keep_nodes, stay)
+        after = {k: (TensorProto.FLOAT16 if v == TensorProto.FLOAT and k not in stay
                      else v) for k, v in before.items()}
         for op in sorted(fp32_ops):
             n = wrap_in_fp32(model, op, after)
@@ -99,6 +102,8 @@ def prepare(model: onnx.ModelProto, label: str, input_shapes: dict[str, list[int
                                "Identity node so the output has its own name")
     sizes = _sizes(model)
     prepared = Prepared(label, model, model, inputs, outputs, sizes=sizes, fp16_error=fp16_error)
+    if tail is not None:
+        prepared.host_tail = finish_tail(tail, {v.name: v.dtype for v in outputs})
     prepared.peak_activation_bytes = _peak_activations(model, sizes)
     device = onnx.ModelProto()
     device.CopyFrom(model)

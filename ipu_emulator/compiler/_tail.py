@@ -1,0 +1,146 @@
+"""A model's non-tensor tail, computed on the host.
+
+Classifiers converted from scikit-learn end in ``ZipMap``: their scores become a sequence
+of maps (class -> probability), which the IPU cannot stream. When the only non-tensor
+part of a model is such a tail (nodes whose non-tensor outputs feed only the graph
+outputs), the compiler cuts it off: the IPU computes the rest, the tail's tensor inputs
+become outputs of the compiled model, and the tail is a small ONNX model of its own that
+the host runs with onnxruntime on each result (``host_runtime.runner``), as onnxruntime
+computes it. The executable carries it in its attributes (``ipu_emulator.host_tail``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TypeVar
+
+import onnx
+from onnx import helper
+
+from ipu_emulator import host_tail
+from ipu_emulator.compiler._onnx import DTYPE_TO_ONNX
+from ipu_emulator.errors import CompileError
+from shm.errors import echo
+
+__all__ = ["split_tail", "finish_tail", "tail_attributes"]
+
+_log = logging.getLogger(__name__)
+
+_M = TypeVar("_M", onnx.NodeProto, onnx.ValueInfoProto, onnx.TensorProto)
+
+
+def _is_tensor(tp: onnx.TypeProto | None) -> bool:
+    return tp is not None and tp.WhichOneof("value") == "tensor_type"
+
+
+def split_tail(model: onnx.ModelProto, label: str) -> onnx.ModelProto | None:
+    """Cut ``model``'s non-tensor tail off (in place) and return it as a model of its own;
+    None when every graph output is a tensor. A model whose non-tensor values also feed
+    the tensor part is left alone (refused later by name)."""
+    g = model.graph
+    wanted = [vi.name for vi in g.output if not _is_tensor(vi.type)]
+    if not wanted:
+        return None
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    except Exception:
+        return None
+    ig = inferred.graph
+    types = {vi.name: vi.type for vi in list(ig.input) + list(ig.value_info) + list(ig.output)}
+    inits = {t.name: t for t in g.initializer}
+    producer = {o: k for k, node in enumerate(g.node) for o in node.output if o}
+    tail: set[int] = set()
+    stack = [producer[n] for n in wanted if n in producer]
+    while stack:
+        k = stack.pop()
+        if k in tail:
+            continue
+        tail.add(k)
+        for name in g.node[k].input:
+            if name and name in producer and not _is_tensor(types.get(name)):
+                stack.append(producer[name])
+    made = {o for k in tail for o in g.node[k].output if o}
+    for k, node in enumerate(g.node):
+        if k not in tail and made.intersection(node.input):
+            return None   # the tensor part reads the tail: not a tail
+    inputs = {vi.name for vi in g.input}
+    boundary: list[str] = []
+    for k in sorted(tail):
+        for name in g.node[k].input:
+            if name and name not in made and name not in inits and name not in boundary:
+                if name in inputs:
+                    raise CompileError(
+                        f"model {echo(label, 200)}: the non-tensor output(s) "
+                        f"{echo(wanted, 200, quote=False)} read graph input {echo(name)} "
+                        "directly; the IPU computes nothing for them (unsupported: non-tensor "
+                        "outputs of graph inputs)")
+                if not _is_tensor(types.get(name)):
+                    return None
+                boundary.append(name)
+    if not boundary:
+        return None
+    nodes = [g.node[k] for k in sorted(tail)]
+    tail_outputs = [vi for vi in g.output if vi.name in made]
+    host = helper.make_graph(
+        [_copy(n) for n in nodes], f"{g.name or 'model'}_host_tail",
+        [helper.make_tensor_value_info(n, types[n].tensor_type.elem_type, None)
+         for n in boundary],
+        [_copy(vi) for vi in tail_outputs],
+        [_copy(inits[n]) for k in sorted(tail) for n in g.node[k].input if n in inits])
+    tail_model = helper.make_model(host, opset_imports=list(model.opset_import))
+    tail_model.ir_version = model.ir_version
+    keep = [node for k, node in enumerate(g.node) if k not in tail]
+    del g.node[:]
+    g.node.extend(keep)
+    outs = [vi for vi in g.output if vi.name not in made]
+    have = {vi.name for vi in outs}
+    outs += [helper.make_tensor_value_info(n, types[n].tensor_type.elem_type, None)
+             for n in boundary if n not in have]
+    del g.output[:]
+    g.output.extend(outs)
+    _log.info("model %s: the non-tensor tail (%s) runs on the host after the IPU; its "
+              "inputs %s are outputs of the compiled model", label,
+              ", ".join(n.op_type for n in nodes), boundary)
+    return tail_model
+
+
+def _copy(msg: _M) -> _M:
+    out = type(msg)()
+    out.CopyFrom(msg)
+    return out
+
+
+def finish_tail(tail: onnx.ModelProto, stream_types: dict[str, str]) -> onnx.ModelProto:
+    """The tail reads the compiled model's outputs as the IPU streams them: an input whose
+    stream type differs (fp16 after ``--precision fp16``) is cast back to the type the tail
+    was built for."""
+    g = tail.graph
+    casts = []
+    for vi in g.input:
+        dtype = stream_types.get(vi.name)
+        want = vi.type.tensor_type.elem_type
+        if dtype is None or DTYPE_TO_ONNX[dtype] == want:
+            continue
+        inner = f"{vi.name}__host"
+        for node in g.node:
+            node.input[:] = [inner if i == vi.name else i for i in node.input]
+        casts.append(helper.make_node("Cast", [vi.name], [inner], to=want,
+                                      name=f"{vi.name}__to_tail_type"))
+        vi.type.tensor_type.elem_type = DTYPE_TO_ONNX[dtype]
+    if casts:
+        nodes = casts + list(g.node)
+        del g.node[:]
+        g.node.extend(nodes)
+        if not any(o.domain in ("", "ai.onnx") for o in tail.opset_import):
+            tail.opset_import.append(helper.make_opsetid("", 13))
+    return tail
+
+
+def tail_attributes(tail: onnx.ModelProto | None) -> dict[str, str]:
+    """The executable attributes that carry ``tail`` (none without one)."""
+    if tail is None:
+        return {}
+    try:
+        return host_tail.encode(tail.SerializeToString())
+    except ValueError as exc:
+        raise CompileError(str(exc)) from None
