@@ -29,7 +29,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 __all__ = ["convert_to_fp16", "wrap_in_fp32", "wrap_nodes_in_fp32", "fp32_only_ops",
-           "fp32_only_inputs",
+           "fp32_only_inputs", "schema_types",
            "FP16_MAX", "Fp16RangeWarning"]
 
 FP16_MAX = 65504.0
@@ -234,6 +234,48 @@ def _ort_schemas() -> dict[tuple[str, str], Any]:
         key = (sc.domain, sc.name)
         if key not in out or sc.since_version > out[key].since_version:
             out[key] = sc
+    return out
+
+
+_TYPE_NAMES = {f"tensor({n})": v for n, v in (
+    ("float", TensorProto.FLOAT), ("float16", TensorProto.FLOAT16), ("double", TensorProto.DOUBLE),
+    ("int8", TensorProto.INT8), ("uint8", TensorProto.UINT8), ("int16", TensorProto.INT16),
+    ("uint16", TensorProto.UINT16), ("int32", TensorProto.INT32), ("uint32", TensorProto.UINT32),
+    ("int64", TensorProto.INT64), ("uint64", TensorProto.UINT64), ("bool", TensorProto.BOOL))}
+
+
+def schema_types(model: onnx.ModelProto, types: dict[str, int]) -> dict[str, int]:
+    """``types`` completed from the operators' schemas (onnx's, then onnxruntime's for
+    com.microsoft ops that onnx's inference does not know): an output whose type variable
+    allows one type, or is bound by a typed input, gets that type."""
+    out = dict(types)
+    opsets = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in model.opset_import}
+    for node in model.graph.node:
+        if all(o in out for o in node.output if o):
+            continue
+        domain = "" if node.domain == "ai.onnx" else node.domain
+        schema: Any
+        try:
+            schema = onnx.defs.get_schema(node.op_type, opsets.get(domain, 1), domain)
+        except Exception:
+            schema = _ort_schemas().get((domain, node.op_type))
+            if schema is None:
+                continue
+        allowed = {c.type_param_str: list(c.allowed_type_strs) for c in schema.type_constraints}
+        bound: dict[str, int] = {}
+        for formal, name in zip(schema.inputs, node.input):
+            tstr = str(getattr(formal, "type_str", None) or getattr(formal, "typeStr", ""))
+            if name in out:
+                bound.setdefault(tstr, out[name])
+        for formal, name in zip(schema.outputs, node.output):
+            if not name or name in out:
+                continue
+            tstr = str(getattr(formal, "type_str", None) or getattr(formal, "typeStr", ""))
+            options = allowed.get(tstr, [tstr])
+            if tstr in bound:
+                out[name] = bound[tstr]
+            elif len(options) == 1 and options[0] in _TYPE_NAMES:
+                out[name] = _TYPE_NAMES[options[0]]
     return out
 
 

@@ -24,8 +24,8 @@ from ipu_emulator.compiler._onnx import (
 from ipu_emulator.compiler._declared import follow_computed
 from ipu_emulator.compiler._fp16_range import Fp16Plan, clip_outputs, plan_fp16, relative_error
 from ipu_emulator.compiler._precision import (
-    Fp16RangeWarning, convert_to_fp16, fp32_only_ops, fp32_only_inputs, wrap_in_fp32,
-    wrap_nodes_in_fp32)
+    Fp16RangeWarning, convert_to_fp16, fp32_only_ops, fp32_only_inputs, schema_types,
+    wrap_in_fp32, wrap_nodes_in_fp32)
 from ipu_emulator.compiler._tail import finish_tail, split_tail
 from ipu_emulator.compiler._shapes import (
     Value, dims_of, require_static, resolve_outputs, set_dims, value_of)
@@ -75,7 +75,7 @@ def prepare(model: onnx.ModelProto, label: str, input_shapes: dict[str, list[int
         # Types before conversion tell which values become fp16; ops whose schema
         # has no fp16 are computed in fp32 between casts, and so are the values beyond
         # fp16's range on a sample run (``_fp16_range``).
-        before = _types(_infer(model, label))
+        before = _known_types(model, label)
         fp32_ops = fp32_only_ops(model)
         plan = plan_fp16(model, label, before)
         stay = plan.keep_values | fp32_only_inputs(model, fp32_ops)
@@ -217,6 +217,12 @@ def _types(model: onnx.ModelProto) -> dict[str, int]:
            if vi.type.WhichOneof("value") == "tensor_type"}
     out.update({t.name: t.data_type for t in g.initializer})
     return out
+
+
+def _known_types(model: onnx.ModelProto, label: str) -> dict[str, int]:
+    """Element types of the values (onnx's inference, completed from the op schemas for
+    what it does not know: the outputs of com.microsoft ops such as DynamicQuantizeLSTM)."""
+    return schema_types(model, _types(_infer(model, label)))
 
 
 def _make_loadable(model: onnx.ModelProto, label: str, precision: str) -> onnx.ModelProto:

@@ -118,6 +118,10 @@ def resolve_outputs(model: onnx.ModelProto, label: str,
                                    "on two inputs of the same shapes")
         elif v.name in got.shapes and (got.runs > 1 or not _symbolic_names(dims)) and \
                 (v.shape == (-2,) or len(got.shapes[v.name]) == len(v.shape)):
+            culprit = _data_dependent_source(model, v.name)
+            if culprit:
+                _refuse_data_dependent(label, v.name, _shown(dims) + f"it is computed from "
+                                       f"{culprit}, whose output size depends on values")
             dims, how = list(got.shapes[v.name]), "onnxruntime at the fixed input shapes"
         elif _symbolic_names(dims):
             _refuse_data_dependent(label, v.name, _shown(dims).rstrip("; "))
@@ -163,6 +167,29 @@ def _refuse_data_dependent(label: str, name: str, shown: str) -> None:
         "fixes only shapes that follow from the inputs' shapes, so declare the "
         "output's static shape in the model (graph.output) if the data always gives "
         "it (unsupported: output shapes that depend on input data)")
+
+
+# ops whose output size depends on the values of their inputs, not only on their shapes
+_DATA_DEPENDENT_OPS = {"NonZero", "Unique", "Compress", "NonMaxSuppression", "StringSplit",
+                       "RegexFullMatch"}
+
+
+def _data_dependent_source(model: onnx.ModelProto, name: str) -> str:
+    """The first node of ``_DATA_DEPENDENT_OPS`` that ``name`` is computed from, as
+    "NonZero 'node name'" ("" if none): two sample runs may agree by chance."""
+    producer = {o: node for node in model.graph.node for o in node.output if o}
+    seen: set[str] = set()
+    stack = [name]
+    while stack:
+        value = stack.pop()
+        node = producer.get(value)
+        if node is None or value in seen:
+            continue
+        seen.add(value)
+        if node.op_type in _DATA_DEPENDENT_OPS:
+            return f"{node.op_type} {echo(node.name or node.output[0])}"
+        stack.extend(i for i in node.input if i)
+    return ""
 
 
 def _fill_value_info(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> None:
