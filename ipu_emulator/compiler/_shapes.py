@@ -115,7 +115,8 @@ def resolve_outputs(model: onnx.ModelProto, label: str,
         elif v.name in got.varying:
             runs = " and ".join(str(list(s)) for s in got.varying[v.name])
             _refuse_data_dependent(label, v.name, _shown(dims) + f"onnxruntime gives {runs} "
-                                   "on two inputs of the same shapes")
+                                   "on inputs of the same shapes (samples, each branch of "
+                                   "an If)")
         elif v.name in got.shapes and (got.runs > 1 or not _symbolic_names(dims)) and \
                 (v.shape == (-2,) or len(got.shapes[v.name]) == len(v.shape)):
             culprit = _data_dependent_source(model, v.name)
@@ -261,23 +262,55 @@ def measure(model: onnx.ModelProto, label: str, wanted: list[str]) -> Measured:
         return got
     seen: dict[str, list[tuple[int, ...]]] = {}
     for feeds in runs:
+        if _run_into(sess, outs, feeds, seen, got):
+            got.runs += 1
+    # an If on an input's value may take a branch neither sample takes: each branch too
+    for forced in _branch_probes(probe):
         try:
-            values = sess.run(outs, feeds)   # type: ignore[attr-defined]
-        except Exception as exc:
-            got.error = _first_line(exc)
-            continue
-        got.runs += 1
-        for name, value in zip(outs, values):
-            if isinstance(value, np.ndarray):
-                seen.setdefault(name, []).append(tuple(int(d) for d in value.shape))
+            _run_into(ort_session(forced), outs, runs[0], seen, got)
+        except Exception as exc:   # a branch that cannot run on zeros: the samples decide
+            _log.info("model %s: forcing the If branches: %s", label, _first_line(exc))
     for name, shapes in seen.items():
         if len(set(shapes)) == 1:
             got.shapes[name] = shapes[0]
         else:
-            got.varying[name] = shapes
+            got.varying[name] = list(dict.fromkeys(shapes))
     _log.info("model %s: onnxruntime at the fixed input shapes (%d run(s)) measured %d "
               "shape(s) for %s", label, got.runs, len(got.shapes), ", ".join(wanted))
     return got
+
+
+def _run_into(sess: object, outs: list[str], feeds: dict[str, np.ndarray],
+              seen: dict[str, list[tuple[int, ...]]], got: Measured) -> bool:
+    """One run: the shapes of its array outputs appended to ``seen`` (False: it failed)."""
+    try:
+        values = sess.run(outs, feeds)   # type: ignore[attr-defined]
+    except Exception as exc:
+        got.error = _first_line(exc)
+        return False
+    for name, value in zip(outs, values):
+        if isinstance(value, np.ndarray):
+            seen.setdefault(name, []).append(tuple(int(d) for d in value.shape))
+    return True
+
+
+def _branch_probes(probe: onnx.ModelProto) -> list[onnx.ModelProto]:
+    """Copies of ``probe`` whose main-graph ``If`` nodes on computed conditions all take
+    their then branch, and all their else branch ([] when there are none)."""
+    g = probe.graph
+    consts = {t.name for t in g.initializer} | {o for n in g.node if n.op_type == "Constant"
+                                                for o in n.output}
+    ifs = [k for k, n in enumerate(g.node) if n.op_type == "If" and n.input[0] not in consts]
+    out = []
+    for value in (True, False):
+        m = onnx.ModelProto()
+        m.CopyFrom(probe)
+        name = f"__measure_if_{str(value).lower()}"
+        m.graph.initializer.append(numpy_helper.from_array(np.array(value), name))
+        for k in ifs:
+            m.graph.node[k].input[0] = name
+        out.append(m)
+    return out if ifs else []
 
 
 def _first_line(exc: BaseException) -> str:

@@ -271,6 +271,14 @@ def test_a_data_dependent_shape_is_refused_by_name(tmp_path, capsys):
     assert "output 'idx' has a shape that depends on the input data" in capsys.readouterr().err
 
 
+def test_a_shape_that_follows_the_if_branch_is_refused(tmp_path):
+    """Neither sample takes the 16 kHz branch: each branch is run too."""
+    model, _, _ = cases.branch_shapes()
+    with pytest.raises(CompileError, match=r"output 'y' has a shape that depends on the input "
+                                           r"data .*(\[2, 4\] and \[4, 4\]|\[4, 4\] and \[2, 4\])"):
+        poprt_compile(model, tmp_path)
+
+
 def _quantized_then_nonzero():
     """The quantized model (symbolic shape inference is incomplete on it) with a NonZero
     output: refused, after the same inference that completes for the plain model."""

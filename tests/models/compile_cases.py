@@ -18,6 +18,7 @@ resolve, or that declare an interface their nodes do not compute (issue 30, item
   (``DynamicQuantizeLSTM``, ``DynamicQuantizeLinear``, ``MatMulInteger``)
 - ``zipmap_classifier``: ``LinearClassifier`` + ``ZipMap`` (scikit-learn's shape)
 - ``nonzero``: ``NonZero`` of an input, whose shape depends on the data
+- ``branch_shapes``: an ``If`` on the sample rate whose branches give different shapes
 
 Each builder returns ``(model, feeds, input_shapes)``.
 """
@@ -33,7 +34,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 __all__ = ["CASES", "ocr_direction", "named_dims", "control_flow", "vad_lstm", "light_runner",
            "pack_runner", "fusion_model0", "fusion_model1", "dynamic_batch", "matmul_add",
-           "tree_classifier", "quantized", "zipmap_classifier", "nonzero", "lstm_matmul"]
+           "tree_classifier", "quantized", "zipmap_classifier", "nonzero", "lstm_matmul",
+           "branch_shapes"]
 
 F, F16, I64, B = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.INT64, TensorProto.BOOL
 Case = tuple[onnx.ModelProto, dict[str, np.ndarray], dict[str, list[int]]]
@@ -296,6 +298,22 @@ def nonzero(seed: int = 0) -> Case:
                [helper.make_tensor_value_info("x", F, [2, 5])],
                [helper.make_tensor_value_info("idx", I64, None)])
     return m, {"x": rng.standard_normal((2, 5)).astype(np.float32)}, {}
+
+
+def branch_shapes(seed: int = 0) -> Case:
+    """x [2, 4], sr (int64 scalar) -> y: [4, 4] at 16 kHz (x twice), else [2, 4]."""
+    rng = np.random.default_rng(seed)
+    then_g = helper.make_graph([helper.make_node("Concat", ["x", "x"], ["t"], axis=0)], "then",
+                               [], [helper.make_tensor_value_info("t", F, None)])
+    else_g = helper.make_graph([helper.make_node("Identity", ["x"], ["e"])], "else", [],
+                               [helper.make_tensor_value_info("e", F, None)])
+    m = _model([helper.make_node("Equal", ["sr", "k"], ["is16k"]),
+                helper.make_node("If", ["is16k"], ["y"], then_branch=then_g, else_branch=else_g)],
+               [helper.make_tensor_value_info("x", F, [2, 4]),
+                helper.make_tensor_value_info("sr", I64, [])],
+               [helper.make_tensor_value_info("y", F, None)], [_i64("k", 16000)], opset=15)
+    return m, {"x": rng.standard_normal((2, 4)).astype(np.float32),
+               "sr": np.array(16000, np.int64)}, {}
 
 
 CASES = {
