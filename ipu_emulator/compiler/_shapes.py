@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import numpy as np
 import onnx
@@ -294,23 +295,28 @@ def _run_into(sess: object, outs: list[str], feeds: dict[str, np.ndarray],
     return True
 
 
-def _branch_probes(probe: onnx.ModelProto) -> list[onnx.ModelProto]:
-    """Copies of ``probe`` whose main-graph ``If`` nodes on computed conditions all take
-    their then branch, and all their else branch ([] when there are none)."""
+def _branch_probes(probe: onnx.ModelProto) -> Iterator[onnx.ModelProto]:
+    """``probe`` (changed in place, no copy of its weights) with its main-graph ``If``
+    nodes on computed conditions all taking their then branch, then all their else
+    branch; nothing when there are none."""
     g = probe.graph
     consts = {t.name for t in g.initializer} | {o for n in g.node if n.op_type == "Constant"
                                                 for o in n.output}
-    ifs = [k for k, n in enumerate(g.node) if n.op_type == "If" and n.input[0] not in consts]
-    out = []
+    ifs = [n for n in g.node if n.op_type == "If" and n.input[0] not in consts]
+    if not ifs:
+        return
+    conds = [n.input[0] for n in ifs]
     for value in (True, False):
-        m = onnx.ModelProto()
-        m.CopyFrom(probe)
         name = f"__measure_if_{str(value).lower()}"
-        m.graph.initializer.append(numpy_helper.from_array(np.array(value), name))
-        for k in ifs:
-            m.graph.node[k].input[0] = name
-        out.append(m)
-    return out if ifs else []
+        g.initializer.append(numpy_helper.from_array(np.array(value), name))
+        for n in ifs:
+            n.input[0] = name
+        try:
+            yield probe
+        finally:
+            for n, cond in zip(ifs, conds):
+                n.input[0] = cond
+            del g.initializer[-1]
 
 
 def _first_line(exc: BaseException) -> str:
