@@ -27,6 +27,7 @@ from ipu_emulator.compiler._precision import (
     Fp16RangeWarning, convert_to_fp16, fp32_only_ops, fp32_only_inputs, schema_types,
     wrap_in_fp32, wrap_nodes_in_fp32)
 from ipu_emulator.compiler._tail import finish_tail, split_tail
+from ipu_emulator.compiler._widen import widen_small_ints
 from ipu_emulator.compiler._shapes import (
     Value, dims_of, require_static, resolve_outputs, set_dims, value_of)
 from ipu_emulator.errors import CompileError
@@ -70,6 +71,7 @@ def prepare(model: onnx.ModelProto, label: str, input_shapes: dict[str, list[int
     declared = {vi.name: dims_of(vi) for vi in model.graph.output}
     _fix_input_shapes(model, label, input_shapes, init_names)
     follow_computed(model, label)
+    widen_small_ints(model, label)
     plan = None
     if precision == "fp16":
         # Types before conversion tell which values become fp16; ops whose schema

@@ -13,6 +13,8 @@ resolve, or that declare an interface their nodes do not compute (issue 30, item
 - ``pack_runner``: PopRT's pack-runner example (a float ``Mul`` declared FLOAT16)
 - ``fusion_model0`` / ``fusion_model1`` / ``dynamic_batch`` / ``matmul_add``: the other
   models PopRT's examples build by script
+- ``int8_sub_add``: PopRT's fusion example's int8 ``Sub``/``Add`` at opset 11 (whose
+  schemas take int8 from opset 14; onnxruntime refuses it as it is)
 - ``tree_classifier``: ``TreeEnsembleClassifier`` whose outputs declare no dims
 - ``quantized``: an ``LSTM`` + ``MatMul`` model through onnxruntime's ``quantize_dynamic``
   (``DynamicQuantizeLSTM``, ``DynamicQuantizeLinear``, ``MatMulInteger``)
@@ -35,7 +37,7 @@ from onnx import TensorProto, helper, numpy_helper
 __all__ = ["CASES", "ocr_direction", "named_dims", "control_flow", "vad_lstm", "light_runner",
            "pack_runner", "fusion_model0", "fusion_model1", "dynamic_batch", "matmul_add",
            "tree_classifier", "quantized", "zipmap_classifier", "nonzero", "lstm_matmul",
-           "branch_shapes"]
+           "branch_shapes", "int8_sub_add"]
 
 F, F16, I64, B = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.INT64, TensorProto.BOOL
 Case = tuple[onnx.ModelProto, dict[str, np.ndarray], dict[str, list[int]]]
@@ -225,6 +227,18 @@ def matmul_add(seed: int = 0) -> Case:
     return m, feeds, {}
 
 
+def int8_sub_add(seed: int = 0) -> Case:
+    rng = np.random.default_rng(seed)
+    c = numpy_helper.from_array(np.array([3], np.int8), "C")
+    m = _model([helper.make_node("Sub", ["X", "C"], ["O"]),
+                helper.make_node("Add", ["X", "C"], ["O2"])],
+               [helper.make_tensor_value_info("X", TensorProto.INT8, (4,))],
+               [helper.make_tensor_value_info(n, TensorProto.INT8, (4,)) for n in ("O", "O2")],
+               [c], opset=11)
+    x = np.concatenate([[-128, 127], rng.integers(-100, 100, 2)]).astype(np.int8)
+    return m, {"X": x}, {}
+
+
 def tree_classifier(seed: int = 0) -> Case:
     """Two trees over 3 features, classes 0/1/2; outputs declared without dims."""
     rng = np.random.default_rng(seed)
@@ -321,7 +335,7 @@ CASES = {
     "vad_lstm": vad_lstm, "light_runner": light_runner, "pack_runner": pack_runner,
     "fusion_model0": fusion_model0, "fusion_model1": fusion_model1,
     "dynamic_batch": dynamic_batch, "matmul_add": matmul_add,
-    "tree_classifier": tree_classifier, "quantized": quantized,
+    "tree_classifier": tree_classifier, "quantized": quantized, "int8_sub_add": int8_sub_add,
 }
 """The models that compile and must equal onnxruntime (the ZipMap and NonZero cases have
 tests of their own)."""
