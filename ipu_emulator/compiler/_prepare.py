@@ -72,25 +72,7 @@ def prepare(model: onnx.ModelProto, label: str, input_shapes: dict[str, list[int
     _fix_input_shapes(model, label, input_shapes, init_names)
     follow_computed(model, label)
     widen_small_ints(model, label)
-    plan = None
-    if precision == "fp16":
-        # Types before conversion tell which values become fp16; ops whose schema
-        # has no fp16 are computed in fp32 between casts, and so are the values beyond
-        # fp16's range on a sample run (``_fp16_range``).
-        before = _known_types(model, label)
-        fp32_ops = fp32_only_ops(model)
-        plan = plan_fp16(model, label, before)
-        stay = plan.keep_values | fp32_only_inputs(model, fp32_ops)
-        clamped = convert_to_fp16(model, plan.keep_nodes, stay)
-        after = {k: (TensorProto.FLOAT16 if v == TensorProto.FLOAT and k not in stay
-                     else v) for k, v in before.items()}
-        for op in sorted(fp32_ops):
-            n = wrap_in_fp32(model, op, after)
-            _log.info("model %s: %d %s node(s) computed in fp32 (no fp16 in its schema)",
-                      label, n, op)
-        wrap_nodes_in_fp32(model, plan.keep_nodes | plan.readers, after)
-        clip_outputs(model, plan.outputs)
-        _warn_range(label, plan, clamped)
+    plan = _to_fp16(model, label) if precision == "fp16" else None
     model = _infer(model, label)
     model = _make_loadable(model, label, precision)
     fp16_error = relative_error(model, plan) if plan is not None else {}
@@ -142,6 +124,28 @@ def prepare(model: onnx.ModelProto, label: str, input_shapes: dict[str, list[int
     return prepared
 
 
+def _to_fp16(model: onnx.ModelProto, label: str) -> Fp16Plan:
+    """Convert ``model`` to fp16 (in place); the plan of what stays fp32."""
+    # Types before conversion tell which values become fp16; ops whose schema
+    # has no fp16 are computed in fp32 between casts, and so are the values beyond
+    # fp16's range on a sample run (``_fp16_range``).
+    before = _known_types(model, label)
+    fp32_ops = fp32_only_ops(model)
+    plan = plan_fp16(model, label, before)
+    stay = plan.keep_values | fp32_only_inputs(model, fp32_ops)
+    clamped = convert_to_fp16(model, plan.keep_nodes, stay)
+    after = {k: (TensorProto.FLOAT16 if v == TensorProto.FLOAT and k not in stay
+                 else v) for k, v in before.items()}
+    for op in sorted(fp32_ops):
+        n = wrap_in_fp32(model, op, after)
+        _log.info("model %s: %d %s node(s) computed in fp32 (no fp16 in its schema)",
+                  label, n, op)
+    wrap_nodes_in_fp32(model, plan.keep_nodes | plan.readers, after)
+    clip_outputs(model, plan.outputs)
+    _warn_range(label, plan, clamped)
+    return plan
+
+
 def _warn_range(label: str, plan: "Fp16Plan", clamped: list[str]) -> None:
     """One warning naming the values kept in fp32 and the constants clamped."""
     if not plan.keep_values and not clamped:
@@ -157,7 +161,7 @@ def _warn_range(label: str, plan: "Fp16Plan", clamped: list[str]) -> None:
         parts.append(f"constants clamped to +-65504: {_names(sorted(set(clamped)))}")
     text = f"model {label}: --precision fp16: " + "; ".join(parts)
     _log.info("%s", text)
-    warnings.warn(Fp16RangeWarning(text), stacklevel=4)
+    warnings.warn(Fp16RangeWarning(text), stacklevel=5)
 
 
 def _names(names: list[str]) -> str:
