@@ -1,12 +1,15 @@
 """A model's non-tensor tail, computed on the host.
 
 Classifiers converted from scikit-learn end in ``ZipMap``: their scores become a sequence
-of maps (class -> probability), which the IPU cannot stream. When the only non-tensor
-part of a model is such a tail (nodes whose non-tensor outputs feed only the graph
-outputs), the compiler cuts it off: the IPU computes the rest, the tail's tensor inputs
-become outputs of the compiled model, and the tail is a small ONNX model of its own that
-the host runs with onnxruntime on each result (``host_runtime.runner``), as onnxruntime
-computes it. The executable carries it in its attributes (``ipu_emulator.host_tail``).
+of maps (class -> probability), which the IPU cannot stream, and classifiers with string
+labels give string tensors, which it has no type for. When the only part of a model the
+IPU cannot hold is such a tail of ``ai.onnx.ml`` ops (nodes whose sequences, maps or
+strings feed only the graph outputs), the compiler cuts it off: the IPU computes the rest,
+the tail's tensor inputs become outputs of the compiled model (a graph input the tail
+reads passes through an ``Identity``, as ``<name>__to_host``), and the tail is a small
+ONNX model of its own that the host runs with onnxruntime on each result
+(``host_runtime.runner``), as onnxruntime computes it. In an fp16 model the tail still
+computes in fp32 (ai.onnx.ml ops take no fp16): its fp16 inputs are cast back. The executable carries it in its attributes (``ipu_emulator.host_tail``).
 """
 
 from __future__ import annotations
@@ -25,28 +28,20 @@ __all__ = ["split_tail", "finish_tail", "tail_attributes"]
 
 _log = logging.getLogger(__name__)
 
+ML_DOMAIN = "ai.onnx.ml"
 _M = TypeVar("_M", onnx.NodeProto, onnx.ValueInfoProto, onnx.TensorProto)
 
 
-def _is_tensor(tp: onnx.TypeProto | None) -> bool:
-    return tp is not None and tp.WhichOneof("value") == "tensor_type"
+def _on_device(tp: onnx.TypeProto | None) -> bool:
+    """A value the IPU can hold: a tensor of a type other than string."""
+    return tp is not None and tp.WhichOneof("value") == "tensor_type" and \
+        tp.tensor_type.elem_type != onnx.TensorProto.STRING
 
 
-def split_tail(model: onnx.ModelProto, label: str) -> onnx.ModelProto | None:
-    """Cut ``model``'s non-tensor tail off (in place) and return it as a model of its own;
-    None when every graph output is a tensor. A model whose non-tensor values also feed
-    the tensor part is left alone (refused later by name)."""
-    g = model.graph
-    wanted = [vi.name for vi in g.output if not _is_tensor(vi.type)]
-    if not wanted:
-        return None
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
-    except Exception:
-        return None
-    ig = inferred.graph
-    types = {vi.name: vi.type for vi in list(ig.input) + list(ig.value_info) + list(ig.output)}
-    inits = {t.name: t for t in g.initializer}
+def _tail_nodes(g: onnx.GraphProto, types: dict[str, onnx.TypeProto], wanted: list[str]
+                ) -> set[int]:
+    """Indices of the nodes that make the values ``wanted``, back through every value
+    the IPU cannot hold."""
     producer = {o: k for k, node in enumerate(g.node) for o in node.output if o}
     tail: set[int] = set()
     stack = [producer[n] for n in wanted if n in producer]
@@ -56,35 +51,60 @@ def split_tail(model: onnx.ModelProto, label: str) -> onnx.ModelProto | None:
             continue
         tail.add(k)
         for name in g.node[k].input:
-            if name and name in producer and not _is_tensor(types.get(name)):
+            if name and name in producer and not _on_device(types.get(name)):
                 stack.append(producer[name])
+    return tail
+
+
+def split_tail(model: onnx.ModelProto, label: str) -> onnx.ModelProto | None:
+    """Cut ``model``'s non-tensor tail off (in place) and return it as a model of its own;
+    None when every graph output is a tensor the IPU can hold. A model whose non-tensor
+    values also feed the tensor part is left alone (refused later by name). A graph
+    input the tail reads reaches it through an ``Identity`` on the IPU."""
+    g = model.graph
+    wanted = [vi.name for vi in g.output if not _on_device(vi.type)]
+    if not wanted:
+        return None
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    except Exception:
+        return None
+    ig = inferred.graph
+    types = {vi.name: vi.type for vi in list(ig.input) + list(ig.value_info) + list(ig.output)}
+    inits = {t.name: t for t in g.initializer}
+    tail = _tail_nodes(g, types, wanted)
+    if any(g.node[k].domain != ML_DOMAIN for k in tail):
+        return None   # a tail is of ai.onnx.ml ops (ZipMap, classifiers, label encoders)
     made = {o for k in tail for o in g.node[k].output if o}
-    for k, node in enumerate(g.node):
-        if k not in tail and made.intersection(node.input):
-            return None   # the tensor part reads the tail: not a tail
+    if any(k not in tail and made.intersection(node.input) for k, node in enumerate(g.node)):
+        return None   # the tensor part reads the tail: not a tail
+    nodes = [_copy(g.node[k]) for k in sorted(tail)]
     inputs = {vi.name for vi in g.input}
     boundary: list[str] = []
-    for k in sorted(tail):
-        for name in g.node[k].input:
-            if name and name not in made and name not in inits and name not in boundary:
-                if name in inputs:   # nothing for the IPU to compute: refused as before
-                    return None
-                if not _is_tensor(types.get(name)):
-                    return None
+    passed: list[onnx.NodeProto] = []
+    for node in nodes:
+        for i, name in enumerate(node.input):
+            if not name or name in made or name in inits:
+                continue
+            if not _on_device(types.get(name)):
+                return None
+            if name in inputs:   # a graph input: through the IPU under a name of its own
+                src, name = name, f"{name}__to_host"
+                node.input[i] = name
+                if name not in types:
+                    passed.append(helper.make_node("Identity", [src], [name], name=name))
+                    types[name] = types[src]
+            if name not in boundary:
                 boundary.append(name)
-    if not boundary:
-        return None
-    nodes = [g.node[k] for k in sorted(tail)]
-    tail_outputs = [vi for vi in g.output if vi.name in made]
     host = helper.make_graph(
-        [_copy(n) for n in nodes], f"{g.name or 'model'}_host_tail",
+        nodes, f"{g.name or 'model'}_host_tail",
         [helper.make_tensor_value_info(n, types[n].tensor_type.elem_type, None)
          for n in boundary],
-        [_copy(vi) for vi in tail_outputs],
-        [_copy(inits[n]) for k in sorted(tail) for n in g.node[k].input if n in inits])
+        [_copy(vi) for vi in g.output if vi.name in made],
+        [_copy(inits[n]) for node in nodes for n in node.input if n in inits])
     tail_model = helper.make_model(host, opset_imports=list(model.opset_import))
     tail_model.ir_version = model.ir_version
-    keep = [node for k, node in enumerate(g.node) if k not in tail]
+    keep = [node for k, node in enumerate(g.node) if k not in tail] + passed
     del g.node[:]
     g.node.extend(keep)
     outs = [vi for vi in g.output if vi.name not in made]

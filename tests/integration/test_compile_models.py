@@ -254,6 +254,18 @@ def test_a_zipmap_tail_comes_with_futures_and_the_callers_outputs(zipmap, device
         runner.close()
 
 
+def test_a_classifier_with_string_labels_runs_on_the_host(tmp_path, device):
+    """String labels: the classifier itself is the tail; its input reaches the host
+    through the IPU (``X__to_host``)."""
+    model, feeds, shapes = cases.string_label_classifier()
+    want = run_reference(model, feeds)
+    res = poprt_compile(model, tmp_path, input_shapes=shapes)
+    assert [a.name for a in res.result.anchors if a.direction == "out"] == ["X__to_host"]
+    got = run(res.popef_path, device, feeds)
+    npt.assert_array_equal(got["label"], want["label"])
+    _same_maps(got["output_probability"], want["output_probability"], 1e-6)
+
+
 def test_a_zipmap_tail_is_refused_when_fused(tmp_path):
     from ipu_emulator.compiler import ModelSpec
 

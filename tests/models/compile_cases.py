@@ -19,6 +19,8 @@ resolve, or that declare an interface their nodes do not compute (issue 30, item
 - ``quantized``: an ``LSTM`` + ``MatMul`` model through onnxruntime's ``quantize_dynamic``
   (``DynamicQuantizeLSTM``, ``DynamicQuantizeLinear``, ``MatMulInteger``)
 - ``zipmap_classifier``: ``LinearClassifier`` + ``ZipMap`` (scikit-learn's shape)
+- ``string_label_classifier``: ``LinearClassifier`` with string labels + ``ZipMap``
+  straight on the input (the whole classifier is the host's tail)
 - ``nonzero``: ``NonZero`` of an input, whose shape depends on the data
 - ``branch_shapes``: an ``If`` on the sample rate whose branches give different shapes
 
@@ -37,7 +39,7 @@ from onnx import TensorProto, helper, numpy_helper
 __all__ = ["CASES", "ocr_direction", "named_dims", "control_flow", "vad_lstm", "light_runner",
            "pack_runner", "fusion_model0", "fusion_model1", "dynamic_batch", "matmul_add",
            "tree_classifier", "quantized", "zipmap_classifier", "nonzero", "lstm_matmul",
-           "branch_shapes", "int8_sub_add"]
+           "branch_shapes", "int8_sub_add", "string_label_classifier"]
 
 F, F16, I64, B = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.INT64, TensorProto.BOOL
 Case = tuple[onnx.ModelProto, dict[str, np.ndarray], dict[str, list[int]]]
@@ -302,6 +304,23 @@ def zipmap_classifier(seed: int = 0) -> Case:
         helper.make_map_type_proto(I64, helper.make_tensor_type_proto(F, [])))
     m = _model([lc, zm], [helper.make_tensor_value_info("X", F, [None, 3])],
                [helper.make_tensor_value_info("label", I64, [None]),
+                helper.make_value_info("output_probability", seqmap)], ml=True)
+    return m, {"X": rng.standard_normal((4, 3)).astype(np.float32)}, {"X": [4, 3]}
+
+
+def string_label_classifier(seed: int = 0) -> Case:
+    rng = np.random.default_rng(seed)
+    labels = ["cat", "dog", "eel"]
+    lc = helper.make_node("LinearClassifier", ["X"], ["label", "probabilities"],
+                          domain="ai.onnx.ml", classlabels_strings=labels,
+                          coefficients=[float(v) for v in rng.standard_normal(9)],
+                          intercepts=[0.1, -0.2, 0.3], post_transform="SOFTMAX")
+    zm = helper.make_node("ZipMap", ["probabilities"], ["output_probability"],
+                          domain="ai.onnx.ml", classlabels_strings=labels)
+    seqmap = helper.make_sequence_type_proto(
+        helper.make_map_type_proto(TensorProto.STRING, helper.make_tensor_type_proto(F, [])))
+    m = _model([lc, zm], [helper.make_tensor_value_info("X", F, [None, 3])],
+               [helper.make_tensor_value_info("label", TensorProto.STRING, [None]),
                 helper.make_value_info("output_probability", seqmap)], ml=True)
     return m, {"X": rng.standard_normal((4, 3)).astype(np.float32)}, {"X": [4, 3]}
 
