@@ -36,6 +36,7 @@ from host_runtime.errors import BadRequestError, InvalidStateError, PopefError
 from host_runtime.memory import OutputMemory, check_owned
 from host_runtime.popef import check_model
 from host_runtime.popef.reader import PendingChecksums
+from host_runtime.runner._host_tail import HostTail
 from host_runtime.runner._intake import RequestIntake
 from host_runtime.runner._layout import ModelLayout
 from host_runtime.runner._replica import Replica
@@ -152,6 +153,8 @@ class ModelRunner:
                 [threading.RLock() for _ in range(cfg.replication_factor)]
                 if cfg.thread_safe else [])
             self._layout = lay = ModelLayout(self._model, cfg)
+            # the non-tensor tail (ZipMap) the host computes on each result, if any
+            self._tail = HostTail.of(self._model)
             self._intake = RequestIntake(lay, cfg.validate_io_params, settings.runner_plain)
             self._monitors = [RequestMonitor(cfg.request_tracepoints_buffer_size)
                               for _ in range(cfg.replication_factor)]
@@ -224,6 +227,11 @@ class ModelRunner:
         return None
 
     def _execute(self, input_data: Any, output_data: Any, replica_id: int) -> Any:
+        results = self._execute_device(input_data, output_data, replica_id)
+        tail = self._tail
+        return results if tail is None else tail.complete(results, output_data)
+
+    def _execute_device(self, input_data: Any, output_data: Any, replica_id: int) -> Any:
         t0 = time.perf_counter_ns()
         reps = self._replicas   # emptied by close(): _replica() reports it
         if replica_id.__class__ is int and 0 <= replica_id < len(reps):
@@ -287,7 +295,7 @@ class ModelRunner:
                                                             output_data, t0)
         req.description = f"request to replica {replica_id}"
         rep.submit(req, transfers, phantom)
-        return OutputFuture(req)
+        return OutputFuture(req, self._tail)
 
     def update_load_inputs(self, values: dict[str, Any]) -> None:
         """Not part of the seed's API (PopRT's ``LightRunner.update_weights``): new values

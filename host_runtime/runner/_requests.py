@@ -14,13 +14,16 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Protocol
 
 import numpy as np
 
 from host_runtime._fork import current_pid, foreign, forked_error
 from host_runtime.errors import DeviceTimeoutError
 from host_runtime.runner._batching import TensorSpec
+
+if TYPE_CHECKING:  # pragma: no cover
+    from host_runtime.runner._host_tail import HostTail
 
 __all__ = ["Request", "Transfer", "OutputFuture", "Driver", "raisable"]
 
@@ -152,11 +155,13 @@ class OutputFuture:
     otherwise) or raises the request's error.
     """
 
-    __slots__ = ("_request", "_owner_pid")
+    __slots__ = ("_request", "_owner_pid", "_tail", "_tail_out")
 
-    def __init__(self, request: Request) -> None:
+    def __init__(self, request: Request, tail: "HostTail | None" = None) -> None:
         self._request = request
         self._owner_pid = current_pid()
+        self._tail = tail                               # the model's host-side tail
+        self._tail_out: dict[str, Any] | None = None    # its outputs, once computed
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the result (or an error) is available; False if ``timeout`` passed.
@@ -189,7 +194,12 @@ class OutputFuture:
         r = self._request
         if r.error is not None:
             raise raisable(r.error)
-        return dict(r.results)
+        out = dict(r.results)
+        if self._tail is not None:
+            if self._tail_out is None:
+                self._tail_out = self._tail.run(out)
+            out.update(self._tail_out)
+        return out
 
     def _wait_or_raise(self, timeout: float | None) -> None:
         if not self.wait(timeout):
@@ -208,8 +218,12 @@ class OutputFuture:
     def get(self, name: str, default: Any = None) -> Any:
         return self.result().get(name, default)
 
+    def _names(self) -> list[str]:
+        names = list(self._request.results)
+        return names + self._tail.outputs if self._tail is not None else names
+
     def keys(self) -> list[str]:
-        return list(self._request.results)
+        return self._names()
 
     def values(self) -> list[Any]:
         return list(self.result().values())
@@ -218,13 +232,13 @@ class OutputFuture:
         return list(self.result().items())
 
     def __iter__(self) -> Iterator[str]:
-        return iter(list(self._request.results))
+        return iter(self._names())
 
     def __len__(self) -> int:
-        return len(self._request.results)
+        return len(self._names())
 
     def __contains__(self, name: object) -> bool:
-        return name in self._request.results
+        return name in self._names()
 
     def __repr__(self) -> str:
         r = self._request

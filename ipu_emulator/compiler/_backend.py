@@ -25,6 +25,7 @@ import onnx
 import ipu_emulator
 from ipu_emulator.compiler._onnx import DTYPE_TO_ONNX, dtype_of, load_model, release_stash
 from ipu_emulator.compiler._prepare import Prepared, prepare
+from ipu_emulator.compiler._tail import tail_attributes
 from ipu_emulator.compiler._sharding import annotate_one_ipu, compile_sharded
 from ipu_emulator.compiler._weights import externalize, refuse_stashed
 from ipu_emulator.compiler._types import (
@@ -93,6 +94,12 @@ def _compile(specs: list[ModelSpec], opts: CompileOptions, target: Target, fused
         shapes = {k: [int(d) for d in v] for k, v in (spec.input_shapes or {}).items()}
         prepared.append(prepare(model, label, shapes, spec.precision,
                                 opts.weights_as_tensor_data))
+    tails = [p.label for p in prepared if p.host_tail is not None]
+    if tails and (fused or sharded):
+        raise CompileError(
+            f"model {echo(tails[0], 200)} ends in a non-tensor tail (computed on the host); "
+            f"that is supported for one model on its own, not {'fused' if fused else 'sharded'} "
+            "(unsupported: non-tensor outputs of fused or sharded models)")
     if sharded and opts.num_ipus > 1:
         result = compile_sharded(prepared[0], opts, target, ipu_memory(opts, target))
     else:
@@ -197,7 +204,8 @@ def _assemble(prepared: list[Prepared], opts: CompileOptions, target: Target,
         device_iterations=opts.device_iterations, package_hash=ipu_emulator.package_hash(),
         weights=memoryview(weights), attributes={"models": ",".join(os.path.basename(p.label) for p in prepared),
                     "fused": "1" if fused else "0",
-                    "constant_bytes": str(constants), "activation_bytes": str(activations)})
+                    "constant_bytes": str(constants), "activation_bytes": str(activations),
+                    **tail_attributes(prepared[0].host_tail if not fused else None)})
     exe.validate()
     from ipu_emulator.compiler._fusion import fuse_models
     output_model = fuse_models([p.model for p in prepared], INDEX_NAME,
@@ -207,7 +215,7 @@ def _assemble(prepared: list[Prepared], opts: CompileOptions, target: Target,
         executable=exe, anchors=anchors,
         program_flow={"load": [LOAD_PROGRAM], "main": [MAIN_PROGRAM], "save": [SAVE_PROGRAM]},
         output_model=output_model, models=[p.model for p in prepared], subgraphs=subgraphs,
-        fused=fused)
+        fused=fused, host_tail=None if fused else prepared[0].host_tail)
 
 
 def _graph(p: Prepared, weights: bytearray) -> Graph:

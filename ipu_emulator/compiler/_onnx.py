@@ -259,9 +259,13 @@ def ort_session(model: onnx.ModelProto, optimize: bool = False) -> object:
 
 
 _MISSING_KERNEL = re.compile(r"Could not find an implementation for (\w+)\((\d+)\) node with name '([^']*)'")
+# a contrib op whose schema refuses fp16 (DynamicQuantizeLSTM): onnxruntime's load error
+_NO_FP16_TYPE = re.compile(r"Type 'tensor\(float16\)' of (?:input|output) parameter \([^)]*\) "
+                           r"of operator \((\w+)\)")
 
 
 def missing_kernel(exc: BaseException) -> str | None:
-    """The op type onnxruntime has no kernel for, if that is what ``exc`` says."""
-    found = _MISSING_KERNEL.search(str(exc))
+    """The op type onnxruntime has no kernel (or no fp16 type) for, if that is what
+    ``exc`` says."""
+    found = _MISSING_KERNEL.search(str(exc)) or _NO_FP16_TYPE.search(str(exc))
     return found.group(1) if found else None

@@ -21,13 +21,15 @@ convert in fp32, they keep their float32 attributes and run in fp32 between cast
 
 from __future__ import annotations
 
-from typing import Callable
+import functools
+from typing import Any, Callable
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 __all__ = ["convert_to_fp16", "wrap_in_fp32", "wrap_nodes_in_fp32", "fp32_only_ops",
+           "fp32_only_inputs", "schema_types",
            "FP16_MAX", "Fp16RangeWarning"]
 
 FP16_MAX = 65504.0
@@ -199,17 +201,102 @@ def fp32_only_ops(model: onnx.ModelProto) -> set[str]:
         domain = "" if node.domain == "ai.onnx" else node.domain
         if node.op_type in out or domain not in opsets:
             continue
+        schema: Any
         try:
             schema = onnx.defs.get_schema(node.op_type, opsets[domain], domain)
-        except Exception:   # unknown op: onnxruntime will say
-            continue
+        except Exception:   # not an onnx op: onnxruntime's own (com.microsoft) schemas
+            schema = _ort_schemas().get((domain, node.op_type))
+            if schema is None:   # unknown op: onnxruntime will say
+                continue
         allowed = {c.type_param_str: set(c.allowed_type_strs) for c in schema.type_constraints}
         for formal in list(schema.inputs) + list(schema.outputs):
-            types = allowed.get(formal.type_str, {formal.type_str})
+            tstr = str(getattr(formal, "type_str", None) or getattr(formal, "typeStr", ""))
+            types = allowed.get(tstr, {tstr})
             if "tensor(float)" in types and "tensor(float16)" not in types:
                 out.add(node.op_type)
                 break
     return out
+
+
+@functools.lru_cache(maxsize=1)
+def _ort_schemas() -> dict[tuple[str, str], Any]:
+    """onnxruntime's operator schemas of the domains onnx does not know (com.microsoft's
+    DynamicQuantizeLSTM, MatMulIntegerToFloat...), the newest version of each."""
+    try:
+        from onnxruntime.capi import onnxruntime_pybind11_state as ort_c
+        schemas = ort_c.get_all_operator_schema()
+    except Exception:   # a build without schemas: onnxruntime's load error says instead
+        return {}
+    out: dict[tuple[str, str], Any] = {}
+    for sc in schemas:
+        if sc.domain in ("", "ai.onnx", "ai.onnx.ml"):
+            continue
+        key = (sc.domain, sc.name)
+        if key not in out or sc.since_version > out[key].since_version:
+            out[key] = sc
+    return out
+
+
+_TYPE_NAMES = {f"tensor({n})": v for n, v in (
+    ("float", TensorProto.FLOAT), ("float16", TensorProto.FLOAT16), ("double", TensorProto.DOUBLE),
+    ("int8", TensorProto.INT8), ("uint8", TensorProto.UINT8), ("int16", TensorProto.INT16),
+    ("uint16", TensorProto.UINT16), ("int32", TensorProto.INT32), ("uint32", TensorProto.UINT32),
+    ("int64", TensorProto.INT64), ("uint64", TensorProto.UINT64), ("bool", TensorProto.BOOL))}
+
+
+def schema_types(model: onnx.ModelProto, types: dict[str, int]) -> dict[str, int]:
+    """``types`` completed from the operators' schemas (onnx's, then onnxruntime's for
+    com.microsoft ops that onnx's inference does not know): an output whose type variable
+    allows one type, or is bound by a typed input, gets that type."""
+    out = dict(types)
+    opsets = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in model.opset_import}
+    for node in model.graph.node:
+        if all(o in out for o in node.output if o):
+            continue
+        domain = "" if node.domain == "ai.onnx" else node.domain
+        schema: Any
+        try:
+            schema = onnx.defs.get_schema(node.op_type, opsets.get(domain, 1), domain)
+        except Exception:
+            schema = _ort_schemas().get((domain, node.op_type))
+            if schema is None:
+                continue
+        allowed = {c.type_param_str: list(c.allowed_type_strs) for c in schema.type_constraints}
+        bound: dict[str, int] = {}
+        for formal, name in zip(schema.inputs, node.input):
+            tstr = str(getattr(formal, "type_str", None) or getattr(formal, "typeStr", ""))
+            if name in out:
+                bound.setdefault(tstr, out[name])
+        for formal, name in zip(schema.outputs, node.output):
+            if not name or name in out:
+                continue
+            tstr = str(getattr(formal, "type_str", None) or getattr(formal, "typeStr", ""))
+            options = allowed.get(tstr, [tstr])
+            if tstr in bound:
+                out[name] = bound[tstr]
+            elif len(options) == 1 and options[0] in _TYPE_NAMES:
+                out[name] = _TYPE_NAMES[options[0]]
+    return out
+
+
+def fp32_only_inputs(model: onnx.ModelProto, op_types: set[str]) -> frozenset[str]:
+    """Float32 initializers of the main graph read only by nodes of ``op_types`` (computed
+    in fp32 between casts): they stay float32 rather than round through fp16 (the scales of
+    dynamically quantized ops, for one)."""
+    g = model.graph
+    readers: dict[str, set[str]] = {}
+    for node in g.node:
+        for name in node.input:
+            readers.setdefault(name, set()).add(node.op_type)
+        for attr in node.attribute:   # read from inside a sub-graph: converted with it
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                for inner in sub.node:
+                    for name in inner.input:
+                        readers.setdefault(name, set()).add("")
+    outputs = {vi.name for vi in g.output}
+    return frozenset(t.name for t in g.initializer
+                     if t.data_type == _F32 and t.name not in outputs and
+                     readers.get(t.name) and readers[t.name] <= op_types)
 
 
 def wrap_in_fp32(model: onnx.ModelProto, op_type: str, types: dict[str, int]) -> int:

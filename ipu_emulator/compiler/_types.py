@@ -116,6 +116,8 @@ class CompileResult:
     fused: bool
     # --precision fp16: output -> (max, mean) relative error to the fp32 model on a sample
     fp16_error: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # the non-tensor tail (ZipMap...) the host runs on each result (compiler._tail)
+    host_tail: onnx.ModelProto | None = None
 
 
 def ipu_memory(opts: CompileOptions, target: Target) -> int:
