@@ -252,6 +252,12 @@ def test_a_zipmap_tail_comes_with_futures_and_the_callers_outputs(zipmap, device
         _same_maps(mine["output_probability"], want, 1e-6)
     finally:
         runner.close()
+    # PopRT's Runner writes into the caller's dict too
+    from host_runtime.poprt.runtime import Runner, RuntimeConfig
+    with Runner(str(out["fp32"].popef_path), RuntimeConfig()) as prt:
+        mine = {"label": np.zeros(4, np.int64), "probabilities": np.zeros((4, 3), np.float32)}
+        prt.execute(feeds, mine)
+        _same_maps(mine["output_probability"], want, 1e-6)
 
 
 def test_a_classifier_with_string_labels_runs_on_the_host(tmp_path, device):

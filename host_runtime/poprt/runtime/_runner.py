@@ -145,7 +145,9 @@ class Runner:
     # -- PopRT's API ------------------------------------------------------------------
     def execute(self, input: Mapping[str, Any], output: Mapping[str, Any]) -> None:
         """Run one request; the results are written into the arrays of ``output``."""
-        self._engine.execute(self._index.fill(input, output), dict(output))
+        # the caller's own dict when it is one: a host tail's outputs (ZipMap's list of
+        # dicts, docs/models.md) are added to it
+        self._engine.execute(self._index.fill(input, output), _writable(output))
 
     def execute_async(self, input: Mapping[str, Any],
                       output: Optional[Mapping[str, Any]] = None) -> OutputFuture:
@@ -153,7 +155,7 @@ class Runner:
         ins = self._index.fill(input, output or {})
         if output is None:
             return self._engine.executeAsync(ins)
-        return self._engine.executeAsync(ins, dict(output))
+        return self._engine.executeAsync(ins, _writable(output))
 
     executeAsync = execute_async
 
@@ -213,3 +215,7 @@ class ModelRunner(Runner):
         warnings.warn("poprt.runtime.ModelRunner is deprecated: use poprt.runtime.Runner",
                       DeprecationWarning, stacklevel=2)
         super().__init__(popef, config)
+
+
+def _writable(output: Mapping[str, Any]) -> dict[str, Any]:
+    return output if isinstance(output, dict) else dict(output)
