@@ -232,8 +232,10 @@ def _write_file(path: pathlib.Path, write: Callable[[BinaryIO], None]) -> None:
         raise BadRequestError(f"cannot write {echo(str(path), 200)}: {text}") from None
 
 
-def metadata_for(result: "CompileResult") -> "Metadata":
-    """The PopEF metadata describing a compiled executable."""
+def metadata_for(result: "CompileResult",
+                 engine_options: dict[str, str] | None = None) -> "Metadata":
+    """The PopEF metadata describing a compiled executable (``engine_options``: kept in the
+    metadata, as Poplar's engine options are)."""
     from host_runtime.popef import Anchor, DataType, Metadata, ProgramFlow, TensorInfo, TensorType
 
     exe = result.executable
@@ -246,17 +248,22 @@ def metadata_for(result: "CompileResult") -> "Metadata":
                        result.program_flow["save"])
     return Metadata(anchors, flow, replication_factor=1, num_ipus=exe.num_ipus,
                     ipu_version=exe.ipu_version, executable=exe.name, is_inference=True,
-                    device_iterations=exe.device_iterations, subgraphs=result.subgraphs)
+                    device_iterations=exe.device_iterations, subgraphs=result.subgraphs,
+                    engine_options=engine_options)
 
 
 def write_popef(result: "CompileResult", dest: str | os.PathLike[str] | BinaryIO, *,
-                compress: bool = False) -> None:
-    """Write metadata, executable and weights' tensor data to a PopEF file or stream."""
+                compress: bool = False, engine_options: dict[str, str] | None = None,
+                opaques: dict[str, bytes] | None = None) -> None:
+    """Write metadata, executable and weights' tensor data (and ``opaques``, name -> bytes)
+    to a PopEF file or stream."""
     from host_runtime.popef import Writer
 
     exe = result.executable
     with Writer(dest) as w:
-        w.writeMetadata(metadata_for(result))
+        w.writeMetadata(metadata_for(result, engine_options))
+        for name, data in sorted((opaques or {}).items()):
+            w.writeOpaque(name, data)
         w.writeExecutable(exe.name, exe.to_bytes(), compress=compress)
         for a in result.anchors:
             if a.data is not None:
@@ -404,3 +411,12 @@ def _check_text(v: Any, where: str, depth: int = 0) -> None:
     elif isinstance(v, list):
         for x in v:
             _check_text(x, where, depth + 1)
+
+
+# -- PopRT's Python compile API (poprt.compiler) ------------------------------------------
+from host_runtime.poprt._compile_api import Compiler, Executable  # noqa: E402
+from host_runtime.poprt._errors import NotSupportedError, PoplarRequiredError  # noqa: E402
+from host_runtime.poprt._options import CompilerOptions  # noqa: E402
+
+__all__ += ["Compiler", "CompilerOptions", "Executable", "NotSupportedError",
+            "PoplarRequiredError"]
