@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ipu_emulator.compiler import CompileResult, ModelSpec
 
 __all__ = ["Compiler", "Executable", "SHARDING_KEY", "PIPELINING_KEY", "load_onnx",
-           "compile_result", "popef_bytes"]
+           "compile_result", "popef_bytes", "popef_extras"]
 
 _log = logging.getLogger("poprt.compiler")
 
@@ -153,8 +153,11 @@ def _split_fused(model: onnx.ModelProto) -> list[onnx.ModelProto]:
 
 
 def compile_result(model: Any, outputs: Sequence[str] | None,
-                   options: CompilerOptions | None) -> "CompileResult":
-    """Compile with the emulator's compiler as ``options`` say."""
+                   options: CompilerOptions | None, *, save_weights: bool = False,
+                   max_tensor_size: int = -1, base_dir: "str | os.PathLike[str] | None" = None
+                   ) -> "CompileResult":
+    """Compile with the emulator's compiler as ``options`` say (the keywords: what only the
+    ``poprt`` command sets: ``--save_weights``, ``--max_tensor_size``, the model's folder)."""
     from ipu_emulator.compiler import TARGETS, CompileOptions, ModelSpec, compile_onnx
     from ipu_emulator.system import load_system_config
 
@@ -181,15 +184,16 @@ def compile_result(model: Any, outputs: Sequence[str] | None,
         if opts.num_io_tiles else 0
     specs: list[ModelSpec]
     if opts.enable_model_fusion:
-        specs = [ModelSpec(m) for m in _split_fused(proto)]
+        specs = [ModelSpec(m, base_dir=base_dir) for m in _split_fused(proto)]
     else:
-        specs = [ModelSpec(proto)]
+        specs = [ModelSpec(proto, base_dir=base_dir)]
     sharded = bool(shard or stages or opts.enable_pipelining)
     copts = CompileOptions(ipu_version=version, device_iterations=opts.batches_per_step,
                            weights_as_tensor_data=not opts.constant_weights,
                            num_ipus=opts.num_ipus, fuse=opts.enable_model_fusion,
                            sharding_info=shard or None, pipelining_info=stages or None,
-                           enable_pipelining=opts.enable_pipelining, ipu_memory=memory)
+                           enable_pipelining=opts.enable_pipelining, ipu_memory=memory,
+                           save_weights=save_weights, max_tensor_size=int(max_tensor_size))
     if sharded and len(specs) == 1:
         copts.fuse = False
     progress = opts.progress
@@ -205,16 +209,23 @@ def compile_result(model: Any, outputs: Sequence[str] | None,
     return result
 
 
-def popef_bytes(result: "CompileResult", options: CompilerOptions | None) -> bytes:
-    """The PopEF file of a compile result, with the options' engine options and opaque
-    blobs."""
-    from host_runtime.poprt.compiler import write_popef
-
+def popef_extras(options: CompilerOptions | None) -> tuple[dict[str, str], dict[str, bytes]]:
+    """What the options put in the PopEF file besides the program: engine options (the
+    user's and the performance options set) and opaque blobs."""
     opts = options if options is not None else CompilerOptions()
     engine = {str(k): str(v) for k, v in opts.engine_options.items()}
     engine.update(opts.tuning())
     blobs = {str(k): (v if isinstance(v, bytes) else str(v).encode())
              for k, v in opts.opaque_blobs.items()}
+    return engine, blobs
+
+
+def popef_bytes(result: "CompileResult", options: CompilerOptions | None) -> bytes:
+    """The PopEF file of a compile result, with the options' engine options and opaque
+    blobs."""
+    from host_runtime.poprt.compiler import write_popef
+
+    engine, blobs = popef_extras(options)
     buf = io.BytesIO()
     write_popef(result, buf, engine_options=engine, opaques=blobs)
     return buf.getvalue()

@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "compile",
+    "write_outputs",
     "CompileOutput",
     "FusionConfig",
     "load_config_yaml",
@@ -146,6 +147,18 @@ def compile(models: "ModelSpec | Sequence[ModelSpec] | str | os.PathLike[str] | 
     if (shard or stages or enable_pipelining) and len(specs) == 1:
         opts.fuse = False
     result = compile_onnx(specs, opts)
+    return write_outputs(result, output_dir, export_popef=export_popef, popef_name=popef_name,
+                         output_model=output_model, compress=compress)
+
+
+def write_outputs(result: "CompileResult", output_dir: str | os.PathLike[str] | None, *,
+                  export_popef: "bool | str | os.PathLike[str]" = True,
+                  popef_name: str = POPEF_NAME,
+                  output_model: str | os.PathLike[str] | None = None, compress: bool = False,
+                  engine_options: dict[str, str] | None = None,
+                  opaques: dict[str, bytes] | None = None) -> CompileOutput:
+    """Write a compile result: the PopEF file and the transformed ONNX model, where
+    ``compile`` says (the ``poprt`` command's outputs)."""
     out_dir = pathlib.Path(output_dir) if output_dir is not None else pathlib.Path.cwd()
     model_path = _anywhere(out_dir, output_model, "output_model") \
         if output_model is not None else None
@@ -166,7 +179,9 @@ def compile(models: "ModelSpec | Sequence[ModelSpec] | str | os.PathLike[str] | 
         output.output_model_path = model_path
         _log.info("wrote the transformed ONNX model to %s", model_path)
     if popef_path is not None:
-        _write_file(popef_path, lambda f: write_popef(result, f, compress=compress))
+        _write_file(popef_path, lambda f: write_popef(result, f, compress=compress,
+                                                      engine_options=engine_options,
+                                                      opaques=opaques))
         output.popef_path = popef_path
         _log.info("wrote %s", popef_path)
     return output

@@ -125,6 +125,8 @@ class Converter:
         self.fp8_skip_op_names, self.fp8_params = fp8_skip_op_names, fp8_params
         self.disable_progress_bar = bool(disable_progress_bar)
         self.logger = logger or _log
+        self.fp16_plan: Any = None
+        """After an fp16 ``convert``: the compiler's fp16 plan (its fp32 sample)."""
 
     def passes(self) -> list["str | Pass"]:
         """The passes ``convert`` runs, in order."""
@@ -161,6 +163,8 @@ class Converter:
         manager = PassManager()
         manager.add_passes(self.passes())
         out = manager.run(out)
+        self.fp16_plan = next((getattr(p, "plan") for p in manager.get_passes()
+                               if hasattr(p, "plan")), None)
         if self.check:
             from host_runtime.poprt._check import compare_with_onnxruntime
 

@@ -14,6 +14,7 @@ from ipu_emulator.compiler._types import (
     INDEX_NAME, LOAD_PROGRAM, MAIN_PROGRAM, SAVE_PROGRAM, TARGETS, AnchorDesc, CompileOptions,
     CompileResult, ModelSpec, Target)
 from ipu_emulator.compiler._precision import Fp16RangeWarning
+from ipu_emulator.compiler._prepare import _fix_input_shapes as fix_input_shapes
 from ipu_emulator.compiler._prepare import check_interface, prepare, to_fp16
 from ipu_emulator.compiler._sharding import check_map, describe_parts, load_sharding_yaml
 from ipu_emulator.errors import CompileError
@@ -25,6 +26,7 @@ __all__ = [
     "describe_parts",
     "prepare",
     "to_fp16",
+    "fix_input_shapes",
     "load_sharding_yaml",
     "ModelSpec",
     "CompileOptions",

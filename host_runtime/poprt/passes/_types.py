@@ -71,15 +71,17 @@ class ConstInputShape(Pass):
         self.batch_axis = None if batch_axis is None else int(batch_axis)
 
     def run(self, onnx_model: onnx.ModelProto) -> onnx.ModelProto:
+        from ipu_emulator.compiler import fix_input_shapes
+
         model = copy_model(onnx_model)
+        # the compiler's own --input_shape (same checks and messages)
+        fix_input_shapes(model, model.graph.name or "<model>", self.shapes,
+                         {t.name for t in model.graph.initializer})
         inputs = {vi.name: vi for vi in graph_inputs(model.graph)}
-        unknown = sorted(set(self.shapes) - set(inputs))
-        if unknown:
-            raise BadRequestError(f"input shape given for {unknown}, which the model does not "
-                                  f"have as inputs; its inputs are {sorted(inputs)}")
         for name, vi in inputs.items():
-            dims = self.shapes.get(name)
-            if dims is None and self.batch_size is not None and self.batch_axis is not None:
+            dims = None
+            if name not in self.shapes and self.batch_size is not None \
+                    and self.batch_axis is not None:
                 tt = vi.type.tensor_type
                 rank = len(tt.shape.dim)
                 axis = self.batch_axis + rank if self.batch_axis < 0 else self.batch_axis
@@ -92,10 +94,6 @@ class ConstInputShape(Pass):
                     tt.shape.dim[axis].dim_value = self.batch_size
                     continue
             if dims is not None:
-                old = vi.type.tensor_type.shape.dim
-                if vi.type.tensor_type.HasField("shape") and len(old) != len(dims):
-                    raise BadRequestError(f"input {name!r} has rank {len(old)} but the shape "
-                                          f"given has {len(dims)} dims: {dims}")
                 set_dims(vi, dims)
         return _refresh_shapes(model)
 
@@ -145,7 +143,9 @@ class Float2Half(Pass):
         from ipu_emulator.compiler import to_fp16
 
         model = copy_model(onnx_model)
-        to_fp16(model, model.graph.name or "model", frozenset(self.skip_op_types))
+        # the plan (the fp32 sample and which values stayed fp32) is kept for the
+        # poprt command's fp16-vs-fp32 report
+        self.plan = to_fp16(model, model.graph.name or "model", frozenset(self.skip_op_types))
         return infer_lenient(model)
 
 
