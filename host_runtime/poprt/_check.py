@@ -41,7 +41,7 @@ def random_feeds(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray]
 
 
 def run_onnxruntime(model: onnx.ModelProto, feeds: dict[str, Any]) -> dict[str, np.ndarray]:
-    from ipu_emulator.compiler._onnx import ort_session
+    from ipu_emulator.compiler import ort_session
 
     sess: Any = ort_session(model)
     names = [o.name for o in sess.get_outputs()]

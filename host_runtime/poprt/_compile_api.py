@@ -15,26 +15,27 @@ import io
 import json
 import logging
 import os
+import pathlib
 from typing import TYPE_CHECKING, Any, Sequence
 
 import onnx
+from onnx import helper
 
 from host_runtime import popef
 from host_runtime.errors import BadRequestError
 from host_runtime.poprt._errors import NotSupportedError, PoplarRequiredError
+from host_runtime.poprt._onnx_util import prune
 from host_runtime.poprt._options import CompilerOptions
+from host_runtime.poprt._sharding_props import read_sharding
+from host_runtime.poprt._writing import write_file, write_popef
 
 if TYPE_CHECKING:  # pragma: no cover
     from ipu_emulator.compiler import CompileResult, ModelSpec
 
-__all__ = ["Compiler", "Executable", "SHARDING_KEY", "PIPELINING_KEY", "load_onnx",
+__all__ = ["Compiler", "Executable", "load_onnx", "split_fused",
            "compile_result", "popef_bytes", "popef_extras"]
 
 _log = logging.getLogger("poprt.compiler")
-
-SHARDING_KEY = "poprt.sharding_info"
-PIPELINING_KEY = "poprt.pipelining_info"
-
 
 class Executable(popef.Model):
     """A compiled model: a ``popef.Model`` that runners accept directly.
@@ -80,16 +81,17 @@ class Executable(popef.Model):
 
     def save(self, path: "str | os.PathLike[str]") -> None:
         """Write the PopEF file to ``path`` (replaced whole)."""
-        from host_runtime.poprt.compiler import _write_file
-        import pathlib
-
         data = self.to_bytes()
-        _write_file(pathlib.Path(path), lambda f: f.write(data))
+        write_file(pathlib.Path(path), lambda f: _put(f, data))
 
     def __repr__(self) -> str:
         md = self.metadata
         return (f"Executable({md.executable()!r}, {md.numIpus()} x {md.ipuVersion()}, "
                 f"{len(md.anchors())} anchors)")
+
+
+def _put(f: Any, data: bytes) -> None:
+    f.write(data)
 
 
 def load_onnx(model: Any) -> onnx.ModelProto:
@@ -132,24 +134,7 @@ def _select_outputs(model: onnx.ModelProto, outputs: Sequence[str] | None) -> on
     new = [have.get(n) or infos.get(n) or onnx.ValueInfoProto(name=n) for n in names]
     del g.output[:]
     g.output.extend(new)
-    from host_runtime.poprt.passes._graph import prune
     return prune(model)
-
-
-def _sharding(model: onnx.ModelProto) -> tuple[dict[str, int], dict[str, int]]:
-    props = {p.key: p.value for p in model.metadata_props}
-    out = []
-    for key in (SHARDING_KEY, PIPELINING_KEY):
-        text = props.get(key)
-        out.append({str(k): int(v) for k, v in json.loads(text).items()} if text else {})
-    return out[0], out[1]
-
-
-def _split_fused(model: onnx.ModelProto) -> list[onnx.ModelProto]:
-    """The models MFConverter fused (``graphK/`` prefixes), each under its own names."""
-    from host_runtime.poprt.converter import split_fused
-
-    return split_fused(model)
 
 
 def compile_result(model: Any, outputs: Sequence[str] | None,
@@ -170,7 +155,7 @@ def compile_result(model: Any, outputs: Sequence[str] | None,
         raise NotSupportedError(f"virtual_graph_mode {mode!r} is not supported by the IPU "
                                 "emulator (it needs PopART's automatic placement); shard with "
                                 "poprt.converter.Sharder and virtual_graph_mode 'manual'")
-    shard, stages = _sharding(proto)
+    shard, stages = read_sharding(proto)
     if (shard or stages) and mode != "manual":
         _log.warning("the model carries sharding maps but virtual_graph_mode is %r: compiled "
                      "without sharding (set virtual_graph_mode = 'manual')", mode)
@@ -184,7 +169,7 @@ def compile_result(model: Any, outputs: Sequence[str] | None,
         if opts.num_io_tiles else 0
     specs: list[ModelSpec]
     if opts.enable_model_fusion:
-        specs = [ModelSpec(m, base_dir=base_dir) for m in _split_fused(proto)]
+        specs = [ModelSpec(m, base_dir=base_dir) for m in split_fused(proto)]
     else:
         specs = [ModelSpec(proto, base_dir=base_dir)]
     sharded = bool(shard or stages or opts.enable_pipelining)
@@ -223,8 +208,6 @@ def popef_extras(options: CompilerOptions | None) -> tuple[dict[str, str], dict[
 def popef_bytes(result: "CompileResult", options: CompilerOptions | None) -> bytes:
     """The PopEF file of a compile result, with the options' engine options and opaque
     blobs."""
-    from host_runtime.poprt.compiler import write_popef
-
     engine, blobs = popef_extras(options)
     buf = io.BytesIO()
     write_popef(result, buf, engine_options=engine, opaques=blobs)
@@ -260,3 +243,47 @@ class Compiler:
                                   "which the IPU emulator does not have; Compiler.compile "
                                   "gives the executable (its memory: "
                                   "executable.compile_result.executable.required_bytes)")
+
+
+def _strip(prefix: str, name: str) -> str:
+    return name[len(prefix):] if name.startswith(prefix) else name
+
+
+def split_fused(model: onnx.ModelProto) -> list[onnx.ModelProto]:
+    """The models of a fused model (MFConverter), each with its own names."""
+    g = model.graph
+    models = []
+    k = 0
+    while True:
+        prefix = f"graph{k}/"
+        nodes = [n for n in g.node if n.output and n.output[0].startswith(prefix)]
+        ins = [vi for vi in g.input if vi.name.startswith(prefix)]
+        if not nodes and not ins:
+            break
+        sub = helper.make_graph([], f"graph{k}", [], [])
+        for n in nodes:
+            node = sub.node.add()
+            node.CopyFrom(n)
+            node.name = _strip(prefix, node.name)
+            node.input[:] = [_strip(prefix, i) for i in node.input]
+            node.output[:] = [_strip(prefix, o) for o in node.output]
+        for src, dst in ((g.input, sub.input), (g.output, sub.output),
+                         (g.value_info, sub.value_info)):
+            for vi in src:
+                if vi.name.startswith(prefix):
+                    v = dst.add()
+                    v.CopyFrom(vi)
+                    v.name = _strip(prefix, v.name)
+        for t in g.initializer:
+            if t.name.startswith(prefix):
+                c = sub.initializer.add()
+                c.CopyFrom(t)
+                c.name = _strip(prefix, c.name)
+        sub_model = helper.make_model(sub, opset_imports=list(model.opset_import))
+        sub_model.ir_version = model.ir_version
+        models.append(sub_model)
+        k += 1
+    if len(models) < 2:
+        raise BadRequestError("enable_model_fusion is set but the model is not a fused model "
+                              "(poprt.converter.MFConverter makes one)")
+    return models

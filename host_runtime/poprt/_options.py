@@ -128,6 +128,47 @@ class CompilerOptions:
     ``CompilerOptions.from_dict({...})`` builds one from a dict; ``to_dict()`` gives
     it back."""
 
+    num_ipus: int
+    ipu_version: str
+    batches_per_step: int
+    partials_type: str
+    available_memory_proportion: float
+    num_io_tiles: int
+    enable_model_fusion: bool
+    enable_prefetch_datastreams: bool
+    stream_buffering_depth: int
+    enable_pad_conv_channel: bool
+    serialize_ir: bool
+    serialized_ir_dest: str
+    enable_gather_simplifier: bool
+    engine_options: dict[str, Any]
+    show_compilation_progress_bar: bool
+    custom_patterns: list[Any]
+    custom_transform_applier_settings: dict[str, Any]
+    opaque_blobs: dict[str, Any]
+    use_128bit_conv_unit_load: bool
+    enable_fast_reduce: bool
+    enable_outlining: bool
+    group_host_sync: bool
+    rearrange_streams_on_host: bool
+    rearrange_anchors_on_host: bool
+    outline_threshold: float
+    enable_non_stable_softmax: bool
+    enable_pipelining: bool
+    enable_engine_caching: bool
+    cache_path: str
+    subgraph_copying_strategy: int
+    virtual_graph_mode: str
+    compilation_progress_logger: Callable[[int, int], None] | None
+    virtual_graph_split_ratios: list[Any]
+    time_limit_scheduler: float
+    swap_limit_scheduler: int
+    transitive_closure_optimization_threshold: int
+    constant_weights: bool
+    create_host_transferable_tensor_with_offset: bool
+    enable_multi_stage_reduce: bool
+    enable_efficient_overlap_io_topo_cons: bool
+
     def __init__(self) -> None:
         for name, (default, _kind) in FIELDS.items():
             object.__setattr__(self, name, default.copy() if isinstance(default, (dict, list))

@@ -153,8 +153,11 @@ class ORTBackend(Backend):
         if not lazy_load:
             self._load()
 
-    def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
-            run_options: Any = None, align_output_dtype: bool = False) -> list[np.ndarray]:
+    def run(self, output_names: Sequence[str] | None,  # type: ignore[override]
+            input_feed: Mapping[str, Any], run_options: Any = None,
+            align_output_dtype: bool = False) -> list[np.ndarray]:
+        """``InferenceSession.run(output_names, input_feed, run_options)`` (run_options is
+        accepted and unused)."""
         return super().run(output_names, input_feed, align_output_dtype)
 
     def get_inputs(self) -> list[_Arg]:

@@ -178,7 +178,9 @@ def informational(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         print(f"poprt {__version__}")
         return 0
     if args.print_completion:
-        flags = " ".join(sorted(o for a in parser._actions for o in a.option_strings))
+        import re
+
+        flags = " ".join(sorted(set(re.findall(r"(?<![\w-])--?[a-z][\w]*", parser.format_usage()))))
         print(f"complete -W \"{flags}\" poprt" if args.print_completion == "bash"
               else f"compdef '_arguments \"*: :({flags})\"' poprt")
         return 0
@@ -302,7 +304,7 @@ def run(args: argparse.Namespace) -> Any:
     from host_runtime.poprt.compiler import write_outputs
     from host_runtime.poprt.converter import Sharder
     from ipu_emulator.compiler import load_sharding_yaml
-    from ipu_emulator.compiler._onnx import load_model
+    from ipu_emulator.compiler import load_model
 
     converter = converter_from_args(args)
     options = options_from_args(args)
@@ -315,11 +317,12 @@ def run(args: argparse.Namespace) -> Any:
     out_dir = pathlib.Path(args.output_dir or ".")
     output_model = args.output_model or f"{pathlib.Path(args.input_model).stem}.{precision}.onnx"
     if args.only_manual_sharding:
-        from host_runtime.poprt.compiler import _anywhere, _make_dir, _write_file
+        from host_runtime.poprt._writing import write_file
+        from host_runtime.poprt.compiler import _anywhere, _make_dir
 
         path = _anywhere(out_dir, output_model, "output_model")
         _make_dir(path.parent, "the folder of output_model")
-        _write_file(path, lambda f: onnx.save(model, f))
+        write_file(path, lambda f: onnx.save(model, f))
         print(f"poprt: wrote {path}")
         return None
     converted = converter.convert(model)
@@ -340,7 +343,7 @@ def run(args: argparse.Namespace) -> Any:
 
 
 def _fp16_report(result: Any, plan: Any) -> None:
-    from ipu_emulator.compiler._fp16_range import relative_error
+    from ipu_emulator.compiler import relative_error
 
     try:
         result.fp16_error.update(relative_error(result.output_model, plan))

@@ -18,17 +18,17 @@ import logging
 import os
 import pathlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Sequence, cast
+from typing import TYPE_CHECKING, Any, Sequence, cast
 
 from shm.errors import echo
 
-from host_runtime._atomic_file import AtomicFile
 from host_runtime.errors import BadRequestError
+from host_runtime.poprt._writing import metadata_for, write_popef
+from host_runtime.poprt._writing import write_file as _write_file
 
 if TYPE_CHECKING:  # pragma: no cover
     import onnx
 
-    from host_runtime.popef import Metadata
     from ipu_emulator.compiler import CompileResult, ModelSpec
 
 __all__ = [
@@ -230,59 +230,6 @@ def _make_dir(path: pathlib.Path, what: str) -> None:
     except OSError as exc:
         raise BadRequestError(f"cannot create {what} {echo(str(path), 200)}: "
                               f"{exc.strerror or exc}") from None
-
-
-def _write_file(path: pathlib.Path, write: Callable[[BinaryIO], None]) -> None:
-    """``write(f)`` fills a new file that then replaces ``path`` whole (a temporary file in
-    its folder, created O_EXCL|O_NOFOLLOW, renamed into place: ``_atomic_file``): a
-    symlink put at ``path`` meanwhile is replaced, never written through, and on an OS
-    error (no space, no permission) ``path`` is as it was and a BadRequestError says
-    what happened."""
-    try:
-        with AtomicFile(path) as f:
-            write(f)
-    except (OSError, BadRequestError) as exc:
-        cause = exc.__cause__ if isinstance(exc, BadRequestError) and exc.__cause__ else exc
-        text = getattr(cause, "strerror", None) or str(exc)
-        raise BadRequestError(f"cannot write {echo(str(path), 200)}: {text}") from None
-
-
-def metadata_for(result: "CompileResult",
-                 engine_options: dict[str, str] | None = None) -> "Metadata":
-    """The PopEF metadata describing a compiled executable (``engine_options``: kept in the
-    metadata, as Poplar's engine options are)."""
-    from host_runtime.popef import Anchor, DataType, Metadata, ProgramFlow, TensorInfo, TensorType
-
-    exe = result.executable
-    anchors = [Anchor(a.name, a.handle, TensorInfo(DataType(a.dtype), a.shape),
-                      is_per_replica=False,
-                      type=TensorType.INPUT if a.direction == "in" else TensorType.OUTPUT,
-                      programs=a.programs)
-               for a in result.anchors]
-    flow = ProgramFlow(result.program_flow["load"], result.program_flow["main"],
-                       result.program_flow["save"])
-    return Metadata(anchors, flow, replication_factor=1, num_ipus=exe.num_ipus,
-                    ipu_version=exe.ipu_version, executable=exe.name, is_inference=True,
-                    device_iterations=exe.device_iterations, subgraphs=result.subgraphs,
-                    engine_options=engine_options)
-
-
-def write_popef(result: "CompileResult", dest: str | os.PathLike[str] | BinaryIO, *,
-                compress: bool = False, engine_options: dict[str, str] | None = None,
-                opaques: dict[str, bytes] | None = None) -> None:
-    """Write metadata, executable and weights' tensor data (and ``opaques``, name -> bytes)
-    to a PopEF file or stream."""
-    from host_runtime.popef import Writer
-
-    exe = result.executable
-    with Writer(dest) as w:
-        w.writeMetadata(metadata_for(result, engine_options))
-        for name, data in sorted((opaques or {}).items()):
-            w.writeOpaque(name, data)
-        w.writeExecutable(exe.name, exe.to_bytes(), compress=compress)
-        for a in result.anchors:
-            if a.data is not None:
-                w.writeTensorData(a.name, a.data)
 
 
 # -- model fusion configuration (seed 004) -----------------------------------------

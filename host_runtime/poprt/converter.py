@@ -12,20 +12,18 @@ the emulated result unchanged; options the emulator cannot honour raise
 
 from __future__ import annotations
 
-import json
 import logging
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import onnx
 
 from host_runtime.errors import BadRequestError
-from host_runtime.poprt._compile_api import PIPELINING_KEY, SHARDING_KEY
 from host_runtime.poprt._errors import NotSupportedError
-from host_runtime.poprt.passes import Pass, PassManager
-from host_runtime.poprt.passes._types import parse_skip_list
-from host_runtime.poprt.passes._util import copy_model, main_opset
+from host_runtime.poprt._onnx_util import copy_model, main_opset, parse_skip_list
+from host_runtime.poprt._sharding_props import record_sharding
+from host_runtime.poprt.passes import Pass, PassManager, get_pass
 
-__all__ = ["Converter", "Sharder", "MFConverter", "split_fused", "PRECISIONS"]
+__all__ = ["Converter", "Sharder", "MFConverter", "PRECISIONS"]
 
 _log = logging.getLogger("poprt")
 PRECISIONS = ("fp32", "fp16", "fp8", "fp8_weight")
@@ -57,7 +55,7 @@ DEFAULT_PASSES = ("layer_norm_pattern", "gelu_pattern", "replace_softmax", "sort
 class Converter:
     """Convert a general ONNX model to the model the emulator's compiler takes."""
 
-    def __init__(self, *, input_shape: dict[str, Sequence[int]] | None = None,
+    def __init__(self, *, input_shape: Mapping[str, Sequence[int]] | None = None,
                  convert_version: int = 11, precision: str = "fp32",
                  checkpoints: Any = None, eightbitsio: bool = False,
                  fp16_skip_op_types: Any = None, skip_passes: Any = None,
@@ -130,8 +128,6 @@ class Converter:
 
     def passes(self) -> list["str | Pass"]:
         """The passes ``convert`` runs, in order."""
-        from host_runtime.poprt.passes import get_pass
-
         out: list[str | Pass] = []
         if self.input_shape or self.batch_size is not None:
             out.append(get_pass("const_input_shape", self.input_shape, self.batch_size,
@@ -201,20 +197,7 @@ class Sharder:
             if pipelining_info else {}
 
     def run(self, model: onnx.ModelProto) -> onnx.ModelProto:
-        out = copy_model(model)
-        names = {n.name for n in out.graph.node}
-        unknown = sorted((set(self.sharding_info) | set(self.pipelining_info)) - names)
-        if unknown:
-            raise BadRequestError(f"sharding names nodes {unknown[:10]} that the model does not "
-                                  "have")
-        props = [p for p in out.metadata_props if p.key not in (SHARDING_KEY, PIPELINING_KEY)]
-        del out.metadata_props[:]
-        out.metadata_props.extend(props)
-        for key, value in ((SHARDING_KEY, self.sharding_info),
-                           (PIPELINING_KEY, self.pipelining_info)):
-            if value:
-                out.metadata_props.add(key=key, value=json.dumps(value, sort_keys=True))
-        return out
+        return record_sharding(model, self.sharding_info, self.pipelining_info)
 
 
 class MFConverter:
@@ -223,54 +206,10 @@ class MFConverter:
     one; compile it with ``CompilerOptions.enable_model_fusion = True``."""
 
     def convert(self, models: Sequence[onnx.ModelProto]) -> onnx.ModelProto:
-        from ipu_emulator.compiler import INDEX_NAME
-        from ipu_emulator.compiler._fusion import fuse_models
+        from ipu_emulator.compiler import INDEX_NAME, fuse_models
 
         models = list(models)
         if len(models) < 2 or not all(isinstance(m, onnx.ModelProto) for m in models):
             raise BadRequestError("MFConverter.convert expects a list of at least two "
                                   "onnx.ModelProto")
         return fuse_models(models, INDEX_NAME, onnx.TensorProto.INT32, [1])
-
-
-def split_fused(model: onnx.ModelProto) -> list[onnx.ModelProto]:
-    """The models of a fused model (MFConverter), each with its own names."""
-    from onnx import helper
-
-    g = model.graph
-    models = []
-    k = 0
-    while True:
-        prefix = f"graph{k}/"
-        nodes = [n for n in g.node if n.output and n.output[0].startswith(prefix)]
-        ins = [vi for vi in g.input if vi.name.startswith(prefix)]
-        if not nodes and not ins:
-            break
-        strip = (lambda s: s[len(prefix):] if s.startswith(prefix) else s)
-        sub = helper.make_graph([], f"graph{k}", [], [])
-        for n in nodes:
-            m = sub.node.add()
-            m.CopyFrom(n)
-            m.name = strip(m.name)
-            m.input[:] = [strip(i) for i in m.input]
-            m.output[:] = [strip(o) for o in m.output]
-        for src, dst in ((g.input, sub.input), (g.output, sub.output),
-                         (g.value_info, sub.value_info)):
-            for vi in src:
-                if vi.name.startswith(prefix):
-                    v = dst.add()
-                    v.CopyFrom(vi)
-                    v.name = strip(v.name)
-        for t in g.initializer:
-            if t.name.startswith(prefix):
-                c = sub.initializer.add()
-                c.CopyFrom(t)
-                c.name = strip(c.name)
-        m = helper.make_model(sub, opset_imports=list(model.opset_import))
-        m.ir_version = model.ir_version
-        models.append(m)
-        k += 1
-    if len(models) < 2:
-        raise BadRequestError("enable_model_fusion is set but the model is not a fused model "
-                              "(poprt.converter.MFConverter makes one)")
-    return models

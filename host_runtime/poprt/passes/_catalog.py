@@ -22,6 +22,7 @@ from typing import Any
 import onnx
 
 from host_runtime.poprt._errors import NotSupportedError
+from host_runtime.poprt._sharding_props import record_sharding
 from host_runtime.poprt.passes import _graph, _rewrite, _types
 from host_runtime.poprt.passes._base import Pass, _registrar
 
@@ -230,9 +231,7 @@ class ManualSharding(Pass):
         self.pipelining_info = dict(pipelining_info or {})
 
     def run(self, onnx_model: onnx.ModelProto) -> onnx.ModelProto:
-        from host_runtime.poprt.converter import Sharder
-
-        return Sharder(self.sharding_info, self.pipelining_info).run(onnx_model)
+        return record_sharding(onnx_model, self.sharding_info, self.pipelining_info)
 
 
 def _module(package: types.ModuleType, name: str) -> types.ModuleType:

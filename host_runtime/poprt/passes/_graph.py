@@ -12,15 +12,15 @@ from onnx import helper, numpy_helper
 
 from host_runtime.errors import BadRequestError
 from host_runtime.poprt.passes._base import Pass
-from host_runtime.poprt.passes._types import infer_lenient, parse_skip_list
-from host_runtime.poprt.passes._util import (consumers, copy_model, graph_inputs, producers,
-                                             subgraphs)
+from host_runtime.poprt._onnx_util import (consumers, copy_model, graph_inputs,
+                                          parse_skip_list, prune, subgraphs)
+from host_runtime.poprt.passes._types import infer_lenient
 
 __all__ = ["AddCheckpoints", "RemoveOutputs", "ConstantFolding", "EliminateIdentity",
            "EliminateUnusedInitializer", "EliminateDeadend", "ExtractConstantToInitializer",
            "RemoveInitializerFromInput", "RemoveDuplicatedInitializer", "SortGraph",
            "UniqueNameForNodes", "ModelOverview", "ModelIOInfoOverview", "CheckWithFakeData",
-           "topological_sort", "prune"]
+           "topological_sort"]
 
 _log = logging.getLogger("poprt.passes")
 _NONDETERMINISTIC = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike",
@@ -57,41 +57,6 @@ def topological_sort(graph: onnx.GraphProto) -> onnx.GraphProto:
     del out.node[:]
     out.node.extend(ordered)
     return out
-
-
-def prune(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Drop the main graph's nodes no output depends on, then unused initializers."""
-    g = model.graph
-    prod = producers(g)
-    live: set[str] = set()
-    stack = [o.name for o in g.output]
-    keep: set[int] = set()
-    while stack:
-        name = stack.pop()
-        if name in live:
-            continue
-        live.add(name)
-        n = prod.get(name)
-        if n is None or id(n) in keep:
-            continue
-        keep.add(id(n))
-        stack.extend(i for i in n.input if i)
-        for sg in subgraphs(n):
-            for inner in sg.node:
-                stack.extend(i for i in inner.input if i)
-    nodes = [n for n in g.node if id(n) in keep]
-    del g.node[:]
-    g.node.extend(nodes)
-    used = set(consumers(g)) | {o.name for o in g.output}
-    inits = [t for t in g.initializer if t.name in used]
-    del g.initializer[:]
-    g.initializer.extend(inits)
-    names = {t.name for t in inits}
-    all_init = {vi.name for vi in g.input} - {vi.name for vi in graph_inputs(g)}
-    ins = [vi for vi in g.input if vi.name not in all_init or vi.name in names]
-    del g.input[:]
-    g.input.extend(ins)
-    return model
 
 
 class AddCheckpoints(Pass):
@@ -188,7 +153,7 @@ class ExtractConstantToInitializer(Pass):
     """Constant nodes of the main graph become initializers."""
 
     def run(self, onnx_model: onnx.ModelProto) -> onnx.ModelProto:
-        from host_runtime.poprt.passes._util import constant_value
+        from host_runtime.poprt._onnx_util import constant_value
 
         model = copy_model(onnx_model)
         g = model.graph

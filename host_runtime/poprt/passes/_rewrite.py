@@ -10,8 +10,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from host_runtime.poprt.passes._base import Pass
 from host_runtime.poprt.passes._types import infer_lenient
-from host_runtime.poprt.passes._util import (constant_value, consumers, copy_model, main_opset,
-                                             make_const, unique)
+from host_runtime.poprt._onnx_util import (constant_value, consumers, copy_model, main_opset,
+                                          make_const, prune, unique)
 
 __all__ = ["ReplaceGemmWithMatMul", "ReplaceBNWithMulAdd", "FuseBnIntoConv", "ReplaceDivWithMul",
            "ReplacePow", "ReplaceWhereWithMulAdd", "ReplaceGreaterOrEqual", "ReplaceLessOrEqual",
@@ -110,7 +110,7 @@ def _bn_params(g: onnx.GraphProto, n: onnx.NodeProto) -> tuple[np.ndarray, np.nd
     vals = [constant_value(g, i) for i in n.input[1:5]]
     if any(v is None for v in vals):
         return None
-    scale, bias, mean, var = (np.asarray(v, np.float64) for v in vals)  # type: ignore[arg-type]
+    scale, bias, mean, var = (np.asarray(v, np.float64) for v in vals)
     s = scale / np.sqrt(var + float(_attr(n, "epsilon", 1e-5)))
     return s, bias - mean * s
 
@@ -165,7 +165,6 @@ class FuseBnIntoConv(Pass):
                 conv.input.append(make_const(g, f"{tag}__B_bn", b2))
             conv.output[0] = bn.output[0]
             g.node.remove(bn)
-        from host_runtime.poprt.passes._graph import prune
         return prune(model)
 
 
@@ -270,7 +269,6 @@ class FuseMulIntoMatmul(Pass):
                 mm.output[0] = mul.output[0]
                 g.node.remove(mul)
                 break
-        from host_runtime.poprt.passes._graph import prune
         return prune(model)
 
 

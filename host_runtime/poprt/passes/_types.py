@@ -12,12 +12,11 @@ from onnx import TensorProto, helper, numpy_helper
 
 from host_runtime.errors import BadRequestError
 from host_runtime.poprt.passes._base import Pass
-from host_runtime.poprt.passes._util import (copy_model, graph_inputs, set_dims, subgraphs,
-                                             unique)
+from host_runtime.poprt._onnx_util import (copy_model, graph_inputs, parse_skip_list, set_dims,
+                                          subgraphs, unique)
 
 __all__ = ["ConstBatchSize", "ConstInputShape", "Float2Half", "Int64ToInt32", "DoubleToFloat",
-           "RemoveInputCast", "ReplaceCastLike", "ShapeInference", "infer_lenient",
-           "parse_skip_list"]
+           "RemoveInputCast", "ReplaceCastLike", "ShapeInference", "infer_lenient"]
 
 _log = logging.getLogger("poprt.passes")
 
@@ -29,18 +28,6 @@ def infer_lenient(model: onnx.ModelProto) -> onnx.ModelProto:
     except Exception as exc:  # noqa: BLE001 - the compiler infers again and says why
         _log.info("shape inference failed (%s); shapes are left to the compiler", exc)
         return model
-
-
-def parse_skip_list(value: Any, what: str) -> list[str]:
-    """``"A,B"`` or ``["A", "B"]`` (or None) -> ``["A", "B"]``."""
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [v.strip() for v in value.split(",") if v.strip()]
-    if isinstance(value, (list, tuple, set)) and all(isinstance(v, str) for v in value):
-        return [v.strip() for v in value if v.strip()]
-    raise BadRequestError(f"{what} must be a comma-separated str or a list of str, got "
-                          f"{value!r}")
 
 
 def _refresh_shapes(model: onnx.ModelProto) -> onnx.ModelProto:

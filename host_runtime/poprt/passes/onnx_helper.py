@@ -6,7 +6,7 @@ import numpy as np
 import onnx
 
 from host_runtime.poprt.passes._graph import topological_sort
-from host_runtime.poprt.passes._util import constant_value
+from host_runtime.poprt._onnx_util import constant_value
 
 __all__ = ["topological_sort", "get_constant"]
 

@@ -1,8 +1,8 @@
-"""Small helpers over ONNX graphs that the passes share."""
+"""Small helpers over ONNX graphs that the converter, the compile API and the passes share."""
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import onnx
@@ -11,7 +11,8 @@ from onnx import TensorProto, helper, numpy_helper
 from host_runtime.errors import BadRequestError
 
 __all__ = ["copy_model", "producers", "consumers", "initializers", "constant_value",
-           "unique", "graph_inputs", "set_dims", "main_opset", "subgraphs"]
+           "unique", "graph_inputs", "set_dims", "main_opset", "subgraphs", "make_const",
+           "parse_skip_list", "prune"]
 
 
 def copy_model(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -114,6 +115,48 @@ def make_const(graph: onnx.GraphProto, base: str, value: np.ndarray) -> str:
     return name
 
 
-def node(op: str, inputs: list[str], outputs: list[str], name: str, **attrs: object
-         ) -> onnx.NodeProto:
-    return helper.make_node(op, inputs, outputs, name=name, **attrs)
+def parse_skip_list(value: Any, what: str) -> list[str]:
+    """``"A,B"`` or ``["A", "B"]`` (or None) -> ``["A", "B"]``."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [v.strip() for v in value.split(",") if v.strip()]
+    if isinstance(value, (list, tuple, set)) and all(isinstance(v, str) for v in value):
+        return [v.strip() for v in value if v.strip()]
+    raise BadRequestError(f"{what} must be a comma-separated str or a list of str, got "
+                          f"{value!r}")
+
+
+def prune(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Drop the main graph's nodes no output depends on, then unused initializers."""
+    g = model.graph
+    prod = producers(g)
+    live: set[str] = set()
+    stack = [o.name for o in g.output]
+    keep: set[int] = set()
+    while stack:
+        name = stack.pop()
+        if name in live:
+            continue
+        live.add(name)
+        n = prod.get(name)
+        if n is None or id(n) in keep:
+            continue
+        keep.add(id(n))
+        stack.extend(i for i in n.input if i)
+        for sg in subgraphs(n):
+            for inner in sg.node:
+                stack.extend(i for i in inner.input if i)
+    nodes = [n for n in g.node if id(n) in keep]
+    del g.node[:]
+    g.node.extend(nodes)
+    used = set(consumers(g)) | {o.name for o in g.output}
+    inits = [t for t in g.initializer if t.name in used]
+    del g.initializer[:]
+    g.initializer.extend(inits)
+    names = {t.name for t in inits}
+    all_init = {vi.name for vi in g.input} - {vi.name for vi in graph_inputs(g)}
+    ins = [vi for vi in g.input if vi.name not in all_init or vi.name in names]
+    del g.input[:]
+    g.input.extend(ins)
+    return model
