@@ -207,8 +207,10 @@ class ReplaceWhereWithMulAdd(_Rewrite):
     """Float ``Where(c, X, Y)`` becomes ``c*X + (not c)*Y`` (equal for finite X and Y)."""
 
     def rewrite(self, g: onnx.GraphProto, n: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+        if n.op_type != "Where":
+            return None
         t = self.types.get(n.input[1])
-        if n.op_type != "Where" or t not in (TensorProto.FLOAT, TensorProto.FLOAT16):
+        if t not in (TensorProto.FLOAT, TensorProto.FLOAT16):
             return None
         tag = n.name or unique(g, "Where")
         c, nc, cx, ny, cf, ncf = (unique(g, f"{tag}__{s}") for s in ("c", "nc", "cx", "ny", "cf", "ncf"))
