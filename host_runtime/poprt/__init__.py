@@ -33,7 +33,7 @@ _LAZY = {
     "get_pass": "host_runtime.poprt.passes",
 }
 _MODULES = ("runtime", "compiler", "converter", "frontend", "backends", "backend", "quantizer",
-            "passes", "profile", "utils")
+            "passes", "profile", "utils", "optimizer", "cli_args")
 
 
 def __getattr__(name: str) -> Any:
