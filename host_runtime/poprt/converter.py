@@ -154,7 +154,7 @@ class Converter:
         if not isinstance(model, onnx.ModelProto):
             raise BadRequestError(f"Converter.convert expects an onnx.ModelProto, got "
                                   f"{type(model).__name__}")
-        origin = copy_model(model)
+        origin = copy_model(model) if self.check else model
         out = self._opset(copy_model(model))
         manager = PassManager()
         manager.add_passes(self.passes())

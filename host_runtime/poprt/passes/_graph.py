@@ -27,35 +27,61 @@ _NONDETERMINISTIC = {"RandomNormal", "RandomUniform", "RandomNormalLike", "Rando
                      "Multinomial", "Bernoulli", "Dropout"}
 
 
+def _needs(n: onnx.NodeProto, made: set[str]) -> set[str]:
+    """The names produced in the graph that ``n`` (or a sub-graph of it) reads."""
+    want = {i for i in n.input if i}
+    stack = list(subgraphs(n))
+    while stack:
+        g = stack.pop()
+        for inner in g.node:
+            want.update(i for i in inner.input if i)
+            stack.extend(subgraphs(inner))
+    return want & made
+
+
+def is_sorted(graph: onnx.GraphProto) -> bool:
+    made = {o for n in graph.node for o in n.output if o}
+    seen: set[str] = set()
+    for n in graph.node:
+        if not _needs(n, made) <= seen:
+            return False
+        seen.update(o for o in n.output if o)
+    return True
+
+
 def topological_sort(graph: onnx.GraphProto) -> onnx.GraphProto:
-    """Order ``graph``'s nodes so that each comes after the producers of its inputs
-    (names from outside the graph count as available). Raises on a cycle."""
-    avail = {t.name for t in graph.initializer} | {vi.name for vi in graph.input} | {""}
-    made = {o for n in graph.node for o in n.output}
+    """Order ``graph``'s nodes so that each comes after the producers of its inputs, keeping
+    the given order where it allows (names from outside the graph count as available).
+    Raises on a cycle."""
+    import heapq
 
-    def needs(n: onnx.NodeProto) -> set[str]:
-        want = set(n.input)
-        for g in subgraphs(n):
-            for inner in g.node:
-                want |= set(inner.input)
-        return {w for w in want if w in made}
-
-    pending = list(graph.node)
-    ordered: list[onnx.NodeProto] = []
-    while pending:
-        ready = [n for n in pending if needs(n) <= avail]
-        if not ready:
-            raise BadRequestError(f"graph {graph.name!r} has a cycle through "
-                                  f"{[n.name or n.op_type for n in pending[:5]]}")
-        for n in ready:
-            ordered.append(n)
-            avail.update(n.output)
-        ids = {id(n) for n in ready}
-        pending = [n for n in pending if id(n) not in ids]
+    nodes = list(graph.node)
+    made = {o for n in nodes for o in n.output if o}
+    producer = {o: k for k, n in enumerate(nodes) for o in n.output if o}
+    waiting = [0] * len(nodes)
+    readers: dict[int, list[int]] = {}
+    for k, n in enumerate(nodes):
+        deps = {producer[name] for name in _needs(n, made)} - {k}
+        waiting[k] = len(deps)
+        for d in deps:
+            readers.setdefault(d, []).append(k)
+    ready = [k for k, w in enumerate(waiting) if w == 0]
+    heapq.heapify(ready)
+    order: list[int] = []
+    while ready:
+        k = heapq.heappop(ready)
+        order.append(k)
+        for r in readers.get(k, []):
+            waiting[r] -= 1
+            if waiting[r] == 0:
+                heapq.heappush(ready, r)
+    if len(order) != len(nodes):
+        left = [nodes[k].name or nodes[k].op_type for k in range(len(nodes)) if waiting[k]][:5]
+        raise BadRequestError(f"graph {graph.name!r} has a cycle through {left}")
     out = onnx.GraphProto()
     out.CopyFrom(graph)
     del out.node[:]
-    out.node.extend(ordered)
+    out.node.extend(nodes[k] for k in order)
     return out
 
 
@@ -205,9 +231,16 @@ class SortGraph(Pass):
     """Sort the nodes of every graph topologically."""
 
     def run(self, onnx_model: onnx.ModelProto) -> onnx.ModelProto:
+        if self._sorted(onnx_model.graph):
+            return onnx_model
         model = copy_model(onnx_model)
-        model.graph.CopyFrom(self.traverse_graph(model.graph, lambda g, _m: topological_sort(g)))
+        model.graph.CopyFrom(self.traverse_graph(
+            model.graph, lambda g, _m: g if is_sorted(g) else topological_sort(g)))
         return model
+
+    def _sorted(self, graph: onnx.GraphProto) -> bool:
+        return is_sorted(graph) and all(self._sorted(g) for n in graph.node
+                                        for g in subgraphs(n))
 
 
 class UniqueNameForNodes(Pass):
