@@ -172,9 +172,12 @@ class Converter:
         if have and have < self.convert_version:
             try:
                 return onnx.version_converter.convert_version(model, self.convert_version)
-            except Exception as exc:
-                raise BadRequestError(f"converting the model from opset {have} to "
-                                      f"{self.convert_version} failed: {exc}") from None
+            except Exception as exc:  # noqa: BLE001 - the model runs at its own opset
+                self.logger.warning("converting the model from opset %d to %d failed (%s); it "
+                                    "is kept at opset %d, which the emulator runs as well",
+                                    have, self.convert_version,
+                                    str(exc).splitlines()[0][:200] if str(exc) else
+                                    type(exc).__name__, have)
         if have > self.convert_version:
             self.logger.info("the model's opset %d is newer than convert_version %d: kept (the "
                              "emulator runs every opset onnxruntime runs)", have,
