@@ -212,11 +212,13 @@ def converter_from_args(args: argparse.Namespace) -> Any:
     from host_runtime.poprt.compiler import parse_input_shape
     from host_runtime.poprt.converter import Converter
 
+    used = [n for n in _FP8_ONLY if getattr(args, n) not in (None, False)
+            and n not in ("fp8_skip_op_names", "fp8_params")]
     if args.precision in ("fp32", "fp16", None):
-        used = [n for n in _FP8_ONLY if getattr(args, n) not in (None, False)]
-        if used:
-            _log.warning("--%s apply only to fp8 precision; ignored with %s", ", --".join(used),
-                         args.precision or "fp32")
+        used += [n for n in ("fp8_skip_op_names", "fp8_params") if getattr(args, n)]
+    if used:
+        _log.warning("--%s: fp8 calibration and comparison need an IPU (or, with fp32/fp16, do "
+                     "not apply); ignored", ", --".join(used))
     shapes = dict(parse_input_shape(s) for s in (args.input_shape or []))
     return Converter(
         input_shape=shapes, convert_version=args.convert_version,
@@ -243,7 +245,8 @@ def converter_from_args(args: argparse.Namespace) -> Any:
         fold_periodic_initializer=bool(args.fold_periodic_initializer),
         enable_compress_pattern=bool(args.enable_compress_pattern),
         merge_if_with_same_cond=bool(args.merge_if_with_same_cond),
-        apply_hcsr=args.apply_hcsr)
+        apply_hcsr=args.apply_hcsr, fp8_skip_op_names=args.fp8_skip_op_names,
+        fp8_params=args.fp8_params or "F143,F143,0,0")
 
 
 def options_from_args(args: argparse.Namespace) -> Any:

@@ -77,10 +77,6 @@ class Converter:
         if precision not in PRECISIONS:
             raise BadRequestError(f"precision must be one of {list(PRECISIONS)}, got "
                                   f"{precision!r}")
-        if precision in ("fp8", "fp8_weight"):
-            raise NotSupportedError(f"precision {precision!r} is not supported by the IPU "
-                                    "emulator: fp8 arithmetic has no kernels on the host "
-                                    "(use fp16 or fp32)")
         given = {"pack_args": pack_args, "eightbitsio": eightbitsio, "apply_hcsr": apply_hcsr,
                  "quantize": quantize}
         for key, value in given.items():
@@ -120,7 +116,11 @@ class Converter:
                         enable_compress_pattern, "merge_if_with_same_cond": merge_if_with_same_cond}
         self.disable_fast_norm = bool(disable_fast_norm)
         self.remap_mode = parse_skip_list(list(remap_mode or ()), "remap_mode")
-        self.fp8_skip_op_names, self.fp8_params = fp8_skip_op_names, fp8_params
+        from host_runtime.poprt.passes._fp8 import parse_fp8_params
+
+        parse_fp8_params(fp8_params)            # checked now
+        self.fp8_skip_op_names = parse_skip_list(fp8_skip_op_names, "fp8_skip_op_names")
+        self.fp8_params = fp8_params
         self.disable_progress_bar = bool(disable_progress_bar)
         self.logger = logger or _log
         self.fp16_plan: Any = None
@@ -144,9 +144,12 @@ class Converter:
         out += [p for k, p in _OPTION_PASSES.items() if self.options.get(k)
                 and p not in self.skip_passes]
         out += self.used_passes
-        if self.precision == "fp16" and "float_to_half" not in self.skip_passes:
+        if self.precision != "fp32" and "float_to_half" not in self.skip_passes:
             out.append(get_pass("float_to_half", self.fp16_skip_op_types,
                                 self.enable_avoid_overflow_patterns))
+        if self.precision in ("fp8", "fp8_weight"):
+            out.append(get_pass("float_to_fp8", self.fp8_params, self.fp8_skip_op_names,
+                                self.precision))
         return out
 
     def convert(self, model: onnx.ModelProto) -> onnx.ModelProto:

@@ -100,8 +100,8 @@ def test_named_refusals(model):
         Compiler.compile_and_get_summary_report(model, None)
     with pytest.raises(NotSupportedError, match="virtual_graph_mode 'auto'"):
         Compiler.compile(model, None, CompilerOptions.from_dict({"virtual_graph_mode": "auto"}))
-    with pytest.raises(NotSupportedError, match="precision 'fp8'"):
-        poprt.Converter(precision="fp8")
+    with pytest.raises(NotSupportedError, match="quantize is not supported"):
+        poprt.Converter(precision="fp8", quantize=True)
     with pytest.raises(NotSupportedError, match="pack_args"):
         poprt.Converter(pack_args={"max_valid_num": 90})
     with pytest.raises(BadRequestError, match=r"outputs \['nope'\] are not tensors"):

@@ -103,7 +103,36 @@ def test_refused_flags_are_named(tmp_path, capsys):
 
     for flag, word in ((["--perf_tuner"], "--perf_tuner is not supported"),
                        (["--framework", "tensorflow"], "TensorFlow models"),
-                       (["--precision", "fp8"], "precision 'fp8' is not supported"),
+                       (["--precision", "fp8", "--calibration_with_data"],
+                        "does not exist"),
                        (["--pack_args", "a=1"], "pack_args is not supported")):
         assert main(["-i", str(tmp_path / "m.onnx"), *flag]) == 2
         assert word in capsys.readouterr().err
+
+
+def _fp8_ref(a, t=TensorProto.FLOAT8E4M3FNUZ):
+    """onnx's own conversion to Graphcore's fp8 (FNUZ) values: the reference."""
+    a = np.asarray(a, np.float32)
+    return numpy_helper.to_array(helper.make_tensor("r", t, a.shape, a.flatten().tolist())
+                                 ).astype(np.float32).reshape(a.shape)
+
+
+@pytest.mark.parametrize("precision", ["fp8_weight", "fp8"])
+def test_fp8_rounds_operands_as_the_ipu_holds_them(precision):
+    rng = np.random.default_rng(5)
+    w = (rng.standard_normal((3, 4)) * 3).astype(np.float32)
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "m",
+                          [helper.make_tensor_value_info("x", F, [2, 3])],
+                          [helper.make_tensor_value_info("y", F, [2, 4])],
+                          [numpy_helper.from_array(w, "w")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    m.ir_version = 8
+    out = poprt.Converter(precision=precision, fp8_params="F143,F143,0,1").convert(m)
+    x = (rng.standard_normal((2, 3)) * 3).astype(np.float16)
+    got = run_onnxruntime(out, {"x": x})["y"].astype(np.float32)
+    wq = (_fp8_ref(w.astype(np.float16).astype(np.float32) * 2) / 2)
+    xq = _fp8_ref(x.astype(np.float32)) if precision == "fp8" else x.astype(np.float32)
+    np.testing.assert_allclose(got, xq @ wq, rtol=2e-3, atol=2e-3)
+    skipped = poprt.Converter(precision=precision, fp8_skip_op_names="mm").convert(m)
+    np.testing.assert_allclose(run_onnxruntime(skipped, {"x": x})["y"].astype(np.float32),
+                               x.astype(np.float32) @ w, rtol=5e-3, atol=5e-3)

@@ -96,8 +96,8 @@ def test_ipu_only_passes_return_the_model_and_say_so():
 
 def test_refused_passes_raise_by_name():
     m = _model([helper.make_node("Relu", ["x"], ["y"])], [_vi("x", [2])], [_vi("y", [2])])
-    with pytest.raises(PassNotSupportedError, match="'float_to_fp8' is not supported"):
-        poprt.get_pass("float_to_fp8")(m)
+    with pytest.raises(PassNotSupportedError, match="'float_to_int8' is not supported"):
+        poprt.get_pass("float_to_int8")(m)
 
 
 def test_unknown_pass_is_named():

@@ -9,7 +9,8 @@ Three kinds:
   the emulator computes the standard ONNX form, which gives the same values; their
   docstring says so (``effect``);
 - passes that would change the model's interface or precision in a way the emulator
-  cannot reproduce (fp8/int8 quantization, packing, 8-bit I/O, host concat/split):
+  cannot reproduce (int8 and mixed fp8 quantization, packing, 8-bit I/O, host
+  concat/split):
   running them raises ``PassNotSupportedError`` naming the pass.
 """
 
@@ -23,7 +24,7 @@ import onnx
 
 from host_runtime.poprt._errors import NotSupportedError
 from host_runtime.poprt._sharding_props import record_sharding
-from host_runtime.poprt.passes import _graph, _rewrite, _types
+from host_runtime.poprt.passes import _fp8, _graph, _rewrite, _types
 from host_runtime.poprt.passes._base import Pass, _registrar
 
 __all__ = ["install", "PassNotSupportedError", "UNCHANGED", "REFUSED"]
@@ -60,6 +61,7 @@ _IMPL: list[tuple[str, str, str, type[Pass]]] = [
      _rewrite.FuseConsecutiveTranspose),
     ("apply_ir_pass", "unique_name_for_nodes", "unique_name_for_nodes", _graph.UniqueNameForNodes),
     ("fill_squeeze_axes", "FillSqueezeAxes", "fill_squeeze_axes", _rewrite.FillSqueezeAxes),
+    ("float_to_fp8", "Float2FP8", "float_to_fp8", _fp8.Float2FP8),
     ("float_to_half", "Float2Half", "float_to_half", _types.Float2Half),
     ("fuse_mul_into_matmul", "FuseMulIntoMatmul", "fuse_mul_into_matmul", _rewrite.FuseMulIntoMatmul),
     ("int64_to_int32", "Int64ToInt32", "int64_to_int32", _types.Int64ToInt32),
@@ -172,8 +174,6 @@ _REFUSED: list[tuple[str, str, str, str]] = [
      "it merges inputs through the HCSR custom op, which the emulator does not have"),
     ("eight_bits_io", "EightBitsIO", "eight_bits_io",
      "8-bit I/O inserts an IPU normalisation custom op"),
-    ("float_to_fp8", "Float2FP8", "float_to_fp8",
-     "fp8 arithmetic has no onnxruntime kernels on the host"),
     ("float_to_int8", "Float2Int8", "float_to_int8",
      "int8 conversion uses IPU custom quantization ops"),
     ("float_to_mixed", "Float2Mixed", "float_to_mixed", "mixed fp8 precision needs fp8 kernels"),

@@ -16,7 +16,7 @@ from host_runtime.poprt._onnx_util import (constant_value, consumers, copy_model
 __all__ = ["ReplaceGemmWithMatMul", "ReplaceBNWithMulAdd", "FuseBnIntoConv", "ReplaceDivWithMul",
            "ReplacePow", "ReplaceWhereWithMulAdd", "ReplaceGreaterOrEqual", "ReplaceLessOrEqual",
            "FuseMulIntoMatmul", "FillSqueezeAxes", "EliminateNopCast", "EliminateNopTranspose",
-           "FuseConsecutiveTranspose"]
+           "FuseConsecutiveTranspose", "value_types"]
 
 
 def _attr(n: onnx.NodeProto, name: str, default: Any) -> Any:
@@ -40,6 +40,11 @@ def _types(model: onnx.ModelProto) -> tuple[dict[str, int], dict[str, int]]:
         types[t.name] = t.data_type
         ranks[t.name] = len(t.dims)
     return types, ranks
+
+
+def value_types(model: onnx.ModelProto) -> dict[str, int]:
+    """Element types of the main graph's values (from shape inference)."""
+    return _types(model)[0]
 
 
 class _Rewrite(Pass):
