@@ -116,11 +116,11 @@ class Converter:
                         enable_compress_pattern, "merge_if_with_same_cond": merge_if_with_same_cond}
         self.disable_fast_norm = bool(disable_fast_norm)
         self.remap_mode = parse_skip_list(list(remap_mode or ()), "remap_mode")
-        from host_runtime.poprt.passes._fp8 import parse_fp8_params
-
-        parse_fp8_params(fp8_params)            # checked now
         self.fp8_skip_op_names = parse_skip_list(fp8_skip_op_names, "fp8_skip_op_names")
         self.fp8_params = fp8_params
+        # fp8_params checked now (the pass parses them)
+        get_pass("float_to_fp8", fp8_params, self.fp8_skip_op_names,
+                 precision if precision.startswith("fp8") else "fp8")
         self.disable_progress_bar = bool(disable_progress_bar)
         self.logger = logger or _log
         self.fp16_plan: Any = None

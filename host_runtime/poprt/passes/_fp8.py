@@ -56,7 +56,8 @@ def round_to_fp8(x: np.ndarray, fmt: str, scale: int = 0) -> np.ndarray:
         e = np.maximum(np.floor(np.log2(np.abs(v))), emin)
     q = np.exp2(e - mant)
     out = np.clip(np.round(v / q) * q, -top, top)
-    return (out / 2.0 ** scale).astype(np.asarray(x).dtype)
+    result: np.ndarray = (out / 2.0 ** scale).astype(np.asarray(x).dtype)
+    return result
 
 
 class Float2FP8(Pass):
