@@ -369,8 +369,23 @@ def _run_once(result: Any, options: Any) -> str:
     return ", ".join(f"{k} {list(np.asarray(v).shape)}" for k, v in outs.items())
 
 
+# flags the model fusion configuration (--config_yaml) takes
+_FUSION_FLAGS = {"config_yaml", "output_dir", "output_model", "export_popef", "ipu_version",
+                 "batches_per_step", "max_tensor_size", "weights_as_tensor_data",
+                 "save_weights", "compress", "popef_name", "precision", "input_shape",
+                 "num_ipus", "manual_sharding_config", "enable_pipelining", "verbose",
+                 "logging_level", "framework", "convert_version", "remap_mode"}
+
+
 def _run_fusion(args: argparse.Namespace) -> Any:
     from host_runtime.poprt.compiler import compile, load_config_yaml
+
+    extra = sorted(k for k, v in vars(args).items()
+                   if k not in _FUSION_FLAGS and v not in (None, False))
+    if extra:
+        raise BadRequestError(f"--config_yaml (model fusion) does not take "
+                              f"{', '.join('--' + k for k in extra)}; convert each model first "
+                              "(poprt.Converter) or compile it alone")
 
     overrides: dict[str, Any] = {
         "output_dir": args.output_dir, "output_model": args.output_model,

@@ -136,3 +136,10 @@ def test_fp8_rounds_operands_as_the_ipu_holds_them(precision):
     skipped = poprt.Converter(precision=precision, fp8_skip_op_names="mm").convert(m)
     np.testing.assert_allclose(run_onnxruntime(skipped, {"x": x})["y"].astype(np.float32),
                                x.astype(np.float32) @ w, rtol=5e-3, atol=5e-3)
+
+
+def test_config_yaml_refuses_converter_flags(tmp_path, capsys):
+    from tools.poprt import main
+
+    assert main(["--config_yaml", str(tmp_path / "c.yaml"), "--passes", "sort_graph"]) == 2
+    assert "--config_yaml (model fusion) does not take --passes" in capsys.readouterr().err
