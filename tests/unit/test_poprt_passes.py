@@ -324,3 +324,19 @@ def test_model_overview_prints(capsys):
     m = _model([helper.make_node("Relu", ["x"], ["y"])], [_vi("x", [2])], [_vi("y", [2])])
     assert poprt.get_pass("model_overview")(m) is m
     assert "Relu: 1" in capsys.readouterr().out
+
+
+def test_nop_eliminations_and_hardswish_keep_values():
+    nodes = [helper.make_node("Reshape", ["x", "s"], ["r"]),
+             helper.make_node("Pad", ["r", "p"], ["pd"]),
+             helper.make_node("Add", ["pd", "zero"], ["a"]),
+             helper.make_node("Flatten", ["a"], ["f"], axis=1),
+             helper.make_node("HardSwish", ["f"], ["y"])]
+    inits = [_init("s", np.array([3, 4], np.int64)), _init("p", np.zeros(4, np.int64)),
+             _init("zero", np.float32(0.0))]
+    m = _model(nodes, [_vi("x", [3, 4])], [_vi("y", [3, 4])], inits, opset=14)
+    out = PassManager(["eliminate_nop_reshape", "eliminate_nop_pad", "eliminate_nop_arithmetic",
+                       "eliminate_nop_flatten", "replace_hardswish"]).run(m)
+    assert [n.op_type for n in out.graph.node] == ["HardSigmoid", "Mul"]
+    assert out.graph.initializer == []
+    _same(m, out, {"x": (RNG.standard_normal((3, 4)) * 4).astype(np.float32)})

@@ -11,12 +11,14 @@ from onnx import TensorProto, helper, numpy_helper
 from host_runtime.poprt.passes._base import Pass
 from host_runtime.poprt.passes._types import infer_lenient
 from host_runtime.poprt._onnx_util import (constant_value, consumers, copy_model, main_opset,
-                                          make_const, prune, unique)
+                                          make_const, prune, subgraphs, unique)
 
 __all__ = ["ReplaceGemmWithMatMul", "ReplaceBNWithMulAdd", "FuseBnIntoConv", "ReplaceDivWithMul",
            "ReplacePow", "ReplaceWhereWithMulAdd", "ReplaceGreaterOrEqual", "ReplaceLessOrEqual",
            "FuseMulIntoMatmul", "FillSqueezeAxes", "EliminateNopCast", "EliminateNopTranspose",
-           "FuseConsecutiveTranspose", "value_types"]
+           "FuseConsecutiveTranspose", "value_types", "EliminateNopReshape",
+           "EliminateNopFlatten", "EliminateNopExpand", "EliminateNopPad",
+           "EliminateNopArithmetic", "ReplaceHardSwish"]
 
 
 def _attr(n: onnx.NodeProto, name: str, default: Any) -> Any:
@@ -28,18 +30,25 @@ def _attr(n: onnx.NodeProto, name: str, default: Any) -> Any:
 
 def _types(model: onnx.ModelProto) -> tuple[dict[str, int], dict[str, int]]:
     """Element types and ranks of the main graph's values (from shape inference)."""
+    types, shapes = _types_and_shapes(model)
+    return types, {k: len(v) for k, v in shapes.items()}
+
+
+def _types_and_shapes(model: onnx.ModelProto) -> tuple[dict[str, int], dict[str, list[int]]]:
+    """Element types and shapes (-1: unknown dim) of the main graph's values."""
     g = infer_lenient(copy_model(model)).graph
     types: dict[str, int] = {}
-    ranks: dict[str, int] = {}
+    shapes: dict[str, list[int]] = {}
     for vi in list(g.input) + list(g.output) + list(g.value_info):
         if vi.type.WhichOneof("value") == "tensor_type":
             types[vi.name] = vi.type.tensor_type.elem_type
             if vi.type.tensor_type.HasField("shape"):
-                ranks[vi.name] = len(vi.type.tensor_type.shape.dim)
+                shapes[vi.name] = [d.dim_value if d.HasField("dim_value") else -1
+                                   for d in vi.type.tensor_type.shape.dim]
     for t in g.initializer:
         types[t.name] = t.data_type
-        ranks[t.name] = len(t.dims)
-    return types, ranks
+        shapes[t.name] = list(t.dims)
+    return types, shapes
 
 
 def value_types(model: onnx.ModelProto) -> dict[str, int]:
@@ -348,3 +357,105 @@ class FuseConsecutiveTranspose(Pass):
             outer.attribute.append(helper.make_attribute("perm", fused))
             g.node.remove(inner)
         return model
+
+
+def _rename_all(g: onnx.GraphProto, old: str, new: str) -> None:
+    for n in g.node:
+        n.input[:] = [new if i == old else i for i in n.input]
+        for sg in subgraphs(n):
+            _rename_all(sg, old, new)
+
+
+class _NopRemoval(_Rewrite):
+    """Removes the nodes ``is_nop`` finds (their output renamed to their input)."""
+
+    def run(self, onnx_model: onnx.ModelProto) -> onnx.ModelProto:
+        self.shapes = _types_and_shapes(onnx_model)[1]
+        self.removed: dict[str, str] = {}
+        model = super().run(onnx_model)
+        g = model.graph
+        outs = {o.name for o in g.output}
+        keep = [n for n in g.node if not (n.op_type == "Identity" and n.output[0] in self.removed
+                                          and n.output[0] not in outs)]
+        del g.node[:]
+        g.node.extend(keep)
+        for old, new in self.removed.items():
+            if old not in outs:
+                _rename_all(g, old, new)
+        return prune(model)
+
+    def rewrite(self, g: onnx.GraphProto, n: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+        if not n.input or not self.is_nop(g, n):
+            return None
+        self.removed[n.output[0]] = n.input[0]
+        return [helper.make_node("Identity", [n.input[0]], [n.output[0]], name=n.name)]
+
+    def same_shape(self, a: str, b: str) -> bool:
+        sa, sb = self.shapes.get(a), self.shapes.get(b)
+        return sa is not None and sa == sb and all(d >= 0 for d in sa) and \
+            self.types.get(a) == self.types.get(b)
+
+    def is_nop(self, g: onnx.GraphProto, n: onnx.NodeProto) -> bool:
+        raise NotImplementedError
+
+
+class EliminateNopReshape(_NopRemoval):
+    """``Reshape``/``Flatten``/``Expand`` whose output has its input's static shape are
+    removed."""
+
+    ops = ("Reshape",)
+
+    def is_nop(self, g: onnx.GraphProto, n: onnx.NodeProto) -> bool:
+        return n.op_type in self.ops and self.same_shape(n.input[0], n.output[0])
+
+
+class EliminateNopFlatten(EliminateNopReshape):
+    """A ``Flatten`` whose output has its input's static shape is removed."""
+
+    ops = ("Flatten",)
+
+
+class EliminateNopExpand(EliminateNopReshape):
+    """An ``Expand`` whose output has its input's static shape is removed."""
+
+    ops = ("Expand",)
+
+
+class EliminateNopPad(_NopRemoval):
+    """A ``Pad`` with constant all-zero pads is removed."""
+
+    def is_nop(self, g: onnx.GraphProto, n: onnx.NodeProto) -> bool:
+        if n.op_type != "Pad":
+            return False
+        pads = constant_value(g, n.input[1]) if len(n.input) > 1 and n.input[1] else \
+            np.asarray(_attr(n, "pads", [1]))
+        return pads is not None and not np.any(pads) and \
+            self.same_shape(n.input[0], n.output[0])
+
+
+class EliminateNopArithmetic(_NopRemoval):
+    """``x+0``, ``x-0``, ``x*1``, ``x/1`` (a constant, with the output of x's shape and
+    type) are removed."""
+
+    _UNIT = {"Add": 0.0, "Sub": 0.0, "Mul": 1.0, "Div": 1.0}
+
+    def is_nop(self, g: onnx.GraphProto, n: onnx.NodeProto) -> bool:
+        unit = self._UNIT.get(n.op_type)
+        if unit is None or len(n.input) != 2:
+            return False
+        c = constant_value(g, n.input[1])
+        return c is not None and bool(np.all(c == unit)) and \
+            self.same_shape(n.input[0], n.output[0])
+
+
+class ReplaceHardSwish(_Rewrite):
+    """``HardSwish(x)`` becomes ``x * HardSigmoid(x, 1/6, 0.5)`` (its definition)."""
+
+    def rewrite(self, g: onnx.GraphProto, n: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+        if n.op_type != "HardSwish":
+            return None
+        tag = n.name or unique(g, "HardSwish")
+        hs = unique(g, f"{tag}__hsig")
+        return [helper.make_node("HardSigmoid", [n.input[0]], [hs], alpha=1.0 / 6, beta=0.5,
+                                 name=hs),
+                helper.make_node("Mul", [n.input[0], hs], [n.output[0]], name=tag)]
