@@ -103,7 +103,8 @@ def _report(out: Any, args: argparse.Namespace) -> None:
     if errors:
         worst = max(errors, key=lambda k: errors[k][0])
         mean = sum(e[1] for e in errors.values()) / len(errors)
-        print(f"poprt: fp16 vs fp32 on a sample: max relative error {errors[worst][0]:.3g} "
+        precision = args.precision if args.precision in ("fp8", "fp8_weight") else "fp16"
+        print(f"poprt: {precision} vs fp32 on a sample: max relative error {errors[worst][0]:.3g} "
               f"({worst}), mean {mean:.3g}")
     if out.output_model_path is not None:
         print(f"poprt: wrote {out.output_model_path}")
