@@ -135,7 +135,9 @@ class _Arg:
     def __init__(self, name: str, shape: list[int], dtype: Any) -> None:
         self.name = name
         self.shape = shape
-        self.type = f"tensor({onnx.helper.tensor_dtype_to_string(onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype)))[len('TensorProto.'):].lower()})"
+        elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+        kind = onnx.TensorProto.DataType.Name(elem).lower()
+        self.type = f"tensor({'float' if kind == 'float' else kind})"
 
     def __repr__(self) -> str:
         return f"NodeArg(name={self.name!r}, type={self.type!r}, shape={self.shape})"

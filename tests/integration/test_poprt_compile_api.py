@@ -170,6 +170,12 @@ def test_backend_and_get_session(model, x):
                                      options={"partials_type": "half"}).load()
     np.testing.assert_allclose(sess.run(["y"], {"x": x})[0], want, rtol=1e-5, atol=1e-5)
     sess.close()
+    from host_runtime.poprt.backends import ORTBackend
+    sess_like = ORTBackend(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    assert [(i.name, i.type, i.shape) for i in sess_like.get_inputs()] == \
+        [("x", "tensor(float)", [2, 8])]
+    np.testing.assert_allclose(sess_like.run(None, {"x": x})[0], want, rtol=1e-5, atol=1e-5)
+    sess_like.close()
     ort = poprt.backend.get_session(m.SerializeToString(), 1, "onnxruntime").load()
     np.testing.assert_allclose(ort.run(["y"], {"x": x})[0], want, rtol=1e-6)
 
