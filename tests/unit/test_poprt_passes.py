@@ -340,3 +340,16 @@ def test_nop_eliminations_and_hardswish_keep_values():
     assert [n.op_type for n in out.graph.node] == ["HardSigmoid", "Mul"]
     assert out.graph.initializer == []
     _same(m, out, {"x": (RNG.standard_normal((3, 4)) * 4).astype(np.float32)})
+
+
+@pytest.mark.parametrize("trans_b, with_c", [(0, True), (1, False)])
+def test_fuse_bn_into_gemm_keeps_values(trans_b, with_c):
+    w = RNG.standard_normal((5, 3) if trans_b else (3, 5)).astype(np.float32)
+    ins = ["x", "w", "c"] if with_c else ["x", "w"]
+    gemm = helper.make_node("Gemm", ins, ["g"], transB=trans_b, beta=0.5, alpha=2.0)
+    bn = helper.make_node("BatchNormalization", ["g", "bn_s", "bn_b", "bn_m", "bn_v"], ["y"])
+    inits = [_init("w", w), _init("c", RNG.standard_normal(5).astype(np.float32))] + _bn("bn", 5)
+    m = _model([gemm, bn], [_vi("x", [2, 3])], [_vi("y", [2, 5])], inits)
+    out = poprt.get_pass("fuse_bn_into_gemm")(m)
+    assert [n.op_type for n in out.graph.node] == ["Gemm"]
+    _same(m, out, {"x": RNG.standard_normal((2, 3)).astype(np.float32)}, rtol=1e-4)

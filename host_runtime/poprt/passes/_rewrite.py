@@ -18,7 +18,7 @@ __all__ = ["ReplaceGemmWithMatMul", "ReplaceBNWithMulAdd", "FuseBnIntoConv", "Re
            "FuseMulIntoMatmul", "FillSqueezeAxes", "EliminateNopCast", "EliminateNopTranspose",
            "FuseConsecutiveTranspose", "value_types", "EliminateNopReshape",
            "EliminateNopFlatten", "EliminateNopExpand", "EliminateNopPad",
-           "EliminateNopArithmetic", "ReplaceHardSwish"]
+           "EliminateNopArithmetic", "ReplaceHardSwish", "FuseBnIntoGemm"]
 
 
 def _attr(n: onnx.NodeProto, name: str, default: Any) -> Any:
@@ -459,3 +459,42 @@ class ReplaceHardSwish(_Rewrite):
         return [helper.make_node("HardSigmoid", [n.input[0]], [hs], alpha=1.0 / 6, beta=0.5,
                                  name=hs),
                 helper.make_node("Mul", [n.input[0], hs], [n.output[0]], name=tag)]
+
+
+class FuseBnIntoGemm(Pass):
+    """``Gemm`` with constant ``B`` (and ``C``) followed by its only reader, an inference
+    ``BatchNormalization`` with constant parameters, becomes one ``Gemm``."""
+
+    def run(self, onnx_model: onnx.ModelProto) -> onnx.ModelProto:
+        model = copy_model(onnx_model)
+        g = model.graph
+        readers = consumers(g)
+        outs = {o.name for o in g.output}
+        by_out = {o: n for n in g.node for o in n.output}
+        for bn in [n for n in g.node if n.op_type == "BatchNormalization"]:
+            gemm = by_out.get(bn.input[0])
+            p = _bn_params(g, bn)
+            if gemm is None or gemm.op_type != "Gemm" or p is None or \
+                    len(readers.get(gemm.output[0], [])) != 1 or gemm.output[0] in outs:
+                continue
+            b = constant_value(g, gemm.input[1])
+            has_c = len(gemm.input) > 2 and bool(gemm.input[2])
+            c = constant_value(g, gemm.input[2]) if has_c else np.zeros((), np.float32)
+            if b is None or c is None:
+                continue
+            s, t = p
+            b2 = b.astype(np.float64) * (s[:, None] if _attr(gemm, "transB", 0) else s[None, :])
+            c2 = float(_attr(gemm, "beta", 1.0)) * c.astype(np.float64) * s + t
+            tag = gemm.name or "Gemm"
+            gemm.input[1] = make_const(g, f"{tag}__B_bn", b2.astype(b.dtype))
+            cname = make_const(g, f"{tag}__C_bn", c2.astype(b.dtype))
+            if has_c:
+                gemm.input[2] = cname
+            else:
+                gemm.input.append(cname)
+            kept = [a for a in gemm.attribute if a.name != "beta"]
+            del gemm.attribute[:]
+            gemm.attribute.extend(kept)
+            gemm.output[0] = bn.output[0]
+            g.node.remove(bn)
+        return prune(model)
