@@ -1,4 +1,8 @@
-"""The PopRT compiler front end: ONNX models -> PopEF (what the ``poprt`` command does).
+"""The PopRT compiler front end: ONNX models -> PopEF (``poprt.compiler``).
+
+PopRT's Python API: ``Compiler.compile(model, outputs, CompilerOptions())`` returns an
+in-memory ``Executable`` (a ``popef.Model`` every runner takes; ``to_bytes()`` is the
+PopEF file), ``Compiler.compile_and_export`` writes it (``_compile_api``).
 
 ``compile()`` runs the emulator's compiler back end
 (``ipu_emulator.compiler.compile_onnx``) and writes its result with the PopEF
