@@ -10,6 +10,7 @@ order. The IPU is held until the backend is closed or dropped.
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -19,7 +20,7 @@ from host_runtime.errors import BadRequestError, InvalidStateError
 from host_runtime.poprt._compile_api import Compiler, Executable, load_onnx
 from host_runtime.poprt._options import CompilerOptions
 
-__all__ = ["Backend", "ORTBackend"]
+__all__ = ["Backend", "ORTBackend", "runtime_config"]
 
 _log = logging.getLogger("poprt.backends")
 
@@ -28,6 +29,35 @@ def _model_of(path_or_bytes: Any) -> onnx.ModelProto:
     if hasattr(path_or_bytes, "read"):
         return load_onnx(path_or_bytes.read())
     return load_onnx(path_or_bytes)
+
+
+def _snake(key: str) -> str:
+    """``"timeoutNS"`` -> ``"timeout_ns"``, ``"batchSizeTimeoutNS"`` ->
+    ``"batch_size_timeout_ns"``."""
+    key = re.sub(r"([A-Z]+)([A-Z][a-z])", r"\1_\2", key)
+    return re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", key).lower()
+
+
+def runtime_config(options: Any) -> Any:
+    """A ``RuntimeConfig`` from None, a config, or a dict of its fields (PopRT's
+    ``runtime_options``: snake_case or camelCase names, as ``{"timeoutNS": 0}``)."""
+    from host_runtime.poprt.runtime import RuntimeConfig
+    from host_runtime.runner.config import ModelRunnerConfig
+
+    if options is None:
+        return RuntimeConfig()
+    if isinstance(options, ModelRunnerConfig):
+        return options
+    if not isinstance(options, Mapping):
+        raise BadRequestError(f"runtime_options must be a RuntimeConfig or a dict, got "
+                              f"{type(options).__name__}")
+    cfg = RuntimeConfig()
+    for key, value in options.items():
+        name = _snake(str(key))
+        if name.startswith("_") or "." in name or not hasattr(cfg, name):
+            raise BadRequestError(f"runtime_options: {key!r} is not a RuntimeConfig field")
+        setattr(cfg, name, value)
+    return cfg
 
 
 class Backend:
@@ -56,15 +86,14 @@ class Backend:
         if self._closed:
             raise InvalidStateError("the backend is closed")
         if self._runner is None:
-            from host_runtime.poprt.runtime import RuntimeConfig
             from host_runtime.runner import ModelRunner
 
             if self.executable is None:
                 self.executable = Compiler.compile(self.model, None, self.compiler_options)
                 if self.export_popef:
                     self.executable.save(self.export_popef)
-            cfg = self.runtime_options if self.runtime_options is not None else RuntimeConfig()
-            self._runner = ModelRunner(self.executable, config=cfg)
+            self._runner = ModelRunner(self.executable,
+                                       config=runtime_config(self.runtime_options))
         return self._runner
 
     def get_io_info(self) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -161,7 +161,8 @@ def test_mfconverter_fuses_for_the_compiler(x):
 def test_backend_and_get_session(model, x):
     m = poprt.Converter(input_shape={"x": [2, 8]}).convert(model)
     want = run_onnxruntime(model, {"x": x})["y"]
-    with poprt.Backend(m.SerializeToString()) as be:
+    with poprt.Backend(m.SerializeToString(),
+                       runtime_options={"timeoutNS": 0, "validateIOParams": True}) as be:
         assert be.executable is None                      # compiled on first use
         ins, outs = be.get_io_info()
         assert ins["x"][0] == [2, 8] and list(outs) == ["y"]
@@ -246,3 +247,12 @@ def test_cli_refuses_by_name_and_lists_passes(tmp_path, capsys):
     assert "float_to_half\tchanges the model" in out
     assert "gelu_pattern\tleaves the emulated result unchanged" in out
     assert main(["-v"]) == 0 and capsys.readouterr().out.strip() == "poprt 1.5.0+emulator"
+
+
+def test_runtime_options_dict_is_checked():
+    from host_runtime.poprt.backends import runtime_config
+
+    cfg = runtime_config({"batchSizeTimeoutNS": 5, "ring_buffer_size_multiplier": 3})
+    assert (cfg.batch_size_timeout_ns, cfg.ring_buffer_size_multiplier) == (5, 3)
+    with pytest.raises(BadRequestError, match="'noSuchField' is not a RuntimeConfig field"):
+        runtime_config({"noSuchField": 1})
