@@ -106,6 +106,10 @@ class AliasFinder(importlib.abc.MetaPathFinder):
             found = importlib.util.find_spec(name)
         except ModuleNotFoundError:
             found = None
+        except ValueError:   # in sys.modules without a spec: made by code, not a file
+            found = getattr(sys.modules.get(name), "__spec__", None)
+            if found is None:
+                return importlib.util.spec_from_loader(fullname, _AliasLoader(name))
         if found is None:
             return None   # "No module named 'poprt.xyz'", as for any missing module
         return importlib.util.spec_from_loader(

@@ -1,8 +1,15 @@
-"""``poprt``: compile ONNX models for the emulated IPU (seed 004's compiler command).
+"""``poprt``: convert and compile ONNX models for the emulated IPU (PopRT 1.5's command).
 
     poprt --input_model model.onnx --input_shape X=1,3,224,224 --precision fp16 \\
           --export_popef --output_dir out --ipu_version ipu21 --batches_per_step 4
     poprt --config_yaml config.yaml          # model fusion (seed 004, section 5.7)
+    poprt --list_all_passes --custom_pass_config my_pass.py
+
+Every flag PopRT 1.5 documents is accepted: the command builds a
+``poprt.Converter`` and ``poprt.compiler.CompilerOptions`` from its flags
+(``host_runtime.poprt.cli_args``) and compiles with ``Compiler`` as a Python
+program would, so both give byte-equal PopEF files; flags the emulator cannot honour
+are refused by name (docs/poprt_compile.md).
 
 Exit status: 0 on success; 2 on any failure of the command (bad usage, a model
 refused, a bad option value or config, an output that cannot be written), each
@@ -33,27 +40,6 @@ def _error(text: str) -> None:
           file=sys.stderr)
 
 
-def _bool_or_path(text: str) -> "bool | str":
-    """A yes/no word, or else a path (``--export_popef out/model.popef``)."""
-    try:
-        return _bool(text)
-    except argparse.ArgumentTypeError:
-        if not text:
-            raise
-        return text
-
-
-def _bool(text: str) -> bool:
-    low = text.strip().lower()
-    if low in ("1", "true", "yes", "on"):
-        return True
-    if low in ("0", "false", "no", "off"):
-        return False
-    from shm.errors import echo
-
-    raise argparse.ArgumentTypeError(f"expected true or false, got {echo(text)}")
-
-
 class _Parser(argparse.ArgumentParser):
     """argparse, with the value it echoes in a usage error shortened."""
 
@@ -64,98 +50,32 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
-        prog="poprt", description="Compile ONNX models into a PopEF file for the IPU emulator.")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--input_model", help="the ONNX model to compile")
-    src.add_argument("--config_yaml", help="a YAML configuration (model fusion)")
-    p.add_argument("--input_shape", action="append", metavar="NAME=d0,d1,...", default=None,
-                   help="fix an input's shape (repeatable); the first dim is the batch")
-    p.add_argument("--precision", choices=["fp32", "fp16"], default=None,
-                   help="fp16 converts the model's float tensors to half precision")
-    p.add_argument("--output_dir", default=None, help="where outputs are written (default ./)")
-    p.add_argument("--output_model", default=None,
-                   help="where the transformed ONNX model is written: a path, absolute or "
-                        "relative to --output_dir (it may lie outside it)")
-    p.add_argument("--export_popef", nargs="?", const=True, default=None, type=_bool_or_path,
-                   metavar="[true|false|PATH]",
-                   help="write the PopEF file: --popef_name in --output_dir, or at PATH "
-                        "(absolute or relative to --output_dir, anywhere)")
-    p.add_argument("--ipu_version", choices=["ipu2", "ipu21"], default=None)
-    p.add_argument("--batches_per_step", type=int, default=None,
-                   help="device iterations per Main program run (default 1)")
-    p.add_argument("--max_tensor_size", type=int, default=None,
-                   help="refuse tensors larger than this many bytes (-1: no limit)")
-    p.add_argument("--weights_as_tensor_data", nargs="?", const=True, default=None, type=_bool,
-                   help="export float initializers as PopEF tensor data fed by the Load "
-                        "program instead of compiling them into the executable")
-    p.add_argument("--save_weights", nargs="?", const=True, default=None, type=_bool,
-                   help="with --weights_as_tensor_data: a Save program streams each weight "
-                        "back through an output anchor '<name>_saved'")
-    p.add_argument("--compress", nargs="?", const=True, default=None, type=_bool,
-                   help="zlib-compress the executable blob")
-    p.add_argument("--num_ipus", type=int, default=None,
-                   help="IPUs the model is sharded over (a power of two; default 1)")
-    p.add_argument("--manual_sharding_config", default=None, metavar="shard.yaml",
-                   help="YAML with sharding_info (node -> IPU) and pipelining_info "
-                        "(node -> stage) maps")
-    p.add_argument("--enable_pipelining", nargs="?", const=True, default=None, type=_bool,
-                   help="run the IPUs' parts as a pipeline (stage s on batch i while stage "
-                        "s+1 works on batch i-1)")
-    p.add_argument("--popef_name", default=None,
-                   help="PopEF file name inside --output_dir (default executable.popef); a "
-                        "name that leaves --output_dir is refused")
-    p.add_argument("-v", "--verbose", action="store_true", help="log what the compiler does")
+    from host_runtime.poprt.cli_args import add_arguments
+
+    p = _Parser(prog="poprt",
+                description="Convert and compile ONNX models into PopEF files for the IPU "
+                            "emulator (PopRT 1.5's flags).")
+    add_arguments(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="poprt: %(message)s")
+    level = logging.INFO if args.verbose else getattr(logging, args.logging_level)
+    logging.basicConfig(level=level, format="poprt: %(message)s")
     from host_runtime.errors import BadRequestError
-    from host_runtime.poprt.compiler import compile, load_config_yaml, parse_input_shape
+    from host_runtime.poprt import cli_args
     from ipu_emulator.errors import CompileError
     from shm.errors import echo
 
     try:
-        if args.config_yaml:
-            overrides: dict[str, Any] = {
-                "output_dir": args.output_dir, "output_model": args.output_model,
-                "export_popef": args.export_popef, "ipu_version": args.ipu_version,
-                "batches_per_step": args.batches_per_step,
-                "max_tensor_size": args.max_tensor_size,
-                "weights_as_tensor_data": args.weights_as_tensor_data,
-                "save_weights": args.save_weights, "compress": args.compress,
-                "popef_name": args.popef_name, "precision": args.precision,
-                "input_shape": args.input_shape, "num_ipus": args.num_ipus,
-                "manual_sharding_config": args.manual_sharding_config,
-                "enable_pipelining": args.enable_pipelining}
-            cfg = load_config_yaml(args.config_yaml, overrides)
-            if args.output_dir is not None:
-                cfg.output_dir = pathlib.Path(args.output_dir)
-            out = compile(cfg.models, cfg.output_dir, **cfg.options)
-        else:
-            shapes = dict(parse_input_shape(s) for s in (args.input_shape or []))
-            precision = args.precision or "fp32"
-            output_model = args.output_model
-            if output_model is None:
-                output_model = f"{pathlib.Path(args.input_model).stem}.{precision}.onnx"
-            out = compile(
-                args.input_model, args.output_dir or ".",
-                export_popef=args.export_popef if isinstance(args.export_popef, str)
-                else bool(args.export_popef), popef_name=args.popef_name or
-                "executable.popef", output_model=output_model,
-                ipu_version=args.ipu_version or "ipu21",
-                batches_per_step=args.batches_per_step if args.batches_per_step is not None else 1,
-                weights_as_tensor_data=bool(args.weights_as_tensor_data),
-                save_weights=bool(args.save_weights),
-                max_tensor_size=args.max_tensor_size if args.max_tensor_size is not None else -1,
-                compress=bool(args.compress), input_shapes=shapes, precision=precision,
-                num_ipus=args.num_ipus or 1,
-                manual_sharding_config=args.manual_sharding_config,
-                enable_pipelining=bool(args.enable_pipelining))
+        early = cli_args.informational(args, parser)
+        if early is not None:
+            return early
+        if not args.input_model and not args.config_yaml:
+            parser.error("one of the arguments -i/--input_model --config_yaml is required")
+        out = cli_args.run(args)
     except (CompileError, BadRequestError) as exc:
         _error(str(exc))
         return 2
@@ -167,23 +87,31 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("poprt").debug("unexpected failure", exc_info=True)
         _error(f"unexpected {type(exc).__name__}: {exc}")
         return 2
+    if out is not None:
+        _report(out, args)
+    return 0
+
+
+def _report(out: Any, args: argparse.Namespace) -> None:
     exe = out.result.executable
     if exe.num_ipus > 1:
         print(f"poprt: sharded over {exe.num_ipus} IPUs"
               + (" (pipelined)" if args.enable_pipelining else ""))
-    print(f"poprt: compiled {exe.attributes.get('models', '')} for {args.ipu_version or 'ipu21'}"
+    print(f"poprt: compiled {exe.attributes.get('models', '')} for ipu{exe.ipu_version}"
           f" ({len(out.result.anchors)} anchors, device memory {exe.required_bytes} bytes)")
     errors = out.result.fp16_error
     if errors:
         worst = max(errors, key=lambda k: errors[k][0])
         mean = sum(e[1] for e in errors.values()) / len(errors)
-        print(f"poprt: fp16 vs fp32 on a sample: max relative error {errors[worst][0]:.3g} "
+        precision = args.precision if args.precision in ("fp8", "fp8_weight") else "fp16"
+        print(f"poprt: {precision} vs fp32 on a sample: max relative error {errors[worst][0]:.3g} "
               f"({worst}), mean {mean:.3g}")
     if out.output_model_path is not None:
         print(f"poprt: wrote {out.output_model_path}")
     if out.popef_path is not None:
         print(f"poprt: wrote {out.popef_path}")
-    return 0
+    if getattr(out, "ran", None):
+        print(f"poprt: ran once on random inputs: {out.ran}")
 
 
 if __name__ == "__main__":

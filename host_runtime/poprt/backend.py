@@ -444,3 +444,9 @@ run_model = IpuBackend.run_model
 run_node = IpuBackend.run_node
 supports_device = IpuBackend.supports_device
 is_compatible = IpuBackend.is_compatible
+
+
+# PopRT's poprt.backend.get_session / Session (the classification demos' entry point)
+from host_runtime.poprt._session import Session, get_session  # noqa: E402
+
+__all__ += ["Session", "get_session"]

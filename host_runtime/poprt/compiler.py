@@ -1,4 +1,8 @@
-"""The PopRT compiler front end: ONNX models -> PopEF (what the ``poprt`` command does).
+"""The PopRT compiler front end: ONNX models -> PopEF (``poprt.compiler``).
+
+PopRT's Python API: ``Compiler.compile(model, outputs, CompilerOptions())`` returns an
+in-memory ``Executable`` (a ``popef.Model`` every runner takes; ``to_bytes()`` is the
+PopEF file), ``Compiler.compile_and_export`` writes it (``_compile_api``).
 
 ``compile()`` runs the emulator's compiler back end
 (``ipu_emulator.compiler.compile_onnx``) and writes its result with the PopEF
@@ -18,21 +22,22 @@ import logging
 import os
 import pathlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Sequence, cast
+from typing import TYPE_CHECKING, Any, Sequence, cast
 
 from shm.errors import echo
 
-from host_runtime._atomic_file import AtomicFile
 from host_runtime.errors import BadRequestError
+from host_runtime.poprt._writing import metadata_for, write_popef
+from host_runtime.poprt._writing import write_file as _write_file
 
 if TYPE_CHECKING:  # pragma: no cover
     import onnx
 
-    from host_runtime.popef import Metadata
     from ipu_emulator.compiler import CompileResult, ModelSpec
 
 __all__ = [
     "compile",
+    "write_outputs",
     "CompileOutput",
     "FusionConfig",
     "load_config_yaml",
@@ -146,6 +151,18 @@ def compile(models: "ModelSpec | Sequence[ModelSpec] | str | os.PathLike[str] | 
     if (shard or stages or enable_pipelining) and len(specs) == 1:
         opts.fuse = False
     result = compile_onnx(specs, opts)
+    return write_outputs(result, output_dir, export_popef=export_popef, popef_name=popef_name,
+                         output_model=output_model, compress=compress)
+
+
+def write_outputs(result: "CompileResult", output_dir: str | os.PathLike[str] | None, *,
+                  export_popef: "bool | str | os.PathLike[str]" = True,
+                  popef_name: str = POPEF_NAME,
+                  output_model: str | os.PathLike[str] | None = None, compress: bool = False,
+                  engine_options: dict[str, str] | None = None,
+                  opaques: dict[str, bytes] | None = None) -> CompileOutput:
+    """Write a compile result: the PopEF file and the transformed ONNX model, where
+    ``compile`` says (the ``poprt`` command's outputs)."""
     out_dir = pathlib.Path(output_dir) if output_dir is not None else pathlib.Path.cwd()
     model_path = _anywhere(out_dir, output_model, "output_model") \
         if output_model is not None else None
@@ -166,7 +183,9 @@ def compile(models: "ModelSpec | Sequence[ModelSpec] | str | os.PathLike[str] | 
         output.output_model_path = model_path
         _log.info("wrote the transformed ONNX model to %s", model_path)
     if popef_path is not None:
-        _write_file(popef_path, lambda f: write_popef(result, f, compress=compress))
+        _write_file(popef_path, lambda f: write_popef(result, f, compress=compress,
+                                                      engine_options=engine_options,
+                                                      opaques=opaques))
         output.popef_path = popef_path
         _log.info("wrote %s", popef_path)
     return output
@@ -215,52 +234,6 @@ def _make_dir(path: pathlib.Path, what: str) -> None:
     except OSError as exc:
         raise BadRequestError(f"cannot create {what} {echo(str(path), 200)}: "
                               f"{exc.strerror or exc}") from None
-
-
-def _write_file(path: pathlib.Path, write: Callable[[BinaryIO], None]) -> None:
-    """``write(f)`` fills a new file that then replaces ``path`` whole (a temporary file in
-    its folder, created O_EXCL|O_NOFOLLOW, renamed into place: ``_atomic_file``): a
-    symlink put at ``path`` meanwhile is replaced, never written through, and on an OS
-    error (no space, no permission) ``path`` is as it was and a BadRequestError says
-    what happened."""
-    try:
-        with AtomicFile(path) as f:
-            write(f)
-    except (OSError, BadRequestError) as exc:
-        cause = exc.__cause__ if isinstance(exc, BadRequestError) and exc.__cause__ else exc
-        text = getattr(cause, "strerror", None) or str(exc)
-        raise BadRequestError(f"cannot write {echo(str(path), 200)}: {text}") from None
-
-
-def metadata_for(result: "CompileResult") -> "Metadata":
-    """The PopEF metadata describing a compiled executable."""
-    from host_runtime.popef import Anchor, DataType, Metadata, ProgramFlow, TensorInfo, TensorType
-
-    exe = result.executable
-    anchors = [Anchor(a.name, a.handle, TensorInfo(DataType(a.dtype), a.shape),
-                      is_per_replica=False,
-                      type=TensorType.INPUT if a.direction == "in" else TensorType.OUTPUT,
-                      programs=a.programs)
-               for a in result.anchors]
-    flow = ProgramFlow(result.program_flow["load"], result.program_flow["main"],
-                       result.program_flow["save"])
-    return Metadata(anchors, flow, replication_factor=1, num_ipus=exe.num_ipus,
-                    ipu_version=exe.ipu_version, executable=exe.name, is_inference=True,
-                    device_iterations=exe.device_iterations, subgraphs=result.subgraphs)
-
-
-def write_popef(result: "CompileResult", dest: str | os.PathLike[str] | BinaryIO, *,
-                compress: bool = False) -> None:
-    """Write metadata, executable and weights' tensor data to a PopEF file or stream."""
-    from host_runtime.popef import Writer
-
-    exe = result.executable
-    with Writer(dest) as w:
-        w.writeMetadata(metadata_for(result))
-        w.writeExecutable(exe.name, exe.to_bytes(), compress=compress)
-        for a in result.anchors:
-            if a.data is not None:
-                w.writeTensorData(a.name, a.data)
 
 
 # -- model fusion configuration (seed 004) -----------------------------------------
@@ -404,3 +377,12 @@ def _check_text(v: Any, where: str, depth: int = 0) -> None:
     elif isinstance(v, list):
         for x in v:
             _check_text(x, where, depth + 1)
+
+
+# -- PopRT's Python compile API (poprt.compiler) ------------------------------------------
+from host_runtime.poprt._compile_api import Compiler, Executable  # noqa: E402
+from host_runtime.poprt._errors import NotSupportedError, PoplarRequiredError  # noqa: E402
+from host_runtime.poprt._options import CompilerOptions  # noqa: E402
+
+__all__ += ["Compiler", "CompilerOptions", "Executable", "NotSupportedError",
+            "PoplarRequiredError"]

@@ -13,8 +13,12 @@ from ipu_emulator.compiler._backend import compile_onnx
 from ipu_emulator.compiler._types import (
     INDEX_NAME, LOAD_PROGRAM, MAIN_PROGRAM, SAVE_PROGRAM, TARGETS, AnchorDesc, CompileOptions,
     CompileResult, ModelSpec, Target)
+from ipu_emulator.compiler._fp16_range import relative_error
+from ipu_emulator.compiler._fusion import fuse_models
+from ipu_emulator.compiler._onnx import load_model, ort_session
 from ipu_emulator.compiler._precision import Fp16RangeWarning
-from ipu_emulator.compiler._prepare import check_interface, prepare
+from ipu_emulator.compiler._prepare import _fix_input_shapes as fix_input_shapes
+from ipu_emulator.compiler._prepare import check_interface, prepare, to_fp16
 from ipu_emulator.compiler._sharding import check_map, describe_parts, load_sharding_yaml
 from ipu_emulator.errors import CompileError
 
@@ -24,6 +28,12 @@ __all__ = [
     "check_map",
     "describe_parts",
     "prepare",
+    "to_fp16",
+    "fix_input_shapes",
+    "relative_error",
+    "fuse_models",
+    "load_model",
+    "ort_session",
     "load_sharding_yaml",
     "ModelSpec",
     "CompileOptions",

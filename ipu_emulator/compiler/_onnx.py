@@ -176,6 +176,8 @@ def _load_external(model: onnx.ModelProto, folder: pathlib.Path | None, label: s
             continue
         info = {e.key: e.value for e in tensor.external_data}
         location = info.get("location", "")
+        if location == STASHED and info.get("token", "") in _stashed():
+            continue   # stashed by an earlier load of this thread (poprt's Converter path)
         if folder is None:
             raise CompileError(
                 f"model {echo(label, 200)}: initializer {echo(tensor.name)} refers to external data "

@@ -70,9 +70,8 @@ def prepare(model: onnx.ModelProto, label: str, input_shapes: dict[str, list[int
     init_names = {t.name for t in model.graph.initializer}
     declared = {vi.name: dims_of(vi) for vi in model.graph.output}
     _fix_input_shapes(model, label, input_shapes, init_names)
-    follow_computed(model, label)
-    widen_small_ints(model, label)
-    plan = _to_fp16(model, label) if precision == "fp16" else None
+    _settle(model, label)
+    plan = to_fp16(model, label) if precision == "fp16" else None
     model = _infer(model, label)
     model = _make_loadable(model, label, precision)
     fp16_error = relative_error(model, plan) if plan is not None else {}
@@ -124,22 +123,37 @@ def prepare(model: onnx.ModelProto, label: str, input_shapes: dict[str, list[int
     return prepared
 
 
-def _to_fp16(model: onnx.ModelProto, label: str) -> Fp16Plan:
-    """Convert ``model`` to fp16 (in place); the plan of what stays fp32."""
-    # Types before conversion tell which values become fp16; ops whose schema
+def _settle(model: onnx.ModelProto, label: str) -> None:
+    """What the model's nodes compute decides (in place): outputs declared otherwise are
+    cast to their declared types and lose their declared shapes; small-integer ops the
+    opset does not allow are computed wider. Settling a settled model changes nothing."""
+    follow_computed(model, label)
+    widen_small_ints(model, label)
+
+
+def to_fp16(model: onnx.ModelProto, label: str,
+            keep_op_types: frozenset[str] = frozenset()) -> "Fp16Plan":
+    """Convert ``model`` (in place, its input shapes fixed) to fp16 as ``--precision fp16``
+    does; the main graph's ops of ``keep_op_types`` stay fp32 between casts (PopRT's
+    ``fp16_skip_op_types``). Returns the plan (``relative_error`` compares with it)."""
+    # The model is settled first (the Converter converts models prepare() has not
+    # seen). Types before conversion tell which values become fp16; ops whose schema
     # has no fp16 are computed in fp32 between casts, and so are the values beyond
     # fp16's range on a sample run (``_fp16_range``).
+    _settle(model, label)
     before = _known_types(model, label)
     fp32_ops = fp32_only_ops(model)
     plan = plan_fp16(model, label, before)
     stay = plan.keep_values | fp32_only_inputs(model, fp32_ops)
-    clamped = convert_to_fp16(model, plan.keep_nodes, stay)
+    skipped = frozenset(n.name for n in model.graph.node
+                        if n.op_type in keep_op_types and n.name)
+    clamped = convert_to_fp16(model, plan.keep_nodes | skipped, stay)
     after = {k: (TensorProto.FLOAT16 if v == TensorProto.FLOAT and k not in stay
                  else v) for k, v in before.items()}
-    for op in sorted(fp32_ops):
+    for op in sorted(fp32_ops | set(keep_op_types)):
         n = wrap_in_fp32(model, op, after)
-        _log.info("model %s: %d %s node(s) computed in fp32 (no fp16 in its schema)",
-                  label, n, op)
+        _log.info("model %s: %d %s node(s) computed in fp32 (no fp16 in its schema, or "
+                  "kept fp32 on request)", label, n, op)
     wrap_nodes_in_fp32(model, plan.keep_nodes | plan.readers, after)
     clip_outputs(model, plan.outputs)
     _warn_range(label, plan, clamped)
@@ -239,7 +253,9 @@ def _make_loadable(model: onnx.ModelProto, label: str, precision: str) -> onnx.M
             return model
         except Exception as exc:
             op = missing_kernel(exc)
-            if precision != "fp16" or op is None or op in wrapped:
+            # a missing fp16 kernel: fp16 requested here, or a model converted to fp16
+            # before (poprt.Converter); wrap_in_fp32 wraps only fp16 values
+            if op is None or op in wrapped:
                 raise CompileError(f"model {echo(label, 200)} cannot run on the IPU emulator "
                                    f"(onnxruntime refused it): {echo(str(exc), 300, quote=False)}") from None
             wrapped.add(op)

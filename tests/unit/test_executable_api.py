@@ -20,7 +20,8 @@ def test_all_is_pinned() -> None:
                                                 "ZeroCopyGroup", "ZeroCopyStreamIO"]
     assert sorted(ipu_emulator.compiler.__all__) == sorted([
         "compile_onnx", "check_interface", "check_map", "load_sharding_yaml", "describe_parts",
-        "prepare", "ModelSpec",
+        "prepare", "to_fp16", "fix_input_shapes", "relative_error", "fuse_models", "load_model",
+        "ort_session", "ModelSpec",
         "CompileOptions", "CompileResult",
         "AnchorDesc", "Target",
         "TARGETS", "CompileError", "Fp16RangeWarning", "INDEX_NAME", "LOAD_PROGRAM", "MAIN_PROGRAM", "SAVE_PROGRAM"])

@@ -41,8 +41,14 @@ def test_every_public_name_resolves():
 
 def test_poprt_surface():
     from host_runtime import poprt
-    assert sorted(poprt.__all__) == ["Runner", "RuntimeConfig", "compile"]
+    assert sorted(poprt.__all__) == ["Backend", "Converter", "Pass", "PassManager", "Runner",
+                                     "RuntimeConfig", "__version__", "compile", "get_pass",
+                                     "get_registered_passes"]
     assert callable(poprt.Runner) and callable(poprt.RuntimeConfig)
+    assert poprt.__version__ == "1.5.0+emulator"
+    for module in ("compiler", "converter", "frontend", "backends", "backend", "quantizer",
+                   "passes", "profile", "utils"):
+        assert getattr(poprt, module).__name__ == f"host_runtime.poprt.{module}"
 
 
 def test_import_is_cheap():

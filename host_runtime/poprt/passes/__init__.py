@@ -1,0 +1,23 @@
+"""PopRT's passes: ``Pass``, ``register``, ``PassManager`` and every documented pass.
+
+``from host_runtime.poprt.passes import Pass, register`` replaces ``from poprt.passes
+import ...``. Each documented pass lives in its documented module
+(``host_runtime.poprt.passes.float_to_half.Float2Half``, registered as
+``float_to_half``). Which passes change the model, which leave the emulated result
+unchanged and which are refused: ``_catalog`` and docs/poprt_compile.md.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from host_runtime.poprt.passes._base import (Pass, PassManager, UnknownPassError,
+                                             get_pass, get_registered_passes, register)
+from host_runtime.poprt.passes._catalog import PassNotSupportedError, install
+
+__all__ = ["Pass", "PassManager", "register", "get_pass", "get_registered_passes",
+           "UnknownPassError", "PassNotSupportedError", "onnx_helper"]
+
+install(sys.modules[__name__])
+
+from host_runtime.poprt.passes import onnx_helper  # noqa: E402  (after the catalog)
