@@ -22,6 +22,13 @@ default) the mapping is populated writable when it is made
 (``MADV_POPULATE_WRITE``; on older kernels the creator touches every page and
 an attacher uses ``MAP_POPULATE``), in the creator and in each attacher, since
 page tables are per process.
+
+Backing: every page of a new segment is allocated in ``/dev/shm`` when it is made
+(``posix_fallocate``), pre-faulted or not, so that a ``/dev/shm`` too full for it is a
+:class:`~shm.errors.ShmFullError` at creation. Without that, a page first touched after
+another process (another user) filled ``/dev/shm`` cannot be backed and the process
+touching it, creator or attacher, is killed with SIGBUS. A segment cannot shrink under
+its users: only its owner (mode 0600) could truncate it, and nothing here does.
 """
 
 from __future__ import annotations
@@ -97,6 +104,18 @@ def _check_room(size: int, prefault: bool) -> None:
                                needed=size, free=room[0])
 
 
+def _back(fd: int, size: int, name: str) -> None:
+    """Allocate every page of the new segment ``fd`` now (see the module docstring): a
+    full ``/dev/shm`` raises ``ShmFullError`` here, never SIGBUS at a later first touch."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):   # pragma: no cover - not tmpfs
+            return
+        raise limits.shm_full(f"allocating the pages of {name}", size,
+                              errno.errorcode.get(exc.errno or 0, str(exc.errno))) from exc
+
+
 class Region:
     """A mapped shared-memory segment. Use :meth:`create` or :meth:`attach`."""
 
@@ -125,6 +144,7 @@ class Region:
             _registry.register(name, "shm")
             try:
                 os.fchmod(shm.fd, 0o600)  # whatever the umask said
+                _back(shm.fd, size, name)
                 mm = _map(shm.fd, size, prefault, fresh=True, name=name)
             except BaseException:
                 _registry.unlink_name(name, "shm")
