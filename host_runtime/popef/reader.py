@@ -263,6 +263,7 @@ class _FileParser:
         self.path = path
         self.mapped = mapped
         self.pending = pending
+        self.last_header_crc = 0
 
     def error(self, msg: str, offset: int, blob: str | None = None) -> PopefError:
         return PopefError(msg, path=self.path, blob=blob, offset=offset)
@@ -296,21 +297,64 @@ class _FileParser:
         if version != fmt.FILE_FORMAT_VERSION:
             raise self.error(f"unsupported PopEF file format version {version}; this "
                              f"reader supports version {fmt.FILE_FORMAT_VERSION}", 8)
-        if reserved != 0:
-            raise self.error(f"file header reserved field is {reserved}, expected 0", 12)
+        if reserved & ~fmt.KNOWN_FILE_FLAGS:
+            raise self.error(f"file header flags are 0x{reserved:x}; this reader knows "
+                             f"0x{fmt.KNOWN_FILE_FLAGS:x} (the end record)", 12)
+        end = self.size
+        record = None
+        if reserved & fmt.FILE_FLAG_END_RECORD and self.size >= (fmt.FILE_HEADER_SIZE
+                                                                  + fmt.END_RECORD_SIZE):
+            record = fmt.unpack_end_record(self.read_exact(
+                self.size - fmt.END_RECORD_SIZE, fmt.END_RECORD_SIZE, "the end record"))
+            if record is not None:
+                end = self.size - fmt.END_RECORD_SIZE
         out: list[tuple[BlobInfo, Blob]] = []
         offset = fmt.FILE_HEADER_SIZE
         index = 0
-        while offset < self.size:
-            info, blob = self.parse_blob(offset, index)
+        chain = 0
+        while offset < end:
+            if record is None and reserved & fmt.FILE_FLAG_END_RECORD and (
+                    end - offset < fmt.BLOB_HEADER_SIZE):
+                raise self.error(
+                    f"file is truncated or damaged: its last {end - offset} bytes are "
+                    "neither a blob nor the end record its header announces", offset,
+                    f"#{index}")
+            info, blob = self.parse_blob(offset, index, end)
             out.append((info, blob))
+            chain = fmt.chain_crc(chain, self.last_header_crc)
             offset += info.size
             index += 1
+        if reserved & fmt.FILE_FLAG_END_RECORD:
+            self.check_end(record, out, chain)
         return out
 
-    def parse_blob(self, offset: int, index: int) -> tuple[BlobInfo, Blob]:
+    def check_end(self, record: tuple[int, int, int] | None,
+                  blobs: list[tuple[BlobInfo, Blob]], chain: int) -> None:
+        """The file announced an end record: it must end with it, and the record must
+        count the blobs found (else the file was cut short or appended to)."""
+        last = (f"the last one {blobs[-1][0].label} at offset {blobs[-1][0].offset}"
+                if blobs else "none")
+        if record is None:
+            raise self.error(
+                f"file is truncated: it ends at byte {self.size} after {len(blobs)} whole "
+                f"blob(s) ({last}) without the end record its header announces: the rest "
+                "of the file (blobs after these, and the end record) is missing",
+                self.size)
+        count, at, want = record
+        if count != len(blobs) or at != self.size - fmt.END_RECORD_SIZE or want != chain:
+            raise self.error(
+                f"file does not match its end record: the record says {count} blob(s) "
+                f"ending at byte {at}, the file holds {len(blobs)} blob(s) ({last}) ending "
+                f"at byte {self.size - fmt.END_RECORD_SIZE}"
+                + ("" if want == chain or count != len(blobs) else
+                   ", and their headers are not the ones written")
+                + " (cut short and appended to, or damaged)",
+                self.size - fmt.END_RECORD_SIZE)
+
+    def parse_blob(self, offset: int, index: int, end: int) -> tuple[BlobInfo, Blob]:
+        """The blob at ``offset`` (blobs end at ``end``: the end record or the file's end)."""
         where = f"#{index}"
-        remaining = self.size - offset
+        remaining = end - offset
         if remaining < fmt.BLOB_HEADER_SIZE:
             raise self.error(f"file is truncated: {remaining} bytes left, a blob header "
                              f"needs {fmt.BLOB_HEADER_SIZE}", offset, where)
@@ -335,6 +379,7 @@ class _FileParser:
         if fmt.header_crc(raw, name_raw) != h.header_crc:
             raise self.error("blob header checksum mismatch (the header or the name is "
                              "damaged)", offset, where)
+        self.last_header_crc = h.header_crc
         try:
             name = name_raw.decode("utf-8")
         except UnicodeDecodeError:

@@ -41,6 +41,7 @@ def _valid() -> bytes:
 
 
 VALID = _valid()
+END = 32   # the end record's bytes
 
 
 def _blob_offsets(data: bytes) -> list[int]:
@@ -165,7 +166,7 @@ def test_unsupported_blob_version() -> None:
 
 def test_wrong_payload_checksum() -> None:
     data = bytearray(VALID)
-    data[-1] ^= 0x40
+    data[-END - 1] ^= 0x40   # the last payload byte, before the end record
     err = _error(bytes(data))
     assert "payload checksum mismatch" in str(err) and "opaque 'app/notes'" in str(err)
 
@@ -302,11 +303,40 @@ def _parse_or_popef_error(data: bytes) -> bool:
 
 
 def test_truncation_at_every_offset() -> None:
+    """A file cut anywhere is refused, exactly between two blobs too (the end record
+    the file header announces is missing)."""
     boundaries = set(_blob_offsets(VALID))
     for cut in range(len(VALID)):
-        ok = _parse_or_popef_error(VALID[:cut])
-        # A cut exactly between blobs is a shorter valid file; anywhere else is damage.
-        assert ok == (cut in boundaries), cut
+        assert not _parse_or_popef_error(VALID[:cut]), cut
+    for cut in sorted((boundaries - {len(VALID)}) | {len(VALID) - END}):
+        err = _error(VALID[:cut])
+        assert "without the end record its header announces" in str(err), (cut, err)
+        assert "is missing" in str(err) and f"ends at byte {cut}" in str(err)
+
+
+def test_a_file_without_end_record_flag_is_read_as_before() -> None:
+    """Files written without an end record (flags 0) are parsed blob by blob: a cut
+    between blobs cannot be told there, and only there."""
+    data = bytearray(VALID[:-END])
+    data[12:16] = b"\0\0\0\0"
+    boundaries = set(_blob_offsets(bytes(data)))
+    for cut in range(16, len(data) + 1):
+        assert _parse_or_popef_error(bytes(data[:cut])) == (cut in boundaries), cut
+
+
+def test_end_record_that_does_not_match_the_blobs() -> None:
+    offsets = _blob_offsets(VALID)
+    # a whole blob cut out of the middle, the end record kept: counts disagree
+    cut = VALID[:offsets[1]] + VALID[offsets[2]:]
+    err = _error(cut)
+    assert "does not match its end record" in str(err), err
+    # blobs appended after the end record
+    err = _error(VALID + VALID[offsets[1]:offsets[2]])
+    assert isinstance(err, PopefError)
+    # unknown header flags
+    data = bytearray(VALID)
+    data[12] = 0x6
+    assert "file header flags are 0x6" in str(_error(bytes(data)))
 
 
 def test_every_single_byte_flip_is_detected() -> None:
@@ -402,7 +432,7 @@ def test_inflated_sizes_through_real_files(tmp_path) -> None:
 
 def test_truncated_real_file(tmp_path) -> None:
     path = tmp_path / "cut.popef"
-    path.write_bytes(VALID[:-5])
+    path.write_bytes(VALID[:-END - 5])
     with pytest.raises(PopefError, match=r"larger than the .* bytes left in the file") as info:
         popef.Reader().parseFile(path)
     assert info.value.path == str(path) and "opaque 'app/notes'" in str(info.value)
