@@ -323,7 +323,7 @@ class Completion:
         except (ShmError, OSError, ModelRuntimeError):
             raise
         except BaseException as exc:   # KeyboardInterrupt, a signal handler's exception
-            self._read_interrupted(tr, path.output_ring(tr, tr.next_output), exc)
+            _read_interrupted(self._life.rid, tr, path.output_ring(tr, tr.next_output), exc)
             raise
         finished: list[Request] = []
         now = time.perf_counter_ns()
@@ -364,26 +364,6 @@ class Completion:
                 if recorder.ON:
                     _tracing.request(self._life, req, started)
 
-    def _read_interrupted(self, tr: Transfer, ring: Ring, exc: BaseException) -> None:
-        """A drainer reading output ``tr.next_output`` of ``tr`` from ``ring`` was
-        interrupted by ``exc``. If the output was consumed (its slot acquired, or the
-        ring's last read carries ``tr``'s number) it is lost: ``tr``'s requests fail and
-        the rest of ``tr`` is drained into nothing. Else ``tr`` is intact and the next
-        drainer goes on."""
-        index = tr.next_output
-        if ring.unreleased():
-            ring.release()
-        elif not consumed_from(ring, tr.seq):
-            return    # not consumed: the output is still on its way
-        tr.next_output = index + 1
-        name = tr.outputs[index].name
-        err = InvalidStateError(
-            f"replica {self._life.rid}: output {name!r} of the request was lost: the thread "
-            f"reading it was interrupted by {type(exc).__name__}")
-        for seg in tr.segments:
-            seg[0].dests = {}
-            seg[0].fail(err)
-
     # -- failure and close -------------------------------------------------------------
     def fail_all(self, err: ModelRuntimeError) -> None:
         """The device is lost (or failed): every request in flight or parked fails with
@@ -420,3 +400,24 @@ class Completion:
         with self._lock:
             self.inflight.clear()
             self.open = None
+
+
+def _read_interrupted(rid: int, tr: Transfer, ring: Ring, exc: BaseException) -> None:
+    """A drainer of replica ``rid`` reading output ``tr.next_output`` of ``tr`` from
+    ``ring`` was interrupted by ``exc``. If the output was consumed (its slot acquired,
+    or the ring's last read carries ``tr``'s number) it is lost: ``tr``'s requests fail
+    and the rest of ``tr`` is drained into nothing. Else ``tr`` is intact and the next
+    drainer goes on."""
+    index = tr.next_output
+    if ring.unreleased():
+        ring.release()
+    elif not consumed_from(ring, tr.seq):
+        return    # not consumed: the output is still on its way
+    tr.next_output = index + 1
+    name = tr.outputs[index].name
+    err = InvalidStateError(
+        f"replica {rid}: output {name!r} of the request was lost: the thread "
+        f"reading it was interrupted by {type(exc).__name__}")
+    for seg in tr.segments:
+        seg[0].dests = {}
+        seg[0].fail(err)
