@@ -9,15 +9,24 @@ Any damage raises ``PopefError``; no struct, json, zlib, numpy or Unicode
 error escapes, and no length read from the file is used before it has been
 checked against the bytes the file still holds.
 
-Large payloads of a file (executables and tensor data of ``MAP_MIN_BYTES`` or
-more) are not copied into this process: they are read-only views of the file
-mapped into memory, whose pages the kernel keeps in its page cache, shared and
-reclaimable, instead of a private copy per process (:func:`drop_pages` lets
-this process's mapping of them go once they have been read). Do not change a
-PopEF file in place while a model read from it is in use (write a new file
-and rename it over the old one): a session that copies the bytes again checks
-them against their checksum and refuses changed ones, but a file cut shorter
-under a mapping faults the process that reads it.
+Large payloads of a file (executables and tensor data of a file of ``MAP_MIN_BYTES``
+or more) are not copied into this process's memory: they are read-only views of a
+mapped file, whose pages the kernel keeps in its page cache, shared and reclaimable,
+instead of a private copy per process (:func:`drop_pages` lets this process's mapping
+of them go once they have been read).
+
+The file mapped is not the user's but a *snapshot* of it this process owns: an
+unnamed file (``O_TMPFILE``, mode 0600) in the file's own folder (else the temporary
+folder), filled once by the kernel (``copy_file_range``: no copy through this
+process, and none at all where the file system shares extents), then mapped. Nobody
+else can name it, so nobody can cut it short or rewrite it: a PopEF file truncated or
+rewritten in place while a model read from it is in use (or before ``auto_reset``
+loads it again) changes nothing, where a mapping of the file itself would fault the
+process reading it (SIGBUS). IPU processes open the snapshot as
+``/proc/<pid>/fd/<fd>`` (:func:`file_span`). A file changed while the snapshot is
+taken is refused (cut short: fewer bytes than it had; rewritten: the checksums).
+Where no folder takes an unnamed file the snapshot is an anonymous memory file
+(``memfd``), which costs memory rather than page cache.
 
 A reader given :class:`PendingChecksums` checks the payloads it maps on threads of their
 own (zlib lets go of the GIL) while its caller goes on with the blobs; the caller waits
@@ -31,8 +40,12 @@ import io
 import logging
 import mmap
 import os
+import errno
 import queue
+import stat
+import tempfile
 import threading
+import weakref
 import zlib
 from dataclasses import dataclass
 from typing import BinaryIO, Callable, Protocol, Union
@@ -163,17 +176,24 @@ class Reader:
             except OSError as exc:  # pragma: no cover - fstat on an open file
                 raise PopefError(f"cannot stat PopEF file: {exc}", path=spath) from None
             mapped = None
-            if size >= MAP_MIN_BYTES:
+            if size >= MAP_MIN_BYTES and stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                snap = _snapshot(f.fileno(), size, spath)
                 try:
                     # populated at once for the checksum here; a checksum on a thread
                     # reads its pages there, the caller going on meanwhile
                     populate = _POPULATE if self._pending is None else 0
-                    mapped = _FileMap(f.fileno(), size, flags=mmap.MAP_SHARED | populate,
+                    mapped = _FileMap(snap, size, flags=mmap.MAP_SHARED | populate,
                                       prot=mmap.PROT_READ)
-                    mapped.path = os.path.realpath(spath)
-                    mapped.identity = _identity(os.fstat(f.fileno()))
-                except (OSError, ValueError):   # not mappable (a pipe, a special file)
-                    mapped = None
+                except (OSError, ValueError) as exc:
+                    os.close(snap)
+                    raise PopefError(f"cannot map the snapshot of PopEF file: {exc}",
+                                     path=spath) from None
+                mapped.path = f"/proc/{os.getpid()}/fd/{snap}"
+                mapped.identity = _identity(os.fstat(snap))
+                weakref.finalize(mapped, os.close, snap)   # the snapshot goes with its views
+                with os.fdopen(os.dup(snap), "rb") as copy:   # parsed from it, whole
+                    self._parse(copy, size, spath, mapped)
+                return
             self._parse(f, size, spath, mapped)
 
     def parseStream(self, stream: BinaryIO | BytesLike, name: str = "<bytes>") -> None:
@@ -505,6 +525,74 @@ def _crc32(data: bytes | memoryview) -> int:
     for a in range(0, len(data), 8 << 20):   # a page-cache mapping: read it chunk by chunk
         crc = zlib.crc32(data[a:a + (8 << 20)], crc)
     return crc
+
+
+_COPY_CHUNK = 64 << 20
+
+
+def _snapshot(src: int, size: int, path: str) -> int:
+    """A descriptor of an unnamed private copy of the ``size`` bytes of ``src`` (see the
+    module docstring). Raises ``PopefError`` if the file is shorter than ``size`` (cut
+    while it was read), ``ResourceLimitError`` if no room for the copy is left."""
+    fd, where = _unnamed_file(os.path.dirname(os.path.abspath(path)))
+    try:
+        done = _copy_range(src, fd, size)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM, errno.EFBIG):
+            raise ResourceLimitError(
+                f"no room for the private snapshot of PopEF file {echo(path)} ({size} "
+                f"bytes) in {where}: {exc.strerror or exc}; free space there, or load the "
+                "model from bytes (popef.Reader.parseStream)") from None
+        raise PopefError(f"cannot read PopEF file: {exc.strerror or exc}", path=path) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    if done != size:
+        os.close(fd)
+        raise PopefError(f"file is truncated: it had {size} bytes when opened and {done} "
+                         "could be read (cut short while it was read)", path=path,
+                         offset=done)
+    return fd
+
+
+def _unnamed_file(folder: str) -> tuple[int, str]:
+    """``(fd, where)``: an unnamed 0600 file in ``folder``, else in the temporary folder,
+    else an anonymous memory file."""
+    flags = getattr(os, "O_TMPFILE", 0) | os.O_RDWR | os.O_CLOEXEC
+    for where in dict.fromkeys((folder, tempfile.gettempdir())):
+        if not flags & ~(os.O_RDWR | os.O_CLOEXEC):
+            break
+        try:
+            return os.open(where, flags, 0o600), where
+        except OSError:
+            continue
+    return os.memfd_create("popef-snapshot", os.MFD_CLOEXEC), "memory (memfd)"
+
+
+def _copy_range(src: int, dst: int, size: int) -> int:
+    """Copy ``src[0:size]`` to ``dst`` in the kernel where it can; the bytes copied (fewer
+    than ``size``: ``src`` ended early)."""
+    done = 0
+    kernel = hasattr(os, "copy_file_range")
+    while done < size:
+        n = min(size - done, _COPY_CHUNK)
+        if kernel:
+            try:
+                got = os.copy_file_range(src, dst, n, done, done)
+            except OSError as exc:
+                if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL,
+                                     errno.EOPNOTSUPP, errno.EBADF):
+                    raise
+                kernel = False
+                continue
+        else:
+            data = os.pread(src, n, done)
+            got = os.pwrite(dst, data, done) if data else 0
+        if got == 0:
+            break
+        done += got
+    return done
 
 
 class _FileMap(mmap.mmap):
