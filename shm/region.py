@@ -29,6 +29,9 @@ Backing: every page of a new segment is allocated in ``/dev/shm`` when it is mad
 another process (another user) filled ``/dev/shm`` cannot be backed and the process
 touching it, creator or attacher, is killed with SIGBUS. A segment cannot shrink under
 its users: only its owner (mode 0600) could truncate it, and nothing here does.
+A creator that knows most of a segment stays untouched for a while (a ring of a
+constant input) backs only its first ``backed`` bytes and the rest with
+:meth:`Region.back` before anything writes there.
 """
 
 from __future__ import annotations
@@ -104,15 +107,18 @@ def _check_room(size: int, prefault: bool) -> None:
                                needed=size, free=room[0])
 
 
-def _back(fd: int, size: int, name: str) -> None:
-    """Allocate every page of the new segment ``fd`` now (see the module docstring): a
-    full ``/dev/shm`` raises ``ShmFullError`` here, never SIGBUS at a later first touch."""
+def _back(fd: int, offset: int, length: int, name: str) -> None:
+    """Allocate the pages of ``[offset, offset + length)`` of segment ``fd`` now (see the
+    module docstring): a full ``/dev/shm`` raises ``ShmFullError`` here, never SIGBUS at
+    a later first touch."""
+    if length <= 0:
+        return
     try:
-        os.posix_fallocate(fd, 0, size)
+        os.posix_fallocate(fd, offset, length)
     except OSError as exc:
         if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):   # pragma: no cover - not tmpfs
             return
-        raise limits.shm_full(f"allocating the pages of {name}", size,
+        raise limits.shm_full(f"allocating the pages of {name}", length,
                               errno.errorcode.get(exc.errno or 0, str(exc.errno))) from exc
 
 
@@ -133,8 +139,12 @@ class Region:
     # -- construction -------------------------------------------------------
 
     @classmethod
-    def create(cls, size: int, kind: str = "region", prefault: bool = True) -> "Region":
-        """Create a new segment of ``size`` bytes (zero-filled), owned by this process."""
+    def create(cls, size: int, kind: str = "region", prefault: bool = True,
+               backed: int | None = None) -> "Region":
+        """Create a new segment of ``size`` bytes (zero-filled), owned by this process.
+
+        ``backed``: only the first ``backed`` bytes are allocated now (default: all; see
+        the module docstring); nothing may touch the rest before :meth:`back` did."""
         if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
             raise ValueError(f"region size must be a positive int of bytes, got {size!r}")
         with limits.named_errors(f"creating a shared-memory region of {size} bytes", size):
@@ -144,8 +154,9 @@ class Region:
             _registry.register(name, "shm")
             try:
                 os.fchmod(shm.fd, 0o600)  # whatever the umask said
-                _back(shm.fd, size, name)
-                mm = _map(shm.fd, size, prefault, fresh=True, name=name)
+                whole = backed is None or backed >= size
+                _back(shm.fd, 0, size if whole else max(0, int(backed or 0)), name)
+                mm = _map(shm.fd, size, prefault and whole, fresh=True, name=name)
             except BaseException:
                 _registry.unlink_name(name, "shm")
                 raise
@@ -174,6 +185,19 @@ class Region:
             finally:
                 shm.close_fd()
         return cls(name, mm, size, owner=False)
+
+    def back(self) -> None:
+        """Allocate every page of the segment now (one made with ``backed``): raises
+        ``ShmFullError`` if ``/dev/shm`` cannot hold them. Idempotent; in the owner."""
+        if self._mmap is None:
+            raise ShmClosedError(f"region {self._name} is closed in this process")
+        with limits.named_errors(f"backing the shared-memory region {self._name}",
+                                 self._size):
+            shm = posix_ipc.SharedMemory(self._name)
+            try:
+                _back(shm.fd, 0, self._size, self._name)
+            finally:
+                shm.close_fd()
 
     # -- properties ---------------------------------------------------------
 

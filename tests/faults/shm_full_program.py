@@ -51,6 +51,7 @@ def main(path: str) -> dict[str, Any]:
     runner = model_runtime.ModelRunner(path)
     w = runner.execute({"tensor_A": one, "tensor_B": 0 * one})["tensor_C"]
     sparse = Region.create(1 << 20, prefault=False)   # made before /dev/shm fills
+    header_only = Region.create(1 << 20, backed=4096)  # a constant's ring: slots unbacked
     try:
         report["filled"] = fill()
         report["free_after_fill"] = os.statvfs("/dev/shm").f_bavail
@@ -61,6 +62,12 @@ def main(path: str) -> dict[str, Any]:
             out = runner.execute({"tensor_A": one * i, "tensor_B": one})["tensor_C"]
             wrong += not np.allclose(out, w * i + 1, rtol=1e-6)
         report["wrong"] = wrong
+        header_only.buf[:4096] = b"\x02" * 4096       # its backed part
+        try:
+            header_only.back()    # before its slots would carry values: refused, named
+            report["back_error"] = None
+        except ShmFullError as exc:
+            report["back_error"] = [type(exc).__name__, str(exc)]
         try:
             Region.create(1 << 20, prefault=False)
             report["region_error"] = None
@@ -73,8 +80,9 @@ def main(path: str) -> dict[str, Any]:
             report["runner_error"] = [type(exc).__name__, str(exc)]
     finally:
         os.unlink(FILLER)
-        sparse.close()
-        sparse.unlink()
+        for region in (sparse, header_only):
+            region.close()
+            region.unlink()
     again = model_runtime.ModelRunner(path)
     report["again_right"] = bool(np.allclose(
         again.execute({"tensor_A": one * 3, "tensor_B": one})["tensor_C"], w * 3 + 1))

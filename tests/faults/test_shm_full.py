@@ -57,6 +57,8 @@ def test_a_runner_survives_dev_shm_filled_after_it_was_made(model_path):
     assert report["filled"] > 0 and report["free_after_fill"] == 0, report
     assert report["sparse_ok"], report
     assert report["wrong"] == 0, report
+    assert report["back_error"][0] == "ShmFullError", report
+    assert "allocating the pages of" in report["back_error"][1], report
     assert report["region_error"][0] == "ShmFullError", report
     assert "/dev/shm full" in report["region_error"][1], report
     assert report["runner_error"][0] == "SharedMemoryFullError", report

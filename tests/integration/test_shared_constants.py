@@ -709,12 +709,11 @@ def test_popef_tensor_data_of_a_main_input_is_shared_not_sent_with_each_iteratio
         for rid in (0, 1):
             (pid,) = r.device_pids(rid)
             _mapped_shared(pid, name, 2 * NBYTES, private_too=False)
-        # only tensor_A's rings carry values; tensor_B's value is in no ring
-        rings = tag_objects("in")
-        assert rings, rings
-        for n in rings:
-            with open("/dev/shm/" + n, "rb") as f:
-                assert b.tobytes() not in f.read(), n
+        # only tensor_A's rings carry values; tensor_B's are never written (no page of
+        # their slots in /dev/shm)
+        full = [n for n in tag_objects("in") if os.stat("/dev/shm/" + n).st_blocks * 512
+                >= NBYTES]
+        assert len(full) == 2, full
     assert tag_objects() == []
 
 
