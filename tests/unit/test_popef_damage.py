@@ -488,3 +488,61 @@ def test_checksums_left_to_a_thread_refuse_a_damaged_payload_when_waited_for(tmp
     assert str(waited.value) == str(direct.value)
     assert "tensor data 'b'" in str(waited.value)
     pending.wait()              # waited once: nothing left
+
+
+def _big_file(path) -> bytes:
+    import numpy as np
+
+    from host_runtime.popef.reader import MAP_MIN_BYTES
+
+    with popef.Writer(str(path)) as w:
+        w.writeTensorData("a", np.arange(MAP_MIN_BYTES // 4 + 16, dtype=np.float32))
+    return path.read_bytes()
+
+
+def test_a_large_file_is_read_from_a_snapshot_nobody_else_can_change(tmp_path) -> None:
+    """Its payloads map an unnamed copy of the file (``/proc/<pid>/fd/<n>``), not the
+    file: cut short or rewritten in place after it was read, the bytes are those read
+    (no SIGBUS on reading them); the copy goes with the last view of it."""
+    import gc
+    import os
+
+    from host_runtime.popef.reader import file_span
+
+    path = tmp_path / "big.popef"
+    data = _big_file(path)
+    r = popef.Reader()
+    r.parseFile(path)
+    (td,) = r.tensors()
+    view = td.data
+    span = file_span(view)
+    assert span is not None and span[0].startswith(f"/proc/{os.getpid()}/fd/")
+    assert os.readlink(span[0]).endswith("(deleted)")   # an unnamed file
+    before = bytes(view)
+    assert before == data[span[1]:span[1] + len(before)]
+    os.truncate(path, 100)
+    path.write_bytes(b"\xff" * len(data))
+    os.truncate(path, 16)
+    assert bytes(view) == before
+    fd_path = span[0]
+    del r, td, view
+    gc.collect()
+    assert not os.path.exists(fd_path)   # the snapshot's descriptor closed
+
+
+def test_a_file_cut_while_its_snapshot_is_taken_is_refused(tmp_path, monkeypatch) -> None:
+    from host_runtime.popef import reader
+
+    path = tmp_path / "big.popef"
+    data = _big_file(path)
+    real = reader._copy_range
+
+    def cut_meanwhile(src: int, dst: int, size: int) -> int:
+        import os
+        os.truncate(path, 4096)    # another writer, while the copy runs
+        return real(src, dst, size)
+
+    monkeypatch.setattr(reader, "_copy_range", cut_meanwhile)
+    with pytest.raises(PopefError, match=rf"it had {len(data)} bytes when opened and 4096 "
+                                         r"could be read \(cut short while it was read\)"):
+        popef.Reader().parseFile(path)
