@@ -186,16 +186,20 @@ class Region:
                 shm.close_fd()
         return cls(name, mm, size, owner=False)
 
-    def back(self) -> None:
-        """Allocate every page of the segment now (one made with ``backed``): raises
-        ``ShmFullError`` if ``/dev/shm`` cannot hold them. Idempotent; in the owner."""
+    def back(self, ranges: list[tuple[int, int]] | None = None) -> None:
+        """Allocate the pages of ``ranges`` (``(offset, length)`` each; default: the whole
+        segment) now, in a segment made with ``backed``: raises ``ShmFullError`` if
+        ``/dev/shm`` cannot hold them. Idempotent; in its owner, or in a process that
+        attached it writable and is about to write those ranges."""
         if self._mmap is None:
             raise ShmClosedError(f"region {self._name} is closed in this process")
+        spans = [(0, self._size)] if ranges is None else ranges
         with limits.named_errors(f"backing the shared-memory region {self._name}",
-                                 self._size):
+                                 sum(n for _, n in spans)):
             shm = posix_ipc.SharedMemory(self._name)
             try:
-                _back(shm.fd, 0, self._size, self._name)
+                for offset, length in spans:
+                    _back(shm.fd, offset, min(length, self._size - offset), self._name)
             finally:
                 shm.close_fd()
 

@@ -655,7 +655,10 @@ class Session:
         if self._memory_region is None:
             size = max(64, int(self._header["memory_bytes"]))
             with translated("the device memory region", size):
-                self._memory_region = Region.create(size, kind="mem", prefault=False)
+                # backed by the IPU process where it will touch it (not where it reads
+                # constants in place): ipu_emulator.ipu._constants.memory_ranges
+                self._memory_region = Region.create(size, kind="mem", prefault=False,
+                                                    backed=0)
 
     def _load(self, fresh: bool, keep_load_constants: bool = False) -> None:
         """Send LOAD (caller holds the device lock and is the active session).
