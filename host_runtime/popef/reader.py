@@ -48,7 +48,7 @@ import threading
 import weakref
 import zlib
 from dataclasses import dataclass
-from typing import BinaryIO, Callable, Protocol, Union
+from typing import BinaryIO, Callable, Iterator, Protocol, Union
 
 from host_runtime.errors import PopefError, ResourceLimitError
 from host_runtime.popef import _format as fmt
@@ -533,41 +533,44 @@ _COPY_CHUNK = 64 << 20
 def _snapshot(src: int, size: int, path: str) -> int:
     """A descriptor of an unnamed private copy of the ``size`` bytes of ``src`` (see the
     module docstring). Raises ``PopefError`` if the file is shorter than ``size`` (cut
-    while it was read), ``ResourceLimitError`` if no room for the copy is left."""
-    fd, where = _unnamed_file(os.path.dirname(os.path.abspath(path)))
-    try:
-        done = _copy_range(src, fd, size)
-    except OSError as exc:
-        os.close(fd)
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM, errno.EFBIG):
-            raise ResourceLimitError(
-                f"no room for the private snapshot of PopEF file {echo(path)} ({size} "
-                f"bytes) in {where}: {exc.strerror or exc}; free space there, or load the "
-                "model from bytes (popef.Reader.parseStream)") from None
-        raise PopefError(f"cannot read PopEF file: {exc.strerror or exc}", path=path) from None
-    except BaseException:
-        os.close(fd)
-        raise
-    if done != size:
-        os.close(fd)
-        raise PopefError(f"file is truncated: it had {size} bytes when opened and {done} "
-                         "could be read (cut short while it was read)", path=path,
-                         offset=done)
-    return fd
-
-
-def _unnamed_file(folder: str) -> tuple[int, str]:
-    """``(fd, where)``: an unnamed 0600 file in ``folder``, else in the temporary folder,
-    else an anonymous memory file."""
-    flags = getattr(os, "O_TMPFILE", 0) | os.O_RDWR | os.O_CLOEXEC
-    for where in dict.fromkeys((folder, tempfile.gettempdir())):
-        if not flags & ~(os.O_RDWR | os.O_CLOEXEC):
-            break
+    while it was read), ``ResourceLimitError`` if no place has room for the copy."""
+    full: list[str] = []
+    for fd, where in _unnamed_files(os.path.dirname(os.path.abspath(path))):
         try:
-            return os.open(where, flags, 0o600), where
-        except OSError:
-            continue
-    return os.memfd_create("popef-snapshot", os.MFD_CLOEXEC), "memory (memfd)"
+            done = _copy_range(src, fd, size)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM, errno.EFBIG):
+                full.append(f"{where}: {exc.strerror or exc}")
+                continue    # the next place
+            raise PopefError(f"cannot read PopEF file: {exc.strerror or exc}",
+                             path=path) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        if done != size:
+            os.close(fd)
+            raise PopefError(f"file is truncated: it had {size} bytes when opened and {done} "
+                             "could be read (cut short while it was read)", path=path,
+                             offset=done)
+        return fd
+    raise ResourceLimitError(
+        f"no room for the private snapshot of PopEF file {echo(path)} ({size} bytes): "
+        + "; ".join(full) + "; free space there, or load the model from bytes "
+        "(popef.Reader.parseStream)")
+
+
+def _unnamed_files(folder: str) -> Iterator[tuple[int, str]]:
+    """``(fd, where)`` of an unnamed 0600 file in ``folder``, then in the temporary
+    folder, then an anonymous memory file: the caller takes the first with room."""
+    flags = getattr(os, "O_TMPFILE", 0) | os.O_RDWR | os.O_CLOEXEC
+    if flags & ~(os.O_RDWR | os.O_CLOEXEC):
+        for where in dict.fromkeys((folder, tempfile.gettempdir())):
+            try:
+                yield os.open(where, flags, 0o600), where
+            except OSError:
+                continue
+    yield os.memfd_create("popef-snapshot", os.MFD_CLOEXEC), "memory (memfd)"
 
 
 def _copy_range(src: int, dst: int, size: int) -> int:

@@ -546,3 +546,38 @@ def test_a_file_cut_while_its_snapshot_is_taken_is_refused(tmp_path, monkeypatch
     with pytest.raises(PopefError, match=rf"it had {len(data)} bytes when opened and 4096 "
                                          r"could be read \(cut short while it was read\)"):
         popef.Reader().parseFile(path)
+
+
+def test_a_snapshot_goes_where_there_is_room(tmp_path, monkeypatch) -> None:
+    """No room for the copy in the file's folder: the next place takes it (the temporary
+    folder, then memory); no room anywhere: ResourceLimitError naming each place."""
+    import errno
+    import os
+
+    from host_runtime.errors import ResourceLimitError
+    from host_runtime.popef import reader
+
+    path = tmp_path / "big.popef"
+    _big_file(path)
+    real = reader._copy_range
+    tried: list[str] = []
+
+    def full_first(src: int, dst: int, size: int) -> int:
+        tried.append(os.readlink(f"/proc/self/fd/{dst}"))
+        if len(tried) == 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(src, dst, size)
+
+    monkeypatch.setattr(reader, "_copy_range", full_first)
+    r = popef.Reader()
+    r.parseFile(path)
+    assert len(r.tensors()) == 1 and len(tried) == 2
+    assert tried[0].startswith(str(tmp_path)) and not tried[1].startswith(str(tmp_path))
+
+    def never(src: int, dst: int, size: int) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(reader, "_copy_range", never)
+    with pytest.raises(ResourceLimitError, match=r"no room for the private snapshot of PopEF "
+                                                 r"file .*memory \(memfd\): No space left"):
+        popef.Reader().parseFile(path)
