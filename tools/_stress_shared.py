@@ -40,7 +40,7 @@ import numpy as np
 
 __all__ = ["PRIVATE_SHM_ENV", "reexec_in_private_shm", "run_shared"]
 
-PRIVATE_SHM_ENV = "IPU_EMULATOR_STRESS_PRIVATE_SHM"
+PRIVATE_SHM_ENV = "STRESS_IN_PRIVATE_SHM"   # set inside the namespace (no re-exec)
 _FILL_BLOCK = 1 << 20
 _WIDTH, _LAYERS, _BATCH = 512, 4, 2      # 4 MiB of weights: over reader.MAP_MIN_BYTES
 
