@@ -407,3 +407,37 @@ def test_a_damaged_popef_file_is_refused_by_its_checksum_while_the_runner_starts
                                                 r", computed 0x[0-9a-f]{8}"):
             model_runtime.ModelRunner(str(bad))
         assert tag_objects() == []
+
+
+def test_ipu_processes_of_another_user_get_the_weights_through_shared_memory(chain,
+                                                                             monkeypatch):
+    """An IPU process that runs as another user (a daemon's) cannot open the host's
+    snapshot of the PopEF file: the weights go through a shared region instead."""
+    import subprocess
+
+    from host_runtime.session import _session
+
+    if os.geteuid() == 0:   # the check itself, on a process of another user
+        other = subprocess.Popen(["sleep", "30"], user=65534)
+        try:
+            assert not _session._same_user([other.pid])
+        finally:
+            other.kill()
+            other.wait()
+    assert _session._same_user([os.getpid()])
+    monkeypatch.setattr(_session, "_same_user", lambda pids: False)
+    made = []
+    real = _session.shared_weights
+    monkeypatch.setattr(_session, "shared_weights",
+                        lambda *a: made.append(real(*a)) or made[-1])
+    model, _ = chain
+    x = _x(82)
+    with settings.override(prepack=True), model_runtime.ModelRunner(chain[1]) as r:
+        np.testing.assert_allclose(r.execute({"x": x})["y"], reference(model, x), rtol=1e-4,
+                                   atol=1e-5)
+        (pid,) = r.device_pids(0)
+        with open(f"/proc/{pid}/maps", encoding="utf-8") as f:
+            assert "(deleted)" not in f.read()   # no snapshot of the file mapped there
+    assert len(made) == 1 and made[0].size >= WEIGHTS   # the shared region, not the file
+    del made
+    assert tag_objects() == []
