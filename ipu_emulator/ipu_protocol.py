@@ -129,6 +129,7 @@ class ErrorKind(str, enum.Enum):
     STATE = "state"                # request does not fit the device state
     REQUEST = "request"            # bad request: unknown program, incompatible executable
     PROTOCOL = "protocol"          # malformed request
+    SHM_FULL = "shm_full"          # /dev/shm cannot back the device memory the load needs
     # Poplar's runtime error classes (injected faults, ipu_emulator.faults); the body also
     # has "action" (a RecoveryAction name), "ipu" (the IPU's id) and "program"
     APPLICATION = "application"    # application_runtime_error

@@ -22,6 +22,16 @@ default) the mapping is populated writable when it is made
 (``MADV_POPULATE_WRITE``; on older kernels the creator touches every page and
 an attacher uses ``MAP_POPULATE``), in the creator and in each attacher, since
 page tables are per process.
+
+Backing: every page of a new segment is allocated in ``/dev/shm`` when it is made
+(``posix_fallocate``), pre-faulted or not, so that a ``/dev/shm`` too full for it is a
+:class:`~shm.errors.ShmFullError` at creation. Without that, a page first touched after
+another process (another user) filled ``/dev/shm`` cannot be backed and the process
+touching it, creator or attacher, is killed with SIGBUS. A segment cannot shrink under
+its users: only its owner (mode 0600) could truncate it, and nothing here does.
+A creator that knows most of a segment stays untouched for a while (a ring of a
+constant input) backs only its first ``backed`` bytes and the rest with
+:meth:`Region.back` before anything writes there.
 """
 
 from __future__ import annotations
@@ -97,6 +107,21 @@ def _check_room(size: int, prefault: bool) -> None:
                                needed=size, free=room[0])
 
 
+def _back(fd: int, offset: int, length: int, name: str) -> None:
+    """Allocate the pages of ``[offset, offset + length)`` of segment ``fd`` now (see the
+    module docstring): a full ``/dev/shm`` raises ``ShmFullError`` here, never SIGBUS at
+    a later first touch."""
+    if length <= 0:
+        return
+    try:
+        os.posix_fallocate(fd, offset, length)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):   # pragma: no cover - not tmpfs
+            return
+        raise limits.shm_full(f"allocating the pages of {name}", length,
+                              errno.errorcode.get(exc.errno or 0, str(exc.errno))) from exc
+
+
 class Region:
     """A mapped shared-memory segment. Use :meth:`create` or :meth:`attach`."""
 
@@ -114,8 +139,12 @@ class Region:
     # -- construction -------------------------------------------------------
 
     @classmethod
-    def create(cls, size: int, kind: str = "region", prefault: bool = True) -> "Region":
-        """Create a new segment of ``size`` bytes (zero-filled), owned by this process."""
+    def create(cls, size: int, kind: str = "region", prefault: bool = True,
+               backed: int | None = None) -> "Region":
+        """Create a new segment of ``size`` bytes (zero-filled), owned by this process.
+
+        ``backed``: only the first ``backed`` bytes are allocated now (default: all; see
+        the module docstring); nothing may touch the rest before :meth:`back` did."""
         if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
             raise ValueError(f"region size must be a positive int of bytes, got {size!r}")
         with limits.named_errors(f"creating a shared-memory region of {size} bytes", size):
@@ -125,7 +154,9 @@ class Region:
             _registry.register(name, "shm")
             try:
                 os.fchmod(shm.fd, 0o600)  # whatever the umask said
-                mm = _map(shm.fd, size, prefault, fresh=True, name=name)
+                whole = backed is None or backed >= size
+                _back(shm.fd, 0, size if whole else max(0, int(backed or 0)), name)
+                mm = _map(shm.fd, size, prefault and whole, fresh=True, name=name)
             except BaseException:
                 _registry.unlink_name(name, "shm")
                 raise
@@ -154,6 +185,23 @@ class Region:
             finally:
                 shm.close_fd()
         return cls(name, mm, size, owner=False)
+
+    def back(self, ranges: list[tuple[int, int]] | None = None) -> None:
+        """Allocate the pages of ``ranges`` (``(offset, length)`` each; default: the whole
+        segment) now, in a segment made with ``backed``: raises ``ShmFullError`` if
+        ``/dev/shm`` cannot hold them. Idempotent; in its owner, or in a process that
+        attached it writable and is about to write those ranges."""
+        if self._mmap is None:
+            raise ShmClosedError(f"region {self._name} is closed in this process")
+        spans = [(0, self._size)] if ranges is None else ranges
+        with limits.named_errors(f"backing the shared-memory region {self._name}",
+                                 sum(n for _, n in spans)):
+            shm = posix_ipc.SharedMemory(self._name)
+            try:
+                for offset, length in spans:
+                    _back(shm.fd, offset, min(length, self._size - offset), self._name)
+            finally:
+                shm.close_fd()
 
     # -- properties ---------------------------------------------------------
 

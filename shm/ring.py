@@ -373,9 +373,12 @@ class Ring:
 
     @classmethod
     def create(cls, slot_size: int, num_slots: int, kind: str = "ring",
-               prefault: bool = True, settings: ShmSettings | None = None) -> "Ring":
+               prefault: bool = True, settings: ShmSettings | None = None,
+               sparse: bool = False) -> "Ring":
         """Create a ring (region + two semaphores), owned by this process; ``settings``:
-        the knobs it takes (default: ``ShmSettings.current()``)."""
+        the knobs it takes (default: ``ShmSettings.current()``). ``sparse``: only its
+        header is backed in /dev/shm (``shm.region``); :meth:`back` before the first
+        write to a slot."""
         settings = settings if settings is not None else ShmSettings.current()
         if not isinstance(slot_size, int) or isinstance(slot_size, bool) or slot_size <= 0:
             raise ValueError(f"slot_size must be a positive int of bytes, got {slot_size!r}")
@@ -383,7 +386,8 @@ class Ring:
                 or not 1 <= num_slots <= _MAX_SLOTS):
             raise ValueError(f"num_slots must be an int in 1..{_MAX_SLOTS}, got {num_slots!r}")
         stride = _stride(slot_size)
-        region = Region.create(HEADER_SIZE + num_slots * stride, kind=kind, prefault=prefault)
+        region = Region.create(HEADER_SIZE + num_slots * stride, kind=kind, prefault=prefault,
+                               backed=HEADER_SIZE if sparse else None)
         name = region.name
         made: list[str] = []
         try:
@@ -409,6 +413,11 @@ class Ring:
             raise
         _log.debug("created ring %s: %d slots x %d bytes", name, num_slots, slot_size)
         return cls(region, free, full, owner=True, settings=settings)
+
+    def back(self) -> None:
+        """Allocate the pages of a ring made ``sparse`` (``ShmFullError`` if /dev/shm
+        cannot hold them); nothing for one made whole."""
+        self._region.back()
 
     @classmethod
     def attach(cls, name: str, prefault: bool = True,

@@ -646,6 +646,8 @@ class _Host:
         """Run the workload; False if a thread hung (the caller must not close the runner)."""
         if self.spec["scenario"] == "faults":
             return self._run_faults()
+        if self.spec["scenario"] == "shared-machine":
+            return self._run_shared()
         threads_n = int(self.spec["threads"])
         daemon_loop = self.spec["scenario"] == "daemon"
         work = None if daemon_loop else _open(self.spec, self.check)
@@ -683,6 +685,20 @@ class _Host:
             extra = run_faults(self.spec, self.tally, self.check, self.deadline, self.budget)
         finally:
             faulthandler.cancel_dump_traceback_later()
+        with self.tally.lock:
+            self.tally.extra = extra
+        _say(self.tally.progress_line())
+        return True
+
+    def _run_shared(self) -> bool:
+        """The shared-machine scenario (tools._stress_shared): one worker, a thread that
+        changes the PopEF file and /dev/shm under it."""
+        from tools._stress_shared import run_shared
+
+        seconds = float(self.spec.get("duration") or self.spec["max_seconds"])
+        self.deadline = time.time() + float(self.spec["max_seconds"])   # a cap only
+        _say(f"READY {self.deadline}")
+        extra = run_shared(self.spec, self.tally, seconds, self.budget)
         with self.tally.lock:
             self.tally.extra = extra
         _say(self.tally.progress_line())

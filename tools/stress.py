@@ -45,6 +45,17 @@ Pythons) on a private emulated machine (own IPU_EMULATOR_HOME and shm tag,
   after which the host makes a new runner), wrong or hung; it reports the faults
   injected, the resets and the recovery times. Short by default (about 12 requests
   per phase; ``--requests`` sets it).
+- ``shared-machine``: what another user of the machine can do (``tools._stress_shared``):
+  each host runs a 4 MiB model with ``auto_reset`` while a thread of it truncates and
+  rewrites the model's PopEF file in place (and writes it back), fills /dev/shm with a
+  file of its own for a moment (at most ``--shm-fill-mib``, removed at once) and kills
+  the runner's IPU process; every tenth request makes a new runner of the file as it
+  is then. An answer is right or fails with a named error (counted as expected); a
+  host killed by a signal (SIGBUS) fails the scenario. Run as root, the whole command
+  runs in a mount namespace of its own whose /dev/shm is a private tmpfs of
+  ``--private-shm-mib`` (default 256), so that /dev/shm is filled to its last byte
+  without any other process of the machine seeing it (``0``: the machine's /dev/shm,
+  filled by ``--shm-fill-mib`` at most).
 
 While a scenario runs, a progress line (requests, rate, failures so far) is
 rewritten in place on a terminal; when stdout is not one, a plain line is
@@ -81,15 +92,16 @@ __all__ = ["SCENARIOS", "ScenarioResult", "main", "run"]
 _log = logging.getLogger(__name__)
 
 SCENARIOS = ("mixed", "batching", "fused", "kill-ipu", "kill-pipeline", "kill-host", "daemon",
-             "fork", "interrupt", "faults")
+             "fork", "interrupt", "faults", "shared-machine")
 _IPUS_PER_DEVICE = {"kill-pipeline": 2, "faults": 2}   # IPUs of the scenario's model (sharded)
 
 
 def _machine_ipus(name: str, opts: argparse.Namespace) -> int:
     """IPUs a scenario's hosts hold at once (fork: each host's child makes a runner of
-    one IPU while the host holds its own; interrupt: each host's queue session has one)."""
+    one IPU while the host holds its own; interrupt: each host's queue session has one;
+    shared-machine: each host makes a second runner now and then)."""
     held = int(opts.hosts * opts.replicas * _IPUS_PER_DEVICE.get(name, 1))
-    return held + int(opts.hosts) if name in ("fork", "interrupt") else held
+    return held + int(opts.hosts) if name in ("fork", "interrupt", "shared-machine") else held
 _STARTUP_ALLOWANCE = 120.0     # seconds a host may take to import and load its model
 
 
@@ -114,6 +126,7 @@ class _Scenario:
                 "duration": duration, "max_seconds": self.opts.max_seconds,
                 "requests": self.opts.requests, "hang_timeout": self.opts.hang_timeout,
                 "inject_wrong": self.opts.inject_wrong,
+                "shm_fill_mib": self.opts.shm_fill_mib,
                 "daemon_socket": self.rig.daemon_socket if self.use_daemon else None,
                 **self.rig.models}
 
@@ -331,7 +344,8 @@ def _row(r: ScenarioResult) -> list[str]:
         (f"{r.faults} faults, {r.resets} resets, recovery "
          + (f"p50 {float(np.percentile(r.recovery_ms, 50)):.0f} / max "
             f"{max(r.recovery_ms):.0f} ms" if r.recovery_ms else "-")) \
-        if r.name == "faults" else "-"
+        if r.name == "faults" else \
+        f"{r.faults} changes" if r.name == "shared-machine" else "-"
     return [r.name, str(r.hosts), killed, str(r.ok), str(r.expected), str(r.wrong), str(r.hung),
             str(r.errors), "-" if r.p50_ms is None else f"{r.p50_ms:.2f}",
             "-" if r.p99_ms is None else f"{r.p99_ms:.2f}", str(r.leaks),
@@ -383,6 +397,11 @@ def _parser() -> argparse.ArgumentParser:
                    "http://ADDRESS:PORT/metrics while the run lasts (0: a free port, printed)")
     p.add_argument("--metrics-address", default="127.0.0.1", metavar="ADDRESS",
                    help="address /metrics listens on (default 127.0.0.1)")
+    p.add_argument("--shm-fill-mib", type=int, default=256, metavar="MIB",
+                   help="shared-machine: the most /dev/shm is filled with (default 256)")
+    p.add_argument("--private-shm-mib", type=int, default=256, metavar="MIB",
+                   help="shared-machine, as root: run in a mount namespace whose /dev/shm "
+                   "is a private tmpfs of MIB (default 256; 0: the machine's /dev/shm)")
     # Internal hook (tests): the first N checks of each host expect a wrong value.
     p.add_argument("--inject-wrong", type=int, default=0, help=argparse.SUPPRESS)
     return p
@@ -479,8 +498,18 @@ def main(argv: list[str] | None = None) -> int:
         opts.duration = 20.0
     if opts.metrics_port is not None and not 0 <= opts.metrics_port <= 65535:
         parser.error(f"--metrics-port must be in 0..65535, got {opts.metrics_port}")
+    if opts.shm_fill_mib < 1 or opts.private_shm_mib < 0:
+        parser.error(f"--shm-fill-mib must be at least 1 and --private-shm-mib at least 0, "
+                     f"got {opts.shm_fill_mib} and {opts.private_shm_mib}")
     if opts.seed is None:
         opts.seed = random.SystemRandom().randrange(1 << 31)
+    if "shared-machine" in (opts.scenario or ()) and opts.private_shm_mib:
+        from tools._stress_shared import reexec_in_private_shm
+
+        args = list(sys.argv[1:] if argv is None else argv)
+        code = reexec_in_private_shm(args + ["--seed", str(opts.seed)], opts.private_shm_mib)
+        if code is not None:
+            return code
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="ipu-emulator stress: %(message)s")
     live = LiveStats()

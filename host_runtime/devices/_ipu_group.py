@@ -389,7 +389,7 @@ class ShardedLoad:
             self.reset_links()
             for part in self.parts:
                 self.memory.append(Region.create(max(64, part.memory_bytes), kind="mem",
-                                                 prefault=False))
+                                                 prefault=False, backed=0))   # by its IPU
         except BaseException:
             self.close()
             raise

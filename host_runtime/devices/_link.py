@@ -38,7 +38,7 @@ from host_runtime.errors import (ApplicationRuntimeError, DeviceRuntimeError,
                                  UnrecoverableRuntimeError)
 from host_runtime.errors import (BadRequestError, DeviceExecutionError, DeviceLostError,
                                  InvalidStateError, ModelRuntimeError, PackageHashMismatchError,
-                                 PopefError, RemoteTraceback)
+                                 PopefError, RemoteTraceback, SharedMemoryFullError)
 from ipu_emulator import ipu_protocol
 from ipu_emulator.ipu.launcher import (IpuConnection, IpuProcessError,
                                           describe_returncode)
@@ -69,6 +69,8 @@ def error_from_body(body: Any, device: str) -> ModelRuntimeError:
         exc = PackageHashMismatchError(message)
     elif kind in (ErrorKind.MEMORY.value, ErrorKind.REQUEST.value):
         exc = BadRequestError(message)
+    elif kind == ErrorKind.SHM_FULL.value:
+        exc = SharedMemoryFullError(f"{device}: {message}")
     elif kind == ErrorKind.EXECUTABLE.value:
         exc = PopefError(f"the executable is damaged: {message}")
     elif kind == ErrorKind.STATE.value:

@@ -2,11 +2,23 @@
 
 ::
 
-    file   := file_header blob*
+    file   := file_header blob* [end_record]
     file_header (16 bytes, little-endian)
       0  8s  magic            b"IPUPOPEF"
       8  u32 format_version   FILE_FORMAT_VERSION (1)
-     12  u32 reserved         0
+     12  u32 flags            bit 0: the file ends with an end record (what the
+                              Writer writes); 0: no end record (older files)
+
+    end_record (32 bytes, little-endian; the last bytes of a file that announces it)
+      0  8s  magic            b"POPEFEND"
+      8  u64 blobs            how many blobs the file holds
+     16  u64 offset           where the record starts (= the bytes of all blobs + 16)
+     24  u32 chain_crc32      zlib.crc32 over the header_crc32 of every blob, in order
+     28  u32 record_crc32     zlib.crc32 of bytes 0..28 of the record
+
+    A file whose header announces an end record and that does not end with the
+    right one was cut short (anywhere, also exactly between two blobs) or
+    appended to, and is refused.
 
     blob   := blob_header name payload
     blob_header (48 bytes, little-endian)
@@ -51,6 +63,12 @@ _BLOB_HEADER = struct.Struct("<4sHHQIIQQII")
 BLOB_HEADER_SIZE = _BLOB_HEADER.size  # 48
 _CRC_COVERED = BLOB_HEADER_SIZE - 4    # header bytes covered by header_crc32
 
+FILE_FLAG_END_RECORD = 0x1
+KNOWN_FILE_FLAGS = FILE_FLAG_END_RECORD
+END_MAGIC = b"POPEFEND"
+_END_RECORD = struct.Struct("<8sQQII")
+END_RECORD_SIZE = _END_RECORD.size   # 32
+
 FLAG_COMPRESSED = 0x1
 KNOWN_FLAGS = FLAG_COMPRESSED
 
@@ -79,8 +97,26 @@ class BlobType(enum.IntEnum):
 assert FILE_HEADER_SIZE == 16 and BLOB_HEADER_SIZE == 48
 
 
-def pack_file_header() -> bytes:
-    return _FILE_HEADER.pack(FILE_MAGIC, FILE_FORMAT_VERSION, 0)
+def pack_file_header(flags: int = FILE_FLAG_END_RECORD) -> bytes:
+    return _FILE_HEADER.pack(FILE_MAGIC, FILE_FORMAT_VERSION, flags)
+
+
+def chain_crc(crc: int, header_crc32: int) -> int:
+    """The end record's ``chain_crc32`` so far, with one more blob's header checksum."""
+    return zlib.crc32(struct.pack("<I", header_crc32), crc)
+
+
+def pack_end_record(blobs: int, offset: int, chain: int) -> bytes:
+    head = _END_RECORD.pack(END_MAGIC, blobs, offset, chain, 0)[:END_RECORD_SIZE - 4]
+    return head + struct.pack("<I", zlib.crc32(head))
+
+
+def unpack_end_record(raw: bytes) -> tuple[int, int, int] | None:
+    """``(blobs, offset, chain_crc32)`` of an end record, None if ``raw`` is not one."""
+    magic, blobs, offset, chain, crc = _END_RECORD.unpack(raw)
+    if magic != END_MAGIC or crc != zlib.crc32(raw[:END_RECORD_SIZE - 4]):
+        return None
+    return blobs, offset, chain
 
 
 def unpack_file_header(raw: bytes) -> tuple[bytes, int, int]:

@@ -9,15 +9,24 @@ Any damage raises ``PopefError``; no struct, json, zlib, numpy or Unicode
 error escapes, and no length read from the file is used before it has been
 checked against the bytes the file still holds.
 
-Large payloads of a file (executables and tensor data of ``MAP_MIN_BYTES`` or
-more) are not copied into this process: they are read-only views of the file
-mapped into memory, whose pages the kernel keeps in its page cache, shared and
-reclaimable, instead of a private copy per process (:func:`drop_pages` lets
-this process's mapping of them go once they have been read). Do not change a
-PopEF file in place while a model read from it is in use (write a new file
-and rename it over the old one): a session that copies the bytes again checks
-them against their checksum and refuses changed ones, but a file cut shorter
-under a mapping faults the process that reads it.
+Large payloads of a file (executables and tensor data of a file of ``MAP_MIN_BYTES``
+or more) are not copied into this process's memory: they are read-only views of a
+mapped file, whose pages the kernel keeps in its page cache, shared and reclaimable,
+instead of a private copy per process (:func:`drop_pages` lets this process's mapping
+of them go once they have been read).
+
+The file mapped is not the user's but a *snapshot* of it this process owns: an
+unnamed file (``O_TMPFILE``, mode 0600) in the file's own folder (else the temporary
+folder), filled once by the kernel (``copy_file_range``: no copy through this
+process, and none at all where the file system shares extents), then mapped. Nobody
+else can name it, so nobody can cut it short or rewrite it: a PopEF file truncated or
+rewritten in place while a model read from it is in use (or before ``auto_reset``
+loads it again) changes nothing, where a mapping of the file itself would fault the
+process reading it (SIGBUS). IPU processes open the snapshot as
+``/proc/<pid>/fd/<fd>`` (:func:`file_span`). A file changed while the snapshot is
+taken is refused (cut short: fewer bytes than it had; rewritten: the checksums).
+Where no folder takes an unnamed file the snapshot is an anonymous memory file
+(``memfd``), which costs memory rather than page cache.
 
 A reader given :class:`PendingChecksums` checks the payloads it maps on threads of their
 own (zlib lets go of the GIL) while its caller goes on with the blobs; the caller waits
@@ -32,11 +41,15 @@ import io
 import logging
 import mmap
 import os
+import errno
 import queue
+import stat
+import tempfile
 import threading
+import weakref
 import zlib
 from dataclasses import dataclass
-from typing import BinaryIO, Callable, Protocol, Union
+from typing import BinaryIO, Callable, Iterator, Protocol, Union
 
 from host_runtime.errors import PopefError, ResourceLimitError
 from host_runtime.popef import _format as fmt
@@ -165,17 +178,24 @@ class Reader:
             except OSError as exc:  # pragma: no cover - fstat on an open file
                 raise PopefError(f"cannot stat PopEF file: {exc}", path=spath) from None
             mapped = None
-            if size >= MAP_MIN_BYTES:
+            if size >= MAP_MIN_BYTES and stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                snap = _snapshot(f.fileno(), size, spath)
                 try:
                     # populated at once for the checksum here; a checksum on a thread
                     # reads its pages there, the caller going on meanwhile
                     populate = _POPULATE if self._pending is None else 0
-                    mapped = _FileMap(f.fileno(), size, flags=mmap.MAP_SHARED | populate,
+                    mapped = _FileMap(snap, size, flags=mmap.MAP_SHARED | populate,
                                       prot=mmap.PROT_READ)
-                    mapped.path = os.path.realpath(spath)
-                    mapped.identity = _identity(os.fstat(f.fileno()))
-                except (OSError, ValueError):   # not mappable (a pipe, a special file)
-                    mapped = None
+                except (OSError, ValueError) as exc:
+                    os.close(snap)
+                    raise PopefError(f"cannot map the snapshot of PopEF file: {exc}",
+                                     path=spath) from None
+                mapped.path = f"/proc/{os.getpid()}/fd/{snap}"
+                mapped.identity = _identity(os.fstat(snap))
+                weakref.finalize(mapped, os.close, snap)   # the snapshot goes with its views
+                with os.fdopen(os.dup(snap), "rb") as copy:   # parsed from it, whole
+                    self._parse(copy, size, spath, mapped)
+                return
             self._parse(f, size, spath, mapped)
 
     def parseStream(self, stream: BinaryIO | BytesLike, name: str = "<bytes>") -> None:
@@ -268,6 +288,7 @@ class _FileParser:
         self.path = path
         self.mapped = mapped
         self.pending = pending
+        self.last_header_crc = 0
 
     def error(self, msg: str, offset: int, blob: str | None = None) -> PopefError:
         return PopefError(msg, path=self.path, blob=blob, offset=offset)
@@ -301,21 +322,64 @@ class _FileParser:
         if version != fmt.FILE_FORMAT_VERSION:
             raise self.error(f"unsupported PopEF file format version {version}; this "
                              f"reader supports version {fmt.FILE_FORMAT_VERSION}", 8)
-        if reserved != 0:
-            raise self.error(f"file header reserved field is {reserved}, expected 0", 12)
+        if reserved & ~fmt.KNOWN_FILE_FLAGS:
+            raise self.error(f"file header flags are 0x{reserved:x}; this reader knows "
+                             f"0x{fmt.KNOWN_FILE_FLAGS:x} (the end record)", 12)
+        end = self.size
+        record = None
+        if reserved & fmt.FILE_FLAG_END_RECORD and self.size >= (fmt.FILE_HEADER_SIZE
+                                                                  + fmt.END_RECORD_SIZE):
+            record = fmt.unpack_end_record(self.read_exact(
+                self.size - fmt.END_RECORD_SIZE, fmt.END_RECORD_SIZE, "the end record"))
+            if record is not None:
+                end = self.size - fmt.END_RECORD_SIZE
         out: list[tuple[BlobInfo, Blob]] = []
         offset = fmt.FILE_HEADER_SIZE
         index = 0
-        while offset < self.size:
-            info, blob = self.parse_blob(offset, index)
+        chain = 0
+        while offset < end:
+            if record is None and reserved & fmt.FILE_FLAG_END_RECORD and (
+                    end - offset < fmt.BLOB_HEADER_SIZE):
+                raise self.error(
+                    f"file is truncated or damaged: its last {end - offset} bytes are "
+                    "neither a blob nor the end record its header announces", offset,
+                    f"#{index}")
+            info, blob = self.parse_blob(offset, index, end)
             out.append((info, blob))
+            chain = fmt.chain_crc(chain, self.last_header_crc)
             offset += info.size
             index += 1
+        if reserved & fmt.FILE_FLAG_END_RECORD:
+            self.check_end(record, out, chain)
         return out
 
-    def parse_blob(self, offset: int, index: int) -> tuple[BlobInfo, Blob]:
+    def check_end(self, record: tuple[int, int, int] | None,
+                  blobs: list[tuple[BlobInfo, Blob]], chain: int) -> None:
+        """The file announced an end record: it must end with it, and the record must
+        count the blobs found (else the file was cut short or appended to)."""
+        last = (f"the last one {blobs[-1][0].label} at offset {blobs[-1][0].offset}"
+                if blobs else "none")
+        if record is None:
+            raise self.error(
+                f"file is truncated: it ends at byte {self.size} after {len(blobs)} whole "
+                f"blob(s) ({last}) without the end record its header announces: the rest "
+                "of the file (blobs after these, and the end record) is missing",
+                self.size)
+        count, at, want = record
+        if count != len(blobs) or at != self.size - fmt.END_RECORD_SIZE or want != chain:
+            raise self.error(
+                f"file does not match its end record: the record says {count} blob(s) "
+                f"ending at byte {at}, the file holds {len(blobs)} blob(s) ({last}) ending "
+                f"at byte {self.size - fmt.END_RECORD_SIZE}"
+                + ("" if want == chain or count != len(blobs) else
+                   ", and their headers are not the ones written")
+                + " (cut short and appended to, or damaged)",
+                self.size - fmt.END_RECORD_SIZE)
+
+    def parse_blob(self, offset: int, index: int, end: int) -> tuple[BlobInfo, Blob]:
+        """The blob at ``offset`` (blobs end at ``end``: the end record or the file's end)."""
         where = f"#{index}"
-        remaining = self.size - offset
+        remaining = end - offset
         if remaining < fmt.BLOB_HEADER_SIZE:
             raise self.error(f"file is truncated: {remaining} bytes left, a blob header "
                              f"needs {fmt.BLOB_HEADER_SIZE}", offset, where)
@@ -340,6 +404,7 @@ class _FileParser:
         if fmt.header_crc(raw, name_raw) != h.header_crc:
             raise self.error("blob header checksum mismatch (the header or the name is "
                              "damaged)", offset, where)
+        self.last_header_crc = h.header_crc
         try:
             name = name_raw.decode("utf-8")
         except UnicodeDecodeError:
@@ -465,6 +530,77 @@ def _crc32(data: bytes | memoryview) -> int:
     for a in range(0, len(data), 8 << 20):   # a page-cache mapping: read it chunk by chunk
         crc = zlib.crc32(data[a:a + (8 << 20)], crc)
     return crc
+
+
+_COPY_CHUNK = 64 << 20
+
+
+def _snapshot(src: int, size: int, path: str) -> int:
+    """A descriptor of an unnamed private copy of the ``size`` bytes of ``src`` (see the
+    module docstring). Raises ``PopefError`` if the file is shorter than ``size`` (cut
+    while it was read), ``ResourceLimitError`` if no place has room for the copy."""
+    full: list[str] = []
+    for fd, where in _unnamed_files(os.path.dirname(os.path.abspath(path))):
+        try:
+            done = _copy_range(src, fd, size)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM, errno.EFBIG):
+                full.append(f"{where}: {exc.strerror or exc}")
+                continue    # the next place
+            raise PopefError(f"cannot read PopEF file: {exc.strerror or exc}",
+                             path=path) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        if done != size:
+            os.close(fd)
+            raise PopefError(f"file is truncated: it had {size} bytes when opened and {done} "
+                             "could be read (cut short while it was read)", path=path,
+                             offset=done)
+        return fd
+    raise ResourceLimitError(
+        f"no room for the private snapshot of PopEF file {echo(path)} ({size} bytes): "
+        + "; ".join(full) + "; free space there, or load the model from bytes "
+        "(popef.Reader.parseStream)")
+
+
+def _unnamed_files(folder: str) -> Iterator[tuple[int, str]]:
+    """``(fd, where)`` of an unnamed 0600 file in ``folder``, then in the temporary
+    folder, then an anonymous memory file: the caller takes the first with room."""
+    flags = getattr(os, "O_TMPFILE", 0) | os.O_RDWR | os.O_CLOEXEC
+    if flags & ~(os.O_RDWR | os.O_CLOEXEC):
+        for where in dict.fromkeys((folder, tempfile.gettempdir())):
+            try:
+                yield os.open(where, flags, 0o600), where
+            except OSError:
+                continue
+    yield os.memfd_create("popef-snapshot", os.MFD_CLOEXEC), "memory (memfd)"
+
+
+def _copy_range(src: int, dst: int, size: int) -> int:
+    """Copy ``src[0:size]`` to ``dst`` in the kernel where it can; the bytes copied (fewer
+    than ``size``: ``src`` ended early)."""
+    done = 0
+    kernel = hasattr(os, "copy_file_range")
+    while done < size:
+        n = min(size - done, _COPY_CHUNK)
+        if kernel:
+            try:
+                got = os.copy_file_range(src, dst, n, done, done)
+            except OSError as exc:
+                if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL,
+                                     errno.EOPNOTSUPP, errno.EBADF):
+                    raise
+                kernel = False
+                continue
+        else:
+            data = os.pread(src, n, done)
+            got = os.pwrite(dst, data, done) if data else 0
+        if got == 0:
+            break
+        done += got
+    return done
 
 
 class _FileMap(mmap.mmap):

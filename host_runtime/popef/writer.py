@@ -76,6 +76,8 @@ class Writer:
         self._active: BlobWriter | None = None           # the open blob writer
         self._anchors: dict[str, TensorInfo] = {}        # of the metadata written
         self._data_infos: dict[str, TensorInfo] = {}     # of the blob writers' data
+        self._blobs = 0
+        self._chain = 0       # the end record's chain of blob header checksums
         self._write(fmt.pack_file_header())
 
     # -- blobs ------------------------------------------------------------------
@@ -229,7 +231,9 @@ class Writer:
         return self._f is None
 
     def close(self) -> None:
-        """Flush; for a path, put the file in place (see the module). Idempotent."""
+        """Write the end record and flush; for a path, put the file in place (see the
+        module). Idempotent. A file whose writer was not closed has no end record and
+        is refused by the Reader as cut short."""
         if self._f is None:
             return
         try:
@@ -237,9 +241,10 @@ class Writer:
         except BaseException:
             self.abort()
             raise
+        # the end record: a reader refuses a file that does not end with it (cut short)
+        self._write(fmt.pack_end_record(self._blobs, self._offset, self._chain))
         f, self._f = self._f, None
-        if f is None:
-            return
+        assert f is not None
         atomic, self._atomic = self._atomic, None
         if atomic is None:
             f.flush()
@@ -298,6 +303,8 @@ class Writer:
                                       flags, aux)
         self._write(header + name_raw)
         self._write(payload)
+        self._blobs += 1
+        self._chain = fmt.chain_crc(self._chain, fmt.unpack_blob_header(header).header_crc)
         _log.debug("wrote %s %r (%d bytes) to %s", btype.label, name, len(payload), self._name)
 
     def _write(self, data: bytes | memoryview) -> None:

@@ -9,6 +9,14 @@ drainer notifies it, its own deadline, or the replica's next timer (which it
 then fires itself): a waiter sleeps until the earliest of its deadline and its
 data, never in fixed slices.
 
+Silence is the replica's, not a waiter's: ``_since`` is when the device last made
+progress (a transfer completed) or was given work while idle (its oldest transfer
+published). Any wait on any request of the replica, timed, untimed or ``done()``,
+compares it with the host sync timeout; the first to find the device silent that long
+fails every request in flight on the replica at once (``_give_up``), so a future
+polled with ``wait(0.1)`` or ``done()`` fails as soon as one waited on without a
+timeout would, and six futures fail together, not one host sync timeout each.
+
 :class:`Completion` is also the requests' :class:`~host_runtime.runner._requests.Driver`
 (``OutputFuture.wait`` calls :meth:`Completion.wait_for`).
 """
@@ -58,7 +66,10 @@ class Completion:
         self.draining = False
         self.stalled = False    # a wait gave up on the device (host sync timeout), no
                                 # transfer has completed since
-        self._drained = 0       # transfers completed (progress, for the host sync timeout)
+        self._drained = 0       # transfers completed
+        # monotonic time of the device's last progress, or of its oldest transfer's
+        # publishing if it was idle before (the host sync timeout counts from it)
+        self._since = time.monotonic()
         # Submission.try_finish (held weakly): lay an interrupted writer's transfer
         self.finish_unfinished: Callable[[Transfer], bool] | None = None
 
@@ -72,6 +83,8 @@ class Completion:
         """``tr`` is published: the device will write its outputs after those before it."""
         with self._lock:
             tr.published = True
+            if self.inflight and self.inflight[0] is tr:   # the device was idle till now
+                self._since = time.monotonic()
             if self._waiters:
                 self._cv.notify_all()
 
@@ -84,6 +97,8 @@ class Completion:
         """The open ``tr`` is published (full, or flushed)."""
         with self._lock:
             tr.published = True
+            if self.inflight and self.inflight[0] is tr:   # the device was idle till now
+                self._since = time.monotonic()
             if self.open is tr:
                 self.open = None
             if self._waiters:
@@ -110,14 +125,33 @@ class Completion:
                 with self._lock:
                     self._sleep(give_up)
 
+    def _silent(self, now: float) -> bool:
+        """The device has work (its oldest transfer published) and made no progress for
+        the host sync timeout (see the module docstring)."""
+        head = self.inflight[0] if self.inflight else None
+        return (head is not None and head.published and self._life.error is None
+                and now - self._since >= self._life.sync_s)
+
     def _give_up(self, req: Request) -> None:
-        """``req``'s wait saw no progress for the host sync timeout: it fails (its outputs,
-        when they come, go nowhere), the replica is stalled, the error is raised."""
+        """The device was silent for the host sync timeout: every request in flight on the
+        replica fails with the named error (their outputs, when they come, go nowhere: the
+        transfers stay in the device's order and are drained into nothing), the replica is
+        stalled, and if ``req`` is among them its error is raised."""
         err = self._life.stalled_error("waiting for the outputs of a request")
-        req.dests = {}
-        req.fail(err)
+        with self._lock:
+            if not self._silent(time.monotonic()):   # another waiter saw to it, or progress
+                return
+            self._since = time.monotonic()   # one give-up per silent host sync timeout
+            pending = [seg[0] for tr in self.inflight if tr.published for seg in tr.segments]
+        mine = False
+        for r in pending:
+            if not r.done:
+                mine = mine or r is req
+                r.dests = {}
+                r.fail(err)
         self.stall(err)
-        raise err
+        if mine:
+            raise err
 
     # -- waiting ---------------------------------------------------------------------
     def record_error(self, error: BaseException) -> None:
@@ -165,8 +199,6 @@ class Completion:
         end = None if timeout is None else time.monotonic() + timeout
         lock = self._lock
         life = self._life
-        progress = self._drained
-        quiet = time.monotonic()    # since the last progress (the host sync timeout)
         while not req.done:
             if life.closed:
                 req.fail(life.closed_error())
@@ -177,16 +209,14 @@ class Completion:
                     if req.done:
                         break
                     if self.draining:
-                        if not self._sleep(end):
-                            return False
+                        self._sleep(end)   # till notified, a timer or end (checked below)
                     else:
                         self.draining = mine = True   # one step: an interrupt cannot split it
                         head = self.inflight[0] if self.inflight else None
                 if not mine:
                     if self._timer_due() <= time.monotonic():
                         self.fire_timers()
-                    continue
-                if (end is None and head is not None and head.published
+                elif (end is None and head is not None and head.published
                         and self.open is None and not self._timers.has_phantoms):
                     # _drive_step's common case, inline: no timer, no deadline, the
                     # oldest transfer is on the device: drain it
@@ -207,14 +237,12 @@ class Completion:
             if req.done:
                 break
             now = time.monotonic()
-            if end is not None:
-                if now >= end:
-                    return False
-            elif self._drained != progress:
-                progress, quiet = self._drained, now
-            elif (now - quiet >= life.sync_s and self.inflight
-                  and self.inflight[0].published):
-                self._give_up(req)   # the device has work and did none of it
+            if self._silent(now):
+                self._give_up(req)   # the device has work and did none of it: all fail
+                if req.done:
+                    break
+            if end is not None and now >= end:
+                return False
         return True
 
     def try_drive(self, end: float) -> bool:
@@ -295,7 +323,7 @@ class Completion:
         except (ShmError, OSError, ModelRuntimeError):
             raise
         except BaseException as exc:   # KeyboardInterrupt, a signal handler's exception
-            self._read_interrupted(tr, path.output_ring(tr, tr.next_output), exc)
+            _read_interrupted(self._life.rid, tr, path.output_ring(tr, tr.next_output), exc)
             raise
         finished: list[Request] = []
         now = time.perf_counter_ns()
@@ -327,6 +355,7 @@ class Completion:
                             req.t_completed = now
                             req.done = True
         self._drained += 1
+        self._since = time.monotonic()
         self.stalled = False
         mon = self._monitor
         for req in finished:
@@ -334,26 +363,6 @@ class Completion:
                 started = mon.record(req.t_received, req.t_prepared, req.t_completed, req.t_laid)
                 if recorder.ON:
                     _tracing.request(self._life, req, started)
-
-    def _read_interrupted(self, tr: Transfer, ring: Ring, exc: BaseException) -> None:
-        """A drainer reading output ``tr.next_output`` of ``tr`` from ``ring`` was
-        interrupted by ``exc``. If the output was consumed (its slot acquired, or the
-        ring's last read carries ``tr``'s number) it is lost: ``tr``'s requests fail and
-        the rest of ``tr`` is drained into nothing. Else ``tr`` is intact and the next
-        drainer goes on."""
-        index = tr.next_output
-        if ring.unreleased():
-            ring.release()
-        elif not consumed_from(ring, tr.seq):
-            return    # not consumed: the output is still on its way
-        tr.next_output = index + 1
-        name = tr.outputs[index].name
-        err = InvalidStateError(
-            f"replica {self._life.rid}: output {name!r} of the request was lost: the thread "
-            f"reading it was interrupted by {type(exc).__name__}")
-        for seg in tr.segments:
-            seg[0].dests = {}
-            seg[0].fail(err)
 
     # -- failure and close -------------------------------------------------------------
     def fail_all(self, err: ModelRuntimeError) -> None:
@@ -391,3 +400,24 @@ class Completion:
         with self._lock:
             self.inflight.clear()
             self.open = None
+
+
+def _read_interrupted(rid: int, tr: Transfer, ring: Ring, exc: BaseException) -> None:
+    """A drainer of replica ``rid`` reading output ``tr.next_output`` of ``tr`` from
+    ``ring`` was interrupted by ``exc``. If the output was consumed (its slot acquired,
+    or the ring's last read carries ``tr``'s number) it is lost: ``tr``'s requests fail
+    and the rest of ``tr`` is drained into nothing. Else ``tr`` is intact and the next
+    drainer goes on."""
+    index = tr.next_output
+    if ring.unreleased():
+        ring.release()
+    elif not consumed_from(ring, tr.seq):
+        return    # not consumed: the output is still on its way
+    tr.next_output = index + 1
+    name = tr.outputs[index].name
+    err = InvalidStateError(
+        f"replica {rid}: output {name!r} of the request was lost: the thread "
+        f"reading it was interrupted by {type(exc).__name__}")
+    for seg in tr.segments:
+        seg[0].dests = {}
+        seg[0].fail(err)

@@ -167,7 +167,9 @@ class OutputFuture:
         """Block until the result (or an error) is available; False if ``timeout`` passed.
 
         DeviceTimeoutError when the device made no progress for the host sync timeout
-        (``IPU_EMULATOR_HOST_SYNC_TIMEOUT``; the request then fails with it);
+        (``IPU_EMULATOR_HOST_SYNC_TIMEOUT``, counted from the device's last progress, however
+        it is polled; the request, and every other in flight on its replica, then fails
+        with it);
         ForkedProcessError in a process forked from the one that made the request."""
         if foreign(self._owner_pid):
             raise forked_error("OutputFuture", self._owner_pid)
@@ -182,7 +184,12 @@ class OutputFuture:
         r = self._request
         if r.is_done():
             return True
-        return r.driver.wait_for(r, 0.0)
+        try:   # a poll drives the replica too: it may find the device silent (all fail)
+            return r.driver.wait_for(r, 0.0)
+        except DeviceTimeoutError:
+            if r.is_done():
+                return True
+            raise
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         self._wait_or_raise(timeout)

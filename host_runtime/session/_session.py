@@ -646,7 +646,7 @@ class Session:
             ("the device memory region", max(64, int(self._header["memory_bytes"]))),
             ("the executable region", self._weights_at)] + (
             [("the weights region", self._weights_len)]
-            if self._weights is None and self._weights_len and self._weights_file() is None
+            if self._weights is None and self._weights_len and self._weights_file(dev) is None
             else []) + (
             [("the constants region", constants_bytes(
                 {h: v for h, (_, v) in self._streams.constants().items()}))]
@@ -655,7 +655,10 @@ class Session:
         if self._memory_region is None:
             size = max(64, int(self._header["memory_bytes"]))
             with translated("the device memory region", size):
-                self._memory_region = Region.create(size, kind="mem", prefault=False)
+                # backed by the IPU process where it will touch it (not where it reads
+                # constants in place): ipu_emulator.ipu._constants.memory_ranges
+                self._memory_region = Region.create(size, kind="mem", prefault=False,
+                                                    backed=0)
 
     def _load(self, fresh: bool, keep_load_constants: bool = False) -> None:
         """Send LOAD (caller holds the device lock and is the active session).
@@ -681,9 +684,9 @@ class Session:
         if int(self._header["num_ipus"]) > 1 and self._load_sharded(dev, modes, fresh):
             self._constants_loaded = constants
             return
-        weights_file = self._weights_file()
+        weights_file = self._weights_file(dev)
         if weights_file is None:
-            self._share_weights()
+            self._share_weights(dev)
         spec: dict[str, Any] = {
             "key": self._key, "fresh": int(bool(fresh)), "executable_offset": 0,
             "executable_size": self._weights_at,
@@ -758,12 +761,16 @@ class Session:
         device's main loop would not wait for requests)."""
         self._streams.set_constant(anchor_handle, data)
 
-    def _weights_file(self) -> dict[str, Any] | None:
+    def _weights_file(self, dev: Device | None = None) -> dict[str, Any] | None:
         """With prepacking on, where an IPU process reads the weights itself: the PopEF
         file they were read from, while it is unchanged (it takes its own copy at once;
-        no shared region is needed). None: they go through the shared region."""
+        no shared region is needed). None: they go through the shared region, also where
+        an IPU process of ``dev`` runs as another user (a daemon's), which cannot open
+        this process's snapshot of the file (``/proc/<pid>/fd/``)."""
         if not (self._weights_len and self._settings.prepack
                 and isinstance(self._exe, memoryview)):
+            return None
+        if dev is not None and not _same_user(dev.pids()):
             return None
         view = self._exe[self._weights_at:self._weights_at + self._weights_len]
         span = popef_file_span(view)
@@ -774,9 +781,9 @@ class Session:
         return {"path": span[0], "offset": span[1], "length": self._weights_len,
                 "identity": list(popef_file_identity(view) or ())}
 
-    def _share_weights(self) -> None:
+    def _share_weights(self, dev: Device | None = None) -> None:
         """Hold the region of the executable's weights (made if this process has none)."""
-        if self._weights is None and self._weights_len and self._weights_file() is None:
+        if self._weights is None and self._weights_len and self._weights_file(dev) is None:
             check_fits(self._header["name"], self._weights_len, self.memory_per_replica(), 1,
                        bool(self._settings.prepack),
                        held=is_shared(self._exe, self._weights_at, self._weights_len))
@@ -917,3 +924,15 @@ def _weights_span(exe: bytes | memoryview, header: dict[str, Any]) -> tuple[int,
         return weights_span(exe)
     except ExecutableError as exc:
         raise PopefError(f"executable {header['name']!r}: {exc}") from exc
+
+
+def _same_user(pids: list[int]) -> bool:
+    """Whether every process of ``pids`` runs as this process's user (None known: yes)."""
+    uid = os.getuid()
+    for pid in pids:
+        try:
+            if os.stat(f"/proc/{pid}").st_uid != uid:
+                return False
+        except OSError:
+            continue
+    return True

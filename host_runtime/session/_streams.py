@@ -338,12 +338,15 @@ class StreamTable:
             for a, n, depth in plan:
                 kind = "in" if a.type() is popef.TensorType.INPUT else "out"
                 # a constant's ring is never written while it is constant: left untouched
-                prefault = n * depth <= _PREFAULT_BYTES and a.handle() not in constant
+                # (its slots not even backed in /dev/shm until it carries values)
+                sparse = a.handle() in constant
+                prefault = n * depth <= _PREFAULT_BYTES and not sparse
                 with translated(f"the ring of anchor {a.name()!r} ({depth} slots of {n} "
                                 "bytes)", ring_bytes(n, depth)):
                     self.rings[a.handle()] = Ring.create(n, depth, kind=kind,
                                                          prefault=prefault,
-                                                         settings=self._settings)
+                                                         settings=self._settings,
+                                                         sparse=sparse)
         else:
             now = {h for h in self._uncounted if h not in constant}
             if now:   # no longer constants: their rings will carry values
@@ -351,6 +354,11 @@ class StreamTable:
                     (f"ring of anchor {self.anchor(h).name()!r}", ring_bytes(
                         max(1, self.nbytes[h]), self.ring_depth(self.anchor(h))))
                     for h in sorted(now)] + list(extra))
+                for h in sorted(now):   # backed before anything writes a slot
+                    ring = self.rings[h]
+                    with translated(f"the ring of anchor {self.anchor(h).name()!r}",
+                                    ring_bytes(max(1, self.nbytes[h]), ring.num_slots)):
+                        ring.back()
                 self._uncounted -= now
         if self._peer != peer_pid:
             for ring in self.rings.values():

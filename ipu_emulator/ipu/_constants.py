@@ -30,7 +30,7 @@ from typing import Iterable, Iterator
 from ipu_emulator.executable import (
     Copy, Execute, Executable, Instruction, Repeat, StreamIn, StreamOut, Switch)
 
-__all__ = ["ConstantPlan", "plan_constants"]
+__all__ = ["ConstantPlan", "memory_ranges", "plan_constants"]
 
 
 @dataclass(frozen=True)
@@ -92,3 +92,25 @@ def plan_constants(exe: Executable, handles: Iterable[str]) -> ConstantPlan:
                 continue
         copied[h] = tuple(sorted(tensors))
     return ConstantPlan(shared, copied)
+
+
+def memory_ranges(exe: Executable, constants: Iterable[str] | None
+                  ) -> list[tuple[int, int]]:
+    """``(offset, length)`` of the device memory an interpreter of ``exe`` with these
+    ``constants`` (stream handles) reads or writes (every tensor not read in place from
+    the constants), merged: what must be backed in /dev/shm before it runs."""
+    shared = plan_constants(exe, constants or ()).shared_tensors
+    return _ranges([(t.offset, t.nbytes) for name, t in exe.tensors.items()
+                    if name not in shared and t.nbytes])
+
+
+def _ranges(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``(offset, length)`` spans merged where they touch or overlap, in order."""
+    out: list[tuple[int, int]] = []
+    for a, n in sorted(spans):
+        if out and a <= out[-1][0] + out[-1][1]:
+            start, length = out[-1]
+            out[-1] = (start, max(length, a + n - start))
+        else:
+            out.append((a, n))
+    return out

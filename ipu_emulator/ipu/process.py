@@ -75,6 +75,7 @@ from shm import ring as ring_waits
 from shm.cleanup import list_objects
 
 from ipu_emulator import package_hash, ipu_protocol, titles
+from ipu_emulator.ipu._constants import memory_ranges
 from ipu_emulator.ipu._host_memory import HostMemory
 from ipu_emulator.ipu._placement import KeepApart
 from ipu_emulator.ipu._stream_io import _Loaded, _RequestError, _RingIO, _Stream
@@ -635,6 +636,15 @@ class DeviceProcess:
                 raise _RequestError(ErrorKind.PROTOCOL,
                                     f"cannot open device memory {mem_name}: {exc}") from None
             regions.append(mem_region)
+            try:   # the pages it will touch, allocated now: /dev/shm full is named here
+                mem_region.back(memory_ranges(exe, constants))
+            except ShmError as exc:
+                for r in regions[1:]:
+                    r.close()
+                if file_map is not None:
+                    _unmap(file_map, weights)
+                raise _RequestError(ErrorKind.SHM_FULL, f"device memory {mem_name}: {exc}"
+                                    ) from None
             memory = mem_region.buf[:exe.memory_bytes]
         prepack = True if file_map is not None else spec.get("prepack")
         kwargs: dict[str, Any] = {} if prepack is None else {"prepack": prepack}

@@ -114,6 +114,8 @@ def main(case: str, path: str, daemon_pid: str = "") -> dict[str, Any]:
         future = dog.call("executeAsync", lambda: runner.executeAsync(request(1.0)))
         if future is not None:
             dog.call("wait", future.wait)
+    elif case in ("poll-wait", "poll-done"):
+        report["polled"] = poll_case(case, runner, request, futures)
     elif case == "async-full":
         def submit_until_refused() -> int:
             for _ in range(64):   # far more than the rings hold
@@ -166,6 +168,36 @@ def main(case: str, path: str, daemon_pid: str = "") -> dict[str, Any]:
         again.close()
     report["left"] = sorted(o.entry for o in list_objects() if o.pid == os.getpid())
     return report
+
+
+def poll_case(case: str, runner: Any, request: Callable[[float], Any],
+              futures: list[Any]) -> dict[str, Any]:
+    """Six requests on the stopped IPU, polled (``wait(0.1)`` or ``done()``) round after
+    round for at most ``HANG`` s: when each was seen done, and its error."""
+    start = time.monotonic()
+    for i in range(6):
+        futures.append(runner.executeAsync(request(6.0 + i)))
+    seen: dict[int, float] = {}
+    raised: list[str] = []
+    while len(seen) < len(futures) and time.monotonic() - start < HANG:
+        for k, fut in enumerate(futures):
+            if k in seen:
+                continue
+            try:
+                done = fut.wait(0.1) if case == "poll-wait" else fut.done()
+            except Exception as exc:   # the poll that found the device silent
+                raised.append(type(exc).__name__)
+                done = True
+            if done:
+                seen[k] = time.monotonic() - start
+        if case == "poll-done":
+            time.sleep(0.01)   # a user's polling loop; not synchronisation
+    errors = []
+    for fut in futures:
+        exc = fut.exception(0) if fut.done() else None
+        errors.append(None if exc is None else [type(exc).__name__, str(exc)])
+    return {"seconds": [round(seen.get(k, -1.0), 3) for k in range(len(futures))],
+            "errors": errors, "raised": raised}
 
 
 def template_case(path: str) -> dict[str, Any]:

@@ -61,6 +61,23 @@ def test_wait_on_a_stopped_ipu_process_is_bounded(model_path):
     assert_bounded(report, ["wait"])
 
 
+@pytest.mark.parametrize("case", ["poll-wait", "poll-done"])
+def test_polled_futures_on_a_stopped_ipu_process_all_fail_within_the_bound(model_path, case):
+    """Six futures polled with wait(0.1) or done(), never waited on without a timeout:
+    all fail together with the named error within the host sync timeout (1 s) and a
+    margin, not one per wait nor never; once continued, the runner answers right."""
+    report = run_program(case, model_path)
+    polled = report["polled"]
+    assert all(0 <= s <= float(SYNC) + 2.5 for s in polled["seconds"]), polled
+    assert max(polled["seconds"]) - min(polled["seconds"]) < 1.0, polled
+    for err in polled["errors"]:
+        assert err is not None and err[0] == "DeviceTimeoutError", polled
+        assert "IPU_EMULATOR_HOST_SYNC_TIMEOUT" in err[1], err
+        assert f"pid {report['stopped_pid']}" in err[1], err
+    assert report["wrong_after"] == 0 and report["errors_after"] == 0, report
+    assert report["left"] == [], report
+
+
 def test_execute_async_with_full_rings_is_bounded(model_path):
     report = run_program("async-full", model_path)
     assert_bounded(report, ["executeAsync (rings full)"])

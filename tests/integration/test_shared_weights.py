@@ -19,9 +19,9 @@ import pytest
 
 import host_runtime as model_runtime
 from host_runtime import popef, settings
-from host_runtime.errors import SharedMemoryFullError
+from host_runtime.errors import DeviceLostError, SharedMemoryFullError
 from ipu_emulator.executable import Executable, weights_span
-from tests._helpers import file_mapping, kill_and_wait, shm_mapping, tag_objects
+from tests._helpers import file_mapping, kill_and_wait, shm_mapping, smaps_of, tag_objects
 from tools._chain_model import chain_model, reference
 
 pytestmark = pytest.mark.usefixtures("private_machine")
@@ -256,29 +256,43 @@ def test_with_prepacking_weights_need_no_room_in_dev_shm(chain, monkeypatch):
 
 
 @pytest.mark.parametrize("prepack", [True, False])
-def test_a_popef_file_changed_in_place_is_refused_by_its_checksum(chain, tmp_path, prepack):
-    """A PopEF file written over in place after it was read: the weights handed to the IPU
-    processes are those bytes now, and the executable's checksum refuses them."""
+def test_a_popef_file_changed_in_place_after_it_was_read_changes_nothing(chain, tmp_path,
+                                                                         prepack):
+    """A PopEF file written over in place, or cut short, after it was read: the model was
+    read from a private snapshot of the file (host_runtime.popef.reader), so the runner
+    made from it, and its IPU processes loaded again by a reset, compute with the weights
+    as they were read; nothing faults (SIGBUS) and nothing is left in /dev/shm."""
     import shutil
 
-    from host_runtime.errors import PopefError
-
-    _, path = chain
+    model, path = chain
     copy = tmp_path / "c.popef"
     shutil.copyfile(path, copy)
     read = popef.load_model([str(copy)])
     exe = read.executable.payload()
     start, length = weights_span(exe)
     from host_runtime.popef.reader import file_span
-    _, at = file_span(exe[start:])
+    snap, at = file_span(exe[start:])
+    assert snap != str(copy) and "(deleted)" in os.readlink(snap)   # the snapshot
     with open(copy, "r+b") as f:     # one byte of the weights, in place
         f.seek(at + length // 2)
         byte = f.read(1)
         f.seek(at + length // 2)
         f.write(bytes([byte[0] ^ 0xFF]))
-    with settings.override(prepack=prepack), \
-            pytest.raises(PopefError, match="body checksum mismatch"):
-        model_runtime.ModelRunner(read)
+    cfg = model_runtime.ModelRunnerConfig()
+    cfg.auto_reset = True
+    x = _x(77)
+    with settings.override(prepack=prepack), model_runtime.ModelRunner(read, config=cfg) as r:
+        np.testing.assert_allclose(r.execute({"x": x})["y"], reference(model, x), rtol=1e-4,
+                                   atol=1e-5)
+        os.truncate(copy, 4096)      # and cut short under the running runner
+        (pid,) = r.device_pids(0)
+        kill_and_wait(pid)
+        try:   # the dead IPU process is seen before the request is sent, or by it
+            r.execute({"x": x})
+        except DeviceLostError:
+            pass
+        np.testing.assert_allclose(r.execute({"x": x})["y"], reference(model, x), rtol=1e-4,
+                                   atol=1e-5)   # reloaded from the snapshot
     assert tag_objects() == []
 
 
@@ -331,7 +345,13 @@ def test_with_prepacking_aligned_weights_are_prepacked_from_the_file_where_they_
         np.testing.assert_allclose(r.execute({"x": x})["y"], reference(model, x), rtol=1e-4,
                                    atol=1e-5)
         (pid,) = r.device_pids(0)
-        m = file_mapping(pid, path)
+        assert file_mapping(pid, path) is None   # not the user's file: the host's snapshot
+        folder = os.path.dirname(os.path.realpath(path)) + "/#"
+        with open(f"/proc/{pid}/maps", encoding="utf-8") as f:
+            (snap,) = {ln.split(None, 5)[5].rstrip("\n") for ln in f
+                       if len(ln.split(None, 5)) == 6 and ln.split(None, 5)[5].startswith(folder)}
+        assert snap.endswith(" (deleted)"), snap   # an unnamed file in the file's folder
+        m = smaps_of(pid, " " + snap)
         assert m is not None and m["Size"] >= WEIGHTS, m
         assert m["Rss"] < WEIGHTS // 4, m
 
@@ -387,3 +407,37 @@ def test_a_damaged_popef_file_is_refused_by_its_checksum_while_the_runner_starts
                                                 r", computed 0x[0-9a-f]{8}"):
             model_runtime.ModelRunner(str(bad))
         assert tag_objects() == []
+
+
+def test_ipu_processes_of_another_user_get_the_weights_through_shared_memory(chain,
+                                                                             monkeypatch):
+    """An IPU process that runs as another user (a daemon's) cannot open the host's
+    snapshot of the PopEF file: the weights go through a shared region instead."""
+    import subprocess
+
+    from host_runtime.session import _session
+
+    if os.geteuid() == 0:   # the check itself, on a process of another user
+        other = subprocess.Popen(["sleep", "30"], user=65534)
+        try:
+            assert not _session._same_user([other.pid])
+        finally:
+            other.kill()
+            other.wait()
+    assert _session._same_user([os.getpid()])
+    monkeypatch.setattr(_session, "_same_user", lambda pids: False)
+    made = []
+    real = _session.shared_weights
+    monkeypatch.setattr(_session, "shared_weights",
+                        lambda *a: made.append(real(*a)) or made[-1])
+    model, _ = chain
+    x = _x(82)
+    with settings.override(prepack=True), model_runtime.ModelRunner(chain[1]) as r:
+        np.testing.assert_allclose(r.execute({"x": x})["y"], reference(model, x), rtol=1e-4,
+                                   atol=1e-5)
+        (pid,) = r.device_pids(0)
+        with open(f"/proc/{pid}/maps", encoding="utf-8") as f:
+            assert "(deleted)" not in f.read()   # no snapshot of the file mapped there
+    assert len(made) == 1 and made[0].size >= WEIGHTS   # the shared region, not the file
+    del made
+    assert tag_objects() == []

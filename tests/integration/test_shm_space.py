@@ -39,7 +39,8 @@ def test_a_shm_failure_at_creation_is_translated(big_model, monkeypatch):
 
     class FullRing:
         @staticmethod
-        def create(slot_size, num_slots, kind="ring", prefault=True, settings=None):
+        def create(slot_size, num_slots, kind="ring", prefault=True, settings=None,
+                   sparse=False):
             raise ShmError(f"cannot create a shared-memory region of {slot_size * num_slots} "
                            "bytes: /dev/shm has 4096 bytes free")
     monkeypatch.setattr(streams, "Ring", FullRing)

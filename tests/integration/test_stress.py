@@ -25,6 +25,9 @@ _TIMED = ("kill-ipu", "kill-pipeline", "kill-host", "fork")
 def _short(scenario: str) -> list[str]:
     if scenario == "faults":   # its length is its schedule's requests: one host is enough
         return ["--requests", "12", "--hosts", "1", "--threads", "1", "--replicas", "1"]
+    if scenario == "shared-machine":   # 3 s of changes under one host's runner
+        return ["--duration", "3", "--hosts", "1", "--threads", "1", "--replicas", "1",
+                "--private-shm-mib", "64", "--shm-fill-mib", "64"]
     if scenario not in _TIMED:
         return ["--requests", "30", *_SHAPE]
     # one host where the scenario is about what happens inside it (kill-host replaces hosts)
@@ -67,6 +70,10 @@ def test_each_scenario_checks_every_result_and_passes(capsys, scenario):
         # error fault failed its request as expected (and, unreset, the next one too)
         assert sc["faults"] >= 6 and sc["expected"] >= 5 and sc["resets"] >= 1
         assert sc["recovery_ms"] and sc["cycles"] == sc["faults"]
+    elif scenario == "shared-machine":
+        # the file was cut and rewritten, /dev/shm filled and the IPU killed under the
+        # runner: every answer right or a named error (failed as expected), no crash
+        assert sc["faults"] >= 3
     else:
         assert sc["expected"] == 0        # only killed IPUs may fail a request
     if scenario == "kill-host":

@@ -41,6 +41,7 @@ def _valid() -> bytes:
 
 
 VALID = _valid()
+END = 32   # the end record's bytes
 
 
 def _blob_offsets(data: bytes) -> list[int]:
@@ -165,7 +166,7 @@ def test_unsupported_blob_version() -> None:
 
 def test_wrong_payload_checksum() -> None:
     data = bytearray(VALID)
-    data[-1] ^= 0x40
+    data[-END - 1] ^= 0x40   # the last payload byte, before the end record
     err = _error(bytes(data))
     assert "payload checksum mismatch" in str(err) and "opaque 'app/notes'" in str(err)
 
@@ -308,11 +309,40 @@ def _parse_or_popef_error(data: bytes) -> bool:
 
 
 def test_truncation_at_every_offset() -> None:
+    """A file cut anywhere is refused, exactly between two blobs too (the end record
+    the file header announces is missing)."""
     boundaries = set(_blob_offsets(VALID))
     for cut in range(len(VALID)):
-        ok = _parse_or_popef_error(VALID[:cut])
-        # A cut exactly between blobs is a shorter valid file; anywhere else is damage.
-        assert ok == (cut in boundaries), cut
+        assert not _parse_or_popef_error(VALID[:cut]), cut
+    for cut in sorted((boundaries - {len(VALID)}) | {len(VALID) - END}):
+        err = _error(VALID[:cut])
+        assert "without the end record its header announces" in str(err), (cut, err)
+        assert "is missing" in str(err) and f"ends at byte {cut}" in str(err)
+
+
+def test_a_file_without_end_record_flag_is_read_as_before() -> None:
+    """Files written without an end record (flags 0) are parsed blob by blob: a cut
+    between blobs cannot be told there, and only there."""
+    data = bytearray(VALID[:-END])
+    data[12:16] = b"\0\0\0\0"
+    boundaries = set(_blob_offsets(bytes(data)))
+    for cut in range(16, len(data) + 1):
+        assert _parse_or_popef_error(bytes(data[:cut])) == (cut in boundaries), cut
+
+
+def test_end_record_that_does_not_match_the_blobs() -> None:
+    offsets = _blob_offsets(VALID)
+    # a whole blob cut out of the middle, the end record kept: counts disagree
+    cut = VALID[:offsets[1]] + VALID[offsets[2]:]
+    err = _error(cut)
+    assert "does not match its end record" in str(err), err
+    # blobs appended after the end record
+    err = _error(VALID + VALID[offsets[1]:offsets[2]])
+    assert isinstance(err, PopefError)
+    # unknown header flags
+    data = bytearray(VALID)
+    data[12] = 0x6
+    assert "file header flags are 0x6" in str(_error(bytes(data)))
 
 
 def test_every_single_byte_flip_is_detected() -> None:
@@ -408,7 +438,7 @@ def test_inflated_sizes_through_real_files(tmp_path) -> None:
 
 def test_truncated_real_file(tmp_path) -> None:
     path = tmp_path / "cut.popef"
-    path.write_bytes(VALID[:-5])
+    path.write_bytes(VALID[:-END - 5])
     with pytest.raises(PopefError, match=r"larger than the .* bytes left in the file") as info:
         popef.Reader().parseFile(path)
     assert info.value.path == str(path) and "opaque 'app/notes'" in str(info.value)
@@ -464,3 +494,96 @@ def test_checksums_left_to_a_thread_refuse_a_damaged_payload_when_waited_for(tmp
     assert str(waited.value) == str(direct.value)
     assert "tensor data 'b'" in str(waited.value)
     pending.wait()              # waited once: nothing left
+
+
+def _big_file(path) -> bytes:
+    import numpy as np
+
+    from host_runtime.popef.reader import MAP_MIN_BYTES
+
+    with popef.Writer(str(path)) as w:
+        w.writeTensorData("a", np.arange(MAP_MIN_BYTES // 4 + 16, dtype=np.float32))
+    return path.read_bytes()
+
+
+def test_a_large_file_is_read_from_a_snapshot_nobody_else_can_change(tmp_path) -> None:
+    """Its payloads map an unnamed copy of the file (``/proc/<pid>/fd/<n>``), not the
+    file: cut short or rewritten in place after it was read, the bytes are those read
+    (no SIGBUS on reading them); the copy goes with the last view of it."""
+    import gc
+    import os
+
+    from host_runtime.popef.reader import file_span
+
+    path = tmp_path / "big.popef"
+    data = _big_file(path)
+    r = popef.Reader()
+    r.parseFile(path)
+    (td,) = [b for _, b in r.entries() if isinstance(b, popef.TensorData)]
+    view = td.data
+    span = file_span(view)
+    assert span is not None and span[0].startswith(f"/proc/{os.getpid()}/fd/")
+    assert os.readlink(span[0]).endswith("(deleted)")   # an unnamed file
+    before = bytes(view)
+    assert before == data[span[1]:span[1] + len(before)]
+    os.truncate(path, 100)
+    path.write_bytes(b"\xff" * len(data))
+    os.truncate(path, 16)
+    assert bytes(view) == before
+    fd_path = span[0]
+    del r, td, view
+    gc.collect()
+    assert not os.path.exists(fd_path)   # the snapshot's descriptor closed
+
+
+def test_a_file_cut_while_its_snapshot_is_taken_is_refused(tmp_path, monkeypatch) -> None:
+    from host_runtime.popef import reader
+
+    path = tmp_path / "big.popef"
+    data = _big_file(path)
+    real = reader._copy_range
+
+    def cut_meanwhile(src: int, dst: int, size: int) -> int:
+        import os
+        os.truncate(path, 4096)    # another writer, while the copy runs
+        return real(src, dst, size)
+
+    monkeypatch.setattr(reader, "_copy_range", cut_meanwhile)
+    with pytest.raises(PopefError, match=rf"it had {len(data)} bytes when opened and 4096 "
+                                         r"could be read \(cut short while it was read\)"):
+        popef.Reader().parseFile(path)
+
+
+def test_a_snapshot_goes_where_there_is_room(tmp_path, monkeypatch) -> None:
+    """No room for the copy in the file's folder: the next place takes it (the temporary
+    folder, then memory); no room anywhere: ResourceLimitError naming each place."""
+    import errno
+    import os
+
+    from host_runtime.errors import ResourceLimitError
+    from host_runtime.popef import reader
+
+    path = tmp_path / "big.popef"
+    _big_file(path)
+    real = reader._copy_range
+    tried: list[str] = []
+
+    def full_first(src: int, dst: int, size: int) -> int:
+        tried.append(os.readlink(f"/proc/self/fd/{dst}"))
+        if len(tried) == 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(src, dst, size)
+
+    monkeypatch.setattr(reader, "_copy_range", full_first)
+    r = popef.Reader()
+    r.parseFile(path)
+    assert len(r.tensors()) == 1 and len(tried) == 2
+    assert tried[0].startswith(str(tmp_path)) and not tried[1].startswith(str(tmp_path))
+
+    def never(src: int, dst: int, size: int) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(reader, "_copy_range", never)
+    with pytest.raises(ResourceLimitError, match=r"no room for the private snapshot of PopEF "
+                                                 r"file .*memory \(memfd\): No space left"):
+        popef.Reader().parseFile(path)

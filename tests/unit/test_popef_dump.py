@@ -145,7 +145,7 @@ def test_errors_are_one_line_and_exit_2(tmp_path: Path,
     path = tmp_path / "m.popef"
     write_sample(path)
     data = bytearray(path.read_bytes())
-    data[-1] ^= 1
+    data[-33] ^= 1   # the last payload byte (before the 32-byte end record)
     bad = tmp_path / "bad.popef"
     bad.write_bytes(bytes(data))
     rc, out, err = _run(capsys, str(bad))
