@@ -303,6 +303,8 @@ class ReplicaLife:
         """A ring's or the link's exception as the runtime error the user gets."""
         if self.error is not None:
             return self.error
+        if self.closed:   # a request that raced with close() finds its rings closed
+            return self.closed_error()
         if isinstance(exc, ModelRuntimeError):   # e.g. SequenceMismatchError
             return exc
         s = self.session

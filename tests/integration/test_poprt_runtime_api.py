@@ -6,6 +6,7 @@ defaults; numbers checked against onnxruntime; dropped runners leave nothing beh
 from __future__ import annotations
 
 import gc
+import json
 import warnings
 
 import numpy as np
@@ -337,6 +338,40 @@ def test_host_concat_runner_concatenates_on_the_host(tmp_path):
         npt.assert_allclose(outputs["output"], ort_run(orig, inputs)[0], rtol=1e-5, atol=1e-5)
         with pytest.raises(BadRequestError, match=r"made of \['a0', 'a1', 'a2'\]; missing \['a2'\]"):
             runner.execute({"a0": inputs["a0"], "a1": inputs["a1"]}, outputs)
+    finally:
+        runner.close()
+
+
+def test_the_host_concat_split_pass_and_runner_as_poprts_example_uses_them(tmp_path):
+    """PopRT's host_concat_runner_example: ``apply_host_concat_split`` merges inputs of one
+    type and shape (at most ``n`` per merge), the compile copies the pass's metadata into
+    an opaque blob, and ``HostConcatRunner`` (no config) answers as the original model."""
+    from host_runtime.poprt import Pass
+    from host_runtime.poprt._names import sHostConcatRunnerConfig
+    from host_runtime.poprt.compiler import Compiler, CompilerOptions
+
+    orig, _ = concat_models()
+    orig.graph.input.append(helper.make_tensor_value_info("b", TensorProto.FLOAT, (5, 5)))
+    orig.graph.node.append(helper.make_node("Add", ["output", "b"], ["sum"]))
+    orig.graph.output.append(helper.make_tensor_value_info("sum", TensorProto.FLOAT, (5, 5)))
+    merged = Pass.get_pass("apply_host_concat_split", [(TensorProto.FLOAT, (5, 1), 2)]).run(orig)
+    assert [vi.name for vi in merged.graph.input] == ["host_concat_0", "a2", "b"]
+    [meta] = [p for p in merged.metadata_props if p.key == sHostConcatRunnerConfig]
+    assert json.loads(meta.value) == [{"tensor_name": "host_concat_0",
+                                       "input_tensor_names": ["a0", "a1"], "shape": [2, 5, 1],
+                                       "data_size_bytes": 40}]
+    options = CompilerOptions()
+    options.opaque_blobs = {sHostConcatRunnerConfig: meta.value}
+    exe = Compiler.compile(merged, ["output", "sum"], options)
+    feeds = {f"a{i}": RNG.uniform(0, 1, (5, 1)).astype(np.float32) for i in range(3)}
+    feeds["b"] = RNG.uniform(0, 1, (5, 5)).astype(np.float32)
+    want = ort_run(orig, feeds)
+    runner = runtime.HostConcatRunner(exe, runtime.HostConcatRunnerConfig())
+    try:
+        outputs = {"output": np.zeros((5, 5), np.float32), "sum": np.zeros((5, 5), np.float32)}
+        runner.execute_async(feeds, outputs).wait()
+        npt.assert_allclose(outputs["output"], want[0], rtol=1e-5, atol=1e-5)
+        npt.assert_allclose(outputs["sum"], want[1], rtol=1e-5, atol=1e-5)
     finally:
         runner.close()
 

@@ -25,7 +25,7 @@ import onnx
 
 from host_runtime.poprt._errors import NotSupportedError
 from host_runtime.poprt._sharding_props import record_sharding
-from host_runtime.poprt.passes import _fp8, _graph, _rewrite, _types
+from host_runtime.poprt.passes import _fp8, _graph, _host_concat, _rewrite, _types
 from host_runtime.poprt.passes._base import Pass, _registrar
 
 __all__ = ["install", "PassNotSupportedError", "UNCHANGED", "REFUSED"]
@@ -41,6 +41,8 @@ class PassNotSupportedError(NotSupportedError):
 # (module, class, registered name, implementation or None, what PopRT does)
 _IMPL: list[tuple[str, str, str, type[Pass]]] = [
     ("add_checkpoints", "AddCheckpoints", "add_checkpoints", _graph.AddCheckpoints),
+    ("apply_host_concat_split", "ApplyHostConcatSplit", "apply_host_concat_split",
+     _host_concat.ApplyHostConcatSplit),
     ("check_with_fake_data", "CheckWithFakeData", "check_with_fake_data", _graph.CheckWithFakeData),
     ("const_batch_size", "ConstBatchSize", "const_batch_size", _types.ConstBatchSize),
     ("const_input_shape", "ConstInputShape", "const_input_shape", _types.ConstInputShape),
@@ -174,8 +176,6 @@ _IPU_ONLY: list[tuple[str, str, str, str]] = [
 
 # Passes the emulator refuses: (module, class, name, why)
 _REFUSED: list[tuple[str, str, str, str]] = [
-    ("apply_host_concat_split", "ApplyHostConcatSplit", "apply_host_concat_split",
-     "it merges inputs through the HCSR custom op, which the emulator does not have"),
     ("eight_bits_io", "EightBitsIO", "eight_bits_io",
      "8-bit I/O inserts an IPU normalisation custom op"),
     ("float_to_int8", "Float2Int8", "float_to_int8",

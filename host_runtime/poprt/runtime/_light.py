@@ -34,13 +34,14 @@ from host_runtime.memory import as_readable_array
 from host_runtime.runner import OutputFuture
 from host_runtime.runner.config import ModelRunnerConfig
 
+from host_runtime.poprt._names import sHostConcatRunnerConfig
 from host_runtime.poprt.runtime._config import (HostConcatConfig, HostConcatRunnerConfig,
                                                 LightRunnerConfig, RuntimeConfig)
 from host_runtime.poprt.runtime._runner import Runner
 
 __all__ = ["LightRunner", "HostConcatRunner", "HOST_CONCAT_BLOB"]
 
-HOST_CONCAT_BLOB = "HostConcatRunnerConfig"
+HOST_CONCAT_BLOB = sHostConcatRunnerConfig
 
 
 class LightRunner(Runner):
