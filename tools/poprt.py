@@ -66,17 +66,23 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=level, format="poprt: %(message)s")
     from host_runtime.errors import BadRequestError
     from host_runtime.poprt import cli_args
-    from ipu_emulator.errors import CompileError
+    from ipu_emulator.errors import CompileError, RealModulesError
     from shm.errors import echo
 
     try:
+        if args.custom_pass_config:
+            # a user's pass file imports ``poprt`` as PopRT's own do: the names map onto
+            # this project (refused by name where Graphcore's real modules are installed)
+            from ipu_emulator import run as modules
+
+            modules.install()
         early = cli_args.informational(args, parser)
         if early is not None:
             return early
         if not args.input_model and not args.config_yaml:
             parser.error("one of the arguments -i/--input_model --config_yaml is required")
         out = cli_args.run(args)
-    except (CompileError, BadRequestError) as exc:
+    except (CompileError, BadRequestError, RealModulesError) as exc:
         _error(str(exc))
         return 2
     except OSError as exc:   # what the checks above could not foresee (a disk that fills)

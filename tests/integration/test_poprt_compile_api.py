@@ -4,6 +4,7 @@ get_session, and the ``poprt`` command writing the same PopEF bytes as the API."
 
 from __future__ import annotations
 
+import os
 import numpy as np
 import onnx
 import pytest
@@ -256,3 +257,26 @@ def test_runtime_options_dict_is_checked():
     assert (cfg.batch_size_timeout_ns, cfg.ring_buffer_size_multiplier) == (5, 3)
     with pytest.raises(BadRequestError, match="'noSuchField' is not a RuntimeConfig field"):
         runtime_config({"noSuchField": 1})
+
+
+def test_a_pass_file_that_imports_poprt_loads_in_the_cli(tmp_path):
+    """PopRT's custom-pass example: the pass file imports ``poprt`` itself, and the
+    ``poprt`` command (a process of its own) maps that name onto the emulator for it."""
+    import subprocess
+    import sys
+
+    from tests._paths import child_pythonpath
+
+    plugin = tmp_path / "replace_mul.py"
+    plugin.write_text(
+        "from poprt.passes import Pass, register\n"
+        "@register('test_cli_pass_importing_poprt')\n"
+        "class ReplaceMul(Pass):\n"
+        "    def run(self, onnx_model):\n"
+        "        return onnx_model\n")
+    env = dict(os.environ, PYTHONPATH=child_pythonpath())
+    proc = subprocess.run([sys.executable, "-m", "tools.poprt", "--list_all_passes",
+                           "--custom_pass_config", str(plugin)], capture_output=True,
+                          text=True, env=env, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "test_cli_pass_importing_poprt" in proc.stdout
