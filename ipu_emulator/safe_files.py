@@ -119,13 +119,7 @@ def open_private_dir(path: str | os.PathLike[str], *, what: str = "folder",
     full = os.path.abspath(os.fspath(path))
     parent, name = os.path.split(full)
     if not name:   # "/"
-        fd = _open_dir(full, full, what, None)
-        try:
-            _check_private(fd, full, what)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
+        return _open_private(full, full, what, None)
     if check_parent:
         pfd = open_private_dir(parent, what="emulator home")
     else:
@@ -142,15 +136,20 @@ def open_private_dir(path: str | os.PathLike[str], *, what: str = "folder",
         except OSError as exc:
             exc.filename = full
             raise
-        fd = _open_dir(name, full, what, pfd)
-        try:
-            _check_private(fd, full, what)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
+        return _open_private(name, full, what, pfd)
     finally:
         os.close(pfd)
+
+
+def _open_private(name: str, full: str, what: str, dir_fd: int | None) -> int:
+    """The folder ``name`` (relative to ``dir_fd``) opened and checked private."""
+    fd = _open_dir(name, full, what, dir_fd)
+    try:
+        _check_private(fd, full, what)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def open_in(dir_fd: int, name: str, flags: int, mode: int, path: str) -> int:
