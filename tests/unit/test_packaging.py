@@ -133,3 +133,19 @@ def test_child_interpreters_in_the_checkout_import_the_wheel() -> None:
                          text=True, check=True, timeout=60).stdout
     assert str(ROOT) not in out, out
     assert "site-packages" in out, out
+
+
+def test_the_readme_names_the_lowest_versions_ci_tests() -> None:
+    """README's "Tested versions" names each lower bound of setup.cfg as CI installs it."""
+    sys.path.insert(0, str(ROOT / ".ci"))
+    try:
+        from lowest_constraints import lowest_pins
+    finally:
+        sys.path.remove(str(ROOT / ".ci"))
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    start = text.index("Tested versions:")
+    paragraph = " ".join(text[start:text.index("\n\n", start)].split())
+    missing = [pin for pin in lowest_pins(ROOT / "setup.cfg")
+               if pin.split("==")[0] not in ("hypothesis", "mypy")
+               and f"{pin.split('==')[0]} {pin.split('==')[1]}" not in paragraph]
+    assert not missing, f"README's tested versions do not name {missing}"
