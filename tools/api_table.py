@@ -22,7 +22,14 @@ from typing import Any
 
 from ipu_emulator import run
 
-ROOT = Path(__file__).resolve().parents[1]
+def _checkout() -> Path:
+    """The project's checkout: where ``tools/`` lies when it is one (the reference table
+    beside it), else the working directory (an installed ``tools`` has no table)."""
+    here = Path(__file__).resolve().parents[1]
+    return here if (here / "tests" / "reference").is_dir() else Path.cwd()
+
+
+ROOT = _checkout()
 TABLE = ROOT / "tests" / "reference" / "python_api.tsv"
 DOC = ROOT / "docs" / "python_api.md"
 

@@ -19,8 +19,17 @@ from typing import Any, Iterator
 
 import pytest
 
+from pathlib import Path
+
 from ipu_emulator import run
-from tools.api_table import resolve, rows
+from tools import api_table
+from tools.api_table import resolve
+
+TABLE = Path(__file__).resolve().parents[1] / "reference" / "python_api.tsv"
+
+
+def rows() -> list[dict[str, str]]:
+    return api_table.rows(TABLE)
 
 
 def modules() -> list[str]:
