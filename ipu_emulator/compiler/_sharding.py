@@ -51,7 +51,7 @@ from ipu_emulator.compiler._types import (LOAD_PROGRAM, MAIN_PROGRAM, SAVE_PROGR
                                           CompileOptions, CompileResult, Target, check_fit)
 from ipu_emulator.errors import CompileError
 from ipu_emulator.executable import (
-    LINK_PREFIX, SYNC_TENSOR, is_link, is_sync, parse_link,
+    IDLE_ATTR, LINK_PREFIX, SYNC_TENSOR, is_link, is_sync, parse_link,
     Execute, Executable, Graph, Instruction, Program, Repeat, StreamIn, StreamOut, StreamSpec,
     TensorSig, numpy_dtype, plan_memory)
 from shm.errors import echo
@@ -93,7 +93,8 @@ class Placement:
     stage: list[int]
     num_ipus: int
     pipelining: bool
-    order: list[int] = field(default_factory=list)   # IPUs in data-flow order
+    order: list[int] = field(default_factory=list)   # IPUs with nodes, in data-flow order
+    idle: list[int] = field(default_factory=list)    # IPUs with no node
 
     @property
     def num_stages(self) -> int:
@@ -176,7 +177,7 @@ def place_nodes(graph: onnx.GraphProto, sharding_info: dict[str, int],
             if t:
                 producer[t] = k
     last_ipu = num_ipus - 1
-    last_stage = max(pipelining_info.values(), default=0)
+    rest_ipu, rest_stage = _rest(sharding_info, pipelining_info, num_ipus, pipelining)
     ipu: list[int | None] = [None] * len(nodes)
     stage: list[int] = [0] * len(nodes)
     for name in sorted(points, key=lambda n: by_name[n]):   # graph order is topological
@@ -192,8 +193,7 @@ def place_nodes(graph: onnx.GraphProto, sharding_info: dict[str, int],
             stack.extend(producer[t] for t in nodes[k].input if t in producer)
     for k in range(len(nodes)):
         if ipu[k] is None:
-            ipu[k] = last_ipu
-            stage[k] = last_stage if pipelining_info else (last_ipu if pipelining else 0)
+            ipu[k], stage[k] = rest_ipu, rest_stage
     ipus = [int(i) if i is not None else last_ipu for i in ipu]
     if not pipelining:
         stage_out = stage if pipelining_info else [0] * len(nodes)
@@ -204,15 +204,32 @@ def place_nodes(graph: onnx.GraphProto, sharding_info: dict[str, int],
     return plan
 
 
+def _rest(sharding_info: dict[str, int], pipelining_info: dict[str, int], num_ipus: int,
+          pipelining: bool) -> tuple[int, int]:
+    """The IPU and stage of the nodes no sharding point reaches. PopRT's rule: the highest
+    IPU named + 1 and the highest stage named + 1. When no IPU is left above the highest
+    named (PopART would refuse the number), the last IPU and the highest stage named."""
+    named = max(sharding_info.values(), default=-1)
+    if sharding_info and named + 1 < num_ipus:
+        ipu = named + 1
+        stage = max(pipelining_info.values()) + 1 if pipelining_info else \
+            (ipu if pipelining else 0)
+        return ipu, stage
+    ipu = num_ipus - 1
+    if pipelining_info:
+        return ipu, max(pipelining_info.values())
+    return ipu, ipu if pipelining else 0
+
+
 def _label(n: onnx.NodeProto, k: int) -> str:
     return repr(n.name) if n.name else f"#{k} ({n.op_type})"
 
 
 def _check(plan: Placement, nodes: list[onnx.NodeProto], producer: dict[str, int]) -> None:
-    empty = sorted(set(range(plan.num_ipus)) - set(plan.ipu))
-    if empty:
-        raise CompileError(f"IPU(s) {empty} hold no node with num_ipus {plan.num_ipus}; put a "
-                           "sharding point on each IPU, or use fewer IPUs")
+    busy = sorted(set(plan.ipu))
+    plan.idle = sorted(set(range(plan.num_ipus)) - set(busy))
+    if plan.idle:   # held with the device, as on hardware, and given nothing to run
+        _log.info("IPU(s) %s of %d hold no node: idle", plan.idle, plan.num_ipus)
     edges: set[tuple[int, int]] = set()
     for k, n in enumerate(nodes):
         for t in n.input:
@@ -234,7 +251,7 @@ def _check(plan: Placement, nodes: list[onnx.NodeProto], producer: dict[str, int
                 raise CompileError(f"pipeline stage {s} spans IPUs {where[s]} and {i} (node "
                                    f"{_label(nodes[k], k)}); a stage runs on one IPU")
     # IPUs in data-flow order; a cycle (IPU a feeds b feeds a) cannot run part by part
-    indeg = {i: 0 for i in range(plan.num_ipus)}
+    indeg = {i: 0 for i in busy}
     for _a, b in edges:
         indeg[b] += 1
     ready = sorted(i for i, d in indeg.items() if d == 0)
@@ -247,7 +264,7 @@ def _check(plan: Placement, nodes: list[onnx.NodeProto], producer: dict[str, int
                 indeg[b] -= 1
                 if indeg[b] == 0:
                     ready.append(b)
-    if len(order) != plan.num_ipus:
+    if len(order) != len(busy):
         cyc = sorted(i for i in indeg if i not in order)
         raise CompileError(f"tensors flow back and forth between IPUs {cyc} "
                            f"({sorted(e for e in edges if e[0] in cyc and e[1] in cyc)}): each "
@@ -360,7 +377,8 @@ def compile_sharded(p: "Prepared", opts: "CompileOptions", target: "Target",
     opset = list(p.device_model.opset_import)
     exe_parts: list[Executable] = []
     for part in parts:
-        exe_parts.append(_part_executable(p, opts, target, part, opset, inits, vi, sync_pairs,
+        exe_parts.append(_idle_part(opts, target, part.ipu) if part.ipu in plan.idle else
+                         _part_executable(p, opts, target, part, opset, inits, vi, sync_pairs,
                                           plan, per_ipu_memory))
 
     # the host's view: every anchor, Main reads each input and writes each output once
@@ -401,7 +419,9 @@ def compile_sharded(p: "Prepared", opts: "CompileOptions", target: "Target",
         "pipelining": bool(opts.enable_pipelining),
         "num_stages": plan.num_stages,
         "order": plan.order,
-        "ipus": [{"ipu": pt.ipu, "stages": sorted(pt.stages), "nodes": len(pt.nodes),
+        "idle": plan.idle,
+        "ipus": [{"ipu": pt.ipu, "idle": pt.ipu in plan.idle, "stages": sorted(pt.stages),
+                  "nodes": len(pt.nodes),
                   "inputs": pt.host_in + pt.weights_in, "outputs": pt.host_out,
                   "links_in": [f"{t}<-ipu{s}" for t, s in pt.links_in + pt.wlinks_in],
                   "links_out": [f"{t}->ipu{d}" for t, d in pt.links_out + pt.forward +
@@ -549,6 +569,20 @@ def _part_executable(p: "Prepared", opts: "CompileOptions", target: "Target", pa
                     "constant_bytes": str(constants), "activation_bytes": str(activations)})
 
 
+def _idle_part(opts: "CompileOptions", target: "Target", ipu: int) -> Executable:
+    """IPU ``ipu`` holds no node: a part marked idle, with nothing in it. The host loads
+    nothing on that IPU and runs nothing there (host_runtime.devices._ipu_group); the
+    executable's checks refuse an idle mark on a part that has anything to run."""
+    return Executable(
+        name=f"{opts.name[:100]}.ipu{ipu}",
+        programs=[Program("load", ()), Program("main", ()), Program("save", ())],
+        graphs=[], tensors={}, streams={}, memory_bytes=0, required_bytes=0,
+        ipu_version=target.version, num_ipus=1, device_iterations=opts.device_iterations,
+        package_hash=ipu_emulator.package_hash(),
+        attributes={IDLE_ATTR: "1", "ipu": str(ipu), "nodes": "", "stages": "",
+                    "constant_bytes": "0", "activation_bytes": "0"})
+
+
 def _count(shape: tuple[int, ...]) -> int:
     n = 1
     for d in shape:
@@ -580,7 +614,7 @@ def describe_parts(exe: Executable) -> dict[str, Any] | None:
             else:
                 (anchors_in if s.direction == "in" else anchors_out).append(h)
         nodes = [n for n in part.attributes.get("nodes", "").split(",") if n]
-        ipus.append({"ipu": k, "stages": part.attributes.get("stages", ""), "nodes": nodes,
+        ipus.append({"ipu": k, "idle": part.idle, "stages": part.attributes.get("stages", ""), "nodes": nodes,
                      "anchors_in": anchors_in, "anchors_out": anchors_out,
                      "links_in": links_in, "links_out": links_out,
                      "tensors": sorted(part.tensors), "required_bytes": part.required_bytes})
