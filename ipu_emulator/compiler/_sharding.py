@@ -103,7 +103,8 @@ class Placement:
 
 def load_sharding_yaml(path: "str | os.PathLike[str]") -> tuple[dict[str, int], dict[str, int]]:
     """Read ``shard.yaml``: maps ``sharding_info`` (node -> IPU) and ``pipelining_info``
-    (node -> stage). Raises CompileError naming the file and the key."""
+    (node -> stage), or PopRT's list of ``{node, device, stage}`` items. Raises
+    CompileError naming the file and the key."""
     from ipu_emulator.yaml_config import ConfigYamlError, load_yaml_file
 
     p = os.fspath(path)
@@ -113,15 +114,44 @@ def load_sharding_yaml(path: "str | os.PathLike[str]") -> tuple[dict[str, int], 
         raise CompileError(str(exc)) from None
     if doc is None:
         doc = {}
+    if isinstance(doc, list):
+        return _sharding_list(doc, f"sharding config {echo(p, 200)}")
     if not isinstance(doc, dict):
-        raise CompileError(f"sharding config {echo(p, 200)} must be a mapping with sharding_info and "
-                           f"pipelining_info, got {type(doc).__name__}")
+        raise CompileError(f"sharding config {echo(p, 200)} must be a list of node/device/stage "
+                           "items or a mapping with sharding_info and pipelining_info, got "
+                           f"{type(doc).__name__}")
     extra = sorted(set(doc) - {"sharding_info", "pipelining_info"})
     if extra:
         raise CompileError(f"sharding config {echo(p, 200)}: unknown keys {echo(extra, 200)}; expected "
                            "sharding_info and pipelining_info")
     return (check_map(doc.get("sharding_info"), f"sharding config {echo(p, 200)}: sharding_info"),
             check_map(doc.get("pipelining_info"), f"sharding config {echo(p, 200)}: pipelining_info"))
+
+
+def _sharding_list(items: list[Any], where: str) -> tuple[dict[str, int], dict[str, int]]:
+    """PopRT's ``shard.yaml``: ``- {node: <name>, device: <IPU>, stage: <stage>}`` per
+    sharding point (``device`` and ``stage`` each optional)."""
+    sharding: dict[str, Any] = {}
+    stages: dict[str, Any] = {}
+    for k, item in enumerate(items):
+        at = f"{where}: item {k}"
+        if not isinstance(item, dict) or not isinstance(item.get("node"), str):
+            raise CompileError(f"{at} must be a mapping with a node name (node) and its IPU "
+                               f"(device) and/or pipeline stage (stage), got {echo(item, 200)}")
+        extra = sorted(map(str, set(item) - {"node", "device", "stage"}))
+        if extra:
+            raise CompileError(f"{at}: unknown keys {echo(extra, 200)}; expected node, device "
+                               "and stage")
+        name = item["node"]
+        if name in sharding or name in stages:
+            raise CompileError(f"{at}: node {echo(name)} is named twice")
+        if "device" not in item and "stage" not in item:
+            raise CompileError(f"{at}: node {echo(name)} has neither device nor stage")
+        if "device" in item:
+            sharding[name] = item["device"]
+        if "stage" in item:
+            stages[name] = item["stage"]
+    return (check_map(sharding, f"{where}: device"), check_map(stages, f"{where}: stage"))
 
 
 def check_map(v: Any, where: str) -> dict[str, int]:

@@ -296,6 +296,34 @@ def test_sharding_yaml_errors(chain, tmp_path):
                       manual_sharding_config=bad)
 
 
+def test_poprt_list_form_of_shard_yaml(chain, tmp_path):
+    """PopRT's shard.yaml: a list of node/device/stage items."""
+    from ipu_emulator.compiler import load_sharding_yaml
+
+    path = tmp_path / "shard.yaml"
+    path.write_text("-\n  node: relu1\n  device: 0\n  stage: 0\n-\n  node: relu3\n  device: 1\n"
+                    "  stage: 1\n-\n  node: relu7\n  device: 2\n  stage: 2\n")
+    assert load_sharding_yaml(path) == ({"relu1": 0, "relu3": 1, "relu7": 2},
+                                        {"relu1": 0, "relu3": 1, "relu7": 2})
+    out = poprt_compile(chain, tmp_path, export_popef=False, output_model="m.onnx", num_ipus=4,
+                        manual_sharding_config=path, enable_pipelining=True, batches_per_step=3)
+    assert [p.idle for p in out.result.executable.parts] == [False, False, False, True]
+    for text, message in [
+            ("- {node: relu1, ipu: 0}\n", r"item 0: unknown keys \['ipu'\]; expected node, "
+                                          r"device and stage"),
+            ("- relu1\n", r"item 0 must be a mapping with a node name \(node\)"),
+            ("- {node: relu1}\n", r"item 0: node 'relu1' has neither device nor stage"),
+            ("- {node: relu1, device: 0}\n- {node: relu1, device: 1}\n",
+             r"item 1: node 'relu1' is named twice"),
+            ("- {node: relu1, device: -1}\n", r"device: 'relu1': -1 must be a node name and an "
+                                              r"integer >= 0"),
+            ("7\n", r"must be a list of node/device/stage items or a mapping with "
+                    r"sharding_info and pipelining_info, got int")]:
+        path.write_text(text)
+        with pytest.raises(CompileError, match=message):
+            load_sharding_yaml(path)
+
+
 def test_fusion_config_reaches_sharding(chain, tmp_path):
     onnx.save(chain, str(tmp_path / "m.onnx"))
     sh, st = shard_config(LAYERS, 2, True)
