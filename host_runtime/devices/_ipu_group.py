@@ -217,7 +217,7 @@ class GroupLink:
 
     # -- combining ----------------------------------------------------------------------------
 
-    def _all(self, futs: list["cf.Future[None]"], members: list[ProcessLink],
+    def _all(self, futs: list["cf.Future[None]"], members: list[_MemberLink],
              op: Op) -> "cf.Future[None]":
         out: cf.Future[None] = cf.Future()
         lock = threading.Lock()
