@@ -25,7 +25,7 @@ from host_runtime.poprt.compiler import Compiler, CompilerOptions
 from host_runtime.poprt.compiler import compile as poprt_compile
 from shm import naming
 from shm.cleanup import list_objects
-from tools import poprt
+from tools import popef_dump, poprt
 from tools._chain_model import conv_chain, reference
 
 pytestmark = pytest.mark.usefixtures("private_machine")
@@ -89,7 +89,7 @@ def test_three_shards_on_four_ipus(tmp_path, model, pipelined):
     assert ours() - before == set()
 
 
-def test_poprt_command_line_with_poprts_shard_yaml(tmp_path, model):
+def test_poprt_command_line_with_poprts_shard_yaml(tmp_path, model, capsys):
     """poprt --num_ipus 4 --manual_sharding_config shard.yaml (PopRT's list form)."""
     onnx.save(model, str(tmp_path / "m.onnx"))
     (tmp_path / "shard.yaml").write_text("".join(
@@ -98,8 +98,16 @@ def test_poprt_command_line_with_poprts_shard_yaml(tmp_path, model):
                        "--manual_sharding_config", str(tmp_path / "shard.yaml"),
                        "--enable_pipelining", "--batches_per_step", "6", "--export_popef",
                        "--output_dir", str(tmp_path / "out")]) == 0
+    assert ("poprt: sharded over 4 IPUs (pipelined); IPU(s) [3] hold no node and stay idle"
+            in capsys.readouterr().out)
     path = str(tmp_path / "out" / "executable.popef")
     assert model_runtime.popef.load_model([path]).metadata.numIpus() == 4
+    assert popef_dump.main([path]) == 0
+    text = capsys.readouterr().out
+    assert "Sharding (pipelined, 3 stages) over 4 IPUs" in text
+    assert "ipu 2  stage 2  7 nodes: conv4, relu4, conv5, relu5, pool, flatten, fc" in text
+    assert "ipu 3  idle: holds no node of the model, runs nothing" in text
+    assert "Model check: ok" in text
     with model_runtime.ModelRunner(path) as r:
         check_device(r)
         run_and_compare(r, model, seed=3)
