@@ -185,6 +185,9 @@ class GroupLink:
                           for r in regions]
             else:
                 self._width, self._active = 1, [0]
+        if op is Op.UNLOAD:   # every IPU may cache that session's part, whatever ran last
+            members = list(self._members)
+            return self._all([m.request(op, body, value) for m in members], members, op)
         if self._width == 1:
             return self._members[0].request(op, body, value)
         if bodies is None:

@@ -7,13 +7,12 @@ list form of shard.yaml) and PopRT's API (Sharder, CompilerOptions, Compiler.com
 poprt.runtime.Runner). The device holds 4 IPUs (4 IPU processes, as the hardware holds
 the IPUs it attaches); IPU 3 is loaded with nothing and runs nothing (it maps no link
 and no region of the session); the answers equal onnxruntime's; nothing is left in
-/dev/shm. Killing the idle IPU's process still loses the whole device
-(tests/faults/test_sharding_faults.py).
+/dev/shm. A session unbound from the device is dropped by every IPU, the idle one
+included; ``num_ipus`` without sharding runs on the device's first IPU. Killing the idle
+IPU's process still loses the whole device (tests/faults/test_sharding_faults.py).
 """
 
 from __future__ import annotations
-
-import os
 
 import numpy as np
 import onnx
@@ -49,10 +48,10 @@ def ours() -> set[str]:
 
 
 def mapped(pid: int) -> set[str]:
-    """The session's shared memory (links, device memory, specs) an IPU process maps."""
+    """The sessions' shared memory (links, device memory, executables) an IPU process maps."""
     with open(f"/proc/{pid}/maps") as f:
-        return {os.path.basename(line.split()[-1]) for line in f
-                if "/dev/shm/" in line and any(k in line for k in ("_link", "_mem", "_spec"))}
+        names = {line.split("/dev/shm/", 1)[1].split()[0] for line in f if "/dev/shm/" in line}
+    return {n for n in names if n.rsplit("_", 1)[-1] in ("link", "mem", "exe")}
 
 
 def check_device(runner) -> None:
@@ -136,3 +135,52 @@ def test_poprt_api_as_the_manual_sharding_example(model):
             np.testing.assert_allclose(y, reference(model, x), rtol=1e-5, atol=1e-5)
     finally:
         del runner
+
+
+def test_num_ipus_without_sharding_runs_on_the_first_ipu_of_the_device(tmp_path, model):
+    """No sharding option: one program set, on IPU 0 of a device of num_ipus IPUs."""
+    out = poprt_compile(model, tmp_path, num_ipus=4)
+    assert out.result.executable.num_ipus == 4 and not out.result.executable.parts
+    with model_runtime.ModelRunner(str(out.popef_path)) as r:
+        dev = r._replicas[0].session.device()
+        assert dev.numIpus() == 4 and len(set(dev.pids())) == 4 and dev.link.active == [0]
+        x = xs(1, seed=6)[0]
+        np.testing.assert_allclose(r.execute({"x": x})["y"], reference(model, x),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_a_session_unbound_is_dropped_by_every_ipu_of_the_device(tmp_path, model):
+    """Session A runs on all 4 IPUs, then session B (IPU 3 idle) on the same device: when
+    A goes, IPU 3 (which B never loaded) drops A's part too."""
+    from host_runtime.devices._manager import DeviceManager
+    from host_runtime.session._session import Session
+    from tests._helpers import PATIENT
+
+    four = poprt_compile(model, tmp_path / "four", num_ipus=4,
+                         sharding_info={"relu1": 0, "relu3": 1, "relu5": 2})   # tail: IPU 3
+    three = poprt_compile(model, tmp_path / "three", num_ipus=4, sharding_info=POINTS)
+    assert [p.idle for p in four.result.executable.parts] == [False] * 4
+    x = xs(1, seed=7)[0]
+    got: list[np.ndarray] = []
+
+    def connect(s: Session) -> None:
+        s.setCallbackForAnchor("x", lambda v: v.cast("B").__setitem__(slice(None), x.tobytes()))
+        s.setCallbackForAnchor("y", lambda v: got.append(np.frombuffer(v, np.float32).copy()))
+
+    with DeviceManager().getDevice(4, wait_config=PATIENT) as dev:
+        a, b = Session(str(four.popef_path)), Session(str(three.popef_path))
+        try:
+            for s in (a, b):
+                connect(s)
+                s.bindToDevice(dev)
+                s.runMainPrograms()
+            assert mapped(dev.pids()[3])            # IPU 3 still holds A's part
+            a.close()
+            assert mapped(dev.pids()[3]) == set()
+            b.runMainPrograms()
+        finally:
+            a.close()
+            b.close()
+    assert len(got) == 3
+    for y in got:
+        np.testing.assert_allclose(y.reshape(1, 5), reference(model, x), rtol=1e-5, atol=1e-5)
