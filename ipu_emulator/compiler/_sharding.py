@@ -95,6 +95,7 @@ class Placement:
     pipelining: bool
     order: list[int] = field(default_factory=list)   # IPUs with nodes, in data-flow order
     idle: list[int] = field(default_factory=list)    # IPUs with no node
+    rest: tuple[int, int] = (0, 0)   # (IPU, stage) of a node no sharding point reaches
 
     @property
     def num_stages(self) -> int:
@@ -229,7 +230,8 @@ def place_nodes(graph: onnx.GraphProto, sharding_info: dict[str, int],
         stage_out = stage if pipelining_info else [0] * len(nodes)
     else:
         stage_out = stage
-    plan = Placement(ipus, stage_out, num_ipus, pipelining)
+    plan = Placement(ipus, stage_out, num_ipus, pipelining,
+                     rest=(rest_ipu, rest_stage if pipelining or pipelining_info else 0))
     _check(plan, nodes, producer)
     return plan
 
@@ -493,10 +495,13 @@ def _clip(text: str, limit: int = 60000) -> str:
 def _annotate(graph: onnx.GraphProto, device_graph: onnx.GraphProto, plan: Placement) -> None:
     """Record the placement on the written model's nodes, as PopRT does."""
     where = {}
+    removed = plan.rest   # a node the compile removed: where the rest goes, on a busy IPU
+    if removed[0] in plan.idle and plan.order:
+        removed = (plan.order[-1], max(plan.stage, default=0))
     for k, n in enumerate(device_graph.node):
         where[tuple(n.output)] = (plan.ipu[k], plan.stage[k])
     for n in graph.node:
-        ipu, stage = where.get(tuple(n.output), (plan.num_ipus - 1, max(plan.stage, default=0)))
+        ipu, stage = where.get(tuple(n.output), removed)
         for a in list(n.attribute):
             if a.name in (IPU_ATTR, STAGE_ATTR):
                 n.attribute.remove(a)
