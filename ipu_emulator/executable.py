@@ -54,6 +54,7 @@ import numpy as np
 from ipu_emulator.errors import ExecutableError
 
 __all__ = [
+    "IDLE_ATTR",
     "LINK_PREFIX",
     "SYNC_TENSOR",
     "is_link",
@@ -104,6 +105,12 @@ def is_link(handle: str) -> bool:
 def is_sync(handle: str) -> bool:
     """A link that carries the sharding token."""
     return is_link(handle) and handle.endswith("/" + SYNC_TENSOR)
+
+
+IDLE_ATTR = "idle"
+"""Attribute ``"1"`` of a multi-IPU executable's part: that IPU holds no node of the model.
+The device has it (a model compiled for N IPUs is loaded on N), the host gives it nothing
+to run, and such a part must have nothing in it (no graph, stream, tensor or instruction)."""
 
 
 def parse_link(handle: str) -> tuple[int, int, str]:
@@ -312,6 +319,11 @@ class Executable:
     # The weights section: bytes the graphs' ``external`` initializers point into (a
     # view of the bytes decoded, or of the buffer given as ``weights``: not copied).
     weights: bytes | memoryview = field(default=b"", repr=False)
+
+    @property
+    def idle(self) -> bool:
+        """A part of a multi-IPU executable for an IPU that runs nothing (``IDLE_ATTR``)."""
+        return self.attributes.get(IDLE_ATTR) == "1"
 
     # -- checks -----------------------------------------------------------------
 
@@ -853,6 +865,17 @@ class _Validator:
                 raise self.fail(f"IPU {k}'s part must be a one-IPU executable for "
                                 f"ipu{exe.ipu_version} without parts of its own")
             part.validate()
+            if part.idle:
+                held = [what for what, n in (
+                    ("graphs", len(part.graphs)), ("streams", len(part.streams)),
+                    ("device tensors", len(part.tensors)),
+                    ("instructions", sum(len(p.body) for p in part.programs))) if n]
+                if held:
+                    raise self.fail(f"IPU {k}'s part is marked idle but has {', '.join(held)}; "
+                                    "an idle IPU runs nothing")
+        if all(part.idle for part in exe.parts):
+            raise self.fail(f"all {len(exe.parts)} IPU parts are marked idle; a multi-IPU "
+                            "executable runs on at least one IPU")
 
     def _tensors(self) -> None:
         spans = []

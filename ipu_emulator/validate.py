@@ -19,7 +19,10 @@ Rules (the ``rule`` of a ``RuleError``)::
                     anchor's programs names a program of the executable
     main-missing    programFlow.main names at least one program
     main-empty      every Main program has instructions and Main streams out
-                    at least one output per iteration
+                    at least one output per iteration; so has every IPU's part of
+                    a multi-IPU executable, except a part the compiler marked idle
+                    (an IPU that holds no node: ``Executable.idle``, which the
+                    executable's own checks keep empty)
     repeat-count    every Repeat of a program the flow runs counts >= 1
     anchor-stream   every INPUT/OUTPUT anchor is a stream of the executable of the
                     same direction, dtype, shape and size
@@ -196,6 +199,7 @@ def check_model(exe: Executable, anchors: Sequence[AnchorSpec], flow: FlowSpec,
     for p in flow.main:
         if not exe.programs[p].body:
             raise RuleError("main-empty", f"Main program {p} has no instructions")
+    _check_parts(exe, flow)
     for phase, progs in (("Load", flow.load), ("Main", flow.main), ("Save", flow.save)):
         for p in progs:
             for r in _repeats(exe.programs[p].body):
@@ -210,6 +214,23 @@ def check_model(exe: Executable, anchors: Sequence[AnchorSpec], flow: FlowSpec,
     main = set(flow.main)
     main_anchors = [a for a in by_handle.values() if main.intersection(a.programs)]
     _check_main_iteration(exe, flow.main, main_anchors, subgraphs or {})
+
+
+def _check_parts(exe: Executable, flow: FlowSpec) -> None:
+    """Each IPU's part runs the flow's Main programs: a part not marked idle has them, with
+    instructions, and every iteration streams something out (its links or anchors)."""
+    for k, part in enumerate(exe.parts):
+        if part.idle:
+            continue
+        for p in flow.main:
+            if p >= len(part.programs) or not part.programs[p].body:
+                raise RuleError("main-empty", f"IPU {k}'s part has no instructions in Main "
+                                f"program {p}, and is not marked idle (only an IPU that holds "
+                                "no node of the model may run nothing)")
+        body, _count, what = _iteration(part, flow.main)
+        if not _every_path_streams_out(body):
+            raise RuleError("main-empty", f"IPU {k}'s part: {what} has an iteration that "
+                            "streams nothing out")
 
 
 def _check_anchor_streams(exe: Executable, anchors: Sequence[AnchorSpec], flow: FlowSpec) -> None:

@@ -5,6 +5,9 @@
 ``w<k>`` ``[width, width]`` and a Relu node ``relu<k>`` (output ``y`` for the
 last). ``shard_config(layers, ipus, pipelined)`` gives the ``sharding_info`` /
 ``pipelining_info`` maps that cut it into equal consecutive parts.
+``conv_chain(blocks)``: a small CNN of named nodes (``conv<k>``/``relu<k>`` per block, then
+``pool``, ``flatten``, ``fc``; input ``x`` [batch, 3, size, size], output ``y``), the shape of
+the ResNet that PopRT's manual sharding example cuts.
 Used by the demo, the pipelining benchmark, the stress scenario and the tests.
 """
 
@@ -15,7 +18,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["chain_model", "shard_config", "write_shard_yaml", "reference"]
+__all__ = ["chain_model", "conv_chain", "shard_config", "write_shard_yaml", "reference"]
 
 
 def chain_model(layers: int = 4, width: int = 16, batch: int = 2, seed: int = 0,
@@ -46,6 +49,42 @@ def chain_model(layers: int = 4, width: int = 16, batch: int = 2, seed: int = 0,
     model.ir_version = 8
     if initializer is None:
         onnx.checker.check_model(model)
+    return model
+
+
+def conv_chain(blocks: int = 6, channels: int = 4, size: int = 8, classes: int = 5,
+               batch: int = 1, seed: int = 0) -> Any:
+    """x -> (Conv 3x3 + bias ``conv<k>``, Relu ``relu<k>``) x blocks -> GlobalAveragePool
+    ``pool`` -> Flatten ``flatten`` -> Gemm ``fc`` -> y [batch, classes]."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+    nodes, inits = [], []
+    x, cin = "x", 3
+    for k in range(blocks):
+        w = rng.standard_normal((channels, cin, 3, 3)) * np.sqrt(2.0 / (cin * 9))
+        inits += [numpy_helper.from_array(w.astype(np.float32), f"w{k}"),
+                  numpy_helper.from_array((rng.standard_normal(channels) * 0.1)
+                                          .astype(np.float32), f"b{k}")]
+        nodes += [helper.make_node("Conv", [x, f"w{k}", f"b{k}"], [f"c{k}"], name=f"conv{k}",
+                                   kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+                  helper.make_node("Relu", [f"c{k}"], [f"r{k}"], name=f"relu{k}")]
+        x, cin = f"r{k}", channels
+    inits += [numpy_helper.from_array(rng.standard_normal((classes, channels))
+                                      .astype(np.float32), "fc_w"),
+              numpy_helper.from_array(rng.standard_normal(classes).astype(np.float32), "fc_b")]
+    nodes += [helper.make_node("GlobalAveragePool", [x], ["p"], name="pool"),
+              helper.make_node("Flatten", ["p"], ["f"], name="flatten"),
+              helper.make_node("Gemm", ["f", "fc_w", "fc_b"], ["y"], name="fc", transB=1)]
+    graph = helper.make_graph(
+        nodes, "conv_chain",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 3, size, size])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, classes])],
+        initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
     return model
 
 

@@ -212,6 +212,9 @@ def _render_sharding(sh: dict[str, Any]) -> list[str]:
     kind = f"pipelined, {sh['num_stages']} stages" if sh["pipelining"] else "sharded"
     lines = [f"Sharding ({kind}) over {len(sh['ipus'])} IPUs"]
     for i in sh["ipus"]:
+        if i.get("idle"):
+            lines.append(f"  ipu {i['ipu']}  idle: holds no node of the model, runs nothing")
+            continue
         nodes = i["nodes"]
         shown = ", ".join(_clean(n) for n in nodes[:12]) + (", ..." if len(nodes) > 12 else "")
         lines.append(f"  ipu {i['ipu']}  stage {i['stages']}  {len(nodes)} nodes: {shown}")

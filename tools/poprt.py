@@ -101,8 +101,10 @@ def main(argv: list[str] | None = None) -> int:
 def _report(out: Any, args: argparse.Namespace) -> None:
     exe = out.result.executable
     if exe.num_ipus > 1:
+        idle = [k for k, part in enumerate(exe.parts) if part.idle]
         print(f"poprt: sharded over {exe.num_ipus} IPUs"
-              + (" (pipelined)" if args.enable_pipelining else ""))
+              + (" (pipelined)" if args.enable_pipelining else "")
+              + (f"; IPU(s) {idle} hold no node and stay idle" if idle else ""))
     print(f"poprt: compiled {exe.attributes.get('models', '')} for ipu{exe.ipu_version}"
           f" ({len(out.result.anchors)} anchors, device memory {exe.required_bytes} bytes)")
     errors = out.result.fp16_error

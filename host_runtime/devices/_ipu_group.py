@@ -22,6 +22,11 @@ with that failure, which names the IPU, once every IPU has answered. Before each
 runs then) the links are emptied and the sharding tokens put back, whatever an
 abandoned iteration left in them.
 
+An IPU whose part is idle (the model was compiled for N IPUs and holds no node on
+that IPU: ``Executable.idle``) belongs to the device like the others (its process is
+started and watched, as the IPU is held on hardware) but gets no LOAD (its spec region
+is None) and no request: it runs nothing.
+
 Failure is whole-device: when any IPU process dies, every member link fails its
 pending requests with one ``DeviceLostError`` naming the IPU, and the remaining
 IPU processes of the device are killed (their rings then fail at once, and none
@@ -99,6 +104,7 @@ class GroupLink:
                         [p] + [q for q in processes if q is not p], settings)
             for k, p in enumerate(processes)]
         self._width = 1
+        self._active = [0]   # the IPUs that run a part (those of an idle part do not)
         self._lost: DeviceLostError | None = None
         self._lost_lock = threading.Lock()
         self._closing = False
@@ -145,8 +151,14 @@ class GroupLink:
 
     @property
     def width(self) -> int:
-        """IPUs the loaded executable uses (1 until a multi-IPU executable is loaded)."""
+        """IPUs the loaded executable spans (1 until a multi-IPU executable is loaded)."""
         return self._width
+
+    @property
+    def active(self) -> list[int]:
+        """The IPUs of the device that run a part of the loaded executable (an IPU whose
+        part is idle holds no node: it is loaded with nothing and runs nothing)."""
+        return list(self._active)
 
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs]
@@ -167,22 +179,26 @@ class GroupLink:
                         f"has {len(self._members)}"))
                     return fut
                 self._width = len(regions)
+                self._active = [k for k, r in enumerate(regions) if r is not None]
                 faults = body.get("faults")   # (host fault tables: every IPU gets them)
                 bodies = [{"spec_region": r, "faults": faults} if faults else {"spec_region": r}
                           for r in regions]
             else:
-                self._width = 1
-        width = self._width
-        if width == 1:
+                self._width, self._active = 1, [0]
+        if op is Op.UNLOAD:   # every IPU may cache that session's part, whatever ran last
+            members = list(self._members)
+            return self._all([m.request(op, body, value) for m in members], members, op)
+        if self._width == 1:
             return self._members[0].request(op, body, value)
         if bodies is None:
-            bodies = [body] * width
+            bodies = [body] * self._width
         if op in (Op.RUN, Op.LOOP) and self.reset_links is not None and self._lost is None:
             # Nothing runs now (the session runs one request at a time): start the links
             # afresh, whatever an abandoned iteration (a stop, a failure) left in them.
             self.reset_links()
-        futs = [self._members[k].request(op, bodies[k], value) for k in range(width)]
-        return self._all(futs, op)
+        members = [self._members[k] for k in self._active]
+        futs = [m.request(op, bodies[k], value) for k, m in zip(self._active, members)]
+        return self._all(futs, members, op)
 
     def call(self, op: Op, body: Any = None, timeout: float | None = None) -> None:
         wait(self.request(op, body), timeout, f"{op.name} on {self.description}",
@@ -199,12 +215,13 @@ class GroupLink:
         return max(m.progress for m in self._members)
 
     def notify(self, op: Op, body: Any = None) -> None:
-        for m in self._members[:self._width]:
-            m.notify(op, body)
+        for k in self._active if self._width > 1 else [0]:
+            self._members[k].notify(op, body)
 
     # -- combining ----------------------------------------------------------------------------
 
-    def _all(self, futs: list["cf.Future[None]"], op: Op) -> "cf.Future[None]":
+    def _all(self, futs: list["cf.Future[None]"], members: list[_MemberLink],
+             op: Op) -> "cf.Future[None]":
         out: cf.Future[None] = cf.Future()
         lock = threading.Lock()
         state: dict[str, Any] = {"left": len(futs), "stopped": False, "first": None}
@@ -233,12 +250,12 @@ class GroupLink:
                 # some): end their programs, then wake those blocked on an IPU-Link now
                 # rather than at their next check of the control ring. The links are
                 # reset before the next RUN/LOOP.
-                for k, g in enumerate(futs):
+                for g, m in zip(futs, members):
                     if g is not f and not g.done():
                         try:
-                            self._members[k].request(Op.STOP, value=1)
+                            m.request(Op.STOP, value=1)
                         except Exception:  # pragma: no cover - best effort
-                            _log.debug("soft stop of IPU %d failed", k, exc_info=True)
+                            _log.debug("soft stop of %s failed", m.description, exc_info=True)
                 wake = self.wake_links
                 if wake is not None:
                     try:
@@ -249,6 +266,7 @@ class GroupLink:
                 return
             errors = [e for e in (g.exception() for g in futs) if e is not None]
             futs.clear()   # each future's callbacks hold this list: no cycle left behind
+            members.clear()
             if not errors:
                 out.set_result(None)
                 return
@@ -377,9 +395,10 @@ class ShardedLoad:
         self.key = key
         self.parts = exe.parts
         self.links: dict[str, Ring] = {}
-        self.spec_regions: list[Region] = []
-        self.memory: list[Region] = []
-        self._part_bytes = [p.to_bytes() for p in self.parts]
+        # per IPU (None for an IPU whose part is idle: it is sent nothing)
+        self.spec_regions: list[Region | None] = []
+        self.memory: list[Region | None] = []
+        self._part_bytes = [None if p.idle else p.to_bytes() for p in self.parts]
         self._closed = False
         try:
             for handle, spec in self._link_specs().items():
@@ -388,8 +407,9 @@ class ShardedLoad:
                                                  prefault=n * LINK_DEPTH <= (1 << 20))
             self.reset_links()
             for part in self.parts:
-                self.memory.append(Region.create(max(64, part.memory_bytes), kind="mem",
-                                                 prefault=False, backed=0))   # by its IPU
+                self.memory.append(None if part.idle else Region.create(
+                    max(64, part.memory_bytes), kind="mem", prefault=False,
+                    backed=0))   # by its IPU
         except BaseException:
             self.close()
             raise
@@ -435,8 +455,14 @@ class ShardedLoad:
                 f"{link.description} has {have}; attach a device of {len(self.parts)} IPUs")
         if fresh:
             self.reset_links()
-        names = []
+        names: list[str | None] = []
         for k, part in enumerate(self.parts):
+            code, memory = self._part_bytes[k], self.memory[k]
+            if code is None or memory is None:   # an idle IPU: held, given nothing
+                if k == len(self.spec_regions):
+                    self.spec_regions.append(None)
+                names.append(None)
+                continue
             streams = list(host_streams)
             for h, s in part.streams.items():
                 if h in self.links:
@@ -445,15 +471,15 @@ class ShardedLoad:
                                     "mode": MODE_DIRECT})
             spec: dict[str, Any] = {
                 "key": self.key, "fresh": int(bool(fresh)), "executable_offset": 0,
-                "executable_size": len(self._part_bytes[k]),
-                "memory_region": self.memory[k].name,
+                "executable_size": len(code),
+                "memory_region": memory.name,
                 "check_package_hash": bool(check_package_hash), "streams": streams}
             mine = [c for c in (constants or {}).get("streams", []) if c["handle"] in part.streams]
             if mine:
                 assert constants is not None
                 spec["constants"] = {"region": constants["region"], "streams": mine}
             old = self.spec_regions[k] if k < len(self.spec_regions) else None
-            region = load_spec_region(old, spec, self._part_bytes[k])
+            region = load_spec_region(old, spec, code)
             if k < len(self.spec_regions):
                 self.spec_regions[k] = region
             else:
@@ -502,6 +528,7 @@ class ShardedLoad:
             ring.unlink()
         self.links = {}
         for region in self.spec_regions + self.memory:
-            region.close()
-            region.unlink()
+            if region is not None:
+                region.close()
+                region.unlink()
         self.spec_regions, self.memory = [], []

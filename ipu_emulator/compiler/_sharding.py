@@ -51,7 +51,7 @@ from ipu_emulator.compiler._types import (LOAD_PROGRAM, MAIN_PROGRAM, SAVE_PROGR
                                           CompileOptions, CompileResult, Target, check_fit)
 from ipu_emulator.errors import CompileError
 from ipu_emulator.executable import (
-    LINK_PREFIX, SYNC_TENSOR, is_link, is_sync, parse_link,
+    IDLE_ATTR, LINK_PREFIX, SYNC_TENSOR, is_link, is_sync, parse_link,
     Execute, Executable, Graph, Instruction, Program, Repeat, StreamIn, StreamOut, StreamSpec,
     TensorSig, numpy_dtype, plan_memory)
 from shm.errors import echo
@@ -93,7 +93,9 @@ class Placement:
     stage: list[int]
     num_ipus: int
     pipelining: bool
-    order: list[int] = field(default_factory=list)   # IPUs in data-flow order
+    order: list[int] = field(default_factory=list)   # IPUs with nodes, in data-flow order
+    idle: list[int] = field(default_factory=list)    # IPUs with no node
+    rest: tuple[int, int] = (0, 0)   # (IPU, stage) of a node no sharding point reaches
 
     @property
     def num_stages(self) -> int:
@@ -102,7 +104,8 @@ class Placement:
 
 def load_sharding_yaml(path: "str | os.PathLike[str]") -> tuple[dict[str, int], dict[str, int]]:
     """Read ``shard.yaml``: maps ``sharding_info`` (node -> IPU) and ``pipelining_info``
-    (node -> stage). Raises CompileError naming the file and the key."""
+    (node -> stage), or PopRT's list of ``{node, device, stage}`` items. Raises
+    CompileError naming the file and the key."""
     from ipu_emulator.yaml_config import ConfigYamlError, load_yaml_file
 
     p = os.fspath(path)
@@ -112,15 +115,44 @@ def load_sharding_yaml(path: "str | os.PathLike[str]") -> tuple[dict[str, int], 
         raise CompileError(str(exc)) from None
     if doc is None:
         doc = {}
+    if isinstance(doc, list):
+        return _sharding_list(doc, f"sharding config {echo(p, 200)}")
     if not isinstance(doc, dict):
-        raise CompileError(f"sharding config {echo(p, 200)} must be a mapping with sharding_info and "
-                           f"pipelining_info, got {type(doc).__name__}")
+        raise CompileError(f"sharding config {echo(p, 200)} must be a list of node/device/stage "
+                           "items or a mapping with sharding_info and pipelining_info, got "
+                           f"{type(doc).__name__}")
     extra = sorted(set(doc) - {"sharding_info", "pipelining_info"})
     if extra:
         raise CompileError(f"sharding config {echo(p, 200)}: unknown keys {echo(extra, 200)}; expected "
                            "sharding_info and pipelining_info")
     return (check_map(doc.get("sharding_info"), f"sharding config {echo(p, 200)}: sharding_info"),
             check_map(doc.get("pipelining_info"), f"sharding config {echo(p, 200)}: pipelining_info"))
+
+
+def _sharding_list(items: list[Any], where: str) -> tuple[dict[str, int], dict[str, int]]:
+    """PopRT's ``shard.yaml``: ``- {node: <name>, device: <IPU>, stage: <stage>}`` per
+    sharding point (``device`` and ``stage`` each optional)."""
+    sharding: dict[str, Any] = {}
+    stages: dict[str, Any] = {}
+    for k, item in enumerate(items):
+        at = f"{where}: item {k}"
+        if not isinstance(item, dict) or not isinstance(item.get("node"), str):
+            raise CompileError(f"{at} must be a mapping with a node name (node) and its IPU "
+                               f"(device) and/or pipeline stage (stage), got {echo(item, 200)}")
+        extra = sorted(map(str, set(item) - {"node", "device", "stage"}))
+        if extra:
+            raise CompileError(f"{at}: unknown keys {echo(extra, 200)}; expected node, device "
+                               "and stage")
+        name = item["node"]
+        if name in sharding or name in stages:
+            raise CompileError(f"{at}: node {echo(name)} is named twice")
+        if "device" not in item and "stage" not in item:
+            raise CompileError(f"{at}: node {echo(name)} has neither device nor stage")
+        if "device" in item:
+            sharding[name] = item["device"]
+        if "stage" in item:
+            stages[name] = item["stage"]
+    return (check_map(sharding, f"{where}: device"), check_map(stages, f"{where}: stage"))
 
 
 def check_map(v: Any, where: str) -> dict[str, int]:
@@ -176,7 +208,7 @@ def place_nodes(graph: onnx.GraphProto, sharding_info: dict[str, int],
             if t:
                 producer[t] = k
     last_ipu = num_ipus - 1
-    last_stage = max(pipelining_info.values(), default=0)
+    rest_ipu, rest_stage = _rest(sharding_info, pipelining_info, num_ipus, pipelining)
     ipu: list[int | None] = [None] * len(nodes)
     stage: list[int] = [0] * len(nodes)
     for name in sorted(points, key=lambda n: by_name[n]):   # graph order is topological
@@ -192,16 +224,33 @@ def place_nodes(graph: onnx.GraphProto, sharding_info: dict[str, int],
             stack.extend(producer[t] for t in nodes[k].input if t in producer)
     for k in range(len(nodes)):
         if ipu[k] is None:
-            ipu[k] = last_ipu
-            stage[k] = last_stage if pipelining_info else (last_ipu if pipelining else 0)
+            ipu[k], stage[k] = rest_ipu, rest_stage
     ipus = [int(i) if i is not None else last_ipu for i in ipu]
     if not pipelining:
         stage_out = stage if pipelining_info else [0] * len(nodes)
     else:
         stage_out = stage
-    plan = Placement(ipus, stage_out, num_ipus, pipelining)
+    plan = Placement(ipus, stage_out, num_ipus, pipelining,
+                     rest=(rest_ipu, rest_stage if pipelining or pipelining_info else 0))
     _check(plan, nodes, producer)
     return plan
+
+
+def _rest(sharding_info: dict[str, int], pipelining_info: dict[str, int], num_ipus: int,
+          pipelining: bool) -> tuple[int, int]:
+    """The IPU and stage of the nodes no sharding point reaches. PopRT's rule: the highest
+    IPU named + 1 and the highest stage named + 1. When no IPU is left above the highest
+    named (PopART would refuse the number), the last IPU and the highest stage named."""
+    named = max(sharding_info.values(), default=-1)
+    if sharding_info and named + 1 < num_ipus:
+        ipu = named + 1
+        stage = max(pipelining_info.values()) + 1 if pipelining_info else \
+            (ipu if pipelining else 0)
+        return ipu, stage
+    ipu = num_ipus - 1
+    if pipelining_info:
+        return ipu, max(pipelining_info.values())
+    return ipu, ipu if pipelining else 0
 
 
 def _label(n: onnx.NodeProto, k: int) -> str:
@@ -209,10 +258,10 @@ def _label(n: onnx.NodeProto, k: int) -> str:
 
 
 def _check(plan: Placement, nodes: list[onnx.NodeProto], producer: dict[str, int]) -> None:
-    empty = sorted(set(range(plan.num_ipus)) - set(plan.ipu))
-    if empty:
-        raise CompileError(f"IPU(s) {empty} hold no node with num_ipus {plan.num_ipus}; put a "
-                           "sharding point on each IPU, or use fewer IPUs")
+    busy = sorted(set(plan.ipu))
+    plan.idle = sorted(set(range(plan.num_ipus)) - set(busy))
+    if plan.idle:   # held with the device, as on hardware, and given nothing to run
+        _log.info("IPU(s) %s of %d hold no node: idle", plan.idle, plan.num_ipus)
     edges: set[tuple[int, int]] = set()
     for k, n in enumerate(nodes):
         for t in n.input:
@@ -234,7 +283,7 @@ def _check(plan: Placement, nodes: list[onnx.NodeProto], producer: dict[str, int
                 raise CompileError(f"pipeline stage {s} spans IPUs {where[s]} and {i} (node "
                                    f"{_label(nodes[k], k)}); a stage runs on one IPU")
     # IPUs in data-flow order; a cycle (IPU a feeds b feeds a) cannot run part by part
-    indeg = {i: 0 for i in range(plan.num_ipus)}
+    indeg = {i: 0 for i in busy}
     for _a, b in edges:
         indeg[b] += 1
     ready = sorted(i for i, d in indeg.items() if d == 0)
@@ -247,7 +296,7 @@ def _check(plan: Placement, nodes: list[onnx.NodeProto], producer: dict[str, int
                 indeg[b] -= 1
                 if indeg[b] == 0:
                     ready.append(b)
-    if len(order) != plan.num_ipus:
+    if len(order) != len(busy):
         cyc = sorted(i for i in indeg if i not in order)
         raise CompileError(f"tensors flow back and forth between IPUs {cyc} "
                            f"({sorted(e for e in edges if e[0] in cyc and e[1] in cyc)}): each "
@@ -360,7 +409,8 @@ def compile_sharded(p: "Prepared", opts: "CompileOptions", target: "Target",
     opset = list(p.device_model.opset_import)
     exe_parts: list[Executable] = []
     for part in parts:
-        exe_parts.append(_part_executable(p, opts, target, part, opset, inits, vi, sync_pairs,
+        exe_parts.append(_idle_part(opts, target, part.ipu) if part.ipu in plan.idle else
+                         _part_executable(p, opts, target, part, opset, inits, vi, sync_pairs,
                                           plan, per_ipu_memory))
 
     # the host's view: every anchor, Main reads each input and writes each output once
@@ -401,7 +451,9 @@ def compile_sharded(p: "Prepared", opts: "CompileOptions", target: "Target",
         "pipelining": bool(opts.enable_pipelining),
         "num_stages": plan.num_stages,
         "order": plan.order,
-        "ipus": [{"ipu": pt.ipu, "stages": sorted(pt.stages), "nodes": len(pt.nodes),
+        "idle": plan.idle,
+        "ipus": [{"ipu": pt.ipu, "idle": pt.ipu in plan.idle, "stages": sorted(pt.stages),
+                  "nodes": len(pt.nodes),
                   "inputs": pt.host_in + pt.weights_in, "outputs": pt.host_out,
                   "links_in": [f"{t}<-ipu{s}" for t, s in pt.links_in + pt.wlinks_in],
                   "links_out": [f"{t}->ipu{d}" for t, d in pt.links_out + pt.forward +
@@ -443,10 +495,13 @@ def _clip(text: str, limit: int = 60000) -> str:
 def _annotate(graph: onnx.GraphProto, device_graph: onnx.GraphProto, plan: Placement) -> None:
     """Record the placement on the written model's nodes, as PopRT does."""
     where = {}
+    removed = plan.rest   # a node the compile removed: where the rest goes, on a busy IPU
+    if removed[0] in plan.idle and plan.order:
+        removed = (plan.order[-1], max(plan.stage, default=0))
     for k, n in enumerate(device_graph.node):
         where[tuple(n.output)] = (plan.ipu[k], plan.stage[k])
     for n in graph.node:
-        ipu, stage = where.get(tuple(n.output), (plan.num_ipus - 1, max(plan.stage, default=0)))
+        ipu, stage = where.get(tuple(n.output), removed)
         for a in list(n.attribute):
             if a.name in (IPU_ATTR, STAGE_ATTR):
                 n.attribute.remove(a)
@@ -549,6 +604,20 @@ def _part_executable(p: "Prepared", opts: "CompileOptions", target: "Target", pa
                     "constant_bytes": str(constants), "activation_bytes": str(activations)})
 
 
+def _idle_part(opts: "CompileOptions", target: "Target", ipu: int) -> Executable:
+    """IPU ``ipu`` holds no node: a part marked idle, with nothing in it. The host loads
+    nothing on that IPU and runs nothing there (host_runtime.devices._ipu_group); the
+    executable's checks refuse an idle mark on a part that has anything to run."""
+    return Executable(
+        name=f"{opts.name[:100]}.ipu{ipu}",
+        programs=[Program("load", ()), Program("main", ()), Program("save", ())],
+        graphs=[], tensors={}, streams={}, memory_bytes=0, required_bytes=0,
+        ipu_version=target.version, num_ipus=1, device_iterations=opts.device_iterations,
+        package_hash=ipu_emulator.package_hash(),
+        attributes={IDLE_ATTR: "1", "ipu": str(ipu), "nodes": "", "stages": "",
+                    "constant_bytes": "0", "activation_bytes": "0"})
+
+
 def _count(shape: tuple[int, ...]) -> int:
     n = 1
     for d in shape:
@@ -580,7 +649,7 @@ def describe_parts(exe: Executable) -> dict[str, Any] | None:
             else:
                 (anchors_in if s.direction == "in" else anchors_out).append(h)
         nodes = [n for n in part.attributes.get("nodes", "").split(",") if n]
-        ipus.append({"ipu": k, "stages": part.attributes.get("stages", ""), "nodes": nodes,
+        ipus.append({"ipu": k, "idle": part.idle, "stages": part.attributes.get("stages", ""), "nodes": nodes,
                      "anchors_in": anchors_in, "anchors_out": anchors_out,
                      "links_in": links_in, "links_out": links_out,
                      "tensors": sorted(part.tensors), "required_bytes": part.required_bytes})

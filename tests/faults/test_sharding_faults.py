@@ -1,5 +1,7 @@
 """Faults of multi-IPU devices: failure is whole-device.
 
+- the process of an IPU that runs nothing (a model of 3 shards on 4 IPUs) killed: the
+  device is lost all the same;
 - an IPU process of a pipelined device killed under load: every pending request fails
   with DeviceLostError naming that IPU, the device's other IPU processes are gone too;
 - with auto_reset, the next request runs on a freshly attached device of all its IPUs;
@@ -127,6 +129,40 @@ def test_killed_ipu_of_a_pipelined_device_fails_every_pending_request(pipelined_
         assert not alive, f"IPU processes of the lost device still run: {alive}"
         with pytest.raises(DeviceLostError):
             r.execute({"x": x_of(0)})
+
+
+@pytest.fixture(scope="module")
+def idle_path(tmp_path_factory):
+    """A conv chain pipelined over IPUs 0..2 of a 4-IPU device: IPU 3 is idle."""
+    from host_runtime.poprt.compiler import compile as poprt_compile
+    from tools._chain_model import conv_chain
+
+    points = {"relu1": 0, "relu3": 1, "fc": 2}
+    model = conv_chain(blocks=4)
+    out = poprt_compile(model, tmp_path_factory.mktemp("idle"), num_ipus=4,
+                        sharding_info=points, pipelining_info=points, enable_pipelining=True,
+                        batches_per_step=3)
+    return str(out.popef_path), model
+
+
+def test_killed_idle_ipu_still_loses_the_whole_device(idle_path):
+    """IPU 3 runs nothing, but it is one of the device's IPUs: its death loses the device
+    (DeviceLostError naming IPU 3), and the other IPU processes are killed."""
+    path, model = idle_path
+    x = np.random.default_rng(2).standard_normal((1, 3, 8, 8)).astype(np.float32)
+    with model_runtime.ModelRunner(path) as r:
+        np.testing.assert_allclose(r.execute({"x": x})["y"], reference(model, x),
+                                   rtol=1e-5, atol=1e-5)
+        dev = r._replicas[0].session.device()
+        pids = dev.pids()
+        assert len(pids) == 4 and dev.link.active == [0, 1, 2]
+        kill_and_wait(pids[3])
+        with pytest.raises(DeviceLostError, match=rf"IPU process {pids[3]} was killed by signal "
+                                                  r"SIGKILL \(9\) \(ipu \d+, IPU 3 of the "
+                                                  r"device\); the whole device is lost"):
+            r.execute({"x": x})
+        gone, alive = psutil.wait_procs(processes(pids), timeout=WAIT)
+        assert not alive, f"IPU processes of the lost device still run: {alive}"
 
 
 def test_auto_reset_restarts_and_reloads_all_ipus(pipelined_path, chain):

@@ -189,10 +189,85 @@ def test_batches_per_step_multiple_of_stages(chain):
         compile_chain(chain, 4, pipelined=True, bps=6)
 
 
-def test_empty_ipu_refused(chain):
-    with pytest.raises(CompileError, match=r"IPU\(s\) \[2\] hold no node"):
-        compile_onnx(ModelSpec(chain), CompileOptions(
-            num_ipus=4, sharding_info={"relu1": 0, "relu3": 1}, machine_ipus=4))
+# -- IPUs that hold no node: idle ------------------------------------------------------------
+
+THREE_OF_FOUR = {"relu1": 0, "relu3": 1, "relu7": 2}
+
+
+def test_the_rest_goes_to_the_next_ipu_and_stage_as_poprt_documents(chain):
+    """PopRT: the nodes no point reaches get the highest IPU named + 1 and the highest
+    stage named + 1 (so three points on IPUs 0..2 and a tail make 4 stages on 4 IPUs)."""
+    points = {"relu1": 0, "relu3": 1, "relu5": 2}
+    plan = place_nodes(chain.graph, points, points, 4, True)
+    where = dict(zip([n.name for n in chain.graph.node], zip(plan.ipu, plan.stage)))
+    assert [where[f"relu{k}"] for k in range(LAYERS)] == [
+        (0, 0), (0, 0), (1, 1), (1, 1), (2, 2), (2, 2), (3, 3), (3, 3)]
+    assert plan.num_stages == 4 and plan.idle == []
+    # points on IPUs 0 and 1 only: the rest on IPU 2, IPU 3 idle
+    plan = place_nodes(chain.graph, {"relu1": 0, "relu3": 1}, {}, 4, False)
+    assert sorted(set(plan.ipu)) == [0, 1, 2] and plan.idle == [3] and plan.order == [0, 1, 2]
+    # no IPU above the highest named: the rest stays on the last IPU and stage
+    points = {"relu1": 0, "relu3": 1}
+    plan = place_nodes(chain.graph, points, points, 2, True)
+    assert plan.ipu[-1] == 1 and plan.stage[-1] == 1 and plan.num_stages == 2
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sharded", "pipelined"])
+def test_an_ipu_with_no_node_is_an_idle_part(chain, pipelined):
+    res = compile_onnx(ModelSpec(chain), CompileOptions(
+        num_ipus=4, sharding_info=THREE_OF_FOUR,
+        pipelining_info=THREE_OF_FOUR if pipelined else None, enable_pipelining=pipelined,
+        device_iterations=3 if pipelined else 1, machine_ipus=4))
+    exe = Executable.from_bytes(res.executable.to_bytes())
+    assert exe.num_ipus == 4 and [p.idle for p in exe.parts] == [False, False, False, True]
+    idle = exe.parts[3]
+    assert (idle.graphs, idle.streams, idle.tensors, [p.body for p in idle.programs]) == (
+        [], {}, {}, [(), (), ()])
+    # no IPU sends the idle one anything (links nor sharding token), nor waits for it
+    for part in exe.parts[:3]:
+        assert not any(h.startswith(LINK_PREFIX) and 3 in parse_link(h)[:2]
+                       for h in part.streams)
+    sync = {h for p in exe.parts for h in p.streams if SYNC_TENSOR in h}
+    assert sync == (set() if pipelined else {f"{LINK_PREFIX}2/0/{SYNC_TENSOR}"})
+    summary = json.loads(exe.attributes["sharding"])
+    assert summary["idle"] == [3] and summary["order"] == [0, 1, 2]
+    assert summary["num_stages"] == (3 if pipelined else 1)
+    x = np.random.default_rng(5).standard_normal((2, 16)).astype(np.float32)
+    np.testing.assert_allclose(run_parts_in_order(exe, x), reference(chain, x),
+                               rtol=1e-5, atol=1e-6)
+    assert {ipu for ipu, _stage in placement_of(res.output_model).values()} == {0, 1, 2}
+
+
+def test_the_idle_mark_is_kept_strict(chain):
+    """Only a part with nothing in it may be idle, not every part, and a part not marked
+    idle still needs a Main program that streams out (on the host and on the IPU)."""
+    from dataclasses import replace
+
+    from ipu_emulator.executable import ExecutableError, Program
+    from ipu_emulator.validate import FlowSpec, RuleError, check_loop, check_model
+
+    exe = compile_onnx(ModelSpec(chain), CompileOptions(
+        num_ipus=4, sharding_info=THREE_OF_FOUR, machine_ipus=4)).executable
+    busy, idle = exe.parts[0], exe.parts[3]
+    marked = replace(busy, attributes={**busy.attributes, "idle": "1"})
+    with pytest.raises(ExecutableError, match=r"IPU 0's part is marked idle but has graphs, "
+                                              r"streams, device tensors, instructions"):
+        replace(exe, parts=[marked] + exe.parts[1:]).validate()
+    with pytest.raises(ExecutableError, match=r"all 4 IPU parts are marked idle"):
+        replace(exe, parts=[idle] * 4).validate()
+    unmarked = replace(idle, attributes={})
+    flow = FlowSpec((0,), (1,), (2,))
+    with pytest.raises(RuleError, match=r"rule main-empty: IPU 3's part has no instructions "
+                                        r"in Main program 1, and is not marked idle"):
+        check_model(replace(exe, parts=exe.parts[:3] + [unmarked]), [], flow)
+    silent = replace(busy, programs=[busy.programs[0], Program("main", (
+        Repeat(1, tuple(i for i in busy.programs[1].body[0].body
+                        if not isinstance(i, StreamOut))),)), busy.programs[2]])
+    with pytest.raises(RuleError, match=r"rule main-empty: IPU 0's part: Main program 1 has an "
+                                        r"iteration that streams nothing out"):
+        check_model(replace(exe, parts=[silent] + exe.parts[1:]), [], flow)
+    with pytest.raises(RuleError, match="rule main-empty"):
+        check_loop(idle, [1])          # an IPU process never runs an empty Main
 
 
 def test_model_bigger_than_one_ipu_compiles_only_sharded(chain):
@@ -219,6 +294,34 @@ def test_sharding_yaml_errors(chain, tmp_path):
     with pytest.raises(CompileError, match=r"unknown keys \['sharding'\]"):
         poprt_compile(chain, tmp_path, export_popef=False, num_ipus=2,
                       manual_sharding_config=bad)
+
+
+def test_poprt_list_form_of_shard_yaml(chain, tmp_path):
+    """PopRT's shard.yaml: a list of node/device/stage items."""
+    from ipu_emulator.compiler import load_sharding_yaml
+
+    path = tmp_path / "shard.yaml"
+    path.write_text("-\n  node: relu1\n  device: 0\n  stage: 0\n-\n  node: relu3\n  device: 1\n"
+                    "  stage: 1\n-\n  node: relu7\n  device: 2\n  stage: 2\n")
+    assert load_sharding_yaml(path) == ({"relu1": 0, "relu3": 1, "relu7": 2},
+                                        {"relu1": 0, "relu3": 1, "relu7": 2})
+    out = poprt_compile(chain, tmp_path, export_popef=False, output_model="m.onnx", num_ipus=4,
+                        manual_sharding_config=path, enable_pipelining=True, batches_per_step=3)
+    assert [p.idle for p in out.result.executable.parts] == [False, False, False, True]
+    for text, message in [
+            ("- {node: relu1, ipu: 0}\n", r"item 0: unknown keys \['ipu'\]; expected node, "
+                                          r"device and stage"),
+            ("- relu1\n", r"item 0 must be a mapping with a node name \(node\)"),
+            ("- {node: relu1}\n", r"item 0: node 'relu1' has neither device nor stage"),
+            ("- {node: relu1, device: 0}\n- {node: relu1, device: 1}\n",
+             r"item 1: node 'relu1' is named twice"),
+            ("- {node: relu1, device: -1}\n", r"device: 'relu1': -1 must be a node name and an "
+                                              r"integer >= 0"),
+            ("7\n", r"must be a list of node/device/stage items or a mapping with "
+                    r"sharding_info and pipelining_info, got int")]:
+        path.write_text(text)
+        with pytest.raises(CompileError, match=message):
+            load_sharding_yaml(path)
 
 
 def test_fusion_config_reaches_sharding(chain, tmp_path):
