@@ -190,6 +190,26 @@ def test_padded_batch_of_one_requests_and_whole_batch_outputs(token_popef):
         runner.close()
 
 
+def test_per_token_inputs_outside_the_padding_group_are_packed(token_popef):
+    """ByteMLPerf's pack path: padding removal names only the data loader's inputs; the
+    harness adds an unpadded per-token input of its own (``[L]`` position ids; here
+    token_type_ids). It is packed with the request's tokens, not refused."""
+    config = runtime.PackRunnerConfig(timeout_microseconds=1000)
+    config.enable_input_single_row_mode("attention_mask")
+    config.enable_padding_remove_mode("attention_mask", ["input_ids"])
+    runner = runtime.Runner(token_popef, config)
+    try:
+        short = _requests([5], seed=9)[0]
+        req = {k: np.concatenate([v, np.zeros(S - 5, np.float32)])[None, :]
+               for k, v in short.items() if k != "token_type_ids"}
+        req["token_type_ids"] = short["token_type_ids"]
+        out = np.zeros(S, np.float32)
+        runner.execute(req, {"output": out})
+        npt.assert_allclose(out[:5], _expected_single_row([short], [(0, 0, 1)])[0], rtol=1e-6)
+    finally:
+        runner.close()
+
+
 def test_across_rows_with_the_models_unpacking(unpack_popef):
     config = runtime.PackRunnerConfig(timeout_microseconds=60_000_000)
     runner = runtime.Runner(unpack_popef, config)

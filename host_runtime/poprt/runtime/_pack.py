@@ -118,10 +118,15 @@ class _Layout:
                                       f"{self.seq}, ...] like {dyn!r}; {n!r} is {got}")
         if self.mask and self.mask not in self.packed:
             self.packed[self.mask] = by[self.mask]
+        # per-token inputs outside the group (position ids a harness computes for each
+        # request) are packed too; the group is what padding removal applies to
+        for n in candidates:
+            if n not in self.packed and by[n].shape[:2] == [self.rows, self.seq]:
+                self.packed[n] = by[n]
         others = set(by) - set(self.packed) - {self.unpack}
         if others:
             raise BadRequestError(f"PackRunner: inputs {sorted(others)} are neither packed "
-                                  "(dynamic_group) nor the unpack info")
+                                  f"(shaped [{self.rows}, {self.seq}, ...]) nor the unpack info")
         self.unpack_desc = by.get(self.unpack)
         self.single_row = cfg.disable_data_across_rows
         self.per_request = not self.single_row and self.unpack_desc is not None
