@@ -12,7 +12,8 @@ PopRT's command, on emulated IPUs, through ``host_runtime.poprt.runtime``::
 Options: ``--runner`` modelRunner (default), lightRunner, hostConcatRunner or
 packRunner; ``--iteration`` requests per thread (default 1); ``--numThreads`` client
 threads (default 1); ``--index`` the sub-graph of a fused model (its inputs only,
-``index`` given as uint32); ``--input NAME=FILE.npy`` input data (repeatable; other
+``index`` given as uint32; on an MFConverter model compiled without
+``enable_model_fusion`` the other sub-graphs' inputs are zeros); ``--input NAME=FILE.npy`` input data (repeatable; other
 inputs are random, fixed seed); ``--batchSize`` samples per request (a Runner with a
 smaller batch than the model's batches dynamically along dimension 0; a packRunner
 request is one sequence of 1..S tokens, ``--batchSize`` of them per client call);
@@ -81,6 +82,12 @@ def _random(shape: Sequence[int], dtype: np.dtype, rng: np.random.Generator) -> 
     return rng.integers(0, 2, tuple(shape)).astype(dtype)
 
 
+def _compiled_fused(path: str) -> bool:
+    """Whether the PopEF file was compiled with model fusion (one Main per sub-graph)."""
+    from host_runtime import popef
+    return bool(popef.load_model([path]).metadata.subgraphs())
+
+
 def _make_runner(args: argparse.Namespace) -> Any:
     cfg: Any
     if args.runner == "packRunner":
@@ -113,8 +120,13 @@ def _requests(runner: Any, args: argparse.Namespace, given: dict[str, np.ndarray
     """A function making one request's (inputs, outputs)."""
     ins = runner.get_execute_inputs()
     outs = runner.get_execute_outputs()
+    zeros: list[Any] = []
     if args.index is not None:
         prefix = f"graph{args.index}/"
+        if not _compiled_fused(args.popef):
+            # an MFConverter model compiled as one graph runs every sub-graph: the
+            # others' inputs are zeros, their outputs are not read
+            zeros = [d for d in ins if not d.name.startswith(prefix) and d.name != "index"]
         ins = [d for d in ins if d.name.startswith(prefix)]
         outs = [d for d in outs if d.name.startswith(prefix)]
     if isinstance(runner, runtime.PackRunner):
@@ -137,6 +149,7 @@ def _requests(runner: Any, args: argparse.Namespace, given: dict[str, np.ndarray
         x = {d.name: given.get(d.name, _random(shape(d), d.numpy_data_type(), rng)) for d in ins}
         if args.index is not None:
             x["index"] = np.array([args.index], np.uint32)
+            x.update({d.name: np.zeros(shape(d), d.numpy_data_type()) for d in zeros})
         y = {d.name: np.zeros(shape(d), d.numpy_data_type()) for d in outs}
         return x, y
     return plain

@@ -49,7 +49,11 @@ _REFUSED = {
     "quantize": "fp8 quantization needs fp8 kernels the host does not have",
 }
 # passes PopRT runs by default (skip_passes may name them)
-DEFAULT_PASSES = ("layer_norm_pattern", "gelu_pattern", "replace_softmax", "sort_graph")
+DEFAULT_PASSES = ("int64_to_int32", "layer_norm_pattern", "gelu_pattern", "replace_softmax",
+                  "sort_graph")
+"""What every conversion runs (``skip_passes`` leaves one out). ``int64_to_int32``: the
+converted model's int64 inputs and outputs are int32, as PopRT documents (the IPU has
+no int64)."""
 
 
 class Converter:
@@ -138,8 +142,9 @@ class Converter:
             out.append(get_pass("remove_outputs", self.remove_outputs))
         if self.checkpoints:
             out.append(get_pass("add_checkpoints", self.checkpoints))
-        defaults = [p for p in DEFAULT_PASSES
-                    if not (p == "layer_norm_pattern" and self.disable_fast_norm)]
+        used = {p if isinstance(p, str) else p.name for p in self.used_passes}
+        defaults = [p for p in DEFAULT_PASSES if p not in used
+                    and not (p == "layer_norm_pattern" and self.disable_fast_norm)]
         out += [p for p in defaults if p not in self.skip_passes]
         out += [p for k, p in _OPTION_PASSES.items() if self.options.get(k)
                 and p not in self.skip_passes]

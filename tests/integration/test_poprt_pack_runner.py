@@ -163,6 +163,53 @@ def test_padding_removal_cuts_each_request_to_its_mask(token_popef):
         runner.close()
 
 
+def test_padded_batch_of_one_requests_and_whole_batch_outputs(token_popef):
+    """A harness feeding its data loader's batch of one: padded ``[1, S]`` inputs, output
+    arrays shaped as ``get_model_outputs()`` says (``[B, S]``) or ``[1, S]``. Leading
+    dimensions count as tokens, so the request's tokens land in the first entries."""
+    config = runtime.PackRunnerConfig(timeout_microseconds=1000)
+    config.enable_input_single_row_mode("attention_mask")
+    config.enable_padding_remove_mode("attention_mask", ["input_ids", "token_type_ids"])
+    runner = runtime.Runner(token_popef, config)
+    try:
+        shapes = {d.name: list(d.shape) for d in runner.get_model_outputs()}
+        assert shapes == {"output": [B, S]}
+        for n, dest_shape in ((6, [B, S]), (3, [1, S])):
+            short = _requests([n], seed=n)[0]
+            padded = {k: np.concatenate([v, np.zeros(S - n, np.float32)])[None, :]
+                      for k, v in short.items()}
+            out = np.zeros(dest_shape, np.float32)
+            runner.execute_async(padded, {"output": out}).wait()
+            want = _expected_single_row([short], [(0, 0, 1)])[0]
+            npt.assert_allclose(out.reshape(-1)[:n], want, rtol=1e-6)
+            assert not out.reshape(-1)[n:].any()
+        with pytest.raises(BadRequestError, match=r"output 'output' must be \[>= 4\] \(the "
+                                                  r"request's tokens\), got \[3, 1\]"):
+            runner.execute_async(_requests([4])[0], {"output": np.zeros((3, 1), np.float32)})
+    finally:
+        runner.close()
+
+
+def test_per_token_inputs_outside_the_padding_group_are_packed(token_popef):
+    """ByteMLPerf's pack path: padding removal names only the data loader's inputs; the
+    harness adds an unpadded per-token input of its own (``[L]`` position ids; here
+    token_type_ids). It is packed with the request's tokens, not refused."""
+    config = runtime.PackRunnerConfig(timeout_microseconds=1000)
+    config.enable_input_single_row_mode("attention_mask")
+    config.enable_padding_remove_mode("attention_mask", ["input_ids"])
+    runner = runtime.Runner(token_popef, config)
+    try:
+        short = _requests([5], seed=9)[0]
+        req = {k: np.concatenate([v, np.zeros(S - 5, np.float32)])[None, :]
+               for k, v in short.items() if k != "token_type_ids"}
+        req["token_type_ids"] = short["token_type_ids"]
+        out = np.zeros(S, np.float32)
+        runner.execute(req, {"output": out})
+        npt.assert_allclose(out[:5], _expected_single_row([short], [(0, 0, 1)])[0], rtol=1e-6)
+    finally:
+        runner.close()
+
+
 def test_across_rows_with_the_models_unpacking(unpack_popef):
     config = runtime.PackRunnerConfig(timeout_microseconds=60_000_000)
     runner = runtime.Runner(unpack_popef, config)

@@ -191,6 +191,40 @@ def test_fused_index_given_as_uint32_is_accepted_and_range_checked(fused_popef):
         runner.close()
 
 
+def test_mfconverter_model_compiled_as_one_graph_takes_a_uint32_index(tmp_path, capsys):
+    """PopRT's poprt_run_popef example compiles an MFConverter model with default options
+    (no enable_model_fusion) and runs ``poprt_exec ... --index 0``: the index comes as
+    uint32 and only sub-graph 0's inputs are the caller's."""
+    from host_runtime.poprt.compiler import Compiler, CompilerOptions
+    from host_runtime.poprt.converter import MFConverter
+    from tools.poprt_exec import main as poprt_exec
+
+    fused = MFConverter().convert([seed_model0(), seed_model1()])
+    path = str(tmp_path / "fused_plain.popef")
+    Compiler.compile_and_export(fused, None, path, CompilerOptions())
+    assert not popef.load_model([path]).metadata.subgraphs()     # compiled as one graph
+    runner = runtime.Runner(path)
+    try:
+        x = np.array([[1.0, 2.0]], np.float32)
+        feeds = {"graph0/X": x, "graph0/Y": 3 * x, "graph1/X": np.full([1, 1], 4, np.float16),
+                 "index": np.array([0], np.uint32)}
+        outs = {d.name: np.zeros(d.shape, d.numpy_data_type()) for d in runner.get_execute_outputs()}
+        runner.execute(feeds, outs)
+        npt.assert_array_equal(outs["graph0/O"], [4.0, 8.0])
+        npt.assert_array_equal(outs["graph1/O"], [[4.0, 1.5, 2.0]])
+        with pytest.raises(BadRequestError, match=r"sub-graph number 0\.\.1, got \[2\]"):
+            runner.execute(dict(feeds, index=np.array([2], np.uint32)), outs)
+    finally:
+        runner.close()
+    np.save(tmp_path / "x.npy", x)
+    assert poprt_exec(["poprt_run_popef", "--popef", path, "--iteration", "3", "--index", "0",
+                       "--input", f"graph0/X={tmp_path / 'x.npy'}", "--input",
+                       f"graph0/Y={tmp_path / 'x.npy'}", "--saveOutputs", str(tmp_path / "o")]) == 0
+    assert "requests: 3 " in capsys.readouterr().out
+    npt.assert_array_equal(np.load(tmp_path / "o" / "graph0_O.npy"), [2.0, 4.0])
+    assert sorted(p.name for p in (tmp_path / "o").iterdir()) == ["graph0_O.npy"]
+
+
 # -- devices -----------------------------------------------------------------------------
 def _first_free_device(dm: runtime.DeviceManager) -> runtime.ReplicaIdToDevice:
     """What PopRT's lightrunner example does to choose its device."""

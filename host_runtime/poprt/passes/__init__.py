@@ -16,8 +16,11 @@ from host_runtime.poprt.passes._base import (Pass, PassManager, UnknownPassError
 from host_runtime.poprt.passes._catalog import PassNotSupportedError, install
 
 __all__ = ["Pass", "PassManager", "register", "get_pass", "get_registered_passes",
-           "UnknownPassError", "PassNotSupportedError", "onnx_helper"]
+           "UnknownPassError", "PassNotSupportedError", "onnx_helper", "base_pass",
+           "pattern_helper", "get_dtype", "get_shape"]
 
 install(sys.modules[__name__])
 
-from host_runtime.poprt.passes import onnx_helper  # noqa: E402  (after the catalog)
+# after the catalog: these modules import the registered passes' modules
+from host_runtime.poprt.passes import base_pass, onnx_helper, pattern_helper  # noqa: E402
+from host_runtime.poprt.passes.onnx_helper import get_dtype, get_shape  # noqa: E402

@@ -54,6 +54,11 @@ class Pass:
         self.args = args
         self.kwargs = kwargs
 
+    @property
+    def logger(self) -> logging.Logger:
+        """The pass's logger (``poprt.passes.<name>``), as PopRT's passes log."""
+        return logging.getLogger(f"poprt.passes.{self.name or type(self).__name__}")
+
     def __call__(self, onnx_model: onnx.ModelProto) -> onnx.ModelProto:
         if not isinstance(onnx_model, onnx.ModelProto):
             raise BadRequestError(f"pass {self.name or type(self).__name__!r} expects an "

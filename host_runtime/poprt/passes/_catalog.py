@@ -271,6 +271,7 @@ def install(package: types.ModuleType) -> None:
                                            "__module__": f"{package.__name__}.{mod}"})
         _registrar(name, override=True)(cls)
         setattr(_module(package, mod), cls_name, cls)
+    setattr(_module(package, "shape_inference"), "infer_shapes", _types.infer_shapes)
     for cls_name, cls, name in (("ApplyIrPass", ApplyIrPass, "apply_ir_pass"),
                                 ("ManualSharding", ManualSharding, "manual_sharding")):
         _registrar(name, override=True)(cls)

@@ -16,7 +16,7 @@ from host_runtime.poprt._onnx_util import (copy_model, graph_inputs, parse_skip_
                                           subgraphs, unique)
 
 __all__ = ["ConstBatchSize", "ConstInputShape", "Float2Half", "Int64ToInt32", "DoubleToFloat",
-           "RemoveInputCast", "ReplaceCastLike", "ShapeInference", "infer_lenient"]
+           "RemoveInputCast", "ReplaceCastLike", "ShapeInference", "infer_lenient", "infer_shapes"]
 
 _log = logging.getLogger("poprt.passes")
 
@@ -28,6 +28,12 @@ def infer_lenient(model: onnx.ModelProto) -> onnx.ModelProto:
     except Exception as exc:  # noqa: BLE001 - the compiler infers again and says why
         _log.info("shape inference failed (%s); shapes are left to the compiler", exc)
         return model
+
+
+def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """PopRT's ``poprt.passes.shape_inference.infer_shapes``: a copy of ``model`` with
+    the types and shapes onnx infers (the model as given when inference fails)."""
+    return infer_lenient(copy_model(model))
 
 
 def _refresh_shapes(model: onnx.ModelProto) -> onnx.ModelProto:

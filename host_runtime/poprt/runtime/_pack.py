@@ -118,10 +118,15 @@ class _Layout:
                                       f"{self.seq}, ...] like {dyn!r}; {n!r} is {got}")
         if self.mask and self.mask not in self.packed:
             self.packed[self.mask] = by[self.mask]
+        # per-token inputs outside the group (position ids a harness computes for each
+        # request) are packed too; the group is what padding removal applies to
+        for n in candidates:
+            if n not in self.packed and by[n].shape[:2] == [self.rows, self.seq]:
+                self.packed[n] = by[n]
         others = set(by) - set(self.packed) - {self.unpack}
         if others:
             raise BadRequestError(f"PackRunner: inputs {sorted(others)} are neither packed "
-                                  "(dynamic_group) nor the unpack info")
+                                  f"(shaped [{self.rows}, {self.seq}, ...]) nor the unpack info")
         self.unpack_desc = by.get(self.unpack)
         self.single_row = cfg.disable_data_across_rows
         self.per_request = not self.single_row and self.unpack_desc is not None
@@ -261,6 +266,17 @@ class _Packer:
                 dest[:r.length] = flat[start:start + r.length]
 
 
+def _as_tokens(a: np.ndarray, tail: Any) -> np.ndarray:
+    """``a`` as ``[tokens, *tail]``: every leading dimension before ``tail`` counts as
+    tokens, as PopRT reads a request's buffer (``[1, S]`` from a batch-1 data loader
+    is ``S`` tokens). A view where numpy can give one; ``a`` unchanged when its
+    trailing dimensions are not ``tail`` (the caller's check then names the shape)."""
+    tail = tuple(int(d) for d in tail)
+    if a.ndim <= len(tail) + 1 or (tail and tuple(a.shape[a.ndim - len(tail):]) != tail):
+        return a
+    return a.reshape((-1,) + tail)
+
+
 class PackRunner(Runner):
     """Packs variable-length requests into batches (module docstring)."""
 
@@ -288,7 +304,8 @@ class PackRunner(Runner):
             raise BadRequestError(f"PackRunner request: expected inputs {sorted(lay.packed)}"
                                   f" (at least {required}); missing {missing}, unexpected "
                                   f"{unknown}")
-        arrays = {n: as_readable_array(input[n], n) for n in lay.packed if n in input}
+        arrays = {n: _as_tokens(as_readable_array(input[n], n), lay.packed[n].shape[2:])
+                  for n in lay.packed if n in input}
         if self._padding_remove:
             length = int(np.count_nonzero(arrays[lay.mask]))
         else:
@@ -318,11 +335,15 @@ class PackRunner(Runner):
             if lay.per_request and dest.size != int(np.prod(row)):
                 raise BadRequestError(f"PackRunner request: output {n!r} holds one row of the "
                                       f"unpacked output, {row}; got shape {list(dest.shape)}")
-            if not lay.per_request and (dest.ndim < 1 or dest.shape[0] < length
-                                        or list(dest.shape[1:]) != row):
-                raise BadRequestError(f"PackRunner request: output {n!r} must be [>= {length}"
-                                      f"{''.join(', ' + str(d) for d in row)}] (the request's "
-                                      f"tokens), got {list(dest.shape)}")
+            if not lay.per_request:
+                flat = _as_tokens(dest, row)
+                if flat.ndim < 1 or flat.shape[0] < length or list(flat.shape[1:]) != row or \
+                        not np.shares_memory(flat, dest):
+                    raise BadRequestError(
+                        f"PackRunner request: output {n!r} must be [>= {length}"
+                        f"{''.join(', ' + str(d) for d in row)}] (the request's tokens), "
+                        f"got {list(dest.shape)}")
+                dest = flat
             outs[n] = dest
         return _Request(length, cut, outs)
 

@@ -8,7 +8,8 @@ runner, as in PopRT: a ``PackRunnerConfig`` (``runner_type`` ``PackRunner``) mak
 ``PackRunner``; anything else this runner.
 
 Fused models (several ONNX models compiled into one executable whose Main selects a
-sub-graph by the ``index`` input): when the caller does not give ``index`` the runner
+sub-graph by the ``index`` input; also an MFConverter model compiled as a plain one,
+whose tensors are all ``graphK/...``): when the caller does not give ``index`` the runner
 fills it from the tensor names (``graphK/...`` selects sub-graph ``K``); when the
 caller gives it in another integer type than the model's (PopRT's examples pass
 uint32, the reference's program index type) it is converted, range-checked.
@@ -47,12 +48,23 @@ class FusedIndex:
     def __init__(self, model: "popef.Model") -> None:
         md = model.metadata
         index = md.anchor(INDEX_NAME)
-        self.fused = bool(md.subgraphs()) and index is not None
+        subgraphs = dict(md.subgraphs())
+        if not subgraphs and index is not None:
+            # an MFConverter model compiled without enable_model_fusion (PopRT's
+            # poprt_run_popef example): its tensors are named graphK/...
+            for a in md.anchors():
+                m = _GRAPH.match(a.name())
+                if m is not None:
+                    subgraphs.setdefault(f"graph{m.group(1)}", []).append(a.name())
+                elif a.name() != INDEX_NAME:
+                    subgraphs = {}
+                    break
+        self.fused = bool(subgraphs) and index is not None
         self.dtype = index.tensorInfo().numpyDType() if index is not None else np.dtype(np.int32)
         self.shape = tuple(index.tensorInfo().shape()) if index is not None else (1,)
         self.count = 0
         self._subgraph_of: dict[str, int] = {}
-        for sub, names in md.subgraphs().items():
+        for sub, names in subgraphs.items():
             m = re.fullmatch(r"graph(\d+)", sub)
             if m:
                 self.count = max(self.count, int(m.group(1)) + 1)
