@@ -190,7 +190,8 @@ def compile_result(model: Any, outputs: Sequence[str] | None,
     if opts.serialize_ir:
         if not opts.serialized_ir_dest:
             raise BadRequestError("serialize_ir is set but serialized_ir_dest is empty")
-        onnx.save(result.output_model, opts.serialized_ir_dest)
+        model_out = result.output_model   # replaced whole, never written through a link
+        write_file(pathlib.Path(opts.serialized_ir_dest), lambda f: onnx.save(model_out, f))
     return result
 
 

@@ -239,3 +239,23 @@ def test_a_writer_killed_mid_write_leaves_a_temporary_the_cleanup_command_remove
     assert proc.returncode == 0, proc.stderr
     assert f"removed {tmp_path}/{tmps[0].name}" in proc.stdout
     assert list(tmp_path.iterdir()) == []
+
+
+@as_root
+def test_serialize_ir_into_a_shared_folder_replaces_a_planted_link(shared, precious):
+    import onnx
+
+    from host_runtime.poprt import _compile_api
+    from host_runtime.poprt._options import CompilerOptions
+    from tools.generate_simple_popef import build_simple_model
+
+    dest = os.path.join(shared, "ir.onnx")
+    as_other_user(["ln", "-s", str(precious), dest])
+    opts = CompilerOptions()
+    opts.serialize_ir = True
+    opts.serialized_ir_dest = dest
+    result = _compile_api.compile_result(build_simple_model(), None, opts)
+    _intact(precious)
+    st = os.lstat(dest)
+    assert stat.S_ISREG(st.st_mode) and st.st_uid == 0
+    assert onnx.load(dest) == result.output_model
