@@ -38,6 +38,7 @@ import numpy as np
 
 from host_runtime.errors import ModelRuntimeError
 from host_runtime.poprt import runtime
+from ipu_emulator import safe_files
 
 __all__ = ["main"]
 
@@ -212,8 +213,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"wall time: {wall:.3f} s  throughput: {count / wall if wall else 0:.1f} requests/s")
     if args.saveOutputs and last:
         os.makedirs(args.saveOutputs, exist_ok=True)
-        for name, arr in last.items():
-            np.save(os.path.join(args.saveOutputs, name.replace("/", "_") + ".npy"), arr)
+        for name, arr in last.items():   # replaced whole, never written through a link
+            with safe_files.AtomicFile(os.path.join(
+                    args.saveOutputs, name.replace("/", "_") + ".npy")) as f:
+                np.save(f, arr)
     if errors:
         print(f"poprt_exec: {len(errors)} client(s) failed: {errors[0]}", file=sys.stderr)
         return 1

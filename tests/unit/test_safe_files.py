@@ -259,3 +259,23 @@ def test_serialize_ir_into_a_shared_folder_replaces_a_planted_link(shared, preci
     st = os.lstat(dest)
     assert stat.S_ISREG(st.st_mode) and st.st_uid == 0
     assert onnx.load(dest) == result.output_model
+
+
+@as_root
+def test_poprt_exec_save_outputs_into_a_shared_folder_replaces_a_planted_link(
+        shared, precious, tmp_path):
+    import numpy as np
+
+    from tools.generate_simple_popef import write_simple_popef
+    from tools.poprt_exec import main as poprt_exec
+
+    path = str(tmp_path / "simple.popef")
+    write_simple_popef(path)
+    out = os.path.join(shared, "tensor_C.npy")
+    as_other_user(["ln", "-s", str(precious), out])
+    assert poprt_exec(["poprt_run_popef", "--popef", path, "--iteration", "1",
+                       "--saveOutputs", shared]) == 0
+    _intact(precious)
+    st = os.lstat(out)
+    assert stat.S_ISREG(st.st_mode) and st.st_uid == 0
+    assert np.load(out).shape == (1, 4)
