@@ -62,6 +62,9 @@ from shm.errors import echo
 __all__ = ["Reader", "BlobInfo", "MAP_MIN_BYTES", "PendingChecksums", "drop_pages",
            "file_identity", "file_span"]
 
+_KINDS = {stat.S_IFIFO: "FIFO", stat.S_IFDIR: "folder", stat.S_IFCHR: "character device",
+          stat.S_IFBLK: "block device", stat.S_IFSOCK: "socket"}
+
 MAP_MIN_BYTES = 1 << 20
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)   # every page is read at once (the checksum)
 """Payloads of a file this large or larger are mapped views of the file, not copies."""
@@ -165,13 +168,21 @@ class Reader:
         """Parse every blob of the file at ``path``."""
         spath = os.fspath(path)
         try:
-            f = open(spath, "rb")
+            # not blocking: a FIFO planted at the path would wait for a writer forever
+            fd = os.open(spath, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as exc:
             named = limits.named_error(exc, f"opening PopEF file {echo(spath)}")
             if isinstance(named, OutOfFileDescriptorsError):   # not a damaged file
                 raise ResourceLimitError(str(named)) from named
             raise PopefError(f"cannot open PopEF file: {exc.strerror or exc}",
                              path=spath) from None
+        kind = stat.S_IFMT(os.fstat(fd).st_mode)
+        if kind != stat.S_IFREG:
+            os.close(fd)
+            raise PopefError(f"the path is not a regular file but a "
+                             f"{_KINDS.get(kind, 'special file')}; expected a PopEF file",
+                             path=spath)
+        f = os.fdopen(fd, "rb")
         with f:
             try:
                 size = os.fstat(f.fileno()).st_size

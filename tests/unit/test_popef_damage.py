@@ -17,6 +17,7 @@ import io
 import json
 import random
 import re
+import os
 import struct
 import subprocess
 import sys
@@ -587,3 +588,14 @@ def test_a_snapshot_goes_where_there_is_room(tmp_path, monkeypatch) -> None:
     with pytest.raises(ResourceLimitError, match=r"no room for the private snapshot of PopEF "
                                                  r"file .*memory \(memfd\): No space left"):
         popef.Reader().parseFile(path)
+
+
+def test_a_fifo_or_folder_at_the_path_is_refused_at_once(tmp_path) -> None:
+    """A FIFO planted where a PopEF file was expected is refused, not waited on for a
+    writer forever; a folder likewise."""
+    fifo = tmp_path / "model.popef"
+    os.mkfifo(fifo)
+    for path, kind in ((fifo, "FIFO"), (tmp_path, "folder")):
+        with pytest.raises(PopefError, match=f"the path is not a regular file but a {kind}; "
+                                             "expected a PopEF file"):
+            popef.Reader().parseFile(path)
