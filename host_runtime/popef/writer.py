@@ -238,11 +238,13 @@ class Writer:
             return
         try:
             self._end_active()
+            # the end record: a reader refuses a file that does not end with it (cut
+            # short); a failed write of it (a full disk) leaves no file in place, and no
+            # second record from a later close()
+            self._write(fmt.pack_end_record(self._blobs, self._offset, self._chain))
         except BaseException:
             self.abort()
             raise
-        # the end record: a reader refuses a file that does not end with it (cut short)
-        self._write(fmt.pack_end_record(self._blobs, self._offset, self._chain))
         f, self._f = self._f, None
         assert f is not None
         atomic, self._atomic = self._atomic, None
