@@ -279,6 +279,23 @@ def test_a_dropped_pack_runner_leaves_nothing_behind(token_popef):
         gc.enable()
 
 
+def test_a_reloaded_pack_runner_packs_again(token_popef):
+    """reload() (Runner's: load the model again after close()/stop()) gives a PackRunner
+    that runs requests, not one whose packing thread is gone."""
+    config = runtime.PackRunnerConfig(timeout_microseconds=1000)
+    config.enable_input_single_row_mode("attention_mask")
+    runner = runtime.Runner(token_popef, config)
+    try:
+        req = _requests([5], seed=4)[0]
+        runner.close()
+        runner.reload()
+        out = np.zeros(S, np.float32)
+        runner.execute(req, {"output": out})
+        npt.assert_allclose(out[:5], _expected_single_row([req], [(0, 0, 1)])[0], rtol=1e-6)
+    finally:
+        runner.close()
+
+
 # -- poprt_exec ------------------------------------------------------------------------------
 def test_poprt_exec_runs_a_popef_file(token_popef, tmp_path, capsys):
     from tools.poprt_exec import main

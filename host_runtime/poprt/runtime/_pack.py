@@ -290,6 +290,7 @@ class PackRunner(Runner):
         try:
             self._layout = _Layout(engine.getExecuteInputs(), engine.getExecuteOutputs(), config)
             self._padding_remove = config.enable_padding_remove
+            self._pack_config = config
             self._packer = _Packer(engine, self._layout, config)
         except BaseException:
             self.close()
@@ -364,6 +365,11 @@ class PackRunner(Runner):
 
     def execute(self, input: Mapping[str, Any], output: Mapping[str, Any]) -> None:
         self.execute_async(input, output).result()
+
+    def reload(self) -> None:
+        """Load the model again (Runner's), with a new packing thread over it."""
+        super().reload()   # closes: the old thread stops, its queued requests fail
+        self._packer = _Packer(self.model_runner, self._layout, self._pack_config)
 
     def close(self) -> None:
         p, self._packer = self.__dict__.get("_packer"), None
