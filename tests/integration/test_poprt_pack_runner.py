@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import os
+import weakref
 
 import numpy as np
 import numpy.testing as npt
@@ -15,7 +16,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from host_runtime.errors import BadRequestError
+from host_runtime.errors import BadRequestError, InvalidStateError
 from host_runtime.poprt import runtime
 from host_runtime.poprt.compiler import compile as poprt_compile
 from tests._helpers import tag_objects
@@ -293,6 +294,35 @@ def test_a_reloaded_pack_runner_packs_again(token_popef):
         runner.execute(req, {"output": out})
         npt.assert_allclose(out[:5], _expected_single_row([req], [(0, 0, 1)])[0], rtol=1e-6)
     finally:
+        runner.close()
+
+
+def test_a_failed_packed_request_is_freed_without_the_garbage_collector(token_popef):
+    """A request whose batch failed on the engine, its error raised to the caller: the
+    future (and what the traceback's frames hold, the runner among them) goes with the
+    last reference, gc off; raising it twice gives the same error."""
+    config = runtime.PackRunnerConfig(timeout_microseconds=100)
+    config.enable_input_single_row_mode("attention_mask")
+    runner = runtime.Runner(token_popef, config)
+    gc.collect()
+    gc.disable()
+    try:
+        runner.model_runner.close()   # the batch fails in the packing thread
+        future = runner.execute_async(_requests([4])[0], {"output": np.zeros(S, np.float32)})
+        assert future.wait(timeout=30)
+        messages = []
+        for _ in range(2):
+            try:
+                future.result()
+            except InvalidStateError as exc:
+                messages.append(str(exc))
+        assert len(messages) == 2 and messages[0] == messages[1]
+        runner.close()   # the packing thread ends: only the error can hold the future
+        ref = weakref.ref(future)
+        del future
+        assert ref() is None, "the failed request's future is kept by a reference cycle"
+    finally:
+        gc.enable()
         runner.close()
 
 

@@ -25,6 +25,7 @@ thread (requests still queued fail with InvalidStateError) and closes the engine
 from __future__ import annotations
 
 import collections
+import copy
 import threading
 import time
 from dataclasses import dataclass, field
@@ -45,6 +46,19 @@ __all__ = ["PackRunner", "PackFuture"]
 
 UNPACK_INFO = "unpack_info"
 MASK = "attention_mask"
+
+
+def _untraced(error: BaseException) -> BaseException:
+    """A copy of ``error`` without its traceback (type, message and cause kept): a stored
+    error whose traceback's frames lead back to the future holding it is a reference
+    cycle, kept (with what the frames hold) until the garbage collector runs."""
+    try:
+        new = copy.copy(error)
+    except Exception:  # pragma: no cover - an exception type copy cannot rebuild
+        return error.with_traceback(None)
+    new.__cause__ = error.__cause__
+    new.__suppress_context__ = error.__suppress_context__
+    return new
 
 
 class PackFuture:
@@ -72,7 +86,7 @@ class PackFuture:
     def result(self, timeout: float | None = None) -> None:
         err = self.exception(timeout)
         if err is not None:
-            raise err
+            raise _untraced(err)   # raising the stored error would trace it: a cycle
 
 
 @dataclass
@@ -219,9 +233,10 @@ class _Packer:
             engine.execute(ins, outs)
             self._unpack(batch, outs)
         except BaseException as exc:   # every request of the batch hears it
+            stored = _untraced(exc)   # its frames hold the batch, whose futures hold it
             for r, _ in batch:
                 if not r.future.done():
-                    r.future._finish(exc)
+                    r.future._finish(stored)
             if not isinstance(exc, Exception):
                 raise
             return
