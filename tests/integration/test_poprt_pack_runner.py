@@ -16,7 +16,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from host_runtime.errors import BadRequestError, InvalidStateError
+from host_runtime.errors import BadRequestError, DeviceTimeoutError, InvalidStateError
 from host_runtime.poprt import runtime
 from host_runtime.poprt.compiler import compile as poprt_compile
 from tests._helpers import tag_objects
@@ -324,6 +324,23 @@ def test_a_failed_packed_request_is_freed_without_the_garbage_collector(token_po
     finally:
         gc.enable()
         runner.close()
+
+
+def test_a_packed_request_not_done_in_time_raises_the_named_timeout(token_popef):
+    """result(timeout)/exception(timeout) on a request still gathering: DeviceTimeoutError
+    (a TimeoutError), as the engine's OutputFuture; the request still runs on close."""
+    config = runtime.PackRunnerConfig(timeout_microseconds=60_000_000)
+    config.enable_input_single_row_mode("attention_mask")
+    runner = runtime.Runner(token_popef, config)
+    try:
+        future = runner.execute_async(_requests([4])[0], {"output": np.zeros(S, np.float32)})
+        for call in (future.result, future.exception):
+            with pytest.raises(DeviceTimeoutError, match="did not finish within 0 s"):
+                call(timeout=0)
+        assert not future.done()
+    finally:
+        runner.close()
+    assert isinstance(future.exception(), InvalidStateError)
 
 
 # -- poprt_exec ------------------------------------------------------------------------------

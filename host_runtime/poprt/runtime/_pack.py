@@ -33,7 +33,7 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
-from host_runtime.errors import BadRequestError, InvalidStateError
+from host_runtime.errors import BadRequestError, DeviceTimeoutError, InvalidStateError
 from host_runtime.memory import as_readable_array
 from host_runtime.runner import ModelRunner as _Engine
 from host_runtime.runner.config import DataDesc, ModelRunnerConfig
@@ -80,7 +80,7 @@ class PackFuture:
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         if not self._done.wait(timeout):
-            raise TimeoutError(f"the packed request did not finish within {timeout} s")
+            raise DeviceTimeoutError(f"the packed request did not finish within {timeout:g} s")
         return self._error
 
     def result(self, timeout: float | None = None) -> None:
