@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import os
+import weakref
 
 import numpy as np
 import numpy.testing as npt
@@ -15,7 +16,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from host_runtime.errors import BadRequestError
+from host_runtime.errors import BadRequestError, DeviceTimeoutError, InvalidStateError
 from host_runtime.poprt import runtime
 from host_runtime.poprt.compiler import compile as poprt_compile
 from tests._helpers import tag_objects
@@ -277,6 +278,69 @@ def test_a_dropped_pack_runner_leaves_nothing_behind(token_popef):
         assert tag_objects() == before
     finally:
         gc.enable()
+
+
+def test_a_reloaded_pack_runner_packs_again(token_popef):
+    """reload() (Runner's: load the model again after close()/stop()) gives a PackRunner
+    that runs requests, not one whose packing thread is gone."""
+    config = runtime.PackRunnerConfig(timeout_microseconds=1000)
+    config.enable_input_single_row_mode("attention_mask")
+    runner = runtime.Runner(token_popef, config)
+    try:
+        req = _requests([5], seed=4)[0]
+        runner.close()
+        runner.reload()
+        out = np.zeros(S, np.float32)
+        runner.execute(req, {"output": out})
+        npt.assert_allclose(out[:5], _expected_single_row([req], [(0, 0, 1)])[0], rtol=1e-6)
+    finally:
+        runner.close()
+
+
+def test_a_failed_packed_request_is_freed_without_the_garbage_collector(token_popef):
+    """A request whose batch failed on the engine, its error raised to the caller: the
+    future (and what the traceback's frames hold, the runner among them) goes with the
+    last reference, gc off; raising it twice gives the same error."""
+    config = runtime.PackRunnerConfig(timeout_microseconds=100)
+    config.enable_input_single_row_mode("attention_mask")
+    runner = runtime.Runner(token_popef, config)
+    gc.collect()
+    gc.disable()
+    try:
+        runner.model_runner.close()   # the batch fails in the packing thread
+        future = runner.execute_async(_requests([4])[0], {"output": np.zeros(S, np.float32)})
+        assert future.wait(timeout=30)
+        messages = []
+        for _ in range(2):
+            try:
+                future.result()
+            except InvalidStateError as exc:
+                messages.append(str(exc))
+        assert len(messages) == 2 and messages[0] == messages[1]
+        runner.close()   # the packing thread ends: only the error can hold the future
+        ref = weakref.ref(future)
+        del future
+        assert ref() is None, "the failed request's future is kept by a reference cycle"
+    finally:
+        gc.enable()
+        runner.close()
+
+
+def test_a_packed_request_not_done_in_time_raises_the_named_timeout(token_popef):
+    """result(timeout)/exception(timeout) on a request still gathering: DeviceTimeoutError
+    (a TimeoutError), as the engine's OutputFuture; the request still runs on close."""
+    config = runtime.PackRunnerConfig(timeout_microseconds=60_000_000)
+    config.enable_input_single_row_mode("attention_mask")
+    runner = runtime.Runner(token_popef, config)
+    try:
+        future = runner.execute_async(_requests([4])[0], {"output": np.zeros(S, np.float32)})
+        for call in (future.result, future.exception):
+            with pytest.raises(DeviceTimeoutError, match="did not finish within 0 s"):
+                call(timeout=0)
+        assert not future.done()
+    finally:
+        runner.close()
+    assert isinstance(future.exception(), InvalidStateError)
 
 
 # -- poprt_exec ------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ thread (requests still queued fail with InvalidStateError) and closes the engine
 from __future__ import annotations
 
 import collections
+import copy
 import threading
 import time
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
-from host_runtime.errors import BadRequestError, InvalidStateError
+from host_runtime.errors import BadRequestError, DeviceTimeoutError, InvalidStateError
 from host_runtime.memory import as_readable_array
 from host_runtime.runner import ModelRunner as _Engine
 from host_runtime.runner.config import DataDesc, ModelRunnerConfig
@@ -45,6 +46,19 @@ __all__ = ["PackRunner", "PackFuture"]
 
 UNPACK_INFO = "unpack_info"
 MASK = "attention_mask"
+
+
+def _untraced(error: BaseException) -> BaseException:
+    """A copy of ``error`` without its traceback (type, message and cause kept): a stored
+    error whose traceback's frames lead back to the future holding it is a reference
+    cycle, kept (with what the frames hold) until the garbage collector runs."""
+    try:
+        new = copy.copy(error)
+    except Exception:  # pragma: no cover - an exception type copy cannot rebuild
+        return error.with_traceback(None)
+    new.__cause__ = error.__cause__
+    new.__suppress_context__ = error.__suppress_context__
+    return new
 
 
 class PackFuture:
@@ -66,13 +80,13 @@ class PackFuture:
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         if not self._done.wait(timeout):
-            raise TimeoutError(f"the packed request did not finish within {timeout} s")
+            raise DeviceTimeoutError(f"the packed request did not finish within {timeout:g} s")
         return self._error
 
     def result(self, timeout: float | None = None) -> None:
         err = self.exception(timeout)
         if err is not None:
-            raise err
+            raise _untraced(err)   # raising the stored error would trace it: a cycle
 
 
 @dataclass
@@ -219,9 +233,10 @@ class _Packer:
             engine.execute(ins, outs)
             self._unpack(batch, outs)
         except BaseException as exc:   # every request of the batch hears it
+            stored = _untraced(exc)   # its frames hold the batch, whose futures hold it
             for r, _ in batch:
                 if not r.future.done():
-                    r.future._finish(exc)
+                    r.future._finish(stored)
             if not isinstance(exc, Exception):
                 raise
             return
@@ -290,6 +305,7 @@ class PackRunner(Runner):
         try:
             self._layout = _Layout(engine.getExecuteInputs(), engine.getExecuteOutputs(), config)
             self._padding_remove = config.enable_padding_remove
+            self._pack_config = config
             self._packer = _Packer(engine, self._layout, config)
         except BaseException:
             self.close()
@@ -364,6 +380,11 @@ class PackRunner(Runner):
 
     def execute(self, input: Mapping[str, Any], output: Mapping[str, Any]) -> None:
         self.execute_async(input, output).result()
+
+    def reload(self) -> None:
+        """Load the model again (Runner's), with a new packing thread over it."""
+        super().reload()   # closes: the old thread stops, its queued requests fail
+        self._packer = _Packer(self.model_runner, self._layout, self._pack_config)
 
     def close(self) -> None:
         p, self._packer = self.__dict__.get("_packer"), None
