@@ -223,6 +223,7 @@ class _Packer:
                     continue
                 batch = self._take()
             self._run(batch)
+            del batch   # the requests and the callers' arrays go with their answers
 
     def _run(self, batch: list[tuple[_Request, Place]]) -> None:
         try:
