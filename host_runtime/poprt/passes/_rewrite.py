@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import onnx
@@ -147,6 +147,29 @@ class ReplaceBNWithMulAdd(_Rewrite):
                 helper.make_node("Add", [mul, make_const(g, f"{tag}__shift", b.reshape(shape).astype(dtype))], [n.output[0]], name=f"{tag}__add")]
 
 
+def _fusable_bns(g: onnx.GraphProto, op_type: str
+                 ) -> Iterator[tuple[onnx.NodeProto, onnx.NodeProto, tuple[np.ndarray, np.ndarray]]]:
+    """``(node, bn, (scale, shift))`` for each inference ``BatchNormalization`` with
+    constant parameters whose input is the only use of an ``op_type`` node's output (not
+    a graph output): the pairs the FuseBnInto* passes fold."""
+    readers = consumers(g)
+    outs = {o.name for o in g.output}
+    by_out = {o: n for n in g.node for o in n.output}
+    for bn in [n for n in g.node if n.op_type == "BatchNormalization"]:
+        node = by_out.get(bn.input[0])
+        p = _bn_params(g, bn)
+        if node is None or node.op_type != op_type or p is None or \
+                len(readers.get(node.output[0], [])) != 1 or node.output[0] in outs:
+            continue
+        yield node, bn, p
+
+
+def _take_output(g: onnx.GraphProto, node: onnx.NodeProto, bn: onnx.NodeProto) -> None:
+    """``node`` now computes ``bn``'s output; ``bn`` goes."""
+    node.output[0] = bn.output[0]
+    g.node.remove(bn)
+
+
 class FuseBnIntoConv(Pass):
     """``Conv`` with constant weights followed by its only reader, an inference
     ``BatchNormalization`` with constant parameters, becomes one ``Conv``."""
@@ -154,15 +177,7 @@ class FuseBnIntoConv(Pass):
     def run(self, onnx_model: onnx.ModelProto) -> onnx.ModelProto:
         model = copy_model(onnx_model)
         g = model.graph
-        readers = consumers(g)
-        outs = {o.name for o in g.output}
-        by_out = {o: n for n in g.node for o in n.output}
-        for bn in [n for n in g.node if n.op_type == "BatchNormalization"]:
-            conv = by_out.get(bn.input[0])
-            p = _bn_params(g, bn)
-            if conv is None or conv.op_type != "Conv" or p is None or \
-                    len(readers.get(conv.output[0], [])) != 1 or conv.output[0] in outs:
-                continue
+        for conv, bn, p in _fusable_bns(g, "Conv"):
             w = constant_value(g, conv.input[1])
             bias = constant_value(g, conv.input[2]) if len(conv.input) > 2 and conv.input[2] \
                 else np.zeros(w.shape[0] if w is not None else 0)
@@ -177,8 +192,7 @@ class FuseBnIntoConv(Pass):
                 conv.input[2] = make_const(g, f"{tag}__B_bn", b2)
             else:
                 conv.input.append(make_const(g, f"{tag}__B_bn", b2))
-            conv.output[0] = bn.output[0]
-            g.node.remove(bn)
+            _take_output(g, conv, bn)
         return prune(model)
 
 
@@ -468,15 +482,7 @@ class FuseBnIntoGemm(Pass):
     def run(self, onnx_model: onnx.ModelProto) -> onnx.ModelProto:
         model = copy_model(onnx_model)
         g = model.graph
-        readers = consumers(g)
-        outs = {o.name for o in g.output}
-        by_out = {o: n for n in g.node for o in n.output}
-        for bn in [n for n in g.node if n.op_type == "BatchNormalization"]:
-            gemm = by_out.get(bn.input[0])
-            p = _bn_params(g, bn)
-            if gemm is None or gemm.op_type != "Gemm" or p is None or \
-                    len(readers.get(gemm.output[0], [])) != 1 or gemm.output[0] in outs:
-                continue
+        for gemm, bn, p in _fusable_bns(g, "Gemm"):
             b = constant_value(g, gemm.input[1])
             has_c = len(gemm.input) > 2 and bool(gemm.input[2])
             c = constant_value(g, gemm.input[2]) if has_c else np.zeros((), np.float32)
@@ -495,6 +501,5 @@ class FuseBnIntoGemm(Pass):
             kept = [a for a in gemm.attribute if a.name != "beta"]
             del gemm.attribute[:]
             gemm.attribute.extend(kept)
-            gemm.output[0] = bn.output[0]
-            g.node.remove(bn)
+            _take_output(g, gemm, bn)
         return prune(model)
