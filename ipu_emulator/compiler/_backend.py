@@ -26,7 +26,8 @@ import ipu_emulator
 from ipu_emulator.compiler._onnx import DTYPE_TO_ONNX, dtype_of, load_model, release_stash
 from ipu_emulator.compiler._prepare import Prepared, prepare
 from ipu_emulator.compiler._tail import tail_attributes
-from ipu_emulator.compiler._sharding import annotate_one_ipu, compile_sharded
+from ipu_emulator.compiler._parts import compile_sharded
+from ipu_emulator.compiler._sharding import annotate_one_ipu
 from ipu_emulator.compiler._weights import externalize, refuse_stashed
 from ipu_emulator.compiler._types import (
     INDEX_DTYPE, INDEX_NAME, INDEX_SHAPE, LOAD_PROGRAM, MAIN_PROGRAM, SAVE_PROGRAM, TARGETS,
