@@ -43,6 +43,7 @@ Every size, count and reference is bounded and checked; damage raises
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 import zlib
@@ -82,6 +83,7 @@ __all__ = [
     "ExecutableError",
     "plan_memory",
     "read_header",
+    "ExecutableHeader",
     "ExternalWeight",
     "weights_span",
     "body_crc32",
@@ -375,15 +377,16 @@ class Executable:
         program = json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
         # blanks after the JSON: the graph section (and the weights in it) starts 64-aligned
         program += b" " * (-(HEADER_SIZE + len(program)) % ALIGNMENT)
-        total = HEADER_SIZE + len(program) + len(blobs)
-        head = _HEADER.pack(
-            MAGIC, FORMAT_VERSION, HEADER_SIZE, 0, self.ipu_version, self.num_ipus,
-            self.device_iterations, self.memory_bytes, self.required_bytes,
-            HEADER_SIZE, len(program), HEADER_SIZE + len(program), len(blobs), total,
-            zlib.crc32(blobs, zlib.crc32(program)), self.package_hash.encode("ascii"),
-            self.name.encode())
+        head = ExecutableHeader(
+            name=self.name, package_hash=self.package_hash, ipu_version=self.ipu_version,
+            num_ipus=self.num_ipus, device_iterations=self.device_iterations,
+            memory_bytes=self.memory_bytes, required_bytes=self.required_bytes,
+            version=FORMAT_VERSION, total_length=HEADER_SIZE + len(program) + len(blobs),
+            program_offset=HEADER_SIZE, program_length=len(program),
+            graphs_offset=HEADER_SIZE + len(program), graphs_length=len(blobs),
+            body_crc32=zlib.crc32(blobs, zlib.crc32(program)))
         # one copy of the (maybe large) graph section, not three
-        return b"".join((head, _HEADER_CRC.pack(zlib.crc32(head)), program, blobs))
+        return b"".join((head.pack(), program, blobs))
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview, *,
@@ -410,30 +413,30 @@ class Executable:
                 wview = wview.cast("B")
         hdr = read_header(view)
         if wview is not None:
-            if hdr["total_length"] != len(view) + len(wview):
+            if hdr.total_length != len(view) + len(wview):
                 raise ExecutableError(
                     f"executable of {len(view)} bytes and a weights section of {len(wview)} "
-                    f"bytes, but its header says {hdr['total_length']} bytes in all",
-                    offset=min(len(view), hdr["total_length"]))
-        elif hdr["total_length"] != len(view):
+                    f"bytes, but its header says {hdr.total_length} bytes in all",
+                    offset=min(len(view), hdr.total_length))
+        elif hdr.total_length != len(view):
             raise ExecutableError(
-                f"executable is {len(view)} bytes but its header says {hdr['total_length']}"
-                + (" (truncated)" if len(view) < hdr["total_length"] else " (trailing bytes)"),
-                offset=min(len(view), hdr["total_length"]))
-        p_off, p_len = hdr["program_offset"], hdr["program_length"]
-        g_off, g_len = hdr["graphs_offset"], hdr["graphs_length"]
-        if p_off != HEADER_SIZE or p_off + p_len != g_off or g_off + g_len != hdr["total_length"]:
+                f"executable is {len(view)} bytes but its header says {hdr.total_length}"
+                + (" (truncated)" if len(view) < hdr.total_length else " (trailing bytes)"),
+                offset=min(len(view), hdr.total_length))
+        p_off, p_len = hdr.program_offset, hdr.program_length
+        g_off, g_len = hdr.graphs_offset, hdr.graphs_length
+        if p_off != HEADER_SIZE or p_off + p_len != g_off or g_off + g_len != hdr.total_length:
             raise ExecutableError(
                 f"section table is inconsistent: program [{p_off}, +{p_len}), graphs "
                 f"[{g_off}, +{g_len}) in {len(view)} bytes", offset=HEADER_SIZE - 4)
         if p_len > _MAX_JSON:
             raise ExecutableError(f"program section of {p_len} bytes exceeds the limit of "
                                   f"{_MAX_JSON}", offset=p_off)
-        crc = body_crc32(view, wview) if graphs and checksum else hdr["body_crc32"]
-        if crc != hdr["body_crc32"]:
+        crc = body_crc32(view, wview) if graphs and checksum else hdr.body_crc32
+        if crc != hdr.body_crc32:
             raise ExecutableError(
                 f"body checksum mismatch: computed {crc:#010x}, header says "
-                f"{hdr['body_crc32']:#010x} (damaged)", offset=HEADER_SIZE)
+                f"{hdr.body_crc32:#010x} (damaged)", offset=HEADER_SIZE)
         try:
             doc = json.loads(bytes(view[p_off:p_off + p_len]).decode("utf-8"),
                              object_pairs_hook=_no_duplicate_keys)
@@ -448,7 +451,7 @@ class Executable:
 def body_crc32(data: bytes | bytearray | memoryview,
                weights: bytes | bytearray | memoryview | None = None) -> int:
     """The CRC-32 of an executable's body (all but its header), its weights section given
-    apart or not (compare with ``read_header(data)["body_crc32"]``)."""
+    apart or not (compare with ``read_header(data).body_crc32``)."""
     view = memoryview(data)
     if view.ndim != 1 or view.itemsize != 1:
         view = view.cast("B")
@@ -464,8 +467,8 @@ def weights_span(data: bytes | bytearray | memoryview) -> tuple[int, int]:
     if view.ndim != 1 or view.itemsize != 1:
         view = view.cast("B")
     hdr = read_header(view)
-    p_off, p_len, g_off = hdr["program_offset"], hdr["program_length"], hdr["graphs_offset"]
-    total = hdr["total_length"]
+    p_off, p_len, g_off = hdr.program_offset, hdr.program_length, hdr.graphs_offset
+    total = hdr.total_length
     if p_len > _MAX_JSON or p_off + p_len > len(view):
         raise ExecutableError(f"program section [{p_off}, +{p_len}) is out of range",
                               offset=p_off)
@@ -486,66 +489,101 @@ def weights_span(data: bytes | bytearray | memoryview) -> tuple[int, int]:
     return g_off + off, length
 
 
-def read_header(data: bytes | bytearray | memoryview) -> dict[str, Any]:
-    """Decode and check the fixed header only (cheap: reads ``HEADER_SIZE`` bytes).
+@dataclass(frozen=True)
+class ExecutableHeader:
+    """The fixed header of an executable: what a host needs before loading it.
 
-    Returns a dict with ``name, package_hash, ipu_version, num_ipus,
-    device_iterations, memory_bytes, required_bytes, version, total_length``
-    and the section offsets.
+    ``pack()`` is its one encoder, ``unpack()`` (``read_header``) its one decoder; the
+    bytes are ``HEADER_SIZE`` long and end with a CRC-32 of the rest (the module
+    docstring's layout). ``version`` is the format version; the section offsets and
+    lengths and ``total_length`` are byte counts from the start of the executable.
     """
-    view = memoryview(data)
-    if view.ndim != 1 or view.itemsize != 1:
-        view = view.cast("B")
-    if len(view) < HEADER_SIZE:
-        raise ExecutableError(
-            f"executable is {len(view)} bytes, shorter than its {HEADER_SIZE}-byte header "
-            "(truncated)", offset=len(view))
-    raw = bytes(view[:_HEADER.size])
-    (magic, version, header_len, flags, ipu_version, num_ipus, iterations, memory_bytes,
-     required_bytes, p_off, p_len, g_off, g_len, total, body_crc, phash, name) = _HEADER.unpack(raw)
-    if magic != MAGIC:
-        raise ExecutableError(f"bad magic {magic!r}; expected {MAGIC!r} (not an IPU emulator "
-                              "executable)", offset=0)
-    if version != FORMAT_VERSION:
-        raise ExecutableError(f"unsupported executable format version {version}; this "
-                              f"emulator reads version {FORMAT_VERSION}", offset=8)
-    (hcrc,) = _HEADER_CRC.unpack(bytes(view[_HEADER.size:HEADER_SIZE]))
-    if zlib.crc32(raw) != hcrc:
-        raise ExecutableError("header checksum mismatch (damaged header)", offset=_HEADER.size)
-    if header_len != HEADER_SIZE:
-        raise ExecutableError(f"header length {header_len}; expected {HEADER_SIZE}", offset=12)
-    if flags != 0:
-        raise ExecutableError(f"unknown header flags {flags:#x}", offset=16)
-    if ipu_version not in _IPU_VERSIONS:
-        raise ExecutableError(f"ipu_version {ipu_version}; expected one of {_IPU_VERSIONS}",
-                              offset=20)
-    if not 1 <= num_ipus <= 1024 or not 1 <= iterations <= _MAX_REPEAT:
-        raise ExecutableError(f"num_ipus {num_ipus} / device_iterations {iterations} out of "
-                              "range", offset=24)
-    if memory_bytes > _MAX_BYTES or required_bytes > _MAX_BYTES or total > _MAX_BYTES:
-        raise ExecutableError("memory or length field out of range", offset=32)
-    try:
-        phash_s = phash.rstrip(b"\0").decode("ascii")
-        name_s = name.rstrip(b"\0").decode("utf-8")
-    except UnicodeDecodeError:
-        raise ExecutableError("header name or package hash is not valid text",
-                              offset=_HEADER.size - 192) from None
-    return {
-        "name": name_s,
-        "package_hash": phash_s,
-        "ipu_version": ipu_version,
-        "num_ipus": num_ipus,
-        "device_iterations": iterations,
-        "memory_bytes": memory_bytes,
-        "required_bytes": required_bytes,
-        "version": version,
-        "total_length": total,
-        "program_offset": p_off,
-        "program_length": p_len,
-        "graphs_offset": g_off,
-        "graphs_length": g_len,
-        "body_crc32": body_crc,
-    }
+
+    name: str
+    package_hash: str
+    ipu_version: int
+    num_ipus: int
+    device_iterations: int
+    memory_bytes: int
+    required_bytes: int
+    version: int
+    total_length: int
+    program_offset: int
+    program_length: int
+    graphs_offset: int
+    graphs_length: int
+    body_crc32: int
+
+    def pack(self) -> bytes:
+        """The header's ``HEADER_SIZE`` bytes, its CRC-32 last."""
+        head = _HEADER.pack(
+            MAGIC, self.version, HEADER_SIZE, 0, self.ipu_version, self.num_ipus,
+            self.device_iterations, self.memory_bytes, self.required_bytes,
+            self.program_offset, self.program_length, self.graphs_offset,
+            self.graphs_length, self.total_length, self.body_crc32,
+            self.package_hash.encode("ascii"), self.name.encode())
+        return head + _HEADER_CRC.pack(zlib.crc32(head))
+
+    @classmethod
+    def unpack(cls, data: bytes | bytearray | memoryview) -> "ExecutableHeader":
+        """Decode and check the header at the start of ``data`` (reads ``HEADER_SIZE``
+        bytes); raises ``ExecutableError`` naming the byte offset of any damage."""
+        view = memoryview(data)
+        if view.ndim != 1 or view.itemsize != 1:
+            view = view.cast("B")
+        if len(view) < HEADER_SIZE:
+            raise ExecutableError(
+                f"executable is {len(view)} bytes, shorter than its {HEADER_SIZE}-byte "
+                "header (truncated)", offset=len(view))
+        raw = bytes(view[:_HEADER.size])
+        (magic, version, header_len, flags, ipu_version, num_ipus, iterations, memory_bytes,
+         required_bytes, p_off, p_len, g_off, g_len, total, body_crc, phash,
+         name) = _HEADER.unpack(raw)
+        if magic != MAGIC:
+            raise ExecutableError(f"bad magic {magic!r}; expected {MAGIC!r} (not an IPU "
+                                  "emulator executable)", offset=0)
+        if version != FORMAT_VERSION:
+            raise ExecutableError(f"unsupported executable format version {version}; this "
+                                  f"emulator reads version {FORMAT_VERSION}", offset=8)
+        (hcrc,) = _HEADER_CRC.unpack(bytes(view[_HEADER.size:HEADER_SIZE]))
+        if zlib.crc32(raw) != hcrc:
+            raise ExecutableError("header checksum mismatch (damaged header)",
+                                  offset=_HEADER.size)
+        if header_len != HEADER_SIZE:
+            raise ExecutableError(f"header length {header_len}; expected {HEADER_SIZE}",
+                                  offset=12)
+        if flags != 0:
+            raise ExecutableError(f"unknown header flags {flags:#x}", offset=16)
+        if ipu_version not in _IPU_VERSIONS:
+            raise ExecutableError(f"ipu_version {ipu_version}; expected one of "
+                                  f"{_IPU_VERSIONS}", offset=20)
+        if not 1 <= num_ipus <= 1024 or not 1 <= iterations <= _MAX_REPEAT:
+            raise ExecutableError(f"num_ipus {num_ipus} / device_iterations {iterations} "
+                                  "out of range", offset=24)
+        if memory_bytes > _MAX_BYTES or required_bytes > _MAX_BYTES or total > _MAX_BYTES:
+            raise ExecutableError("memory or length field out of range", offset=32)
+        try:
+            phash_s = phash.rstrip(b"\0").decode("ascii")
+            name_s = name.rstrip(b"\0").decode("utf-8")
+        except UnicodeDecodeError:
+            raise ExecutableError("header name or package hash is not valid text",
+                                  offset=_HEADER.size - 192) from None
+        return cls(name=name_s, package_hash=phash_s, ipu_version=ipu_version,
+                   num_ipus=num_ipus, device_iterations=iterations,
+                   memory_bytes=memory_bytes, required_bytes=required_bytes,
+                   version=version, total_length=total, program_offset=p_off,
+                   program_length=p_len, graphs_offset=g_off, graphs_length=g_len,
+                   body_crc32=body_crc)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields by name (for tools that print or serialise them)."""
+        return dataclasses.asdict(self)
+
+
+def read_header(data: bytes | bytearray | memoryview) -> ExecutableHeader:
+    """Decode and check the fixed header only (cheap: reads ``HEADER_SIZE`` bytes):
+    ``ExecutableHeader.unpack(data)``."""
+    return ExecutableHeader.unpack(data)
 
 
 def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -630,9 +668,9 @@ class _Doc:
         return tuple(self.int_(d, f"{path}[{k}]", 0, _MAX_DIM) for k, d in enumerate(dims))
 
 
-def _decode(doc: Any, graphs: memoryview, g_off: int, hdr: dict[str, Any],
+def _decode(doc: Any, graphs: memoryview, g_off: int, hdr: ExecutableHeader,
             with_graphs: bool = True, weights: memoryview | None = None) -> Executable:
-    d = _Doc(hdr["program_offset"])
+    d = _Doc(hdr.program_offset)
     keys = ("format", "name", "tensors", "streams", "graphs", "programs", "attributes")
     optional = tuple(k for k in ("parts", "weights") if isinstance(doc, dict) and k in doc)
     top = d.obj(doc, "$", keys + optional)
@@ -657,8 +695,8 @@ def _decode(doc: Any, graphs: memoryview, g_off: int, hdr: dict[str, Any],
         raise d.fail("$", "a weights section was given, but the executable has none")
     if top["format"] != FORMAT_VERSION:
         raise d.fail("$.format", f"expected {FORMAT_VERSION}, got {top['format']!r}")
-    if top["name"] != hdr["name"]:
-        raise d.fail("$.name", f"{top['name']!r:.80} differs from the header's {hdr['name']!r}")
+    if top["name"] != hdr.name:
+        raise d.fail("$.name", f"{top['name']!r:.80} differs from the header's {hdr.name!r}")
     tensors: dict[str, DeviceTensor] = {}
     for k, t in enumerate(d.lst(top["tensors"], "$.tensors")):
         p = f"$.tensors[{k}]"
@@ -736,10 +774,10 @@ def _decode(doc: Any, graphs: memoryview, g_off: int, hdr: dict[str, Any],
         except ExecutableError as exc:
             raise d.fail(p, f"IPU {k}'s part: {exc}") from None
     return Executable(
-        name=hdr["name"], programs=programs, graphs=graph_list, tensors=tensors,
-        streams=streams, memory_bytes=hdr["memory_bytes"], required_bytes=hdr["required_bytes"],
-        ipu_version=hdr["ipu_version"], num_ipus=hdr["num_ipus"],
-        device_iterations=hdr["device_iterations"], package_hash=hdr["package_hash"],
+        name=hdr.name, programs=programs, graphs=graph_list, tensors=tensors,
+        streams=streams, memory_bytes=hdr.memory_bytes, required_bytes=hdr.required_bytes,
+        ipu_version=hdr.ipu_version, num_ipus=hdr.num_ipus,
+        device_iterations=hdr.device_iterations, package_hash=hdr.package_hash,
         attributes=dict(attrs), parts=parts, weights=wsec)
 
 
