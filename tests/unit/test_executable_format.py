@@ -13,7 +13,8 @@ import ipu_emulator
 from ipu_emulator.compiler import CompileOptions, ModelSpec, compile_onnx
 from ipu_emulator.executable import (
     HEADER_SIZE, Copy, Execute, Executable, ExecutableError, Program, Repeat, StreamIn, StreamOut,
-    StreamSpec, Switch, ExecutableHeader, _HEADER, _HEADER_CRC, plan_memory, read_header)
+    StreamSpec, Switch, ExecutableHeader, plan_memory, read_header)
+from ipu_emulator.executable._header import _HEADER, _HEADER_CRC
 from tests.models import seed_model0, seed_model1, simple_model
 
 
