@@ -40,22 +40,22 @@ device iterations and memory sizes. The body is covered by a CRC-32 in the heade
 Every size, count and reference is bounded and checked; damage raises
 ``ExecutableError`` naming the byte offset (never another exception).
 
-Modules: ``_model`` (the data model and ``Executable``), ``_header`` (the fixed header),
-``_codec`` (bytes <-> ``Executable``), ``_validate`` (the semantic checks), ``_limits``
-(the bounds all of them check).
+Modules: ``_model`` (the parts: types, tensors, streams, graphs, instructions),
+``_header`` (the fixed header), ``_json`` (the program section's parts, strictly read),
+``_executable`` (``Executable`` and its container), ``_validate`` (the semantic checks),
+``_limits`` (the bounds all of them check).
 """
 
 from __future__ import annotations
 
 from ipu_emulator.errors import ExecutableError
-from ipu_emulator.executable._codec import body_crc32, weights_span
+from ipu_emulator.executable._executable import Executable, body_crc32, weights_span
 from ipu_emulator.executable._header import (
     FORMAT_VERSION, HEADER_SIZE, MAGIC, ExecutableHeader, read_header)
 from ipu_emulator.executable._limits import ALIGNMENT
 from ipu_emulator.executable._model import (
-    DTYPES, IDLE_ATTR, LINK_PREFIX, SYNC_TENSOR, Copy, DeviceTensor, Execute, Executable,
-    ExternalWeight, Graph, Instruction, Program, Repeat, StreamIn, StreamOut, StreamSpec,
-    Switch, TensorSig, is_link, is_sync, numpy_dtype, parse_link, plan_memory)
+    DTYPES, IDLE_ATTR, LINK_PREFIX, SYNC_TENSOR, Copy, DeviceTensor, Execute, ExternalWeight,
+    Graph, Instruction, Program, Repeat, StreamIn, StreamOut, StreamSpec, Switch, TensorSig, is_link, is_sync, numpy_dtype, parse_link, plan_memory)
 
 __all__ = [
     "IDLE_ATTR",

@@ -1,9 +1,6 @@
-"""The executable's data model: device tensors, streams, graphs, the instructions of
-programs, and ``Executable`` itself (see the package docstring for the language).
-
-Encoding and decoding are ``ipu_emulator.executable._codec``'s, checking is
-``ipu_emulator.executable._validate``'s; ``Executable``'s methods hand over to them.
-"""
+"""The parts an executable is made of: data types, device tensors, streams, graphs and
+the instructions of programs (see the package docstring for the language); the
+inter-IPU link handles. ``Executable`` itself is ``_executable``'s."""
 
 from __future__ import annotations
 
@@ -201,68 +198,3 @@ def plan_memory(specs: list[tuple[str, str, tuple[int, ...]]]) -> tuple[dict[str
         tensors[name] = t
         offset += -(-t.nbytes // ALIGNMENT) * ALIGNMENT
     return tensors, offset
-
-
-@dataclass
-class Executable:
-    """A compiled model for the emulated IPU. See the package docstring."""
-
-    name: str
-    programs: list[Program]
-    graphs: list[Graph]
-    tensors: dict[str, DeviceTensor]
-    streams: dict[str, StreamSpec]
-    memory_bytes: int
-    required_bytes: int = 0
-    ipu_version: int = 21
-    num_ipus: int = 1
-    device_iterations: int = 1
-    package_hash: str = ""
-    attributes: dict[str, str] = field(default_factory=dict)
-    # A multi-IPU executable: one single-IPU executable per IPU (``parts[k]`` runs on the
-    # device's IPU k; ipu_emulator.compiler._sharding). Empty for a one-IPU executable.
-    parts: list["Executable"] = field(default_factory=list)
-    # The weights section: bytes the graphs' ``external`` initializers point into (a
-    # view of the bytes decoded, or of the buffer given as ``weights``: not copied).
-    weights: bytes | memoryview = field(default=b"", repr=False)
-
-    @property
-    def idle(self) -> bool:
-        """A part of a multi-IPU executable for an IPU that runs nothing (``IDLE_ATTR``)."""
-        return self.attributes.get(IDLE_ATTR) == "1"
-
-    # -- checks -----------------------------------------------------------------
-
-    def validate(self) -> None:
-        """Check every reference, size and bound; raises ``ExecutableError``."""
-        from ipu_emulator.executable._validate import validate
-        validate(self)
-
-    # -- encoding ---------------------------------------------------------------
-
-    # -- encoding ---------------------------------------------------------------
-
-    def to_bytes(self) -> bytes:
-        """The executable's bytes (validated first; the package docstring's layout)."""
-        from ipu_emulator.executable._codec import encode
-        return encode(self)
-
-    @classmethod
-    def from_bytes(cls, data: bytes | bytearray | memoryview, *,
-                   graphs: bool = True,
-                   weights: bytes | bytearray | memoryview | None = None,
-                   checksum: bool = True) -> "Executable":
-        """Decode and validate; raises ``ExecutableError`` on any damage.
-
-        ``graphs=False`` (a host checking the programs of an executable whose bytes a
-        PopEF checksum already covers): the body's CRC is not computed and the graphs'
-        ONNX bytes are not copied (``Graph.model`` is empty); everything else is decoded
-        and validated as usual. Never for an executable that is to run.
-
-        ``weights``: ``data`` is the executable without its weights section (its first
-        ``weights_span(...)[0]`` bytes), and this is the section; it is checked by the
-        body's CRC as if it followed ``data``, and not copied. Otherwise the section is
-        a view of ``data`` (not copied either).
-        """
-        from ipu_emulator.executable._codec import decode
-        return decode(data, graphs=graphs, weights=weights, checksum=checksum)

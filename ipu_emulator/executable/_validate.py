@@ -1,22 +1,55 @@
 """The executable's semantic checks: every reference (tensors, streams, graphs), size,
 overlap and bound of a whole ``Executable`` (``Executable.validate``), after decoding
-and before encoding."""
+and before encoding. They read its fields (``Checked``: what ``Executable`` has)."""
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterator, Mapping, Protocol, Sequence
 
 from ipu_emulator.errors import ExecutableError
 from ipu_emulator.executable._limits import (
     ALIGNMENT, _IPU_VERSIONS, _MAX_BYTES, _MAX_DEPTH, _MAX_NAME_BYTES, _MAX_REPEAT)
 from ipu_emulator.executable._model import (
-    _INDEX_DTYPES, Copy, DeviceTensor, Execute, Executable, Instruction, Repeat, StreamIn,
-    StreamOut, Switch, _nbytes, numpy_dtype)
+    _INDEX_DTYPES, Copy, DeviceTensor, Execute, Graph, Instruction, Program, Repeat,
+    StreamIn, StreamOut, StreamSpec, Switch, _nbytes, numpy_dtype)
 
-__all__ = ["validate"]
+__all__ = ["Checked", "validate"]
 
 
-def validate(exe: Executable) -> None:
+class Checked(Protocol):
+    """The fields of an ``Executable`` that the checks read."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def package_hash(self) -> str: ...
+    @property
+    def ipu_version(self) -> int: ...
+    @property
+    def num_ipus(self) -> int: ...
+    @property
+    def device_iterations(self) -> int: ...
+    @property
+    def memory_bytes(self) -> int: ...
+    @property
+    def required_bytes(self) -> int: ...
+    @property
+    def programs(self) -> Sequence[Program]: ...
+    @property
+    def graphs(self) -> Sequence[Graph]: ...
+    @property
+    def tensors(self) -> Mapping[str, DeviceTensor]: ...
+    @property
+    def streams(self) -> Mapping[str, StreamSpec]: ...
+    @property
+    def parts(self) -> Sequence["Checked"]: ...
+    @property
+    def weights(self) -> bytes | memoryview: ...
+    @property
+    def idle(self) -> bool: ...
+
+
+def validate(exe: Checked) -> None:
     """Check every reference, size and bound of ``exe``; raises ``ExecutableError``."""
     _Validator(exe).run()
 
@@ -34,7 +67,7 @@ def _walk(body: tuple[Instruction, ...]) -> Iterator[tuple[Instruction, int]]:
 
 
 class _Validator:
-    def __init__(self, exe: Executable) -> None:
+    def __init__(self, exe: Checked) -> None:
         self.exe = exe
 
     def fail(self, msg: str) -> ExecutableError:
@@ -90,7 +123,7 @@ class _Validator:
             if part.parts or part.num_ipus != 1 or part.ipu_version != exe.ipu_version:
                 raise self.fail(f"IPU {k}'s part must be a one-IPU executable for "
                                 f"ipu{exe.ipu_version} without parts of its own")
-            part.validate()
+            validate(part)
             if part.idle:
                 held = [what for what, n in (
                     ("graphs", len(part.graphs)), ("streams", len(part.streams)),

@@ -7,7 +7,7 @@ process no core)."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol, TypeVar
 
 from shm import Ring, RingTimeoutError
 from shm.spin import NEVER, PollEstimate, us_to_ns
@@ -16,37 +16,50 @@ from ipu_emulator.ipu_protocol import Message, Op
 from ipu_emulator.settings import IpuSettings
 from ipu_emulator.trace import recorder
 
-if TYPE_CHECKING:
-    from ipu_emulator.ipu._stream_io import StreamHost, _Stream
+__all__ = ["InputWait", "WaitHost"]
 
-__all__ = ["InputWait"]
+_T = TypeVar("_T")
 
 _BACKOFF_POLLS = 8
 """Polls skipped (blocking at once) after one whose yield ran another task (measured: with
 the load at 11 on 2 CPUs each such yield cost 0.3-2.3 ms)."""
 
 
+class WaitHost(Protocol):
+    """What the waits need of the IPU process that runs them (``process.DeviceProcess``)."""
+
+    keeps_apart: bool          # True: this process keeps off the host's CPU (never yield)
+
+    def post(self, msg: Message) -> None:
+        """Post an event (NEED, OUT) to the host."""
+
+    def wait_on(self, fn: Callable[..., _T]) -> _T:
+        """Call a blocking ring operation, re-checking the control ring and the host between
+        slices; raises when the run must stop."""
+
+
 class InputWait:
     """The waits for inputs of one ``_RingIO``; ``est`` learns how long they take."""
 
-    def __init__(self, dev: "StreamHost") -> None:
+    def __init__(self, dev: WaitHost) -> None:
         self._dev = dev
         s = IpuSettings.current()   # this process's (its launch's)
         self._yielded_ns = us_to_ns(s.yielded_us, NEVER)
         self.est = PollEstimate(us_to_ns(s.device_spin_us), self._yielded_ns, _BACKOFF_POLLS)
 
-    def read_slow(self, s: "_Stream", ring: Ring) -> tuple[memoryview, int]:
-        """The next transfer of input stream ``s`` once it is not there at once: tell the
-        host, then wait (acquired; the caller releases it)."""
-        if s.plan.need_event:
-            self._dev.post(Message(Op.NEED, index=s.index))
+    def read_slow(self, ring: Ring, index: int, need_event: bool) -> tuple[memoryview, int]:
+        """The next transfer of input stream ``index`` (its ``ring``) once it is not there
+        at once: tell the host (``need_event``), then wait (acquired; the caller releases
+        it)."""
+        if need_event:
+            self._dev.post(Message(Op.NEED, index=index))
         if not recorder.ON:
             return self.wait_read(ring)
         t0 = time.monotonic_ns()
         try:
             return self.wait_read(ring)
         finally:
-            recorder.ipu(recorder.I_WAIT, t0, time.monotonic_ns() - t0, s.index, 0)
+            recorder.ipu(recorder.I_WAIT, t0, time.monotonic_ns() - t0, index, 0)
 
     def wait_read(self, ring: Ring) -> tuple[memoryview, int]:
         """Wait for an input transfer: poll briefly while recent inputs came quickly, then

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any, Callable, Protocol, TypeVar
+from typing import Any, Callable, Protocol
 
 from shm import Region, Ring, RingInvalidatedError, RingTimeoutError
 
 from ipu_emulator.ipu._host_memory import HostMemory, HostMemoryError
-from ipu_emulator.ipu._input_wait import InputWait
+from ipu_emulator.ipu._input_wait import InputWait, WaitHost
 from ipu_emulator.ipu._iteration import (HOST_TAG, SLOT_TAG, INPUT_TAGS, InAction,
                                             IterationNumber, SequenceMismatch, StreamPlan,
                                             make_step, numbered, plan_stream)
@@ -31,21 +31,12 @@ from ipu_emulator.executable import is_link
 from ipu_emulator.ipu_protocol import TAG_KIND_MASK, ErrorKind, Message, Op
 from ipu_emulator.trace import recorder
 
-_T = TypeVar("_T")
 
-
-class StreamHost(Protocol):
+class StreamHost(WaitHost, Protocol):
     """What the stream I/O needs of the IPU process that runs it (``process.DeviceProcess``)."""
 
     host_memory: HostMemory    # host arrays read in place, outputs written there
-    keeps_apart: bool          # True: this process keeps off the host's CPU (never yield)
 
-    def post(self, msg: Message) -> None:
-        """Post an event (NEED, OUT) to the host."""
-
-    def wait_on(self, fn: Callable[..., _T]) -> _T:
-        """Call a blocking ring operation, re-checking the control ring and the host between
-        slices; raises when the run must stop."""
 
 __all__ = ["_Loaded", "_RequestError", "_RingIO", "_Stream"]
 
@@ -224,7 +215,7 @@ class _RingIO:
                 return ring.acquire_read(0)   # its inlined fast path
             except RingTimeoutError:   # published, but the post is not there yet
                 pass
-        return self._wait.read_slow(s, ring)
+        return self._wait.read_slow(ring, s.index, s.plan.need_event)
 
     def _kind(self, handle: str, tag: int) -> int:
         """The kind of an input's tag, its sequence number checked (see IterationNumber)."""
@@ -326,9 +317,9 @@ class _RingIO:
                 try:
                     view, tag = ring.acquire_read(0)
                 except RingTimeoutError:   # published, but the post is not there yet
-                    view, tag = self._wait.read_slow(s, ring)
+                    view, tag = self._wait.read_slow(ring, s.index, s.plan.need_event)
             else:
-                view, tag = self._wait.read_slow(s, ring)
+                view, tag = self._wait.read_slow(ring, s.index, s.plan.need_event)
         except RingInvalidatedError:
             self.disconnected = True
             return self._scratch(handle, nbytes)
