@@ -555,25 +555,25 @@ class DeviceProcess:
         except ExecutableError as exc:
             raise _RequestError(ErrorKind.EXECUTABLE, str(exc)) from None
         runtime_hash = package_hash()
-        if spec["check_package_hash"] and header["package_hash"] != runtime_hash:
+        if spec["check_package_hash"] and header.package_hash != runtime_hash:
             raise _RequestError(ErrorKind.PACKAGE_HASH,
-                                f"package hash {header['package_hash']} differs from runtime "
+                                f"package hash {header.package_hash} differs from runtime "
                                 f"hash {runtime_hash}")
         o = self.opts
-        need = max(header["memory_bytes"], header["required_bytes"])
+        need = max(header.memory_bytes, header.required_bytes)
         if need > o.capacity:
             raise _RequestError(
                 ErrorKind.MEMORY,
-                f"executable {header['name']!r} needs {need} bytes of device memory, but "
+                f"executable {header.name!r} needs {need} bytes of device memory, but "
                 f"{self._describe()} has {o.num_ipus} IPU(s) x {o.tiles_per_ipu} tiles x "
                 f"{o.memory_per_tile} bytes per tile = {o.capacity} bytes")
-        if header["ipu_version"] != o.ipu_version:
+        if header.ipu_version != o.ipu_version:
             raise _RequestError(
-                ErrorKind.REQUEST, f"executable {header['name']!r} was compiled for "
-                f"ipu{header['ipu_version']}, but {self._describe()} is ipu{o.ipu_version}")
-        if header["num_ipus"] > o.num_ipus:
+                ErrorKind.REQUEST, f"executable {header.name!r} was compiled for "
+                f"ipu{header.ipu_version}, but {self._describe()} is ipu{o.ipu_version}")
+        if header.num_ipus > o.num_ipus:
             raise _RequestError(
-                ErrorKind.REQUEST, f"executable {header['name']!r} needs {header['num_ipus']} "
+                ErrorKind.REQUEST, f"executable {header.name!r} needs {header.num_ipus} "
                 f"IPUs, but {self._describe()} has {o.num_ipus}")
         regions = [region]
         constants: dict[str, memoryview] | None = None
@@ -601,7 +601,7 @@ class DeviceProcess:
         if w_file:   # with prepacking: prepacked by onnxruntime from where it lies (no copy
             # first); the mapping stays while onnxruntime may read it, its pages let go
             file_map, weights, trusted = _map_weights_file(w_file,
-                                                           header["total_length"] - size)
+                                                           header.total_length - size)
         w_name = spec.get("weights_region")
         if w_name:   # shared by every replica: mapped read-only, used where it lies
             self._known.add(w_name)
@@ -610,7 +610,7 @@ class DeviceProcess:
             except (ShmError, OSError, posix_ipc.Error) as exc:
                 raise _RequestError(ErrorKind.PROTOCOL,
                                     f"cannot open the weights region {w_name}: {exc}") from None
-            weights = w_region.buf[:max(0, header["total_length"] - size)]
+            weights = w_region.buf[:max(0, header.total_length - size)]
             regions.append(w_region)
         # the checksum over large weights is computed while onnxruntime loads them
         crc = _Checksum(data, weights) if weights is not None and len(weights) >= _CRC_APART \
@@ -663,7 +663,7 @@ class DeviceProcess:
             raise _RequestError(ErrorKind.PROGRAM, f"cannot prepare the executable: {exc}",
                                 traceback.format_exc()) from None
         finally:
-            got = crc.result() if crc is not None else header["body_crc32"]
+            got = crc.result() if crc is not None else header.body_crc32
             if trusted and not _same_file(w_file or {}):   # changed while read: check it
                 assert weights is not None
                 got = body_crc32(data, weights)
@@ -674,14 +674,14 @@ class DeviceProcess:
                 else:
                     _unmap(file_map, weights)
         assert interp is not None
-        if got != header["body_crc32"]:
+        if got != header.body_crc32:
             interp.close()
             for r in regions[1:]:
                 r.close()
             raise _RequestError(ErrorKind.EXECUTABLE, f"body checksum mismatch: computed "
-                                f"{got:#010x}, header says {header['body_crc32']:#010x} (damaged)")
+                                f"{got:#010x}, header says {header.body_crc32:#010x} (damaged)")
         _log.debug("executable %r: decoded in %.3f s, sessions made in %.3f s",
-                   header["name"], t1 - t0, _monotonic() - t1)
+                   header.name, t1 - t0, _monotonic() - t1)
         if w_name and not getattr(interp, "uses_weights", True):
             # onnxruntime took its own (prepacked) copy: the shared one is not needed here
             del exe, weights
