@@ -21,8 +21,9 @@ runs the process kind alone. Tests that use none of these fixtures run once.
 
 Fixtures:
 
-- ``kind``: a :class:`Kind` (``kind.name``, ``kind.device(...)``, ``kind.runner(...)``,
-  ``kind.lose(device)``, ``kind.maps(region)``).
+- ``kind``: a :class:`Kind` (``kind.name``, ``kind.manager()``, ``kind.device(...)``,
+  ``kind.runner(...)``, ``kind.launch(spec, log_dir)``, ``kind.lose(device)``,
+  ``kind.maps(region)``).
 - ``device``: one device of the kind for the module.
 - ``make_runner(model, config=None, **options)``: a ModelRunner on devices of the kind,
   whose devices are closed after the test (the runner is closed by the test or then).
@@ -42,7 +43,7 @@ import pytest
 import host_runtime as model_runtime
 from host_runtime.devices import Device
 from host_runtime.devices._manager import DeviceManager
-from host_runtime.devices.loopback import loopback_device, loopback_ipus
+from host_runtime.devices.loopback import loopback_device, loopback_ipus, loopback_manager
 from tests._helpers import (PATIENT, gather_model, gather_path, model, model_path,  # noqa: F401
                             private_machine, weights)
 
@@ -69,12 +70,27 @@ class Kind:
     def in_thread(self) -> bool:
         return self.name == "thread"
 
+    def manager(self) -> DeviceManager:
+        """A DeviceManager whose devices are of this kind."""
+        return loopback_manager() if self.in_thread else DeviceManager()
+
     def device(self, model_or_num_ipus: Any = 1) -> Device:
         """A new device for ``model_or_num_ipus`` (a popef.Model or a number of ipu21 IPUs);
-        the caller closes it."""
+        the caller closes it. Loopback ones are IPU model devices (``loopback_device``)."""
         if self.in_thread:
             return loopback_device(model_or_num_ipus)
-        return DeviceManager().getDevice(model_or_num_ipus, wait_config=PATIENT)
+        return self.manager().getDevice(model_or_num_ipus, wait_config=PATIENT)
+
+    def launch(self, spec: Any, log_dir: str) -> Any:
+        """One IPU of this kind for ``spec`` (an ``IpuSpec``), driven over its rings: an
+        ``IpuConnection``."""
+        if self.in_thread:
+            from ipu_emulator.ipu.in_thread import launch_loopback
+
+            return launch_loopback(spec, log_dir=log_dir)
+        from ipu_emulator.ipu.launcher import launch_ipu
+
+        return launch_ipu(spec, log_dir=log_dir)
 
     def runner(self, model: Any, config: model_runtime.ModelRunnerConfig | None = None, *,
                closing: contextlib.ExitStack | None = None,

@@ -1,4 +1,5 @@
-"""The Session's internal fast path (docs/design.md section 8) and device-side program errors."""
+"""The Session's internal fast path (docs/design.md section 8) and device-side program errors,
+on both kinds of IPU (tests/devices/conftest.py)."""
 
 from __future__ import annotations
 
