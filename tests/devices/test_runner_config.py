@@ -214,13 +214,12 @@ def test_close_is_idempotent(kind, make_runner, model_path, weights):
         assert not dev.isAttached() and not running(pid)
 
 
-def test_replica_to_device_uses_the_given_device(kind, model_path, weights):
-    with kind.device() as dev:
-        cfg = model_runtime.ModelRunnerConfig(replica_to_device={0: dev})
-        with model_runtime.ModelRunner(model_path, config=cfg) as r:
-            assert r._replicas[0].session.device() is dev
-            check_healthy(r, weights)
-        assert dev.isAttached(), "the caller's device stays attached after close()"
+def test_replica_to_device_uses_the_given_device(device, model_path, weights):
+    cfg = model_runtime.ModelRunnerConfig(replica_to_device={0: device})
+    with model_runtime.ModelRunner(model_path, config=cfg) as r:
+        assert r._replicas[0].session.device() is device
+        check_healthy(r, weights)
+    assert device.isAttached(), "the caller's device stays attached after close()"
 
 
 @pytest.mark.embedded_only
