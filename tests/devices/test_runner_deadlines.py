@@ -5,7 +5,8 @@ its data (on both kinds of IPU, tests/devices/conftest.py).
 ``validate_io_params`` off) and ``batch_size_timeout_ns`` (a partial dynamic batch)
 are timed from the outside. The bound is loose (the deadline plus 100 ms) and each
 case takes the best of up to three tries, so that a loaded 2-core machine cannot make
-it fail; a waiter that slept in fixed quarter-second slices fails every try.
+it fail; a waiter that slept in fixed quarter-second slices fails every try (at each
+of ``MS``), and one that fired early, or at some cap, fails the longer deadline.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from host_runtime.errors import DeviceTimeoutError
 
 SHAPE = (4, 3)
 SLACK_MS = 100.0
+MS = (10, 120)
+"""A short and a long deadline, each below a quarter second minus SLACK_MS."""
 TRIES = 3
 
 
@@ -42,7 +45,7 @@ def _best_of(ms: float, timed: Callable[[], float]) -> float:
     return best
 
 
-@pytest.mark.parametrize("ms", [10, 50, 200])
+@pytest.mark.parametrize("ms", MS)
 @pytest.mark.parametrize("watchdog", [False, True], ids=["waiter-fires", "watchdog-too"])
 def test_timeout_ns_fires_at_its_deadline(make_runner, model, ms, watchdog):
     a = np.ones(SHAPE, np.float32)
@@ -66,7 +69,7 @@ def test_timeout_ns_fires_at_its_deadline(make_runner, model, ms, watchdog):
         assert _best_of(ms, execute_async) < ms + SLACK_MS
 
 
-@pytest.mark.parametrize("ms", [10, 50, 200])
+@pytest.mark.parametrize("ms", MS)
 def test_a_short_wait_for_a_future_ends_at_its_own_deadline(make_runner, model, ms):
     """Another thread drives (a request whose device waits forever): a future's wait with
     a timeout returns at that timeout, not at the next re-check."""
@@ -84,7 +87,7 @@ def test_a_short_wait_for_a_future_ends_at_its_own_deadline(make_runner, model, 
         assert _best_of(ms, wait) < ms + SLACK_MS
 
 
-@pytest.mark.parametrize("ms", [10, 50, 200])
+@pytest.mark.parametrize("ms", MS)
 def test_batch_size_timeout_flushes_at_its_deadline(make_runner, model, ms):
     a = np.ones((1, 3), np.float32)
     cfg = model_runtime.ModelRunnerConfig(
