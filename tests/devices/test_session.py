@@ -295,10 +295,15 @@ def test_immediate_policy_acquires_and_releases_its_own_device(model, weights, d
     locks.release()
 
 
-def test_small_ipu_model_runs_small_programs_and_refuses_big_ones(kind, model, weights, tmp_path):
-    big_path = tmp_path / "big.popef"
-    write_simple_popef(big_path, shape=(1024, 1024))
-    big = popef.load_model([str(big_path)])
+@pytest.fixture(scope="module")
+def big(tmp_path_factory):
+    """The example model of 1024 x 1024 floats: more than a small IPU model holds."""
+    path = tmp_path_factory.mktemp("big") / "big.popef"
+    write_simple_popef(path, shape=(1024, 1024))
+    return popef.load_model([str(path)])
+
+
+def test_small_ipu_model_runs_small_programs_and_refuses_big_ones(kind, model, weights, big):
     with kind.manager().createSmallIpuModelDevice(model) as small:
         assert small.tilesPerIpu() == 4 and small.isIpuModel() and small.id == -1
         with Session(model) as s:
