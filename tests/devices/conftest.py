@@ -83,9 +83,10 @@ class Kind:
     def in_thread(self) -> bool:
         return self.name == "thread"
 
-    def manager(self) -> DeviceManager:
-        """A DeviceManager whose devices are of this kind."""
-        return loopback_manager() if self.in_thread else DeviceManager()
+    def manager(self, system: Any = None) -> DeviceManager:
+        """A DeviceManager (of the machine ``system``, a SystemConfig, or the environment's)
+        whose devices are of this kind."""
+        return loopback_manager(system) if self.in_thread else DeviceManager(system)
 
     def device(self, model_or_num_ipus: Any = 1) -> Device:
         """A new device for ``model_or_num_ipus`` (a popef.Model or a number of ipu21 IPUs);
@@ -118,16 +119,17 @@ class Kind:
                 i: stack.enter_context(self.device()) for i in range(config.replication_factor)}
         return model_runtime.ModelRunner(model, config=config)
 
-    def lose(self, device: Device) -> int:
-        """Kill the device's (primary) IPU as SIGKILL would; its pid, once it has ended."""
+    def lose(self, device: Device, index: int = 0) -> int:
+        """Kill the device's IPU ``index`` (0: the primary) as SIGKILL would; its pid, once
+        it has ended."""
         if self.in_thread:
-            (ipu, *_) = loopback_ipus(device)
+            ipu = loopback_ipus(device)[index]
             ipu.kill()
             assert not ipu.thread.is_alive()
             return ipu.pid
-        pid = device.pids()[0]
+        pid = device.pids()[index]
         os.kill(pid, signal.SIGKILL)
-        assert device.processes[0].wait_exit(30) == -signal.SIGKILL
+        assert device.processes[index].wait_exit(30) == -signal.SIGKILL   # reaped at once
         return pid
 
     def maps(self, region: str) -> int:
