@@ -8,15 +8,13 @@ their own runner (``make_runner``) and close it.
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
 import host_runtime as model_runtime
 from host_runtime import popef
-from host_runtime.errors import BadRequestError, InvalidStateError
-from tools.generate_simple_popef import write_simple_popef
-from tests._helpers import run_in_threads, running
+from host_runtime.errors import BadRequestError
+from tests._helpers import run_in_threads
 
 SHAPE = (4, 3)        # batch of 4 samples of 3 floats
 
