@@ -41,14 +41,13 @@ import psutil
 import pytest
 
 import host_runtime as model_runtime
+from host_runtime import DeviceManager
 from host_runtime.devices import Device
-from host_runtime.devices._manager import DeviceManager
 from host_runtime.devices.loopback import loopback_device, loopback_ipus, loopback_manager
 from tests._helpers import (PATIENT, gather_model, gather_path, model, model_path,  # noqa: F401
                             private_machine, weights)
 
 KINDS = ("thread", "process")
-
 
 _PROC_CHILDREN = os.path.exists(f"/proc/self/task/{os.getpid()}/children")
 
