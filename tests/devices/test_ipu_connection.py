@@ -62,7 +62,8 @@ def test_the_protocol_round_trips_and_a_clean_shutdown(kind, tmp_path):
         assert proc.log_tail() == "" and proc.thread.daemon
 
 
-def test_a_process_that_dies_while_starting_is_reported(tmp_path, monkeypatch):
+@pytest.mark.ipu_kinds("process", reason="a loopback IPU has no start-up of its own to die in")
+def test_a_process_that_dies_while_starting_is_reported(kind, tmp_path, monkeypatch):
     # started fresh (it imports onnxruntime first): a warm fork from the template may be
     # ready before the kill below, and then it did not die "while starting"
     monkeypatch.setenv("IPU_EMULATOR_FORKSERVER", "0")

@@ -320,9 +320,9 @@ def test_device_iterations_are_transparent(make_runner, tmp_path):
             np.testing.assert_allclose(out, a * np.tile(w, (n, 1)) + b, rtol=1e-6)
 
 
-def test_runner_never_closed_exits_cleanly(model_path, tmp_path):
-    """The seeds' listings never close their runner: exiting must still release everything.
-    (A fresh interpreter attaches its own IPU process: no kind to choose.)"""
+@pytest.mark.ipu_kinds("process", reason="a fresh interpreter exits with its IPU processes")
+def test_runner_never_closed_exits_cleanly(kind, model_path, tmp_path):
+    """The seeds' listings never close their runner: exiting must still release everything."""
     import subprocess
     import sys
 

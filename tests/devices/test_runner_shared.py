@@ -136,7 +136,9 @@ def _big_gather():
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
 
 
-def test_a_failing_iteration_with_shared_memory_then_auto_reset(compile_onnx, model_runner):
+@pytest.mark.ipu_kinds("process", reason="the pytest plugin's model_runner attaches IPU processes")
+def test_a_failing_iteration_with_shared_memory_then_auto_reset(kind, compile_onnx,
+                                                               model_runner):
     """(Through the pytest plugin's compile_onnx and model_runner fixtures.)"""
     from host_runtime.errors import DeviceExecutionError
 

@@ -149,7 +149,8 @@ def test_user_handlers_get_callback_info_and_follow_predicates(model, weights, d
                                    rtol=1e-6)
 
 
-def test_frozen_weights_overridden_by_user_data(model):
+@pytest.mark.ipu_kinds("process", reason="a Deferred session attaches an IPU of the machine")
+def test_frozen_weights_overridden_by_user_data(kind, model):
     user_weights = np.full(SHAPE, 3.0, np.float32)
     cfg = SessionConfig(pred_tensor_data=predicate_factory.popef_data_usage.predAnchorsPolicies(
         [AnchorWithPolicy("weights", PopefDataUsagePolicy.USE_USER_DATA)]), wait_config=PATIENT)
