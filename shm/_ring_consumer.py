@@ -46,7 +46,7 @@ class _RingConsumer:
     _try: Callable[[posix_ipc.Semaphore, str], None]
     _wait_slow: Callable[[posix_ipc.Semaphore, float | None, str, float], None]
 
-    def _init_consumer(self) -> None:
+    def __init__(self) -> None:
         self._is_consumer = False
 
     def acquire_read(self, timeout: float | None = None) -> tuple[memoryview, int]:

@@ -45,7 +45,7 @@ class _RingHandOff:
     """The C core serving this Ring's hot calls, if any.
 
     Owns ``_core`` (the ``shm._ringcore.Core``; None: the Python path does
-    everything), set by :meth:`_init_core`.
+    everything), set by ``__init__``.
     """
 
     # -- what the core is made over (the mapping: shm._ring_life; the token bank and
@@ -61,7 +61,7 @@ class _RingHandOff:
     _spare_free: list[None]
     _spare_full: list[None]
 
-    def _init_core(self, ringcore: Any) -> None:
+    def __init__(self, ringcore: Any) -> None:
         """Make the C core and set its methods on this instance; ``ringcore``: the
         ``shm._ringcore`` module, None for the Python path alone."""
         self._core: Any = None

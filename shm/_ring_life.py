@@ -2,10 +2,11 @@
 
 What this process has of a ring (the region's mapping, the header words, the slot
 views, the two semaphores) is opened by ``Ring.create``/``Ring.attach`` (shm/ring.py)
-and then lives here: :meth:`close` (this process stops using it), :meth:`unlink` (the
-names go, once, by the owner), :meth:`invalidate` and :meth:`reset` (the shared state,
-for both ends), and the disowning of every ring in a forked child ("Closing" and "Fork"
-in shm/ring.py). ``_live`` is every Ring of this process.
+and then lives here: what its header says (:meth:`counters`, :meth:`state`, the user
+word), :meth:`close` (this process stops using it), :meth:`unlink` (the names go, once,
+by the owner), :meth:`invalidate` and :meth:`reset` (the shared state, for both ends),
+and the disowning of every ring in a forked child ("Closing" and "Fork" in
+shm/ring.py). ``_live`` is every Ring of this process.
 
 :class:`_RingLife` is one of the concept classes ``shm.ring.Ring`` is made of; what it
 reads of the others is declared at the top of its body.
@@ -19,10 +20,12 @@ from typing import Any, Callable, Self
 
 import posix_ipc
 
-from ._ring_layout import (_ACQUIRED, _FREE_SUFFIX, _FULL_SUFFIX, _GEN, _HELD, _INVALID,
-                           _NUM_SLOTS, _PUBLISHED, _READ_TAG, _RELEASED, _SLOT_SIZE, _STRIDE,
-                           HEADER_SIZE, SLOT_HEADER_SIZE)
+from ._ring_layout import (_ACQUIRED, _CONSUMER_PID, _CREATOR, _FREE_SUFFIX, _FULL_SUFFIX,
+                           _GEN, _HELD, _INVALID, _NUM_SLOTS, _PRODUCER_PID, _PUBLISHED,
+                           _READ_TAG, _RELEASED, _SLOT_SIZE, _STRIDE, _USER, HEADER_SIZE,
+                           SLOT_HEADER_SIZE)
 from .errors import RingInvalidatedError, ShmClosedError, ShmForkedError
+from .liveness import PeerWatch
 from .region import Region
 from . import _registry
 
@@ -81,7 +84,7 @@ def _live_rings() -> "list[_RingLife]":
 class _RingLife:
     """This process's mapping of a ring and its semaphores, and their life.
 
-    Owns (set by :meth:`_init_mapping`): the region and its views (``_words``, ``_w``,
+    Owns (set by ``__init__``): the region and its views (``_words``, ``_w``,
     the slot views ``_payload`` and each slot's first word ``_slot_word``), the ring's
     shape, the semaphores, and whether this process closed, unlinked or disowned it.
     ``_w`` is the header view while the ring is open, a :class:`_ClosedWords` after:
@@ -93,12 +96,13 @@ class _RingLife:
     _core: Any
     interrupt: Callable[[], None]
     resume: Callable[[], None]      # (shm.ring.resume_all calls it on every live ring)
+    _peer: PeerWatch | None         # (for state())
     _wait_unblocked: Callable[[float], None]
     _forget_tokens: Callable[[], None]
     _stop_peer_watch: Callable[[], None]
     _stop_core: Callable[[], None]
 
-    def _init_mapping(self, region: Region, free: posix_ipc.Semaphore,
+    def __init__(self, region: Region, free: posix_ipc.Semaphore,
                       full: posix_ipc.Semaphore, owner: bool) -> None:
         self._region = region
         self._name = region.name
@@ -169,6 +173,60 @@ class _RingLife:
         if who:
             raise RingInvalidatedError(
                 f"ring {self._name} was invalidated by process {who}; reset() it to reuse")
+
+    # -- what the header says -------------------------------------------------------
+
+    def user_word(self) -> int:
+        """The header's user word (0 until an end sets it; see set_user_word)."""
+        return int(self._w[_USER])
+
+    def set_user_word(self, value: int) -> None:
+        """Store an int64 in the header's user word, which the ring itself never reads:
+        a hint from one end to the other (last store wins; reset() keeps it)."""
+        self._w[_USER] = value
+
+
+    def counters(self) -> dict[str, int]:
+        """The header's fields and the semaphores' values, as numbers."""
+        if self._closed:
+            raise self._closed_error()
+        w = self._w
+        return {
+            "slot_size": self._slot_size, "num_slots": self._num_slots,
+            "invalid_by": w[_INVALID], "generation": w[_GEN], "creator_pid": w[_CREATOR],
+            "published": w[_PUBLISHED], "held": w[_HELD], "producer_pid": w[_PRODUCER_PID],
+            "acquired": w[_ACQUIRED], "released": w[_RELEASED],
+            "consumer_pid": w[_CONSUMER_PID],
+            "sem_full": self._full.value, "sem_free": self._free.value,
+        }
+
+    def state(self) -> str:
+        """A readable dump of the ring's shared state (for logs and bug reports)."""
+        if self._closed:
+            if self._forked_from:
+                return f"ring {self._name}: {self._closed_error()}"
+            return f"ring {self._name}: closed in this process"
+        c = self.counters()
+        valid = "VALID" if not c["invalid_by"] else f"INVALIDATED by pid {c['invalid_by']}"
+        peer = "none" if self._peer is None else str(self._peer.pid)
+        return "\n".join([
+            f"ring {self._name}: {c['num_slots']} slots x {c['slot_size']} B "
+            f"(stride {self._stride}), {valid}, generation {c['generation']}, "
+            f"creator pid {c['creator_pid']}",
+            f"  producer pid {c['producer_pid'] or '-'}: published {c['published']}, "
+            f"holding a slot: {'yes' if c['held'] else 'no'}",
+            f"  consumer pid {c['consumer_pid'] or '-'}: acquired {c['acquired']}, "
+            f"released {c['released']}",
+            f"  readable {c['published'] - c['acquired']}, "
+            f"in use {c['published'] - c['released']}/{c['num_slots']}; "
+            f"semaphores: full={c['sem_full']} free={c['sem_free']}",
+            f"  this process {self._pid}: owner={self._owner} watching peer {peer}",
+        ])
+
+
+    def __repr__(self) -> str:
+        return (f"Ring({self._name!r}, slot_size={self._slot_size}, "
+                f"num_slots={self._num_slots}, owner={self._owner})")
 
     # -- the shared state, for both ends ----------------------------------------------
 

@@ -47,7 +47,7 @@ class _RingProducer:
     _try: Callable[[posix_ipc.Semaphore, str], None]
     _wait_slow: Callable[[posix_ipc.Semaphore, float | None, str, float], None]
 
-    def _init_producer(self) -> None:
+    def __init__(self) -> None:
         self._is_producer = False
 
     def acquire_write(self, timeout: float | None = None) -> memoryview:

@@ -57,7 +57,7 @@ _consume: Any = collections.deque(maxlen=0).extend
 class _RingWaits:
     """How this process's calls on a ring wait for a token, and what wakes them early.
 
-    Owns (set by :meth:`_init_waits`): the token bank, the spin budget, the interrupt
+    Owns (set by ``__init__``): the token bank, the spin budget, the interrupt
     state, the peer watch. The C core, when there is one, keeps its own record of its
     waiters and interrupts and is told of each change here.
     """
@@ -74,7 +74,7 @@ class _RingWaits:
     _core: Any
     _raise_if_unusable: Callable[[], None]
 
-    def _init_waits(self, settings: ShmSettings) -> None:
+    def __init__(self, settings: ShmSettings) -> None:
         # longest spin before blocking (0 disables spinning) and its floor; see _spin
         self._spin_max_ns = self._spin_ns = us_to_ns(settings.ring_spin_us)
         self._spin_min_ns = min(_SPIN_MIN_NS, self._spin_max_ns)

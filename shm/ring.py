@@ -132,11 +132,11 @@ each declaring what it reads of the others; the hot methods stay single flat met
 of the class, found by one attribute lookup):
 
 - this module: the layout above, making and opening a ring (:meth:`Ring.create`,
-  :meth:`Ring.attach`), what the header says (:meth:`Ring.counters`,
-  :meth:`Ring.state`), and :func:`interrupt_all`/:func:`resume_all`;
+  :meth:`Ring.attach`), and :func:`interrupt_all`/:func:`resume_all`;
 - ``shm/_ring_layout.py``: the drawing's words as indices, and the sizes;
-- ``shm/_ring_life.py``: the mapping and semaphores in this process, close, unlink,
-  invalidate, reset, fork disowning;
+- ``shm/_ring_life.py``: the mapping and semaphores in this process, what the header
+  says (:meth:`Ring.counters`, :meth:`Ring.state`), close, unlink, invalidate, reset,
+  fork disowning;
 - ``shm/_ring_waits.py``: token waits, interrupts, the peer watch, the doorbell;
 - ``shm/_ring_producer.py``, ``shm/_ring_consumer.py``: the two ends;
 - ``shm/_ring_handoff.py``: the C core taking over the hot calls and handing them back.
@@ -151,10 +151,8 @@ import posix_ipc
 
 from ._ring_consumer import _RingConsumer
 from ._ring_handoff import _RingHandOff
-from ._ring_layout import (_ACQUIRED, _CONSUMER_PID, _CREATOR, _FREE_SUFFIX, _FULL_SUFFIX,
-                           _GEN, _HELD, _INVALID, _MAGIC, _MAX_SLOTS, _NUM_SLOTS, _PRODUCER_PID,
-                           _PUBLISHED, _RELEASED, _SLOT_SIZE, _STRIDE, _USER, _VERSION,
-                           HEADER_SIZE, MAGIC, VERSION, _stride)
+from ._ring_layout import (_CREATOR, _FREE_SUFFIX, _FULL_SUFFIX, _MAGIC, _MAX_SLOTS, _NUM_SLOTS,
+                           _SLOT_SIZE, _STRIDE, _VERSION, HEADER_SIZE, MAGIC, VERSION, _stride)
 from ._ring_life import _RingLife, _live, _live_rings
 from ._ring_producer import _RingProducer
 from ._ring_waits import PEER_CHECK, _RingWaits
@@ -206,13 +204,14 @@ class Ring(_RingProducer, _RingConsumer, _RingWaits, _RingHandOff, _RingLife):
     def __init__(self, region: Region, free: posix_ipc.Semaphore, full: posix_ipc.Semaphore,
                  owner: bool, settings: ShmSettings | None = None) -> None:
         s = settings if settings is not None else ShmSettings.current()
-        self._init_mapping(region, free, full, owner)
-        self._init_waits(s)
-        self._init_producer()
-        self._init_consumer()
+        # each part's own state (see its class)
+        _RingLife.__init__(self, region, free, full, owner)
+        _RingWaits.__init__(self, s)
+        _RingProducer.__init__(self)
+        _RingConsumer.__init__(self)
         # The C core's methods shadow the hot methods on this instance (see
         # shm/_ring_handoff.py); without it the Python path does everything.
-        self._init_core(_ringcore if s.ring_c else None)
+        _RingHandOff.__init__(self, _ringcore if s.ring_c else None)
         _live.add(self)
         if _all_interrupted:
             self.interrupt()
@@ -293,57 +292,3 @@ class Ring(_RingProducer, _RingConsumer, _RingWaits, _RingHandOff, _RingLife):
             region.close()
             raise
         return cls(region, free, full, owner=False, settings=settings)
-
-    # -- what the header says -------------------------------------------------------
-
-    def user_word(self) -> int:
-        """The header's user word (0 until an end sets it; see set_user_word)."""
-        return int(self._w[_USER])
-
-    def set_user_word(self, value: int) -> None:
-        """Store an int64 in the header's user word, which the ring itself never reads:
-        a hint from one end to the other (last store wins; reset() keeps it)."""
-        self._w[_USER] = value
-
-
-    def counters(self) -> dict[str, int]:
-        """The header's fields and the semaphores' values, as numbers."""
-        if self._closed:
-            raise self._closed_error()
-        w = self._w
-        return {
-            "slot_size": self._slot_size, "num_slots": self._num_slots,
-            "invalid_by": w[_INVALID], "generation": w[_GEN], "creator_pid": w[_CREATOR],
-            "published": w[_PUBLISHED], "held": w[_HELD], "producer_pid": w[_PRODUCER_PID],
-            "acquired": w[_ACQUIRED], "released": w[_RELEASED],
-            "consumer_pid": w[_CONSUMER_PID],
-            "sem_full": self._full.value, "sem_free": self._free.value,
-        }
-
-    def state(self) -> str:
-        """A readable dump of the ring's shared state (for logs and bug reports)."""
-        if self._closed:
-            if self._forked_from:
-                return f"ring {self._name}: {self._closed_error()}"
-            return f"ring {self._name}: closed in this process"
-        c = self.counters()
-        valid = "VALID" if not c["invalid_by"] else f"INVALIDATED by pid {c['invalid_by']}"
-        peer = "none" if self._peer is None else str(self._peer.pid)
-        return "\n".join([
-            f"ring {self._name}: {c['num_slots']} slots x {c['slot_size']} B "
-            f"(stride {self._stride}), {valid}, generation {c['generation']}, "
-            f"creator pid {c['creator_pid']}",
-            f"  producer pid {c['producer_pid'] or '-'}: published {c['published']}, "
-            f"holding a slot: {'yes' if c['held'] else 'no'}",
-            f"  consumer pid {c['consumer_pid'] or '-'}: acquired {c['acquired']}, "
-            f"released {c['released']}",
-            f"  readable {c['published'] - c['acquired']}, "
-            f"in use {c['published'] - c['released']}/{c['num_slots']}; "
-            f"semaphores: full={c['sem_full']} free={c['sem_free']}",
-            f"  this process {self._pid}: owner={self._owner} watching peer {peer}",
-        ])
-
-
-    def __repr__(self) -> str:
-        return (f"Ring({self._name!r}, slot_size={self._slot_size}, "
-                f"num_slots={self._num_slots}, owner={self._owner})")
