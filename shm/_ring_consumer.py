@@ -28,7 +28,7 @@ class _RingConsumer:
     first message it acquired stored its pid)."""
 
     # -- what the consumer uses of the others (the mapping: shm._ring_life; the waits
-    #    and the token bank: shm._ring_waits; the C core: shm._ring_handoff) --------
+    #    and the token bank: shm._ring_waits; the C core: shm._ring_handoff) -------
     _name: str
     _w: memoryview | _ClosedWords
     _payload: list[memoryview]
@@ -144,18 +144,15 @@ class _RingConsumer:
         self._free.release()
         return data, tag
 
-
     def readable(self) -> int:
         """Slots published and not yet acquired by the consumer."""
         w = self._w
         return w[_PUBLISHED] - w[_ACQUIRED]
 
-
     def unreleased(self) -> int:
         """Slots the consumer acquired and has not released yet."""
         w = self._w
         return int(w[_ACQUIRED] - w[_RELEASED])
-
 
     def last_read_tag(self) -> int | None:
         """The tag of the last message the consumer acquired (``read`` or ``acquire_read``),
@@ -166,8 +163,7 @@ class _RingConsumer:
         w = self._w
         return int(w[_READ_TAG]) if w[_ACQUIRED] else None
 
-
-    # -- where the C core hands over (codes: shm._ring_handoff) ----------------------
+    # -- where the C core hands over (codes: shm._ring_handoff) --------------------
 
     def _c_acquire_read(self, code: int, first: float, timeout: Any) -> tuple[memoryview, int]:
         if code == _GENERAL:

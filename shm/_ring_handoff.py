@@ -49,7 +49,7 @@ class _RingHandOff:
     """
 
     # -- what the core is made over (the mapping: shm._ring_life; the token bank and
-    #    the spin budget: shm._ring_waits) ---------------------------------------
+    #    the spin budget: shm._ring_waits) -----------------------------------------
     _region: Region
     _name: str
     _payload: list[memoryview]

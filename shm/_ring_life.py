@@ -134,7 +134,7 @@ class _RingLife:
         # the waiter segfaults when its wait slice ends. Process exit frees them anyway.
         weakref.finalize(self, _close_semaphores, free, full).atexit = False
 
-    # -- properties ---------------------------------------------------------------
+    # -- properties ----------------------------------------------------------------
 
     @property
     def name(self) -> str:
@@ -161,7 +161,7 @@ class _RingLife:
         cannot hold them); nothing for one made whole."""
         self._region.back()
 
-    # -- usable? --------------------------------------------------------------------
+    # -- usable? -------------------------------------------------------------------
 
     def _closed_error(self) -> ShmClosedError:
         return _closed_error(self._name, self._forked_from)
@@ -174,7 +174,7 @@ class _RingLife:
             raise RingInvalidatedError(
                 f"ring {self._name} was invalidated by process {who}; reset() it to reuse")
 
-    # -- what the header says -------------------------------------------------------
+    # -- what the header says ------------------------------------------------------
 
     def user_word(self) -> int:
         """The header's user word (0 until an end sets it; see set_user_word)."""
@@ -184,7 +184,6 @@ class _RingLife:
         """Store an int64 in the header's user word, which the ring itself never reads:
         a hint from one end to the other (last store wins; reset() keeps it)."""
         self._w[_USER] = value
-
 
     def counters(self) -> dict[str, int]:
         """The header's fields and the semaphores' values, as numbers."""
@@ -223,12 +222,11 @@ class _RingLife:
             f"  this process {self._pid}: owner={self._owner} watching peer {peer}",
         ])
 
-
     def __repr__(self) -> str:
         return (f"Ring({self._name!r}, slot_size={self._slot_size}, "
                 f"num_slots={self._num_slots}, owner={self._owner})")
 
-    # -- the shared state, for both ends ----------------------------------------------
+    # -- the shared state, for both ends -------------------------------------------
 
     def invalidate(self) -> None:
         """Mark the ring unusable and wake a blocked waiter on either side at once."""
@@ -268,7 +266,7 @@ class _RingLife:
         for _ in range(self._num_slots):
             self._free.release()
 
-    # -- closing ----------------------------------------------------------------------
+    # -- closing -------------------------------------------------------------------
 
     def close(self) -> None:
         """Stop using the ring in this process (idempotent).

@@ -29,7 +29,7 @@ class _RingProducer:
     first slot it acquired stored its pid)."""
 
     # -- what the producer uses of the others (the mapping: shm._ring_life; the waits
-    #    and the token bank: shm._ring_waits; the C core: shm._ring_handoff) --------
+    #    and the token bank: shm._ring_waits; the C core: shm._ring_handoff) -------
     _name: str
     _w: memoryview | _ClosedWords
     _payload: list[memoryview]
@@ -155,18 +155,15 @@ class _RingProducer:
         if w[_DOORBELL]:
             _ring_doorbell(w[_DOORBELL])
 
-
     def writable(self) -> int:
         """Slots the producer could acquire now."""
         w = self._w
         return self._num_slots - (w[_PUBLISHED] - w[_RELEASED]) - w[_HELD]
 
-
     def holding(self) -> bool:
         """Whether the producer holds an acquired, unpublished slot (the next
         ``acquire_write`` returns it)."""
         return bool(self._w[_HELD])
-
 
     def last_published_tag(self) -> int | None:
         """The tag of the last message published, None if none was since the ring was made
@@ -178,8 +175,7 @@ class _RingProducer:
         base = self._slot_word[(k - 1) % self._num_slots]
         return int(w[base + 2]) if w[base] == k else None
 
-
-    # -- where the C core hands over (codes: shm._ring_handoff) ----------------------
+    # -- where the C core hands over (codes: shm._ring_handoff) --------------------
 
     def _c_write(self, code: int, first: float, data: Any, tag: Any, timeout: Any) -> None:
         tag = 0 if tag is None else tag

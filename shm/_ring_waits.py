@@ -99,7 +99,7 @@ class _RingWaits:
         self._blocked = [0, 0]
         self._pending = [0, 0]
 
-    # -- the peer and interrupts ------------------------------------------------
+    # -- the peer and interrupts ---------------------------------------------------
 
     @property
     def peer_pid(self) -> int | None:
@@ -169,7 +169,7 @@ class _RingWaits:
         if self._core is not None and not self._peer_gone:
             self._core.resume()
 
-    # -- waiting ----------------------------------------------------------------
+    # -- waiting -------------------------------------------------------------------
     #
     # The Python path (the C core's methods shadow it once a role is taken, see
     # shm._ring_handoff). A wait (_wait, _wait_slow) loops: check the invalid
@@ -337,7 +337,6 @@ class _RingWaits:
         return (f"{w[_PUBLISHED] - w[_RELEASED]}/{self._num_slots} slots in use, "
                 f"{w[_PUBLISHED] - w[_ACQUIRED]} readable")
 
-
     def _wait_unblocked(self, timeout: float) -> None:
         """Wait until no thread of this process is blocked on this ring (close(): the
         threads it woke leave their waits and take back the tokens it posted)."""
@@ -366,7 +365,7 @@ class _RingWaits:
             self._unnotify()
             self._unnotify = None
 
-    # -- the doorbell -----------------------------------------------------------
+    # -- the doorbell --------------------------------------------------------------
 
     def set_doorbell(self, signum: int) -> None:
         """While ``signum`` is set (0: off), every message published on this ring also

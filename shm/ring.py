@@ -199,6 +199,10 @@ class Ring(_RingProducer, _RingConsumer, _RingWaits, _RingHandOff, _RingLife):
 
     Use :meth:`create` (owner) or :meth:`attach`. Either end may be the owner.
     A process uses a ring as producer or as consumer (or both, in tests).
+
+    Made of one class per concept (see the list above): the producer's and the
+    consumer's calls, the token waits, the C hand-off, and the mapping's life. Each
+    sets its own state in its ``__init__``, which this one calls in turn.
     """
 
     def __init__(self, region: Region, free: posix_ipc.Semaphore, full: posix_ipc.Semaphore,
@@ -216,7 +220,7 @@ class Ring(_RingProducer, _RingConsumer, _RingWaits, _RingHandOff, _RingLife):
         if _all_interrupted:
             self.interrupt()
 
-    # -- construction -------------------------------------------------------------
+    # -- construction --------------------------------------------------------------
 
     @classmethod
     def create(cls, slot_size: int, num_slots: int, kind: str = "ring",
