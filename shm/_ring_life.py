@@ -102,8 +102,8 @@ class _RingLife:
     _stop_peer_watch: Callable[[], None]
     _stop_core: Callable[[], None]
 
-    def __init__(self, region: Region, free: posix_ipc.Semaphore,
-                      full: posix_ipc.Semaphore, owner: bool) -> None:
+    def __init__(self, region: Region, free: posix_ipc.Semaphore, full: posix_ipc.Semaphore,
+                 owner: bool) -> None:
         self._region = region
         self._name = region.name
         self._free = free
