@@ -1,24 +1,28 @@
-"""What a Session is made with: its configuration, and the callback types it takes.
+"""What a Session is made with: its model, its configuration, the callback types it takes.
 
 Seed 002, 10.2.4: ``SessionConfig`` (with ``LaunchPolicy``), ``CallbackHandle`` (one
 transfer of one anchor) and ``CallbackFactory`` (a handler's factory, told about its
-anchor by a ``CallbackInfo``).
+anchor by a ``CallbackInfo``); the model, given or read from PopEF files and checked
+(``session_model``), and its executable's header.
 """
 
 from __future__ import annotations
 
 import enum
+import os
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 from host_runtime import popef
 from host_runtime.devices import DeviceWaitConfig
-from host_runtime.errors import BadRequestError
+from host_runtime.errors import BadRequestError, PopefError
+from host_runtime.popef import check_model
 from host_runtime.session.predicates import PopefDataUsagePredicate
 from host_runtime.settings import HostSettings
+from ipu_emulator.executable import ExecutableError, read_header
 
 __all__ = ["LaunchPolicy", "SessionConfig", "CallbackInfo", "CallbackHandle",
-           "CallbackFactory", "DROP_STOP_TIMEOUT"]
+           "CallbackFactory", "DROP_STOP_TIMEOUT", "session_model", "executable_header"]
 
 CallbackHandle = Callable[[memoryview], None]
 """Called with one transfer: writable for inputs, read-only (valid during the call) for outputs."""
@@ -90,3 +94,27 @@ class CallbackInfo:
 
 
 CallbackFactory = Callable[[CallbackInfo], "CallbackHandle | None"]
+
+
+def session_model(model: popef.Model | str | Sequence[str]) -> popef.Model:
+    """The model a Session is made with (a Model, a PopEF path or a list of them),
+    checked against the rules of ipu_emulator.validate (once per Model)."""
+    if isinstance(model, popef.Model):
+        result = model
+    elif isinstance(model, (str, os.PathLike)):
+        result = popef.load_model([os.fspath(model)])
+    elif isinstance(model, (list, tuple)) and model:
+        result = popef.load_model([os.fspath(p) for p in model])
+    else:
+        raise BadRequestError(
+            f"Session needs a popef.Model or a list of PopEF paths, got {model!r}")
+    check_model(result)
+    return result
+
+
+def executable_header(model: popef.Model, exe: bytes | memoryview) -> dict[str, Any]:
+    """The header of ``model``'s executable ``exe``; PopefError naming it if unreadable."""
+    try:
+        return read_header(exe)
+    except ExecutableError as exc:
+        raise PopefError(f"executable {model.executable.name()!r}: {exc}") from exc

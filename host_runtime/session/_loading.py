@@ -24,7 +24,7 @@ from host_runtime.popef.reader import file_identity as popef_file_identity
 from host_runtime.popef.reader import file_span as popef_file_span
 from host_runtime.session._config import SessionConfig
 from host_runtime.session._constants import SharedConstants, constants_bytes, shared_constants
-from host_runtime.session._state import Binding
+from host_runtime.session._binding import Binding
 from host_runtime.session._streams import StreamTable
 from host_runtime.session._weights import SharedWeights, check_fits, is_shared, shared_weights
 from host_runtime.settings import HostSettings

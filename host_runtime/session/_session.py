@@ -40,29 +40,26 @@ until ``stop()``. The per-anchor callbacks, rings and servicing live in
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import weakref
 from typing import Any, Sequence
 
 from host_runtime import popef
 from host_runtime._fork import check_owner, current_pid, foreign
-from host_runtime.devices import Device, DeviceManager, wait
-from host_runtime.errors import (BadRequestError, DeviceLostError, DeviceTimeoutError,
-                                 InvalidStateError, ModelRuntimeError, PopefError)
-from host_runtime.popef import check_model
+from host_runtime.devices import Device, DeviceManager
+from host_runtime.errors import BadRequestError, InvalidStateError
+from host_runtime.session._anchors import AnchorsAndCallbacks
+from host_runtime.session._binding import Binding
 from host_runtime.session._config import (DROP_STOP_TIMEOUT, CallbackFactory, CallbackHandle,
-                                          CallbackInfo, LaunchPolicy, SessionConfig)
+                                          CallbackInfo, LaunchPolicy, SessionConfig,
+                                          executable_header, session_model)
 from host_runtime.session._fastpath import DirectStreams
 from host_runtime.session._loading import Loader
 from host_runtime.session._running import Runs
-from host_runtime.session._state import Binding, Call, Life, LifeEvent, Phase, PhaseEvent
+from host_runtime.session._state import Call, Life, LifeEvent, Phase, PhaseEvent
 from host_runtime.session._streams import StreamTable
-from host_runtime.session.predicates import AnchorCallbackPredicate
 from host_runtime.settings import HostSettings
-from ipu_emulator.executable import ExecutableError, read_header
 from ipu_emulator.faults import table_for as fault_table_for
-from ipu_emulator.ipu_protocol import Op
 
 __all__ = [
     "LaunchPolicy",
@@ -112,18 +109,14 @@ class _FastPathSide:
             session._wake_streams()
 
 
-class Session:
+class Session(AnchorsAndCallbacks):
     """Links a model to a device: loads it, runs its programs, services its streams.
 
-    Besides the seed's API, marked "Internal": ``direct`` (the fast path of QueueManager
+    The seed's anchor and callback methods are :class:`AnchorsAndCallbacks`'s. Besides
+    the seed's API, marked "Internal": ``direct`` (the fast path of QueueManager
     and ModelRunner) and what a Device calls on its sessions (``main_loop_running``,
     ``deactivate``, ``device_detached``: the ``devices._manager.ActiveSession`` protocol).
     """
-
-    ProgIdxType = int
-    """The index of a program of the executable (C++ ``popef::ProgramFlow::ProgramIndexType``)."""
-    ProgramsAndAnchorsMap = dict[int, list[popef.Anchor]]
-    """Program index -> its anchors (what ``anchorsNotConnectedToCallbacks`` returns)."""
 
     def __init__(self, model: popef.Model | str | Sequence[str],
                  config: SessionConfig | None = None) -> None:
@@ -135,21 +128,9 @@ class Session:
                           else HostSettings.current())
         # the fault schedule its IPUs follow (ipu_emulator.faults), kept for the session's life
         fault_table = fault_table_for(self._settings.faults)
-        if isinstance(model, popef.Model):
-            self._model = model
-        elif isinstance(model, (str, os.PathLike)):
-            self._model = popef.load_model([os.fspath(model)])
-        elif isinstance(model, (list, tuple)) and model:
-            self._model = popef.load_model([os.fspath(p) for p in model])
-        else:
-            raise BadRequestError(
-                f"Session needs a popef.Model or a list of PopEF paths, got {model!r}")
-        check_model(self._model)   # the rules of ipu_emulator.validate (once per Model)
+        self._model = session_model(model)
         exe = self._model.executable.payload()
-        try:
-            self._header = read_header(exe)
-        except ExecutableError as exc:
-            raise PopefError(f"executable {self._model.executable.name()!r}: {exc}") from exc
+        self._header = executable_header(self._model, exe)
         self._streams = StreamTable(self._model, self._config.pred_tensor_data,
                                     self._config.look_ahead(), self._config.ring_depth,
                                     self._settings)
@@ -160,7 +141,7 @@ class Session:
         self._key = secrets.token_hex(8)
         self._loader = Loader(exe, self._header, self._key, self._streams, self._config,
                               self._settings, fault_table)
-        self._runs = Runs(self._streams)
+        self._runs = Runs(self._streams, self._loader)
         self._binding: Binding | None = None   # None: unbound
         self._life = Life.OPEN
         if self._config.policy is LaunchPolicy.Immediate:
@@ -216,25 +197,8 @@ class Session:
         self._disconnect_queues()
         self._life = self._life.after(LifeEvent.STOP)
         b = self._binding
-        if (b is None or b.phase is Phase.ATTACHED or not b.device.isActiveSession(self)
-                or b.device.link.lost):
-            return
-        dev = b.device
-        try:
-            fut = dev.link.request(Op.STOP)
-            # wake a program waiting on a stream now, not at its next check of the
-            # control ring; reload() resets the rings
-            self._wake_streams()
-            wait(fut, timeout, f"stop on {dev.describe()}", pids=dev.pids(),
-                 progress=lambda: dev.link.progress,
-                 sync=dev.link.sync_timeout)
-        except DeviceLostError:
-            pass
-        except DeviceTimeoutError as exc:
-            if not (kill_if_hung and b.owned):
-                raise
-            _log.warning("%s: %s; killing its IPU processes", dev.describe(), exc)
-            dev.kill()
+        if b is not None and b.active(self):
+            b.stop(timeout, kill_if_hung, self._wake_streams)
 
     def _wake_streams(self) -> None:
         """After a STOP: invalidate the stream rings (and a sharded model's IPU-Links, which
@@ -251,15 +215,11 @@ class Session:
         if self._direct.loop_running():
             raise InvalidStateError("reload: the main loop is running; stop() the session first")
         with b.device.lock:
-            b.device.bind_session(self, self._streams)
-            self._streams.reset_rings()
-            self._loader.load(b.device, b, fresh=True)
-            b.move(PhaseEvent.LOAD)
+            b.reload(self, self._streams, self._loader)
             self._life = self._life.after(LifeEvent.RELOAD)
 
     def isStopped(self) -> bool:
-        """Whether stop() (or close()) was called and reload() not since."""
-        return self._life is not Life.OPEN
+        return self._life is not Life.OPEN   # stop() (or close()), and no reload() since
 
     # -- internal: the fast path ----------------------------------------------------------
 
@@ -280,68 +240,7 @@ class Session:
         self._queue_managers.append(qm)
         return qm
 
-    # -- the seed's API: callbacks ------------------------------------------------------------
-
-    def setCallbackForAnchor(self, anchor_handle: str, callback: CallbackHandle | None) -> None:
-        """Set the callback of one anchor (None removes the user's callback)."""
-        self._streams.set_callback(anchor_handle, callback)
-
-    def setUserInputHandler(self, factory: CallbackFactory,
-                            anchor_callback_predicate: AnchorCallbackPredicate | None = None,
-                            skip_connected: bool = False) -> None:
-        """Call ``factory`` once per input anchor, those fed from PopEF data included (seed
-        002); then the predicate decides: BIND_USER_CB binds what the factory returned (None
-        keeps the anchor's callback, PopEF data included), BIND_EMPTY_CB an empty callback
-        (but an anchor the PopEF file feeds keeps its data: ``predProgramFlowMain(flow)``
-        leaves the Load program's weights to the file), SKIP_CB nothing.
-        ``skip_connected``: skip anchors that have a callback (or data). Anchors a
-        QueueManager or ModelRunner services directly are skipped."""
-        self._streams.set_handler(self.getInputAnchors(), factory, anchor_callback_predicate,
-                                  skip_connected, CallbackInfo)
-
-    def setUserOutputHandler(self, factory: CallbackFactory,
-                             anchor_callback_predicate: AnchorCallbackPredicate | None = None,
-                             skip_connected: bool = False) -> None:
-        """Call ``factory`` once per output anchor; the predicate decides what is bound (as
-        ``setUserInputHandler``)."""
-        self._streams.set_handler(self.getUserOutputAnchors(), factory,
-                                  anchor_callback_predicate, skip_connected, CallbackInfo)
-
-    def anchorsNotConnectedToCallbacks(self, progs: Sequence[int]) -> dict[int, list[popef.Anchor]]:
-        """For each program: its anchors that have no callback (nor PopEF data, nor a queue)."""
-        return self._streams.not_connected(progs)
-
-    def errorIfAnchorsAreNotConnectedToCallbacks(self, progs: Sequence[int]) -> None:
-        """Raise InvalidStateError listing each program's unconnected anchors."""
-        missing = self.anchorsNotConnectedToCallbacks(progs)
-        if missing:
-            parts = "; ".join(f"program {p}: " + ", ".join(repr(a.name()) for a in anchors)
-                              for p, anchors in sorted(missing.items()))
-            raise InvalidStateError(
-                f"anchors not connected to callbacks: {parts}. Bind them with "
-                "setCallbackForAnchor / setUserInputHandler / setUserOutputHandler (or a "
-                "QueueManager)")
-
-    # -- the seed's API: anchors and model -------------------------------------------------------
-
-    def getInputAnchors(self) -> list[popef.Anchor]:
-        """All input anchors (user-fed and PopEF-data-fed)."""
-        return self._streams.of_type(popef.TensorType.INPUT)
-
-    def getOutputAnchors(self) -> list[popef.Anchor]:
-        return self._streams.of_type(popef.TensorType.OUTPUT)
-
-    def getUserInputAnchors(self) -> list[popef.Anchor]:
-        """Inputs the user must feed: those not bound to PopEF tensor or feed data."""
-        return [a for a in self.getInputAnchors() if a.handle() not in self._streams.popef_cbs]
-
-    def getUserOutputAnchors(self) -> list[popef.Anchor]:
-        """Outputs the user handles (all outputs: PopEF data never feeds an output)."""
-        return self.getOutputAnchors()
-
-    def getPopefInputAnchors(self) -> list[popef.Anchor]:
-        """Inputs fed automatically from the model's PopEF tensor or feed data."""
-        return [a for a in self.getInputAnchors() if a.handle() in self._streams.popef_cbs]
+    # -- the seed's API: the model and its device -------------------------------------------------
 
     def model(self) -> popef.Model:
         return self._model
@@ -353,7 +252,6 @@ class Session:
 
     def config(self) -> SessionConfig:
         return self._config
-
 
     # -- lifetime ---------------------------------------------------------------------------------
 
@@ -386,12 +284,7 @@ class Session:
         try:
             self._disconnect_queues()
             b = self._binding
-            busy = False
-            if b is not None:
-                busy = not b.device.lock.acquire(blocking=False)
-                if not busy:
-                    b.device.lock.release()
-            if busy or self._direct.loop_running():
+            if (b is not None and b.busy()) or self._direct.loop_running():
                 # a program of ours may be running on another thread
                 self.stop_within(stop_timeout, kill_if_hung)
             if self._binding is not None:
@@ -451,9 +344,8 @@ class Session:
 
     def adopt_device(self, device: Device) -> None:
         """Internal (ModelRunner): bind to ``device`` and own it, as if this session had
-        attached it: the session
-        closes it when it unbinds or closes (ModelRunner attaches its replicas' devices
-        all at once, then hands one to each replica's session)."""
+        attached it: the session closes it when it unbinds or closes (ModelRunner attaches
+        its replicas' devices all at once, then hands one to each replica's session)."""
         self.bindToDevice(device)
         b = self._binding
         if b is not None:
@@ -462,55 +354,33 @@ class Session:
     def _require_device(self) -> Device:
         self._check_open()
         b = self._binding
-        if b is None:
-            return self._acquire_device()
-        return b.device
+        return self._acquire_device() if b is None else b.device
 
-    def _activate(self) -> None:
-        """Make this session the device's active one, loaded. Caller holds the device lock."""
+    def _activate(self) -> Binding:
+        """Make this session the device's active one, loaded; its binding. Caller holds
+        the device lock."""
         b = self._binding
         assert b is not None
-        dev = b.device
-        if not dev.isActiveSession(self):
-            b.move(PhaseEvent.DEACTIVATED)
-        dev.bind_session(self, self._streams)
-        if b.phase is Phase.ATTACHED:
-            self._loader.load(dev, b, fresh=False)
-            b.move(PhaseEvent.LOAD)
+        b.activate(self, self._streams, self._loader)
+        return b
 
     def _push_modes(self) -> None:
         """Send the stream modes now if loaded and active (they change with claims)."""
         b = self._binding
-        if (b is not None and b.phase is not Phase.ATTACHED and b.device.link.lost is None
-                and b.device.isActiveSession(self)):
+        if b is not None and b.active(self):
             self._loader.send_modes(b.device, b)
 
     def _unbind(self, run_save: bool) -> None:
         b = self._binding
         if b is None:
             return
-        dev = b.device
         try:
-            with dev.lock:
-                if dev.isAttached() and dev.link.lost is None and dev.link.started:
-                    if run_save and dev.isActiveSession(self):
-                        try:
-                            self._implicit_save()
-                        except ModelRuntimeError as exc:
-                            _log.warning("implicit save programs of %r failed: %s", self, exc)
-                    # also when another session is active: the device caches ours (not
-                    # needed when the device goes with this session: closing it drops all)
-                    if not (b.owned and set(dev.sessions()) <= {self}):
-                        try:
-                            dev.link.call(Op.UNLOAD, {"key": self._key},
-                                           timeout=self._settings.stop_timeout)
-                        except ModelRuntimeError as exc:
-                            _log.debug("unload from %s: %s", dev.describe(), exc)
-                dev.forget_session(self)
+            b.release(self, self._key, self._settings.stop_timeout,
+                      self._implicit_save if run_save else None)
         finally:
             self._binding = None   # all that bound it to the device goes with it
             if b.owned:
-                dev.close()
+                b.device.close()
 
     # -- internal: for the device (host_runtime.devices._manager.ActiveSession) -----------------
 
@@ -545,21 +415,18 @@ class Session:
         if self._streams.not_connected(save):
             _log.debug("skipping implicit save programs of %r: anchors not connected", self)
             return
-        self._request_run(b.device, b, save, "implicit save programs")
+        self._runs.send(b.device, b, save, "implicit save programs")
 
     # -- running ----------------------------------------------------------------------------------
 
     def _run(self, progs: list[int], what: str, phase: str | None) -> None:
         dev = self._require_device()
         with dev.lock:
-            self._activate()
+            b = self._activate()
             self._check_runnable()
-            b = self._binding
-            assert b is not None
-            if phase == "main" and b.phase is Phase.LOADED:
-                self._run_checked(dev, b, self._flow.load(), "load programs")
-                b.move(PhaseEvent.LOAD_PROGRAMS_RAN)
-            self._run_checked(dev, b, progs, what)
+            if phase == "main":
+                self._runs.prime(dev, b)
+            self._runs.run(dev, b, progs, what)
             if phase == "load":
                 b.move(PhaseEvent.LOAD_PROGRAMS_RAN)
 
@@ -572,42 +439,11 @@ class Session:
         """Before the main loop (DirectStreams.start_main_loop, device lock held): activate,
         check runnable, run the load programs if this binding has not, check the Main
         anchors are connected, send the modes; the Main programs."""
-        self._activate()
+        b = self._activate()
         self._check_runnable()
-        main = self._flow.main()
-        if not main:
-            raise InvalidStateError("the model has no main programs")
-        b = self._binding
-        assert b is not None
-        if b.phase is Phase.LOADED:
-            self._run_checked(dev, b, self._flow.load(), "load programs")
-            b.move(PhaseEvent.LOAD_PROGRAMS_RAN)
-        self.errorIfAnchorsAreNotConnectedToCallbacks(main)
-        self._loader.sync_constants(dev, b, main)
-        self._loader.send_modes(dev, b)
-        return list(main)
-
-    def _run_checked(self, dev: Device, b: Binding, progs: list[int], what: str) -> None:
-        if not progs:
-            return
-        self.errorIfAnchorsAreNotConnectedToCallbacks(progs)
-        self._request_run(dev, b, progs, what)
-
-    def _request_run(self, dev: Device, b: Binding, progs: list[int], what: str) -> None:
-        self._runs.settle(dev)
-        self._loader.sync_constants(dev, b, progs)
-        self._loader.send_modes(dev, b)
-        self._runs.request(dev, progs, what)
+        return self._runs.prepare_main(dev, b)
 
     # -- internal: for ModelRunner ----------------------------------------------------------------
-
-    def freeze_input(self, anchor_handle: str, data: memoryview) -> None:
-        """Internal (ModelRunner): feed input ``anchor_handle`` from ``data``, a value that
-        never changes (a frozen input): its value goes once into shared memory for every
-        session of this process that has the same value, instead of through this session's
-        ring. The caller sees to it that a Main iteration still reads some stream (else the
-        device's main loop would not wait for requests)."""
-        self._streams.set_constant(anchor_handle, data)
 
     def memory_per_replica(self) -> int:
         """Internal (ModelRunner): bytes of /dev/shm a session of this model takes besides

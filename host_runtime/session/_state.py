@@ -10,7 +10,8 @@ Two things change as a session is used, independently of each other:
   STOPPED refuses to run programs, CLOSED refuses every call (:meth:`Life.refuse`);
   a stop() outlasts an unbind: only reload() makes the session runnable again.
 
-- its **binding** to one device (:class:`Binding`, None while unbound), whose
+- its **binding** to one device (:class:`host_runtime.session._binding.Binding`,
+  None while unbound), whose
   :class:`Phase` says where the session's executable is on that device::
 
       (unbound) --bindToDevice / first use--> ATTACHED
@@ -31,14 +32,9 @@ with the message the caller gets, is ``_REFUSED``.
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING
-
 from host_runtime.errors import InvalidStateError
 
-if TYPE_CHECKING:
-    from host_runtime.devices import Device
-
-__all__ = ["Life", "LifeEvent", "Call", "Phase", "PhaseEvent", "Binding"]
+__all__ = ["Life", "LifeEvent", "Call", "Phase", "PhaseEvent", "next_phase"]
 
 
 class LifeEvent(enum.Enum):
@@ -126,23 +122,6 @@ _PHASE_AFTER: dict[tuple[Phase, PhaseEvent], Phase] = {
 }
 
 
-class Binding:
-    """What binds a session to one device. The session drops it whole when it unbinds
-    (or the device is closed): nothing of it outlives the binding."""
-
-    __slots__ = ("device", "owned", "phase", "modes_sent")
-
-    def __init__(self, device: "Device", owned: bool) -> None:
-        self.device = device
-        self.owned = owned
-        """The session attached the device (or was handed it to own): it closes it on unbind."""
-        self.phase = Phase.ATTACHED
-        self.modes_sent: list[int] | None = None
-        """The stream modes the device was last sent (with a LOAD, or MODES)."""
-
-    def move(self, event: PhaseEvent) -> None:
-        self.phase = _PHASE_AFTER[self.phase, event]
-
-    def __repr__(self) -> str:
-        owned = " (owned)" if self.owned else ""
-        return f"<Binding {self.device.describe()}{owned} {self.phase.value}>"
+def next_phase(phase: Phase, event: PhaseEvent) -> Phase:
+    """The phase of a binding after ``event``."""
+    return _PHASE_AFTER[phase, event]

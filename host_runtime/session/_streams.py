@@ -179,6 +179,17 @@ class StreamTable:
                 result[int(p)] = missing
         return result
 
+    def check_connected(self, progs: Sequence[int]) -> None:
+        """Raise InvalidStateError listing each program's unconnected anchors."""
+        missing = self.not_connected(progs)
+        if missing:
+            parts = "; ".join(f"program {p}: " + ", ".join(repr(a.name()) for a in anchors)
+                              for p, anchors in sorted(missing.items()))
+            raise InvalidStateError(
+                f"anchors not connected to callbacks: {parts}. Bind them with "
+                "setCallbackForAnchor / setUserInputHandler / setUserOutputHandler (or a "
+                "QueueManager)")
+
     # -- binding callbacks --------------------------------------------------------------
 
     def set_callback(self, handle: str, callback: Callback | None) -> None:
