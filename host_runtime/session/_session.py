@@ -20,19 +20,21 @@ automatically unless ``SessionConfig.pred_tensor_data`` says USE_USER_DATA.
 
 Two sessions may share a device: binding the other one runs this one's save
 programs, and this one's load programs run again before its next Main.
-Its state (:mod:`host_runtime.session._state`) is a life (open, stopped, closed)
-and, while it is bound, a ``Binding`` to one device (attached, loaded, primed):
-the binding is dropped whole when the session unbinds. What it puts on the device
-and the LOAD is :mod:`host_runtime.session._loading`; a RUN and its outcome
-:mod:`host_runtime.session._running`.
 
+Its state (:mod:`host_runtime.session._state`, the diagram) is a life (open,
+stopped, closed) and, while it is bound, a ``Binding`` to one device (attached,
+loaded, primed; :mod:`host_runtime.session._binding`), dropped whole when the
+session unbinds. What it puts on the device and the LOAD are
+:mod:`host_runtime.session._loading`; a RUN and its outcome
+:mod:`host_runtime.session._running`; the seed's anchor and callback methods
+:mod:`host_runtime.session._anchors`; its configuration :mod:`host_runtime.session._config`.
 
 The fast path for ``QueueManager`` / ``ModelRunner`` (docs/design.md
 section 8) is ``session.direct``, a :class:`host_runtime.session._fastpath.DirectStreams`
 the session owns: the caller claims anchors as *direct* and reads/writes their
 rings itself, and ``direct.start_main_loop()`` keeps Main running on the device
-until ``stop()``. The per-anchor callbacks, rings and servicing live in
-:mod:`host_runtime.session._streams`. The session reaches its device through
+until ``stop()``. The per-anchor callbacks and servicing live in
+:mod:`host_runtime.session._streams`, the rings in :mod:`host_runtime.session._rings`. The session reaches its device through
 ``Device.link`` / ``Device.lock`` and is, for the device, an ``ActiveSession``
 (:mod:`host_runtime.devices._manager`).
 """

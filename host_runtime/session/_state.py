@@ -11,8 +11,8 @@ Two things change as a session is used, independently of each other:
   a stop() outlasts an unbind: only reload() makes the session runnable again.
 
 - its **binding** to one device (:class:`host_runtime.session._binding.Binding`,
-  None while unbound), whose
-  :class:`Phase` says where the session's executable is on that device::
+  None while unbound), whose :class:`Phase` says where the session's executable is
+  on that device::
 
       (unbound) --bindToDevice / first use--> ATTACHED
       ATTACHED --LOAD--> LOADED --the load programs ran--> PRIMED
@@ -32,6 +32,7 @@ with the message the caller gets, is ``_REFUSED``.
 from __future__ import annotations
 
 import enum
+
 from host_runtime.errors import InvalidStateError
 
 __all__ = ["Life", "LifeEvent", "Call", "Phase", "PhaseEvent", "next_phase"]
