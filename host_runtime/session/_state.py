@@ -5,7 +5,8 @@ Two things change as a session is used, independently of each other:
 - its **life** (:class:`Life`), whatever it is bound to::
 
       OPEN --stop()--> STOPPED --reload()--> OPEN
-      OPEN, STOPPED --close()--> CLOSED          (stop() again: STOPPED stays STOPPED)
+      OPEN, STOPPED --close()--> CLOSED          (stop() again: STOPPED stays STOPPED;
+                                                 stop(), close() of CLOSED: CLOSED stays)
 
   STOPPED refuses to run programs, CLOSED refuses every call (:meth:`Life.refuse`);
   a stop() outlasts an unbind: only reload() makes the session runnable again.
@@ -62,7 +63,7 @@ class Life(enum.Enum):
     """close() was called (or the session was dropped): nothing more."""
 
     def after(self, event: LifeEvent) -> "Life":
-        """The life after ``event``; InvalidStateError once closed."""
+        """The life after ``event``; InvalidStateError for reload() once closed."""
         life = _LIFE_AFTER.get((self, event))
         if life is None:
             raise InvalidStateError("the session is closed")
@@ -82,6 +83,9 @@ _LIFE_AFTER: dict[tuple[Life, LifeEvent], Life] = {
     (Life.STOPPED, LifeEvent.RELOAD): Life.OPEN,
     (Life.OPEN, LifeEvent.CLOSE): Life.CLOSED,
     (Life.STOPPED, LifeEvent.CLOSE): Life.CLOSED,
+    # close() and stop() of a closed session (idempotent; another thread's close) do nothing
+    (Life.CLOSED, LifeEvent.CLOSE): Life.CLOSED,
+    (Life.CLOSED, LifeEvent.STOP): Life.CLOSED,
 }
 
 _REFUSED: dict[tuple[Life, Call], str] = {
