@@ -10,21 +10,20 @@ The Session decides when; the Binding activates (LOAD if needed), stops and lets
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
-from host_runtime.devices import Device, wait
+from host_runtime.devices import ActiveSession, Device, wait
 from host_runtime.errors import DeviceLostError, DeviceTimeoutError, ModelRuntimeError
 from host_runtime.session._state import Phase, PhaseEvent, next_phase
 from host_runtime.session._streams import StreamTable
 from ipu_emulator.ipu_protocol import Op
 
-if TYPE_CHECKING:
-    from host_runtime.session._loading import Loader
-    from host_runtime.session._session import Session
-
 __all__ = ["Binding"]
 
 _log = logging.getLogger("host_runtime.session._session")
+
+LoadFn = Callable[[Device, "Binding", bool], None]
+"""Sends LOAD for a binding (``Loader.load``: device, binding, fresh)."""
 
 
 class Binding:
@@ -43,13 +42,13 @@ class Binding:
     def move(self, event: PhaseEvent) -> None:
         self.phase = next_phase(self.phase, event)
 
-    def active(self, session: "Session") -> bool:
+    def active(self, session: ActiveSession) -> bool:
         """Whether ``session`` is loaded and the device's active one, on a live link."""
         dev = self.device
         return (self.phase is not Phase.ATTACHED and dev.link.lost is None
                 and dev.isActiveSession(session))
 
-    def activate(self, session: "Session", streams: StreamTable, loader: "Loader") -> None:
+    def activate(self, session: ActiveSession, streams: StreamTable, load: LoadFn) -> None:
         """Make ``session`` the device's active one, loaded (the caller holds the device
         lock): a session another one took the device from is loaded again."""
         dev = self.device
@@ -57,15 +56,15 @@ class Binding:
             self.move(PhaseEvent.DEACTIVATED)
         dev.bind_session(session, streams)
         if self.phase is Phase.ATTACHED:
-            loader.load(dev, self, fresh=False)
+            load(dev, self, False)
             self.move(PhaseEvent.LOAD)
 
-    def reload(self, session: "Session", streams: StreamTable, loader: "Loader") -> None:
+    def reload(self, session: ActiveSession, streams: StreamTable, load: LoadFn) -> None:
         """Load the executable again, afresh, ``session`` the device's active one (the
         caller holds the device lock)."""
         self.device.bind_session(session, streams)
         streams.reset_rings()
-        loader.load(self.device, self, fresh=True)
+        load(self.device, self, True)
         self.move(PhaseEvent.LOAD)
 
     def busy(self) -> bool:
@@ -97,7 +96,7 @@ class Binding:
             _log.warning("%s: %s; killing its IPU processes", dev.describe(), exc)
             dev.kill()
 
-    def release(self, session: "Session", key: str, timeout: float,
+    def release(self, session: ActiveSession, key: str, timeout: float,
                 implicit_save: Callable[[], None] | None) -> None:
         """Let the device forget ``session``: its save programs first (``implicit_save``,
         if it is the active one), UNLOAD of its executable ``key`` (unless the device goes

@@ -217,7 +217,7 @@ class Session(AnchorsAndCallbacks):
         if self._direct.loop_running():
             raise InvalidStateError("reload: the main loop is running; stop() the session first")
         with b.device.lock:
-            b.reload(self, self._streams, self._loader)
+            b.reload(self, self._streams, self._loader.load)
             self._life = self._life.after(LifeEvent.RELOAD)
 
     def isStopped(self) -> bool:
@@ -363,7 +363,7 @@ class Session(AnchorsAndCallbacks):
         the device lock."""
         b = self._binding
         assert b is not None
-        b.activate(self, self._streams, self._loader)
+        b.activate(self, self._streams, self._loader.load)
         return b
 
     def _push_modes(self) -> None:
