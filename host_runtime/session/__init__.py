@@ -6,7 +6,7 @@ from host_runtime.session._session import CallbackFactory, CallbackHandle, Callb
 from host_runtime.session.predicates import AnchorCallbackPolicy, AnchorCallbackPredicate, AnchorWithPolicy, PopefDataUsagePolicy, PopefDataUsagePredicate, ProgramsWithPolicy, null_anchor_callback_predicate, null_popef_data_usage_predicate, predicate_factory
 
 # for the other packages of host_runtime (not part of the public surface)
-from host_runtime.session._session import DROP_STOP_TIMEOUT as DROP_STOP_TIMEOUT
+from host_runtime.session._config import DROP_STOP_TIMEOUT as DROP_STOP_TIMEOUT
 from host_runtime.session._weights import check_model_fits as check_model_fits
 
 __all__ = ["CallbackFactory", "CallbackHandle", "CallbackInfo", "LaunchPolicy", "Session", "SessionConfig", "AnchorCallbackPolicy", "AnchorCallbackPredicate", "AnchorWithPolicy", "PopefDataUsagePolicy", "PopefDataUsagePredicate", "ProgramsWithPolicy", "null_anchor_callback_predicate", "null_popef_data_usage_predicate", "predicate_factory"]

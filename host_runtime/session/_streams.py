@@ -8,7 +8,8 @@ order (the index NEED/OUT events carry). For each, the table knows
   callback of ``BIND_EMPTY_CB`` is the marker ``EMPTY``;
 - whether it is *direct* (claimed by the fast path: the caller moves the
   bytes itself);
-- its ring (slot = one transfer of ``sizeInBytes``), created on first bind.
+- its ring (slot = one transfer of ``sizeInBytes``), created on first bind
+  (:mod:`host_runtime.session._rings`).
 
 ``on_need`` / ``on_out`` run on the device's service thread (the table is the
 link's ``StreamServicer``, :mod:`host_runtime.devices.link`): they call the
@@ -21,19 +22,19 @@ waiting forever.
 from __future__ import annotations
 
 import logging
-import operator
 import threading
 from typing import Any, Callable, Sequence
 
-from shm import Ring, ShmError
+from shm import ShmError
 from shm.settings import ShmSettings
 
 from host_runtime import popef
-from host_runtime.devices import check_room, main_reads, paced, ring_bytes, translated
+from host_runtime.devices import main_reads, paced
 from host_runtime.errors import (BadRequestError, DeviceExecutionError, InvalidStateError,
                                  PopefError)
 from host_runtime.session.predicates import (AnchorCallbackPolicy, AnchorCallbackPredicate,
                                      PopefDataUsagePolicy, PopefDataUsagePredicate)
+from host_runtime.session._rings import StreamRings, ring_depth
 from ipu_emulator.ipu_protocol import MODE_DIRECT, MODE_EVENT, MODE_NULL, TAG_ABORT
 
 __all__ = ["StreamTable", "EMPTY", "Callback", "callback_failure"]
@@ -42,10 +43,6 @@ _log = logging.getLogger("host_runtime.session._session")
 
 Callback = Callable[[memoryview], None]
 
-_MAX_RING_BYTES = 64 << 20       # cap on one anchor's ring (slots x transfer size)
-_PREFAULT_BYTES = 4 << 20        # pre-fault rings up to this size
-_UNLIMITED_DEPTH = 8             # ring depth of Main anchors for max_look_ahead "unlimited"
-_MAX_DEPTH = 1024                # cap on a SessionConfig.ring_depth answer
 _SERVICE_TIMEOUT = 30.0          # a slot the device announced must be there by then
 
 
@@ -98,13 +95,11 @@ class StreamTable:
                  depth_of: Callable[[popef.Anchor], int] | None = None,
                  settings: ShmSettings | None = None) -> None:
         md = model.metadata
-        self._settings = settings   # of the rings (None: ShmSettings.current() then)
         self.flow = md.programFlow()
         self.streams = [a for a in md.anchors()
                         if a.type() in (popef.TensorType.INPUT, popef.TensorType.OUTPUT)]
         self._by_handle = {a.handle(): a for a in self.streams}
         self.nbytes = {a.handle(): a.tensorInfo().sizeInBytes() for a in self.streams}
-        self._look_ahead = look_ahead
         self.popef_cbs: dict[str, Callback] = {}
         self.user_cbs: dict[str, Callback] = {}
         # inputs fed a value that never changes (PopEF tensor data, a frozen input):
@@ -121,14 +116,14 @@ class StreamTable:
         self._main_data: set[str] = set()
         self._model = model
         self._reads: list[set[str]] | None = None   # per IPU: what its Main reads
-        self._uncounted: set[str] = set()   # rings not counted in /dev/shm (ensure_rings)
         self.direct: set[str] = set()
         self._errors: list[tuple[str, BaseException]] = []
         self._lock = threading.Lock()
-        self.rings: dict[str, Ring] = {}
-        self._peer: int | None = None
         self._bind_popef_data(model, pred_tensor_data)
-        self._depths = {a.handle(): self._depth(a, depth_of) for a in self.streams}
+        self._rings = StreamRings(self.streams, self.nbytes, {
+            a.handle(): ring_depth(a, self.nbytes[a.handle()], main, look_ahead, depth_of)
+            for a in self.streams}, settings)
+        self.rings = self._rings.rings   # handle -> ring, once made (ensure_rings)
 
     def _bind_popef_data(self, model: popef.Model, pred: PopefDataUsagePredicate | None) -> None:
         for a in self.streams:
@@ -183,6 +178,17 @@ class StreamTable:
             if missing:
                 result[int(p)] = missing
         return result
+
+    def check_connected(self, progs: Sequence[int]) -> None:
+        """Raise InvalidStateError listing each program's unconnected anchors."""
+        missing = self.not_connected(progs)
+        if missing:
+            parts = "; ".join(f"program {p}: " + ", ".join(repr(a.name()) for a in anchors)
+                              for p, anchors in sorted(missing.items()))
+            raise InvalidStateError(
+                f"anchors not connected to callbacks: {parts}. Bind them with "
+                "setCallbackForAnchor / setUserInputHandler / setUserOutputHandler (or a "
+                "QueueManager)")
 
     # -- binding callbacks --------------------------------------------------------------
 
@@ -292,90 +298,19 @@ class StreamTable:
 
     def ring_depth(self, anchor: popef.Anchor) -> int:
         """Slots of ``anchor``'s ring (decided when the session was made)."""
-        return self._depths[anchor.handle()]
-
-    def _depth(self, anchor: popef.Anchor,
-               depth_of: Callable[[popef.Anchor], int] | None) -> int:
-        main = set(self.flow.main())
-        is_main = any(p in main for p in anchor.programs())
-        n = max(1, self.nbytes[anchor.handle()])
-        if depth_of is None:
-            if not is_main:
-                return 2
-            want = _UNLIMITED_DEPTH if self._look_ahead is None else self._look_ahead + 1
-            return max(1, min(want, _MAX_RING_BYTES // n))
-        given = depth_of(anchor)
-        try:
-            want = -1 if isinstance(given, bool) else operator.index(given)
-        except TypeError:
-            want = -1
-        if want < 1:
-            raise BadRequestError(f"SessionConfig.ring_depth gave {given!r} for anchor "
-                                  f"{anchor.name()!r}; expected an int >= 1 (ring slots)")
-        if is_main and self._look_ahead is not None:
-            want = min(want, self._look_ahead + 1)
-        return max(1, min(want, _MAX_DEPTH, _MAX_RING_BYTES // n))
+        return self._rings.depth(anchor.handle())
 
     def ensure_rings(self, peer_pid: int, extra: Sequence[tuple[str, int]] = ()) -> None:
-        """Create the rings once; when the device (peer) changes, reset them.
-
-        ``extra`` ((what, bytes) each): the session's other regions, counted with the
-        rings when /dev/shm is asked whether it can hold them all.
-
-        A device that died mid-transfer leaves stale slots; the old device is
-        unbound when this runs, so the rings are quiescent.
-        """
-        constant = self.constants()
-        if not self.rings:
-            plan = [(a, max(1, self.nbytes[a.handle()]), self.ring_depth(a))
-                    for a in self.streams]
-            # a constant's ring is not counted: its pages are never touched while it is
-            # one (the constants region holds its value); counted once it is not
-            self._uncounted = {a.handle() for a in self.streams if a.handle() in constant}
-            check_room("this model's rings and regions", [
-                (f"ring of anchor {a.name()!r} ({depth} x {n})", ring_bytes(n, depth))
-                for a, n, depth in plan if a.handle() not in self._uncounted] + list(extra))
-            for a, n, depth in plan:
-                kind = "in" if a.type() is popef.TensorType.INPUT else "out"
-                # a constant's ring is never written while it is constant: left untouched
-                # (its slots not even backed in /dev/shm until it carries values)
-                sparse = a.handle() in constant
-                prefault = n * depth <= _PREFAULT_BYTES and not sparse
-                with translated(f"the ring of anchor {a.name()!r} ({depth} slots of {n} "
-                                "bytes)", ring_bytes(n, depth)):
-                    self.rings[a.handle()] = Ring.create(n, depth, kind=kind,
-                                                         prefault=prefault,
-                                                         settings=self._settings,
-                                                         sparse=sparse)
-        else:
-            now = {h for h in self._uncounted if h not in constant}
-            if now:   # no longer constants: their rings will carry values
-                check_room("this model's rings", [
-                    (f"ring of anchor {self.anchor(h).name()!r}", ring_bytes(
-                        max(1, self.nbytes[h]), self.ring_depth(self.anchor(h))))
-                    for h in sorted(now)] + list(extra))
-                for h in sorted(now):   # backed before anything writes a slot
-                    ring = self.rings[h]
-                    with translated(f"the ring of anchor {self.anchor(h).name()!r}",
-                                    ring_bytes(max(1, self.nbytes[h]), ring.num_slots)):
-                        ring.back()
-                self._uncounted -= now
-        if self._peer != peer_pid:
-            for ring in self.rings.values():
-                ring.reset()
-                ring.set_peer(peer_pid)
-            self._peer = peer_pid
+        """Create the rings once (``extra``: the session's other regions, counted with
+        them); when the device (peer) changes, reset them (:class:`StreamRings`)."""
+        self._rings.ensure(peer_pid, self.constants().keys(), extra)
 
     def reset_rings(self) -> None:
-        for ring in self.rings.values():
-            ring.reset()
+        self._rings.reset()
 
     def invalidate_rings(self) -> None:
-        """Wake every waiter on the rings, on both sides, at once (stop: the device
-        takes the STOP sent before this instead of waiting out a slice)."""
-        for ring in self.rings.values():
-            if not ring.closed:
-                ring.invalidate()
+        """Wake every waiter on the rings (see :meth:`StreamRings.invalidate`)."""
+        self._rings.invalidate()
 
     def load_spec(self, modes: list[int]) -> list[dict[str, Any]]:
         return [{"handle": a.handle(), "ring": self.rings[a.handle()].name,
@@ -384,10 +319,7 @@ class StreamTable:
                 for a, m in zip(self.streams, modes)]
 
     def close(self) -> None:
-        rings, self.rings = self.rings, {}
-        for ring in rings.values():
-            ring.close()
-            ring.unlink()
+        self._rings.close()
 
     # -- servicing (device service thread) ------------------------------------------------------
 

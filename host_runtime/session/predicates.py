@@ -103,46 +103,33 @@ def _check_policy(value: Any, policy_type: type[enum.IntEnum], what: str) -> Any
             + ", ".join(m.name for m in policy_type) + f"), got {value!r}") from None
 
 
-def _make(name: str, policy_type: type[enum.IntEnum], accept_default: Any, reject_default: Any,
-          with_non_scalar: bool) -> types.ModuleType:
-    ns = types.ModuleType(f"{__name__}.predicate_factory.{name}")
-    ns.__doc__ = (f"Predicates returning {policy_type.__name__}; defaults: accept "
-                  f"{accept_default.name}, reject {reject_default.name}.")
+def _uses_any(anchor: Anchor, programs: Iterable[int]) -> bool:
+    mine = set(anchor.programs())
+    return any(p in mine for p in programs)
 
-    def _uses_any(anchor: Anchor, programs: Iterable[int]) -> bool:
-        mine = set(anchor.programs())
-        return any(p in mine for p in programs)
 
-    def _flow_pred(which: str) -> Callable[..., Callable[[Anchor], Any]]:
-        def factory(flow: ProgramFlow, accept_policy: Any = accept_default,
-                    reject_policy: Any = reject_default) -> Callable[[Anchor], Any]:
-            if not isinstance(flow, ProgramFlow):
-                raise BadRequestError(f"expected a popef.ProgramFlow, got {type(flow).__name__}")
-            acc = _check_policy(accept_policy, policy_type, "accept_policy")
-            rej = _check_policy(reject_policy, policy_type, "reject_policy")
-            programs = tuple(getattr(flow, which)())
-
-            def pred(anchor: Anchor) -> Any:
-                return acc if _uses_any(anchor, programs) else rej
-            return pred
-        factory.__name__ = f"predProgramFlow{which.capitalize()}"
-        factory.__doc__ = f"Accept the anchors used by any of the flow's {which} programs."
-        return factory
-
-    def predProgramNotAssigned(accept_policy: Any = accept_default,
-                               reject_policy: Any = reject_default) -> Callable[[Anchor], Any]:
-        """Accept the anchors no program uses."""
+def _flow_pred(which: str, policy_type: type[enum.IntEnum], accept_default: Any,
+               reject_default: Any) -> Callable[..., Callable[[Anchor], Any]]:
+    """``predProgramFlowLoad`` / ``Main`` / ``Save`` of one policy type."""
+    def factory(flow: ProgramFlow, accept_policy: Any = accept_default,
+                reject_policy: Any = reject_default) -> Callable[[Anchor], Any]:
+        if not isinstance(flow, ProgramFlow):
+            raise BadRequestError(f"expected a popef.ProgramFlow, got {type(flow).__name__}")
         acc = _check_policy(accept_policy, policy_type, "accept_policy")
         rej = _check_policy(reject_policy, policy_type, "reject_policy")
-        return lambda anchor: rej if anchor.programs() else acc
+        programs = tuple(getattr(flow, which)())
 
-    def predNonScalarType(accept_policy: Any = accept_default,
-                          reject_policy: Any = reject_default) -> Callable[[Anchor], Any]:
-        """Accept the anchors whose tensors are not scalars (rank > 0)."""
-        acc = _check_policy(accept_policy, policy_type, "accept_policy")
-        rej = _check_policy(reject_policy, policy_type, "reject_policy")
-        return lambda anchor: acc if anchor.tensorInfo().shape() else rej
+        def pred(anchor: Anchor) -> Any:
+            return acc if _uses_any(anchor, programs) else rej
+        return pred
+    factory.__name__ = f"predProgramFlow{which.capitalize()}"
+    factory.__doc__ = f"Accept the anchors used by any of the flow's {which} programs."
+    return factory
 
+
+def _program_indexes(policy_type: type[enum.IntEnum], accept_default: Any,
+                     reject_default: Any) -> Callable[..., Callable[[Anchor], Any]]:
+    """``predProgramIndexes`` of one policy type."""
     def predProgramIndexes(programs: Sequence[Any], accept_policy: Any = None,
                            reject_policy: Any = None) -> Callable[[Anchor], Any]:
         """Two forms, as in the seed.
@@ -180,6 +167,29 @@ def _make(name: str, policy_type: type[enum.IntEnum], accept_default: Any, rejec
                             policy_type, "reject_policy")
         progs = tuple(items)
         return lambda anchor: acc if _uses_any(anchor, progs) else rej
+    return predProgramIndexes
+
+
+def _make(name: str, policy_type: type[enum.IntEnum], accept_default: Any, reject_default: Any,
+          with_non_scalar: bool) -> types.ModuleType:
+    ns = types.ModuleType(f"{__name__}.predicate_factory.{name}")
+    ns.__doc__ = (f"Predicates returning {policy_type.__name__}; defaults: accept "
+                  f"{accept_default.name}, reject {reject_default.name}.")
+    policies = (policy_type, accept_default, reject_default)
+
+    def predProgramNotAssigned(accept_policy: Any = accept_default,
+                               reject_policy: Any = reject_default) -> Callable[[Anchor], Any]:
+        """Accept the anchors no program uses."""
+        acc = _check_policy(accept_policy, policy_type, "accept_policy")
+        rej = _check_policy(reject_policy, policy_type, "reject_policy")
+        return lambda anchor: rej if anchor.programs() else acc
+
+    def predNonScalarType(accept_policy: Any = accept_default,
+                          reject_policy: Any = reject_default) -> Callable[[Anchor], Any]:
+        """Accept the anchors whose tensors are not scalars (rank > 0)."""
+        acc = _check_policy(accept_policy, policy_type, "accept_policy")
+        rej = _check_policy(reject_policy, policy_type, "reject_policy")
+        return lambda anchor: acc if anchor.tensorInfo().shape() else rej
 
     def predAnchorsPolicies(accepted_anchors_policies: Sequence[AnchorWithPolicy[Any]],
                             reject_policy: Any = reject_default) -> Callable[[Anchor], Any]:
@@ -214,13 +224,13 @@ def _make(name: str, policy_type: type[enum.IntEnum], accept_default: Any, rejec
         preds = _callables(pred)
         return lambda anchor: acc if any(p(anchor) == acc for p in preds) else rej
 
-    ns.predProgramFlowLoad = _flow_pred("load")  # type: ignore[attr-defined]
-    ns.predProgramFlowMain = _flow_pred("main")  # type: ignore[attr-defined]
-    ns.predProgramFlowSave = _flow_pred("save")  # type: ignore[attr-defined]
+    ns.predProgramFlowLoad = _flow_pred("load", *policies)  # type: ignore[attr-defined]
+    ns.predProgramFlowMain = _flow_pred("main", *policies)  # type: ignore[attr-defined]
+    ns.predProgramFlowSave = _flow_pred("save", *policies)  # type: ignore[attr-defined]
     ns.predProgramNotAssigned = predProgramNotAssigned  # type: ignore[attr-defined]
     if with_non_scalar:
         ns.predNonScalarType = predNonScalarType  # type: ignore[attr-defined]
-    ns.predProgramIndexes = predProgramIndexes  # type: ignore[attr-defined]
+    ns.predProgramIndexes = _program_indexes(*policies)  # type: ignore[attr-defined]
     ns.predAnchorsPolicies = predAnchorsPolicies  # type: ignore[attr-defined]
     ns.andBind = andBind  # type: ignore[attr-defined]
     ns.orBind = orBind  # type: ignore[attr-defined]

@@ -659,7 +659,7 @@ def test_a_constant_inputs_ring_is_not_counted_in_dev_shm_until_it_carries_value
         simple, monkeypatch):
     """The weights' ring (fed from the constants region) is left out of the room asked
     of /dev/shm; once a callback feeds them, the next Load run asks for it."""
-    import host_runtime.session._streams as streams
+    import host_runtime.session._rings as streams
 
     asked: list[list[str]] = []
     real = streams.check_room

@@ -415,20 +415,20 @@ def test_ipu_processes_of_another_user_get_the_weights_through_shared_memory(cha
     snapshot of the PopEF file: the weights go through a shared region instead."""
     import subprocess
 
-    from host_runtime.session import _session
+    from host_runtime.session import _loading
 
     if os.geteuid() == 0:   # the check itself, on a process of another user
         other = subprocess.Popen(["sleep", "30"], user=65534)
         try:
-            assert not _session._same_user([other.pid])
+            assert not _loading._same_user([other.pid])
         finally:
             other.kill()
             other.wait()
-    assert _session._same_user([os.getpid()])
-    monkeypatch.setattr(_session, "_same_user", lambda pids: False)
+    assert _loading._same_user([os.getpid()])
+    monkeypatch.setattr(_loading, "_same_user", lambda pids: False)
     made = []
-    real = _session.shared_weights
-    monkeypatch.setattr(_session, "shared_weights",
+    real = _loading.shared_weights
+    monkeypatch.setattr(_loading, "shared_weights",
                         lambda *a: made.append(real(*a)) or made[-1])
     model, _ = chain
     x = _x(82)

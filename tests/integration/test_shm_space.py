@@ -35,7 +35,7 @@ def test_too_small_shm_is_refused_before_creating(big_model, monkeypatch):
 def test_a_shm_failure_at_creation_is_translated(big_model, monkeypatch):
     monkeypatch.setattr(shm_space, "check_room", lambda *a, **k: None)
 
-    import host_runtime.session._streams as streams
+    import host_runtime.session._rings as streams
 
     class FullRing:
         @staticmethod

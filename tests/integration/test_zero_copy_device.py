@@ -21,7 +21,7 @@ pytestmark = pytest.mark.usefixtures("private_machine")
 
 
 def _device_tensor(runner: model_runtime.ModelRunner, exe: Executable, name: str) -> np.ndarray:
-    region = runner._replicas[0].session._memory_region
+    region = runner._replicas[0].session._loader.memory_region
     t = exe.tensors[name]
     return np.frombuffer(region.buf, np.float32, int(np.prod(t.shape)), t.offset).reshape(t.shape)
 

@@ -25,10 +25,6 @@ KNOWN_OVER: frozenset[str] = frozenset({
     "ipu_emulator/ipu/process.py:DeviceProcess",
     "ipu_emulator/ipu/process.py:DeviceProcess._build",
     "ipu_emulator/ipu/process.py:DeviceProcess._run",
-    "host_runtime/session/_session.py",
-    "host_runtime/session/_session.py:Session",
-    "host_runtime/session/_streams.py:StreamTable",
-    "host_runtime/session/predicates.py:_make",
 })
 
 
