@@ -185,11 +185,14 @@ def host_memory_descriptor(region: str, offset: int, nbytes: int,
 
 CONTROL_SLOT_SIZE = 4096
 CONTROL_SLOTS = 16
-EVENT_SLOT_SIZE = 16384
-EVENT_SLOTS = 128
+EVENT_SLOT_SIZE = 8192
+EVENT_SLOTS = 32
+"""Events are small (NEED, OUT, DONE: a header) but for an ERROR's body, which
+``error_body`` keeps within one slot; a full ring makes the IPU process wait for
+the host to read (the ring's pages are allocated at creation: 256 KiB per IPU)."""
 
 _HEAD = struct.Struct("<iiq")
-_MAX_TRACEBACK = EVENT_SLOT_SIZE - 2048
+_MAX_MESSAGE = 2048
 
 
 @dataclass(frozen=True)
@@ -262,13 +265,25 @@ def receive(ring: Any, timeout: float | None = None) -> Message:
 
 
 def error_body(kind: ErrorKind, message: str, traceback: str = "", **extra: Any) -> dict[str, Any]:
-    """The body of an ERROR event; keeps the end of an over-long traceback."""
-    if len(traceback) > _MAX_TRACEBACK:
-        traceback = "...(truncated)...\n" + traceback[-_MAX_TRACEBACK:]
-    if len(message) > 2048:
-        message = message[:2048] + "...(truncated)"
+    """The body of an ERROR event, kept within one event slot: an over-long message keeps
+    its start, an over-long traceback its end (the innermost frames)."""
+    if len(message) > _MAX_MESSAGE:
+        message = message[:_MAX_MESSAGE] + "...(truncated)"
     body = {"kind": kind.value, "message": message, "traceback": traceback}
     body.update(extra)
+    room = EVENT_SLOT_SIZE - _HEAD.size
+    for _ in range(8):   # JSON escapes make the encoded text longer than the str
+        over = len(json.dumps(body, separators=(",", ":")).encode()) - room
+        if over <= 0:
+            break
+        field = "traceback" if body["traceback"] else "message"
+        text = body[field]
+        size = len(json.dumps(text))
+        keep = int(len(text) * (size - over - 32) / size) if size > over + 32 else 0
+        if field == "traceback":
+            body[field] = "...(truncated)...\n" + text[len(text) - keep:] if keep > 0 else ""
+        else:
+            body[field] = text[:keep] + "...(truncated)" if keep > 0 else ""
     return body
 
 
