@@ -148,7 +148,7 @@ from .liveness import PeerWatch, notify_on_exit
 from .region import Region
 from .settings import ShmSettings
 from .spin import spin_until, us_to_ns
-from . import _registry, limits
+from . import _registry, limits, naming
 
 try:
     import shm._ringcore as _ringcore
@@ -198,8 +198,7 @@ _C_METHODS = ("write", "acquire_write", "try_acquire_write", "publish", "acquire
               "try_acquire_read", "release", "read", "readable", "writable")
 _consume: Any = collections.deque(maxlen=0).extend
 """Runs an iterator to its end in C (see Ring._acquire_token)."""
-_FREE_SUFFIX = ".free"
-_FULL_SUFFIX = ".full"
+_FREE_SUFFIX, _FULL_SUFFIX = naming.RING_SEMAPHORES
 
 
 class _ClosedWords:
