@@ -33,7 +33,7 @@ from ipu_emulator.ipu._options import DeviceOptions
 from ipu_emulator.ipu._stream_io import _Loaded, _RequestError, _Stream
 from ipu_emulator.ipu._weights_file import (Checksum, drop_pages, map_weights_file,
                                             same_file, unmap)
-from ipu_emulator.ipu_protocol import ErrorKind
+from ipu_emulator.ipu_protocol import ErrorKind, LoadConstants, LoadSpec, LoadStream
 
 __all__ = ["Executables", "Loader", "constant_handles"]
 
@@ -120,28 +120,28 @@ class Loader:
                 spec = ipu_protocol.decode_load_spec(region.buf)
             except ipu_protocol.ProtocolError as exc:
                 raise _RequestError(ErrorKind.PROTOCOL, str(exc)) from None
-            loaded = self._executables.take(spec["key"], bool(spec["fresh"]), name)
+            loaded = self._executables.take(spec.key, spec.fresh, name)
             if loaded is None:
                 loaded = self.build(spec, region)
             else:
                 loaded.close_streams()
             undo.callback(loaded.close)
-            self._attach_streams(loaded, spec["streams"])
+            self._attach_streams(loaded, spec.streams)
             _check_streams(loaded)
             undo.pop_all()
         if loaded.regions[0] is not region:   # the cached copy has its own
             region.close()
         self._executables.put(loaded)
 
-    def build(self, spec: dict[str, Any], region: Region) -> _Loaded:
+    def build(self, spec: LoadSpec, region: Region) -> _Loaded:
         """The executable the spec region holds, made ready to run (its interpreter)."""
         with contextlib.ExitStack() as undo:
             t0 = time.monotonic()
-            off, size = spec["executable_offset"], spec["executable_size"]
+            off, size = spec.executable_offset, spec.executable_size
             data = bytes(region.buf[off:off + size])
             header = self._checked_header(spec, data)
             regions = [region]
-            constants = self._constants(spec.get("constants"), regions, undo)
+            constants = self._constants(spec.constants, regions, undo)
             weights, file_map, trusted = self._weights(spec, header["total_length"] - size,
                                                        regions, undo)
             # the checksum over large weights is computed while onnxruntime loads them
@@ -154,14 +154,14 @@ class Loader:
                                             checksum=crc is None and not trusted)
             except ExecutableError as exc:
                 raise _RequestError(ErrorKind.EXECUTABLE, str(exc)) from None
-            memory = self._memory(spec["memory_region"], exe, constants, regions, undo)
+            memory = self._memory(spec.memory_region, exe, constants, regions, undo)
             t1 = time.monotonic()
             try:
                 interp = self._interpreter(spec, exe, memory, constants, file_map is not None)
             finally:
                 got = crc.result() if crc is not None else header["body_crc32"]
             undo.callback(interp.close)
-            if trusted and not same_file(spec.get("weights_file") or {}):
+            if trusted and spec.weights_file is not None and not same_file(spec.weights_file):
                 assert weights is not None   # changed while read: check it here
                 got = body_crc32(data, weights)
             if file_map is not None and getattr(interp, "uses_weights", False):
@@ -174,21 +174,21 @@ class Loader:
                                     "(damaged)")
             _log.debug("executable %r: decoded in %.3f s, sessions made in %.3f s",
                        header["name"], t1 - t0, time.monotonic() - t1)
-            if spec.get("weights_region") and not getattr(interp, "uses_weights", True):
+            if spec.weights_region and not getattr(interp, "uses_weights", True):
                 # onnxruntime took its own (prepacked) copy: the shared one is not needed
                 del exe, weights
-                regions.pop(-2 if spec["memory_region"] else -1).close()
+                regions.pop(-2 if spec.memory_region else -1).close()
             undo.pop_all()
-        return _Loaded(spec["key"], interp, regions)
+        return _Loaded(spec.key, interp, regions)
 
-    def _checked_header(self, spec: dict[str, Any], data: bytes) -> dict[str, Any]:
+    def _checked_header(self, spec: LoadSpec, data: bytes) -> dict[str, Any]:
         """The executable's header, checked against this runtime and this device."""
         try:
             header = read_header(data)
         except ExecutableError as exc:
             raise _RequestError(ErrorKind.EXECUTABLE, str(exc)) from None
         runtime_hash = package_hash()
-        if spec["check_package_hash"] and header["package_hash"] != runtime_hash:
+        if spec.check_package_hash and header["package_hash"] != runtime_hash:
             raise _RequestError(ErrorKind.PACKAGE_HASH,
                                 f"package hash {header['package_hash']} differs from runtime "
                                 f"hash {runtime_hash}")
@@ -202,36 +202,36 @@ class Loader:
             raise _RequestError(*wrong)
         return header
 
-    def _constants(self, consts: Any, regions: list[Region], undo: contextlib.ExitStack
-                   ) -> dict[str, memoryview] | None:
+    def _constants(self, consts: LoadConstants | None, regions: list[Region],
+                   undo: contextlib.ExitStack) -> dict[str, memoryview] | None:
         """Constant streams: one read-only region for every replica (_constants)."""
         if not consts:
             return None
-        c_name = consts["region"]
+        c_name = consts.region
         self._known.add(c_name)
         c_region = _attach(c_name, "the constants region", readonly=True)
         undo.callback(c_region.close)
         buf = c_region.buf
-        if any(c["offset"] + c["nbytes"] > len(buf) for c in consts["streams"]):
+        if any(c.offset + c.nbytes > len(buf) for c in consts.streams):
             raise _RequestError(ErrorKind.PROTOCOL, f"constants region {c_name} of "
                                 f"{len(buf)} bytes is shorter than its streams")
         regions.append(c_region)
-        return {c["handle"]: buf[c["offset"]:c["offset"] + c["nbytes"]]
-                for c in consts["streams"]}
+        return {c.handle: buf[c.offset:c.offset + c.nbytes] for c in consts.streams}
 
-    def _weights(self, spec: dict[str, Any], length: int, regions: list[Region],
+    def _weights(self, spec: LoadSpec, length: int, regions: list[Region],
                  undo: contextlib.ExitStack
                  ) -> tuple[memoryview | None, mmap.mmap | None, bool]:
         """The weights section when it is not in the spec region: (view, the file mapping
         if it is read from the host's file, whether that file is the one the host read
         and checks: no second checksum here)."""
-        w_file = spec.get("weights_file")
-        if w_file:   # with prepacking: prepacked by onnxruntime from where it lies (no copy
-            # first); the mapping stays while onnxruntime may read it, its pages let go
+        w_file = spec.weights_file
+        if w_file is not None:   # with prepacking: prepacked by onnxruntime from where it
+            # lies (no copy first); the mapping stays while onnxruntime may read it, its
+            # pages let go
             file_map, weights, trusted = map_weights_file(w_file, length)
             undo.callback(unmap, file_map, weights)
             return weights, file_map, trusted
-        w_name = spec.get("weights_region")
+        w_name = spec.weights_region
         if not w_name:
             return None, None, False
         # shared by every replica: mapped read-only, used where it lies
@@ -258,9 +258,9 @@ class Loader:
                                 ) from None
         return mem_region.buf[:exe.memory_bytes]
 
-    def _interpreter(self, spec: dict[str, Any], exe: Executable, memory: memoryview | None,
+    def _interpreter(self, spec: LoadSpec, exe: Executable, memory: memoryview | None,
                      constants: dict[str, memoryview] | None, from_file: bool) -> Any:
-        prepack = True if from_file else spec.get("prepack")
+        prepack = True if from_file else spec.prepack
         kwargs: dict[str, Any] = {} if prepack is None else {"prepack": prepack}
         if from_file:
             kwargs["weights_kept"] = True
@@ -273,16 +273,16 @@ class Loader:
             raise _RequestError(ErrorKind.PROGRAM, f"cannot prepare the executable: {exc}",
                                 traceback.format_exc()) from None
 
-    def _attach_streams(self, loaded: _Loaded, streams: list[dict[str, Any]]) -> None:
+    def _attach_streams(self, loaded: _Loaded, streams: tuple[LoadStream, ...]) -> None:
         exe_streams = loaded.interp.executable.streams
         constant = constant_handles(loaded)
         loaded.steps.clear()
         for i, s in enumerate(streams):
-            self._known.add(s["ring"])
-            handle, direction, nbytes = s["handle"], s["direction"], s["nbytes"]
+            self._known.add(s.ring)
+            handle, direction, nbytes = s.handle, s.direction, s.nbytes
             try:
                 # a constant stream's ring is never read: its pages are never touched
-                ring = Ring.attach(s["ring"], prefault=nbytes <= _PREFAULT_MAX
+                ring = Ring.attach(s.ring, prefault=nbytes <= _PREFAULT_MAX
                                    and handle not in constant)
             except (ShmError, OSError, posix_ipc.Error) as exc:
                 raise _RequestError(ErrorKind.PROTOCOL, f"cannot open the ring of stream "
@@ -298,7 +298,7 @@ class Loader:
                 ring.close()
                 raise _RequestError(ErrorKind.PROTOCOL, f"stream {handle!r}: ring slots of "
                                     f"{ring.slot_size} bytes, transfers of {nbytes}")
-            st = _Stream(i, handle, direction, nbytes, ring, s["mode"])
+            st = _Stream(i, handle, direction, nbytes, ring, s.mode)
             loaded.streams.append(st)
             loaded.by_handle[st.handle] = st
 

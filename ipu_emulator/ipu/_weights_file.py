@@ -8,11 +8,9 @@ import logging
 import mmap
 import os
 import threading
-from typing import Any
-
 from ipu_emulator.executable import body_crc32
 from ipu_emulator.ipu._stream_io import _RequestError
-from ipu_emulator.ipu_protocol import ErrorKind
+from ipu_emulator.ipu_protocol import ErrorKind, WeightsFile
 
 __all__ = ["Checksum", "map_weights_file", "same_file", "drop_pages", "unmap"]
 
@@ -47,10 +45,10 @@ class Checksum:
         return self._value
 
 
-def same_file(spec: dict[str, Any]) -> bool:
+def same_file(spec: WeightsFile) -> bool:
     """The file at the spec's path is still the one the host read (its identity)."""
     try:
-        return _identity(os.stat(spec["path"])) == list(spec.get("identity") or [None])
+        return _identity(os.stat(spec.path)) == list(spec.identity or [None])
     except OSError:
         return False
 
@@ -59,11 +57,11 @@ def _identity(st: os.stat_result) -> list[int]:
     return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
 
 
-def map_weights_file(spec: dict[str, Any], expected: int
+def map_weights_file(spec: WeightsFile, expected: int
                      ) -> tuple[mmap.mmap, memoryview, bool]:
     """A read-only mapping of the weights section in the host's PopEF file, and whether
     the file is the one the host read (its identity: the host checks its checksum)."""
-    path, offset, length = spec["path"], spec["offset"], spec["length"]
+    path, offset, length = spec.path, spec.offset, spec.length
     if length != expected:
         raise _RequestError(ErrorKind.PROTOCOL, f"weights file span of {length} bytes; the "
                             f"executable's weights section has {expected}")
@@ -74,7 +72,7 @@ def map_weights_file(spec: dict[str, Any], expected: int
                             ) from None
     try:
         st = os.fstat(fd)
-        same = bool(spec.get("identity")) and _identity(st) == spec["identity"]
+        same = bool(spec.identity) and _identity(st) == list(spec.identity)
         if st.st_size < offset + length:
             raise _RequestError(ErrorKind.EXECUTABLE, f"the weights file {path} is shorter "
                                 f"than [{offset}, +{length}): changed since the host read it")
