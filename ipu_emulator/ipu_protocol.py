@@ -86,6 +86,7 @@ __all__ = [
     "TAG_KIND_MASK",
     "stream_tag",
     "ErrorKind",
+    "Ready",
     "encode_load_spec",
     "decode_load_spec",
     "CONTROL_SLOT_SIZE",
@@ -193,6 +194,35 @@ the host to read (the ring's pages are allocated at creation: 256 KiB per IPU)."
 
 _HEAD = struct.Struct("<iiq")
 _MAX_MESSAGE = 2048
+
+
+@dataclass(frozen=True)
+class Ready:
+    """READY's body: the IPU process is attached and serves (``pid`` its process, or the
+    host's for a loopback IPU); what it is (``ipu_id``, ``ipu_version``, ``capacity``:
+    bytes of device memory) and which build runs it (``package_hash``)."""
+
+    pid: int
+    package_hash: str
+    ipu_id: int
+    ipu_version: int
+    capacity: int
+
+    def body(self) -> dict[str, Any]:
+        return {"pid": self.pid, "package_hash": self.package_hash, "ipu_id": self.ipu_id,
+                "ipu_version": self.ipu_version, "capacity": self.capacity}
+
+    @classmethod
+    def decode(cls, body: Any) -> "Ready":
+        """The READY of ``body`` (ProtocolError if it is not one)."""
+        ints = ("pid", "ipu_id", "ipu_version", "capacity")
+        if not (isinstance(body, dict) and set(body) == set(ints) | {"package_hash"}
+                and all(isinstance(body[k], int) for k in ints)
+                and isinstance(body["package_hash"], str)):
+            raise ProtocolError(f"READY body must be {{pid, package_hash, ipu_id, ipu_version, "
+                                f"capacity}}, got {body!r:.200}")
+        return cls(body["pid"], body["package_hash"], body["ipu_id"], body["ipu_version"],
+                   body["capacity"])
 
 
 @dataclass(frozen=True)

@@ -69,7 +69,7 @@ from ipu_emulator.ipu._options import DeviceOptions, ProcessHooks
 from ipu_emulator.ipu._placement import KeepApart
 from ipu_emulator.ipu._scheduling import Scheduler
 from ipu_emulator.ipu._stream_io import _RequestError
-from ipu_emulator.ipu_protocol import ErrorKind, Message, Op, error_body
+from ipu_emulator.ipu_protocol import ErrorKind, Message, Op, Ready, error_body
 from ipu_emulator.settings import IpuSettings
 from ipu_emulator.trace import recorder
 
@@ -221,10 +221,10 @@ class DeviceProcess:
 
     def _ready(self) -> None:
         self._loader.interpreter_cls = _import_interpreter()
-        self.post(Message(Op.READY, body={
-            "pid": self.hooks.pid or os.getpid(), "package_hash": package_hash(),
-            "ipu_id": self.opts.ipu_id, "ipu_version": self.opts.ipu_version,
-            "capacity": self.opts.capacity}))
+        o = self.opts
+        self.post(Message(Op.READY, body=Ready(
+            self.hooks.pid or os.getpid(), package_hash(), o.ipu_id, o.ipu_version,
+            o.capacity).body()))
 
     def _next_request(self) -> None:
         """Take the next message and serve it (SHUTDOWN: RunEnded)."""

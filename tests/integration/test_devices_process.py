@@ -27,8 +27,8 @@ def test_ipu_process_protocol_round_trips_and_clean_shutdown(tmp_path):
                       log_dir=str(tmp_path))
     try:
         ready = proc.wait_ready()
-        assert ready["pid"] == proc.pid and ready["package_hash"] == package_hash()
-        assert (ready["ipu_id"], ready["ipu_version"], ready["capacity"]) == (3, 2, 8 * 624 * 1024)
+        assert ready.pid == proc.pid and ready.package_hash == package_hash()
+        assert (ready.ipu_id, ready.ipu_version, ready.capacity) == (3, 2, 8 * 624 * 1024)
         assert proc.alive() and proc.describe_exit().endswith("is running")
         # a malformed message is ignored; the process keeps serving
         proc.control.write(b"\0" * 4, tag=77)

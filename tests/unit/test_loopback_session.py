@@ -210,8 +210,8 @@ def test_a_loopback_ipu_is_an_ipu_connection_served_by_a_thread():
         ipu = launch_loopback(IpuSpec(ipu_id=-1, label="probe"), log_dir="/nonexistent")
         try:
             ready = ipu.wait_ready(timeout=30)
-            assert ready["pid"] == os.getpid() == ipu.pid and ready["ipu_id"] == -1
-            assert ready["capacity"] == IpuSpec(ipu_id=-1).capacity
+            assert ready.pid == os.getpid() == ipu.pid and ready.ipu_id == -1
+            assert ready.capacity == IpuSpec(ipu_id=-1).capacity
             assert ipu.alive() and ipu.returncode() is None and ipu.thread.daemon
             assert ipu.wait_exit(0.01) is None and ipu.log_tail() == ""
         finally:
