@@ -63,9 +63,9 @@ import enum
 import json
 import struct
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple, Sequence
 
-from ipu_emulator.errors import ProtocolError
+from ipu_emulator.errors import HostMemoryError, ProtocolError
 
 __all__ = [
     "Op",
@@ -173,16 +173,68 @@ HOST_OUTPUT = struct.Struct("<qqqq")
 """offset, byte count, length of the region's name, length of the handle."""
 
 
+class Redirect(NamedTuple):
+    """An output of the same Main iteration that the IPU process writes into the host's
+    shared memory: ``nbytes`` at ``offset`` of ``region``."""
+
+    handle: str
+    region: str
+    offset: int
+    nbytes: int
+
+
+class HostMemoryRef(NamedTuple):
+    """A TAG_SHARED descriptor, decoded: the input is ``nbytes`` at ``offset`` of
+    ``region``; ``redirects`` are the outputs written into host memory."""
+
+    region: str
+    offset: int
+    nbytes: int
+    redirects: tuple[Redirect, ...]
+
+
 def host_memory_descriptor(region: str, offset: int, nbytes: int,
-                           outputs: list[tuple[str, str, int, int]] = []) -> bytes:  # noqa: B006
-    """A TAG_SHARED descriptor; ``outputs``: (handle, region, offset, nbytes) of each
-    output to redirect."""
+                           redirects: Sequence[tuple[str, str, int, int]] = ()) -> bytes:
+    """A TAG_SHARED descriptor; ``redirects``: a :class:`Redirect` (or the plain tuple of
+    its fields, as the runner's request path builds it) for each output to redirect."""
     name = region.encode("ascii")
-    parts = [HOST_MEMORY.pack(offset, nbytes, len(name), len(outputs)), name]
-    for handle, out_region, out_offset, out_nbytes in outputs:
+    parts = [HOST_MEMORY.pack(offset, nbytes, len(name), len(redirects)), name]
+    for handle, out_region, out_offset, out_nbytes in redirects:
         r, h = out_region.encode("ascii"), handle.encode("utf-8")
         parts += [HOST_OUTPUT.pack(out_offset, out_nbytes, len(r), len(h)), r, h]
     return b"".join(parts)
+
+
+def read_host_memory_descriptor(raw: bytes) -> HostMemoryRef:
+    """The descriptor :func:`host_memory_descriptor` made (HostMemoryError if it is not
+    one)."""
+    if len(raw) < HOST_MEMORY.size:
+        raise HostMemoryError(f"a shared-memory descriptor of {len(raw)} bytes is "
+                              f"too short (at least {HOST_MEMORY.size} expected)")
+    offset, size, name_len, n_out = HOST_MEMORY.unpack_from(raw)
+    pos = HOST_MEMORY.size
+    if name_len < 0 or pos + name_len > len(raw) or n_out < 0:
+        raise HostMemoryError(f"a shared-memory descriptor of {len(raw)} bytes is "
+                              f"inconsistent (name of {name_len} bytes, {n_out} outputs)")
+    name = raw[pos:pos + name_len].decode("ascii", "replace")
+    pos += name_len
+    redirects = []
+    for _ in range(n_out):
+        if pos + HOST_OUTPUT.size > len(raw):
+            raise HostMemoryError("a shared-memory descriptor ends inside its outputs")
+        o_off, o_size, r_len, h_len = HOST_OUTPUT.unpack_from(raw, pos)
+        pos += HOST_OUTPUT.size
+        if r_len < 0 or h_len < 0 or pos + r_len + h_len > len(raw):
+            raise HostMemoryError("a shared-memory descriptor ends inside its outputs")
+        out_region = raw[pos:pos + r_len].decode("ascii", "replace")
+        handle = raw[pos + r_len:pos + r_len + h_len].decode("utf-8", "replace")
+        pos += r_len + h_len
+        redirects.append(Redirect(handle, out_region, o_off, o_size))
+    if pos != len(raw):
+        raise HostMemoryError(f"a shared-memory descriptor of {len(raw)} bytes has "
+                              f"{len(raw) - pos} bytes after its end")
+    return HostMemoryRef(name, offset, size, tuple(redirects))
+
 
 CONTROL_SLOT_SIZE = 4096
 CONTROL_SLOTS = 16
@@ -457,7 +509,8 @@ def spec_prefix_size(spec: LoadSpec) -> int:
     return size
 
 
-__all__ += ["spec_prefix_size", "LoadSpec", "LoadStream", "LoadConstant", "LoadConstants",
+__all__ += ["Redirect", "HostMemoryRef", "host_memory_descriptor", "read_host_memory_descriptor",
+            "spec_prefix_size", "LoadSpec", "LoadStream", "LoadConstant", "LoadConstants",
             "WeightsFile"]
 
 
