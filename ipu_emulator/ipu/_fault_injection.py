@@ -118,11 +118,6 @@ class FaultInjector:
             if self._wire.ring.readable():
                 self._wire.poll()
 
-    def close(self) -> None:
-        for table in self._daemon + self._host:
-            table.close()
-        self._daemon, self._host = [], []
-
 
 def _attach(names: Any, old: list[FaultTable]) -> list[FaultTable]:
     """The fault tables ``names`` lists (attached; ``old`` ones reused, others closed)."""

@@ -164,10 +164,12 @@ class Loader:
             if trusted and spec.weights_file is not None and not same_file(spec.weights_file):
                 assert weights is not None   # changed while read: check it here
                 got = body_crc32(data, weights)
-            if file_map is not None and getattr(interp, "uses_weights", False):
-                drop_pages(file_map)   # held by the interpreter's views (read again)
-            elif file_map is not None:
-                unmap(file_map, weights)
+            if file_map is not None:
+                del exe   # its views of the file go with it, unless the interpreter's
+                if getattr(interp, "uses_weights", False):
+                    drop_pages(file_map)   # held by the interpreter's views (read again)
+                else:
+                    unmap(file_map, weights)
             if got != header["body_crc32"]:
                 raise _RequestError(ErrorKind.EXECUTABLE, f"body checksum mismatch: computed "
                                     f"{got:#010x}, header says {header['body_crc32']:#010x} "
