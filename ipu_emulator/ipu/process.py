@@ -130,11 +130,6 @@ class DeviceProcess:
         self._apart.release()
         self.keeps_apart = False
 
-    @property
-    def program_runs(self) -> int:
-        """Programs run (also published in the control ring's user word)."""
-        return self._scheduler.program_runs
-
     # -- wire -----------------------------------------------------------------
 
     def post(self, msg: Message) -> None:
@@ -171,10 +166,6 @@ class DeviceProcess:
                 raise
             self._watch.check()
             self._wire.poll()
-
-    def poll_control(self) -> None:
-        """Take control messages that arrived (RunEnded for STOP/SHUTDOWN/HOST)."""
-        self._wire.poll()
 
     # -- main loop --------------------------------------------------------------
 
@@ -325,7 +316,7 @@ def _import_interpreter() -> Any:
     return Interpreter
 
 
-def _options(argv: list[str] | None) -> tuple[DeviceOptions, str]:
+def _parse_args(argv: list[str] | None) -> tuple[DeviceOptions, str]:
     """The command line: the IPU's options and the trace buffer to record into ("": none)."""
     import argparse
 
@@ -354,7 +345,7 @@ def _options(argv: list[str] | None) -> tuple[DeviceOptions, str]:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m ipu_emulator --control NAME --events NAME --host-pid PID ...``"""
-    opts, trace_buffer = _options(argv)
+    opts, trace_buffer = _parse_args(argv)
     settings = IpuSettings.current()   # its launch's, from its environment
     logging.basicConfig(
         level=settings.device_log_level,
