@@ -19,8 +19,8 @@
  *   NO_TOKEN (-2)  nothing was done but a wait of `first` seconds for the
  *                  semaphore came back empty (its deadline, a peer check
  *                  due, or an interrupt): Python checks why, goes on waiting
- *                  (Ring._wait_slow) and then finishes the operation (the
- *                  try_ variants raise WouldBlock);
+ *                  (Ring._wait_slow, shm/_ring_waits.py) and then finishes
+ *                  the operation (the try_ variants raise WouldBlock);
  *   TOKEN    (-3)  the semaphore token was taken but the rest needs Python
  *                  (invalidated meanwhile, or a slot header to report): it is
  *                  banked in the Ring's spare list first (see Core.spare),
@@ -56,7 +56,7 @@
 #define TOKEN (-3)
 #define FAILED (-4) /* a Python exception is set */
 
-/* Header words (int64), as in shm/ring.py. */
+/* Header words (int64), as drawn in shm/ring.py (indices: shm/_ring_layout.py). */
 #define W_INVALID 5
 #define W_PUBLISHED 8
 #define W_HELD 9
@@ -105,8 +105,8 @@ typedef struct {
      * appended in the same C call that takes it, so no exception raised after the call
      * returns (a signal handler's, an asynchronous one) can lose it; whoever uses the
      * slot takes it out in the same step as it moves the ring's counter (see
-     * Ring._acquire_token). A non-empty bank sends a call to the Python path, which
-     * uses the banked token first. */
+     * Ring._acquire_token, shm/_ring_waits.py). A non-empty bank sends a call to the
+     * Python path, which uses the banked token first. */
     PyObject *spare[2];
 } Core;
 

@@ -33,6 +33,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from tools._stress_spec import HostSpec
+
 __all__ = ["run_faults"]
 
 _SYNC = 1.0        # the host sync timeout of the scenario's runners (hangs end after it;
@@ -178,22 +180,22 @@ class _Phase:
         self._close()
 
 
-def run_faults(spec: dict[str, Any], tally: Any, check: Callable[[Any, np.ndarray, str], None],
+def run_faults(spec: HostSpec, tally: Any, check: Callable[[Any, np.ndarray, str], None],
                deadline: float, budget: int | None) -> dict[str, Any]:
     """The scenario's workload (module docstring); returns its ``extra`` figures."""
     import host_runtime as mr
     from host_runtime import popef, settings
     from ipu_emulator import faults
 
-    seed = int(spec["seed"])
+    seed = spec.seed
     rng = random.Random(seed)
     nrng = np.random.default_rng(seed)
-    hang = float(spec["hang_timeout"])
+    hang = spec.hang_timeout
     extra: dict[str, Any] = {"injected": 0, "resets": 0, "recovery_ms": []}
-    model = popef.load_model([spec["model"]])
+    model = popef.load_model([spec.models.model])
     anchor, td = model.metadata.anchor("tensor_A"), model.tensorData("weights")
     if anchor is None or td is None:
-        raise ValueError(f"{spec['model']}: not the example model (tensor_A, weights)")
+        raise ValueError(f"{spec.models.model}: not the example model (tensor_A, weights)")
     shape = tuple(anchor.tensorInfo().shape())
     weights = np.frombuffer(td.data, np.float32).reshape(shape)
     wait = mr.DeviceWaitConfig(mr.DeviceWaitStrategy.WAIT_WITH_TIMEOUT,
@@ -215,7 +217,7 @@ def run_faults(spec: dict[str, Any], tally: Any, check: Callable[[Any, np.ndarra
                 cfg.auto_reset = auto_reset
                 cfg.device_wait_config = wait
                 with settings.override(host_sync_timeout=_SYNC):
-                    return mr.ModelRunner(spec["model"], config=cfg)
+                    return mr.ModelRunner(spec.models.model, config=cfg)
             plan = faults.FaultPlan(schedule)
             with plan:
                 phase = _Phase(tally, make, plan, simple, hang, extra)
@@ -228,11 +230,11 @@ def run_faults(spec: dict[str, Any], tally: Any, check: Callable[[Any, np.ndarra
             finally:
                 phase.close()
                 plan.close()
-        if spec.get("pipeline_model") and time.time() < deadline:
+        if spec.models.pipeline_model and time.time() < deadline:
             import onnx
             import onnxruntime as ort
 
-            ref = ort.InferenceSession(onnx.load(spec["pipeline_onnx"]).SerializeToString(),
+            ref = ort.InferenceSession(onnx.load(spec.models.pipeline_onnx).SerializeToString(),
                                        providers=["CPUExecutionProvider"])
 
             def pipelined(runner: Any) -> None:
@@ -245,7 +247,7 @@ def run_faults(spec: dict[str, Any], tally: Any, check: Callable[[Any, np.ndarra
                 cfg.auto_reset = True
                 cfg.device_wait_config = wait
                 with settings.override(host_sync_timeout=_SYNC):
-                    return mr.ModelRunner(spec["pipeline_model"], config=cfg)
+                    return mr.ModelRunner(spec.models.pipeline_model, config=cfg)
             plan = faults.FaultPlan([{"kind": "link_down", "after": rng.randrange(1, 3)}])
             with plan:
                 phase = _Phase(tally, make_pipeline, plan, pipelined, hang, extra)
@@ -257,7 +259,7 @@ def run_faults(spec: dict[str, Any], tally: Any, check: Callable[[Any, np.ndarra
             finally:
                 phase.close()
                 plan.close()
-        if spec.get("duration") is None or time.time() >= deadline:
+        if spec.duration is None or time.time() >= deadline:
             break
     with tally.lock:
         tally.cycles += extra["injected"]

@@ -2,7 +2,7 @@
 
 The orchestrator (``tools.stress``) starts each host as a fresh Python
 (subprocess, never fork) with the run's IPU_EMULATOR_HOME and shm tag. A host
-reads its JSON spec, opens the scenario's runner, prints ``READY`` on stdout,
+reads its spec (``tools._stress_spec``), opens the scenario's runner, prints ``READY`` on stdout,
 runs ``threads`` worker threads until the deadline or its request budget, checks
 every result against numpy, and writes a JSON result file:
 
@@ -44,6 +44,8 @@ from datetime import timedelta
 from typing import Any, Callable
 
 import numpy as np
+
+from tools._stress_spec import HostSpec, decode
 
 _log = logging.getLogger("tools.stress.host")
 
@@ -140,19 +142,19 @@ def _wait(future: Any, timeout: float, what: str) -> None:
 class _Simple:
     """The example model through ModelRunner: every execution mode, random replicas."""
 
-    def __init__(self, spec: dict[str, Any], check: _Check, batching: bool = False) -> None:
+    def __init__(self, spec: HostSpec, check: _Check, batching: bool = False) -> None:
         import host_runtime as mr
 
         self.mr = mr
         self.spec = spec
         self.check = check
         self.batching = batching
-        path = spec["batch_model" if batching else "model"]
+        path = (spec.models.batch_model if batching else spec.models.model)
         self.w = _weights(path)
         cfg = mr.ModelRunnerConfig()
-        cfg.replication_factor = spec["replicas"]
+        cfg.replication_factor = spec.replicas
         cfg.thread_safe = True
-        cfg.auto_reset = spec["scenario"] in _KILLS
+        cfg.auto_reset = spec.scenario in _KILLS
         cfg.device_wait_config = mr.DeviceWaitConfig(timedelta(seconds=120),
                                                      timedelta(seconds=0.05))
         if batching:
@@ -172,7 +174,7 @@ class _Simple:
         a = rng.standard_normal(shape).astype(np.float32)
         b = rng.standard_normal(shape).astype(np.float32)
         want = a * (w[0] if self.batching else w) + b
-        rep = r.randrange(self.spec["replicas"])
+        rep = r.randrange(self.spec.replicas)
         mode = r.randrange(9)
         what = f"mode {mode} replica {rep} rows {rows}"
         ins: Any = {"tensor_A": a, "tensor_B": b}
@@ -230,18 +232,18 @@ class _Simple:
 class _Fused:
     """Two fused models through the PopRT Runner: random branches."""
 
-    def __init__(self, spec: dict[str, Any], check: _Check) -> None:
+    def __init__(self, spec: HostSpec, check: _Check) -> None:
         from host_runtime.poprt import Runner, RuntimeConfig
 
         cfg = RuntimeConfig()
-        cfg.replication_factor = spec["replicas"]
+        cfg.replication_factor = spec.replicas
         cfg.thread_safe = True
         cfg.timeout_ns = 0
         cfg.validate_io_params = False
         import host_runtime as mr
         cfg.device_wait_config = mr.DeviceWaitConfig(timedelta(seconds=120),
                                                      timedelta(seconds=0.05))
-        self.runner = Runner(spec["fused_model"], cfg)
+        self.runner = Runner(spec.models.fused_model, cfg)
         self.check = check
 
     def close(self) -> None:
@@ -280,24 +282,24 @@ class _Pipeline:
     """A MatMul/Relu chain pipelined over 2 IPU processes (kill-pipeline): sync and async
     requests, random replicas, compared with onnxruntime in this process."""
 
-    def __init__(self, spec: dict[str, Any], check: _Check) -> None:
+    def __init__(self, spec: HostSpec, check: _Check) -> None:
         import onnx
         import onnxruntime as ort
 
         import host_runtime as mr
 
         cfg = mr.ModelRunnerConfig()
-        cfg.replication_factor = spec["replicas"]
+        cfg.replication_factor = spec.replicas
         cfg.thread_safe = True
         cfg.auto_reset = True
         cfg.device_wait_config = mr.DeviceWaitConfig(timedelta(seconds=120),
                                                      timedelta(seconds=0.05))
         self.spec = spec
         self.check = check
-        self.ref = ort.InferenceSession(onnx.load(spec["pipeline_onnx"]).SerializeToString(),
+        self.ref = ort.InferenceSession(onnx.load(spec.models.pipeline_onnx).SerializeToString(),
                                         providers=["CPUExecutionProvider"])
         self.ref_lock = threading.Lock()
-        self.runner = mr.ModelRunner(spec["pipeline_model"], config=cfg)
+        self.runner = mr.ModelRunner(spec.models.pipeline_model, config=cfg)
 
     def close(self) -> None:
         self.runner.close()
@@ -306,7 +308,7 @@ class _Pipeline:
         x = rng.standard_normal((4, 64)).astype(np.float32)
         with self.ref_lock:
             want = np.asarray(self.ref.run(None, {"x": x})[0])
-        rep = r.randrange(self.spec["replicas"])
+        rep = r.randrange(self.spec.replicas)
         what = f"pipeline replica {rep}"
         if r.random() < 0.5:
             got = self.runner.execute({"x": x}, replica_id=rep)["y"]
@@ -320,13 +322,13 @@ class _Pipeline:
         return done
 
 
-def _open(spec: dict[str, Any], check: _Check) -> Any:
-    scenario = spec["scenario"]
+def _open(spec: HostSpec, check: _Check) -> Any:
+    scenario = spec.scenario
     if scenario == "fused":
         return _Fused(spec, check)
     if scenario == "kill-pipeline":
         return _Pipeline(spec, check)
-    return _Simple(spec, check, batching=bool(spec.get("batching")))
+    return _Simple(spec, check, batching=spec.batching)
 
 
 # ----------------------------------------------------------------------------- fork
@@ -353,7 +355,7 @@ class _Forks:
         import shm.cleanup  # noqa: F401
 
     def run(self) -> None:
-        r = random.Random(int(self.host.spec["seed"]) * 1000 + 999)
+        r = random.Random(int(self.host.spec.seed) * 1000 + 999)
         # leave a child the time to make its runner before the host's deadline
         while not self.host.over(margin=1.0):
             self.host.in_flight[-2] = (time.time(), "forking")
@@ -448,7 +450,7 @@ def _child(work: "_Simple", how: str, seed: int, hang: float) -> dict[str, Any]:
             report["errors"].append(f"{what} on the host's runner: {type(exc).__name__}: {exc}")
     cfg = mr.ModelRunnerConfig()
     cfg.device_wait_config = mr.DeviceWaitConfig(timedelta(seconds=60), timedelta(seconds=0.05))
-    own: Any = mr.ModelRunner(work.spec["model"], config=cfg)
+    own: Any = mr.ModelRunner(work.spec.models.model, config=cfg)
     for i in range(5):
         a = rng.standard_normal(w.shape).astype(np.float32)
         b = rng.standard_normal(w.shape).astype(np.float32)
@@ -501,14 +503,14 @@ def _say(line: str) -> None:
 
 
 class _Host:
-    def __init__(self, spec: dict[str, Any]) -> None:
+    def __init__(self, spec: HostSpec) -> None:
         self.spec = spec
         self.tally = _Tally()
-        self.tally.inject = int(spec.get("inject_wrong", 0))
+        self.tally.inject = spec.inject_wrong
         self.check = _Check(self.tally)
-        self.deadline = time.time() + float(spec.get("duration") or spec["max_seconds"])
-        self.hang = float(spec["hang_timeout"])
-        budget = spec.get("requests")
+        self.deadline = time.time() + float(spec.duration or spec.max_seconds)
+        self.hang = float(spec.hang_timeout)
+        budget = spec.requests
         self.budget = None if budget is None else int(budget)
         self.issued = 0
         self.issue_lock = threading.Lock()
@@ -516,7 +518,7 @@ class _Host:
         self.interrupts: Any = None   # the interrupt scenario's Interrupter
         from host_runtime.errors import DeviceLostError, DeviceTimeoutError
         self.allowed: tuple[type[BaseException], ...] = (
-            (DeviceLostError, DeviceTimeoutError) if spec["scenario"] in _KILLS else ())
+            (DeviceLostError, DeviceTimeoutError) if spec.scenario in _KILLS else ())
 
     def over(self, margin: float = 0.0) -> bool:
         """The load is over: the deadline (less ``margin`` seconds) has passed, or the
@@ -604,7 +606,7 @@ class _Host:
         return lambda action: interrupts.call(tid, action)
 
     def _worker(self, work: Any, tid: int) -> None:
-        seed = int(self.spec["seed"]) * 1000 + tid
+        seed = int(self.spec.seed) * 1000 + tid
         rng, r = np.random.default_rng(seed), random.Random(seed)
         while self._take():
             depth = 1 if r.random() < 0.6 else r.randint(2, 4)
@@ -620,7 +622,7 @@ class _Host:
 
     def _daemon_worker(self, tid: int) -> None:
         """daemon scenario: attach, run a few requests, detach, again."""
-        seed = int(self.spec["seed"]) * 1000 + tid
+        seed = int(self.spec.seed) * 1000 + tid
         rng, r = np.random.default_rng(seed), random.Random(seed)
         while time.time() < self.deadline:
             self.in_flight[tid] = (time.time(), "attaching")
@@ -644,15 +646,15 @@ class _Host:
 
     def run(self) -> bool:
         """Run the workload; False if a thread hung (the caller must not close the runner)."""
-        if self.spec["scenario"] == "faults":
+        if self.spec.scenario == "faults":
             return self._run_faults()
-        if self.spec["scenario"] == "shared-machine":
+        if self.spec.scenario == "shared-machine":
             return self._run_shared()
-        threads_n = int(self.spec["threads"])
-        daemon_loop = self.spec["scenario"] == "daemon"
+        threads_n = int(self.spec.threads)
+        daemon_loop = self.spec.scenario == "daemon"
         work = None if daemon_loop else _open(self.spec, self.check)
-        if self.spec.get("duration") is not None:
-            self.deadline = time.time() + float(self.spec["duration"])
+        if self.spec.duration is not None:
+            self.deadline = time.time() + float(self.spec.duration)
         _say(f"READY {self.deadline}")
         reporting = threading.Event()
         reporter = threading.Thread(target=self._report, args=(reporting,), daemon=True,
@@ -675,9 +677,9 @@ class _Host:
         from tools._stress_faults import run_faults
 
         # --duration: rounds of schedules until it ends; else one round, capped
-        duration = self.spec.get("duration")
+        duration = self.spec.duration
         self.deadline = time.time() + float(duration if duration is not None
-                                            else self.spec["max_seconds"])
+                                            else self.spec.max_seconds)
         _say(f"READY {self.deadline}")
         faulthandler.dump_traceback_later(
             max(0.0, self.deadline - time.time()) + self.hang + 60.0, file=sys.stderr)
@@ -695,8 +697,8 @@ class _Host:
         changes the PopEF file and /dev/shm under it."""
         from tools._stress_shared import run_shared
 
-        seconds = float(self.spec.get("duration") or self.spec["max_seconds"])
-        self.deadline = time.time() + float(self.spec["max_seconds"])   # a cap only
+        seconds = float(self.spec.duration or self.spec.max_seconds)
+        self.deadline = time.time() + float(self.spec.max_seconds)   # a cap only
         _say(f"READY {self.deadline}")
         extra = run_shared(self.spec, self.tally, seconds, self.budget)
         with self.tally.lock:
@@ -710,11 +712,11 @@ class _Host:
         once the others started), plus the interrupter and the queue session's thread."""
         from tools._stress_interrupt import CallbackSession, Interrupter
 
-        seed = int(self.spec["seed"])
+        seed = int(self.spec.seed)
         interrupts = self.interrupts = Interrupter(seed)
         threads.pop(0)   # worker 0: the main thread's
         queues = CallbackSession(self.spec)
-        qtid = int(self.spec["threads"])
+        qtid = int(self.spec.threads)
 
         def run_queues() -> None:
             self.in_flight[qtid] = (time.time(), "running the queue session")
@@ -741,11 +743,11 @@ class _Host:
         args = [(tid,) if daemon_loop else (work, tid) for tid in range(threads_n)]
         threads = [threading.Thread(target=target, args=a, daemon=True, name=f"stress-{a[-1]}")
                    for a in args]
-        if self.spec["scenario"] == "fork":
+        if self.spec.scenario == "fork":
             threads.append(threading.Thread(target=_Forks(self, work).run, daemon=True,
                                             name="stress-fork"))   # imports before threads
         main_worker = None
-        if self.spec["scenario"] == "interrupt":
+        if self.spec.scenario == "interrupt":
             main_worker = self._interrupt_threads(work, threads)
         for t in threads:
             t.start()
@@ -763,13 +765,13 @@ class _Host:
                                f"while {stage} (threads' stacks in the host's stderr)")
         if stuck:
             return False
-        if work is not None and self.spec["scenario"] in _KILLS:
+        if work is not None and self.spec.scenario in _KILLS:
             # Ask the orchestrator to stop the faults; once it has, every request must succeed.
             _say("QUIESCE")
             sys.stdin.readline()      # "GO" (or EOF if the orchestrator is gone)
-            r = random.Random(self.spec["seed"])
-            rng = np.random.default_rng(self.spec["seed"])
-            for _ in range(3 * int(self.spec["replicas"])):
+            r = random.Random(self.spec.seed)
+            rng = np.random.default_rng(self.spec.seed)
+            for _ in range(3 * int(self.spec.replicas)):
                 self._one(work, rng, r, -1, strict=True)
         if work is not None:
             work.close()
@@ -781,7 +783,7 @@ def main(argv: list[str]) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     spec_path, result_path = argv
     with open(spec_path) as f:
-        spec = json.load(f)
+        spec = decode(f.read())
     host = _Host(spec)
     clean = False
     try:

@@ -28,6 +28,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from tools._stress_spec import HostSpec
+
 __all__ = ["Interrupter", "CallbackSession"]
 
 _MAIN = 0   # the worker id of the main thread
@@ -105,20 +107,20 @@ class Interrupter:
 class CallbackSession:
     """A Session and QueueManager whose user callbacks raise now and then (see above)."""
 
-    def __init__(self, spec: dict[str, Any]) -> None:
+    def __init__(self, spec: HostSpec) -> None:
         import host_runtime as mr
         from host_runtime import popef
 
         self.mr = mr
-        model = popef.load_model([spec["model"]])
+        model = popef.load_model([spec.models.model])
         anchor, data = model.metadata.anchor("tensor_A"), model.tensorData("weights")
         if anchor is None or data is None:
-            raise ValueError(f"{spec['model']}: not the example model (tensor_A, weights)")
+            raise ValueError(f"{spec.models.model}: not the example model (tensor_A, weights)")
         shape = tuple(anchor.tensorInfo().shape())
         self.w: np.ndarray = np.frombuffer(data.data, np.float32).reshape(shape)
         self.device = mr.DeviceManager().getDevice(1)
         try:
-            self.session = mr.Session(spec["model"])
+            self.session = mr.Session(spec.models.model)
             self.session.bindToDevice(self.device)
             self.qm = self.session.createQueueManager()
         except BaseException:

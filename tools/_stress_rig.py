@@ -25,12 +25,14 @@ from typing import Any
 
 import psutil
 
+from tools._stress_spec import HostSpec, ModelPaths, encode
+
 REPO = Path(__file__).resolve().parents[1]
 _DAEMON_ENV = "IPU_EMULATOR_DAEMON"
 _PROGRESS_FIELDS = ("ok", "expected", "wrong", "hung", "errors", "cycles", "latency_s")
 
 
-def write_models(directory: Path, seed: int) -> dict[str, str]:
+def write_models(directory: Path, seed: int) -> ModelPaths:
     """The example model (random weights), a batch-4 example model whose weight rows are
     equal (a sample's value does not depend on its row in a dynamic batch) and the fused
     model of the demo."""
@@ -55,11 +57,13 @@ def write_models(directory: Path, seed: int) -> dict[str, str]:
     write_popef(result, batch)
     fused_dir = directory / "fused"
     fused_dir.mkdir(exist_ok=True)
-    return {"model": model, "batch_model": batch, "fused_model": _write_fused_model(str(fused_dir)),
-            **_write_pipeline_model(directory, seed)}
+    pipeline_model, pipeline_onnx = _write_pipeline_model(directory, seed)
+    return ModelPaths(model=model, batch_model=batch,
+                      fused_model=_write_fused_model(str(fused_dir)),
+                      pipeline_model=pipeline_model, pipeline_onnx=pipeline_onnx)
 
 
-def _write_pipeline_model(directory: Path, seed: int) -> dict[str, str]:
+def _write_pipeline_model(directory: Path, seed: int) -> tuple[str, str]:
     """A MatMul/Relu chain pipelined over 2 IPUs (the kill-pipeline scenario), and its ONNX
     model (the hosts compute the expected values with onnxruntime)."""
     import onnx
@@ -74,7 +78,7 @@ def _write_pipeline_model(directory: Path, seed: int) -> dict[str, str]:
     out = poprt_compile(model, directory, popef_name="pipeline.popef", num_ipus=2,
                         sharding_info=sharding, pipelining_info=stages, enable_pipelining=True,
                         batches_per_step=2)
-    return {"pipeline_model": str(out.popef_path), "pipeline_onnx": onnx_path}
+    return str(out.popef_path), onnx_path
 
 
 @dataclass
@@ -131,7 +135,7 @@ class Rig:
         self.env["PYTHONPATH"] = os.pathsep.join(
             [str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
         self.seed = seed
-        self.models: dict[str, str] = {}
+        self.models = ModelPaths()   # refresh_models compiles them
         self.daemon: subprocess.Popen[str] | None = None
         self.daemon_socket: str | None = None
         self.daemon_lines: list[str] = []
@@ -144,7 +148,7 @@ class Rig:
         self._host_count = 0
         self._daemons = 0
 
-    def refresh_models(self, name: str) -> dict[str, str]:
+    def refresh_models(self, name: str) -> ModelPaths:
         """Compile the models afresh (for each scenario: a PopEF file carries the package hash
         of the sources that compiled it, and a development tree may change under a long run)."""
         directory = self.workdir / f"models-{name}"
@@ -212,16 +216,16 @@ class Rig:
         except psutil.Error:
             return False
 
-    def start_host(self, spec: dict[str, Any]) -> HostProc:
+    def start_host(self, spec: HostSpec) -> HostProc:
         self._host_count += 1
         n = self._host_count
         spec_path = self.workdir / f"host{n}.json"
-        spec_path.write_text(json.dumps(spec))
+        spec_path.write_text(encode(spec))
         result_path = self.workdir / f"host{n}.result.json"
         stderr_path = self.workdir / f"host{n}.stderr"
         env = dict(self.env)
-        if spec.get("daemon_socket"):
-            env[_DAEMON_ENV] = spec["daemon_socket"]
+        if spec.daemon_socket:
+            env[_DAEMON_ENV] = spec.daemon_socket
         with open(stderr_path, "w") as err:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "tools._stress_host", str(spec_path), str(result_path)],

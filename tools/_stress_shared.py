@@ -38,6 +38,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from tools._stress_spec import HostSpec
+
 __all__ = ["PRIVATE_SHM_ENV", "reexec_in_private_shm", "run_shared"]
 
 PRIVATE_SHM_ENV = "STRESS_IN_PRIVATE_SHM"   # set inside the namespace (no re-exec)
@@ -152,7 +154,7 @@ def _compile(folder: str, seed: int) -> tuple[str, Any]:
     return str(out.popef_path), model
 
 
-def run_shared(spec: dict[str, Any], tally: Any, seconds: float,
+def run_shared(spec: HostSpec, tally: Any, seconds: float,
                budget: int | None) -> dict[str, Any]:
     """The scenario (module docstring) for ``seconds`` once its runner is made (or
     ``budget`` requests); counts into ``tally``; returns its figures."""
@@ -164,7 +166,7 @@ def run_shared(spec: dict[str, Any], tally: Any, seconds: float,
     expected = (DeviceLostError, DeviceTimeoutError, SharedMemoryFullError,
                 ResourceLimitError, PopefError)
     folder = tempfile.mkdtemp(prefix="ipuemu-stress-shared-")
-    seed = int(spec["seed"])
+    seed = spec.seed
     try:
         path, model = _compile(folder, seed % 1000)
         with open(path, "rb") as f:
@@ -174,7 +176,7 @@ def run_shared(spec: dict[str, Any], tally: Any, seconds: float,
         cfg.auto_reset = True
         runner = model_runtime.ModelRunner(path, config=cfg)
         changes = _Changes(path, pristine, lambda: list(runner.device_pids(0)), seed,
-                           int(spec.get("shm_fill_mib") or 256) << 20)
+                           int(spec.shm_fill_mib or 256) << 20)
         changes.thread.start()
         deadline = time.time() + seconds
         n = 0

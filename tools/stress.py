@@ -86,6 +86,7 @@ import numpy as np
 
 from tools._stress_live import LiveStats, Progress, ScenarioResult, StressCollector
 from tools._stress_rig import HostProc, Rig
+from tools._stress_spec import HostSpec
 
 __all__ = ["SCENARIOS", "ScenarioResult", "main", "run"]
 
@@ -117,18 +118,17 @@ class _Scenario:
         self.latencies: list[float] = []
         self.use_daemon = opts.daemon or name == "daemon"
 
-    def _spec(self, duration: float | None) -> dict[str, Any]:
+    def _spec(self, duration: float | None) -> HostSpec:
         # The fault scenarios run every other host with dynamic batching.
         batching = self.name == "batching" or (
             self.name in ("kill-ipu", "kill-host", "interrupt") and len(self.hosts) % 2 == 1)
-        return {"scenario": self.name, "batching": batching, "replicas": self.opts.replicas,
-                "threads": self.opts.threads, "seed": self.rng.randrange(1 << 30),
-                "duration": duration, "max_seconds": self.opts.max_seconds,
-                "requests": self.opts.requests, "hang_timeout": self.opts.hang_timeout,
-                "inject_wrong": self.opts.inject_wrong,
-                "shm_fill_mib": self.opts.shm_fill_mib,
-                "daemon_socket": self.rig.daemon_socket if self.use_daemon else None,
-                **self.rig.models}
+        o = self.opts
+        return HostSpec(scenario=self.name, seed=self.rng.randrange(1 << 30),
+                        models=self.rig.models, batching=batching, replicas=o.replicas,
+                        threads=o.threads, duration=duration, max_seconds=o.max_seconds,
+                        requests=o.requests, hang_timeout=o.hang_timeout,
+                        inject_wrong=o.inject_wrong, shm_fill_mib=o.shm_fill_mib,
+                        daemon_socket=self.rig.daemon_socket if self.use_daemon else None)
 
     def _start(self, duration: float | None) -> HostProc:
         host = self.rig.start_host(self._spec(duration))

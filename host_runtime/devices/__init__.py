@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from host_runtime.devices._manager import Device, DeviceConstraints, DeviceManager, DeviceWaitConfig, DeviceWaitStrategy
+from host_runtime.devices._device import Device
+from host_runtime.devices._manager import DeviceManager
+from host_runtime.devices._wait import DeviceConstraints, DeviceWaitConfig, DeviceWaitStrategy
 
 # for the other packages of host_runtime (not part of the public surface)
 from host_runtime.devices._ipu_group import ShardedLoad as ShardedLoad, paced_by_requests as paced_by_requests, main_reads as main_reads, paced as paced

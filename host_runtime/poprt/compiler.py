@@ -258,15 +258,29 @@ class FusionConfig:
 def load_config_yaml(path: str | os.PathLike[str],
                      overrides: dict[str, Any] | None = None) -> FusionConfig:
     """Read a model fusion YAML; ``overrides`` (from the command line) win over its globals."""
-    from ipu_emulator.compiler import ModelSpec
+    p = pathlib.Path(path)
+    where = f"config {echo(str(p), 200)}"
+    doc = _read_globals(p, where, overrides)
+    base = p.resolve().parent
+    specs = _model_specs(doc, base, where)
+    out_dir = base / doc.get("output_dir", "./")
+    # checked now: the config's error, not later
+    if doc.get("popef_name") is not None:
+        _inside(out_dir, doc["popef_name"], f"{where}: popef_name")
+    if doc.get("output_model") is not None:
+        _anywhere(out_dir, doc["output_model"], f"{where}: output_model")
+    return FusionConfig(specs, out_dir, _fusion_options(doc, base, p))
+
+
+def _read_globals(p: pathlib.Path, where: str,
+                  overrides: dict[str, Any] | None) -> dict[str, Any]:
+    """The config file's mapping, its global keys known and typed, ``overrides`` applied."""
     from ipu_emulator.yaml_config import ConfigYamlError, load_yaml_file
 
-    p = pathlib.Path(path)
     try:
         doc = load_yaml_file(p, "config")
     except ConfigYamlError as exc:
         raise BadRequestError(str(exc)) from None
-    where = f"config {echo(str(p), 200)}"
     if not isinstance(doc, dict):
         raise BadRequestError(f"{where} must be a mapping of keys, got "
                               f"{type(doc).__name__}")
@@ -281,7 +295,14 @@ def load_config_yaml(path: str | os.PathLike[str],
                            or (kind is int and isinstance(doc[key], bool))):
             raise BadRequestError(f"{where}: {key} must be {_TYPE_WORDS[kind]}, "
                                   f"got {echo(doc[key])} ({type(doc[key]).__name__})")
-    base = p.resolve().parent
+    return doc
+
+
+def _model_specs(doc: dict[str, Any], base: pathlib.Path, where: str) -> list[ModelSpec]:
+    """The ``model_fusion`` entries: each model's path, input shapes and precision (the
+    globals' shapes and precision unless the entry gives its own)."""
+    from ipu_emulator.compiler import ModelSpec
+
     entries = doc.get("model_fusion")
     if not isinstance(entries, list) or not entries:
         raise BadRequestError(f"{where}: model_fusion must be a non-empty list of "
@@ -306,12 +327,12 @@ def load_config_yaml(path: str | os.PathLike[str],
         shapes.update(_shapes(e.get("input_shape"), at))
         precision = cast(str, e.get("precision", global_precision))   # both checked above
         specs.append(ModelSpec(base / e["input_model"], shapes, precision))
-    out_dir = base / doc.get("output_dir", "./")
-    # checked now: the config's error, not later
-    if doc.get("popef_name") is not None:
-        _inside(out_dir, doc["popef_name"], f"{where}: popef_name")
-    if doc.get("output_model") is not None:
-        _anywhere(out_dir, doc["output_model"], f"{where}: output_model")
+    return specs
+
+
+def _fusion_options(doc: dict[str, Any], base: pathlib.Path, p: pathlib.Path
+                    ) -> dict[str, Any]:
+    """The compile options the config's globals give (defaults of seed 004 and PopRT)."""
     options: dict[str, Any] = {
         # As in seed 004: the PopEF file is written only when export_popef is true.
         "export_popef": doc.get("export_popef", False),
@@ -337,8 +358,7 @@ def load_config_yaml(path: str | os.PathLike[str],
         options["manual_sharding_config"] = base / str(doc["manual_sharding_config"])
     if "enable_pipelining" in doc:
         options["enable_pipelining"] = bool(doc["enable_pipelining"])
-    return FusionConfig(specs, out_dir, options)
-
+    return options
 
 _TYPES: dict[str, type] = {
     "output_dir": str, "output_model": str, "popef_name": str, "name": str,

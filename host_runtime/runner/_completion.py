@@ -35,7 +35,7 @@ from ipu_emulator.trace import recorder
 from host_runtime.errors import InvalidStateError, ModelRuntimeError, SequenceMismatchError
 from host_runtime.runner._life import ReplicaLife
 from host_runtime.runner import _tracing
-from host_runtime.runner._replica_timers import ReplicaTimers
+from host_runtime.runner._replica_timers import Phantom, ReplicaTimers
 from host_runtime.runner._requests import Request, Transfer
 from host_runtime.runner._transfer import consumed_from
 from host_runtime.runner.monitoring import RequestMonitor
@@ -373,11 +373,7 @@ class Completion:
             pending = list(self.inflight)
         phantoms = self._timers.take_phantoms()
         self._life.invalidate_rings()   # wakes every thread blocked on one of them
-        for tr in pending:
-            for seg in tr.segments:
-                seg[0].fail(err)
-        for ph in phantoms:
-            ph.request.fail(err)
+        _fail_requests(pending, phantoms, err)
         with self._lock:
             self._cv.notify_all()
 
@@ -388,18 +384,23 @@ class Completion:
             self.inflight.clear()
             self.open = None
             self._cv.notify_all()
-        phantoms = self._timers.take_phantoms()
-        for tr in pending:
-            for seg in tr.segments:
-                seg[0].fail(err)
-        for ph in phantoms:
-            ph.request.fail(err)
+        _fail_requests(pending, self._timers.take_phantoms(), err)
 
     def clear(self) -> None:
         """The replica is reset (new rings): nothing of the old ones is in flight."""
         with self._lock:
             self.inflight.clear()
             self.open = None
+
+
+def _fail_requests(pending: list[Transfer], phantoms: list[Phantom],
+                   err: ModelRuntimeError) -> None:
+    """Every request of the ``pending`` transfers and every parked one fails with ``err``."""
+    for tr in pending:
+        for seg in tr.segments:
+            seg[0].fail(err)
+    for ph in phantoms:
+        ph.request.fail(err)
 
 
 def _read_interrupted(rid: int, tr: Transfer, ring: Ring, exc: BaseException) -> None:

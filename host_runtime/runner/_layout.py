@@ -10,7 +10,7 @@ given, and says which inputs and outputs one request's transfers move
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import numpy as np
 
@@ -44,25 +44,7 @@ class ModelLayout:
         def in_main(a: popef.Anchor) -> bool:
             return bool(main.intersection(a.programs()))
 
-        # frozen inputs: typed, exact model shape
-        self.frozen: dict[str, np.ndarray] = {}
-        for name, value in cfg.frozen_inputs.items():
-            a = by_name.get(name)
-            if a is None or a.type() != popef.TensorType.INPUT:
-                raise BadRequestError(
-                    f"ModelRunnerConfig.frozen_inputs: the model has no input {name!r}; expected "
-                    "one of " + ", ".join(repr(x.name()) for x in self.inputs_all))
-            self.frozen[name] = self.typed_value(a, value)
-        self.frozen_load = {n: v for n, v in self.frozen.items() if not in_main(by_name[n])}
-        self.load_only = {a.name(): a for a in self.inputs_all
-                          if load.intersection(a.programs()) and not in_main(a)}
-        for a in self.inputs_all:
-            if a.name() in self.frozen or a.name() in self.with_data:
-                continue
-            if load.intersection(a.programs()) and not in_main(a):
-                raise BadRequestError(
-                    f"input {a.name()!r} of the load program has no tensor data in the PopEF "
-                    "file; give its value in ModelRunnerConfig.frozen_inputs")
+        self._read_frozen(cfg, by_name, load, in_main)
 
         # the anchors a request may carry, and the layout of batches
         batch_dim: Optional[int] = cfg.batching_dim if cfg.batching_enabled else 0
@@ -85,21 +67,51 @@ class ModelLayout:
         self.plain_outputs = [(s.name, s.shape_for(s.batch), s.dtype) for s in self.all_outputs]
         self.plain_transfers = [self.all_outputs]
         self.batch = self._check_dynamic(cfg.batching_dim) if self.dynamic else 1
-        # fused models: what each sub-graph reads and writes
-        self.sub_inputs: list[list[str]] = []
-        self.sub_outputs: list[tuple[TensorSpec, ...]] = []
-        if self.fused:
-            subs = md.subgraphs()
-            k = 0
-            while f"graph{k}" in subs:
-                members = set(subs[f"graph{k}"])
-                self.sub_inputs.append([n for n in self.in_specs if n in members])
-                self.sub_outputs.append(tuple(s for n, s in self.out_specs.items()
-                                              if n in members))
-                k += 1
+        self._read_subgraphs(md.subgraphs())
         # save programs: where their outputs go
         self.save_outputs = [a for a in self.outputs_all if save.intersection(a.programs())]
         self.has_save_programs = bool(flow.save())
+        self._check_save_outputs(cfg)
+
+    def _read_frozen(self, cfg: ModelRunnerConfig, by_name: dict[str, popef.Anchor],
+                     load: set[int], in_main: Callable[[popef.Anchor], bool]) -> None:
+        """Frozen inputs, typed to the model's exact shape; every input of the load
+        program must have data in the file or a frozen value."""
+        self.frozen: dict[str, np.ndarray] = {}
+        for name, value in cfg.frozen_inputs.items():
+            a = by_name.get(name)
+            if a is None or a.type() != popef.TensorType.INPUT:
+                raise BadRequestError(
+                    f"ModelRunnerConfig.frozen_inputs: the model has no input {name!r}; expected "
+                    "one of " + ", ".join(repr(x.name()) for x in self.inputs_all))
+            self.frozen[name] = self.typed_value(a, value)
+        self.frozen_load = {n: v for n, v in self.frozen.items() if not in_main(by_name[n])}
+        self.load_only = {a.name(): a for a in self.inputs_all
+                          if load.intersection(a.programs()) and not in_main(a)}
+        for a in self.inputs_all:
+            if a.name() in self.frozen or a.name() in self.with_data:
+                continue
+            if load.intersection(a.programs()) and not in_main(a):
+                raise BadRequestError(
+                    f"input {a.name()!r} of the load program has no tensor data in the PopEF "
+                    "file; give its value in ModelRunnerConfig.frozen_inputs")
+
+    def _read_subgraphs(self, subs: dict[str, list[str]]) -> None:
+        """Fused models: what each sub-graph reads and writes."""
+        self.sub_inputs: list[list[str]] = []
+        self.sub_outputs: list[tuple[TensorSpec, ...]] = []
+        if not self.fused:
+            return
+        k = 0
+        while f"graph{k}" in subs:
+            members = set(subs[f"graph{k}"])
+            self.sub_inputs.append([n for n in self.in_specs if n in members])
+            self.sub_outputs.append(tuple(s for n, s in self.out_specs.items()
+                                          if n in members))
+            k += 1
+
+    def _check_save_outputs(self, cfg: ModelRunnerConfig) -> None:
+        """Where the save programs' outputs go: known outputs, memory large enough."""
         for rid, view in cfg.replica_to_save_programs_outputs.items():
             known = {a.name(): a for a in self.save_outputs}
             for name, mem in dict(view).items():

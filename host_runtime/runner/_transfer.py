@@ -36,6 +36,18 @@ Two of those are fast paths a setting switches off (the general steps then run):
 ``IPU_EMULATOR_RUNNER_SMALL_IO=0`` (no :attr:`Lay.WRITE` / :attr:`Take.READ`: every
 transfer goes through a slot view).
 
+Polling: before a blocking read of an empty output ring, :meth:`~TransferPath.await_output`
+polls it briefly. Waking a sleeping process from another CPU costs tens of microseconds
+on a VM (measured: a [1,4] execute takes ~110 us blocking, ~70 us with a 30 us poll).
+Polling only pays when the answer is near: a moving estimate of how long output waits
+take turns polling off while waits are much longer than the budget (a long device
+computation). The budget (100 us) also keeps the host where it is: a host that blocks is
+woken by the IPU process, and on VMs the wake-up puts it on the IPU process's CPU, where
+the two then take turns. The caller of :meth:`~TransferPath.take` polls only with one
+transfer in flight: with more, the device has queued work, so a wake-up costs it
+nothing, while a host polling beside it slowed its computation 3-4x on this project's
+2-vCPU VMs ([64,1024] copied, 8 in flight: 4-5k requests/s polling, 16-20k blocking).
+
 The callers (``_submission``, ``_completion``) hold the locks; this module holds no
 lock and no request state, only the rings of one session and a moving estimate of
 how long output waits take (:meth:`TransferPath.await_output`).
@@ -132,6 +144,15 @@ def consumed_from(ring: Ring, seq: int) -> bool:
     """Whether the last output read from ``ring`` belongs to transfer ``seq``."""
     last = ring.last_read_tag()
     return last is not None and last >> SEQ_SHIFT == seq
+
+
+def _mismatch(rid: int, name: str, tag: int, seq: int) -> SequenceMismatchError:
+    """The error of output ``name`` of replica ``rid`` read with ``tag`` for transfer ``seq``."""
+    got = tag >> SEQ_SHIFT
+    return SequenceMismatchError(
+        f"replica {rid}: output {name!r} read from the device carries transfer {got}, "
+        f"expected transfer {seq}: the replica's streams are out of step, so none of its "
+        "results can be trusted", expected=seq, got=got)
 
 
 def _bytes_view(arr: np.ndarray) -> memoryview:
@@ -351,17 +372,8 @@ class TransferPath:
 
     # ------------------------------------------------------------------ take
     def await_output(self, ring: Ring) -> int:
-        """Before a blocking read of an empty ``ring``: poll it briefly; returns when it
-        started (perf_counter ns) for :meth:`waited`.
-
-        Waking a sleeping process from another CPU costs tens of microseconds on a
-        VM (measured: a [1,4] execute takes ~110 us blocking, ~70 us with a 30 us
-        poll). Polling only pays when the answer is near: a moving estimate of
-        how long output waits take turns polling off while waits are much longer
-        than the budget (a long device computation). The budget (100 us) also keeps
-        the host where it is: a host that blocks is woken by the IPU process, and on
-        VMs the wake-up puts it on the IPU process's CPU, where the two then take turns.
-        """
+        """Before a blocking read of an empty ``ring``: poll it briefly (see "Polling" in
+        the module docstring); returns when it started (perf_counter ns) for :meth:`waited`."""
         t0 = time.perf_counter_ns()
         self._est.poll(ring.readable)   # shm.spin.PollEstimate: the host's and device's one rule
         return t0
@@ -375,10 +387,7 @@ class TransferPath:
         ``timeout`` s without one; ``tr.next_output`` says how far it got).
 
         ``poll``: an output not there yet is polled for before the read blocks (see
-        ``await_output``). The caller polls only with one transfer in flight: with more,
-        the device has queued work, so a wake-up costs it nothing, while a host polling
-        beside it slowed its computation 3-4x on this project's 2-vCPU VMs ([64,1024]
-        copied, 8 in flight: 4-5k requests/s polling, 16-20k blocking)."""
+        "Polling" in the module docstring)."""
         dynamic = self.dynamic
         outputs = tr.outputs
         seq = tr.seq if self.numbered else 0
@@ -402,7 +411,7 @@ class TransferPath:
                 tr.t_first = time.perf_counter_ns()
             try:
                 if tag >> SEQ_SHIFT != seq:
-                    raise self.mismatch(spec.name, tag, seq)
+                    raise _mismatch(self.rid, spec.name, tag, seq)
                 if tag & TAG_KIND_MASK != TAG_SHARED:   # else the IPU wrote it into the
                     self.copy_out(tr, spec, view, dynamic)   # request's memory
             finally:
@@ -411,14 +420,6 @@ class TransferPath:
             tr.next_output = index + 1
         if recorder.ON:   # the timeline: when its requests' outputs were read, its number
             _tracing.drained(tr, time.perf_counter_ns())
-
-    def mismatch(self, name: str, tag: int, seq: int) -> SequenceMismatchError:
-        """The error of output ``name`` read with ``tag`` for transfer ``seq``."""
-        got = tag >> SEQ_SHIFT
-        return SequenceMismatchError(
-            f"replica {self.rid}: output {name!r} read from the device carries transfer {got}, "
-            f"expected transfer {seq}: the replica's streams are out of step, so none of its "
-            "results can be trusted", expected=seq, got=got)
 
     def output_ring_of(self, name: str) -> Ring:
         """The ring of output ``name``."""
@@ -517,7 +518,7 @@ class TransferPath:
                 self.t_first = time.perf_counter_ns()
                 first = False
             if got != tag:
-                raise self.mismatch(o.name, got, seq)
+                raise _mismatch(self.rid, o.name, got, seq)
             self._est.record(time.perf_counter_ns() - t0 if t0 else 0)
             # writable, over a copy of the message (cheaper than np.empty and a copy)
             results[o.name] = np.ndarray(o.shape, o.spec.dtype, bytearray(data))

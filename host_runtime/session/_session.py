@@ -61,7 +61,7 @@ from host_runtime.errors import (BadRequestError, DeviceExecutionError, DeviceLo
                                  PopefError)
 from host_runtime.session.predicates import AnchorCallbackPredicate, PopefDataUsagePredicate
 from host_runtime.settings import HostSettings
-from ipu_emulator.executable import ExecutableError, read_header, weights_span
+from ipu_emulator.executable import ExecutableError, ExecutableHeader, read_header, weights_span
 from ipu_emulator.faults import table_for as fault_table_for
 from ipu_emulator.fit import misfit
 from ipu_emulator.ipu_protocol import LoadSpec, Op, WeightsFile
@@ -521,7 +521,7 @@ class Session:
 
     def __repr__(self) -> str:
         where = self._device.describe() if self._device is not None else "unbound"
-        return f"<Session {self._header['name']!r} {where}>"
+        return f"<Session {self._header.name!r} {where}>"
 
     # -- binding internals ------------------------------------------------------------------------
 
@@ -644,7 +644,7 @@ class Session:
 
     def _ensure_resources(self, dev: Device) -> None:
         extra = [] if self._memory_region is not None else [
-            ("the device memory region", max(64, int(self._header["memory_bytes"]))),
+            ("the device memory region", max(64, self._header.memory_bytes)),
             ("the executable region", self._weights_at)] + (
             [("the weights region", self._weights_len)]
             if self._weights is None and self._weights_len and self._weights_file(dev) is None
@@ -654,7 +654,7 @@ class Session:
             if self._constants is None and self._streams.constants() else [])
         self._streams.ensure_rings(dev.link.pid, extra)
         if self._memory_region is None:
-            size = max(64, int(self._header["memory_bytes"]))
+            size = max(64, self._header.memory_bytes)
             with translated("the device memory region", size):
                 # backed by the IPU process where it will touch it (not where it reads
                 # constants in place): ipu_emulator.ipu._constants.memory_ranges
@@ -668,9 +668,10 @@ class Session:
         dev = self._device
         assert dev is not None
         self._ensure_resources(dev)
-        wrong = misfit(self._header["name"], int(self._header["ipu_version"]),
-                       max(int(self._header["memory_bytes"]), int(self._header["required_bytes"])),
-                       None, device=dev.describe(), device_version=dev.ipuVersion(),
+        header = self._header
+        wrong = misfit(header.name, header.ipu_version,
+                       max(header.memory_bytes, header.required_bytes), None,
+                       device=dev.describe(), device_version=dev.ipuVersion(),
                        device_ipus=dev.numIpus(), tiles_per_ipu=dev.tilesPerIpu(),
                        memory_per_tile=dev.memoryPerTile())
         if wrong is not None:
@@ -679,7 +680,7 @@ class Session:
         constants, same = self._constants_to_load(keep_load_constants)
         if not same:   # the device's cached copy of the executable streams them otherwise
             fresh = True
-        if int(self._header["num_ipus"]) > 1 and self._load_sharded(dev, modes, fresh):
+        if self._header.num_ipus > 1 and self._load_sharded(dev, modes, fresh):
             self._constants_loaded = constants
             return
         weights_file = self._weights_file(dev)
@@ -777,7 +778,7 @@ class Session:
     def _share_weights(self, dev: Device | None = None) -> None:
         """Hold the region of the executable's weights (made if this process has none)."""
         if self._weights is None and self._weights_len and self._weights_file(dev) is None:
-            check_fits(self._header["name"], self._weights_len, self.memory_per_replica(), 1,
+            check_fits(self._header.name, self._weights_len, self.memory_per_replica(), 1,
                        bool(self._settings.prepack),
                        held=is_shared(self._exe, self._weights_at, self._weights_len))
             self._weights = shared_weights(self._exe, self._weights_at, self._weights_len)
@@ -785,7 +786,7 @@ class Session:
     def memory_per_replica(self) -> int:
         """Internal (ModelRunner): bytes of /dev/shm a session of this model takes besides
         its weights and rings (its executable and device memory regions)."""
-        return self._weights_at + max(64, int(self._header["memory_bytes"]))
+        return self._weights_at + max(64, self._header.memory_bytes)
 
     def weights_bytes(self) -> int:
         """Internal (ModelRunner): bytes of the executable's weights section (0: none)."""
@@ -909,14 +910,14 @@ class Session:
                       *failed)
 
 
-def _weights_span(exe: bytes | memoryview, header: dict[str, Any]) -> tuple[int, int]:
+def _weights_span(exe: bytes | memoryview, header: ExecutableHeader) -> tuple[int, int]:
     """(offset, length) of the executable's weights section ((len, 0): none)."""
-    if int(header["num_ipus"]) > 1:
+    if header.num_ipus > 1:
         return len(exe), 0   # a multi-IPU executable's parts carry their own weights
     try:
         return weights_span(exe)
     except ExecutableError as exc:
-        raise PopefError(f"executable {header['name']!r}: {exc}") from exc
+        raise PopefError(f"executable {header.name!r}: {exc}") from exc
 
 
 def _same_user(pids: list[int]) -> bool:

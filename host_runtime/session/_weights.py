@@ -95,7 +95,7 @@ def shared_weights(exe: bytes | memoryview, start: int, length: int) -> SharedWe
     if view.ndim != 1 or view.itemsize != 1:
         view = view.cast("B")
     header = read_header(view)
-    key = (os.getpid(), int(header["body_crc32"]), len(view), start, length)
+    key = (os.getpid(), header.body_crc32, len(view), start, length)
     weights = view[start:start + length]
     with _lock:
         ref = _live.get(key)
@@ -108,14 +108,14 @@ def shared_weights(exe: bytes | memoryview, start: int, length: int) -> SharedWe
     with _lock:
         if found is None:   # a checksum twin keeps its own region (and its registry place)
             _live[key] = weakref.ref(made)
-    _log.debug("weights of %r: %d bytes in %s", header["name"], length, region.name)
+    _log.debug("weights of %r: %d bytes in %s", header.name, length, region.name)
     return made
 
 
 def is_shared(exe: bytes | memoryview, start: int, length: int) -> bool:
     """Whether this process holds a region of these weights already (by their key)."""
     header = read_header(exe)
-    key = (os.getpid(), int(header["body_crc32"]), len(exe), start, length)
+    key = (os.getpid(), header.body_crc32, len(exe), start, length)
     with _lock:
         ref = _live.get(key)
     return ref is not None and ref() is not None
@@ -179,12 +179,12 @@ def check_model_fits(model: popef.Model, replicas: int, prepack: bool) -> None:
     exe = model.executable.payload()
     try:
         header = read_header(exe)
-        start, length = weights_span(exe) if int(header["num_ipus"]) == 1 else (len(exe), 0)
+        start, length = weights_span(exe) if header.num_ipus == 1 else (len(exe), 0)
     except ExecutableError:
         return
     if not length:   # its rings and regions are checked when the session makes them
         return
     # with prepacking, IPU processes read the weights from a PopEF file the host mapped
     via_file = prepack and isinstance(exe, memoryview) and file_span(exe[start:]) is not None
-    check_fits(header["name"], length, start + max(64, int(header["memory_bytes"])), replicas,
+    check_fits(header.name, length, start + max(64, header.memory_bytes), replicas,
                prepack, held=via_file)

@@ -19,7 +19,8 @@ from ipu_emulator.compiler._onnx import load_model, ort_session
 from ipu_emulator.compiler._precision import Fp16RangeWarning
 from ipu_emulator.compiler._prepare import _fix_input_shapes as fix_input_shapes
 from ipu_emulator.compiler._prepare import check_interface, prepare, to_fp16
-from ipu_emulator.compiler._sharding import check_map, describe_parts, load_sharding_yaml
+from ipu_emulator.compiler._parts import describe_parts
+from ipu_emulator.compiler._sharding import check_map, load_sharding_yaml
 from ipu_emulator.errors import CompileError
 
 __all__ = [

@@ -26,7 +26,8 @@ import ipu_emulator
 from ipu_emulator.compiler._onnx import DTYPE_TO_ONNX, dtype_of, load_model, release_stash
 from ipu_emulator.compiler._prepare import Prepared, prepare
 from ipu_emulator.compiler._tail import tail_attributes
-from ipu_emulator.compiler._sharding import annotate_one_ipu, compile_sharded
+from ipu_emulator.compiler._parts import compile_sharded
+from ipu_emulator.compiler._sharding import annotate_one_ipu
 from ipu_emulator.compiler._weights import externalize, refuse_stashed
 from ipu_emulator.compiler._types import (
     INDEX_DTYPE, INDEX_NAME, INDEX_SHAPE, LOAD_PROGRAM, MAIN_PROGRAM, SAVE_PROGRAM, TARGETS,
@@ -111,77 +112,90 @@ def _compile(specs: list[ModelSpec], opts: CompileOptions, target: Target, fused
     return result
 
 
+class _Anchors:
+    """The executable's streams, the anchors the host sees and the device tensors they
+    need, as the models are added."""
+
+    def __init__(self) -> None:
+        self.tensor_specs: list[tuple[str, str, tuple[int, ...]]] = []
+        self.streams: dict[str, StreamSpec] = {}
+        self.anchors: list[AnchorDesc] = []
+
+    def add(self, name: str, direction: str, dtype: str, shape: tuple[int, ...],
+            program: int, kind: str, sub: str | None, data: bytes | None = None,
+            tensor: bool = True) -> None:
+        """Anchor ``name`` of stream ``name`` (and, with ``tensor``, its device tensor)."""
+        if tensor:
+            self.tensor_specs.append((name, dtype, shape))
+        if name in self.streams:
+            raise CompileError(f"anchor name {echo(name)} is used twice; rename the tensor")
+        self.streams[name] = StreamSpec(direction, dtype, list(shape),
+                                        numpy_dtype(dtype).itemsize * count(shape))
+        self.anchors.append(AnchorDesc(name, name, direction, dtype, shape, (program,), kind,
+                                       sub, data))
+
+
+def _branch(a: _Anchors, gi: int, p: Prepared, fused: bool, save_weights: bool,
+            load: list[Instruction], save: list[Instruction]
+            ) -> tuple[tuple[Instruction, ...], list[str]]:
+    """Model ``gi``'s Main body (its inputs streamed in, its graph run, its outputs
+    streamed out; its weights added to ``load`` and ``save``) and the anchors it owns."""
+    prefix = f"graph{gi}/" if fused else ""
+    sub = f"graph{gi}" if fused else None
+    members: list[str] = []
+    in_pairs: list[tuple[str, str]] = []
+    out_pairs: list[tuple[str, str]] = []
+    body: list[Instruction] = []
+    for w, data in p.weights:
+        name = prefix + w.name
+        a.add(name, "in", w.dtype, w.shape, LOAD_PROGRAM, "weight", sub, data)
+        load.append(StreamIn(name, name))
+        in_pairs.append((w.name, name))
+        members.append(name)
+        if save_weights:
+            handle = name + "_saved"
+            a.add(handle, "out", w.dtype, w.shape, SAVE_PROGRAM, "saved", sub, tensor=False)
+            save.append(StreamOut(name, handle))
+            members.append(handle)
+    for v in p.inputs:
+        name = prefix + v.name
+        a.add(name, "in", v.dtype, v.shape, MAIN_PROGRAM, "input", sub)
+        body.append(StreamIn(name, name))
+        in_pairs.append((v.name, name))
+        members.append(name)
+    outs: list[Instruction] = []
+    for v in p.outputs:
+        name = prefix + v.name
+        a.add(name, "out", v.dtype, v.shape, MAIN_PROGRAM, "output", sub)
+        outs.append(StreamOut(name, name))
+        out_pairs.append((v.name, name))
+        members.append(name)
+    body.append(Execute(gi, tuple(in_pairs), tuple(out_pairs)))
+    body.extend(outs)
+    return tuple(body), members
+
+
 def _assemble(prepared: list[Prepared], opts: CompileOptions, target: Target,
               fused: bool) -> CompileResult:
-    tensor_specs: list[tuple[str, str, tuple[int, ...]]] = []
-    streams: dict[str, StreamSpec] = {}
-    anchors: list[AnchorDesc] = []
+    """One program set on one IPU (or several, replicated): each model a branch of Main
+    (fused: the index input chooses the branch), its weights read by Load."""
+    a = _Anchors()
     graphs: list[Graph] = []
     load: list[Instruction] = []
     save: list[Instruction] = []
     branches: list[tuple[Instruction, ...]] = []
     subgraphs: dict[str, list[str]] = {}
     weights = bytearray()   # the executable's weights section (compiler._weights)
-
-    def add_stream(handle: str, direction: str, dtype: str, shape: tuple[int, ...]) -> None:
-        if handle in streams:
-            raise CompileError(f"anchor name {echo(handle)} is used twice; rename the tensor")
-        streams[handle] = StreamSpec(direction, dtype, list(shape),
-                                     numpy_dtype(dtype).itemsize * count(shape))
-
     if fused:
-        tensor_specs.append((INDEX_NAME, INDEX_DTYPE, INDEX_SHAPE))
-        add_stream(INDEX_NAME, "in", INDEX_DTYPE, INDEX_SHAPE)
-        anchors.append(AnchorDesc(INDEX_NAME, INDEX_NAME, "in", INDEX_DTYPE, INDEX_SHAPE,
-                                  (MAIN_PROGRAM,), "index"))
+        a.add(INDEX_NAME, "in", INDEX_DTYPE, INDEX_SHAPE, MAIN_PROGRAM, "index", None)
     for gi, p in enumerate(prepared):
-        prefix = f"graph{gi}/" if fused else ""
-        sub = f"graph{gi}" if fused else None
-        members: list[str] = []
-        in_pairs: list[tuple[str, str]] = []
-        out_pairs: list[tuple[str, str]] = []
-        body: list[Instruction] = []
-        for w, data in p.weights:
-            name = prefix + w.name
-            tensor_specs.append((name, w.dtype, w.shape))
-            add_stream(name, "in", w.dtype, w.shape)
-            load.append(StreamIn(name, name))
-            in_pairs.append((w.name, name))
-            anchors.append(AnchorDesc(name, name, "in", w.dtype, w.shape, (LOAD_PROGRAM,),
-                                      "weight", sub, data))
-            members.append(name)
-            if opts.save_weights:
-                handle = name + "_saved"
-                add_stream(handle, "out", w.dtype, w.shape)
-                save.append(StreamOut(name, handle))
-                anchors.append(AnchorDesc(handle, handle, "out", w.dtype, w.shape,
-                                          (SAVE_PROGRAM,), "saved", sub))
-                members.append(handle)
-        for v in p.inputs:
-            name = prefix + v.name
-            tensor_specs.append((name, v.dtype, v.shape))
-            add_stream(name, "in", v.dtype, v.shape)
-            body.append(StreamIn(name, name))
-            in_pairs.append((v.name, name))
-            anchors.append(AnchorDesc(name, name, "in", v.dtype, v.shape, (MAIN_PROGRAM,),
-                                      "input", sub))
-            members.append(name)
-        outs: list[Instruction] = []
-        for v in p.outputs:
-            name = prefix + v.name
-            tensor_specs.append((name, v.dtype, v.shape))
-            add_stream(name, "out", v.dtype, v.shape)
-            outs.append(StreamOut(name, name))
-            out_pairs.append((v.name, name))
-            anchors.append(AnchorDesc(name, name, "out", v.dtype, v.shape, (MAIN_PROGRAM,),
-                                      "output", sub))
-            members.append(name)
-        body.append(Execute(gi, tuple(in_pairs), tuple(out_pairs)))
-        body.extend(outs)
-        branches.append(tuple(body))
+        body, members = _branch(a, gi, p, fused, opts.save_weights, load, save)
+        branches.append(body)
         graphs.append(_graph(p, weights))
-        if sub is not None:
-            subgraphs[sub] = members
+        if fused:
+            subgraphs[f"graph{gi}"] = members
+    anchors, streams = a.anchors, a.streams
+    tensor_specs = a.tensor_specs
 
     order = {"index": 0, "input": 1, "output": 2, "weight": 3, "saved": 4}
     anchors.sort(key=lambda a: order[a.kind])

@@ -32,11 +32,13 @@ run one after the other per batch. The host puts one token in each sync ring
 whenever it (re)starts the links (``is_sync``), so the first iteration runs. With pipelining there is no token: stage s
 works on batch i while stage s+1 works on batch i-1, and the rings between the
 stages bound how far ahead a stage runs.
+
+This module places the nodes (:func:`place_nodes`) and reads the sharding options;
+:mod:`._parts` builds the executable from the placement.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -45,15 +47,9 @@ from typing import TYPE_CHECKING, Any
 import onnx
 from onnx import helper
 
-import ipu_emulator
-from ipu_emulator.compiler._onnx import DTYPE_TO_ONNX
-from ipu_emulator.compiler._types import (LOAD_PROGRAM, MAIN_PROGRAM, SAVE_PROGRAM, AnchorDesc,
-                                          CompileOptions, CompileResult, Target, check_fit)
+from ipu_emulator.compiler._types import CompileOptions, CompileResult
 from ipu_emulator.errors import CompileError
-from ipu_emulator.executable import (
-    IDLE_ATTR, LINK_PREFIX, SYNC_TENSOR, is_link, is_sync, parse_link,
-    Execute, Executable, Graph, Instruction, Program, Repeat, StreamIn, StreamOut, StreamSpec,
-    TensorSig, numpy_dtype, plan_memory)
+from ipu_emulator.executable import LINK_PREFIX, SYNC_TENSOR, is_link, is_sync, parse_link
 from shm.errors import echo
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -67,8 +63,9 @@ __all__ = [
     "Placement",
     "place_nodes",
     "check_num_ipus",
-    "compile_sharded",
+    "check_pipelining",
     "annotate_one_ipu",
+    "annotate_placement",
     "is_link",
     "is_sync",
     "parse_link",
@@ -79,10 +76,6 @@ _log = logging.getLogger(__name__)
 
 IPU_ATTR = "__ipu_number"
 STAGE_ATTR = "__pipeline_stage"
-
-
-def _link(src: int, dst: int, tensor: str) -> str:
-    return f"{LINK_PREFIX}{src}/{dst}/{tensor}"
 
 
 @dataclass
@@ -305,194 +298,28 @@ def _check(plan: Placement, nodes: list[onnx.NodeProto], producer: dict[str, int
     plan.order = order
 
 
-# -- the executable ------------------------------------------------------------------
-
-@dataclass
-class _Part:
-    ipu: int
-    nodes: list[onnx.NodeProto] = field(default_factory=list)
-    node_names: list[str] = field(default_factory=list)
-    stages: set[int] = field(default_factory=set)
-    host_in: list[str] = field(default_factory=list)       # Main anchors read here
-    weights_in: list[str] = field(default_factory=list)    # Load anchors read here
-    forward: list[tuple[str, int]] = field(default_factory=list)   # (input, to IPU)
-    wforward: list[tuple[str, int]] = field(default_factory=list)  # (weight, to IPU)
-    links_in: list[tuple[str, int]] = field(default_factory=list)  # (tensor, from IPU)
-    wlinks_in: list[tuple[str, int]] = field(default_factory=list)
-    links_out: list[tuple[str, int]] = field(default_factory=list)  # (tensor, to IPU)
-    host_out: list[str] = field(default_factory=list)
-    graph_inputs: list[str] = field(default_factory=list)
-    graph_outputs: list[str] = field(default_factory=list)
+def annotate_one_ipu(result: "CompileResult", p: "Prepared", opts: "CompileOptions") -> None:
+    """``num_ipus`` 1 with sharding options: check the placement, record it on the model."""
+    check_num_ipus(1, opts.machine_ipus)
+    plan = place_nodes(p.device_model.graph, dict(opts.sharding_info or {}),
+                       dict(opts.pipelining_info or {}), 1, opts.enable_pipelining)
+    check_pipelining(opts, plan)
+    model = onnx.ModelProto()
+    model.CopyFrom(result.output_model)
+    annotate_placement(model.graph, p.device_model.graph, plan)
+    result.output_model = model
 
 
-def compile_sharded(p: "Prepared", opts: "CompileOptions", target: "Target",
-                    per_ipu_memory: int) -> "CompileResult":
-    """Compile one prepared model over ``opts.num_ipus`` IPUs."""
-
-    n_ipus = opts.num_ipus
-    check_num_ipus(n_ipus, opts.machine_ipus)
-    check_fit([p], opts, target, 0, 0, 0, 0)   # max_tensor_size; no tensor above one IPU
-    dev_graph = p.device_model.graph
-    plan = place_nodes(dev_graph, dict(opts.sharding_info or {}),
-                       dict(opts.pipelining_info or {}), n_ipus, opts.enable_pipelining)
+def check_pipelining(opts: "CompileOptions", plan: Placement) -> None:
+    """With pipelining, each step's batches fill the stages evenly (CompileError)."""
     if opts.enable_pipelining and opts.device_iterations % plan.num_stages:
         raise CompileError(
             f"with pipelining, batches_per_step must be a multiple of the number of pipeline "
             f"stages ({plan.num_stages}); got {opts.device_iterations}")
-    sizes = p.sizes
-    weights = {w.name: (w, data) for w, data in p.weights}
-    inputs = {v.name: v for v in p.inputs}
-    out_names = [v.name for v in p.outputs]
-    parts = [_Part(i) for i in range(n_ipus)]
-    rank = {ipu: r for r, ipu in enumerate(plan.order)}
-    consumers: dict[str, list[int]] = {}
-    producer_ipu: dict[str, int] = {}
-    for k, n in enumerate(dev_graph.node):
-        part = parts[plan.ipu[k]]
-        part.nodes.append(n)
-        part.node_names.append(n.name or f"#{k}:{n.op_type}")
-        part.stages.add(plan.stage[k])
-        for t in n.input:
-            if t and plan.ipu[k] not in consumers.setdefault(t, []):
-                consumers[t].append(plan.ipu[k])
-        for t in n.output:
-            if t:
-                producer_ipu[t] = plan.ipu[k]
-    inits = {t.name: t for t in dev_graph.initializer}
-
-    def vi(name: str) -> onnx.ValueInfoProto:
-        if name not in sizes:
-            raise CompileError(f"model {echo(p.label, 200)}: tensor {echo(name)} crosses IPUs but its shape "
-                               "is not known after shape inference")
-        dtype, shape, _ = sizes[name]
-        return helper.make_tensor_value_info(name, DTYPE_TO_ONNX[dtype], list(shape))
-
-    # host inputs (and tensor-data weights): read by their first consumer, forwarded
-    for name, users in consumers.items():
-        if name in inputs or name in weights:
-            users = sorted(users, key=rank.__getitem__)
-            owner = parts[users[0]]
-            (owner.host_in if name in inputs else owner.weights_in).append(name)
-            for u in users:
-                parts[u].graph_inputs.append(name)
-            for u in users[1:]:
-                (owner.forward if name in inputs else owner.wforward).append((name, u))
-                (parts[u].links_in if name in inputs else parts[u].wlinks_in).append(
-                    (name, owner.ipu))
-        elif name in producer_ipu:
-            src = producer_ipu[name]
-            for u in users:
-                if u != src:
-                    parts[src].links_out.append((name, u))
-                    parts[u].links_in.append((name, src))
-                    parts[u].graph_inputs.append(name)
-                    if name not in parts[src].graph_outputs:
-                        parts[src].graph_outputs.append(name)
-    unused = [v for v in inputs if v not in consumers]
-    if unused:
-        raise CompileError(f"model {echo(p.label, 200)}: inputs {echo(unused, 200)} are not used by any node; "
-                           "a sharded model streams each input to the IPU that consumes it")
-    for name in out_names:
-        maker = producer_ipu.get(name)
-        if maker is None:
-            raise CompileError(f"model {echo(p.label, 200)}: output {echo(name)} is not produced by a node")
-        parts[maker].host_out.append(name)
-        if name not in parts[maker].graph_outputs:
-            parts[maker].graph_outputs.append(name)
-
-    # sync tokens (sharding without pipelining): each last IPU -> each first IPU
-    sinks = [i for i in plan.order if not parts[i].links_out and not parts[i].forward]
-    sources = [i for i in plan.order if not parts[i].links_in]
-    sync_pairs = [] if opts.enable_pipelining else [
-        (s, d) for s in sinks for d in sources if s != d]
-
-    opset = list(p.device_model.opset_import)
-    exe_parts: list[Executable] = []
-    for part in parts:
-        exe_parts.append(_idle_part(opts, target, part.ipu) if part.ipu in plan.idle else
-                         _part_executable(p, opts, target, part, opset, inits, vi, sync_pairs,
-                                          plan, per_ipu_memory))
-
-    # the host's view: every anchor, Main reads each input and writes each output once
-    anchors: list[AnchorDesc] = []
-    host_specs: list[tuple[str, str, tuple[int, ...]]] = []
-    streams: dict[str, StreamSpec] = {}
-    load: list[Instruction] = []
-    save: list[Instruction] = []
-    body: list[Instruction] = []
-    outs: list[Instruction] = []
-
-    def add(name: str, handle: str, direction: str, dtype: str, shape: tuple[int, ...],
-            programs: tuple[int, ...], kind: str, data: bytes | None = None) -> None:
-        streams[handle] = StreamSpec(direction, dtype, list(shape),
-                                     numpy_dtype(dtype).itemsize * _count(shape))
-        anchors.append(AnchorDesc(name, handle, direction, dtype, shape, programs, kind,
-                                  None, data))
-
-    for v in p.inputs:
-        host_specs.append((v.name, v.dtype, v.shape))
-        add(v.name, v.name, "in", v.dtype, v.shape, (MAIN_PROGRAM,), "input")
-        body.append(StreamIn(v.name, v.name))
-    for v in p.outputs:
-        host_specs.append((v.name, v.dtype, v.shape))
-        add(v.name, v.name, "out", v.dtype, v.shape, (MAIN_PROGRAM,), "output")
-        outs.append(StreamOut(v.name, v.name))
-    for w, data in p.weights:
-        host_specs.append((w.name, w.dtype, w.shape))
-        add(w.name, w.name, "in", w.dtype, w.shape, (LOAD_PROGRAM,), "weight", data)
-        load.append(StreamIn(w.name, w.name))
-        if opts.save_weights:
-            add(w.name + "_saved", w.name + "_saved", "out", w.dtype, w.shape,
-                (SAVE_PROGRAM,), "saved")
-            save.append(StreamOut(w.name, w.name + "_saved"))
-    tensors, memory_bytes = plan_memory(host_specs)
-    required = max(memory_bytes, sum(e.required_bytes for e in exe_parts))
-    summary = {
-        "pipelining": bool(opts.enable_pipelining),
-        "num_stages": plan.num_stages,
-        "order": plan.order,
-        "idle": plan.idle,
-        "ipus": [{"ipu": pt.ipu, "idle": pt.ipu in plan.idle, "stages": sorted(pt.stages),
-                  "nodes": len(pt.nodes),
-                  "inputs": pt.host_in + pt.weights_in, "outputs": pt.host_out,
-                  "links_in": [f"{t}<-ipu{s}" for t, s in pt.links_in + pt.wlinks_in],
-                  "links_out": [f"{t}->ipu{d}" for t, d in pt.links_out + pt.forward +
-                                pt.wforward],
-                  "required_bytes": e.required_bytes}
-                 for pt, e in zip(parts, exe_parts)],
-    }
-    exe = Executable(
-        name=opts.name,
-        programs=[Program("load", tuple(load)),
-                  Program("main", (Repeat(opts.device_iterations, tuple(body + outs)),)),
-                  Program("save", tuple(save))],
-        graphs=[], tensors=tensors, streams=streams, memory_bytes=memory_bytes,
-        required_bytes=required, ipu_version=target.version, num_ipus=n_ipus,
-        device_iterations=opts.device_iterations, package_hash=ipu_emulator.package_hash(),
-        attributes={"models": os.path.basename(p.label), "fused": "0",
-                    "constant_bytes": str(sum(int(e.attributes["constant_bytes"])
-                                              for e in exe_parts)),
-                    "activation_bytes": str(max(int(e.attributes["activation_bytes"])
-                                                for e in exe_parts)),
-                    "sharding": _clip(json.dumps(summary, separators=(",", ":")))},
-        parts=exe_parts)
-    exe.validate()
-    order = {"input": 1, "output": 2, "weight": 3, "saved": 4}
-    anchors.sort(key=lambda a: order[a.kind])
-    output_model = onnx.ModelProto()
-    output_model.CopyFrom(p.model)
-    _annotate(output_model.graph, p.device_model.graph, plan)
-    return CompileResult(
-        executable=exe, anchors=anchors,
-        program_flow={"load": [LOAD_PROGRAM], "main": [MAIN_PROGRAM], "save": [SAVE_PROGRAM]},
-        output_model=output_model, models=[p.model], subgraphs={}, fused=False)
 
 
-def _clip(text: str, limit: int = 60000) -> str:
-    return text if len(text) <= limit else text[:limit]
-
-
-def _annotate(graph: onnx.GraphProto, device_graph: onnx.GraphProto, plan: Placement) -> None:
+def annotate_placement(graph: onnx.GraphProto, device_graph: onnx.GraphProto,
+                       plan: Placement) -> None:
     """Record the placement on the written model's nodes, as PopRT does."""
     where = {}
     removed = plan.rest   # a node the compile removed: where the rest goes, on a busy IPU
@@ -507,166 +334,3 @@ def _annotate(graph: onnx.GraphProto, device_graph: onnx.GraphProto, plan: Place
                 n.attribute.remove(a)
         n.attribute.extend([helper.make_attribute(IPU_ATTR, ipu),
                             helper.make_attribute(STAGE_ATTR, stage)])
-
-
-def _part_executable(p: "Prepared", opts: "CompileOptions", target: "Target", part: _Part,
-                     opset: list[onnx.OperatorSetIdProto], inits: dict[str, onnx.TensorProto],
-                     vi: Any, sync_pairs: list[tuple[int, int]], plan: Placement,
-                     per_ipu_memory: int) -> Executable:
-    from ipu_emulator.compiler._prepare import _peak_activations
-
-    used = {t for n in part.nodes for t in n.input if t}
-    part_inits = [inits[t] for t in sorted(used) if t in inits]
-    g = helper.make_graph(part.nodes, f"{p.device_model.graph.name or 'model'}_ipu{part.ipu}",
-                          [vi(t) for t in part.graph_inputs], [vi(t) for t in part.graph_outputs],
-                          initializer=part_inits)
-    model = helper.make_model(g, opset_imports=opset)
-    model.ir_version = p.device_model.ir_version
-    sig = {}
-    for t in part.graph_inputs + part.graph_outputs:
-        dtype, shape, _ = p.sizes[t]
-        sig[t] = TensorSig(t, dtype, tuple(shape))
-    graph = Graph(tuple(sig[t] for t in part.graph_inputs),
-                  tuple(sig[t] for t in part.graph_outputs), model.SerializeToString())
-    specs: list[tuple[str, str, tuple[int, ...]]] = []
-    for t in dict.fromkeys(part.graph_inputs + part.graph_outputs):
-        dtype, shape, _ = p.sizes[t]
-        specs.append((t, dtype, tuple(shape)))
-    streams: dict[str, StreamSpec] = {}
-
-    def stream(handle: str, direction: str, tensor: str) -> None:
-        dtype, shape, nbytes = p.sizes[tensor] if tensor != SYNC_TENSOR else ("U8", (1,), 1)
-        streams[handle] = StreamSpec(direction, dtype, list(shape), nbytes)
-
-    load: list[Instruction] = []
-    save: list[Instruction] = []
-    for w in part.weights_in:
-        stream(w, "in", w)
-        load.append(StreamIn(w, w))
-        if opts.save_weights:
-            stream(w + "_saved", "out", w)
-            save.append(StreamOut(w, w + "_saved"))
-    for w, dst in part.wforward:
-        stream(_link(part.ipu, dst, w), "out", w)
-        load.append(StreamOut(w, _link(part.ipu, dst, w)))
-    for w, src in part.wlinks_in:
-        stream(_link(src, part.ipu, w), "in", w)
-        load.append(StreamIn(_link(src, part.ipu, w), w))
-    body: list[Instruction] = []
-    sync = [(s, d) for s, d in sync_pairs if part.ipu in (s, d)]
-    for s, d in sync:   # a first IPU starts batch i+1 once the last IPUs finished batch i
-        if d == part.ipu:
-            stream(_link(s, d, SYNC_TENSOR), "in", SYNC_TENSOR)
-            body.append(StreamIn(_link(s, d, SYNC_TENSOR), SYNC_TENSOR))
-    for t in part.host_in:
-        stream(t, "in", t)
-        body.append(StreamIn(t, t))
-    for t, dst in part.forward:
-        stream(_link(part.ipu, dst, t), "out", t)
-        body.append(StreamOut(t, _link(part.ipu, dst, t)))
-    for t, src in part.links_in:
-        stream(_link(src, part.ipu, t), "in", t)
-        body.append(StreamIn(_link(src, part.ipu, t), t))
-    body.append(Execute(0, tuple((t, t) for t in part.graph_inputs),
-                        tuple((t, t) for t in part.graph_outputs)))
-    for t, dst in part.links_out:
-        stream(_link(part.ipu, dst, t), "out", t)
-        body.append(StreamOut(t, _link(part.ipu, dst, t)))
-    for t in part.host_out:
-        stream(t, "out", t)
-        body.append(StreamOut(t, t))
-    if sync:
-        specs.append((SYNC_TENSOR, "U8", (1,)))
-        for s, d in sync:
-            if s == part.ipu:
-                stream(_link(s, d, SYNC_TENSOR), "out", SYNC_TENSOR)
-                body.append(StreamOut(SYNC_TENSOR, _link(s, d, SYNC_TENSOR)))
-    tensors, memory_bytes = plan_memory(specs)
-    constants = sum(p.sizes[t.name][2] for t in part_inits if t.name in p.sizes)
-    activations = _peak_activations(model, p.sizes)
-    required = memory_bytes + constants + activations
-    if required > per_ipu_memory:
-        raise CompileError(
-            f"IPU {part.ipu}'s part of model {echo(p.label, 200)} ({len(part.nodes)} nodes) needs "
-            f"{required} bytes (device tensors {memory_bytes}, constants {constants}, peak "
-            f"activations {activations}) but one {target.name} IPU has {per_ipu_memory} bytes; "
-            "move sharding points so the parts are smaller, or use more IPUs")
-    return Executable(
-        name=f"{opts.name[:100]}.ipu{part.ipu}",
-        programs=[Program("load", tuple(load)),
-                  Program("main", (Repeat(opts.device_iterations, tuple(body)),)),
-                  Program("save", tuple(save))],
-        graphs=[graph], tensors=tensors, streams=streams, memory_bytes=memory_bytes,
-        required_bytes=required, ipu_version=target.version, num_ipus=1,
-        device_iterations=opts.device_iterations, package_hash=ipu_emulator.package_hash(),
-        attributes={"ipu": str(part.ipu), "keep_apart": "0", "stages": ",".join(map(str, sorted(part.stages))),
-                    "nodes": _clip(",".join(part.node_names)),
-                    "constant_bytes": str(constants), "activation_bytes": str(activations)})
-
-
-def _idle_part(opts: "CompileOptions", target: "Target", ipu: int) -> Executable:
-    """IPU ``ipu`` holds no node: a part marked idle, with nothing in it. The host loads
-    nothing on that IPU and runs nothing there (host_runtime.devices._ipu_group); the
-    executable's checks refuse an idle mark on a part that has anything to run."""
-    return Executable(
-        name=f"{opts.name[:100]}.ipu{ipu}",
-        programs=[Program("load", ()), Program("main", ()), Program("save", ())],
-        graphs=[], tensors={}, streams={}, memory_bytes=0, required_bytes=0,
-        ipu_version=target.version, num_ipus=1, device_iterations=opts.device_iterations,
-        package_hash=ipu_emulator.package_hash(),
-        attributes={IDLE_ATTR: "1", "ipu": str(ipu), "nodes": "", "stages": "",
-                    "constant_bytes": "0", "activation_bytes": "0"})
-
-
-def _count(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def describe_parts(exe: Executable) -> dict[str, Any] | None:
-    """Which nodes, anchors and tensors live on which IPU and stage (popef_dump), or None
-    for a one-IPU executable."""
-    if not exe.parts:
-        return None
-    summary: dict[str, Any] = {}
-    try:
-        summary = json.loads(exe.attributes.get("sharding", "{}"))
-    except ValueError:
-        pass
-    ipus = []
-    for k, part in enumerate(exe.parts):
-        anchors_in: list[str] = []
-        anchors_out: list[str] = []
-        links_in: list[str] = []
-        links_out: list[str] = []
-        for h, s in part.streams.items():
-            if is_link(h):
-                src, dst, tensor = parse_link(h)
-                (links_out if s.direction == "out" else links_in).append(
-                    f"{tensor} -> ipu {dst}" if s.direction == "out" else f"{tensor} <- ipu {src}")
-            else:
-                (anchors_in if s.direction == "in" else anchors_out).append(h)
-        nodes = [n for n in part.attributes.get("nodes", "").split(",") if n]
-        ipus.append({"ipu": k, "idle": part.idle, "stages": part.attributes.get("stages", ""), "nodes": nodes,
-                     "anchors_in": anchors_in, "anchors_out": anchors_out,
-                     "links_in": links_in, "links_out": links_out,
-                     "tensors": sorted(part.tensors), "required_bytes": part.required_bytes})
-    return {"pipelining": bool(summary.get("pipelining", False)),
-            "num_stages": int(summary.get("num_stages", 1)), "ipus": ipus}
-
-
-def annotate_one_ipu(result: "CompileResult", p: "Prepared", opts: "CompileOptions") -> None:
-    """``num_ipus`` 1 with sharding options: check the placement, record it on the model."""
-    check_num_ipus(1, opts.machine_ipus)
-    plan = place_nodes(p.device_model.graph, dict(opts.sharding_info or {}),
-                       dict(opts.pipelining_info or {}), 1, opts.enable_pipelining)
-    if opts.enable_pipelining and opts.device_iterations % plan.num_stages:
-        raise CompileError(
-            f"with pipelining, batches_per_step must be a multiple of the number of pipeline "
-            f"stages ({plan.num_stages}); got {opts.device_iterations}")
-    model = onnx.ModelProto()
-    model.CopyFrom(result.output_model)
-    _annotate(model.graph, p.device_model.graph, plan)
-    result.output_model = model

@@ -27,6 +27,8 @@ plugin runs both on one home), and a second daemon could not even start.
 
 Event loop: asyncio on one thread owns every state change; blocking steps on
 IPU processes run on the default executor, at most one at a time per IPU.
+This module serves connections and answers requests; attaching and taking back
+are :mod:`._attach`, keeping the IPU processes running is :mod:`._keeper`.
 ``run()`` returns after SIGTERM/SIGINT, having stopped every IPU process and
 removed the socket and every shared-memory object of the daemon.
 """
@@ -43,14 +45,16 @@ import stat
 import struct
 from typing import Any
 
-from shm import ExitWatch, pid_alive
+from shm import pid_alive
 
-from ipu_emulator import safe_files, titles, trace
+from ipu_emulator import safe_files, titles
 from ipu_emulator.daemon import socket_protocol as wire
 from ipu_emulator.daemon.daemon_metrics import DaemonMetrics
-from ipu_emulator.daemon._pool import PoolError, PooledIpu, remove_objects_of
+from ipu_emulator.daemon._attach import Conn, attach, error, release
+from ipu_emulator.daemon._keeper import ProcessKeeper
+from ipu_emulator.daemon._pool import PooledIpu
 from ipu_emulator.ipu.launcher import IpuSpec
-from ipu_emulator.system import IpuLocks, SystemConfig
+from ipu_emulator.system import SystemConfig
 from ipu_emulator.errors import DaemonError
 from ipu_emulator.faults import FaultSpecError, FaultTable, dumps, parse_faults
 from ipu_emulator.settings import IpuSettings
@@ -60,37 +64,10 @@ __all__ = ["Daemon", "DaemonError"]
 _log = logging.getLogger("ipu_emulator.daemon.server")
 
 _MONITOR = 0.2     # seconds between checks of holders and IPU processes
-_RETRY = 5.0       # seconds between restarts of an IPU process that failed to start
-_EXITS_KEPT = 256  # exit statuses of retired IPU processes kept for exit_status
 MAX_CONNECTIONS = 512   # connections served at once; more are answered "busy" and closed
 FIRST_MESSAGE_TIMEOUT = 10.0   # seconds a new connection may stay silent before its first
                                # message (later silence is a host holding its IPUs)
 REPLY_TIMEOUT = 10.0    # seconds a reply may wait for a client that does not read
-
-
-
-_EXIT_GRACE = 2.0
-"""Seconds a host whose connection dropped is given to exit before it counts as alive."""
-
-
-def _exits_within(pid: int, timeout: float) -> bool:
-    """True if ``pid`` has exited, or exits within ``timeout`` seconds."""
-    watch = ExitWatch([pid])
-    try:
-        return watch.wait(timeout) is not None or not pid_alive(pid)
-    finally:
-        watch.close()
-
-
-class _Conn:
-    """One client connection: its peer and what it holds."""
-
-    def __init__(self, pid: int, writer: asyncio.StreamWriter) -> None:
-        self.pid = pid
-        self.writer = writer
-        self.holding: list[PooledIpu] = []
-        self.locks: IpuLocks | None = None   # the home's lock files of what it holds
-        self.device_id = -1   # the host's device id of what it holds (-1: not given)
 
 
 class Daemon:
@@ -111,13 +88,9 @@ class Daemon:
                                        compute_threads=system.compute_threads,
                                        label=f"ipu {i}"), system.log_dir, self.settings)
                      for i in range(system.num_ipus)]
-        self._conns: set[_Conn] = set()
-        self._exits: dict[int, int] = {}
+        self._conns: set[Conn] = set()
         self._stop: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._busy: set[int] = set()     # IPUs with a blocking step under way
-        self._retry_at: dict[int, float] = {}
-        self._stopping = False   # no more attaches, resets or restarts
         # the schedule of faults its IPUs follow (IPU_EMULATOR_FAULTS, --faults; live:
         # the "faults" request): refused here when bad, naming the fault, field and value
         try:
@@ -128,6 +101,7 @@ class Daemon:
         for ipu in self.ipus:
             ipu.faults = [self.fault_table.name]
         self.metrics = DaemonMetrics(self, metrics_port, metrics_address)
+        self.keeper = ProcessKeeper(self.ipus, self.metrics.died)
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -156,7 +130,7 @@ class Daemon:
         monitor = None
         try:
             port = self.metrics.serve()   # first: a port in use fails before any IPU starts
-            await asyncio.gather(*(self._start_ipu(ipu) for ipu in self.ipus))
+            await asyncio.gather(*(self.keeper.start(ipu) for ipu in self.ipus))
             failed = [ipu.index for ipu in self.ipus if ipu.state != "free"]
             if failed:
                 raise DaemonError(f"IPU processes of ipus {failed} did not start; see "
@@ -182,7 +156,7 @@ class Daemon:
             await self._stop.wait()
             _log.info("stopping")
         finally:
-            self._stopping = True
+            self.keeper.stopping = True
             self.metrics.close()
             if monitor is not None:
                 monitor.cancel()
@@ -192,7 +166,7 @@ class Daemon:
                 conn.writer.close()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.socket_path)
-            await self._stop_ipus()
+            await self.keeper.stop_all()
             self.fault_table.close()
         return 0
 
@@ -215,38 +189,6 @@ class Daemon:
             else:
                 raise DaemonError(f"another daemon is serving at {path}")
 
-    async def _stop_ipus(self) -> None:
-        loop = asyncio.get_running_loop()
-        pids = {os.getpid()} | {ipu.pid for ipu in self.ipus if ipu.pid is not None}
-        pids |= {ipu.holder for ipu in self.ipus   # holders that died: nobody else cleans up
-                 if ipu.holder is not None and not pid_alive(ipu.holder)}
-
-        def stop(ipu: PooledIpu) -> None:
-            try:
-                ipu.close_process(polite=ipu.state == "free")
-            except Exception:
-                _log.exception("stopping ipu %d", ipu.index)
-        await asyncio.gather(*(loop.run_in_executor(None, stop, ipu) for ipu in self.ipus))
-        removed = remove_objects_of(pids)
-        if removed:
-            _log.info("removed %d leftover shared-memory objects", len(removed))
-
-    async def _start_ipu(self, ipu: PooledIpu) -> None:
-        if self._stopping:
-            return
-        ipu.state, ipu.holder = "starting", None
-        self._busy.add(ipu.index)
-        try:
-            await asyncio.get_running_loop().run_in_executor(None, ipu.start)
-            ipu.state = "free"
-            self._retry_at.pop(ipu.index, None)
-        except Exception as exc:
-            _log.error("ipu %d: cannot start its process: %s", ipu.index, exc)
-            ipu.state = "failed"
-            self._retry_at[ipu.index] = asyncio.get_running_loop().time() + _RETRY
-        finally:
-            self._busy.discard(ipu.index)
-
     # -- clients --------------------------------------------------------------------------
 
     async def _serve_client(self, reader: asyncio.StreamReader,
@@ -261,11 +203,11 @@ class Daemon:
         if len(self._conns) >= MAX_CONNECTIONS:
             _log.warning("refusing a connection of pid %d: %d connections open", pid,
                          len(self._conns))
-            writer.write(wire.encode(_error("overloaded", f"the daemon serves {MAX_CONNECTIONS} "
+            writer.write(wire.encode(error("overloaded", f"the daemon serves {MAX_CONNECTIONS} "
                                             "connections at most; try again later")))
             writer.close()
             return
-        conn = _Conn(pid, writer)
+        conn = Conn(pid, writer)
         self._conns.add(conn)
         first = True
         try:
@@ -281,7 +223,7 @@ class Daemon:
                               FIRST_MESSAGE_TIMEOUT)
                     break
                 except (ValueError, asyncio.LimitOverrunError):
-                    await self._reply(conn, _error("protocol", f"message longer than "
+                    await self._reply(conn, error("protocol", f"message longer than "
                                                    f"{wire.MAX_MESSAGE} bytes; closing"))
                     break
                 if not line:
@@ -289,13 +231,13 @@ class Daemon:
                 try:
                     req = wire.decode(line)
                 except wire.DaemonProtocolError as exc:
-                    await self._reply(conn, _error("protocol", str(exc)))
+                    await self._reply(conn, error("protocol", str(exc)))
                     continue
                 try:
                     reply = await self._handle(conn, req)
                 except Exception as exc:   # a bug: the client still gets an answer
                     _log.exception("%s request of pid %d failed", req.get("op"), conn.pid)
-                    reply = _error("internal", f"{type(exc).__name__}: {exc}")
+                    reply = error("internal", f"{type(exc).__name__}: {exc}")
                 await self._reply(conn, reply)
         except (ConnectionError, OSError):
             pass
@@ -304,7 +246,7 @@ class Daemon:
             await self._release(conn, "disconnected")
             writer.close()
 
-    async def _reply(self, conn: _Conn, reply: dict[str, Any]) -> None:
+    async def _reply(self, conn: Conn, reply: dict[str, Any]) -> None:
         conn.writer.write(wire.encode(reply))
         try:
             await asyncio.wait_for(conn.writer.drain(), REPLY_TIMEOUT)
@@ -312,7 +254,7 @@ class Daemon:
             raise ConnectionError(f"pid {conn.pid} did not read its reply for "
                                   f"{REPLY_TIMEOUT:.0f} s") from None
 
-    async def _handle(self, conn: _Conn, req: dict[str, Any]) -> dict[str, Any]:
+    async def _handle(self, conn: Conn, req: dict[str, Any]) -> dict[str, Any]:
         op = req.get("op")
         if op == "hello":
             return {"ok": True, "daemon_pid": os.getpid(), "system": self._system_info()}
@@ -327,7 +269,7 @@ class Daemon:
             return await self._exit_status(req.get("pid"))
         if op == "faults":
             return self._faults(req)
-        return _error("protocol", f"unknown op {op!r}; expected hello, status, attach, "
+        return error("protocol", f"unknown op {op!r}; expected hello, status, attach, "
                       "release, exit_status or faults")
 
     def faults_injected(self) -> dict[str, int]:
@@ -344,7 +286,7 @@ class Daemon:
         try:
             new = parse_faults(req.get("add") or [], "faults request")
         except FaultSpecError as exc:
-            return _error("bad_request", str(exc))
+            return error("bad_request", str(exc))
         if req.get("clear"):
             self.fault_table.clear()
         if new:
@@ -375,9 +317,9 @@ class Daemon:
                 "tiles_per_ipu": s.tiles_per_ipu, "memory_per_tile": s.memory_per_tile,
                 "compute_threads": s.compute_threads}
 
-    async def _attach(self, conn: _Conn, req: dict[str, Any]) -> dict[str, Any]:
+    async def _attach(self, conn: Conn, req: dict[str, Any]) -> dict[str, Any]:
         started = asyncio.get_running_loop().time()
-        reply = await self._attach_ipus(conn, req)
+        reply = await attach(self.keeper, self.system, conn, req)
         if reply.get("error") == "busy":
             self.metrics.attach_busy(conn.pid)
         else:
@@ -385,151 +327,16 @@ class Daemon:
                                      refused=reply.get("error") in ("request", "stopping"))
         return reply
 
-    async def _attach_ipus(self, conn: _Conn, req: dict[str, Any]) -> dict[str, Any]:
-        indices = req.get("ipus")
-        device_id = req.get("device_id", -1)
-        n = len(self.ipus)
-        if (not isinstance(indices, list) or not indices
-                or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n
-                           for i in indices) or len(set(indices)) != len(indices)
-                or not isinstance(device_id, int)):
-            return _error("request", f"attach needs 'ipus': distinct IPU numbers in 0..{n - 1} "
-                          f"and an int 'device_id', got {indices!r}, {device_id!r}")
-        if self._stopping:
-            return _error("stopping", "the daemon is stopping")
-        if conn.holding:
-            return _error("request", f"this connection already holds ipus "
-                          f"{[i.index for i in conn.holding]}; one attachment per connection")
-        wanted = [self.ipus[i] for i in indices]
-        busy = {str(i.index): i.holder for i in wanted if i.state != "free"}
-        if busy:
-            text = ", ".join(f"ipu {k} " + (f"held by pid {v}" if v else
-                                            f"{self.ipus[int(k)].state}")
-                             for k, v in busy.items())
-            return {"ok": False, "error": "busy", "busy": busy,
-                    "message": f"ipus {indices} are not all free: {text}"}
-        # the home's lock files: exclusive against embedded hosts and other daemons
-        try:
-            locks = IpuLocks.try_acquire(self.system.lock_dir, tuple(indices))
-        except OSError as exc:
-            return _error("failed", f"cannot lock ipus {indices} in {self.system.lock_dir}: "
-                          f"{exc}")
-        if isinstance(locks, dict):
-            outside = {str(i): pid for i, pid in locks.items()}
-            text = ", ".join(f"ipu {i} " + (f"by pid {pid}" if pid else "(holder unknown)")
-                             for i, pid in sorted(locks.items()))
-            return {"ok": False, "error": "busy", "busy": outside,
-                    "message": f"ipus {indices} are held outside this daemon, on its home "
-                               f"{self.system.home} (lock files in {self.system.lock_dir}): "
-                               f"{text}"}
-        conn.locks = locks
-        for ipu in wanted:
-            ipu.state, ipu.holder = "attaching", conn.pid
-        label = (f"device {device_id} (ipu {{}})" if device_id >= 0 else "ipu {}")
-        results = await asyncio.gather(*(
-            self._blocking(ipu, ipu.hand_over, conn.pid, len(wanted) if k == 0 else 1,
-                           label.format(ipu.index)) for k, ipu in enumerate(wanted)),
-            return_exceptions=True)
-        failed = [(ipu, r) for ipu, r in zip(wanted, results) if isinstance(r, BaseException)]
-        if failed:
-            for ipu, _ in failed:
-                ipu.state = "dead"   # the release below restarts these, resets the others
-            conn.holding = wanted
-            await self._release(conn, "attach failed")
-            return _error("failed", "; ".join(str(r) for _, r in failed))
-        if conn.writer.is_closing() or not pid_alive(conn.pid):
-            conn.holding = wanted
-            await self._release(conn, "gone while attaching")
-            return _error("failed", "the host went away while attaching")
-        for ipu in wanted:
-            ipu.state = "held"
-            ipu.hosts_served += 1
-        conn.holding = wanted
-        conn.device_id = device_id
-        _log.info("host %d attached ipus %s (pids %s)", conn.pid, indices,
-                  [ipu.pid for ipu in wanted])
-        trace.instant(f"host {conn.pid} attached ipus {indices}", host=conn.pid)
-        return {"ok": True, "ipus": [ipu.info() for ipu in wanted]}
-
-    async def _blocking(self, ipu: PooledIpu, fn: Any, *args: Any) -> Any:
-        self._busy.add(ipu.index)
-        try:
-            return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
-        finally:
-            self._busy.discard(ipu.index)
-
-    async def _release(self, conn: _Conn, why: str) -> None:
-        """Take back what ``conn`` holds: reset each IPU (restart a dead one), then free it."""
-        held, conn.holding = conn.holding, []
-        try:
-            await self._take_back_all(conn, held, why)
-        finally:
-            locks, conn.locks = conn.locks, None
-            if locks is not None:   # reset (or restarted) and free: others may lock them
-                locks.release()
-
-    async def _take_back_all(self, conn: _Conn, held: list[PooledIpu], why: str) -> None:
-        if not held or self._stopping:   # stopping: every IPU process is being stopped
-            return
-        dead = not pid_alive(conn.pid)
-        _log.info("host %d %s ipus %s", conn.pid, "died; reclaiming" if dead else why,
-                  [ipu.index for ipu in held])
-        trace.instant(f"host {conn.pid} {'died' if dead else why}: ipus "
-                      f"{[ipu.index for ipu in held]}", host=conn.pid)
-        for ipu in held:
-            if ipu.state != "dead":
-                ipu.state = "resetting"
-        results = await asyncio.gather(*(self._take_back(ipu) for ipu in held))
-        if not dead and why == "disconnected":
-            # a host killed by a signal closes its socket an instant before it exits
-            dead = await asyncio.get_running_loop().run_in_executor(
-                None, _exits_within, conn.pid, _EXIT_GRACE)
-        if dead:
-            removed = await asyncio.get_running_loop().run_in_executor(
-                None, remove_objects_of, {conn.pid})
-            if removed:
-                _log.info("removed %d shared-memory objects of dead host %d", len(removed),
-                          conn.pid)
-        for ipu, ok in zip(held, results):
-            if ok:
-                ipu.state, ipu.holder = "free", None
-            else:
-                self._retire(ipu)
-                await self._start_ipu(ipu)
-
-    async def _take_back(self, ipu: PooledIpu) -> bool:
-        if ipu.state == "dead" or not ipu.alive():
-            return False
-        try:
-            await self._blocking(ipu, ipu.take_back)
-            return True
-        except PoolError as exc:
-            _log.warning("%s; restarting the process", exc)
-            return False
-
-    def _retire(self, ipu: PooledIpu) -> None:
-        """Log how the IPU's process ended and keep its exit status (for exit_status)."""
-        proc = ipu.proc
-        if proc is not None and proc.pid not in self._exits:
-            rc = proc.returncode()
-            _log.warning("ipu %d: %s", ipu.index, proc.describe_exit())
-            if rc is not None:
-                self.metrics.died(ipu)
-                self._exits[proc.pid] = rc
-                while len(self._exits) > _EXITS_KEPT:
-                    self._exits.pop(next(iter(self._exits)))
+    async def _release(self, conn: Conn, why: str) -> None:
+        await release(self.keeper, conn, why)
 
     async def _exit_status(self, pid: Any) -> dict[str, Any]:
         if not isinstance(pid, int):
-            return _error("request", f"exit_status needs an int 'pid', got {pid!r}")
-        if pid in self._exits:
-            return {"ok": True, "returncode": self._exits[pid]}
-        for ipu in self.ipus:
-            proc = ipu.proc
-            if proc is not None and proc.pid == pid:
-                rc = await asyncio.get_running_loop().run_in_executor(None, proc.wait_exit, 2.0)
-                return {"ok": True, "returncode": rc}
-        return _error("unknown", f"process {pid} is not an IPU process of this daemon")
+            return error("request", f"exit_status needs an int 'pid', got {pid!r}")
+        try:
+            return {"ok": True, "returncode": await self.keeper.exit_status(pid)}
+        except KeyError:
+            return error("unknown", f"process {pid} is not an IPU process of this daemon")
 
     # -- monitor --------------------------------------------------------------------------
 
@@ -540,23 +347,4 @@ class Daemon:
             for conn in list(self._conns):
                 if conn.holding and not pid_alive(conn.pid):
                     loop.create_task(self._release(conn, "died"))
-            for ipu in self.ipus:
-                if ipu.index in self._busy:
-                    continue
-                if ipu.state in ("free", "held") and not ipu.alive():
-                    self._retire(ipu)
-                    if ipu.state == "free":
-                        self._schedule_start(ipu)
-                    else:
-                        ipu.state = "dead"   # restarted when its holder releases it
-                elif ipu.state == "failed" and loop.time() >= self._retry_at.get(ipu.index, 0):
-                    self._schedule_start(ipu)
-
-    def _schedule_start(self, ipu: PooledIpu) -> None:
-        ipu.state, ipu.holder = "starting", None   # at once: no attach may take it meanwhile
-        self._busy.add(ipu.index)
-        asyncio.get_running_loop().create_task(self._start_ipu(ipu))
-
-
-def _error(kind: str, message: str) -> dict[str, Any]:
-    return {"ok": False, "error": kind, "message": message}
+            self.keeper.check()

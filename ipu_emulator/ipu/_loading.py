@@ -24,7 +24,7 @@ from shm import Region, Ring, ShmError
 
 from ipu_emulator import ipu_protocol, package_hash
 from ipu_emulator.errors import ExecutableError
-from ipu_emulator.executable import Executable, body_crc32, read_header
+from ipu_emulator.executable import Executable, ExecutableHeader, body_crc32, read_header
 from ipu_emulator.fit import misfit
 from ipu_emulator.ipu._constants import memory_ranges
 from ipu_emulator.ipu._fault_injection import FaultInjector
@@ -142,7 +142,7 @@ class Loader:
             header = self._checked_header(spec, data)
             regions = [region]
             constants = self._constants(spec.constants, regions, undo)
-            weights, file_map, trusted = self._weights(spec, header["total_length"] - size,
+            weights, file_map, trusted = self._weights(spec, header.total_length - size,
                                                        regions, undo)
             # the checksum over large weights is computed while onnxruntime loads them
             crc = Checksum(data, weights) if weights is not None \
@@ -159,7 +159,7 @@ class Loader:
             try:
                 interp = self._interpreter(spec, exe, memory, constants, file_map is not None)
             finally:
-                got = crc.result() if crc is not None else header["body_crc32"]
+                got = crc.result() if crc is not None else header.body_crc32
             undo.callback(interp.close)
             if trusted and spec.weights_file is not None and not same_file(spec.weights_file):
                 assert weights is not None   # changed while read: check it here
@@ -170,12 +170,12 @@ class Loader:
                     drop_pages(file_map)   # held by the interpreter's views (read again)
                 else:
                     unmap(file_map, weights)
-            if got != header["body_crc32"]:
+            if got != header.body_crc32:
                 raise _RequestError(ErrorKind.EXECUTABLE, f"body checksum mismatch: computed "
-                                    f"{got:#010x}, header says {header['body_crc32']:#010x} "
+                                    f"{got:#010x}, header says {header.body_crc32:#010x} "
                                     "(damaged)")
             _log.debug("executable %r: decoded in %.3f s, sessions made in %.3f s",
-                       header["name"], t1 - t0, time.monotonic() - t1)
+                       header.name, t1 - t0, time.monotonic() - t1)
             if spec.weights_region and not getattr(interp, "uses_weights", True):
                 # onnxruntime took its own (prepacked) copy: the shared one is not needed
                 del exe, weights
@@ -183,21 +183,21 @@ class Loader:
             undo.pop_all()
         return _Loaded(spec.key, interp, regions)
 
-    def _checked_header(self, spec: LoadSpec, data: bytes) -> dict[str, Any]:
+    def _checked_header(self, spec: LoadSpec, data: bytes) -> ExecutableHeader:
         """The executable's header, checked against this runtime and this device."""
         try:
             header = read_header(data)
         except ExecutableError as exc:
             raise _RequestError(ErrorKind.EXECUTABLE, str(exc)) from None
         runtime_hash = package_hash()
-        if spec.check_package_hash and header["package_hash"] != runtime_hash:
+        if spec.check_package_hash and header.package_hash != runtime_hash:
             raise _RequestError(ErrorKind.PACKAGE_HASH,
-                                f"package hash {header['package_hash']} differs from runtime "
+                                f"package hash {header.package_hash} differs from runtime "
                                 f"hash {runtime_hash}")
         o = self._options()
-        wrong = misfit(header["name"], header["ipu_version"],
-                       max(header["memory_bytes"], header["required_bytes"]),
-                       header["num_ipus"], device=o.describe(), device_version=o.ipu_version,
+        wrong = misfit(header.name, header.ipu_version,
+                       max(header.memory_bytes, header.required_bytes),
+                       header.num_ipus, device=o.describe(), device_version=o.ipu_version,
                        device_ipus=o.num_ipus, tiles_per_ipu=o.tiles_per_ipu,
                        memory_per_tile=o.memory_per_tile)
         if wrong is not None:

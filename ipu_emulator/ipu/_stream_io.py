@@ -6,7 +6,7 @@ transfers to, the active session's stream rings, posts NEED/OUT events for
 streams in event mode, resolves inputs sent as host shared memory
 (``TAG_SHARED``) and writes redirected outputs there. While it waits for an
 input it polls briefly while inputs came quickly (``shm.spin.PollEstimate``),
-then blocks through ``StreamHost.wait_on``.
+then blocks through ``StreamHost.wait_on`` (``_input_wait``).
 
 What a transfer's tag means and what each stream does in its mode is
 ``_iteration``'s plan; ``run_group`` hands the same plan to the C step. The
@@ -18,42 +18,27 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any, Callable, Protocol, TypeVar
+from typing import Any, Callable, Protocol
 
 from shm import Region, Ring, RingInvalidatedError, RingTimeoutError
-from shm.spin import NEVER, PollEstimate, us_to_ns
 
 from ipu_emulator.ipu._host_memory import HostMemory, HostMemoryError
+from ipu_emulator.ipu._input_wait import InputWait, WaitHost
 from ipu_emulator.ipu._iteration import (HOST_TAG, SLOT_TAG, INPUT_TAGS, InAction,
                                             IterationNumber, SequenceMismatch, StreamPlan,
                                             make_step, numbered, plan_stream)
 from ipu_emulator.executable import is_link
 from ipu_emulator.ipu_protocol import TAG_KIND_MASK, ErrorKind, Message, Op
-from ipu_emulator.settings import IpuSettings
 from ipu_emulator.trace import recorder
 
-_T = TypeVar("_T")
 
-
-class StreamHost(Protocol):
+class StreamHost(WaitHost, Protocol):
     """What the stream I/O needs of the IPU process that runs it (``process.DeviceProcess``)."""
 
     host_memory: HostMemory    # host arrays read in place, outputs written there
-    keeps_apart: bool          # True: this process keeps off the host's CPU (never yield)
 
-    def post(self, msg: Message) -> None:
-        """Post an event (NEED, OUT) to the host."""
-
-    def wait_on(self, fn: Callable[..., _T]) -> _T:
-        """Call a blocking ring operation, re-checking the control ring and the host between
-        slices; raises when the run must stop."""
 
 __all__ = ["_Loaded", "_RequestError", "_RingIO", "_Stream"]
-
-_BACKOFF_POLLS = 8
-"""Polls skipped (blocking at once) after one whose yield ran another task (measured: with
-the load at 11 on 2 CPUs each such yield cost 0.3-2.3 ms)."""
-
 
 _NO_STEP = object()
 # the members, as plain globals (an attribute of an Enum class costs ~0.1 us)
@@ -138,10 +123,8 @@ class _RingIO:
         self._dev = dev
         self._loaded = loaded
         self.disconnected = False   # a stream ring was invalidated (the host disconnected it)
-        s = IpuSettings.current()   # this process's (its launch's)
-        # poll an empty input ring before blocking while inputs came quickly (see _wait_read)
-        self._yielded_ns = us_to_ns(s.yielded_us, NEVER)
-        self._est = PollEstimate(us_to_ns(s.device_spin_us), self._yielded_ns, _BACKOFF_POLLS)
+        # poll an empty input ring before blocking while inputs came quickly
+        self._wait = InputWait(dev)
         self._held_in: dict[str, Ring] = {}        # zero-copy inputs acquired, not released
         self._lent_out: dict[str, _Stream] = {}    # zero-copy outputs acquired, not published
         self._scratch_bufs: dict[str, bytearray] = {}
@@ -160,7 +143,7 @@ class _RingIO:
     def run_group(self, group: Any) -> bool:
         """Do ``group``'s StreamIns, Execute and StreamOuts in one C call, if every
         transfer is there at once (see _iteration.make_step), or after a short poll for the
-        inputs (see _poll); False: nothing was done."""
+        inputs (see InputWait.poll); False: nothing was done."""
         entry = self._step(group)
         if entry is None:
             return False
@@ -173,10 +156,11 @@ class _RingIO:
         if inputs_there is None or inputs_there():
             return False   # the inputs are there but the step declined: the Python path
         t0 = time.perf_counter_ns()
-        if not self._poll(inputs_there) or not step.run(it.seq if it.reading else 0):
+        wait = self._wait
+        if not wait.poll(inputs_there) or not step.run(it.seq if it.reading else 0):
             return False
         it.reading = False
-        self._est.record(time.perf_counter_ns() - t0)
+        wait.est.record(time.perf_counter_ns() - t0)
         return True
 
     def run_groups(self, group: Any, unit: int, deadline_ns: int) -> int:
@@ -231,46 +215,7 @@ class _RingIO:
                 return ring.acquire_read(0)   # its inlined fast path
             except RingTimeoutError:   # published, but the post is not there yet
                 pass
-        return self._read_slow(s, ring)
-
-    def _read_slow(self, s: _Stream, ring: Ring) -> tuple[memoryview, int]:
-        """``_read`` once the input is not there at once: tell the host, then wait."""
-        if s.plan.need_event:
-            self._dev.post(Message(Op.NEED, index=s.index))
-        if not recorder.ON:
-            return self._wait_read(ring)
-        t0 = time.monotonic_ns()
-        try:
-            return self._wait_read(ring)
-        finally:
-            recorder.ipu(recorder.I_WAIT, t0, time.monotonic_ns() - t0, s.index, 0)
-
-    def _wait_read(self, ring: Ring) -> tuple[memoryview, int]:
-        """Wait for an input transfer: poll briefly while recent inputs came quickly (a
-        host sending requests back to back), then block (``shm.spin.PollEstimate``: an
-        idle or slow host costs this process no core)."""
-        clock = time.perf_counter_ns
-        t0 = clock()
-        if self._poll(ring.readable):
-            try:
-                got = ring.acquire_read(0)
-                self._est.record(clock() - t0)
-                return got
-            except RingTimeoutError:
-                pass
-        got = self._dev.wait_on(ring.acquire_read)
-        self._est.record(clock() - t0)
-        return got
-
-    def _poll(self, ready: Callable[[], Any]) -> bool:
-        """Poll ``ready()`` if recent waits were short; True once it is true, False if this
-        process should block instead. The poll yields to the host if it shares this CPU,
-        and a long yield means it does: block instead (unless keeping apart), so that the
-        wake-up lets the scheduler move one of us to an idle CPU (two polling processes on
-        one CPU are never separated)."""
-        est = self._est
-        est.shared_ns = NEVER if self._dev.keeps_apart else self._yielded_ns
-        return est.poll(ready)
+        return self._wait.read_slow(ring, s.index, s.plan.need_event)
 
     def _kind(self, handle: str, tag: int) -> int:
         """The kind of an input's tag, its sequence number checked (see IterationNumber)."""
@@ -372,9 +317,9 @@ class _RingIO:
                 try:
                     view, tag = ring.acquire_read(0)
                 except RingTimeoutError:   # published, but the post is not there yet
-                    view, tag = self._read_slow(s, ring)
+                    view, tag = self._wait.read_slow(ring, s.index, s.plan.need_event)
             else:
-                view, tag = self._read_slow(s, ring)
+                view, tag = self._wait.read_slow(ring, s.index, s.plan.need_event)
         except RingInvalidatedError:
             self.disconnected = True
             return self._scratch(handle, nbytes)
@@ -495,7 +440,6 @@ class _RingIO:
         s.ring.publish(s.nbytes, self._it.tag(SLOT_TAG) & s.seq_mask)
         if s.plan.out_event:
             self._dev.post(Message(Op.OUT, index=s.index))
-
 
 
 def _flat(buf: memoryview) -> memoryview:

@@ -54,7 +54,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 from shm.liveness import describe_process
 
@@ -436,7 +436,20 @@ def _child(argv: list[str], env: dict[str, str], log_path: str | None,
 
 
 def _serve(sock: socket.socket, host_pid: int) -> int:
-    # Everything an IPU process imports, before any fork (no session, no thread of ours).
+    """The template's life: import what IPU processes run, then fork one per request of
+    the host on ``sock`` until the host goes, then wait for the children."""
+    _preload()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # the host decides when we stop
+    titles.set_title(titles.fork_server(host_pid))
+    server = _Server(sock, host_pid)
+    server.send({"op": "ready", "id": 0, "pid": os.getpid()})
+    server.serve()
+    server.finish()
+    return 0
+
+
+def _preload() -> None:
+    """Everything an IPU process imports, before any fork (no session, no thread of ours)."""
     import numpy  # noqa: F401
     import onnxruntime  # noqa: F401
 
@@ -449,22 +462,37 @@ def _serve(sock: socket.socket, host_pid: int) -> int:
     # ~12 ms of reading files saved per IPU process).
     package_hash()
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # the host decides when we stop
-    titles.set_title(titles.fork_server(host_pid))
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_r, False)
-    os.set_blocking(wake_w, False)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    children: set[int] = set()
 
-    def send(msg: dict[str, Any]) -> None:
+class _Server:
+    """The template's loop over its host's socket: requests in, a fork for each, the
+    children's exits out (reaped on SIGCHLD, which wakes the loop through a pipe)."""
+
+    def __init__(self, sock: socket.socket, host_pid: int) -> None:
+        self.sock = sock
+        self.host_pid = host_pid
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_r, False)
+        os.set_blocking(self.wake_w, False)
+        signal.set_wakeup_fd(self.wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        self.children: set[int] = set()
+        # the host's exit wakes the select below (no periodic check) where pidfds exist
         try:
-            sock.sendall(json.dumps(msg).encode() + b"\n")
+            host_fd = os.pidfd_open(host_pid)
+        except (AttributeError, OSError):
+            host_fd = -1
+        self.watched = [host_fd] if host_fd >= 0 else []
+        self.check = None if host_fd >= 0 else _HOST_CHECK
+
+    def send(self, msg: dict[str, Any]) -> None:
+        try:
+            self.sock.sendall(json.dumps(msg).encode() + b"\n")
         except OSError:
             pass   # the host is gone; its children find out themselves
 
-    def reap(block: bool) -> None:
+    def reap(self, block: bool) -> None:
+        """Report the exit of each child that has exited (``block``: wait for one first)."""
+        children = self.children
         while children:
             try:
                 pid, status = os.waitpid(-1, 0 if block else os.WNOHANG)
@@ -474,81 +502,89 @@ def _serve(sock: socket.socket, host_pid: int) -> int:
             if pid == 0:
                 return
             children.discard(pid)
-            send({"op": "exit", "pid": pid, "code": os.waitstatus_to_exitcode(status)})
+            self.send({"op": "exit", "pid": pid, "code": os.waitstatus_to_exitcode(status)})
             block = False
 
-    send({"op": "ready", "id": 0, "pid": os.getpid()})
-    # the host's exit wakes the select below (no periodic check) where pidfds exist
-    try:
-        host_fd = os.pidfd_open(host_pid)
-    except (AttributeError, OSError):
-        host_fd = -1
-    watched = [host_fd] if host_fd >= 0 else []
-    check = None if host_fd >= 0 else _HOST_CHECK
-    buf = b""
-    while True:
-        sock_fd = sock.fileno()
-        ready, _, _ = select.select([sock_fd, wake_r, *watched], [], [], check)
-        if wake_r in ready:
+    def serve(self) -> None:
+        """Fork a child for each request until the host closes the socket or dies."""
+        buf = b""
+        while True:
+            sock_fd = self.sock.fileno()
+            ready, _, _ = select.select([sock_fd, self.wake_r, *self.watched], [], [],
+                                        self.check)
+            if self.wake_r in ready:
+                self._drain_wakeups()
+            self.reap(block=False)
+            if os.getppid() != self.host_pid:
+                return
+            if sock_fd not in ready:
+                continue
             try:
-                while os.read(wake_r, 512):
-                    pass
-            except BlockingIOError:
-                pass
-        reap(block=False)
-        if os.getppid() != host_pid:
-            break
-        if sock_fd not in ready:
-            continue
+                data = self.sock.recv(65536)
+            except OSError:
+                data = b""
+            if not data:
+                return
+            buf += data
+            *lines, buf = buf.split(b"\n")
+            for line in lines:
+                self._spawn(json.loads(line))
+
+    def _drain_wakeups(self) -> None:
         try:
-            data = sock.recv(65536)
-        except OSError:
-            data = b""
-        if not data:
-            break
-        buf += data
-        *lines, buf = buf.split(b"\n")
-        for line in lines:
-            req = json.loads(line)
-            if time.monotonic() > req.get("deadline", float("inf")):
-                send({"op": "error", "id": req["id"], "message": "the host gave up waiting"})
-                continue
-            sys.stdout.flush()
-            sys.stderr.flush()
+            while os.read(self.wake_r, 512):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _spawn(self, req: dict[str, Any]) -> None:
+        """Fork the IPU process ``req`` asks for and tell the host its pid (or why not)."""
+        if time.monotonic() > req.get("deadline", float("inf")):
+            self.send({"op": "error", "id": req["id"], "message": "the host gave up waiting"})
+            return
+        sys.stdout.flush()
+        sys.stderr.flush()
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            self.send({"op": "error", "id": req["id"], "message": str(exc)})
+            return
+        if pid == 0:   # the IPU process
+            self._become_child(req)
+        self.children.add(pid)
+        self.send({"op": "spawned", "id": req["id"], "pid": pid})
+
+    def _become_child(self, req: dict[str, Any]) -> NoReturn:
+        """In the forked child: drop the template's fds and signals, run the IPU process,
+        exit with its code (never returns)."""
+        code = 70
+        try:
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            os.close(self.wake_r)
+            os.close(self.wake_w)
+            for fd in self.watched:
+                os.close(fd)
+            self.sock.close()
+            code = _child(req["argv"], req["env"], req.get("log"), req.get("cwd"))
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+        finally:
             try:
-                pid = os.fork()
-            except OSError as exc:
-                send({"op": "error", "id": req["id"], "message": str(exc)})
-                continue
-            if pid == 0:   # the IPU process
-                code = 70
-                try:
-                    signal.set_wakeup_fd(-1)
-                    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                    os.close(wake_r)
-                    os.close(wake_w)
-                    for fd in watched:
-                        os.close(fd)
-                    sock.close()
-                    code = _child(req["argv"], req["env"], req.get("log"), req.get("cwd"))
-                except SystemExit as exc:
-                    code = exc.code if isinstance(exc.code, int) else 1
-                except BaseException:
-                    import traceback
-                    traceback.print_exc()
-                finally:
-                    try:
-                        sys.stdout.flush()
-                        sys.stderr.flush()
-                    finally:
-                        os._exit(code)
-            children.add(pid)
-            send({"op": "spawned", "id": req["id"], "pid": pid})
-    # The host closed us or died: our children watch it themselves; wait for them all.
-    sock.close()
-    while children:
-        reap(block=True)
-    return 0
+                sys.stdout.flush()
+                sys.stderr.flush()
+            finally:
+                os._exit(code)
+
+    def finish(self) -> None:
+        """The host closed us or died: our children watch it themselves; wait for them
+        all."""
+        self.sock.close()
+        while self.children:
+            self.reap(block=True)
 
 
 def main(argv: list[str] | None = None) -> int:

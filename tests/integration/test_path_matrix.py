@@ -21,8 +21,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
-RUNNER = ["tests/integration/test_model_runner.py",
-          "tests/integration/test_model_runner_batching.py"]
+RUNNER = ["tests/devices/test_runner.py", "tests/devices/test_runner_config.py",
+          "tests/devices/test_runner_batching.py"]
 FAULTS = ["tests/faults/test_device_faults.py",
           "tests/faults/test_model_runner_faults.py",
           "tests/faults/test_sharding_faults.py"]
@@ -37,9 +37,16 @@ HOST_KILLS = "not host_killed and not killed_host and not sigkilled_host"
 runner's path, so only the rings' leg and the daemon's run them again."""
 
 
-def _run(paths: list[str], env: dict[str, str], select: str = "") -> None:
+PROCESS_KIND = "not in_thread"
+"""The tests of tests/devices/ run on loopback (in-thread) IPUs and on IPU processes
+(tests/devices/conftest.py): the legs that change what an IPU process or a daemon does
+run the IPU-process kind alone."""
+
+
+def _run(paths: list[str], env: dict[str, str], select: str = "", marks: str = "") -> None:
     cmd = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
-           "-p", "no:randomly", *(["-k", select] if select else []), *paths]
+           "-p", "no:randomly", *(["-k", select] if select else []),
+           *(["-m", marks] if marks else []), *paths]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=540)
     tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{tail}"
@@ -50,7 +57,8 @@ def test_integration_and_faults_with_python_rings_and_copied_streams() -> None:
     """The rings' pure-Python path and copying streams, in one leg: the two are
     independent (one is how a ring waits and moves bytes, the other what the IPU process
     does with a slot), and each is what the other runs over."""
-    _run(RUNNER + FAULTS, dict(os.environ, IPU_EMULATOR_RING_C="0", IPU_EMULATOR_ZERO_COPY="0"))
+    _run(RUNNER + FAULTS, dict(os.environ, IPU_EMULATOR_RING_C="0", IPU_EMULATOR_ZERO_COPY="0"),
+         marks=PROCESS_KIND)
 
 
 RUNNER_FAST_PATHS = ("IPU_EMULATOR_RUNNER_FUSED", "IPU_EMULATOR_RUNNER_PLAIN",
@@ -66,9 +74,8 @@ only: the runner's paths are not in it)."""
 
 def test_runner_and_faults_with_the_runner_fast_paths_off() -> None:
     # (requests missing an input and 16 MiB ones take the general path anyway: the
-    # deadline and large-tensor tests are not repeated here)
-    _run(RUNNER + RUNNER_FAULTS + ["tests/unit/test_loopback_runner.py",
-                            "tests/integration/test_model_runner_shared.py",
+    # deadline and large-tensor tests are not repeated here; both kinds of IPU run)
+    _run(RUNNER + RUNNER_FAULTS + ["tests/devices/test_runner_shared.py",
                             # one interrupt loop: execute and executeAsync, mixed
                             "tests/integration/test_interrupt.py::"
                             "test_sigint_every_50_ms_into_a_loop_gives_no_wrong_answer[mixed]"],
@@ -80,6 +87,7 @@ def test_integration_and_faults_through_a_daemon(tmp_path: Path) -> None:
 
     rig = DaemonRig(tmp_path, num_ipus=4)
     try:
-        _run(RUNNER + FAULTS + INJECTED, dict(os.environ, IPU_EMULATOR_DAEMON=rig.socket))
+        _run(RUNNER + FAULTS + INJECTED, dict(os.environ, IPU_EMULATOR_DAEMON=rig.socket),
+             marks=PROCESS_KIND)
     finally:
         rig.stop()

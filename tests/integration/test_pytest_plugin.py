@@ -119,7 +119,8 @@ def test_the_declared_entry_point_loads_the_plugin(pytester, tmp_path, monkeypat
     result.stdout.fnmatch_lines(["*fixture 'ipu_machine' not found*"])
     # this project's conftest does not register the plugin a second time
     proc = subprocess.run([sys.executable, "-m", "pytest", *QUIET, "-n", "0",
-                           "tests/integration/test_model_runner.py::test_replication_two_replicas"],
+                           "tests/devices/test_runner_shared.py::"
+                           "test_a_failing_iteration_with_shared_memory_then_auto_reset"],
                           cwd=REPO, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 

@@ -1,4 +1,5 @@
-"""Helpers of the loopback tests (tests/unit/test_loopback_*.py).
+"""Helpers of the unit tests that run on a loopback device (the plugin's ``loopback_device``;
+the suite over both kinds of IPU is tests/devices/).
 
 - ``model_path`` / ``model`` / ``weights``: the seeds' example model
   (``tensor_C = tensor_A * weights + tensor_B``, tests/_helpers.py) for the module's

@@ -36,8 +36,8 @@ def test_simple_popef_reads_back_and_runs(tmp_path, compress: bool) -> None:
     assert md.ipuVersion() == 21
     assert model.executable.compressed is compress
     payload = model.executable.payload()
-    assert read_header(payload)["package_hash"] == package_hash()
-    assert read_header(payload)["name"] == md.executable()
+    assert read_header(payload).package_hash == package_hash()
+    assert read_header(payload).name == md.executable()
     w = np.frombuffer(model.tensorData("weights").data, np.float32).reshape(2, 5)
     rng = np.random.default_rng(0)
     a = rng.standard_normal((2, 2, 5)).astype(np.float32)

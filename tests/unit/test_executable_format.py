@@ -13,7 +13,8 @@ import ipu_emulator
 from ipu_emulator.compiler import CompileOptions, ModelSpec, compile_onnx
 from ipu_emulator.executable import (
     HEADER_SIZE, Copy, Execute, Executable, ExecutableError, Program, Repeat, StreamIn, StreamOut,
-    StreamSpec, Switch, _HEADER, _HEADER_CRC, plan_memory, read_header)
+    StreamSpec, Switch, ExecutableHeader, plan_memory, read_header)
+from ipu_emulator.executable._header import _HEADER, _HEADER_CRC
 from tests.models import seed_model0, seed_model1, simple_model
 
 
@@ -32,22 +33,22 @@ def fused_exe() -> Executable:
 def _repack(data: bytes, doc: dict | None = None, program: bytes | None = None) -> bytes:
     """Rebuild an executable with a replaced program section and valid checksums."""
     hdr = read_header(data)
-    old_prog = data[hdr["program_offset"]:hdr["graphs_offset"]]
-    graphs = data[hdr["graphs_offset"]:]
+    old_prog = data[hdr.program_offset:hdr.graphs_offset]
+    graphs = data[hdr.graphs_offset:]
     if program is None:
         program = json.dumps(doc).encode() if doc is not None else old_prog
     body = program + graphs
     head = _HEADER.pack(
-        b"IPUEMUX\x00", 1, HEADER_SIZE, 0, hdr["ipu_version"], hdr["num_ipus"],
-        hdr["device_iterations"], hdr["memory_bytes"], hdr["required_bytes"], HEADER_SIZE,
+        b"IPUEMUX\x00", 1, HEADER_SIZE, 0, hdr.ipu_version, hdr.num_ipus,
+        hdr.device_iterations, hdr.memory_bytes, hdr.required_bytes, HEADER_SIZE,
         len(program), HEADER_SIZE + len(program), len(graphs), HEADER_SIZE + len(body),
-        zlib.crc32(body), hdr["package_hash"].encode(), hdr["name"].encode())
+        zlib.crc32(body), hdr.package_hash.encode(), hdr.name.encode())
     return head + _HEADER_CRC.pack(zlib.crc32(head)) + body
 
 
 def _doc(data: bytes) -> dict:
     hdr = read_header(data)
-    return json.loads(data[hdr["program_offset"]:hdr["graphs_offset"]])
+    return json.loads(data[hdr.program_offset:hdr.graphs_offset])
 
 
 def test_round_trip_is_identical(simple_exe: Executable, fused_exe: Executable) -> None:
@@ -63,13 +64,26 @@ def test_round_trip_is_identical(simple_exe: Executable, fused_exe: Executable) 
 def test_header_is_readable_alone(simple_exe: Executable) -> None:
     data = simple_exe.to_bytes()
     hdr = read_header(data[:HEADER_SIZE])
-    assert hdr["name"] == "simple"
-    assert hdr["package_hash"] == ipu_emulator.package_hash()
-    assert len(hdr["package_hash"]) == 64
-    assert (hdr["ipu_version"], hdr["num_ipus"], hdr["device_iterations"]) == (21, 1, 3)
-    assert hdr["memory_bytes"] == simple_exe.memory_bytes
-    assert hdr["required_bytes"] >= hdr["memory_bytes"]
-    assert hdr["total_length"] == len(data)
+    assert hdr.name == "simple"
+    assert hdr.package_hash == ipu_emulator.package_hash()
+    assert len(hdr.package_hash) == 64
+    assert (hdr.ipu_version, hdr.num_ipus, hdr.device_iterations) == (21, 1, 3)
+    assert hdr.memory_bytes == simple_exe.memory_bytes
+    assert hdr.required_bytes >= hdr.memory_bytes
+    assert hdr.total_length == len(data)
+
+
+def test_header_encoder_and_decoder_agree(simple_exe: Executable) -> None:
+    data = simple_exe.to_bytes()
+    hdr = ExecutableHeader.unpack(data)
+    assert hdr.pack() == data[:HEADER_SIZE]
+    assert hdr.as_dict()["name"] == "simple"
+    assert set(hdr.as_dict()) == {
+        "name", "package_hash", "ipu_version", "num_ipus", "device_iterations",
+        "memory_bytes", "required_bytes", "version", "total_length", "program_offset",
+        "program_length", "graphs_offset", "graphs_length", "body_crc32"}
+    with pytest.raises(AttributeError):
+        hdr.name = "other"  # type: ignore[misc]
 
 
 def test_executable_contents(simple_exe: Executable) -> None:

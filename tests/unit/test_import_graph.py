@@ -71,10 +71,10 @@ ALLOWED_PRIVATE_READS: dict[tuple[str, str], tuple[int, str]] = {
     ("host_runtime/runner/monitoring.py", "_ipu_monitored"): (2, "engine: set on and read "
                                                               "from an exception"),
     # other libraries' private state, read where no public name does the job
-    ("ipu_emulator/ipu/interpreter.py", "_sess"):
+    ("ipu_emulator/ipu/_execute.py", "_sess"):
         (1, "onnxruntime's C session: its public run_with_iobinding adds ~2 us of checks "
             "per run (WebGPU capture); falls back to it when the attribute is gone"),
-    ("ipu_emulator/ipu/interpreter.py", "_iobinding"):
+    ("ipu_emulator/ipu/_execute.py", "_iobinding"):
         (1, "onnxruntime's C IO binding, with the C session above"),
     ("tools/_stress_host.py", "_run_exitfuncs"):
         (1, "atexit's: the stress fork scenario runs a normal exit's hooks in a child forked "

@@ -262,7 +262,7 @@ def test_an_iteration_polls_for_its_inputs_then_runs_as_one_c_step(rig) -> None:
         rig.host["tensor_B"].write(b)       # it arrives while the IPU process polls
         polled.append(True)
         return bool(ready())
-    rig.io._poll = poll   # type: ignore[method-assign]
+    rig.io._wait.poll = poll   # type: ignore[method-assign]
     rig.interp.run_program(MAIN, rig.io)
     assert polled == [True]
     np.testing.assert_allclose(rig.result()[0], a * rig.weights + b, rtol=1e-6)
@@ -278,7 +278,7 @@ def test_inputs_in_event_mode_are_not_polled_for_by_the_c_step() -> None:
 
         def poll(ready: Any) -> bool:
             raise AssertionError("polled")
-        r.io._poll = poll   # type: ignore[method-assign]
+        r.io._wait.poll = poll   # type: ignore[method-assign]
         assert r.io.run_group(group) is False
         a, b = _pair(61)
         r.send(a, b)

@@ -385,7 +385,7 @@ def test_a_damaged_part_is_refused_with_its_ipu():
     body = bytes(data[HEADER_SIZE:])
     import struct
     # fix the outer body checksum so that the damage is found in the part itself
-    from ipu_emulator import executable as ex
+    from ipu_emulator.executable import _header as ex
     head = bytearray(data[:HEADER_SIZE - 4])
     fields = list(ex._HEADER.unpack(bytes(head)))
     fields[14] = zlib.crc32(body)

@@ -1,4 +1,6 @@
-"""One IPU process driven over its rings directly (launcher + protocol, no Session)."""
+"""One IPU driven over its rings directly (launcher + protocol, no Session), on both kinds
+(tests/devices/conftest.py): an IPU process (``launch_ipu``) and a loopback IPU
+(``launch_loopback``) are the same ``IpuConnection``."""
 
 from __future__ import annotations
 
@@ -21,16 +23,20 @@ def next_event(proc) -> Message:
     return ipu_protocol.receive(proc.events, timeout=60)
 
 
-def test_ipu_process_protocol_round_trips_and_clean_shutdown(tmp_path):
+def test_the_protocol_round_trips_and_a_clean_shutdown(kind, tmp_path):
     before = ours()
-    proc = launch_ipu(IpuSpec(ipu_id=3, ipu_version=2, tiles_per_ipu=8, label="test ipu"),
-                      log_dir=str(tmp_path))
+    proc = kind.launch(IpuSpec(ipu_id=3, ipu_version=2, tiles_per_ipu=8, label="test ipu"),
+                       log_dir=str(tmp_path))
+    where = (f"loopback IPU in pid {os.getpid()}" if kind.in_thread
+             else f"IPU process pid {proc.pid}")
     try:
-        ready = proc.wait_ready()
+        ready = proc.wait_ready(timeout=60)
         assert ready.pid == proc.pid and ready.package_hash == package_hash()
+        assert (proc.pid == os.getpid()) is kind.in_thread
         assert (ready.ipu_id, ready.ipu_version, ready.capacity) == (3, 2, 8 * 624 * 1024)
-        assert proc.alive() and proc.describe_exit().endswith("is running")
-        # a malformed message is ignored; the process keeps serving
+        assert proc.alive() and proc.returncode() is None and proc.wait_exit(0.01) is None
+        assert proc.describe_exit() == f"test ipu ({where}) is running"
+        # a malformed message is ignored; the IPU keeps serving
         proc.control.write(b"\0" * 4, tag=77)
         ipu_protocol.send(proc.control, Message(Op.PING, seq=1))
         assert next_event(proc) == Message(Op.DONE, seq=1)
@@ -44,15 +50,20 @@ def test_ipu_process_protocol_round_trips_and_clean_shutdown(tmp_path):
         ipu_protocol.send(proc.control, Message(Op.SHUTDOWN))
         assert next_event(proc).op is Op.BYE
         assert proc.wait_exit(60) == 0
-        assert proc.describe_exit() == f"test ipu (IPU process pid {proc.pid}) exited with code 0"
+        assert not proc.alive() and proc.returncode() == 0
+        assert proc.describe_exit() == f"test ipu ({where}) exited with code 0"
     finally:
         proc.close()
         proc.close()   # idempotent
     assert ours() == before
-    assert os.path.exists(tmp_path / "ipu3.log")
+    # an IPU process logs to the folder; a loopback IPU logs through the host's logging
+    assert os.path.exists(tmp_path / "ipu3.log") is not kind.in_thread
+    if kind.in_thread:
+        assert proc.log_tail() == "" and proc.thread.daemon
 
 
-def test_a_process_that_dies_while_starting_is_reported(tmp_path, monkeypatch):
+@pytest.mark.ipu_kinds("process", reason="a loopback IPU has no start-up of its own to die in")
+def test_a_process_that_dies_while_starting_is_reported(kind, tmp_path, monkeypatch):
     # started fresh (it imports onnxruntime first): a warm fork from the template may be
     # ready before the kill below, and then it did not die "while starting"
     monkeypatch.setenv("IPU_EMULATOR_FORKSERVER", "0")

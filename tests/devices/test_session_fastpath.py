@@ -1,4 +1,5 @@
-"""The Session's internal fast path (docs/design.md section 8) and device-side program errors."""
+"""The Session's internal fast path (docs/design.md section 8) and device-side program errors,
+on both kinds of IPU (tests/devices/conftest.py)."""
 
 from __future__ import annotations
 
@@ -104,7 +105,7 @@ def test_onnxruntime_error_comes_back_with_the_device_traceback(gather_model, de
         with pytest.raises(DeviceExecutionError) as info:
             s.runMainPrograms()
         msg = str(info.value)
-        assert msg.startswith("device ") and "program 1 failed" in msg
+        assert msg.startswith(f"{device.describe()}: program 1 failed")
         assert "indices element out of data bounds" in msg
         cause = info.value.__cause__
         assert isinstance(cause, RemoteTraceback)

@@ -1,29 +1,33 @@
-"""Session over real IPU processes, with the seeds' example model.
+"""Session on both kinds of IPU (tests/devices/conftest.py), with the seeds' example model.
 
 ``tensor_C = tensor_A * weights + tensor_B``; ``weights`` is PopEF tensor data
 fed by the Load program; the Save program streams the device's weights back
-through ``weights_saved``. One IPU process serves the whole module.
+through ``weights_saved``. One device of each kind serves the whole module.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
 
 import numpy as np
 import pytest
 
 from host_runtime import popef
-from host_runtime.devices._manager import DeviceManager
-from host_runtime.errors import (BadRequestError, DeviceExecutionError, InvalidStateError,
-                                 PackageHashMismatchError, RemoteTraceback)
+from host_runtime.devices import Device
+from host_runtime.errors import (BadRequestError, DeviceExecutionError, DeviceLostError,
+                                 InvalidStateError, PackageHashMismatchError)
 from host_runtime.session.predicates import (AnchorCallbackPolicy, AnchorWithPolicy,
                                      PopefDataUsagePolicy, predicate_factory)
 from host_runtime.session._session import CallbackInfo, LaunchPolicy, Session, SessionConfig
 from ipu_emulator import package_hash
 from ipu_emulator.executable import Executable
 from ipu_emulator.system import IpuLocks, load_system_config
-from tests._helpers import PATIENT
+from shm import naming
+from tests._helpers import PATIENT, running
 from tools.generate_simple_popef import write_simple_popef
+from tools.pytest_plugin.machine import shm_entries
 
 SHAPE = (1, 4)
 
@@ -67,14 +71,19 @@ def rand(seed: int) -> np.ndarray:
 def test_callbacks_compute_a_times_weights_plus_b(model, weights, device):
     with Session(model) as s:
         s.bindToDevice(device)
+        assert s.device() is device and device.isActiveSession(s)
         st = Streams()
         st.bind(s, tensor_A=rand(1), tensor_B=rand(2))
+        s.runLoadPrograms()
         for i in range(5):
             st.inputs["tensor_A"], st.inputs["tensor_B"] = rand(10 + i), rand(20 + i)
             s.runMainPrograms()
             np.testing.assert_allclose(
                 st.outputs["tensor_C"][-1], rand(10 + i) * weights + rand(20 + i), rtol=1e-6)
         assert st.calls == {"tensor_A": 5, "tensor_B": 5, "tensor_C": 5}
+        s.runSavePrograms()
+        np.testing.assert_array_equal(st.outputs["weights_saved"], [weights])
+        assert st.calls == {"tensor_A": 5, "tensor_B": 5, "tensor_C": 5, "weights_saved": 1}
 
 
 def test_session_from_paths_lists_anchors_and_unconnected_ones(model_path, model):
@@ -140,7 +149,8 @@ def test_user_handlers_get_callback_info_and_follow_predicates(model, weights, d
                                    rtol=1e-6)
 
 
-def test_frozen_weights_overridden_by_user_data(model):
+@pytest.mark.ipu_kinds("process", reason="a Deferred session attaches an IPU of the machine")
+def test_frozen_weights_overridden_by_user_data(kind, model):
     user_weights = np.full(SHAPE, 3.0, np.float32)
     cfg = SessionConfig(pred_tensor_data=predicate_factory.popef_data_usage.predAnchorsPolicies(
         [AnchorWithPolicy("weights", PopefDataUsagePolicy.USE_USER_DATA)]), wait_config=PATIENT)
@@ -270,6 +280,7 @@ def test_package_hash_mismatch_is_refused_with_both_hashes(model, weights, devic
         np.testing.assert_allclose(st.outputs["tensor_C"][-1], weights, rtol=1e-6)
 
 
+@pytest.mark.ipu_kinds("process", reason="LaunchPolicy.Immediate attaches an IPU of the machine")
 def test_immediate_policy_acquires_and_releases_its_own_device(model, weights, device):
     with Session(model, SessionConfig(policy=LaunchPolicy.Immediate, wait_config=PATIENT)) as s:
         own = s.device()
@@ -285,11 +296,16 @@ def test_immediate_policy_acquires_and_releases_its_own_device(model, weights, d
     locks.release()
 
 
-def test_small_ipu_model_runs_small_programs_and_refuses_big_ones(model, weights, tmp_path):
-    big_path = tmp_path / "big.popef"
-    write_simple_popef(big_path, shape=(1024, 1024))
-    big = popef.load_model([str(big_path)])
-    with DeviceManager().createSmallIpuModelDevice(model) as small:
+@pytest.fixture(scope="module")
+def big(tmp_path_factory):
+    """The example model of 1024 x 1024 floats: more than a small IPU model holds."""
+    path = tmp_path_factory.mktemp("big") / "big.popef"
+    write_simple_popef(path, shape=(1024, 1024))
+    return popef.load_model([str(path)])
+
+
+def test_small_ipu_model_runs_small_programs_and_refuses_big_ones(kind, model, weights, big):
+    with kind.manager().createSmallIpuModelDevice(model) as small:
         assert small.tilesPerIpu() == 4 and small.isIpuModel() and small.id == -1
         with Session(model) as s:
             s.bindToDevice(small)
@@ -297,7 +313,7 @@ def test_small_ipu_model_runs_small_programs_and_refuses_big_ones(model, weights
             st.bind(s, tensor_A=np.ones(SHAPE), tensor_B=np.zeros(SHAPE))
             s.runMainPrograms()
             np.testing.assert_allclose(st.outputs["tensor_C"][-1], weights, rtol=1e-6)
-        with Session(model) as s, DeviceManager().createSmallIpuModelDevice(1, ipu_version=2) as v2:
+        with Session(model) as s, kind.manager().createSmallIpuModelDevice(1, ipu_version=2) as v2:
             with pytest.raises(BadRequestError, match="compiled for ipu21, but IPU model device "
                                                       r"\(1 x ipu2, 4 tiles\) is ipu2"):
                 s.bindToDevice(v2)
@@ -342,3 +358,54 @@ def test_device_iterations_repeat_the_streams_within_one_main_run(tmp_path, devi
         assert st.calls == {"tensor_B": 3, "tensor_C": 3}
         np.testing.assert_allclose(np.stack(st.outputs["tensor_C"]),
                                    np.stack([k * w + 1 for k in range(3)]), rtol=1e-6)
+
+
+def test_an_ipu_model_device_follows_the_models_needs(kind, model):
+    mgr = kind.manager()
+    with mgr.createIpuModelDevice(model) as dev:
+        assert dev.isIpuModel() and dev.numIpus() == 1
+        assert dev.ipuVersion() == model.metadata.ipuVersion()
+    with pytest.raises(BadRequestError, match="ipu_version must be 2 or 21, got 3"):
+        mgr.createIpuModelDevice(1, ipu_version=3)
+
+
+def test_a_machine_device_is_held_until_released(kind, model, weights):
+    mgr = kind.manager()
+    with mgr.getDevice(model, wait_config=PATIENT) as dev, Session(model) as s:
+        assert isinstance(dev, Device) and not dev.isIpuModel()
+        s.bindToDevice(dev)
+        st = Streams()
+        st.bind(s, tensor_A=rand(3), tensor_B=rand(4))
+        s.runMainPrograms()
+        np.testing.assert_allclose(st.outputs["tensor_C"][-1], rand(3) * weights + rand(4),
+                                   rtol=1e-6)
+        # the IPU is held: a second attach of the same device fails
+        assert mgr.tryGetSpecificDevice(dev.getId()) is None
+    again = mgr.tryGetSpecificDevice(dev.getId())   # released
+    assert again is not None
+    again.close()
+
+
+def test_a_killed_ipu_is_a_lost_device(kind, model):
+    with kind.device(model) as dev, Session(model) as s:
+        (pid,) = dev.pids()
+        if kind.in_thread:
+            assert pid == os.getpid(), "a loopback IPU is a thread of this process"
+        else:
+            assert pid != os.getpid() and running(pid), "an IPU process of its own"
+        s.bindToDevice(dev)
+        st = Streams()
+        st.bind(s, tensor_A=np.ones(SHAPE), tensor_B=np.zeros(SHAPE))
+        s.runMainPrograms()
+        ours = shm_entries(naming.current_tag())
+        (ipu,) = dev.processes
+        assert kind.lose(dev) == pid   # SIGKILL (emulated in a thread): it ends without a BYE
+        assert not ipu.alive() and ipu.returncode() == -signal.SIGKILL
+        assert "was killed by signal SIGKILL" in ipu.describe_exit()
+        # the host is alive: the device side unlinked none of its objects
+        assert shm_entries(naming.current_tag()) == ours
+        with pytest.raises(DeviceLostError, match=rf"IPU process {pid} was killed by signal "
+                                                  "SIGKILL"):
+            s.runMainPrograms()
+        assert len(st.outputs["tensor_C"]) == 1
+    assert not dev.isAttached()

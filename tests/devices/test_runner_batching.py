@@ -1,4 +1,5 @@
-"""Dynamic batch sizing, partial-batch timeouts and flush_callback (seed 001, 3.6-3.7).
+"""Dynamic batch sizing, partial-batch timeouts and flush_callback (seed 001, 3.6-3.7), on
+both kinds of IPU (tests/devices/conftest.py).
 
 The model's batch is 4 samples of 3 floats. Timeouts are short (tens of ms)
 but nothing here depends on timing beyond "a flush eventually happens":
@@ -22,11 +23,6 @@ SHAPE = (4, 3)
 WAIT = 60.0     # generous bound for any single wait
 
 
-# This module's own emulated machine, so that module-scoped runners of other test processes
-# cannot starve it; devices are waited for as the seeds' examples do (tests/_helpers.py).
-pytestmark = pytest.mark.usefixtures("private_machine")
-
-
 def rows(n, seed):
     rng = np.random.default_rng(seed)
     return (rng.standard_normal((n, 3)).astype(np.float32),
@@ -34,12 +30,12 @@ def rows(n, seed):
 
 
 @pytest.fixture(scope="module")
-def dyn(model_path):
+def dyn(kind, model_path):
     cfg = model_runtime.ModelRunnerConfig()
     cfg.batching_dim = 0
     cfg.is_batch_size_timeout_enabled = True
     cfg.batch_size_timeout_ns = timedelta(milliseconds=20)
-    with model_runtime.ModelRunner(model_path, config=cfg) as r:
+    with kind.runner(model_path, cfg) as r:
         yield r
 
 
@@ -77,11 +73,11 @@ def test_dynamic_shape_errors(dyn, weights):
                                packed_expectation(a, b, weights, 0), rtol=1e-6)
 
 
-def test_requests_are_packed_into_one_transfer(model_path, weights):
+def test_requests_are_packed_into_one_transfer(make_runner, model_path, weights):
     """With no timer at all, a batch-1 request completes only if the next request's samples
     fill the rest of its transfer: proof that samples of different requests are packed."""
     cfg = model_runtime.ModelRunnerConfig(batching_dim=0, timeout_ns=0)
-    with model_runtime.ModelRunner(model_path, config=cfg) as r:
+    with make_runner(model_path, cfg) as r:
         a1, b1 = rows(1, 1)
         f1 = r.executeAsync({"tensor_A": a1, "tensor_B": b1})
         assert f1.wait(0.05) is False          # 1 of 4 samples: waits for more data
@@ -99,14 +95,14 @@ def test_requests_are_packed_into_one_transfer(model_path, weights):
         np.testing.assert_allclose(f2["tensor_C"], packed_expectation(a2, b2, weights, 2), rtol=1e-6)
 
 
-def test_batching_on_dimension_1(tmp_path, weights):
+def test_batching_on_dimension_1(make_runner, tmp_path, weights):
     path = tmp_path / "dim1.popef"
     write_simple_popef(path, shape=(2, 3))    # batch of 3 along dimension 1
     w = np.frombuffer(popef.load_model([str(path)]).tensorData("weights").data,
                       np.float32).reshape(2, 3)
     cfg = model_runtime.ModelRunnerConfig(batching_dim=1, is_batch_size_timeout_enabled=True,
                                           batch_size_timeout_ns=timedelta(milliseconds=10))
-    with model_runtime.ModelRunner(str(path), config=cfg) as r:
+    with make_runner(str(path), cfg) as r:
         rng = np.random.default_rng(0)
         a = rng.standard_normal((2, 5)).astype(np.float32)
         b = rng.standard_normal((2, 5)).astype(np.float32)
@@ -115,8 +111,8 @@ def test_batching_on_dimension_1(tmp_path, weights):
         np.testing.assert_allclose(out, a * w[:, cols] + b, rtol=1e-6)
 
 
-def test_without_batching_dim_only_multiples(model_path):
-    with model_runtime.ModelRunner(model_path) as r:
+def test_without_batching_dim_only_multiples(make_runner, model_path):
+    with make_runner(model_path) as r:
         with pytest.raises(BadRequestError, match=r"expected shape \[N\*4, 3\] \(N >= 1\), got shape \[7, 3\]"):
             r.execute({"tensor_A": np.zeros((7, 3), np.float32),
                        "tensor_B": np.zeros((7, 3), np.float32)})
@@ -129,7 +125,7 @@ def test_batching_dim_out_of_range_refused(model_path):
         model_runtime.ModelRunner(model_path, config=cfg)
 
 
-def test_flush_callback_called_once_on_timeout_then_padded(model_path, weights):
+def test_flush_callback_called_once_on_timeout_then_padded(make_runner, model_path, weights):
     calls = []
 
     def on_flush(tensor_id, inputs, outputs):
@@ -138,7 +134,7 @@ def test_flush_callback_called_once_on_timeout_then_padded(model_path, weights):
 
     cfg = model_runtime.ModelRunnerConfig(batching_dim=0, timeout_ns=timedelta(milliseconds=30),
                                           flush_callback=on_flush)
-    with model_runtime.ModelRunner(model_path, config=cfg) as r:
+    with make_runner(model_path, cfg) as r:
         a, b = rows(3, 7)
         out = r.execute({"tensor_A": a, "tensor_B": b})
         np.testing.assert_allclose(out["tensor_C"], packed_expectation(a, b, weights, 0), rtol=1e-6)
@@ -148,7 +144,7 @@ def test_flush_callback_called_once_on_timeout_then_padded(model_path, weights):
         assert len(calls) == 1
 
 
-def test_flush_callback_supplies_the_missing_samples(model_path, weights):
+def test_flush_callback_supplies_the_missing_samples(make_runner, model_path, weights):
     extra_a, extra_b = rows(1, 9)
     extra_out = np.zeros((1, 3), np.float32)
     calls = []
@@ -159,7 +155,7 @@ def test_flush_callback_supplies_the_missing_samples(model_path, weights):
 
     cfg = model_runtime.ModelRunnerConfig(batching_dim=0, timeout_ns=timedelta(milliseconds=30),
                                           flush_callback=on_flush, flush_on_waiting_outputs=True)
-    with model_runtime.ModelRunner(model_path, config=cfg) as r:
+    with make_runner(model_path, cfg) as r:
         a, b = rows(3, 10)
         out = r.execute({"tensor_A": a, "tensor_B": b})
         np.testing.assert_allclose(out["tensor_C"], packed_expectation(a, b, weights, 0), rtol=1e-6)
@@ -168,13 +164,13 @@ def test_flush_callback_supplies_the_missing_samples(model_path, weights):
         assert calls == ["tensor_A"]
 
 
-def test_partial_flushed_by_watchdog_when_nobody_waits(model_path, weights):
+def test_partial_flushed_by_watchdog_when_nobody_waits(make_runner, model_path, weights):
     """flush_on_waiting_outputs off (default): the flush happens even before anyone waits."""
     flushed = []
     cfg = model_runtime.ModelRunnerConfig(
         batching_dim=0, timeout_ns=timedelta(milliseconds=20),
         flush_callback=lambda t, i, o: flushed.append(t))
-    with model_runtime.ModelRunner(model_path, config=cfg) as r:
+    with make_runner(model_path, cfg) as r:
         a, b = rows(2, 12)
         fut = r.executeAsync({"tensor_A": a, "tensor_B": b})
         r._replicas[0]._timers._watchdog.join(WAIT)   # the watchdog exits once nothing is pending
@@ -182,13 +178,13 @@ def test_partial_flushed_by_watchdog_when_nobody_waits(model_path, weights):
         np.testing.assert_allclose(fut["tensor_C"], packed_expectation(a, b, weights, 0), rtol=1e-6)
 
 
-def test_close_fails_pending_requests_and_wakes_blocked_callers(model_path):
+def test_close_fails_pending_requests_and_wakes_blocked_callers(make_runner, model_path):
     import threading
 
     from host_runtime.errors import DeviceTimeoutError, InvalidStateError
 
     cfg = model_runtime.ModelRunnerConfig(batching_dim=0, timeout_ns=0)   # never flush
-    r = model_runtime.ModelRunner(model_path, config=cfg)
+    r = make_runner(model_path, cfg)
     a, b = rows(1, 1)
     fut = r.executeAsync({"tensor_A": a, "tensor_B": b})
     assert not fut.done()
@@ -216,7 +212,7 @@ def _raised(fn):
     return None
 
 
-def test_concurrent_dynamic_batches(model_path, weights):
+def test_concurrent_dynamic_batches(make_runner, model_path, weights):
     """Several threads, any batch sizes, packed across requests: every sample comes back
     computed with some row of the weights, never left unwritten (regression: a request
     completed when another thread drained its first transfer before the rest was packed)."""
@@ -224,7 +220,7 @@ def test_concurrent_dynamic_batches(model_path, weights):
     cfg = model_runtime.ModelRunnerConfig(batching_dim=0, is_batch_size_timeout_enabled=True,
                                           batch_size_timeout_ns=timedelta(milliseconds=2))
     errors: list[str] = []
-    with model_runtime.ModelRunner(model_path, config=cfg) as r:
+    with make_runner(model_path, cfg) as r:
         def worker(seed):
             rng = np.random.default_rng(seed)
             try:

@@ -1,4 +1,6 @@
-"""Inputs in host shared memory (``empty_shared``): the IPU process reads them in place."""
+"""Inputs in host shared memory (``empty_shared``): the device reads them in place, on both
+kinds of IPU (tests/devices/conftest.py: an IPU process maps the regions, a loopback IPU
+maps them a second time in this process)."""
 
 from __future__ import annotations
 
@@ -6,7 +8,6 @@ import gc
 import os
 
 import numpy as np
-import psutil
 import pytest
 
 import host_runtime as model_runtime
@@ -15,29 +16,14 @@ from shm import naming
 
 SHAPE = (16, 256)     # 16 KiB per float32 tensor: above SHARED_MIN_BYTES
 
-pytestmark = pytest.mark.usefixtures("private_machine")
-
 
 @pytest.fixture(scope="module")
-def runner(model_path):
+def runner(kind, model_path):
     cfg = model_runtime.ModelRunnerConfig()
     cfg.ring_buffer_size_multiplier = 4
-    r = model_runtime.ModelRunner(model_path, config=cfg)
+    r = kind.runner(model_path, cfg)
     yield r
     r.close()
-
-
-def _mapped_by_an_ipu(name: str) -> bool:
-    for proc in psutil.Process().children(recursive=True):
-        try:
-            if not " ".join(proc.cmdline()).startswith("ipu-emulator: ipu "):
-                continue
-            with open(f"/proc/{proc.pid}/maps") as f:
-                if name.lstrip("/") in f.read():
-                    return True
-        except (psutil.Error, OSError):
-            continue
-    return False
 
 
 def _region_of(arr: np.ndarray) -> str:
@@ -48,19 +34,20 @@ def _region_of(arr: np.ndarray) -> str:
     return loc[0]
 
 
-def test_shared_inputs_are_read_in_place_and_give_numpy_results(runner, weights):
+def test_shared_inputs_are_read_in_place_and_give_numpy_results(kind, runner, weights):
     assert SHAPE[0] * SHAPE[1] * 4 >= SHARED_MIN_BYTES
     rng = np.random.default_rng(5)
     a = model_runtime.empty_shared(SHAPE, np.float32)
     b = model_runtime.empty_shared(SHAPE, np.float32)
     assert model_runtime.is_shared(a) and a.flags.c_contiguous and a.shape == SHAPE
+    assert kind.maps(_region_of(a)) == kind.maps(_region_of(b)) == 0
     for k in range(3):
         a[...] = rng.standard_normal(SHAPE)
         b[...] = k
         out = runner.execute({"tensor_A": a, "tensor_B": b})["tensor_C"]
         np.testing.assert_allclose(out, a * weights + b, rtol=1e-6)
-    # the IPU process mapped the arrays' regions: it did not get copies
-    assert _mapped_by_an_ipu(_region_of(a)) and _mapped_by_an_ipu(_region_of(b))
+    # the device side mapped the arrays' regions, once each: it did not get copies
+    assert kind.maps(_region_of(a)) == kind.maps(_region_of(b)) == 1
 
 
 def test_many_shared_requests_in_flight(runner, weights):
@@ -77,7 +64,7 @@ def test_many_shared_requests_in_flight(runner, weights):
         np.testing.assert_allclose(o, a * weights + b, rtol=1e-6)
 
 
-def test_shared_outputs_are_written_in_place_by_the_ipu(runner, weights):
+def test_shared_outputs_are_written_in_place_by_the_ipu(kind, runner, weights):
     a, b = model_runtime.empty_shared(SHAPE), model_runtime.empty_shared(SHAPE)
     outs = [model_runtime.empty_shared(SHAPE) for _ in range(3)]
     private = np.zeros(SHAPE, np.float32)
@@ -86,7 +73,7 @@ def test_shared_outputs_are_written_in_place_by_the_ipu(runner, weights):
         out[...] = np.nan
         runner.execute({"tensor_A": a, "tensor_B": b}, {"tensor_C": out})
         np.testing.assert_allclose(out, a * weights + b, rtol=1e-6)
-    assert all(_mapped_by_an_ipu(_region_of(o)) for o in outs)
+    assert all(kind.maps(_region_of(o)) == 1 for o in outs)
     # private output memory beside shared inputs: copied back as usual
     runner.execute({"tensor_A": a, "tensor_B": b}, {"tensor_C": private})
     np.testing.assert_allclose(private, a * weights + b, rtol=1e-6)
@@ -149,7 +136,9 @@ def _big_gather():
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
 
 
-def test_a_failing_iteration_with_shared_memory_then_auto_reset(compile_onnx, model_runner):
+@pytest.mark.ipu_kinds("process", reason="the pytest plugin's model_runner attaches IPU processes")
+def test_a_failing_iteration_with_shared_memory_then_auto_reset(kind, compile_onnx,
+                                                               model_runner):
     """(Through the pytest plugin's compile_onnx and model_runner fixtures.)"""
     from host_runtime.errors import DeviceExecutionError
 

@@ -1,0 +1,176 @@
+"""Handing IPUs to a host (``attach``) and taking them back (``release``, disconnect, death).
+
+An attach takes its IPUs all or none: each must be free in the pool and its lock
+file in the home must be free (embedded hosts and other daemons take the same
+``flock``); then each IPU process is handed to the host (HOST(pid)) in parallel.
+Taking back resets each IPU process (HOST(0)) or restarts one that is dead or does
+not reset; a host that died has its shared-memory objects removed; the lock files
+are let go last, once every IPU is free again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from shm import ExitWatch, pid_alive
+
+from ipu_emulator import trace
+from ipu_emulator.daemon._keeper import ProcessKeeper
+from ipu_emulator.daemon._pool import PooledIpu, remove_objects_of
+from ipu_emulator.system import IpuLocks, SystemConfig
+
+__all__ = ["Conn", "attach", "error", "release"]
+
+_log = logging.getLogger("ipu_emulator.daemon.server")
+
+_EXIT_GRACE = 2.0
+"""Seconds a host whose connection dropped is given to exit before it counts as alive."""
+
+
+class Conn:
+    """One client connection: its peer and what it holds."""
+
+    def __init__(self, pid: int, writer: asyncio.StreamWriter) -> None:
+        self.pid = pid
+        self.writer = writer
+        self.holding: list[PooledIpu] = []
+        self.locks: IpuLocks | None = None   # the home's lock files of what it holds
+        self.device_id = -1   # the host's device id of what it holds (-1: not given)
+
+
+def error(kind: str, message: str) -> dict[str, Any]:
+    """A refusal on the wire: its kind and a message naming what was wrong."""
+    return {"ok": False, "error": kind, "message": message}
+
+
+def _exits_within(pid: int, timeout: float) -> bool:
+    """True if ``pid`` has exited, or exits within ``timeout`` seconds."""
+    watch = ExitWatch([pid])
+    try:
+        return watch.wait(timeout) is not None or not pid_alive(pid)
+    finally:
+        watch.close()
+
+
+def _bad_request(req: dict[str, Any], n: int) -> dict[str, Any] | None:
+    indices = req.get("ipus")
+    device_id = req.get("device_id", -1)
+    if (not isinstance(indices, list) or not indices
+            or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n
+                       for i in indices) or len(set(indices)) != len(indices)
+            or not isinstance(device_id, int)):
+        return error("request", f"attach needs 'ipus': distinct IPU numbers in 0..{n - 1} "
+                     f"and an int 'device_id', got {indices!r}, {device_id!r}")
+    return None
+
+
+def _lock(system: SystemConfig, indices: list[int]) -> IpuLocks | dict[str, Any]:
+    """The home's lock files of ``indices``, or the refusal (busy outside, cannot lock)."""
+    try:
+        locks = IpuLocks.try_acquire(system.lock_dir, tuple(indices))
+    except OSError as exc:
+        return error("failed", f"cannot lock ipus {indices} in {system.lock_dir}: {exc}")
+    if isinstance(locks, dict):
+        outside = {str(i): pid for i, pid in locks.items()}
+        text = ", ".join(f"ipu {i} " + (f"by pid {pid}" if pid else "(holder unknown)")
+                         for i, pid in sorted(locks.items()))
+        return {"ok": False, "error": "busy", "busy": outside,
+                "message": f"ipus {indices} are held outside this daemon, on its home "
+                           f"{system.home} (lock files in {system.lock_dir}): {text}"}
+    return locks
+
+
+async def attach(keeper: ProcessKeeper, system: SystemConfig, conn: Conn,
+                 req: dict[str, Any]) -> dict[str, Any]:
+    """Give ``conn`` the IPUs ``req["ipus"]``, all or none; the reply for the host."""
+    refused = _bad_request(req, len(keeper.ipus))
+    if refused is not None:
+        return refused
+    indices: list[int] = req["ipus"]
+    device_id: int = req.get("device_id", -1)
+    if keeper.stopping:
+        return error("stopping", "the daemon is stopping")
+    if conn.holding:
+        return error("request", f"this connection already holds ipus "
+                     f"{[i.index for i in conn.holding]}; one attachment per connection")
+    wanted = [keeper.ipus[i] for i in indices]
+    busy = {str(i.index): i.holder for i in wanted if i.state != "free"}
+    if busy:
+        text = ", ".join(f"ipu {k} " + (f"held by pid {v}" if v else
+                                        f"{keeper.ipus[int(k)].state}")
+                         for k, v in busy.items())
+        return {"ok": False, "error": "busy", "busy": busy,
+                "message": f"ipus {indices} are not all free: {text}"}
+    locks = _lock(system, indices)   # exclusive against embedded hosts and other daemons
+    if isinstance(locks, dict):
+        return locks
+    conn.locks = locks
+    for ipu in wanted:
+        ipu.state, ipu.holder = "attaching", conn.pid
+    label = (f"device {device_id} (ipu {{}})" if device_id >= 0 else "ipu {}")
+    results = await asyncio.gather(*(
+        keeper.blocking(ipu, ipu.hand_over, conn.pid, len(wanted) if k == 0 else 1,
+                        label.format(ipu.index)) for k, ipu in enumerate(wanted)),
+        return_exceptions=True)
+    failed = [(ipu, r) for ipu, r in zip(wanted, results) if isinstance(r, BaseException)]
+    if failed:
+        for ipu, _ in failed:
+            ipu.state = "dead"   # the release below restarts these, resets the others
+        conn.holding = wanted
+        await release(keeper, conn, "attach failed")
+        return error("failed", "; ".join(str(r) for _, r in failed))
+    if conn.writer.is_closing() or not pid_alive(conn.pid):
+        conn.holding = wanted
+        await release(keeper, conn, "gone while attaching")
+        return error("failed", "the host went away while attaching")
+    for ipu in wanted:
+        ipu.state = "held"
+        ipu.hosts_served += 1
+    conn.holding = wanted
+    conn.device_id = device_id
+    _log.info("host %d attached ipus %s (pids %s)", conn.pid, indices,
+              [ipu.pid for ipu in wanted])
+    trace.instant(f"host {conn.pid} attached ipus {indices}", host=conn.pid)
+    return {"ok": True, "ipus": [ipu.info() for ipu in wanted]}
+
+
+async def release(keeper: ProcessKeeper, conn: Conn, why: str) -> None:
+    """Take back what ``conn`` holds: reset each IPU (restart a dead one), then free it."""
+    held, conn.holding = conn.holding, []
+    try:
+        await _take_back_all(keeper, conn, held, why)
+    finally:
+        locks, conn.locks = conn.locks, None
+        if locks is not None:   # reset (or restarted) and free: others may lock them
+            locks.release()
+
+
+async def _take_back_all(keeper: ProcessKeeper, conn: Conn, held: list[PooledIpu],
+                         why: str) -> None:
+    if not held or keeper.stopping:   # stopping: every IPU process is being stopped
+        return
+    dead = not pid_alive(conn.pid)
+    _log.info("host %d %s ipus %s", conn.pid, "died; reclaiming" if dead else why,
+              [ipu.index for ipu in held])
+    trace.instant(f"host {conn.pid} {'died' if dead else why}: ipus "
+                  f"{[ipu.index for ipu in held]}", host=conn.pid)
+    for ipu in held:
+        if ipu.state != "dead":
+            ipu.state = "resetting"
+    results = await asyncio.gather(*(keeper.take_back(ipu) for ipu in held))
+    loop = asyncio.get_running_loop()
+    if not dead and why == "disconnected":
+        # a host killed by a signal closes its socket an instant before it exits
+        dead = await loop.run_in_executor(None, _exits_within, conn.pid, _EXIT_GRACE)
+    if dead:
+        removed = await loop.run_in_executor(None, remove_objects_of, {conn.pid})
+        if removed:
+            _log.info("removed %d shared-memory objects of dead host %d", len(removed),
+                      conn.pid)
+    for ipu, ok in zip(held, results):
+        if ok:
+            ipu.state, ipu.holder = "free", None
+        else:
+            await keeper.restart(ipu)

@@ -1,0 +1,146 @@
+"""Keeping the pool's IPU processes running, on the daemon's event loop.
+
+Every blocking step on an IPU process (start, hand-over, take-back, stop) runs on
+the loop's default executor, at most one at a time per IPU: ``busy`` names the
+IPUs with a step under way, and the periodic :meth:`ProcessKeeper.check` leaves
+those alone. A process that dies while its IPU is free is restarted at once; one
+that dies while held is marked ``dead`` and restarted when its holder lets go;
+one that fails to start is retried every ``_RETRY`` seconds. How each process
+ended is kept (the last ``_EXITS_KEPT``) for the ``exit_status`` request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any, Callable
+
+from shm import pid_alive
+
+from ipu_emulator.daemon._pool import PoolError, PooledIpu, remove_objects_of
+
+__all__ = ["ProcessKeeper"]
+
+_log = logging.getLogger("ipu_emulator.daemon.server")
+
+_RETRY = 5.0       # seconds between restarts of an IPU process that failed to start
+_EXITS_KEPT = 256  # exit statuses of retired IPU processes kept for exit_status
+
+
+class ProcessKeeper:
+    """The pool's IPU processes: started, restarted, stopped, their exits remembered."""
+
+    def __init__(self, ipus: list[PooledIpu], died: Callable[[PooledIpu], None]) -> None:
+        """``died``: told of each IPU process that ended with a status (for /metrics)."""
+        self.ipus = ipus
+        self._died = died
+        self.busy: set[int] = set()     # IPUs with a blocking step under way
+        self._retry_at: dict[int, float] = {}
+        self._exits: dict[int, int] = {}
+        self.stopping = False   # no more attaches, resets or restarts
+
+    async def start(self, ipu: PooledIpu) -> None:
+        """Start (or restart) ``ipu``'s process; ``failed`` and retried later if it cannot."""
+        if self.stopping:
+            return
+        ipu.state, ipu.holder = "starting", None
+        self.busy.add(ipu.index)
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, ipu.start)
+            ipu.state = "free"
+            self._retry_at.pop(ipu.index, None)
+        except Exception as exc:
+            _log.error("ipu %d: cannot start its process: %s", ipu.index, exc)
+            ipu.state = "failed"
+            self._retry_at[ipu.index] = asyncio.get_running_loop().time() + _RETRY
+        finally:
+            self.busy.discard(ipu.index)
+
+    def _schedule_start(self, ipu: PooledIpu) -> None:
+        ipu.state, ipu.holder = "starting", None   # at once: no attach may take it meanwhile
+        self.busy.add(ipu.index)
+        asyncio.get_running_loop().create_task(self.start(ipu))
+
+    async def blocking(self, ipu: PooledIpu, fn: Any, *args: Any) -> Any:
+        """Run the blocking step ``fn(*args)`` on ``ipu`` on the executor."""
+        self.busy.add(ipu.index)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+        finally:
+            self.busy.discard(ipu.index)
+
+    async def take_back(self, ipu: PooledIpu) -> bool:
+        """Reset ``ipu``'s process for the next host; False if it must be restarted."""
+        if ipu.state == "dead" or not ipu.alive():
+            return False
+        try:
+            await self.blocking(ipu, ipu.take_back)
+            return True
+        except PoolError as exc:
+            _log.warning("%s; restarting the process", exc)
+            return False
+
+    async def restart(self, ipu: PooledIpu) -> None:
+        """Replace ``ipu``'s process (dead, or not reset) by a fresh one."""
+        self.retire(ipu)
+        await self.start(ipu)
+
+    def retire(self, ipu: PooledIpu) -> None:
+        """Log how the IPU's process ended and keep its exit status (for exit_status)."""
+        proc = ipu.proc
+        if proc is not None and proc.pid not in self._exits:
+            rc = proc.returncode()
+            _log.warning("ipu %d: %s", ipu.index, proc.describe_exit())
+            if rc is not None:
+                self._died(ipu)
+                self._exits[proc.pid] = rc
+                while len(self._exits) > _EXITS_KEPT:
+                    self._exits.pop(next(iter(self._exits)))
+
+    def check(self) -> None:
+        """One look at every idle IPU: restart a dead free one, mark a dead held one,
+        retry one that failed to start once its time has come."""
+        now = asyncio.get_running_loop().time()
+        for ipu in self.ipus:
+            if ipu.index in self.busy:
+                continue
+            if ipu.state in ("free", "held") and not ipu.alive():
+                self.retire(ipu)
+                if ipu.state == "free":
+                    self._schedule_start(ipu)
+                else:
+                    ipu.state = "dead"   # restarted when its holder releases it
+            elif ipu.state == "failed" and now >= self._retry_at.get(ipu.index, 0):
+                self._schedule_start(ipu)
+
+    async def exit_status(self, pid: int) -> int | None:
+        """How the IPU process ``pid`` ended (waiting up to 2 s if it is ending);
+        raises KeyError if ``pid`` is not an IPU process of this pool."""
+        if pid in self._exits:
+            return self._exits[pid]
+        for ipu in self.ipus:
+            proc = ipu.proc
+            if proc is not None and proc.pid == pid:
+                rc: int | None = await asyncio.get_running_loop().run_in_executor(
+                    None, proc.wait_exit, 2.0)
+                return rc
+        raise KeyError(pid)
+
+    async def stop_all(self) -> None:
+        """Stop every IPU process, then remove what they and dead holders left in /dev/shm."""
+        self.stopping = True
+        loop = asyncio.get_running_loop()
+        pids = {os.getpid()} | {ipu.pid for ipu in self.ipus if ipu.pid is not None}
+        pids |= {ipu.holder for ipu in self.ipus   # holders that died: nobody else cleans up
+                 if ipu.holder is not None and not pid_alive(ipu.holder)}
+
+        def stop(ipu: PooledIpu) -> None:
+            try:
+                ipu.close_process(polite=ipu.state == "free")
+            except Exception:
+                _log.exception("stopping ipu %d", ipu.index)
+        await asyncio.gather(*(loop.run_in_executor(None, stop, ipu) for ipu in self.ipus))
+        removed = remove_objects_of(pids)
+        if removed:
+            _log.info("removed %d leftover shared-memory objects", len(removed))
