@@ -33,7 +33,7 @@ new host (value; 0 = none) and answers DONE.
 
 A LOAD names a *spec region* the host created: ``<Q spec length><spec JSON>``
 then, at ``executable_offset``, the executable bytes. The spec says which
-ring serves which stream (see :func:`encode_load_spec`).
+ring serves which stream (:class:`LoadSpec`).
 
 Stream modes (per anchor, set by LOAD and MODES):
 
@@ -62,10 +62,10 @@ from __future__ import annotations
 import enum
 import json
 import struct
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, NamedTuple, Sequence
 
-from ipu_emulator.errors import ProtocolError
+from ipu_emulator.errors import HostMemoryError, ProtocolError
 
 __all__ = [
     "Op",
@@ -86,6 +86,7 @@ __all__ = [
     "TAG_KIND_MASK",
     "stream_tag",
     "ErrorKind",
+    "Ready",
     "encode_load_spec",
     "decode_load_spec",
     "CONTROL_SLOT_SIZE",
@@ -172,24 +173,108 @@ HOST_OUTPUT = struct.Struct("<qqqq")
 """offset, byte count, length of the region's name, length of the handle."""
 
 
+class Redirect(NamedTuple):
+    """An output of the same Main iteration that the IPU process writes into the host's
+    shared memory: ``nbytes`` at ``offset`` of ``region``."""
+
+    handle: str
+    region: str
+    offset: int
+    nbytes: int
+
+
+class HostMemoryRef(NamedTuple):
+    """A TAG_SHARED descriptor, decoded: the input is ``nbytes`` at ``offset`` of
+    ``region``; ``redirects`` are the outputs written into host memory."""
+
+    region: str
+    offset: int
+    nbytes: int
+    redirects: tuple[Redirect, ...]
+
+
 def host_memory_descriptor(region: str, offset: int, nbytes: int,
-                           outputs: list[tuple[str, str, int, int]] = []) -> bytes:  # noqa: B006
-    """A TAG_SHARED descriptor; ``outputs``: (handle, region, offset, nbytes) of each
-    output to redirect."""
+                           redirects: Sequence[tuple[str, str, int, int]] = ()) -> bytes:
+    """A TAG_SHARED descriptor; ``redirects``: a :class:`Redirect` (or the plain tuple of
+    its fields, as the runner's request path builds it) for each output to redirect."""
     name = region.encode("ascii")
-    parts = [HOST_MEMORY.pack(offset, nbytes, len(name), len(outputs)), name]
-    for handle, out_region, out_offset, out_nbytes in outputs:
+    parts = [HOST_MEMORY.pack(offset, nbytes, len(name), len(redirects)), name]
+    for handle, out_region, out_offset, out_nbytes in redirects:
         r, h = out_region.encode("ascii"), handle.encode("utf-8")
         parts += [HOST_OUTPUT.pack(out_offset, out_nbytes, len(r), len(h)), r, h]
     return b"".join(parts)
 
+
+def read_host_memory_descriptor(raw: bytes) -> HostMemoryRef:
+    """The descriptor :func:`host_memory_descriptor` made (HostMemoryError if it is not
+    one)."""
+    if len(raw) < HOST_MEMORY.size:
+        raise HostMemoryError(f"a shared-memory descriptor of {len(raw)} bytes is "
+                              f"too short (at least {HOST_MEMORY.size} expected)")
+    offset, size, name_len, n_out = HOST_MEMORY.unpack_from(raw)
+    pos = HOST_MEMORY.size
+    if name_len < 0 or pos + name_len > len(raw) or n_out < 0:
+        raise HostMemoryError(f"a shared-memory descriptor of {len(raw)} bytes is "
+                              f"inconsistent (name of {name_len} bytes, {n_out} outputs)")
+    name = raw[pos:pos + name_len].decode("ascii", "replace")
+    pos += name_len
+    redirects = []
+    for _ in range(n_out):
+        if pos + HOST_OUTPUT.size > len(raw):
+            raise HostMemoryError("a shared-memory descriptor ends inside its outputs")
+        o_off, o_size, r_len, h_len = HOST_OUTPUT.unpack_from(raw, pos)
+        pos += HOST_OUTPUT.size
+        if r_len < 0 or h_len < 0 or pos + r_len + h_len > len(raw):
+            raise HostMemoryError("a shared-memory descriptor ends inside its outputs")
+        out_region = raw[pos:pos + r_len].decode("ascii", "replace")
+        handle = raw[pos + r_len:pos + r_len + h_len].decode("utf-8", "replace")
+        pos += r_len + h_len
+        redirects.append(Redirect(handle, out_region, o_off, o_size))
+    if pos != len(raw):
+        raise HostMemoryError(f"a shared-memory descriptor of {len(raw)} bytes has "
+                              f"{len(raw) - pos} bytes after its end")
+    return HostMemoryRef(name, offset, size, tuple(redirects))
+
+
 CONTROL_SLOT_SIZE = 4096
 CONTROL_SLOTS = 16
-EVENT_SLOT_SIZE = 16384
-EVENT_SLOTS = 128
+EVENT_SLOT_SIZE = 8192
+EVENT_SLOTS = 32
+"""Events are small (NEED, OUT, DONE: a header) but for an ERROR's body, which
+``error_body`` keeps within one slot; a full ring makes the IPU process wait for
+the host to read (the ring's pages are allocated at creation: 256 KiB per IPU)."""
 
 _HEAD = struct.Struct("<iiq")
-_MAX_TRACEBACK = EVENT_SLOT_SIZE - 2048
+_MAX_MESSAGE = 2048
+
+
+@dataclass(frozen=True)
+class Ready:
+    """READY's body: the IPU process is attached and serves (``pid`` its process, or the
+    host's for a loopback IPU); what it is (``ipu_id``, ``ipu_version``, ``capacity``:
+    bytes of device memory) and which build runs it (``package_hash``)."""
+
+    pid: int
+    package_hash: str
+    ipu_id: int
+    ipu_version: int
+    capacity: int
+
+    def body(self) -> dict[str, Any]:
+        return {"pid": self.pid, "package_hash": self.package_hash, "ipu_id": self.ipu_id,
+                "ipu_version": self.ipu_version, "capacity": self.capacity}
+
+    @classmethod
+    def decode(cls, body: Any) -> "Ready":
+        """The READY of ``body`` (ProtocolError if it is not one)."""
+        ints = ("pid", "ipu_id", "ipu_version", "capacity")
+        if not (isinstance(body, dict) and set(body) == set(ints) | {"package_hash"}
+                and all(isinstance(body[k], int) for k in ints)
+                and isinstance(body["package_hash"], str)):
+            raise ProtocolError(f"READY body must be {{pid, package_hash, ipu_id, ipu_version, "
+                                f"capacity}}, got {body!r:.200}")
+        return cls(body["pid"], body["package_hash"], body["ipu_id"], body["ipu_version"],
+                   body["capacity"])
 
 
 @dataclass(frozen=True)
@@ -262,14 +347,41 @@ def receive(ring: Any, timeout: float | None = None) -> Message:
 
 
 def error_body(kind: ErrorKind, message: str, traceback: str = "", **extra: Any) -> dict[str, Any]:
-    """The body of an ERROR event; keeps the end of an over-long traceback."""
-    if len(traceback) > _MAX_TRACEBACK:
-        traceback = "...(truncated)...\n" + traceback[-_MAX_TRACEBACK:]
-    if len(message) > 2048:
-        message = message[:2048] + "...(truncated)"
-    body = {"kind": kind.value, "message": message, "traceback": traceback}
+    """The body of an ERROR event, kept within one event slot: an over-long message keeps
+    its start, an over-long traceback its end (the innermost frames)."""
+    if len(message) > _MAX_MESSAGE:
+        message = message[:_MAX_MESSAGE] + "...(truncated)"
+    body = {"kind": kind.value, "message": "", "traceback": ""}
     body.update(extra)
+    room = EVENT_SLOT_SIZE - _HEAD.size - _encoded(body)   # for the message and traceback
+    body["message"] = _longest(message, room, tail=False)
+    room -= _encoded(body["message"]) - 2
+    body["traceback"] = _longest(traceback, room, tail=True)
     return body
+
+
+def _encoded(value: Any) -> int:
+    return len(json.dumps(value, separators=(",", ":")).encode())
+
+
+def _longest(text: str, room: int, tail: bool) -> str:
+    """``text``, or the longest start (``tail``: end) of it, marked as cut, whose JSON
+    string takes at most ``room`` - 2 more bytes than an empty one."""
+    if _encoded(text) - 2 <= room:
+        return text
+    mark = "...(truncated)...\n" if tail else "...(truncated)"
+    room -= _encoded(mark) - 2
+    lo, hi = 0, min(len(text), max(room, 0))   # every character takes at least one byte
+    while lo < hi:   # the longest part that fits
+        mid = (lo + hi + 1) // 2
+        part = text[len(text) - mid:] if tail else text[:mid]
+        if _encoded(part) - 2 <= room:
+            lo = mid
+        else:
+            hi = mid - 1
+    if lo == 0:
+        return ""
+    return mark + text[len(text) - lo:] if tail else text[:lo] + mark
 
 
 __all__.append("error_body")
@@ -283,54 +395,126 @@ _SPEC_OPTIONAL = {"weights_region", "weights_file", "prepack", "constants"}
 _STREAM_KEYS = {"handle", "ring", "direction", "nbytes", "mode"}
 
 
-def encode_load_spec(spec: dict[str, Any]) -> bytes:
-    """The spec region's prefix: length + JSON, padded to 64 bytes.
+@dataclass(frozen=True)
+class LoadStream:
+    """Which ring serves one stream, in which direction and mode (MODE_*)."""
 
-    ``spec`` keys: ``key`` (str: identifies the loaded session), ``fresh``
-    (bool: drop any cached copy), ``executable_offset``/``executable_size``
-    (where the executable is in the region; the offset must equal the length
-    of the returned prefix), ``memory_region`` (name or None),
-    ``check_package_hash`` (bool), ``streams``: list of ``{"handle", "ring",
-    "direction" ("in"/"out"), "nbytes", "mode"}``; optional ``weights_region``
-    (name or None): the executable's weights section is not in this region but
-    in that one (shared by every session of the same weights; mapped read-only);
-    optional ``prepack`` (bool, or None for the IPU process's own setting): the
-    host's choice of the setting ``prepack`` for this load; optional
-    ``weights_file`` (``{"path", "offset", "length"}``, optionally ``"identity"``):
-    with prepacking on, the IPU process reads the weights section from that file
-    itself (the PopEF file the host read; the executable's checksum covers them);
-    ``identity`` (``[st_dev, st_ino, st_size, st_mtime_ns]`` of the file when the
-    host read it, whose PopEF checksum the host checks): an IPU process that finds
-    the file so before and after it read the weights need not checksum them again;
-    optional ``constants`` (``{"region": name, "streams": [{"handle", "offset",
-    "nbytes"}]}``): constant streams, whose value is at ``offset`` in that read-only
-    region (shared by every session of the same values): the IPU process never reads
-    their rings (``ipu_emulator.ipu._constants``).
-    """
-    raw = json.dumps(spec, separators=(",", ":")).encode()
+    handle: str
+    ring: str
+    direction: str   # "in" or "out"
+    nbytes: int      # bytes of one transfer
+    mode: int
+
+
+@dataclass(frozen=True)
+class LoadConstant:
+    """A constant stream's value: ``nbytes`` at ``offset`` of the constants region."""
+
+    handle: str
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class LoadConstants:
+    """Constant streams, whose values are in one read-only region (shared by every
+    session of the same values): the IPU process never reads their rings
+    (``ipu_emulator.ipu._constants``)."""
+
+    region: str
+    streams: tuple[LoadConstant, ...]
+
+
+@dataclass(frozen=True)
+class WeightsFile:
+    """Where the weights section lies in the PopEF file the host read, and that file's
+    ``identity`` then (``[st_dev, st_ino, st_size, st_mtime_ns]``; empty: unknown): an
+    IPU process that finds the file so before and after it read the weights need not
+    checksum them again (the host checks the file's checksum)."""
+
+    path: str   # absolute
+    offset: int
+    length: int
+    identity: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """What a LOAD's spec region says (encoded by :func:`encode_load_spec`).
+
+    ``key`` identifies the loaded session; ``fresh``: drop any cached copy; the
+    executable is ``executable_size`` bytes at ``executable_offset`` of the region (the
+    length of the encoded spec); ``memory_region``: the device memory region (None:
+    none); ``weights_region``: the executable's weights section is not in the spec
+    region but in that one (shared by every session of the same weights; mapped
+    read-only); ``weights_file``: with prepacking on, the IPU process reads the weights
+    section from that file itself; ``prepack``: the host's choice of the setting
+    ``prepack`` for this load (None: the IPU process's own setting)."""
+
+    key: str
+    executable_size: int
+    streams: tuple[LoadStream, ...]
+    memory_region: str | None = None
+    check_package_hash: bool = True
+    fresh: bool = False
+    executable_offset: int = 0
+    weights_region: str | None = None
+    weights_file: WeightsFile | None = None
+    prepack: bool | None = None
+    constants: LoadConstants | None = None
+
+
+def _spec_json(spec: LoadSpec) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "key": spec.key, "fresh": int(spec.fresh), "executable_offset": spec.executable_offset,
+        "executable_size": spec.executable_size, "memory_region": spec.memory_region,
+        "check_package_hash": spec.check_package_hash,
+        "streams": [{"handle": s.handle, "ring": s.ring, "direction": s.direction,
+                     "nbytes": s.nbytes, "mode": s.mode} for s in spec.streams]}
+    if spec.prepack is not None:
+        out["prepack"] = spec.prepack
+    wf = spec.weights_file
+    if wf is not None:
+        out["weights_file"] = {"path": wf.path, "offset": wf.offset, "length": wf.length,
+                               "identity": list(wf.identity)}
+    if spec.weights_region is not None:
+        out["weights_region"] = spec.weights_region
+    if spec.constants is not None:
+        out["constants"] = {"region": spec.constants.region,
+                            "streams": [{"handle": c.handle, "offset": c.offset,
+                                         "nbytes": c.nbytes} for c in spec.constants.streams]}
+    return out
+
+
+def encode_load_spec(spec: LoadSpec) -> bytes:
+    """The spec region's prefix: length + JSON, padded to 64 bytes (the executable
+    follows at ``spec.executable_offset``, which must equal its length: see
+    :func:`spec_prefix_size`)."""
+    raw = json.dumps(_spec_json(spec), separators=(",", ":")).encode()
     n = _SPEC_LEN.size + len(raw)
     pad = -n % 64
     return _SPEC_LEN.pack(len(raw)) + raw + b"\0" * pad
 
 
-def spec_prefix_size(spec: dict[str, Any]) -> int:
+def spec_prefix_size(spec: LoadSpec) -> int:
     """Length of :func:`encode_load_spec`'s output, given a spec whose offset is not yet set."""
-    probe = dict(spec, executable_offset=0)
+    probe = replace(spec, executable_offset=0)
     # The offset's digits change the JSON length; iterate to a fixed point.
     size = len(encode_load_spec(probe))
     for _ in range(4):
-        probe["executable_offset"] = size
-        new = len(encode_load_spec(probe))
+        new = len(encode_load_spec(replace(probe, executable_offset=size)))
         if new == size:
             break
         size = new
     return size
 
 
-__all__.append("spec_prefix_size")
+__all__ += ["Redirect", "HostMemoryRef", "host_memory_descriptor", "read_host_memory_descriptor",
+            "spec_prefix_size", "LoadSpec", "LoadStream", "LoadConstant", "LoadConstants",
+            "WeightsFile"]
 
 
-def decode_load_spec(buf: memoryview) -> dict[str, Any]:
+def decode_load_spec(buf: memoryview) -> LoadSpec:
     """Parse and check the spec at the start of a spec region."""
     if len(buf) < _SPEC_LEN.size:
         raise ProtocolError("load spec region is shorter than its length field")
@@ -348,9 +532,32 @@ def decode_load_spec(buf: memoryview) -> dict[str, Any]:
     if spec.get("prepack") not in (None, True, False):
         raise ProtocolError(f"load spec 'prepack' must be true, false or null, got "
                             f"{spec['prepack']!r:.40}")
-    wf = spec.get("weights_file")
-    if wf is not None and not (
-            isinstance(wf, dict) and {"path", "offset", "length"} <= set(wf)
+    if not isinstance(spec["key"], str) or not isinstance(spec["memory_region"], (str, type(None))):
+        raise ProtocolError(f"load spec 'key' must be a str and 'memory_region' a region name "
+                            f"or null, got {spec['key']!r:.80}, {spec['memory_region']!r:.80}")
+    weights_file = _weights_file(spec.get("weights_file"))
+    if weights_file is not None and spec.get("weights_region") is not None:
+        raise ProtocolError("load spec names both a 'weights_file' and a 'weights_region'")
+    if spec.get("weights_region") is not None and not isinstance(spec["weights_region"], str):
+        raise ProtocolError(f"load spec 'weights_region' must be a region name or null, got "
+                            f"{spec['weights_region']!r:.80}")
+    off, size = spec["executable_offset"], spec["executable_size"]
+    if not (isinstance(off, int) and isinstance(size, int) and 0 <= off and 0 < size
+            and off + size <= len(buf)):
+        raise ProtocolError(f"executable at [{off}, +{size}) does not fit the "
+                            f"{len(buf)}-byte spec region")
+    return LoadSpec(
+        key=spec["key"], executable_size=size, streams=_streams(spec["streams"]),
+        memory_region=spec["memory_region"], check_package_hash=bool(spec["check_package_hash"]),
+        fresh=bool(spec["fresh"]), executable_offset=off,
+        weights_region=spec.get("weights_region"), weights_file=weights_file,
+        prepack=spec.get("prepack"), constants=_constants(spec.get("constants")))
+
+
+def _weights_file(wf: Any) -> WeightsFile | None:
+    if wf is None:
+        return None
+    if not (isinstance(wf, dict) and {"path", "offset", "length"} <= set(wf)
             and set(wf) <= {"path", "offset", "length", "identity"}
             and isinstance(wf["path"], str) and wf["path"].startswith("/")
             and all(isinstance(wf[k], int) and wf[k] >= 0 for k in ("offset", "length"))
@@ -358,14 +565,13 @@ def decode_load_spec(buf: memoryview) -> dict[str, Any]:
             and all(isinstance(v, int) for v in wf.get("identity", []))):
         raise ProtocolError(f"load spec 'weights_file' must be {{path (absolute), offset, "
                             f"length[, identity]}}, got {wf!r:.200}")
-    if wf is not None and spec.get("weights_region") is not None:
-        raise ProtocolError("load spec names both a 'weights_file' and a 'weights_region'")
-    if spec.get("weights_region") is not None and not isinstance(spec["weights_region"], str):
-        raise ProtocolError(f"load spec 'weights_region' must be a region name or null, got "
-                            f"{spec['weights_region']!r:.80}")
-    consts = spec.get("constants")
-    if consts is not None and not (
-            isinstance(consts, dict) and set(consts) == {"region", "streams"}
+    return WeightsFile(wf["path"], wf["offset"], wf["length"], tuple(wf.get("identity", ())))
+
+
+def _constants(consts: Any) -> LoadConstants | None:
+    if consts is None:
+        return None
+    if not (isinstance(consts, dict) and set(consts) == {"region", "streams"}
             and isinstance(consts["region"], str) and isinstance(consts["streams"], list)
             and all(isinstance(c, dict) and set(c) == {"handle", "offset", "nbytes"}
                     and isinstance(c["handle"], str)
@@ -373,12 +579,11 @@ def decode_load_spec(buf: memoryview) -> dict[str, Any]:
                     for c in consts["streams"])):
         raise ProtocolError(f"load spec 'constants' must be {{region, streams: [{{handle, "
                             f"offset, nbytes}}]}}, got {consts!r:.200}")
-    off, size = spec["executable_offset"], spec["executable_size"]
-    if not (isinstance(off, int) and isinstance(size, int) and 0 <= off and 0 < size
-            and off + size <= len(buf)):
-        raise ProtocolError(f"executable at [{off}, +{size}) does not fit the "
-                            f"{len(buf)}-byte spec region")
-    streams = spec["streams"]
+    return LoadConstants(consts["region"], tuple(
+        LoadConstant(c["handle"], c["offset"], c["nbytes"]) for c in consts["streams"]))
+
+
+def _streams(streams: Any) -> tuple[LoadStream, ...]:
     if not isinstance(streams, list):
         raise ProtocolError("load spec 'streams' must be a list")
     for i, s in enumerate(streams):
@@ -389,4 +594,7 @@ def decode_load_spec(buf: memoryview) -> dict[str, Any]:
                                 f"{s['direction']!r} / mode {s['mode']!r}")
         if not isinstance(s["nbytes"], int) or s["nbytes"] < 0:
             raise ProtocolError(f"load spec stream {i} has nbytes {s['nbytes']!r}")
-    return spec
+        if not isinstance(s["handle"], str) or not isinstance(s["ring"], str):
+            raise ProtocolError(f"load spec stream {i} needs a str handle and ring name")
+    return tuple(LoadStream(s["handle"], s["ring"], s["direction"], s["nbytes"], s["mode"])
+                 for s in streams)

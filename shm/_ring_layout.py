@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import struct
 
+from . import naming
+
 MAGIC = int.from_bytes(b"IPUEMURG", "little", signed=True)
 VERSION = 1
 HEADER_SIZE = 256
@@ -34,8 +36,7 @@ _MAX_SLOTS = 1 << 20
 """Most slots a ring may have (``Ring.create`` and ``Ring.attach`` check it)."""
 
 # The ring's two semaphores are named after its region: <name>.free, <name>.full.
-_FREE_SUFFIX = ".free"
-_FULL_SUFFIX = ".full"
+_FREE_SUFFIX, _FULL_SUFFIX = naming.RING_SEMAPHORES   # the ring's names are naming's
 
 
 def _stride(slot_size: int) -> int:

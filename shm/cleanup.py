@@ -15,7 +15,7 @@ from typing import NamedTuple
 from . import _registry, naming
 from .liveness import pid_alive
 
-__all__ = ["ShmObject", "list_objects", "remove_dead"]
+__all__ = ["ShmObject", "list_objects", "remove_dead", "unlink_named", "unlink_created_by"]
 
 _log = logging.getLogger(__name__)
 
@@ -74,3 +74,23 @@ def remove_dead(tag: str | None = None, *, all_tags: bool = False,
     if removed and not dry_run:
         _log.info("removed %d shared-memory objects of dead processes", len(removed))
     return removed
+
+
+def _unlink(name: str, is_semaphore: bool) -> int:
+    try:
+        return int(_registry.unlink_name(name, "sem" if is_semaphore else "shm"))
+    except OSError:
+        return 0
+
+
+def unlink_named(name: str) -> int:
+    """Unlink the region or ring named ``name`` (its segment and, for a ring, its
+    semaphores) if it exists; the number of objects removed."""
+    return sum(_unlink(n, is_sem) for n, is_sem in naming.object_names(name))
+
+
+def unlink_created_by(pids: tuple[int, ...], *, all_tags: bool = False) -> int:
+    """Unlink every object of the current tag (or of every tag) created by one of
+    ``pids``; the number removed."""
+    return sum(_unlink(obj.name, obj.is_semaphore)
+               for obj in list_objects(all_tags=all_tags) if obj.pid in pids)

@@ -40,6 +40,7 @@ from host_runtime.settings import HostSettings
 from ipu_emulator import trace
 from ipu_emulator.daemon import socket_protocol as wire
 from ipu_emulator.ipu.launcher import IpuSpec, describe_returncode, read_log_tail
+from ipu_emulator.ipu_protocol import Ready
 from ipu_emulator.system import SystemConfig
 
 __all__ = ["DaemonClient", "DaemonAttachment", "DaemonIpu", "daemon_from_env"]
@@ -301,7 +302,7 @@ class DaemonIpu:
         self.spec = spec
         self.log_path: str | None = info.get("log")
         self._pid = int(info["pid"])
-        self._ready = dict(info.get("ready") or {})
+        self._ready = Ready.decode(info.get("ready"))
         self._client = client
         self._rc: int | None = None
         self._closed = False
@@ -352,7 +353,7 @@ class DaemonIpu:
             os.kill(self._pid, signal.SIGKILL)
             self.wait_exit(5.0)
 
-    def wait_ready(self, timeout: float | None = None) -> dict[str, Any]:
+    def wait_ready(self, timeout: float | None = None) -> Ready:
         return self._ready   # the daemon waited for READY when it started the process
 
     def shutdown(self, timeout: float = 5.0) -> None:

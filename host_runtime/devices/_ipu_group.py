@@ -55,7 +55,7 @@ from host_runtime.devices.link import DeviceLink, StreamServicer
 from host_runtime.errors import BadRequestError, DeviceLostError, InvalidStateError, PopefError
 from host_runtime.settings import HostSettings
 from ipu_emulator.ipu.launcher import IpuConnection, describe_returncode, kill_all
-from ipu_emulator.ipu_protocol import MODE_DIRECT, Op
+from ipu_emulator.ipu_protocol import MODE_DIRECT, LoadConstants, LoadSpec, LoadStream, Op
 
 if TYPE_CHECKING:  # pragma: no cover
     from ipu_emulator.executable import Executable
@@ -437,11 +437,11 @@ class ShardedLoad:
                     out[h] = s.nbytes
         return out
 
-    def load(self, link: DeviceLink, host_streams: list[dict[str, Any]],
+    def load(self, link: DeviceLink, host_streams: tuple[LoadStream, ...],
              check_package_hash: bool, fresh: bool, timeout: float,
              peers: Callable[[str, int], None] | None = None,
              faults: list[str] | None = None,
-             constants: dict[str, Any] | None = None) -> None:
+             constants: LoadConstants | None = None) -> None:
         """Send each IPU its part (LOAD with one spec region per IPU) and wait for all;
         ``faults``: the names of the host's fault tables (ipu_emulator.faults);
         ``constants``: the load spec's ``constants`` (one region shared by every IPU of
@@ -463,21 +463,16 @@ class ShardedLoad:
                     self.spec_regions.append(None)
                 names.append(None)
                 continue
-            streams = list(host_streams)
-            for h, s in part.streams.items():
-                if h in self.links:
-                    streams.append({"handle": h, "ring": self.links[h].name,
-                                    "direction": s.direction, "nbytes": s.nbytes,
-                                    "mode": MODE_DIRECT})
-            spec: dict[str, Any] = {
-                "key": self.key, "fresh": int(bool(fresh)), "executable_offset": 0,
-                "executable_size": len(code),
-                "memory_region": memory.name,
-                "check_package_hash": bool(check_package_hash), "streams": streams}
-            mine = [c for c in (constants or {}).get("streams", []) if c["handle"] in part.streams]
-            if mine:
-                assert constants is not None
-                spec["constants"] = {"region": constants["region"], "streams": mine}
+            streams = host_streams + tuple(
+                LoadStream(h, self.links[h].name, s.direction, s.nbytes, MODE_DIRECT)
+                for h, s in part.streams.items() if h in self.links)
+            mine = tuple(c for c in (constants.streams if constants is not None else ())
+                         if c.handle in part.streams)
+            spec = LoadSpec(key=self.key, fresh=bool(fresh), executable_size=len(code),
+                            memory_region=memory.name,
+                            check_package_hash=bool(check_package_hash), streams=streams,
+                            constants=(LoadConstants(constants.region, mine)
+                                       if constants is not None and mine else None))
             old = self.spec_regions[k] if k < len(self.spec_regions) else None
             region = load_spec_region(old, spec, code)
             if k < len(self.spec_regions):

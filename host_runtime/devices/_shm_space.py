@@ -13,8 +13,9 @@ numbers); never "/dev/shm full" for a limit that has nothing to do with it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
-from typing import Any, Callable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from shm import FileSizeLimitError, OutOfFileDescriptorsError, Region, ShmError, ShmFullError, limits
 
@@ -111,21 +112,21 @@ def filled_region(what: str, kind: str, size: int, fill: Callable[[Region], None
     return region
 
 
-def load_spec_region(region: Region | None, spec: dict[str, Any],
+def load_spec_region(region: Region | None, spec: ipu_protocol.LoadSpec,
                      executable: bytes | memoryview) -> Region:
-    """The region a LOAD names: ``spec`` encoded (``ipu_protocol.encode_load_spec``), then
-    ``executable``. ``region`` (the one an earlier LOAD named) is rewritten in place, the
-    executable left where it is; when the spec grew past the executable's offset, a new
-    region is made and then ``region`` closed and unlinked. Sets
-    ``spec["executable_offset"]``."""
+    """The region a LOAD names: ``spec`` encoded (``ipu_protocol.encode_load_spec``, at the
+    offset it needs), then ``executable``. ``region`` (the one an earlier LOAD named) is
+    rewritten in place, the executable left where it is; when the spec grew past the
+    executable's offset, a new region is made and then ``region`` closed and unlinked."""
     if region is not None:
-        spec["executable_offset"] = ipu_protocol.decode_load_spec(region.buf)["executable_offset"]
-        prefix = ipu_protocol.encode_load_spec(spec)
-        if len(prefix) <= spec["executable_offset"]:
+        at = ipu_protocol.decode_load_spec(region.buf).executable_offset
+        prefix = ipu_protocol.encode_load_spec(
+            dataclasses.replace(spec, executable_offset=at))
+        if len(prefix) <= at:
             region.buf[:len(prefix)] = prefix
             return region
-    spec["executable_offset"] = ipu_protocol.spec_prefix_size(spec)
-    prefix = ipu_protocol.encode_load_spec(spec)
+    prefix = ipu_protocol.encode_load_spec(
+        dataclasses.replace(spec, executable_offset=ipu_protocol.spec_prefix_size(spec)))
     size = len(prefix) + len(executable)
 
     def fill(made: Region) -> None:

@@ -36,6 +36,8 @@ import numpy as np
 
 from shm import Region
 
+from ipu_emulator.ipu_protocol import LoadConstant, LoadConstants
+
 from host_runtime.devices import filled_region
 from host_runtime.popef.reader import drop_pages
 
@@ -98,11 +100,10 @@ class SharedConstants:
                     return False
         return True
 
-    def spec(self) -> dict[str, Any]:
-        """The load spec's ``constants`` (``ipu_emulator.ipu_protocol``)."""
-        return {"region": self.name,
-                "streams": [{"handle": h, "offset": off, "nbytes": n}
-                            for h, (off, n) in sorted(self._at.items())]}
+    def spec(self) -> LoadConstants:
+        """The load spec's ``constants`` (``ipu_emulator.ipu_protocol.LoadSpec``)."""
+        return LoadConstants(self.name, tuple(LoadConstant(h, off, n)
+                                              for h, (off, n) in sorted(self._at.items())))
 
     def close(self) -> None:
         """Unmap and unlink now (idempotent); sessions that hold it must not load again."""

@@ -30,7 +30,8 @@ from host_runtime.session._weights import SharedWeights, check_fits, is_shared, 
 from host_runtime.settings import HostSettings
 from ipu_emulator.executable import ExecutableError, ExecutableHeader, weights_span
 from ipu_emulator.faults import FaultTable
-from ipu_emulator.ipu_protocol import Op
+from ipu_emulator.fit import misfit
+from ipu_emulator.ipu_protocol import LoadSpec, Op, WeightsFile
 
 __all__ = ["Loader"]
 
@@ -97,16 +98,14 @@ class Loader:
         inputs only Load programs read stay those of the last LOAD (no Load program runs
         before the next request)."""
         self.ensure_resources(dev)
-        if self._header.ipu_version != dev.ipuVersion():
-            raise BadRequestError(
-                f"executable {self._header.name!r} was compiled for "
-                f"ipu{self._header.ipu_version}, but {dev.describe()} is ipu{dev.ipuVersion()}")
-        need = max(self._header.memory_bytes, self._header.required_bytes)
-        if need > dev.memoryBytes():
-            raise BadRequestError(
-                f"executable {self._header.name!r} needs {need} bytes of device memory, but "
-                f"{dev.describe()} has {dev.numIpus()} IPU(s) x {dev.tilesPerIpu()} tiles x "
-                f"{dev.memoryPerTile()} bytes per tile = {dev.memoryBytes()} bytes")
+        header = self._header
+        wrong = misfit(header.name, header.ipu_version,
+                       max(header.memory_bytes, header.required_bytes), None,
+                       device=dev.describe(), device_version=dev.ipuVersion(),
+                       device_ipus=dev.numIpus(), tiles_per_ipu=dev.tilesPerIpu(),
+                       memory_per_tile=dev.memoryPerTile())
+        if wrong is not None:
+            raise BadRequestError(wrong[1])
         modes = self._streams.modes()
         constants, same = self._constants_to_load(keep_load_constants)
         if not same:   # the device's cached copy of the executable streams them otherwise
@@ -117,20 +116,15 @@ class Loader:
         weights_file = self._weights_file(dev)
         if weights_file is None:
             self.share_weights(dev)
-        spec: dict[str, Any] = {
-            "key": self._key, "fresh": int(bool(fresh)), "executable_offset": 0,
-            "executable_size": self._weights_at,
-            "memory_region": self._memory_region.name if self._memory_region else None,
-            "check_package_hash": bool(self._config.check_package_hash),
-            "streams": self._streams.load_spec(modes),
-            "prepack": bool(self._settings.prepack),
-        }
-        if weights_file is not None:
-            spec["weights_file"] = weights_file
-        elif self._weights is not None:
-            spec["weights_region"] = self._weights.name
-        if self._constants is not None:
-            spec["constants"] = self._constants.spec()
+        spec = LoadSpec(
+            key=self._key, fresh=bool(fresh), executable_size=self._weights_at,
+            memory_region=self._memory_region.name if self._memory_region else None,
+            check_package_hash=bool(self._config.check_package_hash),
+            streams=self._streams.load_spec(modes), prepack=bool(self._settings.prepack),
+            weights_file=weights_file,
+            weights_region=(self._weights.name if weights_file is None
+                            and self._weights is not None else None),
+            constants=self._constants.spec() if self._constants is not None else None)
         # the executable stays where it is; only "fresh", modes and weights change
         self._spec_region = load_spec_region(self._spec_region, spec,
                                              memoryview(self._exe)[:self._weights_at])
@@ -178,7 +172,7 @@ class Loader:
             # the binding keeps its phase: the load programs need not run again for this
             self.load(dev, binding, fresh=True, keep_load_constants=not loads)
 
-    def _weights_file(self, dev: Device | None = None) -> dict[str, Any] | None:
+    def _weights_file(self, dev: Device | None = None) -> WeightsFile | None:
         """With prepacking on, where an IPU process reads the weights itself: the PopEF
         file they were read from, while it is unchanged (it takes its own copy at once;
         no shared region is needed). None: they go through the shared region, also where
@@ -195,8 +189,8 @@ class Loader:
             return None
         # the file as this process read (and checks) it: an IPU process that finds it so
         # need not checksum the weights again
-        return {"path": span[0], "offset": span[1], "length": self._weights_len,
-                "identity": list(popef_file_identity(view) or ())}
+        return WeightsFile(span[0], span[1], self._weights_len,
+                           tuple(popef_file_identity(view) or ()))
 
     def share_weights(self, dev: Device | None = None) -> None:
         """Hold the region of the executable's weights (made if this process has none)."""

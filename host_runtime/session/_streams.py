@@ -35,7 +35,7 @@ from host_runtime.errors import (BadRequestError, DeviceExecutionError, InvalidS
 from host_runtime.session.predicates import (AnchorCallbackPolicy, AnchorCallbackPredicate,
                                      PopefDataUsagePolicy, PopefDataUsagePredicate)
 from host_runtime.session._rings import StreamRings, ring_depth
-from ipu_emulator.ipu_protocol import MODE_DIRECT, MODE_EVENT, MODE_NULL, TAG_ABORT
+from ipu_emulator.ipu_protocol import MODE_DIRECT, MODE_EVENT, MODE_NULL, TAG_ABORT, LoadStream
 
 __all__ = ["StreamTable", "EMPTY", "Callback", "callback_failure"]
 
@@ -312,11 +312,12 @@ class StreamTable:
         """Wake every waiter on the rings (see :meth:`StreamRings.invalidate`)."""
         self._rings.invalidate()
 
-    def load_spec(self, modes: list[int]) -> list[dict[str, Any]]:
-        return [{"handle": a.handle(), "ring": self.rings[a.handle()].name,
-                 "direction": "in" if a.type() is popef.TensorType.INPUT else "out",
-                 "nbytes": self.nbytes[a.handle()], "mode": m}
-                for a, m in zip(self.streams, modes)]
+    def load_spec(self, modes: list[int]) -> tuple[LoadStream, ...]:
+        """The load spec's streams (``ipu_protocol.LoadSpec``)."""
+        return tuple(LoadStream(a.handle(), self.rings[a.handle()].name,
+                                "in" if a.type() is popef.TensorType.INPUT else "out",
+                                self.nbytes[a.handle()], m)
+                     for a, m in zip(self.streams, modes))
 
     def close(self) -> None:
         self._rings.close()

@@ -30,7 +30,7 @@ from shm.cleanup import list_objects
 
 from ipu_emulator import ipu_protocol
 from ipu_emulator.ipu.launcher import IpuProcess, IpuSpec, launch_ipu
-from ipu_emulator.ipu_protocol import Message, Op
+from ipu_emulator.ipu_protocol import Message, Op, Ready
 from ipu_emulator.errors import PoolError
 from ipu_emulator.settings import IpuSettings
 
@@ -51,7 +51,7 @@ class PooledIpu:
         self.index = spec.ipu_id
         self.log_dir = log_dir
         self.proc: IpuProcess | None = None
-        self.ready: dict[str, Any] = {}
+        self.ready: Ready | None = None
         self.state = "starting"     # starting, free, attaching, held, resetting, dead, failed
         self.holder: int | None = None
         self.hosts_served = 0
@@ -176,7 +176,8 @@ class PooledIpu:
         proc = self.proc
         assert proc is not None
         return {"ipu": self.index, "pid": proc.pid, "control": proc.control.name,
-                "events": proc.events.name, "log": proc.log_path, "ready": self.ready,
+                "events": proc.events.name, "log": proc.log_path,
+                "ready": self.ready.body() if self.ready is not None else None,
                 "trace": proc.trace.name if proc.trace is not None else None}
 
     def status(self) -> dict[str, Any]:

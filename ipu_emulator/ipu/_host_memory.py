@@ -21,7 +21,7 @@ import os
 
 from shm import Region, ShmError, naming
 
-from ipu_emulator.ipu_protocol import HOST_MEMORY, HOST_OUTPUT
+from ipu_emulator.ipu_protocol import read_host_memory_descriptor
 from ipu_emulator.errors import HostMemoryError
 
 __all__ = ["HostMemory", "HostMemoryError"]
@@ -76,37 +76,14 @@ class HostMemory:
         return got
 
     def _resolve(self, raw: bytes, nbytes: int) -> _Resolved:
-        if len(raw) < HOST_MEMORY.size:
-            raise HostMemoryError(f"a shared-memory descriptor of {len(raw)} bytes is "
-                                  f"too short (at least {HOST_MEMORY.size} expected)")
-        offset, size, name_len, n_out = HOST_MEMORY.unpack_from(raw)
-        pos = HOST_MEMORY.size
-        if name_len < 0 or pos + name_len > len(raw) or n_out < 0:
-            raise HostMemoryError(f"a shared-memory descriptor of {len(raw)} bytes is "
-                                  f"inconsistent (name of {name_len} bytes, {n_out} outputs)")
-        name = raw[pos:pos + name_len].decode("ascii", "replace")
-        pos += name_len
-        if size != nbytes:
-            raise HostMemoryError(f"host memory {name}: the host sent {size} bytes, one "
-                                  f"transfer is {nbytes} bytes")
-        view = self._view(name, offset, size)
-        outputs = []
-        for _ in range(n_out):
-            if pos + HOST_OUTPUT.size > len(raw):
-                raise HostMemoryError("a shared-memory descriptor ends inside its outputs")
-            o_off, o_size, r_len, h_len = HOST_OUTPUT.unpack_from(raw, pos)
-            pos += HOST_OUTPUT.size
-            if r_len < 0 or h_len < 0 or pos + r_len + h_len > len(raw):
-                raise HostMemoryError("a shared-memory descriptor ends inside its outputs")
-            region = raw[pos:pos + r_len].decode("ascii", "replace")
-            handle = raw[pos + r_len:pos + r_len + h_len].decode("utf-8", "replace")
-            pos += r_len + h_len
-            if self._writes is None or handle in self._writes:
-                outputs.append((handle, self._view(region, o_off, o_size)))
-        if pos != len(raw):
-            raise HostMemoryError(f"a shared-memory descriptor of {len(raw)} bytes has "
-                                  f"{len(raw) - pos} bytes after its end")
-        return view, tuple(outputs)
+        ref = read_host_memory_descriptor(raw)
+        if ref.nbytes != nbytes:
+            raise HostMemoryError(f"host memory {ref.region}: the host sent {ref.nbytes} bytes, "
+                                  f"one transfer is {nbytes} bytes")
+        view = self._view(ref.region, ref.offset, ref.nbytes)
+        writes = self._writes
+        return view, tuple((r.handle, self._view(r.region, r.offset, r.nbytes))
+                           for r in ref.redirects if writes is None or r.handle in writes)
 
     def _view(self, name: str, offset: int, size: int) -> memoryview:
         region = self._regions.get(name)

@@ -42,7 +42,7 @@ from ipu_emulator import ipu_protocol
 from ipu_emulator.ipu.launcher import IpuSpec, describe_returncode
 from ipu_emulator.settings import IpuSettings
 from ipu_emulator.errors import IpuProcessError
-from ipu_emulator.ipu_protocol import Message, Op
+from ipu_emulator.ipu_protocol import Message, Op, Ready
 
 __all__ = ["LoopbackIpu", "launch_loopback"]
 
@@ -57,7 +57,7 @@ class LoopbackIpu:
         self.spec = spec
         self.control = control
         self.events = events
-        self._ready: dict[str, Any] | None = None
+        self._ready: Ready | None = None
         self._closed = False
         self._killed = threading.Event()
         self._returncode: int | None = None
@@ -129,7 +129,7 @@ class LoopbackIpu:
     def log_tail(self, nbytes: int = 2000) -> str:
         return ""   # the device side logs through this process's logging
 
-    def wait_ready(self, timeout: float | None = None) -> dict[str, Any]:
+    def wait_ready(self, timeout: float | None = None) -> Ready:
         """Block until the device side posts READY; IpuProcessError if it ends first."""
         if self._ready is not None:
             return self._ready
@@ -143,7 +143,7 @@ class LoopbackIpu:
                 msg = None
             if msg is not None:
                 if msg.op is Op.READY:
-                    self._ready = dict(msg.body or {})
+                    self._ready = Ready.decode(msg.body)
                     return self._ready
                 _log.warning("%s: unexpected %s before READY", self.describe_exit(), msg.op.name)
                 continue

@@ -39,7 +39,7 @@ from shm.tracebuf import TraceBuffer
 
 from ipu_emulator import ipu_protocol, safe_files
 from ipu_emulator.ipu import forkserver
-from ipu_emulator.ipu_protocol import Message, Op
+from ipu_emulator.ipu_protocol import Message, Op, Ready
 from ipu_emulator.errors import IpuProcessError, describe_returncode
 from ipu_emulator.settings import IpuSettings
 from ipu_emulator.trace import new_ipu_buffer, recorder as trace_recorder
@@ -99,7 +99,7 @@ class IpuConnection(Protocol):
 
     def kill(self) -> None: ...
 
-    def wait_ready(self, timeout: float | None = None) -> dict[str, Any]:
+    def wait_ready(self, timeout: float | None = None) -> Ready:
         """Block until the process is ready (``timeout`` s; None: its start timeout)."""
 
     def shutdown(self, timeout: float = 5.0) -> None: ...
@@ -144,7 +144,7 @@ class IpuProcess:
         self.events = events
         self.log_path = log_path
         self._popen = popen
-        self._ready: dict[str, Any] | None = None
+        self._ready: Ready | None = None
         self._closed = False
         # The process is this host's: a process forked from it (which inherits this handle)
         # never shuts it down or signals it (see _foreign).
@@ -218,7 +218,7 @@ class IpuProcess:
     def log_tail(self, nbytes: int = 2000) -> str:
         return read_log_tail(self.log_path, self.pid, nbytes)
 
-    def wait_ready(self, timeout: float | None = None) -> dict[str, Any]:
+    def wait_ready(self, timeout: float | None = None) -> Ready:
         """Block until the process posts READY (``timeout`` s, None: its start timeout);
         raises IpuProcessError if it dies or is late."""
         if self._ready is not None:
@@ -235,7 +235,7 @@ class IpuProcess:
                 raise self._died("while starting") from exc
             if msg is not None:
                 if msg.op is Op.READY:
-                    self._ready = dict(msg.body or {})
+                    self._ready = Ready.decode(msg.body)
                     if self.trace is not None and not self.trace_named:
                         self.trace.unlink()
                     return self._ready

@@ -3,7 +3,8 @@
 For ``python -m tools.bench pipeline``: the hop of a pipeline stage between two
 processes, without onnxruntime. ``LinkEnd`` is a :class:`DeviceProcess` (its control
 and event rings, its waits) and a ``_RingIO`` over an input and an output link ring
-in direct mode, set up as ``DeviceProcess._run`` sets up one IPU of several.
+in direct mode, set up as a RUN of a sharded executable sets up one IPU of several
+(``DeviceProcess.as_group_member``).
 """
 
 from __future__ import annotations

@@ -31,9 +31,9 @@ def test_the_protocol_round_trips_and_a_clean_shutdown(kind, tmp_path):
              else f"IPU process pid {proc.pid}")
     try:
         ready = proc.wait_ready(timeout=60)
-        assert ready["pid"] == proc.pid and ready["package_hash"] == package_hash()
+        assert ready.pid == proc.pid and ready.package_hash == package_hash()
         assert (proc.pid == os.getpid()) is kind.in_thread
-        assert (ready["ipu_id"], ready["ipu_version"], ready["capacity"]) == (3, 2, 8 * 624 * 1024)
+        assert (ready.ipu_id, ready.ipu_version, ready.capacity) == (3, 2, 8 * 624 * 1024)
         assert proc.alive() and proc.returncode() is None and proc.wait_exit(0.01) is None
         assert proc.describe_exit() == f"test ipu ({where}) is running"
         # a malformed message is ignored; the IPU keeps serving

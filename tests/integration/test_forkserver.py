@@ -48,7 +48,7 @@ def test_forked_ipu_process_is_a_child_of_the_template_logs_and_exits_cleanly(tm
     before = ours()
     proc = launch_ipu(IpuSpec(ipu_id=5, label="forked ipu"), log_dir=str(tmp_path))
     try:
-        assert proc.wait_ready()["pid"] == proc.pid != os.getpid()
+        assert proc.wait_ready().pid == proc.pid != os.getpid()
         parent = psutil.Process(proc.pid).parent()
         assert parent is not None and parent.pid != os.getpid()
         # titled, as ps shows them (an IPU process titles itself before READY)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import struct
+
 import pytest
 
 from ipu_emulator import ipu_protocol
@@ -37,30 +41,54 @@ def test_error_body_keeps_the_end_of_a_long_traceback():
     assert body["kind"] == "program"
 
 
+@pytest.mark.parametrize("message,tb", [("m" * 9000, "x" * 100000), ("\n" * 2000, '"' * 9000),
+                                        ("\u00e9" * 3000, "\u00e9\n" * 9000)],
+                         ids=["long", "escaped", "non-ascii"])
+def test_an_error_body_always_fits_one_event_slot(message, tb):
+    body = ipu_protocol.error_body(ipu_protocol.ErrorKind.PROGRAM, message, tb, action="X")
+    raw = ipu_protocol.to_bytes(Message(Op.ERROR, body=body), ipu_protocol.EVENT_SLOT_SIZE)
+    assert len(raw) <= ipu_protocol.EVENT_SLOT_SIZE
+    assert body["message"][:100] == message[:100] and body["action"] == "X"
+    assert body["traceback"].endswith(tb[-100:]) or len(raw) > ipu_protocol.EVENT_SLOT_SIZE - 200
+
+
 def _spec(**over):
+    fields = dict(key="k", executable_size=10, streams=(ipu_protocol.LoadStream(
+        "a", "/r", "in", 4, ipu_protocol.MODE_EVENT),))
+    fields.update(over)
+    spec = ipu_protocol.LoadSpec(**fields)
+    return dataclasses.replace(spec, executable_offset=ipu_protocol.spec_prefix_size(spec))
+
+
+def test_load_spec_round_trip_and_offset_fixed_point():
+    spec = _spec()
+    prefix = ipu_protocol.encode_load_spec(spec)
+    assert len(prefix) == spec.executable_offset and len(prefix) % 64 == 0
+    region = bytearray(prefix + b"E" * 10)
+    assert ipu_protocol.decode_load_spec(memoryview(region)) == spec
+
+
+def test_load_spec_with_constants_and_weights_round_trips():
+    for spec in (_spec(constants=ipu_protocol.LoadConstants(
+                     "/c", (ipu_protocol.LoadConstant("w", 0, 16),)), prepack=False),
+                 _spec(weights_file=ipu_protocol.WeightsFile("/x.popef", 64, 128, (1, 2, 3, 4)),
+                       fresh=True, memory_region="/m"),
+                 _spec(weights_region="/w", prepack=True, check_package_hash=False)):
+        region = memoryview(bytearray(ipu_protocol.encode_load_spec(spec) + b"E" * 10))
+        assert ipu_protocol.decode_load_spec(region) == spec
+
+
+def _raw(**over):
+    """A spec region holding the JSON of a spec changed by ``over`` (what no LoadSpec
+    encodes: the decoder must refuse it)."""
     spec = {"key": "k", "fresh": 0, "executable_offset": 0, "executable_size": 10,
             "memory_region": None, "check_package_hash": True,
             "streams": [{"handle": "a", "ring": "/r", "direction": "in", "nbytes": 4,
                          "mode": ipu_protocol.MODE_EVENT}]}
     spec.update(over)
-    return spec
-
-
-def test_load_spec_round_trip_and_offset_fixed_point():
-    spec = _spec()
-    spec["executable_offset"] = ipu_protocol.spec_prefix_size(spec)
-    prefix = ipu_protocol.encode_load_spec(spec)
-    assert len(prefix) == spec["executable_offset"] and len(prefix) % 64 == 0
-    region = bytearray(prefix + b"E" * 10)
-    assert ipu_protocol.decode_load_spec(memoryview(region)) == spec
-
-
-def test_load_spec_with_constants_round_trips():
-    spec = _spec(constants={"region": "/c", "streams": [{"handle": "w", "offset": 0,
-                                                          "nbytes": 16}]})
-    spec["executable_offset"] = ipu_protocol.spec_prefix_size(spec)
-    region = memoryview(bytearray(ipu_protocol.encode_load_spec(spec) + b"E" * 10))
-    assert ipu_protocol.decode_load_spec(region) == spec
+    raw = json.dumps(spec).encode()
+    prefix = struct.pack("<Q", len(raw)) + raw
+    return memoryview(bytearray(prefix + b"E" * 10))
 
 
 @pytest.mark.parametrize("over,match", [
@@ -71,13 +99,12 @@ def test_load_spec_with_constants_round_trips():
     ({"constants": {"region": "/c", "streams": [{"handle": "w", "offset": -64, "nbytes": 4}]}},
      "'constants' must be"),
     ({"constants": {"region": "/c"}}, "'constants' must be"),
+    ({"weights_file": {"path": "rel", "offset": 0, "length": 4}}, "'weights_file' must be"),
+    ({"key": 3}, "'key' must be a str"),
 ])
 def test_load_spec_is_checked(over, match):
-    spec = _spec(**over)
-    spec["executable_offset"] = ipu_protocol.spec_prefix_size(spec)
-    region = memoryview(bytearray(ipu_protocol.encode_load_spec(spec) + b"E" * 10))
     with pytest.raises(ProtocolError, match=match):
-        ipu_protocol.decode_load_spec(region)
+        ipu_protocol.decode_load_spec(_raw(**over))
 
 
 def test_describe_returncode():

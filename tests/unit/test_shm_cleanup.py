@@ -88,3 +88,36 @@ def test_cleanup_help_and_bad_option(capsys) -> None:
         cli_main(["cleanup", "--nope"])
     assert info.value.code == 2
     assert "unrecognized arguments: --nope" in capsys.readouterr().err
+
+
+def test_unlink_named_removes_a_ring_or_a_region_by_its_name():
+    from shm import cleanup
+
+    ring = Ring.create(64, 4)
+    region = Region.create(4096)
+    ours = {o.name for o in list_objects()}
+    assert {n for n, _ in naming.object_names(ring.name)} <= ours and region.name in ours
+    assert cleanup.unlink_named(ring.name) == 3    # the segment and its two semaphores
+    assert cleanup.unlink_named(region.name) == 1
+    assert cleanup.unlink_named(region.name) == 0  # gone already
+    left = {o.name for o in list_objects()}
+    assert not left & ({n for n, _ in naming.object_names(ring.name)} | {region.name})
+    ring.close()
+    region.close()
+
+
+def test_unlink_created_by_removes_only_the_objects_of_those_pids():
+    from shm import cleanup
+
+    tag = naming.current_tag()
+    dead = _dead_pid()
+    seg, sem = _leave_orphans(tag, dead)
+    mine = Region.create(4096)
+    try:
+        assert cleanup.unlink_created_by((dead,)) == 2
+        entries = set(os.listdir(naming.SHM_DIR))
+        assert seg not in entries and sem not in entries
+        assert mine.name.lstrip("/") in entries
+    finally:
+        mine.close()
+        mine.unlink()

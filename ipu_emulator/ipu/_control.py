@@ -1,0 +1,109 @@
+"""The control ring as the IPU process reads it: requests in order, endings at once.
+
+``next()`` gives the next request (those taken off the ring early first). While a
+program runs, ``poll()`` takes what arrived: STOP and SHUTDOWN (and, in pool mode,
+HOST) end the run at once (``RunEnded``); MODES applies at once; anything else waits
+in ``pending`` for its turn.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from typing import Callable
+
+from shm import Ring, RingTimeoutError, WaitInterrupted, WouldBlock
+
+from ipu_emulator import ipu_protocol
+from ipu_emulator.ipu._ending import Ending, RunEnded
+from ipu_emulator.ipu._host_watch import HostWatch
+from ipu_emulator.ipu_protocol import Message, Op
+
+__all__ = ["ControlWire"]
+
+_log = logging.getLogger("ipu_emulator.ipu.process")
+
+
+class ControlWire:
+    """The control ring of one IPU process and the requests taken off it early."""
+
+    def __init__(self, ring: Ring, watch: HostWatch, pool: bool,
+                 apply_modes: Callable[[Message], None]) -> None:
+        self.ring = ring
+        self._watch = watch
+        self._pool = pool
+        self._apply_modes = apply_modes
+        self.pending: collections.deque[Message] = collections.deque()
+        self.stop_seq: int | None = None   # the STOP that ended the run (answered DONE)
+        self.stop_soft = False   # STOP with value 1: end the running loop, stay runnable
+
+    def take_ending(self, msg: Message) -> None:
+        """Raise RunEnded for a control message that ends what runs: STOP, SHUTDOWN, and
+        HOST in pool mode (which then runs next)."""
+        op = msg.op
+        if op is Op.STOP:
+            self.stop_seq = msg.seq
+            self.stop_soft = bool(msg.value)
+            raise RunEnded(Ending.STOPPED)
+        if op is Op.SHUTDOWN:
+            raise RunEnded(Ending.SHUTDOWN)
+        if op is Op.HOST and self._pool:
+            # what the previous host still had queued is void; HOST runs next
+            self.pending.clear()
+            self.pending.append(msg)
+            raise RunEnded(Ending.CLIENT_GONE)
+
+    def poll(self) -> None:
+        """Take the control messages that arrived (RunEnded for one that ends the run)."""
+        control = self.ring
+        while True:
+            if not control.readable() and control.is_valid():   # without WouldBlock's cost
+                return
+            try:
+                view, tag = control.try_acquire_read()
+            except WouldBlock:
+                return
+            try:
+                msg = ipu_protocol.decode(view, tag)
+            finally:
+                control.release()
+            self.take_ending(msg)
+            if msg.op is Op.MODES:
+                self._apply_modes(msg)
+            else:
+                self.pending.append(msg)
+
+    def next(self) -> Message:
+        """The next request: one taken off early, else the next on the ring (waited for)."""
+        if self.pending:
+            return self.pending.popleft()
+        watch = self._watch
+        while True:
+            try:
+                return ipu_protocol.receive(self.ring, timeout=watch.receive_timeout)
+            except RingTimeoutError:
+                watch.check()
+            except WaitInterrupted:
+                watch.interrupted()
+
+    def ignore_until_ending(self) -> None:
+        """Answer nothing until a message ends this (STOP, SHUTDOWN, HOST) or the host
+        goes: an injected hang."""
+        watch = self._watch
+        while True:
+            try:
+                msg = ipu_protocol.receive(self.ring, timeout=watch.receive_timeout)
+            except RingTimeoutError:
+                watch.check()
+                continue
+            except WaitInterrupted:
+                watch.interrupted()
+                continue
+            self.take_ending(msg)
+            _log.info("hung: ignoring %s", msg.op.name)
+
+    def drop_client(self) -> None:
+        """Pool mode: what the previous host queued is void; a HOST taken off the ring
+        early still runs."""
+        self.pending = collections.deque(m for m in self.pending if m.op is Op.HOST)
+        self.stop_seq = None

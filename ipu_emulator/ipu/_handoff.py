@@ -1,0 +1,103 @@
+"""Pool mode: the daemon lends this IPU process to one host at a time.
+
+HOST(value=pid) hands the process to a host (0: to none). In between, the process
+also watches that host (the client); when it dies, or the daemon takes the IPU back
+(a HOST during a program), the process drops the client: its executables and host
+memory close, its queued requests are void, and, if it is dead, every object it
+created is unlinked. The process stays warm for the next host.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import Any, Protocol
+
+from shm import Ring, cleanup, pid_alive
+from shm import ring as ring_waits
+
+from ipu_emulator.ipu._control import ControlWire
+from ipu_emulator.ipu._fault_injection import FaultInjector
+from ipu_emulator.ipu._host_watch import HostWatch
+from ipu_emulator.ipu._loading import Executables
+from ipu_emulator.ipu._options import DeviceOptions
+from ipu_emulator.ipu._placement import KeepApart
+from ipu_emulator.ipu._stream_io import _RequestError
+from ipu_emulator.ipu_protocol import ErrorKind
+
+__all__ = ["ClientHandOff", "PoolDevice"]
+
+_log = logging.getLogger("ipu_emulator.ipu.process")
+
+
+class PoolDevice(Protocol):
+    """What the hand-off changes of the IPU process besides its parts."""
+
+    opts: DeviceOptions   # num_ipus and label are the client's
+
+    def set_title(self) -> None: ...
+
+
+class ClientHandOff:
+    """HOST, and dropping a client, for one IPU process (``DeviceOptions.pool``)."""
+
+    def __init__(self, dev: PoolDevice, control: Ring, events: Ring, watch: HostWatch,
+                 wire: ControlWire, executables: Executables, faults: FaultInjector,
+                 apart: KeepApart, known: set[str]) -> None:
+        self._dev = dev
+        self._control = control
+        self._events = events
+        self._watch = watch
+        self._wire = wire
+        self._executables = executables
+        self._faults = faults
+        self._apart = apart
+        self._known = known
+        self._own = {dev.opts.control, dev.opts.events}   # never the client's
+
+    def hand_to(self, pid: int, body: Any) -> None:
+        """HOST: forget the previous host, reset the control ring, serve ``pid`` (0: none).
+
+        ``body`` may give ``num_ipus`` (the size of the device the host attached, which
+        sets this process's memory capacity), ``label`` and the daemon's ``faults``. The
+        daemon sends HOST only while no host uses the rings and waits for its DONE, so
+        this process is the only one touching the control ring here.
+        """
+        dev = self._dev
+        if not dev.opts.pool:
+            raise _RequestError(ErrorKind.PROTOCOL, "HOST is only for IPU processes a "
+                                "daemon owns (--pool)")
+        body = body if isinstance(body, dict) else {}
+        num_ipus, label = body.get("num_ipus", 1), body.get("label", "")
+        if (pid < 0 or not isinstance(num_ipus, int) or not 1 <= num_ipus <= 64
+                or not isinstance(label, str)):
+            raise _RequestError(ErrorKind.PROTOCOL, f"HOST needs a pid >= 0, num_ipus in "
+                                f"1..64 and a str label, got {pid}, {num_ipus!r}, {label!r}")
+        self.drop_client()
+        self._faults.set_daemon_tables(body.get("faults"))
+        dev.opts = replace(dev.opts, num_ipus=num_ipus, label=label)
+        self._control.reset()
+        self._watch.set_client(pid)
+        host = dev.opts.host_pid
+        self._apart.host_pid = pid or host
+        self._events.set_peer(pid or host)
+        dev.set_title()
+        _log.info("%s now serves host %s", dev.opts.describe(), pid or "(none)")
+
+    def drop_client(self) -> None:
+        """Close every executable of the current host; unlink its objects if it is dead."""
+        old = self._watch.client
+        self._watch.set_client(0)
+        ring_waits.resume_all()   # the waits the client's exit interrupted block again
+        self._dev.set_title()
+        self._wire.drop_client()
+        self._executables.close()
+        self._faults.drop_host_tables()
+        self._events.set_peer(self._dev.opts.host_pid)
+        stale = self._known - self._own
+        self._known.intersection_update(self._own)
+        if old and not pid_alive(old):
+            removed = sum(cleanup.unlink_named(name) for name in stale)
+            removed += cleanup.unlink_created_by((old,), all_tags=True)
+            _log.info("host %d died: removed %d of its shared-memory objects", old, removed)
+
