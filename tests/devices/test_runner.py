@@ -16,7 +16,7 @@ from host_runtime import popef
 from host_runtime.errors import BadRequestError
 from tests._helpers import run_in_threads
 
-SHAPE = (4, 3)        # batch of 4 samples of 3 floats
+from tests.devices._example import SHAPE, check_healthy, pair, rand
 
 
 @pytest.fixture(scope="module")
@@ -24,20 +24,6 @@ def runner(kind, model_path):
     r = kind.runner(model_runtime.PopefPaths([model_path]))
     yield r
     r.close()
-
-
-def rand(shape=SHAPE, seed=None):
-    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
-
-
-def pair(shape=SHAPE):
-    return rand(shape), rand(shape)
-
-
-def check_healthy(runner, weights):
-    a, b = pair()
-    out = runner.execute({"tensor_A": a, "tensor_B": b})
-    np.testing.assert_allclose(out["tensor_C"], a * weights + b, rtol=1e-6)
 
 
 # ------------------------------------------------------------------ descriptions

@@ -19,21 +19,7 @@ from host_runtime.errors import BadRequestError, InvalidStateError
 from tools.generate_simple_popef import write_simple_popef
 from tests._helpers import run_in_threads, running
 
-SHAPE = (4, 3)        # batch of 4 samples of 3 floats
-
-
-def rand(shape=SHAPE, seed=None):
-    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
-
-
-def pair(shape=SHAPE):
-    return rand(shape), rand(shape)
-
-
-def check_healthy(runner, weights):
-    a, b = pair()
-    out = runner.execute({"tensor_A": a, "tensor_B": b})
-    np.testing.assert_allclose(out["tensor_C"], a * weights + b, rtol=1e-6)
+from tests.devices._example import SHAPE, check_healthy, pair, rand
 
 
 # ------------------------------------------------------------------ replicas
