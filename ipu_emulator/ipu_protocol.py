@@ -93,6 +93,7 @@ __all__ = [
     "CONTROL_SLOTS",
     "EVENT_SLOT_SIZE",
     "EVENT_SLOTS",
+    "RINGS_BYTES",
     "ProtocolError",
 ]
 
@@ -243,6 +244,8 @@ EVENT_SLOTS = 32
 """Events are small (NEED, OUT, DONE: a header) but for an ERROR's body, which
 ``error_body`` keeps within one slot; a full ring makes the IPU process wait for
 the host to read (the ring's pages are allocated at creation: 256 KiB per IPU)."""
+RINGS_BYTES = CONTROL_SLOT_SIZE * CONTROL_SLOTS + EVENT_SLOT_SIZE * EVENT_SLOTS
+"""About what one IPU's control and event rings take in /dev/shm (their payload)."""
 
 _HEAD = struct.Struct("<iiq")
 _MAX_MESSAGE = 2048

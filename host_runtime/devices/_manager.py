@@ -37,6 +37,7 @@ from host_runtime.errors import (BadRequestError, DeviceUnavailableError,
                                  ResourceLimitError)
 from host_runtime.popef.model import Model
 from host_runtime.settings import HostSettings
+from ipu_emulator import ipu_protocol
 from ipu_emulator.ipu.forkserver import SPAWN_TIMEOUT
 from ipu_emulator.ipu.launcher import IpuConnection, IpuSpec, launch_ipu, prestart
 from ipu_emulator.system import (IpuLocks, SystemConfig, SystemConfigError, device_groups,
@@ -55,8 +56,6 @@ _log = logging.getLogger(__name__)
 
 _SMALL_MODEL_TILES = 4
 
-_IPU_RING_BYTES = 2 << 20
-"""About what one IPU process's control and event rings take in /dev/shm (for messages)."""
 
 
 def _bind_args(what: str, names: tuple[str, ...], args: tuple[Any, ...],
@@ -393,7 +392,7 @@ class DeviceManager:
             for spec in specs:
                 # the IPU process's control and event rings live in /dev/shm too
                 with translated(f"the process and the control and event rings of IPU "
-                                f"{spec.ipu_id}", _IPU_RING_BYTES):
+                                f"{spec.ipu_id}", ipu_protocol.RINGS_BYTES):
                     procs.append(launch(spec, log_dir=self._system.log_dir))
         except BaseException:
             for p in procs:

@@ -39,7 +39,7 @@ from typing import Any
 from shm import Ring, RingTimeoutError
 
 from ipu_emulator import ipu_protocol
-from ipu_emulator.ipu.launcher import IpuSpec, describe_returncode
+from ipu_emulator.ipu.launcher import IpuSpec, create_rings, describe_returncode
 from ipu_emulator.settings import IpuSettings
 from ipu_emulator.errors import IpuProcessError
 from ipu_emulator.ipu_protocol import Message, Op, Ready
@@ -202,14 +202,7 @@ def launch_loopback(spec: IpuSpec, *, log_dir: str | None = None, **_: Any) -> L
     ``DeviceManager``'s ``launcher``; ``log_dir`` and other options are ignored (the
     device side logs through this process's ``logging``). Does not wait for READY.
     """
-    control = Ring.create(ipu_protocol.CONTROL_SLOT_SIZE, ipu_protocol.CONTROL_SLOTS, kind="ctl")
-    try:
-        events = Ring.create(ipu_protocol.EVENT_SLOT_SIZE, ipu_protocol.EVENT_SLOTS, kind="evt",
-                             prefault=False)
-    except BaseException:
-        control.close()
-        control.unlink()
-        raise
+    control, events = create_rings()
     try:
         ipu = LoopbackIpu(spec, control, events)
         ipu._start()

@@ -44,7 +44,7 @@ from ipu_emulator.errors import IpuProcessError, describe_returncode
 from ipu_emulator.settings import IpuSettings
 from ipu_emulator.trace import new_ipu_buffer, recorder as trace_recorder
 
-__all__ = ["IpuSpec", "IpuProcess", "IpuConnection", "IpuProcessError", "launch_ipu", "prestart",
+__all__ = ["IpuSpec", "IpuProcess", "IpuConnection", "IpuProcessError", "launch_ipu", "create_rings", "prestart",
            "shutdown_all", "kill_all",
            "describe_returncode", "read_log_tail"]
 
@@ -341,6 +341,21 @@ def prestart(*, log_dir: str | None = None, settings: IpuSettings | None = None)
     forkserver.prestart(_launch_env(s, None), log_dir)
 
 
+def create_rings(settings: IpuSettings | None = None) -> tuple[Ring, Ring]:
+    """The control and event rings of one IPU (``ipu_protocol``), owned by this process;
+    neither is left behind if the second cannot be made."""
+    control = Ring.create(ipu_protocol.CONTROL_SLOT_SIZE, ipu_protocol.CONTROL_SLOTS, kind="ctl",
+                          settings=settings)
+    try:
+        events = Ring.create(ipu_protocol.EVENT_SLOT_SIZE, ipu_protocol.EVENT_SLOTS, kind="evt",
+                             prefault=False, settings=settings)
+    except BaseException:
+        control.close()
+        control.unlink()
+        raise
+    return control, events
+
+
 def launch_ipu(spec: IpuSpec, *, log_dir: str | None = None,
                extra_env: dict[str, str] | None = None, pool: bool = False,
                settings: IpuSettings | None = None,
@@ -353,15 +368,7 @@ def launch_ipu(spec: IpuSpec, *, log_dir: str | None = None,
     sync timeout, if lower); past it the process is started fresh.
     """
     s = settings if settings is not None else IpuSettings.current()
-    control = Ring.create(ipu_protocol.CONTROL_SLOT_SIZE, ipu_protocol.CONTROL_SLOTS, kind="ctl",
-                          settings=s)
-    try:
-        events = Ring.create(ipu_protocol.EVENT_SLOT_SIZE, ipu_protocol.EVENT_SLOTS, kind="evt",
-                             prefault=False, settings=s)
-    except BaseException:
-        control.close()
-        control.unlink()
-        raise
+    control, events = create_rings(s)
     log_path = None
     trace: TraceBuffer | None = None
     log_file: Any = subprocess.DEVNULL

@@ -244,7 +244,7 @@ def test_with_prepacking_weights_need_no_room_in_dev_shm(chain, monkeypatch):
     from host_runtime.devices import _shm_space
 
     model, path = chain
-    # just more than the IPU's control and event rings (2105600 bytes); less than the
+    # more than the IPU's control and event rings (ipu_protocol.RINGS_BYTES); less than the
     # session's rings and regions with the weights (2 MiB) added
     free = 2105600 + 4096
     monkeypatch.setattr(_shm_space.os, "statvfs",
