@@ -32,10 +32,27 @@ __all__ = ["ON", "host", "ipu", "instant"]
 ON = False
 """Whether this process records (read by every hook)."""
 
-PERF_OFFSET = time.monotonic_ns() - time.perf_counter_ns()
+
+def _perf_offset() -> int:
+    """monotonic - perf_counter: 0 where both are one clock (Linux: CLOCK_MONOTONIC), as
+    the clocks say of themselves; elsewhere the tightest of a few paired reads (a single
+    pair read on a busy machine can be a preemption apart)."""
+    if time.get_clock_info("perf_counter").implementation == \
+            time.get_clock_info("monotonic").implementation:
+        return 0
+    best: tuple[int, int] | None = None
+    for _ in range(16):
+        a = time.monotonic_ns()
+        p = time.perf_counter_ns()
+        b = time.monotonic_ns()
+        if best is None or b - a < best[0]:
+            best = (b - a, (a + b) // 2 - p)
+    assert best is not None
+    return best[1]
+
+
+PERF_OFFSET = _perf_offset()
 """monotonic - perf_counter (0 on Linux, where both are CLOCK_MONOTONIC)."""
-if abs(PERF_OFFSET) < 1_000_000:   # the same clock, read a moment apart
-    PERF_OFFSET = 0
 
 # -- host events: (code, thread ident, ts, dur, payload) --------------------------------
 H_REQUEST = 1    # payload: RequestEvent fields (see _chrome.host_request)

@@ -93,3 +93,19 @@ def test_the_checks_find_what_is_wrong():
                                              "10.000 us"]
     nameless = {"traceEvents": [_x("a", 0, 1)]}
     assert trace_summary.validate(nameless) == ["process 1 has events but no process_name"]
+
+
+def test_host_and_ipu_times_share_one_clock_however_busy_the_machine(monkeypatch):
+    # perf_counter and monotonic are one clock on Linux: the offset is 0 by what the
+    # clocks say of themselves, not by two reads that a preemption can set apart
+    assert recorder.PERF_OFFSET == 0
+    reads = iter([0, 5_000_000] * 8)
+    monkeypatch.setattr(recorder.time, "monotonic_ns", lambda: next(reads))
+    assert recorder._perf_offset() == 0
+    # where they are two clocks, the tightest of the paired reads sets the offset
+    monkeypatch.setattr(recorder.time, "get_clock_info",
+                        lambda name: type("info", (), {"implementation": name})())
+    pairs = iter([100, 9_000_000, 100, 150] + [0, 10**9] * 14)
+    monkeypatch.setattr(recorder.time, "monotonic_ns", lambda: next(pairs))
+    monkeypatch.setattr(recorder.time, "perf_counter_ns", lambda: 25)
+    assert recorder._perf_offset() == 100
