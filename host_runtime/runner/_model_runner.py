@@ -247,6 +247,11 @@ class ModelRunner:
             assert req is not None
             rep.execute(req, 1)
             return req.results
+        if output_data is not None:   # the common request into the user's memory
+            req = intake.build_plain(rep.driver, rep.rid, input_data, output_data, t0, True)
+            if req is not None:
+                rep.execute(req, 1)
+                return None
         req, transfers, phantom, view_mode = intake.build(rep.driver, rep.rid, input_data,
                                                           output_data, t0)
         rep.execute(req, transfers, phantom)
@@ -293,7 +298,6 @@ class ModelRunner:
         else:
             req, transfers, phantom, _ = self._intake.build(rep.driver, rep.rid, input_data,
                                                             output_data, t0)
-        req.description = f"request to replica {replica_id}"
         rep.submit(req, transfers, phantom)
         return OutputFuture(req, self._tail)
 

@@ -58,7 +58,7 @@ from __future__ import annotations
 import enum
 import os
 import time
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -84,6 +84,12 @@ READ_MAX = 4096
 RECHECK = 1.0
 """Seconds a wait with no deadline at all sleeps before it looks whether the replica closed."""
 _ONE_CPU = len(os.sched_getaffinity(0)) < 2
+
+_DESCRIPTORS = 256
+"""Most host-memory descriptors a replica keeps made (see TransferPath.descriptor)."""
+
+Redirects = Sequence[tuple[str, str, int, int]]
+"""(output handle, region, offset, nbytes) of each output the IPU writes into host memory."""
 
 Acquire = Callable[[Ring], memoryview]
 """A free slot of a ring; the caller's way of making room while it is full (it drains)."""
@@ -183,6 +189,7 @@ class _In(NamedTuple):
     ring: Ring
     frozen: Optional[memoryview]     # the frozen value's bytes, if frozen
     small: bool                      # a whole contiguous transfer of it is Lay.WRITE
+    shared: bool                     # ... is Lay.HOST if it lies in host shared memory
 
 
 class _Out(NamedTuple):
@@ -210,8 +217,10 @@ class TransferPath:
         fb = {n: _bytes_view(np.ascontiguousarray(a)) for n, a in frozen.items()}
         # last-read first: the device wakes once, on the first stream Main reads
         self.inputs = [_In(n, s, in_rings[n], fb.get(n),
-                           options.small_io and 0 < s.nbytes < SHARED_MIN_BYTES)
+                           options.small_io and 0 < s.nbytes < SHARED_MIN_BYTES,
+                           s.nbytes >= SHARED_MIN_BYTES)
                        for n, s in reversed(inputs.items())]
+        self._descriptors: dict[tuple[tuple[str, int], int, Redirects], bytes] = {}
         self.outputs = {n: _Out(n, s, out_rings[n], take_action(s, options.small_io),
                                 s.shape_for(s.batch)) for n, s in outputs.items()}
         self.all_outputs = tuple(outputs.values())
@@ -242,7 +251,7 @@ class TransferPath:
 
     # ------------------------------------------------------------------ lay
     def lay_input(self, i: _In, src: np.ndarray | None, action: Lay, t: int, tag: int,
-                  redirects: list[tuple[str, str, int, int]], acquire: Acquire) -> bool:
+                  redirects: Redirects, acquire: Acquire) -> bool:
         """Lay transfer ``t`` of input ``i`` (``src``: the request's tensor) in a slot
         tagged ``tag`` (its number); True if it carried ``redirects`` (a descriptor names
         them, once per transfer)."""
@@ -264,7 +273,7 @@ class TransferPath:
             assert src is not None
             loc = shared_location(src)
             assert loc is not None
-            desc = host_memory_descriptor(loc[0], loc[1], nbytes, redirects)
+            desc = self.descriptor(loc, nbytes, redirects)
             if len(desc) <= nbytes:
                 view[:len(desc)] = desc
                 ring.publish(len(desc), TAG_SHARED | tag)
@@ -283,8 +292,21 @@ class TransferPath:
         ring.publish(nbytes, tag)
         return False
 
+    def descriptor(self, loc: tuple[str, int], nbytes: int, redirects: Redirects) -> bytes:
+        """The host-memory descriptor of ``nbytes`` at ``loc`` that redirects ``redirects``
+        (made once per combination: a request reuses its arrays, and the IPU process keys
+        its cache of resolved descriptors by these bytes)."""
+        key = (loc, nbytes, tuple(redirects))
+        desc = self._descriptors.get(key)
+        if desc is None:
+            if len(self._descriptors) >= _DESCRIPTORS:
+                self._descriptors.clear()
+            desc = self._descriptors[key] = host_memory_descriptor(loc[0], loc[1], nbytes,
+                                                                   redirects)
+        return desc
+
     def lay_whole(self, tr: Transfer, req: Request, t: int, transfers: int,
-                  redirects: list[tuple[str, str, int, int]], acquire: Acquire,
+                  redirects: Redirects, acquire: Acquire,
                   resume: bool = False) -> None:
         """Lay ``tr``, transfer ``t`` of ``transfers`` of a whole request, into the input
         rings, every slot tagged with ``tr.seq``.
@@ -303,24 +325,35 @@ class TransferPath:
             if resume:
                 if published_in(i.ring, seq):
                     continue
-                redirects = []
-            elif i.small and whole and src is not None and src.flags.c_contiguous:
-                try:                     # Lay.WRITE (lay_action's decision), inline
-                    i.ring.write(src, tag, 0.0)
-                    continue
-                except RingTimeoutError:   # full: lay_input takes a slot (and makes room)
-                    pass
+                redirects = ()
+            elif whole and src is not None and src.flags.c_contiguous:
+                if i.small:
+                    try:                     # Lay.WRITE (lay_action's decision), inline
+                        i.ring.write(src, tag, 0.0)
+                        continue
+                    except RingTimeoutError:   # full: lay_input takes a slot (and makes room)
+                        pass
+                elif i.shared:   # Lay.HOST (lay_action's decision) if in host shared memory
+                    loc = shared_location(src)
+                    if loc is not None:
+                        desc = self.descriptor(loc, i.spec.nbytes, redirects)
+                        if len(desc) <= i.spec.nbytes:
+                            view = acquire(i.ring)
+                            view[:len(desc)] = desc
+                            i.ring.publish(len(desc), TAG_SHARED | tag)
+                            redirects = ()
+                            continue
             action = lay_action(i.spec, src, i.frozen is not None, whole, small)
             if resume and action is Lay.HOST:
                 action = Lay.COPY
             if self.lay_input(i, src, action, t, tag, redirects, acquire):
-                redirects = []
+                redirects = ()
 
-    def redirects(self, req: Request) -> list[tuple[str, str, int, int]]:
+    def redirects(self, req: Request) -> Redirects:
         """(handle, region, offset, nbytes) of the outputs of a one-transfer request whose
         memory is host shared memory: the IPU writes them there."""
         if not self.may_redirect:
-            return []
+            return ()
         found = []
         for spec in req.outputs_per_transfer[0]:
             dest = req.dests.get(spec.name)
@@ -328,7 +361,7 @@ class TransferPath:
                 loc = shared_location(dest)
                 if loc is not None:
                     found.append((spec.handle, loc[0], loc[1], spec.nbytes))
-        return found
+        return tuple(found)
 
     # -- partial transfers (dynamic batching) -----------------------------------------
     def open_partial(self, acquire: Acquire) -> Transfer:
