@@ -207,7 +207,8 @@ class ModelRunner:
         the creator's), before anything is touched; also for empty_shared arrays the
         creator made."""
         check_owner(self._owner_pid, "ModelRunner")
-        output_data, replica_id = _overload(output_data, replica_id)
+        if output_data is not None:   # (None: nothing to resolve)
+            output_data, replica_id = _overload(output_data, replica_id)
         check_owned(input_data, output_data)
         try:
             if self._call_locks:
@@ -215,6 +216,8 @@ class ModelRunner:
                 if lock is not None:
                     with lock:
                         return self._execute(input_data, output_data, replica_id)
+            if self._tail is None:   # _execute without its call
+                return self._execute_device(input_data, output_data, replica_id)
             return self._execute(input_data, output_data, replica_id)
         except Exception as exc:
             self._record_raised(exc, replica_id)
@@ -266,7 +269,8 @@ class ModelRunner:
         """Queue one request; returns an ``OutputFuture`` (frozen inputs, and
         ``executeAsync(inputs, replica_id)``, as for ``execute``)."""
         check_owner(self._owner_pid, "ModelRunner")
-        output_data, replica_id = _overload(output_data, replica_id)
+        if output_data is not None:   # (None: nothing to resolve)
+            output_data, replica_id = _overload(output_data, replica_id)
         check_owned(input_data, output_data)
         try:
             if self._call_locks:
