@@ -88,7 +88,7 @@ RECHECK = 1.0
 _ONE_CPU = len(os.sched_getaffinity(0)) < 2
 
 _DESCRIPTORS = 256
-"""Most host-memory descriptors a replica keeps made (see TransferPath.descriptor)."""
+"""Most host-memory descriptors a replica keeps made (see _Descriptors)."""
 
 Redirects = Sequence[tuple[str, str, int, int]]
 """(output handle, region, offset, nbytes) of each output the IPU writes into host memory."""
@@ -185,6 +185,21 @@ class PathOptions(NamedTuple):
                            settings.runner_spin_us, settings.yielded_us)
 
 
+class _Descriptors(dict[tuple[tuple[str, int], int, Redirects], bytes]):
+    """Host-memory descriptors, each made once per combination (a request reuses its
+    arrays, and the IPU process keys its cache of resolved descriptors by these bytes)."""
+
+    def of(self, loc: tuple[str, int], nbytes: int, redirects: Redirects) -> bytes:
+        """The descriptor of ``nbytes`` at ``loc`` that redirects ``redirects``."""
+        key = (loc, nbytes, tuple(redirects))
+        desc = self.get(key)
+        if desc is None:
+            if len(self) >= _DESCRIPTORS:
+                self.clear()
+            desc = self[key] = host_memory_descriptor(loc[0], loc[1], nbytes, redirects)
+        return desc
+
+
 class _In(NamedTuple):
     name: str
     spec: TensorSpec
@@ -222,7 +237,7 @@ class TransferPath:
                            options.small_io and 0 < s.nbytes < SHARED_MIN_BYTES,
                            s.nbytes >= SHARED_MIN_BYTES)
                        for n, s in reversed(inputs.items())]
-        self._descriptors: dict[tuple[tuple[str, int], int, Redirects], bytes] = {}
+        self._descriptors = _Descriptors()
         self.outputs = {n: _Out(n, s, out_rings[n], take_action(s, options.small_io),
                                 s.shape_for(s.batch)) for n, s in outputs.items()}
         self.all_outputs = tuple(outputs.values())
@@ -275,7 +290,7 @@ class TransferPath:
             assert src is not None
             loc = shared_location(src)
             assert loc is not None
-            desc = self.descriptor(loc, nbytes, redirects)
+            desc = self._descriptors.of(loc, nbytes, redirects)
             if len(desc) <= nbytes:
                 view[:len(desc)] = desc
                 ring.publish(len(desc), TAG_SHARED | tag)
@@ -293,19 +308,6 @@ class TransferPath:
             del slot
         ring.publish(nbytes, tag)
         return False
-
-    def descriptor(self, loc: tuple[str, int], nbytes: int, redirects: Redirects) -> bytes:
-        """The host-memory descriptor of ``nbytes`` at ``loc`` that redirects ``redirects``
-        (made once per combination: a request reuses its arrays, and the IPU process keys
-        its cache of resolved descriptors by these bytes)."""
-        key = (loc, nbytes, tuple(redirects))
-        desc = self._descriptors.get(key)
-        if desc is None:
-            if len(self._descriptors) >= _DESCRIPTORS:
-                self._descriptors.clear()
-            desc = self._descriptors[key] = host_memory_descriptor(loc[0], loc[1], nbytes,
-                                                                   redirects)
-        return desc
 
     def lay_whole(self, tr: Transfer, req: Request, t: int, transfers: int,
                   redirects: Redirects, acquire: Acquire,
@@ -338,7 +340,7 @@ class TransferPath:
                 elif i.shared:   # Lay.HOST (lay_action's decision) if in host shared memory
                     loc = shared_location(src)
                     if loc is not None:
-                        desc = self.descriptor(loc, i.spec.nbytes, redirects)
+                        desc = self._descriptors.of(loc, i.spec.nbytes, redirects)
                         if len(desc) <= i.spec.nbytes:
                             view = acquire(i.ring)
                             view[:len(desc)] = desc
