@@ -49,6 +49,9 @@ on its own time (measured with 8 in flight, [64,1024] in ``empty_shared`` memory
 of the IPU process's time, and 17k futex calls in 3 s against 1k with the host polling).
 The IPU process keeps off the host thread's CPU (``ipu_emulator.ipu._placement``), so the
 poll takes nothing from it; with waits longer than the budget polling turns itself off.
+With transfers queued behind the awaited one, a poll whose ``sched_yield`` ran another
+task (the CPU is shared, e.g. 2 replicas' IPU processes hold both CPUs) blocks instead:
+the device has work, and a host polling beside it would take its CPU.
 
 The callers (``_submission``, ``_completion``) hold the locks; this module holds no
 lock and no request state, only the rings of one session and a moving estimate of
@@ -257,9 +260,14 @@ class TransferPath:
         self.t_first = 0                 # tracing: when run_fused read its first output
         # when to poll an output ring before blocking (see await_output). On one CPU a poll
         # that finds the CPU shared blocks instead; on several the IPU process moves off the
-        # host's CPU, and blocking would only let the wake-up put the host back beside it
-        self._est = PollEstimate(us_to_ns(options.spin_us),
-                                 us_to_ns(options.yielded_us, NEVER) if _ONE_CPU else NEVER)
+        # host's CPU, and blocking would only let the wake-up put the host back beside it.
+        # With transfers queued behind the awaited one, a poll that finds its CPU shared
+        # blocks on any machine: the IPU processes may hold every CPU (2 replicas on 2), and
+        # a host polling beside one took half its CPU (CNN, 2 replicas: 1.23 -> 0.60x)
+        yielded = us_to_ns(options.yielded_us, NEVER)
+        self._shared_ns = yielded if _ONE_CPU else NEVER
+        self._queued_shared_ns = yielded
+        self._est = PollEstimate(us_to_ns(options.spin_us), self._shared_ns)
 
     def hint_thread(self, tid: int) -> None:
         """Tell the IPU process which thread submits (ipu_emulator.ipu._placement)."""
@@ -408,23 +416,26 @@ class TransferPath:
         tr.slots = {}
 
     # ------------------------------------------------------------------ take
-    def await_output(self, ring: Ring) -> int:
+    def await_output(self, ring: Ring, queued: bool = False) -> int:
         """Before a blocking read of an empty ``ring``: poll it briefly (see "Polling" in
-        the module docstring); returns when it started (perf_counter ns) for :meth:`waited`."""
+        the module docstring; ``queued``: transfers are in flight behind this one); returns
+        when it started (perf_counter ns) for :meth:`waited`."""
         t0 = time.perf_counter_ns()
-        self._est.poll(ring.readable)   # shm.spin.PollEstimate: the host's and device's one rule
+        est = self._est
+        est.shared_ns = self._queued_shared_ns if queued else self._shared_ns
+        est.poll(ring.readable)   # shm.spin.PollEstimate: the host's and device's one rule
         return t0
 
     def waited(self, t0: int) -> None:
         """An output wait that started at ``t0`` (0: the output was there) ended."""
         self._est.record(0 if t0 == 0 else time.perf_counter_ns() - t0)
 
-    def take(self, tr: Transfer, timeout: float, poll: bool = True) -> None:
+    def take(self, tr: Transfer, timeout: float, queued: bool = False) -> None:
         """Read ``tr``'s outputs into its requests' memory (RingTimeoutError after
         ``timeout`` s without one; ``tr.next_output`` says how far it got).
 
-        ``poll``: an output not there yet is polled for before the read blocks (see
-        "Polling" in the module docstring)."""
+        An output not there yet is polled for before the read blocks (see "Polling" in the
+        module docstring); ``queued``: transfers are in flight behind ``tr``."""
         dynamic = self.dynamic
         outputs = tr.outputs
         seq = tr.seq if self.numbered else 0
@@ -438,10 +449,8 @@ class TransferPath:
             if ring.readable():
                 view, tag = ring.read(timeout) if read else ring.acquire_read(timeout)
                 self._est.record(0)
-            elif not poll:
-                view, tag = ring.read(timeout) if read else ring.acquire_read(timeout)
             else:
-                t0 = self.await_output(ring)
+                t0 = self.await_output(ring, queued)
                 view, tag = ring.read(timeout) if read else ring.acquire_read(timeout)
                 self.waited(t0)
             if recorder.ON and index == 0:
