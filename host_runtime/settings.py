@@ -42,8 +42,9 @@ class HostSettings(IpuSettings):
 
     runner_spin_us: float = knob(
         100.0, "IPU_EMULATOR_RUNNER_SPIN_US", micros,
-        "the host's poll of an output ring before it blocks, with one request in flight "
-        "while recent outputs came quickly; 0: never poll", when="a runner is made")
+        "the host's poll of an output ring before it blocks, while recent outputs came "
+        "quickly (with requests queued behind it: not while its CPU is shared); 0: never "
+        "poll", when="a runner is made")
     runner_fused: bool = knob(
         True, "IPU_EMULATOR_RUNNER_FUSED", flag,
         "`0`: a plain `execute` on an idle replica takes the general request path (a "

@@ -319,7 +319,7 @@ class Completion:
         path = self._life.path
         assert path is not None
         try:
-            path.take(tr, timeout, len(self.inflight) <= 1)
+            path.take(tr, timeout, len(self.inflight) > 1)
         except (ShmError, OSError, ModelRuntimeError):
             raise
         except BaseException as exc:   # KeyboardInterrupt, a signal handler's exception

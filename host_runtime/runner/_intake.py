@@ -181,7 +181,19 @@ class RequestIntake:
         """``build`` for the common request, or None when ``inputs`` is not one.
 
         ``plain_results``: outputs as plain ndarrays (``execute``), else as TensorMemory
-        (futures). Anything else takes ``build``, which checks and reports it."""
+        (futures). ``outputs``: None, or the user's memory for every output, each a
+        writable ndarray of the output's dtype and whole shape (``plain_dests``). Anything
+        else takes ``build``, which checks and reports it."""
+        if outputs is not None:
+            if not self._plain_ok or inputs.__class__ is not dict:
+                return None
+            dests = self.plain_dests(outputs)
+            if dests is None or not self.is_plain(inputs, None):
+                return None
+            given = dict(inputs)
+            return Request(driver, rid, 1, given, dests,   # type: ignore[arg-type]
+                           {name: arr.view(TensorMemoryView) for name, arr in dests.items()},
+                           self.layout.plain_transfers, t0, False, given)
         if not self.is_plain(inputs, outputs):
             return None
         given = dict(inputs)
@@ -195,6 +207,19 @@ class RequestIntake:
                 results[name] = TensorMemory.allocate(shape, dtype)
         return Request(driver, rid, 1, given, dict(results), results,
                        self.layout.plain_transfers, t0, False, given)
+
+    def plain_dests(self, outputs: Any) -> Optional[dict[str, np.ndarray]]:
+        """``outputs`` as the destinations of a common request (a dict of every output,
+        each a writable ndarray of its dtype and whole shape), else None."""
+        plain = self.layout.plain_outputs
+        if outputs.__class__ is not dict or len(outputs) != len(plain):
+            return None
+        for name, shape, dtype in plain:
+            arr = outputs.get(name)
+            if (arr is None or arr.__class__ is not np.ndarray or arr.dtype is not dtype
+                    or arr.shape != shape or not arr.flags.writeable):
+                return None
+        return dict(outputs)
 
     # -- what the timers ask (flush_callback's data) --------------------------------------
     def merge_phantom(self, req: Request, extra: Request) -> Optional[int]:

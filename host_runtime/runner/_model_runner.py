@@ -207,7 +207,8 @@ class ModelRunner:
         the creator's), before anything is touched; also for empty_shared arrays the
         creator made."""
         check_owner(self._owner_pid, "ModelRunner")
-        output_data, replica_id = _overload(output_data, replica_id)
+        if output_data is not None:   # (None: nothing to resolve)
+            output_data, replica_id = _overload(output_data, replica_id)
         check_owned(input_data, output_data)
         try:
             if self._call_locks:
@@ -215,6 +216,8 @@ class ModelRunner:
                 if lock is not None:
                     with lock:
                         return self._execute(input_data, output_data, replica_id)
+            if self._tail is None:   # _execute without its call
+                return self._execute_device(input_data, output_data, replica_id)
             return self._execute(input_data, output_data, replica_id)
         except Exception as exc:
             self._record_raised(exc, replica_id)
@@ -247,6 +250,11 @@ class ModelRunner:
             assert req is not None
             rep.execute(req, 1)
             return req.results
+        if output_data is not None:   # the common request into the user's memory
+            req = intake.build_plain(rep.driver, rep.rid, input_data, output_data, t0, True)
+            if req is not None:
+                rep.execute(req, 1)
+                return None
         req, transfers, phantom, view_mode = intake.build(rep.driver, rep.rid, input_data,
                                                           output_data, t0)
         rep.execute(req, transfers, phantom)
@@ -261,7 +269,8 @@ class ModelRunner:
         """Queue one request; returns an ``OutputFuture`` (frozen inputs, and
         ``executeAsync(inputs, replica_id)``, as for ``execute``)."""
         check_owner(self._owner_pid, "ModelRunner")
-        output_data, replica_id = _overload(output_data, replica_id)
+        if output_data is not None:   # (None: nothing to resolve)
+            output_data, replica_id = _overload(output_data, replica_id)
         check_owned(input_data, output_data)
         try:
             if self._call_locks:
@@ -293,7 +302,6 @@ class ModelRunner:
         else:
             req, transfers, phantom, _ = self._intake.build(rep.driver, rep.rid, input_data,
                                                             output_data, t0)
-        req.description = f"request to replica {replica_id}"
         rep.submit(req, transfers, phantom)
         return OutputFuture(req, self._tail)
 

@@ -108,6 +108,10 @@ class Request:
     def is_done(self) -> bool:
         return self.done
 
+    def name(self) -> str:
+        """What errors call it (``description`` when one was given)."""
+        return self.description or f"request to replica {self.replica}"
+
 
 @dataclass(slots=True, init=False)
 class Transfer:
@@ -211,7 +215,7 @@ class OutputFuture:
     def _wait_or_raise(self, timeout: float | None) -> None:
         if not self.wait(timeout):
             raise DeviceTimeoutError(
-                f"the result of {self._request.description or 'the request'} was not "
+                f"the result of {self._request.name()} was not "
                 f"available within {timeout:g} s")
 
     def __getitem__(self, name: str) -> Any:

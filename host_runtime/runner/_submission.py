@@ -232,7 +232,7 @@ class Submission(_Submitter):
         # Count every transfer before the first is published: another thread may drain
         # (and count down) the first before this loop writes the next.
         req.remaining += transfers
-        redirects = path.redirects(req) if transfers == 1 and path.may_redirect else []
+        redirects = path.redirects(req) if transfers == 1 and path.may_redirect else ()
         completion = self._completion
         inflight = completion.inflight
         for t in range(transfers):

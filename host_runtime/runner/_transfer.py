@@ -43,10 +43,15 @@ Polling only pays when the answer is near: a moving estimate of how long output 
 take turns polling off while waits are much longer than the budget (a long device
 computation). The budget (100 us) also keeps the host where it is: a host that blocks is
 woken by the IPU process, and on VMs the wake-up puts it on the IPU process's CPU, where
-the two then take turns. The caller of :meth:`~TransferPath.take` polls only with one
-transfer in flight: with more, the device has queued work, so a wake-up costs it
-nothing, while a host polling beside it slowed its computation 3-4x on this project's
-2-vCPU VMs ([64,1024] copied, 8 in flight: 4-5k requests/s polling, 16-20k blocking).
+the two then take turns. The drainer polls with any number of transfers in flight: a
+host that blocks is woken by the IPU process's publish, a futex wake the IPU process pays
+on its own time (measured with 8 in flight, [64,1024] in ``empty_shared`` memory: about 6%
+of the IPU process's time, and 17k futex calls in 3 s against 1k with the host polling).
+The IPU process keeps off the host thread's CPU (``ipu_emulator.ipu._placement``), so the
+poll takes nothing from it; with waits longer than the budget polling turns itself off.
+With transfers queued behind the awaited one, a poll whose ``sched_yield`` ran another
+task (the CPU is shared, e.g. 2 replicas' IPU processes hold both CPUs) blocks instead:
+the device has work, and a host polling beside it would take its CPU.
 
 The callers (``_submission``, ``_completion``) hold the locks; this module holds no
 lock and no request state, only the rings of one session and a moving estimate of
@@ -58,7 +63,7 @@ from __future__ import annotations
 import enum
 import os
 import time
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -84,6 +89,12 @@ READ_MAX = 4096
 RECHECK = 1.0
 """Seconds a wait with no deadline at all sleeps before it looks whether the replica closed."""
 _ONE_CPU = len(os.sched_getaffinity(0)) < 2
+
+_DESCRIPTORS = 256
+"""Most host-memory descriptors a replica keeps made (see _Descriptors)."""
+
+Redirects = Sequence[tuple[str, str, int, int]]
+"""(output handle, region, offset, nbytes) of each output the IPU writes into host memory."""
 
 Acquire = Callable[[Ring], memoryview]
 """A free slot of a ring; the caller's way of making room while it is full (it drains)."""
@@ -177,12 +188,28 @@ class PathOptions(NamedTuple):
                            settings.runner_spin_us, settings.yielded_us)
 
 
+class _Descriptors(dict[tuple[tuple[str, int], int, Redirects], bytes]):
+    """Host-memory descriptors, each made once per combination (a request reuses its
+    arrays, and the IPU process keys its cache of resolved descriptors by these bytes)."""
+
+    def of(self, loc: tuple[str, int], nbytes: int, redirects: Redirects) -> bytes:
+        """The descriptor of ``nbytes`` at ``loc`` that redirects ``redirects``."""
+        key = (loc, nbytes, tuple(redirects))
+        desc = self.get(key)
+        if desc is None:
+            if len(self) >= _DESCRIPTORS:
+                self.clear()
+            desc = self[key] = host_memory_descriptor(loc[0], loc[1], nbytes, redirects)
+        return desc
+
+
 class _In(NamedTuple):
     name: str
     spec: TensorSpec
     ring: Ring
     frozen: Optional[memoryview]     # the frozen value's bytes, if frozen
     small: bool                      # a whole contiguous transfer of it is Lay.WRITE
+    shared: bool                     # ... is Lay.HOST if it lies in host shared memory
 
 
 class _Out(NamedTuple):
@@ -210,8 +237,10 @@ class TransferPath:
         fb = {n: _bytes_view(np.ascontiguousarray(a)) for n, a in frozen.items()}
         # last-read first: the device wakes once, on the first stream Main reads
         self.inputs = [_In(n, s, in_rings[n], fb.get(n),
-                           options.small_io and 0 < s.nbytes < SHARED_MIN_BYTES)
+                           options.small_io and 0 < s.nbytes < SHARED_MIN_BYTES,
+                           s.nbytes >= SHARED_MIN_BYTES)
                        for n, s in reversed(inputs.items())]
+        self._descriptors = _Descriptors()
         self.outputs = {n: _Out(n, s, out_rings[n], take_action(s, options.small_io),
                                 s.shape_for(s.batch)) for n, s in outputs.items()}
         self.all_outputs = tuple(outputs.values())
@@ -231,9 +260,14 @@ class TransferPath:
         self.t_first = 0                 # tracing: when run_fused read its first output
         # when to poll an output ring before blocking (see await_output). On one CPU a poll
         # that finds the CPU shared blocks instead; on several the IPU process moves off the
-        # host's CPU, and blocking would only let the wake-up put the host back beside it
-        self._est = PollEstimate(us_to_ns(options.spin_us),
-                                 us_to_ns(options.yielded_us, NEVER) if _ONE_CPU else NEVER)
+        # host's CPU, and blocking would only let the wake-up put the host back beside it.
+        # With transfers queued behind the awaited one, a poll that finds its CPU shared
+        # blocks on any machine: the IPU processes may hold every CPU (2 replicas on 2), and
+        # a host polling beside one took half its CPU (CNN, 2 replicas: 1.23 -> 0.60x)
+        yielded = us_to_ns(options.yielded_us, NEVER)
+        self._shared_ns = yielded if _ONE_CPU else NEVER
+        self._queued_shared_ns = yielded
+        self._est = PollEstimate(us_to_ns(options.spin_us), self._shared_ns)
 
     def hint_thread(self, tid: int) -> None:
         """Tell the IPU process which thread submits (ipu_emulator.ipu._placement)."""
@@ -242,7 +276,7 @@ class TransferPath:
 
     # ------------------------------------------------------------------ lay
     def lay_input(self, i: _In, src: np.ndarray | None, action: Lay, t: int, tag: int,
-                  redirects: list[tuple[str, str, int, int]], acquire: Acquire) -> bool:
+                  redirects: Redirects, acquire: Acquire) -> bool:
         """Lay transfer ``t`` of input ``i`` (``src``: the request's tensor) in a slot
         tagged ``tag`` (its number); True if it carried ``redirects`` (a descriptor names
         them, once per transfer)."""
@@ -264,7 +298,7 @@ class TransferPath:
             assert src is not None
             loc = shared_location(src)
             assert loc is not None
-            desc = host_memory_descriptor(loc[0], loc[1], nbytes, redirects)
+            desc = self._descriptors.of(loc, nbytes, redirects)
             if len(desc) <= nbytes:
                 view[:len(desc)] = desc
                 ring.publish(len(desc), TAG_SHARED | tag)
@@ -284,7 +318,7 @@ class TransferPath:
         return False
 
     def lay_whole(self, tr: Transfer, req: Request, t: int, transfers: int,
-                  redirects: list[tuple[str, str, int, int]], acquire: Acquire,
+                  redirects: Redirects, acquire: Acquire,
                   resume: bool = False) -> None:
         """Lay ``tr``, transfer ``t`` of ``transfers`` of a whole request, into the input
         rings, every slot tagged with ``tr.seq``.
@@ -303,24 +337,35 @@ class TransferPath:
             if resume:
                 if published_in(i.ring, seq):
                     continue
-                redirects = []
-            elif i.small and whole and src is not None and src.flags.c_contiguous:
-                try:                     # Lay.WRITE (lay_action's decision), inline
-                    i.ring.write(src, tag, 0.0)
-                    continue
-                except RingTimeoutError:   # full: lay_input takes a slot (and makes room)
-                    pass
+                redirects = ()
+            elif whole and src is not None and src.flags.c_contiguous:
+                if i.small:
+                    try:                     # Lay.WRITE (lay_action's decision), inline
+                        i.ring.write(src, tag, 0.0)
+                        continue
+                    except RingTimeoutError:   # full: lay_input takes a slot (and makes room)
+                        pass
+                elif i.shared:   # Lay.HOST (lay_action's decision) if in host shared memory
+                    loc = shared_location(src)
+                    if loc is not None:
+                        desc = self._descriptors.of(loc, i.spec.nbytes, redirects)
+                        if len(desc) <= i.spec.nbytes:
+                            view = acquire(i.ring)
+                            view[:len(desc)] = desc
+                            i.ring.publish(len(desc), TAG_SHARED | tag)
+                            redirects = ()
+                            continue
             action = lay_action(i.spec, src, i.frozen is not None, whole, small)
             if resume and action is Lay.HOST:
                 action = Lay.COPY
             if self.lay_input(i, src, action, t, tag, redirects, acquire):
-                redirects = []
+                redirects = ()
 
-    def redirects(self, req: Request) -> list[tuple[str, str, int, int]]:
+    def redirects(self, req: Request) -> Redirects:
         """(handle, region, offset, nbytes) of the outputs of a one-transfer request whose
         memory is host shared memory: the IPU writes them there."""
         if not self.may_redirect:
-            return []
+            return ()
         found = []
         for spec in req.outputs_per_transfer[0]:
             dest = req.dests.get(spec.name)
@@ -328,7 +373,7 @@ class TransferPath:
                 loc = shared_location(dest)
                 if loc is not None:
                     found.append((spec.handle, loc[0], loc[1], spec.nbytes))
-        return found
+        return tuple(found)
 
     # -- partial transfers (dynamic batching) -----------------------------------------
     def open_partial(self, acquire: Acquire) -> Transfer:
@@ -371,23 +416,26 @@ class TransferPath:
         tr.slots = {}
 
     # ------------------------------------------------------------------ take
-    def await_output(self, ring: Ring) -> int:
+    def await_output(self, ring: Ring, queued: bool = False) -> int:
         """Before a blocking read of an empty ``ring``: poll it briefly (see "Polling" in
-        the module docstring); returns when it started (perf_counter ns) for :meth:`waited`."""
+        the module docstring; ``queued``: transfers are in flight behind this one); returns
+        when it started (perf_counter ns) for :meth:`waited`."""
         t0 = time.perf_counter_ns()
-        self._est.poll(ring.readable)   # shm.spin.PollEstimate: the host's and device's one rule
+        est = self._est
+        est.shared_ns = self._queued_shared_ns if queued else self._shared_ns
+        est.poll(ring.readable)   # shm.spin.PollEstimate: the host's and device's one rule
         return t0
 
     def waited(self, t0: int) -> None:
         """An output wait that started at ``t0`` (0: the output was there) ended."""
         self._est.record(0 if t0 == 0 else time.perf_counter_ns() - t0)
 
-    def take(self, tr: Transfer, timeout: float, poll: bool = True) -> None:
+    def take(self, tr: Transfer, timeout: float, queued: bool = False) -> None:
         """Read ``tr``'s outputs into its requests' memory (RingTimeoutError after
         ``timeout`` s without one; ``tr.next_output`` says how far it got).
 
-        ``poll``: an output not there yet is polled for before the read blocks (see
-        "Polling" in the module docstring)."""
+        An output not there yet is polled for before the read blocks (see "Polling" in the
+        module docstring); ``queued``: transfers are in flight behind ``tr``."""
         dynamic = self.dynamic
         outputs = tr.outputs
         seq = tr.seq if self.numbered else 0
@@ -401,10 +449,8 @@ class TransferPath:
             if ring.readable():
                 view, tag = ring.read(timeout) if read else ring.acquire_read(timeout)
                 self._est.record(0)
-            elif not poll:
-                view, tag = ring.read(timeout) if read else ring.acquire_read(timeout)
             else:
-                t0 = self.await_output(ring)
+                t0 = self.await_output(ring, queued)
                 view, tag = ring.read(timeout) if read else ring.acquire_read(timeout)
                 self.waited(t0)
             if recorder.ON and index == 0:

@@ -20,6 +20,13 @@ __all__ = ["InputWait", "WaitHost"]
 
 _T = TypeVar("_T")
 
+C_POLL_NS = 10_000
+"""Between two runs of Main done back to back in C, how long the C step polls for the next
+inputs before it returns to Python (which then polls and blocks as :class:`InputWait` says):
+a host that sends its next request as soon as it has read an answer ([1,4] ``execute``)
+takes 3-5 us to send it, while the way back to this module's poll through the serving loop
+took longer, so the request waited for the IPU process."""
+
 _BACKOFF_POLLS = 8
 """Polls skipped (blocking at once) after one whose yield ran another task (measured: with
 the load at 11 on 2 CPUs each such yield cost 0.3-2.3 ms)."""
@@ -46,6 +53,12 @@ class InputWait:
         s = IpuSettings.current()   # this process's (its launch's)
         self._yielded_ns = us_to_ns(s.yielded_us, NEVER)
         self.est = PollEstimate(us_to_ns(s.device_spin_us), self._yielded_ns, _BACKOFF_POLLS)
+
+    def c_poll_ns(self) -> int:
+        """How long the C step may poll for the next inputs between runs (0: not at all):
+        only while recent inputs came quickly and this process keeps off the host's CPU
+        (it then polls on a CPU of its own, never beside the host's submitting thread)."""
+        return C_POLL_NS if self._dev.keeps_apart and self.est.worth_polling() else 0
 
     def read_slow(self, ring: Ring, index: int, need_event: bool) -> tuple[memoryview, int]:
         """The next transfer of input stream ``index`` (its ``ring``) once it is not there

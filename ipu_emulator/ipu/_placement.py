@@ -112,7 +112,9 @@ class KeepApart:
             return
         self.next_look = now + PERIOD
         try:
-            self._look(self._host_thread_cpu(), _cpu_of("/proc/thread-self/stat"))
+            # pinned, this thread runs on that CPU: one /proc read less (each ~15 us)
+            mine = self._pinned if self._pinned >= 0 else _cpu_of("/proc/thread-self/stat")
+            self._look(self._host_thread_cpu(), mine)
         except (OSError, ValueError, IndexError):   # host gone, /proc hidden, refused
             self.release()
             self.enabled = False

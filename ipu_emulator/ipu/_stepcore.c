@@ -66,6 +66,9 @@
 #include <time.h>
 
 #include "_ringcore.h"
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #define STEP_MAX 16   /* streams of each direction */
 #define ACCEPT_MAX 8  /* tags an input accepts */
@@ -470,19 +473,49 @@ Step_run(Step *st, PyObject *const *args, Py_ssize_t nargs)
     return PyBool_FromLong(r);
 }
 
-/* run_many(unit, deadline_ns, watch=None) -> steps done: units of `unit` steps back to
- * back, while the monotonic clock is before deadline_ns and the ring end `watch` (a
- * Ring.c_handle() this process consumes from) is open, valid and has nothing to read; a
+/* After a step was done: poll for up to poll_ns (never past `deadline`) until every input
+ * has something to read (or is closed or invalid: the next step, or the Python path,
+ * sees to it). 1 if so, 0 if the time is up or `watch` has a message. The GIL is held
+ * (a few microseconds: the time a host takes to send its next request). */
+static int
+poll_inputs(Step *st, ShmRingEnd *watch, int64_t poll_ns, int64_t deadline)
+{
+    int64_t now = now_ns(), end = now + poll_ns;
+    if (end > deadline)
+        end = deadline;
+    for (;;) {
+        for (int k = 0; k < 32; k++) {
+            int there = 1;
+            for (int i = 0; i < st->n_in && there; i++)
+                there = !ring->quiet(st->in[i].end);
+            if (there)
+                return 1;
+            if (watch != NULL && !ring->quiet(watch))
+                return 0;
+#if defined(__SSE2__)
+            _mm_pause();
+#endif
+        }
+        if (now_ns() >= end)
+            return 0;
+    }
+}
+
+/* run_many(unit, deadline_ns, watch=None, poll_ns=0) -> steps done: units of `unit` steps
+ * back to back, while the monotonic clock is before deadline_ns and the ring end `watch`
+ * (a Ring.c_handle() this process consumes from) is open, valid and has nothing to read; a
  * step that cannot be done ends it, even inside a unit (the count then is not a multiple
- * of `unit`). */
+ * of `unit`). poll_ns: once a unit is done, a unit that cannot start at once is polled
+ * for up to poll_ns first (a host sending requests back to back: its next one comes
+ * within microseconds, and is taken at once instead of after a return to Python). */
 static PyObject *
 Step_run_many(Step *st, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"unit", "deadline_ns", "watch", NULL};
-    long long unit, deadline;
+    static char *kwlist[] = {"unit", "deadline_ns", "watch", "poll_ns", NULL};
+    long long unit, deadline, poll_ns = 0;
     PyObject *watch_obj = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "LL|O:run_many", kwlist, &unit, &deadline,
-                                     &watch_obj))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "LL|OL:run_many", kwlist, &unit, &deadline,
+                                     &watch_obj, &poll_ns))
         return NULL;
     if (unit < 1) {
         PyErr_Format(PyExc_ValueError, "run_many: unit must be at least 1, got %lld", unit);
@@ -495,6 +528,11 @@ Step_run_many(Step *st, PyObject *args, PyObject *kwds)
     while (now_ns() < deadline && (watch == NULL || ring->quiet(watch))) {
         for (long long u = 0; u < unit; u++) {
             int r = step_once(st, 0);
+            if (r < 0)
+                return NULL;
+            if (r == 0 && u == 0 && done > 0 && poll_ns > 0
+                    && poll_inputs(st, watch, poll_ns, deadline))
+                r = step_once(st, 0);
             if (r < 0)
                 return NULL;
             if (r == 0)
@@ -540,7 +578,8 @@ static PyMethodDef Step_methods[] = {
     {"run", (PyCFunction)(void (*)(void))Step_run, METH_FASTCALL,
      "run(seq=0) -> True if one step was done, False if nothing was done (see the C file)."},
     {"run_many", (PyCFunction)(void (*)(void))Step_run_many, METH_VARARGS | METH_KEYWORDS,
-     "run_many(unit, deadline_ns, watch=None) -> steps done back to back (see the C file)."},
+     "run_many(unit, deadline_ns, watch=None, poll_ns=0) -> steps done back to back (see "
+     "the C file)."},
     {NULL, NULL, 0, NULL},
 };
 

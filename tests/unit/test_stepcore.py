@@ -405,3 +405,39 @@ def test_outputs_are_published_with_the_plans_tags(stage) -> None:
     assert step.run() is True
     assert stage.c_far.read() == (b"", _iteration.HOST_TAG)
     np.testing.assert_array_equal(np.frombuffer(c_mem, np.float32), a * 2 + b)
+
+
+def test_run_many_polls_for_the_next_inputs_once_a_step_was_done(stage) -> None:
+    """poll_ns: after a step, the next inputs are polled for up to poll_ns (bounded by the
+    deadline and by a message on the watched ring), never before the first step."""
+    import time
+
+    stage.add_slot_calls()
+    assert stage.step.run_many(1, FAR_FUTURE, None, 10 * 10**9) == 0   # nothing done: no poll
+    stage.send(*_vectors(30))
+    t0 = time.monotonic_ns()
+    assert stage.step.run_many(1, FAR_FUTURE, None, 20 * 10**6) == 1
+    assert time.monotonic_ns() - t0 >= 20 * 10**6        # polled its 20 ms for a second one
+    stage.c_far.read()
+    stage.send(*_vectors(31))
+    t0 = time.monotonic_ns()
+    assert stage.step.run_many(1, t0 + 20 * 10**6, None, 10 * 10**9) == 1
+    assert time.monotonic_ns() - t0 < 5 * 10**9           # the deadline cut the poll
+    stage.c_far.read()
+    watch_far = Ring.create(64, 2)
+    watch = Ring.attach(watch_far.name)
+    try:
+        watch_far.write(b"x")
+        watch.read()                       # the role taken: the watched end is empty
+        stage.send(*_vectors(32))
+        watch_far.write(b"stop")           # a message arrives: the poll ends at once
+        t0 = time.monotonic_ns()
+        # (the message is there before the first step too: run_many does no step)
+        assert stage.step.run_many(1, FAR_FUTURE, watch.c_handle(), 10 * 10**9) == 0
+        assert watch.read()[0] == b"stop"
+        assert stage.step.run_many(1, FAR_FUTURE, watch.c_handle(), 10 * 10**6) == 1
+        assert time.monotonic_ns() - t0 < 5 * 10**9
+    finally:
+        watch.close()
+        watch_far.close()
+        watch_far.unlink()
