@@ -59,15 +59,20 @@ class _Out:
     def __init__(self) -> None:
         self.events: list[dict[str, Any]] = []
         self.flow = 0
+        self.depth: dict[int, int] = {}
 
     def slice(self, name: str, pid: int, tid: int, ts: int, dur: int, cat: str,
-              args: dict[str, Any] | None = None) -> None:
+              args: dict[str, Any] | None = None, depth: int = 0) -> dict[str, Any]:
+        """An X slice; ``depth`` orders slices that start at one instant (parents first,
+        then siblings in time order), as Perfetto nests them in file order."""
         start = _us(ts)   # dur from the rounded ends: a child never ends after its parent
         ev: dict[str, Any] = {"ph": "X", "name": name, "cat": cat, "pid": pid, "tid": tid,
                               "ts": start, "dur": round(_us(ts + max(0, dur)) - start, 3)}
         if args:
             ev["args"] = args
         self.events.append(ev)
+        self.depth[id(ev)] = depth
+        return ev
 
     def meta(self, what: str, pid: int, tid: int | None, args: dict[str, Any]) -> None:
         ev: dict[str, Any] = {"ph": "M", "name": what, "pid": pid, "args": args}
@@ -79,14 +84,23 @@ class _Out:
         self.events.append({"ph": "i", "s": "t", "name": name, "cat": "instant", "pid": pid,
                             "tid": tid, "ts": _us(ts), "args": args})
 
-    def arrow(self, name: str, src: tuple[int, int, int], dst: tuple[int, int, int]) -> None:
-        self.flow += 1
-        for ph, (pid, tid, ts) in (("s", src), ("f", dst)):
-            ev: dict[str, Any] = {"ph": ph, "id": self.flow, "name": name, "cat": "flow",
-                                  "pid": pid, "tid": tid, "ts": _us(ts)}
-            if ph == "f":
-                ev["bp"] = "e"
-            self.events.append(ev)
+    def flow_out(self, src: dict[str, Any]) -> int:
+        """The flow id leaving slice ``src`` (its ``bind_id``; a new one if it has none)."""
+        if "bind_id" not in src:
+            self.flow += 1
+            src["bind_id"] = self.flow
+            src["flow_out"] = True
+        return int(src["bind_id"])
+
+    def flow_in(self, flow: int, dst: list[dict[str, Any]]) -> bool:
+        """Bind flow ``flow`` into the first slice of ``dst`` not bound yet (a slice holds
+        one ``bind_id``); False if none is free."""
+        for ev in dst:
+            if "bind_id" not in ev:
+                ev["bind_id"] = flow
+                ev["flow_in"] = True
+                return True
+        return False
 
 
 # ----------------------------------------------------------------------------- IPU side
@@ -101,15 +115,34 @@ class _Iteration:
         self.out_seen = False
 
 
+class Served(NamedTuple):
+    """An IPU iteration that served a transfer: its slices, for binding arrows."""
+
+    start: int
+    end: int
+    pid: int
+    into: list[dict[str, Any]]          # the iteration, then its children (arrows in)
+    out: dict[str, Any] | None          # its last transfer out (the arrow on)
+
+
+_IDLE_OPS = (Op.LOOP, Op.RUN)   # containers that hold idle time: not slices (see below)
+
+
 def _ipu_events(out: _Out, ipu: IpuRecords, window: tuple[int, int], tid: int | None = None
-                ) -> dict[int, list[tuple[int, int, int]]]:
+                ) -> dict[int, list[Served]]:
     """Write one IPU's slices (on thread ``tid``, default its pid); returns seq ->
-    [(start, end, pid)] of its iterations."""
+    the iterations that served it.
+
+    Only work is a slice, so the track is busy where it has one: program runs (with
+    their iterations and transfers) and the control messages that do work (``load``,
+    ``reset``...). ``main loop`` and ``run`` (which hold idle time while the IPU waits
+    for input) are instants at their start, and ``wait for input`` is a slice only
+    inside a program run (outside one, the gap is the idle time)."""
     pid, tid = ipu.pid, ipu.pid if tid is None else tid
     lo, hi = window
     recs = sorted((r for r in ipu.records if r[0] + r[1] >= lo and r[0] <= hi),
                   key=lambda r: (r[0], -r[1]))
-    iterations: dict[int, list[tuple[int, int, int]]] = {}
+    iterations: dict[int, list[Served]] = {}
     programs = [r for r in recs if r[2] == rec.I_PROGRAM]
     starts = [p[0] for p in programs]
     # the iterations of each Main run, from its C steps or its Python path's transfers
@@ -117,50 +150,70 @@ def _ipu_events(out: _Out, ipu: IpuRecords, window: tuple[int, int], tid: int | 
     loose = []
     for r in recs:
         code = r[2]
-        if code in (rec.I_PROGRAM, rec.I_OP, rec.I_INSTANT, rec.I_WAIT):
+        if code in (rec.I_PROGRAM, rec.I_OP, rec.I_INSTANT):
             continue
         k = bisect.bisect_right(starts, r[0]) - 1
         if k >= 0 and r[0] + r[1] <= programs[k][0] + programs[k][1]:
             per_program.setdefault(k, []).append(r)
-        else:
+        elif code != rec.I_WAIT:
             loose.append(r)
     for k, p in enumerate(programs):
-        ts, dur, _, _, index, kind, runs = p
-        kind_name = rec.PROGRAM_KINDS[kind] if 0 <= kind < len(rec.PROGRAM_KINDS) else "program"
-        inner = per_program.get(k, [])
-        start, end = ts, ts + dur
-        if kind_name == "Main" and inner:
-            # a Main run: from its first transfer taken to its last one published (what
-            # follows, releasing slots, is after the host may have its answer)
-            start = max(ts, inner[0][0])
-            end = min(end, max(r[0] + r[1] for r in inner))
-        out.slice(kind_name, pid, tid, start, end - start, "program",
-                  {"program": index, "runs": runs})
-        its = _iterations(inner) if kind_name == "Main" else []
-        for it in its:
-            out.slice("iteration", pid, tid, it.start, it.end - it.start, "iteration",
-                      {"seq": it.seq})
-            iterations.setdefault(it.seq, []).append((it.start, it.end, pid))
-            for name, cts, cdur, args in it.children:
-                out.slice(name, pid, tid, cts, cdur, "transfer", args)
-        if kind_name != "Main":
-            loose.extend(inner)
+        _program(out, pid, tid, p, per_program.get(k, []), iterations, loose)
     for r in loose:
         _transfer_slice(out, pid, tid, r)
     for r in recs:
         code = r[2]
         if code == rec.I_OP:
             try:
-                name = _OP_NAMES.get(Op(r[4]), Op(r[4]).name.lower())
+                op = Op(r[4])
+                name = _OP_NAMES.get(op, op.name.lower())
             except ValueError:
-                name = f"op {r[4]}"
-            out.slice(name, pid, tid, r[0], r[1], "control", {"op": r[4]})
-        elif code == rec.I_WAIT:
-            out.slice("wait for input", pid, tid, r[0], r[1], "wait",
-                      {"stream": r[4], "polled": bool(r[5])})
+                op, name = None, f"op {r[4]}"
+            if op in _IDLE_OPS:
+                out.instant(name, pid, tid, r[0], {"op": r[4], "dur_us": _us(r[1])})
+            else:
+                out.slice(name, pid, tid, r[0], r[1], "control", {"op": r[4]})
         elif code == rec.I_INSTANT:
             out.instant(rec.unpack_name(r[4], r[5], r[6]), pid, tid, r[0], {})
     return iterations
+
+
+def _program(out: _Out, pid: int, tid: int, p: tuple[int, int, int, int, int, int, int],
+             inner: list[tuple[int, int, int, int, int, int, int]],
+             iterations: dict[int, list[Served]],
+             loose: list[tuple[int, int, int, int, int, int, int]]) -> None:
+    """One program run (``Load``, ``Main``, ``Save``) and what ran inside it."""
+    ts, dur, _, _, index, kind, runs = p
+    kind_name = rec.PROGRAM_KINDS[kind] if 0 <= kind < len(rec.PROGRAM_KINDS) else "program"
+    waits = [r for r in inner if r[2] == rec.I_WAIT]
+    inner = [r for r in inner if r[2] != rec.I_WAIT]
+    start, end = ts, ts + dur
+    its = _iterations(inner) if kind_name == "Main" else []
+    if kind_name == "Main" and inner:
+        # a Main run: from its first transfer taken to its last one published (what
+        # follows, releasing slots, is after the host may have its answer)
+        start = max(ts, inner[0][0])
+        end = min(end, max(r[0] + r[1] for r in inner))
+        end = max([end] + [it.end for it in its])
+    out.slice(kind_name, pid, tid, start, end - start, "program",
+              {"program": index, "runs": runs}, depth=1)
+    for it in its:
+        into = [out.slice("iteration", pid, tid, it.start, it.end - it.start, "iteration",
+                          {"seq": it.seq}, depth=2)]
+        last_out = None
+        for name, cts, cdur, args in it.children:
+            ev = out.slice(name, pid, tid, cts, cdur, "transfer", args, depth=3)
+            into.append(ev)
+            if "out" in name:
+                last_out = ev
+        iterations.setdefault(it.seq, []).append(Served(it.start, it.end, pid, into, last_out))
+    for w in waits:
+        if start <= w[0] and w[0] + w[1] <= end and not any(
+                it.start < w[0] + w[1] and w[0] < it.end for it in its):
+            out.slice("wait for input", pid, tid, w[0], w[1], "wait",
+                      {"stream": w[4], "polled": bool(w[5])}, depth=2)
+    if kind_name != "Main":
+        loose.extend(inner)
 
 
 def _transfer_slice(out: _Out, pid: int, tid: int,
@@ -208,6 +261,9 @@ def _iterations(inner: list[tuple[int, int, int, int, int, int, int]]) -> list[_
             cur.seq = max(cur.seq, a)
         cur.end = max(cur.end, ts + dur)
         cur.children.append((name, ts, dur, args))
+    for it in its:   # a zero-length child at its iteration's end: inside it, by 1 ns
+        if any(cdur <= 0 and cts >= it.end for _, cts, cdur, _ in it.children):
+            it.end += 1
     return its
 
 
@@ -234,24 +290,53 @@ def _phases(instants: tuple[int, ...]) -> list[tuple[str, int, int]]:
 
 
 class _Lanes:
-    """Request lanes of each replica: a request goes on the first lane free at its start."""
+    """Request tracks: a request goes on the first lane of its replica free at its start.
+    A lane is a track (a thread id of its own, unique on the machine: from the host's
+    pid); its name says which runner, model and replica."""
 
-    def __init__(self) -> None:
-        self.ends: dict[tuple[int, int], list[int]] = {}
+    def __init__(self, pid: int, runners: dict[int, tuple[str, str]]) -> None:
+        self.base = _LANE_BASE + (pid % (1 << 22)) * 256
+        self.runners = runners          # replica life key -> (runner label, model)
+        self.ends: dict[tuple[int, int], list[tuple[int, int]]] = {}
         self.names: dict[int, str] = {}
 
     def place(self, key: int, replica: int, start: int, end: int) -> int:
-        ends = self.ends.setdefault((key, replica), [])
-        for k, e in enumerate(ends):
-            if e <= start:
-                ends[k] = end
+        runner, model = self.runners.get(key, ("runner ?", ""))
+        ends = self.ends.setdefault((hash(runner), replica), [])
+        for k, (e, tid) in enumerate(ends):
+            if e < start:     # half-open, and a slice may end 1 ns late (see _request)
+                ends[k] = (end, tid)
                 break
         else:
-            ends.append(end)
+            tid = self.base + min(len(self.names), 255)
+            ends.append((end, tid))
             k = len(ends) - 1
-        tid = _LANE_BASE + (hash((key, replica)) & 0xFFFF) * 64 + min(k, 63)
-        self.names[tid] = f"replica {replica} requests" + (f" {k + 1}" if k else "")
+            self.names[tid] = (f"{runner} · model {model or '?'} · replica {replica} requests"
+                               + (f" (lane {k + 1})" if k else ""))
         return tid
+
+
+def _runners(events: list[tuple[Any, ...]]) -> tuple[
+        dict[int, tuple[str, str]], dict[int, list[tuple[int, str, int, list[int]]]]]:
+    """Each replica life's runner (``runner N``, its model) and devices over time.
+
+    A runner is not in the events: its replicas are. A life of replica 0 starts a new
+    runner; a life of replica r > 0 joins the newest runner of its model."""
+    runners: dict[int, tuple[str, str]] = {}
+    devices: dict[int, list[tuple[int, str, int, list[int]]]] = {}
+    newest: dict[str, str] = {}
+    count = 0
+    for code, _, ts, _, payload in sorted((e for e in events if e[0] == rec.H_LIFE),
+                                          key=lambda e: e[2]):
+        what, replica, pids, model, key = payload
+        if what in ("attach and load", "reset"):
+            devices.setdefault(key, []).append((ts, model, replica, list(pids)))
+        if key not in runners:
+            if replica == 0 or model not in newest:
+                count += 1
+                newest[model] = f"runner {count}"
+            runners[key] = (newest[model], model)
+    return runners, devices
 
 
 def merge(pid: int, role: str, events: list[tuple[Any, ...]], dropped: int,
@@ -265,22 +350,27 @@ def merge(pid: int, role: str, events: list[tuple[Any, ...]], dropped: int,
     tid_of = {ident: native for ident, (native, _) in threads.items()}
     for ident, (native, name) in threads.items():
         out.meta("thread_name", pid, native, {"name": name})
-    # replicas' devices: life key -> [(since, model, replica, pids)]
-    devices: dict[int, list[tuple[int, str, int, list[int]]]] = {}
-    for code, ident, ts, dur, payload in events:
-        if code == rec.H_LIFE:
-            what, replica, pids, model, key = payload
-            if what in ("attach and load", "reset"):
-                devices.setdefault(key, []).append((ts, model, replica, list(pids)))
+    runners, devices = _runners(events)
+    served: dict[int, list[str]] = {}     # IPU pid -> what it served
+    for key, lives in devices.items():
+        for _, model, replica, pids in lives:
+            for stage, ipu_pid in enumerate(pids):
+                what = (f"{runners[key][0]} · model {model or '?'} · replica {replica}"
+                        + (f" · stage {stage}" if len(pids) > 1 else ""))
+                if what not in served.setdefault(ipu_pid, []):
+                    served[ipu_pid].append(what)
     ipu_list = list(ipus)
-    iterations: dict[int, dict[int, list[tuple[int, int, int]]]] = {}
+    iterations: dict[int, dict[int, list[Served]]] = {}
     for ipu in sorted(ipu_list, key=lambda i: (i.ipu, i.pid)):
-        out.meta("process_name", ipu.pid, None, {"name": f"ipu {ipu.ipu}", "pid": ipu.pid,
-                                                  "dropped_events": ipu.dropped})
+        name = f"ipu {ipu.ipu} · pid {ipu.pid}"
+        if served.get(ipu.pid):
+            name += " · " + "; ".join(served[ipu.pid])
+        out.meta("process_name", ipu.pid, None, {"name": name, "ipu": ipu.ipu,
+                                                  "pid": ipu.pid, "dropped_events": ipu.dropped})
         out.meta("process_sort_index", ipu.pid, None, {"sort_index": 10 + ipu.ipu})
-        out.meta("thread_name", ipu.pid, ipu.pid, {"name": f"ipu {ipu.ipu} main"})
+        out.meta("thread_name", ipu.pid, ipu.pid, {"name": f"ipu {ipu.ipu}"})
         iterations[ipu.pid] = _ipu_events(out, ipu, window)
-    lanes = _Lanes()
+    lanes = _Lanes(pid, runners)
     lo, hi = window
     for code, ident, ts, dur, payload in events:
         tid = tid_of.get(ident, 0)
@@ -288,11 +378,12 @@ def merge(pid: int, role: str, events: list[tuple[Any, ...]], dropped: int,
             _request(out, pid, payload, threads.get(ident, (0, ""))[1], devices, iterations,
                      lanes)
         elif code == rec.H_LIFE:
-            what, replica, pids, model, _ = payload
+            what, replica, pids, model, key = payload
             out.slice(f"{what} (replica {replica})", pid, tid, ts, dur, "device",
-                      {"replica": replica, "model": model, "ipu_pids": list(pids)})
+                      {"runner": runners.get(key, ("", ""))[0], "replica": replica,
+                       "model": model, "ipu_pids": list(pids)})
         elif code == rec.H_WAIT:
-            out.slice(payload[0], pid, tid, ts, dur, "wait", {})
+            out.slice(payload[0], pid, tid, ts, dur, "wait", {}, depth=1)
         elif code == rec.H_INSTANT:
             name, args = payload
             out.instant(name, pid, tid, ts, {k: _jsonable(v) for k, v in args.items()})
@@ -307,8 +398,11 @@ def merge(pid: int, role: str, events: list[tuple[Any, ...]], dropped: int,
         _ipu_events(out, IpuRecords(pid, -1, records, 0), window, tid_of.get(ident, 0))
     for tid, name in lanes.names.items():
         out.meta("thread_name", pid, tid, {"name": name})
+    depth = out.depth
+    # parents before children at one instant, then siblings in time order: Perfetto
+    # nests the slices of a track in this order
     out.events.sort(key=lambda e: (e["ph"] != "M", e["pid"], e.get("tid", 0), e.get("ts", 0),
-                                   -e.get("dur", 0)))
+                                   depth.get(id(e), 0), e.get("dur", 0)))
     return {"traceEvents": out.events, "displayTimeUnit": "ns",
             "otherData": {"clock": "CLOCK_MONOTONIC", "host_pid": pid, "role": role,
                           "window_us": [_us(lo), _us(hi)],
@@ -323,8 +417,10 @@ def _jsonable(v: Any) -> Any:
 
 def _request(out: _Out, pid: int, payload: tuple[Any, ...], thread: str,
              devices: dict[int, list[tuple[int, str, int, list[int]]]],
-             iterations: dict[int, dict[int, list[tuple[int, int, int]]]],
-             lanes: _Lanes) -> None:
+             iterations: dict[int, dict[int, list[Served]]], lanes: _Lanes) -> None:
+    """A request's slices, and its arrows: from its ``transfer in`` (the host laid the
+    inputs) to the first IPU iteration that served each of its transfers, and from
+    that iteration's last transfer out on to the next pipeline stage's."""
     key, replica, request_id, samples, seqs, instants = payload
     phases = _phases(instants)
     t0, t7 = phases[0][1], phases[-1][2]
@@ -332,32 +428,41 @@ def _request(out: _Out, pid: int, payload: tuple[Any, ...], thread: str,
     for since, m, r, p in devices.get(key, []):
         if since <= t0:
             model, pids = m, p
-    tid = lanes.place(key, replica, t0, t7)
-    out.slice("request", pid, tid, t0, t7 - t0, "request",
-              {"replica": replica, "request_id": request_id, "batch_size": samples,
-               "seqs": list(seqs), "model": model, "thread": thread})
+    # a zero-length phase at the request's end lies inside it: the request 1 ns longer
+    end = t7 + 1 if any(a == b == t7 for _, a, b in phases) else t7
+    tid = lanes.place(key, replica, t0, end)
+    out.slice("request", pid, tid, t0, end - t0, "request",
+              {"runner": lanes.runners.get(key, ("", ""))[0], "replica": replica,
+               "request_id": request_id, "batch_size": samples, "seqs": list(seqs),
+               "model": model, "thread": thread})
+    laid = None
     for name, a, b in phases:
-        out.slice(name, pid, tid, a, b - a, "phase", {})
-    laid = phases[2][2]
+        if name == "transfer in" and a == b == phases[1][2] and b > phases[1][1]:
+            a = b = b - 1   # zero-length at the end of queue: inside it
+        ev = out.slice(name, pid, tid, a, b - a, "phase", {}, depth=2 if name == "transfer in"
+                       else 1)
+        if name == "transfer in":
+            laid = ev
+    assert laid is not None
     for seq in seqs:
-        chain = []
+        chain: list[Served] = []
         for ipu_pid in pids:
-            for start, end, _ in iterations.get(ipu_pid, {}).get(seq, []):
-                if t0 <= start and end <= t7:
-                    chain.append((start, ipu_pid))
+            for it in iterations.get(ipu_pid, {}).get(seq, []):
+                if t0 <= it.start and it.end <= end:
+                    chain.append(it)
                     break
-        chain.sort()
-        if not chain:
-            continue
-        src = (pid, tid, min(max(laid, t0), chain[0][0]))
-        for start, ipu_pid in chain:
-            out.arrow("transfer", src, (ipu_pid, ipu_pid, start))
-            src = (ipu_pid, ipu_pid, start)
+        chain.sort(key=lambda it: it.start)
+        src: dict[str, Any] | None = laid
+        for it in chain:
+            if src is None or not out.flow_in(out.flow_out(src), it.into):
+                break
+            src = it.out
 
 
 def combine(traces: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """Traces of several processes of one machine (one clock) as one: their events side
-    by side (each keeps its pids), flow ids renumbered apart, their windows joined."""
+    by side (each keeps its pids), flow ids (``bind_id``) renumbered apart so each
+    arrow keeps its two slices, their windows joined."""
     events: list[dict[str, Any]] = []
     dropped: dict[str, int] = {}
     lo, hi = float("inf"), float("-inf")
@@ -368,6 +473,9 @@ def combine(traces: Iterable[dict[str, Any]]) -> dict[str, Any]:
             if e.get("ph") in ("s", "f"):
                 e = dict(e, id=e["id"] + offset)
                 top = max(top, e["id"])
+            elif "bind_id" in e:
+                e = dict(e, bind_id=e["bind_id"] + offset)
+                top = max(top, e["bind_id"])
             events.append(e)
         offset = max(offset, top)
         other = trace.get("otherData", {})
