@@ -355,7 +355,7 @@ def merge(pid: int, role: str, events: list[tuple[Any, ...]], dropped: int,
     for key, lives in devices.items():
         for _, model, replica, pids in lives:
             for stage, ipu_pid in enumerate(pids):
-                what = (f"{runners[key][0]} · model {model or '?'} · replica {replica}"
+                what = (f"{label} {runners[key][0]} · model {model or '?'} · replica {replica}"
                         + (f" · stage {stage}" if len(pids) > 1 else ""))
                 if what not in served.setdefault(ipu_pid, []):
                     served[ipu_pid].append(what)
@@ -435,7 +435,7 @@ def _request(out: _Out, pid: int, payload: tuple[Any, ...], thread: str,
               {"runner": lanes.runners.get(key, ("", ""))[0], "replica": replica,
                "request_id": request_id, "batch_size": samples, "seqs": list(seqs),
                "model": model, "thread": thread})
-    laid = None
+    laid: dict[str, Any] | None = None
     for name, a, b in phases:
         if name == "transfer in" and a == b == phases[1][2] and b > phases[1][1]:
             a = b = b - 1   # zero-length at the end of queue: inside it
@@ -444,6 +444,7 @@ def _request(out: _Out, pid: int, payload: tuple[Any, ...], thread: str,
         if name == "transfer in":
             laid = ev
     assert laid is not None
+    chains: list[tuple[int, list[Served]]] = []
     for seq in seqs:
         chain: list[Served] = []
         for ipu_pid in pids:
@@ -451,19 +452,39 @@ def _request(out: _Out, pid: int, payload: tuple[Any, ...], thread: str,
                 if t0 <= it.start and it.end <= end:
                     chain.append(it)
                     break
-        chain.sort(key=lambda it: it.start)
+        if chain:
+            chains.append((seq, sorted(chain, key=lambda it: it.start)))
+    # an arrow is drawn from its source's end: a transfer the IPU took before the host
+    # finished laying them all leaves from a slice of its own inside ``transfer in``,
+    # ending when the IPU took it (the host records no per-transfer end)
+    t2, t3 = phases[2][1], phases[2][2]
+    since = t2
+    for seq, chain in sorted(chains, key=lambda c: c[1][0].start):
         src: dict[str, Any] | None = laid
+        if chain[0].start < t3:
+            until = max(since, chain[0].start)
+            src = out.slice(f"transfer in (seq {seq})", pid, tid, since, until - since,
+                            "transfer", {"seq": seq}, depth=3)
+            since = until
         for it in chain:
             if src is None or not out.flow_in(out.flow_out(src), it.into):
                 break
             src = it.out
 
 
+_BIND = ("bind_id", "flow_in", "flow_out")
+
+
 def combine(traces: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """Traces of several processes of one machine (one clock) as one: their events side
     by side (each keeps its pids), flow ids (``bind_id``) renumbered apart so each
-    arrow keeps its two slices, their windows joined."""
+    arrow keeps its two slices, their windows joined.
+
+    An IPU process a daemon lent to several hosts is in each of their files (and the
+    daemon's): it is kept once, its slices carrying every host's arrows, and its name
+    says whom it served in each."""
     events: list[dict[str, Any]] = []
+    seen: dict[tuple[Any, ...], int] = {}      # event -> its index in events
     dropped: dict[str, int] = {}
     lo, hi = float("inf"), float("-inf")
     offset = 0
@@ -476,7 +497,17 @@ def combine(traces: Iterable[dict[str, Any]]) -> dict[str, Any]:
             elif "bind_id" in e:
                 e = dict(e, bind_id=e["bind_id"] + offset)
                 top = max(top, e["bind_id"])
-            events.append(e)
+            key = ((e["ph"], e["name"], e["pid"], e.get("tid")) if e.get("ph") == "M" else
+                   (e.get("ph"), e.get("name"), e.get("pid"), e.get("tid"), e.get("ts"),
+                    e.get("dur")))
+            k = seen.get(key)
+            if k is None:
+                seen[key] = len(events)
+                events.append(e)
+            elif e.get("ph") == "M" and e["name"] == "process_name":
+                events[k] = _join_names(events[k], e)
+            elif "bind_id" in e and "bind_id" not in events[k]:
+                events[k] = dict(events[k], **{b: e[b] for b in _BIND if b in e})
         offset = max(offset, top)
         other = trace.get("otherData", {})
         dropped.update(other.get("dropped_events", {}))
@@ -488,3 +519,16 @@ def combine(traces: Iterable[dict[str, Any]]) -> dict[str, Any]:
     return {"traceEvents": events, "displayTimeUnit": "ns",
             "otherData": {"clock": "CLOCK_MONOTONIC", "window_us": [lo, hi],
                           "dropped_events": dropped}}
+
+
+def _join_names(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """One process's name records from two files: ``ipu N · pid P`` and what each file
+    says it served, each once."""
+    parts_a = str(a["args"].get("name", "")).split(" · ")
+    parts_b = str(b["args"].get("name", "")).split(" · ")
+    if parts_a[:2] != parts_b[:2]:
+        return a
+    served = [x for x in " · ".join(parts_a[2:]).split("; ") if x]
+    served += [x for x in " · ".join(parts_b[2:]).split("; ") if x and x not in served]
+    name = " · ".join(parts_a[:2]) + ("".join([" · ", "; ".join(served)]) if served else "")
+    return dict(a, args=dict(a["args"], name=name))
