@@ -199,8 +199,9 @@ def validate(trace: dict[str, Any]) -> list[str]:
         up = parent.get(id(e))
         if e.get("cat") == "phase" and (up is None or (up["name"] != "request" and
                                                        up["name"] != "queue")):
+            inside = repr(up["name"]) if up else "nothing"
             problems.append(f"phase {e['name']!r} at {e['ts']} is not inside its request "
-                            f"(inside {up['name'] if up else 'nothing'!r})")
+                            f"(inside {inside})")
     _check_v1_flows(events, problems)
     _check_bound_flows(by_id, parent, problems)
     for req, phases in requests(trace):
