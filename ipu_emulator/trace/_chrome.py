@@ -3,22 +3,26 @@
 The result is a JSON object ``{"traceEvents": [...], "displayTimeUnit": "ns",
 "otherData": {...}}`` that Perfetto's UI and chrome://tracing open:
 
-- ``M`` metadata: ``process_name`` (``host <pid>``, ``daemon <pid>``, ``ipu <index>``),
-  ``thread_name``, sort indices; each process's dropped events in its args;
-- ``X`` complete slices, ``ts``/``dur`` in microseconds of CLOCK_MONOTONIC, properly
-  nested per thread. A request is a slice on a *lane* of its replica (requests in
-  flight together overlap, so each lane is a track of its own: ``replica 0
-  requests``, ``replica 0 requests 2``...), with its phases as children that add
-  up to it: ``preparation``, ``queue`` (holding ``transfer in``), ``waiting for
-  device``, ``transfer out``, ``callbacks``. On an IPU: control messages (``load``,
-  ``main loop``, ``reset``...) hold program runs (``Main``, ``Load``, ``Save``),
-  which hold iterations (``iteration``: ``copies in``, ``compute``, ``copies out``
-  or, on the Python path, each ``copy in``/``link in``, ``compute``, ``copy
-  out``/``link out``); ``wait for input`` between them;
-- ``i`` instants (faults and other named marks);
-- ``s``/``f`` flows: each request to the first IPU iteration that served each of
-  its transfers, and on from one pipeline stage's iteration to the next (paired
-  by the transfer's sequence number, which every slot tag carries).
+- ``M`` metadata: ``process_name`` (``host <pid>``, ``daemon <pid>``, ``ipu <index> · pid
+  <pid> · host <pid> runner <n> · model <m> · replica <r>``), ``thread_name``, sort
+  indices; each process's dropped events in its args;
+- ``X`` complete slices, ``ts``/``dur`` in microseconds of CLOCK_MONOTONIC, nested per
+  track as Perfetto nests them (half-open intervals; slices of one instant in file
+  order, parents first). A request is a slice on a *lane* of its runner's replica
+  (requests in flight together overlap, so each lane is a track of its own: ``runner 1
+  · model m · replica 0 requests``, ``... (lane 2)``...), with its phases as children
+  that add up to it: ``preparation``, ``queue`` (holding ``transfer in``), ``waiting
+  for device``, ``transfer out``, ``callbacks``. An IPU's track has slices only where
+  it worked: program runs (``Main``, ``Load``, ``Save``) holding iterations
+  (``iteration``: ``copies in``, ``compute``, ``copies out`` or, on the Python path,
+  each ``copy in``/``link in``, ``compute``, ``copy out``/``link out``), and the control
+  messages that do work (``load``, ``reset``...);
+- ``i`` instants (``main loop``, faults and other named marks);
+- arrows bound to their slices by id (``bind_id`` with ``flow_out`` / ``flow_in``): from
+  each request's ``transfer in`` to the first IPU iteration that served each of its
+  transfers, and from an iteration's last transfer out on to the next pipeline stage's
+  iteration (paired by the transfer's sequence number, which every slot tag carries).
+  Each source ends before its destination starts, so Perfetto draws them forward.
 """
 
 from __future__ import annotations
