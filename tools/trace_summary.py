@@ -29,6 +29,11 @@ PHASES = ("preparation", "queue", "transfer in", "waiting for device", "transfer
 _TOP_PHASES = ("preparation", "queue", "waiting for device", "transfer out", "callbacks")
 _QUANTILES = (0.5, 0.9, 0.99)
 _EPS = 0.0015   # us: the rounding of ts and dur to ns
+_PARENTS = {"preparation": ("request",), "queue": ("request",),
+            "waiting for device": ("request",), "transfer out": ("request",),
+            "callbacks": ("request",), "transfer in": ("queue",), "iteration": ("Main",),
+            "copies in": ("iteration",), "copies out": ("iteration",)}
+"""Where each slice nests (docs/tracing.md)."""
 
 
 def load(path: str) -> dict[str, Any]:
@@ -147,33 +152,35 @@ def _dropped(trace: dict[str, Any], pid: int) -> int:
 
 
 def _nest(evs: list[dict[str, Any]]) -> tuple[dict[int, dict[str, Any] | None], list[str]]:
-    """Perfetto's nesting of one track's X slices (in file order, stably by ts): a slice's
-    parent is the innermost open one, intervals half-open [ts, ts+dur), so a slice
-    starting at its parent's end (a zero-length one too) is not inside it. Returns each
-    slice's parent and the slices that overlap without nesting."""
+    """Perfetto's nesting of one track's X slices (as its trace processor does it): in
+    order of start, the longer first at one instant (file order among equals); a slice's
+    parent is the innermost open one, and a slice is closed once it ended before the next
+    one starts, or ended at that start and was not zero-length. So a slice starting at
+    its parent's end is not inside it, and a zero-length slice holds whatever starts at
+    its instant. Returns each slice's parent and the slices that overlap without nesting."""
     parent: dict[int, dict[str, Any] | None] = {}
     bad: list[str] = []
-    stack: list[tuple[int, dict[str, Any]]] = []   # (end ns, slice)
+    stack: list[tuple[int, int, dict[str, Any]]] = []   # (end ns, dur ns, slice)
 
     def ns(us: float) -> int:   # as Perfetto reads JSON times: whole nanoseconds
         return round(us * 1000)
-    for e in sorted(evs, key=lambda e: ns(e["ts"])):
-        start, end = ns(e["ts"]), ns(e["ts"]) + ns(e["dur"])
-        while stack and stack[-1][0] <= start:
+    for e in sorted(evs, key=lambda e: (ns(e["ts"]), -ns(e["dur"]))):
+        start, dur = ns(e["ts"]), ns(e["dur"])
+        while stack and (stack[-1][0] < start or (stack[-1][0] == start and stack[-1][1] > 0)):
             stack.pop()
-        if stack and end > stack[-1][0]:
-            bad.append(f"{e['name']!r} at {e['ts']} overlaps {stack[-1][1]['name']!r} "
+        if stack and start + dur > stack[-1][0]:
+            bad.append(f"{e['name']!r} at {e['ts']} overlaps {stack[-1][2]['name']!r} "
                        "without nesting")
-        parent[id(e)] = stack[-1][1] if stack else None
-        stack.append((end, e))
+        parent[id(e)] = stack[-1][2] if stack else None
+        stack.append((start + dur, dur, e))
     return parent, bad
 
 
 def validate(trace: dict[str, Any]) -> list[str]:
     """What is wrong with the trace's structure (empty: nothing), by the rules Perfetto
-    reads it with: every process named; on each track, slices nest as half-open
-    intervals, and each slice where the docs put it (each request phase in its
-    request); every arrow bound (``bind_id``: ``flow_out`` on one slice, ``flow_in`` on
+    reads it with: every process named; on each track, slices nest (:func:`_nest`), each
+    where the docs put it (each request phase in its request, each iteration's transfers
+    in it); every arrow bound (``bind_id``: ``flow_out`` on one slice, ``flow_in`` on
     others) and drawn forward (Perfetto draws it from the source's end, or its start
     when that is not before the destination's); each request's arrows land on IPU
     iterations inside the request; each request's phases add up to it."""
@@ -197,10 +204,11 @@ def validate(trace: dict[str, Any]) -> list[str]:
         problems.extend(f"{procs.get(pid, pid)} thread {tid}: {b}" for b in bad)
     for e in by_id.values():
         up = parent.get(id(e))
-        if e.get("cat") == "phase" and (up is None or (up["name"] != "request" and
-                                                       up["name"] != "queue")):
+        want = _PARENTS.get(e["name"])
+        if want and e.get("cat") in ("phase", "transfer", "iteration") and (
+                up is None or up["name"] not in want):
             inside = repr(up["name"]) if up else "nothing"
-            problems.append(f"phase {e['name']!r} at {e['ts']} is not inside its request "
+            problems.append(f"{e['name']!r} at {e['ts']} is not inside {want[0]!r} "
                             f"(inside {inside})")
     _check_v1_flows(events, problems)
     _check_bound_flows(by_id, parent, problems)

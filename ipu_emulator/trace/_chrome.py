@@ -265,10 +265,27 @@ def _iterations(inner: list[tuple[int, int, int, int, int, int, int]]) -> list[_
             cur.seq = max(cur.seq, a)
         cur.end = max(cur.end, ts + dur)
         cur.children.append((name, ts, dur, args))
-    for it in its:   # a zero-length child at its iteration's end: inside it, by 1 ns
-        if any(cdur <= 0 and cts >= it.end for _, cts, cdur, _ in it.children):
-            it.end += 1
+    for it in its:
+        it.children = _visible(it.children)
+        it.end = max([it.end] + [cts + cdur for _, cts, cdur, _ in it.children])
     return its
+
+
+def _visible(children: list[tuple[str, int, int, dict[str, Any]]]
+             ) -> list[tuple[str, int, int, dict[str, Any]]]:
+    """Siblings in time order, each at least 1 ns long and starting where the one before
+    ends: Perfetto nests a zero-length slice in whatever slice starts at its instant
+    (also another zero-length one), so a zero-length phase would land in its next
+    sibling, or outside its parent at the parent's end. The few ns this moves a
+    boundary is the price of each slice showing where it belongs."""
+    out = []
+    cursor = None
+    for name, ts, dur, args in children:
+        start = ts if cursor is None else max(ts, cursor)
+        end = max(ts + dur, start + 1)
+        out.append((name, start, end - start, args))
+        cursor = end
+    return out
 
 
 # ----------------------------------------------------------------------------- host side
@@ -432,8 +449,14 @@ def _request(out: _Out, pid: int, payload: tuple[Any, ...], thread: str,
     for since, m, r, p in devices.get(key, []):
         if since <= t0:
             model, pids = m, p
-    # a zero-length phase at the request's end lies inside it: the request 1 ns longer
-    end = t7 + 1 if any(a == b == t7 for _, a, b in phases) else t7
+    # each phase at least 1 ns, in order (see _visible); the request holds them all
+    top = _visible([(n, a, b - a, {}) for n, a, b in phases if n != "transfer in"])
+    q_start, q_end = top[1][1], top[1][1] + top[1][2]
+    t2 = min(max(phases[2][1], q_start), q_end - 1)
+    t3 = min(max(phases[2][2], t2 + 1), q_end)
+    phases = [(n, a, a + d) for n, a, d, _ in top[:2]] + [("transfer in", t2, t3)] + \
+        [(n, a, a + d) for n, a, d, _ in top[2:]]
+    end = max(t7, phases[-1][2])
     tid = lanes.place(key, replica, t0, end)
     out.slice("request", pid, tid, t0, end - t0, "request",
               {"runner": lanes.runners.get(key, ("", ""))[0], "replica": replica,
@@ -441,8 +464,6 @@ def _request(out: _Out, pid: int, payload: tuple[Any, ...], thread: str,
                "model": model, "thread": thread})
     laid: dict[str, Any] | None = None
     for name, a, b in phases:
-        if name == "transfer in" and a == b == phases[1][2] and b > phases[1][1]:
-            a = b = b - 1   # zero-length at the end of queue: inside it
         ev = out.slice(name, pid, tid, a, b - a, "phase", {}, depth=2 if name == "transfer in"
                        else 1)
         if name == "transfer in":
@@ -465,8 +486,10 @@ def _request(out: _Out, pid: int, payload: tuple[Any, ...], thread: str,
     since = t2
     for seq, chain in sorted(chains, key=lambda c: c[1][0].start):
         src: dict[str, Any] | None = laid
-        if chain[0].start < t3:
-            until = max(since, chain[0].start)
+        if chain[0].start < t3 and since < t3:
+            # at least 1 ns (see _visible): one starting at its iteration's start is
+            # drawn straight down, not backwards
+            until = min(max(since + 1, chain[0].start), t3)
             src = out.slice(f"transfer in (seq {seq})", pid, tid, since, until - since,
                             "transfer", {"seq": seq}, depth=3)
             since = until

@@ -140,6 +140,11 @@ def test_each_arrow_leaves_its_request_before_the_iteration_it_ends_in():
     assert drawn == [("transfer in", "iteration", 5, True),
                      ("transfer in (seq 6)", "iteration", 6, True),
                      ("transfer in", "iteration", 7, True)]
+    # no zero-length slice: callbacks (0 ns) and copies out (0 ns) are drawn 1 ns long
+    xs = [e for e in timeline["traceEvents"] if e["ph"] == "X"]
+    assert min(e["dur"] for e in xs) == 0.001
+    request = next(e for e in xs if e["name"] == "request")
+    assert (request["ts"], request["dur"]) == (9.0, 4.201)
     # every flow is bound by id to both its slices: no v1 's'/'f' events
     assert not [e for e in timeline["traceEvents"] if e["ph"] in ("s", "f")]
 
@@ -158,7 +163,7 @@ def test_an_ipu_track_holds_work_only_and_names_say_whom_it_served():
     assert lane == "runner 1 · model m · replica 0 requests"
     summary = trace_summary.summarise(timeline)
     (ipu,) = summary["ipus"]
-    # busy: the Main runs (5000 - 1000 + 1 ns, 22400 - 20500 ns) of 200 us
+    # busy: the Main runs (11000..13001 ns: its copies out drawn 1 ns; 20500..22400) of 200 us
     assert ipu["busy_fraction"] == pytest.approx((2.001 + 1.9) / 200, abs=1e-6)
     assert ipu["program_runs"] == {"Load": 0, "Main": 2, "Save": 0}
     assert [(m["runner"], m["model"], m["requests"]) for m in summary["models"]] == \
@@ -168,10 +173,16 @@ def test_an_ipu_track_holds_work_only_and_names_say_whom_it_served():
 def test_the_perfetto_rules_each_shown_failing():
     timeline = _merged()
     request = next(e for e in timeline["traceEvents"] if e["name"] == "request")
-    request["dur"] -= 0.001      # its zero-length callbacks at its end: outside it
+    request["dur"] -= 0.001      # its callbacks (0 ns, drawn 1 ns) start at its end: outside
     assert trace_summary.validate(timeline) == [
-        f"phase 'callbacks' at {request['ts'] + request['dur']} is not inside its request "
+        f"'callbacks' at {request['ts'] + request['dur']} is not inside 'request' "
         "(inside nothing)"]
+    # Perfetto nests a zero-length slice in the slice that starts at its instant
+    zero = _timeline(_x("request", 0, 10, cat="request"), _x("queue", 0, 5, cat="phase"),
+                     _x("waiting for device", 5, 0, cat="phase"),
+                     _x("transfer out", 5, 5, cat="phase"))
+    assert trace_summary.validate(zero) == [
+        "'waiting for device' at 5 is not inside 'request' (inside 'transfer out')"]
     timeline = _merged()
     it = next(e for e in timeline["traceEvents"] if e["name"] == "iteration")
     it["ts"] -= 1.0              # taken before the host finished laying it: drawn backwards
