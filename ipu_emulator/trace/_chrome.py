@@ -68,7 +68,8 @@ class _Out:
     def slice(self, name: str, pid: int, tid: int, ts: int, dur: int, cat: str,
               args: dict[str, Any] | None = None, depth: int = 0) -> dict[str, Any]:
         """An X slice; ``depth`` orders slices that start at one instant (parents first,
-        then siblings in time order), as Perfetto nests them in file order."""
+        then siblings in time order) in the file. Perfetto takes the longer first at one
+        instant whatever the order, which is why no slice is zero-length (_visible)."""
         start = _us(ts)   # dur from the rounded ends: a child never ends after its parent
         ev: dict[str, Any] = {"ph": "X", "name": name, "cat": cat, "pid": pid, "tid": tid,
                               "ts": start, "dur": round(_us(ts + max(0, dur)) - start, 3)}
@@ -420,8 +421,8 @@ def merge(pid: int, role: str, events: list[tuple[Any, ...]], dropped: int,
     for tid, name in lanes.names.items():
         out.meta("thread_name", pid, tid, {"name": name})
     depth = out.depth
-    # parents before children at one instant, then siblings in time order: Perfetto
-    # nests the slices of a track in this order
+    # parents before children at one instant, then siblings in time order (a reader
+    # that keeps file order nests them right; Perfetto, longer first, does too)
     out.events.sort(key=lambda e: (e["ph"] != "M", e["pid"], e.get("tid", 0), e.get("ts", 0),
                                    depth.get(id(e), 0), e.get("dur", 0)))
     return {"traceEvents": out.events, "displayTimeUnit": "ns",
