@@ -94,21 +94,21 @@ def _union(intervals: list[tuple[float, float]]) -> float:
 
 
 def summarise(trace: dict[str, Any]) -> dict[str, Any]:
-    """Per runner, model and replica: request count and phase percentiles (us); per IPU
+    """Per host, runner, model and replica: request count and phase percentiles (us); per IPU
     process: busy and compute fractions of the traced window (busy: the time its
     track has a slice, as Perfetto's collapsed track shows it) and its Load, Main and
     Save program runs."""
     procs, _ = _names(trace)
-    groups: dict[tuple[str, str, int], list[dict[str, float]]] = defaultdict(list)
+    groups: dict[tuple[str, str, str, int], list[dict[str, float]]] = defaultdict(list)
     for req, phases in requests(trace):
         args = req.get("args", {})
         row = {"request": req["dur"], **{p: phases.get(p, 0.0) for p in PHASES}}
-        groups[(str(args.get("runner", "")), str(args.get("model", "")),
-                int(args.get("replica", 0)))].append(row)
+        groups[(procs.get(req["pid"], str(req["pid"])), str(args.get("runner", "")),
+                str(args.get("model", "")), int(args.get("replica", 0)))].append(row)
     models = []
-    for (runner, model, replica), rows in sorted(groups.items()):
-        entry: dict[str, Any] = {"runner": runner, "model": model, "replica": replica,
-                                 "requests": len(rows), "latency_us": {}}
+    for (host, runner, model, replica), rows in sorted(groups.items()):
+        entry: dict[str, Any] = {"host": host, "runner": runner, "model": model,
+                                 "replica": replica, "requests": len(rows), "latency_us": {}}
         for phase in ("request", *PHASES):
             values = np.array([r[phase] for r in rows])
             entry["latency_us"][phase] = {f"p{round(q * 100):d}": float(np.quantile(values, q))
@@ -283,8 +283,8 @@ def _check_bound_flows(by_id: dict[int, dict[str, Any]],
 def _print(summary: dict[str, Any]) -> None:
     print(f"traced {summary['window_us'] / 1e6:.3f} s")
     for m in summary["models"]:
-        print(f"\n{m['runner'] or 'runner ?'}  model {m['model'] or '?'}  replica {m['replica']}"
-              f"  {m['requests']} requests  (us)")
+        print(f"\n{m['host']}  {m['runner'] or 'runner ?'}  model {m['model'] or '?'}  "
+              f"replica {m['replica']}  {m['requests']} requests  (us)")
         print(f"  {'phase':20s} {'p50':>10s} {'p90':>10s} {'p99':>10s} {'mean':>10s}")
         for phase, q in m["latency_us"].items():
             print(f"  {phase:20s} {q['p50']:10.1f} {q['p90']:10.1f} {q['p99']:10.1f} "

@@ -166,8 +166,8 @@ def test_an_ipu_track_holds_work_only_and_names_say_whom_it_served():
     # busy: the Main runs (11000..13001 ns: its copies out drawn 1 ns; 20500..22400) of 200 us
     assert ipu["busy_fraction"] == pytest.approx((2.001 + 1.9) / 200, abs=1e-6)
     assert ipu["program_runs"] == {"Load": 0, "Main": 2, "Save": 0}
-    assert [(m["runner"], m["model"], m["requests"]) for m in summary["models"]] == \
-        [("runner 1", "m", 2)]
+    assert [(m["host"], m["runner"], m["model"], m["requests"])
+            for m in summary["models"]] == [("host 100", "runner 1", "m", 2)]
 
 
 def test_the_perfetto_rules_each_shown_failing():
@@ -198,6 +198,9 @@ def test_combined_traces_keep_every_arrow_and_a_shared_ipu_once():
     a, b = _merged(100, 200), _merged(101, 201)
     both = trace.combine([a, b])
     assert trace_summary.validate(both) == []
+    # two hosts' "runner 1" told apart
+    assert [(m["host"], m["runner"]) for m in trace_summary.summarise(both)["models"]] == \
+        [("host 100", "runner 1"), ("host 101", "runner 1")]
     assert len(trace_summary.arrows(both)) == 6
     assert len({x["bind_id"] for x, _ in trace_summary.arrows(both)}) == 6
     # the same IPU process in two files (a daemon's, a host's): once, arrows kept
