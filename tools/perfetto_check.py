@@ -95,7 +95,7 @@ _QUERIES = [
     "left join process p using (upid)",
 ]
 
-_PARENTS = trace_summary._PARENTS
+
 
 
 def _rows(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -114,7 +114,7 @@ def check(path: str, ui_dir: str | None = None) -> tuple[list[str], dict[str, An
             s = by_id.get(s["parent_id"]) if s["parent_id"] is not None else None
         return s
     for s in slices:
-        want = _PARENTS.get(s["name"])
+        want = trace_summary.PARENTS.get(s["name"])
         parent = by_id.get(s["parent_id"]) if s["parent_id"] is not None else None
         if want and (parent is None or parent["name"] not in want):
             problems.append(f"{s['name']!r} at {s['ts']} ns is in "

@@ -22,14 +22,14 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["main", "load", "summarise", "validate", "requests", "arrows", "PHASES"]
+__all__ = ["main", "load", "summarise", "validate", "requests", "arrows", "PHASES", "PARENTS"]
 
 PHASES = ("preparation", "queue", "transfer in", "waiting for device", "transfer out",
           "callbacks")
 _TOP_PHASES = ("preparation", "queue", "waiting for device", "transfer out", "callbacks")
 _QUANTILES = (0.5, 0.9, 0.99)
 _EPS = 0.0015   # us: the rounding of ts and dur to ns
-_PARENTS = {"preparation": ("request",), "queue": ("request",),
+PARENTS = {"preparation": ("request",), "queue": ("request",),
             "waiting for device": ("request",), "transfer out": ("request",),
             "callbacks": ("request",), "transfer in": ("queue",), "iteration": ("Main",),
             "copies in": ("iteration",), "copies out": ("iteration",)}
@@ -204,7 +204,7 @@ def validate(trace: dict[str, Any]) -> list[str]:
         problems.extend(f"{procs.get(pid, pid)} thread {tid}: {b}" for b in bad)
     for e in by_id.values():
         up = parent.get(id(e))
-        want = _PARENTS.get(e["name"])
+        want = PARENTS.get(e["name"])
         if want and e.get("cat") in ("phase", "transfer", "iteration") and (
                 up is None or up["name"] not in want):
             inside = repr(up["name"]) if up else "nothing"
