@@ -96,8 +96,6 @@ _QUERIES = [
 ]
 
 
-
-
 def _rows(result: dict[str, Any]) -> list[dict[str, Any]]:
     return [dict(zip(result["columns"], row)) for row in result["rows"]]
 
