@@ -22,13 +22,18 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["main", "load", "summarise", "validate", "requests", "PHASES"]
+__all__ = ["main", "load", "summarise", "validate", "requests", "arrows", "PHASES", "PARENTS"]
 
 PHASES = ("preparation", "queue", "transfer in", "waiting for device", "transfer out",
           "callbacks")
 _TOP_PHASES = ("preparation", "queue", "waiting for device", "transfer out", "callbacks")
 _QUANTILES = (0.5, 0.9, 0.99)
 _EPS = 0.0015   # us: the rounding of ts and dur to ns
+PARENTS = {"preparation": ("request",), "queue": ("request",),
+            "waiting for device": ("request",), "transfer out": ("request",),
+            "callbacks": ("request",), "transfer in": ("queue",), "iteration": ("Main",),
+            "copies in": ("iteration",), "copies out": ("iteration",)}
+"""Where each slice nests (docs/tracing.md)."""
 
 
 def load(path: str) -> dict[str, Any]:
@@ -78,19 +83,32 @@ def requests(trace: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, floa
     return out
 
 
+def _union(intervals: list[tuple[float, float]]) -> float:
+    """The time ``intervals`` cover together."""
+    total, reach = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > reach:
+            total += b - max(a, reach)
+            reach = b
+    return total
+
+
 def summarise(trace: dict[str, Any]) -> dict[str, Any]:
-    """Per model and replica: request count and phase percentiles (us); per IPU process:
-    busy and compute fractions of the traced window."""
+    """Per host, runner, model and replica: request count and phase percentiles (us); per IPU
+    process: busy and compute fractions of the traced window (busy: the time its
+    track has a slice, as Perfetto's collapsed track shows it) and its Load, Main and
+    Save program runs."""
     procs, _ = _names(trace)
-    groups: dict[tuple[str, int], list[dict[str, float]]] = defaultdict(list)
+    groups: dict[tuple[str, str, str, int], list[dict[str, float]]] = defaultdict(list)
     for req, phases in requests(trace):
         args = req.get("args", {})
         row = {"request": req["dur"], **{p: phases.get(p, 0.0) for p in PHASES}}
-        groups[(str(args.get("model", "")), int(args.get("replica", 0)))].append(row)
+        groups[(procs.get(req["pid"], str(req["pid"])), str(args.get("runner", "")),
+                str(args.get("model", "")), int(args.get("replica", 0)))].append(row)
     models = []
-    for (model, replica), rows in sorted(groups.items()):
-        entry: dict[str, Any] = {"model": model, "replica": replica, "requests": len(rows),
-                                 "latency_us": {}}
+    for (host, runner, model, replica), rows in sorted(groups.items()):
+        entry: dict[str, Any] = {"host": host, "runner": runner, "model": model,
+                                 "replica": replica, "requests": len(rows), "latency_us": {}}
         for phase in ("request", *PHASES):
             values = np.array([r[phase] for r in rows])
             entry["latency_us"][phase] = {f"p{round(q * 100):d}": float(np.quantile(values, q))
@@ -99,24 +117,27 @@ def summarise(trace: dict[str, Any]) -> dict[str, Any]:
         models.append(entry)
     window = trace.get("otherData", {}).get("window_us") or [0.0, 0.0]
     span = max(float(window[1]) - float(window[0]), 1e-9)
-    busy: dict[int, float] = defaultdict(float)
+    busy: dict[int, list[tuple[float, float]]] = defaultdict(list)
     compute: dict[int, float] = defaultdict(float)
+    runs: dict[int, dict[str, int]] = defaultdict(lambda: {"Load": 0, "Main": 0, "Save": 0})
     covered: dict[int, float] = {}
     for (pid, _), evs in _tracks(trace).items():
         if not procs.get(pid, "").startswith("ipu ") or not evs:
             continue
         for e in evs:
-            if e.get("cat") == "program":
-                busy[pid] += e["dur"]
+            busy[pid].append((e["ts"], e["ts"] + e["dur"]))
+            if e.get("cat") == "program" and e["name"] in runs[pid]:
+                runs[pid][e["name"]] += 1
             elif e["name"] == "compute":
                 compute[pid] += e["dur"]
         # the time its events cover: the whole window, unless its oldest were dropped
         first = (min(e["ts"] for e in evs if e.get("cat") != "control")
                  if _dropped(trace, pid) else float(window[0]))
         covered[pid] = max(float(window[1]) - first, 1e-9) if first < window[1] else span
-    ipus = [{"ipu": name, "pid": pid, "busy_fraction": busy[pid] / covered.get(pid, span),
+    ipus = [{"ipu": name, "pid": pid,
+             "busy_fraction": _union(busy[pid]) / covered.get(pid, span),
              "compute_fraction": compute[pid] / covered.get(pid, span),
-             "covered_us": covered.get(pid, span)}
+             "program_runs": dict(runs[pid]), "covered_us": covered.get(pid, span)}
             for pid, name in sorted(procs.items(), key=lambda kv: kv[1])
             if name.startswith("ipu ")]
     return {"window_us": span, "models": models, "ipus": ipus,
@@ -130,24 +151,76 @@ def _dropped(trace: dict[str, Any], pid: int) -> int:
     return 0
 
 
+def _nest(evs: list[dict[str, Any]]) -> tuple[dict[int, dict[str, Any] | None], list[str]]:
+    """Perfetto's nesting of one track's X slices (as its trace processor does it): in
+    order of start, the longer first at one instant (file order among equals); a slice's
+    parent is the innermost open one, and a slice is closed once it ended before the next
+    one starts, or ended at that start and was not zero-length. So a slice starting at
+    its parent's end is not inside it, and a zero-length slice holds whatever starts at
+    its instant. Returns each slice's parent and the slices that overlap without nesting."""
+    parent: dict[int, dict[str, Any] | None] = {}
+    bad: list[str] = []
+    stack: list[tuple[int, int, dict[str, Any]]] = []   # (end ns, dur ns, slice)
+
+    def ns(us: float) -> int:   # as Perfetto reads JSON times: whole nanoseconds
+        return round(us * 1000)
+    for e in sorted(evs, key=lambda e: (ns(e["ts"]), -ns(e["dur"]))):
+        start, dur = ns(e["ts"]), ns(e["dur"])
+        while stack and (stack[-1][0] < start or (stack[-1][0] == start and stack[-1][1] > 0)):
+            stack.pop()
+        if stack and start + dur > stack[-1][0]:
+            bad.append(f"{e['name']!r} at {e['ts']} overlaps {stack[-1][2]['name']!r} "
+                       "without nesting")
+        parent[id(e)] = stack[-1][2] if stack else None
+        stack.append((start + dur, dur, e))
+    return parent, bad
+
+
 def validate(trace: dict[str, Any]) -> list[str]:
-    """What is wrong with the trace's structure (empty: nothing)."""
+    """What is wrong with the trace's structure (empty: nothing), by the rules Perfetto
+    reads it with: every process named; on each track, slices nest (:func:`_nest`), each
+    where the docs put it (each request phase in its request, each iteration's transfers
+    in it); every arrow bound (``bind_id``: ``flow_out`` on one slice, ``flow_in`` on
+    others) and drawn forward (Perfetto draws it from the source's end, or its start
+    when that is not before the destination's); each request's arrows land on IPU
+    iterations inside the request; each request's phases add up to it."""
     problems: list[str] = []
     procs, _ = _names(trace)
     events = trace["traceEvents"]
     for pid in sorted({e["pid"] for e in events if e.get("ph") != "M"}):
         if pid not in procs:
             problems.append(f"process {pid} has events but no process_name")
-    tracks = _tracks(trace)
+    parent: dict[int, dict[str, Any] | None] = {}
+    by_id: dict[int, dict[str, Any]] = {}
+    # slices in file order per track (Perfetto's order for slices of one instant)
+    tracks: dict[tuple[int, int], list[dict[str, Any]]] = defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X":
+            tracks[(e["pid"], e["tid"])].append(e)
+            by_id[id(e)] = e
     for (pid, tid), evs in tracks.items():
-        stack: list[dict[str, Any]] = []
-        for e in evs:
-            while stack and stack[-1]["ts"] + stack[-1]["dur"] <= e["ts"] + _EPS:
-                stack.pop()
-            if stack and e["ts"] + e["dur"] > stack[-1]["ts"] + stack[-1]["dur"] + _EPS:
-                problems.append(f"{procs.get(pid, pid)} thread {tid}: {e['name']!r} at "
-                                f"{e['ts']} overlaps {stack[-1]['name']!r} without nesting")
-            stack.append(e)
+        p, bad = _nest(evs)
+        parent.update(p)
+        problems.extend(f"{procs.get(pid, pid)} thread {tid}: {b}" for b in bad)
+    for e in by_id.values():
+        up = parent.get(id(e))
+        want = PARENTS.get(e["name"])
+        if want and e.get("cat") in ("phase", "transfer", "iteration") and (
+                up is None or up["name"] not in want):
+            inside = repr(up["name"]) if up else "nothing"
+            problems.append(f"{e['name']!r} at {e['ts']} is not inside {want[0]!r} "
+                            f"(inside {inside})")
+    _check_v1_flows(events, problems)
+    _check_bound_flows(by_id, parent, problems)
+    for req, phases in requests(trace):
+        total = sum(phases.get(p, 0.0) for p in _TOP_PHASES)
+        if req["dur"] > 1.0 and abs(total - req["dur"]) > 0.05 * req["dur"]:
+            problems.append(f"request {req.get('args', {}).get('request_id')}: phases add up "
+                            f"to {total:.3f} us of {req['dur']:.3f} us")
+    return problems
+
+
+def _check_v1_flows(events: list[dict[str, Any]], problems: list[str]) -> None:
     flows: dict[Any, dict[str, dict[str, Any]]] = defaultdict(dict)
     for e in events:
         if e.get("ph") in ("s", "f"):
@@ -159,53 +232,69 @@ def validate(trace: dict[str, Any]) -> list[str]:
             problems.append(f"flow {fid} is not paired: {sorted(ends)}")
         elif ends["f"]["ts"] < ends["s"]["ts"] - _EPS:
             problems.append(f"flow {fid} goes back in time")
-    # each request's phases add up to it
-    for req, phases in requests(trace):
-        total = sum(phases.get(p, 0.0) for p in _TOP_PHASES)
-        if req["dur"] > 1.0 and abs(total - req["dur"]) > 0.05 * req["dur"]:
-            problems.append(f"request {req.get('args', {}).get('request_id')}: phases add up "
-                            f"to {total:.3f} us of {req['dur']:.3f} us")
-    # each request's flows land in IPU iterations inside the request
-    reqs: dict[tuple[int, int], tuple[list[float], list[dict[str, Any]]]] = {}
-    its: dict[tuple[int, int], dict[float, dict[str, Any]]] = defaultdict(dict)
-    for key, evs in tracks.items():
-        mine = [e for e in evs if e["name"] == "request" and e.get("cat") == "request"]
-        if mine:
-            reqs[key] = ([e["ts"] for e in mine], mine)
-        for e in evs:
-            if e["name"] == "iteration":
-                its[key][e["ts"]] = e
-    for fid, ends in flows.items():
-        s, f = ends.get("s"), ends.get("f")
-        if s is None or f is None or (s["pid"], s["tid"]) not in reqs:
+
+
+def _ancestor(e: dict[str, Any] | None, parent: dict[int, dict[str, Any] | None],
+              name: str) -> dict[str, Any] | None:
+    while e is not None and e["name"] != name:
+        e = parent.get(id(e))
+    return e
+
+
+def arrows(trace: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """Each arrow (source slice, destination slice) as Perfetto binds it (``bind_id``)."""
+    outs = {e["bind_id"]: e for e in trace["traceEvents"]
+            if e.get("ph") == "X" and e.get("flow_out") and not e.get("flow_in")}
+    return [(outs[e["bind_id"]], e) for e in trace["traceEvents"]
+            if e.get("ph") == "X" and e.get("flow_in") and e["bind_id"] in outs]
+
+
+def _check_bound_flows(by_id: dict[int, dict[str, Any]],
+                       parent: dict[int, dict[str, Any] | None], problems: list[str]) -> None:
+    outs: dict[Any, dict[str, Any]] = {}
+    for e in by_id.values():
+        if e.get("flow_out"):
+            if e["bind_id"] in outs:
+                problems.append(f"flow {e['bind_id']} leaves two slices")
+            outs[e["bind_id"]] = e
+    for dst in by_id.values():
+        if not dst.get("flow_in"):
             continue
-        starts, mine = reqs[(s["pid"], s["tid"])]
-        k = bisect.bisect_right(starts, s["ts"] + _EPS) - 1
-        it = its.get((f["pid"], f["tid"]), {}).get(f["ts"])
-        if k < 0 or it is None or s["ts"] > mine[k]["ts"] + mine[k]["dur"] + _EPS:
-            problems.append(f"flow {fid}: no request or no IPU iteration at its ends")
+        fid = dst["bind_id"]
+        src = outs.get(fid)
+        if src is None:
+            problems.append(f"flow {fid} ends in {dst['name']!r} but leaves no slice")
             continue
-        r = mine[k]
-        if it["ts"] < r["ts"] - _EPS or it["ts"] + it["dur"] > r["ts"] + r["dur"] + _EPS:
+        begin = src["ts"] if src["ts"] >= dst["ts"] else src["ts"] + src["dur"]
+        if begin > dst["ts"] + _EPS:
+            problems.append(f"flow {fid} is drawn backwards: from {src['name']!r} at {begin} "
+                            f"to {dst['name']!r} at {dst['ts']}")
+        req = _ancestor(src, parent, "request")
+        if req is None:
+            continue
+        it = _ancestor(dst, parent, "iteration")
+        if it is None:
+            problems.append(f"flow {fid}: from a request to {dst['name']!r}, not an iteration")
+        elif it["ts"] < req["ts"] - _EPS or it["ts"] + it["dur"] > req["ts"] + req["dur"] + _EPS:
             problems.append(f"flow {fid}: IPU iteration [{it['ts']}, +{it['dur']}] is not "
-                            f"inside request [{r['ts']}, +{r['dur']}]")
-    return problems
+                            f"inside request [{req['ts']}, +{req['dur']}]")
 
 
 def _print(summary: dict[str, Any]) -> None:
     print(f"traced {summary['window_us'] / 1e6:.3f} s")
     for m in summary["models"]:
-        print(f"\nmodel {m['model'] or '?'}  replica {m['replica']}  {m['requests']} requests"
-              "  (us)")
+        print(f"\n{m['host']}  {m['runner'] or 'runner ?'}  model {m['model'] or '?'}  "
+              f"replica {m['replica']}  {m['requests']} requests  (us)")
         print(f"  {'phase':20s} {'p50':>10s} {'p90':>10s} {'p99':>10s} {'mean':>10s}")
         for phase, q in m["latency_us"].items():
             print(f"  {phase:20s} {q['p50']:10.1f} {q['p90']:10.1f} {q['p99']:10.1f} "
                   f"{q['mean']:10.1f}")
     if summary["ipus"]:
-        print(f"\n  {'IPU':10s} {'pid':>8s} {'busy':>8s} {'compute':>8s}")
+        print(f"\n  {'busy':>7s} {'compute':>8s} {'Load':>5s} {'Main':>6s} {'Save':>5s}  IPU")
         for i in summary["ipus"]:
-            print(f"  {i['ipu']:10s} {i['pid']:8d} {i['busy_fraction']:8.1%} "
-                  f"{i['compute_fraction']:8.1%}")
+            r = i["program_runs"]
+            print(f"  {i['busy_fraction']:7.1%} {i['compute_fraction']:8.1%} {r['Load']:5d} "
+                  f"{r['Main']:6d} {r['Save']:5d}  {i['ipu']}")
     dropped = {k: v for k, v in summary["dropped_events"].items() if v}
     if dropped:
         print("\ndropped events (oldest, past each process's buffer): "

@@ -3,22 +3,26 @@
 The result is a JSON object ``{"traceEvents": [...], "displayTimeUnit": "ns",
 "otherData": {...}}`` that Perfetto's UI and chrome://tracing open:
 
-- ``M`` metadata: ``process_name`` (``host <pid>``, ``daemon <pid>``, ``ipu <index>``),
-  ``thread_name``, sort indices; each process's dropped events in its args;
-- ``X`` complete slices, ``ts``/``dur`` in microseconds of CLOCK_MONOTONIC, properly
-  nested per thread. A request is a slice on a *lane* of its replica (requests in
-  flight together overlap, so each lane is a track of its own: ``replica 0
-  requests``, ``replica 0 requests 2``...), with its phases as children that add
-  up to it: ``preparation``, ``queue`` (holding ``transfer in``), ``waiting for
-  device``, ``transfer out``, ``callbacks``. On an IPU: control messages (``load``,
-  ``main loop``, ``reset``...) hold program runs (``Main``, ``Load``, ``Save``),
-  which hold iterations (``iteration``: ``copies in``, ``compute``, ``copies out``
-  or, on the Python path, each ``copy in``/``link in``, ``compute``, ``copy
-  out``/``link out``); ``wait for input`` between them;
-- ``i`` instants (faults and other named marks);
-- ``s``/``f`` flows: each request to the first IPU iteration that served each of
-  its transfers, and on from one pipeline stage's iteration to the next (paired
-  by the transfer's sequence number, which every slot tag carries).
+- ``M`` metadata: ``process_name`` (``host <pid>``, ``daemon <pid>``, ``ipu <index> · pid
+  <pid> · host <pid> runner <n> · model <m> · replica <r>``), ``thread_name``, sort
+  indices; each process's dropped events in its args;
+- ``X`` complete slices, ``ts``/``dur`` in microseconds of CLOCK_MONOTONIC, nested per
+  track as Perfetto nests them (half-open intervals; slices of one instant in file
+  order, parents first). A request is a slice on a *lane* of its runner's replica
+  (requests in flight together overlap, so each lane is a track of its own: ``runner 1
+  · model m · replica 0 requests``, ``... (lane 2)``...), with its phases as children
+  that add up to it: ``preparation``, ``queue`` (holding ``transfer in``), ``waiting
+  for device``, ``transfer out``, ``callbacks``. An IPU's track has slices only where
+  it worked: program runs (``Main``, ``Load``, ``Save``) holding iterations
+  (``iteration``: ``copies in``, ``compute``, ``copies out`` or, on the Python path,
+  each ``copy in``/``link in``, ``compute``, ``copy out``/``link out``), and the control
+  messages that do work (``load``, ``reset``...);
+- ``i`` instants (``main loop``, faults and other named marks);
+- arrows bound to their slices by id (``bind_id`` with ``flow_out`` / ``flow_in``): from
+  each request's ``transfer in`` to the first IPU iteration that served each of its
+  transfers, and from an iteration's last transfer out on to the next pipeline stage's
+  iteration (paired by the transfer's sequence number, which every slot tag carries).
+  Each source ends before its destination starts, so Perfetto draws them forward.
 """
 
 from __future__ import annotations
@@ -59,15 +63,21 @@ class _Out:
     def __init__(self) -> None:
         self.events: list[dict[str, Any]] = []
         self.flow = 0
+        self.depth: dict[int, int] = {}
 
     def slice(self, name: str, pid: int, tid: int, ts: int, dur: int, cat: str,
-              args: dict[str, Any] | None = None) -> None:
+              args: dict[str, Any] | None = None, depth: int = 0) -> dict[str, Any]:
+        """An X slice; ``depth`` orders slices that start at one instant (parents first,
+        then siblings in time order) in the file. Perfetto takes the longer first at one
+        instant whatever the order, which is why no slice is zero-length (_visible)."""
         start = _us(ts)   # dur from the rounded ends: a child never ends after its parent
         ev: dict[str, Any] = {"ph": "X", "name": name, "cat": cat, "pid": pid, "tid": tid,
                               "ts": start, "dur": round(_us(ts + max(0, dur)) - start, 3)}
         if args:
             ev["args"] = args
         self.events.append(ev)
+        self.depth[id(ev)] = depth
+        return ev
 
     def meta(self, what: str, pid: int, tid: int | None, args: dict[str, Any]) -> None:
         ev: dict[str, Any] = {"ph": "M", "name": what, "pid": pid, "args": args}
@@ -79,14 +89,23 @@ class _Out:
         self.events.append({"ph": "i", "s": "t", "name": name, "cat": "instant", "pid": pid,
                             "tid": tid, "ts": _us(ts), "args": args})
 
-    def arrow(self, name: str, src: tuple[int, int, int], dst: tuple[int, int, int]) -> None:
-        self.flow += 1
-        for ph, (pid, tid, ts) in (("s", src), ("f", dst)):
-            ev: dict[str, Any] = {"ph": ph, "id": self.flow, "name": name, "cat": "flow",
-                                  "pid": pid, "tid": tid, "ts": _us(ts)}
-            if ph == "f":
-                ev["bp"] = "e"
-            self.events.append(ev)
+    def flow_out(self, src: dict[str, Any]) -> int:
+        """The flow id leaving slice ``src`` (its ``bind_id``; a new one if it has none)."""
+        if "bind_id" not in src:
+            self.flow += 1
+            src["bind_id"] = self.flow
+            src["flow_out"] = True
+        return int(src["bind_id"])
+
+    def flow_in(self, flow: int, dst: list[dict[str, Any]]) -> bool:
+        """Bind flow ``flow`` into the first slice of ``dst`` not bound yet (a slice holds
+        one ``bind_id``); False if none is free."""
+        for ev in dst:
+            if "bind_id" not in ev:
+                ev["bind_id"] = flow
+                ev["flow_in"] = True
+                return True
+        return False
 
 
 # ----------------------------------------------------------------------------- IPU side
@@ -101,15 +120,34 @@ class _Iteration:
         self.out_seen = False
 
 
+class Served(NamedTuple):
+    """An IPU iteration that served a transfer: its slices, for binding arrows."""
+
+    start: int
+    end: int
+    pid: int
+    into: list[dict[str, Any]]          # the iteration, then its children (arrows in)
+    out: dict[str, Any] | None          # its last transfer out (the arrow on)
+
+
+_IDLE_OPS = (Op.LOOP, Op.RUN)   # containers that hold idle time: not slices (see below)
+
+
 def _ipu_events(out: _Out, ipu: IpuRecords, window: tuple[int, int], tid: int | None = None
-                ) -> dict[int, list[tuple[int, int, int]]]:
+                ) -> dict[int, list[Served]]:
     """Write one IPU's slices (on thread ``tid``, default its pid); returns seq ->
-    [(start, end, pid)] of its iterations."""
+    the iterations that served it.
+
+    Only work is a slice, so the track is busy where it has one: program runs (with
+    their iterations and transfers) and the control messages that do work (``load``,
+    ``reset``...). ``main loop`` and ``run`` (which hold idle time while the IPU waits
+    for input) are instants at their start, and ``wait for input`` is a slice only
+    inside a program run (outside one, the gap is the idle time)."""
     pid, tid = ipu.pid, ipu.pid if tid is None else tid
     lo, hi = window
     recs = sorted((r for r in ipu.records if r[0] + r[1] >= lo and r[0] <= hi),
                   key=lambda r: (r[0], -r[1]))
-    iterations: dict[int, list[tuple[int, int, int]]] = {}
+    iterations: dict[int, list[Served]] = {}
     programs = [r for r in recs if r[2] == rec.I_PROGRAM]
     starts = [p[0] for p in programs]
     # the iterations of each Main run, from its C steps or its Python path's transfers
@@ -117,50 +155,70 @@ def _ipu_events(out: _Out, ipu: IpuRecords, window: tuple[int, int], tid: int | 
     loose = []
     for r in recs:
         code = r[2]
-        if code in (rec.I_PROGRAM, rec.I_OP, rec.I_INSTANT, rec.I_WAIT):
+        if code in (rec.I_PROGRAM, rec.I_OP, rec.I_INSTANT):
             continue
         k = bisect.bisect_right(starts, r[0]) - 1
         if k >= 0 and r[0] + r[1] <= programs[k][0] + programs[k][1]:
             per_program.setdefault(k, []).append(r)
-        else:
+        elif code != rec.I_WAIT:
             loose.append(r)
     for k, p in enumerate(programs):
-        ts, dur, _, _, index, kind, runs = p
-        kind_name = rec.PROGRAM_KINDS[kind] if 0 <= kind < len(rec.PROGRAM_KINDS) else "program"
-        inner = per_program.get(k, [])
-        start, end = ts, ts + dur
-        if kind_name == "Main" and inner:
-            # a Main run: from its first transfer taken to its last one published (what
-            # follows, releasing slots, is after the host may have its answer)
-            start = max(ts, inner[0][0])
-            end = min(end, max(r[0] + r[1] for r in inner))
-        out.slice(kind_name, pid, tid, start, end - start, "program",
-                  {"program": index, "runs": runs})
-        its = _iterations(inner) if kind_name == "Main" else []
-        for it in its:
-            out.slice("iteration", pid, tid, it.start, it.end - it.start, "iteration",
-                      {"seq": it.seq})
-            iterations.setdefault(it.seq, []).append((it.start, it.end, pid))
-            for name, cts, cdur, args in it.children:
-                out.slice(name, pid, tid, cts, cdur, "transfer", args)
-        if kind_name != "Main":
-            loose.extend(inner)
+        _program(out, pid, tid, p, per_program.get(k, []), iterations, loose)
     for r in loose:
         _transfer_slice(out, pid, tid, r)
     for r in recs:
         code = r[2]
         if code == rec.I_OP:
             try:
-                name = _OP_NAMES.get(Op(r[4]), Op(r[4]).name.lower())
+                op = Op(r[4])
+                name = _OP_NAMES.get(op, op.name.lower())
             except ValueError:
-                name = f"op {r[4]}"
-            out.slice(name, pid, tid, r[0], r[1], "control", {"op": r[4]})
-        elif code == rec.I_WAIT:
-            out.slice("wait for input", pid, tid, r[0], r[1], "wait",
-                      {"stream": r[4], "polled": bool(r[5])})
+                op, name = None, f"op {r[4]}"
+            if op in _IDLE_OPS:
+                out.instant(name, pid, tid, r[0], {"op": r[4], "dur_us": _us(r[1])})
+            else:
+                out.slice(name, pid, tid, r[0], r[1], "control", {"op": r[4]})
         elif code == rec.I_INSTANT:
             out.instant(rec.unpack_name(r[4], r[5], r[6]), pid, tid, r[0], {})
     return iterations
+
+
+def _program(out: _Out, pid: int, tid: int, p: tuple[int, int, int, int, int, int, int],
+             inner: list[tuple[int, int, int, int, int, int, int]],
+             iterations: dict[int, list[Served]],
+             loose: list[tuple[int, int, int, int, int, int, int]]) -> None:
+    """One program run (``Load``, ``Main``, ``Save``) and what ran inside it."""
+    ts, dur, _, _, index, kind, runs = p
+    kind_name = rec.PROGRAM_KINDS[kind] if 0 <= kind < len(rec.PROGRAM_KINDS) else "program"
+    waits = [r for r in inner if r[2] == rec.I_WAIT]
+    inner = [r for r in inner if r[2] != rec.I_WAIT]
+    start, end = ts, ts + dur
+    its = _iterations(inner) if kind_name == "Main" else []
+    if kind_name == "Main" and inner:
+        # a Main run: from its first transfer taken to its last one published (what
+        # follows, releasing slots, is after the host may have its answer)
+        start = max(ts, inner[0][0])
+        end = min(end, max(r[0] + r[1] for r in inner))
+        end = max([end] + [it.end for it in its])
+    out.slice(kind_name, pid, tid, start, end - start, "program",
+              {"program": index, "runs": runs}, depth=1)
+    for it in its:
+        into = [out.slice("iteration", pid, tid, it.start, it.end - it.start, "iteration",
+                          {"seq": it.seq}, depth=2)]
+        last_out = None
+        for name, cts, cdur, args in it.children:
+            ev = out.slice(name, pid, tid, cts, cdur, "transfer", args, depth=3)
+            into.append(ev)
+            if "out" in name:
+                last_out = ev
+        iterations.setdefault(it.seq, []).append(Served(it.start, it.end, pid, into, last_out))
+    for w in waits:
+        if start <= w[0] and w[0] + w[1] <= end and not any(
+                it.start < w[0] + w[1] and w[0] < it.end for it in its):
+            out.slice("wait for input", pid, tid, w[0], w[1], "wait",
+                      {"stream": w[4], "polled": bool(w[5])}, depth=2)
+    if kind_name != "Main":
+        loose.extend(inner)
 
 
 def _transfer_slice(out: _Out, pid: int, tid: int,
@@ -208,7 +266,27 @@ def _iterations(inner: list[tuple[int, int, int, int, int, int, int]]) -> list[_
             cur.seq = max(cur.seq, a)
         cur.end = max(cur.end, ts + dur)
         cur.children.append((name, ts, dur, args))
+    for it in its:
+        it.children = _visible(it.children)
+        it.end = max([it.end] + [cts + cdur for _, cts, cdur, _ in it.children])
     return its
+
+
+def _visible(children: list[tuple[str, int, int, dict[str, Any]]]
+             ) -> list[tuple[str, int, int, dict[str, Any]]]:
+    """Siblings in time order, each at least 1 ns long and starting where the one before
+    ends: Perfetto nests a zero-length slice in whatever slice starts at its instant
+    (also another zero-length one), so a zero-length phase would land in its next
+    sibling, or outside its parent at the parent's end. The few ns this moves a
+    boundary is the price of each slice showing where it belongs."""
+    out = []
+    cursor = None
+    for name, ts, dur, args in children:
+        start = ts if cursor is None else max(ts, cursor)
+        end = max(ts + dur, start + 1)
+        out.append((name, start, end - start, args))
+        cursor = end
+    return out
 
 
 # ----------------------------------------------------------------------------- host side
@@ -234,24 +312,53 @@ def _phases(instants: tuple[int, ...]) -> list[tuple[str, int, int]]:
 
 
 class _Lanes:
-    """Request lanes of each replica: a request goes on the first lane free at its start."""
+    """Request tracks: a request goes on the first lane of its replica free at its start.
+    A lane is a track (a thread id of its own, unique on the machine: from the host's
+    pid); its name says which runner, model and replica."""
 
-    def __init__(self) -> None:
-        self.ends: dict[tuple[int, int], list[int]] = {}
+    def __init__(self, pid: int, runners: dict[int, tuple[str, str]]) -> None:
+        self.base = _LANE_BASE + (pid % (1 << 22)) * 256
+        self.runners = runners          # replica life key -> (runner label, model)
+        self.ends: dict[tuple[int, int], list[tuple[int, int]]] = {}
         self.names: dict[int, str] = {}
 
     def place(self, key: int, replica: int, start: int, end: int) -> int:
-        ends = self.ends.setdefault((key, replica), [])
-        for k, e in enumerate(ends):
-            if e <= start:
-                ends[k] = end
+        runner, model = self.runners.get(key, ("runner ?", ""))
+        ends = self.ends.setdefault((hash(runner), replica), [])
+        for k, (e, tid) in enumerate(ends):
+            if e < start:     # half-open, and a slice may end 1 ns late (see _request)
+                ends[k] = (end, tid)
                 break
         else:
-            ends.append(end)
+            tid = self.base + min(len(self.names), 255)
+            ends.append((end, tid))
             k = len(ends) - 1
-        tid = _LANE_BASE + (hash((key, replica)) & 0xFFFF) * 64 + min(k, 63)
-        self.names[tid] = f"replica {replica} requests" + (f" {k + 1}" if k else "")
+            self.names[tid] = (f"{runner} · model {model or '?'} · replica {replica} requests"
+                               + (f" (lane {k + 1})" if k else ""))
         return tid
+
+
+def _runners(events: list[tuple[Any, ...]]) -> tuple[
+        dict[int, tuple[str, str]], dict[int, list[tuple[int, str, int, list[int]]]]]:
+    """Each replica life's runner (``runner N``, its model) and devices over time.
+
+    A runner is not in the events: its replicas are. A life of replica 0 starts a new
+    runner; a life of replica r > 0 joins the newest runner of its model."""
+    runners: dict[int, tuple[str, str]] = {}
+    devices: dict[int, list[tuple[int, str, int, list[int]]]] = {}
+    newest: dict[str, str] = {}
+    count = 0
+    for code, _, ts, _, payload in sorted((e for e in events if e[0] == rec.H_LIFE),
+                                          key=lambda e: e[2]):
+        what, replica, pids, model, key = payload
+        if what in ("attach and load", "reset"):
+            devices.setdefault(key, []).append((ts, model, replica, list(pids)))
+        if key not in runners:
+            if replica == 0 or model not in newest:
+                count += 1
+                newest[model] = f"runner {count}"
+            runners[key] = (newest[model], model)
+    return runners, devices
 
 
 def merge(pid: int, role: str, events: list[tuple[Any, ...]], dropped: int,
@@ -265,22 +372,27 @@ def merge(pid: int, role: str, events: list[tuple[Any, ...]], dropped: int,
     tid_of = {ident: native for ident, (native, _) in threads.items()}
     for ident, (native, name) in threads.items():
         out.meta("thread_name", pid, native, {"name": name})
-    # replicas' devices: life key -> [(since, model, replica, pids)]
-    devices: dict[int, list[tuple[int, str, int, list[int]]]] = {}
-    for code, ident, ts, dur, payload in events:
-        if code == rec.H_LIFE:
-            what, replica, pids, model, key = payload
-            if what in ("attach and load", "reset"):
-                devices.setdefault(key, []).append((ts, model, replica, list(pids)))
+    runners, devices = _runners(events)
+    served: dict[int, list[str]] = {}     # IPU pid -> what it served
+    for key, lives in devices.items():
+        for _, model, replica, pids in lives:
+            for stage, ipu_pid in enumerate(pids):
+                what = (f"{label} {runners[key][0]} · model {model or '?'} · replica {replica}"
+                        + (f" · stage {stage}" if len(pids) > 1 else ""))
+                if what not in served.setdefault(ipu_pid, []):
+                    served[ipu_pid].append(what)
     ipu_list = list(ipus)
-    iterations: dict[int, dict[int, list[tuple[int, int, int]]]] = {}
+    iterations: dict[int, dict[int, list[Served]]] = {}
     for ipu in sorted(ipu_list, key=lambda i: (i.ipu, i.pid)):
-        out.meta("process_name", ipu.pid, None, {"name": f"ipu {ipu.ipu}", "pid": ipu.pid,
-                                                  "dropped_events": ipu.dropped})
+        name = f"ipu {ipu.ipu} · pid {ipu.pid}"
+        if served.get(ipu.pid):
+            name += " · " + "; ".join(served[ipu.pid])
+        out.meta("process_name", ipu.pid, None, {"name": name, "ipu": ipu.ipu,
+                                                  "pid": ipu.pid, "dropped_events": ipu.dropped})
         out.meta("process_sort_index", ipu.pid, None, {"sort_index": 10 + ipu.ipu})
-        out.meta("thread_name", ipu.pid, ipu.pid, {"name": f"ipu {ipu.ipu} main"})
+        out.meta("thread_name", ipu.pid, ipu.pid, {"name": f"ipu {ipu.ipu}"})
         iterations[ipu.pid] = _ipu_events(out, ipu, window)
-    lanes = _Lanes()
+    lanes = _Lanes(pid, runners)
     lo, hi = window
     for code, ident, ts, dur, payload in events:
         tid = tid_of.get(ident, 0)
@@ -288,11 +400,12 @@ def merge(pid: int, role: str, events: list[tuple[Any, ...]], dropped: int,
             _request(out, pid, payload, threads.get(ident, (0, ""))[1], devices, iterations,
                      lanes)
         elif code == rec.H_LIFE:
-            what, replica, pids, model, _ = payload
+            what, replica, pids, model, key = payload
             out.slice(f"{what} (replica {replica})", pid, tid, ts, dur, "device",
-                      {"replica": replica, "model": model, "ipu_pids": list(pids)})
+                      {"runner": runners.get(key, ("", ""))[0], "replica": replica,
+                       "model": model, "ipu_pids": list(pids)})
         elif code == rec.H_WAIT:
-            out.slice(payload[0], pid, tid, ts, dur, "wait", {})
+            out.slice(payload[0], pid, tid, ts, dur, "wait", {}, depth=1)
         elif code == rec.H_INSTANT:
             name, args = payload
             out.instant(name, pid, tid, ts, {k: _jsonable(v) for k, v in args.items()})
@@ -307,8 +420,11 @@ def merge(pid: int, role: str, events: list[tuple[Any, ...]], dropped: int,
         _ipu_events(out, IpuRecords(pid, -1, records, 0), window, tid_of.get(ident, 0))
     for tid, name in lanes.names.items():
         out.meta("thread_name", pid, tid, {"name": name})
+    depth = out.depth
+    # parents before children at one instant, then siblings in time order (a reader
+    # that keeps file order nests them right; Perfetto, longer first, does too)
     out.events.sort(key=lambda e: (e["ph"] != "M", e["pid"], e.get("tid", 0), e.get("ts", 0),
-                                   -e.get("dur", 0)))
+                                   depth.get(id(e), 0), e.get("dur", 0)))
     return {"traceEvents": out.events, "displayTimeUnit": "ns",
             "otherData": {"clock": "CLOCK_MONOTONIC", "host_pid": pid, "role": role,
                           "window_us": [_us(lo), _us(hi)],
@@ -323,8 +439,10 @@ def _jsonable(v: Any) -> Any:
 
 def _request(out: _Out, pid: int, payload: tuple[Any, ...], thread: str,
              devices: dict[int, list[tuple[int, str, int, list[int]]]],
-             iterations: dict[int, dict[int, list[tuple[int, int, int]]]],
-             lanes: _Lanes) -> None:
+             iterations: dict[int, dict[int, list[Served]]], lanes: _Lanes) -> None:
+    """A request's slices, and its arrows: from its ``transfer in`` (the host laid the
+    inputs) to the first IPU iteration that served each of its transfers, and from
+    that iteration's last transfer out on to the next pipeline stage's."""
     key, replica, request_id, samples, seqs, instants = payload
     phases = _phases(instants)
     t0, t7 = phases[0][1], phases[-1][2]
@@ -332,33 +450,69 @@ def _request(out: _Out, pid: int, payload: tuple[Any, ...], thread: str,
     for since, m, r, p in devices.get(key, []):
         if since <= t0:
             model, pids = m, p
-    tid = lanes.place(key, replica, t0, t7)
-    out.slice("request", pid, tid, t0, t7 - t0, "request",
-              {"replica": replica, "request_id": request_id, "batch_size": samples,
-               "seqs": list(seqs), "model": model, "thread": thread})
+    # each phase at least 1 ns, in order (see _visible); the request holds them all
+    top = _visible([(n, a, b - a, {}) for n, a, b in phases if n != "transfer in"])
+    q_start, q_end = top[1][1], top[1][1] + top[1][2]
+    t2 = min(max(phases[2][1], q_start), q_end - 1)
+    t3 = min(max(phases[2][2], t2 + 1), q_end)
+    phases = [(n, a, a + d) for n, a, d, _ in top[:2]] + [("transfer in", t2, t3)] + \
+        [(n, a, a + d) for n, a, d, _ in top[2:]]
+    end = max(t7, phases[-1][2])
+    tid = lanes.place(key, replica, t0, end)
+    out.slice("request", pid, tid, t0, end - t0, "request",
+              {"runner": lanes.runners.get(key, ("", ""))[0], "replica": replica,
+               "request_id": request_id, "batch_size": samples, "seqs": list(seqs),
+               "model": model, "thread": thread})
+    laid: dict[str, Any] | None = None
     for name, a, b in phases:
-        out.slice(name, pid, tid, a, b - a, "phase", {})
-    laid = phases[2][2]
+        ev = out.slice(name, pid, tid, a, b - a, "phase", {}, depth=2 if name == "transfer in"
+                       else 1)
+        if name == "transfer in":
+            laid = ev
+    assert laid is not None
+    chains: list[tuple[int, list[Served]]] = []
     for seq in seqs:
-        chain = []
+        chain: list[Served] = []
         for ipu_pid in pids:
-            for start, end, _ in iterations.get(ipu_pid, {}).get(seq, []):
-                if t0 <= start and end <= t7:
-                    chain.append((start, ipu_pid))
+            for it in iterations.get(ipu_pid, {}).get(seq, []):
+                if t0 <= it.start and it.end <= end:
+                    chain.append(it)
                     break
-        chain.sort()
-        if not chain:
-            continue
-        src = (pid, tid, min(max(laid, t0), chain[0][0]))
-        for start, ipu_pid in chain:
-            out.arrow("transfer", src, (ipu_pid, ipu_pid, start))
-            src = (ipu_pid, ipu_pid, start)
+        if chain:
+            chains.append((seq, sorted(chain, key=lambda it: it.start)))
+    # an arrow is drawn from its source's end: a transfer the IPU took before the host
+    # finished laying them all leaves from a slice of its own inside ``transfer in``,
+    # ending when the IPU took it (the host records no per-transfer end)
+    t2, t3 = phases[2][1], phases[2][2]
+    since = t2
+    for seq, chain in sorted(chains, key=lambda c: c[1][0].start):
+        src: dict[str, Any] | None = laid
+        if chain[0].start < t3 and since < t3:
+            # at least 1 ns (see _visible): one starting at its iteration's start is
+            # drawn straight down, not backwards
+            until = min(max(since + 1, chain[0].start), t3)
+            src = out.slice(f"transfer in (seq {seq})", pid, tid, since, until - since,
+                            "transfer", {"seq": seq}, depth=3)
+            since = until
+        for it in chain:
+            if src is None or not out.flow_in(out.flow_out(src), it.into):
+                break
+            src = it.out
+
+
+_BIND = ("bind_id", "flow_in", "flow_out")
 
 
 def combine(traces: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """Traces of several processes of one machine (one clock) as one: their events side
-    by side (each keeps its pids), flow ids renumbered apart, their windows joined."""
+    by side (each keeps its pids), flow ids (``bind_id``) renumbered apart so each
+    arrow keeps its two slices, their windows joined.
+
+    An IPU process a daemon lent to several hosts is in each of their files (and the
+    daemon's): it is kept once, its slices carrying every host's arrows, and its name
+    says whom it served in each."""
     events: list[dict[str, Any]] = []
+    seen: dict[tuple[Any, ...], int] = {}      # event -> its index in events
     dropped: dict[str, int] = {}
     lo, hi = float("inf"), float("-inf")
     offset = 0
@@ -368,7 +522,20 @@ def combine(traces: Iterable[dict[str, Any]]) -> dict[str, Any]:
             if e.get("ph") in ("s", "f"):
                 e = dict(e, id=e["id"] + offset)
                 top = max(top, e["id"])
-            events.append(e)
+            elif "bind_id" in e:
+                e = dict(e, bind_id=e["bind_id"] + offset)
+                top = max(top, e["bind_id"])
+            key = ((e["ph"], e["name"], e["pid"], e.get("tid")) if e.get("ph") == "M" else
+                   (e.get("ph"), e.get("name"), e.get("pid"), e.get("tid"), e.get("ts"),
+                    e.get("dur")))
+            k = seen.get(key)
+            if k is None:
+                seen[key] = len(events)
+                events.append(e)
+            elif e.get("ph") == "M" and e["name"] == "process_name":
+                events[k] = _join_names(events[k], e)
+            elif "bind_id" in e and "bind_id" not in events[k]:
+                events[k] = dict(events[k], **{b: e[b] for b in _BIND if b in e})
         offset = max(offset, top)
         other = trace.get("otherData", {})
         dropped.update(other.get("dropped_events", {}))
@@ -380,3 +547,16 @@ def combine(traces: Iterable[dict[str, Any]]) -> dict[str, Any]:
     return {"traceEvents": events, "displayTimeUnit": "ns",
             "otherData": {"clock": "CLOCK_MONOTONIC", "window_us": [lo, hi],
                           "dropped_events": dropped}}
+
+
+def _join_names(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """One process's name records from two files: ``ipu N · pid P`` and what each file
+    says it served, each once."""
+    parts_a = str(a["args"].get("name", "")).split(" · ")
+    parts_b = str(b["args"].get("name", "")).split(" · ")
+    if parts_a[:2] != parts_b[:2]:
+        return a
+    served = [x for x in " · ".join(parts_a[2:]).split("; ") if x]
+    served += [x for x in " · ".join(parts_b[2:]).split("; ") if x and x not in served]
+    name = " · ".join(parts_a[:2]) + ("".join([" · ", "; ".join(served)]) if served else "")
+    return dict(a, args=dict(a["args"], name=name))

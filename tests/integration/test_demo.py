@@ -34,6 +34,12 @@ def test_demo_runs_every_mode_and_passes(tmp_path):
     names = [e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"]
     assert len([n for n in names if n.startswith("ipu ")]) >= 4
     assert len(trace_summary.summarise(trace)["models"]) >= 3
+    # each process and request track says which runner, model, replica (and IPU) it is
+    assert len(set(names)) == len(names)
+    tracks = [e["args"]["name"] for e in trace["traceEvents"]
+              if e["name"] == "thread_name" and "requests" in e["args"]["name"]]
+    assert len(set(tracks)) == len(tracks) and all(t.startswith("runner ") for t in tracks)
+    assert len(trace_summary.arrows(trace)) >= len(trace_summary.requests(trace))
 
 
 def test_demo_exits_non_zero_when_a_mode_fails(tmp_path, monkeypatch):

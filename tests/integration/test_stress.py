@@ -85,12 +85,29 @@ def test_each_scenario_checks_every_result_and_passes(capsys, scenario):
     assert report["verdict"].startswith("PASS: 1 scenarios")
 
 
-def test_several_scenarios_through_a_daemon_with_a_request_budget(capsys):
+def test_several_scenarios_through_a_daemon_with_a_request_budget(capsys, tmp_path):
+    timeline = tmp_path / "stress.json"
     code, report = _run(capsys, "--daemon", "--scenario", "mixed", "--scenario", "batching",
-                        "--requests", "20", "--hosts", "2", "--threads", "2")
+                        "--requests", "20", "--hosts", "2", "--threads", "2",
+                        "--trace", str(timeline))
     assert code == 0 and report["passed"], report
     assert [s["name"] for s in report["scenarios"]] == ["mixed", "batching"]
     assert [s["ok"] for s in report["scenarios"]] == [40, 40]
+    # --trace: the hosts' and daemons' files as one, read by Perfetto's rules; the
+    # daemon's IPU processes once each, named by the host they served; every request's
+    # arrows kept
+    from tools import trace_summary
+
+    trace = trace_summary.load(str(timeline))
+    assert trace_summary.validate(trace) == []
+    requests = trace_summary.requests(trace)
+    assert len(requests) == 80
+    sources = {(a["pid"], a["tid"], a["ts"]) for a, _ in trace_summary.arrows(trace)}
+    assert all(any((r["pid"], r["tid"]) == s[:2] and r["ts"] <= s[2] <= r["ts"] + r["dur"]
+                   for s in sources) for r, _ in requests)
+    names = [e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"]
+    ipus = [n for n in names if n.startswith("ipu ")]
+    assert len(ipus) == 8 and all(" · host " in n for n in ipus)
 
 
 def test_a_wrong_result_fails_the_run_and_is_named(capsys):

@@ -100,10 +100,21 @@ def test_an_unchanged_program_traced_through_the_environment(tmp_path, models):
                 singles += 1
                 assert any(a <= main["ts"] and end <= b for a, b in spans), main
     assert singles >= 6
-    # flows: each request to an IPU, and between the pipeline's stages
-    flows = [e for e in timeline["traceEvents"] if e["ph"] == "s"]
-    starts = Counter("host" if names[e["pid"]].startswith("host") else "ipu" for e in flows)
-    assert starts["host"] == len(requests) and starts["ipu"] >= 4
+    # arrows, bound to their slices: each request's transfer in to an IPU iteration, and
+    # a pipeline stage's last transfer out to the next stage's iteration
+    arrows = trace_summary.arrows(timeline)
+    kinds = Counter((names[a["pid"]].split(" ")[0], a["name"].split(" (")[0], b["name"])
+                    for a, b in arrows)
+    assert set(kinds) <= {("host", "transfer in", "iteration"), ("ipu", "link out", "iteration"),
+                          ("ipu", "copies out", "iteration")}, kinds
+    from_requests = {(a["pid"], a["tid"], a["ts"]) for a, b in arrows if a["pid"] == hosts[0]}
+    assert len(from_requests) >= len(requests)
+    assert sum(n for k, n in kinds.items() if k[0] == "ipu") >= 4
+    # the IPUs' tracks hold work only: no control message spans the idle time
+    assert not _slices(timeline, name="main loop") and not _slices(timeline, name="run")
+    for pid in ipus:
+        assert names[pid].startswith("ipu ") and f"· pid {pid} · host {hosts[0]} runner " \
+            in names[pid]
 
     result = subprocess.run([sys.executable, "-m", "tools.cli", "trace", str(path), "--json",
                              "--check"], cwd=REPO, env=env, capture_output=True, text=True,
@@ -116,6 +127,11 @@ def test_an_unchanged_program_traced_through_the_environment(tmp_path, models):
     assert set(rows[("executable", 0)]["latency_us"]) == {"request", *trace_summary.PHASES}
     assert len(summary["ipus"]) == 4
     assert all(0 < i["busy_fraction"] < 1 for i in summary["ipus"])
+    # the runners apart (the pipelined one, then simple_model's of 2 replicas) and each
+    # IPU's program runs counted
+    assert {m["runner"] for m in summary["models"]} == {"runner 1", "runner 2"}
+    for i in summary["ipus"]:
+        assert i["program_runs"]["Load"] >= 1 and i["program_runs"]["Main"] >= 1
 
 
 def test_time_trace_agrees_with_the_timeline(tmp_path, models):
@@ -225,13 +241,20 @@ def test_a_daemon_and_a_host_it_serves_both_traced(tmp_path, models, monkeypatch
     host = trace_summary.load(str(tmp_path / "host.json"))
     assert trace_summary.validate(host) == []
     # the host's timeline holds the daemon's IPU process it was lent, with arrows to it
-    assert _names(host)[ipu_pid] == "ipu 0"
+    assert _names(host)[ipu_pid].startswith(f"ipu 0 · pid {ipu_pid} · host {os.getpid()} runner 1")
     assert len(_slices(host, ipu_pid, "iteration")) >= 3
-    assert len([e for e in host["traceEvents"] if e["ph"] == "f" and e["pid"] == ipu_pid]) == 3
+    assert [b["pid"] for a, b in trace_summary.arrows(host)] == [ipu_pid] * 3
     daemon = trace_summary.load(str(tmp_path / "daemon.json"))
     assert trace_summary.validate(daemon) == []
     names = _names(daemon)
-    assert names[rig.proc.pid] == f"daemon {rig.proc.pid}" and names[ipu_pid] == "ipu 0"
+    assert names[rig.proc.pid] == f"daemon {rig.proc.pid}"
+    assert names[ipu_pid] == f"ipu 0 · pid {ipu_pid}"
     marks = [e["name"] for e in daemon["traceEvents"] if e["ph"] == "i"]
     assert any("attached ipus [0]" in m for m in marks) and any("released" in m for m in marks)
     assert _slices(daemon, ipu_pid, "handover")
+    # both files as one: the IPU process once, with the host's arrows to it
+    both = trace.combine([daemon, host])
+    assert trace_summary.validate(both) == []
+    assert [b["pid"] for a, b in trace_summary.arrows(both)] == [ipu_pid] * 3
+    assert len(_slices(both, ipu_pid, "iteration")) == len(_slices(daemon, ipu_pid, "iteration"))
+    assert _names(both)[ipu_pid] == _names(host)[ipu_pid]

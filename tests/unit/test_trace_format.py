@@ -9,7 +9,7 @@ import os
 import pytest
 
 from ipu_emulator import trace
-from ipu_emulator.trace import recorder
+from ipu_emulator.trace import _chrome, recorder
 from shm.tracebuf import TraceBuffer
 from tools import trace_summary
 
@@ -109,3 +109,102 @@ def test_host_and_ipu_times_share_one_clock_however_busy_the_machine(monkeypatch
     monkeypatch.setattr(recorder.time, "monotonic_ns", lambda: next(pairs))
     monkeypatch.setattr(recorder.time, "perf_counter_ns", lambda: 25)
     assert recorder._perf_offset() == 100
+
+
+# -- the merge, read by Perfetto's rules (what ipu-emulator trace --check models) --------
+def _merged(host: int = 100, ipu: int = 200):
+    """A host's two requests on one IPU: the second's first transfer taken by the IPU
+    before the host had laid its second; a main loop and an idle wait around them."""
+    R = recorder
+    life = (R.H_LIFE, 1, 1000, 500, ("attach and load", 0, (ipu,), "m", 7))
+    req1 = (R.H_REQUEST, 1, 9000, 4200,
+            (7, 0, 1, 1, (5,), (9000, 9500, 9600, 10500, 10600, 13100, 13200, 13200)))
+    req2 = (R.H_REQUEST, 1, 20000, 4100,
+            (7, 0, 2, 2, (6, 7), (20000, 20100, 20200, 21000, 21100, 24000, 24100, 24100)))
+    records = [(2000, 100_000, R.I_OP, 0, int(_chrome.Op.LOOP), 1, 0),
+               (3000, 6000, R.I_WAIT, 0, 0, 0, 0),                  # idle: no slice
+               (10000, 5000, R.I_PROGRAM, 0, 1, 2, 1),
+               (11000, 2000, R.I_STEP, 0, 5, 500, 2000),            # copies out: 0 ns
+               (20400, 3000, R.I_PROGRAM, 0, 1, 2, 2),
+               (20500, 800, R.I_STEP, 0, 6, 100, 700),
+               (21500, 900, R.I_STEP, 0, 7, 100, 800)]
+    return _chrome.merge(host, "host", [life, req1, req2], 0, {1: (host, "MainThread")},
+                         [_chrome.IpuRecords(ipu, 0, records, 0)], (0, 200_000))
+
+
+def test_each_arrow_leaves_its_request_before_the_iteration_it_ends_in():
+    timeline = _merged()
+    assert trace_summary.validate(timeline) == []
+    drawn = [(a["name"], b["name"], b["args"]["seq"], a["ts"] + a["dur"] <= b["ts"])
+             for a, b in trace_summary.arrows(timeline)]
+    assert drawn == [("transfer in", "iteration", 5, True),
+                     ("transfer in (seq 6)", "iteration", 6, True),
+                     ("transfer in", "iteration", 7, True)]
+    # no zero-length slice: callbacks (0 ns) and copies out (0 ns) are drawn 1 ns long
+    xs = [e for e in timeline["traceEvents"] if e["ph"] == "X"]
+    assert min(e["dur"] for e in xs) == 0.001
+    request = next(e for e in xs if e["name"] == "request")
+    assert (request["ts"], request["dur"]) == (9.0, 4.201)
+    # every flow is bound by id to both its slices: no v1 's'/'f' events
+    assert not [e for e in timeline["traceEvents"] if e["ph"] in ("s", "f")]
+
+
+def test_an_ipu_track_holds_work_only_and_names_say_whom_it_served():
+    timeline = _merged()
+    xs = {e["name"] for e in timeline["traceEvents"] if e["ph"] == "X" and e["pid"] == 200}
+    assert xs == {"Main", "iteration", "copies in", "compute", "copies out"}
+    marks = [e["name"] for e in timeline["traceEvents"] if e["ph"] == "i"]
+    assert marks == ["main loop"]
+    names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in timeline["traceEvents"]
+             if e["ph"] == "M" and e["name"] in ("process_name", "thread_name")}
+    assert names[(200, None)] == "ipu 0 · pid 200 · host 100 runner 1 · model m · replica 0"
+    assert names[(200, 200)] == "ipu 0"
+    (lane,) = [n for n in names.values() if "requests" in n]
+    assert lane == "runner 1 · model m · replica 0 requests"
+    summary = trace_summary.summarise(timeline)
+    (ipu,) = summary["ipus"]
+    # busy: the Main runs (11000..13001 ns: its copies out drawn 1 ns; 20500..22400) of 200 us
+    assert ipu["busy_fraction"] == pytest.approx((2.001 + 1.9) / 200, abs=1e-6)
+    assert ipu["program_runs"] == {"Load": 0, "Main": 2, "Save": 0}
+    assert [(m["host"], m["runner"], m["model"], m["requests"])
+            for m in summary["models"]] == [("host 100", "runner 1", "m", 2)]
+
+
+def test_the_perfetto_rules_each_shown_failing():
+    timeline = _merged()
+    request = next(e for e in timeline["traceEvents"] if e["name"] == "request")
+    request["dur"] -= 0.001      # its callbacks (0 ns, drawn 1 ns) start at its end: outside
+    assert trace_summary.validate(timeline) == [
+        f"'callbacks' at {request['ts'] + request['dur']} is not inside 'request' "
+        "(inside nothing)"]
+    # Perfetto nests a zero-length slice in the slice that starts at its instant
+    zero = _timeline(_x("request", 0, 10, cat="request"), _x("queue", 0, 5, cat="phase"),
+                     _x("waiting for device", 5, 0, cat="phase"),
+                     _x("transfer out", 5, 5, cat="phase"))
+    assert trace_summary.validate(zero) == [
+        "'waiting for device' at 5 is not inside 'request' (inside 'transfer out')"]
+    timeline = _merged()
+    it = next(e for e in timeline["traceEvents"] if e["name"] == "iteration")
+    it["ts"] -= 1.0              # taken before the host finished laying it: drawn backwards
+    assert any("is drawn backwards: from 'transfer in' at 10.5 to 'iteration' at 10.0" in p
+               for p in trace_summary.validate(timeline))
+    timeline = _merged()
+    for e in timeline["traceEvents"]:
+        e.pop("flow_out", None)
+    assert "flow 1 ends in 'iteration' but leaves no slice" in trace_summary.validate(timeline)
+
+
+def test_combined_traces_keep_every_arrow_and_a_shared_ipu_once():
+    a, b = _merged(100, 200), _merged(101, 201)
+    both = trace.combine([a, b])
+    assert trace_summary.validate(both) == []
+    # two hosts' "runner 1" told apart
+    assert [(m["host"], m["runner"]) for m in trace_summary.summarise(both)["models"]] == \
+        [("host 100", "runner 1"), ("host 101", "runner 1")]
+    assert len(trace_summary.arrows(both)) == 6
+    assert len({x["bind_id"] for x, _ in trace_summary.arrows(both)}) == 6
+    # the same IPU process in two files (a daemon's, a host's): once, arrows kept
+    twice = trace.combine([_merged(100, 200), a])
+    assert trace_summary.validate(twice) == []
+    assert len([e for e in twice["traceEvents"] if e["name"] == "iteration"]) == 3
+    assert len(trace_summary.arrows(twice)) == 3
