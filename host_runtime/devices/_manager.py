@@ -163,6 +163,9 @@ class DeviceManager:
             raise DeviceUnavailableError(
                 f"device id {device_id} does not exist; this machine has {self._system.num_ipus} "
                 f"IPU(s) and device ids 0..{len(groups) - 1}")
+        if self._daemon is not None and self._daemon.partition is not None:
+            _partition.check_device(self._daemon.partition, self._system.num_ipus,
+                                    self._daemon.reconfigurable, device_id)
         wait_config = self._wait_config(args[1:] if args else (), kwargs)
         first = args[0] if args else kwargs.get("model", kwargs.get("device_options"))
         if isinstance(first, Model):

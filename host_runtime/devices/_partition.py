@@ -14,7 +14,7 @@ from ipu_emulator.errors import VipuError
 from ipu_emulator.system import device_groups
 from ipu_emulator.vipu import PartitionRef, device_ids, partition_from_env
 
-__all__ = ["given_partition", "candidates", "too_few", "busy"]
+__all__ = ["given_partition", "candidates", "check_device", "too_few", "busy"]
 
 
 def given_partition() -> PartitionRef | None:
@@ -42,6 +42,16 @@ def candidates(name: str, size: int, reconfigurable: bool, num_ipus: int
         f"V-IPU partition {name!r} is not reconfigurable: it is one device of {size} IPUs; "
         f"asked for a device of {num_ipus} IPU(s): create it with --reconfigurable to use its "
         "IPUs as smaller devices", partition=name)
+
+
+def check_device(name: str, size: int, reconfigurable: bool, device_id: int) -> None:
+    """``getSpecificDevice(device_id)``: the partition must offer that device."""
+    allowed = device_ids(size, reconfigurable)
+    if device_id not in allowed:
+        raise PartitionTooSmallError(
+            f"V-IPU partition {name!r} ({size} IPU(s), "
+            f"{'reconfigurable' if reconfigurable else 'not reconfigurable'}) offers device "
+            f"id(s) {allowed}; asked for device {device_id}", partition=name)
 
 
 def too_few(name: str, size: int, count: int, num_ipus: int) -> PartitionTooSmallError:

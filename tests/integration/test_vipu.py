@@ -137,6 +137,9 @@ def test_missing_and_too_small_partitions(env: VipuClient, monkeypatch):
     with pytest.raises(PartitionTooSmallError, match=r"'fixed' is not reconfigurable: it is "
                        r"one device of 2 IPUs; asked for a device of 1 IPU\(s\)"):
         DeviceManager().getDevice(1)
+    with pytest.raises(PartitionTooSmallError, match=r"'fixed' \(2 IPU\(s\), not "
+                       r"reconfigurable\) offers device id\(s\) \[2\]; asked for device 0"):
+        DeviceManager().getSpecificDevice(0)
 
 
 def test_ipuof_config_file_and_folder(env: VipuClient, monkeypatch, tmp_path: Path):
