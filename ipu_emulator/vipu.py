@@ -15,7 +15,9 @@ partitions (:mod:`ipu_emulator.daemon._partitions`). This module is what
 - :func:`ipuof_config`: the IPUoF configuration a job of the partition gets
   (``vipu get partition NAME --ipu-configs``), and :func:`partition_from_env`: the
   partition a host process was given (``IPUOF_VIPU_API_PARTITION_ID``, else the
-  file ``IPUOF_CONFIG_PATH``, else the one ``*.conf`` in ``~/.ipuof.conf.d/``).
+  file ``IPUOF_CONFIG_PATH``, else the one ``*.conf`` in ``~/.ipuof.conf.d/`` in the
+  emulator's form: files there without ``ipuof-config-version`` and ``controller``,
+  such as a real IPUoF config, are not the emulator's and are left alone).
 """
 
 from __future__ import annotations
@@ -107,6 +109,15 @@ def read_ipuof_config(path: str) -> PartitionRef:
     return PartitionRef(name, sock, f"IPUoF config {path}")
 
 
+def _is_ours(path: str) -> bool:
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(obj, dict) and "ipuof-config-version" in obj and "controller" in obj
+
+
 def partition_from_env(environ: Mapping[str, str] | None = None) -> PartitionRef | None:
     """The partition this process was given, or None (no V-IPU setting)."""
     env = os.environ if environ is None else environ
@@ -117,7 +128,9 @@ def partition_from_env(environ: Mapping[str, str] | None = None) -> PartitionRef
     if path:
         return read_ipuof_config(path)
     home = env.get("HOME") or os.path.expanduser("~")
-    found = sorted(glob.glob(os.path.join(home, ".ipuof.conf.d", "*.conf")))
+    # the emulator's configs only: a real IPUoF config (RDMA addresses) there is not ours
+    found = [f for f in sorted(glob.glob(os.path.join(home, ".ipuof.conf.d", "*.conf")))
+             if _is_ours(f)]
     if len(found) > 1:
         raise VipuError(f"{CONFIG_DIR} holds {len(found)} IPUoF configs ({', '.join(found)}); "
                         f"choose one with {CONFIG_ENV}", "config")

@@ -155,7 +155,9 @@ def test_ipuof_config_file_and_folder(env: VipuClient, monkeypatch, tmp_path: Pa
     folder.mkdir()
     (folder / "byfile.conf").write_text((tmp_path / "x.conf").read_text())
     assert DeviceManager().partition == "byfile"
-    (folder / "other.conf").write_text("{}")
+    (folder / "real.conf").write_text('{"attributes": {}, "devices": []}')  # not ours
+    assert DeviceManager().partition == "byfile"
+    (folder / "other.conf").write_text((tmp_path / "x.conf").read_text())
     with pytest.raises(BadRequestError, match="holds 2 IPUoF configs"):
         DeviceManager()
     monkeypatch.setenv("IPUOF_VIPU_API_PARTITION_ID", "byfile")
