@@ -217,3 +217,20 @@ def test_slurm_prolog_job_epilog(env: VipuClient, rig: DaemonRig, model_path: st
     assert again.returncode != 0
     assert "remove partition (slurm-4242): failed: partition 'slurm-4242' not found" in \
         again.stderr
+
+
+def test_epilog_refuses_a_partition_in_use(env: VipuClient, monkeypatch):
+    env.create("slurm-77", 1)
+    monkeypatch.setenv("IPUOF_VIPU_API_PARTITION_ID", "slurm-77")
+    job_env = dict(os.environ, SLURM_JOB_ID="77", VIPU_REMOVE_TRIES="1",
+                   IPU_EMULATOR=f"{sys.executable} -m tools.cli", PYTHONPATH=str(REPO))
+    with DeviceManager().getDevice(1):
+        busy = subprocess.run(["sh", str(EXAMPLES / "vipu_epilog.sh")], env=job_env, cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+    assert busy.returncode == 1
+    assert (f"ipu-emulator vipu: error: remove partition (slurm-77): failed: partition "
+            f"'slurm-77' is in use by pid(s) [{os.getpid()}]") in busy.stderr
+    done = subprocess.run(["sh", str(EXAMPLES / "vipu_epilog.sh")], env=job_env, cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert env.list() == []
