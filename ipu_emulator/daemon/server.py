@@ -326,12 +326,14 @@ class Daemon:
         ipus = req.get("ipus")
         refused = (self.partitions.check_attach(req, ipus) if isinstance(ipus, list)
                    and all(isinstance(i, int) for i in ipus) else None)
-        reply = refused if refused is not None else await attach(self.keeper, self.system, conn, req)
+        reply = (refused if refused is not None
+                 else await attach(self.keeper, self.system, conn, req))
         if reply.get("error") == "busy":
             self.metrics.attach_busy(conn.pid)
         else:
             self.metrics.attach_done(conn.pid, started, bool(reply.get("ok")),
-                                     refused=reply.get("error") in ("request", "stopping"))
+                                     refused=reply.get("error") in ("request", "stopping",
+                                                                    "partition_not_found"))
         return reply
 
     async def _release(self, conn: Conn, why: str) -> None:
