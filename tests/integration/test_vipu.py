@@ -187,7 +187,8 @@ def test_slurm_prolog_job_epilog(env: VipuClient, rig: DaemonRig, model_path: st
                                  tmp_path: Path):
     env.create("other", 1)                                 # the job's partition is not ipu 0
     before = shm_entries(rig.tag)
-    job_env = dict(os.environ, SLURM_JOB_ID="4242", VIPU_PARTITION_SIZE="2", VIPU_RECONFIGURABLE="1",
+    job_env = dict(os.environ, SLURM_JOB_ID="4242", VIPU_PARTITION_SIZE="2",
+                   VIPU_RECONFIGURABLE="1",
                    IPU_EMULATOR=f"{sys.executable} -m tools.cli", PYTHONPATH=str(REPO))
     prolog = subprocess.run(["sh", str(EXAMPLES / "vipu_prolog.sh")], env=job_env, cwd=REPO,
                             capture_output=True, text=True, timeout=120)
