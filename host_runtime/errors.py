@@ -15,7 +15,11 @@ Classes are chosen by *cause*, the way trio does it:
 - ``ResourceLimitError``: an operating-system limit was reached: no file
   descriptor left (``RLIMIT_NOFILE``, the system's file table) or a file-size
   limit (``RLIMIT_FSIZE``) below a shared-memory object's size.
-- ``DeviceUnavailableError``: no device matching the request could be attached.
+- ``DeviceUnavailableError``: no device matching the request could be attached
+  (``PartitionError``: the V-IPU partition the process was given,
+  ``IPUOF_VIPU_API_PARTITION_ID`` or an IPUoF config file, is missing
+  (``PartitionNotFoundError``), smaller than the request (``PartitionTooSmallError``)
+  or in use by another process (``PartitionBusyError``)).
 - ``DeviceLostError``: the emulated IPU process died or stopped answering
   (``SequenceMismatchError``: a transfer read from the device carries another
   request's sequence number; the streams are out of step).
@@ -48,6 +52,10 @@ __all__ = [
     "SharedMemoryFullError",
     "ResourceLimitError",
     "DeviceUnavailableError",
+    "PartitionError",
+    "PartitionNotFoundError",
+    "PartitionTooSmallError",
+    "PartitionBusyError",
     "DeviceLostError",
     "SequenceMismatchError",
     "DeviceTimeoutError",
@@ -140,6 +148,28 @@ class ResourceLimitError(ModelRuntimeError, OSError):
 
 class DeviceUnavailableError(ModelRuntimeError, RuntimeError):
     """No device matching the request could be attached."""
+
+
+class PartitionError(DeviceUnavailableError):
+    """The V-IPU partition this process was given cannot serve the request;
+    ``partition`` is its name (``docs/vipu.md``)."""
+
+    def __init__(self, message: str, *, partition: str = "") -> None:
+        super().__init__(message)
+        self.partition = partition
+
+
+class PartitionNotFoundError(PartitionError):
+    """The partition does not exist on the daemon (create it with ``ipu-emulator vipu
+    create partition NAME --size N``)."""
+
+
+class PartitionTooSmallError(PartitionError):
+    """The request needs more IPUs (or another device size) than the partition offers."""
+
+
+class PartitionBusyError(PartitionError):
+    """The partition's IPUs are held by another process (another job)."""
 
 
 class DeviceLostError(ModelRuntimeError, RuntimeError):

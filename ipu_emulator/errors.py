@@ -45,6 +45,7 @@ __all__ = [
     "DaemonError",
     "DaemonProtocolError",
     "PoolError",
+    "VipuError",
     "HostMemoryError",
     "ForkserverError",
     "describe_returncode",
@@ -108,6 +109,16 @@ class DaemonError(IpuEmulatorError, RuntimeError):
 
 class DaemonProtocolError(IpuEmulatorError, ValueError):
     """A message does not follow the daemon protocol (size, JSON, version)."""
+
+
+class VipuError(IpuEmulatorError, RuntimeError):
+    """A V-IPU partition request was refused (``ipu-emulator vipu``); ``kind`` is the
+    daemon's refusal (``partition_not_found``, ``partition_exists``, ``partition_in_use``,
+    ``partition_size``, ``request``) or ``config`` for a bad IPUoF setting or file."""
+
+    def __init__(self, message: str, kind: str = "request") -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 class PoolError(IpuEmulatorError, RuntimeError):

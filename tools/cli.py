@@ -18,6 +18,7 @@ _SUBCOMMANDS = {
     "daemon": ("tools.daemon", "serve a shared pool of warm emulated IPUs to host processes"),
     "trace": ("tools.trace_summary", "summarise a timeline trace: where each request's time went, how busy each IPU was"),
     "run": ("ipu_emulator.run", "run a program written for Graphcore's model_runtime, popef and poprt, unchanged"),
+    "vipu": ("tools.vipu", "V-IPU partitions on the daemon: create, list, get (IPUoF config), remove"),
     "stress": ("tools.stress", "hammer the runtime with many hosts, threads, batch sizes and faults; check every result"),
 }
 

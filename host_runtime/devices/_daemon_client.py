@@ -35,7 +35,8 @@ from typing import Any
 
 from shm import ExitWatch, Ring, describe_process
 
-from host_runtime.errors import DeviceTimeoutError, DeviceUnavailableError
+from host_runtime.errors import (DeviceTimeoutError, DeviceUnavailableError,
+                                 PartitionNotFoundError)
 from host_runtime.settings import HostSettings
 from ipu_emulator import trace
 from ipu_emulator.daemon import socket_protocol as wire
@@ -62,9 +63,15 @@ def daemon_from_env() -> str | None:
 class DaemonClient:
     """Requests to one daemon; ``settings``: its host sync timeout's (default: now's)."""
 
-    def __init__(self, path: str, settings: HostSettings | None = None) -> None:
+    def __init__(self, path: str, settings: HostSettings | None = None,
+                 partition: str | None = None) -> None:
+        """``partition``: a V-IPU partition of the daemon (``IPUOF_VIPU_API_PARTITION_ID``):
+        the machine is then its IPUs, numbered 0..size-1 (``ipu_map`` holds the pool's)."""
         self.path = os.path.abspath(path)
         self._hello: dict[str, Any] | None = None
+        self.partition = partition
+        self.ipu_map: tuple[int, ...] | None = None   # partition IPU k is pool IPU ipu_map[k]
+        self.reconfigurable = True
         s = settings if settings is not None else HostSettings.current()
         self.sync_timeout = s.host_sync_timeout   # bounds every wait on the daemon
 
@@ -120,14 +127,44 @@ class DaemonClient:
                 "memory_per_tile": int, "compute_threads": int}, "system.")
             self._hello = hello
         s = self._hello["system"]
-        return SystemConfig(num_ipus=s["num_ipus"], ipu_version=s["ipu_version"],
+        num_ipus = s["num_ipus"] if self.partition is None else self._partition_size()
+        return SystemConfig(num_ipus=num_ipus, ipu_version=s["ipu_version"],
                             tiles_per_ipu=s["tiles_per_ipu"],
                             memory_per_tile=s["memory_per_tile"],
                             compute_threads=s["compute_threads"], home=home)
 
+    def not_found(self, message: Any) -> PartitionNotFoundError:
+        return PartitionNotFoundError(
+            f"V-IPU partition {self.partition!r} (IPUOF_VIPU_API_PARTITION_ID or IPUoF config) "
+            f"is not available on the daemon at {self.path}: {message}; create it with "
+            f"'ipu-emulator vipu create partition {self.partition} --size N'",
+            partition=self.partition or "")
+
+    def _partition_size(self) -> int:
+        """Ask the daemon for the partition: its IPUs become ``ipu_map``; its size."""
+        reply = self.request({"op": "partition_get", "name": self.partition})
+        if reply.get("ok") is not True:
+            raise self.not_found(reply.get("message"))
+        _expect(self, "partition_get", reply.get("partition"),
+                {"ipus": list, "size": int, "reconfigurable": bool}, "partition.")
+        part = reply["partition"]
+        if not all(_is_int(i) for i in part["ipus"]) or len(part["ipus"]) != part["size"]:
+            raise self.malformed("partition_get", f"partition.ipus {part['ipus']!r:.100} are "
+                                 f"not {part['size']} IPU numbers")
+        self.ipu_map = tuple(part["ipus"])
+        self.reconfigurable = part["reconfigurable"]
+        return int(part["size"])
+
     def try_attach(self, device_id: int, ipus: tuple[int, ...]
                    ) -> "DaemonAttachment | dict[int, int | None]":
-        """The IPUs (all or none), or ``{ipu: holder pid or None}`` of the busy ones."""
+        """The IPUs (all or none), or ``{ipu: holder pid or None}`` of the busy ones
+        (in a partition, ``ipus`` are the partition's numbers; the daemon gets the pool's)."""
+        pmap = self.ipu_map
+        back = {} if pmap is None else {g: k for k, g in enumerate(pmap)}
+        pool_ipus = list(ipus) if pmap is None else [pmap[i] for i in ipus]
+        message: dict[str, Any] = {"op": "attach", "ipus": pool_ipus, "device_id": device_id}
+        if self.partition is not None:
+            message["partition"] = self.partition
         timeout = self.bound(_TIMEOUT)
         try:
             conn = wire.LineConnection(self.path, timeout)
@@ -136,8 +173,7 @@ class DaemonClient:
         except (OSError, ValueError) as exc:   # ValueError: a peer of another uid
             raise self._unreachable(exc) from exc
         try:
-            reply = conn.call({"op": "attach", "ipus": list(ipus), "device_id": device_id},
-                              timeout)
+            reply = conn.call(message, timeout)
         except TimeoutError as exc:
             conn.close()   # the daemon releases on EOF, should it answer later
             raise self.no_answer("attach", conn, timeout) from exc
@@ -156,6 +192,8 @@ class DaemonClient:
                                                    "events": str}, f"ipus[{k}].")
                     _expect_optional(self, "attach", info, {"log": str, "ready": dict},
                                      f"ipus[{k}].")
+                    if pmap is not None:
+                        info["ipu"] = back.get(info["ipu"], -1 - info["ipu"])
                 got = sorted(int(i["ipu"]) for i in infos)
                 if got != sorted(ipus) or any(int(i["pid"]) <= 0 for i in infos):
                     raise self.malformed("attach", f"asked for ipus {sorted(ipus)}, got "
@@ -172,7 +210,9 @@ class DaemonClient:
                     for k, v in busy.items()):
                 raise self.malformed("attach", f"'busy' must map ipu numbers to holder pids, "
                                      f"got {busy!r:.200}")
-            return {int(k): v for k, v in busy.items()}
+            return {back.get(int(k), int(k)): v for k, v in busy.items()}
+        if reply.get("error") == "partition_not_found":
+            raise self.not_found(reply.get("message"))
         raise DeviceUnavailableError(f"the daemon at {self.path} could not attach ipus "
                                      f"{list(ipus)}: {reply.get('message')}")
 

@@ -27,6 +27,7 @@ import logging
 import time
 from typing import Any, Callable
 
+from host_runtime.devices import _partition
 from host_runtime.devices._daemon_client import DaemonAttachment, DaemonClient, daemon_from_env
 from host_runtime.devices._device import ActiveSession as ActiveSession, Device as Device
 from host_runtime.devices._shm_space import translated
@@ -93,9 +94,12 @@ class DeviceManager:
         (``host_runtime.settings``; default: ``current()`` now).
         """
         self.settings = settings if settings is not None else HostSettings.current()
-        path = daemon if daemon is not None else (None if launcher is not None
-                                                  else daemon_from_env())
-        self._daemon = DaemonClient(path, self.settings) if path else None
+        # a V-IPU partition given by the environment: the machine is its IPUs
+        part = _partition.given_partition() if launcher is None and system is None else None
+        path = daemon if daemon is not None else (
+            None if launcher is not None else part.socket if part else daemon_from_env())
+        self._daemon = (DaemonClient(path, self.settings, part.name if part else None)
+                        if path else None)
         try:
             if system is not None:
                 self._system = system
@@ -159,6 +163,9 @@ class DeviceManager:
             raise DeviceUnavailableError(
                 f"device id {device_id} does not exist; this machine has {self._system.num_ipus} "
                 f"IPU(s) and device ids 0..{len(groups) - 1}")
+        if self._daemon is not None and self._daemon.partition is not None:
+            _partition.check_device(self._daemon.partition, self._system.num_ipus,
+                                    self._daemon.reconfigurable, device_id)
         wait_config = self._wait_config(args[1:] if args else (), kwargs)
         first = args[0] if args else kwargs.get("model", kwargs.get("device_options"))
         if isinstance(first, Model):
@@ -262,10 +269,18 @@ class DeviceManager:
                 f"the model needs ipu{version} IPUs, but this machine's IPUs are ipu{have} "
                 f"(IPU_EMULATOR_IPU_VERSION / config file)")
 
+    @property
+    def partition(self) -> str | None:
+        """The V-IPU partition whose IPUs are this machine, else None."""
+        return None if self._daemon is None else self._daemon.partition
+
     def _candidates(self, num_ipus: Any, version: int) -> list[tuple[int, tuple[int, ...]]]:
         n = self._system.num_ipus
         if not isinstance(num_ipus, int) or num_ipus < 1:
             raise BadRequestError(f"num_ipus must be a positive int, got {num_ipus!r}")
+        if self._daemon is not None and self._daemon.partition is not None:
+            return _partition.candidates(self._daemon.partition, n,
+                                         self._daemon.reconfigurable, num_ipus)
         if num_ipus & (num_ipus - 1):
             raise DeviceUnavailableError(
                 f"asked for a device of {num_ipus} IPUs; devices have a power of two IPUs "
@@ -312,11 +327,13 @@ class DeviceManager:
         held_text = ", ".join(f"ipu {i} by pid {pid}" if pid else f"ipu {i} (holder unknown)"
                               for i, pid in sorted(busy.items()))
         waited = time.monotonic() - start
-        raise DeviceUnavailableError(
-            f"no device available: asked for {what} with {strategy.name}"
-            + (f" (waited {waited:.1f} s, {attempts} attempts)" if attempts > 1 else "")
-            + f"; busy: {held_text or 'none, but too few devices exist'}"
-            + (f" (daemon at {self._daemon.path})" if self._daemon is not None else ""))
+        detail = (f"with {strategy.name}"
+                  + (f" (waited {waited:.1f} s, {attempts} attempts)" if attempts > 1 else "")
+                  + f"; busy: {held_text or 'none, but too few devices exist'}"
+                  + (f" (daemon at {self._daemon.path})" if self._daemon is not None else ""))
+        if self.partition is not None:
+            raise _partition.busy(self.partition, what, detail)
+        raise DeviceUnavailableError(f"no device available: asked for {what} {detail}")
 
     def _devices_from(self, held: list[tuple[int, tuple[int, ...], IpuLocks | DaemonAttachment]]
                       ) -> list[Device]:
@@ -351,6 +368,8 @@ class DeviceManager:
             if disjoint.isdisjoint(ipus):
                 disjoint.update(ipus)
         possible = len(disjoint) // max(num_ipus, 1)
+        if count > possible and self.partition is not None:
+            raise _partition.too_few(self.partition, self._system.num_ipus, count, num_ipus)
         if count > possible:
             raise DeviceUnavailableError(
                 f"no device available: asked for {count} devices of {num_ipus} IPU(s) with "

@@ -52,6 +52,7 @@ from ipu_emulator.daemon import socket_protocol as wire
 from ipu_emulator.daemon.daemon_metrics import DaemonMetrics
 from ipu_emulator.daemon._attach import Conn, attach, error, release
 from ipu_emulator.daemon._keeper import ProcessKeeper
+from ipu_emulator.daemon._partitions import PARTITION_OPS, PartitionTable
 from ipu_emulator.daemon._pool import PooledIpu
 from ipu_emulator.ipu.launcher import IpuSpec
 from ipu_emulator.system import SystemConfig
@@ -102,6 +103,7 @@ class Daemon:
             ipu.faults = [self.fault_table.name]
         self.metrics = DaemonMetrics(self, metrics_port, metrics_address)
         self.keeper = ProcessKeeper(self.ipus, self.metrics.died)
+        self.partitions = PartitionTable(self.ipus)   # V-IPU partitions (ipu-emulator vipu)
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -269,8 +271,10 @@ class Daemon:
             return await self._exit_status(req.get("pid"))
         if op == "faults":
             return self._faults(req)
+        if op in PARTITION_OPS:
+            return self.partitions.handle(str(op), req, conn.pid)
         return error("protocol", f"unknown op {op!r}; expected hello, status, attach, "
-                      "release, exit_status or faults")
+                      "release, exit_status, faults or " + ", ".join(PARTITION_OPS))
 
     def faults_injected(self) -> dict[str, int]:
         """Main runs a fault of its schedule affected, by kind (for /metrics)."""
@@ -319,12 +323,17 @@ class Daemon:
 
     async def _attach(self, conn: Conn, req: dict[str, Any]) -> dict[str, Any]:
         started = asyncio.get_running_loop().time()
-        reply = await attach(self.keeper, self.system, conn, req)
+        ipus = req.get("ipus")
+        refused = (self.partitions.check_attach(req, ipus) if isinstance(ipus, list)
+                   and all(isinstance(i, int) for i in ipus) else None)
+        reply = (refused if refused is not None
+                 else await attach(self.keeper, self.system, conn, req))
         if reply.get("error") == "busy":
             self.metrics.attach_busy(conn.pid)
         else:
             self.metrics.attach_done(conn.pid, started, bool(reply.get("ok")),
-                                     refused=reply.get("error") in ("request", "stopping"))
+                                     refused=reply.get("error") in ("request", "stopping",
+                                                                    "partition_not_found"))
         return reply
 
     async def _release(self, conn: Conn, why: str) -> None:

@@ -13,6 +13,8 @@ reads one reply per request, in order::
         |  {"ok":false,"error":"busy","busy":{"0":1234},"message":".."}
     {"v":1,"op":"release"}                     -> {"ok":true}   (the IPUs are clean and free)
     {"v":1,"op":"exit_status","pid":N}         -> {"ok":true,"returncode":rc or null}
+    {"v":1,"op":"partition_create"|"partition_list"|"partition_get"|"partition_remove",..}
+        -> V-IPU partitions (ipu_emulator.daemon._partitions); "attach" may name one
 
 Every failure is ``{"ok":false,"error":<kind>,"message":<text>}``. A
 connection holds at most one attachment; closing the connection (or the
