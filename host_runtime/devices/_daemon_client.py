@@ -13,9 +13,10 @@
   launcher seam: it hands out a :class:`DaemonIpu`, an ``IpuConnection`` over
   the process the daemon keeps warm (its rings are attached, not created; its
   liveness is a pidfd, as it is not our child);
-- ``attachment.release()`` gives the IPUs back and waits until the daemon has
-  reset them. A host that dies releases them too: the daemon sees its
-  connection close (or its pid die).
+- ``attachment.release()`` gives the IPUs back: the daemon answers at once and
+  resets them before it lends them to anyone again (an attach meanwhile waits
+  for the reset; the home's lock files stay taken until then). A host that dies
+  releases them too: the daemon sees its connection close (or its pid die).
 
 Every wait on the daemon is bounded by the host sync timeout of the client's
 settings (``host_sync_timeout``, taken when the client is made): a daemon that does not answer (stopped, stuck)
@@ -266,7 +267,8 @@ class DaemonAttachment:
         return self._conn is not None
 
     def release(self) -> None:
-        """Hand the IPUs back; returns once the daemon has reset them (idempotent).
+        """Hand the IPUs back; returns once the daemon has taken them (it resets them
+        before it lends them again), idempotent.
 
         In a forked child it only drops its copy of the connection."""
         conn, self._conn = self._conn, None
