@@ -109,7 +109,15 @@ class DaemonClient:
                                       f"{what} reply: {problem}")
 
     def system(self, home: str) -> SystemConfig:
-        """The daemon's pool as the machine's configuration (``home`` stays this host's)."""
+        """The daemon's pool as the machine's configuration (``home`` stays this host's).
+
+        Its hello is asked once per daemon: the answer is kept while the socket is the
+        same file (a daemon that starts again makes a new one)."""
+        if self._hello is None:
+            ident = _socket_identity(self.path)
+            kept = _hellos.get(self.path)
+            if ident is not None and kept is not None and kept[0] == ident:
+                self._hello = kept[1]
         if self._hello is None:
             hello = self.request({"op": "hello"})
             if hello.get("ok") is not True:
@@ -120,6 +128,8 @@ class DaemonClient:
                 "num_ipus": int, "ipu_version": str, "tiles_per_ipu": int,
                 "memory_per_tile": int, "compute_threads": int}, "system.")
             self._hello = hello
+            if ident is not None:
+                _hellos[self.path] = (ident, hello)
         s = self._hello["system"]
         return SystemConfig(num_ipus=s["num_ipus"], ipu_version=s["ipu_version"],
                             tiles_per_ipu=s["tiles_per_ipu"],
@@ -185,6 +195,19 @@ class DaemonClient:
             return None
         rc = reply.get("returncode") if reply.get("ok") else None
         return rc if isinstance(rc, int) else None
+
+
+# The hello of each daemon this process asked, by socket path, with the socket file's
+# identity then (its device, inode and change time: a restarted daemon's socket is new).
+_hellos: dict[str, tuple[tuple[int, int, int], dict[str, Any]]] = {}
+
+
+def _socket_identity(path: str) -> tuple[int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_ctime_ns
 
 
 def _is_int(v: Any) -> bool:
