@@ -27,6 +27,14 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         pass  # exists, belongs to someone else
+    try:   # its state letter (Linux): a tenth of psutil's cost
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return stat[stat.rindex(b")") + 2:][:1] != b"Z"
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError):   # no /proc: ask psutil
+        pass
     import psutil   # here: an IPU process that never asks does not import it (~10 ms)
 
     try:
