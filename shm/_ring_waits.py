@@ -114,17 +114,23 @@ class _RingWaits:
         ``IPU_EMULATOR_RING_PEER_THREAD=0`` (or without pidfds) a wait checks the peer
         every ``PEER_CHECK`` seconds instead."""
         peer = None if pid is None else PeerWatch(pid)
-        self._stop_peer_watch()
+        # the old peer's watch ends after the new one's starts: the watching thread keeps
+        # running (it ends once nothing is watched); the old one's exit is ignored now
+        unwatch_old, self._unnotify = self._unnotify, None
         self._peer = peer
         self._peer_notified = False
         if self._peer_gone:
             self._peer_gone = False
             if self._core is not None and not self._interrupted:
                 self._core.resume()
-        if peer is not None and self._peer_thread and peer.alive():
-            ref = weakref.ref(self)
-            self._unnotify = notify_on_exit(peer.pid, lambda: _peer_exited(ref, peer))
-            self._peer_notified = self._unnotify is not None
+        try:
+            if peer is not None and self._peer_thread and peer.alive():
+                ref = weakref.ref(self)
+                self._unnotify = notify_on_exit(peer.pid, lambda: _peer_exited(ref, peer))
+                self._peer_notified = self._unnotify is not None
+        finally:
+            if unwatch_old is not None:
+                unwatch_old()
         if self._core is not None:
             self._core.check_s = 0.0 if peer is None or self._peer_notified else PEER_CHECK
 

@@ -13,9 +13,10 @@
   launcher seam: it hands out a :class:`DaemonIpu`, an ``IpuConnection`` over
   the process the daemon keeps warm (its rings are attached, not created; its
   liveness is a pidfd, as it is not our child);
-- ``attachment.release()`` gives the IPUs back and waits until the daemon has
-  reset them. A host that dies releases them too: the daemon sees its
-  connection close (or its pid die).
+- ``attachment.release()`` gives the IPUs back: the daemon answers at once and
+  resets them before it lends them to anyone again (an attach meanwhile waits
+  for the reset; the home's lock files stay taken until then). A host that dies
+  releases them too: the daemon sees its connection close (or its pid die).
 
 Every wait on the daemon is bounded by the host sync timeout of the client's
 settings (``host_sync_timeout``, taken when the client is made): a daemon that does not answer (stopped, stuck)
@@ -115,7 +116,15 @@ class DaemonClient:
                                       f"{what} reply: {problem}")
 
     def system(self, home: str) -> SystemConfig:
-        """The daemon's pool as the machine's configuration (``home`` stays this host's)."""
+        """The daemon's pool as the machine's configuration (``home`` stays this host's).
+
+        Its hello is asked once per daemon: the answer is kept while the socket is the
+        same file (a daemon that starts again makes a new one)."""
+        if self._hello is None:
+            ident = _socket_identity(self.path)
+            kept = _hellos.get(self.path)
+            if ident is not None and kept is not None and kept[0] == ident:
+                self._hello = kept[1]
         if self._hello is None:
             hello = self.request({"op": "hello"})
             if hello.get("ok") is not True:
@@ -126,6 +135,8 @@ class DaemonClient:
                 "num_ipus": int, "ipu_version": str, "tiles_per_ipu": int,
                 "memory_per_tile": int, "compute_threads": int}, "system.")
             self._hello = hello
+            if ident is not None:
+                _hellos[self.path] = (ident, hello)
         s = self._hello["system"]
         num_ipus = s["num_ipus"] if self.partition is None else self._partition_size()
         return SystemConfig(num_ipus=num_ipus, ipu_version=s["ipu_version"],
@@ -226,6 +237,19 @@ class DaemonClient:
         return rc if isinstance(rc, int) else None
 
 
+# The hello of each daemon this process asked, by socket path, with the socket file's
+# identity then (its device, inode and change time: a restarted daemon's socket is new).
+_hellos: dict[str, tuple[tuple[int, int, int], dict[str, Any]]] = {}
+
+
+def _socket_identity(path: str) -> tuple[int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_ctime_ns
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -306,7 +330,8 @@ class DaemonAttachment:
         return self._conn is not None
 
     def release(self) -> None:
-        """Hand the IPUs back; returns once the daemon has reset them (idempotent).
+        """Hand the IPUs back; returns once the daemon has taken them (it resets them
+        before it lends them again), idempotent.
 
         In a forked child it only drops its copy of the connection."""
         conn, self._conn = self._conn, None

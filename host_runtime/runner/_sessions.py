@@ -63,7 +63,8 @@ class ReplicaSessions:
                 streamed = []
         self._shared_frozen = {n: v for n, v in layout.frozen.items()
                                if n in layout.frozen_load or streamed}
-        if not cfg.replica_to_device:   # IPU processes of our own: their template starts now
+        if not cfg.replica_to_device and not HostSettings.read("daemon"):
+            # IPU processes of our own (not a daemon's): their template starts now
             DeviceManager(settings=settings).prepare_launch()
 
     def remember_frozen(self, values: dict[str, np.ndarray]) -> None:

@@ -5,7 +5,11 @@ file in the home must be free (embedded hosts and other daemons take the same
 ``flock``); then each IPU process is handed to the host (HOST(pid)) in parallel.
 Taking back resets each IPU process (HOST(0)) or restarts one that is dead or does
 not reset; a host that died has its shared-memory objects removed; the lock files
-are let go last, once every IPU is free again.
+are let go last, once every IPU is free again. A ``release`` request is answered as
+soon as the take-back has started (:func:`release_soon`): the IPUs are ``resetting``
+meanwhile, and an attach that wants one waits for its reset instead of being told
+it is busy, so a host's close() does not wait for the reset and no IPU is lent
+before it is reset.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from ipu_emulator.daemon._keeper import ProcessKeeper
 from ipu_emulator.daemon._pool import PooledIpu, remove_objects_of
 from ipu_emulator.system import IpuLocks, SystemConfig
 
-__all__ = ["Conn", "attach", "error", "release"]
+__all__ = ["Conn", "attach", "error", "release", "release_soon"]
 
 _log = logging.getLogger("ipu_emulator.daemon.server")
 
@@ -90,6 +94,7 @@ async def attach(keeper: ProcessKeeper, system: SystemConfig, conn: Conn,
         return refused
     indices: list[int] = req["ipus"]
     device_id: int = req.get("device_id", -1)
+    await keeper.settle([keeper.ipus[i] for i in indices])   # resets under way: done first
     if keeper.stopping:
         return error("stopping", "the daemon is stopping")
     if conn.holding:
@@ -136,39 +141,60 @@ async def attach(keeper: ProcessKeeper, system: SystemConfig, conn: Conn,
     return {"ok": True, "ipus": [ipu.info() for ipu in wanted]}
 
 
-async def release(keeper: ProcessKeeper, conn: Conn, why: str) -> None:
-    """Take back what ``conn`` holds: reset each IPU (restart a dead one), then free it."""
+def release_soon(keeper: ProcessKeeper, conn: Conn, why: str) -> "asyncio.Task[None] | None":
+    """Start taking back what ``conn`` holds; returns at once (the task, or None).
+
+    From now ``conn`` holds nothing and its IPUs are ``resetting``: no attach gets one
+    before its reset is done (:meth:`ProcessKeeper.settle` waits for it), and the lock
+    files are let go only then. The task resets each IPU (restarts a dead one)."""
     held, conn.holding = conn.holding, []
+    locks, conn.locks = conn.locks, None
+    if not held or keeper.stopping:   # stopping: every IPU process is being stopped
+        if locks is not None:
+            locks.release()
+        return None
+    for ipu in held:
+        if ipu.state != "dead":
+            ipu.state = "resetting"
+    task = asyncio.get_running_loop().create_task(
+        _take_back(keeper, conn.pid, held, locks, why))
+    keeper.resetting(held, task)
+    return task
+
+
+async def release(keeper: ProcessKeeper, conn: Conn, why: str) -> None:
+    """Take back what ``conn`` holds: reset each IPU (restart a dead one), then free it;
+    returns once that is done."""
+    task = release_soon(keeper, conn, why)
+    if task is not None:
+        await asyncio.wait([task])   # a cancelled caller leaves the reset running
+
+
+async def _take_back(keeper: ProcessKeeper, pid: int, held: list[PooledIpu],
+                     locks: IpuLocks | None, why: str) -> None:
     try:
-        await _take_back_all(keeper, conn, held, why)
+        await _take_back_all(keeper, pid, held, why)
     finally:
-        locks, conn.locks = conn.locks, None
         if locks is not None:   # reset (or restarted) and free: others may lock them
             locks.release()
 
 
-async def _take_back_all(keeper: ProcessKeeper, conn: Conn, held: list[PooledIpu],
+async def _take_back_all(keeper: ProcessKeeper, pid: int, held: list[PooledIpu],
                          why: str) -> None:
-    if not held or keeper.stopping:   # stopping: every IPU process is being stopped
-        return
-    dead = not pid_alive(conn.pid)
-    _log.info("host %d %s ipus %s", conn.pid, "died; reclaiming" if dead else why,
+    dead = not pid_alive(pid)
+    _log.info("host %d %s ipus %s", pid, "died; reclaiming" if dead else why,
               [ipu.index for ipu in held])
-    trace.instant(f"host {conn.pid} {'died' if dead else why}: ipus "
-                  f"{[ipu.index for ipu in held]}", host=conn.pid)
-    for ipu in held:
-        if ipu.state != "dead":
-            ipu.state = "resetting"
+    trace.instant(f"host {pid} {'died' if dead else why}: ipus "
+                  f"{[ipu.index for ipu in held]}", host=pid)
     results = await asyncio.gather(*(keeper.take_back(ipu) for ipu in held))
     loop = asyncio.get_running_loop()
     if not dead and why == "disconnected":
         # a host killed by a signal closes its socket an instant before it exits
-        dead = await loop.run_in_executor(None, _exits_within, conn.pid, _EXIT_GRACE)
+        dead = await loop.run_in_executor(None, _exits_within, pid, _EXIT_GRACE)
     if dead:
-        removed = await loop.run_in_executor(None, remove_objects_of, {conn.pid})
+        removed = await loop.run_in_executor(None, remove_objects_of, {pid})
         if removed:
-            _log.info("removed %d shared-memory objects of dead host %d", len(removed),
-                      conn.pid)
+            _log.info("removed %d shared-memory objects of dead host %d", len(removed), pid)
     for ipu, ok in zip(held, results):
         if ok:
             ipu.state, ipu.holder = "free", None

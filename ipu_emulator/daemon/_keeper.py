@@ -38,7 +38,28 @@ class ProcessKeeper:
         self.busy: set[int] = set()     # IPUs with a blocking step under way
         self._retry_at: dict[int, float] = {}
         self._exits: dict[int, int] = {}
+        self._resets: dict[int, "asyncio.Task[None]"] = {}   # take-backs under way, by IPU
         self.stopping = False   # no more attaches, resets or restarts
+
+    def resetting(self, ipus: list[PooledIpu], task: "asyncio.Task[None]") -> None:
+        """``task`` takes ``ipus`` back (their reset); :meth:`settle` waits for it."""
+        for ipu in ipus:
+            self._resets[ipu.index] = task
+
+        def done(_: "asyncio.Task[None]") -> None:
+            for ipu in ipus:
+                if self._resets.get(ipu.index) is task:
+                    del self._resets[ipu.index]
+        task.add_done_callback(done)
+
+    async def settle(self, ipus: list[PooledIpu]) -> None:
+        """Return once no take-back of ``ipus`` is under way (each is bounded by the
+        hand-over timeout, or a restart)."""
+        while True:
+            tasks = {self._resets[i.index] for i in ipus if i.index in self._resets}
+            if not tasks:
+                return
+            await asyncio.wait(tasks)   # a cancelled caller leaves them running
 
     async def start(self, ipu: PooledIpu) -> None:
         """Start (or restart) ``ipu``'s process; ``failed`` and retried later if it cannot."""

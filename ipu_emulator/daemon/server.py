@@ -11,7 +11,9 @@ unix socket (mode 0600, default ``$IPU_EMULATOR_HOME/daemon.sock``) and speak
 - ``release``, closing the connection, or the death of the holder (checked
   every ``_MONITOR`` seconds, so a forked child keeping the socket open does not
   matter) hands the IPUs back: each process drops that host's executables and,
-  if the host died, every shared-memory object it created; then it is free;
+  if the host died, every shared-memory object it created; then it is free.
+  ``release`` is answered before the reset is done: an attach of a ``resetting``
+  IPU waits for its reset, and ``status`` answers once resets under way are done;
 - a dead IPU process is restarted once nobody holds it.
 
 An IPU is exclusive across everything on one ``IPU_EMULATOR_HOME`` (embedded
@@ -50,7 +52,7 @@ from shm import pid_alive
 from ipu_emulator import safe_files, titles
 from ipu_emulator.daemon import socket_protocol as wire
 from ipu_emulator.daemon.daemon_metrics import DaemonMetrics
-from ipu_emulator.daemon._attach import Conn, attach, error, release
+from ipu_emulator.daemon._attach import Conn, attach, error, release, release_soon
 from ipu_emulator.daemon._keeper import ProcessKeeper
 from ipu_emulator.daemon._partitions import PARTITION_OPS, PartitionTable
 from ipu_emulator.daemon._pool import PooledIpu
@@ -168,6 +170,7 @@ class Daemon:
                 conn.writer.close()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.socket_path)
+            await self.keeper.settle(self.ipus)   # resets under way end (bounded) first
             await self.keeper.stop_all()
             self.fault_table.close()
         return 0
@@ -261,11 +264,12 @@ class Daemon:
         if op == "hello":
             return {"ok": True, "daemon_pid": os.getpid(), "system": self._system_info()}
         if op == "status":
+            await self.keeper.settle(self.ipus)   # states as the resets under way leave them
             return self._status()
         if op == "attach":
             return await self._attach(conn, req)
-        if op == "release":
-            await self._release(conn, "released")
+        if op == "release":   # answered at once; the IPUs are lent again once reset
+            release_soon(self.keeper, conn, "released")
             return {"ok": True}
         if op == "exit_status":
             return await self._exit_status(req.get("pid"))

@@ -1,10 +1,19 @@
 """The onnxruntime sessions of an executable's graphs: their options, the weights
 section handed to them as views (``prepack`` decides whether onnxruntime copies and
 prepacks them or computes with them where they lie; see ``Interpreter``), and the check
-that each ONNX model has the interface the executable declares."""
+that each ONNX model has the interface the executable declares.
+
+A warm IPU process a daemon lends (``--pool``) keeps the sessions of small graphs
+(:func:`keep_sessions`): the next host that loads the same executable gets them
+again instead of onnxruntime building them anew (most of a LOAD). The key is the
+graph's content (a BLAKE2b digest of its ONNX model, of the weights handed to it and
+of the session's options), so a changed graph or weight is a new session; a session
+that computes with weights in place (the host's memory) is never kept."""
 
 from __future__ import annotations
 
+import collections
+import hashlib
 from typing import Any
 
 import numpy as np
@@ -12,7 +21,34 @@ import numpy as np
 from ipu_emulator.errors import DeviceProgramError, ExecutableError
 from ipu_emulator.executable import Executable, Graph, numpy_dtype
 
-__all__ = ["GraphSessions", "make_sessions"]
+__all__ = ["GraphSessions", "make_sessions", "keep_sessions"]
+
+KEPT_SESSIONS = 8            # sessions kept per process (the least recently used go)
+KEPT_GRAPH_BYTES = 4 << 20   # a graph larger (ONNX model + its weights) is not kept
+
+_kept: "collections.OrderedDict[bytes, object] | None" = None
+
+
+def keep_sessions(on: bool = True) -> None:
+    """Keep the sessions of small graphs in this process from now (``on``), or drop
+    every kept one and keep none (the default)."""
+    global _kept
+    _kept = collections.OrderedDict() if on else None
+
+
+def _session_key(graph: Graph, weights: bytes | memoryview, options: tuple[Any, ...]
+                 ) -> bytes | None:
+    """The content key of ``graph``'s session made with ``options``; None: not kept."""
+    if len(graph.model) + sum(w.nbytes for w in graph.external) > KEPT_GRAPH_BYTES:
+        return None
+    h = hashlib.blake2b(repr((options, len(graph.model), [
+        (w.name, w.dtype, tuple(w.shape), w.nbytes) for w in graph.external])).encode(),
+        digest_size=32)
+    h.update(graph.model)
+    raw = memoryview(weights).cast("B") if graph.external else memoryview(b"")
+    for w in graph.external:
+        h.update(raw[w.offset:w.offset + w.nbytes])
+    return h.digest()
 
 
 class GraphSessions:
@@ -53,17 +89,27 @@ def make_sessions(exe: Executable, num_threads: int, prepack: bool,
     # prepacked from where they lie (no copy first): only where the caller keeps them
     # and every weight is aligned (else onnxruntime would compute with a copy anyway)
     in_place = not prepack or (weights_kept and _aligned(exe))
+    kept = _kept
     for k, g in enumerate(exe.graphs):
-        try:
-            opts = options()
-            if g.external:
-                _add_weights(ort, opts, g, exe.weights, keep, in_place=in_place)
-            sess = ort.InferenceSession(g.model, opts, providers=["CPUExecutionProvider"])
-        except Exception as exc:
-            raise DeviceProgramError(
-                f"executable {exe.name!r}: graph {k} cannot be loaded by onnxruntime: "
-                f"{exc}") from exc
+        # in place: the session reads the host's memory, which goes with the host
+        key = (_session_key(g, exe.weights, (num_threads, bool(prepack)))
+               if kept is not None and not (in_place and g.external) else None)
+        sess = kept.pop(key, None) if kept is not None and key is not None else None
+        if sess is None:
+            try:
+                opts = options()
+                if g.external:
+                    _add_weights(ort, opts, g, exe.weights, keep, in_place=in_place)
+                sess = ort.InferenceSession(g.model, opts, providers=["CPUExecutionProvider"])
+            except Exception as exc:
+                raise DeviceProgramError(
+                    f"executable {exe.name!r}: graph {k} cannot be loaded by onnxruntime: "
+                    f"{exc}") from exc
         _check_interface(exe.name, k, g, sess)
+        if kept is not None and key is not None:
+            kept[key] = sess   # the most recently used last
+            while len(kept) > KEPT_SESSIONS:
+                kept.popitem(last=False)
         sessions.append(sess)
     return GraphSessions(sessions, keep, in_place)
 

@@ -68,6 +68,7 @@ from ipu_emulator.ipu._loading import Executables, Loader
 from ipu_emulator.ipu._options import DeviceOptions, ProcessHooks
 from ipu_emulator.ipu._placement import KeepApart
 from ipu_emulator.ipu._scheduling import Scheduler
+from ipu_emulator.ipu._sessions import keep_sessions
 from ipu_emulator.ipu._stream_io import _RequestError
 from ipu_emulator.ipu_protocol import ErrorKind, Message, Op, Ready, error_body
 from ipu_emulator.settings import IpuSettings
@@ -358,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
             recorder.start_ipu(trace_buffer, opts.ipu_id)
         except (ShmError, OSError, ValueError, posix_ipc.Error) as exc:
             _log.warning("not recording a timeline: %s", exc)
+    if opts.pool:   # lent to host after host: the next may load the same executable
+        keep_sessions()
     try:
         dev = DeviceProcess(opts, ProcessHooks(title=True))
     except Exception as exc:

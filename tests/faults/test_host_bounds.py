@@ -26,6 +26,7 @@ import psutil
 import pytest
 
 import host_runtime as model_runtime
+from host_runtime.devices._daemon_client import DaemonClient
 from host_runtime.devices._manager import DeviceManager, DeviceWaitConfig
 from host_runtime.errors import DeviceTimeoutError
 from host_runtime.session._session import Session
@@ -256,10 +257,12 @@ def test_attach_with_the_daemon_stopped_is_bounded(daemon):
             f"the IPU emulator daemon at {daemon.socket} (pid {dpid}, stopped (state T)) did "
             "not answer attach within 1 s (the host sync timeout is "
             "IPU_EMULATOR_HOST_SYNC_TIMEOUT); continue or restart it")
+        # a manager made now uses the hello kept for this socket; asking it is bounded too
+        assert DeviceManager(daemon=daemon.socket).system.num_ipus == dm.system.num_ipus
         start = time.monotonic()
         with pytest.raises(DeviceTimeoutError, match=rf"\(pid {dpid}, stopped \(state T\)\) "
                                                      "did not answer hello within 1 s"):
-            DeviceManager(daemon=daemon.socket)
+            DaemonClient(daemon.socket).request({"op": "hello"})
         assert time.monotonic() - start < SYNC + SLACK
     # continued: the abandoned attach was released (its connection closed)
     with dm.getDevice(1, wait_config=PATIENT) as dev:

@@ -138,7 +138,9 @@ def test_processes_are_titled_for_ps(daemon):
         assert titles.of_pid(daemon.pool_pids[1]) == (
             f"ipu-emulator: ipu 1 (host {os.getpid()}, daemon {d})")
         assert titles.parse_ipu(titles.of_pid(daemon.pool_pids[1]) or "") == (1, os.getpid(), d)
-    # handed back: free again (the daemon waits for the process's DONE to HOST(0))
+    # handed back: free again once reset (the daemon waits for the process's DONE to
+    # HOST(0); status answers once the resets under way are done)
+    assert holders(daemon)[1] == ("free", None)
     assert titles.of_pid(daemon.pool_pids[1]) == f"ipu-emulator: ipu 1 (daemon {d}, free)"
 
 
@@ -219,3 +221,53 @@ def test_an_embedded_ipu_process_refuses_host_messages(tmp_path):
         assert (reply.op, reply.seq, reply.body["kind"]) == (Op.ERROR, 7, "protocol")
         assert reply.body["message"] == ("HOST is only for IPU processes a daemon owns "
                                          "(--pool)")
+
+
+def test_release_is_answered_before_the_reset_and_no_ipu_is_lent_before_it(daemon):
+    """A release is answered at once; an attach right after it waits for the reset (it
+    is not told busy), and a third attach meanwhile is busy naming the new holder."""
+    first = wire.LineConnection(daemon.socket, 10.0)
+    second = wire.LineConnection(daemon.socket, 10.0)
+    third = wire.LineConnection(daemon.socket, 10.0)
+    try:
+        for round_ in range(5):
+            assert first.call({"op": "attach", "ipus": [0], "device_id": 0}, 10.0)["ok"] is True
+            assert first.call({"op": "release"}, 10.0)["ok"] is True
+            got = second.call({"op": "attach", "ipus": [0], "device_id": 0}, 10.0)
+            assert got["ok"] is True and [i["ipu"] for i in got["ipus"]] == [0], (round_, got)
+            busy = third.call({"op": "attach", "ipus": [0], "device_id": 0}, 10.0)
+            assert (busy["ok"], busy["busy"]) == (False, {"0": os.getpid()})
+            assert holders(daemon)[0] == ("held", os.getpid())
+            assert second.call({"op": "release"}, 10.0)["ok"] is True
+    finally:
+        for conn in (first, second, third):
+            conn.close()
+    assert holders(daemon)[0] == ("free", None)
+
+
+def test_runners_right_through_fast_close_and_construct_churn(daemon, model_path, weights,
+                                                              monkeypatch):
+    """Runners made and closed back to back on both IPUs from two threads (each close
+    answered before its reset): every result is right and nothing is held after."""
+    monkeypatch.setenv(wire.ENV_VAR, daemon.socket)
+    errors: list[BaseException] = []
+
+    def churn(seed: int) -> None:
+        try:
+            for k in range(6):
+                cfg = model_runtime.ModelRunnerConfig()
+                cfg.device_wait_config = PATIENT
+                runner = model_runtime.ModelRunner(model_runtime.PopefPaths([model_path]),
+                                                   config=cfg)
+                try:
+                    a, b = rand(seed * 100 + k), rand(seed * 100 + k + 50)
+                    out = runner.execute({"tensor_A": a, "tensor_B": b})["tensor_C"]
+                    np.testing.assert_allclose(out, a * weights + b, rtol=1e-6)
+                finally:
+                    runner.close()
+        except BaseException as exc:   # reported below
+            errors.append(exc)
+
+    run_in_threads(churn, [1, 2, 3])
+    assert errors == []
+    assert set(holders(daemon).values()) == {("free", None)}

@@ -105,6 +105,8 @@ def test_a_daemon_and_an_embedded_host_on_one_home_exclude_each_other(two_daemon
             DeviceManager().getSpecificDevice(0, wait_config=NO_WAIT)
         assert str(info.value) == (f"no device available: asked for device 0 with NO_WAIT; "
                                    f"busy: ipu 0 by pid {holder}")
+    # released: the daemon keeps the lock file until the IPU is reset (status answers then)
+    assert states(first) == [("free", None)]
     # held by an embedded host (its lock file): the daemon refuses to hand it out
     locks = IpuLocks.try_acquire(load_system_config().lock_dir, (0,))
     assert isinstance(locks, IpuLocks)

@@ -70,6 +70,7 @@ def test_pool_attach_release_and_a_wait(rig):
             raise
     out, _ = waiter.communicate(timeout=120)
     assert waiter.returncode == 0 and "GOT IT" in out
+    daemon.status()   # answered once the waiter's release (reset) is done
     fams = scrape(url)
     assert value(fams, P + "attach_requests_total", result="ok") == 2
     assert value(fams, P + "attach_waits_total") == 1

@@ -81,3 +81,38 @@ def test_peer_watch_reports_zombie_then_exit() -> None:
         p.wait()
     gone = PeerWatch(p.pid)
     assert gone.dead_reason() == "does not exist"
+
+
+def test_the_exit_notifier_thread_outlives_a_brief_idle_then_ends(monkeypatch) -> None:
+    """A subscriber right after the last one cancelled finds the thread still running
+    (no new thread per runner); idle for ``IDLE_LINGER`` it ends; a later exit is
+    still reported by a new one."""
+    from shm import liveness
+
+    def notifier_threads() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name == "shm-peer-exits"}
+
+    monkeypatch.setattr(liveness, "IDLE_LINGER", 30.0)   # no stall of this test outlasts it
+    child = _sleeper()
+    try:
+        cancel = liveness.notify_on_exit(child.pid, lambda: None)
+        assert cancel is not None
+        first = notifier_threads()
+        assert first
+        cancel()
+        exited = threading.Event()
+        cancel = liveness.notify_on_exit(child.pid, exited.set)
+        assert cancel is not None and notifier_threads() == first   # the same thread
+        monkeypatch.setattr(liveness, "IDLE_LINGER", 0.01)
+        cancel()   # wakes it: idle now, it lingers 10 ms and ends
+        for t in first:
+            t.join(10.0)
+        assert not any(t.is_alive() for t in first)
+        assert liveness.notify_on_exit(child.pid, exited.set) is not None
+        child.stdin.close()   # type: ignore[union-attr]
+        child.wait(10)
+        assert exited.wait(10)   # reported by the new thread
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
