@@ -9,16 +9,33 @@ A model that passed is remembered (the check runs once per ``Model`` object).
 from __future__ import annotations
 
 from host_runtime.errors import ModelRuleError, PopefError
-from host_runtime.popef.model import Model, TensorType
+from host_runtime.popef.model import ExecutableBlob, Model, TensorType
 from ipu_emulator.errors import ExecutableError
 from ipu_emulator.executable import MAGIC, Executable
 from ipu_emulator.validate import AnchorSpec, FlowSpec, RuleError
 from ipu_emulator.validate import check_model as _check_rules
 from shm.errors import echo
 
-__all__ = ["check_model"]
+__all__ = ["check_model", "decoded_programs"]
 
 _CHECKED = "_rules_checked"
+_DECODED = "_decoded_programs"
+
+
+def decoded_programs(blob: ExecutableBlob) -> Executable:
+    """``Executable.from_bytes(blob.payload(), graphs=False)`` (its programs, streams and
+    attributes; no graphs), decoded once per blob and its bytes: the model check, the
+    runner's read order and host tail each read it at construction. Kept on the blob
+    while ``blob.data`` is the same immutable object (bytes, or a read-only view such as
+    ``popef.Reader``'s of a file mapping); raises as ``from_bytes`` does."""
+    data = blob.data
+    memo = getattr(blob, _DECODED, None)
+    if memo is not None and memo[0] is data and memo[1] == blob.compressed:
+        return memo[2]
+    exe = Executable.from_bytes(blob.payload(), graphs=False)
+    if isinstance(data, bytes) or (isinstance(data, memoryview) and data.readonly):
+        setattr(blob, _DECODED, (data, blob.compressed, exe))
+    return exe
 _DIRECTION = {TensorType.INPUT: "in", TensorType.OUTPUT: "out", TensorType.UNKNOWN: None}
 
 
@@ -40,7 +57,7 @@ def check_model(model: Model, *, path: str | None = None, blob: str | None = Non
         return
     try:
         # the PopEF blob checksum covers these bytes; the IPU process decodes them fully
-        exe = Executable.from_bytes(payload, graphs=False)
+        exe = decoded_programs(model.executable)
     except ExecutableError as exc:
         if not strict:
             return

@@ -19,8 +19,8 @@ import numpy as np
 from host_runtime import popef
 from host_runtime.errors import BadRequestError, PopefError
 from ipu_emulator import host_tail
+from host_runtime.popef._check import decoded_programs
 from ipu_emulator.errors import IpuEmulatorError
-from ipu_emulator.executable import Executable
 
 __all__ = ["HostTail"]
 
@@ -53,7 +53,7 @@ class HostTail:
         """The model's tail (None: it has none, or its executable does not decode, which
         the session reports)."""
         try:
-            exe = Executable.from_bytes(model.executable.payload(), graphs=False)
+            exe = decoded_programs(model.executable)
         except (IpuEmulatorError, PopefError):
             return None
         data = host_tail.decode(exe.attributes)

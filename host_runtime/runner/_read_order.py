@@ -11,8 +11,9 @@ import logging
 
 from host_runtime import popef
 from host_runtime.errors import PopefError
+from host_runtime.popef._check import decoded_programs
 from ipu_emulator.errors import IpuEmulatorError
-from ipu_emulator.executable import Executable, Instruction, Repeat, StreamIn, Switch
+from ipu_emulator.executable import Instruction, Repeat, StreamIn, Switch
 
 __all__ = ["main_read_order"]
 
@@ -31,7 +32,7 @@ def main_read_order(model: popef.Model) -> list[str]:
                  if a.type() is popef.TensorType.INPUT}
     try:
         # the programs only: no checksum over (nor copy of) the graphs and weights
-        exe = Executable.from_bytes(model.executable.payload(), graphs=False)
+        exe = decoded_programs(model.executable)
     except (IpuEmulatorError, PopefError) as exc:   # damaged: the session reports it
         _log.debug("read order of %r: executable not decodable (%s); anchor order used",
                    md.executable(), exc)
