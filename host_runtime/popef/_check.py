@@ -31,7 +31,8 @@ def decoded_programs(blob: ExecutableBlob) -> Executable:
     data = blob.data
     memo = getattr(blob, _DECODED, None)
     if memo is not None and memo[0] is data and memo[1] == blob.compressed:
-        return memo[2]
+        kept: Executable = memo[2]
+        return kept
     exe = Executable.from_bytes(blob.payload(), graphs=False)
     if isinstance(data, bytes) or (isinstance(data, memoryview) and data.readonly):
         setattr(blob, _DECODED, (data, blob.compressed, exe))
