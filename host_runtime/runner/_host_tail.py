@@ -19,7 +19,7 @@ import numpy as np
 from host_runtime import popef
 from host_runtime.errors import BadRequestError, PopefError
 from ipu_emulator import host_tail
-from host_runtime.popef._check import decoded_programs
+from host_runtime.popef import decoded_programs
 from ipu_emulator.errors import IpuEmulatorError
 
 __all__ = ["HostTail"]

@@ -11,7 +11,7 @@ import logging
 
 from host_runtime import popef
 from host_runtime.errors import PopefError
-from host_runtime.popef._check import decoded_programs
+from host_runtime.popef import decoded_programs
 from ipu_emulator.errors import IpuEmulatorError
 from ipu_emulator.executable import Instruction, Repeat, StreamIn, Switch
 
