@@ -19,6 +19,7 @@ _SUBCOMMANDS = {
     "trace": ("tools.trace_summary", "summarise a timeline trace: where each request's time went, how busy each IPU was"),
     "run": ("ipu_emulator.run", "run a program written for Graphcore's model_runtime, popef and poprt, unchanged"),
     "vipu": ("tools.vipu", "V-IPU partitions on the daemon: create, list, get (IPUoF config), remove"),
+    "ray-node": ("tools.ray_node", "start or stop a Ray cluster node that offers its daemon's IPUs as the resource 'IPU'"),
     "stress": ("tools.stress", "hammer the runtime with many hosts, threads, batch sizes and faults; check every result"),
 }
 
