@@ -65,6 +65,8 @@ def _third_party_imports() -> dict[str, str]:
 # imported only by the benches, the test plugin or behind TYPE_CHECKING, and declared by
 # the test extra (pytest, hypothesis, mypy) -- or by name only, in a try/except
 _OPTIONAL = {"pytest", "_pytest", "xdist", "hypothesis", "mypy"}
+# imported inside a function only by the feature its own extra installs (and the test extra)
+_EXTRAS = {"ray": "ray"}
 
 
 def test_every_import_is_a_declared_dependency() -> None:
@@ -76,6 +78,9 @@ def test_every_import_is_a_declared_dependency() -> None:
         if dist in install or dist.replace("-", "_") in install:
             continue
         if top in _OPTIONAL and (dist in test or top in ("_pytest", "xdist")):
+            continue
+        if top in _EXTRAS and dist in _declared("options.extras_require", _EXTRAS[top]) \
+                and dist in test:
             continue
         missing.append(f"{top} (imported by {where})")
     assert not missing, f"imported but not in setup.cfg's install_requires: {missing}"
