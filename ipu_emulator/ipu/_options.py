@@ -6,26 +6,35 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-__all__ = ["DeviceOptions", "ProcessHooks"]
+__all__ = ["IpuShape", "DeviceOptions", "ProcessHooks"]
 
 
-@dataclass(frozen=True)
-class DeviceOptions:
-    control: str
-    events: str
-    host_pid: int
-    ipu_id: int = 0
+@dataclass(frozen=True, kw_only=True)
+class IpuShape:
+    """The IPU an IPU process emulates: its version and memory, and how many IPUs the
+    device it runs programs for has (the launcher's ``IpuSpec`` and the process's
+    ``DeviceOptions`` both carry it)."""
+
     ipu_version: int = 21
     tiles_per_ipu: int = 1472
     memory_per_tile: int = 624 * 1024
     num_ipus: int = 1
-    threads: int = 1
-    label: str = ""
-    pool: bool = False
 
     @property
     def capacity(self) -> int:
+        """The device's memory: ``num_ipus * tiles_per_ipu * memory_per_tile`` bytes."""
         return self.num_ipus * self.tiles_per_ipu * self.memory_per_tile
+
+
+@dataclass(frozen=True)
+class DeviceOptions(IpuShape):
+    control: str
+    events: str
+    host_pid: int
+    ipu_id: int = 0
+    threads: int = 1
+    label: str = ""
+    pool: bool = False
 
     def describe(self) -> str:
         return self.label or (f"ipu {self.ipu_id}" if self.ipu_id >= 0 else "IPU model")

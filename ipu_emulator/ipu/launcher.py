@@ -39,6 +39,7 @@ from shm.tracebuf import TraceBuffer
 
 from ipu_emulator import ipu_protocol, safe_files
 from ipu_emulator.ipu import forkserver
+from ipu_emulator.ipu._options import IpuShape
 from ipu_emulator.ipu_protocol import Message, Op, Ready
 from ipu_emulator.errors import IpuProcessError, describe_returncode
 from ipu_emulator.settings import IpuSettings
@@ -53,7 +54,7 @@ _log = logging.getLogger(__name__)
 _LOG_TAG = re.compile(r" ipu-?\d+\[(\d+)\] ")
 
 @dataclass(frozen=True)
-class IpuSpec:
+class IpuSpec(IpuShape):
     """What one IPU process emulates.
 
     ``ipu_id`` is the machine's IPU number (-1 for a private IPU model);
@@ -62,16 +63,8 @@ class IpuSpec:
     """
 
     ipu_id: int
-    ipu_version: int = 21
-    tiles_per_ipu: int = 1472
-    memory_per_tile: int = 624 * 1024
-    num_ipus: int = 1
     compute_threads: int = 1
     label: str = ""
-
-    @property
-    def capacity(self) -> int:
-        return self.num_ipus * self.tiles_per_ipu * self.memory_per_tile
 
     def describe(self) -> str:
         return self.label or (f"ipu {self.ipu_id}" if self.ipu_id >= 0 else "IPU model")
