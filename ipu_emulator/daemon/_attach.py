@@ -94,7 +94,7 @@ async def attach(keeper: ProcessKeeper, system: SystemConfig, conn: Conn,
         return refused
     indices: list[int] = req["ipus"]
     device_id: int = req.get("device_id", -1)
-    await keeper.settle([keeper.ipus[i] for i in indices])   # resets under way: done first
+    await keeper.settle([keeper.ipus[i] for i in indices], whole=False)   # reset first
     if keeper.stopping:
         return error("stopping", "the daemon is stopping")
     if conn.holding:
@@ -173,20 +173,36 @@ async def release(keeper: ProcessKeeper, conn: Conn, why: str) -> None:
 async def _take_back(keeper: ProcessKeeper, pid: int, held: list[PooledIpu],
                      locks: IpuLocks | None, why: str) -> None:
     try:
-        await _take_back_all(keeper, pid, held, why)
+        dead = await _reset_all(keeper, pid, held, why)
     finally:
         if locks is not None:   # reset (or restarted) and free: others may lock them
             locks.release()
+        keeper.usable(held)     # an attach waiting for them goes on now
+    await _forget_host(pid, dead, why)
 
 
-async def _take_back_all(keeper: ProcessKeeper, pid: int, held: list[PooledIpu],
-                         why: str) -> None:
+async def _reset_all(keeper: ProcessKeeper, pid: int, held: list[PooledIpu],
+                     why: str) -> bool:
+    """Reset each IPU ``pid`` held (restart one that does not reset) and free it; returns
+    whether ``pid`` is known dead."""
     dead = not pid_alive(pid)
     _log.info("host %d %s ipus %s", pid, "died; reclaiming" if dead else why,
               [ipu.index for ipu in held])
     trace.instant(f"host {pid} {'died' if dead else why}: ipus "
                   f"{[ipu.index for ipu in held]}", host=pid)
     results = await asyncio.gather(*(keeper.take_back(ipu) for ipu in held))
+    for ipu, ok in zip(held, results):
+        if ok:
+            ipu.state, ipu.holder = "free", None
+        else:
+            await keeper.restart(ipu)
+    return dead
+
+
+async def _forget_host(pid: int, dead: bool, why: str) -> None:
+    """Remove a dead host's shared-memory objects; one whose connection dropped is given
+    ``_EXIT_GRACE`` s to exit first (the IPUs are free meanwhile: this decides only what
+    is removed)."""
     loop = asyncio.get_running_loop()
     if not dead and why == "disconnected":
         # a host killed by a signal closes its socket an instant before it exits
@@ -195,8 +211,3 @@ async def _take_back_all(keeper: ProcessKeeper, pid: int, held: list[PooledIpu],
         removed = await loop.run_in_executor(None, remove_objects_of, {pid})
         if removed:
             _log.info("removed %d shared-memory objects of dead host %d", len(removed), pid)
-    for ipu, ok in zip(held, results):
-        if ok:
-            ipu.state, ipu.holder = "free", None
-        else:
-            await keeper.restart(ipu)

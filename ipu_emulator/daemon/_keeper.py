@@ -39,23 +39,45 @@ class ProcessKeeper:
         self._retry_at: dict[int, float] = {}
         self._exits: dict[int, int] = {}
         self._resets: dict[int, "asyncio.Task[None]"] = {}   # take-backs under way, by IPU
+        self._ready: dict[int, asyncio.Event] = {}   # ... set once their IPUs are free
         self.stopping = False   # no more attaches, resets or restarts
 
     def resetting(self, ipus: list[PooledIpu], task: "asyncio.Task[None]") -> None:
-        """``task`` takes ``ipus`` back (their reset); :meth:`settle` waits for it."""
+        """``task`` takes ``ipus`` back (their reset, then forgetting their host);
+        :meth:`settle` waits for it, or only until :meth:`usable`."""
+        ready = asyncio.Event()
         for ipu in ipus:
             self._resets[ipu.index] = task
+            self._ready[ipu.index] = ready
 
         def done(_: "asyncio.Task[None]") -> None:
+            ready.set()
             for ipu in ipus:
                 if self._resets.get(ipu.index) is task:
                     del self._resets[ipu.index]
+                if self._ready.get(ipu.index) is ready:
+                    del self._ready[ipu.index]
         task.add_done_callback(done)
 
-    async def settle(self, ipus: list[PooledIpu]) -> None:
+    def usable(self, ipus: list[PooledIpu]) -> None:
+        """The take-back of ``ipus`` has reset (or restarted) and freed them."""
+        for ipu in ipus:
+            ready = self._ready.pop(ipu.index, None)
+            if ready is not None:
+                ready.set()
+
+    async def settle(self, ipus: list[PooledIpu], whole: bool = True) -> None:
         """Return once no take-back of ``ipus`` is under way (each is bounded by the
-        hand-over timeout, or a restart)."""
+        hand-over timeout, or a restart); ``whole=False``: once each is reset and free,
+        though forgetting its last host (a dead host's objects) may go on."""
         while True:
+            if not whole:
+                events = {self._ready[i.index] for i in ipus if i.index in self._ready}
+                if not events:
+                    return
+                for event in events:
+                    await event.wait()
+                continue
             tasks = {self._resets[i.index] for i in ipus if i.index in self._resets}
             if not tasks:
                 return
