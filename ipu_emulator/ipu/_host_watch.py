@@ -187,6 +187,19 @@ class _PidfdThread:
             elif fd == self._client_fd:
                 self._client_exited = True
 
+    def _take(self, ready: list[tuple[int, int]]) -> bool:
+        """Note what ``poll`` found; whether to interrupt the ring waits (an exit, the
+        doorbell). A descriptor set_client closed meanwhile (POLLNVAL) is no exit: its
+        number may already be the new client's pidfd, which the next poll watches."""
+        bell = False
+        for fd, events in ready:
+            if fd == self._wake_r:
+                bell = bell or DOORBELL in os.read(self._wake_r, 512)
+            elif not events & select.POLLNVAL:
+                self._exited(fd)
+                bell = True
+        return bell
+
     def _run(self) -> None:
         while True:
             poller = select.poll()
@@ -197,14 +210,7 @@ class _PidfdThread:
                 ready = poller.poll()
             except OSError:   # a descriptor closed meanwhile by set_client: look again
                 continue
-            bell = False
-            for fd, _ in ready:
-                if fd == self._wake_r:
-                    bell = bell or DOORBELL in os.read(self._wake_r, 512)
-                else:
-                    self._exited(fd)
-                    bell = True
-            if bell:
+            if self._take(ready):
                 try:
                     ring_waits.interrupt_all()
                 except Exception:   # pragma: no cover - never let this thread die

@@ -3,14 +3,17 @@
 
 from __future__ import annotations
 
+import os
+import select
 import subprocess
 import sys
+import threading
 
 import pytest
 
 from ipu_emulator.fit import misfit
 from ipu_emulator.ipu._ending import Ending, RunEnded
-from ipu_emulator.ipu._host_watch import HostWatch
+from ipu_emulator.ipu._host_watch import HostWatch, _PidfdThread
 from ipu_emulator.ipu_protocol import ErrorKind
 
 _DEVICE = dict(device="ipu 0", device_version=21, device_ipus=1, tiles_per_ipu=4,
@@ -54,3 +57,25 @@ def test_a_polled_host_watch_ends_the_run_when_the_host_or_the_client_is_gone():
         watch.check()
     assert info.value.ending is Ending.HOST_GONE
     assert watch.after_interrupt() is Ending.HOST_GONE
+
+
+def test_a_pidfd_closed_under_the_watch_is_no_exit_of_the_client_that_took_its_number():
+    # HOST 0 then HOST(pid) in quick succession: set_client closes the old client's pidfd
+    # while the watch thread is about to poll it, and the new client's pidfd gets the same
+    # number; poll reports the closed one as POLLNVAL, which must not end the new client
+    watch = object.__new__(_PidfdThread)   # its state only: no thread, no signal handler
+    watch._lock = threading.Lock()
+    watch._host_fd, watch._client_fd = 100, 7
+    watch._host_exited = watch._client_exited = False
+    r, w = os.pipe()
+    watch._wake_r = r
+    try:
+        assert watch._take([(7, select.POLLNVAL)]) is False
+        assert watch.client_alive() and watch.host_alive()
+        assert watch._take([(7, select.POLLIN)]) is True   # the client exited
+        assert not watch.client_alive() and watch.host_alive()
+        assert watch._take([(100, select.POLLIN | select.POLLHUP)]) is True
+        assert not watch.host_alive()
+    finally:
+        os.close(r)
+        os.close(w)
