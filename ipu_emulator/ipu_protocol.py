@@ -28,8 +28,11 @@ there at each Main run and counts in it).
 HOST is sent only by a daemon that owns the IPU process (``--pool``), while
 no host uses the rings: the device forgets its previous host (a running
 program ends; cached executables are closed; if that host is dead, every
-object it created is unlinked), resets its control ring, then watches the
-new host (value; 0 = none) and answers DONE.
+object it created is unlinked), watches the new host (value; 0 = none) and
+answers DONE; HOST 0 also resets the control ring for the next host. A daemon
+lending the IPU sends HOST(pid) without waiting for its answer (seq
+``HANDOVER_SEQ``, which no host link uses: the host's link ignores it); the
+host's first request follows it on the control ring.
 
 A LOAD names a *spec region* the host created: ``<Q spec length><spec JSON>``
 then, at ``executable_offset``, the executable bytes. The spec says which
@@ -237,6 +240,9 @@ def read_host_memory_descriptor(raw: bytes) -> HostMemoryRef:
     return HostMemoryRef(name, offset, size, tuple(redirects))
 
 
+HANDOVER_SEQ = -1
+"""The seq of a daemon's HOST(pid) that nobody waits for (hosts number theirs from 1)."""
+
 CONTROL_SLOT_SIZE = 4096
 CONTROL_SLOTS = 16
 EVENT_SLOT_SIZE = 8192
@@ -387,7 +393,7 @@ def _longest(text: str, room: int, tail: bool) -> str:
     return mark + text[len(text) - lo:] if tail else text[:lo] + mark
 
 
-__all__.append("error_body")
+__all__ += ["error_body", "HANDOVER_SEQ"]
 
 # -- load spec ----------------------------------------------------------------------
 

@@ -2,7 +2,8 @@
 
 An attach takes its IPUs all or none: each must be free in the pool and its lock
 file in the home must be free (embedded hosts and other daemons take the same
-``flock``); then each IPU process is handed to the host (HOST(pid)) in parallel.
+``flock``); then each IPU process is handed to the host (HOST(pid) on its control
+ring, not waited for: the host's requests follow it there).
 Taking back resets each IPU process (HOST(0)) or restarts one that is dead or does
 not reset; a host that died has its shared-memory objects removed; the lock files
 are let go last, once every IPU is free again. A ``release`` request is answered as
@@ -23,6 +24,7 @@ from shm import ExitWatch, pid_alive
 from ipu_emulator import trace
 from ipu_emulator.daemon._keeper import ProcessKeeper
 from ipu_emulator.daemon._pool import PooledIpu, remove_objects_of
+from ipu_emulator.errors import PoolError
 from ipu_emulator.system import IpuLocks, SystemConfig
 
 __all__ = ["Conn", "attach", "error", "release", "release_soon"]
@@ -115,10 +117,14 @@ async def attach(keeper: ProcessKeeper, system: SystemConfig, conn: Conn,
     for ipu in wanted:
         ipu.state, ipu.holder = "attaching", conn.pid
     label = (f"device {device_id} (ipu {{}})" if device_id >= 0 else "ipu {}")
-    results = await asyncio.gather(*(
-        keeper.blocking(ipu, ipu.hand_over, conn.pid, len(wanted) if k == 0 else 1,
-                        label.format(ipu.index)) for k, ipu in enumerate(wanted)),
-        return_exceptions=True)
+    results: list[BaseException | None] = []
+    for k, ipu in enumerate(wanted):   # HOST(pid), not waited for (PooledIpu.hand_over_soon)
+        try:
+            ipu.hand_over_soon(conn.pid, len(wanted) if k == 0 else 1,
+                               label.format(ipu.index))
+            results.append(None)
+        except PoolError as exc:
+            results.append(exc)
     failed = [(ipu, r) for ipu, r in zip(wanted, results) if isinstance(r, BaseException)]
     if failed:
         for ipu, _ in failed:

@@ -5,8 +5,10 @@ block (process start, a HOST round trip, shutdown) and run on its executor,
 one at a time per IPU. While a host holds the IPU only the host touches the
 control and event rings; the daemon uses them only between hosts:
 
-- ``hand_over(host)``: HOST(host) on the control ring, wait for its DONE,
-  then reset the event ring (the process is idle, the daemon its only reader);
+- ``hand_over_soon(host)`` (an attach): HOST(host) on the control ring, not
+  waited for: the process is idle with clean rings and takes it before the
+  host's first request, which follows it on the ring; its answer goes to the
+  host, whose link ignores the seq no host uses (``HANDOVER_SEQ``);
 - ``take_back()``: HOST(0): the process ends whatever program the previous
   host left running, closes its executables and (that host being dead)
   unlinks the host's objects, resets its control ring and answers DONE;
@@ -81,8 +83,20 @@ class PooledIpu:
         self.proc = proc
         _log.info("ipu %d: process %d is ready", self.index, proc.pid)
 
-    def hand_over(self, host: int, num_ipus: int, label: str) -> None:
-        self._host_call(host, {"num_ipus": num_ipus, "label": label, "faults": self.faults})
+    def hand_over_soon(self, host: int, num_ipus: int, label: str) -> None:
+        """HOST(host) on the control ring, not waited for (on the event loop: it does not
+        block). The process is idle with clean rings (started, or reset by take_back), so
+        it takes HOST before the host's first request, which follows it on the same ring.
+        Its answer goes to the host, whose link ignores it: its seq, ``HANDOVER_SEQ``, is
+        one no host link uses. PoolError if the process is gone or the ring has no room."""
+        proc = self._live_process()
+        body = {"num_ipus": num_ipus, "label": label, "faults": self.faults}
+        try:
+            ipu_protocol.send(proc.control, Message(Op.HOST, seq=ipu_protocol.HANDOVER_SEQ,
+                                                    value=host, body=body), timeout=0.0)
+        except (ShmError, ipu_protocol.ProtocolError) as exc:
+            raise PoolError(f"ipu {self.index} (process {proc.pid}): HOST {host} failed: "
+                            f"{exc}") from exc
         self._held_since = time.monotonic()
 
     def take_back(self) -> None:

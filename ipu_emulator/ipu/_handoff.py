@@ -56,12 +56,14 @@ class ClientHandOff:
         self._own = {dev.opts.control, dev.opts.events}   # never the client's
 
     def hand_to(self, pid: int, body: Any) -> None:
-        """HOST: forget the previous host, reset the control ring, serve ``pid`` (0: none).
+        """HOST: forget the previous host, serve ``pid`` (0: none, and the control ring
+        reset for the next).
 
         ``body`` may give ``num_ipus`` (the size of the device the host attached, which
         sets this process's memory capacity), ``label`` and the daemon's ``faults``. The
-        daemon sends HOST only while no host uses the rings and waits for its DONE, so
-        this process is the only one touching the control ring here.
+        daemon sends HOST 0 only while no host uses the rings and waits for its DONE, so
+        this process is the only one touching the control ring then; HOST(pid) follows
+        it (or a fresh start) and is not waited for (``ipu_protocol.HANDOVER_SEQ``).
         """
         dev = self._dev
         if not dev.opts.pool:
@@ -76,7 +78,10 @@ class ClientHandOff:
         self.drop_client()
         self._faults.set_daemon_tables(body.get("faults"))
         dev.opts = replace(dev.opts, num_ipus=num_ipus, label=label)
-        self._control.reset()
+        if not pid:
+            # clean for the next host; HOST(pid) is not waited for: the host's first
+            # requests may already follow it on the ring
+            self._control.reset()
         self._watch.set_client(pid)
         host = dev.opts.host_pid
         self._apart.host_pid = pid or host

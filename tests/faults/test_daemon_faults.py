@@ -20,7 +20,8 @@ import psutil
 import pytest
 
 from host_runtime.devices._manager import DeviceManager
-from host_runtime.errors import DeviceLostError, DeviceUnavailableError
+from host_runtime import settings
+from host_runtime.errors import DeviceLostError, DeviceTimeoutError, DeviceUnavailableError
 from host_runtime.session._session import Session
 from tests._helpers import PATIENT, running
 from tests.daemon_rig import REPO, DaemonRig, shm_entries
@@ -323,19 +324,25 @@ def test_model_runner_auto_reset_over_the_daemon_after_a_killed_ipu(daemon, mode
         assert len(now) == 1 and now[0]["pid"] != held[0]["pid"]
 
 
-def test_an_ipu_process_that_does_not_answer_the_handover_is_replaced(tmp_path, model,
-                                                                       weights):
+def test_an_ipu_process_that_does_not_answer_is_replaced_when_taken_back(tmp_path, model,
+                                                                          weights):
+    # the daemon lends an IPU without waiting for its process to take HOST (the host's
+    # requests follow HOST on the control ring): a hung process fails the host's first
+    # request within the host sync timeout, and is replaced when the daemon takes it back
     rig = DaemonRig(tmp_path, num_ipus=1, IPU_EMULATOR_DAEMON_HANDOVER_TIMEOUT="1")
     try:
         hung = rig.pool_pids[0]
         os.kill(hung, signal.SIGSTOP)
-        dm = DeviceManager(daemon=rig.socket)
-        with pytest.raises(DeviceUnavailableError,
-                           match=f"could not attach ipus \\[0\\]: ipu 0 \\(process {hung}\\) "
-                                 "did not answer HOST"):
-            dm.getDevice(1)
-        with dm.getDevice(1, wait_config=PATIENT) as dev:   # a fresh process
-            assert dev.pids()[0] != hung
+        with settings.override(host_sync_timeout=1.0):
+            dm = DeviceManager(daemon=rig.socket)
+            dev = dm.getDevice(1)
+            assert dev.pids() == [hung]
+            with pytest.raises(DeviceTimeoutError, match=f"pid {hung}"):
+                run_session(model, dev, rand(1), rand(2))
+            dev.close()   # the daemon's HOST 0 goes unanswered too: the process is replaced
+        # (an attach waits for the take-back: within the default host sync timeout)
+        with DeviceManager(daemon=rig.socket).getDevice(1, wait_config=PATIENT) as dev:
+            assert dev.pids()[0] != hung   # a fresh process
             a, b = rand(1), rand(2)
             np.testing.assert_allclose(run_session(model, dev, a, b), a * weights + b,
                                        rtol=1e-6)

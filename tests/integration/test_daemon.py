@@ -22,6 +22,7 @@ from host_runtime.errors import DeviceUnavailableError
 from host_runtime.session._session import Session
 from ipu_emulator import titles
 from ipu_emulator.daemon import socket_protocol as wire
+from ipu_emulator.ipu_protocol import Op
 from tests._helpers import PATIENT, run_in_threads
 from tests.daemon_rig import REPO, DaemonRig
 
@@ -135,6 +136,9 @@ def test_processes_are_titled_for_ps(daemon):
         f"ipu-emulator: ipu 0 (daemon {d}, free)", f"ipu-emulator: ipu 1 (daemon {d}, free)"]
     with DeviceManager(daemon=daemon.socket).getSpecificDevice(1, wait_config=PATIENT) as dev:
         assert dev.pids() == [daemon.pool_pids[1]]
+        # the daemon does not wait for the process to take HOST; the host's first request
+        # follows it on the control ring, so once one is answered HOST has been taken
+        dev.link.call(Op.PING, timeout=30)
         assert titles.of_pid(daemon.pool_pids[1]) == (
             f"ipu-emulator: ipu 1 (host {os.getpid()}, daemon {d})")
         assert titles.parse_ipu(titles.of_pid(daemon.pool_pids[1]) or "") == (1, os.getpid(), d)
