@@ -71,7 +71,11 @@ class Loader:
         """The device memory region (made at the first LOAD)."""
         return self._memory_region
 
-    def ensure_resources(self, dev: Device) -> None:
+    def ensure_resources(self, dev: Device | None) -> None:
+        """Make the session's rings and device memory region once (the IPU processes map
+        them at LOAD); with ``dev``, the rings are reset for it when it is a new peer.
+        Without (``None``: made while the device attaches, see ``Session``) they wait for
+        their peer."""
         extra = [] if self._memory_region is not None else [
             ("the device memory region", max(64, self._header.memory_bytes)),
             ("the executable region", self._weights_at)] + (
@@ -81,7 +85,7 @@ class Loader:
             [("the constants region", constants_bytes(
                 {h: v for h, (_, v) in self._streams.constants().items()}))]
             if self._constants is None and self._streams.constants() else [])
-        self._streams.ensure_rings(dev.link.pid, extra)
+        self._streams.ensure_rings(dev.link.pid if dev is not None else None, extra)
         if self._memory_region is None:
             size = max(64, self._header.memory_bytes)
             with translated("the device memory region", size):

@@ -68,9 +68,10 @@ class StreamRings:
     def depth(self, handle: str) -> int:
         return self._depths[handle]
 
-    def ensure(self, peer_pid: int, constant: Collection[str],
+    def ensure(self, peer_pid: int | None, constant: Collection[str],
                extra: Sequence[tuple[str, int]] = ()) -> None:
-        """Create the rings once; when the device (peer) changes, reset them.
+        """Create the rings once; when the device (peer) changes, reset them (``None``:
+        no device yet, the rings are only made).
 
         ``constant``: the inputs fed now by a value that never changes (their rings are
         not counted, nor backed, until they carry values). ``extra`` ((what, bytes) each):
@@ -86,9 +87,10 @@ class StreamRings:
             now = {h for h in self._uncounted if h not in constant}
             if now:   # no longer constants: their rings will carry values
                 self._back(now, extra)
-        if self._peer != peer_pid:
+        if peer_pid is not None and self._peer != peer_pid:
             for ring in self.rings.values():
-                ring.reset()
+                if self._peer is not None:   # a previous device's slots (fresh rings are clean)
+                    ring.reset()
                 ring.set_peer(peer_pid)
             self._peer = peer_pid
 

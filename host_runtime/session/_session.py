@@ -51,6 +51,7 @@ from host_runtime._fork import check_owner, current_pid, foreign
 from host_runtime.devices import Device, DeviceManager
 from host_runtime.errors import BadRequestError, InvalidStateError
 from host_runtime.session._anchors import AnchorsAndCallbacks
+from host_runtime.session._attach import attach_meanwhile
 from host_runtime.session._binding import Binding
 from host_runtime.session._config import (DROP_STOP_TIMEOUT, CallbackFactory, CallbackHandle,
                                           CallbackInfo, LaunchPolicy, SessionConfig,
@@ -188,11 +189,13 @@ class Session(AnchorsAndCallbacks):
         """Send the stop signal: running programs end; nothing runs until reload()."""
         self.stop_within(self._settings.stop_timeout)
 
-    def stop_within(self, timeout: float, kill_if_hung: bool = False) -> None:
+    def stop_within(self, timeout: float, kill_if_hung: bool = False,
+                    closing: bool = False) -> None:
         """Internal (ModelRunner): stop(), waiting up to ``timeout`` s for the device (and
         at most the host sync timeout without an answer). ``kill_if_hung`` (close, or a
         dropped owner): a device of ours that does not answer in time has its IPU
-        processes killed instead."""
+        processes killed instead. ``closing``: close follows; if the device goes with
+        this session, the STOP is the last request it is sent."""
         check_owner(self._owner_pid, "Session")
         if self._life is Life.CLOSED:
             return
@@ -200,7 +203,8 @@ class Session(AnchorsAndCallbacks):
         self._life = self._life.after(LifeEvent.STOP)
         b = self._binding
         if b is not None and b.active(self):
-            b.stop(timeout, kill_if_hung, self._wake_streams)
+            last = closing and b.owned and set(b.device.sessions()) <= {self}
+            b.stop(timeout, kill_if_hung, self._wake_streams, last=last)
 
     def _wake_streams(self) -> None:
         """After a STOP: invalidate the stream rings (and a sharded model's IPU-Links, which
@@ -288,7 +292,7 @@ class Session(AnchorsAndCallbacks):
             b = self._binding
             if (b is not None and b.busy()) or self._direct.loop_running():
                 # a program of ours may be running on another thread
-                self.stop_within(stop_timeout, kill_if_hung)
+                self.stop_within(stop_timeout, kill_if_hung, closing=True)
             if self._binding is not None:
                 self._unbind(run_save=False)
         finally:
@@ -335,7 +339,11 @@ class Session(AnchorsAndCallbacks):
 
     def _acquire_device(self) -> Device:
         self._loader.share_weights()   # while the IPU process starts (its template may be starting)
-        dev = DeviceManager(settings=self._settings).getDevice(self._model, wait_config=self._config.wait_config)
+        manager = DeviceManager(settings=self._settings)
+        # the rings and regions are made while the device attaches (host_runtime.session._attach)
+        dev = attach_meanwhile(
+            lambda: manager.getDevice(self._model, wait_config=self._config.wait_config),
+            lambda: self._loader.ensure_resources(None))
         try:
             self._bind(dev, owned=True)
         except BaseException:

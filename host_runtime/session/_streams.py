@@ -300,9 +300,11 @@ class StreamTable:
         """Slots of ``anchor``'s ring (decided when the session was made)."""
         return self._rings.depth(anchor.handle())
 
-    def ensure_rings(self, peer_pid: int, extra: Sequence[tuple[str, int]] = ()) -> None:
+    def ensure_rings(self, peer_pid: int | None,
+                     extra: Sequence[tuple[str, int]] = ()) -> None:
         """Create the rings once (``extra``: the session's other regions, counted with
-        them); when the device (peer) changes, reset them (:class:`StreamRings`)."""
+        them); when the device (peer) changes, reset them (:class:`StreamRings`; None:
+        no peer yet)."""
         self._rings.ensure(peer_pid, self.constants().keys(), extra)
 
     def reset_rings(self) -> None:

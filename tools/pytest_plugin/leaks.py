@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import gc
 import os
-import threading
+import contextvars
 import traceback
 import weakref
 from dataclasses import dataclass
@@ -126,7 +126,8 @@ class LeakGuard:
 
     def __init__(self) -> None:
         self._made: list[_Made] = []
-        self._local = threading.local()
+        self._runners: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar(
+            "ipu_emulator_runners_being_made", default=())
         self._patches: pytest.MonkeyPatch | None = None
         self._tag: str | None = None
         self._shm_before: set[str] = set()
@@ -150,14 +151,15 @@ class LeakGuard:
         guard = self
 
         def __init__(obj: Any, *args: Any, **kwargs: Any) -> None:
-            stack: list[Any] = guard._local.__dict__.setdefault("runners", [])
-            if kind == "runner":
-                stack.append(obj)
+            # the runners being made in this context (a thread's, or copied into a thread
+            # the runner starts, e.g. to attach its device: host_runtime.session._attach)
+            stack = guard._runners.get()
+            token = guard._runners.set(stack + (obj,)) if kind == "runner" else None
             try:
                 init(obj, *args, **kwargs)
             finally:
-                if kind == "runner":
-                    stack.pop()
+                if token is not None:
+                    guard._runners.reset(token)
             owner = weakref.ref(stack[-1]) if kind == "device" and stack else None
             guard._made.append(_Made(kind, weakref.ref(obj), creation_summary(2), owner))
 
