@@ -167,7 +167,8 @@ class GroupLink:
         for m in self._members:
             m.set_servicer(servicer)
 
-    def request(self, op: Op, body: Any = None, value: int = 0) -> "cf.Future[None]":
+    def request(self, op: Op, body: Any = None, value: int = 0,
+                last: bool = False) -> "cf.Future[None]":
         bodies: list[Any] | None = None
         if op is Op.LOAD:
             regions = body.get("spec_regions") if isinstance(body, dict) else None
@@ -189,7 +190,7 @@ class GroupLink:
             members = list(self._members)
             return self._all([m.request(op, body, value) for m in members], members, op)
         if self._width == 1:
-            return self._members[0].request(op, body, value)
+            return self._members[0].request(op, body, value, last)
         if bodies is None:
             bodies = [body] * self._width
         if op in (Op.RUN, Op.LOOP) and self.reset_links is not None and self._lost is None:
@@ -197,7 +198,7 @@ class GroupLink:
             # afresh, whatever an abandoned iteration (a stop, a failure) left in them.
             self.reset_links()
         members = [self._members[k] for k in self._active]
-        futs = [m.request(op, bodies[k], value) for k, m in zip(self._active, members)]
+        futs = [m.request(op, bodies[k], value, last) for k, m in zip(self._active, members)]
         return self._all(futs, members, op)
 
     def call(self, op: Op, body: Any = None, timeout: float | None = None) -> None:

@@ -180,6 +180,11 @@ class ProcessLink:
         if (t is None or not t.is_alive() or t is threading.current_thread()
                 or self._lost is not None or getattr(self._primary.events, "owner", True)):
             return
+        with self._lock:
+            answered = self._final_seq is not None and self._final_seq not in self._pending
+        if answered:   # a request sent as the last (a closing session's STOP) was answered
+            t.join(timeout)
+            return
         seq = next(self._seq) & 0x7FFFFFFF
         fut: cf.Future[None] = cf.Future()
         with self._lock:
@@ -229,8 +234,12 @@ class ProcessLink:
 
     # -- requests -------------------------------------------------------------------
 
-    def request(self, op: Op, body: Any = None, value: int = 0) -> "cf.Future[None]":
-        """Send a request; the future resolves on its DONE (or fails on ERROR / loss)."""
+    def request(self, op: Op, body: Any = None, value: int = 0,
+                last: bool = False) -> "cf.Future[None]":
+        """Send a request; the future resolves on its DONE (or fails on ERROR / loss).
+
+        ``last``: its answer is the last event this host reads (the device is about to
+        go back to a daemon: :meth:`quiesce` then needs no PING of its own)."""
         fut: cf.Future[None] = cf.Future()
         if self._lost is None and self._dead_process() is not None:
             self.mark_lost()   # e.g. a secondary IPU of the device died since the last poll
@@ -246,11 +255,15 @@ class ProcessLink:
         seq = next(self._seq) & 0x7FFFFFFF
         with self._lock:
             self._pending[seq] = (fut, op)
+        if last:
+            self._final_seq = seq
         try:
             self._send(Message(op, seq=seq, value=value, body=body))
         except BaseException as exc:
             with self._lock:
                 self._pending.pop(seq, None)
+            if last:
+                self._final_seq = None
             fut.set_exception(self._translate(exc))
         return fut
 

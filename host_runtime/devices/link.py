@@ -90,8 +90,11 @@ class DeviceLink(Protocol):
     def set_servicer(self, servicer: StreamServicer | None) -> None:
         """Who services stream events (held weakly: the session owns it)."""
 
-    def request(self, op: Op, body: Any = None, value: int = 0) -> "cf.Future[None]":
-        """Send a request; the future resolves on its DONE, fails on ERROR or loss."""
+    def request(self, op: Op, body: Any = None, value: int = 0,
+                last: bool = False) -> "cf.Future[None]":
+        """Send a request; the future resolves on its DONE, fails on ERROR or loss.
+        ``last``: no request follows before the device is closed (its answer is the last
+        event read)."""
 
     def call(self, op: Op, body: Any = None, timeout: float | None = None) -> None:
         """``request`` and wait for it (DeviceTimeoutError after ``timeout`` s, or after the

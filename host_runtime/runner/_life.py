@@ -67,7 +67,8 @@ class ReplicaSession(Protocol):
     # lifetime
     def device(self) -> DeviceProcesses | None: ...
     def stop(self) -> None: ...
-    def stop_within(self, timeout: float, kill_if_hung: bool = False) -> None: ...
+    def stop_within(self, timeout: float, kill_if_hung: bool = False,
+                    closing: bool = False) -> None: ...
     def close(self) -> None: ...
     def close_within(self, stop_timeout: float, kill_if_hung: bool) -> None: ...
     # new data for the Load programs' inputs (ModelRunner.update_load_inputs)
@@ -334,7 +335,7 @@ class ReplicaLife:
             # bounded: a hung or stopped IPU process is killed rather than waited for
             limit = min(self.sync_s, self._stop_s)
             try:
-                old.stop_within(limit, kill_if_hung=True)
+                old.stop_within(limit, kill_if_hung=True, closing=True)
             except ModelRuntimeError:
                 pass
             finally:
@@ -362,7 +363,7 @@ class ReplicaLife:
                     _log.warning("replica %d: save programs failed: %s", self.rid, exc)
                     if isinstance(exc, DeviceTimeoutError):
                         limit = 0.0   # the bound is spent: kill the device, do not wait again
-            s.stop_within(limit, kill_if_hung=True)
+            s.stop_within(limit, kill_if_hung=True, closing=True)
         finally:
             s.close_within(limit, kill_if_hung=True)
             if recorder.ON:

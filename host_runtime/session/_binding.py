@@ -75,13 +75,15 @@ class Binding:
         lock.release()
         return False
 
-    def stop(self, timeout: float, kill_if_hung: bool, wake: Callable[[], None]) -> None:
+    def stop(self, timeout: float, kill_if_hung: bool, wake: Callable[[], None],
+             last: bool = False) -> None:
         """Send STOP and wait up to ``timeout`` s; ``wake``: wakes a program waiting on a
         stream. ``kill_if_hung``: a device the session owns that does not answer in time
-        has its IPU processes killed (else DeviceTimeoutError)."""
+        has its IPU processes killed (else DeviceTimeoutError). ``last``: the device is
+        closed next, without another request (``ProcessLink.request``)."""
         dev = self.device
         try:
-            fut = dev.link.request(Op.STOP)
+            fut = dev.link.request(Op.STOP, last=last)
             # wake a program waiting on a stream now, not at its next check of the
             # control ring; reload() resets the rings
             wake()
