@@ -186,13 +186,22 @@ def main(argv: list[str] | None = None) -> int:
     ui.add_argument("--select", metavar="NAME", help="select the first slice of this name "
                     "that has an arrow (e.g. 'transfer in') and zoom to it and its arrows' "
                     "ends before the screenshot (Perfetto draws the selected slice's arrows)")
+    ui.add_argument("--size", default="1600x1000", metavar="WxH",
+                    help="the browser window's size in pixels (default 1600x1000)")
     a = parser.parse_args(argv)
+    try:
+        width, height = (int(v) for v in a.size.lower().split("x"))
+        if not (200 <= width <= 8000 and 200 <= height <= 8000):
+            raise ValueError
+    except ValueError:
+        parser.error(f"--size: expected WIDTHxHEIGHT in pixels (200..8000), got {a.size!r}")
     status = _sql_checks(a.trace, a.ui_dir)
     if a.ui and status < 2:
         from tools import perfetto_ui
         status = max(status, perfetto_ui.run(a.trace, ui_dir=a.ui_dir, exe=a.chromium,
                                              screenshot=a.screenshot, timeout=a.timeout,
-                                             expand=a.expand, select=a.select))
+                                             expand=a.expand, select=a.select,
+                                             size=(width, height)))
     return status
 
 

@@ -410,21 +410,36 @@ _COUNTS_SQL = ("select (select count(*) from slice) as slices, "
 _EXPAND_JS = "app.trace.workspace.flatTracks.forEach((n) => n.expand()); true"
 
 _SELECT_JS = r"""(async () => {
-  const q = async (sql) => { const r = await app.trace.engine.query(sql);
-    const it = r.iter({id: 0, ts: 0n, end: 0n}); return it.valid() ? {id: it.id, ts: it.ts, end: it.end} : null; };
+  const rows = async (sql) => { const r = await app.trace.engine.query(sql), out = [];
+    for (const it = r.iter({id: 0, track: 0, ts: 0n, end: 0n}); it.valid(); it.next())
+      out.push({id: it.id, track: it.track, ts: it.ts, end: it.end});
+    return out; };
   const name = %s;
-  const src = await q(`select s.id as id, s.ts as ts, s.ts + s.dur as end from slice s
-      join flow f on f.slice_out = s.id where s.name = '${name.replaceAll("'", "''")}'
-      order by s.ts limit 1`);
+  const [src] = await rows(`select s.id as id, s.track_id as track, s.ts as ts,
+      s.ts + s.dur as end from slice s join flow f on f.slice_out = s.id
+      where s.name = '${name.replaceAll("'", "''")}' order by s.ts limit 1`);
   if (!src) return null;
-  const dst = await q(`select min(d.id) as id, min(d.ts) as ts, max(d.ts + d.dur) as end
-      from flow f join slice d on d.id = f.slice_in where f.slice_out = ${src.id}`);
-  const lo = src.ts, hi = dst && dst.end > src.end ? dst.end : src.end;
+  const dst = await rows(`select d.id as id, d.track_id as track, d.ts as ts,
+      d.ts + d.dur as end from flow f join slice d on d.id = f.slice_in
+      where f.slice_out = ${src.id}`);
+  let lo = src.ts, hi = src.end;
+  for (const d of dst) { if (d.ts < lo) lo = d.ts; if (d.end > hi) hi = d.end; }
   const pad = (hi - lo) / 4n + 1000n;
-  app.trace.selection.selectSqlEvent('slice', src.id, {scrollToSelection: true});
+  // the source's and destinations' tracks pinned on top, every group collapsed: the
+  // arrows between them in one view
+  const ids = [src.track, ...dst.map((d) => d.track)];
+  const w = app.trace.workspace;
+  w.flatTracks.forEach((n) => n.collapse());
+  for (const id of ids) {
+    const n = w.flatTracks.find((t) => !t.children.length && t.uri &&
+        ((app.trace.tracks.getTrack(t.uri) || {}).tags || {}).trackIds?.map(Number).includes(id));
+    if (n && !w.pinnedTracks.some((p) => p.uri === n.uri)) n.pin();
+  }
+  app.trace.selection.selectSqlEvent('slice', src.id);
   await new Promise((r) => setTimeout(r, 300));
   app.trace.scrollTo({time: {start: lo - pad, end: hi + pad}});
-  return {id: src.id, ts: String(src.ts), end: String(hi)};
+  return {id: src.id, ts: Number(src.ts), end: Number(hi), arrows: dst.length,
+          pinned: w.pinnedTracks.map((p) => String(p.name))};
 })()"""
 
 
@@ -582,13 +597,16 @@ def print_report(report: Report, out: Any = None) -> int:
         for line in report.track_lines():
             print(f"    {line}", file=out)
     if report.selected:
-        print(f"  selected slice {report.selected['id']} (its arrows drawn)", file=out)
+        sel = report.selected
+        print(f"  selected slice {sel['id']} with {sel['arrows']} arrows; pinned on top: "
+              + "; ".join(sel["pinned"]), file=out)
     print(f"  screenshot: {report.screenshot}", file=out)
     return 1 if report.problems else 0
 
 
 def run(paths: list[str], *, ui_dir: str | None, exe: str | None, screenshot: str | None,
-        timeout: float, expand: bool, select: str | None) -> int:
+        timeout: float, expand: bool, select: str | None,
+        size: tuple[int, int] = (1600, 1000)) -> int:
     """``--ui`` of ``python -m tools.perfetto_check``: each trace in the UI; the exit
     status (module docstring)."""
     status = 0
@@ -599,7 +617,7 @@ def run(paths: list[str], *, ui_dir: str | None, exe: str | None, screenshot: st
             shot = f"{root}-{k + 1}{ext or '.png'}"
         try:
             report = open_trace(path, ui_dir=ui_dir, exe=exe, screenshot=shot,
-                                timeout=timeout, expand=expand, select=select)
+                                timeout=timeout, expand=expand, select=select, size=size)
         except Missing as exc:
             print(f"perfetto_check --ui: {exc}", file=sys.stderr)
             return 2
