@@ -41,8 +41,9 @@ import time
 import urllib.parse
 from typing import Any, Callable, Iterator
 
-__all__ = ["Missing", "UiError", "chromium", "ui_build", "ui_candidates", "TraceServer", "viewer_url",
-           "Browser", "Report", "open_trace", "CHROMIUM_FLAGS", "INSTALL_CHROMIUM"]
+__all__ = ["Missing", "UiError", "chromium", "ui_build", "ui_candidates", "TraceServer",
+           "viewer_url", "Browser", "Report", "open_trace", "print_report", "run",
+           "CHROMIUM_FLAGS", "INSTALL_CHROMIUM"]
 
 CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
                   "--no-first-run", "--disable-background-networking",
