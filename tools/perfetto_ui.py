@@ -146,8 +146,8 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(size))
             self.end_headers()
+            self.server.trace_served.set()    # (before the body: the reader may be done first)
             shutil.copyfileobj(f, self.wfile)
-        self.server.trace_served.set()
 
 
 class _Server(http.server.ThreadingHTTPServer):
