@@ -427,7 +427,8 @@ _COUNTS_SQL = ("select (select count(*) from slice) as slices, "
                "(select count(*) from process where name is not null) as processes, "
                "(select count(*) from thread_track) as thread_tracks")
 
-_EXPAND_JS = "app.trace.workspace.flatTracks.forEach((n) => n.expand()); true"
+_EXPAND_JS = ("app.trace.workspace.flatTracks.forEach((n) => n.expand()); "
+              "window.raf.scheduleFullRedraw(); true")
 
 _SELECT_JS = r"""(async () => {
   const rows = async (sql) => { const r = await app.trace.engine.query(sql), out = [];
@@ -444,7 +445,6 @@ _SELECT_JS = r"""(async () => {
       where f.slice_out = ${src.id}`);
   let lo = src.ts, hi = src.end;
   for (const d of dst) { if (d.ts < lo) lo = d.ts; if (d.end > hi) hi = d.end; }
-  const pad = (hi - lo) / 4n + 1000n;
   // the source's and destinations' tracks pinned on top, every group collapsed: the
   // arrows between them in one view
   const ids = [src.track, ...dst.map((d) => d.track)];
@@ -457,7 +457,7 @@ _SELECT_JS = r"""(async () => {
   }
   app.trace.selection.selectSqlEvent('slice', src.id);
   await new Promise((r) => setTimeout(r, 300));
-  app.trace.scrollTo({time: {start: lo - pad, end: hi + pad}});
+  app.trace.scrollTo({time: {start: lo, end: hi, viewPercentage: 0.7}});
   return {id: src.id, ts: Number(src.ts), end: Number(hi), arrows: dst.length,
           pinned: w.pinnedTracks.map((p) => String(p.name))};
 })()"""
