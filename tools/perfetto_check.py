@@ -21,8 +21,12 @@ It loads the file and checks, by Perfetto's SQL (tables ``stats``, ``slice``, ``
   destination's, to the destination's start);
 - each IPU's busy time (its depth-0 slices) equals what ``ipu-emulator trace`` says.
 
-Exit status: 0 all good, 1 a problem (each printed), 2 the trace processor is not here
-or could not read the file.
+With ``--ui`` it then opens each file in Perfetto's UI (the same build) in headless
+Chromium and reports what the UI shows: its errors, a screenshot, the track titles
+(``tools/perfetto_ui.py``).
+
+Exit status: 0 all good, 1 a problem (each printed), 2 the trace processor (or, with
+``--ui``, Chromium or the UI build) is not here, or a file could not be read.
 """
 
 from __future__ import annotations
