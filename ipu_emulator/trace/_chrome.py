@@ -321,6 +321,7 @@ class _Lanes:
         self.runners = runners          # replica life key -> (runner label, model)
         self.ends: dict[tuple[int, int], list[tuple[int, int]]] = {}
         self.names: dict[int, str] = {}
+        self.order: dict[int, tuple[int, str, int, int]] = {}   # tid -> where it sorts
 
     def place(self, key: int, replica: int, start: int, end: int) -> int:
         runner, model = self.runners.get(key, ("runner ?", ""))
@@ -335,7 +336,20 @@ class _Lanes:
             k = len(ends) - 1
             self.names[tid] = (f"{runner} · model {model or '?'} · replica {replica} requests"
                                + (f" (lane {k + 1})" if k else ""))
+            number = runner.rsplit(" ", 1)[-1]
+            self.order[tid] = (int(number) if number.isdigit() else 1 << 30, runner, replica, k)
         return tid
+
+    def renumber(self, events: list[dict[str, Any]], pid: int) -> None:
+        """Give the lanes their ids in the order of runner, replica and lane (they were
+        made as requests came): Perfetto lists a process's threads by id, so each
+        replica's lanes are listed together, in order."""
+        new = {tid: self.base + k for k, tid in enumerate(sorted(self.order,
+                                                                  key=self.order.__getitem__))}
+        for e in events:
+            if e["pid"] == pid and e.get("tid") in new:
+                e["tid"] = new[e["tid"]]
+        self.names = {new[tid]: name for tid, name in self.names.items()}
 
 
 def _runners(events: list[tuple[Any, ...]]) -> tuple[
@@ -418,6 +432,7 @@ def merge(pid: int, role: str, events: list[tuple[Any, ...]], dropped: int,
             loopback.setdefault(ident, []).append((ts, dur, code, 0, *payload))
     for ident, records in loopback.items():
         _ipu_events(out, IpuRecords(pid, -1, records, 0), window, tid_of.get(ident, 0))
+    lanes.renumber(out.events, pid)
     for tid, name in lanes.names.items():
         out.meta("thread_name", pid, tid, {"name": name})
     depth = out.depth

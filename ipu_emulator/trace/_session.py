@@ -165,11 +165,14 @@ def stop() -> dict[str, Any]:
 
 def write(trace: dict[str, Any], path: str) -> None:
     """Write ``trace`` to ``path`` atomically, never through a link (``safe_files.AtomicFile``:
-    a new ``O_EXCL`` temporary file renamed over it)."""
+    a new ``O_EXCL`` temporary file renamed over it). Text is UTF-8, not ``\\uXXXX``
+    escapes: Perfetto's JSON reader keeps those as they are (a name's ``·`` would show
+    as ``\\u00b7``); what cannot be encoded (a lone surrogate) becomes ``?``."""
     folder = os.path.dirname(path) or "."
     os.makedirs(folder, exist_ok=True)
     with safe_files.AtomicFile(path) as f:
-        f.write(json.dumps(trace, separators=(",", ":")).encode("utf-8"))
+        f.write(json.dumps(trace, separators=(",", ":"), ensure_ascii=False)
+                .encode("utf-8", "replace"))
     _log.info("trace written to %s (%d events)", path, len(trace["traceEvents"]))
 
 
