@@ -53,6 +53,9 @@ class SessionCore(Protocol):
         has not, check the Main anchors are connected, send the stream modes; the Main
         programs (device lock held)."""
 
+    def finish_main(self, dev: "Device") -> None:
+        """After the LOOP: wait for the load programs prepare_main sent ahead of it."""
+
     def push_modes(self) -> None:
         """Send the stream modes now if the session is loaded and active."""
 
@@ -129,6 +132,9 @@ class DirectStreams:
                     outer.set_exception(exc)
             inner.add_done_callback(done)
             self._loop = outer
+            # the load programs, if sent ahead of the loop: their failure is raised here
+            # (the loop then runs until stop() or close(), as after any start)
+            session.finish_main(dev)
             return outer
 
     def loop_running(self) -> bool:

@@ -33,28 +33,41 @@ _log = logging.getLogger("host_runtime.session._session")
 class Runs:
     """The RUN requests of one session (see the module docstring)."""
 
-    __slots__ = ("_streams", "_loader", "_abandoned")
+    __slots__ = ("_streams", "_loader", "_abandoned", "_ahead")
 
     def __init__(self, streams: StreamTable, loader: Loader) -> None:
         self._streams = streams
         self._loader = loader
+        # load programs sent ahead of Main's loop (prepare_main), and their binding: waited
+        # for by finish_main
+        self._ahead: tuple[Any, Binding] | None = None
         # a run whose caller an exception (KeyboardInterrupt, a signal handler's) took away
         # while it waited: it goes on on the device; the next run waits for it first
         self._abandoned: tuple[Any, str] | None = None
 
-    def prime(self, dev: Device, binding: Binding) -> None:
-        """Before Main: run the load programs if they have not run since the LOAD."""
+    def prime(self, dev: Device, binding: Binding, ahead: bool = False) -> None:
+        """Before Main: run the load programs if they have not run since the LOAD.
+        ``ahead``: where no callback of this session can run, send them and go on
+        (:meth:`finish_main` waits for them)."""
+        if self._ahead is not None:   # sent ahead of a loop that did not start: wait now
+            self.finish_main(dev)
         if binding.phase is Phase.LOADED:
-            self.run(dev, binding, self._streams.flow.load(), "load programs")
+            progs = self._streams.flow.load()
+            if ahead and progs and not self._streams.serviced():
+                self._streams.check_connected(progs)
+                self._ahead = (self._start(dev, binding, progs), binding)
+                return
+            self.run(dev, binding, progs, "load programs")
             binding.move(PhaseEvent.LOAD_PROGRAMS_RAN)
 
     def prepare_main(self, dev: Device, binding: Binding) -> list[int]:
-        """Before the main loop: the load programs if they have not run since the LOAD, the
-        Main anchors checked connected, the constants and modes sent; the Main programs."""
+        """Before the main loop: the load programs if they have not run since the LOAD
+        (sent ahead of the loop where they can be, see :meth:`prime`), the Main anchors
+        checked connected, the constants and modes sent; the Main programs."""
         main = self._streams.flow.main()
         if not main:
             raise InvalidStateError("the model has no main programs")
-        self.prime(dev, binding)
+        self.prime(dev, binding, ahead=True)
         self._streams.check_connected(main)
         self._loader.sync_constants(dev, binding, main)
         self._loader.send_modes(dev, binding)
@@ -67,15 +80,32 @@ class Runs:
         self._streams.check_connected(progs)
         self.send(dev, binding, progs, what)
 
+    def finish_main(self, dev: Device) -> None:
+        """After Main's LOOP was sent: wait for the load programs sent ahead of it (their
+        error raised as a run's; the loop, sent after them, is the caller's to stop)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            fut, binding = ahead
+            self._finish(dev, fut, "load programs")
+            binding.move(PhaseEvent.LOAD_PROGRAMS_RAN)
+
     def send(self, dev: Device, binding: Binding, progs: Sequence[int], what: str) -> None:
         """RUN ``progs`` on ``dev`` and wait for them (``what``: how errors name them),
         after an abandoned run, with the constant inputs and modes brought up to date."""
+        self._finish(dev, self._start(dev, binding, progs), what)
+
+    def _start(self, dev: Device, binding: Binding, progs: Sequence[int]) -> Any:
+        """RUN ``progs`` (after an abandoned run, with the constants and modes brought up to
+        date); its future."""
         if self._abandoned is not None:
             self._finish_abandoned(dev)
         self._loader.sync_constants(dev, binding, progs)
         self._loader.send_modes(dev, binding)
         self._streams.clear_callback_errors()
-        fut = dev.link.request(Op.RUN, list(progs))
+        return dev.link.request(Op.RUN, list(progs))
+
+    def _finish(self, dev: Device, fut: Any, what: str) -> None:
+        """Wait for the run of ``fut``; its failure (or a callback's) raised."""
         try:
             wait(fut, None, f"{what} on {dev.describe()}", pids=dev.pids(),
                  progress=lambda: dev.link.progress,

@@ -103,6 +103,9 @@ class _FastPathSide:
     def prepare_main(self, dev: Device) -> list[int]:
         return self._session()._prepare_main(dev)
 
+    def finish_main(self, dev: Device) -> None:
+        self._session()._runs.finish_main(dev)   # (device lock held)
+
     def push_modes(self) -> None:
         self._session()._push_modes()
 

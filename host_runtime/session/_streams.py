@@ -281,6 +281,13 @@ class StreamTable:
             with self._lock:
                 self.user_cbs[h] = cb
 
+    def serviced(self) -> bool:
+        """Whether a program may call back into this process: a stream served by events
+        (MODE_EVENT) that is not a constant input (those the device reads in place)."""
+        constants = self.constants()
+        return any(m == MODE_EVENT and a.handle() not in constants
+                   for a, m in zip(self.streams, self.modes()))
+
     def modes(self) -> list[int]:
         """The device-side mode of each stream (see ipu_emulator.ipu_protocol)."""
         modes = []
