@@ -47,13 +47,14 @@ class Runs:
 
     def prime(self, dev: Device, binding: Binding, ahead: bool = False) -> None:
         """Before Main: run the load programs if they have not run since the LOAD.
-        ``ahead``: where no callback of this session can run, send them and go on
-        (:meth:`finish_main` waits for them)."""
+        ``ahead``: where no callback of this session can run in them or in Main, send them
+        and go on (:meth:`finish_main` waits for them)."""
         if self._ahead is not None:   # sent ahead of a loop that did not start: wait now
             self.finish_main(dev)
         if binding.phase is Phase.LOADED:
-            progs = self._streams.flow.load()
-            if ahead and progs and not self._streams.serviced():
+            flow = self._streams.flow
+            progs = flow.load()
+            if ahead and progs and not self._streams.serviced(list(progs) + list(flow.main())):
                 self._streams.check_connected(progs)
                 self._ahead = (self._start(dev, binding, progs), binding)
                 return

@@ -281,11 +281,13 @@ class StreamTable:
             with self._lock:
                 self.user_cbs[h] = cb
 
-    def serviced(self) -> bool:
-        """Whether a program may call back into this process: a stream served by events
-        (MODE_EVENT) that is not a constant input (those the device reads in place)."""
-        constants = self.constants()
+    def serviced(self, progs: Sequence[int]) -> bool:
+        """Whether one of ``progs`` may call back into this process: a stream of theirs
+        served by events (MODE_EVENT) that is not a constant input (those the device
+        reads in place)."""
+        constants, wanted = self.constants(), set(progs)
         return any(m == MODE_EVENT and a.handle() not in constants
+                   and not wanted.isdisjoint(a.programs())
                    for a, m in zip(self.streams, self.modes()))
 
     def modes(self) -> list[int]:
