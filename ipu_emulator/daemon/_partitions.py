@@ -4,8 +4,10 @@ A partition is a named set of the pool's IPUs, made by ``vipu create partition
 NAME --size N``: N a power of two (as V-IPU requires), the IPUs an aligned block
 of the pool no other partition has (so the partition's IPUs are one of the
 pool's multi-IPU devices, as a real partition is one IPU-Link domain). The daemon
-keeps its partitions in memory for its life: they outlive the client that made
-them and are gone when the daemon stops.
+keeps its partitions in its home (``partitions.json``, rewritten whole at each
+change, private to its user), as a V-IPU controller keeps them: they outlive the
+client that made them and the daemon itself; a daemon started on that home takes
+them back, less any that no longer fits its pool (a smaller ``--num-ipus``: logged).
 
 A host attaching with ``"partition": NAME`` may only take that partition's IPUs;
 a host attaching without one may not take a partitioned IPU (it is answered busy,
@@ -28,11 +30,15 @@ where a partition is ``{"name","ipus","size","reconfigurable","state","holders",
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 from ipu_emulator.daemon._pool import PooledIpu
+from ipu_emulator.safe_files import UnsafePathError, open_private_file, write_atomic
 
 __all__ = ["Partition", "PartitionTable", "NAME_PATTERN", "PARTITION_OPS"]
 
@@ -40,6 +46,11 @@ NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 """A partition's name: letters, digits, ``.``, ``_``, ``-``; 1..64 characters."""
 
 PARTITION_OPS = ("partition_create", "partition_list", "partition_get", "partition_remove")
+
+FILE_NAME = "partitions.json"
+"""The file in the daemon's home that keeps its partitions."""
+
+_log = logging.getLogger("ipu_emulator.daemon.server")
 
 
 def _error(kind: str, message: str) -> dict[str, Any]:
@@ -57,9 +68,22 @@ class Partition:
 class PartitionTable:
     """The daemon's partitions over its pool ``ipus`` (event loop only)."""
 
-    def __init__(self, ipus: Sequence[PooledIpu]) -> None:
+    def __init__(self, ipus: Sequence[PooledIpu], path: str | None = None) -> None:
         self._pool = ipus
         self._parts: dict[str, Partition] = {}
+        self._path = path   # where they are kept (None: in memory only)
+        if path is not None:
+            for p in _read(path, len(ipus)):
+                self._parts[p.name] = p
+
+    def _save(self) -> None:
+        if self._path is None:
+            return
+        doc = {"version": 1, "partitions": [
+            {"name": p.name, "ipus": list(p.ipus), "reconfigurable": p.reconfigurable,
+             "created_by": p.created_by} for p in sorted(self._parts.values(),
+                                                         key=lambda p: p.ipus)]}
+        write_atomic(self._path, (json.dumps(doc, indent=1) + "\n").encode(), mode=0o600)
 
     def owner_of(self, ipu: int) -> str | None:
         """The partition ``ipu`` belongs to, if any."""
@@ -119,6 +143,7 @@ class PartitionTable:
                           f"{info['holders']} (ipus {list(p.ipus)}); it can be removed once "
                           "they release it")
         del self._parts[name]
+        self._save()
         info["state"] = "removed"
         return {"ok": True, "partition": info}
 
@@ -146,7 +171,64 @@ class PartitionTable:
             block = tuple(range(start, start + size))
             if taken.isdisjoint(block):
                 self._parts[name] = Partition(name, block, reconfigurable, pid)
+                try:
+                    self._save()
+                except OSError as exc:   # not kept: not made
+                    del self._parts[name]
+                    return _error("failed", f"cannot keep partition {name!r} in "
+                                  f"{self._path}: {exc}")
                 return {"ok": True, "partition": self.describe(self._parts[name])}
         return _error("partition_size", f"cannot create partition {name!r} of size {size}: no "
                       f"aligned block of {size} IPU(s) of the {n} is outside the other "
                       f"partitions ({', '.join(sorted(self._parts))})")
+
+
+def _read(path: str, pool: int) -> list[Partition]:
+    """The partitions kept at ``path`` that fit a pool of ``pool`` IPUs (none if there is
+    no file); what cannot be taken back is logged and left out."""
+    try:
+        fd = open_private_file(path, os.O_RDONLY, what="daemon home")
+    except FileNotFoundError:
+        return []
+    except (OSError, UnsafePathError) as exc:
+        _log.warning("cannot read the partitions kept in %s (%s): starting with none", path,
+                     exc)
+        return []
+    try:
+        with os.fdopen(fd, "rb") as f:
+            doc = json.loads(f.read(1 << 20))
+        entries = doc["partitions"] if doc.get("version") == 1 else None
+        if not isinstance(entries, list):
+            raise ValueError(f"expected version 1 and a list of partitions, got "
+                             f"{str(doc)[:100]}")
+    except (OSError, ValueError, KeyError, AttributeError, TypeError) as exc:
+        _log.warning("the partitions file %s is unreadable (%s): starting with none", path,
+                     exc)
+        return []
+    kept: list[Partition] = []
+    taken: set[int] = set()
+    for e in entries:
+        p = _entry(e)
+        n = len(p.ipus) if p is not None else 0
+        if (p is None or n & (n - 1) or p.ipus[0] % n
+                or p.ipus != tuple(range(p.ipus[0], p.ipus[0] + n)) or p.ipus[-1] >= pool
+                or not taken.isdisjoint(p.ipus) or any(k.name == p.name for k in kept)):
+            _log.warning("partition %.200r of %s left out: not an aligned block of a power "
+                         "of two of this pool's %d IPUs outside the others", e, path, pool)
+            continue
+        taken.update(p.ipus)
+        kept.append(p)
+    return kept
+
+
+def _entry(e: Any) -> Partition | None:
+    if not isinstance(e, dict):
+        return None
+    name, ipus = e.get("name"), e.get("ipus")
+    reconf, by = e.get("reconfigurable", False), e.get("created_by", 0)
+    if (not isinstance(name, str) or not NAME_PATTERN.fullmatch(name)
+            or not isinstance(ipus, list) or not ipus
+            or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ipus)
+            or not isinstance(reconf, bool) or not isinstance(by, int)):
+        return None
+    return Partition(name, tuple(ipus), reconf, by)

@@ -54,6 +54,7 @@ from ipu_emulator.daemon import socket_protocol as wire
 from ipu_emulator.daemon.daemon_metrics import DaemonMetrics
 from ipu_emulator.daemon._attach import Conn, attach, error, release, release_soon
 from ipu_emulator.daemon._keeper import ProcessKeeper
+from ipu_emulator.daemon._partitions import FILE_NAME as PARTITIONS_FILE
 from ipu_emulator.daemon._partitions import PARTITION_OPS, PartitionTable
 from ipu_emulator.daemon._pool import PooledIpu
 from ipu_emulator.ipu.launcher import IpuSpec
@@ -105,7 +106,8 @@ class Daemon:
             ipu.faults = [self.fault_table.name]
         self.metrics = DaemonMetrics(self, metrics_port, metrics_address)
         self.keeper = ProcessKeeper(self.ipus, self.metrics.died)
-        self.partitions = PartitionTable(self.ipus)   # V-IPU partitions (ipu-emulator vipu)
+        # V-IPU partitions (ipu-emulator vipu), kept in the home across daemons
+        self.partitions = PartitionTable(self.ipus, os.path.join(system.home, PARTITIONS_FILE))
 
     # -- lifecycle ------------------------------------------------------------------------
 

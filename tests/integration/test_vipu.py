@@ -235,3 +235,43 @@ def test_epilog_refuses_a_partition_in_use(env: VipuClient, monkeypatch):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert env.list() == []
+
+
+def test_partitions_outlive_the_daemon_in_its_home(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # a V-IPU controller keeps its partitions; so does the daemon, in its home: a daemon
+    # started on the same home takes them back, less one its smaller pool cannot hold
+    home = tmp_path / "home"
+    first = DaemonRig(tmp_path / "a", num_ipus=4, home=home)
+    try:
+        client = VipuClient(first.socket)
+        client.create("job-a", 2)
+        client.create("job-b", 1, reconfigurable=True)
+        client.create("gone", 1)
+        client.remove("gone")
+    finally:
+        first.stop()
+    kept = json.loads((home / "partitions.json").read_text())
+    assert [p["name"] for p in kept["partitions"]] == ["job-a", "job-b"]
+    assert (home / "partitions.json").stat().st_mode & 0o077 == 0
+    second = DaemonRig(tmp_path / "b", num_ipus=4, home=home)
+    try:
+        parts = {p["name"]: p for p in VipuClient(second.socket).list()}
+        assert {n: (p["ipus"], p["reconfigurable"], p["state"]) for n, p in parts.items()} == {
+            "job-a": ([0, 1], False, "free"), "job-b": ([2], True, "free")}
+        # a host inside a kept partition gets its IPUs
+        monkeypatch.setenv(wire.ENV_VAR, second.socket)
+        monkeypatch.setenv("IPUOF_VIPU_API_PARTITION_ID", "job-a")
+        monkeypatch.setenv("HOME", str(tmp_path))
+        with DeviceManager().getDevice(2) as dev:
+            assert held_by(second, os.getpid()) == [0, 1]
+            assert dev.numIpus() == 2
+    finally:
+        second.stop()
+    # a pool of 2 cannot hold job-b's ipu 2: it is left out, named in the log
+    third = DaemonRig(tmp_path / "c", num_ipus=2, home=home)
+    try:
+        assert [p["name"] for p in VipuClient(third.socket).list()] == ["job-a"]
+    finally:
+        third.stop()
+    assert any("'job-b'" in line and "left out" in line for line in third.lines)
