@@ -88,6 +88,11 @@ def _map(fd: int, size: int, prefault: bool, fresh: bool, name: str,
     return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=prot)
 
 
+_MEMORY_CHECK_BYTES = 1 << 20
+"""Regions pre-faulted from this size up are checked against the memory available (a
+smaller one cannot bring in the OOM killer; reading /proc/meminfo costs more than it)."""
+
+
 def _check_room(size: int, prefault: bool) -> None:
     """Refuse a region that /dev/shm (or, to fault it in now, memory) cannot hold.
 
@@ -99,7 +104,7 @@ def _check_room(size: int, prefault: bool) -> None:
         return
     if size > room[0]:
         raise limits.shm_full(f"creating a shared-memory region of {size} bytes", size)
-    if prefault:
+    if prefault and size >= _MEMORY_CHECK_BYTES:
         available = limits.memory_available()
         if size > available:
             raise ShmFullError(f"cannot create a shared-memory region of {size} bytes: "

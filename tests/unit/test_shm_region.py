@@ -131,3 +131,29 @@ def test_region_larger_than_dev_shm_is_refused_up_front() -> None:
                        rf"region of {too_big} bytes: {too_big} bytes needed, /dev/shm has "
                        r"\d+ bytes free of \d+; free it \(ipu-emulator cleanup"):
         Region.create(too_big, prefault=False)
+
+
+def test_only_a_large_prefaulted_region_is_checked_against_available_memory(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # pre-faulting a region larger than the memory left would bring in the OOM killer:
+    # refused, naming it; a small one (rings, specs) is not worth reading /proc/meminfo for
+    from shm import limits
+    from shm.errors import ShmFullError
+
+    asked: list[int] = []
+
+    def none_left() -> int:
+        asked.append(1)
+        return 0
+    monkeypatch.setattr(limits, "memory_available", none_left)
+    small = Region.create(4096)
+    small.close()
+    small.unlink()
+    assert asked == []
+    with pytest.raises(ShmFullError, match=r"region of 2097152 bytes: only 0 bytes of memory"):
+        Region.create(2 << 20)
+    assert asked == [1]
+    big = Region.create(2 << 20, prefault=False)   # not faulted in now: not asked
+    big.close()
+    big.unlink()
+    assert asked == [1]
