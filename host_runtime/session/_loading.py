@@ -63,6 +63,7 @@ class Loader:
         # values in one region shared by every session of the same values
         # (host_runtime.session._constants); those the device was last loaded with
         self._constants: SharedConstants | None = None
+        self._constants_of: ConstantInputs = {}   # the inputs whose values it holds
         self._constants_loaded: ConstantInputs = {}
         self._sharded: ShardedLoad | None = None   # a multi-IPU executable's resources
 
@@ -93,6 +94,31 @@ class Loader:
                 # constants in place): ipu_emulator.ipu._constants.memory_ranges
                 self._memory_region = Region.create(size, kind="mem", prefault=False,
                                                     backed=0)
+        if dev is None and self._spec_region is None and self._header.num_ipus == 1:
+            self._prepare_load()
+
+    def _prepare_load(self) -> None:
+        """While the device attaches: the constants region and the LOAD's spec region, as
+        far as they are known without the device (load() rewrites the spec in place)."""
+        constants = self._streams.constants()
+        if constants:
+            self._constants = shared_constants({h: v for h, (_, v) in constants.items()})
+            self._constants_of = constants
+        self._spec_region = load_spec_region(
+            None, self._spec(True, self._streams.modes(), self._weights_file(None)),
+            memoryview(self._exe)[:self._weights_at])
+
+    def _spec(self, fresh: bool, modes: list[int], weights_file: WeightsFile | None
+              ) -> LoadSpec:
+        return LoadSpec(
+            key=self._key, fresh=bool(fresh), executable_size=self._weights_at,
+            memory_region=self._memory_region.name if self._memory_region else None,
+            check_package_hash=bool(self._config.check_package_hash),
+            streams=self._streams.load_spec(modes), prepack=bool(self._settings.prepack),
+            weights_file=weights_file,
+            weights_region=(self._weights.name if weights_file is None
+                            and self._weights is not None else None),
+            constants=self._constants.spec() if self._constants is not None else None)
 
 
     def load(self, dev: Device, binding: Binding, fresh: bool,
@@ -120,17 +146,9 @@ class Loader:
         weights_file = self._weights_file(dev)
         if weights_file is None:
             self.share_weights(dev)
-        spec = LoadSpec(
-            key=self._key, fresh=bool(fresh), executable_size=self._weights_at,
-            memory_region=self._memory_region.name if self._memory_region else None,
-            check_package_hash=bool(self._config.check_package_hash),
-            streams=self._streams.load_spec(modes), prepack=bool(self._settings.prepack),
-            weights_file=weights_file,
-            weights_region=(self._weights.name if weights_file is None
-                            and self._weights is not None else None),
-            constants=self._constants.spec() if self._constants is not None else None)
         # the executable stays where it is; only "fresh", modes and weights change
-        self._spec_region = load_spec_region(self._spec_region, spec,
+        self._spec_region = load_spec_region(self._spec_region,
+                                             self._spec(fresh, modes, weights_file),
                                              memoryview(self._exe)[:self._weights_at])
         load: dict[str, Any] = {"spec_region": self._spec_region.name}
         if self._fault_table is not None:
@@ -154,12 +172,12 @@ class Loader:
             only = self._streams.load_only
             constants = {**{h: cv for h, cv in constants.items() if h not in only},
                          **{h: cv for h, cv in self._constants_loaded.items() if h in only}}
-        same = constants.keys() == self._constants_loaded.keys() and all(
-            cv is self._constants_loaded[h] for h, cv in constants.items())
+        same = _identical(constants, self._constants_loaded)
         if not constants:
-            self._constants = None
-        elif self._constants is None or not same:
+            self._constants, self._constants_of = None, {}
+        elif self._constants is None or not (same or _identical(constants, self._constants_of)):
             self._constants = shared_constants({h: v for h, (_, v) in constants.items()})
+            self._constants_of = constants
         return constants, same
 
     def sync_constants(self, dev: Device, binding: Binding, progs: Sequence[int]) -> None:
@@ -255,10 +273,15 @@ class Loader:
                 region.unlink()
         self._spec_region = self._memory_region = None
         self._weights = None   # the last session of these weights frees their region
-        self._constants = None   # and of these constants
+        self._constants, self._constants_of = None, {}   # and of these constants
         if self._sharded is not None:
             self._sharded.close()
             self._sharded = None
+
+
+def _identical(a: ConstantInputs, b: ConstantInputs) -> bool:
+    """The same inputs, each fed by the same callback and value objects."""
+    return a.keys() == b.keys() and all(cv is b[h] for h, cv in a.items())
 
 
 def _weights_span(exe: bytes | memoryview, header: ExecutableHeader) -> tuple[int, int]:
