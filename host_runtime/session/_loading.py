@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 
 from shm import Region
 
-from host_runtime.devices import Device, ShardedLoad, load_spec_region, translated
+from host_runtime.devices import Device, ShardedLoad, load_spec_region, translated, wait
 from host_runtime.errors import BadRequestError, PopefError
 from host_runtime.popef.reader import file_identity as popef_file_identity
 from host_runtime.popef.reader import file_span as popef_file_span
@@ -66,6 +66,10 @@ class Loader:
         self._constants_of: ConstantInputs = {}   # the inputs whose values it holds
         self._constants_loaded: ConstantInputs = {}
         self._sharded: ShardedLoad | None = None   # a multi-IPU executable's resources
+        # the fast path's LOAD is not waited for where it is sent (``defer``): the next run
+        # (or LOAD) waits for it first (:meth:`settle`); its future and device meanwhile
+        self.defer = False
+        self._loading: tuple[Any, Device] | None = None
 
     @property
     def memory_region(self) -> Region | None:
@@ -126,7 +130,9 @@ class Loader:
         """Send LOAD to ``dev`` (the caller holds its lock and is its active session; the
         caller moves ``binding`` to its next phase). ``keep_load_constants``: the constant
         inputs only Load programs read stay those of the last LOAD (no Load program runs
-        before the next request)."""
+        before the next request). With ``defer`` set (the fast path), a single-IPU LOAD is
+        sent and waited for by :meth:`settle` (its requests follow it on the ring)."""
+        self.settle()
         self.ensure_resources(dev)
         header = self._header
         wrong = misfit(header.name, header.ipu_version,
@@ -153,15 +159,28 @@ class Loader:
         load: dict[str, Any] = {"spec_region": self._spec_region.name}
         if self._fault_table is not None:
             load["faults"] = [self._fault_table.name]
+        self._loading = (dev.link.request(Op.LOAD, load), dev)
+        if not self.defer:
+            self.settle()
+        binding.modes_sent = modes
+        self._constants_loaded = constants
+
+    def settle(self) -> None:
+        """Wait for the LOAD sent last, if it has not been waited for (its error raised as
+        the LOAD's, within ``load_timeout`` and the host sync timeout)."""
+        loading, self._loading = self._loading, None
+        if loading is None:
+            return
+        fut, dev = loading
         try:
-            dev.link.call(Op.LOAD, load, timeout=self._settings.load_timeout)
+            wait(fut, self._settings.load_timeout, f"LOAD on {dev.describe()}",
+                 pids=dev.pids(), progress=lambda: dev.link.progress,
+                 sync=dev.link.sync_timeout)
         finally:
             if self._settings.prepack:
                 # the IPU process keeps its own (prepacked) copy and let go of the shared
                 # one: the region lives only while a session of these weights loads
                 self._weights = None
-        binding.modes_sent = modes
-        self._constants_loaded = constants
 
     def _constants_to_load(self, keep_load_constants: bool) -> tuple[ConstantInputs, bool]:
         """The constant inputs the next LOAD names (handle -> (callback, value)), their
@@ -272,6 +291,7 @@ class Loader:
                 region.close()
                 region.unlink()
         self._spec_region = self._memory_region = None
+        self._loading = None   # (a LOAD nobody waited for: the device goes too)
         self._weights = None   # the last session of these weights frees their region
         self._constants, self._constants_of = None, {}   # and of these constants
         if self._sharded is not None:

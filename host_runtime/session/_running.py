@@ -84,6 +84,7 @@ class Runs:
     def finish_main(self, dev: Device) -> None:
         """After Main's LOOP was sent: wait for the load programs sent ahead of it (their
         error raised as a run's; the loop, sent after them, is the caller's to stop)."""
+        self._loader.settle()   # a LOAD the fast path sent: its error comes first
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
             fut, binding = ahead
@@ -92,7 +93,9 @@ class Runs:
 
     def send(self, dev: Device, binding: Binding, progs: Sequence[int], what: str) -> None:
         """RUN ``progs`` on ``dev`` and wait for them (``what``: how errors name them),
-        after an abandoned run, with the constant inputs and modes brought up to date."""
+        after the LOAD and an abandoned run, with the constant inputs and modes brought up
+        to date."""
+        self._loader.settle()
         self._finish(dev, self._start(dev, binding, progs), what)
 
     def _start(self, dev: Device, binding: Binding, progs: Sequence[int]) -> Any:

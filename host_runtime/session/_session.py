@@ -95,7 +95,13 @@ class _FastPathSide:
         return None if session is None else session.device()
 
     def require_device(self) -> Device:
-        return self._session()._require_device()
+        # the fast path's LOAD is waited for by the next run, not here: its runs follow it
+        loader = self._session()._loader
+        loader.defer = True
+        try:
+            return self._session()._require_device()
+        finally:
+            loader.defer = False
 
     def activate(self) -> None:
         self._session()._activate()
