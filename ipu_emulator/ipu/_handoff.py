@@ -13,7 +13,7 @@ import logging
 from dataclasses import replace
 from typing import Any, Protocol
 
-from shm import Ring, cleanup, pid_alive
+from shm import Ring, cleanup
 from shm import ring as ring_waits
 
 from ipu_emulator.ipu._control import ControlWire
@@ -54,6 +54,9 @@ class ClientHandOff:
         self._apart = apart
         self._known = known
         self._own = {dev.opts.control, dev.opts.events}   # never the client's
+        # True from a drop_client until the next host, or a request, uses this process: a
+        # HOST(pid) right after a HOST(0) then has nothing to drop
+        self.idle = False
 
     def hand_to(self, pid: int, body: Any) -> None:
         """HOST: forget the previous host, reset the control ring, serve ``pid`` (0: none).
@@ -73,31 +76,46 @@ class ClientHandOff:
                 or not isinstance(label, str)):
             raise _RequestError(ErrorKind.PROTOCOL, f"HOST needs a pid >= 0, num_ipus in "
                                 f"1..64 and a str label, got {pid}, {num_ipus!r}, {label!r}")
-        self.drop_client()
+        if not self.idle:   # else HOST(0) dropped the last host and nothing came since
+            self.drop_client()
         self._faults.set_daemon_tables(body.get("faults"))
         dev.opts = replace(dev.opts, num_ipus=num_ipus, label=label)
         self._control.reset()
-        self._watch.set_client(pid)
         host = dev.opts.host_pid
         self._apart.host_pid = pid or host
-        self._events.set_peer(pid or host)
-        dev.set_title()
+        if pid:   # (0: drop_client set all this)
+            self._watch.set_client(pid)
+            self._watch_events(pid)
+            dev.set_title()
+            self.idle = False
         _log.info("%s now serves host %s", dev.opts.describe(), pid or "(none)")
+
+    def _watch_events(self, pid: int) -> None:
+        """The events ring's own watch of its reader (``pid``), where no watch thread
+        interrupts its waits when that process exits (``HostWatch.threaded``: the thread
+        watches the client already, and a second watch per hand-over is a pidfd and two
+        wake-ups of shm.liveness's thread for nothing)."""
+        if not self._watch.threaded:
+            self._events.set_peer(pid)
 
     def drop_client(self) -> None:
         """Close every executable of the current host; unlink its objects if it is dead."""
         old = self._watch.client
-        self._watch.set_client(0)
+        gone = bool(old) and self._watch.client_gone()
+        if old:
+            self._watch.set_client(0)
         ring_waits.resume_all()   # the waits the client's exit interrupted block again
-        self._dev.set_title()
+        if old:
+            self._dev.set_title()
         self._wire.drop_client()
         self._executables.close()
         self._faults.drop_host_tables()
-        self._events.set_peer(self._dev.opts.host_pid)
+        self._watch_events(self._dev.opts.host_pid)
         stale = self._known - self._own
         self._known.intersection_update(self._own)
-        if old and not pid_alive(old):
+        if gone:
             removed = sum(cleanup.unlink_named(name) for name in stale)
             removed += cleanup.unlink_created_by((old,), all_tags=True)
             _log.info("host %d died: removed %d of its shared-memory objects", old, removed)
+        self.idle = True
 

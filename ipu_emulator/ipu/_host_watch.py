@@ -28,7 +28,7 @@ import threading
 import time
 from typing import Callable
 
-from shm import PeerDiedError, PeerWatch
+from shm import PeerDiedError, PeerWatch, pid_alive
 from shm import ring as ring_waits
 
 from ipu_emulator.ipu._ending import Ending, RunEnded
@@ -113,6 +113,13 @@ class HostWatch:
         return Ending.CLIENT_GONE if self.client and exc.pid == self.client \
             else Ending.HOST_GONE
 
+    def client_gone(self) -> bool:
+        """Whether the client has exited by now (a zombie counts): asked of its pidfd (no
+        wait for the watch thread to notice), else of /proc."""
+        if self._thread is not None:
+            return self._thread.client_gone()
+        return self.client > 0 and not pid_alive(self.client)
+
     def set_client(self, pid: int) -> None:
         """Watch ``pid`` as the host this IPU is lent to (0: none) instead of the last."""
         self.client = pid
@@ -156,6 +163,15 @@ class _PidfdThread:
 
     def client_alive(self) -> bool:
         return not self._client_exited
+
+    def client_gone(self) -> bool:
+        with self._lock:
+            fd, exited = self._client_fd, self._client_exited
+        if exited or fd < 0:
+            return exited
+        poller = select.poll()   # readable once the process has exited
+        poller.register(fd, select.POLLIN)
+        return bool(poller.poll(0))
 
     def set_client(self, pid: int) -> None:
         fd, exited = -1, False

@@ -247,6 +247,8 @@ class DeviceProcess:
     def _dispatch(self, msg: Message) -> None:
         """Serve one request and answer it: DONE, or ERROR (MODES is not answered)."""
         op = msg.op
+        if op is not Op.HOST:
+            self._handoff.idle = False
         try:
             if op is Op.RUN or op is Op.LOOP:
                 self._scheduler.run(msg)
