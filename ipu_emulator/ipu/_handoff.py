@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from shm import Ring, cleanup
 from shm import ring as ring_waits
@@ -34,6 +34,7 @@ class PoolDevice(Protocol):
     """What the hand-off changes of the IPU process besides its parts."""
 
     opts: DeviceOptions   # num_ipus and label are the client's
+    later: list[Callable[[], None]]   # run once the request is answered
 
     def set_title(self) -> None: ...
 
@@ -77,7 +78,7 @@ class ClientHandOff:
             raise _RequestError(ErrorKind.PROTOCOL, f"HOST needs a pid >= 0, num_ipus in "
                                 f"1..64 and a str label, got {pid}, {num_ipus!r}, {label!r}")
         if not self.idle:   # else HOST(0) dropped the last host and nothing came since
-            self.drop_client()
+            self.drop_client(later=True)
         self._faults.set_daemon_tables(body.get("faults"))
         dev.opts = replace(dev.opts, num_ipus=num_ipus, label=label)
         self._control.reset()
@@ -86,7 +87,7 @@ class ClientHandOff:
         if pid:   # (0: drop_client set all this)
             self._watch.set_client(pid)
             self._watch_events(pid)
-            dev.set_title()
+            dev.later.append(dev.set_title)
             self.idle = False
         _log.info("%s now serves host %s", dev.opts.describe(), pid or "(none)")
 
@@ -98,19 +99,30 @@ class ClientHandOff:
         if not self._watch.threaded:
             self._events.set_peer(pid)
 
-    def drop_client(self) -> None:
-        """Close every executable of the current host; unlink its objects if it is dead."""
+    def drop_client(self, later: bool = False) -> None:
+        """Close every executable of the current host; unlink its objects if it is dead.
+
+        ``later``: the mappings of its executables (rings, regions, sessions) are closed,
+        and the title set, once the request is answered (``PoolDevice.later``): nothing
+        the next host could reach is left of them meanwhile."""
+        dev = self._dev
         old = self._watch.client
         gone = bool(old) and self._watch.client_gone()
         if old:
             self._watch.set_client(0)
         ring_waits.resume_all()   # the waits the client's exit interrupted block again
-        if old:
-            self._dev.set_title()
         self._wire.drop_client()
-        self._executables.close()
+        close = self._executables.detach()
+        if later:
+            dev.later.append(close)
+            if old:
+                dev.later.append(dev.set_title)
+        else:
+            close()
+            if old:
+                dev.set_title()
         self._faults.drop_host_tables()
-        self._watch_events(self._dev.opts.host_pid)
+        self._watch_events(dev.opts.host_pid)
         stale = self._known - self._own
         self._known.intersection_update(self._own)
         if gone:

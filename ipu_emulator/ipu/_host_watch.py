@@ -167,11 +167,7 @@ class _PidfdThread:
     def client_gone(self) -> bool:
         with self._lock:
             fd, exited = self._client_fd, self._client_exited
-        if exited or fd < 0:
-            return exited
-        poller = select.poll()   # readable once the process has exited
-        poller.register(fd, select.POLLIN)
-        return bool(poller.poll(0))
+        return exited or (fd >= 0 and _has_exited(fd))
 
     def set_client(self, pid: int) -> None:
         fd, exited = -1, False
@@ -196,12 +192,18 @@ class _PidfdThread:
                                         (self._client_fd, self._client_exited))
                     if fd >= 0 and not gone]
 
-    def _exited(self, fd: int) -> None:
+    def _exited(self, fd: int) -> bool:
+        """Note the exit ``fd`` reported, if it is still a watched pidfd and its process
+        has exited: set_client may have closed the one polled, and a new pidfd may have
+        taken its number since. Whether one was noted."""
         with self._lock:
+            if fd not in (self._host_fd, self._client_fd) or not _has_exited(fd):
+                return False
             if fd == self._host_fd:
                 self._host_exited = True
-            elif fd == self._client_fd:
+            else:
                 self._client_exited = True
+            return True
 
     def _run(self) -> None:
         while True:
@@ -217,11 +219,17 @@ class _PidfdThread:
             for fd, _ in ready:
                 if fd == self._wake_r:
                     bell = bell or DOORBELL in os.read(self._wake_r, 512)
-                else:
-                    self._exited(fd)
+                elif self._exited(fd):
                     bell = True
             if bell:
                 try:
                     ring_waits.interrupt_all()
                 except Exception:   # pragma: no cover - never let this thread die
                     _log.exception("interrupting the ring waits failed")
+
+
+def _has_exited(pidfd: int) -> bool:
+    """Whether the process of ``pidfd`` has exited (readable; a zombie counts)."""
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return any(ev & select.POLLIN for _, ev in poller.poll(0))

@@ -81,11 +81,22 @@ class Executables:
 
     def close(self) -> None:
         """Close every executable and the host memory views."""
-        for loaded in self.cache.values():
-            loaded.close()
+        self.detach()()
+
+    def detach(self) -> Callable[[], None]:
+        """Forget every executable and the host memory views now; what closes them
+        (their rings, regions and sessions), to call once (e.g. after the answer)."""
+        loaded = list(self.cache.values())
         self.cache.clear()
-        self.host_memory.close()
         self.active = None
+        regions = self.host_memory.detach()
+
+        def close() -> None:
+            for one in loaded:
+                one.close()
+            for region in regions:
+                region.close()
+        return close
 
 
 def _attach(name: str, what: str, readonly: bool = False) -> Region:

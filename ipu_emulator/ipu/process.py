@@ -106,6 +106,7 @@ class DeviceProcess:
         self._scheduler = Scheduler(self, self.control, self._wire, watch, self._apart,
                                     self._executables, self._faults, self._describe)
         self._current: Message | None = None   # the request being served
+        self.later: list[Callable[[], None]] = []   # run once it is answered (_handoff)
         self._handoff = ClientHandOff(self, self.control, self.events, watch, self._wire,
                                       self._executables, self._faults, self._apart,
                                       self.known)
@@ -225,6 +226,22 @@ class DeviceProcess:
         if msg.op is Op.SHUTDOWN:
             raise RunEnded(Ending.SHUTDOWN)
         self._current = msg
+        try:
+            self._serve_one(msg)
+        finally:
+            if self.later:
+                self._run_later()
+
+    def _run_later(self) -> None:
+        """What the request just answered left to do (``later``), in order."""
+        later, self.later = self.later, []
+        for fn in later:
+            try:
+                fn()
+            except Exception:   # pragma: no cover - closing a mapping, setting a title
+                _log.exception("after the answer: %r failed", fn)
+
+    def _serve_one(self, msg: Message) -> None:
         if recorder.ON:
             self._dispatch_traced(msg)
         else:

@@ -54,3 +54,39 @@ def test_a_polled_host_watch_ends_the_run_when_the_host_or_the_client_is_gone():
         watch.check()
     assert info.value.ending is Ending.HOST_GONE
     assert watch.after_interrupt() is Ending.HOST_GONE
+
+
+_THREADED_WATCH = """
+import os, subprocess, sys, time
+from ipu_emulator.ipu._host_watch import HostWatch
+client = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                          stdin=subprocess.PIPE)
+watch = HostWatch(os.getppid())
+thread = watch._thread
+assert watch.threaded and thread is not None
+watch.set_client(client.pid)
+fd = thread._client_fd
+# what the watch thread does with a descriptor its poll reported: an old client's pidfd
+# closed meanwhile and its number taken by the new client's is not an exit
+assert not thread._exited(fd) and watch.gone() is None and not watch.client_gone()
+assert not thread._exited(fd + 1000)   # no such descriptor
+client.stdin.close()
+client.wait()                           # exited (and reaped): its pidfd is readable
+assert watch.client_gone()
+for _ in range(2000):                   # the thread notes it (bounded)
+    if watch.gone() is not None:
+        break
+    time.sleep(0.001)
+assert watch.gone().name == "CLIENT_GONE"
+watch.set_client(0)
+assert watch.gone() is None and not watch.client_gone()
+print("ok")
+"""
+
+
+def test_the_watch_thread_notes_only_real_exits_of_the_pidfds_it_holds():
+    """A pidfd the watch thread was polling may be closed by set_client and its number
+    reused by the next client's: what the poll reported for it is checked again."""
+    out = subprocess.run([sys.executable, "-c", _THREADED_WATCH], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
