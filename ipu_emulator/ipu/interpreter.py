@@ -93,13 +93,18 @@ class Interpreter:
     tensor only they fill and no program writes is those bytes (its StreamIns are
     dropped, device memory is not written); one a program writes is copied from them at
     each of its StreamIns (``ipu_emulator.ipu._constants``, ``self.constants``).
+
+    ``validated``: ``exe`` was validated already and not changed since
+    (``Executable.from_bytes`` validates what it decodes): not checked again.
     """
 
     def __init__(self, exe: Executable, device_memory: memoryview | bytearray | None = None,
                  num_threads: int = 1, zero_copy: bool | None = None,
                  prepack: bool | None = None, weights_kept: bool = False,
-                 constants: Mapping[str, memoryview] | None = None) -> None:
-        exe.validate()
+                 constants: Mapping[str, memoryview] | None = None,
+                 validated: bool = False) -> None:
+        if not validated:
+            exe.validate()
         self.executable = exe
         self._memory = mem = _device_memory(exe, device_memory)
         consts = dict(constants or {})
