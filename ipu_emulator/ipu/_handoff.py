@@ -58,6 +58,18 @@ class ClientHandOff:
         # True from a drop_client until the next host, or a request, uses this process: a
         # HOST(pid) right after a HOST(0) then has nothing to drop
         self.idle = False
+        self._opts: dict[tuple[int, str], DeviceOptions] = {}   # by (num_ipus, label)
+
+    def _options(self, num_ipus: int, label: str) -> DeviceOptions:
+        """This process's options with the client's ``num_ipus`` and ``label`` (made once
+        for each pair: the daemon's at HOST(0) and the hosts' alternate)."""
+        opts = self._opts.get((num_ipus, label))
+        if opts is None:
+            if len(self._opts) >= 16:
+                self._opts.clear()
+            opts = self._opts[num_ipus, label] = replace(self._dev.opts, num_ipus=num_ipus,
+                                                         label=label)
+        return opts
 
     def hand_to(self, pid: int, body: Any) -> None:
         """HOST: forget the previous host, reset the control ring, serve ``pid`` (0: none).
@@ -80,7 +92,7 @@ class ClientHandOff:
         if not self.idle:   # else HOST(0) dropped the last host and nothing came since
             self.drop_client(later=True)
         self._faults.set_daemon_tables(body.get("faults"))
-        dev.opts = replace(dev.opts, num_ipus=num_ipus, label=label)
+        dev.opts = self._options(num_ipus, label)
         self._control.reset()
         host = dev.opts.host_pid
         self._apart.host_pid = pid or host
@@ -110,7 +122,8 @@ class ClientHandOff:
         gone = bool(old) and self._watch.client_gone()
         if old:
             self._watch.set_client(0)
-        ring_waits.resume_all()   # the waits the client's exit interrupted block again
+        if gone:   # the waits its exit interrupted block again (a wait that raises
+            ring_waits.resume_all()   # WaitInterrupted resumes them too: after_interrupt)
         self._wire.drop_client()
         close = self._executables.detach()
         if later:

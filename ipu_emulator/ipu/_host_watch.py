@@ -179,10 +179,11 @@ class _PidfdThread:
         with self._lock:
             old, self._client_fd = self._client_fd, fd
             self._client_exited = exited
-        try:
-            os.write(self._wake_w, b"x")   # the thread takes the new set
-        except BlockingIOError:   # full: it wakes anyway
-            pass
+        if fd >= 0:   # the thread takes the new set; none: it may poll the old one meanwhile
+            try:      # (an exit it reports then is checked against the set: _exited)
+                os.write(self._wake_w, b"x")
+            except BlockingIOError:   # full: it wakes anyway
+                pass
         if old >= 0:
             os.close(old)
 
