@@ -44,6 +44,7 @@ from ipu_emulator.ipu._stream_io import _Loaded, _RequestError, _Stream
 from ipu_emulator.ipu._weights_file import (Checksum, drop_pages, map_weights_file,
                                             same_file, unmap)
 from ipu_emulator.ipu_protocol import ErrorKind, LoadConstants, LoadSpec, LoadStream
+from ipu_emulator.settings import IpuSettings
 
 __all__ = ["Executables", "Loader", "constant_handles"]
 
@@ -148,8 +149,10 @@ class Loader:
     """Serves LOAD for one IPU process."""
 
     def __init__(self, options: Callable[[], DeviceOptions], executables: Executables,
-                 faults: FaultInjector, known: set[str]) -> None:
+                 faults: FaultInjector, known: set[str],
+                 settings: IpuSettings | None = None) -> None:
         self._options = options   # the current ones (pool mode changes them)
+        self._settings = settings if settings is not None else IpuSettings.current()
         self._executables = executables
         self._faults = faults
         self._known = known       # every shared-memory object name seen (cleanup)
@@ -321,10 +324,10 @@ class Loader:
     def _interpreter(self, spec: LoadSpec, exe: Executable, memory: memoryview | None,
                      constants: dict[str, memoryview] | None, from_file: bool) -> Any:
         prepack = True if from_file else spec.prepack
-        # decoded by Executable.from_bytes, which validates
-        kwargs: dict[str, Any] = {"validated": True}
-        if prepack is not None:
-            kwargs["prepack"] = prepack
+        # decoded by Executable.from_bytes, which validates; the settings read once
+        s = self._settings
+        kwargs: dict[str, Any] = {"validated": True, "zero_copy": s.zero_copy,
+                                  "prepack": s.prepack if prepack is None else prepack}
         if from_file:
             kwargs["weights_kept"] = True
         if constants is not None:

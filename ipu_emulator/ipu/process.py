@@ -85,6 +85,7 @@ class DeviceProcess:
     def __init__(self, opts: DeviceOptions, hooks: ProcessHooks | None = None) -> None:
         self.opts = opts
         self.hooks = hooks = hooks if hooks is not None else ProcessHooks()
+        self.settings = settings = IpuSettings.current()   # its launch's, read once
         self.control = Ring.attach(opts.control)
         self.events = Ring.attach(opts.events, prefault=False)
         # The events ring watches the host itself: a full ring must not block forever on
@@ -102,7 +103,8 @@ class DeviceProcess:
         self._wire = ControlWire(self.control, watch, opts.pool, self._apply_modes)
         self._faults = FaultInjector(self._wire, opts.ipu_id, hooks.pid is None,
                                      self._describe)
-        self._loader = Loader(self._options, self._executables, self._faults, self.known)
+        self._loader = Loader(self._options, self._executables, self._faults, self.known,
+                              settings)
         self._scheduler = Scheduler(self, self.control, self._wire, watch, self._apart,
                                     self._executables, self._faults, self._describe)
         self._current: Message | None = None   # the request being served
