@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
-from shm import Ring, cleanup, pid_alive
+from shm import Ring, cleanup
 from shm import ring as ring_waits
 
 from ipu_emulator.ipu._control import ControlWire
@@ -34,6 +34,7 @@ class PoolDevice(Protocol):
     """What the hand-off changes of the IPU process besides its parts."""
 
     opts: DeviceOptions   # num_ipus and label are the client's
+    later: list[Callable[[], None]]   # run once the request is answered
 
     def set_title(self) -> None: ...
 
@@ -54,6 +55,21 @@ class ClientHandOff:
         self._apart = apart
         self._known = known
         self._own = {dev.opts.control, dev.opts.events}   # never the client's
+        # True from a drop_client until the next host, or a request, uses this process: a
+        # HOST(pid) right after a HOST(0) then has nothing to drop
+        self.idle = False
+        self._opts: dict[tuple[int, str], DeviceOptions] = {}   # by (num_ipus, label)
+
+    def _options(self, num_ipus: int, label: str) -> DeviceOptions:
+        """This process's options with the client's ``num_ipus`` and ``label`` (made once
+        for each pair: the daemon's at HOST(0) and the hosts' alternate)."""
+        opts = self._opts.get((num_ipus, label))
+        if opts is None:
+            if len(self._opts) >= 16:
+                self._opts.clear()
+            opts = self._opts[num_ipus, label] = replace(self._dev.opts, num_ipus=num_ipus,
+                                                         label=label)
+        return opts
 
     def hand_to(self, pid: int, body: Any) -> None:
         """HOST: forget the previous host, serve ``pid`` (0: none, and the control ring
@@ -75,34 +91,61 @@ class ClientHandOff:
                 or not isinstance(label, str)):
             raise _RequestError(ErrorKind.PROTOCOL, f"HOST needs a pid >= 0, num_ipus in "
                                 f"1..64 and a str label, got {pid}, {num_ipus!r}, {label!r}")
-        self.drop_client()
+        if not self.idle:   # else HOST(0) dropped the last host and nothing came since
+            self.drop_client(later=True)
         self._faults.set_daemon_tables(body.get("faults"))
-        dev.opts = replace(dev.opts, num_ipus=num_ipus, label=label)
+        dev.opts = self._options(num_ipus, label)
         if not pid:
             # clean for the next host; HOST(pid) is not waited for: the host's first
             # requests may already follow it on the ring
             self._control.reset()
-        self._watch.set_client(pid)
         host = dev.opts.host_pid
         self._apart.host_pid = pid or host
-        self._events.set_peer(pid or host)
-        dev.set_title()
+        if pid:   # (0: drop_client set all this)
+            self._watch.set_client(pid)
+            self._watch_events(pid)
+            dev.later.append(dev.set_title)
+            self.idle = False
         _log.info("%s now serves host %s", dev.opts.describe(), pid or "(none)")
 
-    def drop_client(self) -> None:
-        """Close every executable of the current host; unlink its objects if it is dead."""
+    def _watch_events(self, pid: int) -> None:
+        """The events ring's own watch of its reader (``pid``), where no watch thread
+        interrupts its waits when that process exits (``HostWatch.threaded``: the thread
+        watches the client already, and a second watch per hand-over is a pidfd and two
+        wake-ups of shm.liveness's thread for nothing)."""
+        if not self._watch.threaded:
+            self._events.set_peer(pid)
+
+    def drop_client(self, later: bool = False) -> None:
+        """Close every executable of the current host; unlink its objects if it is dead.
+
+        ``later``: the mappings of its executables (rings, regions, sessions) are closed,
+        and the title set, once the request is answered (``PoolDevice.later``): nothing
+        the next host could reach is left of them meanwhile."""
+        dev = self._dev
         old = self._watch.client
-        self._watch.set_client(0)
-        ring_waits.resume_all()   # the waits the client's exit interrupted block again
-        self._dev.set_title()
+        gone = bool(old) and self._watch.client_gone()
+        if old:
+            self._watch.set_client(0)
+        if gone:   # the waits its exit interrupted block again (a wait that raises
+            ring_waits.resume_all()   # WaitInterrupted resumes them too: after_interrupt)
         self._wire.drop_client()
-        self._executables.close()
+        close = self._executables.detach()
+        if later:
+            dev.later.append(close)
+            if old:
+                dev.later.append(dev.set_title)
+        else:
+            close()
+            if old:
+                dev.set_title()
         self._faults.drop_host_tables()
-        self._events.set_peer(self._dev.opts.host_pid)
+        self._watch_events(dev.opts.host_pid)
         stale = self._known - self._own
         self._known.intersection_update(self._own)
-        if old and not pid_alive(old):
+        if gone:
             removed = sum(cleanup.unlink_named(name) for name in stale)
             removed += cleanup.unlink_created_by((old,), all_tags=True)
             _log.info("host %d died: removed %d of its shared-memory objects", old, removed)
+        self.idle = True
 

@@ -122,7 +122,13 @@ class HostMemory:
             _log.debug("unmapped host memory %s (freed by the host)", name)
 
     def close(self) -> None:
-        self._resolved.clear()
-        for region in self._regions.values():
+        for region in self.detach():
             region.close()
+
+    def detach(self) -> list[Region]:
+        """Forget every host region (none is mapped any more as far as this object
+        knows); the caller closes them."""
+        self._resolved.clear()
+        regions = list(self._regions.values())
         self._regions.clear()
+        return regions

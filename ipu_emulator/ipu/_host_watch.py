@@ -28,7 +28,7 @@ import threading
 import time
 from typing import Callable
 
-from shm import PeerDiedError, PeerWatch
+from shm import PeerDiedError, PeerWatch, pid_alive
 from shm import ring as ring_waits
 
 from ipu_emulator.ipu._ending import Ending, RunEnded
@@ -113,6 +113,13 @@ class HostWatch:
         return Ending.CLIENT_GONE if self.client and exc.pid == self.client \
             else Ending.HOST_GONE
 
+    def client_gone(self) -> bool:
+        """Whether the client has exited by now (a zombie counts): asked of its pidfd (no
+        wait for the watch thread to notice), else of /proc."""
+        if self._thread is not None:
+            return self._thread.client_gone()
+        return self.client > 0 and not pid_alive(self.client)
+
     def set_client(self, pid: int) -> None:
         """Watch ``pid`` as the host this IPU is lent to (0: none) instead of the last."""
         self.client = pid
@@ -157,6 +164,11 @@ class _PidfdThread:
     def client_alive(self) -> bool:
         return not self._client_exited
 
+    def client_gone(self) -> bool:
+        with self._lock:
+            fd, exited = self._client_fd, self._client_exited
+        return exited or (fd >= 0 and _has_exited(fd))
+
     def set_client(self, pid: int) -> None:
         fd, exited = -1, False
         if pid > 0:
@@ -167,10 +179,11 @@ class _PidfdThread:
         with self._lock:
             old, self._client_fd = self._client_fd, fd
             self._client_exited = exited
-        try:
-            os.write(self._wake_w, b"x")   # the thread takes the new set
-        except BlockingIOError:   # full: it wakes anyway
-            pass
+        if fd >= 0:   # the thread takes the new set; none: it may poll the old one meanwhile
+            try:      # (an exit it reports then is checked against the set: _exited)
+                os.write(self._wake_w, b"x")
+            except BlockingIOError:   # full: it wakes anyway
+                pass
         if old >= 0:
             os.close(old)
 
@@ -180,25 +193,18 @@ class _PidfdThread:
                                         (self._client_fd, self._client_exited))
                     if fd >= 0 and not gone]
 
-    def _exited(self, fd: int) -> None:
+    def _exited(self, fd: int) -> bool:
+        """Note the exit ``fd`` reported, if it is still a watched pidfd and its process
+        has exited: set_client may have closed the one polled, and a new pidfd may have
+        taken its number since. Whether one was noted."""
         with self._lock:
+            if fd not in (self._host_fd, self._client_fd) or not _has_exited(fd):
+                return False
             if fd == self._host_fd:
                 self._host_exited = True
-            elif fd == self._client_fd:
+            else:
                 self._client_exited = True
-
-    def _take(self, ready: list[tuple[int, int]]) -> bool:
-        """Note what ``poll`` found; whether to interrupt the ring waits (an exit, the
-        doorbell). A descriptor set_client closed meanwhile (POLLNVAL) is no exit: its
-        number may already be the new client's pidfd, which the next poll watches."""
-        bell = False
-        for fd, events in ready:
-            if fd == self._wake_r:
-                bell = bell or DOORBELL in os.read(self._wake_r, 512)
-            elif not events & select.POLLNVAL:
-                self._exited(fd)
-                bell = True
-        return bell
+            return True
 
     def _run(self) -> None:
         while True:
@@ -210,8 +216,21 @@ class _PidfdThread:
                 ready = poller.poll()
             except OSError:   # a descriptor closed meanwhile by set_client: look again
                 continue
-            if self._take(ready):
+            bell = False
+            for fd, _ in ready:
+                if fd == self._wake_r:
+                    bell = bell or DOORBELL in os.read(self._wake_r, 512)
+                elif self._exited(fd):
+                    bell = True
+            if bell:
                 try:
                     ring_waits.interrupt_all()
                 except Exception:   # pragma: no cover - never let this thread die
                     _log.exception("interrupting the ring waits failed")
+
+
+def _has_exited(pidfd: int) -> bool:
+    """Whether the process of ``pidfd`` has exited (readable; a zombie counts)."""
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return any(ev & select.POLLIN for _, ev in poller.poll(0))

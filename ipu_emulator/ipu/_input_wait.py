@@ -50,7 +50,9 @@ class InputWait:
 
     def __init__(self, dev: WaitHost) -> None:
         self._dev = dev
-        s = IpuSettings.current()   # this process's (its launch's)
+        s = getattr(dev, "settings", None)   # this process's (its launch's), read once
+        if not isinstance(s, IpuSettings):
+            s = IpuSettings.current()
         self._yielded_ns = us_to_ns(s.yielded_us, NEVER)
         self.est = PollEstimate(us_to_ns(s.device_spin_us), self._yielded_ns, _BACKOFF_POLLS)
 

@@ -6,12 +6,21 @@ or builds it (:meth:`Loader.build`: decode, check it fits, map the shared consta
 weights and device memory, make the interpreter, check the body checksum), then
 attaches the stream rings. Everything opened on the way is pushed on one
 ``ExitStack``: a failure at any step closes what was opened, in reverse, in one place.
+
+A warm IPU process a daemon lends (``DeviceOptions.pool``) also keeps the last few
+executables it decoded (:class:`Decoded`), by their bytes: a host that loads the same
+executable as an earlier one (the same model, another process) gets a copy of the
+decoded and checked one instead of decoding, checksumming and validating it again.
+Only executables that carry their weights (no weights region or file, which are the
+host's objects) and are small are kept; the key is the whole of their bytes, never a
+name of the host's.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import logging
 import mmap
 import time
@@ -21,6 +30,7 @@ from typing import Any, Callable
 import posix_ipc
 
 from shm import Region, Ring, ShmError
+from shm.settings import ShmSettings
 
 from ipu_emulator import ipu_protocol, package_hash
 from ipu_emulator.errors import ExecutableError
@@ -34,6 +44,7 @@ from ipu_emulator.ipu._stream_io import _Loaded, _RequestError, _Stream
 from ipu_emulator.ipu._weights_file import (Checksum, drop_pages, map_weights_file,
                                             same_file, unmap)
 from ipu_emulator.ipu_protocol import ErrorKind, LoadConstants, LoadSpec, LoadStream
+from ipu_emulator.settings import IpuSettings
 
 __all__ = ["Executables", "Loader", "constant_handles"]
 
@@ -42,6 +53,8 @@ _log = logging.getLogger("ipu_emulator.ipu.process")
 CACHE = 4        # loaded executables kept per device (sessions sharing it)
 _CRC_APART = 1 << 20   # weights sections this large are checksummed while sessions are made
 _PREFAULT_MAX = 512 * 1024   # pre-fault stream rings with transfers up to this size
+KEPT_DECODED = 4                  # decoded executables a pool IPU process keeps
+KEPT_DECODED_BYTES = 4 << 20      # ... each at most this large
 
 
 class Executables:
@@ -81,11 +94,48 @@ class Executables:
 
     def close(self) -> None:
         """Close every executable and the host memory views."""
-        for loaded in self.cache.values():
-            loaded.close()
+        self.detach()()
+
+    def detach(self) -> Callable[[], None]:
+        """Forget every executable and the host memory views now; what closes them
+        (their rings, regions and sessions), to call once (e.g. after the answer)."""
+        loaded = list(self.cache.values())
         self.cache.clear()
-        self.host_memory.close()
         self.active = None
+        regions = self.host_memory.detach()
+
+        def close() -> None:
+            for one in loaded:
+                one.close()
+            for region in regions:
+                region.close()
+        return close
+
+
+class Decoded:
+    """The last ``KEPT_DECODED`` executables decoded, by their bytes (see the module
+    docstring): each decoded, checksummed and validated once."""
+
+    def __init__(self) -> None:
+        self._kept: collections.OrderedDict[bytes, Executable] = collections.OrderedDict()
+
+    def get(self, data: bytes) -> Executable | None:
+        """A copy of the executable ``data`` decodes to, if kept (the interpreter may
+        change the copy's fields, not the kept one's)."""
+        exe = self._kept.get(data) if len(data) <= KEPT_DECODED_BYTES else None
+        if exe is None:
+            return None
+        self._kept.move_to_end(data)
+        return dataclasses.replace(exe)
+
+    def put(self, data: bytes, exe: Executable) -> Executable:
+        """Keep ``exe`` (decoded from ``data`` alone); a copy of it to use."""
+        if len(data) > KEPT_DECODED_BYTES:
+            return exe
+        self._kept[data] = exe
+        while len(self._kept) > KEPT_DECODED:
+            self._kept.popitem(last=False)
+        return dataclasses.replace(exe)
 
 
 def _attach(name: str, what: str, readonly: bool = False) -> Region:
@@ -99,12 +149,15 @@ class Loader:
     """Serves LOAD for one IPU process."""
 
     def __init__(self, options: Callable[[], DeviceOptions], executables: Executables,
-                 faults: FaultInjector, known: set[str]) -> None:
+                 faults: FaultInjector, known: set[str],
+                 settings: IpuSettings | None = None) -> None:
         self._options = options   # the current ones (pool mode changes them)
+        self._settings = settings if settings is not None else IpuSettings.current()
         self._executables = executables
         self._faults = faults
         self._known = known       # every shared-memory object name seen (cleanup)
         self.interpreter_cls: Any = None
+        self._decoded = Decoded() if options().pool else None   # lent to host after host
 
     def load(self, body: Any) -> None:
         body = body or {}
@@ -149,11 +202,7 @@ class Loader:
                 and len(weights) >= _CRC_APART and not trusted else None
             if crc is not None:
                 undo.callback(crc.wait)   # it reads the weights: done before they go
-            try:
-                exe = Executable.from_bytes(data, weights=weights,
-                                            checksum=crc is None and not trusted)
-            except ExecutableError as exc:
-                raise _RequestError(ErrorKind.EXECUTABLE, str(exc)) from None
+            exe = self._decode(data, weights, crc is None and not trusted)
             memory = self._memory(spec.memory_region, exe, constants, regions, undo)
             t1 = time.monotonic()
             try:
@@ -182,6 +231,18 @@ class Loader:
                 regions.pop(-2 if spec.memory_region else -1).close()
             undo.pop_all()
         return _Loaded(spec.key, interp, regions)
+
+    def _decode(self, data: bytes, weights: memoryview | None, checksum: bool) -> Executable:
+        """The executable of ``data`` (and ``weights``), decoded and validated."""
+        kept = self._decoded if weights is None else None
+        exe = kept.get(data) if kept is not None else None
+        if exe is not None:
+            return exe
+        try:
+            exe = Executable.from_bytes(data, weights=weights, checksum=checksum)
+        except ExecutableError as exc:
+            raise _RequestError(ErrorKind.EXECUTABLE, str(exc)) from None
+        return kept.put(data, exe) if kept is not None and checksum else exe
 
     def _checked_header(self, spec: LoadSpec, data: bytes) -> ExecutableHeader:
         """The executable's header, checked against this runtime and this device."""
@@ -263,7 +324,10 @@ class Loader:
     def _interpreter(self, spec: LoadSpec, exe: Executable, memory: memoryview | None,
                      constants: dict[str, memoryview] | None, from_file: bool) -> Any:
         prepack = True if from_file else spec.prepack
-        kwargs: dict[str, Any] = {} if prepack is None else {"prepack": prepack}
+        # decoded by Executable.from_bytes, which validates; the settings read once
+        s = self._settings
+        kwargs: dict[str, Any] = {"validated": True, "zero_copy": s.zero_copy,
+                                  "prepack": s.prepack if prepack is None else prepack}
         if from_file:
             kwargs["weights_kept"] = True
         if constants is not None:
@@ -276,33 +340,40 @@ class Loader:
                                 traceback.format_exc()) from None
 
     def _attach_streams(self, loaded: _Loaded, streams: tuple[LoadStream, ...]) -> None:
+        """Open the host's stream rings, checked against the executable's streams. A
+        constant stream's ring is never read nor written (its values come in the
+        constants region): it is not opened."""
         exe_streams = loaded.interp.executable.streams
         constant = constant_handles(loaded)
         loaded.steps.clear()
+        settings = ShmSettings.current()   # once for every ring
         for i, s in enumerate(streams):
             self._known.add(s.ring)
             handle, direction, nbytes = s.handle, s.direction, s.nbytes
-            try:
-                # a constant stream's ring is never read: its pages are never touched
-                ring = Ring.attach(s.ring, prefault=nbytes <= _PREFAULT_MAX
-                                   and handle not in constant)
-            except (ShmError, OSError, posix_ipc.Error) as exc:
-                raise _RequestError(ErrorKind.PROTOCOL, f"cannot open the ring of stream "
-                                    f"{handle!r}: {exc}") from None
             want = exe_streams.get(handle)
             if want is not None and (want.direction != direction or want.nbytes != nbytes):
-                ring.close()
                 raise _RequestError(
                     ErrorKind.PROTOCOL, f"stream {handle!r}: the host offers {direction} x "
                     f"{nbytes} bytes, the executable has {want.direction} x {want.nbytes} "
                     "bytes")
-            if ring.slot_size < nbytes:
-                ring.close()
-                raise _RequestError(ErrorKind.PROTOCOL, f"stream {handle!r}: ring slots of "
-                                    f"{ring.slot_size} bytes, transfers of {nbytes}")
+            ring = None if handle in constant else self._ring(s, settings)
             st = _Stream(i, handle, direction, nbytes, ring, s.mode)
             loaded.streams.append(st)
             loaded.by_handle[st.handle] = st
+
+    @staticmethod
+    def _ring(s: LoadStream, settings: ShmSettings) -> Ring:
+        """The ring of stream ``s``, opened and checked (its slots hold a transfer)."""
+        try:
+            ring = Ring.attach(s.ring, prefault=s.nbytes <= _PREFAULT_MAX, settings=settings)
+        except (ShmError, OSError, posix_ipc.Error) as exc:
+            raise _RequestError(ErrorKind.PROTOCOL, f"cannot open the ring of stream "
+                                f"{s.handle!r}: {exc}") from None
+        if ring.slot_size < s.nbytes:
+            ring.close()
+            raise _RequestError(ErrorKind.PROTOCOL, f"stream {s.handle!r}: ring slots of "
+                                f"{ring.slot_size} bytes, transfers of {s.nbytes}")
+        return ring
 
 
 def constant_handles(loaded: _Loaded) -> set[str]:

@@ -30,7 +30,10 @@ writes that thread's id into the user word of its input rings, read through
   up any hold and lets the scheduler place it.
 
 A process that stops serving, or whose wait for work lasted a whole slice
-(``release()``), gives its CPU and its affinity back. ``IPU_EMULATOR_KEEP_APART=0``
+(``release()``), gives its CPU and its affinity back. A run that starts without a CPU
+held first looks after ``PERIOD`` (``starting()``): a runner that lives a few
+milliseconds (made, run once, closed) is served where it is, without a move there and
+back (two ``sched_setaffinity`` and the /proc reads per life). ``IPU_EMULATOR_KEEP_APART=0``
 turns the policy off; it is off on one CPU.
 """
 
@@ -119,6 +122,11 @@ class KeepApart:
             self.release()
             self.enabled = False
             self.next_look = float("inf")
+
+    def starting(self) -> None:
+        """A run starts: without a CPU held, the first look is ``PERIOD`` from now."""
+        if self.enabled and self.hold.cpu < 0:
+            self.next_look = max(self.next_look, time.monotonic() + PERIOD)
 
     def _look(self, host_cpu: int, mine: int) -> None:
         hold = self.hold

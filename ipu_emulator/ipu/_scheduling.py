@@ -155,6 +155,8 @@ class Scheduler:
             # over the CPUs, not all leave the host's one
             apart.release()
             apart = _NEVER_APART
+        else:
+            apart.starting()
         # polls block at once when a yield ran another task, unless keeping apart
         self._dev.keeps_apart = apart is self._apart and self._apart.enabled
         return apart

@@ -93,13 +93,18 @@ class Interpreter:
     tensor only they fill and no program writes is those bytes (its StreamIns are
     dropped, device memory is not written); one a program writes is copied from them at
     each of its StreamIns (``ipu_emulator.ipu._constants``, ``self.constants``).
+
+    ``validated``: ``exe`` was validated already and not changed since
+    (``Executable.from_bytes`` validates what it decodes): not checked again.
     """
 
     def __init__(self, exe: Executable, device_memory: memoryview | bytearray | None = None,
                  num_threads: int = 1, zero_copy: bool | None = None,
                  prepack: bool | None = None, weights_kept: bool = False,
-                 constants: Mapping[str, memoryview] | None = None) -> None:
-        exe.validate()
+                 constants: Mapping[str, memoryview] | None = None,
+                 validated: bool = False) -> None:
+        if not validated:
+            exe.validate()
         self.executable = exe
         self._memory = mem = _device_memory(exe, device_memory)
         consts = dict(constants or {})
@@ -109,9 +114,11 @@ class Interpreter:
         program); see ``ipu_emulator.ipu._constants``."""
         self._const = consts
         self.arrays, self._views = _map_tensors(exe, mem, self.constants, consts)
-        settings = IpuSettings.current()
-        built = make_sessions(exe, num_threads,
-                              settings.prepack if prepack is None else prepack, weights_kept)
+        if prepack is None or zero_copy is None:   # the settings' (read only then)
+            settings = IpuSettings.current()
+            prepack = settings.prepack if prepack is None else prepack
+            zero_copy = settings.zero_copy if zero_copy is None else zero_copy
+        built = make_sessions(exe, num_threads, prepack, weights_kept)
         self._sessions = built.sessions
         self._weights = built.keep   # OrtValues over exe.weights, kept for the sessions
         self.uses_weights = bool(self._weights) and built.in_place
@@ -130,8 +137,6 @@ class Interpreter:
         self._loop_plans: dict[int, LoopPlan] = {}
         self._programs: list[list[Step]] = [compiler.compile(p.body) for p in exe.programs]
         self._programs_zc = self._programs
-        if zero_copy is None:
-            zero_copy = settings.zero_copy
         if zero_copy and (self.zero_copy.input_tensors or self.zero_copy.output_tensors):
             self._programs_zc = [compiler.compile(p.body, True) for p in exe.programs]
             for k, p in enumerate(exe.programs):

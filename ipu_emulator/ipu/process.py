@@ -85,6 +85,7 @@ class DeviceProcess:
     def __init__(self, opts: DeviceOptions, hooks: ProcessHooks | None = None) -> None:
         self.opts = opts
         self.hooks = hooks = hooks if hooks is not None else ProcessHooks()
+        self.settings = settings = IpuSettings.current()   # its launch's, read once
         self.control = Ring.attach(opts.control)
         self.events = Ring.attach(opts.events, prefault=False)
         # The events ring watches the host itself: a full ring must not block forever on
@@ -102,10 +103,12 @@ class DeviceProcess:
         self._wire = ControlWire(self.control, watch, opts.pool, self._apply_modes)
         self._faults = FaultInjector(self._wire, opts.ipu_id, hooks.pid is None,
                                      self._describe)
-        self._loader = Loader(self._options, self._executables, self._faults, self.known)
+        self._loader = Loader(self._options, self._executables, self._faults, self.known,
+                              settings)
         self._scheduler = Scheduler(self, self.control, self._wire, watch, self._apart,
                                     self._executables, self._faults, self._describe)
         self._current: Message | None = None   # the request being served
+        self.later: list[Callable[[], None]] = []   # run once it is answered (_handoff)
         self._handoff = ClientHandOff(self, self.control, self.events, watch, self._wire,
                                       self._executables, self._faults, self._apart,
                                       self.known)
@@ -225,6 +228,22 @@ class DeviceProcess:
         if msg.op is Op.SHUTDOWN:
             raise RunEnded(Ending.SHUTDOWN)
         self._current = msg
+        try:
+            self._serve_one(msg)
+        finally:
+            if self.later:
+                self._run_later()
+
+    def _run_later(self) -> None:
+        """What the request just answered left to do (``later``), in order."""
+        later, self.later = self.later, []
+        for fn in later:
+            try:
+                fn()
+            except Exception:   # pragma: no cover - closing a mapping, setting a title
+                _log.exception("after the answer: %r failed", fn)
+
+    def _serve_one(self, msg: Message) -> None:
         if recorder.ON:
             self._dispatch_traced(msg)
         else:
@@ -247,6 +266,8 @@ class DeviceProcess:
     def _dispatch(self, msg: Message) -> None:
         """Serve one request and answer it: DONE, or ERROR (MODES is not answered)."""
         op = msg.op
+        if op is not Op.HOST:
+            self._handoff.idle = False
         try:
             if op is Op.RUN or op is Op.LOOP:
                 self._scheduler.run(msg)

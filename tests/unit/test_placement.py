@@ -158,3 +158,33 @@ def test_the_host_thread_named_by_the_hint_is_the_one_looked_at(monkeypatch):
     finally:
         done.set()
         worker.join()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_a_run_that_starts_without_a_cpu_looks_one_period_later(monkeypatch, namespace):
+    """A runner made, run once and closed within PERIOD is never moved (and back)."""
+    import time
+
+    allowed = os.sched_getaffinity(0)
+    looks: list[str] = []
+    monkeypatch.setattr(_placement, "_cpu_of", lambda path: looks.append(path) or 0)
+    apart = KeepApart(os.getpid(), namespace)
+    try:
+        assert apart.enabled and apart.next_look == 0.0
+        before = time.monotonic()
+        apart.starting()
+        assert before + _placement.PERIOD <= apart.next_look <= time.monotonic() + \
+            _placement.PERIOD
+        apart.check()                      # not yet time: no look, no move
+        assert looks == [] and os.sched_getaffinity(0) == allowed
+        apart.next_look = 0.0              # PERIOD later: it looks (and moves)
+        apart.check()
+        assert looks and apart.hold.cpu >= 0
+        apart.next_look = 0.0
+        apart.starting()                   # holding a CPU: the next run looks when due
+        assert apart.next_look == 0.0
+        apart.release()
+        assert os.sched_getaffinity(0) == allowed and apart.next_look == 0.0
+    finally:
+        apart.release()
+        os.sched_setaffinity(0, allowed)
