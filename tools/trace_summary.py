@@ -85,7 +85,7 @@ one."""
 def _async_track(e: dict[str, Any]) -> Track:
     """The track of an async event as Perfetto's JSON reader makes it: its category and
     id, in its process (``id2.local``) or across processes (``id``, ``id2.global``)."""
-    id2 = e.get("id2") if isinstance(e.get("id2"), dict) else {}
+    id2: dict[str, Any] = e["id2"] if isinstance(e.get("id2"), dict) else {}
     if "local" in id2:
         return (e["pid"], (e.get("cat", ""), "local", str(id2["local"])))
     return (e["pid"], (e.get("cat", ""), "global", str(id2.get("global", e.get("id", "")))))
