@@ -15,7 +15,7 @@ It loads the file and checks, by Perfetto's SQL (tables ``stats``, ``slice``, ``
 - every request on a process's (async) track, titled by its runner, model and replica
   (``runner 1 · simple_model · replica 0``: Perfetto titles such a track by name alone),
   none on a thread's track (titled with the thread's id); no thread whose id no Linux
-  thread can have (above 2**22, ``PID_MAX_LIMIT``): no track title carries a made-up id;
+  thread can have (2**22, ``PID_MAX_LIMIT``, or more): no track title carries a made-up id;
 - every request phase nests in its request (``transfer in`` in ``queue``), every
   ``iteration`` in a ``Main`` run, every ``copies in``/``copies out`` in an iteration,
   as Perfetto nested them (its ``parent_id``);
@@ -87,7 +87,7 @@ def query(path: str, sql: list[str], ui_dir: str | None = None,
     return results
 
 
-_PID_MAX_LIMIT = 1 << 22   # Linux's bound on a thread id (64-bit)
+_PID_MAX_LIMIT = 1 << 22   # Linux gives thread ids below it (PID_MAX_LIMIT, 64-bit)
 _QUERIES = [
     "select name, idx, severity, value from stats "
     "where value > 0 and severity in ('error', 'data_loss')",
@@ -181,7 +181,7 @@ def _track_titles(slices: list[dict[str, Any]], tracks: list[dict[str, Any]],
 
     problems = [f"thread track {t['thread']!r} of {t['name']!r} has id {t['tid']}, which no "
                 "thread has: the UI titles it with that id" for t in tracks
-                if t["tid"] is not None and t["tid"] > _PID_MAX_LIMIT]
+                if t["tid"] is not None and t["tid"] >= _PID_MAX_LIMIT]
     titles = {t["id"]: t["name"] for t in async_tracks}
     for s in slices:
         if not _is_request(s):

@@ -148,14 +148,11 @@ def slices(trace: dict[str, Any]) -> list[dict[str, Any]]:
     return _Slices(trace).all
 
 
-def _tracks(trace: dict[str, Any]) -> dict[Track, list[dict[str, Any]]]:
-    return _Slices(trace).tracks()
-
-
-def requests(trace: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, float]]]:
+def requests(trace: dict[str, Any], _found: _Slices | None = None
+             ) -> list[tuple[dict[str, Any], dict[str, float]]]:
     """Each request slice and its phases' durations (us)."""
     out = []
-    for evs in _tracks(trace).values():
+    for evs in (_found or _Slices(trace)).tracks().values():
         current: tuple[dict[str, Any], dict[str, float]] | None = None
         for e in evs:
             if role(e) == "request":
@@ -185,7 +182,9 @@ def summarise(trace: dict[str, Any]) -> dict[str, Any]:
     Save program runs."""
     procs, _ = _names(trace)
     groups: dict[tuple[str, str, str, int], list[dict[str, float]]] = defaultdict(list)
-    for req, phases in requests(trace):
+    found = _Slices(trace)
+    tracks = found.tracks()
+    for req, phases in requests(trace, found):
         args = req.get("args", {})
         row = {"request": req["dur"], **{p: phases.get(p, 0.0) for p in PHASES}}
         groups[(procs.get(req["pid"], str(req["pid"])), str(args.get("runner", "")),
@@ -206,7 +205,7 @@ def summarise(trace: dict[str, Any]) -> dict[str, Any]:
     compute: dict[int, float] = defaultdict(float)
     runs: dict[int, dict[str, int]] = defaultdict(lambda: {"Load": 0, "Main": 0, "Save": 0})
     covered: dict[int, float] = {}
-    for (pid, _), evs in _tracks(trace).items():
+    for (pid, _), evs in tracks.items():
         if not procs.get(pid, "").startswith("ipu ") or not evs:
             continue
         for e in evs:
@@ -302,7 +301,7 @@ def validate(trace: dict[str, Any]) -> list[str]:
             problems += _request_track(e, found.track[id(e)], up)
     _check_v1_flows(events, problems)
     _check_bound_flows(by_id, parent, problems)
-    for req, phases in requests(trace):
+    for req, phases in requests(trace, found):
         total = sum(phases.get(p, 0.0) for p in _TOP_PHASES)
         if req["dur"] > 1.0 and abs(total - req["dur"]) > 0.05 * req["dur"]:
             problems.append(f"request {req.get('args', {}).get('request_id')}: phases add up "

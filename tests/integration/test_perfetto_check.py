@@ -70,7 +70,7 @@ def test_no_track_title_carries_a_made_up_id_and_each_names_runner_model_replica
         "where s.category = 'request'"]))
     # every thread of this process Perfetto knows is a real one (the UI appends its id
     # to the title of its track): ids Linux can give, names the threads had
-    assert threads and all(0 < t["tid"] <= 1 << 22 for t in threads), threads
+    assert threads and all(0 < t["tid"] < 1 << 22 for t in threads), threads
     assert not [t for t in threads if "request" in (t["name"] or "")]
     # each request and its parts on a track of this process (not a thread's), titled by
     # name alone: runner, model, replica; one track per request, three titles
