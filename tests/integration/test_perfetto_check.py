@@ -100,8 +100,7 @@ def test_perfetto_finds_what_the_format_must_avoid(tmp_path):
     problems, _ = perfetto_check.check(str(tmp_path / "bad.json"))
     assert any("'callbacks'" in p and "not in 'request'" in p for p in problems), problems
     assert any("drawn backwards" in p for p in problems), problems
-    # requests on threads of made-up ids ("lanes"),
-    # which the UI titles with the id
+    # requests on threads of made-up ids ("lanes"), which the UI titles with the id
     lanes = _merged()
     scope = {"pid": 100, "tid": 1 << 30}
     lanes["traceEvents"] = [e for e in lanes["traceEvents"] if e["ph"] not in ("b", "e")] + [
