@@ -8,10 +8,14 @@ The trace processor is the WebAssembly build Perfetto's UI runs (``engine_bundle
 the PATH (or ``NODE``).
 
 It loads the file and checks, by Perfetto's SQL (tables ``stats``, ``slice``, ``flow``,
-``thread_track``, ``thread``, ``process``):
+``thread_track``, ``process_track``, ``thread``, ``process``):
 
 - no import error and no data loss (every ``stats`` row of severity ``error`` or
   ``data_loss`` is 0);
+- every request on a process's (async) track, titled by its runner, model and replica
+  (``runner 1 · simple_model · replica 0``: Perfetto titles such a track by name alone),
+  none on a thread's track (titled with the thread's id); no thread whose id no Linux
+  thread can have (2**22, ``PID_MAX_LIMIT``, or more): no track title carries a made-up id;
 - every request phase nests in its request (``transfer in`` in ``queue``), every
   ``iteration`` in a ``Main`` run, every ``copies in``/``copies out`` in an iteration,
   as Perfetto nested them (its ``parent_id``);
@@ -83,13 +87,18 @@ def query(path: str, sql: list[str], ui_dir: str | None = None,
     return results
 
 
+_PID_MAX_LIMIT = 1 << 22   # Linux gives thread ids below it (PID_MAX_LIMIT, 64-bit)
 _QUERIES = [
     "select name, idx, severity, value from stats "
     "where value > 0 and severity in ('error', 'data_loss')",
-    "select id, ts, dur, name, parent_id, depth, track_id from slice",
+    "select id, ts, dur, name, category, parent_id, depth, track_id, "
+    "extract_arg(arg_set_id, 'args.runner') as runner, "
+    "extract_arg(arg_set_id, 'args.model') as model, "
+    "extract_arg(arg_set_id, 'args.replica') as replica from slice",
     "select slice_out, slice_in from flow",
-    "select tt.id, p.pid, p.name from thread_track tt join thread t using (utid) "
-    "left join process p using (upid)",
+    "select tt.id, p.pid, p.name, t.tid, t.name as thread from thread_track tt "
+    "join thread t using (utid) left join process p using (upid)",
+    "select pt.id, pt.name, p.pid from process_track pt left join process p using (upid)",
 ]
 
 
@@ -99,24 +108,26 @@ def _rows(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 def check(path: str, ui_dir: str | None = None) -> tuple[list[str], dict[str, Any]]:
     """(problems, counts) of the trace ``path`` as Perfetto's trace processor reads it."""
-    stats, slices, flows, tracks = (_rows(r) for r in query(path, _QUERIES, ui_dir))
+    stats, slices, flows, tracks, async_tracks = (_rows(r) for r in query(path, _QUERIES,
+                                                                            ui_dir))
     problems = [f"trace processor stats: {s['name']}[{s['idx']}] ({s['severity']}) = "
                 f"{s['value']}" for s in stats]
     by_id = {s["id"]: s for s in slices}
 
     def up(s: dict[str, Any] | None, name: str) -> dict[str, Any] | None:
-        while s is not None and s["name"] != name:
+        while s is not None and trace_summary.role(s) != name:
             s = by_id.get(s["parent_id"]) if s["parent_id"] is not None else None
         return s
     for s in slices:
         want = trace_summary.PARENTS.get(s["name"])
         parent = by_id.get(s["parent_id"]) if s["parent_id"] is not None else None
-        if want and (parent is None or parent["name"] not in want):
+        if want and (parent is None or trace_summary.role(parent) not in want):
             problems.append(f"{s['name']!r} at {s['ts']} ns is in "
                             f"{parent['name'] if parent else 'nothing'!s}, not in {want[0]!r}")
         if s["name"].startswith("transfer in (seq") and (parent is None or
                                                           parent["name"] != "transfer in"):
             problems.append(f"{s['name']!r} at {s['ts']} ns is not in 'transfer in'")
+    problems += _track_titles(slices, tracks, async_tracks)
     from_requests = 0
     for f in flows:
         a, b = by_id[f["slice_out"]], by_id[f["slice_in"]]
@@ -150,9 +161,40 @@ def check(path: str, ui_dir: str | None = None) -> tuple[list[str], dict[str, An
             problems.append(f"{ipu['ipu']}: busy {seen} ns in Perfetto, {mine:.0f} ns in the "
                             "summary")
     counts = {"slices": len(slices), "arrows": len(flows), "arrows_from_requests": from_requests,
-              "requests": sum(1 for s in slices if s["name"] == "request"),
+              "requests": sum(1 for s in slices if _is_request(s)),
+              "request_tracks": len({(t["pid"], t["name"]) for t in async_tracks
+                                     if t["id"] in {s["track_id"] for s in slices
+                                                    if _is_request(s)}}),
               "ipus": len(summary["ipus"])}
     return problems, counts
+
+
+def _is_request(s: dict[str, Any]) -> bool:
+    return s["depth"] == 0 and trace_summary.role(s) == "request"
+
+
+def _track_titles(slices: list[dict[str, Any]], tracks: list[dict[str, Any]],
+                  async_tracks: list[dict[str, Any]]) -> list[str]:
+    """Requests on process tracks titled by runner, model and replica; no thread of a
+    made-up id (Perfetto appends a thread's id to its track's title)."""
+    from ipu_emulator.trace import request_track
+
+    problems = [f"thread track {t['thread']!r} of {t['name']!r} has id {t['tid']}, which no "
+                "thread has: the UI titles it with that id" for t in tracks
+                if t["tid"] is not None and t["tid"] >= _PID_MAX_LIMIT]
+    titles = {t["id"]: t["name"] for t in async_tracks}
+    for s in slices:
+        if not _is_request(s):
+            continue
+        want = request_track(str(s["runner"] or ""), str(s["model"] or ""),
+                             int(s["replica"] or 0))
+        if s["track_id"] not in titles:
+            problems.append(f"the request at {s['ts']} ns is not on a process's track "
+                            "(on a thread's, titled with its id)")
+        elif titles[s["track_id"]] != want:
+            problems.append(f"the request at {s['ts']} ns is on a track titled "
+                            f"{titles[s['track_id']]!r}, not {want!r}")
+    return problems
 
 
 def main(argv: list[str] | None = None) -> int:

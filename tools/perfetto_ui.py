@@ -425,7 +425,10 @@ _STATS_SQL = ("select name, idx, severity, source, cast(value as text) as value 
 _COUNTS_SQL = ("select (select count(*) from slice) as slices, "
                "(select count(*) from flow) as arrows, "
                "(select count(*) from process where name is not null) as processes, "
-               "(select count(*) from thread_track) as thread_tracks")
+               "(select count(*) from thread_track) as thread_tracks, "
+               # async tracks of one name in a process: one track in the UI
+               "(select count(distinct upid || ' ' || name) from process_track) "
+               "as process_tracks")
 
 _EXPAND_JS = ("app.trace.workspace.flatTracks.forEach((n) => n.expand()); "
               "window.raf.scheduleFullRedraw(); true")

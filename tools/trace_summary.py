@@ -7,8 +7,14 @@ callbacks), and per IPU process the fraction of the traced time it was busy
 (running programs) and computing (of the time its events cover, when its oldest
 events were dropped). ``--json`` prints the same as JSON;
 ``--check`` also checks the file's structure (:func:`validate`: named processes,
-slices nested per thread, flows paired, IPU iterations inside the requests they
-served, phases adding up to their request) and exits 1 naming what is wrong.
+slices nested per track, each request on a track titled by its runner, model and
+replica, flows paired, IPU iterations inside the requests they served, phases adding
+up to their request) and exits 1 naming what is wrong.
+
+A request and its phases are async slices (``b``/``e`` events of one ``id2.local``,
+which Perfetto puts on a track of their own in the host's process, titled by the first
+slice's name); everything else is an ``X`` slice on its thread's track. Both are read
+here as slices: dicts with ``ts`` and ``dur`` (us) and the track they are on.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["main", "load", "summarise", "validate", "requests", "arrows", "PHASES", "PARENTS"]
+__all__ = ["main", "load", "summarise", "validate", "requests", "arrows", "slices", "role",
+           "PHASES", "PARENTS"]
 
 PHASES = ("preparation", "queue", "transfer in", "waiting for device", "transfer out",
           "callbacks")
@@ -33,7 +40,20 @@ PARENTS = {"preparation": ("request",), "queue": ("request",),
             "waiting for device": ("request",), "transfer out": ("request",),
             "callbacks": ("request",), "transfer in": ("queue",), "iteration": ("Main",),
             "copies in": ("iteration",), "copies out": ("iteration",)}
-"""Where each slice nests (docs/tracing.md)."""
+"""Where each slice nests (docs/tracing.md); ``request`` is a request, whatever its name
+(:func:`role`)."""
+_PARTS = frozenset(PHASES)     # a request's children (and ``transfer in (seq N)``)
+
+
+def role(e: dict[str, Any]) -> str:
+    """What a slice is: ``request`` for a request (an ``X`` slice named so, or the async
+    slice named by its runner, model and replica, which holds the request's parts:
+    category ``request`` and not one of them), else its name."""
+    name = str(e.get("name", ""))
+    if (e.get("cat", e.get("category")) == "request" and name not in _PARTS
+            and not name.startswith("transfer in (seq")):
+        return "request"
+    return name
 
 
 def load(path: str) -> dict[str, Any]:
@@ -57,26 +77,88 @@ def _names(trace: dict[str, Any]) -> tuple[dict[int, str], dict[tuple[int, int],
     return procs, threads
 
 
-def _tracks(trace: dict[str, Any]) -> dict[tuple[int, int], list[dict[str, Any]]]:
-    tracks: dict[tuple[int, int], list[dict[str, Any]]] = defaultdict(list)
-    for e in trace["traceEvents"]:
-        if e.get("ph") == "X":
-            tracks[(e["pid"], e["tid"])].append(e)
-    for evs in tracks.values():
-        evs.sort(key=lambda e: (e["ts"], -e["dur"]))
-    return tracks
+Track = tuple[int, Any]
+"""Where a slice is: (pid, tid) of a thread's track, (pid, (category, id)) of an async
+one."""
 
 
-def requests(trace: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, float]]]:
+def _async_track(e: dict[str, Any]) -> Track:
+    """The track of an async event as Perfetto's JSON reader makes it: its category and
+    id, in its process (``id2.local``) or across processes (``id``, ``id2.global``)."""
+    id2: dict[str, Any] = e["id2"] if isinstance(e.get("id2"), dict) else {}
+    if "local" in id2:
+        return (e["pid"], (e.get("cat", ""), "local", str(id2["local"])))
+    return (e["pid"], (e.get("cat", ""), "global", str(id2.get("global", e.get("id", "")))))
+
+
+class _Slices:
+    """A trace's slices, each with its track, its parent on the track (async ones by
+    the order of their events, as Perfetto's reader nests them), and what is wrong
+    with the async events' pairing."""
+
+    def __init__(self, trace: dict[str, Any]) -> None:
+        self.all: list[dict[str, Any]] = []
+        self.track: dict[int, Track] = {}
+        self.parent: dict[int, dict[str, Any] | None] = {}
+        self.problems: list[str] = []
+        open_: dict[Track, list[dict[str, Any]]] = defaultdict(list)
+        # in order of time, file order among equals (Perfetto's sort)
+        for e in sorted((e for e in trace["traceEvents"] if e.get("ph") in ("X", "b", "e")),
+                        key=lambda e: e["ts"]):
+            if e["ph"] == "X":
+                self._add(dict(e), (e["pid"], e["tid"]))
+                continue
+            where = _async_track(e)
+            stack = open_[where]
+            if e["ph"] == "b":
+                s = dict(e, dur=0.0)
+                self._add(s, where, stack[-1] if stack else None)
+                stack.append(s)
+            elif not stack or stack[-1]["name"] != e.get("name", stack[-1]["name"]):
+                self.problems.append(
+                    f"async end {e.get('name')!r} at {e['ts']} (id {where[1][2]}) closes "
+                    + (f"nothing: {stack[-1]['name']!r} is open" if stack else "nothing"))
+            else:
+                s = stack.pop()
+                s["dur"] = round(e["ts"] - s["ts"], 3)
+        for where, stack in open_.items():
+            self.problems += [f"async slice {s['name']!r} at {s['ts']} (id {where[1][2]}) "
+                              "never ends" for s in stack]
+
+    def _add(self, s: dict[str, Any], where: Track,
+             parent: dict[str, Any] | None = None) -> None:
+        self.all.append(s)
+        self.track[id(s)] = where
+        if isinstance(where[1], tuple):
+            self.parent[id(s)] = parent
+
+    def tracks(self) -> dict[Track, list[dict[str, Any]]]:
+        """Each track's slices, in order of start (the longer first at one instant)."""
+        tracks: dict[Track, list[dict[str, Any]]] = defaultdict(list)
+        for s in self.all:
+            tracks[self.track[id(s)]].append(s)
+        for evs in tracks.values():
+            evs.sort(key=lambda e: (e["ts"], -e["dur"]))
+        return tracks
+
+
+def slices(trace: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every slice of the trace: each ``X`` event, and each async slice (its ``b`` event
+    with the ``dur`` its ``e`` gives), as copies."""
+    return _Slices(trace).all
+
+
+def requests(trace: dict[str, Any], _found: _Slices | None = None
+             ) -> list[tuple[dict[str, Any], dict[str, float]]]:
     """Each request slice and its phases' durations (us)."""
     out = []
-    for evs in _tracks(trace).values():
+    for evs in (_found or _Slices(trace)).tracks().values():
         current: tuple[dict[str, Any], dict[str, float]] | None = None
         for e in evs:
-            if e["name"] == "request" and e.get("cat") == "request":
+            if role(e) == "request":
                 current = (e, {})
                 out.append(current)
-            elif e.get("cat") == "phase" and current is not None:
+            elif e["name"] in _PARTS and current is not None:
                 req = current[0]
                 if e["ts"] >= req["ts"] - _EPS and e["ts"] + e["dur"] <= req["ts"] + req["dur"] + _EPS:
                     current[1][e["name"]] = current[1].get(e["name"], 0.0) + e["dur"]
@@ -100,7 +182,9 @@ def summarise(trace: dict[str, Any]) -> dict[str, Any]:
     Save program runs."""
     procs, _ = _names(trace)
     groups: dict[tuple[str, str, str, int], list[dict[str, float]]] = defaultdict(list)
-    for req, phases in requests(trace):
+    found = _Slices(trace)
+    tracks = found.tracks()
+    for req, phases in requests(trace, found):
         args = req.get("args", {})
         row = {"request": req["dur"], **{p: phases.get(p, 0.0) for p in PHASES}}
         groups[(procs.get(req["pid"], str(req["pid"])), str(args.get("runner", "")),
@@ -121,7 +205,7 @@ def summarise(trace: dict[str, Any]) -> dict[str, Any]:
     compute: dict[int, float] = defaultdict(float)
     runs: dict[int, dict[str, int]] = defaultdict(lambda: {"Load": 0, "Main": 0, "Save": 0})
     covered: dict[int, float] = {}
-    for (pid, _), evs in _tracks(trace).items():
+    for (pid, _), evs in tracks.items():
         if not procs.get(pid, "").startswith("ipu ") or not evs:
             continue
         for e in evs:
@@ -178,46 +262,72 @@ def _nest(evs: list[dict[str, Any]]) -> tuple[dict[int, dict[str, Any] | None], 
 
 def validate(trace: dict[str, Any]) -> list[str]:
     """What is wrong with the trace's structure (empty: nothing), by the rules Perfetto
-    reads it with: every process named; on each track, slices nest (:func:`_nest`), each
-    where the docs put it (each request phase in its request, each iteration's transfers
-    in it); every arrow bound (``bind_id``: ``flow_out`` on one slice, ``flow_in`` on
-    others) and drawn forward (Perfetto draws it from the source's end, or its start
-    when that is not before the destination's); each request's arrows land on IPU
-    iterations inside the request; each request's phases add up to it."""
+    reads it with: every process named; on each thread's track, slices nest
+    (:func:`_nest`); each async slice ends, in the slice it began in; each slice where the
+    docs put it (each request phase in its request, each iteration's transfers in it);
+    each request on a track of its own titled by its runner, model and replica, not on a
+    thread's (Perfetto titles those with the thread's id); every arrow bound
+    (``bind_id``: ``flow_out`` on one slice, ``flow_in`` on others) and drawn forward
+    (Perfetto draws it from the source's end, or its start when that is not before the
+    destination's); each request's arrows land on IPU iterations inside the request;
+    each request's phases add up to it."""
     problems: list[str] = []
     procs, _ = _names(trace)
     events = trace["traceEvents"]
     for pid in sorted({e["pid"] for e in events if e.get("ph") != "M"}):
         if pid not in procs:
             problems.append(f"process {pid} has events but no process_name")
-    parent: dict[int, dict[str, Any] | None] = {}
-    by_id: dict[int, dict[str, Any]] = {}
-    # slices in file order per track (Perfetto's order for slices of one instant)
-    tracks: dict[tuple[int, int], list[dict[str, Any]]] = defaultdict(list)
-    for e in events:
-        if e.get("ph") == "X":
-            tracks[(e["pid"], e["tid"])].append(e)
-            by_id[id(e)] = e
-    for (pid, tid), evs in tracks.items():
+    found = _Slices(trace)
+    problems += found.problems
+    parent = dict(found.parent)
+    for (pid, tid), evs in found.tracks().items():
+        if isinstance(tid, tuple):
+            continue            # async: nested by its events' order (_Slices)
         p, bad = _nest(evs)
         parent.update(p)
         problems.extend(f"{procs.get(pid, pid)} thread {tid}: {b}" for b in bad)
-    for e in by_id.values():
+    by_id = {id(s): s for s in found.all}
+    for e in found.all:
         up = parent.get(id(e))
         want = PARENTS.get(e["name"])
-        if want and e.get("cat") in ("phase", "transfer", "iteration") and (
-                up is None or up["name"] not in want):
+        if e["name"].startswith("transfer in (seq"):
+            want = ("transfer in",)
+        if want and e.get("cat") in ("phase", "transfer", "iteration", "request") and (
+                up is None or role(up) not in want):
             inside = repr(up["name"]) if up else "nothing"
             problems.append(f"{e['name']!r} at {e['ts']} is not inside {want[0]!r} "
                             f"(inside {inside})")
+        if role(e) == "request":
+            problems += _request_track(e, found.track[id(e)], up)
     _check_v1_flows(events, problems)
     _check_bound_flows(by_id, parent, problems)
-    for req, phases in requests(trace):
+    for req, phases in requests(trace, found):
         total = sum(phases.get(p, 0.0) for p in _TOP_PHASES)
         if req["dur"] > 1.0 and abs(total - req["dur"]) > 0.05 * req["dur"]:
             problems.append(f"request {req.get('args', {}).get('request_id')}: phases add up "
                             f"to {total:.3f} us of {req['dur']:.3f} us")
     return problems
+
+
+def _request_track(req: dict[str, Any], where: Track, up: dict[str, Any] | None) -> list[str]:
+    """What is wrong with where a request is: it must be the first slice of an async
+    track (which Perfetto titles by its name, with no id) named by its runner, model
+    and replica."""
+    from ipu_emulator.trace import request_track
+
+    args = req.get("args", {})
+    at = f"request {args.get('request_id')} at {req['ts']}"
+    if not isinstance(where[1], tuple):
+        return [f"{at} is on thread {where[1]}'s track, which Perfetto titles with the "
+                "thread's id: a request is an async slice"]
+    if up is not None:
+        return [f"{at} is inside {up['name']!r}, not the first slice of its track"]
+    want = request_track(str(args.get("runner", "")), str(args.get("model", "")),
+                         int(args.get("replica", 0)))
+    if req["name"] != want:
+        return [f"{at} is named {req['name']!r}, not by its runner, model and replica "
+                f"({want!r}): the name titles its track"]
+    return []
 
 
 def _check_v1_flows(events: list[dict[str, Any]], problems: list[str]) -> None:
@@ -236,17 +346,18 @@ def _check_v1_flows(events: list[dict[str, Any]], problems: list[str]) -> None:
 
 def _ancestor(e: dict[str, Any] | None, parent: dict[int, dict[str, Any] | None],
               name: str) -> dict[str, Any] | None:
-    while e is not None and e["name"] != name:
+    while e is not None and role(e) != name:
         e = parent.get(id(e))
     return e
 
 
 def arrows(trace: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """Each arrow (source slice, destination slice) as Perfetto binds it (``bind_id``)."""
-    outs = {e["bind_id"]: e for e in trace["traceEvents"]
-            if e.get("ph") == "X" and e.get("flow_out") and not e.get("flow_in")}
-    return [(outs[e["bind_id"]], e) for e in trace["traceEvents"]
-            if e.get("ph") == "X" and e.get("flow_in") and e["bind_id"] in outs]
+    """Each arrow (source slice, destination slice) as Perfetto binds it (``bind_id``):
+    slices as :func:`slices` gives them."""
+    every = slices(trace)
+    outs = {e["bind_id"]: e for e in every if e.get("flow_out") and not e.get("flow_in")}
+    return [(outs[e["bind_id"]], e) for e in every
+            if e.get("flow_in") and e["bind_id"] in outs]
 
 
 def _check_bound_flows(by_id: dict[int, dict[str, Any]],

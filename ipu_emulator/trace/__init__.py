@@ -25,12 +25,13 @@ import contextlib
 from typing import Any, Iterator
 
 from ipu_emulator.trace import recorder
-from ipu_emulator.trace._chrome import PHASES, combine
+from ipu_emulator.trace._chrome import PHASES, combine, request_track
 from ipu_emulator.trace._session import (active, map_ipu_buffer, new_ipu_buffer, set_role,
                                          snapshot, start, start_from_settings, stop, write)
 
 __all__ = ["start", "stop", "tracing", "enabled", "active", "instant", "snapshot", "write",
-           "start_from_settings", "set_role", "new_ipu_buffer", "map_ipu_buffer", "combine", "PHASES", "recorder"]
+           "start_from_settings", "set_role", "new_ipu_buffer", "map_ipu_buffer", "combine",
+           "request_track", "PHASES", "recorder"]
 
 
 def enabled() -> bool:

@@ -8,15 +8,17 @@ The result is a JSON object ``{"traceEvents": [...], "displayTimeUnit": "ns",
   indices; each process's dropped events in its args;
 - ``X`` complete slices, ``ts``/``dur`` in microseconds of CLOCK_MONOTONIC, nested per
   track as Perfetto nests them (half-open intervals; slices of one instant in file
-  order, parents first). A request is a slice on a *lane* of its runner's replica
-  (requests in flight together overlap, so each lane is a track of its own: ``runner 1
-  · model m · replica 0 requests``, ``... (lane 2)``...), with its phases as children
-  that add up to it: ``preparation``, ``queue`` (holding ``transfer in``), ``waiting
-  for device``, ``transfer out``, ``callbacks``. An IPU's track has slices only where
-  it worked: program runs (``Main``, ``Load``, ``Save``) holding iterations
-  (``iteration``: ``copies in``, ``compute``, ``copies out`` or, on the Python path,
-  each ``copy in``/``link in``, ``compute``, ``copy out``/``link out``), and the control
-  messages that do work (``load``, ``reset``...);
+  order, parents first). An IPU's track has slices only where it worked: program runs
+  (``Main``, ``Load``, ``Save``) holding iterations (``iteration``: ``copies in``,
+  ``compute``, ``copies out`` or, on the Python path, each ``copy in``/``link in``,
+  ``compute``, ``copy out``/``link out``), and the control messages that do work
+  (``load``, ``reset``...); a host thread's, a replica's life and waits;
+- ``b``/``e`` async slices, one id per request (``id2.local``: the host's own): a
+  request, named by its runner, model and replica (``runner 1 · m · replica 0``, which
+  Perfetto makes the title of the track it shows that replica's requests on, those in
+  flight together one above the other), with its phases as children that add up to it:
+  ``preparation``, ``queue`` (holding ``transfer in``), ``waiting for device``,
+  ``transfer out``, ``callbacks``;
 - ``i`` instants (``main loop``, faults and other named marks);
 - arrows bound to their slices by id (``bind_id`` with ``flow_out`` / ``flow_in``): from
   each request's ``transfer in`` to the first IPU iteration that served each of its
@@ -33,12 +35,22 @@ from typing import Any, Iterable, NamedTuple
 from ipu_emulator.ipu_protocol import Op
 from ipu_emulator.trace import recorder as rec
 
-__all__ = ["IpuRecords", "merge", "combine", "PHASES"]
+__all__ = ["IpuRecords", "merge", "combine", "PHASES", "REQUEST_CAT", "request_track"]
 
 PHASES = ("preparation", "queue", "waiting for device", "transfer out", "callbacks")
 """The phases of a request (its children, in order; ``transfer in`` is inside ``queue``)."""
 
-_LANE_BASE = 1 << 30        # synthetic thread ids of request lanes
+REQUEST_CAT = "request"
+"""The category of a request's async slices (the request, its phases, its transfers)."""
+
+
+def request_track(runner: str, model: str, replica: int) -> str:
+    """The title of a replica's request track, and the name of each request on it
+    (Perfetto titles an async track by its first slice's name, and shows the tracks of
+    one name in a process as one): ``runner 1 · simple_model · replica 0``. Runner
+    first and replica last: a title too long for the UI's column is cut in the middle."""
+    return f"{runner} · {model or '?'} · replica {replica}"
+
 _IPU_CODES = frozenset((rec.I_OP, rec.I_PROGRAM, rec.I_IN, rec.I_OUT, rec.I_COMPUTE,
                         rec.I_STEP, rec.I_WAIT))
 _OP_NAMES = {Op.LOAD: "load", Op.RUN: "run", Op.LOOP: "main loop", Op.UNLOAD: "unload",
@@ -78,6 +90,23 @@ class _Out:
         self.events.append(ev)
         self.depth[id(ev)] = depth
         return ev
+
+    def async_slice(self, name: str, pid: int, ident: str, ts: int, dur: int,
+                    args: dict[str, Any] | None = None, depth: int = 0) -> dict[str, Any]:
+        """An async slice (``b`` and ``e`` events of id ``ident``, local to the process:
+        Perfetto puts each id on a track of its own, titled by its first slice's name);
+        returns its ``b`` event (which holds its arrows' ``bind_id``). ``depth`` orders
+        the events of one instant: ends before begins, inner ends first, outer begins
+        first, as Perfetto reads them in file order."""
+        scope = {"cat": REQUEST_CAT, "pid": pid, "tid": pid, "id2": {"local": ident}}
+        begin: dict[str, Any] = {"ph": "b", "name": name, **scope, "ts": _us(ts)}
+        if args:
+            begin["args"] = args
+        end = {"ph": "e", "name": name, **scope, "ts": _us(ts + max(0, dur))}
+        self.events += [begin, end]
+        self.depth[id(begin)] = depth
+        self.depth[id(end)] = -depth
+        return begin
 
     def meta(self, what: str, pid: int, tid: int | None, args: dict[str, Any]) -> None:
         ev: dict[str, Any] = {"ph": "M", "name": what, "pid": pid, "args": args}
@@ -311,47 +340,6 @@ def _phases(instants: tuple[int, ...]) -> list[tuple[str, int, int]]:
             ("waiting for device", t4, t5), ("transfer out", t5, t6), ("callbacks", t6, t7)]
 
 
-class _Lanes:
-    """Request tracks: a request goes on the first lane of its replica free at its start.
-    A lane is a track (a thread id of its own, unique on the machine: from the host's
-    pid); its name says which runner, model and replica."""
-
-    def __init__(self, pid: int, runners: dict[int, tuple[str, str]]) -> None:
-        self.base = _LANE_BASE + (pid % (1 << 22)) * 256
-        self.runners = runners          # replica life key -> (runner label, model)
-        self.ends: dict[tuple[int, int], list[tuple[int, int]]] = {}
-        self.names: dict[int, str] = {}
-        self.order: dict[int, tuple[int, str, int, int]] = {}   # tid -> where it sorts
-
-    def place(self, key: int, replica: int, start: int, end: int) -> int:
-        runner, model = self.runners.get(key, ("runner ?", ""))
-        ends = self.ends.setdefault((hash(runner), replica), [])
-        for k, (e, tid) in enumerate(ends):
-            if e < start:     # half-open, and a slice may end 1 ns late (see _request)
-                ends[k] = (end, tid)
-                break
-        else:
-            tid = self.base + min(len(self.names), 255)
-            ends.append((end, tid))
-            k = len(ends) - 1
-            self.names[tid] = (f"{runner} · model {model or '?'} · replica {replica} requests"
-                               + (f" (lane {k + 1})" if k else ""))
-            number = runner.rsplit(" ", 1)[-1]
-            self.order[tid] = (int(number) if number.isdigit() else 1 << 30, runner, replica, k)
-        return tid
-
-    def renumber(self, events: list[dict[str, Any]], pid: int) -> None:
-        """Give the lanes their ids in the order of runner, replica and lane (they were
-        made as requests came): Perfetto lists a process's threads by id, so each
-        replica's lanes are listed together, in order."""
-        new = {tid: self.base + k for k, tid in enumerate(sorted(self.order,
-                                                                  key=self.order.__getitem__))}
-        for e in events:
-            if e["pid"] == pid and e.get("tid") in new:
-                e["tid"] = new[e["tid"]]
-        self.names = {new[tid]: name for tid, name in self.names.items()}
-
-
 def _runners(events: list[tuple[Any, ...]]) -> tuple[
         dict[int, tuple[str, str]], dict[int, list[tuple[int, str, int, list[int]]]]]:
     """Each replica life's runner (``runner N``, its model) and devices over time.
@@ -406,13 +394,13 @@ def merge(pid: int, role: str, events: list[tuple[Any, ...]], dropped: int,
         out.meta("process_sort_index", ipu.pid, None, {"sort_index": 10 + ipu.ipu})
         out.meta("thread_name", ipu.pid, ipu.pid, {"name": f"ipu {ipu.ipu}"})
         iterations[ipu.pid] = _ipu_events(out, ipu, window)
-    lanes = _Lanes(pid, runners)
     lo, hi = window
+    count = [0]     # requests written (their async ids)
     for code, ident, ts, dur, payload in events:
         tid = tid_of.get(ident, 0)
         if code == rec.H_REQUEST:
             _request(out, pid, payload, threads.get(ident, (0, ""))[1], devices, iterations,
-                     lanes)
+                     runners, count)
         elif code == rec.H_LIFE:
             what, replica, pids, model, key = payload
             out.slice(f"{what} (replica {replica})", pid, tid, ts, dur, "device",
@@ -432,14 +420,12 @@ def merge(pid: int, role: str, events: list[tuple[Any, ...]], dropped: int,
             loopback.setdefault(ident, []).append((ts, dur, code, 0, *payload))
     for ident, records in loopback.items():
         _ipu_events(out, IpuRecords(pid, -1, records, 0), window, tid_of.get(ident, 0))
-    lanes.renumber(out.events, pid)
-    for tid, name in lanes.names.items():
-        out.meta("thread_name", pid, tid, {"name": name})
     depth = out.depth
     # parents before children at one instant, then siblings in time order (a reader
-    # that keeps file order nests them right; Perfetto, longer first, does too)
+    # that keeps file order nests them right; Perfetto, longer first, does too); async
+    # ends before begins (Perfetto reads those of one instant in file order)
     out.events.sort(key=lambda e: (e["ph"] != "M", e["pid"], e.get("tid", 0), e.get("ts", 0),
-                                   depth.get(id(e), 0), e.get("dur", 0)))
+                                   e["ph"] != "e", depth.get(id(e), 0), e.get("dur", 0)))
     return {"traceEvents": out.events, "displayTimeUnit": "ns",
             "otherData": {"clock": "CLOCK_MONOTONIC", "host_pid": pid, "role": role,
                           "window_us": [_us(lo), _us(hi)],
@@ -454,10 +440,16 @@ def _jsonable(v: Any) -> Any:
 
 def _request(out: _Out, pid: int, payload: tuple[Any, ...], thread: str,
              devices: dict[int, list[tuple[int, str, int, list[int]]]],
-             iterations: dict[int, dict[int, list[Served]]], lanes: _Lanes) -> None:
+             iterations: dict[int, dict[int, list[Served]]],
+             runners: dict[int, tuple[str, str]], count: list[int]) -> None:
     """A request's slices, and its arrows: from its ``transfer in`` (the host laid the
     inputs) to the first IPU iteration that served each of its transfers, and from
-    that iteration's last transfer out on to the next pipeline stage's."""
+    that iteration's last transfer out on to the next pipeline stage's.
+
+    The request and its phases are async slices of one id (the request's own, unique
+    in the host's file: its start and number), named by its runner, model and replica
+    (:func:`request_track`): Perfetto shows a replica's requests on one track of that
+    title, those in flight together one above the other."""
     key, replica, request_id, samples, seqs, instants = payload
     phases = _phases(instants)
     t0, t7 = phases[0][1], phases[-1][2]
@@ -473,15 +465,17 @@ def _request(out: _Out, pid: int, payload: tuple[Any, ...], thread: str,
     phases = [(n, a, a + d) for n, a, d, _ in top[:2]] + [("transfer in", t2, t3)] + \
         [(n, a, a + d) for n, a, d, _ in top[2:]]
     end = max(t7, phases[-1][2])
-    tid = lanes.place(key, replica, t0, end)
-    out.slice("request", pid, tid, t0, end - t0, "request",
-              {"runner": lanes.runners.get(key, ("", ""))[0], "replica": replica,
-               "request_id": request_id, "batch_size": samples, "seqs": list(seqs),
-               "model": model, "thread": thread})
+    runner = runners.get(key, ("runner ?", ""))[0]
+    count[0] += 1
+    ident = f"{t0:x}.{count[0]}"
+    out.async_slice(request_track(runner, model, replica), pid, ident, t0, end - t0,
+                    {"runner": runner, "replica": replica, "request_id": request_id,
+                     "batch_size": samples, "seqs": list(seqs), "model": model,
+                     "thread": thread})
     laid: dict[str, Any] | None = None
     for name, a, b in phases:
-        ev = out.slice(name, pid, tid, a, b - a, "phase", {}, depth=2 if name == "transfer in"
-                       else 1)
+        ev = out.async_slice(name, pid, ident, a, b - a, depth=2 if name == "transfer in"
+                             else 1)
         if name == "transfer in":
             laid = ev
     assert laid is not None
@@ -506,8 +500,8 @@ def _request(out: _Out, pid: int, payload: tuple[Any, ...], thread: str,
             # at least 1 ns (see _visible): one starting at its iteration's start is
             # drawn straight down, not backwards
             until = min(max(since + 1, chain[0].start), t3)
-            src = out.slice(f"transfer in (seq {seq})", pid, tid, since, until - since,
-                            "transfer", {"seq": seq}, depth=3)
+            src = out.async_slice(f"transfer in (seq {seq})", pid, ident, since,
+                                  until - since, {"seq": seq}, depth=3)
             since = until
         for it in chain:
             if src is None or not out.flow_in(out.flow_out(src), it.into):
@@ -542,7 +536,7 @@ def combine(traces: Iterable[dict[str, Any]]) -> dict[str, Any]:
                 top = max(top, e["bind_id"])
             key = ((e["ph"], e["name"], e["pid"], e.get("tid")) if e.get("ph") == "M" else
                    (e.get("ph"), e.get("name"), e.get("pid"), e.get("tid"), e.get("ts"),
-                    e.get("dur")))
+                    e.get("dur"), str(e.get("id2", ""))))
             k = seen.get(key)
             if k is None:
                 seen[key] = len(events)

@@ -36,9 +36,11 @@ def test_demo_runs_every_mode_and_passes(tmp_path):
     assert len(trace_summary.summarise(trace)["models"]) >= 3
     # each process and request track says which runner, model, replica (and IPU) it is
     assert len(set(names)) == len(names)
-    tracks = [e["args"]["name"] for e in trace["traceEvents"]
-              if e["name"] == "thread_name" and "requests" in e["args"]["name"]]
-    assert len(set(tracks)) == len(tracks) and all(t.startswith("runner ") for t in tracks)
+    # (a request's name titles its track: Perfetto shows one track per title)
+    tracks = {(r["name"], r["args"]["runner"], r["args"]["model"], r["args"]["replica"])
+              for r, _ in trace_summary.requests(trace)}
+    assert len({t[0] for t in tracks}) == len(tracks) >= 9
+    assert all(t[0] == f"{t[1]} · {t[2]} · replica {t[3]}" for t in tracks), tracks
     assert len(trace_summary.arrows(trace)) >= len(trace_summary.requests(trace))
 
 

@@ -51,15 +51,17 @@ def test_a_traced_runner_opens_in_perfettos_ui_with_its_arrows(tmp_path, capsys)
     assert report.import_errors == 0
     assert report.counts["arrows"] >= 3 and report.counts["processes"] == 2
     lines = list(report.track_lines())
-    # the titles as the UI shows them: names in UTF-8 (no "\u00b7"), its ids appended
+    # the titles as the UI shows them: names in UTF-8 (no "\u00b7"), a process's and a
+    # thread's with its id appended; the requests' track by its name alone, once
     assert any(ln.startswith("host ") for ln in lines)
     ipu = next(ln for ln in lines if ln.startswith("ipu 0 · pid "))
     assert " runner 1 · model " in ipu and "\\u" not in "".join(lines)
-    assert any(ln.strip().startswith("runner 1 · model ") and " replica 0 requests " in ln
-               for ln in lines)
+    assert [ln.strip() for ln in lines if "replica 0" in ln and not ln.startswith("ipu ")] == \
+        ["runner 1 · simple_model · replica 0"]
     # the selected request's transfer in: its arrow to the IPU, both tracks pinned
     assert report.selected["arrows"] == 1
-    assert [p.split(" ")[0] for p in report.selected["pinned"]] == ["runner", "ipu"]
+    assert report.selected["pinned"][0] == "runner 1 · simple_model · replica 0"
+    assert report.selected["pinned"][1].startswith("ipu 0 ")
     assert _png_size(shot) == (1600, 1000)
     assert perfetto_ui.print_report(report) == 0
     assert f"screenshot: {shot}" in capsys.readouterr().out

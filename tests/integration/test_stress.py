@@ -102,9 +102,11 @@ def test_several_scenarios_through_a_daemon_with_a_request_budget(capsys, tmp_pa
     assert trace_summary.validate(trace) == []
     requests = trace_summary.requests(trace)
     assert len(requests) == 80
-    sources = {(a["pid"], a["tid"], a["ts"]) for a, _ in trace_summary.arrows(trace)}
-    assert all(any((r["pid"], r["tid"]) == s[:2] and r["ts"] <= s[2] <= r["ts"] + r["dur"]
-                   for s in sources) for r, _ in requests)
+    sources = {(a["pid"], a["id2"]["local"], a["ts"]) for a, _ in trace_summary.arrows(trace)
+               if "id2" in a}
+    assert all(any((r["pid"], r["id2"]["local"]) == s[:2]
+                   and r["ts"] <= s[2] <= r["ts"] + r["dur"] for s in sources)
+               for r, _ in requests)
     ipus = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"]
             if e["name"] == "process_name" and e["args"]["name"].startswith("ipu ")}
     served = {b["pid"] for _, b in trace_summary.arrows(trace)}

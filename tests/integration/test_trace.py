@@ -83,7 +83,7 @@ def test_an_unchanged_program_traced_through_the_environment(tmp_path, models):
     for pid in ipus:          # each IPU loaded and ran Main, in iterations
         assert _slices(timeline, pid, "Load") and _slices(timeline, pid, "Main")
         assert _slices(timeline, pid, "iteration")
-    requests = _slices(timeline, hosts[0], "request")
+    requests = [r for r, _ in trace_summary.requests(timeline) if r["pid"] == hosts[0]]
     by_model = Counter((r["args"]["model"], r["args"]["replica"]) for r in requests)
     assert by_model == {("executable", 0): 4, ("simple_model", 0): 3, ("simple_model", 1): 3}
     assert all(r["args"]["batch_size"] >= 1 and r["args"]["seqs"] for r in requests)
@@ -107,7 +107,8 @@ def test_an_unchanged_program_traced_through_the_environment(tmp_path, models):
                     for a, b in arrows)
     assert set(kinds) <= {("host", "transfer in", "iteration"), ("ipu", "link out", "iteration"),
                           ("ipu", "copies out", "iteration")}, kinds
-    from_requests = {(a["pid"], a["tid"], a["ts"]) for a, b in arrows if a["pid"] == hosts[0]}
+    from_requests = {(a["pid"], a["id2"]["local"], a["ts"]) for a, b in arrows
+                     if a["pid"] == hosts[0]}
     assert len(from_requests) >= len(requests)
     assert sum(n for k, n in kinds.items() if k[0] == "ipu") >= 4
     # the IPUs' tracks hold work only: no control message spans the idle time
@@ -220,7 +221,7 @@ def test_trace_dir_keeps_the_timeline_of_a_failing_test(pytester, tmp_path, monk
     assert trace_summary.validate(timeline) == []
     names = _names(timeline).values()
     assert any(n.startswith("ipu ") for n in names) and any(n.startswith("host ") for n in names)
-    assert len(_slices(timeline, name="request")) == 1
+    assert len(trace_summary.requests(timeline)) == 1
 
 
 def test_a_daemon_and_a_host_it_serves_both_traced(tmp_path, models, monkeypatch):

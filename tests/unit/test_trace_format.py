@@ -78,21 +78,67 @@ def _timeline(*events):
                              "args": {"name": "host 1"}}, *events]}
 
 
+_ARGS = {"runner": "runner 1", "model": "m", "replica": 0}
+_TITLE = "runner 1 · m · replica 0"
+
+
+def _async(*slices, ident="1"):
+    """The b/e events of one request's slices ``(name, ts, dur, depth[, args])``, in the
+    writer's order: by time; at one instant ends first (the inner first), then begins
+    (the outer first)."""
+    scope = {"cat": "request", "pid": 1, "tid": 1, "id2": {"local": ident}}
+    events = []
+    for name, ts, dur, depth, *args in slices:
+        events.append(((ts, 1, depth), {"ph": "b", "name": name, "ts": ts, **scope,
+                                        **({"args": args[0]} if args else {})}))
+        events.append(((ts + dur, 0, -depth), {"ph": "e", "name": name, "ts": ts + dur,
+                                               **scope}))
+    return [e for _, e in sorted(events, key=lambda k: k[0])]
+
+
 def test_the_checks_find_what_is_wrong():
-    good = _timeline(_x("request", 0, 10, cat="request", args={"replica": 0}),
-                     _x("preparation", 0, 2, cat="phase"), _x("queue", 2, 3, cat="phase"),
-                     _x("waiting for device", 5, 5, cat="phase"))
+    good = _timeline(*_async((_TITLE, 0, 10, 0, _ARGS), ("preparation", 0, 2, 1),
+                             ("queue", 2, 3, 1), ("waiting for device", 5, 5, 1)))
     assert trace_summary.validate(good) == []
     bad_nesting = _timeline(_x("a", 0, 10), _x("b", 5, 10))
     assert "overlaps 'a' without nesting" in trace_summary.validate(bad_nesting)[0]
     unpaired = _timeline({"ph": "s", "id": 7, "pid": 1, "tid": 1, "ts": 1})
     assert trace_summary.validate(unpaired) == ["flow 7 is not paired: ['s']"]
-    short = _timeline(_x("request", 0, 10, cat="request", args={"request_id": 3}),
-                      _x("preparation", 0, 2, cat="phase"))
+    short = _timeline(*_async((_TITLE, 0, 10, 0, dict(_ARGS, request_id=3)),
+                              ("preparation", 0, 2, 1)))
     assert trace_summary.validate(short) == ["request 3: phases add up to 2.000 us of "
                                              "10.000 us"]
     nameless = {"traceEvents": [_x("a", 0, 1)]}
     assert trace_summary.validate(nameless) == ["process 1 has events but no process_name"]
+
+
+def test_the_checks_find_a_request_perfetto_would_title_or_nest_wrongly():
+    # on a thread's track ("lane"): Perfetto titles it with the thread's id
+    on_thread = _timeline(_x("request", 0, 1, tid=1 << 30, cat="request",
+                             args={"request_id": 3}))
+    assert trace_summary.validate(on_thread) == [
+        f"request 3 at 0 is on thread {1 << 30}'s track, which Perfetto titles with the "
+        "thread's id: a request is an async slice"]
+    # its name titles its track: it must say which runner, model and replica
+    misnamed = _timeline(*_async(("request", 0, 10, 0, _ARGS), ("preparation", 0, 10, 1)))
+    assert trace_summary.validate(misnamed) == [
+        f"request None at 0 is named 'request', not by its runner, model and replica "
+        f"({_TITLE!r}): the name titles its track"]
+    # events of one instant out of order: the next phase begins before the last ends,
+    # so Perfetto nests it in that one, and the end closes the wrong slice
+    swapped = _async((_TITLE, 0, 10, 0, _ARGS), ("preparation", 0, 2, 1),
+                     ("waiting for device", 2, 8, 1))
+    k = next(i for i, e in enumerate(swapped) if e["ph"] == "e" and e["name"] == "preparation")
+    swapped[k], swapped[k + 1] = swapped[k + 1], swapped[k]
+    problems = trace_summary.validate(_timeline(*swapped))
+    assert problems[0] == ("async end 'preparation' at 2 (id 1) closes nothing: "
+                           "'waiting for device' is open")
+    assert "'waiting for device' at 2 is not inside 'request' (inside 'preparation')" in problems
+    # an end without its begin, a begin without its end
+    assert trace_summary.validate(_timeline(*_async((_TITLE, 0, 10, 0, _ARGS))[1:])) == [
+        "async end 'runner 1 · m · replica 0' at 10 (id 1) closes nothing"]
+    assert trace_summary.validate(_timeline(*_async((_TITLE, 0, 10, 0, _ARGS))[:1])) == [
+        "async slice 'runner 1 · m · replica 0' at 0 (id 1) never ends"]
 
 
 def test_host_and_ipu_times_share_one_clock_however_busy_the_machine(monkeypatch):
@@ -141,10 +187,10 @@ def test_each_arrow_leaves_its_request_before_the_iteration_it_ends_in():
                      ("transfer in (seq 6)", "iteration", 6, True),
                      ("transfer in", "iteration", 7, True)]
     # no zero-length slice: callbacks (0 ns) and copies out (0 ns) are drawn 1 ns long
-    xs = [e for e in timeline["traceEvents"] if e["ph"] == "X"]
-    assert min(e["dur"] for e in xs) == 0.001
-    request = next(e for e in xs if e["name"] == "request")
+    assert min(e["dur"] for e in trace_summary.slices(timeline)) == 0.001
+    request = trace_summary.requests(timeline)[0][0]
     assert (request["ts"], request["dur"]) == (9.0, 4.201)
+    assert request["name"] == "runner 1 · m · replica 0"
     # every flow is bound by id to both its slices: no v1 's'/'f' events
     assert not [e for e in timeline["traceEvents"] if e["ph"] in ("s", "f")]
 
@@ -159,8 +205,8 @@ def test_an_ipu_track_holds_work_only_and_names_say_whom_it_served():
              if e["ph"] == "M" and e["name"] in ("process_name", "thread_name")}
     assert names[(200, None)] == "ipu 0 · pid 200 · host 100 runner 1 · model m · replica 0"
     assert names[(200, 200)] == "ipu 0"
-    (lane,) = [n for n in names.values() if "requests" in n]
-    assert lane == "runner 1 · model m · replica 0 requests"
+    assert names[(100, 100)] == "MainThread"      # and no other thread: no request lanes
+    assert len(names) == 4
     summary = trace_summary.summarise(timeline)
     (ipu,) = summary["ipus"]
     # busy: the Main runs (11000..13001 ns: its copies out drawn 1 ns; 20500..22400) of 200 us
@@ -172,17 +218,23 @@ def test_an_ipu_track_holds_work_only_and_names_say_whom_it_served():
 
 def test_the_perfetto_rules_each_shown_failing():
     timeline = _merged()
-    request = next(e for e in timeline["traceEvents"] if e["name"] == "request")
-    request["dur"] -= 0.001      # its callbacks (0 ns, drawn 1 ns) start at its end: outside
+    events = timeline["traceEvents"]
+    # the first request ending 1 ns sooner, where its callbacks (0 ns, drawn 1 ns) begin:
+    # they are then outside it
+    end = next(e for e in events if e["ph"] == "e" and e["name"] == "runner 1 · m · replica 0")
+    events.remove(end)
+    end["ts"] = round(end["ts"] - 0.001, 3)
+    events.insert(next(k for k, e in enumerate(events) if e["ph"] == "b"
+                       and e["name"] == "callbacks"), end)
     assert trace_summary.validate(timeline) == [
-        f"'callbacks' at {request['ts'] + request['dur']} is not inside 'request' "
-        "(inside nothing)"]
+        f"'callbacks' at {end['ts']} is not inside 'request' (inside nothing)"]
     # Perfetto nests a zero-length slice in the slice that starts at its instant
-    zero = _timeline(_x("request", 0, 10, cat="request"), _x("queue", 0, 5, cat="phase"),
-                     _x("waiting for device", 5, 0, cat="phase"),
-                     _x("transfer out", 5, 5, cat="phase"))
+    zero = _timeline(_x("Main", 0, 10, cat="program"),
+                     _x("iteration", 0, 10, cat="iteration"), _x("compute", 0, 5),
+                     _x("copies in", 5, 0, cat="transfer"),
+                     _x("copies out", 5, 5, cat="transfer"))
     assert trace_summary.validate(zero) == [
-        "'waiting for device' at 5 is not inside 'request' (inside 'transfer out')"]
+        "'copies in' at 5 is not inside 'iteration' (inside 'copies out')"]
     timeline = _merged()
     it = next(e for e in timeline["traceEvents"] if e["name"] == "iteration")
     it["ts"] -= 1.0              # taken before the host finished laying it: drawn backwards
