@@ -495,8 +495,7 @@ class Submission(_Submitter):
         tr.seq = seq
         tr.next_output = max(0, read)
         inflight = self._completion.inflight
-        # The state changes in one step (no call before the append: Completion.register
-        # inline): the transfer in flight (to be finished, if half laid) and _fused cleared.
+        # one step (no call before the append): in flight (finished if half laid), _fused None
         if written:
             tr.published = True
         else:
