@@ -37,7 +37,7 @@ from host_runtime.runner._life import ReplicaLife
 from host_runtime.runner import _tracing
 from host_runtime.runner._replica_timers import Phantom, ReplicaTimers
 from host_runtime.runner._requests import Request, Transfer
-from host_runtime.runner._transfer import consumed_from
+from host_runtime.runner._transfer import TransferPath, consumed_from
 from host_runtime.runner.monitoring import RequestMonitor
 
 __all__ = ["Completion"]
@@ -318,12 +318,16 @@ class Completion:
         """Read ``tr``'s outputs into its requests' memory and complete what finished."""
         path = self._life.path
         assert path is not None
+        rid = self._life.rid
+        if tr.unsettled:   # another interrupt came while the interrupted reader sorted it out
+            _read_interrupted(rid, tr, path, "KeyboardInterrupt")
         try:
             path.take(tr, timeout, len(self.inflight) > 1)
         except (ShmError, OSError, ModelRuntimeError):
             raise
         except BaseException as exc:   # KeyboardInterrupt, a signal handler's exception
-            _read_interrupted(self._life.rid, tr, path.output_ring(tr, tr.next_output), exc)
+            tr.unsettled = True        # first (no call before it): see _read_interrupted
+            _read_interrupted(rid, tr, path, type(exc).__name__)
             raise
         finished: list[Request] = []
         now = time.perf_counter_ns()
@@ -403,22 +407,33 @@ def _fail_requests(pending: list[Transfer], phantoms: list[Phantom],
         ph.request.fail(err)
 
 
-def _read_interrupted(rid: int, tr: Transfer, ring: Ring, exc: BaseException) -> None:
-    """A drainer of replica ``rid`` reading output ``tr.next_output`` of ``tr`` from
-    ``ring`` was interrupted by ``exc``. If the output was consumed (its slot acquired,
-    or the ring's last read carries ``tr``'s number) it is lost: ``tr``'s requests fail
-    and the rest of ``tr`` is drained into nothing. Else ``tr`` is intact and the next
-    drainer goes on."""
+def _read_interrupted(rid: int, tr: Transfer, path: TransferPath, why: str) -> None:
+    """A drainer of replica ``rid`` reading output ``tr.next_output`` of ``tr`` was
+    interrupted (``why``: the exception's class; ``tr.unsettled`` set). If the output was
+    consumed (its slot acquired, or the ring's last read carries ``tr``'s number) it is
+    lost: ``tr``'s requests fail and the rest of ``tr`` is drained into nothing. Else
+    ``tr`` is intact and the next drainer goes on.
+
+    Idempotent while ``tr.unsettled``: interrupted in here, the next drainer of ``tr``
+    does it again (nothing reads the ring meanwhile: ``tr`` is the oldest in flight).
+    ``next_output`` moves on and ``unsettled`` is cleared in one step, after the
+    requests have failed (else a request could complete without the lost output)."""
     index = tr.next_output
+    if index >= len(tr.outputs):   # every output was read: the interrupt came after
+        tr.unsettled = False
+        return
+    ring = path.output_ring(tr, index)
     if ring.unreleased():
         ring.release()
     elif not consumed_from(ring, tr.seq):
+        tr.unsettled = False
         return    # not consumed: the output is still on its way
-    tr.next_output = index + 1
     name = tr.outputs[index].name
     err = InvalidStateError(
         f"replica {rid}: output {name!r} of the request was lost: the thread "
-        f"reading it was interrupted by {type(exc).__name__}")
+        f"reading it was interrupted by {why}")
     for seg in tr.segments:
         seg[0].dests = {}
         seg[0].fail(err)
+    tr.next_output = index + 1     # (no call between these two)
+    tr.unsettled = False

@@ -133,6 +133,8 @@ class Transfer:
     flush_extra: Optional[Request]                   # what it gave, not yet packed
     seq: int                                         # its sequence number on the wire (1, 2, ...)
     t_first: int                                     # tracing: its first output read (ns)
+    unsettled: bool                                  # a read of it was interrupted and not
+                                                     # yet sorted out (_completion)
 
     def __init__(self, segments: list[tuple[Request, int, int, int]],
                  outputs: tuple[TensorSpec, ...], t_open: float = 0.0) -> None:
@@ -148,6 +150,7 @@ class Transfer:
         self.flush_extra = None
         self.seq = 0
         self.t_first = 0
+        self.unsettled = False
 
 
 class OutputFuture:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from typing import Callable
 
 import numpy as np
 
@@ -66,7 +67,12 @@ class _Submitter:
 
     def __init__(self, life: ReplicaLife, completion: Completion, timers: ReplicaTimers,
                  monitor: RequestMonitor, dynamic: bool, batch: int) -> None:
-        self.lock = threading.Lock()
+        # Re-entrant only to know its holder (_held): an interrupt may come as acquire()
+        # returns, before a try could see it, so every taker acquires inside its try and
+        # releases in its finally what this thread holds; a taker that finds this thread
+        # holding it (a drainer inside a submitter) treats it as busy, as with a Lock.
+        self.lock = threading.RLock()
+        self._held: Callable[[], bool] = getattr(self.lock, "_is_owned")   # by this thread
         self._life = life
         self._completion = completion
         self._timers = timers
@@ -77,6 +83,8 @@ class _Submitter:
         self._hint_path: TransferPath | None = None   # ... into these rings
         self._seq = 0                  # the number of the last transfer sent
         self._writing: Transfer | None = None   # the transfer whose inputs are being laid
+        # run_fused's request (number, inputs, t_received) until it is read or abandoned
+        self._fused: tuple[int, dict[str, np.ndarray], int] | None = None
 
     # ------------------------------------------------------------------ helpers
     def _usable(self) -> TransferPath:
@@ -86,6 +94,7 @@ class _Submitter:
         if not life.looks_well() and not life.usable():
             self._completion.clear()
             self._writing = None
+            self._fused = None
             self._monitor.reset_chain()
             self._monitor.record_reset(life.error)
             life.reset()
@@ -154,9 +163,10 @@ class Submission(_Submitter):
     def submit(self, req: Request, transfers: int, phantom: str | None = None) -> None:
         """Send ``req`` to the device (or park it as a phantom that will time out)."""
         req.t_prepared = _clock()
-        if not self.lock.acquire(False):
-            self._take_lock()
+        lock = self.lock
         try:
+            if not lock.acquire(False):
+                self._take_lock()
             if recorder.ON:
                 _tracing.lay_started(req)
             life = self._life
@@ -165,6 +175,8 @@ class Submission(_Submitter):
             if self._completion.stalled:
                 self._completion.settle()
             try:
+                if self._fused is not None:
+                    self._abandon_fused(path, "KeyboardInterrupt")
                 if self._writing is not None:
                     self._finish_writing(path)
                 self._hint(path)
@@ -193,7 +205,8 @@ class Submission(_Submitter):
                 raise
             req.t_laid = _clock()
         finally:
-            self.lock.release()
+            if self._held():
+                lock.release()
 
     def _take_lock(self) -> None:
         """The submit lock (busy: a non-blocking try failed), waited for no longer than the
@@ -205,11 +218,16 @@ class Submission(_Submitter):
 
     def try_send(self, request: Request, transfers: int) -> bool:
         """A phantom made whole by the flush callback: send it, unless a submitter is busy."""
-        if not self.lock.acquire(blocking=False):
+        lock = self.lock
+        if self._held():   # this thread sends (see __init__): busy
             return False
         try:
+            if not lock.acquire(False):
+                return False
             path = self._life.path
             if path is not None:
+                if self._fused is not None:
+                    self._abandon_fused(path, "KeyboardInterrupt")
                 if self._writing is not None:
                     self._finish_writing(path)
                 if self._dynamic:
@@ -224,7 +242,8 @@ class Submission(_Submitter):
             self._abandon_request(request, exc)
             raise
         finally:
-            self.lock.release()
+            if self._held():
+                lock.release()
         return True
 
     def _write_whole(self, path: TransferPath, req: Request, transfers: int) -> None:
@@ -283,16 +302,20 @@ class Submission(_Submitter):
         """A drainer found ``tr`` at the head, unpublished: if its writer was interrupted
         (``_writing``) and nobody submits, finish it; False if a submitter holds the lock
         (it lays or finishes it)."""
-        if not self.lock.acquire(False):
+        lock = self.lock
+        if self._held():   # this thread sends (see __init__): busy
             return False
         try:
+            if not lock.acquire(False):
+                return False
             path = self._life.path
             if self._writing is tr and path is not None and self._life.error is None:
                 self._finish_writing(path)
         except _WRITE_ERRORS as exc:
             self._completion.fail_all(self._life.translate(exc))
         finally:
-            self.lock.release()
+            if self._held():
+                lock.release()
         return True
 
     # -- dynamic batching --------------------------------------------------------------
@@ -333,12 +356,17 @@ class Submission(_Submitter):
     def try_publish_partial(self, tr: Transfer, extra: Request | None) -> bool:
         """The timers flush ``tr`` (with ``extra`` samples packed first), padded with
         zeros, unless a submitter is busy (False)."""
-        if not self.lock.acquire(blocking=False):
-            return False   # a submitter is busy (it will publish or the timer fires again)
+        lock = self.lock
+        if self._held():   # this thread sends (see __init__): busy
+            return False
         try:
+            if not lock.acquire(False):
+                return False   # a submitter is busy (it publishes, or the timer fires again)
             path = self._life.path
             completion = self._completion
             if path is not None:
+                if self._fused is not None:
+                    self._abandon_fused(path, "KeyboardInterrupt")
                 if self._writing is not None:
                     self._finish_writing(path)
                 if extra is not None and completion.open is tr:
@@ -349,7 +377,8 @@ class Submission(_Submitter):
         except _WRITE_ERRORS as exc:
             self._completion.fail_all(self._life.translate(exc))
         finally:
-            self.lock.release()
+            if self._held():
+                lock.release()
         return True
 
     # ------------------------------------------------------------------ fused
@@ -370,34 +399,42 @@ class Submission(_Submitter):
             return None
         t_prepared = _clock()
         lock = self.lock
-        if not lock.acquire(False):
-            self._take_lock()
-        try:
+        try:   # the lock taken inside (see __init__)
+            if not lock.acquire(False):
+                self._take_lock()
             life = self._life
             completion = self._completion
             if (completion.inflight or completion.open is not None or completion.draining
                     or completion.stalled
-                    or self._writing is not None or not life.well_but_unpolled()
+                    or self._writing is not None or self._fused is not None
+                    or not life.well_but_unpolled()
                     or self._timers.has_phantoms):
                 return None        # busy, or something is off: submit sorts it out
             path = life.path       # (a reset by another submitter made new rings)
             if path is None or not path.fusable:
                 return None
             self._hint(path)
-            self._seq = seq = self._seq + 1
             t_lay = _clock() if recorder.ON else 0   # tracing (0: off)
+            self._seq = seq = self._seq + 1
+            # Noted before anything is laid, with no call between this and the call that
+            # lays (an interrupt lands at calls): until it is read, whoever takes the lock
+            # next finds it here if the interrupted thread could not see to it.
+            self._fused = (seq, inputs, t_received)
             try:
                 results = path.run_fused(inputs, seq, self._acquire, life.slow_output,
                                          life.wait_slice, life.gone, self._monitor.settle)
+                self._fused = None
             except NotTaken:   # the device exited before it took the request: submit resets
-                return None    # it first (auto_reset) or reports it, as if not yet sent
+                self._fused = None   # it first (auto_reset) or reports it, as if not yet sent
+                return None
             except DeviceTimeoutError as exc:   # the device stalled: abandoned, as below
-                self._abandon_fused(path, inputs, seq, t_received, exc, finish=False)
+                self._abandon_fused(path, type(exc).__name__, finish=False)
                 self._completion.stall(exc)
                 completion.record_error(exc)
                 raise
             except (RingInvalidatedError, ShmError, OSError, InvalidStateError,
                     SequenceMismatchError) as exc:
+                self._fused = None   # the replica fails: a reset clears its rings
                 if path.fused_taken < 0 and isinstance(exc, _WRITE_ERRORS):   # laying
                     err = self._write_failed(exc)
                     completion.record_error(err)
@@ -412,10 +449,11 @@ class Submission(_Submitter):
                 completion.record_error(err)
                 raise raisable(err)
             except BaseException as exc:   # KeyboardInterrupt, a signal handler's exception
-                self._abandon_fused(path, inputs, seq, t_received, exc)
+                self._abandon_fused(path, type(exc).__name__)
                 raise
         finally:
-            lock.release()
+            if self._held():
+                lock.release()
         now = _clock()
         if not t_lay:   # recorded while the device computes the next request, or when read
             self._monitor.defer(t_received, t_prepared, now, path.t_laid)
@@ -426,12 +464,19 @@ class Submission(_Submitter):
                             path.t_first, now, now))
         return results
 
-    def _abandon_fused(self, path: TransferPath, inputs: dict[str, np.ndarray], seq: int,
-                       t_received: int, exc: BaseException, finish: bool = True) -> None:
-        """``run_fused``'s transfer ``seq`` was abandoned by ``exc`` (lock held) while
-        laying (``path.fused_taken`` -1) or after reading that many outputs: it becomes an
-        in-flight transfer of a request nobody waits for, completed if half laid, whose
-        other outputs the next drainer reads and drops."""
+    def _abandon_fused(self, path: TransferPath, why: str, finish: bool = True) -> None:
+        """``run_fused``'s request (``_fused``) was abandoned (``why``: the exception's
+        class) while laying (``path.fused_taken`` -1) or after reading that many outputs
+        (lock held): its transfer becomes one in flight of a request nobody waits for,
+        completed if half laid, whose other outputs the next drainer reads and drops.
+
+        Idempotent until its transfer is in flight: another interrupt in here leaves
+        ``_fused`` set, and the next thread to take the lock does it again (the rings and
+        ``fused_taken`` stay as they were: nothing else reads or lays meanwhile)."""
+        fused = self._fused
+        if fused is None:
+            return
+        seq, inputs, t_received = fused
         outputs = path.all_outputs
         read = path.fused_taken
         written = read >= 0
@@ -440,21 +485,24 @@ class Submission(_Submitter):
             if consumed_from(path.output_ring_of(outputs[read].name), seq):
                 read += 1
         if written and read >= len(outputs):
+            self._fused = None
             return   # nothing of it is left on the device
         req = Request(self._completion, self._life.rid, 1, inputs, {}, {}, [outputs],
                       t_received, internal=True)
         req.fail(InvalidStateError(f"replica {self._life.rid}: the request was abandoned: "
-                                   f"{type(exc).__name__} interrupted it"))
+                                   f"{why} interrupted it"))
         tr = Transfer([(req, 0, 1, 0)], outputs)
         tr.seq = seq
         tr.next_output = max(0, read)
+        inflight = self._completion.inflight
+        # one step (no call before the append): in flight (finished if half laid), _fused None
         if written:
             tr.published = True
-            self._completion.register(tr)
-            return
-        self._writing = tr
-        self._completion.register(tr)
-        if finish:        # else (a stalled device) the next submitter finishes it
+        else:
+            self._writing = tr
+        self._fused = None
+        inflight.append(tr)
+        if finish and not written:   # else (a stalled device) the next submitter finishes it
             try:
                 self._finish_writing(path)
             except (ShmError, OSError):   # the device is gone: the next request hears it

@@ -71,6 +71,9 @@ ALLOWED_PRIVATE_READS: dict[tuple[str, str], tuple[int, str]] = {
     ("host_runtime/runner/monitoring.py", "_ipu_monitored"): (2, "engine: set on and read "
                                                               "from an exception"),
     # other libraries' private state, read where no public name does the job
+    ("host_runtime/runner/_submission.py", "_is_owned"):
+        (1, "intr: RLock._is_owned (C), whether this thread holds the submit lock: an "
+            "interrupt may come as acquire() returns, before a try can see it"),
     ("ipu_emulator/ipu/_execute.py", "_sess"):
         (1, "onnxruntime's C session: its public run_with_iobinding adds ~2 us of checks "
             "per run (WebGPU capture); falls back to it when the attribute is gone"),

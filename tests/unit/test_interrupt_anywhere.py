@@ -1,0 +1,239 @@
+"""A KeyboardInterrupt wherever it can land in the runner's code never gives a wrong answer
+and never leaves the runner unusable. Loopback device, no process.
+
+A signal's handler runs (and raises KeyboardInterrupt) only where CPython 3.11 checks
+for pending work: at a function's entry, after a call returns and at a loop's backward
+jump. :class:`Interrupts` counts those places in the main thread's frames of
+``host_runtime/runner/`` (a trace function: every function entry, every ``CALL`` and
+backward-jump instruction) and, at the chosen counts, schedules a KeyboardInterrupt
+with ``PyThreadState_SetAsyncExc``: CPython raises it at its next check, exactly where a
+signal's handler would run. The test sweeps every place of a request's path (submit,
+the fused path, lay, take, drain, the abandon paths), once and twice in a row (an
+interrupt that lands while the first one is being handled), and after each asserts:
+the interrupted call raised KeyboardInterrupt (or answered right), every interrupted
+request got its own answer or the named error, and the next requests are right
+(C = A * weights + B, compared to numpy).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dis
+import functools
+import os
+import re
+import sys
+import threading
+import types
+from typing import Any, Callable, Iterable
+
+import numpy as np
+import pytest
+
+import host_runtime as model_runtime
+import host_runtime.runner as runner_package
+from tests.unit._loopback import model, model_path, weights  # noqa: F401  (fixtures)
+
+SHAPE = (1, 4)   # small: execute takes the fused path on an idle replica
+BIG = (4, 256)   # 4 KiB: the general path (slots, copy_bytes), every output a Take.SLOT
+
+RUNNER_DIR = os.path.dirname(os.path.abspath(runner_package.__file__)) + os.sep
+_CHECKS = {"CALL", "JUMP_BACKWARD", "POP_JUMP_BACKWARD_IF_TRUE", "POP_JUMP_BACKWARD_IF_FALSE",
+           "POP_JUMP_BACKWARD_IF_NONE", "POP_JUMP_BACKWARD_IF_NOT_NONE"}
+_SET_ASYNC_EXC = ctypes.pythonapi.PyThreadState_SetAsyncExc
+ALLOWED = re.compile(r"InvalidStateError: replica 0: (output 'tensor_C' of the request was lost: "
+                     r"the thread reading it was interrupted by KeyboardInterrupt|the request "
+                     r"was abandoned: KeyboardInterrupt interrupted it( while it was sent)?)")
+"""What an interrupted request may get instead of its answer (never another's answer)."""
+
+pytestmark = pytest.mark.skipif(sys.version_info[:2] != (3, 11),
+                                reason="the places are CPython 3.11's instructions")
+
+
+@functools.lru_cache(maxsize=None)
+def _places(code: types.CodeType) -> frozenset[int]:
+    """Offsets of the instructions of ``code`` after which CPython checks for a signal."""
+    return frozenset(i.offset for i in dis.get_instructions(code) if i.opname in _CHECKS)
+
+
+def _arming(tid: int) -> Any:
+    """An object whose attribute assignment schedules KeyboardInterrupt in thread ``tid``.
+
+    A trace function that called ``PyThreadState_SetAsyncExc`` itself would get the
+    interrupt at once (a call's return is a check); a STORE_ATTR through a C callable
+    ``__setattr__`` is none, so the trace function returns first."""
+    arm = functools.partial(_SET_ASYNC_EXC, ctypes.c_ulong(tid),
+                            ctypes.py_object(KeyboardInterrupt))
+    return type("Arm", (), {"__slots__": (), "__setattr__": arm})()
+
+
+def _nothing() -> None:
+    pass
+
+
+class Interrupts:
+    """``with Interrupts(at):`` KeyboardInterrupt at the places numbered ``at`` (1, 2, ...)
+    of the runner's code run by this thread; ``count``: the places passed, ``where``: the
+    functions and lines the interrupts were scheduled at."""
+
+    def __init__(self, at: Iterable[int] = ()) -> None:
+        self.at = frozenset(at)
+        self.count = 0
+        self.where: list[str] = []
+        self._arm = _arming(threading.get_ident())
+
+    def _call(self, frame: types.FrameType, event: str, arg: Any) -> Any:
+        if not frame.f_code.co_filename.startswith(RUNNER_DIR):
+            return None
+        frame.f_trace_opcodes = True
+        frame.f_trace_lines = False
+        self.count += 1
+        if self.count in self.at:
+            self.where.append(f"{frame.f_code.co_name}:{frame.f_lineno} (entry)")
+            self._arm.go = True   # last: nothing after it checks
+        return self._opcode
+
+    def _opcode(self, frame: types.FrameType, event: str, arg: Any) -> Any:
+        if event == "opcode" and frame.f_lasti in _places(frame.f_code):
+            self.count += 1
+            if self.count in self.at:
+                self.where.append(f"{frame.f_code.co_name}:{frame.f_lineno}")
+                self._arm.go = True   # last: nothing after it checks
+        return self._opcode
+
+    def __enter__(self) -> "Interrupts":
+        sys.settrace(self._call)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            sys.settrace(None)
+            _nothing()    # an interrupt scheduled but not yet raised is raised here
+        except KeyboardInterrupt:
+            pass
+
+
+def request(i: int, shape: tuple[int, ...]) -> dict[str, np.ndarray]:
+    return {"tensor_A": np.full(shape, float(i % 1000), np.float32),
+            "tensor_B": np.full(shape, 0.5, np.float32)}
+
+
+def right(i: int, out: Any, w: np.ndarray) -> bool:
+    return bool(np.allclose(np.asarray(out), float(i % 1000) * w + 0.5, rtol=1e-6))
+
+
+Scenario = Callable[[Any, tuple[int, ...], int, list[tuple[int, Any]]], None]
+
+
+def sync(runner: Any, shape: tuple[int, ...], i: int,
+         futures: list[tuple[int, Any]]) -> None:
+    """One ``execute`` (the fused path, when the replica is idle and the tensors small)."""
+    futures.append((i, runner.execute(request(i, shape))["tensor_C"]))
+
+
+def waited(runner: Any, shape: tuple[int, ...], i: int,
+           futures: list[tuple[int, Any]]) -> None:
+    """``executeAsync`` and ``wait``."""
+    fut = runner.executeAsync(request(i, shape))
+    futures.append((i, fut))
+    fut.wait()
+
+
+def crowded(runner: Any, shape: tuple[int, ...], i: int,
+            futures: list[tuple[int, Any]]) -> None:
+    """Two in flight, an ``execute`` behind them (drains them), then their waits."""
+    for k in (i, i + 300):
+        futures.append((k, runner.executeAsync(request(k, shape))))
+    futures.append((i + 600, runner.execute(request(i + 600, shape))["tensor_C"]))
+    for _, fut in futures[:2]:
+        fut.wait()
+
+
+def answers(futures: list[tuple[int, Any]], w: np.ndarray) -> list[str]:
+    """What is wrong with the answers of the interrupted requests (nothing: [])."""
+    bad = []
+    for i, fut in futures:
+        try:
+            out = fut if isinstance(fut, np.ndarray) else fut["tensor_C"]
+        except model_runtime.ModelRuntimeError as exc:
+            text = f"{type(exc).__name__}: {exc}"
+            if not ALLOWED.fullmatch(text):
+                bad.append(f"request {i}: {text}")
+            continue
+        if not right(i, out, w):
+            bad.append(f"request {i}: a wrong answer")
+    return bad
+
+
+def next_requests(runner: Any, shape: tuple[int, ...], w: np.ndarray) -> list[str]:
+    """What is wrong with the runner's next answers (nothing: [])."""
+    try:
+        for k in range(2):
+            if not right(900 + k, runner.execute(request(900 + k, shape))["tensor_C"], w):
+                return [f"execute {900 + k} after: a wrong answer"]
+        futs = [(910 + k, runner.executeAsync(request(910 + k, shape))) for k in range(2)]
+        return [f"{i} after: a wrong answer" for i, f in futs if not right(i, f["tensor_C"], w)]
+    except Exception as exc:
+        return [f"after: {type(exc).__name__}: {exc}"]
+
+
+def sweep(make: Callable[[], Any], shape: tuple[int, ...], scenario: Scenario, w: np.ndarray,
+          gaps: Iterable[int]) -> list[str]:
+    """Run ``scenario`` interrupted at every place (``gaps``: 0, once; d, a second interrupt
+    d places after the first); what went wrong, by place."""
+    runner = make()
+    with Interrupts() as counting:
+        scenario(runner, shape, 1, [])
+    assert counting.count > 20, counting.count   # the trace saw the runner's code
+    failures = []
+    try:
+        for gap in gaps:
+            for n in range(1, counting.count + 1):
+                at = {n} if gap == 0 else {n, n + gap}
+                futures: list[tuple[int, Any]] = []
+                bad = []
+                interrupts = Interrupts(at)
+                try:   # (a late one may come as the block ends, before __exit__ runs)
+                    with interrupts:
+                        try:
+                            scenario(runner, shape, n, futures)
+                        except KeyboardInterrupt:
+                            pass
+                        except BaseException as exc:   # noqa: B036 (reported, not raised)
+                            bad.append(f"raised {type(exc).__name__}: {exc}")
+                except KeyboardInterrupt:
+                    pass
+                bad += answers(futures, w) + next_requests(runner, shape, w)
+                if bad:
+                    failures.append(f"{sorted(at)} at {interrupts.where}: {bad}")
+                    runner.close()
+                    runner = make()
+    finally:
+        runner.close()
+    return failures
+
+
+@pytest.fixture
+def make_runner(loopback_device, monkeypatch: pytest.MonkeyPatch) -> Callable[..., Any]:
+    # a runner made unusable fails the next request in 2 s, not the default 60
+    monkeypatch.setenv("IPU_EMULATOR_HOST_SYNC_TIMEOUT", "2")
+
+    def make(path: str) -> Any:
+        return model_runtime.ModelRunner(path, model_runtime.ModelRunnerConfig(
+            replica_to_device={0: loopback_device}))
+    return make
+
+
+@pytest.fixture(scope="module")
+def big_path(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, np.ndarray]:
+    from tests._helpers import weights_of, write_example
+    path = write_example(tmp_path_factory.mktemp("big"), BIG)
+    return path, weights_of(model_runtime.popef.load_model([path]), BIG)
+
+
+def test_an_interrupt_anywhere_in_execute_gives_no_wrong_answer_and_the_runner_stays_usable(
+        make_runner, model_path, weights):
+    """``execute`` on the fused path, interrupted once at every place and twice (the
+    second while the first is handled: the fused path's abandon, the drain's)."""
+    failures = sweep(lambda: make_runner(model_path), SHAPE, sync, weights, (0, 1, 2, 3, 5, 8))
+    assert failures == [], "\n".join(failures[:10])
