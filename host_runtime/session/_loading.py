@@ -194,7 +194,7 @@ class Loader:
         same = _identical(constants, self._constants_loaded)
         if not constants:
             self._constants, self._constants_of = None, {}
-        elif self._constants is None or not (same or _identical(constants, self._constants_of)):
+        elif self._constants is None or not _identical(constants, self._constants_of):
             self._constants = shared_constants({h: v for h, (_, v) in constants.items()})
             self._constants_of = constants
         return constants, same

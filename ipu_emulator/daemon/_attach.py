@@ -117,15 +117,13 @@ async def attach(keeper: ProcessKeeper, system: SystemConfig, conn: Conn,
     for ipu in wanted:
         ipu.state, ipu.holder = "attaching", conn.pid
     label = (f"device {device_id} (ipu {{}})" if device_id >= 0 else "ipu {}")
-    results: list[BaseException | None] = []
+    failed: list[tuple[PooledIpu, PoolError]] = []
     for k, ipu in enumerate(wanted):   # HOST(pid), not waited for (PooledIpu.hand_over_soon)
         try:
             ipu.hand_over_soon(conn.pid, len(wanted) if k == 0 else 1,
                                label.format(ipu.index))
-            results.append(None)
         except PoolError as exc:
-            results.append(exc)
-    failed = [(ipu, r) for ipu, r in zip(wanted, results) if isinstance(r, BaseException)]
+            failed.append((ipu, exc))
     if failed:
         for ipu, _ in failed:
             ipu.state = "dead"   # the release below restarts these, resets the others
