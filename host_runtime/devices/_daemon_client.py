@@ -32,12 +32,13 @@ import os
 import signal
 import threading
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 from shm import ExitWatch, Ring, describe_process
 
 from host_runtime.errors import (DeviceTimeoutError, DeviceUnavailableError,
                                  PartitionNotFoundError)
+from host_runtime.devices._wait import waiting_elsewhere
 from host_runtime.settings import HostSettings
 from ipu_emulator import trace
 from ipu_emulator.daemon import socket_protocol as wire
@@ -184,7 +185,9 @@ class DaemonClient:
         except (OSError, ValueError) as exc:   # ValueError: a peer of another uid
             raise self._unreachable(exc) from exc
         try:
-            reply = conn.call(message, timeout)
+            conn.send(message, timeout)
+            waiting_elsewhere()   # (an attach in a thread: the caller's work starts now)
+            reply = conn.receive(timeout)
         except TimeoutError as exc:
             conn.close()   # the daemon releases on EOF, should it answer later
             raise self.no_answer("attach", conn, timeout) from exc
@@ -329,9 +332,10 @@ class DaemonAttachment:
     def held(self) -> bool:
         return self._conn is not None
 
-    def release(self) -> None:
+    def release(self, meanwhile: Callable[[], None] | None = None) -> None:
         """Hand the IPUs back; returns once the daemon has taken them (it resets them
-        before it lends them again), idempotent.
+        before it lends them again), idempotent. ``meanwhile`` runs while the daemon
+        answers (not in a forked child, nor if there is nothing to release).
 
         In a forked child it only drops its copy of the connection."""
         conn, self._conn = self._conn, None
@@ -340,7 +344,12 @@ class DaemonAttachment:
         timeout = self.client.bound(_TIMEOUT)
         try:
             if os.getpid() == self._pid:
-                reply = conn.call({"op": "release"}, timeout)
+                try:
+                    conn.send({"op": "release"}, timeout)
+                finally:
+                    if meanwhile is not None:
+                        meanwhile()
+                reply = conn.receive(timeout)
                 if not reply.get("ok"):
                     _log.warning("the daemon at %s: release of ipus %s: %s", self.client.path,
                                  list(self.ipus), reply.get("message"))

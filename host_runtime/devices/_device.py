@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 import weakref
-from typing import Protocol, runtime_checkable
+from typing import Callable, Protocol, runtime_checkable
 
 from host_runtime.devices._daemon_client import DaemonAttachment
 from host_runtime.devices._ipu_group import make_link
@@ -153,8 +153,25 @@ class Device:
 
         In a process forked from the owner this does nothing: the owner still uses them.
         """
+        self.close_then(None)
+
+    def close_then(self, meanwhile: Callable[[], None] | None) -> None:
+        """Internal (Session): close(), running ``meanwhile`` (the session's own closing)
+        while the IPUs are given back: a daemon's answer to the release is read after it.
+        ``meanwhile`` runs once, whatever happens (not in a forked child)."""
         if self._owner_pid != os.getpid():
             return
+        pending = [meanwhile] if meanwhile is not None else []
+
+        def once() -> None:
+            while pending:
+                pending.pop()()
+        try:
+            self._close(once)
+        finally:
+            once()   # (if the close did not come to it)
+
+    def _close(self, meanwhile: Callable[[], None]) -> None:
         # A program may be running on another thread (holding the lock, perhaps waiting for
         # input that never comes): do not wait for it; closing the link fails it.
         got = self._lock.acquire(timeout=0.5)
@@ -187,7 +204,9 @@ class Device:
             # daemon's process says no BYE; a dead one cannot) when the closed ring wakes
             # it (at once: Ring.close interrupts this process's waits).
             self._link.close(timeout=0.0)
-            if self._locks is not None:
+            if isinstance(self._locks, DaemonAttachment):
+                self._locks.release(meanwhile)
+            elif self._locks is not None:
                 self._locks.release()
             _live_devices.discard(self)
 

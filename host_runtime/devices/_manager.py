@@ -33,7 +33,8 @@ from host_runtime.devices._device import ActiveSession as ActiveSession, Device 
 from host_runtime.devices._shm_space import translated
 from host_runtime.devices._wait import (DeviceConstraints as DeviceConstraints,
                                         DeviceWaitConfig as DeviceWaitConfig,
-                                        DeviceWaitStrategy as DeviceWaitStrategy)
+                                        DeviceWaitStrategy as DeviceWaitStrategy,
+                                        waiting_elsewhere)
 from host_runtime.errors import (BadRequestError, DeviceUnavailableError,
                                  ResourceLimitError)
 from host_runtime.popef.model import Model
@@ -323,6 +324,7 @@ class DeviceManager:
             if deadline is not None and now >= deadline:
                 break
             pause = sleep if deadline is None else min(sleep, deadline - now)
+            waiting_elsewhere()   # for the holder of a busy device
             time.sleep(max(pause, 0.0))
         held_text = ", ".join(f"ipu {i} by pid {pid}" if pid else f"ipu {i} (holder unknown)"
                               for i, pid in sorted(busy.items()))
@@ -406,6 +408,8 @@ class DeviceManager:
                 ) -> list[IpuConnection]:
         """One connection per spec from ``launcher`` (a daemon attachment's) or our own."""
         launch = launcher if launcher is not None else self._launcher
+        if launcher is None:
+            waiting_elsewhere()   # for IPU processes to start
         procs: list[IpuConnection] = []
         try:
             for spec in specs:

@@ -1,15 +1,37 @@
 """How a :class:`DeviceManager` waits for a device (``DeviceWaitStrategy``,
-``DeviceWaitConfig``) and what the device must offer (``DeviceConstraints``)."""
+``DeviceWaitConfig``), what the device must offer (``DeviceConstraints``), and who is
+told when an attach starts waiting on another process (:func:`waiting_elsewhere`)."""
 
 from __future__ import annotations
 
+import contextvars
 import enum
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 from host_runtime.errors import BadRequestError
 
-__all__ = ["DeviceWaitStrategy", "DeviceWaitConfig", "DeviceConstraints"]
+__all__ = ["DeviceWaitStrategy", "DeviceWaitConfig", "DeviceConstraints", "tell_when_waiting",
+           "waiting_elsewhere"]
+
+_when_waiting: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar(
+    "ipu_emulator_when_waiting", default=None)
+
+
+def tell_when_waiting(callback: Callable[[], None]) -> None:
+    """``callback()`` once, the first time an attach in this context waits on another
+    process (``host_runtime.session._attach``: the caller's own work starts then, so the
+    attach has sent its request before that work takes this process's interpreter)."""
+    _when_waiting.set(callback)
+
+
+def waiting_elsewhere() -> None:
+    """The attach now waits on another process (a daemon's answer, a busy device, IPU
+    processes starting): tell whoever asked, once."""
+    callback = _when_waiting.get()
+    if callback is not None:
+        _when_waiting.set(None)
+        callback()
 
 
 class DeviceWaitStrategy(enum.Enum):

@@ -29,6 +29,7 @@ from host_runtime.popef.writer import Writer, save_model
 # for the other packages of host_runtime (not part of the public surface)
 from host_runtime.popef._check import check_model as check_model
 from host_runtime.popef._check import decoded_programs as decoded_programs
+from host_runtime.popef._cache import files_key as files_key, keep_model as keep_model, kept_model as kept_model
 
 __all__ = [
     "Anchor",

@@ -20,12 +20,13 @@ Results:
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
 
@@ -34,7 +35,7 @@ from host_runtime._fork import check_owner, current_pid, foreign
 from host_runtime._lifetime import close_owned
 from host_runtime.errors import BadRequestError, InvalidStateError, PopefError
 from host_runtime.memory import OutputMemory, check_owned
-from host_runtime.popef import check_model
+from host_runtime.popef import check_model, files_key, keep_model, kept_model
 from host_runtime.popef.reader import PendingChecksums
 from host_runtime.runner._host_tail import HostTail
 from host_runtime.runner._intake import RequestIntake
@@ -76,10 +77,13 @@ def _register_exit_hook() -> None:
         atexit.register(_close_live_runners)
 
 
-def _load_model(source: Any, pending: PendingChecksums) -> popef.Model:
+def _load_model(source: Any, pending: PendingChecksums
+                ) -> tuple[popef.Model, Callable[[], None]]:
+    """The model of ``source``, and what to call once its checksums have passed: a model
+    read from files is kept for the next runner of the same files (``popef._cache``)."""
     if isinstance(source, popef.Model):
         check_model(source)   # the rules of ipu_emulator.validate (once per Model)
-        return source
+        return source, _nothing
     if isinstance(source, (str, os.PathLike)):
         paths = [os.fspath(source)]
     elif isinstance(source, (list, tuple)):
@@ -90,9 +94,17 @@ def _load_model(source: Any, pending: PendingChecksums) -> popef.Model:
             f"got {type(source).__name__}")
     if not paths:
         raise BadRequestError("ModelRunner needs at least one PopEF file, got an empty list")
+    key = files_key(paths)
+    model = kept_model(key)
+    if model is not None:
+        return model, _nothing
     model = popef.load_model(paths, pending=pending)
     check_model(model)
-    return model
+    return model, functools.partial(keep_model, key, model, paths)
+
+
+def _nothing() -> None:
+    pass
 
 
 def _damaged_first(pending: PendingChecksums, exc: BaseException) -> None:
@@ -147,7 +159,7 @@ class ModelRunner:
         # file is refused here all the same
         pending = PendingChecksums()
         try:
-            self._model = _load_model(model, pending)
+            self._model, keep_model = _load_model(model, pending)
             # thread_safe: one mutex per replica, held for each execute/executeAsync call
             self._call_locks: list[threading.RLock] = (
                 [threading.RLock() for _ in range(cfg.replication_factor)]
@@ -179,6 +191,7 @@ class ModelRunner:
         except BaseException:
             self.close()
             raise
+        keep_model()   # checked whole: the next runner of these files takes it as it is
         _live_runners.add(self)
         _register_exit_hook()
 

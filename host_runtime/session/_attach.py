@@ -4,7 +4,10 @@ Attaching waits on another process (a daemon's answer, an IPU process starting) 
 most of its time; making the rings and regions a session loads with is this
 process's own work and needs no device. :func:`attach_meanwhile` does the two at
 once: the attach in a short-lived thread (in a copy of the caller's context, as
-``asyncio.to_thread`` runs one), the work in the caller's.
+``asyncio.to_thread`` runs one), the work in the caller's. The work starts once the
+attach waits on another process (``host_runtime.devices.waiting_elsewhere``: its
+request sent) or has ended: started at once, it would hold the interpreter while the
+attach thread has yet to send anything, and the two would run one after the other.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import contextvars
 import threading
 from typing import Callable
 
-from host_runtime.devices import Device
+from host_runtime.devices import Device, tell_when_waiting
 
 __all__ = ["attach_meanwhile"]
 
@@ -25,14 +28,18 @@ class _Attaching:
         self._attach = attach
         self._lock = threading.Lock()
         self._abandoned = False
+        self.waiting = threading.Event()   # the attach waits on another process, or ended
         self.device: Device | None = None
         self.error: BaseException | None = None
 
     def run(self) -> None:
+        tell_when_waiting(self.waiting.set)
         try:
             dev: Device | None = self._attach()
         except BaseException as exc:   # handed to the caller, who raises it
             self.error, dev = exc, None
+        finally:
+            self.waiting.set()
         with self._lock:
             self.device = dev
             orphan = self._abandoned
@@ -49,7 +56,8 @@ class _Attaching:
 
 
 def attach_meanwhile(attach: Callable[[], Device], work: Callable[[], None]) -> Device:
-    """``attach()`` in a thread while ``work()`` runs in this one; the device attached.
+    """``attach()`` in a thread while ``work()`` runs in this one (from when the attach
+    waits on another process); the device attached.
 
     ``attach``'s error is raised once ``work`` is done; if ``work`` raises, the attach is
     waited for and its device closed before that error is raised (if this thread is
@@ -61,6 +69,7 @@ def attach_meanwhile(attach: Callable[[], Device], work: Callable[[], None]) -> 
                               name="ipu-emulator attach", daemon=True)
     thread.start()
     try:
+        state.waiting.wait()
         work()
     except BaseException:
         try:

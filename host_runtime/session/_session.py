@@ -44,7 +44,7 @@ from __future__ import annotations
 import logging
 import secrets
 import weakref
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from host_runtime import popef
 from host_runtime._fork import check_owner, current_pid, foreign
@@ -303,7 +303,7 @@ class Session(AnchorsAndCallbacks):
                 # a program of ours may be running on another thread
                 self.stop_within(stop_timeout, kill_if_hung, closing=True)
             if self._binding is not None:
-                self._unbind(run_save=False)
+                self._unbind(run_save=False, meanwhile=self._streams.close)   # (idempotent)
         finally:
             self._life = self._life.after(LifeEvent.CLOSE)
             self._streams.close()
@@ -389,7 +389,7 @@ class Session(AnchorsAndCallbacks):
         if b is not None and b.active(self):
             self._loader.send_modes(b.device, b)
 
-    def _unbind(self, run_save: bool) -> None:
+    def _unbind(self, run_save: bool, meanwhile: Callable[[], None] | None = None) -> None:
         b = self._binding
         if b is None:
             return
@@ -399,7 +399,7 @@ class Session(AnchorsAndCallbacks):
         finally:
             self._binding = None   # all that bound it to the device goes with it
             if b.owned:
-                b.device.close()
+                b.device.close_then(meanwhile)
 
     # -- internal: for the device (host_runtime.devices._manager.ActiveSession) -----------------
 

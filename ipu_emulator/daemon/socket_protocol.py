@@ -133,8 +133,17 @@ class LineConnection:
         self._buf = b""
 
     def call(self, message: dict[str, Any], timeout: float | None = 30.0) -> dict[str, Any]:
+        self.send(message, timeout)
+        return self.receive(timeout)
+
+    def send(self, message: dict[str, Any], timeout: float | None = 30.0) -> None:
+        """Send one request; its reply is read by :meth:`receive`."""
         self._sock.settimeout(timeout)
         self._sock.sendall(encode(message))
+
+    def receive(self, timeout: float | None = 30.0) -> dict[str, Any]:
+        """The next reply, within ``timeout`` s of each read (TimeoutError)."""
+        self._sock.settimeout(timeout)
         while b"\n" not in self._buf:
             if len(self._buf) > MAX_MESSAGE:
                 raise DaemonProtocolError(f"reply exceeds the {MAX_MESSAGE}-byte limit")

@@ -1,5 +1,6 @@
 """host_runtime.session._attach: the device attaches in a thread while the session makes its
-rings; errors of either side are raised, and nothing attached outlives a failure."""
+rings, from when the attach waits on another process (``waiting_elsewhere``: its request
+sent); errors of either side are raised, and nothing attached outlives a failure."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import threading
 
 import pytest
 
+from host_runtime.devices import waiting_elsewhere
 from host_runtime.session._attach import attach_meanwhile
 
 
@@ -21,24 +23,74 @@ class FakeDevice:
         self.closed = True
 
 
-def test_the_device_is_attached_in_another_thread_while_the_work_runs_here():
-    attached = threading.Event()
+def test_the_work_runs_here_while_the_attach_waits_on_another_process():
+    working = threading.Event()
     seen: list[str] = []
 
     def attach() -> FakeDevice:
-        dev = FakeDevice()
-        attached.set()
-        return dev
+        seen.append("request sent")
+        waiting_elsewhere()   # as the daemon client does once its request is sent
+        waiting_elsewhere()   # (told once)
+        assert working.wait(10)   # the work runs while the attach waits
+        seen.append("answered")
+        return FakeDevice()
 
     def work() -> None:
-        # the attach runs meanwhile: the work can see it finish
-        assert attached.wait(10)
-        seen.append(threading.current_thread().name)
+        seen.append("work")
+        working.set()
 
     dev = attach_meanwhile(attach, work)   # type: ignore[arg-type]
     assert isinstance(dev, FakeDevice) and not dev.closed
     assert dev.thread is not threading.current_thread()
-    assert seen == [threading.current_thread().name]
+    assert seen == ["request sent", "work", "answered"]
+
+
+def test_the_work_waits_for_an_attach_that_never_waits_elsewhere():
+    """Nothing to overlap (say, an error before any request): the work starts once the
+    attach is over, rather than taking the interpreter while the attach has sent nothing."""
+    seen: list[str] = []
+
+    def attach() -> FakeDevice:
+        seen.append("attach")
+        return FakeDevice()
+
+    attach_meanwhile(attach, lambda: seen.append("work"))   # type: ignore[arg-type]
+    assert seen == ["attach", "work"]
+
+
+def test_the_work_starts_once_the_attach_has_sent_its_request_to_the_daemon(tmp_path):
+    """The real client against a daemon stand-in that the work itself plays: when the
+    work starts, the attach request is already in the connection (read without waiting);
+    the answer comes only from the work."""
+    import socket as socket_mod
+
+    from host_runtime.devices._daemon_client import DaemonClient
+    from ipu_emulator.daemon import socket_protocol as wire
+
+    path = str(tmp_path / "d.sock")
+    server = socket_mod.socket(socket_mod.AF_UNIX, socket_mod.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+    server.settimeout(10)
+    accepted: list[socket_mod.socket] = []
+    seen: list[str] = []
+
+    def work() -> None:
+        conn, _ = server.accept()   # the attach connected before the work started
+        accepted.append(conn)
+        sent = conn.recv(65536, socket_mod.MSG_DONTWAIT)   # BlockingIOError: nothing sent
+        seen.append(wire.decode(sent)["op"])
+        conn.sendall(wire.encode({"ok": False, "error": "failed", "message": "test"}))
+
+    client = DaemonClient(path)
+    try:
+        with pytest.raises(Exception, match="could not attach ipus \\[0\\]: test"):
+            attach_meanwhile(lambda: client.try_attach(0, (0,)), work)   # type: ignore
+    finally:
+        for c in accepted:
+            c.close()
+        server.close()
+    assert seen == ["attach"]
 
 
 def test_an_attach_error_is_raised_once_the_work_is_done():
@@ -57,7 +109,8 @@ def test_a_work_error_closes_the_device_before_it_is_raised():
     release = threading.Event()
 
     def attach() -> FakeDevice:
-        release.wait(10)   # still attaching when the work fails
+        waiting_elsewhere()
+        assert release.wait(10)   # still attaching when the work fails
         made.append(FakeDevice())
         return made[-1]
 

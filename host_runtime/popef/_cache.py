@@ -1,0 +1,75 @@
+"""Models a ``ModelRunner`` read from files, kept while their files are unchanged.
+
+Making runners of one file again and again (a test rig, a server that reloads) reads
+and checks it once: a model is kept, after its checksums have passed, under its
+files' identities (device, inode, size, modification and change times, each in
+nanoseconds), and handed out again while every file still has that identity. A file
+written again, replaced, renamed over or changed in mode has a new change time: it is
+read again. Kept: the last ``MAX_MODELS`` models of files under ``MAX_FILE_BYTES``
+together, which the reader copies whole (a model holds its payloads' bytes, no file
+descriptor or mapping); a ``popef.Model`` is read-only to the runners, which share it
+as they share one a program passes them.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import stat
+import threading
+
+from host_runtime.popef.model import Model
+from host_runtime.popef.reader import MAP_MIN_BYTES
+
+__all__ = ["MAX_FILE_BYTES", "MAX_MODELS", "FilesKey", "files_key", "kept_model", "keep_model"]
+
+MAX_MODELS = 8
+MAX_FILE_BYTES = MAP_MIN_BYTES   # larger payloads are mapped views of a snapshot
+
+FilesKey = tuple[tuple[int, int, int, int, int], ...]
+
+_lock = threading.Lock()
+_models: "collections.OrderedDict[FilesKey, Model]" = collections.OrderedDict()
+
+
+def files_key(paths: list[str]) -> FilesKey | None:
+    """The identity of the regular files at ``paths`` now; None if one cannot be
+    stat'ed, is not a regular file, or they are too large to keep."""
+    try:
+        sts = [os.stat(p) for p in paths]
+    except (OSError, ValueError):
+        return None
+    if (not all(stat.S_ISREG(st.st_mode) for st in sts)
+            or sum(st.st_size for st in sts) >= MAX_FILE_BYTES):
+        return None
+    return tuple((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+                 for st in sts)
+
+
+def kept_model(key: FilesKey | None) -> Model | None:
+    """The model read from files of identity ``key``, if kept."""
+    if key is None:
+        return None
+    with _lock:
+        model = _models.get(key)
+        if model is not None:
+            _models.move_to_end(key)
+        return model
+
+
+def keep_model(key: FilesKey | None, model: Model, paths: list[str]) -> None:
+    """Keep ``model``, read (and its checksums passed) from ``paths`` whose identity was
+    ``key`` before they were read: only if they still have it (not written meanwhile)."""
+    if key is None or files_key(paths) != key:
+        return
+    with _lock:
+        _models[key] = model
+        _models.move_to_end(key)
+        while len(_models) > MAX_MODELS:
+            _models.popitem(last=False)
+
+
+def forget_all() -> None:
+    """Drop every kept model (tests)."""
+    with _lock:
+        _models.clear()

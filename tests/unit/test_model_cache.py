@@ -1,0 +1,123 @@
+"""A ModelRunner of a file it has read before takes the model it kept (host_runtime.popef
+._cache), as long as the file is the same: written again, even with its old times put
+back, it is read again; large files and other kinds of path are never kept."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import host_runtime as model_runtime
+from host_runtime import popef
+from host_runtime.popef import _cache
+from tests._helpers import weights_of, write_example
+
+SHAPE = (1, 4)
+_read = popef.load_model   # not counted
+
+
+@pytest.fixture
+def reads(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """The paths of every parse of PopEF files by a runner, from an empty cache."""
+    _cache.forget_all()
+    seen: list[list[str]] = []
+    real = popef.load_model
+
+    def counting(paths, **kwargs):
+        seen.append([os.fspath(p) for p in paths])
+        return real(paths, **kwargs)
+    monkeypatch.setattr(popef, "load_model", counting)
+    yield seen
+    _cache.forget_all()
+
+
+def answer(path: str, device) -> np.ndarray:
+    a = np.arange(4, dtype=np.float32).reshape(SHAPE)
+    b = np.full(SHAPE, 0.5, np.float32)
+    with model_runtime.ModelRunner(path, model_runtime.ModelRunnerConfig(
+            replica_to_device={0: device})) as runner:
+        return runner.execute({"tensor_A": a, "tensor_B": b})["tensor_C"]
+
+
+def expected(path: str) -> np.ndarray:
+    w = weights_of(_read([path]), SHAPE)
+    return np.arange(4, dtype=np.float32).reshape(SHAPE) * w + 0.5
+
+
+def test_runners_of_one_file_read_it_once(tmp_path, reads, loopback_device):
+    path = write_example(tmp_path, SHAPE)
+    want = expected(path)
+    for _ in range(3):
+        np.testing.assert_allclose(answer(path, loopback_device), want, rtol=1e-6)
+    assert reads == [[path]]
+
+
+def test_a_file_written_again_is_read_again_even_with_its_old_times(tmp_path, reads,
+                                                                     loopback_device):
+    path = write_example(tmp_path, SHAPE, seed=0)
+    first = expected(path)
+    np.testing.assert_allclose(answer(path, loopback_device), first, rtol=1e-6)
+    before = os.stat(path)
+    (tmp_path / "other").mkdir()
+    other = write_example(tmp_path / "other", SHAPE, seed=1)
+    with open(other, "rb") as f:
+        data = f.read()
+    assert len(data) == before.st_size   # same size: only the content differs
+    with open(path, "r+b") as f:   # in place: the same inode
+        f.write(data)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))   # its old times back
+    assert os.stat(path).st_ino == before.st_ino
+    second = expected(path)
+    assert not np.allclose(first, second)
+    np.testing.assert_allclose(answer(path, loopback_device), second, rtol=1e-6)
+    assert reads == [[path], [path]]
+
+
+def test_a_file_replaced_by_rename_is_read_again(tmp_path, reads, loopback_device):
+    path = write_example(tmp_path, SHAPE, seed=0)
+    answer(path, loopback_device)
+    (tmp_path / "new").mkdir()
+    os.replace(write_example(tmp_path / "new", SHAPE, seed=2), path)
+    np.testing.assert_allclose(answer(path, loopback_device), expected(path), rtol=1e-6)
+    assert len(reads) == 2
+
+
+def test_only_small_regular_files_are_kept(tmp_path):
+    small = tmp_path / "small"
+    small.write_bytes(b"x" * 10)
+    big = tmp_path / "big"
+    with open(big, "wb") as f:
+        f.truncate(_cache.MAX_FILE_BYTES)   # sparse: its size is what counts
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    assert _cache.files_key([str(small)]) is not None
+    assert _cache.files_key([str(big)]) is None
+    assert _cache.files_key([str(small), str(big)]) is None   # together
+    assert _cache.files_key([str(fifo)]) is None
+    assert _cache.files_key([str(tmp_path)]) is None
+    assert _cache.files_key([str(tmp_path / "missing")]) is None
+
+
+def test_the_last_models_are_kept_and_the_oldest_dropped(tmp_path):
+    _cache.forget_all()
+    keys, models = [], []
+    try:
+        for i in range(_cache.MAX_MODELS + 1):
+            p = tmp_path / f"m{i}"
+            p.write_bytes(bytes([i]) * 8)
+            key = _cache.files_key([str(p)])
+            models.append(object())
+            _cache.keep_model(key, models[-1], [str(p)])   # type: ignore[arg-type]
+            keys.append(key)
+        assert _cache.kept_model(keys[0]) is None
+        assert [_cache.kept_model(k) for k in keys[1:]] == models[1:]
+        # a file written between its read and keep() is not kept under its old identity
+        p = tmp_path / "m0"
+        key = _cache.files_key([str(p)])
+        p.write_bytes(b"changed!")
+        _cache.keep_model(key, object(), [str(p)])   # type: ignore[arg-type]
+        assert _cache.kept_model(key) is None
+    finally:
+        _cache.forget_all()
