@@ -5,7 +5,7 @@ from __future__ import annotations
 from host_runtime.devices._device import Device
 from host_runtime.devices._manager import DeviceManager
 from host_runtime.devices._wait import DeviceConstraints, DeviceWaitConfig, DeviceWaitStrategy
-from host_runtime.devices._wait import tell_when_waiting as tell_when_waiting, waiting_elsewhere as waiting_elsewhere
+from host_runtime.devices._wait import when_waiting as when_waiting, waiting_elsewhere as waiting_elsewhere
 
 # for the other packages of host_runtime (not part of the public surface)
 from host_runtime.devices._manager import ActiveSession as ActiveSession

@@ -408,8 +408,6 @@ class DeviceManager:
                 ) -> list[IpuConnection]:
         """One connection per spec from ``launcher`` (a daemon attachment's) or our own."""
         launch = launcher if launcher is not None else self._launcher
-        if launcher is None:
-            waiting_elsewhere()   # for IPU processes to start
         procs: list[IpuConnection] = []
         try:
             for spec in specs:
@@ -423,4 +421,6 @@ class DeviceManager:
                     p.kill()
                 p.close()
             raise
+        if launcher is None:
+            waiting_elsewhere()   # our IPU processes start meanwhile (ready at the first request)
         return procs

@@ -4,30 +4,36 @@ told when an attach starts waiting on another process (:func:`waiting_elsewhere`
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import enum
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from host_runtime.errors import BadRequestError
 
-__all__ = ["DeviceWaitStrategy", "DeviceWaitConfig", "DeviceConstraints", "tell_when_waiting",
+__all__ = ["DeviceWaitStrategy", "DeviceWaitConfig", "DeviceConstraints", "when_waiting",
            "waiting_elsewhere"]
 
 _when_waiting: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar(
     "ipu_emulator_when_waiting", default=None)
 
 
-def tell_when_waiting(callback: Callable[[], None]) -> None:
-    """``callback()`` once, the first time an attach in this context waits on another
-    process (``host_runtime.session._attach``: the caller's own work starts then, so the
-    attach has sent its request before that work takes this process's interpreter)."""
-    _when_waiting.set(callback)
+@contextlib.contextmanager
+def when_waiting(callback: Callable[[], None]) -> Iterator[None]:
+    """Within the block, ``callback()`` runs (once, in this thread) the first time an
+    attach waits on another process (``host_runtime.session._attach``: the session's own
+    work runs while the daemon answers or the IPU processes start)."""
+    token = _when_waiting.set(callback)
+    try:
+        yield
+    finally:
+        _when_waiting.reset(token)
 
 
 def waiting_elsewhere() -> None:
     """The attach now waits on another process (a daemon's answer, a busy device, IPU
-    processes starting): tell whoever asked, once."""
+    processes starting): run what :func:`when_waiting` was given, once."""
     callback = _when_waiting.get()
     if callback is not None:
         _when_waiting.set(None)

@@ -1,6 +1,6 @@
-"""host_runtime.session._attach: the device attaches in a thread while the session makes its
-rings, from when the attach waits on another process (``waiting_elsewhere``: its request
-sent); errors of either side are raised, and nothing attached outlives a failure."""
+"""host_runtime.session._attach: the session makes its rings while the attach waits on
+another process (``waiting_elsewhere``: its request sent), in the caller's thread and
+context; errors of either side are raised, and nothing attached outlives a failure."""
 
 from __future__ import annotations
 
@@ -23,25 +23,21 @@ class FakeDevice:
         self.closed = True
 
 
-def test_the_work_runs_here_while_the_attach_waits_on_another_process():
-    working = threading.Event()
+def test_the_work_runs_while_the_attach_waits_on_another_process():
     seen: list[str] = []
 
     def attach() -> FakeDevice:
         seen.append("request sent")
         waiting_elsewhere()   # as the daemon client does once its request is sent
-        waiting_elsewhere()   # (told once)
-        assert working.wait(10)   # the work runs while the attach waits
+        waiting_elsewhere()   # (run once)
         seen.append("answered")
         return FakeDevice()
 
-    def work() -> None:
-        seen.append("work")
-        working.set()
-
-    dev = attach_meanwhile(attach, work)   # type: ignore[arg-type]
+    dev = attach_meanwhile(attach, lambda: seen.append("work"))   # type: ignore[arg-type]
     assert isinstance(dev, FakeDevice) and not dev.closed
-    assert dev.thread is not threading.current_thread()
+    assert dev.thread is threading.current_thread()   # one thread
+    assert seen == ["request sent", "work", "answered"]
+    waiting_elsewhere()   # outside attach_meanwhile: nothing runs
     assert seen == ["request sent", "work", "answered"]
 
 
@@ -97,6 +93,7 @@ def test_an_attach_error_is_raised_once_the_work_is_done():
     done = []
 
     def attach() -> FakeDevice:
+        waiting_elsewhere()
         raise ValueError("no device: busy")
 
     with pytest.raises(ValueError, match="no device: busy"):
@@ -106,25 +103,42 @@ def test_an_attach_error_is_raised_once_the_work_is_done():
 
 def test_a_work_error_closes_the_device_before_it_is_raised():
     made: list[FakeDevice] = []
-    release = threading.Event()
+    seen: list[str] = []
 
     def attach() -> FakeDevice:
-        waiting_elsewhere()
-        assert release.wait(10)   # still attaching when the work fails
+        waiting_elsewhere()   # the work fails here: the attach goes on to its end
+        seen.append("attach goes on")
         made.append(FakeDevice())
         return made[-1]
 
     def work() -> None:
-        release.set()
         raise OSError("out of room for the rings")
 
     with pytest.raises(OSError, match="out of room"):
         attach_meanwhile(attach, work)   # type: ignore[arg-type]
+    assert seen == ["attach goes on"]
     assert len(made) == 1 and made[0].closed   # closed by the time the error is raised
+
+
+def test_an_interrupt_in_the_work_closes_the_device_and_is_raised():
+    made: list[FakeDevice] = []
+
+    def attach() -> FakeDevice:
+        waiting_elsewhere()
+        made.append(FakeDevice())
+        return made[-1]
+
+    def work() -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        attach_meanwhile(attach, work)   # type: ignore[arg-type]
+    assert made[0].closed
 
 
 def test_the_work_error_wins_when_both_fail():
     def attach() -> FakeDevice:
+        waiting_elsewhere()
         raise ValueError("attach failed")
 
     def work() -> None:
@@ -132,6 +146,17 @@ def test_the_work_error_wins_when_both_fail():
 
     with pytest.raises(OSError, match="rings failed"):
         attach_meanwhile(attach, work)   # type: ignore[arg-type]
+
+
+def test_an_attach_that_fails_before_waiting_has_no_work_done():
+    seen: list[str] = []
+
+    def attach() -> FakeDevice:
+        raise ValueError("no such device")
+
+    with pytest.raises(ValueError, match="no such device"):
+        attach_meanwhile(attach, lambda: seen.append("work"))   # type: ignore[arg-type]
+    assert seen == []   # no rings made for a device it does not get
 
 
 def test_the_attach_runs_in_the_callers_context():
