@@ -186,7 +186,7 @@ class DaemonClient:
             raise self._unreachable(exc) from exc
         try:
             conn.send(message, timeout)
-            waiting_elsewhere()   # (an attach in a thread: the caller's work starts now)
+            waiting_elsewhere()   # the session's work runs now (session._attach)
             reply = conn.receive(timeout)
         except TimeoutError as exc:
             conn.close()   # the daemon releases on EOF, should it answer later

@@ -152,7 +152,7 @@ class LeakGuard:
 
         def __init__(obj: Any, *args: Any, **kwargs: Any) -> None:
             # the runners being made in this context (a thread's, or copied into a thread
-            # the runner starts, e.g. to attach its device: host_runtime.session._attach)
+            # the runner starts)
             stack = guard._runners.get()
             token = guard._runners.set(stack + (obj,)) if kind == "runner" else None
             try:
