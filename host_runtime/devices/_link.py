@@ -106,6 +106,7 @@ class ProcessLink:
         self._pending: dict[int, tuple[cf.Future[None], Op]] = {}
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
+        self._start_lock = threading.Lock()   # the first requests wait for READY once
         self._servicer: "weakref.ref[StreamServicer] | None" = None   # weakly: the session owns it
         self._lost: DeviceLostError | None = None
         self._lost_lock = threading.Lock()
@@ -122,19 +123,37 @@ class ProcessLink:
 
     def start(self) -> None:
         """Wait until every IPU process is ready; start the service thread (idempotent)."""
+        self._ready()
+        self._serve_events()
+
+    def _ready(self) -> None:
+        """Wait until every IPU process is ready (once): requests may be sent then. One
+        thread reads READY from the event rings; the others wait for it."""
         if self._started:
             return
-        try:
-            for proc in self._procs:
-                self._wait_ready(proc)
-        except IpuProcessError as exc:
-            raise DeviceLostError(f"{self.description}: {exc}") from exc
-        self._started = True
-        # The thread refers to the link weakly (see _serve): the device owns the link.
-        self._thread = threading.Thread(target=_serve, args=(weakref.ref(self),
-                                                             self._primary.events),
-                                        daemon=True, name=f"ipu-events-{self._primary.pid}")
-        self._thread.start()
+        with self._start_lock:
+            if self._started:
+                return
+            try:
+                for proc in self._procs:
+                    self._wait_ready(proc)
+            except IpuProcessError as exc:
+                raise DeviceLostError(f"{self.description}: {exc}") from exc
+            self._started = True
+
+    def _serve_events(self) -> None:
+        """Start the service thread (once): the first request's answer waits on the events
+        ring until it reads it, so the first request is sent before it is started."""
+        if self._thread is not None or self._closing:
+            return
+        with self._lock:   # (two first requests of two threads: one thread)
+            if self._thread is not None:
+                return
+            # The thread refers to the link weakly (see _serve): the device owns the link.
+            t = threading.Thread(target=_serve, args=(weakref.ref(self), self._primary.events),
+                                 daemon=True, name=f"ipu-events-{self._primary.pid}")
+            t.start()
+            self._thread = t   # (started: others take it as running)
 
     def _wait_ready(self, proc: IpuConnection) -> None:
         """``proc.wait_ready()`` (its own start timeout: a fresh process may import for a
@@ -247,8 +266,8 @@ class ProcessLink:
             fut.set_exception(self._lost)
             return fut
         if not self._started:
-            self.start()
-        if self._thread is None or not self._thread.is_alive():
+            self._ready()
+        if self._thread is not None and not self._thread.is_alive():
             fut.set_exception(InvalidStateError(
                 f"{self.description}: its event service is not running (detached or failed)"))
             return fut
@@ -265,6 +284,7 @@ class ProcessLink:
             if last:
                 self._final_seq = None
             fut.set_exception(self._translate(exc))
+        self._serve_events()   # (the first request: the IPU process works on it meanwhile)
         return fut
 
     def call(self, op: Op, body: Any = None, timeout: float | None = None) -> None:

@@ -55,3 +55,35 @@ def test_model_ipu_version_must_match_the_machine(kind, model):
                                                      "machine's IPUs are ipu2"):
         ipu2.getDevice(model)
     assert ipu2.tryGetDevice(model) is None
+
+
+def test_first_requests_of_several_threads_start_one_event_thread(kind):
+    """A device's first request is sent before its event thread starts (the IPU works on
+    it meanwhile); first requests racing from several threads start one thread, and every
+    one is answered."""
+    import threading
+
+    from ipu_emulator.ipu_protocol import Op
+
+    with kind.device() as dev:
+        link = dev.link
+        barrier = threading.Barrier(8)
+        futures: list = []
+        lock = threading.Lock()
+
+        def first() -> None:
+            barrier.wait(30)
+            fut = link.request(Op.PING)
+            with lock:
+                futures.append(fut)
+        threads = [threading.Thread(target=first) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for fut in futures:
+            assert fut.result(60) is None
+        assert len(futures) == 8
+        names = [t.name for t in threading.enumerate()
+                 if t.name == f"ipu-events-{link.pid}"]
+        assert names == [f"ipu-events-{link.pid}"]
