@@ -243,7 +243,8 @@ class _ExitNotifier:
 
     def subscribe(self, pid: int, callback: Callable[[], None]) -> int | None:
         with self._lock:
-            if pid not in self._fds:
+            new = pid not in self._fds
+            if new:
                 try:
                     self._fds[pid] = os.pidfd_open(pid)
                 except OSError:   # gone already (or no such process): the caller checks
@@ -252,7 +253,8 @@ class _ExitNotifier:
             self._next_id += 1
             self._subs[pid][self._next_id] = callback
             ident = self._next_id
-            self._changed()   # under the lock: the thread closes the pipe under it
+            if new:   # a pidfd to poll: wake the thread (under the lock: it closes the
+                self._changed()   # pipe under it); one polled already calls every subscriber
         return ident
 
     def unsubscribe(self, pid: int, ident: int) -> None:

@@ -54,6 +54,7 @@ class Loader:
         self._settings = settings
         self._fault_table = fault_table   # the fault schedule its IPUs follow
         self._spec_region: Region | None = None
+        self._spec_written: LoadSpec | None = None   # what it holds
         self._memory_region: Region | None = None
         # the executable's weights section: in a region shared by every session of the same
         # bytes (host_runtime.session._weights), not in this session's executable region
@@ -108,9 +109,15 @@ class Loader:
         if constants:
             self._constants = shared_constants({h: v for h, (_, v) in constants.items()})
             self._constants_of = constants
-        self._spec_region = load_spec_region(
-            None, self._spec(True, self._streams.modes(), self._weights_file(None)),
-            memoryview(self._exe)[:self._weights_at])
+        self._write_spec(self._spec(True, self._streams.modes(), self._weights_file(None)))
+
+    def _write_spec(self, spec: LoadSpec) -> Region:
+        """The spec region holding ``spec`` (written only if it differs from the last)."""
+        if self._spec_region is None or spec != self._spec_written:
+            self._spec_region = load_spec_region(self._spec_region, spec,
+                                                 memoryview(self._exe)[:self._weights_at])
+            self._spec_written = spec
+        return self._spec_region
 
     def _spec(self, fresh: bool, modes: list[int], weights_file: WeightsFile | None
               ) -> LoadSpec:
@@ -153,10 +160,8 @@ class Loader:
         if weights_file is None:
             self.share_weights(dev)
         # the executable stays where it is; only "fresh", modes and weights change
-        self._spec_region = load_spec_region(self._spec_region,
-                                             self._spec(fresh, modes, weights_file),
-                                             memoryview(self._exe)[:self._weights_at])
-        load: dict[str, Any] = {"spec_region": self._spec_region.name}
+        region = self._write_spec(self._spec(fresh, modes, weights_file))
+        load: dict[str, Any] = {"spec_region": region.name}
         if self._fault_table is not None:
             load["faults"] = [self._fault_table.name]
         self._loading = (dev.link.request(Op.LOAD, load), dev)

@@ -116,3 +116,42 @@ def test_the_exit_notifier_thread_outlives_a_brief_idle_then_ends(monkeypatch) -
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+def test_every_subscriber_of_one_pid_hears_its_exit_and_only_a_new_pid_wakes_the_thread(
+        monkeypatch) -> None:
+    """A ring per stream watches the same IPU process: the notifier polls its pidfd once,
+    is woken only to add it (not for each further subscriber), and calls them all."""
+    from shm import liveness
+
+    wakes: list[int] = []
+    real = liveness._ExitNotifier._changed
+
+    def counting(self) -> None:
+        wakes.append(1)
+        real(self)
+    monkeypatch.setattr(liveness._ExitNotifier, "_changed", counting)
+    child = _sleeper()
+    heard: list[int] = []
+    lock = threading.Lock()
+    all_heard = threading.Event()
+
+    def hear(k: int) -> None:
+        with lock:
+            heard.append(k)
+            if len(heard) == 4:
+                all_heard.set()
+    try:
+        cancels = [liveness.notify_on_exit(child.pid, lambda k=k: hear(k)) for k in range(5)]
+        assert None not in cancels
+        assert len(wakes) == 1   # the new pidfd only
+        cancels[2]()             # one cancelled: the others still hear the exit
+        assert len(wakes) == 1
+        child.stdin.close()   # type: ignore[union-attr]
+        child.wait(10)
+        assert all_heard.wait(10)
+        assert sorted(heard) == [0, 1, 3, 4]
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
