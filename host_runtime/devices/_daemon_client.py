@@ -342,13 +342,17 @@ class DaemonAttachment:
         if conn is None:
             return
         timeout = self.client.bound(_TIMEOUT)
+        failed: list[BaseException] = []   # meanwhile's error: raised once released
         try:
             if os.getpid() == self._pid:
                 try:
                     conn.send({"op": "release"}, timeout)
                 finally:
                     if meanwhile is not None:
-                        meanwhile()
+                        try:
+                            meanwhile()
+                        except BaseException as exc:
+                            failed.append(exc)
                 reply = conn.receive(timeout)
                 if not reply.get("ok"):
                     _log.warning("the daemon at %s: release of ipus %s: %s", self.client.path,
@@ -362,6 +366,11 @@ class DaemonAttachment:
             _log.debug("release of ipus %s: %s", list(self.ipus), exc)
         finally:
             conn.close()
+        if failed:
+            try:
+                raise failed[0]
+            finally:
+                failed.clear()   # no cycle: the traceback holds this frame
 
     def __del__(self) -> None:
         conn = getattr(self, "_conn", None)

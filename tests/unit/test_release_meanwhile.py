@@ -61,3 +61,16 @@ def test_close_then_runs_meanwhile_exactly_once():
     assert seen == [1]
     dev.close_then(lambda: seen.append(2))   # closed already: still run, once
     assert seen == [1, 2]
+
+
+def test_an_error_of_meanwhile_is_raised_once_the_release_is_done(stand_in):
+    att, peer = stand_in
+
+    def meanwhile() -> None:
+        peer.sendall(wire.encode({"ok": True}))
+        raise OSError("cannot unlink a ring")
+
+    with pytest.raises(OSError, match="cannot unlink a ring"):
+        att.release(meanwhile)
+    assert not att.held
+    assert wire.decode(peer.recv(65536))["op"] == "release"   # the release went out
