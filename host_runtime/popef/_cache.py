@@ -7,13 +7,16 @@ nanoseconds), and handed out again while every file still has that identity. A f
 written again, replaced, renamed over or changed in mode has a new change time: it is
 read again. Kept: the last ``MAX_MODELS`` models of files under ``MAX_FILE_BYTES``
 together, which the reader copies whole (a model holds its payloads' bytes, no file
-descriptor or mapping); a ``popef.Model`` is read-only to the runners, which share it
-as they share one a program passes them.
+descriptor or mapping). A ``popef.Model`` is read-only to the runners, which share it
+as they share one a program passes them; a program may change the one a runner shows
+(``ModelRunner.model``): a kept model is handed out again only while every object it
+is made of (its dataclasses' fields, their lists' items) is the one it was read with.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import stat
 import threading
@@ -29,7 +32,34 @@ MAX_FILE_BYTES = MAP_MIN_BYTES   # larger payloads are mapped views of a snapsho
 FilesKey = tuple[tuple[int, int, int, int, int], ...]
 
 _lock = threading.Lock()
-_models: "collections.OrderedDict[FilesKey, Model]" = collections.OrderedDict()
+_models: "collections.OrderedDict[FilesKey, tuple[Model, list[object]]]" = (
+    collections.OrderedDict())
+_fields: dict[type, tuple[str, ...]] = {}
+
+
+def _parts(model: Model) -> list[object]:
+    """Every object ``model`` is made of, in order: the values of its dataclasses' fields,
+    the items of its lists and tuples, the keys and values of its dicts (the list holds
+    them: no id is reused while it lives)."""
+    out: list[object] = []
+    stack: list[object] = [model]
+    while stack:
+        obj = stack.pop()
+        out.append(obj)
+        kind = type(obj)
+        if isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                stack.append(k)
+                stack.append(v)
+        else:
+            names = _fields.get(kind)
+            if names is None:
+                names = _fields[kind] = (tuple(f.name for f in dataclasses.fields(obj))
+                                         if dataclasses.is_dataclass(obj) else ())
+            stack.extend(getattr(obj, n) for n in names)
+    return out
 
 
 def files_key(paths: list[str]) -> FilesKey | None:
@@ -51,9 +81,15 @@ def kept_model(key: FilesKey | None) -> Model | None:
     if key is None:
         return None
     with _lock:
-        model = _models.get(key)
-        if model is not None:
-            _models.move_to_end(key)
+        entry = _models.get(key)
+        if entry is None:
+            return None
+        model, parts = entry
+        now = _parts(model)
+        if len(now) != len(parts) or any(a is not b for a, b in zip(now, parts)):
+            del _models[key]   # changed by a program since: read the file again
+            return None
+        _models.move_to_end(key)
         return model
 
 
@@ -62,8 +98,9 @@ def keep_model(key: FilesKey | None, model: Model, paths: list[str]) -> None:
     ``key`` before they were read: only if they still have it (not written meanwhile)."""
     if key is None or files_key(paths) != key:
         return
+    parts = _parts(model)
     with _lock:
-        _models[key] = model
+        _models[key] = (model, parts)
         _models.move_to_end(key)
         while len(_models) > MAX_MODELS:
             _models.popitem(last=False)

@@ -121,3 +121,27 @@ def test_the_last_models_are_kept_and_the_oldest_dropped(tmp_path):
         assert _cache.kept_model(key) is None
     finally:
         _cache.forget_all()
+
+
+@pytest.mark.parametrize("change", ["weights replaced", "tensor added", "anchor renamed",
+                                    "shape set"])
+def test_a_kept_model_a_program_changed_is_not_handed_out_again(tmp_path, reads,
+                                                                 loopback_device, change):
+    """ModelRunner.model is the kept model: a program that changes it gets the file's
+    model, read again, for its next runner; never the changed one."""
+    path = write_example(tmp_path, SHAPE)
+    want = expected(path)
+    with model_runtime.ModelRunner(path, model_runtime.ModelRunnerConfig(
+            replica_to_device={0: loopback_device})) as runner:
+        model = runner.model
+    if change == "weights replaced":
+        t = model.tensorData("weights")
+        t.data = np.full(SHAPE, 7, np.float32).tobytes()
+    elif change == "tensor added":
+        model.tensors.append(popef.TensorData("extra", b"\0" * 4))
+    elif change == "anchor renamed":
+        model.metadata.anchors()[0].setName("renamed")
+    else:
+        model.metadata.anchors()[0].tensorInfo().setShape([1, 4])   # equal, a new object
+    np.testing.assert_allclose(answer(path, loopback_device), want, rtol=1e-6)
+    assert len(reads) == 2
