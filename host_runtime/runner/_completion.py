@@ -331,36 +331,28 @@ class Completion:
             raise
         finished: list[Request] = []
         now = time.perf_counter_ns()
+        progress = time.monotonic()
         segs = tr.segments
-        settled = 0
-        try:
-            with self._lock:
-                if self.inflight and self.inflight[0] is tr:
-                    self.inflight.popleft()
-                # No call between counting a segment down and marking its request done:
-                # an interrupt (checked at calls and loop ends) never splits them, and
-                # ``settled`` says how far it got (the finally clause does the rest).
-                while settled < len(segs):
-                    req = segs[settled][0]
-                    req.remaining -= 1
-                    settled += 1
-                    if req.remaining == 0 and not req.done:
-                        req.t_completed = now
-                        req.done = True
-                        finished.append(req)
-        finally:
-            if settled < len(segs):
-                with self._lock:
-                    while settled < len(segs):
-                        req = segs[settled][0]
-                        req.remaining -= 1
-                        settled += 1
-                        if req.remaining == 0 and not req.done:
-                            req.t_completed = now
-                            req.done = True
+        count = len(segs)
+        with self._lock:
+            self._since = progress
+            self.stalled = False
+            # Resumable: ``tr.settled`` says how many segments were counted down, and no
+            # call (where an interrupt lands) comes between counting one down and moving
+            # it on, nor between a request's last segment and marking it done. An
+            # interrupted drainer leaves ``tr`` at the head, its outputs read: the next
+            # one (take returns at once) counts down the rest and removes it.
+            while tr.settled < count:
+                req = segs[tr.settled][0]
+                req.remaining -= 1
+                tr.settled += 1
+                if req.remaining == 0 and not req.done:
+                    req.t_completed = now
+                    req.done = True
+                    finished.append(req)
+            if self.inflight and self.inflight[0] is tr:
+                self.inflight.popleft()
         self._drained += 1
-        self._since = time.monotonic()
-        self.stalled = False
         mon = self._monitor
         for req in finished:
             if not req.internal:

@@ -38,8 +38,14 @@ SHAPE = (1, 4)   # small: execute takes the fused path on an idle replica
 BIG = (4, 256)   # 4 KiB: the general path (slots, copy_bytes), every output a Take.SLOT
 
 RUNNER_DIR = os.path.dirname(os.path.abspath(runner_package.__file__)) + os.sep
-_CHECKS = {"CALL", "JUMP_BACKWARD", "POP_JUMP_BACKWARD_IF_TRUE", "POP_JUMP_BACKWARD_IF_FALSE",
-           "POP_JUMP_BACKWARD_IF_NONE", "POP_JUMP_BACKWARD_IF_NOT_NONE"}
+_ALWAYS: Callable[[Any], bool] = lambda top: True   # noqa: E731
+_CHECKS: dict[str, Callable[[Any], bool]] = {
+    # instruction -> whether, given the value on top of the stack, it checks
+    "CALL": _ALWAYS, "JUMP_BACKWARD": _ALWAYS,
+    # a conditional backward jump checks only when it jumps
+    "POP_JUMP_BACKWARD_IF_TRUE": bool, "POP_JUMP_BACKWARD_IF_FALSE": lambda top: not top,
+    "POP_JUMP_BACKWARD_IF_NONE": lambda top: top is None,
+    "POP_JUMP_BACKWARD_IF_NOT_NONE": lambda top: top is not None}
 _SET_ASYNC_EXC = ctypes.pythonapi.PyThreadState_SetAsyncExc
 ALLOWED = re.compile(r"InvalidStateError: replica 0: (output 'tensor_C' of the request was lost: "
                      r"the thread reading it was interrupted by KeyboardInterrupt|the request "
@@ -51,9 +57,25 @@ pytestmark = pytest.mark.skipif(sys.version_info[:2] != (3, 11),
 
 
 @functools.lru_cache(maxsize=None)
-def _places(code: types.CodeType) -> frozenset[int]:
-    """Offsets of the instructions of ``code`` after which CPython checks for a signal."""
-    return frozenset(i.offset for i in dis.get_instructions(code) if i.opname in _CHECKS)
+def _places(code: types.CodeType) -> dict[int, Callable[[Any], bool]]:
+    """Offsets of the instructions of ``code`` after which CPython may check for a signal:
+    whether it does, given the value on top of the stack."""
+    return {i.offset: _CHECKS[i.opname] for i in dis.get_instructions(code)
+            if i.opname in _CHECKS}
+
+
+def _top(frame: types.FrameType) -> Any:
+    """The value on top of the stack of ``frame`` (stopped at an opcode event).
+
+    CPython 3.11's layout: ``PyFrameObject.f_frame`` (after the object's head and
+    ``f_back``) points to the ``_PyInterpreterFrame``, whose ``stacktop`` (after 8
+    pointers) counts the values of ``localsplus`` (after it, aligned) up to the top."""
+    data = ctypes.c_void_p.from_address(id(frame) + 24).value
+    assert data is not None
+    depth = ctypes.c_int.from_address(data + 64).value
+    assert depth > 0, depth
+    return ctypes.cast(ctypes.c_void_p.from_address(data + 72 + 8 * (depth - 1)).value,
+                       ctypes.py_object).value
 
 
 def _arming(tid: int) -> Any:
@@ -94,7 +116,13 @@ class Interrupts:
         return self._opcode
 
     def _opcode(self, frame: types.FrameType, event: str, arg: Any) -> Any:
-        if event == "opcode" and frame.f_lasti in _places(frame.f_code):
+        if event != "opcode":
+            return self._opcode
+        checks = _places(frame.f_code).get(frame.f_lasti)
+        # a place only if the instruction checks (else an interrupt scheduled here would be
+        # raised by the next call of this trace function, where CPython never raises it:
+        # e.g. after a loop's last test, before the ``with`` around it releases its lock)
+        if checks is not None and (checks is _ALWAYS or checks(_top(frame))):
             self.count += 1
             if self.count in self.at:
                 self.where.append(f"{frame.f_code.co_name}:{frame.f_lineno}")
@@ -237,3 +265,4 @@ def test_an_interrupt_anywhere_in_execute_gives_no_wrong_answer_and_the_runner_s
     second while the first is handled: the fused path's abandon, the drain's)."""
     failures = sweep(lambda: make_runner(model_path), SHAPE, sync, weights, (0, 1, 2, 3, 5, 8))
     assert failures == [], "\n".join(failures[:10])
+
