@@ -99,7 +99,9 @@ class ReplicaTimers:
         self._waits_for = waits_for
         self._use_watchdog = watchdog
         self._lock = threading.Lock()             # guards _phantoms
-        self._firing = threading.Lock()           # one thread fires at a time
+        # one thread fires at a time (re-entrant only to know its holder: see fire)
+        self._firing = threading.RLock()
+        self._firing_here: Callable[[], bool] = getattr(self._firing, "_is_owned")
         self._phantoms: list[Phantom] = []
         self._watchdog: threading.Thread | None = None
         # taken as ``with self._watch_mutex`` (C-level __enter__: an interrupt cannot leave
@@ -141,12 +143,17 @@ class ReplicaTimers:
     def fire(self, now: float) -> None:
         """Flush a partial batch whose time is up; time out phantoms. Never blocks on submit."""
         owner = self._owner()
-        if owner is None or not self._firing.acquire(blocking=False):
+        firing = self._firing
+        if owner is None or self._firing_here():
             return
-        try:
-            self._fire(owner, now)
+        try:   # taken inside the try, released at once: as the submit lock (_submission)
+            if firing.acquire(blocking=False):
+                self._fire(owner, now)
         finally:
-            self._firing.release()
+            try:
+                firing.release()
+            except RuntimeError:   # not taken: another thread fires
+                pass
 
     def _fire(self, owner: TimerOwner, now: float) -> None:
         tr = owner.partial

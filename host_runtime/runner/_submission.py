@@ -69,8 +69,10 @@ class _Submitter:
                  monitor: RequestMonitor, dynamic: bool, batch: int) -> None:
         # Re-entrant only to know its holder (_held): an interrupt may come as acquire()
         # returns, before a try could see it, so every taker acquires inside its try and
-        # releases in its finally what this thread holds; a taker that finds this thread
-        # holding it (a drainer inside a submitter) treats it as busy, as with a Lock.
+        # its finally releases at once (RuntimeError: this thread did not take it; asking
+        # first would be a call, where an interrupt may come before the release); a taker
+        # that finds this thread holding it (a drainer inside a submitter) treats it as
+        # busy, as with a Lock.
         self.lock = threading.RLock()
         self._held: Callable[[], bool] = getattr(self.lock, "_is_owned")   # by this thread
         self._life = life
@@ -91,6 +93,8 @@ class _Submitter:
         """Lock held: the replica usable (reset if it must be; raises if it cannot be
         used); its rings."""
         life = self._life
+        if life.reloading is not None and life.error is None and not life.closed:
+            self.reload({})   # an interrupted rerun_load: finished first
         if not life.looks_well() and not life.usable():
             self._completion.clear()
             self._writing = None
@@ -101,6 +105,25 @@ class _Submitter:
         path = life.path
         assert path is not None
         return path
+
+    def reload(self, values: dict[str, memoryview]) -> None:
+        """Lock held: new values for inputs of the Load programs (``ReplicaLife.rerun_load``)
+        once no request is in flight; what is left of abandoned requests (transfers whose
+        requests are done, a write or a fused read that was interrupted) is forgotten: the
+        main loop's stop resets the rings."""
+        completion = self._completion
+        if completion.open is not None or any(not seg[0].done for tr in completion.inflight
+                                              for seg in tr.segments):
+            raise InvalidStateError(
+                f"replica {self._life.rid}: requests were sent while the Load programs' "
+                "inputs were being replaced; replace them when no request is in flight")
+        self._life.rerun_load(values, self._forget)
+
+    def _forget(self) -> None:
+        """The rings were reset: nothing is in flight, being written or read."""
+        self._completion.clear()
+        self._writing = None
+        self._fused = None
 
     def _number(self, tr: Transfer) -> None:
         self._seq = tr.seq = self._seq + 1
@@ -205,8 +228,10 @@ class Submission(_Submitter):
                 raise
             req.t_laid = _clock()
         finally:
-            if self._held():
+            try:   # first: no call (where an interrupt lands) before it (see __init__)
                 lock.release()
+            except RuntimeError:   # not taken
+                pass
 
     def _take_lock(self) -> None:
         """The submit lock (busy: a non-blocking try failed), waited for no longer than the
@@ -242,8 +267,10 @@ class Submission(_Submitter):
             self._abandon_request(request, exc)
             raise
         finally:
-            if self._held():
+            try:   # first: no call (where an interrupt lands) before it (see __init__)
                 lock.release()
+            except RuntimeError:   # not taken
+                pass
         return True
 
     def _write_whole(self, path: TransferPath, req: Request, transfers: int) -> None:
@@ -314,8 +341,10 @@ class Submission(_Submitter):
         except _WRITE_ERRORS as exc:
             self._completion.fail_all(self._life.translate(exc))
         finally:
-            if self._held():
+            try:   # first: no call (where an interrupt lands) before it (see __init__)
                 lock.release()
+            except RuntimeError:   # not taken
+                pass
         return True
 
     # -- dynamic batching --------------------------------------------------------------
@@ -377,8 +406,10 @@ class Submission(_Submitter):
         except _WRITE_ERRORS as exc:
             self._completion.fail_all(self._life.translate(exc))
         finally:
-            if self._held():
+            try:   # first: no call (where an interrupt lands) before it (see __init__)
                 lock.release()
+            except RuntimeError:   # not taken
+                pass
         return True
 
     # ------------------------------------------------------------------ fused
@@ -452,8 +483,10 @@ class Submission(_Submitter):
                 self._abandon_fused(path, type(exc).__name__)
                 raise
         finally:
-            if self._held():
+            try:   # first: no call (where an interrupt lands) before it (see __init__)
                 lock.release()
+            except RuntimeError:   # not taken
+                pass
         now = _clock()
         if not t_lay:   # recorded while the device computes the next request, or when read
             self._monitor.defer(t_received, t_prepared, now, path.t_laid)

@@ -24,6 +24,7 @@ import os
 import re
 import sys
 import threading
+import traceback
 import types
 from typing import Any, Callable, Iterable
 
@@ -36,6 +37,7 @@ from tests.unit._loopback import model, model_path, weights  # noqa: F401  (fixt
 
 SHAPE = (1, 4)   # small: execute takes the fused path on an idle replica
 BIG = (4, 256)   # 4 KiB: the general path (slots, copy_bytes), every output a Take.SLOT
+PACKED = (4, 8)  # dynamic batching: a batch of 4 samples
 
 RUNNER_DIR = os.path.dirname(os.path.abspath(runner_package.__file__)) + os.sep
 _ALWAYS: Callable[[Any], bool] = lambda top: True   # noqa: E731
@@ -98,8 +100,11 @@ class Interrupts:
     of the runner's code run by this thread; ``count``: the places passed, ``where``: the
     functions and lines the interrupts were scheduled at."""
 
-    def __init__(self, at: Iterable[int] = ()) -> None:
+    def __init__(self, at: Iterable[int] = (), entry: str = "",
+                 names: list[str] | None = None) -> None:
         self.at = frozenset(at)
+        self.entry = entry     # also: at the entry of the first call of the function so named
+        self.names = names     # given: the name of each place's function is appended
         self.count = 0
         self.where: list[str] = []
         self._arm = _arming(threading.get_ident())
@@ -110,7 +115,10 @@ class Interrupts:
         frame.f_trace_opcodes = True
         frame.f_trace_lines = False
         self.count += 1
-        if self.count in self.at:
+        if self.names is not None:
+            self.names.append(frame.f_code.co_name)
+        if self.count in self.at or frame.f_code.co_name == self.entry:
+            self.entry = ""
             self.where.append(f"{frame.f_code.co_name}:{frame.f_lineno} (entry)")
             self._arm.go = True   # last: nothing after it checks
         return self._opcode
@@ -124,6 +132,8 @@ class Interrupts:
         # e.g. after a loop's last test, before the ``with`` around it releases its lock)
         if checks is not None and (checks is _ALWAYS or checks(_top(frame))):
             self.count += 1
+            if self.names is not None:
+                self.names.append(frame.f_code.co_name)
             if self.count in self.at:
                 self.where.append(f"{frame.f_code.co_name}:{frame.f_lineno}")
                 self._arm.go = True   # last: nothing after it checks
@@ -167,6 +177,15 @@ def waited(runner: Any, shape: tuple[int, ...], i: int,
     fut.wait()
 
 
+def got(runner: Any, shape: tuple[int, ...], i: int,
+        futures: list[tuple[int, Any]]) -> None:
+    """``executeAsync``, a timed ``wait`` (a drive step with a deadline), then ``get``."""
+    fut = runner.executeAsync(request(i, shape))
+    futures.append((i, fut))
+    fut.wait(60.0)
+    fut.get("tensor_C")
+
+
 def crowded(runner: Any, shape: tuple[int, ...], i: int,
             futures: list[tuple[int, Any]]) -> None:
     """Two in flight, an ``execute`` behind them (drains them), then their waits."""
@@ -175,6 +194,43 @@ def crowded(runner: Any, shape: tuple[int, ...], i: int,
     futures.append((i + 600, runner.execute(request(i + 600, shape))["tensor_C"]))
     for _, fut in futures[:2]:
         fut.wait()
+
+
+def packed(runner: Any, shape: tuple[int, ...], i: int,
+           futures: list[tuple[int, Any]]) -> None:
+    """Dynamic batching (a batch of 4): requests of 1, 2 and 3 samples packed into two
+    transfers (the second flushed by its waiter when the partial batch's time is up),
+    then their waits."""
+    for k, samples in enumerate((1, 2, 3)):
+        futures.append((i + 300 * k,
+                        runner.executeAsync(request(i + 300 * k, (samples,) + shape[1:]))))
+    for _, fut in list(futures):
+        fut.wait()
+
+
+def abandon(runner: Any, shape: tuple[int, ...], i: int) -> None:
+    """Leave an abandoned request in flight, untraced by the sweep: an ``executeAsync``
+    interrupted once its inputs are laid (at the entry of ``Completion.published``)."""
+    tracer = sys.gettrace()
+    sys.settrace(None)
+    try:
+        with Interrupts(entry="published"):
+            try:
+                runner.executeAsync(request(i, shape))
+            except KeyboardInterrupt:
+                pass
+    finally:
+        sys.settrace(tracer)
+
+
+def reloaded(runner: Any, shape: tuple[int, ...], i: int,
+             futures: list[tuple[int, Any]]) -> None:
+    """``update_load_inputs`` (the model's own weights again) with a request in flight and
+    an abandoned one left over, then the request's wait."""
+    futures.append((i, runner.executeAsync(request(i, shape))))
+    abandon(runner, shape, i + 300)
+    runner.update_load_inputs({"weights": runner.weights})
+    futures[0][1].wait()
 
 
 def answers(futures: list[tuple[int, Any]], w: np.ndarray) -> list[str]:
@@ -205,18 +261,36 @@ def next_requests(runner: Any, shape: tuple[int, ...], w: np.ndarray) -> list[st
         return [f"after: {type(exc).__name__}: {exc}"]
 
 
+def _unraisable(found: list[str], u: Any) -> None:
+    """``sys.unraisablehook`` while sweeping: an exception a finalizer could not raise goes
+    to ``found``, except an interrupt the trace function itself raised (a generator closed
+    as a call returned runs it: CPython would raise the interrupt after the call)."""
+    last = traceback.extract_tb(u.exc_traceback)[-1:] if u.exc_traceback else []
+    if (isinstance(u.exc_value, KeyboardInterrupt) and last
+            and last[0].filename == __file__ and last[0].name in ("_call", "_opcode")):
+        return
+    found.append(f"unraisable {u.exc_type.__name__}: {u.exc_value} in {u.object!r}")
+
+
 def sweep(make: Callable[[], Any], shape: tuple[int, ...], scenario: Scenario, w: np.ndarray,
-          gaps: Iterable[int]) -> list[str]:
+          gaps: Iterable[int], every: int = 1, focus: Iterable[str] = ()) -> list[str]:
     """Run ``scenario`` interrupted at every place (``gaps``: 0, once; d, a second interrupt
-    d places after the first); what went wrong, by place."""
+    d places after the first); what went wrong, by place. ``every``: only every k-th place,
+    and every place in the functions named in ``focus`` (as a first run counted them)."""
     runner = make()
-    with Interrupts() as counting:
+    names: list[str] = []
+    with Interrupts(names=names) as counting:
         scenario(runner, shape, 1, [])
     assert counting.count > 20, counting.count   # the trace saw the runner's code
+    focus = frozenset(focus)
+    places = [n for n, name in enumerate(names, 1) if n % every == 0 or name in focus]
+    assert not focus or len(places) > len(names) // every, "no place in the focus"
     failures = []
+    unraisable: list[str] = []
+    hook, sys.unraisablehook = sys.unraisablehook, functools.partial(_unraisable, unraisable)
     try:
         for gap in gaps:
-            for n in range(1, counting.count + 1):
+            for n in places:
                 at = {n} if gap == 0 else {n, n + gap}
                 futures: list[tuple[int, Any]] = []
                 bad = []
@@ -231,12 +305,14 @@ def sweep(make: Callable[[], Any], shape: tuple[int, ...], scenario: Scenario, w
                             bad.append(f"raised {type(exc).__name__}: {exc}")
                 except KeyboardInterrupt:
                     pass
-                bad += answers(futures, w) + next_requests(runner, shape, w)
+                bad += answers(futures, w) + next_requests(runner, shape, w) + unraisable
+                unraisable.clear()
                 if bad:
                     failures.append(f"{sorted(at)} at {interrupts.where}: {bad}")
                     runner.close()
                     runner = make()
     finally:
+        sys.unraisablehook = hook
         runner.close()
     return failures
 
@@ -246,9 +322,9 @@ def make_runner(loopback_device, monkeypatch: pytest.MonkeyPatch) -> Callable[..
     # a runner made unusable fails the next request in 2 s, not the default 60
     monkeypatch.setenv("IPU_EMULATOR_HOST_SYNC_TIMEOUT", "2")
 
-    def make(path: str) -> Any:
+    def make(path: str, **config: Any) -> Any:
         return model_runtime.ModelRunner(path, model_runtime.ModelRunnerConfig(
-            replica_to_device={0: loopback_device}))
+            replica_to_device={0: loopback_device}, **config))
     return make
 
 
@@ -259,6 +335,17 @@ def big_path(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, np.ndarray]
     return path, weights_of(model_runtime.popef.load_model([path]), BIG)
 
 
+@pytest.fixture(scope="module")
+def packed_path(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, np.ndarray]:
+    """The example model for a batch of 4 samples of 8, and weights whose rows are all the
+    first one (loaded by update_load_inputs): a sample's answer is the same wherever it
+    is packed."""
+    from tests._helpers import weights_of, write_example
+    path = write_example(tmp_path_factory.mktemp("packed"), PACKED)
+    w = weights_of(model_runtime.popef.load_model([path]), PACKED)
+    return path, np.repeat(w[:1], PACKED[0], axis=0)
+
+
 def test_an_interrupt_anywhere_in_execute_gives_no_wrong_answer_and_the_runner_stays_usable(
         make_runner, model_path, weights):
     """``execute`` on the fused path, interrupted once at every place and twice (the
@@ -266,3 +353,76 @@ def test_an_interrupt_anywhere_in_execute_gives_no_wrong_answer_and_the_runner_s
     failures = sweep(lambda: make_runner(model_path), SHAPE, sync, weights, (0, 1, 2, 3, 5, 8))
     assert failures == [], "\n".join(failures[:10])
 
+
+
+@pytest.mark.parametrize("scenario", [waited, got], ids=["wait", "get"])
+def test_an_interrupt_anywhere_in_execute_async_and_its_wait_never_hangs(
+        make_runner, model_path, weights, scenario):
+    """``executeAsync``, then its future's ``wait()`` (the drainer's inline path) or a
+    timed ``wait`` and ``get`` (its drive step), interrupted once at every place and
+    twice (the second while the first is handled: the abandon, the drain's count-down)."""
+    failures = sweep(lambda: make_runner(model_path), SHAPE, scenario, weights, (0, 1, 2, 3, 5))
+    assert failures == [], "\n".join(failures[:10])
+
+
+def test_an_interrupt_anywhere_with_requests_queued_gives_no_wrong_answer(
+        make_runner, model_path, big_path, weights):
+    """Two requests in flight and an ``execute`` behind them that drains them, then their
+    waits, small and 4 KiB (slots, copies), interrupted once and twice in a row at every
+    other place, and at every place of the drain."""
+    failures = sweep(lambda: make_runner(model_path), SHAPE, crowded, weights, (0, 1, 3),
+                     every=2, focus={"_drain", "take", "wait_for", "_drive_step"})
+    path, w = big_path
+    failures += sweep(lambda: make_runner(path), BIG, crowded, w, (0, 2), every=3,
+                      focus={"_drain", "take", "copy_out", "lay_whole", "lay_input"})
+    assert failures == [], "\n".join(failures[:10])
+
+
+def test_an_interrupt_anywhere_in_dynamic_batching_gives_no_wrong_answer(
+        make_runner, packed_path):
+    """Dynamic batching: requests packed into open transfers (``_pack``, ``pack``,
+    ``open_partial``, ``seal``) and a partial batch flushed by its waiter, interrupted once
+    at every place and twice in a row at every other one."""
+    path, w = packed_path
+
+    def make() -> Any:
+        runner = make_runner(path, batching_dim=0, timeout_ns=1_000_000,
+                             flush_on_waiting_outputs=True)   # no watchdog thread
+        runner.update_load_inputs({"weights": w})
+        return runner
+    failures = sweep(make, PACKED, packed, w[0], (0,))
+    failures += sweep(make, PACKED, packed, w[0], (1, 2), every=2,
+                      focus={"_pack", "pack", "open_partial", "_seal", "seal"})
+    assert failures == [], "\n".join(failures[:10])
+
+
+def test_an_interrupt_anywhere_in_update_load_inputs_leaves_the_runner_usable(
+        make_runner, model_path, weights):
+    """``update_load_inputs`` (``rerun_load``) with a request in flight and an abandoned one
+    left over, interrupted once at every place and twice in a row at every other one: the
+    request gets its answer, the next requests theirs (a reload cut short is finished
+    before the next request is sent)."""
+    def make() -> Any:
+        runner = make_runner(model_path)
+        runner.weights = weights   # (what the scenario loads)
+        return runner
+    failures = sweep(make, SHAPE, reloaded, weights, (0,))
+    failures += sweep(make, SHAPE, reloaded, weights, (1, 3), every=2,
+                      focus={"rerun_load", "reload", "_forget", "_usable"})
+    assert failures == [], "\n".join(failures[:10])
+
+
+def test_update_load_inputs_with_an_abandoned_request_left_over(make_runner, model_path,
+                                                                 weights):
+    """An abandoned request's transfer left in flight does not stop ``update_load_inputs``:
+    the request in flight gets the old weights' answer, the next ones the new."""
+    runner = make_runner(model_path)
+    try:
+        fut = runner.executeAsync(request(7, SHAPE))
+        abandon(runner, SHAPE, 8)
+        runner.update_load_inputs({"weights": 2 * weights})
+        assert right(7, fut["tensor_C"], weights)
+        assert right(9, runner.execute(request(9, SHAPE))["tensor_C"], 2 * weights)
+        assert right(10, runner.executeAsync(request(10, SHAPE))["tensor_C"], 2 * weights)
+    finally:
+        runner.close()
