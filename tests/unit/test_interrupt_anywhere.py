@@ -42,9 +42,10 @@ PACKED = (4, 8)  # dynamic batching: a batch of 4 samples
 
 RUNNER_DIR = os.path.dirname(os.path.abspath(runner_package.__file__)) + os.sep
 _ALWAYS: Callable[[Any], bool] = lambda top: True   # noqa: E731
+_CALL: Callable[[Any], bool] = lambda top: True   # noqa: E731
 _CHECKS: dict[str, Callable[[Any], bool]] = {
     # instruction -> whether, given the value on top of the stack, it checks
-    "CALL": _ALWAYS, "JUMP_BACKWARD": _ALWAYS,
+    "CALL": _CALL, "JUMP_BACKWARD": _ALWAYS,
     # a conditional backward jump checks only when it jumps
     "POP_JUMP_BACKWARD_IF_TRUE": bool, "POP_JUMP_BACKWARD_IF_FALSE": lambda top: not top,
     "POP_JUMP_BACKWARD_IF_NONE": lambda top: top is None,
@@ -67,8 +68,14 @@ def _places(code: types.CodeType) -> dict[int, Callable[[Any], bool]]:
             if i.opname in _CHECKS}
 
 
-def _top(frame: types.FrameType) -> Any:
-    """The value on top of the stack of ``frame`` (stopped at an opcode event).
+@functools.lru_cache(maxsize=None)
+def _argc(code: types.CodeType, offset: int) -> int:
+    return next(i.arg for i in dis.get_instructions(code) if i.offset == offset)
+
+
+def _peek(frame: types.FrameType, k: int = 1) -> Any:
+    """The ``k``-th value from the top of the stack of ``frame`` (stopped at an opcode
+    event; None for a NULL).
 
     CPython 3.11's layout: ``PyFrameObject.f_frame`` (after the object's head and
     ``f_back``) points to the ``_PyInterpreterFrame``, whose ``stacktop`` (after 8
@@ -76,9 +83,20 @@ def _top(frame: types.FrameType) -> Any:
     data = ctypes.c_void_p.from_address(id(frame) + 24).value
     assert data is not None
     depth = ctypes.c_int.from_address(data + 64).value
-    assert depth > 0, depth
-    return ctypes.cast(ctypes.c_void_p.from_address(data + 72 + 8 * (depth - 1)).value,
-                       ctypes.py_object).value
+    assert depth >= k, (depth, k)
+    value = ctypes.c_void_p.from_address(data + 72 + 8 * (depth - k)).value
+    return None if value is None else ctypes.cast(value, ctypes.py_object).value
+
+
+def _enters_python(frame: types.FrameType, argc: int) -> bool:
+    """Whether the ``CALL argc`` ``frame`` is stopped at calls a Python function (whose
+    entry is then the place: the trace function's own entry, a check, must not get the
+    interrupt first, or the trace ends with it)."""
+    method = _peek(frame, argc + 2)      # (a NULL unless a method is called on an object)
+    func = method if method is not None else _peek(frame, argc + 1)
+    if isinstance(func, types.MethodType):
+        func = func.__func__
+    return isinstance(func, types.FunctionType)
 
 
 def _arming(tid: int) -> Any:
@@ -108,21 +126,25 @@ class Interrupts:
         self.names = names     # given: the name of each place's function is appended
         self.count = 0
         self.where: list[str] = []
+        self._at_entry = False   # the interrupt is due at the next function's entry
         self._arm = _arming(threading.get_ident())
 
     def _call(self, frame: types.FrameType, event: str, arg: Any) -> Any:
-        if not frame.f_code.co_filename.startswith(RUNNER_DIR):
-            return None
-        frame.f_trace_opcodes = True
-        frame.f_trace_lines = False
-        self.count += 1
-        if self.names is not None:
-            self.names.append(frame.f_code.co_name)
-        if self.count in self.at or frame.f_code.co_name == self.entry:
-            self.entry = ""
-            self.where.append(f"{frame.f_code.co_name}:{frame.f_lineno} (entry)")
-            self._arm.go = True   # last: nothing after it checks
-        return self._opcode
+        runner = frame.f_code.co_filename.startswith(RUNNER_DIR)
+        due, self._at_entry = self._at_entry, False
+        if runner:
+            frame.f_trace_opcodes = True
+            frame.f_trace_lines = False
+            self.count += 1
+            if self.names is not None:
+                self.names.append(frame.f_code.co_name)
+            if self.count in self.at or frame.f_code.co_name == self.entry:
+                self.entry = ""
+                self.where.append(f"{frame.f_code.co_name}:{frame.f_lineno} (entry)")
+                due = True
+        if due:
+            self._arm.go = True   # last: nothing after it checks (the function's entry does)
+        return self._opcode if runner else None
 
     def _opcode(self, frame: types.FrameType, event: str, arg: Any) -> Any:
         if event != "opcode":
@@ -131,12 +153,20 @@ class Interrupts:
         # a place only if the instruction checks (else an interrupt scheduled here would be
         # raised by the next call of this trace function, where CPython never raises it:
         # e.g. after a loop's last test, before the ``with`` around it releases its lock)
-        if checks is not None and (checks is _ALWAYS or checks(_top(frame))):
+        if self._at_entry:   # the call entered no Python function (it failed first)
+            self._at_entry = False
+            self._arm.go = True
+            return self._opcode
+        if checks is not None and (checks is _ALWAYS or checks is _CALL or checks(_peek(frame))):
             self.count += 1
             if self.names is not None:
                 self.names.append(frame.f_code.co_name)
             if self.count in self.at:
                 self.where.append(f"{frame.f_code.co_name}:{frame.f_lineno}")
+                if checks is _CALL and _enters_python(frame, _argc(frame.f_code,
+                                                                  frame.f_lasti)):
+                    self._at_entry = True
+                    return self._opcode
                 self._arm.go = True   # last: nothing after it checks
         return self._opcode
 
