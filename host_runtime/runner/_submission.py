@@ -173,6 +173,20 @@ class _Submitter:
             except RingTimeoutError:
                 continue
 
+    def _take_lock(self) -> None:
+        """The submit lock (busy: a non-blocking try failed), waited for no longer than the
+        host sync timeout (another thread's request holds it while it waits for a device
+        that makes no progress). A timed acquire costs ~0.35 us more: tried second."""
+        if not self.lock.acquire(timeout=self._life.sync_s):
+            raise self._life.stalled_error("waiting for another thread's request to this "
+                                           "replica")
+
+    def _seal(self, path: TransferPath, tr: Transfer, pad: bool) -> None:
+        self._writing = tr           # idempotent (see TransferPath.seal)
+        path.seal(tr, pad)
+        self._completion.publish_open(tr)
+        self._writing = None    # last: an interrupt before it leaves this to be finished
+
     def _write_failed(self, exc: BaseException) -> ModelRuntimeError:
         err = self._life.translate(exc)
         if isinstance(err, DeviceLostError):
@@ -232,14 +246,6 @@ class Submission(_Submitter):
                 lock.release()
             except RuntimeError:   # not taken
                 pass
-
-    def _take_lock(self) -> None:
-        """The submit lock (busy: a non-blocking try failed), waited for no longer than the
-        host sync timeout (another thread's request holds it while it waits for a device
-        that makes no progress). A timed acquire costs ~0.35 us more: tried second."""
-        if not self.lock.acquire(timeout=self._life.sync_s):
-            raise self._life.stalled_error("waiting for another thread's request to this "
-                                           "replica")
 
     def try_send(self, request: Request, transfers: int) -> bool:
         """A phantom made whole by the flush callback: send it, unless a submitter is busy."""
@@ -376,12 +382,6 @@ class Submission(_Submitter):
         if completion.open is not None:
             self._timers.kick(completion.open)
 
-    def _seal(self, path: TransferPath, tr: Transfer, pad: bool) -> None:
-        self._writing = tr           # idempotent (see TransferPath.seal)
-        path.seal(tr, pad)
-        self._completion.publish_open(tr)
-        self._writing = None    # last: an interrupt before it leaves this to be finished
-
     def try_publish_partial(self, tr: Transfer, extra: Request | None) -> bool:
         """The timers flush ``tr`` (with ``extra`` samples packed first), padded with
         zeros, unless a submitter is busy (False)."""
@@ -436,9 +436,8 @@ class Submission(_Submitter):
             life = self._life
             completion = self._completion
             if (completion.inflight or completion.open is not None or completion.draining
-                    or completion.stalled
-                    or self._writing is not None or self._fused is not None
-                    or not life.well_but_unpolled()
+                    or completion.stalled or self._writing is not None
+                    or self._fused is not None or not life.well_but_unpolled()
                     or self._timers.has_phantoms):
                 return None        # busy, or something is off: submit sorts it out
             path = life.path       # (a reset by another submitter made new rings)
@@ -472,11 +471,9 @@ class Submission(_Submitter):
                     raise raisable(err) from None      # as submit
                 # reading: as a failed request (its error keeps its cause)
                 err = life.closed_error() if life.closed else life.translate(exc)
-                if not life.closed:
-                    completion.fail_all(err)
-                    # fail_all did not see this request (not in flight): it hears the
-                    # error, so the next one is told the replica is unusable
-                    life.error_unheard = False
+                if not life.closed:   # fail_all did not see this request (not in flight):
+                    completion.fail_all(err)   # it hears the error, so the next one is
+                    life.error_unheard = False   # told the replica is unusable
                 completion.record_error(err)
                 raise raisable(err)
             except BaseException as exc:   # KeyboardInterrupt, a signal handler's exception
