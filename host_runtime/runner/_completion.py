@@ -36,6 +36,7 @@ from host_runtime.errors import InvalidStateError, ModelRuntimeError, SequenceMi
 from host_runtime.runner._life import ReplicaLife
 from host_runtime.runner import _tracing
 from host_runtime.runner._replica_timers import Phantom, ReplicaTimers
+from host_runtime.runner._sleepers import Sleepers
 from host_runtime.runner._requests import Request, Transfer
 from host_runtime.runner._transfer import TransferPath, consumed_from
 from host_runtime.runner.monitoring import RequestMonitor
@@ -59,7 +60,7 @@ class Completion:
         # The hot path takes the condition's lock itself (``with self._cv`` is a Python-level
         # __enter__/__exit__: ~0.2 us more per use).
         self._lock = threading.Lock()
-        self._cv = threading.Condition(self._lock)
+        self._cv = Sleepers(self._lock)   # (threading.Condition is not interrupt-safe)
         self._waiters = 0              # threads in self._cv.wait (notify only if any)
         self.inflight: collections.deque[Transfer] = collections.deque()
         self.open: Transfer | None = None    # the partial batch being packed (registered)

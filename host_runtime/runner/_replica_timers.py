@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional, Protocol
 from host_runtime.errors import DeviceTimeoutError, ModelRuntimeError
 from host_runtime.memory import InputMemoryView, OutputMemoryView
 from host_runtime.runner._requests import Request, Transfer
+from host_runtime.runner._sleepers import Sleepers
 from host_runtime.runner.config import FlushCallback
 
 __all__ = ["Phantom", "ReplicaTimers", "TimerOwner"]
@@ -105,9 +106,9 @@ class ReplicaTimers:
         self._phantoms: list[Phantom] = []
         self._watchdog: threading.Thread | None = None
         # taken as ``with self._watch_mutex`` (C-level __enter__: an interrupt cannot leave
-        # it held, as it can inside Condition.__enter__)
+        # it held, as it can inside Condition.__enter__); Sleepers: see _sleepers
         self._watch_mutex = threading.Lock()
-        self._watch_wake = threading.Condition(self._watch_mutex)
+        self._watch_wake = Sleepers(self._watch_mutex)
 
     # ------------------------------------------------------------------ phantoms
     def add_phantom(self, req: Request, tensor_id: str, partial: Transfer | None) -> None:

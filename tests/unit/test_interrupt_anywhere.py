@@ -50,6 +50,10 @@ _CHECKS: dict[str, Callable[[Any], bool]] = {
     "POP_JUMP_BACKWARD_IF_TRUE": bool, "POP_JUMP_BACKWARD_IF_FALSE": lambda top: not top,
     "POP_JUMP_BACKWARD_IF_NONE": lambda top: top is None,
     "POP_JUMP_BACKWARD_IF_NOT_NONE": lambda top: top is not None}
+_ALSO = frozenset(getattr(threading.Condition, name).__code__ for name in (
+    "wait", "notify", "notify_all", "_release_save", "_acquire_restore", "_is_owned"))
+"""Code of the standard library whose places count too when the runner's code calls it
+(``Condition.wait`` is not safe from an interrupt: the runner has its own, _sleepers)."""
 _SET_ASYNC_EXC = ctypes.pythonapi.PyThreadState_SetAsyncExc
 ALLOWED = re.compile(r"InvalidStateError: replica 0: (output 'tensor_C' of the request was lost: "
                      r"the thread reading it was interrupted by KeyboardInterrupt|the request "
@@ -130,7 +134,10 @@ class Interrupts:
         self._arm = _arming(threading.get_ident())
 
     def _call(self, frame: types.FrameType, event: str, arg: Any) -> Any:
-        runner = frame.f_code.co_filename.startswith(RUNNER_DIR)
+        code, back = frame.f_code, frame.f_back
+        runner = code.co_filename.startswith(RUNNER_DIR) or (
+            code in _ALSO and back is not None
+            and (back.f_code in _ALSO or back.f_code.co_filename.startswith(RUNNER_DIR)))
         due, self._at_entry = self._at_entry, False
         if runner:
             frame.f_trace_opcodes = True
