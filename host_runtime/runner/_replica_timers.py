@@ -100,9 +100,10 @@ class ReplicaTimers:
         self._waits_for = waits_for
         self._use_watchdog = watchdog
         self._lock = threading.Lock()             # guards _phantoms
-        # one thread fires at a time (re-entrant only to know its holder: see fire)
+        # one thread fires at a time (re-entrant: a nested call takes it, sees _fires and
+        # returns, and its release is its own; see fire)
         self._firing = threading.RLock()
-        self._firing_here: Callable[[], bool] = getattr(self._firing, "_is_owned")
+        self._fires = False
         self._phantoms: list[Phantom] = []
         self._watchdog: threading.Thread | None = None
         # taken as ``with self._watch_mutex`` (C-level __enter__: an interrupt cannot leave
@@ -144,12 +145,16 @@ class ReplicaTimers:
     def fire(self, now: float) -> None:
         """Flush a partial batch whose time is up; time out phantoms. Never blocks on submit."""
         owner = self._owner()
-        firing = self._firing
-        if owner is None or self._firing_here():
+        if owner is None:
             return
+        firing = self._firing
         try:   # taken inside the try, released at once: as the submit lock (_submission)
-            if firing.acquire(blocking=False):
-                self._fire(owner, now)
+            if firing.acquire(blocking=False) and not self._fires:
+                self._fires = True    # (this thread fires: a nested call returns)
+                try:
+                    self._fire(owner, now)
+                finally:
+                    self._fires = False
         finally:
             try:
                 firing.release()

@@ -1,19 +1,23 @@
-"""A KeyboardInterrupt wherever it can land in the runner's code never gives a wrong answer
-and never leaves the runner unusable. Loopback device, no process.
+"""A KeyboardInterrupt wherever it can land in the runner's code never gives a wrong answer,
+never hangs and never leaves the runner unusable. Loopback device, no process.
 
 A signal's handler runs (and raises KeyboardInterrupt) only where CPython 3.11 checks
 for pending work: at a function's entry, after a call returns and at a loop's backward
-jump. :class:`Interrupts` counts those places in the main thread's frames of
-``host_runtime/runner/`` (a trace function: every function entry, every ``CALL`` and
+jump (a conditional one only when it jumps). :class:`Interrupts` counts those places in
+the main thread's frames of ``host_runtime/runner/`` (and of ``threading.Condition``
+called from there) with a trace function (every function entry, every ``CALL`` and
 backward-jump instruction) and, at the chosen counts, schedules a KeyboardInterrupt
 with ``PyThreadState_SetAsyncExc``: CPython raises it at its next check, exactly where a
-signal's handler would run. The test sweeps every place of a request's path (submit,
-the fused path, lay, take, drain, the abandon paths), once and twice in a row (an
-interrupt that lands while the first one is being handled), and after each asserts:
-the interrupted call raised KeyboardInterrupt (or answered right), every interrupted
-request got its own answer or the named error, and the next requests are right
-(C = A * weights + B, compared to numpy); those checks run in another thread, so that a
-lock the interrupted thread left held shows (and a hang is bounded).
+signal's handler would run. (The trace function's own entry is a check too: an
+interrupt is scheduled so that it never comes there first; for a call of a Python
+function, at that function's entry.) The test sweeps the places of ``execute``,
+``executeAsync`` + ``wait``/``get``, requests queued behind each other, dynamic
+batching and ``update_load_inputs`` with an abandoned request left over, once and twice
+in a row (an interrupt that lands while the first one is being handled), and after each
+asserts: the interrupted call raised KeyboardInterrupt (or answered right), every
+interrupted request got its own answer or the named error, and the next requests are
+right (C = A * weights + B, compared to numpy); those checks run in another thread, so
+that a lock the interrupted thread left held shows (and a hang is bounded).
 """
 
 from __future__ import annotations
