@@ -36,6 +36,7 @@ from host_runtime.errors import InvalidStateError, ModelRuntimeError, SequenceMi
 from host_runtime.runner._life import ReplicaLife
 from host_runtime.runner import _tracing
 from host_runtime.runner._replica_timers import Phantom, ReplicaTimers
+from host_runtime.runner._sleepers import Sleepers
 from host_runtime.runner._requests import Request, Transfer
 from host_runtime.runner._transfer import TransferPath, consumed_from
 from host_runtime.runner.monitoring import RequestMonitor
@@ -59,7 +60,7 @@ class Completion:
         # The hot path takes the condition's lock itself (``with self._cv`` is a Python-level
         # __enter__/__exit__: ~0.2 us more per use).
         self._lock = threading.Lock()
-        self._cv = threading.Condition(self._lock)
+        self._cv = Sleepers(self._lock)   # (threading.Condition is not interrupt-safe)
         self._waiters = 0              # threads in self._cv.wait (notify only if any)
         self.inflight: collections.deque[Transfer] = collections.deque()
         self.open: Transfer | None = None    # the partial batch being packed (registered)
@@ -331,36 +332,28 @@ class Completion:
             raise
         finished: list[Request] = []
         now = time.perf_counter_ns()
+        progress = time.monotonic()
         segs = tr.segments
-        settled = 0
-        try:
-            with self._lock:
-                if self.inflight and self.inflight[0] is tr:
-                    self.inflight.popleft()
-                # No call between counting a segment down and marking its request done:
-                # an interrupt (checked at calls and loop ends) never splits them, and
-                # ``settled`` says how far it got (the finally clause does the rest).
-                while settled < len(segs):
-                    req = segs[settled][0]
-                    req.remaining -= 1
-                    settled += 1
-                    if req.remaining == 0 and not req.done:
-                        req.t_completed = now
-                        req.done = True
-                        finished.append(req)
-        finally:
-            if settled < len(segs):
-                with self._lock:
-                    while settled < len(segs):
-                        req = segs[settled][0]
-                        req.remaining -= 1
-                        settled += 1
-                        if req.remaining == 0 and not req.done:
-                            req.t_completed = now
-                            req.done = True
+        count = len(segs)
+        with self._lock:
+            self._since = progress
+            self.stalled = False
+            # Resumable: ``tr.settled`` says how many segments were counted down, and no
+            # call (where an interrupt lands) comes between counting one down and moving
+            # it on, nor between a request's last segment and marking it done. An
+            # interrupted drainer leaves ``tr`` at the head, its outputs read: the next
+            # one (take returns at once) counts down the rest and removes it.
+            while tr.settled < count:
+                req = segs[tr.settled][0]
+                req.remaining -= 1
+                tr.settled += 1
+                if req.remaining == 0 and not req.done:
+                    req.t_completed = now
+                    req.done = True
+                    finished.append(req)
+            if self.inflight and self.inflight[0] is tr:
+                self.inflight.popleft()
         self._drained += 1
-        self._since = time.monotonic()
-        self.stalled = False
         mon = self._monitor
         for req in finished:
             if not req.internal:

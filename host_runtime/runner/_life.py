@@ -105,6 +105,8 @@ class ReplicaLife:
         self.error: ModelRuntimeError | None = None
         self.error_unheard = False     # no request has been failed with error yet
         self.closed = False
+        # rerun_load was interrupted: the values it loads (done before the next request)
+        self.reloading: dict[str, memoryview] | None = None
         self._close_lock = threading.Lock()
         self._pids = ExitWatch()       # the device's IPU processes (pidfds)
         self._pids_exact = False       # ... every one of them watched by a pidfd
@@ -151,19 +153,31 @@ class ReplicaLife:
             if life is not None:
                 life._loop_ended(fut)
         loop.add_done_callback(on_loop_end)
+        self.reloading = None     # (its values are loaded: a reset's new session loads them too)
         return path
 
-    def rerun_load(self, values: dict[str, memoryview]) -> TransferPath:
+    def rerun_load(self, values: dict[str, memoryview],
+                   forget: Callable[[], None]) -> TransferPath:
         """New data for inputs of the Load programs (handle -> bytes), in place: Main's loop
-        ends, the session feeds ``values`` (constants in shared memory, as frozen inputs
-        are) and runs the Load programs again on the same device and IPU processes, then
-        Main loops again. Nothing may be in flight (the caller holds the submit lock)."""
+        ends (its rings are reset: ``forget()`` then forgets what was in flight), the
+        session feeds ``values`` (constants in shared memory, as frozen inputs are) and
+        runs the Load programs again on the same device and IPU processes, then Main loops
+        again. Nothing may be in flight (the caller holds the submit lock).
+
+        Interrupted (KeyboardInterrupt, a signal handler's exception), ``reloading`` keeps
+        the values (merged with those of an earlier interrupted call): the replica does
+        not look well until a call with them (``{}`` given) has finished; every step is
+        idempotent."""
         s = self.session
         if s is None or self.closed:
             raise self.closed_error()
         if self.error is not None:
             raise unusable_error(self.rid, self.error, self._auto_reset) from self.error
+        if self.reloading is not None:
+            values = {**self.reloading, **values}
+        self.reloading = values      # first: no call before it
         s.direct.stop_main_loop(self._stop_s)
+        forget()
         for handle, data in values.items():
             s.freeze_input(handle, data)
         s.runLoadPrograms()
@@ -229,7 +243,7 @@ class ReplicaLife:
         """The check before each request: open, no earlier failure, and every IPU process
         alive (one poll of their pidfds, ~0.5 us). False: ``usable`` sorts it out."""
         return not (self.closed or self.error is not None or not self._pids_exact
-                    or self._pids.dead_pid() is not None)
+                    or self.reloading is not None or self._pids.dead_pid() is not None)
 
     def well_but_unpolled(self) -> bool:
         """``looks_well`` without the poll of a device of one IPU process (the fused path
@@ -238,7 +252,8 @@ class ReplicaLife:
         gone, and that request must find the device to reset, not fail in flight."""
         if self._several:
             return self.looks_well()
-        return not (self.closed or self.error is not None or not self._pids_exact)
+        return not (self.closed or self.error is not None or not self._pids_exact
+                    or self.reloading is not None)
 
     def gone(self) -> bool:
         """True if an IPU process of the device has exited (one poll, never blocks)."""

@@ -20,6 +20,7 @@ Results:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import logging
 import os
@@ -340,14 +341,9 @@ class ModelRunner:
         for rid in range(len(self._replicas)):
             rep = self._replica(rid)
             lock = self._call_lock(rid)
-            if lock is not None:
-                lock.acquire()
-            try:
+            with lock if lock is not None else contextlib.nullcontext():
                 rep.rerun_load({h: memoryview(v).cast("B")  # type: ignore[arg-type]
                                 for h, v in handles.items()})
-            finally:
-                if lock is not None:
-                    lock.release()
 
     def getExecuteInputs(self) -> list[DataDesc]:
         """Inputs each execute call needs (frozen inputs and PopEF-fed tensors excluded)."""

@@ -49,7 +49,7 @@ import numpy as np
 from shm import Ring
 
 from host_runtime._lifetime import weak_method
-from host_runtime.errors import InvalidStateError, ModelRuntimeError
+from host_runtime.errors import ModelRuntimeError
 from host_runtime.runner._batching import TensorSpec
 from host_runtime.runner._completion import Completion
 from host_runtime.runner._intake import RequestIntake
@@ -166,11 +166,7 @@ class Replica:
             for seg in tr.segments:
                 completion.wait_for(seg[0], None)
         with sub.lock:
-            if completion.inflight or completion.open is not None:
-                raise InvalidStateError(
-                    f"replica {self.rid}: requests were sent while the Load programs' inputs "
-                    "were being replaced; replace them when no request is in flight")
-            self._life.rerun_load(values)
+            sub.reload(values)
 
     # -- TimerOwner (see _replica_timers) -----------------------------------------------
     @property

@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional, Protocol
 from host_runtime.errors import DeviceTimeoutError, ModelRuntimeError
 from host_runtime.memory import InputMemoryView, OutputMemoryView
 from host_runtime.runner._requests import Request, Transfer
+from host_runtime.runner._sleepers import Sleepers
 from host_runtime.runner.config import FlushCallback
 
 __all__ = ["Phantom", "ReplicaTimers", "TimerOwner"]
@@ -99,13 +100,16 @@ class ReplicaTimers:
         self._waits_for = waits_for
         self._use_watchdog = watchdog
         self._lock = threading.Lock()             # guards _phantoms
-        self._firing = threading.Lock()           # one thread fires at a time
+        # one thread fires at a time (re-entrant: a nested call takes it, sees _fires and
+        # returns, and its release is its own; see fire)
+        self._firing = threading.RLock()
+        self._fires = False
         self._phantoms: list[Phantom] = []
         self._watchdog: threading.Thread | None = None
         # taken as ``with self._watch_mutex`` (C-level __enter__: an interrupt cannot leave
-        # it held, as it can inside Condition.__enter__)
+        # it held, as it can inside Condition.__enter__); Sleepers: see _sleepers
         self._watch_mutex = threading.Lock()
-        self._watch_wake = threading.Condition(self._watch_mutex)
+        self._watch_wake = Sleepers(self._watch_mutex)
 
     # ------------------------------------------------------------------ phantoms
     def add_phantom(self, req: Request, tensor_id: str, partial: Transfer | None) -> None:
@@ -141,12 +145,21 @@ class ReplicaTimers:
     def fire(self, now: float) -> None:
         """Flush a partial batch whose time is up; time out phantoms. Never blocks on submit."""
         owner = self._owner()
-        if owner is None or not self._firing.acquire(blocking=False):
+        if owner is None:
             return
-        try:
-            self._fire(owner, now)
+        firing = self._firing
+        try:   # taken inside the try, released at once: as the submit lock (_submission)
+            if firing.acquire(blocking=False) and not self._fires:
+                self._fires = True    # (this thread fires: a nested call returns)
+                try:
+                    self._fire(owner, now)
+                finally:
+                    self._fires = False
         finally:
-            self._firing.release()
+            try:
+                firing.release()
+            except RuntimeError:   # not taken: another thread fires
+                pass
 
     def _fire(self, owner: TimerOwner, now: float) -> None:
         tr = owner.partial

@@ -135,6 +135,7 @@ class Transfer:
     t_first: int                                     # tracing: its first output read (ns)
     unsettled: bool                                  # a read of it was interrupted and not
                                                      # yet sorted out (_completion)
+    settled: int                                     # segments counted down once read
 
     def __init__(self, segments: list[tuple[Request, int, int, int]],
                  outputs: tuple[TensorSpec, ...], t_open: float = 0.0) -> None:
@@ -151,6 +152,7 @@ class Transfer:
         self.seq = 0
         self.t_first = 0
         self.unsettled = False
+        self.settled = 0
 
 
 class OutputFuture:

@@ -69,8 +69,10 @@ class _Submitter:
                  monitor: RequestMonitor, dynamic: bool, batch: int) -> None:
         # Re-entrant only to know its holder (_held): an interrupt may come as acquire()
         # returns, before a try could see it, so every taker acquires inside its try and
-        # releases in its finally what this thread holds; a taker that finds this thread
-        # holding it (a drainer inside a submitter) treats it as busy, as with a Lock.
+        # its finally releases at once (RuntimeError: this thread did not take it; asking
+        # first would be a call, where an interrupt may come before the release); a taker
+        # that finds this thread holding it (a drainer inside a submitter) treats it as
+        # busy, as with a Lock.
         self.lock = threading.RLock()
         self._held: Callable[[], bool] = getattr(self.lock, "_is_owned")   # by this thread
         self._life = life
@@ -91,6 +93,8 @@ class _Submitter:
         """Lock held: the replica usable (reset if it must be; raises if it cannot be
         used); its rings."""
         life = self._life
+        if life.reloading is not None and life.error is None and not life.closed:
+            self.reload({})   # an interrupted rerun_load: finished first
         if not life.looks_well() and not life.usable():
             self._completion.clear()
             self._writing = None
@@ -101,6 +105,25 @@ class _Submitter:
         path = life.path
         assert path is not None
         return path
+
+    def reload(self, values: dict[str, memoryview]) -> None:
+        """Lock held: new values for inputs of the Load programs (``ReplicaLife.rerun_load``)
+        once no request is in flight; what is left of abandoned requests (transfers whose
+        requests are done, a write or a fused read that was interrupted) is forgotten: the
+        main loop's stop resets the rings."""
+        completion = self._completion
+        if completion.open is not None or any(not seg[0].done for tr in completion.inflight
+                                              for seg in tr.segments):
+            raise InvalidStateError(
+                f"replica {self._life.rid}: requests were sent while the Load programs' "
+                "inputs were being replaced; replace them when no request is in flight")
+        self._life.rerun_load(values, self._forget)
+
+    def _forget(self) -> None:
+        """The rings were reset: nothing is in flight, being written or read."""
+        self._completion.clear()
+        self._writing = None
+        self._fused = None
 
     def _number(self, tr: Transfer) -> None:
         self._seq = tr.seq = self._seq + 1
@@ -149,6 +172,20 @@ class _Submitter:
                 return ring.acquire_write(timeout=_ROOM_WAIT)
             except RingTimeoutError:
                 continue
+
+    def _take_lock(self) -> None:
+        """The submit lock (busy: a non-blocking try failed), waited for no longer than the
+        host sync timeout (another thread's request holds it while it waits for a device
+        that makes no progress). A timed acquire costs ~0.35 us more: tried second."""
+        if not self.lock.acquire(timeout=self._life.sync_s):
+            raise self._life.stalled_error("waiting for another thread's request to this "
+                                           "replica")
+
+    def _seal(self, path: TransferPath, tr: Transfer, pad: bool) -> None:
+        self._writing = tr           # idempotent (see TransferPath.seal)
+        path.seal(tr, pad)
+        self._completion.publish_open(tr)
+        self._writing = None    # last: an interrupt before it leaves this to be finished
 
     def _write_failed(self, exc: BaseException) -> ModelRuntimeError:
         err = self._life.translate(exc)
@@ -205,16 +242,10 @@ class Submission(_Submitter):
                 raise
             req.t_laid = _clock()
         finally:
-            if self._held():
+            try:   # first: no call (where an interrupt lands) before it (see __init__)
                 lock.release()
-
-    def _take_lock(self) -> None:
-        """The submit lock (busy: a non-blocking try failed), waited for no longer than the
-        host sync timeout (another thread's request holds it while it waits for a device
-        that makes no progress). A timed acquire costs ~0.35 us more: tried second."""
-        if not self.lock.acquire(timeout=self._life.sync_s):
-            raise self._life.stalled_error("waiting for another thread's request to this "
-                                           "replica")
+            except RuntimeError:   # not taken
+                pass
 
     def try_send(self, request: Request, transfers: int) -> bool:
         """A phantom made whole by the flush callback: send it, unless a submitter is busy."""
@@ -242,8 +273,10 @@ class Submission(_Submitter):
             self._abandon_request(request, exc)
             raise
         finally:
-            if self._held():
+            try:   # first: no call (where an interrupt lands) before it (see __init__)
                 lock.release()
+            except RuntimeError:   # not taken
+                pass
         return True
 
     def _write_whole(self, path: TransferPath, req: Request, transfers: int) -> None:
@@ -314,8 +347,10 @@ class Submission(_Submitter):
         except _WRITE_ERRORS as exc:
             self._completion.fail_all(self._life.translate(exc))
         finally:
-            if self._held():
+            try:   # first: no call (where an interrupt lands) before it (see __init__)
                 lock.release()
+            except RuntimeError:   # not taken
+                pass
         return True
 
     # -- dynamic batching --------------------------------------------------------------
@@ -347,12 +382,6 @@ class Submission(_Submitter):
         if completion.open is not None:
             self._timers.kick(completion.open)
 
-    def _seal(self, path: TransferPath, tr: Transfer, pad: bool) -> None:
-        self._writing = tr           # idempotent (see TransferPath.seal)
-        path.seal(tr, pad)
-        self._completion.publish_open(tr)
-        self._writing = None    # last: an interrupt before it leaves this to be finished
-
     def try_publish_partial(self, tr: Transfer, extra: Request | None) -> bool:
         """The timers flush ``tr`` (with ``extra`` samples packed first), padded with
         zeros, unless a submitter is busy (False)."""
@@ -377,8 +406,10 @@ class Submission(_Submitter):
         except _WRITE_ERRORS as exc:
             self._completion.fail_all(self._life.translate(exc))
         finally:
-            if self._held():
+            try:   # first: no call (where an interrupt lands) before it (see __init__)
                 lock.release()
+            except RuntimeError:   # not taken
+                pass
         return True
 
     # ------------------------------------------------------------------ fused
@@ -405,9 +436,8 @@ class Submission(_Submitter):
             life = self._life
             completion = self._completion
             if (completion.inflight or completion.open is not None or completion.draining
-                    or completion.stalled
-                    or self._writing is not None or self._fused is not None
-                    or not life.well_but_unpolled()
+                    or completion.stalled or self._writing is not None
+                    or self._fused is not None or not life.well_but_unpolled()
                     or self._timers.has_phantoms):
                 return None        # busy, or something is off: submit sorts it out
             path = life.path       # (a reset by another submitter made new rings)
@@ -441,19 +471,19 @@ class Submission(_Submitter):
                     raise raisable(err) from None      # as submit
                 # reading: as a failed request (its error keeps its cause)
                 err = life.closed_error() if life.closed else life.translate(exc)
-                if not life.closed:
-                    completion.fail_all(err)
-                    # fail_all did not see this request (not in flight): it hears the
-                    # error, so the next one is told the replica is unusable
-                    life.error_unheard = False
+                if not life.closed:   # fail_all did not see this request (not in flight):
+                    completion.fail_all(err)   # it hears the error, so the next one is
+                    life.error_unheard = False   # told the replica is unusable
                 completion.record_error(err)
                 raise raisable(err)
             except BaseException as exc:   # KeyboardInterrupt, a signal handler's exception
                 self._abandon_fused(path, type(exc).__name__)
                 raise
         finally:
-            if self._held():
+            try:   # first: no call (where an interrupt lands) before it (see __init__)
                 lock.release()
+            except RuntimeError:   # not taken
+                pass
         now = _clock()
         if not t_lay:   # recorded while the device computes the next request, or when read
             self._monitor.defer(t_received, t_prepared, now, path.t_laid)
