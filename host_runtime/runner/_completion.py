@@ -359,7 +359,7 @@ class Completion:
             if not req.internal:
                 started = mon.record(req.t_received, req.t_prepared, req.t_completed, req.t_laid)
                 if recorder.ON:
-                    _tracing.request(self._life, req, started)
+                    _tracing.request(self._life.trace_key, req, started)
 
     # -- failure and close -------------------------------------------------------------
     def fail_all(self, err: ModelRuntimeError) -> None:

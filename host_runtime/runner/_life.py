@@ -93,6 +93,7 @@ class ReplicaLife:
                  auto_reset: bool, on_lost: Callable[[ModelRuntimeError], None],
                  settings: HostSettings) -> None:
         self.rid = rid
+        self.trace_key = _tracing.life_key()   # this life on the timeline
         self._open_session = open_session
         self._inputs, self._outputs = inputs, outputs
         self._frozen = frozen
@@ -130,7 +131,7 @@ class ReplicaLife:
         self._pids_exact = self._pids.exact and bool(self._pids.pids)
         self._several = len(self._pids.pids) > 1
         if recorder.ON:
-            _tracing.life("attach and load", self, self.rid, t0, s)
+            _tracing.life("attach and load", self.trace_key, self.rid, t0, s)
         return path
 
     def _start(self, s: ReplicaSession) -> TransferPath:
@@ -357,7 +358,7 @@ class ReplicaLife:
                 old.close_within(limit, kill_if_hung=True)
         path = self.open()
         if recorder.ON:
-            _tracing.life("reset", self, self.rid, t0, self.session)
+            _tracing.life("reset", self.trace_key, self.rid, t0, self.session)
         return path
 
     def close(self, save: SaveFn | None, limit: float) -> None:
@@ -382,7 +383,7 @@ class ReplicaLife:
         finally:
             s.close_within(limit, kill_if_hung=True)
             if recorder.ON:
-                _tracing.life("close", self, self.rid, t0, s)
+                _tracing.life("close", self.trace_key, self.rid, t0, s)
             self.session = None
             self._pids.close()
 

@@ -489,7 +489,7 @@ class Submission(_Submitter):
             self._monitor.defer(t_received, t_prepared, now, path.t_laid)
         else:
             started = self._monitor.record(t_received, t_prepared, now, path.t_laid)
-            _tracing.fused(self._life, self._life.rid, path.batch, seq,
+            _tracing.fused(self._life.trace_key, self._life.rid, path.batch, seq,
                            (t_received, t_prepared, t_lay or path.t_laid, path.t_laid, started,
                             path.t_first, now, now))
         return results

@@ -27,9 +27,16 @@ from ipu_emulator.trace import recorder
 
 from host_runtime.runner._requests import Request, Transfer
 
-__all__ = ["request", "fused", "drained", "life", "wait", "lay_started"]
+__all__ = ["request", "fused", "drained", "life", "life_key", "wait", "lay_started"]
 
 _ids = itertools.count(1)
+_lives = itertools.count(1)
+
+
+def life_key() -> int:
+    """A replica life's key on the timeline: never reused in this process (an ``id()``
+    is, once the life is freed: a later runner's replica would join the earlier's)."""
+    return next(_lives)
 
 
 def lay_started(req: Request) -> None:
@@ -48,24 +55,25 @@ def drained(tr: Transfer, now: int) -> None:
             t[3].append(tr.seq)
 
 
-def request(key: object, req: Request, started: int) -> None:
-    """A request of the replica whose life is ``key`` completed."""
+def request(key: int, req: Request, started: int) -> None:
+    """A request of the replica whose life's ``trace_key`` is ``key`` completed."""
     t = req.trace or [req.t_laid, 0, 0, []]
     instants = (req.t_received, req.t_prepared, t[0], req.t_laid, started, t[1], t[2],
                 req.t_completed)
     recorder.host(recorder.H_REQUEST, req.t_received, req.t_completed - req.t_received,
-                  (id(key), req.replica, next(_ids), req.samples, tuple(t[3]), instants))
+                  (key, req.replica, next(_ids), req.samples, tuple(t[3]), instants))
 
 
-def fused(key: object, replica: int, samples: int, seq: int, instants: tuple[int, ...]) -> None:
+def fused(key: int, replica: int, samples: int, seq: int, instants: tuple[int, ...]) -> None:
     """A request of the fused path (one transfer, ``seq``) completed."""
     recorder.host(recorder.H_REQUEST, instants[0], instants[-1] - instants[0],
-                  (id(key), replica, next(_ids), samples, (seq,), instants))
+                  (key, replica, next(_ids), samples, (seq,), instants))
 
 
-def life(what: str, key: object, replica: int, t0: int, session: Any) -> None:
+def life(what: str, key: int, replica: int, t0: int, session: Any) -> None:
     """A replica's ``what`` (attach and load, reset, close) took from ``t0`` (monotonic
-    ns) until now; ``session``: its session (its device's IPU processes, its model)."""
+    ns) until now; ``key``: its life's ``trace_key``; ``session``: its session (its
+    device's IPU processes, its model)."""
     pids: list[int] = []
     model = ""
     try:
@@ -75,7 +83,7 @@ def life(what: str, key: object, replica: int, t0: int, session: Any) -> None:
     except Exception:   # a session without these (a stand-in): the event without them
         pass
     recorder.host(recorder.H_LIFE, t0, time.monotonic_ns() - t0,
-                  (what, replica, tuple(pids), model, id(key)))
+                  (what, replica, tuple(pids), model, key))
 
 
 def wait(what: str, t0: int) -> None:

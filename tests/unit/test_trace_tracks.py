@@ -10,7 +10,10 @@ from collections import defaultdict
 
 from ipu_emulator import trace
 from ipu_emulator.trace import _chrome, recorder as R
+from tests.unit._loopback import model_path  # noqa: F401  (fixture)
 from tools import trace_summary
+
+SHAPE = (1, 4)
 
 
 def _request(key: int, replica: int, rid: int, t0: int, t7: int) -> tuple:
@@ -79,3 +82,37 @@ def test_the_events_of_one_instant_are_in_the_order_perfetto_nests_them():
     assert (req["ts"], req["dur"]) == (2.0, 4.0)
     assert set(phases) == set(trace_summary.PHASES)
     assert sum(phases[p] for p in _chrome.PHASES) == 4.0
+
+
+def test_runners_made_one_after_the_other_are_told_apart(tmp_path, model_path, loopback_device):
+    """A runner dropped before the next is made frees its replica's life, whose address
+    (its ``id``) the next one's may take: each life has a key of its own on the timeline,
+    so the two are two runners, not one."""
+    import gc
+
+    import numpy as np
+
+    import host_runtime as model_runtime
+
+    x = {"tensor_A": np.ones((1, 4), np.float32), "tensor_B": np.ones((1, 4), np.float32)}
+    path = tmp_path / "t.json"
+    keys, addresses = [], []
+    gc.disable()   # freed by reference counting alone, at once
+    try:
+        with trace.tracing(str(path)):
+            for _ in range(3):
+                runner = model_runtime.ModelRunner(model_path, model_runtime.ModelRunnerConfig(
+                    replica_to_device={0: loopback_device}))
+                life = runner._replicas[0]._life
+                keys.append(life.trace_key)
+                addresses.append(id(life))   # (may repeat: the key must not)
+                del life
+                runner.execute(x)
+                runner.close()
+                del runner
+    finally:
+        gc.enable()
+    timeline = trace_summary.load(str(path))
+    runners = {r["args"]["runner"] for r, _ in trace_summary.requests(timeline)}
+    assert runners == {"runner 1", "runner 2", "runner 3"}, (runners, addresses)
+    assert len(set(keys)) == 3
