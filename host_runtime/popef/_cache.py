@@ -106,6 +106,17 @@ def keep_model(key: FilesKey | None, model: Model, paths: list[str]) -> None:
             _models.popitem(last=False)
 
 
+def _after_fork_in_child() -> None:
+    """A forked child starts with a lock of its own: another thread of the parent may have
+    held this one at the fork, and would never release it here. The kept models stay
+    (bytes and objects, copied with the process)."""
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def forget_all() -> None:
     """Drop every kept model (tests)."""
     with _lock:

@@ -145,3 +145,48 @@ def test_a_kept_model_a_program_changed_is_not_handed_out_again(tmp_path, reads,
         model.metadata.anchors()[0].tensorInfo().setShape([1, 4])   # equal, a new object
     np.testing.assert_allclose(answer(path, loopback_device), want, rtol=1e-6)
     assert len(reads) == 2
+
+
+def test_a_child_forked_while_another_thread_holds_the_cache_can_use_it(tmp_path):
+    """The cache's lock is the child's own after a fork: a thread of the parent that held
+    it at the fork does not leave the child waiting for it forever."""
+    import threading
+
+    p = tmp_path / "m"
+    p.write_bytes(b"x" * 8)
+    key = _cache.files_key([str(p)])
+    held, release = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with _cache._lock:
+            held.set()
+            release.wait(30)
+    t = threading.Thread(target=holder)
+    t.start()
+    try:
+        assert held.wait(30)
+        pid = os.fork()
+        if pid == 0:   # the child: the holder thread is not here
+            try:
+                _cache.keep_model(key, object(), [str(p)])   # type: ignore[arg-type]
+                code = 0 if _cache.kept_model(key) is not None else 3
+            except BaseException:
+                code = 4
+            os._exit(code)
+        import select
+        import signal
+
+        fd = os.pidfd_open(pid)
+        try:
+            exited = select.select([fd], [], [], 30)[0]   # readable once the child exits
+        finally:
+            os.close(fd)
+        if not exited:   # stuck on the lock
+            os.kill(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        release.set()
+        t.join(30)
+        _cache.forget_all()
+    assert exited, "the child waited for the parent thread's hold of the cache's lock"
+    assert os.waitstatus_to_exitcode(status) == 0
