@@ -8,9 +8,10 @@ written again, replaced, renamed over or changed in mode has a new change time: 
 read again. Kept: the last ``MAX_MODELS`` models of files under ``MAX_FILE_BYTES``
 together, which the reader copies whole (a model holds its payloads' bytes, no file
 descriptor or mapping). A ``popef.Model`` is read-only to the runners, which share it
-as they share one a program passes them; a program may change the one a runner shows
-(``ModelRunner.model``): a kept model is handed out again only while every object it
-is made of (its dataclasses' fields, their lists' items) is the one it was read with.
+as they share one a program passes them; ``ModelRunner.model`` shows a program a copy
+of its own. Should a kept model change all the same, it is not handed out again: only
+while every object it is made of (its dataclasses' fields, their lists' items) is the
+one it was read with.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import copy
 import functools
 import logging
 import os
@@ -79,12 +80,13 @@ def _register_exit_hook() -> None:
 
 
 def _load_model(source: Any, pending: PendingChecksums
-                ) -> tuple[popef.Model, Callable[[], None]]:
-    """The model of ``source``, and what to call once its checksums have passed: a model
-    read from files is kept for the next runner of the same files (``popef._cache``)."""
+                ) -> tuple[popef.Model, Callable[[], None], bool]:
+    """The model of ``source``; what to call once its checksums have passed (a model read
+    from files is kept for the next runner of the same files: ``popef._cache``); and
+    whether runners share it (kept: ``ModelRunner.model`` shows a copy of its own)."""
     if isinstance(source, popef.Model):
         check_model(source)   # the rules of ipu_emulator.validate (once per Model)
-        return source, _nothing
+        return source, _nothing, False
     if isinstance(source, (str, os.PathLike)):
         paths = [os.fspath(source)]
     elif isinstance(source, (list, tuple)):
@@ -98,10 +100,10 @@ def _load_model(source: Any, pending: PendingChecksums
     key = files_key(paths)
     model = kept_model(key)
     if model is not None:
-        return model, _nothing
+        return model, _nothing, True
     model = popef.load_model(paths, pending=pending)
     check_model(model)
-    return model, functools.partial(keep_model, key, model, paths)
+    return model, functools.partial(keep_model, key, model, paths), key is not None
 
 
 def _nothing() -> None:
@@ -140,6 +142,7 @@ class ModelRunner:
 
     def __init__(self, model: Any, config: Optional[ModelRunnerConfig] = None) -> None:
         self._replicas: list[Replica] = []
+        self._model_shared = False   # the model is popef._cache's (see model)
         self._closed = True
         self._owner_pid = current_pid()   # fork: see host_runtime._fork
         cfg = config if config is not None else ModelRunnerConfig()
@@ -160,7 +163,7 @@ class ModelRunner:
         # file is refused here all the same
         pending = PendingChecksums()
         try:
-            self._model, keep_model = _load_model(model, pending)
+            self._model, keep, self._model_shared = _load_model(model, pending)
             # thread_safe: one mutex per replica, held for each execute/executeAsync call
             self._call_locks: list[threading.RLock] = (
                 [threading.RLock() for _ in range(cfg.replication_factor)]
@@ -192,7 +195,7 @@ class ModelRunner:
         except BaseException:
             self.close()
             raise
-        keep_model()   # checked whole: the next runner of these files takes it as it is
+        keep()   # checked whole: the next runner of these files takes it as it is
         _live_runners.add(self)
         _register_exit_hook()
 
@@ -377,6 +380,11 @@ class ModelRunner:
 
     @property
     def model(self) -> popef.Model:
+        """The runner's model. One read from files, which runners of the same files share,
+        is shown as a copy of its own (made at the first call): a change a program makes
+        to it stays there."""
+        if self._model_shared:
+            self._model, self._model_shared = copy.deepcopy(self._model), False
         return self._model
 
     # ------------------------------------------------------------------ monitoring

@@ -127,8 +127,8 @@ def test_the_last_models_are_kept_and_the_oldest_dropped(tmp_path):
                                     "shape set"])
 def test_a_kept_model_a_program_changed_is_not_handed_out_again(tmp_path, reads,
                                                                  loopback_device, change):
-    """ModelRunner.model is the kept model: a program that changes it gets the file's
-    model, read again, for its next runner; never the changed one."""
+    """A program that changes a runner's model (a copy of the kept one) changes nothing
+    of the kept one: the next runner of the file answers as the file says."""
     path = write_example(tmp_path, SHAPE)
     want = expected(path)
     with model_runtime.ModelRunner(path, model_runtime.ModelRunnerConfig(
@@ -144,7 +144,36 @@ def test_a_kept_model_a_program_changed_is_not_handed_out_again(tmp_path, reads,
     else:
         model.metadata.anchors()[0].tensorInfo().setShape([1, 4])   # equal, a new object
     np.testing.assert_allclose(answer(path, loopback_device), want, rtol=1e-6)
+    assert len(reads) == 1   # the kept model was never handed to the program
+
+
+def test_a_kept_model_changed_in_place_is_not_handed_out_again(tmp_path, reads,
+                                                                 loopback_device):
+    """Belt and braces: a kept model changed by other means (here: reached directly) is
+    read again from its file."""
+    path = write_example(tmp_path, SHAPE)
+    want = expected(path)
+    answer(path, loopback_device)
+    (kept,) = [m for m, _ in _cache._models.values()]
+    kept.tensorData("weights").data = np.full(SHAPE, 7, np.float32).tobytes()
+    np.testing.assert_allclose(answer(path, loopback_device), want, rtol=1e-6)
     assert len(reads) == 2
+
+
+def test_a_runner_shows_its_own_copy_of_a_shared_model_and_a_given_one_as_it_is(
+        tmp_path, reads, loopback_device):
+    path = write_example(tmp_path, SHAPE)
+    cfg = model_runtime.ModelRunnerConfig(replica_to_device={0: loopback_device})
+    with model_runtime.ModelRunner(path, cfg) as a:
+        assert a.model is a.model
+        ma = a.model
+    with model_runtime.ModelRunner(path, cfg) as b:
+        mb = b.model
+    assert ma is not mb and reads == [[path]]   # one model read, shown twice as copies
+    assert [x.name() for x in ma.metadata.anchors()] == [x.name() for x in mb.metadata.anchors()]
+    given = _read([path])
+    with model_runtime.ModelRunner(given, cfg) as c:
+        assert c.model is given
 
 
 def test_a_child_forked_while_another_thread_holds_the_cache_can_use_it(tmp_path):
