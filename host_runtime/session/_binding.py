@@ -29,7 +29,7 @@ LoadFn = Callable[[Device, "Binding", bool], None]
 class Binding:
     """A session bound to one device (see the module docstring)."""
 
-    __slots__ = ("device", "owned", "phase", "modes_sent")
+    __slots__ = ("device", "owned", "phase", "modes_sent", "loaded_once")
 
     def __init__(self, device: Device, owned: bool) -> None:
         self.device = device
@@ -38,6 +38,8 @@ class Binding:
         self.phase = Phase.ATTACHED
         self.modes_sent: list[int] | None = None
         """The stream modes the device was last sent (with a LOAD, or MODES)."""
+        self.loaded_once = False
+        """A LOAD of the session's executable was sent to the device (it may cache it)."""
 
     def move(self, event: PhaseEvent) -> None:
         self.phase = next_phase(self.phase, event)
@@ -56,6 +58,7 @@ class Binding:
             self.move(PhaseEvent.DEACTIVATED)
         dev.bind_session(session, streams)
         if self.phase is Phase.ATTACHED:
+            self.loaded_once = True
             load(dev, self, False)
             self.move(PhaseEvent.LOAD)
 
@@ -64,6 +67,7 @@ class Binding:
         caller holds the device lock)."""
         self.device.bind_session(session, streams)
         streams.reset_rings()
+        self.loaded_once = True
         load(self.device, self, True)
         self.move(PhaseEvent.LOAD)
 
@@ -98,7 +102,7 @@ class Binding:
             _log.warning("%s: %s; killing its IPU processes", dev.describe(), exc)
             dev.kill()
 
-    def release(self, session: ActiveSession, key: str, timeout: float,
+    def release(self, session: ActiveSession, key: str,
                 implicit_save: Callable[[], None] | None) -> None:
         """Let the device forget ``session``: its save programs first (``implicit_save``,
         if it is the active one), UNLOAD of its executable ``key`` (unless the device goes
@@ -112,12 +116,12 @@ class Binding:
                     except ModelRuntimeError as exc:
                         _log.warning("implicit save programs of %r failed: %s", session, exc)
                 # also when another session is active: the device caches ours (not
-                # needed when the device goes with this session: closing it drops all)
-                if not (self.owned and set(dev.sessions()) <= {session}):
-                    try:
-                        dev.link.call(Op.UNLOAD, {"key": key}, timeout=timeout)
-                    except ModelRuntimeError as exc:
-                        _log.debug("unload from %s: %s", dev.describe(), exc)
+                # needed when the device goes with this session, closing it drops all,
+                # nor if ours was never sent). Not waited for: a device running another
+                # session's main loop takes it once that loop ends (the control ring
+                # keeps it ahead of any later LOAD), and its answer tells nothing.
+                if self.loaded_once and not (self.owned and set(dev.sessions()) <= {session}):
+                    dev.link.request(Op.UNLOAD, {"key": key})
             dev.forget_session(session)
 
     def __repr__(self) -> str:
