@@ -13,8 +13,8 @@ Where it bounds (each names the peer's pid and state, ``stopped (state T)`` for
 a SIGSTOPped one, via :func:`shm.describe_process`):
 
 - ``host_runtime.devices._link.wait``: a session's LOAD, RUN (run programs, save
-  programs) and STOP, and ending a main loop (UNLOAD is not waited for):
-  DeviceTimeoutError after
+  programs), STOP and UNLOAD (not waited for while another session's main loop runs
+  on the device), and ending a main loop: DeviceTimeoutError after
   that long without an event from the device (a LOAD, which has its own timeout,
   also counts a peer running on a CPU as progress);
 - ``Session.close`` / ``ModelRunner.close``: a device that does not stop in time is

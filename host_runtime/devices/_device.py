@@ -270,6 +270,12 @@ class Device:
         active = self._active
         return active is not None and active() is session
 
+    def looping_for_another(self, session: ActiveSession) -> bool:
+        """Internal (Session): another session than ``session`` runs its main loop here (a
+        request waits for that loop to end)."""
+        active = self._active() if self._active is not None else None
+        return active is not None and active is not session and active.main_loop_running()
+
     def bindToSession(self, session: ActiveSession) -> None:
         """Make ``session`` this device's active session, its executable loaded.
 

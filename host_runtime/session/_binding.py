@@ -102,7 +102,7 @@ class Binding:
             _log.warning("%s: %s; killing its IPU processes", dev.describe(), exc)
             dev.kill()
 
-    def release(self, session: ActiveSession, key: str,
+    def release(self, session: ActiveSession, key: str, timeout: float,
                 implicit_save: Callable[[], None] | None) -> None:
         """Let the device forget ``session``: its save programs first (``implicit_save``,
         if it is the active one), UNLOAD of its executable ``key`` (unless the device goes
@@ -117,11 +117,18 @@ class Binding:
                         _log.warning("implicit save programs of %r failed: %s", session, exc)
                 # also when another session is active: the device caches ours (not
                 # needed when the device goes with this session, closing it drops all,
-                # nor if ours was never sent). Not waited for: a device running another
-                # session's main loop takes it once that loop ends (the control ring
-                # keeps it ahead of any later LOAD), and its answer tells nothing.
+                # nor if ours was never sent). A device running another session's main
+                # loop takes it once that loop ends (the control ring keeps it ahead of
+                # any later LOAD): not waited for then, else the device has let go of
+                # our executable when this returns
                 if self.loaded_once and not (self.owned and set(dev.sessions()) <= {session}):
-                    dev.link.request(Op.UNLOAD, {"key": key})
+                    if dev.looping_for_another(session):
+                        dev.link.request(Op.UNLOAD, {"key": key})
+                    else:
+                        try:
+                            dev.link.call(Op.UNLOAD, {"key": key}, timeout=timeout)
+                        except ModelRuntimeError as exc:
+                            _log.debug("unload from %s: %s", dev.describe(), exc)
             dev.forget_session(session)
 
     def __repr__(self) -> str:

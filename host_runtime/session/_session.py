@@ -394,7 +394,8 @@ class Session(AnchorsAndCallbacks):
         if b is None:
             return
         try:
-            b.release(self, self._key, self._implicit_save if run_save else None)
+            b.release(self, self._key, self._settings.stop_timeout,
+                      self._implicit_save if run_save else None)
         finally:
             self._binding = None   # all that bound it to the device goes with it
             if b.owned:
