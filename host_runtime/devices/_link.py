@@ -284,7 +284,8 @@ class ProcessLink:
             if last:
                 self._final_seq = None
             fut.set_exception(self._translate(exc))
-        self._serve_events()   # (the first request: the IPU process works on it meanwhile)
+        if self._thread is None:   # the first request: the IPU process works on it meanwhile
+            self._serve_events()
         return fut
 
     def call(self, op: Op, body: Any = None, timeout: float | None = None) -> None:
