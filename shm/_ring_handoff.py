@@ -30,7 +30,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._ring_layout import _FREE_SUFFIX, _FULL_SUFFIX
 from .region import Region
 
 # Return codes of the C core's hand-over (see shm/_ringcore.c).
@@ -67,8 +66,8 @@ class _RingHandOff:
         self._core: Any = None
         if ringcore is not None:
             core = self._core = ringcore.Core(
-                self, self._region.buf, self._payload, self._name + _FREE_SUFFIX,
-                self._name + _FULL_SUFFIX, self._slot_size, self._num_slots, self._stride,
+                self, self._region.buf, self._payload, self._slot_size, self._num_slots,
+                self._stride,
                 self._spin_max_ns, self._spin_min_ns, self._spare_free, self._spare_full)
             for method in _C_METHODS:
                 setattr(self, method, getattr(core, method))

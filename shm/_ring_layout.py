@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import struct
 
-from . import naming
 
 MAGIC = int.from_bytes(b"IPUEMURG", "little", signed=True)
-VERSION = 1
-HEADER_SIZE = 256
+VERSION = 2
+HEADER_SIZE = 384
 SLOT_HEADER_SIZE = 64
 _ALIGN = 64
 
-# Header: 32 int64 words (see the drawing in shm/ring.py).
-HEADER = struct.Struct("<8q 8q 8q 8q")
+# Header: 32 int64 words, then the two semaphores (see the drawing in shm/ring.py).
+HEADER = struct.Struct("<8q 8q 8q 8q 128x")
 SLOT_HEADER = struct.Struct("<3q 5q")
 assert HEADER.size == HEADER_SIZE and SLOT_HEADER.size == SLOT_HEADER_SIZE
 
@@ -35,8 +34,8 @@ _SEQ, _NBYTES, _TAG = 0, 1, 2
 _MAX_SLOTS = 1 << 20
 """Most slots a ring may have (``Ring.create`` and ``Ring.attach`` check it)."""
 
-# The ring's two semaphores are named after its region: <name>.free, <name>.full.
-_FREE_SUFFIX, _FULL_SUFFIX = naming.RING_SEMAPHORES   # the ring's names are naming's
+# Byte offsets of the ring's two semaphores (process-shared, in the header: shm._semaphore).
+_FREE_SEM, _FULL_SEM = 256, 320
 
 
 def _stride(slot_size: int) -> int:

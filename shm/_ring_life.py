@@ -20,14 +20,14 @@ from typing import Any, Callable, Self
 
 import posix_ipc
 
-from ._ring_layout import (_ACQUIRED, _CONSUMER_PID, _CREATOR, _FREE_SUFFIX, _FULL_SUFFIX,
+from ._ring_layout import (_ACQUIRED, _CONSUMER_PID, _CREATOR, _FREE_SEM, _FULL_SEM,
                            _GEN, _HELD, _INVALID, _NUM_SLOTS, _PRODUCER_PID, _PUBLISHED,
                            _READ_TAG, _RELEASED, _SLOT_SIZE, _STRIDE, _USER, HEADER_SIZE,
                            SLOT_HEADER_SIZE)
 from .errors import RingInvalidatedError, ShmClosedError, ShmForkedError
 from .liveness import PeerWatch
+from ._semaphore import SharedSemaphore
 from .region import Region
-from . import _registry
 
 _CLOSE_WAKE_TIMEOUT = 5.0
 """Seconds close() waits for the threads it woke to leave their waits (they are awake)."""
@@ -102,12 +102,12 @@ class _RingLife:
     _stop_peer_watch: Callable[[], None]
     _stop_core: Callable[[], None]
 
-    def __init__(self, region: Region, free: posix_ipc.Semaphore, full: posix_ipc.Semaphore,
-                 owner: bool) -> None:
+    def __init__(self, region: Region, owner: bool) -> None:
         self._region = region
         self._name = region.name
-        self._free = free
-        self._full = full
+        # the semaphores' handles hold an export of the mapping: it goes with them
+        self._free = SharedSemaphore(region.buf, _FREE_SEM, f"ring {region.name} (free)")
+        self._full = SharedSemaphore(region.buf, _FULL_SEM, f"ring {region.name} (full)")
         self._owner = owner
         self._words: memoryview | None = region.buf.cast("q")
         self._w: memoryview | _ClosedWords = self._words
@@ -128,11 +128,6 @@ class _RingLife:
         self._closed = False
         self._forked_from = 0   # the creator's pid once disowned in a forked child
         self._unlinked = False
-        # Never at interpreter exit (weakref.finalize's default): its exit hook runs before
-        # hooks registered earlier (atexit is LIFO), e.g. one that shuts devices down, while
-        # a daemon thread may still wait on these semaphores; sem_close unmaps them and
-        # the waiter segfaults when its wait slice ends. Process exit frees them anyway.
-        weakref.finalize(self, _close_semaphores, free, full).atexit = False
 
     # -- properties ----------------------------------------------------------------
 
@@ -322,8 +317,6 @@ class _RingLife:
             return
         self._unlinked = True
         self._region.unlink()
-        _registry.unlink_name(self._name + _FREE_SUFFIX, "sem")
-        _registry.unlink_name(self._name + _FULL_SUFFIX, "sem")
 
     def __enter__(self) -> Self:
         return self
@@ -333,11 +326,3 @@ class _RingLife:
         if self._owner:
             self.unlink()
 
-
-def _close_semaphores(*sems: posix_ipc.Semaphore) -> None:
-    """Finalizer of a Ring: no thread can be inside one of its waits any more."""
-    for sem in sems:
-        try:
-            sem.close()
-        except posix_ipc.Error:  # pragma: no cover - already closed
-            pass

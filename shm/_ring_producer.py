@@ -15,8 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import posix_ipc
-
+from ._semaphore import SharedSemaphore
 from ._ring_handoff import _GENERAL, _NO_TOKEN
 from ._ring_layout import _DOORBELL, _HELD, _INVALID, _PRODUCER_PID, _PUBLISHED, _RELEASED
 from ._ring_life import _ClosedWords
@@ -36,16 +35,16 @@ class _RingProducer:
     _slot_word: list[int]
     _slot_size: int
     _num_slots: int
-    _free: posix_ipc.Semaphore
-    _full: posix_ipc.Semaphore
+    _free: SharedSemaphore
+    _full: SharedSemaphore
     _pid: int
     _core: Any
     _spare_free: list[None]
     _raise_if_unusable: Callable[[], None]
     _occupancy: Callable[[], str]
-    _wait: Callable[[posix_ipc.Semaphore, float | None, str], None]
-    _try: Callable[[posix_ipc.Semaphore, str], None]
-    _wait_slow: Callable[[posix_ipc.Semaphore, float | None, str, float], None]
+    _wait: Callable[[SharedSemaphore, float | None, str], None]
+    _try: Callable[[SharedSemaphore, str], None]
+    _wait_slow: Callable[[SharedSemaphore, float | None, str, float], None]
 
     def __init__(self) -> None:
         self._is_producer = False

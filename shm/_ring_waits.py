@@ -23,9 +23,7 @@ it reads of the others is declared at the top of its body.
 
 from __future__ import annotations
 
-import collections
 import logging
-import operator
 import os
 import threading
 import time
@@ -37,6 +35,7 @@ import posix_ipc
 from ._ring_layout import _ACQUIRED, _DOORBELL, _INVALID, _PUBLISHED, _RELEASED
 from ._ring_life import _ClosedWords
 from .errors import PeerDiedError, RingTimeoutError, ShmError, WaitInterrupted, WouldBlock
+from ._semaphore import SharedSemaphore
 from .liveness import PeerWatch, notify_on_exit
 from .settings import ShmSettings
 from .spin import spin_until, us_to_ns
@@ -50,8 +49,6 @@ process's death posts no semaphore. Waits without a peer are never cut."""
 _SPIN_MIN_NS = 2000
 """Floor of an adapting spin budget (the ring's ``ring_spin_us`` if lower); see _spin."""
 
-_consume: Any = collections.deque(maxlen=0).extend
-"""Runs an iterator to its end in C (see _RingWaits._acquire_token)."""
 
 
 class _RingWaits:
@@ -66,8 +63,8 @@ class _RingWaits:
     #    shm._ring_handoff) --------------------------------------------------------
     _name: str
     _w: memoryview | _ClosedWords
-    _free: posix_ipc.Semaphore
-    _full: posix_ipc.Semaphore
+    _free: SharedSemaphore
+    _full: SharedSemaphore
     _num_slots: int
     _pid: int
     _closed: bool
@@ -194,7 +191,7 @@ class _RingWaits:
                     f"ring {self._name}: peer process {peer.pid} {reason} "
                     f"while this process waited for {what}", peer.pid)
 
-    def _spin(self, sem: posix_ipc.Semaphore) -> None:
+    def _spin(self, sem: SharedSemaphore) -> None:
         """Poll ``sem`` for up to the current spin budget; adapt the budget.
 
         A token that arrives while spinning saves the poster a futex wake and
@@ -209,7 +206,7 @@ class _RingWaits:
         else:
             self._spin_ns = max(budget // 2, self._spin_min_ns)
 
-    def _wait_slow(self, sem: posix_ipc.Semaphore, timeout: float | None, what: str,
+    def _wait_slow(self, sem: SharedSemaphore, timeout: float | None, what: str,
                    waited: float) -> None:
         """Take a token of ``sem`` within ``timeout`` s (None: no deadline), of which
         ``waited`` s are spent already (by the C core's first wait)."""
@@ -246,7 +243,7 @@ class _RingWaits:
             exc.__suppress_context__ = True
             raise
 
-    def _take(self, sem: posix_ipc.Semaphore, wait: float | None) -> bool:
+    def _take(self, sem: SharedSemaphore, wait: float | None) -> bool:
         """One wait of up to ``wait`` s (None: no deadline; 0: none) for a token of
         ``sem``, banked in the spare list (see _acquire_token); False if none came (time
         up, interrupted, or a signal: a handler that raises propagates)."""
@@ -283,7 +280,7 @@ class _RingWaits:
                 self._wlock.notify_all()
         return got
 
-    def _try_token(self, sem: posix_ipc.Semaphore) -> bool:
+    def _try_token(self, sem: SharedSemaphore) -> bool:
         """Take a token of ``sem`` now if there is one (never one interrupt() posted),
         banked in the spare list (see _acquire_token)."""
         core = self._core
@@ -303,19 +300,18 @@ class _RingWaits:
                 self._pending[i] -= 1
                 (self._spare_full if i else self._spare_free).pop()
 
-    def _acquire_token(self, sem: posix_ipc.Semaphore, timeout: float | None) -> None:
+    def _acquire_token(self, sem: SharedSemaphore, timeout: float | None) -> None:
         """``sem.acquire(timeout)`` (the path without the C core); the token is banked in
-        ``_spare_full``/``_spare_free`` within the same C call (``_consume`` of a ``map``),
+        ``_spare_full``/``_spare_free`` within the same C call (``SharedSemaphore.take_into``),
         so that an exception raised as the wait returns (a signal handler's, checked at
         the end of each call) cannot lose it. Whoever uses the slot takes it from the bank
         in the same step (no call between) as it moves the ring's counter. The C core banks
         the tokens it takes for the Python path in the same lists (``wait_token``,
         ``try_token``, and a token handed over with code ``TOKEN``), and its fast paths
         leave a call to the Python path while a token is banked."""
-        spare = self._spare_full if sem is self._full else self._spare_free
-        _consume(map(spare.append, map(operator.call, (sem.acquire,), (timeout,))))
+        sem.take_into(self._spare_full if sem is self._full else self._spare_free, timeout)
 
-    def _wait(self, sem: posix_ipc.Semaphore, timeout: float | None, what: str) -> None:
+    def _wait(self, sem: SharedSemaphore, timeout: float | None, what: str) -> None:
         """Take one token of ``sem`` (the Python path's wait)."""
         if self._w[_INVALID]:
             self._raise_if_unusable()
@@ -328,7 +324,7 @@ class _RingWaits:
         if self._w[_INVALID]:
             self._raise_if_unusable()
 
-    def _try(self, sem: posix_ipc.Semaphore, what: str) -> None:
+    def _try(self, sem: SharedSemaphore, what: str) -> None:
         if self._w[_INVALID]:
             self._raise_if_unusable()
         if (self._spare_full if sem is self._full else self._spare_free):

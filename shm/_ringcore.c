@@ -3,9 +3,10 @@
  *
  * The ring's layout, protocol and memory-ordering argument are those drawn at
  * the top of shm/ring.py; this file implements the same steps with the same
- * two POSIX semaphores (opened here by name with sem_open, which glibc maps
- * to the same pages as posix_ipc's handle), so a process using this module
- * and a process using the pure-Python path interoperate on one ring.
+ * two process-shared POSIX semaphores (in the ring's header, at the offsets
+ * below; shm/_semaphore.py is the Python path's handle on them), so a process
+ * using this module and a process using the pure-Python path interoperate on
+ * one ring.
  *
  * A Core's methods have the signatures of the Ring methods of the same names
  * and are installed on the Ring instance, so a call costs one C call. Each
@@ -64,8 +65,11 @@
 #define W_RELEASED 17
 #define W_DOORBELL 25
 #define W_READ_TAG 19   /* tag of the last message acquired (the consumer's record) */
-#define HEADER_SIZE 256
+#define SEM_FREE_OFFSET 256 /* the two sem_t, each on a cache line of its own */
+#define SEM_FULL_OFFSET 320
+#define HEADER_SIZE 384
 #define SLOT_HEADER_SIZE 64
+_Static_assert(sizeof(sem_t) <= SEM_FULL_OFFSET - SEM_FREE_OFFSET, "sem_t fits its cache line");
 
 #include <structmember.h>
 
@@ -927,18 +931,16 @@ Core_writable(Core *c, PyObject *Py_UNUSED(ignored))
 static int
 Core_init(Core *c, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"ring", "buffer", "payload", "free_name", "full_name",
-                             "slot_size", "num_slots", "stride", "spin_max_ns", "spin_min_ns",
-                             "spare_free", "spare_full", NULL};
+    static char *kwlist[] = {"ring", "buffer", "payload", "slot_size", "num_slots", "stride",
+                             "spin_max_ns", "spin_min_ns", "spare_free", "spare_full", NULL};
     PyObject *ring, *buffer, *payload, *spare_free, *spare_full;
-    const char *free_name, *full_name;
     long long slot_size, num_slots, stride, spin_max, spin_min;
     if (c->has_view) {
         PyErr_SetString(PyExc_RuntimeError, "Core is already initialised");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO!ssLLLLLO!O!", kwlist, &ring, &buffer,
-                                     &PyList_Type, &payload, &free_name, &full_name,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO!LLLLLO!O!", kwlist, &ring, &buffer,
+                                     &PyList_Type, &payload,
                                      &slot_size, &num_slots, &stride, &spin_max, &spin_min,
                                      &PyList_Type, &spare_free, &PyList_Type, &spare_full))
         return -1;
@@ -957,19 +959,9 @@ Core_init(Core *c, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_ValueError, "buffer is smaller than the ring");
         return -1;
     }
-    c->free_sem = sem_open(free_name, 0);
-    if (c->free_sem == SEM_FAILED) {
-        c->free_sem = NULL;
-        PyErr_SetFromErrnoWithFilename(PyExc_OSError, free_name);
-        return -1;
-    }
-    c->full_sem = sem_open(full_name, 0);
-    if (c->full_sem == SEM_FAILED) {
-        c->full_sem = NULL;
-        PyErr_SetFromErrnoWithFilename(PyExc_OSError, full_name);
-        return -1;
-    }
     c->base = (char *)c->view.buf;
+    c->free_sem = (sem_t *)(c->base + SEM_FREE_OFFSET);
+    c->full_sem = (sem_t *)(c->base + SEM_FULL_OFFSET);
     c->w = (volatile int64_t *)c->view.buf;
     c->slot_size = slot_size;
     c->num_slots = num_slots;
@@ -989,10 +981,6 @@ Core_init(Core *c, PyObject *args, PyObject *kwds)
 static void
 Core_dealloc(Core *c)
 {
-    if (c->free_sem != NULL)
-        sem_close(c->free_sem);
-    if (c->full_sem != NULL)
-        sem_close(c->full_sem);
     if (c->has_view)
         PyBuffer_Release(&c->view);
     Py_XDECREF(c->payload);

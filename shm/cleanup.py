@@ -84,9 +84,9 @@ def _unlink(name: str, is_semaphore: bool) -> int:
 
 
 def unlink_named(name: str) -> int:
-    """Unlink the region or ring named ``name`` (its segment and, for a ring, its
-    semaphores) if it exists; the number of objects removed."""
-    return sum(_unlink(n, is_sem) for n, is_sem in naming.object_names(name))
+    """Unlink the region or ring named ``name`` (one segment: a ring's semaphores are
+    inside it) if it exists; the number of objects removed (0 or 1)."""
+    return _unlink(name, False)
 
 
 def unlink_created_by(pids: tuple[int, ...], *, all_tags: bool = False) -> int:

@@ -25,8 +25,7 @@ from typing import NamedTuple
 
 from .settings import ShmSettings
 
-__all__ = ["PREFIX", "current_tag", "new_name", "parse_name", "ParsedName", "SHM_DIR",
-           "RING_SEMAPHORES", "object_names"]
+__all__ = ["PREFIX", "current_tag", "new_name", "parse_name", "ParsedName", "SHM_DIR"]
 
 PREFIX = "ipuemu"
 SHM_DIR = "/dev/shm"
@@ -61,14 +60,3 @@ def parse_name(name: str) -> ParsedName | None:
     if not m:
         return None
     return ParsedName(m["tag"], int(m["pid"]), m["token"], m["kind"])
-
-
-RING_SEMAPHORES = (".free", ".full")
-"""The suffixes of a ring's two semaphores: a ring named ``n`` is the segment ``n`` and
-the semaphores ``n + suffix``."""
-
-
-def object_names(name: str) -> list[tuple[str, bool]]:
-    """The POSIX objects (name, is a semaphore) behind a region or a ring named ``name``
-    (a region has only the segment; the ring's semaphores are then simply absent)."""
-    return [(name, False)] + [(name + suffix, True) for suffix in RING_SEMAPHORES]

@@ -5,7 +5,7 @@ Layout of the ring's region (all words little-endian int64, ``q``)::
     offset  word  field        written by     meaning
     ------  ----  -----------  -------------  ------------------------------------
        0      0   magic        creator        b"IPUEMURG"
-       8      1   version      creator        layout version (1)
+       8      1   version      creator        layout version (2)
       16      2   slot_size    creator        payload bytes per slot
       24      3   num_slots    creator        ring depth
       32      4   slot_stride  creator        bytes from one slot to the next
@@ -27,7 +27,13 @@ Layout of the ring's region (all words little-endian int64, ``q``)::
      200     25   doorbell     consumer       pid << 8 | signal: a publish also sends
                                           that signal (0: none; set_doorbell())
      208..255     reserved
-    ---- slots: slot i at HEADER_SIZE + i * slot_stride ------------------------
+    ---- the free semaphore's cache line -----------------------------------------
+     256          free         creator (init) process-shared sem_t: slots the producer
+                               then both      may fill (starts at num_slots)
+    ---- the full semaphore's cache line -----------------------------------------
+     320          full         creator (init) process-shared sem_t: published slots the
+                               then both      consumer may read (starts at 0)
+    ---- slots: slot i at HEADER_SIZE + i * slot_stride (HEADER_SIZE = 384) -----
       +0          seq          producer       message number (published + 1)
       +8          nbytes       producer       bytes of payload that are valid
      +16          tag          producer       the caller's int64 tag (what it means is
@@ -36,10 +42,12 @@ Layout of the ring's region (all words little-endian int64, ``q``)::
      +24..63      reserved
      +64          payload      producer       slot_size bytes (stride is 64-aligned)
 
-Message k (counting from 0) lives in slot ``k % num_slots``. Two named POSIX
-semaphores do all the blocking: ``<name>.free`` counts slots the producer may
-fill (starts at ``num_slots``), ``<name>.full`` counts published slots the
-consumer may read (starts at 0).
+Message k (counting from 0) lives in slot ``k % num_slots``. Two POSIX
+semaphores in the header do all the blocking: ``free`` counts slots the producer
+may fill (starts at ``num_slots``), ``full`` counts published slots the consumer
+may read (starts at 0). They are process-shared ``sem_t`` made by the creator with
+``sem_init`` (``shm._semaphore``), so a ring is one /dev/shm object and neither end
+creates, opens or unlinks a named semaphore.
 
 Why the ordering of stores is safe between processes. The producer writes the
 payload, then the slot header (seq, nbytes, tag), then ``published``, and only
@@ -83,13 +91,11 @@ calls :func:`interrupt_all`, and nothing wakes its waits in vain.
 
 Closing: ``close()`` stops this process using the ring at once (a thread of
 this process blocked in a wait wakes at once and raises
-:class:`ShmClosedError`). The semaphores are ``sem_close``d only when the Ring
-object is garbage-collected: a thread inside a wait holds a reference to the
-Ring, so a semaphore is never unmapped under a waiter (that would crash), and
-the hot path needs no bookkeeping of who holds it. For the same reason the
-finalizer is not run at interpreter exit (``weakref.finalize`` would by
-default, from an exit hook that runs before earlier-registered ones): exit
-hooks and daemon threads may still use the ring, and exit frees the mappings.
+:class:`ShmClosedError`). The mapping (and the semaphores in it) goes only when
+the Ring object is garbage-collected: the semaphores' handles hold an export of
+it, and a thread inside a wait holds a reference to the Ring, so a semaphore is
+never unmapped under a waiter (that would crash), and the hot path needs no
+bookkeeping of who holds it.
 
 Fork: a ring's ends are processes. A process forked from one end inherits the
 Ring objects but is neither end: its calls would take the creator's slots and
@@ -147,19 +153,17 @@ from __future__ import annotations
 import logging
 import os
 
-import posix_ipc
-
 from ._ring_consumer import _RingConsumer
 from ._ring_handoff import _RingHandOff
-from ._ring_layout import (_CREATOR, _FREE_SUFFIX, _FULL_SUFFIX, _MAGIC, _MAX_SLOTS, _NUM_SLOTS,
+from ._ring_layout import (_CREATOR, _FREE_SEM, _FULL_SEM, _MAGIC, _MAX_SLOTS, _NUM_SLOTS,
                            _SLOT_SIZE, _STRIDE, _VERSION, HEADER_SIZE, MAGIC, VERSION, _stride)
 from ._ring_life import _RingLife, _live, _live_rings
 from ._ring_producer import _RingProducer
 from ._ring_waits import PEER_CHECK, _RingWaits
 from .errors import ShmError
+from ._semaphore import SharedSemaphore
 from .region import Region
 from .settings import ShmSettings
-from . import _registry, limits
 
 try:
     import shm._ringcore as _ringcore
@@ -205,11 +209,11 @@ class Ring(_RingProducer, _RingConsumer, _RingWaits, _RingHandOff, _RingLife):
     sets its own state in its ``__init__``, which this one calls in turn.
     """
 
-    def __init__(self, region: Region, free: posix_ipc.Semaphore, full: posix_ipc.Semaphore,
-                 owner: bool, settings: ShmSettings | None = None) -> None:
+    def __init__(self, region: Region, owner: bool, settings: ShmSettings | None = None,
+                 ) -> None:
         s = settings if settings is not None else ShmSettings.current()
         # each part's own state (see its class)
-        _RingLife.__init__(self, region, free, full, owner)
+        _RingLife.__init__(self, region, owner)
         _RingWaits.__init__(self, s)
         _RingProducer.__init__(self)
         _RingConsumer.__init__(self)
@@ -226,7 +230,7 @@ class Ring(_RingProducer, _RingConsumer, _RingWaits, _RingHandOff, _RingLife):
     def create(cls, slot_size: int, num_slots: int, kind: str = "ring",
                prefault: bool = True, settings: ShmSettings | None = None,
                sparse: bool = False) -> "Ring":
-        """Create a ring (region + two semaphores), owned by this process; ``settings``:
+        """Create a ring (one region, its two semaphores inside), owned by this process; ``settings``:
         the knobs it takes (default: ``ShmSettings.current()``). ``sparse``: only its
         header is backed in /dev/shm (``shm.region``); :meth:`back` before the first
         write to a slot."""
@@ -239,31 +243,25 @@ class Ring(_RingProducer, _RingConsumer, _RingWaits, _RingHandOff, _RingLife):
         stride = _stride(slot_size)
         region = Region.create(HEADER_SIZE + num_slots * stride, kind=kind, prefault=prefault,
                                backed=HEADER_SIZE if sparse else None)
-        name = region.name
-        made: list[str] = []
         try:
             w = region.buf.cast("q")
             w[_MAGIC], w[_VERSION] = MAGIC, VERSION
             w[_SLOT_SIZE], w[_NUM_SLOTS], w[_STRIDE] = slot_size, num_slots, stride
             w[_CREATOR] = os.getpid()
             w.release()
-            with limits.named_errors(f"creating the semaphores of ring {name}"):
-                free = posix_ipc.Semaphore(name + _FREE_SUFFIX, posix_ipc.O_CREX, mode=0o600,
-                                           initial_value=num_slots)
-                _registry.register(name + _FREE_SUFFIX, "sem")
-                made.append(name + _FREE_SUFFIX)
-                full = posix_ipc.Semaphore(name + _FULL_SUFFIX, posix_ipc.O_CREX, mode=0o600,
-                                           initial_value=0)
-                _registry.register(name + _FULL_SUFFIX, "sem")
-                made.append(name + _FULL_SUFFIX)
+            SharedSemaphore(region.buf, _FREE_SEM, "").init(num_slots)
+            SharedSemaphore(region.buf, _FULL_SEM, "").init(0)
         except BaseException:
-            for sem_name in made:
-                _registry.unlink_name(sem_name, "sem")
             region.close()
             region.unlink()
             raise
-        _log.debug("created ring %s: %d slots x %d bytes", name, num_slots, slot_size)
-        return cls(region, free, full, owner=True, settings=settings)
+        _log.debug("created ring %s: %d slots x %d bytes", region.name, num_slots, slot_size)
+        return cls(region, owner=True, settings=settings)
+
+    @staticmethod
+    def region_size(slot_size: int, num_slots: int) -> int:
+        """Bytes of /dev/shm a ring of ``num_slots`` slots of ``slot_size`` bytes takes."""
+        return HEADER_SIZE + num_slots * _stride(slot_size)
 
     @classmethod
     def attach(cls, name: str, prefault: bool = True,
@@ -286,13 +284,7 @@ class Ring(_RingProducer, _RingConsumer, _RingWaits, _RingHandOff, _RingLife):
                     or stride != _stride(slot_size) or need > region.size):
                 raise ShmError(f"ring {name} has an inconsistent header: slot_size {slot_size}, "
                                f"num_slots {num_slots}, stride {stride}, region {region.size} B")
-            try:
-                with limits.named_errors(f"opening the semaphores of ring {name}"):
-                    free = posix_ipc.Semaphore(name + _FREE_SUFFIX)
-                    full = posix_ipc.Semaphore(name + _FULL_SUFFIX)
-            except posix_ipc.ExistentialError as exc:
-                raise ShmError(f"ring {name}: its semaphores are gone ({exc})") from exc
         except BaseException:
             region.close()
             raise
-        return cls(region, free, full, owner=False, settings=settings)
+        return cls(region, owner=False, settings=settings)

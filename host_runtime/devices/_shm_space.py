@@ -17,7 +17,8 @@ import dataclasses
 import os
 from typing import Callable, Iterator, Sequence
 
-from shm import FileSizeLimitError, OutOfFileDescriptorsError, Region, ShmError, ShmFullError, limits
+from shm import (FileSizeLimitError, OutOfFileDescriptorsError, Region, Ring, ShmError,
+                 ShmFullError, limits)
 
 from host_runtime.errors import ResourceLimitError, SharedMemoryFullError
 from ipu_emulator import ipu_protocol
@@ -26,14 +27,11 @@ from ipu_emulator.errors import UnsafePathError
 __all__ = ["SHM_DIR", "ring_bytes", "check_room", "translated", "free_bytes"]
 
 SHM_DIR = "/dev/shm"
-_RING_HEADER = 256      # shm.ring's header and per-slot header (its layout drawing)
-_SLOT_HEADER = 64
-_ALIGN = 64
 
 
 def ring_bytes(slot_size: int, slots: int) -> int:
     """Bytes of /dev/shm a ring of ``slots`` slots of ``slot_size`` bytes takes."""
-    return _RING_HEADER + slots * (_SLOT_HEADER + -(-slot_size // _ALIGN) * _ALIGN)
+    return Ring.region_size(slot_size, slots)
 
 
 def free_bytes() -> tuple[int, int] | None:

@@ -70,12 +70,8 @@ def main(argv: list[str]) -> int:
 
     held: list[int] = []
     run: Callable[[], Any]
-    if case == "ring-nofile":          # the ring's region (then its semaphores)
+    if case == "ring-nofile":          # the ring's region (its semaphores are inside)
         held.extend(_nofile(0))
-        run = lambda: Ring.create(64, 4)                              # noqa: E731
-    elif case == "sem-nofile":         # the ring's semaphores (its region is made)
-        import posix_ipc
-        _full_before(posix_ipc, "Semaphore", held)
         run = lambda: Ring.create(64, 4)                              # noqa: E731
     elif case == "process-nofile":     # the IPU process itself (its rings are made)
         _full_before(subprocess, "Popen", held)

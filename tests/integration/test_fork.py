@@ -12,6 +12,7 @@ interpreter's exit (module teardown) is ``fork_program.py``'s, in a fresh interp
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import gc
 import json
 import os
@@ -19,6 +20,7 @@ import re
 import select
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any, Callable
 
@@ -46,6 +48,8 @@ def start_child(body: Callable[[], dict[str, Any]]) -> tuple[int, int]:
     pid = os.fork()
     if pid == 0:   # the child: never return into pytest
         try:
+            # a crash of the child (SIGSEGV, SIGBUS) is reported with its traceback
+            faulthandler.enable(open(_crash_log(os.getpid()), "w"))
             os.close(rd)
             try:
                 report = body()
@@ -58,6 +62,10 @@ def start_child(body: Callable[[], dict[str, Any]]) -> tuple[int, int]:
             os._exit(0)
     os.close(wr)
     return pid, rd
+
+
+def _crash_log(pid: int) -> str:
+    return os.path.join(tempfile.gettempdir(), f"test_fork_child_{pid}.txt")
 
 
 def finish_child(pid: int, rd: int, timeout: float = 60.0) -> dict[str, Any]:
@@ -78,7 +86,11 @@ def finish_child(pid: int, rd: int, timeout: float = 60.0) -> dict[str, Any]:
     finally:
         os.close(rd)
         _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+    crash = _crash_log(pid)
+    with open(crash) as f:
+        tail = f.read()
+    os.unlink(crash)
+    assert os.waitstatus_to_exitcode(status) == 0, f"the forked child crashed:\n{tail}"
     report = json.loads(b"".join(chunks).decode() or "{}")
     assert "crash" not in report, report["crash"]
     report["pid"] = pid

@@ -1,5 +1,5 @@
 """Errors say what happened: running out of file descriptors (EMFILE) while creating a
-region, a ring's semaphores, an IPU process or a runner is named so, with RLIMIT_NOFILE
+region or ring, an IPU process or a runner is named so, with RLIMIT_NOFILE
 and the count of open descriptors; a shared-memory object above RLIMIT_FSIZE is named
 so (posix_ipc says ``ValueError('The size is too large')``). Each case runs in a child
 process (tests/integration/os_limits_program.py) whose limits are lowered, so the test
@@ -54,16 +54,8 @@ def test_region_out_of_descriptors(tmp_path):
     out = _run("ring-nofile", str(tmp_path))
     assert out["type"] == "shm.errors.OutOfFileDescriptorsError"
     assert out["msg"] == ("out of file descriptors (EMFILE) creating a shared-memory region "
-                          "of 768 bytes: " + NOFILE.format(hard=_hard()))
+                          "of 896 bytes: " + NOFILE.format(hard=_hard()))
     assert out["cause"] == "OSError"
-
-
-def test_semaphores_out_of_descriptors(tmp_path):
-    out = _run("sem-nofile", str(tmp_path))
-    assert out["type"] == "shm.errors.OutOfFileDescriptorsError"
-    assert re.fullmatch(r"out of file descriptors \(EMFILE\) creating the semaphores of ring "
-                        r"/ipuemu_\w+: " + re.escape(NOFILE.format(hard=_hard())), out["msg"])
-    assert out["cause"] == "OSError"   # posix_ipc's text without an errno
 
 
 def test_process_out_of_descriptors(tmp_path):
@@ -89,8 +81,8 @@ def test_runner_out_of_descriptors_is_not_called_shm_full(tmp_path, popef_path):
 def test_ring_above_the_file_size_limit(tmp_path):
     out = _run("ring-fsize", str(tmp_path))
     assert out["type"] == "shm.errors.FileSizeLimitError"
-    assert out["msg"] == ("file size limit (EFBIG) creating a shared-memory region of 4194816 "
-                          "bytes: 4194816 bytes " + FSIZE)
+    assert out["msg"] == ("file size limit (EFBIG) creating a shared-memory region of 4194944 "
+                          "bytes: 4194944 bytes " + FSIZE)
     assert out["cause"] == "ValueError"
 
 
@@ -98,8 +90,8 @@ def test_runner_above_the_file_size_limit(tmp_path, popef_path):
     out = _run("runner-fsize", str(tmp_path), popef_path)
     assert out["type"] == "host_runtime.errors.ResourceLimitError"
     assert out["msg"] == ("cannot create the process and the control and event rings of IPU 0: "
-                          "file size limit (EFBIG) creating a shared-memory region of 66816 "
-                          "bytes: 66816 bytes " + FSIZE)
+                          "file size limit (EFBIG) creating a shared-memory region of 66944 "
+                          "bytes: 66944 bytes " + FSIZE)
 
 
 # -- from the outside: a program that simply has too few descriptors or too little /dev/shm
@@ -127,7 +119,7 @@ def test_a_multi_ipu_attach_out_of_descriptors_is_named_and_holds_no_ipu(tmp_pat
 
 def test_every_descriptor_budget_gives_a_runner_or_a_named_error(tmp_path, popef_path):
     """A runner of two replicas made with 0, 2, 4, ... descriptors to spare: every failure,
-    wherever it falls (the PopEF file, lock files, regions, semaphores, IPU processes),
+    wherever it falls (the PopEF file, lock files, regions, IPU processes),
     is ResourceLimitError naming EMFILE and the limit, and leaves no IPU held and nothing
     in /dev/shm."""
     out = _run("budgets", str(tmp_path), popef_path)

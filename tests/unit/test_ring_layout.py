@@ -46,7 +46,24 @@ def test_the_drawing_gives_every_word_the_code_uses():
         {f: 8 * getattr(layout, n) for f, n in SLOT_FIELDS.items()}
     assert slot["payload"] == layout.SLOT_HEADER_SIZE
     assert "HEADER_SIZE + i * slot_stride" in (shm.ring.__doc__ or "")
-    assert layout.HEADER.size == layout.HEADER_SIZE == 256
+    assert layout.HEADER.size == layout.HEADER_SIZE == 384
+    assert "(HEADER_SIZE = 384)" in (shm.ring.__doc__ or "")
+
+
+def test_the_semaphores_sit_where_drawn_each_on_a_cache_line_of_its_own():
+    import ctypes
+
+    doc = shm.ring.__doc__ or ""
+    drawn = {m[2]: int(m[1]) for m in re.finditer(r"^ +(\d+) +(free|full) ", doc, re.M)}
+    assert drawn == {"free": layout._FREE_SEM, "full": layout._FULL_SEM}
+    assert layout._FREE_SEM >= 8 * 32 and layout._FREE_SEM % 64 == layout._FULL_SEM % 64 == 0
+    assert layout._FULL_SEM - layout._FREE_SEM == 64 and layout._FULL_SEM + 64 == layout.HEADER_SIZE
+    assert ctypes.sizeof(ctypes.c_long) * 4 <= 64   # glibc's sem_t: 4 longs on 64-bit
+    source = (ROOT / "shm" / "_ringcore.c").read_text()
+    for name, value in (("SEM_FREE_OFFSET", layout._FREE_SEM),
+                        ("SEM_FULL_OFFSET", layout._FULL_SEM)):
+        m = re.search(rf"^#define {name} (\d+)", source, re.M)
+        assert m and int(m[1]) == value, name
 
 
 def test_the_c_core_uses_the_same_words():

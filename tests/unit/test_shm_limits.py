@@ -99,16 +99,17 @@ def test_region_create_names_enospc(monkeypatch):
     assert _ours() - before == set()
 
 
-def test_ring_semaphores_name_enomem(monkeypatch):
-    """sem_open failing with ENOMEM (posix_ipc: a bare MemoryError): the ring's region is
-    removed again and the error is named."""
+def test_a_ring_whose_semaphores_cannot_be_made_leaves_nothing(monkeypatch):
+    """A failure after the ring's region is made (its semaphores' sem_init) removes the
+    region again and propagates."""
+    from shm._semaphore import SharedSemaphore
+
     before = _ours()
 
-    def no_memory(*a, **k):
-        raise MemoryError("Not enough memory")
-    monkeypatch.setattr(shm.ring.posix_ipc, "Semaphore", no_memory)
-    with pytest.raises(ShmFullError, match=r"^/dev/shm full \(ENOMEM\) creating the semaphores "
-                       r"of ring /ipuemu_\w+: more room needed, /dev/shm has"):
+    def refuse(self, value):
+        raise OSError(errno.EINVAL, f"sem_init of a ring: value {value}")
+    monkeypatch.setattr(SharedSemaphore, "init", refuse)
+    with pytest.raises(OSError, match=r"sem_init of a ring: value 2"):
         shm.Ring.create(64, 2)
     monkeypatch.undo()
     assert _ours() - before == set()

@@ -12,6 +12,7 @@ import pytest
 
 import shm.ring as ring_module
 from tests._helpers import finish
+from shm.cleanup import list_objects
 from shm import (PeerDiedError, Ring, RingInvalidatedError, RingTimeoutError, ShmClosedError,
                  ShmError, WouldBlock)
 
@@ -311,20 +312,33 @@ def test_read_refuses_while_acquired_slots_are_unreleased(pair) -> None:
     assert consumer.read() == (b"two", 0)
 
 
-def test_semaphores_are_closed_when_the_ring_is_collected() -> None:
+def _mapped(name: str) -> bool:
+    with open("/proc/self/maps") as maps:
+        return any(f"/dev/shm{name} " in line or line.rstrip().endswith(f"/dev/shm{name}")
+                   or f"/dev/shm{name} (deleted)" in line for line in maps)
+
+
+def test_the_mapping_and_its_semaphores_go_with_the_last_handle() -> None:
+    """The semaphores live in the ring's segment: the mapping stays while anything may
+    wait on them (the Ring, a handle of one of them) and goes with the last of them,
+    by reference counting alone."""
     import gc
 
-    import posix_ipc
-
-    ring = Ring.create(8, 2)
-    free = ring._free
-    ring.close()
-    assert free.value == 2  # still open: close() leaves that to the finalizer
-    ring.unlink()
-    del ring
-    gc.collect()
-    with pytest.raises(posix_ipc.ExistentialError):
-        free.value
+    gc.disable()
+    try:
+        ring = Ring.create(8, 2)
+        name = ring.name
+        assert [o.entry for o in list_objects() if name[1:] in o.entry] == [name[1:]]
+        free = ring._free
+        ring.close()
+        assert free.value == 2   # still mapped: a thread may still be leaving a wait on it
+        ring.unlink()
+        del ring
+        assert _mapped(name)
+        del free
+        assert not _mapped(name)
+    finally:
+        gc.enable()
 
 
 def test_the_c_core_is_built_and_used() -> None:

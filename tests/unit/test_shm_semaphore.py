@@ -1,0 +1,122 @@
+"""shm._semaphore: a ring's process-shared semaphores, inside its segment."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import posix_ipc
+import pytest
+
+from shm import Region, Ring
+from shm.cleanup import list_objects
+from shm._semaphore import SEM_BYTES, SharedSemaphore
+
+
+@pytest.fixture
+def region():
+    r = Region.create(4096)
+    yield r
+    r.close()
+    r.unlink()
+
+
+def test_tokens_count_and_an_empty_semaphore_is_busy(region) -> None:
+    sem = SharedSemaphore(region.buf, 0, "test semaphore")
+    sem.init(2)
+    assert sem.value == 2
+    sem.acquire(0)
+    sem.acquire(None)
+    assert sem.value == 0
+    with pytest.raises(posix_ipc.BusyError, match="test semaphore: no token within 0 s"):
+        sem.acquire(0)
+    sem.release()
+    assert sem.value == 1
+    # a second handle on the same bytes is the same semaphore
+    other = SharedSemaphore(region.buf, 0, "the same")
+    other.acquire(0)
+    assert sem.value == 0
+    del other
+
+
+def test_a_timed_wait_lasts_until_its_deadline(region) -> None:
+    sem = SharedSemaphore(region.buf, SEM_BYTES, "timed")
+    sem.init(0)
+    start = time.monotonic()
+    with pytest.raises(posix_ipc.BusyError, match=r"timed: no token within 0.05 s"):
+        sem.acquire(0.05)
+    assert time.monotonic() - start >= 0.05
+
+
+def test_take_into_banks_the_token_it_takes_and_nothing_else(region) -> None:
+    sem = SharedSemaphore(region.buf, 0, "bank")
+    sem.init(1)
+    spare: list[object] = []
+    sem.take_into(spare, 1.0)
+    assert len(spare) == 1 and sem.value == 0
+    with pytest.raises(posix_ipc.BusyError):
+        sem.take_into(spare, 0)
+    with pytest.raises(posix_ipc.BusyError):
+        sem.take_into(spare, 0.01)
+    assert len(spare) == 1
+
+
+def test_another_thread_wakes_an_untimed_wait(region) -> None:
+    sem = SharedSemaphore(region.buf, 0, "wake")
+    sem.init(0)
+    poster = threading.Thread(target=sem.release)
+    poster.start()
+    sem.acquire(None)       # returns once the other thread posted
+    poster.join()
+    assert sem.value == 0
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(),
+                    reason="signal handlers belong to the main thread")
+def test_a_signal_ends_an_untimed_wait_with_signal_error(region) -> None:
+    sem = SharedSemaphore(region.buf, 0, "signalled")
+    sem.init(0)
+    seen: list[int] = []
+    old = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
+    done = threading.Event()
+    main = threading.main_thread().ident
+    assert main is not None
+
+    def knock() -> None:   # until the wait has ended: a signal before it blocks is lost
+        for _ in range(1000):
+            signal.pthread_kill(main, signal.SIGUSR1)
+            if done.wait(0.01):
+                return
+    knocker = threading.Thread(target=knock)
+    knocker.start()
+    try:
+        with pytest.raises(posix_ipc.SignalError, match="signalled: the wait was interrupted"):
+            sem.acquire(None)
+    finally:
+        done.set()
+        knocker.join()
+        signal.signal(signal.SIGUSR1, old)
+    assert seen and sem.value == 0
+
+
+def test_a_ring_is_one_object_whose_semaphores_work_across_processes() -> None:
+    """A ring made here, used by a child process through its name alone."""
+    import subprocess
+    import sys
+
+    def mine() -> set[str]:   # /dev/shm is shared with the tests running beside
+        return {o.entry for o in list_objects() if o.pid == os.getpid()}
+
+    before = mine()
+    with Ring.create(16, 2) as ring:
+        assert mine() - before == {ring.name[1:]}
+        code = ("import sys; from shm import Ring; r = Ring.attach(sys.argv[1]); "
+                "[r.write(b'message %d' % i, tag=i) for i in range(5)]; r.close()")
+        child = subprocess.Popen([sys.executable, "-c", code, ring.name])
+        # 5 messages through 2 slots: the child blocks on `free` until this process reads
+        assert [ring.read(timeout=30) for _ in range(5)] == [
+            (b"message %d" % i, i) for i in range(5)]
+        assert child.wait(timeout=30) == 0
+    assert mine() - before == set()
