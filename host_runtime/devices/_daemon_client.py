@@ -391,7 +391,7 @@ class DaemonIpu:
         self._closed = False
         self._owner_pid = os.getpid()   # a forked child never kills the daemon's process
         self._exit = ExitWatch([self._pid])   # liveness: a pidfd (not our child)
-        self.control = Ring.attach(info["control"])
+        self.control = Ring.attach(info["control"], prefault=False)   # a slot's pages fault in as written
         try:
             self.events = Ring.attach(info["events"], prefault=False)
         except BaseException:
