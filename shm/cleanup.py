@@ -1,7 +1,8 @@
 """Remove shared-memory objects whose creating process is dead.
 
 Every object of ours is named ``ipuemu_<tag>_<pid>_<token>_<kind>`` (in
-/dev/shm; semaphores as ``sem.ipuemu_...``), so the creator of each is known.
+/dev/shm; named semaphores, which older versions made, as ``sem.ipuemu_...``), so the
+creator of each is known.
 A process killed by a signal leaves its objects behind; this module finds
 them and removes them. Objects of live processes are never touched.
 """

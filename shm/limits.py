@@ -1,6 +1,6 @@
 """What the operating system refused, named: file descriptors, /dev/shm room, file size.
 
-Creating a region, a ring, its semaphores or an IPU process can fail because a
+Creating a region, a ring or an IPU process can fail because a
 limit was reached, and the raw error hides which: ``posix_ipc`` reports EMFILE
 as ``OSError("This process already has the maximum number of files open")``
 with no errno, EFBIG from ``ftruncate`` (a size above ``RLIMIT_FSIZE``) as

@@ -230,8 +230,8 @@ class Ring(_RingProducer, _RingConsumer, _RingWaits, _RingHandOff, _RingLife):
     def create(cls, slot_size: int, num_slots: int, kind: str = "ring",
                prefault: bool = True, settings: ShmSettings | None = None,
                sparse: bool = False) -> "Ring":
-        """Create a ring (one region, its two semaphores inside), owned by this process; ``settings``:
-        the knobs it takes (default: ``ShmSettings.current()``). ``sparse``: only its
+        """Create a ring (one region, its two semaphores inside), owned by this process;
+        ``settings``: the knobs it takes (default: ``ShmSettings.current()``). ``sparse``: only its
         header is backed in /dev/shm (``shm.region``); :meth:`back` before the first
         write to a slot."""
         settings = settings if settings is not None else ShmSettings.current()
