@@ -120,3 +120,47 @@ def test_a_ring_is_one_object_whose_semaphores_work_across_processes() -> None:
             (b"message %d" % i, i) for i in range(5)]
         assert child.wait(timeout=30) == 0
     assert mine() - before == set()
+
+
+class _RaiseAfterTake:
+    """A ring semaphore whose take_into raises KeyboardInterrupt once, right after it took
+    (and banked) a token: an exception a signal handler raises as the wait returns."""
+
+    def __init__(self, real: SharedSemaphore) -> None:
+        self._real = real
+        self.raised = False
+
+    def take_into(self, spare: list, timeout: float | None) -> None:
+        self._real.take_into(spare, timeout)
+        if not self.raised:
+            self.raised = True
+            raise KeyboardInterrupt
+
+    def __getattr__(self, name: str):
+        return getattr(self._real, name)
+
+
+def test_the_python_path_keeps_a_token_an_exception_interrupts() -> None:
+    """Without the C core: a token the wait took is banked before anything can interrupt,
+    so the next read gets the message and the semaphores still count the slots."""
+    from shm.settings import ShmSettings
+
+    python_path = ShmSettings.current().replace(ring_c=False)
+    producer = Ring.create(16, 1, settings=python_path)
+    consumer = Ring.attach(producer.name, settings=python_path)
+    try:
+        assert producer._core is None and consumer._core is None
+        producer.write(b"payload", tag=3)
+        stub = _RaiseAfterTake(consumer._full)
+        consumer._full = stub
+        with pytest.raises(KeyboardInterrupt):
+            consumer.read(timeout=2)
+        assert stub.raised and consumer._spare_full   # taken, banked, not used
+        assert consumer.read(timeout=2) == (b"payload", 3)
+        producer.write(b"next", tag=4, timeout=2)
+        assert consumer.read(timeout=2) == (b"next", 4)
+        assert consumer.counters()["sem_full"] == 0 and consumer.counters()["sem_free"] == 1
+    finally:
+        consumer.close()
+        producer.close()
+        producer.unlink()
