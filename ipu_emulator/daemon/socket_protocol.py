@@ -4,21 +4,26 @@ Each message is one line of strict JSON (an object) of at most
 :data:`MAX_MESSAGE` bytes, with ``"v": VERSION``. A client sends requests and
 reads one reply per request, in order::
 
-    {"v":1,"op":"hello"}                       -> {"ok":true,"daemon_pid":..,"system":{..}}
-    {"v":1,"op":"status"}
+    {"v":2,"op":"hello"}                       -> {"ok":true,"daemon_pid":..,"system":{..}}
+    {"v":2,"op":"status"}
         -> {"ok":true,..,"ipus":[{"ipu","state","holder","pid","device",..}],
             "devices":[{"device_id","ipus","holder","states"}]}   (one per held attachment)
-    {"v":1,"op":"attach","ipus":[0,1],"device_id":4}
+    {"v":2,"op":"attach","ipus":[0,1],"device_id":4}
         -> {"ok":true,"ipus":[{"ipu","pid","control","events","log","ready"}]}
         |  {"ok":false,"error":"busy","busy":{"0":1234},"message":".."}
-    {"v":1,"op":"release"}                     -> {"ok":true}   (the IPUs are clean and free)
-    {"v":1,"op":"exit_status","pid":N}         -> {"ok":true,"returncode":rc or null}
-    {"v":1,"op":"partition_create"|"partition_list"|"partition_get"|"partition_remove",..}
+    {"v":2,"op":"release"}                     -> {"ok":true}   (the IPUs are clean and free)
+    {"v":2,"op":"exit_status","pid":N}         -> {"ok":true,"returncode":rc or null}
+    {"v":2,"op":"partition_create"|"partition_list"|"partition_get"|"partition_remove",..}
         -> V-IPU partitions (ipu_emulator.daemon._partitions); "attach" may name one
 
 Every failure is ``{"ok":false,"error":<kind>,"message":<text>}``. A
 connection holds at most one attachment; closing the connection (or the
 death of the process that opened it) releases it.
+
+The version also stands for the wire between a host and the daemon's IPU processes
+(the rings' layout, ``shm.ring``): a daemon and a host of two installations whose
+rings differ refuse each other at the first message (version 2: a ring's semaphores
+are in its segment).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from ipu_emulator.errors import DaemonProtocolError
 __all__ = ["VERSION", "MAX_MESSAGE", "ENV_VAR", "SOCKET_NAME", "DaemonProtocolError",
            "default_socket_path", "encode", "decode", "LineConnection", "request"]
 
-VERSION = 1
+VERSION = 2
 MAX_MESSAGE = 64 * 1024
 ENV_VAR = "IPU_EMULATOR_DAEMON"
 SOCKET_NAME = "daemon.sock"

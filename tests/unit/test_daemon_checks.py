@@ -18,7 +18,7 @@ from ipu_emulator.system import SystemConfigError, private_dir
 
 
 def test_deeply_nested_json_is_a_protocol_error():
-    line = b'{"v": 1, "op": ' + b"[" * 30000 + b"]" * 30000 + b"}"
+    line = b'{"v": 2, "op": ' + b"[" * 30000 + b"]" * 30000 + b"}"
     with pytest.raises(wire.DaemonProtocolError, match="nests arrays or objects too deeply"):
         wire.decode(line)
 
@@ -26,9 +26,10 @@ def test_deeply_nested_json_is_a_protocol_error():
 class FakeDaemon:
     """A unix socket answering each line with the next canned reply (then closing)."""
 
-    def __init__(self, path: str, replies: list[dict]) -> None:
+    def __init__(self, path: str, replies: list[dict], version: int = wire.VERSION) -> None:
         self.path = path
         self.replies = list(replies)
+        self.version = version
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.bind(path)
         self.sock.listen(4)
@@ -54,7 +55,8 @@ class FakeDaemon:
                     if b"\n" not in buf:
                         break
                     _, buf = buf.split(b"\n", 1)
-                    conn.sendall(json.dumps(dict(self.replies.pop(0), v=1)).encode() + b"\n")
+                    conn.sendall(json.dumps(dict(self.replies.pop(0), v=self.version)).encode()
+                                 + b"\n")
 
     def close(self) -> None:
         # a client refused before it sent anything leaves the thread in accept(): a
@@ -90,6 +92,22 @@ def test_hello_reply_types_are_checked(sock_path, tmp_path, reply, words):
         with pytest.raises(DeviceUnavailableError) as info:
             DaemonClient(sock_path).system(str(tmp_path))
         assert words in str(info.value) and sock_path in str(info.value)
+    finally:
+        fake.close()
+
+
+def test_a_daemon_of_another_version_is_named_so(sock_path, tmp_path):
+    """A daemon of an older installation (its rings laid out otherwise): the host says so
+    at the first message instead of failing on the daemon's rings."""
+    fake = FakeDaemon(sock_path, [{"ok": True, "system": _SYSTEM}], version=wire.VERSION - 1)
+    try:
+        with pytest.raises(DeviceUnavailableError) as info:
+            DaemonClient(sock_path).system(str(tmp_path))
+        assert str(info.value) == (
+            f"the IPU emulator daemon at {sock_path} (IPU_EMULATOR_DAEMON) is another version "
+            f"of the emulator: protocol version {wire.VERSION - 1} is not supported; this side "
+            f"speaks version {wire.VERSION}; restart it with this installation ('ipu-emulator "
+            "daemon --socket PATH')")
     finally:
         fake.close()
 

@@ -14,8 +14,8 @@ def test_encode_adds_the_version_and_ends_the_line():
 
 
 @pytest.mark.parametrize("line, message", [
-    (b'{"op": "status"}', "protocol version None is not supported; this side speaks version 1"),
-    (b'{"v": 2}', "protocol version 2 is not supported; this side speaks version 1"),
+    (b'{"op": "status"}', "protocol version None is not supported; this side speaks version 2"),
+    (b'{"v": 1}', "protocol version 1 is not supported; this side speaks version 2"),
     (b"[1]", "message must be a JSON object, got list"),
     (b"{nope", "message is not valid JSON"),
     (b"\xff", "message is not valid JSON"),
