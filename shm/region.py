@@ -141,6 +141,17 @@ class Region:
         self._unlinked = False
         self._pid = os.getpid()   # a forked child never unlinks (see unlink)
 
+    def __del__(self) -> None:
+        """An owner that lets go of the region without unlinking it (a program that drops
+        it, an exception between its creation and its first use) unlinks its name then,
+        in the process that made it: reference counting alone gives the name back, not
+        only the exit hook of ``shm._registry``. Views of the mapping stay valid."""
+        try:
+            if self._owner and not self._unlinked and self._pid == os.getpid():
+                self.unlink()
+        except Exception:  # pragma: no cover - interpreter teardown, name gone already
+            pass
+
     # -- construction -------------------------------------------------------
 
     @classmethod

@@ -164,3 +164,39 @@ def test_the_python_path_keeps_a_token_an_exception_interrupts() -> None:
         consumer.close()
         producer.close()
         producer.unlink()
+
+
+def test_an_owner_that_drops_its_ring_or_region_gives_the_names_back() -> None:
+    """Reference counting alone (collector off): a ring or region its creator lets go of
+    without unlink() loses its name at once (an exception between its creation and its
+    first use, e.g. an interrupt at the return of create(), leaves nothing behind); one
+    this process only attached keeps its name, and views of a dropped region stay valid."""
+    import gc
+
+    def mine() -> set[str]:
+        return {o.entry for o in list_objects() if o.pid == os.getpid()}
+
+    gc.disable()
+    try:
+        before = mine()
+        ring = Ring.create(16, 2)
+        region = Region.create(4096)
+        view = region.ndarray("u1", 16)
+        view[:] = 7
+        assert mine() - before == {ring.name[1:], region.name[1:]}
+
+        def interrupted_at_the_return() -> None:
+            Ring.create(16, 2)          # made, then lost to the exception below
+            raise KeyboardInterrupt
+        with pytest.raises(KeyboardInterrupt):
+            interrupted_at_the_return()
+        assert mine() - before == {ring.name[1:], region.name[1:]}
+
+        other = Ring.attach(ring.name)
+        del other                      # not the owner: the name stays
+        assert ring.name[1:] in mine()
+        del ring, region
+        assert mine() - before == set()
+        assert bytes(view) == b"\x07" * 16   # the mapping outlives the name
+    finally:
+        gc.enable()
