@@ -214,6 +214,7 @@ class Session(AnchorsAndCallbacks):
         if b is not None and b.active(self):
             last = closing and b.owned and set(b.device.sessions()) <= {self}
             b.stop(timeout, kill_if_hung, self._wake_streams, last=last)
+            self._direct.loop_stopped()   # (a loop whose start was cut short too)
 
     def _wake_streams(self) -> None:
         """After a STOP: invalidate the stream rings (and a sharded model's IPU-Links, which
