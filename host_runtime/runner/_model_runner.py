@@ -328,7 +328,9 @@ class ModelRunner:
         inputs of Load), loaded in place: on every replica, once its requests in flight
         have finished, Main's loop stops, the Load programs run again on the same device
         with the new data, and Main loops again. The values stay the runner's (a replica
-        restarted by ``auto_reset`` loads them too)."""
+        restarted by ``auto_reset`` loads them too). A call cut short (an interrupt, a
+        replica's failure) leaves no replica on the old values: one it did not reach loads
+        the new ones before its next request."""
         lay = self._layout
         typed: dict[str, np.ndarray] = {}
         for name, value in values.items():
@@ -341,12 +343,22 @@ class ModelRunner:
         handles = {self._model.metadata.anchor(n).handle(): v  # type: ignore[union-attr]
                    for n, v in typed.items()}
         self._sessions.remember_frozen(typed)
-        for rid in range(len(self._replicas)):
-            rep = self._replica(rid)
-            lock = self._call_lock(rid)
-            with lock if lock is not None else contextlib.nullcontext():
-                rep.rerun_load({h: memoryview(v).cast("B")  # type: ignore[arg-type]
-                                for h, v in handles.items()})
+        new = {h: memoryview(v).cast("B") for h, v in handles.items()}  # type: ignore[arg-type]
+        reached = 0   # the replicas before it have the new values
+        try:
+            for rid in range(len(self._replicas)):
+                rep = self._replica(rid)
+                lock = self._call_lock(rid)
+                with lock if lock is not None else contextlib.nullcontext():
+                    rep.rerun_load(new)
+                reached = rid + 1
+        except BaseException:
+            # Cut short (KeyboardInterrupt, a signal handler's exception, a replica's
+            # failure): the replicas not reached yet load the new values before their next
+            # request, as one the call was interrupted on does: none answers with the old.
+            for rep in self._replicas[reached:]:
+                rep.reload_due(new)
+            raise
 
     def getExecuteInputs(self) -> list[DataDesc]:
         """Inputs each execute call needs (frozen inputs and PopEF-fed tensors excluded)."""

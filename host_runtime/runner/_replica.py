@@ -168,6 +168,14 @@ class Replica:
         with sub.lock:
             sub.reload(values)
 
+    def reload_due(self, values: dict[str, memoryview]) -> None:
+        """``values`` (handle -> bytes) are loaded before the next request (an interrupted
+        ``update_load_inputs`` did not reach this replica): as after an interrupted
+        ``rerun_load``."""
+        life = self._life
+        if not life.closed:
+            life.reloading = {**(life.reloading or {}), **values}
+
     # -- TimerOwner (see _replica_timers) -----------------------------------------------
     @property
     def closed(self) -> bool:

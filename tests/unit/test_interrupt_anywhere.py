@@ -287,3 +287,52 @@ def test_update_load_inputs_with_an_abandoned_request_left_over(make_runner, mod
         assert right(10, runner.executeAsync(request(10, SHAPE))["tensor_C"], 2 * weights)
     finally:
         runner.close()
+
+
+def test_an_interrupted_update_load_inputs_leaves_no_replica_on_the_old_weights(
+        model_path, weights, monkeypatch):
+    """2 replicas: ``update_load_inputs`` interrupted anywhere (once, and twice in a row at
+    every third place) leaves both replicas answering with the same weights on their next
+    request: the new ones as soon as any replica was given them (a replica it did not
+    reach yet loads them before its next request), else the old."""
+    from host_runtime.devices.loopback import loopback_device
+
+    monkeypatch.setenv("IPU_EMULATOR_HOST_SYNC_TIMEOUT", "2")
+    devices = [loopback_device(1), loopback_device(1)]
+    scale = [1.0]   # the weights the replicas answer with now (a multiple of weights)
+
+    def make() -> Any:
+        return model_runtime.ModelRunner(model_path, model_runtime.ModelRunnerConfig(
+            replication_factor=2, replica_to_device={0: devices[0], 1: devices[1]}))
+    runner = [make()]
+
+    def run(n: int) -> None:
+        new = float(n % 3 + 2) if n else 5.0   # never the weights loaded now
+        runner[0].update_load_inputs({"weights": new * weights})
+        scale[0] = new
+
+    def check() -> list[str]:
+        got = []
+        for rid in (0, 1):
+            out = runner[0].execute(request(7, SHAPE), replica_id=rid)["tensor_C"]
+            found = [s for s in {scale[0], *range(1, 6)} if right(7, out, s * weights)]
+            got.append(found[0] if found else None)
+        if got[0] is None or got[0] != got[1]:
+            return [f"replicas 0 and 1 answer with weights x {got[0]} and x {got[1]}"]
+        scale[0] = got[0]   # (the interrupted call's, or the old ones)
+        return []
+
+    def replace() -> None:
+        old, runner[0] = runner[0], None
+        old.close()
+        runner[0] = make()
+        scale[0] = 1.0
+    try:
+        failures = sweep_places(run, check, (0,), replace=replace)
+        failures += sweep_places(run, check, (1,), every=3, replace=replace)
+    finally:
+        if runner[0] is not None:
+            runner[0].close()
+        for dev in devices:
+            dev.close()
+    assert failures == [], "\n".join(failures[:10])
