@@ -333,12 +333,14 @@ class ProcessLink:
             self._final_seq = seq
         try:
             self._send(Message(op, seq=seq, value=value, body=body))
-        except BaseException as exc:
+        except Exception as exc:
             with self._lock:
                 self._pending.pop(seq, None)
             if last:
                 self._final_seq = None
             fut.set_exception(self._translate(exc))
+        # An interrupt (KeyboardInterrupt, a signal handler's exception) is the caller's:
+        # the request stays pending (it may have gone; its answer, or close(), resolves it)
         if self._thread is None:   # the first request: the IPU process works on it meanwhile
             self._serve_events()
         return fut

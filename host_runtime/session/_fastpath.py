@@ -73,6 +73,7 @@ class DirectStreams:
         self._session = session   # holds the session weakly: the session owns this object
         self._loop: cf.Future[None] | None = None
         self._unhooked: cf.Future[None] | None = None   # _loop, its LOOP's answer not hooked
+        self._reset_due = False   # a stop of the loop left the rings to reset (settle_rings)
 
     # -- rings --------------------------------------------------------------------------
 
@@ -162,7 +163,9 @@ class DirectStreams:
         loop = self._loop
         dev = self._session.device()
         if loop is None or loop.done() or dev is None or dev.link.lost is not None:
+            self.settle_rings()   # (a stop of it cut short before it reset them)
             return
+        self._reset_due = True    # first: from here on the rings are to be reset
         fut = dev.link.request(Op.STOP, value=1)
         self._session.wake_streams()   # wakes the device now (see Session.stop)
         try:
@@ -176,8 +179,15 @@ class DirectStreams:
             except ModelRuntimeError:
                 pass  # its failure is reported through the loop future
         finally:
-            if loop.done():
-                self._streams.reset_rings()   # the device is idle: runnable again
+            self.settle_rings()   # once the loop has ended, the device is idle: runnable again
+
+    def settle_rings(self) -> None:
+        """Reset the rings if a stop of the main loop left them to reset (invalidated, or
+        with an abandoned iteration's slots) and the loop has ended. A stop cut short (an
+        interrupt) leaves it to the next stop or run; resetting is idempotent."""
+        if self._reset_due and not self.loop_running():
+            self._streams.reset_rings()
+            self._reset_due = False
 
     # -- failures -----------------------------------------------------------------------
 
