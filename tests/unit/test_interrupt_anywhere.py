@@ -336,3 +336,41 @@ def test_an_interrupted_update_load_inputs_leaves_no_replica_on_the_old_weights(
         for dev in devices:
             dev.close()
     assert failures == [], "\n".join(failures[:10])
+
+
+@pytest.mark.parametrize("config", [{"thread_safe": True}, {"auto_reset": True}],
+                         ids=["thread_safe", "auto_reset"])
+def test_an_interrupt_anywhere_with_thread_safe_or_auto_reset_gives_no_wrong_answer(
+        make_runner, model_path, weights, config):
+    """``thread_safe`` (a call lock per replica) and ``auto_reset``: ``execute`` and
+    ``executeAsync`` + ``wait``/``get`` interrupted once at every place, ``execute`` twice
+    in a row at every other one."""
+    def make() -> Any:
+        return make_runner(model_path, **config)
+    failures = sweep(make, SHAPE, sync, weights, (0,))
+    failures += sweep(make, SHAPE, sync, weights, (1,), every=2)
+    failures += sweep(make, SHAPE, got, weights, (0,))
+    assert failures == [], "\n".join(failures[:10])
+
+
+def test_an_interrupt_anywhere_in_a_flush_by_the_flush_callback_gives_no_wrong_answer(
+        make_runner, packed_path):
+    """Dynamic batching with a ``flush_callback`` the waiter calls (``flush_on_waiting_
+    outputs``): a partial batch flushed with the callback's padding (it returns None),
+    interrupted once at every place and twice in a row at every third one."""
+    path, w = packed_path
+    calls: list[str] = []
+
+    def on_flush(tensor_id: str, inputs: Any, outputs: Any) -> None:
+        calls.append(tensor_id)
+        return None
+
+    def make() -> Any:
+        runner = make_runner(path, batching_dim=0, timeout_ns=1_000_000,
+                             flush_on_waiting_outputs=True, flush_callback=on_flush)
+        runner.update_load_inputs({"weights": w})
+        return runner
+    failures = sweep(make, PACKED, packed, w[0], (0,))
+    assert calls   # (the sweep flushed through the callback)
+    failures += sweep(make, PACKED, packed, w[0], (1,), every=3)
+    assert failures == [], "\n".join(failures[:10])
