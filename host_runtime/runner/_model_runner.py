@@ -20,7 +20,6 @@ Results:
 from __future__ import annotations
 
 import atexit
-import contextlib
 import copy
 import functools
 import logging
@@ -42,7 +41,7 @@ from host_runtime.popef.reader import PendingChecksums
 from host_runtime.runner._host_tail import HostTail
 from host_runtime.runner._intake import RequestIntake
 from host_runtime.runner._layout import ModelLayout
-from host_runtime.runner._replica import Replica
+from host_runtime.runner._replica import Replica, rerun_load_everywhere
 from host_runtime.runner._sessions import ReplicaSessions
 from host_runtime.runner._requests import OutputFuture
 from host_runtime.runner.config import DataDesc, ModelRunnerConfig
@@ -343,22 +342,9 @@ class ModelRunner:
         handles = {self._model.metadata.anchor(n).handle(): v  # type: ignore[union-attr]
                    for n, v in typed.items()}
         self._sessions.remember_frozen(typed)
-        new = {h: memoryview(v).cast("B") for h, v in handles.items()}  # type: ignore[arg-type]
-        reached = 0   # the replicas before it have the new values
-        try:
-            for rid in range(len(self._replicas)):
-                rep = self._replica(rid)
-                lock = self._call_lock(rid)
-                with lock if lock is not None else contextlib.nullcontext():
-                    rep.rerun_load(new)
-                reached = rid + 1
-        except BaseException:
-            # Cut short (KeyboardInterrupt, a signal handler's exception, a replica's
-            # failure): the replicas not reached yet load the new values before their next
-            # request, as one the call was interrupted on does: none answers with the old.
-            for rep in self._replicas[reached:]:
-                rep.reload_due(new)
-            raise
+        rerun_load_everywhere([self._replica(rid) for rid in range(len(self._replicas))],
+                              self._call_lock, {h: memoryview(v).cast("B")  # type: ignore[arg-type]
+                                                for h, v in handles.items()})
 
     def getExecuteInputs(self) -> list[DataDesc]:
         """Inputs each execute call needs (frozen inputs and PopEF-fed tensors excluded)."""

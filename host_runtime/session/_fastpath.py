@@ -149,6 +149,13 @@ class DirectStreams:
         if outer is not None:
             _settle(outer, None)
 
+    def require_idle(self) -> None:
+        """Before a run: refused while a main loop started here may run; the rings reset
+        if a stop of the loop left them to (it was cut short before it reset them)."""
+        if self.loop_running():
+            raise InvalidStateError("the main loop is running; stop() it before running programs")
+        self.settle_rings()
+
     def loop_running(self) -> bool:
         """Whether a main loop started here has not ended yet."""
         loop = self._loop

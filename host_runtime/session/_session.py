@@ -452,9 +452,7 @@ class Session(AnchorsAndCallbacks):
 
     def _check_runnable(self) -> None:
         self._life.refuse(Call.RUN)
-        if self._direct.loop_running():
-            raise InvalidStateError("the main loop is running; stop() it before running programs")
-        self._direct.settle_rings()   # (a stop of the loop cut short before it reset them)
+        self._direct.require_idle()
 
     def _prepare_main(self, dev: Device) -> list[int]:
         """Before the main loop (DirectStreams.start_main_loop, device lock held): activate,
