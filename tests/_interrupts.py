@@ -217,13 +217,17 @@ def elsewhere(check: Callable[[], list[str]], limit: float = 30.0) -> list[str]:
     return found
 
 
-def _unraisable(found: list[str], u: Any) -> None:
+def _unraisable(found: list[str], finalizers: bool, u: Any) -> None:
     """``sys.unraisablehook`` while sweeping: an exception a finalizer could not raise goes
     to ``found``, except an interrupt the trace function itself raised (a generator closed
-    as a call returned runs it: CPython would raise the interrupt after the call)."""
+    as a call returned runs it: CPython would raise the interrupt after the call), and
+    with ``finalizers`` false, an interrupt that landed in a finalizer (CPython swallows
+    it: what the finalizer had left to do is the sweep's own check)."""
     last = traceback.extract_tb(u.exc_traceback)[-1:] if u.exc_traceback else []
     if (isinstance(u.exc_value, KeyboardInterrupt) and last
             and last[0].filename == __file__ and last[0].name in ("_call", "_opcode")):
+        return
+    if not finalizers and isinstance(u.exc_value, KeyboardInterrupt):
         return
     found.append(f"unraisable {u.exc_type.__name__}: {u.exc_value} in {u.object!r}")
 
@@ -231,13 +235,15 @@ def _unraisable(found: list[str], u: Any) -> None:
 def sweep_places(run: Callable[[int], None], check: Callable[[], list[str]],
                  gaps: Iterable[int], every: int = 1, focus: Iterable[str] = (),
                  dirs: tuple[str, ...] = (RUNNER_DIR,),
-                 replace: Callable[[], None] | None = None) -> list[str]:
+                 replace: Callable[[], None] | None = None,
+                 finalizers: bool = True) -> list[str]:
     """Run ``run(n)`` interrupted at every place of ``dirs`` (``gaps``: 0, once; d, a
     second interrupt d places after the first), then ``check()`` in another thread (what
     is wrong: nothing, []); what went wrong, by place. ``every``: only every k-th place,
     and every place in the functions named in ``focus`` (as a first run counted them).
     ``replace()``: after a failure, what the next runs use is made afresh (if that fails,
-    the sweep ends)."""
+    the sweep ends). ``finalizers`` false: an interrupt a finalizer swallowed is no failure
+    by itself."""
     names: list[str] = []
     with Interrupts(names=names, dirs=dirs) as counting:
         run(0)
@@ -249,7 +255,7 @@ def sweep_places(run: Callable[[int], None], check: Callable[[], list[str]],
     assert not focus or len(places) > len(names) // every, "no place in the focus"
     failures = []
     unraisable: list[str] = []
-    hook, sys.unraisablehook = sys.unraisablehook, functools.partial(_unraisable, unraisable)
+    hook, sys.unraisablehook = sys.unraisablehook, functools.partial(_unraisable, unraisable, finalizers)
     try:
         for gap in gaps:
             for n in places:

@@ -23,7 +23,7 @@ from host_runtime.errors import InvalidStateError
 from host_runtime.session._session import Session
 from shm import naming
 from tests._interrupts import SESSION_DIRS, Interrupts, sweep_places
-from tools.pytest_plugin.machine import shm_entries
+from tools.pytest_plugin.machine import remove_shm_entries, shm_entries
 
 SHAPE = (1, 4)
 
@@ -241,3 +241,56 @@ def test_a_main_loop_whose_start_was_interrupted_after_its_loop_went_is_known_to
     s.stop()
     s.reload()
     assert main_right(s, 905, weights)
+
+
+def test_an_interrupt_anywhere_in_a_sessions_close_leaves_no_lock_held(
+        kind, model, device, weights, quick):
+    """``Session.close()`` alone (the session made and run untraced), interrupted anywhere
+    once and twice in a row: closed again, its rings are gone, and another Session on the
+    device answers right (a lock the interrupted close left held would hang it). (What an
+    interrupt inside a finalizer cuts short, the shared constants region's release, is
+    the ``OPEN`` sweeps'.)"""
+    made: list[Any] = []
+
+    def session() -> Any:
+        s = Session(model)
+        made.append(s)
+        s.inputs, s.outputs = request(0), []
+        s.setCallbackForAnchor("tensor_A", lambda v: _fill(v, s.inputs["tensor_A"]))
+        s.setCallbackForAnchor("tensor_B", lambda v: _fill(v, s.inputs["tensor_B"]))
+        s.setCallbackForAnchor("tensor_C", lambda v: s.outputs.append(
+            np.frombuffer(v, np.float32).reshape(SHAPE).copy()))
+        s.bindToDevice(device)
+        return s
+
+    def run(n: int) -> None:
+        made.clear()
+        tracer = sys.gettrace()
+        sys.settrace(None)
+        try:
+            s = session()
+            assert main_right(s, n, weights)
+        finally:
+            sys.settrace(tracer)
+        s.close()
+
+    def check() -> list[str]:
+        for s in made:
+            s.close()
+        made.clear()
+        s = session()
+        try:
+            ok = main_right(s, 904, weights)
+        finally:
+            s.close()
+            made.clear()
+        gone = {e for e in shm_now() - before if not e.endswith("_cst")}
+        before.update(gone)
+        return ([] if ok else ["a wrong answer after"]) + (
+            [f"left in /dev/shm: {sorted(gone)}"] if gone else [])
+    before = start = shm_now()
+    try:
+        failures = sweep_places(run, check, (0, 1), dirs=SESSION_DIRS, finalizers=False)
+    finally:   # the constants regions whose finalizer an interrupt cut short (see OPEN)
+        remove_shm_entries({e for e in shm_now() - start if e.endswith("_cst")})
+    assert failures == [], "\n".join(failures[:10])
