@@ -19,6 +19,7 @@ this one); the fast path of ``QueueManager`` touches only the caller's.
 
 from __future__ import annotations
 
+import _thread
 import concurrent.futures as cf
 import itertools
 import logging
@@ -44,7 +45,7 @@ from ipu_emulator.ipu.launcher import (IpuConnection, IpuProcessError,
                                           describe_returncode)
 from ipu_emulator.ipu_protocol import ErrorKind, Message, Op
 
-__all__ = ["ProcessLink", "error_from_body"]
+__all__ = ["Answer", "ProcessLink", "error_from_body"]
 
 _log = logging.getLogger(__name__)
 
@@ -89,6 +90,60 @@ def error_from_body(body: Any, device: str) -> ModelRuntimeError:
     if tb:
         exc.__cause__ = RemoteTraceback(tb)
     return exc
+
+
+class _Guard(_thread.RLock):   # type: ignore[misc]
+    """The lock and condition of an :class:`Answer`, safe from an interrupt
+    (KeyboardInterrupt, a signal handler's exception) at any point CPython checks for one.
+
+    ``threading.Condition`` is not: its ``__enter__`` is Python code that may raise with
+    the lock taken (at the return of the lock's own ``__enter__``), so the ``with`` never
+    releases it and the event thread then blocks on the future for ever. This lock's
+    ``__enter__`` / ``__exit__`` are the C ones; ``wait`` / ``notify_all`` are those of
+    :class:`host_runtime.runner._sleepers.Sleepers` (the release inside the ``try``
+    whose ``finally`` takes the lock back)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._sleeping: list[Any] = []    # one held lock per sleeper, released to wake it
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """The lock held (once): release it, sleep until ``notify_all`` or ``timeout`` s,
+        hold it again (also when interrupted while asleep)."""
+        waiter = _thread.allocate_lock()
+        waiter.acquire()
+        released = False
+        try:
+            self._sleeping.append(waiter)
+            released = True        # (no check between this and the release)
+            self.release()
+            return waiter.acquire(True, -1 if timeout is None else max(timeout, 0.0))
+        finally:
+            if released:
+                self.acquire()
+            try:   # not woken (its time is up, or interrupted): forgotten
+                self._sleeping.remove(waiter)
+            except ValueError:     # woken (or taken by an interrupted notify_all)
+                pass
+
+    def notify_all(self) -> None:
+        """The lock held: wake every sleeper."""
+        sleeping, self._sleeping = self._sleeping, []
+        for waiter in sleeping:
+            waiter.release()
+
+    notify = notify_all   # (a Future wakes all; nothing else calls it)
+
+
+class Answer(cf.Future[Any]):
+    """A ``concurrent.futures.Future`` an interrupt cannot break: the answer of a request
+    (:meth:`ProcessLink.request`) and a session's main loop. Its ``result``, ``done``,
+    ``exception`` and ``add_done_callback``, called from a thread a signal handler
+    interrupts, never leave its lock held (see :class:`_Guard`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._condition = _Guard()   # type: ignore[assignment]
 
 
 class ProcessLink:
@@ -205,7 +260,7 @@ class ProcessLink:
             t.join(timeout)
             return
         seq = next(self._seq) & 0x7FFFFFFF
-        fut: cf.Future[None] = cf.Future()
+        fut: cf.Future[None] = Answer()
         with self._lock:
             self._pending[seq] = (fut, Op.PING)
         self._final_seq = seq
@@ -259,7 +314,7 @@ class ProcessLink:
 
         ``last``: its answer is the last event this host reads (the device is about to
         go back to a daemon: :meth:`quiesce` then needs no PING of its own)."""
-        fut: cf.Future[None] = cf.Future()
+        fut: cf.Future[None] = Answer()
         if self._lost is None and self._dead_process() is not None:
             self.mark_lost()   # e.g. a secondary IPU of the device died since the last poll
         if self._lost is not None:
@@ -278,12 +333,14 @@ class ProcessLink:
             self._final_seq = seq
         try:
             self._send(Message(op, seq=seq, value=value, body=body))
-        except BaseException as exc:
+        except Exception as exc:
             with self._lock:
                 self._pending.pop(seq, None)
             if last:
                 self._final_seq = None
             fut.set_exception(self._translate(exc))
+        # An interrupt (KeyboardInterrupt, a signal handler's exception) is the caller's:
+        # the request stays pending (it may have gone; its answer, or close(), resolves it)
         if self._thread is None:   # the first request: the IPU process works on it meanwhile
             self._serve_events()
         return fut
@@ -492,6 +549,10 @@ def wait(fut: "cf.Future[Any]", timeout: float | None, what: str,
     model) is progress too; without one, only events are. The waiter sleeps until the
     earliest of its result and its deadlines (re-checking ``progress`` at least each
     ``_RECHECK`` s), never in fixed slices past them.
+
+    An interrupt (KeyboardInterrupt, a signal handler's exception) anywhere in it leaves
+    nothing held when ``fut`` is an :class:`Answer` (a request's, a session's main loop):
+    it sleeps on the answer's own lock, never on a ``threading.Condition``.
     """
     from host_runtime.errors import DeviceTimeoutError
 

@@ -20,7 +20,6 @@ Results:
 from __future__ import annotations
 
 import atexit
-import contextlib
 import copy
 import functools
 import logging
@@ -42,7 +41,7 @@ from host_runtime.popef.reader import PendingChecksums
 from host_runtime.runner._host_tail import HostTail
 from host_runtime.runner._intake import RequestIntake
 from host_runtime.runner._layout import ModelLayout
-from host_runtime.runner._replica import Replica
+from host_runtime.runner._replica import Replica, rerun_load_everywhere
 from host_runtime.runner._sessions import ReplicaSessions
 from host_runtime.runner._requests import OutputFuture
 from host_runtime.runner.config import DataDesc, ModelRunnerConfig
@@ -328,7 +327,9 @@ class ModelRunner:
         inputs of Load), loaded in place: on every replica, once its requests in flight
         have finished, Main's loop stops, the Load programs run again on the same device
         with the new data, and Main loops again. The values stay the runner's (a replica
-        restarted by ``auto_reset`` loads them too)."""
+        restarted by ``auto_reset`` loads them too). A call cut short (an interrupt, a
+        replica's failure) leaves no replica on the old values: one it did not reach loads
+        the new ones before its next request."""
         lay = self._layout
         typed: dict[str, np.ndarray] = {}
         for name, value in values.items():
@@ -341,12 +342,9 @@ class ModelRunner:
         handles = {self._model.metadata.anchor(n).handle(): v  # type: ignore[union-attr]
                    for n, v in typed.items()}
         self._sessions.remember_frozen(typed)
-        for rid in range(len(self._replicas)):
-            rep = self._replica(rid)
-            lock = self._call_lock(rid)
-            with lock if lock is not None else contextlib.nullcontext():
-                rep.rerun_load({h: memoryview(v).cast("B")  # type: ignore[arg-type]
-                                for h, v in handles.items()})
+        rerun_load_everywhere([self._replica(rid) for rid in range(len(self._replicas))],
+                              self._call_lock, {h: memoryview(v).cast("B")  # type: ignore[arg-type]
+                                                for h, v in handles.items()})
 
     def getExecuteInputs(self) -> list[DataDesc]:
         """Inputs each execute call needs (frozen inputs and PopEF-fed tensors excluded)."""

@@ -40,6 +40,7 @@ replica when ``auto_reset`` is on, else it raises ``DeviceLostError``.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -63,7 +64,7 @@ from host_runtime.runner.monitoring import RequestMonitor
 from host_runtime.session import DROP_STOP_TIMEOUT
 from host_runtime.settings import HostSettings
 
-__all__ = ["Replica", "ReplicaSession", "ReplicaSetup", "SaveFn"]
+__all__ = ["Replica", "ReplicaSession", "ReplicaSetup", "SaveFn", "rerun_load_everywhere"]
 
 
 @dataclass
@@ -168,6 +169,14 @@ class Replica:
         with sub.lock:
             sub.reload(values)
 
+    def reload_due(self, values: dict[str, memoryview]) -> None:
+        """``values`` (handle -> bytes) are loaded before the next request (an interrupted
+        ``update_load_inputs`` did not reach this replica): as after an interrupted
+        ``rerun_load``."""
+        life = self._life
+        if not life.closed:
+            life.reloading = {**(life.reloading or {}), **values}
+
     # -- TimerOwner (see _replica_timers) -----------------------------------------------
     @property
     def closed(self) -> bool:
@@ -200,3 +209,23 @@ class Replica:
         self._completion.close_all(life.closed_error())
         self._timers.close()
         life.close(save, DROP_STOP_TIMEOUT if dropped else self.setup.settings.stop_timeout)
+
+
+def rerun_load_everywhere(replicas: list[Replica], call_lock: Callable[[int], Any],
+                          values: dict[str, memoryview]) -> None:
+    """``update_load_inputs``: ``values`` (handle -> bytes) loaded on every replica in turn
+    (each under its call lock, ``call_lock(rid)``, None: none). Cut short (KeyboardInterrupt,
+    a signal handler's exception, a replica's failure), the replicas not reached yet load
+    them before their next request, as one it was interrupted on does: none answers with
+    the old values."""
+    reached = 0   # the replicas before it have the new values
+    try:
+        for rid, rep in enumerate(replicas):
+            lock = call_lock(rid)
+            with lock if lock is not None else contextlib.nullcontext():
+                rep.rerun_load(values)
+            reached = rid + 1
+    except BaseException:
+        for rep in replicas[reached:]:
+            rep.reload_due(values)
+        raise

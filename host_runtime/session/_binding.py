@@ -10,6 +10,7 @@ The Session decides when; the Binding activates (LOAD if needed), stops and lets
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Callable
 
 from host_runtime.devices import ActiveSession, Device, wait
@@ -72,12 +73,13 @@ class Binding:
         self.move(PhaseEvent.LOAD)
 
     def busy(self) -> bool:
-        """Whether another thread holds the device lock (a program may be running)."""
-        lock = self.device.lock
-        if not lock.acquire(blocking=False):
-            return True
-        lock.release()
-        return False
+        """Whether another thread holds the device lock (a program may be running).
+
+        Asked without taking it: a lock taken and released here would be left held by an
+        interrupt (KeyboardInterrupt, a signal handler's exception) at the return of the
+        acquire. The C ``RLock``'s repr says whether it is held, and by which thread."""
+        text = repr(self.device.lock)
+        return text.startswith("<locked") and f" owner={threading.get_ident()} " not in text
 
     def stop(self, timeout: float, kill_if_hung: bool, wake: Callable[[], None],
              last: bool = False) -> None:

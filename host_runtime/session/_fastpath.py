@@ -23,7 +23,7 @@ from shm import (PeerDiedError, Ring, RingInvalidatedError, RingTimeoutError, Sh
                  ShmError)
 
 from host_runtime import popef
-from host_runtime.devices import wait
+from host_runtime.devices import Answer, wait
 from host_runtime.errors import (BadRequestError, DeviceExecutionError, DeviceLostError,
                                  DeviceTimeoutError, InvalidStateError, ModelRuntimeError)
 from host_runtime.session._streams import StreamTable
@@ -72,6 +72,8 @@ class DirectStreams:
         self._stop_timeout = stop_timeout   # stop_main_loop's default (the setting)
         self._session = session   # holds the session weakly: the session owns this object
         self._loop: cf.Future[None] | None = None
+        self._unhooked: cf.Future[None] | None = None   # _loop, its LOOP's answer not hooked
+        self._reset_due = False   # a stop of the loop left the rings to reset (settle_rings)
 
     # -- rings --------------------------------------------------------------------------
 
@@ -114,28 +116,45 @@ class DirectStreams:
         with dev.lock:
             main = session.prepare_main(dev)
             self._streams.clear_callback_errors()
-            inner = dev.link.request(Op.LOOP, main)
-            outer: cf.Future[None] = cf.Future()
-            # The device link holds ``inner`` (and so this callback) until the loop ends:
-            # it refers to the streams weakly, so that a dropped session is freed (and
+            outer: cf.Future[None] = Answer()
+            # Recorded first (no check between the two stores): from here on the device
+            # may loop. An interrupt (KeyboardInterrupt, a signal handler's exception) may
+            # come before the LOOP goes, as it goes or after: until the loop's answer is
+            # hooked to ``outer``, stop() / stop_main_loop() end it whichever it was
+            # (:meth:`loop_stopped`), and nothing runs Load while Main may loop.
+            self._loop, self._unhooked = outer, outer
+            # The device link holds the LOOP's answer (and so this callback) until the loop
+            # ends: it refers to the streams weakly, so that a dropped session is freed (and
             # closed, which ends the loop) by reference counting.
             ref = weakref.ref(self._streams)
 
             def done(f: "cf.Future[None]") -> None:
                 exc = f.exception()
                 streams = ref()
-                if exc is None:
-                    outer.set_result(None)
-                elif isinstance(exc, DeviceExecutionError) and streams is not None:
-                    outer.set_exception(streams.with_callback_error(exc, "main loop"))
-                else:
-                    outer.set_exception(exc)
-            inner.add_done_callback(done)
-            self._loop = outer
+                if exc is not None and isinstance(exc, DeviceExecutionError) \
+                        and streams is not None:
+                    exc = streams.with_callback_error(exc, "main loop")
+                _settle(outer, exc)
+            dev.link.request(Op.LOOP, main).add_done_callback(done)
+            self._unhooked = None
             # the load programs, if sent ahead of the loop: their failure is raised here
             # (the loop then runs until stop() or close(), as after any start)
             session.finish_main(dev)
             return outer
+
+    def loop_stopped(self) -> None:
+        """A STOP was answered: the device ran what was sent before it, a LOOP among them
+        has ended. A loop whose start was cut short (its answer never hooked) ends here."""
+        outer, self._unhooked = self._unhooked, None
+        if outer is not None:
+            _settle(outer, None)
+
+    def require_idle(self) -> None:
+        """Before a run: refused while a main loop started here may run; the rings reset
+        if a stop of the loop left them to (it was cut short before it reset them)."""
+        if self.loop_running():
+            raise InvalidStateError("the main loop is running; stop() it before running programs")
+        self.settle_rings()
 
     def loop_running(self) -> bool:
         """Whether a main loop started here has not ended yet."""
@@ -151,21 +170,31 @@ class DirectStreams:
         loop = self._loop
         dev = self._session.device()
         if loop is None or loop.done() or dev is None or dev.link.lost is not None:
+            self.settle_rings()   # (a stop of it cut short before it reset them)
             return
+        self._reset_due = True    # first: from here on the rings are to be reset
         fut = dev.link.request(Op.STOP, value=1)
         self._session.wake_streams()   # wakes the device now (see Session.stop)
         try:
             wait(fut, timeout, f"ending the main loop on {dev.describe()}", pids=dev.pids(),
                  progress=lambda: dev.link.progress,
                  sync=dev.link.sync_timeout)
+            self.loop_stopped()
             try:
                 wait(loop, timeout, "the main loop to end", pids=dev.pids(),
                      progress=lambda: dev.link.progress, sync=dev.link.sync_timeout)
             except ModelRuntimeError:
                 pass  # its failure is reported through the loop future
         finally:
-            if loop.done():
-                self._streams.reset_rings()   # the device is idle: runnable again
+            self.settle_rings()   # once the loop has ended, the device is idle: runnable again
+
+    def settle_rings(self) -> None:
+        """Reset the rings if a stop of the main loop left them to reset (invalidated, or
+        with an abandoned iteration's slots) and the loop has ended. A stop cut short (an
+        interrupt) leaves it to the next stop or run; resetting is idempotent."""
+        if self._reset_due and not self.loop_running():
+            self._streams.reset_rings()
+            self._reset_due = False
 
     # -- failures -----------------------------------------------------------------------
 
@@ -200,3 +229,16 @@ class DirectStreams:
         if isinstance(exc, ShmError):
             return InvalidStateError(str(exc))
         return exc
+
+
+def _settle(fut: "cf.Future[None]", exc: BaseException | None) -> None:
+    """Resolve ``fut`` (None: with None) unless it is resolved already."""
+    if fut.done():
+        return
+    try:
+        if exc is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(exc)
+    except cf.InvalidStateError:   # resolved meanwhile, by the other of its two settlers
+        pass

@@ -141,8 +141,10 @@ class StreamRings:
                 ring.invalidate()
 
     def close(self) -> None:
-        rings = list(self.rings.values())
-        self.rings.clear()
-        for ring in rings:
+        """Close and unlink every ring (idempotent): each is forgotten only once it is both
+        (each idempotent), so that a close an interrupt cut short is finished by the next."""
+        for handle in list(self.rings):
+            ring = self.rings[handle]
             ring.close()
             ring.unlink()
+            del self.rings[handle]

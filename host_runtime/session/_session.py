@@ -214,6 +214,7 @@ class Session(AnchorsAndCallbacks):
         if b is not None and b.active(self):
             last = closing and b.owned and set(b.device.sessions()) <= {self}
             b.stop(timeout, kill_if_hung, self._wake_streams, last=last)
+            self._direct.loop_stopped()   # (a loop whose start was cut short too)
 
     def _wake_streams(self) -> None:
         """After a STOP: invalidate the stream rings (and a sharded model's IPU-Links, which
@@ -292,6 +293,7 @@ class Session(AnchorsAndCallbacks):
         ``stop_within``). In a process forked from the session's creator it only marks
         this process's copy closed: nothing of the creator's is stopped or unlinked."""
         if self._life is Life.CLOSED:
+            _release(self._streams, self._loader)   # (what a close an interrupt cut short left)
             return
         if foreign(self._owner_pid):
             self._life = self._life.after(LifeEvent.CLOSE)
@@ -306,8 +308,7 @@ class Session(AnchorsAndCallbacks):
                 self._unbind(run_save=False, meanwhile=self._streams.close)   # (idempotent)
         finally:
             self._life = self._life.after(LifeEvent.CLOSE)
-            self._streams.close()
-            self._loader.close()
+            _release(self._streams, self._loader)
 
     def __enter__(self) -> "Session":
         return self
@@ -316,9 +317,9 @@ class Session(AnchorsAndCallbacks):
         self.close()
 
     def __del__(self) -> None:
-        # Dropped: nothing can use the session any more. Close it now, without blocking
-        # for long on a device that does not answer.
-        if getattr(self, "_life", Life.CLOSED) is not Life.CLOSED:
+        # Dropped: nothing can use the session any more. Close it now (or finish a close
+        # an interrupt cut short), without blocking for long on a device that does not answer.
+        if getattr(self, "_life", None) is not None:
             try:
                 self.close_within(DROP_STOP_TIMEOUT, kill_if_hung=True)
             except Exception:
@@ -451,8 +452,7 @@ class Session(AnchorsAndCallbacks):
 
     def _check_runnable(self) -> None:
         self._life.refuse(Call.RUN)
-        if self._direct.loop_running():
-            raise InvalidStateError("the main loop is running; stop() it before running programs")
+        self._direct.require_idle()
 
     def _prepare_main(self, dev: Device) -> list[int]:
         """Before the main loop (DirectStreams.start_main_loop, device lock held): activate,
@@ -472,3 +472,11 @@ class Session(AnchorsAndCallbacks):
     def weights_bytes(self) -> int:
         """Internal (ModelRunner): bytes of the executable's weights section (0: none)."""
         return self._loader.weights_bytes()
+
+
+def _release(streams: StreamTable, loader: Loader) -> None:
+    """A session's close: destroy its rings, release its regions (idempotent: each is
+    forgotten only once released, so a close an interrupt cut short is finished by the
+    next ``close()``, or when the session is dropped)."""
+    streams.close()
+    loader.close()

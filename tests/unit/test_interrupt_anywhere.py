@@ -1,64 +1,38 @@
 """A KeyboardInterrupt wherever it can land in the runner's code never gives a wrong answer,
 never hangs and never leaves the runner unusable. Loopback device, no process.
 
-A signal's handler runs (and raises KeyboardInterrupt) only where CPython 3.11 checks
-for pending work: at a function's entry, after a call returns and at a loop's backward
-jump (a conditional one only when it jumps). :class:`Interrupts` counts those places in
-the main thread's frames of ``host_runtime/runner/`` (and of ``threading.Condition``
-called from there) with a trace function (every function entry, every ``CALL`` and
-backward-jump instruction) and, at the chosen counts, schedules a KeyboardInterrupt
-with ``PyThreadState_SetAsyncExc``: CPython raises it at its next check, exactly where a
-signal's handler would run. (The trace function's own entry is a check too: an
-interrupt is scheduled so that it never comes there first; for a call of a Python
-function, at that function's entry.) The test sweeps the places of ``execute``,
-``executeAsync`` + ``wait``/``get``, requests queued behind each other, dynamic
-batching and ``update_load_inputs`` with an abandoned request left over, once and twice
-in a row (an interrupt that lands while the first one is being handled), and after each
-asserts: the interrupted call raised KeyboardInterrupt (or answered right), every
-interrupted request got its own answer or the named error, and the next requests are
-right (C = A * weights + B, compared to numpy); those checks run in another thread, so
-that a lock the interrupted thread left held shows (and a hang is bounded).
+:class:`tests._interrupts.Interrupts` schedules a KeyboardInterrupt exactly where a
+signal's handler would run it, at a chosen place of the runner's code (and of the
+standard library's ``threading.Condition`` and ``concurrent.futures.Future`` it calls);
+with ``SESSION_DIRS``, of the session layer and the device link too. The tests sweep the
+places of ``execute``, ``executeAsync`` + ``wait``/``get``, requests queued behind each
+other, dynamic batching and ``update_load_inputs`` with an abandoned request left over,
+once and twice in a row (an interrupt that lands while the first one is being handled),
+and after each assert: the interrupted call raised KeyboardInterrupt (or answered right),
+every interrupted request got its own answer or the named error, and the next requests
+are right (C = A * weights + B, compared to numpy); those checks run in another thread,
+so that a lock the interrupted thread left held shows (and a hang is bounded). The
+session layer's own sweeps (construction, close, a Session's main loop) are
+tests/devices/test_interrupt_session.py.
 """
 
 from __future__ import annotations
 
-import ctypes
-import dis
-import functools
-import os
 import re
 import sys
-import threading
-import traceback
-import types
 from typing import Any, Callable, Iterable
 
 import numpy as np
 import pytest
 
 import host_runtime as model_runtime
-import host_runtime.runner as runner_package
+from tests._interrupts import RUNNER_DIR, SESSION_DIRS, Interrupts, sweep_places
 from tests.unit._loopback import model, model_path, weights  # noqa: F401  (fixtures)
 
 SHAPE = (1, 4)   # small: execute takes the fused path on an idle replica
 BIG = (4, 256)   # 4 KiB: the general path (slots, copy_bytes), every output a Take.SLOT
 PACKED = (4, 8)  # dynamic batching: a batch of 4 samples
 
-RUNNER_DIR = os.path.dirname(os.path.abspath(runner_package.__file__)) + os.sep
-_ALWAYS: Callable[[Any], bool] = lambda top: True   # noqa: E731
-_CALL: Callable[[Any], bool] = lambda top: True   # noqa: E731
-_CHECKS: dict[str, Callable[[Any], bool]] = {
-    # instruction -> whether, given the value on top of the stack, it checks
-    "CALL": _CALL, "JUMP_BACKWARD": _ALWAYS,
-    # a conditional backward jump checks only when it jumps
-    "POP_JUMP_BACKWARD_IF_TRUE": bool, "POP_JUMP_BACKWARD_IF_FALSE": lambda top: not top,
-    "POP_JUMP_BACKWARD_IF_NONE": lambda top: top is None,
-    "POP_JUMP_BACKWARD_IF_NOT_NONE": lambda top: top is not None}
-_ALSO = frozenset(getattr(threading.Condition, name).__code__ for name in (
-    "wait", "notify", "notify_all", "_release_save", "_acquire_restore", "_is_owned"))
-"""Code of the standard library whose places count too when the runner's code calls it
-(``Condition.wait`` is not safe from an interrupt: the runner has its own, _sleepers)."""
-_SET_ASYNC_EXC = ctypes.pythonapi.PyThreadState_SetAsyncExc
 ALLOWED = re.compile(r"InvalidStateError: replica 0: (output 'tensor_C' of the request was lost: "
                      r"the thread reading it was interrupted by KeyboardInterrupt|the request "
                      r"was abandoned: KeyboardInterrupt interrupted it( while it was sent)?)")
@@ -66,131 +40,6 @@ ALLOWED = re.compile(r"InvalidStateError: replica 0: (output 'tensor_C' of the r
 
 pytestmark = pytest.mark.skipif(sys.version_info[:2] != (3, 11),
                                 reason="the places are CPython 3.11's instructions")
-
-
-@functools.lru_cache(maxsize=None)
-def _places(code: types.CodeType) -> dict[int, Callable[[Any], bool]]:
-    """Offsets of the instructions of ``code`` after which CPython may check for a signal:
-    whether it does, given the value on top of the stack."""
-    return {i.offset: _CHECKS[i.opname] for i in dis.get_instructions(code)
-            if i.opname in _CHECKS}
-
-
-@functools.lru_cache(maxsize=None)
-def _argc(code: types.CodeType, offset: int) -> int:
-    return next(i.arg for i in dis.get_instructions(code) if i.offset == offset)
-
-
-def _peek(frame: types.FrameType, k: int = 1) -> Any:
-    """The ``k``-th value from the top of the stack of ``frame`` (stopped at an opcode
-    event; None for a NULL).
-
-    CPython 3.11's layout: ``PyFrameObject.f_frame`` (after the object's head and
-    ``f_back``) points to the ``_PyInterpreterFrame``, whose ``stacktop`` (after 8
-    pointers) counts the values of ``localsplus`` (after it, aligned) up to the top."""
-    data = ctypes.c_void_p.from_address(id(frame) + 24).value
-    assert data is not None
-    depth = ctypes.c_int.from_address(data + 64).value
-    assert depth >= k, (depth, k)
-    value = ctypes.c_void_p.from_address(data + 72 + 8 * (depth - k)).value
-    return None if value is None else ctypes.cast(value, ctypes.py_object).value
-
-
-def _enters_python(frame: types.FrameType, argc: int) -> bool:
-    """Whether the ``CALL argc`` ``frame`` is stopped at calls a Python function (whose
-    entry is then the place: the trace function's own entry, a check, must not get the
-    interrupt first, or the trace ends with it)."""
-    method = _peek(frame, argc + 2)      # (a NULL unless a method is called on an object)
-    func = method if method is not None else _peek(frame, argc + 1)
-    if isinstance(func, types.MethodType):
-        func = func.__func__
-    return isinstance(func, types.FunctionType)
-
-
-def _arming(tid: int) -> Any:
-    """An object whose attribute assignment schedules KeyboardInterrupt in thread ``tid``.
-
-    A trace function that called ``PyThreadState_SetAsyncExc`` itself would get the
-    interrupt at once (a call's return is a check); a STORE_ATTR through a C callable
-    ``__setattr__`` is none, so the trace function returns first."""
-    arm = functools.partial(_SET_ASYNC_EXC, ctypes.c_ulong(tid),
-                            ctypes.py_object(KeyboardInterrupt))
-    return type("Arm", (), {"__slots__": (), "__setattr__": arm})()
-
-
-def _nothing() -> None:
-    pass
-
-
-class Interrupts:
-    """``with Interrupts(at):`` KeyboardInterrupt at the places numbered ``at`` (1, 2, ...)
-    of the runner's code run by this thread; ``count``: the places passed, ``where``: the
-    functions and lines the interrupts were scheduled at."""
-
-    def __init__(self, at: Iterable[int] = (), entry: str = "",
-                 names: list[str] | None = None) -> None:
-        self.at = frozenset(at)
-        self.entry = entry     # also: at the entry of the first call of the function so named
-        self.names = names     # given: the name of each place's function is appended
-        self.count = 0
-        self.where: list[str] = []
-        self._at_entry = False   # the interrupt is due at the next function's entry
-        self._arm = _arming(threading.get_ident())
-
-    def _call(self, frame: types.FrameType, event: str, arg: Any) -> Any:
-        code, back = frame.f_code, frame.f_back
-        runner = code.co_filename.startswith(RUNNER_DIR) or (
-            code in _ALSO and back is not None
-            and (back.f_code in _ALSO or back.f_code.co_filename.startswith(RUNNER_DIR)))
-        due, self._at_entry = self._at_entry, False
-        if runner:
-            frame.f_trace_opcodes = True
-            frame.f_trace_lines = False
-            self.count += 1
-            if self.names is not None:
-                self.names.append(frame.f_code.co_name)
-            if self.count in self.at or frame.f_code.co_name == self.entry:
-                self.entry = ""
-                self.where.append(f"{frame.f_code.co_name}:{frame.f_lineno} (entry)")
-                due = True
-        if due:
-            self._arm.go = True   # last: nothing after it checks (the function's entry does)
-        return self._opcode if runner else None
-
-    def _opcode(self, frame: types.FrameType, event: str, arg: Any) -> Any:
-        if event != "opcode":
-            return self._opcode
-        checks = _places(frame.f_code).get(frame.f_lasti)
-        # a place only if the instruction checks (else an interrupt scheduled here would be
-        # raised by the next call of this trace function, where CPython never raises it:
-        # e.g. after a loop's last test, before the ``with`` around it releases its lock)
-        if self._at_entry:   # the call entered no Python function (it failed first)
-            self._at_entry = False
-            self._arm.go = True
-            return self._opcode
-        if checks is not None and (checks is _ALWAYS or checks is _CALL or checks(_peek(frame))):
-            self.count += 1
-            if self.names is not None:
-                self.names.append(frame.f_code.co_name)
-            if self.count in self.at:
-                self.where.append(f"{frame.f_code.co_name}:{frame.f_lineno}")
-                if checks is _CALL and _enters_python(frame, _argc(frame.f_code,
-                                                                  frame.f_lasti)):
-                    self._at_entry = True
-                    return self._opcode
-                self._arm.go = True   # last: nothing after it checks
-        return self._opcode
-
-    def __enter__(self) -> "Interrupts":
-        sys.settrace(self._call)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        try:
-            sys.settrace(None)
-            _nothing()    # an interrupt scheduled but not yet raised is raised here
-        except KeyboardInterrupt:
-            pass
 
 
 def request(i: int, shape: tuple[int, ...]) -> dict[str, np.ndarray]:
@@ -303,77 +152,30 @@ def next_requests(runner: Any, shape: tuple[int, ...], w: np.ndarray) -> list[st
         return [f"after: {type(exc).__name__}: {exc}"]
 
 
-def elsewhere(check: Callable[[], list[str]]) -> list[str]:
-    """``check()`` run by another thread: a lock the interrupted thread left held shows, and
-    a hang is reported (after 30 s) instead of stopping the sweep."""
-    found = ["the checks hung for 30 s"]
-
-    def run() -> None:
-        try:
-            found[:] = check()
-        except BaseException as exc:   # noqa: B036 (reported, not raised)
-            found[:] = [f"the checks raised {type(exc).__name__}: {exc}"]
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(30.0)
-    return found
-
-
-def _unraisable(found: list[str], u: Any) -> None:
-    """``sys.unraisablehook`` while sweeping: an exception a finalizer could not raise goes
-    to ``found``, except an interrupt the trace function itself raised (a generator closed
-    as a call returned runs it: CPython would raise the interrupt after the call)."""
-    last = traceback.extract_tb(u.exc_traceback)[-1:] if u.exc_traceback else []
-    if (isinstance(u.exc_value, KeyboardInterrupt) and last
-            and last[0].filename == __file__ and last[0].name in ("_call", "_opcode")):
-        return
-    found.append(f"unraisable {u.exc_type.__name__}: {u.exc_value} in {u.object!r}")
-
-
 def sweep(make: Callable[[], Any], shape: tuple[int, ...], scenario: Scenario, w: np.ndarray,
-          gaps: Iterable[int], every: int = 1, focus: Iterable[str] = ()) -> list[str]:
-    """Run ``scenario`` interrupted at every place (``gaps``: 0, once; d, a second interrupt
-    d places after the first); what went wrong, by place. ``every``: only every k-th place,
-    and every place in the functions named in ``focus`` (as a first run counted them)."""
-    runner = make()
-    names: list[str] = []
-    with Interrupts(names=names) as counting:
-        scenario(runner, shape, 1, [])
-    assert counting.count > 20, counting.count   # the trace saw the runner's code
-    focus = frozenset(focus)
-    places = [n for n, name in enumerate(names, 1) if n % every == 0 or name in focus]
-    assert not focus or len(places) > len(names) // every, "no place in the focus"
-    failures = []
-    unraisable: list[str] = []
-    hook, sys.unraisablehook = sys.unraisablehook, functools.partial(_unraisable, unraisable)
+          gaps: Iterable[int], every: int = 1, focus: Iterable[str] = (),
+          dirs: tuple[str, ...] = (RUNNER_DIR,)) -> list[str]:
+    """Run ``scenario`` interrupted at every place of ``dirs`` (``gaps``: 0, once; d, a
+    second interrupt d places after the first); what went wrong, by place. ``every``: only
+    every k-th place, and every place in the functions named in ``focus`` (as a first run
+    counted them). After each: the interrupted requests' answers, the next requests'."""
+    runner = [make()]
+    futures: list[tuple[int, Any]] = []
+
+    def run(n: int) -> None:
+        futures.clear()
+        scenario(runner[0], shape, n or 1, futures)
+
+    def replace() -> None:
+        old, runner[0] = runner[0], None
+        old.close()
+        runner[0] = make()
     try:
-        for gap in gaps:
-            for n in places:
-                at = {n} if gap == 0 else {n, n + gap}
-                futures: list[tuple[int, Any]] = []
-                bad = []
-                interrupts = Interrupts(at)
-                try:   # (a late one may come as the block ends, before __exit__ runs)
-                    with interrupts:
-                        try:
-                            scenario(runner, shape, n, futures)
-                        except KeyboardInterrupt:
-                            pass
-                        except BaseException as exc:   # noqa: B036 (reported, not raised)
-                            bad.append(f"raised {type(exc).__name__}: {exc}")
-                except KeyboardInterrupt:
-                    pass
-                bad += elsewhere(lambda: answers(futures, w) + next_requests(runner, shape, w))
-                bad += unraisable
-                unraisable.clear()
-                if bad:
-                    failures.append(f"{sorted(at)} at {interrupts.where}: {bad}")
-                    runner.close()
-                    runner = make()
+        return sweep_places(run, lambda: answers(futures, w) + next_requests(runner[0], shape, w),
+                            gaps, every, focus, dirs, replace)
     finally:
-        sys.unraisablehook = hook
-        runner.close()
-    return failures
+        if runner[0] is not None:
+            runner[0].close()
 
 
 @pytest.fixture
@@ -485,3 +287,90 @@ def test_update_load_inputs_with_an_abandoned_request_left_over(make_runner, mod
         assert right(10, runner.executeAsync(request(10, SHAPE))["tensor_C"], 2 * weights)
     finally:
         runner.close()
+
+
+def test_an_interrupted_update_load_inputs_leaves_no_replica_on_the_old_weights(
+        model_path, weights, monkeypatch):
+    """2 replicas: ``update_load_inputs`` interrupted anywhere (once, and twice in a row at
+    every third place) leaves both replicas answering with the same weights on their next
+    request: the new ones as soon as any replica was given them (a replica it did not
+    reach yet loads them before its next request), else the old."""
+    from host_runtime.devices.loopback import loopback_device
+
+    monkeypatch.setenv("IPU_EMULATOR_HOST_SYNC_TIMEOUT", "2")
+    devices = [loopback_device(1), loopback_device(1)]
+    scale = [1.0]   # the weights the replicas answer with now (a multiple of weights)
+
+    def make() -> Any:
+        return model_runtime.ModelRunner(model_path, model_runtime.ModelRunnerConfig(
+            replication_factor=2, replica_to_device={0: devices[0], 1: devices[1]}))
+    runner = [make()]
+
+    def run(n: int) -> None:
+        new = float(n % 3 + 2) if n else 5.0   # never the weights loaded now
+        runner[0].update_load_inputs({"weights": new * weights})
+        scale[0] = new
+
+    def check() -> list[str]:
+        got = []
+        for rid in (0, 1):
+            out = runner[0].execute(request(7, SHAPE), replica_id=rid)["tensor_C"]
+            found = [s for s in {scale[0], *range(1, 6)} if right(7, out, s * weights)]
+            got.append(found[0] if found else None)
+        if got[0] is None or got[0] != got[1]:
+            return [f"replicas 0 and 1 answer with weights x {got[0]} and x {got[1]}"]
+        scale[0] = got[0]   # (the interrupted call's, or the old ones)
+        return []
+
+    def replace() -> None:
+        old, runner[0] = runner[0], None
+        old.close()
+        runner[0] = make()
+        scale[0] = 1.0
+    try:
+        failures = sweep_places(run, check, (0,), replace=replace)
+        failures += sweep_places(run, check, (1,), every=3, replace=replace)
+    finally:
+        if runner[0] is not None:
+            runner[0].close()
+        for dev in devices:
+            dev.close()
+    assert failures == [], "\n".join(failures[:10])
+
+
+@pytest.mark.parametrize("config", [{"thread_safe": True}, {"auto_reset": True}],
+                         ids=["thread_safe", "auto_reset"])
+def test_an_interrupt_anywhere_with_thread_safe_or_auto_reset_gives_no_wrong_answer(
+        make_runner, model_path, weights, config):
+    """``thread_safe`` (a call lock per replica) and ``auto_reset``: ``execute`` and
+    ``executeAsync`` + ``wait``/``get`` interrupted once at every place, ``execute`` twice
+    in a row at every other one."""
+    def make() -> Any:
+        return make_runner(model_path, **config)
+    failures = sweep(make, SHAPE, sync, weights, (0,))
+    failures += sweep(make, SHAPE, sync, weights, (1,), every=2)
+    failures += sweep(make, SHAPE, got, weights, (0,))
+    assert failures == [], "\n".join(failures[:10])
+
+
+def test_an_interrupt_anywhere_in_a_flush_by_the_flush_callback_gives_no_wrong_answer(
+        make_runner, packed_path):
+    """Dynamic batching with a ``flush_callback`` the waiter calls (``flush_on_waiting_
+    outputs``): a partial batch flushed with the callback's padding (it returns None),
+    interrupted once at every place and twice in a row at every third one."""
+    path, w = packed_path
+    calls: list[str] = []
+
+    def on_flush(tensor_id: str, inputs: Any, outputs: Any) -> None:
+        calls.append(tensor_id)
+        return None
+
+    def make() -> Any:
+        runner = make_runner(path, batching_dim=0, timeout_ns=1_000_000,
+                             flush_on_waiting_outputs=True, flush_callback=on_flush)
+        runner.update_load_inputs({"weights": w})
+        return runner
+    failures = sweep(make, PACKED, packed, w[0], (0,))
+    assert calls   # (the sweep flushed through the callback)
+    failures += sweep(make, PACKED, packed, w[0], (1,), every=3)
+    assert failures == [], "\n".join(failures[:10])
