@@ -36,13 +36,12 @@ WAITS = frozenset({"wait", "result", "settle", "start_main_loop", "stop_main_loo
 """Functions whose every place is swept (the others: every k-th)."""
 
 OPEN = pytest.mark.xfail(run=False, reason=(
-    "windows these sweeps still find, outside what the session layer can close alone: "
-    "construction interrupted at the return of shm.Ring.create (StreamRings._create) or "
-    "of Region.create (the constants region, before SharedConstants owns it) loses an "
-    "object nobody unlinks (a Ring or Region dropped by its creator is not unlinked); an "
+    "windows these sweeps still find, outside what the session layer can close alone: an "
     "interrupt inside a finalizer (the shared constants' weakref.finalize, "
     "Session.__del__) is swallowed by CPython ('Exception ignored') and cuts the release "
-    "short (the constants region stays); each sweep takes ~15-35 s on the thread kind"))
+    "short (the constants region, a device's rings stay until exit); each sweep takes "
+    "~15-35 s on the thread kind. (A Ring or Region lost at the return of its create() is "
+    "unlinked when dropped: shm.Region.__del__.)"))
 """Sweeps run by hand (``--runxfail``) until that is closed."""
 
 
