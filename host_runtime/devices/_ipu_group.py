@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 from shm import Region, Ring
 
-from host_runtime.devices._link import ProcessLink, wait
+from host_runtime.devices._link import Answer, ProcessLink, wait
 from host_runtime.devices._shm_space import load_spec_region
 from host_runtime.devices.link import DeviceLink, StreamServicer
 from host_runtime.errors import BadRequestError, DeviceLostError, InvalidStateError, PopefError
@@ -174,7 +174,7 @@ class GroupLink:
             regions = body.get("spec_regions") if isinstance(body, dict) else None
             if regions:
                 if len(regions) > len(self._members):
-                    fut: cf.Future[None] = cf.Future()
+                    fut: cf.Future[None] = Answer()
                     fut.set_exception(BadRequestError(
                         f"the executable needs {len(regions)} IPUs, but {self.description} "
                         f"has {len(self._members)}"))
@@ -223,7 +223,7 @@ class GroupLink:
 
     def _all(self, futs: list["cf.Future[None]"], members: list[_MemberLink],
              op: Op) -> "cf.Future[None]":
-        out: cf.Future[None] = cf.Future()
+        out: cf.Future[None] = Answer()   # an interrupt of its waiter leaves no lock held
         lock = threading.Lock()
         state: dict[str, Any] = {"left": len(futs), "stopped": False, "first": None}
         ref = weakref.ref(self)   # the members' pending futures hold this callback
