@@ -31,6 +31,7 @@ import time
 
 from shm import PeerDiedError, RingTimeoutError, ShmError, describe_process, process_state
 
+from host_runtime._sleepers import sleep_released
 from host_runtime._deadline import host_sync_timeout
 from host_runtime.devices.link import StreamServicer
 from host_runtime.settings import HostSettings
@@ -100,7 +101,7 @@ class _Guard(_thread.RLock):   # type: ignore[misc]
     the lock taken (at the return of the lock's own ``__enter__``), so the ``with`` never
     releases it and the event thread then blocks on the future for ever. This lock's
     ``__enter__`` / ``__exit__`` are the C ones; ``wait`` / ``notify_all`` are those of
-    :class:`host_runtime.runner._sleepers.Sleepers` (the release inside the ``try``
+    :class:`host_runtime._sleepers.Sleepers` (the release inside the ``try``
     whose ``finally`` takes the lock back)."""
 
     def __init__(self) -> None:
@@ -110,21 +111,7 @@ class _Guard(_thread.RLock):   # type: ignore[misc]
     def wait(self, timeout: float | None = None) -> bool:
         """The lock held (once): release it, sleep until ``notify_all`` or ``timeout`` s,
         hold it again (also when interrupted while asleep)."""
-        waiter = _thread.allocate_lock()
-        waiter.acquire()
-        released = False
-        try:
-            self._sleeping.append(waiter)
-            released = True        # (no check between this and the release)
-            self.release()
-            return waiter.acquire(True, -1 if timeout is None else max(timeout, 0.0))
-        finally:
-            if released:
-                self.acquire()
-            try:   # not woken (its time is up, or interrupted): forgotten
-                self._sleeping.remove(waiter)
-            except ValueError:     # woken (or taken by an interrupted notify_all)
-                pass
+        return sleep_released(self, self._sleeping, timeout)
 
     def notify_all(self) -> None:
         """The lock held: wake every sleeper."""

@@ -36,7 +36,7 @@ from host_runtime.errors import InvalidStateError, ModelRuntimeError, SequenceMi
 from host_runtime.runner._life import ReplicaLife
 from host_runtime.runner import _tracing
 from host_runtime.runner._replica_timers import Phantom, ReplicaTimers
-from host_runtime.runner._sleepers import Sleepers
+from host_runtime._sleepers import Sleepers
 from host_runtime.runner._requests import Request, Transfer
 from host_runtime.runner._transfer import TransferPath, consumed_from
 from host_runtime.runner.monitoring import RequestMonitor

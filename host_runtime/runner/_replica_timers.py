@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional, Protocol
 from host_runtime.errors import DeviceTimeoutError, ModelRuntimeError
 from host_runtime.memory import InputMemoryView, OutputMemoryView
 from host_runtime.runner._requests import Request, Transfer
-from host_runtime.runner._sleepers import Sleepers
+from host_runtime._sleepers import Sleepers
 from host_runtime.runner.config import FlushCallback
 
 __all__ = ["Phantom", "ReplicaTimers", "TimerOwner"]

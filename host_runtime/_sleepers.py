@@ -16,7 +16,7 @@ from __future__ import annotations
 import _thread
 from typing import Any
 
-__all__ = ["Sleepers"]
+__all__ = ["Sleepers", "sleep_released"]
 
 _new_lock = _thread.allocate_lock
 
@@ -33,25 +33,32 @@ class Sleepers:
     def wait(self, timeout: float) -> None:
         """``lock`` held: release it, sleep until ``notify_all`` or ``timeout`` seconds,
         hold it again (also when interrupted while asleep)."""
-        waiter = _new_lock()
-        waiter.acquire()
-        lock = self._lock
-        released = False
-        try:
-            self._sleeping.append(waiter)
-            released = True        # (no check between this and the release)
-            lock.release()
-            waiter.acquire(True, max(timeout, 0.0))
-        finally:
-            if released:
-                lock.acquire()
-            try:   # not woken (its time is up, or interrupted): forgotten
-                self._sleeping.remove(waiter)
-            except ValueError:     # woken (or taken by an interrupted notify_all)
-                pass
+        sleep_released(self._lock, self._sleeping, timeout)
 
     def notify_all(self) -> None:
         """``lock`` held: wake every sleeper."""
         sleeping, self._sleeping = self._sleeping, []
         for waiter in sleeping:
             waiter.release()
+
+
+def sleep_released(lock: Any, sleeping: list[Any], timeout: float | None) -> bool:
+    """``lock`` held (once): release it, sleep until a waker releases the lock this call
+    puts in ``sleeping`` (see :meth:`Sleepers.notify_all`) or ``timeout`` seconds (None:
+    no bound), hold ``lock`` again (also when interrupted while asleep). Whether it was
+    woken."""
+    waiter = _new_lock()
+    waiter.acquire()
+    released = False
+    try:
+        sleeping.append(waiter)
+        released = True        # (no check between this and the release)
+        lock.release()
+        return waiter.acquire(True, -1 if timeout is None else max(timeout, 0.0))
+    finally:
+        if released:
+            lock.acquire()
+        try:   # not woken (its time is up, or interrupted): forgotten
+            sleeping.remove(waiter)
+        except ValueError:     # woken (or taken by an interrupted notify_all)
+            pass
