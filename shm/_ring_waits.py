@@ -311,11 +311,29 @@ class _RingWaits:
         leave a call to the Python path while a token is banked."""
         sem.take_into(self._spare_full if sem is self._full else self._spare_free, timeout)
 
+    def _banked(self, sem: SharedSemaphore) -> bool:
+        """Whether a token of ``sem`` taken by a call an exception interrupted before it
+        used it is banked (see _acquire_token). A ``full`` token banked before the peer
+        reset the ring (e.g. a STOP ended this side's run right after its wait) belongs
+        to a message the reset removed: each banked one is a published message not yet
+        acquired, so those past ``published - acquired`` are dropped, never read from an
+        unpublished slot. (A ``free`` token banked before a reset is one too many; the
+        consumer's check of each slot's message number reports its misuse.)"""
+        if sem is self._full:
+            spare = self._spare_full
+            if spare:
+                w = self._w
+                stale = len(spare) - (w[_PUBLISHED] - w[_ACQUIRED])
+                if stale > 0:
+                    del spare[:stale]
+            return bool(spare)
+        return bool(self._spare_free)
+
     def _wait(self, sem: SharedSemaphore, timeout: float | None, what: str) -> None:
         """Take one token of ``sem`` (the Python path's wait)."""
         if self._w[_INVALID]:
             self._raise_if_unusable()
-        if (self._spare_full if sem is self._full else self._spare_free):
+        if self._banked(sem):
             return    # one taken by a call an exception interrupted before it used it
         if self._spin_ns and not sem.value:
             self._spin(sem)
@@ -327,7 +345,7 @@ class _RingWaits:
     def _try(self, sem: SharedSemaphore, what: str) -> None:
         if self._w[_INVALID]:
             self._raise_if_unusable()
-        if (self._spare_full if sem is self._full else self._spare_free):
+        if self._banked(sem):
             return    # one taken by a call an exception interrupted before it used it
         if not self._try_token(sem):
             raise WouldBlock(f"ring {self._name}: no {what} ({self._occupancy()})")

@@ -137,17 +137,6 @@ def main_right(s: Any, i: int, w: np.ndarray) -> bool:
     return right(i, s.outputs[-1], w)
 
 
-STOP_RACE = pytest.mark.xfail(run=False, reason=(
-    "this sweep finds a soft STOP that ends an iteration before the device saw its rings "
-    "invalidated (the STOP's send interrupted before the wake), leaving the device's ring "
-    "positions out of step with the host's reset: the next Main fails with 'slot 0 holds "
-    "message 0, expected 1'. On IPU processes in most runs, on the in-thread device now and "
-    "then under load (a test that fails now and then is kept out of the suite until the "
-    "device's side is closed)"))
-
-
-@STOP_RACE
-@pytest.mark.ipu_kinds("thread", reason="see STOP_RACE")
 def test_an_interrupt_anywhere_in_a_sessions_main_loop_leaves_it_runnable(session, weights):
     """A Session's main loop started and ended (``direct.start_main_loop`` /
     ``stop_main_loop``, the fast path's), then Main run once, interrupted anywhere: Main

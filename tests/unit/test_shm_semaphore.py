@@ -10,7 +10,7 @@ import time
 import posix_ipc
 import pytest
 
-from shm import Region, Ring
+from shm import Region, Ring, RingTimeoutError
 from shm.cleanup import list_objects
 from shm._semaphore import SEM_BYTES, SharedSemaphore
 
@@ -200,3 +200,38 @@ def test_an_owner_that_drops_its_ring_or_region_gives_the_names_back() -> None:
         assert bytes(view) == b"\x07" * 16   # the mapping outlives the name
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("c_core", [True, False], ids=["c", "python"])
+def test_a_token_banked_before_the_peers_reset_is_not_used_after_it(c_core) -> None:
+    """A consumer whose read an exception cut short keeps the token it took (banked); the
+    peer then resets the ring (a STOP ended the run). That token belonged to a message
+    the reset removed: the next read waits for a new message instead of reading an
+    unpublished slot ('slot 0 holds message 0, expected 1')."""
+    from shm.settings import ShmSettings
+
+    settings = ShmSettings.current().replace(ring_c=c_core)
+    producer = Ring.create(16, 2, settings=settings)
+    consumer = Ring.attach(producer.name, settings=settings)
+    try:
+        if c_core and consumer._core is None:
+            pytest.skip("the C core is not built or is switched off")
+        producer.write(b"role", tag=1)
+        assert consumer.read(timeout=2) == (b"role", 1)   # both roles taken
+        producer.write(b"removed", tag=2)
+        # what a read an exception cut short right after its wait leaves (see
+        # test_the_python_path_keeps_a_token_an_exception_interrupts): the token banked
+        consumer._full.take_into(consumer._spare_full, 0)
+        assert consumer._spare_full and consumer.counters()["sem_full"] == 0
+        producer.reset()                                  # the peer's reset (owner side)
+        with pytest.raises(RingTimeoutError):
+            consumer.read(timeout=0.05)                   # nothing published since
+        producer.write(b"after", tag=3)
+        assert consumer.read(timeout=2) == (b"after", 3)
+        with pytest.raises(RingTimeoutError):
+            consumer.read(timeout=0.05)
+        assert consumer.counters()["sem_full"] == 0 and not consumer._spare_full
+    finally:
+        consumer.close()
+        producer.close()
+        producer.unlink()
