@@ -34,11 +34,16 @@ SEM_BYTES = 64
 """Bytes the layout gives each semaphore (a cache line; glibc's ``sem_t`` is 32 on
 64-bit Linux, 16 on 32-bit)."""
 
-_libc = ctypes.CDLL(None, use_errno=True)   # the process's libc (libpthread before glibc 2.34)
+# The process's libc (libpthread before glibc 2.34): through CDLL for the calls that may
+# block (they release the GIL), through PyDLL for those that never do (they keep it, as
+# posix_ipc's do: no other thread of this process runs in the middle of a post, a
+# try-wait or a read of the value, and no GIL hand-over is paid for them).
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc_held = ctypes.PyDLL(None, use_errno=True)
 
 
-def _fn(name: str, *argtypes: Any) -> Any:
-    fn = getattr(_libc, name)
+def _fn(name: str, *argtypes: Any, blocking: bool = False) -> Any:
+    fn = getattr(_libc if blocking else _libc_held, name)
     fn.argtypes = list(argtypes)
     fn.restype = ctypes.c_int
     return fn
@@ -50,15 +55,16 @@ class _Timespec(ctypes.Structure):
 
 _sem_init = _fn("sem_init", ctypes.c_void_p, ctypes.c_int, ctypes.c_uint)
 _sem_post = _fn("sem_post", ctypes.c_void_p)
-_sem_wait = _fn("sem_wait", ctypes.c_void_p)
+_sem_wait = _fn("sem_wait", ctypes.c_void_p, blocking=True)
 _sem_trywait = _fn("sem_trywait", ctypes.c_void_p)
 _sem_getvalue = _fn("sem_getvalue", ctypes.c_void_p, ctypes.POINTER(ctypes.c_int))
 try:   # glibc 2.30+: a deadline on CLOCK_MONOTONIC (a wall-clock step cannot move it)
     _sem_clockwait = _fn("sem_clockwait", ctypes.c_void_p, ctypes.c_int,
-                         ctypes.POINTER(_Timespec))
+                         ctypes.POINTER(_Timespec), blocking=True)
 except AttributeError:   # pragma: no cover - older C libraries
     _sem_clockwait = None
-_sem_timedwait = _fn("sem_timedwait", ctypes.c_void_p, ctypes.POINTER(_Timespec))
+_sem_timedwait = _fn("sem_timedwait", ctypes.c_void_p, ctypes.POINTER(_Timespec),
+                     blocking=True)
 
 _consume: Any = collections.deque(maxlen=0).extend
 _ok: Any = (0).__eq__     # a sem_* call's result: 0 when it took a token
