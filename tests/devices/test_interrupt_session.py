@@ -54,6 +54,20 @@ def right(i: int, out: Any, w: np.ndarray) -> bool:
     return bool(np.allclose(np.asarray(out), float(i % 1000) * w + 0.5, rtol=1e-6))
 
 
+def callback_session(model: Any, device: Any, made: list[Any]) -> Any:
+    """A Session of ``model`` bound to ``device`` whose streams are callbacks over its
+    ``inputs`` and ``outputs`` (kept in ``made``)."""
+    s = Session(model)
+    made.append(s)
+    s.inputs, s.outputs = request(0), []
+    s.setCallbackForAnchor("tensor_A", lambda v: _fill(v, s.inputs["tensor_A"]))
+    s.setCallbackForAnchor("tensor_B", lambda v: _fill(v, s.inputs["tensor_B"]))
+    s.setCallbackForAnchor("tensor_C", lambda v: s.outputs.append(
+        np.frombuffer(v, np.float32).reshape(SHAPE).copy()))
+    s.bindToDevice(device)
+    return s
+
+
 def shm_now() -> set[str]:
     return shm_entries(naming.current_tag())
 
@@ -174,15 +188,7 @@ def test_an_interrupt_anywhere_in_closing_a_session_leaves_the_device_usable(
     made: list[Any] = []
 
     def session() -> Any:
-        s = Session(model)
-        made.append(s)
-        s.inputs, s.outputs = request(0), []
-        s.setCallbackForAnchor("tensor_A", lambda v: _fill(v, s.inputs["tensor_A"]))
-        s.setCallbackForAnchor("tensor_B", lambda v: _fill(v, s.inputs["tensor_B"]))
-        s.setCallbackForAnchor("tensor_C", lambda v: s.outputs.append(
-            np.frombuffer(v, np.float32).reshape(SHAPE).copy()))
-        s.bindToDevice(device)
-        return s
+        return callback_session(model, device, made)
 
     def run(n: int) -> None:
         made.clear()
@@ -247,15 +253,7 @@ def test_an_interrupt_anywhere_in_a_sessions_close_leaves_no_lock_held(
     made: list[Any] = []
 
     def session() -> Any:
-        s = Session(model)
-        made.append(s)
-        s.inputs, s.outputs = request(0), []
-        s.setCallbackForAnchor("tensor_A", lambda v: _fill(v, s.inputs["tensor_A"]))
-        s.setCallbackForAnchor("tensor_B", lambda v: _fill(v, s.inputs["tensor_B"]))
-        s.setCallbackForAnchor("tensor_C", lambda v: s.outputs.append(
-            np.frombuffer(v, np.float32).reshape(SHAPE).copy()))
-        s.bindToDevice(device)
-        return s
+        return callback_session(model, device, made)
 
     def run(n: int) -> None:
         made.clear()
