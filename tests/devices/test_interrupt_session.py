@@ -197,22 +197,30 @@ def test_an_interrupt_anywhere_in_closing_a_session_leaves_the_device_usable(
         s.close()
 
     def check() -> list[str]:
-        for s in made:
-            s.close()
-        made.clear()
-        s = session()
-        try:
-            ok = main_right(s, 904, weights)
-        finally:
-            s.close()
-            made.clear()
-        gone = shm_now() - before
-        before.update(gone)   # (reported once: the next places' own show)
-        return ([] if ok else ["a wrong answer after"]) + (
-            [f"left in /dev/shm: {sorted(gone)}"] if gone else [])
+        return closed_and_right(made, session, weights, before)
     before = shm_now()
     failures = sweep_places(run, check, (0,), every=5, focus=WAITS, dirs=SESSION_DIRS)
     assert failures == [], "\n".join(failures[:10])
+
+
+def closed_and_right(made: list[Any], session: Callable[[], Any], weights: np.ndarray,
+                     before: set[str], ignore: str | None = None) -> list[str]:
+    """A sweep's check after an interrupted run: close every session it made, then a new
+    one must answer right; what is in /dev/shm since ``before`` (but names ending in
+    ``ignore``) is reported once."""
+    for s in made:
+        s.close()
+    made.clear()
+    s = session()
+    try:
+        ok = main_right(s, 904, weights)
+    finally:
+        s.close()
+        made.clear()
+    gone = {e for e in shm_now() - before if ignore is None or not e.endswith(ignore)}
+    before.update(gone)   # (reported once: the next places' own show)
+    return ([] if ok else ["a wrong answer after"]) + (
+        [f"left in /dev/shm: {sorted(gone)}"] if gone else [])
 
 
 def _fill(view: memoryview, value: np.ndarray) -> None:
@@ -267,19 +275,8 @@ def test_an_interrupt_anywhere_in_a_sessions_close_leaves_no_lock_held(
         s.close()
 
     def check() -> list[str]:
-        for s in made:
-            s.close()
-        made.clear()
-        s = session()
-        try:
-            ok = main_right(s, 904, weights)
-        finally:
-            s.close()
-            made.clear()
-        gone = {e for e in shm_now() - before if not e.endswith("_cst")}
-        before.update(gone)
-        return ([] if ok else ["a wrong answer after"]) + (
-            [f"left in /dev/shm: {sorted(gone)}"] if gone else [])
+        # (the constants regions a finalizer's interrupt left are the OPEN sweeps')
+        return closed_and_right(made, session, weights, before, ignore="_cst")
     before = start = shm_now()
     try:
         failures = sweep_places(run, check, (0, 1), dirs=SESSION_DIRS, finalizers=False)
