@@ -44,6 +44,7 @@ __all__ = [
     "IpuProcessError",
     "DaemonError",
     "DaemonProtocolError",
+    "DaemonVersionError",
     "PoolError",
     "VipuError",
     "HostMemoryError",
@@ -109,6 +110,11 @@ class DaemonError(IpuEmulatorError, RuntimeError):
 
 class DaemonProtocolError(IpuEmulatorError, ValueError):
     """A message does not follow the daemon protocol (size, JSON, version)."""
+
+
+class DaemonVersionError(DaemonProtocolError):
+    """The other side speaks another version of the daemon protocol: another
+    installation of the emulator, whose wire (rings) may differ too."""
 
 
 class VipuError(IpuEmulatorError, RuntimeError):

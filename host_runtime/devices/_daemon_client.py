@@ -42,7 +42,7 @@ from host_runtime.devices._wait import waiting_elsewhere
 from host_runtime.settings import HostSettings
 from ipu_emulator import trace
 from ipu_emulator.daemon import socket_protocol as wire
-from ipu_emulator.errors import DaemonProtocolError
+from ipu_emulator.errors import DaemonVersionError
 from ipu_emulator.ipu.launcher import IpuSpec, describe_returncode, read_log_tail
 from ipu_emulator.ipu_protocol import Ready
 from ipu_emulator.system import SystemConfig
@@ -83,7 +83,7 @@ class DaemonClient:
         return min(timeout, self.sync_timeout)
 
     def _unreachable(self, exc: BaseException) -> DeviceUnavailableError:
-        if isinstance(exc, DaemonProtocolError) and "protocol version" in str(exc):
+        if isinstance(exc, DaemonVersionError):
             return DeviceUnavailableError(
                 f"the IPU emulator daemon at {self.path} ({wire.ENV_VAR}) is another version "
                 f"of the emulator: {exc}; restart it with this installation ('ipu-emulator "

@@ -34,9 +34,10 @@ import socket
 import struct
 from typing import Any, Mapping
 
-from ipu_emulator.errors import DaemonProtocolError
+from ipu_emulator.errors import DaemonProtocolError, DaemonVersionError
 
 __all__ = ["VERSION", "MAX_MESSAGE", "ENV_VAR", "SOCKET_NAME", "DaemonProtocolError",
+           "DaemonVersionError",
            "default_socket_path", "encode", "decode", "LineConnection", "request"]
 
 VERSION = 2
@@ -89,7 +90,7 @@ def decode(line: bytes) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise DaemonProtocolError(f"message must be a JSON object, got {type(obj).__name__}")
     if obj.get("v") != VERSION:
-        raise DaemonProtocolError(f"protocol version {obj.get('v')!r} is not supported; "
+        raise DaemonVersionError(f"protocol version {obj.get('v')!r} is not supported; "
                                   f"this side speaks version {VERSION}")
     return obj
 
