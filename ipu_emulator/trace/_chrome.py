@@ -473,11 +473,14 @@ def _request(out: _Out, pid: int, payload: tuple[Any, ...], thread: str,
                      "batch_size": samples, "seqs": list(seqs), "model": model,
                      "thread": thread})
     laid: dict[str, Any] | None = None
+    ended: list[tuple[int, dict[str, Any]]] = []   # (end, slice) of the phases before it
     for name, a, b in phases:
         ev = out.async_slice(name, pid, ident, a, b - a, depth=2 if name == "transfer in"
                              else 1)
         if name == "transfer in":
             laid = ev
+        elif laid is None:
+            ended.append((b, ev))
     assert laid is not None
     chains: list[tuple[int, list[Served]]] = []
     for seq in seqs:
@@ -496,7 +499,13 @@ def _request(out: _Out, pid: int, payload: tuple[Any, ...], thread: str,
     since = t2
     for seq, chain in sorted(chains, key=lambda c: c[1][0].start):
         src: dict[str, Any] | None = laid
-        if chain[0].start < t3 and since < t3:
+        if chain[0].start < since:
+            # the IPU's iteration began (waiting for its inputs) before the host laid
+            # this transfer: an arrow from the laying would point back in time; it
+            # leaves the last phase that ended by then, or there is none
+            src = max(((b, ev) for b, ev in ended if b <= chain[0].start),
+                      key=lambda e: e[0], default=(0, None))[1]
+        elif chain[0].start < t3 and since < t3:
             # at least 1 ns (see _visible): one starting at its iteration's start is
             # drawn straight down, not backwards
             until = min(max(since + 1, chain[0].start), t3)

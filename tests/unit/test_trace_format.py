@@ -195,6 +195,32 @@ def test_each_arrow_leaves_its_request_before_the_iteration_it_ends_in():
     assert not [e for e in timeline["traceEvents"] if e["ph"] in ("s", "f")]
 
 
+def test_an_iteration_begun_before_its_transfer_was_laid_gets_no_arrow_back_in_time():
+    """The IPU's iteration began (waiting for its inputs) before the host began laying
+    the transfer it served: the arrow leaves the request's last phase that ended by then
+    (none: no arrow), never the laying, which would point back in time."""
+    R = recorder
+
+    def timeline(step_at: int) -> dict:
+        req = (R.H_REQUEST, 1, 9000, 4200,
+               (7, 0, 1, 1, (5,), (9000, 9500, 9600, 10500, 10600, 13100, 13200, 13200)))
+        life = (R.H_LIFE, 1, 1000, 500, ("attach and load", 0, (200,), "m", 7))
+        records = [(2000, 100_000, R.I_OP, 0, int(_chrome.Op.LOOP), 1, 0),
+                   (step_at - 50, 3000, R.I_PROGRAM, 0, 1, 2, 1),
+                   (step_at, 2000, R.I_STEP, 0, 5, 500, 2000)]
+        return _chrome.merge(100, "host", [life, req], 0, {1: (100, "MainThread")},
+                             [_chrome.IpuRecords(200, 0, records, 0)], (0, 200_000))
+
+    after_first = timeline(9550)      # after the first phase (9000-9500), before laying
+    assert trace_summary.validate(after_first) == []
+    [(src, dst)] = trace_summary.arrows(after_first)
+    assert dst["name"] == "iteration" and src["ts"] + src["dur"] <= dst["ts"]
+    assert src["name"] != "transfer in" and not src["name"].startswith("transfer in (")
+    within_first = timeline(9300)     # no phase ended yet: no arrow at all
+    assert trace_summary.validate(within_first) == []
+    assert trace_summary.arrows(within_first) == []
+
+
 def test_an_ipu_track_holds_work_only_and_names_say_whom_it_served():
     timeline = _merged()
     xs = {e["name"] for e in timeline["traceEvents"] if e["ph"] == "X" and e["pid"] == 200}
