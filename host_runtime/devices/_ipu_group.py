@@ -240,31 +240,30 @@ class GroupLink:
             exc = f.exception()
             with lock:
                 state["left"] -= 1
-                last = state["left"] == 0
                 stop = exc is not None and not state["stopped"] and op in (Op.RUN, Op.LOOP)
                 if stop:
                     state["stopped"] = True
                     if not isinstance(exc, InvalidStateError):   # not stop()'s
                         state["first"] = exc   # the failure; the others' errors follow it
-            if stop and self._lost is None:
-                # the others may wait for data from the failed IPU (or wait to pass it
-                # some): end their programs, then wake those blocked on an IPU-Link now
-                # rather than at their next check of the control ring. The links are
-                # reset before the next RUN/LOOP.
-                for g, m in zip(futs, members):
-                    if g is not f and not g.done():
-                        try:
-                            m.request(Op.STOP, value=1)
-                        except Exception:  # pragma: no cover - best effort
-                            _log.debug("soft stop of %s failed", m.description, exc_info=True)
-                wake = self.wake_links
-                if wake is not None:
-                    try:
-                        wake()
-                    except Exception:  # pragma: no cover - best effort
-                        _log.debug("waking the IPU-Links failed", exc_info=True)
-            if not last:
-                return
+                    # The stop below is one more part of the answer: the caller's next
+                    # request must find the STOPs sent and the links invalidated, never
+                    # overtake them (a late STOP would end the next run, a late wake
+                    # disconnect its links and drop its outputs).
+                    state["left"] += 1
+                last = state["left"] == 0
+            if stop:
+                try:
+                    self._stop_others(f, futs, members)
+                finally:
+                    with lock:
+                        state["left"] -= 1
+                        last = state["left"] == 0
+                    if last:
+                        settle()
+            elif last:
+                settle()
+
+        def settle() -> None:   # every part answered: the combined answer
             errors = [e for e in (g.exception() for g in futs) if e is not None]
             futs.clear()   # each future's callbacks hold this list: no cycle left behind
             members.clear()
@@ -276,6 +275,27 @@ class GroupLink:
         for f in futs:
             f.add_done_callback(done)
         return out
+
+    def _stop_others(self, failed: "cf.Future[None]", futs: list["cf.Future[None]"],
+                     members: list[_MemberLink]) -> None:
+        """An IPU's run failed: the others may wait for data from it (or wait to pass it
+        some): end their programs, then wake those blocked on an IPU-Link now rather than
+        at their next check of the control ring. The links are reset before the next
+        RUN/LOOP."""
+        if self._lost is not None:
+            return
+        for g, m in zip(futs, members):
+            if g is not failed and not g.done():
+                try:
+                    m.request(Op.STOP, value=1)
+                except Exception:  # pragma: no cover - best effort
+                    _log.debug("soft stop of %s failed", m.description, exc_info=True)
+        wake = self.wake_links
+        if wake is not None:
+            try:
+                wake()
+            except Exception:  # pragma: no cover - best effort
+                _log.debug("waking the IPU-Links failed", exc_info=True)
 
     # -- failure ---------------------------------------------------------------------------
 
