@@ -149,16 +149,7 @@ class _Template:
                 continue
             with self._cv:
                 for line in lines:
-                    msg = json.loads(line)
-                    if msg["op"] == "exit":
-                        self.exits[msg["pid"]] = msg["code"]
-                        self.children.discard(msg["pid"])
-                    elif msg["id"] in self._abandoned:
-                        self._abandoned.discard(msg["id"])
-                        if "pid" in msg:   # forked as the deadline passed: not ours now
-                            _kill(int(msg["pid"]))
-                    else:
-                        self._replies[msg["id"]] = msg
+                    self._take(json.loads(line))
                 self._cv.notify_all()
         with self._cv:
             stopped = self.gone
@@ -169,6 +160,26 @@ class _Template:
             _log.warning("the IPU template process (pid %d) %s; its IPU processes' exit "
                          "statuses are lost", self.popen.pid,
                          _describe(rc) if rc is not None else "closed its socket")
+
+    def _take(self, msg: dict[str, Any]) -> None:
+        """Note one message of the template (the lock held), in the order it sent them: a
+        child's fork comes before its exit."""
+        if msg["op"] == "exit":
+            self.exits[msg["pid"]] = msg["code"]
+            self.children.discard(msg["pid"])
+            return
+        if "pid" in msg:
+            # A new process with this pid: what an earlier one of the same pid left (its
+            # exit status, a lost status) is not this one's. The kernel reuses pids, so a
+            # long-lived host meets them again; the new one must not count as exited.
+            self.exits.pop(msg["pid"], None)
+            self.lost.discard(msg["pid"])
+        if msg["id"] in self._abandoned:
+            self._abandoned.discard(msg["id"])
+            if "pid" in msg:   # forked as the deadline passed: not ours now
+                _kill(int(msg["pid"]))
+        else:
+            self._replies[msg["id"]] = msg
 
     def _wait_reply(self, ident: int, timeout: float) -> dict[str, Any] | None:
         with self._cv:

@@ -84,6 +84,33 @@ def test_a_killed_forked_process_is_reported_with_its_signal_at_once(tmp_path):
         proc.close()
 
 
+def test_a_pid_the_kernel_hands_out_again_is_a_live_process_not_the_exited_one(tmp_path):
+    """A long-lived host forks more IPU processes than the kernel has pids: a new process
+    may get the pid of one that exited. The template's report of the new fork replaces
+    the old exit status (once a device was taken for lost at its first request: its IPU
+    process "exited with code 0", the status of an earlier process of that pid)."""
+    proc = launch_ipu(IpuSpec(ipu_id=0), log_dir=str(tmp_path))
+    try:
+        proc.wait_ready()
+        ipu_protocol.send(proc.control, Message(Op.SHUTDOWN))
+        assert proc.wait_exit(60) == 0
+    finally:
+        proc.close()
+    forked = proc._popen
+    assert isinstance(forked, forkserver.ForkedProcess)
+    template, pid = forked._template, forked.pid
+    # the template's messages as it sends them when its next fork gets that pid: the
+    # fork's reply, later the new process's own exit
+    with template._cv:
+        template._take({"op": "spawned", "id": -1, "pid": pid})
+        assert template._replies.pop(-1)["pid"] == pid
+    again = forkserver.ForkedProcess(template, pid)
+    assert again.poll() is None and not again.status_lost
+    with template._cv:
+        template._take({"op": "exit", "pid": pid, "code": -signal.SIGKILL})
+    assert again.poll() == -signal.SIGKILL
+
+
 def test_the_setting_turns_the_template_off(tmp_path, monkeypatch):
     monkeypatch.setenv("IPU_EMULATOR_FORKSERVER", "0")
     proc = launch_ipu(IpuSpec(ipu_id=1), log_dir=str(tmp_path))
