@@ -108,10 +108,10 @@ class Scheduler:
             else:
                 for p in programs:
                     run_one(loaded, p, io)
+            if io.disconnected:
+                self._disconnected(loop)
             if not loop:
                 return
-            if io.disconnected:
-                self._disconnected()
             now = _monotonic()
             if now >= watch.next_check:
                 watch.check()
@@ -173,12 +173,18 @@ class Scheduler:
             else:
                 run_one(loaded, p, io)
 
-    def _disconnected(self) -> None:
+    def _disconnected(self, loop: bool) -> None:
         self._wire.poll()   # a STOP that came with the disconnection wins
         # Dummy data "until the run returns": a loop never returns, so it ends here instead
-        # of spinning on disconnected streams.
-        raise _RequestError(ErrorKind.STATE, "the main loop ended: its streams were "
-                            "disconnected (invalidated) by the host")
+        # of spinning on disconnected streams. A run returns, but what it computed from
+        # dummy inputs was dropped: never answered as done (its caller would take it for
+        # a run that gave its outputs).
+        if loop:
+            raise _RequestError(ErrorKind.STATE, "the main loop ended: its streams were "
+                                "disconnected (invalidated) by the host")
+        raise _RequestError(ErrorKind.STATE, "the run's streams were disconnected "
+                            "(invalidated) by the host while it ran: its outputs were "
+                            "dropped")
 
     def stopped(self, msg: Message) -> None:
         """A STOP ended the run of ``msg``: answer STOPPED, and DONE to the STOP."""

@@ -243,3 +243,23 @@ def test_disconnecting_the_streams_ends_the_main_loop(model, device):
             np.frombuffer(rc.read(timeout=30)[0], np.float32), np.full(6, 7, np.float32))
         s.stop()
         assert loop.result(timeout=30) is None
+
+
+def test_a_run_whose_output_was_disconnected_fails_rather_than_answer_without_it(model, device):
+    """Dummy data "until the run returns": what a run computed after its streams were
+    disconnected is dropped, and the run says so rather than answer as done."""
+    with Session(model) as s:
+        s.bindToDevice(device)
+        s.direct.claim("tensor_C")
+        out = s.direct.output_ring("tensor_C")
+
+        def fill_a(view: memoryview) -> None:
+            out.invalidate()   # disconnected (without a STOP) while the run waits for inputs
+            view.cast("B")[:] = np.zeros(SHAPE, np.float32).tobytes()
+
+        s.setCallbackForAnchor("tensor_A", fill_a)
+        s.setCallbackForAnchor("tensor_B", lambda v: v.cast("B").__setitem__(
+            slice(None), np.ones(SHAPE, np.float32).tobytes()))
+        with pytest.raises(InvalidStateError, match="its outputs were dropped"):
+            s.runMainPrograms()
+        assert not out.readable()
