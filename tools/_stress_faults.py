@@ -3,7 +3,7 @@
 The host runs the example model under a seeded schedule of injected faults of every
 kind (``ipu_emulator.faults``), one request at a time so that the schedule is
 replayed exactly, twice: with ``auto_reset`` on, then off; then the pipelined model
-(2 IPUs) with ``link_down``. With ``--duration`` such rounds (each with a schedule of
+(2 IPUs) with ``link_down`` and application errors on one of its IPUs at random runs. With ``--duration`` such rounds (each with a schedule of
 its own) repeat until it ends; with ``--requests`` one round runs. Each answer is
 counted:
 
@@ -248,11 +248,16 @@ def run_faults(spec: HostSpec, tally: Any, check: Callable[[Any, np.ndarray, str
                 cfg.device_wait_config = wait
                 with settings.override(host_sync_timeout=_SYNC):
                     return mr.ModelRunner(spec.models.pipeline_model, config=cfg)
-            plan = faults.FaultPlan([{"kind": "link_down", "after": rng.randrange(1, 3)}])
+            # an IPU-Link down, and errors of one IPU's part (the other IPU is stopped
+            # for it): the request after each must be right
+            plan = faults.FaultPlan([
+                {"kind": "link_down", "after": rng.randrange(1, 3)},
+                {"kind": "application_error", "probability": 0.2,
+                 "seed": rng.randrange(1 << 20), "times": 3}])
             with plan:
                 phase = _Phase(tally, make_pipeline, plan, pipelined, hang, extra)
             try:
-                for _ in range(6):
+                for _ in range(16):
                     if time.time() >= deadline:
                         break
                     phase.step(True)
