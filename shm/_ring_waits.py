@@ -237,7 +237,7 @@ class _RingWaits:
                 if (self._peer is not None and not self._peer_notified
                         and (wait is None or wait > peer_check)):
                     wait = peer_check
-                if self._take(sem, wait):
+                if self._take(sem, wait) and not self._surplus(sem):
                     return
         except ShmError as exc:  # may be raised in an except clause: hide its context
             exc.__suppress_context__ = True
@@ -313,21 +313,23 @@ class _RingWaits:
 
     def _banked(self, sem: SharedSemaphore) -> bool:
         """Whether a token of ``sem`` taken by a call an exception interrupted before it
-        used it is banked (see _acquire_token). A ``full`` token banked before the peer
-        reset the ring (e.g. a STOP ended this side's run right after its wait) belongs
-        to a message the reset removed: each banked one is a published message not yet
-        acquired, so those past ``published - acquired`` are dropped, never read from an
-        unpublished slot. (A ``free`` token banked before a reset is one too many; the
-        consumer's check of each slot's message number reports its misuse.)"""
+        used it is banked (see _acquire_token); those a reset made stale are dropped
+        first (:func:`_drop_stale`)."""
+        w = self._w
         if sem is self._full:
-            spare = self._spare_full
-            if spare:
-                w = self._w
-                stale = len(spare) - (w[_PUBLISHED] - w[_ACQUIRED])
-                if stale > 0:
-                    del spare[:stale]
-            return bool(spare)
-        return bool(self._spare_free)
+            return _drop_stale(self._spare_full, w[_PUBLISHED] - w[_ACQUIRED])
+        return _drop_stale(self._spare_free, self._num_slots - (w[_PUBLISHED] - w[_RELEASED]))
+
+    def _surplus(self, sem: SharedSemaphore) -> bool:
+        """A token of ``sem`` was just taken (banked): whether it was one too many and is
+        dropped. A ``free`` token taken while every slot is in use cannot be real (the
+        consumer counts a release before it posts the token; see :func:`_drop_stale`)."""
+        w = self._w
+        if sem is self._full or w[_PUBLISHED] - w[_RELEASED] < self._num_slots:
+            return False
+        if self._spare_free:
+            del self._spare_free[-1]
+        return True
 
     def _wait(self, sem: SharedSemaphore, timeout: float | None, what: str) -> None:
         """Take one token of ``sem`` (the Python path's wait)."""
@@ -337,7 +339,7 @@ class _RingWaits:
             return    # one taken by a call an exception interrupted before it used it
         if self._spin_ns and not sem.value:
             self._spin(sem)
-        if not self._try_token(sem):
+        if not self._try_token(sem) or self._surplus(sem):
             self._wait_slow(sem, timeout, what, 0.0)
         if self._w[_INVALID]:
             self._raise_if_unusable()
@@ -347,7 +349,7 @@ class _RingWaits:
             self._raise_if_unusable()
         if self._banked(sem):
             return    # one taken by a call an exception interrupted before it used it
-        if not self._try_token(sem):
+        if not self._try_token(sem) or self._surplus(sem):
             raise WouldBlock(f"ring {self._name}: no {what} ({self._occupancy()})")
         if self._w[_INVALID]:
             self._raise_if_unusable()
@@ -399,6 +401,24 @@ class _RingWaits:
             raise ValueError(f"signum must be an int in 0..255, got {signum!r}")
         self._w[_DOORBELL] = (self._pid << 8 | signum) if signum else 0
 
+
+
+def _drop_stale(spare: list[None], room: int) -> bool:
+    """Drop the banked tokens past ``room``; whether one is left.
+
+    A token banked before the peer reset the ring (a STOP ended this side's run right
+    after its wait, or an invalidation woke it: its token is banked as the call raises)
+    may be one the reset removed. Each banked ``full`` token stands for a published
+    message not yet acquired, each banked ``free`` one for a slot not in use: those past
+    ``published - acquired`` (the free slots) are stale, and used they would read an
+    unpublished slot (write over an unread one). A stale ``free`` token used while slots
+    were free leaves one too many in the semaphore: ``_RingWaits._surplus`` drops it
+    when it is taken."""
+    if spare:
+        stale = len(spare) - room
+        if stale > 0:
+            del spare[:stale]
+    return bool(spare)
 
 
 def _peer_exited(ref: "weakref.ref[_RingWaits]", peer: PeerWatch) -> None:

@@ -394,6 +394,18 @@ copy_in(char *dst, const void *src, Py_ssize_t n)
     }
 }
 
+/* Whether a free-slot token just taken is one too many: every slot is in use, so no
+ * free token can be real (the consumer counts a release before it posts the token). It
+ * was banked by this end before the peer reset the ring (a wait an invalidation woke:
+ * its token is banked as the call raises), and is dropped: used, it would overwrite the
+ * oldest unread message. */
+static inline int
+surplus_free(Core *c)
+{
+    volatile int64_t *w = c->w;
+    return w[W_PUBLISHED] - w[W_RELEASED] >= c->num_slots;
+}
+
 /* -- arguments and fallbacks ------------------------------------------- */
 
 /* Parse up to `n` arguments given by position or by name (FASTCALL|KEYWORDS);
@@ -598,6 +610,11 @@ Core_write(Core *c, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
         code = TOKEN;
         goto slow;
     }
+    if (surplus_free(c)) {   /* dropped; the Python path waits for a real one */
+        PyBuffer_Release(&b);
+        code = GENERAL;
+        goto slow;
+    }
     copy_in(slot_payload(c, w[W_PUBLISHED] % c->num_slots), b.buf, b.len);
     publish_slot(c, b.len, tag);
     PyBuffer_Release(&b);
@@ -621,6 +638,10 @@ acquire_write(Core *c, PyObject *timeout, int blocking)
         goto slow;
     if (w[W_INVALID]) {
         code = TOKEN;
+        goto slow;
+    }
+    if (surplus_free(c)) {   /* dropped; the Python path waits for a real one */
+        code = GENERAL;
         goto slow;
     }
     w[W_HELD] = 1;
@@ -1105,6 +1126,8 @@ api_take_writable(ShmRingEnd *end, char **payload)
     volatile int64_t *w = c->w;
     if (c->closed || !c->producer || w[W_INVALID] || w[W_HELD] || banked(c, c->free_sem)
         || !try_token(c, c->free_sem))
+        return 0;
+    if (surplus_free(c))   /* dropped (see surplus_free): the caller's slow path waits */
         return 0;
     *payload = slot_payload(c, w[W_PUBLISHED] % c->num_slots);
     return 1;

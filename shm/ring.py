@@ -76,7 +76,11 @@ message.
 ``invalidate()`` stores ``invalid`` and then posts both semaphores once, so a
 waiter on either side wakes at once, sees the flag and raises
 :class:`RingInvalidatedError`; every later call raises it too until
-``reset()``.
+``reset()``. The woken waiter's token stays banked with its end; after the
+reset it is one too many, and is dropped rather than used: a banked ``full``
+token beyond ``published - acquired`` (it would read an unpublished slot), a
+``free`` token taken while every slot is in use (it would write over the
+oldest unread message).
 
 Waiting: a wait sleeps until the earliest of its deadline (none for
 ``timeout=None``) and its token, never in slices. Whatever must end it early

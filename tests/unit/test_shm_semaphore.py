@@ -235,3 +235,50 @@ def test_a_token_banked_before_the_peers_reset_is_not_used_after_it(c_core) -> N
         consumer.close()
         producer.close()
         producer.unlink()
+
+
+@pytest.mark.parametrize("c_core", [True, False], ids=["c", "python"])
+@pytest.mark.parametrize("unread_before", [0, 1], ids=["empty", "one-unread"])
+def test_a_free_token_an_invalidation_left_is_not_used_after_the_reset(c_core,
+                                                                        unread_before) -> None:
+    """A producer blocked on a full ring (an IPU whose outputs the host does not read)
+    is woken by the host's invalidation (stop()): its wait takes the token the
+    invalidation posted, and the call raises with it banked. The host resets the ring.
+    Used, that token would let the producer write one message more than the ring holds,
+    over the oldest unread one ('slot 0 holds message 3, expected 1'); it is dropped
+    instead, whether the producer next writes into a full ring or an empty one."""
+    from shm import RingInvalidatedError
+    from shm.settings import ShmSettings
+
+    settings = ShmSettings.current().replace(ring_c=c_core)
+    owner = Ring.create(16, 2, settings=settings)          # the host: consumer, resets
+    producer = Ring.attach(owner.name, settings=settings)
+    try:
+        if c_core and producer._core is None:
+            pytest.skip("the C core is not built or is switched off")
+        producer.write(b"a", tag=1)
+        producer.write(b"b", tag=2)                       # full
+        owner.invalidate()                                # stop(): posts a token to each
+        # what the producer's wait, woken by it, leaves as its call raises: the token
+        # banked (see test_the_python_path_keeps_a_token_an_exception_interrupts)
+        producer._free.take_into(producer._spare_free, 0)
+        assert producer._spare_free
+        with pytest.raises(RingInvalidatedError):
+            producer.write(b"late", timeout=60)
+        owner.reset()
+        for k in range(unread_before):
+            producer.write(b"u%d" % k, tag=10 + k)
+            assert owner.read(timeout=2) == (b"u%d" % k, 10 + k)
+        producer.write(b"x", tag=3)
+        producer.write(b"y", tag=4)                       # full again
+        with pytest.raises(RingTimeoutError):
+            producer.write(b"over", tag=5, timeout=0.05)  # not over the unread "x"
+        assert owner.read(timeout=2) == (b"x", 3)
+        assert owner.read(timeout=2) == (b"y", 4)
+        producer.write(b"z", tag=6)
+        assert owner.read(timeout=2) == (b"z", 6)
+        assert owner.counters()["sem_free"] == 2 and not producer._spare_free
+    finally:
+        producer.close()
+        owner.close()
+        owner.unlink()
