@@ -127,11 +127,11 @@ class Span:
         mm, self._mm = self._mm, None
         self.bound = None
         if mm is not None:
-            self.view.release()
             try:
+                self.view.release()
                 mm.close()
-            except BufferError:   # pragma: no cover - a view still alive: unmapped with it
-                pass
+            except BufferError:   # a view still alive (a failed build's traceback): the
+                pass              # range, anonymous now, is unmapped when it dies
 
 
 class Kept:
