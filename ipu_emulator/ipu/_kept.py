@@ -164,8 +164,7 @@ class Kept:
         """Whether nothing of the last host is left in it (no transfer held by a run
         that was cut short)."""
         interp = self.interp
-        return interp is not None and not getattr(interp, "_zc_views", None) and not getattr(
-            interp, "_closed", True)
+        return interp is not None and not interp.closed and not interp.holds_transfers()
 
     def close(self) -> None:
         interp, self.interp = self.interp, None

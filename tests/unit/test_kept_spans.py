@@ -73,12 +73,17 @@ def test_a_region_too_short_or_missing_is_named(regions):
 
 
 class _Interp:
+    """What the kept builds ask of an interpreter."""
+
     def __init__(self) -> None:
-        self._closed = False
-        self._zc_views: dict[str, memoryview] = {}
+        self.closed = False
+        self.held: list[str] = []
+
+    def holds_transfers(self) -> bool:
+        return bool(self.held)
 
     def close(self) -> None:
-        self._closed = True
+        self.closed = True
 
 
 def _kept(key: str) -> Kept:
@@ -95,7 +100,7 @@ def test_the_least_recently_used_beyond_the_bound_is_closed():
     assert len(builds) == KEPT and made[0].interp is None      # closed
     assert builds.take("k0") is None
     again = builds.take(f"k{KEPT}")
-    assert again is made[KEPT] and again.interp is not None and not again.interp._closed
+    assert again is made[KEPT] and again.interp is not None and not again.interp.closed
     builds.close()
     again.close()
     assert all(k.interp is None for k in made)
@@ -104,7 +109,7 @@ def test_the_least_recently_used_beyond_the_bound_is_closed():
 def test_a_build_cut_short_mid_run_is_not_kept():
     builds = KeptBuilds()
     kept = _kept("k")
-    kept.interp._zc_views["in"] = memoryview(b"x")   # a transfer its run still held
+    kept.interp.held.append("in")   # a transfer its run still held
     interp = kept.interp
     builds.give_back(kept)
-    assert len(builds) == 0 and interp._closed and kept.interp is None
+    assert len(builds) == 0 and interp.closed and kept.interp is None
