@@ -8,10 +8,9 @@ from host_runtime.devices._wait import DeviceConstraints, DeviceWaitConfig, Devi
 from host_runtime.devices._wait import when_waiting as when_waiting, waiting_elsewhere as waiting_elsewhere
 
 # for the other packages of host_runtime (not part of the public surface)
-from host_runtime.devices._manager import ActiveSession as ActiveSession, attach_ahead as attach_ahead
+from host_runtime.devices._manager import ActiveSession as ActiveSession
 from host_runtime.devices._ipu_group import ShardedLoad as ShardedLoad, paced_by_requests as paced_by_requests, main_reads as main_reads, paced as paced
 from host_runtime.devices._link import Answer as Answer, wait as wait
-from host_runtime.devices._daemon_client import drop_ahead as drop_ahead
 from host_runtime.devices._shm_space import check_room as check_room, filled_region as filled_region, free_bytes as free_bytes, load_spec_region as load_spec_region, ring_bytes as ring_bytes, translated as translated
 
 from ipu_emulator import trace as _trace

@@ -49,7 +49,7 @@ from ipu_emulator.ipu.launcher import IpuSpec, describe_returncode, read_log_tai
 from ipu_emulator.ipu_protocol import Ready
 from ipu_emulator.system import SystemConfig
 
-__all__ = ["DaemonClient", "DaemonAttachment", "DaemonIpu", "daemon_from_env", "drop_ahead"]
+__all__ = ["DaemonClient", "DaemonAttachment", "DaemonIpu", "daemon_from_env"]
 
 _log = logging.getLogger(__name__)
 
@@ -175,26 +175,6 @@ class DaemonClient:
         self.reconfigurable = part["reconfigurable"]
         return int(part["size"])
 
-    def send_ahead(self, device_id: int, ipus: tuple[int, ...]) -> None:
-        """Send the attach request of ``ipus`` now (``DeviceManager.attach_ahead``): the
-        next :meth:`try_attach` of the same IPUs in this thread reads its answer, any other
-        releases what it got. Best effort: a daemon that cannot be reached now is left to
-        that ``try_attach`` to report."""
-        drop_ahead(self.path)
-        if self.partition is not None:
-            return
-        timeout = self.bound(_TIMEOUT)
-        try:
-            conn = wire.LineConnection(self.path, timeout)
-        except (OSError, ValueError):
-            return
-        try:
-            conn.send({"op": "attach", "ipus": list(ipus), "device_id": device_id}, timeout)
-        except (OSError, ValueError):
-            conn.close()
-            return
-        _ahead[_ahead_key(self.path)] = (device_id, tuple(ipus), conn)
-
     def try_attach(self, device_id: int, ipus: tuple[int, ...]
                    ) -> "DaemonAttachment | dict[int, int | None]":
         """The IPUs (all or none), or ``{ipu: holder pid or None}`` of the busy ones
@@ -206,20 +186,14 @@ class DaemonClient:
         if self.partition is not None:
             message["partition"] = self.partition
         timeout = self.bound(_TIMEOUT)
-        ahead = _ahead.pop(_ahead_key(self.path), None)
-        if ahead is not None and (ahead[:2] != (device_id, tuple(pool_ipus))
-                                  or self.partition is not None):
-            _give_up(ahead[2])
-            ahead = None
         try:
-            conn = ahead[2] if ahead is not None else wire.LineConnection(self.path, timeout)
+            conn = wire.LineConnection(self.path, timeout)
         except TimeoutError as exc:
             raise self.no_answer("attach", None, timeout) from exc
         except (OSError, ValueError) as exc:   # ValueError: a peer of another uid
             raise self._unreachable(exc) from exc
         try:
-            if ahead is None:   # (else sent ahead: its answer may be here already)
-                conn.send(message, timeout)
+            conn.send(message, timeout)
             waiting_elsewhere()   # the session's work runs now (session._attach)
             reply = conn.receive(timeout)
         except TimeoutError as exc:
@@ -272,33 +246,6 @@ class DaemonClient:
             return None
         rc = reply.get("returncode") if reply.get("ok") else None
         return rc if isinstance(rc, int) else None
-
-
-# Attach requests sent ahead of their try_attach (DaemonClient.send_ahead), by socket path,
-# process and thread: (device id, ipus, the connection it was sent on).
-_ahead: dict[tuple[str, int, int], tuple[int, tuple[int, ...], wire.LineConnection]] = {}
-
-
-def _ahead_key(path: str) -> tuple[str, int, int]:
-    return path, os.getpid(), threading.get_ident()
-
-
-def _give_up(conn: wire.LineConnection) -> None:
-    """Release what an attach sent ahead got (nothing if it was refused) and close."""
-    try:
-        conn.send({"op": "release"}, 5.0)
-    except (OSError, ValueError):
-        pass   # closing the connection releases it too
-    finally:
-        conn.close()
-
-
-def drop_ahead(path: str | None = None) -> None:
-    """Give up this thread's attach request sent ahead (to the daemon at ``path``, or to
-    any) that no attach read: what it got is released."""
-    for key in [k for k in _ahead if k[1:] == _ahead_key("")[1:]
-                and (path is None or k[0] == path)]:
-        _give_up(_ahead.pop(key)[2])
 
 
 # The hello of each daemon this process asked, by socket path, with the socket file's
@@ -355,9 +302,6 @@ def _after_fork_in_child() -> None:
     socket would keep the parent's hold open after the parent lets go."""
     for att in list(_attachments):
         att._forget_in_child()
-    for _, _, conn in _ahead.values():   # the parent's: this process's copies closed
-        conn.close()
-    _ahead.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -36,7 +36,7 @@ from host_runtime.devices._wait import (DeviceConstraints as DeviceConstraints,
                                         DeviceWaitStrategy as DeviceWaitStrategy,
                                         waiting_elsewhere)
 from host_runtime.errors import (BadRequestError, DeviceUnavailableError,
-                                 ModelRuntimeError, ResourceLimitError)
+                                 ResourceLimitError)
 from host_runtime.popef.model import Model
 from host_runtime.settings import HostSettings
 from ipu_emulator import ipu_protocol
@@ -52,7 +52,7 @@ __all__ = [
     "DeviceConstraints",
     "Device",
     "DeviceManager",
-]   # and, internal: ActiveSession, attach_ahead
+]   # and, internal: ActiveSession
 
 _log = logging.getLogger(__name__)
 
@@ -424,20 +424,3 @@ class DeviceManager:
         if launcher is None:
             waiting_elsewhere()   # our IPU processes start meanwhile (ready at the first request)
         return procs
-
-
-def attach_ahead(manager: DeviceManager, model: Model) -> None:
-    """Internal (ModelRunner): through a daemon, send the attach request of the first
-    device ``manager.getDevice(model)`` asks for now, so that the daemon answers while the
-    runner builds its objects (a ``getDevice`` in the same thread reads the answer). Not in
-    a V-IPU partition; whatever is wrong is left to ``getDevice`` to report."""
-    daemon = manager._daemon
-    if daemon is None or daemon.partition is not None:
-        return
-    try:
-        num_ipus, version, _ = manager._parse_get(model, (), {})
-        candidates = manager._candidates(num_ipus, version)
-    except ModelRuntimeError:   # getDevice raises it again
-        return
-    if candidates:
-        daemon.send_ahead(*candidates[0])

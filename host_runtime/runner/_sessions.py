@@ -13,8 +13,7 @@ from typing import Optional
 import numpy as np
 
 from host_runtime import popef
-from host_runtime.devices import (Device, DeviceManager, DeviceWaitConfig, attach_ahead,
-                                  drop_ahead, paced_by_requests)
+from host_runtime.devices import Device, DeviceManager, DeviceWaitConfig, paced_by_requests
 from host_runtime.memory import OutputMemoryView, TensorMemory
 from host_runtime.queues import RingSizeMultiplierProdType, ring_size_multiplier_factory
 from host_runtime.runner._intake import RequestIntake
@@ -67,10 +66,6 @@ class ReplicaSessions:
         if not cfg.replica_to_device and not HostSettings.read("daemon"):
             # IPU processes of our own (not a daemon's): their template starts now
             DeviceManager(settings=settings).prepare_launch()
-        elif not cfg.replica_to_device and cfg.replication_factor == 1:
-            # a daemon's: the attach request goes now, answered while the replica is built
-            # (its session's attach reads the answer; release_unadopted drops it otherwise)
-            attach_ahead(DeviceManager(settings=settings), model)
 
     def remember_frozen(self, values: dict[str, np.ndarray]) -> None:
         """New values of inputs only the Load programs read: sessions opened from now on
@@ -82,7 +77,6 @@ class ReplicaSessions:
         for dev in self._attached.values():
             dev.close()
         self._attached.clear()
-        drop_ahead()   # an attach sent ahead that no session read (a failed start)
 
     def setup(self, rid: int, monitor: RequestMonitor, intake: RequestIntake) -> ReplicaSetup:
         """What replica ``rid`` is told."""

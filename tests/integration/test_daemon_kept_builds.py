@@ -1,13 +1,9 @@
-"""A runner's life through a daemon, what makes it short, and that each host still gets
-its own right answer.
-
-A daemon's IPU process keeps what it built for a host (``ipu_emulator.ipu._kept``): the
-next host's LOAD of the same executable reuses it, over that host's own device memory
-and constants (hosts in turn with other weights of the same executable, another
-executable, a host killed while its main loop runs). A runner sends its attach request
-ahead (``host_runtime.devices.attach_ahead``): its session's attach reads the answer,
-another attach or a failed start gives it back. One daemon of two IPUs (its IPU
-processes logging at DEBUG, which says when a build is reused) serves the module."""
+"""A daemon's IPU process keeps what it built for a host (``ipu_emulator.ipu._kept``):
+the next host's LOAD of the same executable reuses it, over that host's own device memory
+and constants. Each host must still get its own right answer: hosts in turn with other
+weights of the same executable, another executable, a host killed while its main loop
+runs. One daemon of one IPU (its IPU process logging at DEBUG, which says when a build
+is reused) serves the module."""
 
 from __future__ import annotations
 
@@ -24,7 +20,6 @@ import pytest
 
 import host_runtime as model_runtime
 from host_runtime import popef
-from host_runtime.devices import DeviceManager, attach_ahead, drop_ahead
 from ipu_emulator.daemon import socket_protocol as wire
 from tests._helpers import weights_of
 from tests.daemon_rig import REPO, DaemonRig
@@ -37,7 +32,7 @@ BUILT = "built (kept for later hosts)"
 
 @pytest.fixture(scope="module")
 def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonRig]:
-    rig = DaemonRig(tmp_path_factory.mktemp("kept"), num_ipus=2,
+    rig = DaemonRig(tmp_path_factory.mktemp("kept"), num_ipus=1,
                     IPU_EMULATOR_DEVICE_LOG_LEVEL="DEBUG")
     try:
         yield rig
@@ -115,30 +110,3 @@ def test_a_host_killed_while_its_main_loop_runs_is_followed_by_right_answers(
     answer(paths["w2"], SHAPE, 22)
     assert log_lines(rig, REUSED) >= reused + 1
     assert [f for f in os.listdir("/dev/shm") if f"_{host.pid}_" in f] == []
-
-
-def holders(rig: DaemonRig) -> dict[int, tuple[str, int | None]]:
-    return {i["ipu"]: (i["state"], i["holder"]) for i in rig.status()["ipus"]}
-
-
-def test_an_attach_sent_ahead_is_read_by_the_attach_of_its_ipus(rig, paths):
-    model = popef.load_model([paths["w1"]])
-    attach_ahead(DeviceManager(daemon=rig.socket), model)
-    with DeviceManager(daemon=rig.socket).getDevice(model) as dev:
-        # IPU 0: its attach is the one sent ahead (else that one would hold IPU 0, and
-        # this device be IPU 1)
-        assert dev.ipus() == [0]
-        assert holders(rig) == {0: ("held", os.getpid()), 1: ("free", None)}
-    assert holders(rig) == {0: ("free", None), 1: ("free", None)}
-
-
-def test_an_attach_sent_ahead_and_not_read_is_given_back(rig, paths):
-    model = popef.load_model([paths["w1"]])
-    attach_ahead(DeviceManager(daemon=rig.socket), model)
-    with DeviceManager(daemon=rig.socket).getSpecificDevice(1) as dev:   # another device
-        assert dev.ipus() == [1]
-        assert holders(rig) == {0: ("free", None), 1: ("held", os.getpid())}
-    attach_ahead(DeviceManager(daemon=rig.socket), model)
-    drop_ahead()   # (a runner that failed before its session attached)
-    assert holders(rig) == {0: ("free", None), 1: ("free", None)}
-
