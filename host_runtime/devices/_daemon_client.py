@@ -13,18 +13,16 @@
   launcher seam: it hands out a :class:`DaemonIpu`, an ``IpuConnection`` over
   the process the daemon keeps warm (its rings are attached, not created; its
   liveness is a pidfd, as it is not our child);
-- ``attachment.release()`` gives the IPUs back: it sends the release and closes the
-  hold's connection without waiting for the answer; the daemon reads the release
-  before any request that comes after it, and resets the IPUs before it lends them to
-  anyone again (an attach meanwhile waits for the reset; the home's lock files stay
-  taken until then). A host that dies releases them too: the daemon sees its
-  connection close (or its pid die).
+- ``attachment.release()`` gives the IPUs back: the daemon answers at once and
+  resets them before it lends them to anyone again (an attach meanwhile waits
+  for the reset; the home's lock files stay taken until then). A host that dies
+  releases them too: the daemon sees its connection close (or its pid die).
 
 Every wait on the daemon is bounded by the host sync timeout of the client's
 settings (``host_sync_timeout``, taken when the client is made): a daemon that does not answer (stopped, stuck)
 fails an attach with a DeviceTimeoutError naming its pid and state; a release
-whose request cannot be sent gives up the hold locally (closes the connection, which
-the daemon takes as a release when it runs again) and returns.
+gives up the hold locally (closes the connection, which the daemon takes as a
+release when it runs again) and returns.
 """
 
 from __future__ import annotations
@@ -341,33 +339,44 @@ class DaemonAttachment:
         return self._conn is not None
 
     def release(self, meanwhile: Callable[[], None] | None = None) -> None:
-        """Hand the IPUs back, idempotent: the release is sent and the hold's connection
-        closed, not waited for (the daemon reads a connection's data before its end, and a
-        release sent before anything else that asks for the IPUs is read before it: see
-        ``ipu_emulator.daemon._attach``); it resets them before it lends them again.
-        ``meanwhile`` runs once it is sent (not in a forked child, nor if there is nothing
-        to release).
+        """Hand the IPUs back; returns once the daemon has taken them (it resets them
+        before it lends them again), idempotent. ``meanwhile`` runs while the daemon
+        answers (not in a forked child, nor if there is nothing to release).
 
         In a forked child it only drops its copy of the connection."""
         conn, self._conn = self._conn, None
         if conn is None:
             return
-        if os.getpid() != self._pid:
-            conn.close()
-            return
+        timeout = self.client.bound(_TIMEOUT)
+        failed: list[BaseException] = []   # meanwhile's error: raised once released
         try:
-            conn.send({"op": "release"}, self.client.bound(_TIMEOUT))
+            if os.getpid() == self._pid:
+                try:
+                    conn.send({"op": "release"}, timeout)
+                finally:
+                    if meanwhile is not None:
+                        try:
+                            meanwhile()
+                        except BaseException as exc:
+                            failed.append(exc)
+                reply = conn.receive(timeout)
+                if not reply.get("ok"):
+                    _log.warning("the daemon at %s: release of ipus %s: %s", self.client.path,
+                                 list(self.ipus), reply.get("message"))
         except TimeoutError:
-            # stopped or stuck: closing the connection is a release the daemon acts on once
-            # it runs again
-            _log.warning("the daemon at %s did not take the release of ipus %s; released "
-                         "locally", self.client.path, list(self.ipus))
+            # stopped or stuck: give up the hold locally (closing the connection is a
+            # release the daemon acts on once it runs again) and return
+            _log.warning("%s; ipus %s released locally",
+                         self.client.no_answer("release", conn, timeout), list(self.ipus))
         except (OSError, ValueError) as exc:   # daemon gone: nothing left to release
             _log.debug("release of ipus %s: %s", list(self.ipus), exc)
         finally:
             conn.close()
-        if meanwhile is not None:
-            meanwhile()
+        if failed:
+            try:
+                raise failed[0]
+            finally:
+                failed.clear()   # no cycle: the traceback holds this frame
 
     def __del__(self) -> None:
         conn = getattr(self, "_conn", None)

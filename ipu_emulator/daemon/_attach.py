@@ -11,14 +11,6 @@ soon as the take-back has started (:func:`release_soon`): the IPUs are ``resetti
 meanwhile, and an attach that wants one waits for its reset instead of being told
 it is busy, so a host's close() does not wait for the reset and no IPU is lent
 before it is reset.
-
-A host sends its release and closes the connection without reading the answer
-(``host_runtime.devices._daemon_client``): the release is in the daemon's socket before
-any later request for those IPUs, from any host, was sent. The loop reads the
-connections that are ready in the order they became so and handles a line a turn
-later, so the release is almost always handled first; an attach that finds an IPU held
-looks again for a few turns of the loop (:func:`reads_first`) before it answers busy,
-which covers the rest.
 """
 
 from __future__ import annotations
@@ -35,24 +27,11 @@ from ipu_emulator.daemon._pool import PooledIpu, remove_objects_of
 from ipu_emulator.errors import PoolError
 from ipu_emulator.system import IpuLocks, SystemConfig
 
-__all__ = ["Conn", "attach", "error", "reads_first", "release", "release_soon"]
+__all__ = ["Conn", "attach", "error", "release", "release_soon"]
 
 _log = logging.getLogger("ipu_emulator.daemon.server")
 
 _EXIT_GRACE = 2.0
-
-_LOOKS = 4
-"""Turns of the event loop an attach (or status) lets go by before it takes an IPU as held:
-a release already sent is handled meanwhile."""
-
-
-async def reads_first(keeper: ProcessKeeper, ipus: list[PooledIpu]) -> None:
-    """Let the connections' data already received be handled (a release sent before the
-    request being served), while some of ``ipus`` look held."""
-    for _ in range(_LOOKS):
-        if all(i.state not in ("held", "attaching") for i in ipus):
-            return
-        await asyncio.sleep(0)
 """Seconds a host whose connection dropped is given to exit before it counts as alive."""
 
 
@@ -117,14 +96,13 @@ async def attach(keeper: ProcessKeeper, system: SystemConfig, conn: Conn,
         return refused
     indices: list[int] = req["ipus"]
     device_id: int = req.get("device_id", -1)
-    wanted = [keeper.ipus[i] for i in indices]
-    await reads_first(keeper, wanted)   # a release on its way
-    await keeper.settle(wanted, whole=False)   # reset first
+    await keeper.settle([keeper.ipus[i] for i in indices], whole=False)   # reset first
     if keeper.stopping:
         return error("stopping", "the daemon is stopping")
     if conn.holding:
         return error("request", f"this connection already holds ipus "
                      f"{[i.index for i in conn.holding]}; one attachment per connection")
+    wanted = [keeper.ipus[i] for i in indices]
     busy = {str(i.index): i.holder for i in wanted if i.state != "free"}
     if busy:
         text = ", ".join(f"ipu {k} " + (f"held by pid {v}" if v else

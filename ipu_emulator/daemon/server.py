@@ -52,8 +52,7 @@ from shm import pid_alive
 from ipu_emulator import safe_files, titles
 from ipu_emulator.daemon import socket_protocol as wire
 from ipu_emulator.daemon.daemon_metrics import DaemonMetrics
-from ipu_emulator.daemon._attach import (Conn, attach, error, reads_first, release,
-                                         release_soon)
+from ipu_emulator.daemon._attach import Conn, attach, error, release, release_soon
 from ipu_emulator.daemon._keeper import ProcessKeeper
 from ipu_emulator.daemon._partitions import FILE_NAME as PARTITIONS_FILE
 from ipu_emulator.daemon._partitions import PARTITION_OPS, PartitionTable
@@ -267,7 +266,6 @@ class Daemon:
         if op == "hello":
             return {"ok": True, "daemon_pid": os.getpid(), "system": self._system_info()}
         if op == "status":
-            await reads_first(self.keeper, self.ipus)   # releases already sent
             await self.keeper.settle(self.ipus)   # states as the resets under way leave them
             return self._status()
         if op == "attach":

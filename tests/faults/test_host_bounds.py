@@ -221,10 +221,8 @@ def daemon_pid(daemon) -> int:
     return int(daemon.status()["daemon_pid"])
 
 
-def test_runner_close_with_the_daemon_stopped_returns_at_once(daemon, model_path, weights,
+def test_runner_close_with_the_daemon_stopped_releases_locally(daemon, model_path, weights,
                                                                monkeypatch, caplog):
-    """close() sends the release and closes the hold's connection without waiting for the
-    daemon: a stopped daemon neither holds it up nor makes it complain."""
     monkeypatch.setenv(wire.ENV_VAR, daemon.socket)
     runner = model_runtime.ModelRunner(model_runtime.PopefPaths([model_path]))
     a = np.ones(SHAPE, np.float32)
@@ -234,9 +232,11 @@ def test_runner_close_with_the_daemon_stopped_returns_at_once(daemon, model_path
     with stopped(dpid), caplog.at_level(logging.WARNING):
         start = time.monotonic()
         runner.close()
-        assert time.monotonic() - start < SYNC
-    assert "release" not in caplog.text, caplog.text
-    # continued, the daemon takes the release it was sent: both IPUs attach
+        assert time.monotonic() - start < SYNC + SLACK
+    assert re.search(rf"the IPU emulator daemon at {re.escape(daemon.socket)} \(pid {dpid}, "
+                     rf"stopped \(state T\)\) did not answer release within 1 s .*; ipus \[\d\] "
+                     rf"released locally", caplog.text), caplog.text
+    # continued, the daemon took the closed connection as the release: both IPUs attach
     monkeypatch.setenv("IPU_EMULATOR_HOST_SYNC_TIMEOUT", "60")
     wait = DeviceWaitConfig(timedelta(seconds=60), timedelta(seconds=0.05))
     devices = DeviceManager(daemon=daemon.socket).get_devices_all_or_none(
