@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import logging
 import mmap
 import time
@@ -39,6 +40,7 @@ from ipu_emulator.fit import misfit
 from ipu_emulator.ipu._constants import memory_ranges
 from ipu_emulator.ipu._fault_injection import FaultInjector
 from ipu_emulator.ipu._host_memory import HostMemory
+from ipu_emulator.ipu._kept import KEPT_BYTES, Kept, KeptBuilds, Span
 from ipu_emulator.ipu._options import DeviceOptions
 from ipu_emulator.ipu._stream_io import _Loaded, _RequestError, _Stream
 from ipu_emulator.ipu._weights_file import (Checksum, drop_pages, map_weights_file,
@@ -157,7 +159,15 @@ class Loader:
         self._faults = faults
         self._known = known       # every shared-memory object name seen (cleanup)
         self.interpreter_cls: Any = None
-        self._decoded = Decoded() if options().pool else None   # lent to host after host
+        pool = options().pool   # lent to host after host: what serves the next one is kept
+        self._decoded = Decoded() if pool else None
+        self._kept = KeptBuilds() if pool else None
+
+    def close(self) -> None:
+        """Close the built executables kept for later hosts (after every loaded one)."""
+        kept, self._kept = self._kept, None
+        if kept is not None:
+            kept.close()
 
     def load(self, body: Any) -> None:
         body = body or {}
@@ -193,6 +203,9 @@ class Loader:
             off, size = spec.executable_offset, spec.executable_size
             data = bytes(region.buf[off:off + size])
             header = self._checked_header(spec, data)
+            key = self._kept_key(spec, data, header)
+            if key is not None:
+                return self._build_kept(key, spec, region, data, header.name)
             regions = [region]
             constants = self._constants(spec.constants, regions, undo)
             weights, file_map, trusted = self._weights(spec, header.total_length - size,
@@ -231,6 +244,76 @@ class Loader:
                 regions.pop(-2 if spec.memory_region else -1).close()
             undo.pop_all()
         return _Loaded(spec.key, interp, regions)
+
+    def _kept_key(self, spec: LoadSpec, data: bytes, header: ExecutableHeader) -> Any:
+        """The key of this LOAD's build among the kept ones (``ipu_emulator.ipu._kept``), or
+        None where it is not kept: not a pool process, weights apart (the host's region or
+        file), no device memory region, too large."""
+        if (self._kept is None or spec.weights_file is not None or spec.weights_region
+                or not spec.memory_region or header.total_length != len(data)
+                or len(data) > KEPT_BYTES):
+            return None
+        consts = spec.constants
+        layout = tuple((c.handle, c.offset, c.nbytes) for c in consts.streams) if consts else None
+        s = self._settings
+        return (data, layout, self._options().threads, spec.prepack, s.prepack, s.zero_copy)
+
+    def _build_kept(self, key: Any, spec: LoadSpec, region: Region, data: bytes,
+                    name: str) -> _Loaded:
+        """The executable of ``data`` built over ranges of this process onto which the
+        host's device memory and constants regions are mapped: a kept build if there is
+        one (else one built now), handed back to be kept when the host lets go."""
+        kept_builds = self._kept
+        assert kept_builds is not None and spec.memory_region
+        consts = spec.constants
+        self._known.add(spec.memory_region)
+        if consts:
+            self._known.add(consts.region)
+        kept = kept_builds.take(key)
+        try:
+            if kept is None:
+                kept = self._new_kept(key, spec, data)
+                _log.debug("executable %r: built (kept for later hosts)", name)
+            else:
+                kept.bind(spec.memory_region, consts.region if consts else None)
+                _log.debug("executable %r: a kept build reused", name)
+        except BaseException:
+            if kept is not None:
+                kept.close()
+            raise
+        loaded = _Loaded(spec.key, kept.interp, [region])
+        loaded.give_back = functools.partial(self._give_back, kept)
+        return loaded
+
+    def _new_kept(self, key: Any, spec: LoadSpec, data: bytes) -> Kept:
+        """A build of ``data`` over new ranges, bound to this LOAD's regions."""
+        assert spec.memory_region
+        exe = self._decode(data, None, True)
+        consts = spec.constants
+        need = max((c.offset + c.nbytes for c in consts.streams), default=1) if consts else 0
+        kept = Kept(key, Span(max(1, exe.memory_bytes), readonly=False),
+                    Span(max(1, need), readonly=True) if consts else None)
+        try:
+            constants = None
+            if consts and kept.constants is not None:
+                view = kept.constants.view
+                constants = {c.handle: view[c.offset:c.offset + c.nbytes]
+                             for c in consts.streams}
+            kept.ranges = memory_ranges(exe, constants)
+            kept.bind(spec.memory_region, consts.region if consts else None)
+            kept.interp = self._interpreter(spec, exe, kept.memory.view[:exe.memory_bytes],
+                                            constants, False)
+        except BaseException:
+            kept.close()
+            raise
+        return kept
+
+    def _give_back(self, kept: Kept) -> None:
+        """A kept build's host let go of it (unloaded, closed, dropped)."""
+        if self._kept is not None:
+            self._kept.give_back(kept)
+        else:
+            kept.close()
 
     def _decode(self, data: bytes, weights: memoryview | None, checksum: bool) -> Executable:
         """The executable of ``data`` (and ``weights``), decoded and validated."""

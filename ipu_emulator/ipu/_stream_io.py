@@ -98,6 +98,9 @@ class _Loaded:
         # interpreter ZeroCopyGroup -> its C step over these streams (None: the group runs
         # step by step); emptied whenever the streams or their modes change
         self.steps: dict[Any, Any] = {}
+        # a kept build's (ipu_emulator.ipu._kept): hands the interpreter back instead of
+        # closing it
+        self.give_back: Callable[[], None] | None = None
 
     def close_streams(self) -> None:
         self.steps.clear()
@@ -109,8 +112,13 @@ class _Loaded:
     def close(self) -> None:
         self.close_streams()
         if self.interp is not None:
-            self.interp.close()
-            self.interp = None
+            give_back, self.give_back = self.give_back, None
+            if give_back is not None:
+                self.interp = None
+                give_back()
+            else:
+                self.interp.close()
+                self.interp = None
         for r in self.regions:
             r.close()
         self.regions = []

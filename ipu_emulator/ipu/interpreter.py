@@ -154,6 +154,15 @@ class Interpreter:
     def num_programs(self) -> int:
         return len(self._programs)
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def holds_transfers(self) -> bool:
+        """Whether zero-copy transfers are acquired (a run under way, or cut short without
+        its cleanup)."""
+        return bool(self._zc_views)
+
     def run_program(self, index: int, io: StreamIO) -> None:
         """Run program ``index`` once (a Main program repeats its device iterations)."""
         if self._closed:

@@ -316,8 +316,10 @@ class DeviceProcess:
     # -- exit ------------------------------------------------------------------
 
     def close(self) -> None:
-        """Close every mapping of this process: executables, host memory, rings."""
+        """Close every mapping of this process: executables (the kept ones last), host
+        memory, rings."""
         self._executables.close()
+        self._loader.close()
         self.control.close()
         self.events.close()
 

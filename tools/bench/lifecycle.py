@@ -13,7 +13,9 @@ in one run and interleaved in rounds:
   timed with it off, ``IPU_EMULATOR_FORKSERVER=0``, unless ``--no-cold``).
 
 Each figure is the median of ``--repeats`` warm repeats (one untimed round
-first). Also timed: ``close()`` of an embedded runner of a chain model sharded
+first); ``--back-to-back N`` also times N daemon lives in a row after them (no other
+mode between two lives: its median is the daemon path's own cost, without what waking
+the daemon and the IPU process after the other modes ran costs). Also timed: ``close()`` of an embedded runner of a chain model sharded
 over 4 IPUs (4 IPU processes, stopped together). Targets: daemon <= 5x ort, embedded <= 150x ort. The medians of
 construct, first execute and ``close()`` alone are printed too (issue 13 asks
 <= 5 ms for ``close()`` of an idle runner).
@@ -170,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.bench lifecycle", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=15, help="timed rounds")
+    parser.add_argument("--back-to-back", type=int, default=0, metavar="N",
+                        help="also time N daemon lives in a row (default 0: not)")
     parser.add_argument("--no-cold", action="store_true",
                         help="skip embedded runners with the template process off")
     parser.add_argument("--markdown", action="store_true",
@@ -220,6 +224,10 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.repeats):
                 for name, fn in modes.items():
                     times[name].append(_timed(fn))
+            row: list[tuple[float, float, float]] = []
+            for _ in range(max(0, args.back_to_back)):
+                with _env(**{wire.ENV_VAR: sock}):
+                    _runner_life(path, inputs, expect, row)
         from host_runtime.settings import HostSettings
 
         with _env(IPU_EMULATOR_NUM_IPUS=str(HostSettings.read("num_ipus") or 4)):
@@ -251,6 +259,14 @@ def main(argv: list[str] | None = None) -> int:
                   f"{med[key]:.1f} ms (close {z:.1f})",
                   f"onnxruntime session + run in-process {ort:.2f} ms", ratio,
                   f"≤ {target:g}" if target else "")
+    if row:
+        life = statistics.median(sum(p) for p in row) * 1e3
+        c, e, z = (statistics.median(p[i] for p in row) * 1e3 for i in range(3))
+        print(f"  ModelRunner through a warm daemon, {len(row)} lives back to back "
+              f"{life:8.2f}  = {life / ort:6.1f}x ort\n"
+              f"      construct {c:7.2f}   first execute {e:6.2f}   close() {z:7.2f}")
+        table.add(f"same, {len(row)} lives back to back", f"{life:.1f} ms (close {z:.1f})",
+                  "", life / ort, "")
     print(f"  ModelRunner embedded, chain sharded over 4 IPUs: construct {sharded[0]:7.2f}   "
           f"close() {sharded[1]:7.2f}  (4 IPU processes)")
     table.add("`close()` of an embedded runner of a model sharded over 4 IPUs",
