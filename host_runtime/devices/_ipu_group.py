@@ -310,19 +310,23 @@ class GroupLink:
         with self._lost_lock:
             if self._lost is not None:
                 return self._lost
-            err = self._lost = self._lost_error()
-        if self._closing:   # the device is being detached: its processes are going away
-            _log.debug("%s", err)
-        else:
-            _log.warning("%s", err)
+            err = self._lost_error()
+            if self._closing:   # the device is being detached: its processes are going away
+                _log.debug("%s", err)
+            else:
+                _log.warning("%s", err)
+                # Killed before anyone hears of the loss: whoever reacts to it (a runner
+                # that closes, releasing a daemon's IPUs) finds them dead. Killed after,
+                # an IPU the daemon had taken back and freed meanwhile died free, and the
+                # next attach of it failed.
+                alive = [p for p in self._procs if p.alive()]
+                for p in alive:
+                    _log.info("%s: killing IPU process %d (its device is lost)",
+                              self.description, p.pid)
+                kill_all(alive)   # all at once, then wait for all
+            self._lost = err
         for m in self._members:
             m.adopt_lost(err)
-        if not self._closing:
-            alive = [p for p in self._procs if p.alive()]
-            for p in alive:
-                _log.info("%s: killing IPU process %d (its device is lost)",
-                          self.description, p.pid)
-            kill_all(alive)   # all at once, then wait for all
         return err
 
     def _lost_error(self) -> DeviceLostError:

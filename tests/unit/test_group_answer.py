@@ -20,11 +20,30 @@ from ipu_emulator.ipu_protocol import Op
 
 
 class _Connection:
-    """What a GroupLink reads of an IPU process when it is made."""
+    """What a GroupLink reads of an IPU process (made, lost, killed)."""
 
     def __init__(self, ipu_id: int) -> None:
         self.spec = IpuSpec(ipu_id=ipu_id)
         self.pid = 1_000_000 + ipu_id
+        self.code: int | None = None
+        self.on_kill: Any = None
+
+    def alive(self) -> bool:
+        return self.code is None
+
+    def returncode(self) -> int | None:
+        return self.code
+
+    def wait_exit(self, timeout: float) -> int | None:
+        return self.code
+
+    def log_tail(self) -> str:
+        return ""
+
+    def kill(self) -> None:
+        if self.on_kill is not None:
+            self.on_kill()
+        self.code = -9
 
 
 class _Member:
@@ -112,3 +131,18 @@ def test_parts_that_all_succeed_answer_once_all_have():
     assert not out.done()
     parts[0].set_result(None)
     assert out.result(timeout=0) is None
+
+
+def test_the_other_ipu_processes_are_killed_before_the_loss_is_heard_of():
+    """A lost device's other IPU processes die before anyone can read the loss: a runner
+    that reacts to it by closing (a daemon's IPUs released, reset and freed) never has
+    them killed after, free (the next attach of them failed)."""
+    procs = [_Connection(0), _Connection(1)]
+    link = GroupLink("device 0 (ipu 0,1)", procs)   # type: ignore[arg-type]
+    seen: list[Any] = []
+    procs[1].on_kill = lambda: seen.append(link.lost)
+    procs[0].code = -9                                # IPU 0 was killed
+    err = link.mark_lost()
+    assert seen == [None], "the loss was visible before IPU 1 was killed"
+    assert link.lost is err and not procs[1].alive()
+    assert "IPU process 1000000 was killed by signal SIGKILL" in str(err)
