@@ -97,6 +97,11 @@ async def attach(keeper: ProcessKeeper, system: SystemConfig, conn: Conn,
     indices: list[int] = req["ipus"]
     device_id: int = req.get("device_id", -1)
     await keeper.settle([keeper.ipus[i] for i in indices], whole=False)   # reset first
+    for ipu in [keeper.ipus[i] for i in indices]:
+        # a free IPU whose process died since the last look (check()) is restarted now,
+        # not handed over dead
+        if ipu.state == "free" and ipu.index not in keeper.busy and not ipu.alive():
+            await keeper.restart(ipu)
     if keeper.stopping:
         return error("stopping", "the daemon is stopping")
     if conn.holding:

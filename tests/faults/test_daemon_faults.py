@@ -185,6 +185,22 @@ def test_a_killed_ipu_process_is_reported_and_replaced(daemon, model, weights):
     assert any(f"{old}" in ln and "killed by signal SIGKILL" in ln for ln in daemon.lines)
 
 
+def test_a_free_ipu_whose_process_died_is_restarted_by_the_next_attach(daemon, model, weights):
+    """An IPU process that dies while nobody holds it (killed, the OOM killer) is replaced
+    when the next host attaches it, not handed to it dead (the daemon's own look at its
+    IPUs comes only every fifth of a second)."""
+    dm = DeviceManager(daemon=daemon.socket)
+    with dm.getSpecificDevice(1, wait_config=PATIENT) as dev:
+        old = dev.pids()[0]
+    proc = psutil.Process(old)
+    os.kill(old, signal.SIGKILL)
+    psutil.wait_procs([proc], timeout=60)
+    with dm.getSpecificDevice(1, wait_config=PATIENT) as dev:
+        assert dev.pids()[0] != old
+        a, b = rand(5), rand(6)
+        np.testing.assert_allclose(run_session(model, dev, a, b), a * weights + b, rtol=1e-6)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_sigterm_stops_the_daemon_leaving_no_process_and_nothing_in_dev_shm(tmp_path, model,
                                                                            sig):
