@@ -18,7 +18,8 @@ request goes to each IPU's process and its future resolves when all of them are
 done; the first failure softly stops the others (STOP value 1) and invalidates
 the IPU-Links (waking an IPU process blocked on one at once), so that no IPU
 is left waiting for an activation that will never come, and the future fails
-with that failure, which names the IPU, once every IPU has answered. Before each RUN/LOOP (nothing
+with that failure, which names the IPU, once every IPU has answered and the
+others were told to stop (the caller's next request never overtakes that stop). Before each RUN/LOOP (nothing
 runs then) the links are emptied and the sharding tokens put back, whatever an
 abandoned iteration left in them.
 
@@ -27,10 +28,10 @@ that IPU: ``Executable.idle``) belongs to the device like the others (its proces
 started and watched, as the IPU is held on hardware) but gets no LOAD (its spec region
 is None) and no request: it runs nothing.
 
-Failure is whole-device: when any IPU process dies, every member link fails its
-pending requests with one ``DeviceLostError`` naming the IPU, and the remaining
-IPU processes of the device are killed (their rings then fail at once, and none
-of them is left waiting on a link whose producer is gone).
+Failure is whole-device: when any IPU process dies, the remaining IPU processes
+of the device are killed (their rings then fail at once, and none of them is left
+waiting on a link whose producer is gone), then every member link fails its
+pending requests with one ``DeviceLostError`` naming the IPU.
 
 ``ShardedLoad`` is the session's side: per IPU a spec region (that IPU's part of
 the executable), a device-memory region, and one ring per link. Every IPU gets
