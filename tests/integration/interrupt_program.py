@@ -48,11 +48,16 @@ def main(path: str, seconds: float, how: str) -> None:
     counts: Counter[str] = Counter()
     errors: Counter[str] = Counter()
     pending: list[tuple[int, Any]] = []     # futures whose wait was interrupted
-    stop = threading.Event()
+    # A plain flag, not a threading.Event: its set() is Python code taking a lock that an
+    # interrupt landing in it may leave held (and this program is interrupted anywhere).
+    sending = [True]
     me = os.getpid()
 
     def sigint() -> None:
-        while not stop.wait(0.05):
+        while True:
+            time.sleep(0.05)   # the pace of the signals
+            if not sending[0]:
+                return
             os.kill(me, signal.SIGINT)
 
     def check_future(i: int, fut: Any) -> None:
@@ -73,6 +78,7 @@ def main(path: str, seconds: float, how: str) -> None:
     while True:
         try:      # an interrupt may land anywhere in the loop, its test included
             if time.monotonic() >= end:
+                sending[0] = False   # (one store: an interrupt comes before it or after)
                 break
             i += 1
             use_async = how == "async" or (how == "mixed" and i % 3 == 0)
@@ -96,7 +102,6 @@ def main(path: str, seconds: float, how: str) -> None:
                 counts["right" if right(i, out) else "wrong"] += 1
         except KeyboardInterrupt:
             counts["interrupted"] += 1
-    stop.set()
     while True:
         try:
             sender.join()
