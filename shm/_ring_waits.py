@@ -237,7 +237,7 @@ class _RingWaits:
                 if (self._peer is not None and not self._peer_notified
                         and (wait is None or wait > peer_check)):
                     wait = peer_check
-                if self._take(sem, wait) and not self._surplus(sem):
+                if self._take(sem, wait):
                     return
         except ShmError as exc:  # may be raised in an except clause: hide its context
             exc.__suppress_context__ = True
@@ -246,10 +246,11 @@ class _RingWaits:
     def _take(self, sem: SharedSemaphore, wait: float | None) -> bool:
         """One wait of up to ``wait`` s (None: no deadline; 0: none) for a token of
         ``sem``, banked in the spare list (see _acquire_token); False if none came (time
-        up, interrupted, or a signal: a handler that raises propagates)."""
+        up, interrupted, or a signal: a handler that raises propagates) or the one that
+        came was one too many (:meth:`_surplus`)."""
         core = self._core
         if core is not None:
-            return bool(core.wait_token(sem is self._full, wait))
+            return bool(core.wait_token(sem is self._full, wait)) and not self._surplus(sem)
         i = int(sem is self._full)
         with self._wlock:
             if self._interrupted or self._peer_gone:
@@ -278,14 +279,14 @@ class _RingWaits:
                         break
                     self._pending[i] -= 1
                 self._wlock.notify_all()
-        return got
+        return got and not self._surplus(sem)
 
     def _try_token(self, sem: SharedSemaphore) -> bool:
-        """Take a token of ``sem`` now if there is one (never one interrupt() posted),
-        banked in the spare list (see _acquire_token)."""
+        """Take a token of ``sem`` now if there is one (never one interrupt() posted, nor
+        one too many: :meth:`_surplus`), banked in the spare list (see _acquire_token)."""
         core = self._core
         if core is not None:
-            return bool(core.try_token(sem is self._full))
+            return bool(core.try_token(sem is self._full)) and not self._surplus(sem)
         i = int(sem is self._full)
         while True:
             try:
@@ -293,10 +294,10 @@ class _RingWaits:
             except posix_ipc.BusyError:
                 return False
             if not self._pending[i]:
-                return True
+                return not self._surplus(sem)
             with self._wlock:
                 if not self._pending[i]:
-                    return True
+                    return not self._surplus(sem)
                 self._pending[i] -= 1
                 (self._spare_full if i else self._spare_free).pop()
 
@@ -339,7 +340,7 @@ class _RingWaits:
             return    # one taken by a call an exception interrupted before it used it
         if self._spin_ns and not sem.value:
             self._spin(sem)
-        if not self._try_token(sem) or self._surplus(sem):
+        if not self._try_token(sem):
             self._wait_slow(sem, timeout, what, 0.0)
         if self._w[_INVALID]:
             self._raise_if_unusable()
@@ -349,7 +350,7 @@ class _RingWaits:
             self._raise_if_unusable()
         if self._banked(sem):
             return    # one taken by a call an exception interrupted before it used it
-        if not self._try_token(sem) or self._surplus(sem):
+        if not self._try_token(sem):
             raise WouldBlock(f"ring {self._name}: no {what} ({self._occupancy()})")
         if self._w[_INVALID]:
             self._raise_if_unusable()
