@@ -49,7 +49,7 @@ import posix_ipc
 from . import _registry, limits, naming
 from .errors import ShmClosedError, ShmError, ShmFullError
 
-__all__ = ["Region"]
+__all__ = ["Region", "back_segment"]
 
 _log = logging.getLogger(__name__)
 _PAGE = mmap.PAGESIZE
@@ -125,6 +125,22 @@ def _back(fd: int, offset: int, length: int, name: str) -> None:
             return
         raise limits.shm_full(f"allocating the pages of {name}", length,
                               errno.errorcode.get(exc.errno or 0, str(exc.errno))) from exc
+
+
+def back_segment(name: str, size: int, ranges: list[tuple[int, int]] | None = None) -> None:
+    """Allocate the pages of ``ranges`` (``(offset, length)`` each, cut at ``size``;
+    default: ``[0, size)``) of the segment ``name`` now: ``ShmFullError`` if ``/dev/shm``
+    cannot hold them (:meth:`Region.back`, and a process that maps the segment by other
+    means)."""
+    spans = [(0, size)] if ranges is None else ranges
+    with limits.named_errors(f"backing the shared-memory region {name}",
+                             sum(n for _, n in spans)):
+        shm = posix_ipc.SharedMemory(name)
+        try:
+            for offset, length in spans:
+                _back(shm.fd, offset, min(length, size - offset), name)
+        finally:
+            shm.close_fd()
 
 
 class Region:
@@ -209,15 +225,7 @@ class Region:
         attached it writable and is about to write those ranges."""
         if self._mmap is None:
             raise ShmClosedError(f"region {self._name} is closed in this process")
-        spans = [(0, self._size)] if ranges is None else ranges
-        with limits.named_errors(f"backing the shared-memory region {self._name}",
-                                 sum(n for _, n in spans)):
-            shm = posix_ipc.SharedMemory(self._name)
-            try:
-                for offset, length in spans:
-                    _back(shm.fd, offset, min(length, self._size - offset), self._name)
-            finally:
-                shm.close_fd()
+        back_segment(self._name, self._size, ranges)
 
     # -- properties ---------------------------------------------------------
 

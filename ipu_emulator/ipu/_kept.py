@@ -27,13 +27,15 @@ from __future__ import annotations
 
 import collections
 import ctypes
-import errno
 import mmap
 import os
 from typing import Any, Hashable
 
 import numpy as np
 import posix_ipc
+
+from shm import ShmError
+from shm.region import back_segment
 
 from ipu_emulator.ipu._stream_io import _RequestError
 from ipu_emulator.ipu_protocol import ErrorKind
@@ -91,22 +93,10 @@ class Span:
         name = self.bound
         if name is None or not ranges:
             return
-        shm = posix_ipc.SharedMemory(name)
         try:
-            for offset, length in ranges:
-                length = min(length, self.need - offset)
-                if length <= 0:
-                    continue
-                try:
-                    os.posix_fallocate(shm.fd, offset, length)
-                except OSError as exc:
-                    if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):   # pragma: no cover
-                        return   # not tmpfs
-                    raise _RequestError(ErrorKind.SHM_FULL, f"{what} {name}: cannot allocate "
-                                        f"{length} bytes in /dev/shm: "
-                                        f"{os.strerror(exc.errno or 0)}") from None
-        finally:
-            shm.close_fd()
+            back_segment(name, self.need, ranges)
+        except ShmError as exc:
+            raise _RequestError(ErrorKind.SHM_FULL, f"{what} {name}: {exc}") from None
 
     def clear(self) -> None:
         """Anonymous memory over the range again: the host's region is no longer mapped."""
