@@ -18,5 +18,8 @@ def test_lifecycle_bench_runs_and_prints_every_row(capsys) -> None:
         assert re.search(rf"^  {re.escape(label)}\s+\d+\.\d\d", out, re.M), out
     assert len(re.findall(r"construct\s+\d+\.\d\d\s+first execute\s+\d+\.\d\d\s+close\(\)\s+"
                           r"\d+\.\d\d", out)) == 4, out
+    # each mode is compared with the onnxruntime lives of its own rounds
+    assert re.search(r"\(in the daemon's rounds \d+\.\d\d, the embedded ones' \d+\.\d\d\)",
+                     out), out
     assert re.search(r"^  ModelRunner embedded, chain sharded over 4 IPUs: construct\s+\d+\.\d\d"
                      r"\s+close\(\)\s+\d+\.\d\d", out, re.M), out
