@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import select
 import threading
+import time
 import weakref
 from typing import Callable
 
@@ -222,20 +223,37 @@ def _shared_watch(pid: int) -> ExitWatch:
 
 
 IDLE_LINGER = 0.05
-"""Seconds the exit-watching thread stays once nothing is watched, before it ends."""
+"""Seconds the exit-watching thread stays once nothing is watched, before it ends; also
+how long it keeps polling a process's pidfd after its last subscriber went, for the next
+subscriber of that process (a runner made right after one is closed, of the same IPU
+process)."""
+
+
+def _exited(pidfd: int) -> bool:
+    """True if the process of ``pidfd`` has exited (its pidfd is readable then)."""
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 class _ExitNotifier:
     """One thread of this process, blocked in ``poll()`` on the pidfds of the processes
     :func:`notify_on_exit` was asked about (and a pipe that tells it the set changed):
-    it wakes only when one of them exits, and then calls that process's callbacks. It
-    ends once nothing has been watched for ``IDLE_LINGER`` seconds (the next
-    :func:`notify_on_exit` starts another)."""
+    it wakes only when one of them exits, and then calls that process's callbacks.
+
+    A pidfd whose last subscriber went stays polled for ``IDLE_LINGER`` seconds: a new
+    subscriber of that process in that time takes it as it is, with no pidfd opened and
+    no wake-up of the thread (each is a system call and a wake-up of another thread,
+    twice per runner a host makes and closes on one IPU process). The thread ends once
+    nothing has been polled for ``IDLE_LINGER`` seconds (the next :func:`notify_on_exit`
+    starts another)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._subs: dict[int, dict[int, Callable[[], None]]] = {}   # pid -> {id: callback}
         self._fds: dict[int, int] = {}                              # pid -> pidfd
+        self._idle: dict[int, float] = {}   # pid -> when its pidfd goes (no subscriber)
+        self._until: float | None = None     # when the thread's poll times out (None: never)
         self._next_id = 0
         self._r, self._w = os.pipe()
         os.set_blocking(self._w, False)
@@ -243,6 +261,11 @@ class _ExitNotifier:
 
     def subscribe(self, pid: int, callback: Callable[[], None]) -> int | None:
         with self._lock:
+            if self._idle.pop(pid, None) is not None and _exited(self._fds[pid]):
+                # the process polled has exited and the pid is someone else's now: the
+                # thread drops that pidfd; this one cannot be watched until it has
+                self._idle[pid] = 0.0
+                return None
             new = pid not in self._fds
             if new:
                 try:
@@ -262,10 +285,12 @@ class _ExitNotifier:
             subs = self._subs.get(pid)
             if subs is None or subs.pop(ident, None) is None or subs:
                 return
-            del self._subs[pid]
-            fd = self._fds.pop(pid)
-            self._changed()
-        os.close(fd)   # a poll() on it meanwhile reports POLLNVAL: the loop looks again
+            # polled a while longer, for the next subscriber of that process; the thread
+            # sleeps until then (or the process's exit) and drops it
+            until = self._idle[pid] = time.monotonic() + IDLE_LINGER
+            if self._until is None or until < self._until:
+                self._until = until   # (what its poll's timeout will be once woken)
+                self._changed()   # its poll would not time out by then: it gets a timeout
 
     def _changed(self) -> None:
         try:
@@ -273,11 +298,23 @@ class _ExitNotifier:
         except BlockingIOError:   # full: it wakes anyway
             pass
 
+    def _drop_idle(self) -> float | None:
+        """(Under the lock.) Close the pidfds whose linger is over; seconds until the next
+        one's is (None: none lingers)."""
+        now = time.monotonic()
+        for pid, until in list(self._idle.items()):
+            if until <= now:
+                del self._idle[pid]
+                del self._subs[pid]
+                os.close(self._fds.pop(pid))
+        return min(self._idle.values()) - now if self._idle else None
+
     def _run(self) -> None:
         global _notifier
         idle = False   # nothing watched for a whole IDLE_LINGER already
         while True:
             with _notifier_lock, self._lock:
+                wait = self._drop_idle()
                 if not self._fds and idle:   # nothing to watch: end (under the lock
                     if _notifier is self:    # subscribers take)
                         _notifier = None
@@ -285,13 +322,15 @@ class _ExitNotifier:
                     os.close(self._w)
                     return
                 by_fd = {fd: pid for pid, fd in self._fds.items()}
+                timeout = IDLE_LINGER if not by_fd else wait
+                self._until = None if timeout is None else time.monotonic() + timeout
             poller = select.poll()
             poller.register(self._r, select.POLLIN)
             for fd in by_fd:
                 poller.register(fd, select.POLLIN)
             # idle: a little longer, for the next subscriber (a runner made right after
             # one is closed) to find the thread running
-            ready = poller.poll(None if by_fd else IDLE_LINGER * 1e3)
+            ready = poller.poll(None if timeout is None else max(0.0, timeout) * 1e3)
             idle = not by_fd and not ready
             for fd, events in ready:
                 if fd == self._r:
@@ -303,6 +342,7 @@ class _ExitNotifier:
                         continue   # unsubscribed meanwhile
                     callbacks = list(self._subs.pop(pid).values())
                     del self._fds[pid]
+                    self._idle.pop(pid, None)
                 os.close(fd)
                 for callback in callbacks:
                     try:

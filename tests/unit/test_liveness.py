@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -155,3 +156,60 @@ def test_every_subscriber_of_one_pid_hears_its_exit_and_only_a_new_pid_wakes_the
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+def test_a_subscriber_right_after_the_last_one_went_takes_its_pidfd_without_a_wake(
+        monkeypatch) -> None:
+    """A runner closed and the next made on the same IPU process (twice per runner):
+    the pidfd stays polled for ``IDLE_LINGER`` after its last subscriber went, and the
+    next subscriber takes it with no pidfd opened and no wake-up of the thread; the
+    process's exit still reaches it, and a pidfd left with no subscriber goes."""
+    from shm import liveness
+
+    wakes: list[int] = []
+    opened: list[int] = []
+    real_changed, real_open = liveness._ExitNotifier._changed, os.pidfd_open
+
+    def counting(self) -> None:
+        wakes.append(1)
+        real_changed(self)
+
+    def opening(pid: int, *args: int) -> int:
+        opened.append(pid)
+        return real_open(pid, *args)
+    monkeypatch.setattr(liveness._ExitNotifier, "_changed", counting)
+    monkeypatch.setattr(liveness.os, "pidfd_open", opening)
+    monkeypatch.setattr(liveness, "IDLE_LINGER", 30.0)   # no stall of this test outlasts it
+    child, other = _sleeper(), _sleeper()
+    try:
+        cancel = liveness.notify_on_exit(child.pid, lambda: None)
+        assert cancel is not None and opened == [child.pid] and len(wakes) == 1
+        cancel()   # lingers: the thread learns of it (a wake-up, unless it is awake)
+        before = len(wakes)
+        exited = threading.Event()
+        for _ in range(3):   # three runners in turn: no pidfd opened, no wake-up to
+            cancel = liveness.notify_on_exit(child.pid, exited.set)   # subscribe (and
+            assert cancel is not None    # one to cancel only if the thread's timeout was
+            cancel()                     # not set meanwhile): two per runner before
+        assert opened == [child.pid] and len(wakes) - before <= 3
+        cancel = liveness.notify_on_exit(child.pid, exited.set)
+        child.stdin.close()   # type: ignore[union-attr]
+        child.wait(10)
+        assert exited.wait(10)   # heard through the pidfd it took over
+        # a pidfd whose linger is over is closed by the thread
+        notifier = liveness._notifier
+        assert notifier is not None
+        monkeypatch.setattr(liveness, "IDLE_LINGER", 0.01)
+        cancel_other = liveness.notify_on_exit(other.pid, lambda: None)
+        assert cancel_other is not None
+        cancel_other()
+        # then, nothing left to poll, the thread ends
+        for t in [t for t in threading.enumerate() if t.name == "shm-peer-exits"]:
+            t.join(10.0)
+            assert not t.is_alive()
+        assert not notifier._fds and not notifier._idle
+    finally:
+        for p in (child, other):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
