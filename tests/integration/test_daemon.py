@@ -276,3 +276,67 @@ def test_runners_right_through_fast_close_and_construct_churn(daemon, model_path
     run_in_threads(churn, [1, 2, 3])
     assert errors == []
     assert set(holders(daemon).values()) == {("free", None)}
+
+
+def _connects(monkeypatch) -> list[str]:
+    """The daemon connections this process opens from now on (their socket paths)."""
+    opened: list[str] = []
+    real = wire.LineConnection.__init__
+
+    def counting(self, path, *args, **kwargs) -> None:
+        opened.append(path)
+        real(self, path, *args, **kwargs)
+    monkeypatch.setattr(wire.LineConnection, "__init__", counting)
+    return opened
+
+
+def test_a_host_attaches_again_on_the_connection_its_last_release_was_answered_on(
+        daemon, model, weights, monkeypatch):
+    """Runners made and closed one after another: the first attach connects, the later
+    ones use the connection the last release was answered on (no new one for the daemon
+    to accept and serve), and each gets a warm, reset IPU that computes right."""
+    from host_runtime.devices import _daemon_client
+
+    kept = _daemon_client._take_idle(daemon.socket)   # another test's, if any
+    if kept is not None:
+        kept.close()
+    DeviceManager(daemon=daemon.socket)   # its hello, asked once per daemon
+    opened = _connects(monkeypatch)
+    states = []
+    for seed in range(3):
+        with DeviceManager(daemon=daemon.socket).getSpecificDevice(
+                0, wait_config=PATIENT) as dev:
+            a, b = rand(seed), rand(seed + 5)
+            np.testing.assert_allclose(run_session(model, dev, a, b), a * weights + b,
+                                       rtol=1e-6)
+        assert _daemon_client._idle.get(daemon.socket) is not None   # kept
+        states.append(len(opened))
+    assert states == [1, 1, 1]   # one connection, the first attach's
+    assert holders(daemon)[0] == ("free", None)   # released and reset
+
+
+def test_a_kept_connection_whose_daemon_stopped_gives_way_to_a_new_one(
+        tmp_path, model, weights, monkeypatch):
+    """The daemon a kept connection was made to stops and another starts on its socket:
+    the next attach finds that connection closed, connects to the new daemon and works."""
+    rig = DaemonRig(tmp_path, num_ipus=1)
+    try:
+        with DeviceManager(daemon=rig.socket).getSpecificDevice(0, wait_config=PATIENT) as dev:
+            run_session(model, dev, rand(1), rand(2))
+    finally:
+        rig.stop()
+    from host_runtime.devices import _daemon_client
+
+    assert _daemon_client._idle.get(rig.socket) is not None   # kept, its daemon gone
+    rig = DaemonRig(tmp_path, num_ipus=1)   # the same socket path
+    try:
+        manager = DeviceManager(daemon=rig.socket)   # (asks the new daemon's hello)
+        opened = _connects(monkeypatch)
+        with manager.getSpecificDevice(0, wait_config=PATIENT) as dev:
+            assert dev.pids() == rig.pool_pids
+            a, b = rand(3), rand(4)
+            np.testing.assert_allclose(run_session(model, dev, a, b), a * weights + b,
+                                       rtol=1e-6)
+        assert opened == [rig.socket]   # the stale one given up, a new one made
+    finally:
+        rig.stop()
