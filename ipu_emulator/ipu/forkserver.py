@@ -115,6 +115,10 @@ class _Template:
         self.exits: dict[int, int] = {}
         self.children: set[int] = set()
         self.lost: set[int] = set()   # exited after the template died: status unknown
+        # the spawn (its request id) of the process now known by each pid: its status is
+        # forgotten once its ForkedProcess has taken it (forget()), so these hold only
+        # what a ForkedProcess of this host has still to take
+        self.spawned: dict[int, int] = {}
         self.gone = False
         self.stalled = False   # a spawn went unanswered: no more launches through it
         self._abandoned: set[int] = set()
@@ -174,6 +178,7 @@ class _Template:
             # long-lived host meets them again; the new one must not count as exited.
             self.exits.pop(msg["pid"], None)
             self.lost.discard(msg["pid"])
+            self.spawned[msg["pid"]] = msg["id"]
         if msg["id"] in self._abandoned:
             self._abandoned.discard(msg["id"])
             if "pid" in msg:   # forked as the deadline passed: not ours now
@@ -186,8 +191,18 @@ class _Template:
             self._cv.wait_for(lambda: ident in self._replies or self.gone, timeout)
             return self._replies.pop(ident, None)
 
+    def forget(self, pid: int, ident: int) -> None:
+        """The ForkedProcess of spawn ``ident`` took its exit status: drop what is kept of
+        it (nothing if ``pid`` now names a later spawn's process)."""
+        with self._cv:
+            if self.spawned.get(pid) == ident:
+                del self.spawned[pid]
+                self.exits.pop(pid, None)
+                self.lost.discard(pid)
+
     def spawn(self, argv: list[str], env: dict[str, str], log_path: str | None,
-              wait: float) -> int:
+              wait: float) -> tuple[int, int]:
+        """Fork ``argv``; the new process's pid and the spawn's id (for :meth:`forget`)."""
         with self._send_lock:
             self._ids += 1
             ident = self._ids
@@ -218,7 +233,7 @@ class _Template:
         with self._cv:
             if pid not in self.exits:
                 self.children.add(pid)
-        return pid
+        return pid, ident
 
     def returncode(self, pid: int) -> int | None:
         with self._cv:
@@ -349,19 +364,34 @@ class ForkedProcess:
     """An IPU process forked by the template, with the parts of ``Popen`` the launcher
     uses: ``pid``, ``poll()``, ``wait()``, ``terminate()``, ``kill()``."""
 
-    def __init__(self, template: _Template, pid: int) -> None:
+    def __init__(self, template: _Template, pid: int, ident: int | None = None) -> None:
+        """``ident``: the id of the spawn that made it (None: the template keeps its exit
+        status for good)."""
         self._template = template
         self.pid = pid
+        self._ident = ident
         self.returncode: int | None = None
+        self._lost: bool | None = None   # status_lost, once the status was taken
+
+    def _took(self, rc: int | None) -> int | None:
+        """The exit status ``rc`` was taken (if not None): kept here, dropped there."""
+        if rc is not None and self.returncode is None:
+            self.returncode = rc
+            self._lost = self.pid in self._template.lost
+            if self._ident is not None:
+                self._template.forget(self.pid, self._ident)
+        return rc
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            self.returncode = self._template.returncode(self.pid)
+            self._took(self._template.returncode(self.pid))
         return self.returncode
 
     @property
     def status_lost(self) -> bool:
         """It exited after the template died: its exit status is unknown."""
+        if self._lost is not None:
+            return self._lost
         return self.pid in self._template.lost
 
     @property
@@ -370,16 +400,16 @@ class ForkedProcess:
 
     def wait_exit(self, timeout: float) -> int | None:
         """Wait up to ``timeout`` s for the template to report the exit (no polling)."""
-        rc = self._template.wait(self.pid, timeout)
-        if rc is not None:
-            self.returncode = rc
-        return rc
+        if self.returncode is not None:
+            return self.returncode
+        return self._took(self._template.wait(self.pid, timeout))
 
     def wait(self, timeout: float | None = None) -> int:
-        rc = self._template.wait(self.pid, 1e9 if timeout is None else timeout)
+        if self.returncode is not None:
+            return self.returncode
+        rc = self._took(self._template.wait(self.pid, 1e9 if timeout is None else timeout))
         if rc is None:
             raise subprocess.TimeoutExpired(f"IPU process {self.pid}", timeout or 0.0)
-        self.returncode = rc
         return rc
 
     def send_signal(self, sig: int) -> None:
@@ -405,7 +435,8 @@ def spawn(argv: list[str], env: dict[str, str], log_path: str | None,
     template = _get_template(env, log_dir)
     if template is None:
         return None
-    return ForkedProcess(template, template.spawn(argv, env, log_path, wait))
+    pid, ident = template.spawn(argv, env, log_path, wait)
+    return ForkedProcess(template, pid, ident)
 
 
 def _kill(pid: int) -> None:

@@ -104,11 +104,46 @@ def test_a_pid_the_kernel_hands_out_again_is_a_live_process_not_the_exited_one(t
     with template._cv:
         template._take({"op": "spawned", "id": -1, "pid": pid})
         assert template._replies.pop(-1)["pid"] == pid
-    again = forkserver.ForkedProcess(template, pid)
+    again = forkserver.ForkedProcess(template, pid, -1)
     assert again.poll() is None and not again.status_lost
     with template._cv:
         template._take({"op": "exit", "pid": pid, "code": -signal.SIGKILL})
     assert again.poll() == -signal.SIGKILL
+    assert pid not in template.exits   # taken: forgotten there, kept here
+    assert again.wait(0) == again.wait_exit(0) == -signal.SIGKILL and not again.status_lost
+
+
+def test_the_template_keeps_no_exit_status_a_process_was_given(tmp_path):
+    """A long-lived host (a daemon) forks an IPU process per restart: once the launcher
+    has taken a process's exit status, the template's bookkeeping forgets it (one entry
+    per process ever forked before, for the host's life); a status not taken yet stays,
+    and a later spawn's process of the same pid keeps its own."""
+    procs = [launch_ipu(IpuSpec(ipu_id=k), log_dir=str(tmp_path)) for k in range(2)]
+    try:
+        for proc in procs:
+            proc.wait_ready()
+            ipu_protocol.send(proc.control, Message(Op.SHUTDOWN))
+        assert procs[0].wait_exit(60) == 0
+    finally:
+        procs[0].close()
+    first, second = (p._popen for p in procs)
+    assert isinstance(first, forkserver.ForkedProcess)
+    assert isinstance(second, forkserver.ForkedProcess)
+    template = first._template
+    assert first.pid not in template.exits and first.pid not in template.spawned
+    assert first.poll() == 0 and first.returncode == 0     # kept by the process object
+    # the second's status: reported by the template, not taken yet
+    with template._cv:
+        template._cv.wait_for(lambda: second.pid in template.exits, 60)
+    assert template.exits[second.pid] == 0
+    # a stale forget (an earlier spawn of that pid) leaves it alone
+    template.forget(second.pid, -12345)
+    assert second.pid in template.exits
+    try:
+        assert second.wait(60) == 0
+    finally:
+        procs[1].close()
+    assert second.pid not in template.exits and second.pid not in template.spawned
 
 
 def test_the_setting_turns_the_template_off(tmp_path, monkeypatch):
