@@ -42,7 +42,7 @@ from shm import describe_process
 
 from host_runtime._fork import check_owner, current_pid
 from host_runtime.queues._spsc import SpscRingBuffer
-from host_runtime.errors import BadRequestError
+from host_runtime.errors import BadRequestError, InvalidStateError
 from host_runtime.popef.model import Anchor, Model, TensorInfo, TensorType
 
 __all__ = [
@@ -499,9 +499,27 @@ class ring_size_multiplier_factory:
 
 # --------------------------------------------------------------------------- manager
 def _callback(fill_or_drain: Callable[[memoryview], bool]) -> Callable[[memoryview], None]:
-    """A queue's ``fill``/``drain`` as a stream callback: the session ignores what a
-    callback returns (the bool tells a direct caller the queue was disconnected)."""
+    """An output queue's ``drain`` as a stream callback: the session ignores what a
+    callback returns (False: the queue was disconnected, the transfer is dropped)."""
     return cast(Callable[[memoryview], None], fill_or_drain)
+
+
+def _input_callback(queue: "InputQueue") -> Callable[[memoryview], None]:
+    """An input queue's ``fill`` as a stream callback. A queue disconnected before it
+    filled the transfer (the session's stop() or close()) raises: the session then
+    tells the device the input could not be made, rather than hand it the zeros
+    ``fill`` left (a run would compute from them, its outputs dropped), and the run
+    fails with this InvalidStateError (``queue_disconnected``), as a stopped run does."""
+    fill = queue.fill
+
+    def callback(dest: memoryview) -> None:
+        if not fill(dest):
+            exc = InvalidStateError(f"input queue {queue.name()!r} was disconnected (the "
+                                    "session was stopped or closed) before it filled a "
+                                    "transfer: the run did not take place")
+            exc.queue_disconnected = True   # type: ignore[attr-defined]
+            raise exc
+    return callback
 
 
 class QueueSession(Protocol):
@@ -572,7 +590,7 @@ class QueueManager:
                 rb_in = InputRingBuffer(n, name, cb, int(timeout_ns), peer=peer)
                 q_in = InputQueue(rb_in, info, name)
                 self.inputs[name] = q_in
-                session.setCallbackForAnchor(anchor.handle(), _callback(q_in.fill))
+                session.setCallbackForAnchor(anchor.handle(), _input_callback(q_in))
             else:
                 rb_out = OutputRingBuffer(n, name, peer=peer)
                 q_out = OutputQueue(rb_out, info, name)

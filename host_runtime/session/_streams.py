@@ -346,9 +346,15 @@ class StreamTable:
         return first
 
     def with_callback_error(self, exc: DeviceExecutionError, what: str) -> BaseException:
-        """``exc`` (a program failed), or the failure of the callback that made it fail."""
+        """``exc`` (a program failed), or the failure of the callback that made it fail
+        (an input queue that stop() or close() disconnected: its InvalidStateError, as
+        for a stopped run)."""
         failed = self.take_callback_error()
-        return exc if failed is None else callback_failure(what, *failed)
+        if failed is None:
+            return exc
+        if getattr(failed[1], "queue_disconnected", False):
+            return failed[1]
+        return callback_failure(what, *failed)
 
     def on_need(self, index: int) -> None:
         a = self.streams[index]

@@ -137,3 +137,36 @@ def test_stop_disconnects_the_queues_of_a_waiting_run(model, weights, device):
             s.runMainPrograms()
         qm.resetAll()
         assert qm.inputQueue("tensor_A").ringBuffer().isValid()
+
+
+def test_a_run_whose_input_queue_is_disconnected_fails_rather_than_compute_from_zeros(
+        model, weights, device):
+    """The device asks for an input whose queue is then disconnected (as stop() and
+    close() do, just before their STOP): the transfer is not made of the zeros the queue
+    left, so the run does not compute from them and report success with its outputs
+    dropped; it fails with InvalidStateError, as a stopped run does, and the output queue
+    receives nothing."""
+    waiting = threading.Event()
+    with Session(model) as s:
+        s.bindToDevice(device)
+        qm = s.createQueueManager(timeout_ns=1_000_000,   # called while the device waits
+                                  timeout_callback=lambda q, rb: waiting.set())
+        out = np.full(SHAPE, -1.0, np.float32)
+        qm.outputQueue("tensor_C").enqueue(out)
+        qm.inputQueue("tensor_B").enqueue(np.ones(SHAPE, np.float32))
+        runs = Runs(s, 1)   # tensor_A never comes
+        assert waiting.wait(60)
+        qm.inputQueue("tensor_A").disconnect()
+        errors = runs.join()
+        assert len(errors) == 1 and isinstance(errors[0], InvalidStateError), errors
+        assert "input queue 'tensor_A' was disconnected" in str(errors[0])
+        np.testing.assert_array_equal(out, -1.0)   # nothing computed from zeros
+        # the session goes on: the queues reset, the next run is right
+        qm.resetAll()
+        a, b = np.full(SHAPE, 2.0, np.float32), np.full(SHAPE, 0.5, np.float32)
+        out2 = np.zeros(SHAPE, np.float32)
+        qm.inputQueue("tensor_A").enqueue(a)
+        qm.inputQueue("tensor_B").enqueue(b)
+        qm.outputQueue("tensor_C").enqueue(out2)
+        s.runMainPrograms()
+        np.testing.assert_allclose(out2, a * weights + b, rtol=1e-6)
