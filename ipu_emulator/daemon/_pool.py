@@ -27,7 +27,7 @@ from typing import Any
 
 import posix_ipc
 
-from shm import RingTimeoutError, ShmError
+from shm import RingTimeoutError, ShmError, pid_alive
 from shm.cleanup import list_objects
 
 from ipu_emulator import ipu_protocol
@@ -161,7 +161,9 @@ class PooledIpu:
         if proc is None:
             return
         self._runs_past += _program_runs(proc)
-        if not polite and proc.returncode() is None:
+        if not polite and proc.returncode() is None and pid_alive(proc.pid):
+            # (a pid gone already, its exit not reported yet: no signal to a pid the
+            # kernel may have handed to another process)
             os.kill(proc.pid, signal.SIGTERM)
             if proc.wait_exit(timeout) is None:
                 _log.warning("%s ignored SIGTERM for %g s; killing it", proc.describe_exit(),
@@ -183,7 +185,12 @@ class PooledIpu:
         return self._runs_past + (_program_runs(proc) if proc is not None else 0)
 
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.alive()
+        """Its process runs. Not only what the template process reported: it reports an
+        exit a moment after it reaped the process, and an attach meanwhile must not lend
+        a dead one; the pid itself tells at once (this is the daemon's look before it
+        lends an IPU, and its periodic one: not a hot path)."""
+        proc = self.proc
+        return proc is not None and proc.alive() and pid_alive(proc.pid)
 
     def info(self) -> dict[str, Any]:
         """What a host needs to use this IPU (attach reply)."""
