@@ -512,14 +512,15 @@ def _input_callback(queue: "InputQueue") -> Callable[[memoryview], None]:
     fails with this InvalidStateError (``queue_disconnected``), as a stopped run does."""
     fill = queue.fill
 
-    def callback(dest: memoryview) -> None:
+    def callback(dest: memoryview) -> bool:
         if not fill(dest):
             exc = InvalidStateError(f"input queue {queue.name()!r} was disconnected (the "
                                     "session was stopped or closed) before it filled a "
                                     "transfer: the run did not take place")
             exc.queue_disconnected = True   # type: ignore[attr-defined]
             raise exc
-    return callback
+        return True   # (as fill's: filled; the session ignores it)
+    return cast(Callable[[memoryview], None], callback)
 
 
 class QueueSession(Protocol):
