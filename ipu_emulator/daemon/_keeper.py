@@ -26,6 +26,7 @@ _log = logging.getLogger("ipu_emulator.daemon.server")
 
 _RETRY = 5.0       # seconds between restarts of an IPU process that failed to start
 _EXITS_KEPT = 256  # exit statuses of retired IPU processes kept for exit_status
+_REPORT_WAIT = 1.0  # seconds the template's report of a reaped process's exit is waited for
 
 
 class ProcessKeeper:
@@ -134,6 +135,10 @@ class ProcessKeeper:
         proc = ipu.proc
         if proc is not None and proc.pid not in self._exits:
             rc = proc.returncode()
+            if rc is None and not pid_alive(proc.pid):
+                # gone, its exit not reported yet: the template reports it a moment after
+                # it reaped the process (at once if the template itself is gone)
+                rc = proc.wait_exit(_REPORT_WAIT)
             _log.warning("ipu %d: %s", ipu.index, proc.describe_exit())
             if rc is not None:
                 self._died(ipu)

@@ -40,3 +40,42 @@ def test_a_process_gone_before_its_exit_was_reported_is_not_alive(tmp_path) -> N
     finally:
         ipu.proc = None
         running.communicate(b"")
+
+
+class _LateReport(_Reported):
+    """... whose template reports the exit once asked to wait for it."""
+
+    def __init__(self, pid: int, code: int) -> None:
+        super().__init__(pid)
+        self.code: int | None = None
+        self._later = code
+
+    def alive(self) -> bool:
+        return self.code is None
+
+    def returncode(self) -> int | None:
+        return self.code
+
+    def wait_exit(self, timeout: float) -> int | None:
+        self.code = self._later
+        return self.code
+
+    def describe_exit(self) -> str:
+        return f"process {self.pid} exited with {self.code}"
+
+
+def test_a_process_retired_before_its_exit_was_reported_counts_as_a_death(tmp_path) -> None:
+    """The daemon's look finds the pid gone before the template's report: retiring it waits
+    for the report, so the death is counted (/metrics) and its status kept (exit_status)."""
+    from ipu_emulator.daemon._keeper import ProcessKeeper
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    ipu = PooledIpu(IpuSpec(ipu_id=0), str(tmp_path))
+    ipu.proc = _LateReport(child.pid, -9)   # type: ignore[assignment]
+    died: list[int] = []
+    keeper = ProcessKeeper([ipu], lambda i: died.append(i.index))
+    assert not ipu.alive()
+    keeper.retire(ipu)
+    assert died == [0] and keeper._exits[child.pid] == -9
+    ipu.proc = None
