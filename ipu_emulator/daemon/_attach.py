@@ -44,6 +44,8 @@ class Conn:
         self.holding: list[PooledIpu] = []
         self.locks: IpuLocks | None = None   # the home's lock files of what it holds
         self.device_id = -1   # the host's device id of what it holds (-1: not given)
+        self.spoke = False    # it sent a request (a client's, not a silent connection)
+        self.serving = False  # a request of it is being answered
 
 
 def error(kind: str, message: str) -> dict[str, Any]:

@@ -68,7 +68,8 @@ __all__ = ["Daemon", "DaemonError"]
 _log = logging.getLogger("ipu_emulator.daemon.server")
 
 _MONITOR = 0.2     # seconds between checks of holders and IPU processes
-MAX_CONNECTIONS = 512   # connections served at once; more are answered "busy" and closed
+MAX_CONNECTIONS = 512   # connections served at once: past it an idle one is closed, else the
+                        # new one is answered "overloaded" and closed
 FIRST_MESSAGE_TIMEOUT = 10.0   # seconds a new connection may stay silent before its first
                                # message (later silence is a host holding its IPUs)
 REPLY_TIMEOUT = 10.0    # seconds a reply may wait for a client that does not read
@@ -207,7 +208,7 @@ class Daemon:
             _log.warning("refusing a connection of uid %d (pid %d)", uid, pid)
             writer.close()
             return
-        if len(self._conns) >= MAX_CONNECTIONS:
+        if len(self._conns) >= MAX_CONNECTIONS and not self._drop_an_idle_connection():
             _log.warning("refusing a connection of pid %d: %d connections open", pid,
                          len(self._conns))
             writer.write(wire.encode(error("overloaded", f"the daemon serves {MAX_CONNECTIONS} "
@@ -235,10 +236,12 @@ class Daemon:
                     break
                 if not line:
                     break
+                conn.spoke = conn.serving = True
                 try:
                     req = wire.decode(line)
                 except wire.DaemonProtocolError as exc:
                     await self._reply(conn, error("protocol", str(exc)))
+                    conn.serving = False
                     continue
                 try:
                     reply = await self._handle(conn, req)
@@ -246,12 +249,26 @@ class Daemon:
                     _log.exception("%s request of pid %d failed", req.get("op"), conn.pid)
                     reply = error("internal", f"{type(exc).__name__}: {exc}")
                 await self._reply(conn, reply)
+                conn.serving = False
         except (ConnectionError, OSError):
             pass
         finally:
             self._conns.discard(conn)
             await self._release(conn, "disconnected")
             writer.close()
+
+    def _drop_an_idle_connection(self) -> bool:
+        """At the cap: close a connection that holds nothing and waits for no answer (a
+        host keeps the one of its last release for its next attach, which connects anew
+        once it finds it closed); False if there is none."""
+        for conn in self._conns:
+            if conn.spoke and not conn.serving and not conn.holding \
+                    and not conn.writer.is_closing():
+                _log.info("closing an idle connection of pid %d: %d connections open",
+                          conn.pid, len(self._conns))
+                conn.writer.close()
+                return True
+        return False
 
     async def _reply(self, conn: Conn, reply: dict[str, Any]) -> None:
         conn.writer.write(wire.encode(reply))

@@ -149,3 +149,57 @@ def test_the_daemon_caps_connections_and_drops_silent_ones(tmp_path, monkeypatch
     assert result["answer"] == {"ok": True, "op": "hello", "v": wire.VERSION}
     assert daemon.released.count(os.getpid()) == 21   # the 20 silent ones and the talker
     assert result["threads_after"] == set()   # no thread a connection
+
+
+def test_at_the_cap_the_daemon_closes_an_idle_connection_for_a_new_one(tmp_path,
+                                                                        monkeypatch) -> None:
+    """Hosts keep the connection of their last release for their next attach: at the cap,
+    one that holds nothing and waits for no answer is closed to let a new host in (a host
+    that finds its kept connection closed connects anew); silent ones are not taken."""
+    monkeypatch.setattr(daemon_server, "MAX_CONNECTIONS", 3)
+    path = str(tmp_path / "d.sock")
+    daemon = _Bare()
+    result: dict[str, object] = {}
+
+    async def main() -> None:
+        srv = await asyncio.start_unix_server(daemon._serve_client, path=path)
+        loop = asyncio.get_running_loop()
+
+        def clients() -> None:
+            idle = []
+            for _ in range(2):   # hosts that spoke and now wait
+                c = socket.socket(socket.AF_UNIX)
+                c.connect(path)
+                c.settimeout(10)
+                c.sendall(wire.encode({"op": "hello"}))
+                assert wire.decode(c.makefile("rb").readline())["ok"]
+                idle.append(c)
+            silent = socket.socket(socket.AF_UNIX)
+            silent.connect(path)
+            new = socket.socket(socket.AF_UNIX)
+            new.connect(path)
+            new.settimeout(10)
+            new.sendall(wire.encode({"op": "hello"}))
+            result["answer"] = wire.decode(new.makefile("rb").readline())
+            closed = 0
+            for c in idle:
+                c.setblocking(False)
+                try:
+                    closed += c.recv(10) == b""
+                except BlockingIOError:
+                    pass
+            result["closed"] = closed
+            silent.setblocking(False)
+            try:
+                result["silent_closed"] = silent.recv(10) == b""
+            except BlockingIOError:
+                result["silent_closed"] = False
+            for c in [*idle, silent, new]:
+                c.close()
+        await loop.run_in_executor(None, clients)
+        srv.close()
+        await srv.wait_closed()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+    assert result["answer"] == {"ok": True, "op": "hello", "v": wire.VERSION}
+    assert result["closed"] == 1 and result["silent_closed"] is False
