@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 import urllib.request
+from typing import Callable
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter
@@ -100,6 +101,17 @@ class _Bare(daemon_server.Daemon):
         return {"ok": True, "op": req.get("op")}
 
 
+def _serve_while(daemon: _Bare, path: str, clients: Callable[[], None]) -> None:
+    """Serve ``daemon``'s connections at ``path`` while ``clients()`` runs on a thread."""
+    async def main() -> None:
+        srv = await asyncio.start_unix_server(daemon._serve_client, path=path)
+        await asyncio.get_running_loop().run_in_executor(None, clients)
+        srv.close()
+        await srv.wait_closed()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
 def test_the_daemon_caps_connections_and_drops_silent_ones(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(daemon_server, "MAX_CONNECTIONS", 20)
     monkeypatch.setattr(daemon_server, "FIRST_MESSAGE_TIMEOUT", 0.3)
@@ -107,41 +119,33 @@ def test_the_daemon_caps_connections_and_drops_silent_ones(tmp_path, monkeypatch
     daemon = _Bare()
     result: dict[str, object] = {}
 
-    async def main() -> None:
-        srv = await asyncio.start_unix_server(daemon._serve_client, path=path)
-        loop = asyncio.get_running_loop()
-
-        def clients() -> None:
-            result["threads"] = set(threading.enumerate())
-            silent = []
-            for _ in range(20):
-                c = socket.socket(socket.AF_UNIX)
-                c.connect(path)
-                silent.append(c)
-            extra = socket.socket(socket.AF_UNIX)
-            extra.connect(path)
-            extra.settimeout(10)
-            result["refused"] = wire.decode(extra.makefile("rb").readline())
-            extra.close()
-            result["threads_after"] = _new_threads(result["threads"])  # type: ignore[arg-type]
-            t0 = time.monotonic()
-            for c in silent:   # each dropped by the daemon after its silence
-                c.settimeout(10)
-                assert c.recv(10) == b""
-            result["dropped_after"] = time.monotonic() - t0
-            talker = socket.socket(socket.AF_UNIX)
-            talker.connect(path)
-            talker.sendall(wire.encode({"op": "hello"}))
-            talker.settimeout(10)
-            result["answer"] = wire.decode(talker.makefile("rb").readline())
-            talker.close()
-            for c in silent:
-                c.close()
-        await loop.run_in_executor(None, clients)
-        srv.close()
-        await srv.wait_closed()
-
-    asyncio.run(asyncio.wait_for(main(), 30))
+    def clients() -> None:
+        result["threads"] = set(threading.enumerate())
+        silent = []
+        for _ in range(20):
+            c = socket.socket(socket.AF_UNIX)
+            c.connect(path)
+            silent.append(c)
+        extra = socket.socket(socket.AF_UNIX)
+        extra.connect(path)
+        extra.settimeout(10)
+        result["refused"] = wire.decode(extra.makefile("rb").readline())
+        extra.close()
+        result["threads_after"] = _new_threads(result["threads"])  # type: ignore[arg-type]
+        t0 = time.monotonic()
+        for c in silent:   # each dropped by the daemon after its silence
+            c.settimeout(10)
+            assert c.recv(10) == b""
+        result["dropped_after"] = time.monotonic() - t0
+        talker = socket.socket(socket.AF_UNIX)
+        talker.connect(path)
+        talker.sendall(wire.encode({"op": "hello"}))
+        talker.settimeout(10)
+        result["answer"] = wire.decode(talker.makefile("rb").readline())
+        talker.close()
+        for c in silent:
+            c.close()
+    _serve_while(daemon, path, clients)
     refused = result["refused"]
     assert isinstance(refused, dict) and refused["error"] == "overloaded"
     assert "20 connections at most" in str(refused["message"])
@@ -161,45 +165,37 @@ def test_at_the_cap_the_daemon_closes_an_idle_connection_for_a_new_one(tmp_path,
     daemon = _Bare()
     result: dict[str, object] = {}
 
-    async def main() -> None:
-        srv = await asyncio.start_unix_server(daemon._serve_client, path=path)
-        loop = asyncio.get_running_loop()
-
-        def clients() -> None:
-            idle = []
-            for _ in range(2):   # hosts that spoke and now wait
-                c = socket.socket(socket.AF_UNIX)
-                c.connect(path)
-                c.settimeout(10)
-                c.sendall(wire.encode({"op": "hello"}))
-                assert wire.decode(c.makefile("rb").readline())["ok"]
-                idle.append(c)
-            silent = socket.socket(socket.AF_UNIX)
-            silent.connect(path)
-            new = socket.socket(socket.AF_UNIX)
-            new.connect(path)
-            new.settimeout(10)
-            new.sendall(wire.encode({"op": "hello"}))
-            result["answer"] = wire.decode(new.makefile("rb").readline())
-            closed = 0
-            for c in idle:
-                c.setblocking(False)
-                try:
-                    closed += c.recv(10) == b""
-                except BlockingIOError:
-                    pass
-            result["closed"] = closed
-            silent.setblocking(False)
+    def clients() -> None:
+        idle = []
+        for _ in range(2):   # hosts that spoke and now wait
+            c = socket.socket(socket.AF_UNIX)
+            c.connect(path)
+            c.settimeout(10)
+            c.sendall(wire.encode({"op": "hello"}))
+            assert wire.decode(c.makefile("rb").readline())["ok"]
+            idle.append(c)
+        silent = socket.socket(socket.AF_UNIX)
+        silent.connect(path)
+        new = socket.socket(socket.AF_UNIX)
+        new.connect(path)
+        new.settimeout(10)
+        new.sendall(wire.encode({"op": "hello"}))
+        result["answer"] = wire.decode(new.makefile("rb").readline())
+        closed = 0
+        for c in idle:
+            c.setblocking(False)
             try:
-                result["silent_closed"] = silent.recv(10) == b""
+                closed += c.recv(10) == b""
             except BlockingIOError:
-                result["silent_closed"] = False
-            for c in [*idle, silent, new]:
-                c.close()
-        await loop.run_in_executor(None, clients)
-        srv.close()
-        await srv.wait_closed()
-
-    asyncio.run(asyncio.wait_for(main(), 30))
+                pass
+        result["closed"] = closed
+        silent.setblocking(False)
+        try:
+            result["silent_closed"] = silent.recv(10) == b""
+        except BlockingIOError:
+            result["silent_closed"] = False
+        for c in [*idle, silent, new]:
+            c.close()
+    _serve_while(daemon, path, clients)
     assert result["answer"] == {"ok": True, "op": "hello", "v": wire.VERSION}
     assert result["closed"] == 1 and result["silent_closed"] is False
