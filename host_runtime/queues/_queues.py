@@ -498,28 +498,43 @@ class ring_size_multiplier_factory:
 
 
 # --------------------------------------------------------------------------- manager
-def _callback(fill_or_drain: Callable[[memoryview], bool]) -> Callable[[memoryview], None]:
-    """An output queue's ``drain`` as a stream callback: the session ignores what a
-    callback returns (False: the queue was disconnected, the transfer is dropped)."""
-    return cast(Callable[[memoryview], None], fill_or_drain)
+def _disconnected(what: str) -> InvalidStateError:
+    exc = InvalidStateError(what)
+    exc.queue_disconnected = True   # type: ignore[attr-defined]
+    return exc
 
 
 def _input_callback(queue: "InputQueue") -> Callable[[memoryview], None]:
     """An input queue's ``fill`` as a stream callback. A queue disconnected before it
-    filled the transfer (the session's stop() or close()) raises: the session then
-    tells the device the input could not be made, rather than hand it the zeros
-    ``fill`` left (a run would compute from them, its outputs dropped), and the run
-    fails with this InvalidStateError (``queue_disconnected``), as a stopped run does."""
+    filled the transfer (the session's stop() or close(), or ``disconnect()``) raises:
+    the session then tells the device the input could not be made, rather than hand it
+    the zeros ``fill`` left (a run would compute from them, its outputs dropped), and
+    the run fails with this InvalidStateError (``queue_disconnected``), as a stopped
+    run does."""
     fill = queue.fill
 
     def callback(dest: memoryview) -> bool:
         if not fill(dest):
-            exc = InvalidStateError(f"input queue {queue.name()!r} was disconnected (the "
-                                    "session was stopped or closed) before it filled a "
-                                    "transfer: the run did not take place")
-            exc.queue_disconnected = True   # type: ignore[attr-defined]
-            raise exc
+            raise _disconnected(f"input queue {queue.name()!r} was disconnected (the "
+                                "session was stopped or closed) before it filled a "
+                                "transfer: the run did not take place")
         return True   # (as fill's: filled; the session ignores it)
+    return cast(Callable[[memoryview], None], callback)
+
+
+def _output_callback(queue: "OutputQueue") -> Callable[[memoryview], None]:
+    """An output queue's ``drain`` as a stream callback. A queue disconnected before it
+    took the transfer raises (its data is dropped): the run that made it does not
+    return as done with an output that reached nobody; it fails with this
+    InvalidStateError (``queue_disconnected``), as a stopped run does."""
+    drain = queue.drain
+
+    def callback(src: memoryview) -> bool:
+        if not drain(src):
+            raise _disconnected(f"output queue {queue.name()!r} was disconnected (the "
+                                "session was stopped or closed) before it took a "
+                                "transfer: that output was dropped")
+        return True   # (as drain's: taken; the session ignores it)
     return cast(Callable[[memoryview], None], callback)
 
 
@@ -596,7 +611,7 @@ class QueueManager:
                 rb_out = OutputRingBuffer(n, name, peer=peer)
                 q_out = OutputQueue(rb_out, info, name)
                 self.outputs[name] = q_out
-                session.setCallbackForAnchor(anchor.handle(), _callback(q_out.drain))
+                session.setCallbackForAnchor(anchor.handle(), _output_callback(q_out))
 
     def _resolve(self, name: str, table: dict[str, _Q], kind: str) -> _Q:
         check_owner(self._owner_pid, "QueueManager")

@@ -22,7 +22,7 @@ from host_runtime.errors import DeviceExecutionError, InvalidStateError, ModelRu
 from host_runtime.session._binding import Binding
 from host_runtime.session._loading import Loader
 from host_runtime.session._state import Phase, PhaseEvent
-from host_runtime.session._streams import StreamTable, callback_failure
+from host_runtime.session._streams import StreamTable
 from ipu_emulator.ipu_protocol import Op
 
 __all__ = ["Runs"]
@@ -127,9 +127,9 @@ class Runs:
             # for it, so that its callbacks' errors are not taken for the next one's.
             self._abandoned = (fut, what)
             raise
-        failed = self._streams.take_callback_error()
+        failed = self._streams.callback_failure(what)
         if failed is not None:
-            raise callback_failure(what, *failed)
+            raise failed
 
     def _finish_abandoned(self, dev: Device) -> None:
         """Wait for the run a caller abandoned (see send); its outcome, which nobody

@@ -345,16 +345,22 @@ class StreamTable:
         self._errors.clear()
         return first
 
-    def with_callback_error(self, exc: DeviceExecutionError, what: str) -> BaseException:
-        """``exc`` (a program failed), or the failure of the callback that made it fail
-        (an input queue that stop() or close() disconnected: its InvalidStateError, as
-        for a stopped run)."""
+    def callback_failure(self, what: str) -> BaseException | None:
+        """What a run of ``what`` raises for its callbacks, taken (None: none failed): the
+        DeviceExecutionError of the first that raised, or the InvalidStateError of a
+        queue that stop() or close() disconnected (as for a stopped run)."""
         failed = self.take_callback_error()
         if failed is None:
-            return exc
+            return None
         if getattr(failed[1], "queue_disconnected", False):
             return failed[1]
         return callback_failure(what, *failed)
+
+    def with_callback_error(self, exc: DeviceExecutionError, what: str) -> BaseException:
+        """``exc`` (a program failed), or the failure of the callback that made it fail
+        (:meth:`callback_failure`)."""
+        failed = self.callback_failure(what)
+        return exc if failed is None else failed
 
     def on_need(self, index: int) -> None:
         a = self.streams[index]

@@ -170,3 +170,27 @@ def test_a_run_whose_input_queue_is_disconnected_fails_rather_than_compute_from_
         qm.outputQueue("tensor_C").enqueue(out2)
         s.runMainPrograms()
         np.testing.assert_allclose(out2, a * weights + b, rtol=1e-6)
+
+
+def test_a_run_whose_output_queue_is_disconnected_fails_rather_than_drop_its_output(
+        model, weights, device):
+    """An output queue disconnected before it took the run's transfer (as stop() and close()
+    do) drops it; the run does not return as done with an output that reached nobody: it
+    fails with InvalidStateError, as a stopped run does."""
+    with Session(model) as s:
+        s.bindToDevice(device)
+        qm = s.createQueueManager()
+        qm.inputQueue("tensor_A").enqueue(np.ones(SHAPE, np.float32))
+        qm.inputQueue("tensor_B").enqueue(np.ones(SHAPE, np.float32))
+        out = np.full(SHAPE, -1.0, np.float32)
+        qm.outputQueue("tensor_C").disconnect()
+        with pytest.raises(InvalidStateError, match="output queue 'tensor_C' was disconnected"):
+            s.runMainPrograms()
+        np.testing.assert_array_equal(out, -1.0)
+        qm.resetAll()   # connected again: the next run delivers
+        a, b = np.full(SHAPE, 3.0, np.float32), np.full(SHAPE, 0.25, np.float32)
+        qm.inputQueue("tensor_A").enqueue(a)
+        qm.inputQueue("tensor_B").enqueue(b)
+        qm.outputQueue("tensor_C").enqueue(out)
+        s.runMainPrograms()
+        np.testing.assert_allclose(out, a * weights + b, rtol=1e-6)
