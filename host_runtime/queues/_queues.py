@@ -498,43 +498,21 @@ class ring_size_multiplier_factory:
 
 
 # --------------------------------------------------------------------------- manager
-def _disconnected(what: str) -> InvalidStateError:
-    exc = InvalidStateError(what)
-    exc.queue_disconnected = True   # type: ignore[attr-defined]
-    return exc
-
-
-def _input_callback(queue: "InputQueue") -> Callable[[memoryview], None]:
-    """An input queue's ``fill`` as a stream callback. A queue disconnected before it
-    filled the transfer (the session's stop() or close(), or ``disconnect()``) raises:
-    the session then tells the device the input could not be made, rather than hand it
-    the zeros ``fill`` left (a run would compute from them, its outputs dropped), and
-    the run fails with this InvalidStateError (``queue_disconnected``), as a stopped
-    run does."""
-    fill = queue.fill
-
-    def callback(dest: memoryview) -> bool:
-        if not fill(dest):
-            raise _disconnected(f"input queue {queue.name()!r} was disconnected (the "
-                                "session was stopped or closed) before it filled a "
-                                "transfer: the run did not take place")
-        return True   # (as fill's: filled; the session ignores it)
-    return cast(Callable[[memoryview], None], callback)
-
-
-def _output_callback(queue: "OutputQueue") -> Callable[[memoryview], None]:
-    """An output queue's ``drain`` as a stream callback. A queue disconnected before it
-    took the transfer raises (its data is dropped): the run that made it does not
-    return as done with an output that reached nobody; it fails with this
-    InvalidStateError (``queue_disconnected``), as a stopped run does."""
-    drain = queue.drain
-
-    def callback(src: memoryview) -> bool:
-        if not drain(src):
-            raise _disconnected(f"output queue {queue.name()!r} was disconnected (the "
-                                "session was stopped or closed) before it took a "
-                                "transfer: that output was dropped")
-        return True   # (as drain's: taken; the session ignores it)
+def _queue_callback(step: Callable[[memoryview], bool], disconnected: str
+                    ) -> Callable[[memoryview], None]:
+    """A queue's ``fill`` (input) or ``drain`` (output) as a stream callback. A queue
+    disconnected before its transfer was whole (the session's stop() or close(), or
+    ``disconnect()``) raises an InvalidStateError (``queue_disconnected``, the message
+    ``disconnected``), which fails the run as a stop does: an input's zeros are not
+    handed to the device (the session aborts the slot: no run computes from them and
+    returns as done, its outputs dropped), and no run returns as done with an output
+    that reached nobody."""
+    def callback(view: memoryview) -> bool:
+        if not step(view):
+            exc = InvalidStateError(disconnected)
+            exc.queue_disconnected = True   # type: ignore[attr-defined]
+            raise exc
+        return True   # (as fill's and drain's; the session ignores it)
     return cast(Callable[[memoryview], None], callback)
 
 
@@ -606,12 +584,17 @@ class QueueManager:
                 rb_in = InputRingBuffer(n, name, cb, int(timeout_ns), peer=peer)
                 q_in = InputQueue(rb_in, info, name)
                 self.inputs[name] = q_in
-                session.setCallbackForAnchor(anchor.handle(), _input_callback(q_in))
+                session.setCallbackForAnchor(anchor.handle(), _queue_callback(
+                    q_in.fill, f"input queue {name!r} was disconnected (the session was "
+                    "stopped or closed) before it filled a transfer: the run did not take "
+                    "place"))
             else:
                 rb_out = OutputRingBuffer(n, name, peer=peer)
                 q_out = OutputQueue(rb_out, info, name)
                 self.outputs[name] = q_out
-                session.setCallbackForAnchor(anchor.handle(), _output_callback(q_out))
+                session.setCallbackForAnchor(anchor.handle(), _queue_callback(
+                    q_out.drain, f"output queue {name!r} was disconnected (the session was "
+                    "stopped or closed) before it took a transfer: that output was dropped"))
 
     def _resolve(self, name: str, table: dict[str, _Q], kind: str) -> _Q:
         check_owner(self._owner_pid, "QueueManager")
