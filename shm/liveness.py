@@ -229,13 +229,6 @@ subscriber of that process (a runner made right after one is closed, of the same
 process)."""
 
 
-def _exited(pidfd: int) -> bool:
-    """True if the process of ``pidfd`` has exited (its pidfd is readable then)."""
-    poller = select.poll()
-    poller.register(pidfd, select.POLLIN)
-    return bool(poller.poll(0))
-
-
 class _ExitNotifier:
     """One thread of this process, blocked in ``poll()`` on the pidfds of the processes
     :func:`notify_on_exit` was asked about (and a pipe that tells it the set changed):
@@ -261,7 +254,8 @@ class _ExitNotifier:
 
     def subscribe(self, pid: int, callback: Callable[[], None]) -> int | None:
         with self._lock:
-            if self._idle.pop(pid, None) is not None and _exited(self._fds[pid]):
+            # (a pidfd is readable once its process exited)
+            if self._idle.pop(pid, None) is not None and _poll([self._fds[pid]], 0):
                 # the process polled has exited and the pid is someone else's now: the
                 # thread drops that pidfd; this one cannot be watched until it has
                 self._idle[pid] = 0.0
