@@ -199,18 +199,26 @@ def test_a_program_that_writes_the_weights_gets_its_own_copy_per_replica(simple,
         np.testing.assert_allclose(r.execute(x, replica_id=1)["tensor_C"], first, rtol=1e-6)
         (name,) = tag_objects("cst")
         np.testing.assert_array_equal(_read(name), w)
-        # each replica computes with its own copy, in its own device memory
-        held = []
-        for mem in tag_objects("mem"):
-            with open("/dev/shm/" + mem, "rb") as f:
-                f.seek(at)
-                held.append(np.frombuffer(f.read(NBYTES), np.float32).reshape(SHAPE))
-        assert len(held) == 2
-        assert sorted(float(h[0, 0]) for h in held) == sorted(
-            [float(first[0, 0]), float(second[0, 0])])
         for rid in (0, 1):
             (pid,) = r.device_pids(rid)
             assert shm_mapping(pid, name)["perms"] == "r--s"
+        # Each replica's device memory, read once its IPU process has finished the
+        # iteration: an output reaches the host before the iteration's last steps (its
+        # write of the weights) are done, so the files are opened now and read after
+        # close(), whose STOP the IPU takes only between iterations.
+        mems = [open("/dev/shm/" + mem, "rb") for mem in tag_objects("mem")]
+    try:
+        # each replica computes with its own copy, in its own device memory
+        held = []
+        for f in mems:
+            f.seek(at)
+            held.append(np.frombuffer(f.read(NBYTES), np.float32).reshape(SHAPE))
+    finally:
+        for f in mems:
+            f.close()
+    assert len(held) == 2
+    assert sorted(float(h[0, 0]) for h in held) == sorted(
+        [float(first[0, 0]), float(second[0, 0])])
     assert tag_objects() == []
 
 
