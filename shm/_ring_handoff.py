@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._packed import RegionPart
 from .region import Region
 
 # Return codes of the C core's hand-over (see shm/_ringcore.c).
@@ -49,7 +50,7 @@ class _RingHandOff:
 
     # -- what the core is made over (the mapping: shm._ring_life; the token bank and
     #    the spin budget: shm._ring_waits) -----------------------------------------
-    _region: Region
+    _region: Region | RegionPart
     _name: str
     _payload: list[memoryview]
     _slot_size: int

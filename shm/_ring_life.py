@@ -27,6 +27,7 @@ from ._ring_layout import (_ACQUIRED, _CONSUMER_PID, _CREATOR, _FREE_SEM, _FULL_
 from .errors import RingInvalidatedError, ShmClosedError, ShmForkedError
 from .liveness import PeerWatch
 from ._semaphore import SharedSemaphore
+from ._packed import RegionPart
 from .region import Region
 
 _CLOSE_WAKE_TIMEOUT = 5.0
@@ -102,7 +103,7 @@ class _RingLife:
     _stop_peer_watch: Callable[[], None]
     _stop_core: Callable[[], None]
 
-    def __init__(self, region: Region, owner: bool) -> None:
+    def __init__(self, region: Region | RegionPart, owner: bool) -> None:
         self._region = region
         self._name = region.name
         # the semaphores' handles hold an export of the mapping: it goes with them

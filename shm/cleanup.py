@@ -14,6 +14,7 @@ import os
 from typing import NamedTuple
 
 from . import _registry, naming
+from ._packed import segment_of
 from .liveness import pid_alive
 
 __all__ = ["ShmObject", "list_objects", "remove_dead", "unlink_named", "unlink_created_by"]
@@ -86,8 +87,9 @@ def _unlink(name: str, is_semaphore: bool) -> int:
 
 def unlink_named(name: str) -> int:
     """Unlink the region or ring named ``name`` (one segment: a ring's semaphores are
-    inside it) if it exists; the number of objects removed (0 or 1)."""
-    return _unlink(name, False)
+    inside it; a packed ring's, its whole segment) if it exists; the number of objects
+    removed (0 or 1)."""
+    return _unlink(segment_of(name)[0], False)
 
 
 def unlink_created_by(pids: tuple[int, ...], *, all_tags: bool = False) -> int:

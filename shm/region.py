@@ -88,6 +88,21 @@ def _map(fd: int, size: int, prefault: bool, fresh: bool, name: str,
     return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=prot)
 
 
+def _populate(mm: mmap.mmap, spans: list[tuple[int, int]], name: str) -> None:
+    """Fault in the pages of ``spans`` writable now (``_map``'s pre-fault, for a segment
+    backed in ranges); nothing on a kernel without ``MADV_POPULATE_WRITE``."""
+    for offset, length in spans:
+        start = offset - offset % _PAGE
+        try:
+            mm.madvise(_MADV_POPULATE_WRITE, start, min(length + offset - start,
+                                                        len(mm) - start))
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:   # an older kernel: faulted in as touched
+                return
+            raise limits.shm_full(f"faulting in the pages of {name}", length,
+                                  errno.errorcode.get(exc.errno or 0, str(exc.errno))) from exc
+
+
 _MEMORY_CHECK_BYTES = 1 << 20
 """Regions pre-faulted from this size up are checked against the memory available (a
 smaller one cannot bring in the OOM killer; reading /proc/meminfo costs more than it)."""
@@ -172,11 +187,13 @@ class Region:
 
     @classmethod
     def create(cls, size: int, kind: str = "region", prefault: bool = True,
-               backed: int | None = None) -> "Region":
+               backed: int | list[tuple[int, int]] | None = None) -> "Region":
         """Create a new segment of ``size`` bytes (zero-filled), owned by this process.
 
-        ``backed``: only the first ``backed`` bytes are allocated now (default: all; see
-        the module docstring); nothing may touch the rest before :meth:`back` did."""
+        ``backed``: only the first ``backed`` bytes, or the ``(offset, length)`` ranges,
+        are allocated now (default: all; see the module docstring); nothing may touch the
+        rest before :meth:`back` did. Pre-faulted (``prefault``): the whole segment, or
+        the ranges given (nothing of a first ``backed`` bytes)."""
         if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
             raise ValueError(f"region size must be a positive int of bytes, got {size!r}")
         with limits.named_errors(f"creating a shared-memory region of {size} bytes", size):
@@ -186,9 +203,14 @@ class Region:
             _registry.register(name, "shm")
             try:
                 os.fchmod(shm.fd, 0o600)  # whatever the umask said
-                whole = backed is None or backed >= size
-                _back(shm.fd, 0, size if whole else max(0, int(backed or 0)), name)
+                whole = backed is None or (isinstance(backed, int) and backed >= size)
+                spans = ([(0, size)] if backed is None or whole
+                         else [(0, max(0, backed))] if isinstance(backed, int) else backed)
+                for offset, length in spans:
+                    _back(shm.fd, offset, min(length, size - offset), name)
                 mm = _map(shm.fd, size, prefault and whole, fresh=True, name=name)
+                if prefault and isinstance(backed, list):
+                    _populate(mm, spans, name)
             except BaseException:
                 _registry.unlink_name(name, "shm")
                 raise
@@ -217,6 +239,14 @@ class Region:
             finally:
                 shm.close_fd()
         return cls(name, mm, size, owner=False)
+
+    def populate(self, ranges: list[tuple[int, int]]) -> None:
+        """Fault in the pages of ``ranges`` (``(offset, length)`` each) writable now, as a
+        pre-faulted mapping has them; pages that are backed only (see :meth:`back`)."""
+        mm = self._mmap
+        if mm is None:
+            raise ShmClosedError(f"region {self._name} is closed in this process")
+        _populate(mm, ranges, self._name)
 
     def back(self, ranges: list[tuple[int, int]] | None = None) -> None:
         """Allocate the pages of ``ranges`` (``(offset, length)`` each; default: the whole

@@ -155,8 +155,11 @@ of the class, found by one attribute lookup):
 from __future__ import annotations
 
 import logging
+import mmap
 import os
+from typing import Sequence
 
+from ._packed import RegionPart, Shared, segment_of
 from ._ring_consumer import _RingConsumer
 from ._ring_handoff import _RingHandOff
 from ._ring_layout import (_CREATOR, _FREE_SEM, _FULL_SEM, _MAGIC, _MAX_SLOTS, _NUM_SLOTS,
@@ -213,7 +216,8 @@ class Ring(_RingProducer, _RingConsumer, _RingWaits, _RingHandOff, _RingLife):
     sets its own state in its ``__init__``, which this one calls in turn.
     """
 
-    def __init__(self, region: Region, owner: bool, settings: ShmSettings | None = None,
+    def __init__(self, region: Region | RegionPart, owner: bool,
+                 settings: ShmSettings | None = None,
                  ) -> None:
         s = settings if settings is not None else ShmSettings.current()
         # each part's own state (see its class)
@@ -239,28 +243,52 @@ class Ring(_RingProducer, _RingConsumer, _RingWaits, _RingHandOff, _RingLife):
         header is backed in /dev/shm (``shm.region``); :meth:`back` before the first
         write to a slot."""
         settings = settings if settings is not None else ShmSettings.current()
-        if not isinstance(slot_size, int) or isinstance(slot_size, bool) or slot_size <= 0:
-            raise ValueError(f"slot_size must be a positive int of bytes, got {slot_size!r}")
-        if (not isinstance(num_slots, int) or isinstance(num_slots, bool)
-                or not 1 <= num_slots <= _MAX_SLOTS):
-            raise ValueError(f"num_slots must be an int in 1..{_MAX_SLOTS}, got {num_slots!r}")
-        stride = _stride(slot_size)
-        region = Region.create(HEADER_SIZE + num_slots * stride, kind=kind, prefault=prefault,
-                               backed=HEADER_SIZE if sparse else None)
+        _check_shape(slot_size, num_slots)
+        region = Region.create(cls.region_size(slot_size, num_slots), kind=kind,
+                               prefault=prefault, backed=HEADER_SIZE if sparse else None)
         try:
-            w = region.buf.cast("q")
-            w[_MAGIC], w[_VERSION] = MAGIC, VERSION
-            w[_SLOT_SIZE], w[_NUM_SLOTS], w[_STRIDE] = slot_size, num_slots, stride
-            w[_CREATOR] = os.getpid()
-            w.release()
-            SharedSemaphore(region.buf, _FREE_SEM, "").init(num_slots)
-            SharedSemaphore(region.buf, _FULL_SEM, "").init(0)
+            _init_header(region.buf, slot_size, num_slots)
         except BaseException:
             region.close()
             region.unlink()
             raise
         _log.debug("created ring %s: %d slots x %d bytes", region.name, num_slots, slot_size)
         return cls(region, owner=True, settings=settings)
+
+    @classmethod
+    def create_packed(cls, shapes: Sequence[tuple[int, int, bool]], kind: str = "rings",
+                      prefault: bool = True, settings: ShmSettings | None = None,
+                      ) -> list["Ring"]:
+        """Create one ring per ``(slot_size, num_slots, sparse)`` of ``shapes``, all in one
+        segment (``shm/_packed.py``: one name, one mapping, one unlink), each on a page
+        boundary and named ``<segment>@<offset>``. Prefaulted (``prefault``) unless one is
+        ``sparse``: then only the others and the sparse ones' headers are backed now, and
+        a sparse ring's :meth:`back` backs the rest of its pages. Unlinking one of them
+        destroys the name of all: they are unlinked together."""
+        settings = settings if settings is not None else ShmSettings.current()
+        if not shapes:
+            raise ValueError("create_packed needs at least one ring shape")
+        offsets, total = [], 0
+        for slot_size, num_slots, _ in shapes:
+            _check_shape(slot_size, num_slots)
+            offsets.append(total)
+            total += -(-cls.region_size(slot_size, num_slots) // _PAGE) * _PAGE
+        sizes = [cls.region_size(n, d) for n, d, _ in shapes]
+        sparse = any(s for _, _, s in shapes)
+        region = Region.create(total, kind=kind, prefault=prefault, backed=[
+            (off, HEADER_SIZE if s else size)
+            for off, size, (_, _, s) in zip(offsets, sizes, shapes)] if sparse else None)
+        try:
+            shared = Shared(region)
+            parts = [RegionPart(shared, off, size) for off, size in zip(offsets, sizes)]
+            for part, (slot_size, num_slots, _) in zip(parts, shapes):
+                _init_header(part.buf, slot_size, num_slots)
+        except BaseException:
+            region.close()
+            region.unlink()
+            raise
+        _log.debug("created %d rings in %s", len(shapes), region.name)
+        return [cls(part, owner=True, settings=settings) for part in parts]
 
     @staticmethod
     def region_size(slot_size: int, num_slots: int) -> int:
@@ -269,26 +297,81 @@ class Ring(_RingProducer, _RingConsumer, _RingWaits, _RingHandOff, _RingLife):
 
     @classmethod
     def attach(cls, name: str, prefault: bool = True,
-               settings: ShmSettings | None = None) -> "Ring":
-        """Open the ring ``name`` made by another process (or this one)."""
+               settings: ShmSettings | None = None,
+               segments: dict[str, Shared] | None = None) -> "Ring":
+        """Open the ring ``name`` made by another process (or this one). ``segments``:
+        the packed segments mapped so far (``create_packed``), for the next rings of one
+        to share the mapping (the caller keeps the dict while it attaches them)."""
         settings = settings if settings is not None else ShmSettings.current()
-        region = Region.attach(name, prefault=prefault)
-        try:
-            w = region.buf.cast("q")
+        segment, offset = segment_of(name)
+        if segment == name:
+            region = Region.attach(name, prefault=prefault)
             try:
-                magic, version = w[_MAGIC], w[_VERSION]
-                slot_size, num_slots, stride = w[_SLOT_SIZE], w[_NUM_SLOTS], w[_STRIDE]
-            finally:
-                w.release()
-            if magic != MAGIC or version != VERSION:
-                raise ShmError(f"{name} is not a ring of layout version {VERSION}: "
-                               f"magic {magic:#x} version {version}")
-            need = HEADER_SIZE + num_slots * stride
-            if (slot_size <= 0 or not 1 <= num_slots <= _MAX_SLOTS
-                    or stride != _stride(slot_size) or need > region.size):
-                raise ShmError(f"ring {name} has an inconsistent header: slot_size {slot_size}, "
-                               f"num_slots {num_slots}, stride {stride}, region {region.size} B")
+                _check_header(name, region.buf, region.size)
+            except BaseException:
+                region.close()
+                raise
+            return cls(region, owner=False, settings=settings)
+        shared = segments.get(segment) if segments is not None else None
+        if shared is None:   # (pre-faulted ring by ring: another may be sparse)
+            shared = Shared(Region.attach(segment, prefault=False))
+            if segments is not None:
+                segments[segment] = shared
+        region = shared.region
+        try:
+            if offset % _PAGE or offset + HEADER_SIZE > region.size:
+                raise ShmError(f"ring {name}: no ring starts at offset {offset} of a "
+                               f"segment of {region.size} bytes")
+            size = _check_header(name, region.buf[offset:], region.size - offset)
+            if prefault:
+                region.populate([(offset, size)])
+            part = RegionPart(shared, offset, size)
         except BaseException:
-            region.close()
+            if not shared.parts:
+                region.close()
             raise
-        return cls(region, owner=False, settings=settings)
+        return cls(part, owner=False, settings=settings)
+
+
+_PAGE = mmap.PAGESIZE
+
+
+def _check_shape(slot_size: int, num_slots: int) -> None:
+    if not isinstance(slot_size, int) or isinstance(slot_size, bool) or slot_size <= 0:
+        raise ValueError(f"slot_size must be a positive int of bytes, got {slot_size!r}")
+    if (not isinstance(num_slots, int) or isinstance(num_slots, bool)
+            or not 1 <= num_slots <= _MAX_SLOTS):
+        raise ValueError(f"num_slots must be an int in 1..{_MAX_SLOTS}, got {num_slots!r}")
+
+
+def _init_header(buf: memoryview, slot_size: int, num_slots: int) -> None:
+    """Write a fresh ring's header and make its semaphores, at the start of ``buf``."""
+    w = buf.cast("q")
+    w[_MAGIC], w[_VERSION] = MAGIC, VERSION
+    w[_SLOT_SIZE], w[_NUM_SLOTS], w[_STRIDE] = slot_size, num_slots, _stride(slot_size)
+    w[_CREATOR] = os.getpid()
+    w.release()
+    SharedSemaphore(buf, _FREE_SEM, "").init(num_slots)
+    SharedSemaphore(buf, _FULL_SEM, "").init(0)
+
+
+def _check_header(name: str, buf: memoryview, room: int) -> int:
+    """The bytes the ring whose header starts ``buf`` takes, checked against the layout
+    and the ``room`` its segment has from there (ShmError)."""
+    if room < HEADER_SIZE or len(buf) < HEADER_SIZE:
+        raise ShmError(f"{name} is not a ring: {room} bytes, less than a ring's header")
+    w = buf[:HEADER_SIZE].cast("q")
+    try:
+        magic, version = w[_MAGIC], w[_VERSION]
+        slot_size, num_slots, stride = w[_SLOT_SIZE], w[_NUM_SLOTS], w[_STRIDE]
+    finally:
+        w.release()
+    if magic != MAGIC or version != VERSION:
+        raise ShmError(f"{name} is not a ring of layout version {VERSION}: "
+                       f"magic {magic:#x} version {version}")
+    need: int = HEADER_SIZE + num_slots * stride
+    if (slot_size <= 0 or not 1 <= num_slots <= _MAX_SLOTS
+            or stride != _stride(slot_size) or need > room):
+        raise ShmError(f"ring {name} has an inconsistent header: slot_size {slot_size}, "
+                       f"num_slots {num_slots}, stride {stride}, region {room} B")
+    return need

@@ -24,6 +24,7 @@ __all__ = ["StreamRings"]
 
 _MAX_RING_BYTES = 64 << 20       # cap on one anchor's ring (slots x transfer size)
 _PREFAULT_BYTES = 4 << 20        # pre-fault rings up to this size
+_PACK_MAX_BYTES = 64 << 10       # rings up to this size share one segment
 _UNLIMITED_DEPTH = 8             # ring depth of Main anchors for max_look_ahead "unlimited"
 _MAX_DEPTH = 1024                # cap on a SessionConfig.ring_depth answer
 
@@ -103,7 +104,22 @@ class StreamRings:
         check_room("this model's rings and regions", [
             (f"ring of anchor {a.name()!r} ({depth} x {n})", ring_bytes(n, depth))
             for a, n, depth in plan if a.handle() not in self._uncounted] + list(extra))
+        # the small rings share one segment (shm/_packed.py): one name, one mapping
+        small = [(a, n, depth) for a, n, depth in plan
+                 if ring_bytes(n, depth) <= _PACK_MAX_BYTES]
+        made: dict[str, Ring] = {}
+        if len(small) > 1:
+            with translated(f"the rings of {len(small)} anchors",
+                            sum(ring_bytes(n, depth) for _, n, depth in small)):
+                packed = Ring.create_packed(
+                    [(n, depth, a.handle() in constant) for a, n, depth in small],
+                    settings=self._settings)
+            made = {a.handle(): ring for (a, _, _), ring in zip(small, packed)}
         for a, n, depth in plan:
+            ring = made.get(a.handle())
+            if ring is not None:
+                self.rings[a.handle()] = ring
+                continue
             kind = "in" if a.type() is popef.TensorType.INPUT else "out"
             # a constant's ring is never written while it is constant: left untouched
             # (its slots not even backed in /dev/shm until it carries values)

@@ -430,6 +430,7 @@ class Loader:
         constant = constant_handles(loaded)
         loaded.steps.clear()
         settings = ShmSettings.current()   # once for every ring
+        segments: dict[str, Any] = {}   # the packed segments mapped (shm/_packed.py)
         for i, s in enumerate(streams):
             self._known.add(s.ring)
             handle, direction, nbytes = s.handle, s.direction, s.nbytes
@@ -439,16 +440,17 @@ class Loader:
                     ErrorKind.PROTOCOL, f"stream {handle!r}: the host offers {direction} x "
                     f"{nbytes} bytes, the executable has {want.direction} x {want.nbytes} "
                     "bytes")
-            ring = None if handle in constant else self._ring(s, settings)
+            ring = None if handle in constant else self._ring(s, settings, segments)
             st = _Stream(i, handle, direction, nbytes, ring, s.mode)
             loaded.streams.append(st)
             loaded.by_handle[st.handle] = st
 
     @staticmethod
-    def _ring(s: LoadStream, settings: ShmSettings) -> Ring:
+    def _ring(s: LoadStream, settings: ShmSettings, segments: dict[str, Any]) -> Ring:
         """The ring of stream ``s``, opened and checked (its slots hold a transfer)."""
         try:
-            ring = Ring.attach(s.ring, prefault=s.nbytes <= _PREFAULT_MAX, settings=settings)
+            ring = Ring.attach(s.ring, prefault=s.nbytes <= _PREFAULT_MAX, settings=settings,
+                               segments=segments)
         except (ShmError, OSError, posix_ipc.Error) as exc:
             raise _RequestError(ErrorKind.PROTOCOL, f"cannot open the ring of stream "
                                 f"{s.handle!r}: {exc}") from None

@@ -17,17 +17,29 @@ from shm import (PeerDiedError, Ring, RingInvalidatedError, RingTimeoutError, Sh
                  ShmError, WouldBlock)
 
 
-@pytest.fixture(params=["c", "python"])
+@pytest.fixture(params=["c", "python", "packed"])
 def pair(request, monkeypatch):
-    """A producer end and a consumer end, through the C core or the pure-Python path."""
+    """A producer end and a consumer end, through the C core or the pure-Python path;
+    "packed": the second ring of a packed segment (``Ring.create_packed``, C core), its
+    neighbours in use alongside."""
     if request.param == "python":
         monkeypatch.setattr(ring_module, "_ringcore", None)
     elif ring_module._ringcore is None:
         pytest.skip("shm._ringcore is not built (IPU_EMULATOR_RING_C=0)")
-    producer = Ring.create(64, 4)
+    if request.param == "packed":
+        first, producer, last = Ring.create_packed([(16, 2, False), (64, 4, False),
+                                                    (64, 4, False)])
+        first.write(b"before", 1)
+        last.write(b"after", 2)
+        neighbours = [first, last]
+    else:
+        producer, neighbours = Ring.create(64, 4), []
     consumer = Ring.attach(producer.name)
     yield producer, consumer
     consumer.close()
+    for ring in neighbours:   # untouched by whatever the test did to its neighbour
+        assert ring.read(0) == ((b"before", 1) if ring is neighbours[0] else (b"after", 2))
+        ring.close()
     producer.close()
     producer.unlink()
 
