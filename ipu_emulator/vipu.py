@@ -22,7 +22,6 @@ partitions (:mod:`ipu_emulator.daemon._partitions`). This module is what
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 from dataclasses import dataclass
@@ -129,8 +128,13 @@ def partition_from_env(environ: Mapping[str, str] | None = None) -> PartitionRef
         return read_ipuof_config(path)
     home = env.get("HOME") or os.path.expanduser("~")
     # the emulator's configs only: a real IPUoF config (RDMA addresses) there is not ours
-    found = [f for f in sorted(glob.glob(os.path.join(home, ".ipuof.conf.d", "*.conf")))
-             if _is_ours(f)]
+    folder = os.path.join(home, ".ipuof.conf.d")
+    try:   # (listed, not globbed: this runs for every DeviceManager)
+        names = sorted(n for n in os.listdir(folder)
+                       if n.endswith(".conf") and not n.startswith("."))
+    except OSError:   # none (the common case), or not a folder we may read
+        names = []
+    found = [f for f in (os.path.join(folder, n) for n in names) if _is_ours(f)]
     if len(found) > 1:
         raise VipuError(f"{CONFIG_DIR} holds {len(found)} IPUoF configs ({', '.join(found)}); "
                         f"choose one with {CONFIG_ENV}", "config")

@@ -199,21 +199,42 @@ def weights_span(data: bytes | bytearray | memoryview) -> tuple[int, int]:
     if p_len > _MAX_JSON or p_off + p_len > len(view):
         raise ExecutableError(f"program section [{p_off}, +{p_len}) is out of range",
                               offset=p_off)
+    program = bytes(view[p_off:p_off + p_len])
+    key = (program, g_off, total)
+    known = _spans.get(key)
+    if known is not None:
+        return known
     try:
-        doc = json.loads(bytes(view[p_off:p_off + p_len]).decode("utf-8"))
+        doc = json.loads(program.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise ExecutableError(f"program section is not valid JSON: {exc}",
                               offset=p_off) from None
     w = doc.get("weights") if isinstance(doc, dict) else None
     if not w:
-        return total, 0
+        return _keep_span(key, (total, 0))
     off, length = w.get("offset") if isinstance(w, dict) else None, \
         w.get("length") if isinstance(w, dict) else None
     if type(off) is not int or type(length) is not int or off < 0 or length < 0 \
             or g_off + off + length != total:
         raise ExecutableError(f"program section: $.weights: {w!r:.80} is not the last "
                               f"bytes of the executable", offset=p_off)
-    return g_off + off, length
+    return _keep_span(key, (g_off + off, length))
+
+
+# weights_span's answers by (program section, graphs offset, total length): a runner of
+# a model made again reads its span without parsing the program section's JSON again
+# (hashing and comparing its bytes is much cheaper); only spans that passed the checks
+_spans: dict[tuple[bytes, int, int], tuple[int, int]] = {}
+_SPANS_KEPT = 16
+_SPANS_MAX_BYTES = 16 << 20
+
+
+def _keep_span(key: tuple[bytes, int, int], span: tuple[int, int]) -> tuple[int, int]:
+    if len(key[0]) <= _SPANS_MAX_BYTES // _SPANS_KEPT:
+        if len(_spans) >= _SPANS_KEPT:
+            _spans.clear()   # (rare: more than 16 models in one process)
+        _spans[key] = span
+    return span
 
 
 def _decode(doc: Any, graphs: memoryview, g_off: int, hdr: ExecutableHeader,
