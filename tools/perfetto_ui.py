@@ -509,6 +509,11 @@ def _problems(state: dict[str, Any]) -> list[str]:
     return out
 
 
+def _left(deadline: float) -> float:
+    """Seconds to ``deadline`` (monotonic), at least 10: a command's own bound."""
+    return max(10.0, deadline - time.monotonic())
+
+
 def _wait(probe: Callable[[], dict[str, Any]], done: Callable[[dict[str, Any]], bool],
           deadline: float, every: float = 0.25) -> dict[str, Any]:
     """Poll ``probe`` until ``done`` says so or ``deadline`` (monotonic) passes; the last
@@ -553,10 +558,14 @@ def open_trace(trace: str, *, ui_dir: str | None = None, exe: str | None = None,
                                                        height=size[1]) as browser:
         report = Report(trace, viewer_url(server.base, server.trace_url),
                         screenshot=screenshot)
-        session = browser.page(report.url)
+        # Chromium's first answer comes once it has started: on a loaded machine (a
+        # test suite on two CPUs) that alone may take longer than a command's own 10 s,
+        # so the page and the probes have what is left of the whole budget
+        session = browser.page(report.url, timeout=_left(deadline))
 
         def probe() -> dict[str, Any]:
-            state: dict[str, Any] = browser.evaluate(session, _STATE_JS) or {}
+            state: dict[str, Any] = browser.evaluate(session, _STATE_JS,
+                                                     timeout=_left(deadline)) or {}
             return state
         state = _wait(probe, lambda s: bool(s.get("boot") or s.get("dialogs") or (
             s.get("loaded") and not s.get("loading"))), deadline)
