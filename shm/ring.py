@@ -142,7 +142,9 @@ each declaring what it reads of the others; the hot methods stay single flat met
 of the class, found by one attribute lookup):
 
 - this module: the layout above, making and opening a ring (:meth:`Ring.create`,
-  :meth:`Ring.attach`), and :func:`interrupt_all`/:func:`resume_all`;
+  :meth:`Ring.create_packed`, :meth:`Ring.attach`), and
+  :func:`interrupt_all`/:func:`resume_all`;
+- ``shm/_packed.py``: several rings in one segment, each named ``<segment>@<offset>``;
 - ``shm/_ring_layout.py``: the drawing's words as indices, and the sizes;
 - ``shm/_ring_life.py``: the mapping and semaphores in this process, what the header
   says (:meth:`Ring.counters`, :meth:`Ring.state`), close, unlink, invalidate, reset,
