@@ -270,12 +270,12 @@ class Ring(_RingProducer, _RingConsumer, _RingWaits, _RingHandOff, _RingLife):
         settings = settings if settings is not None else ShmSettings.current()
         if not shapes:
             raise ValueError("create_packed needs at least one ring shape")
-        offsets, total = [], 0
+        offsets, sizes, total = [], [], 0
         for slot_size, num_slots, _ in shapes:
             _check_shape(slot_size, num_slots)
             offsets.append(total)
-            total += -(-cls.region_size(slot_size, num_slots) // _PAGE) * _PAGE
-        sizes = [cls.region_size(n, d) for n, d, _ in shapes]
+            sizes.append(cls.region_size(slot_size, num_slots))
+            total += -(-sizes[-1] // _PAGE) * _PAGE
         sparse = any(s for _, _, s in shapes)
         region = Region.create(total, kind=kind, prefault=prefault, backed=[
             (off, HEADER_SIZE if s else size)
@@ -360,7 +360,7 @@ def _init_header(buf: memoryview, slot_size: int, num_slots: int) -> None:
 def _check_header(name: str, buf: memoryview, room: int) -> int:
     """The bytes the ring whose header starts ``buf`` takes, checked against the layout
     and the ``room`` its segment has from there (ShmError)."""
-    if room < HEADER_SIZE or len(buf) < HEADER_SIZE:
+    if room < HEADER_SIZE:   # (``buf`` spans ``room`` bytes)
         raise ShmError(f"{name} is not a ring: {room} bytes, less than a ring's header")
     w = buf[:HEADER_SIZE].cast("q")
     try:
