@@ -54,7 +54,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, NoReturn
+from typing import Any, Callable, NoReturn
 
 from shm.liveness import describe_process
 
@@ -199,6 +199,7 @@ class _Template:
                 del self.spawned[pid]
                 self.exits.pop(pid, None)
                 self.lost.discard(pid)
+                self._cv.notify_all()   # a waiter of that process ends (its ``taken``)
 
     def spawn(self, argv: list[str], env: dict[str, str], log_path: str | None,
               wait: float) -> tuple[int, int]:
@@ -249,11 +250,18 @@ class _Template:
             self.lost.add(pid)
             return self.exits.setdefault(pid, STATUS_LOST)
 
-    def wait(self, pid: int, timeout: float) -> int | None:
+    def wait(self, pid: int, timeout: float,
+             taken: Callable[[], bool] | None = None) -> int | None:
+        """``pid``'s exit status once reported, within ``timeout`` s (None: not yet).
+        ``taken``: says the caller's process object took the status meanwhile (another of
+        its threads, which made this forget it): the wait ends then, with None."""
         deadline = time.monotonic() + timeout
+        done = taken if taken is not None else (lambda: False)
         with self._cv:
-            self._cv.wait_for(lambda: pid in self.exits or self.gone, timeout)
+            self._cv.wait_for(lambda: pid in self.exits or self.gone or done(), timeout)
         while True:
+            if done():
+                return None
             rc = self.returncode(pid)
             left = deadline - time.monotonic()
             if rc is not None or left <= 0:
@@ -382,6 +390,12 @@ class ForkedProcess:
                 self._template.forget(self.pid, self._ident)
         return rc
 
+    def _wait(self, timeout: float) -> int | None:
+        """The template's report of the exit, within ``timeout`` s; or the status another
+        thread took meanwhile (the template forgot it then: see :meth:`_took`)."""
+        rc = self._template.wait(self.pid, timeout, lambda: self.returncode is not None)
+        return self.returncode if self.returncode is not None else self._took(rc)
+
     def poll(self) -> int | None:
         if self.returncode is None:
             self._took(self._template.returncode(self.pid))
@@ -402,12 +416,12 @@ class ForkedProcess:
         """Wait up to ``timeout`` s for the template to report the exit (no polling)."""
         if self.returncode is not None:
             return self.returncode
-        return self._took(self._template.wait(self.pid, timeout))
+        return self._wait(timeout)
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is not None:
             return self.returncode
-        rc = self._took(self._template.wait(self.pid, 1e9 if timeout is None else timeout))
+        rc = self._wait(1e9 if timeout is None else timeout)
         if rc is None:
             raise subprocess.TimeoutExpired(f"IPU process {self.pid}", timeout or 0.0)
         return rc

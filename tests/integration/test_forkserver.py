@@ -10,6 +10,8 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import psutil
 import pytest
@@ -144,6 +146,48 @@ def test_the_template_keeps_no_exit_status_a_process_was_given(tmp_path):
     finally:
         procs[1].close()
     assert second.pid not in template.exits and second.pid not in template.spawned
+
+
+def test_a_wait_for_an_exit_another_thread_took_ends_at_once(tmp_path):
+    """One thread waits for a process's exit (a device closing after a kill) while another
+    (the link's event thread looking at the process) takes the status first: the template
+    forgets a status once it is taken, so the waiter must end on that, not sit out its
+    whole timeout (close() of a killed device took the host sync timeout twice)."""
+    proc = launch_ipu(IpuSpec(ipu_id=0), log_dir=str(tmp_path))
+    try:
+        proc.wait_ready()
+        ipu_protocol.send(proc.control, Message(Op.SHUTDOWN))
+        assert proc.wait_exit(60) == 0
+    finally:
+        proc.close()
+    forked = proc._popen
+    assert isinstance(forked, forkserver.ForkedProcess)
+    template, pid = forked._template, forked.pid
+    with template._cv:   # a later process of that pid, as the next fork reports it
+        template._take({"op": "spawned", "id": -2, "pid": pid})
+        template._replies.pop(-2)
+    again = forkserver.ForkedProcess(template, pid, -2)
+    got: list[tuple[int | None, float]] = []
+
+    def waiter() -> None:
+        start = time.monotonic()
+        rc = again.wait_exit(30)
+        got.append((rc, time.monotonic() - start))
+    t = threading.Thread(target=waiter)
+    t.start()
+    deadline = time.monotonic() + 30
+    while not template._cv._waiters:   # the waiter sleeps on the template's condition
+        assert time.monotonic() < deadline and t.is_alive()
+        time.sleep(0.001)
+    with template._cv:   # (reentrant) the exit comes, and another thread takes it first
+        template._take({"op": "exit", "pid": pid, "code": -signal.SIGKILL})
+        template._cv.notify_all()
+        assert again.poll() == -signal.SIGKILL
+        assert pid not in template.exits
+    t.join(30)
+    assert not t.is_alive()
+    ((rc, took),) = got
+    assert rc == -signal.SIGKILL and took < 10, took
 
 
 def test_the_setting_turns_the_template_off(tmp_path, monkeypatch):
