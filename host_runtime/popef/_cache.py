@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import operator
 import os
 import stat
 import threading
+from typing import Any, Callable, Iterable
 
 from host_runtime.popef.model import Model
 from host_runtime.popef.reader import MAP_MIN_BYTES
@@ -35,7 +37,28 @@ FilesKey = tuple[tuple[int, int, int, int, int], ...]
 _lock = threading.Lock()
 _models: "collections.OrderedDict[FilesKey, tuple[Model, list[object]]]" = (
     collections.OrderedDict())
-_fields: dict[type, tuple[str, ...]] = {}
+# per type: how to list the objects an object of it is made of (False: none, a leaf)
+_children: "dict[type, Callable[[Any], Iterable[object]] | bool]" = {}
+
+
+def _items_of(d: dict[Any, Any]) -> list[object]:
+    return [x for kv in d.items() for x in kv]
+
+
+def _children_of(obj: object) -> "Callable[[Any], Iterable[object]] | bool":
+    """How to list what an object of ``obj``'s type is made of (False: nothing)."""
+    kind = type(obj)
+    if issubclass(kind, (list, tuple)):
+        return tuple
+    if issubclass(kind, dict):
+        return _items_of
+    if not dataclasses.is_dataclass(obj):
+        return False
+    names = tuple(f.name for f in dataclasses.fields(obj))
+    if not names:
+        return False
+    get = operator.attrgetter(*names)
+    return get if len(names) > 1 else (lambda o: (get(o),))
 
 
 def _parts(model: Model) -> list[object]:
@@ -44,22 +67,16 @@ def _parts(model: Model) -> list[object]:
     them: no id is reused while it lives)."""
     out: list[object] = []
     stack: list[object] = [model]
+    pop, extend, keep = stack.pop, stack.extend, out.append
+    children = _children
     while stack:
-        obj = stack.pop()
-        out.append(obj)
-        kind = type(obj)
-        if isinstance(obj, (list, tuple)):
-            stack.extend(obj)
-        elif isinstance(obj, dict):
-            for k, v in obj.items():
-                stack.append(k)
-                stack.append(v)
-        else:
-            names = _fields.get(kind)
-            if names is None:
-                names = _fields[kind] = (tuple(f.name for f in dataclasses.fields(obj))
-                                         if dataclasses.is_dataclass(obj) else ())
-            stack.extend(getattr(obj, n) for n in names)
+        obj = pop()
+        keep(obj)
+        get = children.get(type(obj))
+        if get is None:
+            get = children[type(obj)] = _children_of(obj)
+        if get:
+            extend(get(obj))   # type: ignore[operator]
     return out
 
 
