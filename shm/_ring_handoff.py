@@ -70,8 +70,7 @@ class _RingHandOff:
                 self, self._region.buf, self._payload, self._slot_size, self._num_slots,
                 self._stride,
                 self._spin_max_ns, self._spin_min_ns, self._spare_free, self._spare_full)
-            for method in _C_METHODS:
-                setattr(self, method, getattr(core, method))
+            self.__dict__.update({method: getattr(core, method) for method in _C_METHODS})
 
     def c_handle(self) -> Any | None:
         """This process's end of the ring for C extensions, or None without the C core.
