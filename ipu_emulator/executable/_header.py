@@ -71,7 +71,11 @@ class ExecutableHeader:
             raise ExecutableError(
                 f"executable is {len(view)} bytes, shorter than its {HEADER_SIZE}-byte "
                 "header (truncated)", offset=len(view))
-        raw = bytes(view[:_HEADER.size])
+        whole = bytes(view[:HEADER_SIZE])
+        known = _decoded.get(whole)
+        if known is not None and cls is ExecutableHeader:
+            return known
+        raw = whole[:_HEADER.size]
         (magic, version, header_len, flags, ipu_version, num_ipus, iterations, memory_bytes,
          required_bytes, p_off, p_len, g_off, g_len, total, body_crc, phash,
          name) = _HEADER.unpack(raw)
@@ -81,7 +85,7 @@ class ExecutableHeader:
         if version != FORMAT_VERSION:
             raise ExecutableError(f"unsupported executable format version {version}; this "
                                   f"emulator reads version {FORMAT_VERSION}", offset=8)
-        (hcrc,) = _HEADER_CRC.unpack(bytes(view[_HEADER.size:HEADER_SIZE]))
+        (hcrc,) = _HEADER_CRC.unpack(whole[_HEADER.size:])
         if zlib.crc32(raw) != hcrc:
             raise ExecutableError("header checksum mismatch (damaged header)",
                                   offset=_HEADER.size)
@@ -104,16 +108,27 @@ class ExecutableHeader:
         except UnicodeDecodeError:
             raise ExecutableError("header name or package hash is not valid text",
                                   offset=_HEADER.size - 192) from None
-        return cls(name=name_s, package_hash=phash_s, ipu_version=ipu_version,
-                   num_ipus=num_ipus, device_iterations=iterations,
-                   memory_bytes=memory_bytes, required_bytes=required_bytes,
-                   version=version, total_length=total, program_offset=p_off,
-                   program_length=p_len, graphs_offset=g_off, graphs_length=g_len,
-                   body_crc32=body_crc)
+        header = cls(name=name_s, package_hash=phash_s, ipu_version=ipu_version,
+                     num_ipus=num_ipus, device_iterations=iterations,
+                     memory_bytes=memory_bytes, required_bytes=required_bytes,
+                     version=version, total_length=total, program_offset=p_off,
+                     program_length=p_len, graphs_offset=g_off, graphs_length=g_len,
+                     body_crc32=body_crc)
+        if len(_decoded) >= _DECODED_MAX:
+            _decoded.clear()
+        _decoded[whole] = header
+        return header
 
     def as_dict(self) -> dict[str, Any]:
         """The fields by name (for tools that print or serialise them)."""
         return dataclasses.asdict(self)
+
+
+# Headers decoded, by their bytes (a header is frozen: the same bytes decode to an equal
+# one). A host reads its model's header several times per runner made, and an IPU process
+# once per LOAD. A damaged header is never kept: it is refused each time.
+_decoded: dict[bytes, ExecutableHeader] = {}
+_DECODED_MAX = 64
 
 
 def read_header(data: bytes | bytearray | memoryview) -> ExecutableHeader:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import zlib
 
@@ -84,6 +85,23 @@ def test_header_encoder_and_decoder_agree(simple_exe: Executable) -> None:
         "program_length", "graphs_offset", "graphs_length", "body_crc32"}
     with pytest.raises(AttributeError):
         hdr.name = "other"  # type: ignore[misc]
+
+
+def test_a_header_changed_in_place_after_it_was_read_is_checked_again(
+        simple_exe: Executable) -> None:
+    """Decoded headers are kept by their bytes: a buffer rewritten in place (a damaged
+    copy, a new executable over an old one) is decoded and checked anew."""
+    data = bytearray(simple_exe.to_bytes())
+    first = read_header(data)
+    assert read_header(bytes(data)) == first
+    data[40] ^= 0x01
+    with pytest.raises(ExecutableError, match="header checksum mismatch"):
+        read_header(data)
+    data[40] ^= 0x01
+    other = ExecutableHeader.unpack(data[:HEADER_SIZE])
+    renamed = bytearray(dataclasses.replace(other, name="renamed").pack())
+    assert read_header(renamed).name == "renamed"
+    assert read_header(data).name == "simple"
 
 
 def test_executable_contents(simple_exe: Executable) -> None:
