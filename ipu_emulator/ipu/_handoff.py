@@ -130,6 +130,9 @@ class ClientHandOff:
         if gone:   # the waits its exit interrupted block again (a wait that raises
             ring_waits.resume_all()   # WaitInterrupted resumes them too: after_interrupt)
         self._wire.drop_client()
+        # the host's input ring the placement reads its thread from: let go with the rest
+        # (else it is freed, and its segment unmapped, in the next host's first run)
+        self._apart.hint = None
         close = self._executables.detach()
         if later:
             dev.later.append(close)
