@@ -60,6 +60,7 @@ __all__ = [
     "check_model",
     "check_loaded_streams",
     "check_loop",
+    "programs_streaming",
     "stream_counts",
 ]
 
@@ -136,7 +137,8 @@ def stream_counts(body: Sequence[Instruction]) -> Counts:
     return counts
 
 
-def _programs_streaming(exe: Executable) -> dict[tuple[str, str], set[int]]:
+def programs_streaming(exe: Executable) -> dict[tuple[str, str], set[int]]:
+    """(direction, handle) -> the indices of ``exe``'s programs that stream it."""
     used: dict[tuple[str, str], set[int]] = {}
     for k, p in enumerate(exe.programs):
         for key in stream_counts(p.body):
@@ -234,7 +236,7 @@ def _check_parts(exe: Executable, flow: FlowSpec) -> None:
 
 
 def _check_anchor_streams(exe: Executable, anchors: Sequence[AnchorSpec], flow: FlowSpec) -> None:
-    used = _programs_streaming(exe)
+    used = programs_streaming(exe)
     seen: set[str] = set()
     for a in anchors:
         if a.direction is None:
@@ -393,12 +395,15 @@ def _walk_iteration(body: Sequence[Instruction], written: set[str], what: str,
 
 # -- the device's checks: what it sees without the metadata -------------------------------
 
-def check_loaded_streams(exe: Executable, streams: Iterable[tuple[str, str]]) -> None:
+def check_loaded_streams(exe: Executable, streams: Iterable[tuple[str, str]],
+                         used: dict[tuple[str, str], set[int]] | None = None) -> None:
     """Each ``(handle, direction)`` the host connected that ``exe`` declares is a stream
     some program of ``exe`` transfers in that direction (else the host would wait on it
     forever). Streams ``exe`` does not declare are left alone: one IPU of a multi-IPU
-    device is offered every host stream and uses its own."""
-    used = _programs_streaming(exe)
+    device is offered every host stream and uses its own. ``used``:
+    ``programs_streaming(exe)`` if the caller keeps it."""
+    if used is None:
+        used = programs_streaming(exe)
     for handle, direction in streams:
         s = exe.streams.get(handle)
         if s is not None and (direction, handle) not in used:

@@ -26,6 +26,7 @@ import logging
 import mmap
 import time
 import traceback
+import weakref
 from typing import Any, Callable
 
 import posix_ipc
@@ -468,14 +469,24 @@ def constant_handles(loaded: _Loaded) -> set[str]:
     return set(plan.shared) | set(plan.copied) if plan is not None else set()
 
 
+# per interpreter: (direction, handle) -> its programs that stream it (a kept build serves
+# host after host: worked out once)
+_streaming: "weakref.WeakKeyDictionary[Any, dict[tuple[str, str], set[int]]]" = (
+    weakref.WeakKeyDictionary())
+
+
 def _check_streams(loaded: _Loaded) -> None:
     """Every stream the host connected is one some program transfers (ipu_emulator.validate):
     else the host would wait on it forever."""
-    from ipu_emulator.validate import RuleError, check_loaded_streams
+    from ipu_emulator.validate import RuleError, check_loaded_streams, programs_streaming
 
+    interp = loaded.interp
+    used = _streaming.get(interp)
+    if used is None:
+        used = _streaming[interp] = programs_streaming(interp.executable)
     try:
-        check_loaded_streams(loaded.interp.executable,
-                             [(s.handle, s.direction) for s in loaded.streams])
+        check_loaded_streams(interp.executable,
+                             [(s.handle, s.direction) for s in loaded.streams], used)
     except RuleError as exc:
         raise _RequestError(ErrorKind.PROGRAM, f"DeviceProgramError: executable "
                             f"{loaded.interp.executable.name!r} cannot serve this host: "
