@@ -32,6 +32,8 @@ SHM_DIR = "/dev/shm"
 _NAME_RE = re.compile(
     r"^/?(?:sem\.)?" + PREFIX + r"_(?P<tag>[A-Za-z0-9]{1,16})_(?P<pid>\d+)_(?P<token>[0-9a-f]+)_(?P<kind>[A-Za-z0-9.]+)$")
 
+_KIND_RE = re.compile(r"^[A-Za-z0-9.]{1,24}$")
+
 
 class ParsedName(NamedTuple):
     tag: str
@@ -48,7 +50,7 @@ def current_tag() -> str:
 
 def new_name(kind: str, token: str | None = None) -> str:
     """A fresh object name of this process, with a leading slash."""
-    if not re.match(r"^[A-Za-z0-9.]{1,24}$", kind):
+    if not _KIND_RE.match(kind):
         raise ValueError(f"kind must be 1-24 letters, digits or dots, got {kind!r}")
     tok = token if token is not None else secrets.token_hex(6)
     return f"/{PREFIX}_{current_tag()}_{os.getpid()}_{tok}_{kind}"

@@ -306,6 +306,7 @@ class Settings:
 
     _knobs: ClassVar[dict[type, tuple[Knob, ...]]] = {}
     _cache: ClassVar[dict[type, tuple[Any, Any]]] = {}
+    _by_name: ClassVar[dict[type, dict[str, Knob]]] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -326,10 +327,10 @@ class Settings:
     @classmethod
     def knob(cls, name: str) -> Knob:
         """The knob of field ``name`` (KeyError if none)."""
-        for k in cls.knobs():
-            if k.name == name:
-                return k
-        raise KeyError(name)
+        by_name = Settings._by_name.get(cls)
+        if by_name is None:
+            by_name = Settings._by_name[cls] = {k.name: k for k in cls.knobs()}
+        return by_name[name]
 
     @classmethod
     def from_env(cls: type[_S], environ: Mapping[str, str]) -> _S:
