@@ -92,9 +92,7 @@ class _RingWaits:
         self._peer_gone = False          # the peer's exit was notified (see set_peer)
         self._peer_notified = False      # ... and will be: waits need no peer check
         self._unnotify: Any = None
-        # notified as a wait ends. Its default RLock, though no call takes it twice: over
-        # a Lock, Condition() probes for three methods a Lock lacks (~3 us per ring made)
-        self._wlock = threading.Condition()
+        self._wlock = threading.Condition()   # notified as a wait ends (over an RLock: cheaper)
         self._blocked = [0, 0]
         self._pending = [0, 0]
 

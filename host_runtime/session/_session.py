@@ -44,6 +44,7 @@ from __future__ import annotations
 import logging
 import secrets
 import weakref
+from functools import partial
 from typing import Any, Callable, Sequence
 
 from host_runtime import popef
@@ -304,8 +305,8 @@ class Session(AnchorsAndCallbacks):
             if (b is not None and b.busy()) or self._direct.loop_running():
                 # a program of ours may be running on another thread
                 self.stop_within(stop_timeout, kill_if_hung, closing=True)
-            if self._binding is not None:
-                self._unbind(run_save=False, meanwhile=self._streams.close)   # (idempotent)
+            if self._binding is not None:   # no save; rings and regions go as the IPUs go back
+                self._unbind(False, meanwhile=partial(_release, self._streams, self._loader))
         finally:
             self._life = self._life.after(LifeEvent.CLOSE)
             _release(self._streams, self._loader)
