@@ -222,7 +222,7 @@ class ModelRunnerConfig:
 
     def copy(self) -> "ModelRunnerConfig":
         """A mutable copy (of a runner's read-only configuration too)."""
-        new = ModelRunnerConfig()
+        new = object.__new__(ModelRunnerConfig)   # every field is set below: no defaults first
         for f in self._FIELDS:
             value = getattr(self, f)
             if isinstance(value, _ReadOnlyMapping):
