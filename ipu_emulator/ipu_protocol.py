@@ -507,19 +507,24 @@ def encode_load_spec(spec: LoadSpec) -> bytes:
 
 def spec_prefix_size(spec: LoadSpec) -> int:
     """Length of :func:`encode_load_spec`'s output, given a spec whose offset is not yet set."""
-    probe = replace(spec, executable_offset=0)
+    return len(spec_prefix(spec))
+
+
+def spec_prefix(spec: LoadSpec) -> bytes:
+    """:func:`encode_load_spec` of ``spec`` with the executable right after the prefix
+    (``executable_offset`` set to the prefix's own length, whatever ``spec`` had)."""
     # The offset's digits change the JSON length; iterate to a fixed point.
-    size = len(encode_load_spec(probe))
+    prefix = encode_load_spec(replace(spec, executable_offset=0))
     for _ in range(4):
-        new = len(encode_load_spec(replace(probe, executable_offset=size)))
-        if new == size:
-            break
-        size = new
-    return size
+        again = encode_load_spec(replace(spec, executable_offset=len(prefix)))
+        if len(again) == len(prefix):
+            return again
+        prefix = again
+    raise AssertionError("the load spec's length did not settle")   # (digits grow 4 times)
 
 
 __all__ += ["Redirect", "HostMemoryRef", "host_memory_descriptor", "read_host_memory_descriptor",
-            "spec_prefix_size", "LoadSpec", "LoadStream", "LoadConstant", "LoadConstants",
+            "spec_prefix_size", "spec_prefix", "LoadSpec", "LoadStream", "LoadConstant", "LoadConstants",
             "WeightsFile"]
 
 

@@ -123,8 +123,7 @@ def load_spec_region(region: Region | None, spec: ipu_protocol.LoadSpec,
         if len(prefix) <= at:
             region.buf[:len(prefix)] = prefix
             return region
-    prefix = ipu_protocol.encode_load_spec(
-        dataclasses.replace(spec, executable_offset=ipu_protocol.spec_prefix_size(spec)))
+    prefix = ipu_protocol.spec_prefix(spec)
     size = len(prefix) + len(executable)
 
     def fill(made: Region) -> None:

@@ -68,6 +68,20 @@ def test_load_spec_round_trip_and_offset_fixed_point():
     assert ipu_protocol.decode_load_spec(memoryview(region)) == spec
 
 
+@pytest.mark.parametrize("handles", [1, 40, 400])
+def test_a_spec_prefix_ends_where_it_says_the_executable_starts(handles):
+    """Whatever the offset's digits add, the prefix is exactly as long as the offset it
+    holds (the executable follows it), for a spec of a few or many streams."""
+    spec = ipu_protocol.LoadSpec(key="k", executable_size=10, executable_offset=123456789,
+                                 streams=tuple(ipu_protocol.LoadStream(
+                                     f"s{i}", f"/r@{i * 4096}", "in", 4, ipu_protocol.MODE_EVENT)
+                                     for i in range(handles)))
+    prefix = ipu_protocol.spec_prefix(spec)
+    decoded = ipu_protocol.decode_load_spec(memoryview(bytearray(prefix + b"E" * 10)))
+    assert decoded.executable_offset == len(prefix) == ipu_protocol.spec_prefix_size(spec)
+    assert decoded == dataclasses.replace(spec, executable_offset=len(prefix))
+
+
 def test_load_spec_with_constants_and_weights_round_trips():
     for spec in (_spec(constants=ipu_protocol.LoadConstants(
                      "/c", (ipu_protocol.LoadConstant("w", 0, 16),)), prepack=False),
