@@ -524,8 +524,8 @@ def spec_prefix(spec: LoadSpec) -> bytes:
 
 
 __all__ += ["Redirect", "HostMemoryRef", "host_memory_descriptor", "read_host_memory_descriptor",
-            "spec_prefix_size", "spec_prefix", "LoadSpec", "LoadStream", "LoadConstant", "LoadConstants",
-            "WeightsFile"]
+            "spec_prefix_size", "spec_prefix", "LoadSpec", "LoadStream", "LoadConstant",
+            "LoadConstants", "WeightsFile"]
 
 
 def decode_load_spec(buf: memoryview) -> LoadSpec:

@@ -131,7 +131,7 @@ class ClientHandOff:
             ring_waits.resume_all()   # WaitInterrupted resumes them too: after_interrupt)
         self._wire.drop_client()
         # the host's input ring the placement reads its thread from: let go with the rest
-        # (else it is freed, and its segment unmapped, in the next host's first run)
+        # (else its objects are freed inside the next host's first run)
         self._apart.hint = None
         close = self._executables.detach()
         if later:
