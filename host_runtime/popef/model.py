@@ -8,10 +8,12 @@ tests rely on.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import enum
 import zlib
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -425,6 +427,23 @@ class Metadata:
         return None
 
 
+def _copy_fields(obj: Any, memo: dict[int, Any]) -> Any:
+    """A deep copy of a blob or model made of its fields only: not what the runtime keeps
+    on it (its executable's decoded programs, the check it passed), which the copy works
+    out again if it needs. A read-only view of bytes (a large payload, a view of the file's
+    snapshot) is shared: nothing can change it; a writable one is copied into bytes."""
+    new = object.__new__(type(obj))
+    memo[id(obj)] = new
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, memoryview):
+            value = value if value.readonly else value.tobytes()
+        else:
+            value = copy.deepcopy(value, memo)
+        object.__setattr__(new, f.name, value)
+    return new
+
+
 @dataclass
 class TensorData:
     """Bytes for one anchor (usually weights), fed by the Load program (a large one read
@@ -435,6 +454,10 @@ class TensorData:
 
     def name(self) -> str:
         return self.anchor
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "TensorData":
+        copied: TensorData = _copy_fields(self, memo)
+        return copied
 
 
 @dataclass
@@ -472,6 +495,10 @@ class ExecutableBlob:
     def name(self) -> str:
         return self.exec_name
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> "ExecutableBlob":
+        copied: ExecutableBlob = _copy_fields(self, memo)
+        return copied
+
     def payload(self) -> bytes | memoryview:
         """The executable bytes, decompressed."""
         if not self.compressed:
@@ -493,6 +520,10 @@ class Model:
     tensors: list[TensorData] = field(default_factory=list)
     feeds: list[FeedData] = field(default_factory=list)
     opaques: list[Opaque] = field(default_factory=list)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "Model":
+        copied: Model = _copy_fields(self, memo)   # (checked again if given to a runner)
+        return copied
 
     def tensorData(self, anchor_name: str) -> TensorData | None:
         for t in self.tensors:

@@ -176,6 +176,43 @@ def test_a_runner_shows_its_own_copy_of_a_shared_model_and_a_given_one_as_it_is(
         assert c.model is given
 
 
+def test_a_kept_model_with_weights_is_shown_as_a_copy_made_of_its_fields(
+        tmp_path, reads, loopback_device):
+    """A kept model whose executable carries weights (its decoded programs are kept on the
+    blob, with views of the payload) is shown as a copy too, made of its fields only: the
+    runtime's caches stay with the kept model. PopRT's ``Runner(path)`` reads ``model`` at
+    construction, so this is every small compiled model with weights."""
+    import copy
+
+    from onnx import TensorProto, helper, numpy_helper
+
+    from host_runtime.poprt.compiler import Compiler
+
+    w = np.random.default_rng(3).standard_normal((40, 40)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["y"])], "mm",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, (2, 40))],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, (2, 40))],
+        [numpy_helper.from_array(w, "W")])
+    path = str(tmp_path / "mm.popef")
+    Compiler.compile_and_export(helper.make_model(graph, opset_imports=[
+        helper.make_opsetid("", 11)]), ["y"], path)
+    cfg = model_runtime.ModelRunnerConfig(replica_to_device={0: loopback_device})
+    x = np.random.default_rng(4).standard_normal((2, 40)).astype(np.float32)
+    with model_runtime.ModelRunner(path, cfg) as a:
+        shown = a.model
+        np.testing.assert_allclose(a.execute({"x": x})["y"], x @ w, rtol=1e-5)
+    assert reads == [[path]]
+    kept = _cache.kept_model(_cache.files_key([path]))
+    assert kept is not None and shown is not kept and shown.executable is not kept.executable
+    assert not hasattr(shown.executable, "_decoded_programs")
+    assert bytes(shown.executable.payload()) == bytes(kept.executable.payload())
+    shown.metadata.anchors()[0].setName("renamed")
+    assert "renamed" not in [an.name() for an in kept.metadata.anchors()]
+    with model_runtime.ModelRunner(copy.deepcopy(kept), cfg) as b:
+        np.testing.assert_allclose(b.execute({"x": x})["y"], x @ w, rtol=1e-5)
+
+
 def test_a_child_forked_while_another_thread_holds_the_cache_can_use_it(tmp_path):
     """The cache's lock is the child's own after a fork: a thread of the parent that held
     it at the fork does not leave the child waiting for it forever."""
