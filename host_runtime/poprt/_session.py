@@ -92,8 +92,8 @@ class Session:
         """``(inputs, outputs)``: name -> ``(shape, dtype)``."""
         impl = self._loaded()
         if self.backend == "onnxruntime":
-            return ({i.name: (i.shape, i.type) for i in impl.get_inputs()},
-                    {o.name: (o.shape, o.type) for o in impl.get_outputs()})
+            return ({i.name: (i.shape, _numpy_dtype(i.type)) for i in impl.get_inputs()},
+                    {o.name: (o.shape, _numpy_dtype(o.type)) for o in impl.get_outputs()})
         io: tuple[dict[str, Any], dict[str, Any]] = impl.get_io_info()
         return io
 
@@ -129,3 +129,17 @@ def get_session(path_or_bytes: Any, num_devices: int = 1, backend: str = "poprt"
     """A ``Session`` for ``path_or_bytes`` (call ``load()`` before ``run``)."""
     return Session(path_or_bytes, num_devices, output_dir, options, batches_per_step,
                    export_popef, backend, align_output_dtype)
+
+
+def _numpy_dtype(ort_type: str) -> Any:
+    """onnxruntime's type string of a tensor (``'tensor(float)'``) as the numpy dtype the
+    ``"poprt"`` backend gives for it (the string itself for what numpy has no type for)."""
+    name = ort_type[len("tensor("):-1] if ort_type.startswith("tensor(") else ort_type
+    numpy_name = _ORT_TO_NUMPY.get(name)
+    return np.dtype(numpy_name) if numpy_name is not None else ort_type
+
+
+_ORT_TO_NUMPY = {"float": "float32", "float16": "float16", "double": "float64", "bool": "bool",
+                 "int8": "int8", "int16": "int16", "int32": "int32", "int64": "int64",
+                 "uint8": "uint8", "uint16": "uint16", "uint32": "uint32", "uint64": "uint64",
+                 "string": "object"}

@@ -180,6 +180,14 @@ def test_backend_and_get_session(model, x):
     sess_like.close()
     ort = poprt.backend.get_session(m.SerializeToString(), 1, "onnxruntime").load()
     np.testing.assert_allclose(ort.run(["y"], {"x": x})[0], want, rtol=1e-6)
+    # both backends describe their tensors alike: numpy dtypes (PopRT's numeric debug tool
+    # feeds ``np.zeros(shape).astype(dtype)`` from either)
+    for backend in ("poprt", "onnxruntime"):
+        s = poprt.backend.get_session(m.SerializeToString(), 1, backend).load()
+        (shape, dtype), = s.get_io_info()[0].values()
+        assert list(shape) == [2, 8] and dtype == np.dtype(np.float32)
+        assert np.zeros(shape).astype(dtype).dtype == np.float32
+        s.close()
 
 
 def test_user_pass_in_converter_and_cli(tmp_path, x):
