@@ -157,11 +157,23 @@ class Converter:
                                 self.precision))
         return out
 
-    def convert(self, model: onnx.ModelProto) -> onnx.ModelProto:
-        """Convert ``model`` (unchanged itself); returns the converted ModelProto."""
+    def convert(self, model: onnx.ModelProto,
+                logger: logging.Logger | None = None) -> onnx.ModelProto:
+        """Convert ``model`` (unchanged itself); returns the converted ModelProto.
+        ``logger``: where this conversion logs (PopRT 1.0.2's ``convert(model, logger)``;
+        default the converter's own)."""
         if not isinstance(model, onnx.ModelProto):
             raise BadRequestError(f"Converter.convert expects an onnx.ModelProto, got "
                                   f"{type(model).__name__}")
+        if logger is not None and not isinstance(logger, logging.Logger):
+            raise BadRequestError(f"Converter.convert: logger must be a logging.Logger, got "
+                                  f"{type(logger).__name__}")
+        if logger is not None and logger is not self.logger:
+            kept, self.logger = self.logger, logger
+            try:
+                return self.convert(model)
+            finally:
+                self.logger = kept
         origin = copy_model(model) if self.check else model
         out = self._opset(copy_model(model))
         manager = PassManager()

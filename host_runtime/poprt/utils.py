@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
 import onnx
 
-__all__ = ["onnx_tensor_dtype_to_np_dtype", "get_input_info_from_model_proto"]
+__all__ = ["get_logger", "onnx_tensor_dtype_to_np_dtype", "get_input_info_from_model_proto"]
+
+
+def get_logger(name: str = "poprt") -> logging.Logger:
+    """PopRT's logger (PopRT 1.0.2's examples pass it to ``Converter.convert``): the
+    ``logging`` logger ``name``, which the converter and compiler log to."""
+    return logging.getLogger(name)
 
 
 def onnx_tensor_dtype_to_np_dtype(tensor_type: int) -> np.dtype:

@@ -288,3 +288,25 @@ def test_a_pass_file_that_imports_poprt_loads_in_the_cli(tmp_path):
                           text=True, env=env, timeout=120, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "test_cli_pass_importing_poprt" in proc.stdout
+
+
+def test_convert_with_a_logger_as_poprt_1_0_2_spells_it(model, x, caplog):
+    """PopRT 1.0.2's quick start: ``converter.convert(model_proto, get_logger())`` with
+    ``from poprt.utils import get_logger``; the conversion logs to the logger given."""
+    from host_runtime.poprt.utils import get_logger
+
+    logger = get_logger()
+    assert logger.name == "poprt" and get_logger("mine").name == "mine"
+    converter = poprt.Converter(input_shape={"x": [2, 8]}, convert_version=11)
+    mine = get_logger("mine")
+    with caplog.at_level("INFO", logger="mine"):
+        converted = converter.convert(model, mine)   # (opset 13 kept: logged)
+    assert [r.name for r in caplog.records if "newer than convert_version 11" in
+            r.getMessage()] == ["mine"]
+    assert converter.logger is not mine    # for that call only
+    np.testing.assert_allclose(run_onnxruntime(converted, {"x": x})["y"],
+                               run_onnxruntime(model, {"x": x})["y"], rtol=1e-5, atol=1e-5)
+    assert converted.graph.SerializeToString() == poprt.Converter(
+        input_shape={"x": [2, 8]}, convert_version=11).convert(model).graph.SerializeToString()
+    with pytest.raises(BadRequestError, match="logger must be a logging.Logger, got str"):
+        converter.convert(model, "log")
