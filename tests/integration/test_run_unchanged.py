@@ -171,6 +171,24 @@ def test_a_poprt_program_runs_as_a_module(onnx_and_popef, tmp_path):
     assert _ours(tag) == []
 
 
+def test_poprt_cli_as_a_module_compiles_as_poprt_1_0_2_documents(onnx_and_popef, tmp_path):
+    """``python -m poprt.cli --input_model ... --export_popef`` (PopRT 1.0.2's spelling of
+    the command), run unchanged: the same PopEF file as the ``poprt`` command writes."""
+    model, _ = onnx_and_popef
+    proc, tag = run(["-m", "ipu_emulator.run", "-q", "-m", "poprt.cli", "--input_model",
+                     str(model), "--export_popef", "--output_dir", "out"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    from tools.poprt import main
+
+    assert main(["--input_model", str(model), "--export_popef", "--output_dir",
+                 str(tmp_path / "direct")]) == 0
+    written = sorted((tmp_path / "out").glob("*.popef"))
+    assert [p.name for p in written] == [p.name for p in sorted(
+        (tmp_path / "direct").glob("*.popef"))] and written
+    assert written[0].read_bytes() == (tmp_path / "direct" / written[0].name).read_bytes()
+    assert _ours(tag) == []
+
+
 def test_an_exception_prints_the_programs_traceback(tmp_path):
     (tmp_path / "bad.py").write_text("import popef\n\ndef f():\n    raise ValueError('boom')\n"
                                      "\nf()\n")
