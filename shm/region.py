@@ -71,13 +71,11 @@ def _map(fd: int, size: int, prefault: bool, fresh: bool, name: str,
     if not prefault or readonly:
         return mm
     try:
-        mm.madvise(_MADV_POPULATE_WRITE)
-        return mm
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:  # ENOMEM, EFAULT: /dev/shm cannot back it
-            mm.close()
-            raise limits.shm_full(f"faulting in the pages of {name}", size,
-                                  errno.errorcode.get(exc.errno or 0, str(exc.errno))) from exc
+        if _populate_range(mm, 0, size, name):
+            return mm
+    except BaseException:
+        mm.close()
+        raise
     # An older kernel.
     if fresh:  # nobody else sees it yet: writing zeros is harmless
         view = np.frombuffer(mm, dtype=np.uint8)
@@ -88,19 +86,27 @@ def _map(fd: int, size: int, prefault: bool, fresh: bool, name: str,
     return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=prot)
 
 
+def _populate_range(mm: mmap.mmap, offset: int, length: int, name: str) -> bool:
+    """``MADV_POPULATE_WRITE`` of the pages of ``[offset, offset + length)``: False on a
+    kernel without it (EINVAL); ``ShmFullError`` when /dev/shm cannot back them."""
+    start = offset - offset % _PAGE
+    try:
+        mm.madvise(_MADV_POPULATE_WRITE, start, min(length + offset - start, len(mm) - start))
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            return False
+        raise limits.shm_full(f"faulting in the pages of {name}", length,   # ENOMEM, EFAULT
+                              errno.errorcode.get(exc.errno or 0, str(exc.errno))) from exc
+    return True
+
+
 def _populate(mm: mmap.mmap, spans: list[tuple[int, int]], name: str) -> None:
     """Fault in the pages of ``spans`` writable now (``_map``'s pre-fault, for a segment
-    backed in ranges); nothing on a kernel without ``MADV_POPULATE_WRITE``."""
+    backed in ranges); nothing on a kernel without ``MADV_POPULATE_WRITE`` (faulted in as
+    touched)."""
     for offset, length in spans:
-        start = offset - offset % _PAGE
-        try:
-            mm.madvise(_MADV_POPULATE_WRITE, start, min(length + offset - start,
-                                                        len(mm) - start))
-        except OSError as exc:
-            if exc.errno == errno.EINVAL:   # an older kernel: faulted in as touched
-                return
-            raise limits.shm_full(f"faulting in the pages of {name}", length,
-                                  errno.errorcode.get(exc.errno or 0, str(exc.errno))) from exc
+        if not _populate_range(mm, offset, length, name):
+            return
 
 
 _MEMORY_CHECK_BYTES = 1 << 20
@@ -204,7 +210,7 @@ class Region:
             try:
                 os.fchmod(shm.fd, 0o600)  # whatever the umask said
                 whole = backed is None or (isinstance(backed, int) and backed >= size)
-                spans = ([(0, size)] if backed is None or whole
+                spans = ([(0, size)] if backed is None or whole   # (None: for mypy)
                          else [(0, max(0, backed))] if isinstance(backed, int) else backed)
                 for offset, length in spans:
                     _back(shm.fd, offset, min(length, size - offset), name)

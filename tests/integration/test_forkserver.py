@@ -12,6 +12,7 @@ import sys
 import textwrap
 import threading
 import time
+from typing import Any
 
 import psutil
 import pytest
@@ -86,11 +87,9 @@ def test_a_killed_forked_process_is_reported_with_its_signal_at_once(tmp_path):
         proc.close()
 
 
-def test_a_pid_the_kernel_hands_out_again_is_a_live_process_not_the_exited_one(tmp_path):
-    """A long-lived host forks more IPU processes than the kernel has pids: a new process
-    may get the pid of one that exited. The template's report of the new fork replaces
-    the old exit status (once a device was taken for lost at its first request: its IPU
-    process "exited with code 0", the status of an earlier process of that pid)."""
+def _exited_ipu_process(tmp_path: Any) -> tuple[Any, int]:
+    """The fork server's template and the pid of an IPU process it forked, which has been
+    shut down and whose exit status its launcher took."""
     proc = launch_ipu(IpuSpec(ipu_id=0), log_dir=str(tmp_path))
     try:
         proc.wait_ready()
@@ -100,7 +99,15 @@ def test_a_pid_the_kernel_hands_out_again_is_a_live_process_not_the_exited_one(t
         proc.close()
     forked = proc._popen
     assert isinstance(forked, forkserver.ForkedProcess)
-    template, pid = forked._template, forked.pid
+    return forked._template, forked.pid
+
+
+def test_a_pid_the_kernel_hands_out_again_is_a_live_process_not_the_exited_one(tmp_path):
+    """A long-lived host forks more IPU processes than the kernel has pids: a new process
+    may get the pid of one that exited. The template's report of the new fork replaces
+    the old exit status (once a device was taken for lost at its first request: its IPU
+    process "exited with code 0", the status of an earlier process of that pid)."""
+    template, pid = _exited_ipu_process(tmp_path)
     # the template's messages as it sends them when its next fork gets that pid: the
     # fork's reply, later the new process's own exit
     with template._cv:
@@ -153,16 +160,7 @@ def test_a_wait_for_an_exit_another_thread_took_ends_at_once(tmp_path):
     (the link's event thread looking at the process) takes the status first: the template
     forgets a status once it is taken, so the waiter must end on that, not sit out its
     whole timeout (close() of a killed device took the host sync timeout twice)."""
-    proc = launch_ipu(IpuSpec(ipu_id=0), log_dir=str(tmp_path))
-    try:
-        proc.wait_ready()
-        ipu_protocol.send(proc.control, Message(Op.SHUTDOWN))
-        assert proc.wait_exit(60) == 0
-    finally:
-        proc.close()
-    forked = proc._popen
-    assert isinstance(forked, forkserver.ForkedProcess)
-    template, pid = forked._template, forked.pid
+    template, pid = _exited_ipu_process(tmp_path)
     with template._cv:   # a later process of that pid, as the next fork reports it
         template._take({"op": "spawned", "id": -2, "pid": pid})
         template._replies.pop(-2)
