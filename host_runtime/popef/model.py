@@ -13,7 +13,7 @@ import dataclasses
 import enum
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, TypeVar
 
 import numpy as np
 
@@ -427,7 +427,10 @@ class Metadata:
         return None
 
 
-def _copy_fields(obj: Any, memo: dict[int, Any]) -> Any:
+_Blob = TypeVar("_Blob", "TensorData", "ExecutableBlob", "Model")
+
+
+def _copy_fields(obj: _Blob, memo: dict[int, Any]) -> _Blob:
     """A deep copy of a blob or model made of its fields only: not what the runtime keeps
     on it (its executable's decoded programs, the check it passed), which the copy works
     out again if it needs. A read-only view of bytes (a large payload, a view of the file's
@@ -456,8 +459,7 @@ class TensorData:
         return self.anchor
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "TensorData":
-        copied: TensorData = _copy_fields(self, memo)
-        return copied
+        return _copy_fields(self, memo)
 
 
 @dataclass
@@ -496,8 +498,7 @@ class ExecutableBlob:
         return self.exec_name
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "ExecutableBlob":
-        copied: ExecutableBlob = _copy_fields(self, memo)
-        return copied
+        return _copy_fields(self, memo)
 
     def payload(self) -> bytes | memoryview:
         """The executable bytes, decompressed."""
@@ -522,8 +523,7 @@ class Model:
     opaques: list[Opaque] = field(default_factory=list)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "Model":
-        copied: Model = _copy_fields(self, memo)   # (checked again if given to a runner)
-        return copied
+        return _copy_fields(self, memo)   # (checked again if given to a runner)
 
     def tensorData(self, anchor_name: str) -> TensorData | None:
         for t in self.tensors:

@@ -15,6 +15,7 @@ import numpy as np
 
 from host_runtime.errors import BadRequestError, InvalidStateError
 from host_runtime.poprt._options import CompilerOptions
+from ipu_emulator.executable import ORT_TYPES, numpy_dtype
 
 __all__ = ["Session", "get_session"]
 
@@ -134,12 +135,7 @@ def get_session(path_or_bytes: Any, num_devices: int = 1, backend: str = "poprt"
 def _numpy_dtype(ort_type: str) -> Any:
     """onnxruntime's type string of a tensor (``'tensor(float)'``) as the numpy dtype the
     ``"poprt"`` backend gives for it (the string itself for what numpy has no type for)."""
-    name = ort_type[len("tensor("):-1] if ort_type.startswith("tensor(") else ort_type
-    numpy_name = _ORT_TO_NUMPY.get(name)
-    return np.dtype(numpy_name) if numpy_name is not None else ort_type
-
-
-_ORT_TO_NUMPY = {"float": "float32", "float16": "float16", "double": "float64", "bool": "bool",
-                 "int8": "int8", "int16": "int16", "int32": "int32", "int64": "int64",
-                 "uint8": "uint8", "uint16": "uint16", "uint32": "uint32", "uint64": "uint64",
-                 "string": "object"}
+    popef_type = ORT_TYPES.get(ort_type)
+    if popef_type is not None:
+        return numpy_dtype(popef_type)
+    return np.dtype(object) if ort_type == "tensor(string)" else ort_type

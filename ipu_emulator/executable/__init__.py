@@ -54,7 +54,7 @@ from ipu_emulator.executable._header import (
     FORMAT_VERSION, HEADER_SIZE, MAGIC, ExecutableHeader, read_header)
 from ipu_emulator.executable._limits import ALIGNMENT
 from ipu_emulator.executable._model import (
-    DTYPES, IDLE_ATTR, LINK_PREFIX, SYNC_TENSOR, Copy, DeviceTensor, Execute, ExternalWeight,
+    DTYPES, IDLE_ATTR, LINK_PREFIX, ORT_TYPES, SYNC_TENSOR, Copy, DeviceTensor, Execute, ExternalWeight,
     Graph, Instruction, Program, Repeat, StreamIn, StreamOut, StreamSpec, Switch, TensorSig, is_link, is_sync, numpy_dtype, parse_link, plan_memory)
 
 __all__ = [
@@ -69,6 +69,7 @@ __all__ = [
     "HEADER_SIZE",
     "ALIGNMENT",
     "DTYPES",
+    "ORT_TYPES",
     "numpy_dtype",
     "DeviceTensor",
     "StreamSpec",

@@ -114,9 +114,10 @@ class ExecutableHeader:
                      version=version, total_length=total, program_offset=p_off,
                      program_length=p_len, graphs_offset=g_off, graphs_length=g_len,
                      body_crc32=body_crc)
-        if len(_decoded) >= _DECODED_MAX:
-            _decoded.clear()
-        _decoded[whole] = header
+        if cls is ExecutableHeader:   # (as they are read: a subclass's are not kept)
+            if len(_decoded) >= _DECODED_MAX:
+                _decoded.clear()
+            _decoded[whole] = header
         return header
 
     def as_dict(self) -> dict[str, Any]:

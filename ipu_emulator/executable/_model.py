@@ -59,6 +59,13 @@ DTYPES: dict[str, np.dtype] = {
     "S64": np.dtype(np.int64),
     "U64": np.dtype(np.uint64),
 }
+ORT_TYPES: dict[str, str] = {
+    "tensor(bool)": "BOOL", "tensor(float16)": "F16", "tensor(float)": "F32",
+    "tensor(double)": "F64", "tensor(int8)": "S8", "tensor(uint8)": "U8", "tensor(int16)": "S16",
+    "tensor(uint16)": "U16", "tensor(int32)": "S32", "tensor(uint32)": "U32",
+    "tensor(int64)": "S64", "tensor(uint64)": "U64",
+}
+"""onnxruntime's type string of a tensor (``NodeArg.type``) -> its PopEF data type name."""
 _INDEX_DTYPES = ("S8", "U8", "S16", "U16", "S32", "U32", "S64", "U64")
 
 

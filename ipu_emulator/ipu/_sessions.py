@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ipu_emulator.errors import DeviceProgramError, ExecutableError
-from ipu_emulator.executable import Executable, Graph, numpy_dtype
+from ipu_emulator.executable import ORT_TYPES, Executable, Graph, numpy_dtype
 
 __all__ = ["GraphSessions", "make_sessions", "keep_sessions"]
 
@@ -144,15 +144,6 @@ def _aligned(exe: Executable) -> bool:
     return all((base + w.offset) % 64 == 0 for g in exe.graphs for w in g.external)
 
 
-
-_ORT_TYPES = {
-    "tensor(bool)": "BOOL", "tensor(float16)": "F16", "tensor(float)": "F32",
-    "tensor(double)": "F64", "tensor(int8)": "S8", "tensor(uint8)": "U8", "tensor(int16)": "S16",
-    "tensor(uint16)": "U16", "tensor(int32)": "S32", "tensor(uint32)": "U32",
-    "tensor(int64)": "S64", "tensor(uint64)": "U64",
-}
-
-
 def _check_interface(exe_name: str, k: int, graph: Graph, sess: object) -> None:
     """The ONNX model must have exactly the interface the executable declares."""
     for kind, declared, actual in (("input", graph.inputs, sess.get_inputs()),  # type: ignore[attr-defined]
@@ -167,7 +158,7 @@ def _check_interface(exe_name: str, k: int, graph: Graph, sess: object) -> None:
             a = have[name]
             dims_ok = len(a.shape) == len(sig.shape) and all(
                 not isinstance(d, int) or d == e for d, e in zip(a.shape, sig.shape))
-            if _ORT_TYPES.get(a.type) != sig.dtype or not dims_ok:
+            if ORT_TYPES.get(a.type) != sig.dtype or not dims_ok:
                 raise ExecutableError(
                     f"executable {exe_name!r}: graph {k} {kind} {name!r} is declared "
                     f"{sig.dtype}{list(sig.shape)} but the ONNX model has {a.type}{a.shape}")
