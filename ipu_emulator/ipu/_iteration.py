@@ -115,7 +115,9 @@ class IterationNumber:
 
     An iteration starts with the first input read after an output (or at the start);
     ``take(tag)`` returns the tag's kind and checks its number against the iteration's;
-    ``tag(kind)`` is an output's tag; ``ended()`` after a C step did a whole iteration.
+    ``tag(kind)`` is an output's tag; ``ended()`` after a C step did a whole iteration;
+    ``stepped(seq, outputs)`` after a C step did part of one (a group of it: the other
+    streams of the iteration, on the Python path, carry its number ``seq``).
     """
 
     __slots__ = ("seq", "reading")
@@ -149,6 +151,10 @@ class IterationNumber:
 
     def ended(self) -> None:
         self.reading = False
+
+    def stepped(self, seq: int, outputs: bool) -> None:
+        self.seq = seq
+        self.reading = not outputs   # a step of inputs only: the reading goes on
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,9 @@
  * interpreter's bound onnxruntime run) between taking the transfers and
  * publishing them.
  *
- * Step(inputs, outputs, table, calls, seq_shift=0).run(seq=0) -> bool
+ * Step(inputs, outputs, table, calls, seq_shift=0).run(seq=0) -> bool; .seq: the
+ * sequence number of the iteration of the last step done (0: none), for the outputs of
+ * that iteration the Python path writes after the step (streams outside its group)
  *
  *   inputs   tuple of (ring handle, nbytes, accepts): the ring end this process
  *            consumes from (Ring.c_handle()), the bytes of one transfer, and
@@ -60,6 +62,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 
 #include <stdint.h>
 #include <string.h>
@@ -107,6 +110,7 @@ typedef struct {
     PyObject *calls; /* dict */
     int seq_shift;   /* 0: tags carry no sequence number */
     int64_t kind_mask;
+    long long seq;   /* the sequence number of the last step done (its `seq` attribute) */
     int tracing;     /* trace is a buffer held (see trace()) */
     uint32_t trace_code;
     uint32_t trace_capacity;
@@ -435,6 +439,7 @@ step_once(Step *st, int64_t seq)
     if (st->tracing)
         trace_record(st, t_start, t_end - t_start, seq, t_taken - t_start,
                      t_computed - t_start);
+    st->seq = (long long)seq;
     return 1;
 undo:
     /* give back every slot taken: the rings are as before the call */
@@ -583,6 +588,13 @@ static PyMethodDef Step_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyMemberDef Step_members[] = {
+    {"seq", T_LONGLONG, offsetof(Step, seq), READONLY,
+     "The sequence number of the iteration the last step done was part of (0: none): "
+     "the Python path tags the iteration's other outputs with it."},
+    {NULL, 0, 0, 0, NULL},
+};
+
 static PyTypeObject StepType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "ipu_emulator.ipu._stepcore.Step",
@@ -594,6 +606,7 @@ static PyTypeObject StepType = {
     .tp_init = (initproc)Step_init,
     .tp_dealloc = (destructor)Step_dealloc,
     .tp_methods = Step_methods,
+    .tp_members = Step_members,
 };
 
 static struct PyModuleDef module = {

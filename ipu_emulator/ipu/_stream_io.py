@@ -157,9 +157,10 @@ class _RingIO:
             return False
         step, inputs_there = entry
         it = self._it
-        # (it.current() and it.ended(), written out: this is the hot path of an iteration)
+        # (it.current() and it.stepped(), written out: this is the hot path of an iteration)
         if step.run(it.seq if it.reading else 0):
-            it.reading = False
+            it.seq = step.seq
+            it.reading = not group.out_handles
             return True
         if inputs_there is None or inputs_there():
             return False   # the inputs are there but the step declined: the Python path
@@ -167,7 +168,7 @@ class _RingIO:
         wait = self._wait
         if not wait.poll(inputs_there) or not step.run(it.seq if it.reading else 0):
             return False
-        it.reading = False
+        it.stepped(step.seq, bool(group.out_handles))
         wait.est.record(time.perf_counter_ns() - t0)
         return True
 
