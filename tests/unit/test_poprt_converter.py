@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from host_runtime import poprt
@@ -166,6 +167,26 @@ def test_fp8_rounds_operands_as_the_ipu_holds_them(precision):
     skipped = poprt.Converter(precision=precision, fp8_skip_op_names="mm").convert(m)
     np.testing.assert_allclose(run_onnxruntime(skipped, {"x": x})["y"].astype(np.float32),
                                x.astype(np.float32) @ w, rtol=5e-3, atol=5e-3)
+
+
+def test_fp8_pass_on_two_unnamed_matmuls_gives_a_valid_model():
+    """``get_pass("float_to_fp8")(model)`` (PopRT's documented use) on two MatMuls neither
+    of which is named: each input is rounded through nodes of names of its own."""
+    rng = np.random.default_rng(6)
+    w = rng.standard_normal((4, 4)).astype(np.float32)
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["t"]),
+                           helper.make_node("MatMul", ["t", "w"], ["y"])], "m",
+                          [helper.make_tensor_value_info("x", F, [2, 4])],
+                          [helper.make_tensor_value_info("y", F, [2, 4])],
+                          [numpy_helper.from_array(w, "w")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    m.ir_version = 8
+    out = poprt.get_pass("float_to_fp8")(m)
+    assert sum(n.op_type == "Round" for n in out.graph.node) == 2   # both inputs rounded
+    onnx.checker.check_model(out, full_check=True)
+    x = rng.standard_normal((2, 4)).astype(np.float32)
+    got = run_onnxruntime(out, {"x": x})["y"]
+    np.testing.assert_allclose(got, x @ w @ w, rtol=0.25, atol=0.25)   # fp8: 3 mantissa bits
 
 
 def test_config_yaml_refuses_converter_flags(tmp_path, capsys):

@@ -257,6 +257,37 @@ def test_rewrites_keep_values(name, nodes, inits, op_gone):
     _same(m, out, {"x": RNG.standard_normal((3, 4)).astype(np.float32)})
 
 
+@pytest.mark.parametrize("name, op, inits", [
+    ("replace_pow", "Pow", [_init("e", np.float32(2.0))]),
+    ("replace_gemm_with_matmul", "Gemm", [_init("w", RNG.standard_normal((4, 4)).astype(np.float32))]),
+    ("replace_where_with_mul_add", "Where", [_init("z", np.float32(0.5))]),
+    ("replace_hardswish", "HardSwish", []),
+    ("replace_div_with_mul", "Div", [_init("d", np.float32(4.0))]),
+])
+def test_rewrites_of_two_unnamed_nodes_give_a_valid_model(name, op, inits):
+    """Two nodes of the rewritten kind, neither named (as onnx.helper makes them): the
+    names the pass makes for the second differ from the first's."""
+    def node(x, y):
+        if op == "Pow":
+            return [helper.make_node("Pow", [x, "e"], [y])]
+        if op == "Gemm":
+            return [helper.make_node("Gemm", [x, "w"], [y], transB=1)]
+        if op == "Where":
+            return [helper.make_node("Greater", [x, "z"], [y + "_c"]),
+                    helper.make_node("Where", [y + "_c", x, "z"], [y])]
+        if op == "HardSwish":
+            return [helper.make_node("HardSwish", [x], [y])]
+        return [helper.make_node("Div", [x, "d"], [y])]
+    m = _model(node("x", "t") + node("t", "y"), [_vi("x", [3, 4])], [_vi("y", [3, 4])], inits,
+               opset=14)
+    out = poprt.get_pass(name)(m)
+    assert op not in {n.op_type for n in out.graph.node}
+    onnx.checker.check_model(out, full_check=True)
+    names = [n.name for n in out.graph.node if n.name]
+    assert len(set(names)) == len(names), names
+    _same(m, out, {"x": RNG.standard_normal((3, 4)).astype(np.float32)})
+
+
 def test_batchnorm_rewrites_keep_values():
     bn = helper.make_node("BatchNormalization", ["c", "bn_s", "bn_b", "bn_m", "bn_v"], ["y"])
     conv = helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1])

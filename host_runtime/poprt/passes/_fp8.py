@@ -98,7 +98,9 @@ class Float2FP8(Pass):
                 n.input[k] = name
             if self.convert_model == "fp8":
                 scale = self.input_scales.get(n.name, self.sin)
-                out.extend(self._round_input(g, n, 0, scale))
+                rounding = self._round_input(g, n, 0, scale)
+                out.extend(rounding)
+                g.node.extend(rounding)   # their names taken for unique() (rebuilt below)
             out.append(n)
         del g.node[:]
         g.node.extend(out)
@@ -116,7 +118,7 @@ class Float2FP8(Pass):
         names = {s: f"{tag}_{s}" for s in ("f", "v", "a", "l", "l2", "fl", "e", "em", "q", "d",
                                             "r", "m", "cl", "o", "t")}
         nodes = [
-            helper.make_node("Cast", [src], [names["f"]], to=TensorProto.FLOAT),
+            helper.make_node("Cast", [src], [names["f"]], to=TensorProto.FLOAT, name=tag),
             helper.make_node("Mul", [names["f"], c["up"]], [names["v"]]),
             helper.make_node("Abs", [names["v"]], [names["a"]]),
             helper.make_node("Log", [names["a"]], [names["l"]]),

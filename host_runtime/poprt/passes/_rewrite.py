@@ -68,7 +68,11 @@ class _Rewrite(Pass):
         out: list[onnx.NodeProto] = []
         for n in list(g.node):
             new = self.rewrite(g, n)
-            out.extend([n] if new is None else new)
+            if new is None:
+                out.append(n)
+                continue
+            out.extend(new)
+            g.node.extend(new)   # their names taken: unique() sees them (until rebuilt below)
         del g.node[:]
         g.node.extend(out)
         return model
