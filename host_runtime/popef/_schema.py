@@ -16,8 +16,8 @@ Document shape (``schema`` is a fixed marker string)::
                   "dataType": str, "shape": [int], "isPerReplica": bool,
                   "programs": [int]}],
      "subgraphs": {str: [anchor name]},
-     "isPOD": bool, "numProcesses": int, "seedHandle": str}   (these three only when
-                                                                not false, 1, "")
+     "isPOD": bool, "numProcesses": int, "seedHandle": str,   (these four only when
+     "programsMap": {"<program index>": str}}                   not false, 1, "", {})
 
 Errors are raised as ``SchemaError`` with a message that names the field
 (``anchors[2].shape[1]``), what was expected and what was found; the reader
@@ -30,7 +30,7 @@ import json
 from typing import Any, Callable
 
 from host_runtime.popef.model import (Anchor, DataType, Metadata, ProgramFlow, TensorInfo,
-                                      TensorType)
+                                      TensorType, programs_by_role)
 
 SCHEMA_ID = "ipu-emulator/popef-metadata/1"
 
@@ -50,7 +50,7 @@ MAX_PROCESSES = 1 << 16
 _TOP_KEYS = ("schema", "executable", "replicationFactor", "numIpus", "ipuVersion",
              "isInference", "deviceIterations", "engineOptions", "deviceOptions",
              "programFlow", "anchors", "subgraphs")
-_OPTIONAL_TOP_KEYS = ("isPOD", "numProcesses", "seedHandle")
+_OPTIONAL_TOP_KEYS = ("isPOD", "numProcesses", "seedHandle", "programsMap")
 _ANCHOR_KEYS = ("name", "handle", "type", "dataType", "shape", "isPerReplica", "programs")
 _FLOW_KEYS = ("load", "main", "save")
 
@@ -83,6 +83,9 @@ def encode_metadata(md: Metadata) -> bytes:
         doc["numProcesses"] = md.numProcesses()
     if md.seedHandle():
         doc["seedHandle"] = md.seedHandle()
+    names = md.programsMap()
+    if names != programs_by_role(flow):   # named otherwise by the producer
+        doc["programsMap"] = {str(k): v for k, v in sorted(names.items())}
     # The writer must never produce a file the reader refuses.
     _check_document(doc)
     return json.dumps(doc, separators=(",", ":"), ensure_ascii=True).encode("ascii")
@@ -157,6 +160,8 @@ def _check_document(doc: Any) -> None:
         _int(doc["numProcesses"], "metadata.numProcesses", 1, MAX_PROCESSES)
     if "seedHandle" in doc:
         _string(doc["seedHandle"], "metadata.seedHandle")
+    if "programsMap" in doc:
+        _programs_map(doc["programsMap"])
     _int(doc["deviceIterations"], "metadata.deviceIterations", 1, MAX_DEVICE_ITERATIONS)
     for key in ("engineOptions", "deviceOptions"):
         _str_map(doc[key], f"metadata.{key}")
@@ -295,6 +300,19 @@ def _show(v: Any) -> str:
     return text if len(text) <= 80 else text[:80] + "..."
 
 
+def _programs_map(value: Any) -> None:
+    if not isinstance(value, dict):
+        raise SchemaError(f"metadata.programsMap: expected an object, got {_show(value)}")
+    if len(value) > MAX_LIST:
+        raise SchemaError(f"metadata.programsMap: more than {MAX_LIST} entries")
+    for key, name in value.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 7
+                and int(key) <= MAX_PROGRAM_INDEX and (key == "0" or key[0] != "0")):
+            raise SchemaError(f"metadata.programsMap: keys are program indexes (decimal, "
+                              f"0..{MAX_PROGRAM_INDEX}), got {_show(key)}")
+        _string(name, f"metadata.programsMap[{key}]")
+
+
 def _build(doc: dict[str, Any]) -> Metadata:
     anchors = [
         Anchor(a["name"], a["handle"], TensorInfo(DataType(a["dataType"]), a["shape"]),
@@ -313,4 +331,5 @@ def _build(doc: dict[str, Any]) -> Metadata:
     md.setIsPOD(doc.get("isPOD", False))
     md.setNumProcesses(doc.get("numProcesses", 1))
     md.setSeedHandle(doc.get("seedHandle", ""))
+    md.setProgramsMap({int(k): v for k, v in doc.get("programsMap", {}).items()})
     return md

@@ -291,6 +291,16 @@ def _options(options: object, what: str) -> dict[str, str]:
     return out
 
 
+def programs_by_role(flow: ProgramFlow) -> dict[int, str]:
+    """The programs of ``flow`` named by their roles: "load", "main", "save" (a role's
+    later programs "load_1", ...; a program in two roles by its first)."""
+    names: dict[int, str] = {}
+    for role, progs in (("load", flow.load()), ("main", flow.main()), ("save", flow.save())):
+        for k, index in enumerate(progs):
+            names.setdefault(index, role if k == 0 else f"{role}_{k}")
+    return names
+
+
 @dataclass
 class Metadata:
     """What the runtime needs to attach a device and bind every stream."""
@@ -311,6 +321,7 @@ class Metadata:
     _is_pod: bool = False
     _num_processes: int = 1
     _seed_handle: str = ""
+    _programs_map: dict[int, str] = field(default_factory=dict)   # set by the producer
 
     def __init__(self, anchors: Iterable[Anchor] = (), program_flow: ProgramFlow | None = None,
                  replication_factor: int = 1, num_ipus: int = 1, ipu_version: int = 21,
@@ -332,6 +343,7 @@ class Metadata:
         self._is_pod = False
         self._num_processes = 1
         self._seed_handle = ""
+        self._programs_map = {}
 
     def anchors(self) -> list[Anchor]:
         return list(self._anchors)
@@ -419,6 +431,23 @@ class Metadata:
 
     def setSeedHandle(self, handle: str) -> None:
         self._seed_handle = str(handle)
+
+    def programsMap(self) -> dict[int, str]:
+        """Program index -> program name: as the producer set it (``setProgramsMap``),
+        else each program of the program flow named by its role ("load", "main", "save";
+        a role's later programs "load_1", ...; a program in two roles by its first)."""
+        if self._programs_map:
+            return dict(self._programs_map)
+        return programs_by_role(self._program_flow)
+
+    def setProgramsMap(self, programs: object) -> None:
+        """Name the programs: ``{index: name}`` (an empty dict: named by their roles)."""
+        if not isinstance(programs, dict) or not all(
+                isinstance(k, int) and not isinstance(k, bool) and k >= 0
+                and isinstance(v, str) for k, v in programs.items()):
+            raise BadRequestError("setProgramsMap expects a dict of program index (int >= 0) "
+                                  f"-> name (str), got {programs!r:.200}")
+        self._programs_map = dict(programs)
 
     def anchor(self, name: str) -> Anchor | None:
         for a in self._anchors:

@@ -113,6 +113,11 @@ def test_a_file_written_from_scratch_reads_back(tmp_path):
     md.setIsPOD(True)
     md.setNumProcesses(2)
     md.setSeedHandle("seed")
+    assert md.programsMap() == {0: "load", 1: "main"}   # none set: named by their roles
+    md.setProgramsMap({0: "load_program", 1: "main_program"})
+    with pytest.raises(BadRequestError, match=r"setProgramsMap expects a dict of program "
+                                              r"index \(int >= 0\) -> name \(str\), got \{'0'"):
+        md.setProgramsMap({"0": "load"})
     md.setEngineOptions([popef.Option("opt.a", "1")])
     md.setDeviceOptions({"d": "x"})
     weights = np.arange(4, dtype=np.int16).reshape(2, 2)
@@ -135,6 +140,7 @@ def test_a_file_written_from_scratch_reads_back(tmp_path):
     [got] = reader.metadata()
     assert got == md
     assert (got.isPOD(), got.numProcesses(), got.seedHandle()) == (True, 2, "seed")
+    assert got.programsMap() == {0: "load_program", 1: "main_program"}
     assert got.engineOptions() == {"opt.a": "1"} and got.deviceOptions() == {"d": "x"}
     assert reader.executables()[0].executable() == b"executable bytes" * 3
     [t] = reader.tensors()

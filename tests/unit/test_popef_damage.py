@@ -265,7 +265,12 @@ def test_bad_name_utf8() -> None:
     (lambda d: d.update(numProcesses=0), r"numProcesses: expected an integer in \[1, 65536\]"),
     (lambda d: d.update(seedHandle=7), r"metadata.seedHandle: expected a string, got 7"),
     (lambda d: d.update(isPod=True), r"unexpected \['isPod'\]; expected exactly .* \(and "
-                                     r"optionally \['isPOD', 'numProcesses', 'seedHandle'\]\)"),
+                                     r"optionally \['isPOD', 'numProcesses', 'seedHandle', "
+                                     r"'programsMap'\]\)"),
+    (lambda d: d.update(programsMap=[]), r"metadata.programsMap: expected an object, got list"),
+    (lambda d: d.update(programsMap={"01": "main"}), r"programsMap: keys are program indexes"),
+    (lambda d: d.update(programsMap={"-1": "main"}), r"programsMap: keys are program indexes"),
+    (lambda d: d.update(programsMap={"1": 5}), r"metadata.programsMap\[1\]: expected a string"),
 ])
 def test_metadata_schema_violations(mutate, message) -> None:
     doc = _valid_doc()
