@@ -171,6 +171,22 @@ def test_float_to_half_skips_op_types():
     np.testing.assert_allclose(got.astype(np.float32), want, rtol=5e-3, atol=5e-3)
 
 
+def test_float_to_half_keeps_declared_output_shapes_inference_cannot_find():
+    """com.microsoft's Gelu has no shape function in onnx: the output keeps its shape."""
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["t"]),
+             helper.make_node("Gelu", ["t"], ["y"], domain="com.microsoft")]
+    m = _model(nodes, [_vi("x", [3, 4])], [_vi("y", [3, 4])],
+               [_init("w", RNG.standard_normal((4, 4)).astype(np.float32))])
+    m.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    for out in (poprt.get_pass("float_to_half")(m), poprt.Converter(precision="fp16").convert(m)):
+        tt = out.graph.output[0].type.tensor_type
+        assert tt.elem_type == TensorProto.FLOAT16
+        assert [d.dim_value for d in tt.shape.dim] == [3, 4]
+        x = RNG.standard_normal((3, 4)).astype(np.float32)
+        got = run_onnxruntime(out, {"x": x.astype(np.float16)})["y"].astype(np.float32)
+        np.testing.assert_allclose(got, run_onnxruntime(m, {"x": x})["y"], rtol=1e-2, atol=1e-2)
+
+
 def test_int64_to_int32_and_double_to_float():
     m = _model([helper.make_node("Add", ["i", "c"], ["o"])], [_vi("i", [3], TensorProto.INT64)],
                [_vi("o", [3], TensorProto.INT64)], [_init("c", np.array([1, 2, 3], np.int64))])

@@ -139,7 +139,21 @@ class Float2Half(Pass):
         # the plan (the fp32 sample and which values stayed fp32) is kept for the
         # poprt command's fp16-vs-fp32 report
         self.plan = to_fp16(model, model.graph.name or "model", frozenset(self.skip_op_types))
-        return infer_lenient(model)
+        return _declared_shapes_kept(onnx_model, infer_lenient(model))
+
+
+def _declared_shapes_kept(given: onnx.ModelProto, model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with the output shapes ``given`` declared where inference found none
+    (e.g. after an op onnx has no shape function for, such as com.microsoft's Gelu)."""
+    declared = {vi.name: vi.type.tensor_type.shape for vi in given.graph.output
+                if vi.type.WhichOneof("value") == "tensor_type"
+                and vi.type.tensor_type.HasField("shape")}
+    for vi in model.graph.output:
+        tt = vi.type.tensor_type
+        if vi.name in declared and vi.type.WhichOneof("value") == "tensor_type" \
+                and not tt.HasField("shape"):
+            tt.shape.CopyFrom(declared[vi.name])
+    return model
 
 
 def _retype(model: onnx.ModelProto, old: int, new: int, np_new: Any) -> None:
