@@ -113,6 +113,7 @@ class GroupLink:
         self.reset_links: Callable[[], None] | None = None
         # set by ShardedLoad: invalidate the IPU-Links, waking an IPU process waiting on one
         self.wake_links: Callable[[], None] | None = None
+        self._runs: list[cf.Future[None]] = []   # RUN/LOOP answers not yet in
 
     # -- the DeviceLink protocol -----------------------------------------------------------
 
@@ -194,13 +195,22 @@ class GroupLink:
             return self._members[0].request(op, body, value, last)
         if bodies is None:
             bodies = [body] * self._width
-        if op in (Op.RUN, Op.LOOP) and self.reset_links is not None and self._lost is None:
-            # Nothing runs now (the session runs one request at a time): start the links
-            # afresh, whatever an abandoned iteration (a stop, a failure) left in them.
-            self.reset_links()
+        running = op in (Op.RUN, Op.LOOP)
+        if running:
+            self._runs = [f for f in self._runs if not f.done()]
+            if not self._runs and self.reset_links is not None and self._lost is None:
+                # Nothing runs now: start the links afresh, whatever an abandoned iteration
+                # (a stop, a failure) left in them. Not behind a run still under way (the
+                # Load programs' RUN and Main's LOOP are sent together): its IPUs are
+                # passing each other what the next request reads (e.g. a weight that the
+                # Load program of one IPU forwards to another).
+                self.reset_links()
         members = [self._members[k] for k in self._active]
         futs = [m.request(op, bodies[k], value, last) for k, m in zip(self._active, members)]
-        return self._all(futs, members, op)
+        out = self._all(futs, members, op)
+        if running:
+            self._runs.append(out)
+        return out
 
     def call(self, op: Op, body: Any = None, timeout: float | None = None) -> None:
         wait(self.request(op, body), timeout, f"{op.name} on {self.description}",

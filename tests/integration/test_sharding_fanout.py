@@ -1,4 +1,5 @@
-"""A sharded model whose IPU streams one tensor to two places answers every request right.
+"""What one IPU of a sharded model passes to others reaches every reader, every time:
+a tensor streamed to two places, and a weight one IPU's Load program forwards to another.
 
 PopRT's manual sharding of ResNet or BERT cuts through residual connections: a tensor
 made on one IPU is read on the next IPU and again one further (a skip link), or is
@@ -10,6 +11,8 @@ iterations. Each result is compared with onnxruntime in this process.
 """
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import onnx
@@ -79,3 +82,51 @@ def test_every_result_of_many_in_flight_is_right(case) -> None:
                 for name, want in zip(names, ref.run(None, {"x": x})):
                     np.testing.assert_allclose(got[name], want, rtol=1e-6, atol=1e-6,
                                                err_msg=f"request {k}, output {name!r}")
+
+
+def test_a_weight_forwarded_by_a_load_program_reaches_the_other_ipu(tmp_path, monkeypatch) -> None:
+    """One weight read on both IPUs, as PopEF tensor data: IPU 0's Load program streams it
+    to IPU 1's over an IPU-Link. A runner sends the Load programs' RUN and Main's LOOP
+    together; the LOOP must not empty the links while the RUN is under way. Here each
+    LOOP waits until IPU 0 has forwarded the weight, so an emptying would drop it (IPU 1's
+    Load program would wait for it for ever)."""
+    import onnxruntime as ort
+
+    from host_runtime.devices._ipu_group import GroupLink
+    from ipu_emulator.ipu_protocol import Op
+
+    rng = np.random.default_rng(8)
+    w = numpy_helper.from_array(rng.standard_normal((4, 4)).astype(np.float32), "W")
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"], name="mm0"),
+             helper.make_node("Relu", ["h"], ["r"], name="relu"),
+             helper.make_node("MatMul", ["r", "W"], ["y"], name="mm1")]
+    g = helper.make_graph(nodes, "tied", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, [2, 4])], [helper.make_tensor_value_info(
+            "y", TensorProto.FLOAT, [2, 4])], [w])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    out = poprt_compile(model, tmp_path, num_ipus=2, sharding_info={"relu": 0},
+                        weights_as_tensor_data=True)
+    request = GroupLink.request
+    forwarded = []
+
+    def loop_after_the_weight_left(self, op, body=None, value=0, last=False):
+        if op is Op.LOOP and self.reset_links is not None:
+            links = self.reset_links.__self__.links
+            ring = next(r for h, r in links.items() if h.endswith("/W"))
+            deadline = time.monotonic() + 10
+            while ring.counters()["published"] < 1 and time.monotonic() < deadline:
+                pass   # (bounded) IPU 0's Load program streams it out now
+            forwarded.append(ring.counters()["published"])
+        return request(self, op, body, value, last)
+
+    monkeypatch.setattr(GroupLink, "request", loop_after_the_weight_left)
+    monkeypatch.setenv("IPU_EMULATOR_HOST_SYNC_TIMEOUT", "5")
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    for k in range(3):
+        x = rng.standard_normal((2, 4)).astype(np.float32)
+        with model_runtime.ModelRunner(str(out.popef_path)) as runner:
+            got = runner.execute({"x": x})["y"]
+        np.testing.assert_allclose(got, ref.run(None, {"x": x})[0], rtol=1e-6, atol=1e-6,
+                                   err_msg=f"runner {k}")
+    assert forwarded == [1, 1, 1]
