@@ -91,8 +91,9 @@ class ReplicaLife:
                  inputs: dict[str, TensorSpec], outputs: dict[str, TensorSpec],
                  frozen: dict[str, np.ndarray], dynamic: bool, batch: int, options: PathOptions,
                  auto_reset: bool, on_lost: Callable[[ModelRuntimeError], None],
-                 settings: HostSettings) -> None:
+                 settings: HostSettings, unnumbered: frozenset[str] = frozenset()) -> None:
         self.rid = rid
+        self._unnumbered = unnumbered   # outputs that carry no request's number
         self.trace_key = _tracing.life_key()   # this life on the timeline
         self._open_session = open_session
         self._inputs, self._outputs = inputs, outputs
@@ -144,7 +145,7 @@ class ReplicaLife:
         self.error = None
         self.path = path = TransferPath(self._inputs, self._outputs, self._frozen, in_rings,
                                         out_rings, self._dynamic, self._batch, self._options,
-                                        self.rid)
+                                        self.rid, self._unnumbered)
         # The device's service thread holds the loop future: refer back weakly, so that a
         # runner nobody references can be collected (and its __del__ release the IPUs).
         ref = weakref.ref(self)

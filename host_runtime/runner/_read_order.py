@@ -12,10 +12,11 @@ import logging
 from host_runtime import popef
 from host_runtime.errors import PopefError
 from host_runtime.popef import decoded_programs
+from host_runtime.runner._batching import TensorSpec
 from ipu_emulator.errors import IpuEmulatorError
-from ipu_emulator.executable import Instruction, Repeat, StreamIn, Switch
+from ipu_emulator.executable import Instruction, Repeat, StreamIn, Switch, unnumbered_outputs
 
-__all__ = ["main_read_order"]
+__all__ = ["main_read_order", "unnumbered_outputs_of"]
 
 _log = logging.getLogger(__name__)
 
@@ -60,3 +61,19 @@ def main_read_order(model: popef.Model) -> list[str]:
             visit(exe.programs[p].body)
     del visit   # it refers to itself through its closure: a cycle left for the collector
     return order
+
+
+def unnumbered_outputs_of(model: popef.Model, outputs: dict[str, TensorSpec],
+                          numbered: set[str]) -> frozenset[str]:
+    """The names of ``outputs`` whose transfers carry no request's number, the host
+    writing the input streams ``numbered`` with each request: on a sharded model, those
+    of an IPU that reads none of them (``ipu_emulator.executable.unnumbered_outputs``).
+    None for a model on one IPU, or one that cannot be decoded (the session reports it)."""
+    try:
+        exe = decoded_programs(model.executable)
+    except (IpuEmulatorError, PopefError):
+        return frozenset()
+    if not exe.parts:
+        return frozenset()
+    handles = unnumbered_outputs([p.programs for p in exe.parts], numbered)
+    return frozenset(n for n, spec in outputs.items() if spec.handle in handles)

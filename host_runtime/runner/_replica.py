@@ -87,6 +87,7 @@ class ReplicaSetup:
     intake: RequestIntake                   # makes the flush callback's data a request
     options: PathOptions                    # the fast paths taken
     settings: HostSettings                  # the runner's (taken when it was made)
+    unnumbered: frozenset[str] = frozenset()   # outputs carrying no request's number
 
 
 class Replica:
@@ -107,7 +108,8 @@ class Replica:
         self._life = life = ReplicaLife(
             rid, setup.open_session, setup.inputs, setup.outputs, setup.frozen_main,
             setup.dynamic, setup.batch, setup.options, setup.auto_reset,
-            on_lost=weak_method(self._lost), settings=setup.settings)
+            on_lost=weak_method(self._lost), settings=setup.settings,
+            unnumbered=setup.unnumbered)
         self._completion = completion = Completion(life, timers, setup.monitor)
         self._submission = Submission(life, completion, timers, setup.monitor, setup.dynamic,
                                       setup.batch)

@@ -18,6 +18,7 @@ from host_runtime.memory import OutputMemoryView, TensorMemory
 from host_runtime.queues import RingSizeMultiplierProdType, ring_size_multiplier_factory
 from host_runtime.runner._intake import RequestIntake
 from host_runtime.runner._layout import ModelLayout
+from host_runtime.runner._read_order import unnumbered_outputs_of
 from host_runtime.runner._life import ReplicaSession, SaveFn
 from host_runtime.runner._replica import ReplicaSetup
 from host_runtime.runner._transfer import PathOptions
@@ -103,7 +104,9 @@ class ReplicaSessions:
             watchdog=not cfg.flush_on_waiting_outputs,
             intake=intake,
             options=PathOptions.of(self._settings),
-            settings=self._settings)
+            settings=self._settings,
+            unnumbered=unnumbered_outputs_of(self._model, lay.out_specs, {
+                spec.handle for spec in direct_in.values()}))
 
     def attach_devices(self) -> None:
         """Attach the devices of every replica that has none in replica_to_device at once.

@@ -218,6 +218,10 @@ class _Out(NamedTuple):
     ring: Ring
     take: Take
     shape: tuple[int, ...]           # the whole transfer's result (fused)
+    # Its transfers carry the request's number, else 0: those of a model with no input
+    # streams, and ``unnumbered`` ones, made on an IPU of a sharded model that no input
+    # reaches (``ipu_emulator.executable.unnumbered_outputs``).
+    numbered: bool
 
 
 class TransferPath:
@@ -226,8 +230,9 @@ class TransferPath:
     def __init__(self, inputs: dict[str, TensorSpec], outputs: dict[str, TensorSpec],
                  frozen: dict[str, np.ndarray], in_rings: dict[str, Ring],
                  out_rings: dict[str, Ring], dynamic: bool, batch: int,
-                 options: PathOptions, rid: int = 0) -> None:
-        """``inputs``: every Main input, in the order Main reads them."""
+                 options: PathOptions, rid: int = 0,
+                 unnumbered: frozenset[str] = frozenset()) -> None:
+        """``inputs``: every Main input, in the order Main reads them (see ``_Out``)."""
         self.rid = rid
         self.dynamic = dynamic
         self.batch = batch
@@ -241,12 +246,11 @@ class TransferPath:
                            s.nbytes >= SHARED_MIN_BYTES)
                        for n, s in reversed(inputs.items())]
         self._descriptors = _Descriptors()
+        self.numbered = bool(self.inputs)   # (none: no output carries a number)
         self.outputs = {n: _Out(n, s, out_rings[n], take_action(s, options.small_io),
-                                s.shape_for(s.batch)) for n, s in outputs.items()}
+                                s.shape_for(s.batch), self.numbered and n not in unnumbered)
+                        for n, s in outputs.items()}
         self.all_outputs = tuple(outputs.values())
-        # A model with no input streams: the device's iterations read nothing that carries
-        # a request's number, so its outputs carry none (0) and are checked against 0.
-        self.numbered = bool(self.inputs)
         self.rings = [*in_rings.values(), *out_rings.values()]
         # an output large enough for host shared memory (see redirects)
         self.may_redirect = any(s.nbytes >= SHARED_MIN_BYTES for s in outputs.values())
@@ -456,8 +460,8 @@ class TransferPath:
             if recorder.ON and index == 0:
                 tr.t_first = time.perf_counter_ns()
             try:
-                if tag >> SEQ_SHIFT != seq:
-                    raise _mismatch(self.rid, spec.name, tag, seq)
+                if tag >> SEQ_SHIFT != (seq if o.numbered else 0):
+                    raise _mismatch(self.rid, spec.name, tag, seq if o.numbered else 0)
                 if tag & TAG_KIND_MASK != TAG_SHARED:   # else the IPU wrote it into the
                     self.copy_out(tr, spec, view, dynamic)   # request's memory
             finally:
@@ -563,8 +567,8 @@ class TransferPath:
             if first:
                 self.t_first = time.perf_counter_ns()
                 first = False
-            if got != tag:
-                raise _mismatch(self.rid, o.name, got, seq)
+            if got != (tag if o.numbered else 0):
+                raise _mismatch(self.rid, o.name, got, seq if o.numbered else 0)
             self._est.record(time.perf_counter_ns() - t0 if t0 else 0)
             # writable, over a copy of the message (cheaper than np.empty and a copy)
             results[o.name] = np.ndarray(o.shape, o.spec.dtype, bytearray(data))

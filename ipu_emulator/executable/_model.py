@@ -205,3 +205,50 @@ def plan_memory(specs: list[tuple[str, str, tuple[int, ...]]]) -> tuple[dict[str
         tensors[name] = t
         offset += -(-t.nbytes // ALIGNMENT) * ALIGNMENT
     return tensors, offset
+
+
+def transfers_of(program: Program) -> tuple[set[str], set[str]]:
+    """The stream handles ``program`` reads (StreamIn) and writes (StreamOut), nested
+    instruction lists included."""
+    reads: set[str] = set()
+    writes: set[str] = set()
+    stack = [program.body]
+    while stack:
+        for i in stack.pop():
+            if isinstance(i, StreamIn):
+                reads.add(i.handle)
+            elif isinstance(i, StreamOut):
+                writes.add(i.handle)
+            elif isinstance(i, Repeat):
+                stack.append(i.body)
+            elif isinstance(i, Switch):
+                stack.extend(i.branches)
+    return reads, writes
+
+
+def unnumbered_outputs(parts: list[list[Program]], numbered: set[str]) -> set[str]:
+    """The host output streams whose transfers carry no request's number: those written
+    by an IPU (``parts``: each IPU's programs) that reads none of the ``numbered`` input
+    streams, directly or through the IPU-Links of an IPU that does. An iteration takes its
+    number from its inputs (the sharding token carries none), so such an IPU's outputs
+    are tagged 0: e.g. one that computes a model output from weights alone."""
+    reads, writes = [], []
+    for programs in parts:
+        r: set[str] = set()
+        w: set[str] = set()
+        for p in programs:
+            pr, pw = transfers_of(p)
+            r |= pr
+            w |= pw
+        reads.append(r)
+        writes.append(w)
+    on = {k for k, r in enumerate(reads) if r & numbered}
+    grew = True
+    while grew:   # a link from an IPU whose iterations are numbered numbers the reader's
+        grew = False
+        for k, r in enumerate(reads):
+            if k not in on and any(h in writes[j] for j in on for h in r
+                                   if is_link(h) and not is_sync(h)):
+                on.add(k)
+                grew = True
+    return {h for k, w in enumerate(writes) if k not in on for h in w if not is_link(h)}

@@ -130,3 +130,40 @@ def test_a_weight_forwarded_by_a_load_program_reaches_the_other_ipu(tmp_path, mo
         np.testing.assert_allclose(got, ref.run(None, {"x": x})[0], rtol=1e-6, atol=1e-6,
                                    err_msg=f"runner {k}")
     assert forwarded == [1, 1, 1]
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sharded", "pipelined"])
+def test_an_output_of_an_ipu_that_reads_no_input(tmp_path, pipelined) -> None:
+    """IPU 0 computes a position table from weights alone (a model output, also sent to
+    IPU 1, which reads ``x``): its transfers carry no request's number, and are taken as
+    such; every result is right."""
+    import onnxruntime as ort
+
+    rng = np.random.default_rng(9)
+    inits = [numpy_helper.from_array(rng.standard_normal(SHAPE).astype(np.float32), n)
+             for n in ("pe", "scale", "w")]
+    nodes = [helper.make_node("Mul", ["pe", "scale"], ["pos"], name="p0"),
+             helper.make_node("Add", ["x", "pos"], ["h"], name="add"),
+             helper.make_node("Mul", ["h", "w"], ["y"], name="mm")]
+    g = helper.make_graph(nodes, "inputless", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, list(SHAPE))], [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, list(SHAPE)),
+            helper.make_tensor_value_info("pos", TensorProto.FLOAT, list(SHAPE))], inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    shard = {"p0": 0}
+    out = poprt_compile(model, tmp_path, num_ipus=2, sharding_info=shard,
+                        pipelining_info=shard if pipelined else None,
+                        enable_pipelining=pipelined, batches_per_step=2 if pipelined else 1)
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    with model_runtime.ModelRunner(str(out.popef_path)) as runner:
+        for _ in range(2):
+            xs = [rng.standard_normal(SHAPE).astype(np.float32) for _ in range(IN_FLIGHT)]
+            futures = [runner.executeAsync({"x": x}) for x in xs]
+            for k, (x, fut) in enumerate(zip(xs, futures)):
+                got = fut.result(timeout=60)
+                want = dict(zip(["y", "pos"], ref.run(None, {"x": x})))
+                for name in ("y", "pos"):
+                    np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-6,
+                                               err_msg=f"request {k}, output {name!r}")
+        np.testing.assert_allclose(runner.execute({"x": xs[0]})["pos"], want["pos"])

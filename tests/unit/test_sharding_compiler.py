@@ -403,3 +403,23 @@ def test_one_ipu_with_a_sharding_config_is_an_ordinary_executable(chain):
     with pytest.raises(CompileError, match=r"node 'relu7' on IPU 1, but num_ipus is 1"):
         compile_onnx(ModelSpec(chain), CompileOptions(
             num_ipus=1, sharding_info={"relu7": 1}, machine_ipus=4))
+
+
+def test_unnumbered_outputs_are_those_of_ipus_no_numbered_input_reaches():
+    from ipu_emulator.executable import (Execute, Program, Repeat, StreamIn, StreamOut,
+                                         unnumbered_outputs)
+
+    def part(reads, writes):
+        body = tuple([StreamIn(h, h) for h in reads] + [Execute(0, (), ())]
+                     + [StreamOut(h, h) for h in writes])
+        return [Program("load", ()), Program("main", (Repeat(1, body),))]
+
+    sync = "__ipulink/2/0/__ipusync"
+    parts = [part([sync], ["__ipulink/0/1/a", "p"]),            # weights only
+             part(["__ipulink/0/1/a", "x"], ["__ipulink/1/2/b"]),   # reads x
+             part(["__ipulink/1/2/b"], ["y", sync])]               # numbered through b
+    assert unnumbered_outputs(parts, {"x"}) == {"p"}
+    assert unnumbered_outputs(parts, set()) == {"p", "y"}
+    assert unnumbered_outputs(parts, {"x", "z"}) == {"p"}
+    # the token carries no number: an IPU reached only through it is unnumbered
+    assert unnumbered_outputs([part([sync], ["p"]), part(["x"], [sync])], {"x"}) == {"p"}
