@@ -20,7 +20,7 @@ from onnx import helper
 import ipu_emulator
 from ipu_emulator.compiler._onnx import DTYPE_TO_ONNX
 from ipu_emulator.compiler._sharding import (Placement, annotate_placement, check_num_ipus,
-                                             check_pipelining, place_nodes)
+                                             check_pipelining, node_reads, place_nodes)
 from ipu_emulator.compiler._types import (LOAD_PROGRAM, MAIN_PROGRAM, SAVE_PROGRAM, AnchorDesc,
                                           CompileOptions, CompileResult, Target, check_fit)
 from ipu_emulator.errors import CompileError
@@ -104,8 +104,8 @@ def _assign(p: "Prepared", plan: Placement, n_ipus: int) -> list[_Part]:
         part.nodes.append(n)
         part.node_names.append(n.name or f"#{k}:{n.op_type}")
         part.stages.add(plan.stage[k])
-        for t in n.input:
-            if t and plan.ipu[k] not in consumers.setdefault(t, []):
+        for t in node_reads(n):
+            if plan.ipu[k] not in consumers.setdefault(t, []):
                 consumers[t].append(plan.ipu[k])
         for t in n.output:
             if t:
@@ -293,7 +293,7 @@ def _part_executable(p: "Prepared", opts: "CompileOptions", target: "Target", pa
     fit in one IPU's memory."""
     from ipu_emulator.compiler._prepare import _peak_activations
 
-    used = {t for n in part.nodes for t in n.input if t}
+    used = {t for n in part.nodes for t in node_reads(n)}
     part_inits = [inits[t] for t in sorted(used) if t in inits]
     g = helper.make_graph(part.nodes, f"{p.device_model.graph.name or 'model'}_ipu{part.ipu}",
                           [_value_info(p, t) for t in part.graph_inputs],

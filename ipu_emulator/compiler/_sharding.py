@@ -174,6 +174,35 @@ def check_num_ipus(num_ipus: int, machine_ipus: int | None = None) -> None:
                            "machine (IPU_EMULATOR_NUM_IPUS / the system config)")
 
 
+def node_reads(node: onnx.NodeProto) -> list[str]:
+    """The values ``node`` reads: its inputs, then those its sub-graphs (an ``If``'s
+    branches, a ``Loop``'s body) read from the scopes around them."""
+    reads = [t for t in node.input if t]
+    seen = set(reads)
+    for g in _subgraphs(node):
+        for t in _outer_reads(g):
+            if t not in seen:
+                seen.add(t)
+                reads.append(t)
+    return reads
+
+
+def _subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
+    return [g for a in node.attribute for g in ([a.g] if a.HasField("g") else list(a.graphs))]
+
+
+def _outer_reads(graph: onnx.GraphProto) -> list[str]:
+    """Names ``graph``'s nodes (and theirs) read that ``graph`` does not define."""
+    defined = {v.name for v in graph.input} | {t.name for t in graph.initializer}
+    out: list[str] = []
+    for n in graph.node:
+        for t in node_reads(n):
+            if t not in defined and t not in out:
+                out.append(t)
+        defined.update(o for o in n.output if o)
+    return out
+
+
 def place_nodes(graph: onnx.GraphProto, sharding_info: dict[str, int],
                 pipelining_info: dict[str, int], num_ipus: int, pipelining: bool) -> Placement:
     """Place every node on an IPU and a stage; check the placement (CompileError)."""
@@ -214,7 +243,7 @@ def place_nodes(graph: onnx.GraphProto, sharding_info: dict[str, int],
             if ipu[k] is not None:
                 continue
             ipu[k], stage[k] = p_ipu, p_stage
-            stack.extend(producer[t] for t in nodes[k].input if t in producer)
+            stack.extend(producer[t] for t in node_reads(nodes[k]) if t in producer)
     for k in range(len(nodes)):
         if ipu[k] is None:
             ipu[k], stage[k] = rest_ipu, rest_stage
@@ -257,7 +286,7 @@ def _check(plan: Placement, nodes: list[onnx.NodeProto], producer: dict[str, int
         _log.info("IPU(s) %s of %d hold no node: idle", plan.idle, plan.num_ipus)
     edges: set[tuple[int, int]] = set()
     for k, n in enumerate(nodes):
-        for t in n.input:
+        for t in node_reads(n):
             j = producer.get(t)
             if j is None:
                 continue

@@ -167,3 +167,45 @@ def test_an_output_of_an_ipu_that_reads_no_input(tmp_path, pipelined) -> None:
                     np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-6,
                                                err_msg=f"request {k}, output {name!r}")
         np.testing.assert_allclose(runner.execute({"x": xs[0]})["pos"], want["pos"])
+
+
+@pytest.mark.parametrize("point", ["mm", "if"])
+def test_a_branch_reads_what_another_ipu_made_and_a_weight_of_its_own(tmp_path, point) -> None:
+    """An ``If`` whose branches read ``h`` from the scope around them (made on IPU 0 when
+    the cut is after ``mm``) and a weight only a branch uses: both reach the IPU of the
+    ``If``; results as onnxruntime's, both branches taken."""
+    import onnxruntime as ort
+
+    rng = np.random.default_rng(10)
+    f = TensorProto.FLOAT
+
+    def branch(name: str, op: str) -> onnx.GraphProto:
+        node = (helper.make_node("Mul", ["h", "wt"], [name + "_out"]) if op == "Mul"
+                else helper.make_node("Neg", ["h"], [name + "_out"]))
+        return helper.make_graph([node], name, [], [helper.make_tensor_value_info(
+            name + "_out", f, list(SHAPE))])
+    nodes = [helper.make_node("ReduceSum", ["x"], ["tot"], name="tot", keepdims=0),
+             helper.make_node("Greater", ["tot", "thr"], ["cond"], name="cond"),
+             helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+             helper.make_node("If", ["cond"], ["br"], name="if",
+                              then_branch=branch("then", "Mul"),
+                              else_branch=branch("else", "Neg")),
+             helper.make_node("Add", ["br", "h"], ["y"], name="out")]
+    inits = [numpy_helper.from_array(rng.standard_normal((4, 4)).astype(np.float32), "w"),
+             numpy_helper.from_array(rng.standard_normal(SHAPE).astype(np.float32), "wt"),
+             numpy_helper.from_array(np.array(0.0, np.float32), "thr")]
+    g = helper.make_graph(nodes, "captures", [helper.make_tensor_value_info(
+        "x", f, list(SHAPE))], [helper.make_tensor_value_info("y", f, list(SHAPE))], inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    out = poprt_compile(model, tmp_path, num_ipus=2, sharding_info={point: 0})
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    signs = set()
+    with model_runtime.ModelRunner(str(out.popef_path)) as runner:
+        for k in range(8):
+            x = (rng.standard_normal(SHAPE) * 2).astype(np.float32)
+            signs.add(bool(x.sum() > 0))
+            np.testing.assert_allclose(runner.execute({"x": x})["y"],
+                                       ref.run(None, {"x": x})[0], rtol=1e-5, atol=1e-5,
+                                       err_msg=f"request {k}")
+    assert signs == {True, False}
