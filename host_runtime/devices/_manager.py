@@ -44,7 +44,7 @@ from ipu_emulator.ipu.forkserver import SPAWN_TIMEOUT
 from ipu_emulator.ipu.launcher import IpuConnection, IpuSpec, launch_ipu, prestart
 from ipu_emulator.system import (IpuLocks, SystemConfig, SystemConfigError, device_groups,
                                  emulator_home, load_system_config)
-from shm import OutOfFileDescriptorsError
+from shm import OutOfFileDescriptorsError, remove_dead
 
 __all__ = [
     "DeviceWaitStrategy",
@@ -57,6 +57,23 @@ __all__ = [
 _log = logging.getLogger(__name__)
 
 _SMALL_MODEL_TILES = 4
+
+_reclaimed = False
+
+
+def _reclaim_once() -> None:
+    """The first DeviceManager of a process unlinks the shared-memory objects (of its tag)
+    whose creator died without unlinking them: a host killed with its IPU processes (a
+    SIGTERM to the process group, as ``timeout`` sends) leaves its rings and regions, which
+    no process of its own is left to remove."""
+    global _reclaimed
+    if _reclaimed:
+        return
+    _reclaimed = True
+    try:
+        remove_dead()
+    except OSError as exc:   # /dev/shm unreadable: nothing to reclaim from here
+        _log.debug("reclaiming shared memory of dead processes: %s", exc)
 
 
 
@@ -117,6 +134,7 @@ class DeviceManager:
                           else functools.partial(launch_ipu, settings=self.settings,
                                                  spawn_wait=min(SPAWN_TIMEOUT,
                                                                 self.settings.host_sync_timeout)))
+        _reclaim_once()
 
     @property
     def system(self) -> SystemConfig:
