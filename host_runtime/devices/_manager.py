@@ -76,7 +76,6 @@ def _reclaim_once() -> None:
         _log.debug("reclaiming shared memory of dead processes: %s", exc)
 
 
-
 def _bind_args(what: str, names: tuple[str, ...], args: tuple[Any, ...],
                kwargs: dict[str, Any]) -> dict[str, Any]:
     if len(args) > len(names) or set(kwargs) - set(names):

@@ -68,7 +68,7 @@ def unnumbered_outputs_of(model: popef.Model, outputs: dict[str, TensorSpec],
     """The names of ``outputs`` whose transfers carry no request's number, the host
     writing the input streams ``numbered`` with each request: on a sharded model, those
     of an IPU that reads none of them (``ipu_emulator.executable.unnumbered_outputs``).
-    None for a model on one IPU, or one that cannot be decoded (the session reports it)."""
+    None on one IPU, nor for a model that cannot be decoded (the session reports it)."""
     try:
         exe = decoded_programs(model.executable)
     except (IpuEmulatorError, PopefError):
