@@ -194,13 +194,13 @@ def _subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
 def _outer_reads(graph: onnx.GraphProto) -> list[str]:
     """Names ``graph``'s nodes (and theirs) read that ``graph`` does not define."""
     defined = {v.name for v in graph.input} | {t.name for t in graph.initializer}
-    out: list[str] = []
+    out: dict[str, None] = {}   # (in order, once each)
     for n in graph.node:
         for t in node_reads(n):
-            if t not in defined and t not in out:
-                out.append(t)
+            if t not in defined:
+                out[t] = None
         defined.update(o for o in n.output if o)
-    return out
+    return list(out)
 
 
 def place_nodes(graph: onnx.GraphProto, sharding_info: dict[str, int],
