@@ -139,10 +139,9 @@ def _select_outputs(model: onnx.ModelProto, outputs: Sequence[str] | None) -> on
 
 def compile_result(model: Any, outputs: Sequence[str] | None,
                    options: CompilerOptions | None, *, save_weights: bool = False,
-                   max_tensor_size: int = -1, base_dir: "str | os.PathLike[str] | None" = None
-                   ) -> "CompileResult":
+                   base_dir: "str | os.PathLike[str] | None" = None) -> "CompileResult":
     """Compile with the emulator's compiler as ``options`` say (the keywords: what only the
-    ``poprt`` command sets: ``--save_weights``, ``--max_tensor_size``, the model's folder)."""
+    ``poprt`` command sets: ``--save_weights``, the model's folder)."""
     from ipu_emulator.compiler import TARGETS, CompileOptions, ModelSpec, compile_onnx
     from ipu_emulator.system import load_system_config
 
@@ -178,7 +177,7 @@ def compile_result(model: Any, outputs: Sequence[str] | None,
                            num_ipus=opts.num_ipus, fuse=opts.enable_model_fusion,
                            sharding_info=shard or None, pipelining_info=stages or None,
                            enable_pipelining=opts.enable_pipelining, ipu_memory=memory,
-                           save_weights=save_weights, max_tensor_size=int(max_tensor_size))
+                           save_weights=save_weights)
     if sharded and len(specs) == 1:
         copts.fuse = False
     progress = opts.progress

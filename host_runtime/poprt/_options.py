@@ -80,6 +80,8 @@ ACTING = {
     "compilation_progress_logger": "called with (0, 100) before and (100, 100) after compiling",
 }
 
+_PROPORTIONS = frozenset({"available_memory_proportion"})
+
 _CHOICES = {"partials_type": ("half", "float"),
             "virtual_graph_mode": ("off", "manual", "auto", "execution_phase"),
             "ipu_version": ("", "ipu2", "ipu21")}
@@ -103,6 +105,9 @@ def _coerce(name: str, value: Any) -> Any:
     if kind is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise BadRequestError(f"CompilerOptions.{name} must be a number, got {value!r}")
+        if name in _PROPORTIONS and not 0.0 < value <= 1.0:   # (NaN fails too)
+            raise BadRequestError(f"CompilerOptions.{name} is a proportion: expected a number "
+                                  f"in (0, 1], got {value!r}")
         return float(value)
     if kind is str:
         if not isinstance(value, str):

@@ -316,6 +316,9 @@ def run(args: argparse.Namespace) -> Any:
         shard, stages = load_sharding_yaml(args.manual_sharding_config)
         model = Sharder(shard, stages).run(model)
         options.virtual_graph_mode = "manual"
+        if args.num_ipus is None and shard:   # (PopRT's command has no --num_ipus)
+            need = max(shard.values()) + 1    # IPUs come in powers of two: 3 shards on 4
+            options.num_ipus = 1 << (need - 1).bit_length()
     precision = args.precision or "fp32"
     out_dir = pathlib.Path(args.output_dir or ".")
     output_model = args.output_model or f"{pathlib.Path(args.input_model).stem}.{precision}.onnx"
@@ -329,9 +332,9 @@ def run(args: argparse.Namespace) -> Any:
         print(f"poprt: wrote {path}")
         return None
     converted = converter.convert(model)
+    # --max_tensor_size bounds what constant folding makes (the converter's), as PopRT's
     result = compile_result(converted, None, options, save_weights=bool(args.save_weights),
-                            max_tensor_size=args.max_tensor_size if args.max_tensor_size
-                            is not None else -1, base_dir=folder)
+                            base_dir=folder)
     if converter.fp16_plan is not None:
         _fp16_report(result, converter.fp16_plan)
     engine, blobs = popef_extras(options)

@@ -94,6 +94,12 @@ def test_compiler_options_fields_and_errors():
         o.partials_type = "double"
     with pytest.raises(BadRequestError, match="num_ipus must be an int"):
         CompilerOptions.from_dict({"num_ipus": "2"})
+    for bad in (2.0, 0, -0.5, float("nan")):
+        with pytest.raises(BadRequestError, match=r"available_memory_proportion is a proportion: "
+                                                  r"expected a number in \(0, 1\], got"):
+            o.available_memory_proportion = bad
+    o.available_memory_proportion = 1
+    assert o.available_memory_proportion == 1.0
 
 
 def test_named_refusals(model):

@@ -16,6 +16,7 @@ import onnx
 import pytest
 
 import host_runtime as model_runtime
+from host_runtime import popef
 from host_runtime.devices._manager import DeviceManager
 from host_runtime.errors import BadRequestError
 from host_runtime.session._session import Session
@@ -288,3 +289,27 @@ def test_daemon_status_groups_the_ipus_of_a_sharded_device(tmp_path, chain, daem
             assert line.split()[2] == "held" and line.endswith(f"device {dev.id}")
     st = daemon4.status()
     assert st["devices"] == [] and {i["state"] for i in st["ipus"]} == {"free"}
+
+
+def test_a_sharding_file_alone_says_how_many_ipus(tmp_path, chain):
+    """PopRT's command line has no --num_ipus: ``poprt --input_model m.onnx
+    --manual_sharding_config shard.yaml`` takes the IPUs the file names (3 shards: 4 IPUs,
+    the last idle), and the executable runs right."""
+    import yaml
+
+    model = str(tmp_path / "chain.onnx")
+    onnx.save(chain, model)
+    shard = tmp_path / "shard.yaml"
+    shard.write_text(yaml.safe_dump([{"node": "relu0", "device": 0},
+                                     {"node": "relu1", "device": 1},
+                                     {"node": f"relu{LAYERS - 1}", "device": 2}]))
+    out = tmp_path / "out"
+    assert poprt.main(["--input_model", model, "--manual_sharding_config", str(shard),
+                       "--export_popef", "--output_dir", str(out)]) == 0
+    path = str(out / "executable.popef")
+    assert popef.load_model([path]).metadata.numIpus() == 4
+    xs = inputs(3, seed=3)
+    with model_runtime.ModelRunner(path) as r:
+        for x in xs:
+            np.testing.assert_allclose(r.execute({"x": x})["y"], reference(chain, x),
+                                       rtol=1e-5, atol=1e-5)

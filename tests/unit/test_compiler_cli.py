@@ -74,9 +74,11 @@ def test_refusals_exit_2_with_the_reason(tmp_path, mlp, capsys) -> None:
     assert "input 'x' has an unresolved dynamic shape" in err and "--input_shape" in err
     assert poprt(["--input_model", str(mlp), "--input_shape", "x1,2"]) == 2
     assert "must look like NAME=d0,d1" in capsys.readouterr().err
+    # --max_tensor_size bounds constant folding only (PopRT's): the model's own tensors
+    # may be larger (its weight w is 120 bytes)
     assert poprt(["--input_model", str(mlp), "--input_shape", "x=1,6",
-                  "--max_tensor_size", "16", "--output_dir", str(tmp_path / "r")]) == 2
-    assert "more than max_tensor_size of 16 bytes" in capsys.readouterr().err
+                  "--max_tensor_size", "16", "--output_dir", str(tmp_path / "r")]) == 0
+    capsys.readouterr()
     with pytest.raises(SystemExit):
         poprt(["--input_model", str(mlp), "--ipu_version", "ipu9"])
 
