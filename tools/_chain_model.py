@@ -22,9 +22,14 @@ __all__ = ["chain_model", "conv_chain", "shard_config", "write_shard_yaml", "ref
 
 
 def chain_model(layers: int = 4, width: int = 16, batch: int = 2, seed: int = 0,
-                initializer: Callable[[str, np.ndarray], Any] | None = None) -> Any:
+                initializer: Callable[[str, np.ndarray], Any] | None = None,
+                fanout: bool = False) -> Any:
     """``initializer(name, weights)`` makes each weight's TensorProto (default: inline
-    data, and the model is checked); e.g. one whose data is external."""
+    data, and the model is checked); e.g. one whose data is external. ``fanout``: the
+    second half of the layers reuses the first half's weights (``mm<k>`` reads
+    ``w<k - layers // 2>``), and the tensor between the halves (``r<layers // 2 - 1>``) is
+    a second output: cut there, one IPU forwards weights to the other in its Load
+    program and streams that tensor both to the next IPU and to the host."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
@@ -33,18 +38,25 @@ def chain_model(layers: int = 4, width: int = 16, batch: int = 2, seed: int = 0,
     inits = []
     x = "x"
     scale = np.float32(1.0 / np.sqrt(width))
+    half = layers // 2
     for k in range(layers):
         w = (rng.standard_normal((width, width)).astype(np.float32) * scale * 1.5)
-        inits.append(numpy_helper.from_array(w, f"w{k}") if initializer is None
-                     else initializer(f"w{k}", w))
+        tied = fanout and k >= half
+        if not tied:
+            inits.append(numpy_helper.from_array(w, f"w{k}") if initializer is None
+                         else initializer(f"w{k}", w))
         out = "y" if k == layers - 1 else f"r{k}"
-        nodes.append(helper.make_node("MatMul", [x, f"w{k}"], [f"m{k}"], name=f"mm{k}"))
+        weight = f"w{k - half}" if tied else f"w{k}"
+        nodes.append(helper.make_node("MatMul", [x, weight], [f"m{k}"], name=f"mm{k}"))
         nodes.append(helper.make_node("Relu", [f"m{k}"], [out], name=f"relu{k}"))
         x = out
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, width])]
+    if fanout and 0 < half < layers:
+        outputs.append(helper.make_tensor_value_info(f"r{half - 1}", TensorProto.FLOAT,
+                                                     [batch, width]))
     graph = helper.make_graph(
         nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, width])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, width])],
-        initializer=inits)
+        outputs, initializer=inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
     model.ir_version = 8
     if initializer is None:

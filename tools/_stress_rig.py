@@ -65,19 +65,21 @@ def write_models(directory: Path, seed: int) -> ModelPaths:
 
 def _write_pipeline_model(directory: Path, seed: int) -> tuple[str, str]:
     """A MatMul/Relu chain pipelined over 2 IPUs (the kill-pipeline scenario), and its ONNX
-    model (the hosts compute the expected values with onnxruntime)."""
+    model (the hosts compute the expected values with onnxruntime). Its second half reuses
+    the first half's weights, as PopEF tensor data (IPU 0's Load program forwards them to
+    IPU 1), and IPU 0 streams the tensor between the halves to IPU 1 and to the host."""
     import onnx
 
     from host_runtime.poprt.compiler import compile as poprt_compile
     from tools._chain_model import chain_model, shard_config
 
-    model = chain_model(4, width=64, batch=4, seed=seed + 2)
+    model = chain_model(4, width=64, batch=4, seed=seed + 2, fanout=True)
     onnx_path = str(directory / "chain.onnx")
     onnx.save(model, onnx_path)
     sharding, stages = shard_config(4, 2, pipelined=True)
     out = poprt_compile(model, directory, popef_name="pipeline.popef", num_ipus=2,
                         sharding_info=sharding, pipelining_info=stages, enable_pipelining=True,
-                        batches_per_step=2)
+                        batches_per_step=2, weights_as_tensor_data=True)
     return str(out.popef_path), onnx_path
 
 
