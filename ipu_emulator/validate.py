@@ -47,11 +47,11 @@ program (what the compiler emits), else one run of the Main programs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Collection, Iterable, Mapping, Sequence
 
 from ipu_emulator.errors import ExecutableError
-from ipu_emulator.executable import (Copy, Execute, Executable, Instruction, Repeat, StreamIn,
-                                     StreamOut, Switch)
+from ipu_emulator.executable import (Copy, Execute, Executable, Instruction, Program, Repeat,
+                                     StreamIn, StreamOut, Switch, is_link, is_sync)
 
 __all__ = [
     "AnchorSpec",
@@ -62,6 +62,7 @@ __all__ = [
     "check_loop",
     "programs_streaming",
     "stream_counts",
+    "unnumbered_outputs",
 ]
 
 _MAX_COUNTS = 8
@@ -144,6 +145,30 @@ def programs_streaming(exe: Executable) -> dict[tuple[str, str], set[int]]:
         for key in stream_counts(p.body):
             used.setdefault(key, set()).add(k)
     return used
+
+
+def unnumbered_outputs(parts: Sequence[Sequence[Program]], numbered: Collection[str]
+                       ) -> set[str]:
+    """The host output streams whose transfers carry no request's number: those written
+    by an IPU (``parts``: each IPU's programs) that reads none of the ``numbered`` input
+    streams, directly or through the IPU-Links of an IPU that does. An iteration takes its
+    number from its inputs (the sharding token carries none), so such an IPU's outputs
+    are tagged 0: e.g. one that computes a model output from weights alone."""
+    reads, writes = [], []
+    for programs in parts:
+        keys = {key for p in programs for key in stream_counts(p.body)}
+        reads.append({h for d, h in keys if d == "in"})
+        writes.append({h for d, h in keys if d == "out"})
+    on = {k for k, r in enumerate(reads) if not r.isdisjoint(numbered)}
+    grew = True
+    while grew:   # a link from an IPU whose iterations are numbered numbers the reader's
+        grew = False
+        for k, r in enumerate(reads):
+            if k not in on and any(h in writes[j] for j in on for h in r
+                                   if is_link(h) and not is_sync(h)):
+                on.add(k)
+                grew = True
+    return {h for k, w in enumerate(writes) if k not in on for h in w if not is_link(h)}
 
 
 def _repeats(body: Sequence[Instruction]) -> Iterable[Repeat]:

@@ -14,7 +14,8 @@ from host_runtime.errors import PopefError
 from host_runtime.popef import decoded_programs
 from host_runtime.runner._batching import TensorSpec
 from ipu_emulator.errors import IpuEmulatorError
-from ipu_emulator.executable import Instruction, Repeat, StreamIn, Switch, unnumbered_outputs
+from ipu_emulator.executable import Instruction, Repeat, StreamIn, Switch
+from ipu_emulator.validate import unnumbered_outputs
 
 __all__ = ["main_read_order", "unnumbered_outputs_of"]
 
@@ -67,7 +68,7 @@ def unnumbered_outputs_of(model: popef.Model, outputs: dict[str, TensorSpec],
                           numbered: set[str]) -> frozenset[str]:
     """The names of ``outputs`` whose transfers carry no request's number, the host
     writing the input streams ``numbered`` with each request: on a sharded model, those
-    of an IPU that reads none of them (``ipu_emulator.executable.unnumbered_outputs``).
+    of an IPU that reads none of them (``ipu_emulator.validate.unnumbered_outputs``).
     None on one IPU, nor for a model that cannot be decoded (the session reports it)."""
     try:
         exe = decoded_programs(model.executable)

@@ -220,7 +220,7 @@ class _Out(NamedTuple):
     shape: tuple[int, ...]           # the whole transfer's result (fused)
     # Its transfers carry the request's number, else 0: those of a model with no input
     # streams, and ``unnumbered`` ones, made on an IPU of a sharded model that no input
-    # reaches (``ipu_emulator.executable.unnumbered_outputs``).
+    # reaches (``ipu_emulator.validate.unnumbered_outputs``).
     numbered: bool
 
 

@@ -55,8 +55,7 @@ from ipu_emulator.executable._header import (
 from ipu_emulator.executable._limits import ALIGNMENT
 from ipu_emulator.executable._model import (
     DTYPES, IDLE_ATTR, LINK_PREFIX, ORT_TYPES, SYNC_TENSOR, Copy, DeviceTensor, Execute, ExternalWeight,
-    Graph, Instruction, Program, Repeat, StreamIn, StreamOut, StreamSpec, Switch, TensorSig, is_link, is_sync, numpy_dtype, parse_link, plan_memory,
-    transfers_of, unnumbered_outputs)
+    Graph, Instruction, Program, Repeat, StreamIn, StreamOut, StreamSpec, Switch, TensorSig, is_link, is_sync, numpy_dtype, parse_link, plan_memory)
 
 __all__ = [
     "IDLE_ATTR",
@@ -65,8 +64,6 @@ __all__ = [
     "is_link",
     "is_sync",
     "parse_link",
-    "transfers_of",
-    "unnumbered_outputs",
     "MAGIC",
     "FORMAT_VERSION",
     "HEADER_SIZE",

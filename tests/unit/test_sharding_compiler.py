@@ -406,8 +406,8 @@ def test_one_ipu_with_a_sharding_config_is_an_ordinary_executable(chain):
 
 
 def test_unnumbered_outputs_are_those_of_ipus_no_numbered_input_reaches():
-    from ipu_emulator.executable import (Execute, Program, Repeat, StreamIn, StreamOut,
-                                         unnumbered_outputs)
+    from ipu_emulator.executable import Execute, Program, Repeat, StreamIn, StreamOut
+    from ipu_emulator.validate import unnumbered_outputs
 
     def part(reads, writes):
         body = tuple([StreamIn(h, h) for h in reads] + [Execute(0, (), ())]

@@ -20,9 +20,9 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from host_runtime.errors import BadRequestError
-from host_runtime.poprt._onnx_util import (constant_value, copy_model, make_const,
+from host_runtime.poprt._onnx_util import (constant_value, make_const,
                                           parse_skip_list, prune, unique)
-from host_runtime.poprt.passes._base import Pass
+from host_runtime.poprt.passes._rewrite import _Rewrite
 
 __all__ = ["Float2FP8", "FORMATS", "round_to_fp8", "parse_fp8_params"]
 
@@ -60,7 +60,7 @@ def round_to_fp8(x: np.ndarray, fmt: str, scale: int = 0) -> np.ndarray:
     return result
 
 
-class Float2FP8(Pass):
+class Float2FP8(_Rewrite):
     """Round Conv/MatMul/Gemm weights (``convert_model='fp8_weight'``) and also their
     activation inputs (``'fp8'``) to fp8 values, keeping fp16 arithmetic; ops named in
     ``skip_op_names`` keep their precision. Changes the model's values as fp8 does."""
@@ -79,32 +79,21 @@ class Float2FP8(Pass):
         self.weight_scales = dict(fp8_weight_dict or {})
 
     def run(self, onnx_model: onnx.ModelProto) -> onnx.ModelProto:
-        from host_runtime.poprt.passes._rewrite import value_types
+        self._inits = {t.name for t in onnx_model.graph.initializer}
+        return prune(super().run(onnx_model))
 
-        model = copy_model(onnx_model)
-        self.types = value_types(model)
-        g = model.graph
-        inits = {t.name: k for k, t in enumerate(g.initializer)}
-        out: list[onnx.NodeProto] = []
-        for n in list(g.node):
-            k = _TARGETS.get(n.op_type)
-            if k is None or n.name in self.skip or len(n.input) <= k:
-                out.append(n)
-                continue
-            w = constant_value(g, n.input[k])
-            if w is not None and w.dtype.kind == "f" and n.input[k] in inits:
-                scale = self.weight_scales.get(n.name, self.sw)
-                name = make_const(g, f"{n.input[k]}__fp8", round_to_fp8(w, self.fw, scale))
-                n.input[k] = name
-            if self.convert_model == "fp8":
-                scale = self.input_scales.get(n.name, self.sin)
-                rounding = self._round_input(g, n, 0, scale)
-                out.extend(rounding)
-                g.node.extend(rounding)   # their names taken for unique() (rebuilt below)
-            out.append(n)
-        del g.node[:]
-        g.node.extend(out)
-        return prune(model)
+    def rewrite(self, g: onnx.GraphProto, n: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+        """``n``'s weight rounded in place; with ``'fp8'``, nodes rounding its input first."""
+        k = _TARGETS.get(n.op_type)
+        if k is None or n.name in self.skip or len(n.input) <= k:
+            return None
+        w = constant_value(g, n.input[k])
+        if w is not None and w.dtype.kind == "f" and n.input[k] in self._inits:
+            scale = self.weight_scales.get(n.name, self.sw)
+            n.input[k] = make_const(g, f"{n.input[k]}__fp8", round_to_fp8(w, self.fw, scale))
+        if self.convert_model != "fp8":
+            return None
+        return [*self._round_input(g, n, 0, self.input_scales.get(n.name, self.sin)), n]
 
     def _round_input(self, g: onnx.GraphProto, n: onnx.NodeProto, k: int,
                      scale: int) -> list[onnx.NodeProto]:
