@@ -106,6 +106,7 @@ class ClientHandOff:
             self._watch_events(pid)
             dev.later.append(dev.set_title)
             self.idle = False
+            self._wire.expect_soon()   # its LOAD comes next
         _log.info("%s now serves host %s", dev.opts.describe(), pid or "(none)")
 
     def _watch_events(self, pid: int) -> None:
