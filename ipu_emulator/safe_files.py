@@ -305,6 +305,9 @@ class AtomicFile:
                     break
                 except FileExistsError:   # a name taken (by chance or on purpose): another
                     continue
+                except OSError as exc:   # named by the path asked for, not the temporary
+                    raise type(exc)(exc.errno, f"{exc.strerror} (a temporary file beside "
+                                    "it cannot be made)", self.path) from None
             self._tmp = tmp
             fcntl.flock(self.file.fileno(), fcntl.LOCK_EX)   # "a writer is alive"
         except BaseException:

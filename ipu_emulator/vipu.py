@@ -1,7 +1,7 @@
 """V-IPU's partition workflow over the daemon: the controller client and IPUoF configs.
 
 The daemon (``ipu-emulator daemon``) plays the V-IPU controller: it holds the
-partitions (:mod:`ipu_emulator.daemon._partitions`). This module is what
+partitions (:mod:`ipu_emulator.daemon.partitions`). This module is what
 ``ipu-emulator vipu`` and a host process use to find it and talk to it:
 
 - :func:`controller_socket`: the daemon's socket (``IPU_EMULATOR_DAEMON``, else
@@ -27,13 +27,14 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from ipu_emulator.daemon import socket_protocol as wire
+from ipu_emulator.daemon import partitions, socket_protocol as wire
 from ipu_emulator.errors import VipuError
 from ipu_emulator.system import device_groups
 
 __all__ = ["PARTITION_ENV", "HOST_ENV", "PORT_ENV", "CONFIG_ENV", "CONFIG_DIR",
            "CONFIG_VERSION", "PartitionRef", "VipuClient", "controller_socket",
-           "ipuof_config", "device_ids", "partition_from_env", "read_ipuof_config"]
+           "ipuof_config", "device_ids", "partition_from_env", "partitioned_ipus",
+           "read_ipuof_config"]
 
 PARTITION_ENV = "IPUOF_VIPU_API_PARTITION_ID"
 HOST_ENV = "IPUOF_VIPU_API_HOST"
@@ -85,10 +86,11 @@ def ipuof_config(partition: Mapping[str, Any], socket_path: str) -> dict[str, An
 @dataclass(frozen=True)
 class PartitionRef:
     """A partition a host process was given: its name, the daemon's socket, and where
-    the name came from (for messages)."""
+    the name and the socket came from (for messages)."""
     name: str
     socket: str
     source: str
+    socket_source: str = wire.ENV_VAR
 
 
 def read_ipuof_config(path: str) -> PartitionRef:
@@ -105,7 +107,7 @@ def read_ipuof_config(path: str) -> PartitionRef:
         raise VipuError(f"the IPUoF config {path} has no 'partition' name and "
                         "'controller.socket'; write it with 'ipu-emulator vipu get partition "
                         "NAME --ipu-configs --output FILE'", "config")
-    return PartitionRef(name, sock, f"IPUoF config {path}")
+    return PartitionRef(name, sock, f"IPUoF config {path}", f"the IPUoF config {path}")
 
 
 def _is_ours(path: str) -> bool:
@@ -122,7 +124,8 @@ def partition_from_env(environ: Mapping[str, str] | None = None) -> PartitionRef
     env = os.environ if environ is None else environ
     name = env.get(PARTITION_ENV, "")
     if name:
-        return PartitionRef(name, controller_socket(env), PARTITION_ENV)
+        return PartitionRef(name, controller_socket(env), PARTITION_ENV,
+                            wire.ENV_VAR if env.get(wire.ENV_VAR) else "the default socket")
     path = env.get(CONFIG_ENV, "")
     if path:
         return read_ipuof_config(path)
@@ -177,3 +180,14 @@ class VipuClient:
     def remove(self, name: str) -> dict[str, Any]:
         return dict(self._call(f"remove partition ({name})",
                                {"op": "partition_remove", "name": name})["partition"])
+
+
+def partitioned_ipus(home: str, pool: int) -> dict[int, str]:
+    """The IPUs of the partitions a daemon on ``home`` keeps, ``{ipu: partition name}``
+    (none without its file): a host that starts its own IPU processes on that home leaves
+    them to the partitions' jobs, as a daemon's host without a partition does."""
+    path = os.path.join(home, partitions.FILE_NAME)
+    if not os.path.exists(path):
+        return {}
+    return {i: p.name for p in partitions.read_kept(path, pool) for i in p.ipus}
+

@@ -68,10 +68,12 @@ class DaemonClient:
     """Requests to one daemon; ``settings``: its host sync timeout's (default: now's)."""
 
     def __init__(self, path: str, settings: HostSettings | None = None,
-                 partition: str | None = None) -> None:
+                 partition: str | None = None, origin: str = wire.ENV_VAR) -> None:
         """``partition``: a V-IPU partition of the daemon (``IPUOF_VIPU_API_PARTITION_ID``):
-        the machine is then its IPUs, numbered 0..size-1 (``ipu_map`` holds the pool's)."""
+        the machine is then its IPUs, numbered 0..size-1 (``ipu_map`` holds the pool's).
+        ``origin``: what named ``path`` (for messages)."""
         self.path = os.path.abspath(path)
+        self.origin = origin
         self._hello: dict[str, Any] | None = None
         self.partition = partition
         self.ipu_map: tuple[int, ...] | None = None   # partition IPU k is pool IPU ipu_map[k]
@@ -89,9 +91,12 @@ class DaemonClient:
                 f"the IPU emulator daemon at {self.path} ({wire.ENV_VAR}) is another version "
                 f"of the emulator: {exc}; restart it with this installation ('ipu-emulator "
                 "daemon --socket PATH')")
+        fix = {wire.ENV_VAR: "or unset the variable",
+               "the default socket": f"or name its socket with {wire.ENV_VAR}"}.get(
+                   self.origin, f"or change {self.origin}")
         return DeviceUnavailableError(
-            f"cannot reach the IPU emulator daemon at {self.path} ({wire.ENV_VAR}): {exc}; "
-            "start it with 'ipu-emulator daemon --socket PATH' or unset the variable")
+            f"cannot reach the IPU emulator daemon at {self.path} ({self.origin}): {exc}; "
+            f"start it with 'ipu-emulator daemon --socket PATH' {fix}")
 
     def no_answer(self, op: str, conn: wire.LineConnection | None, timeout: float
                   ) -> DeviceTimeoutError:
@@ -159,6 +164,20 @@ class DaemonClient:
             f"'ipu-emulator vipu create partition {self.partition} --size N'",
             partition=self.partition or "")
 
+    def _reread_partition(self) -> bool:
+        """The partition was removed and made again since it was read: its new IPUs are
+        taken (True) if it is the same device (size, reconfigurable); else the named error
+        (this process's devices and their numbering are of the old one)."""
+        was = (len(self.ipu_map or ()), self.reconfigurable)
+        size = self._partition_size()
+        if (size, self.reconfigurable) == was:
+            return True
+        raise PartitionNotFoundError(
+            f"V-IPU partition {self.partition!r} was removed and made again since this "
+            f"process read it ({was[0]} IPU(s), {'' if was[1] else 'not '}reconfigurable; "
+            f"now {size}, {'' if self.reconfigurable else 'not '}reconfigurable): make a "
+            "new DeviceManager", partition=self.partition or "")
+
     def _partition_size(self) -> int:
         """Ask the daemon for the partition: its IPUs become ``ipu_map``; its size."""
         reply = self.request({"op": "partition_get", "name": self.partition})
@@ -174,16 +193,18 @@ class DaemonClient:
         self.reconfigurable = part["reconfigurable"]
         return int(part["size"])
 
-    def try_attach(self, device_id: int, ipus: tuple[int, ...]
+    def try_attach(self, device_id: int, ipus: tuple[int, ...], again: bool = True
                    ) -> "DaemonAttachment | dict[int, int | None]":
         """The IPUs (all or none), or ``{ipu: holder pid or None}`` of the busy ones
-        (in a partition, ``ipus`` are the partition's numbers; the daemon gets the pool's)."""
+        (in a partition, ``ipus`` are the partition's numbers; the daemon gets the pool's,
+        and a partition made again since it was read is read ``again``, once)."""
         pmap = self.ipu_map
         back = {} if pmap is None else {g: k for k, g in enumerate(pmap)}
         pool_ipus = list(ipus) if pmap is None else [pmap[i] for i in ipus]
         message: dict[str, Any] = {"op": "attach", "ipus": pool_ipus, "device_id": device_id}
         if self.partition is not None:
             message["partition"] = self.partition
+            message["partition_ipus"] = list(pmap) if pmap is not None else []
         timeout = self.bound(_TIMEOUT)
         kept = _take_idle(self.path)   # this process's connection of its last release
         try:
@@ -233,6 +254,8 @@ class DaemonClient:
             return {back.get(int(k), int(k)): v for k, v in busy.items()}
         if reply.get("error") == "partition_not_found":
             raise self.not_found(reply.get("message"))
+        if reply.get("error") == "partition_changed" and again and self._reread_partition():
+            return self.try_attach(device_id, ipus, again=False)
         raise DeviceUnavailableError(f"the daemon at {self.path} could not attach ipus "
                                      f"{list(ipus)}: {reply.get('message')}")
 
@@ -363,7 +386,14 @@ class DaemonAttachment:
         self._conn: wire.LineConnection | None = conn
         self._infos = {int(i["ipu"]): i for i in infos}
         self._pid = os.getpid()
+        self._users = 1   # devices cut from it (share): the last one's release is the daemon's
+        self._users_lock = threading.Lock()
         _attachments.add(self)
+
+    def share(self, users: int) -> None:
+        """The attachment is held by ``users`` devices (a partition's one device cut into its
+        replicas' devices): :meth:`release` gives the IPUs back at the last of theirs."""
+        self._users = users
 
     def _forget_in_child(self) -> None:
         conn, self._conn = self._conn, None
@@ -391,7 +421,15 @@ class DaemonAttachment:
         before it lends them again), idempotent. ``meanwhile`` runs while the daemon
         answers (not in a forked child, nor if there is nothing to release).
 
-        In a forked child it only drops its copy of the connection."""
+        In a forked child it only drops its copy of the connection. Shared (:meth:`share`),
+        only the last user's release gives the IPUs back (the others run ``meanwhile``)."""
+        with self._users_lock:
+            self._users -= 1
+            last = self._users <= 0
+        if not last and os.getpid() == self._pid:
+            if meanwhile is not None:
+                meanwhile()
+            return
         conn, self._conn = self._conn, None
         if conn is None:
             return

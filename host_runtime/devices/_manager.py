@@ -44,6 +44,7 @@ from ipu_emulator.ipu.forkserver import SPAWN_TIMEOUT
 from ipu_emulator.ipu.launcher import IpuConnection, IpuSpec, launch_ipu, prestart
 from ipu_emulator.system import (IpuLocks, SystemConfig, SystemConfigError, device_groups,
                                  emulator_home, load_system_config)
+from ipu_emulator.vipu import device_ids
 from shm import OutOfFileDescriptorsError, remove_dead
 
 __all__ = [
@@ -115,7 +116,8 @@ class DeviceManager:
         part = _partition.given_partition() if launcher is None and system is None else None
         path = daemon if daemon is not None else (
             None if launcher is not None else part.socket if part else daemon_from_env())
-        self._daemon = (DaemonClient(path, self.settings, part.name if part else None)
+        named = {} if part is None or daemon is not None else {"origin": part.socket_source}
+        self._daemon = (DaemonClient(path, self.settings, part.name if part else None, **named)
                         if path else None)
         try:
             if system is not None:
@@ -133,6 +135,7 @@ class DeviceManager:
                           else functools.partial(launch_ipu, settings=self.settings,
                                                  spawn_wait=min(SPAWN_TIMEOUT,
                                                                 self.settings.host_sync_timeout)))
+        self._in_partitions: dict[int, str] = {}   # IPUs found in a daemon's partitions
         _reclaim_once()
 
     @property
@@ -292,25 +295,35 @@ class DeviceManager:
         """The V-IPU partition whose IPUs are this machine, else None."""
         return None if self._daemon is None else self._daemon.partition
 
+    @property
+    def device_ids(self) -> list[int]:
+        """Internal (PopRT's ``DeviceManager``): the ids of the devices this process may
+        ask for: its partition's (``docs/vipu.md``), else every device of the machine."""
+        d, n = self._daemon, self._system.num_ipus
+        return (device_ids(n, d.reconfigurable) if d is not None and d.partition is not None
+                else list(range(len(device_groups(n)))))
+
     def _candidates(self, num_ipus: Any, version: int) -> list[tuple[int, tuple[int, ...]]]:
         n = self._system.num_ipus
         if not isinstance(num_ipus, int) or num_ipus < 1:
             raise BadRequestError(f"num_ipus must be a positive int, got {num_ipus!r}")
-        if self._daemon is not None and self._daemon.partition is not None:
-            return _partition.candidates(self._daemon.partition, n,
-                                         self._daemon.reconfigurable, num_ipus)
         if num_ipus & (num_ipus - 1):
             raise DeviceUnavailableError(
                 f"asked for a device of {num_ipus} IPUs; devices have a power of two IPUs "
                 "(1, 2, 4, ...)")
+        if self._daemon is not None and self._daemon.partition is not None:
+            return _partition.candidates(self._daemon.partition, n,
+                                         self._daemon.reconfigurable, num_ipus)
         if num_ipus > n:
             raise DeviceUnavailableError(
                 f"asked for a device of {num_ipus} IPU(s), but this machine has {n} IPU(s)")
         return [(i, g) for i, g in enumerate(device_groups(n)) if len(g) == num_ipus]
 
     def _acquire(self, candidates: list[tuple[int, tuple[int, ...]]],
-                 wait_config: DeviceWaitConfig, what: str, count: int = 1) -> list[Device]:
-        """``count`` devices from ``candidates``, all or none.
+                 wait_config: DeviceWaitConfig, what: str, count: int = 1,
+                 cut: int = 0) -> list[Device]:
+        """``count`` devices from ``candidates``, all or none; ``cut``: the one device got
+        is cut into devices of ``cut`` IPUs (:meth:`_cut`).
 
         Each attempt reserves devices until it holds ``count``; short of that it releases
         what it holds before waiting, so that two callers that each need several devices
@@ -332,7 +345,7 @@ class DeviceManager:
                     continue
                 held.append((device_id, ipus, got))
                 if len(held) == count:
-                    return self._devices_from(held)
+                    return self._devices_from(_partition.cut(held, cut) if cut else held)
             for _, _, locks in held:
                 locks.release()
             if strategy is DeviceWaitStrategy.NO_WAIT:
@@ -343,8 +356,7 @@ class DeviceManager:
             pause = sleep if deadline is None else min(sleep, deadline - now)
             waiting_elsewhere()   # for the holder of a busy device
             time.sleep(max(pause, 0.0))
-        held_text = ", ".join(f"ipu {i} by pid {pid}" if pid else f"ipu {i} (holder unknown)"
-                              for i, pid in sorted(busy.items()))
+        held_text = _busy_text(busy, self._in_partitions)
         waited = time.monotonic() - start
         detail = (f"with {strategy.name}"
                   + (f" (waited {waited:.1f} s, {attempts} attempts)" if attempts > 1 else "")
@@ -381,6 +393,11 @@ class DeviceManager:
         num_ipus, version, wc = self._parse_get(
             model, (), {"wait_config": wait_config if wait_config is not None
                         else DeviceWaitConfig()})
+        d, size = self._daemon, self._system.num_ipus
+        if (d is not None and d.partition is not None and not d.reconfigurable and count > 1
+                and count * num_ipus == size):   # the partition's one device, cut (_partition)
+            return self._acquire(self._candidates(size, version), wc,
+                                 f"{count} devices of {num_ipus} IPU(s)", cut=num_ipus)
         candidates = self._candidates(num_ipus, version)
         disjoint: set[int] = set()
         for _, ipus in candidates:
@@ -401,6 +418,9 @@ class DeviceManager:
         """Hold ``ipus`` exclusively, or ``{ipu: holder pid or None}`` of the busy ones."""
         if self._daemon is not None:
             return self._daemon.try_attach(device_id, ipus)
+        taken = _partition.kept_for_jobs(self._system, ipus, self._in_partitions)
+        if taken:
+            return taken
         try:
             return IpuLocks.try_acquire(self._system.lock_dir, ipus)
         except OutOfFileDescriptorsError as exc:
@@ -424,20 +444,37 @@ class DeviceManager:
     def _launch(self, specs: list[IpuSpec], launcher: Callable[..., IpuConnection] | None = None
                 ) -> list[IpuConnection]:
         """One connection per spec from ``launcher`` (a daemon attachment's) or our own."""
-        launch = launcher if launcher is not None else self._launcher
-        procs: list[IpuConnection] = []
-        try:
-            for spec in specs:
-                # the IPU process's control and event rings live in /dev/shm too
-                with translated(f"the process and the control and event rings of IPU "
-                                f"{spec.ipu_id}", ipu_protocol.RINGS_BYTES):
-                    procs.append(launch(spec, log_dir=self._system.log_dir))
-        except BaseException:
-            for p in procs:
-                if launcher is None:   # a daemon's processes stay warm
-                    p.kill()
-                p.close()
-            raise
-        if launcher is None:
-            waiting_elsewhere()   # our IPU processes start meanwhile (ready at the first request)
-        return procs
+        return launch_all(specs, launcher if launcher is not None else self._launcher,
+                          warm=launcher is not None, log_dir=self._system.log_dir)
+
+
+def launch_all(specs: list[IpuSpec], launch: Callable[..., IpuConnection], warm: bool,
+               log_dir: str) -> list[IpuConnection]:
+    """One connection per spec from ``launch``, all or none; ``warm``: a daemon's processes
+    (they stay when one of the others fails; ours are killed)."""
+    procs: list[IpuConnection] = []
+    try:
+        for spec in specs:
+            # the IPU process's control and event rings live in /dev/shm too
+            with translated(f"the process and the control and event rings of IPU "
+                            f"{spec.ipu_id}", ipu_protocol.RINGS_BYTES):
+                procs.append(launch(spec, log_dir=log_dir))
+    except BaseException:
+        for p in procs:
+            if not warm:
+                p.kill()
+            p.close()
+        raise
+    if not warm:
+        waiting_elsewhere()   # our IPU processes start meanwhile (ready at the first request)
+    return procs
+
+
+def _busy_text(busy: dict[int, int | None], in_partitions: dict[int, str]) -> str:
+    """The holders of busy IPUs, for the error of an attach that found none free."""
+    return ", ".join(
+        f"ipu {i} by pid {pid}" if pid else f"ipu {i} (in V-IPU partition "
+        f"{in_partitions[i]!r}: IPUOF_VIPU_API_PARTITION_ID and the daemon use it)"
+        if i in in_partitions else f"ipu {i} (holder unknown)"
+        for i, pid in sorted(busy.items()))
+

@@ -9,12 +9,18 @@ is one device of all N IPUs; a reconfigurable one offers every device of its IPU
 
 from __future__ import annotations
 
+from typing import Any, TypeVar
+
+from host_runtime.devices._daemon_client import DaemonAttachment
 from host_runtime.errors import BadRequestError, PartitionBusyError, PartitionTooSmallError
 from ipu_emulator.errors import VipuError
-from ipu_emulator.system import device_groups
-from ipu_emulator.vipu import PartitionRef, device_ids, partition_from_env
+from ipu_emulator.system import SystemConfig, device_groups
+from ipu_emulator.vipu import PartitionRef, device_ids, partition_from_env, partitioned_ipus
 
-__all__ = ["given_partition", "candidates", "check_device", "too_few", "busy"]
+__all__ = ["given_partition", "candidates", "check_device", "too_few", "busy", "cut",
+           "kept_for_jobs"]
+
+_Hold = TypeVar("_Hold")
 
 
 def given_partition() -> PartitionRef | None:
@@ -65,3 +71,28 @@ def busy(name: str, what: str, detail: str) -> PartitionBusyError:
     """The partition's IPUs are held by another process."""
     return PartitionBusyError(f"V-IPU partition {name!r} is in use: asked for {what}; "
                               f"{detail}", partition=name)
+
+
+def cut(held: list[tuple[int, tuple[int, ...], _Hold]], n: int
+        ) -> list[tuple[int, tuple[int, ...], _Hold]]:
+    """The one device reserved in ``held`` (a partition that is one device, attached whole
+    as Poplar attaches a replicated graph to it) as devices of ``n`` IPUs each, numbered
+    as Poplar numbers them; they share its hold: the IPUs go back at the last one's close."""
+    ((_, ipus, hold),) = held
+    assert isinstance(hold, DaemonAttachment)
+    groups = device_groups(len(ipus))
+    parts = [ipus[k:k + n] for k in range(0, len(ipus), n)]
+    hold.share(len(parts))
+    return [(groups.index(part), part, hold) for part in parts]
+
+
+def kept_for_jobs(system: SystemConfig, ipus: Any, found: dict[int, str]
+                  ) -> dict[int, int | None]:
+    """The IPUs of ``ipus`` that a daemon on ``system``'s home keeps in partitions, as busy
+    ones (holder unknown; their partitions added to ``found``): a host starting its own
+    IPU processes leaves them to the partitions' jobs."""
+    parts = partitioned_ipus(system.home, system.num_ipus)
+    taken = {i: parts[i] for i in ipus if i in parts}
+    found.update(taken)
+    return dict.fromkeys(taken)
+

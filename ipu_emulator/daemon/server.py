@@ -54,8 +54,8 @@ from ipu_emulator.daemon import socket_protocol as wire
 from ipu_emulator.daemon.daemon_metrics import DaemonMetrics
 from ipu_emulator.daemon._attach import Conn, attach, error, release, release_soon
 from ipu_emulator.daemon._keeper import ProcessKeeper
-from ipu_emulator.daemon._partitions import FILE_NAME as PARTITIONS_FILE
-from ipu_emulator.daemon._partitions import PARTITION_OPS, PartitionTable
+from ipu_emulator.daemon.partitions import FILE_NAME as PARTITIONS_FILE
+from ipu_emulator.daemon.partitions import PARTITION_OPS, PartitionTable
 from ipu_emulator.daemon._pool import PooledIpu
 from ipu_emulator.ipu.launcher import IpuSpec
 from ipu_emulator.system import SystemConfig
@@ -295,6 +295,8 @@ class Daemon:
         if op == "faults":
             return self._faults(req)
         if op in PARTITION_OPS:
+            # as status: a host's release just answered is done (its IPUs free) first
+            await self.keeper.settle(self.ipus)
             return self.partitions.handle(str(op), req, conn.pid)
         return error("protocol", f"unknown op {op!r}; expected hello, status, attach, "
                       "release, exit_status, faults or " + ", ".join(PARTITION_OPS))

@@ -14,7 +14,7 @@ reads one reply per request, in order::
     {"v":2,"op":"release"}                     -> {"ok":true}   (the IPUs are clean and free)
     {"v":2,"op":"exit_status","pid":N}         -> {"ok":true,"returncode":rc or null}
     {"v":2,"op":"partition_create"|"partition_list"|"partition_get"|"partition_remove",..}
-        -> V-IPU partitions (ipu_emulator.daemon._partitions); "attach" may name one
+        -> V-IPU partitions (ipu_emulator.daemon.partitions); "attach" may name one
 
 Every failure is ``{"ok":false,"error":<kind>,"message":<text>}``. A
 connection holds at most one attachment; closing the connection (or the

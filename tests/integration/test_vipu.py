@@ -275,3 +275,100 @@ def test_partitions_outlive_the_daemon_in_its_home(tmp_path: Path,
     finally:
         third.stop()
     assert any("'job-b'" in line and "left out" in line for line in third.lines)
+
+
+def test_create_takes_unused_ipus_only(env: VipuClient, rig: DaemonRig):
+    # V-IPU allocates unused IPUs: none a job outside the partitions holds
+    with DeviceManager().getSpecificDevice(0):            # no partition: pool ipu 0
+        with pytest.raises(VipuError, match=r"cannot create partition 'all' of size 4: every "
+                           r"aligned block of 4 IPU\(s\) outside the other partitions has IPUs "
+                           rf"in use by jobs outside any partition \(ipu 0 by pid "
+                           rf"{os.getpid()}\); retry once they release them") as exc:
+            env.create("all", 4)
+        assert exc.value.kind == "partition_size"
+        env.create("late", 1)
+        assert env.get("late")["ipus"] == [1] and env.get("late")["state"] == "free"
+    env.remove("late")
+    env.create("all", 4)                                   # released: all four are unused
+    assert env.get("all")["ipus"] == [0, 1, 2, 3]
+
+
+def test_replicas_on_a_partition_that_is_one_device(env: VipuClient, rig: DaemonRig,
+                                                     model_path: str, weights, monkeypatch):
+    # Poplar attaches a replicated graph to the partition's one device (of R IPUs)
+    import host_runtime as model_runtime
+
+    env.create("fixed2", 2)
+    monkeypatch.setenv("IPUOF_VIPU_API_PARTITION_ID", "fixed2")
+    cfg = model_runtime.ModelRunnerConfig()
+    cfg.replication_factor = 2
+    a = np.arange(4, dtype=np.float32).reshape(1, 4)
+    b = np.full((1, 4), 0.5, np.float32)
+    with model_runtime.ModelRunner(model_path, config=cfg) as runner:
+        assert held_by(rig, os.getpid()) == [0, 1]
+        for rid in (0, 1):
+            out = runner.execute({"tensor_A": a + rid, "tensor_B": b}, replica_id=rid)
+            np.testing.assert_allclose(out["tensor_C"], (a + rid) * weights + 0.5, rtol=1e-6)
+    assert held_by(rig, os.getpid()) == [] and env.get("fixed2")["state"] == "free"
+    cfg.replication_factor = 4                             # more than the device holds
+    with pytest.raises(PartitionTooSmallError, match="'fixed2' is not reconfigurable"):
+        model_runtime.ModelRunner(model_path, config=cfg)
+
+
+def test_a_partition_made_again_is_read_again(env: VipuClient, rig: DaemonRig, monkeypatch):
+    env.create("p", 1)                                     # pool ipu 0
+    monkeypatch.setenv("IPUOF_VIPU_API_PARTITION_ID", "p")
+    dm = DeviceManager()
+    env.remove("p")
+    env.create("blocker", 1)                               # takes ipu 0
+    env.create("p", 1)                                     # now pool ipu 1
+    with dm.getDevice(1) as dev:
+        assert dev.ipus() == [0] and held_by(rig, os.getpid()) == [1]
+    env.remove("p")
+    env.create("p", 2, reconfigurable=True)                # another device: a new manager
+    with pytest.raises(PartitionNotFoundError, match=r"V-IPU partition 'p' was removed and "
+                       r"made again since this process read it \(1 IPU\(s\), not "
+                       r"reconfigurable; now 2, reconfigurable\): make a new DeviceManager"):
+        dm.getDevice(1)
+
+
+def test_device_counts_and_advice_inside_a_partition(env: VipuClient, monkeypatch):
+    from host_runtime.poprt import runtime
+
+    env.create("fixed", 2)
+    env.create("flex", 2, reconfigurable=True)
+    monkeypatch.setenv("IPUOF_VIPU_API_PARTITION_ID", "fixed")
+    assert runtime.DeviceManager().get_num_devices() == 1      # one device, id 2
+    assert DeviceManager().device_ids == [2]
+    monkeypatch.setenv("IPUOF_VIPU_API_PARTITION_ID", "flex")
+    assert runtime.DeviceManager().get_num_devices() == 3      # 0, 1 and the pair
+    with pytest.raises(DeviceUnavailableError, match=r"asked for a device of 3 IPUs; devices "
+                       r"have a power of two IPUs \(1, 2, 4, \.\.\.\)"):
+        DeviceManager().getDevice(3)
+
+
+def test_a_host_with_its_own_ipus_leaves_the_partitions_alone(env: VipuClient, rig: DaemonRig,
+                                                              monkeypatch):
+    from host_runtime.devices import DeviceWaitConfig, DeviceWaitStrategy
+
+    env.create("jobs", 1)                                  # pool ipu 0, free
+    monkeypatch.delenv(wire.ENV_VAR)                       # embedded, on the daemon's home
+    monkeypatch.setenv("IPU_EMULATOR_HOME", rig.env["IPU_EMULATOR_HOME"])
+    dm = DeviceManager()
+    assert dm.daemon is None
+    with pytest.raises(DeviceUnavailableError, match=r"busy: ipu 0 \(in V-IPU partition 'jobs': "
+                       r"IPUOF_VIPU_API_PARTITION_ID and the daemon use it\)"):
+        dm.getSpecificDevice(0, wait_config=DeviceWaitConfig(DeviceWaitStrategy.NO_WAIT))
+
+
+def test_an_unreachable_daemon_is_named_by_what_named_it(env: VipuClient, monkeypatch,
+                                                         tmp_path: Path):
+    conf = tmp_path / "x.conf"
+    conf.write_text(json.dumps({"ipuof-config-version": 1, "partition": "p",
+                                "controller": {"socket": str(tmp_path / "nobody.sock")}}))
+    monkeypatch.setenv("IPUOF_CONFIG_PATH", str(conf))
+    monkeypatch.delenv(wire.ENV_VAR)
+    with pytest.raises(DeviceUnavailableError, match=rf"cannot reach the IPU emulator daemon at "
+                       rf".*nobody.sock \(the IPUoF config {conf}\): .*; start it with "
+                       rf"'ipu-emulator daemon --socket PATH' or change the IPUoF config {conf}"):
+        DeviceManager()

@@ -1,4 +1,4 @@
-"""The daemon's partitions kept in its home (ipu_emulator.daemon._partitions): what a new
+"""The daemon's partitions kept in its home (ipu_emulator.daemon.partitions): what a new
 daemon takes back from the file, and what it leaves out."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ipu_emulator.daemon._partitions import PartitionTable
+from ipu_emulator.daemon.partitions import PartitionTable
 
 
 def _pool(n: int) -> list:

@@ -279,3 +279,13 @@ def test_poprt_exec_save_outputs_into_a_shared_folder_replaces_a_planted_link(
     st = os.lstat(out)
     assert stat.S_ISREG(st.st_mode) and st.st_uid == 0
     assert np.load(out).shape == (1, 4)
+
+
+@pytest.mark.skipif(not os.path.isfile("/proc/version"), reason="needs Linux's /proc")
+def test_a_folder_that_takes_no_new_file_is_named_by_the_path_asked_for():
+    # (/proc takes no new file, even as root: the temporary file fails, not the target)
+    with pytest.raises(FileNotFoundError) as exc:
+        safe_files.write_atomic("/proc/version", b"x")
+    assert exc.value.filename == "/proc/version"
+    assert "a temporary file beside it cannot be made" in str(exc.value)
+    assert ".tmp" not in str(exc.value)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ipu_emulator.system import device_groups
 
 from host_runtime import devices as _mr
 from host_runtime.errors import BadRequestError
@@ -95,8 +94,9 @@ class DeviceManager:
             num_ipus, wait_config=wait_config if wait_config is not None else DeviceWaitConfig()))
 
     def get_num_devices(self) -> int:
-        """How many devices the machine has (single IPUs and their groups)."""
-        return len(device_groups(self._manager.system.num_ipus))
+        """How many devices the machine has (single IPUs and their groups); inside a V-IPU
+        partition, how many it offers (one, of all its IPUs, unless reconfigurable)."""
+        return len(self._manager.device_ids)
 
     def get_specific_device(self, device_id: int,
                             wait_config: Optional[DeviceWaitConfig] = None) -> Device:

@@ -40,7 +40,7 @@ from typing import Any, Sequence
 from ipu_emulator.daemon._pool import PooledIpu
 from ipu_emulator.safe_files import UnsafePathError, open_private_file, write_atomic
 
-__all__ = ["Partition", "PartitionTable", "NAME_PATTERN", "PARTITION_OPS"]
+__all__ = ["Partition", "PartitionTable", "NAME_PATTERN", "PARTITION_OPS", "read_kept"]
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 """A partition's name: letters, digits, ``.``, ``_``, ``-``; 1..64 characters."""
@@ -73,7 +73,7 @@ class PartitionTable:
         self._parts: dict[str, Partition] = {}
         self._path = path   # where they are kept (None: in memory only)
         if path is not None:
-            for p in _read(path, len(ipus)):
+            for p in read_kept(path, len(ipus)):
                 self._parts[p.name] = p
 
     def _save(self) -> None:
@@ -114,6 +114,11 @@ class PartitionTable:
         p = self._parts.get(name) if isinstance(name, str) else None
         if p is None:
             return self._not_found(name)
+        if "partition_ipus" in req and req["partition_ipus"] != list(p.ipus):
+            # the host read another partition of that name (removed and made again since)
+            return {"ok": False, "error": "partition_changed", "partition": self.describe(p),
+                    "message": f"partition {name!r} is now ipus {list(p.ipus)}, not "
+                               f"{req['partition_ipus']!r:.80}"}
         outside = [i for i in indices if i not in p.ipus]
         if outside:
             return _error("request", f"ipus {outside} are not in partition {name!r} "
@@ -167,23 +172,38 @@ class PartitionTable:
             return _error("partition_size", f"cannot create partition {name!r} of size {size}: "
                           f"the daemon's pool has {n} IPU(s)")
         taken = {i for p in self._parts.values() for i in p.ipus}
-        for start in range(0, n - size + 1, size):
-            block = tuple(range(start, start + size))
-            if taken.isdisjoint(block):
-                self._parts[name] = Partition(name, block, reconfigurable, pid)
-                try:
-                    self._save()
-                except OSError as exc:   # not kept: not made
-                    del self._parts[name]
-                    return _error("failed", f"cannot keep partition {name!r} in "
-                                  f"{self._path}: {exc}")
-                return {"ok": True, "partition": self.describe(self._parts[name])}
+        blocks = [tuple(range(start, start + size)) for start in range(0, n - size + 1, size)]
+        outside = [b for b in blocks if taken.isdisjoint(b)]
+        # unused IPUs, as V-IPU allocates: none a job outside the partitions holds now
+        unused = [b for b in outside if not any(self._in_use(i) for i in b)]
+        if unused:
+            block = unused[0]
+            self._parts[name] = Partition(name, block, reconfigurable, pid)
+            try:
+                self._save()
+            except OSError as exc:   # not kept: not made
+                del self._parts[name]
+                return _error("failed", f"cannot keep partition {name!r} in "
+                              f"{self._path}: {exc}")
+            return {"ok": True, "partition": self.describe(self._parts[name])}
+        others = f" ({', '.join(sorted(self._parts))})" if self._parts else ""
+        if outside:
+            held = sorted({i for b in outside for i in b if self._in_use(i)})
+            text = ", ".join(f"ipu {i} by pid {self._pool[i].holder}" for i in held)
+            return _error("partition_size", f"cannot create partition {name!r} of size "
+                          f"{size}: every aligned block of {size} IPU(s) outside the other "
+                          f"partitions{others} has IPUs in use by jobs outside any partition "
+                          f"({text}); retry once they release them")
         return _error("partition_size", f"cannot create partition {name!r} of size {size}: no "
                       f"aligned block of {size} IPU(s) of the {n} is outside the other "
-                      f"partitions ({', '.join(sorted(self._parts))})")
+                      f"partitions{others}")
+
+    def _in_use(self, ipu: int) -> bool:
+        """``ipu`` is held by a host (or being attached to one) now."""
+        return self._pool[ipu].state in ("attaching", "held")
 
 
-def _read(path: str, pool: int) -> list[Partition]:
+def read_kept(path: str, pool: int) -> list[Partition]:
     """The partitions kept at ``path`` that fit a pool of ``pool`` IPUs (none if there is
     no file); what cannot be taken back is logged and left out."""
     try:
