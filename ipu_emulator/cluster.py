@@ -23,12 +23,17 @@ from ipu_emulator.daemon import socket_protocol as wire
 from ipu_emulator.errors import IpuEmulatorError
 
 __all__ = ["IPU_RESOURCE", "RayMissingError", "NodeStartError", "require_ray", "node_environment",
-           "ray_start_command", "ray_stop_command", "LOOPBACK"]
+           "ray_start_command", "ray_stop_command", "LOOPBACK", "SETUP_HOOK"]
 
 IPU_RESOURCE = "IPU"
 """The custom resource a node offers: one unit per IPU of its daemon's pool."""
 
 LOOPBACK = "127.0.0.1"
+
+SETUP_HOOK = "ipu_emulator.run.install"
+"""A job's ``runtime_env={"worker_process_setup_hook": SETUP_HOOK}``: its Ray workers map
+Graphcore's module names (``import model_runtime``, ``popef``, ``poprt``) onto this
+project before its code runs, as ``ipu-emulator run`` does for a program."""
 
 
 class RayMissingError(IpuEmulatorError, RuntimeError):
@@ -70,12 +75,16 @@ def _ray_exe() -> list[str]:
 
 def ray_start_command(*, ipus: int, head: bool, address: str | None = None,
                       port: int | None = None, num_cpus: int | None = None,
-                      node_ip: str = LOOPBACK) -> list[str]:
+                      node_ip: str = LOOPBACK, object_store_memory: int | None = None
+                      ) -> list[str]:
     """``ray start`` for a node offering ``ipus`` IPUs: the head (``port``, default Ray's)
     or a worker joining ``address`` (host:port); bound to ``node_ip`` (loopback unless
-    told), dashboard off."""
+    told), dashboard off; its object store ``object_store_memory`` bytes (default Ray's)."""
     if ipus < 1:
         raise ValueError(f"a node offers at least 1 IPU, got {ipus}")
+    if object_store_memory is not None and object_store_memory < 1:
+        raise ValueError(f"--object-store-memory must be a positive number of bytes, got "
+                         f"{object_store_memory}")
     if head == (address is not None):
         raise ValueError("a node is either the head (no address) or joins one (--address "
                          f"HOST:PORT); got head={head}, address={address!r}")
@@ -90,6 +99,8 @@ def ray_start_command(*, ipus: int, head: bool, address: str | None = None,
         cmd += ["--address", address]
     if num_cpus is not None:
         cmd += ["--num-cpus", str(num_cpus)]
+    if object_store_memory is not None:
+        cmd += ["--object-store-memory", str(object_store_memory)]
     return cmd
 
 

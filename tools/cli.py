@@ -49,6 +49,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2 if isinstance(exc, ValueError) else 1
 
 
+def vipu_main() -> int:
+    """``vipu``: V-IPU's own command name for ``ipu-emulator vipu`` (job scripts and Slurm
+    prologs that call ``vipu create partition ...`` run unchanged)."""
+    return main(["vipu", *sys.argv[1:]])
+
+
 def _named(exc: BaseException) -> bool:
     """An error the project raises on purpose (its message says what and how to fix it),
     or one of the operating system's."""

@@ -51,7 +51,8 @@ def _status(argv: list[str]) -> int:
     try:
         reply = wire.request(path, {"op": "status"}, timeout=10.0)
     except (OSError, ValueError) as exc:
-        print(f"ipu-emulator daemon status: no daemon answers at {path}: {exc}", file=sys.stderr)
+        print(f"ipu-emulator daemon status: error: no daemon answers at {path}: {exc}",
+              file=sys.stderr)
         return 1
     if a.json:
         print(json.dumps(reply, indent=2))
@@ -91,17 +92,18 @@ def _faults(argv: list[str]) -> int:
         try:
             req["add"] = [f.to_dict() for f in parse_faults(a.add, "--add")]
         except FaultSpecError as exc:
-            print(f"ipu-emulator daemon faults: {exc}", file=sys.stderr)
+            print(f"ipu-emulator daemon faults: error: {exc}", file=sys.stderr)
             return 2
     path = _socket_path(a.socket)
     try:
         reply = wire.request(path, req, timeout=10.0)
     except (OSError, ValueError) as exc:
-        print(f"ipu-emulator daemon faults: no daemon answers at {path}: {exc}",
+        print(f"ipu-emulator daemon faults: error: no daemon answers at {path}: {exc}",
               file=sys.stderr)
         return 1
     if not reply.get("ok"):
-        print(f"ipu-emulator daemon faults: {reply.get('message', reply)}", file=sys.stderr)
+        print(f"ipu-emulator daemon faults: error: {reply.get('message', reply)}",
+              file=sys.stderr)
         return 2
     if a.json:
         print(json.dumps(reply, indent=2))
@@ -153,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         text = str(exc)
         if a.faults is not None and text.startswith("IPU_EMULATOR_FAULTS"):
             text = "--faults" + text[len("IPU_EMULATOR_FAULTS"):]
-        print(f"ipu-emulator daemon: {text}", file=sys.stderr)
+        print(f"ipu-emulator daemon: error: {text}", file=sys.stderr)
         return 2
     if a.log_level is None:
         a.log_level = settings.daemon_log_level
@@ -175,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         daemon = Daemon(system, a.socket, metrics_port=a.metrics_port,
                         metrics_address=a.metrics_address, settings=settings)
     except (SystemConfigError, ValueError, DaemonError) as exc:
-        print(f"ipu-emulator daemon: {exc}", file=sys.stderr)
+        print(f"ipu-emulator daemon: error: {exc}", file=sys.stderr)
         return 2
     from ipu_emulator import trace
 
@@ -189,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         return daemon.run()
     except (DaemonError, MetricsServeError) as exc:
         logging.getLogger("ipu_emulator.daemon.server").error("%s", exc)
+        print(f"ipu-emulator daemon: error: {exc}", file=sys.stderr)
         return 1
     finally:
         if trace.active():

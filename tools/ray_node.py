@@ -53,7 +53,8 @@ def start(args: argparse.Namespace) -> int:
     sock = os.path.abspath(args.socket or os.path.join(home, "ray-node-daemon.sock"))
     cmd = cluster.ray_start_command(ipus=args.ipus, head=args.head, address=args.address,
                                     port=args.port, num_cpus=args.num_cpus,
-                                    node_ip=args.node_ip_address)
+                                    node_ip=args.node_ip_address,
+                                    object_store_memory=args.object_store_memory)
     with open(sock + ".log", "ab") as log:
         daemon = subprocess.Popen(
             [sys.executable, "-m", "tools.cli", "daemon", "--socket", sock,
@@ -114,10 +115,13 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--num-cpus", type=int, help="CPUs the node offers (default Ray's)")
     up.add_argument("--node-ip-address", default=cluster.LOOPBACK,
                     help="address the node binds (default 127.0.0.1)")
+    up.add_argument("--object-store-memory", type=int, metavar="BYTES",
+                    help="the node's Ray object store (default Ray's: a share of memory)")
     up.add_argument("--socket", help="the daemon's socket (default "
                     "$IPU_EMULATOR_HOME/ray-node-daemon.sock)")
     up.add_argument("--timeout", type=float, default=60.0,
                     help="seconds to wait for the daemon to serve")
-    sub.add_parser("stop", help="ray stop, then stop the node's daemon")
+    sub.add_parser("stop", help="ray stop (every Ray process of this machine), then stop "
+                   "the node's daemon")
     args = parser.parse_args(argv)
     return start(args) if args.what == "start" else stop(args)

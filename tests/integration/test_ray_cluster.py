@@ -47,7 +47,8 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Any]]:
                        node_ip_address=cluster.LOOPBACK,
                        env_vars=cluster.node_environment(rig.socket, {}))
         ray.init(address=c.address, _node_ip_address=cluster.LOOPBACK,
-                 include_dashboard=False, log_to_driver=False)
+                 include_dashboard=False, log_to_driver=False,
+                 runtime_env={"worker_process_setup_hook": cluster.SETUP_HOOK})
         yield rigs
     finally:
         if ray.is_initialized():
@@ -67,7 +68,7 @@ def _inference_actor() -> Any:
     @ray.remote(num_cpus=0, resources={cluster.IPU_RESOURCE: 1})
     class Inference:
         def __init__(self, path: str) -> None:
-            import host_runtime as model_runtime
+            import model_runtime   # Graphcore's name (the job's worker_process_setup_hook)
 
             self.runner = model_runtime.ModelRunner(path)
 

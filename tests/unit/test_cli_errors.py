@@ -81,3 +81,32 @@ def test_poprt_removes_a_killed_runs_temporaries_and_keeps_the_mode(tmp_path) ->
     assert sorted(p.name for p in out.iterdir()) == ["executable.popef", "m.fp32.onnx"]
     assert stat.S_IMODE(popef.stat().st_mode) == 0o600
     assert popef.read_bytes()[:4] != b"an e"
+
+
+@pytest.mark.parametrize("argv, code, start", [
+    (["daemon", "status", "--socket", "{tmp}/none.sock"], 1,
+     "ipu-emulator daemon status: error: no daemon answers at {tmp}/none.sock: "),
+    (["daemon", "faults", "--socket", "{tmp}/none.sock"], 1,
+     "ipu-emulator daemon faults: error: no daemon answers at {tmp}/none.sock: "),
+    (["daemon", "--num-ipus", "-1", "--socket", "{tmp}/d.sock"], 2,
+     "ipu-emulator daemon: error: "),
+])
+def test_daemon_command_errors_read_as_the_readme_says(tmp_path, argv, code, start) -> None:
+    # README: `ipu-emulator NAME: error: ...`
+    proc = _run("tools.cli", *[a.format(tmp=tmp_path) for a in argv],
+                env={"IPU_EMULATOR_HOME": str(tmp_path / "home")})
+    assert proc.returncode == code, proc.stderr
+    assert proc.stderr.startswith(start.format(tmp=tmp_path)), proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_vipu_is_the_command_of_its_own_name(monkeypatch, capsys, tmp_path) -> None:
+    # job scripts call V-IPU's `vipu`; it is `ipu-emulator vipu`
+    from tools import cli
+
+    monkeypatch.setattr(sys, "argv", ["vipu", "--socket", str(tmp_path / "none.sock"),
+                                      "list", "partitions"])
+    assert cli.vipu_main() == 1
+    err = capsys.readouterr().err
+    assert err.startswith("ipu-emulator vipu: error: list partitions: cannot reach the V-IPU "
+                          f"controller (the IPU emulator daemon) at {tmp_path}/none.sock"), err

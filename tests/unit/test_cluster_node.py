@@ -29,10 +29,18 @@ def test_a_worker_joins_the_head_it_is_given():
     cmd = cluster.ray_start_command(ipus=4, head=False, address="127.0.0.1:6380")
     assert cmd[cmd.index("--address") + 1] == "127.0.0.1:6380" and "--head" not in cmd
     assert json.loads(cmd[cmd.index("--resources") + 1]) == {"IPU": 4}
+    assert "--object-store-memory" not in cmd
+
+
+def test_the_object_store_is_bounded_when_asked():
+    cmd = cluster.ray_start_command(ipus=1, head=True, object_store_memory=80 << 20)
+    assert cmd[cmd.index("--object-store-memory") + 1] == str(80 << 20)
 
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"ipus": 0, "head": True}, "a node offers at least 1 IPU, got 0"),
+    ({"ipus": 1, "head": True, "object_store_memory": 0},
+     "--object-store-memory must be a positive number of bytes, got 0"),
     ({"ipus": 1, "head": True, "address": "h:1"}, "either the head (no address) or joins one"),
     ({"ipus": 1, "head": False}, "either the head (no address) or joins one"),
 ])
