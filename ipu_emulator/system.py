@@ -178,12 +178,17 @@ def _parse_int(name: str, text: object) -> int:
     units = {"kib": 1024, "k": 1024, "mib": 1024 ** 2, "m": 1024 ** 2}
     low = s.lower()
     for suffix, factor in units.items():
-        if low.endswith(suffix) and low[: -len(suffix)].strip().isdigit():
+        if low.endswith(suffix) and _ascii_digits(low[: -len(suffix)].strip()):
             return int(low[: -len(suffix)]) * factor
-    try:
+    if _ascii_digits(s[1:] if s[:1] in "+-" else s):
         return int(s)
-    except ValueError:
-        raise SystemConfigError(f"{name} must be an integer, got {echo(text)}") from None
+    raise SystemConfigError(f"{name} must be an integer, got {echo(text)}")
+
+
+def _ascii_digits(text: str) -> bool:
+    """``text`` is one or more of 0-9 (``str.isdigit`` takes '²' too, which ``int`` does
+    not, and ``int`` takes '٤' and '1_0', which a setting should not)."""
+    return text.isascii() and text.isdigit()
 
 
 _KEYS = ("num_ipus", "ipu_version", "tiles_per_ipu", "memory_per_tile", "compute_threads")
@@ -251,7 +256,7 @@ def _read_holder(dir_fd: int, name: str) -> int | None:
         return None
     try:
         text = os.read(fd, 32).decode("ascii", "replace").strip()
-        return int(text) if text.isdigit() else None
+        return int(text) if _ascii_digits(text) else None
     except OSError:
         return None
     finally:

@@ -54,7 +54,7 @@ def controller_socket(environ: Mapping[str, str] | None = None) -> str:
                         f"on this machine; expected a loopback host ({', '.join(_LOOPBACK)}) "
                         "or the variable unset", "config")
     port = env.get(PORT_ENV, "")
-    if port and not (port.isdigit() and 1 <= int(port) <= 65535):
+    if port and not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
         raise VipuError(f"{PORT_ENV}={port!r}: expected a TCP port number 1..65535 (not "
                         "used: the daemon listens on its unix socket)", "config")
     path = env.get(wire.ENV_VAR) or wire.default_socket_path(env)

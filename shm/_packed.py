@@ -37,7 +37,7 @@ def segment_of(name: str) -> tuple[str, int]:
     segment, sep, offset = name.rpartition(SEP)
     if not sep:
         return name, 0
-    if not offset.isdigit():
+    if not (offset.isascii() and offset.isdigit()):
         raise ShmError(f"ring name {name!r}: {offset!r} after {SEP!r} is not a byte offset")
     return segment, int(offset)
 

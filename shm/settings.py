@@ -109,8 +109,8 @@ MIN_TIMEOUT, MAX_TIMEOUT = 0.001, 86_400.0
 
 
 def _number(var: str, text: str, what: str, lo: float, hi: float) -> float:
-    try:
-        value = float(text)
+    try:   # ASCII and no '_' (float() takes '٤' and '1_0')
+        value = float(text) if text.isascii() and "_" not in text else math.nan
     except ValueError:
         value = math.nan
     if not math.isfinite(value) or not lo <= value <= hi:
@@ -167,7 +167,8 @@ def integer(lo: int, hi: int, units: bool = False) -> Callable[[str, str], int]:
                 if low.endswith(suffix):
                     low, factor = low[:-len(suffix)].strip(), f
                     break
-        if not low.isdigit() or len(low) > 24 or not lo <= int(low) * factor <= hi:
+        if not (low.isascii() and low.isdigit()) or len(low) > 24 \
+                or not lo <= int(low) * factor <= hi:
             raise _bad(var, value, allowed)
         return int(low) * factor
     _ALLOWED[parse] = f"{lo}..{hi}"

@@ -247,7 +247,7 @@ class DaemonClient:
         if reply.get("error") == "busy":
             busy = reply.get("busy", {})
             if not isinstance(busy, dict) or not all(
-                    isinstance(k, str) and k.isdigit() and (v is None or _is_int(v))
+                    isinstance(k, str) and k.isascii() and k.isdigit() and (v is None or _is_int(v))
                     for k, v in busy.items()):
                 raise self.malformed("attach", f"'busy' must map ipu numbers to holder pids, "
                                      f"got {busy!r:.200}")

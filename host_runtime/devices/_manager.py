@@ -45,7 +45,7 @@ from ipu_emulator.ipu.launcher import IpuConnection, IpuSpec, launch_ipu, presta
 from ipu_emulator.system import (IpuLocks, SystemConfig, SystemConfigError, device_groups,
                                  emulator_home, load_system_config)
 from ipu_emulator.vipu import device_ids
-from shm import OutOfFileDescriptorsError, remove_dead
+from shm import FileSizeLimitError, OutOfFileDescriptorsError, remove_dead
 
 __all__ = [
     "DeviceWaitStrategy",
@@ -423,7 +423,7 @@ class DeviceManager:
             return taken
         try:
             return IpuLocks.try_acquire(self._system.lock_dir, ipus)
-        except OutOfFileDescriptorsError as exc:
+        except (OutOfFileDescriptorsError, FileSizeLimitError) as exc:
             raise ResourceLimitError(f"cannot attach ipus {list(ipus)}: {exc}") from exc
 
     def _machine_device(self, device_id: int, ipus: tuple[int, ...],

@@ -182,7 +182,8 @@ class ModelRunnerConfig:
         want("batching_dim", is_int(self.batching_dim) and self.batching_dim >= 0,
              "a dimension index >= 0 or 0xFFFFFFFF (disabled)")
         want("max_look_ahead", self.max_look_ahead == "unlimited"
-             or (isinstance(self.max_look_ahead, str) and self.max_look_ahead.isdigit()),
+             or (isinstance(self.max_look_ahead, str) and self.max_look_ahead.isascii()
+                 and self.max_look_ahead.isdigit()),
              "'unlimited' or an unsigned integer")
         want("ring_buffer_size_multiplier", is_int(self.ring_buffer_size_multiplier)
              and self.ring_buffer_size_multiplier >= 1, "an int >= 1")

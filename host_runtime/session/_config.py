@@ -68,7 +68,7 @@ class SessionConfig:
         text = str(value).strip()
         if text == "unlimited":
             return None
-        if text.isdigit():
+        if text.isascii() and text.isdigit():
             return int(text)
         raise BadRequestError(
             f'max_look_ahead must be "unlimited" or an unsigned integer, got {value!r}')

@@ -89,6 +89,11 @@ def main(argv: list[str]) -> int:
         resource.setrlimit(resource.RLIMIT_FSIZE, (65536, resource.RLIM_INFINITY))
         run = lambda: model_runtime.ModelRunner(                      # noqa: E731
             model_runtime.PopefPaths([argv[1]]))
+    elif case == "locks-fsize":        # no byte may be written: the lock file's pid either
+        _no_bytecode_from_here()
+        dm = model_runtime.DeviceManager()
+        resource.setrlimit(resource.RLIMIT_FSIZE, (0, resource.RLIM_INFINITY))
+        run = lambda: dm.getDevice(1)                                 # noqa: E731
     elif case == "popef-nofile":       # a program with every descriptor in use
         make = model_runtime.ModelRunner   # imported (a lazy import opens files too)
         held.extend(_nofile(0))

@@ -94,6 +94,14 @@ def test_runner_above_the_file_size_limit(tmp_path, popef_path):
                           "bytes: 66944 bytes " + FSIZE)
 
 
+def test_an_attach_that_cannot_write_its_lock_file_is_a_resource_limit(tmp_path):
+    """RLIMIT_FSIZE 0: the lock file's pid cannot be written (the host's error, not shm's)."""
+    out = _run("locks-fsize", str(tmp_path))
+    assert out["type"] == "host_runtime.errors.ResourceLimitError", out
+    assert out["msg"].startswith("cannot attach ipus [0]: file size limit (EFBIG) "), out
+    assert "RLIMIT_FSIZE of 0 bytes" in out["msg"], out
+
+
 # -- from the outside: a program that simply has too few descriptors or too little /dev/shm
 
 def test_a_program_out_of_descriptors_opening_its_popef_file_is_told_so(tmp_path, popef_path):

@@ -69,3 +69,13 @@ def test_a_link_planted_at_the_file_is_not_followed(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, "ipu_emulator.daemon.server"):
         assert _names(PartitionTable(_pool(2), str(tmp_path / "partitions.json"))) == {}
     assert "cannot read the partitions kept in" in caplog.text
+
+
+@pytest.mark.parametrize("port", ["²", "٤٤", "8_0", "0", "65536"])
+def test_a_port_that_is_not_an_ascii_number_in_range_is_refused(port):
+    from ipu_emulator.errors import VipuError
+    from ipu_emulator.vipu import controller_socket
+
+    with pytest.raises(VipuError, match=r"IPUOF_VIPU_API_PORT=.*: expected a TCP port number "
+                       r"1\.\.65535"):
+        controller_socket({"IPUOF_VIPU_API_PORT": port, "IPU_EMULATOR_DAEMON": "/tmp/d.sock"})

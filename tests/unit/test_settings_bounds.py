@@ -17,7 +17,7 @@ from shm.settings import MAX_SPIN_US, MAX_TIMEOUT, MIN_TIMEOUT, SettingsError, a
 KNOBS = HostSettings.knobs()
 NUMERIC = [k for k in KNOBS if re.fullmatch(r"[\d.]+\.\.[\d.]+( µs| s)?", accepted(k.parse))]
 SWEEP = ["-1", "-0.5", "1e20", "1e12", "99999999999999999999999", "abc", "nan", "NaN", "inf",
-         "-inf", "1e309", "0x10", " ", "\x00", "9" * 5000]
+         "-inf", "1e309", "0x10", " ", "\x00", "9" * 5000, "²", "٤", "1_0", "５"]
 
 
 def _range(k) -> str:
