@@ -51,6 +51,7 @@ from shm import Region
 from shm.settings import SettingsError
 
 from ipu_emulator.errors import IpuEmulatorError
+from ipu_emulator.safe_files import open_regular
 
 __all__ = ["Fault", "FaultSpecError", "FaultTable", "KINDS", "ACTIONS", "parse_faults",
            "dumps", "setting"]
@@ -194,8 +195,8 @@ def parse_faults(value: Any, source: str = "IPU_EMULATOR_FAULTS") -> list[Fault]
 
 def _read_file(path: str, source: str) -> Any:
     try:
-        with open(path, encoding="utf-8") as f:
-            raw = f.read(1 << 20)
+        with open_regular(path) as f:   # a FIFO there is refused, not waited on
+            raw = f.read(1 << 20).decode("utf-8")
     except (OSError, ValueError, UnicodeDecodeError) as exc:   # ValueError: a NUL in the name
         why = exc.strerror if isinstance(exc, OSError) else str(exc)
         raise FaultSpecError(f"{source}={path!r}: neither JSON text (it starts with '[' or "

@@ -50,6 +50,7 @@ from shm.settings import SettingsError
 _log = logging.getLogger(__name__)
 
 __all__ = [
+    "MAX_IPUS",
     "SystemConfig",
     "SystemConfigError",
     "IpuLocks",
@@ -63,7 +64,8 @@ __all__ = [
 IPU_VERSIONS: dict[str, int] = {"ipu2": 2, "ipu21": 21}
 _DEFAULT_TILES = 1472
 _DEFAULT_MEMORY_PER_TILE = 624 * 1024
-_MAX_IPUS = 64
+MAX_IPUS = 64
+"""The most IPUs a machine (the daemon's pool, or this host's own) has."""
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,7 @@ class SystemConfig:
         if self.ipu_version not in IPU_VERSIONS:
             raise SystemConfigError(
                 f"ipu_version must be one of {sorted(IPU_VERSIONS)}, got {echo(self.ipu_version)}")
-        for name, lo, hi in (("num_ipus", 0, _MAX_IPUS), ("tiles_per_ipu", 1, 1 << 20),
+        for name, lo, hi in (("num_ipus", 0, MAX_IPUS), ("tiles_per_ipu", 1, 1 << 20),
                              ("memory_per_tile", 1, 1 << 32), ("compute_threads", 1, 256)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:

@@ -37,6 +37,7 @@ from typing import Any
 import yaml
 
 from ipu_emulator.errors import ConfigYamlError
+from ipu_emulator.safe_files import open_regular
 from shm.errors import echo
 
 __all__ = ["load_yaml_file", "load_yaml_text", "ConfigYamlError", "MAX_NODES", "MAX_DEPTH",
@@ -192,10 +193,10 @@ def load_yaml_file(path: str | os.PathLike[str], what: str = "config") -> Any:
     p = os.fspath(path)
     where = f"{what} {echo(p, 200)}"
     try:
-        size = os.path.getsize(p)
-        if size > MAX_BYTES:
-            raise ConfigYamlError(f"{where} is {size} bytes; the limit is {MAX_BYTES}")
-        with open(p, "rb") as f:
+        with open_regular(p) as f:   # a FIFO there is refused, not waited on
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_BYTES:
+                raise ConfigYamlError(f"{where} is {size} bytes; the limit is {MAX_BYTES}")
             data = f.read(MAX_BYTES + 1)
     except OSError as exc:
         raise ConfigYamlError(f"cannot read {where}: {exc.strerror or exc}") from None

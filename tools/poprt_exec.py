@@ -71,7 +71,13 @@ def _given(items: list[str]) -> dict[str, np.ndarray]:
         name, sep, path = item.partition("=")
         if not sep or not name:
             raise SystemExit(f"poprt_exec: --input expects NAME=FILE.npy, got {item!r}")
-        out[name] = np.load(path, allow_pickle=False)
+        try:
+            with safe_files.open_regular(path) as f:   # a FIFO there is refused, not waited on
+                out[name] = np.load(f, allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            why = f"{exc.strerror}" if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise SystemExit(f"poprt_exec: --input {name}={path}: {why}; expected a .npy "
+                             "file of numbers") from None
     return out
 
 

@@ -56,14 +56,13 @@ from host_runtime.popef import _format as fmt
 from host_runtime.popef import blobs
 from host_runtime.popef._schema import SchemaError, decode_metadata
 from host_runtime.popef.model import (ExecutableBlob, FeedData, Metadata, Opaque, TensorData)
+from ipu_emulator.safe_files import KINDS
 from shm import OutOfFileDescriptorsError, buffer_address, limits
 from shm.errors import echo
 
 __all__ = ["Reader", "BlobInfo", "MAP_MIN_BYTES", "PendingChecksums", "drop_pages",
            "file_identity", "file_span"]
 
-_KINDS = {stat.S_IFIFO: "FIFO", stat.S_IFDIR: "folder", stat.S_IFCHR: "character device",
-          stat.S_IFBLK: "block device", stat.S_IFSOCK: "socket"}
 
 MAP_MIN_BYTES = 1 << 20
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)   # every page is read at once (the checksum)
@@ -180,7 +179,7 @@ class Reader:
         if kind != stat.S_IFREG:
             os.close(fd)
             raise PopefError(f"the path is not a regular file but a "
-                             f"{_KINDS.get(kind, 'special file')}; expected a PopEF file",
+                             f"{KINDS.get(kind, 'special file')}; expected a PopEF file",
                              path=spath)
         f = os.fdopen(fd, "rb")
         with f:

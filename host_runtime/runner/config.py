@@ -19,6 +19,7 @@ from host_runtime.devices import Device, DeviceWaitConfig
 from host_runtime.errors import BadRequestError, InvalidStateError
 from host_runtime.memory import InputMemoryView
 from host_runtime.popef.model import DataType
+from ipu_emulator.system import MAX_IPUS
 
 __all__ = [
     "ModelRunnerConfig",
@@ -57,8 +58,8 @@ def to_nanoseconds(value: int | float | timedelta, field: str) -> int:
     elif isinstance(value, float) and value == value:
         ns = NANOSECONDS_MAX if value >= NANOSECONDS_MAX else int(value)
     else:
-        raise BadRequestError(
-            f"{field}: expected nanoseconds (int) or a timedelta, got {type(value).__name__}")
+        got = "nan" if isinstance(value, float) else type(value).__name__
+        raise BadRequestError(f"{field}: expected nanoseconds (int) or a timedelta, got {got}")
     if ns < 0:
         raise BadRequestError(f"{field}: expected a duration >= 0 ns, got {ns}")
     return min(ns, NANOSECONDS_MAX)
@@ -167,7 +168,9 @@ class ModelRunnerConfig:
             return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
         want("replication_factor", is_int(self.replication_factor)
-             and self.replication_factor >= 1, "an int >= 1")
+             and 1 <= self.replication_factor <= MAX_IPUS,
+             f"an int in 1..{MAX_IPUS} (each replica has IPUs of its own; a machine has at "
+             f"most {MAX_IPUS})")
         for flag in ("run_save_programs", "thread_safe", "check_package_hash",
                      "validate_io_params", "auto_reset", "flush_on_waiting_outputs",
                      "is_batch_size_timeout_enabled"):

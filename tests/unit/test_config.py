@@ -62,7 +62,9 @@ def test_keyword_construction_and_max_look_ahead_int():
 
 
 @pytest.mark.parametrize("field,value,expected", [
-    ("replication_factor", 0, "an int >= 1"),
+    ("replication_factor", 0, "an int in 1..64"),
+    ("replication_factor", 2 ** 40, "an int in 1..64 (each replica has IPUs of its own"),
+    ("max_look_ahead", "²", "'unlimited' or an unsigned integer"),
     ("thread_safe", 1, "a bool"),
     ("max_look_ahead", "many", "'unlimited' or an unsigned integer"),
     ("ring_buffer_size_multiplier", 0, "an int >= 1"),
@@ -105,3 +107,12 @@ def test_data_desc_fields():
     assert d.data_type == DataType.F32 and d.numpy_data_type() == np.float32
     assert d.popef_contains_tensor_data is False
     assert "tensor_A" in repr(d) and "[1, 4]" in repr(d)
+
+
+def test_a_nan_duration_is_named_as_nan_and_inf_is_no_deadline():
+    c = ModelRunnerConfig()
+    with pytest.raises(BadRequestError, match=r"timeout_ns: expected nanoseconds \(int\) or a "
+                       r"timedelta, got nan"):
+        c.timeout_ns = float("nan")
+    c.timeout_ns = float("inf")      # nanoseconds::max(): no deadline, as 0 (seed 002)
+    assert c.timeout_ns == 2 ** 63 - 1
