@@ -17,8 +17,8 @@ import subprocess
 import sys
 import time
 
-from ipu_emulator import cluster
-from ipu_emulator.system import emulator_home
+from ipu_emulator import cluster, safe_files
+from ipu_emulator.system import emulator_home, private_dir
 
 _STATE = "ray-node.json"
 
@@ -42,30 +42,32 @@ def _wait_for_daemon(path: str, proc: subprocess.Popen[bytes], timeout: float) -
             time.sleep(0.05)   # polling for a socket another process makes, bounded
         finally:
             s.close()
-    proc.kill()
+    _stop_child(proc)   # SIGTERM first: it removes what it made in /dev/shm
     raise cluster.NodeStartError(f"the node's daemon did not serve {path} within "
-                                   f"{timeout:.0f} s (its log: {path}.log)")
+                                   f"{timeout:g} s (its log: {path}.log)")
 
 
 def start(args: argparse.Namespace) -> int:
-    home = emulator_home(os.environ)
-    os.makedirs(home, exist_ok=True)
+    home = private_dir(emulator_home(os.environ))   # (a planted link or others' folder: refused)
     sock = os.path.abspath(args.socket or os.path.join(home, "ray-node-daemon.sock"))
     cmd = cluster.ray_start_command(ipus=args.ipus, head=args.head, address=args.address,
                                     port=args.port, num_cpus=args.num_cpus,
                                     node_ip=args.node_ip_address,
                                     object_store_memory=args.object_store_memory)
-    with open(sock + ".log", "ab") as log:
+    log = _open_log(sock + ".log")
+    try:
         daemon = subprocess.Popen(
             [sys.executable, "-m", "tools.cli", "daemon", "--socket", sock,
              "--num-ipus", str(args.ipus)], stdin=subprocess.DEVNULL, stdout=log,
             stderr=log, start_new_session=True)
+    finally:
+        os.close(log)
     _wait_for_daemon(sock, daemon, args.timeout)
-    with open(_state_path(home), "w") as f:
-        json.dump({"daemon_pid": daemon.pid, "socket": sock}, f)
+    safe_files.write_atomic(_state_path(home), json.dumps(
+        {"daemon_pid": daemon.pid, "socket": sock}).encode(), mode=0o600)
     rc = subprocess.call(cmd, env=cluster.node_environment(sock))
     if rc != 0:
-        _stop_daemon(daemon.pid)
+        _stop_child(daemon)
         os.unlink(_state_path(home))
         print(f"ipu-emulator ray-node: 'ray start' failed (exit {rc}); the daemon stopped",
               file=sys.stderr)
@@ -74,7 +76,32 @@ def start(args: argparse.Namespace) -> int:
     return 0
 
 
+def _open_log(path: str) -> int:
+    """The daemon's log, appended to: a regular file of this user, never a link planted
+    at its name (``UnsafePathError``)."""
+    folder, name = os.path.split(os.path.abspath(path))
+    dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fd = safe_files.open_in(dfd, name, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600, path)
+    finally:
+        os.close(dfd)
+    os.set_blocking(fd, True)
+    return fd
+
+
+def _stop_child(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
+    """Stop the daemon this process started (and reap it): SIGTERM, then SIGKILL."""
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def _stop_daemon(pid: int, timeout: float = 30.0) -> None:
+    """Stop the daemon an earlier ``start`` left running (not our child: its parent
+    exited, so it is reaped by another): SIGTERM, polled, then SIGKILL."""
     try:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
