@@ -110,7 +110,11 @@ def load_onnx(model: Any) -> onnx.ModelProto:
         if not os.path.isfile(model):
             raise BadRequestError(f"model {os.fspath(model)!r} is not an ONNX file (give a "
                                   "ModelProto, its serialized bytes or a path)")
-        return onnx.load(os.fspath(model))
+        try:   # (onnx refuses external data outside the model's folder, among others)
+            return onnx.load(os.fspath(model))
+        except Exception as exc:
+            raise BadRequestError(f"model {os.fspath(model)!r} cannot be loaded as ONNX: "
+                                  f"{exc}") from None
     raise BadRequestError(f"expected an onnx.ModelProto, its serialized bytes or a path, got "
                           f"{type(model).__name__}")
 

@@ -136,3 +136,26 @@ def test_config_nested_too_deeply(tmp_path, capsys):
     cfg.write_text("model_fusion: " + "[" * 5000 + "]" * 5000 + "\n")
     assert poprt(["--config_yaml", str(cfg)]) == 2
     _one_error_line(capsys, "nests too deeply")
+
+
+def test_the_compile_api_names_external_data_outside_the_models_folder(tmp_path):
+    # Compiler.compile(path) as the poprt command: a named error, not onnx's ValidationError
+    import numpy as np
+    from onnx import TensorProto, helper
+
+    from host_runtime.poprt.compiler import Compiler, CompilerOptions
+
+    (tmp_path / "sub").mkdir()
+    np.arange(2, dtype=np.float32).tofile(tmp_path / "secret.bin")
+    w = onnx.TensorProto(name="W", data_type=TensorProto.FLOAT, dims=[2])
+    w.data_location = TensorProto.EXTERNAL
+    for k, v in (("location", "../secret.bin"), ("offset", "0"), ("length", "8")):
+        w.external_data.add(key=k, value=v)
+    g = helper.make_graph([helper.make_node("Add", ["x", "W"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])], [w])
+    path = tmp_path / "sub" / "m.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)]), str(path))
+    with pytest.raises(BadRequestError, match=rf"model '{path}' cannot be loaded as ONNX: .*"
+                       r"points outside the directory"):
+        Compiler.compile(str(path), None, CompilerOptions())
