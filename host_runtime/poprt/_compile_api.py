@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import pathlib
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Sequence
 
 import onnx
@@ -163,13 +164,16 @@ def compile_result(model: Any, outputs: Sequence[str] | None,
         _log.warning("the model carries sharding maps but virtual_graph_mode is %r: compiled "
                      "without sharding (set virtual_graph_mode = 'manual')", mode)
         shard, stages = {}, {}
-    version = opts.ipu_version or load_system_config().ipu_version
+    machine = load_system_config()
+    version = opts.ipu_version or machine.ipu_version
     target = TARGETS[version]
+    if version == machine.ipu_version:   # the emulated IPUs this machine has (their knobs)
+        target = replace(target, tiles=machine.tiles_per_ipu,
+                         bytes_per_tile=machine.memory_per_tile)
     if not 0 <= opts.num_io_tiles < target.tiles:
         raise BadRequestError(f"num_io_tiles must be in [0, {target.tiles}), got "
                               f"{opts.num_io_tiles}")
-    memory = (target.tiles - opts.num_io_tiles) * target.bytes_per_tile \
-        if opts.num_io_tiles else 0
+    memory = (target.tiles - opts.num_io_tiles) * target.bytes_per_tile
     specs: list[ModelSpec]
     if opts.enable_model_fusion:
         specs = [ModelSpec(m, base_dir=base_dir) for m in split_fused(proto)]

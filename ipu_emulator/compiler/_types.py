@@ -124,6 +124,14 @@ def ipu_memory(opts: CompileOptions, target: Target) -> int:
     return int(opts.ipu_memory) if opts.ipu_memory else target.memory_bytes
 
 
+def _made_of(per_ipu: int, target: Target) -> str:
+    """What an IPU's ``per_ipu`` bytes are, for messages."""
+    if per_ipu == target.memory_bytes:
+        return f"{target.tiles} tiles x {target.bytes_per_tile} bytes per tile"
+    return (f"{per_ipu} bytes: the machine's IPU_EMULATOR_TILES_PER_IPU x "
+            "IPU_EMULATOR_MEMORY_PER_TILE, less num_io_tiles")
+
+
 def count(shape: tuple[int, ...]) -> int:
     n = 1
     for d in shape:
@@ -146,8 +154,7 @@ def check_fit(prepared: list[Prepared], opts: CompileOptions, target: Target,
             if nbytes > per_ipu:
                 raise CompileError(
                     f"model {echo(p.label, 200)}: tensor {echo(name)} ({desc}) is {nbytes} bytes, more than "
-                    f"the {per_ipu} bytes of one {target.name} IPU ({target.tiles} tiles x "
-                    f"{target.bytes_per_tile} bytes per tile)")
+                    f"the {per_ipu} bytes of one {target.name} IPU ({_made_of(per_ipu, target)})")
             if nbytes > largest[0]:
                 largest = (nbytes, name, desc)
     if required > total:
@@ -155,7 +162,7 @@ def check_fit(prepared: list[Prepared], opts: CompileOptions, target: Target,
             f"the model does not fit the device memory of {opts.num_ipus} {target.name} IPU(s): "
             f"it needs {required} bytes (device tensors {memory_bytes}, constants {constants}, "
             f"peak activations {activations}) but the device has {total} bytes "
-            f"({target.tiles} tiles x {target.bytes_per_tile} bytes per tile per IPU); the "
+            f"({_made_of(per_ipu, target)} per IPU); the "
             f"largest tensor is {echo(largest[1])} ({largest[2]}) with {largest[0]} bytes"
             + ("; shard it over several IPUs (--num_ipus N --manual_sharding_config "
                "shard.yaml)" if len(prepared) == 1 else ""))

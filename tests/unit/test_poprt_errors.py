@@ -159,3 +159,16 @@ def test_the_compile_api_names_external_data_outside_the_models_folder(tmp_path)
     with pytest.raises(BadRequestError, match=rf"model '{path}' cannot be loaded as ONNX: .*"
                        r"points outside the directory"):
         Compiler.compile(str(path), None, CompilerOptions())
+
+
+def test_the_compiler_fits_models_to_the_machines_ipus(onnx_path, monkeypatch):
+    # the emulated IPUs as configured, as the runtime checks them at load
+    from host_runtime.poprt.compiler import Compiler, CompilerOptions
+
+    monkeypatch.setenv("IPU_EMULATOR_TILES_PER_IPU", "1")
+    monkeypatch.setenv("IPU_EMULATOR_MEMORY_PER_TILE", "16")
+    with pytest.raises(Exception, match=r"16 bytes: the machine's IPU_EMULATOR_TILES_PER_IPU x "
+                       r"IPU_EMULATOR_MEMORY_PER_TILE, less num_io_tiles"):
+        Compiler.compile(str(onnx_path), None, CompilerOptions())
+    monkeypatch.setenv("IPU_EMULATOR_MEMORY_PER_TILE", "4096")
+    assert Compiler.compile(str(onnx_path), None, CompilerOptions()) is not None
