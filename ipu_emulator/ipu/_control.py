@@ -39,7 +39,7 @@ class ControlWire:
     """The control ring of one IPU process and the requests taken off it early."""
 
     def __init__(self, ring: Ring, watch: HostWatch, pool: bool,
-                 apply_modes: Callable[[Message], None], yielded_ns: int) -> None:
+                 apply_modes: Callable[[Message], None]) -> None:
         self.ring = ring
         self._watch = watch
         self._pool = pool
@@ -47,7 +47,6 @@ class ControlWire:
         self.pending: collections.deque[Message] = collections.deque()
         self.stop_seq: int | None = None   # the STOP that ended the run (answered DONE)
         self.stop_soft = False   # STOP with value 1: end the running loop, stay runnable
-        self._yielded_ns = yielded_ns   # a yield that took longer: the CPU is shared, block
         self._poll_ns = 0        # next() polls this long before it blocks (once)
 
     def take_ending(self, msg: Message) -> None:
@@ -92,7 +91,7 @@ class ControlWire:
             return self.pending.popleft()
         if self._poll_ns:
             budget, self._poll_ns = self._poll_ns, 0
-            spin_until(self.ring.readable, budget, self._yielded_ns)
+            spin_until(self.ring.readable, budget)
         watch = self._watch
         while True:
             try:
@@ -104,8 +103,9 @@ class ControlWire:
 
     def expect_soon(self) -> None:
         """A request is due soon (a host was just handed this process): the next
-        :meth:`next` polls for it up to ``FIRST_REQUEST_POLL_NS`` before it blocks,
-        giving up at once if the poll finds its CPU shared."""
+        :meth:`next` polls for it up to ``FIRST_REQUEST_POLL_NS`` before it blocks, yielding
+        the CPU between looks (it does not give up when a yield ran another task: giving up
+        on the shared-CPU sign, it blocked before most LOADs came)."""
         self._poll_ns = FIRST_REQUEST_POLL_NS
 
     def ignore_until_ending(self) -> None:

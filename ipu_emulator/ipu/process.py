@@ -56,7 +56,6 @@ import posix_ipc
 
 from shm import (PeerDiedError, Ring, RingInvalidatedError, RingTimeoutError,
                  ShmError, WaitInterrupted, cleanup, pid_alive)
-from shm.spin import NEVER, us_to_ns
 
 from ipu_emulator import ipu_protocol, package_hash, titles
 from ipu_emulator.ipu._control import ControlWire
@@ -101,8 +100,7 @@ class DeviceProcess:
         # off the host's CPU while serving it (host pid 0: never)
         self._apart = KeepApart(opts.host_pid if hooks.keep_apart else 0)
         self.keeps_apart = self._apart.enabled
-        self._wire = ControlWire(self.control, watch, opts.pool, self._apply_modes,
-                                 us_to_ns(settings.yielded_us, NEVER))
+        self._wire = ControlWire(self.control, watch, opts.pool, self._apply_modes)
         self._faults = FaultInjector(self._wire, opts.ipu_id, hooks.pid is None,
                                      self._describe)
         self._loader = Loader(self._options, self._executables, self._faults, self.known,

@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 
 from shm import Ring
-from shm.spin import NEVER
 
 from ipu_emulator import ipu_protocol
 from ipu_emulator.ipu import _control
@@ -61,7 +60,7 @@ def ring():
 
 def _wire(counted: _CountedRing) -> ControlWire:
     return ControlWire(counted, _Watch(),  # type: ignore[arg-type]
-                       pool=True, apply_modes=lambda m: None, yielded_ns=NEVER)
+                       pool=True, apply_modes=lambda m: None)
 
 
 def test_a_request_sent_during_the_poll_is_taken_without_blocking(ring):
