@@ -164,6 +164,9 @@ class FaultyIO:
     def disconnected(self) -> bool:
         return self._io.disconnected
 
+    def run_began(self, t0: int) -> int | None:
+        return self._io.run_began(t0)
+
     def read_input(self, handle: str, dest: memoryview) -> None:
         self._io.read_input(handle, dest)
 

@@ -55,6 +55,8 @@ class InputWait:
             s = IpuSettings.current()
         self._yielded_ns = us_to_ns(s.yielded_us, NEVER)
         self.est = PollEstimate(us_to_ns(s.device_spin_us), self._yielded_ns, _BACKOFF_POLLS)
+        self.idle_since: int | None = None   # (traced) waiting for a run's first transfer
+        self.idle_until = 0                  # (traced) when the last such wait ended
 
     def c_poll_ns(self) -> int:
         """How long the C step may poll for the next inputs between runs (0: not at all):
@@ -62,15 +64,22 @@ class InputWait:
         (it then polls on a CPU of its own, never beside the host's submitting thread)."""
         return C_POLL_NS if self._dev.keeps_apart and self.est.worth_polling() else 0
 
-    def read_slow(self, ring: Ring, index: int, need_event: bool) -> tuple[memoryview, int]:
+    def read_slow(self, ring: Ring, index: int, need_event: bool, idle: bool = False
+                  ) -> tuple[memoryview, int]:
         """The next transfer of input stream ``index`` (its ``ring``) once it is not there
         at once: tell the host (``need_event``), then wait (acquired; the caller releases
-        it)."""
+        it). ``idle``: the program run has moved no transfer yet; on a timeline it begins
+        when this one comes (the wait is the gap before it, ``idle_since``/``idle_until``)."""
         if need_event:
             self._dev.post(Message(Op.NEED, index=index))
         if not recorder.ON:
             return self.wait_read(ring)
         t0 = time.monotonic_ns()
+        if idle:
+            self.idle_since = t0
+            got = self.wait_read(ring)   # a STOP here leaves idle_since: the run never began
+            self.idle_since, self.idle_until = None, time.monotonic_ns()
+            return got
         try:
             return self.wait_read(ring)
         finally:

@@ -120,14 +120,17 @@ class IterationNumber:
     streams of the iteration, on the Python path, carry its number ``seq``).
     """
 
-    __slots__ = ("seq", "reading")
+    __slots__ = ("seq", "reading", "begun")
 
     def __init__(self) -> None:
         self.seq = 0          # the iteration's number (0: none yet)
         self.reading = False  # inputs of the iteration are being read (no output yet)
+        self.begun = False    # a transfer of the program run went in or out (a timeline's
+                              # run begins there: ``_RingIO.run_began``)
 
     def take(self, tag: int, handle: str) -> int:
         n = tag >> SEQ_SHIFT
+        self.begun = True
         if not self.reading:
             self.reading = True
             self.seq = n
@@ -143,6 +146,7 @@ class IterationNumber:
     def tag(self, kind: int) -> int:
         """The tag of an output of this iteration (which ends its reading)."""
         self.reading = False
+        self.begun = True
         return kind | self.seq << SEQ_SHIFT
 
     def current(self) -> int:
@@ -155,6 +159,7 @@ class IterationNumber:
     def stepped(self, seq: int, outputs: bool) -> None:
         self.seq = seq
         self.reading = not outputs   # a step of inputs only: the reading goes on
+        self.begun = True
 
 
 @dataclass(frozen=True)

@@ -233,8 +233,12 @@ class Scheduler:
         try:
             self._run_one(loaded, index, io, deadline_ns)
         finally:
-            recorder.ipu(recorder.I_PROGRAM, t0, time.monotonic_ns() - t0, index, kind,
-                         self.program_runs - before)
+            # it began when its first transfer came (the wait before it is a gap: the IPU
+            # was idle); one that ended still waiting never ran
+            start = io.run_began(t0)
+            if start is not None:
+                recorder.ipu(recorder.I_PROGRAM, start, time.monotonic_ns() - start, index,
+                             kind, self.program_runs - before)
 
 
 def _check_loop(loaded: _Loaded, programs: list[int]) -> None:

@@ -227,7 +227,7 @@ class _RingIO:
                 return ring.acquire_read(0)   # its inlined fast path
             except RingTimeoutError:   # published, but the post is not there yet
                 pass
-        return self._wait.read_slow(ring, s.index, s.plan.need_event)
+        return self._wait.read_slow(ring, s.index, s.plan.need_event, not self._it.begun)
 
     def _kind(self, handle: str, tag: int) -> int:
         """The kind of an input's tag, its sequence number checked (see IterationNumber)."""
@@ -329,9 +329,11 @@ class _RingIO:
                 try:
                     view, tag = ring.acquire_read(0)
                 except RingTimeoutError:   # published, but the post is not there yet
-                    view, tag = self._wait.read_slow(ring, s.index, s.plan.need_event)
+                    view, tag = self._wait.read_slow(ring, s.index, s.plan.need_event,
+                                                     not self._it.begun)
             else:
-                view, tag = self._wait.read_slow(ring, s.index, s.plan.need_event)
+                view, tag = self._wait.read_slow(ring, s.index, s.plan.need_event,
+                                                 not self._it.begun)
         except RingInvalidatedError:
             self.disconnected = True
             return self._scratch(handle, nbytes)
@@ -375,6 +377,15 @@ class _RingIO:
         for out_handle, out_view in outputs:
             self._redirect[out_handle] = out_view
         return view
+
+    def run_began(self, t0: int) -> int | None:
+        """(Traced) When the program run started at ``t0`` began: ``t0``, or when its first
+        transfer came after it waited idle for it; None: it ended still waiting (no run)."""
+        wait, self._it.begun = self._wait, False   # (for the next run)
+        if wait.idle_since is not None:
+            wait.idle_since = None
+            return None
+        return max(t0, wait.idle_until)
 
     def forget_redirects(self) -> None:
         """Drop the host memory this iteration's outputs were to go to (what a failed

@@ -22,12 +22,15 @@ calls it for each fault it injects).
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any, Iterator
 
 from ipu_emulator.trace import recorder
 from ipu_emulator.trace._chrome import PHASES, combine, request_track
 from ipu_emulator.trace._session import (active, map_ipu_buffer, new_ipu_buffer, set_role,
                                          snapshot, start, start_from_settings, stop, write)
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["start", "stop", "tracing", "enabled", "active", "instant", "snapshot", "write",
            "start_from_settings", "set_role", "new_ipu_buffer", "map_ipu_buffer", "combine",
@@ -41,13 +44,21 @@ def enabled() -> bool:
 
 @contextlib.contextmanager
 def tracing(path: str | None = None, role: str = "host") -> Iterator[None]:
-    """Record while the block runs; write ``path`` when it ends (also by an exception)."""
+    """Record while the block runs; write ``path`` when it ends (also by an exception:
+    then a failure to write the trace is logged, and the block's exception goes on)."""
     start(path, role=role)
     try:
         yield
-    finally:
+    except BaseException:
         if active():
-            stop()
+            try:
+                stop()
+            except Exception:   # the block's exception is the one to see
+                _log.warning("could not write the trace of a block that raised",
+                             exc_info=True)
+        raise
+    if active():
+        stop()
 
 
 def instant(name: str, **args: Any) -> None:

@@ -13,6 +13,7 @@ writes its file at exit (``atexit``).
 from __future__ import annotations
 
 import atexit
+import errno
 import json
 import logging
 import os
@@ -169,7 +170,11 @@ def write(trace: dict[str, Any], path: str) -> None:
     escapes: Perfetto's JSON reader keeps those as they are (a name's ``·`` would show
     as ``\\u00b7``); what cannot be encoded (a lone surrogate) becomes ``?``."""
     folder = os.path.dirname(path) or "."
-    os.makedirs(folder, exist_ok=True)
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except FileExistsError:   # a file where a folder of the path is: say so
+        raise NotADirectoryError(errno.ENOTDIR, "a folder of the trace's path is a file",
+                                 folder) from None
     with safe_files.AtomicFile(path) as f:
         f.write(json.dumps(trace, separators=(",", ":"), ensure_ascii=False)
                 .encode("utf-8", "replace"))

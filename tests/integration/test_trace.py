@@ -18,6 +18,7 @@ import os
 import secrets
 import subprocess
 import sys
+import time
 from collections import Counter
 from importlib import metadata
 
@@ -259,3 +260,24 @@ def test_a_daemon_and_a_host_it_serves_both_traced(tmp_path, models, monkeypatch
     assert [b["pid"] for a, b in trace_summary.arrows(both)] == [ipu_pid] * 3
     assert len(_slices(both, ipu_pid, "iteration")) == len(_slices(daemon, ipu_pid, "iteration"))
     assert _names(both)[ipu_pid] == _names(host)[ipu_pid]
+
+
+def test_an_idle_ipu_has_no_slice(tmp_path, models):
+    """A Main run begins when its first transfer comes: waiting for a request is the gap
+    between slices, also after the last request (it lasted until close())."""
+    _, simple, _ = models
+    out = str(tmp_path / "idle.json")
+    a, b = np.ones((1, 4), np.float32), np.zeros((1, 4), np.float32)
+    with trace.tracing(out):
+        with model_runtime.ModelRunner(simple) as runner:
+            for _ in range(2):
+                runner.execute({"tensor_A": a, "tensor_B": b})
+                time.sleep(0.2)   # the IPU idles (what is measured, not a synchronisation)
+    timeline = json.load(open(out))
+    ipu = [pid for pid, name in _names(timeline).items() if name.startswith("ipu ")]
+    mains = [e for e in _slices(timeline, ipu[0]) if e["name"] == "Main"]
+    assert len(mains) == 2, [(e["name"], e["dur"]) for e in mains]
+    assert all(e["dur"] < 50_000 for e in mains), [e["dur"] for e in mains]   # us
+    waits = [e for e in _slices(timeline, ipu[0]) if e["name"] == "wait for input"]
+    assert all(e["dur"] < 50_000 for e in waits), [e["dur"] for e in waits]
+    assert trace_summary.summarise(timeline)["ipus"][0]["busy_fraction"] < 0.1

@@ -27,3 +27,17 @@ def test_a_name_that_is_no_text_is_written_readable(tmp_path):
                                   "args": {"name": "worker \udcff"}}]}, str(path))
     name = json.loads(path.read_bytes().decode("utf-8"))["traceEvents"][0]["args"]["name"]
     assert name.startswith("worker ") and len(name) == 8
+
+
+def test_a_trace_that_cannot_be_written_leaves_the_blocks_own_exception(tmp_path, caplog):
+    import pytest
+
+    (tmp_path / "afile").write_text("")
+    target = str(tmp_path / "afile" / "x.json")
+    with pytest.raises(ValueError, match="mine"):
+        with trace.tracing(target):
+            raise ValueError("mine")
+    assert "could not write the trace of a block that raised" in caplog.text
+    with pytest.raises(NotADirectoryError, match="a folder of the trace's path is a file"):
+        with trace.tracing(target):   # no exception of its own: the writer's is the one
+            pass
