@@ -20,6 +20,7 @@ from ipu_emulator.faults import Fault, FaultTable
 from ipu_emulator.ipu._control import ControlWire
 from ipu_emulator.ipu._stream_io import _Loaded, _RequestError, _RingIO
 from ipu_emulator.ipu_protocol import ErrorKind
+from ipu_emulator.trace import recorder
 
 __all__ = ["FaultError", "FaultInjector", "FaultyIO"]
 
@@ -83,6 +84,7 @@ class FaultInjector:
         what = (f"program {program} ({loaded.interp.executable.programs[program].name}) "
                 f"(injected fault {index}: {fault.describe()})")
         _log.warning("%s: injecting %s", self._describe(), what)
+        recorder.instant(f"fault {index}: {fault.kind}")   # (an IPU keeps 24 bytes of it)
         self._apply(fault, what, {"ipu": self._ipu_id, "program": program})
 
     def _apply(self, fault: Fault, what: str, extra: dict[str, Any]) -> None:

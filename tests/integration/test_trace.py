@@ -281,3 +281,22 @@ def test_an_idle_ipu_has_no_slice(tmp_path, models):
     waits = [e for e in _slices(timeline, ipu[0]) if e["name"] == "wait for input"]
     assert all(e["dur"] < 50_000 for e in waits), [e["dur"] for e in waits]
     assert trace_summary.summarise(timeline)["ipus"][0]["busy_fraction"] < 0.1
+
+
+def test_an_injected_fault_is_marked_on_its_ipu(tmp_path, models):
+    from ipu_emulator import faults
+    from host_runtime.errors import ApplicationRuntimeError
+
+    _, simple, _ = models
+    out = str(tmp_path / "fault.json")
+    a, b = np.ones((1, 4), np.float32), np.zeros((1, 4), np.float32)
+    with trace.tracing(out), faults.inject(kind="application_error", after=1):
+        with model_runtime.ModelRunner(simple) as runner:
+            runner.execute({"tensor_A": a, "tensor_B": b})
+            with pytest.raises(ApplicationRuntimeError):
+                runner.execute({"tensor_A": a, "tensor_B": b})
+    timeline = json.load(open(out))
+    ipu = [pid for pid, name in _names(timeline).items() if name.startswith("ipu ")]
+    marks = [e["name"] for e in timeline["traceEvents"]
+             if e["ph"] == "i" and e["pid"] == ipu[0] and e["name"].startswith("fault ")]
+    assert marks == ["fault 0: application_err"], marks   # (24 bytes on an IPU)
