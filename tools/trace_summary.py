@@ -43,6 +43,9 @@ PARENTS = {"preparation": ("request",), "queue": ("request",),
 """Where each slice nests (docs/tracing.md); ``request`` is a request, whatever its name
 (:func:`role`)."""
 _PARTS = frozenset(PHASES)     # a request's children (and ``transfer in (seq N)``)
+FAILED = "failed: "
+"""The one part of a request that failed (``failed: <error class>``; the request's args
+name it as ``error``): it has no phases, and is counted apart from the latencies."""
 
 
 def role(e: dict[str, Any]) -> str:
@@ -51,7 +54,7 @@ def role(e: dict[str, Any]) -> str:
     category ``request`` and not one of them), else its name."""
     name = str(e.get("name", ""))
     if (e.get("cat", e.get("category")) == "request" and name not in _PARTS
-            and not name.startswith("transfer in (seq")):
+            and not name.startswith(("transfer in (seq", FAILED))):
         return "request"
     return name
 
@@ -150,14 +153,15 @@ def slices(trace: dict[str, Any]) -> list[dict[str, Any]]:
 
 def requests(trace: dict[str, Any], _found: _Slices | None = None
              ) -> list[tuple[dict[str, Any], dict[str, float]]]:
-    """Each request slice and its phases' durations (us)."""
+    """Each request slice that completed and its phases' durations (us)."""
     out = []
     for evs in (_found or _Slices(trace)).tracks().values():
         current: tuple[dict[str, Any], dict[str, float]] | None = None
         for e in evs:
             if role(e) == "request":
-                current = (e, {})
-                out.append(current)
+                current = None if "error" in e.get("args", {}) else (e, {})
+                if current is not None:
+                    out.append(current)
             elif e["name"] in _PARTS and current is not None:
                 req = current[0]
                 if e["ts"] >= req["ts"] - _EPS and e["ts"] + e["dur"] <= req["ts"] + req["dur"] + _EPS:
@@ -184,15 +188,27 @@ def summarise(trace: dict[str, Any]) -> dict[str, Any]:
     groups: dict[tuple[str, str, str, int], list[dict[str, float]]] = defaultdict(list)
     found = _Slices(trace)
     tracks = found.tracks()
-    for req, phases in requests(trace, found):
+    def group(req: dict[str, Any]) -> tuple[str, str, str, int]:
         args = req.get("args", {})
-        row = {"request": req["dur"], **{p: phases.get(p, 0.0) for p in PHASES}}
-        groups[(procs.get(req["pid"], str(req["pid"])), str(args.get("runner", "")),
-                str(args.get("model", "")), int(args.get("replica", 0)))].append(row)
+        return (procs.get(req["pid"], str(req["pid"])), str(args.get("runner", "")),
+                str(args.get("model", "")), int(args.get("replica", 0)))
+    for req, phases in requests(trace, found):
+        groups[group(req)].append(
+            {"request": req["dur"], **{p: phases.get(p, 0.0) for p in PHASES}})
+    failed: dict[tuple[str, str, str, int], int] = defaultdict(int)
+    for e in found.all:
+        if role(e) == "request" and "error" in e.get("args", {}):
+            failed[group(e)] += 1
     models = []
-    for (host, runner, model, replica), rows in sorted(groups.items()):
+    for key in sorted(set(groups) | set(failed)):
+        host, runner, model, replica = key
+        rows = groups.get(key, [])
         entry: dict[str, Any] = {"host": host, "runner": runner, "model": model,
-                                 "replica": replica, "requests": len(rows), "latency_us": {}}
+                                 "replica": replica, "requests": len(rows),
+                                 "failed": failed.get(key, 0), "latency_us": {}}
+        if not rows:
+            models.append(entry)
+            continue
         for phase in ("request", *PHASES):
             values = np.array([r[phase] for r in rows])
             entry["latency_us"][phase] = {f"p{round(q * 100):d}": float(np.quantile(values, q))
@@ -395,7 +411,8 @@ def _print(summary: dict[str, Any]) -> None:
     print(f"traced {summary['window_us'] / 1e6:.3f} s")
     for m in summary["models"]:
         print(f"\n{m['host']}  {m['runner'] or 'runner ?'}  model {m['model'] or '?'}  "
-              f"replica {m['replica']}  {m['requests']} requests  (us)")
+              f"replica {m['replica']}  {m['requests']} requests"
+              + (f", {m['failed']} failed" if m.get("failed") else "") + "  (us)")
         print(f"  {'phase':20s} {'p50':>10s} {'p90':>10s} {'p99':>10s} {'mean':>10s}")
         for phase, q in m["latency_us"].items():
             print(f"  {phase:20s} {q['p50']:10.1f} {q['p90']:10.1f} {q['p99']:10.1f} "

@@ -155,9 +155,15 @@ class Completion:
             raise err
 
     # -- waiting ---------------------------------------------------------------------
-    def record_error(self, error: BaseException) -> None:
-        """A request failed (Request.fail): count it by class."""
+    def record_error(self, error: BaseException, request: Request | None = None, *,
+                     received: int = 0, samples: int = 0) -> None:
+        """A request failed (``request``, from Request.fail; or the fused path's, which
+        arrived at ``received``): count it by class; on a timeline, its slice."""
         self._monitor.record_error(error)
+        if recorder.ON:
+            if request is not None:
+                received, samples = request.t_received, request.samples
+            _tracing.failed(self._life.trace_key, self._life.rid, samples, received, error)
 
     def _timer_due(self) -> float:
         """When the next timer is due (monotonic; inf: none)."""

@@ -51,8 +51,9 @@ class Driver(Protocol):
 
     def wait_for(self, request: "Request", timeout: float | None) -> bool: ...
 
-    def record_error(self, error: BaseException) -> None:
-        """A request of this engine failed: count it (monitoring, metrics)."""
+    def record_error(self, error: BaseException, request: "Request | None" = None) -> None:
+        """``request`` of this engine failed with ``error``: count it (monitoring,
+        metrics), and draw it on a timeline being recorded."""
 
 
 class Request:
@@ -103,7 +104,7 @@ class Request:
         self.done = True
         self.t_completed = time.perf_counter_ns()
         if not self.internal:
-            self.driver.record_error(error)   # monitoring (metrics)
+            self.driver.record_error(error, self)   # monitoring (metrics), timeline
 
     def is_done(self) -> bool:
         return self.done

@@ -460,21 +460,21 @@ class Submission(_Submitter):
             except DeviceTimeoutError as exc:   # the device stalled: abandoned, as below
                 self._abandon_fused(path, type(exc).__name__, finish=False)
                 self._completion.stall(exc)
-                completion.record_error(exc)
+                completion.record_error(exc, received=t_received)
                 raise
             except (RingInvalidatedError, ShmError, OSError, InvalidStateError,
                     SequenceMismatchError) as exc:
                 self._fused = None   # the replica fails: a reset clears its rings
                 if path.fused_taken < 0 and isinstance(exc, _WRITE_ERRORS):   # laying
                     err = self._write_failed(exc)
-                    completion.record_error(err)
+                    completion.record_error(err, received=t_received)
                     raise raisable(err) from None      # as submit
                 # reading: as a failed request (its error keeps its cause)
                 err = life.closed_error() if life.closed else life.translate(exc)
                 if not life.closed:   # fail_all did not see this request (not in flight):
                     completion.fail_all(err)   # it hears the error, so the next one is
                     life.error_unheard = False   # told the replica is unusable
-                completion.record_error(err)
+                completion.record_error(err, received=t_received)
                 raise raisable(err)
             except BaseException as exc:   # KeyboardInterrupt, a signal handler's exception
                 self._abandon_fused(path, type(exc).__name__)

@@ -64,6 +64,14 @@ def request(key: int, req: Request, started: int) -> None:
                   (key, req.replica, next(_ids), req.samples, tuple(t[3]), instants))
 
 
+def failed(key: int, replica: int, samples: int, received: int, error: BaseException
+           ) -> None:
+    """A request of the replica whose life's ``trace_key`` is ``key`` failed with
+    ``error``: from its arrival (``received``, perf_counter ns) to now."""
+    recorder.host(recorder.H_FAILED, received, max(0, time.perf_counter_ns() - received),
+                  (key, replica, next(_ids), samples, type(error).__name__))
+
+
 def fused(key: int, replica: int, samples: int, seq: int, instants: tuple[int, ...]) -> None:
     """A request of the fused path (one transfer, ``seq``) completed."""
     recorder.host(recorder.H_REQUEST, instants[0], instants[-1] - instants[0],

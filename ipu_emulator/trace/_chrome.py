@@ -401,6 +401,8 @@ def merge(pid: int, role: str, events: list[tuple[Any, ...]], dropped: int,
         if code == rec.H_REQUEST:
             _request(out, pid, payload, threads.get(ident, (0, ""))[1], devices, iterations,
                      runners, count)
+        elif code == rec.H_FAILED:
+            _failed(out, pid, ts, dur, payload, devices, runners, count)
         elif code == rec.H_LIFE:
             what, replica, pids, model, key = payload
             out.slice(f"{what} (replica {replica})", pid, tid, ts, dur, "device",
@@ -436,6 +438,26 @@ def merge(pid: int, role: str, events: list[tuple[Any, ...]], dropped: int,
 
 def _jsonable(v: Any) -> Any:
     return v if isinstance(v, (int, float, str, bool)) or v is None else repr(v)
+
+
+def _failed(out: _Out, pid: int, ts: int, dur: int, payload: tuple[Any, ...],
+            devices: dict[int, list[tuple[int, str, int, list[int]]]],
+            runners: dict[int, tuple[str, str]], count: list[int]) -> None:
+    """A request that failed: a slice from its arrival to its failure on its replica's
+    request track, its args naming the error, and one phase inside, ``failed: <error>``."""
+    key, replica, request_id, samples, error = payload
+    model = ""
+    for since, m, _r, _p in devices.get(key, []):
+        if since <= ts:
+            model = m
+    runner = runners.get(key, ("runner ?", ""))[0]
+    count[0] += 1
+    ident = f"{ts:x}.{count[0]}"
+    dur = max(dur, 1)
+    out.async_slice(request_track(runner, model, replica), pid, ident, ts, dur,
+                    {"runner": runner, "replica": replica, "request_id": request_id,
+                     "batch_size": samples, "seqs": [], "model": model, "error": error})
+    out.async_slice(f"failed: {error}", pid, ident, ts, dur, depth=1)
 
 
 def _request(out: _Out, pid: int, payload: tuple[Any, ...], thread: str,

@@ -59,6 +59,7 @@ H_REQUEST = 1    # payload: RequestEvent fields (see _chrome.host_request)
 H_LIFE = 2       # payload: (what, replica, pids, model)
 H_WAIT = 3       # payload: (what,)
 H_INSTANT = 4    # payload: (name, args)
+H_FAILED = 5     # payload: (key, replica, request id, samples, error class name)
 
 # -- IPU records (shm.tracebuf): a, b, c by code ---------------------------------------
 I_OP = 10        # a control message served: a = ipu_protocol.Op value, b = message seq

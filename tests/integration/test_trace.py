@@ -300,3 +300,12 @@ def test_an_injected_fault_is_marked_on_its_ipu(tmp_path, models):
     marks = [e["name"] for e in timeline["traceEvents"]
              if e["ph"] == "i" and e["pid"] == ipu[0] and e["name"].startswith("fault ")]
     assert marks == ["fault 0: application_err"], marks   # (24 bytes on an IPU)
+    # the failed request is drawn too (from its arrival to its failure), counted apart
+    failed = [e for e in timeline["traceEvents"] if e["ph"] == "b"
+              and e.get("args", {}).get("error") == "ApplicationRuntimeError"]
+    assert len(failed) == 1 and failed[0]["name"].endswith("replica 0"), failed
+    assert [e["name"] for e in timeline["traceEvents"] if e["ph"] == "b"
+            and e["id2"] == failed[0]["id2"]][1:] == ["failed: ApplicationRuntimeError"]
+    summary = trace_summary.summarise(timeline)["models"]
+    assert [(m["requests"], m["failed"]) for m in summary] == [(1, 1)], summary
+    assert trace_summary.validate(timeline) == []
