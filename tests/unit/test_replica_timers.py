@@ -19,7 +19,7 @@ class _Driver:
     def wait_for(self, request: Request, timeout: float | None) -> bool:
         return request.is_done()
 
-    def record_error(self, error: BaseException) -> None:
+    def record_error(self, error: BaseException, request: object = None) -> None:
         self.errors.append(error)
 
 
