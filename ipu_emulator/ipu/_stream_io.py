@@ -161,6 +161,7 @@ class _RingIO:
         if step.run(it.seq if it.reading else 0):
             it.seq = step.seq
             it.reading = not group.out_handles
+            it.begun = True
             return True
         if inputs_there is None or inputs_there():
             return False   # the inputs are there but the step declined: the Python path

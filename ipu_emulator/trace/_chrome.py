@@ -139,7 +139,7 @@ class _Out:
 
 # ----------------------------------------------------------------------------- IPU side
 class _Iteration:
-    __slots__ = ("start", "end", "seq", "children", "out_seen")
+    __slots__ = ("start", "end", "seq", "children", "out_seen", "lead")
 
     def __init__(self, start: int) -> None:
         self.start = start
@@ -147,6 +147,9 @@ class _Iteration:
         self.seq = 0
         self.children: list[tuple[str, int, int, dict[str, Any]]] = []
         self.out_seen = False
+        # unnumbered links taken before the iteration's first numbered transfer (a sharded
+        # model's token from the last IPU): the IPU's, not the request's (Main's children)
+        self.lead: list[tuple[str, int, int, dict[str, Any]]] = []
 
 
 class Served(NamedTuple):
@@ -232,6 +235,8 @@ def _program(out: _Out, pid: int, tid: int, p: tuple[int, int, int, int, int, in
     out.slice(kind_name, pid, tid, start, end - start, "program",
               {"program": index, "runs": runs}, depth=1)
     for it in its:
+        for name, cts, cdur, args in it.lead:
+            out.slice(name, pid, tid, cts, cdur, "transfer", args, depth=2)
         into = [out.slice("iteration", pid, tid, it.start, it.end - it.start, "iteration",
                           {"seq": it.seq}, depth=2)]
         last_out = None
@@ -296,6 +301,14 @@ def _iterations(inner: list[tuple[int, int, int, int, int, int, int]]) -> list[_
         cur.end = max(cur.end, ts + dur)
         cur.children.append((name, ts, dur, args))
     for it in its:
+        k = 0
+        if it.seq:   # (an iteration of numbered transfers starts at the first of them)
+            while k < len(it.children) and it.children[k][0] == "link in" \
+                    and not it.children[k][3]["seq"]:
+                k += 1
+        if k < len(it.children):
+            it.lead, it.children = _visible(it.children[:k]), it.children[k:]
+            it.start = it.children[0][1]
         it.children = _visible(it.children)
         it.end = max([it.end] + [cts + cdur for _, cts, cdur, _ in it.children])
     return its

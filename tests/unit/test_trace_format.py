@@ -286,3 +286,19 @@ def test_combined_traces_keep_every_arrow_and_a_shared_ipu_once():
     assert trace_summary.validate(twice) == []
     assert len([e for e in twice["traceEvents"] if e["name"] == "iteration"]) == 3
     assert len(trace_summary.arrows(twice)) == 3
+
+
+def test_a_sharded_models_token_is_the_main_runs_not_the_iterations():
+    # (ts, dur, code, 0, a, b, c): the last IPU's token (unnumbered link in), then the
+    # request's transfer seq 5, its compute and output
+    inner = [(1000, 10, recorder.I_IN, 0, 0, 3, 1),
+             (5000, 10, recorder.I_IN, 0, 5, 0, 0),
+             (5010, 100, recorder.I_COMPUTE, 0, 0, 0, 0),
+             (5110, 10, recorder.I_OUT, 0, 5, 1, 0)]
+    (it,) = _chrome._iterations(inner)
+    assert (it.seq, it.start) == (5, 5000)
+    assert [c[0] for c in it.lead] == ["link in"]
+    assert [c[0] for c in it.children] == ["copy in", "compute", "copy out"]
+    # an iteration of unnumbered transfers only keeps them
+    (alone,) = _chrome._iterations(inner[:1])
+    assert (alone.seq, alone.start, alone.lead) == (0, 1000, [])
