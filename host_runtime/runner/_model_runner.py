@@ -228,7 +228,10 @@ class ModelRunner:
         check_owned(input_data, output_data)
         try:
             if self._call_locks:
-                lock = self._call_lock(replica_id)
+                lock = _lock_of(self._call_locks, replica_id)
+                if lock is not None and self._layout.dynamic:   # (the lock: while laying)
+                    return _execute_gathered(lock, self._replica(replica_id), self, input_data,
+                                             output_data)
                 if lock is not None:
                     with lock:
                         return self._execute(input_data, output_data, replica_id)
@@ -238,12 +241,6 @@ class ModelRunner:
         except Exception as exc:
             self._record_raised(exc, replica_id)
             raise
-
-    def _call_lock(self, replica_id: Any) -> Optional[threading.RLock]:
-        locks = self._call_locks
-        if locks and isinstance(replica_id, int) and 0 <= replica_id < len(locks):
-            return locks[replica_id]
-        return None
 
     def _execute(self, input_data: Any, output_data: Any, replica_id: int) -> Any:
         results = self._execute_device(input_data, output_data, replica_id)
@@ -290,7 +287,7 @@ class ModelRunner:
         check_owned(input_data, output_data)
         try:
             if self._call_locks:
-                lock = self._call_lock(replica_id)
+                lock = _lock_of(self._call_locks, replica_id)
                 if lock is not None:
                     with lock:
                         return self._execute_async(input_data, output_data, replica_id)
@@ -343,8 +340,9 @@ class ModelRunner:
                    for n, v in typed.items()}
         self._sessions.remember_frozen(typed)
         rerun_load_everywhere([self._replica(rid) for rid in range(len(self._replicas))],
-                              self._call_lock, {h: memoryview(v).cast("B")  # type: ignore[arg-type]
-                                                for h, v in handles.items()})
+                              functools.partial(_lock_of, self._call_locks),
+                              {h: memoryview(v).cast("B")  # type: ignore[arg-type]
+                               for h, v in handles.items()})
 
     def getExecuteInputs(self) -> list[DataDesc]:
         """Inputs each execute call needs (frozen inputs and PopEF-fed tensors excluded)."""
@@ -485,3 +483,29 @@ class ModelRunner:
         return (f"<ModelRunner {self._model.metadata.executable()!r} {state} "
                 f"inputs={[a.name() for a in self._layout.exec_inputs]} "
                 f"outputs={[a.name() for a in self._layout.main_outputs]}>")
+
+
+def _execute_gathered(lock: threading.RLock, rep: Replica, runner: ModelRunner,
+                      input_data: Any, output_data: Any) -> Any:
+    """``execute`` of a thread-safe runner with dynamic batching: the replica's lock
+    covers laying the request, not waiting for it (several callers' samples gather in one
+    transfer: a caller waiting with the lock held kept the others from filling its batch,
+    each served only when the batch timeout padded it, or never without one)."""
+    with lock:
+        req, transfers, phantom, view_mode = runner._intake.build(
+            rep.driver, rep.rid, input_data, output_data, time.perf_counter_ns())
+        rep.submit(req, transfers, phantom)
+    rep.wait(req)
+    results = (None if output_data is not None else OutputMemory(req.results)
+               if view_mode else {k: v.view(np.ndarray) for k, v in req.results.items()})
+    tail = runner._tail
+    return results if tail is None else tail.complete(results, output_data)
+
+
+def _lock_of(locks: list[threading.RLock], replica_id: Any) -> Optional[threading.RLock]:
+    """``thread_safe``: the lock of replica ``replica_id`` (None for a bad id: the call
+    reports it)."""
+    if locks and isinstance(replica_id, int) and 0 <= replica_id < len(locks):
+        return locks[replica_id]
+    return None
+

@@ -157,6 +157,10 @@ class Replica:
     def execute(self, req: Request, transfers: int, phantom: str | None = None) -> None:
         """Send ``req`` and wait for it; raises its error."""
         self.submit(req, transfers, phantom)
+        self.wait(req)
+
+    def wait(self, req: Request) -> None:
+        """Wait for ``req``, sent; raises its error."""
         self._completion.wait_for(req, None)   # interrupted: req stays in flight, answered
         if req.error is not None:
             raise raisable(req.error)

@@ -236,3 +236,39 @@ def test_concurrent_dynamic_batches(make_runner, model_path, weights):
                 errors.append(f"worker {seed}: {exc!r}")
         run_in_threads(worker, range(5))
     assert errors == []
+
+
+def test_thread_safe_callers_gather_in_one_batch(kind, model_path, weights):
+    """thread_safe with dynamic batching: four callers of one sample each fill one batch
+    together (with no timeout to pad it, each waiting while holding the replica would
+    wait for ever)."""
+    import contextlib
+    import threading
+    import time
+
+    cfg = model_runtime.ModelRunnerConfig()
+    cfg.batching_dim = 0
+    cfg.thread_safe = True
+    cfg.timeout_ns = 0                    # no padding by timeout: only the others fill it
+    results: dict[int, np.ndarray] = {}
+    with contextlib.ExitStack() as devices, kind.runner(model_path, cfg, closing=devices) as r:
+        start = threading.Barrier(4)
+
+        def call(k: int) -> None:
+            a = np.full((1, 3), k + 1, np.float32)
+            start.wait(WAIT)
+            results[k] = r.execute({"tensor_A": a, "tensor_B": a})["tensor_C"]
+        threads = [threading.Thread(target=call, args=(k,), daemon=True) for k in range(4)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + WAIT
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        assert sorted(results) == [0, 1, 2, 3]   # (before close: close would free them)
+    rows_used = set()
+    for k, out in results.items():
+        a = np.full((1, 3), k + 1, np.float32)
+        row = [i for i in range(4) if np.allclose(out, a * weights[i] + a, rtol=1e-6)]
+        assert len(row) == 1, (k, out)
+        rows_used.add(row[0])
+    assert rows_used == {0, 1, 2, 3}              # one transfer of the four samples
