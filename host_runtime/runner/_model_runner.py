@@ -47,6 +47,7 @@ from host_runtime.runner._requests import OutputFuture
 from host_runtime.runner.config import DataDesc, ModelRunnerConfig
 from host_runtime.runner.monitoring import RequestMonitor
 from host_runtime.settings import HostSettings
+from ipu_emulator import trace
 from ipu_emulator.faults import table_for as fault_table_for
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -61,6 +62,17 @@ _log = logging.getLogger(__name__)
 
 _live_runners: "weakref.WeakSet[ModelRunner]" = weakref.WeakSet()
 _atexit_registered = False
+
+
+def _announce_live_runners() -> None:
+    """Tracing started: the runners made before it name their replicas on the timeline
+    (their requests would be ``runner ?``)."""
+    for runner in list(_live_runners):
+        for rep in list(runner._replicas):
+            rep.announce()
+
+
+trace.on_start(_announce_live_runners)
 
 
 def _close_live_runners() -> None:

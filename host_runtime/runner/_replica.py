@@ -57,6 +57,7 @@ from host_runtime.runner._intake import RequestIntake
 from host_runtime.runner._life import ReplicaLife, ReplicaSession, SaveFn
 from host_runtime.runner._replica_timers import ReplicaTimers
 from host_runtime.runner._requests import Driver, Request, Transfer, raisable
+from host_runtime.runner import _tracing
 from host_runtime.runner._submission import Submission
 from host_runtime.runner._transfer import PathOptions
 from host_runtime.runner.config import FlushCallback
@@ -158,6 +159,14 @@ class Replica:
         """Send ``req`` and wait for it; raises its error."""
         self.submit(req, transfers, phantom)
         self.wait(req)
+
+    def announce(self) -> None:
+        """Tracing started after this replica was made: name it on the timeline (its
+        runner, model and IPU processes), as its attach did when traced."""
+        life = self._life
+        if life.session is not None:
+            _tracing.life("running", life.trace_key, life.rid, time.monotonic_ns(),
+                          life.session)
 
     def wait(self, req: Request) -> None:
         """Wait for ``req``, sent; raises its error."""

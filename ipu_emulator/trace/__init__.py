@@ -27,14 +27,15 @@ from typing import Any, Iterator
 
 from ipu_emulator.trace import recorder
 from ipu_emulator.trace._chrome import PHASES, combine, request_track
-from ipu_emulator.trace._session import (active, map_ipu_buffer, new_ipu_buffer, set_role,
-                                         snapshot, start, start_from_settings, stop, write)
+from ipu_emulator.trace._session import (active, map_ipu_buffer, new_ipu_buffer, on_start,
+                                         set_role, snapshot, start, start_from_settings, stop,
+                                         write)
 
 _log = logging.getLogger(__name__)
 
 __all__ = ["start", "stop", "tracing", "enabled", "active", "instant", "snapshot", "write",
            "start_from_settings", "set_role", "new_ipu_buffer", "map_ipu_buffer", "combine",
-           "request_track", "PHASES", "recorder"]
+           "request_track", "PHASES", "recorder", "on_start"]
 
 
 def enabled() -> bool:

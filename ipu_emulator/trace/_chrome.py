@@ -366,7 +366,7 @@ def _runners(events: list[tuple[Any, ...]]) -> tuple[
     for code, _, ts, _, payload in sorted((e for e in events if e[0] == rec.H_LIFE),
                                           key=lambda e: e[2]):
         what, replica, pids, model, key = payload
-        if what in ("attach and load", "reset"):
+        if what in ("attach and load", "reset", "running"):
             devices.setdefault(key, []).append((ts, model, replica, list(pids)))
         if key not in runners:
             if replica == 0 or model not in newest:
@@ -416,7 +416,7 @@ def merge(pid: int, role: str, events: list[tuple[Any, ...]], dropped: int,
                      runners, count)
         elif code == rec.H_FAILED:
             _failed(out, pid, ts, dur, payload, devices, runners, count)
-        elif code == rec.H_LIFE:
+        elif code == rec.H_LIFE and payload[0] != "running":   # (running: a name only)
             what, replica, pids, model, key = payload
             out.slice(f"{what} (replica {replica})", pid, tid, ts, dur, "device",
                       {"runner": runners.get(key, ("", ""))[0], "replica": replica,

@@ -19,7 +19,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from shm.errors import ShmError
 from shm.liveness import pid_alive
@@ -78,6 +78,20 @@ def start(path: str | None = None, role: str = "host", capacity: int | None = No
         if not _atexit:
             _atexit = True
             atexit.register(_at_exit)
+    for announce in list(_announcers):   # (outside the lock: they record events)
+        try:
+            announce()
+        except Exception:   # pragma: no cover - a timeline without their names
+            _log.debug("announcing to a new trace failed", exc_info=True)
+
+
+_announcers: list[Callable[[], None]] = []
+
+
+def on_start(announce: Callable[[], None]) -> None:
+    """Call ``announce()`` whenever tracing starts in this process: what was made before
+    it (a runner's replicas) records what names it on the timeline."""
+    _announcers.append(announce)
 
 
 def set_role(role: str) -> None:

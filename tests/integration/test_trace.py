@@ -309,3 +309,20 @@ def test_an_injected_fault_is_marked_on_its_ipu(tmp_path, models):
     summary = trace_summary.summarise(timeline)["models"]
     assert [(m["requests"], m["failed"]) for m in summary] == [(1, 1)], summary
     assert trace_summary.validate(timeline) == []
+
+
+def test_runners_made_before_tracing_are_named_apart(tmp_path, models):
+    _, simple, _ = models
+    out = str(tmp_path / "late.json")
+    a, b = np.ones((1, 4), np.float32), np.zeros((1, 4), np.float32)
+    with model_runtime.ModelRunner(simple) as first, model_runtime.ModelRunner(simple) as second:
+        with trace.tracing(out):
+            for r in (first, second):
+                r.execute({"tensor_A": a, "tensor_B": b})
+    timeline = json.load(open(out))
+    titles = sorted({e["name"] for e in timeline["traceEvents"] if e["ph"] == "b"
+                     and e.get("cat") == "request" and "replica" in e["name"]})
+    assert titles == ["runner 1 · simple_model · replica 0",
+                      "runner 2 · simple_model · replica 0"], titles
+    assert not [e for e in timeline["traceEvents"] if e["ph"] == "X"
+                and e["name"].startswith("running")]   # a name only, no slice
