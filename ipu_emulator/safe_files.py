@@ -56,12 +56,20 @@ __all__ = [
     "STALE_AFTER",
     "LOG_LIMIT",
     "open_regular",
-    "KINDS",
+    "NotRegularFileError",
 ]
 
-KINDS = {stat.S_IFIFO: "FIFO", stat.S_IFDIR: "folder", stat.S_IFCHR: "character device",
-         stat.S_IFBLK: "block device", stat.S_IFSOCK: "socket"}
-"""What a path that is not a regular file is, for messages."""
+_KINDS = {stat.S_IFIFO: "FIFO", stat.S_IFDIR: "folder", stat.S_IFCHR: "character device",
+          stat.S_IFBLK: "block device", stat.S_IFSOCK: "socket"}
+
+
+class NotRegularFileError(OSError):
+    """:func:`open_regular` found something else at the path; ``kind`` says what (a
+    ``FIFO``, a ``folder``, a ``character device``, ...)."""
+
+    def __init__(self, kind: str, path: str) -> None:
+        super().__init__(errno.EINVAL, f"not a regular file but a {kind}", path)
+        self.kind = kind
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _TMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -402,16 +410,15 @@ def write_atomic(path: str | os.PathLike[str], data: bytes, *, mode: int | None 
 
 def open_regular(path: str | os.PathLike[str], mode: str = "rb") -> BinaryIO:
     """``path`` opened for reading if it is a regular file (a symlink to one is fine).
-    Anything else is refused with an ``OSError`` naming the path and what it is, without
-    waiting: a FIFO would block for a writer for ever, a device never end."""
+    Anything else is refused without waiting (:class:`NotRegularFileError`, naming the
+    path and what it is): a FIFO would block for a writer for ever, a device never end."""
     p = os.fspath(path)
     # not blocking: opening a FIFO waits for a writer
     fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         kind = stat.S_IFMT(os.fstat(fd).st_mode)
         if kind != stat.S_IFREG:
-            raise OSError(errno.EINVAL, f"not a regular file but a "
-                          f"{KINDS.get(kind, 'special file')}", p)
+            raise NotRegularFileError(_KINDS.get(kind, "special file"), p)
         os.set_blocking(fd, True)
         return cast(BinaryIO, os.fdopen(fd, mode))
     except BaseException:

@@ -45,7 +45,7 @@ from ipu_emulator.errors import SystemConfigError, UnsafePathError
 from ipu_emulator.settings import IpuSettings
 from shm import limits
 from shm.errors import echo
-from shm.settings import SettingsError
+from shm.settings import SettingsError, is_digits
 
 _log = logging.getLogger(__name__)
 
@@ -180,17 +180,11 @@ def _parse_int(name: str, text: object) -> int:
     units = {"kib": 1024, "k": 1024, "mib": 1024 ** 2, "m": 1024 ** 2}
     low = s.lower()
     for suffix, factor in units.items():
-        if low.endswith(suffix) and _ascii_digits(low[: -len(suffix)].strip()):
+        if low.endswith(suffix) and is_digits(low[: -len(suffix)].strip()):
             return int(low[: -len(suffix)]) * factor
-    if _ascii_digits(s[1:] if s[:1] in "+-" else s):
+    if is_digits(s[1:] if s[:1] in "+-" else s):
         return int(s)
     raise SystemConfigError(f"{name} must be an integer, got {echo(text)}")
-
-
-def _ascii_digits(text: str) -> bool:
-    """``text`` is one or more of 0-9 (``str.isdigit`` takes '²' too, which ``int`` does
-    not, and ``int`` takes '٤' and '1_0', which a setting should not)."""
-    return text.isascii() and text.isdigit()
 
 
 _KEYS = ("num_ipus", "ipu_version", "tiles_per_ipu", "memory_per_tile", "compute_threads")
@@ -258,7 +252,7 @@ def _read_holder(dir_fd: int, name: str) -> int | None:
         return None
     try:
         text = os.read(fd, 32).decode("ascii", "replace").strip()
-        return int(text) if _ascii_digits(text) else None
+        return int(text) if is_digits(text) else None
     except OSError:
         return None
     finally:

@@ -30,6 +30,7 @@ from typing import Any, Mapping
 from ipu_emulator.daemon import partitions, socket_protocol as wire
 from ipu_emulator.errors import VipuError
 from ipu_emulator.system import device_groups
+from shm.settings import is_digits
 
 __all__ = ["PARTITION_ENV", "HOST_ENV", "PORT_ENV", "CONFIG_ENV", "CONFIG_DIR",
            "CONFIG_VERSION", "PartitionRef", "VipuClient", "controller_socket",
@@ -54,7 +55,7 @@ def controller_socket(environ: Mapping[str, str] | None = None) -> str:
                         f"on this machine; expected a loopback host ({', '.join(_LOOPBACK)}) "
                         "or the variable unset", "config")
     port = env.get(PORT_ENV, "")
-    if port and not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+    if port and not (is_digits(port) and 1 <= int(port) <= 65535):
         raise VipuError(f"{PORT_ENV}={port!r}: expected a TCP port number 1..65535 (not "
                         "used: the daemon listens on its unix socket)", "config")
     path = env.get(wire.ENV_VAR) or wire.default_socket_path(env)

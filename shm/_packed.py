@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from .errors import ShmClosedError, ShmError
 from .region import Region
+from .settings import is_digits
 
 __all__ = ["SEP", "RegionPart", "Shared", "part_name", "segment_of"]
 
@@ -37,7 +38,7 @@ def segment_of(name: str) -> tuple[str, int]:
     segment, sep, offset = name.rpartition(SEP)
     if not sep:
         return name, 0
-    if not (offset.isascii() and offset.isdigit()):
+    if not is_digits(offset):
         raise ShmError(f"ring name {name!r}: {offset!r} after {SEP!r} is not a byte offset")
     return segment, int(offset)
 

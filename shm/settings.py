@@ -52,7 +52,7 @@ from .errors import echo
 
 __all__ = ["Settings", "ShmSettings", "SettingsError", "Knob", "knob", "override", "readme_table",
            "EACH_USE", "flag", "micros", "seconds", "level", "text", "integer", "choice",
-           "accepted", "accepts", "MAX_SPIN_US", "MIN_TIMEOUT", "MAX_TIMEOUT"]
+           "accepted", "accepts", "is_digits", "MAX_SPIN_US", "MIN_TIMEOUT", "MAX_TIMEOUT"]
 
 _S = TypeVar("_S", bound="Settings")
 
@@ -106,6 +106,12 @@ MAX_SPIN_US = 10_000.0
 """The longest spin or poll budget a knob takes: 10 ms (a spin burns a CPU)."""
 MIN_TIMEOUT, MAX_TIMEOUT = 0.001, 86_400.0
 """The shortest and longest timeout a knob takes: 1 ms and a day."""
+
+
+def is_digits(text: str) -> bool:
+    """``text`` is one or more of 0-9: a number a user wrote (``str.isdigit`` takes '²',
+    which ``int`` refuses, and ``int`` takes '٤' and '1_0', which no setting should)."""
+    return text.isascii() and text.isdigit()
 
 
 def _number(var: str, text: str, what: str, lo: float, hi: float) -> float:
@@ -167,8 +173,7 @@ def integer(lo: int, hi: int, units: bool = False) -> Callable[[str, str], int]:
                 if low.endswith(suffix):
                     low, factor = low[:-len(suffix)].strip(), f
                     break
-        if not (low.isascii() and low.isdigit()) or len(low) > 24 \
-                or not lo <= int(low) * factor <= hi:
+        if not is_digits(low) or len(low) > 24 or not lo <= int(low) * factor <= hi:
             raise _bad(var, value, allowed)
         return int(low) * factor
     _ALLOWED[parse] = f"{lo}..{hi}"

@@ -36,6 +36,7 @@ import weakref
 from typing import Any, Callable
 
 from shm import ExitWatch, Ring, describe_process
+from shm.settings import is_digits
 
 from host_runtime.errors import (DeviceTimeoutError, DeviceUnavailableError,
                                  PartitionNotFoundError)
@@ -247,7 +248,7 @@ class DaemonClient:
         if reply.get("error") == "busy":
             busy = reply.get("busy", {})
             if not isinstance(busy, dict) or not all(
-                    isinstance(k, str) and k.isascii() and k.isdigit() and (v is None or _is_int(v))
+                    isinstance(k, str) and is_digits(k) and (v is None or _is_int(v))
                     for k, v in busy.items()):
                 raise self.malformed("attach", f"'busy' must map ipu numbers to holder pids, "
                                      f"got {busy!r:.200}")

@@ -43,7 +43,6 @@ import mmap
 import os
 import errno
 import queue
-import stat
 import tempfile
 import threading
 import weakref
@@ -56,7 +55,7 @@ from host_runtime.popef import _format as fmt
 from host_runtime.popef import blobs
 from host_runtime.popef._schema import SchemaError, decode_metadata
 from host_runtime.popef.model import (ExecutableBlob, FeedData, Metadata, Opaque, TensorData)
-from ipu_emulator.safe_files import KINDS
+from ipu_emulator.safe_files import NotRegularFileError, open_regular
 from shm import OutOfFileDescriptorsError, buffer_address, limits
 from shm.errors import echo
 
@@ -167,28 +166,23 @@ class Reader:
         """Parse every blob of the file at ``path``."""
         spath = os.fspath(path)
         try:
-            # not blocking: a FIFO planted at the path would wait for a writer forever
-            fd = os.open(spath, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            f = open_regular(spath)   # (a FIFO planted at the path is refused, not waited on)
+        except NotRegularFileError as exc:
+            raise PopefError(f"the path is not a regular file but a {exc.kind}; expected a "
+                             "PopEF file", path=spath) from None
         except OSError as exc:
             named = limits.named_error(exc, f"opening PopEF file {echo(spath)}")
             if isinstance(named, OutOfFileDescriptorsError):   # not a damaged file
                 raise ResourceLimitError(str(named)) from named
             raise PopefError(f"cannot open PopEF file: {exc.strerror or exc}",
                              path=spath) from None
-        kind = stat.S_IFMT(os.fstat(fd).st_mode)
-        if kind != stat.S_IFREG:
-            os.close(fd)
-            raise PopefError(f"the path is not a regular file but a "
-                             f"{KINDS.get(kind, 'special file')}; expected a PopEF file",
-                             path=spath)
-        f = os.fdopen(fd, "rb")
         with f:
             try:
                 size = os.fstat(f.fileno()).st_size
             except OSError as exc:  # pragma: no cover - fstat on an open file
                 raise PopefError(f"cannot stat PopEF file: {exc}", path=spath) from None
             mapped = None
-            if size >= MAP_MIN_BYTES and stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            if size >= MAP_MIN_BYTES:   # (a regular file: open_regular)
                 snap = _snapshot(f.fileno(), size, spath)
                 try:
                     # populated at once for the checksum here; a checksum on a thread

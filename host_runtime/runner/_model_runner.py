@@ -43,7 +43,7 @@ from host_runtime.runner._intake import RequestIntake
 from host_runtime.runner._layout import ModelLayout
 from host_runtime.runner._replica import Replica, rerun_load_everywhere
 from host_runtime.runner._sessions import ReplicaSessions
-from host_runtime.runner._requests import OutputFuture
+from host_runtime.runner._requests import OutputFuture, Request
 from host_runtime.runner.config import DataDesc, ModelRunnerConfig
 from host_runtime.runner.monitoring import RequestMonitor
 from host_runtime.settings import HostSettings
@@ -283,11 +283,7 @@ class ModelRunner:
         req, transfers, phantom, view_mode = intake.build(rep.driver, rep.rid, input_data,
                                                           output_data, t0)
         rep.execute(req, transfers, phantom)
-        if output_data is not None:
-            return None
-        if view_mode:
-            return OutputMemory(req.results)
-        return {k: v.view(np.ndarray) for k, v in req.results.items()}
+        return _results(req, output_data, view_mode)
 
     def executeAsync(self, input_data: Any, output_data: Any = None,
                      replica_id: int = 0) -> OutputFuture:
@@ -508,10 +504,18 @@ def _execute_gathered(lock: threading.RLock, rep: Replica, runner: ModelRunner,
             rep.driver, rep.rid, input_data, output_data, time.perf_counter_ns())
         rep.submit(req, transfers, phantom)
     rep.wait(req)
-    results = (None if output_data is not None else OutputMemory(req.results)
-               if view_mode else {k: v.view(np.ndarray) for k, v in req.results.items()})
-    tail = runner._tail
+    results, tail = _results(req, output_data, view_mode), runner._tail
     return results if tail is None else tail.complete(results, output_data)
+
+
+def _results(req: Request, output_data: Any, view_mode: bool) -> Any:
+    """What ``execute`` returns of the done request ``req``: nothing when it wrote into
+    ``output_data``, else its outputs (an ``OutputMemory`` for a view-mode request)."""
+    if output_data is not None:
+        return None
+    if view_mode:
+        return OutputMemory(req.results)
+    return {k: v.view(np.ndarray) for k, v in req.results.items()}
 
 
 def _lock_of(locks: list[threading.RLock], replica_id: Any) -> Optional[threading.RLock]:

@@ -20,6 +20,7 @@ from host_runtime.errors import BadRequestError, InvalidStateError
 from host_runtime.memory import InputMemoryView
 from host_runtime.popef.model import DataType
 from ipu_emulator.system import MAX_IPUS
+from shm.settings import is_digits
 
 __all__ = [
     "ModelRunnerConfig",
@@ -185,8 +186,7 @@ class ModelRunnerConfig:
         want("batching_dim", is_int(self.batching_dim) and self.batching_dim >= 0,
              "a dimension index >= 0 or 0xFFFFFFFF (disabled)")
         want("max_look_ahead", self.max_look_ahead == "unlimited"
-             or (isinstance(self.max_look_ahead, str) and self.max_look_ahead.isascii()
-                 and self.max_look_ahead.isdigit()),
+             or (isinstance(self.max_look_ahead, str) and is_digits(self.max_look_ahead)),
              "'unlimited' or an unsigned integer")
         want("ring_buffer_size_multiplier", is_int(self.ring_buffer_size_multiplier)
              and self.ring_buffer_size_multiplier >= 1, "an int >= 1")

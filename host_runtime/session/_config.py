@@ -20,6 +20,7 @@ from host_runtime.popef import check_model
 from host_runtime.session.predicates import PopefDataUsagePredicate
 from host_runtime.settings import HostSettings
 from ipu_emulator.executable import ExecutableError, ExecutableHeader, read_header
+from shm.settings import is_digits
 
 __all__ = ["LaunchPolicy", "SessionConfig", "CallbackInfo", "CallbackHandle",
            "CallbackFactory", "DROP_STOP_TIMEOUT", "session_model", "executable_header"]
@@ -68,7 +69,7 @@ class SessionConfig:
         text = str(value).strip()
         if text == "unlimited":
             return None
-        if text.isascii() and text.isdigit():
+        if is_digits(text):
             return int(text)
         raise BadRequestError(
             f'max_look_ahead must be "unlimited" or an unsigned integer, got {value!r}')

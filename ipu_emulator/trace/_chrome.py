@@ -453,17 +453,23 @@ def _jsonable(v: Any) -> Any:
     return v if isinstance(v, (int, float, str, bool)) or v is None else repr(v)
 
 
+def _served_by(key: int, ts: int, devices: dict[int, list[tuple[int, str, int, list[int]]]],
+               runners: dict[int, tuple[str, str]]) -> tuple[str, str, list[int]]:
+    """The runner, model and IPU processes of the replica life ``key`` at ``ts``."""
+    model, pids = "", []
+    for since, m, _replica, p in devices.get(key, []):
+        if since <= ts:
+            model, pids = m, p
+    return runners.get(key, ("runner ?", ""))[0], model, pids
+
+
 def _failed(out: _Out, pid: int, ts: int, dur: int, payload: tuple[Any, ...],
             devices: dict[int, list[tuple[int, str, int, list[int]]]],
             runners: dict[int, tuple[str, str]], count: list[int]) -> None:
     """A request that failed: a slice from its arrival to its failure on its replica's
     request track, its args naming the error, and one phase inside, ``failed: <error>``."""
     key, replica, request_id, samples, error = payload
-    model = ""
-    for since, m, _r, _p in devices.get(key, []):
-        if since <= ts:
-            model = m
-    runner = runners.get(key, ("runner ?", ""))[0]
+    runner, model, _ = _served_by(key, ts, devices, runners)
     count[0] += 1
     ident = f"{ts:x}.{count[0]}"
     dur = max(dur, 1)
@@ -488,10 +494,7 @@ def _request(out: _Out, pid: int, payload: tuple[Any, ...], thread: str,
     key, replica, request_id, samples, seqs, instants = payload
     phases = _phases(instants)
     t0, t7 = phases[0][1], phases[-1][2]
-    model, pids = "", []
-    for since, m, r, p in devices.get(key, []):
-        if since <= t0:
-            model, pids = m, p
+    runner, model, pids = _served_by(key, t0, devices, runners)
     # each phase at least 1 ns, in order (see _visible); the request holds them all
     top = _visible([(n, a, b - a, {}) for n, a, b in phases if n != "transfer in"])
     q_start, q_end = top[1][1], top[1][1] + top[1][2]
@@ -500,7 +503,6 @@ def _request(out: _Out, pid: int, payload: tuple[Any, ...], thread: str,
     phases = [(n, a, a + d) for n, a, d, _ in top[:2]] + [("transfer in", t2, t3)] + \
         [(n, a, a + d) for n, a, d, _ in top[2:]]
     end = max(t7, phases[-1][2])
-    runner = runners.get(key, ("runner ?", ""))[0]
     count[0] += 1
     ident = f"{t0:x}.{count[0]}"
     out.async_slice(request_track(runner, model, replica), pid, ident, t0, end - t0,
