@@ -75,33 +75,44 @@ def main(path: str, seconds: float, how: str) -> None:
     end = time.monotonic() + seconds
     i = 0
     sender.start()
-    while True:
-        try:      # an interrupt may land anywhere in the loop, its test included
-            if time.monotonic() >= end:
-                sending[0] = False   # (one store: an interrupt comes before it or after)
-                break
-            i += 1
-            use_async = how == "async" or (how == "mixed" and i % 3 == 0)
-            if pending and i % 5 == 0:
-                j, fut = pending.pop()
-                check_future(j, fut)
-            elif use_async:
-                fut = runner.executeAsync(inputs(i))
-                try:
-                    fut.wait()
-                except KeyboardInterrupt:
-                    pending.append((i, fut))
-                    raise
-                check_future(i, fut)
-            else:
-                try:
-                    out = runner.execute(inputs(i))["tensor_C"]
-                except model_runtime.ModelRuntimeError as exc:
-                    errors[f"{type(exc).__name__}: {exc}"] += 1
-                    continue
-                counts["right" if right(i, out) else "wrong"] += 1
-        except KeyboardInterrupt:
-            counts["interrupted"] += 1
+
+    def turns() -> None:
+        nonlocal i
+        while True:
+            try:      # an interrupt may land anywhere in the loop, its test included
+                if time.monotonic() >= end:
+                    sending[0] = False   # (one store: an interrupt comes before it or after)
+                    break
+                i += 1
+                use_async = how == "async" or (how == "mixed" and i % 3 == 0)
+                if pending and i % 5 == 0:
+                    j, fut = pending.pop()
+                    check_future(j, fut)
+                elif use_async:
+                    fut = runner.executeAsync(inputs(i))
+                    try:
+                        fut.wait()
+                    except KeyboardInterrupt:
+                        pending.append((i, fut))
+                        raise
+                    check_future(i, fut)
+                else:
+                    try:
+                        out = runner.execute(inputs(i))["tensor_C"]
+                    except model_runtime.ModelRuntimeError as exc:
+                        errors[f"{type(exc).__name__}: {exc}"] += 1
+                        continue
+                    counts["right" if right(i, out) else "wrong"] += 1
+            except KeyboardInterrupt:
+                counts["interrupted"] += 1
+
+    finished = False
+    while not finished:
+        try:
+            turns()
+            finished = True
+        except KeyboardInterrupt:   # one landed between two turns (the loop's back-edge,
+            counts["interrupted"] += 1   # outside its try), or as it returned
     while True:
         try:
             sender.join()
