@@ -63,7 +63,9 @@ def _wire(counted: _CountedRing) -> ControlWire:
                        pool=True, apply_modes=lambda m: None)
 
 
-def test_a_request_sent_during_the_poll_is_taken_without_blocking(ring):
+def test_a_request_sent_during_the_poll_is_taken_without_blocking(ring, monkeypatch):
+    # a budget no descheduling can spend before the fifth look (the request comes then)
+    monkeypatch.setattr(_control, "FIRST_REQUEST_POLL_NS", 60_000_000_000)
     counted = _CountedRing(ring)
     wire = _wire(counted)
 
