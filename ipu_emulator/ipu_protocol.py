@@ -243,6 +243,13 @@ def read_host_memory_descriptor(raw: bytes) -> HostMemoryRef:
 HANDOVER_SEQ = -1
 """The seq of a daemon's HOST(pid) that nobody waits for (hosts number theirs from 1)."""
 
+
+def daemon_seq(n: int) -> int:
+    """The seq of a daemon's ``n``-th HOST 0 (negative, below ``HANDOVER_SEQ``): the
+    answers a host left unread (a closing host does not wait for its last) are numbered
+    from 1, and the daemon, reading past them, must never take one for its own."""
+    return -2 - (n % (1 << 30))
+
 CONTROL_SLOT_SIZE = 4096
 CONTROL_SLOTS = 16
 EVENT_SLOT_SIZE = 8192
@@ -393,7 +400,7 @@ def _longest(text: str, room: int, tail: bool) -> str:
     return mark + text[len(text) - lo:] if tail else text[:lo] + mark
 
 
-__all__ += ["error_body", "HANDOVER_SEQ"]
+__all__ += ["error_body", "HANDOVER_SEQ", "daemon_seq"]
 
 # -- load spec ----------------------------------------------------------------------
 

@@ -116,7 +116,7 @@ class PooledIpu:
 
     def _host_call(self, host: int, body: dict[str, Any]) -> None:
         proc = self._live_process()
-        seq = next(self._seq) & 0x7FFFFFFF
+        seq = ipu_protocol.daemon_seq(next(self._seq))
         deadline = time.monotonic() + self.handover_timeout
         try:
             ipu_protocol.send(proc.control, Message(Op.HOST, seq=seq, value=host, body=body),
