@@ -11,6 +11,7 @@ from host_runtime.devices._wait import when_waiting as when_waiting, waiting_els
 from host_runtime.devices._manager import ActiveSession as ActiveSession
 from host_runtime.devices._ipu_group import ShardedLoad as ShardedLoad, paced_by_requests as paced_by_requests, main_reads as main_reads, paced as paced
 from host_runtime.devices._link import Answer as Answer, wait as wait
+from host_runtime.devices._first import FirstRequest as FirstRequest, first_request as first_request
 from host_runtime.devices._shm_space import check_room as check_room, filled_region as filled_region, free_bytes as free_bytes, load_spec_region as load_spec_region, ring_bytes as ring_bytes, translated as translated
 
 from ipu_emulator import trace as _trace

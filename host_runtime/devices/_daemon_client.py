@@ -35,18 +35,20 @@ import threading
 import weakref
 from typing import Any, Callable
 
-from shm import ExitWatch, Ring, describe_process
+from shm import ExitWatch, Ring, ShmError, describe_process
 from shm.settings import is_digits
 
 from host_runtime.errors import (DeviceTimeoutError, DeviceUnavailableError,
                                  PartitionNotFoundError)
+from host_runtime.devices._first import FIRST_SEQ, take_first_request
 from host_runtime.devices._wait import waiting_elsewhere
 from host_runtime.settings import HostSettings
 from ipu_emulator import trace
 from ipu_emulator.daemon import socket_protocol as wire
 from ipu_emulator.errors import DaemonVersionError
 from ipu_emulator.ipu.launcher import IpuSpec, describe_returncode, read_log_tail
-from ipu_emulator.ipu_protocol import Ready
+from ipu_emulator import ipu_protocol
+from ipu_emulator.ipu_protocol import Message, Op, Ready
 from ipu_emulator.system import SystemConfig
 
 __all__ = ["DaemonClient", "DaemonAttachment", "DaemonIpu", "daemon_from_env"]
@@ -490,6 +492,17 @@ class DaemonIpu:
         self._owner_pid = os.getpid()   # a forked child never kills the daemon's process
         self._exit = ExitWatch([self._pid])   # liveness: a pidfd (not our child)
         self.control = Ring.attach(info["control"], prefault=False)   # a slot's pages fault in as written
+        # a session's LOAD, ready while the daemon answered: sent before the rest is built
+        # (host_runtime.devices._first); the daemon's HOST is ahead of it on the ring
+        self.first: tuple[int, Op, Any] | None = None
+        first = take_first_request() if spec.num_ipus == 1 else None
+        if first is not None:
+            try:
+                ipu_protocol.send(self.control, Message(first[0], seq=FIRST_SEQ, body=first[1]),
+                                  timeout=0.0)
+                self.first = (FIRST_SEQ, *first)
+            except (ShmError, ipu_protocol.ProtocolError):   # (then the session sends it)
+                pass
         try:
             self.events = Ring.attach(info["events"], prefault=False)
         except BaseException:

@@ -130,6 +130,15 @@ class GroupLink:
         for m in self._members:
             m.quiesce(timeout)
 
+    @property
+    def last_unanswered(self) -> bool:
+        # waited for: an IPU waiting on another's link ends its program only then (and
+        # one that does not is killed by the stop's bound, not left to the daemon's)
+        return False
+
+    def take_first(self) -> tuple[Op, Any, "cf.Future[None]"] | None:
+        return None   # a device of several IPUs is sent no first request (launch_all)
+
     def wake(self) -> None:
         for m in self._members:
             m.wake()

@@ -33,6 +33,8 @@ from shm import PeerDiedError, RingTimeoutError, ShmError, describe_process, pro
 
 from host_runtime._sleepers import sleep_released
 from host_runtime._deadline import host_sync_timeout
+from host_runtime.devices import _event_threads as event_threads
+from host_runtime.devices._first import FIRST_SEQ
 from host_runtime.devices.link import StreamServicer
 from host_runtime.settings import HostSettings
 from host_runtime.errors import (ApplicationRuntimeError, DeviceRuntimeError,
@@ -152,14 +154,19 @@ class ProcessLink:
         self._servicer: "weakref.ref[StreamServicer] | None" = None   # weakly: the session owns it
         self._lost: DeviceLostError | None = None
         self._lost_lock = threading.Lock()
-        self._thread: threading.Thread | None = None
+        self._thread: event_threads.Service | None = None
         self._closing = False
+        self._quitting = False   # quiesce() ends the event thread before the last answer
         self._started = False
         self._final_seq: int | None = None   # the event thread ends after this answer
         self._last_event = time.monotonic()  # when the last event came (the peer's progress)
         self._servicing = False              # a stream callback of the host runs now
         self.sync_timeout = s.host_sync_timeout   # taken when the device is made
         self._start_timeout = s.start_timeout
+        # the request sent before this link was made (_first): (op, body, answer)
+        self._first = _adopt_first(self._primary, self._pending)
+        if self._first is not None:
+            self._seq = itertools.count(FIRST_SEQ + 1)
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -192,10 +199,10 @@ class ProcessLink:
             if self._thread is not None:
                 return
             # The thread refers to the link weakly (see _serve): the device owns the link.
-            t = threading.Thread(target=_serve, args=(weakref.ref(self), self._primary.events),
-                                 daemon=True, name=f"ipu-events-{self._primary.pid}")
-            t.start()
-            self._thread = t   # (started: others take it as running)
+            # It is one kept between links (host_runtime.devices._event_threads).
+            self._thread = event_threads.serve(
+                _serve, (weakref.ref(self), self._primary.events),
+                f"ipu-events-{self._primary.pid}")
 
     def _wait_ready(self, proc: IpuConnection) -> None:
         """``proc.wait_ready()`` (its own start timeout: a fresh process may import for a
@@ -225,26 +232,37 @@ class ProcessLink:
         longer than ``timeout`` (it ends when the callback returns)."""
         self._closing = True
         t = self._thread
-        if t is not None and t is not threading.current_thread():
+        if t is not None and not t.is_current():
             t.join(timeout)
         self._fail_all(InvalidStateError(f"{self.description} was detached"))
+
+    @property
+    def last_unanswered(self) -> bool:
+        """Its event ring is a daemon's (one made here: SHUTDOWN's BYE ends the thread)."""
+        return not getattr(self._primary.events, "owner", True)
 
     def quiesce(self, timeout: float = 1.0) -> None:
         """End the event thread before a daemon's event ring goes back to the daemon.
 
         A daemon's IPU process answers the daemon on the same ring once this host
-        releases it: a thread of ours still reading there would take those answers. A
-        PING's answer is the last event the thread reads (no waiting for a slice to end).
-        With an event ring of our own, SHUTDOWN's BYE ends the thread instead.
+        releases it: a thread of ours still reading there would take those answers.
+        After a request sent as the last (a closing session's STOP) the thread is ended
+        here, its answer not waited for: the daemon skips what this host left unread,
+        and its HOST 0 (which resets the process) follows that request on the control
+        ring. Otherwise a PING's answer is the last event the thread reads (no waiting
+        for a slice to end). With an event ring of our own, SHUTDOWN's BYE ends the
+        thread instead.
         """
         t = self._thread
-        if (t is None or not t.is_alive() or t is threading.current_thread()
-                or self._lost is not None or getattr(self._primary.events, "owner", True)):
+        if (t is None or not t.is_alive() or t.is_current()
+                or self._lost is not None or not self.last_unanswered):
             return
-        with self._lock:
-            answered = self._final_seq is not None and self._final_seq not in self._pending
-        if answered:   # a request sent as the last (a closing session's STOP) was answered
+        if self._final_seq is not None:
+            self._quitting = True   # the thread reads no further event
+            events = self._primary.events
+            events.interrupt()      # ... and leaves its wait now
             t.join(timeout)
+            events.resume()
             return
         seq = next(self._seq) & 0x7FFFFFFF
         fut: cf.Future[None] = Answer()
@@ -331,6 +349,16 @@ class ProcessLink:
         if self._thread is None:   # the first request: the IPU process works on it meanwhile
             self._serve_events()
         return fut
+
+    def take_first(self) -> tuple[Op, Any, "cf.Future[None]"] | None:
+        """The request the IPU process was sent first, before this link was made (see
+        :mod:`host_runtime.devices._first`): its op, body and answer (once; None if there
+        was none). Its answer is read from now on."""
+        first, self._first = self._first, None
+        if first is not None:
+            self._ready()
+            self._serve_events()
+        return first
 
     def call(self, op: Op, body: Any = None, timeout: float | None = None) -> None:
         """Send a request and wait for its completion (raising its error); bounded by
@@ -458,6 +486,19 @@ class ProcessLink:
                 fut.set_exception(error)
 
 
+def _adopt_first(proc: Any, pending: dict[int, tuple["cf.Future[None]", Op]]
+                 ) -> tuple[Op, Any, "cf.Future[None]"] | None:
+    """The first request ``proc`` was sent (``DaemonIpu.first``), pending in ``pending``."""
+    first = getattr(proc, "first", None)
+    if first is None:
+        return None
+    seq, op, body = first
+    assert seq == FIRST_SEQ
+    fut: cf.Future[None] = Answer()
+    pending[seq] = (fut, op)
+    return op, body, fut
+
+
 def _serve(ref: "weakref.ref[ProcessLink]", events: Any) -> None:
     """The service thread: read events, hand each to the link while it lives.
 
@@ -477,7 +518,7 @@ def _serve(ref: "weakref.ref[ProcessLink]", events: Any) -> None:
 def _serve_events(ref: "weakref.ref[ProcessLink]", events: Any) -> None:
     while True:
         link = ref()
-        if link is None or link._closing:
+        if link is None or link._closing or link._quitting:
             return
         del link
         try:
@@ -495,7 +536,7 @@ def _serve_events(ref: "weakref.ref[ProcessLink]", events: Any) -> None:
             return
         except ShmError as exc:
             link = ref()
-            if link is not None and not link._closing:
+            if link is not None and not (link._closing or link._quitting):
                 _log.warning("%s: event ring failed: %s", link.description, exc)
                 link.mark_lost()
             return

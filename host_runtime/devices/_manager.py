@@ -22,6 +22,7 @@ tiles per IPU, so only small executables fit.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -30,6 +31,7 @@ from typing import Any, Callable
 from host_runtime.devices import _partition
 from host_runtime.devices._daemon_client import DaemonAttachment, DaemonClient, daemon_from_env
 from host_runtime.devices._device import ActiveSession as ActiveSession, Device as Device
+from host_runtime.devices._first import first_request
 from host_runtime.devices._shm_space import translated
 from host_runtime.devices._wait import (DeviceConstraints as DeviceConstraints,
                                         DeviceWaitConfig as DeviceWaitConfig,
@@ -455,9 +457,11 @@ def launch_all(specs: list[IpuSpec], launch: Callable[..., IpuConnection], warm:
     procs: list[IpuConnection] = []
     try:
         for spec in specs:
-            # the IPU process's control and event rings live in /dev/shm too
+            # the IPU process's control and event rings live in /dev/shm too; a first
+            # request is for a one-IPU device (host_runtime.devices._first)
             with translated(f"the process and the control and event rings of IPU "
-                            f"{spec.ipu_id}", ipu_protocol.RINGS_BYTES):
+                            f"{spec.ipu_id}", ipu_protocol.RINGS_BYTES), \
+                    (contextlib.nullcontext() if len(specs) == 1 else first_request(None)):
                 procs.append(launch(spec, log_dir=log_dir))
     except BaseException:
         for p in procs:

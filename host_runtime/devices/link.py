@@ -52,7 +52,18 @@ class DeviceLink(Protocol):
         """Stop serving events; fail what is pending (idempotent)."""
 
     def quiesce(self, timeout: float = 1.0) -> None:
-        """End the event service before a daemon's rings go back to the daemon."""
+        """End the event service before a daemon's rings go back to the daemon (without
+        the answer of a request sent as the last)."""
+
+    def take_first(self) -> "tuple[Op, Any, cf.Future[None]] | None":
+        """The request the IPU process was sent before the link was made, if any
+        (:mod:`host_runtime.devices._first`): its op, body and answer; once."""
+
+    @property
+    def last_unanswered(self) -> bool:
+        """The answer of a request sent as the last need not be waited for: a daemon's
+        one-IPU device (:meth:`quiesce` ends the event service without it; the daemon's
+        reset follows it on the control ring)."""
 
     def wake(self) -> None:
         """Wake the event service at once (the IPU processes have exited)."""

@@ -8,15 +8,26 @@ the attach waits: the attach tells when it starts waiting on another process
 IPU processes launched) and the work runs there, in the same thread; an attach that
 never waits elsewhere has the work run after it. One thread: the work never
 contends with the attach for the interpreter, and runs in the caller's context.
+
+:func:`attach_loading` is that for a session's loader: the work makes its rings and
+regions and its LOAD's spec, and that LOAD, ready before the device is, is sent as
+the device's first request (:mod:`host_runtime.devices._first`).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, Protocol
 
-from host_runtime.devices import Device, when_waiting
+from host_runtime.devices import Device, FirstRequest, first_request, when_waiting
+from ipu_emulator.ipu_protocol import Op
 
-__all__ = ["attach_meanwhile"]
+__all__ = ["attach_meanwhile", "attach_loading"]
+
+
+class _Loader(Protocol):
+    def ensure_resources(self, dev: Device | None) -> None: ...
+
+    def first_load(self) -> dict[str, Any] | None: ...
 
 
 class _Work:
@@ -64,3 +75,17 @@ def _raise_work_error(done: _Work) -> None:
             raise error
         finally:
             del error   # no cycle: the traceback holds this frame
+
+
+def attach_loading(attach: Callable[[], Device], loader: _Loader) -> Device:
+    """:func:`attach_meanwhile` with ``loader``'s rings and regions made meanwhile; its
+    LOAD, if ready by the time the device's control ring is open, is sent first."""
+    first = FirstRequest()
+
+    def work() -> None:
+        loader.ensure_resources(None)
+        body = loader.first_load()
+        if body is not None:
+            first.ready(Op.LOAD, body)
+    with first_request(first):
+        return attach_meanwhile(attach, work)

@@ -82,17 +82,25 @@ class Binding:
         return text.startswith("<locked") and f" owner={threading.get_ident()} " not in text
 
     def stop(self, timeout: float, kill_if_hung: bool, wake: Callable[[], None],
-             last: bool = False) -> None:
+             last: bool = False) -> bool:
         """Send STOP and wait up to ``timeout`` s; ``wake``: wakes a program waiting on a
         stream. ``kill_if_hung``: a device the session owns that does not answer in time
         has its IPU processes killed (else DeviceTimeoutError). ``last``: the device is
-        closed next, without another request (``ProcessLink.request``)."""
+        closed next, without another request (``ProcessLink.request``).
+
+        Returns False if the answer was not waited for: the last request to a daemon's
+        one-IPU device (``DeviceLink.last_unanswered``). Its release follows; the daemon's
+        reset of the process comes after the STOP on its control ring (and restarts one
+        that does not answer it), and this host reads no further event
+        (``ProcessLink.quiesce``)."""
         dev = self.device
         try:
             fut = dev.link.request(Op.STOP, last=last)
             # wake a program waiting on a stream now, not at its next check of the
             # control ring; reload() resets the rings
             wake()
+            if last and dev.link.last_unanswered and not fut.done():
+                return False
             wait(fut, timeout, f"stop on {dev.describe()}", pids=dev.pids(),
                  progress=lambda: dev.link.progress,
                  sync=dev.link.sync_timeout)
@@ -103,6 +111,7 @@ class Binding:
                 raise
             _log.warning("%s: %s; killing its IPU processes", dev.describe(), exc)
             dev.kill()
+        return True
 
     def release(self, session: ActiveSession, key: str, timeout: float,
                 implicit_save: Callable[[], None] | None) -> None:

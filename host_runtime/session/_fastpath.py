@@ -142,10 +142,14 @@ class DirectStreams:
             session.finish_main(dev)
             return outer
 
-    def loop_stopped(self) -> None:
+    def loop_stopped(self, answered: bool = True) -> None:
         """A STOP was answered: the device ran what was sent before it, a LOOP among them
-        has ended. A loop whose start was cut short (its answer never hooked) ends here."""
+        has ended. A loop whose start was cut short (its answer never hooked) ends here;
+        so does every loop if the STOP was the device's last request, not waited for
+        (``answered`` False: no further answer comes)."""
         outer, self._unhooked = self._unhooked, None
+        if not answered:
+            outer = self._loop
         if outer is not None:
             _settle(outer, None)
 

@@ -13,13 +13,14 @@ which binding it loads for is the caller's :class:`~host_runtime.session._state.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any, Callable, Sequence
 
 from shm import Region
 
 from host_runtime.devices import Device, ShardedLoad, load_spec_region, translated, wait
-from host_runtime.errors import BadRequestError, PopefError
+from host_runtime.errors import BadRequestError, ModelRuntimeError, PopefError
 from host_runtime.popef.reader import file_identity as popef_file_identity
 from host_runtime.popef.reader import file_span as popef_file_span
 from host_runtime.session._config import SessionConfig
@@ -159,16 +160,50 @@ class Loader:
         weights_file = self._weights_file(dev)
         if weights_file is None:
             self.share_weights(dev)
-        # the executable stays where it is; only "fresh", modes and weights change
-        region = self._write_spec(self._spec(fresh, modes, weights_file))
-        load: dict[str, Any] = {"spec_region": region.name}
-        if self._fault_table is not None:
-            load["faults"] = [self._fault_table.name]
-        self._loading = (dev.link.request(Op.LOAD, load), dev)
+        spec = self._spec(fresh, modes, weights_file)
+        sent = self._first_load(dev, spec)
+        if sent is None:
+            # the executable stays where it is; only "fresh", modes and weights change
+            sent = dev.link.request(Op.LOAD, self._load_body(self._write_spec(spec)))
+        self._loading = (sent, dev)
         if not self.defer:
             self.settle()
         binding.modes_sent = modes
         self._constants_loaded = constants
+
+    def _load_body(self, region: Region) -> dict[str, Any]:
+        load: dict[str, Any] = {"spec_region": region.name}
+        if self._fault_table is not None:
+            load["faults"] = [self._fault_table.name]
+        return load
+
+    def first_load(self) -> dict[str, Any] | None:
+        """The body of the LOAD a device attached for this session may be sent first (see
+        ``host_runtime.devices._first``): the spec made while it attaches; None if there
+        is none (an executable of several IPUs)."""
+        region = self._spec_region
+        return self._load_body(region) if region is not None else None
+
+    def _first_load(self, dev: Device, spec: LoadSpec) -> "Any | None":
+        """The answer of the LOAD ``dev`` was sent first, if it is the one this LOAD would
+        send (the same spec; "fresh" aside: the device has nothing of this host cached);
+        else None, once that one is answered (its spec region is rewritten next)."""
+        first = dev.link.take_first()
+        if first is None:
+            return None
+        op, body, fut = first
+        region, written = self._spec_region, self._spec_written
+        if (op is Op.LOAD and region is not None and written is not None
+                and body == self._load_body(region)
+                and dataclasses.replace(written, fresh=spec.fresh) == spec):
+            return fut
+        try:
+            wait(fut, self._settings.load_timeout, f"LOAD on {dev.describe()}",
+                 pids=dev.pids(), progress=lambda: dev.link.progress,
+                 sync=dev.link.sync_timeout)
+        except ModelRuntimeError:   # superseded by the LOAD sent next
+            pass
+        return None
 
     def settle(self) -> None:
         """Wait for the LOAD sent last, if it has not been waited for (its error raised as

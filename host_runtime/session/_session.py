@@ -52,7 +52,7 @@ from host_runtime._fork import check_owner, current_pid, foreign
 from host_runtime.devices import Device, DeviceManager
 from host_runtime.errors import BadRequestError, InvalidStateError
 from host_runtime.session._anchors import AnchorsAndCallbacks
-from host_runtime.session._attach import attach_meanwhile
+from host_runtime.session._attach import attach_loading
 from host_runtime.session._binding import Binding
 from host_runtime.session._config import (DROP_STOP_TIMEOUT, CallbackFactory, CallbackHandle,
                                           CallbackInfo, LaunchPolicy, SessionConfig,
@@ -214,8 +214,8 @@ class Session(AnchorsAndCallbacks):
         b = self._binding
         if b is not None and b.active(self):
             last = closing and b.owned and set(b.device.sessions()) <= {self}
-            b.stop(timeout, kill_if_hung, self._wake_streams, last=last)
-            self._direct.loop_stopped()   # (a loop whose start was cut short too)
+            answered = b.stop(timeout, kill_if_hung, self._wake_streams, last=last)
+            self._direct.loop_stopped(answered)   # (a loop whose start was cut short too)
 
     def _wake_streams(self) -> None:
         """After a STOP: invalidate the stream rings (and a sharded model's IPU-Links, which
@@ -351,10 +351,10 @@ class Session(AnchorsAndCallbacks):
     def _acquire_device(self) -> Device:
         self._loader.share_weights()   # while the IPU process starts (its template may be starting)
         manager = DeviceManager(settings=self._settings)
-        # the rings and regions are made while the device attaches (host_runtime.session._attach)
-        dev = attach_meanwhile(
+        # rings and regions made while the device attaches; then LOAD first (_attach)
+        dev = attach_loading(
             lambda: manager.getDevice(self._model, wait_config=self._config.wait_config),
-            lambda: self._loader.ensure_resources(None))
+            self._loader)
         try:
             self._bind(dev, owned=True)
         except BaseException:

@@ -1,0 +1,79 @@
+"""The event threads device links read their rings on (host_runtime.devices._event_threads):
+a thread whose link ended serves the next one, which then waits for no thread start."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from host_runtime.devices import _event_threads as event_threads
+
+
+def _thread(ident: int | None) -> threading.Thread:
+    return next(t for t in threading.enumerate() if t.ident == ident)
+
+
+def test_a_service_runs_its_function_on_a_named_thread_and_is_joined() -> None:
+    seen: list[tuple[str, bool, int]] = []
+    go = threading.Event()
+
+    def fn(a: int, b: int) -> None:
+        go.wait(10)
+        seen.append((threading.current_thread().name, service.is_current(), a + b))
+
+    service = event_threads.serve(fn, (2, 3), "ipu-events-test")
+    assert service.is_alive() and not service.is_current()
+    assert not service.join(0.0)
+    go.set()
+    assert service.join(10)
+    assert not service.is_alive()
+    assert seen == [("ipu-events-test", True, 5)]
+
+
+def test_a_thread_whose_service_ended_serves_the_next_and_is_named_idle_meanwhile() -> None:
+    first = event_threads.serve(lambda: None, (), "ipu-events-a")
+    assert first.join(10)
+    thread = _thread(first.ident)   # waiting for the next link once the service ended
+    assert thread.name == event_threads.IDLE_NAME and thread.is_alive()
+    count = threading.active_count()
+    second = event_threads.serve(lambda: None, (), "ipu-events-b")
+    assert second.join(10)
+    assert second.ident == first.ident          # the same thread
+    assert threading.active_count() == count    # and no new one
+
+
+def test_an_idle_thread_ends_after_its_idle_time(monkeypatch) -> None:
+    monkeypatch.setattr(event_threads, "IDLE_SECONDS", 0.05)
+    with event_threads._lock:   # (threads idle from other tests keep their own wait)
+        event_threads._idle.clear()
+    service = event_threads.serve(lambda: None, (), "ipu-events-short")
+    assert service.join(10)
+    thread = _thread(service.ident)
+    thread.join(10)
+    assert not thread.is_alive()
+    assert thread not in threading.enumerate()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_has_no_idle_threads_of_its_parent() -> None:
+    service = event_threads.serve(lambda: None, (), "ipu-events-parent")
+    assert service.join(10)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:   # the child: its serve starts a thread of its own, which runs
+        code = 1
+        try:
+            ok = not event_threads._idle
+            child = event_threads.serve(lambda: None, (), "ipu-events-child")
+            code = 0 if ok and child.join(10) else 1
+        finally:
+            os.write(w, bytes([code]))
+            os._exit(code)
+    os.close(w)
+    try:
+        assert os.read(r, 1) == b"\x00"
+    finally:
+        os.close(r)
+        os.waitpid(pid, 0)
