@@ -12,8 +12,9 @@ in one run, in rounds that interleave each mode with the reference:
   template process of :mod:`ipu_emulator.ipu.forkserver` when it is on; also
   timed with it off, ``IPU_EMULATOR_FORKSERVER=0``, unless ``--no-cold``).
 
-Each figure is the median of ``--repeats`` warm repeats (one untimed round
-first). The daemon is timed in rounds of ``ort`` and ``daemon`` alone, the embedded
+Each figure is the median of ``--repeats`` warm repeats, after ``--warmup`` untimed
+rounds (a daemon's first lives, its IPU process and this process still warming up,
+take 3-4 ms, falling to the steady 2.0-2.3 ms over about ten). The daemon is timed in rounds of ``ort`` and ``daemon`` alone, the embedded
 modes in rounds of their own after those (each with its own ``ort`` reference): an
 embedded runner's close leaves its IPU process exiting and the template process
 forking, work that would otherwise land in the next daemon life (measured: 30-60%
@@ -176,7 +177,8 @@ def _env(**values: str | None) -> Iterator[None]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.bench lifecycle", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=15, help="timed rounds")
+    parser.add_argument("--repeats", type=int, default=31, help="timed rounds")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed rounds first")
     parser.add_argument("--back-to-back", type=int, default=0, metavar="N",
                         help="also time N daemon lives in a row (default 0: not)")
     parser.add_argument("--no-cold", action="store_true",
@@ -227,8 +229,9 @@ def main(argv: list[str] | None = None) -> int:
             row: list[tuple[float, float, float]] = []   # the back-to-back lives
             refs: dict[str, list[float]] = {}   # each mode's ort, timed in its rounds
             for phase in phases:
-                for fn in phase.values():     # warm-up round, not timed
-                    fn()
+                for _ in range(max(1, args.warmup)):   # warm-up rounds, not timed
+                    for fn in phase.values():
+                        fn()
                 for name in phase:
                     closes.get(name, []).clear()
                 ort_times: list[float] = []
