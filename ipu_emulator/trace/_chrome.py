@@ -22,8 +22,10 @@ The result is a JSON object ``{"traceEvents": [...], "displayTimeUnit": "ns",
 - ``i`` instants (``main loop``, faults and other named marks);
 - arrows bound to their slices by id (``bind_id`` with ``flow_out`` / ``flow_in``): from
   each request's ``transfer in`` to the first IPU iteration that served each of its
-  transfers, and from an iteration's last transfer out on to the next pipeline stage's
-  iteration (paired by the transfer's sequence number, which every slot tag carries).
+  transfers (one that served more requests than it has slices takes the others' on
+  1-ns ``batched request`` marks in its ``copies in``), and from an iteration's last
+  transfer out on to the next pipeline stage's iteration, once (paired by the
+  transfer's sequence number, which every slot tag carries).
   Each source ends before its destination starts, so Perfetto draws them forward.
 """
 
@@ -76,6 +78,7 @@ class _Out:
         self.events: list[dict[str, Any]] = []
         self.flow = 0
         self.depth: dict[int, int] = {}
+        self.marks: dict[int, int] = {}   # request marks made inside a slice (flow_in)
 
     def slice(self, name: str, pid: int, tid: int, ts: int, dur: int, cat: str,
               args: dict[str, Any] | None = None, depth: int = 0) -> dict[str, Any]:
@@ -126,11 +129,24 @@ class _Out:
             src["flow_out"] = True
         return int(src["bind_id"])
 
-    def flow_in(self, flow: int, dst: list[dict[str, Any]]) -> bool:
+    def flow_in(self, flow: int, dst: list[dict[str, Any]],
+                args: dict[str, Any] | None = None) -> bool:
         """Bind flow ``flow`` into the first slice of ``dst`` not bound yet (a slice holds
-        one ``bind_id``); False if none is free."""
+        one ``bind_id``). None free (an iteration serving more requests than it has
+        slices: dynamic batching): into a new 1-ns ``batched request`` mark (``args``) inside the
+        first of them with room, after the marks before it there; False if none has."""
         for ev in dst:
             if "bind_id" not in ev:
+                ev["bind_id"] = flow
+                ev["flow_in"] = True
+                return True
+        for host in dst[1:] + dst[:1]:
+            start, dur = round(host["ts"] * 1000), round(host["dur"] * 1000)
+            n = self.marks.get(id(host), 0)
+            if n + 1 <= dur:
+                self.marks[id(host)] = n + 1
+                ev = self.slice("batched request", host["pid"], host["tid"], start + n, 1, "transfer",
+                                args, depth=self.depth[id(host)] + 1)
                 ev["bind_id"] = flow
                 ev["flow_in"] = True
                 return True
@@ -549,8 +565,10 @@ def _request(out: _Out, pid: int, payload: tuple[Any, ...], thread: str,
             src = out.async_slice(f"transfer in (seq {seq})", pid, ident, since,
                                   until - since, {"seq": seq}, depth=3)
             since = until
-        for it in chain:
-            if src is None or not out.flow_in(out.flow_out(src), it.into):
+        for k, it in enumerate(chain):
+            # on from a stage's iteration: drawn once (by the first request it served)
+            if src is None or (k and "bind_id" in src) or not out.flow_in(
+                    out.flow_out(src), it.into, {"request_id": request_id, "seq": seq}):
                 break
             src = it.out
 

@@ -195,6 +195,35 @@ def test_each_arrow_leaves_its_request_before_the_iteration_it_ends_in():
     assert not [e for e in timeline["traceEvents"] if e["ph"] in ("s", "f")]
 
 
+def test_every_request_of_a_batched_iteration_gets_its_arrow():
+    """Six requests batched into one transfer (dynamic batching), one iteration serving
+    them all: it has four slices to bind arrows into; the other two end on 1-ns
+    ``batched request`` marks inside its ``copies in``, side by side, each naming its request."""
+    R = recorder
+    life = (R.H_LIFE, 1, 1000, 500, ("attach and load", 0, (200,), "m", 7))
+    reqs = [(R.H_REQUEST, 1, 9000 + 10 * k, 4200,
+             (7, 0, k + 1, 1, (5,), tuple(t + 10 * k for t in
+                                          (9000, 9500, 9600, 10500, 10600, 13100, 13200,
+                                           13200))))
+            for k in range(6)]
+    records = [(2000, 100_000, R.I_OP, 0, int(_chrome.Op.LOOP), 1, 0),
+               (10900, 5000, R.I_PROGRAM, 0, 1, 2, 1),
+               (11000, 2000, R.I_STEP, 0, 5, 500, 1500)]
+    timeline = _chrome.merge(100, "host", [life, *reqs], 0, {1: (100, "MainThread")},
+                             [_chrome.IpuRecords(200, 0, records, 0)], (0, 200_000))
+    assert trace_summary.validate(timeline) == []
+    drawn = trace_summary.arrows(timeline)
+    assert len(drawn) == 6 and all(a["name"] == "transfer in" for a, _ in drawn)
+    assert sorted(b["name"] for _, b in drawn) == \
+        ["batched request", "batched request", "compute", "copies in", "copies out", "iteration"]
+    marks = sorted((b for _, b in drawn if b["name"] == "batched request"), key=lambda b: b["ts"])
+    assert [(m["ts"], m["dur"], m["args"]["request_id"]) for m in marks] == \
+        [(11.0, 0.001, 5), (11.001, 0.001, 6)]
+    (copies_in,) = [e for e in trace_summary.slices(timeline) if e["name"] == "copies in"]
+    assert all(copies_in["ts"] <= m["ts"] and m["ts"] + m["dur"] <= copies_in["ts"]
+               + copies_in["dur"] for m in marks)   # (and validate() checked the nesting)
+
+
 def test_an_iteration_begun_before_its_transfer_was_laid_gets_no_arrow_back_in_time():
     """The IPU's iteration began (waiting for its inputs) before the host began laying
     the transfer it served: the arrow leaves the request's last phase that ended by then
