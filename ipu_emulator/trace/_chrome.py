@@ -540,7 +540,10 @@ def _request(out: _Out, pid: int, payload: tuple[Any, ...], thread: str,
         chain: list[Served] = []
         for ipu_pid in pids:
             for it in iterations.get(ipu_pid, {}).get(seq, []):
-                if t0 <= it.start and it.end <= end:
+                # inside the request; a later stage's (reached by a link arrow) may end
+                # after it: its step records its end once it let go of its input slots,
+                # after publishing the output the host then read
+                if t0 <= it.start and (it.end <= end or chain and it.start <= end):
                     chain.append(it)
                     break
         if chain:

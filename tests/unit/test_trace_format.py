@@ -331,3 +331,26 @@ def test_a_sharded_models_token_is_the_main_runs_not_the_iterations():
     # an iteration of unnumbered transfers only keeps them
     (alone,) = _chrome._iterations(inner[:1])
     assert (alone.seq, alone.start, alone.lead) == (0, 1000, [])
+
+
+def test_a_pipelines_last_stage_ending_after_its_request_still_gets_the_link_arrow():
+    """Two IPUs, one request: the first stage's iteration inside the request, the last
+    stage's ending 20 us after it (its step records its end once it let go of its
+    input slots, after publishing the output the host read): the link arrow is drawn."""
+    R = recorder
+    life = (R.H_LIFE, 1, 1000, 500, ("attach and load", 0, (200, 300), "m", 7))
+    req = (R.H_REQUEST, 1, 9000, 30_000,
+           (7, 0, 1, 1, (5,), (9000, 9500, 9600, 10500, 10600, 38900, 39000, 39000)))
+    first = [(2000, 100_000, R.I_OP, 0, int(_chrome.Op.LOOP), 1, 0),
+             (10900, 9000, R.I_PROGRAM, 0, 1, 2, 1),
+             (11000, 8000, R.I_STEP, 0, 5, 500, 7000)]
+    last = [(2000, 100_000, R.I_OP, 0, int(_chrome.Op.LOOP), 1, 0),
+            (19900, 40_000, R.I_PROGRAM, 0, 1, 2, 1),
+            (20000, 39_000, R.I_STEP, 0, 5, 500, 18_000)]   # ends at 59000, after 39000
+    timeline = _chrome.merge(100, "host", [life, req], 0, {1: (100, "MainThread")},
+                             [_chrome.IpuRecords(200, 0, first, 0),
+                              _chrome.IpuRecords(300, 1, last, 0)], (0, 200_000))
+    assert trace_summary.validate(timeline) == []
+    drawn = [(a["name"], a["pid"], b["name"], b["pid"]) for a, b in trace_summary.arrows(timeline)]
+    assert drawn == [("transfer in", 100, "iteration", 200),
+                     ("copies out", 200, "iteration", 300)]
