@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import _thread
 import concurrent.futures as cf
+import functools
 import itertools
 import logging
 import threading
@@ -200,8 +201,9 @@ class ProcessLink:
                 return
             # The thread refers to the link weakly (see _serve): the device owns the link.
             # It is one kept between links (host_runtime.devices._event_threads).
+            events = self._primary.events
             self._thread = event_threads.serve(
-                _serve, (weakref.ref(self), self._primary.events),
+                _serve, (weakref.ref(self, functools.partial(_link_gone, events)), events),
                 f"ipu-events-{self._primary.pid}")
 
     def _wait_ready(self, proc: IpuConnection) -> None:
@@ -497,6 +499,19 @@ def _adopt_first(proc: Any, pending: dict[int, tuple["cf.Future[None]", Op]]
     fut: cf.Future[None] = Answer()
     pending[seq] = (fut, op)
     return op, body, fut
+
+
+def _link_gone(events: Any, _: object) -> None:
+    """The link died: its event thread leaves its wait now, reading nothing more.
+
+    Collected in a cycle, a device's objects are finalized in any order: its daemon
+    attachment may close its connection (the daemon then resets the IPU process) before
+    the device's own close ends this thread, which would take the reset's answer from
+    the daemon. A weak reference's callback runs before any finalizer of the cycle."""
+    try:
+        events.interrupt()
+    except ShmError:   # closed already
+        pass
 
 
 def _serve(ref: "weakref.ref[ProcessLink]", events: Any) -> None:

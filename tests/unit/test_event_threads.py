@@ -77,3 +77,55 @@ def test_a_forked_child_has_no_idle_threads_of_its_parent() -> None:
     finally:
         os.close(r)
         os.waitpid(pid, 0)
+
+
+class _Link:
+    """What a link's event thread reads of its link (host_runtime.devices._link)."""
+
+    _closing = _quitting = False
+    _final_seq = None
+    description = "a test link"
+
+    def __init__(self) -> None:
+        self.got: list[object] = []
+        self.seen = threading.Event()
+
+    def _dead_process(self) -> None:
+        return None
+
+    def _dispatch(self, msg: object) -> None:
+        self.got.append(msg)
+        self.seen.set()
+
+
+def test_a_links_thread_reads_nothing_once_the_link_died() -> None:
+    """Collected in a cycle, a device's objects are finalized in any order: its daemon
+    attachment may let the IPUs go (the daemon then resets them and reads the answer on
+    the same event ring) while the link's thread still waits there. The link's death
+    ends that wait at once: the thread takes nothing more off the ring."""
+    import functools
+    import weakref
+
+    from host_runtime.devices import _link
+    from ipu_emulator import ipu_protocol
+    from ipu_emulator.ipu_protocol import Message, Op
+    from shm import Ring
+
+    ring = Ring.create(4096, 4)
+    reader = Ring.attach(ring.name)
+    try:
+        link = _Link()
+        service = event_threads.serve(
+            _link._serve, (weakref.ref(link, functools.partial(_link._link_gone, reader)),
+                           reader), "ipu-events-test")
+        ipu_protocol.send(ring, Message(Op.DONE, seq=1), timeout=5)
+        assert link.seen.wait(10)                 # read and given to the live link
+        assert [m.seq for m in link.got] == [1]
+        del link                                  # the link dies; then the daemon's answer
+        ipu_protocol.send(ring, Message(Op.DONE, seq=-2), timeout=5)
+        assert service.join(10)
+        assert ipu_protocol.receive(reader, timeout=0).seq == -2   # still there, unread
+    finally:
+        reader.close()
+        ring.close()
+        ring.unlink()
