@@ -24,6 +24,7 @@ import concurrent.futures as cf
 import functools
 import itertools
 import logging
+import os
 import threading
 import weakref
 from typing import Any, Callable, Sequence
@@ -203,7 +204,8 @@ class ProcessLink:
             # It is one kept between links (host_runtime.devices._event_threads).
             events = self._primary.events
             self._thread = event_threads.serve(
-                _serve, (weakref.ref(self, functools.partial(_link_gone, events)), events),
+                _serve, (weakref.ref(self, functools.partial(_link_gone, events, os.getpid())),
+                         events),
                 f"ipu-events-{self._primary.pid}")
 
     def _wait_ready(self, proc: IpuConnection) -> None:
@@ -501,13 +503,17 @@ def _adopt_first(proc: Any, pending: dict[int, tuple["cf.Future[None]", Op]]
     return op, body, fut
 
 
-def _link_gone(events: Any, _: object) -> None:
+def _link_gone(events: Any, owner: int, _: object) -> None:
     """The link died: its event thread leaves its wait now, reading nothing more.
 
     Collected in a cycle, a device's objects are finalized in any order: its daemon
     attachment may close its connection (the daemon then resets the IPU process) before
     the device's own close ends this thread, which would take the reset's answer from
-    the daemon. A weak reference's callback runs before any finalizer of the cycle."""
+    the daemon. A weak reference's callback runs before any finalizer of the cycle.
+    Not in a process forked from the link's (``owner``): its copy of the ring would
+    wake the parent's thread, which it counts as its own."""
+    if os.getpid() != owner:
+        return
     try:
         events.interrupt()
     except ShmError:   # closed already

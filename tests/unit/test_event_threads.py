@@ -115,9 +115,9 @@ def test_a_links_thread_reads_nothing_once_the_link_died() -> None:
     reader = Ring.attach(ring.name)
     try:
         link = _Link()
-        service = event_threads.serve(
-            _link._serve, (weakref.ref(link, functools.partial(_link._link_gone, reader)),
-                           reader), "ipu-events-test")
+        gone = functools.partial(_link._link_gone, reader, os.getpid())
+        service = event_threads.serve(_link._serve, (weakref.ref(link, gone), reader),
+                                      "ipu-events-test")
         ipu_protocol.send(ring, Message(Op.DONE, seq=1), timeout=5)
         assert link.seen.wait(10)                 # read and given to the live link
         assert [m.seq for m in link.got] == [1]
