@@ -85,7 +85,6 @@ def _open_log(path: str) -> int:
         fd = safe_files.open_in(dfd, name, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600, path)
     finally:
         os.close(dfd)
-    os.set_blocking(fd, True)
     return fd
 
 

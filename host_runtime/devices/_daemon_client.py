@@ -494,8 +494,9 @@ class DaemonIpu:
         self.control = Ring.attach(info["control"], prefault=False)   # a slot's pages fault in as written
         # a session's LOAD, ready while the daemon answered: sent before the rest is built
         # (host_runtime.devices._first); the daemon's HOST is ahead of it on the ring
+        # (a device of several IPUs has none: launch_all)
         self.first: tuple[int, Op, Any] | None = None
-        first = take_first_request() if spec.num_ipus == 1 else None
+        first = take_first_request()
         if first is not None:
             try:
                 ipu_protocol.send(self.control, Message(first[0], seq=FIRST_SEQ, body=first[1]),

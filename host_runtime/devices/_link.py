@@ -157,8 +157,7 @@ class ProcessLink:
         self._lost: DeviceLostError | None = None
         self._lost_lock = threading.Lock()
         self._thread: event_threads.Service | None = None
-        self._closing = False
-        self._quitting = False   # quiesce() ends the event thread before the last answer
+        self._closing = False   # close(), or quiesce() ending the event thread early
         self._started = False
         self._final_seq: int | None = None   # the event thread ends after this answer
         self._last_event = time.monotonic()  # when the last event came (the peer's progress)
@@ -262,7 +261,7 @@ class ProcessLink:
                 or self._lost is not None or not self.last_unanswered):
             return
         if self._final_seq is not None:
-            self._quitting = True   # the thread reads no further event
+            self._closing = True    # the thread reads no further event
             events = self._primary.events
             events.interrupt()      # ... and leaves its wait now
             t.join(timeout)
@@ -539,7 +538,7 @@ def _serve(ref: "weakref.ref[ProcessLink]", events: Any) -> None:
 def _serve_events(ref: "weakref.ref[ProcessLink]", events: Any) -> None:
     while True:
         link = ref()
-        if link is None or link._closing or link._quitting:
+        if link is None or link._closing:
             return
         del link
         try:
@@ -557,7 +556,7 @@ def _serve_events(ref: "weakref.ref[ProcessLink]", events: Any) -> None:
             return
         except ShmError as exc:
             link = ref()
-            if link is not None and not (link._closing or link._quitting):
+            if link is not None and not link._closing:
                 _log.warning("%s: event ring failed: %s", link.description, exc)
                 link.mark_lost()
             return

@@ -16,18 +16,15 @@ the device's first request (:mod:`host_runtime.devices._first`).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Callable
 
 from host_runtime.devices import Device, FirstRequest, first_request, when_waiting
 from ipu_emulator.ipu_protocol import Op
 
+if TYPE_CHECKING:  # pragma: no cover
+    from host_runtime.session._loading import Loader
+
 __all__ = ["attach_meanwhile", "attach_loading"]
-
-
-class _Loader(Protocol):
-    def ensure_resources(self, dev: Device | None) -> None: ...
-
-    def first_load(self) -> dict[str, Any] | None: ...
 
 
 class _Work:
@@ -77,7 +74,7 @@ def _raise_work_error(done: _Work) -> None:
             del error   # no cycle: the traceback holds this frame
 
 
-def attach_loading(attach: Callable[[], Device], loader: _Loader) -> Device:
+def attach_loading(attach: Callable[[], Device], loader: "Loader") -> Device:
     """:func:`attach_meanwhile` with ``loader``'s rings and regions made meanwhile; its
     LOAD, if ready by the time the device's control ring is open, is sent first."""
     first = FirstRequest()

@@ -198,12 +198,17 @@ class Loader:
                 and dataclasses.replace(written, fresh=spec.fresh) == spec):
             return fut
         try:
-            wait(fut, self._settings.load_timeout, f"LOAD on {dev.describe()}",
-                 pids=dev.pids(), progress=lambda: dev.link.progress,
-                 sync=dev.link.sync_timeout)
+            self._wait_load(fut, dev)
         except ModelRuntimeError:   # superseded by the LOAD sent next
             pass
         return None
+
+    def _wait_load(self, fut: Any, dev: Device) -> None:
+        """The answer of a LOAD sent to ``dev`` (its error raised), within ``load_timeout``
+        and the host sync timeout."""
+        wait(fut, self._settings.load_timeout, f"LOAD on {dev.describe()}",
+             pids=dev.pids(), progress=lambda: dev.link.progress,
+             sync=dev.link.sync_timeout)
 
     def settle(self) -> None:
         """Wait for the LOAD sent last, if it has not been waited for (its error raised as
@@ -213,9 +218,7 @@ class Loader:
             return
         fut, dev = loading
         try:
-            wait(fut, self._settings.load_timeout, f"LOAD on {dev.describe()}",
-                 pids=dev.pids(), progress=lambda: dev.link.progress,
-                 sync=dev.link.sync_timeout)
+            self._wait_load(fut, dev)
         finally:
             if self._settings.prepack:
                 # the IPU process keeps its own (prepacked) copy and let go of the shared

@@ -133,8 +133,8 @@ class _Out:
                 args: dict[str, Any] | None = None) -> bool:
         """Bind flow ``flow`` into the first slice of ``dst`` not bound yet (a slice holds
         one ``bind_id``). None free (an iteration serving more requests than it has
-        slices: dynamic batching): into a new 1-ns ``batched request`` mark (``args``) inside the
-        first of them with room, after the marks before it there; False if none has."""
+        slices: dynamic batching): into a new 1-ns ``batched request`` mark (``args``)
+        inside the first of them with room, after the marks before it; False if none has."""
         for ev in dst:
             if "bind_id" not in ev:
                 ev["bind_id"] = flow
@@ -145,8 +145,8 @@ class _Out:
             n = self.marks.get(id(host), 0)
             if n + 1 <= dur:
                 self.marks[id(host)] = n + 1
-                ev = self.slice("batched request", host["pid"], host["tid"], start + n, 1, "transfer",
-                                args, depth=self.depth[id(host)] + 1)
+                ev = self.slice("batched request", host["pid"], host["tid"], start + n, 1,
+                                "transfer", args, depth=self.depth[id(host)] + 1)
                 ev["bind_id"] = flow
                 ev["flow_in"] = True
                 return True
