@@ -15,13 +15,21 @@ For the seeds' example model (``C = A * weights + B``):
   second vs two plain numpy copies of 16 MiB in one process.
 
 Targets: [1,4] execute median <= 1/8 of ProcessPoolExecutor and <= 1.25x
-in-process onnxruntime; [64,1024] throughput >= 0.8x in-process onnxruntime
+in-process onnxruntime; [64,1024] throughput >= 0.9x in-process onnxruntime
 with ``empty_shared`` tensors, and with numpy arrays and the default config
 >= 0.8x in-process onnxruntime making the same copies (the inputs copied in,
 the output out); 16 MiB >= 0.6 of two numpy copies. Measurements are
 interleaved in blocks or rounds (the machine is shared): each ratio is taken
 within one block or round, where both sides saw the same machine, and the
 median of those ratios is reported.
+
+Each throughput sample is taken after ``--warmup`` seconds of the same work, untimed:
+on the VMs this was measured on, memory that nothing touched for a second is slow to
+touch again (no page fault in the guest; summing 1 MiB took 18-35 ms instead of 50 us
+after one idle second). Without it, the side that sat idle through the other's sample
+(the IPU process during onnxruntime's, onnxruntime's session during the runner's) pays
+that once per sample, in proportion to its memory: about 80 ms of a 1 s runner sample
+with ``empty_shared`` tensors (8 output buffers), half as much for onnxruntime.
 """
 
 from __future__ import annotations
@@ -148,8 +156,21 @@ def bench_latency(tmp: str, rounds: int, blocks: int) -> dict[str, float]:
     return out
 
 
+def _rate(work: Callable[[], int], seconds: float, warmup: float) -> float:
+    """Calls of ``work`` per second (each returns the requests it completed), over
+    ``seconds`` after ``warmup`` seconds of the same work untimed (see the module
+    docstring)."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < warmup:
+        work()
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        n += work()
+    return n / (time.perf_counter() - t0)
+
+
 def bench_throughput(tmp: str, seconds: float, in_flight: int,
-                     rounds: int = 3) -> dict[str, float]:
+                     rounds: int = 3, warmup: float = 0.25) -> dict[str, float]:
     import host_runtime as model_runtime
     from tools.generate_simple_popef import build_simple_model, write_simple_popef
 
@@ -163,24 +184,22 @@ def bench_throughput(tmp: str, seconds: float, in_flight: int,
     inputs = {"tensor_A": a, "tensor_B": b}
 
     def ort_rate() -> float:
-        n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
+        def work() -> int:
             sess.run(None, inputs)
-            n += 1
-        return n / (time.perf_counter() - t0)
+            return 1
+        return _rate(work, seconds, warmup)
 
     # the copies a runner makes of numpy arrays: the inputs in, the output out
     staged = {name: np.empty_like(arr) for name, arr in inputs.items()}
     dest = np.empty(shape, np.float32)
 
     def ort_copy_rate() -> float:
-        n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
+        def work() -> int:
             for name, arr in inputs.items():
                 np.copyto(staged[name], arr)
             np.copyto(dest, sess.run(None, staged)[0])
-            n += 1
-        return n / (time.perf_counter() - t0)
+            return 1
+        return _rate(work, seconds, warmup)
 
     # the same data in host shared memory, which the IPU process reads and writes in place
     shared_in = {name: model_runtime.empty_shared(shape, np.float32) for name in inputs}
@@ -195,16 +214,19 @@ def bench_throughput(tmp: str, seconds: float, in_flight: int,
 
         def runner_rate(runner: Any = runner, inputs: Any = inputs, outs: Any = outs) -> float:
             pending: deque[Any] = deque()
-            n, k, t0 = 0, 0, time.perf_counter()
-            while time.perf_counter() - t0 < seconds:
+            k = 0
+
+            def work() -> int:   # keep in_flight requests in flight; one completes
+                nonlocal k
                 while len(pending) < in_flight:
                     pending.append(runner.executeAsync(inputs, outs[k % in_flight]))
                     k += 1
                 pending.popleft().wait()
-                n += 1
+                return 1
+            rate = _rate(work, seconds, warmup)
             while pending:
                 pending.popleft().wait()
-            return n / (time.perf_counter() - t0)
+            return rate
 
         runner_rate()
         runner_rate(runner2)
@@ -265,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", type=int, default=5, help="interleaved latency blocks")
     parser.add_argument("--seconds", type=float, default=1.0, help="per throughput sample")
     parser.add_argument("--thr-rounds", type=int, default=3, help="throughput rounds")
+    parser.add_argument("--warmup", type=float, default=0.25,
+                        help="untimed seconds of the same work before each throughput sample")
     parser.add_argument("--bw-rounds", type=int, default=41, help="16 MiB round trips")
     parser.add_argument("--markdown", action="store_true",
                         help="print the figures as rows of docs/benchmarks.md (report to stderr)")
@@ -296,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"ProcessPoolExecutor + onnxruntime {lat['pool']:.1f} µs", r_pool, "≤ 0.125")
         table.add("same", "", f"in-process onnxruntime {lat['ort']:.1f} µs", r_ort, "≤ 1.25")
 
-        thr = bench_throughput(tmp, args.seconds, 8, args.thr_rounds)
+        thr = bench_throughput(tmp, args.seconds, 8, args.thr_rounds, args.warmup)
         print(f"\n[64,1024] float32 throughput (requests/s, median of {args.thr_rounds} rounds)")
         print(f"  ModelRunner.executeAsync, 8 in flight   {thr['runner_default_rings']:9.0f}  "
               "(numpy arrays, copied; default config)")
@@ -312,13 +336,13 @@ def main(argv: list[str] | None = None) -> int:
         r_shared = thr["runner_shared_ratio"]
         print(f"  copied, default config / ort with copies = {r_def:.2f} (target >= 0.8); "
               f"rings of 8: {r_thr:.2f}")
-        print(f"  shared / ort = {r_shared:.2f} (target >= 0.8)   (medians of the ratios "
+        print(f"  shared / ort = {r_shared:.2f} (target >= 0.9)   (medians of the ratios "
               "within each round)")
-        ok &= r_def >= 0.8 and r_shared >= 0.8
+        ok &= r_def >= 0.8 and r_shared >= 0.9
         ort_rate = f"in-process onnxruntime {thr['ort'] / 1e3:.1f}k req/s"
         ort_copies = f"in-process onnxruntime + copies {thr['ort_copies'] / 1e3:.1f}k req/s"
         table.add("[64,1024] `executeAsync`, 8 in flight, tensors from `empty_shared`",
-                  f"{thr['runner_shared'] / 1e3:.1f}k req/s", ort_rate, r_shared, "≥ 0.8")
+                  f"{thr['runner_shared'] / 1e3:.1f}k req/s", ort_rate, r_shared, "≥ 0.9")
         table.add("same, numpy arrays (copied), default config",
                   f"{thr['runner_default_rings'] / 1e3:.1f}k req/s", ort_copies, r_def, "≥ 0.8")
         table.add("same, numpy arrays (copied), rings of 8",
