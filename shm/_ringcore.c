@@ -573,6 +573,34 @@ consume(Core *c)
 static const char *const write_names[] = {"data", "tag", "timeout"};
 
 /* write(data, tag=0, timeout=None) */
+/* Core.write's fast path for the bytes of `b`: 1 if they were copied into a slot and
+ * published; 0 if not, with nothing done but what *code says for fallback() (TOKEN: a
+ * token of the free semaphore was taken, to bank; FAILED: an exception is set). */
+static int
+write_fast(Core *c, const Py_buffer *b, int64_t tag, PyObject *timeout, int *code,
+           double *first)
+{
+    volatile int64_t *w = c->w;
+    *code = GENERAL;
+    *first = 0;
+    if (c->closed || !c->producer || w[W_INVALID] || w[W_HELD] || banked(c, c->free_sem)
+        || b->len > c->slot_size)
+        return 0;
+    if ((*code = take_for(c, c->free_sem, timeout, 1, first)) != 0)
+        return 0;
+    if (w[W_INVALID]) {
+        *code = TOKEN;
+        return 0;
+    }
+    if (surplus_free(c)) {   /* dropped; the Python path waits for a real one */
+        *code = GENERAL;
+        return 0;
+    }
+    copy_in(slot_payload(c, w[W_PUBLISHED] % c->num_slots), b->buf, b->len);
+    publish_slot(c, b->len, tag);
+    return 1;
+}
+
 static PyObject *
 Core_write(Core *c, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
@@ -581,9 +609,6 @@ Core_write(Core *c, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
     int code = GENERAL;
     if (parse_args("write", args, nargs, kwnames, write_names, 3, 1, a) < 0)
         return NULL;
-    volatile int64_t *w = c->w;
-    if (c->closed || !c->producer || w[W_INVALID] || w[W_HELD] || banked(c, c->free_sem))
-        goto slow;
     int64_t tag = 0;
     if (a[1] != NULL) {
         tag = PyLong_AsLongLong(a[1]);
@@ -597,28 +622,10 @@ Core_write(Core *c, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
         PyErr_Clear();
         goto slow;
     }
-    if (b.len > c->slot_size) {
-        PyBuffer_Release(&b);
-        goto slow;
-    }
-    if ((code = take_for(c, c->free_sem, a[2], 1, &first)) != 0) {
-        PyBuffer_Release(&b);
-        goto slow;
-    }
-    if (w[W_INVALID]) {
-        PyBuffer_Release(&b);
-        code = TOKEN;
-        goto slow;
-    }
-    if (surplus_free(c)) {   /* dropped; the Python path waits for a real one */
-        PyBuffer_Release(&b);
-        code = GENERAL;
-        goto slow;
-    }
-    copy_in(slot_payload(c, w[W_PUBLISHED] % c->num_slots), b.buf, b.len);
-    publish_slot(c, b.len, tag);
+    int done = write_fast(c, &b, tag, a[2], &code, &first);
     PyBuffer_Release(&b);
-    Py_RETURN_NONE;
+    if (done)
+        Py_RETURN_NONE;
 slow:
     return fallback(c, s_write, code, first, a, 3, c->free_sem);
 }
@@ -1239,9 +1246,123 @@ stream_copy(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+/* plain_arrays(arrays, plan) -> bool: `arrays` is a dict (exactly) of len(plan) items
+ * and, for each (key, type, format, shape) of the tuple `plan`, arrays[key] is of type
+ * `type` exactly (not a subclass) and exports a buffer of that struct `format` (bytes)
+ * and that `shape` (a tuple of ints), contiguous or not. The check of the common
+ * request (host_runtime.runner._intake), written in C since it runs before each. */
+static PyObject *
+plain_arrays(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyTuple_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "plain_arrays(arrays, plan: tuple)");
+        return NULL;
+    }
+    PyObject *arrays = args[0], *plan = args[1];
+    Py_ssize_t n = PyTuple_GET_SIZE(plan);
+    if (!PyDict_CheckExact(arrays) || PyDict_GET_SIZE(arrays) != n)
+        Py_RETURN_FALSE;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *e = PyTuple_GET_ITEM(plan, k);
+        if (!PyTuple_Check(e) || PyTuple_GET_SIZE(e) != 4 || !PyBytes_Check(PyTuple_GET_ITEM(e, 2))
+            || !PyTuple_Check(PyTuple_GET_ITEM(e, 3))) {
+            PyErr_SetString(PyExc_TypeError, "plain_arrays: a plan entry is (key, type, "
+                            "format: bytes, shape: tuple)");
+            return NULL;
+        }
+        PyObject *v = PyDict_GetItemWithError(arrays, PyTuple_GET_ITEM(e, 0));
+        if (v == NULL) {
+            if (PyErr_Occurred())
+                return NULL;
+            Py_RETURN_FALSE;
+        }
+        if ((PyObject *)Py_TYPE(v) != PyTuple_GET_ITEM(e, 1))
+            Py_RETURN_FALSE;
+        Py_buffer b;
+        if (PyObject_GetBuffer(v, &b, PyBUF_STRIDES | PyBUF_FORMAT) < 0) {
+            PyErr_Clear();
+            Py_RETURN_FALSE;
+        }
+        PyObject *shape = PyTuple_GET_ITEM(e, 3);
+        int same = b.format != NULL && strcmp(b.format, PyBytes_AS_STRING(PyTuple_GET_ITEM(e, 2))) == 0
+                   && b.ndim == PyTuple_GET_SIZE(shape);
+        for (int d = 0; same && d < b.ndim; d++)
+            same = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, d)) == b.shape[d];
+        PyBuffer_Release(&b);
+        if (PyErr_Occurred())
+            return NULL;
+        if (!same)
+            Py_RETURN_FALSE;
+    }
+    Py_RETURN_TRUE;
+}
+
+/* write_arrays(arrays, plan, tag) -> int: for each (key, core) of the tuple `plan` in
+ * turn, Core.write(arrays[key], tag, 0.0) on the core's fast path (a free slot there at
+ * once, the array one C-contiguous buffer); stops at the first entry it cannot write so
+ * (a missing key, an array not contiguous, a ring full or in a state of the Python
+ * path), which it leaves untouched: the number of entries written. One call for the
+ * inputs of a request instead of one each. */
+static PyObject *
+write_arrays(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 || !PyTuple_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "write_arrays(arrays, plan: tuple, tag)");
+        return NULL;
+    }
+    PyObject *arrays = args[0], *plan = args[1];
+    if (!PyDict_Check(arrays)) {
+        PyErr_SetString(PyExc_TypeError, "write_arrays: arrays must be a dict");
+        return NULL;
+    }
+    int64_t tag = PyLong_AsLongLong(args[2]);
+    if (tag == -1 && PyErr_Occurred())
+        return NULL;
+    static PyObject *no_wait = NULL;   /* the timeout 0.0 */
+    if (no_wait == NULL && (no_wait = PyFloat_FromDouble(0.0)) == NULL)
+        return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(plan), k;
+    for (k = 0; k < n; k++) {
+        PyObject *e = PyTuple_GET_ITEM(plan, k);
+        if (!PyTuple_Check(e) || PyTuple_GET_SIZE(e) != 2
+            || !PyObject_TypeCheck(PyTuple_GET_ITEM(e, 1), &CoreType)) {
+            PyErr_SetString(PyExc_TypeError, "write_arrays: a plan entry is (key, Core)");
+            return NULL;
+        }
+        PyObject *v = PyDict_GetItemWithError(arrays, PyTuple_GET_ITEM(e, 0));
+        if (v == NULL) {
+            if (PyErr_Occurred())
+                return NULL;
+            break;
+        }
+        Py_buffer b;
+        if (PyObject_GetBuffer(v, &b, PyBUF_SIMPLE) < 0) {
+            PyErr_Clear();
+            break;
+        }
+        Core *c = (Core *)PyTuple_GET_ITEM(e, 1);
+        int code;
+        double first;
+        int done = write_fast(c, &b, tag, no_wait, &code, &first);
+        PyBuffer_Release(&b);
+        if (!done) {
+            if (code == FAILED || (code == TOKEN && bank(c, c->free_sem) < 0))
+                return NULL;
+            break;   /* the token taken is banked: the Python path's write finds it */
+        }
+    }
+    return PyLong_FromSsize_t(k);
+}
+
 static PyMethodDef module_methods[] = {
     {"address", (PyCFunction)address, METH_O,
      "address(buffer): the address of a C-contiguous buffer's first byte."},
+    {"plain_arrays", (PyCFunction)(void (*)(void))plain_arrays, METH_FASTCALL,
+     "plain_arrays(arrays, plan): whether a dict of arrays matches a plan of (key, type, "
+     "format, shape) exactly."},
+    {"write_arrays", (PyCFunction)(void (*)(void))write_arrays, METH_FASTCALL,
+     "write_arrays(arrays, plan, tag): Core.write of each array of a plan of (key, core) "
+     "on the fast path, until one cannot be; the number written."},
     {"stream_copy", (PyCFunction)(void (*)(void))stream_copy, METH_FASTCALL,
      "stream_copy(dst, src, start, stop): dst[start:stop] = src[start:stop] with "
      "non-temporal stores, without the GIL."},

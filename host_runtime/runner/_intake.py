@@ -18,6 +18,8 @@ from typing import Any, Mapping, NamedTuple, Optional
 
 import numpy as np
 
+from shm import arrays as shm_arrays
+
 from host_runtime.errors import BadRequestError
 from host_runtime.memory import (InputMemoryView, TensorMemory, TensorMemoryView,
                                  as_readable_array, as_writable_array)
@@ -37,6 +39,18 @@ class Built(NamedTuple):
     view_mode: bool             # the inputs were an InputMemoryView (results: OutputMemory)
 
 
+def _plain_plan(plain: tuple[tuple[str, np.dtype, tuple[int, ...]], ...]
+                ) -> tuple[tuple[str, type, bytes, tuple[int, ...]], ...] | None:
+    """``shm.arrays.plain_arrays``'s plan for the common request's inputs ``plain``
+    ((name, dtype, shape) each): an ndarray (exactly) of that dtype's buffer format (the
+    same layout of bytes) and that shape; None if a dtype exports no buffer."""
+    try:
+        return tuple((name, np.ndarray, np.empty(1, dtype).data.format.encode(),
+                      tuple(int(d) for d in shape)) for name, dtype, shape in plain)
+    except (TypeError, ValueError, BufferError):
+        return None
+
+
 class RequestIntake:
     """Checks and makes the requests of one runner (see the module docstring)."""
 
@@ -44,6 +58,10 @@ class RequestIntake:
         self.layout = layout
         self._validate = validate_io_params
         self._plain_ok = plain and layout.plain_ok
+        # what the common request's inputs are: (name, dtype, shape) of each execute input,
+        # and the same checked in one C call when it can be (shm.arrays.plain_arrays)
+        self._plain = tuple((name, s.dtype, s.shape) for name, s in layout.exec_specs.items())
+        self._plain_c = _plain_plan(self._plain) if shm_arrays.IN_C else None
 
     def build(self, driver: Driver, rid: int, inputs: Any, outputs: Any, t0: int,
               internal: bool = False) -> Built:
@@ -164,16 +182,23 @@ class RequestIntake:
     def is_plain(self, inputs: Any, outputs: Any) -> bool:
         """Whether ``inputs`` and ``outputs`` make the common request (see the module
         docstring); always False with ``IPU_EMULATOR_RUNNER_PLAIN=0``."""
-        if not self._plain_ok or outputs is not None or inputs.__class__ is not dict:
+        if not self._plain_ok or outputs is not None:
             return False
-        specs = self.layout.exec_specs
-        if len(inputs) != len(specs):
+        if self._plain_c is not None:
+            return shm_arrays.plain_arrays(inputs, self._plain_c)
+        if inputs.__class__ is not dict:
             return False
-        for name, value in inputs.items():
-            spec = specs.get(name)
-            if (spec is None or value.__class__ is not np.ndarray or value.dtype is not spec.dtype
-                    or value.shape != spec.shape):
-                return False
+        plain = self._plain
+        if len(inputs) != len(plain):
+            return False
+        try:   # (the hot path of execute: written for speed, one look-up per input)
+            for name, dtype, shape in plain:
+                value = inputs[name]
+                if (value.__class__ is not np.ndarray or value.dtype is not dtype
+                        or value.shape != shape):
+                    return False
+        except KeyError:
+            return False
         return True
 
     def build_plain(self, driver: Driver, rid: int, inputs: Any, outputs: Any, t0: int,

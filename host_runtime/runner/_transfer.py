@@ -68,6 +68,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 import numpy as np
 
 from shm import Ring, RingTimeoutError
+from shm import arrays as shm_arrays
 from shm.spin import NEVER, PollEstimate, us_to_ns
 
 from ipu_emulator.trace import recorder
@@ -224,6 +225,16 @@ class _Out(NamedTuple):
     numbered: bool
 
 
+def _write_plan(inputs: list[_In]) -> tuple[tuple[str, object], ...]:
+    """``run_fused``'s inputs written in one C call (``shm.arrays.write_arrays``): (name,
+    ring core) of each, in laying order; () if one is frozen or has no C core."""
+    plan = tuple((i.name, i.ring.c_handle()) for i in inputs)
+    if not shm_arrays.IN_C or any(i.frozen is not None or core is None
+                                  for i, (_, core) in zip(inputs, plan)):
+        return ()
+    return plan
+
+
 class TransferPath:
     """The rings of one replica's session and the steps of the module docstring."""
 
@@ -259,15 +270,14 @@ class TransferPath:
                         and not self.may_redirect
                         and all(0 < s.nbytes < SHARED_MIN_BYTES for s in inputs.values())
                         and all(0 < s.nbytes <= READ_MAX for s in outputs.values()))
+        self._write_plan = _write_plan(self.inputs) if self.fusable else ()
         self.fused_taken = 0             # outputs run_fused has read (-1: still writing)
         self.t_laid = 0                  # when run_fused had written its inputs (perf_counter ns)
         self.t_first = 0                 # tracing: when run_fused read its first output
-        # when to poll an output ring before blocking (see await_output). On one CPU a poll
-        # that finds the CPU shared blocks instead; on several the IPU process moves off the
-        # host's CPU, and blocking would only let the wake-up put the host back beside it.
-        # With transfers queued behind the awaited one, a poll that finds its CPU shared
-        # blocks on any machine: the IPU processes may hold every CPU (2 replicas on 2), and
-        # a host polling beside one took half its CPU (CNN, 2 replicas: 1.23 -> 0.60x)
+        # when to poll an output ring before blocking (await_output): on one CPU a poll that
+        # finds the CPU shared blocks; on several the IPU process moves off the host's CPU.
+        # With transfers queued behind, a poll finding its CPU shared blocks on any machine
+        # (2 replicas on 2 CPUs: a polling host took half of one, 1.23 -> 0.60x)
         yielded = us_to_ns(options.yielded_us, NEVER)
         self._shared_ns = yielded if _ONE_CPU else NEVER
         self._queued_shared_ns = yielded
@@ -527,7 +537,9 @@ class TransferPath:
         taking one, the outputs' wait fails as for any request in flight."""
         self.fused_taken = -1
         tag = seq << SEQ_SHIFT      # TAG_DATA, numbered
-        for i in self.inputs:
+        # in one C call (shm.arrays.write_arrays), then any it could not write one by one
+        laid = shm_arrays.write_arrays(inputs, self._write_plan, tag) if self._write_plan else 0
+        for i in self.inputs[laid:] if laid else self.inputs:
             arr = inputs.get(i.name)
             if arr is None:
                 self.lay_input(i, None, Lay.FROZEN if i.frozen is not None else Lay.SKIP,

@@ -342,3 +342,38 @@ def test_a_model_without_inputs_answers_every_request(make_runner, tmp_path):
         for fut in futures:
             fut.wait()
             np.testing.assert_array_equal(fut["values"].numpy(), value)
+
+
+def test_the_common_request_is_checked_and_laid_in_one_call_each_whatever_its_arrays(
+        runner, weights, monkeypatch):
+    """An idle replica's plain ``execute`` checks its inputs and writes them with one C
+    call each (shm.arrays); an input those calls do not take (not contiguous, another
+    layout, a subclass) still gets the right answer, through the same path or the
+    general one."""
+    from shm import arrays
+
+    path = runner._replicas[0]._life.path
+    a, b = pair()
+    if arrays.IN_C:
+        assert [name for name, _ in path._write_plan] == ["tensor_B", "tensor_A"]
+        assert runner._intake._plain_c is not None
+        check_healthy(runner, weights)   # (a first write through Ring takes the rings' role)
+        laid = []
+        write = arrays.write_arrays
+        monkeypatch.setattr(arrays, "write_arrays", lambda *args: laid.append(write(*args))
+                            or laid[-1])
+        check_healthy(runner, weights)
+        assert laid == [2]   # both inputs, in the one call
+        monkeypatch.undo()
+    wide = np.zeros((SHAPE[0], 2 * SHAPE[1]), np.float32)
+    wide[:, ::2] = b
+    tagged = b.astype(np.dtype(np.float32, metadata={"unit": "m"}))
+    for given_b in (b, wide[:, ::2], tagged, b.view(np.ma.MaskedArray)):
+        for given_a in (a, a.copy(order="F")):
+            out = runner.execute({"tensor_A": given_a, "tensor_B": given_b})
+            np.testing.assert_allclose(out["tensor_C"], a * weights + b, rtol=1e-6)
+    with pytest.raises(BadRequestError, match="expected shape"):
+        runner.execute({"tensor_A": a, "tensor_B": b.reshape(3, 4)})
+    with pytest.raises(BadRequestError, match="'tensor_B': expected dtype float32, got float64"):
+        runner.execute({"tensor_A": a, "tensor_B": b.astype(np.float64)})
+    check_healthy(runner, weights)
