@@ -572,7 +572,6 @@ consume(Core *c)
 
 static const char *const write_names[] = {"data", "tag", "timeout"};
 
-/* write(data, tag=0, timeout=None) */
 /* Core.write's fast path for the bytes of `b`: 1 if they were copied into a slot and
  * published; 0 if not, with nothing done but what *code says for fallback() (TOKEN: a
  * token of the free semaphore was taken, to bank; FAILED: an exception is set). */
@@ -601,6 +600,7 @@ write_fast(Core *c, const Py_buffer *b, int64_t tag, PyObject *timeout, int *cod
     return 1;
 }
 
+/* write(data, tag=0, timeout=None) */
 static PyObject *
 Core_write(Core *c, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {

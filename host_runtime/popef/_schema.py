@@ -29,6 +29,8 @@ from __future__ import annotations
 import json
 from typing import Any, Callable
 
+from shm.settings import is_digits
+
 from host_runtime.popef.model import (Anchor, DataType, Metadata, ProgramFlow, TensorInfo,
                                       TensorType, programs_by_role)
 
@@ -306,7 +308,7 @@ def _programs_map(value: Any) -> None:
     if len(value) > MAX_LIST:
         raise SchemaError(f"metadata.programsMap: more than {MAX_LIST} entries")
     for key, name in value.items():
-        if not (key.isascii() and key.isdigit() and len(key) <= 7
+        if not (is_digits(key) and len(key) <= 7
                 and int(key) <= MAX_PROGRAM_INDEX and (key == "0" or key[0] != "0")):
             raise SchemaError(f"metadata.programsMap: keys are program indexes (decimal, "
                               f"0..{MAX_PROGRAM_INDEX}), got {_show(key)}")

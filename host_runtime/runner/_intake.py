@@ -39,14 +39,15 @@ class Built(NamedTuple):
     view_mode: bool             # the inputs were an InputMemoryView (results: OutputMemory)
 
 
-def _plain_plan(plain: tuple[tuple[str, np.dtype, tuple[int, ...]], ...]
+def _plain_plan(specs: Mapping[str, TensorSpec]
                 ) -> tuple[tuple[str, type, bytes, tuple[int, ...]], ...] | None:
-    """``shm.arrays.plain_arrays``'s plan for the common request's inputs ``plain``
-    ((name, dtype, shape) each): an ndarray (exactly) of that dtype's buffer format (the
-    same layout of bytes) and that shape; None if a dtype exports no buffer."""
+    """``shm.arrays.plain_arrays``'s plan for the common request's inputs ``specs``: for
+    each, an ndarray (exactly) of its dtype's buffer format (the same layout of bytes)
+    and its shape; None if a dtype exports no buffer (no PopEF type: such a request takes
+    the general path)."""
     try:
-        return tuple((name, np.ndarray, np.empty(1, dtype).data.format.encode(),
-                      tuple(int(d) for d in shape)) for name, dtype, shape in plain)
+        return tuple((name, np.ndarray, np.empty(1, s.dtype).data.format.encode(),
+                      tuple(int(d) for d in s.shape)) for name, s in specs.items())
     except (TypeError, ValueError, BufferError):
         return None
 
@@ -58,10 +59,8 @@ class RequestIntake:
         self.layout = layout
         self._validate = validate_io_params
         self._plain_ok = plain and layout.plain_ok
-        # what the common request's inputs are: (name, dtype, shape) of each execute input,
-        # and the same checked in one C call when it can be (shm.arrays.plain_arrays)
-        self._plain = tuple((name, s.dtype, s.shape) for name, s in layout.exec_specs.items())
-        self._plain_c = _plain_plan(self._plain) if shm_arrays.IN_C else None
+        # what the common request's inputs are, checked in one call (shm.arrays)
+        self._plain_plan = _plain_plan(layout.exec_specs)
 
     def build(self, driver: Driver, rid: int, inputs: Any, outputs: Any, t0: int,
               internal: bool = False) -> Built:
@@ -182,24 +181,9 @@ class RequestIntake:
     def is_plain(self, inputs: Any, outputs: Any) -> bool:
         """Whether ``inputs`` and ``outputs`` make the common request (see the module
         docstring); always False with ``IPU_EMULATOR_RUNNER_PLAIN=0``."""
-        if not self._plain_ok or outputs is not None:
+        if not self._plain_ok or outputs is not None or self._plain_plan is None:
             return False
-        if self._plain_c is not None:
-            return shm_arrays.plain_arrays(inputs, self._plain_c)
-        if inputs.__class__ is not dict:
-            return False
-        plain = self._plain
-        if len(inputs) != len(plain):
-            return False
-        try:   # (the hot path of execute: written for speed, one look-up per input)
-            for name, dtype, shape in plain:
-                value = inputs[name]
-                if (value.__class__ is not np.ndarray or value.dtype is not dtype
-                        or value.shape != shape):
-                    return False
-        except KeyError:
-            return False
-        return True
+        return shm_arrays.plain_arrays(inputs, self._plain_plan)
 
     def build_plain(self, driver: Driver, rid: int, inputs: Any, outputs: Any, t0: int,
                     plain_results: bool) -> Optional[Request]:

@@ -229,8 +229,7 @@ def _write_plan(inputs: list[_In]) -> tuple[tuple[str, object], ...]:
     """``run_fused``'s inputs written in one C call (``shm.arrays.write_arrays``): (name,
     ring core) of each, in laying order; () if one is frozen or has no C core."""
     plan = tuple((i.name, i.ring.c_handle()) for i in inputs)
-    if not shm_arrays.IN_C or any(i.frozen is not None or core is None
-                                  for i, (_, core) in zip(inputs, plan)):
+    if any(i.frozen is not None or core is None for i, (_, core) in zip(inputs, plan)):
         return ()
     return plan
 

@@ -357,7 +357,7 @@ def test_the_common_request_is_checked_and_laid_in_one_call_each_whatever_its_ar
     # (not on the path matrix's legs without the rings' C core or the runner's fast paths)
     if arrays.IN_C and path.fusable and path.inputs[0].ring.c_handle() is not None:
         assert [name for name, _ in path._write_plan] == ["tensor_B", "tensor_A"]
-        assert runner._intake._plain_c is not None
+        assert runner._intake._plain_plan is not None
         check_healthy(runner, weights)   # (a first write through Ring takes the rings' role)
         laid = []
         write = arrays.write_arrays
