@@ -1,7 +1,8 @@
 """Run by tests/integration/test_interrupt.py in a fresh interpreter: a Session (and its
 QueueManager) under SIGINT every 50 ms and user callbacks that raise.
 
-    python -m tests.integration.interrupt_session_program MODEL SECONDS {callbacks,queues}
+    python -m tests.integration.interrupt_session_program MODEL SECONDS \
+        {callbacks,queues,queues_late}
 
 ``callbacks``: the anchors are bound with ``setCallbackForAnchor``; every 7th request's
 input callback raises, every 11th request's output callback raises; the main thread
@@ -16,12 +17,17 @@ that lands as the run is entered means no run: after each run that returns, the 
 runs Main for what is still queued). Every output buffer must end up holding the result
 of the inputs enqueued with it.
 
+``queues_late``: as ``queues``, and every 13th enqueue also raises KeyboardInterrupt just
+after its item was published (the moment a SIGINT lands only now and then: an enqueue
+that took effect though the caller saw it interrupted).
+
 Prints ``RESULT {json}``: right and wrong answers, interrupts, errors by type and message,
 wrong answers of 10 calls after the signals stop, and what was left in /dev/shm.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -118,31 +124,47 @@ def main(path: str, seconds: float, how: str) -> None:
         qm = session.createQueueManager()
         rb = qm.inputs["tensor_A"].ringBuffer()
         outputs: list[tuple[int, np.ndarray]] = []
+        if how == "queues_late":
+            published_count = itertools.count(1)
+            for queue in (*qm.inputs.values(), *qm.outputs.values()):
+                ring = queue.ringBuffer()
+
+                def late(item: Any, write: Any = ring.write) -> None:
+                    write(item)
+                    if armed[0] and not stop.is_set() and next(published_count) % 13 == 0:
+                        raise KeyboardInterrupt
+                ring.write = late   # type: ignore[method-assign]
+
+        def published(queue: Any) -> int:
+            """How many items the queue's ring has published (its public state line)."""
+            state = queue.ringBuffer().getState()
+            found = re.search(r"written=(\d+)", state)
+            assert found is not None, state
+            return int(found.group(1))
 
         def one(i: int) -> None:
             a, b = value(i)
             out = np.full(shape, -1.0, np.float32)
+            request = [(qm.inputs["tensor_A"], a), (qm.inputs["tensor_B"], b),
+                       (qm.outputs["tensor_C"], out)]
+            before = [published(q) for q, _ in request]
             armed[0] = True
             try:
                 # a request is its three enqueues and its run: the user keeps them together
                 # (an interrupt inside does not undo the enqueues made)
-                enqueued = 0
                 try:
-                    qm.inputs["tensor_A"].enqueue(a, a.nbytes)
-                    enqueued = 1
-                    qm.inputs["tensor_B"].enqueue(b, b.nbytes)
-                    enqueued = 2
-                    qm.outputs["tensor_C"].enqueue(out, out.nbytes)
-                    enqueued = 3
+                    for q, buf in request:
+                        q.enqueue(buf, buf.nbytes)
                 finally:
                     armed[0] = False
-                    # finish the request's enqueues (no interrupt here: disarmed)
-                    if enqueued < 1:
-                        qm.inputs["tensor_A"].enqueue(a, a.nbytes)
-                    if enqueued < 2:
-                        qm.inputs["tensor_B"].enqueue(b, b.nbytes)
-                    if enqueued < 3:
-                        qm.outputs["tensor_C"].enqueue(out, out.nbytes)
+                    # finish the request's enqueues (no interrupt here: disarmed). Whether
+                    # an interrupted enqueue took effect is read from its ring: the
+                    # interrupt may land after the item was published (inside enqueue, or
+                    # as it returns), and enqueuing it again would shift every later
+                    # request by one item
+                    for (q, buf), n in zip(request, before):
+                        if published(q) == n:
+                            q.enqueue(buf, buf.nbytes)
                     outputs.append((i, out))
                 armed[0] = True
                 session.runMainPrograms()
@@ -177,7 +199,7 @@ def main(path: str, seconds: float, how: str) -> None:
             one(i)
         except model_runtime.ModelRuntimeError as exc:
             note(i, exc, "after: ")
-    if how == "queues":
+    if how != "callbacks":
         session.stop()      # every run has finished: each output buffer is final
         for j, out in outputs:
             ok = np.allclose(out, want(j), rtol=1e-6)

@@ -70,7 +70,7 @@ CALLBACK_ERROR = re.compile(
     r"'(tensor_A|tensor_C)' raised ValueError: (input|output) callback of request N failed")
 
 
-@pytest.mark.parametrize("how", ["callbacks", "queues"])
+@pytest.mark.parametrize("how", ["callbacks", "queues", "queues_late"])
 def test_a_session_under_sigint_and_raising_callbacks_gives_no_wrong_answer(model_path, how):
     """tests/integration/interrupt_session_program.py: SIGINT every 50 ms into
     ``runMainPrograms`` (and the queues' enqueues), user callbacks that raise: every run
