@@ -26,7 +26,7 @@ import contextlib
 import functools
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from host_runtime.devices import _partition
 from host_runtime.devices._daemon_client import DaemonAttachment, DaemonClient, daemon_from_env
@@ -95,6 +95,35 @@ def _bind_args(what: str, names: tuple[str, ...], args: tuple[Any, ...],
 def _model_needs(model: Model) -> tuple[int, int]:
     md = model.metadata
     return md.numIpus(), md.ipuVersion()
+
+
+_Held = list[tuple[int, tuple[int, ...], "IpuLocks | DaemonAttachment"]]
+
+
+def _reserve_some(reserve: Callable[[int, tuple[int, ...]],
+                                    "IpuLocks | DaemonAttachment | dict[int, int | None]"],
+                  candidates: Iterable[tuple[int, tuple[int, ...]]], count: int
+                  ) -> tuple[_Held, dict[int, int | None]]:
+    """Reserve devices of ``candidates`` in turn until ``count`` are held: what it holds
+    and ``{ipu: holder pid or None}`` of the busy IPUs it met. If a reservation raises
+    (e.g. out of descriptors), what it held is let go at once, not when the collector
+    frees the frames of the exception's traceback."""
+    busy: dict[int, int | None] = {}
+    held: _Held = []
+    try:
+        for device_id, ipus in candidates:
+            got = reserve(device_id, ipus)
+            if isinstance(got, dict):
+                busy.update(got)
+                continue
+            held.append((device_id, ipus, got))
+            if len(held) == count:
+                break
+    except BaseException:
+        for _, _, locks in held:
+            locks.release()
+        raise
+    return held, busy
 
 
 class DeviceManager:
@@ -338,16 +367,9 @@ class DeviceManager:
         attempts = 0
         while True:
             attempts += 1
-            busy: dict[int, int | None] = {}
-            held: list[tuple[int, tuple[int, ...], IpuLocks | DaemonAttachment]] = []
-            for device_id, ipus in candidates:
-                got = self._reserve(device_id, ipus)
-                if isinstance(got, dict):
-                    busy.update(got)
-                    continue
-                held.append((device_id, ipus, got))
-                if len(held) == count:
-                    return self._devices_from(_partition.cut(held, cut) if cut else held)
+            held, busy = _reserve_some(self._reserve, candidates, count)
+            if len(held) == count:
+                return self._devices_from(_partition.cut(held, cut) if cut else held)
             for _, _, locks in held:
                 locks.release()
             if strategy is DeviceWaitStrategy.NO_WAIT:

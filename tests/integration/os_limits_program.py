@@ -143,9 +143,13 @@ def _attach_all() -> Any:
 
 def _budgets(path: str) -> int:
     """A program making a runner of two replicas with 0, 2, 4, ... descriptors to spare:
-    each attempt either works or fails with a named error; none leaves an IPU held."""
+    each attempt either works or fails with a named error; none leaves an IPU held, with
+    the collector off (what a failed attempt held comes back when it fails)."""
+    import gc
+
     import host_runtime as model_runtime
 
+    gc.disable()
     cfg = model_runtime.ModelRunnerConfig()
     cfg.replication_factor = 2
     attempts = []
@@ -158,6 +162,8 @@ def _budgets(path: str) -> int:
             runner = None
         for fd in held:
             os.close(fd)
+        if runner is None:
+            attempts[-1]["after"] = _attach_all()
         if runner is not None:
             attempts.append({"free": free, "type": None})
             runner.close()

@@ -128,8 +128,8 @@ def test_a_multi_ipu_attach_out_of_descriptors_is_named_and_holds_no_ipu(tmp_pat
 def test_every_descriptor_budget_gives_a_runner_or_a_named_error(tmp_path, popef_path):
     """A runner of two replicas made with 0, 2, 4, ... descriptors to spare: every failure,
     wherever it falls (the PopEF file, lock files, regions, IPU processes),
-    is ResourceLimitError naming EMFILE and the limit, and leaves no IPU held and nothing
-    in /dev/shm."""
+    is ResourceLimitError naming EMFILE and the limit, and leaves no IPU held (the collector
+    off) and nothing in /dev/shm."""
     out = _run("budgets", str(tmp_path), popef_path)
     attempts = out["attempts"]
     assert attempts[-1]["type"] is None, attempts[-1]   # enough descriptors: it works
@@ -139,6 +139,7 @@ def test_every_descriptor_budget_gives_a_runner_or_a_named_error(tmp_path, popef
         assert re.search(r"out of file descriptors \(EMFILE\) .*: this process has \d+ open and "
                          r"its limit RLIMIT_NOFILE is 256 \(hard \w+\); close runners", a["msg"]), a
         assert "full" not in a["msg"], a
+        assert a["after"] == [0, 1, 2, 3], a    # the failed attempt holds no IPU
     assert out["after"] == [0, 1, 2, 3]
 
 
