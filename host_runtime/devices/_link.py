@@ -8,10 +8,10 @@ and
 - resolves the request futures (DONE / ERROR / STOPPED, matched by ``seq``),
 - hands NEED / OUT events to the active session's ``StreamServicer`` (which
   calls the user's callbacks, on this thread),
-- notices a dead IPU process (peer watch on the ring, plus a poll of every
-  process of the device each ``_POLL`` seconds) and fails every pending
-  request at once with one ``DeviceLostError`` naming the device and how it
-  died.
+- notices a dead IPU process (woken by its exit, ``_exits``, or where exits cannot
+  be watched a poll of every process of the device each ``_POLL`` seconds) and
+  fails every pending request at once with one ``DeviceLostError`` naming the
+  device and how it died.
 
 So a request made through callbacks touches two threads (the caller's and
 this one); the fast path of ``QueueManager`` touches only the caller's.
@@ -31,11 +31,13 @@ from typing import Any, Callable, Sequence
 
 import time
 
-from shm import PeerDiedError, RingTimeoutError, ShmError, describe_process, process_state
+from shm import (PeerDiedError, RingTimeoutError, ShmError, WaitInterrupted, describe_process,
+                 process_state)
 
 from host_runtime._sleepers import sleep_released
 from host_runtime._deadline import host_sync_timeout
 from host_runtime.devices import _event_threads as event_threads
+from host_runtime.devices._exits import ExitCue
 from host_runtime.devices._first import FIRST_SEQ
 from host_runtime.devices.link import StreamServicer
 from host_runtime.settings import HostSettings
@@ -54,7 +56,8 @@ __all__ = ["Answer", "ProcessLink", "error_from_body"]
 
 _log = logging.getLogger(__name__)
 
-_POLL = 0.25
+_POLL = 0.25          # the event thread's slice where exits are not watched (_exits)
+_EXIT_SLICE = 0.005   # its first slice after an exit (doubling up to _POLL)
 
 
 _RUNTIME_ERRORS: dict[str, type[DeviceRuntimeError]] = {
@@ -536,18 +539,37 @@ def _serve(ref: "weakref.ref[ProcessLink]", events: Any) -> None:
 
 
 def _serve_events(ref: "weakref.ref[ProcessLink]", events: Any) -> None:
+    link = ref()
+    if link is None:
+        return
+    # no time slice while the processes' exits are watched (an idle device's thread
+    # sleeps until an event or an exit); after an exit, slices from 5 ms until the
+    # process's end is known (the fork server reports it a moment after)
+    cue = ExitCue.watch([proc.pid for proc in link._procs], events)
+    del link
+    try:
+        _serve_loop(ref, events, cue)
+    finally:
+        if cue is not None:
+            cue.close()
+
+
+def _serve_loop(ref: "weakref.ref[ProcessLink]", events: Any, cue: ExitCue | None) -> None:
+    slice_s: float | None = _POLL if cue is None else None
     while True:
         link = ref()
         if link is None or link._closing:
             return
         del link
         try:
-            msg = ipu_protocol.receive(events, timeout=_POLL)
+            msg = ipu_protocol.receive(events, timeout=slice_s)
         except RingTimeoutError:
             link = ref()
             if link is not None and link._dead_process() is not None:
                 link.mark_lost()
                 return
+            if slice_s is not None:
+                slice_s = min(2 * slice_s, _POLL)
             continue
         except PeerDiedError:
             link = ref()
@@ -555,6 +577,12 @@ def _serve_events(ref: "weakref.ref[ProcessLink]", events: Any) -> None:
                 link.mark_lost()
             return
         except ShmError as exc:
+            if isinstance(exc, WaitInterrupted) and cue is not None and cue.seen:
+                # a process exited: look at them in slices (a link gone or closing, whose
+                # interrupt this may take back too, ends the loop at its top)
+                events.resume()
+                slice_s = _EXIT_SLICE
+                continue
             link = ref()
             if link is not None and not link._closing:
                 _log.warning("%s: event ring failed: %s", link.description, exc)

@@ -46,6 +46,7 @@ class Conn:
         self.device_id = -1   # the host's device id of what it holds (-1: not given)
         self.spoke = False    # it sent a request (a client's, not a silent connection)
         self.serving = False  # a request of it is being answered
+        self.watched = False  # holding: its exit wakes the daemon's monitor (a pidfd)
 
 
 def error(kind: str, message: str) -> dict[str, Any]:
@@ -146,6 +147,10 @@ async def attach(keeper: ProcessKeeper, system: SystemConfig, conn: Conn,
         ipu.hosts_served += 1
     conn.holding = wanted
     conn.device_id = device_id
+    # its exit wakes the monitor (which otherwise polls it)
+    conn.watched = keeper.exits.watch(("host", conn), conn.pid)
+    if not conn.watched:
+        keeper.look.set()
     _log.info("host %d attached ipus %s (pids %s)", conn.pid, indices,
               [ipu.pid for ipu in wanted])
     trace.instant(f"host {conn.pid} attached ipus {indices}", host=conn.pid)
@@ -160,6 +165,8 @@ def release_soon(keeper: ProcessKeeper, conn: Conn, why: str) -> "asyncio.Task[N
     files are let go only then. The task resets each IPU (restarts a dead one)."""
     held, conn.holding = conn.holding, []
     locks, conn.locks = conn.locks, None
+    keeper.exits.unwatch(("host", conn))
+    conn.watched = False
     if not held or keeper.stopping:   # stopping: every IPU process is being stopped
         if locks is not None:
             locks.release()

@@ -7,6 +7,12 @@ those alone. A process that dies while its IPU is free is restarted at once; one
 that dies while held is marked ``dead`` and restarted when its holder lets go;
 one that fails to start is retried every ``_RETRY`` seconds. How each process
 ended is kept (the last ``_EXITS_KEPT``) for the ``exit_status`` request.
+
+An idle pool costs no CPU: each running IPU process's pidfd is a reader of the event
+loop, which wakes the daemon's monitor (``look``) only when one exits. The monitor
+polls (every 0.2 s) only while something cannot be watched that way: a process
+without a pidfd, an exit seen while a step on its IPU was under way, an IPU whose
+start failed and waits for its retry.
 """
 
 from __future__ import annotations
@@ -20,13 +26,58 @@ from shm import pid_alive
 
 from ipu_emulator.daemon._pool import PoolError, PooledIpu, remove_objects_of
 
-__all__ = ["ProcessKeeper"]
+__all__ = ["LoopExits", "ProcessKeeper"]
 
 _log = logging.getLogger("ipu_emulator.daemon.server")
 
 _RETRY = 5.0       # seconds between restarts of an IPU process that failed to start
 _EXITS_KEPT = 256  # exit statuses of retired IPU processes kept for exit_status
 _REPORT_WAIT = 1.0  # seconds the template's report of a reaped process's exit is waited for
+
+
+class LoopExits:
+    """Processes whose exit wakes the event loop: each one's pidfd is a reader of the
+    loop, read once (it stays readable), which sets :attr:`look` and notes its key in
+    :attr:`exited` (until unwatched)."""
+
+    def __init__(self) -> None:
+        self._look: asyncio.Event | None = None
+        self._fds: dict[Any, int] = {}   # key -> pidfd
+        self.exited: set[Any] = set()
+
+    @property
+    def look(self) -> asyncio.Event:
+        if self._look is None:   # (made on the loop)
+            self._look = asyncio.Event()
+        return self._look
+
+    def watch(self, key: Any, pid: int) -> bool:
+        """Watch ``pid`` under ``key`` (the key's earlier process forgotten); False if it
+        cannot be watched (no pidfds, or gone already): the caller polls it."""
+        self.unwatch(key)
+        try:
+            fd = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            return False
+        try:
+            asyncio.get_running_loop().add_reader(fd, self._seen, key, fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fds[key] = fd
+        return True
+
+    def _seen(self, key: Any, fd: int) -> None:
+        asyncio.get_running_loop().remove_reader(fd)
+        self.exited.add(key)
+        self.look.set()
+
+    def unwatch(self, key: Any) -> None:
+        self.exited.discard(key)
+        fd = self._fds.pop(key, None)
+        if fd is not None:
+            asyncio.get_running_loop().remove_reader(fd)
+            os.close(fd)
 
 
 class ProcessKeeper:
@@ -42,6 +93,32 @@ class ProcessKeeper:
         self._resets: dict[int, "asyncio.Task[None]"] = {}   # take-backs under way, by IPU
         self._ready: dict[int, asyncio.Event] = {}   # ... set once their IPUs are free
         self.stopping = False   # no more attaches, resets or restarts
+        self.exits = LoopExits()    # the pidfds of the IPU processes (and of holders)
+        self._unwatched: set[int] = set()   # IPUs whose process has no pidfd: polled
+
+    # -- exits: watched on the loop ---------------------------------------------------
+
+    @property
+    def look(self) -> asyncio.Event:
+        """Set when a watched process exited: the monitor's cue for :meth:`check`."""
+        return self.exits.look
+
+    def polling(self) -> bool:
+        """Whether :meth:`check` must run periodically: a process that cannot be watched
+        by pidfd, an exit not handled yet (its IPU was busy), a start to retry."""
+        return bool(self._unwatched or self.exits.exited or self._retry_at)
+
+    def _watch(self, ipu: PooledIpu) -> None:
+        """Have the loop tell of the exit of ``ipu``'s (new) process."""
+        self._unwatch(ipu)
+        pid = ipu.pid
+        if pid is not None and not self.exits.watch(("ipu", ipu.index), pid):
+            self._unwatched.add(ipu.index)   # no pidfd here, or gone already: polled
+            self.look.set()     # the monitor starts polling
+
+    def _unwatch(self, ipu: PooledIpu) -> None:
+        self._unwatched.discard(ipu.index)
+        self.exits.unwatch(("ipu", ipu.index))
 
     def resetting(self, ipus: list[PooledIpu], task: "asyncio.Task[None]") -> None:
         """``task`` takes ``ipus`` back (their reset, then forgetting their host);
@@ -94,6 +171,7 @@ class ProcessKeeper:
             await asyncio.get_running_loop().run_in_executor(None, ipu.start)
             ipu.state = "free"
             self._retry_at.pop(ipu.index, None)
+            self._watch(ipu)
         except Exception as exc:
             _log.error("ipu %d: cannot start its process: %s", ipu.index, exc)
             ipu.state = "failed"
@@ -132,6 +210,7 @@ class ProcessKeeper:
 
     def retire(self, ipu: PooledIpu) -> None:
         """Log how the IPU's process ended and keep its exit status (for exit_status)."""
+        self._unwatch(ipu)
         proc = ipu.proc
         if proc is not None and proc.pid not in self._exits:
             rc = proc.returncode()
@@ -153,6 +232,7 @@ class ProcessKeeper:
         for ipu in self.ipus:
             if ipu.index in self.busy:
                 continue
+            self.exits.exited.discard(("ipu", ipu.index))   # looked at (a busy one: later)
             if ipu.state in ("free", "held") and not ipu.alive():
                 self.retire(ipu)
                 if ipu.state == "free":
@@ -188,6 +268,8 @@ class ProcessKeeper:
                 ipu.close_process(polite=ipu.state == "free")
             except Exception:
                 _log.exception("stopping ipu %d", ipu.index)
+        for ipu in self.ipus:
+            self._unwatch(ipu)
         await asyncio.gather(*(loop.run_in_executor(None, stop, ipu) for ipu in self.ipus))
         removed = remove_objects_of(pids)
         if removed:

@@ -8,10 +8,11 @@ unix socket (mode 0600, default ``$IPU_EMULATOR_HOME/daemon.sock``) and speak
 - ``attach`` takes a set of IPUs exclusively (all or none) for the connection
   and answers with each IPU's process pid and ring names; a busy IPU is
   reported with its holder's pid (the kernel's ``SO_PEERCRED``, not a claim);
-- ``release``, closing the connection, or the death of the holder (checked
-  every ``_MONITOR`` seconds, so a forked child keeping the socket open does not
-  matter) hands the IPUs back: each process drops that host's executables and,
-  if the host died, every shared-memory object it created; then it is free.
+- ``release``, closing the connection, or the death of the holder (its pidfd,
+  read by the event loop, or where there is none a check every ``_MONITOR``
+  seconds, so a forked child keeping the socket open does not matter) hands the
+  IPUs back: each process drops that host's executables and, if the host died,
+  every shared-memory object it created; then it is free.
   ``release`` is answered before the reset is done: an attach of a ``resetting``
   IPU waits for its reset, and ``status`` answers once resets under way are done;
 - a dead IPU process is restarted once nobody holds it.
@@ -375,9 +376,20 @@ class Daemon:
     # -- monitor --------------------------------------------------------------------------
 
     async def _monitor(self) -> None:
+        """Look at holders and IPU processes when one of them exits (their pidfds are
+        read by the loop: the keeper's ``look``), and every ``_MONITOR`` seconds while
+        something must be polled (a process without a pidfd, see ``polling``). An idle
+        daemon, or one whose hosts hold their IPUs idle, sleeps until an exit."""
         loop = asyncio.get_running_loop()
+        look = self.keeper.look
         while True:
-            await asyncio.sleep(_MONITOR)
+            if (any(conn.holding and not conn.watched for conn in self._conns)
+                    or self.keeper.polling()):
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(look.wait(), _MONITOR)
+            else:
+                await look.wait()
+            look.clear()
             for conn in list(self._conns):
                 if conn.holding and not pid_alive(conn.pid):
                     loop.create_task(self._release(conn, "died"))

@@ -7,13 +7,16 @@ they print one JSON line per step so the test follows them without sleeping.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import numpy as np
 import psutil
@@ -199,6 +202,95 @@ def test_a_free_ipu_whose_process_died_is_restarted_by_the_next_attach(daemon, m
         assert dev.pids()[0] != old
         a, b = rand(5), rand(6)
         np.testing.assert_allclose(run_session(model, dev, a, b), a * weights + b, rtol=1e-6)
+
+
+def test_a_free_ipu_whose_process_died_is_replaced_by_the_daemon_itself(tmp_path, model,
+                                                                        weights):
+    """An idle daemon sleeps until one of its IPU processes exits (their pidfds are read
+    by its event loop): the exit of a free one wakes it, and it logs the exit and starts
+    a new process on its own, with no host asking."""
+    rig = DaemonRig(tmp_path, num_ipus=2)
+    try:
+        pid = rig.status()["daemon_pid"]
+
+        def sleeps() -> int:   # times the daemon's event loop went to sleep so far
+            with open(f"/proc/{pid}/task/{pid}/status") as f:
+                return int(re.search(r"^voluntary_ctxt_switches:\s+(\d+)", f.read(),
+                                     re.M).group(1))
+        before = sleeps()
+        time.sleep(1.5)   # a window of idleness, not a synchronisation
+        # (the status request's connection may end after its answer: 2 wakes at most; a
+        # look every 0.2 s would be 7)
+        woke = sleeps() - before
+        assert woke <= 2
+        old = rig.pool_pids[1]
+        os.kill(old, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while True:   # the daemon's own work, seen from outside: bounded
+            ipu = rig.status()["ipus"][1]
+            if ipu["state"] == "free" and ipu["pid"] not in (None, old):
+                break
+            assert time.monotonic() < deadline, (ipu, rig.lines)
+            time.sleep(0.02)
+        assert any(f"ipu 1: " in ln and f"{old}" in ln and "killed by signal SIGKILL" in ln
+                   for ln in rig.lines), rig.lines
+        assert rig.status()["ipus"][0]["pid"] == rig.pool_pids[0]   # the other untouched
+        with DeviceManager(daemon=rig.socket).getSpecificDevice(1) as dev:
+            assert dev.pids() == [ipu["pid"]]
+            a, b = rand(7), rand(8)
+            np.testing.assert_allclose(run_session(model, dev, a, b), a * weights + b,
+                                       rtol=1e-6)
+        rig.stop()
+    finally:
+        rig.kill()
+
+
+_FORKING_HOLDER = textwrap.dedent("""
+    import os, sys
+    from host_runtime.devices._manager import DeviceManager
+    dev = DeviceManager(daemon=sys.argv[1]).getSpecificDevice(0)
+    child = os.fork()
+    if child == 0:          # keeps the daemon connection open, holds nothing itself
+        sys.stdin.read()
+        os._exit(0)
+    print(child, flush=True)
+    os._exit(0)             # the holder dies without releasing; its connection stays open
+""")
+
+
+@pytest.mark.allow_shm_leak   # the dead holder's objects: the daemon removes them
+def test_a_holder_that_dies_while_its_child_keeps_the_connection_open_frees_its_ipu(tmp_path):
+    """The daemon sees its holder's death (the holder's pidfd wakes it), not the end of
+    the connection a forked child still holds."""
+    rig = DaemonRig(tmp_path, num_ipus=1)
+    host = subprocess.Popen([sys.executable, "-c", _FORKING_HOLDER, rig.socket], cwd=REPO,
+                            env=rig.host_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    child = None
+    try:
+        assert host.stdout is not None
+        child = int(host.stdout.readline())
+        assert host.wait(60) == 0
+        deadline = time.monotonic() + 60
+        while True:   # the daemon's own work, seen from outside: bounded
+            ipu = rig.status()["ipus"][0]
+            if ipu["state"] == "free":
+                break
+            assert ipu["holder"] == host.pid, ipu
+            assert time.monotonic() < deadline, (ipu, rig.lines)
+            time.sleep(0.02)
+        assert psutil.pid_exists(child)   # its connection is still open
+        with DeviceManager(daemon=rig.socket).getSpecificDevice(0) as dev:
+            assert dev.pids() == rig.pool_pids   # reset, not restarted
+        rig.stop()
+    finally:
+        if child is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+        if host.poll() is None:
+            host.kill()
+            host.wait()
+        rig.kill()
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

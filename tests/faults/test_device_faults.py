@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import numpy as np
 import psutil
@@ -240,3 +242,31 @@ def test_host_killed_while_its_device_loops_without_waiting(model_path):
     before = ours()
     with host_child(SPINNING_HOST, model_path) as (child, ipu_pids):
         kill_host_and_check_cleanup(child, ipu_pids, before)
+
+
+def test_an_idle_devices_event_thread_sleeps_until_its_ipu_process_exits(model):
+    """Nothing wakes the event thread of an idle device (its IPU process's exit is watched
+    by pidfd, not polled); the exit itself does, and fails the next call with how the
+    process died."""
+    before = ours()
+    with DeviceManager().getDevice(1, wait_config=PATIENT) as dev, Session(model) as s:
+        s.bindToDevice(dev)
+        for h in ("tensor_A", "tensor_B"):
+            s.setCallbackForAnchor(h, ones)
+        s.setCallbackForAnchor("tensor_C", lambda v: None)
+        s.runMainPrograms()
+        pid = dev.pids()[0]
+        [thread] = [t for t in threading.enumerate() if t.name == f"ipu-events-{pid}"]
+
+        def sleeps() -> int:   # times the event thread went to sleep so far
+            with open(f"/proc/self/task/{thread.native_id}/status") as f:
+                return int(re.search(r"^voluntary_ctxt_switches:\s+(\d+)", f.read(),
+                                     re.M).group(1))
+        start = sleeps()
+        time.sleep(1.5)   # a window of idleness, not a synchronisation
+        assert sleeps() - start <= 1     # a look every 0.25 s would be 6
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(DeviceLostError, match=f"IPU process {pid} was killed by signal "
+                                                  "SIGKILL"):
+            s.runMainPrograms()
+    assert ours() == before

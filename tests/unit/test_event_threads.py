@@ -84,6 +84,7 @@ class _Link:
 
     _closing = _quitting = False
     _final_seq = None
+    _procs = ()     # no IPU process: nothing exits
     description = "a test link"
 
     def __init__(self) -> None:
