@@ -430,9 +430,10 @@ class ShmSettings(Settings):
         "`pip install` builds)", when=_RING)
     ring_peer_thread: bool = knob(
         True, "IPU_EMULATOR_RING_PEER_THREAD", flag,
-        "`0`: no thread watching the rings' peer processes; a wait on a ring with a peer "
-        "then checks it every 50 ms, arming a kernel timer per wait (a 64-byte round trip "
-        "about 10% slower)", when=_RING)
+        "`0`: no thread watching the rings' peer processes and the devices' IPU processes; "
+        "a wait on a ring with a peer then checks it every 50 ms, arming a kernel timer per "
+        "wait (a 64-byte round trip about 10% slower), and an idle device's event thread "
+        "looks at its IPU processes every 0.25 s", when=_RING)
     ring_spin_us: float = knob(
         0.0, "IPU_EMULATOR_RING_SPIN_US", micros,
         "a ring waiter's spin budget before it blocks, adapting (doubled on success, halved "
