@@ -132,6 +132,9 @@ def test_processes_are_titled_for_ps(daemon):
     """ps and top tell the daemon and each IPU process apart, and whom an IPU serves."""
     d = daemon.proc.pid
     assert titles.of_pid(d) == "ipu-emulator: daemon"
+    # (status answers once the resets under way are done: an earlier test's release is
+    # answered before its IPU's reset, which retitles the process)
+    assert holders(daemon) == {0: ("free", None), 1: ("free", None)}
     assert [titles.of_pid(p) for p in daemon.pool_pids] == [
         f"ipu-emulator: ipu 0 (daemon {d}, free)", f"ipu-emulator: ipu 1 (daemon {d}, free)"]
     with DeviceManager(daemon=daemon.socket).getSpecificDevice(1, wait_config=PATIENT) as dev:
