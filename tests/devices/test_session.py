@@ -386,7 +386,11 @@ def test_a_machine_device_is_held_until_released(kind, model, weights):
     again.close()
 
 
-def test_a_killed_ipu_is_a_lost_device(kind, model):
+@pytest.mark.parametrize("exit_thread", ["1", "0"])
+def test_a_killed_ipu_is_a_lost_device(kind, model, monkeypatch, exit_thread):
+    """Whether the event thread is woken by the exit (the exit thread of shm.liveness) or
+    looks at the IPU processes every 0.25 s (IPU_EMULATOR_RING_PEER_THREAD=0)."""
+    monkeypatch.setenv("IPU_EMULATOR_RING_PEER_THREAD", exit_thread)
     with kind.device(model) as dev, Session(model) as s:
         (pid,) = dev.pids()
         if kind.in_thread:
