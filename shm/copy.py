@@ -135,5 +135,9 @@ def copy_bytes(dst: Any, src: Any) -> None:
         job.state = _CLOSED
     if started:
         job.done.acquire()
-        if job.error is not None:
-            raise job.error
+        error, job.error = job.error, None
+        if error is not None:
+            try:
+                raise error
+            finally:   # (this frame holding the error it raised: a reference cycle)
+                del error

@@ -164,4 +164,7 @@ def named_errors(what: str, nbytes: int | None = None) -> Iterator[None]:
         named = named_error(exc, what, nbytes)
         if named is None:
             raise
-        raise named from exc
+        try:
+            raise named from exc
+        finally:   # this frame is in its traceback: holding it too would be a cycle
+            del named

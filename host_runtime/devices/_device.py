@@ -21,6 +21,7 @@ from typing import Callable, Protocol, runtime_checkable
 from host_runtime.devices._daemon_client import DaemonAttachment
 from host_runtime.devices._ipu_group import make_link
 from host_runtime.devices.link import DeviceLink, StreamServicer
+from host_runtime._again import again
 from host_runtime._fork import check_owner
 from host_runtime._lifetime import close_owned
 from host_runtime.errors import BadRequestError, InvalidStateError
@@ -264,7 +265,7 @@ class Device:
             raise InvalidStateError(f"{self.describe()} is detached")
         lost = self._link.lost
         if lost is not None:
-            raise lost
+            raise again(lost)
 
     def isActiveSession(self, session: ActiveSession) -> bool:
         active = self._active

@@ -81,12 +81,18 @@ def serve(fn: Callable[..., Any], args: tuple[Any, ...], name: str) -> Service:
         worker.job = job
         worker.wake.release()
         return service
-    threading.Thread(target=_work, args=(_Worker(), job), name=name, daemon=True).start()
+    # the job goes through the worker, not the thread's arguments: a Thread keeps those
+    # until its target returns, and this one serves other links after this one
+    worker = _Worker()
+    worker.job = job
+    del job
+    threading.Thread(target=_work, args=(worker,), name=name, daemon=True).start()
     return service
 
 
-def _work(me: _Worker, job: _Job | None) -> None:
+def _work(me: _Worker) -> None:
     thread = threading.current_thread()
+    job, me.job = me.job, None
     while job is not None:
         fn, args, name, service = job
         thread.name = name

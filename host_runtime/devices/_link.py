@@ -34,6 +34,7 @@ import time
 from shm import (PeerDiedError, RingTimeoutError, ShmError, WaitInterrupted, describe_process,
                  process_state)
 
+from host_runtime._again import again
 from host_runtime._sleepers import sleep_released
 from host_runtime._deadline import host_sync_timeout
 from host_runtime.devices import _event_threads as event_threads
@@ -386,7 +387,7 @@ class ProcessLink:
     def notify(self, op: Op, body: Any = None) -> None:
         """Send a message that is not answered (MODES)."""
         if self._lost is not None:
-            raise self._lost
+            raise again(self._lost)
         if not self._started:
             self.start()
         try:

@@ -76,21 +76,24 @@ def translated(what: str, nbytes: int) -> Iterator[None]:
         if isinstance(exc, UnsafePathError):   # a planted link, not a full /dev/shm
             raise
         named: BaseException | None = exc
-        if not isinstance(exc, (OutOfFileDescriptorsError, FileSizeLimitError, ShmFullError)):
-            named = limits.named_error(exc, f"creating {what}", nbytes)
-            if named is not None:
-                named.__cause__ = exc
-        if isinstance(named, (OutOfFileDescriptorsError, FileSizeLimitError)):
-            raise ResourceLimitError(f"cannot create {what}: {named}") from named
-        if isinstance(named, ShmFullError):
-            raise SharedMemoryFullError(f"cannot create {what} of {nbytes} bytes in shared "
-                                        f"memory: {named}") from named
-        if isinstance(exc, ShmError):
-            raise SharedMemoryFullError(f"cannot create {what} of {nbytes} bytes in shared "
-                                        f"memory: {exc}; {_has()}") from exc
-        if isinstance(exc, OSError):
-            raise SharedMemoryFullError(f"cannot create {what} of {nbytes} bytes in shared "
-                                        f"memory: {exc.strerror or exc}; {_has()}") from exc
+        try:
+            if not isinstance(exc, (OutOfFileDescriptorsError, FileSizeLimitError, ShmFullError)):
+                named = limits.named_error(exc, f"creating {what}", nbytes)
+                if named is not None:
+                    named.__cause__ = exc
+            if isinstance(named, (OutOfFileDescriptorsError, FileSizeLimitError)):
+                raise ResourceLimitError(f"cannot create {what}: {named}") from named
+            if isinstance(named, ShmFullError):
+                raise SharedMemoryFullError(f"cannot create {what} of {nbytes} bytes in shared "
+                                            f"memory: {named}") from named
+            if isinstance(exc, ShmError):
+                raise SharedMemoryFullError(f"cannot create {what} of {nbytes} bytes in shared "
+                                            f"memory: {exc}; {_has()}") from exc
+            if isinstance(exc, OSError):
+                raise SharedMemoryFullError(f"cannot create {what} of {nbytes} bytes in shared "
+                                            f"memory: {exc.strerror or exc}; {_has()}") from exc
+        finally:   # this frame is in the raised error's traceback: no cycle through it
+            named = None
         raise
 
 

@@ -425,7 +425,10 @@ class OutputQueue(_QueueBase[OutputData]):
                         if failed is None:
                             failed = exc
         if failed is not None:
-            raise failed
+            try:
+                raise failed
+            finally:   # (this frame holding the error it raised: a reference cycle)
+                del failed
         return True
 
     __call__ = drain
@@ -511,7 +514,10 @@ def _queue_callback(step: Callable[[memoryview], bool], disconnected: str
         if not step(view):
             exc = InvalidStateError(disconnected)
             exc.queue_disconnected = True   # type: ignore[attr-defined]
-            raise exc
+            try:
+                raise exc
+            finally:   # (this frame holding the error it raised: a reference cycle)
+                del exc
         return True   # (as fill's and drain's; the session ignores it)
     return cast(Callable[[memoryview], None], callback)
 

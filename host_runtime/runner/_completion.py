@@ -152,7 +152,10 @@ class Completion:
                 r.fail(err)
         self.stall(err)
         if mine:
-            raise err
+            try:
+                raise err
+            finally:   # (this frame holding the error it raised: a reference cycle)
+                del err
 
     # -- waiting ---------------------------------------------------------------------
     def record_error(self, error: BaseException, request: Request | None = None, *,

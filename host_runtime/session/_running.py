@@ -120,7 +120,10 @@ class Runs:
             new = self._streams.with_callback_error(exc, what)
             if new is exc:
                 raise
-            raise new from new.__cause__
+            try:
+                raise new from new.__cause__
+            finally:   # (this frame holding the error it raised: a reference cycle)
+                del new
         except BaseException:
             # Abandoned (KeyboardInterrupt, a signal handler's exception): the run goes on
             # on the device, its callbacks are called as for any run; the next run waits
@@ -129,7 +132,10 @@ class Runs:
             raise
         failed = self._streams.callback_failure(what)
         if failed is not None:
-            raise failed
+            try:
+                raise failed
+            finally:   # (this frame holding the error it raised: a reference cycle)
+                del failed
 
     def _finish_abandoned(self, dev: Device) -> None:
         """Wait for the run a caller abandoned (see send); its outcome, which nobody

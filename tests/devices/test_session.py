@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import traceback
 import signal
 
 import numpy as np
@@ -411,5 +412,14 @@ def test_a_killed_ipu_is_a_lost_device(kind, model, monkeypatch, exit_thread):
         with pytest.raises(DeviceLostError, match=rf"IPU process {pid} was killed by signal "
                                                   "SIGKILL"):
             s.runMainPrograms()
+        # every later call raises the device's error; its traceback is that call's only
+        # (raised as kept, it grew by each call's frames, and kept their locals)
+        depths = []
+        for _ in range(3):
+            try:
+                s.runMainPrograms()
+            except DeviceLostError as exc:
+                depths.append(len(traceback.extract_tb(exc.__traceback__)))
+        assert len(depths) == 3 and depths[0] == depths[1] == depths[2], depths
         assert len(st.outputs["tensor_C"]) == 1
     assert not dev.isAttached()

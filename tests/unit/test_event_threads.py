@@ -44,6 +44,34 @@ def test_a_thread_whose_service_ended_serves_the_next_and_is_named_idle_meanwhil
     assert threading.active_count() == count    # and no new one
 
 
+def test_a_new_thread_holds_nothing_of_its_first_link_once_idle() -> None:
+    """A thread started for a link keeps nothing of it while idle or serving later links
+    (not even as the Thread's arguments, kept until its target returns): what the link
+    handed it (its event ring) is freed with the collector off."""
+    import gc
+    import weakref
+
+    class Ring:   # stands for the event ring a link hands its thread
+        pass
+
+    with event_threads._lock:   # a new thread, not an idle one of another test
+        idle, event_threads._idle[:] = list(event_threads._idle), []
+    gc.disable()
+    try:
+        ring = Ring()
+        gone = weakref.ref(ring)
+        service = event_threads.serve(lambda r: None, (ring,), "ipu-events-first")
+        del ring
+        assert service.join(10)
+        thread = _thread(service.ident)
+        assert thread.name == event_threads.IDLE_NAME
+        assert gone() is None
+    finally:
+        gc.enable()
+        with event_threads._lock:
+            event_threads._idle.extend(idle)
+
+
 def test_an_idle_thread_ends_after_its_idle_time(monkeypatch) -> None:
     monkeypatch.setattr(event_threads, "IDLE_SECONDS", 0.05)
     with event_threads._lock:   # (threads idle from other tests keep their own wait)

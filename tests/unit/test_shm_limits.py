@@ -174,3 +174,33 @@ def test_open_fds_counts_with_and_without_a_free_descriptor():
     if probed is None:
         pytest.skip("the probe is bounded to 65536 descriptors")
     assert probed == expected
+
+
+@pytest.mark.parametrize("how", ["named", "translated"])
+def test_a_named_error_keeps_no_frame_alive_with_the_collector_off(how):
+    """The error raised holds the frames it went through (its traceback); a frame that
+    holds that error too (the context manager's own) makes a cycle, and everything those
+    frames hold (a lock, a ring made before the failure) waits for the collector."""
+    import gc
+
+    class Held:   # a local of a frame in the error's traceback
+        pass
+
+    def fail() -> None:
+        held = Held()   # noqa: F841 (held by this frame)
+        cm = (limits.named_errors("opening a test file") if how == "named"
+              else translated("a test region", 64))
+        with cm:
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+
+    gc.disable()
+    try:
+        raised = None
+        try:
+            fail()
+        except (OutOfFileDescriptorsError, ResourceLimitError) as exc:
+            raised = type(exc)
+        assert raised is (OutOfFileDescriptorsError if how == "named" else ResourceLimitError)
+        assert not [o for o in gc.get_objects() if isinstance(o, Held)]
+    finally:
+        gc.enable()
