@@ -190,8 +190,8 @@ def test_a_killed_ipu_process_is_reported_and_replaced(daemon, model, weights):
 
 def test_a_free_ipu_whose_process_died_is_restarted_by_the_next_attach(daemon, model, weights):
     """An IPU process that dies while nobody holds it (killed, the OOM killer) is replaced
-    when the next host attaches it, not handed to it dead (the daemon's own look at its
-    IPUs comes only every fifth of a second)."""
+    when the next host attaches it, not handed to it dead (the daemon's own look, woken
+    by the exit, may not have come yet)."""
     dm = DeviceManager(daemon=daemon.socket)
     with dm.getSpecificDevice(1, wait_config=PATIENT) as dev:
         old = dev.pids()[0]
