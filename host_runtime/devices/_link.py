@@ -661,6 +661,11 @@ def wait(fut: "cf.Future[Any]", timeout: float | None, what: str,
             return fut.result(timeout=max(0.0, min(limit - now, _RECHECK)))
         except cf.TimeoutError:
             continue
+        except BaseException:
+            # the future's failure is raised through this frame, which holds the future
+            # (as Future.result itself avoids): no reference cycle
+            del fut
+            raise
 
 
 _RECHECK = 0.5

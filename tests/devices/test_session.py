@@ -263,6 +263,41 @@ def test_callback_exception_fails_the_run_and_the_session_stays_usable(model, we
         np.testing.assert_allclose(st.outputs["tensor_C"][-1], weights, rtol=1e-6)
 
 
+def test_a_failed_run_keeps_nothing_alive_with_the_collector_off(model, device):
+    """A run's failure is its answer's (a future's) exception; raised through frames that
+    hold that future, it made a reference cycle, and every frame of its traceback (the
+    caller's too, with what it holds) waited for the collector."""
+    import gc
+
+    class Held:   # a local of the caller's frame, which is in the error's traceback
+        pass
+
+    def bad(view: memoryview) -> None:
+        raise KeyError("no data for B")
+
+    with Session(model) as s:
+        s.bindToDevice(device)
+        st = Streams()
+        st.bind(s, tensor_A=np.ones(SHAPE), tensor_B=np.zeros(SHAPE))
+        s.setCallbackForAnchor("tensor_B", bad)
+
+        def run() -> None:
+            held = Held()   # noqa: F841 (held by this frame)
+            s.runMainPrograms()
+
+        gc.disable()
+        try:
+            raised = None
+            try:
+                run()
+            except DeviceExecutionError as exc:
+                raised = str(exc)
+            assert raised is not None and "callback of anchor 'tensor_B' raised" in raised
+            assert not [o for o in gc.get_objects() if isinstance(o, Held)]
+        finally:
+            gc.enable()
+
+
 def test_package_hash_mismatch_is_refused_with_both_hashes(model, weights, device):
     exe = Executable.from_bytes(model.executable.payload())
     exe.package_hash = "0123abcd" * 8
