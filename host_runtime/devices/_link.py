@@ -661,11 +661,15 @@ def wait(fut: "cf.Future[Any]", timeout: float | None, what: str,
             return fut.result(timeout=max(0.0, min(limit - now, _RECHECK)))
         except cf.TimeoutError:
             continue
-        except BaseException:
-            # the future's failure is raised through this frame, which holds the future
-            # (as Future.result itself avoids): no reference cycle
+        except BaseException as exc:
+            if not (fut.done() and not fut.cancelled() and fut.exception(0) is exc):
+                raise   # not the answer's (an interrupt of this wait)
+            # the answer's failure, which it keeps (one error may fail many answers: a
+            # lost device's): raised as a copy, the kept one reset, so that no kept
+            # error holds this call's frames (see host_runtime._again)
+            exc.with_traceback(None)
             del fut
-            raise
+            raise again(exc)
 
 
 _RECHECK = 0.5

@@ -267,11 +267,6 @@ def test_a_failed_run_keeps_nothing_alive_with_the_collector_off(model, device):
     """A run's failure is its answer's (a future's) exception; raised through frames that
     hold that future, it made a reference cycle, and every frame of its traceback (the
     caller's too, with what it holds) waited for the collector."""
-    import gc
-
-    class Held:   # a local of the caller's frame, which is in the error's traceback
-        pass
-
     def bad(view: memoryview) -> None:
         raise KeyError("no data for B")
 
@@ -281,21 +276,34 @@ def test_a_failed_run_keeps_nothing_alive_with_the_collector_off(model, device):
         st.bind(s, tensor_A=np.ones(SHAPE), tensor_B=np.zeros(SHAPE))
         s.setCallbackForAnchor("tensor_B", bad)
 
-        def run() -> None:
-            held = Held()   # noqa: F841 (held by this frame)
-            s.runMainPrograms()
+        _raises_and_keeps_nothing(s.runMainPrograms, DeviceExecutionError,
+                                  "callback of anchor 'tensor_B' raised")
 
-        gc.disable()
+
+class _Held:   # a local of the caller's frame, which is in the error's traceback
+    pass
+
+
+def _raises_and_keeps_nothing(call, error: type, text: str = "") -> None:
+    """``call()`` raises ``error`` (its message holding ``text``), and with the collector
+    off nothing of the frames it went through outlives it."""
+    import gc
+
+    def caller() -> None:
+        held = _Held()   # noqa: F841 (held by this frame)
+        call()
+
+    gc.disable()
+    try:
+        raised = None
         try:
-            raised = None
-            try:
-                run()
-            except DeviceExecutionError as exc:
-                raised = str(exc)
-            assert raised is not None and "callback of anchor 'tensor_B' raised" in raised
-            assert not [o for o in gc.get_objects() if isinstance(o, Held)]
-        finally:
-            gc.enable()
+            caller()
+        except error as exc:
+            raised = str(exc)
+        assert raised is not None and text in raised, raised
+        assert not [o for o in gc.get_objects() if isinstance(o, _Held)]
+    finally:
+        gc.enable()
 
 
 def test_package_hash_mismatch_is_refused_with_both_hashes(model, weights, device):
@@ -456,5 +464,8 @@ def test_a_killed_ipu_is_a_lost_device(kind, model, monkeypatch, exit_thread):
             except DeviceLostError as exc:
                 depths.append(len(traceback.extract_tb(exc.__traceback__)))
         assert len(depths) == 3 and depths[0] == depths[1] == depths[2], depths
+        # ... and it keeps none of those frames alive (the device, which keeps the error,
+        # is among what they hold: a cycle the collector alone would break)
+        _raises_and_keeps_nothing(s.runMainPrograms, DeviceLostError)
         assert len(st.outputs["tensor_C"]) == 1
     assert not dev.isAttached()
