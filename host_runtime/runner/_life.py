@@ -22,13 +22,13 @@ from shm import ExitWatch, PeerDiedError, Ring, describe_process
 
 from ipu_emulator.trace import recorder
 
+from host_runtime._again import again
 from host_runtime.errors import (DeviceLostError, DeviceRuntimeError, DeviceTimeoutError,
                                  InvalidStateError, ModelRuntimeError, RecoverableRuntimeError,
                                  RecoveryAction, UnrecoverableRuntimeError)
 from host_runtime.runner import _tracing
 from host_runtime.runner._batching import TensorSpec
 from host_runtime.runner._transfer import RECHECK, PathOptions, TransferPath
-from host_runtime.runner._requests import raisable
 from host_runtime.settings import HostSettings
 
 __all__ = ["ReplicaLife", "ReplicaSession", "DirectPath", "DeviceProcesses", "SaveFn",
@@ -274,7 +274,7 @@ class ReplicaLife:
         if not self.resets(err):
             if self.error_unheard and err is self.error:
                 self.error_unheard = False
-                raise raisable(err)
+                raise again(err)
             raise unusable_error(self.rid, err, self._auto_reset) from err
         return False
 

@@ -49,6 +49,7 @@ import numpy as np
 
 from shm import Ring
 
+from host_runtime._again import again
 from host_runtime._lifetime import weak_method
 from host_runtime.errors import ModelRuntimeError
 from host_runtime.runner._batching import TensorSpec
@@ -56,7 +57,7 @@ from host_runtime.runner._completion import Completion
 from host_runtime.runner._intake import RequestIntake
 from host_runtime.runner._life import ReplicaLife, ReplicaSession, SaveFn
 from host_runtime.runner._replica_timers import ReplicaTimers
-from host_runtime.runner._requests import Driver, Request, Transfer, raisable
+from host_runtime.runner._requests import Driver, Request, Transfer
 from host_runtime.runner import _tracing
 from host_runtime.runner._submission import Submission
 from host_runtime.runner._transfer import PathOptions
@@ -172,7 +173,7 @@ class Replica:
         """Wait for ``req``, sent; raises its error."""
         self._completion.wait_for(req, None)   # interrupted: req stays in flight, answered
         if req.error is not None:
-            raise raisable(req.error)
+            raise again(req.error)
 
     def rerun_load(self, values: dict[str, memoryview]) -> None:
         """New data for the Load programs' inputs (handle -> bytes), loaded in place on this

@@ -11,13 +11,13 @@ of handing work to another thread.
 
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Protocol
 
 import numpy as np
 
+from host_runtime._again import again
 from host_runtime._fork import current_pid, foreign, forked_error
 from host_runtime.errors import DeviceTimeoutError
 from host_runtime.runner._batching import TensorSpec
@@ -25,25 +25,7 @@ from host_runtime.runner._batching import TensorSpec
 if TYPE_CHECKING:  # pragma: no cover
     from host_runtime.runner._host_tail import HostTail
 
-__all__ = ["Request", "Transfer", "OutputFuture", "Driver", "raisable"]
-
-
-def raisable(error: BaseException) -> BaseException:
-    """A copy of a stored ``error`` to raise (type, message and cause kept).
-
-    Raising the stored object itself would attach a traceback whose frames refer
-    back to the request and replica that store it: a reference cycle that keeps
-    them (and the memory of the request) until the garbage collector runs.
-    """
-    try:
-        new = copy.copy(error)
-    except Exception:  # pragma: no cover - an exception type copy cannot rebuild
-        return error
-    if type(new) is not type(error) or str(new) != str(error):   # pragma: no cover
-        return error
-    new.__cause__ = error.__cause__
-    new.__suppress_context__ = error.__suppress_context__
-    return new
+__all__ = ["Request", "Transfer", "OutputFuture", "Driver"]
 
 
 class Driver(Protocol):
@@ -210,7 +192,7 @@ class OutputFuture:
         self._wait_or_raise(timeout)
         r = self._request
         if r.error is not None:
-            raise raisable(r.error)
+            raise again(r.error)
         out = dict(r.results)
         if self._tail is not None:
             if self._tail_out is None:

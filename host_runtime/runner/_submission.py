@@ -36,6 +36,7 @@ import numpy as np
 
 from shm import Ring, RingInvalidatedError, RingTimeoutError, ShmError, WouldBlock
 
+from host_runtime._again import again
 from host_runtime.errors import (DeviceLostError, DeviceTimeoutError, InvalidStateError,
                                  ModelRuntimeError,
                                  SequenceMismatchError)
@@ -45,7 +46,7 @@ from host_runtime.runner import _tracing
 from host_runtime.runner._completion import Completion
 from host_runtime.runner._life import ReplicaLife
 from host_runtime.runner._replica_timers import ReplicaTimers
-from host_runtime.runner._requests import Request, Transfer, raisable
+from host_runtime.runner._requests import Request, Transfer
 from host_runtime.runner._transfer import NotTaken, TransferPath, consumed_from
 from host_runtime.runner.monitoring import RequestMonitor
 
@@ -226,9 +227,9 @@ class Submission(_Submitter):
             except _WRITE_ERRORS as exc:
                 err = self._write_failed(exc)
                 req.fail(err)
-                raise raisable(err) from None
+                raise again(err) from None
             except InvalidStateError as exc:
-                req.fail(raisable(exc))
+                req.fail(again(exc))
                 raise
             except DeviceTimeoutError as exc:   # no free slot: the device stalled
                 req.fail(exc)
@@ -468,14 +469,14 @@ class Submission(_Submitter):
                 if path.fused_taken < 0 and isinstance(exc, _WRITE_ERRORS):   # laying
                     err = self._write_failed(exc)
                     completion.record_error(err, received=t_received)
-                    raise raisable(err) from None      # as submit
+                    raise again(err) from None      # as submit
                 # reading: as a failed request (its error keeps its cause)
                 err = life.closed_error() if life.closed else life.translate(exc)
                 if not life.closed:   # fail_all did not see this request (not in flight):
                     completion.fail_all(err)   # it hears the error, so the next one is
                     life.error_unheard = False   # told the replica is unusable
                 completion.record_error(err, received=t_received)
-                raise raisable(err)
+                raise again(err)
             except BaseException as exc:   # KeyboardInterrupt, a signal handler's exception
                 self._abandon_fused(path, type(exc).__name__)
                 raise
