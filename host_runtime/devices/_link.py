@@ -8,10 +8,10 @@ and
 - resolves the request futures (DONE / ERROR / STOPPED, matched by ``seq``),
 - hands NEED / OUT events to the active session's ``StreamServicer`` (which
   calls the user's callbacks, on this thread),
-- notices a dead IPU process (woken by its exit, ``_exits``, or where exits cannot
-  be watched a poll of every process of the device each ``_POLL`` seconds) and
-  fails every pending request at once with one ``DeviceLostError`` naming the
-  device and how it died.
+- notices a dead IPU process (the event ring watches it, ``_watch_exit``: its waits
+  fail with PeerDiedError when it exits; where it cannot, a poll of every process of
+  the device each ``_POLL`` seconds) and fails every pending request at once with
+  one ``DeviceLostError`` naming the device and how it died.
 
 So a request made through callbacks touches two threads (the caller's and
 this one); the fast path of ``QueueManager`` touches only the caller's.
@@ -31,14 +31,13 @@ from typing import Any, Callable, Sequence
 
 import time
 
-from shm import (PeerDiedError, RingTimeoutError, ShmError, WaitInterrupted, describe_process,
-                 process_state)
+from shm import PeerDiedError, RingTimeoutError, ShmError, describe_process, process_state
+from shm.settings import ShmSettings
 
 from host_runtime._again import again
 from host_runtime._sleepers import sleep_released
 from host_runtime._deadline import host_sync_timeout
 from host_runtime.devices import _event_threads as event_threads
-from host_runtime.devices._exits import ExitCue
 from host_runtime.devices._first import FIRST_SEQ
 from host_runtime.devices.link import StreamServicer
 from host_runtime.settings import HostSettings
@@ -57,8 +56,7 @@ __all__ = ["Answer", "ProcessLink", "error_from_body"]
 
 _log = logging.getLogger(__name__)
 
-_POLL = 0.25          # the event thread's slice where exits are not watched (_exits)
-_EXIT_SLICE = 0.005   # its first slice after an exit (doubling up to _POLL)
+_POLL = 0.25   # the event thread's slice where its ring cannot watch the process (_watch_exit)
 
 
 _RUNTIME_ERRORS: dict[str, type[DeviceRuntimeError]] = {
@@ -539,24 +537,29 @@ def _serve(ref: "weakref.ref[ProcessLink]", events: Any) -> None:
         raise
 
 
+def _watch_exit(events: Any, pid: int) -> bool:
+    """Have the event ring watch IPU process ``pid`` as its peer (``Ring.set_peer``): its
+    waits then fail with PeerDiedError once it exits, woken by the exit thread of
+    ``shm.liveness``. Whether it does: not where ``pid`` is this process (a loopback
+    IPU), with ``IPU_EMULATOR_RING_PEER_THREAD=0`` (no such thread) or with no descriptor
+    to spare; the event thread then looks at the device's processes every ``_POLL`` s."""
+    if pid == os.getpid() or not ShmSettings.current().ring_peer_thread:
+        return False
+    try:
+        events.set_peer(pid)
+    except OSError:   # out of descriptors (the exit thread's pipe): waits check in slices
+        return False
+    return True
+
+
 def _serve_events(ref: "weakref.ref[ProcessLink]", events: Any) -> None:
     link = ref()
     if link is None:
         return
-    # no time slice while the processes' exits are watched (an idle device's thread
-    # sleeps until an event or an exit); after an exit, slices from 5 ms until the
-    # process's end is known (the fork server reports it a moment after)
-    cue = ExitCue.watch([proc.pid for proc in link._procs], events)
+    # no time slice where the event ring wakes this thread when the IPU process exits
+    # (PeerDiedError): an idle device's thread sleeps until an event or that exit
+    slice_s = None if _watch_exit(events, link._primary.pid) else _POLL
     del link
-    try:
-        _serve_loop(ref, events, cue)
-    finally:
-        if cue is not None:
-            cue.close()
-
-
-def _serve_loop(ref: "weakref.ref[ProcessLink]", events: Any, cue: ExitCue | None) -> None:
-    slice_s: float | None = _POLL if cue is None else None
     while True:
         link = ref()
         if link is None or link._closing:
@@ -569,8 +572,6 @@ def _serve_loop(ref: "weakref.ref[ProcessLink]", events: Any, cue: ExitCue | Non
             if link is not None and link._dead_process() is not None:
                 link.mark_lost()
                 return
-            if slice_s is not None:
-                slice_s = min(2 * slice_s, _POLL)
             continue
         except PeerDiedError:
             link = ref()
@@ -578,12 +579,6 @@ def _serve_loop(ref: "weakref.ref[ProcessLink]", events: Any, cue: ExitCue | Non
                 link.mark_lost()
             return
         except ShmError as exc:
-            if isinstance(exc, WaitInterrupted) and cue is not None and cue.seen:
-                # a process exited: look at them in slices (a link gone or closing, whose
-                # interrupt this may take back too, ends the loop at its top)
-                events.resume()
-                slice_s = _EXIT_SLICE
-                continue
             link = ref()
             if link is not None and not link._closing:
                 _log.warning("%s: event ring failed: %s", link.description, exc)
@@ -668,7 +663,6 @@ def wait(fut: "cf.Future[Any]", timeout: float | None, what: str,
             # lost device's): raised as a copy, the kept one reset, so that no kept
             # error holds this call's frames (see host_runtime._again)
             exc.with_traceback(None)
-            del fut
             raise again(exc)
 
 

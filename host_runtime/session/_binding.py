@@ -94,7 +94,6 @@ class Binding:
         that does not answer it), and this host reads no further event
         (``ProcessLink.quiesce``)."""
         dev = self.device
-        fut = None
         try:
             fut = dev.link.request(Op.STOP, last=last)
             # wake a program waiting on a stream now, not at its next check of the
@@ -112,8 +111,6 @@ class Binding:
                 raise
             _log.warning("%s: %s; killing its IPU processes", dev.describe(), exc)
             dev.kill()
-        finally:   # (a failure is the future's, raised through this frame: no cycle)
-            del fut
         return True
 
     def release(self, session: ActiveSession, key: str, timeout: float,

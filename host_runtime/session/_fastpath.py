@@ -190,7 +190,6 @@ class DirectStreams:
             except ModelRuntimeError:
                 pass  # its failure is reported through the loop future
         finally:
-            del fut, loop   # (a failure is a future's, raised through this frame: no cycle)
             self.settle_rings()   # once the loop has ended, the device is idle: runnable again
 
     def settle_rings(self) -> None:

@@ -201,19 +201,14 @@ class Loader:
             self._wait_load(fut, dev)
         except ModelRuntimeError:   # superseded by the LOAD sent next
             pass
-        finally:   # (a failure is the future's, raised through this frame: no cycle)
-            del fut
         return None
 
     def _wait_load(self, fut: Any, dev: Device) -> None:
         """The answer of a LOAD sent to ``dev`` (its error raised), within ``load_timeout``
         and the host sync timeout."""
-        try:
-            wait(fut, self._settings.load_timeout, f"LOAD on {dev.describe()}",
-                 pids=dev.pids(), progress=lambda: dev.link.progress,
-                 sync=dev.link.sync_timeout)
-        finally:   # (a failure is the future's, raised through this frame: no cycle)
-            del fut
+        wait(fut, self._settings.load_timeout, f"LOAD on {dev.describe()}",
+             pids=dev.pids(), progress=lambda: dev.link.progress,
+             sync=dev.link.sync_timeout)
 
     def settle(self) -> None:
         """Wait for the LOAD sent last, if it has not been waited for (its error raised as
@@ -222,11 +217,9 @@ class Loader:
         if loading is None:
             return
         fut, dev = loading
-        del loading
         try:
             self._wait_load(fut, dev)
         finally:
-            del fut   # (a failure is the future's, raised through this frame: no cycle)
             if self._settings.prepack:
                 # the IPU process keeps its own (prepacked) copy and let go of the shared
                 # one: the region lives only while a session of these weights loads

@@ -130,8 +130,6 @@ class Runs:
             # for it, so that its callbacks' errors are not taken for the next one's.
             self._abandoned = (fut, what)
             raise
-        finally:   # a failure of the run is the future's, raised through this frame
-            del fut   # (no reference cycle through its traceback)
         failed = self._streams.callback_failure(what)
         if failed is not None:
             try:
@@ -148,7 +146,6 @@ class Runs:
             wait(fut, None, f"{what} (abandoned) on {dev.describe()}", pids=dev.pids(),
                  progress=lambda: dev.link.progress, sync=dev.link.sync_timeout)
         except ModelRuntimeError as exc:
-            del fut   # (its failure, raised through this frame: no cycle)
             self._abandoned = None
             if not isinstance(exc, DeviceExecutionError):
                 raise

@@ -406,8 +406,8 @@ def launch_ipu(spec: IpuSpec, *, log_dir: str | None = None,
     finally:
         if log_file is not subprocess.DEVNULL:
             os.close(log_file)
-    # Only the control ring watches the process (a full ring must not block forever on a
-    # dead device); the host reads events in slices and polls the process between them.
+    # The control ring watches the process (a full ring must not block forever on a dead
+    # device); the event ring's reader sets its own watch (devices._link._watch_exit).
     control.set_peer(popen.pid)
     _log.debug("started %s as pid %d", spec.describe(), popen.pid)
     proc = IpuProcess(spec, popen, control, events, log_path, s.start_timeout)
